@@ -1,0 +1,167 @@
+"""Export all-MiniLM-L6-v2 to ONNX for ``text_encoder`` and its tokenizer for ``text_tokenizer``.
+
+Named tensors (input_ids, attention_mask -> token_embeddings), dynamic batch and sequence
+axes, opset 17. The exported graph is run with ONNX Runtime on the fixed reference texts
+and compared with PyTorch on the real (unpadded) tokens; the export fails above the
+tolerance. A manifest beside the model records what it was built from, so a second run
+with the same inputs does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from export import reference
+from export.texts import reference_texts
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+EXPORTER_VERSION = 1  # bump when the export code changes what it writes
+MAX_ABS_DIFF = 1e-4  # FP32 ONNX vs PyTorch, on real tokens; seen: a few 1e-6
+
+
+@dataclass
+class ExportResult:
+    model_path: Path
+    skipped: bool
+    max_abs_diff: float | None
+    seconds: float
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_fingerprint() -> dict:
+    src = reference.model_dir()
+    return {
+        "weights_sha256": _sha256(src / "model.safetensors"),
+        "config_sha256": _sha256(src / "config.json"),
+        "tokenizer_sha256": _sha256(src / "tokenizer.json"),
+        "opset": OPSET,
+        "exporter_version": EXPORTER_VERSION,
+    }
+
+
+def _manifest_path(model_path: Path) -> Path:
+    return model_path.with_suffix(".export.json")
+
+
+def up_to_date(repo: Path) -> bool:
+    model_path = repo / "text_encoder" / "1" / "model.onnx"
+    tok_path = repo / "text_tokenizer" / "1" / "tokenizer.json"
+    manifest = _manifest_path(model_path)
+    if not (model_path.is_file() and tok_path.is_file() and manifest.is_file()):
+        return False
+    try:
+        recorded = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return False
+    return recorded.get("source") == source_fingerprint() and recorded.get("model_sha256") == _sha256(model_path)
+
+
+def _export_onnx(path: Path) -> None:
+    import torch
+
+    model = reference.load_torch_model()
+
+    class Encoder(torch.nn.Module):
+        # transformers 5 must be called with keywords when traced (positional args land
+        # on the wrong parameters).
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask):
+            # The additive attention mask is built here rather than by transformers'
+            # masking utilities, whose shape checks the tracer freezes into constants (the
+            # export then ignores padding: seen as a 1.8 max abs diff on padded batches).
+            hidden = self.bert.embeddings(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids))
+            additive = (1.0 - attention_mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+            return self.bert.encoder(hidden, attention_mask=additive).last_hidden_state
+
+    ids, mask = reference.tokenize(["Export sample sentence.", "A second, somewhat longer sample sentence."])
+    tmp = path.with_suffix(".onnx.tmp")
+    with torch.no_grad():
+        torch.onnx.export(
+            # eval(): a new Module starts in training mode, and the exporter restores that
+            # mode on exit, which would leave the shared reference model with dropout on.
+            Encoder(model).eval(),
+            (torch.from_numpy(ids), torch.from_numpy(mask)),
+            str(tmp),
+            input_names=["input_ids", "attention_mask"],
+            output_names=["token_embeddings"],
+            dynamic_axes={
+                "input_ids": {0: "batch", 1: "sequence"},
+                "attention_mask": {0: "batch", 1: "sequence"},
+                "token_embeddings": {0: "batch", 1: "sequence"},
+            },
+            opset_version=OPSET,
+            dynamo=False,
+        )
+    import onnx
+
+    onnx.checker.check_model(str(tmp))
+    tmp.replace(path)
+
+
+def check_parity(model_path: Path, texts: list[str]) -> float:
+    """Max abs difference of token embeddings, ONNX Runtime vs PyTorch, over real tokens."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for start in range(0, len(texts), 8):
+        ids, mask = reference.tokenize(texts[start : start + 8])
+        expected = reference.token_embeddings(ids, mask)
+        (got,) = session.run(["token_embeddings"], {"input_ids": ids, "attention_mask": mask})
+        real = mask.astype(bool)
+        worst = max(worst, float(np.abs(got[real] - expected[real]).max()))
+    return worst
+
+
+def export(repo: Path, force: bool = False) -> ExportResult:
+    started = time.perf_counter()
+    model_path = repo / "text_encoder" / "1" / "model.onnx"
+    tok_path = repo / "text_tokenizer" / "1" / "tokenizer.json"
+    if not force and up_to_date(repo):
+        log.info("text_encoder: up to date (%s); --force to rebuild", model_path)
+        return ExportResult(model_path, True, None, time.perf_counter() - started)
+
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    tok_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("text_encoder: [1/3] tracing all-MiniLM-L6-v2 to ONNX (opset %d)", OPSET)
+    _export_onnx(model_path)
+    log.info("text_encoder: [2/3] checking ONNX Runtime against PyTorch on %d reference texts", len(reference_texts()))
+    diff = check_parity(model_path, reference_texts())
+    log.info("text_encoder: max abs diff on real tokens = %.2e (limit %.0e)", diff, MAX_ABS_DIFF)
+    if not diff <= MAX_ABS_DIFF:
+        model_path.unlink(missing_ok=True)
+        raise RuntimeError(f"text_encoder: ONNX differs from PyTorch by {diff:.2e} > {MAX_ABS_DIFF:.0e}; export rejected")
+    log.info("text_encoder: [3/3] copying tokenizer.json to %s", tok_path.parent)
+    shutil.copyfile(reference.model_dir() / "tokenizer.json", tok_path)
+    manifest = {
+        "model": "text_encoder",
+        "source": source_fingerprint(),
+        "model_sha256": _sha256(model_path),
+        "max_abs_diff": diff,
+        "max_abs_diff_limit": MAX_ABS_DIFF,
+        "reference_texts": len(reference_texts()),
+    }
+    _manifest_path(model_path).write_text(json.dumps(manifest, indent=2) + "\n")
+    seconds = time.perf_counter() - started
+    log.info("text_encoder: wrote %s (%.1f MB) in %.1f s", model_path, model_path.stat().st_size / 1e6, seconds)
+    return ExportResult(model_path, False, diff, seconds)

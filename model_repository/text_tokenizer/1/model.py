@@ -1,0 +1,56 @@
+"""Triton shim for the tokenizer step: TEXT -> input_ids, attention_mask (one tokenizer call per batch)."""
+
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.config import ModelConfig
+from python_backends.shim import error_response, input_numpy, install_logging, load_error
+from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer, decode_texts
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        install_logging(pb_utils)
+        self.config = ModelConfig(args["model_config"])
+        try:
+            self.text = self.config.require("input", "TEXT", "TYPE_STRING", (1,)).name
+            self.config.require("output", "input_ids", "TYPE_INT64", (-1,))
+            self.config.require("output", "attention_mask", "TYPE_INT64", (-1,))
+            version_dir = Path(args["model_repository"]) / args["model_version"]
+            self.max_text_bytes = self.config.param_int("max_text_bytes", 65536, minimum=1)
+            self.tokenizer = BatchTokenizer(
+                version_dir / (self.config.param("tokenizer_file") or "tokenizer.json"),
+                max_length=self.config.param_int("max_sequence_length", 256, minimum=1),
+                buckets=self.config.param_int_list("sequence_buckets", DEFAULT_BUCKETS),
+            )
+        except Exception as exc:
+            raise load_error(pb_utils, self.config.name, exc)
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        texts, owners = [], []  # owners[i] = (request index, start, stop) into texts
+        for i, request in enumerate(requests):
+            try:
+                decoded = decode_texts(input_numpy(pb_utils, request, self.text), self.text, self.max_text_bytes)
+            except Exception as exc:
+                responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
+                continue
+            owners.append((i, len(texts), len(texts) + len(decoded)))
+            texts.extend(decoded)
+        if owners:
+            try:
+                batch = self.tokenizer.encode(texts)
+            except Exception as exc:
+                for i, _, _ in owners:
+                    responses[i] = error_response(pb_utils, self.config.name, exc, requests[i].request_id())
+                return responses
+            for i, start, stop in owners:
+                responses[i] = pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor("input_ids", np.ascontiguousarray(batch.input_ids[start:stop])),
+                        pb_utils.Tensor("attention_mask", np.ascontiguousarray(batch.attention_mask[start:stop])),
+                    ]
+                )
+        return responses

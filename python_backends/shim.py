@@ -1,0 +1,66 @@
+"""The only place that knows Triton's Python API, passed in as ``pb_utils``.
+
+The library modules never import ``triton_python_backend_utils``; the model.py shims call
+these helpers with the module they were given, so everything else is unit-tested without
+a server.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+from python_backends.errors import ConfigError, InputError
+
+
+class _TritonLogHandler(logging.Handler):
+    def __init__(self, pb_utils: Any):
+        super().__init__()
+        self._logger = pb_utils.Logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = self.format(record)
+        if record.levelno >= logging.ERROR:
+            self._logger.log_error(message)
+        elif record.levelno >= logging.WARNING:
+            self._logger.log_warn(message)
+        elif record.levelno >= logging.INFO:
+            self._logger.log_info(message)
+        else:
+            self._logger.log_verbose(message)
+
+
+def install_logging(pb_utils: Any, level: int = logging.INFO) -> None:
+    """Route the library's ``logging`` records to Triton's log (once per process)."""
+    root = logging.getLogger("python_backends")
+    if not any(isinstance(h, _TritonLogHandler) for h in root.handlers):
+        handler = _TritonLogHandler(pb_utils)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level)
+        root.propagate = False
+
+
+def load_error(pb_utils: Any, model: str, exc: BaseException) -> Exception:
+    """The exception to raise from ``initialize`` so the load fails with a clear message."""
+    if isinstance(exc, ConfigError):
+        return pb_utils.TritonModelException(f"{model}: {exc}")
+    return pb_utils.TritonModelException(f"{model}: failed to load: {exc}\n{traceback.format_exc()}")
+
+
+def error_response(pb_utils: Any, model: str, exc: BaseException, request_id: str = "") -> Any:
+    """One request's error response with a fitting code; unexpected errors are logged."""
+    if isinstance(exc, InputError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+    logging.getLogger("python_backends.shim").error(
+        "model %s request %r failed: %s", model, request_id or "-", "".join(traceback.format_exception(exc))
+    )
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{model}: internal error: {exc}", pb_utils.TritonError.INTERNAL))
+
+
+def input_numpy(pb_utils: Any, request: Any, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise InputError(name, "input is missing")
+    return tensor.as_numpy()

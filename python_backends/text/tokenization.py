@@ -1,0 +1,102 @@
+"""Batch tokenization for the text-embedding ensemble.
+
+One tokenizer call per Triton batch (all texts of all requests together), truncation at the
+model's maximum length, padding to the batch's longest sequence rounded up to a bucket.
+Bucketing matters downstream: Triton's dynamic batcher only merges requests whose
+non-batch shapes are equal, so a handful of fixed lengths lets encoder batches form
+across tokenizer batches, while padding to the longest (not to 256) keeps short texts cheap.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from python_backends.errors import ConfigError, InputError
+
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256)
+
+
+def decode_texts(values: np.ndarray, field: str, max_bytes: int) -> list[str]:
+    """Turn one request's TEXT tensor (numpy object array of bytes) into validated strings.
+
+    Raises InputError naming the element and the rule it breaks: empty, whitespace only,
+    not UTF-8, or above ``max_bytes``.
+    """
+    texts = []
+    for index, value in enumerate(np.asarray(values, dtype=object).reshape(-1)):
+        name = f"{field}[{index}]"
+        if isinstance(value, str):
+            raw = value.encode("utf-8")
+        elif isinstance(value, (bytes, bytearray, np.bytes_)):
+            raw = bytes(value)
+        else:
+            raise InputError(name, f"expected a UTF-8 string, got {type(value).__name__}")
+        if len(raw) > max_bytes:
+            raise InputError(name, f"text is {len(raw)} bytes; the limit is {max_bytes} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(name, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+        if not text:
+            raise InputError(name, "text is empty")
+        if not text.strip():
+            raise InputError(name, "text contains only whitespace")
+        texts.append(text)
+    return texts
+
+
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= length (buckets sorted ascending); the largest if none is."""
+    i = bisect.bisect_left(buckets, length)
+    return buckets[min(i, len(buckets) - 1)]
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    input_ids: np.ndarray  # [n, L] int64
+    attention_mask: np.ndarray  # [n, L] int64
+    lengths: np.ndarray  # [n] real token counts (with special tokens)
+
+
+class BatchTokenizer:
+    """A fast (Rust) tokenizer configured for fixed truncation and bucketed padding."""
+
+    def __init__(self, tokenizer_file: str | Path, max_length: int, buckets: Iterable[int] = DEFAULT_BUCKETS):
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer_file)
+        if not path.is_file():
+            raise ConfigError(f"tokenizer file not found: {path} (run `make export`)")
+        self.buckets = sorted(set(int(b) for b in buckets))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ConfigError(f"sequence buckets must be positive integers, got {self.buckets}")
+        if self.buckets[-1] != max_length:
+            raise ConfigError(
+                f"the largest sequence bucket ({self.buckets[-1]}) must equal max_sequence_length ({max_length})"
+            )
+        self.max_length = max_length
+        self._tok = Tokenizer.from_file(str(path))
+        # tokenizer.json ships its own truncation/padding (128, fixed); ours replace them.
+        self._tok.enable_truncation(max_length=max_length)
+        pad_id = self._tok.token_to_id("[PAD]")
+        self.pad_id = 0 if pad_id is None else pad_id
+        self._tok.enable_padding(pad_id=self.pad_id, pad_token="[PAD]")  # to the batch's longest
+
+    def encode(self, texts: Sequence[str]) -> EncodedBatch:
+        if not texts:
+            empty = np.zeros((0, self.buckets[0]), dtype=np.int64)
+            return EncodedBatch(empty, empty.copy(), np.zeros((0,), dtype=np.int64))
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=True)
+        ids = np.asarray([e.ids for e in encodings], dtype=np.int64)
+        mask = np.asarray([e.attention_mask for e in encodings], dtype=np.int64)
+        target = bucket_length(ids.shape[1], self.buckets)
+        if target > ids.shape[1]:
+            extra = target - ids.shape[1]
+            ids = np.pad(ids, ((0, 0), (0, extra)), constant_values=self.pad_id)
+            mask = np.pad(mask, ((0, 0), (0, extra)), constant_values=0)
+        return EncodedBatch(ids, mask, mask.sum(axis=1))

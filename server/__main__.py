@@ -1,0 +1,101 @@
+"""`python -m server`: export what is missing, start tritonserver, wait until ready, serve.
+
+Exits 0 after a clean shutdown (Ctrl-C or SIGTERM), non-zero with the tail of the server
+log when a model fails to load or the server dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from server.layout import ROOT
+from server.process import DEFAULT_MODELS, ServerError, ServerOptions, TritonServer
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=os.environ.get("TRITON_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=_env_int("TRITON_HTTP_PORT", 8000))
+    p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
+    p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
+    p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    p.add_argument("--workdir", type=Path, default=ROOT / ".triton", help="where the server is laid out and logs go")
+    p.add_argument("--model", action="append", dest="models", help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)})")
+    p.add_argument("--cache-size-mb", type=int, default=_env_int("TRITON_CACHE_SIZE_MB", 0), help="local response cache size, 0 = off")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument("--no-export", action="store_true", help="do not export missing models")
+    p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
+    p.add_argument("--log-verbose", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    if not args.no_export:
+        from export import __main__ as export_main
+
+        if export_main.main(["--repository", str(args.model_repository)]) != 0:
+            print("serve: export failed; not starting the server", file=sys.stderr)
+            return 1
+    options = ServerOptions(
+        model_repository=args.model_repository,
+        workdir=args.workdir,
+        models=tuple(args.models or DEFAULT_MODELS),
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        cache_size_bytes=args.cache_size_mb * 1024 * 1024,
+        log_verbose=args.log_verbose,
+    )
+    server = TritonServer(options, echo=None if args.quiet else sys.stdout)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        print(f"\nserve: {signal.Signals(signum).name} received, stopping tritonserver", flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    server.start()
+    try:
+        server.wait_ready(timeout=args.ready_timeout)
+    except ServerError as exc:
+        server.stop()
+        print(f"\nserve: {exc}\n--- last lines of {server.log_path} ---\n{exc.log_tail}", file=sys.stderr)
+        return 1
+    print(
+        "\nserve: ready\n"
+        f"  HTTP     http://{server.http_url}  (e.g. curl http://{server.http_url}/v2/models/text_embedding)\n"
+        f"  gRPC     {server.grpc_url}\n"
+        f"  metrics  {server.metrics_url}\n"
+        f"  models   {', '.join(options.models)}\n"
+        f"  log      {server.log_path}\n"
+        "  Ctrl-C to stop.",
+        flush=True,
+    )
+    while not stop.is_set():
+        if server.process is not None and server.process.poll() is not None:
+            print(f"serve: tritonserver exited unexpectedly (code {server.process.returncode})", file=sys.stderr)
+            print(server.log_tail(), file=sys.stderr)
+            return 1
+        stop.wait(0.5)
+    code = server.stop()
+    print(f"serve: tritonserver stopped (exit code {code})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Start, watch and stop one local tritonserver process.
+
+Used by ``make serve`` (``python -m server``) and by the integration tests' fixture, so
+both run the server exactly the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence, TextIO
+
+from server.layout import ROOT, ServerLayout, prepare
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODELS = ("text_embedding",)
+
+
+class ServerError(RuntimeError):
+    """The server did not come up; ``log_tail`` holds the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerOptions:
+    model_repository: Path = ROOT / "model_repository"
+    workdir: Path = ROOT / ".triton"
+    models: Sequence[str] = DEFAULT_MODELS
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    cache_size_bytes: int = 0  # Triton's local response cache; 0 = off
+    log_verbose: int = 0
+    extra_args: Sequence[str] = field(default_factory=tuple)
+
+    @classmethod
+    def with_free_ports(cls, **kwargs) -> "ServerOptions":
+        host = kwargs.get("host", "127.0.0.1")
+        ports = set()
+        while len(ports) < 3:
+            ports.add(free_port(host))
+        http, grpc, metrics = sorted(ports)
+        return cls(http_port=http, grpc_port=grpc, metrics_port=metrics, **kwargs)
+
+
+class TritonServer:
+    """A tritonserver child process. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, options: ServerOptions, echo: TextIO | None = None):
+        self.options = options
+        self.echo = echo
+        self.process: subprocess.Popen | None = None
+        self.log_path = options.workdir / f"tritonserver-{options.http_port}.log"
+        self._tail: collections.deque[str] = collections.deque(maxlen=400)
+        self._reader: threading.Thread | None = None
+        self.layout: ServerLayout | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        o = self.options
+        assert self.layout is not None
+        cmd = [
+            str(self.layout.binary),
+            f"--model-repository={o.model_repository.resolve()}",
+            f"--backend-directory={self.layout.backends}",
+            f"--cache-directory={self.layout.caches}",
+            "--model-control-mode=explicit",
+            f"--http-address={o.host}",
+            f"--http-port={o.http_port}",
+            f"--grpc-address={o.host}",
+            f"--grpc-port={o.grpc_port}",
+            f"--metrics-address={o.host}",
+            f"--metrics-port={o.metrics_port}",
+            "--allow-metrics=true",
+            "--exit-on-error=true",
+            "--strict-readiness=true",
+            f"--log-verbose={o.log_verbose}",
+            # The python backend's shared memory grows in these steps; a batch of 64 x 256
+            # tokens x 384 floats is 25 MB between the encoder and the pooler.
+            "--backend-config=python,shm-default-byte-size=16777216",
+            "--backend-config=python,shm-growth-byte-size=16777216",
+        ]
+        if o.cache_size_bytes > 0:
+            cmd.append(f"--cache-config=local,size={o.cache_size_bytes}")
+        cmd += [f"--load-model={m}" for m in o.models]
+        cmd += list(o.extra_args)
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        assert self.layout is not None
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(self.layout.libs), env.get("LD_LIBRARY_PATH")) if p)
+        # The python backend stub imports from the interpreter found first on PATH: ours.
+        env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+    def start(self) -> "TritonServer":
+        self.options.workdir.mkdir(parents=True, exist_ok=True)
+        self.layout = prepare(self.options.workdir)
+        log_file = self.log_path.open("w", encoding="utf-8")
+        self.process = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # Ctrl-C reaches us; we stop the server in order
+        )
+        self._reader = threading.Thread(target=self._pump, args=(self.process, log_file), daemon=True)
+        self._reader.start()
+        return self
+
+    def _pump(self, process: subprocess.Popen, log_file) -> None:
+        with log_file:
+            assert process.stdout is not None
+            for line in process.stdout:
+                log_file.write(line)
+                log_file.flush()
+                self._tail.append(line)
+                if self.echo is not None:
+                    self.echo.write(line)
+                    self.echo.flush()
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "".join(list(self._tail)[-lines:])
+
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """Poll /v2/health/ready and each model's ready endpoint until all are ready."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.options.models)
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                self._join_reader()
+                code = None if self.process is None else self.process.returncode
+                raise ServerError(f"tritonserver exited with code {code} before becoming ready", self.log_tail())
+            if self._get("/v2/health/ready") == 200:
+                pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
+                if not pending:
+                    return
+            time.sleep(0.25)
+        raise ServerError(
+            f"tritonserver not ready after {timeout:.0f} s (models not ready: {', '.join(pending) or 'none'})",
+            self.log_tail(),
+        )
+
+    def _join_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait for Triton's graceful shutdown, then SIGKILL the group."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not stop in %.0f s; killing it", timeout)
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        # Stubs are children of the server; make sure none outlives it.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._join_reader()
+        return self.process.returncode
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
