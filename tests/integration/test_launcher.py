@@ -1,0 +1,59 @@
+"""`python -m server` as a user runs it: clean start and stop, loud failure on a broken model."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from server.layout import ROOT
+from server.process import ServerOptions
+
+BROKEN_CONFIG = """
+name: "broken_encoder"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] } ]
+output [ { name: "token_embeddings" data_type: TYPE_FP32 dims: [ -1, 384 ] } ]
+"""
+
+
+def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
+    ports = ServerOptions.with_free_ports()
+    cmd = [
+        sys.executable, "-m", "server", "--no-export", "--workdir", str(tmp_path / "work"),
+        "--http-port", str(ports.http_port), "--grpc-port", str(ports.grpc_port),
+        "--metrics-port", str(ports.metrics_port), *args,
+    ]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_broken_model_fails_the_launch_with_the_log_tail(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "broken_encoder" / "1").mkdir(parents=True)  # no model.onnx in it
+    (repo / "broken_encoder" / "config.pbtxt").write_text(BROKEN_CONFIG)
+    proc = _launch(tmp_path, "--quiet", "--model-repository", str(repo), "--model", "broken_encoder")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, out + err
+    assert "before becoming ready" in err
+    assert "last lines of" in err
+    assert "model.onnx not found (run `make export`)" in err  # the backend's own message, from the log
+
+
+def test_serves_then_stops_cleanly_on_sigterm(tmp_path):
+    proc = _launch(tmp_path, "--quiet")
+    deadline = time.monotonic() + 240
+    lines = []
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("serve: ready"):
+            break
+    assert lines and lines[-1].startswith("serve: ready"), "".join(lines) + (proc.stderr.read() if proc.poll() is not None else "")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "tritonserver stopped (exit code 0)" in out

@@ -1,0 +1,44 @@
+"""The served models are what the README promises."""
+
+import numpy as np
+import tritonclient.http as httpclient
+
+
+def test_ensemble_metadata(http_client):
+    meta = http_client.get_model_metadata("text_embedding")
+    assert meta["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1, 1]}]
+    assert meta["outputs"] == [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]}]
+    config = http_client.get_model_config("text_embedding")
+    assert config["max_batch_size"] >= 64
+
+
+def test_every_composing_model_batches_with_the_same_priority_levels(http_client):
+    for name in ("text_tokenizer", "text_encoder", "embedding_pooler"):
+        config = http_client.get_model_config(name)
+        batching = config["dynamic_batching"]
+        assert int(batching["priority_levels"]) == 2, name
+        assert config["max_batch_size"] >= 64, name
+
+
+def test_priority_request(http_client):
+    inp = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+    inp.set_data_from_numpy(np.array([[b"urgent"]], dtype=object))
+    out = http_client.infer("text_embedding", [inp], priority=1).as_numpy("EMBEDDING")
+    assert out.shape == (1, 384)
+
+
+def test_encoder_runs_on_the_project_backend_without_spinning(triton):
+    log = triton.log_path.read_text()
+    assert "text_encoder: model.onnx on CPUExecutionProvider" in log
+
+
+def test_curl_style_json_request(triton):
+    import json
+    import urllib.request
+
+    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [2, 1], "datatype": "BYTES", "data": ["hello", "world"]}]})
+    req = urllib.request.Request(f"http://{triton.http_url}/v2/models/text_embedding/infer", data=body.encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        out = json.loads(r.read())
+    emb = np.array(out["outputs"][0]["data"], dtype=np.float32).reshape(out["outputs"][0]["shape"])
+    assert emb.shape == (2, 384)

@@ -1,0 +1,72 @@
+import pytest
+
+from python_backends.config import ModelConfig
+from python_backends.errors import ConfigError
+
+CONFIG = {
+    "name": "m",
+    "max_batch_size": 64,
+    "input": [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": ["1"]}],
+    "output": [{"name": "EMBEDDING", "data_type": "TYPE_FP32", "dims": ["384"]}],
+    "parameters": {
+        "n": {"string_value": "7"},
+        "bad_int": {"string_value": "seven"},
+        "flag": {"string_value": "TRUE"},
+        "bad_flag": {"string_value": "maybe"},
+        "buckets": {"string_value": "16, 32,64"},
+        "session.intra_op.allow_spinning": {"string_value": "1"},
+        "empty": {"string_value": ""},
+    },
+    "optimization": {
+        "execution_accelerators": {
+            "gpu_execution_accelerator": [{"name": "tensorrt", "parameters": {"precision_mode": "FP16"}}]
+        },
+        "graph": {"level": 1},
+    },
+}
+
+
+def test_tensors_and_dims_are_typed():
+    c = ModelConfig(CONFIG)
+    assert c.max_batch_size == 64
+    assert c.input("TEXT").dims == (1,)
+    assert c.require("output", "EMBEDDING", "TYPE_FP32", (384,)).name == "EMBEDDING"
+
+
+def test_require_names_the_mismatch():
+    c = ModelConfig(CONFIG)
+    with pytest.raises(ConfigError, match="must be TYPE_INT64, config says TYPE_FP32"):
+        c.require("output", "EMBEDDING", "TYPE_INT64")
+    with pytest.raises(ConfigError, match=r"must have dims \[768\]"):
+        c.require("output", "EMBEDDING", "TYPE_FP32", (768,))
+    with pytest.raises(ConfigError, match="no input named 'IDS'.*declared: TEXT"):
+        c.input("IDS")
+
+
+def test_parameters():
+    c = ModelConfig(CONFIG)
+    assert c.param_int("n", 1) == 7
+    assert c.param_int("missing", 3) == 3
+    assert c.param("empty", "dflt") == "dflt"
+    assert c.param_bool("flag", False) is True
+    assert c.param_int_list("buckets", []) == [16, 32, 64]
+    assert c.params_with_prefix("session.") == {"session.intra_op.allow_spinning": "1"}
+    with pytest.raises(ConfigError, match="'bad_int' must be an integer"):
+        c.param_int("bad_int", 0)
+    with pytest.raises(ConfigError, match="'bad_flag' must be a boolean"):
+        c.param_bool("bad_flag", False)
+    with pytest.raises(ConfigError, match="must be >= 10"):
+        c.param_int("n", 0, minimum=10)
+
+
+def test_accelerators_and_graph_level():
+    c = ModelConfig(CONFIG)
+    assert c.execution_accelerators("gpu") == [{"name": "tensorrt", "parameters": {"precision_mode": "FP16"}}]
+    assert c.execution_accelerators("cpu") == []
+    assert c.graph_optimization_level() == 1
+
+
+def test_json_string_is_accepted():
+    import json
+
+    assert ModelConfig(json.dumps(CONFIG)).name == "m"
