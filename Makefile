@@ -6,6 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 .PHONY: venv export serve test test-unit test-integration perf-baseline clean
 
@@ -19,7 +20,7 @@ export: $(STAMP)
 	$(PY) -m export
 
 serve: $(STAMP)
-	$(PY) -m server
+	$(PY) -m server $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(PY) -m export

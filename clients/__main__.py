@@ -1,0 +1,5 @@
+"""``python -m clients``: the ``embed`` command (see clients.cli)."""
+
+from clients.cli import main
+
+raise SystemExit(main())
