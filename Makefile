@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make serve   - venv + Debian packages, export the models, start tritonserver (Ctrl-C stops)
-#   make test    - the same set-up, then unit and integration tests against a real tritonserver
+#   make test    - the same set-up, then unit, integration and perf-smoke tests against a real tritonserver
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,7 +24,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m export
-	$(PY) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/integration tests/perf $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
@@ -33,7 +33,7 @@ test-integration: $(STAMP)
 	$(PY) -m export
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
-# First throughput/P99 figures of the ensemble with perf_analyzer (server must be running).
+# Throughput and P99 of the ensemble at concurrency 1 and 16 (starts its own server).
 perf-baseline: $(STAMP)
 	$(PY) -m perf.baseline
 

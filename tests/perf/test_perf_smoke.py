@@ -1,0 +1,72 @@
+"""Smoke sweeps with perf_analyzer against a real tritonserver.
+
+They check that a sweep runs end to end and its figures are sane, never absolute numbers:
+these machines are small and shared.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from perf import baseline
+from perf import perf_analyzer as pa
+
+pytestmark = pytest.mark.perf
+
+# Short and loose: a few seconds per level, stabilisation that a noisy machine meets.
+QUICK = dict(request_count=60, stability_percent=100, max_trials=3, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def perf_analyzer():
+    try:
+        return pa.check()
+    except pa.PerfAnalyzerNotAvailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_one_level_gives_sane_figures(triton, perf_analyzer, protocol, tmp_path):
+    binary, env = perf_analyzer
+    url = triton.grpc_url if protocol == "grpc" else triton.http_url
+    settings = pa.Settings(
+        model="text_embedding", url=url, protocol=protocol, concurrency=2, input_data=baseline.DEFAULT_INPUT, **QUICK
+    )
+    m = pa.measure(settings, tmp_path / "c2.csv", log_path=tmp_path / "c2.log", binary=binary, env=env)
+    assert m.concurrency == 2
+    assert m.throughput > 0
+    assert 0 < m.p50_ms <= m.p90_ms <= m.p95_ms <= m.p99_ms
+    assert m.server is not None and m.server.inference_count > 0
+    assert sorted(m.composing) == ["embedding_pooler", "text_encoder", "text_tokenizer"]
+    for stats in m.composing.values():
+        # Every request passes every step, and no step ran more executions than inferences.
+        assert stats.success_count == stats.inference_count >= m.server.success_count * 0.9
+        assert 1.0 <= stats.avg_batch
+    assert (tmp_path / "c2.csv").is_file() and "Composing models" in (tmp_path / "c2.log").read_text()
+
+
+def test_baseline_script_against_running_server(triton, perf_analyzer, tmp_path):
+    code = baseline.main(
+        [
+            "--url", triton.grpc_url,
+            "--concurrency", "1,4",
+            "--request-count", "60",
+            "--stability-percent", "100",
+            "--max-trials", "3",
+            "--time-budget", "180",
+            "--out-dir", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    with (tmp_path / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["concurrency"]) for r in rows] == [1, 4]
+    for row in rows:
+        assert row["error"] == ""
+        assert float(row["throughput"]) > 0
+        assert float(row["p99_ms"]) >= float(row["p50_ms"]) > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| concurrency | throughput (infer/s) | p50 (ms) | p99 (ms) |" in summary
+    assert {p.name for p in tmp_path.iterdir()} >= {"c1.csv", "c1.log", "c4.csv", "c4.log", "summary.md"}
