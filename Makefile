@@ -7,8 +7,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
+# Which exported variant to serve: auto (best that passed its gate on this hardware), cpu,
+# gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
+PRECISION ?= auto
 
-.PHONY: venv export serve test test-unit test-integration perf-baseline clean
+.PHONY: venv export export-report serve test test-unit test-integration perf-baseline clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) scripts/setup.sh
@@ -16,21 +19,25 @@ $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml s
 
 venv: $(STAMP)
 
+# Every model in every precision this machine can build, gated, with reports and speed.
 export: $(STAMP)
 	$(PY) -m export
 
+export-report: $(STAMP)
+	$(PY) -m export --update-docs
+
 serve: $(STAMP)
-	$(PY) -m server $(SERVE_ARGS)
+	$(PY) -m server --precision $(PRECISION) $(SERVE_ARGS)
 
 test: $(STAMP)
-	$(PY) -m export
+	$(PY) -m export --no-speed
 	$(PY) -m pytest tests/unit tests/integration tests/perf $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
-	$(PY) -m export
+	$(PY) -m export --no-speed
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 # Throughput and P99 of the ensemble at concurrency 1 and 16 (starts its own server).
@@ -39,4 +46,5 @@ perf-baseline: $(STAMP)
 
 clean:
 	rm -rf .triton perf/results
-	find model_repository -name '*.onnx' -o -name '*.export.json' -o -name tokenizer.json | xargs rm -f
+	find model_repository \( -name '*.onnx' -o -name '*.plan' -o -name '*.export.json' -o -name tokenizer.json -o -name labels.txt -o -name variants.json \) -delete
+	rm -rf model_repository/*/configs export/reports

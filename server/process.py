@@ -25,7 +25,7 @@ from server.layout import ROOT, ServerLayout, prepare
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODELS = ("text_embedding",)
+DEFAULT_MODELS = ("text_embedding", "image_classification")
 
 
 class ServerError(RuntimeError):
@@ -52,6 +52,7 @@ class ServerOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     cache_size_bytes: int = 0  # Triton's local response cache; 0 = off
+    model_config_name: str | None = None  # --model-config-name: a precision variant (export/variants.py)
     log_verbose: int = 0
     extra_args: Sequence[str] = field(default_factory=tuple)
 
@@ -113,6 +114,8 @@ class TritonServer:
             "--backend-config=python,shm-default-byte-size=16777216",
             "--backend-config=python,shm-growth-byte-size=16777216",
         ]
+        if o.model_config_name:
+            cmd.append(f"--model-config-name={o.model_config_name}")
         if o.cache_size_bytes > 0:
             cmd.append(f"--cache-config=local,size={o.cache_size_bytes}")
         cmd += [f"--load-model={m}" for m in o.models]

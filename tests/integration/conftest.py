@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from export import text_encoder
+from export import image_classifier, text_encoder
 from server.layout import ROOT
 from server.process import ServerError, ServerOptions, TritonServer
 
@@ -33,6 +33,8 @@ def triton():
     """The running server (server.process.TritonServer): .http_url, .grpc_url, .metrics_url."""
     if not text_encoder.up_to_date(REPOSITORY):
         text_encoder.export(REPOSITORY)
+    if not image_classifier.up_to_date(REPOSITORY):
+        image_classifier.export(REPOSITORY)
     workdir = Path(tempfile.mkdtemp(prefix="triton-it-"))
     options = ServerOptions.with_free_ports(model_repository=REPOSITORY, workdir=workdir)
     server = TritonServer(options)

@@ -55,7 +55,7 @@ def test_mounted_repository_holds_the_loaded_models(compose, name):
     assert host_repo == (ROOT / "model_repository").resolve()
     assert args["--model-control-mode"] == ["explicit"]
     loaded = args["--load-model"]
-    assert loaded == ["text_embedding"]
+    assert loaded == ["text_embedding", "image_classification"]
     for model in loaded:
         config = host_repo / model / "config.pbtxt"
         assert config.is_file(), f"{config} missing"

@@ -1,0 +1,155 @@
+"""Real photos for calibrating and evaluating the image classifier.
+
+The photos are scikit-image's bundled sample images (``skimage/data/*.png|jpg``). Only the
+files are read, with PIL; skimage itself is never imported (it is installed with --no-deps,
+so its own imports would fail). Calibration and evaluation use disjoint source photos; each
+photo yields several deterministic variants (the whole photo, random crops of different
+sizes and aspect ratios, mirror images) so the sets hold images of many sizes.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import io
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from python_backends.image.preprocess import PreprocessOptions, to_pixel_values, to_rgb
+
+# Disjoint by source file. The stereo pair motorcycle_left/right stays on one side.
+CALIBRATION_PHOTOS = (
+    "astronaut.png", "coffee.png", "motorcycle_left.png", "motorcycle_right.png", "hubble_deep_field.jpg",
+    "brick.png", "grass.png", "camera.png", "moon.png", "ihc.png",
+)
+EVALUATION_PHOTOS = (
+    "chelsea.png", "rocket.jpg", "retina.jpg", "gravel.png", "horse.png",
+    "coins.png", "clock_motion.png", "cell.png", "page.png", "microaneurysms.png",
+)
+VARIANTS_PER_PHOTO = 7  # ~64 images per set (10 photos x 7 = 70, trimmed to 64)
+SET_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str  # e.g. "chelsea.png#crop3-flip"
+    image: object  # PIL.Image, RGB
+
+
+def data_dir() -> Path:
+    """skimage's data folder, found without importing skimage."""
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("scikit-image is not installed: pip install --no-deps scikit-image (see requirements.txt)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data"
+    if not path.is_dir():
+        raise RuntimeError(f"no data folder in the installed scikit-image: {path}")
+    return path
+
+
+def photo_path(name: str) -> Path:
+    path = data_dir() / name
+    if not path.is_file():
+        raise RuntimeError(f"sample photo missing: {path}")
+    return path
+
+
+def load_photo(name: str):
+    """One sample photo as an RGB PIL image (greyscale and RGBA converted)."""
+    from PIL import Image
+
+    with Image.open(photo_path(name)) as image:
+        image.load()
+        return to_rgb(image)
+
+
+def _variants(name: str, seed: int, count: int) -> Iterator[Sample]:
+    from PIL import Image
+
+    photo = load_photo(name)
+    yield Sample(name, photo)
+    rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")])
+    width, height = photo.size
+    for i in range(1, count):
+        # torchvision RandomResizedCrop's ranges: 20-100 % of the area, aspect 3/4 to 4/3.
+        area = width * height * rng.uniform(0.2, 1.0)
+        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        w = int(min(width, max(16, round(np.sqrt(area * aspect)))))
+        h = int(min(height, max(16, round(np.sqrt(area / aspect)))))
+        left = int(rng.integers(0, width - w + 1))
+        top = int(rng.integers(0, height - h + 1))
+        crop = photo.crop((left, top, left + w, top + h))
+        flip = bool(rng.integers(0, 2))
+        if flip:
+            crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        yield Sample(f"{name}#crop{i}{'-flip' if flip else ''}({w}x{h})", crop)
+
+
+def _build(photos: Sequence[str], seed: int) -> list[Sample]:
+    samples = [s for name in photos for s in _variants(name, seed, VARIANTS_PER_PHOTO)]
+    # Interleave photos (variant 0 of every photo first, then variant 1, ...) before trimming,
+    # so a trimmed set still covers every photo.
+    order = sorted(range(len(samples)), key=lambda i: (i % VARIANTS_PER_PHOTO, i // VARIANTS_PER_PHOTO))
+    return [samples[i] for i in order][:SET_SIZE]
+
+
+@lru_cache(maxsize=2)
+def calibration_set(seed: int = 1) -> tuple[Sample, ...]:
+    return tuple(_build(CALIBRATION_PHOTOS, seed))
+
+
+@lru_cache(maxsize=2)
+def evaluation_set(seed: int = 2) -> tuple[Sample, ...]:
+    return tuple(_build(EVALUATION_PHOTOS, seed))
+
+
+def pixel_values(samples: Sequence[Sample], options: PreprocessOptions = PreprocessOptions()) -> np.ndarray:
+    """[n, 3, 224, 224] float32 through the served preprocessing (python_backends.image)."""
+    return np.stack([to_pixel_values(s.image, options) for s in samples])
+
+
+def batches(array: np.ndarray, size: int) -> Iterator[np.ndarray]:
+    for start in range(0, len(array), size):
+        yield array[start : start + size]
+
+
+def fingerprint() -> dict:
+    """Hashes of the photo files both sets come from (changes when scikit-image's data does)."""
+    h = hashlib.sha256()
+    for name in CALIBRATION_PHOTOS + EVALUATION_PHOTOS:
+        h.update(name.encode())
+        h.update(hashlib.sha256(photo_path(name).read_bytes()).digest())
+    return {"photos_sha256": h.hexdigest(), "set_size": SET_SIZE, "variants_per_photo": VARIANTS_PER_PHOTO}
+
+
+def encode(image, fmt: str = "JPEG", **save_args) -> bytes:
+    """An RGB PIL image as JPEG (quality 90 unless given) or PNG bytes."""
+    if fmt.upper() == "JPEG":
+        save_args.setdefault("quality", 90)
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **save_args)
+    return buf.getvalue()
+
+
+def perf_analyzer_input(images: Sequence[bytes], name: str = "IMAGE") -> dict:
+    """perf_analyzer ``--input-data`` JSON for a TYPE_STRING [1] image input, one image per step.
+
+    perf_analyzer sends a ``b64`` value of a BYTES tensor as the already serialized tensor,
+    so each element is Triton's wire form: a 4-byte little-endian length, then the file.
+    """
+    data = []
+    for blob in images:
+        serialized = len(blob).to_bytes(4, "little") + blob
+        data.append({name: {"b64": base64.b64encode(serialized).decode("ascii"), "shape": [1]}})
+    return {"data": data}
+
+
+def write_perf_analyzer_input(path: Path, images: Sequence[bytes], name: str = "IMAGE") -> Path:
+    path.write_text(json.dumps(perf_analyzer_input(images, name)))
+    return path

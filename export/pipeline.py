@@ -1,0 +1,270 @@
+"""Export every precision variant of a model, gate each against the FP32 reference, report.
+
+For one model: FP32 ONNX (the model's own exporter), then each derived variant the hardware
+can build: built, evaluated on held-out data, checked against its gate in gates.toml, and
+kept only if it passes. Variants that passed get a Triton config (configs/<variant>.pbtxt),
+and configs/cpu.pbtxt / configs/gpu.pbtxt name the best per hardware (see variants.py).
+Everything is recorded in <model>/variants.json, which also makes reruns cheap: a variant
+whose FP32 source, builder and gate are unchanged is not rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from export import bench, variants
+
+log = logging.getLogger(__name__)
+
+REPORTS = Path(__file__).resolve().parent / "reports"
+
+
+class ModelPipeline(Protocol):
+    """What a model contributes to the pipeline (see text_encoder.TextEncoderPipeline)."""
+
+    name: str  # the model's folder in the repository
+    variants: tuple[str, ...]  # derived variants, in build order (fp32 is implicit)
+    builder_version: int  # bump when a builder changes what it writes
+    bench_batches: tuple[int, ...]
+
+    def export_fp32(self, repo: Path, force: bool) -> Any: ...
+
+    def skip_reason(self, variant: str) -> str | None: ...
+
+    def build(self, variant: str, version_dir: Path, dst: Path) -> None: ...
+
+    def evaluate(self, variant: str, path: Path) -> dict[str, Any]: ...
+
+    def bench_feed(self, batch: int) -> dict[str, np.ndarray]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class VariantOutcome:
+    name: str
+    status: str  # passed | failed | skipped | error | ungated (measured, never served)
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    gate: dict[str, float] = field(default_factory=dict)
+    file: str | None = None
+    size_bytes: int | None = None
+    seconds: float = 0.0
+    reused: bool = False
+
+
+def _progress(model: str) -> Callable[[str], None]:
+    return lambda message: log.info("%s: %s", model, message)
+
+
+def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = True,
+        only: tuple[str, ...] | None = None, bench_seconds: float = 1.0) -> dict[str, Any]:
+    """Export, gate and report one model. Returns the report dict; raises nothing for gate misses
+    (they are in the report with status "failed")."""
+    say = _progress(pipeline.name)
+    gates = variants.load_gates().get(pipeline.name, {})
+    model_dir = repo / pipeline.name
+    version_dir = model_dir / "1"
+    names = ["fp32", *[v for v in pipeline.variants if only is None or v in only]]
+    total = len(names) + (1 if speed else 0)
+
+    say(f"[1/{total}] fp32: export")
+    pipeline.export_fp32(repo, force)
+    fp32_path = version_dir / variants.VARIANTS["fp32"].filename
+    fp32_sha = sha256(fp32_path)
+    previous = variants.read_manifest(repo, pipeline.name).get("variants", {})
+    outcomes: dict[str, VariantOutcome] = {}
+
+    for step, name in enumerate(names, start=1):
+        variant = variants.VARIANTS[name]
+        gate = gates.get(name, {})
+        if name != "fp32":
+            say(f"[{step}/{total}] {name}: {variant.description}")
+        reason = None if name == "fp32" else pipeline.skip_reason(name)
+        if reason:
+            say(f"{name}: skipped: {reason}")
+            variants.remove_variant(model_dir, variant)
+            outcomes[name] = VariantOutcome(name, "skipped", reason, gate=gate)
+            continue
+        path = version_dir / variant.filename
+        old = previous.get(name, {})
+        unchanged = (
+            not force
+            and old.get("status") in ("passed", "ungated")
+            and old.get("source_sha256") == fp32_sha
+            and old.get("builder_version") == pipeline.builder_version
+            and old.get("gate") == gate
+            and path.is_file()
+            and old.get("file_sha256") == sha256(path)
+        )
+        if unchanged:
+            say(f"{name}: up to date, {old['status']} before ({_fmt(old.get('metrics', {}))})")
+            outcomes[name] = VariantOutcome(name, old["status"], old.get("reason", ""), metrics=old["metrics"], gate=gate,
+                                            file=variant.filename, size_bytes=path.stat().st_size, reused=True)
+            if old["status"] == "passed":
+                variants.write_variant_config(model_dir, variant)
+            continue
+        started = time.perf_counter()
+        try:
+            if name != "fp32" and name != "ort_trt_fp16":
+                pipeline.build(name, version_dir, path)
+            say(f"{name}: evaluating against the FP32 PyTorch reference")
+            metrics = pipeline.evaluate(name, path)
+        except Exception as exc:  # noqa: BLE001 - recorded and reported; the export then fails
+            log.exception("%s: %s failed", pipeline.name, name)
+            variants.remove_variant(model_dir, variant)
+            outcomes[name] = VariantOutcome(name, "error", f"{type(exc).__name__}: {exc}", gate=gate,
+                                            seconds=time.perf_counter() - started)
+            continue
+        failures = variants.check_gate(metrics, gate)
+        ungated = getattr(pipeline, "ungated_reason", lambda _: None)(name)
+        outcome = VariantOutcome(
+            name, "failed" if failures else "passed", "; ".join(failures), metrics, gate,
+            variant.filename, path.stat().st_size if path.is_file() else None, time.perf_counter() - started,
+        )
+        if ungated:
+            # Built and measured for the report, but its gate cannot say anything here (e.g.
+            # random weights): never served, and not a failure of the export.
+            say(f"{name}: measured but NOT gated and NOT served: {ungated} ({_fmt(metrics)})")
+            (model_dir / "configs" / f"{name}.pbtxt").unlink(missing_ok=True)
+            outcome.status, outcome.reason = "ungated", ungated + (f" (gate would say: {outcome.reason})" if failures else "")
+        elif failures:
+            say(f"{name}: GATE FAILED: {outcome.reason}; variant removed")
+            variants.remove_variant(model_dir, variant)
+        else:
+            say(f"{name}: gate passed ({_fmt(metrics)})")
+            variants.write_variant_config(model_dir, variant)
+        outcomes[name] = outcome
+
+    passed = [n for n, o in outcomes.items() if o.status == "passed"]
+    best = variants.write_best_configs(model_dir, passed)
+    say(f"serving choice: cpu -> {best['cpu']}, gpu -> {best['gpu']}")
+
+    manifest = {
+        "model": pipeline.name,
+        "best": best,
+        "variants": {
+            n: {
+                "status": o.status,
+                "reason": o.reason,
+                "metrics": o.metrics,
+                "gate": o.gate,
+                "file": o.file,
+                "file_sha256": sha256(version_dir / o.file)
+                if o.status in ("passed", "ungated") and o.file and (version_dir / o.file).is_file() else None,
+                "source_sha256": fp32_sha,
+                "builder_version": pipeline.builder_version,
+            }
+            for n, o in outcomes.items()
+        },
+    }
+    variants.write_manifest(repo, pipeline.name, manifest)
+
+    speeds: dict[str, bench.Speed] = {}
+    if speed:
+        measured = [n for n, o in outcomes.items() if o.status in ("passed", "ungated")]
+        runnable = {n: version_dir / variants.VARIANTS[n].filename for n in measured
+                    if variants.VARIANTS[n].filename.endswith(".onnx") and n != "ort_trt_fp16"}
+        say(f"[{total}/{total}] in-process speed on CPU, side by side: {', '.join(runnable)}")
+        speeds = bench.measure_side_by_side(runnable, pipeline.bench_feed, pipeline.bench_batches,
+                                            seconds=bench_seconds, progress=say)
+
+    report = build_report(pipeline, outcomes, speeds, best)
+    write_report(pipeline.name, report)
+    return report
+
+
+def _fmt(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_num(v)}" for k, v in metrics.items()
+                     if not isinstance(v, (dict, list)))
+
+
+def _num(value: Any) -> str:
+    """Cosines and agreements near 1 need digits; other floats do not."""
+    if isinstance(value, float):
+        return f"{value:.6f}" if 0.9 <= value <= 1.0 else f"{value:.4g}"
+    return str(value)
+
+
+def build_report(pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], speeds: dict[str, bench.Speed],
+                 best: dict[str, str]) -> dict[str, Any]:
+    fp32_speed = speeds.get("fp32")
+    rows = []
+    for name, o in outcomes.items():
+        row = {
+            "variant": name,
+            "description": variants.VARIANTS[name].description,
+            "status": o.status,
+            "reason": o.reason,
+            "file": o.file,
+            "size_mb": round(o.size_bytes / 1e6, 1) if o.size_bytes else None,
+            "metrics": o.metrics,
+            "gate": o.gate,
+            "execution_provider": "CPUExecutionProvider" if name in speeds else (
+                "TensorRT" if name == "trt_plan" else "TensorrtExecutionProvider" if name == "ort_trt_fp16" else
+                "CUDAExecutionProvider (served); parity checked on CPU" if name == "fp16" else None),
+        }
+        if name in speeds:
+            row["speed"] = speeds[name].as_dict()
+            if fp32_speed:
+                row["speedup_vs_fp32_b1"] = round(fp32_speed.latency_ms_b1 / speeds[name].latency_ms_b1, 2)
+                row["speedup_vs_fp32_best"] = round(speeds[name].best_throughput / fp32_speed.best_throughput, 2)
+        rows.append(row)
+    return {
+        "model": pipeline.name,
+        "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_threads": bench.cpu_threads()},
+        "source": pipeline.describe(),
+        "serving_choice": best,
+        "variants": rows,
+    }
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    lines = [f"### {report['model']}", "",
+             f"Generated {report['generated']} on {report['machine']['processor']}, "
+             f"{report['machine']['cpu_threads']} CPU threads. Source: {report['source'].get('summary', '')}", ""]
+    lines += ["| variant | status | size MB | parity vs FP32 PyTorch | gate | latency b1 (ms) | best batch: items/s | speed-up b1 / best |",
+              "| --- | --- | ---: | --- | --- | ---: | --- | --- |"]
+    for r in report["variants"]:
+        metrics = ", ".join(f"{k} {_num(v)}" for k, v in r["metrics"].items()
+                            if not isinstance(v, (dict, list)))
+        gate = ", ".join(f"{k} {v}" for k, v in r["gate"].items())
+        status = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
+        speed = r.get("speed")
+        latency = speed["latency_ms_b1"] if speed else ""
+        best = f"{speed['best_batch']}: {speed['best_throughput_items_per_s']}" if speed else ""
+        ratio = f"{r['speedup_vs_fp32_b1']}x / {r['speedup_vs_fp32_best']}x" if "speedup_vs_fp32_b1" in r else ""
+        lines.append(
+            f"| {r['variant']} | {status} | {r['size_mb'] or ''} | {metrics} | {gate} | {latency} | {best} | {ratio} |"
+        )
+    choice = report["serving_choice"]
+    lines += ["", f"Served with PRECISION=auto: CPU -> `{choice['cpu']}`, GPU -> `{choice['gpu']}`.", ""]
+    return "\n".join(lines)
+
+
+def write_report(model: str, report: dict[str, Any]) -> tuple[Path, Path]:
+    REPORTS.mkdir(exist_ok=True)
+    json_path, md_path = REPORTS / f"{model}.json", REPORTS / f"{model}.md"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(to_markdown(report))
+    log.info("%s: report written to %s and %s", model, md_path, json_path)
+    return json_path, md_path

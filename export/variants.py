@@ -1,0 +1,224 @@
+"""Precision variants of a served model, their gates, their Triton configs, and which one to serve.
+
+Every variant of a model lives in the same version folder under its own file name. Which one
+Triton serves is chosen by ONE setting: Triton's ``--model-config-name=<variant>`` makes each
+model use ``<model>/configs/<variant>.pbtxt`` when it exists and its ``config.pbtxt`` (FP32)
+otherwise. Those variant configs are generated here from ``config.pbtxt`` (the one source of
+truth) for the variants that passed their gate, so a variant that failed can never be served.
+
+``make serve PRECISION=auto`` (the default) picks per hardware: ``cpu`` or ``gpu``, configs
+the export writes as copies of each model's best variant that passed its gate there (INT8
+on a CPU; the TensorRT engine, else FP16, on a GPU). In NVIDIA's container the same setting
+is docker-compose's ``PRECISION`` variable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GATES_FILE = Path(__file__).resolve().parent / "gates.toml"
+MANIFEST = "variants.json"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    filename: str  # in the version folder
+    device: str  # "cpu", "gpu" or "any": where it is meant to be served
+    description: str
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("fp32", "model.onnx", "any", "ONNX export of the PyTorch graph, FP32"),
+        Variant("cpu_opt", "model.opt.onnx", "cpu", "ONNX Runtime graph fusions for CPU, FP32"),
+        Variant("int8", "model.int8.onnx", "cpu", "INT8 quantized for CPU"),
+        Variant("fp16", "model.fp16.onnx", "gpu", "FP16 ONNX (FP32 inputs/outputs) for GPUs"),
+        Variant("ort_trt_fp16", "model.onnx", "gpu", "FP32 ONNX run by ONNX Runtime's TensorRT provider in FP16"),
+        Variant("trt_plan", "model.plan", "gpu", "serialized TensorRT engine, FP16 (platform tensorrt_plan)"),
+    )
+}
+
+# What PRECISION=auto serves, best first, per hardware.
+AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
+
+
+def load_gates(path: Path = GATES_FILE) -> dict[str, dict[str, dict[str, float]]]:
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def check_gate(metrics: dict[str, Any], gate: dict[str, float]) -> list[str]:
+    """The gate's failures as readable lines (empty list = passed)."""
+    failures = []
+    for key, limit in gate.items():
+        if key.startswith("min_"):
+            metric = key[len("min_") :]
+            value = metrics.get(metric)
+            if value is None or not value >= limit:
+                failures.append(f"{metric} = {_short(value)} < {limit}")
+        elif key.startswith("max_"):
+            metric = key[len("max_") :]
+            value = metrics.get(metric)
+            if value is None or not value <= limit:
+                failures.append(f"{metric} = {_short(value)} > {limit}")
+        else:
+            raise ValueError(f"gate key {key!r} must start with min_ or max_ ({GATES_FILE.name})")
+    return failures
+
+
+def _short(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def has_gpu() -> bool:
+    """An NVIDIA GPU this machine can use (nvidia-smi lists one)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+# ---- manifests -------------------------------------------------------------------------
+
+
+def manifest_path(repo: Path, model: str) -> Path:
+    return repo / model / MANIFEST
+
+
+def read_manifest(repo: Path, model: str) -> dict[str, Any]:
+    path = manifest_path(repo, model)
+    if not path.is_file():
+        return {"model": model, "variants": {}}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {"model": model, "variants": {}}
+
+
+def write_manifest(repo: Path, model: str, manifest: dict[str, Any]) -> None:
+    path = manifest_path(repo, model)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def passed_variants(repo: Path, model: str) -> list[str]:
+    variants = read_manifest(repo, model).get("variants", {})
+    return [name for name, entry in variants.items() if entry.get("status") == "passed"]
+
+
+def resolve_precision(repo: Path, models: list[str], precision: str, gpu: bool | None = None) -> tuple[str | None, dict[str, str]]:
+    """Map PRECISION to Triton's --model-config-name and the variant each model then serves.
+
+    ``auto`` means ``cpu`` or ``gpu`` by the hardware: configs/cpu.pbtxt and configs/gpu.pbtxt
+    are written by the export as copies of each model's best variant that passed its gate
+    there, so every model serves its own best. A named variant is served by the models that
+    have it; the others serve config.pbtxt (FP32). Returns (config name or None, {model: variant}).
+    """
+    if precision == "auto":
+        precision = "gpu" if (has_gpu() if gpu is None else gpu) else "cpu"
+    if precision not in VARIANTS and precision not in AUTO_ORDER:
+        raise ValueError(f"PRECISION must be auto, cpu, gpu or one of {', '.join(VARIANTS)}; got {precision!r}")
+    served = {}
+    for m in models:
+        manifest = read_manifest(repo, m)
+        config = repo / m / "configs" / f"{precision}.pbtxt"
+        if precision in AUTO_ORDER:
+            served[m] = manifest.get("best", {}).get(precision, "fp32") if config.is_file() else "fp32"
+        else:
+            served[m] = precision if (precision == "fp32" or config.is_file()) else "fp32"
+    return (None if precision == "fp32" else precision), served
+
+
+def best_variant(passed: list[str], hardware: str) -> str:
+    return next((v for v in AUTO_ORDER[hardware] if v in passed or v == "fp32"), "fp32")
+
+
+def write_best_configs(model_dir: Path, passed: list[str]) -> dict[str, str]:
+    """configs/cpu.pbtxt and configs/gpu.pbtxt: the best passed variant per hardware."""
+    best = {}
+    (model_dir / "configs").mkdir(exist_ok=True)
+    for hardware in AUTO_ORDER:
+        name = best_variant(passed, hardware)
+        best[hardware] = name
+        base = (model_dir / "config.pbtxt").read_text()
+        text = base if name == "fp32" else variant_config(base, VARIANTS[name])
+        header = f"# GENERATED by `python -m export`: best variant for a {hardware.upper()} that passed its gate = {name}\n"
+        (model_dir / "configs" / f"{hardware}.pbtxt").write_text(header + text)
+    return best
+
+
+# ---- variant configs -------------------------------------------------------------------
+
+_ORT_ONLY_PARAMS = re.compile(
+    r'^\s*parameters\s*\{\s*key:\s*"(intra_op_thread_count|inter_op_thread_count|execution_mode|'
+    r'enable_mem_arena|enable_mem_pattern|session\.[^"]*)".*\}\s*$'
+)
+_TRT_ACCELERATOR = """optimization {
+  execution_accelerators {
+    # ONNX Runtime's TensorRT provider in FP16; CUDA runs what TensorRT can't.
+    gpu_execution_accelerator: [
+      {
+        name: "tensorrt"
+        parameters { key: "precision_mode" value: "FP16" }
+        parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+        parameters { key: "trt_engine_cache_enable" value: "1" }
+        parameters { key: "trt_engine_cache_path" value: "/tmp/trt_cache" }
+      }
+    ]
+  }
+}
+"""
+
+
+def variant_config(base: str, variant: Variant) -> str:
+    """The config.pbtxt text for a variant, derived from the FP32 config.pbtxt text."""
+    if re.search(r"^\s*default_model_filename\s*:", base, re.M):
+        raise ValueError("config.pbtxt must not set default_model_filename: variants set it")
+    header = (
+        f"# GENERATED by `python -m export` from ../config.pbtxt for variant {variant.name!r}\n"
+        f"# ({variant.description}). Edit config.pbtxt instead; served with\n"
+        f"# tritonserver --model-config-name={variant.name} (PRECISION={variant.name}).\n"
+    )
+    body = base
+    extra = f'default_model_filename: "{variant.filename}"\n'
+    if variant.name == "ort_trt_fp16":
+        if re.search(r"^\s*optimization\s*\{", base, re.M):
+            raise ValueError("config.pbtxt must not declare optimization{}: the ort_trt_fp16 variant adds it")
+        extra += _TRT_ACCELERATOR
+    elif variant.name == "trt_plan":
+        body, n = re.subn(r'^backend:\s*"onnxruntime"\s*$', 'platform: "tensorrt_plan"', body, flags=re.M)
+        if n != 1:
+            raise ValueError('a trt_plan variant needs a config.pbtxt with backend: "onnxruntime"')
+        body = "\n".join(line for line in body.splitlines() if not _ORT_ONLY_PARAMS.match(line)) + "\n"
+    return header + body.rstrip("\n") + "\n\n" + extra
+
+
+def write_variant_config(model_dir: Path, variant: Variant) -> Path | None:
+    """Write configs/<variant>.pbtxt (none for fp32: that is config.pbtxt itself)."""
+    if variant.name == "fp32":
+        return None
+    target = model_dir / "configs" / f"{variant.name}.pbtxt"
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(variant_config((model_dir / "config.pbtxt").read_text(), variant))
+    return target
+
+
+def remove_variant(model_dir: Path, variant: Variant, version: str = "1") -> None:
+    """Delete a variant's files and config (a variant that failed its gate)."""
+    if variant.name not in ("fp32", "ort_trt_fp16"):
+        (model_dir / version / variant.filename).unlink(missing_ok=True)
+    (model_dir / "configs" / f"{variant.name}.pbtxt").unlink(missing_ok=True)

@@ -1,0 +1,206 @@
+"""Decode and preprocess images for ResNet-50: encoded bytes -> normalised NCHW float32.
+
+The recipe is torchvision's ImageNet evaluation transform, step for step on PIL images:
+``Resize(256)`` (shorter side to 256, bilinear, the longer side truncated as torchvision
+computes it), ``CenterCrop(224)`` (offsets rounded with Python's ``round``), ``ToTensor``
+(/255) and ``Normalize(IMAGENET_MEAN, IMAGENET_STD)``, all in float32 and in the same order,
+so the served pixels equal a torchvision pipeline's on the same decoded image.
+
+Input checks happen before any pixel is decoded where they can: the format is told from
+the file's magic bytes (JPEG and PNG only), and the size is read from the header, so an
+oversized image is refused without allocating its pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from python_backends.errors import ConfigError, InputError
+
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+DEFAULT_RESIZE = 256
+DEFAULT_CROP = 224
+DEFAULT_MAX_MEGAPIXELS = 40.0
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_JPEG_MAGIC = b"\xff\xd8\xff"
+# Formats we recognise only to say clearly that they are not accepted.
+_OTHER_MAGIC = ((b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+NOT_AN_IMAGE = "not a decodable image (JPEG/PNG expected)"
+
+
+@dataclass(frozen=True)
+class PreprocessOptions:
+    resize: int = DEFAULT_RESIZE  # shorter side after resizing
+    crop: int = DEFAULT_CROP  # square centre crop
+    max_megapixels: float = DEFAULT_MAX_MEGAPIXELS  # width x height limit, checked from the header
+
+    def __post_init__(self):
+        if self.crop < 1 or self.resize < self.crop:
+            raise ConfigError(f"need 1 <= crop ({self.crop}) <= resize ({self.resize})")
+        if not self.max_megapixels > 0:
+            raise ConfigError(f"max_megapixels must be > 0, got {self.max_megapixels}")
+
+    @property
+    def max_pixels(self) -> int:
+        return int(self.max_megapixels * 1_000_000)
+
+    @classmethod
+    def from_config(cls, config) -> "PreprocessOptions":
+        """Read ``resize_shorter`` and ``max_megapixels`` from parameters; the crop from the
+        ``pixel_values`` output dims [3, crop, crop] (python_backends.config.ModelConfig)."""
+        dims = config.output("pixel_values").dims
+        if len(dims) != 3 or dims[0] != 3 or dims[1] != dims[2] or dims[1] < 1:
+            raise ConfigError(f"model {config.name!r}: output 'pixel_values' must have dims [3, S, S], config says {list(dims)}")
+        raw = config.param("max_megapixels")
+        try:
+            megapixels = DEFAULT_MAX_MEGAPIXELS if raw is None else float(raw)
+        except ValueError:
+            raise ConfigError(f"model {config.name!r}: parameter 'max_megapixels' must be a number, got {raw!r}") from None
+        return cls(
+            resize=config.param_int("resize_shorter", DEFAULT_RESIZE, minimum=1),
+            crop=dims[1],
+            max_megapixels=megapixels,
+        )
+
+
+def _format_of(data: bytes) -> str | None:
+    if data.startswith(_JPEG_MAGIC):
+        return "JPEG"
+    if data.startswith(_PNG_MAGIC):
+        return "PNG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    for magic, name in _OTHER_MAGIC:
+        if data.startswith(magic):
+            return name
+    return None
+
+
+def _megapixels(pixels: int) -> str:
+    return f"{pixels / 1e6:.1f}"
+
+
+def _check_size(field: str, width: int, height: int, options: PreprocessOptions) -> None:
+    if width <= 0 or height <= 0:
+        raise InputError(field, f"image has zero size ({width}x{height} pixels)")
+    if width * height > options.max_pixels:
+        raise InputError(
+            field, f"{width}x{height} = {_megapixels(width * height)} MP exceeds the {options.max_megapixels:g} MP limit"
+        )
+    # The shorter side is scaled to `resize` before cropping, so a tiny but extremely long
+    # image (1 x 10000 pixels) would become 256 x 2,560,000. Same limit for the resized image.
+    new_w, new_h = resized_size(width, height, options.resize)
+    if new_w * new_h > options.max_pixels:
+        raise InputError(
+            field,
+            f"{width}x{height} would be resized to {new_w}x{new_h} = {_megapixels(new_w * new_h)} MP before cropping, "
+            f"over the {options.max_megapixels:g} MP limit: aspect ratio too extreme",
+        )
+
+
+def to_rgb(image):
+    """Any PIL mode -> RGB. 16-bit greyscale is scaled (PIL's convert would clip it to white)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if image.mode.startswith("I;16") or image.mode == "I":
+        wide = np.asarray(image, dtype=np.uint32 if image.mode == "I" else np.uint16)
+        image = Image.fromarray(np.clip(wide >> 8, 0, 255).astype(np.uint8), mode="L")
+    with warnings.catch_warnings():
+        # "Palette images with Transparency expressed in bytes should be converted to RGBA"
+        warnings.simplefilter("ignore", UserWarning)
+        # Alpha is dropped as torchvision's loader does (.convert("RGB")), not composited.
+        return image.convert("RGB")
+
+
+def decode_image(data: bytes, field: str, options: PreprocessOptions = PreprocessOptions()):
+    """Validated bytes -> RGB ``PIL.Image``. Raises InputError naming ``field`` and the rule."""
+    from PIL import JpegImagePlugin, PngImagePlugin
+
+    if len(data) == 0:
+        raise InputError(field, "empty (0 bytes); a JPEG or PNG file was expected")
+    kind = _format_of(data)
+    if kind is None:
+        raise InputError(field, NOT_AN_IMAGE)
+    if kind not in ("JPEG", "PNG"):
+        raise InputError(field, f"{kind} images are not accepted (JPEG/PNG expected)")
+    if kind == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR":
+        # PIL refuses a zero-sized PNG with a generic error; read the header ourselves first.
+        width, height = struct.unpack(">II", data[16:24])
+        _check_size(field, width, height, options)
+    try:
+        # The format's own class parses the header only. Image.open would do the same plus a
+        # global decompression-bomb check of its own; ours, below, is the configured one.
+        if kind == "PNG":
+            image = PngImagePlugin.PngImageFile(io.BytesIO(data))
+        else:
+            image = JpegImagePlugin.JpegImageFile(io.BytesIO(data))
+    except (OSError, SyntaxError, ValueError, struct.error, IndexError) as exc:
+        if "truncated" in str(exc).lower():
+            raise InputError(field, f"truncated {kind} file ({len(data)} bytes): header incomplete") from None
+        raise InputError(field, f"{NOT_AN_IMAGE}: corrupt {kind} header ({exc})") from None
+    _check_size(field, *image.size, options)
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, struct.error, IndexError) as exc:
+        reason = str(exc)
+        if "truncated" in reason.lower():
+            raise InputError(field, f"truncated {kind} file ({len(data)} bytes): {reason}") from None
+        raise InputError(field, f"corrupt {kind} data: {reason}") from None
+    return to_rgb(image)
+
+
+def resized_size(width: int, height: int, shorter: int) -> tuple[int, int]:
+    """torchvision's Resize(int) output (width, height): shorter side = ``shorter``, the other
+    truncated, never rounded."""
+    if width <= height:
+        return shorter, int(shorter * height / width)
+    return int(shorter * width / height), shorter
+
+
+def center_crop_box(width: int, height: int, crop: int) -> tuple[int, int]:
+    """(left, top) of torchvision's CenterCrop: ``int(round((size - crop) / 2))``."""
+    return int(round((width - crop) / 2.0)), int(round((height - crop) / 2.0))
+
+
+def to_pixel_values(image, options: PreprocessOptions = PreprocessOptions()) -> np.ndarray:
+    """RGB PIL image -> [3, crop, crop] float32, normalised with the ImageNet mean and std."""
+    from PIL import Image
+
+    if image.mode != "RGB":
+        raise ValueError(f"expected an RGB image, got mode {image.mode}")
+    width, height = resized_size(*image.size, options.resize)
+    if (width, height) != image.size:
+        image = image.resize((width, height), Image.Resampling.BILINEAR)
+    left, top = center_crop_box(width, height, options.crop)
+    pixels = np.asarray(image)[top : top + options.crop, left : left + options.crop]
+    scaled = pixels.astype(np.float32) / np.float32(255.0)
+    normalised = (scaled - IMAGENET_MEAN) / IMAGENET_STD
+    return np.ascontiguousarray(normalised.transpose(2, 0, 1))
+
+
+def preprocess(values: np.ndarray | Sequence[bytes], field: str, options: PreprocessOptions = PreprocessOptions()) -> np.ndarray:
+    """One request's images (numpy object array of encoded bytes, any shape) -> [n, 3, crop, crop].
+
+    The first bad element raises InputError naming it (``IMAGE[2]: ...``): a request fails
+    or succeeds whole.
+    """
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    out = np.empty((len(flat), 3, options.crop, options.crop), dtype=np.float32)
+    for index, value in enumerate(flat):
+        name = f"{field}[{index}]"
+        if isinstance(value, (bytes, bytearray, np.bytes_)):
+            data = bytes(value)
+        else:
+            raise InputError(name, f"expected encoded image bytes, got {type(value).__name__}")
+        out[index] = to_pixel_values(decode_image(data, name, options), options)
+    return out

@@ -1,0 +1,57 @@
+"""PRECISION=auto on this CPU serves each model's best gated variant, and it keeps its gate served."""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from export import reference, variants
+from export.texts import heldout_texts
+from server.process import ServerOptions, TritonServer
+
+REPO = variants.GATES_FILE.parent.parent / "model_repository"
+
+
+@pytest.fixture(scope="module")
+def cpu_server():
+    config_name, served = variants.resolve_precision(REPO, ["text_encoder"], "auto", gpu=False)
+    workdir = Path(tempfile.mkdtemp(prefix="triton-precision-"))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=("text_embedding",),
+                                                       model_config_name=config_name))
+    try:
+        with server:
+            yield server, served
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_auto_serves_the_best_cpu_variant_that_passed(cpu_server):
+    server, served = cpu_server
+    manifest = variants.read_manifest(REPO, "text_encoder")
+    assert served["text_encoder"] == manifest["best"]["cpu"]
+    assert manifest["variants"][served["text_encoder"]]["status"] == "passed"
+    client = httpclient.InferenceServerClient(server.http_url)
+    config = client.get_model_config("text_encoder")
+    expected_file = variants.VARIANTS[served["text_encoder"]].filename
+    assert config.get("default_model_filename", "model.onnx") == expected_file
+    assert f"text_encoder: {expected_file} on CPUExecutionProvider" in server.log_path.read_text()
+
+
+def test_served_variant_meets_its_gate_end_to_end(cpu_server):
+    """Through the whole ensemble (our tokenizer, served variant, pooler) on the held-out texts."""
+    server, served = cpu_server
+    gate = variants.load_gates()["text_encoder"].get(served["text_encoder"], {"min_cosine": 0.9999})
+    texts = heldout_texts()
+    client = httpclient.InferenceServerClient(server.http_url)
+    got = []
+    for start in range(0, len(texts), 32):
+        chunk = np.array([[t.encode()] for t in texts[start : start + 32]], dtype=object)
+        inp = httpclient.InferInput("TEXT", list(chunk.shape), "BYTES")
+        inp.set_data_from_numpy(chunk)
+        got.append(client.infer("text_embedding", [inp]).as_numpy("EMBEDDING"))
+    cos = reference.cosine_rows(np.concatenate(got), reference.embed(texts))
+    print(f"\nserved {served['text_encoder']}: min cosine {cos.min():.6f}, mean {cos.mean():.6f} over {len(texts)} texts")
+    assert cos.min() >= gate["min_cosine"]

@@ -1,0 +1,44 @@
+"""export/image_data.py: deterministic, disjoint calibration and evaluation photos."""
+
+import base64
+
+import numpy as np
+
+from export import image_data
+
+
+def test_sets_are_disjoint_deterministic_and_varied():
+    cal, ev = image_data.calibration_set(), image_data.evaluation_set()
+    assert len(cal) == len(ev) == image_data.SET_SIZE == 64
+    sources = lambda samples: {s.name.split("#")[0] for s in samples}  # noqa: E731
+    assert sources(cal) == set(image_data.CALIBRATION_PHOTOS)
+    assert sources(ev) == set(image_data.EVALUATION_PHOTOS)
+    assert not sources(cal) & sources(ev)
+    assert all(s.image.mode == "RGB" for s in cal + ev)
+    assert len({s.image.size for s in ev}) > 40  # crops of many sizes
+    assert any("flip" in s.name for s in ev)
+    # rebuilt from scratch: the same images, pixel for pixel
+    first = image_data.pixel_values(ev[:8])
+    image_data.evaluation_set.cache_clear()
+    again = image_data.evaluation_set()
+    assert [s.name for s in again] == [s.name for s in ev]
+    np.testing.assert_array_equal(image_data.pixel_values(again[:8]), first)
+
+
+def test_skimage_is_found_without_being_imported():
+    import sys
+
+    assert image_data.data_dir().name == "data"
+    assert "skimage" not in sys.modules
+
+
+def test_perf_analyzer_input_is_the_serialized_bytes_tensor():
+    from tritonclient.utils import serialize_byte_tensor
+
+    blobs = [image_data.encode(image_data.evaluation_set()[0].image, "JPEG"), b"\x89PNG..."]
+    doc = image_data.perf_analyzer_input(blobs)
+    assert len(doc["data"]) == 2
+    for step, blob in zip(doc["data"], blobs):
+        assert step["IMAGE"]["shape"] == [1]
+        expected = serialize_byte_tensor(np.array([blob], dtype=object)).item()
+        assert base64.b64decode(step["IMAGE"]["b64"]) == expected

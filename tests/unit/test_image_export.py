@@ -1,0 +1,171 @@
+"""Export of the image classifier: parity gate, manifest and provenance, idempotence, weights;
+INT8/FP16 builders on a small graph."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export import image_classifier, image_data, image_quant
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    return repo, image_classifier.export(repo)
+
+
+def test_export_writes_model_labels_and_manifest(exported):
+    repo, result = exported
+    assert not result.skipped
+    assert result.max_abs_diff is not None and result.max_abs_diff <= image_classifier.MAX_ABS_DIFF
+    assert result.top1_agreement == 1.0
+    model_path, labels_path = image_classifier.paths(repo)
+    assert labels_path.read_bytes() == image_classifier.LABELS.read_bytes()
+    manifest = json.loads(model_path.with_suffix(".export.json").read_text())
+    assert manifest["provenance"] == "random-init(seed=0)+bn-recalibrated" == result.provenance
+    assert manifest["weights"]["bn_calibration_images"] == 64
+    assert manifest["source"] == image_classifier.source_fingerprint()
+    assert manifest["max_abs_diff"] == result.max_abs_diff and manifest["evaluation_images"] == 64
+
+
+def test_exported_graph_has_named_tensors_and_a_dynamic_batch(exported):
+    repo, _ = exported
+    model = onnx.load(str(image_classifier.paths(repo)[0]), load_external_data=False)
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+    assert {i.name: dims(i) for i in model.graph.input} == {"pixel_values": ["batch", 3, 224, 224]}
+    assert {o.name: dims(o) for o in model.graph.output} == {"logits": ["batch", 1000]}
+    assert model.opset_import[0].version == image_classifier.OPSET
+
+
+def test_random_logits_depend_on_the_image(exported):
+    """BatchNorm recalibration is what makes an untrained network's outputs input-dependent."""
+    repo, _ = exported
+    pixels = image_data.pixel_values(image_data.evaluation_set())
+    logits = image_classifier.ort_logits(image_classifier.paths(repo)[0], pixels)
+    assert logits.std(axis=0).mean() > 0.2  # across images, per class
+    assert len(set(logits.argmax(axis=1))) >= 4
+
+
+def test_second_export_is_skipped_until_something_changes(exported):
+    repo, _ = exported
+    assert image_classifier.up_to_date(repo)
+    assert image_classifier.export(repo).skipped
+    model_path, labels_path = image_classifier.paths(repo)
+    original = labels_path.read_bytes()
+    labels_path.write_bytes(original + b"extra\n")
+    assert not image_classifier.up_to_date(repo)
+    labels_path.write_bytes(original)
+    assert image_classifier.up_to_date(repo)
+    # other weights are another source
+    assert not image_classifier.up_to_date(repo, weights=image_classifier.LABELS)
+
+
+def test_force_rebuilds(exported):
+    repo, _ = exported
+    result = image_classifier.export(repo, force=True)
+    assert not result.skipped and image_classifier.up_to_date(repo)
+
+
+def test_gate_rejects_an_export_that_misses_its_tolerance(tmp_path, monkeypatch):
+    monkeypatch.setattr(image_classifier, "MAX_ABS_DIFF", 0.0)
+    with pytest.raises(RuntimeError, match="export rejected"):
+        image_classifier.export(tmp_path)
+    assert not image_classifier.paths(tmp_path)[0].exists()
+    assert not image_classifier.up_to_date(tmp_path)
+
+
+def test_parity_check_measures_a_real_difference(exported, tmp_path):
+    """A corrupted graph must fail parity (the check cannot pass vacuously)."""
+    from onnx import numpy_helper
+
+    repo, _ = exported
+    model = onnx.load(str(image_classifier.paths(repo)[0]))
+    fc = next(t for t in model.graph.initializer if list(t.dims) == [1000, 2048])
+    array = numpy_helper.to_array(fc).copy()
+    array[:, :1024] *= -1
+    fc.CopyFrom(numpy_helper.from_array(array, fc.name))
+    broken = tmp_path / "broken.onnx"
+    onnx.save(model, str(broken))
+    parity = image_classifier.check_parity(broken)
+    assert parity.max_abs_diff > 0.1 and parity.top1_agreement < 0.9 and parity.top1_disagreements > 0
+
+
+def test_compare_forgives_only_ties():
+    expected = np.array([[1.0, 1.00001, 0.0], [3.0, 0.0, 0.0]])
+    got = np.array([[1.00001, 1.0, 0.0], [0.0, 3.0, 0.0]])
+    parity = image_classifier.compare(expected, got, tolerance=1e-3)
+    assert parity.top1_agreement == 0.0 and parity.top1_disagreements == 1 and parity.images == 2
+
+
+def test_export_with_weights_records_them(exported, tmp_path):
+    model, _ = image_classifier.load_torch_model()
+    weights = tmp_path / "resnet50.pth"
+    torch.save(model.state_dict(), weights)
+    repo = tmp_path / "repo"
+    result = image_classifier.export(repo, weights=weights)
+    assert result.provenance == "pretrained" and result.top1_agreement == 1.0
+    manifest = json.loads(image_classifier.paths(repo)[0].with_suffix(".export.json").read_text())
+    assert manifest["weights"]["weights_file"] == "resnet50.pth"
+    assert manifest["source"]["weights"]["sha256"] == manifest["weights"]["weights_sha256"]
+    assert image_classifier.up_to_date(repo, weights=weights) and not image_classifier.up_to_date(repo)
+
+
+# ---- INT8 / FP16 builders, on a small CNN so they run in seconds ---------------------------
+
+
+@pytest.fixture(scope="module")
+def small_cnn(tmp_path_factory):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10),
+    ).eval()
+    path = tmp_path_factory.mktemp("cnn") / "model.onnx"
+    torch.onnx.export(net, (torch.zeros(2, 3, 32, 32),), str(path), input_names=["pixel_values"], output_names=["logits"],
+                      dynamic_axes={"pixel_values": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17, dynamo=False)
+    rng = np.random.default_rng(0)
+    calibration = rng.normal(0, 1, (16, 3, 32, 32)).astype(np.float32)
+    evaluation = rng.normal(0, 1, (16, 3, 32, 32)).astype(np.float32)
+    return path, calibration, evaluation
+
+
+def test_int8_is_static_qdq_per_channel_and_close(small_cnn, tmp_path):
+    src, calibration, evaluation = small_cnn
+    dst = tmp_path / "model.int8.onnx"
+    image_quant.quantize_int8(src, dst, calibration=calibration)
+    graph = onnx.load(str(dst)).graph
+    ops = [n.op_type for n in graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    assert not any(op in ops for op in ("DynamicQuantizeLinear", "ConvInteger"))  # static, not dynamic
+    inits = {t.name: t for t in graph.initializer}
+    per_channel = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[1] in inits and list(inits[n.input[1]].dims) == [32]]
+    assert per_channel, "the 32-channel convolution's weights should have one scale per channel"
+    reference = image_quant.run_logits(src, evaluation)
+    metrics = image_quant.agreement(reference, image_quant.run_logits(dst, evaluation))
+    assert metrics["max_abs_logit_diff"] < 0.05 * np.abs(reference).max()
+
+
+def test_fp16_keeps_float32_io(small_cnn, tmp_path):
+    src, _, evaluation = small_cnn
+    dst = tmp_path / "model.fp16.onnx"
+    image_quant.fp16(src, dst)
+    model = onnx.load(str(dst))
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
+    metrics = image_quant.agreement(image_quant.run_logits(src, evaluation), image_quant.run_logits(dst, evaluation))
+    assert metrics["max_abs_logit_diff"] < 1e-2 and metrics["top1_agreement"] == 1.0
+
+
+def test_agreement_and_calibration_reader():
+    ref = np.array([[2.0, 0.0], [0.0, 1.0]])
+    m = image_quant.agreement(ref, np.array([[2.0, 0.0], [1.5, 1.0]]))
+    assert m["top1_agreement"] == 0.5 and m["max_abs_logit_diff"] == 1.5 and 0.3 < m["prob_diff"] < 0.4
+    reader = image_quant.PhotoCalibrationReader(np.zeros((5, 3, 4, 4), np.float32), batch_size=2)
+    shapes = [reader.get_next()["pixel_values"].shape[0] for _ in range(3)]
+    assert shapes == [2, 2, 1] and reader.get_next() is None
+    reader.rewind()
+    assert reader.get_next() is not None

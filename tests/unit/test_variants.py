@@ -1,0 +1,112 @@
+"""Variant configs, gates and the PRECISION setting (export/variants.py)."""
+
+import json
+import re
+
+import pytest
+
+from export import variants
+from export.variants import VARIANTS
+
+ROOT_CONFIG = (variants.GATES_FILE.parent.parent / "model_repository" / "text_encoder" / "config.pbtxt").read_text()
+
+
+def test_gates_file_covers_every_variant_and_uses_min_max_keys():
+    gates = variants.load_gates()
+    for model, per_variant in gates.items():
+        for name, gate in per_variant.items():
+            assert name in VARIANTS, f"{model}.{name}: unknown variant"
+            assert gate and all(k.startswith(("min_", "max_")) for k in gate)
+
+
+def test_check_gate():
+    gate = {"min_cosine": 0.99, "max_prob_diff": 0.05}
+    assert variants.check_gate({"cosine": 0.995, "prob_diff": 0.01}, gate) == []
+    assert variants.check_gate({"cosine": 0.98, "prob_diff": 0.01}, gate) == ["cosine = 0.98 < 0.99"]
+    assert variants.check_gate({"cosine": float("nan"), "prob_diff": 0.2}, gate) == [
+        "cosine = nan < 0.99",
+        "prob_diff = 0.2 > 0.05",
+    ]
+    assert variants.check_gate({}, {"min_cosine": 0.9}) == ["cosine = None < 0.9"]
+    with pytest.raises(ValueError, match="must start with min_ or max_"):
+        variants.check_gate({}, {"cosine": 0.9})
+
+
+def test_int8_config_points_at_its_file_and_keeps_everything_else():
+    text = variants.variant_config(ROOT_CONFIG, VARIANTS["int8"])
+    assert text.startswith("# GENERATED")
+    assert re.search(r'^default_model_filename: "model.int8.onnx"$', text, re.M)
+    assert 'backend: "onnxruntime"' in text and "dynamic_batching" in text and "priority_levels: 2" in text
+
+
+def test_trt_plan_config_switches_platform_and_drops_onnxruntime_parameters():
+    text = variants.variant_config(ROOT_CONFIG, VARIANTS["trt_plan"])
+    assert 'platform: "tensorrt_plan"' in text and 'backend: "onnxruntime"' not in text
+    assert "intra_op_thread_count" not in text and "allow_spinning" not in text
+    assert 'default_model_filename: "model.plan"' in text
+    assert "dynamic_batching" in text
+
+
+def test_ort_trt_config_adds_the_tensorrt_accelerator():
+    text = variants.variant_config(ROOT_CONFIG, VARIANTS["ort_trt_fp16"])
+    assert 'name: "tensorrt"' in text and 'value: "FP16"' in text
+    assert text.count("optimization {") == 1
+
+
+def test_config_that_sets_the_filename_itself_is_refused():
+    with pytest.raises(ValueError, match="must not set default_model_filename"):
+        variants.variant_config(ROOT_CONFIG + '\ndefault_model_filename: "x.onnx"\n', VARIANTS["int8"])
+
+
+def test_generated_configs_parse_with_tritons_text_format():
+    """protobuf's text parser refuses duplicate singular fields, as Triton's does."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    for name in ("int8", "cpu_opt", "fp16", "ort_trt_fp16", "trt_plan"):
+        config = text_format.Parse(variants.variant_config(ROOT_CONFIG, VARIANTS[name]), model_config_pb2.ModelConfig())
+        assert config.name == "text_encoder"
+        assert config.default_model_filename == VARIANTS[name].filename
+    assert text_format.Parse(variants.variant_config(ROOT_CONFIG, VARIANTS["trt_plan"]), model_config_pb2.ModelConfig()).platform == "tensorrt_plan"
+
+
+def _fake_repo(tmp_path, passed):
+    model_dir = tmp_path / "text_encoder"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(ROOT_CONFIG)
+    for name in passed:
+        variants.write_variant_config(model_dir, VARIANTS[name])
+    best = variants.write_best_configs(model_dir, passed)
+    variants.write_manifest(tmp_path, "text_encoder", {
+        "model": "text_encoder", "best": best,
+        "variants": {n: {"status": "passed"} for n in passed},
+    })
+    return model_dir
+
+
+def test_best_configs_and_auto_precision(tmp_path):
+    model_dir = _fake_repo(tmp_path, ["fp32", "cpu_opt", "int8", "fp16"])
+    assert "model.int8.onnx" in (model_dir / "configs" / "cpu.pbtxt").read_text()
+    assert "model.fp16.onnx" in (model_dir / "configs" / "gpu.pbtxt").read_text()
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=False) == ("cpu", {"text_encoder": "int8"})
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=True) == ("gpu", {"text_encoder": "fp16"})
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "fp32") == (None, {"text_encoder": "fp32"})
+    # a variant this model lacks: Triton falls back to config.pbtxt, and we say so
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "trt_plan") == ("trt_plan", {"text_encoder": "fp32"})
+    with pytest.raises(ValueError, match="PRECISION must be"):
+        variants.resolve_precision(tmp_path, ["text_encoder"], "int4")
+
+
+def test_auto_falls_back_to_fp32_when_no_variant_passed(tmp_path):
+    model_dir = _fake_repo(tmp_path, ["fp32"])
+    cpu = (model_dir / "configs" / "cpu.pbtxt").read_text()
+    assert "default_model_filename" not in cpu
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=False) == ("cpu", {"text_encoder": "fp32"})
+
+
+def test_remove_variant_deletes_file_and_config(tmp_path):
+    model_dir = _fake_repo(tmp_path, ["fp32", "int8"])
+    (model_dir / "1" / "model.int8.onnx").write_bytes(b"x")
+    variants.remove_variant(model_dir, VARIANTS["int8"])
+    assert not (model_dir / "1" / "model.int8.onnx").exists()
+    assert not (model_dir / "configs" / "int8.pbtxt").exists()
