@@ -4,7 +4,10 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# GPU=1 adds onnxruntime-gpu; by default it is chosen when nvidia-smi lists a GPU. The stamp
+# names the mode, so switching mode reruns the set-up.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+STAMP := $(VENV)/.installed-gpu$(GPU)
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 # Which exported variant to serve: auto (best that passed its gate on this hardware), cpu,
@@ -14,7 +17,8 @@ PRECISION ?= auto
 .PHONY: venv export export-report serve test test-unit test-integration perf-baseline clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
-	VENV=$(VENV) scripts/setup.sh
+	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
+	rm -f $(VENV)/.installed-gpu*
 	touch $@
 
 venv: $(STAMP)

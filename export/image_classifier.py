@@ -97,20 +97,38 @@ def source_fingerprint(weights: Path | None = None) -> dict:
     }
 
 
-def up_to_date(repo: Path, weights: Path | None = None) -> bool:
+def recorded_manifest(repo: Path) -> dict | None:
+    """The export manifest, if the model and labels on disk are the ones it describes."""
     model_path, labels_path = paths(repo)
     manifest = _manifest_path(model_path)
     if not (model_path.is_file() and labels_path.is_file() and manifest.is_file()):
-        return False
+        return None
     try:
         recorded = json.loads(manifest.read_text())
     except json.JSONDecodeError:
+        return None
+    if recorded.get("model_sha256") != _sha256(model_path) or recorded.get("labels_sha256") != _sha256(labels_path):
+        return None
+    return recorded
+
+
+def up_to_date(repo: Path, weights: Path | None = None) -> bool:
+    """True when the exported model matches the sources. Without ``weights``, a model exported
+    earlier from a checkpoint (--weights) counts as up to date: a plain `make serve` or
+    `make test` must never swap a user's trained weights for the random initialisation
+    (``--force`` without --weights does that on purpose)."""
+    recorded = recorded_manifest(repo)
+    if recorded is None:
         return False
-    return (
-        recorded.get("source") == source_fingerprint(weights)
-        and recorded.get("model_sha256") == _sha256(model_path)
-        and recorded.get("labels_sha256") == _sha256(labels_path)
-    )
+    source = recorded.get("source", {})
+    if weights is None and "sha256" in source.get("weights", {}):
+        current = source_fingerprint(None)
+        same_code = all(source.get(k) == current[k] for k in ("labels_sha256", "code_sha256", "opset", "exporter_version"))
+        if not same_code:
+            log.warning("image_classifier: the exporter changed since the checkpoint was exported; "
+                        "re-export with --weights to rebuild it (keeping the trained model for now)")
+        return True
+    return source == source_fingerprint(weights)
 
 
 def _calibration_batches(size: int = 16):
@@ -136,7 +154,7 @@ def torch_logits(model, pixels: np.ndarray, batch_size: int = 16) -> np.ndarray:
         return np.concatenate([model(torch.from_numpy(b)).numpy() for b in image_data.batches(pixels, batch_size)])
 
 
-def _export_onnx(model, path: Path) -> None:
+def _export_onnx(model, path: Path, provenance: str = "") -> None:
     import onnx
     import torch
 
@@ -154,6 +172,11 @@ def _export_onnx(model, path: Path) -> None:
             dynamo=False,
         )
     model.eval()  # the exporter restores the mode it found; make sure it stays eval
+    if provenance:
+        # In the model file's own metadata too, so the ONNX says what it is wherever it goes.
+        graph = onnx.load(str(tmp))
+        onnx.helper.set_model_props(graph, {"weights_provenance": provenance})
+        onnx.save(graph, str(tmp))
     onnx.checker.check_model(str(tmp))
     tmp.replace(path)
 
@@ -204,7 +227,7 @@ def export(repo: Path, force: bool = False, weights: Path | None = None) -> Expo
         log.info("image_classifier: [1/4] ResNet-50 with weights from %s", weights)
     model, meta = load_torch_model(weights)
     log.info("image_classifier: [2/4] exporting to ONNX (opset %d, FP32)", OPSET)
-    _export_onnx(model, model_path)
+    _export_onnx(model, model_path, meta["provenance"])
     log.info("image_classifier: [3/4] checking ONNX Runtime against PyTorch on %d evaluation images", len(image_data.evaluation_set()))
     parity = check_parity(model_path, model)
     log.info("image_classifier: max abs logit diff = %.2e (limit %.0e), top-1 agreement %.1f%% of %d",
@@ -247,7 +270,7 @@ class ImageClassifierPipeline:
     against the FP32 PyTorch model on the evaluation photos (export/gates.toml)."""
 
     name = "image_classifier"
-    variants = ("int8", "fp16", "ort_trt_fp16", "trt_plan")
+    variants = ("cpu_opt", "int8", "fp16", "ort_trt_fp16", "trt_plan")
     builder_version = 1
     bench_batches = (1, 4, 16)
     # TensorRT profile: batch 1..32 (max_batch_size).
@@ -259,7 +282,14 @@ class ImageClassifierPipeline:
         self._pixels: np.ndarray | None = None
 
     def export_fp32(self, repo: Path, force: bool) -> ExportResult:
-        return export(repo, force=force, weights=self.weights)
+        result = export(repo, force=force, weights=self.weights)
+        recorded = recorded_manifest(repo) or {}
+        self.provenance = recorded.get("provenance", result.provenance)
+        return result
+
+    def config_parameters(self) -> dict[str, str]:
+        """Put where the weights came from into every served config (model metadata)."""
+        return {"weights_provenance": getattr(self, "provenance", None) or "unknown"}
 
     def describe(self) -> dict:
         _, meta = load_torch_model(self.weights)
@@ -300,7 +330,9 @@ class ImageClassifierPipeline:
         from export import image_quant
 
         fp32 = version_dir / "model.onnx"
-        if variant == "int8":
+        if variant == "cpu_opt":
+            image_quant.optimize_for_cpu(fp32, dst)
+        elif variant == "int8":
             image_quant.quantize_int8(fp32, dst)
         elif variant == "fp16":
             image_quant.fp16(fp32, dst)
@@ -325,6 +357,9 @@ class ImageClassifierPipeline:
         else:
             providers = ["CPUExecutionProvider"]
         session = ort.InferenceSession(str(path), providers=providers)
+        if variant == "ort_trt_fp16" and session.get_providers()[0] != "TensorrtExecutionProvider":
+            # ONNX Runtime lists TensorRT even when its libraries fail to load, then runs CUDA.
+            raise RuntimeError(f"TensorRT provider did not load (session runs {session.get_providers()[0]})")
         return lambda pixels: session.run(["logits"], {"pixel_values": pixels})[0]
 
     def evaluate(self, variant: str, path: Path) -> dict:

@@ -92,16 +92,23 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
     previous = variants.read_manifest(repo, pipeline.name).get("variants", {})
     outcomes: dict[str, VariantOutcome] = {}
 
+    params = getattr(pipeline, "config_parameters", lambda: {})()
     for step, name in enumerate(names, start=1):
         variant = variants.VARIANTS[name]
-        gate = gates.get(name, {})
+        gate = gates.get(name)
         if name != "fp32":
             say(f"[{step}/{total}] {name}: {variant.description}")
         reason = None if name == "fp32" else pipeline.skip_reason(name)
         if reason:
             say(f"{name}: skipped: {reason}")
             variants.remove_variant(model_dir, variant)
-            outcomes[name] = VariantOutcome(name, "skipped", reason, gate=gate)
+            outcomes[name] = VariantOutcome(name, "skipped", reason, gate=gate or {})
+            continue
+        if not gate:
+            # No gate, no serving: a variant is only ever served after a measured check.
+            say(f"{name}: ERROR: no gate for it in {variants.GATES_FILE.name}; not built")
+            variants.remove_variant(model_dir, variant)
+            outcomes[name] = VariantOutcome(name, "error", f"no [{pipeline.name}.{name}] gate in {variants.GATES_FILE.name}")
             continue
         path = version_dir / variant.filename
         old = previous.get(name, {})
@@ -119,42 +126,70 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
             outcomes[name] = VariantOutcome(name, old["status"], old.get("reason", ""), metrics=old["metrics"], gate=gate,
                                             file=variant.filename, size_bytes=path.stat().st_size, reused=True)
             if old["status"] == "passed":
-                variants.write_variant_config(model_dir, variant)
+                variants.write_variant_config(model_dir, variant, params)
             continue
         started = time.perf_counter()
+        # Built under a candidate name and moved into place only once its gate passed: an
+        # interrupted or failed build never replaces what the configs point at.
+        built_here = name not in ("fp32", "ort_trt_fp16")
+        candidate = path.with_name(path.name + ".candidate") if built_here else path
         try:
-            if name != "fp32" and name != "ort_trt_fp16":
-                pipeline.build(name, version_dir, path)
+            if built_here:
+                pipeline.build(name, version_dir, candidate)
             say(f"{name}: evaluating against the FP32 PyTorch reference")
-            metrics = pipeline.evaluate(name, path)
+            metrics = pipeline.evaluate(name, candidate)
         except Exception as exc:  # noqa: BLE001 - recorded and reported; the export then fails
             log.exception("%s: %s failed", pipeline.name, name)
+            if built_here:
+                candidate.unlink(missing_ok=True)
             variants.remove_variant(model_dir, variant)
             outcomes[name] = VariantOutcome(name, "error", f"{type(exc).__name__}: {exc}", gate=gate,
                                             seconds=time.perf_counter() - started)
+            if name == "fp32":
+                break
             continue
         failures = variants.check_gate(metrics, gate)
         ungated = getattr(pipeline, "ungated_reason", lambda _: None)(name)
         outcome = VariantOutcome(
             name, "failed" if failures else "passed", "; ".join(failures), metrics, gate,
-            variant.filename, path.stat().st_size if path.is_file() else None, time.perf_counter() - started,
+            variant.filename, candidate.stat().st_size if candidate.is_file() else None, time.perf_counter() - started,
         )
         if ungated:
             # Built and measured for the report, but its gate cannot say anything here (e.g.
             # random weights): never served, and not a failure of the export.
             say(f"{name}: measured but NOT gated and NOT served: {ungated} ({_fmt(metrics)})")
             (model_dir / "configs" / f"{name}.pbtxt").unlink(missing_ok=True)
+            if built_here:
+                candidate.replace(path)
             outcome.status, outcome.reason = "ungated", ungated + (f" (gate would say: {outcome.reason})" if failures else "")
         elif failures:
             say(f"{name}: GATE FAILED: {outcome.reason}; variant removed")
+            if built_here:
+                candidate.unlink(missing_ok=True)
             variants.remove_variant(model_dir, variant)
         else:
+            if built_here:
+                candidate.replace(path)
             say(f"{name}: gate passed ({_fmt(metrics)})")
-            variants.write_variant_config(model_dir, variant)
+            variants.write_variant_config(model_dir, variant, params)
         outcomes[name] = outcome
+        if name == "fp32" and outcome.status != "passed":
+            say("fp32 missed its gate: nothing is derived from it, and nothing of this model is served")
+            break
+
+    # Variants not rebuilt in this run (--variant) stay only if built from this same FP32.
+    for name, old in previous.items():
+        if name in outcomes or name not in variants.VARIANTS:
+            continue
+        if old.get("source_sha256") == fp32_sha and old.get("status") in ("passed", "ungated", "skipped"):
+            outcomes[name] = VariantOutcome(name, old["status"], old.get("reason", ""), old.get("metrics", {}),
+                                            old.get("gate", {}), old.get("file"), reused=True)
+        else:
+            say(f"{name}: built from an older FP32 model; removed (rebuild it with --variant {name})")
+            variants.remove_variant(model_dir, variants.VARIANTS[name])
 
     passed = [n for n, o in outcomes.items() if o.status == "passed"]
-    best = variants.write_best_configs(model_dir, passed)
+    best = variants.write_best_configs(model_dir, passed, params)
     say(f"serving choice: cpu -> {best['cpu']}, gpu -> {best['gpu']}")
 
     manifest = {
@@ -187,7 +222,8 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
                                             seconds=bench_seconds, progress=say)
 
     report = build_report(pipeline, outcomes, speeds, best)
-    write_report(pipeline.name, report)
+    if speed:  # a run without timing must not overwrite a full report
+        write_report(pipeline.name, report)
     return report
 
 
@@ -201,6 +237,13 @@ def _num(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6f}" if 0.9 <= value <= 1.0 else f"{value:.4g}"
     return str(value)
+
+
+def _provider(variant: str, measured_on_cpu: bool) -> str:
+    served = {"fp16": "CUDA", "ort_trt_fp16": "TensorRT (ONNX Runtime)", "trt_plan": "TensorRT"}.get(variant)
+    if served is None:
+        return "CPU (ONNX Runtime)"
+    return f"{served}; measured here on CPU" if measured_on_cpu else served
 
 
 def build_report(pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], speeds: dict[str, bench.Speed],
@@ -217,9 +260,7 @@ def build_report(pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], s
             "size_mb": round(o.size_bytes / 1e6, 1) if o.size_bytes else None,
             "metrics": o.metrics,
             "gate": o.gate,
-            "execution_provider": "CPUExecutionProvider" if name in speeds else (
-                "TensorRT" if name == "trt_plan" else "TensorrtExecutionProvider" if name == "ort_trt_fp16" else
-                "CUDAExecutionProvider (served); parity checked on CPU" if name == "fp16" else None),
+            "execution_provider": _provider(name, name in speeds),
         }
         if name in speeds:
             row["speed"] = speeds[name].as_dict()
@@ -254,7 +295,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         best = f"{speed['best_batch']}: {speed['best_throughput_items_per_s']}" if speed else ""
         ratio = f"{r['speedup_vs_fp32_b1']}x / {r['speedup_vs_fp32_best']}x" if "speedup_vs_fp32_b1" in r else ""
         lines.append(
-            f"| {r['variant']} | {status} | {r['size_mb'] or ''} | {metrics} | {gate} | {latency} | {best} | {ratio} |"
+            f"| {r['variant']} | {status} | {r['size_mb'] or ''} | {metrics} | {gate} | {r['execution_provider'] or ''} "
+            f"| {latency} | {best} | {ratio} |"
         )
     choice = report["serving_choice"]
     lines += ["", f"Served with PRECISION=auto: CPU -> `{choice['cpu']}`, GPU -> `{choice['gpu']}`.", ""]

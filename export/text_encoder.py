@@ -245,6 +245,9 @@ class TextEncoderPipeline:
         else:
             providers = ["CPUExecutionProvider"]
         session = ort.InferenceSession(str(path), providers=providers)
+        if variant == "ort_trt_fp16" and session.get_providers()[0] != "TensorrtExecutionProvider":
+            # ONNX Runtime lists TensorRT even when its libraries fail to load, then runs CUDA.
+            raise RuntimeError(f"TensorRT provider did not load (session runs {session.get_providers()[0]})")
         return lambda feed: session.run(["token_embeddings"], feed)[0]
 
     def evaluate(self, variant: str, path: Path) -> dict:

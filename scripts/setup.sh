@@ -47,8 +47,14 @@ echo "setup: pip install -r requirements.txt (first time: a few minutes)"
 # dependencies (scipy, networkx, ...) are not needed because skimage is never imported.
 "${PIP[@]}" install -q --no-deps scikit-image==0.26.0
 if [ "$GPU" = 1 ]; then
-  "${PIP[@]}" uninstall -y -q onnxruntime
+  # The CUDA and TensorRT providers for the local onnxruntime backend (KIND_AUTO puts the
+  # encoder on the GPU). The TensorRT engine builder also needs `pip install tensorrt`.
+  "${PIP[@]}" uninstall -y -q onnxruntime || true
   "${PIP[@]}" install -r requirements-gpu.txt
+elif "$VENV/bin/python" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
+  # Back from GPU mode: the CPU wheel again.
+  "${PIP[@]}" uninstall -y -q onnxruntime-gpu || true
+  "${PIP[@]}" install --force-reinstall --no-deps -c constraints.txt onnxruntime
 fi
 "${PIP[@]}" install -q --no-deps -e .
 echo "setup: done ($("$VENV/bin/python" --version), $VENV)"

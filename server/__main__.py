@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 
     served_models = _served_models(args.model_repository, tuple(args.models or DEFAULT_MODELS))
     try:
-        config_name, served = variants.resolve_precision(args.model_repository, served_models, args.precision)
+        # This server has no TensorRT backend: a trt_plan variant is for NVIDIA's container.
+        local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
+        config_name, served = variants.resolve_precision(args.model_repository, served_models, args.precision,
+                                                         loadable=local)
     except ValueError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
@@ -101,9 +104,12 @@ def main(argv: list[str] | None = None) -> int:
 
     server.start()
     try:
-        server.wait_ready(timeout=args.ready_timeout)
+        server.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
     except ServerError as exc:
         server.stop()
+        if stop.is_set():
+            print("serve: stopped before the server was ready", flush=True)
+            return 0
         print(f"\nserve: {exc}\n--- last lines of {server.log_path} ---\n{exc.log_tail}", file=sys.stderr)
         return 1
     print(

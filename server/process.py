@@ -173,11 +173,16 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return 0
 
-    def wait_ready(self, timeout: float = 240.0) -> None:
-        """Poll /v2/health/ready and each model's ready endpoint until all are ready."""
+    def wait_ready(self, timeout: float = 240.0, should_stop=lambda: False) -> None:
+        """Poll /v2/health/ready and each model's ready endpoint until all are ready.
+
+        ``should_stop`` is polled too (Ctrl-C while waiting): it raises ServerError.
+        """
         deadline = time.monotonic() + timeout
         pending = list(self.options.models)
         while time.monotonic() < deadline:
+            if should_stop():
+                raise ServerError("stopped before the server became ready", self.log_tail())
             if self.process is None or self.process.poll() is not None:
                 self._join_reader()
                 code = None if self.process is None else self.process.returncode

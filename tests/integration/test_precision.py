@@ -17,6 +17,8 @@ REPO = variants.GATES_FILE.parent.parent / "model_repository"
 
 @pytest.fixture(scope="module")
 def cpu_server():
+    if not variants.manifest_path(REPO, "text_encoder").is_file():
+        pytest.skip("no exported variants: run `python -m export` (make test does)")
     config_name, served = variants.resolve_precision(REPO, ["text_encoder"], "auto", gpu=False)
     workdir = Path(tempfile.mkdtemp(prefix="triton-precision-"))
     server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=("text_embedding",),

@@ -110,7 +110,13 @@ def test_export_with_weights_records_them(exported, tmp_path):
     manifest = json.loads(image_classifier.paths(repo)[0].with_suffix(".export.json").read_text())
     assert manifest["weights"]["weights_file"] == "resnet50.pth"
     assert manifest["source"]["weights"]["sha256"] == manifest["weights"]["weights_sha256"]
-    assert image_classifier.up_to_date(repo, weights=weights) and not image_classifier.up_to_date(repo)
+    assert image_classifier.up_to_date(repo, weights=weights)
+    # A later plain export (make serve / make test) keeps the trained model...
+    assert image_classifier.up_to_date(repo)
+    kept = image_classifier.export(repo)
+    assert kept.skipped and kept.provenance == "pretrained"
+    # ...and only --force without --weights goes back to the random initialisation.
+    assert image_classifier.export(repo, force=True).provenance.startswith("random-init")
 
 
 # ---- INT8 / FP16 builders, on a small CNN so they run in seconds ---------------------------

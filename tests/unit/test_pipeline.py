@@ -88,8 +88,8 @@ def test_passing_variants_get_configs_and_the_best_is_chosen(tmp_path):
     assert report["serving_choice"] == {"cpu": "int8", "gpu": "fp32"}
     skipped = next(r for r in report["variants"] if r["variant"] == "trt_plan")
     assert skipped["reason"] == "no GPU in this test"
-    assert json.loads((tmp_path / "reports" / "toy.json").read_text())["model"] == "toy"
-    assert "| int8 | passed |" in (tmp_path / "reports" / "toy.md").read_text()
+    assert "| int8 | passed |" in pipeline.to_markdown(report)
+    assert not (tmp_path / "reports" / "toy.json").exists()  # no timing: the full report is not replaced
 
 
 def test_a_variant_that_misses_its_gate_is_removed_and_never_served(tmp_path):
@@ -122,6 +122,7 @@ def test_rerun_reuses_what_is_up_to_date_and_force_rebuilds(tmp_path):
 
 def test_speed_is_measured_side_by_side_with_ratios(tmp_path):
     report = pipeline.run(ToyPipeline(0.001), tmp_path, speed=True, bench_seconds=0.02)
+    assert json.loads((tmp_path / "reports" / "toy.json").read_text())["model"] == "toy"
     rows = {r["variant"]: r for r in report["variants"]}
     for name in ("fp32", "cpu_opt", "int8"):
         speed = rows[name]["speed"]
@@ -145,3 +146,41 @@ def test_ungated_variant_is_measured_reported_but_never_served(tmp_path):
     again.ungated_reason = toy.ungated_reason
     pipeline.run(again, tmp_path, speed=False)
     assert again.builds == [] and not (tmp_path / "toy" / "configs" / "int8.pbtxt").exists()
+
+
+def test_a_variant_without_a_gate_is_an_error_and_not_served(tmp_path, monkeypatch):
+    monkeypatch.setattr(variants, "load_gates", lambda path=None: {"toy": {"fp32": {"max_prob_diff": 1e-6}}})
+    report = pipeline.run(ToyPipeline(int8_error=0.0), tmp_path, speed=False)
+    rows = {r["variant"]: r for r in report["variants"]}
+    assert rows["int8"]["status"] == "error" and "no [toy.int8] gate" in rows["int8"]["reason"]
+    assert not (tmp_path / "toy" / "configs" / "int8.pbtxt").exists()
+    assert report["serving_choice"]["cpu"] == "fp32"
+
+
+def test_fp32_that_misses_its_gate_is_removed_and_nothing_is_derived(tmp_path, monkeypatch):
+    monkeypatch.setattr(variants, "load_gates", lambda path=None: {"toy": {"fp32": {"max_prob_diff": -1.0}}})
+    toy = ToyPipeline(0.0)
+    report = pipeline.run(toy, tmp_path, speed=False)
+    assert [r["variant"] for r in report["variants"]] == ["fp32"] and toy.builds == []
+    assert not (tmp_path / "toy" / "1" / "model.onnx").exists()
+    assert not (tmp_path / "toy" / "configs" / "cpu.pbtxt").exists()
+
+
+def test_a_failed_rebuild_keeps_nothing_half_built(tmp_path):
+    pipeline.run(ToyPipeline(0.001), tmp_path, speed=False)
+    good = (tmp_path / "toy" / "1" / "model.int8.onnx").read_bytes()
+    pipeline.run(ToyPipeline(0.5), tmp_path, force=True, speed=False)
+    assert not list((tmp_path / "toy" / "1").glob("*.candidate"))
+    # the failed candidate never replaced the file in place before the gate; failure removes the variant
+    assert not (tmp_path / "toy" / "1" / "model.int8.onnx").exists()
+    assert good  # the earlier, passing build existed
+
+
+def test_partial_run_drops_variants_built_from_an_older_fp32(tmp_path):
+    pipeline.run(ToyPipeline(0.001), tmp_path, speed=False)
+    assert (tmp_path / "toy" / "configs" / "cpu_opt.pbtxt").exists()
+    _toy_onnx(tmp_path / "toy" / "1" / "model.onnx", 1.0000002)  # a new FP32 model (within its gate)
+    report = pipeline.run(ToyPipeline(0.001), tmp_path, speed=False, only=("int8",))
+    assert "cpu_opt" not in {r["variant"] for r in report["variants"]}
+    assert not (tmp_path / "toy" / "configs" / "cpu_opt.pbtxt").exists()
+    assert not (tmp_path / "toy" / "1" / "model.opt.onnx").exists()

@@ -90,11 +90,32 @@ def test_best_configs_and_auto_precision(tmp_path):
     assert "model.fp16.onnx" in (model_dir / "configs" / "gpu.pbtxt").read_text()
     assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=False) == ("cpu", {"text_encoder": "int8"})
     assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=True) == ("gpu", {"text_encoder": "fp16"})
-    assert variants.resolve_precision(tmp_path, ["text_encoder"], "fp32") == (None, {"text_encoder": "fp32"})
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "fp32") == ("fp32", {"text_encoder": "fp32"})
     # a variant this model lacks: Triton falls back to config.pbtxt, and we say so
     assert variants.resolve_precision(tmp_path, ["text_encoder"], "trt_plan") == ("trt_plan", {"text_encoder": "fp32"})
     with pytest.raises(ValueError, match="PRECISION must be"):
         variants.resolve_precision(tmp_path, ["text_encoder"], "int4")
+
+
+def test_auto_avoids_what_the_local_server_cannot_load(tmp_path):
+    _fake_repo(tmp_path, ["fp32", "cpu_opt", "int8", "fp16", "trt_plan"])
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=True) == ("gpu", {"text_encoder": "trt_plan"})
+    local = tuple(n for n in VARIANTS if n != "trt_plan")
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=True, loadable=local) == (
+        "fp16", {"text_encoder": "fp16"})
+
+
+def test_no_config_for_a_model_whose_fp32_failed(tmp_path):
+    model_dir = _fake_repo(tmp_path, [])
+    assert not (model_dir / "configs" / "cpu.pbtxt").exists()
+    assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=False) == ("cpu", {"text_encoder": "fp32"})
+
+
+def test_variant_parameters_are_in_every_generated_config(tmp_path):
+    text = variants.variant_config(ROOT_CONFIG, VARIANTS["int8"], {"weights_provenance": "random-init(seed=0)"})
+    assert 'parameters { key: "weights_provenance" value: { string_value: "random-init(seed=0)" } }' in text
+    fp32 = variants.variant_config(ROOT_CONFIG, VARIANTS["fp32"], {"weights_provenance": "x"})
+    assert "default_model_filename" not in fp32 and "weights_provenance" in fp32
 
 
 def test_auto_falls_back_to_fp32_when_no_variant_passed(tmp_path):
