@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve test test-unit test-integration perf-baseline clean
+.PHONY: venv export export-report serve compare test test-unit test-integration perf-baseline clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -47,6 +47,12 @@ test-integration: $(STAMP)
 # Throughput and P99 of the ensemble at concurrency 1 and 16 (starts its own server).
 perf-baseline: $(STAMP)
 	$(PY) -m perf.baseline
+
+# Side by side in one run: in-process ONNX Runtime limit, naive per-request PyTorch server,
+# Triton (gRPC/HTTP), Triton without dynamic batching; prints the ratios (perf/README.md).
+compare: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.compare
 
 clean:
 	rm -rf .triton perf/results
