@@ -283,8 +283,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [f"### {report['model']}", "",
              f"Generated {report['generated']} on {report['machine']['processor']}, "
              f"{report['machine']['cpu_threads']} CPU threads. Source: {report['source'].get('summary', '')}", ""]
-    lines += ["| variant | status | size MB | parity vs FP32 PyTorch | gate | latency b1 (ms) | best batch: items/s | speed-up b1 / best |",
-              "| --- | --- | ---: | --- | --- | ---: | --- | --- |"]
+    lines += ["| variant | status | size MB | parity vs FP32 PyTorch | gate | execution provider | latency b1 (ms) "
+              "| best batch: items/s | speed-up b1 / best |",
+              "| --- | --- | ---: | --- | --- | --- | ---: | --- | --- |"]
     for r in report["variants"]:
         metrics = ", ".join(f"{k} {_num(v)}" for k, v in r["metrics"].items()
                             if not isinstance(v, (dict, list)))

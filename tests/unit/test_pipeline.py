@@ -123,6 +123,8 @@ def test_rerun_reuses_what_is_up_to_date_and_force_rebuilds(tmp_path):
 def test_speed_is_measured_side_by_side_with_ratios(tmp_path):
     report = pipeline.run(ToyPipeline(0.001), tmp_path, speed=True, bench_seconds=0.02)
     assert json.loads((tmp_path / "reports" / "toy.json").read_text())["model"] == "toy"
+    table = [line for line in pipeline.to_markdown(report).splitlines() if line.startswith("|")]
+    assert len({line.count(" | ") for line in table}) == 1, "header and rows must have the same columns"
     rows = {r["variant"]: r for r in report["variants"]}
     for name in ("fp32", "cpu_opt", "int8"):
         speed = rows[name]["speed"]
