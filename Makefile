@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare test test-unit test-integration perf-baseline clean
+.PHONY: venv export export-report serve compare locust test test-unit test-integration perf-baseline clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -53,6 +53,12 @@ perf-baseline: $(STAMP)
 compare: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.compare
+
+# Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
+LOCUST_ARGS ?= -u 32 -r 8 -t 60s
+locust: $(STAMP)
+	$(VENV)/bin/locust -f perf/locustfile.py --headless $(LOCUST_ARGS) --host http://127.0.0.1:8000 TritonHttpUser
+	$(VENV)/bin/locust -f perf/locustfile.py --headless $(LOCUST_ARGS) --host grpc://127.0.0.1:8001 TritonGrpcUser
 
 clean:
 	rm -rf .triton perf/results

@@ -1,0 +1,98 @@
+"""Locust load test of the text_embedding ensemble, with tritonclient users for HTTP and gRPC.
+
+The seed articles stress their service with Locust; this is the same tool pointed at Triton.
+Each simulated user sends one 16-token sentence per request (perf/data/sentences_16tok.json),
+waits for the answer, and reports its latency to Locust. Run headless:
+
+    locust -f perf/locustfile.py --headless -u 32 -r 8 -t 60s \\
+        --host http://127.0.0.1:8000 TritonHttpUser
+    locust -f perf/locustfile.py --headless -u 32 -r 8 -t 60s \\
+        --host grpc://127.0.0.1:8001 TritonGrpcUser
+
+``--host`` takes http://host:port (HTTP user) or grpc://host:port (gRPC user). Add
+``--csv perf/results/locust`` for CSV output. perf_analyzer (perf/) measures more precisely;
+Locust shows how the service holds up under many independent clients with ramp-up.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+from locust import User, between, events, task
+
+SENTENCES = [
+    item["TEXT"]["content"][0]
+    for item in json.loads((Path(__file__).resolve().parent / "data" / "sentences_16tok.json").read_text())["data"]
+]
+MODEL = "text_embedding"
+
+
+def _url(host: str | None, default_port: int) -> str:
+    parsed = urlparse(host if host and "://" in host else f"x://{host or '127.0.0.1'}")
+    return f"{parsed.hostname or '127.0.0.1'}:{parsed.port or default_port}"
+
+
+class _TritonUser(User):
+    abstract = True
+    wait_time = between(0.0, 0.01)
+    protocol = ""
+    module = None
+
+    def on_start(self) -> None:
+        self.client = self.connect()
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    def connect(self):  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    @task
+    def embed_one_sentence(self) -> None:
+        text = np.array([[random.choice(SENTENCES).encode()]], dtype=object)
+        inp = self.module.InferInput("TEXT", [1, 1], "BYTES")
+        inp.set_data_from_numpy(text)
+        start = time.perf_counter()
+        exception, size = None, 0
+        try:
+            out = self.client.infer(MODEL, [inp]).as_numpy("EMBEDDING")
+            if out is None or out.shape != (1, 384):
+                raise ValueError(f"unexpected EMBEDDING {None if out is None else out.shape}")
+            size = out.nbytes
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to Locust
+            exception = exc
+        events.request.fire(
+            request_type=self.protocol,
+            name=MODEL,
+            response_time=(time.perf_counter() - start) * 1000.0,
+            response_length=size,
+            exception=exception,
+            context={},
+        )
+
+
+class TritonHttpUser(_TritonUser):
+    protocol = "http"
+
+    def connect(self):
+        import tritonclient.http as httpclient  # geventhttpclient: cooperative under Locust
+
+        self.module = httpclient
+        return httpclient.InferenceServerClient(_url(self.host, 8000), connection_timeout=10, network_timeout=30)
+
+
+class TritonGrpcUser(_TritonUser):
+    protocol = "grpc"
+
+    def connect(self):
+        import grpc.experimental.gevent as grpc_gevent
+        import tritonclient.grpc as grpcclient
+
+        grpc_gevent.init_gevent()  # gRPC's own threads would block Locust's greenlets
+        self.module = grpcclient
+        return grpcclient.InferenceServerClient(_url(self.host, 8001))
