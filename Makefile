@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare locust test test-unit test-integration perf-baseline clean
+.PHONY: venv export export-report serve compare locust test test-unit test-integration perf-baseline perf perf-quick clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -47,6 +47,15 @@ test-integration: $(STAMP)
 # Throughput and P99 of the ensemble at concurrency 1 and 16 (starts its own server).
 perf-baseline: $(STAMP)
 	$(PY) -m perf.baseline
+
+# Concurrency and Poisson request-rate sweeps of each served model over gRPC and HTTP: CSV,
+# PNG plots and summary.md under perf/results/sweep-<UTC time>/ (perf/README.md). About 15 min.
+perf: $(STAMP)
+	$(PY) -m perf.sweep
+
+# CI smoke of the same: text_embedding (both input sets), gRPC, concurrency 1 and 8, one rate (under a minute).
+perf-quick: $(STAMP)
+	$(PY) -m perf.sweep --quick
 
 # Side by side in one run: in-process ONNX Runtime limit, naive per-request PyTorch server,
 # Triton (gRPC/HTTP), Triton without dynamic batching; prints the ratios (perf/README.md).
