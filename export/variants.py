@@ -189,7 +189,8 @@ _TRT_ACCELERATOR = """optimization {
         parameters { key: "precision_mode" value: "FP16" }
         parameters { key: "max_workspace_size_bytes" value: "1073741824" }
         parameters { key: "trt_engine_cache_enable" value: "1" }
-        parameters { key: "trt_engine_cache_path" value: "/tmp/trt_cache" }
+        # relative: under the server's working directory
+        parameters { key: "trt_engine_cache_path" value: "trt_cache" }
       }
     ]
   }

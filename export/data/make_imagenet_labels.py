@@ -6,8 +6,8 @@ Source: timm's wheel, which ships the class order and WordNet lemmas as plain te
 label is the first lemma. Some names repeat (``crane`` the bird and the machine,
 ``maillot`` twice): the index, not the name, identifies a class.
 
-    pip download timm==1.0.31 --no-deps -d /tmp/timm
-    python export/data/make_imagenet_labels.py /tmp/timm/timm-1.0.31-py3-none-any.whl
+    pip download timm==1.0.31 --no-deps -d build/timm
+    python export/data/make_imagenet_labels.py build/timm/timm-1.0.31-py3-none-any.whl
 
 Nothing imports timm; the wheel is only read as a zip file.
 """
