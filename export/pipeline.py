@@ -49,6 +49,52 @@ class ModelPipeline(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+# ---- shared by the models' pipelines: GPU variants and running any variant -------------
+
+
+def gpu_skip_reason(variant: str) -> str | None:
+    """Why a GPU-only variant cannot be built here, or None (any other variant: None)."""
+    if variant == "trt_plan":
+        from export import tensorrt_engine
+
+        return tensorrt_engine.unavailable_reason()
+    if variant == "ort_trt_fp16":
+        import onnxruntime as ort
+
+        if not variants.has_gpu():
+            return "no NVIDIA GPU: ONNX Runtime's TensorRT provider runs on GPUs only"
+        if "TensorrtExecutionProvider" not in ort.get_available_providers():
+            return "this ONNX Runtime has no TensorRT provider (install onnxruntime-gpu: make venv GPU=1)"
+    return None
+
+
+def build_trt_plan(fp32: Path, dst: Path, profiles: dict[str, tuple]) -> None:
+    """A serialized FP16 TensorRT engine; ``profiles``: input -> (min, opt, max) shapes."""
+    from export import tensorrt_engine
+
+    tensorrt_engine.build_engine(fp32, dst, {k: tensorrt_engine.Profile(*v) for k, v in profiles.items()}, fp16=True)
+
+
+def variant_runner(variant: str, path: Path, output: str) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
+    """feed -> one output of a variant: TensorRT engine, ONNX Runtime TensorRT FP16, or ONNX on CPU."""
+    if variant == "trt_plan":
+        from export.tensorrt_engine import EngineRunner
+
+        engine = EngineRunner(path)
+        return lambda feed: engine.run(feed)[output]
+    import onnxruntime as ort
+
+    if variant == "ort_trt_fp16":
+        providers = [("TensorrtExecutionProvider", {"trt_fp16_enable": True}), "CUDAExecutionProvider"]
+    else:
+        providers = ["CPUExecutionProvider"]
+    session = ort.InferenceSession(str(path), providers=providers)
+    if variant == "ort_trt_fp16" and session.get_providers()[0] != "TensorrtExecutionProvider":
+        # ONNX Runtime lists TensorRT even when its libraries fail to load, then runs CUDA.
+        raise RuntimeError(f"TensorRT provider did not load (session runs {session.get_providers()[0]})")
+    return lambda feed: session.run([output], feed)[0]
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

@@ -199,20 +199,9 @@ class TextEncoderPipeline:
         }
 
     def skip_reason(self, variant: str) -> str | None:
-        if variant == "trt_plan":
-            from export import tensorrt_engine
+        from export.pipeline import gpu_skip_reason
 
-            return tensorrt_engine.unavailable_reason()
-        if variant == "ort_trt_fp16":
-            import onnxruntime as ort
-
-            from export.variants import has_gpu
-
-            if not has_gpu():
-                return "no NVIDIA GPU: ONNX Runtime's TensorRT provider runs on GPUs only"
-            if "TensorrtExecutionProvider" not in ort.get_available_providers():
-                return "this ONNX Runtime has no TensorRT provider (install onnxruntime-gpu: make venv GPU=1)"
-        return None
+        return gpu_skip_reason(variant)
 
     def build(self, variant: str, version_dir: Path, dst: Path) -> None:
         from export import text_quant
@@ -225,30 +214,17 @@ class TextEncoderPipeline:
         elif variant == "fp16":
             text_quant.fp16(fp32, dst)
         elif variant == "trt_plan":
-            from export import tensorrt_engine
+            from export.pipeline import build_trt_plan
 
-            profiles = {k: tensorrt_engine.Profile(*v) for k, v in self.trt_profiles.items()}
-            tensorrt_engine.build_engine(fp32, dst, profiles, fp16=True)
+            build_trt_plan(fp32, dst, self.trt_profiles)
         else:
             raise ValueError(f"text_encoder has no builder for variant {variant!r}")
 
     def _runner(self, variant: str, path: Path):
-        if variant == "trt_plan":
-            from export.tensorrt_engine import EngineRunner
+        from export.pipeline import variant_runner
 
-            engine = EngineRunner(path)
-            return lambda feed: engine.run(feed)["token_embeddings"]
-        import onnxruntime as ort
-
-        if variant == "ort_trt_fp16":
-            providers = [("TensorrtExecutionProvider", {"trt_fp16_enable": True}), "CUDAExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
-        session = ort.InferenceSession(str(path), providers=providers)
-        if variant == "ort_trt_fp16" and session.get_providers()[0] != "TensorrtExecutionProvider":
-            # ONNX Runtime lists TensorRT even when its libraries fail to load, then runs CUDA.
-            raise RuntimeError(f"TensorRT provider did not load (session runs {session.get_providers()[0]})")
-        return lambda feed: session.run(["token_embeddings"], feed)[0]
+        run = variant_runner(variant, path, "token_embeddings")
+        return run
 
     def evaluate(self, variant: str, path: Path) -> dict:
         from export.texts import heldout_texts
