@@ -1,25 +1,10 @@
-"""One real tritonserver per test session, on free ports, with the project's model repository.
-
-The server log is kept; when a test fails its last lines are attached to the report.
-"""
+"""Integration tier: marker and tritonclient fixtures on the session's server (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
-
-from export import image_classifier, text_encoder
-from server.layout import ROOT
-from server.process import ServerError, ServerOptions, TritonServer
-
-pytestmark = pytest.mark.integration
-
-REPOSITORY = ROOT / "model_repository"
-_RUNNING: list[TritonServer] = []  # for attaching the log to failed tests' reports
 
 
 def pytest_collection_modifyitems(items):
@@ -29,37 +14,10 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def triton():
+def triton(start_triton):
     """The running server (server.process.TritonServer): .http_url, .grpc_url, .metrics_url."""
-    if not text_encoder.up_to_date(REPOSITORY):
-        text_encoder.export(REPOSITORY)
-    if not image_classifier.up_to_date(REPOSITORY):
-        image_classifier.export(REPOSITORY)
-    workdir = Path(tempfile.mkdtemp(prefix="triton-it-"))
-    options = ServerOptions.with_free_ports(model_repository=REPOSITORY, workdir=workdir)
-    server = TritonServer(options)
-    server.start()
-    _RUNNING.append(server)
-    try:
-        try:
-            server.wait_ready(timeout=float(os.environ.get("TRITON_READY_TIMEOUT", "300")))
-        except ServerError as exc:
-            pytest.fail(f"{exc}\n--- server log ---\n{exc.log_tail}", pytrace=False)
+    with start_triton("triton-it-") as server:
         yield server
-    finally:
-        _RUNNING.remove(server)
-        server.stop()
-        if os.environ.get("TRITON_KEEP_WORKDIR") != "1":
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if report.when == "call" and report.failed:
-        for server in _RUNNING:
-            report.sections.append(("tritonserver log (last lines)", server.log_tail(80)))
 
 
 @pytest.fixture(scope="session")

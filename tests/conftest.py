@@ -1,0 +1,64 @@
+"""How the integration and perf tiers start their real tritonserver (one per tier and session).
+
+Free ports, the project's model repository (each model's FP32 config.pbtxt; exported first
+if needed), a readiness poll with a timeout, the server stopped in ``finally``. Its log is
+kept, and its last lines are attached to the report of any failed test that used the
+``triton`` fixture. Unit tests never start one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from export import image_classifier, text_encoder
+from server.layout import ROOT
+from server.process import ServerError, ServerOptions, TritonServer
+
+REPOSITORY = ROOT / "model_repository"
+_RUNNING: list[TritonServer] = []  # for attaching the log to failed tests' reports
+
+
+@contextlib.contextmanager
+def _serve(prefix: str, models: tuple[str, ...] | None = None):
+    if not text_encoder.up_to_date(REPOSITORY):
+        text_encoder.export(REPOSITORY)
+    if not image_classifier.up_to_date(REPOSITORY):
+        image_classifier.export(REPOSITORY)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    extra = {"models": models} if models else {}
+    server = TritonServer(ServerOptions.with_free_ports(model_repository=REPOSITORY, workdir=workdir, **extra))
+    server.start()
+    _RUNNING.append(server)
+    try:
+        try:
+            server.wait_ready(timeout=float(os.environ.get("TRITON_READY_TIMEOUT", "300")))
+        except ServerError as exc:
+            pytest.fail(f"{exc}\n--- server log ---\n{exc.log_tail}", pytrace=False)
+        yield server
+    finally:
+        _RUNNING.remove(server)
+        server.stop()
+        if os.environ.get("TRITON_KEEP_WORKDIR") != "1":
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def start_triton():
+    """``with start_triton(prefix, models) as server``: each tier starts its own server (the
+    perf tier needs one whose statistics no other test has touched)."""
+    return _serve
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and "triton" in getattr(item, "fixturenames", ()):
+        for server in _RUNNING:
+            report.sections.append(("tritonserver log (last lines)", server.log_tail(80)))
