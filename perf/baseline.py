@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, "
         f"load average before measuring {load}",
         f"- server: {'started by perf.baseline (local tritonserver)' if args.url is None else args.url}",
-        f"- input: {_display(args.input_data)}, batch size 1",
+        f"- input: {pa.display_path(args.input_data)}, batch size 1",
         f"- windows of {args.request_count} requests (count_windows), -s {args.stability_percent:g}, "
         f"max trials {args.max_trials}",
     ]
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / "summary.md").write_text(table)
     write_summary_csv(out_dir / "summary.csv", levels, args.protocol)
     say("\n" + table)
-    say(f"perf.baseline: results in {_display(out_dir)}")
+    say(f"perf.baseline: results in {pa.display_path(out_dir)}")
     return 0 if all(level.measurement is not None for level in levels) else 1
 
 
@@ -259,11 +259,6 @@ def start_server(args: argparse.Namespace, deadline: float):
         server.stop()
         raise
     return server, server.grpc_url if args.protocol == "grpc" else server.http_url
-
-
-def _display(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -593,7 +593,7 @@ def run(args: argparse.Namespace) -> int:
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"measuring {load}; one system at a time",
         f"- command: `{' '.join(['python -m perf.compare', *args.argv])}`",
-        f"- input: {_display(args.input_data)}, 16-token sentences, batch size 1 per request",
+        f"- input: {pa.display_path(args.input_data)}, 16-token sentences, batch size 1 per request",
         f"- perf_analyzer windows of {args.request_count} requests (count_windows), -s {args.stability_percent:g}, "
         f"max trials {args.max_trials}, one retry with twice the requests",
         f"- threads: ONNX Runtime {served.threads} intra-op (limit and Triton's encoder), torch {served.threads} (naive)",
@@ -603,13 +603,8 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out_dir / "summary.csv", summary_records(state.rows))
     write_csv(out_dir / "ratios.csv", [dataclasses.asdict(q) for q in ratio_list])
     print("\n" + table, flush=True)
-    state.say(f"perf.compare: results in {_display(out_dir)}")
+    state.say(f"perf.compare: results in {pa.display_path(out_dir)}")
     return 0 if all(r.ok for r in state.rows) else 1
-
-
-def _display(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -458,3 +458,10 @@ def _write_log(path: Path | None, cmd: Sequence[str], output: str) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("$ " + " ".join(cmd) + "\n" + output)
+
+
+def display_path(path: Path) -> str:
+    """A results path as the perf tools print it: relative to the repository when inside it."""
+    root = Path(__file__).resolve().parent.parent
+    path = Path(path).resolve()
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)

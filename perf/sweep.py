@@ -29,7 +29,6 @@ and P50/P99 latency vs throughput, one of each per model and input set.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime as dt
 import logging
@@ -490,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
         f"measuring {load_avg}",
         f"- command: `{' '.join(['python -m perf.sweep', *args.argv])}`",
         f"- served: {served} (--model-config-name={config_name or 'none'}), one tritonserver for the whole sweep",
-        "- inputs: " + ", ".join(f"{w.name} = {_display(w.input_data)}" for w in loads) + "; batch size 1 per request",
+        "- inputs: " + ", ".join(f"{w.name} = {pa.display_path(w.input_data)}" for w in loads) + "; batch size 1 per request",
         f"- count windows of up to {args.request_count} requests (about {args.window_s:g} s each after a sweep's "
         f"first point), -s {args.stability_percent:g}, max trials {args.max_trials}, one retry with twice the "
         "requests; Poisson points with --async",
@@ -501,13 +500,8 @@ def run(args: argparse.Namespace) -> int:
     pngs = plot(points, out_dir)
     print("\n" + table, flush=True)
     say(f"perf.sweep: {sum(p.ok for p in points)}/{len(points)} points, {len(pngs)} plots, results in "
-        f"{_display(out_dir)} ({time.monotonic() - started:.0f} s)")
+        f"{pa.display_path(out_dir)} ({time.monotonic() - started:.0f} s)")
     return 0 if points and all(p.ok for p in points) else 1
-
-
-def _display(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
