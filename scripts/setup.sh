@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3.11}
 GPU=${GPU:-0}
-# libb64-0d: perf_analyzer links libb64.so.0d.
-APT_PACKAGES=(libb64-0d)
+# libb64-0d: perf_analyzer links libb64.so.0d. redis-server: the result cache's L2 in tests and
+# `make cache-bench` (started on a free port by server/redis_process.py; the package's own
+# service is not needed).
+APT_PACKAGES=(libb64-0d redis-server)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -18,6 +18,11 @@ from server.layout import ROOT
 from server.process import DEFAULT_MODELS, ServerError, ServerOptions, TritonServer
 
 
+# Triton's response cache (text_tokenizer and image_preprocess; README "Result cache"): a
+# tokenized text takes a few hundred bytes, a preprocessed image 602 KB.
+DEFAULT_CACHE_SIZE_MB = 128
+
+
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
@@ -37,7 +42,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="model variant to serve: auto (best that passed its gate: cpu or gpu), cpu, gpu, fp32, cpu_opt, "
         "int8, fp16, ort_trt_fp16, trt_plan (default auto, or $PRECISION)",
     )
-    p.add_argument("--cache-size-mb", type=int, default=_env_int("TRITON_CACHE_SIZE_MB", 0), help="local response cache size, 0 = off")
+    p.add_argument(
+        "--cache-size-mb",
+        type=int,
+        default=_env_int("TRITON_CACHE_SIZE_MB", DEFAULT_CACHE_SIZE_MB),
+        help=f"Triton's local response cache in MiB, used by models with response_cache enabled; 0 = off "
+        f"(default {DEFAULT_CACHE_SIZE_MB}, or $TRITON_CACHE_SIZE_MB)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("EMBEDDING_CACHE_L2_REDIS_URL", ""),
+        help="Redis for text_embedding_cached's shared L2 cache, e.g. redis://127.0.0.1:6379/0; "
+        "empty = L2 off (default $EMBEDDING_CACHE_L2_REDIS_URL)",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
@@ -58,6 +75,10 @@ def _served_models(repo: Path, models: tuple[str, ...]) -> list[str]:
             if (repo / name / "variants.json").is_file() and name not in found:
                 found.append(name)
     return found
+
+
+def _redact(url: str) -> str:
+    return url if "@" not in url else url.split("://", 1)[0] + "://***@" + url.rsplit("@", 1)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_size_bytes=args.cache_size_mb * 1024 * 1024,
         log_verbose=args.log_verbose,
         model_config_name=config_name,
+        env={"EMBEDDING_CACHE_L2_REDIS_URL": args.redis_url} if args.redis_url else {},
     )
     server = TritonServer(options, echo=None if args.quiet else sys.stdout)
     stop = threading.Event()
@@ -119,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  metrics  {server.metrics_url}\n"
         f"  models   {', '.join(options.models)}\n"
         f"  variants {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={args.precision})\n"
+        f"  cache    Triton response cache {args.cache_size_mb} MiB; text_embedding_cached L2 "
+        f"{'at ' + _redact(args.redis_url) if args.redis_url else 'off (no --redis-url)'}\n"
         f"  log      {server.log_path}\n"
         "  Ctrl-C to stop.",
         flush=True,

@@ -19,13 +19,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import Mapping, Sequence, TextIO
 
 from server.layout import ROOT, ServerLayout, prepare
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODELS = ("text_embedding", "image_classification")
+# text_embedding_cached: the cached entry point in front of text_embedding (README "Result cache").
+DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
 
 
 class ServerError(RuntimeError):
@@ -55,6 +56,9 @@ class ServerOptions:
     model_config_name: str | None = None  # --model-config-name: a precision variant (export/variants.py)
     log_verbose: int = 0
     extra_args: Sequence[str] = field(default_factory=tuple)
+    # Added to the server's environment, which the python backend stubs inherit: e.g.
+    # EMBEDDING_CACHE_L2_REDIS_URL for text_embedding_cached (python_backends/cache/settings.py).
+    env: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def with_free_ports(cls, **kwargs) -> "ServerOptions":
@@ -109,8 +113,8 @@ class TritonServer:
             "--exit-on-error=true",
             "--strict-readiness=true",
             f"--log-verbose={o.log_verbose}",
-            # The python backend's shared memory grows in these steps; a batch of 64 x 256
-            # tokens x 384 floats is 25 MB between the encoder and the pooler.
+            # The python backend's shared memory grows in these steps; a batch of 64 images x
+            # 3 x 224 x 224 floats is 38 MB between image preprocessing and the classifier.
             "--backend-config=python,shm-default-byte-size=16777216",
             "--backend-config=python,shm-growth-byte-size=16777216",
         ]
@@ -130,6 +134,10 @@ class TritonServer:
         env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("HF_HUB_OFFLINE", "1")
+        # Python models are not told --model-config-name; the result cache keys on the variant
+        # it selects (python_backends/cache/identity.py).
+        env["TRITON_MODEL_CONFIG_NAME"] = self.options.model_config_name or ""
+        env.update(self.options.env)
         return env
 
     def start(self) -> "TritonServer":

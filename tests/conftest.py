@@ -62,3 +62,13 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call" and report.failed and "triton" in getattr(item, "fixturenames", ()):
         for server in _RUNNING:
             report.sections.append(("tritonserver log (last lines)", server.log_tail(80)))
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free port (server/redis_process.py), stopped after the test;
+    the test may kill(), restart(), pause() and resume() it."""
+    from server.redis_process import RedisProcess
+
+    with RedisProcess() as redis:
+        yield redis

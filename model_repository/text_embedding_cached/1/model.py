@@ -1,0 +1,123 @@
+"""Triton shim for text_embedding_cached: L1/L2 lookups, one BLS call for the misses."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.cache.identity import IdentityResolver
+from python_backends.cache.keys import KeyMaker
+from python_backends.cache.lru import LRUCache
+from python_backends.cache.redis_l2 import RedisL2
+from python_backends.cache.settings import CacheSettings
+from python_backends.cache.tiered import EmbeddingCache
+from python_backends.cache.triton_metrics import CacheMetrics
+from python_backends.config import ModelConfig
+from python_backends.shim import error_response, input_numpy, install_logging, load_error
+from python_backends.text.tokenization import decode_texts
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        install_logging(pb_utils)
+        self.config = ModelConfig(args["model_config"])
+        try:
+            self.text = self.config.require("input", "TEXT", "TYPE_STRING", (1,)).name
+            out = self.config.require("output", "EMBEDDING", "TYPE_FP32")
+            if len(out.dims) != 1 or out.dims[0] < 1:
+                raise ValueError(f"output EMBEDDING must have dims [d], config says {list(out.dims)}")
+            self.dim = out.dims[0]
+            self.target = self.config.param("target_model", "text_embedding")
+            self.max_text_bytes = self.config.param_int("max_text_bytes", 65536, minimum=1)
+            settings = CacheSettings.from_config(self.config, os.environ)
+            self.resolver = IdentityResolver(
+                Path(args["model_repository"]).parent, self.target,
+                self.config.param("encoder_model", "text_encoder"), None, pb_utils.is_model_ready,
+            )
+            l1 = LRUCache(settings.l1_max_bytes, settings.l1_ttl_s)
+            l2 = None
+            if settings.l2_redis_url:
+                l2 = RedisL2(settings.l2_redis_url, self.dim, settings.l2_ttl_s, settings.l2_timeout_s,
+                             settings.l2_retry_interval_s, settings.warn_interval_s)
+            self.cache = EmbeddingCache(self.dim, l1, l2)
+            self.metrics = CacheMetrics(pb_utils, self.config.name)
+            self.metrics.sync(l1, l2)
+            self._keys = None
+        except Exception as exc:
+            raise load_error(pb_utils, self.config.name, exc)
+
+    def _key_maker(self, version=None):
+        """The one place the key's model identity comes from (``version``: a caller's choice)."""
+        identity = self.resolver.identity(version)
+        if identity is None:
+            return None
+        if self._keys is None or self._keys.identity != identity:
+            self._keys = KeyMaker(identity)
+        return self._keys
+
+    def _compute(self, texts):
+        """ONE batched BLS call to the target model for all of a batch's misses."""
+        batch = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+        request = pb_utils.InferenceRequest(
+            model_name=self.target,
+            requested_output_names=["EMBEDDING"],
+            inputs=[pb_utils.Tensor("TEXT", batch)],
+        )
+        response = request.exec()
+        if response.has_error():
+            raise RuntimeError(f"{self.target} failed: {response.error().message()}")
+        return pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy()
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        texts, owners = [], []  # owners[i] = (request index, start, stop) into texts
+        for i, request in enumerate(requests):
+            try:
+                decoded = decode_texts(input_numpy(pb_utils, request, self.text), self.text, self.max_text_bytes)
+            except Exception as exc:
+                responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
+                continue
+            owners.append((i, len(texts), len(texts) + len(decoded)))
+            texts.extend(decoded)
+        if not owners:
+            return responses
+
+        keys = self._key_maker()
+        failure = None
+        if keys is None:  # the encoder is not ready: no identity, so no cache; the model answers
+            try:
+                vectors = self._compute(texts)
+            except Exception as exc:
+                failure = exc
+                vectors = None
+            for i, start, stop in owners:
+                responses[i] = self._respond(vectors[start:stop] if vectors is not None else None, failure, requests[i])
+            return responses
+
+        plan = self.cache.plan(texts, [keys(t) for t in texts])
+        if plan.miss_texts:
+            try:
+                vectors = self._compute(plan.miss_texts)
+                # Written back only if the identity did not change during the call (a hot swap
+                # in between could have computed them with the new model under the old keys).
+                after = self._key_maker()
+                self.cache.fill(plan, vectors, store=after is not None and after.identity == keys.identity)
+                self.metrics.model_computed(len(plan.miss_texts))
+            except Exception as exc:
+                failure = exc
+        self.metrics.record(plan.counts, self.cache.l1, self.cache.l2)
+        for i, start, stop in owners:
+            # Requests answered entirely from cache succeed even when the model call failed.
+            responses[i] = self._respond(plan.rows(start, stop, self.dim), failure, requests[i])
+        return responses
+
+    def _respond(self, rows, failure, request):
+        if rows is None:
+            exc = failure or RuntimeError("no embedding was produced")
+            return error_response(pb_utils, self.config.name, exc, request.request_id())
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("EMBEDDING", np.ascontiguousarray(rows))])
+
+    def finalize(self):
+        if getattr(self, "cache", None) is not None and self.cache.l2 is not None:
+            self.cache.l2.close()

@@ -1,0 +1,112 @@
+"""Which encoder version and precision variant serve, for the cache key.
+
+The variant is what ``tritonserver --model-config-name=<name>`` selected: the encoder's
+``configs/<name>.pbtxt`` when it exists, else its ``config.pbtxt`` (FP32). A Python model is
+not told that name, so the launcher (server/process.py) and docker-compose pass it in the
+environment as ``TRITON_MODEL_CONFIG_NAME``. The generated configs say their variant in their
+header ("for variant 'int8'") and name the file (``default_model_filename``); a SHA-256 of
+that file joins the key, so a re-export under the same version and name changes keys too.
+
+The version is the highest version folder of the encoder that Triton reports ready
+(``pb_utils.is_model_ready``), checked on every batch: after a new version is loaded through
+the repository API the next batch uses new keys. ``IdentityResolver.identity(version)`` is
+the one place the key's version comes from; a caller that chooses a version itself (canary
+routing) passes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+from python_backends.cache.keys import ModelIdentity
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME_ENV = "TRITON_MODEL_CONFIG_NAME"
+_VARIANT = re.compile(r"for variant '([^']+)'")
+_FILENAME = re.compile(r'^\s*default_model_filename\s*:\s*"([^"]+)"', re.M)
+_PLATFORM_DEFAULT = {"tensorrt_plan": "model.plan"}
+_PLATFORM = re.compile(r'^\s*platform\s*:\s*"([^"]+)"', re.M)
+
+
+def served_config(encoder_dir: Path, config_name: str | None) -> tuple[str, str]:
+    """(variant, model file name) of the config Triton loads for this config name."""
+    custom = encoder_dir / "configs" / f"{config_name}.pbtxt" if config_name else None
+    path = custom if custom is not None and custom.is_file() else encoder_dir / "config.pbtxt"
+    text = path.read_text(encoding="utf-8")
+    m = _FILENAME.search(text)
+    platform = _PLATFORM.search(text)
+    filename = m.group(1) if m else _PLATFORM_DEFAULT.get(platform.group(1) if platform else "", "model.onnx")
+    v = _VARIANT.search(text)
+    variant = v.group(1) if v else ("fp32" if path.name == "config.pbtxt" else path.stem)
+    return variant, filename
+
+
+_FINGERPRINTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_fingerprint(path: Path) -> str:
+    """First 16 hex digits of the file's SHA-256 ("" if it is missing), cached by size and mtime."""
+    try:
+        st = path.stat()
+    except OSError:
+        return ""
+    memo = (str(path), st.st_size, st.st_mtime_ns)
+    if memo not in _FINGERPRINTS:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _FINGERPRINTS[memo] = h.hexdigest()[:16]
+    return _FINGERPRINTS[memo]
+
+
+class IdentityResolver:
+    """The served identity of ``encoder`` as seen from a model in the same repository."""
+
+    def __init__(self, repository: Path, model: str, encoder: str, config_name: str | None,
+                 is_ready: Callable[[str, str], bool]):
+        self.repository = Path(repository)
+        self.model = model
+        self.encoder = encoder
+        self.config_name = config_name if config_name is not None else os.environ.get(CONFIG_NAME_ENV) or None
+        self._is_ready = is_ready
+        self._by_version: dict[str, ModelIdentity] = {}
+        self._last: ModelIdentity | None = None
+
+    def versions(self) -> list[str]:
+        """Numeric version folders of the encoder, highest first."""
+        encoder_dir = self.repository / self.encoder
+        try:
+            names = [p.name for p in encoder_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+        except OSError:
+            return []
+        return sorted(names, key=int, reverse=True)
+
+    def ready_version(self) -> str | None:
+        for version in self.versions():
+            if self._is_ready(self.encoder, version):
+                return version
+        return None
+
+    def identity(self, version: str | None = None) -> ModelIdentity | None:
+        """The identity for ``version`` (default: the highest ready one); None if none is ready."""
+        version = version if version is not None else self.ready_version()
+        if version is None:
+            return None
+        found = self._by_version.get(version)
+        if found is None:
+            encoder_dir = self.repository / self.encoder
+            variant, filename = served_config(encoder_dir, self.config_name)
+            found = ModelIdentity(self.model, self.encoder, version, variant,
+                                  file_fingerprint(encoder_dir / version / filename))
+            self._by_version[version] = found
+        if found != self._last:
+            log.info("cache keys now for %s", found.describe())
+            self._last = found
+        return found

@@ -1,0 +1,151 @@
+"""L2 against a real redis-server (started per test on a free port): pipelined MGET/SET with
+TTL, binary float32 values, garbage replies, Redis killed, stopped (slow) and restarted."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from python_backends.cache.keys import KeyMaker, ModelIdentity
+from python_backends.cache.lru import LRUCache
+from python_backends.cache.redis_l2 import RedisL2
+from python_backends.cache.tiered import EmbeddingCache
+
+DIM = 384
+KEYS = KeyMaker(ModelIdentity("text_embedding", "text_encoder", "1", "int8", "abcd"))
+
+
+def vec(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def raw_client(server) -> redis.Redis:
+    return redis.Redis.from_url(server.url)
+
+
+def commands(client: redis.Redis) -> dict[str, int]:
+    return {k: v["calls"] for k, v in client.info("commandstats").items()}
+
+
+def test_round_trip_is_bit_exact_with_one_mget_and_one_pipeline(redis_server):
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    client = raw_client(redis_server)
+    keys = [KEYS(f"text {i}") for i in range(10)]
+    l2.set_many([(k, vec(i)) for i, k in enumerate(keys)])
+    got = l2.get_many(keys + [KEYS("never stored")])
+    assert all(np.array_equal(got[i], vec(i)) for i in range(10)) and got[10] is None
+    assert got[0].dtype == np.float32
+    stats = commands(client)
+    assert stats["cmdstat_mget"] == 1 and stats["cmdstat_set"] == 10  # SETs sent in one pipeline
+    assert client.get(keys[0]) == vec(0).astype("<f4").tobytes()  # binary float32, 1536 bytes
+    assert 55 <= client.ttl(keys[0]) <= 60
+    assert (l2.stats.hits, l2.stats.misses) == (10, 1)
+
+
+def test_ttl_expiry(redis_server):
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=1)
+    l2.set_many([(KEYS("a"), vec(1))])
+    assert l2.get_many([KEYS("a")])[0] is not None
+    time.sleep(1.3)
+    assert l2.get_many([KEYS("a")])[0] is None
+
+
+@pytest.mark.parametrize(
+    "value, detail",
+    [
+        (b"not a vector", "is 12 bytes, expected 1536"),
+        (np.full(DIM, np.nan, dtype="<f4").tobytes(), "NaN or infinity"),
+        (vec(1).astype("<f8").tobytes(), "is 3072 bytes"),
+    ],
+)
+def test_garbage_values_are_misses_counted_and_warned(redis_server, caplog, value, detail):
+    raw_client(redis_server).set(KEYS("a"), value)
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    with caplog.at_level(logging.WARNING, logger="python_backends.cache.redis_l2"):
+        assert l2.get_many([KEYS("a")]) == [None]
+    assert l2.stats.errors["garbage"] == 1 and l2.stats.misses == 1
+    assert detail in caplog.text
+
+
+def test_wrong_type_reply_is_not_fatal(redis_server):
+    client = raw_client(redis_server)
+    client.set(KEYS("a"), vec(1).astype("<f4").tobytes())
+    client.rpush(KEYS("list"), "x")  # MGET answers nil for a key of another type
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    got = l2.get_many([KEYS("a"), KEYS("list")])
+    assert np.array_equal(got[0], vec(1)) and got[1] is None
+
+
+def test_killed_then_restarted_redis_is_used_again_without_a_restart(redis_server, caplog):
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60, timeout_s=0.05, retry_interval_s=0.3, warn_interval_s=60)
+    cache = EmbeddingCache(DIM, LRUCache(0, 0), l2)  # L1 off: every lookup reaches L2
+    l2.set_many([(KEYS("a"), vec(1))])
+    assert cache.plan(["a"], [KEYS("a")]).counts.l2_hits == 1
+
+    caplog.set_level(logging.WARNING, logger="python_backends.cache.redis_l2")
+    redis_server.kill()
+    t = time.perf_counter()
+    plan = cache.plan(["a", "b"], [KEYS("a"), KEYS("b")])
+    assert time.perf_counter() - t < 0.5  # bounded: refused at once, no retries
+    assert plan.miss_texts == ["a", "b"]  # the request goes on to the model
+    assert l2.stats.errors["connection"] == 1 and not l2.stats.up
+    cache.fill(plan, np.stack([vec(1), vec(2)]))  # writes while down: skipped, no error
+    for _ in range(5):  # inside the retry interval: Redis is not even tried
+        cache.plan(["a"], [KEYS("a")])
+    assert l2.stats.errors["connection"] == 1 and l2.stats.skipped >= 5
+    time.sleep(0.35)
+    cache.plan(["a"], [KEYS("a")])  # tried again, still down
+    assert l2.stats.errors["connection"] == 2
+    warnings = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warnings) == 1  # once per warn interval, not once per failure
+    assert "serving without L2" in warnings[0].getMessage()
+
+    redis_server.restart()  # same port, empty (nothing was persisted)
+    time.sleep(0.35)
+    plan = cache.plan(["a"], [KEYS("a")])
+    assert plan.miss_texts == ["a"] and l2.stats.up
+    cache.fill(plan, vec(1)[None])
+    assert cache.plan(["a"], [KEYS("a")]).counts.l2_hits == 1  # L2 serves again
+    assert any("is back" in r.getMessage() for r in caplog.records)
+
+
+def test_stopped_redis_times_out_within_the_bound(redis_server):
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60, timeout_s=0.05, retry_interval_s=0.2)
+    l2.set_many([(KEYS("a"), vec(1))])
+    assert l2.get_many([KEYS("a")])[0] is not None
+    redis_server.pause()  # accepts nothing, answers nothing: a hung or overloaded Redis
+    try:
+        t = time.perf_counter()
+        assert l2.get_many([KEYS("a")]) == [None]
+        assert time.perf_counter() - t < 0.3
+        assert l2.stats.errors["timeout"] == 1
+        t = time.perf_counter()
+        l2.set_many([(KEYS("b"), vec(2))])  # skipped during the retry interval: no wait at all
+        assert time.perf_counter() - t < 0.01
+    finally:
+        redis_server.resume()
+    time.sleep(0.25)
+    got = l2.get_many([KEYS("a")])
+    assert got[0] is not None and l2.stats.up
+
+
+def test_l2_hits_are_promoted_to_l1(redis_server):
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    cache = EmbeddingCache(DIM, LRUCache(1 << 20, 0), l2)
+    l2.set_many([(KEYS("a"), vec(1))])
+    first = cache.plan(["a", "b"], [KEYS("a"), KEYS("b")])
+    assert (first.counts.l1_hits, first.counts.l2_hits, first.counts.misses) == (0, 1, 1)
+    second = cache.plan(["a"], [KEYS("a")])
+    assert (second.counts.l1_hits, second.counts.l2_hits) == (1, 0)
+
+
+def test_password_is_not_logged(caplog):
+    from python_backends.cache.redis_l2 import _redact
+
+    assert _redact("redis://user:secret@host:6379/0") == "redis://***@host:6379/0"
+    assert _redact("redis://host:6379/0") == "redis://host:6379/0"
