@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import urllib.error
@@ -129,7 +130,15 @@ class TritonServer:
     def environment(self) -> dict[str, str]:
         assert self.layout is not None
         env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(self.layout.libs), env.get("LD_LIBRARY_PATH")) if p)
+        # The stub links libpython3.X.so.1.0; without this it takes the system's (Debian 12:
+        # 3.11.2) while importing the virtualenv interpreter's standard library (e.g. pyenv's
+        # 3.11.7), whose C extensions may need newer symbols (_ssl did: redis-py then failed).
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        ldlibrary = sysconfig.get_config_var("INSTSONAME") or ""
+        own_libpython = libdir if ldlibrary and (Path(libdir) / ldlibrary).is_file() else ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(self.layout.libs), own_libpython, env.get("LD_LIBRARY_PATH")) if p
+        )
         # The python backend stub imports from the interpreter found first on PATH: ours.
         env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)

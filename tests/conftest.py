@@ -25,14 +25,15 @@ _RUNNING: list[TritonServer] = []  # for attaching the log to failed tests' repo
 
 
 @contextlib.contextmanager
-def _serve(prefix: str, models: tuple[str, ...] | None = None):
+def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
     if not text_encoder.up_to_date(REPOSITORY):
         text_encoder.export(REPOSITORY)
     if not image_classifier.up_to_date(REPOSITORY):
         image_classifier.export(REPOSITORY)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     extra = {"models": models} if models else {}
-    server = TritonServer(ServerOptions.with_free_ports(model_repository=REPOSITORY, workdir=workdir, **extra))
+    options = {"model_repository": REPOSITORY, "workdir": workdir, **extra, **options}
+    server = TritonServer(ServerOptions.with_free_ports(**options))
     server.start()
     _RUNNING.append(server)
     try:
@@ -50,8 +51,9 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None):
 
 @pytest.fixture(scope="session")
 def start_triton():
-    """``with start_triton(prefix, models) as server``: each tier starts its own server (the
-    perf tier needs one whose statistics no other test has touched)."""
+    """``with start_triton(prefix, models, **server_options) as server``: each tier starts its
+    own server (the perf tier needs one whose statistics no other test has touched); options
+    are ServerOptions fields (cache_size_bytes, env, model_repository, ...)."""
     return _serve
 
 

@@ -55,7 +55,7 @@ def test_mounted_repository_holds_the_loaded_models(compose, name):
     assert host_repo == (ROOT / "model_repository").resolve()
     assert args["--model-control-mode"] == ["explicit"]
     loaded = args["--load-model"]
-    assert loaded == ["text_embedding", "image_classification"]
+    assert loaded == ["text_embedding", "text_embedding_cached", "image_classification"]
     for model in loaded:
         config = host_repo / model / "config.pbtxt"
         assert config.is_file(), f"{config} missing"
@@ -80,6 +80,19 @@ def test_build_ports_and_healthcheck(compose, name):
     assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
 
 
+@pytest.mark.parametrize("name", SERVICES)
+def test_result_cache_wiring(compose, name):
+    service = compose["services"][name]
+    args = flags(service)
+    assert args["--cache-config"] == ["local,size=${TRITON_CACHE_SIZE_BYTES:-134217728}"]
+    # the variant the cache keys on is the one --model-config-name selects
+    assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == args["--model-config-name"][0]
+    assert service["environment"]["EMBEDDING_CACHE_L2_REDIS_URL"].endswith("redis://redis:6379/0}")
+    assert "redis" in service["depends_on"] and "redis" in compose["services"]
+    redis = compose["services"]["redis"]["command"]
+    assert redis[redis.index("--save") + 1] == "" and redis[redis.index("--appendonly") + 1] == "no"
+
+
 def test_gpu_only_on_the_default_service(compose):
     gpu, cpu = compose["services"]["triton"], compose["services"]["triton-cpu"]
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
@@ -97,6 +110,7 @@ def test_dockerfile_matches_local_versions():
     assert pins.get("nvidia-pytriton") == "0.7.0", "pytriton changed: check the container tag matches its tritonserver"
     assert f'"tokenizers=={pins["tokenizers"]}"' in dockerfile
     assert '"numpy<2"' in dockerfile
+    assert f'"redis=={pins["redis"]}"' in dockerfile
     # The model.py shims import python_backends: the package must be on PYTHONPATH in the image.
     assert re.search(r"^COPY python_backends /opt/embedding/python_backends$", dockerfile, re.M)
     assert "PYTHONPATH=/opt/embedding" in dockerfile

@@ -1,0 +1,223 @@
+"""The result cache against a real tritonserver and a real redis-server.
+
+One server for this module, on a copy of the model repository made of symlinks (so a test can
+add a text_encoder version without touching the real one), with Triton's response cache on,
+text_embedding_cached's L2 at a redis-server the tests kill, stop and restart, and a short L2
+retry interval. Tests run in file order; the hot swap is last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from server.layout import ROOT
+from server.redis_process import RedisProcess
+
+CACHED, ENSEMBLE = "text_embedding_cached", "text_embedding"
+RETRY_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def redis_l2():
+    with RedisProcess() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """The real repository's models as symlinks; folders are real, so versions can be added."""
+    target = tmp_path_factory.mktemp("repo") / "model_repository"
+    shutil.copytree((ROOT / "model_repository").resolve(), target, copy_function=os.symlink,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def triton(start_triton, redis_l2, repo):
+    env = {
+        "EMBEDDING_CACHE_L2_REDIS_URL": redis_l2.url,
+        "EMBEDDING_CACHE_L2_RETRY_INTERVAL_S": str(RETRY_S),
+        "EMBEDDING_CACHE_WARN_INTERVAL_S": "3600",
+    }
+    with start_triton("triton-cache-", (ENSEMBLE, CACHED), model_repository=repo,
+                      cache_size_bytes=16 << 20, env=env) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(triton):
+    c = httpclient.InferenceServerClient(triton.http_url, concurrency=4)
+    yield c
+    c.close()
+
+
+def embed(client, model: str, texts: list[str]) -> np.ndarray:
+    data = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
+    inp = httpclient.InferInput("TEXT", list(data.shape), "BYTES")
+    inp.set_data_from_numpy(data)
+    return client.infer(model, [inp]).as_numpy("EMBEDDING")
+
+
+def metrics(server) -> dict[str, float]:
+    """Prometheus text -> {'name{k="v",...}': value} with labels sorted."""
+    out = {}
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+            if m:
+                labels = ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or "")))
+                out[f"{m.group(1)}{{{labels}}}"] = float(m.group(3))
+    return out
+
+
+def lookups(server, level: str, result: str) -> float:
+    return metrics(server).get(f'embedding_cache_lookups_total{{level="{level}",model="{CACHED}",result="{result}"}}', 0.0)
+
+
+def metric(server, name: str, **labels) -> float:
+    key = ",".join(sorted(f'{k}="{v}"' for k, v in labels.items()))
+    return metrics(server).get(f"{name}{{{key}}}", 0.0)
+
+
+def ensemble_requests(client) -> int:
+    stats = client.get_inference_statistics(ENSEMBLE)["model_stats"]
+    return sum(int(s["inference_stats"]["success"]["count"]) for s in stats)
+
+
+def test_cached_vectors_equal_the_ensemble_and_repeat_bit_for_bit(client, triton):
+    texts = ["A man is playing a guitar.", "Ein Mann spielt Gitarre.", "猫が好きです", "🙂 ok"]
+    direct = embed(client, ENSEMBLE, texts)
+    first = embed(client, CACHED, texts)
+    assert first.shape == (4, 384) and first.dtype == np.float32
+    assert np.abs(first - direct).max() < 1e-4  # computed by the same model (batching noise only)
+    hits = lookups(triton, "l1", "hit")
+    second = embed(client, CACHED, texts)
+    assert np.array_equal(second, first)
+    assert lookups(triton, "l1", "hit") - hits == 4
+
+
+def test_partial_hits_in_one_batch_one_model_call_for_the_misses_in_order(client, triton):
+    known = ["partial: known one", "partial: known two"]
+    single = {t: embed(client, CACHED, [t])[0] for t in known}
+    before = (ensemble_requests(client), lookups(triton, "l1", "hit"), lookups(triton, "l1", "miss"),
+              metric(triton, "embedding_cache_model_texts_total", model=CACHED))
+    batch = ["partial: new A", known[0], "partial: new B", known[1], "partial: new A"]
+    out = embed(client, CACHED, batch)
+    after = (ensemble_requests(client), lookups(triton, "l1", "hit"), lookups(triton, "l1", "miss"),
+             metric(triton, "embedding_cache_model_texts_total", model=CACHED))
+    assert after[0] - before[0] == 1  # ONE batched request to text_embedding for the misses
+    assert after[1] - before[1] == 2 and after[2] - before[2] == 2  # distinct texts: 2 hits, 2 misses
+    assert after[3] - before[3] == 2
+    assert np.array_equal(out[1], single[known[0]]) and np.array_equal(out[3], single[known[1]])
+    assert np.array_equal(out[0], out[4])
+    fresh = embed(client, ENSEMBLE, ["partial: new A", "partial: new B"])
+    assert np.abs(out[[0, 2]] - fresh).max() < 1e-4
+
+
+def test_triton_response_cache_hits_show_in_triton_metrics(client, triton):
+    key = 'nv_cache_num_hits_per_model{model="text_tokenizer",version="1"}'
+    before = metrics(triton).get(key, 0.0)
+    text = ["response cache: the same text twice"]
+    a = embed(client, ENSEMBLE, text)
+    b = embed(client, ENSEMBLE, text)
+    assert metrics(triton).get(key, 0.0) - before >= 1
+    assert np.abs(a - b).max() < 1e-5
+    # and never on the ensemble itself (it would serve old vectors after an encoder swap)
+    assert metrics(triton).get('nv_cache_num_hits_per_model{model="text_embedding",version="1"}', 0.0) == 0
+
+
+def test_l2_serves_a_new_replica(client, triton, redis_l2):
+    text = ["shared: computed by one replica"]
+    first = embed(client, CACHED, text)
+    assert redis.Redis.from_url(redis_l2.url).dbsize() > 0
+    # A new process with an empty L1, as another replica would be.
+    client.unload_model(CACHED)
+    client.load_model(CACHED)
+    l2_hits = lookups(triton, "l2", "hit")
+    again = embed(client, CACHED, text)
+    assert np.array_equal(again, first)  # the very bytes another process stored
+    assert lookups(triton, "l2", "hit") - l2_hits == 1
+
+
+def test_redis_killed_mid_run_then_restarted(client, triton, redis_l2):
+    errors = lambda: metric(triton, "embedding_cache_redis_errors_total", kind="connection", model=CACHED)  # noqa: E731
+    before = errors()
+    redis_l2.kill()
+    texts = [f"redis down {i}" for i in range(3)]
+    t = time.perf_counter()
+    out = embed(client, CACHED, texts)  # still answered, by the model
+    assert time.perf_counter() - t < 5
+    assert np.abs(out - embed(client, ENSEMBLE, texts)).max() < 1e-4
+    for i in range(5):
+        embed(client, CACHED, [f"redis still down {i}"])
+    assert errors() - before >= 1
+    assert metric(triton, "embedding_cache_redis_up", model=CACHED) == 0
+    log = triton.log_tail(400)
+    assert log.count("serving without L2") == 1  # one warning per interval, not one per failure
+
+    redis_l2.start()  # same port, empty
+    time.sleep(RETRY_S + 0.2)
+    embed(client, CACHED, ["redis back: first"])
+    assert metric(triton, "embedding_cache_redis_up", model=CACHED) == 1
+    assert redis.Redis.from_url(redis_l2.url).dbsize() >= 1  # written to L2 again, no restart
+    assert "is back" in triton.log_tail(400)
+
+
+def test_stopped_redis_costs_a_bounded_wait(client, triton, redis_l2):
+    before = metric(triton, "embedding_cache_redis_errors_total", kind="timeout", model=CACHED)
+    redis_l2.pause()
+    try:
+        t = time.perf_counter()
+        embed(client, CACHED, ["redis hangs: one"])
+        assert time.perf_counter() - t < 2  # 50 ms timeout, then the model
+        assert metric(triton, "embedding_cache_redis_errors_total", kind="timeout", model=CACHED) - before == 1
+    finally:
+        redis_l2.resume()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (b"", "TEXT[0]: text is empty"),
+        (b"   ", "TEXT[0]: text contains only whitespace"),
+        (b"\xff\xfe", "TEXT[0]: not valid UTF-8"),
+        (b"x" * 70000, "TEXT[0]: text is 70000 bytes; the limit is 65536 bytes"),
+    ],
+)
+def test_bad_input_fails_only_its_request(client, value, message):
+    data = np.array([[value]], dtype=object)
+    inp = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+    inp.set_data_from_numpy(data)
+    with pytest.raises(InferenceServerException, match=re.escape(message)):
+        client.infer(CACHED, [inp])
+    assert embed(client, CACHED, ["still serving"]).shape == (1, 384)
+
+
+def test_hot_swap_to_a_new_encoder_version_changes_the_keys(client, triton, repo):
+    text = ["hot swap: the same text before and after"]
+    old = embed(client, CACHED, text)
+    assert np.array_equal(embed(client, CACHED, text), old)  # cached
+    # Version 2 = the INT8 weights (other vectors than FP32's version 1), loaded through the API.
+    encoder = repo / "text_encoder"
+    (encoder / "2").mkdir()
+    os.symlink((ROOT / "model_repository" / "text_encoder" / "1" / "model.int8.onnx").resolve(), encoder / "2" / "model.onnx")
+    client.load_model("text_encoder")
+    assert client.is_model_ready("text_encoder", "2") and not client.is_model_ready("text_encoder", "1")
+    new_model = embed(client, ENSEMBLE, text)
+    assert np.abs(new_model - old).max() > 1e-3  # the swap really changed the vectors
+    after = embed(client, CACHED, text)
+    assert np.abs(after - new_model).max() < 1e-4  # not the stale cached vector
+    assert not np.array_equal(after, old)
+    assert "text_encoder version 2" in triton.log_tail(400)
