@@ -7,7 +7,8 @@
 - ``embedding_cache_evictions_total{level="l1", reason="lru"|"ttl"}``;
 - ``embedding_cache_lookup_seconds``: histogram of one batch's L1 + L2 lookup time;
 - ``embedding_cache_redis_errors_total{kind="connection"|"timeout"|"garbage"|"other"}``;
-- ``embedding_cache_l1_bytes``, ``embedding_cache_l1_entries``, ``embedding_cache_redis_up``;
+- ``embedding_cache_l1_bytes``, ``embedding_cache_l1_entries``, ``embedding_cache_redis_up``
+  (gauges, also labelled ``instance``: each instance has its own L1 and Redis connection);
 - ``embedding_cache_model_texts_total``: texts computed by the model (the misses).
 """
 
@@ -23,7 +24,7 @@ LATENCY_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
 
 
 class CacheMetrics:
-    def __init__(self, pb_utils: Any, model: str):
+    def __init__(self, pb_utils: Any, model: str, instance: str = ""):
         family = pb_utils.MetricFamily
         # Families must stay referenced while their metrics live (FINDINGS.md): keep them all.
         self._families = []
@@ -43,13 +44,16 @@ class CacheMetrics:
         self.errors = {k: errors.Metric(labels={**base, "kind": k}) for k in ERROR_KINDS}
         texts = fam("embedding_cache_model_texts_total", "Texts computed by the model (cache misses)", family.COUNTER)
         self.model_texts = texts.Metric(labels=base)
-        self.l1_bytes = fam("embedding_cache_l1_bytes", "Bytes held by L1", family.GAUGE).Metric(labels=base)
-        self.l1_entries = fam("embedding_cache_l1_entries", "Entries held by L1", family.GAUGE).Metric(labels=base)
+        # Counters of all instances add up (same labels, one series); gauges are per instance.
+        own = {**base, "instance": instance}
+        self.l1_bytes = fam("embedding_cache_l1_bytes", "Bytes held by this instance's L1", family.GAUGE).Metric(labels=own)
+        self.l1_entries = fam("embedding_cache_l1_entries", "Entries held by this instance's L1", family.GAUGE).Metric(labels=own)
         self.redis_up = fam("embedding_cache_redis_up", "1 when the last Redis call worked, 0 after a failure, -1 without L2",
-                            family.GAUGE).Metric(labels=base)
+                            family.GAUGE).Metric(labels=own)
         latency = fam("embedding_cache_lookup_seconds", "L1 + L2 lookup time of one batch", family.HISTOGRAM)
         self.latency = latency.Metric(labels=base, buckets=LATENCY_BUCKETS)
         self._seen = {"lru": 0, "ttl": 0, **{k: 0 for k in ERROR_KINDS}}
+        self._gauges: dict[str, float] = {}
 
     def record(self, counts: LookupCounts, l1: LRUCache | None, l2: RedisL2 | None) -> None:
         l1_on = l1 is not None and l1.max_bytes > 0
@@ -67,18 +71,25 @@ class CacheMetrics:
         self._inc(self.model_texts, n)
 
     def sync(self, l1: LRUCache | None, l2: RedisL2 | None) -> None:
-        """Cumulative library counters -> metric increments; gauges."""
+        """Cumulative library counters -> metric increments; gauges. Each metric call is a
+        message to the server process (tens of µs), so only changes are sent: a batch of
+        hits costs two (the L1 hit count and the latency)."""
         if l1 is not None:
             self._delta("lru", l1.stats.evictions, self.evictions["lru"])
             self._delta("ttl", l1.stats.expirations, self.evictions["ttl"])
-            self.l1_bytes.set(l1.stats.bytes)
-            self.l1_entries.set(l1.stats.entries)
+            self._gauge("l1_bytes", self.l1_bytes, l1.stats.bytes)
+            self._gauge("l1_entries", self.l1_entries, l1.stats.entries)
         if l2 is not None:
             for kind in ERROR_KINDS:
                 self._delta(kind, l2.stats.errors[kind], self.errors[kind])
-            self.redis_up.set(1 if l2.stats.up else 0)
+            self._gauge("redis_up", self.redis_up, 1 if l2.stats.up else 0)
         else:
-            self.redis_up.set(-1)
+            self._gauge("redis_up", self.redis_up, -1)
+
+    def _gauge(self, name: str, metric: Any, value: float) -> None:
+        if self._gauges.get(name) != value:
+            metric.set(value)
+            self._gauges[name] = value
 
     def _delta(self, name: str, total: int, metric: Any) -> None:
         if total > self._seen[name]:

@@ -41,7 +41,7 @@ class TritonPythonModel:
                 l2 = RedisL2(settings.l2_redis_url, self.dim, settings.l2_ttl_s, settings.l2_timeout_s,
                              settings.l2_retry_interval_s, settings.warn_interval_s)
             self.cache = EmbeddingCache(self.dim, l1, l2)
-            self.metrics = CacheMetrics(pb_utils, self.config.name)
+            self.metrics = CacheMetrics(pb_utils, self.config.name, args.get("model_instance_name", ""))
             self.metrics.sync(l1, l2)
             self._keys = None
         except Exception as exc:

@@ -1,0 +1,306 @@
+"""``python -m perf.cache_bench`` (``make cache-bench``): the result cache on a repeated-text workload.
+
+One run, side by side: the same Zipf stream over 10,000 distinct sentences
+(perf/cache_workload.py), sent by an asyncio gRPC client at a fixed concurrency, one text
+per request,
+
+1. **without cache**: a server with Triton's response cache off, model ``text_embedding``;
+2. **with cache**: a server with the response cache on and a fresh redis-server as L2, model
+   ``text_embedding_cached``, starting cold (empty L1 and L2);
+3. **new replica**: the same stream again after ``text_embedding_cached`` was unloaded and
+   loaded (an empty L1, as a new replica has; L2 still warm);
+4. **hits only**: the most frequent sentences (all cached) at concurrency 1: the latency of a
+   cache hit, client-side and on the server (Triton's statistics for the model).
+
+Printed and written to perf/results/cache-<UTC time>/summary.md and summary.json: throughput
+and the with/without ratio, P50/P99 of each, hit rate per level (L1, L2, Triton's response
+cache on text_tokenizer, from the metrics port), and the cache-hit P50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from perf.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
+from perf.perf_analyzer import display_path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CACHED, ENSEMBLE = "text_embedding_cached", "text_embedding"
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+@dataclass
+class Phase:
+    name: str
+    model: str
+    requests: int
+    concurrency: int
+    seconds: float
+    throughput: float  # requests/s (one text each)
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    repeat_p50_ms: float | None = None  # requests whose text came earlier in the stream
+    first_p50_ms: float | None = None  # first occurrences
+    levels: dict[str, float] = field(default_factory=dict)  # hit rates and counts
+    server_us_per_request: float | None = None
+
+
+def percentile(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+async def _drive(url: str, model: str, texts: Sequence[str], concurrency: int) -> tuple[np.ndarray, float, int]:
+    """Send texts (one per request) with ``concurrency`` requests in flight; latencies in ms."""
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    latencies = np.full(len(texts), np.nan)
+    errors = 0
+    next_index = 0
+
+    async def worker():
+        nonlocal next_index, errors
+        while next_index < len(texts):
+            i = next_index
+            next_index += 1
+            data = np.array([[texts[i].encode("utf-8")]], dtype=np.object_)
+            inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+            inp.set_data_from_numpy(data)
+            t0 = time.perf_counter()
+            try:
+                await client.infer(model, [inp], outputs=[grpcclient.InferRequestedOutput("EMBEDDING")])
+            except Exception:  # noqa: BLE001 - counted and reported, the run goes on
+                errors += 1
+                continue
+            latencies[i] = (time.perf_counter() - t0) * 1000.0
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    return latencies, time.perf_counter() - start, errors
+
+
+def drive(url: str, model: str, texts: Sequence[str], concurrency: int) -> tuple[np.ndarray, float, int]:
+    return asyncio.run(_drive(url, model, texts, concurrency))
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    with urllib.request.urlopen(url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+            if m:
+                labels = ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or "")))
+                out[f"{m.group(1)}{{{labels}}}"] = float(m.group(3))
+    return out
+
+
+def cache_counts(metrics_url: str) -> dict[str, float]:
+    m = metrics(metrics_url)
+
+    def get(name: str, **labels: str) -> float:
+        key = ",".join(sorted(f'{k}="{v}"' for k, v in labels.items()))
+        return m.get(f"{name}{{{key}}}", 0.0)
+
+    counts = {f"{lvl}_{res}": get("embedding_cache_lookups_total", level=lvl, model=CACHED, result=res)
+              for lvl in ("l1", "l2") for res in ("hit", "miss")}
+    counts["triton_tokenizer_hit"] = get("nv_cache_num_hits_per_model", model="text_tokenizer", version="1")
+    counts["triton_tokenizer_miss"] = get("nv_cache_num_misses_per_model", model="text_tokenizer", version="1")
+    counts["model_texts"] = get("embedding_cache_model_texts_total", model=CACHED)
+    counts["redis_errors"] = sum(get("embedding_cache_redis_errors_total", kind=k, model=CACHED)
+                                 for k in ("connection", "timeout", "garbage", "other"))
+    return counts
+
+
+def level_rates(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after[k] - before[k] for k in after}
+    rate = lambda hit, miss: round(hit / (hit + miss), 4) if hit + miss else None  # noqa: E731
+    return {
+        "l1_hit_rate": rate(d["l1_hit"], d["l1_miss"]),
+        "l2_hit_rate": rate(d["l2_hit"], d["l2_miss"]),  # of the L1 misses
+        "triton_tokenizer_hit_rate": rate(d["triton_tokenizer_hit"], d["triton_tokenizer_miss"]),
+        "overall_hit_rate": rate(d["l1_hit"] + d["l2_hit"], d["l2_miss"] if d["l2_hit"] + d["l2_miss"] else d["l1_miss"]),
+        **{k: d[k] for k in ("l1_hit", "l1_miss", "l2_hit", "l2_miss", "triton_tokenizer_hit", "model_texts", "redis_errors")},
+    }
+
+
+def server_time_us(http_url: str, model: str) -> tuple[int, float]:
+    """(successful requests, total server time in µs: queue + compute) from Triton's statistics."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10) as r:
+        stats = json.loads(r.read())["model_stats"]
+    count = sum(int(s["inference_stats"]["success"]["count"]) for s in stats)
+    ns = sum(int(s["inference_stats"][k]["ns"]) for s in stats
+             for k in ("queue", "compute_input", "compute_infer", "compute_output"))
+    return count, ns / 1000.0
+
+
+def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: int, ranks: np.ndarray | None = None) -> Phase:
+    say(f"cache_bench: {name}: {len(texts)} requests to {model} at concurrency {concurrency}")
+    latencies, seconds, errors = drive(url, model, texts, concurrency)
+    ok = latencies[~np.isnan(latencies)]
+    p = Phase(name, model, len(texts), concurrency, round(seconds, 2), round(len(ok) / seconds, 1),
+              round(percentile(ok, 50), 2), round(percentile(ok, 99), 2), errors)
+    if ranks is not None:
+        seen = np.zeros(ranks.max() + 1, dtype=bool)
+        repeat = np.zeros(len(ranks), dtype=bool)
+        for i, r in enumerate(ranks):
+            repeat[i] = seen[r]
+            seen[r] = True
+        valid = ~np.isnan(latencies)
+        p.repeat_p50_ms = round(percentile(latencies[repeat & valid], 50), 2)
+        p.first_p50_ms = round(percentile(latencies[~repeat & valid], 50), 2)
+    return p
+
+
+def start(models: tuple[str, ...], cache_mb: int, env: dict[str, str], precision: str):
+    from export import variants
+    from server.layout import ROOT
+    from server.process import ServerOptions, TritonServer
+
+    repo = ROOT / "model_repository"
+    local = tuple(v for v in variants.VARIANTS if v != "trt_plan")
+    config_name, served = variants.resolve_precision(repo, ["text_encoder"], precision, loadable=local)
+    server = TritonServer(ServerOptions.with_free_ports(
+        workdir=Path(tempfile.mkdtemp(prefix="cache-bench-")), models=models, cache_size_bytes=cache_mb << 20,
+        model_config_name=config_name, env=env))
+    say(f"cache_bench: starting tritonserver ({', '.join(models)}; text_encoder={served['text_encoder']}; "
+        f"response cache {cache_mb} MiB; log {server.log_path})")
+    return server.__enter__(), served["text_encoder"]
+
+
+def markdown(phases: list[Phase], ratio: float, variant: str, args: argparse.Namespace, repeat: float) -> str:
+    lines = [
+        f"Workload: {args.requests} requests, Zipf s={args.zipf_s} over {DISTINCT} distinct sentences "
+        f"({repeat:.1%} of requests repeat an earlier one), one text per request, gRPC asyncio client, "
+        f"concurrency {args.concurrency}; text_encoder variant {variant}.",
+        "",
+        "| phase | model | req/s | P50 ms | P99 ms | repeat P50 ms | first-seen P50 ms | L1 hit | L2 hit (of L1 misses) | Triton tokenizer hit | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in phases:
+        lv = p.levels
+        f = lambda v: "-" if v is None else (f"{v:.1%}" if isinstance(v, float) and v <= 1 else str(v))  # noqa: E731
+        lines.append(f"| {p.name} | {p.model} | {p.throughput} | {p.p50_ms} | {p.p99_ms} | "
+                     f"{'-' if p.repeat_p50_ms is None else p.repeat_p50_ms} | {'-' if p.first_p50_ms is None else p.first_p50_ms} | "
+                     f"{f(lv.get('l1_hit_rate'))} | {f(lv.get('l2_hit_rate'))} | {f(lv.get('triton_tokenizer_hit_rate'))} | {p.errors} |")
+    hits = phases[-1]
+    lines += [
+        "",
+        f"**Throughput ratio with/without cache: {ratio:.2f}x** (P50 {phases[1].p50_ms} vs {phases[0].p50_ms} ms, "
+        f"P99 {phases[1].p99_ms} vs {phases[0].p99_ms} ms).",
+        f"**Cache-hit latency** (hits only, concurrency 1): client P50 {hits.p50_ms} ms, P99 {hits.p99_ms} ms; "
+        f"on the server {hits.server_us_per_request} µs per request (Triton statistics of {CACHED}: queue + compute).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from server.redis_process import RedisProcess
+
+    if not args.no_export:
+        from export import __main__ as export_main
+
+        if export_main.main(["--no-speed"]) != 0:
+            say("cache_bench: export failed")
+            return 1
+    texts = sentences()
+    ranks = zipf_ranks(args.requests, s=args.zipf_s)
+    stream = [texts[r] for r in ranks]
+    warmup = [f"Warm-up sentence number {i} is not part of the workload." for i in range(50)]
+    out_dir = Path(args.results_dir or RESULTS / time.strftime("cache-%Y%m%d-%H%M%S", time.gmtime()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    phases: list[Phase] = []
+
+    server, variant = start((ENSEMBLE,), 0, {}, args.precision)
+    try:
+        drive(server.grpc_url, ENSEMBLE, warmup, args.concurrency)
+        phases.append(phase("without cache", ENSEMBLE, server.grpc_url, stream, args.concurrency))
+    finally:
+        server.__exit__(None, None, None)
+
+    with RedisProcess(maxmemory_mb=512) as redis_server:
+        env = {"EMBEDDING_CACHE_L2_REDIS_URL": redis_server.url}
+        if args.l1_max_mb is not None:
+            env["EMBEDDING_CACHE_L1_MAX_MB"] = str(args.l1_max_mb)
+        server, _ = start((ENSEMBLE, CACHED), args.cache_size_mb, env, args.precision)
+        try:
+            drive(server.grpc_url, CACHED, warmup, args.concurrency)
+            before = cache_counts(server.metrics_url)
+            p = phase("with cache (cold start)", CACHED, server.grpc_url, stream, args.concurrency, ranks)
+            p.levels = level_rates(before, cache_counts(server.metrics_url))
+            phases.append(p)
+
+            import tritonclient.http as httpclient
+
+            admin = httpclient.InferenceServerClient(server.http_url)
+            admin.unload_model(CACHED)
+            admin.load_model(CACHED)
+            admin.close()
+            drive(server.grpc_url, CACHED, warmup[:5], 1)
+            before = cache_counts(server.metrics_url)
+            p = phase("new replica (empty L1, warm L2)", CACHED, server.grpc_url, stream, args.concurrency, ranks)
+            p.levels = level_rates(before, cache_counts(server.metrics_url))
+            phases.append(p)
+
+            top = [texts[r] for r in range(min(200, DISTINCT))] * max(1, args.hit_requests // 200)
+            drive(server.grpc_url, CACHED, top[:200], 1)  # every one cached (computed if it never came up)
+            count0, us0 = server_time_us(server.http_url, CACHED)
+            before = cache_counts(server.metrics_url)
+            p = phase("hits only", CACHED, server.grpc_url, top, 1)
+            p.levels = level_rates(before, cache_counts(server.metrics_url))
+            count1, us1 = server_time_us(server.http_url, CACHED)
+            p.server_us_per_request = round((us1 - us0) / max(count1 - count0, 1), 1)
+            phases.append(p)
+        finally:
+            server.__exit__(None, None, None)
+
+    ratio = phases[1].throughput / phases[0].throughput
+    summary = markdown(phases, ratio, variant, args, repeat_fraction(ranks))
+    (out_dir / "summary.md").write_text(summary)
+    (out_dir / "summary.json").write_text(json.dumps(
+        {"args": vars(args), "variant": variant, "throughput_ratio": round(ratio, 3),
+         "repeat_fraction": repeat_fraction(ranks), "phases": [asdict(p) for p in phases]}, indent=2, default=str))
+    say("\n" + summary)
+    say(f"cache_bench: results in {display_path(out_dir)}")
+    return 0 if all(p.errors == 0 for p in phases) else 1
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m perf.cache_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=20000, help="requests per phase (default 20000)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")
+    p.add_argument("--hit-requests", type=int, default=1000, help="requests of the hits-only phase (default 1000)")
+    p.add_argument("--precision", default="auto", help="text_encoder variant, as make serve's PRECISION (default auto)")
+    p.add_argument("--cache-size-mb", type=int, default=128, help="Triton response cache of the cached server (default 128)")
+    p.add_argument("--l1-max-mb", type=float, default=None, help="override text_embedding_cached's l1_max_mb")
+    p.add_argument("--results-dir", type=Path, default=None)
+    p.add_argument("--no-export", action="store_true", help="do not run the export first")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
