@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare locust test test-unit test-integration perf-baseline perf perf-quick clean
+.PHONY: venv export export-report serve compare locust test test-unit test-integration perf-baseline perf perf-quick cache-bench clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -62,6 +62,13 @@ perf-quick: $(STAMP)
 compare: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.compare
+
+# The result cache on a Zipf workload over 10,000 sentences: without cache, with cache (cold),
+# a new replica (warm L2) and hits only, side by side; starts its own servers and redis-server
+# (perf/README.md). CACHE_BENCH_ARGS="--requests 5000" for a shorter run.
+CACHE_BENCH_ARGS ?=
+cache-bench: $(STAMP)
+	$(PY) -m perf.cache_bench $(CACHE_BENCH_ARGS)
 
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s
