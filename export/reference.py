@@ -59,15 +59,19 @@ def token_embeddings(input_ids: np.ndarray, attention_mask: np.ndarray) -> np.nd
     return out.last_hidden_state.numpy()
 
 
+def pool(hidden: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """sentence-transformers' pooling: [n, L, H] token embeddings -> [n, H] masked mean, L2-normalised."""
+    m = attention_mask[..., None].astype(np.float32)
+    pooled = (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
+    return (pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
+
 def embed(texts: Sequence[str], batch_size: int = 16) -> np.ndarray:
     """Reference sentence embeddings [n, 384], L2-normalised."""
     chunks = []
     for start in range(0, len(texts), batch_size):
         ids, mask = tokenize(texts[start : start + batch_size])
-        hidden = token_embeddings(ids, mask)
-        m = mask[..., None].astype(np.float32)
-        pooled = (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
-        chunks.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True))
+        chunks.append(pool(token_embeddings(ids, mask), mask))
     return np.concatenate(chunks).astype(np.float32)
 
 

@@ -92,6 +92,7 @@ NUM_HEADS = 12
 HIDDEN_SIZE = reference.HIDDEN_SIZE
 NUM_LAYERS = 6
 OUTLIER_CHANNELS = 8
+OUTPUT = "sentence_embedding"  # export.text_encoder.OUTPUT
 INT8_MIN_COSINE = 0.99
 FP16_MIN_COSINE = 0.999
 MS_DOMAIN = "com.microsoft"
@@ -146,10 +147,10 @@ def fp16(src: Path, dst: Path) -> None:
 
 
 def cosines_vs_reference(model_path: Path, texts: Sequence[str], batch_size: int = 16) -> np.ndarray:
-    """Per-text cosine of pooled embeddings, ONNX Runtime on CPU vs the FP32 PyTorch reference.
+    """Per-text cosine of sentence embeddings, ONNX Runtime on CPU vs the FP32 PyTorch reference.
 
     Texts run in batches of ``batch_size`` padded to the longest, like ``reference.embed``; the
-    same masked mean pooling and normalisation are applied to both.
+    graph pools (masked mean, L2) as the reference does.
     """
     import onnxruntime as ort
 
@@ -161,9 +162,8 @@ def cosines_vs_reference(model_path: Path, texts: Sequence[str], batch_size: int
     pooled = []
     for start in range(0, len(texts), batch_size):
         ids, mask = reference.tokenize(texts[start : start + batch_size])
-        (hidden,) = session.run(["token_embeddings"], {"input_ids": ids, "attention_mask": mask})
-        m = mask[..., None].astype(np.float32)
-        pooled.append((hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9))
+        (embedding,) = session.run([OUTPUT], {"input_ids": ids, "attention_mask": mask})
+        pooled.append(embedding)
     return reference.cosine_rows(np.concatenate(pooled), reference.embed(texts, batch_size=batch_size))
 
 

@@ -4,7 +4,7 @@ One run, one system at a time (a 2-core machine cannot host two without each slo
 other), the same checked-in 16-token sentences and the same load generator throughout:
 
   a. limit: ONNX Runtime in-process, the encoder file and thread count Triton serves for
-     --precision, at its best batch size; also tokenizer + encoder + pooler in one loop
+     --precision, at its best batch size; also tokenizer + encoder in one loop
      (perf/limit.py). Measured before and after the servers; the larger figure counts (noise
      only ever lowers a ceiling);
   b. naive: perf/naive_server.py (FastAPI + PyTorch FP32, one request at a time), driven by
@@ -227,7 +227,7 @@ def measure_limit(run: Run, served: limit_mod.ServedEncoder, when: str) -> None:
     """One in-process limit measurement (``when``: "before" or "after" the servers) into run.limits."""
     a = run.args
     run.say(f"(a) limit {when} the servers: ONNX Runtime in-process, {served.variant} ({served.model_path.name}), "
-            f"{served.threads} threads")
+            f"layouts {', '.join(f'{n}x{t}' for n, t in limit_mod.layouts(served))} (sessions x threads)")
     started = time.monotonic()
     try:
         result = limit_mod.measure(served, limit_mod.load_sentences(a.input_data), a.limit_batches,
@@ -238,8 +238,9 @@ def measure_limit(run: Run, served: limit_mod.ServedEncoder, when: str) -> None:
         run.limit_errors.append(f"{when}: {exc}")
         return
     run.limits[when] = result
-    run.say(f"    encoder {result.encoder.best_throughput:.0f} seq/s (batch {result.encoder.best_batch}), "
-            f"end to end {result.end_to_end.best_throughput:.0f} seq/s ({time.monotonic() - started:.0f} s)")
+    run.say(f"    encoder {result.encoder.best_throughput:.0f} seq/s (batch {result.encoder.best_batch}, "
+            f"{result.best_layout('encoder')}), end to end {result.end_to_end.best_throughput:.0f} seq/s "
+            f"({time.monotonic() - started:.0f} s)")
 
 
 def add_limit_rows(run: Run) -> None:
@@ -250,7 +251,7 @@ def add_limit_rows(run: Run) -> None:
     machine can do (and the served / limit ratio the more demanding).
     """
     kinds = (("limit_encoder", "limit: encoder alone (ONNX Runtime)", "encoder"),
-             ("limit_e2e", "limit: tokenize + encode + pool in-process", "end_to_end"))
+             ("limit_e2e", "limit: tokenize + encode (pooling in the graph) in-process", "end_to_end"))
     if not run.limits:
         reason = "failed: " + "; ".join(run.limit_errors) if run.limit_errors else "time budget used up"
         for key, system, _ in kinds:
@@ -261,11 +262,11 @@ def add_limit_rows(run: Run) -> None:
         speeds = {when: getattr(limit, attr) for when, limit in run.limits.items()}
         best_when = max(speeds, key=lambda w: speeds[w].best_throughput)
         speed = speeds[best_when]
-        served = run.limits[best_when].served
+        limit = run.limits[best_when]
         each = ", ".join(f"{w} {s.best_throughput:.0f}" for w, s in speeds.items())
         run.rows.insert(position, Row(key, system, "in-process", f"batch {speed.best_batch} (best)", speed.best_throughput,
-                                      note=f"{served.variant}, {served.threads} threads; {each}; batch-1 latency "
-                                           f"{speed.latency_ms_b1:.1f} ms"))
+                                      note=f"{limit.served.variant}, {limit.best_layout(attr)} sessions x threads; "
+                                           f"{each}; batch-1 latency {speed.latency_ms_b1:.1f} ms"))
     for when, limit in run.limits.items():
         records += [{"when": when, **row} for row in limit.rows()]
     write_csv(run.out_dir / "limit.csv", records)
@@ -471,7 +472,7 @@ def ratios(args: argparse.Namespace, rows: Sequence[Row]) -> list[Ratio]:
     out = [
         _ratio(f"served (gRPC, c{c}) / limit (encoder alone)", grpc, limit, TARGET_SERVED_VS_LIMIT),
         _ratio(f"served (HTTP, c{c}) / limit (encoder alone)", http, limit, TARGET_SERVED_VS_LIMIT),
-        _ratio(f"served (gRPC, c{c}) / limit (tokenize+encode+pool)", grpc, e2e),
+        _ratio(f"served (gRPC, c{c}) / limit (tokenize+encode)", grpc, e2e),
         _ratio(f"served (HTTP, c{c}) / naive (HTTP, c{c})", http, naive, TARGET_SERVED_VS_NAIVE),
         _ratio(f"served (gRPC, c{c}) / naive (HTTP, c{c})", grpc, naive, TARGET_SERVED_VS_NAIVE),
         _ratio(f"dynamic batching on / off (gRPC, c{cb})", on, _row(rows, f"triton_grpc_c{cb}_nobatch")),
@@ -510,7 +511,7 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
                   "", "| measurement | step | queue (ms) | compute infer (ms) | mean batch |",
                   "| --- | --- | ---: | ---: | ---: |"]
         for r, composing in steps:
-            for name in ("text_tokenizer", ENCODER, "embedding_pooler"):
+            for name in ("text_tokenizer", ENCODER):
                 s = composing.get(name)
                 if s is not None:
                     lines.append(f"| {r.key} | {name} | {_fmt(s.breakdown_ms.get('queue'))} | "
@@ -578,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
               f"batching on/off at {args.batching_concurrency}, budget {args.time_budget:.0f} s, load average {load}")
 
     measure_limit(state, served, "before")
-    measure_naive(state, served.threads)
+    measure_naive(state, served.threads * served.instances)
     measure_triton(state, served)
     if state.left() > args.limit_reserve_s:
         measure_limit(state, served, "after")
@@ -596,7 +597,8 @@ def run(args: argparse.Namespace) -> int:
         f"- input: {pa.display_path(args.input_data)}, 16-token sentences, batch size 1 per request",
         f"- perf_analyzer windows of {args.request_count} requests (count_windows), -s {args.stability_percent:g}, "
         f"max trials {args.max_trials}, one retry with twice the requests",
-        f"- threads: ONNX Runtime {served.threads} intra-op (limit and Triton's encoder), torch {served.threads} (naive)",
+        f"- threads: Triton's encoder {served.instances} instance(s) x {served.threads} intra-op thread(s); the limit "
+        f"the faster of that and 1 x {os.cpu_count()}; torch {served.threads * served.instances} (naive)",
     ]
     table = markdown(header, state.rows, ratio_list)
     (out_dir / "summary.md").write_text(table)

@@ -5,11 +5,17 @@ median over rounds, so a noisy neighbour costs every figure alike):
 
 - **encoder**: ONNX Runtime alone running the encoder file that Triton serves for the chosen
   precision (``--precision cpu`` = the variant configs/cpu.pbtxt serves, INT8 here; ``fp32`` =
-  model.onnx), on pre-tokenized batches of the checked-in 16-token sentences, with the same
-  intra-op thread count as the served config and spinning off (export.bench.open_cpu_session).
+  model.onnx), on pre-tokenized batches of the checked-in 16-token sentences, spinning off
+  (export.bench.open_cpu_session).
 - **end to end**: the same session plus the served tokenizer (python_backends.text
-  BatchTokenizer on the exported tokenizer.json) and the served pooler (mean_pool) in the same
-  loop: what a perfect server with zero overhead would do per batch of texts.
+  BatchTokenizer on the exported tokenizer.json) in the same loop (pooling is in the graph):
+  what a perfect server with zero overhead would do per batch of texts.
+
+Each is measured in two thread layouts over the same cores: the served one (the config's
+instance count, each instance a session with the config's intra-op threads, all running at
+once in their own threads), and one session with one intra-op thread per core. The limit
+for a batch size is the faster layout, so a served layout that wastes the cores is not
+flattered by a ceiling measured the same wasteful way.
 
 Both are sequences per second per batch size; the limit is the best batch's figure.
 """
@@ -21,8 +27,9 @@ import json
 import re
 import statistics
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,21 +55,37 @@ class ServedEncoder:
     config_name: str | None  # tritonserver --model-config-name (None = config.pbtxt)
     variant: str  # fp32, int8, ...
     model_path: Path
-    threads: int  # ONNX Runtime intra-op threads the served config gives the encoder
+    threads: int  # ONNX Runtime intra-op threads the served config gives each encoder instance
+    instances: int = 1  # encoder instances (instance_group count) running at once
+
+    @property
+    def layout(self) -> str:
+        return f"{self.instances}x{self.threads}"
 
 
 @dataclass
 class Limit:
     served: ServedEncoder
-    encoder: bench.Speed  # ONNX Runtime alone, sequences/s by batch size
-    end_to_end: bench.Speed  # tokenizer + encoder + pooler, sequences/s by batch size
+    encoder: bench.Speed  # ONNX Runtime alone, sequences/s by batch size (faster layout per batch)
+    end_to_end: bench.Speed  # tokenizer + encoder (pooling in the graph), sequences/s by batch size
+    # layout ("<sessions>x<threads>") -> kind ("encoder", "end_to_end") -> speed
+    layouts: dict[str, dict[str, bench.Speed]] = field(default_factory=dict)
+
+    def best_layout(self, kind: str = "encoder") -> str:
+        """The layout of the best batch's figure."""
+        speed = getattr(self, kind)
+        batch = speed.best_batch
+        return max(self.layouts, key=lambda name: self.layouts[name][kind].throughput.get(batch, 0.0))
 
     def rows(self) -> list[dict[str, object]]:
         out = []
-        for kind, speed in (("encoder", self.encoder), ("end_to_end", self.end_to_end)):
-            for batch, value in speed.throughput.items():
-                out.append({"kind": kind, "variant": self.served.variant, "threads": self.served.threads,
-                            "batch": batch, "sequences_per_s": round(value, 1)})
+        for layout, kinds in self.layouts.items():
+            sessions, threads = (int(x) for x in layout.split("x"))
+            for kind, speed in kinds.items():
+                for batch, value in speed.throughput.items():
+                    out.append({"kind": kind, "variant": self.served.variant, "layout": layout,
+                                "sessions": sessions, "threads": threads, "batch": batch,
+                                "sequences_per_s": round(value, 1)})
         return out
 
 
@@ -90,7 +113,19 @@ def served_encoder(precision: str, repo: Path = REPOSITORY) -> ServedEncoder:
     text = served_config_text(repo, ENCODER, config_name)
     # Triton's (and ONNX Runtime's) 0 = one thread per core; the same here.
     threads = int(config_parameter(text, "intra_op_thread_count") or 0) or bench.cpu_threads()
-    return ServedEncoder(precision, config_name, variant, repo / ENCODER / "1" / VARIANTS[variant].filename, threads)
+    return ServedEncoder(precision, config_name, variant, repo / ENCODER / "1" / VARIANTS[variant].filename, threads,
+                         instance_count(text))
+
+
+def instance_count(config_text: str) -> int:
+    """Instances of a config.pbtxt text: the sum of its instance_group counts (1 when unset)."""
+    groups = re.findall(r"instance_group\s*\[(.*?)\]", config_text, flags=re.S)
+    counts = [int(c) for g in groups for c in re.findall(r"count:\s*(\d+)", _strip_comments(g))]
+    return sum(counts) or 1
+
+
+def _strip_comments(text: str) -> str:
+    return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
 
 
 def load_sentences(path: Path = DEFAULT_INPUT) -> list[str]:
@@ -111,15 +146,39 @@ def served_tokenizer(repo: Path = REPOSITORY):
     return BatchTokenizer(repo / TOKENIZER / "1" / file, max_length, buckets)
 
 
-def _rate(run: Callable[[], object], items: int, seconds: float, min_runs: int = 3) -> tuple[float, float]:
-    """(items per second, median seconds per run) of ``run`` repeated for about ``seconds``."""
-    times = []
-    deadline = time.perf_counter() + seconds
-    while len(times) < min_runs or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return items * len(times) / sum(times), statistics.median(times)
+def _rate(runs: Sequence[Callable[[], object]], items: int, seconds: float, min_runs: int = 3) -> tuple[float, float]:
+    """(items per second, median seconds per run) of the ``runs``, each repeated in its own thread
+    for about ``seconds``, all at once (ONNX Runtime and the tokenizer release the GIL)."""
+    times: list[list[float]] = [[] for _ in runs]
+    start_line = threading.Barrier(len(runs))
+
+    def loop(i: int) -> None:
+        start_line.wait()
+        deadline = time.perf_counter() + seconds
+        while len(times[i]) < min_runs or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            runs[i]()
+            times[i].append(time.perf_counter() - start)
+
+    if len(runs) == 1:
+        loop(0)
+    else:
+        workers = [threading.Thread(target=loop, args=(i,)) for i in range(len(runs))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    rate = sum(items * len(t) / sum(t) for t in times)
+    return rate, statistics.median(x for t in times for x in t)
+
+
+def layouts(served: ServedEncoder, cores: int | None = None) -> list[tuple[int, int]]:
+    """(sessions, intra-op threads each): the served layout and one session over all cores."""
+    cores = cores or bench.cpu_threads()
+    out = [(served.instances, served.threads)]
+    if (1, cores) not in out:
+        out.append((1, cores))
+    return out
 
 
 def measure(
@@ -131,67 +190,89 @@ def measure(
     repo: Path = REPOSITORY,
     progress: Callable[[str], None] | None = None,
 ) -> Limit:
-    """Encoder-only and end-to-end in-process throughput per batch size, interleaved rounds."""
-    from python_backends.text.pooling import mean_pool
-
+    """Encoder-only and end-to-end in-process throughput per batch size and thread layout,
+    interleaved rounds; per kind and batch size the faster layout counts."""
     if not served.model_path.is_file():
         raise FileNotFoundError(f"{served.model_path} not found (run `make export`)")
-    session = bench.open_cpu_session(served.model_path, served.threads)
-    tokenizer = served_tokenizer(repo)
+    plan = layouts(served)
+    sessions = {(n, t): [bench.open_cpu_session(served.model_path, t) for _ in range(n)] for n, t in plan}
+    tokenizers = [served_tokenizer(repo) for _ in range(max(n for n, _ in plan))]
     batches = sorted(set(batches) | {1})
     batch_texts = {b: [texts[i % len(texts)] for i in range(b)] for b in batches}
     feeds = {}
     for b, chunk in batch_texts.items():
-        enc = tokenizer.encode(chunk)
+        enc = tokenizers[0].encode(chunk)
         feeds[b] = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}
 
-    def encoder_only(b: int) -> Callable[[], object]:
+    def encoder_only(session, tokenizer, b: int) -> Callable[[], object]:
         return lambda: session.run(None, feeds[b])
 
-    def end_to_end(b: int) -> Callable[[], object]:
+    def end_to_end(session, tokenizer, b: int) -> Callable[[], object]:
         def run() -> np.ndarray:
             enc = tokenizer.encode(batch_texts[b])
-            (hidden,) = session.run(None, {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
-            return mean_pool(hidden, enc.attention_mask)
+            (embedding,) = session.run(None, {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+            return embedding
 
         return run
 
     kinds = {"encoder": encoder_only, "end_to_end": end_to_end}
-    for b in batches:  # warm-up: first runs allocate and pick kernels
-        for make in kinds.values():
-            make(b)()
-    rates: dict[str, dict[int, list[float]]] = {k: {b: [] for b in batches} for k in kinds}
-    latency: dict[str, list[float]] = {k: [] for k in kinds}
+
+    def runs(layout: tuple[int, int], make: Callable, b: int) -> list[Callable[[], object]]:
+        return [make(s, tokenizers[i], b) for i, s in enumerate(sessions[layout])]
+
+    for layout in plan:  # warm-up: first runs allocate and pick kernels
+        for b in batches:
+            for make in kinds.values():
+                for one in runs(layout, make, b):
+                    one()
+    names = {layout: f"{layout[0]}x{layout[1]}" for layout in plan}
+    rates = {names[lay]: {k: {b: [] for b in batches} for k in kinds} for lay in plan}
+    latency = {names[lay]: {k: [] for k in kinds} for lay in plan}
     for r in range(rounds):
         if progress:
-            progress(f"limit round {r + 1}/{rounds}: batches {', '.join(map(str, batches))}")
+            progress(f"limit round {r + 1}/{rounds}: batches {', '.join(map(str, batches))}, "
+                     f"layouts {', '.join(names.values())} (sessions x threads)")
         for b in batches:
-            for kind, make in kinds.items():
-                rate, median_s = _rate(make(b), b, seconds)
-                rates[kind][b].append(rate)
-                if b == 1:
-                    latency[kind].append(median_s * 1e3)
-    speeds = {
-        kind: bench.Speed(statistics.median(latency[kind]), {b: statistics.median(v) for b, v in rates[kind].items()})
+            for layout in plan:
+                for kind, make in kinds.items():
+                    rate, median_s = _rate(runs(layout, make, b), b, seconds)
+                    rates[names[layout]][kind][b].append(rate)
+                    if b == 1:
+                        latency[names[layout]][kind].append(median_s * 1e3)
+    per_layout = {
+        name: {kind: bench.Speed(statistics.median(latency[name][kind]),
+                                 {b: statistics.median(v) for b, v in rates[name][kind].items()})
+               for kind in kinds}
+        for name in rates
+    }
+    served_name = names[plan[0]]
+    best = {
+        kind: bench.Speed(per_layout[served_name][kind].latency_ms_b1,
+                          {b: max(per_layout[n][kind].throughput[b] for n in per_layout) for b in batches})
         for kind in kinds
     }
-    return Limit(served, speeds["encoder"], speeds["end_to_end"])
+    return Limit(served, best["encoder"], best["end_to_end"], per_layout)
 
 
 def markdown(limit: Limit) -> str:
     s = limit.served
+    names = list(limit.layouts)
     lines = [
-        f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, "
-        f"{s.threads} intra-op threads, spinning off, 16-token sentences.",
+        f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, spinning off, "
+        f"16-token sentences; layouts as sessions x intra-op threads (served: {s.layout}).",
         "",
-        "| batch | encoder only (seq/s) | tokenizer + encoder + pooler (seq/s) |",
-        "| ---: | ---: | ---: |",
+        "| batch | " + " | ".join(f"encoder {n} (seq/s) | tokenizer + encoder {n} (seq/s)" for n in names) + " |",
+        "| ---: | " + " | ".join("---: | ---:" for _ in names) + " |",
     ]
     for b in limit.encoder.throughput:
-        lines.append(f"| {b} | {limit.encoder.throughput[b]:.0f} | {limit.end_to_end.throughput[b]:.0f} |")
+        cells = " | ".join(f"{limit.layouts[n]['encoder'].throughput[b]:.0f} | "
+                           f"{limit.layouts[n]['end_to_end'].throughput[b]:.0f}" for n in names)
+        lines.append(f"| {b} | {cells} |")
+    lines += ["", "| limit | encoder only (seq/s) | tokenizer + encoder (seq/s) |", "| --- | ---: | ---: |"]
     lines.append(
-        f"| best | {limit.encoder.best_throughput:.0f} (batch {limit.encoder.best_batch}) | "
-        f"{limit.end_to_end.best_throughput:.0f} (batch {limit.end_to_end.best_batch}) |"
+        f"| best | {limit.encoder.best_throughput:.0f} (batch {limit.encoder.best_batch}, "
+        f"{limit.best_layout('encoder')}) | {limit.end_to_end.best_throughput:.0f} "
+        f"(batch {limit.end_to_end.best_batch}, {limit.best_layout('end_to_end')}) |"
     )
     return "\n".join(lines) + "\n"
 

@@ -125,10 +125,10 @@ def test_encoder_isolates_a_bad_request_in_its_batch(http_client):
     jobs = [http_client.async_infer("text_encoder", inputs([101, 10**7, 2088, 102] if i == 3 else good_ids)) for i in range(8)]
     with pytest.raises(InferenceServerException):
         jobs[3].get_result()
-    expected = http_client.infer("text_encoder", inputs(good_ids)).as_numpy("token_embeddings")
+    expected = http_client.infer("text_encoder", inputs(good_ids)).as_numpy("sentence_embedding")
     for i, job in enumerate(jobs):
         if i != 3:
-            np.testing.assert_allclose(job.get_result().as_numpy("token_embeddings"), expected, atol=1e-5)
+            np.testing.assert_allclose(job.get_result().as_numpy("sentence_embedding"), expected, atol=1e-5)
 
 
 def test_server_still_healthy_after_bad_input(http_client):

@@ -14,7 +14,7 @@ name: "broken_encoder"
 backend: "onnxruntime"
 max_batch_size: 8
 input [ { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] } ]
-output [ { name: "token_embeddings" data_type: TYPE_FP32 dims: [ -1, 384 ] } ]
+output [ { name: "sentence_embedding" data_type: TYPE_FP32 dims: [ 384 ] } ]
 """
 
 

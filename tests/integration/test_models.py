@@ -13,7 +13,7 @@ def test_ensemble_metadata(http_client):
 
 
 def test_every_composing_model_batches_with_the_same_priority_levels(http_client):
-    for name in ("text_tokenizer", "text_encoder", "embedding_pooler"):
+    for name in ("text_tokenizer", "text_encoder"):
         config = http_client.get_model_config(name)
         batching = config["dynamic_batching"]
         assert int(batching["priority_levels"]) == 2, name

@@ -43,7 +43,7 @@ def test_auto_serves_the_best_cpu_variant_that_passed(cpu_server):
 
 
 def test_served_variant_meets_its_gate_end_to_end(cpu_server):
-    """Through the whole ensemble (our tokenizer, served variant, pooler) on the held-out texts."""
+    """Through the whole ensemble (our tokenizer, the served variant with its pooling) on the held-out texts."""
     server, served = cpu_server
     gate = variants.load_gates()["text_encoder"].get(served["text_encoder"], {"min_cosine": 0.9999})
     texts = heldout_texts()

@@ -32,7 +32,7 @@ def test_exported_graph_has_named_dynamic_axes(exported):
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     assert inputs == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"]}
-    assert outputs == {"token_embeddings": ["batch", "sequence", 384]}
+    assert outputs == {"sentence_embedding": ["batch", 384]}
 
 
 def test_second_export_is_skipped_and_force_redoes(exported, monkeypatch):

@@ -114,7 +114,7 @@ def test_fp16_keeps_io_types_and_passes_its_gate(variants, fp32_model):
     model = onnx.load(str(variants["fp16"]))
     inputs, outputs = _io(variants["fp16"])
     assert inputs == {"input_ids": onnx.TensorProto.INT64, "attention_mask": onnx.TensorProto.INT64}
-    assert outputs == {"token_embeddings": onnx.TensorProto.FLOAT}
+    assert outputs == {"sentence_embedding": onnx.TensorProto.FLOAT}
     big = [i for i in model.graph.initializer if np.prod(i.dims) >= 384 * 384]
     assert big and all(i.data_type == onnx.TensorProto.FLOAT16 for i in big)
     assert variants["fp16"].stat().st_size < 0.6 * fp32_model.stat().st_size
