@@ -58,7 +58,9 @@ class Phase:
     repeat_p50_ms: float | None = None  # requests whose text came earlier in the stream
     first_p50_ms: float | None = None  # first occurrences
     levels: dict[str, float] = field(default_factory=dict)  # hit rates and counts
-    server_us_per_request: float | None = None
+    server_compute_us: float | None = None  # per request, Triton statistics (hits-only phase)
+    server_queue_us: float | None = None
+    lookup_us: float | None = None  # L1 + L2 lookup of one batch, from embedding_cache_lookup_seconds
 
 
 def percentile(values: np.ndarray, q: float) -> float:
@@ -142,14 +144,22 @@ def level_rates(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     }
 
 
-def server_time_us(http_url: str, model: str) -> tuple[int, float]:
-    """(successful requests, total server time in µs: queue + compute) from Triton's statistics."""
+def server_times(http_url: str, model: str) -> dict[str, float]:
+    """Triton's cumulative statistics of ``model``: successful requests, queue and compute µs."""
     with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10) as r:
         stats = json.loads(r.read())["model_stats"]
-    count = sum(int(s["inference_stats"]["success"]["count"]) for s in stats)
-    ns = sum(int(s["inference_stats"][k]["ns"]) for s in stats
-             for k in ("queue", "compute_input", "compute_infer", "compute_output"))
-    return count, ns / 1000.0
+    total = lambda k: sum(int(s["inference_stats"][k]["ns"]) for s in stats) / 1000.0  # noqa: E731
+    return {
+        "count": sum(int(s["inference_stats"]["success"]["count"]) for s in stats),
+        "queue_us": total("queue"),
+        "compute_us": total("compute_input") + total("compute_infer") + total("compute_output"),
+    }
+
+
+def lookup_seconds(metrics_url: str) -> tuple[float, float]:
+    m = metrics(metrics_url)
+    labels = f'{{model="{CACHED}"}}'
+    return m.get(f"embedding_cache_lookup_seconds_sum{labels}", 0.0), m.get(f"embedding_cache_lookup_seconds_count{labels}", 0.0)
 
 
 def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: int, ranks: np.ndarray | None = None) -> Phase:
@@ -207,7 +217,8 @@ def markdown(phases: list[Phase], ratio: float, variant: str, args: argparse.Nam
         f"**Throughput ratio with/without cache: {ratio:.2f}x** (P50 {phases[1].p50_ms} vs {phases[0].p50_ms} ms, "
         f"P99 {phases[1].p99_ms} vs {phases[0].p99_ms} ms).",
         f"**Cache-hit latency** (hits only, concurrency 1): client P50 {hits.p50_ms} ms, P99 {hits.p99_ms} ms; "
-        f"on the server {hits.server_us_per_request} µs per request (Triton statistics of {CACHED}: queue + compute).",
+        f"on the server (Triton statistics of {CACHED}) {hits.server_compute_us} µs compute and "
+        f"{hits.server_queue_us} µs queue per request, of which the L1 lookup {hits.lookup_us} µs.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -262,12 +273,15 @@ def run(args: argparse.Namespace) -> int:
 
             top = [texts[r] for r in range(min(200, DISTINCT))] * max(1, args.hit_requests // 200)
             drive(server.grpc_url, CACHED, top[:200], 1)  # every one cached (computed if it never came up)
-            count0, us0 = server_time_us(server.http_url, CACHED)
+            t0, l0 = server_times(server.http_url, CACHED), lookup_seconds(server.metrics_url)
             before = cache_counts(server.metrics_url)
             p = phase("hits only", CACHED, server.grpc_url, top, 1)
             p.levels = level_rates(before, cache_counts(server.metrics_url))
-            count1, us1 = server_time_us(server.http_url, CACHED)
-            p.server_us_per_request = round((us1 - us0) / max(count1 - count0, 1), 1)
+            t1, l1 = server_times(server.http_url, CACHED), lookup_seconds(server.metrics_url)
+            n = max(t1["count"] - t0["count"], 1)
+            p.server_compute_us = round((t1["compute_us"] - t0["compute_us"]) / n, 1)
+            p.server_queue_us = round((t1["queue_us"] - t0["queue_us"]) / n, 1)
+            p.lookup_us = round((l1[0] - l0[0]) / max(l1[1] - l0[1], 1) * 1e6, 1)
             phases.append(p)
         finally:
             server.__exit__(None, None, None)
