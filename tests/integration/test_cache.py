@@ -222,6 +222,26 @@ def test_bad_input_fails_only_its_request(client, value, message):
     assert embed(client, CACHED, ["still serving"]).shape == (1, 384)
 
 
+def test_another_precision_variant_shares_redis_but_not_keys(start_triton, redis_l2, client):
+    """A server restarted with another PRECISION (here: a second server, INT8) on the same
+    Redis must not find the FP32 server's vectors: the variant is part of the key."""
+    text = ["variant: computed by the FP32 server first"]
+    fp32 = embed(client, CACHED, text)
+    stored = redis.Redis.from_url(redis_l2.url).dbsize()
+    env = {"EMBEDDING_CACHE_L2_REDIS_URL": redis_l2.url}
+    with start_triton("triton-cache-int8-", (ENSEMBLE, CACHED), model_config_name="int8", env=env) as int8_server:
+        c = httpclient.InferenceServerClient(int8_server.http_url)
+        try:
+            int8 = embed(c, CACHED, text)
+            assert lookups(int8_server, "l2", "hit") == 0  # the FP32 entry was not found
+            assert np.abs(int8 - embed(c, ENSEMBLE, text)).max() < 1e-4
+            assert np.abs(int8 - fp32).max() > 1e-3  # and INT8 vectors do differ
+            assert redis.Redis.from_url(redis_l2.url).dbsize() == stored + 1  # its own entry
+            assert "variant int8" in int8_server.log_tail(400)
+        finally:
+            c.close()
+
+
 def test_hot_swap_to_a_new_encoder_version_changes_the_keys(client, triton, repo):
     text = ["hot swap: the same text before and after"]
     old = embed(client, CACHED, text)
@@ -238,3 +258,4 @@ def test_hot_swap_to_a_new_encoder_version_changes_the_keys(client, triton, repo
     assert np.abs(after - new_model).max() < 1e-4  # not the stale cached vector
     assert not np.array_equal(after, old)
     assert "text_encoder version 2" in triton.log_tail(400)
+
