@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare locust test test-unit test-integration perf-baseline perf perf-quick cache-bench clean
+.PHONY: venv export export-report serve compare autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -62,6 +62,13 @@ perf-quick: $(STAMP)
 compare: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.compare
+
+# Search the encoder's max_queue_delay x preferred_batch_size x instance count under a P99
+# budget (reloads through the repository API, one server); AUTOTUNE_ARGS, e.g. --apply 127.0.0.1:8000.
+AUTOTUNE_ARGS ?=
+autotune: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.autotune $(AUTOTUNE_ARGS)
 
 # The result cache on a Zipf workload over 10,000 sentences: without cache, with cache (cold),
 # a new replica (warm L2) and hits only, side by side; starts its own servers and redis-server
