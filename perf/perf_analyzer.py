@@ -208,6 +208,8 @@ class ModelStats:
     success_count: int = 0
     avg_request_latency_ms: float | None = None
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # overhead, queue, compute input, ...
+    cache_hit_count: int = 0  # Triton's response cache (reported when the server has one)
+    cache_miss_count: int = 0
 
     @property
     def avg_batch(self) -> float | None:
@@ -323,15 +325,19 @@ def parse_csv(text: str) -> list[Measurement]:
 
 
 _MODEL_HEADER = re.compile(r"^\s*(?P<name>[^\s,]+), version: (?P<version>\S*)\s*$")
-_COUNT = re.compile(r"^\s*(Inference|Execution|Successful request) count: (\d+)\s*$")
+_COUNT = re.compile(r"^\s*(Inference|Execution|Successful request|Cache hit|Cache miss) count: (\d+)\s*$")
+# With a response cache on the server, compute times move to the cache-miss line:
+#   Average Cache Miss Latency: 54344 usec (cache lookup/insertion 0 usec + compute input 135 usec + ...)
+_CACHE_LATENCY = re.compile(r"^\s*Average Cache (?P<kind>Hit|Miss) Latency: (\d+(?:\.\d+)?) usec(?: \((?P<parts>.*)\))?\s*$")
 _AVG_LATENCY = re.compile(r"^\s*Avg request latency: (\d+(?:\.\d+)?) usec(?: \((?P<parts>.*)\))?\s*$")
-_PART = re.compile(r"(?P<label>[A-Za-z][A-Za-z ]*?) (?P<value>\d+(?:\.\d+)?) usec")
+_PART = re.compile(r"(?P<label>[A-Za-z][A-Za-z /]*?) (?P<value>\d+(?:\.\d+)?) usec")
 
 
 def _parse_stats(name: str, version: str, lines: Sequence[str]) -> ModelStats:
     counts: dict[str, int] = {}
     avg = None
     parts: dict[str, float] = {}
+    miss_parts: dict[str, float] = {}
     for line in lines:
         if m := _COUNT.match(line):
             counts[m.group(1)] = int(m.group(2))
@@ -339,6 +345,15 @@ def _parse_stats(name: str, version: str, lines: Sequence[str]) -> ModelStats:
             avg = float(m.group(1)) / 1000.0
             for p in _PART.finditer(m.group("parts") or ""):
                 parts[p.group("label").strip().lstrip("+ ").strip()] = float(p.group("value")) / 1000.0
+        elif (m := _CACHE_LATENCY.match(line)) and m.group("kind") == "Miss":
+            for p in _PART.finditer(m.group("parts") or ""):
+                miss_parts[p.group("label").strip().lstrip("+ ").strip()] = float(p.group("value")) / 1000.0
+    hits, misses = counts.get("Cache hit", 0), counts.get("Cache miss", 0)
+    if miss_parts:
+        # Per miss -> per request, like the other figures (a hit computes nothing).
+        share = misses / (hits + misses) if hits + misses else 1.0
+        for label, value in miss_parts.items():
+            parts.setdefault(label, value * share)
     return ModelStats(
         name=name,
         version=version,
@@ -347,6 +362,8 @@ def _parse_stats(name: str, version: str, lines: Sequence[str]) -> ModelStats:
         success_count=counts.get("Successful request", 0),
         avg_request_latency_ms=avg,
         breakdown_ms=parts,
+        cache_hit_count=hits,
+        cache_miss_count=misses,
     )
 
 

@@ -155,6 +155,41 @@ def test_report_gives_ensemble_and_composing_models():
     assert composing["text_tokenizer"].inference_count == 1430
 
 
+CACHED_REPORT = """\
+  Server: 
+    Inference count: 100
+    Execution count: 100
+    Cache hit count: 0
+    Cache miss count: 0
+    Successful request count: 100
+    Avg request latency: 20000 usec (overhead 20 usec + queue 5000 usec + cache hit/miss 15000 usec)
+
+  Composing models: 
+  text_tokenizer, version: 1
+      Inference count: 100
+      Execution count: 20
+      Cache hit count: 60
+      Cache miss count: 40
+      Successful request count: 100
+      Avg request latency: 3000 usec (overhead 7 usec + queue 1000 usec + cache hit/miss 2000 usec)
+          Average Cache Hit Latency: 100 usec
+          Average Cache Miss Latency: 4000 usec (cache lookup/insertion 50 usec + compute input 100 usec + compute infer 3800 usec + compute output 50 usec)
+
+Inferences/Second vs. Client Average Batch Latency
+"""
+
+
+def test_report_with_a_response_cache_gives_per_request_compute_times():
+    own, composing = pa.parse_report(CACHED_REPORT, "text_embedding")
+    assert own.breakdown_ms["queue"] == 5.0 and own.breakdown_ms["cache hit/miss"] == 15.0
+    tok = composing["text_tokenizer"]
+    assert (tok.cache_hit_count, tok.cache_miss_count, tok.avg_batch) == (60, 40, 5.0)
+    # The miss line's figures are per miss; 40 of 100 requests missed.
+    assert tok.breakdown_ms["compute infer"] == pytest.approx(3.8 * 0.4)
+    assert tok.breakdown_ms["cache lookup/insertion"] == pytest.approx(0.05 * 0.4)
+    assert tok.breakdown_ms["queue"] == 1.0
+
+
 def test_report_without_server_section():
     assert pa.parse_report(UNSTABLE) == (None, {})
     assert pa.ModelStats("x").avg_batch is None
