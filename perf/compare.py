@@ -505,17 +505,25 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
     for q in ratio_list:
         met = "" if q.met is None else ("yes" if q.met else "no")
         lines.append(f"| {q.name} | {_fmt(q.value, 2)} | {q.target} | {met} | {q.detail} |")
-    steps = [(r, r.measurement.composing) for r in rows if r.measurement is not None and r.measurement.composing]
-    if steps:
-        lines += ["", "Triton, per ensemble step (mean queue and compute infer ms; mean batch = inferences per execution):",
-                  "", "| measurement | step | queue (ms) | compute infer (ms) | mean batch |",
-                  "| --- | --- | ---: | ---: | ---: |"]
-        for r, composing in steps:
-            for name in ("text_tokenizer", ENCODER):
-                s = composing.get(name)
-                if s is not None:
-                    lines.append(f"| {r.key} | {name} | {_fmt(s.breakdown_ms.get('queue'))} | "
-                                 f"{_fmt(s.breakdown_ms.get('compute infer'))} | {_fmt(s.avg_batch, 2)} |")
+    measured = [r for r in rows if r.measurement is not None and r.measurement.composing]
+    if measured:
+        lines += ["", "Where the time goes, Triton measurements (mean ms per request; client side from "
+                      "perf_analyzer's CSV, server side from Triton's statistics; each step's compute is the "
+                      "whole execution its request was part of):",
+                  "", "| measurement | client send | network + server send/recv | client recv | ensemble queue | "
+                      "step | step queue | compute input | compute infer | compute output | mean batch |",
+                  "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in measured:
+            m = r.measurement
+            client = (f"{_fmt(m.client_send_ms, 2)} | {_fmt(m.network_server_send_recv_ms, 2)} | "
+                      f"{_fmt(m.client_recv_ms, 2)} | {_fmt(m.server_queue_ms, 2)}")
+            for i, name in enumerate(n for n in ("text_tokenizer", ENCODER) if n in m.composing):
+                s = m.composing[name]
+                b = s.breakdown_ms
+                lead = f"| {r.key} | {client} |" if i == 0 else "| | | | | |"
+                lines.append(f"{lead} {name} | {_fmt(b.get('queue'))} | {_fmt(b.get('compute input'), 2)} | "
+                             f"{_fmt(b.get('compute infer'))} | {_fmt(b.get('compute output'), 2)} | "
+                             f"{_fmt(s.avg_batch, 2)} |")
     return "\n".join(lines) + "\n"
 
 
