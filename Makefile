@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench clean
+.PHONY: venv export export-report serve compare autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -76,6 +76,26 @@ autotune: $(STAMP)
 CACHE_BENCH_ARGS ?=
 cache-bench: $(STAMP)
 	$(PY) -m perf.cache_bench $(CACHE_BENCH_ARGS)
+
+# Canary rollout of a text_encoder version on a running server (make serve; README "Model
+# versions and canary rollout"): publish copies the export into the next version folder;
+# start VERSION=N steps 10 -> 50 -> 100 % with automatic rollback; ROLLOUT_ARGS e.g.
+# "--dwell 120 --max-error-rate 0.005" (start) or "--force" (finish); ROLLOUT_OPTS for all
+# commands, e.g. "--url 127.0.0.1:9000 --state-file other.json".
+VERSION ?=
+ROLLOUT_ARGS ?=
+ROLLOUT_OPTS ?=
+rollout-publish: $(STAMP)
+	$(PY) -m clients.rollout publish $(ROLLOUT_ARGS)
+rollout-start: $(STAMP)
+	@test -n "$(VERSION)" || { echo "usage: make rollout-start VERSION=<n> [ROLLOUT_ARGS=...]"; exit 2; }
+	$(PY) -m clients.rollout $(ROLLOUT_OPTS) start $(VERSION) $(ROLLOUT_ARGS)
+rollout-status: $(STAMP)
+	$(PY) -m clients.rollout $(ROLLOUT_OPTS) status
+rollout-rollback: $(STAMP)
+	$(PY) -m clients.rollout $(ROLLOUT_OPTS) rollback
+rollout-finish: $(STAMP)
+	$(PY) -m clients.rollout $(ROLLOUT_OPTS) finish $(ROLLOUT_ARGS)
 
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s

@@ -55,6 +55,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Redis for text_embedding_cached's shared L2 cache, e.g. redis://127.0.0.1:6379/0; "
         "empty = L2 off (default $EMBEDDING_CACHE_L2_REDIS_URL)",
     )
+    p.add_argument(
+        "--repository-token-file",
+        type=Path,
+        default=Path(os.environ.get("TRITON_REPOSITORY_TOKEN_FILE") or ROOT / ".triton" / "repository-token"),
+        help="the repository API (load/unload) needs the header triton-repository-token with this file's token; "
+        "created (mode 0600) when missing; $TRITON_REPOSITORY_TOKEN wins (default .triton/repository-token)",
+    )
+    p.add_argument(
+        "--rollout-state",
+        type=Path,
+        default=Path(os.environ.get("ROLLOUT_STATE_FILE") or ROOT / ".rollout" / "state.json"),
+        help="rollout state (python -m clients.rollout): when it exists, text_encoder's versions and the router's "
+        "weights are loaded as it records (default .rollout/state.json, or $ROLLOUT_STATE_FILE)",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
@@ -79,6 +93,23 @@ def _served_models(repo: Path, models: tuple[str, ...]) -> list[str]:
 
 def _redact(url: str) -> str:
     return url if "@" not in url else url.split("://", 1)[0] + "://***@" + url.rsplit("@", 1)[1]
+
+
+def _token_source(args: argparse.Namespace) -> str:
+    return "$TRITON_REPOSITORY_TOKEN" if os.environ.get("TRITON_REPOSITORY_TOKEN") else str(args.repository_token_file)
+
+
+def _rollout_line(path: Path) -> str:
+    from clients.rollout import RolloutState
+    from python_backends.routing import format_weights
+
+    try:
+        state = RolloutState.load(path)
+    except ValueError as exc:
+        return f"state file unreadable: {exc}"
+    if state is None:
+        return "no state file: text_encoder_router's configured weights"
+    return f"weights {format_weights(state.weights)}, versions {state.loaded} ({state.phase}, from {path})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         model_config_name=config_name,
         env={"EMBEDDING_CACHE_L2_REDIS_URL": args.redis_url} if args.redis_url else {},
     )
+    from clients.repository import ensure_token
+
+    options.repository_token = ensure_token(args.repository_token_file)
+    options.rollout_state = args.rollout_state
     server = TritonServer(options, echo=None if args.quiet else sys.stdout)
     stop = threading.Event()
 
@@ -143,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  variants {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={args.precision})\n"
         f"  cache    Triton response cache {args.cache_size_mb} MiB; text_embedding_cached L2 "
         f"{'at ' + _redact(args.redis_url) if args.redis_url else 'off (no --redis-url)'}\n"
+        f"  repository API  needs header triton-repository-token (token in {_token_source(args)})\n"
+        f"  rollout  {_rollout_line(args.rollout_state)}\n"
         f"  log      {server.log_path}\n"
         "  Ctrl-C to stop.",
         flush=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,12 +23,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence, TextIO
 
+from clients.repository import TOKEN_HEADER
 from server.layout import ROOT, ServerLayout, prepare
 
 log = logging.getLogger(__name__)
 
 # text_embedding_cached: the cached entry point in front of text_embedding (README "Result cache").
 DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
+
+
+def _config_text(repository: Path, model: str) -> str:
+    path = Path(repository) / model / "config.pbtxt"
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def references(repository: Path, model: str) -> tuple[list[str], list[str]]:
+    """(ensemble steps, ``load_with`` targets) named in a model's config.pbtxt."""
+    text = _config_text(repository, model)
+    steps = re.findall(r'model_name:\s*"([^"]+)"', text)
+    m = re.search(r'key:\s*"load_with"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+    return steps, [t.strip() for t in (m.group(1).split(",") if m else []) if t.strip()]
+
+
+def closure(repository: Path, model: str) -> list[str]:
+    """Every model a request to ``model`` may reach through ensemble steps and ``load_with``."""
+    out: list[str] = []
+    todo = [model]
+    while todo:
+        current = todo.pop()
+        if current in out:
+            continue
+        out.append(current)
+        steps, targets = references(repository, current)
+        todo += steps + targets
+    return out
+
+
+def with_dependencies(repository: Path, models: Sequence[str]) -> list[str]:
+    """``models`` plus what Triton does not load for them: the ``load_with`` targets of a BLS
+    model (text_encoder_router names text_encoder), also when it is an ensemble's step. The
+    targets come first."""
+    out: list[str] = []
+    for model in models:
+        for reached in closure(repository, model):
+            for target in references(repository, reached)[1]:
+                if target not in out:
+                    out.append(target)
+    return out + [m for m in models if m not in out]
 
 
 class ServerError(RuntimeError):
@@ -60,6 +102,12 @@ class ServerOptions:
     # Added to the server's environment, which the python backend stubs inherit: e.g.
     # EMBEDDING_CACHE_L2_REDIS_URL for text_embedding_cached (python_backends/cache/settings.py).
     env: Mapping[str, str] = field(default_factory=dict)
+    # Protects the repository API (load/unload) with the header ``triton-repository-token``
+    # (clients/repository.py); None leaves it open. The launcher always sets one.
+    repository_token: str | None = None
+    # A rollout state file (clients/rollout.py): when it exists, the encoder and its router are
+    # loaded with the versions and weights it records before the models that use them.
+    rollout_state: Path | None = None
 
     @classmethod
     def with_free_ports(cls, **kwargs) -> "ServerOptions":
@@ -123,9 +171,50 @@ class TritonServer:
             cmd.append(f"--model-config-name={o.model_config_name}")
         if o.cache_size_bytes > 0:
             cmd.append(f"--cache-config=local,size={o.cache_size_bytes}")
-        cmd += [f"--load-model={m}" for m in o.models]
+        if o.repository_token:
+            # Load/unload need the header; inference, health, metadata and statistics stay open.
+            cmd.append(f"--http-restricted-api=model-repository:{TOKEN_HEADER}={o.repository_token}")
+            cmd.append(f"--grpc-restricted-protocol=model-repository:{TOKEN_HEADER}={o.repository_token}")
+        deferred = set(self.deferred_models())
+        cmd += [f"--load-model={m}" for m in with_dependencies(o.model_repository, o.models) if m not in deferred]
         cmd += list(o.extra_args)
         return cmd
+
+    def rollout_plan(self):
+        """The rollout state's load plan (clients.rollout.LoadPlan), or None without a state file."""
+        path = self.options.rollout_state
+        if path is None or not Path(path).is_file():
+            return None
+        from clients.rollout import load_plan
+
+        return load_plan(Path(path))
+
+    def deferred_models(self) -> list[str]:
+        """Models loaded through the repository API after start: the rollout state's encoder and
+        router (with their overrides) and the requested models that contain them."""
+        plan = self.rollout_plan()
+        if plan is None:
+            return []
+        first = {plan.encoder, plan.router}
+        out = list(first)
+        for model in with_dependencies(self.options.model_repository, self.options.models):
+            if model not in first and first & set(closure(self.options.model_repository, model)):
+                out.append(model)
+        return out
+
+    def apply_rollout_state(self) -> None:
+        """Load the deferred models: encoder versions and router weights as the state says, then
+        the models that use them (each load returns when that model is ready)."""
+        plan = self.rollout_plan()
+        if plan is None:
+            return
+        from clients.repository import RepositoryClient
+
+        client = RepositoryClient(self.http_url, token=self.options.repository_token or "")
+        plan.apply(client, self.options.model_repository, self.options.model_config_name)
+        for model in self.deferred_models():
+            if model not in (plan.encoder, plan.router):
+                client.load(model)
 
     def environment(self) -> dict[str, str]:
         assert self.layout is not None
@@ -197,6 +286,7 @@ class TritonServer:
         """
         deadline = time.monotonic() + timeout
         pending = list(self.options.models)
+        deferred_loaded = not self.deferred_models()
         while time.monotonic() < deadline:
             if should_stop():
                 raise ServerError("stopped before the server became ready", self.log_tail())
@@ -205,6 +295,13 @@ class TritonServer:
                 code = None if self.process is None else self.process.returncode
                 raise ServerError(f"tritonserver exited with code {code} before becoming ready", self.log_tail())
             if self._get("/v2/health/ready") == 200:
+                if not deferred_loaded:
+                    try:
+                        self.apply_rollout_state()
+                    except Exception as exc:
+                        raise ServerError(f"applying the rollout state {self.options.rollout_state} failed: {exc}",
+                                          self.log_tail()) from exc
+                    deferred_loaded = True
                 pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
                 if not pending:
                     return

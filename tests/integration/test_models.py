@@ -7,13 +7,16 @@ import tritonclient.http as httpclient
 def test_ensemble_metadata(http_client):
     meta = http_client.get_model_metadata("text_embedding")
     assert meta["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1, 1]}]
-    assert meta["outputs"] == [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]}]
+    assert meta["outputs"] == [
+        {"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]},
+        {"name": "ENCODER_VERSION", "datatype": "INT32", "shape": [-1, 1]},  # which text_encoder version served
+    ]
     config = http_client.get_model_config("text_embedding")
     assert config["max_batch_size"] >= 64
 
 
 def test_every_composing_model_batches_with_the_same_priority_levels(http_client):
-    for name in ("text_tokenizer", "text_encoder"):
+    for name in ("text_tokenizer", "text_encoder_router", "text_encoder"):
         config = http_client.get_model_config(name)
         batching = config["dynamic_batching"]
         assert int(batching["priority_levels"]) == 2, name

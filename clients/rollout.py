@@ -1,0 +1,594 @@
+"""``python -m clients.rollout``: publish, canary-roll out, watch, roll back and finish a
+text_encoder version on a running server (README "Model versions and canary rollout").
+
+    rollout publish            copy the exported model files into the next version folder
+    rollout start 2            load + warm version 2 next to the serving one, check it, then
+                               10 % -> 50 % -> 100 % with a dwell per step; between checks it
+                               reads Triton's per-version statistics and metrics and rolls back
+                               by itself when the error rate or the P99 regress
+    rollout status             the state file and what the server reports per version
+    rollout rollback           100 % back to the previous version at once, then unload the new one
+    rollout finish             after the rollback window (default 15 min): unload the old version
+
+The state (versions, weights, step, times, history) is one JSON file, written atomically
+after every change, so a restarted ``rollout start`` resumes its step, ``rollback`` and
+``status`` work from another shell, and ``python -m server`` re-applies the versions and
+weights on start. The weights live in the router's config (``text_encoder_router``,
+parameter ``weights``): each change reloads the router with a config override through the
+repository API, which needs the repository token (clients/repository.py).
+
+Exit status: 0 done, 1 aborted or refused by the server, 2 bad input (unknown version,
+weights not summing to 100, a rollout already in progress, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from clients.repository import ROOT, RepositoryClient, RepositoryError
+from python_backends.routing.weights import RoutingError, format_weights, parse_weights, validate_weights
+
+log = logging.getLogger(__name__)
+
+ENCODER = "text_encoder"
+ROUTER = "text_encoder_router"
+SMOKE_MODEL = "text_embedding"
+DEFAULT_STATE_FILE = ROOT / ".rollout" / "state.json"
+STATE_ENV = "ROLLOUT_STATE_FILE"
+DEFAULT_STEPS = (10, 50, 100)
+DEFAULT_DWELL_S = 60.0
+DEFAULT_WINDOW_S = 15 * 60.0
+# Files a version folder holds (what `python -m export` writes into text_encoder/1/).
+VERSION_FILES = ("*.onnx", "*.onnx.data", "*.plan", "*.export.json")
+
+
+class UsageError(ValueError):
+    """Bad input or a state that does not allow the command; exit status 2."""
+
+
+@dataclass
+class Thresholds:
+    """When a canary step fails. The error rate is the new version's failed / all inferences
+    during the step (Triton's ``text_encoder`` statistics for that version; warmup is not
+    counted there). P99 is the router's encoder-call histogram (``canary_encoder_call_ms``)
+    over the step, new version against stable version in the same window: it regresses when
+    it exceeds both ``p99_ratio`` x and ``p99_slack_ms`` + the stable P99. (Triton's own
+    per-version latency summary counts the warmup samples of a fresh version, which dominate
+    its P99 for minutes.) Nothing is judged before the new version served ``min_requests``."""
+
+    max_error_rate: float = 0.01
+    p99_ratio: float = 1.5
+    p99_slack_ms: float = 20.0
+    min_requests: int = 20
+
+    def check(self) -> "Thresholds":
+        if not 0 <= self.max_error_rate < 1:
+            raise UsageError(f"--max-error-rate must be in [0, 1), got {self.max_error_rate}")
+        if self.p99_ratio < 1:
+            raise UsageError(f"--p99-ratio must be >= 1, got {self.p99_ratio}")
+        if self.p99_slack_ms < 0 or self.min_requests < 1:
+            raise UsageError("--p99-slack-ms must be >= 0 and --min-requests >= 1")
+        return self
+
+
+@dataclass
+class RolloutState:
+    encoder: str = ENCODER
+    router: str = ROUTER
+    stable: int = 1  # the version that serves when the rollout is rolled back
+    candidate: int | None = None  # the version being rolled out
+    weights: dict = field(default_factory=lambda: {1: 100})
+    loaded: list = field(default_factory=lambda: [1])  # text_encoder versions kept loaded
+    phase: str = "idle"  # idle | canary | rolled_out | rolled_back | aborted | finished
+    steps: list = field(default_factory=lambda: list(DEFAULT_STEPS))
+    step: int = -1  # index into steps of the weight in effect
+    dwell_s: float = DEFAULT_DWELL_S
+    rollback_window_s: float = DEFAULT_WINDOW_S
+    thresholds: dict = field(default_factory=lambda: asdict(Thresholds()))
+    started_at: float | None = None
+    step_started_at: float | None = None
+    completed_at: float | None = None  # when 100 % was reached and held
+    baseline_p99_ms: float | None = None
+    reason: str = ""
+    history: list = field(default_factory=list)
+
+    # -- persistence
+    @classmethod
+    def load(cls, path: Path) -> "RolloutState | None":
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"rollout state {path}: unreadable ({exc})") from None
+        raw["weights"] = {int(k): int(v) for k, v in raw.get("weights", {}).items()}
+        known = {f for f in cls.__dataclass_fields__}
+        state = cls(**{k: v for k, v in raw.items() if k in known})
+        validate_weights(state.weights, f"rollout state {path}: weights")
+        return state
+
+    def save(self, path: Path) -> None:
+        """Atomically: a reader never sees half a file, a crash leaves the previous state."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        data = asdict(self)
+        data["weights"] = {str(k): v for k, v in sorted(self.weights.items())}
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    def event(self, what: str, **details: Any) -> None:
+        self.history.append({"at": round(time.time(), 3), "event": what, **details})
+        log.info("rollout: %s %s", what, " ".join(f"{k}={v}" for k, v in details.items()))
+
+
+# ---------------------------------------------------------------- server-side changes
+
+
+def encoder_config(config: dict, versions: list[int]) -> dict:
+    """The encoder's config with ``version_policy { specific { versions } }``."""
+    out = dict(config)
+    out["version_policy"] = {"specific": {"versions": sorted(set(int(v) for v in versions))}}
+    return out
+
+
+def router_config(config: dict, weights: dict) -> dict:
+    out = dict(config)
+    params = dict(out.get("parameters") or {})
+    params["weights"] = {"string_value": format_weights(validate_weights(weights))}
+    out["parameters"] = params
+    return out
+
+
+def set_versions(client: RepositoryClient, encoder: str, versions: list[int]) -> None:
+    """Load exactly ``versions`` of the encoder (new ones warmed; Triton answers when ready)."""
+    client.load(encoder, encoder_config(client.config(encoder), versions))
+    for v in versions:
+        if not client.ready(encoder, v):
+            raise RepositoryError(f"{encoder} version {v} is not ready after its load")
+
+
+def set_weights(client: RepositoryClient, router: str, weights: dict) -> None:
+    """Swap the router for one with ``weights``; the old one serves until the new one is loaded."""
+    client.load(router, router_config(client.config(router), weights))
+
+
+def served_weights(client: RepositoryClient, router: str) -> dict:
+    raw = client.config(router).get("parameters", {}).get("weights", {}).get("string_value", "")
+    return parse_weights(raw, f"{router} parameter 'weights'")
+
+
+def config_from_disk(repository: Path, model: str, config_name: str | None) -> dict:
+    """The config Triton would load for ``model`` (``configs/<name>.pbtxt`` if present), as JSON."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    folder = Path(repository) / model
+    custom = folder / "configs" / f"{config_name}.pbtxt" if config_name else None
+    path = custom if custom is not None and custom.is_file() else folder / "config.pbtxt"
+    message = text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+    if not message.name:
+        message.name = model
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a (re)started server loads from a state file: the encoder's versions and the weights."""
+
+    encoder: str
+    router: str
+    versions: tuple
+    weights: dict
+    repository: Path | None = None
+    config_name: str | None = None
+
+    def apply(self, client: RepositoryClient, repository: Path | None = None, config_name: str | None = None) -> None:
+        repo = repository or self.repository
+        name = config_name if config_name is not None else self.config_name
+        client.load(self.encoder, encoder_config(config_from_disk(repo, self.encoder, name), list(self.versions)))
+        client.load(self.router, router_config(config_from_disk(repo, self.router, name), self.weights))
+
+
+def load_plan(path: Path) -> LoadPlan | None:
+    state = RolloutState.load(path)
+    if state is None:
+        return None
+    return LoadPlan(state.encoder, state.router, tuple(state.loaded), dict(state.weights))
+
+
+# ---------------------------------------------------------------- judging a step
+
+
+LATENCY_METRIC = "canary_encoder_call_ms"  # = python_backends.routing.router.LATENCY_METRIC
+_BUCKET = re.compile(r'^(\w+)_bucket\{([^}]*)\}\s+(\S+)', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def latency_buckets(metrics_text: str, model: str, metric: str = LATENCY_METRIC) -> dict[tuple[int, str], dict[float, float]]:
+    """The router's latency histograms for ``model``: {(version, router instance): {le: cumulative count}}."""
+    out: dict[tuple[int, str], dict[float, float]] = {}
+    for name, labels, value in _BUCKET.findall(metrics_text):
+        if name != metric:
+            continue
+        tags = dict(_LABEL.findall(labels))
+        if tags.get("model") != model or "version" not in tags:
+            continue
+        le = math.inf if tags.get("le") in ("+Inf", "inf") else float(tags.get("le", "nan"))
+        out.setdefault((int(tags["version"]), tags.get("instance", "")), {})[le] = float(value)
+    return out
+
+
+def p99_between(before: dict, after: dict, version: int, quantile: float = 0.99) -> tuple[float | None, int]:
+    """(P99 in ms, observations) of ``version`` between two ``latency_buckets`` snapshots,
+    summed over router instances: a series is one router process (reloads start new ones), so
+    a series only in ``after`` counts whole and one that went away is ignored. The result is
+    the upper bound of the bucket holding the quantile (Prometheus' histogram_quantile without
+    interpolation)."""
+    delta: dict[float, float] = {}
+    for (v, instance), buckets in after.items():
+        if v != version:
+            continue
+        old = before.get((v, instance), {})
+        for le, count in buckets.items():
+            delta[le] = delta.get(le, 0.0) + count - old.get(le, 0.0)
+    total = delta.get(math.inf, max(delta.values(), default=0.0))
+    if total <= 0:
+        return None, 0
+    finite = [le for le in sorted(delta) if le != math.inf]
+    for le in finite:
+        if delta[le] >= quantile * total:
+            return le, int(total)
+    return (finite[-1] if finite else None), int(total)
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    judged: bool
+    reason: str
+    figures: dict
+
+
+def judge(before: dict, after: dict, candidate: int, stable_p99_ms: float | None, candidate_p99_ms: float | None,
+          thresholds: Thresholds, final: bool) -> Verdict:
+    """One check of the canary. ``before``/``after``: ``RepositoryClient.version_stats`` of the
+    encoder. The error rate is judged as soon as enough requests were seen; the P99 only at
+    the end of a step (``final``), when the window holds the step's traffic."""
+    b, a = before.get(candidate, {}), after.get(candidate, {})
+    ok_n = a.get("success", 0) - b.get("success", 0)
+    fail_n = a.get("fail", 0) - b.get("fail", 0)
+    total = ok_n + fail_n
+    figures = {"requests": int(total), "failed": int(fail_n),
+               "error_rate": round(fail_n / total, 4) if total else None,
+               "p99_ms": None if candidate_p99_ms is None else round(candidate_p99_ms, 2),
+               "stable_p99_ms": None if stable_p99_ms is None else round(stable_p99_ms, 2)}
+    if total < thresholds.min_requests:
+        return Verdict(True, False, f"{int(total)} requests on version {candidate}, fewer than {thresholds.min_requests}: not judged", figures)
+    rate = fail_n / total
+    if rate > thresholds.max_error_rate:
+        return Verdict(False, True, f"version {candidate} error rate {rate:.1%} ({int(fail_n)} of {int(total)}) "
+                                    f"> {thresholds.max_error_rate:.1%}", figures)
+    if final and candidate_p99_ms is not None and stable_p99_ms is not None:
+        limit = max(stable_p99_ms * thresholds.p99_ratio, stable_p99_ms + thresholds.p99_slack_ms)
+        if candidate_p99_ms > limit:
+            return Verdict(False, True, f"version {candidate} P99 {candidate_p99_ms:.1f} ms > {limit:.1f} ms "
+                                        f"(stable P99 {stable_p99_ms:.1f} ms x {thresholds.p99_ratio} or "
+                                        f"+ {thresholds.p99_slack_ms:.0f} ms)", figures)
+    return Verdict(True, True, "ok", figures)
+
+
+# ---------------------------------------------------------------- commands
+
+
+class Rollout:
+    """The commands, on one server and one state file."""
+
+    def __init__(self, client: RepositoryClient, state_path: Path, say: Callable[[str], None] = print,
+                 sleep: Callable[[float], None] = time.sleep, smoke_model: str = SMOKE_MODEL):
+        self.client = client
+        self.state_path = Path(state_path)
+        self.say = say
+        self.sleep = sleep
+        self.smoke_model = smoke_model
+
+    # -- state
+    def state(self) -> RolloutState:
+        state = RolloutState.load(self.state_path)
+        if state is None:
+            # First use: what the server serves now.
+            weights = served_weights(self.client, ROUTER)
+            stable = max(weights, key=lambda v: (weights[v], v))
+            state = RolloutState(stable=stable, weights={stable: 100}, loaded=[stable])
+        return state
+
+    def _save(self, state: RolloutState) -> None:
+        state.save(self.state_path)
+
+    def _apply_weights(self, state: RolloutState, weights: dict, what: str) -> None:
+        weights = validate_weights(weights)
+        set_weights(self.client, state.router, weights)
+        state.weights = weights
+        state.event(what, weights=format_weights(weights))
+        self._save(state)
+
+    def _smoke(self, state: RolloutState, version: int) -> None:
+        """One request pinned to ``version`` through the entry model: it must answer from it."""
+        body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["rollout smoke check"]}],
+                "parameters": {"encoder_version": version}}
+        result = self.client.infer_json(self.smoke_model, body)
+        outputs = {o["name"]: o["data"] for o in result.get("outputs", [])}
+        served = outputs.get("ENCODER_VERSION", [None])[0]
+        vector = outputs.get("EMBEDDING") or []
+        norm = math.sqrt(sum(x * x for x in vector)) if vector else 0.0
+        if served != version or not 0.99 < norm < 1.01:
+            raise RepositoryError(f"smoke check of version {version}: served by {served}, |embedding| = {norm:.3f}")
+
+    # -- start / resume
+    def start(self, version: int, steps: list[int] | None = None, dwell_s: float | None = None,
+              thresholds: Thresholds | None = None, check_interval_s: float = 5.0,
+              window_s: float | None = None) -> int:
+        state = self.state()
+        if state.phase == "canary" and state.candidate == version:
+            self.say(f"rollout: resuming version {version} at step {state.step + 1} of {len(state.steps)}")
+        elif state.phase == "canary":
+            raise UsageError(f"a rollout of version {state.candidate} is in progress (step {state.step + 1}); "
+                             f"roll it back or let it finish first")
+        elif state.phase == "rolled_out":
+            raise UsageError(f"version {state.candidate} is rolled out and version {state.stable} kept for rollback; "
+                             f"run `rollout finish` (or `rollback`) before starting another rollout")
+        else:
+            if version == state.stable:
+                raise UsageError(f"version {version} is already the serving version")
+            if version < 1:
+                raise UsageError(f"version must be >= 1, got {version}")
+            steps = list(steps or DEFAULT_STEPS)
+            if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100:
+                raise UsageError(f"--steps must be increasing percentages in 1..100 ending at 100, got {steps}")
+            state.candidate, state.steps, state.step = version, steps, -1
+            state.dwell_s = float(DEFAULT_DWELL_S if dwell_s is None else dwell_s)
+            state.rollback_window_s = float(DEFAULT_WINDOW_S if window_s is None else window_s)
+            state.thresholds = asdict((thresholds or Thresholds()).check())
+            state.phase, state.reason = "canary", ""
+            state.started_at, state.completed_at, state.step_started_at = time.time(), None, None
+            state.event("start", stable=state.stable, candidate=version, steps=steps, dwell_s=state.dwell_s)
+            self._save(state)
+        version = state.candidate
+        limits = Thresholds(**state.thresholds)
+        try:
+            if not (self.client.ready(state.encoder, version) and self.client.ready(state.encoder, state.stable)):
+                self.say(f"rollout: loading {state.encoder} versions {state.stable} and {version} (warmup runs at load)")
+                set_versions(self.client, state.encoder, [state.stable, version])
+            state.loaded = sorted({state.stable, version})
+            self._save(state)
+            self._smoke(state, version)
+            self.say(f"rollout: version {version} is ready and answered a pinned request")
+        except (RepositoryError, RoutingError) as exc:
+            return self._abort(state, f"version {version} could not be loaded or checked: {exc}")
+        first = state.step if state.step >= 0 else 0
+        for index in range(first, len(state.steps)):
+            percent = state.steps[index]
+            resumed = index == state.step and state.step_started_at is not None
+            if not resumed:
+                weights = {state.stable: 100 - percent, version: percent}
+                self._apply_weights(state, weights, f"step {index + 1}: {percent} % to version {version}")
+                state.step, state.step_started_at = index, time.time()
+                self._save(state)
+                self.say(f"rollout: {format_weights(state.weights)} (step {index + 1} of {len(state.steps)})")
+            verdict = self._watch(state, limits, check_interval_s)
+            if verdict is None:
+                self.say(f"rollout: stopped, the state changed to {RolloutState.load(self.state_path).phase} meanwhile")
+                return 1
+            if not verdict.ok:
+                return self._abort(state, verdict.reason, verdict.figures)
+            state.event(f"step {index + 1} passed", **verdict.figures)
+            self._save(state)
+            self.say(f"rollout: step {index + 1} passed: {verdict.reason} {verdict.figures}")
+        state.phase, state.completed_at = "rolled_out", time.time()
+        state.event("rolled out", candidate=version, keep_until=round(state.completed_at + state.rollback_window_s))
+        self._save(state)
+        self.say(f"rollout: version {version} serves 100 %; version {state.stable} stays loaded for "
+                 f"{state.rollback_window_s:.0f} s (`rollout rollback` until then, `rollout finish` after)")
+        return 0
+
+    def _watch(self, state: RolloutState, limits: Thresholds, interval_s: float) -> Verdict | None:
+        """Dwell on the current step, checking every ``interval_s``; None if another command
+        changed the state meanwhile (a rollback from another shell)."""
+        candidate = state.candidate
+        before = self.client.version_stats(state.encoder)
+        hist_before = latency_buckets(self.client.metrics(), state.encoder)
+        end = state.step_started_at + state.dwell_s
+        while True:
+            now = time.time()
+            final = now >= end
+            if not final:
+                self.sleep(min(interval_s, max(0.0, end - now)))
+            current = RolloutState.load(self.state_path)
+            if current is None or current.phase != "canary" or current.candidate != candidate:
+                return None
+            after = self.client.version_stats(state.encoder)
+            candidate_p99 = stable_p99 = None
+            if final:
+                hist_after = latency_buckets(self.client.metrics(), state.encoder)
+                candidate_p99, _ = p99_between(hist_before, hist_after, candidate)
+                stable_p99, seen = p99_between(hist_before, hist_after, state.stable)
+                if stable_p99 is not None and seen >= limits.min_requests:
+                    state.baseline_p99_ms = stable_p99  # the stable side of this very window
+                else:  # no stable traffic at 100 %: the last step's stable P99
+                    stable_p99 = state.baseline_p99_ms
+            verdict = judge(before, after, candidate, stable_p99, candidate_p99, limits, final)
+            if not verdict.ok or final:
+                return verdict
+
+    def _abort(self, state: RolloutState, reason: str, figures: dict | None = None) -> int:
+        self.say(f"rollout: ABORT: {reason}; rolling back to version {state.stable}")
+        self._rollback(state, "aborted", reason, figures or {})
+        return 1
+
+    # -- rollback / finish
+    def _rollback(self, state: RolloutState, phase: str, reason: str, figures: dict) -> None:
+        candidate = state.candidate
+        self._apply_weights(state, {state.stable: 100}, f"rollback to version {state.stable}")
+        state.phase, state.reason, state.candidate, state.step = phase, reason, None, -1
+        state.event(phase, version=candidate, reason=reason, **figures)
+        self._save(state)
+        if candidate is not None and candidate != state.stable:
+            try:
+                set_versions(self.client, state.encoder, [state.stable])
+            except RepositoryError as exc:  # the weights are back already; unloading can be retried
+                self.say(f"rollout: version {candidate} could not be unloaded ({exc}); traffic is on {state.stable}")
+            else:
+                state.loaded = [state.stable]
+                self._save(state)
+
+    def rollback(self) -> int:
+        state = self.state()
+        if state.phase not in ("canary", "rolled_out"):
+            raise UsageError(f"nothing to roll back: the state is {state.phase!r} with version {state.stable} serving "
+                             f"(after `finish` the old version is unloaded; roll it out again instead)")
+        self.say(f"rollout: rolling back version {state.candidate} -> {state.stable}")
+        self._rollback(state, "rolled_back", "rollback requested", {})
+        self.say(f"rollout: version {state.stable} serves 100 %")
+        return 0
+
+    def finish(self, force: bool = False) -> int:
+        state = self.state()
+        if state.phase != "rolled_out":
+            raise UsageError(f"nothing to finish: the state is {state.phase!r} (finish follows a completed rollout)")
+        left = state.completed_at + state.rollback_window_s - time.time()
+        if left > 0 and not force:
+            raise UsageError(f"the rollback window is open for {left:.0f} s more (version {state.stable} kept for "
+                             f"{state.rollback_window_s:.0f} s); run finish after it or pass --force")
+        old, new = state.stable, state.candidate
+        self._apply_weights(state, {new: 100}, f"finish: version {new} alone")
+        set_versions(self.client, state.encoder, [new])
+        state.stable, state.candidate, state.loaded, state.phase, state.step = new, None, [new], "finished", -1
+        state.event("finished", unloaded=old, serving=new)
+        self._save(state)
+        self.say(f"rollout: version {old} unloaded; version {new} serves alone")
+        return 0
+
+    def status(self) -> dict:
+        state = self.state()
+        info: dict[str, Any] = {"state_file": str(self.state_path), **asdict(state)}
+        info["weights"] = format_weights(state.weights)
+        info["history"] = state.history[-5:]
+        try:
+            info["served_weights"] = format_weights(served_weights(self.client, state.router))
+            stats = self.client.version_stats(state.encoder)
+            info["versions"] = {v: {"ready": self.client.ready(state.encoder, v), **{k: int(x) for k, x in s.items() if k != "success_ns"}}
+                                for v, s in sorted(stats.items())}
+        except RepositoryError as exc:
+            info["server"] = f"unreachable: {exc}"
+        if state.phase == "rolled_out" and state.completed_at:
+            info["rollback_window_left_s"] = max(0, round(state.completed_at + state.rollback_window_s - time.time()))
+        return info
+
+
+def publish(repository: Path, encoder: str = ENCODER, source: Path | None = None, version: int | None = None,
+            link: bool = False) -> int:
+    """Copy an export (``source``, default the encoder's version folder 1, where ``python -m
+    export`` writes) into the next version folder (or ``version``); returns the version."""
+    model_dir = Path(repository) / encoder
+    if not model_dir.is_dir():
+        raise UsageError(f"{model_dir} does not exist: --repository must be a model repository with {encoder}/")
+    existing = sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    version = version if version is not None else (max(existing) + 1 if existing else 1)
+    if version < 1:
+        raise UsageError(f"--version must be >= 1, got {version}")
+    target = model_dir / str(version)
+    if target.exists():
+        raise UsageError(f"version {version} exists already ({target}); versions are immutable, publish a new one")
+    source = Path(source) if source is not None else model_dir / "1"
+    files = sorted({p for pattern in VERSION_FILES for p in source.glob(pattern)})
+    if not any(p.suffix in (".onnx", ".plan") for p in files):
+        raise UsageError(f"{source} holds no model file ({', '.join(VERSION_FILES)}); run `python -m export` first")
+    tmp = model_dir / f".{version}.publishing"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for p in files:
+        (os.link if link else shutil.copy2)(p, tmp / p.name)
+    os.replace(tmp, target)  # the folder appears complete or not at all
+    return version
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=os.environ.get("TRITON_HTTP_URL", "127.0.0.1:8000"), help="Triton's HTTP host:port")
+    p.add_argument("--metrics-url", default=None, help="default http://<host>:8002/metrics")
+    p.add_argument("--token", default=None, help="repository token (default $TRITON_REPOSITORY_TOKEN or .triton/repository-token)")
+    p.add_argument("--state-file", type=Path, default=Path(os.environ.get(STATE_ENV) or DEFAULT_STATE_FILE))
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("start", help="load, warm, check and step a version up to 100 %")
+    s.add_argument("version", type=int)
+    s.add_argument("--steps", default="10,50,100", help="percent per step, ending at 100 (default 10,50,100)")
+    s.add_argument("--dwell", type=float, default=DEFAULT_DWELL_S, help=f"seconds per step (default {DEFAULT_DWELL_S:.0f})")
+    s.add_argument("--check-interval", type=float, default=5.0, help="seconds between checks within a step")
+    s.add_argument("--rollback-window", type=float, default=DEFAULT_WINDOW_S, help="seconds the old version stays loaded (default 900)")
+    t = Thresholds()
+    s.add_argument("--max-error-rate", type=float, default=t.max_error_rate)
+    s.add_argument("--p99-ratio", type=float, default=t.p99_ratio)
+    s.add_argument("--p99-slack-ms", type=float, default=t.p99_slack_ms)
+    s.add_argument("--min-requests", type=int, default=t.min_requests)
+    sub.add_parser("status", help="print the state and the server's per-version figures (JSON)")
+    sub.add_parser("rollback", help="100 %% back to the previous version now")
+    f = sub.add_parser("finish", help="unload the old version after the rollback window")
+    f.add_argument("--force", action="store_true", help="finish before the window is over")
+    pub = sub.add_parser("publish", help="copy the exported model into the next version folder")
+    pub.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    pub.add_argument("--source", type=Path, help="folder with the exported files (default text_encoder/1)")
+    pub.add_argument("--version", type=int, help="version number (default: the next free one)")
+    pub.add_argument("--link", action="store_true", help="hard-link instead of copying (same file system)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        if args.command == "publish":
+            version = publish(args.repository, source=args.source, version=args.version, link=args.link)
+            print(f"rollout: published text_encoder version {version}; roll it out with `rollout start {version}`")
+            return 0
+        host = args.url.split("://")[-1].rsplit(":", 1)[0]
+        client = RepositoryClient(args.url, token=args.token, metrics_url=args.metrics_url or f"http://{host}:8002/metrics")
+        rollout = Rollout(client, args.state_file, say=lambda m: print(m, flush=True))
+        if args.command == "start":
+            try:
+                steps = [int(s) for s in args.steps.split(",") if s.strip()]
+            except ValueError:
+                raise UsageError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
+            thresholds = Thresholds(args.max_error_rate, args.p99_ratio, args.p99_slack_ms, args.min_requests).check()
+            return rollout.start(args.version, steps, args.dwell, thresholds, args.check_interval, args.rollback_window)
+        if args.command == "status":
+            print(json.dumps(rollout.status(), indent=2, default=str))
+            return 0
+        if args.command == "rollback":
+            return rollout.rollback()
+        if args.command == "finish":
+            return rollout.finish(force=args.force)
+    except (UsageError, RoutingError) as exc:
+        print(f"rollout: {exc}", file=sys.stderr)
+        return 2
+    except RepositoryError as exc:
+        print(f"rollout: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

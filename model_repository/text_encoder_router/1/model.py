@@ -1,0 +1,135 @@
+"""Triton shim for the canary router: picks a text_encoder version per request, calls it through BLS."""
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.config import ModelConfig
+from python_backends.errors import InputError
+from python_backends.routing.router import (
+    LATENCY_BUCKETS_MS,
+    LATENCY_METRIC,
+    RateLimitedLog,
+    RouterSettings,
+    decide,
+    describe,
+    fallback_versions,
+    group_by,
+    parse_parameters,
+    versions_on_disk,
+)
+from python_backends.shim import error_response, input_numpy, install_logging, load_error
+
+OUTPUT = "sentence_embedding"
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        install_logging(pb_utils)
+        self.config = ModelConfig(args["model_config"])
+        try:
+            self.config.require("input", "input_ids", "TYPE_INT64", (-1,))
+            self.config.require("input", "attention_mask", "TYPE_INT64", (-1,))
+            self.config.require("output", OUTPUT, "TYPE_FP32")
+            self.config.require("output", "encoder_version", "TYPE_INT32", (1,))
+            self.repository = Path(args["model_repository"]).parent
+            self.settings = RouterSettings.from_config(self.config, self.repository)
+        except Exception as exc:
+            raise load_error(pb_utils, self.config.name, exc)
+        self.warnings = RateLimitedLog()
+        # Kept on self: a MetricFamily must outlive its Metric objects (shared/FINDINGS.md).
+        self.latency_family = pb_utils.MetricFamily(
+            name=LATENCY_METRIC,
+            description="Duration of the router's successful text_encoder calls (one per batch and version), ms",
+            kind=pb_utils.MetricFamily.HISTOGRAM,
+        )
+        # One series per router process: a reloaded router starts new ones (clients/rollout.py
+        # takes per-series deltas).
+        self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
+        self.latency = {}
+        pb_utils.Logger.log_info(f"{self.config.name}: {describe(self.settings)}")
+
+    def _ready_versions(self):
+        encoder = self.settings.encoder
+        return [v for v in versions_on_disk(self.repository / encoder) if pb_utils.is_model_ready(encoder, str(v))]
+
+    def _observe(self, version, seconds):
+        metric = self.latency.get(version)
+        if metric is None:
+            metric = self.latency[version] = self.latency_family.Metric(
+                labels={"model": self.settings.encoder, "version": str(version), "instance": self.instance},
+                buckets=LATENCY_BUCKETS_MS,
+            )
+        metric.observe(seconds * 1000.0)
+
+    async def _call(self, version, ids, mask):
+        request = pb_utils.InferenceRequest(
+            model_name=self.settings.encoder,
+            model_version=version,
+            inputs=[pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("attention_mask", mask)],
+            requested_output_names=[OUTPUT],
+        )
+        start = time.monotonic()
+        response = await request.async_exec()
+        if response.has_error():
+            return None, response.error().message()
+        self._observe(version, time.monotonic() - start)
+        return pb_utils.get_output_tensor_by_name(response, OUTPUT).as_numpy(), None
+
+    async def _serve_group(self, version, pinned, ids, mask):
+        """(version that served, embeddings) or (None, error message)."""
+        vectors, error = await self._call(version, ids, mask)
+        if error is None:
+            return version, vectors
+        if pinned or not self.settings.fallback_on_error:
+            return None, f"{self.settings.encoder} version {version}: {error}"
+        for other in fallback_versions(self.settings.weights, version, self._ready_versions()):
+            vectors, other_error = await self._call(other, ids, mask)
+            if other_error is None:
+                self.warnings.warn("%s version %d failed (%s); served by version %d instead",
+                                   self.settings.encoder, version, error, other)
+                return other, vectors
+        return None, f"{self.settings.encoder} version {version}: {error} (no other version could serve)"
+
+    async def execute(self, requests):
+        responses = [None] * len(requests)
+        inputs, decisions = {}, []
+        known = self.settings.versions_on_disk
+        for i, request in enumerate(requests):
+            try:
+                ids = input_numpy(pb_utils, request, "input_ids")
+                mask = input_numpy(pb_utils, request, "attention_mask")
+                if ids.shape != mask.shape:
+                    raise InputError("attention_mask", f"shape {list(mask.shape)} differs from input_ids' {list(ids.shape)}")
+                decision = decide(self.settings.weights, parse_parameters(request.parameters()),
+                                  request.request_id(), known)
+            except Exception as exc:
+                responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
+                continue
+            inputs[i] = (ids, mask)
+            decisions.append((i, decision, ids.shape[1]))
+        groups = list(group_by(decisions).items())
+        results = await asyncio.gather(*(
+            self._serve_group(version, pinned,
+                              np.concatenate([inputs[i][0] for i in members]),
+                              np.concatenate([inputs[i][1] for i in members]))
+            for (version, _, pinned), members in groups
+        ))
+        for (_, members), (served, vectors) in zip(groups, results):
+            start = 0
+            for i in members:
+                rows = inputs[i][0].shape[0]
+                if served is None:
+                    responses[i] = pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(f"{self.config.name}: {vectors}", pb_utils.TritonError.UNAVAILABLE))
+                else:
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                        pb_utils.Tensor(OUTPUT, np.ascontiguousarray(vectors[start:start + rows])),
+                        pb_utils.Tensor("encoder_version", np.full((rows, 1), served, dtype=np.int32)),
+                    ])
+                start += rows
+        return responses

@@ -1,0 +1,148 @@
+"""The rollout command's pure parts: state file, judging a step, publishing, the launcher's plan."""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from clients import repository
+from clients.rollout import (
+    RolloutState,
+    Thresholds,
+    UsageError,
+    config_from_disk,
+    encoder_config,
+    judge,
+    load_plan,
+    main,
+    publish,
+    router_config,
+)
+from python_backends.routing import RoutingError
+from server.process import ServerOptions, closure, with_dependencies
+from server.layout import ROOT
+
+REPO = ROOT / "model_repository"
+
+
+def test_state_survives_a_restart_of_the_command(tmp_path):
+    path = tmp_path / "s" / "state.json"
+    state = RolloutState(stable=1, candidate=2, weights={1: 50, 2: 50}, loaded=[1, 2], phase="canary", step=1)
+    state.event("step 2: 50 % to version 2")
+    state.save(path)
+    again = RolloutState.load(path)
+    assert again == state and again.weights == {1: 50, 2: 50}
+    assert not (tmp_path / "s" / "state.json.tmp").exists()
+    plan = load_plan(path)
+    assert plan.versions == (1, 2) and plan.weights == {1: 50, 2: 50}
+    assert RolloutState.load(tmp_path / "missing.json") is None
+
+
+def test_a_state_with_bad_weights_is_refused(tmp_path):
+    path = tmp_path / "state.json"
+    path.write_text('{"weights": {"1": 60, "2": 30}}')
+    with pytest.raises(RoutingError, match="weights sum to 90"):
+        RolloutState.load(path)
+
+
+def stats(success, fail):
+    return {2: {"success": success, "fail": fail}}
+
+
+def test_judge_error_rate_and_p99():
+    t = Thresholds(max_error_rate=0.01, p99_ratio=1.5, p99_slack_ms=20, min_requests=20)
+    assert not judge(stats(0, 0), stats(10, 5), 2, 10, 10, t, final=True).judged  # too few to judge
+    bad = judge(stats(0, 0), stats(90, 10), 2, 10.0, 10.0, t, final=False)
+    assert not bad.ok and "error rate 10.0% (10 of 100) > 1.0%" in bad.reason
+    assert judge(stats(100, 0), stats(200, 0), 2, 10.0, 29.0, t, final=True).ok  # within +20 ms
+    slow = judge(stats(0, 0), stats(100, 0), 2, 10.0, 31.0, t, final=True)
+    assert not slow.ok and "P99 31.0 ms > 30.0 ms" in slow.reason
+    assert judge(stats(0, 0), stats(100, 0), 2, 10.0, 31.0, t, final=False).ok  # P99 judged at the step's end
+
+
+def test_thresholds_are_checked():
+    with pytest.raises(UsageError, match="--max-error-rate"):
+        Thresholds(max_error_rate=1.5).check()
+    with pytest.raises(UsageError, match="--p99-ratio"):
+        Thresholds(p99_ratio=0.5).check()
+
+
+def test_overrides_keep_the_config_and_set_versions_and_weights():
+    encoder = config_from_disk(REPO, "text_encoder", None)
+    assert encoder["name"] == "text_encoder" and encoder["model_warmup"]
+    assert encoder_config(encoder, [2, 1])["version_policy"] == {"specific": {"versions": [1, 2]}}
+    router = router_config(config_from_disk(REPO, "text_encoder_router", None), {2: 10, 1: 90})
+    assert router["parameters"]["weights"] == {"string_value": "1:90,2:10"}
+    assert router["parameters"]["encoder_model"] == {"string_value": "text_encoder"}
+    with pytest.raises(RoutingError, match="sum to 110"):
+        router_config(router, {1: 100, 2: 10})
+
+
+def test_publish_next_version_is_atomic_and_immutable(tmp_path):
+    v1 = tmp_path / "text_encoder" / "1"
+    v1.mkdir(parents=True)
+    (v1 / "model.onnx").write_bytes(b"onnx")
+    (v1 / "model.int8.onnx").write_bytes(b"int8")
+    (v1 / "notes.txt").write_text("not copied")
+    assert publish(tmp_path) == 2
+    assert sorted(p.name for p in (tmp_path / "text_encoder" / "2").iterdir()) == ["model.int8.onnx", "model.onnx"]
+    assert publish(tmp_path, link=True) == 3
+    with pytest.raises(UsageError, match="version 2 exists already"):
+        publish(tmp_path, version=2)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match="holds no model file"):
+        publish(tmp_path, source=empty)
+
+
+def test_cli_usage_errors_exit_2(tmp_path, capsys):
+    assert main(["publish", "--repository", str(tmp_path), "--version", "0"]) == 2
+    assert "rollout:" in capsys.readouterr().err
+
+
+def test_launcher_loads_the_router_target_and_defers_what_the_state_overrides(tmp_path):
+    assert "text_encoder" in closure(REPO, "text_embedding")
+    models = with_dependencies(REPO, ["text_embedding", "text_embedding_cached"])
+    assert models.index("text_encoder") < models.index("text_embedding")
+    from server.process import TritonServer
+
+    server = TritonServer(ServerOptions(model_repository=REPO, models=("text_embedding", "image_classification")))
+    assert server.deferred_models() == []
+    state = tmp_path / "state.json"
+    RolloutState(stable=1, weights={1: 100}).save(state)
+    server.options.rollout_state = state
+    assert sorted(server.deferred_models()) == ["text_embedding", "text_encoder", "text_encoder_router"]
+
+
+def test_token_created_once_with_private_mode(tmp_path, monkeypatch):
+    monkeypatch.delenv(repository.TOKEN_ENV, raising=False)
+    path = tmp_path / "t" / "token"
+    token = repository.ensure_token(path)
+    assert len(token) >= 32 and repository.ensure_token(path) == token
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    monkeypatch.setenv(repository.TOKEN_ENV, "from-env")
+    assert repository.ensure_token(path) == "from-env"
+    assert repository.token_headers() == {"triton-repository-token": "from-env"}
+
+
+def test_p99_from_the_router_histogram_per_series():
+    from clients.rollout import latency_buckets, p99_between
+
+    def text(series):
+        lines = []
+        for (version, instance), counts in series.items():
+            for le, c in counts.items():
+                lines.append(f'canary_encoder_call_ms_bucket{{instance="{instance}",model="text_encoder",'
+                             f'version="{version}",le="{le}"}} {c}')
+        return "\n".join(lines)
+
+    before = latency_buckets(text({(1, "a"): {"5": 90, "10": 100, "+Inf": 100}}), "text_encoder")
+    after = latency_buckets(text({(1, "a"): {"5": 90, "10": 190, "+Inf": 200},   # +100, all in (5, 10]
+                                  (2, "b"): {"5": 10, "10": 40, "+Inf": 50}}),   # new series: counted whole
+                            "text_encoder")
+    assert p99_between(before, after, 1) == (10.0, 100)
+    assert p99_between(before, after, 2) == (10.0, 50)
+    assert p99_between(before, after, 3) == (None, 0)
+    slow = latency_buckets(text({(2, "b"): {"5": 0, "10": 0, "+Inf": 10}}), "text_encoder")
+    assert p99_between({}, slow, 2) == (10.0, 10)  # beyond the last bucket: its bound, a lower limit
