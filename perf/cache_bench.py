@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             server.__exit__(None, None, None)
 
-    ratio = phases[1].throughput / phases[0].throughput
+    ratio = phases[1].throughput / phases[0].throughput if phases[0].throughput else float("nan")
     summary = markdown(phases, ratio, variant, args, repeat_fraction(ranks))
     (out_dir / "summary.md").write_text(summary)
     (out_dir / "summary.json").write_text(json.dumps(

@@ -7,11 +7,12 @@ environment as ``TRITON_MODEL_CONFIG_NAME``. The generated configs say their var
 header ("for variant 'int8'") and name the file (``default_model_filename``); a SHA-256 of
 that file joins the key, so a re-export under the same version and name changes keys too.
 
-The version is the highest version folder of the encoder that Triton reports ready
-(``pb_utils.is_model_ready``), checked on every batch: after a new version is loaded through
-the repository API the next batch uses new keys. ``IdentityResolver.identity(version)`` is
-the one place the key's version comes from; a caller that chooses a version itself (canary
-routing) passes it.
+The version is the encoder version Triton reports ready (``pb_utils.is_model_ready`` for
+each version folder), checked on every batch: after a new version is loaded through the
+repository API the next batch uses new keys. While several versions are ready (a canary, or
+the moment of a swap) and the caller did not say which one serves, there is no identity and
+the cache is bypassed. ``IdentityResolver.identity(version)`` is the one place the key's
+version comes from; a caller that chooses the version itself (canary routing) passes it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class IdentityResolver:
         self._is_ready = is_ready
         self._by_version: dict[str, ModelIdentity] = {}
         self._last: ModelIdentity | None = None
+        self._ambiguous: list[str] = []
 
     def versions(self) -> list[str]:
         """Numeric version folders of the encoder, highest first."""
@@ -88,17 +90,26 @@ class IdentityResolver:
             return []
         return sorted(names, key=int, reverse=True)
 
-    def ready_version(self) -> str | None:
-        for version in self.versions():
-            if self._is_ready(self.encoder, version):
-                return version
-        return None
+    def ready_versions(self) -> list[str]:
+        """Versions Triton reports ready, highest first."""
+        return [v for v in self.versions() if self._is_ready(self.encoder, v)]
 
     def identity(self, version: str | None = None) -> ModelIdentity | None:
-        """The identity for ``version`` (default: the highest ready one); None if none is ready."""
-        version = version if version is not None else self.ready_version()
+        """The identity for ``version``; without one, for the only ready version.
+
+        None (the caller then bypasses the cache) when no version is ready, or when several
+        are and none was named: then a request may be served by any of them (a canary, or the
+        moment of a swap), and a vector could be stored under another version's key.
+        """
         if version is None:
-            return None
+            ready = self.ready_versions()
+            if len(ready) != 1:
+                if ready and self._ambiguous != ready:
+                    log.warning("%s versions %s are all ready and no version was chosen: the cache is "
+                                "bypassed until one version serves", self.encoder, ", ".join(ready))
+                self._ambiguous = ready
+                return None
+            version = ready[0]
         found = self._by_version.get(version)
         if found is None:
             encoder_dir = self.repository / self.encoder

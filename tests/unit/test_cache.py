@@ -242,12 +242,15 @@ def test_identity_follows_the_ready_version_and_the_variant(encoder_repo):
     one = resolver.identity()
     assert (one.version, one.variant) == ("1", "int8")
     assert one.fingerprint == file_fingerprint(encoder_repo / "text_encoder" / "1" / "model.int8.onnx")
-    ready.add("2")  # version 2 loaded through the repository API: the next batch has new keys
+    ready.add("2")  # both ready (a canary, or mid-swap): which one serves is unknown -> no cache
+    assert resolver.identity() is None
+    assert resolver.identity("2").version == "2"  # unless the caller names the version
+    ready.discard("1")  # version 1 unloaded: the next batch has new keys
     two = resolver.identity()
     assert two.version == "2" and two.fingerprint != one.fingerprint
     assert cache_key(one, "t") != cache_key(two, "t")
     assert resolver.identity("1") == one  # a caller may name the version (canary routing)
-    fp32 = IdentityResolver(encoder_repo, "text_embedding", "text_encoder", None, lambda n, v: True).identity()
+    fp32 = IdentityResolver(encoder_repo, "text_embedding", "text_encoder", None, lambda n, v: v == "2").identity()
     assert fp32.variant == "fp32" and cache_key(fp32, "t") != cache_key(two, "t")
     ready.clear()
     assert resolver.identity() is None
@@ -255,7 +258,7 @@ def test_identity_follows_the_ready_version_and_the_variant(encoder_repo):
 
 def test_identity_reads_the_config_name_from_the_environment(encoder_repo, monkeypatch):
     monkeypatch.setenv("TRITON_MODEL_CONFIG_NAME", "cpu")
-    resolver = IdentityResolver(encoder_repo, "text_embedding", "text_encoder", None, lambda n, v: True)
+    resolver = IdentityResolver(encoder_repo, "text_embedding", "text_encoder", None, lambda n, v: v == "1")
     assert resolver.identity().variant == "int8"
 
 
