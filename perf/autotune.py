@@ -258,7 +258,7 @@ def measure(run: compare.Run, server, c: Candidate, round_: int, steps_after: in
     settings = pa.Settings(model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=a.concurrency,
                            input_data=a.input_data, request_count=a.request_count,
                            stability_percent=a.stability_percent, max_trials=a.max_trials)
-    compare.measure(run, row, settings, steps_after)
+    compare.measure_served(run, row, settings, steps_after, server.http_url)
     trial.error = row.error
     if row.ok:
         trial.throughput, trial.p50_ms, trial.p99_ms = row.throughput, row.p50_ms, row.p99_ms

@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 
 from perf import limit as limit_mod
 from perf import perf_analyzer as pa
+from perf import triton_stats
 
 PERF_DIR = Path(__file__).resolve().parent
 ROOT = PERF_DIR.parent
@@ -210,6 +211,24 @@ def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int) -> Row:
     return row
 
 
+def measure_served(run: Run, row: Row, settings: pa.Settings, steps_after: int, http_url: str) -> Row:
+    """measure(), with every model's share from Triton's statistics (BLS-called models too).
+
+    The figures replace perf_analyzer's composing-model list, which only knows ensemble steps;
+    they cover the whole perf_analyzer run (all its windows), which only moves means a little.
+    """
+    try:
+        before = triton_stats.snapshot(http_url)
+    except OSError:
+        before = None
+    measure(run, row, settings, steps_after)
+    if before is not None and row.measurement is not None:
+        served = triton_stats.fetch_delta(http_url, before, skip=(settings.model,))
+        if served:
+            row.measurement = dataclasses.replace(row.measurement, composing=served)
+    return row
+
+
 def settings_for(run: Run, url: str, protocol: str, concurrency: int) -> pa.Settings:
     a = run.args
     return pa.Settings(model=MODEL, url=url, protocol=protocol, concurrency=concurrency, input_data=a.input_data,
@@ -354,6 +373,26 @@ def disable_dynamic_batching(http_url: str, model: str = ENCODER, ensemble: str 
     return before
 
 
+def disable_all_dynamic_batching(http_url: str, ensemble: str = MODEL, timeout: float = 120.0) -> list[str]:
+    """disable_dynamic_batching() for every loaded model that batches, except ``ensemble``.
+
+    Every step, not only the encoder: a Python step in front of it (the canary router) would
+    otherwise still merge requests into one encoder call. Returns the models switched.
+    """
+    status, raw = _http(f"http://{http_url}/v2/repository/index", "POST", {"ready": True})
+    if status != 200:
+        raise RuntimeError(f"repository index: HTTP {status} {raw[:200]!r}")
+    switched = []
+    for name in sorted({m["name"] for m in json.loads(raw) if m.get("state", "READY") == "READY"} - {ensemble}):
+        status, raw = _http(f"http://{http_url}/v2/models/{name}/config")
+        if status == 200 and "dynamic_batching" in json.loads(raw):
+            disable_dynamic_batching(http_url, name, ensemble, timeout)
+            switched.append(name)
+    if not switched:
+        raise RuntimeError("no loaded model has dynamic batching to switch off")
+    return switched
+
+
 def _encoder_note(row: Row) -> None:
     m = row.measurement
     stats = m.composing.get(ENCODER) if m else None
@@ -374,7 +413,7 @@ def measure_triton(run: Run, served: limit_mod.ServedEncoder) -> None:
         plan.append((f"triton_grpc_c{cb}", "grpc", cb))
     rate_key = "triton_grpc_rate"
     off_key = f"triton_grpc_c{cb}_nobatch"
-    off_system = f"Triton {MODEL}, {ENCODER} without dynamic batching"
+    off_system = f"Triton {MODEL} without dynamic batching (every step)"
     if run.left() < 30:
         for key, protocol, conc in plan:
             run.rows.append(skipped(key, system, protocol, f"concurrency {conc}", "time budget used up"))
@@ -399,8 +438,8 @@ def measure_triton(run: Run, served: limit_mod.ServedEncoder) -> None:
             steps_after -= 1
             url = server.grpc_url if protocol == "grpc" else server.http_url
             run.say(f"    perf_analyzer {protocol}, concurrency {conc}")
-            row = measure(run, Row(key, system, protocol, f"concurrency {conc}"),
-                          settings_for(run, url, protocol, conc), steps_after)
+            row = measure_served(run, Row(key, system, protocol, f"concurrency {conc}"),
+                                 settings_for(run, url, protocol, conc), steps_after, server.http_url)
             _encoder_note(row)
             run.rows.append(row)
 
@@ -416,7 +455,7 @@ def measure_triton(run: Run, served: limit_mod.ServedEncoder) -> None:
                 base = settings_for(run, server.grpc_url, "grpc", 1)
                 settings = RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                                         request_rate=rate)
-                row = measure(run, Row(rate_key, system, "grpc", load), settings, steps_after)
+                row = measure_served(run, Row(rate_key, system, "grpc", load), settings, steps_after, server.http_url)
                 if row.ok:
                     row.note = f"achieved {row.throughput / rate:.0%} of the asked rate"
                     retry_log = run.out_dir / f"{rate_key}-retry.log"  # the retry's, when there was one
@@ -427,16 +466,17 @@ def measure_triton(run: Run, served: limit_mod.ServedEncoder) -> None:
                 run.rows.append(row)
 
         steps_after -= 1
-        run.say(f"(d) {ENCODER}: switching dynamic batching off (repository API, config override)")
+        run.say("(d) switching dynamic batching off in every step (repository API, config override)")
         try:
-            disable_dynamic_batching(server.http_url)
+            switched = disable_all_dynamic_batching(server.http_url)
+            run.say(f"    reloaded without dynamic batching: {', '.join(switched)}")
         except (RuntimeError, OSError) as exc:
             run.say(f"    {exc}")
             run.rows.append(skipped(off_key, off_system, "grpc", f"concurrency {cb}", f"config swap failed: {exc}"))
         else:
             run.say(f"    perf_analyzer grpc, concurrency {cb}")
-            row = measure(run, Row(off_key, off_system, "grpc", f"concurrency {cb}"),
-                          settings_for(run, server.grpc_url, "grpc", cb), steps_after)
+            row = measure_served(run, Row(off_key, off_system, "grpc", f"concurrency {cb}"),
+                                 settings_for(run, server.grpc_url, "grpc", cb), steps_after, server.http_url)
             _encoder_note(row)
             run.rows.append(row)
     finally:
@@ -508,8 +548,9 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
     measured = [r for r in rows if r.measurement is not None and r.measurement.composing]
     if measured:
         lines += ["", "Where the time goes, Triton measurements (mean ms per request; client side from "
-                      "perf_analyzer's CSV, server side from Triton's statistics; each step's compute is the "
-                      "whole execution its request was part of):",
+                      "perf_analyzer's CSV, server side from Triton's statistics over the whole perf_analyzer run, "
+                      "every model that served requests, BLS calls included; a step's compute is the whole "
+                      "execution its request was part of):",
                   "", "| measurement | client send | network + server send/recv | client recv | ensemble queue | "
                       "step | step queue | compute input | compute infer | compute output | mean batch |",
                   "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -517,7 +558,7 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
             m = r.measurement
             client = (f"{_fmt(m.client_send_ms, 2)} | {_fmt(m.network_server_send_recv_ms, 2)} | "
                       f"{_fmt(m.client_recv_ms, 2)} | {_fmt(m.server_queue_ms, 2)}")
-            for i, name in enumerate(n for n in ("text_tokenizer", ENCODER) if n in m.composing):
+            for i, name in enumerate(sorted(m.composing, key=lambda n: (n != "text_tokenizer", n))):
                 s = m.composing[name]
                 b = s.breakdown_ms
                 lead = f"| {r.key} | {client} |" if i == 0 else "| | | | | |"
