@@ -1,7 +1,8 @@
 """Triton's repository API (load, unload, config) and the statistics a rollout reads, over HTTP.
 
 The repository API is restricted (``--http-restricted-api`` / ``--grpc-restricted-protocol``)
-to requests carrying the header ``triton-repository-token: <token>``; inference, health,
+to requests carrying the header ``triton-repository-token: <token>`` (gRPC metadata
+``triton-grpc-protocol-triton-repository-token``: Triton prefixes it); inference, health,
 metadata and statistics stay open. ``python -m server`` creates the token (or reads it):
 from ``$TRITON_REPOSITORY_TOKEN``, else the file ``.triton/repository-token`` (mode 0600),
 which every client here reads the same way.
@@ -20,6 +21,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN_HEADER = "triton-repository-token"
+# Triton 2.51 prefixes the key of a restricted gRPC protocol: gRPC clients send this metadata.
+GRPC_TOKEN_HEADER = "triton-grpc-protocol-" + TOKEN_HEADER
 TOKEN_ENV = "TRITON_REPOSITORY_TOKEN"
 TOKEN_FILE_ENV = "TRITON_REPOSITORY_TOKEN_FILE"
 DEFAULT_TOKEN_FILE = ROOT / ".triton" / "repository-token"

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 ENCODER = "text_encoder"
 ROUTER = "text_encoder_router"
 SMOKE_MODEL = "text_embedding"
+# The smoke check's text: the encoder's warmup sentence (common word pieces only).
+SMOKE_TEXT = "A man is playing a guitar."
 DEFAULT_STATE_FILE = ROOT / ".rollout" / "state.json"
 STATE_ENV = "ROLLOUT_STATE_FILE"
 DEFAULT_STEPS = (10, 50, 100)
@@ -59,9 +61,9 @@ class UsageError(ValueError):
 
 @dataclass
 class Thresholds:
-    """When a canary step fails. The error rate is the new version's failed / all inferences
-    during the step (Triton's ``text_encoder`` statistics for that version; warmup is not
-    counted there). P99 is the router's encoder-call histogram (``canary_encoder_call_ms``)
+    """When a canary step fails. The error rate is the new version's failed / all encoder calls
+    of the router during the step (``canary_encoder_calls_total``; Triton's statistics count a
+    Python model's error responses as successes, so they only add a native backend's failures). P99 is the router's encoder-call histogram (``canary_encoder_call_ms``)
     over the step, new version against stable version in the same window: it regresses when
     it exceeds both ``p99_ratio`` x and ``p99_slack_ms`` + the stable P99. (Triton's own
     per-version latency summary counts the warmup samples of a fresh version, which dominate
@@ -212,8 +214,32 @@ def load_plan(path: Path) -> LoadPlan | None:
 
 
 LATENCY_METRIC = "canary_encoder_call_ms"  # = python_backends.routing.router.LATENCY_METRIC
+CALLS_METRIC = "canary_encoder_calls_total"  # = python_backends.routing.router.CALLS_METRIC
 _BUCKET = re.compile(r'^(\w+)_bucket\{([^}]*)\}\s+(\S+)', re.M)
+_SAMPLE = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def call_counts(metrics_text: str, model: str, metric: str = CALLS_METRIC) -> dict[tuple[int, str, str], float]:
+    """The router's call counters for ``model``: {(version, router instance, result): count}."""
+    out = {}
+    for name, labels, value in _SAMPLE.findall(metrics_text):
+        if name != metric:
+            continue
+        tags = dict(_LABEL.findall(labels))
+        if tags.get("model") == model and "version" in tags:
+            out[(int(tags["version"]), tags.get("instance", ""), tags.get("result", ""))] = float(value)
+    return out
+
+
+def calls_between(before: dict, after: dict, version: int) -> tuple[int, int]:
+    """(ok, error) calls of ``version`` between two ``call_counts`` snapshots (per-series deltas:
+    a reloaded router's new series count whole)."""
+    totals = {"ok": 0.0, "error": 0.0}
+    for (v, instance, result), count in after.items():
+        if v == version and result in totals:
+            totals[result] += count - before.get((v, instance, result), 0.0)
+    return int(totals["ok"]), int(totals["error"])
 
 
 def latency_buckets(metrics_text: str, model: str, metric: str = LATENCY_METRIC) -> dict[tuple[int, str], dict[float, float]]:
@@ -261,21 +287,18 @@ class Verdict:
     figures: dict
 
 
-def judge(before: dict, after: dict, candidate: int, stable_p99_ms: float | None, candidate_p99_ms: float | None,
+def judge(ok_n: int, fail_n: int, candidate: int, stable_p99_ms: float | None, candidate_p99_ms: float | None,
           thresholds: Thresholds, final: bool) -> Verdict:
-    """One check of the canary. ``before``/``after``: ``RepositoryClient.version_stats`` of the
-    encoder. The error rate is judged as soon as enough requests were seen; the P99 only at
-    the end of a step (``final``), when the window holds the step's traffic."""
-    b, a = before.get(candidate, {}), after.get(candidate, {})
-    ok_n = a.get("success", 0) - b.get("success", 0)
-    fail_n = a.get("fail", 0) - b.get("fail", 0)
+    """One check of the canary from its encoder calls in the step so far (succeeded, failed).
+    The error rate is judged as soon as enough calls were seen; the P99 only at the end of a
+    step (``final``), when the window holds the step's traffic."""
     total = ok_n + fail_n
-    figures = {"requests": int(total), "failed": int(fail_n),
+    figures = {"calls": int(total), "failed": int(fail_n),
                "error_rate": round(fail_n / total, 4) if total else None,
                "p99_ms": None if candidate_p99_ms is None else round(candidate_p99_ms, 2),
                "stable_p99_ms": None if stable_p99_ms is None else round(stable_p99_ms, 2)}
     if total < thresholds.min_requests:
-        return Verdict(True, False, f"{int(total)} requests on version {candidate}, fewer than {thresholds.min_requests}: not judged", figures)
+        return Verdict(True, False, f"{int(total)} calls of version {candidate}, fewer than {thresholds.min_requests}: not judged", figures)
     rate = fail_n / total
     if rate > thresholds.max_error_rate:
         return Verdict(False, True, f"version {candidate} error rate {rate:.1%} ({int(fail_n)} of {int(total)}) "
@@ -325,7 +348,7 @@ class Rollout:
 
     def _smoke(self, state: RolloutState, version: int) -> None:
         """One request pinned to ``version`` through the entry model: it must answer from it."""
-        body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["rollout smoke check"]}],
+        body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [SMOKE_TEXT]}],
                 "parameters": {"encoder_version": version}}
         result = self.client.infer_json(self.smoke_model, body)
         outputs = {o["name"]: o["data"] for o in result.get("outputs", [])}
@@ -406,8 +429,9 @@ class Rollout:
         """Dwell on the current step, checking every ``interval_s``; None if another command
         changed the state meanwhile (a rollback from another shell)."""
         candidate = state.candidate
-        before = self.client.version_stats(state.encoder)
-        hist_before = latency_buckets(self.client.metrics(), state.encoder)
+        stats_before = self.client.version_stats(state.encoder)
+        text = self.client.metrics()
+        calls_before, hist_before = call_counts(text, state.encoder), latency_buckets(text, state.encoder)
         end = state.step_started_at + state.dwell_s
         while True:
             now = time.time()
@@ -417,17 +441,23 @@ class Rollout:
             current = RolloutState.load(self.state_path)
             if current is None or current.phase != "canary" or current.candidate != candidate:
                 return None
-            after = self.client.version_stats(state.encoder)
+            text = self.client.metrics()
+            ok_n, fail_n = calls_between(calls_before, call_counts(text, state.encoder), candidate)
+            # A native backend's failures also show in Triton's statistics (a Python-based
+            # one's do not); the router may have seen the same ones: take the larger count.
+            stats_after = self.client.version_stats(state.encoder)
+            triton_fail = stats_after.get(candidate, {}).get("fail", 0) - stats_before.get(candidate, {}).get("fail", 0)
+            fail_n = max(fail_n, int(triton_fail))
             candidate_p99 = stable_p99 = None
             if final:
-                hist_after = latency_buckets(self.client.metrics(), state.encoder)
+                hist_after = latency_buckets(text, state.encoder)
                 candidate_p99, _ = p99_between(hist_before, hist_after, candidate)
                 stable_p99, seen = p99_between(hist_before, hist_after, state.stable)
                 if stable_p99 is not None and seen >= limits.min_requests:
                     state.baseline_p99_ms = stable_p99  # the stable side of this very window
                 else:  # no stable traffic at 100 %: the last step's stable P99
                     stable_p99 = state.baseline_p99_ms
-            verdict = judge(before, after, candidate, stable_p99, candidate_p99, limits, final)
+            verdict = judge(ok_n, fail_n, candidate, stable_p99, candidate_p99, limits, final)
             if not verdict.ok or final:
                 return verdict
 

@@ -32,6 +32,11 @@ LATENCY_METRIC = "canary_encoder_call_ms"
 LATENCY_BUCKETS_MS = [1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0,
                       500.0, 750.0, 1000.0, 2000.0, 5000.0]
 
+# Counter of the router's encoder calls per version and result ("ok", "error"; labels model,
+# version, instance, result). Triton's statistics count a Python model's error responses as
+# successes (seen on 2.51), so the canary's error rate comes from here.
+CALLS_METRIC = "canary_encoder_calls_total"
+
 PIN_PARAMETER = "encoder_version"
 KEY_PARAMETER = "routing_key"
 

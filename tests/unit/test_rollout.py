@@ -46,19 +46,30 @@ def test_a_state_with_bad_weights_is_refused(tmp_path):
         RolloutState.load(path)
 
 
-def stats(success, fail):
-    return {2: {"success": success, "fail": fail}}
-
-
 def test_judge_error_rate_and_p99():
     t = Thresholds(max_error_rate=0.01, p99_ratio=1.5, p99_slack_ms=20, min_requests=20)
-    assert not judge(stats(0, 0), stats(10, 5), 2, 10, 10, t, final=True).judged  # too few to judge
-    bad = judge(stats(0, 0), stats(90, 10), 2, 10.0, 10.0, t, final=False)
+    assert not judge(10, 5, 2, 10, 10, t, final=True).judged  # too few to judge
+    bad = judge(90, 10, 2, 10.0, 10.0, t, final=False)
     assert not bad.ok and "error rate 10.0% (10 of 100) > 1.0%" in bad.reason
-    assert judge(stats(100, 0), stats(200, 0), 2, 10.0, 29.0, t, final=True).ok  # within +20 ms
-    slow = judge(stats(0, 0), stats(100, 0), 2, 10.0, 31.0, t, final=True)
+    assert judge(100, 0, 2, 10.0, 29.0, t, final=True).ok  # within +20 ms
+    slow = judge(100, 0, 2, 10.0, 31.0, t, final=True)
     assert not slow.ok and "P99 31.0 ms > 30.0 ms" in slow.reason
-    assert judge(stats(0, 0), stats(100, 0), 2, 10.0, 31.0, t, final=False).ok  # P99 judged at the step's end
+    assert judge(100, 0, 2, 10.0, 31.0, t, final=False).ok  # P99 judged at the step's end
+    assert judge(100, 1, 2, None, None, t, final=True).ok  # 1 % is the limit, not over it
+
+
+def test_call_counters_per_series():
+    from clients.rollout import call_counts, calls_between
+
+    def text(series):
+        return "\n".join(f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="{r}",version="{v}"}} {c}'
+                         for (v, i, r), c in series.items())
+
+    before = call_counts(text({(3, "a", "ok"): 10, (3, "a", "error"): 2}), "text_encoder")
+    after = call_counts(text({(3, "a", "ok"): 30, (3, "a", "error"): 7, (3, "b", "error"): 4, (1, "a", "ok"): 99}),
+                        "text_encoder")
+    assert calls_between(before, after, 3) == (20, 9)
+    assert calls_between(before, after, 1) == (99, 0)
 
 
 def test_thresholds_are_checked():

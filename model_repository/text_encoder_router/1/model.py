@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.config import ModelConfig
 from python_backends.errors import InputError
 from python_backends.routing.router import (
+    CALLS_METRIC,
     LATENCY_BUCKETS_MS,
     LATENCY_METRIC,
     RateLimitedLog,
@@ -51,11 +52,27 @@ class TritonPythonModel:
         # takes per-series deltas).
         self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
         self.latency = {}
+        # Failed calls per version: Triton's statistics count a Python model's error responses
+        # as successes, so the rollout reads the error rate here.
+        self.calls_family = pb_utils.MetricFamily(
+            name=CALLS_METRIC,
+            description="The router's text_encoder calls (one per batch and version) by result",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.calls = {}
         pb_utils.Logger.log_info(f"{self.config.name}: {describe(self.settings)}")
 
     def _ready_versions(self):
         encoder = self.settings.encoder
         return [v for v in versions_on_disk(self.repository / encoder) if pb_utils.is_model_ready(encoder, str(v))]
+
+    def _count(self, version, result):
+        metric = self.calls.get((version, result))
+        if metric is None:
+            metric = self.calls[(version, result)] = self.calls_family.Metric(
+                labels={"model": self.settings.encoder, "version": str(version), "instance": self.instance,
+                        "result": result})
+        metric.increment(1)
 
     def _observe(self, version, seconds):
         metric = self.latency.get(version)
@@ -76,8 +93,10 @@ class TritonPythonModel:
         start = time.monotonic()
         response = await request.async_exec()
         if response.has_error():
+            self._count(version, "error")
             return None, response.error().message()
         self._observe(version, time.monotonic() - start)
+        self._count(version, "ok")
         return pb_utils.get_output_tensor_by_name(response, OUTPUT).as_numpy(), None
 
     async def _serve_group(self, version, pinned, ids, mask):

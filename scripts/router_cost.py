@@ -1,0 +1,103 @@
+"""What the canary router step costs: text_embedding (tokenizer -> router -> encoder version,
+BLS) against the same pipeline without it (tokenizer -> text_encoder, the ensemble before issue 6),
+side by side on one server with perf_analyzer, interleaved rounds.
+
+    .venv/bin/python scripts/router_cost.py [--concurrency 16] [--rounds 3] [--request-count 2000]
+
+Writes perf_analyzer's CSV and logs under build/router-cost-<UTC time>/ and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from perf import perf_analyzer as pa  # noqa: E402
+from server.process import ServerOptions, TritonServer  # noqa: E402
+
+DIRECT = "text_embedding_direct"
+
+
+def copy_repository(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.name == "__pycache__":
+            continue
+        if p.is_dir():
+            copy_repository(p, dst / p.name)
+        elif p.suffix == ".onnx":
+            os.symlink(p.resolve(), dst / p.name)
+        else:
+            shutil.copy2(p, dst / p.name)
+
+
+def add_direct_ensemble(repo: Path) -> None:
+    """text_embedding's config with the encoder step pointing at text_encoder again."""
+    text = (repo / "text_embedding" / "config.pbtxt").read_text()
+    text = text.replace('name: "text_embedding"', f'name: "{DIRECT}"')
+    text = text.replace('model_name: "text_encoder_router"', 'model_name: "text_encoder"')
+    text = re.sub(r'\s*output_map \{ key: "encoder_version" value: "ENCODER_VERSION" \}', "", text)
+    text = re.sub(r',\s*# Which text_encoder version[^\n]*\n\s*\{ name: "ENCODER_VERSION"[^\n]*\n', "\n", text)
+    (repo / DIRECT).mkdir()
+    (repo / DIRECT / "config.pbtxt").write_text(text)
+    (repo / DIRECT / "1").mkdir()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--request-count", type=int, default=2000, help="perf_analyzer requests per window")
+    p.add_argument("--precision", default="int8")
+    p.add_argument("--input-data", type=Path, default=ROOT / "perf" / "data" / "sentences_16tok.json")
+    args = p.parse_args(argv)
+    binary, env = pa.check()
+    out = ROOT / "build" / time.strftime("router-cost-%Y%m%dT%H%M%SZ", time.gmtime())
+    out.mkdir(parents=True)
+    tmp = Path(tempfile.mkdtemp(prefix="router-cost-"))
+    try:
+        repo = tmp / "model_repository"
+        copy_repository(ROOT / "model_repository", repo)
+        add_direct_ensemble(repo)
+        options = ServerOptions.with_free_ports(model_repository=repo, workdir=tmp / "work",
+                                                models=("text_embedding", DIRECT), model_config_name=args.precision)
+        results: dict[str, list[pa.Measurement]] = {"text_embedding": [], DIRECT: []}
+        with TritonServer(options) as server:
+            for r in range(args.rounds):
+                for model in (DIRECT, "text_embedding"):
+                    settings = pa.Settings(model=model, url=server.grpc_url, protocol="grpc",
+                                           concurrency=args.concurrency, input_data=args.input_data,
+                                           request_count=args.request_count, stability_percent=50, max_trials=4,
+                                           timeout_s=300)
+                    m = pa.measure(settings, out / f"{model}-r{r}.csv", log_path=out / f"{model}-r{r}.log",
+                                   binary=binary, env=env)
+                    results[model].append(m)
+                    print(f"round {r + 1} {model:24s} {m.throughput:7.1f} infer/s  p50 {m.p50_ms:6.1f} ms  p99 {m.p99_ms:6.1f} ms",
+                          flush=True)
+        direct = statistics.median(m.throughput for m in results[DIRECT])
+        routed = statistics.median(m.throughput for m in results["text_embedding"])
+        d99 = statistics.median(m.p99_ms for m in results[DIRECT])
+        r99 = statistics.median(m.p99_ms for m in results["text_embedding"])
+        print(f"\nmedian of {args.rounds} rounds, concurrency {args.concurrency}, gRPC, {args.precision}, "
+              f"{args.input_data.name}:\n"
+              f"| pipeline | infer/s | p99 ms |\n|---|---|---|\n"
+              f"| tokenizer -> text_encoder (no router) | {direct:.1f} | {d99:.1f} |\n"
+              f"| tokenizer -> text_encoder_router -> text_encoder (BLS) | {routed:.1f} | {r99:.1f} |\n"
+              f"| ratio | {routed / direct:.3f} | {r99 / d99:.2f} |\n(files: {out.relative_to(ROOT)})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
