@@ -324,8 +324,13 @@ def measure_naive(run: Run, threads: int) -> None:
 
 
 def _http(url: str, method: str = "GET", body: dict | None = None, timeout: float = 120.0) -> tuple[int, bytes]:
+    from clients.repository import token_headers
+
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    # The repository API of `make serve` needs the token (README "Model versions and canary
+    # rollout"): $TRITON_REPOSITORY_TOKEN or .triton/repository-token, when there is one.
+    headers = {"Content-Type": "application/json", **(token_headers() if "/v2/repository/" in url else {})}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, r.read()

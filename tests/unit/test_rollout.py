@@ -157,3 +157,34 @@ def test_p99_from_the_router_histogram_per_series():
     assert p99_between(before, after, 3) == (None, 0)
     slow = latency_buckets(text({(2, "b"): {"5": 0, "10": 0, "+Inf": 10}}), "text_encoder")
     assert p99_between({}, slow, 2) == (10.0, 10)  # beyond the last bucket: its bound, a lower limit
+
+
+def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
+    import urllib.request
+
+    from perf import compare
+
+    seen = []
+
+    class Response:
+        status = 200
+
+        def read(self):
+            return b"{}"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_urlopen(request, timeout=None):
+        seen.append((request.full_url, {k.lower(): v for k, v in request.header_items()}))
+        return Response()
+
+    monkeypatch.setenv(repository.TOKEN_ENV, "perf-token")
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    compare._http("http://h:1/v2/repository/models/text_encoder/load", "POST", {})
+    compare._http("http://h:1/v2/models/text_encoder/config")
+    assert seen[0][1].get("triton-repository-token") == "perf-token"
+    assert "triton-repository-token" not in seen[1][1]
