@@ -26,6 +26,7 @@ def test_cached_model_has_the_ensembles_interface_and_batch_size():
     assert cached.output("EMBEDDING") == ensemble.output("EMBEDDING")
     assert cached.max_batch_size == ensemble.max_batch_size  # a batch's misses fit one BLS request
     assert cached.param("target_model") == "text_embedding" and cached.param("encoder_model") == "text_encoder"
+    assert cached.param("load_with") == cached.param("target_model")  # the launcher loads the BLS target
     assert cached.param_int("max_text_bytes", 0) == load("text_tokenizer").param_int("max_text_bytes", 0)
 
 
