@@ -55,7 +55,12 @@ def test_mounted_repository_holds_the_loaded_models(compose, name):
     assert host_repo == (ROOT / "model_repository").resolve()
     assert args["--model-control-mode"] == ["explicit"]
     loaded = args["--load-model"]
-    assert loaded == ["text_embedding", "text_embedding_cached", "image_classification"]
+    assert loaded == ["text_encoder", "text_embedding", "text_embedding_cached", "image_classification"]
+    # What a loaded model calls through BLS (load_with) is loaded explicitly too.
+    from server.process import with_dependencies
+
+    assert set(with_dependencies(host_repo, loaded)) <= set(loaded)
+    assert any(a.startswith("model-repository:triton-repository-token=") for a in args["--http-restricted-api"])
     for model in loaded:
         config = host_repo / model / "config.pbtxt"
         assert config.is_file(), f"{config} missing"
