@@ -4,8 +4,8 @@ text_encoder version on a running server (README "Model versions and canary roll
     rollout publish            copy the exported model files into the next version folder
     rollout start 2            load + warm version 2 next to the serving one, check it, then
                                10 % -> 50 % -> 100 % with a dwell per step; between checks it
-                               reads Triton's per-version statistics and metrics and rolls back
-                               by itself when the error rate or the P99 regress
+                               reads the router's per-version metrics (and Triton's statistics)
+                               and rolls back by itself when the error rate or the P99 regress
     rollout status             the state file and what the server reports per version
     rollout rollback           100 % back to the previous version at once, then unload the new one
     rollout finish             after the rollback window (default 15 min): unload the old version
@@ -17,8 +17,9 @@ weights on start. The weights live in the router's config (``text_encoder_router
 parameter ``weights``): each change reloads the router with a config override through the
 repository API, which needs the repository token (clients/repository.py).
 
-Exit status: 0 done, 1 aborted or refused by the server, 2 bad input (unknown version,
-weights not summing to 100, a rollout already in progress, ...).
+Exit status: 0 done, 1 aborted (a version that does not load, e.g. an unknown one, aborts
+too) or refused by the server, 2 bad input (steps, thresholds, weights not summing to 100, a
+rollout already in progress, nothing to roll back, ...).
 """
 
 from __future__ import annotations
@@ -315,6 +316,12 @@ def judge(ok_n: int, fail_n: int, candidate: int, stable_p99_ms: float | None, c
 # ---------------------------------------------------------------- commands
 
 
+def check_steps(steps: list[int]) -> list[int]:
+    if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100:
+        raise UsageError(f"--steps must be increasing percentages in 1..100 ending at 100, got {','.join(map(str, steps))}")
+    return steps
+
+
 class Rollout:
     """The commands, on one server and one state file."""
 
@@ -376,9 +383,7 @@ class Rollout:
                 raise UsageError(f"version {version} is already the serving version")
             if version < 1:
                 raise UsageError(f"version must be >= 1, got {version}")
-            steps = list(steps or DEFAULT_STEPS)
-            if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100:
-                raise UsageError(f"--steps must be increasing percentages in 1..100 ending at 100, got {steps}")
+            steps = check_steps(list(steps or DEFAULT_STEPS))
             state.candidate, state.steps, state.step = version, steps, -1
             state.dwell_s = float(DEFAULT_DWELL_S if dwell_s is None else dwell_s)
             state.rollback_window_s = float(DEFAULT_WINDOW_S if window_s is None else window_s)
@@ -563,17 +568,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None, help="repository token (default $TRITON_REPOSITORY_TOKEN or .triton/repository-token)")
     p.add_argument("--state-file", type=Path, default=Path(os.environ.get(STATE_ENV) or DEFAULT_STATE_FILE))
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("start", help="load, warm, check and step a version up to 100 %")
+    s = sub.add_parser("start", help="load, warm, check and step a version up to 100 %%")
     s.add_argument("version", type=int)
     s.add_argument("--steps", default="10,50,100", help="percent per step, ending at 100 (default 10,50,100)")
     s.add_argument("--dwell", type=float, default=DEFAULT_DWELL_S, help=f"seconds per step (default {DEFAULT_DWELL_S:.0f})")
     s.add_argument("--check-interval", type=float, default=5.0, help="seconds between checks within a step")
     s.add_argument("--rollback-window", type=float, default=DEFAULT_WINDOW_S, help="seconds the old version stays loaded (default 900)")
     t = Thresholds()
-    s.add_argument("--max-error-rate", type=float, default=t.max_error_rate)
-    s.add_argument("--p99-ratio", type=float, default=t.p99_ratio)
-    s.add_argument("--p99-slack-ms", type=float, default=t.p99_slack_ms)
-    s.add_argument("--min-requests", type=int, default=t.min_requests)
+    s.add_argument("--max-error-rate", type=float, default=t.max_error_rate,
+                   help=f"abort above this share of failed calls of the new version (default {t.max_error_rate})")
+    s.add_argument("--p99-ratio", type=float, default=t.p99_ratio,
+                   help=f"abort when the new P99 exceeds this x the stable P99 ... (default {t.p99_ratio})")
+    s.add_argument("--p99-slack-ms", type=float, default=t.p99_slack_ms,
+                   help=f"... and the stable P99 + this many ms (default {t.p99_slack_ms:g})")
+    s.add_argument("--min-requests", type=int, default=t.min_requests,
+                   help=f"calls of the new version before anything is judged (default {t.min_requests})")
     sub.add_parser("status", help="print the state and the server's per-version figures (JSON)")
     sub.add_parser("rollback", help="100 %% back to the previous version now")
     f = sub.add_parser("finish", help="unload the old version after the rollback window")
@@ -602,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = [int(s) for s in args.steps.split(",") if s.strip()]
             except ValueError:
                 raise UsageError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
+            check_steps(steps)
             thresholds = Thresholds(args.max_error_rate, args.p99_ratio, args.p99_slack_ms, args.min_requests).check()
             return rollout.start(args.version, steps, args.dwell, thresholds, args.check_interval, args.rollback_window)
         if args.command == "status":

@@ -43,5 +43,8 @@ def test_curl_style_json_request(triton):
     req = urllib.request.Request(f"http://{triton.http_url}/v2/models/text_embedding/infer", data=body.encode(), method="POST")
     with urllib.request.urlopen(req, timeout=30) as r:
         out = json.loads(r.read())
-    emb = np.array(out["outputs"][0]["data"], dtype=np.float32).reshape(out["outputs"][0]["shape"])
+    # Two outputs (EMBEDDING, ENCODER_VERSION) in no fixed order: pick them by name.
+    outputs = {o["name"]: o for o in out["outputs"]}
+    emb = np.array(outputs["EMBEDDING"]["data"], dtype=np.float32).reshape(outputs["EMBEDDING"]["shape"])
     assert emb.shape == (2, 384)
+    assert outputs["ENCODER_VERSION"]["data"] == [1, 1]
