@@ -188,3 +188,90 @@ def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
     compare._http("http://h:1/v2/models/text_encoder/config")
     assert seen[0][1].get("triton-repository-token") == "perf-token"
     assert "triton-repository-token" not in seen[1][1]
+
+
+class FakeTriton:
+    """Just enough of RepositoryClient for the command's state machine (the real server is in
+    tests/integration/test_rollout.py)."""
+
+    def __init__(self):
+        self.encoder = {"name": "text_encoder", "version_policy": {"latest": {"num_versions": 1}}}
+        self.router = {"name": "text_encoder_router", "parameters": {"weights": {"string_value": "1:100"}}}
+        self.loaded = {1}
+        self.loads = []
+
+    def config(self, model):
+        return dict(self.encoder if model == "text_encoder" else self.router)
+
+    def load(self, model, config=None):
+        self.loads.append((model, config))
+        if model == "text_encoder":
+            self.loaded = {int(v) for v in config["version_policy"]["specific"]["versions"]}
+        else:
+            self.router = config
+
+    def ready(self, model, version=None):
+        return version is None or version in self.loaded
+
+    def version_stats(self, model):
+        return {v: {"success": 0.0, "fail": 0.0, "success_ns": 0.0} for v in self.loaded}
+
+    def metrics(self):
+        return ""
+
+    def infer_json(self, model, body):
+        version = body["parameters"]["encoder_version"]
+        return {"outputs": [{"name": "ENCODER_VERSION", "data": [version]},
+                            {"name": "EMBEDDING", "data": [1.0] + [0.0] * 383}]}
+
+
+def test_command_state_machine(tmp_path):
+    from clients.rollout import Rollout
+
+    triton, said = FakeTriton(), []
+    rollout = Rollout(triton, tmp_path / "state.json", say=said.append, sleep=lambda s: None)
+    with pytest.raises(UsageError, match="nothing to roll back"):
+        rollout.rollback()
+    with pytest.raises(UsageError, match="version 1 is already the serving version"):
+        rollout.start(1)
+    # No traffic in the fake: nothing is judged, every step passes after its (zero) dwell.
+    assert rollout.start(2, [10, 100], dwell_s=0, check_interval_s=0) == 0
+    assert triton.loaded == {1, 2}
+    assert triton.router["parameters"]["weights"]["string_value"] == "1:0,2:100"
+    state = RolloutState.load(tmp_path / "state.json")
+    assert state.phase == "rolled_out" and state.step == 1 and state.loaded == [1, 2]
+    with pytest.raises(UsageError, match="run `rollout finish`"):
+        rollout.start(3)
+    with pytest.raises(UsageError, match="rollback window is open for"):
+        rollout.finish()
+    assert rollout.finish(force=True) == 0
+    assert triton.loaded == {2} and triton.router["parameters"]["weights"]["string_value"] == "2:100"
+    state = RolloutState.load(tmp_path / "state.json")
+    assert (state.phase, state.stable, state.candidate) == ("finished", 2, None)
+    assert [e["event"] for e in state.history][0] == "start"
+
+
+def test_rollback_restores_weights_before_unloading(tmp_path):
+    from clients.rollout import Rollout
+
+    triton = FakeTriton()
+    rollout = Rollout(triton, tmp_path / "state.json", say=lambda m: None, sleep=lambda s: None)
+    assert rollout.start(2, [50, 100], dwell_s=0, check_interval_s=0) == 0
+    triton.loads.clear()
+    assert rollout.rollback() == 0
+    assert [m for m, _ in triton.loads] == ["text_encoder_router", "text_encoder"]  # traffic first, then unload
+    assert triton.router["parameters"]["weights"]["string_value"] == "1:100" and triton.loaded == {1}
+    assert RolloutState.load(tmp_path / "state.json").phase == "rolled_back"
+
+
+def test_a_version_failing_its_smoke_check_is_aborted_before_any_traffic(tmp_path):
+    from clients.rollout import Rollout
+
+    triton = FakeTriton()
+    triton.infer_json = lambda model, body: {"outputs": [{"name": "ENCODER_VERSION", "data": [1]},
+                                                         {"name": "EMBEDDING", "data": [1.0]}]}
+    rollout = Rollout(triton, tmp_path / "state.json", say=lambda m: None, sleep=lambda s: None)
+    assert rollout.start(2, dwell_s=0, check_interval_s=0) == 1
+    state = RolloutState.load(tmp_path / "state.json")
+    assert state.phase == "aborted" and "smoke check of version 2: served by 1" in state.reason
+    assert triton.loaded == {1} and triton.router["parameters"]["weights"]["string_value"] == "1:100"
