@@ -9,6 +9,7 @@ text_encoder version on a running server (README "Model versions and canary roll
     rollout status             the state file and what the server reports per version
     rollout rollback           100 % back to the previous version at once, then unload the new one
     rollout finish             after the rollback window (default 15 min): unload the old version
+                               (--wait: wait for the window first; --force: do not)
 
 The state (versions, weights, step, times, history) is one JSON file, written atomically
 after every change, so a restarted ``rollout start`` resumes its step, ``rollback`` and
@@ -497,14 +498,23 @@ class Rollout:
         self.say(f"rollout: version {state.stable} serves 100 %")
         return 0
 
-    def finish(self, force: bool = False) -> int:
+    def finish(self, force: bool = False, wait: bool = False) -> int:
         state = self.state()
         if state.phase != "rolled_out":
             raise UsageError(f"nothing to finish: the state is {state.phase!r} (finish follows a completed rollout)")
         left = state.completed_at + state.rollback_window_s - time.time()
+        if left > 0 and wait and not force:
+            self.say(f"rollout: waiting {left:.0f} s for the rollback window to close")
+            while left > 0:
+                self.sleep(min(left, 5.0))
+                state = self.state()
+                if state.phase != "rolled_out":  # rolled back from another shell meanwhile
+                    self.say(f"rollout: the state changed to {state.phase!r}; nothing to finish")
+                    return 1
+                left = state.completed_at + state.rollback_window_s - time.time()
         if left > 0 and not force:
             raise UsageError(f"the rollback window is open for {left:.0f} s more (version {state.stable} kept for "
-                             f"{state.rollback_window_s:.0f} s); run finish after it or pass --force")
+                             f"{state.rollback_window_s:.0f} s); run finish after it, or pass --wait or --force")
         old, new = state.stable, state.candidate
         self._apply_weights(state, {new: 100}, f"finish: version {new} alone")
         set_versions(self.client, state.encoder, [new])
@@ -587,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("rollback", help="100 %% back to the previous version now")
     f = sub.add_parser("finish", help="unload the old version after the rollback window")
     f.add_argument("--force", action="store_true", help="finish before the window is over")
+    f.add_argument("--wait", action="store_true", help="wait for the window to close, then finish")
     pub = sub.add_parser("publish", help="copy the exported model into the next version folder")
     pub.add_argument("--repository", type=Path, default=ROOT / "model_repository")
     pub.add_argument("--source", type=Path, help="folder with the exported files (default text_encoder/1)")
@@ -620,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "rollback":
             return rollout.rollback()
         if args.command == "finish":
-            return rollout.finish(force=args.force)
+            return rollout.finish(force=args.force, wait=args.wait)
     except (UsageError, RoutingError) as exc:
         print(f"rollout: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -244,7 +245,11 @@ def test_command_state_machine(tmp_path):
         rollout.start(3)
     with pytest.raises(UsageError, match="rollback window is open for"):
         rollout.finish()
-    assert rollout.finish(force=True) == 0
+    state = RolloutState.load(tmp_path / "state.json")
+    state.rollback_window_s = 0.2  # --wait sleeps until it closed
+    state.save(tmp_path / "state.json")
+    rollout.sleep = time.sleep
+    assert rollout.finish(wait=True) == 0
     assert triton.loaded == {2} and triton.router["parameters"]["weights"]["string_value"] == "2:100"
     state = RolloutState.load(tmp_path / "state.json")
     assert (state.phase, state.stable, state.candidate) == ("finished", 2, None)
