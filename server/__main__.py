@@ -77,15 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _served_models(repo: Path, models: tuple[str, ...]) -> list[str]:
-    """The loaded models and, for ensembles, their steps: those that may have variants."""
-    import re
+    """The models a request can reach (ensemble steps, BLS ``load_with`` targets) that have
+    precision variants."""
+    from server.process import closure
 
     found = []
     for model in models:
-        config = repo / model / "config.pbtxt"
-        text = config.read_text() if config.is_file() else ""
-        steps = re.findall(r'model_name:\s*"([^"]+)"', text)
-        for name in steps or [model]:
+        for name in closure(repo, model):
             if (repo / name / "variants.json").is_file() and name not in found:
                 found.append(name)
     return found
