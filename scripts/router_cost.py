@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--request-count", type=int, default=2000, help="perf_analyzer requests per window")
     p.add_argument("--precision", default="int8")
     p.add_argument("--input-data", type=Path, default=ROOT / "perf" / "data" / "sentences_16tok.json")
+    p.add_argument("--no-router-metrics", action="store_true",
+                   help="router parameter metrics=false: what its two metric updates per call cost")
     args = p.parse_args(argv)
     binary, env = pa.check()
     out = ROOT / "build" / time.strftime("router-cost-%Y%m%dT%H%M%SZ", time.gmtime())
@@ -72,6 +74,9 @@ def main(argv=None) -> int:
         repo = tmp / "model_repository"
         copy_repository(ROOT / "model_repository", repo)
         add_direct_ensemble(repo)
+        if args.no_router_metrics:
+            config = repo / "text_encoder_router" / "config.pbtxt"
+            config.write_text(config.read_text() + 'parameters { key: "metrics" value: { string_value: "false" } }\n')
         options = ServerOptions.with_free_ports(model_repository=repo, workdir=tmp / "work",
                                                 models=("text_embedding", DIRECT), model_config_name=args.precision)
         results: dict[str, list[pa.Measurement]] = {"text_embedding": [], DIRECT: []}

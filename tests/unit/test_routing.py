@@ -99,3 +99,21 @@ def test_router_settings_check_the_version_folders(tmp_path: Path):
         RouterSettings.from_config(_router_config("1:90,2:10"), tmp_path)
     with pytest.raises(ConfigError, match="weights sum to 90"):
         RouterSettings.from_config(_router_config("1:90"), tmp_path)
+
+
+def test_call_tally_counts_between_flushes_with_cumulative_buckets():
+    from python_backends.routing.router import CallTally
+
+    now = [0.0]
+    tally = CallTally(interval_s=0.5, clock=lambda: now[0])
+    assert not tally.due()
+    tally.record(2, ok=True, ms=4.0)
+    tally.record(2, ok=True, ms=12.0)
+    tally.record(2, ok=False)
+    assert not tally.due()
+    now[0] = 0.6
+    assert tally.due()
+    results, buckets = tally.drain()
+    assert results == {(2, "ok"): 2, (2, "error"): 1}
+    assert (2, "3") not in buckets and buckets[(2, "5")] == 1 and buckets[(2, "15")] == 2 and buckets[(2, "+Inf")] == 2
+    assert tally.drain() == ({}, {}) and not tally.due()

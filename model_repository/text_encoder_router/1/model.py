@@ -12,8 +12,8 @@ from python_backends.config import ModelConfig
 from python_backends.errors import InputError
 from python_backends.routing.router import (
     CALLS_METRIC,
-    LATENCY_BUCKETS_MS,
     LATENCY_METRIC,
+    CallTally,
     RateLimitedLog,
     RouterSettings,
     decide,
@@ -43,45 +43,44 @@ class TritonPythonModel:
             raise load_error(pb_utils, self.config.name, exc)
         self.warnings = RateLimitedLog()
         # Kept on self: a MetricFamily must outlive its Metric objects (shared/FINDINGS.md).
+        self.calls_family = pb_utils.MetricFamily(
+            name=CALLS_METRIC,
+            description="The router's text_encoder calls (one per batch, version and length) by result",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
         self.latency_family = pb_utils.MetricFamily(
-            name=LATENCY_METRIC,
-            description="Duration of the router's successful text_encoder calls (one per batch and version), ms",
-            kind=pb_utils.MetricFamily.HISTOGRAM,
+            name=LATENCY_METRIC + "_bucket",
+            description="The router's successful text_encoder calls at most le ms long (cumulative buckets)",
+            kind=pb_utils.MetricFamily.COUNTER,
         )
         # One series per router process: a reloaded router starts new ones (clients/rollout.py
         # takes per-series deltas).
         self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
-        self.latency = {}
-        # Failed calls per version: Triton's statistics count a Python model's error responses
-        # as successes, so the rollout reads the error rate here.
-        self.calls_family = pb_utils.MetricFamily(
-            name=CALLS_METRIC,
-            description="The router's text_encoder calls (one per batch and version) by result",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        self.calls = {}
+        self.metrics = {}
+        self.tally = CallTally()
+        # Off only to measure what the metrics cost (scripts/router_cost.py); the rollout
+        # command judges canaries by these metrics.
+        self.metrics_on = self.config.param_bool("metrics", True)
         pb_utils.Logger.log_info(f"{self.config.name}: {describe(self.settings)}")
 
     def _ready_versions(self):
         encoder = self.settings.encoder
         return [v for v in versions_on_disk(self.repository / encoder) if pb_utils.is_model_ready(encoder, str(v))]
 
-    def _count(self, version, result):
-        metric = self.calls.get((version, result))
+    def _metric(self, family, labels):
+        key = (family.__class__, id(family), tuple(sorted(labels.items())))
+        metric = self.metrics.get(key)
         if metric is None:
-            metric = self.calls[(version, result)] = self.calls_family.Metric(
-                labels={"model": self.settings.encoder, "version": str(version), "instance": self.instance,
-                        "result": result})
-        metric.increment(1)
+            metric = self.metrics[key] = family.Metric(labels=labels)
+        return metric
 
-    def _observe(self, version, seconds):
-        metric = self.latency.get(version)
-        if metric is None:
-            metric = self.latency[version] = self.latency_family.Metric(
-                labels={"model": self.settings.encoder, "version": str(version), "instance": self.instance},
-                buckets=LATENCY_BUCKETS_MS,
-            )
-        metric.observe(seconds * 1000.0)
+    def _flush(self):
+        results, buckets = self.tally.drain()
+        base = {"model": self.settings.encoder, "instance": self.instance}
+        for (version, result), n in results.items():
+            self._metric(self.calls_family, {**base, "version": str(version), "result": result}).increment(n)
+        for (version, le), n in buckets.items():
+            self._metric(self.latency_family, {**base, "version": str(version), "le": le}).increment(n)
 
     async def _call(self, version, ids, mask):
         request = pb_utils.InferenceRequest(
@@ -93,10 +92,9 @@ class TritonPythonModel:
         start = time.monotonic()
         response = await request.async_exec()
         if response.has_error():
-            self._count(version, "error")
+            self.tally.record(version, ok=False)
             return None, response.error().message()
-        self._observe(version, time.monotonic() - start)
-        self._count(version, "ok")
+        self.tally.record(version, ok=True, ms=(time.monotonic() - start) * 1000.0)
         return pb_utils.get_output_tensor_by_name(response, OUTPUT).as_numpy(), None
 
     async def _serve_group(self, version, pinned, ids, mask):
@@ -151,4 +149,6 @@ class TritonPythonModel:
                         pb_utils.Tensor("encoder_version", np.full((rows, 1), served, dtype=np.int32)),
                     ])
                 start += rows
+        if self.metrics_on and self.tally.due():
+            self._flush()
         return responses
