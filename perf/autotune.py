@@ -316,16 +316,10 @@ def summary_markdown(header: Sequence[str], scores: Sequence[Score], winner: Sco
 def run(args: argparse.Namespace) -> int:
     from server.process import ServerError, ServerOptions, TritonServer
 
-    deadline = time.monotonic() + args.time_budget
-    try:
-        binary, env = pa.check()
-    except pa.PerfAnalyzerNotAvailable as exc:
-        print(f"perf.autotune: {exc}", flush=True)
+    state = compare.new_run(args, "autotune")
+    if state is None:
         return 2
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or compare.DEFAULT_RESULTS / f"autotune-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = compare.Run(args, out_dir, deadline, binary, env)
+    out_dir = state.out_dir
     served = limit_mod.served_encoder(args.precision)
     args.no_export = False
     if not compare.ensure_exported(served, args, state.say):

@@ -612,17 +612,26 @@ def ensure_exported(served: limit_mod.ServedEncoder, args: argparse.Namespace, s
     return tokenizer.is_file() and limit_mod.served_encoder(args.precision).model_path.is_file()
 
 
-def run(args: argparse.Namespace) -> int:
+def new_run(args: argparse.Namespace, kind: str) -> Run | None:
+    """A run of ``perf.<kind>``: its deadline, perf_analyzer, and its results folder
+    (``--out-dir`` or perf/results/<kind>-<UTC time>). None (said why) without perf_analyzer."""
     deadline = time.monotonic() + args.time_budget
     try:
         binary, env = pa.check()
     except pa.PerfAnalyzerNotAvailable as exc:
-        print(f"perf.compare: {exc}", flush=True)
-        return 2
+        print(f"perf.{kind}: {exc}", flush=True)
+        return None
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or DEFAULT_RESULTS / f"compare-{stamp}"
+    out_dir = args.out_dir or DEFAULT_RESULTS / f"{kind}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = Run(args, out_dir, deadline, binary, env)
+    return Run(args, out_dir, deadline, binary, env)
+
+
+def run(args: argparse.Namespace) -> int:
+    state = new_run(args, "compare")
+    if state is None:
+        return 2
+    out_dir = state.out_dir
 
     served = limit_mod.served_encoder(args.precision)
     if not ensure_exported(served, args, state.say):
