@@ -255,9 +255,7 @@ def measure(run: compare.Run, server, c: Candidate, round_: int, steps_after: in
     a = run.args
     trial = Trial(c, round_)
     row = compare.Row(f"r{round_}-{c.name}", f"{ENCODER} {c.describe()}", "grpc", f"concurrency {a.concurrency}")
-    settings = pa.Settings(model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=a.concurrency,
-                           input_data=a.input_data, request_count=a.request_count,
-                           stability_percent=a.stability_percent, max_trials=a.max_trials)
+    settings = compare.settings_for(run, server.grpc_url, "grpc", a.concurrency)
     compare.measure_served(run, row, settings, steps_after, server.http_url)
     trial.error = row.error
     if row.ok:

@@ -64,3 +64,26 @@ def input_numpy(pb_utils: Any, request: Any, name: str):
     if tensor is None:
         raise InputError(name, "input is missing")
     return tensor.as_numpy()
+
+
+def decode_text_requests(pb_utils: Any, model: str, requests: list, name: str, max_bytes: int):
+    """The texts of a batch of requests, flattened, with the bad requests answered.
+
+    Returns (responses, texts, owners): responses[i] is an error response for a request whose
+    ``name`` input could not be decoded, else None; owners[k] = (request index, start, stop)
+    into texts for each good request, in order.
+    """
+    from python_backends.text.tokenization import decode_texts
+
+    responses: list = [None] * len(requests)
+    texts: list = []
+    owners: list = []
+    for i, request in enumerate(requests):
+        try:
+            decoded = decode_texts(input_numpy(pb_utils, request, name), name, max_bytes)
+        except Exception as exc:
+            responses[i] = error_response(pb_utils, model, exc, request.request_id())
+            continue
+        owners.append((i, len(texts), len(texts) + len(decoded)))
+        texts.extend(decoded)
+    return responses, texts, owners

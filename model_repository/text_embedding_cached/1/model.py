@@ -14,8 +14,7 @@ from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
 from python_backends.cache.triton_metrics import CacheMetrics
 from python_backends.config import ModelConfig
-from python_backends.shim import error_response, input_numpy, install_logging, load_error
-from python_backends.text.tokenization import decode_texts
+from python_backends.shim import decode_text_requests, error_response, install_logging, load_error
 
 
 class TritonPythonModel:
@@ -70,16 +69,9 @@ class TritonPythonModel:
         return pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy()
 
     def execute(self, requests):
-        responses = [None] * len(requests)
-        texts, owners = [], []  # owners[i] = (request index, start, stop) into texts
-        for i, request in enumerate(requests):
-            try:
-                decoded = decode_texts(input_numpy(pb_utils, request, self.text), self.text, self.max_text_bytes)
-            except Exception as exc:
-                responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
-                continue
-            owners.append((i, len(texts), len(texts) + len(decoded)))
-            texts.extend(decoded)
+        # owners[k] = (request index, start, stop) into texts; bad requests already answered
+        responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
+                                                        self.max_text_bytes)
         if not owners:
             return responses
 

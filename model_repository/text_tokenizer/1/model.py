@@ -6,8 +6,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.config import ModelConfig
-from python_backends.shim import error_response, input_numpy, install_logging, load_error
-from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer, decode_texts
+from python_backends.shim import decode_text_requests, error_response, install_logging, load_error
+from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer
 
 
 class TritonPythonModel:
@@ -29,16 +29,9 @@ class TritonPythonModel:
             raise load_error(pb_utils, self.config.name, exc)
 
     def execute(self, requests):
-        responses = [None] * len(requests)
-        texts, owners = [], []  # owners[i] = (request index, start, stop) into texts
-        for i, request in enumerate(requests):
-            try:
-                decoded = decode_texts(input_numpy(pb_utils, request, self.text), self.text, self.max_text_bytes)
-            except Exception as exc:
-                responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
-                continue
-            owners.append((i, len(texts), len(texts) + len(decoded)))
-            texts.extend(decoded)
+        # owners[k] = (request index, start, stop) into texts; bad requests already answered
+        responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
+                                                        self.max_text_bytes)
         if owners:
             try:
                 batch = self.tokenizer.encode(texts)
