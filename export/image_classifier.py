@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from export import image_data
+from python_backends.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,6 @@ def paths(repo: Path) -> tuple[Path, Path]:
     return repo / "image_classifier" / "1" / "model.onnx", repo / "image_postprocess" / "1" / "labels.txt"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _manifest_path(model_path: Path) -> Path:
     return model_path.with_suffix(".export.json")
@@ -86,10 +80,10 @@ def source_fingerprint(weights: Path | None = None) -> dict:
     code = hashlib.sha256()
     for path in CODE_FILES:
         code.update(path.read_bytes())
-    weights_entry = {"sha256": _sha256(Path(weights))} if weights is not None else {"random_init_seed": SEED, "torch": torch.__version__}
+    weights_entry = {"sha256": sha256_file(Path(weights))} if weights is not None else {"random_init_seed": SEED, "torch": torch.__version__}
     return {
         "weights": weights_entry,
-        "labels_sha256": _sha256(LABELS),
+        "labels_sha256": sha256_file(LABELS),
         "photos": image_data.fingerprint(),
         "code_sha256": code.hexdigest(),
         "opset": OPSET,
@@ -107,7 +101,7 @@ def recorded_manifest(repo: Path) -> dict | None:
         recorded = json.loads(manifest.read_text())
     except json.JSONDecodeError:
         return None
-    if recorded.get("model_sha256") != _sha256(model_path) or recorded.get("labels_sha256") != _sha256(labels_path):
+    if recorded.get("model_sha256") != sha256_file(model_path) or recorded.get("labels_sha256") != sha256_file(labels_path):
         return None
     return recorded
 
@@ -246,8 +240,8 @@ def export(repo: Path, force: bool = False, weights: Path | None = None) -> Expo
         "provenance": meta["provenance"],
         "weights": meta,
         "source": source_fingerprint(weights),
-        "model_sha256": _sha256(model_path),
-        "labels_sha256": _sha256(labels_path),
+        "model_sha256": sha256_file(model_path),
+        "labels_sha256": sha256_file(labels_path),
         "max_abs_diff": parity.max_abs_diff,
         "max_abs_diff_limit": MAX_ABS_DIFF,
         "top1_agreement": parity.top1_agreement,

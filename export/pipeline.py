@@ -10,7 +10,6 @@ whose FP32 source, builder and gate are unchanged is not rebuilt.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import platform
@@ -22,6 +21,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from export import bench, variants
+from python_backends.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +95,6 @@ def variant_runner(variant: str, path: Path, output: str) -> Callable[[dict[str,
     return lambda feed: session.run([output], feed)[0]
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 @dataclass
 class VariantOutcome:
@@ -134,7 +127,7 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
     say(f"[1/{total}] fp32: export")
     pipeline.export_fp32(repo, force)
     fp32_path = version_dir / variants.VARIANTS["fp32"].filename
-    fp32_sha = sha256(fp32_path)
+    fp32_sha = sha256_file(fp32_path)
     previous = variants.read_manifest(repo, pipeline.name).get("variants", {})
     outcomes: dict[str, VariantOutcome] = {}
 
@@ -165,7 +158,7 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
             and old.get("builder_version") == pipeline.builder_version
             and old.get("gate") == gate
             and path.is_file()
-            and old.get("file_sha256") == sha256(path)
+            and old.get("file_sha256") == sha256_file(path)
         )
         if unchanged:
             say(f"{name}: up to date, {old['status']} before ({_fmt(old.get('metrics', {}))})")
@@ -248,7 +241,7 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
                 "metrics": o.metrics,
                 "gate": o.gate,
                 "file": o.file,
-                "file_sha256": sha256(version_dir / o.file)
+                "file_sha256": sha256_file(version_dir / o.file)
                 if o.status in ("passed", "ungated") and o.file and (version_dir / o.file).is_file() else None,
                 "source_sha256": fp32_sha,
                 "builder_version": pipeline.builder_version,

@@ -15,12 +15,13 @@ image to image. The class names of such a network mean nothing: ``provenance`` s
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from torch import nn
+
+from python_backends.files import sha256_file
 
 LAYERS = (3, 4, 6, 3)
 NUM_CLASSES = 1000
@@ -150,11 +151,3 @@ def build(weights: Path | None = None, seed: int = DEFAULT_SEED, calibration: It
         "torch": torch.__version__,
         "bn_calibration_images": seen,
     }
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -12,7 +12,6 @@ with the same inputs does nothing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -24,6 +23,7 @@ import numpy as np
 
 from export import reference
 from export.texts import reference_texts
+from python_backends.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +41,13 @@ class ExportResult:
     seconds: float
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def source_fingerprint() -> dict:
     src = reference.model_dir()
     return {
-        "weights_sha256": _sha256(src / "model.safetensors"),
-        "config_sha256": _sha256(src / "config.json"),
-        "tokenizer_sha256": _sha256(src / "tokenizer.json"),
+        "weights_sha256": sha256_file(src / "model.safetensors"),
+        "config_sha256": sha256_file(src / "config.json"),
+        "tokenizer_sha256": sha256_file(src / "tokenizer.json"),
         "opset": OPSET,
         "exporter_version": EXPORTER_VERSION,
     }
@@ -74,7 +67,7 @@ def up_to_date(repo: Path) -> bool:
         recorded = json.loads(manifest.read_text())
     except json.JSONDecodeError:
         return False
-    return recorded.get("source") == source_fingerprint() and recorded.get("model_sha256") == _sha256(model_path)
+    return recorded.get("source") == source_fingerprint() and recorded.get("model_sha256") == sha256_file(model_path)
 
 
 def _export_onnx(path: Path) -> None:
@@ -169,7 +162,7 @@ def export(repo: Path, force: bool = False) -> ExportResult:
     manifest = {
         "model": "text_encoder",
         "source": source_fingerprint(),
-        "model_sha256": _sha256(model_path),
+        "model_sha256": sha256_file(model_path),
         "max_abs_diff": diff,
         "max_abs_diff_limit": MAX_ABS_DIFF,
         "reference_texts": len(reference_texts()),
