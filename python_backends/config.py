@@ -11,26 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 from python_backends.errors import ConfigError
-
-# Triton's TYPE_* names -> numpy dtypes (TYPE_STRING travels as numpy object of bytes).
-TRITON_TO_NUMPY: dict[str, Any] = {
-    "TYPE_BOOL": np.bool_,
-    "TYPE_UINT8": np.uint8,
-    "TYPE_UINT16": np.uint16,
-    "TYPE_UINT32": np.uint32,
-    "TYPE_UINT64": np.uint64,
-    "TYPE_INT8": np.int8,
-    "TYPE_INT16": np.int16,
-    "TYPE_INT32": np.int32,
-    "TYPE_INT64": np.int64,
-    "TYPE_FP16": np.float16,
-    "TYPE_FP32": np.float32,
-    "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
-}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -43,13 +24,6 @@ class TensorSpec:
     name: str
     data_type: str
     dims: tuple[int, ...]
-
-    @property
-    def numpy_dtype(self) -> Any:
-        try:
-            return TRITON_TO_NUMPY[self.data_type]
-        except KeyError:
-            raise ConfigError(f"tensor {self.name!r}: unsupported data_type {self.data_type}") from None
 
 
 class ModelConfig:
@@ -136,9 +110,6 @@ class ModelConfig:
                 if value is not None:
                     out[key] = value
         return out
-
-    def instance_kinds(self) -> list[str]:
-        return [g.get("kind", "KIND_AUTO") for g in self.raw.get("instance_group", [])]
 
     def execution_accelerators(self, which: str) -> list[dict[str, Any]]:
         """``which`` is "gpu" or "cpu"; returns [{"name": ..., "parameters": {...}}]."""
