@@ -103,7 +103,8 @@ def test_metadata(http_client):
         {"name": "SCORE", "datatype": "FP32", "shape": [-1, K]},
     ]
     for name in ("image_preprocess", "image_classifier", "image_postprocess"):
-        assert int(http_client.get_model_config(name)["dynamic_batching"]["priority_levels"]) == 2
+        # No priority levels: they stall tritonserver 2.51's batcher (docs/performance.md).
+        assert int(http_client.get_model_config(name)["dynamic_batching"].get("priority_levels", 0)) == 0
 
 
 @pytest.mark.parametrize("name", ["cat.jpg", "cat.png", "gradient.png", "grey.jpg"])

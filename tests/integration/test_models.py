@@ -15,11 +15,12 @@ def test_ensemble_metadata(http_client):
     assert config["max_batch_size"] >= 64
 
 
-def test_every_composing_model_batches_with_the_same_priority_levels(http_client):
+def test_every_composing_model_batches_without_priority_levels(http_client):
+    # Priority levels and queue policies stall tritonserver 2.51's batcher (docs/performance.md).
     for name in ("text_tokenizer", "text_encoder_router", "text_encoder"):
         config = http_client.get_model_config(name)
         batching = config["dynamic_batching"]
-        assert int(batching["priority_levels"]) == 2, name
+        assert int(batching.get("priority_levels", 0)) == 0 and "default_queue_policy" not in batching, name
         assert config["max_batch_size"] >= 64, name
 
 

@@ -47,7 +47,8 @@ def test_batching_priorities_and_instances():
         # Triton refuses an ensemble whose steps take smaller batches than it does.
         assert config.max_batch_size >= ensemble.max_batch_size, name
         batching = config.raw["dynamic_batching"]
-        assert int(batching["priority_levels"]) == 2 and int(batching["default_priority_level"]) == 2, name
+        # No priority levels or queue policy: they stall tritonserver 2.51's batcher (docs/performance.md).
+        assert "priority_levels" not in batching and "default_queue_policy" not in batching, name
     assert load("image_preprocess").raw["instance_group"][0]["count"] == 2
     assert load("image_classifier").raw["backend"] == "onnxruntime"
     assert "optimization" not in load("image_classifier").raw  # variants add TensorRT (export/variants.py)

@@ -36,7 +36,7 @@ def test_int8_config_points_at_its_file_and_keeps_everything_else():
     text = variants.variant_config(ROOT_CONFIG, VARIANTS["int8"])
     assert text.startswith("# GENERATED")
     assert re.search(r'^default_model_filename: "model.int8.onnx"$', text, re.M)
-    assert 'backend: "onnxruntime"' in text and "dynamic_batching" in text and "priority_levels: 2" in text
+    assert 'backend: "onnxruntime"' in text and "dynamic_batching" in text and "preferred_batch_size" in text
 
 
 def test_trt_plan_config_switches_platform_and_drops_onnxruntime_parameters():
