@@ -26,7 +26,8 @@ LATENCY_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
 class CacheMetrics:
     def __init__(self, pb_utils: Any, model: str, instance: str = ""):
         family = pb_utils.MetricFamily
-        # Families must stay referenced while their metrics live (FINDINGS.md): keep them all.
+        # A MetricFamily must outlive its Metric objects, or the next set() fails the request:
+        # keep them all.
         self._families = []
 
         def fam(name: str, description: str, kind: Any) -> Any:
@@ -54,6 +55,16 @@ class CacheMetrics:
         self.latency = latency.Metric(labels=base, buckets=LATENCY_BUCKETS)
         self._seen = {"lru": 0, "ttl": 0, **{k: 0 for k in ERROR_KINDS}}
         self._gauges: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Delete every Metric, then every MetricFamily, while the stub can still talk to the
+        server: call it from ``finalize``. Left to the stub's own teardown, they are deleted
+        after its IPC state is gone and the stub segfaults (python_backend r24.10: each
+        destructor sends a delete message through ``Stub::GetOrCreateInstance()``, by then a
+        fresh instance without shared memory)."""
+        self.lookups, self.evictions, self.errors = {}, {}, {}
+        self.model_texts = self.l1_bytes = self.l1_entries = self.redis_up = self.latency = None
+        self._families = []
 
     def record(self, counts: LookupCounts, l1: LRUCache | None, l2: RedisL2 | None) -> None:
         l1_on = l1 is not None and l1.max_bytes > 0

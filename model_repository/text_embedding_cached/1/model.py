@@ -113,3 +113,6 @@ class TritonPythonModel:
     def finalize(self):
         if getattr(self, "cache", None) is not None and self.cache.l2 is not None:
             self.cache.l2.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()  # before the stub's teardown (see CacheMetrics.close)
+            self.metrics = None

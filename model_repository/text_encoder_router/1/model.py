@@ -42,7 +42,7 @@ class TritonPythonModel:
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
         self.warnings = RateLimitedLog()
-        # Kept on self: a MetricFamily must outlive its Metric objects (shared/FINDINGS.md).
+        # Kept on self: a MetricFamily must outlive its Metric objects, or the next set() fails.
         self.calls_family = pb_utils.MetricFamily(
             name=CALLS_METRIC,
             description="The router's text_encoder calls (one per batch, version and length) by result",
@@ -152,3 +152,9 @@ class TritonPythonModel:
         if self.metrics_on and self.tally.due():
             self._flush()
         return responses
+
+    def finalize(self):
+        # Metrics first, then their families, while the stub can still reach the server: left
+        # to the stub's teardown, their destructors run after its IPC state is gone (segfault).
+        self.metrics = {}
+        self.calls_family = self.latency_family = None

@@ -1,0 +1,98 @@
+"""Unloading a BLS model, and stopping the server, must not kill its python backend stubs by a signal.
+
+The stubs of text_encoder_router and text_embedding_cached used to segfault on every unload
+(kernel log: ``triton_python_b[PID]: segfault at 60``): their pb_utils.Metric and MetricFamily
+objects were deleted in the stub's own teardown, after its IPC state was gone. A stub's exit
+status is seen only by tritonserver, so the check reads the kernel log for the stubs' own PIDs
+(other servers on the machine may be running): it is skipped, saying why, where dmesg is not
+readable.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+BLS_MODELS = ("text_encoder_router", "text_embedding_cached")
+
+
+def kernel_log() -> list[str]:
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"dmesg cannot run here ({exc}): a stub's death by a signal cannot be seen")
+    if out.returncode != 0 or not out.stdout.strip():
+        pytest.skip(f"the kernel log is not readable here (dmesg: {out.stderr.strip() or 'no output'})")
+    return out.stdout.splitlines()
+
+
+def stubs(server_pid: int) -> dict[int, str]:
+    """{pid: model} of the server's python backend stubs (its children running the stub)."""
+    found = {}
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if args and args[0].endswith(b"triton_python_backend_stub"):
+                model = next((Path(a.decode()).parent.parent.name for a in args if a.endswith(b"model.py")), "?")
+                found[int(pid)] = model
+    return found
+
+
+def crashes(lines: list[str], pids: dict[int, str]) -> list[str]:
+    """Kernel log lines saying one of ``pids`` died by a signal (segfault, general protection, ...)."""
+    marks = ("segfault", "general protection", "trap ")
+    return [line for line in lines for pid in pids
+            if f"[{pid}]:" in line and any(m in line for m in marks)]
+
+
+def embed(client, model: str, texts: list[str]) -> np.ndarray:
+    data = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
+    inp = httpclient.InferInput("TEXT", list(data.shape), "BYTES")
+    inp.set_data_from_numpy(data)
+    return client.infer(model, [inp]).as_numpy("EMBEDDING")
+
+
+def wait_gone(pids, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists()]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+def test_bls_stubs_exit_cleanly_on_unload_and_on_stop(start_triton):
+    kernel_log()  # skip early where it is unreadable
+    with start_triton("triton-unload-", ("text_embedding", "text_embedding_cached")) as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        try:
+            # Create every metric series: the cache's at load, the router's at its first flush.
+            for i in range(3):
+                assert embed(client, "text_embedding_cached", [f"unload check {i}"]).shape == (1, 384)
+                time.sleep(0.6)
+            pids = stubs(server.process.pid)
+            bls = {p: m for p, m in pids.items() if m in BLS_MODELS}
+            assert sorted(set(bls.values())) == sorted(BLS_MODELS), f"stubs found: {pids}"
+            router = [p for p, m in bls.items() if m == "text_encoder_router"]
+
+            client.unload_model("text_embedding")  # the ensemble holds the router
+            client.unload_model("text_encoder_router")
+            assert wait_gone(router) == [], "the router's stubs did not exit after its unload"
+            time.sleep(0.5)  # the kernel log line follows the death
+            after_unload = crashes(kernel_log(), {p: bls[p] for p in router})
+            assert after_unload == [], "router stubs died by a signal on unload:\n" + "\n".join(after_unload)
+        finally:
+            client.close()
+        # The server stops (the fixture's finally); the cache model's stubs go with it.
+    time.sleep(0.5)
+    after_stop = crashes(kernel_log(), bls)
+    assert after_stop == [], "BLS stubs died by a signal on server stop:\n" + "\n".join(after_stop)
