@@ -5,7 +5,10 @@ text_encoder version on a running server (README "Model versions and canary roll
     rollout start 2            load + warm version 2 next to the serving one, check it, then
                                10 % -> 50 % -> 100 % with a dwell per step; between checks it
                                reads the router's per-version metrics (and Triton's statistics)
-                               and rolls back by itself when the error rate or the P99 regress
+                               and rolls back by itself when the error rate or the P99 regress,
+                               or when a step's traffic is too thin to judge (--min-requests
+                               calls of the new version within --traffic-timeout after the
+                               dwell; --allow-unjudged passes such a step with a warning)
     rollout status             the state file and what the server reports per version
     rollout rollback           100 % back to the previous version at once, then unload the new one
     rollout finish             after the rollback window (default 15 min): unload the old version
@@ -69,12 +72,19 @@ class Thresholds:
     over the step, new version against stable version in the same window: it regresses when
     it exceeds both ``p99_ratio`` x and ``p99_slack_ms`` + the stable P99. (Triton's own
     per-version latency summary counts the warmup samples of a fresh version, which dominate
-    its P99 for minutes.) Nothing is judged before the new version served ``min_requests``."""
+    its P99 for minutes.) Nothing is judged before the new version served ``min_requests``.
+
+    A step that has not seen ``min_requests`` calls of the new version by the end of its dwell
+    waits up to ``traffic_timeout_s`` more for them; still short, it fails (the rollout stops
+    and rolls back), because passing it would promote the version on no evidence. Only
+    ``allow_unjudged`` (``--allow-unjudged``) lets such a step pass, with a warning."""
 
     max_error_rate: float = 0.01
     p99_ratio: float = 1.5
     p99_slack_ms: float = 20.0
     min_requests: int = 20
+    traffic_timeout_s: float = 120.0
+    allow_unjudged: bool = False
 
     def check(self) -> "Thresholds":
         if not 0 <= self.max_error_rate < 1:
@@ -83,6 +93,8 @@ class Thresholds:
             raise UsageError(f"--p99-ratio must be >= 1, got {self.p99_ratio}")
         if self.p99_slack_ms < 0 or self.min_requests < 1:
             raise UsageError("--p99-slack-ms must be >= 0 and --min-requests >= 1")
+        if self.traffic_timeout_s < 0:
+            raise UsageError(f"--traffic-timeout must be >= 0, got {self.traffic_timeout_s}")
         return self
 
 
@@ -217,6 +229,10 @@ def load_plan(path: Path) -> LoadPlan | None:
 
 LATENCY_METRIC = "canary_encoder_call_ms"  # = python_backends.routing.router.LATENCY_METRIC
 CALLS_METRIC = "canary_encoder_calls_total"  # = python_backends.routing.router.CALLS_METRIC
+# The router adds up its calls in the process and flushes them to the metrics port every
+# 0.5 s (python_backends.routing.router.FLUSH_INTERVAL_S): a read right at a step's end misses
+# up to that much of its traffic, so the final read of a step waits past it.
+FLUSH_WAIT_S = 1.0
 _BUCKET = re.compile(r'^(\w+)_bucket\{([^}]*)\}\s+(\S+)', re.M)
 _SAMPLE = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -327,12 +343,14 @@ class Rollout:
     """The commands, on one server and one state file."""
 
     def __init__(self, client: RepositoryClient, state_path: Path, say: Callable[[str], None] = print,
-                 sleep: Callable[[float], None] = time.sleep, smoke_model: str = SMOKE_MODEL):
+                 sleep: Callable[[float], None] = time.sleep, smoke_model: str = SMOKE_MODEL,
+                 clock: Callable[[], float] = time.time):
         self.client = client
         self.state_path = Path(state_path)
         self.say = say
         self.sleep = sleep
         self.smoke_model = smoke_model
+        self.clock = clock  # the step clock (dwell, traffic timeout); tests pass a fake one
 
     # -- state
     def state(self) -> RolloutState:
@@ -412,7 +430,7 @@ class Rollout:
             if not resumed:
                 weights = {state.stable: 100 - percent, version: percent}
                 self._apply_weights(state, weights, f"step {index + 1}: {percent} % to version {version}")
-                state.step, state.step_started_at = index, time.time()
+                state.step, state.step_started_at = index, self.clock()
                 self._save(state)
                 self.say(f"rollout: {format_weights(state.weights)} (step {index + 1} of {len(state.steps)})")
             verdict = self._watch(state, limits, check_interval_s)
@@ -433,16 +451,22 @@ class Rollout:
 
     def _watch(self, state: RolloutState, limits: Thresholds, interval_s: float) -> Verdict | None:
         """Dwell on the current step, checking every ``interval_s``; None if another command
-        changed the state meanwhile (a rollback from another shell)."""
+        changed the state meanwhile (a rollback from another shell). A step whose dwell ended
+        before the new version served ``min_requests`` calls waits for them up to
+        ``limits.traffic_timeout_s``, then fails, unless ``limits.allow_unjudged``."""
         candidate = state.candidate
         stats_before = self.client.version_stats(state.encoder)
         text = self.client.metrics()
         calls_before, hist_before = call_counts(text, state.encoder), latency_buckets(text, state.encoder)
         end = state.step_started_at + state.dwell_s
+        deadline = end + limits.traffic_timeout_s
+        waiting = False
         while True:
-            now = time.time()
+            now = self.clock()
             final = now >= end
-            if not final:
+            if final:
+                self.sleep(FLUSH_WAIT_S)  # the router's last tally reaches the metrics port
+            else:
                 self.sleep(min(interval_s, max(0.0, end - now)))
             current = RolloutState.load(self.state_path)
             if current is None or current.phase != "canary" or current.candidate != candidate:
@@ -464,8 +488,27 @@ class Rollout:
                 else:  # no stable traffic at 100 %: the last step's stable P99
                     stable_p99 = state.baseline_p99_ms
             verdict = judge(ok_n, fail_n, candidate, stable_p99, candidate_p99, limits, final)
-            if not verdict.ok or final:
+            if not verdict.ok:
                 return verdict
+            if not final:
+                continue
+            if verdict.judged:
+                return verdict
+            # The dwell is over and too few calls reached the new version to judge it.
+            if limits.allow_unjudged:
+                self.say(f"rollout: WARNING: step {state.step + 1} passes UNJUDGED (--allow-unjudged): {verdict.reason}")
+                return Verdict(True, False, f"{verdict.reason}; passed unjudged (--allow-unjudged)", verdict.figures)
+            waited = self.clock() - end
+            if self.clock() >= deadline:
+                return Verdict(False, False,
+                               f"{verdict.reason} after the {state.dwell_s:.0f} s dwell and {waited:.0f} s more waiting "
+                               f"for traffic (--traffic-timeout {limits.traffic_timeout_s:.0f} s): a step is not "
+                               f"passed on no evidence (--allow-unjudged passes such steps)", verdict.figures)
+            if not waiting:
+                waiting = True
+                self.say(f"rollout: step {state.step + 1}: {verdict.reason}; waiting up to "
+                         f"{limits.traffic_timeout_s:.0f} s for traffic")
+            self.sleep(max(0.0, min(interval_s, deadline - self.clock()) - FLUSH_WAIT_S))
 
     def _abort(self, state: RolloutState, reason: str, figures: dict | None = None) -> int:
         self.say(f"rollout: ABORT: {reason}; rolling back to version {state.stable}")
@@ -593,6 +636,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"... and the stable P99 + this many ms (default {t.p99_slack_ms:g})")
     s.add_argument("--min-requests", type=int, default=t.min_requests,
                    help=f"calls of the new version before anything is judged (default {t.min_requests})")
+    s.add_argument("--traffic-timeout", type=float, default=t.traffic_timeout_s,
+                   help="seconds a step waits after its dwell for --min-requests calls of the new version, then "
+                        f"fails and rolls back (default {t.traffic_timeout_s:.0f})")
+    s.add_argument("--allow-unjudged", action="store_true",
+                   help="pass a step that saw fewer than --min-requests calls (a warning is printed) instead of "
+                        "rolling back: promotes the version without evidence")
     sub.add_parser("status", help="print the state and the server's per-version figures (JSON)")
     sub.add_parser("rollback", help="100 %% back to the previous version now")
     f = sub.add_parser("finish", help="unload the old version after the rollback window")
@@ -623,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 raise UsageError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
             check_steps(steps)
-            thresholds = Thresholds(args.max_error_rate, args.p99_ratio, args.p99_slack_ms, args.min_requests).check()
+            thresholds = Thresholds(args.max_error_rate, args.p99_ratio, args.p99_slack_ms, args.min_requests,
+                                    traffic_timeout_s=args.traffic_timeout, allow_unjudged=args.allow_unjudged).check()
             return rollout.start(args.version, steps, args.dwell, thresholds, args.check_interval, args.rollback_window)
         if args.command == "status":
             print(json.dumps(rollout.status(), indent=2, default=str))

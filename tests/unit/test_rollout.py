@@ -191,15 +191,35 @@ def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
     assert "triton-repository-token" not in seen[1][1]
 
 
+class FakeClock:
+    """The step clock and sleep of the rollout command, without waiting."""
+
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
 class FakeTriton:
     """Just enough of RepositoryClient for the command's state machine (the real server is in
-    tests/integration/test_rollout.py)."""
+    tests/integration/test_rollout.py). ``traffic``: (seconds after a weight change, calls)
+    that reach the newest weighted version in every step. Like the router, the fake adds up
+    calls in the process and shows them on the metrics port only ROUTER_FLUSH_S later."""
 
-    def __init__(self):
+    ROUTER_FLUSH_S = 0.5
+
+    def __init__(self, clock: FakeClock | None = None, traffic=((1.0, 100),)):
         self.encoder = {"name": "text_encoder", "version_policy": {"latest": {"num_versions": 1}}}
         self.router = {"name": "text_encoder_router", "parameters": {"weights": {"string_value": "1:100"}}}
         self.loaded = {1}
         self.loads = []
+        self.clock = clock or FakeClock()
+        self.traffic = tuple(traffic)
+        self.arrivals = []  # (at, version, router instance, calls)
 
     def config(self, model):
         return dict(self.encoder if model == "text_encoder" else self.router)
@@ -210,6 +230,10 @@ class FakeTriton:
             self.loaded = {int(v) for v in config["version_policy"]["specific"]["versions"]}
         else:
             self.router = config
+            weights = dict(x.split(":") for x in config["parameters"]["weights"]["string_value"].split(","))
+            newest = max(int(v) for v, w in weights.items() if int(w) > 0)
+            instance = f"router-{len(self.loads)}"  # a reloaded router is a new series
+            self.arrivals += [(self.clock.now + after, newest, instance, n) for after, n in self.traffic]
 
     def ready(self, model, version=None):
         return version is None or version in self.loaded
@@ -218,7 +242,12 @@ class FakeTriton:
         return {v: {"success": 0.0, "fail": 0.0, "success_ns": 0.0} for v in self.loaded}
 
     def metrics(self):
-        return ""
+        series = {}
+        for at, version, instance, n in self.arrivals:
+            if at + self.ROUTER_FLUSH_S <= self.clock.now:
+                series[(version, instance)] = series.get((version, instance), 0) + n
+        return "\n".join(f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="ok",version="{v}"}} {n}'
+                         for (v, i), n in series.items())
 
     def infer_json(self, model, body):
         version = body["parameters"]["encoder_version"]
@@ -226,17 +255,24 @@ class FakeTriton:
                             {"name": "EMBEDDING", "data": [1.0] + [0.0] * 383}]}
 
 
-def test_command_state_machine(tmp_path):
+def _rollout(tmp_path, triton, said=None):
     from clients.rollout import Rollout
 
+    return Rollout(triton, tmp_path / "state.json", say=(said if said is not None else []).append,
+                   sleep=triton.clock.sleep, clock=triton.clock.time)
+
+
+def test_command_state_machine(tmp_path):
     triton, said = FakeTriton(), []
-    rollout = Rollout(triton, tmp_path / "state.json", say=said.append, sleep=lambda s: None)
+    rollout = _rollout(tmp_path, triton, said)
     with pytest.raises(UsageError, match="nothing to roll back"):
         rollout.rollback()
     with pytest.raises(UsageError, match="version 1 is already the serving version"):
         rollout.start(1)
-    # No traffic in the fake: nothing is judged, every step passes after its (zero) dwell.
-    assert rollout.start(2, [10, 100], dwell_s=0, check_interval_s=0) == 0
+    # 100 calls of version 2 one second into each step: every step is judged and passes.
+    assert rollout.start(2, [10, 100], dwell_s=5, check_interval_s=1) == 0
+    passed = [e for e in RolloutState.load(tmp_path / "state.json").history if e["event"].endswith("passed")]
+    assert [(e["event"], e["calls"], e["failed"]) for e in passed] == [("step 1 passed", 100, 0), ("step 2 passed", 100, 0)]
     assert triton.loaded == {1, 2}
     assert triton.router["parameters"]["weights"]["string_value"] == "1:0,2:100"
     state = RolloutState.load(tmp_path / "state.json")
@@ -257,10 +293,8 @@ def test_command_state_machine(tmp_path):
 
 
 def test_rollback_restores_weights_before_unloading(tmp_path):
-    from clients.rollout import Rollout
-
     triton = FakeTriton()
-    rollout = Rollout(triton, tmp_path / "state.json", say=lambda m: None, sleep=lambda s: None)
+    rollout = _rollout(tmp_path, triton)
     assert rollout.start(2, [50, 100], dwell_s=0, check_interval_s=0) == 0
     triton.loads.clear()
     assert rollout.rollback() == 0
@@ -270,13 +304,74 @@ def test_rollback_restores_weights_before_unloading(tmp_path):
 
 
 def test_a_version_failing_its_smoke_check_is_aborted_before_any_traffic(tmp_path):
-    from clients.rollout import Rollout
-
     triton = FakeTriton()
     triton.infer_json = lambda model, body: {"outputs": [{"name": "ENCODER_VERSION", "data": [1]},
                                                          {"name": "EMBEDDING", "data": [1.0]}]}
-    rollout = Rollout(triton, tmp_path / "state.json", say=lambda m: None, sleep=lambda s: None)
+    rollout = _rollout(tmp_path, triton)
     assert rollout.start(2, dwell_s=0, check_interval_s=0) == 1
     state = RolloutState.load(tmp_path / "state.json")
     assert state.phase == "aborted" and "smoke check of version 2: served by 1" in state.reason
     assert triton.loaded == {1} and triton.router["parameters"]["weights"]["string_value"] == "1:100"
+
+
+def test_a_step_without_traffic_rolls_back_after_the_traffic_timeout(tmp_path):
+    triton, said = FakeTriton(traffic=()), []
+    rollout = _rollout(tmp_path, triton, said)
+    started = triton.clock.now
+    assert rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5,
+                         thresholds=Thresholds(min_requests=20, traffic_timeout_s=120)) == 1
+    state = RolloutState.load(tmp_path / "state.json")
+    assert state.phase == "aborted" and state.weights == {1: 100} and triton.loaded == {1}
+    assert "0 calls of version 2, fewer than 20: not judged after the 60 s dwell" in state.reason
+    assert "a step is not passed on no evidence" in state.reason
+    assert not any(e["event"].endswith("passed") for e in state.history)  # stopped in step 1
+    assert 180 <= triton.clock.now - started < 190  # the dwell, then the whole timeout
+    assert any("waiting up to 120 s for traffic" in m for m in said)
+
+
+def test_allow_unjudged_passes_a_step_without_traffic_with_a_warning(tmp_path):
+    triton, said = FakeTriton(traffic=()), []
+    rollout = _rollout(tmp_path, triton, said)
+    assert rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5,
+                         thresholds=Thresholds(min_requests=20, allow_unjudged=True)) == 0
+    assert RolloutState.load(tmp_path / "state.json").phase == "rolled_out"
+    warnings = [m for m in said if "WARNING" in m]
+    assert len(warnings) == 2 and all("passes UNJUDGED (--allow-unjudged)" in m for m in warnings), said
+
+
+def test_traffic_arriving_late_within_the_timeout_is_judged(tmp_path):
+    # 25 calls of version 2 arrive 90 s into each 60 s step: 30 s into the 120 s wait.
+    triton, said = FakeTriton(traffic=((90.0, 25),)), []
+    rollout = _rollout(tmp_path, triton, said)
+    started = triton.clock.now
+    assert rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5,
+                         thresholds=Thresholds(min_requests=20, traffic_timeout_s=120)) == 0
+    passed = [e for e in RolloutState.load(tmp_path / "state.json").history if e["event"].endswith("passed")]
+    assert [e["calls"] for e in passed] == [25, 25]
+    assert triton.clock.now - started < 2 * 100  # judged when the calls came, not at the deadline
+
+
+def test_the_final_read_waits_for_the_routers_last_flush(tmp_path):
+    # All of the step's calls come 0.2 s before its end; the router shows them 0.5 s later.
+    # Without waiting past the flush the step would see 0 calls and (no timeout) roll back.
+    triton = FakeTriton(traffic=((9.8, 30),))
+    rollout = _rollout(tmp_path, triton)
+    assert rollout.start(2, [100], dwell_s=10, check_interval_s=5,
+                         thresholds=Thresholds(min_requests=20, traffic_timeout_s=0)) == 0
+    passed = [e for e in RolloutState.load(tmp_path / "state.json").history if e["event"].endswith("passed")]
+    assert [e["calls"] for e in passed] == [30]
+
+
+def test_cli_exits_non_zero_when_a_step_saw_no_traffic(tmp_path, monkeypatch, capsys):
+    import clients.rollout as rollout_module
+
+    triton = FakeTriton(traffic=())
+    monkeypatch.setattr(rollout_module, "RepositoryClient", lambda *a, **k: triton)
+    args = ["--state-file", str(tmp_path / "state.json"), "start", "2", "--steps", "100", "--dwell", "0",
+            "--check-interval", "0", "--traffic-timeout", "0"]
+    assert main(args) == 1
+    assert "ABORT" in capsys.readouterr().out
+    assert RolloutState.load(tmp_path / "state.json").phase == "aborted"
+    assert main(args[:2] + ["start", "3", "--steps", "100", "--dwell", "0", "--check-interval", "0",
+                            "--traffic-timeout", "0", "--allow-unjudged"]) == 0
+    assert "passes UNJUDGED" in capsys.readouterr().out
