@@ -1,0 +1,158 @@
+"""The docs: a README that fits on a screen or two, links that lead somewhere, commands that
+exist, and no reference to anything outside the repository."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import unicodedata
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+README_LIMIT_BYTES = 12 * 1024
+
+# [text](target) and ![alt](target); a title after the target ("...") is dropped.
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+
+
+def doc_files() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def prose(text: str) -> str:
+    """Markdown without fenced blocks and code spans (links inside code are not links)."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def links(path: Path) -> list[str]:
+    return LINK.findall(prose(path.read_text(encoding="utf-8")))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    text = "".join(c for c in text if c in " -" or unicodedata.category(c)[0] in "LNM")
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in FENCE.sub("", path.read_text(encoding="utf-8")).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def test_readme_fits_the_limit():
+    size = len(README.read_bytes())
+    assert size <= README_LIMIT_BYTES, (
+        f"README.md is {size:,} bytes, over the {README_LIMIT_BYTES:,}-byte limit: it is the quickstart; "
+        "move detail to a page under docs/ and link it"
+    )
+
+
+def test_the_link_parser_finds_links():
+    # Guards the tests below against a regex that silently finds nothing.
+    found = LINK.findall("see [a](docs/a.md), [b](b.md#x \"t\") and `[c](not-a-link.md)`\n```\n[d](e.md)\n```")
+    assert found == ["docs/a.md", "b.md#x", "not-a-link.md", "e.md"]
+    assert LINK.findall(prose("[a](x.md) `[c](y.md)`\n```\n[d](e.md)\n```\n")) == ["x.md"]
+    assert slug("Choosing what is served: `PRECISION`") == "choosing-what-is-served-precision"
+    assert len(links(README)) >= 10, "README.md should link the docs pages"
+    assert unknown_targets({"serve", "rollout-*", "nope", "nope-*"}, {"serve", "rollout-start"}) == ["nope", "nope-*"]
+
+
+@pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_to_files_in_the_repository(doc: Path):
+    broken = []
+    for target in links(doc):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = doc if not file_part else (doc.parent / unquote(file_part)).resolve()
+        if not dest.is_relative_to(ROOT):
+            broken.append(f"{target} (outside the repository)")
+        elif not dest.exists():
+            broken.append(f"{target} (no such file: {dest.relative_to(ROOT)})")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(ROOT)})")
+    assert not broken, f"{doc.relative_to(ROOT)} has broken links: " + "; ".join(dict.fromkeys(broken))
+
+
+def tracked_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"not a git checkout ({exc}); cannot list tracked files")
+    return [ROOT / name for name in out.decode().split("\0") if name]
+
+
+def test_no_tracked_file_refers_outside_the_repository():
+    needles = ("FINDINGS.md", "../shared")
+    this_file = Path(__file__).resolve()
+    offenders = []
+    for path in tracked_files():
+        if path.resolve() == this_file or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary files
+        offenders += [f"{path.relative_to(ROOT)}: {n}" for n in needles if n in text]
+    assert not offenders, (
+        "files cite documents that are not part of this repository (state the fact itself): " + ", ".join(offenders)
+    )
+
+
+def test_docs_name_no_machine_paths():
+    pattern = re.compile(r"(?<![\w.])/(?:work|root|home|tmp)/")
+    offenders = [
+        f"{doc.relative_to(ROOT)}:{n}: {line.strip()}"
+        for doc in doc_files()
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not offenders, "absolute paths of a machine in the docs: " + "; ".join(offenders)
+
+
+def make_targets() -> set[str]:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    targets = set()
+    for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9_.-]*(?:[ \t]+[A-Za-z0-9][A-Za-z0-9_.-]*)*)[ \t]*:(?!=)", makefile, re.M):
+        targets.update(m.group(1).split())
+    return targets
+
+
+def code_text(text: str) -> str:
+    """The fenced blocks and code spans of a Markdown text: where commands are written."""
+    return "\n".join([m.group(0) for m in FENCE.finditer(text)] + CODE_SPAN.findall(FENCE.sub("", text)))
+
+
+def named_make_targets(path: Path) -> set[str]:
+    """`make <target>` in the code of a page; `make rollout-*` names a family of targets."""
+    return set(re.findall(r"\bmake\s+([a-z][a-z0-9_-]*[a-z0-9](?:-\*)?)", code_text(path.read_text(encoding="utf-8"))))
+
+
+def unknown_targets(named: set[str], targets: set[str]) -> list[str]:
+    return sorted(
+        t for t in named
+        if not (any(x.startswith(t[:-1]) for x in targets) if t.endswith("*") else t in targets)
+    )
+
+
+def test_make_targets_named_in_the_docs_exist():
+    targets = make_targets()
+    assert {"serve", "test"} <= targets, f"the Makefile parser found only {sorted(targets)}"
+    assert {"serve", "test"} <= named_make_targets(README), "README.md must give the two commands, make serve and make test"
+    missing = [f"{doc.relative_to(ROOT)}: make {t}" for doc in doc_files() for t in unknown_targets(named_make_targets(doc), targets)]
+    assert not missing, f"docs name make targets the Makefile lacks: {missing}"
