@@ -3,8 +3,10 @@ exist, and no reference to anything outside the repository."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 from urllib.parse import unquote
@@ -156,3 +158,48 @@ def test_make_targets_named_in_the_docs_exist():
     assert {"serve", "test"} <= named_make_targets(README), "README.md must give the two commands, make serve and make test"
     missing = [f"{doc.relative_to(ROOT)}: make {t}" for doc in doc_files() for t in unknown_targets(named_make_targets(doc), targets)]
     assert not missing, f"docs name make targets the Makefile lacks: {missing}"
+
+
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]")
+
+
+def help_options(*command: str) -> set[str]:
+    """The options a command's --help lists (for parsers built inside a function)."""
+    out = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return set(OPTION.findall(out.stdout)) - {"--help"}
+
+
+def launcher_options() -> set[str]:
+    return help_options("-m", "server")
+
+
+def parser_options(parser: argparse.ArgumentParser) -> set[str]:
+    found = set()
+    for action in parser._actions:  # argparse offers no public walk over sub-commands
+        found.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= parser_options(sub)
+    return found - {"--help"}
+
+
+def test_the_launcher_options_table_matches_the_code():
+    page = ROOT / "docs" / "local-runtime.md"
+    rows = [line for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("| `--")]
+    documented = {flag for row in rows for flag in OPTION.findall(row.split("|")[1])}
+    actual = launcher_options()
+    assert len(actual) > 10, f"could not read the launcher's options: {actual}"
+    assert not documented - actual, f"{page.name} documents options python -m server lacks: {sorted(documented - actual)}"
+    assert not actual - documented, f"python -m server options missing from {page.name}'s table: {sorted(actual - documented)}"
+
+
+def test_rollout_docs_name_only_real_options():
+    from clients.rollout import build_parser
+
+    page = ROOT / "docs" / "versions-and-rollout.md"
+    # The page also gives the launcher's --rollout-state and the router cost script's flags.
+    known = parser_options(build_parser()) | launcher_options() | help_options("scripts/router_cost.py")
+    named = set(OPTION.findall(page.read_text(encoding="utf-8")))
+    assert "--dwell" in named, "the link between the page and the rollout command was lost"
+    assert not named - known, f"{page.name} names options no command has: {sorted(named - known)}"
