@@ -63,15 +63,23 @@ def run_batched(requests: Sequence[Inputs], input_names: Sequence[str], run: Run
             _run_group(requests, members, input_names, run, outcomes)
         except Exception as exc:  # noqa: BLE001 - isolate the failure to the request that caused it
             if len(members) == 1:
-                outcomes[members[0]].error = exc
+                outcomes[members[0]].error = _request_error(exc)
                 continue
             log.warning("batched run of %d requests failed (%s); retrying one by one", len(members), exc)
             for i in members:
                 try:
                     _run_group(requests, [i], input_names, run, outcomes)
                 except Exception as single_exc:  # noqa: BLE001
-                    outcomes[i].error = single_exc
+                    outcomes[i].error = _request_error(single_exc)
     return outcomes
+
+
+def _request_error(exc: Exception) -> Exception:
+    """A request that fails alone with ONNX Runtime's INVALID_ARGUMENT (an input id beyond the
+    vocabulary, say: Triton already checked dtypes and shapes) is the client's fault: InputError."""
+    if type(exc).__name__ == "InvalidArgument":
+        return InputError("inputs", str(exc))
+    return exc
 
 
 def _run_group(requests, members, input_names, run: RunFn, outcomes: list[Outcome]) -> None:

@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 # model, version, instance): the rollout judges a canary by these. Triton's own statistics
 # count a Python model's error responses as successes, and its per-version latency summary
 # includes the warmup samples of a freshly loaded version, which dominate its P99 for minutes.
-#  - CALLS_METRIC{result="ok"|"error"}: encoder calls (one per batch, version and length);
+#  - CALLS_METRIC{result="ok"|"error"|"rejected"}: REQUESTS by where they ended (a call of n
+#    requests adds n; see python_backends/routing/serving.py): served by the version, failed
+#    by it, or refused as invalid input by every version they were tried on (not the version's
+#    fault);
 #  - LATENCY_METRIC_bucket{le=...}: successful calls at most ``le`` ms long, cumulative like a
 #    Prometheus histogram's buckets, but a COUNTER family: the router adds up its calls and
 #    flushes every FLUSH_INTERVAL_S, because each metric update is a round trip to the server
@@ -42,19 +45,22 @@ FLUSH_INTERVAL_S = 0.5
 
 
 class CallTally:
-    """Calls counted in the process between flushes to the metrics port."""
+    """Requests (by result) and call latencies counted in the process between flushes."""
 
     def __init__(self, interval_s: float = FLUSH_INTERVAL_S, clock=time.monotonic):
         self.interval_s = interval_s
         self.clock = clock
         self._last = clock()
-        self._results: dict = {}  # (version, result) -> count
-        self._buckets: dict = {}  # (version, le label) -> count (cumulative over le)
+        self._results: dict = {}  # (version, result) -> requests
+        self._buckets: dict = {}  # (version, le label) -> calls (cumulative over le)
 
-    def record(self, version: int, ok: bool, ms: float = 0.0) -> None:
-        key = (version, "ok" if ok else "error")
-        self._results[key] = self._results.get(key, 0) + 1
-        if ok:
+    def record(self, version: int, result: str, ms: float | None = None, requests: int = 1) -> None:
+        """``requests`` requests of ``version`` ended with ``result`` ("ok", "error", "rejected");
+        ``ms``: the duration of the one successful call that served them (a latency sample)."""
+        if requests > 0:
+            key = (version, result)
+            self._results[key] = self._results.get(key, 0) + requests
+        if ms is not None:
             for bound in LATENCY_BUCKETS_MS:
                 if ms <= bound:
                     self._buckets[(version, f"{bound:g}")] = self._buckets.get((version, f"{bound:g}"), 0) + 1

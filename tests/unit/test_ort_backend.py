@@ -127,6 +127,7 @@ def test_run_batched_concatenates_by_shape_and_isolates_failures(toy_model):
     out = run_batched(requests, ["ids"], run)
     assert isinstance(out[4].error, InputError) and "ids: input is missing" in str(out[4].error)
     assert out[3].error is not None and out[3].outputs is None
+    assert isinstance(out[3].error, InputError) and "out of data bounds" in str(out[3].error)  # INVALID_ARG
     for i in (0, 1, 2):
         assert out[i].error is None
         np.testing.assert_array_equal(out[i].outputs["emb"], session.run(["emb"], requests[i])[0])

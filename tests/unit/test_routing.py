@@ -107,13 +107,14 @@ def test_call_tally_counts_between_flushes_with_cumulative_buckets():
     now = [0.0]
     tally = CallTally(interval_s=0.5, clock=lambda: now[0])
     assert not tally.due()
-    tally.record(2, ok=True, ms=4.0)
-    tally.record(2, ok=True, ms=12.0)
-    tally.record(2, ok=False)
+    tally.record(2, "ok", ms=4.0)  # a call of one request
+    tally.record(2, "ok", ms=12.0, requests=3)  # one call of three requests: one latency sample
+    tally.record(2, "error")
+    tally.record(2, "rejected", requests=2)
     assert not tally.due()
     now[0] = 0.6
     assert tally.due()
     results, buckets = tally.drain()
-    assert results == {(2, "ok"): 2, (2, "error"): 1}
+    assert results == {(2, "ok"): 4, (2, "error"): 1, (2, "rejected"): 2}
     assert (2, "3") not in buckets and buckets[(2, "5")] == 1 and buckets[(2, "15")] == 2 and buckets[(2, "+Inf")] == 2
     assert tally.drain() == ({}, {}) and not tally.due()

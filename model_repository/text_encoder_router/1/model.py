@@ -1,8 +1,6 @@
 """Triton shim for the canary router: picks a text_encoder version per request, calls it through BLS."""
 
-import asyncio
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +16,11 @@ from python_backends.routing.router import (
     RouterSettings,
     decide,
     describe,
-    fallback_versions,
-    group_by,
     parse_parameters,
     versions_on_disk,
 )
-from python_backends.shim import error_response, input_numpy, install_logging, load_error
+from python_backends.routing.serving import CallError, GroupServer, Job, call_error
+from python_backends.shim import check_input_shapes, error_response, input_numpy, install_logging, load_error
 
 OUTPUT = "sentence_embedding"
 
@@ -45,7 +42,7 @@ class TritonPythonModel:
         # Kept on self: a MetricFamily must outlive its Metric objects, or the next set() fails.
         self.calls_family = pb_utils.MetricFamily(
             name=CALLS_METRIC,
-            description="The router's text_encoder calls (one per batch, version and length) by result",
+            description="Requests the router sent to text_encoder, by version and result (ok, error, rejected)",
             kind=pb_utils.MetricFamily.COUNTER,
         )
         self.latency_family = pb_utils.MetricFamily(
@@ -58,6 +55,8 @@ class TritonPythonModel:
         self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
         self.metrics = {}
         self.tally = CallTally()
+        self.server = GroupServer(self.settings.encoder, self.settings.weights, self.settings.fallback_on_error,
+                                  self._ready_versions, self._call, self.tally, self.warnings.warn)
         # Off only to measure what the metrics cost (scripts/router_cost.py); the rollout
         # command judges canaries by these metrics.
         self.metrics_on = self.config.param_bool("metrics", True)
@@ -89,35 +88,22 @@ class TritonPythonModel:
             inputs=[pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("attention_mask", mask)],
             requested_output_names=[OUTPUT],
         )
-        start = time.monotonic()
         response = await request.async_exec()
         if response.has_error():
-            self.tally.record(version, ok=False)
-            return None, response.error().message()
-        self.tally.record(version, ok=True, ms=(time.monotonic() - start) * 1000.0)
-        return pb_utils.get_output_tensor_by_name(response, OUTPUT).as_numpy(), None
-
-    async def _serve_group(self, version, pinned, ids, mask):
-        """(version that served, embeddings) or (None, error message)."""
-        vectors, error = await self._call(version, ids, mask)
-        if error is None:
-            return version, vectors
-        if pinned or not self.settings.fallback_on_error:
-            return None, f"{self.settings.encoder} version {version}: {error}"
-        for other in fallback_versions(self.settings.weights, version, self._ready_versions()):
-            vectors, other_error = await self._call(other, ids, mask)
-            if other_error is None:
-                self.warnings.warn("%s version %d failed (%s); served by version %d instead",
-                                   self.settings.encoder, version, error, other)
-                return other, vectors
-        return None, f"{self.settings.encoder} version {version}: {error} (no other version could serve)"
+            error = response.error()
+            raise call_error(error.message(), error.code() == pb_utils.TritonError.INVALID_ARG)
+        tensor = pb_utils.get_output_tensor_by_name(response, OUTPUT)
+        if tensor is None:
+            raise CallError(f"the response has no output {OUTPUT!r}")
+        return tensor.as_numpy()
 
     async def execute(self, requests):
         responses = [None] * len(requests)
-        inputs, decisions = {}, []
+        jobs = {}
         known = self.settings.versions_on_disk
         for i, request in enumerate(requests):
             try:
+                check_input_shapes(pb_utils, request, self.config)
                 ids = input_numpy(pb_utils, request, "input_ids")
                 mask = input_numpy(pb_utils, request, "attention_mask")
                 if ids.shape != mask.shape:
@@ -127,28 +113,19 @@ class TritonPythonModel:
             except Exception as exc:
                 responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
                 continue
-            inputs[i] = (ids, mask)
-            decisions.append((i, decision, ids.shape[1]))
-        groups = list(group_by(decisions).items())
-        results = await asyncio.gather(*(
-            self._serve_group(version, pinned,
-                              np.concatenate([inputs[i][0] for i in members]),
-                              np.concatenate([inputs[i][1] for i in members]))
-            for (version, _, pinned), members in groups
-        ))
-        for (_, members), (served, vectors) in zip(groups, results):
-            start = 0
-            for i in members:
-                rows = inputs[i][0].shape[0]
-                if served is None:
-                    responses[i] = pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"{self.config.name}: {vectors}", pb_utils.TritonError.UNAVAILABLE))
-                else:
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                        pb_utils.Tensor(OUTPUT, np.ascontiguousarray(vectors[start:start + rows])),
-                        pb_utils.Tensor("encoder_version", np.full((rows, 1), served, dtype=np.int32)),
-                    ])
-                start += rows
+            jobs[i] = Job(ids, mask, decision)
+        for i, outcome in (await self.server.serve(jobs)).items():
+            if outcome.error is not None:
+                code = (pb_utils.TritonError.INVALID_ARG if outcome.invalid else
+                        pb_utils.TritonError.INTERNAL if outcome.internal else pb_utils.TritonError.UNAVAILABLE)
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"{self.config.name}: {outcome.error}", code))
+            else:
+                rows = outcome.vectors.shape[0]
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor(OUTPUT, np.ascontiguousarray(outcome.vectors)),
+                    pb_utils.Tensor("encoder_version", np.full((rows, 1), outcome.served, dtype=np.int32)),
+                ])
         if self.metrics_on and self.tally.due():
             self._flush()
         return responses
