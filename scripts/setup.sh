@@ -50,9 +50,29 @@ echo "setup: pip install -r requirements.txt (first time: a few minutes)"
 "${PIP[@]}" install -q --no-deps scikit-image==0.26.0
 if [ "$GPU" = 1 ]; then
   # The CUDA and TensorRT providers for the local onnxruntime backend (KIND_AUTO puts the
-  # encoder on the GPU). The TensorRT engine builder also needs `pip install tensorrt`.
+  # encoder on the GPU) and TensorRT 10.5 for the trt_plan builder (requirements-gpu.txt).
+  # onnxruntime and onnxruntime-gpu install the same package folder, so the CPU wheel has to go
+  # before the GPU one comes: everything is fetched first, and the CPU wheel is uninstalled
+  # only once the GPU set is here; a failed install puts the CPU wheel back.
+  GPU_WHEELS="$VENV/.gpu-wheels"
+  rm -rf "$GPU_WHEELS"
+  # `pip wheel`, not `pip download`: the tensorrt meta packages are sdists, built here while
+  # the index is still used, so the install below needs nothing but this folder.
+  echo "setup: pip wheel -r requirements-gpu.txt (onnxruntime-gpu, TensorRT: a few GB)"
+  if ! "${PIP[@]}" wheel -q -w "$GPU_WHEELS" -r requirements-gpu.txt; then
+    rm -rf "$GPU_WHEELS"
+    echo "setup: the GPU packages of requirements-gpu.txt could not be downloaded; the CPU onnxruntime stays" \
+         "installed (GPU=0 sets up the CPU-only environment)" >&2
+    exit 1
+  fi
   "${PIP[@]}" uninstall -y -q onnxruntime || true
-  "${PIP[@]}" install -r requirements-gpu.txt
+  if ! "${PIP[@]}" install -q --no-index --find-links "$GPU_WHEELS" -r requirements-gpu.txt; then
+    rm -rf "$GPU_WHEELS"
+    echo "setup: installing the GPU packages failed; putting the CPU onnxruntime back" >&2
+    "${PIP[@]}" install -q --no-deps -c constraints.txt onnxruntime
+    exit 1
+  fi
+  rm -rf "$GPU_WHEELS"
 elif "$VENV/bin/python" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
   # Back from GPU mode: the CPU wheel again.
   "${PIP[@]}" uninstall -y -q onnxruntime-gpu || true
