@@ -10,15 +10,18 @@ across tokenizer batches, while padding to the longest (not to 256) keeps short 
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from python_backends.errors import ConfigError, InputError
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256)
+
+log = logging.getLogger(__name__)
 
 
 def decode_texts(values: np.ndarray, field: str, max_bytes: int) -> list[str]:
@@ -100,3 +103,31 @@ class BatchTokenizer:
             ids = np.pad(ids, ((0, 0), (0, extra)), constant_values=self.pad_id)
             mask = np.pad(mask, ((0, 0), (0, extra)), constant_values=0)
         return EncodedBatch(ids, mask, mask.sum(axis=1))
+
+    def encode_requests(self, texts: Sequence[str], spans: Sequence[tuple[int, int]]) -> list:
+        """``encode_isolated`` with this tokenizer."""
+        return encode_isolated(self.encode, texts, spans)
+
+
+def encode_isolated(encode: Callable[[Sequence[str]], EncodedBatch], texts: Sequence[str],
+                    spans: Sequence[tuple[int, int]]) -> list:
+    """One ``encode`` call for all of a batch's texts, sliced per request: ``spans[k] = (start,
+    stop)`` into ``texts``. If that call raises, each request's texts are encoded alone, so an
+    unexpected tokenizer failure on one text fails only the request that sent it (each retried
+    request is then padded to its own bucket). Returns, per span, its EncodedBatch or the
+    exception that request raised."""
+    try:
+        batch = encode(texts)
+    except Exception as exc:  # noqa: BLE001 - isolate it to the request that caused it
+        if len(spans) <= 1:
+            return [exc for _ in spans]
+        log.warning("tokenizing a batch of %d requests failed (%s); retrying one by one", len(spans), exc)
+    else:
+        return [EncodedBatch(batch.input_ids[a:b], batch.attention_mask[a:b], batch.lengths[a:b]) for a, b in spans]
+    out: list = []
+    for a, b in spans:
+        try:
+            out.append(encode(texts[a:b]))
+        except Exception as exc:  # noqa: BLE001
+            out.append(exc)
+    return out

@@ -70,3 +70,37 @@ def test_config_errors():
         BatchTokenizer("/nonexistent/tokenizer.json", 256)
     with pytest.raises(ConfigError, match="largest sequence bucket"):
         BatchTokenizer(TOKENIZER_JSON, 256, buckets=(16, 128))
+
+
+def test_an_unexpected_tokenizer_error_fails_only_the_request_that_caused_it(tok):
+    from python_backends.text.tokenization import encode_isolated
+
+    calls = []
+
+    def encode(texts):
+        calls.append(list(texts))
+        if "poison" in texts:
+            raise RuntimeError("tokenizer broke on this text")
+        return tok.encode(texts)
+
+    texts = ["first request", "poison", "second request, two texts", "a much longer text " * 5, "third"]
+    spans = [(0, 1), (1, 2), (2, 4), (4, 5)]
+    out = encode_isolated(encode, texts, spans)
+    assert len(out) == 4
+    assert isinstance(out[1], RuntimeError) and "broke" in str(out[1])
+    for (a, b), got in zip(spans, out):
+        if isinstance(got, Exception):
+            continue
+        alone = tok.encode(texts[a:b])  # each retried request is padded to its own bucket
+        np.testing.assert_array_equal(got.input_ids, alone.input_ids)
+        np.testing.assert_array_equal(got.attention_mask, alone.attention_mask)
+    assert calls[0] == texts and len(calls) == 1 + len(spans)  # one batched call, then one per request
+
+
+def test_a_good_batch_is_one_call_sliced_per_request(tok):
+    texts = ["one", "two words", "three words here"]
+    out = tok.encode_requests(texts, [(0, 2), (2, 3)])
+    whole = tok.encode(texts)
+    np.testing.assert_array_equal(out[0].input_ids, whole.input_ids[:2])
+    np.testing.assert_array_equal(out[1].attention_mask, whole.attention_mask[2:])
+    assert out[1].lengths.tolist() == whole.lengths[2:].tolist()

@@ -33,17 +33,16 @@ class TritonPythonModel:
         responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
                                                         self.max_text_bytes)
         if owners:
-            try:
-                batch = self.tokenizer.encode(texts)
-            except Exception as exc:
-                for i, _, _ in owners:
-                    responses[i] = error_response(pb_utils, self.config.name, exc, requests[i].request_id())
-                return responses
-            for i, start, stop in owners:
+            # One tokenizer call; if it raises, one per request (only the offender fails).
+            encoded = self.tokenizer.encode_requests(texts, [(start, stop) for _, start, stop in owners])
+            for (i, _, _), batch in zip(owners, encoded):
+                if isinstance(batch, Exception):
+                    responses[i] = error_response(pb_utils, self.config.name, batch, requests[i].request_id())
+                    continue
                 responses[i] = pb_utils.InferenceResponse(
                     output_tensors=[
-                        pb_utils.Tensor("input_ids", np.ascontiguousarray(batch.input_ids[start:stop])),
-                        pb_utils.Tensor("attention_mask", np.ascontiguousarray(batch.attention_mask[start:stop])),
+                        pb_utils.Tensor("input_ids", np.ascontiguousarray(batch.input_ids)),
+                        pb_utils.Tensor("attention_mask", np.ascontiguousarray(batch.attention_mask)),
                     ]
                 )
         return responses
