@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -62,6 +62,13 @@ perf-quick: $(STAMP)
 compare: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.compare
+
+# The latency tail (requests/s, P50, P99, max) of every model and ensemble at 4 and 32
+# connections, with and without the batcher settings that stall tritonserver 2.51, side by
+# side (docs/performance.md). About 6 minutes; TAIL_ARGS e.g. "--duration 4 --concurrency 32".
+TAIL_ARGS ?=
+tail: $(STAMP)
+	$(PY) -m perf.tail $(TAIL_ARGS)
 
 # Search the encoder's max_queue_delay x preferred_batch_size x instance count under a P99
 # budget (reloads through the repository API, one server); AUTOTUNE_ARGS, e.g. --apply 127.0.0.1:8000.
