@@ -66,12 +66,13 @@ def input_numpy(pb_utils: Any, request: Any, name: str):
     return tensor.as_numpy()
 
 
-def decode_text_requests(pb_utils: Any, model: str, requests: list, name: str, max_bytes: int):
+def decode_text_requests(pb_utils: Any, model: str, requests: list, name: str, max_bytes: int, config: Any = None):
     """The texts of a batch of requests, flattened, with the bad requests answered.
 
     Returns (responses, texts, owners): responses[i] is an error response for a request whose
     ``name`` input could not be decoded, else None; owners[k] = (request index, start, stop)
-    into texts for each good request, in order.
+    into texts for each good request, in order. With ``config``, each request's shapes are
+    checked against it first (check_input_shapes).
     """
     from python_backends.text.tokenization import decode_texts
 
@@ -80,6 +81,8 @@ def decode_text_requests(pb_utils: Any, model: str, requests: list, name: str, m
     owners: list = []
     for i, request in enumerate(requests):
         try:
+            if config is not None:
+                check_input_shapes(pb_utils, request, config)
             decoded = decode_texts(input_numpy(pb_utils, request, name), name, max_bytes)
         except Exception as exc:
             responses[i] = error_response(pb_utils, model, exc, request.request_id())
@@ -87,3 +90,39 @@ def decode_text_requests(pb_utils: Any, model: str, requests: list, name: str, m
         owners.append((i, len(texts), len(texts) + len(decoded)))
         texts.extend(decoded)
     return responses, texts, owners
+
+
+def check_shape(name: str, shape, dims, max_batch_size: int, size: int | None = None) -> None:
+    """Raise InputError unless a tensor's shape fits its config: the batch axis (when the model
+    batches) between 1 and ``max_batch_size``, then exactly the config's ``dims`` (-1 = any), and,
+    when ``size`` (the element count received) is given, a product equal to it.
+
+    tritonserver 2.51 truncates a declared batch to 32 bits: a request declaring 2^40 rows arrives
+    with the batch axis gone (batch 0), and one declaring 2^32 + k arrives as k rows.
+    """
+    shape = [int(d) for d in shape]
+    dims = [int(d) for d in dims]
+    expected = len(dims) + (1 if max_batch_size > 0 else 0)
+    if len(shape) != expected:
+        raise InputError(name, f"shape {shape} has {len(shape)} dimensions; expected {expected} "
+                               f"({'batch + ' if max_batch_size > 0 else ''}{dims})")
+    if max_batch_size > 0 and not 1 <= shape[0] <= max_batch_size:
+        raise InputError(name, f"batch size {shape[0]} outside 1..{max_batch_size}")
+    for axis, (got, want) in enumerate(zip(shape[expected - len(dims):], dims)):
+        if got < 0 or (want >= 0 and got != want):
+            raise InputError(name, f"dimension {axis} is {got}; the model expects {want if want >= 0 else 'any size'}")
+    if size is not None:
+        declared = 1
+        for d in shape:
+            declared *= d
+        if declared != size:
+            raise InputError(name, f"shape {shape} declares {declared} elements; {size} received")
+
+
+def check_input_shapes(pb_utils: Any, request: Any, config: Any) -> None:
+    """Check every input a request carries against ``config`` (a python_backends.config.ModelConfig)
+    with check_shape; call it per request, before the request joins a batch."""
+    for spec in config.inputs:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+        if tensor is not None:
+            check_shape(spec.name, tensor.shape(), spec.dims, config.max_batch_size)

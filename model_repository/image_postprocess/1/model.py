@@ -7,7 +7,7 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.config import ModelConfig
 from python_backends.image.postprocess import TopKClassifier, load_labels
-from python_backends.shim import error_response, input_numpy, install_logging, load_error
+from python_backends.shim import check_input_shapes, error_response, input_numpy, install_logging, load_error
 
 
 class TritonPythonModel:
@@ -30,6 +30,7 @@ class TritonPythonModel:
         arrays, owners = [], []
         for i, request in enumerate(requests):
             try:
+                check_input_shapes(pb_utils, request, self.config)
                 arrays.append(input_numpy(pb_utils, request, "logits"))
                 owners.append(i)
             except Exception as exc:

@@ -4,7 +4,7 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.config import ModelConfig
 from python_backends.image.preprocess import PreprocessOptions, preprocess
-from python_backends.shim import error_response, input_numpy, install_logging, load_error
+from python_backends.shim import check_input_shapes, error_response, input_numpy, install_logging, load_error
 
 
 class TritonPythonModel:
@@ -24,6 +24,7 @@ class TritonPythonModel:
             # Each request is decoded on its own: one bad image fails its request only, and
             # decoding is per image anyway (no batch kernel to feed).
             try:
+                check_input_shapes(pb_utils, request, self.config)
                 pixels = preprocess(input_numpy(pb_utils, request, self.image), self.image, self.options)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("pixel_values", pixels)]))
             except Exception as exc:

@@ -71,7 +71,7 @@ class TritonPythonModel:
     def execute(self, requests):
         # owners[k] = (request index, start, stop) into texts; bad requests already answered
         responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
-                                                        self.max_text_bytes)
+                                                        self.max_text_bytes, config=self.config)
         if not owners:
             return responses
 

@@ -31,7 +31,7 @@ class TritonPythonModel:
     def execute(self, requests):
         # owners[k] = (request index, start, stop) into texts; bad requests already answered
         responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
-                                                        self.max_text_bytes)
+                                                        self.max_text_bytes, config=self.config)
         if owners:
             # One tokenizer call; if it raises, one per request (only the offender fails).
             encoded = self.tokenizer.encode_requests(texts, [(start, stop) for _, start, stop in owners])

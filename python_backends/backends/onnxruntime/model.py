@@ -12,7 +12,7 @@ from pathlib import Path
 from python_backends.config import ModelConfig
 from python_backends.ort_backend.batching import run_batched
 from python_backends.ort_backend.session import check_io, open_session, plan_session, resolve_model_path
-from python_backends.shim import error_response, install_logging, load_error
+from python_backends.shim import check_shape, error_response, install_logging, load_error
 
 
 class TritonPythonModel:
@@ -43,23 +43,30 @@ class TritonPythonModel:
         return dict(zip(self.output_names, self.session.run(self.output_names, feed)))
 
     def execute(self, requests):
-        feeds = []
-        for request in requests:
+        responses = [None] * len(requests)
+        feeds, owners = [], []
+        for i, request in enumerate(requests):
             inputs = {}
-            for name in self.input_names:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
+            try:
+                # Declared shape against the config and the elements received, before the request
+                # joins a batch: a batch of 2^32 or more arrives truncated (server/frontdoor.py).
+                for spec in self.config.inputs:
+                    tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+                    if tensor is not None:
+                        inputs[spec.name] = tensor.as_numpy()
+                        check_shape(spec.name, tensor.shape(), spec.dims, self.config.max_batch_size,
+                                    size=inputs[spec.name].size)
+            except Exception as exc:
+                responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
+                continue
             feeds.append(inputs)
-        responses = []
-        for request, outcome in zip(requests, run_batched(feeds, self.input_names, self._run)):
+            owners.append(i)
+        for i, outcome in zip(owners, run_batched(feeds, self.input_names, self._run)):
             if outcome.error is not None:
-                responses.append(error_response(pb_utils, self.config.name, outcome.error, request.request_id()))
+                responses[i] = error_response(pb_utils, self.config.name, outcome.error, requests[i].request_id())
             else:
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor(name, value) for name, value in outcome.outputs.items()]
-                    )
+                responses[i] = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, value) for name, value in outcome.outputs.items()]
                 )
         return responses
 

@@ -1,0 +1,70 @@
+"""The front door's generated nginx configuration and limits, and the models' shape check."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from python_backends.errors import InputError
+from python_backends.shim import check_shape
+from server.frontdoor import FrontDoor, FrontDoorPorts, limits_module, model_limits, render
+from server.layout import ROOT
+from server.process import ServerOptions, TritonServer
+from server.layout import prepare
+
+PORTS = FrontDoorPorts("127.0.0.1", 8000, 8001, 8002, "127.0.0.1", 18000, 18001, 18002)
+
+
+def test_limits_come_from_the_configs():
+    limits = model_limits(ROOT / "model_repository")
+    text = limits["text_embedding"]
+    assert text["max_batch_size"] == 64
+    assert text["inputs"]["TEXT"] == {"datatype": "BYTES", "dims": [1], "max_elements": 64}
+    assert limits["text_encoder"]["inputs"]["input_ids"]["max_elements"] == 0  # variable length: global bound
+    module = limits_module(ROOT / "model_repository", 1024)
+    assert module.startswith("//") and json.loads(module.split("export default ", 1)[1].rstrip(";\n"))["max_elements"] == 1024
+
+
+def test_render_fills_every_placeholder_and_keeps_nginx_variables(tmp_path):
+    conf = render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path=tmp_path / "m.so")
+    assert "${" not in conf
+    assert "listen 127.0.0.1:8001 http2;" in conf and "server 127.0.0.1:18000;" in conf
+    assert "(?<frontdoor_model>" in conf and "limit_except GET" in conf
+    assert f"client_body_temp_path {tmp_path}/client_body;" in conf
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/setup.sh installs it)")
+def test_generated_configuration_passes_nginx_t(tmp_path):
+    FrontDoor(PORTS, tmp_path, ROOT / "model_repository", max_body_bytes=1 << 20).check()
+
+
+def test_triton_listens_internally_behind_the_front_door(tmp_path):
+    options = ServerOptions.with_free_ports(workdir=tmp_path, triton_http_port=1234, triton_grpc_port=1235,
+                                            triton_metrics_port=1236, repository_token="t")
+    server = TritonServer(options)
+    server.layout = prepare(tmp_path)
+    cmd = server.command()
+    assert "--http-port=1234" in cmd and "--http-address=127.0.0.1" in cmd and "--grpc-port=1235" in cmd
+    assert server.http_url.endswith(f":{options.http_port}") and server.triton_http_url.endswith(":1234")
+    assert any(a.startswith("--http-restricted-api=shared-memory,trace,logging:") for a in cmd)
+    assert f"--exit-timeout-secs={int(options.drain_timeout)}" in cmd
+
+
+@pytest.mark.parametrize("shape, dims, mbs, size, ok", [
+    ([2, 1], [1], 64, None, True),
+    ([1], [1], 64, None, False),          # a batch of 2^40 arrives with the batch axis gone
+    ([0, 1], [1], 64, None, False),
+    ([65, 1], [1], 64, None, False),
+    ([2, 7], [-1], 64, 14, True),
+    ([2, 7], [-1], 64, 13, False),
+    ([2, 3], [1], 64, None, False),
+    ([3], [-1], 0, 3, True),
+    ([1, 3], [-1], 0, None, False),
+])
+def test_check_shape(shape, dims, mbs, size, ok):
+    if ok:
+        check_shape("T", shape, dims, mbs, size=size)
+    else:
+        with pytest.raises(InputError, match="^T: "):
+            check_shape("T", shape, dims, mbs, size=size)
