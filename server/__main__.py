@@ -12,9 +12,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from server.layout import ROOT
+from server.frontdoor import FrontDoorError
 from server.process import DEFAULT_MODELS, ServerError, ServerOptions, TritonServer
 
 
@@ -33,6 +35,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=_env_int("TRITON_HTTP_PORT", 8000))
     p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
     p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
+    p.add_argument("--no-front-door", action="store_true",
+                   help="serve tritonserver itself on the public ports, without the nginx front door that refuses "
+                   "malformed inference requests (docs/security.md); not for a shared network")
+    p.add_argument("--triton-http-port", type=int, default=_env_int("TRITON_INTERNAL_HTTP_PORT", 0),
+                   help="tritonserver's own HTTP port on 127.0.0.1 behind the front door (default: a free port)")
+    p.add_argument("--triton-grpc-port", type=int, default=_env_int("TRITON_INTERNAL_GRPC_PORT", 0))
+    p.add_argument("--triton-metrics-port", type=int, default=_env_int("TRITON_INTERNAL_METRICS_PORT", 0))
+    p.add_argument("--max-body-mb", type=int, default=_env_int("TRITON_MAX_BODY_MB", 64),
+                   help="the front door refuses larger request bodies with 413 (default 64)")
+    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", 30)),
+                   help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish before each process is killed "
+                   "(default 30)")
     p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     p.add_argument("--workdir", type=Path, default=ROOT / ".triton", help="where the server is laid out and logs go")
     p.add_argument("--model", action="append", dest="models", help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)})")
@@ -142,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         log_verbose=args.log_verbose,
         model_config_name=config_name,
         env={"EMBEDDING_CACHE_L2_REDIS_URL": args.redis_url} if args.redis_url else {},
+        front_door=not args.no_front_door,
+        triton_http_port=args.triton_http_port,
+        triton_grpc_port=args.triton_grpc_port,
+        triton_metrics_port=args.triton_metrics_port,
+        max_body_bytes=args.max_body_mb * 1024 * 1024,
+        drain_timeout=args.drain_timeout,
     )
     from clients.repository import ensure_token
 
@@ -151,13 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum, _frame):
-        print(f"\nserve: {signal.Signals(signum).name} received, stopping tritonserver", flush=True)
+        print(f"\nserve: {signal.Signals(signum).name} received; draining in-flight requests (at most "
+              f"{args.drain_timeout:.0f} s each for the front door and tritonserver), then stopping", flush=True)
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    server.start()
+    try:
+        server.start()
+    except FrontDoorError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 1
     try:
         server.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
     except ServerError as exc:
@@ -167,11 +192,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"\nserve: {exc}\n--- last lines of {server.log_path} ---\n{exc.log_tail}", file=sys.stderr)
         return 1
+    if server.front_door is not None:
+        door = (f"  front door  nginx checks every HTTP inference request (docs/security.md); "
+                f"tritonserver itself on 127.0.0.1 at HTTP {options.triton_http_port}, "
+                f"gRPC {options.triton_grpc_port}, metrics {options.triton_metrics_port} (internal)\n")
+    else:
+        door = "  front door  OFF (--no-front-door): tritonserver itself on the public ports, undefended\n"
     print(
         "\nserve: ready\n"
         f"  HTTP     http://{server.http_url}  (e.g. curl http://{server.http_url}/v2/models/text_embedding)\n"
         f"  gRPC     {server.grpc_url}\n"
-        f"  metrics  {server.metrics_url}\n"
+        f"  metrics  {server.metrics_url}  (GET only)\n"
+        f"{door}"
         f"  models   {', '.join(options.models)}\n"
         f"  variants {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={args.precision})\n"
         f"  cache    Triton response cache {args.cache_size_mb} MiB; text_embedding_cached L2 "
@@ -186,10 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         if server.process is not None and server.process.poll() is not None:
             print(f"serve: tritonserver exited unexpectedly (code {server.process.returncode})", file=sys.stderr)
             print(server.log_tail(), file=sys.stderr)
+            server.stop()
+            return 1
+        if server.front_door is not None and not server.front_door.running():
+            print(f"serve: the front door (nginx) exited unexpectedly (code {server.front_door.process.returncode})\n"
+                  f"{server.front_door.log_tail()}", file=sys.stderr)
+            server.stop()
             return 1
         stop.wait(0.5)
+    started = time.monotonic()
     code = server.stop()
-    print(f"serve: tritonserver stopped (exit code {code})", flush=True)
+    print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
 

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Mapping, Sequence, TextIO
 
 from clients.repository import TOKEN_HEADER
+from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts
 from server.layout import ROOT, ServerLayout, prepare
+from server.lifetime import tie_to_parent
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,17 @@ class ServerOptions:
     # A rollout state file (clients/rollout.py): when it exists, the encoder and its router are
     # loaded with the versions and weights it records before the models that use them.
     rollout_state: Path | None = None
+    # The front door (server/frontdoor.py): nginx on http/grpc/metrics_port checks HTTP
+    # inference requests; tritonserver then listens on 127.0.0.1 at the triton_* ports (0 = a
+    # free port chosen at start). Off: tritonserver itself on the public ports, undefended.
+    front_door: bool = True
+    triton_http_port: int = 0
+    triton_grpc_port: int = 0
+    triton_metrics_port: int = 0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # SIGTERM drain: seconds the front door finishes in-flight requests, then tritonserver's
+    # own graceful shutdown (--exit-timeout-secs), before each is killed.
+    drain_timeout: float = 30.0
 
     @classmethod
     def with_free_ports(cls, **kwargs) -> "ServerOptions":
@@ -117,6 +130,12 @@ class ServerOptions:
             ports.add(free_port(host))
         http, grpc, metrics = sorted(ports)
         return cls(http_port=http, grpc_port=grpc, metrics_port=metrics, **kwargs)
+
+    def internal_ports(self) -> tuple[int, int, int]:
+        """tritonserver's own (http, grpc, metrics) ports: the public ones without a front door."""
+        if not self.front_door:
+            return self.http_port, self.grpc_port, self.metrics_port
+        return self.triton_http_port, self.triton_grpc_port, self.triton_metrics_port
 
 
 class TritonServer:
@@ -130,37 +149,59 @@ class TritonServer:
         self._tail: collections.deque[str] = collections.deque(maxlen=400)
         self._reader: threading.Thread | None = None
         self.layout: ServerLayout | None = None
+        self.front_door: FrontDoor | None = None
+
+    @property
+    def _public_host(self) -> str:
+        return "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
 
     @property
     def http_url(self) -> str:
-        return f"{self.options.host}:{self.options.http_port}"
+        """Where clients go: the front door's HTTP port (tritonserver's own without one)."""
+        return f"{self._public_host}:{self.options.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.options.host}:{self.options.grpc_port}"
+        return f"{self._public_host}:{self.options.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+        return f"http://{self._public_host}:{self.options.metrics_port}/metrics"
+
+    @property
+    def triton_host(self) -> str:
+        return "127.0.0.1" if self.options.front_door else self._public_host
+
+    @property
+    def triton_http_url(self) -> str:
+        """tritonserver's own HTTP port (internal behind the front door)."""
+        return f"{self.triton_host}:{self.options.internal_ports()[0]}"
+
+    @property
+    def triton_grpc_url(self) -> str:
+        return f"{self.triton_host}:{self.options.internal_ports()[1]}"
 
     def command(self) -> list[str]:
         o = self.options
         assert self.layout is not None
+        http_port, grpc_port, metrics_port = o.internal_ports()
+        bind = "127.0.0.1" if o.front_door else o.host
         cmd = [
             str(self.layout.binary),
             f"--model-repository={o.model_repository.resolve()}",
             f"--backend-directory={self.layout.backends}",
             f"--cache-directory={self.layout.caches}",
             "--model-control-mode=explicit",
-            f"--http-address={o.host}",
-            f"--http-port={o.http_port}",
-            f"--grpc-address={o.host}",
-            f"--grpc-port={o.grpc_port}",
-            f"--metrics-address={o.host}",
-            f"--metrics-port={o.metrics_port}",
+            f"--http-address={bind}",
+            f"--http-port={http_port}",
+            f"--grpc-address={bind}",
+            f"--grpc-port={grpc_port}",
+            f"--metrics-address={bind}",
+            f"--metrics-port={metrics_port}",
             "--allow-metrics=true",
             "--exit-on-error=true",
             "--strict-readiness=true",
+            f"--exit-timeout-secs={max(1, int(o.drain_timeout))}",
             f"--log-verbose={o.log_verbose}",
             # The python backend's shared memory grows in these steps; a batch of 64 images x
             # 3 x 224 x 224 floats is 38 MB between image preprocessing and the classifier.
@@ -175,6 +216,9 @@ class TritonServer:
             # Load/unload need the header; inference, health, metadata and statistics stay open.
             cmd.append(f"--http-restricted-api=model-repository:{TOKEN_HEADER}={o.repository_token}")
             cmd.append(f"--grpc-restricted-protocol=model-repository:{TOKEN_HEADER}={o.repository_token}")
+            # Registering shared memory, changing trace or log settings: operator actions too.
+            cmd.append(f"--http-restricted-api=shared-memory,trace,logging:{TOKEN_HEADER}={o.repository_token}")
+            cmd.append(f"--grpc-restricted-protocol=shared-memory,trace,logging:{TOKEN_HEADER}={o.repository_token}")
         deferred = set(self.deferred_models())
         cmd += [f"--load-model={m}" for m in with_dependencies(o.model_repository, o.models) if m not in deferred]
         cmd += list(o.extra_args)
@@ -210,7 +254,7 @@ class TritonServer:
             return
         from clients.repository import RepositoryClient
 
-        client = RepositoryClient(self.http_url, token=self.options.repository_token or "")
+        client = RepositoryClient(self.triton_http_url, token=self.options.repository_token or "")
         plan.apply(client, self.options.model_repository, self.options.model_config_name)
         for model in self.deferred_models():
             if model not in (plan.encoder, plan.router):
@@ -239,8 +283,23 @@ class TritonServer:
         return env
 
     def start(self) -> "TritonServer":
-        self.options.workdir.mkdir(parents=True, exist_ok=True)
-        self.layout = prepare(self.options.workdir)
+        o = self.options
+        o.workdir.mkdir(parents=True, exist_ok=True)
+        self.layout = prepare(o.workdir)
+        if o.front_door:
+            taken = {o.http_port, o.grpc_port, o.metrics_port}
+            for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port"):
+                while not getattr(o, attr):
+                    port = free_port("127.0.0.1")
+                    if port not in taken:
+                        setattr(o, attr, port)
+                        taken.add(port)
+            self.front_door = FrontDoor(
+                FrontDoorPorts(o.host, o.http_port, o.grpc_port, o.metrics_port,
+                               "127.0.0.1", o.triton_http_port, o.triton_grpc_port, o.triton_metrics_port),
+                o.workdir / f"frontdoor-{o.http_port}", o.model_repository, max_body_bytes=o.max_body_bytes,
+            )
+            self.front_door.check()
         log_file = self.log_path.open("w", encoding="utf-8")
         self.process = subprocess.Popen(
             self.command(),
@@ -251,9 +310,14 @@ class TritonServer:
             text=True,
             errors="replace",
             start_new_session=True,  # Ctrl-C reaches us; we stop the server in order
+            # If we die without stopping it (SIGKILL, the OOM killer), so does tritonserver,
+            # and its ports are free again. Its python backend stubs notice and exit.
+            preexec_fn=tie_to_parent("SIGKILL"),
         )
         self._reader = threading.Thread(target=self._pump, args=(self.process, log_file), daemon=True)
         self._reader.start()
+        if self.front_door is not None:
+            self.front_door.start()
         return self
 
     def _pump(self, process: subprocess.Popen, log_file) -> None:
@@ -270,9 +334,9 @@ class TritonServer:
     def log_tail(self, lines: int = 60) -> str:
         return "".join(list(self._tail)[-lines:])
 
-    def _get(self, path: str, timeout: float = 2.0) -> int:
+    def _get(self, path: str, timeout: float = 2.0, base: str | None = None) -> int:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+            with urllib.request.urlopen(f"http://{base or self.triton_http_url}{path}", timeout=timeout) as r:
                 return r.status
         except urllib.error.HTTPError as e:
             return e.code
@@ -294,6 +358,9 @@ class TritonServer:
                 self._join_reader()
                 code = None if self.process is None else self.process.returncode
                 raise ServerError(f"tritonserver exited with code {code} before becoming ready", self.log_tail())
+            if self.front_door is not None and not self.front_door.running():
+                raise ServerError(f"the front door (nginx) exited with code {self.front_door.process.returncode}",
+                                  self.front_door.log_tail())
             if self._get("/v2/health/ready") == 200:
                 if not deferred_loaded:
                     try:
@@ -303,7 +370,7 @@ class TritonServer:
                                           self.log_tail()) from exc
                     deferred_loaded = True
                 pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
-                if not pending:
+                if not pending and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200):
                     return
             time.sleep(0.25)
         raise ServerError(
@@ -315,14 +382,20 @@ class TritonServer:
         if self._reader is not None:
             self._reader.join(timeout=5)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, wait for Triton's graceful shutdown, then SIGKILL the group."""
+    def stop(self, timeout: float | None = None) -> int | None:
+        """Drain and stop: the front door first (in-flight requests finish, new ones are
+        refused), then SIGTERM to tritonserver and its graceful shutdown; each is killed
+        after ``timeout`` seconds (default: the options' drain_timeout)."""
+        timeout = self.options.drain_timeout if timeout is None else timeout
+        if self.front_door is not None:
+            self.front_door.stop(timeout=timeout)
         if self.process is None:
             return None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=timeout)
+                # --exit-timeout-secs bounds Triton's own wait for in-flight requests.
+                self.process.wait(timeout=timeout + 5)
             except subprocess.TimeoutExpired:
                 log.warning("tritonserver did not stop in %.0f s; killing it", timeout)
                 os.killpg(self.process.pid, signal.SIGKILL)

@@ -1,0 +1,268 @@
+"""The front door: nginx on the public ports, checking HTTP inference requests before tritonserver.
+
+tritonserver 2.51 can be aborted by one HTTP request (its JSON parser allocates for the
+declared shape before any check) and truncates the declared batch to 32 bits. nginx with the
+njs check in ``deploy/frontdoor/infer_check.js`` refuses such requests with 400; gRPC goes
+through ``grpc_pass`` unchanged (the models check declared batches); metrics answer GET only.
+See docs/security.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from server.layout import ROOT
+from server.lifetime import tie_to_parent
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_DIR = ROOT / "deploy" / "frontdoor"
+JS_MODULE_CANDIDATES = (
+    Path("/usr/lib/nginx/modules/ngx_http_js_module.so"),
+    Path("/usr/lib64/nginx/modules/ngx_http_js_module.so"),
+    Path("/usr/local/nginx/modules/ngx_http_js_module.so"),
+)
+# Triton's TYPE_* names as the HTTP/JSON protocol spells them.
+DATATYPES = {
+    "TYPE_BOOL": "BOOL", "TYPE_UINT8": "UINT8", "TYPE_UINT16": "UINT16", "TYPE_UINT32": "UINT32",
+    "TYPE_UINT64": "UINT64", "TYPE_INT8": "INT8", "TYPE_INT16": "INT16", "TYPE_INT32": "INT32",
+    "TYPE_INT64": "INT64", "TYPE_FP16": "FP16", "TYPE_BF16": "BF16", "TYPE_FP32": "FP32",
+    "TYPE_FP64": "FP64", "TYPE_STRING": "BYTES",
+}
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_RANK = 16
+
+
+class FrontDoorError(RuntimeError):
+    pass
+
+
+def nginx_binary() -> str:
+    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).is_file()), None)
+    if not found:
+        raise FrontDoorError("nginx is not installed (scripts/setup.sh installs nginx and libnginx-mod-http-js)")
+    return found
+
+
+def js_module() -> Path:
+    for path in JS_MODULE_CANDIDATES:
+        if path.is_file():
+            return path
+    raise FrontDoorError("nginx's njs module (ngx_http_js_module.so, Debian libnginx-mod-http-js) is not installed")
+
+
+def _parse_config(path: Path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+
+
+def model_limits(repository: Path) -> dict[str, dict]:
+    """model -> {max_batch_size, inputs: {name: {datatype, dims, max_elements}}} from every model's
+    config.pbtxt and its variant configs (configs/*.pbtxt; the largest limit wins, since the
+    launcher may select any of them). max_elements is 0 where a dimension is variable."""
+    models: dict[str, dict] = {}
+    for config in sorted(Path(repository).glob("*/config.pbtxt")):
+        folder = config.parent
+        paths = [config, *sorted((folder / "configs").glob("*.pbtxt"))]
+        entry: dict | None = None
+        for path in paths:
+            try:
+                parsed = _parse_config(path)
+            except Exception as exc:  # a broken config fails its own load in Triton, loudly
+                log.warning("front door: %s not parsed (%s); its model gets the global bound only", path, exc)
+                continue
+            mbs = int(parsed.max_batch_size)
+            inputs = {}
+            for t in parsed.input:
+                dims = [int(d) for d in t.dims]
+                count = 1
+                for d in dims:
+                    count *= d
+                fixed = all(d >= 0 for d in dims)
+                inputs[t.name] = {
+                    "datatype": DATATYPES.get(model_config_datatype(t.data_type), ""),
+                    "dims": dims,
+                    "max_elements": (max(mbs, 1) * count) if fixed else 0,
+                }
+            if entry is None:
+                entry = {"max_batch_size": mbs, "inputs": inputs}
+                continue
+            entry["max_batch_size"] = max(entry["max_batch_size"], mbs)
+            for name, spec in inputs.items():
+                old = entry["inputs"].get(name)
+                if old is not None:
+                    bound = 0 if 0 in (old["max_elements"], spec["max_elements"]) else max(old["max_elements"], spec["max_elements"])
+                    spec = {**spec, "max_elements": bound}
+                entry["inputs"][name] = spec
+        if entry is not None:
+            name = _config_name(config) or folder.name
+            models[name] = entry
+    return models
+
+
+def model_config_datatype(value: int) -> str:
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2.DataType.Name(value)
+
+
+def _config_name(path: Path) -> str:
+    try:
+        return _parse_config(path).name
+    except Exception:
+        return ""
+
+
+def limits_module(repository: Path, max_body_bytes: int) -> str:
+    """The generated ``limits.js`` that infer_check.js imports."""
+    limits = {
+        "max_body_bytes": max_body_bytes,
+        # Each JSON element takes at least 2 bytes and each binary one at least 1: a request
+        # whose data matches its shape cannot declare more elements than this.
+        "max_elements": max_body_bytes,
+        "max_rank": MAX_RANK,
+        "models": model_limits(repository),
+    }
+    return "// Generated by server/frontdoor.py from the model repository; do not edit.\nexport default " + json.dumps(
+        limits, indent=1, sort_keys=True
+    ) + ";\n"
+
+
+@dataclass
+class FrontDoorPorts:
+    listen_host: str
+    http: int
+    grpc: int
+    metrics: int
+    upstream_host: str
+    triton_http: int
+    triton_grpc: int
+    triton_metrics: int
+
+
+def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: int, workers: int | str = 1,
+           js_module_path: Path | None = None, template: Path = TEMPLATE_DIR / "nginx.conf.template") -> str:
+    """nginx.conf for these ports, with every temporary path in ``workdir``."""
+    values: Mapping[str, object] = {
+        "WORKERS": workers,
+        "WORKDIR": workdir,
+        "JS_MODULE": js_module_path or js_module(),
+        "JS_PATH": js_path,
+        "MAX_BODY_BYTES": max_body_bytes,
+        "LISTEN_HOST": ports.listen_host,
+        "HTTP_PORT": ports.http,
+        "GRPC_PORT": ports.grpc,
+        "METRICS_PORT": ports.metrics,
+        "UPSTREAM_HOST": ports.upstream_host,
+        "TRITON_HTTP_PORT": ports.triton_http,
+        "TRITON_GRPC_PORT": ports.triton_grpc,
+        "TRITON_METRICS_PORT": ports.triton_metrics,
+    }
+    def fill(match: "re.Match[str]") -> str:
+        if match.group(1) not in values:
+            raise FrontDoorError(f"{template.name}: no value for ${{{match.group(1)}}}")
+        return str(values[match.group(1)])
+
+    # Only ${UPPER_CASE} is ours; nginx's own $variables pass through.
+    return re.sub(r"\$\{([A-Z_]+)\}", fill, template.read_text(encoding="utf-8"))
+
+
+class FrontDoor:
+    """An nginx child process (``daemon off``) whose life is tied to this process."""
+
+    def __init__(self, ports: FrontDoorPorts, workdir: Path, repository: Path,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, workers: int | str = 1):
+        self.ports = ports
+        self.workdir = Path(workdir) / "frontdoor"
+        self.repository = repository
+        self.max_body_bytes = max_body_bytes
+        self.workers = workers
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def conf_path(self) -> Path:
+        return self.workdir / "nginx.conf"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "nginx-error.log"
+
+    def prepare(self) -> list[str]:
+        """Write nginx.conf, the njs script and its limits; the nginx command line."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (self.workdir / name).mkdir(exist_ok=True)
+        js_dir = self.workdir / "js"
+        js_dir.mkdir(exist_ok=True)
+        shutil.copy2(TEMPLATE_DIR / "infer_check.js", js_dir / "infer_check.js")
+        (js_dir / "limits.js").write_text(limits_module(self.repository, self.max_body_bytes), encoding="utf-8")
+        self.conf_path.write_text(render(self.ports, self.workdir, js_dir, self.max_body_bytes, self.workers),
+                                  encoding="utf-8")
+        return [nginx_binary(), "-p", str(self.workdir), "-c", str(self.conf_path), "-e", str(self.log_path)]
+
+    def check(self) -> None:
+        """``nginx -t`` on the generated configuration (raises FrontDoorError with its output)."""
+        cmd = self.prepare() + ["-t", "-q"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise FrontDoorError(f"nginx -t failed:\n{done.stdout}{done.stderr}")
+
+    def start(self) -> "FrontDoor":
+        cmd = self.prepare()
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            # SIGTERM is nginx's fast shutdown: the master stops its workers, then exits.
+            preexec_fn=tie_to_parent("SIGTERM"),
+        )
+        return self
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0, graceful: bool = True) -> int | None:
+        """SIGQUIT (finish in-flight requests, then exit) or SIGTERM; SIGKILL after ``timeout``."""
+        import os
+        import signal
+
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGQUIT if graceful else signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("nginx did not stop in %.0f s; killing it", timeout)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # workers too
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        return self.process.returncode
+
+
+def ports_in_use(host: str, ports: Iterable[int]) -> list[int]:
+    import socket
+
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0:
+                busy.append(port)
+    return busy

@@ -1,0 +1,240 @@
+"""Hostile inference requests through the front door (HTTP, binary HTTP, gRPC raw and typed,
+gRPC streaming): each is refused with 4xx / INVALID_ARGUMENT naming the field, none is a 5xx,
+and afterwards the server is live and answers a normal request correctly.
+
+Without the front door, the first request below aborts tritonserver 2.51 (std::bad_alloc) and
+the BYTES ones with a batch of 2^40 are answered (the batch-size check truncates to 32 bits).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import struct
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+HUGE = 1 << 40  # 1099511627776
+MODEL = "text_embedding"
+
+
+def _post(url: str, body: bytes, headers: dict | None = None, path: str = f"/v2/models/{MODEL}/infer"):
+    req = urllib.request.Request(f"http://{url}{path}", data=body, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _json(inputs) -> bytes:
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def _text(shape, datatype="BYTES", data=("a",)):
+    return [{"name": "TEXT", "shape": shape, "datatype": datatype, "data": list(data) if isinstance(data, tuple) else data}]
+
+
+def _binary(header: dict, payload: bytes, length_lie: int = 0):
+    head = json.dumps(header).encode()
+    return head + payload, {"Inference-Header-Content-Length": str(len(head) + length_lie),
+                            "Content-Type": "application/octet-stream"}
+
+
+ONE = struct.pack("<I", 1) + b"a"
+
+JSON_CASES = {
+    # (body, the field the error must name)
+    "int64_huge_shape_crashes_triton": (_json(_text([HUGE, 1], "INT64", (1,))), "datatype"),
+    "bytes_huge_batch_overflows": (_json(_text([HUGE, 1])), "shape[0]"),
+    "bytes_batch_2_32_plus_1": (_json(_text([(1 << 32) + 1, 1])), "shape[0]"),
+    "null_shape": (_json(_text(None)), "shape"),
+    "shape_of_strings": (_json(_text(["1", 1])), "shape[0]"),
+    "negative_shape": (_json(_text([-1, 1])), "shape[0]"),
+    "unknown_datatype": (_json(_text([1, 1], "FOO")), "datatype"),
+    "wrong_datatype": (_json(_text([1, 1], "FP32", (1.0,))), "datatype"),
+    "data_object": (_json(_text([1, 1], data={"a": 1})), "data"),
+    "data_number_for_bytes": (_json(_text([1, 1], data=(1,))), "data"),
+    "shape_bigger_than_data": (_json(_text([3, 1])), "data"),
+    "data_bigger_than_shape": (_json(_text([1, 1], data=("a", "b"))), "data"),
+    "huge_inner_dim": (_json(_text([1, HUGE])), "shape"),
+    "inputs_not_array": (json.dumps({"inputs": {"TEXT": 1}}).encode(), "inputs"),
+    "not_json": (b"{not json", "JSON"),
+    # A model the repository does not hold: the global bound and the data count still apply.
+    "unknown_model_huge_int64": (_json([{"name": "X", "shape": [HUGE], "datatype": "INT64", "data": [1]}]), "shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JSON_CASES))
+def test_malformed_json_request_is_refused_with_400_naming_the_field(triton, case):
+    body, field = JSON_CASES[case]
+    path = "/v2/models/no_such_model/infer" if case.startswith("unknown_model") else f"/v2/models/{MODEL}/infer"
+    status, answer = _post(triton.http_url, body, path=path)
+    assert status == 400, (status, answer[:300])
+    assert field in json.loads(answer)["error"], answer
+
+
+BINARY_CASES = {
+    "bytes_huge_batch": (_binary({"inputs": [{"name": "TEXT", "shape": [HUGE, 1], "datatype": "BYTES",
+                                              "parameters": {"binary_data_size": len(ONE)}}]}, ONE), "shape[0]"),
+    "size_runs_past_body": (_binary({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                                                 "parameters": {"binary_data_size": 100}}]}, ONE), "binary_data_size"),
+    "bytes_count_mismatch": (_binary({"inputs": [{"name": "TEXT", "shape": [2, 1], "datatype": "BYTES",
+                                                  "parameters": {"binary_data_size": len(ONE)}}]}, ONE), "elements"),
+    "prefix_past_end": (_binary({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                                             "parameters": {"binary_data_size": 5}}]},
+                                struct.pack("<I", 99) + b"a"), "runs past"),
+    "int64_huge": (_binary({"inputs": [{"name": "X", "shape": [HUGE], "datatype": "INT64",
+                                        "parameters": {"binary_data_size": 8}}]}, b"\0" * 8), "elements"),
+    "header_length_past_body": (_binary({"inputs": []}, b"", length_lie=1000), "Inference-Header-Content-Length"),
+    "trailing_bytes": (_binary({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                                            "parameters": {"binary_data_size": len(ONE)}}]}, ONE + b"xx"), "body length"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BINARY_CASES))
+def test_malformed_binary_request_is_refused_with_400(triton, case):
+    (body, headers), field = BINARY_CASES[case]
+    status, answer = _post(triton.http_url, body, headers)
+    assert status == 400, (status, answer[:300])
+    assert field in json.loads(answer)["error"], answer
+
+
+def test_compressed_and_oversized_bodies_are_refused(triton):
+    status, answer = _post(triton.http_url, b"\x1f\x8b", {"Content-Encoding": "gzip"})
+    assert status == 415 and b"Content-Encoding" in answer
+    big = _json(_text([1, 1], data=("x" * (triton.options.max_body_bytes + 10),)))
+    status, answer = _post(triton.http_url, big)
+    assert status == 413, answer[:200]
+
+
+def _grpc_request(shape, typed: bool, datatype="BYTES", model=MODEL):
+    request = service_pb2.ModelInferRequest(model_name=model)
+    tensor = request.inputs.add(name="TEXT", datatype=datatype, shape=shape)
+    if typed:
+        tensor.contents.bytes_contents.append(b"a")
+    else:
+        request.raw_input_contents.append(ONE)
+    return request
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(triton):
+    channel = grpc.insecure_channel(triton.grpc_url)
+    yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    channel.close()
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["raw", "typed"])
+@pytest.mark.parametrize("model", ["text_embedding_cached", "text_tokenizer"])
+def test_grpc_huge_batch_is_invalid_argument(grpc_stub, typed, model):
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.ModelInfer(_grpc_request([HUGE, 1], typed, model=model), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "TEXT" in info.value.details() and "dimensions" in info.value.details()
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["raw", "typed"])
+def test_grpc_huge_batch_to_the_ensemble_computes_only_the_rows_sent(grpc_stub, typed):
+    # Known limit (docs/security.md): the ensemble hands its steps a well-formed one-row request,
+    # so no model can see the 2^40; what matters is that nothing beyond the data sent is computed.
+    try:
+        answer = grpc_stub.ModelInfer(_grpc_request([HUGE, 1], typed), timeout=60)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+        return
+    embedding = next(i for i, o in enumerate(answer.outputs) if o.name == "EMBEDDING")
+    assert len(answer.raw_output_contents[embedding]) == 384 * 4
+
+
+def test_grpc_int64_huge_shape_is_invalid_argument(grpc_stub):
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    request.inputs.add(name="TEXT", datatype="INT64", shape=[HUGE, 1]).contents.int64_contents.append(1)
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.ModelInfer(request, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_grpc_stream_huge_batch_is_an_error_response(grpc_stub):
+    requests = [_grpc_request([HUGE, 1], typed, model="text_tokenizer") for typed in (False, True)]
+    answers = list(grpc_stub.ModelStreamInfer(iter(requests), timeout=60))
+    assert len(answers) == 2
+    assert all("dimensions" in a.error_message for a in answers), [a.error_message for a in answers]
+
+
+def test_encoder_refuses_truncated_batch_over_grpc(grpc_stub):
+    request = service_pb2.ModelInferRequest(model_name="text_encoder_router")
+    for name in ("input_ids", "attention_mask"):
+        request.inputs.add(name=name, datatype="INT64", shape=[HUGE, 16])
+        request.raw_input_contents.append(np.ones(16, np.int64).tobytes())
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.ModelInfer(request, timeout=60)
+    assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,), info.value.details()
+
+
+def _embed_ok(url: str, text="hello world"):
+    status, answer = _post(url, _json(_text([1, 1], data=(text,))))
+    assert status == 200, answer[:300]
+    out = next(o for o in json.loads(answer)["outputs"] if o["name"] == "EMBEDDING")
+    vector = np.array(out["data"], np.float32).reshape(out["shape"])
+    assert vector.shape == (1, 384)
+    assert abs(float(np.linalg.norm(vector)) - 1.0) < 1e-3
+    return vector
+
+
+def test_server_live_and_correct_after_hostile_requests_and_good_ones_answered_alongside(triton, http_client):
+    import tritonclient.http as httpclient
+
+    tensor = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"hello world"]], dtype=object))
+    reference = http_client.infer(MODEL, [tensor]).as_numpy("EMBEDDING")  # binary path, tritonclient
+    before = _embed_ok(triton.http_url)
+    assert float(np.dot(reference[0], before[0])) > 0.9999
+    bad = [body for body, _ in JSON_CASES.values()]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        hostile = [pool.submit(_post, triton.http_url, body) for body in bad * 3]
+        good = [pool.submit(_embed_ok, triton.http_url) for _ in range(6)]
+        statuses = [f.result()[0] for f in hostile]
+        vectors = [f.result() for f in good]
+    assert all(400 <= s < 500 for s in statuses), statuses
+    for vector in vectors:
+        assert float(np.dot(vector[0], before[0])) > 0.9999
+    with urllib.request.urlopen(f"http://{triton.http_url}/v2/health/live", timeout=10) as r:
+        assert r.status == 200
+    assert triton.process.poll() is None, "tritonserver died"
+
+
+# Fuzzing: arbitrary JSON-ish values in each field of an otherwise plausible request.
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 64), max_value=1 << 64) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=12,
+)
+_shapes = st.lists(st.integers(min_value=-2, max_value=1 << 62) | st.sampled_from([HUGE, 1 << 32, 0, 1, 2]), max_size=4)
+_inputs = st.fixed_dictionaries({
+    "name": st.sampled_from(["TEXT", "X", ""]) | _json_values,
+    "shape": _shapes | _json_values,
+    "datatype": st.sampled_from(["BYTES", "INT64", "FP32", "BOOL", "UINT8", "FOO"]) | _json_values,
+    "data": st.lists(st.text(max_size=4) | st.integers(), max_size=4) | _json_values,
+})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(inputs=st.lists(_inputs, min_size=0, max_size=2) | _json_values,
+       model=st.sampled_from([MODEL, "text_tokenizer", "text_encoder", "image_classification"]))
+def test_fuzzed_http_requests_get_no_5xx(triton, inputs, model):
+    status, answer = _post(triton.http_url, json.dumps({"inputs": inputs}).encode(), path=f"/v2/models/{model}/infer")
+    assert status < 500, (status, answer[:300])
+    assert triton.process.poll() is None, "tritonserver died"
+
+
+def test_live_after_fuzzing(triton):
+    _embed_ok(triton.http_url)
