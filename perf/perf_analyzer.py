@@ -183,7 +183,7 @@ class Settings:
             "-b", str(self.batch_size),
             "--concurrency-range", str(self.concurrency),
             # Count windows instead of time windows: on a noisy 2-core machine the default
-            # time-window stabilisation often never converges (see shared/FINDINGS.md).
+            # time-window stabilisation often never converges (seen on these shared 2-core machines).
             "--measurement-mode", "count_windows",
             "--measurement-request-count", str(self.request_count),
             "-s", f"{self.stability_percent:g}",
