@@ -9,8 +9,10 @@ PYTHON=${PYTHON:-python3.11}
 GPU=${GPU:-0}
 # libb64-0d: perf_analyzer links libb64.so.0d. redis-server: the result cache's L2 in tests and
 # `make cache-bench` (started on a free port by server/redis_process.py; the package's own
-# service is not needed).
-APT_PACKAGES=(libb64-0d redis-server)
+# service is not needed). nginx + libnginx-mod-http-js: the front door on the public ports that
+# checks HTTP inference requests before tritonserver (server/frontdoor.py; the package's own
+# service is not needed either: the launcher runs nginx as its child).
+APT_PACKAGES=(libb64-0d redis-server nginx libnginx-mod-http-js)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -1,0 +1,112 @@
+"""What the front door costs: the same load through nginx + the njs check and straight to
+tritonserver's internal port, side by side on one server (HTTP and gRPC, text_embedding).
+
+    python -m perf.frontdoor_cost [--concurrency 16] [--seconds 4] [--rounds 3]
+
+Rounds alternate between the two paths so that a neighbour's burst hits both; each request is
+one short text. Prints a table (requests/s, P50, P99, max) and the throughput ratio per protocol;
+``--json`` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODEL = "text_embedding"
+
+
+async def _drive(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
+    if protocol == "http":
+        import tritonclient.http.aio as client_mod
+    else:
+        import tritonclient.grpc.aio as client_mod
+    client = client_mod.InferenceServerClient(url)
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker(w: int) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            tensor = client_mod.InferInput("TEXT", [1, 1], "BYTES")
+            # A distinct text per request: no response cache in text_embedding's path hides the cost.
+            tensor.set_data_from_numpy(np.array([[f"front door cost {w} {n}".encode()]], dtype=object))
+            started = time.perf_counter()
+            await client.infer(MODEL, [tensor])
+            latencies.append(time.perf_counter() - started)
+            n += 1
+
+    try:
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    finally:
+        await client.close()
+    return latencies
+
+
+def summarize(latencies: list[float], seconds: float) -> dict:
+    ms = np.array(latencies) * 1000.0
+    return {"requests": len(ms), "rps": len(ms) / seconds, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max())}
+
+
+def measure(server, concurrency: int, seconds: float, rounds: int) -> dict:
+    targets = {
+        ("http", "front door"): server.http_url, ("http", "direct"): server.triton_http_url,
+        ("grpc", "front door"): server.grpc_url, ("grpc", "direct"): server.triton_grpc_url,
+    }
+    collected: dict = {key: [] for key in targets}
+    for key, url in targets.items():  # warm both paths (connections, first batches)
+        asyncio.run(_drive(key[0], url, concurrency, 1.0))
+    for r in range(rounds):
+        order = list(targets) if r % 2 == 0 else list(reversed(list(targets)))
+        for key in order:
+            collected[key] += asyncio.run(_drive(key[0], targets[key], concurrency, seconds))
+    results = {f"{p} {path}": summarize(lat, seconds * rounds) for (p, path), lat in collected.items()}
+    for protocol in ("http", "grpc"):
+        results[f"{protocol} ratio"] = results[f"{protocol} front door"]["rps"] / results[f"{protocol} direct"]["rps"]
+    return results
+
+
+def table(results: dict, concurrency: int) -> str:
+    lines = [f"| path (concurrency {concurrency}) | requests/s | P50 ms | P99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, row in results.items():
+        if isinstance(row, dict):
+            lines.append(f"| {name} | {row['rps']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} |")
+    for protocol in ("http", "grpc"):
+        lines.append(f"\n{protocol}: front door / direct throughput = {results[f'{protocol} ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf.frontdoor_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=4.0, help="per path and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path, help="write the figures here")
+    args = p.parse_args(argv)
+
+    from server.layout import ROOT
+    from server.process import ServerOptions, TritonServer
+
+    workdir = Path(tempfile.mkdtemp(prefix="frontdoor-cost-"))
+    options = ServerOptions.with_free_ports(model_repository=ROOT / "model_repository", workdir=workdir,
+                                            models=(MODEL,))
+    with TritonServer(options) as server:
+        results = measure(server, args.concurrency, args.seconds, args.rounds)
+    print(table(results, args.concurrency))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
