@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from clients.repository import RepositoryClient
 from perf import compare
+from perf import harness
 from perf import limit as limit_mod
 from perf import perf_analyzer as pa
 
@@ -166,23 +168,11 @@ def to_pbtxt(config: dict, header: str = "") -> str:
 
 def load_config(http_url: str, model: str, config: dict, ensemble: str = MODEL, timeout: float = 120.0) -> None:
     """Load ``model`` with ``config`` through the repository API and wait until ``ensemble`` is ready."""
-    base = f"http://{http_url}"
-    status, raw = compare._http(f"{base}/v2/repository/models/{model}/load", "POST",
-                                {"parameters": {"config": json.dumps(config)}}, timeout=timeout)
-    if status != 200:
-        raise RuntimeError(f"load of {model} refused: HTTP {status} {raw[:300]!r}")
-    deadline = time.monotonic() + timeout
-    while compare._http(f"{base}/v2/models/{ensemble}/ready")[0] != 200:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{ensemble} not ready {timeout:.0f} s after reloading {model}")
-        time.sleep(0.2)
+    harness.reload_with(http_url, model, config, ensemble, timeout)
 
 
 def served_config(http_url: str, model: str = ENCODER) -> dict:
-    status, raw = compare._http(f"http://{http_url}/v2/models/{model}/config")
-    if status != 200:
-        raise RuntimeError(f"GET config of {model}: HTTP {status} {raw[:200]!r}")
-    return json.loads(raw)
+    return RepositoryClient(http_url).config(model)
 
 
 # --------------------------------------------------------------------------- arguments

@@ -48,11 +48,6 @@ from perf import limit as limit_mod
 from perf import perf_analyzer as pa
 from perf import triton_stats
 
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-DEFAULT_RESULTS = PERF_DIR / "results"
-MODEL = "text_embedding"
-ENCODER = "text_encoder"
 
 # The issue's targets, checked (not enforced) in the printed ratios.
 TARGET_SERVED_VS_LIMIT = 0.85
@@ -60,42 +55,10 @@ TARGET_SERVED_VS_NAIVE = 5.0
 TARGET_P99_OVER_P50 = 3.0
 
 
-@dataclass(frozen=True)
-class RateSettings(pa.Settings):
-    """perf_analyzer at a fixed request rate (Poisson arrivals) instead of a fixed concurrency."""
-
-    request_rate: float = 1.0
-    distribution: str = "poisson"
-
-    def command(self, binary: Path, csv_path: Path) -> list[str]:
-        cmd = super().command(binary, csv_path)
-        i = cmd.index("--concurrency-range")
-        # --async: open-loop arrivals; with synchronous calls a few client threads cannot
-        # keep a Poisson schedule once latency grows (perf_analyzer then delays requests).
-        cmd[i : i + 2] = ["--request-rate-range", f"{self.request_rate:.0f}", "--request-distribution", self.distribution,
-                          "--async"]
-        return cmd
-
-
-@dataclass
-class Row:
-    """One system under one load: a measurement, or the reason there is none."""
-
-    key: str  # short id, used for file names and ratios
-    system: str
-    protocol: str  # in-process, http, grpc
-    load: str
-    throughput: float | None = None
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    measurement: pa.Measurement | None = None
-    error: str = ""
-    note: str = ""
-    wall_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.throughput is not None and self.throughput > 0
+from perf.harness import (DEFAULT_RESULTS, ENCODER, MODEL, PERF_DIR, ROOT, RateSettings, Row, Run,  # noqa: F401
+                          disable_all_dynamic_batching, disable_dynamic_batching, ensure_exported, measure,
+                          measure_served, new_run, rate_warnings, settings_for, skipped, write_csv)
+from perf.harness import http as _http  # noqa: F401  (the old name)
 
 
 @dataclass
@@ -105,25 +68,6 @@ class Ratio:
     target: str = ""
     met: bool | None = None
     detail: str = ""
-
-
-@dataclass
-class Run:
-    args: argparse.Namespace
-    out_dir: Path
-    deadline: float
-    binary: Path
-    env: dict
-    rows: list[Row] = field(default_factory=list)
-    limits: dict[str, limit_mod.Limit] = field(default_factory=dict)  # "before"/"after" the servers
-    limit_errors: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def say(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:5.0f} s] {message}", flush=True)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -168,75 +112,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.input_data.is_file():
         p.error(f"input data {args.input_data} not found")
     return args
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int) -> Row:
-    """One perf_analyzer measurement into ``row``, retried once (twice the requests) if unstable."""
-    started = time.monotonic()
-    for attempt in (1, 2):
-        # Leave each later measurement at least 10 s of the budget.
-        timeout = min(run.left() - 10.0 * steps_after, 300.0)
-        if timeout < 5:
-            row.error = row.error or "time budget used up"
-            break
-        settings = dataclasses.replace(settings, timeout_s=timeout)
-        stem = row.key if attempt == 1 else f"{row.key}-retry"
-        try:
-            m = pa.measure(settings, run.out_dir / f"{stem}.csv", log_path=run.out_dir / f"{stem}.log",
-                           binary=run.binary, env=run.env)
-        except pa.PerfAnalyzerUnstable as exc:
-            row.error = "unstable"
-            run.say(f"    {exc}")
-            if attempt == 1:
-                settings = dataclasses.replace(settings, request_count=settings.request_count * 2)
-                run.say(f"    retrying with {settings.request_count} requests per window")
-            continue
-        except pa.PerfAnalyzerTimeout as exc:
-            row.error = "timed out"
-            run.say(f"    {exc}")
-            break
-        except pa.PerfAnalyzerError as exc:
-            row.error = str(exc).splitlines()[0]
-            run.say(f"    {exc}\n{exc.output_tail(15)}")
-            break
-        row.measurement, row.error = m, ""
-        row.throughput, row.p50_ms, row.p99_ms = m.throughput, m.p50_ms, m.p99_ms
-        break
-    row.wall_s = time.monotonic() - started
-    if row.ok:
-        run.say(f"    {row.throughput:.1f} infer/s, p50 {row.p50_ms:.1f} ms, p99 {row.p99_ms:.1f} ms ({row.wall_s:.0f} s)")
-    return row
-
-
-def measure_served(run: Run, row: Row, settings: pa.Settings, steps_after: int, http_url: str) -> Row:
-    """measure(), with every model's share from Triton's statistics (BLS-called models too).
-
-    The figures replace perf_analyzer's composing-model list, which only knows ensemble steps;
-    they cover the whole perf_analyzer run (all its windows), which only moves means a little.
-    """
-    try:
-        before = triton_stats.snapshot(http_url)
-    except OSError:
-        before = None
-    measure(run, row, settings, steps_after)
-    if before is not None and row.measurement is not None:
-        served = triton_stats.fetch_delta(http_url, before, skip=(settings.model,))
-        if served:
-            row.measurement = dataclasses.replace(row.measurement, composing=served)
-    return row
-
-
-def settings_for(run: Run, url: str, protocol: str, concurrency: int) -> pa.Settings:
-    a = run.args
-    return pa.Settings(model=MODEL, url=url, protocol=protocol, concurrency=concurrency, input_data=a.input_data,
-                       request_count=a.request_count, stability_percent=a.stability_percent, max_trials=a.max_trials)
-
-
-def skipped(key: str, system: str, protocol: str, load: str, reason: str) -> Row:
-    return Row(key, system, protocol, load, error=reason)
 
 
 # --------------------------------------------------------------------------- the systems
@@ -321,81 +196,6 @@ def measure_naive(run: Run, threads: int) -> None:
     finally:
         server.stop()
         run.say("    naive server stopped")
-
-
-def _http(url: str, method: str = "GET", body: dict | None = None, timeout: float = 120.0) -> tuple[int, bytes]:
-    from clients.repository import token_headers
-
-    data = None if body is None else json.dumps(body).encode()
-    # The repository API of `make serve` needs the token (README "Model versions and canary
-    # rollout"): $TRITON_REPOSITORY_TOKEN or .triton/repository-token, when there is one.
-    headers = {"Content-Type": "application/json", **(token_headers() if "/v2/repository/" in url else {})}
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def rate_warnings(output: str) -> list[str]:
-    """perf_analyzer's warnings that make a request-rate measurement doubtful, in short."""
-    warnings = []
-    if m := re.search(r"(\d+(?:\.\d+)?)% of the requests were delayed", output):
-        if float(m.group(1)) > 5.0:  # a few late sends are harmless; many mean a closed loop in disguise
-            warnings.append(f"perf_analyzer sent {m.group(1)} % of the requests late")
-    if "Request latency is not stabilizing" in output:
-        warnings.append("perf_analyzer: latency did not stabilise")
-    return warnings
-
-
-def disable_dynamic_batching(http_url: str, model: str = ENCODER, ensemble: str = MODEL, timeout: float = 120.0) -> dict:
-    """Reload ``model`` with its served config minus dynamic_batching, through the repository API.
-
-    Returns the config that was served before. Raises RuntimeError when Triton refuses, the
-    reloaded config still batches, or the ensemble is not ready again within ``timeout``.
-    """
-    base = f"http://{http_url}"
-    status, raw = _http(f"{base}/v2/models/{model}/config")
-    if status != 200:
-        raise RuntimeError(f"GET config of {model}: HTTP {status} {raw[:200]!r}")
-    before = json.loads(raw)
-    if "dynamic_batching" not in before:
-        raise RuntimeError(f"{model} has no dynamic_batching to switch off")
-    config = {k: v for k, v in before.items() if k != "dynamic_batching"}
-    status, raw = _http(f"{base}/v2/repository/models/{model}/load", "POST",
-                        {"parameters": {"config": json.dumps(config)}}, timeout=timeout)
-    if status != 200:
-        raise RuntimeError(f"load of {model} without dynamic batching refused: HTTP {status} {raw[:300]!r}")
-    status, raw = _http(f"{base}/v2/models/{model}/config")
-    if status != 200 or "dynamic_batching" in json.loads(raw):
-        raise RuntimeError(f"{model} still has dynamic_batching after the reload (HTTP {status})")
-    deadline = time.monotonic() + timeout
-    while _http(f"{base}/v2/models/{ensemble}/ready")[0] != 200:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{ensemble} not ready {timeout:.0f} s after reloading {model}")
-        time.sleep(0.25)
-    return before
-
-
-def disable_all_dynamic_batching(http_url: str, ensemble: str = MODEL, timeout: float = 120.0) -> list[str]:
-    """disable_dynamic_batching() for every loaded model that batches, except ``ensemble``.
-
-    Every step, not only the encoder: a Python step in front of it (the canary router) would
-    otherwise still merge requests into one encoder call. Returns the models switched.
-    """
-    status, raw = _http(f"http://{http_url}/v2/repository/index", "POST", {"ready": True})
-    if status != 200:
-        raise RuntimeError(f"repository index: HTTP {status} {raw[:200]!r}")
-    switched = []
-    for name in sorted({m["name"] for m in json.loads(raw) if m.get("state", "READY") == "READY"} - {ensemble}):
-        status, raw = _http(f"http://{http_url}/v2/models/{name}/config")
-        if status == 200 and "dynamic_batching" in json.loads(raw):
-            disable_dynamic_batching(http_url, name, ensemble, timeout)
-            switched.append(name)
-    if not switched:
-        raise RuntimeError("no loaded model has dynamic batching to switch off")
-    return switched
 
 
 def _encoder_note(row: Row) -> None:
@@ -573,16 +373,6 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
     return "\n".join(lines) + "\n"
 
 
-def write_csv(path: Path, records: Sequence[dict[str, object]]) -> None:
-    columns: list[str] = []
-    for record in records:
-        columns += [k for k in record if k not in columns]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(records)
-
-
 def summary_records(rows: Sequence[Row]) -> list[dict[str, object]]:
     records = []
     for r in rows:
@@ -596,35 +386,6 @@ def summary_records(rows: Sequence[Row]) -> list[dict[str, object]]:
 
 
 # --------------------------------------------------------------------------- main
-
-
-def ensure_exported(served: limit_mod.ServedEncoder, args: argparse.Namespace, say: Callable[[str], None]) -> bool:
-    tokenizer = limit_mod.REPOSITORY / limit_mod.TOKENIZER / "1" / "tokenizer.json"
-    if served.model_path.is_file() and tokenizer.is_file():
-        return True
-    if args.no_export:
-        say(f"perf.compare: {served.model_path} or {tokenizer} missing and --no-export given")
-        return False
-    from export import __main__ as export_main
-
-    say("perf.compare: exporting text_encoder (model files missing)")
-    export_main.main(["--model", ENCODER, "--no-speed"])
-    return tokenizer.is_file() and limit_mod.served_encoder(args.precision).model_path.is_file()
-
-
-def new_run(args: argparse.Namespace, kind: str) -> Run | None:
-    """A run of ``perf.<kind>``: its deadline, perf_analyzer, and its results folder
-    (``--out-dir`` or perf/results/<kind>-<UTC time>). None (said why) without perf_analyzer."""
-    deadline = time.monotonic() + args.time_budget
-    try:
-        binary, env = pa.check()
-    except pa.PerfAnalyzerNotAvailable as exc:
-        print(f"perf.{kind}: {exc}", flush=True)
-        return None
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or DEFAULT_RESULTS / f"{kind}-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return Run(args, out_dir, deadline, binary, env)
 
 
 def run(args: argparse.Namespace) -> int:
