@@ -6,7 +6,9 @@ hold device buffers when checking the engine's parity). Where any is missing,
 
 An engine is specific to the GPU model and TensorRT version that built it: build it on the
 machine (or the same GPU type and container release) that serves it. NVIDIA's 24.10
-container ships TensorRT 10.5.
+container ships TensorRT 10.5 (``variants.SERVING_TENSORRT``); requirements-gpu.txt pins the
+same, and any other installed TensorRT is refused here (11.x also lacks the FP16 builder flag
+this code uses). The version that built a plan is recorded in variants.json.
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ def unavailable_reason() -> str | None:
     """Why no engine can be built here, or None when it can."""
     if shutil.which("nvidia-smi") is None:
         return "no NVIDIA GPU (nvidia-smi not found)"
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return "the tensorrt Python package is not installed (pip install tensorrt, or use NVIDIA's container)"
+    from export.variants import SERVING_TENSORRT, installed_tensorrt, same_tensorrt
+
+    built_by = installed_tensorrt()
+    if built_by is None:
+        return (f"the tensorrt Python package is not installed (TensorRT {SERVING_TENSORRT}: "
+                f"pip install -r requirements-gpu.txt, or use NVIDIA's container)")
+    if not same_tensorrt(built_by, SERVING_TENSORRT):
+        return (f"tensorrt {built_by} is installed, but the serving TensorRT is {SERVING_TENSORRT} (NVIDIA's "
+                f"24.10 container), which could not load its engine: pip install -r requirements-gpu.txt")
     try:
         import torch
     except ImportError:

@@ -15,6 +15,7 @@ is docker-compose's ``PRECISION`` variable.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -22,6 +23,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from python_backends.files import sha256_file
+
+log = logging.getLogger(__name__)
 
 GATES_FILE = Path(__file__).resolve().parent / "gates.toml"
 MANIFEST = "variants.json"
@@ -49,6 +54,51 @@ VARIANTS: dict[str, Variant] = {
 
 # What PRECISION=auto serves, best first, per hardware.
 AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
+
+# The TensorRT of the server that loads trt_plan variants: NVIDIA's 24.10 container (the
+# tritonserver 2.51 release this project runs) ships TensorRT 10.5. A serialized engine
+# deserializes only under the TensorRT release that built it (major.minor.patch), so a plan
+# built by any other one is never chosen nor served; requirements-gpu.txt pins the same.
+SERVING_TENSORRT = "10.5.0"
+
+
+def same_tensorrt(built: str | None, serving: str = SERVING_TENSORRT) -> bool:
+    """Whether a plan built by TensorRT ``built`` deserializes under ``serving``."""
+    return built is not None and built.split(".")[:3] == serving.split(".")[:3]
+
+
+def installed_tensorrt() -> str | None:
+    """The version of the tensorrt Python package here (what builds plans), or None."""
+    try:
+        import tensorrt
+    except ImportError:
+        return None
+    return str(tensorrt.__version__)
+
+
+def plan_tensorrt(model_dir: Path, version: str = "1") -> str | None:
+    """The TensorRT that built ``model_dir``'s plan: the manifest's record when the file is the
+    one it describes, else the installed TensorRT (a plan newer than the manifest was just built
+    by it in this export run), else None (unknown)."""
+    plan = model_dir / version / VARIANTS["trt_plan"].filename
+    if not plan.is_file():
+        return None
+    entry = read_manifest(model_dir.parent, model_dir.name).get("variants", {}).get("trt_plan", {})
+    if entry.get("tensorrt_version") and entry.get("file_sha256") == sha256_file(plan):
+        return entry["tensorrt_version"]
+    return installed_tensorrt()
+
+
+def tensorrt_mismatch(model: str, built: str | None, serving: str = SERVING_TENSORRT) -> str | None:
+    """Why a plan built by TensorRT ``built`` cannot be served, or None when it can."""
+    if same_tensorrt(built, serving):
+        return None
+    if built is None:
+        return (f"{model}: its trt_plan records no TensorRT version; the serving TensorRT is {serving}: "
+                f"rebuild it with TensorRT {serving} (`make export` after `make venv GPU=1`)")
+    return (f"{model}: its trt_plan was built by TensorRT {built}, but the serving TensorRT is {serving} "
+            f"(NVIDIA's 24.10 container): the engine would not deserialize; rebuild it with TensorRT {serving} "
+            f"(requirements-gpu.txt) or serve another variant")
 
 
 def load_gates(path: Path = GATES_FILE) -> dict[str, dict[str, dict[str, float]]]:
@@ -109,6 +159,13 @@ def read_manifest(repo: Path, model: str) -> dict[str, Any]:
 
 
 def write_manifest(repo: Path, model: str, manifest: dict[str, Any]) -> None:
+    """Write variants.json; a trt_plan entry gets the TensorRT version that built its file."""
+    plan = manifest.get("variants", {}).get("trt_plan")
+    if plan and plan.get("file_sha256") and "tensorrt_version" not in plan:
+        plan["tensorrt_version"] = plan_tensorrt(repo / model)
+        reason = tensorrt_mismatch(model, plan["tensorrt_version"])
+        if reason:
+            plan["not_served"] = reason
     path = manifest_path(repo, model)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -149,6 +206,12 @@ def resolve_precision(repo: Path, models: list[str], precision: str, gpu: bool |
             served[m] = (manifest.get("best", {}).get(precision) or "fp32") if config.is_file() else "fp32"
         else:
             served[m] = precision if config.is_file() else "fp32"
+        if served[m] == "trt_plan":
+            # Refused here rather than by the server: a plan of another TensorRT fails to
+            # deserialize at load, and a container restarted on failure then loops.
+            reason = tensorrt_mismatch(m, manifest.get("variants", {}).get("trt_plan", {}).get("tensorrt_version"))
+            if reason:
+                raise ValueError(reason)
     return precision, served
 
 
@@ -161,6 +224,12 @@ def write_best_configs(model_dir: Path, passed: list[str], params: dict[str, str
     when not even FP32 passed)."""
     best: dict[str, str | None] = {}
     (model_dir / "configs").mkdir(exist_ok=True)
+    if "trt_plan" in passed:
+        reason = tensorrt_mismatch(model_dir.name, plan_tensorrt(model_dir))
+        if reason:  # never chosen, and configs/trt_plan.pbtxt goes: nothing can serve it
+            log.warning("%s", reason)
+            passed = [v for v in passed if v != "trt_plan"]
+            (model_dir / "configs" / "trt_plan.pbtxt").unlink(missing_ok=True)
     for hardware in AUTO_ORDER:
         name = best_variant(passed, hardware)
         best[hardware] = name

@@ -76,11 +76,15 @@ def _fake_repo(tmp_path, passed):
     (model_dir / "config.pbtxt").write_text(ROOT_CONFIG)
     for name in passed:
         variants.write_variant_config(model_dir, VARIANTS[name])
+    entries = {n: {"status": "passed"} for n in passed}
+    if "trt_plan" in passed:  # a plan built by the serving TensorRT, as variants.json records it
+        plan = model_dir / "1" / "model.plan"
+        plan.write_bytes(b"engine")
+        entries["trt_plan"] = {"status": "passed", "tensorrt_version": variants.SERVING_TENSORRT,
+                               "file_sha256": variants.sha256_file(plan)}
+        variants.write_manifest(tmp_path, "text_encoder", {"model": "text_encoder", "variants": entries})
     best = variants.write_best_configs(model_dir, passed)
-    variants.write_manifest(tmp_path, "text_encoder", {
-        "model": "text_encoder", "best": best,
-        "variants": {n: {"status": "passed"} for n in passed},
-    })
+    variants.write_manifest(tmp_path, "text_encoder", {"model": "text_encoder", "best": best, "variants": entries})
     return model_dir
 
 
