@@ -59,6 +59,26 @@ def error_response(pb_utils: Any, model: str, exc: BaseException, request_id: st
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{model}: internal error: {exc}", pb_utils.TritonError.INTERNAL))
 
 
+def keep_metrics(*objects: Any) -> None:
+    """Keep ``pb_utils`` Metric and MetricFamily objects alive until the process exits: call it
+    from ``finalize`` with every one the model made.
+
+    Their destructors must never run. python_backend r24.10 deletes the model in ``~Stub``,
+    after its IPC state is gone: each destructor then reaches a fresh, empty Stub and the stub
+    segfaults (kernel log: ``segfault at 60``, one per instance at every unload). Deleting them
+    earlier, in ``finalize``, is worse: tritonserver 2.51 counts a series' users per
+    MetricFamily object, yet families of one name (a model's instances, the old and the new
+    model during a reload) share the series of equal labels, so the first delete frees a series
+    another family still updates (heap corruption, the server aborts). Kept, the series stay on
+    the metrics port, as they always did, and counters go on across reloads.
+    """
+    import ctypes
+
+    for obj in objects:
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # one reference nothing releases
+
+
 def input_numpy(pb_utils: Any, request: Any, name: str):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:

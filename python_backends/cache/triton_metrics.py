@@ -56,15 +56,11 @@ class CacheMetrics:
         self._seen = {"lru": 0, "ttl": 0, **{k: 0 for k in ERROR_KINDS}}
         self._gauges: dict[str, float] = {}
 
-    def close(self) -> None:
-        """Delete every Metric, then every MetricFamily, while the stub can still talk to the
-        server: call it from ``finalize``. Left to the stub's own teardown, they are deleted
-        after its IPC state is gone and the stub segfaults (python_backend r24.10: each
-        destructor sends a delete message through ``Stub::GetOrCreateInstance()``, by then a
-        fresh instance without shared memory)."""
-        self.lookups, self.evictions, self.errors = {}, {}, {}
-        self.model_texts = self.l1_bytes = self.l1_entries = self.redis_up = self.latency = None
-        self._families = []
+    def objects(self) -> list:
+        """Every Metric and MetricFamily made here (for ``python_backends.shim.keep_metrics``)."""
+        metrics = [*self.lookups.values(), *self.evictions.values(), *self.errors.values(), self.model_texts,
+                   self.l1_bytes, self.l1_entries, self.redis_up, self.latency]
+        return metrics + list(self._families)
 
     def record(self, counts: LookupCounts, l1: LRUCache | None, l2: RedisL2 | None) -> None:
         l1_on = l1 is not None and l1.max_bytes > 0

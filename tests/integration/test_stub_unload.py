@@ -2,10 +2,12 @@
 
 The stubs of text_encoder_router and text_embedding_cached used to segfault on every unload
 (kernel log: ``triton_python_b[PID]: segfault at 60``): their pb_utils.Metric and MetricFamily
-objects were deleted in the stub's own teardown, after its IPC state was gone. A stub's exit
-status is seen only by tritonserver, so the check reads the kernel log for the stubs' own PIDs
-(other servers on the machine may be running): it is skipped, saying why, where dmesg is not
-readable.
+objects were deleted in the stub's own teardown, after its IPC state was gone. Deleting them
+in finalize instead aborted the server on a reload (two families sharing a series: heap
+corruption), so the test also reloads the cache model under traffic and checks the server
+lives and exits cleanly. A stub's exit status is seen only by tritonserver, so the check reads
+the kernel log for the stubs' own PIDs (other servers on the machine may be running): it is
+skipped, saying why, where dmesg is not readable.
 """
 
 from __future__ import annotations
@@ -79,20 +81,31 @@ def test_bls_stubs_exit_cleanly_on_unload_and_on_stop(start_triton):
             for i in range(3):
                 assert embed(client, "text_embedding_cached", [f"unload check {i}"]).shape == (1, 384)
                 time.sleep(0.6)
-            pids = stubs(server.process.pid)
-            bls = {p: m for p, m in pids.items() if m in BLS_MODELS}
-            assert sorted(set(bls.values())) == sorted(BLS_MODELS), f"stubs found: {pids}"
-            router = [p for p, m in bls.items() if m == "text_encoder_router"]
+            bls = {p: m for p, m in stubs(server.process.pid).items() if m in BLS_MODELS}
+            assert sorted(set(bls.values())) == sorted(BLS_MODELS), f"stubs found: {bls}"
 
+            # Reloads of the cache model under traffic: new instances share the old ones' series.
+            for cycle in range(3):
+                client.unload_model("text_embedding_cached")
+                client.load_model("text_embedding_cached")
+                for i in range(30):
+                    assert embed(client, "text_embedding_cached", [f"reload {cycle}: {i % 4}"]).shape == (1, 384)
+                bls.update({p: m for p, m in stubs(server.process.pid).items() if m in BLS_MODELS})
+                assert server.process.poll() is None, "tritonserver died on a reload:\n" + server.log_tail(20)
+
+            router = [p for p, m in bls.items() if m == "text_encoder_router"]
             client.unload_model("text_embedding")  # the ensemble holds the router
             client.unload_model("text_encoder_router")
             assert wait_gone(router) == [], "the router's stubs did not exit after its unload"
             time.sleep(0.5)  # the kernel log line follows the death
-            after_unload = crashes(kernel_log(), {p: bls[p] for p in router})
-            assert after_unload == [], "router stubs died by a signal on unload:\n" + "\n".join(after_unload)
+            after_unload = crashes(kernel_log(), bls)
+            assert after_unload == [], "stubs died by a signal on unload:\n" + "\n".join(after_unload)
         finally:
             client.close()
         # The server stops (the fixture's finally); the cache model's stubs go with it.
     time.sleep(0.5)
     after_stop = crashes(kernel_log(), bls)
     assert after_stop == [], "BLS stubs died by a signal on server stop:\n" + "\n".join(after_stop)
+    log = server.log_tail(400)
+    assert "Signal (6)" not in log and "malloc()" not in log, log
+    assert server.process.returncode == 0, f"tritonserver exited with {server.process.returncode}"

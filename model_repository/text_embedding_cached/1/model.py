@@ -14,7 +14,7 @@ from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
 from python_backends.cache.triton_metrics import CacheMetrics
 from python_backends.config import ModelConfig
-from python_backends.shim import decode_text_requests, error_response, install_logging, load_error
+from python_backends.shim import decode_text_requests, error_response, install_logging, keep_metrics, load_error
 
 
 class TritonPythonModel:
@@ -114,5 +114,4 @@ class TritonPythonModel:
         if getattr(self, "cache", None) is not None and self.cache.l2 is not None:
             self.cache.l2.close()
         if getattr(self, "metrics", None) is not None:
-            self.metrics.close()  # before the stub's teardown (see CacheMetrics.close)
-            self.metrics = None
+            keep_metrics(*self.metrics.objects())  # never deleted: see keep_metrics

@@ -20,7 +20,7 @@ from python_backends.routing.router import (
     versions_on_disk,
 )
 from python_backends.routing.serving import CallError, GroupServer, Job, call_error
-from python_backends.shim import check_input_shapes, error_response, input_numpy, install_logging, load_error
+from python_backends.shim import check_input_shapes, error_response, input_numpy, install_logging, keep_metrics, load_error
 
 OUTPUT = "sentence_embedding"
 
@@ -131,7 +131,6 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
-        # Metrics first, then their families, while the stub can still reach the server: left
-        # to the stub's teardown, their destructors run after its IPC state is gone (segfault).
-        self.metrics = {}
-        self.calls_family = self.latency_family = None
+        if self.metrics_on:
+            self._flush()  # the last counts, for a rollout judging this version
+        keep_metrics(*self.metrics.values(), self.calls_family, self.latency_family)  # never deleted: see keep_metrics
