@@ -221,7 +221,6 @@ def test_rollout_and_rollback_under_load_and_abort_of_a_broken_version(rollout_s
         assert rollout.rollback() == 0
         assert not admin.ready("text_encoder", 2)
         time.sleep(4)  # traffic back on version 1 alone
-        t3 = time.time()
         aborted = rollout.start(3, [10, 50, 100], DWELL_S, thresholds, check_interval_s=1.0, window_s=900)
         time.sleep(3)
         end = time.time()
@@ -261,7 +260,22 @@ def test_rollout_and_rollback_under_load_and_abort_of_a_broken_version(rollout_s
     assert {r["event"].split(":")[0] for r in rows if r["observed_percent"].get(2, 0) > 0} >= {"step 1", "step 2", "step 3"}
     broken = next(r for r in rows if 3 in r["weights"])
     assert 0 < broken["observed_percent"].get(3, 0.0) < 10  # it served its common-word calls only
-    assert t3 > t0
+
+    # Every step of version 2 was judged on real traffic (enough calls, none failed) after a
+    # whole dwell; version 3 was stopped by its error rate inside its first step.
+    starts = [i for i, e in enumerate(state.history) if e["event"] == "start"]
+    v2, v3 = state.history[starts[-2]:starts[-1]], state.history[starts[-1]:]
+    passed = [e for e in v2 if e["event"].endswith(" passed")]
+    assert [e["event"] for e in passed] == ["step 1 passed", "step 2 passed", "step 3 passed"], v2
+    assert all(e["calls"] >= thresholds.min_requests and e["failed"] == 0 for e in passed), passed
+    changes = [e["at"] for e in v2 if e["event"].startswith("step ") and "weights" in e]
+    assert len(changes) == 3 and changes[0] >= t0
+    assert all(later - earlier >= DWELL_S for earlier, later in zip(changes, changes[1:])), changes
+    step1 = next(e["at"] for e in v3 if e["event"].startswith("step 1:"))
+    abort = next(e for e in v3 if e["event"] == "aborted")
+    assert not any(e["event"].endswith(" passed") for e in v3), v3
+    assert abort["calls"] >= thresholds.min_requests and abort["failed"] > 0, abort
+    assert abort["at"] - step1 < DWELL_S, v3  # judged at a check within the step, not at its end
 
 
 def test_restart_comes_back_with_the_last_weights(rollout_server, admin):

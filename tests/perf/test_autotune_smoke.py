@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 from google.protobuf import text_format
@@ -40,10 +41,18 @@ def test_quick_autotune_measures_the_grid_and_writes_the_winner(tmp_path):
     assert any(t["round"] == "2" for t in trials)  # finalists measured again
     assert "**(winner)**" in summary and "P99 / P50 =" in summary
 
+    # The written config is the winner the summary names, and the winner is a finalist of the grid.
+    winner = re.search(r"^Winner: max_queue_delay (\d+) us, [^,]+, (\d+) instance\(s\) x (\d+) thread\(s\)",
+                       summary, re.M)
+    assert winner, summary
+    assert winner.groups() in first, (winner.groups(), summary)
+    assert any(t["round"] == "2" and (t["max_queue_delay_us"], t["instances"], t["threads"]) == winner.groups()
+               for t in trials), summary
     config = text_format.Parse((tmp_path / "text_encoder.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert config.name == "text_encoder"
-    assert config.instance_group[0].count in (1, 2)
-    threads = int(config.parameters["intra_op_thread_count"].string_value)
-    assert config.instance_group[0].count * threads == 2 or threads == 1
+    delay, instances, threads = (int(x) for x in winner.groups())
+    assert config.dynamic_batching.max_queue_delay_microseconds == delay
+    assert config.instance_group[0].count == instances
+    assert int(config.parameters["intra_op_thread_count"].string_value) == threads
     body = json.loads((tmp_path / "override.json").read_text())
     assert json.loads(body["parameters"]["config"])["name"] == "text_encoder"
