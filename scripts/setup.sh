@@ -68,7 +68,10 @@ if [ "$GPU" = 1 ]; then
     exit 1
   fi
   "${PIP[@]}" uninstall -y -q onnxruntime || true
-  if ! "${PIP[@]}" install -q --no-index --find-links "$GPU_WHEELS" -r requirements-gpu.txt; then
+  # The second pass rewrites the GPU packages' own files: `pip install -r requirements.txt`
+  # above may have put the CPU wheel back over an installed onnxruntime-gpu.
+  if ! { "${PIP[@]}" install -q --no-index --find-links "$GPU_WHEELS" -r requirements-gpu.txt &&
+         "${PIP[@]}" install -q --no-index --find-links "$GPU_WHEELS" --force-reinstall --no-deps -r requirements-gpu.txt; }; then
     rm -rf "$GPU_WHEELS"
     echo "setup: installing the GPU packages failed; putting the CPU onnxruntime back" >&2
     "${PIP[@]}" install -q --no-deps -c constraints.txt onnxruntime
