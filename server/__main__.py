@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from python_backends.redaction import redact_url
 from server.layout import ROOT
 from server.frontdoor import FrontDoorError
 from server.process import DEFAULT_MODELS, ServerError, ServerOptions, TritonServer
@@ -101,10 +102,6 @@ def _served_models(repo: Path, models: tuple[str, ...]) -> list[str]:
             if (repo / name / "variants.json").is_file() and name not in found:
                 found.append(name)
     return found
-
-
-def _redact(url: str) -> str:
-    return url if "@" not in url else url.split("://", 1)[0] + "://***@" + url.rsplit("@", 1)[1]
 
 
 def _token_source(args: argparse.Namespace) -> str:
@@ -207,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  models   {', '.join(options.models)}\n"
         f"  variants {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={args.precision})\n"
         f"  cache    Triton response cache {args.cache_size_mb} MiB; text_embedding_cached L2 "
-        f"{'at ' + _redact(args.redis_url) if args.redis_url else 'off (no --redis-url)'}\n"
+        f"{'at ' + redact_url(args.redis_url) if args.redis_url else 'off (no --redis-url)'}\n"
         f"  repository API  needs header triton-repository-token (token in {_token_source(args)})\n"
         f"  rollout  {_rollout_line(args.rollout_state)}\n"
         f"  log      {server.log_path}\n"

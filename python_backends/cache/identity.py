@@ -26,7 +26,6 @@ file's keys; replace a served file only together with its reload (or export a ne
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from python_backends.cache.keys import ModelIdentity
+from python_backends.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,7 @@ def file_fingerprint(path: Path, fresh: bool = False) -> str:
         return ""
     memo = (str(path), *signature)
     if fresh or memo not in _FINGERPRINTS:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        _FINGERPRINTS[memo] = h.hexdigest()[:16]
+        _FINGERPRINTS[memo] = sha256_file(path)[:16]
     return _FINGERPRINTS[memo]
 
 

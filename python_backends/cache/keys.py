@@ -55,8 +55,3 @@ class KeyMaker:
         h = self._base.copy()
         _field(h, text.encode("utf-8"), 8)
         return KEY_PREFIX + h.hexdigest()
-
-
-def cache_key(identity: ModelIdentity, text: str) -> str:
-    """The cache key of one text (see the module docstring for the recipe)."""
-    return KeyMaker(identity)(text)

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from python_backends.redaction import redact_url
+
 log = logging.getLogger(__name__)
 
 ERROR_KINDS = ("connection", "timeout", "garbage", "other")
@@ -165,7 +167,7 @@ class RedisL2:
     def _succeeded(self) -> None:
         if not self.stats.up:
             self.stats.up = True
-            log.warning("Redis at %s is back; L2 is used again", _redact(self.url))
+            log.warning("Redis at %s is back; L2 is used again", redact_url(self.url))
 
     def _warn(self, message: str) -> None:
         now = self._clock()
@@ -174,14 +176,7 @@ class RedisL2:
             return
         extra = f" ({self._unwarned} more L2 problems since the last warning)" if self._unwarned else ""
         log.warning("%s%s [L2 %s; this warning is logged at most every %g s]", message, extra,
-                    _redact(self.url), self.warn_interval_s)
+                    redact_url(self.url), self.warn_interval_s)
         self._last_warning = now
         self._unwarned = 0
 
-
-def _redact(url: str) -> str:
-    """The URL without a password, for logs."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from python_backends.cache.identity import IdentityResolver, file_fingerprint, served_config
-from python_backends.cache.keys import KEY_PREFIX, KeyMaker, ModelIdentity, cache_key
+from python_backends.cache.keys import KEY_PREFIX, KeyMaker, ModelIdentity
 from python_backends.cache.lru import ENTRY_OVERHEAD_BYTES, LRUCache
 from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
@@ -35,20 +35,20 @@ class Clock:
 
 
 def test_key_changes_with_every_part_of_the_identity_and_the_exact_text():
-    base = cache_key(ID, "Hello")
+    base = KeyMaker(ID)("Hello")
     assert base.startswith(KEY_PREFIX) and len(base) == len(KEY_PREFIX) + 64
-    assert cache_key(ID, "Hello") == base  # stable
+    assert KeyMaker(ID)("Hello") == base  # stable
     others = [
-        cache_key(ModelIdentity("other", "text_encoder", "1", "int8", "abcd"), "Hello"),
-        cache_key(ModelIdentity("text_embedding", "enc", "1", "int8", "abcd"), "Hello"),
-        cache_key(ModelIdentity("text_embedding", "text_encoder", "2", "int8", "abcd"), "Hello"),
-        cache_key(ModelIdentity("text_embedding", "text_encoder", "1", "fp32", "abcd"), "Hello"),
-        cache_key(ModelIdentity("text_embedding", "text_encoder", "1", "int8", "abce"), "Hello"),
+        KeyMaker(ModelIdentity("other", "text_encoder", "1", "int8", "abcd"))("Hello"),
+        KeyMaker(ModelIdentity("text_embedding", "enc", "1", "int8", "abcd"))("Hello"),
+        KeyMaker(ModelIdentity("text_embedding", "text_encoder", "2", "int8", "abcd"))("Hello"),
+        KeyMaker(ModelIdentity("text_embedding", "text_encoder", "1", "fp32", "abcd"))("Hello"),
+        KeyMaker(ModelIdentity("text_embedding", "text_encoder", "1", "int8", "abce"))("Hello"),
         # no normalisation: case, spacing and Unicode form are part of the key
-        cache_key(ID, "hello"),
-        cache_key(ID, "Hello "),
-        cache_key(ID, "Cafe\u0301"),
-        cache_key(ID, "Caf\u00e9"),
+        KeyMaker(ID)("hello"),
+        KeyMaker(ID)("Hello "),
+        KeyMaker(ID)("Cafe\u0301"),
+        KeyMaker(ID)("Caf\u00e9"),
     ]
     assert len({base, *others}) == len(others) + 1
 
@@ -56,8 +56,7 @@ def test_key_changes_with_every_part_of_the_identity_and_the_exact_text():
 def test_key_fields_are_length_prefixed():
     a = ModelIdentity("ab", "c", "1", "int8")
     b = ModelIdentity("a", "bc", "1", "int8")
-    assert cache_key(a, "x") != cache_key(b, "x")
-    assert KeyMaker(ID)("x") == cache_key(ID, "x")
+    assert KeyMaker(a)("x") != KeyMaker(b)("x")
 
 
 # ---- L1 --------------------------------------------------------------------------------
@@ -248,10 +247,10 @@ def test_identity_follows_the_ready_version_and_the_variant(encoder_repo):
     ready.discard("1")  # version 1 unloaded: the next batch has new keys
     two = resolver.identity()
     assert two.version == "2" and two.fingerprint != one.fingerprint
-    assert cache_key(one, "t") != cache_key(two, "t")
+    assert KeyMaker(one)("t") != KeyMaker(two)("t")
     assert resolver.identity("1") == one  # a caller may name the version (canary routing)
     fp32 = IdentityResolver(encoder_repo, "text_embedding", "text_encoder", None, lambda n, v: v == "2").identity()
-    assert fp32.variant == "fp32" and cache_key(fp32, "t") != cache_key(two, "t")
+    assert fp32.variant == "fp32" and KeyMaker(fp32)("t") != KeyMaker(two)("t")
     ready.clear()
     assert resolver.identity() is None
 

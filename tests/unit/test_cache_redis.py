@@ -145,7 +145,8 @@ def test_l2_hits_are_promoted_to_l1(redis_server):
 
 
 def test_password_is_not_logged(caplog):
-    from python_backends.cache.redis_l2 import _redact
+    from python_backends.redaction import redact_url
 
-    assert _redact("redis://user:secret@host:6379/0") == "redis://***@host:6379/0"
-    assert _redact("redis://host:6379/0") == "redis://host:6379/0"
+    assert redact_url("redis://user:secret@host:6379/0") == "redis://***@host:6379/0"
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+    assert redact_url("redis://user:p@ss@host:6379/0") == "redis://***@host:6379/0"  # '@' in the password
