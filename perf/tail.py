@@ -1,49 +1,55 @@
-"""`python -m perf.tail`: the latency tail of every served model and ensemble, before and after.
+"""`python -m perf.tail`: the latency tail of every served model and ensemble, side by side.
 
-One tritonserver (the models `make serve` loads, the CPU variants, Triton's response cache on)
-and one closed-loop HTTP load generator (asyncio, one keep-alive connection per client). Each
-workload runs at each ``--concurrency`` for ``--duration`` seconds, in two phases on the same
-server, side by side:
+Two tritonservers run at once (the models `make serve` loads, the CPU variants, Triton's
+response cache on, no front door: the batcher is what is measured), on the same machine:
 
   after   the configs as shipped (model_repository/*/config.pbtxt);
-  before  a second server on a copy of the repository (model files linked, not copied) whose
-          batching configs add what they had until the fix: ``priority_levels: 2``,
-          ``default_priority_level: 2`` and ``default_queue_policy { timeout_action: REJECT
-          allow_timeout_override: true }``. On tritonserver 2.51 those make the dynamic batcher
-          miss wake-ups and wait out its 500 ms default wait (docs/performance.md).
-          ``--before-via reload`` instead reloads the models of the first server with config
-          overrides through the restricted repository API; on 2.51 that left
-          text_embedding_cached hanging or aborted the server once its BLS chain had served,
-          so it is not the default.
+  before  a copy of the repository (model files linked, not copied) whose batching configs add
+          what they had until the fix: ``priority_levels: 2``, ``default_priority_level: 2``
+          and ``default_queue_policy { timeout_action: REJECT allow_timeout_override: true }``.
+          On tritonserver 2.51 those make the dynamic batcher miss wake-ups and wait out its
+          500 ms default wait (docs/performance.md). With ``--alt-configs DIR`` the second
+          server serves DIR's ``<model>/config.pbtxt`` (and ``<model>/configs/*.pbtxt``) instead,
+          phase "alt": any config change measured side by side against the shipped one.
+
+Each workload runs at each ``--concurrency`` in ``--rounds`` rounds of ``--duration`` seconds,
+the phases interleaved A B, B A, A B ... so both see the same machine; a point's figures are
+the median over its rounds (max: the largest). The load generator is ``wrk`` (C, one thread,
+a Lua script makes every text unique) when it is installed, else an asyncio client;
+``--client`` chooses. Each window also records the CPU (in cores) used by the client, by the
+server's process tree and by the whole machine, and, from /v2/models/stats, each model's
+mean batch size and queue and compute time per request: where the time goes.
 
 Workloads: text_tokenizer, text_encoder (direct, token ids), text_encoder_router (token ids),
 text_embedding, text_embedding_cached with unique texts (all misses) and with 60 texts sent
-once beforehand (all hits), image_classification (unique 64 x 64 PNGs). Texts and images are
-unique per request across the whole run, so neither Triton's response cache nor the
-embedding cache answers them. Reports requests/s, P50, P99, max and P99/P50, and checks the
-targets at the highest concurrency: text_embedding_cached all hits P99 <= 50 ms, every text
-workload P99 <= 3 x P50. Writes tail.csv, summary.md and the server log under
-perf/results/tail-<UTC time>/.
+once beforehand (all hits), image_classification (unique 64 x 64 PNGs, asyncio client only).
+Texts and images are unique per request across the whole run, so neither Triton's response
+cache nor the embedding cache answers them. Checks the targets at the highest concurrency:
+text_embedding_cached all hits P99 <= 50 ms, every text workload P99 <= 3 x P50. Writes
+tail.csv (every window), summary.md and the server logs under perf/results/tail-<UTC time>/.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import csv
 import datetime as dt
 import io
 import json
 import os
 import random
+import resource
 import secrets
 import shutil
+import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+import urllib.request
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -52,19 +58,15 @@ ROOT = PERF_DIR.parent
 DEFAULT_RESULTS = PERF_DIR / "results"
 SENTENCES = PERF_DIR / "data" / "sentences_16tok.json"
 
-# What every batching model of the served path had until the fix, as a JSON config override.
-STALL_BATCHING = {
-    "priority_levels": "2",
-    "default_priority_level": "2",
-    "default_queue_policy": {"timeout_action": "REJECT", "allow_timeout_override": True},
-}
-# Reloaded for the "before" phase, leaves first (a step before the models that call it).
 BATCHING_MODELS = ("text_encoder", "text_tokenizer", "text_encoder_router", "text_embedding_cached",
                    "image_preprocess", "image_classifier", "image_postprocess")
 SERVED_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
 TEXT_WORKLOADS = ("text_tokenizer", "text_encoder", "text_encoder_router", "text_embedding",
                   "text_embedding_cached_unique", "text_embedding_cached_hits")
 WORKLOADS = TEXT_WORKLOADS + ("image_classification",)
+# Models whose /v2/models/stats are recorded per window (the ensembles' steps and BLS targets).
+STATS_MODELS = ("text_tokenizer", "text_encoder_router", "text_encoder", "text_embedding", "text_embedding_cached",
+                "image_preprocess", "image_classifier", "image_postprocess")
 TARGET_HITS_P99_MS = 50.0
 TARGET_P99_OVER_P50 = 3.0
 VOCAB = (1000, 30000)  # token ids drawn for the encoder's direct inputs (all-MiniLM-L6-v2: 30,522)
@@ -114,6 +116,7 @@ def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
 class Workload:
     name: str
     model: str
+    kind: str  # unique_text, tokens, hits, image: what the wrk script has to generate
     make: Callable[[int], tuple[bytes, dict[str, str]]]  # request number -> (body, headers)
     warm: Sequence[tuple[bytes, dict[str, str]]] = ()  # sent once, unmeasured, before a measurement
 
@@ -134,25 +137,30 @@ def workloads(nonce: str, sentences: Sequence[str]) -> dict[str, Workload]:
         return image_request(png(hash((nonce, n)) & 0xFFFFFFFF))
 
     return {
-        "text_tokenizer": Workload("text_tokenizer", "text_tokenizer", unique_text),
-        "text_encoder": Workload("text_encoder", "text_encoder", lambda _: token_request(rng)),
-        "text_encoder_router": Workload("text_encoder_router", "text_encoder_router", lambda _: token_request(rng)),
-        "text_embedding": Workload("text_embedding", "text_embedding", unique_text),
-        "text_embedding_cached_unique": Workload("text_embedding_cached_unique", "text_embedding_cached", unique_text),
-        "text_embedding_cached_hits": Workload("text_embedding_cached_hits", "text_embedding_cached",
+        "text_tokenizer": Workload("text_tokenizer", "text_tokenizer", "unique_text", unique_text),
+        "text_encoder": Workload("text_encoder", "text_encoder", "tokens", lambda _: token_request(rng)),
+        "text_encoder_router": Workload("text_encoder_router", "text_encoder_router", "tokens",
+                                        lambda _: token_request(rng)),
+        "text_embedding": Workload("text_embedding", "text_embedding", "unique_text", unique_text),
+        "text_embedding_cached_unique": Workload("text_embedding_cached_unique", "text_embedding_cached",
+                                                 "unique_text", unique_text),
+        "text_embedding_cached_hits": Workload("text_embedding_cached_hits", "text_embedding_cached", "hits",
                                                lambda n: hits[n % len(hits)], warm=hits),
-        "image_classification": Workload("image_classification", "image_classification", image),
+        "image_classification": Workload("image_classification", "image_classification", "image", image),
     }
 
 
-# --------------------------------------------------------------------------- load generator
+# --------------------------------------------------------------------------- measurement
 
 
 @dataclass
-class Result:
+class Window:
+    """One measured window: one phase, one workload, one concurrency, one round."""
     phase: str
     workload: str
     concurrency: int
+    round: int
+    client: str
     requests: int = 0
     errors: int = 0
     seconds: float = 0.0
@@ -160,14 +168,21 @@ class Result:
     p50_ms: float | None = None
     p99_ms: float | None = None
     max_ms: float | None = None
+    client_cores: float | None = None  # CPU seconds of the load generator per wall second
+    server_cores: float | None = None  # the same for tritonserver and its backend stubs
+    machine_cores: float | None = None  # every process of the machine (neighbours included)
     first_error: str = ""
+    stats: dict = field(default_factory=dict)  # model -> mean batch, queue and compute ms per request
 
     @property
     def p99_over_p50(self) -> float | None:
         return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
 
     def record(self) -> dict:
-        return {**asdict(self), "p99_over_p50": self.p99_over_p50}
+        out = {k: v for k, v in asdict(self).items() if k != "stats"}
+        out["p99_over_p50"] = self.p99_over_p50
+        out["stats"] = json.dumps(self.stats, sort_keys=True)
+        return out
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -223,41 +238,177 @@ async def _closed_loop(url: str, w: Workload, concurrency: int, duration: float,
     return latencies, errors, first_error, measured
 
 
-def measure(url: str, phase: str, w: Workload, concurrency: int, duration: float, warmup: float = 1.0) -> Result:
-    latencies, errors, first_error, seconds = asyncio.run(_closed_loop(url, w, concurrency, duration, warmup))
-    r = Result(phase, w.name, concurrency, len(latencies), errors, seconds, first_error=first_error)
+def measure_python(url: str, w: Workload, window: Window, duration: float) -> None:
+    """The asyncio client in this process (its CPU: this process's over the window)."""
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    latencies, errors, first_error, seconds = asyncio.run(
+        _closed_loop(url, replace(w, warm=()), window.concurrency, duration, 0.0))
+    window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
+    window.requests, window.errors, window.first_error, window.seconds = len(latencies), errors, first_error, seconds
     if latencies:
         ms = sorted(x * 1000.0 for x in latencies)
-        r.rps = len(ms) / seconds if seconds > 0 else None
-        r.p50_ms, r.p99_ms, r.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
-    return r
+        window.rps = len(ms) / seconds if seconds > 0 else None
+        window.p50_ms, window.p99_ms, window.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
 
 
-# --------------------------------------------------------------------------- phases
+def _lua_string(value: str) -> str:
+    """A Lua long-bracket literal (taken verbatim, no escapes) for ``value``."""
+    level = 1
+    while f"]{'=' * level}]" in value:
+        level += 1
+    return f"[{'=' * level}[{value}]{'=' * level}]"
 
 
-def with_stall_settings(config: dict) -> dict:
-    """A served config (JSON, as GET /v2/models/<m>/config returns it) with the old batcher settings."""
-    out = copy.deepcopy(config)
-    if "dynamic_batching" not in out:
-        raise ValueError(f"{config.get('name')} has no dynamic_batching")
-    out["dynamic_batching"].update(copy.deepcopy(STALL_BATCHING))
+def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
+    """A wrk Lua script sending ``w``'s requests: unique texts carry the nonce, the wrk thread
+    and a counter; ``done`` prints the window's figures as one JSON line."""
+    tail = '"]}],"parameters":{"binary_data_output":true}}'
+    if w.kind == "unique_text":
+        texts = ",\n".join(_lua_string(json.dumps(s)[1:-1]) for s in sentences)
+        make = (f"local texts = {{\n{texts}\n}}\n"
+                "request = function()\n  n = n + 1\n"
+                "  local body = '{\"inputs\":[{\"name\":\"TEXT\",\"shape\":[1,1],\"datatype\":\"BYTES\",\"data\":[\"' .. "
+                f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')' .. {_lua_string(tail)}\n"
+                "  return wrk.format('POST', path, headers, body)\nend\n")
+    elif w.kind == "hits":
+        bodies = ",\n".join(_lua_string(body.decode()) for body, _ in w.warm)
+        make = (f"local bodies = {{\n{bodies}\n}}\n"
+                "request = function()\n  n = n + 1\n"
+                "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n")
+    elif w.kind == "tokens":
+        make = ("request = function()\n  local ids = {101}\n"
+                f"  for i = 2, 15 do ids[i] = math.random({VOCAB[0]}, {VOCAB[1] - 1}) end\n  ids[16] = 102\n"
+                "  local body = '{\"inputs\":[{\"name\":\"input_ids\",\"shape\":[1,16],\"datatype\":\"INT64\",\"data\":['"
+                " .. table.concat(ids, ',') .. ']},{\"name\":\"attention_mask\",\"shape\":[1,16],\"datatype\":\"INT64\","
+                "\"data\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}],\"parameters\":{\"binary_data_output\":true}}'\n"
+                "  return wrk.format('POST', path, headers, body)\nend\n")
+    else:
+        raise ValueError(f"{w.name}: no wrk script for {w.kind} requests")
+    return (
+        "local n = 0\nlocal tid = 0\nlocal next_tid = 0\n"
+        f"path = '/v2/models/{w.model}/infer'\nheaders = {{['Content-Type'] = 'application/json'}}\n"
+        "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid) end\n"
+        "init = function(args) tid = tid_init or 0; math.randomseed(os.time() + tid) end\n"
+        + make +
+        "done = function(summary, latency, requests)\n"
+        "  local e = summary.errors\n"
+        "  io.write(string.format('WRK_RESULT {\"requests\":%d,\"errors\":%d,\"duration_us\":%d,'"
+        " .. '\"p50_us\":%d,\"p99_us\":%d,\"max_us\":%d}\\n', summary.requests,"
+        " e.connect + e.read + e.write + e.status + e.timeout, summary.duration,"
+        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n")
+
+
+def _run_wrk(url: str, script: Path, concurrency: int, seconds: float) -> dict:
+    command = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "60s",
+               "-s", str(script), f"http://{url}"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 90)
+    for line in out.stdout.splitlines():
+        if line.startswith("WRK_RESULT "):
+            return json.loads(line[len("WRK_RESULT "):])
+    raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")
+
+
+def measure_wrk(url: str, w: Workload, window: Window, script: Path, duration: float) -> None:
+    """wrk, one thread, in a child process (its CPU: the children's rusage over the window)."""
+    before, wall0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    result = _run_wrk(url, script, window.concurrency, duration)
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - wall0
+    window.client_cores = ((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)) / max(wall, 1e-9)
+    window.seconds = result["duration_us"] / 1e6
+    window.requests, window.errors = result["requests"] - result["errors"], result["errors"]
+    if window.errors:
+        window.first_error = "wrk counted non-2xx responses or socket errors"
+    if result["requests"]:
+        window.rps = result["requests"] / window.seconds
+        window.p50_ms, window.p99_ms, window.max_ms = (result[k] / 1000.0 for k in ("p50_us", "p99_us", "max_us"))
+
+
+def warm_up(url: str, w: Workload, concurrency: int, seconds: float, script: Path | None) -> None:
+    """Unmeasured: ``w.warm`` once (the hits' texts), then ``seconds`` of the same load."""
+    if w.warm:
+        asyncio.run(_closed_loop(url, w, 1, 0.0, 0.0))
+    if seconds > 0:
+        if script is not None:
+            _run_wrk(url, script, concurrency, seconds)
+        else:
+            asyncio.run(_closed_loop(url, replace(w, warm=()), concurrency, seconds, 0.0))
+
+
+class CpuMeter:
+    """CPU seconds of a process tree and of the whole machine, between start() and stop()."""
+
+    def __init__(self, pid: int | None):
+        self.pid = pid
+
+    def _tree(self) -> float:
+        import psutil
+
+        if self.pid is None:
+            return 0.0
+        total = 0.0
+        try:
+            root = psutil.Process(self.pid)
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        return total
+
+    @staticmethod
+    def _machine() -> float:
+        import psutil
+
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    def start(self) -> None:
+        self.t0, self.tree0, self.machine0 = time.monotonic(), self._tree(), self._machine()
+
+    def stop(self, window: Window) -> None:
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        window.server_cores = (self._tree() - self.tree0) / wall
+        window.machine_cores = (self._machine() - self.machine0) / wall
+
+
+def model_stats(url: str) -> dict[str, dict[str, float]]:
+    """Counters of /v2/models/stats summed over versions: requests, executions, batched
+    inferences and the nanoseconds of queue and compute (input + infer + output)."""
+    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=10) as r:
+        payload = json.loads(r.read())
+    out: dict[str, dict[str, float]] = {}
+    for m in payload.get("model_stats", []):
+        if m["name"] not in STATS_MODELS:
+            continue
+        s = m.get("inference_stats", {})
+        agg = out.setdefault(m["name"], {"requests": 0, "executions": 0, "inferences": 0, "queue_ns": 0, "compute_ns": 0})
+        agg["requests"] += int(s.get("success", {}).get("count", 0))
+        agg["executions"] += int(m.get("execution_count", 0))
+        agg["inferences"] += int(m.get("inference_count", 0))
+        agg["queue_ns"] += int(s.get("queue", {}).get("ns", 0))
+        agg["compute_ns"] += sum(int(s.get(k, {}).get("ns", 0)) for k in ("compute_input", "compute_infer", "compute_output"))
     return out
 
 
-def apply_before(client, models: Sequence[str], ensembles: Sequence[str], say: Callable[[str], None]) -> dict[str, dict]:
-    """Reload each of ``models`` with the stall settings; returns the configs served before."""
-    served = {}
-    for model in models:
-        served[model] = client.config(model)
-        client.load(model, with_stall_settings(served[model]))
-        batching = client.config(model).get("dynamic_batching", {})
-        if int(batching.get("priority_levels", 0)) != 2:
-            raise RuntimeError(f"{model}: the override did not take (dynamic_batching {batching})")
-        say(f"    {model}: reloaded with priority_levels 2 and the queue policy")
-    for ensemble in ensembles:
-        client.wait_ready(ensemble)
-    return served
+def stats_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per model over a window: mean batch, queue ms and compute ms per request."""
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {})
+        d = {k: a[k] - b.get(k, 0) for k in a}
+        if d["requests"] <= 0:
+            continue
+        out[name] = {"requests": d["requests"],
+                     "batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
+                     "queue_ms": round(d["queue_ns"] / d["requests"] / 1e6, 3),
+                     "compute_ms": round(d["compute_ns"] / d["requests"] / 1e6, 3)}
+    return out
+
+
+# --------------------------------------------------------------------------- phases
 
 
 STALL_PBTXT = ("priority_levels: 2\n  default_priority_level: 2\n"
@@ -269,35 +420,95 @@ def stall_config_text(text: str) -> str:
     return text.replace("dynamic_batching {", "dynamic_batching {\n  " + STALL_PBTXT, 1)
 
 
-def before_repository(source: Path, target: Path) -> Path:
-    """A repository at ``target`` serving ``source``'s models with the stall settings: version
-    folders and other files are symlinks, config.pbtxt and configs/*.pbtxt rewritten copies."""
+def before_repository(source: Path, target: Path, alt_configs: Path | None = None) -> Path:
+    """A repository at ``target`` serving ``source``'s models: version folders and other files
+    are symlinks; config.pbtxt and configs/*.pbtxt are copies with the stall settings added, or,
+    with ``alt_configs``, taken from ``alt_configs/<model>/`` where it has them (else unchanged)."""
     for model_dir in sorted(p for p in source.iterdir() if (p / "config.pbtxt").is_file()):
         out = target / model_dir.name
         out.mkdir(parents=True)
+
+        def config(path: Path, relative: str) -> str:
+            if alt_configs is None:
+                return stall_config_text(path.read_text())
+            replacement = alt_configs / model_dir.name / relative
+            return replacement.read_text() if replacement.is_file() else path.read_text()
+
         for entry in model_dir.iterdir():
             if entry.name == "config.pbtxt":
-                (out / entry.name).write_text(stall_config_text(entry.read_text()))
+                (out / entry.name).write_text(config(entry, "config.pbtxt"))
             elif entry.name == "configs" and entry.is_dir():
                 (out / "configs").mkdir()
                 for variant in entry.glob("*.pbtxt"):
-                    (out / "configs" / variant.name).write_text(stall_config_text(variant.read_text()))
+                    (out / "configs" / variant.name).write_text(config(variant, f"configs/{variant.name}"))
             else:
                 (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     return target
 
 
-def targets(results: Sequence[Result], concurrency: int) -> list[dict]:
-    """The issue's targets, checked on the "after" phase at ``concurrency``."""
+# --------------------------------------------------------------------------- summary
+
+
+@dataclass
+class Point:
+    """The rounds of one phase, workload and concurrency: medians, and the largest max."""
+    phase: str
+    workload: str
+    concurrency: int
+    rounds: int
+    requests: int
+    errors: int
+    rps: float | None
+    p50_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    p99_range: tuple[float, float] | None
+    client_cores: float | None
+    server_cores: float | None
+    machine_cores: float | None
+    stats: dict
+
+    @property
+    def p99_over_p50(self) -> float | None:
+        return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def points(windows: Sequence[Window]) -> list[Point]:
+    groups: dict[tuple[str, str, int], list[Window]] = {}
+    for w in windows:
+        groups.setdefault((w.phase, w.workload, w.concurrency), []).append(w)
+    out = []
+    for (phase, workload, conc), ws in groups.items():
+        p99s = [w.p99_ms for w in ws if w.p99_ms is not None]
+        stats: dict[str, dict] = {}
+        for model in {m for w in ws for m in w.stats}:
+            per = [w.stats[model] for w in ws if model in w.stats]
+            stats[model] = {k: _median([s[k] for s in per]) for k in ("batch", "queue_ms", "compute_ms")}
+        out.append(Point(phase, workload, conc, len(ws), sum(w.requests for w in ws), sum(w.errors for w in ws),
+                         _median([w.rps for w in ws]), _median([w.p50_ms for w in ws]), _median(p99s),
+                         max((w.max_ms for w in ws if w.max_ms is not None), default=None),
+                         (min(p99s), max(p99s)) if p99s else None,
+                         _median([w.client_cores for w in ws]), _median([w.server_cores for w in ws]),
+                         _median([w.machine_cores for w in ws]), stats))
+    return out
+
+
+def targets(results: Sequence[Point], concurrency: int, phase: str = "after") -> list[dict]:
+    """The issue's targets, checked on ``phase`` at ``concurrency``."""
     rows = []
     by = {(r.phase, r.workload, r.concurrency): r for r in results}
-    hits = by.get(("after", "text_embedding_cached_hits", concurrency))
+    hits = by.get((phase, "text_embedding_cached_hits", concurrency))
     if hits is not None:
         met = hits.p99_ms is not None and hits.p99_ms <= TARGET_HITS_P99_MS and not hits.errors
         rows.append({"target": f"text_embedding_cached all hits, c{concurrency}: P99 <= {TARGET_HITS_P99_MS:g} ms",
                      "value": hits.p99_ms, "met": met})
     for name in TEXT_WORKLOADS:
-        r = by.get(("after", name, concurrency))
+        r = by.get((phase, name, concurrency))
         if r is None:
             continue
         ratio = r.p99_over_p50
@@ -310,16 +521,29 @@ def _f(value: float | None, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(header: Sequence[str], results: Sequence[Result], target_rows: Sequence[dict]) -> str:
-    lines = list(header) + ["", "| workload | conc. | phase | requests/s | P50 ms | P99 ms | max ms | P99/P50 | errors |",
-                            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in sorted(results, key=lambda r: (WORKLOADS.index(r.workload), r.concurrency, r.phase != "before")):
-        lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0)} | {_f(r.p50_ms)} | {_f(r.p99_ms)} | "
-                     f"{_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} |")
+def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Sequence[dict]) -> str:
+    lines = list(header) + [
+        "", "| workload | conc. | phase | requests/s | P50 ms | P99 ms (rounds) | max ms | P99/P50 | errors | "
+            "client cores | server cores | machine cores |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ordered = sorted(results, key=lambda r: (WORKLOADS.index(r.workload), r.concurrency, r.phase != "before", r.phase))
+    for r in ordered:
+        spread = f" ({_f(r.p99_range[0])}-{_f(r.p99_range[1])})" if r.p99_range and r.rounds > 1 else ""
+        lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0)} | {_f(r.p50_ms)} | "
+                     f"{_f(r.p99_ms)}{spread} | {_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} | "
+                     f"{_f(r.client_cores, 2)} | {_f(r.server_cores, 2)} | {_f(r.machine_cores, 2)} |")
     if target_rows:
-        lines += ["", "| target (after) | value | met |", "| --- | ---: | --- |"]
+        lines += ["", "| target | value | met |", "| --- | ---: | --- |"]
         for t in target_rows:
             lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {'yes' if t['met'] else 'no'} |")
+    lines += ["", "Where the time goes (/v2/models/stats, medians over rounds): mean batch, queue ms and "
+                  "compute ms per request of each model the workload reached.", "",
+              "| workload | conc. | phase | model | batch | queue ms | compute ms |", "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    for r in ordered:
+        for model in (m for m in STATS_MODELS if m in r.stats):
+            s = r.stats[model]
+            lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {model} | {_f(s['batch'], 2)} | "
+                         f"{_f(s['queue_ms'], 2)} | {_f(s['compute_ms'], 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -341,30 +565,41 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     p.add_argument("--concurrency", default="4,32", help="comma-separated connection counts (default 4,32)")
-    p.add_argument("--phases", default="after,before", help="after (shipped configs), before (stall settings), or both")
-    p.add_argument("--duration", type=float, default=8.0, help="measured seconds per point (default 8)")
-    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each point (default 1)")
+    p.add_argument("--phases", default="after,before",
+                   help="after (shipped configs) and/or before (stall settings; 'alt' with --alt-configs)")
+    p.add_argument("--alt-configs", type=Path,
+                   help="a folder of <model>/config.pbtxt (and <model>/configs/*.pbtxt) the second server serves "
+                        "instead of the stall settings (phase 'alt')")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (default 3)")
+    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per window (default 4)")
+    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window (default 1)")
+    p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
+                   help="load generator: wrk when installed (auto, default) or the asyncio client; "
+                        "image_classification always uses the asyncio client")
     p.add_argument("--precision", default="cpu", help="what the server serves, as `make serve PRECISION=` (default cpu)")
-    p.add_argument("--before-via", choices=("server", "reload"), default="server",
-                   help="before phase on a second server (default) or by reloading the first one's models")
     p.add_argument("--cache-size-mb", type=int, default=64, help="Triton's response cache (default 64, as make serve)")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/tail-<UTC time>)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.workload_list = [w for w in args.workloads.split(",") if w]
     args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
-    args.phase_list = [x for x in args.phases.split(",") if x]
+    second = "alt" if args.alt_configs else "before"
+    args.phase_list = [second if x in ("before", "alt") else x for x in args.phases.split(",") if x]
     if unknown := set(args.workload_list) - set(WORKLOADS):
         p.error(f"unknown workloads: {', '.join(sorted(unknown))}")
-    if set(args.phase_list) - {"after", "before"} or not args.phase_list:
-        p.error("--phases: after, before or both")
-    if not args.concurrency_list or min(args.concurrency_list) < 1 or args.duration <= 0:
-        p.error("--concurrency and --duration must be positive")
+    if set(args.phase_list) - {"after", second} or not args.phase_list:
+        p.error(f"--phases: after, {second} or both")
+    if args.alt_configs and not args.alt_configs.is_dir():
+        p.error(f"--alt-configs {args.alt_configs}: not a folder")
+    if not args.concurrency_list or min(args.concurrency_list) < 1 or args.duration <= 0 or args.rounds < 1:
+        p.error("--concurrency, --duration and --rounds must be positive")
+    if args.client == "wrk" and not shutil.which("wrk"):
+        p.error("--client wrk: wrk is not installed (Debian package wrk)")
+    args.use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
     return args
 
 
 def run(args: argparse.Namespace) -> int:
-    from clients.repository import RepositoryClient
     from perf import limit as limit_mod
     from server.process import ServerError, ServerOptions, TritonServer
 
@@ -381,74 +616,97 @@ def run(args: argparse.Namespace) -> int:
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     needs_image = "image_classification" in args.workload_list
     models = SERVED_MODELS if needs_image else tuple(m for m in SERVED_MODELS if m != "image_classification")
-    token = secrets.token_urlsafe(16)
-    batching = [m for m in BATCHING_MODELS if needs_image or not m.startswith("image_")]
-    work = workloads(secrets.token_hex(4), sentences)
-    results: list[Result] = []
+    nonce = secrets.token_hex(4)
+    work = workloads(nonce, sentences)
+    windows: list[Window] = []
+    workdir = Path(tempfile.mkdtemp(prefix="perf-tail-"))
+    scripts = {}
+    if args.use_wrk:
+        for name in args.workload_list:
+            if work[name].kind != "image":
+                scripts[name] = workdir / f"{name}.lua"
+                scripts[name].write_text(wrk_script(work[name], sentences, nonce))
 
-    def measure_phase(phase: str, url: str) -> None:
-        for conc in args.concurrency_list:
-            for name in args.workload_list:
-                r = measure(url, phase, work[name], conc, args.duration, args.warmup)
-                results.append(r)
-                say(f"{phase:6} {name:28} c{conc:<3} {_f(r.rps, 0):>6} req/s  P50 {_f(r.p50_ms):>7}  "
-                    f"P99 {_f(r.p99_ms):>7}  max {_f(r.max_ms):>7} ms  errors {r.errors}"
-                    + (f" ({r.first_error})" if r.first_error else ""))
-
-    # One server per phase (or one for both with --before-via reload), one after the other.
-    servers = [["after"], ["before"]] if args.before_via == "server" else [list(args.phase_list)]
-    servers = [[p for p in group if p in args.phase_list] for group in servers]
-    for group in (g for g in servers if g):
-        workdir = Path(tempfile.mkdtemp(prefix="perf-tail-"))
-        repository = ROOT / "model_repository"
-        if group == ["before"]:
-            repository = before_repository(repository, workdir / "repository-before")
-        server = TritonServer(ServerOptions.with_free_ports(
-            workdir=workdir, model_repository=repository, models=models, model_config_name=served.config_name,
-            cache_size_bytes=args.cache_size_mb * 1024 * 1024, repository_token=token))
-        say(f"perf.tail: starting tritonserver for {' and '.join(group)} ({', '.join(models)}; "
-            f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)")
-        server.start()
-        try:
+    servers: dict[str, TritonServer] = {}
+    try:
+        for phase in args.phase_list:
+            repository = ROOT / "model_repository"
+            if phase != "after":
+                repository = before_repository(repository, workdir / f"repository-{phase}", args.alt_configs)
+            servers[phase] = TritonServer(ServerOptions.with_free_ports(
+                workdir=workdir / phase, model_repository=repository, models=models,
+                model_config_name=served.config_name, cache_size_bytes=args.cache_size_mb * 1024 * 1024,
+                repository_token=secrets.token_urlsafe(16), front_door=False))
+            say(f"perf.tail: starting tritonserver for {phase} ({', '.join(models)}; "
+                f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)")
+            servers[phase].start()
+        for phase, server in servers.items():
             try:
                 server.wait_ready(timeout=300)
             except ServerError as exc:
-                say(f"    {exc}\n{exc.log_tail}")
+                say(f"    {phase}: {exc}\n{exc.log_tail}")
                 return 1
-            client = RepositoryClient(server.http_url, token=token)
-            for phase in group:
-                if phase == "before" and group != ["before"]:
-                    say("before: reloading every batching model with the old settings (repository API, config override)")
-                    apply_before(client, batching, models, say)
-                if phase == "before":
-                    levels = int(client.config("text_tokenizer").get("dynamic_batching", {}).get("priority_levels", 0))
-                    if levels != 2:
-                        raise RuntimeError(f"before phase: text_tokenizer serves priority_levels {levels}, not 2")
-                measure_phase(phase, server.http_url)
-        finally:
+        if "before" in servers:
+            with urllib.request.urlopen(f"http://{servers['before'].triton_http_url}/v2/models/text_tokenizer/config",
+                                        timeout=10) as r:
+                levels = int(json.loads(r.read()).get("dynamic_batching", {}).get("priority_levels", 0))
+            if levels != 2:
+                raise RuntimeError(f"before phase: text_tokenizer serves priority_levels {levels}, not 2")
+
+        for conc in args.concurrency_list:
+            for name in args.workload_list:
+                for rnd in range(args.rounds):
+                    order = args.phase_list if rnd % 2 == 0 else args.phase_list[::-1]
+                    for phase in order:
+                        server = servers[phase]
+                        url = server.triton_http_url
+                        use_wrk = name in scripts
+                        window = Window(phase, name, conc, rnd + 1, "wrk" if use_wrk else "python")
+                        warm_up(url, work[name], conc, args.warmup, scripts.get(name))
+                        meter = CpuMeter(server.process.pid if server.process else None)
+                        stats0 = model_stats(url)
+                        meter.start()
+                        if use_wrk:
+                            measure_wrk(url, work[name], window, scripts[name], args.duration)
+                        else:
+                            measure_python(url, work[name], window, args.duration)
+                        meter.stop(window)
+                        window.stats = stats_delta(stats0, model_stats(url))
+                        windows.append(window)
+                        say(f"{phase:6} {name:28} c{conc:<3} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
+                            f"P50 {_f(window.p50_ms):>7}  P99 {_f(window.p99_ms):>7}  max {_f(window.max_ms):>7} ms  "
+                            f"client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} cores  "
+                            f"errors {window.errors}" + (f" ({window.first_error})" if window.first_error else ""))
+    finally:
+        for phase, server in servers.items():
             server.stop()
             if server.log_path.is_file():
-                shutil.copyfile(server.log_path, out_dir / f"tritonserver-{'-'.join(group)}.log")
-            shutil.rmtree(workdir, ignore_errors=True)
+                shutil.copyfile(server.log_path, out_dir / f"tritonserver-{phase}.log")
+        shutil.rmtree(workdir, ignore_errors=True)
 
-    target_rows = targets(results, max(args.concurrency_list))
+    results = points(windows)
+    main_phase = "after" if "after" in args.phase_list else args.phase_list[0]
+    target_rows = targets(results, max(args.concurrency_list), main_phase)
+    second = "a second server on the same machine with " + (
+        f"the configs of {args.alt_configs}" if args.alt_configs else "the old settings")
     header = [
-        "# Latency tail per model and ensemble, before and after the batcher fix",
+        "# Latency tail per model and ensemble, side by side",
         "",
-        f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load_avg}",
+        f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
+        f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- command: `{' '.join(['python -m perf.tail', *args.argv])}`",
-        f"- before: {'a second server, configs with' if args.before_via == 'server' else 'the same server reloaded with'} the old settings; "
-        f"encoder variant {served.variant}; HTTP closed loop, {args.duration:g} s per point after "
-        f"{args.warmup:g} s warm-up; unique texts and images per request (hits: 60 texts sent once first)",
-        "- old settings: every batching model with priority_levels 2, default_priority_level 2 and "
-        "default_queue_policy { timeout_action: REJECT allow_timeout_override: true }",
+        f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
+        f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
+        f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver; "
+        "unique texts and images per request (hits: 60 texts sent once first)",
+        "- figures: medians over the rounds (P99 range in brackets), max the largest; cores: CPU seconds per second",
     ]
     table = markdown(header, results, target_rows)
     (out_dir / "summary.md").write_text(table)
-    write_csv(out_dir / "tail.csv", [r.record() for r in results])
+    write_csv(out_dir / "tail.csv", [w.record() for w in windows])
     print("\n" + table, flush=True)
     say(f"perf.tail: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
-    return 0 if results and all(r.requests and not r.errors for r in results) else 1
+    return 0 if windows and all(w.requests and not w.errors for w in windows) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
