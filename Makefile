@@ -93,16 +93,16 @@ VERSION ?=
 ROLLOUT_ARGS ?=
 ROLLOUT_OPTS ?=
 rollout-publish: $(STAMP)
-	$(PY) -m clients.rollout publish $(ROLLOUT_ARGS)
+	$(PY) -m ops.rollout publish $(ROLLOUT_ARGS)
 rollout-start: $(STAMP)
 	@test -n "$(VERSION)" || { echo "usage: make rollout-start VERSION=<n> [ROLLOUT_ARGS=...]"; exit 2; }
-	$(PY) -m clients.rollout $(ROLLOUT_OPTS) start $(VERSION) $(ROLLOUT_ARGS)
+	$(PY) -m ops.rollout $(ROLLOUT_OPTS) start $(VERSION) $(ROLLOUT_ARGS)
 rollout-status: $(STAMP)
-	$(PY) -m clients.rollout $(ROLLOUT_OPTS) status
+	$(PY) -m ops.rollout $(ROLLOUT_OPTS) status
 rollout-rollback: $(STAMP)
-	$(PY) -m clients.rollout $(ROLLOUT_OPTS) rollback
+	$(PY) -m ops.rollout $(ROLLOUT_OPTS) rollback
 rollout-finish: $(STAMP)
-	$(PY) -m clients.rollout $(ROLLOUT_OPTS) finish $(ROLLOUT_ARGS)
+	$(PY) -m ops.rollout $(ROLLOUT_OPTS) finish $(ROLLOUT_ARGS)
 
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s

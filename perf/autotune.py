@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from clients.repository import RepositoryClient
+from ops.repository import RepositoryClient
 from perf import compare
 from perf import harness
 from perf import limit as limit_mod

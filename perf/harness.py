@@ -2,7 +2,7 @@
 
 A run (deadline, perf_analyzer, results folder), a perf_analyzer measurement retried once
 with twice the requests when it does not stabilise, Triton's per-model statistics around it,
-model config reloads through the repository API (clients.repository.RepositoryClient, which
+model config reloads through the repository API (ops.repository.RepositoryClient, which
 sends the repository token), and CSV writing.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from clients import repository
-from clients.repository import RepositoryClient
+from ops import repository
+from ops.repository import RepositoryClient
 from perf import limit as limit_mod
 from perf import perf_analyzer as pa
 from perf import triton_stats
@@ -167,7 +167,7 @@ def rate_warnings(output: str) -> list[str]:
 
 
 def http(url: str, method: str = "GET", body: dict | None = None, timeout: float = 120.0) -> tuple[int, bytes]:
-    """clients.repository.http, with the repository token on repository API paths."""
+    """ops.repository.http, with the repository token on repository API paths."""
     return repository.http(url, method, body, repository.token_headers() if "/v2/repository/" in url else {}, timeout)
 
 

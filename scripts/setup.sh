@@ -11,8 +11,10 @@ GPU=${GPU:-0}
 # `make cache-bench` (started on a free port by server/redis_process.py; the package's own
 # service is not needed). nginx + libnginx-mod-http-js: the front door on the public ports that
 # checks HTTP inference requests before tritonserver (server/frontdoor.py; the package's own
-# service is not needed either: the launcher runs nginx as its child).
-APT_PACKAGES=(libb64-0d redis-server nginx libnginx-mod-http-js)
+# service is not needed either: the launcher runs nginx as its child). docker-compose: the client
+# only (no engine), so tests/unit/test_compose.py checks docker-compose.yml as compose resolves it.
+# wrk: perf.tail's load generator (C, far cheaper per request than a Python client on 2 cores).
+APT_PACKAGES=(libb64-0d redis-server nginx libnginx-mod-http-js docker-compose wrk)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rollout-state",
         type=Path,
         default=Path(os.environ.get("ROLLOUT_STATE_FILE") or ROOT / ".rollout" / "state.json"),
-        help="rollout state (python -m clients.rollout): when it exists, text_encoder's versions and the router's "
+        help="rollout state (python -m ops.rollout): when it exists, text_encoder's versions and the router's "
         "weights are loaded as it records (default .rollout/state.json, or $ROLLOUT_STATE_FILE)",
     )
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
@@ -109,7 +109,7 @@ def _token_source(args: argparse.Namespace) -> str:
 
 
 def _rollout_line(path: Path) -> str:
-    from clients.rollout import RolloutState
+    from ops.rollout import RolloutState
     from python_backends.routing import format_weights
 
     try:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_mb * 1024 * 1024,
         drain_timeout=args.drain_timeout,
     )
-    from clients.repository import ensure_token
+    from ops.repository import ensure_token
 
     options.repository_token = ensure_token(args.repository_token_file)
     options.rollout_state = args.rollout_state

@@ -20,7 +20,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT_BACKENDS = ROOT / "python_backends" / "backends"
+PROJECT_BACKENDS = ROOT / "python_backends" / "triton_backends"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence, TextIO
 
-from clients.repository import TOKEN_HEADER
+from ops.repository import TOKEN_HEADER
 from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts
 from server.layout import ROOT, ServerLayout, prepare
 from server.lifetime import tie_to_parent
@@ -105,9 +105,9 @@ class ServerOptions:
     # EMBEDDING_CACHE_L2_REDIS_URL for text_embedding_cached (python_backends/cache/settings.py).
     env: Mapping[str, str] = field(default_factory=dict)
     # Protects the repository API (load/unload) with the header ``triton-repository-token``
-    # (clients/repository.py); None leaves it open. The launcher always sets one.
+    # (ops/repository.py); None leaves it open. The launcher always sets one.
     repository_token: str | None = None
-    # A rollout state file (clients/rollout.py): when it exists, the encoder and its router are
+    # A rollout state file (ops/rollout.py): when it exists, the encoder and its router are
     # loaded with the versions and weights it records before the models that use them.
     rollout_state: Path | None = None
     # The front door (server/frontdoor.py): nginx on http/grpc/metrics_port checks HTTP
@@ -225,11 +225,11 @@ class TritonServer:
         return cmd
 
     def rollout_plan(self):
-        """The rollout state's load plan (clients.rollout.LoadPlan), or None without a state file."""
+        """The rollout state's load plan (ops.rollout.LoadPlan), or None without a state file."""
         path = self.options.rollout_state
         if path is None or not Path(path).is_file():
             return None
-        from clients.rollout import load_plan
+        from ops.rollout import load_plan
 
         return load_plan(Path(path))
 
@@ -252,7 +252,7 @@ class TritonServer:
         plan = self.rollout_plan()
         if plan is None:
             return
-        from clients.repository import RepositoryClient
+        from ops.repository import RepositoryClient
 
         client = RepositoryClient(self.triton_http_url, token=self.options.repository_token or "")
         plan.apply(client, self.options.model_repository, self.options.model_config_name)

@@ -27,8 +27,8 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from clients.repository import GRPC_TOKEN_HEADER, TOKEN_HEADER, RepositoryClient, http
-from clients.rollout import Rollout, RolloutState, Thresholds
+from ops.repository import GRPC_TOKEN_HEADER, TOKEN_HEADER, RepositoryClient, http
+from ops.rollout import Rollout, RolloutState, Thresholds
 from server.layout import ROOT
 
 TOKEN = "rollout-test-token"

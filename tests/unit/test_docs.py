@@ -195,7 +195,7 @@ def test_the_launcher_options_table_matches_the_code():
 
 
 def test_rollout_docs_name_only_real_options():
-    from clients.rollout import build_parser
+    from ops.rollout import build_parser
 
     page = ROOT / "docs" / "versions-and-rollout.md"
     # The page also gives the launcher's --rollout-state and the router cost script's flags.

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from clients import repository
-from clients.rollout import (
+from ops import repository
+from ops.rollout import (
     RolloutState,
     Thresholds,
     UsageError,
@@ -60,7 +60,7 @@ def test_judge_error_rate_and_p99():
 
 
 def test_call_counters_per_series():
-    from clients.rollout import call_counts, calls_between
+    from ops.rollout import call_counts, calls_between
 
     def text(series):
         return "\n".join(f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="{r}",version="{v}"}} {c}'
@@ -139,7 +139,7 @@ def test_token_created_once_with_private_mode(tmp_path, monkeypatch):
 
 
 def test_p99_from_the_router_histogram_per_series():
-    from clients.rollout import latency_buckets, p99_between
+    from ops.rollout import latency_buckets, p99_between
 
     def text(series):
         lines = []
@@ -256,7 +256,7 @@ class FakeTriton:
 
 
 def _rollout(tmp_path, triton, said=None):
-    from clients.rollout import Rollout
+    from ops.rollout import Rollout
 
     return Rollout(triton, tmp_path / "state.json", say=(said if said is not None else []).append,
                    sleep=triton.clock.sleep, clock=triton.clock.time)
@@ -363,7 +363,7 @@ def test_the_final_read_waits_for_the_routers_last_flush(tmp_path):
 
 
 def test_cli_exits_non_zero_when_a_step_saw_no_traffic(tmp_path, monkeypatch, capsys):
-    import clients.rollout as rollout_module
+    import ops.rollout as rollout_module
 
     triton = FakeTriton(traffic=())
     monkeypatch.setattr(rollout_module, "RepositoryClient", lambda *a, **k: triton)

@@ -50,7 +50,7 @@ class TritonPythonModel:
             description="The router's successful text_encoder calls at most le ms long (cumulative buckets)",
             kind=pb_utils.MetricFamily.COUNTER,
         )
-        # One series per router process: a reloaded router starts new ones (clients/rollout.py
+        # One series per router process: a reloaded router starts new ones (ops/rollout.py
         # takes per-series deltas).
         self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
         self.metrics = {}

@@ -10,8 +10,8 @@ import triton_python_backend_utils as pb_utils
 from pathlib import Path
 
 from python_backends.config import ModelConfig
-from python_backends.ort_backend.batching import run_batched
-from python_backends.ort_backend.session import check_io, open_session, plan_session, resolve_model_path
+from python_backends.onnx_engine.batching import run_batched
+from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
 from python_backends.shim import check_shape, error_response, install_logging, load_error
 
 

@@ -1,4 +1,4 @@
-"""``python -m clients.rollout``: publish, canary-roll out, watch, roll back and finish a
+"""``python -m ops.rollout``: publish, canary-roll out, watch, roll back and finish a
 text_encoder version on a running server (README "Model versions and canary rollout").
 
     rollout publish            copy the exported model files into the next version folder
@@ -19,7 +19,7 @@ after every change, so a restarted ``rollout start`` resumes its step, ``rollbac
 ``status`` work from another shell, and ``python -m server`` re-applies the versions and
 weights on start. The weights live in the router's config (``text_encoder_router``,
 parameter ``weights``): each change reloads the router with a config override through the
-repository API, which needs the repository token (clients/repository.py).
+repository API, which needs the repository token (ops/repository.py).
 
 Exit status: 0 done, 1 aborted (a version that does not load, e.g. an unknown one, aborts
 too) or refused by the server, 2 bad input (steps, thresholds, weights not summing to 100, a
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from clients.repository import ROOT, RepositoryClient, RepositoryError
+from ops.repository import ROOT, RepositoryClient, RepositoryError
 from python_backends.routing.weights import RoutingError, format_weights, parse_weights, validate_weights
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from onnx import TensorProto, helper
 
 from python_backends.config import ModelConfig
 from python_backends.errors import ConfigError, InputError
-from python_backends.ort_backend.batching import run_batched
-from python_backends.ort_backend.session import check_io, open_session, plan_session, resolve_model_path
+from python_backends.onnx_engine.batching import run_batched
+from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
 
 
 def _config(**extra):
