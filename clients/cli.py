@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help=f"host:port of the server (default {DEFAULT_URLS['http']} for http, {DEFAULT_URLS['grpc']} for grpc)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
     p.add_argument("--model-version", default="", help="default: the server's choice")
-    p.add_argument("--priority", type=int, default=0, help="request priority: 1 = high, 2 = default/bulk, 0 = the model's default")
+    p.add_argument("--priority", type=int, default=0, help="request priority sent to Triton (0 = the model's default); the shipped configs define no priority "
+                   "levels, so the server ignores it (docs/performance.md)")
     p.add_argument("--timeout", type=float, help="seconds allowed per request")
     p.add_argument("--batch-size", type=int, default=MAX_BATCH_SIZE, help=f"texts per request, 1..{MAX_BATCH_SIZE}")
     out = p.add_argument_group("output")

@@ -115,9 +115,11 @@ class ClientOptions:
     def infer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of tritonclient's ``infer`` for priority and timeout.
 
-        ``timeout`` (microseconds) is the server-side queue deadline, honoured by models whose
-        queue policy allows it; the client-side deadline (``client_timeout`` for gRPC, the
-        connection's network timeout for HTTP) always applies.
+        Both are sent as Triton defines them, but the shipped configs have no priority levels
+        and no queue policy (on tritonserver 2.51 either stalls the dynamic batcher: docs/
+        performance.md), so the server ignores ``priority`` and the ``timeout`` queue deadline
+        today. The client-side deadline (``client_timeout`` for gRPC, the connection's network
+        timeout for HTTP) always applies.
         """
         kwargs: dict[str, Any] = {"model_version": self.model_version, "priority": self.priority}
         if self.timeout_s is not None:
