@@ -170,6 +170,7 @@ class Window:
     max_ms: float | None = None
     client_cores: float | None = None  # CPU seconds of the load generator per wall second
     server_cores: float | None = None  # the same for tritonserver and its backend stubs
+    server_wait_cores: float | None = None  # seconds its threads sat runnable, waiting for a CPU, per second
     machine_cores: float | None = None  # every process of the machine (neighbours included)
     first_error: str = ""
     stats: dict = field(default_factory=dict)  # model -> mean batch, queue and compute ms per request
@@ -340,23 +341,26 @@ class CpuMeter:
     def __init__(self, pid: int | None):
         self.pid = pid
 
-    def _tree(self) -> float:
+    def _tree(self) -> tuple[float, float]:
+        """(CPU seconds, run-queue wait seconds) of the tree's threads (/proc/<pid>/task/*/schedstat)."""
         import psutil
 
         if self.pid is None:
-            return 0.0
-        total = 0.0
+            return 0.0, 0.0
+        cpu = wait = 0.0
         try:
             root = psutil.Process(self.pid)
             for p in [root, *root.children(recursive=True)]:
                 try:
-                    t = p.cpu_times()
-                    total += t.user + t.system
-                except psutil.Error:
+                    for task in Path(f"/proc/{p.pid}/task").iterdir():
+                        fields = (task / "schedstat").read_text().split()
+                        cpu += int(fields[0]) / 1e9
+                        wait += int(fields[1]) / 1e9
+                except (OSError, psutil.Error, ValueError, IndexError):
                     pass
         except psutil.Error:
             pass
-        return total
+        return cpu, wait
 
     @staticmethod
     def _machine() -> float:
@@ -370,7 +374,9 @@ class CpuMeter:
 
     def stop(self, window: Window) -> None:
         wall = max(time.monotonic() - self.t0, 1e-9)
-        window.server_cores = (self._tree() - self.tree0) / wall
+        cpu, wait = self._tree()
+        window.server_cores = (cpu - self.tree0[0]) / wall
+        window.server_wait_cores = (wait - self.tree0[1]) / wall
         window.machine_cores = (self._machine() - self.machine0) / wall
 
 
@@ -465,6 +471,7 @@ class Point:
     p99_range: tuple[float, float] | None
     client_cores: float | None
     server_cores: float | None
+    server_wait_cores: float | None
     machine_cores: float | None
     stats: dict
 
@@ -494,7 +501,7 @@ def points(windows: Sequence[Window]) -> list[Point]:
                          max((w.max_ms for w in ws if w.max_ms is not None), default=None),
                          (min(p99s), max(p99s)) if p99s else None,
                          _median([w.client_cores for w in ws]), _median([w.server_cores for w in ws]),
-                         _median([w.machine_cores for w in ws]), stats))
+                         _median([w.server_wait_cores for w in ws]), _median([w.machine_cores for w in ws]), stats))
     return out
 
 
@@ -524,14 +531,15 @@ def _f(value: float | None, digits: int = 1) -> str:
 def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Sequence[dict]) -> str:
     lines = list(header) + [
         "", "| workload | conc. | phase | requests/s | P50 ms | P99 ms (rounds) | max ms | P99/P50 | errors | "
-            "client cores | server cores | machine cores |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "client cores | server cores | server waiting | machine cores |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ordered = sorted(results, key=lambda r: (WORKLOADS.index(r.workload), r.concurrency, r.phase != "before", r.phase))
     for r in ordered:
         spread = f" ({_f(r.p99_range[0])}-{_f(r.p99_range[1])})" if r.p99_range and r.rounds > 1 else ""
         lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0)} | {_f(r.p50_ms)} | "
                      f"{_f(r.p99_ms)}{spread} | {_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} | "
-                     f"{_f(r.client_cores, 2)} | {_f(r.server_cores, 2)} | {_f(r.machine_cores, 2)} |")
+                     f"{_f(r.client_cores, 2)} | {_f(r.server_cores, 2)} | {_f(r.server_wait_cores, 2)} | "
+                     f"{_f(r.machine_cores, 2)} |")
     if target_rows:
         lines += ["", "| target | value | met |", "| --- | ---: | --- |"]
         for t in target_rows:
@@ -675,7 +683,8 @@ def run(args: argparse.Namespace) -> int:
                         windows.append(window)
                         say(f"{phase:6} {name:28} c{conc:<3} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
                             f"P50 {_f(window.p50_ms):>7}  P99 {_f(window.p99_ms):>7}  max {_f(window.max_ms):>7} ms  "
-                            f"client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} cores  "
+                            f"client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
+                            f"waiting {_f(window.server_wait_cores, 2)} cores  "
                             f"errors {window.errors}" + (f" ({window.first_error})" if window.first_error else ""))
     finally:
         for phase, server in servers.items():
@@ -699,7 +708,8 @@ def run(args: argparse.Namespace) -> int:
         f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
         f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver; "
         "unique texts and images per request (hits: 60 texts sent once first)",
-        "- figures: medians over the rounds (P99 range in brackets), max the largest; cores: CPU seconds per second",
+        "- figures: medians over the rounds (P99 range in brackets), max the largest; cores: CPU seconds per second; "
+        "server waiting: seconds per second the server's threads were runnable but waited for a CPU (schedstat)",
     ]
     table = markdown(header, results, target_rows)
     (out_dir / "summary.md").write_text(table)

@@ -1,4 +1,4 @@
-"""A short run of perf.tail: both phases on their own servers, every figure present and sane.
+"""A short run of perf.tail: both servers at once, phases interleaved, every figure present and sane.
 
 Asserts that the benchmark ran and wrote its table, never the size of the figures (these
 machines are small and shared); the before/after comparison itself is docs/performance.md.
@@ -7,6 +7,8 @@ machines are small and shared); the before/after comparison itself is docs/perfo
 from __future__ import annotations
 
 import csv
+import json
+import shutil
 
 import pytest
 
@@ -19,24 +21,40 @@ def test_before_repository_adds_the_stall_settings_only_to_batching_configs(tmp_
     repo = tail.before_repository(tail.ROOT / "model_repository", tmp_path / "repo")
     tokenizer = (repo / "text_tokenizer" / "config.pbtxt").read_text()
     assert "priority_levels: 2" in tokenizer and "allow_timeout_override: true" in tokenizer
-    assert "priority_levels" not in (repo / "text_embedding" / "config.pbtxt").read_text()  # an ensemble
+    assert "priority_levels:" not in (repo / "text_embedding" / "config.pbtxt").read_text()  # an ensemble
     assert (repo / "text_tokenizer" / "1").is_symlink()
-    assert "priority_levels" not in (tail.ROOT / "model_repository" / "text_tokenizer" / "config.pbtxt").read_text()
+    assert "priority_levels:" not in (tail.ROOT / "model_repository" / "text_tokenizer" / "config.pbtxt").read_text()
 
 
-def test_short_tail_run_measures_both_phases(tmp_path):
+def test_alt_configs_replace_only_the_configs_given(tmp_path):
+    alt = tmp_path / "alt" / "text_tokenizer"
+    alt.mkdir(parents=True)
+    (alt / "config.pbtxt").write_text("# alt\n")
+    repo = tail.before_repository(tail.ROOT / "model_repository", tmp_path / "repo", alt_configs=tmp_path / "alt")
+    assert (repo / "text_tokenizer" / "config.pbtxt").read_text() == "# alt\n"
+    shipped = (tail.ROOT / "model_repository" / "text_encoder" / "config.pbtxt").read_text()
+    assert (repo / "text_encoder" / "config.pbtxt").read_text() == shipped
+
+
+def test_short_tail_run_interleaves_both_phases(tmp_path):
     code = tail.main(["--workloads", "text_tokenizer,text_embedding_cached_hits", "--concurrency", "4",
-                      "--duration", "1.5", "--warmup", "0.5", "--out-dir", str(tmp_path)])
+                      "--rounds", "2", "--duration", "1", "--warmup", "0.5", "--out-dir", str(tmp_path)])
     summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").is_file() else "(no summary.md)"
     assert code == 0, summary
     with (tmp_path / "tail.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert {(r["phase"], r["workload"]) for r in rows} == {
-        (p, w) for p in ("after", "before") for w in ("text_tokenizer", "text_embedding_cached_hits")}, summary
+    # A B, then B A: both phases see the same stretch of the machine.
+    assert [(r["workload"], r["round"], r["phase"]) for r in rows] == [
+        (w, rnd, p) for w in ("text_tokenizer", "text_embedding_cached_hits")
+        for rnd, order in (("1", ("after", "before")), ("2", ("before", "after"))) for p in order], summary
+    client = "wrk" if shutil.which("wrk") else "python"
     for r in rows:
         p50, p99, peak = float(r["p50_ms"]), float(r["p99_ms"]), float(r["max_ms"])
         assert int(r["requests"]) > 0 and int(r["errors"]) == 0, r
         assert 0 < p50 <= p99 <= peak, r
-        assert float(r["rps"]) > 0, r
-    assert "P99 <= 50 ms" in summary  # the targets table (checked at the highest concurrency)
+        assert float(r["rps"]) > 0 and r["client"] == client, r
+        assert 0 <= float(r["client_cores"]) and 0 < float(r["server_cores"]) <= float(r["machine_cores"]) + 0.5, r
+        stats = json.loads(r["stats"])
+        assert stats[r["workload"].replace("_hits", "")]["requests"] >= int(r["requests"]), r
+    assert "P99 <= 50 ms" in summary and "Where the time goes" in summary
     assert (tmp_path / "tritonserver-after.log").is_file() and (tmp_path / "tritonserver-before.log").is_file()
