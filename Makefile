@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -103,6 +103,12 @@ rollout-rollback: $(STAMP)
 	$(PY) -m ops.rollout $(ROLLOUT_OPTS) rollback
 rollout-finish: $(STAMP)
 	$(PY) -m ops.rollout $(ROLLOUT_OPTS) finish $(ROLLOUT_ARGS)
+
+# docker-compose's front door: nginx.conf and the njs check with every model's limits, rendered
+# from deploy/frontdoor/ and model_repository/ into .frontdoor/ (mounted read-only). Run it after
+# `make export` and before `docker-compose up`.
+compose-config: $(STAMP)
+	$(PY) -m server.frontdoor render --out .frontdoor --upstream triton-upstream --listen 0.0.0.0
 
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s

@@ -5,10 +5,16 @@ declared shape before any check) and truncates the declared batch to 32 bits. ng
 njs check in ``deploy/frontdoor/infer_check.js`` refuses such requests with 400; gRPC goes
 through ``grpc_pass`` unchanged (the models check declared batches); metrics answer GET only.
 See docs/security.md.
+
+The launcher starts it itself (``FrontDoor``). For docker-compose the same configuration is
+rendered on the host into a folder the ``frontdoor`` service mounts::
+
+    python -m server.frontdoor render --out .frontdoor   # make compose-config
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -38,6 +44,14 @@ DATATYPES = {
 }
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_RANK = 16
+
+# docker-compose's front door (the official nginx image, which ships njs): where the rendered
+# folder is mounted, the image's njs module, a writable folder of the image for temporary files
+# and the pid, and the network alias both Triton services answer on.
+COMPOSE_MOUNT = "/etc/nginx/frontdoor"
+IMAGE_JS_MODULE = "/etc/nginx/modules/ngx_http_js_module.so"
+COMPOSE_WORKDIR = "/var/cache/nginx"
+COMPOSE_UPSTREAM = "triton-upstream"
 
 
 class FrontDoorError(RuntimeError):
@@ -150,11 +164,14 @@ class FrontDoorPorts:
 
 
 def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: int, workers: int | str = 1,
-           js_module_path: Path | None = None, template: Path = TEMPLATE_DIR / "nginx.conf.template") -> str:
-    """nginx.conf for these ports, with every temporary path in ``workdir``."""
+           js_module_path: Path | str | None = None, template: Path = TEMPLATE_DIR / "nginx.conf.template",
+           error_log: Path | str | None = None) -> str:
+    """nginx.conf for these ports, with every temporary path in ``workdir`` (the error log too,
+    unless ``error_log`` names another file or ``stderr``)."""
     values: Mapping[str, object] = {
         "WORKERS": workers,
         "WORKDIR": workdir,
+        "ERROR_LOG": error_log or f"{workdir}/nginx-error.log",
         "JS_MODULE": js_module_path or js_module(),
         "JS_PATH": js_path,
         "MAX_BODY_BYTES": max_body_bytes,
@@ -174,6 +191,25 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
 
     # Only ${UPPER_CASE} is ours; nginx's own $variables pass through.
     return re.sub(r"\$\{([A-Z_]+)\}", fill, template.read_text(encoding="utf-8"))
+
+
+def write_bundle(out: Path, repository: Path, ports: FrontDoorPorts, *, conf_dir: Path | str | None = None,
+                 workdir: Path | str | None = None, js_module_path: Path | str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, workers: int | str = 1,
+                 error_log: Path | str | None = None) -> Path:
+    """Write ``out/nginx.conf``, ``out/js/infer_check.js`` and ``out/js/limits.js`` (the limits of
+    every model in ``repository``); the path of nginx.conf. ``conf_dir`` is where nginx will see
+    ``out`` (a container's mount point; default ``out`` itself), ``workdir`` its writable folder."""
+    out = Path(out)
+    js_dir = out / "js"
+    js_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(TEMPLATE_DIR / "infer_check.js", js_dir / "infer_check.js")
+    (js_dir / "limits.js").write_text(limits_module(repository, max_body_bytes), encoding="utf-8")
+    seen_at = Path(conf_dir) if conf_dir is not None else out
+    conf = out / "nginx.conf"
+    conf.write_text(render(ports, workdir if workdir is not None else out, seen_at / "js", max_body_bytes, workers,
+                           js_module_path, error_log=error_log), encoding="utf-8")
+    return conf
 
 
 class FrontDoor:
@@ -201,12 +237,8 @@ class FrontDoor:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.workdir / name).mkdir(exist_ok=True)
-        js_dir = self.workdir / "js"
-        js_dir.mkdir(exist_ok=True)
-        shutil.copy2(TEMPLATE_DIR / "infer_check.js", js_dir / "infer_check.js")
-        (js_dir / "limits.js").write_text(limits_module(self.repository, self.max_body_bytes), encoding="utf-8")
-        self.conf_path.write_text(render(self.ports, self.workdir, js_dir, self.max_body_bytes, self.workers),
-                                  encoding="utf-8")
+        write_bundle(self.workdir, self.repository, self.ports, max_body_bytes=self.max_body_bytes,
+                     workers=self.workers, js_module_path=js_module())
         return [nginx_binary(), "-p", str(self.workdir), "-c", str(self.conf_path), "-e", str(self.log_path)]
 
     def check(self) -> None:
@@ -266,3 +298,40 @@ def ports_in_use(host: str, ports: Iterable[int]) -> list[int]:
             if s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0:
                 busy.append(port)
     return busy
+
+
+def compose_ports(listen: str = "0.0.0.0", upstream: str = COMPOSE_UPSTREAM) -> FrontDoorPorts:
+    """The compose front door: 8000/8001/8002 in its container (compose publishes them on the
+    host), tritonserver's 8000/8001/8002 on ``upstream``."""
+    return FrontDoorPorts(listen, 8000, 8001, 8002, upstream, 8000, 8001, 8002)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m server.frontdoor",
+                                     description="Render the front door's nginx configuration for docker-compose.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("render", help="write nginx.conf and js/ (infer_check.js, limits.js) into --out")
+    r.add_argument("--out", type=Path, required=True, help="folder to write (mounted read-only by compose)")
+    r.add_argument("--repository", type=Path, default=ROOT / "model_repository",
+                   help="model repository whose configs give the limits (default: model_repository)")
+    r.add_argument("--upstream", default=COMPOSE_UPSTREAM, help=f"tritonserver's host name (default {COMPOSE_UPSTREAM})")
+    r.add_argument("--listen", default="0.0.0.0", help="address nginx listens on in its container (default 0.0.0.0)")
+    r.add_argument("--mount", default=COMPOSE_MOUNT, help=f"where nginx sees --out (default {COMPOSE_MOUNT})")
+    r.add_argument("--js-module", default=IMAGE_JS_MODULE, help=f"njs module path (default the image's, {IMAGE_JS_MODULE})")
+    r.add_argument("--workdir", default=COMPOSE_WORKDIR, help=f"nginx's writable folder (default {COMPOSE_WORKDIR})")
+    r.add_argument("--error-log", default="stderr", help="error log file, or stderr (default; docker logs)")
+    r.add_argument("--workers", default="auto", help="worker_processes (default auto)")
+    r.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_BYTES // (1024 * 1024),
+                   help="larger request bodies get 413 (default 64)")
+    args = parser.parse_args(argv)
+
+    conf = write_bundle(args.out, args.repository, compose_ports(args.listen, args.upstream), conf_dir=args.mount,
+                        workdir=args.workdir, js_module_path=args.js_module, max_body_bytes=args.max_body_mb << 20,
+                        workers=args.workers, error_log=args.error_log)
+    models = sorted(model_limits(args.repository))
+    print(f"front door: wrote {conf} and {args.out / 'js'} (limits of {len(models)} models: {', '.join(models)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

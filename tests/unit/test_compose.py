@@ -6,6 +6,8 @@ the mounted repository, that the image's pins match the local ones, and what the
 resolve to with no variable set (and with PRECISION set): `docker-compose config` (the Debian
 docker-compose client) where it is installed, else the YAML with compose's ${VAR:-default}
 interpolation applied here. The Dockerfile goes through hadolint where that is installed.
+The front door's configuration, rendered as `make compose-config` does, goes through the real
+`nginx -t` where nginx and its njs module are installed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is not installed; docker-compo
 
 COMPOSE = ROOT / "docker-compose.yml"
 SERVICES = ("triton", "triton-cpu")
+# Each front door and the Triton service it stands in front of.
+FRONT_DOORS = {"frontdoor": "triton", "frontdoor-cpu": "triton-cpu"}
 # What the file needs set to resolve (compose's ${VAR:?} makes it mandatory).
 REQUIRED_ENV = {"TRITON_REPOSITORY_TOKEN": "compose-test-token"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
@@ -133,8 +137,8 @@ def test_build_ports_and_healthcheck(compose, name):
     # The context is the repository root: .dockerignore must keep the venv and models out.
     ignore = (ROOT / ".dockerignore").read_text().split()
     assert ignore[ignore.index("*") + 1] == "!python_backends/"
-    published = {p.rsplit(":", 1)[1] for p in service["ports"]}
-    assert published == {"8000", "8001", "8002"}
+    assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
+    assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002"}
     assert service["entrypoint"][0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's set-up still runs
     assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
 
@@ -186,13 +190,150 @@ def test_each_service_defaults_to_its_hardwares_variant(precision, served):
         assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == variant, name
 
 
-@pytest.mark.parametrize("name", SERVICES)
-def test_ports_are_published_on_localhost_by_default(defaults, name):
-    ports = defaults["services"][name]["ports"]
-    hosts = {str(p).split(":")[0] if isinstance(p, str) else p.get("host_ip") for p in ports}
-    assert hosts == {"127.0.0.1"}, ports
-    opened, _ = resolved(TRITON_PUBLISH_HOST="0.0.0.0")
-    assert {str(p).split(":")[0] for p in opened["services"][name]["ports"]} == {"0.0.0.0"}
+def published(service: dict) -> dict[str, str]:
+    """container port -> host address of a resolved service's published ports."""
+    found = {}
+    for p in service.get("ports") or []:
+        if isinstance(p, str):  # "127.0.0.1:8000:8000/tcp"
+            host, _, target = p.split("/")[0].rpartition(":")
+            found[target] = host.rsplit(":", 1)[0] if host.count(":") else ""
+        else:
+            found[str(p["target"])] = p.get("host_ip", "")
+    return found
+
+
+@pytest.mark.parametrize("profile_env", [{}, {"COMPOSE_PROFILES": "cpu"}])
+def test_only_the_front_doors_publish_ports(profile_env):
+    config, tool = resolved(**profile_env)
+    print(f"resolved by {tool} with {profile_env or 'no profile'}")
+    publishing = {name for name, service in config["services"].items() if published(service)}
+    assert publishing == set(FRONT_DOORS), publishing
+    for name in SERVICES:
+        assert not published(config["services"][name]), f"{name} publishes tritonserver's own ports"
+
+
+@pytest.mark.parametrize("name", FRONT_DOORS)
+def test_front_door_publishes_all_three_ports_on_localhost_by_default(defaults, name):
+    assert published(defaults["services"][name]) == {"8000": "127.0.0.1", "8001": "127.0.0.1", "8002": "127.0.0.1"}
+    opened, _ = resolved(TRITON_PUBLISH_HOST="0.0.0.0", TRITON_HTTP_PORT="9000")
+    ports = opened["services"][name]["ports"]
+    assert set(published(opened["services"][name]).values()) == {"0.0.0.0"}
+    assert any(str(p).startswith("0.0.0.0:9000:8000") or (isinstance(p, dict) and str(p.get("published")) == "9000")
+               for p in ports), ports
+
+
+@pytest.mark.parametrize("name, triton", FRONT_DOORS.items())
+def test_front_door_stands_in_front_of_its_triton_service(compose, defaults, name, triton):
+    from server.frontdoor import COMPOSE_MOUNT, COMPOSE_UPSTREAM
+
+    door, upstream = compose["services"][name], compose["services"][triton]
+    # starts after its Triton service, in the same profile
+    assert triton in defaults["services"][name]["depends_on"]
+    assert door.get("profiles") == upstream.get("profiles")
+    # the alias the rendered nginx.conf proxies to, on the network both share
+    assert COMPOSE_UPSTREAM in upstream["networks"]["default"]["aliases"]
+    assert "networks" not in door or "default" in door["networks"]
+    # the official nginx image, whose njs module the rendered config loads
+    assert re.fullmatch(r"nginx:1\.2[7-9](\.\d+)?", door["image"]), door["image"]
+    source, mode = volume(door, COMPOSE_MOUNT)
+    assert mode == "ro" and source == "./.frontdoor"
+    assert f"exec nginx -c {COMPOSE_MOUNT}/nginx.conf" in door["entrypoint"][-1]
+    # make compose-config renders into the folder compose mounts
+    makefile = (ROOT / "Makefile").read_text()
+    (recipe,) = re.findall(r"^compose-config:.*\n\t(.+)$", makefile, re.M)
+    assert "-m server.frontdoor render" in recipe and f"--out {source[2:]}" in recipe, recipe
+    assert f"--upstream {COMPOSE_UPSTREAM}" in recipe and "--listen 0.0.0.0" in recipe
+    assert any(line.strip() in (".frontdoor/", "/.frontdoor/") for line in (ROOT / ".gitignore").read_text().splitlines())
+    # the Triton healthcheck still calls tritonserver itself inside its container
+    assert "http://localhost:8000/v2/health/ready" in " ".join(upstream["healthcheck"]["test"])
+
+
+def _loaded_with_everything_they_reach(compose) -> set[str]:
+    from server.process import closure
+
+    repository = ROOT / "model_repository"
+    models = set()
+    for name in SERVICES:
+        for model in flags(compose["services"][name])["--load-model"]:
+            models.update(closure(repository, model))
+    return models
+
+
+def _rendered_limits(out: Path) -> dict:
+    import json
+
+    text = (out / "js" / "limits.js").read_text()
+    return json.loads(text.split("export default ", 1)[1].rstrip().rstrip(";"))
+
+
+def test_rendered_limits_cover_every_model_compose_loads(compose, tmp_path):
+    from server.frontdoor import DATATYPES, _parse_config, main, model_config_datatype
+
+    assert main(["render", "--out", str(tmp_path)]) == 0
+    limits = _rendered_limits(tmp_path)["models"]
+    models = _loaded_with_everything_they_reach(compose)
+    assert {"text_embedding", "text_tokenizer", "text_encoder_router", "text_encoder", "image_classifier"} <= models
+    for model in sorted(models):
+        assert model in limits, f"{model} is loaded by compose but has no front door limits"
+        config = _parse_config(ROOT / "model_repository" / model / "config.pbtxt")
+        assert limits[model]["max_batch_size"] >= config.max_batch_size, model
+        for tensor in config.input:
+            spec = limits[model]["inputs"][tensor.name]
+            assert spec["datatype"] == DATATYPES[model_config_datatype(tensor.data_type)], (model, tensor.name)
+    assert limits["text_embedding"]["inputs"]["TEXT"]["max_elements"] == 64
+
+
+def _nginx_t(conf: Path, upstream: str) -> subprocess.CompletedProcess:
+    """``nginx -t`` on ``conf``, with ``upstream`` resolving to 127.0.0.1 as the compose network's DNS
+    resolves it in the container: in a private mount namespace whose /etc/hosts says so (this
+    machine's /etc/hosts is not touched). Without one, the upstream is replaced by 127.0.0.1."""
+    cmd = [shutil.which("nginx"), "-t", "-p", str(conf.parent), "-c", str(conf), "-e", "stderr"]
+    hosts = conf.parent / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {upstream}\n")
+    unshare = shutil.which("unshare")
+    if unshare:
+        ns = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
+        probe = subprocess.run([unshare, *ns, "sh", "-c", 'mount --bind "$0" /etc/hosts', str(hosts)],
+                               capture_output=True, text=True, timeout=60)
+        if probe.returncode == 0:
+            script = 'mount --bind "$0" /etc/hosts && exec "$@"'
+            return subprocess.run([unshare, *ns, "sh", "-c", script, str(hosts), *cmd],
+                                  capture_output=True, text=True, timeout=60)
+        print(f"no private mount namespace here ({probe.stderr.strip()[:200]})")
+    print(f"nginx -t with {upstream} replaced by 127.0.0.1 (its name cannot resolve on this machine)")
+    conf.write_text(conf.read_text().replace(f"server {upstream}:", "server 127.0.0.1:"))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_rendered_compose_config_passes_nginx_t(tmp_path):
+    from server import frontdoor
+
+    shipped, here = tmp_path / "shipped", tmp_path / "here"
+    # what make compose-config writes: the container's paths
+    assert frontdoor.main(["render", "--out", str(shipped), "--upstream", "triton-upstream", "--listen", "0.0.0.0"]) == 0
+    conf = (shipped / "nginx.conf").read_text()
+    assert f"load_module {frontdoor.IMAGE_JS_MODULE};" in conf
+    assert frontdoor.IMAGE_JS_MODULE == "/etc/nginx/modules/ngx_http_js_module.so"  # the official nginx image's
+    assert f"js_path {frontdoor.COMPOSE_MOUNT}/js;" in conf
+    for port in (8000, 8001, 8002):
+        assert f"server triton-upstream:{port};" in conf and f"listen 0.0.0.0:{port}" in conf
+    assert "error_log stderr warn;" in conf and "daemon off;" in conf
+    try:
+        module = frontdoor.js_module()
+        frontdoor.nginx_binary()
+    except frontdoor.FrontDoorError as exc:
+        print(f"nginx -t not run: {exc}")
+        pytest.skip(str(exc))
+    # the same render with only this machine's paths: the njs module, where the folder is, a writable folder
+    assert frontdoor.main(["render", "--out", str(here), "--mount", str(here), "--js-module", str(module),
+                           "--workdir", str(here), "--upstream", "triton-upstream", "--listen", "0.0.0.0"]) == 0
+    changed = {(a, b) for a, b in zip(conf.splitlines(), (here / "nginx.conf").read_text().splitlines()) if a != b}
+    assert all(frontdoor.IMAGE_JS_MODULE in a or frontdoor.COMPOSE_MOUNT in a or frontdoor.COMPOSE_WORKDIR in a
+               for a, _ in changed), changed
+    assert (shipped / "js" / "limits.js").read_text() == (here / "js" / "limits.js").read_text()
+    done = _nginx_t(here / "nginx.conf", "triton-upstream")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test is successful" in done.stderr
 
 
 @pytest.mark.parametrize("name", SERVICES)

@@ -34,6 +34,29 @@ def test_render_fills_every_placeholder_and_keeps_nginx_variables(tmp_path):
     assert f"client_body_temp_path {tmp_path}/client_body;" in conf
 
 
+def test_launcher_keeps_its_error_log_in_the_work_folder(tmp_path):
+    conf = render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path=tmp_path / "m.so")
+    assert f"error_log {tmp_path}/nginx-error.log warn;" in conf
+    assert "error_log stderr warn;" in render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so",
+                                              error_log="stderr")
+
+
+def test_render_command_writes_the_compose_bundle(tmp_path):
+    from server import frontdoor
+
+    out = tmp_path / "out"
+    assert frontdoor.main(["render", "--out", str(out), "--max-body-mb", "2", "--workers", "3"]) == 0
+    conf = (out / "nginx.conf").read_text()
+    assert "${" not in conf and "worker_processes 3;" in conf and "client_max_body_size 2097152;" in conf
+    assert f"pid {frontdoor.COMPOSE_WORKDIR}/nginx.pid;" in conf
+    # the check itself is the launcher's, byte for byte; its limits say the body bound
+    assert (out / "js" / "infer_check.js").read_bytes() == (ROOT / "deploy/frontdoor/infer_check.js").read_bytes()
+    limits = json.loads((out / "js" / "limits.js").read_text().split("export default ", 1)[1].rstrip(";\n"))
+    assert limits["max_body_bytes"] == 2 << 20 and "text_embedding" in limits["models"]
+    with pytest.raises(SystemExit):
+        frontdoor.main(["render"])  # --out is required
+
+
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/setup.sh installs it)")
 def test_generated_configuration_passes_nginx_t(tmp_path):
     FrontDoor(PORTS, tmp_path, ROOT / "model_repository", max_body_bytes=1 << 20).check()
