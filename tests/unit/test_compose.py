@@ -436,3 +436,87 @@ def test_dockerfile_passes_hadolint():
         pytest.skip(reason)
     out = subprocess.run([tool, str(ROOT / "docker" / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp_path):
+    """The compose bundle run by the real nginx in front of a stand-in tritonserver: the request
+    that aborts tritonserver 2.51 is refused (400) and never reaches it; a valid one is passed on."""
+    import http.server
+    import json
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from server import frontdoor
+    from server.process import free_port
+
+    try:
+        module = frontdoor.js_module()
+        frontdoor.nginx_binary()
+    except frontdoor.FrontDoorError as exc:
+        print(f"front door not run: {exc}")
+        pytest.skip(str(exc))
+    seen = []
+
+    class Triton(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            seen.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            body = b'{"model_name":"text_embedding","outputs":[]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Triton)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    public = free_port()
+    assert frontdoor.main(["render", "--out", str(tmp_path), "--mount", str(tmp_path), "--js-module", str(module),
+                           "--workdir", str(tmp_path), "--workers", "1"]) == 0
+    conf = tmp_path / "nginx.conf"
+    # this machine's free ports instead of the container's 8000 (the rest as compose renders it)
+    conf.write_text(conf.read_text().replace("listen 0.0.0.0:8000;", f"listen 127.0.0.1:{public};")
+                    .replace("server triton-upstream:8000;", f"server triton-upstream:{upstream.server_port};")
+                    .replace("listen 0.0.0.0:8001", f"listen 127.0.0.1:{free_port()}")
+                    .replace("listen 0.0.0.0:8002", f"listen 127.0.0.1:{free_port()}"))
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare to resolve triton-upstream in a private mount namespace")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.1 triton-upstream\n")
+    nginx = subprocess.Popen(["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts),
+                              frontdoor.nginx_binary(), "-p", str(tmp_path), "-c", str(conf), "-e", "stderr"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def post(body: dict) -> tuple[int, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{public}/v2/models/text_embedding/infer",
+                                         data=json.dumps(body).encode(), method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        deadline = time.monotonic() + 10
+        while frontdoor.ports_in_use("127.0.0.1", [public]) == []:
+            assert nginx.poll() is None, nginx.stderr.read().decode()
+            assert time.monotonic() < deadline, "nginx did not listen"
+            time.sleep(0.05)
+        status, text = post({"inputs": [{"name": "TEXT", "shape": [1099511627776, 1], "datatype": "INT64", "data": [1]}]})
+        assert status == 400 and "TEXT" in text, (status, text)
+        status, text = post({"inputs": [{"name": "TEXT", "shape": [1099511627776, 1], "datatype": "BYTES", "data": ["a"]}]})
+        assert status == 400 and "batch" in text, (status, text)
+        assert seen == [], "a refused request reached tritonserver"
+        valid = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}]}
+        assert post(valid)[0] == 200
+        assert [path for path, _ in seen] == ["/v2/models/text_embedding/infer"]
+        assert json.loads(seen[0][1]) == valid  # passed on unchanged
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        upstream.shutdown()
