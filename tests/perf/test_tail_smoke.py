@@ -58,3 +58,13 @@ def test_short_tail_run_interleaves_both_phases(tmp_path):
         assert stats[r["workload"].replace("_hits", "")]["requests"] >= int(r["requests"]), r
     assert "P99 <= 50 ms" in summary and "Where the time goes" in summary
     assert (tmp_path / "tritonserver-after.log").is_file() and (tmp_path / "tritonserver-before.log").is_file()
+
+
+def test_wrk_scripts_quote_texts_verbatim_and_make_them_unique():
+    work = tail.workloads("n0nce", ['say "hi" ]] \\ there'])
+    script = tail.wrk_script(work["text_tokenizer"], ['say "hi" ]] \\ there'], "n0nce")
+    assert '[=[say \\"hi\\" ]] \\\\ there]=]' in script  # JSON-escaped, in a long bracket that ]] cannot close
+    assert "n0nce-' .. tid .. '-' .. n" in script and "/v2/models/text_tokenizer/infer" in script
+    assert "math.random(1000, 29999)" in tail.wrk_script(work["text_encoder"], [], "n0nce")
+    with pytest.raises(ValueError):
+        tail.wrk_script(work["image_classification"], [], "n0nce")
