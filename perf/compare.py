@@ -27,26 +27,20 @@ not stabilise is retried once with twice the requests per window while time allo
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime as dt
-import json
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from perf import limit as limit_mod
 from perf import perf_analyzer as pa
-from perf import triton_stats
 
 
 # The targets, checked (not enforced) in the printed ratios.
@@ -58,7 +52,6 @@ TARGET_P99_OVER_P50 = 3.0
 from perf.harness import (DEFAULT_RESULTS, ENCODER, MODEL, PERF_DIR, ROOT, RateSettings, Row, Run,  # noqa: F401
                           disable_all_dynamic_batching, disable_dynamic_batching, ensure_exported, measure,
                           measure_served, new_run, rate_warnings, settings_for, skipped, write_csv)
-from perf.harness import http as _http  # noqa: F401  (the old name)
 
 
 @dataclass

@@ -13,7 +13,6 @@ import csv
 import dataclasses
 import datetime as dt
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field

@@ -8,13 +8,11 @@ retry interval. Tests run in file order; the hot swap is last.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -14,7 +14,6 @@ from python_backends.errors import ConfigError, InputError
 from python_backends.image.preprocess import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    NOT_AN_IMAGE,
     PreprocessOptions,
     center_crop_box,
     decode_image,

@@ -3,7 +3,6 @@
 import os
 import stat
 import time
-from pathlib import Path
 
 import pytest
 
@@ -163,7 +162,7 @@ def test_p99_from_the_router_histogram_per_series():
 def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
     import urllib.request
 
-    from perf import compare
+    from perf import harness
 
     seen = []
 
@@ -185,8 +184,8 @@ def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
 
     monkeypatch.setenv(repository.TOKEN_ENV, "perf-token")
     monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
-    compare._http("http://h:1/v2/repository/models/text_encoder/load", "POST", {})
-    compare._http("http://h:1/v2/models/text_encoder/config")
+    harness.http("http://h:1/v2/repository/models/text_encoder/load", "POST", {})
+    harness.http("http://h:1/v2/models/text_encoder/config")
     assert seen[0][1].get("triton-repository-token") == "perf-token"
     assert "triton-repository-token" not in seen[1][1]
 

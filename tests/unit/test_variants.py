@@ -1,6 +1,5 @@
 """Variant configs, gates and the PRECISION setting (export/variants.py)."""
 
-import json
 import re
 
 import pytest
