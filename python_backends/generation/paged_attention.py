@@ -1,0 +1,223 @@
+"""Paged KV cache and the attention that reads it through block tables.
+
+The pool is preallocated once: per layer one K and one V tensor of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence owns a list of
+physical block numbers (its block table, handed out by the block manager); token ``i``
+of the sequence lives at slot ``block_table[i // block_size] * block_size + i %
+block_size``. Blocks need not be contiguous or ordered, which is what lets sequences
+grow on demand and share prefix blocks without copying.
+
+This module holds tensors and does arithmetic only: which blocks a sequence gets, and
+when they are freed, is the block manager's business. Everything here runs on whatever
+device the pool was created on (CPU in the tests, CUDA on a GPU instance).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def bytes_per_block(
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes one block costs over all layers, K and V: sizes the pool from a byte budget."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def slots_for_positions(
+    block_table: Sequence[int], positions: Sequence[int] | range, block_size: int
+) -> list[int]:
+    """Physical slots of the given token positions of one sequence.
+
+    Raises IndexError when a position lies beyond the blocks the table holds, so a
+    runner that forgot to allocate fails loudly instead of overwriting another sequence.
+    """
+    slots = []
+    for pos in positions:
+        block = pos // block_size
+        if pos < 0 or block >= len(block_table):
+            raise IndexError(
+                f"position {pos} needs block {block}, the table holds {len(block_table)}"
+            )
+        slots.append(block_table[block] * block_size + pos % block_size)
+    return slots
+
+
+def _as_long(x, device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.long)
+    return torch.as_tensor(x, dtype=torch.long, device=device)
+
+
+def pad_block_tables(block_tables: Sequence[Sequence[int]], device=None) -> torch.Tensor:
+    """Block tables of unequal length as one [batch, max_blocks] tensor, padded with -1."""
+    width = max((len(t) for t in block_tables), default=0)
+    out = torch.full((len(block_tables), max(width, 1)), -1, dtype=torch.long)
+    for row, table in enumerate(block_tables):
+        if len(table):
+            out[row, : len(table)] = torch.as_tensor(list(table), dtype=torch.long)
+    return out.to(device) if device is not None else out
+
+
+class PagedKVCache:
+    """The preallocated K/V pool of every layer, and paged attention over it."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: a bug that reads an unwritten slot then gives wrong numbers
+        # that a parity test catches, never NaN that poisons a whole softmax row.
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def nbytes(self) -> int:
+        """Bytes the pool holds (K and V, all layers)."""
+        return self.num_blocks * bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        return self.k_cache[layer].view(shape), self.v_cache[layer].view(shape)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
+        """Store new tokens' K and V ([num_tokens, num_kv_heads, head_dim]) at their slots.
+
+        A slot of -1 is skipped: the runner uses it for padding tokens that must not
+        land anywhere (vLLM's convention).
+        """
+        slots = _as_long(slot_mapping, self.device)
+        expected = (slots.numel(), self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(
+                f"k and v must be {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
+            )
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, k, v = slots[keep], k[keep], v[keep]
+        if slots.numel() and int(slots.max()) >= self.num_slots:
+            raise IndexError(f"slot {int(slots.max())} is beyond the pool's {self.num_slots} slots")
+        flat_k, flat_v = self._flat(layer)
+        flat_k.index_copy_(0, slots, k.to(self.dtype))
+        flat_v.index_copy_(0, slots, v.to(self.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [0, max_len) of each sequence: [batch, max_len, kv_heads, dim].
+
+        Positions past a table's end (padding -1) read slot 0; the caller masks them.
+        """
+        positions = torch.arange(max_len, device=self.device)
+        blocks = block_tables[:, positions // self.block_size].clamp_min(0)
+        slots = blocks * self.block_size + positions % self.block_size
+        flat_k, flat_v = self._flat(layer)
+        return flat_k[slots], flat_v[slots]
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        block_tables,
+        context_lens,
+        query_lens=None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Causal grouped-query attention of a batch of sequences through their block tables.
+
+        ``q`` is ``[num_tokens, num_heads, head_dim]``: the query tokens of every
+        sequence laid end to end (vLLM's flattened layout), ``query_lens[b]`` of them for
+        sequence ``b`` (all 1, the default, is a decode step; more is a prefill chunk).
+        ``context_lens[b]`` counts the sequence's tokens including these queries, whose
+        K/V must already have been written; its queries are therefore positions
+        ``context_lens[b] - query_lens[b] ...  context_lens[b] - 1`` and each attends to
+        every earlier position and itself. A chunk may start anywhere, mid-block too.
+        Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+        Returns ``[num_tokens, num_heads, head_dim]``.
+        """
+        num_tokens, num_heads, head_dim = q.shape
+        if head_dim != self.head_dim or num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"q is [{num_tokens}, {num_heads}, {head_dim}]: heads must be a multiple of "
+                f"{self.num_kv_heads} KV heads and head_dim {self.head_dim}"
+            )
+        device = q.device
+        if isinstance(block_tables, torch.Tensor):
+            tables = block_tables.to(device=device, dtype=torch.long)
+        else:
+            tables = pad_block_tables(block_tables, device)
+        ctx = _as_long(context_lens, device)
+        batch = ctx.numel()
+        qlen = torch.ones(batch, dtype=torch.long, device=device) if query_lens is None else _as_long(query_lens, device)
+        if tables.shape[0] != batch or qlen.numel() != batch:
+            raise ValueError("block_tables, context_lens and query_lens need one entry per sequence")
+        if int(qlen.sum()) != num_tokens:
+            raise ValueError(f"query_lens sum to {int(qlen.sum())}, q has {num_tokens} tokens")
+        if bool((qlen < 1).any()) or bool((qlen > ctx).any()):
+            raise ValueError("each query_len must be between 1 and its context_len")
+        if int(ctx.max()) > tables.shape[1] * self.block_size:
+            raise ValueError("a context_len is beyond what its block table can hold")
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+        max_ctx = int(ctx.max())
+        k, v = self.gather(layer, tables, max_ctx)  # [B, L, Hkv, D]
+        group = num_heads // self.num_kv_heads
+        # [B, Hq, L, D]: repeat_interleave gives query head h the KV head h // group.
+        k = k.to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+        v = v.to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+
+        # Scatter the flat queries into a padded [B, Hq, Qmax, D] batch.
+        max_q = int(qlen.max())
+        starts = torch.cumsum(qlen, 0) - qlen
+        q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen)
+        q_idx = torch.arange(num_tokens, device=device) - starts[q_row]
+        q_pad = q.new_zeros(batch, max_q, num_heads, head_dim)
+        q_pad[q_row, q_idx] = q
+        q_pad = q_pad.permute(0, 2, 1, 3)
+
+        # Query i of sequence b sits at position ctx - qlen + i and sees keys up to it.
+        q_pos = (ctx - qlen)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
+        k_pos = torch.arange(max_ctx, device=device)
+        allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]; q_pos < ctx for real rows
+        # Padding query rows would be all -inf (NaN out of softmax); let them see key 0
+        # and drop them below.
+        allowed[:, :, 0] = True
+        out = F.scaled_dot_product_attention(
+            q_pad, k, v, attn_mask=allowed[:, None, :, :], scale=scale
+        )  # [B, Hq, Qmax, D]
+        return out.permute(0, 2, 1, 3)[q_row, q_idx]
