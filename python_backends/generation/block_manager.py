@@ -1,0 +1,276 @@
+"""The KV block pool: fixed-size blocks, per-sequence block tables and prefix caching.
+
+The pool is preallocated once (the model runner owns the K/V tensors, shaped
+``[num_blocks * block_size, ...]``); this module only decides which physical slot each
+token of each sequence lives in. That split follows vLLM: the block manager is pure
+bookkeeping, so it is tested exhaustively without a model.
+
+Prefix caching: once the K/V of a *full* block has been computed, the block is keyed by
+``hash(prev_block_hash, tokens)``. The chain makes the key depend on every token before
+the block, because a token's K/V depends on all of them. A new sequence whose prompt
+starts with the same full blocks shares them by reference count instead of recomputing
+them. A block whose count drops to 0 keeps its contents and its key, and is reused for
+other data only when the pool has no clean block left, least recently freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+SeqId = Hashable
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool cannot give the next block. The scheduler checks first and preempts instead."""
+
+
+def block_hash(prev_hash: bytes | None, tokens: Iterable[int]) -> bytes:
+    """Key of a full block: its tokens chained with the key of everything before it.
+
+    blake2b over the tokens as int64 bytes, so keys are stable across processes and do
+    not depend on PYTHONHASHSEED (Python's ``hash`` of a tuple does).
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(prev_hash if prev_hash is not None else b"\x00" * 16)
+    h.update(np.asarray(list(tokens), dtype=np.int64).tobytes())
+    return h.digest()
+
+
+@dataclass
+class _SeqBlocks:
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    # Keys of the leading full blocks whose K/V are computed (published or not).
+    hashes: list[bytes] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class BlockManager:
+    """Allocates KV slots to sequences out of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    The scheduler calls :meth:`can_admit` / :meth:`allocate` on admission,
+    :meth:`can_append_slot` / :meth:`append_slot` before each decode,
+    :meth:`mark_computed` after each step (that is when full blocks become shareable),
+    and :meth:`free` exactly once per finished, failed, cancelled or preempted sequence
+    (calling it again is harmless). The runner reads :meth:`block_table` and :meth:`slots`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        # Blocks with count 0 and no key: handed out first, so cached contents live longer.
+        self._clean: deque[int] = deque(range(num_blocks))
+        # Blocks with count 0 that still hold a key, oldest first (LRU eviction order).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[bytes, int] = {}
+        self._seqs: dict[SeqId, _SeqBlocks] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found cached
+        self.evictions = 0
+
+    # ---- counters -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (clean or cached-evictable): what can still be allocated."""
+        return len(self._clean) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that carry a prefix key, held or not."""
+        return len(self._cached)
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def can_allocate(self, n_tokens: int) -> bool:
+        """Whether ``n_tokens`` fresh slots fit in the pool, ignoring prefix hits."""
+        return self.blocks_needed(n_tokens) <= self.num_free_blocks
+
+    # ---- prefix lookup ----------------------------------------------------------------
+    def _hits(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full blocks at the start of ``tokens``.
+
+        At most ``(len - 1) // block_size`` blocks: the last token must always be computed,
+        because its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        prev = None
+        for i in range((len(tokens) - 1) // bs):
+            h = block_hash(prev, tokens[i * bs : (i + 1) * bs])
+            b = self._cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            prev = h
+        return blocks, hashes
+
+    def can_admit(self, tokens: Sequence[int]) -> bool:
+        """Whether a sequence with these prompt tokens can be allocated now, prefix hits counted."""
+        hits, _ = self._hits(tokens)
+        # A hit on a block nobody holds takes it off the free list too.
+        idle_hits = sum(1 for b in hits if self._refcount[b] == 0)
+        need = self.blocks_needed(len(tokens)) - len(hits)
+        return need <= self.num_free_blocks - idle_hits
+
+    # ---- allocation --------------------------------------------------------------------
+    def _take_block(self) -> int:
+        if self._clean:
+            b = self._clean.popleft()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of[b]]
+            self._hash_of[b] = None
+            self.evictions += 1
+        else:
+            raise NoFreeBlocks(f"all {self.num_blocks} KV blocks are in use")
+        self._refcount[b] = 1
+        return b
+
+    def _hold(self, b: int) -> None:
+        if self._refcount[b] == 0:
+            del self._evictable[b]
+        self._refcount[b] += 1
+
+    def allocate(self, seq_id: SeqId, tokens: Sequence[int]) -> int:
+        """Give a new sequence slots for all its prompt ``tokens``; return how many are cached.
+
+        The returned count is a multiple of ``block_size`` and always below ``len(tokens)``:
+        prefill starts at that position. Raises NoFreeBlocks (leaving nothing allocated)
+        when the pool is short; check :meth:`can_admit` first.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        if not tokens:
+            raise ValueError("a sequence needs at least one token")
+        if not self.can_admit(tokens):
+            raise NoFreeBlocks(
+                f"{self.blocks_needed(len(tokens))} blocks needed, {self.num_free_blocks} free"
+            )
+        hits, hashes = self._hits(tokens)
+        for b in hits:
+            self._hold(b)
+        state = _SeqBlocks(blocks=list(hits), tokens=list(tokens), hashes=list(hashes))
+        state.num_computed = len(hits) * self.block_size
+        for _ in range(self.blocks_needed(len(tokens)) - len(hits)):
+            state.blocks.append(self._take_block())
+        self._seqs[seq_id] = state
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += state.num_computed
+        return state.num_computed
+
+    def can_append_slot(self, seq_id: SeqId) -> bool:
+        """Whether the next token of this sequence gets a slot without a new block, or one is free."""
+        s = self._seqs[seq_id]
+        return len(s.tokens) < len(s.blocks) * self.block_size or self.num_free_blocks > 0
+
+    def append_slot(self, seq_id: SeqId, token: int) -> int:
+        """Add ``token`` to the sequence and return the physical slot its K/V go to."""
+        s = self._seqs[seq_id]
+        if len(s.tokens) == len(s.blocks) * self.block_size:
+            s.blocks.append(self._take_block())
+        s.tokens.append(int(token))
+        return self.slot(seq_id, len(s.tokens) - 1)
+
+    def mark_computed(self, seq_id: SeqId, num_computed: int) -> None:
+        """The runner wrote K/V for the first ``num_computed`` tokens: publish full blocks.
+
+        A block joins the prefix cache only now, once its contents are real. If another
+        sequence already published the same key, this block stays private (no duplicates).
+        """
+        s = self._seqs[seq_id]
+        if num_computed > len(s.tokens):
+            raise ValueError(f"{num_computed} computed > {len(s.tokens)} tokens of {seq_id!r}")
+        s.num_computed = max(s.num_computed, num_computed)
+        bs = self.block_size
+        while (len(s.hashes) + 1) * bs <= s.num_computed:
+            i = len(s.hashes)
+            prev = s.hashes[-1] if s.hashes else None
+            h = block_hash(prev, s.tokens[i * bs : (i + 1) * bs])
+            s.hashes.append(h)
+            b = s.blocks[i]
+            if self.enable_prefix_caching and h not in self._cached and self._hash_of[b] is None:
+                self._cached[h] = b
+                self._hash_of[b] = h
+
+    def free(self, seq_id: SeqId) -> bool:
+        """Release the sequence's blocks; idempotent. Returns whether it held any.
+
+        Blocks are released last first, so under LRU the tail of a prompt is evicted
+        before its head (the head is the part other prompts are likeliest to share).
+        """
+        s = self._seqs.pop(seq_id, None)
+        if s is None:
+            return False
+        for b in reversed(s.blocks):
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                if self._hash_of[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._clean.append(b)
+        return True
+
+    # ---- what the runner reads ----------------------------------------------------------
+    def has(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Tokens of the sequence that have a slot."""
+        return len(self._seqs[seq_id].tokens)
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        return list(self._seqs[seq_id].blocks)
+
+    def slot(self, seq_id: SeqId, position: int) -> int:
+        """Physical slot (``block * block_size + offset``) of the token at ``position``."""
+        s = self._seqs[seq_id]
+        if not 0 <= position < len(s.tokens):
+            raise IndexError(f"position {position} outside 0..{len(s.tokens) - 1} of {seq_id!r}")
+        return s.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Slots of positions ``start..end-1`` (the runner's slot mapping for one chunk)."""
+        return [self.slot(seq_id, p) for p in range(start, end)]
+
+    # ---- invariants (tests and debugging) ----------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+        holders = [0] * self.num_blocks
+        for s in self._seqs.values():
+            assert len(s.blocks) == self.blocks_needed(len(s.tokens)), "table size != tokens"
+            assert len(set(s.blocks)) == len(s.blocks), "a block twice in one table"
+            for b in s.blocks:
+                holders[b] += 1
+        assert holders == self._refcount, "refcounts differ from the tables holding blocks"
+        free = list(self._clean) + list(self._evictable)
+        assert len(free) == len(set(free)), "a block twice on the free lists"
+        for b in free:
+            assert self._refcount[b] == 0, f"block {b} is free and referenced"
+        assert len(free) + sum(1 for c in self._refcount if c > 0) == self.num_blocks, "lost blocks"
+        for b in self._clean:
+            assert self._hash_of[b] is None, f"clean block {b} carries a key"
+        for b in self._evictable:
+            assert self._hash_of[b] is not None, f"evictable block {b} has no key"
+        for h, b in self._cached.items():
+            assert self._hash_of[b] == h, "cache map and block keys disagree"
+        assert sum(1 for h in self._hash_of if h is not None) == len(self._cached)

@@ -1,0 +1,227 @@
+"""python_backends.generation.block_manager: slots, prefix sharing, LRU eviction, no leaks."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from python_backends.generation.block_manager import BlockManager, NoFreeBlocks, block_hash
+
+
+def test_slots_follow_the_block_table_and_grow_on_demand():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate("a", [1, 2, 3, 4, 5]) == 0
+    table = bm.block_table("a")
+    assert len(table) == 2 and bm.num_used_blocks == 2
+    assert bm.slots("a", 0, 5) == [table[0] * 4 + i for i in range(4)] + [table[1] * 4]
+    # Positions 5..7 fit in the second block; the 9th token needs a third.
+    for t in (6, 7, 8):
+        bm.append_slot("a", t)
+    assert len(bm.block_table("a")) == 2
+    slot = bm.append_slot("a", 9)
+    table = bm.block_table("a")
+    assert len(table) == 3 and slot == table[2] * 4
+    with pytest.raises(IndexError):
+        bm.slot("a", 9)
+    bm.check_invariants()
+
+
+def test_free_is_idempotent_and_returns_every_block():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate("a", [1, 2, 3])
+    assert bm.free("a") is True
+    assert bm.free("a") is False
+    assert bm.free("never-seen") is False
+    assert bm.num_free_blocks == 4
+    bm.check_invariants()
+
+
+def test_pool_exhaustion_is_an_exception_that_leaves_nothing_allocated():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    assert not bm.can_allocate(5) and bm.can_allocate(4)
+    with pytest.raises(NoFreeBlocks):
+        bm.allocate("a", [1, 2, 3, 4, 5])
+    assert not bm.has("a") and bm.num_free_blocks == 2
+    bm.allocate("b", [1, 2, 3, 4])
+    assert not bm.can_append_slot("b")
+    with pytest.raises(NoFreeBlocks):
+        bm.append_slot("b", 5)
+    bm.check_invariants()
+
+
+def test_block_hash_is_chained_and_independent_of_pythonhashseed():
+    assert block_hash(None, [1, 2]) != block_hash(block_hash(None, [0, 0]), [1, 2])
+    assert block_hash(None, [1, 2]) != block_hash(None, [2, 1])
+    code = (
+        "from python_backends.generation.block_manager import block_hash;"
+        "print(block_hash(block_hash(None, [5, 6]), [7, 8]).hex())"
+    )
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                capture_output=True, text=True, cwd=os.getcwd()).stdout)
+    assert outs == {block_hash(block_hash(None, [5, 6]), [7, 8]).hex() + "\n"}
+
+
+def test_shared_prefix_is_reused_by_refcount_and_counted():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    system = list(range(100, 108))  # two full blocks
+    assert bm.allocate("a", system + [1, 2, 3]) == 0
+    bm.mark_computed("a", 11)
+    assert bm.num_cached_blocks == 2
+    assert bm.allocate("b", system + [9]) == 8
+    assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
+    assert bm.block_table("b")[2] != bm.block_table("a")[2]
+    assert bm._refcount[bm.block_table("a")[0]] == 2
+    assert (bm.prefix_queries, bm.prefix_hits) == (11 + 9, 8)
+    bm.check_invariants()
+    # A different token before the same block: the chained key must not match.
+    assert bm.allocate("c", [0] + system) == 0
+    bm.check_invariants()
+
+
+def test_the_whole_prompt_is_never_reported_cached():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))
+    bm.allocate("a", prompt)
+    bm.mark_computed("a", 8)
+    # The same 8 tokens: only the first block counts, the last token must run for logits.
+    assert bm.allocate("b", prompt) == 4
+    assert bm.allocate("c", prompt + [8]) == 8
+    bm.check_invariants()
+
+
+def test_uncomputed_blocks_are_not_shared():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("a", list(range(9)))
+    bm.mark_computed("a", 3)  # first block not fully computed yet
+    assert bm.allocate("b", list(range(9))) == 0
+    bm.check_invariants()
+
+
+def test_freed_cached_blocks_stay_cached_until_lru_eviction():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate("a", [1, 2, 3])
+    bm.mark_computed("a", 3)
+    bm.free("a")
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 1
+    # Clean blocks go first: 3 fresh blocks still leave the cached one alone.
+    bm.allocate("x", [7, 7, 7, 7, 7, 7])
+    assert bm.num_cached_blocks == 1 and bm.evictions == 0
+    bm.free("x")
+    assert bm.allocate("b", [1, 2, 9]) == 2
+    bm.free("b")
+    # Now the pool is needed whole: the cached block is evicted and its key forgotten.
+    bm.allocate("y", list(range(10, 18)))
+    assert bm.num_cached_blocks == 0 and bm.evictions == 1
+    bm.free("y")
+    assert bm.allocate("c", [1, 2, 9]) == 0
+    bm.check_invariants()
+
+
+def test_eviction_is_least_recently_freed_first_and_tail_before_head():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate("old", [1, 2, 3])
+    bm.mark_computed("old", 3)
+    bm.allocate("new", [5, 6, 7])
+    bm.mark_computed("new", 3)
+    bm.free("old")
+    bm.free("new")
+    # Two clean blocks plus one eviction: the older key goes, the newer stays.
+    bm.allocate("x", [0] * 6)
+    assert bm.evictions == 1
+    bm.free("x")
+    assert bm.allocate("p", [1, 2, 0]) == 0
+    assert bm.allocate("q", [5, 6, 0]) == 2
+    # A multi-block prompt: its last full block is evicted before its first.
+    head_only = BlockManager(num_blocks=3, block_size=2)
+    head_only.allocate("a", [1, 2, 3, 4, 5])
+    head_only.mark_computed("a", 5)
+    head_only.free("a")
+    head_only.allocate("x", [9, 9])
+    head_only.allocate("y", [8, 8])
+    head_only.free("x")
+    head_only.free("y")
+    # Head block [1, 2] survived; the tail block [3, 4] was the one evicted.
+    assert head_only.allocate("b", [1, 2, 3, 4, 0]) == 2
+    head_only.check_invariants()
+
+
+def test_duplicate_contents_publish_one_key():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.allocate("a", [1, 2, 3])
+    bm.allocate("b", [1, 2, 3])  # admitted before a computed anything: no hit
+    bm.mark_computed("a", 3)
+    bm.mark_computed("b", 3)
+    assert bm.num_cached_blocks == 1
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    bm.allocate("a", [1, 2, 3])
+    bm.mark_computed("a", 3)
+    assert bm.allocate("b", [1, 2, 3]) == 0 and bm.num_cached_blocks == 0
+
+
+def test_randomized_admit_grow_finish_cancel_keeps_invariants_and_returns_the_pool():
+    rng = random.Random(1234)
+    bm = BlockManager(num_blocks=48, block_size=4)
+    start_free = bm.num_free_blocks
+    prefixes = [[rng.randrange(50) for _ in range(rng.choice((4, 8, 12)))] for _ in range(4)]
+    live: dict[int, int] = {}  # seq id -> computed tokens
+    next_id = 0
+    hits = 0
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.35 or not live:
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+            if bm.can_admit(prompt):
+                cached = bm.allocate(next_id, prompt)
+                assert cached % 4 == 0 and cached < len(prompt)
+                hits += cached > 0
+                live[next_id] = cached
+                next_id += 1
+            else:
+                with pytest.raises(NoFreeBlocks):
+                    bm.allocate(next_id, prompt)
+                assert not bm.has(next_id)
+        elif op < 0.8:
+            sid = rng.choice(list(live))
+            n = bm.num_tokens(sid)
+            bm.mark_computed(sid, rng.randint(live[sid], n))
+            live[sid] = max(live[sid], bm._seqs[sid].num_computed)
+            if bm.can_append_slot(sid):
+                slot = bm.append_slot(sid, rng.randrange(50))
+                assert slot == bm.slot(sid, n)
+            else:
+                with pytest.raises(NoFreeBlocks):
+                    bm.append_slot(sid, 1)
+        else:  # finish, error or cancellation: the same path, sometimes twice
+            sid = rng.choice(list(live))
+            assert bm.free(sid)
+            if rng.random() < 0.3:
+                assert not bm.free(sid)
+            del live[sid]
+        bm.check_invariants()
+        # No slot is held by two sequences unless it sits in a shared, computed block.
+        owners: dict[int, object] = {}
+        for sid in live:
+            for pos in range(bm._seqs[sid].num_computed, bm.num_tokens(sid)):
+                s = bm.slot(sid, pos)
+                assert s not in owners, "two sequences write the same slot"
+                owners[s] = sid
+    assert hits > 50, "the workload should exercise prefix hits"
+    assert bm.evictions > 0, "the workload should exercise eviction"
+    for sid in list(live):
+        bm.free(sid)
+    bm.check_invariants()
+    assert bm.num_free_blocks == start_free == 48 and bm.num_used_blocks == 0
