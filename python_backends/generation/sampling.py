@@ -1,0 +1,280 @@
+"""Sampling parameters (parsed from the vLLM backend's JSON) and the batched sampler.
+
+Parameters are validated when a request arrives, so one bad request gets its own
+INVALID_ARG and never reaches the batch. The sampler then turns one step's logits of all
+running sequences into their next tokens in one call, each row with its own settings.
+
+Order of the logits processors follows ``transformers`` ``generate()`` (min new tokens,
+repetition penalty, temperature, top-k, top-p), so greedy and seeded outputs can be
+checked token for token against it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from python_backends.errors import InputError
+
+# Limits the caller does not override; generous enough for chat clients, small enough
+# that the per-step stop-string search stays cheap.
+DEFAULT_MAX_STOP = 16
+DEFAULT_MAX_STOP_LEN = 256
+_MAX_SEED = 2**63 - 1
+
+
+class SamplingParamsError(InputError):
+    """A sampling parameter is invalid: that request fails with INVALID_ARG."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings (vLLM names and meanings).
+
+    ``top_k`` 0 and ``top_p`` 1.0 disable those filters; ``temperature`` 0 is greedy.
+    ``ignore_eos`` is the engine's stop check's business: EOS may still be sampled, it
+    just does not end the sequence (as in vLLM).
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+           "ignore_eos", "repetition_penalty")
+
+
+def _int(name, value) -> int:
+    # bool is an int in Python; a client that sends true for max_tokens made a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _float(name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingParamsError(name, f"must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SamplingParamsError(name, f"must be finite, got {value!r}")
+    return value
+
+
+def parse_sampling_params(
+    source: str | bytes | Mapping | None,
+    *,
+    max_tokens_limit: int,
+    default_max_tokens: int = 16,
+    max_stop: int = DEFAULT_MAX_STOP,
+    max_stop_len: int = DEFAULT_MAX_STOP_LEN,
+) -> SamplingParams:
+    """Parse and validate ``sampling_parameters`` (a JSON object, as bytes/str, or a dict).
+
+    ``max_tokens_limit`` is the caller's ceiling (the configured limit, or what the context
+    window leaves after the prompt). Errors name the field and the limit it broke.
+    """
+    if source is None:
+        data: Mapping = {}
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        if isinstance(source, bytes):
+            try:
+                source = source.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SamplingParamsError("sampling_parameters", f"is not UTF-8: {exc}") from None
+        if not source.strip():
+            data = {}
+        else:
+            try:
+                data = json.loads(source)
+            except json.JSONDecodeError as exc:
+                raise SamplingParamsError("sampling_parameters", f"is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise SamplingParamsError(
+                "sampling_parameters", f"must be a JSON object, got {type(data).__name__}"
+            )
+    unknown = sorted(str(k) for k in data if k not in _FIELDS)
+    if unknown:
+        raise SamplingParamsError(
+            unknown[0], f"unknown sampling parameter (known: {', '.join(_FIELDS)})"
+        )
+
+    max_tokens = _int("max_tokens", data.get("max_tokens", default_max_tokens))
+    if max_tokens <= 0:
+        raise SamplingParamsError("max_tokens", f"must be > 0, got {max_tokens}")
+    if max_tokens > max_tokens_limit:
+        raise SamplingParamsError("max_tokens", f"must be <= {max_tokens_limit}, got {max_tokens}")
+    min_tokens = _int("min_tokens", data.get("min_tokens", 0))
+    if not 0 <= min_tokens <= max_tokens:
+        raise SamplingParamsError(
+            "min_tokens", f"must be between 0 and max_tokens ({max_tokens}), got {min_tokens}"
+        )
+    temperature = _float("temperature", data.get("temperature", 1.0))
+    if temperature < 0:
+        raise SamplingParamsError("temperature", f"must be >= 0, got {temperature}")
+    top_p = _float("top_p", data.get("top_p", 1.0))
+    if not 0 < top_p <= 1:
+        raise SamplingParamsError("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = _int("top_k", data.get("top_k", 0))
+    if top_k < 0:
+        raise SamplingParamsError("top_k", f"must be >= 0 (0 disables it), got {top_k}")
+    seed = data.get("seed")
+    if seed is not None:
+        seed = _int("seed", seed)
+        if not 0 <= seed <= _MAX_SEED:
+            raise SamplingParamsError("seed", f"must be between 0 and {_MAX_SEED}, got {seed}")
+    repetition_penalty = _float("repetition_penalty", data.get("repetition_penalty", 1.0))
+    if repetition_penalty <= 0:
+        raise SamplingParamsError("repetition_penalty", f"must be > 0, got {repetition_penalty}")
+    ignore_eos = data.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise SamplingParamsError("ignore_eos", f"must be true or false, got {ignore_eos!r}")
+
+    stop = data.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise SamplingParamsError("stop", "must be a string or a list of strings")
+    if len(stop) > max_stop:
+        raise SamplingParamsError("stop", f"at most {max_stop} stop strings, got {len(stop)}")
+    for s in stop:
+        if not s:
+            raise SamplingParamsError("stop", "stop strings must not be empty")
+        if len(s) > max_stop_len:
+            raise SamplingParamsError(
+                "stop", f"each stop string must be <= {max_stop_len} characters, got {len(s)}"
+            )
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+        repetition_penalty=repetition_penalty,
+    )
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-sequence generator of a seeded request; the sequence keeps it for all steps."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int], penalty: float) -> torch.Tensor:
+    """One row, in place, as transformers does: positive logits / penalty, negative x penalty."""
+    if penalty == 1.0 or len(token_ids) == 0:
+        return logits
+    idx = torch.as_tensor(list(token_ids), dtype=torch.long, device=logits.device).unique()
+    picked = logits[idx]
+    logits[idx] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p drop, row by row. ``[B, V]``, ``[B]``, ``[B]``.
+
+    top-k keeps the k largest logits (0 keeps all). top-p keeps the smallest set of the
+    most likely tokens whose probability sums to at least p (always at least one).
+    """
+    vocab = logits.shape[-1]
+    # Stable sort: equal logits keep their index order, so a row's result never depends on
+    # which other rows share the batch.
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab).clamp_max(vocab)[:, None]
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop |= mass_before >= top_p[:, None].to(probs.dtype)
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+class Sampler:
+    """Next tokens for one step of the batch: greedy rows by argmax, others sampled.
+
+    Sampling uses the exponential-race form (argmax of probs / Exp(1) noise, as vLLM
+    does), which draws the same number of random values per row whatever the row's
+    filters; a seeded row draws them from its own generator, so its tokens are the same
+    alone and in any batch.
+    """
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()):
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        token_ids: Sequence[Sequence[int]] | None = None,
+        num_generated: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """``logits`` [batch, vocab] of each sequence's last position -> token ids [batch].
+
+        ``token_ids[b]`` is the sequence so far (prompt and output: what the repetition
+        penalty looks at), ``num_generated[b]`` how many tokens it has produced (EOS is
+        suppressed while that is below ``min_tokens``), ``generators[b]`` the seeded
+        row's generator from :func:`make_generator`.
+        """
+        batch, vocab = logits.shape
+        if len(params) != batch:
+            raise ValueError(f"{len(params)} params for {batch} rows")
+        logits = logits.float().clone()  # processors work in place; FP32 like transformers' output
+        for b, p in enumerate(params):
+            if self.eos_token_ids and num_generated is not None and num_generated[b] < p.min_tokens:
+                logits[b, self.eos_token_ids] = float("-inf")
+            if p.repetition_penalty != 1.0 and token_ids is not None:
+                apply_repetition_penalty(logits[b], token_ids[b], p.repetition_penalty)
+
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        out = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return out
+        rows = (~greedy).nonzero().flatten()
+        sub = [params[i] for i in rows.tolist()]
+        temps = torch.tensor([p.temperature for p in sub], device=logits.device)[:, None]
+        scaled = logits[rows] / temps
+        if any(p.top_k or p.top_p < 1.0 for p in sub):
+            scaled = apply_top_k_top_p(
+                scaled,
+                torch.tensor([p.top_k for p in sub], device=logits.device),
+                torch.tensor([p.top_p for p in sub], device=logits.device),
+            )
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = []
+        for j, i in enumerate(rows.tolist()):
+            gen = generators[i] if generators is not None else None
+            if gen is None:
+                unseeded.append(j)
+            else:
+                noise[j].exponential_(generator=gen)
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=logits.device).exponential_()
+        out[rows] = (probs / noise).argmax(dim=-1)
+        return out

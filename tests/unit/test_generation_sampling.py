@@ -1,0 +1,188 @@
+"""Sampling parameters' validation and the batched sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from python_backends.errors import InputError
+from python_backends.generation.sampling import (
+    Sampler,
+    SamplingParams,
+    SamplingParamsError,
+    apply_repetition_penalty,
+    apply_top_k_top_p,
+    make_generator,
+    parse_sampling_params,
+)
+
+VOCAB = 500
+EOS = 7
+
+
+def parse(source, limit=256, **kw):
+    return parse_sampling_params(source, max_tokens_limit=limit, **kw)
+
+
+# ---- parameters -----------------------------------------------------------------------
+
+def test_parse_full_json_and_defaults():
+    p = parse(b'{"max_tokens": 32, "min_tokens": 2, "temperature": 0, "top_p": 0.9, "top_k": 40,'
+              b' "seed": 5, "stop": ["\\n\\n", "User:"], "ignore_eos": true, "repetition_penalty": 1.1}')
+    assert p == SamplingParams(32, 2, 0.0, 0.9, 40, 5, ("\n\n", "User:"), True, 1.1)
+    assert p.greedy
+    assert parse(None) == parse(b"") == parse({}) == SamplingParams()
+    assert parse('{"stop": "###"}').stop == ("###",)
+    assert parse({"temperature": 1}).temperature == 1.0  # an int is a fine number
+    assert parse({}, default_max_tokens=64).max_tokens == 64
+
+
+@pytest.mark.parametrize(
+    "source, field, words",
+    [
+        ('{"max_tokens": 3', "sampling_parameters", "not valid JSON"),
+        (b"\xff\xfe", "sampling_parameters", "not UTF-8"),
+        ("[1, 2]", "sampling_parameters", "must be a JSON object"),
+        ({"n": 2}, "n", "unknown sampling parameter"),
+        ({"max_tokens": 0}, "max_tokens", "must be > 0"),
+        ({"max_tokens": -4}, "max_tokens", "must be > 0"),
+        ({"max_tokens": 257}, "max_tokens", "must be <= 256, got 257"),
+        ({"max_tokens": "12"}, "max_tokens", "must be an integer"),
+        ({"max_tokens": 12.0}, "max_tokens", "must be an integer"),
+        ({"max_tokens": True}, "max_tokens", "must be an integer"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "between 0 and max_tokens (10)"),
+        ({"temperature": -0.1}, "temperature", "must be >= 0"),
+        ({"temperature": "hot"}, "temperature", "must be a number"),
+        ({"temperature": float("nan")}, "temperature", "must be finite"),
+        ({"top_p": 0}, "top_p", "must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p", "must be in (0, 1]"),
+        ({"top_k": -1}, "top_k", "must be >= 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "must be > 0"),
+        ({"seed": -1}, "seed", "between 0 and"),
+        ({"seed": 1.5}, "seed", "must be an integer"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
+        ({"stop": ["a"] * 17}, "stop", "at most 16 stop strings, got 17"),
+        ({"stop": ["x" * 257]}, "stop", "<= 256 characters, got 257"),
+        ({"stop": [""]}, "stop", "must not be empty"),
+        ({"stop": [1]}, "stop", "string or a list of strings"),
+    ],
+)
+def test_parse_errors_name_the_field_and_limit(source, field, words):
+    with pytest.raises(SamplingParamsError) as info:
+        parse(source)
+    assert info.value.field == field
+    assert words in str(info.value)
+    assert str(info.value).startswith(f"{field}: ")
+    assert isinstance(info.value, InputError)  # the shims map it to INVALID_ARG
+
+
+def test_stop_limits_come_from_the_caller():
+    with pytest.raises(SamplingParamsError, match="at most 2 stop strings, got 3"):
+        parse({"stop": ["a", "b", "c"]}, max_stop=2)
+    with pytest.raises(SamplingParamsError, match="<= 4 characters, got 5"):
+        parse({"stop": "abcde"}, max_stop_len=4)
+
+
+# ---- sampler --------------------------------------------------------------------------
+
+def rand_logits(batch, seed=0):
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    logits = rand_logits(6)
+    sampler = Sampler()
+    greedy = sampler(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert torch.equal(greedy, logits.argmax(-1))
+    top1 = sampler(logits, [SamplingParams(temperature=1.3, top_k=1)] * 6)
+    assert torch.equal(top1, greedy)
+
+
+def test_seeded_row_same_alone_and_in_any_batch():
+    steps, sampler = 20, Sampler()
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, seed=99, top_k=5)]
+
+    def run(position, companions):
+        gens = [make_generator(p.seed) for p in companions]
+        gens.insert(position, make_generator(seeded.seed))
+        params = list(companions)
+        params.insert(position, seeded)
+        tokens = []
+        for step in range(steps):
+            logits = rand_logits(len(params), seed=100 + step)
+            # The seeded row sees the same logits in every layout.
+            logits[position] = rand_logits(1, seed=step)[0]
+            tokens.append(sampler(logits, params, generators=gens)[position].item())
+        return tokens
+
+    alone = run(0, [])
+    assert len(set(alone)) > 3  # really sampling, not stuck on one token
+    assert run(0, others) == alone
+    assert run(2, others) == alone
+    assert run(3, others[::-1]) == alone
+    # A different seed gives different tokens: the assert above can fail.
+    gens = [make_generator(4321)]
+    other = [sampler(rand_logits(1, seed=s), [seeded], generators=gens).item() for s in range(steps)]
+    assert other != alone
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs.log()
+    def kept(top_p, top_k=0):
+        out = apply_top_k_top_p(logits.clone(), torch.tensor([top_k]), torch.tensor([top_p]))
+        return set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+    assert kept(0.4) == {1}
+    assert kept(0.75) == {1, 3}
+    assert kept(0.85) == {1, 3, 2}
+    assert kept(1.0) == {0, 1, 2, 3}
+    assert kept(1.0, top_k=2) == {1, 3}
+    assert kept(0.6, top_k=3) == {1, 3}
+    # Sampled tokens never leave the nucleus.
+    sampler, p = Sampler(), SamplingParams(temperature=1.0, top_p=0.75, seed=3)
+    gen = make_generator(3)
+    seen = {sampler(logits, [p], generators=[gen]).item() for _ in range(300)}
+    assert seen == {1, 3}
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = rand_logits(4, seed=5)
+    history = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (1, 10, 40, 40)]
+    history[3][:20] = history[3][0]  # repeated ids are penalised once
+    sampler = Sampler()
+    for penalty in (1.3, 0.7):
+        for b, ids in enumerate(history):
+            ref = RepetitionPenaltyLogitsProcessor(penalty)(ids[None, :], logits[b : b + 1].clone())
+            params = [SamplingParams(temperature=0.0, repetition_penalty=penalty)]
+            mine = apply_repetition_penalty(logits[b].clone(), ids.tolist(), penalty)
+            assert torch.allclose(mine, ref[0], atol=0, rtol=0)
+            # Greedy with the penalty picks the argmax of the penalised row.
+            assert sampler(logits[b : b + 1], params, token_ids=[ids.tolist()]).item() == ref[0].argmax().item()
+
+
+def test_min_tokens_suppresses_eos():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, EOS] = 50.0
+    sampler = Sampler(eos_token_ids=[EOS])
+    params = [SamplingParams(temperature=0.0, min_tokens=3)] * 2
+    out = sampler(logits, params, num_generated=[2, 3])
+    assert out[0].item() != EOS
+    assert out[1].item() == EOS
+    sampled = sampler(logits[:1], [SamplingParams(temperature=1.0, min_tokens=1, seed=0)],
+                      num_generated=[0], generators=[make_generator(0)])
+    assert sampled.item() != EOS
+
+
+def test_mixed_batch_shapes_and_errors():
+    sampler = Sampler()
+    logits = rand_logits(3)
+    out = sampler(logits, [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_k=3)])
+    assert out.shape == (3,) and out.dtype == torch.long
+    assert out[0].item() == logits[0].argmax().item()
+    assert out[2].item() in logits[2].topk(3).indices.tolist()
+    with pytest.raises(ValueError, match="2 params for 3 rows"):
+        sampler(logits, [SamplingParams()] * 2)
