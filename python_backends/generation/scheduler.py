@@ -1,0 +1,328 @@
+"""Continuous batching: which sequences run in the next engine step, and how many tokens each.
+
+No model calls here. One engine loop calls :meth:`Scheduler.schedule`, runs one batched
+forward over the returned plan, samples a token for every entry whose ``samples`` is
+true and hands them back with :meth:`Scheduler.update`. New requests join between steps.
+
+The policy follows vLLM's: under a per-step token budget, every running decode gets its
+one token first, so streams never stall; what is left goes to prefill, in chunks, so a
+long prompt is split across steps instead of blocking everyone for its whole length.
+When the pool cannot give a running sequence its next slot, the most recently admitted
+running sequence is preempted by recompute: its blocks are freed and it goes back to the
+front of the queue with its generated tokens appended to what must be recomputed (on
+resume the prefix cache usually finds its prompt blocks still there).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence as Seq
+
+from python_backends.errors import InputError
+from python_backends.generation.block_manager import BlockManager
+
+SeqId = Hashable
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``max_waiting``: refuse the request now (Triton UNAVAILABLE)."""
+
+
+class ContextTooLong(InputError):
+    """prompt + max_tokens exceed the context limit (Triton INVALID_ARG)."""
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens reached
+    STOP = "stop"  # EOS or a stop string, decided by the caller
+    ABORT = "abort"  # cancelled by the client or failed
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the scheduler sees it. ``tokens`` = prompt + generated so far."""
+
+    seq_id: SeqId
+    prompt_tokens: list[int]
+    max_tokens: int
+    arrival: int
+    output_tokens: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V are in the cache; the rest (at least one) still have to run.
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at the latest admission.
+    num_cached_tokens: int = 0
+    # Tokens to prefill since the latest admission: the prompt, plus the generated
+    # tokens after a preemption (recompute). Beyond them the sequence decodes.
+    num_prefill_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_tokens) + len(self.output_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class ScheduledChunk:
+    """Run ``token_ids`` (positions ``start..end-1``) of one sequence this step.
+
+    ``slots`` is where the runner writes their K/V; attention reads positions
+    ``0..end-1`` through ``block_table``. ``samples``: the chunk reaches the end of the
+    sequence, so the logits of its last position give the next token.
+    """
+
+    seq_id: SeqId
+    start: int
+    end: int
+    token_ids: list[int]
+    slots: list[int]
+    block_table: list[int]
+    is_prefill: bool
+    samples: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: decodes first (one token each), then prefill chunks."""
+
+    decodes: list[ScheduledChunk]
+    prefills: list[ScheduledChunk]
+    preempted: list[SeqId]
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    """Admission, chunked prefill, decode batching, preemption and abort over a BlockManager."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_waiting: int,
+        max_model_len: int,
+    ):
+        if max_num_seqs <= 0 or max_waiting < 0 or max_model_len <= 0:
+            raise ValueError("max_num_seqs and max_model_len must be > 0, max_waiting >= 0")
+        if max_num_batched_tokens < max_num_seqs:
+            # Otherwise some running decode would get no token in a full step.
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({max_num_seqs})"
+            )
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._seqs: dict[SeqId, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------
+    def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int) -> Sequence:
+        """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already scheduled")
+        if len(prompt_tokens) == 0:
+            raise InputError("text_input", "the prompt has no tokens")
+        if max_tokens <= 0:
+            raise InputError("max_tokens", f"must be > 0, got {max_tokens}")
+        total = len(prompt_tokens) + max_tokens
+        if total > self.max_model_len:
+            raise ContextTooLong(
+                "max_tokens",
+                f"the prompt has {len(prompt_tokens)} tokens and max_tokens is {max_tokens}: "
+                f"{total} exceeds the context limit of {self.max_model_len} tokens",
+            )
+        # The last generated token is never fed back, hence total - 1 slots at most.
+        need = self.bm.blocks_needed(total - 1)
+        if need > self.bm.num_blocks:
+            raise ContextTooLong(
+                "max_tokens",
+                f"the prompt has {len(prompt_tokens)} tokens and max_tokens is {max_tokens}: "
+                f"{need} KV blocks would be needed, the pool has {self.bm.num_blocks}",
+            )
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(
+                f"{len(self.waiting)} requests already waiting (max_waiting={self.max_waiting})"
+            )
+        seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals))
+        self.waiting.append(seq)
+        self._seqs[seq_id] = seq
+        return seq
+
+    def get(self, seq_id: SeqId) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def abort(self, seq_id: SeqId) -> bool:
+        """Cancel a waiting or running sequence now, freeing its blocks; idempotent."""
+        return self.finish(seq_id, FinishReason.ABORT)
+
+    def finish(self, seq_id: SeqId, reason: FinishReason) -> bool:
+        """End a sequence (EOS, stop string, error, cancellation): one path that frees it."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        self.bm.free(seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # ---- one step ------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, n: int, is_prefill: bool) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        end = start + n
+        tokens = seq.tokens
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            start=start,
+            end=end,
+            token_ids=tokens[start:end],
+            slots=self.bm.slots(seq.seq_id, start, end),
+            block_table=self.bm.block_table(seq.seq_id),
+            is_prefill=is_prefill,
+            samples=end == seq.num_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within ``max_num_batched_tokens`` and ``max_num_seqs``."""
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        preempted: list[SeqId] = []
+
+        # 1. Decodes: running sequences whose prompt is computed, oldest first.
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop
+            if seq.num_computed_tokens < seq.num_prefill_tokens:
+                continue  # still in prefill: step 2
+            # Its last sampled token needs a slot; make room by preempting the newest.
+            while not self.bm.can_append_slot(seq.seq_id):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if self.bm.num_tokens(seq.seq_id) < seq.num_tokens:
+                self.bm.append_slot(seq.seq_id, seq.output_tokens[-1])
+            decodes.append(self._chunk(seq, 1, is_prefill=False))
+            budget -= 1
+
+        # 2. Running prefills carry on in chunks (their prompt slots exist since admission).
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_computed_tokens >= seq.num_prefill_tokens:
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            prefills.append(self._chunk(seq, n, is_prefill=True))
+            budget -= n
+
+        # 3. Admit waiting requests in FIFO order; none after a preemption this step
+        # (the pool is short), and never skip the head (no starvation of long prompts).
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            if not self.bm.can_admit(seq.tokens):
+                break
+            self.waiting.popleft()
+            seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.tokens)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.num_prefill_tokens = seq.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            prefills.append(self._chunk(seq, n, is_prefill=True))
+            budget -= n
+
+        return SchedulerOutput(decodes=decodes, prefills=prefills, preempted=preempted)
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int]) -> list[Sequence]:
+        """Record a finished step: computed tokens, and one new token per sampling chunk.
+
+        Returns the sequences that got a token (finished ones included, with
+        ``finish_reason`` LENGTH when they reached max_tokens). Chunks of sequences aborted
+        since :meth:`schedule` are ignored.
+        """
+        new: list[Sequence] = []
+        for chunk in output.chunks:
+            seq = self._seqs.get(chunk.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = chunk.end
+            self.bm.mark_computed(seq.seq_id, chunk.end)
+            if not chunk.samples:
+                continue
+            seq.output_tokens.append(int(sampled[chunk.seq_id]))
+            new.append(seq)
+            if len(seq.output_tokens) >= seq.max_tokens:
+                self.finish(seq.seq_id, FinishReason.LENGTH)
+        return new
