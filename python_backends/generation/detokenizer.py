@@ -87,13 +87,22 @@ class IncrementalDetokenizer:
         return self.text[: self.emitted]
 
     def _held_for_stop(self) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string.
+
+        Only tails that start with a stop string's first character are tried, so the
+        per-step cost stays small with many long stop strings.
+        """
         longest = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:k]):
-                    longest = k
+            if len(s) < 2:
+                continue
+            tail = self.text[-(len(s) - 1):]
+            i = tail.find(s[0])
+            while i != -1 and len(tail) - i > longest:
+                if s.startswith(tail[i:]):
+                    longest = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return longest
 
     def step(self, output_ids: Sequence[int]) -> DetokenizerOutput:
@@ -102,7 +111,8 @@ class IncrementalDetokenizer:
             return DetokenizerOutput("", self.finish_reason)
         if len(output_ids) < self._seen:
             raise ValueError(f"output ids shrank from {self._seen} to {len(output_ids)}")
-        ids = self._ids = self._prompt + list(output_ids)
+        self._ids.extend(output_ids[self._seen :])
+        ids = self._ids
         before = len(self.text)
         piece, self._prefix_offset, self._read_offset = detokenize_incrementally(
             self.tokenizer, ids, self._prefix_offset, self._read_offset, self.skip_special_tokens

@@ -158,3 +158,22 @@ def test_low_level_offsets(tok):
         outs.append(piece)
     assert outs[:-1] == [""] * (len(ids) - 1) and outs[-1] == "😀"
     assert (prefix, read) == (0, len(ids))
+
+
+@pytest.mark.parametrize(
+    "text, stops, streamed",
+    [
+        ("xaba", ["abab"], "x"),  # the longest held tail, not the first one found
+        ("xabab", ["ababc"], "x"),
+        ("xabab", ["abc"], "xab"),
+        ("naïve aa", ["aab", "zz"], "naïve "),
+        ("café a", ["b", "ab"], "café "),
+        ("café", ["éx"], "caf"),
+    ],
+)
+def test_hold_back_is_the_longest_possible_stop_start(tok, text, stops, streamed):
+    detok = IncrementalDetokenizer(tok, stop=stops)
+    out = detok.step(tok.encode(text).ids)
+    assert out.finish_reason is None
+    assert detok.output_text == streamed
+    assert out.text + detok.finish().text == text
