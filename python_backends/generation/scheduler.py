@@ -18,8 +18,9 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
+from collections.abc import Hashable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence as Seq
 
 from python_backends.errors import InputError
 from python_backends.generation.block_manager import BlockManager
@@ -219,6 +220,19 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
+
+    def stats(self) -> dict[str, int]:
+        """Gauges and counters for the metrics port, read once per engine step."""
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "kv_blocks_used": self.bm.num_used_blocks,
+            "kv_blocks_total": self.bm.num_blocks,
+            "kv_blocks_cached": self.bm.num_cached_blocks,
+            "prefix_cache_queries": self.bm.prefix_queries,
+            "prefix_cache_hits": self.bm.prefix_hits,
+            "num_preemptions": self.num_preemptions,
+        }
 
     # ---- one step ------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, n: int, is_prefill: bool) -> ScheduledChunk:

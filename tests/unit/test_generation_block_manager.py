@@ -9,7 +9,11 @@ import sys
 
 import pytest
 
-from python_backends.generation.block_manager import BlockManager, NoFreeBlocks, block_hash
+from python_backends.generation.block_manager import (
+    BlockManager,
+    NoFreeBlocks,
+    block_hash,
+)
 
 
 def test_slots_follow_the_block_table_and_grow_on_demand():

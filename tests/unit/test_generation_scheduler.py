@@ -93,7 +93,7 @@ def test_all_sequences_complete_with_the_reference_tokens_and_the_pool_returns()
 
 
 def test_budget_and_seq_cap_hold_every_step_and_decodes_come_first():
-    bm, sched, runner = make(max_num_seqs=4, budget=10)
+    _bm, sched, runner = make(max_num_seqs=4, budget=10)
     for i in range(10):
         sched.add(i, list(range(1, 30)), max_tokens=5)
 
@@ -289,3 +289,26 @@ def test_randomized_arrivals_and_cancellations_leave_the_pool_as_it_started():
     for seq in finished:
         assert seq.output_tokens == reference_output(prompts[seq.seq_id], seq.max_tokens)
     assert bm.num_free_blocks == bm.num_blocks and bm.num_used_blocks == 0
+
+
+def test_a_stop_decided_by_the_engine_ends_the_sequence_and_stats_follow():
+    bm, sched, runner = make(num_blocks=16, block_size=4, budget=16)
+    sched.add("a", [1, 2, 3, 4, 5], max_tokens=10)
+    sched.add("b", [1, 2, 3, 4, 9], max_tokens=10)
+    sched.add("c", [7], max_tokens=10)
+    out = sched.schedule()
+    got = sched.update(out, runner.step(sched, out))
+    assert {s.seq_id for s in got} == {"a", "b", "c"}
+    st = sched.stats()
+    assert st["num_requests_running"] == 3 and st["num_requests_waiting"] == 0
+    assert st["kv_blocks_used"] == 2 + 2 + 1 and st["kv_blocks_total"] == 16
+    assert st["prefix_cache_queries"] == 11 and st["prefix_cache_hits"] == 0
+    assert sched.finish("a", FinishReason.STOP)  # e.g. EOS or a stop string
+    assert sched.get("a") is None and not bm.has("a")
+    sched.add("d", [1, 2, 3, 4, 6], max_tokens=1)
+    sched.schedule()
+    st = sched.stats()
+    assert st["prefix_cache_hits"] == 4 and st["kv_blocks_cached"] >= 1
+    for sid in ("b", "c", "d"):
+        sched.abort(sid)
+    assert sched.stats()["kv_blocks_used"] == 0 and sched.stats()["num_requests_running"] == 0
