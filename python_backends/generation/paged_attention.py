@@ -141,13 +141,17 @@ class PagedKVCache:
     def gather(self, layer: int, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [0, max_len) of each sequence: [batch, max_len, kv_heads, dim].
 
-        Positions past a table's end (padding -1) read slot 0; the caller masks them.
+        Positions past a table's end (padding -1) read block 0; the caller masks them.
+        Whole blocks are copied with index_select, several times faster on CPU than
+        indexing slot by slot.
         """
-        positions = torch.arange(max_len, device=self.device)
-        blocks = block_tables[:, positions // self.block_size].clamp_min(0)
-        slots = blocks * self.block_size + positions % self.block_size
-        flat_k, flat_v = self._flat(layer)
-        return flat_k[slots], flat_v[slots]
+        batch = block_tables.shape[0]
+        num = -(-max_len // self.block_size)
+        blocks = block_tables[:, :num].clamp_min(0).reshape(-1)
+        shape = (batch, num * self.block_size, self.num_kv_heads, self.head_dim)
+        k = self.k_cache[layer].index_select(0, blocks).view(shape)[:, :max_len]
+        v = self.v_cache[layer].index_select(0, blocks).view(shape)[:, :max_len]
+        return k, v
 
     def attention(
         self,
@@ -196,19 +200,23 @@ class PagedKVCache:
 
         max_ctx = int(ctx.max())
         k, v = self.gather(layer, tables, max_ctx)  # [B, L, Hkv, D]
+        # [B, Hkv, L, D]; K/V are not repeated per query head: the `group` query heads
+        # that share KV head j are folded into the query axis instead (head h = j * group
+        # + g reads KV head h // group), which saves copying K/V `group` times.
+        k = k.to(q.dtype).transpose(1, 2)
+        v = v.to(q.dtype).transpose(1, 2)
         group = num_heads // self.num_kv_heads
-        # [B, Hq, L, D]: repeat_interleave gives query head h the KV head h // group.
-        k = k.to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
-        v = v.to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
 
-        # Scatter the flat queries into a padded [B, Hq, Qmax, D] batch.
+        # Scatter the flat queries into a padded [B, Qmax, Hq, D] batch.
         max_q = int(qlen.max())
         starts = torch.cumsum(qlen, 0) - qlen
         q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen)
         q_idx = torch.arange(num_tokens, device=device) - starts[q_row]
         q_pad = q.new_zeros(batch, max_q, num_heads, head_dim)
         q_pad[q_row, q_idx] = q
-        q_pad = q_pad.permute(0, 2, 1, 3)
+        # -> [B, Hkv, group * Qmax, D], query axis ordered (g, i).
+        q_pad = q_pad.view(batch, max_q, self.num_kv_heads, group, head_dim)
+        q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(batch, self.num_kv_heads, group * max_q, head_dim)
 
         # Query i of sequence b sits at position ctx - qlen + i and sees keys up to it.
         q_pos = (ctx - qlen)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
@@ -217,7 +225,9 @@ class PagedKVCache:
         # Padding query rows would be all -inf (NaN out of softmax); let them see key 0
         # and drop them below.
         allowed[:, :, 0] = True
-        out = F.scaled_dot_product_attention(
-            q_pad, k, v, attn_mask=allowed[:, None, :, :], scale=scale
-        )  # [B, Hq, Qmax, D]
-        return out.permute(0, 2, 1, 3)[q_row, q_idx]
+        mask = allowed[:, None, None, :, :].expand(batch, 1, group, max_q, max_ctx)
+        mask = mask.reshape(batch, 1, group * max_q, max_ctx)
+        out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask, scale=scale)
+        out = out.view(batch, self.num_kv_heads, group, max_q, head_dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
+        return out[q_row, q_idx]

@@ -193,34 +193,61 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int], pen
     return logits
 
 
+# The nucleus is first looked for among this many most likely tokens (a partial top-k
+# instead of sorting the whole vocabulary: far cheaper at 49k tokens); a row whose nucleus
+# is wider falls back to the full sort, so the result is exact either way.
+_NUCLEUS_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) what top-k and top-p drop, row by row. ``[B, V]``, ``[B]``, ``[B]``.
 
-    top-k keeps the k largest logits (0 keeps all). top-p keeps the smallest set of the
-    most likely tokens whose probability sums to at least p (always at least one).
+    top-k keeps every logit at least as large as the k-th largest (0 keeps all). top-p then
+    keeps the smallest set of the most likely tokens whose probability sums to at least p
+    (always at least one). Both are thresholds on values, so tokens tied with the last one
+    kept are kept too (transformers' TopKLogitsWarper does the same for top-k), and a
+    row's result depends on that row alone, never on the batch.
     """
     vocab = logits.shape[-1]
-    # Stable sort: equal logits keep their index order, so a row's result never depends on
-    # which other rows share the batch.
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab).clamp_max(vocab)[:, None]
-    drop = rank >= k
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop |= mass_before >= top_p[:, None].to(probs.dtype)
-    drop[:, 0] = False
-    mask = torch.zeros_like(drop).scatter_(1, order, drop)
-    return logits.masked_fill(mask, float("-inf"))
+    neg_inf = float("-inf")
+    top_k = top_k.to(logits.device)
+    top_p = top_p.to(device=logits.device, dtype=torch.float32)
+    if bool((top_k > 0).any()):
+        k = top_k.clamp(1, vocab)
+        # Values only: the k-th largest value does not depend on how many are taken.
+        values = torch.topk(logits, int(k[top_k > 0].max()), dim=-1).values
+        kth = values.gather(1, (k.clamp_max(values.shape[1]) - 1)[:, None])
+        kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, neg_inf))
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if not bool((top_p < 1.0).any()):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    cand = min(vocab, _NUCLEUS_CANDIDATES)
+    if bool((top_k > 0).all()):
+        cand = min(cand, int(top_k.max()))  # nothing outside the top k is left anyway
+    vals = torch.topk(probs, cand, dim=-1).values  # descending
+    cum = torch.cumsum(vals, dim=-1)
+    # Keep while the mass before a token has not reached p; the last kept value is the
+    # threshold.
+    keep_n = ((cum - vals) < top_p[:, None]).sum(-1).clamp_min(1)
+    thresh = vals.gather(1, (keep_n - 1)[:, None])
+    wide = (cum[:, -1] < top_p) & (top_p < 1.0)
+    if cand < vocab and bool(wide.any()):
+        rows = wide.nonzero().flatten()
+        full = torch.sort(probs[rows], dim=-1, descending=True).values
+        full_cum = torch.cumsum(full, dim=-1)
+        n = ((full_cum - full) < top_p[rows, None]).sum(-1).clamp_min(1)
+        thresh[rows] = full.gather(1, (n - 1)[:, None])
+    thresh = torch.where(top_p[:, None] < 1.0, thresh, torch.full_like(thresh, neg_inf))
+    return logits.masked_fill(probs < thresh, neg_inf)
 
 
 class Sampler:
     """Next tokens for one step of the batch: greedy rows by argmax, others sampled.
 
-    Sampling uses the exponential-race form (argmax of probs / Exp(1) noise, as vLLM
-    does), which draws the same number of random values per row whatever the row's
-    filters; a seeded row draws them from its own generator, so its tokens are the same
-    alone and in any batch.
+    Sampling draws one uniform number per row and inverts that row's CDF; a seeded row
+    draws it from its own generator, so its tokens are the same alone and in any batch
+    (every operation here is row by row, nothing mixes rows).
     """
 
     def __init__(self, eos_token_ids: Sequence[int] = ()):
@@ -258,7 +285,7 @@ class Sampler:
         rows = (~greedy).nonzero().flatten()
         sub = [params[i] for i in rows.tolist()]
         temps = torch.tensor([p.temperature for p in sub], device=logits.device)[:, None]
-        scaled = logits[rows] / temps
+        scaled = (logits if len(sub) == batch else logits[rows]) / temps
         if any(p.top_k or p.top_p < 1.0 for p in sub):
             scaled = apply_top_k_top_p(
                 scaled,
@@ -266,15 +293,23 @@ class Sampler:
                 torch.tensor([p.top_p for p in sub], device=logits.device),
             )
         probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
+        # Inverse-CDF sampling with one uniform number per row: a seeded row takes it from
+        # its own generator (cheap, and the same draw whatever the batch), the others
+        # share one batched draw.
+        u = torch.empty(len(sub), device=logits.device)
         unseeded = []
         for j, i in enumerate(rows.tolist()):
             gen = generators[i] if generators is not None else None
             if gen is None:
                 unseeded.append(j)
             else:
-                noise[j].exponential_(generator=gen)
+                u[j] = torch.rand((), generator=gen, device=gen.device)
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=logits.device).exponential_()
-        out[rows] = (probs / noise).argmax(dim=-1)
+            u[unseeded] = torch.rand(len(unseeded), device=logits.device)
+        cdf = torch.cumsum(probs, dim=-1)
+        total = cdf[:, -1:]
+        # Strictly below the total, so searchsorted lands on a token whose probability is
+        # not zero (right=True skips the flat stretches of masked tokens).
+        target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        out[rows] = torch.searchsorted(cdf, target, right=True).flatten().clamp_max(vocab - 1)
         return out

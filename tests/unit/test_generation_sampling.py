@@ -186,3 +186,45 @@ def test_mixed_batch_shapes_and_errors():
     assert out[2].item() in logits[2].topk(3).indices.tolist()
     with pytest.raises(ValueError, match="2 params for 3 rows"):
         sampler(logits, [SamplingParams()] * 2)
+
+
+@pytest.mark.parametrize("candidates", [None, 3])
+def test_top_k_top_p_match_transformers_warpers(monkeypatch, candidates):
+    """Same kept set as TopKLogitsWarper then TopPLogitsWarper, row by row; with 3
+    candidates most nuclei are wider, so the full-sort fallback is checked too."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    import python_backends.generation.sampling as sampling
+
+    if candidates:
+        monkeypatch.setattr(sampling, "_NUCLEUS_CANDIDATES", candidates)
+    logits = rand_logits(60, seed=11)
+    settings = [(k, p) for k in (0, 1, 5, 50) for p in (0.05, 0.3, 0.6, 0.9, 0.99)]
+    top_k = torch.tensor([settings[i % len(settings)][0] for i in range(60)])
+    top_p = torch.tensor([settings[i % len(settings)][1] for i in range(60)])
+    ours = apply_top_k_top_p(logits, top_k, top_p)
+    wide = 0
+    for b in range(60):
+        ref = logits[b : b + 1].clone()
+        if top_k[b] > 0:
+            ref = TopKLogitsWarper(int(top_k[b]))(None, ref)
+        ref = TopPLogitsWarper(float(top_p[b]))(None, ref)
+        kept = torch.isfinite(ours[b])
+        assert torch.equal(kept, torch.isfinite(ref[0])), (b, int(top_k[b]), float(top_p[b]))
+        assert torch.equal(ours[b][kept], logits[b][kept])  # kept logits are untouched
+        wide += int(kept.sum()) > 3
+    assert wide > 10
+
+
+def test_sampling_follows_the_distribution():
+    """Frequencies over many seeded draws match the softmax (a broken CDF inversion,
+    off by one token, fails this)."""
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0, float("-inf"), 0.5]])
+    probs = torch.softmax(logits, -1)[0]
+    sampler, p = Sampler(), SamplingParams(temperature=1.0, seed=0)
+    gen = make_generator(0)
+    counts = torch.zeros(6)
+    for _ in range(4000):
+        counts[sampler(logits, [p], generators=[gen]).item()] += 1
+    assert counts[4] == 0
+    assert (counts / 4000 - probs).abs().max().item() < 0.03
