@@ -228,3 +228,17 @@ def test_sampling_follows_the_distribution():
         counts[sampler(logits, [p], generators=[gen]).item()] += 1
     assert counts[4] == 0
     assert (counts / 4000 - probs).abs().max().item() < 0.03
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_on_cuda_alone_and_batched():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the same code path runs on the CPU in the tests above")
+    sampler = Sampler()
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7)
+    logits = [rand_logits(3, seed=s).cuda() for s in range(10)]
+    gen_alone, gen_batched = make_generator(7, "cuda"), make_generator(7, "cuda")
+    alone = [sampler(x[:1], [p], generators=[gen_alone]).item() for x in logits]
+    batched = [sampler(x, [p, SamplingParams(), SamplingParams(temperature=0.0)],
+                       generators=[gen_batched, None, None])[0].item() for x in logits]
+    assert alone == batched
