@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from python_backends.generation.detokenizer import IncrementalDetokenizer, detokenize_incrementally
+from python_backends.generation.detokenizer import (
+    IncrementalDetokenizer,
+    detokenize_incrementally,
+)
 
 CORPUS = [
     "The capital of France is Paris. Le café est très bon, n'est-ce pas?",

@@ -194,7 +194,7 @@ def test_top_k_top_p_match_transformers_warpers(monkeypatch, candidates):
     candidates most nuclei are wider, so the full-sort fallback is checked too."""
     from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-    import python_backends.generation.sampling as sampling
+    from python_backends.generation import sampling
 
     if candidates:
         monkeypatch.setattr(sampling, "_NUCLEUS_CANDIDATES", candidates)
