@@ -106,7 +106,11 @@ class IncrementalDetokenizer:
         return longest
 
     def step(self, output_ids: Sequence[int]) -> DetokenizerOutput:
-        """The text piece the newest ids in ``output_ids`` (all generated ids) add."""
+        """The text piece the newest ids in ``output_ids`` (all generated ids) add.
+
+        The list only grows: ids already passed are not looked at again (a preempted
+        sequence that is recomputed keeps its output ids, and its detokenizer).
+        """
         if self.finished:
             return DetokenizerOutput("", self.finish_reason)
         if len(output_ids) < self._seen:
