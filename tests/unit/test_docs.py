@@ -99,21 +99,37 @@ def tracked_files() -> list[Path]:
     return [ROOT / name for name in out.decode().split("\0") if name]
 
 
+# An upper-case Markdown document named anywhere (like README.md) must be one of ours; a relative
+# path that climbs above the repository root points at something we do not ship.
+DOC_NAME = re.compile(r"\b[A-Z][A-Z0-9_-]*\.md\b")
+CLIMBING_PATH = re.compile(r"(?<![\w./])((?:\.\./)+)([\w.-]+)")
+
+
 def test_no_tracked_file_refers_outside_the_repository():
-    needles = ("FINDINGS.md", "../shared")
-    this_file = Path(__file__).resolve()
+    files = [path for path in tracked_files() if path.is_file()]
+    ours = {path.name for path in files}
     offenders = []
-    for path in tracked_files():
-        if path.resolve() == this_file or not path.is_file():
-            continue
+    for path in files:
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # binary files
-        offenders += [f"{path.relative_to(ROOT)}: {n}" for n in needles if n in text]
+        rel = path.relative_to(ROOT)
+        offenders += [f"{rel}: {name}" for name in sorted(set(DOC_NAME.findall(text)) - ours)]
+        for up, name in CLIMBING_PATH.findall(text):
+            if not (path.parent / up / name).resolve().is_relative_to(ROOT):
+                offenders.append(f"{rel}: {up}{name}")
     assert not offenders, (
-        "files cite documents that are not part of this repository (state the fact itself): " + ", ".join(offenders)
+        "files cite documents that are not part of this repository (state the fact itself): "
+        + ", ".join(dict.fromkeys(offenders))
     )
+
+
+def test_the_outside_reference_check_can_fail(tmp_path):
+    elsewhere = "NOTES" + ".md"  # spelled in two parts so this file does not cite it
+    assert DOC_NAME.findall(f"see {elsewhere} and README.md") == [elsewhere, "README.md"]
+    assert CLIMBING_PATH.findall("in ../other/x.txt") == [("../", "other")]
+    assert not (ROOT / "docs" / "../../other").resolve().is_relative_to(ROOT)
 
 
 def test_docs_name_no_machine_paths():
