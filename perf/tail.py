@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime as dt
 import io
 import json
@@ -52,6 +51,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
+
+from perf.harness import write_csv
 
 PERF_DIR = Path(__file__).resolve().parent
 ROOT = PERF_DIR.parent
@@ -553,16 +554,6 @@ def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Seque
             lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {model} | {_f(s['batch'], 2)} | "
                          f"{_f(s['queue_ms'], 2)} | {_f(s['compute_ms'], 2)} |")
     return "\n".join(lines) + "\n"
-
-
-def write_csv(path: Path, records: Sequence[dict]) -> None:
-    columns: list[str] = []
-    for record in records:
-        columns += [k for k in record if k not in columns]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(records)
 
 
 # --------------------------------------------------------------------------- main
