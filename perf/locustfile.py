@@ -22,8 +22,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import grpc.experimental.gevent as grpc_gevent
 import numpy as np
 from locust import User, between, events, task
+
+# Once, before any channel exists (gRPC's rule): gRPC's own threads would otherwise block
+# Locust's greenlets. Called per user, it hung a run now and then.
+grpc_gevent.init_gevent()
 
 SENTENCES = [
     item["TEXT"]["content"][0]
@@ -42,6 +47,7 @@ class _TritonUser(User):
     wait_time = between(0.0, 0.01)
     protocol = ""
     module = None
+    infer_options: dict = {}
 
     def on_start(self) -> None:
         self.client = self.connect()
@@ -60,7 +66,7 @@ class _TritonUser(User):
         start = time.perf_counter()
         exception, size = None, 0
         try:
-            out = self.client.infer(MODEL, [inp]).as_numpy("EMBEDDING")
+            out = self.client.infer(MODEL, [inp], **self.infer_options).as_numpy("EMBEDDING")
             if out is None or out.shape != (1, 384):
                 raise ValueError(f"unexpected EMBEDDING {None if out is None else out.shape}")
             size = out.nbytes
@@ -90,9 +96,8 @@ class TritonGrpcUser(_TritonUser):
     protocol = "grpc"
 
     def connect(self):
-        import grpc.experimental.gevent as grpc_gevent
         import tritonclient.grpc as grpcclient
 
-        grpc_gevent.init_gevent()  # gRPC's own threads would block Locust's greenlets
+        self.infer_options = {"client_timeout": 30.0}  # a stuck call fails, the run ends on time
         self.module = grpcclient
         return grpcclient.InferenceServerClient(_url(self.host, 8001))
