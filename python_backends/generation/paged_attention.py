@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +168,110 @@ class PagedKVCache:
             self._gather_buffers[which] = buf
         return buf[:numel].view(shape)
 
+    def plan(self, block_tables, context_lens, query_lens=None, num_heads: int | None = None) -> "AttentionPlan":
+        """Everything about one step's attention that does not depend on the layer.
+
+        Built once per step and reused by every layer (masks, padded tables, index maps).
+        The batch is split into groups: each run of consecutive decode rows (query length
+        1) is one group, each prefill chunk its own, so a 512-token chunk beside 31 decodes
+        does not pad every decode row to 512 queries.
+        """
+        num_heads = self.num_kv_heads if num_heads is None else num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
+        ctx = [int(c) for c in (context_lens.tolist() if isinstance(context_lens, torch.Tensor) else context_lens)]
+        batch = len(ctx)
+        if query_lens is None:
+            qlen = [1] * batch
+        else:
+            qlen = [int(c) for c in (query_lens.tolist() if isinstance(query_lens, torch.Tensor) else query_lens)]
+        if isinstance(block_tables, torch.Tensor):
+            tables_rows = [[int(b) for b in row if b >= 0] for row in block_tables.tolist()]
+        else:
+            tables_rows = [list(t) for t in block_tables]
+        if len(tables_rows) != batch or len(qlen) != batch:
+            raise ValueError("block_tables, context_lens and query_lens need one entry per sequence")
+        for b in range(batch):
+            if qlen[b] < 1 or qlen[b] > ctx[b]:
+                raise ValueError("each query_len must be between 1 and its context_len")
+            if ctx[b] > len(tables_rows[b]) * self.block_size:
+                raise ValueError("a context_len is beyond what its block table can hold")
+        group = num_heads // self.num_kv_heads
+        groups: list[_Group] = []
+        tok = 0
+        b = 0
+        while b < batch:
+            e = b + 1
+            if qlen[b] == 1:
+                while e < batch and qlen[e] == 1:
+                    e += 1
+            n_tok = sum(qlen[b:e])
+            groups.append(self._group(tok, tables_rows[b:e], ctx[b:e], qlen[b:e], group))
+            tok += n_tok
+            b = e
+        return AttentionPlan(groups=groups, num_tokens=tok, num_heads=num_heads)
+
+    def _group(self, tok_start, tables, ctx, qlen, group) -> "_Group":
+        device = self.device
+        batch = len(ctx)
+        max_ctx, max_q = max(ctx), max(qlen)
+        tables_t = pad_block_tables(tables, device)
+        ctx_t = torch.as_tensor(ctx, dtype=torch.long, device=device)
+        qlen_t = torch.as_tensor(qlen, dtype=torch.long, device=device)
+        # Query i of sequence b sits at position ctx - qlen + i and sees keys up to it.
+        q_pos = (ctx_t - qlen_t)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
+        k_pos = torch.arange(max_ctx, device=device)
+        allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]
+        # Padding query rows would be all -inf (NaN out of softmax); let them see key 0
+        # and drop them afterwards.
+        allowed[:, :, 0] = True
+        mask = allowed[:, None, None, :, :].expand(batch, 1, group, max_q, max_ctx)
+        mask = mask.reshape(batch, 1, group * max_q, max_ctx)
+        if batch == 1 or max_q == 1:
+            q_row = q_idx = None  # the flat queries already are the padded batch
+        else:
+            starts = torch.cumsum(qlen_t, 0) - qlen_t
+            q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t)
+            q_idx = torch.arange(int(qlen_t.sum()), device=device) - starts[q_row]
+        return _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask)
+
+    def attention_planned(self, layer: int, q: torch.Tensor, plan: "AttentionPlan", scale: float | None = None) -> torch.Tensor:
+        """Attention of ``q`` ([num_tokens, num_heads, head_dim]) for a prepared plan."""
+        num_tokens, num_heads, head_dim = q.shape
+        if head_dim != self.head_dim or num_heads != plan.num_heads or num_tokens != plan.num_tokens:
+            raise ValueError(
+                f"q is [{num_tokens}, {num_heads}, {head_dim}]; the plan is for {plan.num_tokens} "
+                f"tokens, {plan.num_heads} heads, head_dim {self.head_dim}"
+            )
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        outs = [self._attend(layer, q[g.tok_start : g.tok_end], g, scale) for g in plan.groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def _attend(self, layer: int, q: torch.Tensor, g: "_Group", scale: float) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        k, v = self.gather(layer, g.tables, g.max_ctx)  # [B, L, Hkv, D]
+        # [B, Hkv, L, D]; K/V are not repeated per query head: the `group` query heads
+        # that share KV head j are folded into the query axis instead (head h = j * group
+        # + g reads KV head h // group), which saves copying K/V `group` times.
+        k = k.to(q.dtype).transpose(1, 2)
+        v = v.to(q.dtype).transpose(1, 2)
+        group = num_heads // self.num_kv_heads
+        batch, max_q = g.batch, g.max_q
+        if g.q_row is None:
+            q_pad = q.reshape(batch, max_q, num_heads, head_dim)
+        else:
+            q_pad = q.new_zeros(batch, max_q, num_heads, head_dim)
+            q_pad[g.q_row, g.q_idx] = q
+        # -> [B, Hkv, group * Qmax, D], query axis ordered (g, i).
+        q_pad = q_pad.view(batch, max_q, self.num_kv_heads, group, head_dim)
+        q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(batch, self.num_kv_heads, group * max_q, head_dim)
+        out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=g.mask, scale=scale)
+        out = out.view(batch, self.num_kv_heads, group, max_q, head_dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
+        if g.q_row is None:
+            return out.reshape(batch * max_q, num_heads, head_dim)
+        return out[g.q_row, g.q_idx]
+
     def attention(
         self,
         layer: int,
@@ -186,7 +291,8 @@ class PagedKVCache:
         ``context_lens[b] - query_lens[b] ...  context_lens[b] - 1`` and each attends to
         every earlier position and itself. A chunk may start anywhere, mid-block too.
         Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
-        Returns ``[num_tokens, num_heads, head_dim]``.
+        Returns ``[num_tokens, num_heads, head_dim]``. A runner calling every layer builds
+        the plan once with :meth:`plan` and calls :meth:`attention_planned`.
         """
         num_tokens, num_heads, head_dim = q.shape
         if head_dim != self.head_dim or num_heads % self.num_kv_heads:
@@ -194,54 +300,29 @@ class PagedKVCache:
                 f"q is [{num_tokens}, {num_heads}, {head_dim}]: heads must be a multiple of "
                 f"{self.num_kv_heads} KV heads and head_dim {self.head_dim}"
             )
-        device = q.device
-        if isinstance(block_tables, torch.Tensor):
-            tables = block_tables.to(device=device, dtype=torch.long)
-        else:
-            tables = pad_block_tables(block_tables, device)
-        ctx = _as_long(context_lens, device)
-        batch = ctx.numel()
-        qlen = torch.ones(batch, dtype=torch.long, device=device) if query_lens is None else _as_long(query_lens, device)
-        if tables.shape[0] != batch or qlen.numel() != batch:
-            raise ValueError("block_tables, context_lens and query_lens need one entry per sequence")
-        if int(qlen.sum()) != num_tokens:
-            raise ValueError(f"query_lens sum to {int(qlen.sum())}, q has {num_tokens} tokens")
-        if bool((qlen < 1).any()) or bool((qlen > ctx).any()):
-            raise ValueError("each query_len must be between 1 and its context_len")
-        if int(ctx.max()) > tables.shape[1] * self.block_size:
-            raise ValueError("a context_len is beyond what its block table can hold")
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        plan = self.plan(block_tables, context_lens, query_lens, num_heads)
+        if plan.num_tokens != num_tokens:
+            raise ValueError(f"query_lens sum to {plan.num_tokens}, q has {num_tokens} tokens")
+        return self.attention_planned(layer, q, plan, scale)
 
-        max_ctx = int(ctx.max())
-        k, v = self.gather(layer, tables, max_ctx)  # [B, L, Hkv, D]
-        # [B, Hkv, L, D]; K/V are not repeated per query head: the `group` query heads
-        # that share KV head j are folded into the query axis instead (head h = j * group
-        # + g reads KV head h // group), which saves copying K/V `group` times.
-        k = k.to(q.dtype).transpose(1, 2)
-        v = v.to(q.dtype).transpose(1, 2)
-        group = num_heads // self.num_kv_heads
 
-        # Scatter the flat queries into a padded [B, Qmax, Hq, D] batch.
-        max_q = int(qlen.max())
-        starts = torch.cumsum(qlen, 0) - qlen
-        q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen)
-        q_idx = torch.arange(num_tokens, device=device) - starts[q_row]
-        q_pad = q.new_zeros(batch, max_q, num_heads, head_dim)
-        q_pad[q_row, q_idx] = q
-        # -> [B, Hkv, group * Qmax, D], query axis ordered (g, i).
-        q_pad = q_pad.view(batch, max_q, self.num_kv_heads, group, head_dim)
-        q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(batch, self.num_kv_heads, group * max_q, head_dim)
+@dataclass
+class _Group:
+    tok_start: int
+    tok_end: int
+    tables: torch.Tensor
+    batch: int
+    max_q: int
+    max_ctx: int
+    q_row: torch.Tensor | None
+    q_idx: torch.Tensor | None
+    mask: torch.Tensor
 
-        # Query i of sequence b sits at position ctx - qlen + i and sees keys up to it.
-        q_pos = (ctx - qlen)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
-        k_pos = torch.arange(max_ctx, device=device)
-        allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]; q_pos < ctx for real rows
-        # Padding query rows would be all -inf (NaN out of softmax); let them see key 0
-        # and drop them below.
-        allowed[:, :, 0] = True
-        mask = allowed[:, None, None, :, :].expand(batch, 1, group, max_q, max_ctx)
-        mask = mask.reshape(batch, 1, group * max_q, max_ctx)
-        out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask, scale=scale)
-        out = out.view(batch, self.num_kv_heads, group, max_q, head_dim)
-        out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
-        return out[q_row, q_idx]
+
+@dataclass
+class AttentionPlan:
+    """One step's attention layout, shared by all layers (see :meth:`PagedKVCache.plan`)."""
+
+    groups: list[_Group]
+    num_tokens: int
+    num_heads: int

@@ -1,0 +1,450 @@
+"""The generation engine: continuous batching over a paged KV cache, and its loop thread.
+
+:class:`LLMEngine` is synchronous and single-threaded: requests are added, and each
+:meth:`LLMEngine.step` schedules one batch (every running decode plus prefill chunks
+under a token budget), runs one forward through :class:`ModelRunner`, samples, checks
+stops and returns the new text pieces. :class:`EngineLoop` owns an engine in one
+background thread and is what the Triton model uses: ``submit`` from any thread,
+outputs through a callback, cancellation checked before every step.
+
+Nothing here imports Triton; ``model_repository/text_generation/1/model.py`` is the shim.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from python_backends.errors import ConfigError, InputError
+from python_backends.generation.block_manager import BlockManager
+from python_backends.generation.detokenizer import IncrementalDetokenizer
+from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
+from python_backends.generation.paged_attention import bytes_per_block
+from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
+from python_backends.generation.scheduler import FinishReason, QueueFull, Scheduler
+
+log = logging.getLogger(__name__)
+
+RequestId = Hashable
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and limits of one engine; the Triton model fills it from config.pbtxt."""
+
+    model_dir: str | Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # The pool: num_blocks when given, else as many blocks as kv_cache_bytes holds.
+    kv_cache_bytes: int = 256 * 2**20
+    num_blocks: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256
+    max_model_len: int = 4096
+    max_tokens_limit: int = 2048
+    default_max_tokens: int = 16
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "max_tokens_limit"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request. ``text`` and ``token_ids`` are the new part only."""
+
+    request_id: RequestId
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_input_tokens: int
+    num_output_tokens: int
+    metrics: RequestMetrics | None = None
+    error: Exception | None = None  # set when the engine failed this request (finished too)
+
+
+@dataclass
+class _Request:
+    request_id: RequestId
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    num_emitted_ids: int = 0
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler. Not thread-safe: see :class:`EngineLoop`."""
+
+    def __init__(self, config: EngineConfig, weights: LlamaWeights | None = None, tokenizer=None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(int(config.num_threads))
+        dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        model_dir = Path(config.model_dir)
+        self.weights = weights if weights is not None else LlamaWeights.from_folder(model_dir, dtype, self.device)
+        mcfg = self.weights.config
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
+        per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, dtype)
+        num_blocks = config.num_blocks or config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_bytes {config.kv_cache_bytes} holds no block of {per_block} bytes"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_waiting=config.max_waiting,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
+        eos = set(mcfg.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(eos)
+        self.sampler = Sampler(self.eos_token_ids)
+        self._requests: dict[RequestId, _Request] = {}
+        self.counters = collections.Counter()
+        self.last_step_seconds = 0.0
+
+    # ---- requests ------------------------------------------------------------------------
+    def encode(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids of a prompt (text as the tokenizer encodes it, or ids as given)."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("text_input", "the prompt is empty or only whitespace")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = [int(t) for t in prompt]
+        vocab = self.weights.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InputError("text_input", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise what ``add_request`` would, without touching the scheduler's state."""
+        if not prompt_ids:
+            raise InputError("text_input", "the prompt has no tokens")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            from python_backends.generation.scheduler import ContextTooLong
+
+            raise ContextTooLong(
+                "max_tokens",
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{total} exceeds the context limit of {self.max_model_len} tokens",
+            )
+        if params.max_tokens > self.config.max_tokens_limit:
+            raise InputError("max_tokens", f"must be <= {self.config.max_tokens_limit}, got {params.max_tokens}")
+
+    def add_request(self, request_id: RequestId, prompt: str | Seq[int], params: SamplingParams,
+                    arrival: float | None = None) -> None:
+        """Queue a request; raises InputError / ContextTooLong (INVALID_ARG) or QueueFull."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        ids = self.encode(prompt)
+        self.check_request(ids, params)
+        self.scheduler.add(request_id, ids, params.max_tokens)
+        self._requests[request_id] = _Request(
+            request_id,
+            ids,
+            params,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=params.stop),
+            make_generator(params.seed, self.device),
+            RequestMetrics(arrival=time.monotonic() if arrival is None else arrival),
+        )
+        self.counters["requests_added"] += 1
+
+    def abort(self, request_id: RequestId) -> RequestOutput | None:
+        """Cancel a request now; its blocks are free when this returns. Idempotent."""
+        req = self._requests.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        self.counters["requests_aborted"] += 1
+        return self._final(req, "", FinishReason.ABORT.value)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.scheduler.stats())
+        out.update(self.counters)
+        return out
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one batch; return the outputs it produced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        start = time.monotonic()
+        for chunk in plan.chunks:
+            req = self._requests[chunk.seq_id]
+            if req.metrics.first_scheduled is None:
+                req.metrics.first_scheduled = start
+        self.counters["prompt_tokens_computed"] += sum(c.num_tokens for c in plan.prefills)
+        logits = self.runner.execute(plan)
+        sampling = [c for c in plan.chunks if c.samples]
+        if sampling:
+            reqs = [self._requests[c.seq_id] for c in sampling]
+            seqs = [self.scheduler.get(c.seq_id) for c in sampling]
+            tokens = self.sampler(
+                logits,
+                [r.params for r in reqs],
+                token_ids=[s.tokens for s in seqs] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
+                num_generated=[len(s.output_tokens) for s in seqs],
+                generators=[r.generator for r in reqs],
+            ).tolist()
+            sampled = {c.seq_id: t for c, t in zip(sampling, tokens)}
+        else:
+            sampled = {}
+        new = self.scheduler.update(plan, sampled)
+        now = time.monotonic()
+        self.last_step_seconds = now - start
+        self.counters["steps"] += 1
+        self.counters["generation_tokens"] += len(new)
+        outputs = []
+        for seq in new:
+            req = self._requests[seq.seq_id]
+            m = req.metrics
+            if m.first_token is None:
+                m.first_token = now
+            m.last_token = now
+            token = seq.output_tokens[-1]
+            finish = None
+            if seq.finish_reason is FinishReason.LENGTH:
+                finish = FinishReason.LENGTH.value
+            elif (token in self.eos_token_ids and not req.params.ignore_eos
+                  and len(seq.output_tokens) >= req.params.min_tokens):
+                finish = FinishReason.STOP.value
+            piece = req.detokenizer.step(seq.output_tokens)
+            text = piece.text
+            if piece.finish_reason == "stop":
+                finish = "stop"  # a stop string: the text before it is the answer
+            if finish is not None:
+                self.scheduler.finish(seq.seq_id, FinishReason(finish))
+                text += req.detokenizer.finish().text if piece.finish_reason != "stop" else ""
+                del self._requests[seq.seq_id]
+                outputs.append(self._final(req, text, finish, seq.output_tokens))
+            else:
+                ids = seq.output_tokens[req.num_emitted_ids :]
+                req.num_emitted_ids = len(seq.output_tokens)
+                outputs.append(RequestOutput(seq.seq_id, text, ids, False, None, len(req.prompt_ids),
+                                             len(seq.output_tokens), m))
+        return outputs
+
+    def _final(self, req: _Request, text: str, reason: str, output_ids: list[int] | None = None) -> RequestOutput:
+        req.metrics.finished = time.monotonic()
+        ids = [] if output_ids is None else output_ids[req.num_emitted_ids :]
+        n_out = req.num_emitted_ids + len(ids) if output_ids is not None else req.num_emitted_ids
+        self.counters[f"finished_{reason}"] += 1
+        return RequestOutput(req.request_id, text, ids, True, reason, len(req.prompt_ids), n_out, req.metrics)
+
+    def fail_all(self, error: Exception) -> list[RequestOutput]:
+        """Finish every request with ``error`` (a failed step): free everything, keep serving."""
+        outs = []
+        for rid in list(self._requests):
+            out = self.abort(rid)
+            if out is not None:
+                out.error = error
+                outs.append(out)
+        return outs
+
+    # ---- convenience ---------------------------------------------------------------------
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[tuple[str, list[int]]]:
+        """Run prompts to completion together; returns (text, output ids) per prompt."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        base = self.counters["requests_added"]
+        ids = [("generate", base, i) for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        texts = {rid: [] for rid in ids}
+        tokens = {rid: [] for rid in ids}
+        while any(rid in self._requests for rid in ids):
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id].append(out.text)
+                    tokens[out.request_id].extend(out.token_ids)
+        return [("".join(texts[r]), tokens[r]) for r in ids]
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Submission:
+    request_id: RequestId
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: OutputCallback
+    is_cancelled: Callable[[], bool] | None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class EngineLoop:
+    """Runs an engine in one background thread: the serving side of the engine.
+
+    ``submit`` validates in the caller's thread (so a bad request fails at once, with
+    its field named) and hands the request to the loop, which adds it between two
+    steps. Every step first drops requests whose ``is_cancelled()`` is true or that
+    were aborted, so their blocks are free within one step. ``on_output`` is called in
+    the loop thread for every new piece, and exactly once with ``finished`` true.
+    """
+
+    def __init__(self, engine: LLMEngine, name: str = "generation-engine"):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: collections.deque[_Submission] = collections.deque()
+        self._aborts: set[RequestId] = set()
+        self._live: dict[RequestId, _Submission] = {}
+        self._stopping = False
+        self.step_errors = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: RequestId, prompt: str | Seq[int], params: SamplingParams,
+               on_output: OutputCallback, is_cancelled: Callable[[], bool] | None = None) -> int:
+        """Queue a request; returns its prompt length. Raises InputError or QueueFull."""
+        ids = self.engine.encode(prompt)
+        self.engine.check_request(ids, params)
+        sub = _Submission(request_id, ids, params, on_output, is_cancelled)
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the engine is shutting down")
+            if request_id in self._live or any(p.request_id == request_id for p in self._pending):
+                raise ValueError(f"request {request_id!r} is already running")
+            waiting = self.engine.scheduler.num_waiting + len(self._pending)
+            if waiting >= self.engine.config.max_waiting:
+                raise QueueFull(f"{waiting} requests already waiting (max_waiting={self.engine.config.max_waiting})")
+            self._pending.append(sub)
+            self._wake.notify()
+        return len(ids)
+
+    def abort(self, request_id: RequestId) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+            self._wake.notify()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            stats = self.engine.stats()
+            stats["num_requests_waiting"] += len(self._pending)
+        return stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every unfinished request gets a final ``abort`` output."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _emit(self, out: RequestOutput) -> None:
+        sub = self._live.get(out.request_id)
+        if out.finished:
+            self._live.pop(out.request_id, None)
+        if sub is None:
+            return
+        try:
+            sub.on_output(out)
+        except Exception:  # noqa: BLE001 - a failing callback must not stop other streams
+            log.exception("output callback of request %r failed; cancelling it", out.request_id)
+            if not out.finished:
+                self._aborts.add(out.request_id)
+
+    def _admit_and_cancel(self) -> None:
+        with self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+            aborts = set(self._aborts)
+            self._aborts.clear()
+        for sub in pending:
+            self._live[sub.request_id] = sub
+            try:
+                self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params, arrival=sub.arrival)
+            except (InputError, QueueFull, ValueError) as exc:
+                self._emit(RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value,
+                                         len(sub.prompt_ids), 0, None, exc))
+        for rid, sub in list(self._live.items()):
+            if rid in aborts or (sub.is_cancelled is not None and _cancelled(sub)):
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._emit(out)
+                else:
+                    self._live.pop(rid, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._pending and not self._aborts and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            self._admit_and_cancel()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the batch, keep the server up
+                self.step_errors += 1
+                log.exception("engine step failed; failing its %d requests", self.engine.num_requests)
+                outputs = self.engine.fail_all(RuntimeError(f"generation failed: {exc}"))
+            for out in outputs:
+                self._emit(out)
+        for out in self.engine.fail_all(RuntimeError("the model is unloading")):
+            self._emit(out)
+        with self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+        for sub in pending:
+            sub.on_output(RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value,
+                                        len(sub.prompt_ids), 0, None, RuntimeError("the model is unloading")))
+
+
+def _cancelled(sub: _Submission) -> bool:
+    try:
+        return bool(sub.is_cancelled())
+    except Exception:  # noqa: BLE001 - a sender that cannot answer is gone
+        return True

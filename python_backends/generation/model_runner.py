@@ -1,0 +1,257 @@
+"""The Llama forward pass over a paged KV cache: one batched step of the engine.
+
+Weights are read from a Hugging Face checkpoint folder (``config.json`` and
+``model.safetensors``, what ``python -m export.generation`` writes) into plain tensors;
+no ``transformers`` model object runs here. One call of :meth:`ModelRunner.execute`
+takes the scheduler's plan for a step (decode rows and prefill chunks of many
+sequences laid end to end), writes each new token's K/V into the pool at the slots the
+block manager gave it, attends through the block tables and returns the logits of the
+rows that sample.
+
+Numerics follow ``transformers``' Llama (RMSNorm in FP32, RoPE from FP32 inverse
+frequencies, SiLU-gated MLP), so greedy tokens match ``generate()`` on the same weights.
+Q/K/V and gate/up projections are fused into one matrix each: fewer, larger matrix
+products per layer, which is where a small model's CPU step spends its time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from python_backends.errors import ConfigError
+from python_backends.generation.paged_attention import PagedKVCache
+from python_backends.generation.scheduler import SchedulerOutput
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "LlamaConfig":
+        archs = cfg.get("architectures") or []
+        if archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+            raise ConfigError(
+                f"config.json declares architecture {archs}; this engine runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"rope type {rope_type!r} is not supported (only the default RoPE)")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ConfigError(f"config.json sets {key}; this engine runs Llama without biases")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "LlamaConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing: export the model first (python -m export.generation)")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def _load_state_dict(folder: Path, device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors in {folder}: export the model first (python -m export.generation)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device=str(device)))
+    return state
+
+
+class LlamaWeights:
+    """The checkpoint's tensors, fused and cast once at load."""
+
+    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device):
+        self.config = config
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ConfigError(f"the checkpoint has no tensor {name!r}")
+            return state[name].to(device=device, dtype=dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        if config.tie_word_embeddings or "lm_head.weight" not in state:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                _Layer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0).contiguous(),
+                    o=take(p + "self_attn.o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0).contiguous(),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        expected = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        if self.layers and self.layers[0].qkv.shape != (expected, config.hidden_size):
+            raise ConfigError(
+                f"q/k/v projections are {list(self.layers[0].qkv.shape)}, config.json implies "
+                f"{[expected, config.hidden_size]}"
+            )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "LlamaWeights":
+        folder = Path(folder)
+        config = LlamaConfig.from_folder(folder)
+        return cls(config, _load_state_dict(folder, device), dtype, device)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm: the statistics in FP32, the weight applied in the input dtype.
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ModelRunner:
+    """Owns the weights and the KV pool; runs one batched forward per engine step."""
+
+    def __init__(
+        self,
+        weights: LlamaWeights,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        cfg = weights.config
+        self.weights = weights
+        self.config = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        # RoPE tables for every position the engine may run, as transformers computes
+        # them: FP32 inverse frequencies times the FP32 position, then cos and sin.
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        positions = torch.arange(max_model_len, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = emb.cos().to(device=self.device, dtype=dtype)
+        self._sin = emb.sin().to(device=self.device, dtype=dtype)
+        self.max_model_len = max_model_len
+        self._scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Run every chunk of ``plan``; return FP32 logits ``[num sampling chunks, vocab]``.
+
+        The rows follow the order of ``plan.chunks`` restricted to chunks with ``samples``.
+        """
+        chunks = plan.chunks
+        if not chunks:
+            return torch.empty(0, self.config.vocab_size)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        for c in chunks:
+            token_ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.end))
+            slots.extend(c.slots)
+            if c.samples:
+                last_rows.append(len(token_ids) - 1)
+        if positions and max(positions) >= self.max_model_len:
+            raise ValueError(f"position {max(positions)} is beyond max_model_len {self.max_model_len}")
+        attn_plan = self.cache.plan(
+            [c.block_table for c in chunks],
+            [c.end for c in chunks],
+            [c.num_tokens for c in chunks],
+            self.config.num_heads,
+        )
+        return self.forward(token_ids, positions, slots, attn_plan, last_rows)
+
+    @torch.inference_mode()
+    def forward(self, token_ids, positions, slots, attn_plan, last_rows) -> torch.Tensor:
+        cfg, w, dev = self.config, self.weights, self.device
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+        pos = torch.as_tensor(positions, dtype=torch.long, device=dev)
+        slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
+        cos = self._cos[pos][:, None, :]  # [T, 1, D]
+        sin = self._sin[pos][:, None, :]
+        n = ids.numel()
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(ids, w.embed)
+        for i, layer in enumerate(w.layers):
+            h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv)
+            q = qkv[:, : hq * d].view(n, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.cache.write(i, k, v, slot_t)
+            attn = self.cache.attention_planned(i, q, attn_plan, self._scale)
+            x = x + F.linear(attn.reshape(n, hq * d), layer.o)
+            h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        rows = torch.as_tensor(last_rows, dtype=torch.long, device=dev)
+        h = _rms_norm(x[rows], w.norm, cfg.rms_norm_eps)
+        return F.linear(h, w.lm_head).float()
