@@ -9,6 +9,10 @@ missed its gate or failed to build; skipped variants (no GPU, no TensorRT) say w
   python -m export --no-speed              # what `make serve` / `make test` run: no timing
   python -m export --model text_encoder --variant int8 --force
   python -m export --update-docs           # also refresh docs/export-report.md
+
+The generation model (text_generation) has one precision and no variants: export/generation.py
+converts it to safetensors and gates it against its source (python -m export.generation for
+--weights and --dtype).
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ PIPELINES = {
     "text_encoder": "export.text_encoder:TextEncoderPipeline",
     "image_classifier": "export.image_classifier:ImageClassifierPipeline",
 }
+
+
+# Models exported outside the variant pipeline: model -> "module" with export_for_serving,
+# report and to_markdown.
+SINGLE = {"text_generation": "export.generation"}
 
 
 def load_pipeline(name: str, **kwargs):
@@ -58,7 +67,7 @@ def _versus_seeds(reports: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(PIPELINES), action="append", help="only this model (repeatable)")
+    parser.add_argument("--model", choices=sorted([*PIPELINES, *SINGLE]), action="append", help="only this model (repeatable)")
     parser.add_argument("--variant", action="append", help="only these derived variants (repeatable; fp32 is always built)")
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository", help="model repository to write into")
     parser.add_argument("--force", action="store_true", help="rebuild even what is up to date")
@@ -73,8 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from export import pipeline
 
-    failed, reports = [], []
-    for name in args.model or list(PIPELINES):
+    failed, reports, singles = [], [], []
+    for name in args.model or [*PIPELINES, *SINGLE]:
+        if name in SINGLE:
+            module = importlib.import_module(SINGLE[name])
+            try:
+                singles.append((module, module.report(module.export_for_serving(args.repository, force=args.force))))
+            except Exception as exc:  # report every model, then fail
+                log.exception("%s: export failed", name)
+                failed.append(f"{name} (export failed: {exc})")
+            continue
         kwargs = {"weights": args.weights} if name == "image_classifier" else {}
         try:
             report = pipeline.run(load_pipeline(name, **kwargs), args.repository, force=args.force,
@@ -89,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(f"{name}/{row['variant']} ({row['status']}: {row['reason']})")
     for report in reports:
         print(pipeline.to_markdown(report))
+    for module, row in singles:
+        print(module.to_markdown(row))
     if args.update_docs and reports:
         DOCS_REPORT.parent.mkdir(exist_ok=True)
         DOCS_REPORT.write_text(
@@ -98,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "on this machine's CPU, variants measured side by side in interleaved rounds (medians).\n\n"
             + "\n".join(pipeline.to_markdown(r) for r in reports)
             + _versus_seeds(reports)
+            + "".join("\n" + module.to_markdown(row) for module, row in singles)
         )
         log.info("wrote %s", DOCS_REPORT)
     if failed:
