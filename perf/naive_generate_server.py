@@ -38,9 +38,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Self
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -143,7 +144,11 @@ class NaiveGenerator:
     def run(self, req: GenerateRequest, on_token, cancelled: threading.Event) -> int:
         """Generate for ``req``, calling ``on_token(id)`` per new token; stops early once
         ``cancelled`` is set. Returns the number of tokens generated."""
-        from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+        from transformers import (
+            GenerationConfig,
+            StoppingCriteria,
+            StoppingCriteriaList,
+        )
         from transformers.generation.streamers import BaseStreamer
 
         torch = self.torch
@@ -323,7 +328,7 @@ class NaiveGenerateServer:
     def http_url(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> "NaiveGenerateServer":
+    def start(self) -> NaiveGenerateServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log_file:
             self.process = subprocess.Popen(
@@ -373,7 +378,7 @@ class NaiveGenerateServer:
                 self.process.wait()
         return self.process.returncode
 
-    def __enter__(self) -> "NaiveGenerateServer":
+    def __enter__(self) -> Self:
         self.start()
         try:
             self.wait_ready()
