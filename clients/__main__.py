@@ -1,5 +1,10 @@
-"""``python -m clients``: the ``embed`` command (see clients.cli)."""
+"""``python -m clients``: ``generate`` and ``chat`` (clients.generation_cli) when the first
+argument names one; otherwise the ``embed`` command (clients.cli)."""
 
-from clients.cli import main
+import sys
 
-raise SystemExit(main())
+from clients import cli, generation_cli
+
+if sys.argv[1:2] and sys.argv[1] in generation_cli.COMMANDS:
+    raise SystemExit(generation_cli.main(sys.argv[1:]))
+raise SystemExit(cli.main())
