@@ -333,8 +333,14 @@ class EngineLoop:
     the loop thread for every new piece, and exactly once with ``finished`` true.
     """
 
-    def __init__(self, engine: LLMEngine, name: str = "generation-engine"):
+    def __init__(self, engine: LLMEngine, name: str = "generation-engine",
+                 on_stats: Callable[[dict], None] | None = None, stats_interval: float = 0.5):
         self.engine = engine
+        # Called in the loop thread with engine.stats() at most every stats_interval seconds
+        # while it works, and once when it goes idle (the metrics port's gauges).
+        self._on_stats = on_stats
+        self._stats_interval = stats_interval
+        self._stats_at = 0.0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending: collections.deque[_Submission] = collections.deque()
@@ -415,8 +421,23 @@ class EngineLoop:
                 else:
                     self._live.pop(rid, None)
 
+    def _report_stats(self, force: bool = False) -> None:
+        if self._on_stats is None:
+            return
+        now = time.monotonic()
+        if force or now - self._stats_at >= self._stats_interval:
+            self._stats_at = now
+            try:
+                self._on_stats(self.engine.stats())
+            except Exception:  # noqa: BLE001 - metrics never stop generation
+                log.exception("stats callback failed")
+
     def _run(self) -> None:
         while True:
+            with self._lock:
+                idle = not self._pending and not self._aborts and not self.engine.has_unfinished()
+            if idle:
+                self._report_stats(force=True)
             with self._lock:
                 while not self._stopping and not self._pending and not self._aborts and not self.engine.has_unfinished():
                     self._wake.wait()
@@ -425,6 +446,7 @@ class EngineLoop:
             self._admit_and_cancel()
             if not self.engine.has_unfinished():
                 continue
+            self._report_stats()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the batch, keep the server up

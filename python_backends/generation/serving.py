@@ -1,0 +1,231 @@
+"""What the ``text_generation`` Triton model does per request, without Triton.
+
+The served interface is Triton's vLLM backend's, so clients and tools written for it
+work unchanged: ``text_input`` (BYTES), optional ``stream``, ``sampling_parameters`` (a
+JSON object), ``exclude_input_in_output``, ``return_finish_reason``,
+``return_num_input_tokens``, ``return_num_output_tokens`` (BOOL), and this project's
+``apply_chat_template`` (BOOL: ``text_input`` is then a JSON list of chat messages that
+the model's own template renders). Sampling parameters may also come as request
+parameters, which is how Triton's ``generate`` / ``generate_stream`` HTTP endpoints pass
+``{"parameters": {...}}``.
+
+The shim (``model_repository/text_generation/1/model.py``) reads the tensors into plain
+Python values and calls :func:`parse_request`; :class:`ResponseShaper` turns engine
+outputs into the output values of each response.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from python_backends.errors import ConfigError, InputError
+from python_backends.generation.sampling import SamplingParams, SamplingParamsError, parse_sampling_params
+
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+               "return_num_output_tokens", "apply_chat_template")
+SAMPLING_NAMES = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                  "repetition_penalty")
+# Request parameters Triton or its clients set themselves; never sampling parameters.
+RESERVED_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end", "headers",
+                       "binary_data_output", "triton_enable_empty_final_response")
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str  # what the model continues (the chat template already applied)
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def _scalar_bool(name: str, value: Any) -> bool:
+    if value is None:
+        return False
+    if hasattr(value, "reshape"):  # a numpy array from the tensor
+        flat = value.reshape(-1)
+        if flat.size != 1:
+            raise InputError(name, f"must hold exactly one value, got {flat.size}")
+        value = flat[0]
+    if isinstance(value, (bool, int)) or type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise InputError(name, f"must be a boolean, got {value!r}")
+
+
+def _one_bytes(name: str, value: Any, max_bytes: int) -> str:
+    if value is None:
+        raise InputError(name, "input is missing")
+    if hasattr(value, "reshape"):
+        flat = value.reshape(-1)
+        if flat.size != 1:
+            raise InputError(name, f"must hold exactly one string, got {flat.size}")
+        value = flat[0]
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if not isinstance(value, (bytes, bytearray)):
+        raise InputError(name, f"must be a string, got {type(value).__name__}")
+    if len(value) > max_bytes:
+        raise InputError(name, f"is {len(value)} bytes; the limit is {max_bytes} bytes")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(name, f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _coerce_parameter(name: str, value: Any) -> Any:
+    """A request parameter as the JSON value it stands for (HTTP generate keeps JSON types;
+    Triton's request parameters hold only scalars, so a list of stop strings comes as a
+    JSON string)."""
+    if name == "stop" and isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SamplingParamsError("stop", f"is not a valid JSON list: {exc}") from None
+    return value
+
+
+def merge_sampling_sources(sampling_parameters: str | None, request_parameters: Mapping[str, Any] | None) -> dict:
+    """The sampling_parameters JSON object, overridden by request parameters of the same names."""
+    merged: dict = {}
+    if sampling_parameters is not None and sampling_parameters.strip():
+        try:
+            data = json.loads(sampling_parameters)
+        except json.JSONDecodeError as exc:
+            raise SamplingParamsError("sampling_parameters", f"is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise SamplingParamsError("sampling_parameters", f"must be a JSON object, got {type(data).__name__}")
+        merged.update(data)
+    for key, value in (request_parameters or {}).items():
+        if key in RESERVED_PARAMETERS or key in BOOL_INPUTS:
+            continue
+        merged[key] = _coerce_parameter(key, value)
+    return merged
+
+
+def render_chat(tokenizer, text: str, max_messages: int = 256) -> str:
+    """The prompt for a JSON list of chat messages, rendered by the model's own template."""
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError("text_input", f"with apply_chat_template, must be a JSON list of messages: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise InputError("text_input", "with apply_chat_template, must be a non-empty JSON list of messages")
+    if len(messages) > max_messages:
+        raise InputError("text_input", f"{len(messages)} messages; the limit is {max_messages}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
+            raise InputError("text_input", f"message {i} must be an object with a role and a string content")
+        if m.get("role") not in CHAT_ROLES:
+            raise InputError("text_input", f"message {i} has role {m.get('role')!r}; expected one of {', '.join(CHAT_ROLES)}")
+    if not any(m["content"].strip() for m in messages):
+        raise InputError("text_input", "every message is empty")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def parse_request(
+    inputs: Mapping[str, Any],
+    request_parameters: Mapping[str, Any] | None,
+    *,
+    tokenizer,
+    max_tokens_limit: int,
+    default_max_tokens: int,
+    max_text_bytes: int,
+) -> GenerationRequest:
+    """Validate one request's inputs and parameters; InputError names the field and limit."""
+    flags = {name: _scalar_bool(name, inputs.get(name)) for name in BOOL_INPUTS}
+    params = dict(request_parameters or {})
+    # A boolean input may also come as a request parameter (the generate endpoint's JSON).
+    for name in BOOL_INPUTS:
+        if inputs.get(name) is None and name in params:
+            value = params[name]
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                value = value.lower() == "true"
+            flags[name] = _scalar_bool(name, value)
+    text = _one_bytes("text_input", inputs.get("text_input"), max_text_bytes)
+    sampling_raw = inputs.get("sampling_parameters")
+    sampling_text = None if sampling_raw is None else _one_bytes("sampling_parameters", sampling_raw, 65536)
+    sampling = merge_sampling_sources(sampling_text, params)
+    sampling_params = parse_sampling_params(sampling, max_tokens_limit=max_tokens_limit,
+                                            default_max_tokens=default_max_tokens)
+    if flags["apply_chat_template"]:
+        prompt = render_chat(tokenizer, text)
+    else:
+        if not text.strip():
+            raise InputError("text_input", "the prompt is empty or only whitespace")
+        prompt = text
+    return GenerationRequest(
+        prompt=prompt,
+        params=sampling_params,
+        stream=flags["stream"],
+        exclude_input_in_output=flags["exclude_input_in_output"],
+        return_finish_reason=flags["return_finish_reason"],
+        return_num_input_tokens=flags["return_num_input_tokens"],
+        return_num_output_tokens=flags["return_num_output_tokens"],
+    )
+
+
+class ResponseShaper:
+    """Outputs of each response of one request, from the engine's outputs.
+
+    Streaming: one response per new text piece (the final one may be empty, with the
+    finish reason). Not streaming: one response when the request finishes, with the
+    prompt in front unless ``exclude_input_in_output`` (the vLLM backend's default).
+    """
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self._parts: list[str] = []
+
+    def on_output(self, text: str, finished: bool, finish_reason: str | None, num_input: int, num_output: int):
+        """The outputs dict of the response to send now, or None to send nothing yet."""
+        r = self.request
+        if not r.stream:
+            self._parts.append(text)
+            if not finished:
+                return None
+            body = "".join(self._parts)
+            text = body if r.exclude_input_in_output else r.prompt + body
+        elif not finished and not text:
+            return None
+        out: dict[str, Any] = {"text_output": text}
+        if finished or r.stream:
+            if r.return_finish_reason:
+                out["finish_reason"] = finish_reason if finished else None
+            if r.return_num_input_tokens:
+                out["num_input_tokens"] = num_input
+            if r.return_num_output_tokens:
+                out["num_output_tokens"] = num_output
+        return out
+
+
+def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
+    """EngineConfig keyword arguments from config.pbtxt parameters (accessors of ModelConfig)."""
+    dtype = param("dtype", "float32")
+    kv_mb = param_int("kv_cache_mb", 256, minimum=1)
+    settings = {
+        "dtype": dtype,
+        "block_size": param_int("block_size", 16, minimum=1),
+        "kv_cache_bytes": kv_mb * 2**20,
+        "max_num_seqs": param_int("max_num_seqs", 32, minimum=1),
+        "max_num_batched_tokens": param_int("max_num_batched_tokens", 512, minimum=1),
+        "max_waiting": param_int("max_waiting", 256, minimum=0),
+        "max_model_len": param_int("max_model_len", 4096, minimum=16),
+        "max_tokens_limit": param_int("max_tokens_limit", 2048, minimum=1),
+        "default_max_tokens": param_int("default_max_tokens", 16, minimum=1),
+        "enable_prefix_caching": param_bool("enable_prefix_caching", True),
+    }
+    threads = param_int("num_threads", 0, minimum=0)
+    if threads:
+        settings["num_threads"] = threads
+    if settings["max_num_batched_tokens"] < settings["max_num_seqs"]:
+        raise ConfigError(
+            f"max_num_batched_tokens ({settings['max_num_batched_tokens']}) must be >= max_num_seqs "
+            f"({settings['max_num_seqs']}): every running stream gets a token each step"
+        )
+    return settings
