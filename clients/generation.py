@@ -571,8 +571,19 @@ class GenerationClient:
             request_id = _request_id()
             log.debug("generate: %s %s via grpc %s", o.model, request_id, o.url)
             try:
-                client.async_stream_infer(o.model, request.grpc_inputs(stream), model_version=o.model_version,
-                                          request_id=request_id, enable_empty_final_response=True)
+                try:
+                    client.async_stream_infer(o.model, request.grpc_inputs(stream), model_version=o.model_version,
+                                              request_id=request_id, enable_empty_final_response=True)
+                except InferenceServerException:
+                    # A stream that failed at once (server unreachable) refuses the request; the
+                    # reason is the error its callback received, if it came.
+                    try:
+                        _, error = responses.get(timeout=1.0)
+                    except queue.Empty:
+                        raise
+                    if error is None:
+                        raise
+                    raise error from None
                 while True:
                     try:
                         result, error = responses.get(timeout=o.timeout_s)
