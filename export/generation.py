@@ -275,10 +275,11 @@ def _publish(staging: Path, target: Path) -> None:
 
 
 def export(repo: Path = ROOT / "model_repository", weights: Path | None = None, dtype: str = "float32",
-           force: bool = False, max_abs_diff: float | None = None) -> ExportResult:
+           force: bool = False, max_abs_diff: float | None = None, loaded=None) -> ExportResult:
     """Export, gate and publish the generation model. Raises GenerationExportError when the
     source is refused or the gate fails (the version folder is then left as it was).
-    ``max_abs_diff`` overrides the logits limit of ``dtype``."""
+    ``max_abs_diff`` overrides the logits limit of ``dtype``; ``loaded``: the source's
+    (model, tokenizer) from load_source, when the caller has them already."""
     started = time.perf_counter()
     _torch_dtype(dtype)
     source = weights_source(weights) if weights is not None else packaged_source()
@@ -290,7 +291,7 @@ def export(repo: Path = ROOT / "model_repository", weights: Path | None = None, 
                             manifest.get("source_description", ""), dtype)
 
     log.info("%s: [1/3] loading %s (%s)", MODEL, source.describe(), dtype)
-    model, tokenizer = load_source(source, dtype)
+    model, tokenizer = loaded if loaded is not None else load_source(source, dtype)
     staging = _staging_dir(repo)
     if staging.exists():
         shutil.rmtree(staging)
