@@ -1,5 +1,7 @@
 """Clients of the text-embedding server: sync (``EmbeddingClient``, ``embed``), asyncio
-(``AsyncEmbeddingClient``) and the ``embed`` command line (``clients.cli``).
+(``AsyncEmbeddingClient``) and the ``embed`` command line (``clients.cli``); of the
+text-generation model: ``GenerationClient``, ``AsyncGenerationClient`` (clients.generation)
+and ``python -m clients generate|chat`` (clients.generation_cli).
 
     from clients import EmbeddingClient, cosine_similarity_matrix
 
@@ -18,14 +20,19 @@ from clients.embed import (
     cosine_similarity_matrix,
     embed,
 )
+from clients.generation import AsyncGenerationClient, Generation, GenerationClient, GenerationError
 
 __all__ = [
     "AsyncEmbeddingClient",
+    "AsyncGenerationClient",
     "DEFAULT_MODEL",
     "DEFAULT_URLS",
     "MAX_BATCH_SIZE",
     "EmbeddingClient",
     "EmbeddingError",
+    "Generation",
+    "GenerationClient",
+    "GenerationError",
     "cosine_similarity_matrix",
     "embed",
 ]

@@ -36,7 +36,7 @@ def url(server, protocol: str) -> str:
 def running_requests(server) -> float:
     """The engine's llm_num_requests_running gauge on the metrics port."""
     body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    values = [float(m) for m in re.findall(r"^llm_num_requests_running\{[^}]*\} (\S+)$", body, re.M)]
+    values = [float(m) for m in re.findall(r"^llm_num_requests_running\{[^}]*\} (\S+)$", body, re.MULTILINE)]
     assert values, "llm_num_requests_running is not on the metrics port"
     return sum(values)
 
@@ -168,7 +168,7 @@ def test_asyncio_cancel_frees_the_engine(server):
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_cli_chat_streams_the_answer_and_reports_tokens(server, reference):
