@@ -514,6 +514,7 @@ class GenerationClient:
                  model_version: str = "", timeout_s: float | None = None):
         self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s)
         self._grpc: Any = None
+        self._grpc_busy = False
         self._closed = False
 
     # The public calls: prompts and chats, whole or streamed.
@@ -558,13 +559,18 @@ class GenerationClient:
         if self._grpc is None:
             self._grpc = transport("grpc").InferenceServerClient(o.url)
         client = self._grpc
+        if self._grpc_busy:
+            raise RuntimeError("GenerationClient runs one gRPC stream at a time: close the previous stream first "
+                               "(or use AsyncGenerationClient for concurrent requests)")
         responses: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        self._grpc_busy = True
         state = {"open": True}
 
         def stop(cancel: bool) -> None:
             if state["open"]:
                 state["open"] = False
+                self._grpc_busy = False
                 client.stop_stream(cancel_requests=cancel)
 
         def pieces() -> Iterator[Piece]:

@@ -344,6 +344,19 @@ def test_unreachable_server_is_a_generation_error(protocol):
         asyncio.run(run())
 
 
+def test_sync_grpc_client_refuses_a_second_open_stream():
+    with GenerationClient(f"127.0.0.1:{free_port()}", "grpc") as client:
+        first = client.stream("a")
+        with pytest.raises(RuntimeError, match="one gRPC stream at a time"):
+            client.stream("b")
+        first.close()
+        second = client.stream("c")  # a closed stream frees the client
+        with pytest.raises(GenerationError, match="cannot reach"):
+            list(second)
+        with pytest.raises(GenerationError, match="cannot reach"):
+            client.generate("d")  # and so does a failed one
+
+
 # --- CLI -----------------------------------------------------------------------------------
 
 
