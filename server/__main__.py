@@ -18,7 +18,7 @@ from pathlib import Path
 from python_backends.redaction import redact_url
 from server.layout import ROOT
 from server.frontdoor import FrontDoorError
-from server.process import DEFAULT_MODELS, ServerError, ServerOptions, TritonServer
+from server.process import DEFAULT_MODELS, ServerError, ServerOptions, TritonServer, default_models
 
 
 # Triton's response cache (text_tokenizer and image_preprocess; README "Result cache"): a
@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 30)")
     p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     p.add_argument("--workdir", type=Path, default=ROOT / ".triton", help="where the server is laid out and logs go")
-    p.add_argument("--model", action="append", dest="models", help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)})")
+    p.add_argument("--model", action="append", dest="models", help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)}: "
+                   "those of them in the repository)")
     p.add_argument(
         "--precision",
         default=os.environ.get("PRECISION", "auto"),
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     from export import variants
 
-    served_models = _served_models(args.model_repository, tuple(args.models or DEFAULT_MODELS))
+    models = tuple(args.models or default_models(args.model_repository))
+    served_models = _served_models(args.model_repository, models)
     try:
         # This server has no TensorRT backend: a trt_plan variant is for NVIDIA's container.
         local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     options = ServerOptions(
         model_repository=args.model_repository,
         workdir=args.workdir,
-        models=tuple(args.models or DEFAULT_MODELS),
+        models=models,
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,

@@ -31,7 +31,18 @@ from server.lifetime import tie_to_parent
 log = logging.getLogger(__name__)
 
 # text_embedding_cached: the cached entry point in front of text_embedding (README "Result cache").
-DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
+# text_generation: the LLM (docs/export.md); its weights are exported by `python -m export`.
+DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
+# Default models a repository may lack: left out of the default set when their folder has no
+# config.pbtxt (a repository made before the generation model, or one holding only the
+# embedding and image models). Asked for by name (--model), they load or fail as any other.
+OPTIONAL_DEFAULT_MODELS = ("text_generation",)
+
+
+def default_models(repository: Path) -> tuple[str, ...]:
+    """The models `python -m server` loads when none are named."""
+    return tuple(m for m in DEFAULT_MODELS
+                 if m not in OPTIONAL_DEFAULT_MODELS or (Path(repository) / m / "config.pbtxt").is_file())
 
 
 def _config_text(repository: Path, model: str) -> str:
@@ -92,7 +103,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerOptions:
     model_repository: Path = ROOT / "model_repository"
     workdir: Path = ROOT / ".triton"
-    models: Sequence[str] = DEFAULT_MODELS
+    models: Sequence[str] = ()  # empty: default_models(model_repository)
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
@@ -121,6 +132,10 @@ class ServerOptions:
     # SIGTERM drain: seconds the front door finishes in-flight requests, then tritonserver's
     # own graceful shutdown (--exit-timeout-secs), before each is killed.
     drain_timeout: float = 30.0
+
+    def __post_init__(self):
+        if not self.models:
+            self.models = default_models(self.model_repository)
 
     @classmethod
     def with_free_ports(cls, **kwargs) -> "ServerOptions":

@@ -35,3 +35,27 @@ def test_only_models_with_variants_are_reported(tmp_path):
     repo = _configs_only(tmp_path, with_variants=("image_classifier",))
     assert _served_models(repo, DEFAULT_MODELS) == ["image_classifier"]
     assert _served_models(_configs_only(tmp_path / "none", with_variants=()), DEFAULT_MODELS) == []
+
+
+def test_text_generation_is_a_default_model_once_its_folder_is_in_the_repository(tmp_path):
+    from server.__main__ import parse_args
+    from server.process import ServerOptions, default_models, with_dependencies
+
+    repo = _configs_only(tmp_path)
+    if not (repo / "text_generation" / "config.pbtxt").is_file():  # before the served model lands
+        (repo / "text_generation").mkdir(exist_ok=True)
+        (repo / "text_generation" / "config.pbtxt").write_text('name: "text_generation"\nbackend: "python"\n')
+    assert default_models(repo) == DEFAULT_MODELS
+    assert DEFAULT_MODELS[-1] == "text_generation"
+    assert ServerOptions(model_repository=repo).models == DEFAULT_MODELS
+    # it reaches no model with precision variants, so the variant report is unchanged
+    assert _served_models(repo, default_models(repo)) == ["text_encoder", "image_classifier"]
+    # tritonserver is told to load it (explicit model control: the --load-model list)
+    assert "text_generation" in with_dependencies(repo, ServerOptions(model_repository=repo).models)
+    # named models are loaded as named
+    assert parse_args(["--model", "text_embedding"]).models == ["text_embedding"]
+    assert ServerOptions(model_repository=repo, models=("text_embedding",)).models == ("text_embedding",)
+    # a repository without the generation model still serves the others by default
+    (repo / "text_generation" / "config.pbtxt").unlink()
+    assert default_models(repo) == ("text_embedding", "text_embedding_cached", "image_classification")
+    assert ServerOptions(model_repository=repo).models == default_models(repo)
