@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from export import image_classifier, text_encoder
+from export import generation, image_classifier, text_encoder
 from server.layout import ROOT
 from server.process import ServerError, ServerOptions, TritonServer
 
@@ -30,6 +30,8 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
         text_encoder.export(REPOSITORY)
     if not image_classifier.up_to_date(REPOSITORY):
         image_classifier.export(REPOSITORY)
+    if (REPOSITORY / generation.MODEL / "config.pbtxt").is_file() and not generation.up_to_date(REPOSITORY):
+        generation.export_for_serving(REPOSITORY)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     extra = {"models": models} if models else {}
     options = {"model_repository": REPOSITORY, "workdir": workdir, **extra, **options}
