@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -56,6 +56,11 @@ perf: $(STAMP)
 # CI smoke of the same: text_embedding (both input sets), gRPC, concurrency 1 and 8, one rate (under a minute).
 perf-quick: $(STAMP)
 	$(PY) -m perf.sweep --quick
+
+# Text generation side by side: naive generate(), in-process engine, Triton gRPC/HTTP, prefix caching (perf/README.md).
+perf-generate: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.generate_bench
 
 # Side by side in one run: in-process ONNX Runtime limit, naive per-request PyTorch server,
 # Triton (gRPC/HTTP), Triton without dynamic batching; prints the ratios (perf/README.md).

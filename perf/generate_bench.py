@@ -1,0 +1,787 @@
+"""`python -m perf.generate_bench` (`make perf-generate`): text generation, every system side by side.
+
+Streams at concurrency 1, 8, 16 and 32 (closed loop: each client starts its next request
+when one ends), 128 new tokens per request with ``ignore_eos`` (so every stream makes
+exactly that many), greedy, the checked-in prompts of perf/data/generation_prompts.json
+cycled, the model's chat template applied by the benchmark for every system. Systems:
+
+  naive    perf/naive_generate_server.py: transformers ``generate()`` one request at a time
+           behind FastAPI (SSE); the clients are concurrent, the server serialises them;
+  engine   the generation engine in this process, no Triton (LLMEngine + EngineLoop, the
+           clients submit through EngineLoop.submit): the limit of this design;
+  grpc     Triton's ``text_generation`` over a gRPC stream (tritonclient.grpc.aio);
+  http     the same over HTTP SSE (``POST /v2/models/text_generation/generate_stream``),
+           both through the launcher's front door as clients reach it.
+
+The in-process engine takes the served model's config.pbtxt parameters (KV pool, block
+size, batch limits), so engine and served model run the same settings.
+
+Each (system, concurrency) cell is a window of --duration seconds: its output tokens per
+second are the tokens that arrived in the window over its length; at the window's end
+the requests still streaming are cancelled (the benchmark then waits until that system is
+idle). The systems take turns at each concurrency, in an order rotated from one level to
+the next (and --rounds repeats the grid), so a noisy neighbour hurts them alike. TTFT is
+from a request's send to its first token; a request still without one at the window's end
+counts with its waiting time so far (a lower bound; the table says how many). Inter-token
+latency is the gap between two streamed responses, per token they carry.
+
+Then prefix caching: the shared ~500-token system prompt with a different user message
+per request, one at a time, on two in-process engines (same weights) with
+enable_prefix_caching on and off, requests alternating between them: TTFT with the
+prefix cached (second request onward) over TTFT without.
+
+Prints a table and the ratios the targets are written in (engine / naive tokens/s at 32
+streams >= 10, served / engine at the same concurrency >= 0.85, cached / uncached TTFT
+<= 0.3), and writes cells.csv, requests.csv, prefix.csv, ratios.csv and summary.md under
+perf/results/generate-<UTC time>/. ``--quick``: concurrency 1 and 4, 16 tokens, a few
+prompts, short windows (the CI smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime as dt
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from perf.harness import DEFAULT_RESULTS, PERF_DIR, ROOT, write_csv
+from perf.tail import percentile
+
+log = logging.getLogger(__name__)
+
+MODEL = "text_generation"
+DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
+DEFAULT_DATA = PERF_DIR / "data" / "generation_prompts.json"
+SYSTEMS = ("naive", "engine", "grpc", "http")
+SYSTEM_NAMES = {
+    "naive": "naive: transformers generate(), one request at a time (FastAPI, SSE)",
+    "engine": "engine in-process (LLMEngine + EngineLoop, no Triton)",
+    "grpc": "Triton text_generation, gRPC stream",
+    "http": "Triton text_generation, HTTP SSE (generate_stream)",
+}
+PROTOCOLS = {"naive": "http sse", "engine": "in-process", "grpc": "grpc stream", "http": "http sse"}
+
+# The issue's targets, checked (not enforced) in the printed ratios.
+TARGET_ENGINE_VS_NAIVE = 10.0
+TARGET_SERVED_VS_ENGINE = 0.85
+TARGET_CACHED_TTFT = 0.3
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class Stream:
+    """One request as its client saw it (perf_counter seconds)."""
+
+    system: str
+    concurrency: int
+    prompt_index: int
+    sent: float
+    events: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in that response)
+    finished: bool = False
+    cancelled: bool = False
+    error: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.events)
+
+    @property
+    def first(self) -> float | None:
+        return next((t for t, n in self.events if n > 0), None)
+
+    def add(self, tokens: int, at: float | None = None) -> None:
+        self.events.append((time.perf_counter() if at is None else at, tokens))
+
+
+@dataclass
+class Cell:
+    """One system at one concurrency: its streams and the windows they ran in."""
+
+    system: str
+    concurrency: int
+    streams: list[Stream] = field(default_factory=list)
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, object]:
+        seconds = sum(b - a for a, b in self.windows)
+        tokens = 0
+        ttft: list[float] = []
+        itl: list[float] = []
+        censored = 0
+        for s in self.streams:
+            end = next((b for a, b in self.windows if a <= s.sent <= b), s.sent)
+            inside = [(t, n) for t, n in s.events if t <= end and n > 0]
+            tokens += sum(n for _, n in inside)
+            if inside:
+                ttft.append(inside[0][0] - s.sent)
+            elif not s.error:
+                censored += 1
+                ttft.append(end - s.sent)  # still waiting at the window's end: a lower bound
+            for (t0, _), (t1, n) in itertools.pairwise(inside):
+                itl += [(t1 - t0) / n] * n
+        ttft.sort()
+        itl.sort()
+
+        def q(values, p):
+            return round(1000 * percentile(values, p), 1) if values else None
+
+        errors = [s.error for s in self.streams if s.error] + self.errors
+        return {
+            "system": self.system, "protocol": PROTOCOLS[self.system], "concurrency": self.concurrency,
+            "window_s": round(seconds, 1), "requests": len(self.streams),
+            "finished": sum(s.finished for s in self.streams), "output_tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+            "ttft_p50_ms": q(ttft, 50), "ttft_p99_ms": q(ttft, 99), "ttft_max_ms": q(ttft, 100),
+            "ttft_censored": censored,
+            "itl_p50_ms": q(itl, 50), "itl_p99_ms": q(itl, 99), "itl_max_ms": q(itl, 100),
+            "errors": len(errors), "first_error": errors[0][:300] if errors else "",
+        }
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[str]  # chat template applied
+    prefix_prompts: list[str]  # system prompt + one user message each, chat template applied
+    prefix_tokens: int  # tokens of the shared part (the system message as rendered)
+
+
+def load_workload(path: Path, tokenizer, quick: bool) -> Workload:
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    entries = doc["prompts"]
+    if quick:  # a few prompts of each kind, the long ones left out to keep the smoke short
+        entries = [e for e in entries if e["kind"] != "long"][::9]
+
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    prompts = [render([{"role": "user", "content": e["text"]}]) for e in entries]
+    users = doc["prefix_user_messages"][: 2 if quick else None]
+    system = {"role": "system", "content": doc["system_prompt"]}
+    prefix_prompts = [render([system, {"role": "user", "content": u}]) for u in users]
+    a, b = (tokenizer.encode(p, add_special_tokens=False) for p in prefix_prompts[:2])
+    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return Workload(prompts, prefix_prompts, shared)
+
+
+# --------------------------------------------------------------------------- the systems
+
+
+class System:
+    """A way to stream one request; ``stream`` is a coroutine cancelled at the window's end."""
+
+    key = ""
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> bool | None:
+        """Whether the system still works on requests (None: cannot tell)."""
+        return None
+
+
+def _params(max_tokens: int) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+class EngineSystem(System):
+    key = "engine"
+
+    def __init__(self, loop):
+        self.loop = loop  # python_backends.generation.engine.EngineLoop
+        self._ids = itertools.count()
+
+    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
+        from python_backends.generation.sampling import SamplingParams
+
+        aio = asyncio.get_running_loop()
+        done = aio.create_future()
+        rid = f"bench-{next(self._ids)}"
+
+        def on_output(out) -> None:  # the engine's loop thread: stamp now, hand over the rest
+            record.add(len(out.token_ids))
+            if out.finished:
+                error = out.error
+                aio.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+
+        self.loop.submit(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                         on_output)
+        try:
+            error = await done
+        except asyncio.CancelledError:
+            self.loop.abort(rid)
+            raise
+        if error is not None:
+            raise RuntimeError(str(error))
+
+    def busy(self) -> bool:
+        stats = self.loop.stats()
+        return bool(stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0)
+                    or self.loop.engine.has_unfinished())
+
+
+class SseSystem(System):
+    """Triton's generate_stream or the naive server (the same interface)."""
+
+    def __init__(self, key: str, url: str, busy: Callable[[], bool | None] = lambda: None,
+                 extra: dict | None = None):
+        self.key, self.url, self._busy, self.extra = key, url, busy, extra or {}
+        self.session = None
+
+    async def open(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600),
+                                             connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
+        body = {"text_input": prompt, "parameters": {**_params(max_tokens), **self.extra}}
+        async with self.session.post(f"http://{self.url}/v2/models/{MODEL}/generate_stream", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            seen = 0
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                if "num_output_tokens" in event:  # cumulative in the served model's responses
+                    n = int(event["num_output_tokens"]) - seen
+                    seen = int(event["num_output_tokens"])
+                else:  # the naive server: one event per token
+                    n = 1
+                record.add(n, now)
+                if event.get("finish_reason"):
+                    return
+
+    def busy(self) -> bool | None:
+        return self._busy()
+
+
+class GrpcSystem(System):
+    key = "grpc"
+
+    def __init__(self, url: str, busy: Callable[[], bool | None] = lambda: None):
+        self.url, self._busy = url, busy
+        self.client = None
+        self._ids = itertools.count()
+
+    async def open(self) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(self.url)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def _inputs(self, prompt: str, max_tokens: int):
+        import numpy as np
+        import tritonclient.grpc.aio as grpcclient
+
+        values = {"text_input": np.array([prompt.encode()], dtype=object),
+                  "stream": np.array([True]), "exclude_input_in_output": np.array([True]),
+                  "return_finish_reason": np.array([True]), "return_num_output_tokens": np.array([True]),
+                  "sampling_parameters": np.array([json.dumps(_params(max_tokens)).encode()], dtype=object)}
+        inputs = []
+        for name, value in values.items():
+            t = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == object else "BOOL")
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+        return inputs
+
+    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
+        inputs = self._inputs(prompt, max_tokens)
+        rid = f"bench-{next(self._ids)}"
+
+        async def requests():
+            yield {"model_name": MODEL, "inputs": inputs, "request_id": rid}
+
+        responses = self.client.stream_infer(inputs_iterator=requests())
+        seen = 0
+        try:
+            async for result, error in responses:
+                now = time.perf_counter()
+                if error is not None:
+                    raise RuntimeError(f"stream error: {error}")
+                count = result.as_numpy("num_output_tokens")
+                total = int(count.reshape(-1)[0]) if count is not None else seen + 1
+                record.add(total - seen, now)
+                seen = total
+                reason = result.as_numpy("finish_reason")
+                if reason is not None and reason.reshape(-1)[0] not in (b"", "", None):
+                    return
+        finally:
+            responses.cancel()  # ends the call (and the request, if it still runs)
+
+    def busy(self) -> bool | None:
+        return self._busy()
+
+
+def triton_busy(metrics_url: str) -> Callable[[], bool | None]:
+    """A probe of the served model's running/waiting gauges on the metrics port (None when absent)."""
+    pattern = re.compile(r"^(\w*(?:running|waiting)\w*)\{[^}]*model=\"" + MODEL + r"\"[^}]*\}\s+(\S+)", re.MULTILINE)
+
+    def probe() -> bool | None:
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        values = [float(v) for name, v in pattern.findall(text) if "seconds" not in name]
+        return None if not values else any(v > 0 for v in values)
+
+    return probe
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+async def _window(system: System, concurrency: int, duration: float, prompts: Sequence[str], max_tokens: int,
+                  start_index: int, cell: Cell) -> int:
+    """``concurrency`` closed-loop clients for ``duration`` s; returns the next prompt index."""
+    counter = itertools.count(start_index)
+    stop_at = time.perf_counter() + duration
+
+    async def client():
+        while time.perf_counter() < stop_at:
+            i = next(counter)
+            record = Stream(system.key, concurrency, i % len(prompts), time.perf_counter())
+            cell.streams.append(record)
+            try:
+                await system.stream(prompts[i % len(prompts)], max_tokens, record)
+                record.finished = True
+            except asyncio.CancelledError:
+                record.cancelled = True
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded per request, the window goes on
+                record.error = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.05)
+
+    started = time.perf_counter()
+    tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+    await asyncio.sleep(duration)
+    ended = time.perf_counter()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    cell.windows.append((started, ended))
+    return next(counter)
+
+
+def wait_idle(system: System, timeout: float) -> bool:
+    """Until the system reports no running or waiting request (a short pause when it cannot tell)."""
+    deadline = time.monotonic() + timeout
+    time.sleep(0.5)  # cancellations reach the server; its gauges catch up
+    while time.monotonic() < deadline:
+        busy = system.busy()
+        if busy is None:
+            time.sleep(1.0)
+            return True
+        if not busy:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, out_dir: Path):
+        self.args, self.out_dir = args, out_dir
+        self.started = time.monotonic()
+        self.cells: dict[tuple[str, int], Cell] = {}
+        self.notes: list[str] = []
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:5.0f} s] {message}", flush=True)
+
+    def run_grid(self, systems: dict[str, System], workload: Workload) -> None:
+        a = self.args
+        order = [k for k in SYSTEMS if k in systems]
+        index = 0
+        aio = asyncio.new_event_loop()
+        try:
+            for s in systems.values():
+                aio.run_until_complete(s.open())
+            for key in order:  # warm-up: first requests allocate; keep them out of the windows
+                warm = Stream(key, 0, 0, time.perf_counter())
+                try:
+                    aio.run_until_complete(asyncio.wait_for(systems[key].stream(workload.prompts[0], 4, warm), 120))
+                except Exception as exc:  # noqa: BLE001 - its windows will say so too
+                    self.say(f"    warm-up of {key} failed: {exc}")
+            turn = 0
+            for rnd in range(a.rounds):
+                for c in a.concurrency:
+                    for key in order[turn % len(order):] + order[: turn % len(order)]:
+                        cell = self.cells.setdefault((key, c), Cell(key, c))
+                        index = aio.run_until_complete(
+                            _window(systems[key], c, a.duration, workload.prompts, a.max_tokens, index, cell))
+                        idle = wait_idle(systems[key], a.idle_timeout)
+                        if not idle:
+                            cell.errors.append(f"still busy {a.idle_timeout:.0f} s after the window")
+                        s = cell.summary()
+                        self.say(f"  round {rnd + 1} c{c:<3} {key:<6} {s['tokens_per_s']} tokens/s, "
+                                 f"TTFT p50 {s['ttft_p50_ms']} ms, ITL p50 {s['itl_p50_ms']} ms"
+                                 + ("" if idle else " (did not become idle)"))
+                    turn += 1
+        finally:
+            for s in systems.values():
+                aio.run_until_complete(s.close())
+            aio.close()
+
+
+def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dict[str, object]]:
+    """TTFT of the shared-system-prompt requests on two engines (prefix caching on / off),
+    the same weights, one request at a time, alternating."""
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engines = {}
+    for on in (True, False):
+        cfg = dataclasses.replace(engine.config, enable_prefix_caching=on)
+        engines[on] = LLMEngine(cfg, weights=engine.weights, tokenizer=engine.tokenizer)
+    rows = []
+    for i, prompt in enumerate(workload.prefix_prompts):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            e = engines[on]
+            before = e.stats()
+            rid = f"prefix-{on}-{i}"
+            sent = time.perf_counter()
+            e.add_request(rid, prompt, params)
+            first = None
+            while e.has_unfinished():
+                for out in e.step():
+                    if first is None and out.token_ids:
+                        first = time.perf_counter()
+            after = e.stats()
+            computed = after.get("prompt_tokens_computed", 0) - before.get("prompt_tokens_computed", 0)
+            rows.append({"request": i, "prefix_caching": "on" if on else "off",
+                         "prompt_tokens": len(e.tokenizer.encode(prompt, add_special_tokens=False)),
+                         "prompt_tokens_computed": computed,
+                         "ttft_ms": round(1000 * (first - sent), 1) if first else None})
+    say(f"    prefix: {len(rows)} requests, shared prefix {workload.prefix_tokens} tokens")
+    return rows
+
+
+def prefix_summary(rows: Sequence[dict]) -> dict[str, object]:
+    """Medians over the second request onward (the first one fills the cache)."""
+    def med(on: str) -> float | None:
+        values = sorted(r["ttft_ms"] for r in rows if r["prefix_caching"] == on and r["request"] > 0 and r["ttft_ms"])
+        return percentile(values, 50) if values else None
+
+    on, off = med("on"), med("off")
+    first = next((r["ttft_ms"] for r in rows if r["prefix_caching"] == "on" and r["request"] == 0), None)
+    computed_on = [r["prompt_tokens_computed"] for r in rows if r["prefix_caching"] == "on" and r["request"] > 0]
+    prompt = [r["prompt_tokens"] for r in rows if r["prefix_caching"] == "on" and r["request"] > 0]
+    return {"ttft_cached_p50_ms": on, "ttft_uncached_p50_ms": off, "ttft_first_on_ms": first,
+            "mean_prompt_tokens": round(sum(prompt) / len(prompt), 1) if prompt else None,
+            "mean_prompt_tokens_computed_cached": round(sum(computed_on) / len(computed_on), 1) if computed_on else None,
+            "ratio": round(on / off, 3) if on and off else None}
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def served_engine_settings(repository: Path) -> dict:
+    """EngineConfig keyword arguments from the served model's config.pbtxt parameters."""
+    from ops.rollout import config_from_disk
+    from python_backends.config import ModelConfig
+    from python_backends.generation.serving import engine_settings
+
+    path = repository / MODEL / "config.pbtxt"
+    if not path.is_file():
+        return {}
+    cfg = ModelConfig(config_from_disk(repository, MODEL, None))
+    settings = engine_settings(cfg.param, cfg.param_int, cfg.param_bool)
+    if settings["dtype"] == "auto":  # what the served model picks on a CPU instance
+        settings["dtype"] = "float32"
+    return settings
+
+
+def start_engine(model_dir: Path, settings: dict):
+    from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), device="cpu", **settings))
+    return engine, EngineLoop(engine)
+
+
+def start_triton(model_dir: Path, workdir: Path):
+    """tritonserver with only text_generation (the launcher's code path, front door included).
+
+    With --model-dir elsewhere than the version folder, a temporary repository holds the
+    model's config.pbtxt and model.py with links to those weights."""
+    from server.process import ServerOptions, TritonServer
+
+    repository = ROOT / "model_repository"
+    if model_dir.resolve() != DEFAULT_MODEL_DIR.resolve():
+        repository = workdir / "repository"
+        version = repository / MODEL / "1"
+        version.mkdir(parents=True)
+        shutil.copy(ROOT / "model_repository" / MODEL / "config.pbtxt", repository / MODEL / "config.pbtxt")
+        for f in (ROOT / "model_repository" / MODEL / "1").glob("*.py"):
+            shutil.copy(f, version / f.name)
+        for f in model_dir.iterdir():
+            (version / f.name).symlink_to(f.resolve())
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_repository=repository))
+    return server.start()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None or value == "":
+        return ""
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def ratios(args, summaries: dict[tuple[str, int], dict], prefix: dict | None) -> list[dict[str, object]]:
+    def tps(key, c):
+        s = summaries.get((key, c))
+        return s["tokens_per_s"] if s and s["tokens_per_s"] else None
+
+    def ratio(name, num, den, target=None, above=True, detail=""):
+        value = round(num / den, 3) if num and den else None
+        met = None if value is None or target is None else (value >= target if above else value <= target)
+        return {"name": name, "value": value, "target": "" if target is None else f"{'>=' if above else '<='} {target:g}",
+                "met": "" if met is None else ("yes" if met else "no"), "detail": detail}
+
+    top = max(args.concurrency)
+    out = []
+    for c in sorted(args.concurrency, reverse=True):
+        e, n = tps("engine", c), tps("naive", c)
+        out.append(ratio(f"engine / naive tokens/s, {c} streams", e, n, TARGET_ENGINE_VS_NAIVE if c == top else None,
+                         detail=f"{_fmt(e)} / {_fmt(n)}"))
+    for c in sorted(args.concurrency, reverse=True):
+        for key in ("grpc", "http"):
+            s, e = tps(key, c), tps("engine", c)
+            out.append(ratio(f"Triton {key} / engine tokens/s, {c} streams", s, e,
+                             TARGET_SERVED_VS_ENGINE if c == top else None, detail=f"{_fmt(s)} / {_fmt(e)}"))
+    if prefix is not None:
+        out.append(ratio("TTFT prefix cached / uncached (engine, P50)", prefix["ttft_cached_p50_ms"],
+                         prefix["ttft_uncached_p50_ms"], TARGET_CACHED_TTFT, above=False,
+                         detail=f"{_fmt(prefix['ttft_cached_p50_ms'])} / {_fmt(prefix['ttft_uncached_p50_ms'])} ms"))
+    return out
+
+
+def markdown(header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[dict], prefix: dict | None) -> str:
+    lines = list(header) + [
+        "",
+        ("| system | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | ITL P50 ms | ITL P99 ms | "
+        "ITL max ms | requests (finished) | notes |"),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for s in cells:
+        notes = []
+        if s["ttft_censored"]:
+            notes.append(f"{s['ttft_censored']} still waiting at the window's end (TTFT a lower bound)")
+        if s["errors"]:
+            notes.append(f"{s['errors']} errors: {s['first_error'][:120]}")
+        lines.append(f"| {s['system']} | {s['concurrency']} | {_fmt(s['tokens_per_s'])} | {_fmt(s['ttft_p50_ms'])} | "
+                     f"{_fmt(s['ttft_p99_ms'])} | {_fmt(s['ttft_max_ms'])} | {_fmt(s['itl_p50_ms'])} | "
+                     f"{_fmt(s['itl_p99_ms'])} | {_fmt(s['itl_max_ms'])} | {s['requests']} ({s['finished']}) | "
+                     f"{'; '.join(notes)} |")
+    if prefix is not None:
+        lines += ["", "| prefix caching (engine, one request at a time) | TTFT P50 ms | prompt tokens computed |",
+                  "| --- | ---: | ---: |",
+                  (f"| on, second request onward | {_fmt(prefix['ttft_cached_p50_ms'])} | "
+                  f"{_fmt(prefix['mean_prompt_tokens_computed_cached'])} of {_fmt(prefix['mean_prompt_tokens'])} |"),
+                  f"| on, first request (fills the cache) | {_fmt(prefix['ttft_first_on_ms'])} | |",
+                  f"| off | {_fmt(prefix['ttft_uncached_p50_ms'])} | {_fmt(prefix['mean_prompt_tokens'])} |"]
+    lines += ["", "| ratio | value | target | met | from |", "| --- | ---: | --- | --- | --- |"]
+    for r in ratio_rows:
+        lines.append(f"| {r['name']} | {_fmt(r['value'], 2)} | {r['target']} | {r['met']} | {r['detail']} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m perf.generate_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="concurrency 1 and 4, 16 tokens, a few prompts, 4 s windows (CI smoke; figures are rough)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                   help="comma-separated stream counts (default 1,8,16,32; --quick 1,4)")
+    p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128, --quick 16)")
+    p.add_argument("--duration", type=float, help="seconds per (system, concurrency) window (default 30, --quick 4)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole grid (default 1)")
+    p.add_argument("--systems", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   default=list(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching comparison")
+    p.add_argument("--prefix-max-tokens", type=int, default=4, help="new tokens per prefix-caching request (default 4)")
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
+                   help="exported weights (default model_repository/text_generation/1)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prompts JSON (default perf/data/generation_prompts.json)")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds to wait for a system to finish cancelled work after a window (default 60)")
+    p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/generate-<UTC time>)")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    q = args.quick
+    for name, full, quick in (("concurrency", [1, 8, 16, 32], [1, 4]), ("max_tokens", 128, 16), ("duration", 30.0, 4.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if min(args.concurrency) < 1 or args.max_tokens < 1 or args.duration <= 0 or args.rounds < 1:
+        p.error("--concurrency, --max-tokens, --duration and --rounds must be positive")
+    if not (args.model_dir / "config.json").is_file():
+        p.error(f"{args.model_dir} has no config.json: export the model first (python -m export.generation)")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    from perf.naive_generate_server import NaiveGenerateServer
+    from server.process import ServerError, free_port
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out_dir or DEFAULT_RESULTS / f"generate-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args, out_dir)
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    bench.say(f"perf.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, {args.max_tokens} "
+              f"tokens, {args.duration:g} s windows x {args.rounds} round(s), load average {load}")
+
+    wanted = set(args.systems)
+    workdir = Path(tempfile.mkdtemp(prefix="perf-generate-"))
+    triton = naive = loop = None
+    systems: dict[str, System] = {}
+    try:
+        # The servers load while this process loads its own engine.
+        if wanted & {"grpc", "http"}:
+            triton = start_triton(args.model_dir, workdir)
+            bench.say(f"tritonserver starting ({MODEL} only): http {triton.http_url}, grpc {triton.grpc_url}")
+        if "naive" in wanted:
+            naive = NaiveGenerateServer(free_port(), out_dir / "naive_server.log", model_dir=args.model_dir).start()
+            bench.say(f"naive server starting on {naive.http_url}")
+        settings = served_engine_settings(ROOT / "model_repository")
+        engine, loop = start_engine(args.model_dir, settings)
+        bench.say(f"engine loaded in-process: {settings or 'EngineConfig defaults'}")
+        workload = load_workload(args.data, engine.tokenizer, args.quick)
+        if "engine" in wanted:
+            systems["engine"] = EngineSystem(loop)
+        if naive is not None:
+            try:
+                naive.wait_ready()
+                systems["naive"] = SseSystem("naive", naive.http_url, lambda: bool(
+                    (st := naive.stats())["queued"] or st["running"]))
+            except RuntimeError as exc:
+                bench.say(f"naive server did not start: {exc}")
+                bench.notes.append("naive server did not start")
+        if triton is not None:
+            try:
+                triton.wait_ready(timeout=300)
+                probe = triton_busy(triton.metrics_url)
+                if "grpc" in wanted:
+                    systems["grpc"] = GrpcSystem(triton.grpc_url, probe)
+                if "http" in wanted:
+                    systems["http"] = SseSystem("http", triton.http_url, probe,
+                                                extra={"return_num_output_tokens": True, "return_finish_reason": True,
+                                                       "exclude_input_in_output": True})
+            except ServerError as exc:
+                bench.say(f"tritonserver did not start: {exc}\n{exc.log_tail}")
+                bench.notes.append("tritonserver did not start")
+        bench.say(f"{len(workload.prompts)} prompts; measuring {', '.join(systems)}")
+        bench.run_grid(systems, workload)
+
+        prefix_rows, prefix = [], None
+        if not args.no_prefix:
+            bench.say("prefix caching on / off (in-process engines, shared system prompt)")
+            loop.shutdown()
+            loop = None
+            prefix_rows = measure_prefix(engine, workload, args.prefix_max_tokens, bench.say)
+            prefix = prefix_summary(prefix_rows)
+    finally:
+        if loop is not None:
+            loop.shutdown()
+        if naive is not None:
+            naive.stop()
+        if triton is not None:
+            triton.stop()
+            if triton.log_path.is_file():
+                shutil.copyfile(triton.log_path, out_dir / "tritonserver.log")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    summaries = {k: c.summary() for k, c in bench.cells.items()}
+    ordered = [summaries[(k, c)] for c in args.concurrency for k in SYSTEMS if (k, c) in summaries]
+    ratio_rows = ratios(args, summaries, prefix)
+    header = [
+        f"# Text generation side by side: {MODEL} ({pa_display(args.model_dir)})",
+        "",
+        (f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
+        f"measuring {load}"),
+        f"- command: `{' '.join(['python -m perf.generate_bench', *args.argv])}`",
+        (f"- {len(workload.prompts)} prompts ({pa_display(args.data)}), chat template applied, {args.max_tokens} new "
+        f"tokens each (ignore_eos), greedy; closed-loop clients, {args.duration:g} s window per system and "
+        f"concurrency, {args.rounds} round(s), systems interleaved"),
+        f"- engine settings (from config.pbtxt): {json.dumps(settings) if settings else 'defaults'}",
+        *[f"- {n}" for n in bench.notes],
+    ]
+    for key in SYSTEMS:
+        if key in systems:
+            header.append(f"- {key}: {SYSTEM_NAMES[key]}")
+    table = markdown(header, ordered, ratio_rows, prefix)
+    (out_dir / "summary.md").write_text(table)
+    write_csv(out_dir / "cells.csv", ordered)
+    write_csv(out_dir / "ratios.csv", ratio_rows)
+    if prefix_rows:
+        write_csv(out_dir / "prefix.csv", prefix_rows)
+    requests = [{"system": s.system, "concurrency": s.concurrency, "prompt": s.prompt_index,
+                 "ttft_ms": round(1000 * (s.first - s.sent), 1) if s.first else None, "tokens": s.tokens,
+                 "finished": s.finished, "cancelled": s.cancelled, "error": s.error}
+                for c in bench.cells.values() for s in c.streams]
+    if requests:
+        write_csv(out_dir / "requests.csv", requests)
+    print("\n" + table, flush=True)
+    bench.say(f"perf.generate_bench: results in {pa_display(out_dir)}")
+    ok = all(s["output_tokens"] > 0 for s in ordered) and len(ordered) == len(args.systems) * len(args.concurrency)
+    return 0 if ok and (prefix is not None or args.no_prefix) else 1
+
+
+def pa_display(path: Path) -> str:
+    from perf.perf_analyzer import display_path
+
+    return display_path(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""A --quick run of perf.generate_bench: every system streams tokens in one run and the report is complete.
+
+It starts its own servers (a tritonserver with text_generation only, the naive generate()
+server) and an in-process engine, and checks the structure of what the run wrote and that
+every system produced tokens, never the figures' size: these machines are small and shared.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from perf import generate_bench
+
+pytestmark = pytest.mark.perf
+
+SYSTEMS = {"naive", "engine", "grpc", "http"}
+
+
+def test_quick_generate_bench_streams_from_every_system(tmp_path):
+    if not (generate_bench.DEFAULT_MODEL_DIR / "model.safetensors").is_file():
+        pytest.fail("text_generation is not exported: run python -m export (make test does)", pytrace=False)
+    code = generate_bench.main(["--quick", "--out-dir", str(tmp_path)])
+    summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").is_file() else "(no summary.md)"
+    assert code == 0, summary
+
+    with (tmp_path / "cells.csv").open() as f:
+        cells = list(csv.DictReader(f))
+    assert {(c["system"], int(c["concurrency"])) for c in cells} == {(s, n) for s in SYSTEMS for n in (1, 4)}, summary
+    for c in cells:
+        where = f"{c['system']} c{c['concurrency']}: {c['first_error']}"
+        assert int(c["output_tokens"]) > 0 and float(c["tokens_per_s"]) > 0, where
+        assert int(c["errors"]) == 0, where
+        assert float(c["ttft_max_ms"]) >= float(c["ttft_p99_ms"]) >= float(c["ttft_p50_ms"]) > 0, where
+        assert float(c["itl_max_ms"]) >= float(c["itl_p99_ms"]) >= float(c["itl_p50_ms"]) > 0, where
+    # Every finished request made exactly max_tokens tokens (ignore_eos), whichever system served it.
+    with (tmp_path / "requests.csv").open() as f:
+        finished = [r for r in csv.DictReader(f) if r["finished"] == "True"]
+    assert finished and {int(r["tokens"]) for r in finished} == {16}, finished[:5]
+
+    with (tmp_path / "prefix.csv").open() as f:
+        prefix = list(csv.DictReader(f))
+    assert {r["prefix_caching"] for r in prefix} == {"on", "off"}
+    cached = [r for r in prefix if r["prefix_caching"] == "on" and r["request"] != "0"]
+    # The cache hit is real: the second request computed only its own tokens, not the shared prefix.
+    assert cached and all(int(r["prompt_tokens_computed"]) < int(r["prompt_tokens"]) - 400 for r in cached), prefix
+
+    with (tmp_path / "ratios.csv").open() as f:
+        ratios = {r["name"]: r for r in csv.DictReader(f)}
+    for name in ("engine / naive tokens/s, 4 streams", "Triton grpc / engine tokens/s, 4 streams",
+                 "Triton http / engine tokens/s, 4 streams", "TTFT prefix cached / uncached (engine, P50)"):
+        assert float(ratios[name]["value"]) > 0, (name, ratios.get(name))
+    assert "| ratio | value | target | met | from |" in summary
+    assert (tmp_path / "tritonserver.log").is_file() and (tmp_path / "naive_server.log").is_file()
