@@ -112,7 +112,7 @@ def test_mounted_repository_holds_the_loaded_models(compose, name):
     assert host_repo == (ROOT / "model_repository").resolve()
     assert args["--model-control-mode"] == ["explicit"]
     loaded = args["--load-model"]
-    assert loaded == ["text_encoder", "text_embedding", "text_embedding_cached", "image_classification"]
+    assert loaded == ["text_encoder", "text_embedding", "text_embedding_cached", "image_classification", "text_generation"]
     # What a loaded model calls through BLS (load_with) is loaded explicitly too.
     from server.process import with_dependencies
 
@@ -178,6 +178,26 @@ def test_dockerfile_matches_local_versions():
     # The model.py shims import python_backends: the package must be on PYTHONPATH in the image.
     assert re.search(r"^COPY python_backends /opt/embedding/python_backends$", dockerfile, re.M)
     assert "PYTHONPATH=/opt/embedding" in dockerfile
+
+
+def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, defaults):
+    """The image has torch for text_generation's engine: PyPI's CUDA build by default (the GPU
+    service), PyTorch's CPU build on the CPU service, each under its own image tag."""
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements.txt").read_text(), re.M))
+    assert f'--index-url "${{TORCH_INDEX_URL}}" "torch=={pins["torch"]}"' in dockerfile
+    assert f'"safetensors=={pins["safetensors"]}"' in dockerfile
+    # transformers: requirements.txt's release needs Python 3.11; the image has the last for 3.10
+    (container,) = re.findall(r'"transformers==([^"]+)"', dockerfile)
+    assert container == pins["transformers"] or pins["transformers"] == "5.24.0" and container == "5.20.2", container
+    (default_index,) = re.findall(r"^ARG TORCH_INDEX_URL=(\S+)$", dockerfile, re.M)
+    assert default_index == "https://pypi.org/simple"
+    gpu, cpu = defaults["services"]["triton"], defaults["services"]["triton-cpu"]
+    assert not (gpu["build"].get("args") or {}).get("TORCH_INDEX_URL")
+    assert cpu["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert (ROOT / cpu["build"]["context"]).resolve() == ROOT.resolve()
+    assert cpu["build"]["dockerfile"] == gpu["build"]["dockerfile"]
+    assert cpu["image"] != gpu["image"], "one tag for two builds: the last build would serve both"
 
 
 @pytest.mark.parametrize("precision, served", [(None, {"triton": "gpu", "triton-cpu": "cpu"}),
