@@ -362,9 +362,16 @@ class EngineLoop:
                 raise QueueFull("the engine is shutting down")
             if request_id in self._live or any(p.request_id == request_id for p in self._pending):
                 raise ValueError(f"request {request_id!r} is already running")
-            waiting = self.engine.scheduler.num_waiting + len(self._pending)
+            # Submissions not yet handed to the scheduler count as waiting, less the free
+            # places in the running batch they will take at the next step.
+            sched = self.engine.scheduler
+            free_places = max(0, sched.max_num_seqs - sched.num_running)
+            waiting = max(0, sched.num_waiting + len(self._pending) - free_places)
             if waiting >= self.engine.config.max_waiting:
-                raise QueueFull(f"{waiting} requests already waiting (max_waiting={self.engine.config.max_waiting})")
+                raise QueueFull(
+                    f"{waiting} requests already waiting and the running batch is full "
+                    f"(max_num_seqs={sched.max_num_seqs}, max_waiting={self.engine.config.max_waiting})"
+                )
             self._pending.append(sub)
             self._wake.notify()
         return len(ids)

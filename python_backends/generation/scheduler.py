@@ -180,9 +180,12 @@ class Scheduler:
                 f"the prompt has {len(prompt_tokens)} tokens and max_tokens is {max_tokens}: "
                 f"{need} KV blocks would be needed, the pool has {self.bm.num_blocks}",
             )
-        if len(self.waiting) >= self.max_waiting:
+        # Requests the running batch will take at the next step do not count as waiting.
+        queued = len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
+        if queued >= self.max_waiting:
             raise QueueFull(
-                f"{len(self.waiting)} requests already waiting (max_waiting={self.max_waiting})"
+                f"{len(self.waiting)} requests already waiting and the running batch is full "
+                f"(max_num_seqs={self.max_num_seqs}, max_waiting={self.max_waiting})"
             )
         seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals))
         self.waiting.append(seq)

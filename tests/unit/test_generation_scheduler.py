@@ -195,13 +195,16 @@ def test_abort_mid_prefill_and_mid_decode_frees_blocks_at_once():
 
 
 def test_queue_full_is_a_clear_error_beyond_max_waiting():
-    _, sched, _ = make(max_waiting=2)
-    sched.add(1, [1], 1)
-    sched.add(2, [1], 1)
+    _, sched, _ = make(max_num_seqs=2, max_waiting=2)
+    for i in range(4):  # two the batch will take, two waiting
+        sched.add(i, [1], 5)
+    with pytest.raises(QueueFull, match="max_num_seqs=2, max_waiting=2"):
+        sched.add(4, [1], 5)
+    sched.schedule()  # two admitted: the batch is full, two wait
     with pytest.raises(QueueFull, match="max_waiting=2"):
-        sched.add(3, [1], 1)
-    sched.schedule()  # both admitted: room again
-    sched.add(3, [1], 1)
+        sched.add(4, [1], 5)
+    sched.abort(0)  # a place in the batch: one more may queue
+    sched.add(4, [1], 5)
 
 
 def test_context_limit_names_both_numbers():

@@ -1,0 +1,264 @@
+"""The engine against transformers' generate() on the exported SmolLM2 weights (FP32, CPU).
+
+Greedy tokens must be identical, token for token: one request at a time, 16 at once with
+mixed lengths, with prefix-cache hits, with chunked prefill, and after preemption.
+Seeded sampling gives the same tokens alone and batched. Cancellation and failures free
+every block.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from python_backends.errors import InputError
+from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine
+from python_backends.generation.sampling import SamplingParams
+from python_backends.generation.scheduler import ContextTooLong, QueueFull
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
+NEW_TOKENS = 24
+
+pytestmark = pytest.mark.skipif(
+    not (MODEL_DIR / "model.safetensors").is_file(),
+    reason="text_generation weights not exported (python -m export.generation)",
+)
+
+MESSAGES = [
+    "What is the capital of France? Answer in one sentence.",
+    "Écris une phrase sur la mer.",
+    "Wie spät ist es in Tokio, wenn es in Berlin Mittag ist?",
+    "用一句话介绍长城。",
+    "Write a Python function that reverses a string.",
+    "def fibonacci(n):",
+    "List three primary colours.",
+]
+
+
+def long_prompt(tokenizer) -> str:
+    """A prompt of about 1,500 tokens: a chat turn around a long passage."""
+    rng = random.Random(7)
+    words = ("the model serves many clients at once while each stream gets its tokens in time "
+             "and the cache keeps every block of keys and values until the sequence ends").split()
+    passage = " ".join(rng.choice(words) for _ in range(1400))
+    text = chat(tokenizer, f"Summarise this passage in one sentence:\n{passage}")
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    assert 1300 <= n <= 1700, n
+    return text
+
+
+def chat(tokenizer, message: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def prompts(hf):
+    tok, _ = hf
+    return [chat(tok, m) for m in MESSAGES] + [long_prompt(tok)]
+
+
+@pytest.fixture(scope="module")
+def reference(hf, prompts):
+    """transformers generate(), greedy, one prompt at a time, without the engine."""
+    tok, model = hf
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.inference_mode():
+            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def make_engine(hf, **overrides) -> LLMEngine:
+    tok, _ = hf
+    settings = dict(model_dir=MODEL_DIR, num_blocks=512, block_size=16, max_num_seqs=32,
+                    max_num_batched_tokens=512, max_model_len=4096)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings), tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def engine(hf):
+    return make_engine(hf)
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def assert_same(results, reference, prompts):
+    for (_, ids), ref, p in zip(results, reference, prompts):
+        assert ids == ref, f"prompt {p[-60:]!r}: engine {ids} != generate() {ref}"
+
+
+def test_greedy_one_at_a_time_matches_generate(engine, prompts, reference):
+    for p, ref in zip(prompts, reference):
+        assert_same(engine.generate([p], GREEDY), [ref], [p])
+    assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_invariants()
+
+
+def test_france_answer(engine, hf):
+    text, _ = engine.generate([chat(hf[0], MESSAGES[0])], SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert text == "The capital of France is Paris."
+
+
+def test_sixteen_at_once_mixed_lengths_with_and_without_prefix_hits(hf, prompts, reference):
+    eng = make_engine(hf)
+    batch = (prompts * 3)[:16]
+    refs = (reference * 3)[:16]
+    first = eng.generate(batch, GREEDY)  # the copies admitted together share no computed block yet
+    assert_same(first, refs, batch)
+    hits_before = eng.block_manager.prefix_hits
+    again = eng.generate(batch, GREEDY)  # now every full prompt block is cached
+    assert_same(again, refs, batch)
+    assert eng.block_manager.prefix_hits - hits_before > sum(len(p) for p in batch) // 8
+    assert eng.block_manager.num_used_blocks == 0
+    eng.block_manager.check_invariants()
+
+
+def test_chunked_prefill_beside_running_streams(hf, prompts, reference):
+    """A 64-token budget: the 1,500-token prompt is prefilled over many steps while the
+    short streams decode every step."""
+    eng = make_engine(hf, max_num_seqs=8, max_num_batched_tokens=64)
+    long_i = len(prompts) - 1
+    order = [0, 5, long_i, 1]
+    results = eng.generate([prompts[i] for i in order], GREEDY)
+    assert_same(results, [reference[i] for i in order], [prompts[i] for i in order])
+    assert eng.counters["steps"] >= 1500 // 64
+
+
+def test_preemption_recomputes_to_the_same_tokens(hf, prompts, reference):
+    """A pool too small for all streams at once: the newest are preempted and recomputed."""
+    short = prompts[:-1]
+    need = max(len(hf[0].encode(p, add_special_tokens=False)) for p in short) + NEW_TOKENS
+    eng = make_engine(hf, num_blocks=3 * (-(-need // 16)), enable_prefix_caching=False)
+    batch = short * 2
+    results = eng.generate(batch, GREEDY)
+    assert eng.scheduler.num_preemptions > 0
+    assert_same(results, reference[:-1] * 2, batch)
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_same_alone_and_batched(engine, prompts):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = engine.generate([prompts[2]], params)[0][1]
+    others = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    batched = engine.generate([prompts[0], prompts[2], prompts[3], prompts[4]],
+                              [others[0], params, others[1], others[2]])
+    assert batched[1][1] == alone
+    other_seed = engine.generate([prompts[2]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9,
+                                                              top_k=50, seed=4321))[0][1]
+    assert other_seed != alone
+
+
+def test_stop_string_and_min_tokens(engine, hf):
+    prompt = chat(hf[0], MESSAGES[0])
+    text, _ = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, stop=("Paris",)))[0]
+    assert text == "The capital of France is "
+    # EOS is suppressed until min_tokens; ignore_eos runs to max_tokens.
+    _, ids = engine.generate([prompt], SamplingParams(max_tokens=20, min_tokens=12, temperature=0.0))[0]
+    assert len(ids) >= 12
+    _, ids = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert len(ids) == 20
+
+
+def test_bad_requests_name_the_field(engine):
+    with pytest.raises(InputError, match="text_input"):
+        engine.add_request("a", "   ", GREEDY)
+    with pytest.raises(ContextTooLong, match="3500 tokens and max_tokens is 1000: 4500 exceeds the context limit of 4096"):
+        engine.add_request("b", [1] * 3500, SamplingParams(max_tokens=1000))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        engine.add_request("c", [1, 10**9], GREEDY)
+    assert not engine.has_unfinished()
+
+
+def test_abort_mid_stream_frees_blocks_and_random_load_leaks_nothing(hf, prompts):
+    eng = make_engine(hf, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128)
+    rng = random.Random(3)
+    free0 = eng.block_manager.num_free_blocks
+    live: dict[int, int] = {}
+    finished = 0
+    for rid in range(60):
+        p = rng.choice(prompts[:-1])
+        eng.add_request(rid, p, SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=True))
+        live[rid] = rng.random() < 0.2  # cancel this one mid-stream
+        for out in eng.step():
+            if out.finished:
+                finished += 1
+                live.pop(out.request_id, None)
+            elif live.get(out.request_id) and out.num_output_tokens >= 2:
+                assert eng.abort(out.request_id).finish_reason == "abort"
+                finished += 1
+                live.pop(out.request_id)
+    while eng.has_unfinished():
+        for out in eng.step():
+            finished += out.finished
+    assert finished == 60
+    assert eng.block_manager.num_free_blocks == free0
+    assert eng.scheduler.num_running == eng.scheduler.num_waiting == 0
+    eng.block_manager.check_invariants()
+
+
+def test_loop_streams_cancels_within_a_step_and_refuses_when_full(hf, prompts):
+    eng = make_engine(hf, max_num_seqs=4, max_waiting=2)
+    loop = EngineLoop(eng)
+    try:
+        got: dict[int, list] = {0: [], 1: []}
+        done = {0: threading.Event(), 1: threading.Event()}
+        cancel = threading.Event()
+
+        def collect(rid):
+            def on_output(out):
+                got[rid].append(out)
+                if out.finished:
+                    done[rid].set()
+            return on_output
+
+        loop.submit(0, prompts[0], SamplingParams(max_tokens=8, temperature=0.0), collect(0))
+        loop.submit(1, prompts[4], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True), collect(1),
+                    is_cancelled=cancel.is_set)
+        assert done[0].wait(60)
+        assert "".join(o.text for o in got[0]) == "The capital of France is Paris."
+        while len(got[1]) < 3:
+            time.sleep(0.01)
+        cancel.set()
+        assert done[1].wait(5)
+        last = got[1][-1]
+        assert last.finished and last.finish_reason == "abort"
+        assert last.num_output_tokens < 1000
+        time.sleep(0.1)
+        assert eng.block_manager.num_used_blocks == 0
+        with pytest.raises(InputError, match="max_tokens"):
+            loop.submit(2, [1] * 4000, SamplingParams(max_tokens=200), collect(0))
+        # Fill the running batch (4) and the queue (2), then one more is refused.
+        blockers = [threading.Event() for _ in range(6)]
+        for i in range(6):
+            loop.submit(10 + i, prompts[1], SamplingParams(max_tokens=2000, ignore_eos=True), lambda o: None,
+                        is_cancelled=blockers[i].is_set)
+            if i == 3:
+                deadline = time.monotonic() + 60
+                while eng.scheduler.num_running < 4 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        with pytest.raises(QueueFull, match="max_waiting=2"):
+            loop.submit(20, prompts[1], GREEDY, lambda o: None)
+        for b in blockers:
+            b.set()
+    finally:
+        loop.shutdown()
