@@ -1,0 +1,108 @@
+"""text_generation's request parsing and response shaping, without Triton (the real tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from python_backends.errors import ConfigError, InputError
+from python_backends.generation.serving import ResponseShaper, engine_settings, parse_request
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not (MODEL_DIR / "tokenizer.json").is_file():
+        pytest.skip("text_generation not exported (python -m export.generation)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+def req(tokenizer, text=b"Hello", params=None, **inputs):
+    values = {"text_input": np.array([text], dtype=object)}
+    for name, value in inputs.items():
+        values[name] = value if isinstance(value, np.ndarray) else np.array([value], dtype=object if isinstance(value, (bytes, str)) else bool)
+    return parse_request(values, params, tokenizer=tokenizer, max_tokens_limit=2048, default_max_tokens=16,
+                         max_text_bytes=1000)
+
+
+def test_defaults_and_both_parameter_sources(tokenizer):
+    r = req(tokenizer)
+    assert r.prompt == "Hello" and r.params.max_tokens == 16 and not r.stream
+    r = req(tokenizer, sampling_parameters=json.dumps({"max_tokens": 5, "temperature": 0.5}),
+            params={"temperature": 0, "stop": '["a", "b"]', "priority": 1}, stream=True)
+    assert r.params.max_tokens == 5 and r.params.temperature == 0.0 and r.params.stop == ("a", "b")
+    assert r.stream
+    # The generate endpoint's JSON may carry the boolean inputs as parameters.
+    assert req(tokenizer, params={"stream": True, "exclude_input_in_output": "true"}).exclude_input_in_output
+
+
+def test_chat_template_renders_messages(tokenizer):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = req(tokenizer, json.dumps(msgs).encode(), apply_chat_template=True)
+    assert r.prompt.endswith("<|im_start|>assistant\n") and "Be brief." in r.prompt
+
+
+@pytest.mark.parametrize("text, params, inputs, field, words", [
+    (b"   ", None, {}, "text_input", "empty"),
+    (b"\xff\xfe", None, {}, "text_input", "UTF-8"),
+    (b"x" * 1001, None, {}, "text_input", "limit is 1000 bytes"),
+    (b"hi", None, {"sampling_parameters": b"{not json"}, "sampling_parameters", "JSON"),
+    (b"hi", None, {"sampling_parameters": b"[1]"}, "sampling_parameters", "JSON object"),
+    (b"hi", {"bogus": 1}, {}, "bogus", "unknown sampling parameter"),
+    (b"hi", {"max_tokens": 0}, {}, "max_tokens", "> 0"),
+    (b"hi", {"max_tokens": 5000}, {}, "max_tokens", "<= 2048"),
+    (b"hi", {"temperature": -1}, {}, "temperature", ">= 0"),
+    (b"hi", {"top_p": 0}, {}, "top_p", "(0, 1]"),
+    (b"hi", {"top_p": 1.5}, {}, "top_p", "(0, 1]"),
+    (b"hi", {"top_k": -1}, {}, "top_k", ">= 0"),
+    (b"hi", {"stop": json.dumps(["s"] * 17)}, {}, "stop", "at most 16"),
+    (b"hi", {"stop": "[broken"}, {}, "stop", "JSON list"),
+    (b"hi", None, {"stream": np.array([1, 2], dtype=bool)}, "stream", "exactly one"),
+    (b"not json", None, {"apply_chat_template": True}, "text_input", "JSON list of messages"),
+    (b'[{"role": "robot", "content": "x"}]', None, {"apply_chat_template": True}, "text_input", "role"),
+    (b'[]', None, {"apply_chat_template": True}, "text_input", "non-empty"),
+])
+def test_bad_requests_name_the_field(tokenizer, text, params, inputs, field, words):
+    with pytest.raises(InputError) as info:
+        req(tokenizer, text, params, **inputs)
+    assert info.value.field == field
+    assert words in str(info.value)
+
+
+def test_response_shaper_streaming_and_whole():
+    from python_backends.generation.serving import GenerationRequest
+    from python_backends.generation.sampling import SamplingParams
+
+    base = dict(prompt="P:", params=SamplingParams())
+    s = ResponseShaper(GenerationRequest(**base, stream=True, return_finish_reason=True, return_num_output_tokens=True))
+    assert s.on_output("a", False, None, 3, 1) == {"text_output": "a", "finish_reason": None, "num_output_tokens": 1}
+    assert s.on_output("", False, None, 3, 2) is None  # nothing new to say
+    assert s.on_output("", True, "stop", 3, 2) == {"text_output": "", "finish_reason": "stop", "num_output_tokens": 2}
+    w = ResponseShaper(GenerationRequest(**base))
+    assert w.on_output("a", False, None, 3, 1) is None
+    assert w.on_output("b", True, "length", 3, 2) == {"text_output": "P:ab"}
+    x = ResponseShaper(GenerationRequest(**base, exclude_input_in_output=True, return_num_input_tokens=True))
+    x.on_output("a", False, None, 3, 1)
+    assert x.on_output("b", True, "length", 3, 2) == {"text_output": "ab", "num_input_tokens": 3}
+
+
+def test_engine_settings_from_parameters():
+    values = {"max_num_seqs": 64, "max_num_batched_tokens": 32}
+
+    def param(key, default=None):
+        return default
+
+    def param_int(key, default, minimum=None):
+        return values.get(key, default)
+
+    with pytest.raises(ConfigError, match="max_num_batched_tokens \\(32\\) must be >= max_num_seqs \\(64\\)"):
+        engine_settings(param, param_int, lambda k, d: d)
+    values["max_num_batched_tokens"] = 256
+    s = engine_settings(param, param_int, lambda k, d: d)
+    assert s["kv_cache_bytes"] == 256 * 2**20 and s["max_num_seqs"] == 64
