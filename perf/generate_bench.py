@@ -49,6 +49,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -263,7 +264,9 @@ class SseSystem(System):
             await self.session.close()
 
     async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
-        body = {"text_input": prompt, "parameters": {**_params(max_tokens), **self.extra}}
+        # "stream" as an input (top level): the served model answers in pieces only when asked;
+        # the naive server always streams on this endpoint and ignores it.
+        body = {"text_input": prompt, "stream": True, "parameters": {**_params(max_tokens), **self.extra}}
         async with self.session.post(f"http://{self.url}/v2/models/{MODEL}/generate_stream", json=body) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -468,7 +471,9 @@ def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dic
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engines = {}
     for on in (True, False):
-        cfg = dataclasses.replace(engine.config, enable_prefix_caching=on)
+        # A small pool: one request at a time plus the cached prefix (zeroing the served 1 GiB twice costs seconds).
+        cfg = dataclasses.replace(engine.config, enable_prefix_caching=on, num_blocks=None,
+                                  kv_cache_bytes=min(engine.config.kv_cache_bytes, 128 * 2**20))
         engines[on] = LLMEngine(cfg, weights=engine.weights, tokenizer=engine.tokenizer)
     rows = []
     for i, prompt in enumerate(workload.prefix_prompts):
@@ -507,6 +512,58 @@ def prefix_summary(rows: Sequence[dict]) -> dict[str, object]:
             "mean_prompt_tokens": round(sum(prompt) / len(prompt), 1) if prompt else None,
             "mean_prompt_tokens_computed_cached": round(sum(computed_on) / len(computed_on), 1) if computed_on else None,
             "ratio": round(on / off, 3) if on and off else None}
+
+
+def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path, concurrency: int, max_tokens: int,
+                   requests: int, timeout: float) -> dict[str, object]:
+    """NVIDIA's genai-perf (its own venv: ``exe``) against the served model over a gRPC stream.
+
+    Synthetic prompts of about the data set's mean length. The sampling parameters go as a
+    typed JSON input (--extra-inputs): genai-perf's own --output-tokens-mean writes
+    ``{"max_tokens": "128"}`` with the number as a string, which the served model refuses.
+    No warm-up requests: perf_analyzer 2.50 with --warmup-request-count 1 at concurrency 4
+    never finished against it (without, the same run took 3 s)."""
+    import subprocess
+
+    from perf import perf_analyzer as pa
+
+    _, env = pa.check()  # libcudart for perf_analyzer
+    env = {**env, "PATH": os.pathsep.join((str(Path(exe).parent), env.get("PATH", ""))), "HF_HUB_OFFLINE": "1"}
+    artifacts = out_dir / "genai-perf"
+    sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    cmd = [str(exe), "profile", "-m", MODEL, "--backend", "vllm", "--endpoint-type", "kserve", "--streaming",
+           "-u", grpc_url, "--tokenizer", str(tokenizer_dir), "--synthetic-input-tokens-mean", "80",
+           "--synthetic-input-tokens-stddev", "40", "--extra-inputs", json.dumps({"sampling_parameters": sampling}),
+           "--concurrency", str(concurrency), "--request-count", str(requests), "--warmup-request-count", "0",
+           "--num-dataset-entries", str(max(requests, 8)), "--artifact-dir", str(artifacts)]
+    row: dict[str, object] = {"concurrency": concurrency, "requests": requests, "command": " ".join(cmd[1:])}
+    log_path = out_dir / "genai-perf.log"
+    with log_path.open("w") as log_file:
+        # Its own session: on a timeout, perf_analyzer (genai-perf's child) goes too.
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=out_dir,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    output = log_path.read_text(errors="replace")
+    found = sorted(artifacts.rglob("*_genai_perf.json"))
+    if code != 0 or not found:
+        tail = [line.strip() for line in output.splitlines() if line.strip()][-3:]
+        why = f"no result after {timeout:.0f} s" if code is None else f"exit {code}"
+        return {**row, "error": f"{why}: {' | '.join(tail)}"[:300]}
+    stats = json.loads(found[-1].read_text())
+
+    def get(metric, stat):
+        value = (stats.get(metric) or {}).get(stat)
+        return None if value is None else round(float(value), 2)
+
+    return {**row, "error": "", "tokens_per_s": get("output_token_throughput", "avg"),
+            "ttft_p50_ms": get("time_to_first_token", "p50"), "ttft_p99_ms": get("time_to_first_token", "p99"),
+            "itl_p50_ms": get("inter_token_latency", "p50"), "itl_p99_ms": get("inter_token_latency", "p99"),
+            "output_tokens_p50": get("output_sequence_length", "p50")}
 
 
 # --------------------------------------------------------------------------- set-up
@@ -646,6 +703,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prompts JSON (default perf/data/generation_prompts.json)")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="seconds to wait for a system to finish cancelled work after a window (default 60)")
+    p.add_argument("--genai-perf", type=Path, metavar="EXE",
+                   help="also run NVIDIA's genai-perf (installed in its own venv: the path of its genai-perf script) "
+                        "against the served model over gRPC at the highest concurrency, one request per stream")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/generate-<UTC time>)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -677,7 +737,7 @@ def run(args: argparse.Namespace) -> int:
 
     wanted = set(args.systems)
     workdir = Path(tempfile.mkdtemp(prefix="perf-generate-"))
-    triton = naive = loop = None
+    triton = naive = loop = genai = None
     systems: dict[str, System] = {}
     try:
         # The servers load while this process loads its own engine.
@@ -716,6 +776,13 @@ def run(args: argparse.Namespace) -> int:
                 bench.notes.append("tritonserver did not start")
         bench.say(f"{len(workload.prompts)} prompts; measuring {', '.join(systems)}")
         bench.run_grid(systems, workload)
+        genai = None
+        if args.genai_perf is not None and "grpc" in systems:
+            c = max(args.concurrency)
+            bench.say(f"genai-perf at concurrency {c} ({args.genai_perf})")
+            genai = run_genai_perf(args.genai_perf, triton.grpc_url, args.model_dir, out_dir, c, args.max_tokens,
+                                   requests=max(c, 4), timeout=max(120.0, 6 * args.duration))
+            bench.say(f"    {genai.get('error') or genai}")
 
         prefix_rows, prefix = [], None
         if not args.no_prefix:
@@ -754,6 +821,15 @@ def run(args: argparse.Namespace) -> int:
         if key in systems:
             header.append(f"- {key}: {SYSTEM_NAMES[key]}")
     table = markdown(header, ordered, ratio_rows, prefix)
+    if genai is not None:
+        write_csv(out_dir / "genai_perf.csv", [genai])
+        ours = summaries.get(("grpc", genai["concurrency"]), {})
+        table += ("\n| genai-perf (perf_analyzer, gRPC stream) | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | "
+                  "ITL P50 ms | ITL P99 ms | this benchmark's grpc tokens/s |\n| --- | ---: | ---: | ---: | ---: | ---: | "
+                  "---: | ---: |\n"
+                  f"| {genai.get('error') or 'measured'} | {genai['concurrency']} | {_fmt(genai.get('tokens_per_s'))} | "
+                  f"{_fmt(genai.get('ttft_p50_ms'))} | {_fmt(genai.get('ttft_p99_ms'))} | {_fmt(genai.get('itl_p50_ms'))} | "
+                  f"{_fmt(genai.get('itl_p99_ms'))} | {_fmt(ours.get('tokens_per_s'))} |\n")
     (out_dir / "summary.md").write_text(table)
     write_csv(out_dir / "cells.csv", ordered)
     write_csv(out_dir / "ratios.csv", ratio_rows)
