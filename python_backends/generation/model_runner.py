@@ -189,8 +189,11 @@ class ModelRunner:
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
         # RoPE tables for every position the engine may run, as transformers computes
         # them: FP32 inverse frequencies times the FP32 position, then cos and sin.
+        # inv_freq on the CPU (transformers' buffer is made there), the products and cos/sin
+        # on the device as transformers' forward computes them: bitwise equal tables on CUDA.
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        positions = torch.arange(max_model_len, dtype=torch.float32)
+        inv_freq = inv_freq.to(self.device)
+        positions = torch.arange(max_model_len, dtype=torch.float32, device=self.device)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos = emb.cos().to(device=self.device, dtype=dtype)
@@ -206,7 +209,7 @@ class ModelRunner:
         """
         chunks = plan.chunks
         if not chunks:
-            return torch.empty(0, self.config.vocab_size)
+            return torch.empty(0, self.config.vocab_size, device=self.device)
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -230,9 +233,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, token_ids, positions, slots, attn_plan, last_rows) -> torch.Tensor:
         cfg, w, dev = self.config, self.weights, self.device
+        # Slots are checked once here on the host, not by the cache in every layer (a CUDA
+        # sync each). Every host-to-device copy comes before the first layer: a blocking copy
+        # of a list to CUDA waits for the stream, so one after the layers would wait for them.
+        checked = not isinstance(slots, torch.Tensor)
+        if checked and slots and (min(slots) < 0 or max(slots) >= self.cache.num_slots):
+            raise IndexError(f"slots must be in [0, {self.cache.num_slots}), got {min(slots)}..{max(slots)}")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.as_tensor(positions, dtype=torch.long, device=dev)
         slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
+        rows = torch.as_tensor(last_rows, dtype=torch.long, device=dev)
         cos = self._cos[pos][:, None, :]  # [T, 1, D]
         sin = self._sin[pos][:, None, :]
         n = ids.numel()
@@ -246,12 +256,11 @@ class ModelRunner:
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self.cache.write(i, k, v, slot_t)
+            self.cache.write(i, k, v, slot_t, checked=checked)
             attn = self.cache.attention_planned(i, q, attn_plan, self._scale)
             x = x + F.linear(attn.reshape(n, hq * d), layer.o)
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
-        rows = torch.as_tensor(last_rows, dtype=torch.long, device=dev)
         h = _rms_norm(x[rows], w.norm, cfg.rms_norm_eps)
         return F.linear(h, w.lm_head).float()

@@ -119,11 +119,13 @@ class PagedKVCache:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         return self.k_cache[layer].view(shape), self.v_cache[layer].view(shape)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, *, checked: bool = False) -> None:
         """Store new tokens' K and V ([num_tokens, num_kv_heads, head_dim]) at their slots.
 
         A slot of -1 is skipped: the runner uses it for padding tokens that must not
-        land anywhere (vLLM's convention).
+        land anywhere (vLLM's convention). ``checked``: the caller has verified that every
+        slot is in [0, num_slots), so nothing here reads the device back (on CUDA each
+        check is a host-device synchronisation, in every layer).
         """
         slots = _as_long(slot_mapping, self.device)
         expected = (slots.numel(), self.num_kv_heads, self.head_dim)
@@ -131,11 +133,12 @@ class PagedKVCache:
             raise ValueError(
                 f"k and v must be {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
             )
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, k, v = slots[keep], k[keep], v[keep]
-        if slots.numel() and int(slots.max()) >= self.num_slots:
-            raise IndexError(f"slot {int(slots.max())} is beyond the pool's {self.num_slots} slots")
+        if not checked:
+            keep = slots >= 0
+            if not bool(keep.all()):
+                slots, k, v = slots[keep], k[keep], v[keep]
+            if slots.numel() and int(slots.max()) >= self.num_slots:
+                raise IndexError(f"slot {int(slots.max())} is beyond the pool's {self.num_slots} slots")
         flat_k, flat_v = self._flat(layer)
         flat_k.index_copy_(0, slots, k.to(self.dtype))
         flat_v.index_copy_(0, slots, v.to(self.dtype))
@@ -231,8 +234,9 @@ class PagedKVCache:
             q_row = q_idx = None  # the flat queries already are the padded batch
         else:
             starts = torch.cumsum(qlen_t, 0) - qlen_t
-            q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t)
-            q_idx = torch.arange(int(qlen_t.sum()), device=device) - starts[q_row]
+            # Sizes from the host lists: reading them off a CUDA tensor would synchronise.
+            q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t, output_size=sum(qlen))
+            q_idx = torch.arange(sum(qlen), device=device) - starts[q_row]
         return _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask)
 
     def attention_planned(self, layer: int, q: torch.Tensor, plan: "AttentionPlan", scale: float | None = None) -> torch.Tensor:

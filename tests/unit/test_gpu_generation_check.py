@@ -121,3 +121,19 @@ def test_check_on_cuda(tmp_path, capsys):
     assert code == 0, out
     assert "float32 parity: passed" in out
     assert out_file.is_file()
+
+
+def test_runner_checks_slots_once_on_the_host(tiny_dir):
+    """The runner validates a step's slots itself (the cache skips its per-layer device checks)."""
+    from python_backends.generation.model_runner import LlamaWeights, ModelRunner
+    from python_backends.generation.paged_attention import slots_for_positions
+
+    runner = ModelRunner(LlamaWeights.from_folder(tiny_dir), num_blocks=4, block_size=16, max_model_len=64)
+    plan = runner.cache.plan([[1]], [3], [3], check.TINY["num_attention_heads"])
+    for bad in ([0, 1, 64], [-1, 0, 1]):
+        with pytest.raises(IndexError, match=r"slots must be in \[0, 64\)"):
+            runner.forward([5, 6, 7], [0, 1, 2], bad, plan, [2])
+    assert all(float(k.abs().sum()) == 0 for k in runner.cache.k_cache)  # nothing written
+    logits = runner.forward([5, 6, 7], [0, 1, 2], slots_for_positions([1], range(3), 16), plan, [2])
+    assert logits.shape == (1, check.TINY["vocab_size"]) and logits.dtype == torch.float32
+    assert float(runner.cache.k_cache[0][1, :3].abs().sum()) > 0
