@@ -165,3 +165,19 @@ def test_a_failed_gate_publishes_nothing(tiny_llama, tmp_path):
     assert not result.skipped
     assert (target / "model.py").read_text() == "# the served model's shim\n"
     assert generation.up_to_date(repo, generation.weights_source(tiny_llama), "float16")
+
+
+def test_gpu_config_is_config_pbtxt_on_a_gpu_instance(tmp_path):
+    from export.generation import GenerationExportError, write_gpu_config
+
+    repo = tmp_path / "repo"
+    (repo / "text_generation").mkdir(parents=True)
+    source = (ROOT / "model_repository" / "text_generation" / "config.pbtxt").read_text()
+    (repo / "text_generation" / "config.pbtxt").write_text(source)
+    out = write_gpu_config(repo)
+    text = out.read_text()
+    assert "kind: KIND_GPU" in text and "KIND_CPU" not in text
+    assert text.splitlines()[1:] == source.replace("KIND_CPU", "KIND_GPU").splitlines()
+    (repo / "text_generation" / "config.pbtxt").write_text(source.replace("kind: KIND_CPU", "kind: KIND_GPU"))
+    with pytest.raises(GenerationExportError, match="KIND_CPU"):
+        write_gpu_config(repo)
