@@ -390,8 +390,10 @@ def test_eight_concurrent_streams_equal_the_same_requests_one_at_a_time(server):
         assert a.error is None and t.error is None, (a.error, t.error)
         assert t.text == a.text, f"request {i} (max_tokens {requests[i][1]}): {t.text!r} batched vs {a.text!r} alone"
     assert sum(bool(a.text) for a in alone) == len(requests)
-    # They really overlapped: every stream had started before the first one finished.
-    assert max(t.times[0] for t in together) < min(t.times[-1] for t in together)
+    # They really ran together: at some moment at least half of them were streaming at once.
+    spans = [(t.times[0], t.times[-1]) for t in together]
+    overlap = max(sum(a <= at <= b for a, b in spans) for at, _ in spans)
+    assert overlap >= len(requests) // 2, f"at most {overlap} streams at once"
 
 
 # ---- 3. cancellation -----------------------------------------------------------------------
