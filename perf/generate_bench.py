@@ -475,6 +475,9 @@ def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dic
         cfg = dataclasses.replace(engine.config, enable_prefix_caching=on, num_blocks=None,
                                   kv_cache_bytes=min(engine.config.kv_cache_bytes, 128 * 2**20))
         engines[on] = LLMEngine(cfg, weights=engine.weights, tokenizer=engine.tokenizer)
+        # A first request that shares nothing with the measured ones: the pool's pages and the
+        # runner's workspaces are touched here, not in the first measured request.
+        engines[on].generate(["Hello! Write one word."], params)
     rows = []
     for i, prompt in enumerate(workload.prefix_prompts):
         for on in ((True, False) if i % 2 == 0 else (False, True)):
@@ -514,11 +517,12 @@ def prefix_summary(rows: Sequence[dict]) -> dict[str, object]:
             "ratio": round(on / off, 3) if on and off else None}
 
 
-def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path, concurrency: int, max_tokens: int,
-                   requests: int, timeout: float) -> dict[str, object]:
+def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path, prompts: Sequence[str],
+                   concurrency: int, max_tokens: int, requests: int, timeout: float) -> dict[str, object]:
     """NVIDIA's genai-perf (its own venv: ``exe``) against the served model over a gRPC stream.
 
-    Synthetic prompts of about the data set's mean length. The sampling parameters go as a
+    The benchmark's prompts (an --input-file; its synthetic prompts can come out empty,
+    which the served model refuses and perf_analyzer then stops). The sampling parameters go as a
     typed JSON input (--extra-inputs): genai-perf's own --output-tokens-mean writes
     ``{"max_tokens": "128"}`` with the number as a string, which the served model refuses.
     No warm-up requests: perf_analyzer 2.50 with --warmup-request-count 1 at concurrency 4
@@ -530,10 +534,12 @@ def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path,
     _, env = pa.check()  # libcudart for perf_analyzer
     env = {**env, "PATH": os.pathsep.join((str(Path(exe).parent), env.get("PATH", ""))), "HF_HUB_OFFLINE": "1"}
     artifacts = out_dir / "genai-perf"
+    inputs = out_dir / "genai-perf-input"
+    inputs.mkdir(exist_ok=True)
+    (inputs / "prompts.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
     sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
     cmd = [str(exe), "profile", "-m", MODEL, "--backend", "vllm", "--endpoint-type", "kserve", "--streaming",
-           "-u", grpc_url, "--tokenizer", str(tokenizer_dir), "--synthetic-input-tokens-mean", "80",
-           "--synthetic-input-tokens-stddev", "40", "--extra-inputs", json.dumps({"sampling_parameters": sampling}),
+           "-u", grpc_url, "--tokenizer", str(tokenizer_dir), "--input-file", str(inputs), "--extra-inputs", json.dumps({"sampling_parameters": sampling}),
            "--concurrency", str(concurrency), "--request-count", str(requests), "--warmup-request-count", "0",
            "--num-dataset-entries", str(max(requests, 8)), "--artifact-dir", str(artifacts)]
     row: dict[str, object] = {"concurrency": concurrency, "requests": requests, "command": " ".join(cmd[1:])}
@@ -564,6 +570,69 @@ def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path,
             "ttft_p50_ms": get("time_to_first_token", "p50"), "ttft_p99_ms": get("time_to_first_token", "p99"),
             "itl_p50_ms": get("inter_token_latency", "p50"), "itl_p99_ms": get("inter_token_latency", "p99"),
             "output_tokens_p50": get("output_sequence_length", "p50")}
+
+
+def profile_step(engine, prompts: Sequence[str], batch: int, steps: int) -> dict[str, object]:
+    """Where one decode step of ``batch`` streams spends its time (torch.profiler on ``steps`` steps).
+
+    ``matrix``: the matrix products (aten::mm/addmm/bmm, the weights' share); ``attention``:
+    the paged attention's gathers and softmax (index_select, scaled_dot_product_attention and
+    what they call); ``other ops``: every other ATen op (norms, RoPE, SiLU, sampling);
+    ``outside ops``: the rest of the step's wall time, i.e. Python in the scheduler, block
+    manager, runner, sampler and detokenizer plus op dispatch. Self times, main thread."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from python_backends.generation.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profile-{i}", prompts[i % len(prompts)], params)
+    while any(len(engine.scheduler.get(f"profile-{i}").output_tokens) == 0 for i in range(batch)
+              if engine.scheduler.get(f"profile-{i}") is not None):
+        engine.step()  # every prompt prefilled: what follows is decode steps only
+    for _ in range(3):
+        engine.step()
+    runner_s = 0.0
+    execute = engine.runner.execute
+
+    def timed(plan):
+        nonlocal runner_s
+        t = time.perf_counter()
+        try:
+            return execute(plan)
+        finally:
+            runner_s += time.perf_counter() - t
+
+    engine.runner.execute = timed
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = time.perf_counter() - started
+    finally:
+        engine.runner.execute = execute
+        for i in range(batch):
+            engine.abort(f"profile-{i}")
+    matrix = {"aten::mm", "aten::addmm", "aten::bmm"}
+    attention = {"aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_softmax",
+                 "aten::_safe_softmax", "aten::scaled_dot_product_attention"}
+    groups = {"matrix": 0.0, "attention": 0.0, "other ops": 0.0}
+    top = []
+    for e in prof.key_averages():
+        us = e.self_cpu_time_total
+        groups["matrix" if e.key in matrix else "attention" if e.key in attention else "other ops"] += us / 1e6
+        top.append((us, e.key, e.count))
+    in_ops = sum(groups.values())
+    per = 1000.0 / steps
+    out = {"batch": batch, "steps": steps, "step_ms": round(wall * per, 2),
+           "runner_ms": round(runner_s * per, 2), "engine_outside_runner_ms": round((wall - runner_s) * per, 2)}
+    for k, v in groups.items():
+        out[f"{k.replace(' ', '_')}_ms"] = round(v * per, 2)
+    out["outside_ops_ms"] = round((wall - in_ops) * per, 2)
+    out["top_ops"] = "; ".join(f"{k} {us / 1000 * per / 1000:.2f} ms ({n // steps}/step)"
+                               for us, k, n in sorted(top, reverse=True)[:8])
+    return out
 
 
 # --------------------------------------------------------------------------- set-up
@@ -706,6 +775,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--genai-perf", type=Path, metavar="EXE",
                    help="also run NVIDIA's genai-perf (installed in its own venv: the path of its genai-perf script) "
                         "against the served model over gRPC at the highest concurrency, one request per stream")
+    p.add_argument("--profile", action="store_true",
+                   help="only profile decode steps of the in-process engine at the highest concurrency (torch.profiler): "
+                        "matrix products vs attention vs other ops vs Python outside the ops")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/generate-<UTC time>)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -723,6 +795,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
+    settings = served_engine_settings(ROOT / "model_repository")
+    engine, loop = start_engine(args.model_dir, settings)
+    loop.shutdown()  # the profile drives the engine itself
+    workload = load_workload(args.data, engine.tokenizer, quick=False)
+    short = [p for p in workload.prompts if len(p) < 1200]  # decode steps: the prompts' lengths hardly matter
+    batch = max(args.concurrency)
+    rows = []
+    for b in sorted({1, batch}):
+        row = profile_step(engine, short, b, steps=8 if args.quick else 20)
+        rows.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    write_csv(out_dir / "profile.csv", rows)
+    print(f"perf.generate_bench --profile: {pa_display(out_dir / 'profile.csv')}", flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from perf.naive_generate_server import NaiveGenerateServer
     from server.process import ServerError, free_port
@@ -730,6 +819,8 @@ def run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"generate-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        return run_profile(args, out_dir)
     bench = Bench(args, out_dir)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     bench.say(f"perf.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, {args.max_tokens} "
@@ -780,7 +871,8 @@ def run(args: argparse.Namespace) -> int:
         if args.genai_perf is not None and "grpc" in systems:
             c = max(args.concurrency)
             bench.say(f"genai-perf at concurrency {c} ({args.genai_perf})")
-            genai = run_genai_perf(args.genai_perf, triton.grpc_url, args.model_dir, out_dir, c, args.max_tokens,
+            genai = run_genai_perf(args.genai_perf, triton.grpc_url, args.model_dir, out_dir, workload.prompts, c,
+                                   args.max_tokens,
                                    requests=max(c, 4), timeout=max(120.0, 6 * args.duration))
             bench.say(f"    {genai.get('error') or genai}")
 
