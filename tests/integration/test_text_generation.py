@@ -9,8 +9,9 @@ HTTP disconnect) that frees the KV blocks at once, per-request errors naming the
 good stream runs on, hostile requests answered with 4xx, no leak of KV blocks or stub memory
 after many random requests, the llm_* metrics, and UNAVAILABLE when the waiting queue is full.
 
-The server is a module fixture with text_generation alone: loading it takes about 35 s on
-2 cores, which the session's shared server (used by most other modules) should not pay.
+The server is a module fixture with text_generation alone: loading it takes 12-16 s on 2
+idle cores (about 35 s beside another loading server) and 2.2 GB, which the session's shared
+server, used by most other modules, should not pay.
 TEXT_GENERATION_LEAK_REQUESTS sets the size of the leak run (60 by default).
 """
 
