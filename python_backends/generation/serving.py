@@ -78,15 +78,38 @@ def _one_bytes(name: str, value: Any, max_bytes: int) -> str:
         raise InputError(name, f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+INT_PARAMETERS = ("max_tokens", "min_tokens", "top_k", "seed")
+FLOAT_PARAMETERS = ("temperature", "top_p", "repetition_penalty")
+
+
 def _coerce_parameter(name: str, value: Any) -> Any:
-    """A request parameter as the JSON value it stands for (HTTP generate keeps JSON types;
-    Triton's request parameters hold only scalars, so a list of stop strings comes as a
-    JSON string)."""
-    if name == "stop" and isinstance(value, str) and value.lstrip().startswith("["):
+    """A sampling parameter as the value it stands for.
+
+    HTTP generate keeps JSON types, but Triton's request parameters hold only scalars, so
+    a list of stop strings comes as a JSON string; and tools written for the vLLM backend
+    (genai-perf among them) send numbers and booleans as strings, which that backend
+    converts. A string that is not a number stays a string and fails validation by name.
+    """
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if name == "stop" and text.startswith("["):
         try:
-            return json.loads(value)
+            return json.loads(text)
         except json.JSONDecodeError as exc:
             raise SamplingParamsError("stop", f"is not a valid JSON list: {exc}") from None
+    if name in INT_PARAMETERS:
+        try:
+            return int(text)
+        except ValueError:
+            return value
+    if name in FLOAT_PARAMETERS:
+        try:
+            return float(text)
+        except ValueError:
+            return value
+    if name == "ignore_eos" and text.lower() in ("true", "false"):
+        return text.lower() == "true"
     return value
 
 
@@ -100,7 +123,7 @@ def merge_sampling_sources(sampling_parameters: str | None, request_parameters: 
             raise SamplingParamsError("sampling_parameters", f"is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise SamplingParamsError("sampling_parameters", f"must be a JSON object, got {type(data).__name__}")
-        merged.update(data)
+        merged.update({key: _coerce_parameter(key, value) for key, value in data.items()})
     for key, value in (request_parameters or {}).items():
         if key in RESERVED_PARAMETERS or key in BOOL_INPUTS:
             continue

@@ -42,6 +42,17 @@ def test_defaults_and_both_parameter_sources(tokenizer):
     assert req(tokenizer, params={"stream": True, "exclude_input_in_output": "true"}).exclude_input_in_output
 
 
+def test_numbers_and_booleans_as_strings_are_converted_as_the_vllm_backend_does(tokenizer):
+    r = req(tokenizer, sampling_parameters=json.dumps({"max_tokens": "8", "temperature": "0.5", "ignore_eos": "true"}),
+            params={"top_k": "5", "seed": "7"})
+    assert (r.params.max_tokens, r.params.temperature, r.params.ignore_eos, r.params.top_k, r.params.seed) == \
+        (8, 0.5, True, 5, 7)
+    with pytest.raises(InputError, match="max_tokens: must be an integer, got str 'eight'"):
+        req(tokenizer, params={"max_tokens": "eight"})
+    with pytest.raises(InputError, match="max_tokens: must be an integer"):
+        req(tokenizer, params={"max_tokens": "8.5"})
+
+
 def test_chat_template_renders_messages(tokenizer):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     r = req(tokenizer, json.dumps(msgs).encode(), apply_chat_template=True)
