@@ -523,8 +523,9 @@ def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path,
 
     The benchmark's prompts (an --input-file; its synthetic prompts can come out empty,
     which the served model refuses and perf_analyzer then stops). The sampling parameters go as a
-    typed JSON input (--extra-inputs): genai-perf's own --output-tokens-mean writes
-    ``{"max_tokens": "128"}`` with the number as a string, which the served model refuses.
+    typed JSON input (--extra-inputs) that says exactly what runs (genai-perf's own
+    --output-tokens-mean writes ``{"max_tokens": "128"}``, numbers as strings, which the
+    served model converts as the vLLM backend does).
     No warm-up requests: perf_analyzer 2.50 with --warmup-request-count 1 at concurrency 4
     never finished against it (without, the same run took 3 s)."""
     import subprocess
