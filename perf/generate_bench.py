@@ -63,6 +63,10 @@ from perf.tail import percentile
 
 log = logging.getLogger(__name__)
 
+# The OpenMP wait policy of the served engine (python_backends/generation/__init__.py) for the
+# in-process engine and the naive server too; before torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 MODEL = "text_generation"
 DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
 DEFAULT_DATA = PERF_DIR / "data" / "generation_prompts.json"

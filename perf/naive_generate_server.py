@@ -50,6 +50,10 @@ from export.bench import cpu_threads
 
 log = logging.getLogger(__name__)
 
+# The same OpenMP wait policy as the engine (python_backends/generation/__init__.py), so both
+# sides of the comparison run PyTorch's threads alike; before torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "text_generation"
 VERSION = "1"
