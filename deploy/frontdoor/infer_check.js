@@ -271,4 +271,129 @@ function infer(r) {
     r.internalRedirect('@triton');
 }
 
-export default {infer};
+// A string with an unpaired UTF-16 surrogate (a lone \\ud800 escape in the JSON) is not valid
+// UTF-8 text; tritonserver 2.51's generate endpoint answers it with 500.
+function loneSurrogate(str) {
+    for (let i = 0; i < str.length; i++) {
+        const c = str.charCodeAt(i);
+        if (c >= 0xD800 && c <= 0xDBFF) {
+            const next = i + 1 < str.length ? str.charCodeAt(i + 1) : 0;
+            if (next < 0xDC00 || next > 0xDFFF) {
+                return true;
+            }
+            i++;
+        } else if (c >= 0xDC00 && c <= 0xDFFF) {
+            return true;
+        }
+    }
+    return false;
+}
+
+function checkScalar(v, field) {
+    if (typeof v === 'string') {
+        if (loneSurrogate(v)) {
+            fail(`${field} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
+        }
+        return;
+    }
+    if (typeof v === 'boolean' || (typeof v === 'number' && isFinite(v))) {
+        return;
+    }
+    fail(`${field} must be a string, a number or a boolean`);
+}
+
+const KINDS = {BYTES: 'a string', BOOL: 'true or false'};
+
+// Triton's generate extension (POST .../generate and .../generate_stream): each top-level field
+// of the JSON body is the input of that name, "parameters" holds request parameters (scalars).
+function checkGenerateRequest(r) {
+    const encoding = r.headersIn['Content-Encoding'];
+    if (encoding && encoding.toLowerCase() !== 'identity') {
+        return [415, `Content-Encoding ${encoding} is not accepted; send the body uncompressed`];
+    }
+    const body = r.requestBuffer;
+    if (body === undefined || body === null) {
+        return [413, `request body too large (over ${limits.max_body_bytes} bytes)`];
+    }
+    const text = body.toString();
+    // njs's JSON.parse lets an unpaired surrogate escape through; tritonserver's parser does not.
+    const escapes = /\\u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|\\u[dD][c-fC-F][0-9a-fA-F]{2}/g;
+    let m;
+    while ((m = escapes.exec(text)) !== null) {
+        const high = /^\\u[dD][89abAB]/.test(m[0]);
+        if (!high || m[1] === undefined) {
+            return [400, `the JSON body has an unpaired UTF-16 surrogate escape ${m[0].slice(0, 6)} (not valid Unicode text)`];
+        }
+    }
+    let request;
+    try {
+        request = JSON.parse(text);
+    } catch (e) {
+        return [400, 'the request body is not valid JSON'];
+    }
+    if (!isObject(request)) {
+        return [400, 'the request body must be a JSON object'];
+    }
+    const model = limits.models[r.variables.frontdoor_model];
+    if (!r.uri.endsWith('_stream') && request.stream === true && model && model.inputs.stream) {
+        // tritonserver answers this with an error under HTTP status 200.
+        return [400, 'stream: true streams several responses; send it to .../generate_stream'];
+    }
+    try {
+        const keys = Object.keys(request);
+        for (let k = 0; k < keys.length; k++) {
+            const key = keys[k];
+            const value = request[key];
+            if (key === 'parameters') {
+                if (!isObject(value)) {
+                    fail('parameters must be an object');
+                }
+                const names = Object.keys(value);
+                for (let n = 0; n < names.length; n++) {
+                    checkScalar(value[names[n]], `parameters.${names[n]}`);
+                }
+                continue;
+            }
+            const spec = model ? model.inputs[key] : undefined;
+            if (spec === undefined) {
+                if (typeof value === 'string' && loneSurrogate(value)) {
+                    fail(`${key} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
+                }
+                continue;  // not an input of this model: tritonserver refuses it by name
+            }
+            const kind = KINDS[spec.datatype] || 'a number';
+            const count = countData(Array.isArray(value) ? value : [value], spec.datatype, key, limits.max_elements);
+            if (count === 0) {
+                fail(`${key} must be ${kind} (the input is ${spec.datatype})`);
+            }
+            const strings = Array.isArray(value) ? value : [value];
+            for (let i = 0; i < strings.length; i++) {
+                if (typeof strings[i] === 'string' && loneSurrogate(strings[i])) {
+                    fail(`${key} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
+                }
+            }
+        }
+    } catch (e) {
+        if (e instanceof Refusal) {
+            return [400, e.message];
+        }
+        throw e;
+    }
+    return null;
+}
+
+function generate(r) {
+    let refusal;
+    try {
+        refusal = checkGenerateRequest(r);
+    } catch (e) {
+        refusal = [400, 'request could not be checked: ' + String(e).slice(0, 100)];
+    }
+    if (refusal) {
+        refuse(r, refusal[0], refusal[1]);
+        return;
+    }
+    r.internalRedirect(r.uri.endsWith('_stream') ? '@triton_stream' : '@triton');
+}
+
+export default {infer, generate};

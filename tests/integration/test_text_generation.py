@@ -576,13 +576,32 @@ def test_hostile_requests_get_4xx_and_the_server_stays_ready(server, reference):
     assert generate_text(server, PROMPT, exclude_input_in_output=True).text == reference.text
 
 
-@pytest.mark.xfail(strict=True, reason="tritonserver 2.51's generate endpoint answers 500 when a BOOL input "
-                   "is given a JSON non-boolean ('attempt to access JSON non-boolean as boolean'); the front "
-                   "door checks /infer bodies only")
-def test_non_bool_stream_over_http_generate_is_a_4xx(server):
-    status, answer = http_generate(server, {"text_input": "Hello", "stream": "yes"})
+@pytest.mark.parametrize("body, words", [
+    # tritonserver 2.51 answers each of these with 500; the front door's generate check refuses them.
+    ({"text_input": "Hello", "stream": "yes"}, "stream: element \"yes\" is not a valid BOOL value"),
+    ({"text_input": 5}, "text_input: element 5 is not a valid BYTES value"),
+    ({"text_input": "Hi", "parameters": {"stop": ["a"]}}, "parameters.stop must be a string"),
+    # ... and this one with an error under HTTP status 200.
+    ({"text_input": "Hi", "stream": True}, "send it to .../generate_stream"),
+])
+def test_generate_bodies_tritonserver_would_500_are_a_400_naming_the_field(server, body, words):
+    status, answer = http_generate(server, body)
     assert ready(server)
-    assert 400 <= status < 500, (status, answer)
+    assert status == 400, (status, answer)
+    assert words in (answer if isinstance(answer, str) else str(answer.get("error"))), answer
+
+
+def test_unpaired_surrogate_escape_is_a_400_and_a_pair_is_fine(server):
+    for text, expected in (('"\\ud800 hi"', 400), ('"\\ud83d\\ude00 hi"', 200)):
+        raw = ('{"text_input": %s, "parameters": {"max_tokens": 2, "temperature": 0}}' % text).encode()
+        conn = http.client.HTTPConnection(*server.http_url.rsplit(":", 1), timeout=60)
+        try:
+            conn.request("POST", f"/v2/models/{MODEL}/generate", raw, {"Content-Type": "application/json"})
+            status = conn.getresponse().status
+        finally:
+            conn.close()
+        assert status == expected, (text, status)
+    assert ready(server)
 
 
 # ---- 5. no leak ----------------------------------------------------------------------------
