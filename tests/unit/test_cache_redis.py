@@ -19,6 +19,11 @@ DIM = 384
 KEYS = KeyMaker(ModelIdentity("text_embedding", "text_encoder", "1", "int8", "abcd"))
 
 
+# Tests of what L2 stores and answers, not of its timeout: the 50 ms default made one fail on
+# a machine at load average 7 (a stall read as a miss). The timeout tests set their own.
+CORRECTNESS_TIMEOUT_S = 2.0
+
+
 def vec(seed: int) -> np.ndarray:
     v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
     return v / np.linalg.norm(v)
@@ -33,7 +38,7 @@ def commands(client: redis.Redis) -> dict[str, int]:
 
 
 def test_round_trip_is_bit_exact_with_one_mget_and_one_pipeline(redis_server):
-    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60, timeout_s=CORRECTNESS_TIMEOUT_S)
     client = raw_client(redis_server)
     keys = [KEYS(f"text {i}") for i in range(10)]
     l2.set_many([(k, vec(i)) for i, k in enumerate(keys)])
@@ -48,7 +53,7 @@ def test_round_trip_is_bit_exact_with_one_mget_and_one_pipeline(redis_server):
 
 
 def test_ttl_expiry(redis_server):
-    l2 = RedisL2(redis_server.url, DIM, ttl_s=1)
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=1, timeout_s=CORRECTNESS_TIMEOUT_S)
     l2.set_many([(KEYS("a"), vec(1))])
     assert l2.get_many([KEYS("a")])[0] is not None
     time.sleep(1.3)
@@ -65,7 +70,7 @@ def test_ttl_expiry(redis_server):
 )
 def test_garbage_values_are_misses_counted_and_warned(redis_server, caplog, value, detail):
     raw_client(redis_server).set(KEYS("a"), value)
-    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60, timeout_s=CORRECTNESS_TIMEOUT_S)
     with caplog.at_level(logging.WARNING, logger="python_backends.cache.redis_l2"):
         assert l2.get_many([KEYS("a")]) == [None]
     assert l2.stats.errors["garbage"] == 1 and l2.stats.misses == 1
@@ -76,7 +81,7 @@ def test_wrong_type_reply_is_not_fatal(redis_server):
     client = raw_client(redis_server)
     client.set(KEYS("a"), vec(1).astype("<f4").tobytes())
     client.rpush(KEYS("list"), "x")  # MGET answers nil for a key of another type
-    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60, timeout_s=CORRECTNESS_TIMEOUT_S)
     got = l2.get_many([KEYS("a"), KEYS("list")])
     assert np.array_equal(got[0], vec(1)) and got[1] is None
 
@@ -135,7 +140,7 @@ def test_stopped_redis_times_out_within_the_bound(redis_server):
 
 
 def test_l2_hits_are_promoted_to_l1(redis_server):
-    l2 = RedisL2(redis_server.url, DIM, ttl_s=60)
+    l2 = RedisL2(redis_server.url, DIM, ttl_s=60, timeout_s=CORRECTNESS_TIMEOUT_S)
     cache = EmbeddingCache(DIM, LRUCache(1 << 20, 0), l2)
     l2.set_many([(KEYS("a"), vec(1))])
     first = cache.plan(["a", "b"], [KEYS("a"), KEYS("b")])
