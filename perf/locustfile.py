@@ -20,15 +20,12 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import urlparse
 
-import grpc.experimental.gevent as grpc_gevent
+import gevent
 import numpy as np
 from locust import User, between, events, task
-
-# Once, before any channel exists (gRPC's rule): gRPC's own threads would otherwise block
-# Locust's greenlets. Called per user, it hung a run now and then.
-grpc_gevent.init_gevent()
 
 SENTENCES = [
     item["TEXT"]["content"][0]
@@ -47,13 +44,18 @@ class _TritonUser(User):
     wait_time = between(0.0, 0.01)
     protocol = ""
     module = None
-    infer_options: dict = {}
+    infer_options: ClassVar[dict] = {}
+
+    @staticmethod
+    def blocking(func, args=(), kwds=None):
+        """Run a client call; the HTTP client (geventhttpclient) is cooperative as it is."""
+        return func(*args, **(kwds or {}))
 
     def on_start(self) -> None:
         self.client = self.connect()
 
     def on_stop(self) -> None:
-        self.client.close()
+        self.blocking(self.client.close)
 
     def connect(self):  # pragma: no cover - defined by subclasses
         raise NotImplementedError
@@ -66,7 +68,7 @@ class _TritonUser(User):
         start = time.perf_counter()
         exception, size = None, 0
         try:
-            out = self.client.infer(MODEL, [inp], **self.infer_options).as_numpy("EMBEDDING")
+            out = self.blocking(self.client.infer, (MODEL, [inp]), self.infer_options).as_numpy("EMBEDDING")
             if out is None or out.shape != (1, 384):
                 raise ValueError(f"unexpected EMBEDDING {None if out is None else out.shape}")
             size = out.nbytes
@@ -99,5 +101,9 @@ class TritonGrpcUser(_TritonUser):
         import tritonclient.grpc as grpcclient
 
         self.infer_options = {"client_timeout": 30.0}  # a stuck call fails, the run ends on time
+        # Blocking gRPC calls run on gevent's pool of real threads while the user's greenlet
+        # waits cooperatively. gRPC's own gevent mode (grpc.experimental.gevent.init_gevent)
+        # hung CI runs now and then, called per user or once at import.
+        self.blocking = gevent.get_hub().threadpool.apply
         self.module = grpcclient
         return grpcclient.InferenceServerClient(_url(self.host, 8001))
