@@ -185,16 +185,25 @@ function checkInput(input, i, model, body, binaryStart, binaryOffset) {
     return 0;
 }
 
-function checkRequest(r) {
+// Refusals that come before reading the body: a compressed body or one nginx did not keep in memory.
+function bodyRefusal(r) {
     const encoding = r.headersIn['Content-Encoding'];
     if (encoding && encoding.toLowerCase() !== 'identity') {
         // A compressed body cannot be checked before tritonserver inflates it.
         return [415, `Content-Encoding ${encoding} is not accepted; send the body uncompressed`];
     }
-    const body = r.requestBuffer;
-    if (body === undefined || body === null) {
+    if (r.requestBuffer === undefined || r.requestBuffer === null) {
         return [413, `request body too large (over ${limits.max_body_bytes} bytes)`];
     }
+    return null;
+}
+
+function checkRequest(r) {
+    const early = bodyRefusal(r);
+    if (early) {
+        return early;
+    }
+    const body = r.requestBuffer;
     const headerLength = r.headersIn['Inference-Header-Content-Length'];
     let binaryStart = -1;
     let text;
@@ -257,10 +266,11 @@ function checkRequest(r) {
     return null;
 }
 
-function infer(r) {
+// Refuse with the check's answer, or hand the request on to tritonserver unchanged.
+function checkThenPass(r, check, location) {
     let refusal;
     try {
-        refusal = checkRequest(r);
+        refusal = check(r);
     } catch (e) {
         refusal = [400, 'request could not be checked: ' + String(e).slice(0, 100)];
     }
@@ -268,7 +278,11 @@ function infer(r) {
         refuse(r, refusal[0], refusal[1]);
         return;
     }
-    r.internalRedirect('@triton');
+    r.internalRedirect(location);
+}
+
+function infer(r) {
+    checkThenPass(r, checkRequest, '@triton');
 }
 
 // A string with an unpaired UTF-16 surrogate (a lone \\ud800 escape in the JSON) is not valid
@@ -307,15 +321,11 @@ const KINDS = {BYTES: 'a string', BOOL: 'true or false'};
 // Triton's generate extension (POST .../generate and .../generate_stream): each top-level field
 // of the JSON body is the input of that name, "parameters" holds request parameters (scalars).
 function checkGenerateRequest(r) {
-    const encoding = r.headersIn['Content-Encoding'];
-    if (encoding && encoding.toLowerCase() !== 'identity') {
-        return [415, `Content-Encoding ${encoding} is not accepted; send the body uncompressed`];
+    const early = bodyRefusal(r);
+    if (early) {
+        return early;
     }
-    const body = r.requestBuffer;
-    if (body === undefined || body === null) {
-        return [413, `request body too large (over ${limits.max_body_bytes} bytes)`];
-    }
-    const text = body.toString();
+    const text = r.requestBuffer.toString();
     // njs's JSON.parse lets an unpaired surrogate escape through; tritonserver's parser does not.
     const escapes = /\\u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|\\u[dD][c-fC-F][0-9a-fA-F]{2}/g;
     let m;
@@ -383,17 +393,7 @@ function checkGenerateRequest(r) {
 }
 
 function generate(r) {
-    let refusal;
-    try {
-        refusal = checkGenerateRequest(r);
-    } catch (e) {
-        refusal = [400, 'request could not be checked: ' + String(e).slice(0, 100)];
-    }
-    if (refusal) {
-        refuse(r, refusal[0], refusal[1]);
-        return;
-    }
-    r.internalRedirect(r.uri.endsWith('_stream') ? '@triton_stream' : '@triton');
+    checkThenPass(r, checkGenerateRequest, r.uri.endsWith('_stream') ? '@triton_stream' : '@triton');
 }
 
 export default {infer, generate};
