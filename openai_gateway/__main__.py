@@ -1,0 +1,48 @@
+"""``python -m openai_gateway``: serve the OpenAI-compatible API in front of Triton (uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from openai_gateway import settings as settings_module
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m openai_gateway", description=__doc__)
+    settings_module.add_arguments(p)
+    p.add_argument("--log-level", default=os.environ.get("GATEWAY_LOG_LEVEL", "info"))
+    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("GATEWAY_DRAIN_TIMEOUT", "30")),
+                   help="on SIGTERM: seconds for in-flight requests to finish (default 30)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = settings_module.from_args(args)
+
+    import uvicorn
+
+    from openai_gateway.app import create_app
+    from openai_gateway.auth import ApiKeys, ensure_key_file
+
+    if settings.api_keys:
+        keys, source = ApiKeys(settings.api_keys), "$GATEWAY_API_KEYS"
+    else:
+        keys, source = ApiKeys(ensure_key_file(settings.api_key_file)), str(settings.api_key_file)
+    app = create_app(settings, keys)
+    logging.getLogger("openai_gateway").info(
+        "listening on http://%s:%d, Triton gRPC at %s, %d API key(s) from %s, rate limit %s", settings.host,
+        settings.port, settings.triton_url, len(keys), source,
+        f"{settings.rate_limit_rps:g}/s burst {settings.rate_limit_burst} per key" if settings.rate_limit_rps > 0 else "off")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
+                            access_log=False, log_config=None, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=30,
+                            server_header=False)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

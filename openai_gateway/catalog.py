@@ -1,0 +1,160 @@
+"""The models the gateway serves, and their limits, read from the model repository.
+
+An OpenAI model id is a Triton model name (``text_embedding``, ``text_generation``); the
+Hugging Face name of the weights each serves is accepted as an alias. Everything else comes
+from config.pbtxt: the embedding ensemble's steps name the tokenizer (its file, its
+``max_sequence_length``, its buckets) and the encoder step that token arrays go to; the
+result cache entry point is the Python model whose ``target_model`` is the ensemble; the
+generation model's ``parameters`` give its token limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from python_backends.config import ModelConfig
+
+# The weights each model serves (export/): the names applications already use for them.
+ALIASES = {
+    "text_embedding": ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2"),
+    "text_generation": ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+}
+OWNER = "triton-model-repository"
+
+
+class CatalogError(RuntimeError):
+    pass
+
+
+def read_config(path: Path) -> ModelConfig:
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    message = text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+    return ModelConfig(json_format.MessageToDict(message, preserving_proto_field_name=True))
+
+
+@dataclass(frozen=True)
+class EmbeddingModel:
+    id: str  # the ensemble, TEXT -> EMBEDDING
+    text_entry: str  # the Triton model texts are sent to (the cache entry point by default)
+    ids_entry: str  # the model token arrays go to (input_ids, attention_mask -> sentence_embedding)
+    ids_output: str
+    max_batch_size: int  # of text_entry; larger requests are split
+    ids_max_batch_size: int
+    tokenizer_file: Path
+    max_tokens: int  # the tokenizer's max_sequence_length
+    buckets: tuple[int, ...]
+    dimensions: int
+    aliases: tuple[str, ...] = ()
+    kind: str = "embedding"
+
+
+@dataclass(frozen=True)
+class GenerationModel:
+    id: str
+    max_tokens_limit: int
+    max_text_bytes: int
+    max_model_len: int
+    aliases: tuple[str, ...] = ()
+    kind: str = "generation"
+
+
+Model = EmbeddingModel | GenerationModel
+
+
+def _configs(repository: Path) -> dict[str, ModelConfig]:
+    found = {}
+    for path in sorted(Path(repository).glob("*/config.pbtxt")):
+        try:
+            config = read_config(path)
+        except Exception as exc:  # a model Triton cannot load either; the others still serve
+            raise CatalogError(f"{path}: not a valid model configuration: {exc}") from exc
+        found[config.name or path.parent.name] = config
+    return found
+
+
+def _embedding(name: str, config: ModelConfig, configs: dict[str, ModelConfig], repository: Path,
+               entry: str) -> EmbeddingModel | None:
+    steps = [s.get("model_name") for s in config.raw.get("ensemble_scheduling", {}).get("step", [])]
+    if len(steps) != 2 or steps[0] not in configs or steps[1] not in configs:
+        return None
+    tokenizer, encoder = configs[steps[0]], configs[steps[1]]
+    if tokenizer.param("tokenizer_file") is None:
+        return None
+    out = next((o for o in config.outputs if o.name == "EMBEDDING"), None)
+    if out is None or not any(i.name == "TEXT" for i in config.inputs):
+        return None
+    text_entry = name
+    if entry == "cached":
+        cached = [n for n, c in configs.items() if c.param("target_model") == name and c.max_batch_size > 0]
+        text_entry = cached[0] if cached else name
+    encoder_out = next((o.name for o in encoder.outputs if o.data_type == "TYPE_FP32"), "sentence_embedding")
+    version = repository / steps[0] / "1"
+    max_tokens = tokenizer.param_int("max_sequence_length", 256, minimum=1)
+    return EmbeddingModel(
+        id=name,
+        text_entry=text_entry,
+        ids_entry=steps[1],
+        ids_output=encoder_out,
+        max_batch_size=max(1, configs[text_entry].max_batch_size),
+        ids_max_batch_size=max(1, encoder.max_batch_size),
+        tokenizer_file=version / (tokenizer.param("tokenizer_file") or "tokenizer.json"),
+        max_tokens=max_tokens,
+        buckets=tuple(sorted(set(tokenizer.param_int_list("sequence_buckets", [max_tokens])))),
+        dimensions=int(out.dims[0]) if out.dims else 0,
+        aliases=ALIASES.get(name, ()),
+    )
+
+
+def _generation(name: str, config: ModelConfig) -> GenerationModel | None:
+    decoupled = bool(config.raw.get("model_transaction_policy", {}).get("decoupled"))
+    names = {i.name for i in config.inputs}
+    if not decoupled or not {"text_input", "sampling_parameters"} <= names:
+        return None
+    return GenerationModel(
+        id=name,
+        max_tokens_limit=config.param_int("max_tokens_limit", 2048, minimum=1),
+        max_text_bytes=config.param_int("max_text_bytes", 262144, minimum=1),
+        max_model_len=config.param_int("max_model_len", 4096, minimum=1),
+        aliases=ALIASES.get(name, ()),
+    )
+
+
+class Catalog:
+    """The OpenAI-servable models of a repository, by id and alias."""
+
+    def __init__(self, models: list[Model]):
+        self.models = {m.id: m for m in models}
+        self._names: dict[str, Model] = {}
+        for m in models:
+            self._names[m.id] = m
+            for alias in m.aliases:
+                self._names.setdefault(alias, m)
+
+    @classmethod
+    def from_repository(cls, repository: Path, embedding_entry: str = "cached") -> "Catalog":
+        configs = _configs(repository)
+        models: list[Model] = []
+        for name, config in configs.items():
+            if config.raw.get("platform") == "ensemble":
+                m = _embedding(name, config, configs, Path(repository), embedding_entry)
+            else:
+                m = _generation(name, config)
+            if m is not None:
+                models.append(m)
+        return cls(models)
+
+    def find(self, name: object, kind: str) -> Model | None:
+        model = self._names.get(name) if isinstance(name, str) else None
+        return model if model is not None and model.kind == kind else None
+
+    def of_kind(self, kind: str) -> list[Model]:
+        return [m for m in self.models.values() if m.kind == kind]
+
+    def triton_models(self, model: Model) -> tuple[str, ...]:
+        """The Triton models a request to ``model`` reaches (all must be ready to serve it)."""
+        if isinstance(model, EmbeddingModel):
+            return tuple(dict.fromkeys((model.text_entry, model.id, model.ids_entry)))
+        return (model.id,)

@@ -1,0 +1,143 @@
+"""``/v1/embeddings``: OpenAI's input forms checked and counted, split into Triton batches,
+and the vectors written back in OpenAI's shape.
+
+Texts go to the model's text entry point (the result cache by default); token arrays go to
+the encoder step with an attention mask, padded to the tokenizer's buckets. Token counts
+(``usage``) and the context limit come from the model's own tokenizer file, read here once.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from openai_gateway.catalog import EmbeddingModel
+from openai_gateway.errors import APIError, bad_request, too_large
+from openai_gateway.schemas import EmbeddingRequest
+from openai_gateway.settings import GatewaySettings
+
+
+class TokenCounter:
+    """The model's tokenizer without truncation or padding: real token counts."""
+
+    def __init__(self, tokenizer_file: Path):
+        from tokenizers import Tokenizer
+
+        if not Path(tokenizer_file).is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file} (run `make export`)")
+        self._tok = Tokenizer.from_file(str(tokenizer_file))
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        pad = self._tok.token_to_id("[PAD]")
+        self.pad_id = 0 if pad is None else pad
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def count(self, texts: list[str]) -> list[int]:
+        if len(texts) == 1:
+            return [len(self._tok.encode(texts[0], add_special_tokens=True).ids)]
+        return [len(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=True)]
+
+
+@dataclass
+class EmbeddingJob:
+    model: EmbeddingModel
+    texts: list[str] | None  # one of texts and ids
+    ids: list[list[int]] | None
+    token_counts: list[int]
+    encoding_format: str
+
+    @property
+    def size(self) -> int:
+        return len(self.texts if self.texts is not None else self.ids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.token_counts)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """[start, stop) spans of at most the entry model's max_batch_size, in order."""
+        limit = self.model.max_batch_size if self.texts is not None else self.model.ids_max_batch_size
+        return [(i, min(i + limit, self.size)) for i in range(0, self.size, limit)]
+
+
+def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCounter,
+                  settings: GatewaySettings) -> EmbeddingJob:
+    """The request as a job, or APIError naming the field and the limit it broke."""
+    if req.dimensions is not None and req.dimensions != model.dimensions:
+        raise bad_request(f"dimensions is not supported by {model.id}: it was not trained for shortened embeddings "
+                          f"(its vectors have {model.dimensions} dimensions; omit dimensions)", param="dimensions")
+    value = req.input
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise bad_request("input must not be empty", param="input")
+    if len(value) > settings.max_inputs:
+        raise too_large(f"input has {len(value)} items; the limit is {settings.max_inputs} per request "
+                        "(--max-inputs)", param="input")
+    if isinstance(value[0], int):  # one token array (the schema makes the list homogeneous)
+        value = [value]
+    if isinstance(value[0], str):
+        texts: list[str] = value  # type: ignore[assignment]
+        limit = settings.max_input_chars
+        for i, text in enumerate(texts):
+            if not text:
+                raise bad_request(f"input[{i}] is an empty string", param=f"input[{i}]")
+            if len(text) > limit:
+                raise too_large(f"input[{i}] has {len(text)} characters; the limit is {limit} (--max-input-chars)",
+                                param=f"input[{i}]")
+        counts = counter.count(texts)
+        _check_lengths(counts, model)
+        return EmbeddingJob(model, texts, None, counts, req.encoding_format)
+    ids: list[list[int]] = value  # type: ignore[assignment]
+    vocab = counter.vocab_size
+    for i, row in enumerate(ids):
+        if not row:
+            raise bad_request(f"input[{i}] is an empty token array", param=f"input[{i}]")
+        if len(row) > model.max_tokens:
+            break  # reported below with the count
+        lo, hi = min(row), max(row)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise bad_request(f"input[{i}] has token id {bad}, outside {model.id}'s vocabulary [0, {vocab})",
+                              param=f"input[{i}]")
+    counts = [len(row) for row in ids]
+    _check_lengths(counts, model)
+    return EmbeddingJob(model, None, ids, counts, req.encoding_format)
+
+
+def _check_lengths(counts: list[int], model: EmbeddingModel) -> None:
+    for i, n in enumerate(counts):
+        if n > model.max_tokens:
+            raise APIError(400, f"input[{i}] has {n} tokens; {model.id}'s maximum context length is {model.max_tokens} "
+                           "tokens (max_sequence_length in its config.pbtxt). Shorten or split the input.",
+                           param=f"input[{i}]", code="context_length_exceeded")
+
+
+def pad_ids(rows: list[list[int]], buckets: tuple[int, ...], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids and attention_mask [n, L], L the smallest bucket that holds the longest row."""
+    longest = max(len(r) for r in rows)
+    length = next((b for b in buckets if b >= longest), longest)
+    ids = np.full((len(rows), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), length), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def response_body(job: EmbeddingJob, vectors: np.ndarray) -> bytes:
+    """OpenAI's embeddings list; ``base64`` is the little-endian float32 bytes of each vector."""
+    vectors = np.ascontiguousarray(vectors, dtype="<f4")
+    if job.encoding_format == "base64":
+        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(row.tobytes()).decode("ascii")}
+                for i, row in enumerate(vectors)]
+    else:
+        data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(vectors)]
+    tokens = job.prompt_tokens
+    return orjson.dumps({"object": "list", "data": data, "model": job.model.id,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                        option=orjson.OPT_SERIALIZE_NUMPY)

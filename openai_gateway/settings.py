@@ -1,0 +1,112 @@
+"""The gateway's settings: command-line flags, each with a ``GATEWAY_*`` environment default.
+
+Limits on what one request may carry live here; limits of a model (its batch size, its
+token limits) come from the model's config.pbtxt (``catalog.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # Triton's gRPC endpoint: the internal one behind the front door when the launcher starts us.
+    triton_url: str = "127.0.0.1:8001"
+    model_repository: Path = ROOT / "model_repository"
+    # Keys: GATEWAY_API_KEYS wins; else the key file (created, mode 0600, when missing).
+    api_keys: tuple[str, ...] = ()
+    api_key_file: Path = ROOT / ".triton" / "gateway-api-key"
+    cors_origins: tuple[str, ...] = ()
+    # Per-key token bucket: requests per second and burst; 0 turns it off.
+    rate_limit_rps: float = 100.0
+    rate_limit_burst: int = 200
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_inputs: int = 2048  # texts (or token arrays) per embeddings request, as OpenAI
+    max_input_chars: int = 16384  # characters per text
+    max_messages: int = 256  # chat messages per request
+    max_prompt_chars: int = 65536  # characters of a completion prompt or of all chat messages together
+    max_stop: int = 4  # stop sequences, as OpenAI
+    max_stop_chars: int = 256
+    # max_tokens when the request names none; 0: the model's max_tokens_limit (config.pbtxt).
+    default_max_tokens: int = 0
+    # A lower cap than the model's max_tokens_limit (0: the model's).
+    max_tokens_cap: int = 0
+    triton_timeout_s: float = 60.0  # deadline of each embeddings call to Triton
+    generation_timeout_s: float = 600.0  # deadline of a whole generation stream
+    ready_poll_s: float = 1.0
+    embedding_entry: str = "cached"  # "cached": through text_embedding_cached; "direct": the ensemble
+    log_requests: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = GatewaySettings()
+    p.add_argument("--host", default=_env("GATEWAY_HOST", d.host), help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=int(_env("GATEWAY_PORT", str(d.port))))
+    p.add_argument("--triton", dest="triton_url", default=_env("GATEWAY_TRITON_URL", d.triton_url),
+                   help="Triton's gRPC host:port (default 127.0.0.1:8001)")
+    p.add_argument("--model-repository", type=Path, default=Path(_env("GATEWAY_MODEL_REPOSITORY", str(d.model_repository))))
+    p.add_argument("--api-key-file", type=Path, default=Path(_env("GATEWAY_API_KEY_FILE", str(d.api_key_file))),
+                   help="the key file used when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) when missing")
+    p.add_argument("--cors-origins", default=_env("GATEWAY_CORS_ORIGINS", ""),
+                   help="comma-separated origins allowed by CORS (default none: CORS off)")
+    p.add_argument("--rate-limit", dest="rate_limit_rps", type=float,
+                   default=float(_env("GATEWAY_RATE_LIMIT_RPS", str(d.rate_limit_rps))),
+                   help="requests per second per API key (token bucket; 0 = no limit; default 100)")
+    p.add_argument("--rate-burst", dest="rate_limit_burst", type=int,
+                   default=int(_env("GATEWAY_RATE_LIMIT_BURST", str(d.rate_limit_burst))))
+    p.add_argument("--max-body-mb", type=float, default=float(_env("GATEWAY_MAX_BODY_MB", "16")))
+    p.add_argument("--max-inputs", type=int, default=int(_env("GATEWAY_MAX_INPUTS", str(d.max_inputs))))
+    p.add_argument("--max-input-chars", type=int, default=int(_env("GATEWAY_MAX_INPUT_CHARS", str(d.max_input_chars))))
+    p.add_argument("--max-prompt-chars", type=int, default=int(_env("GATEWAY_MAX_PROMPT_CHARS", str(d.max_prompt_chars))))
+    p.add_argument("--default-max-tokens", type=int, default=int(_env("GATEWAY_DEFAULT_MAX_TOKENS", "0")),
+                   help="max_tokens of a request that names none (default 0: the model's max_tokens_limit)")
+    p.add_argument("--max-tokens-cap", type=int, default=int(_env("GATEWAY_MAX_TOKENS_CAP", "0")),
+                   help="refuse max_tokens above this (default 0: the model's max_tokens_limit)")
+    p.add_argument("--triton-timeout", dest="triton_timeout_s", type=float,
+                   default=float(_env("GATEWAY_TRITON_TIMEOUT_S", str(d.triton_timeout_s))))
+    p.add_argument("--generation-timeout", dest="generation_timeout_s", type=float,
+                   default=float(_env("GATEWAY_GENERATION_TIMEOUT_S", str(d.generation_timeout_s))))
+    p.add_argument("--embedding-entry", choices=("cached", "direct"), default=_env("GATEWAY_EMBEDDING_ENTRY", d.embedding_entry),
+                   help="cached: through the result cache entry point (default); direct: the ensemble itself")
+    p.add_argument("--no-request-log", action="store_true", help="no log line per request")
+
+
+def from_args(args: argparse.Namespace) -> GatewaySettings:
+    return GatewaySettings(
+        host=args.host,
+        port=args.port,
+        triton_url=args.triton_url,
+        model_repository=args.model_repository,
+        api_keys=_csv(os.environ.get("GATEWAY_API_KEYS", "")),
+        api_key_file=args.api_key_file,
+        cors_origins=_csv(args.cors_origins),
+        rate_limit_rps=args.rate_limit_rps,
+        rate_limit_burst=args.rate_limit_burst,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        max_inputs=args.max_inputs,
+        max_input_chars=args.max_input_chars,
+        max_prompt_chars=args.max_prompt_chars,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens_cap=args.max_tokens_cap,
+        triton_timeout_s=args.triton_timeout_s,
+        generation_timeout_s=args.generation_timeout_s,
+        embedding_entry=args.embedding_entry,
+        log_requests=not args.no_request_log,
+    )

@@ -1,0 +1,243 @@
+"""Triton over one shared gRPC channel (``tritonclient.grpc.aio``): readiness, embeddings,
+generation streams, each call with a deadline, each error mapped to an HTTP status.
+
+A background task polls Triton's readiness and its repository index once a second, so a
+request checks a flag instead of making a call; until Triton and a model's Triton models
+are ready, requests to that model get 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from openai_gateway.catalog import Catalog, EmbeddingModel, Model
+from openai_gateway.completions import GenerationJob
+from openai_gateway.embeddings import EmbeddingJob, pad_ids
+from openai_gateway.errors import APIError, unavailable
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    "StatusCode.INVALID_ARGUMENT": 400,
+    "StatusCode.UNAVAILABLE": 503,
+    "StatusCode.DEADLINE_EXCEEDED": 504,
+    "StatusCode.CANCELLED": 499,
+    "StatusCode.NOT_FOUND": 503,
+    "StatusCode.RESOURCE_EXHAUSTED": 413,
+}
+# Fields of the generation model's errors ("max_tokens: must be <= 2048") -> the OpenAI field.
+_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?): ")
+
+
+@dataclass
+class Piece:
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    final: bool
+
+
+def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:
+    """An APIError for a failed Triton call; 4xx for what the request did, 5xx for Triton."""
+    status_name = str(getattr(exc, "status", lambda: None)() or "") if hasattr(exc, "status") else ""
+    message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
+    message = message or str(exc)
+    status = _STATUS.get(status_name)
+    if status is None:  # stream errors carry no status code: read the message
+        lowered = message.lower()
+        if "max_waiting=" in lowered or "unavailable" in lowered:
+            status = 503
+        elif "unknown model" in lowered or "not ready" in lowered or "not found" in lowered:
+            status = 503
+        elif "internal error" in lowered or "failed to connect" in lowered or "socket closed" in lowered:
+            status = 502
+        elif status_name:
+            status = 502
+        else:
+            status = 400
+    if status == 503:
+        return unavailable(f"{what}: Triton cannot take the request now: {message}")
+    if status == 504:
+        return APIError(504, f"{what}: no answer from Triton within the deadline: {message}", code="timeout")
+    if status == 499:
+        return APIError(499, f"{what}: cancelled", code="cancelled")
+    if status == 413:
+        return APIError(413, f"{what}: {message}", code="request_too_large")
+    if status >= 500:
+        return APIError(502, f"{what}: Triton failed: {message}", code="triton_error")
+    param = None
+    m = _FIELD.match(message)
+    if m:
+        param = (param_map or {}).get(m.group(1), m.group(1))
+    return APIError(400, message, param=param)
+
+
+class TritonBackend:
+    def __init__(self, url: str, catalog: Catalog, timeout_s: float, generation_timeout_s: float, poll_s: float = 1.0):
+        self.url = url
+        self.catalog = catalog
+        self.timeout_s = timeout_s
+        self.generation_timeout_s = generation_timeout_s
+        self.poll_s = poll_s
+        self.client = None
+        self.server_ready = False
+        self.ready_models: frozenset[str] = frozenset()
+        self._monitor: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(self.url)
+        self._monitor = asyncio.create_task(self._watch(), name="triton-readiness")
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
+
+    async def refresh(self) -> None:
+        # Readiness of each model, not the repository index: the index is behind the
+        # repository API's token, which the gateway does not need otherwise.
+        names = sorted({n for m in self.catalog.models.values() for n in self.catalog.triton_models(m)})
+        try:
+            ready = await self.client.is_server_ready(client_timeout=2.0)
+            states = await asyncio.gather(*(self.client.is_model_ready(n, client_timeout=2.0) for n in names)) \
+                if ready else []
+        except Exception as exc:  # Triton down or starting: not ready, logged once per change
+            if self.server_ready:
+                log.warning("Triton at %s is not answering: %s", self.url, exc)
+            ready, states = False, []
+        models = frozenset(n for n, ok in zip(names, states) if ok)
+        if ready != self.server_ready or models != self.ready_models:
+            log.info("Triton at %s %s; models ready: %s", self.url, "is ready" if ready else "is not ready",
+                     ", ".join(sorted(models)) or "none")
+        self.server_ready, self.ready_models = ready, models
+
+    async def _watch(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.poll_s)
+
+    def is_ready(self, model: Model) -> bool:
+        return self.server_ready and all(name in self.ready_models for name in self.catalog.triton_models(model))
+
+    def served(self, kind: str | None = None) -> list[Model]:
+        return [m for m in self.catalog.models.values() if (kind is None or m.kind == kind) and self.is_ready(m)]
+
+    def require_ready(self, model: Model) -> None:
+        if not self.server_ready:
+            raise unavailable("Triton is not ready yet (starting, or down); retry shortly")
+        if not self.is_ready(model):
+            missing = [n for n in self.catalog.triton_models(model) if n not in self.ready_models]
+            raise unavailable(f"{model.id} is not ready in Triton (not ready: {', '.join(missing)})")
+
+    # --- embeddings ----------------------------------------------------------------------
+
+    async def _infer(self, model_name: str, inputs: list, output: str, request_id: str) -> np.ndarray:
+        import tritonclient.grpc.aio as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            result = await self.client.infer(model_name, inputs, outputs=[grpcclient.InferRequestedOutput(output)],
+                                             request_id=request_id, client_timeout=self.timeout_s)
+        except InferenceServerException as exc:
+            raise triton_error(exc, model_name, {"TEXT": "input"}) from None
+        return result.as_numpy(output)
+
+    async def embed(self, job: EmbeddingJob, request_id: str, pad_id: int) -> np.ndarray:
+        """The job's vectors in input order; its chunks run concurrently."""
+        import tritonclient.grpc.aio as grpcclient
+
+        model: EmbeddingModel = job.model
+        spans = job.chunks()
+
+        async def one(k: int, start: int, stop: int) -> np.ndarray:
+            rid = request_id if len(spans) == 1 else f"{request_id}.{k}"
+            if job.texts is not None:
+                t = grpcclient.InferInput("TEXT", [stop - start, 1], "BYTES")
+                t.set_data_from_numpy(np.array([s.encode("utf-8") for s in job.texts[start:stop]],
+                                               dtype=object).reshape(-1, 1))
+                return await self._infer(model.text_entry, [t], "EMBEDDING", rid)
+            ids, mask = pad_ids(job.ids[start:stop], model.buckets, pad_id)
+            a = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
+            a.set_data_from_numpy(ids)
+            b = grpcclient.InferInput("attention_mask", list(mask.shape), "INT64")
+            b.set_data_from_numpy(mask)
+            return await self._infer(model.ids_entry, [a, b], model.ids_output, rid)
+
+        if len(spans) == 1:
+            return await one(0, *spans[0])
+        tasks = [asyncio.ensure_future(one(k, a, b)) for k, (a, b) in enumerate(spans)]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return np.concatenate(parts, axis=0)
+
+    # --- generation ----------------------------------------------------------------------
+
+    async def generate(self, job: GenerationJob, request_id: str) -> AsyncIterator[Piece]:
+        """The pieces of one generation; leaving the iteration early cancels the Triton request
+        (the gRPC call is cancelled, the model sees it and frees the KV blocks)."""
+        import grpc
+        from tritonclient.utils import InferenceServerException
+
+        from clients.generation import GenerateRequest, is_final
+
+        request = GenerateRequest(job.text_input, job.sampling, chat=job.chat)
+        param_map = {"text_input": "messages" if job.chat else "prompt"}
+
+        async def requests():
+            yield {"model_name": job.model.id, "inputs": request.grpc_inputs(job.stream), "request_id": request_id,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        call = self.client.stream_infer(requests(), stream_timeout=self.generation_timeout_s)
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise triton_error(error, job.model.id, param_map)
+                piece = _piece(result, is_final(result))
+                yield piece
+                if piece.final:
+                    finished = True
+                    return
+            finished = True
+        except grpc.RpcError as exc:
+            from tritonclient.grpc._utils import get_error_grpc
+
+            finished = True
+            raise triton_error(get_error_grpc(exc), job.model.id, param_map) from None
+        except InferenceServerException as exc:
+            raise triton_error(exc, job.model.id, param_map) from None
+        finally:
+            if not finished:
+                call.cancel()
+
+
+def _piece(result, final: bool) -> Piece:
+    def first(name: str):
+        array = result.as_numpy(name)
+        return None if array is None or array.size == 0 else array.reshape(-1)[0]
+
+    text = first("text_output")
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    reason = first("finish_reason")
+    if isinstance(reason, bytes):
+        reason = reason.decode("utf-8", "replace")
+    n_in, n_out = first("num_input_tokens"), first("num_output_tokens")
+    return Piece(text or "", reason or None, None if n_in is None else int(n_in),
+                 None if n_out is None else int(n_out), final)
