@@ -85,6 +85,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rollout state (python -m ops.rollout): when it exists, text_encoder's versions and the router's "
         "weights are loaded as it records (default .rollout/state.json, or $ROLLOUT_STATE_FILE)",
     )
+    p.add_argument("--gateway-host", default=os.environ.get("GATEWAY_HOST", "127.0.0.1"),
+                   help="the OpenAI-compatible gateway's address (default 127.0.0.1, whatever --host is)")
+    p.add_argument("--gateway-port", type=int, default=_env_int("GATEWAY_PORT", 8080),
+                   help="the OpenAI-compatible gateway's port (default 8080; docs/openai-gateway.md)")
+    p.add_argument("--gateway-api-key-file", type=Path,
+                   default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"),
+                   help="the gateway's API keys when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) "
+                   "when missing (default .triton/gateway-api-key)")
+    p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
@@ -182,15 +191,43 @@ def main(argv: list[str] | None = None) -> int:
     except FrontDoorError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
+    gateway = None
+    if not args.no_gateway:
+        from server.gateway import GatewayOptions, GatewayProcess
+
+        if not os.environ.get("GATEWAY_API_KEYS", "").strip():
+            from openai_gateway.auth import ensure_key_file
+
+            ensure_key_file(args.gateway_api_key_file)
+        gateway = GatewayProcess(GatewayOptions(
+            triton_grpc_url=server.triton_grpc_url, host=args.gateway_host, port=args.gateway_port,
+            model_repository=args.model_repository, api_key_file=args.gateway_api_key_file, workdir=args.workdir,
+            drain_timeout=args.drain_timeout)).start()
     try:
         server.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
     except ServerError as exc:
+        if gateway is not None:
+            gateway.stop()
         server.stop()
         if stop.is_set():
             print("serve: stopped before the server was ready", flush=True)
             return 0
         print(f"\nserve: {exc}\n--- last lines of {server.log_path} ---\n{exc.log_tail}", file=sys.stderr)
         return 1
+    if gateway is not None:
+        from server.gateway import GatewayError
+
+        try:
+            gateway.wait_ready(timeout=60, should_stop=stop.is_set)
+        except GatewayError as exc:
+            print(f"serve: {exc}", file=sys.stderr)
+            gateway.stop()
+            server.stop()
+            return 1
+        gateway_line = (f"  OpenAI   {gateway.url}/v1  (API key: Authorization: Bearer <key>, key in {gateway.key_source}; "
+                        f"docs/openai-gateway.md)\n")
+    else:
+        gateway_line = "  OpenAI   off (--no-gateway)\n"
     if server.front_door is not None:
         door = (f"  front door  nginx checks every HTTP inference request (docs/security.md); "
                 f"tritonserver itself on 127.0.0.1 at HTTP {options.triton_http_port}, "
@@ -202,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  HTTP     http://{server.http_url}  (e.g. curl http://{server.http_url}/v2/models/text_embedding)\n"
         f"  gRPC     {server.grpc_url}\n"
         f"  metrics  {server.metrics_url}  (GET only)\n"
+        f"{gateway_line}"
         f"{door}"
         f"  models   {', '.join(options.models)}\n"
         f"  variants {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={args.precision})\n"
@@ -219,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             print(server.log_tail(), file=sys.stderr)
             server.stop()
             return 1
+        if gateway is not None and not gateway.running():
+            print(f"serve: the OpenAI gateway exited unexpectedly (code {gateway.process.returncode})\n"
+                  f"{gateway.log_tail()}", file=sys.stderr)
+            server.stop()
+            return 1
         if server.front_door is not None and not server.front_door.running():
             print(f"serve: the front door (nginx) exited unexpectedly (code {server.front_door.process.returncode})\n"
                   f"{server.front_door.log_tail()}", file=sys.stderr)
@@ -226,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         stop.wait(0.5)
     started = time.monotonic()
+    if gateway is not None:
+        gateway.stop()
     code = server.stop()
     print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - started:.1f} s", flush=True)
     return 0

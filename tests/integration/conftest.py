@@ -36,3 +36,59 @@ def grpc_client(triton):
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     yield client
     client.close()
+
+
+GATEWAY_TEST_KEY = "sk-test-gateway-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def start_gateway(tmp_path_factory):
+    """``with start_gateway(triton_grpc_url, *extra_args, env=...) as gw``: an OpenAI gateway
+    (python -m openai_gateway) on a free port with the key ``GATEWAY_TEST_KEY``; ``gw.url``,
+    ``gw.log_tail()``, ``gw.log_path``. Waits for /health (up), not for readiness, so a
+    gateway in front of a dead Triton can be tested too."""
+    import contextlib
+    import time
+
+    from server.gateway import GatewayOptions, GatewayProcess
+    from server.process import free_port
+
+    @contextlib.contextmanager
+    def start(triton_grpc_url: str, *extra_args: str, env: dict | None = None, wait_ready: bool = True):
+        workdir = tmp_path_factory.mktemp("gateway-")
+        options = GatewayOptions(triton_grpc_url=triton_grpc_url, port=free_port(), workdir=workdir,
+                                 api_key_file=workdir / "gateway-api-key", extra_args=list(extra_args),
+                                 env={"GATEWAY_API_KEYS": GATEWAY_TEST_KEY, **(env or {})}, drain_timeout=5)
+        gw = GatewayProcess(options).start()
+        try:
+            if wait_ready:
+                gw.wait_ready(timeout=60)
+            else:
+                deadline = time.monotonic() + 30
+                while gw._get("/health") != 200:
+                    if not gw.running() or time.monotonic() > deadline:
+                        pytest.fail(f"the gateway did not start:\n{gw.log_tail()}", pytrace=False)
+                    time.sleep(0.1)
+            yield gw
+        finally:
+            gw.stop()
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def gateway(triton, start_gateway):
+    """The OpenAI gateway in front of the session's server (default settings, rate limit off so
+    tests do not trip over it; the rate limit has its own gateway in its tests)."""
+    with start_gateway(triton.triton_grpc_url, "--rate-limit", "0") as gw:
+        yield gw
+
+
+@pytest.fixture(scope="session")
+def openai_client(gateway):
+    """The official ``openai`` SDK pointed at the gateway (no retries: a failure shows at once)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_retries=0, timeout=120)
+    yield client
+    client.close()
