@@ -131,6 +131,16 @@ def _rollout_line(path: Path) -> str:
     return f"weights {format_weights(state.weights)}, versions {state.loaded} ({state.phase}, from {path})"
 
 
+def _openai_models(repo: Path, models: tuple[str, ...]) -> list[str]:
+    """The loaded models the OpenAI gateway can serve (none: no gateway)."""
+    from openai_gateway.catalog import Catalog
+    from server.process import closure
+
+    loaded = {name for model in models for name in closure(repo, model)}
+    catalog = Catalog.from_repository(repo)
+    return [m.id for m in catalog.models.values() if set(catalog.triton_models(m)) <= loaded]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
@@ -192,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
     gateway = None
-    if not args.no_gateway:
+    openai_models = [] if args.no_gateway else _openai_models(args.model_repository, models)
+    if openai_models:
         from server.gateway import GatewayOptions, GatewayProcess
 
         if not os.environ.get("GATEWAY_API_KEYS", "").strip():
@@ -224,10 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             gateway.stop()
             server.stop()
             return 1
-        gateway_line = (f"  OpenAI   {gateway.url}/v1  (API key: Authorization: Bearer <key>, key in {gateway.key_source}; "
-                        f"docs/openai-gateway.md)\n")
+        gateway_line = (f"  OpenAI   {gateway.url}/v1  models {', '.join(openai_models)}; API key: Authorization: "
+                        f"Bearer <key>, key in {gateway.key_source} (docs/openai-gateway.md)\n")
     else:
-        gateway_line = "  OpenAI   off (--no-gateway)\n"
+        gateway_line = ("  OpenAI   off (--no-gateway)\n" if args.no_gateway else
+                        "  OpenAI   off: no embedding or generation model loaded\n")
     if server.front_door is not None:
         door = (f"  front door  nginx checks every HTTP inference request (docs/security.md); "
                 f"tritonserver itself on 127.0.0.1 at HTTP {options.triton_http_port}, "

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from server.layout import ROOT
-from server.process import ServerOptions
+from server.process import ServerOptions, free_port
 
 BROKEN_CONFIG = """
 name: "broken_encoder"
@@ -23,7 +23,8 @@ def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "server", "--no-export", "--workdir", str(tmp_path / "work"),
         "--http-port", str(ports.http_port), "--grpc-port", str(ports.grpc_port),
-        "--metrics-port", str(ports.metrics_port), *args,
+        "--metrics-port", str(ports.metrics_port), "--gateway-port", str(free_port()),
+        "--gateway-api-key-file", str(tmp_path / "gateway-api-key"), *args,
     ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -53,6 +54,12 @@ def test_serves_then_stops_cleanly_on_sigterm(tmp_path):
         if line.startswith("serve: ready"):
             break
     assert lines and lines[-1].startswith("serve: ready"), "".join(lines) + (proc.stderr.read() if proc.poll() is not None else "")
+    ready = "".join(lines)
+    while time.monotonic() < deadline and "Ctrl-C to stop" not in ready:
+        ready += proc.stdout.readline()
+    # The OpenAI gateway is up with the default models, with its key file made private.
+    assert "  OpenAI   http://127.0.0.1:" in ready and "text_embedding, text_generation" in ready, ready
+    assert (tmp_path / "gateway-api-key").stat().st_mode & 0o777 == 0o600
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
