@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default=os.environ.get("GATEWAY_LOG_LEVEL", "info"))
     p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("GATEWAY_DRAIN_TIMEOUT", "30")),
                    help="on SIGTERM: seconds for in-flight requests to finish (default 30)")
+    p.add_argument("--max-connections", type=int, default=int(os.environ.get("GATEWAY_MAX_CONNECTIONS", "1024")),
+                   help="connections and requests in flight at once; beyond it uvicorn answers 503 (default 1024)")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
                             access_log=False, log_config=None, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=30,
+                            limit_concurrency=args.max_connections,
                             server_header=False)
     server = uvicorn.Server(config)
     server.run()
