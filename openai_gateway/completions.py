@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from openai_gateway.catalog import GenerationModel
+from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
@@ -83,6 +84,7 @@ def _sampling(req: _Sampling, max_tokens: int | None, model: GenerationModel, se
         if len(stop) > settings.max_stop:
             raise bad_request(f"stop has {len(stop)} sequences; the limit is {settings.max_stop}", param="stop")
         for i, s in enumerate(stop):
+            utf8(s, f"stop[{i}]")
             if not s:
                 raise bad_request(f"stop[{i}] is empty", param="stop")
             if len(s) > settings.max_stop_chars:
@@ -149,6 +151,7 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         else:
             content = m.content
         chars += len(content)
+        utf8(content, f"messages[{i}].content")
         messages.append({"role": role, "content": content})
     if chars > settings.max_prompt_chars:
         raise too_large(f"messages have {chars} characters together; the limit is {settings.max_prompt_chars} "
@@ -185,6 +188,7 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
         prompt = prompt[0]
     if not prompt.strip():
         raise bad_request("prompt is empty or only whitespace", param="prompt")
+    utf8(prompt, "prompt")
     if len(prompt) > settings.max_prompt_chars:
         raise too_large(f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars} "
                         "(--max-prompt-chars)", param="prompt")

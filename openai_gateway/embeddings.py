@@ -49,6 +49,7 @@ class EmbeddingJob:
     ids: list[list[int]] | None
     token_counts: list[int]
     encoding_format: str
+    blobs: list[bytes] | None = None  # the texts as UTF-8, what Triton gets
 
     @property
     def size(self) -> int:
@@ -83,15 +84,17 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
     if isinstance(value[0], str):
         texts: list[str] = value  # type: ignore[assignment]
         limit = settings.max_input_chars
+        blobs = []
         for i, text in enumerate(texts):
-            if not text:
-                raise bad_request(f"input[{i}] is an empty string", param=f"input[{i}]")
             if len(text) > limit:
                 raise too_large(f"input[{i}] has {len(text)} characters; the limit is {limit} (--max-input-chars)",
                                 param=f"input[{i}]")
+            if not text.strip():
+                raise bad_request(f"input[{i}] is empty or only whitespace", param=f"input[{i}]")
+            blobs.append(utf8(text, f"input[{i}]"))
         counts = counter.count(texts)
         _check_lengths(counts, model)
-        return EmbeddingJob(model, texts, None, counts, req.encoding_format)
+        return EmbeddingJob(model, texts, None, counts, req.encoding_format, blobs)
     ids: list[list[int]] = value  # type: ignore[assignment]
     vocab = counter.vocab_size
     for i, row in enumerate(ids):
@@ -107,6 +110,15 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
     counts = [len(row) for row in ids]
     _check_lengths(counts, model)
     return EmbeddingJob(model, None, ids, counts, req.encoding_format)
+
+
+def utf8(text: str, param: str) -> bytes:
+    """The UTF-8 of a text; 400 for a lone surrogate (JSON can carry ``"\\ud800"``, UTF-8 cannot)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} is not valid Unicode: {exc.reason} at character {exc.start} "
+                          "(a lone surrogate escape)", param=param) from None
 
 
 def _check_lengths(counts: list[int], model: EmbeddingModel) -> None:

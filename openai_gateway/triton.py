@@ -164,8 +164,7 @@ class TritonBackend:
             rid = request_id if len(spans) == 1 else f"{request_id}.{k}"
             if job.texts is not None:
                 t = grpcclient.InferInput("TEXT", [stop - start, 1], "BYTES")
-                t.set_data_from_numpy(np.array([s.encode("utf-8") for s in job.texts[start:stop]],
-                                               dtype=object).reshape(-1, 1))
+                t.set_data_from_numpy(np.array(job.blobs[start:stop], dtype=object).reshape(-1, 1))
                 return await self._infer(model.text_entry, [t], "EMBEDDING", rid)
             ids, mask = pad_ids(job.ids[start:stop], model.buckets, pad_id)
             a = grpcclient.InferInput("input_ids", list(ids.shape), "INT64")
