@@ -28,10 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     from openai_gateway.app import create_app
     from openai_gateway.auth import ApiKeys, ensure_key_file
 
-    if settings.api_keys:
-        keys, source = ApiKeys(settings.api_keys), "$GATEWAY_API_KEYS"
-    else:
-        keys, source = ApiKeys(ensure_key_file(settings.api_key_file)), str(settings.api_key_file)
+    try:
+        if settings.api_keys:
+            keys, source = ApiKeys(settings.api_keys), "$GATEWAY_API_KEYS"
+        else:
+            keys, source = ApiKeys(ensure_key_file(settings.api_key_file)), str(settings.api_key_file)
+    except (OSError, ValueError) as exc:  # a key file others can read, an empty one, a short key
+        print(f"python -m openai_gateway: refusing to start: {exc}", file=sys.stderr)
+        return 2
     app = create_app(settings, keys)
     logging.getLogger("openai_gateway").info(
         "listening on http://%s:%d, Triton gRPC at %s, %d API key(s) from %s, rate limit %s", settings.host,
