@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -61,6 +61,14 @@ perf-quick: $(STAMP)
 perf-generate: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.generate_bench
+
+# The OpenAI gateway against Triton direct, side by side: /v1/embeddings vs Triton's HTTP infer at
+# 32 clients (unique and repeated texts), chat streaming TTFT and tokens/s vs gRPC (docs/performance.md).
+# About 5 min; GATEWAY_BENCH_ARGS e.g. "--rounds 1 --no-chat".
+GATEWAY_BENCH_ARGS ?=
+perf-gateway: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.gateway_bench $(GATEWAY_BENCH_ARGS)
 
 # Side by side in one run: in-process ONNX Runtime limit, naive per-request PyTorch server,
 # Triton (gRPC/HTTP), Triton without dynamic batching; prints the ratios (perf/README.md).

@@ -1,0 +1,54 @@
+"""A tiny run of perf.gateway_bench: every system answers, the report is complete and its figures sane.
+
+It starts its own tritonserver (text_embedding_cached, text_embedding, text_generation) and
+two gateways, runs one short round of every embeddings system and both chat systems, and
+checks the structure of the JSON and the table, never the figures' size: these machines are
+small and shared.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perf import gateway_bench
+
+pytestmark = pytest.mark.perf
+
+
+def test_tiny_gateway_bench_measures_every_system(tmp_path):
+    out = tmp_path / "gateway.json"
+    code = gateway_bench.main(["--rounds", "1", "--embed-duration", "1", "--embed-concurrency", "4",
+                               "--chat-concurrency", "1", "--chat-requests", "1", "--max-tokens", "8",
+                               "--out", str(out)])
+    table = out.with_suffix(".md").read_text() if out.with_suffix(".md").is_file() else "(no table)"
+    assert code == 0, table
+    result = json.loads(out.read_text())
+    assert result["error"] == "", result["error"]
+
+    embed = {(c["workload"], c["system"]): c for c in result["embeddings"]}
+    assert set(embed) == {(w, s) for w in gateway_bench.WORKLOADS for s in gateway_bench.EMBED_SYSTEMS}, table
+    for (workload, system), c in embed.items():
+        where = f"{workload}/{system}: {c['first_error']}"
+        assert c["errors"] == 0 and c["requests"] > 0 and c["requests_per_s"] > 0, where
+        assert c["max_ms"] >= c["p99_ms"] >= c["p50_ms"] > 0, where
+    # Cache hits answer faster than misses, through either door: the workloads are what they claim.
+    for system in ("direct", "gateway"):
+        assert embed[("repeated", system)]["p50_ms"] < embed[("unique", system)]["p50_ms"], table
+
+    chat = {(c["system"], c["concurrency"]): c for c in result["chat"]}
+    assert set(chat) == {("direct", 1), ("gateway", 1)}, table
+    for key, c in chat.items():
+        assert c["errors"] == 0 and c["requests"] == 1, (key, c["first_error"])
+        # ignore_eos: each request made exactly max_tokens tokens, counted by the server (usage / num_output_tokens).
+        assert c["tokens_per_request"] == [8] and c["output_tokens"] == 8, (key, c)
+        assert c["tokens_per_s"] > 0 and c["ttft_p50_ms"] > 0, (key, c)
+
+    names = {r["name"]: r for r in result["ratios"]}
+    for name in ("embeddings unique, gateway / direct throughput, c4", "embeddings repeated, gateway / direct P99, c4",
+                 "chat c1, gateway / direct tokens/s"):
+        assert names[name]["value"] > 0, names.get(name)
+    assert isinstance(names["chat c1, gateway - direct TTFT P50 (ms)"]["value"], float)
+    assert "| ratio | value | target | met | from |" in table
+    assert out.with_name("gateway-tritonserver.log").is_file() and out.with_name("gateway-gateway-log.log").is_file()
