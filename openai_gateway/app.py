@@ -132,7 +132,7 @@ class RequestGate:
                 if message["type"] == "http.request":
                     seen[0] += len(message.get("body", b""))
                     if seen[0] > limit:
-                        raise _BodyTooLarge()
+                        raise _BodyTooLarge(limit)
                 return message
 
             try:
@@ -171,8 +171,12 @@ class RequestGate:
         return None
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised while the body is read. An HTTPException, because FastAPI turns any other
+    exception from its body parsing into a generic 400; this one reaches on_http_error as 413."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body exceeds {limit} bytes (--max-body-mb)")
 
 
 class GatewayState:
@@ -263,7 +267,8 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         message = {404: f"Unknown path {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)), code=None)
+        err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                       code="request_too_large" if exc.status_code == 413 else None)
         return error_response(err)
 
     @app.exception_handler(ClientGone)
