@@ -321,6 +321,8 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
 
     @app.get("/v1/models/{model:path}", dependencies=[Security(bearer)])
     async def get_model(model: str):
+        if not backend.server_ready:  # as /v1/models: not "does not exist" while Triton is down
+            raise APIError(503, "Triton is not ready yet", code="triton_unavailable", headers={"Retry-After": "1"})
         found = next((m for m in backend.served() if model == m.id or model in m.aliases), None)
         if found is None:
             raise APIError(404, f"The model {model!r} does not exist or is not served", param="model",

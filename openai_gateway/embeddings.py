@@ -76,11 +76,12 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
         value = [value]
     if not value:
         raise bad_request("input must not be empty", param="input")
+    # Before the count: one token array is one input, however many ids it has.
+    if isinstance(value[0], int):  # one token array (the schema makes the list homogeneous)
+        value = [value]
     if len(value) > settings.max_inputs:
         raise too_large(f"input has {len(value)} items; the limit is {settings.max_inputs} per request "
                         "(--max-inputs)", param="input")
-    if isinstance(value[0], int):  # one token array (the schema makes the list homogeneous)
-        value = [value]
     if isinstance(value[0], str):
         texts: list[str] = value  # type: ignore[assignment]
         limit = settings.max_input_chars

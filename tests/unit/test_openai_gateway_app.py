@@ -75,6 +75,17 @@ def test_metrics_are_prometheus_text_without_a_key(client):
     assert re.search(r'gateway_requests_total\{route="/v1/models",status="401"\} [1-9]', text)
 
 
+def test_metrics_routes_are_bounded(client):
+    # Paths a client makes up are one label value, so they cannot grow the metrics without end.
+    for i in range(3):
+        client.get(f"/made-up-{i}")
+        client.get(f"/v1/models/made-up-{i}")
+    text = client.get("/metrics").text
+    assert "made-up" not in text
+    assert 'route="other",status="404"' in text
+    assert 'route="/v1/models/{model}",status="401"' in text
+
+
 # --- keys ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-triton-wrong-key-000000000"},
@@ -187,7 +198,9 @@ def test_valid_requests_are_503_while_triton_is_down(client, path, body):
 
 def test_models_list_is_503_while_triton_is_down(client):
     assert error_of(client.get("/v1/models", headers=AUTH), 503)["code"] == "triton_unavailable"
-    assert error_of(client.get("/v1/models/text_embedding", headers=AUTH), 404)["param"] == "model"
+    for model in ("text_embedding", "HuggingFaceTB/SmolLM2-135M-Instruct", "no-such-model"):
+        r = client.get(f"/v1/models/{model}", headers=AUTH)
+        assert error_of(r, 503)["code"] == "triton_unavailable" and r.headers["retry-after"] == "1"
 
 
 def test_unknown_paths_and_methods_get_openai_errors(client):

@@ -110,6 +110,14 @@ def test_the_default_input_limit_is_openais_2048(model, counter):
     assert refusal(model, counter, ["a"] * 2049).status == 413
 
 
+def test_one_token_array_is_one_input_however_long(model, counter):
+    # Its ids are not inputs: 2,049 ids are one input over the context length, not 2,049 inputs.
+    err = refusal(model, counter, [101] * 2049)
+    assert (err.status, err.param, err.code) == (400, "input[0]", "context_length_exceeded")
+    settings = dataclasses.replace(SETTINGS, max_inputs=2)
+    assert check(model, counter, [101, 7592, 2088, 102], settings).token_counts == [4]
+
+
 def test_too_many_characters_is_413_naming_the_text(model, counter):
     settings = dataclasses.replace(SETTINGS, max_input_chars=10)
     check(model, counter, ["x" * 10], settings)
