@@ -168,6 +168,18 @@ def test_chat_refusals(model, fields, status, param):
     assert (err.status, err.param) == (status, param), err.message
 
 
+@pytest.mark.parametrize("fn, fields, param", [
+    (chat, {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "x\udc00"}]},
+     "messages[1].content"),
+    (chat, {"stop": ["ok", "\ud800"]}, "stop[1]"),
+    (completion, {"prompt": "Once \ud83d upon"}, "prompt"),
+    (completion, {"stop": "\ud800"}, "stop[0]"),
+])
+def test_lone_surrogates_are_400_naming_the_field(model, fn, fields, param):
+    err = refused(fn, model, **fields)
+    assert (err.status, err.param) == (400, param) and "not valid Unicode" in err.message
+
+
 def test_chat_accepts_what_it_can_honour(model):
     chat(model, tool_choice="none", response_format={"type": "text"}, logprobs=False, tools=[])
 

@@ -95,6 +95,20 @@ def test_empty_inputs_are_400_naming_the_item(model, counter, input):
         assert err.param == f"input[{len(input) - 1}]", err.message
 
 
+@pytest.mark.parametrize("texts", [["a", " \n\t"], ["a", "\u00a0\u3000"]])
+def test_whitespace_only_texts_are_400(model, counter, texts):
+    err = refusal(model, counter, texts)
+    assert (err.status, err.param) == (400, "input[1]") and "whitespace" in err.message
+
+
+def test_a_lone_surrogate_is_400_not_sent_to_triton(model, counter):
+    # Valid JSON ("\ud800"), but no UTF-8 exists for it.
+    err = refusal(model, counter, ["fine", "bad \ud800 text"])
+    assert (err.status, err.param) == (400, "input[1]") and "not valid Unicode" in err.message
+    job = check(model, counter, ["caf\u00e9", "\U0001f600 ok"])
+    assert job.blobs == ["caf\u00e9".encode(), "\U0001f600 ok".encode()]
+
+
 def test_too_many_inputs_is_413_naming_the_limit(model, counter):
     settings = dataclasses.replace(SETTINGS, max_inputs=3)
     check(model, counter, ["a"] * 3, settings)
