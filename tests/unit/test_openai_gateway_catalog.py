@@ -17,7 +17,7 @@ REPOSITORY = ROOT / "model_repository"
 def _param(config_file: Path, key: str) -> str:
     """A parameter of a config.pbtxt, read with a regex (independently of the catalog's parser)."""
     text = config_file.read_text()
-    m = re.search(r'key:\s*"%s"\s*value:\s*\{\s*string_value:\s*"([^"]*)"' % re.escape(key), text)
+    m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
     assert m, f"{key} not in {config_file}"
     return m.group(1)
 
