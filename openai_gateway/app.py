@@ -312,18 +312,21 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
         return {"id": m.id, "object": "model", "created": 0, "owned_by": "triton", "aliases": list(m.aliases),
                 "kind": m.kind}
 
+    def servable() -> list:
+        """Ready in Triton, and (embeddings) with the tokenizer the gateway counts tokens with."""
+        return [m for m in backend.served() if not isinstance(m, EmbeddingModel) or m.id in state.counters]
+
     @app.get("/v1/models", dependencies=[Security(bearer)])
     async def list_models():
         if not backend.server_ready:
             raise APIError(503, "Triton is not ready yet", code="triton_unavailable", headers={"Retry-After": "1"})
-        served = [m for m in backend.served() if not isinstance(m, EmbeddingModel) or m.id in state.counters]
-        return _json_response(200, orjson.dumps({"object": "list", "data": [model_object(m) for m in served]}))
+        return _json_response(200, orjson.dumps({"object": "list", "data": [model_object(m) for m in servable()]}))
 
     @app.get("/v1/models/{model:path}", dependencies=[Security(bearer)])
     async def get_model(model: str):
         if not backend.server_ready:  # as /v1/models: not "does not exist" while Triton is down
             raise APIError(503, "Triton is not ready yet", code="triton_unavailable", headers={"Retry-After": "1"})
-        found = next((m for m in backend.served() if model == m.id or model in m.aliases), None)
+        found = next((m for m in servable() if model == m.id or model in m.aliases), None)
         if found is None:
             raise APIError(404, f"The model {model!r} does not exist or is not served", param="model",
                            code="model_not_found")

@@ -54,7 +54,7 @@ def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = N
         lowered = message.lower()
         if "max_waiting=" in lowered or "unavailable" in lowered:
             status = 503
-        elif "unknown model" in lowered or "not ready" in lowered or "not found" in lowered:
+        elif "unknown model" in lowered or "not ready" in lowered:
             status = 503
         elif "internal error" in lowered or "failed to connect" in lowered or "socket closed" in lowered:
             status = 502
