@@ -389,6 +389,32 @@ def test_seed_makes_sampling_reproducible(openai_client, direct):
     assert len(others | {first}) > 1, others
 
 
+def test_concurrent_streams_with_the_async_sdk_each_get_their_own_answer(gateway, direct):
+    """Streams share the gateway's one gRPC channel: each must still get its own answer."""
+    import asyncio
+
+    questions = [[{"role": "user", "content": q}] for q in (
+        "What is the capital of France? Answer in one sentence.",
+        "Name three colours.",
+        "What is 2 + 2?",
+        "Say hello in Spanish.",
+    )]
+    expected = [direct.chat(q, max_tokens=8, temperature=0).text for q in questions]
+    assert len(set(expected)) == len(expected), expected
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_retries=0,
+                                      timeout=120) as client:
+            async def one(messages) -> str:
+                stream = await client.chat.completions.create(model=GENERATION, messages=messages, max_tokens=8,
+                                                              temperature=0, stream=True)
+                return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+            return await asyncio.gather(*(one(q) for q in questions))
+
+    assert asyncio.run(run()) == expected
+
+
 def test_unknown_chat_model_is_not_found(openai_client):
     with pytest.raises(openai.NotFoundError) as caught:
         openai_client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=4)
