@@ -93,8 +93,10 @@ def _sampling(req: _Sampling, max_tokens: int | None, model: GenerationModel, se
         if stop:
             out["stop"] = stop
     if req.top_k is not None:
-        if req.top_k < 0:
-            raise bad_request(f"top_k must be >= 0 (0 disables it), got {req.top_k}", param="top_k")
+        # Above int64 the engine's sampler overflows and fails its whole batch step.
+        if not 0 <= req.top_k <= MAX_SEED:
+            raise bad_request(f"top_k must be between 0 (0 disables it) and {MAX_SEED}, got {req.top_k}",
+                              param="top_k")
         out["top_k"] = req.top_k
     if req.min_tokens is not None:
         if not 0 <= req.min_tokens <= max_tokens:
