@@ -132,8 +132,10 @@ def parse_sampling_params(
     if not 0 < top_p <= 1:
         raise SamplingParamsError("top_p", f"must be in (0, 1], got {top_p}")
     top_k = _int("top_k", data.get("top_k", 0))
-    if top_k < 0:
-        raise SamplingParamsError("top_k", f"must be >= 0 (0 disables it), got {top_k}")
+    # Above int64 the sampler's torch.topk overflows and fails the whole batch step, so the
+    # request is refused here, alone.
+    if not 0 <= top_k <= _MAX_SEED:
+        raise SamplingParamsError("top_k", f"must be between 0 (0 disables it) and {_MAX_SEED}, got {top_k}")
     seed = data.get("seed")
     if seed is not None:
         seed = _int("seed", seed)
