@@ -20,7 +20,8 @@ neighbour hurts them alike:
 2. Chat streaming, greedy, --max-tokens (default 64) new tokens with ``ignore_eos``, the
    prompts of perf/data/generation_prompts.json (the long ones left out), at each
    --chat-concurrency (default 1 and 8); each window runs --chat-requests requests per
-   client to their end, the same prompts for both systems:
+   client to their end (client k starting k x --chat-stagger-ms after the first), the same
+   prompts for both systems:
      gateway       POST /v1/chat/completions, stream true, include_usage (raw SSE, aiohttp);
      direct        text_generation over a gRPC stream, clients.generation.AsyncGenerationClient,
                    on the tritonserver port the gateway itself uses (so the difference is the
@@ -308,13 +309,16 @@ class DirectChat:
 
 
 async def chat_window(system, prompts: Sequence[str], concurrency: int, per_client: int, max_tokens: int,
-                      cell: ChatCell) -> None:
-    """``concurrency`` clients, each ``per_client`` requests one after the other, to their end."""
+                      cell: ChatCell, stagger_s: float = 0.0) -> None:
+    """``concurrency`` clients, each ``per_client`` requests one after the other, to their end;
+    client k starts ``k * stagger_s`` after the first."""
     queue = list(prompts)
     started = time.perf_counter()
     cpu0 = time.process_time()
 
     async def one_client(k: int):
+        if stagger_s:
+            await asyncio.sleep(k * stagger_s)
         for j in range(per_client):
             prompt = queue[(k * per_client + j) % len(queue)]
             try:
@@ -358,7 +362,8 @@ async def run_chat(args, gateway_url: str, triton_grpc: str, key: str, say) -> l
                     window_prompts = prompts[(rnd * c * args.chat_requests) % len(prompts):] + prompts
                     for key_ in order[turn % len(order):] + order[: turn % len(order)]:
                         cell = cells.setdefault((key_, c), ChatCell(key_, c))
-                        await chat_window(systems[key_], window_prompts, c, args.chat_requests, args.max_tokens, cell)
+                        await chat_window(systems[key_], window_prompts, c, args.chat_requests, args.max_tokens, cell,
+                                          args.chat_stagger_ms / 1000)
                         s = cell.summary()
                         say(f"  chat round {rnd + 1} c{c:<2} {key_:<7} {s['tokens_per_s']} tokens/s, "
                             f"TTFT p50 {s['ttft_p50_ms']} ms")
@@ -474,6 +479,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chat-requests", type=int, default=3, help="chat requests per client per window (default 3)")
     p.add_argument("--chat-systems", type=_names(CHAT_SYSTEMS), default=list(CHAT_SYSTEMS),
                    help=f"comma-separated subset of {','.join(CHAT_SYSTEMS)}")
+    p.add_argument("--chat-stagger-ms", type=float, default=25.0,
+                   help="client k of a chat window starts k x this many ms after the first (default 25; 0: all at once, "
+                        "which makes TTFT hinge on whether all arrive before the engine's next step)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per chat request, ignore_eos (default 64)")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embeddings part")
     p.add_argument("--no-chat", action="store_true", help="skip the chat part (text_generation is then not loaded)")
@@ -565,8 +573,9 @@ def run(args: argparse.Namespace) -> int:
          f"{args.embed_duration:g} s windows x {args.rounds} round(s), systems interleaved; direct = POST "
          f"/v2/models/{DIRECT_EMBED_MODEL}/infer on the front door, gateway = POST /v1/embeddings"),
         (f"- chat: {args.max_tokens} new tokens (ignore_eos, greedy), {args.chat_requests} request(s) per client per "
-         f"window, concurrency {','.join(map(str, args.chat_concurrency))}; direct = text_generation over gRPC "
-         "(AsyncGenerationClient) on the port the gateway uses, gateway = /v1/chat/completions SSE"),
+         f"window, concurrency {','.join(map(str, args.chat_concurrency))}, clients {args.chat_stagger_ms:g} ms apart; "
+         "direct = text_generation over gRPC (AsyncGenerationClient) on the port the gateway uses, gateway = "
+         "/v1/chat/completions SSE"),
     ]
     if failure:
         header.append(f"- stopped early: {failure}")
