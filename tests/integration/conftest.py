@@ -14,9 +14,18 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def triton(start_triton):
+def trace_file(tmp_path_factory):
+    """Where the session's server writes traces; tracing is off until a test turns it on for a
+    model (POST /v2/models/<m>/trace/setting), since the file cannot be set over the network."""
+    return tmp_path_factory.mktemp("trace") / "trace.json"
+
+
+@pytest.fixture(scope="session")
+def triton(start_triton, trace_file):
     """The running server (server.process.TritonServer): .http_url, .grpc_url, .metrics_url."""
-    with start_triton("triton-it-") as server:
+    tracing = (f"--trace-config=triton,file={trace_file}", "--trace-config=level=OFF", "--trace-config=rate=1",
+               "--trace-config=count=-1", "--trace-config=log_frequency=1")
+    with start_triton("triton-it-", extra_args=tracing) as server:
         yield server
 
 
