@@ -15,8 +15,8 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def trace_file(tmp_path_factory):
-    """Where the session's server writes traces; tracing is off until a test turns it on for a
-    model (POST /v2/models/<m>/trace/setting), since the file cannot be set over the network."""
+    """Where the session's server writes traces; tracing is off until a test turns it on
+    (POST /v2/trace/setting), since the file cannot be set over the network."""
     return tmp_path_factory.mktemp("trace") / "trace.json"
 
 
