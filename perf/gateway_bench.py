@@ -427,16 +427,16 @@ def ratios(embed: Sequence[dict], chat: Sequence[dict], embed_concurrency: int) 
 def markdown(header: Sequence[str], embed: Sequence[dict], chat: Sequence[dict], ratio_rows: Sequence[dict]) -> str:
     lines = list(header)
     if embed:
-        lines += ["", "| embeddings | workload | concurrency | requests/s | P50 ms | P99 ms | max ms | requests | "
-                  "client CPU ms/request | errors |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += ["", ("| embeddings | workload | concurrency | requests/s | P50 ms | P99 ms | max ms | requests | "
+                  "client CPU ms/request | errors |"), "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for s in embed:
             err = f"{s['errors']}: {s['first_error'][:80]}" if s["errors"] else "0"
             lines.append(f"| {s['system']} | {s['workload']} | {s['concurrency']} | {_fmt(s['requests_per_s'])} | "
                          f"{_fmt(s['p50_ms'], 2)} | {_fmt(s['p99_ms'], 2)} | {_fmt(s['max_ms'], 2)} | {s['requests']} | "
                          f"{_fmt(s['client_cpu_per_request_ms'], 3)} | {err} |")
     if chat:
-        lines += ["", "| chat stream | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | requests | "
-                  "tokens per request | errors |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+        lines += ["", ("| chat stream | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | requests | "
+                  "tokens per request | errors |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
         for s in chat:
             err = f"{s['errors']}: {s['first_error'][:80]}" if s["errors"] else "0"
             lines.append(f"| {s['system']} | {s['concurrency']} | {_fmt(s['tokens_per_s'], 2)} | {_fmt(s['ttft_p50_ms'])} | "
