@@ -35,11 +35,22 @@ class TokenCounter:
         pad = self._tok.token_to_id("[PAD]")
         self.pad_id = 0 if pad is None else pad
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.remembered = 65536
+        self._counts: dict[str, int] = {}
 
     def count(self, texts: list[str]) -> list[int]:
         if len(texts) == 1:
-            return [len(self._tok.encode(texts[0], add_special_tokens=True).ids)]
-        return [len(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=True)]
+            # Repeated texts are common (the result cache exists for them): remember their counts.
+            text = texts[0]
+            n = self._counts.get(text)
+            if n is None:
+                n = len(self._tok.encode_batch_fast([text], add_special_tokens=True)[0].ids)
+                if len(text) <= 1024:  # bounded: at most 64 Ki texts of 1 Ki characters
+                    if len(self._counts) >= self.remembered:
+                        self._counts.clear()
+                    self._counts[text] = n
+            return [n]
+        return [len(e.ids) for e in self._tok.encode_batch_fast(texts, add_special_tokens=True)]
 
 
 @dataclass

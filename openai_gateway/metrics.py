@@ -28,6 +28,9 @@ class GatewayMetrics:
                                     ("key_id",), registry=r)
         self.cancelled = Counter("gateway_cancelled", "Requests whose client went away before the answer; "
                                  "their Triton requests were cancelled", ("route",), registry=r)
+        self.coalesced = Histogram("gateway_embedding_requests_per_triton_request",
+                                   "Embeddings requests sent to Triton together as one request (coalescing)",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.in_flight = Gauge("gateway_requests_in_flight", "Requests being answered", registry=r)
         self.triton_ready = Gauge("gateway_triton_ready", "1 when Triton and the served models are ready", registry=r)
 

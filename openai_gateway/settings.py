@@ -52,6 +52,8 @@ class GatewaySettings:
     ready_poll_s: float = 1.0
     embedding_entry: str = "cached"  # "cached": through text_embedding_cached; "direct": the ensemble
     log_requests: bool = True
+    # Concurrent embeddings requests of one batch each go to Triton as one request.
+    coalesce_embeddings: bool = True
     extra: dict = field(default_factory=dict)
 
 
@@ -86,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-entry", choices=("cached", "direct"), default=_env("GATEWAY_EMBEDDING_ENTRY", d.embedding_entry),
                    help="cached: through the result cache entry point (default); direct: the ensemble itself")
     p.add_argument("--no-request-log", action="store_true", help="no log line per request")
+    p.add_argument("--no-coalesce", action="store_true",
+                   help="send each embeddings request to Triton alone (default: concurrent ones together)")
 
 
 def from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -109,4 +113,5 @@ def from_args(args: argparse.Namespace) -> GatewaySettings:
         generation_timeout_s=args.generation_timeout_s,
         embedding_entry=args.embedding_entry,
         log_requests=not args.no_request_log,
+        coalesce_embeddings=not args.no_coalesce,
     )

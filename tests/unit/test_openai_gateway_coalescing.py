@@ -1,0 +1,136 @@
+"""The gateway's coalescing of concurrent embeddings requests (openai_gateway.triton.Coalescer).
+
+The Triton side is a small in-process stand-in that records each call and answers with
+vectors derived from the texts, so order, splitting and error isolation can be checked
+exactly; the real path is covered by the integration tests against tritonserver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from openai_gateway.errors import APIError
+from openai_gateway.triton import Coalescer
+
+
+class Recorder:
+    """embed_texts as the Coalescer calls it: one vector per text, [len(text), first byte]."""
+
+    def __init__(self, fail_when=lambda blobs: False):
+        self.calls: list[tuple[list[bytes], str]] = []
+        self.batches: list[int] = []
+        self.fail_when = fail_when
+
+    async def embed_texts(self, model, blobs, request_id):
+        self.calls.append((list(blobs), request_id))
+        await asyncio.sleep(0)
+        if self.fail_when(blobs):
+            raise APIError(400, "refused")
+        return np.array([[len(b), b[0]] for b in blobs], dtype=np.float32)
+
+    def on_batch(self, n):
+        self.batches.append(n)
+
+
+class Model:
+    id = "text_embedding"
+    max_batch_size = 4
+
+
+def expected(blobs):
+    return np.array([[len(b), b[0]] for b in blobs], dtype=np.float32)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_requests_of_one_turn_go_together_and_come_back_in_order():
+    backend = Recorder()
+
+    async def main():
+        c = Coalescer(backend, Model())
+        futures = [c.submit([f"t{i}".encode()], f"r{i}") for i in range(3)]
+        return await asyncio.gather(*futures)
+
+    results = run(main())
+    assert len(backend.calls) == 1
+    assert backend.calls[0] == ([b"t0", b"t1", b"t2"], "r0,r1,r2")
+    assert backend.batches == [3]
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r, expected([f"t{i}".encode()]))
+
+
+def test_a_batch_never_exceeds_max_batch_size_and_requests_are_not_split():
+    backend = Recorder()
+
+    async def main():
+        c = Coalescer(backend, Model())
+        sizes = [2, 2, 1, 3, 1]
+        futures = [c.submit([f"{k}-{j}".encode() for j in range(n)], f"r{k}") for k, n in enumerate(sizes)]
+        return sizes, await asyncio.gather(*futures)
+
+    sizes, results = run(main())
+    assert [len(blobs) for blobs, _ in backend.calls] == [4, 4, 1]
+    assert [rid for _, rid in backend.calls] == ["r0,r1", "r2,r3", "r4"]
+    for k, (n, r) in enumerate(zip(sizes, results)):
+        np.testing.assert_array_equal(r, expected([f"{k}-{j}".encode() for j in range(n)]))
+
+
+def test_requests_of_later_turns_form_new_batches():
+    backend = Recorder()
+
+    async def main():
+        c = Coalescer(backend, Model())
+        first = await c.submit([b"a"], "r0")
+        second = await c.submit([b"b"], "r1")
+        return first, second
+
+    run(main())
+    assert [rid for _, rid in backend.calls] == ["r0", "r1"]
+
+
+def test_a_failed_batch_is_retried_alone_so_only_the_bad_request_fails():
+    backend = Recorder(fail_when=lambda blobs: b"bad" in blobs)
+
+    async def main():
+        c = Coalescer(backend, Model())
+        futures = [c.submit([b"ok1"], "r0"), c.submit([b"bad"], "r1"), c.submit([b"ok2"], "r2")]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    ok1, bad, ok2 = run(main())
+    assert isinstance(bad, APIError) and bad.status == 400
+    np.testing.assert_array_equal(ok1, expected([b"ok1"]))
+    np.testing.assert_array_equal(ok2, expected([b"ok2"]))
+    assert [rid for _, rid in backend.calls] == ["r0,r1,r2", "r0", "r1", "r2"]
+
+
+def test_a_request_cancelled_before_its_batch_leaves_is_not_sent():
+    backend = Recorder()
+
+    async def main():
+        c = Coalescer(backend, Model())
+        gone = c.submit([b"gone"], "r0")
+        kept = c.submit([b"kept"], "r1")
+        gone.cancel()
+        return await kept
+
+    np.testing.assert_array_equal(run(main()), expected([b"kept"]))
+    assert backend.calls == [([b"kept"], "r1")]
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_every_request_gets_exactly_its_rows(n):
+    backend = Recorder()
+
+    async def main():
+        c = Coalescer(backend, Model())
+        futures = [c.submit([bytes([65 + i]) * (i + 1)], f"r{i}") for i in range(n)]
+        return await asyncio.gather(*futures)
+
+    for i, r in enumerate(run(main())):
+        assert r.shape == (1, 2)
+        assert r[0, 0] == i + 1 and r[0, 1] == 65 + i
