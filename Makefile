@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make serve   - venv + Debian packages, export the models, start tritonserver (Ctrl-C stops)
+#   make serve   - venv + Debian packages, export the models, start tritonserver and the OpenAI gateway (Ctrl-C stops)
 #   make test    - the same set-up, then unit, integration and perf-smoke tests against a real tritonserver
 SHELL := /bin/bash
 VENV ?= .venv
