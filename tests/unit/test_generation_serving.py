@@ -71,7 +71,7 @@ def test_chat_template_renders_messages(tokenizer):
     (b"hi", {"temperature": -1}, {}, "temperature", ">= 0"),
     (b"hi", {"top_p": 0}, {}, "top_p", "(0, 1]"),
     (b"hi", {"top_p": 1.5}, {}, "top_p", "(0, 1]"),
-    (b"hi", {"top_k": -1}, {}, "top_k", ">= 0"),
+    (b"hi", {"top_k": -1}, {}, "top_k", "between 0 (0 disables it) and"),
     (b"hi", {"stop": json.dumps(["s"] * 17)}, {}, "stop", "at most 16"),
     (b"hi", {"stop": "[broken"}, {}, "stop", "JSON list"),
     (b"hi", None, {"stream": np.array([1, 2], dtype=bool)}, "stream", "exactly one"),
