@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,7 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "repetition_penalty": (int, float),
 }
 ROLES = ("system", "user", "assistant")
+STOP_TIMEOUT_S = 5.0  # at most this long to stop a cancelled gRPC stream
 _ids = itertools.count(1)
 
 
@@ -571,7 +573,20 @@ class GenerationClient:
             if state["open"]:
                 state["open"] = False
                 self._grpc_busy = False
-                client.stop_stream(cancel_requests=cancel)
+                if not cancel:
+                    client.stop_stream(cancel_requests=False)
+                    return
+                # Cancelling (Ctrl-C, close() mid-stream) must not hang the caller: tritonclient's
+                # stop_stream joins its stream thread, which can wait on a call gRPC is still
+                # tearing down. Bounded here; a client whose stream did not stop is replaced.
+                stopper = threading.Thread(target=client.stop_stream, kwargs={"cancel_requests": True},
+                                           name="generation-stream-stop", daemon=True)
+                stopper.start()
+                stopper.join(STOP_TIMEOUT_S)
+                if stopper.is_alive():
+                    log.warning("generate: the cancelled gRPC stream did not stop within %.0f s; "
+                                "using a new connection", STOP_TIMEOUT_S)
+                    self._grpc = None
 
         def pieces() -> Iterator[Piece]:
             request_id = _request_id()
