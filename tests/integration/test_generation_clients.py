@@ -192,8 +192,11 @@ def test_cli_error_exit_status_and_message(server):
 def test_cli_ctrl_c_cancels_the_request(server):
     import signal
 
+    # SIGINT as a terminal delivers it: a test run started in the background of a shell script
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all.
     process = subprocess.Popen([sys.executable, "-m", "clients", "generate", "Once upon a time", "--max-tokens", "1000",
-                                "--ignore-eos", "--url", server.grpc_url], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--ignore-eos", "--url", server.grpc_url], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # Wait for the first pieces, then interrupt as a terminal's Ctrl-C would.
         assert process.stdout is not None
