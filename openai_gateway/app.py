@@ -379,27 +379,37 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
         info["model"] = job.model.id
         backend.require_ready(job.model)
         started = time.perf_counter()
-        pieces = backend.generate(job, info["request_id"])
-        if not job.stream:
-            async def whole():
-                text, last = [], None
-                async for p in pieces:
-                    text.append(p.text)
-                    last = p
-                return "".join(text), last
-
-            text, last = await until_done_or_gone(request, whole(), metrics, route)
-            n_in, n_out = (last.prompt_tokens or 0, last.completion_tokens or 0) if last else (0, 0)
-            _count(info, job, n_in, n_out)
-            return _json_response(200, completions.whole_body(job, text, last.finish_reason if last else None,
-                                                              n_in, n_out))
         # The first piece before the status: errors the engine finds at admission (context too
-        # long, queue full) get their own status instead of a 200 stream that fails.
-        first = await until_done_or_gone(request, anext(pieces, None), metrics, route)
+        # long, queue full) get their own status instead of a 200 that fails.
+        pieces = backend.generate(job, info["request_id"])
+        try:
+            first = await until_done_or_gone(request, anext(pieces, None), metrics, route)
+        except APIError as exc:
+            fitted = completions.fit_to_context(job, exc)
+            if fitted is None:
+                raise
+            job = fitted  # no max_tokens given: the rest of the context, as OpenAI does
+            pieces = backend.generate(job, info["request_id"])
+            first = await until_done_or_gone(request, anext(pieces, None), metrics, route)
         if first is not None and (first.text or first.final):
             metrics.ttft.labels(job.model.id).observe(time.perf_counter() - started)
+        if not job.stream:
+            async def whole():
+                text, reason, n_in, n_out = [], None, 0, 0
+                piece = first
+                while piece is not None:  # an empty final response may follow the answer
+                    text.append(piece.text)
+                    reason = piece.finish_reason or reason
+                    n_in = piece.prompt_tokens if piece.prompt_tokens is not None else n_in
+                    n_out = piece.completion_tokens if piece.completion_tokens is not None else n_out
+                    piece = None if piece.final else await anext(pieces, None)
+                return "".join(text), reason, n_in, n_out
+
+            text, reason, n_in, n_out = await until_done_or_gone(request, whole(), metrics, route)
+            _count(info, job, n_in, n_out)
+            return _json_response(200, completions.whole_body(job, text, reason, n_in, n_out))
         return EventStream(_sse(request, job, first, pieces, info), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _sse(request: Request, job, first, pieces: AsyncIterator, info: dict) -> AsyncIterator[bytes]:
         writer = completions.ChunkWriter(job)

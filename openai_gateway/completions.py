@@ -8,16 +8,17 @@ the token counts. Answers become OpenAI's objects; streams become its SSE chunks
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
 from openai_gateway.catalog import GenerationModel
 from openai_gateway.embeddings import utf8
-from openai_gateway.errors import bad_request, too_large
+from openai_gateway.errors import APIError, bad_request, too_large
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
 
@@ -36,6 +37,7 @@ class GenerationJob:
     stream: bool
     include_usage: bool
     echo_prefix: str = ""  # /v1/completions with echo: the prompt, sent before the answer
+    max_tokens_defaulted: bool = False  # the request named no max_tokens: it may shrink to fit the context
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -167,7 +169,8 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
     if len(text.encode("utf-8")) > model.max_text_bytes:
         raise too_large(f"messages take {len(text.encode('utf-8'))} bytes as JSON; {model.id}'s limit is "
                         f"{model.max_text_bytes} (max_text_bytes in its config.pbtxt)", param="messages")
-    return GenerationJob(model, True, text, sampling, bool(req.stream), _include_usage(req))
+    return GenerationJob(model, True, text, sampling, bool(req.stream), _include_usage(req),
+                         max_tokens_defaulted=max_tokens is None)
 
 
 # /v1/completions without max_tokens generates 16 tokens, as OpenAI and vLLM do.
@@ -200,7 +203,27 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
     default = settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     sampling = _sampling(req, req.max_tokens, model, settings, default)
     return GenerationJob(model, False, prompt, sampling, bool(req.stream), _include_usage(req),
-                         echo_prefix=prompt if req.echo else "")
+                         echo_prefix=prompt if req.echo else "", max_tokens_defaulted=req.max_tokens is None)
+
+
+# The engine's refusal of prompt + max_tokens over the context (python_backends/generation/engine.py).
+_CONTEXT = re.compile(r"the prompt has (\d+) tokens and max_tokens is (\d+): \d+ exceeds the context limit of (\d+)")
+
+
+def fit_to_context(job: GenerationJob, error: APIError) -> GenerationJob | None:
+    """The job again with max_tokens cut to the room the prompt leaves, when the request named
+    no max_tokens and the engine refused the default for the context (as OpenAI's and vLLM's
+    servers fill the rest of the context); None when that does not apply."""
+    if not job.max_tokens_defaulted or error.status != 400:
+        return None
+    m = _CONTEXT.search(error.message)
+    if m is None:
+        return None
+    prompt, limit = int(m.group(1)), int(m.group(3))
+    room = limit - prompt
+    if room < 1 or room >= job.sampling["max_tokens"]:
+        return None
+    return replace(job, sampling={**job.sampling, "max_tokens": room}, max_tokens_defaulted=False)
 
 
 def finish_reason(value: str | None) -> str | None:

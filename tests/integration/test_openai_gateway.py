@@ -473,6 +473,20 @@ def test_completion_stop_and_default_length(openai_client, direct):
 # --- models --------------------------------------------------------------------------------
 
 
+def test_without_max_tokens_a_long_prompt_gets_the_rest_of_the_context(openai_client):
+    # 4,086 prompt tokens: the completions default of 16 would pass the 4,096-token context, so
+    # the gateway asks again for the 10 tokens left, as OpenAI fills the rest of the context.
+    prompt = "hello " * 4085
+    done = openai_client.completions.create(model="text_generation", prompt=prompt, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert done.usage.prompt_tokens + done.usage.completion_tokens == 4096, done.usage
+    assert done.choices[0].finish_reason == "length"
+    # A max_tokens the client chose is not changed: the engine's refusal names it.
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.completions.create(model="text_generation", prompt=prompt, max_tokens=16)
+    assert "context limit of 4096" in str(info.value) and info.value.body["param"] == "max_tokens"
+
+
 def test_models_list_and_retrieve(openai_client):
     ids = [m.id for m in openai_client.models.list()]
     assert EMBEDDING in ids and GENERATION in ids

@@ -388,3 +388,35 @@ def test_a_400_names_the_field_from_the_message():
     assert (err.status, err.param) == (400, "messages")
     err = triton_error(InferenceServerException("no field here"), "text_generation")
     assert (err.status, err.param) == (400, None)
+
+
+def test_fit_to_context_cuts_only_a_default_max_tokens():
+    from openai_gateway.completions import fit_to_context
+
+    message = ("max_tokens: the prompt has 4086 tokens and max_tokens is 16: 4102 exceeds the context limit of "
+               "4096 tokens")
+    job = completions_job(max_tokens_defaulted=True, max_tokens=16)
+    fitted = fit_to_context(job, APIError(400, message, param="max_tokens"))
+    assert fitted is not None and fitted.sampling["max_tokens"] == 10 and not fitted.max_tokens_defaulted
+    assert job.sampling["max_tokens"] == 16  # the original is untouched
+    assert fit_to_context(completions_job(max_tokens_defaulted=False, max_tokens=16),
+                          APIError(400, message, param="max_tokens")) is None
+    assert fit_to_context(job, APIError(400, "max_tokens: must be <= 2048, got 5000", param="max_tokens")) is None
+    full = message.replace("4086 tokens", "4096 tokens")  # no room left at all
+    assert fit_to_context(job, APIError(400, full, param="max_tokens")) is None
+    assert fit_to_context(job, APIError(503, message)) is None
+
+
+def completions_job(max_tokens_defaulted: bool, max_tokens: int):
+    from openai_gateway.completions import GenerationJob
+
+    return GenerationJob(model=None, chat=False, text_input="x", sampling={"max_tokens": max_tokens}, stream=False,
+                         include_usage=False, max_tokens_defaulted=max_tokens_defaulted)
+
+
+def test_a_job_knows_whether_its_max_tokens_was_a_default(model):
+    assert chat(model).max_tokens_defaulted
+    assert not chat(model, max_tokens=8).max_tokens_defaulted
+    assert not chat(model, max_completion_tokens=8).max_tokens_defaulted
+    assert completion(model).max_tokens_defaulted
+    assert not completion(model, max_tokens=8).max_tokens_defaulted
