@@ -138,10 +138,9 @@ class RequestGate:
 
             try:
                 await self.app(scope, receive_limited, send_wrapped)
-            except _BodyTooLarge:
+            except _BodyTooLarge as exc:  # read outside a route (inside one, on_http_error answers)
                 if status_box[0] == 0:
-                    await refuse(APIError(413, f"the request body exceeds {limit} bytes (--max-body-mb)",
-                                          code="request_too_large"))
+                    await refuse(APIError(413, exc.detail, code="request_too_large"))
         finally:
             st.metrics.in_flight.dec()
             elapsed = time.perf_counter() - started
@@ -215,15 +214,17 @@ async def until_done_or_gone(request: Request, coro, metrics: GatewayMetrics, ro
     watch = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            metrics.cancelled.labels(route).inc()
-            watch.cancel()
-            raise ClientGone()
+    except BaseException:  # this handler itself cancelled (shutdown): the work goes with it
+        work.cancel()
         watch.cancel()
-    return work.result()
+        raise
+    watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    metrics.cancelled.labels(route).inc()
+    raise ClientGone()
 
 
 def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None = None) -> FastAPI:
@@ -395,26 +396,24 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
             metrics.ttft.labels(job.model.id).observe(time.perf_counter() - started)
         if not job.stream:
             async def whole():
-                text, reason, n_in, n_out = [], None, 0, 0
+                text, tally = [], completions.Tally()
                 piece = first
                 while piece is not None:  # an empty final response may follow the answer
                     text.append(piece.text)
-                    reason = piece.finish_reason or reason
-                    n_in = piece.prompt_tokens if piece.prompt_tokens is not None else n_in
-                    n_out = piece.completion_tokens if piece.completion_tokens is not None else n_out
+                    tally.add(piece)
                     piece = None if piece.final else await anext(pieces, None)
-                return "".join(text), reason, n_in, n_out
+                return "".join(text), tally
 
-            text, reason, n_in, n_out = await until_done_or_gone(request, whole(), metrics, route)
-            _count(info, job, n_in, n_out)
-            return _json_response(200, completions.whole_body(job, text, reason, n_in, n_out))
+            text, tally = await until_done_or_gone(request, whole(), metrics, route)
+            _count(info, job, tally)
+            return _json_response(200, completions.whole_body(job, text, tally.reason, tally.prompt_tokens,
+                                                              tally.completion_tokens))
         return EventStream(_sse(request, job, first, pieces, info), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _sse(request: Request, job, first, pieces: AsyncIterator, info: dict) -> AsyncIterator[bytes]:
         writer = completions.ChunkWriter(job)
-        n_in = n_out = 0
-        reason = None
+        tally = completions.Tally()
         completed = False
         try:
             head = writer.start()
@@ -424,14 +423,12 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
             while piece is not None:
                 if piece.text:
                     yield writer.text(piece.text)
-                reason = piece.finish_reason or reason
-                n_in = piece.prompt_tokens if piece.prompt_tokens is not None else n_in
-                n_out = piece.completion_tokens if piece.completion_tokens is not None else n_out
+                tally.add(piece)
                 if piece.final:
                     break
                 piece = await anext(pieces, None)
             completed = True
-            yield writer.finish(reason, n_in, n_out)
+            yield writer.finish(tally.reason, tally.prompt_tokens, tally.completion_tokens)
         except APIError as exc:
             info["error"] = exc.type
             yield writer.error(exc.body())
@@ -440,11 +437,11 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
                 info["error"] = "client_disconnected"
                 metrics.cancelled.labels(_route(request.url.path)).inc()
             await pieces.aclose()
-            _count(info, job, n_in, n_out)
+            _count(info, job, tally)
 
-    def _count(info: dict, job, n_in: int, n_out: int) -> None:
-        info["prompt_tokens"], info["completion_tokens"] = n_in, n_out
-        metrics.count_tokens(info["key_id"], job.model.id, n_in, n_out)
+    def _count(info: dict, job, tally: completions.Tally) -> None:
+        info["prompt_tokens"], info["completion_tokens"] = tally.prompt_tokens, tally.completion_tokens
+        metrics.count_tokens(info["key_id"], job.model.id, tally.prompt_tokens, tally.completion_tokens)
 
     @app.post("/v1/chat/completions", dependencies=[Security(bearer)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -226,6 +226,22 @@ def fit_to_context(job: GenerationJob, error: APIError) -> GenerationJob | None:
     return replace(job, sampling={**job.sampling, "max_tokens": room}, max_tokens_defaulted=False)
 
 
+@dataclass
+class Tally:
+    """What a generation's pieces add up to so far: the finish reason and the token counts."""
+
+    reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, piece) -> None:
+        self.reason = piece.finish_reason or self.reason
+        if piece.prompt_tokens is not None:
+            self.prompt_tokens = piece.prompt_tokens
+        if piece.completion_tokens is not None:
+            self.completion_tokens = piece.completion_tokens
+
+
 def finish_reason(value: str | None) -> str | None:
     return None if value is None else FINISH.get(value, "stop")
 

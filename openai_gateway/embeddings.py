@@ -19,6 +19,7 @@ from openai_gateway.catalog import EmbeddingModel
 from openai_gateway.errors import APIError, bad_request, too_large
 from openai_gateway.schemas import EmbeddingRequest
 from openai_gateway.settings import GatewaySettings
+from python_backends.text.tokenization import bucket_length
 
 
 class TokenCounter:
@@ -144,7 +145,7 @@ def _check_lengths(counts: list[int], model: EmbeddingModel) -> None:
 def pad_ids(rows: list[list[int]], buckets: tuple[int, ...], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """input_ids and attention_mask [n, L], L the smallest bucket that holds the longest row."""
     longest = max(len(r) for r in rows)
-    length = next((b for b in buckets if b >= longest), longest)
+    length = max(bucket_length(longest, buckets), longest)
     ids = np.full((len(rows), length), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), length), dtype=np.int64)
     for i, r in enumerate(rows):

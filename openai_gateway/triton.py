@@ -1,7 +1,7 @@
 """Triton over one shared gRPC channel (``tritonclient.grpc.aio``): readiness, embeddings,
 generation streams, each call with a deadline, each error mapped to an HTTP status.
 
-A background task polls Triton's readiness and its repository index once a second, so a
+A background task polls the readiness of Triton and of each model once a second, so a
 request checks a flag instead of making a call; until Triton and a model's Triton models
 are ready, requests to that model get 503.
 """
@@ -32,25 +32,35 @@ _STATUS = {
     "StatusCode.NOT_FOUND": 503,
     "StatusCode.RESOURCE_EXHAUSTED": 413,
 }
+_LENGTH = struct.Struct("<I")  # the length prefix of each element of a BYTES tensor
 # Fields of the generation model's errors ("max_tokens: must be <= 2048") -> the OpenAI field.
-_LENGTH = struct.Struct("<I")
 _FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?): ")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Piece:
+    """One response of a generation stream."""
+
     text: str
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
     final: bool
 
+    @classmethod
+    def of(cls, result) -> "Piece":
+        from clients.generation import is_final, piece_from_result
+
+        p = piece_from_result(result)
+        return cls(p.text, p.finish_reason, p.num_input_tokens, p.num_output_tokens, is_final(result))
+
 
 def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:
     """An APIError for a failed Triton call; 4xx for what the request did, 5xx for Triton."""
-    status_name = str(getattr(exc, "status", lambda: None)() or "") if hasattr(exc, "status") else ""
-    message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
-    message = message or str(exc)
+    # tritonclient's InferenceServerException has status() and message(); a stream's has no status.
+    status_of, message_of = getattr(exc, "status", None), getattr(exc, "message", None)
+    status_name = str(status_of() or "") if callable(status_of) else ""
+    message = (message_of() if callable(message_of) else "") or str(exc)
     status = _STATUS.get(status_name)
     if status is None:  # stream errors carry no status code: read the message
         lowered = message.lower()
@@ -223,7 +233,7 @@ class TritonBackend:
         import grpc
         from tritonclient.utils import InferenceServerException
 
-        from clients.generation import GenerateRequest, is_final
+        from clients.generation import GenerateRequest
 
         request = GenerateRequest(job.text_input, job.sampling, chat=job.chat)
         param_map = {"text_input": "messages" if job.chat else "prompt"}
@@ -238,7 +248,7 @@ class TritonBackend:
             async for result, error in call:
                 if error is not None:
                     raise triton_error(error, job.model.id, param_map)
-                piece = _piece(result, is_final(result))
+                piece = Piece.of(result)
                 yield piece
                 if piece.final:
                     finished = True
@@ -332,19 +342,3 @@ class Coalescer:
             return
         if not future.done():
             future.set_result(vectors)
-
-
-def _piece(result, final: bool) -> Piece:
-    def first(name: str):
-        array = result.as_numpy(name)
-        return None if array is None or array.size == 0 else array.reshape(-1)[0]
-
-    text = first("text_output")
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", "replace")
-    reason = first("finish_reason")
-    if isinstance(reason, bytes):
-        reason = reason.decode("utf-8", "replace")
-    n_in, n_out = first("num_input_tokens"), first("num_output_tokens")
-    return Piece(text or "", reason or None, None if n_in is None else int(n_in),
-                 None if n_out is None else int(n_out), final)

@@ -6,7 +6,6 @@ Triton request itself, from requests it has checked, so the front door has nothi
 
 from __future__ import annotations
 
-import http.client
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from server.layout import ROOT
 from server.lifetime import tie_to_parent
+from server.process import http_status
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +80,9 @@ class GatewayProcess:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def _get(self, path: str, timeout: float = 2.0) -> int:
-        o = self.options
-        host = "127.0.0.1" if o.host in ("0.0.0.0", "") else o.host
-        conn = http.client.HTTPConnection(host, o.port, timeout=timeout)
-        try:
-            conn.request("GET", path)
-            return conn.getresponse().status
-        except OSError:
-            return 0
-        finally:
-            conn.close()
+    def status(self, path: str, timeout: float = 2.0) -> int:
+        """The HTTP status of a GET of ``path`` on the gateway; 0 when it does not answer."""
+        return http_status(self.url + path, timeout)
 
     def wait_ready(self, timeout: float = 60.0, should_stop=lambda: False) -> None:
         """Until ``/health/ready`` answers 200 (the gateway is up and sees Triton's models ready)."""
@@ -98,7 +90,7 @@ class GatewayProcess:
         while time.monotonic() < deadline and not should_stop():
             if not self.running():
                 raise GatewayError(f"the gateway exited with code {self.process.returncode}:\n{self.log_tail()}")
-            if self._get("/health/ready") == 200:
+            if self.status("/health/ready") == 200:
                 return
             time.sleep(0.2)
         raise GatewayError(f"the gateway was not ready within {timeout:.0f} s:\n{self.log_tail()}")

@@ -85,6 +85,17 @@ def with_dependencies(repository: Path, models: Sequence[str]) -> list[str]:
     return out + [m for m in models if m not in out]
 
 
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """The HTTP status of a GET of ``url``; 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
 class ServerError(RuntimeError):
     """The server did not come up; ``log_tail`` holds the end of its log."""
 
@@ -350,13 +361,7 @@ class TritonServer:
         return "".join(list(self._tail)[-lines:])
 
     def _get(self, path: str, timeout: float = 2.0, base: str | None = None) -> int:
-        try:
-            with urllib.request.urlopen(f"http://{base or self.triton_http_url}{path}", timeout=timeout) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except (urllib.error.URLError, OSError):
-            return 0
+        return http_status(f"http://{base or self.triton_http_url}{path}", timeout)
 
     def wait_ready(self, timeout: float = 240.0, should_stop=lambda: False) -> None:
         """Poll /v2/health/ready and each model's ready endpoint until all are ready.

@@ -74,7 +74,7 @@ def start_gateway(tmp_path_factory):
                 gw.wait_ready(timeout=60)
             else:
                 deadline = time.monotonic() + 30
-                while gw._get("/health") != 200:
+                while gw.status("/health") != 200:
                     if not gw.running() or time.monotonic() > deadline:
                         pytest.fail(f"the gateway did not start:\n{gw.log_tail()}", pytrace=False)
                     time.sleep(0.1)
