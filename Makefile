@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost priority-bench clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -128,6 +128,35 @@ LOCUST_ARGS ?= -u 32 -r 8 -t 60s
 locust: $(STAMP)
 	$(VENV)/bin/locust -f perf/locustfile.py --headless $(LOCUST_ARGS) --host http://127.0.0.1:8000 TritonHttpUser
 	$(VENV)/bin/locust -f perf/locustfile.py --headless $(LOCUST_ARGS) --host grpc://127.0.0.1:8001 TritonGrpcUser
+
+# Property-based (hypothesis) and coverage-guided (atheris) fuzzing of every served model's HTTP
+# and gRPC endpoints and of the Python steps' decoding functions; counts per outcome (docs/fuzzing.md).
+# FUZZ_ARGS e.g. "--cases 2000".
+FUZZ_ARGS ?=
+fuzz: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.fuzz $(FUZZ_ARGS)
+
+# 10-minute soak at about 70 % of peak (embeddings, cached embeddings, images, generation with
+# cancellations): RSS of every process and P99 per minute, a PNG plot (docs/soak.md). SOAK_ARGS e.g. "--duration 60".
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.soak $(SOAK_ARGS)
+
+# CPU-seconds per 1,000 requests of every process on each request path (front door, each stub,
+# the gateway, the load generator) (docs/performance.md). CPU_COST_ARGS e.g. "--requests 2000".
+CPU_COST_ARGS ?=
+cpu-cost: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.cpu_cost $(CPU_COST_ARGS)
+
+# Priority classes under overload: interactive alone, then with default and bulk traffic at 5x
+# their peak rate; P50/P99 and rejection rate per class (docs/priority-classes.md). PRIORITY_BENCH_ARGS e.g. "--duration 10".
+PRIORITY_BENCH_ARGS ?=
+priority-bench: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.priority_bench $(PRIORITY_BENCH_ARGS)
 
 clean:
 	rm -rf .triton perf/results
