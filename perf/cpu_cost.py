@@ -40,9 +40,9 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from perf import processes
 from perf.harness import write_csv
@@ -379,8 +379,8 @@ def short(group: str) -> str:
 
 
 def markdown(header: Sequence[str], idle: dict[str, float], results: Sequence[PathResult], groups: Sequence[str]) -> str:
-    lines = list(header) + ["", "CPU-seconds per 1,000 requests (text_generation: per 1,000 generated tokens), net of "
-                                "each process's idle rate; `-`: below 0.005.", ""]
+    lines = list(header) + ["", ("CPU-seconds per 1,000 requests (text_generation: per 1,000 generated tokens), net "
+                                 "of each process's idle rate; `-`: below 0.005."), ""]
     lines.append("| path | " + " | ".join(short(g) for g in groups) + " | total | wall s | errors |")
     lines.append("| --- |" + " ---: |" * (len(groups) + 3))
     for r in results:
@@ -441,9 +441,9 @@ def run(args: argparse.Namespace) -> int:
     header = ["# CPU cost per request path", "",
               f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load}",
               f"- command: `{' '.join(['python -m perf.cpu_cost', *args.argv])}`",
-              f"- {args.requests} requests per text path, {args.image_requests} images, {args.gen_requests} generation "
-              f"streams of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {args.gen_concurrency}); "
-              f"Redis L2 {'on' if redis else 'off'}; front door on every direct path, the gateway on gateway_embeddings"]
+              (f"- {args.requests} requests per text path, {args.image_requests} images, {args.gen_requests} generation "
+               f"streams of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {args.gen_concurrency}); "
+               f"Redis L2 {'on' if redis else 'off'}; front door on every direct path, the gateway on gateway_embeddings")]
     if failure:
         header.append(f"- stopped early: {failure}")
     errors = [f"{r.path}: {e}" for r in results for e in r.errors[:3]]
