@@ -28,6 +28,7 @@ from clients.embed import (
     to_embedding_error,
     transport,
 )
+from clients.resilience import EndpointPool, RetryError, RetryPolicy, make_retrier
 
 log = logging.getLogger(__name__)
 
@@ -49,49 +50,76 @@ def _request_failures(protocol: str) -> tuple[type[BaseException], ...]:
 class AsyncEmbeddingClient:
     """asyncio client for the text-embedding model over HTTP (aiohttp) or gRPC (grpc.aio).
 
-    Same options as ``clients.EmbeddingClient``. The underlying connection is opened on
-    first use inside the running event loop; use ``async with`` or ``await close()``.
+    Same options as ``clients.EmbeddingClient``, retries and failover included (each attempt
+    is also cut at what is left of the deadline). The connections are opened on first use
+    inside the running event loop; use ``async with`` or ``await close()``.
     """
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         protocol: Protocol = "http",
         model: str = DEFAULT_MODEL,
         model_version: str = "",
         timeout_s: float | None = None,
         priority: int = 0,
         batch_size: int = MAX_BATCH_SIZE,
+        *,
+        retries: int | None = None,
+        deadline_s: float | None = None,
+        policy: RetryPolicy | None = None,
+        pool: EndpointPool | None = None,
     ):
-        self.options = ClientOptions.create(url, protocol, model, model_version, timeout_s, priority, batch_size)
-        self._client: Any = None
+        self.options = ClientOptions.create(url, protocol, model, model_version, timeout_s, priority, batch_size,
+                                            retries, deadline_s)
+        o = self.options
+        self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
+        self._clients: dict[str, Any] = {}
         self._closed = False
         self._failures = _request_failures(self.options.protocol)
 
-    def _connection(self) -> Any:
+    def _connection(self, url: str) -> Any:
         # Created lazily: aiohttp's session must be made inside the event loop it runs on.
         if self._closed:
             raise RuntimeError("AsyncEmbeddingClient is closed")
-        if self._client is None:
+        client = self._clients.get(url)
+        if client is None:
             o = self.options
             module = transport(o.protocol, aio=True)
             if o.protocol == "http":
                 # aiohttp's total timeout is the per-request bound; tritonclient's default is 60 s.
                 kwargs = {} if o.timeout_s is None else {"conn_timeout": o.timeout_s}
-                self._client = module.InferenceServerClient(o.url, **kwargs)
+                client = module.InferenceServerClient(url, **kwargs)
             else:
-                self._client = module.InferenceServerClient(o.url)
-        return self._client
+                client = module.InferenceServerClient(url)
+            self._clients[url] = client
+        return client
+
+    @property
+    def _client(self) -> Any:
+        """The first endpoint's connection, None before first use (tests put a fake here)."""
+        return self._clients.get(self.options.url)
+
+    @_client.setter
+    def _client(self, client: Any) -> None:
+        self._clients[self.options.url] = client
 
     async def _request(self, items: list[Text], start: int, stop: int) -> np.ndarray:
         o = self.options
-        client = self._connection()
         inputs, outputs = build_request(o, items[start:stop])
-        log.debug("embed: %s texts[%d:%d] via %s %s", o.model, start, stop, o.protocol, o.url)
+
+        async def attempt(url: str, timeout_s: float | None) -> np.ndarray:
+            client = self._connection(url)
+            log.debug("embed: %s texts[%d:%d] via %s %s", o.model, start, stop, o.protocol, url)
+            try:
+                result = await client.infer(o.model, inputs, outputs=outputs, **o.infer_kwargs(timeout_s))
+                return read_embeddings(result, stop - start, o)
+            except self._failures as exc:
+                raise to_embedding_error(exc, o, start, stop, len(items), url=url) from exc
+
         try:
-            result = await client.infer(o.model, inputs, outputs=outputs, **o.infer_kwargs())
-            return read_embeddings(result, stop - start, o)
-        except self._failures as exc:
+            return await self.retrier.acall(attempt, o.timeout_s)
+        except RetryError as exc:
             raise to_embedding_error(exc, o, start, stop, len(items)) from exc
 
     async def embed(self, texts: Sequence[Text], concurrency: int = DEFAULT_CONCURRENCY) -> np.ndarray:
@@ -177,8 +205,8 @@ class AsyncEmbeddingClient:
     async def close(self) -> None:
         """Close the connection; the client cannot be used afterwards."""
         self._closed = True
-        if self._client is not None:
-            client, self._client = self._client, None
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
             await client.close()
 
     async def __aenter__(self) -> "AsyncEmbeddingClient":
@@ -189,4 +217,4 @@ class AsyncEmbeddingClient:
 
     def __repr__(self) -> str:
         o = self.options
-        return f"AsyncEmbeddingClient({o.protocol}://{o.url}, model={o.model!r}, priority={o.priority})"
+        return f"AsyncEmbeddingClient({o.protocol}://{','.join(o.urls)}, model={o.model!r}, priority={o.priority})"

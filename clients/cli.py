@@ -38,12 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed; none or '-' reads stdin, one text per line")
     p.add_argument("-f", "--file", type=Path, help="read texts from this file, one per line ('-' = stdin)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="http", help="default http")
-    p.add_argument("--url", help=f"host:port of the server (default {DEFAULT_URLS['http']} for http, {DEFAULT_URLS['grpc']} for grpc)")
+    p.add_argument("--url", action="append", help=f"host:port of the server (default {DEFAULT_URLS['http']} for http, {DEFAULT_URLS['grpc']} "
+                   "for grpc); repeat it or give a comma-separated list to fail over across several servers")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
     p.add_argument("--model-version", default="", help="default: the server's choice")
     p.add_argument("--priority", type=int, default=0, help="request priority sent to Triton (0 = the model's default); the shipped configs define no priority "
                    "levels, so the server ignores it (docs/performance.md)")
-    p.add_argument("--timeout", type=float, help="seconds allowed per request")
+    p.add_argument("--timeout", type=float, help="seconds allowed per attempt of a request")
+    p.add_argument("--retries", type=int, help="retries of a request refused as unavailable or cut off (default 3; 0 = none)")
+    p.add_argument("--deadline", type=float, help="seconds for all attempts and backoff of one request (default --timeout)")
     p.add_argument("--batch-size", type=int, default=MAX_BATCH_SIZE, help=f"texts per request, 1..{MAX_BATCH_SIZE}")
     out = p.add_argument_group("output")
     out.add_argument("--similarity", action="store_true", help="print the cosine-similarity matrix of the texts instead")
@@ -108,6 +111,10 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--priority must be >= 0, not {args.priority}")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, not {args.timeout}")
+    if args.retries is not None and args.retries < 0:
+        raise UsageError(f"--retries must be >= 0, not {args.retries}")
+    if args.deadline is not None and not args.deadline > 0:
+        raise UsageError(f"--deadline must be > 0 seconds, not {args.deadline}")
     if not 1 <= args.batch_size <= MAX_BATCH_SIZE:
         raise UsageError(f"--batch-size must be in 1..{MAX_BATCH_SIZE}, not {args.batch_size}")
 
@@ -169,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=args.timeout,
             priority=args.priority,
             batch_size=args.batch_size,
+            retries=args.retries,
+            deadline_s=args.deadline,
         )
     except (UsageError, ValueError) as exc:  # ValueError: options the client refuses, e.g. --url
         return _fail(str(exc), 2)

@@ -17,8 +17,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal, Sequence
 
+import http.client
+
 import numpy as np
 from tritonclient.utils import InferenceServerException
+
+from clients.resilience import EndpointPool, RetryError, RetryPolicy, describe, make_retrier, split_urls
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,9 @@ class EmbeddingError(RuntimeError):
     ``server_message`` is the server's (or transport's) own message, e.g.
     ``"in ensemble 'text_embedding', TEXT[1]: text is empty"``; the index in it counts from
     the start of the failed request, which covers ``texts[start:stop]`` of the caller's list.
-    ``status`` is the HTTP status or gRPC status code when there is one.
+    ``status`` is the HTTP status or gRPC status code when there is one. ``attempts`` is how
+    many attempts the call made when it gave up on retrying (None: it failed on the first
+    answer that is not worth retrying, e.g. INVALID_ARG).
     """
 
     def __init__(
@@ -52,23 +58,51 @@ class EmbeddingError(RuntimeError):
         start: int | None = None,
         stop: int | None = None,
         total: int | None = None,
+        retry_note: str = "",
+        attempts: int | None = None,
     ):
         self.server_message = server_message
         self.model = model
         self.status = status
         self.start = start
         self.stop = stop
+        self.attempts = attempts
         where = f"model '{model}'" if model else "embedding request"
         # Name the slice only when the call was split: otherwise it is simply "the texts".
         if start is not None and stop is not None and (start, stop) != (0, total):
             where += f", texts[{start}:{stop}]"
         code = f" [{status}]" if status else ""
-        super().__init__(f"{where}{code}: {server_message}")
+        note = f"; {retry_note}" if retry_note else ""
+        super().__init__(f"{where}{code}: {server_message}{note}")
+
+
+def parse_urls(url: str | Sequence[str] | None, protocol: str) -> tuple[str, ...]:
+    """One URL, a comma-separated list or a list of them, as tritonclient's ``host:port``
+    (a pasted ``http://host:port/`` is accepted); the protocol's default when none."""
+    urls = split_urls(url) or [DEFAULT_URLS[protocol]]
+    out = []
+    for u in urls:
+        if "://" in u:
+            # tritonclient wants host:port; accept a pasted http://host:port anyway.
+            scheme, _, rest = u.partition("://")
+            if scheme not in ("http", "grpc"):
+                raise ValueError(f"url {u!r}: only plain http/grpc (no TLS) is supported")
+            u = rest
+        u = u.rstrip("/")
+        if not u:
+            raise ValueError("url is empty")
+        out.append(u)
+    return tuple(dict.fromkeys(out))
 
 
 @dataclass(frozen=True)
 class ClientOptions:
-    """Validated options shared by the sync and asyncio clients."""
+    """Validated options shared by the sync and asyncio clients.
+
+    ``url`` is the first of ``urls``, the endpoints the client fails over across;
+    ``retries`` (None: the default policy's) and ``deadline_s`` (None: ``timeout_s``) shape
+    the retry policy (clients/resilience.py).
+    """
 
     url: str
     protocol: Protocol = "http"
@@ -77,31 +111,27 @@ class ClientOptions:
     timeout_s: float | None = None
     priority: int = 0
     batch_size: int = MAX_BATCH_SIZE
+    urls: tuple[str, ...] = ()
+    retries: int | None = None
+    deadline_s: float | None = None
 
     @classmethod
     def create(
         cls,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         protocol: str = "http",
         model: str = DEFAULT_MODEL,
         model_version: str = "",
         timeout_s: float | None = None,
         priority: int = 0,
         batch_size: int = MAX_BATCH_SIZE,
+        retries: int | None = None,
+        deadline_s: float | None = None,
     ) -> "ClientOptions":
         """Check the options and fill in the protocol's default URL; ValueError on bad ones."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
-        url = url or DEFAULT_URLS[protocol]
-        if "://" in url:
-            # tritonclient wants host:port; accept a pasted http://host:port anyway.
-            scheme, _, rest = url.partition("://")
-            if scheme not in ("http", "grpc"):
-                raise ValueError(f"url {url!r}: only plain http/grpc (no TLS) is supported")
-            url = rest
-        url = url.rstrip("/")
-        if not url:
-            raise ValueError("url is empty")
+        urls = parse_urls(url, protocol)
         if not model:
             raise ValueError("model name is empty")
         if timeout_s is not None and not timeout_s > 0:
@@ -110,22 +140,26 @@ class ClientOptions:
             raise ValueError(f"priority must be an int >= 0 (0 = the model's default, 1 = highest), not {priority!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
             raise ValueError(f"batch_size must be an int in 1..{MAX_BATCH_SIZE} (the model's max_batch_size), not {batch_size!r}")
-        return cls(url, protocol, model, str(model_version), timeout_s, priority, batch_size)  # type: ignore[arg-type]
+        RetryPolicy.create(retries, deadline_s)  # the same checks the client's policy makes
+        return cls(urls[0], protocol, model, str(model_version), timeout_s, priority, batch_size,  # type: ignore[arg-type]
+                   urls, retries, deadline_s)
 
-    def infer_kwargs(self) -> dict[str, Any]:
+    def infer_kwargs(self, attempt_timeout_s: float | None = None) -> dict[str, Any]:
         """Keyword arguments of tritonclient's ``infer`` for priority and timeout.
 
         Both are sent as Triton defines them, but the shipped configs have no priority levels
         and no queue policy (on tritonserver 2.51 either stalls the dynamic batcher: docs/
         performance.md), so the server ignores ``priority`` and the ``timeout`` queue deadline
-        today. The client-side deadline (``client_timeout`` for gRPC, the connection's network
+        today. The client-side deadline (``client_timeout`` for gRPC: ``attempt_timeout_s``,
+        what is left of the call's deadline, else ``timeout_s``; the connection's network
         timeout for HTTP) always applies.
         """
         kwargs: dict[str, Any] = {"model_version": self.model_version, "priority": self.priority}
         if self.timeout_s is not None:
             kwargs["timeout"] = server_timeout_us(self.timeout_s)
-            if self.protocol == "grpc":
-                kwargs["client_timeout"] = self.timeout_s
+        client_timeout = attempt_timeout_s if attempt_timeout_s is not None else self.timeout_s
+        if self.protocol == "grpc" and client_timeout is not None:
+            kwargs["client_timeout"] = client_timeout
         return kwargs
 
 
@@ -245,25 +279,43 @@ def read_embeddings(result: Any, expected_rows: int, options: ClientOptions) -> 
 
 
 def to_embedding_error(
-    exc: BaseException, options: ClientOptions, start: int, stop: int, total: int
+    exc: BaseException, options: ClientOptions, start: int, stop: int, total: int, *, url: str | None = None
 ) -> EmbeddingError:
-    """Turn a tritonclient or transport exception into an EmbeddingError with the server's words."""
+    """Turn a tritonclient or transport exception into an EmbeddingError with the server's words.
+
+    A RetryError (the retries ran out) gives its last error, noting the attempts and deadline.
+    """
     where = dict(model=options.model, start=start, stop=stop, total=total)
+    url = url or options.url
+    if isinstance(exc, RetryError):
+        note = describe(exc.attempts, exc.elapsed_s, exc.deadline_s, exc.reason)
+        if exc.last is None:
+            return EmbeddingError(f"no endpoint of {', '.join(options.urls)} available", retry_note=note,
+                                  attempts=exc.attempts, **where)  # type: ignore[arg-type]
+        last = to_embedding_error(exc.last, options, start, stop, total)
+        return EmbeddingError(last.server_message, status=last.status, retry_note=note, attempts=exc.attempts,
+                              **where)  # type: ignore[arg-type]
     if isinstance(exc, EmbeddingError):
         return EmbeddingError(exc.server_message, status=exc.status, **where)  # type: ignore[arg-type]
     if isinstance(exc, InferenceServerException):
         message = exc.message() or str(exc)
         status = exc.status()
         if status == "StatusCode.UNAVAILABLE":
-            message = f"cannot reach the grpc server at {options.url}: {message}"
+            message = f"cannot reach the grpc server at {url}: {message}"
         elif status == "StatusCode.DEADLINE_EXCEEDED":
-            message = f"no answer from the grpc server at {options.url} within {options.timeout_s} s: {message}"
+            message = f"no answer from the grpc server at {url} within {options.timeout_s} s: {message}"
         return EmbeddingError(message, status=status, **where)  # type: ignore[arg-type]
     if isinstance(exc, TimeoutError):
         return EmbeddingError(
-            f"no answer from the {options.protocol} server at {options.url} within {options.timeout_s} s", **where  # type: ignore[arg-type]
+            f"no answer from the {options.protocol} server at {url} within {options.timeout_s} s", **where  # type: ignore[arg-type]
         )
-    return EmbeddingError(f"cannot reach the {options.protocol} server at {options.url}: {exc}", **where)  # type: ignore[arg-type]
+    return EmbeddingError(f"cannot reach the {options.protocol} server at {url}: {exc}", **where)  # type: ignore[arg-type]
+
+
+# What a failed request raises on either transport (socket errors, tritonclient's, a response
+# cut short): mapped to EmbeddingError, then retried or not by clients.resilience.
+SYNC_FAILURES: tuple[type[BaseException], ...] = (InferenceServerException, OSError, EmbeddingError,
+                                                  http.client.HTTPException)
 
 
 class EmbeddingClient:
@@ -272,27 +324,59 @@ class EmbeddingClient:
     One request per ``batch_size`` texts, sent one after the other; for many concurrent
     requests use ``clients.aio.AsyncEmbeddingClient``. Not thread-safe: use one client per
     thread. Use as a context manager or call ``close()``.
+
+    ``url`` may name several equivalent servers (a list or ``"a:8000,b:8000"``): requests go
+    round-robin, skipping an endpoint whose circuit breaker is open. A request that fails
+    with UNAVAILABLE (or a dropped connection) is retried with backoff, on another endpoint
+    when there is one, within ``deadline_s`` (default ``timeout_s``); ``retries`` retries at
+    most (default 3). ``policy`` and ``pool`` (clients.resilience) replace those defaults;
+    ``retrier.stats()`` counts retries and each endpoint's attempts and breaker moves.
     """
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         protocol: Protocol = "http",
         model: str = DEFAULT_MODEL,
         model_version: str = "",
         timeout_s: float | None = None,
         priority: int = 0,
         batch_size: int = MAX_BATCH_SIZE,
+        *,
+        retries: int | None = None,
+        deadline_s: float | None = None,
+        policy: RetryPolicy | None = None,
+        pool: EndpointPool | None = None,
     ):
-        self.options = ClientOptions.create(url, protocol, model, model_version, timeout_s, priority, batch_size)
-        module = transport(self.options.protocol)
-        if self.options.protocol == "http":
-            # The HTTP client has no per-request deadline; its socket timeouts are the bound.
-            kwargs = {} if timeout_s is None else {"connection_timeout": timeout_s, "network_timeout": timeout_s}
-            self._client = module.InferenceServerClient(self.options.url, **kwargs)
-        else:
-            self._client = module.InferenceServerClient(self.options.url)
+        self.options = ClientOptions.create(url, protocol, model, model_version, timeout_s, priority, batch_size,
+                                            retries, deadline_s)
+        o = self.options
+        self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
+        self._clients: dict[str, Any] = {}
         self._closed = False
+
+    def _connection(self, url: str) -> Any:
+        client = self._clients.get(url)
+        if client is None:
+            module = transport(self.options.protocol)
+            timeout_s = self.options.timeout_s
+            if self.options.protocol == "http":
+                # The HTTP client has no per-request deadline; its socket timeouts are the bound.
+                kwargs = {} if timeout_s is None else {"connection_timeout": timeout_s, "network_timeout": timeout_s}
+                client = module.InferenceServerClient(url, **kwargs)
+            else:
+                client = module.InferenceServerClient(url)
+            self._clients[url] = client
+        return client
+
+    @property
+    def _client(self) -> Any:
+        """The first endpoint's connection (tests replace it with a fake transport)."""
+        return self._connection(self.options.url)
+
+    @_client.setter
+    def _client(self, client: Any) -> None:
+        self._clients[self.options.url] = client
 
     def embed(self, texts: Sequence[Text]) -> np.ndarray:
         """Embed ``texts``; returns float32 ``[len(texts), dim]`` rows in input order.
@@ -304,15 +388,21 @@ class EmbeddingClient:
             raise RuntimeError("EmbeddingClient is closed")
         items = as_text_list(texts)
         o = self.options
-        kwargs = o.infer_kwargs()
         parts = []
         for start, stop in split_batches(len(items), o.batch_size):
             inputs, outputs = build_request(o, items[start:stop])
-            log.debug("embed: %s texts[%d:%d] via %s %s", o.model, start, stop, o.protocol, o.url)
+
+            def attempt(url: str, timeout_s: float | None, start: int = start, stop: int = stop) -> np.ndarray:
+                log.debug("embed: %s texts[%d:%d] via %s %s", o.model, start, stop, o.protocol, url)
+                try:
+                    result = self._connection(url).infer(o.model, inputs, outputs=outputs, **o.infer_kwargs(timeout_s))
+                    return read_embeddings(result, stop - start, o)
+                except SYNC_FAILURES as exc:
+                    raise to_embedding_error(exc, o, start, stop, len(items), url=url) from exc
+
             try:
-                result = self._client.infer(o.model, inputs, outputs=outputs, **kwargs)
-                parts.append(read_embeddings(result, stop - start, o))
-            except (InferenceServerException, OSError, EmbeddingError) as exc:
+                parts.append(self.retrier.call(attempt, o.timeout_s))
+            except RetryError as exc:
                 raise to_embedding_error(exc, o, start, stop, len(items)) from exc
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
@@ -320,7 +410,9 @@ class EmbeddingClient:
         """Close the connection; the client cannot be used afterwards."""
         if not self._closed:
             self._closed = True
-            self._client.close()
+            clients, self._clients = self._clients, {}
+            for client in clients.values():
+                client.close()
 
     def __enter__(self) -> "EmbeddingClient":
         return self
@@ -330,20 +422,23 @@ class EmbeddingClient:
 
     def __repr__(self) -> str:
         o = self.options
-        return f"EmbeddingClient({o.protocol}://{o.url}, model={o.model!r}, priority={o.priority})"
+        return f"EmbeddingClient({o.protocol}://{','.join(o.urls)}, model={o.model!r}, priority={o.priority})"
 
 
 def embed(
     texts: Sequence[Text],
     *,
-    url: str | None = None,
+    url: str | Sequence[str] | None = None,
     protocol: Protocol = "http",
     model: str = DEFAULT_MODEL,
     model_version: str = "",
     timeout_s: float | None = None,
     priority: int = 0,
     batch_size: int = MAX_BATCH_SIZE,
+    retries: int | None = None,
+    deadline_s: float | None = None,
 ) -> np.ndarray:
     """Embed ``texts`` with a one-off EmbeddingClient (same options); float32 ``[n, dim]``."""
-    with EmbeddingClient(url, protocol, model, model_version, timeout_s, priority, batch_size) as client:
+    with EmbeddingClient(url, protocol, model, model_version, timeout_s, priority, batch_size,
+                         retries=retries, deadline_s=deadline_s) as client:
         return client.embed(texts)

@@ -26,6 +26,11 @@ generate endpoint refuses a list (``stop``) as a request parameter.
 Closing a stream before its end (``close()``, leaving the ``with`` block, Ctrl-C) cancels
 the request on the server: gRPC cancels the call, HTTP closes the connection; either way the
 model sees the request cancelled and frees its KV blocks.
+
+Several URLs (a list or ``"a:8001,b:8001"``) fail over as the embedding clients do
+(clients/resilience.py): a request refused as UNAVAILABLE, or whose connection fails, is sent
+again, to another endpoint when there is one, but only until its first response arrived;
+after that an error is the caller's (the text already read cannot be taken back).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from typing import Any
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
-from clients.embed import DEFAULT_URLS, PROTOCOLS, Protocol, transport
+from clients.embed import PROTOCOLS, Protocol, parse_urls, transport
+from clients.resilience import EndpointPool, RetryError, RetryPolicy, describe, make_retrier
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +82,15 @@ class GenerationError(RuntimeError):
     (``"400"``) or the gRPC status code when there is one.
     """
 
-    def __init__(self, server_message: str, *, model: str = DEFAULT_MODEL, status: str | None = None):
+    def __init__(self, server_message: str, *, model: str = DEFAULT_MODEL, status: str | None = None,
+                 retry_note: str = "", attempts: int | None = None):
         self.server_message = server_message
         self.model = model
         self.status = status
+        self.attempts = attempts
         code = f" [{status}]" if status else ""
-        super().__init__(f"model '{model}'{code}: {server_message}")
+        note = f"; {retry_note}" if retry_note else ""
+        super().__init__(f"model '{model}'{code}: {server_message}{note}")
 
 
 @dataclass(frozen=True)
@@ -382,7 +391,15 @@ class Tracker:
 
 
 def transport_error(exc: BaseException, protocol: str, url: str, model: str, timeout_s: float | None) -> GenerationError:
-    """A tritonclient, socket or aiohttp failure as a GenerationError with the server's words."""
+    """A tritonclient, socket or aiohttp failure as a GenerationError with the server's words;
+    a RetryError as its last error, noting the attempts and the deadline."""
+    if isinstance(exc, RetryError):
+        note = describe(exc.attempts, exc.elapsed_s, exc.deadline_s, exc.reason)
+        if exc.last is None:
+            return GenerationError("no endpoint available", model=model, retry_note=note, attempts=exc.attempts)
+        last = transport_error(exc.last, protocol, url, model, timeout_s)
+        return GenerationError(last.server_message, model=model, status=last.status, retry_note=note,
+                               attempts=exc.attempts)
     if isinstance(exc, GenerationError):
         return exc
     if isinstance(exc, InferenceServerException):
@@ -407,34 +424,33 @@ class GenerationOptions:
     model: str = DEFAULT_MODEL
     model_version: str = ""
     timeout_s: float | None = None  # longest wait for the next response (the first included)
+    urls: tuple[str, ...] = ()  # the endpoints failed over across; url is the first
+    retries: int | None = None
+    deadline_s: float | None = None  # bounds the attempts before the first response (default timeout_s)
 
     @classmethod
-    def create(cls, url: str | None = None, protocol: str = "grpc", model: str = DEFAULT_MODEL,
-               model_version: str = "", timeout_s: float | None = None) -> GenerationOptions:
+    def create(cls, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str = DEFAULT_MODEL,
+               model_version: str = "", timeout_s: float | None = None, retries: int | None = None,
+               deadline_s: float | None = None) -> GenerationOptions:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
-        url = url or DEFAULT_URLS[protocol]
-        if "://" in url:
-            scheme, _, url = url.partition("://")
-            if scheme not in ("http", "grpc"):
-                raise ValueError(f"url scheme {scheme!r}: only plain http/grpc (no TLS) is supported")
-        url = url.rstrip("/")
-        if not url:
-            raise ValueError("url is empty")
+        urls = parse_urls(url, protocol)
         if not model:
             raise ValueError("model name is empty")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, not {timeout_s}")
-        return cls(url, protocol, model, str(model_version), timeout_s)  # type: ignore[arg-type]
+        RetryPolicy.create(retries, deadline_s)
+        return cls(urls[0], protocol, model, str(model_version), timeout_s, urls, retries, deadline_s)  # type: ignore[arg-type]
 
     def http_path(self, stream: bool) -> str:
         version = f"/versions/{self.model_version}" if self.model_version else ""
         return f"/v2/models/{self.model}{version}/{'generate_stream' if stream else 'generate'}"
 
-    def host_port(self) -> tuple[str, int]:
-        host, _, port = self.url.rpartition(":")
+    def host_port(self, url: str | None = None) -> tuple[str, int]:
+        url = url or self.url
+        host, _, port = url.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"url {self.url!r} must be host:port")
+            raise ValueError(f"url {url!r} must be host:port")
         return host.strip("[]"), int(port)
 
 
@@ -509,13 +525,18 @@ class GenerationClient:
     """Blocking client for ``text_generation`` over gRPC (default) or HTTP.
 
     One request at a time per client (a gRPC client holds one stream); not thread-safe. Use as
-    a context manager or call ``close()``.
+    a context manager or call ``close()``. Several URLs, ``retries``, ``deadline_s`` (which
+    bounds the attempts until the first response), ``policy`` and ``pool``: as for
+    ``clients.EmbeddingClient``.
     """
 
-    def __init__(self, url: str | None = None, protocol: Protocol = "grpc", model: str = DEFAULT_MODEL,
-                 model_version: str = "", timeout_s: float | None = None):
-        self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s)
-        self._grpc: Any = None
+    def __init__(self, url: str | Sequence[str] | None = None, protocol: Protocol = "grpc", model: str = DEFAULT_MODEL,
+                 model_version: str = "", timeout_s: float | None = None, *, retries: int | None = None,
+                 deadline_s: float | None = None, policy: RetryPolicy | None = None, pool: EndpointPool | None = None):
+        self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s, retries, deadline_s)
+        o = self.options
+        self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
+        self._grpcs: dict[str, Any] = {}
         self._grpc_busy = False
         self._closed = False
 
@@ -538,7 +559,13 @@ class GenerationClient:
 
     def _whole(self, request: GenerateRequest) -> Generation:
         if self.options.protocol == "http":
-            return self._http_whole(request)
+            if self._closed:
+                raise RuntimeError("GenerationClient is closed")
+            o = self.options
+            try:
+                return self.retrier.call(lambda url, timeout_s: self._http_whole(request, url, timeout_s), o.timeout_s)
+            except RetryError as exc:
+                raise transport_error(exc, "http", o.url, o.model, o.timeout_s) from exc
         with self._stream(request, stream=False) as pieces:
             for _ in pieces:
                 pass
@@ -548,31 +575,71 @@ class GenerationClient:
     def _stream(self, request: GenerateRequest, stream: bool) -> TextStream:
         if self._closed:
             raise RuntimeError("GenerationClient is closed")
+        o = self.options
+        if o.protocol == "grpc":
+            if self._grpc_busy:
+                raise RuntimeError("GenerationClient runs one gRPC stream at a time: close the previous stream first "
+                                   "(or use AsyncGenerationClient for concurrent requests)")
+            self._grpc_busy = True  # taken now, given back when the stream ends or is closed
         tracker = Tracker()
-        if self.options.protocol == "http":
-            pieces, cancel = self._http_stream(request)
-        else:
-            pieces, cancel = self._grpc_stream(request, stream)
-        return TextStream(pieces, tracker, cancel)
+        current: dict[str, Any] = {"cancel": lambda: None, "holds": o.protocol == "grpc"}
+
+        def release() -> None:
+            # Once per stream: a stream closed late must not free the slot of a newer one.
+            if current.pop("holds", False):
+                self._grpc_busy = False
+
+        def cancel() -> None:
+            try:
+                current["cancel"]()
+            finally:
+                release()
+
+        def first_response(url: str, timeout_s: float | None) -> tuple[Iterator[Piece], Piece | None]:
+            # One attempt: open the request and wait for its first response; until then a
+            # failure may be retried (elsewhere), after it the stream is the caller's.
+            if o.protocol == "http":
+                pieces, cancel = self._http_stream(request, url, timeout_s)
+            else:
+                pieces, cancel = self._grpc_stream(request, stream, url, timeout_s)
+            current["cancel"] = cancel
+            try:
+                return pieces, next(pieces)
+            except StopIteration:
+                return pieces, None
+
+        def resilient() -> Iterator[Piece]:
+            try:
+                try:
+                    pieces, first = self.retrier.call(first_response, o.timeout_s)
+                except RetryError as exc:
+                    raise transport_error(exc, o.protocol, o.url, o.model, o.timeout_s) from exc
+                try:
+                    if first is not None:
+                        yield first
+                        yield from pieces
+                finally:
+                    pieces.close()  # type: ignore[attr-defined]
+            finally:
+                release()
+
+        return TextStream(resilient(), tracker, cancel)
 
     # gRPC: one bidirectional stream per request; responses reach a queue from tritonclient's thread.
-    def _grpc_stream(self, request: GenerateRequest, stream: bool):
+    def _grpc_stream(self, request: GenerateRequest, stream: bool, url: str | None = None,
+                     first_timeout_s: float | None = None):
         o = self.options
-        if self._grpc is None:
-            self._grpc = transport("grpc").InferenceServerClient(o.url)
-        client = self._grpc
-        if self._grpc_busy:
-            raise RuntimeError("GenerationClient runs one gRPC stream at a time: close the previous stream first "
-                               "(or use AsyncGenerationClient for concurrent requests)")
+        url = url or o.url
+        if url not in self._grpcs:
+            self._grpcs[url] = transport("grpc").InferenceServerClient(url)
+        client = self._grpcs[url]
         responses: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        self._grpc_busy = True
         state = {"open": True}
 
         def stop(cancel: bool) -> None:
             if state["open"]:
                 state["open"] = False
-                self._grpc_busy = False
                 if not cancel:
                     client.stop_stream(cancel_requests=False)
                     return
@@ -586,11 +653,13 @@ class GenerationClient:
                 if stopper.is_alive():
                     log.warning("generate: the cancelled gRPC stream did not stop within %.0f s; "
                                 "using a new connection", STOP_TIMEOUT_S)
-                    self._grpc = None
+                    if self._grpcs.get(url) is client:
+                        del self._grpcs[url]
 
         def pieces() -> Iterator[Piece]:
             request_id = _request_id()
-            log.debug("generate: %s %s via grpc %s", o.model, request_id, o.url)
+            log.debug("generate: %s %s via grpc %s", o.model, request_id, url)
+            wait = first_timeout_s if first_timeout_s is not None else o.timeout_s
             try:
                 try:
                     client.async_stream_infer(o.model, request.grpc_inputs(stream), model_version=o.model_version,
@@ -607,9 +676,10 @@ class GenerationClient:
                     raise error from None
                 while True:
                     try:
-                        result, error = responses.get(timeout=o.timeout_s)
+                        result, error = responses.get(timeout=wait)
                     except queue.Empty:
                         raise TimeoutError from None
+                    wait = o.timeout_s
                     if error is not None:
                         raise error
                     yield piece_from_result(result)
@@ -618,18 +688,18 @@ class GenerationClient:
                         return
             except (InferenceServerException, OSError, TimeoutError) as exc:
                 stop(cancel=True)
-                raise transport_error(exc, "grpc", o.url, o.model, o.timeout_s) from exc
+                raise transport_error(exc, "grpc", url, o.model, o.timeout_s) from exc
 
         return pieces(), lambda: stop(cancel=True)
 
     # HTTP: one connection per request, closed to cancel it.
-    def _http_connection(self) -> http.client.HTTPConnection:
-        host, port = self.options.host_port()
-        return http.client.HTTPConnection(host, port, timeout=self.options.timeout_s)
+    def _http_connection(self, url: str | None = None, timeout_s: float | None = None) -> http.client.HTTPConnection:
+        host, port = self.options.host_port(url)
+        return http.client.HTTPConnection(host, port, timeout=timeout_s if timeout_s is not None else self.options.timeout_s)
 
     def _http_post(self, conn: http.client.HTTPConnection, request: GenerateRequest, stream: bool) -> http.client.HTTPResponse:
         o = self.options
-        log.debug("generate: %s via http %s%s", o.model, o.url, o.http_path(stream))
+        log.debug("generate: %s via http %s:%s%s", o.model, conn.host, conn.port, o.http_path(stream))
         conn.request("POST", o.http_path(stream), body=request.http_body(stream),
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"})
         return conn.getresponse()
@@ -638,34 +708,36 @@ class GenerationClient:
         body = response.read().decode("utf-8", "replace")
         return http_error(response.status, body, self.options.model)
 
-    def _http_whole(self, request: GenerateRequest) -> Generation:
-        if self._closed:
-            raise RuntimeError("GenerationClient is closed")
+    def _http_whole(self, request: GenerateRequest, url: str | None = None, timeout_s: float | None = None) -> Generation:
         o = self.options
+        url = url or o.url
         tracker = Tracker()
-        conn = self._http_connection()
+        conn = self._http_connection(url, timeout_s)
         try:
             response = self._http_post(conn, request, stream=False)
             if response.status != 200:
                 raise self._http_failure(response)
             tracker.add(piece_from_json(response.read().decode("utf-8", "replace"), o.model))
         except (OSError, http.client.HTTPException) as exc:
-            raise transport_error(exc, "http", o.url, o.model, o.timeout_s) from exc
+            raise transport_error(exc, "http", url, o.model, o.timeout_s) from exc
         finally:
             conn.close()
         generation = tracker.result()
         # One response: its arrival is the first token.
         return replace(generation, time_to_first_token_s=generation.total_time_s if generation.text else None)
 
-    def _http_stream(self, request: GenerateRequest):
+    def _http_stream(self, request: GenerateRequest, url: str | None = None, first_timeout_s: float | None = None):
         o = self.options
-        conn = self._http_connection()
+        url = url or o.url
+        conn = self._http_connection(url, first_timeout_s)
 
         def pieces() -> Iterator[Piece]:
             try:
                 response = self._http_post(conn, request, stream=True)
                 if response.status != 200:
                     raise self._http_failure(response)
+                if conn.sock is not None and first_timeout_s is not None:
+                    conn.sock.settimeout(o.timeout_s)  # the first response's wait was the attempt's
                 decoder = SSEDecoder()
                 while True:
                     chunk = response.read1(65536)
@@ -675,17 +747,17 @@ class GenerationClient:
                     if not chunk:
                         return
             except (OSError, http.client.HTTPException) as exc:
-                raise transport_error(exc, "http", o.url, o.model, o.timeout_s) from exc
+                raise transport_error(exc, "http", url, o.model, o.timeout_s) from exc
             finally:
                 conn.close()
 
         return pieces(), conn.close
 
     def close(self) -> None:
-        """Close the connection; the client cannot be used afterwards."""
+        """Close the connections; the client cannot be used afterwards."""
         self._closed = True
-        if self._grpc is not None:
-            client, self._grpc = self._grpc, None
+        clients, self._grpcs = self._grpcs, {}
+        for client in clients.values():
             client.close()
 
     def __enter__(self) -> GenerationClient:
@@ -696,7 +768,7 @@ class GenerationClient:
 
     def __repr__(self) -> str:
         o = self.options
-        return f"GenerationClient({o.protocol}://{o.url}, model={o.model!r})"
+        return f"GenerationClient({o.protocol}://{','.join(o.urls)}, model={o.model!r})"
 
 
 def http_error(status: int, body: str, model: str = DEFAULT_MODEL) -> GenerationError:
@@ -784,13 +856,17 @@ class AsyncGenerationClient:
 
     Many requests may run at once on one client (each gRPC request is its own call, each HTTP
     stream its own connection of a shared session), which is how the server's continuous
-    batching gets its batch. The connection opens on first use inside the running loop.
+    batching gets its batch. The connections open on first use inside the running loop.
+    Failover and retries before the first response: as ``GenerationClient``.
     """
 
-    def __init__(self, url: str | None = None, protocol: Protocol = "grpc", model: str = DEFAULT_MODEL,
-                 model_version: str = "", timeout_s: float | None = None):
-        self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s)
-        self._client: Any = None
+    def __init__(self, url: str | Sequence[str] | None = None, protocol: Protocol = "grpc", model: str = DEFAULT_MODEL,
+                 model_version: str = "", timeout_s: float | None = None, *, retries: int | None = None,
+                 deadline_s: float | None = None, policy: RetryPolicy | None = None, pool: EndpointPool | None = None):
+        self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s, retries, deadline_s)
+        o = self.options
+        self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
+        self._clients: dict[str, Any] = {}
         self._closed = False
 
     async def generate(self, prompt: str, **sampling: Any) -> Generation:
@@ -816,32 +892,69 @@ class AsyncGenerationClient:
             result = replace(result, time_to_first_token_s=result.total_time_s)
         return result
 
-    def _connection(self) -> Any:
+    def _connection(self, url: str | None = None) -> Any:
         if self._closed:
             raise RuntimeError("AsyncGenerationClient is closed")
-        if self._client is None:
+        url = url or self.options.url
+        if url not in self._clients:
             if self.options.protocol == "grpc":
-                self._client = transport("grpc", aio=True).InferenceServerClient(self.options.url)
+                self._clients[url] = transport("grpc", aio=True).InferenceServerClient(url)
             else:
                 import aiohttp
 
-                self._client = aiohttp.ClientSession(f"http://{self.options.url}")
-        return self._client
+                self._clients[url] = aiohttp.ClientSession(f"http://{url}")
+        return self._clients[url]
 
     def _stream(self, request: GenerateRequest, stream: bool) -> AsyncTextStream:
-        client = self._connection()
+        self._connection()  # a closed client refuses at once
+        o = self.options
         tracker = Tracker()
-        if self.options.protocol == "grpc":
-            pieces, cancel = self._grpc_stream(client, request, stream)
-        else:
-            pieces, cancel = self._http_stream(client, request, stream)
-        return AsyncTextStream(pieces, tracker, cancel)
+        current: dict[str, Any] = {}
 
-    def _grpc_stream(self, client: Any, request: GenerateRequest, stream: bool):
+        async def first_response(url: str, timeout_s: float | None) -> tuple[AsyncIterator[Piece], Piece | None]:
+            # One attempt: open the request, wait for its first response (retried until then).
+            client = self._connection(url)
+            if o.protocol == "grpc":
+                pieces, cancel = self._grpc_stream(client, request, stream, url, timeout_s)
+            else:
+                pieces, cancel = self._http_stream(client, request, stream, url, timeout_s)
+            current["cancel"] = cancel
+            try:
+                return pieces, await pieces.__anext__()
+            except StopAsyncIteration:
+                return pieces, None
+            except BaseException:
+                # A cancelled or timed-out attempt must not leave its call open.
+                await cancel()
+                await pieces.aclose()  # type: ignore[attr-defined]
+                raise
+
+        async def resilient() -> AsyncIterator[Piece]:
+            try:
+                pieces, first = await self.retrier.acall(first_response, o.timeout_s)
+            except RetryError as exc:
+                raise transport_error(exc, o.protocol, o.url, o.model, o.timeout_s) from exc
+            try:
+                if first is not None:
+                    yield first
+                    async for piece in pieces:
+                        yield piece
+            finally:
+                await pieces.aclose()  # type: ignore[attr-defined]
+
+        async def cancel() -> None:
+            if "cancel" in current:
+                await current["cancel"]()
+
+        return AsyncTextStream(resilient(), tracker, cancel)
+
+    def _grpc_stream(self, client: Any, request: GenerateRequest, stream: bool, url: str | None = None,
+                     first_timeout_s: float | None = None):
         import grpc
         from tritonclient.grpc._utils import get_error_grpc
 
         o = self.options
+        url = url or o.url
         call: dict[str, Any] = {}
 
         async def requests():
@@ -849,25 +962,27 @@ class AsyncGenerationClient:
                    "request_id": _request_id(), "parameters": {"triton_enable_empty_final_response": True}}
 
         async def pieces() -> AsyncIterator[Piece]:
-            log.debug("generate: %s via grpc.aio %s", o.model, o.url)
+            log.debug("generate: %s via grpc.aio %s", o.model, url)
             iterator = client.stream_infer(requests())
             call["it"] = iterator
+            wait = first_timeout_s if first_timeout_s is not None else o.timeout_s
             try:
                 while True:
                     try:
-                        result, error = await asyncio.wait_for(iterator.__anext__(), o.timeout_s)
+                        result, error = await asyncio.wait_for(iterator.__anext__(), wait)
                     except StopAsyncIteration:
                         return
+                    wait = o.timeout_s
                     if error is not None:
                         raise error
                     yield piece_from_result(result)
                     if is_final(result):
                         return
             except grpc.RpcError as exc:  # the call itself failed (server down, cancelled)
-                raise transport_error(get_error_grpc(exc), "grpc", o.url, o.model, o.timeout_s) from exc
+                raise transport_error(get_error_grpc(exc), "grpc", url, o.model, o.timeout_s) from exc
             except (TimeoutError, InferenceServerException, OSError) as exc:
                 iterator.cancel()
-                raise transport_error(exc, "grpc", o.url, o.model, o.timeout_s) from exc
+                raise transport_error(exc, "grpc", url, o.model, o.timeout_s) from exc
 
         async def cancel() -> None:
             if "it" in call:
@@ -875,15 +990,18 @@ class AsyncGenerationClient:
 
         return pieces(), cancel
 
-    def _http_stream(self, session: Any, request: GenerateRequest, stream: bool):
+    def _http_stream(self, session: Any, request: GenerateRequest, stream: bool, url: str | None = None,
+                     first_timeout_s: float | None = None):
         import aiohttp
 
         o = self.options
+        url = url or o.url
         held: dict[str, Any] = {}
 
         async def pieces() -> AsyncIterator[Piece]:
-            log.debug("generate: %s via aiohttp %s%s", o.model, o.url, o.http_path(stream))
-            timeout = aiohttp.ClientTimeout(total=None, sock_read=o.timeout_s, sock_connect=o.timeout_s)
+            log.debug("generate: %s via aiohttp %s%s", o.model, url, o.http_path(stream))
+            connect = first_timeout_s if first_timeout_s is not None else o.timeout_s
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=o.timeout_s, sock_connect=connect)
             try:
                 response = await session.post(o.http_path(stream), data=request.http_body(stream), timeout=timeout,
                                               headers={"Content-Type": "application/json"})
@@ -903,7 +1021,7 @@ class AsyncGenerationClient:
                 finally:
                     response.release()
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise transport_error(exc, "http", o.url, o.model, o.timeout_s) from exc
+                raise transport_error(exc, "http", url, o.model, o.timeout_s) from exc
 
         async def cancel() -> None:
             # close(), not release(): the connection must drop for the server to cancel.
@@ -913,10 +1031,10 @@ class AsyncGenerationClient:
         return pieces(), cancel
 
     async def close(self) -> None:
-        """Close the connection; the client cannot be used afterwards."""
+        """Close the connections; the client cannot be used afterwards."""
         self._closed = True
-        if self._client is not None:
-            client, self._client = self._client, None
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
             await client.close()
 
     async def __aenter__(self) -> AsyncGenerationClient:
@@ -927,4 +1045,4 @@ class AsyncGenerationClient:
 
     def __repr__(self) -> str:
         o = self.options
-        return f"AsyncGenerationClient({o.protocol}://{o.url}, model={o.model!r})"
+        return f"AsyncGenerationClient({o.protocol}://{','.join(o.urls)}, model={o.model!r})"

@@ -60,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--repetition-penalty", type=float)
         g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past the end-of-sequence token")
         c.add_argument("--protocol", choices=PROTOCOLS, default="grpc", help="default grpc")
-        c.add_argument("--url", help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for http)")
+        c.add_argument("--url", action="append", help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for "
+                       "http); repeat it or give a comma-separated list to fail over across several servers")
         c.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
         c.add_argument("--timeout", type=float, help="seconds to wait for each response (the first included)")
+        c.add_argument("--retries", type=int, help="retries before the first response when the server is unavailable "
+                       "(default 3; 0 = none); after it an error is final")
+        c.add_argument("--deadline", type=float, help="seconds for all attempts until the first response (default --timeout)")
         c.add_argument("--no-stream", action="store_true", help="ask for the whole answer in one response")
         c.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
         c.add_argument("-v", "--verbose", action="store_true", help="log each request to stderr")
@@ -188,7 +192,12 @@ def main(argv: Sequence[str] | None = None, stdin: IO[str] | None = None, stdout
         prompt = read_prompt(args, stdin)
         # Checked before connecting: a bad option is a usage error, not a server one.
         sampling_from_args(args)
-        client = GenerationClient(args.url, args.protocol, args.model, timeout_s=args.timeout)
+        if args.retries is not None and args.retries < 0:
+            raise UsageError(f"--retries must be >= 0, not {args.retries}")
+        if args.deadline is not None and not args.deadline > 0:
+            raise UsageError(f"--deadline must be > 0 seconds, not {args.deadline}")
+        client = GenerationClient(args.url, args.protocol, args.model, timeout_s=args.timeout, retries=args.retries,
+                                  deadline_s=args.deadline)
     except (UsageError, ValueError, TypeError) as exc:
         return _fail(stderr, str(exc), 2)
     except KeyboardInterrupt:
