@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             + "".join("\n" + module.to_markdown(row) for module, row in singles)
         )
         log.info("wrote %s", DOCS_REPORT)
+    from export.lanes import render_all
+
+    for lane in render_all(args.repository):  # priority-class lanes follow the configs just written
+        log.info("lane %s rendered", lane.name)
     if failed:
         print("export: FAILED: " + "; ".join(failed), file=sys.stderr)
         return 1

@@ -14,3 +14,8 @@ class InputError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class Overloaded(RuntimeError):
+    """The request's class has no capacity left now: refused at once, not queued (Triton
+    UNAVAILABLE; the project's clients retry it with backoff)."""

@@ -11,7 +11,7 @@ import logging
 import traceback
 from typing import Any
 
-from python_backends.errors import ConfigError, InputError
+from python_backends.errors import ConfigError, InputError, Overloaded
 
 
 class _TritonLogHandler(logging.Handler):
@@ -53,6 +53,8 @@ def error_response(pb_utils: Any, model: str, exc: BaseException, request_id: st
     """One request's error response with a fitting code; unexpected errors are logged."""
     if isinstance(exc, InputError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+    if isinstance(exc, Overloaded):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{model}: {exc}", pb_utils.TritonError.UNAVAILABLE))
     logging.getLogger("python_backends.shim").error(
         "model %s request %r failed: %s", model, request_id or "-", "".join(traceback.format_exception(exc))
     )

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 # text_embedding_cached: the cached entry point in front of text_embedding (README "Result cache").
 # text_generation: the LLM (docs/export.md); its weights are exported by `python -m export`.
-DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
+DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "text_embedding_cached_interactive",
+                  "text_embedding_cached_bulk", "image_classification", "text_generation")
 # Default models a repository may lack: left out of the default set when their folder has no
 # config.pbtxt (a repository made before the generation model, or one holding only the
 # embedding and image models). Asked for by name (--model), they load or fail as any other.
@@ -312,6 +313,10 @@ class TritonServer:
         o = self.options
         o.workdir.mkdir(parents=True, exist_ok=True)
         self.layout = prepare(o.workdir)
+        # Priority-class lanes follow their model's current config and versions (export/lanes.py).
+        from export.lanes import render_all
+
+        render_all(o.model_repository)
         if o.front_door:
             taken = {o.http_port, o.grpc_port, o.metrics_port}
             for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port"):

@@ -1,10 +1,15 @@
-"""Triton shim for text_embedding_cached: L1/L2 lookups, one BLS call for the misses."""
+"""Triton shim for text_embedding_cached and its priority-class entries (the _interactive and
+_bulk models link this file): L1/L2 lookups, admission, one BLS call for the misses."""
 
 import os
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from python_backends.admission.classes import PARAMETER as CLASS_PARAMETER, check_request_class, class_named
+from python_backends.admission.controller import Admission
+from python_backends.admission.inflight import SharedInflight, default_directory
 
 from python_backends.cache.identity import IdentityResolver
 from python_backends.cache.keys import KeyMaker
@@ -29,6 +34,10 @@ class TritonPythonModel:
             self.dim = out.dims[0]
             self.target = self.config.param("target_model", "text_embedding")
             self.max_text_bytes = self.config.param_int("max_text_bytes", 65536, minimum=1)
+            # The class this entry serves and its admission into the lane (docs/priority-classes.md).
+            self.cls = class_named(self.config.param("priority_class", "default"), "parameter priority_class")
+            limit = self.config.param_int("admission_rows", 128, minimum=1)
+            self.admission = Admission(self.cls, SharedInflight(default_directory(), self.cls.name, limit))
             settings = CacheSettings.from_config(self.config, os.environ)
             self.resolver = IdentityResolver(
                 Path(args["model_repository"]).parent, self.target,
@@ -62,13 +71,34 @@ class TritonPythonModel:
             model_name=self.target,
             requested_output_names=["EMBEDDING"],
             inputs=[pb_utils.Tensor("TEXT", batch)],
+            parameters={CLASS_PARAMETER: self.cls.name},  # the class, carried through the BLS hop
         )
-        response = request.exec()
+        with self.admission.rows(len(texts)):
+            response = request.exec()
         if response.has_error():
             raise RuntimeError(f"{self.target} failed: {response.error().message()}")
         return pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy()
 
     def execute(self, requests):
+        # A request naming another class is answered here (the entry that serves it is named).
+        refused = {}
+        for i, request in enumerate(requests):
+            try:
+                check_request_class(request.parameters(), self.cls)
+            except Exception as exc:
+                refused[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
+        if refused:
+            kept = [i for i in range(len(requests)) if i not in refused]
+            answered = self._execute([requests[i] for i in kept])
+            out = [refused.get(i) for i in range(len(requests))]
+            for i, response in zip(kept, answered):
+                out[i] = response
+            return out
+        return self._execute(requests)
+
+    def _execute(self, requests):
+        if not requests:
+            return []
         # owners[k] = (request index, start, stop) into texts; bad requests already answered
         responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
                                                         self.max_text_bytes, config=self.config)

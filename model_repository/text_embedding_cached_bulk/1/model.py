@@ -1,0 +1,1 @@
+../../text_embedding_cached/1/model.py

@@ -1,0 +1,333 @@
+"""Priority classes under overload, side by side in one run (`make priority-bench`).
+
+One server (front door on, the served precision) with the three class entries
+(docs/priority-classes.md). Unique texts, so every request is a cache miss and reaches its
+lane. Phases:
+
+1. ``peak``: the default entry alone, closed loop, ``--peak-concurrency`` connections (wrk):
+   its peak rate P (successful requests/s).
+2. ``interactive alone``: a paced probe of the interactive entry (``--probe-rate`` per second).
+3. ``overload``: wrk floods the default and bulk entries at ``--overload`` x P in total
+   (paced connections, half each), while paced probes measure every class: interactive, and
+   default and bulk requests sent among the flood, each latency recorded by status, so the
+   admitted P50/P99 and the refusals' latency are per class.
+
+Memory: the RSS of the server's process tree (tritonserver and every stub) sampled each second.
+Prints a table per phase and class and writes it with the raw figures under
+perf/results/priority-<UTC>/. Exit status 1 when interactive misses its budget under
+overload, a refusal is not UNAVAILABLE (HTTP 503), or any probe got another error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from python_backends.admission.classes import CACHED_ENTRIES, CLASSES  # noqa: E402
+
+SENTENCES = ROOT / "perf" / "data" / "sentences_16tok.json"
+MODELS = tuple(CACHED_ENTRIES.values())
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q / 100.0 * len(s) + 0.5)) - 1))]
+
+
+def body(text: str) -> bytes:
+    return json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}).encode()
+
+
+def _lua(s: str) -> str:
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def wrk_script(model: str, sentences: Sequence[str], nonce: str, delay_ms: float) -> str:
+    texts = ",\n".join(_lua(json.dumps(s)[1:-1]) for s in sentences)
+    return f"""
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local texts = {{ {texts} }}
+local threads = {{}}
+local counter = 0
+function setup(thread) counter = counter + 1; thread:set("tid", counter); table.insert(threads, thread) end
+local n = 0
+ok = 0; unavailable = 0; other = 0
+function request()
+  n = n + 1
+  local b = '{{"inputs":[{{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["' .. texts[(n % #texts) + 1] ..
+            ' ({nonce}-' .. tid .. '-' .. n .. ')"]}}]}}'
+  return wrk.format(nil, "/v2/models/{model}/infer", nil, b)
+end
+function delay() return {delay_ms:.3f} end
+function response(status, headers, b)
+  if status == 200 then ok = ok + 1 elseif status == 503 then unavailable = unavailable + 1 else other = other + 1 end
+end
+function done(summary, latency, requests)
+  local o, u, x = 0, 0, 0
+  for _, t in ipairs(threads) do o = o + t:get("ok"); u = u + t:get("unavailable"); x = x + t:get("other") end
+  io.write(string.format('WRK_RESULT {{"duration_us": %d, "requests": %d, "ok": %d, "unavailable": %d, "other": %d, ' ..
+    '"socket_errors": %d, "p50_us": %d, "p99_us": %d, "max_us": %d}}\\n', summary.duration, summary.requests, o, u, x,
+    summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
+    latency:percentile(50), latency:percentile(99), latency.max))
+end
+"""
+
+
+def run_wrk(url: str, script: Path, connections: int, seconds: float) -> dict:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "30s", "-s", str(script),
+           f"http://{url}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    for line in out.stdout.splitlines():
+        if line.startswith("WRK_RESULT "):
+            return json.loads(line[len("WRK_RESULT "):])
+    raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-400:]} {out.stderr[-400:]}")
+
+
+@dataclass
+class Probe:
+    """Paced single requests to one entry from one thread; latency per outcome."""
+
+    url: str
+    model: str
+    rate: float
+    nonce: str
+    sentences: Sequence[str]
+    ok_ms: list = field(default_factory=list)
+    unavailable_ms: list = field(default_factory=list)
+    other: list = field(default_factory=list)
+
+    def run(self, seconds: float) -> None:
+        period, n = 1.0 / self.rate, 0
+        end = time.monotonic() + seconds
+        next_at = time.monotonic()
+        while time.monotonic() < end:
+            n += 1
+            text = f"{self.sentences[n % len(self.sentences)]} ({self.nonce}-probe-{self.model}-{n})"
+            req = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/infer", data=body(text),
+                                         headers={"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+                self.ok_ms.append((time.perf_counter() - t0) * 1000)
+            except urllib.error.HTTPError as e:
+                ms = (time.perf_counter() - t0) * 1000
+                text = e.read().decode(errors="replace")[:200]
+                if e.code == 503:
+                    self.unavailable_ms.append(ms)
+                else:
+                    self.other.append(f"{e.code} {text}")
+            except Exception as e:  # noqa: BLE001 - a dropped connection is a finding
+                self.other.append(f"{type(e).__name__}: {e}")
+            next_at += period
+            time.sleep(max(0.0, next_at - time.monotonic()))
+
+    def row(self, phase: str, cls: str) -> dict:
+        total = len(self.ok_ms) + len(self.unavailable_ms) + len(self.other)
+        return {"phase": phase, "class": cls, "model": self.model, "sent": total, "ok": len(self.ok_ms),
+                "p50_ms": percentile(self.ok_ms, 50), "p99_ms": percentile(self.ok_ms, 99),
+                "max_ms": max(self.ok_ms) if self.ok_ms else None,
+                "refused": len(self.unavailable_ms), "refused_rate": len(self.unavailable_ms) / total if total else 0.0,
+                "refused_p99_ms": percentile(self.unavailable_ms, 99), "other_errors": len(self.other),
+                "first_other": self.other[0] if self.other else ""}
+
+
+class RssSampler:
+    """RSS (MiB) of a process tree, each second, in a thread."""
+
+    def __init__(self, pid: int):
+        self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _tree(self) -> list[int]:
+        pids, todo = [], [self.pid]
+        while todo:
+            p = todo.pop()
+            pids.append(p)
+            try:
+                for t in os.listdir(f"/proc/{p}/task"):
+                    todo += [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+            except OSError:
+                pass
+        return pids
+
+    def _rss(self) -> float:
+        total = 0
+        for p in self._tree():
+            try:
+                for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+            except OSError:
+                pass
+        return total / 1024.0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._rss()))
+            self._stop.wait(1.0)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def _f(v, digits=1) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def markdown(rows: Sequence[dict], peak: dict, flood: dict, rss: dict) -> str:
+    lines = [f"Default entry's peak (closed loop, {peak['connections']} connections): {peak['rate']:,.0f} requests/s, "
+             f"P50 {_f(peak['p50_ms'])} ms, P99 {_f(peak['p99_ms'])} ms.",
+             f"Overload offered {flood['offered_rate']:,.0f} requests/s = {flood['offered_rate'] / peak['rate']:.1f} x peak "
+             f"(default {flood['default']['rate']:,.0f}/s, {flood['default']['refused_rate']:.0%} refused; bulk "
+             f"{flood['bulk']['rate']:,.0f}/s, {flood['bulk']['refused_rate']:.0%} refused; other errors "
+             f"{flood['default']['other'] + flood['bulk']['other']}, socket errors "
+             f"{flood['default']['socket_errors'] + flood['bulk']['socket_errors']}).",
+             f"Server RSS (tritonserver and stubs): {rss['before']:,.0f} MiB before, max {rss['max']:,.0f} MiB during "
+             f"overload, {rss['after']:,.0f} MiB after.", "",
+             "| phase | class (budget) | sent | P50 ms | P99 ms | max ms | refused | refused P99 ms | other errors |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['phase']} | {r['class']} ({CLASSES[r['class']].budget_ms} ms) | {r['sent']} | {_f(r['p50_ms'])} | "
+                     f"{_f(r['p99_ms'])} | {_f(r['max_ms'])} | {r['refused']} ({r['refused_rate']:.0%}) | "
+                     f"{_f(r['refused_p99_ms'])} | {r['other_errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m perf.priority_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of each phase (default 30)")
+    p.add_argument("--peak-concurrency", type=int, default=32)
+    p.add_argument("--overload", type=float, default=5.0, help="flood rate as a multiple of the default peak")
+    p.add_argument("--flood-connections", type=int, default=128, help="wrk connections of the flood, split in two")
+    p.add_argument("--probe-rate", type=float, default=20.0, help="requests/s of each class's probe")
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from export import variants
+    from server.process import ServerOptions, TritonServer
+
+    say = lambda m: print(f"[priority-bench {time.strftime('%H:%M:%S')}] {m}", flush=True)  # noqa: E731
+    sentences = [row["TEXT"]["content"][0] for row in json.loads(SENTENCES.read_text())["data"]]
+    nonce = f"{os.getpid()}-{int(time.time())}"
+    out = args.out or ROOT / "perf" / "results" / f"priority-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="priority-bench-"))
+    repo = ROOT / "model_repository"
+    config_name, _ = variants.resolve_precision(repo, ["text_encoder"], args.precision,
+                                                loadable=tuple(v for v in variants.VARIANTS if v != "trt_plan"))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=work, models=MODELS, model_config_name=config_name))
+    server.start()
+    try:
+        server.wait_ready(timeout=300)
+        url = server.http_url.removeprefix("http://")
+        say(f"server ready at {url} (variant {config_name or 'fp32'}); load average {os.getloadavg()[0]:.1f}")
+        scripts = {}
+        for cls, model in CACHED_ENTRIES.items():
+            for kind, delay in (("peak", 0.0),):
+                scripts[(cls, kind)] = work / f"{cls}-{kind}.lua"
+                scripts[(cls, kind)].write_text(wrk_script(model, sentences, nonce + "-" + kind, delay))
+        # warm-up, then the peak of the default entry
+        run_wrk(url, scripts[("default", "peak")], args.peak_concurrency, 3)
+        r = run_wrk(url, scripts[("default", "peak")], args.peak_concurrency, args.duration)
+        seconds = r["duration_us"] / 1e6
+        peak = {"connections": args.peak_concurrency, "rate": r["ok"] / seconds, "p50_ms": r["p50_us"] / 1000,
+                "p99_ms": r["p99_us"] / 1000, "refused": r["unavailable"], "other": r["other"]}
+        say(f"default peak {peak['rate']:,.0f}/s P50 {peak['p50_ms']:.1f} P99 {peak['p99_ms']:.1f} ms "
+            f"(refused {r['unavailable']}, other {r['other']})")
+        rows = []
+        probe = Probe(url, CACHED_ENTRIES["interactive"], args.probe_rate, nonce + "-alone", sentences)
+        probe.run(args.duration)
+        rows.append(probe.row("alone", "interactive"))
+        say(f"interactive alone: {rows[-1]}")
+
+        # overload: each flood connection paced so that all of them offer overload x peak
+        conns = max(2, args.flood_connections // 2)
+        per_class_rate = args.overload * peak["rate"] / 2
+        delay_ms = 1000.0 * conns / per_class_rate
+        for cls in ("default", "bulk"):
+            scripts[(cls, "flood")] = work / f"{cls}-flood.lua"
+            scripts[(cls, "flood")].write_text(wrk_script(CACHED_ENTRIES[cls], sentences, nonce + "-flood", delay_ms))
+        sampler = RssSampler(server.process.pid).start()
+        time.sleep(1.5)
+        before_rss = sampler.samples[-1][1]
+        results, threads = {}, []
+        for cls in ("default", "bulk"):
+            t = threading.Thread(target=lambda c=cls: results.__setitem__(c, run_wrk(url, scripts[(c, "flood")], conns,
+                                                                                     args.duration + 4)))
+            threads.append(t)
+            t.start()
+        time.sleep(2.0)  # the flood reaches its steady state
+        probes = {cls: Probe(url, CACHED_ENTRIES[cls], args.probe_rate, nonce + "-over", sentences) for cls in CLASSES}
+        pthreads = [threading.Thread(target=p.run, args=(args.duration,)) for p in probes.values()]
+        for t in pthreads:
+            t.start()
+        for t in pthreads + threads:
+            t.join()
+        during = [s for _, s in sampler.samples]
+        time.sleep(3.0)
+        rss_samples = sampler.stop()
+        rss = {"before": before_rss, "max": max(during), "after": rss_samples[-1][1]}
+        flood = {}
+        for cls in ("default", "bulk"):
+            w = results[cls]
+            s = w["duration_us"] / 1e6
+            total = w["ok"] + w["unavailable"] + w["other"]
+            flood[cls] = {"rate": total / s, "ok_rate": w["ok"] / s, "refused_rate": w["unavailable"] / total if total else 0,
+                          "other": w["other"], "socket_errors": w["socket_errors"], "p50_ms": w["p50_us"] / 1000,
+                          "p99_ms": w["p99_us"] / 1000, "max_ms": w["max_us"] / 1000}
+        flood["offered_rate"] = flood["default"]["rate"] + flood["bulk"]["rate"]
+        for cls, p in probes.items():
+            rows.append(p.row("overload", cls))
+        table = markdown(rows, peak, flood, rss)
+        print(table)
+        (out / "summary.md").write_text(table)
+        (out / "results.json").write_text(json.dumps({"peak": peak, "rows": rows, "flood": flood, "rss": rss,
+                                                       "rss_samples": rss_samples, "args": vars(args) | {"out": str(out)},
+                                                       "variant": config_name}, indent=2, default=str))
+        say(f"wrote {out}")
+        inter = next(r for r in rows if r["phase"] == "overload" and r["class"] == "interactive")
+        failures = []
+        if inter["p99_ms"] is None or inter["p99_ms"] > CLASSES["interactive"].budget_ms:
+            failures.append(f"interactive P99 {inter['p99_ms']} ms over its {CLASSES['interactive'].budget_ms} ms budget")
+        if any(r["other_errors"] for r in rows):
+            failures.append("a probe got an error other than UNAVAILABLE: " + "; ".join(r["first_other"] for r in rows if r["other_errors"]))
+        if any(flood[c]["other"] or flood[c]["socket_errors"] for c in ("default", "bulk")):
+            failures.append("the flood got errors other than UNAVAILABLE, or dropped connections")
+        for f in failures:
+            say("FAIL: " + f)
+        return 1 if failures else 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Rows in flight per priority class, shared by the processes of one tritonserver.
+
+Each process (an entry model's instance) owns one cell of a small file: its pid and the
+rows it has in its lane now. Admission sums the cells of live processes under an exclusive
+``flock`` of the file, so the instances of all entries of a class see one count; a process
+that dies leaves a cell whose pid is gone, which is ignored and reused. Nothing to clean up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+import tempfile
+from pathlib import Path
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_CELL = struct.Struct("<qq")  # pid, rows
+CELLS = 128
+
+
+def server_scope() -> str:
+    """A name per tritonserver: a Python stub's parent process is the server."""
+    return f"server-{os.getppid()}"
+
+
+def default_directory(scope: str | None = None) -> Path:
+    base = Path(os.environ.get("TRITON_ADMISSION_DIR") or Path(tempfile.gettempdir()) / "triton-admission")
+    return base / _SAFE.sub("_", scope or server_scope())
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedInflight:
+    """The rows in flight of one class (``name``) across processes, at most ``limit``."""
+
+    def __init__(self, directory: Path, name: str, limit: int, pid: int | None = None):
+        if limit < 1:
+            raise ValueError(f"in-flight limit of {name!r} must be >= 1, got {limit}")
+        self.name, self.limit = name, limit
+        self.pid = pid or os.getpid()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(Path(directory) / f"{_SAFE.sub('_', name)}.inflight", os.O_RDWR | os.O_CREAT, 0o600)
+        self.own = 0
+        with self._locked():
+            cells = self._read()
+            free = next((i for i, (p, _) in enumerate(cells) if p == self.pid or not _alive(p)), None)
+            if free is None:
+                raise RuntimeError(f"{name}: more than {CELLS} processes share one in-flight count")
+            self._cell = free
+            self._write_own(0)
+
+    def _locked(self):
+        fd = self._fd
+
+        class _Lock:
+            def __enter__(self):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+
+            def __exit__(self, *exc):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+        return _Lock()
+
+    def _read(self) -> list[tuple[int, int]]:
+        raw = os.pread(self._fd, _CELL.size * CELLS, 0).ljust(_CELL.size * CELLS, b"\0")
+        return [_CELL.unpack_from(raw, i * _CELL.size) for i in range(CELLS)]
+
+    def _write_own(self, rows: int) -> None:
+        os.pwrite(self._fd, _CELL.pack(self.pid, rows), self._cell * _CELL.size)
+        self.own = rows
+
+    def total(self) -> int:
+        """Rows in flight of live processes (this one included)."""
+        with self._locked():
+            return self._total(self._read())
+
+    def _total(self, cells) -> int:
+        return sum(rows for i, (p, rows) in enumerate(cells) if rows > 0 and (i == self._cell or _alive(p)))
+
+    def try_add(self, rows: int) -> bool:
+        """Count ``rows`` more in flight unless that passes the limit; an empty lane always
+        admits (a batch larger than the limit is not starved)."""
+        with self._locked():
+            total = self._total(self._read())
+            if total > 0 and total + rows > self.limit:
+                return False
+            self._write_own(self.own + rows)
+            return True
+
+    def remove(self, rows: int) -> None:
+        with self._locked():
+            self._write_own(max(0, self.own - rows))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with self._locked():
+                self._write_own(0)
+            os.close(self._fd)
+            self._fd = None
