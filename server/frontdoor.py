@@ -80,7 +80,7 @@ def _parse_config(path: Path):
 
 
 def model_limits(repository: Path) -> dict[str, dict]:
-    """model -> {max_batch_size, inputs: {name: {datatype, dims, max_elements}}} from every model's
+    """model -> {max_batch_size, decoupled, inputs: {name: {datatype, dims, max_elements}}} from every model's
     config.pbtxt and its variant configs (configs/*.pbtxt; the largest limit wins, since the
     launcher may select any of them). max_elements is 0 where a dimension is variable."""
     models: dict[str, dict] = {}
@@ -107,10 +107,12 @@ def model_limits(repository: Path) -> dict[str, dict]:
                     "dims": dims,
                     "max_elements": (max(mbs, 1) * count) if fixed else 0,
                 }
+            decoupled = bool(parsed.model_transaction_policy.decoupled)
             if entry is None:
-                entry = {"max_batch_size": mbs, "inputs": inputs}
+                entry = {"max_batch_size": mbs, "inputs": inputs, "decoupled": decoupled}
                 continue
             entry["max_batch_size"] = max(entry["max_batch_size"], mbs)
+            entry["decoupled"] = entry["decoupled"] or decoupled
             for name, spec in inputs.items():
                 old = entry["inputs"].get(name)
                 if old is not None:

@@ -73,6 +73,42 @@ function countData(data, datatype, field, bound) {
     return count;
 }
 
+// Parameters tritonserver 2.51 reads with a fixed JSON type: any other type is a 500 there
+// ("Unable to parse 'priority': attempt to access JSON non-unsigned-integer as ...").
+const UINT = 'a non-negative integer';
+const REQUEST_PARAMETERS = {priority: UINT, timeout: UINT, sequence_id: 'a non-negative integer or a string',
+                            sequence_start: 'true or false', sequence_end: 'true or false',
+                            binary_data_output: 'true or false'};
+const OUTPUT_PARAMETERS = {binary_data: 'true or false', classification: UINT,
+                           shared_memory_region: 'a string', shared_memory_byte_size: UINT,
+                           shared_memory_offset: UINT};
+const INPUT_PARAMETERS = {shared_memory_region: 'a string', shared_memory_byte_size: UINT,
+                          shared_memory_offset: UINT};
+
+function typeOk(kind, v) {
+    if (kind === UINT) {
+        return typeof v === 'number' && Number.isSafeInteger(v) && v >= 0;
+    }
+    if (kind === 'true or false') {
+        return typeof v === 'boolean';
+    }
+    if (kind === 'a string') {
+        return typeof v === 'string';
+    }
+    return typeof v === 'string' || (typeof v === 'number' && Number.isSafeInteger(v) && v >= 0);
+}
+
+// Each parameter of `params` that tritonserver parses with a fixed type (`kinds`) must have it.
+function checkTypedParameters(params, kinds, field) {
+    const names = Object.keys(params);
+    for (let n = 0; n < names.length; n++) {
+        const kind = kinds[names[n]];
+        if (kind !== undefined && !typeOk(kind, params[names[n]])) {
+            fail(`${field}.${names[n]} must be ${kind}`);
+        }
+    }
+}
+
 // The number of elements of a serialized BYTES tensor (4-byte little-endian length prefixes).
 function countBytesElements(buf, start, size, field) {
     let pos = start;
@@ -148,6 +184,9 @@ function checkInput(input, i, model, body, binaryStart, binaryOffset) {
     if (params !== undefined && !isObject(params)) {
         fail(`${name}.parameters must be an object`);
     }
+    if (params) {
+        checkTypedParameters(params, INPUT_PARAMETERS, `${name}.parameters`);
+    }
     if (params && params.shared_memory_region !== undefined) {
         if (input.data !== undefined) {
             fail(`${name}: both data and shared_memory_region given`);
@@ -194,6 +233,15 @@ function bodyRefusal(r) {
     }
     if (r.requestBuffer === undefined || r.requestBuffer === null) {
         return [413, `request body too large (over ${limits.max_body_bytes} bytes)`];
+    }
+    let size = 0;
+    try {
+        size = r.requestBuffer.length;  // an empty body is a detached buffer in njs 0.7
+    } catch (e) {
+        size = 0;
+    }
+    if (size === 0) {
+        return [400, 'the request body is empty; a JSON request was expected'];
     }
     return null;
 }
@@ -245,10 +293,27 @@ function checkRequest(r) {
     if (request.parameters !== undefined && !isObject(request.parameters)) {
         return [400, 'parameters must be an object'];
     }
+    const model = limits.models[r.variables.frontdoor_model];
+    if (model && model.decoupled) {
+        // tritonserver answers 501: its HTTP infer endpoint serves no decoupled model.
+        return [400, `model ${r.variables.frontdoor_model} is decoupled (it streams): send it to .../generate_stream, ` +
+                     'or over gRPC ModelStreamInfer; /infer does not serve it'];
+    }
+    try {
+        checkTypedParameters(request.parameters || {}, REQUEST_PARAMETERS, 'parameters');
+        for (let i = 0; i < (request.outputs || []).length; i++) {
+            const out = request.outputs[i];
+            checkTypedParameters(out.parameters || {}, OUTPUT_PARAMETERS, `outputs[${i}] '${out.name}'.parameters`);
+        }
+    } catch (e) {
+        if (e instanceof Refusal) {
+            return [400, e.message];
+        }
+        throw e;
+    }
     if (request.id !== undefined && typeof request.id !== 'string') {
         return [400, 'id must be a string'];
     }
-    const model = limits.models[r.variables.frontdoor_model];
     let binaryOffset = 0;
     try {
         for (let i = 0; i < request.inputs.length; i++) {
@@ -303,6 +368,13 @@ function loneSurrogate(str) {
     return false;
 }
 
+// tritonserver 2.51 cuts a key at its first NUL and then cannot find it (a 500).
+function noNul(key, where) {
+    if (key.indexOf('\u0000') >= 0) {
+        fail(`${where}: the key ${JSON.stringify(key).slice(0, 40)} holds a NUL character`);
+    }
+}
+
 function checkScalar(v, field) {
     if (typeof v === 'string') {
         if (loneSurrogate(v)) {
@@ -332,7 +404,11 @@ function checkGenerateRequest(r) {
     while ((m = escapes.exec(text)) !== null) {
         const high = /^\\u[dD][89abAB]/.test(m[0]);
         if (!high || m[1] === undefined) {
-            return [400, `the JSON body has an unpaired UTF-16 surrogate escape ${m[0].slice(0, 6)} (not valid Unicode text)`];
+            // Name the field: the last key before the escape.
+            const keys = text.slice(0, m.index).match(/"((?:[^"\\]|\\.){0,64})"\s*:/g);
+            const key = keys ? keys[keys.length - 1].replace(/"\s*:$/, '').slice(1) : 'a value';
+            return [400, `${key}: the JSON body has an unpaired UTF-16 surrogate escape ${m[0].slice(0, 6)} ` +
+                         '(not valid Unicode text)'];
         }
     }
     let request;
@@ -360,10 +436,13 @@ function checkGenerateRequest(r) {
                 }
                 const names = Object.keys(value);
                 for (let n = 0; n < names.length; n++) {
+                    noNul(names[n], 'parameters');
                     checkScalar(value[names[n]], `parameters.${names[n]}`);
                 }
+                checkTypedParameters(value, REQUEST_PARAMETERS, 'parameters');
                 continue;
             }
+            noNul(key, 'the request body');
             const spec = model ? model.inputs[key] : undefined;
             if (spec === undefined) {
                 if (typeof value === 'string' && loneSurrogate(value)) {

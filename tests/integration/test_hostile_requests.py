@@ -72,6 +72,34 @@ JSON_CASES = {
 }
 
 
+def _with(parameters=None, outputs=None) -> bytes:
+    body = {"inputs": _text([1, 1])}
+    if parameters is not None:
+        body["parameters"] = parameters
+    if outputs is not None:
+        body["outputs"] = outputs
+    return json.dumps(body).encode()
+
+
+# Found by perf.fuzz: parameters tritonserver 2.51 parses with a fixed JSON type are a 500 there
+# ("Unable to parse 'priority': attempt to access JSON non-unsigned-integer as unsigned-integer").
+JSON_CASES.update({
+    "priority_negative": (_with({"priority": -1}), "priority"),
+    "priority_string": (_with({"priority": "interactive"}), "priority"),
+    "priority_over_2_64": (_with({"priority": 1 << 64}), "priority"),
+    "timeout_float": (_with({"timeout": 1.5}), "timeout"),
+    "sequence_id_negative": (_with({"sequence_id": -1}), "sequence_id"),
+    "sequence_start_number": (_with({"sequence_start": 1}), "sequence_start"),
+    "binary_data_output_string": (_with({"binary_data_output": "x"}), "binary_data_output"),
+    "output_binary_data_number": (_with(outputs=[{"name": "EMBEDDING", "parameters": {"binary_data": 1}}]),
+                                  "binary_data"),
+    "output_classification_negative": (_with(outputs=[{"name": "EMBEDDING", "parameters": {"classification": -1}}]),
+                                       "classification"),
+    "output_shared_memory_region_number": (
+        _with(outputs=[{"name": "EMBEDDING", "parameters": {"shared_memory_region": 1}}]), "shared_memory_region"),
+})
+
+
 @pytest.mark.parametrize("case", sorted(JSON_CASES))
 def test_malformed_json_request_is_refused_with_400_naming_the_field(triton, case):
     body, field = JSON_CASES[case]
@@ -113,6 +141,37 @@ def test_compressed_and_oversized_bodies_are_refused(triton):
     big = _json(_text([1, 1], data=("x" * (triton.options.max_body_bytes + 10),)))
     status, answer = _post(triton.http_url, big)
     assert status == 413, answer[:200]
+
+
+def test_valid_typed_parameters_still_pass(triton):
+    body = _with({"priority": 0, "timeout": 0, "sequence_id": "abc", "binary_data_output": False},
+                 [{"name": "EMBEDDING", "parameters": {"binary_data": False}}])
+    status, answer = _post(triton.http_url, body)
+    assert status == 200, answer[:300]
+
+
+GENERATION = "text_generation"
+GENERATE_CASES = {
+    # (path, body, the field the error must name); each was a 5xx (or 501) from tritonserver 2.51.
+    "infer_on_a_decoupled_model": ("infer", _json([{"name": "text_input", "shape": [1], "datatype": "BYTES",
+                                                    "data": ["hi"]}]), "generate_stream"),
+    "nul_in_a_key": ("generate", json.dumps({"text_input": "hi", "a\u0000b": 1}).encode(), "NUL"),
+    "nul_in_a_parameter_name": ("generate", json.dumps({"text_input": "hi", "parameters": {"x\u0000": 1}}).encode(),
+                                "NUL"),
+    "priority_negative": ("generate", json.dumps({"text_input": "hi", "parameters": {"priority": -1}}).encode(),
+                          "priority"),
+    "lone_surrogate_names_its_key": ("generate", b'{"text_input": "a\\udcff"}', "text_input"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GENERATE_CASES))
+def test_generation_endpoints_refuse_what_tritonserver_would_fail_on(triton, case):
+    if GENERATION not in triton.options.models:
+        pytest.skip(f"{GENERATION} is not served by this session's server")
+    path, body, field = GENERATE_CASES[case]
+    status, answer = _post(triton.http_url, body, path=f"/v2/models/{GENERATION}/{path}")
+    assert status == 400, (status, answer[:300])
+    assert field in json.loads(answer)["error"], answer
 
 
 def _grpc_request(shape, typed: bool, datatype="BYTES", model=MODEL):
