@@ -18,7 +18,8 @@ utime + stime of every process (/proc/<pid>/stat) before and after:
                                  its figures are per 1,000 generated tokens
 
 Every request body is built before its window, so the load generator's figure is the cost of
-sending and reading, not of making inputs. An idle window first gives each process's idle
+sending and reading, not of making inputs. A request the admission control refuses (HTTP 503)
+is sent again after a backoff and counted in the table's ``refused`` column. An idle window first gives each process's idle
 CPU rate; the table shows the net cost (raw - idle rate x window length, never below 0); the
 CSV has both. Processes are summed per group: every instance of a model's stub is one
 column. Writes cpu_cost.csv and cpu_cost.md under perf/results/cpu-cost-<UTC time>/
@@ -143,6 +144,7 @@ class PathResult:
     requests: int = 0
     wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    refused: int = 0  # HTTP 503 answers (admission control), each sent again after a pause
     raw_cpu_s: dict[str, float] = field(default_factory=dict)  # group -> CPU-seconds in the window
     net_cpu_s: dict[str, float] = field(default_factory=dict)  # minus the idle rate x wall_s
 
@@ -159,9 +161,13 @@ def group_cpu(procs: Sequence[processes.Proc], snap: dict[str, processes.Sample]
     return out
 
 
+RETRIES = 6  # a 503 (the admission control refusing) is sent again after 10, 20, 40 ... ms
+
+
 async def http_window(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], concurrency: int,
                       result: PathResult, check=None) -> None:
-    """Send every body once, ``concurrency`` at a time; a non-200 answer is an error."""
+    """Send every body once, ``concurrency`` at a time; a 503 is retried with backoff (counted in
+    ``refused``: its cost is part of the path's), any other non-200 answer is an error."""
     import aiohttp
 
     todo = iter(bodies)
@@ -170,12 +176,18 @@ async def http_window(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], 
         async def client():
             for body, headers in todo:
                 try:
-                    async with session.post(url, data=body, headers=headers) as r:
-                        raw = await r.read()
+                    for attempt in range(RETRIES + 1):
+                        async with session.post(url, data=body, headers=headers) as r:
+                            raw = await r.read()
+                        if r.status == 503 and attempt < RETRIES:
+                            result.refused += 1
+                            await asyncio.sleep(0.01 * 2 ** attempt)
+                            continue
                         if r.status != 200:
                             raise RuntimeError(f"HTTP {r.status}: {raw[:200]!r}")
                         if check is not None:
                             check(raw)
+                        break
                     result.units += 1
                 except Exception as exc:  # noqa: BLE001 - counted; the window goes on
                     result.errors.append(f"{type(exc).__name__}: {exc}"[:300])
@@ -371,7 +383,7 @@ async def measure(args, triton, gateway, redis, key: str, say) -> tuple[dict[str
         if gone:
             r.errors.append(f"processes exited: {', '.join(gone)}")
         total = sum(r.net_cpu_s.values())
-        say(f"{path}: {r.units} {unit} in {r.wall_s:.1f} s, {len(r.errors)} errors, "
+        say(f"{path}: {r.units} {unit} in {r.wall_s:.1f} s, {len(r.errors)} errors, {r.refused} refused (503), "
             f"{1000 * total / max(1, r.units):.2f} CPU-s per 1000 {unit}")
         results.append(r)
     return idle, results, groups
@@ -384,8 +396,8 @@ def short(group: str) -> str:
 def markdown(header: Sequence[str], idle: dict[str, float], results: Sequence[PathResult], groups: Sequence[str]) -> str:
     lines = list(header) + ["", ("CPU-seconds per 1,000 requests (text_generation: per 1,000 generated tokens), net "
                                  "of each process's idle rate; `-`: below 0.005."), ""]
-    lines.append("| path | " + " | ".join(short(g) for g in groups) + " | total | wall s | errors |")
-    lines.append("| --- |" + " ---: |" * (len(groups) + 3))
+    lines.append("| path | " + " | ".join(short(g) for g in groups) + " | total | wall s | refused | errors |")
+    lines.append("| --- |" + " ---: |" * (len(groups) + 4))
     for r in results:
         cells = []
         for g in groups:
@@ -393,9 +405,9 @@ def markdown(header: Sequence[str], idle: dict[str, float], results: Sequence[Pa
             cells.append("-" if v is None or v < 0.005 else f"{v:.2f}")
         total = sum(r.per_1000(g) or 0.0 for g in groups)
         lines.append(f"| {r.path}{' (per 1k tokens)' if r.unit == 'tokens' else ''} | " + " | ".join(cells)
-                     + f" | {total:.2f} | {r.wall_s:.1f} | {len(r.errors)} |")
+                     + f" | {total:.2f} | {r.wall_s:.1f} | {r.refused} | {len(r.errors)} |")
     lines.append("| idle, CPU-s per 1,000 s | " + " | ".join(f"{1000 * idle.get(g, 0.0):.1f}" for g in groups)
-                 + f" | {1000 * sum(idle.values()):.1f} | | |")
+                 + f" | {1000 * sum(idle.values()):.1f} | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -407,7 +419,7 @@ def csv_rows(idle: dict[str, float], results: Sequence[PathResult], groups: Sequ
                          "wall_s": round(r.wall_s, 3), "raw_cpu_s": round(r.raw_cpu_s.get(g, 0.0), 4),
                          "net_cpu_s": round(r.net_cpu_s.get(g, 0.0), 4),
                          "net_cpu_s_per_1000": round(r.per_1000(g) or 0.0, 4),
-                         "idle_cores": round(idle.get(g, 0.0), 5), "errors": len(r.errors)})
+                         "idle_cores": round(idle.get(g, 0.0), 5), "refused": r.refused, "errors": len(r.errors)})
     return rows
 
 

@@ -227,6 +227,7 @@ class Recorder:
     shed: int = 0
     all_errors: list[str] = field(default_factory=list)  # every failure's message (the peak phase's are sorted)
     peak_refused: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # the failures that were 503s (admission control)
 
     def add(self, name: str, outcome: Outcome) -> None:
         if outcome.cancelled:
@@ -244,6 +245,8 @@ class Recorder:
         if len(self.errors) < 50:
             self.errors.append(f"{name}: {message}"[:400])
         self.all_errors.append(f"{name}: {message}"[:400])
+        if REFUSED in message:
+            self.refused[name] = self.refused.get(name, 0) + 1
 
     def take(self) -> tuple[dict[str, list[float]], dict[str, int], dict[str, int]]:
         out = (self.current, self.interval_errors, self.interval_cancelled)
@@ -499,9 +502,10 @@ def _f(v, digits: int = 1) -> str:
 def summary(header: Sequence[str], soak: Soak, rec: Recorder, rss: Sequence[dict], p99: Sequence[dict],
             failures: Sequence[str]) -> str:
     lines = list(header) + ["", f"**Result: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}**", ""]
-    lines += ["| workload | answered | cancelled | errors |", "| --- | ---: | ---: | ---: |"]
+    lines += ["| workload | answered | cancelled | errors | of which refused (503) |", "| --- | ---: | ---: | ---: | ---: |"]
     for name in dict.fromkeys([*rec.ok, *rec.cancelled, *rec.failed]):
-        lines.append(f"| {name} | {rec.ok.get(name, 0)} | {rec.cancelled.get(name, 0)} | {rec.failed.get(name, 0)} |")
+        lines.append(f"| {name} | {rec.ok.get(name, 0)} | {rec.cancelled.get(name, 0)} | {rec.failed.get(name, 0)} | "
+                     f"{rec.refused.get(name, 0)} |")
     if rec.errors:
         lines += ["", "First errors:", ""] + [f"- `{e}`" for e in rec.errors[:10]]
     if soak.lost:
@@ -617,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
         failures.append(f"stopped early: {failure}")
     n_errors = sum(rec.failed.values())
     if n_errors:
-        failures.append(f"{n_errors} errors ({rec.shed} shed)")
+        failures.append(f"{n_errors} errors ({sum(rec.refused.values())} refused with 503, {rec.shed} shed)")
     if soak.lost:
         failures.append(f"processes exited: {', '.join(soak.lost)}")
     failures += [f"RSS of {r['process']} grew {r.get('fitted_growth_mib')} MiB (limit {r.get('limit_mib')})"
