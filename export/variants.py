@@ -330,6 +330,31 @@ def _trt_accelerator(base: str) -> str:
 """
 
 
+# Parameters of the Python-based backend's ragged path (python_backends.onnx_engine.batching).
+_RAGGED_PARAMS = re.compile(r'^\s*parameters\s*\{\s*key:\s*"(max_batch_tokens|max_batch_rows|ragged_length_input)".*\}\s*$')
+
+
+def drop_ragged(body: str) -> str:
+    """A config text without ``allow_ragged_batch`` and the ragged path's parameters (with the
+    comment lines right above them). NVIDIA's native ONNX Runtime and TensorRT backends would
+    concatenate ragged inputs of a model that does not take them flat into one tensor, so GPU
+    variants batch requests of equal shape only: the tokenizer's sequence buckets."""
+    if not re.search(r"allow_ragged_batch:\s*true", body):
+        return body
+    lines = re.sub(r"\s*allow_ragged_batch:\s*true", "", body).splitlines()
+    out: list[str] = []
+    for line in lines:
+        if _RAGGED_PARAMS.match(line):
+            while out and out[-1].lstrip().startswith("#"):
+                out.pop()
+            continue
+        out.append(line)
+    note = ("# GENERATED: allow_ragged_batch dropped: the native GPU backends would concatenate ragged\n"
+            "# inputs flat; requests batch by equal shape (the tokenizer pads to sequence buckets).\n")
+    text = "\n".join(out) + "\n"
+    return re.sub(r"^input \[", note + "input [", text, count=1, flags=re.MULTILINE)
+
+
 def _parameter_lines(params: dict[str, str] | None) -> str:
     return "".join(
         f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in (params or {}).items()
@@ -361,6 +386,7 @@ def variant_config(base: str, variant: Variant, params: dict[str, str] | None = 
             raise ValueError('a trt_plan variant needs a config.pbtxt with backend: "onnxruntime"')
         body = "\n".join(line for line in body.splitlines() if not _ORT_ONLY_PARAMS.match(line)) + "\n"
     if variant.name in GPU_VARIANTS:
+        body = drop_ragged(body)
         extra += gpu_warmup(base)
     return header + body.rstrip("\n") + "\n\n" + extra
 

@@ -18,6 +18,15 @@ for a batch size is the faster layout, so a served layout that wastes the cores 
 flattered by a ceiling measured the same wasteful way.
 
 Both are sequences per second per batch size; the limit is the best batch's figure.
+
+``--length-mix LOW-HIGH`` measures instead the limit for mixed-length traffic: a pool of
+``--pool`` rows of token ids whose lengths are drawn uniformly from LOW..HIGH (seeded), run
+with the best grouping there is (the whole pool sorted by length, cut into runs of at most
+``max_batch_tokens`` padded tokens, each run padded to its own longest row:
+python_backends.onnx_engine.batching.plan_runs, what the served encoder does per execution),
+for each of ``--budgets``, against the grouping without lengths (runs of ``--count-batch``
+rows in arrival order, each padded to the tokenizer's bucket of its longest row). Figures:
+sequences per second, per budget and thread layout; the limit is the best of them.
 """
 
 from __future__ import annotations
@@ -29,9 +38,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -119,7 +128,7 @@ def served_encoder(precision: str, repo: Path = REPOSITORY) -> ServedEncoder:
 
 def instance_count(config_text: str) -> int:
     """Instances of a config.pbtxt text: the sum of its instance_group counts (1 when unset)."""
-    groups = re.findall(r"instance_group\s*\[(.*?)\]", config_text, flags=re.S)
+    groups = re.findall(r"instance_group\s*\[(.*?)\]", config_text, flags=re.DOTALL)
     counts = [int(c) for g in groups for c in re.findall(r"count:\s*(\d+)", _strip_comments(g))]
     return sum(counts) or 1
 
@@ -254,12 +263,140 @@ def measure(
     return Limit(served, best["encoder"], best["end_to_end"], per_layout)
 
 
+DEFAULT_MIX = (8, 128)  # tokens per text, as in the mixed-length traffic of the tail benchmark
+DEFAULT_BUDGETS = (512, 1024, 2048, 4096)
+BUCKETS = (16, 32, 64, 128, 256)  # text_tokenizer's sequence_buckets
+
+
+def mix_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """``n`` lengths drawn uniformly from low..high (inclusive), reproducibly."""
+    if not 2 <= low <= high:
+        raise ValueError(f"a length mix needs 2 <= low <= high, got {low}-{high}")
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+
+
+def token_rows(lengths: Sequence[int], seed: int = 0, vocab: tuple[int, int] = (1000, 30000)) -> list[np.ndarray]:
+    """One row of token ids per length: [CLS] random ids [SEP] (ids inside the vocabulary)."""
+    rng = np.random.default_rng(seed)
+    return [np.concatenate(([101], rng.integers(*vocab, size=n - 2), [102])).astype(np.int64) for n in lengths]
+
+
+def _feed(rows: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for k, row in enumerate(rows):
+        ids[k, : len(row)] = row
+        mask[k, : len(row)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def grouped_feeds(rows: Sequence[np.ndarray], max_tokens: int) -> list[dict[str, np.ndarray]]:
+    """The pool as the served encoder groups it under a token budget (plan_runs)."""
+    from python_backends.onnx_engine.batching import plan_runs
+
+    runs = plan_runs([len(r) for r in rows], max_tokens)
+    return [_feed([rows[i] for i in run], len(rows[run[0]])) for run in runs]
+
+
+def count_feeds(rows: Sequence[np.ndarray], batch: int, buckets: Sequence[int] = BUCKETS) -> list[dict[str, np.ndarray]]:
+    """The pool in runs of ``batch`` rows in arrival order, each padded to the bucket of its longest row."""
+    from python_backends.text.tokenization import bucket_length
+
+    chunks = [rows[i : i + batch] for i in range(0, len(rows), batch)]
+    return [_feed(c, bucket_length(max(len(r) for r in c), buckets)) for c in chunks]
+
+
+@dataclass
+class MixLimit:
+    served: ServedEncoder
+    mix: tuple[int, int]
+    pool: int
+    mean_tokens: float
+    # layout -> grouping ("tokens<=B" or "count=N") -> sequences/s (median over rounds)
+    rates: dict[str, dict[str, float]]
+
+    @property
+    def best(self) -> tuple[str, str, float]:
+        """(layout, grouping, sequences/s) of the fastest token-budget grouping: the limit."""
+        return max(((lay, g, v) for lay, gs in self.rates.items() for g, v in gs.items() if g.startswith("tokens")),
+                   key=lambda x: x[2])
+
+    def best_budget(self) -> int:
+        return int(self.best[1].split("<=")[1])
+
+    def rows(self) -> list[dict[str, object]]:
+        return [{"kind": "length_mix", "variant": self.served.variant, "layout": lay, "grouping": g,
+                 "mix": f"{self.mix[0]}-{self.mix[1]}", "sequences_per_s": round(v, 1)}
+                for lay, gs in self.rates.items() for g, v in gs.items()]
+
+
+def measure_length_mix(
+    served: ServedEncoder,
+    mix: tuple[int, int] = DEFAULT_MIX,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    count_batch: int = 16,
+    pool: int = 512,
+    rounds: int = 3,
+    seconds: float = 1.0,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> MixLimit:
+    """In-process sequences/s on a mixed-length pool, per grouping and thread layout, interleaved rounds."""
+    if not served.model_path.is_file():
+        raise FileNotFoundError(f"{served.model_path} not found (run `make export`)")
+    lengths = mix_lengths(pool, *mix, seed=seed)
+    rows = token_rows(lengths, seed=seed)
+    groupings = {f"tokens<={b}": grouped_feeds(rows, b) for b in budgets}
+    groupings[f"count={count_batch}"] = count_feeds(rows, count_batch)
+    plan = layouts(served)
+    sessions = {(n, t): [bench.open_cpu_session(served.model_path, t) for _ in range(n)] for n, t in plan}
+    names = {layout: f"{layout[0]}x{layout[1]}" for layout in plan}
+
+    def whole_pool(session, feeds) -> Callable[[], object]:
+        return lambda: [session.run(None, f) for f in feeds]
+
+    for layout in plan:  # warm-up: first runs allocate and pick kernels
+        for feeds in groupings.values():
+            for s in sessions[layout]:
+                whole_pool(s, feeds)()
+    samples = {names[lay]: {g: [] for g in groupings} for lay in plan}
+    for r in range(rounds):
+        if progress:
+            progress(f"length-mix round {r + 1}/{rounds}: {', '.join(groupings)}; layouts {', '.join(names.values())}")
+        for g, feeds in groupings.items():
+            for layout in plan:
+                rate, _ = _rate([whole_pool(s, feeds) for s in sessions[layout]], len(rows), seconds, min_runs=1)
+                samples[names[layout]][g].append(rate)
+    rates = {lay: {g: statistics.median(v) for g, v in gs.items()} for lay, gs in samples.items()}
+    return MixLimit(served, tuple(mix), pool, float(np.mean(lengths)), rates)
+
+
+def mix_markdown(m: MixLimit) -> str:
+    s = m.served
+    names = list(m.rates)
+    groupings = list(next(iter(m.rates.values())))
+    layout, grouping, value = m.best
+    lines = [
+        (f"In-process limit for mixed lengths: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, "
+        f"spinning off; {m.pool} rows of {m.mix[0]}-{m.mix[1]} tokens (mean {m.mean_tokens:.1f}); "
+        f"layouts as sessions x intra-op threads (served: {s.layout})."),
+        "",
+        "| grouping | " + " | ".join(f"{n} (seq/s)" for n in names) + " |",
+        "| --- | " + " | ".join("---:" for _ in names) + " |",
+    ]
+    for g in groupings:
+        lines.append(f"| {g} | " + " | ".join(f"{m.rates[n][g]:.0f}" for n in names) + " |")
+    lines += ["", f"limit: {value:.0f} seq/s ({grouping} tokens per run, layout {layout})"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(limit: Limit) -> str:
     s = limit.served
     names = list(limit.layouts)
     lines = [
-        f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, spinning off, "
-        f"16-token sentences; layouts as sessions x intra-op threads (served: {s.layout}).",
+        (f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, spinning off, "
+        f"16-token sentences; layouts as sessions x intra-op threads (served: {s.layout})."),
         "",
         "| batch | " + " | ".join(f"encoder {n} (seq/s) | tokenizer + encoder {n} (seq/s)" for n in names) + " |",
         "| ---: | " + " | ".join("---: | ---:" for _ in names) + " |",
@@ -285,8 +422,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.0, help="per batch size, kind and round")
     p.add_argument("--input-data", type=Path, default=DEFAULT_INPUT)
+    p.add_argument("--length-mix", metavar="LOW-HIGH",
+                   help=f"mixed-length mode: token lengths drawn from LOW..HIGH (the issue's mix: "
+                        f"{DEFAULT_MIX[0]}-{DEFAULT_MIX[1]})")
+    p.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
+                   help="--length-mix: padded tokens per run to try, comma-separated")
+    p.add_argument("--count-batch", type=int, default=16, help="--length-mix: rows per run of the count grouping")
+    p.add_argument("--pool", type=int, default=512, help="--length-mix: rows in the pool")
     args = p.parse_args(argv)
     served = served_encoder(args.precision)
+    if args.length_mix:
+        low, high = (int(x) for x in args.length_mix.split("-"))
+        mix = measure_length_mix(served, (low, high), [int(b) for b in args.budgets.split(",")], args.count_batch,
+                                 args.pool, rounds=args.rounds, seconds=args.seconds,
+                                 progress=lambda m: print(m, flush=True))
+        print(mix_markdown(mix))
+        return 0
     limit = measure(served, load_sentences(args.input_data), [int(b) for b in args.batches.split(",")],
                     rounds=args.rounds, seconds=args.seconds, progress=lambda m: print(m, flush=True))
     print(markdown(limit))

@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 from pathlib import Path
 
 from python_backends.config import ModelConfig
-from python_backends.onnx_engine.batching import run_batched
+from python_backends.onnx_engine.batching import budget_from_config, run_batched
 from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
 from python_backends.shim import check_shape, error_response, install_logging, load_error
 
@@ -30,6 +30,8 @@ class TritonPythonModel:
             )
             self.session = open_session(plan)
             check_io(self.config, self.session)
+            # Inputs declared allow_ragged_batch: rows trimmed and grouped under a token budget.
+            self.budget = budget_from_config(self.config)
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
         self.input_names = [spec.name for spec in self.config.inputs]
@@ -37,6 +39,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"{self.config.name}: {plan.model_path.name} on {self.session.get_providers()[0]}, "
             f"intra_op_threads={plan.intra_op_threads or 'default'}"
+            + (f", ragged batches of at most {self.budget.max_tokens} tokens per run" if self.budget else "")
         )
 
     def _run(self, feed):
@@ -61,7 +64,7 @@ class TritonPythonModel:
                 continue
             feeds.append(inputs)
             owners.append(i)
-        for i, outcome in zip(owners, run_batched(feeds, self.input_names, self._run)):
+        for i, outcome in zip(owners, run_batched(feeds, self.input_names, self._run, self.budget)):
             if outcome.error is not None:
                 responses[i] = error_response(pb_utils, self.config.name, outcome.error, requests[i].request_id())
             else:
