@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 _LANES = re.compile(r'key:\s*"lanes"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}')
 _LANES_LINE = re.compile(r'^.*key:\s*"lanes".*\n', re.M)
+# A lane serves a higher class than its model: it keeps the full CPU priority.
+_NICE_LINE = re.compile(r'^.*key:\s*"process_nice".*\n', re.M)
 _NAME = re.compile(r'^name:\s*"([^"]+)"', re.M)
 _COUNT = re.compile(r'(instance_group\s*\[[^\]]*?\{[^}]*?count:\s*)(\d+)', re.S)
 _LANE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -64,7 +66,7 @@ def render_config(text: str, lane: Lane) -> str:
         out = _COUNT.sub(lambda m: f"{m.group(1)}{lane.count}", out, count=1)
     else:
         out += f"\ninstance_group [ {{ count: {lane.count} }} ]\n"
-    out = _LANES_LINE.sub("", out)
+    out = _NICE_LINE.sub("", _LANES_LINE.sub("", out))
     header = (f"{MARK} from {lane.model}'s config for the {lane.lane!r} priority class, {lane.count} "
               f"instance(s).\n# Edit {lane.model}/config.pbtxt instead (docs/priority-classes.md).\n")
     return header + out

@@ -38,6 +38,8 @@ from openai_gateway.triton import TritonBackend
 log = logging.getLogger("openai_gateway")
 access_log = logging.getLogger("openai_gateway.access")
 
+# Picks the priority class's entry models for /v1/embeddings (docs/priority-classes.md).
+PRIORITY_HEADER = "X-Priority-Class"
 ROUTES = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/health/ready",
           "/metrics", "/openapi.json", "/docs")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -195,6 +197,20 @@ class GatewayState:
                 self.counters[m.id] = embeddings.TokenCounter(m.tokenizer_file)
             except FileNotFoundError as exc:
                 log.warning("%s is not served by the gateway: %s", m.id, exc)
+
+
+def priority_class_of(request: Request, model: EmbeddingModel) -> str | None:
+    """The request's X-Priority-Class (docs/priority-classes.md), None when absent; 400 for a
+    class the model has no entry for."""
+    value = request.headers.get(PRIORITY_HEADER)
+    if value is None:
+        return None
+    value = value.strip().lower()
+    served = [cls for cls, _, _ in model.lanes] or ["default"]
+    if value not in served:
+        raise APIError(400, f"{PRIORITY_HEADER} must be one of {', '.join(served)} for {model.id}, got {value[:40]!r}",
+                       param=PRIORITY_HEADER, code="invalid_priority_class")
+    return None if value == "default" else value
 
 
 def _info(request: Request) -> dict[str, Any]:
@@ -366,7 +382,10 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
             job = embeddings.check_request(body, model, counter, settings)
         info["texts"] = job.size
         info["prompt_tokens"] = job.prompt_tokens
+        job.priority_class = priority_class_of(request, model)
         backend.require_ready(model)
+        if job.priority_class is not None:
+            backend.require_entry_ready(model, job.priority_class)
         work = backend.embed(job, info["request_id"], counter.pad_id)
         # One batch is over in milliseconds: watching for a disconnect would cost more than it saves.
         vectors = await (work if len(job.chunks()) == 1 else until_done_or_gone(request, work, metrics, "/v1/embeddings"))
@@ -458,6 +477,6 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id", PRIORITY_HEADER],
                            expose_headers=["X-Request-Id", "Retry-After"])
     return app

@@ -49,6 +49,16 @@ class EmbeddingModel:
     dimensions: int
     aliases: tuple[str, ...] = ()
     kind: str = "embedding"
+    # (priority class, text entry, ids entry) of each class with its own entry
+    # (docs/priority-classes.md); a class not listed is served by text_entry / ids_entry.
+    lanes: tuple[tuple[str, str, str], ...] = ()
+
+    def entries(self, priority_class: str | None) -> tuple[str, str]:
+        """(text entry, ids entry) serving ``priority_class`` (None: the default class)."""
+        for cls, text, ids in self.lanes:
+            if cls == priority_class:
+                return text, ids
+        return self.text_entry, self.ids_entry
 
 
 @dataclass(frozen=True)
@@ -86,10 +96,22 @@ def _embedding(name: str, config: ModelConfig, configs: dict[str, ModelConfig], 
     out = next((o for o in config.outputs if o.name == "EMBEDDING"), None)
     if out is None or not any(i.name == "TEXT" for i in config.inputs):
         return None
-    text_entry = name
-    if entry == "cached":
-        cached = [n for n, c in configs.items() if c.param("target_model") == name and c.max_batch_size > 0]
-        text_entry = cached[0] if cached else name
+    # The priority classes' entries: cached entries (priority_class parameter, default "default")
+    # whose target is this ensemble or one of its lanes (an ensemble whose lane_of names it).
+    targets = {name: steps[1]}
+    for n, c in configs.items():
+        lane_steps = [s.get("model_name") for s in c.raw.get("ensemble_scheduling", {}).get("step", [])]
+        if c.param("lane_of") == name and len(lane_steps) == 2:
+            targets[n] = lane_steps[1]
+    by_class: dict[str, tuple[str, str]] = {}
+    for n, c in sorted(configs.items()):
+        target = c.param("target_model")
+        if target in targets and c.max_batch_size > 0:
+            by_class.setdefault(c.param("priority_class", "default"), (n if entry == "cached" else target, targets[target]))
+    for n, c in configs.items():  # a lane without a cached entry is still its class's direct entry
+        if n in targets and n != name:
+            by_class.setdefault(c.param("priority_class", "default"), (n, targets[n]))
+    text_entry = by_class.get("default", (name,))[0] if entry == "cached" else name
     encoder_out = next((o.name for o in encoder.outputs if o.data_type == "TYPE_FP32"), "sentence_embedding")
     version = repository / steps[0] / "1"
     max_tokens = tokenizer.param_int("max_sequence_length", 256, minimum=1)
@@ -105,6 +127,7 @@ def _embedding(name: str, config: ModelConfig, configs: dict[str, ModelConfig], 
         buckets=tuple(sorted(set(tokenizer.param_int_list("sequence_buckets", [max_tokens])))),
         dimensions=int(out.dims[0]) if out.dims else 0,
         aliases=ALIASES.get(name, ()),
+        lanes=tuple((cls, text, ids) for cls, (text, ids) in sorted(by_class.items())),
     )
 
 
@@ -138,6 +161,8 @@ class Catalog:
         configs = _configs(repository)
         models: list[Model] = []
         for name, config in configs.items():
+            if config.param("lane_of"):  # a priority class's lane of another model, not a model of its own
+                continue
             if config.raw.get("platform") == "ensemble":
                 m = _embedding(name, config, configs, Path(repository), embedding_entry)
             else:

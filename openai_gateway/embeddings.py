@@ -62,6 +62,7 @@ class EmbeddingJob:
     token_counts: list[int]
     encoding_format: str
     blobs: list[bytes] | None = None  # the texts as UTF-8, what Triton gets
+    priority_class: str | None = None  # X-Priority-Class (docs/priority-classes.md); None: default
 
     @property
     def size(self) -> int:

@@ -123,7 +123,8 @@ class TritonBackend:
     async def refresh(self) -> None:
         # Readiness of each model, not the repository index: the index is behind the
         # repository API's token, which the gateway does not need otherwise.
-        names = sorted({n for m in self.catalog.models.values() for n in self.catalog.triton_models(m)})
+        names = sorted({n for m in self.catalog.models.values() for n in self.catalog.triton_models(m)}
+                       | {n for m in self.catalog.of_kind("embedding") for lane in m.lanes for n in lane[1:]})
         try:
             ready = await self.client.is_server_ready(client_timeout=2.0)
             states = await asyncio.gather(*(self.client.is_model_ready(n, client_timeout=2.0) for n in names)) \
@@ -148,6 +149,13 @@ class TritonBackend:
 
     def served(self, kind: str | None = None) -> list[Model]:
         return [m for m in self.catalog.models.values() if (kind is None or m.kind == kind) and self.is_ready(m)]
+
+    def require_entry_ready(self, model: EmbeddingModel, priority_class: str) -> None:
+        """503 when the class's entry models are not loaded and ready in Triton."""
+        missing = [n for n in model.entries(priority_class) if n not in self.ready_models]
+        if missing:
+            raise unavailable(f"{model.id}: priority class {priority_class!r} is not served now "
+                              f"(not ready: {', '.join(missing)})")
 
     def require_ready(self, model: Model) -> None:
         if not self.server_ready:
@@ -186,15 +194,18 @@ class TritonBackend:
                 return np.frombuffer(response.raw_output_contents[i], dtype="<f4").reshape(tuple(out.shape))
         raise APIError(502, f"{model_name} answered without {output}", code="triton_error")
 
-    async def embed_texts(self, model: EmbeddingModel, blobs: list[bytes], request_id: str) -> np.ndarray:
+    async def embed_texts(self, model: EmbeddingModel, blobs: list[bytes], request_id: str,
+                          priority_class: str | None = None) -> np.ndarray:
         # BYTES tensors on the wire: each element a 4-byte little-endian length, then its bytes.
         raw = b"".join(_LENGTH.pack(len(b)) + b for b in blobs)
-        return await self._infer(model.text_entry, [("TEXT", "BYTES", (len(blobs), 1), raw)], "EMBEDDING", request_id)
+        return await self._infer(model.entries(priority_class)[0], [("TEXT", "BYTES", (len(blobs), 1), raw)],
+                                 "EMBEDDING", request_id)
 
-    def _coalescer(self, model: EmbeddingModel) -> "Coalescer":
-        found = self._coalescers.get(model.id)
+    def _coalescer(self, model: EmbeddingModel, priority_class: str | None) -> "Coalescer":
+        key = (model.id, priority_class)
+        found = self._coalescers.get(key)
         if found is None:
-            found = self._coalescers[model.id] = Coalescer(self, model)
+            found = self._coalescers[key] = Coalescer(self, model, priority_class)
         return found
 
     async def embed(self, job: EmbeddingJob, request_id: str, pad_id: int) -> np.ndarray:
@@ -206,10 +217,10 @@ class TritonBackend:
             rid = request_id if len(spans) == 1 else f"{request_id}.{k}"
             if job.texts is not None:
                 if len(spans) == 1 and self.coalesce:
-                    return await self._coalescer(model).submit(job.blobs, rid)
-                return await self.embed_texts(model, job.blobs[start:stop], rid)
+                    return await self._coalescer(model, job.priority_class).submit(job.blobs, rid)
+                return await self.embed_texts(model, job.blobs[start:stop], rid, job.priority_class)
             ids, mask = pad_ids(job.ids[start:stop], model.buckets, pad_id)
-            return await self._infer(model.ids_entry, [("input_ids", "INT64", ids.shape, ids.astype("<i8").tobytes()),
+            return await self._infer(model.entries(job.priority_class)[1], [("input_ids", "INT64", ids.shape, ids.astype("<i8").tobytes()),
                                                        ("attention_mask", "INT64", mask.shape,
                                                         mask.astype("<i8").tobytes())], model.ids_output, rid)
 
@@ -277,9 +288,10 @@ class Coalescer:
     each request is sent again alone, so one request's error is its own.
     """
 
-    def __init__(self, backend: TritonBackend, model: EmbeddingModel):
+    def __init__(self, backend: TritonBackend, model: EmbeddingModel, priority_class: str | None = None):
         self.backend = backend
         self.model = model
+        self.priority_class = priority_class
         self.limit = model.max_batch_size
         self.pending: list[tuple[list[bytes], str, asyncio.Future]] = []
         self.scheduled = False
@@ -316,8 +328,14 @@ class Coalescer:
             return
         blobs = [b for item in group for b in item[0]]
         try:
-            vectors = await self.backend.embed_texts(self.model, blobs, ",".join(item[1] for item in group))
-        except APIError:
+            vectors = await self.backend.embed_texts(self.model, blobs, ",".join(item[1] for item in group),
+                                                     self.priority_class)
+        except APIError as exc:
+            if exc.status == 503:  # the class is at capacity: sending each again would add load
+                for _, _, future in group:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
             await asyncio.gather(*(self._alone(item) for item in group))
             return
         except BaseException as exc:
@@ -335,7 +353,7 @@ class Coalescer:
     async def _alone(self, item) -> None:
         blobs, request_id, future = item
         try:
-            vectors = await self.backend.embed_texts(self.model, blobs, request_id)
+            vectors = await self.backend.embed_texts(self.model, blobs, request_id, self.priority_class)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)

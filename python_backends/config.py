@@ -70,6 +70,12 @@ class ModelConfig:
         value = entry.get("string_value", "") if isinstance(entry, Mapping) else str(entry)
         return value if value != "" else default
 
+    def instance_count(self) -> int:
+        """Instances of this model on this server: the sum of its instance groups' counts
+        (Triton's JSON config says "count" for each group)."""
+        groups = self.raw.get("instance_group") or [{}]
+        return sum(max(1, int(g.get("count", 1) or 1)) for g in groups)
+
     def param_int(self, key: str, default: int, minimum: int | None = None) -> int:
         raw = self.param(key)
         if raw is None:

@@ -148,3 +148,24 @@ def check_input_shapes(pb_utils: Any, request: Any, config: Any) -> None:
         tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
         if tensor is not None:
             check_shape(spec.name, tensor.shape(), spec.dims, config.max_batch_size)
+
+
+def apply_process_nice(config: Any) -> int:
+    """Lower this stub process's CPU priority by the config parameter ``process_nice`` (0-19;
+    every thread, so the ONNX Runtime threads created afterwards inherit it): a lower class's
+    lane yields the CPU to a higher one's when both run on the same cores
+    (docs/priority-classes.md). Raising priority needs privileges, so only lowering is offered.
+    The native backends in NVIDIA's container ignore the parameter."""
+    import os
+
+    value = config.param_int("process_nice", 0, minimum=0)
+    if value > 19:
+        raise ConfigError(f"model {config.name!r}: parameter 'process_nice' must be 0-19, got {value}")
+    if value:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                current = os.getpriority(os.PRIO_PROCESS, int(tid))
+                os.setpriority(os.PRIO_PROCESS, int(tid), max(current, value))
+            except OSError:
+                pass
+    return value

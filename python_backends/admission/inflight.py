@@ -1,7 +1,7 @@
 """Rows in flight per priority class, shared by the processes of one tritonserver.
 
 Each process (an entry model's instance) owns one cell of a small file: its pid and the
-rows it has in its lane now. Admission sums the cells of live processes under an exclusive
+rows and batches it has in its lane now. Admission sums the cells of live processes under an exclusive
 ``flock`` of the file, so the instances of all entries of a class see one count; a process
 that dies leaves a cell whose pid is gone, which is ignored and reused. Nothing to clean up.
 """
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
-_CELL = struct.Struct("<qq")  # pid, rows
+_CELL = struct.Struct("<qqq")  # pid, rows, batches
 CELLS = 128
 
 
@@ -43,23 +43,25 @@ def _alive(pid: int) -> bool:
 
 
 class SharedInflight:
-    """The rows in flight of one class (``name``) across processes, at most ``limit``."""
+    """The rows in flight of one class (``name``) across processes, at most ``limit``, in at
+    most ``max_batches`` batches (fewer than the entry's instances, so one instance is always
+    free to answer hits and refuse at once)."""
 
-    def __init__(self, directory: Path, name: str, limit: int, pid: int | None = None):
-        if limit < 1:
-            raise ValueError(f"in-flight limit of {name!r} must be >= 1, got {limit}")
-        self.name, self.limit = name, limit
+    def __init__(self, directory: Path, name: str, limit: int, max_batches: int = 1 << 30, pid: int | None = None):
+        if limit < 1 or max_batches < 1:
+            raise ValueError(f"in-flight limits of {name!r} must be >= 1, got {limit} rows, {max_batches} batches")
+        self.name, self.limit, self.max_batches = name, limit, max_batches
         self.pid = pid or os.getpid()
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._fd = os.open(Path(directory) / f"{_SAFE.sub('_', name)}.inflight", os.O_RDWR | os.O_CREAT, 0o600)
-        self.own = 0
+        self.own = self.own_batches = 0
         with self._locked():
             cells = self._read()
-            free = next((i for i, (p, _) in enumerate(cells) if p == self.pid or not _alive(p)), None)
+            free = next((i for i, (p, _, _) in enumerate(cells) if p == self.pid or not _alive(p)), None)
             if free is None:
                 raise RuntimeError(f"{name}: more than {CELLS} processes share one in-flight count")
             self._cell = free
-            self._write_own(0)
+            self._write_own(0, 0)
 
     def _locked(self):
         fd = self._fd
@@ -73,39 +75,40 @@ class SharedInflight:
 
         return _Lock()
 
-    def _read(self) -> list[tuple[int, int]]:
+    def _read(self) -> list[tuple[int, int, int]]:
         raw = os.pread(self._fd, _CELL.size * CELLS, 0).ljust(_CELL.size * CELLS, b"\0")
         return [_CELL.unpack_from(raw, i * _CELL.size) for i in range(CELLS)]
 
-    def _write_own(self, rows: int) -> None:
-        os.pwrite(self._fd, _CELL.pack(self.pid, rows), self._cell * _CELL.size)
-        self.own = rows
+    def _write_own(self, rows: int, batches: int) -> None:
+        os.pwrite(self._fd, _CELL.pack(self.pid, rows, batches), self._cell * _CELL.size)
+        self.own, self.own_batches = rows, batches
 
-    def total(self) -> int:
-        """Rows in flight of live processes (this one included)."""
+    def total(self) -> tuple[int, int]:
+        """(rows, batches) in flight of live processes (this one included)."""
         with self._locked():
             return self._total(self._read())
 
-    def _total(self, cells) -> int:
-        return sum(rows for i, (p, rows) in enumerate(cells) if rows > 0 and (i == self._cell or _alive(p)))
+    def _total(self, cells) -> tuple[int, int]:
+        live = [(r, b) for i, (p, r, b) in enumerate(cells) if b > 0 and (i == self._cell or _alive(p))]
+        return sum(r for r, _ in live), sum(b for _, b in live)
 
     def try_add(self, rows: int) -> bool:
-        """Count ``rows`` more in flight unless that passes the limit; an empty lane always
-        admits (a batch larger than the limit is not starved)."""
+        """Count a batch of ``rows`` more in flight unless that passes a limit; an empty lane
+        always admits (a batch larger than the row limit is not starved)."""
         with self._locked():
-            total = self._total(self._read())
-            if total > 0 and total + rows > self.limit:
+            total, batches = self._total(self._read())
+            if batches and (total + rows > self.limit or batches >= self.max_batches):
                 return False
-            self._write_own(self.own + rows)
+            self._write_own(self.own + rows, self.own_batches + 1)
             return True
 
     def remove(self, rows: int) -> None:
         with self._locked():
-            self._write_own(max(0, self.own - rows))
+            self._write_own(max(0, self.own - rows), max(0, self.own_batches - 1))
 
     def close(self) -> None:
         if self._fd is not None:
             with self._locked():
-                self._write_own(0)
+                self._write_own(0, 0)
             os.close(self._fd)
             self._fd = None

@@ -24,7 +24,7 @@ class Recorder:
         self.batches: list[int] = []
         self.fail_when = fail_when
 
-    async def embed_texts(self, model, blobs, request_id):
+    async def embed_texts(self, model, blobs, request_id, priority_class=None):
         self.calls.append((list(blobs), request_id))
         await asyncio.sleep(0)
         if self.fail_when(blobs):
@@ -106,6 +106,27 @@ def test_a_failed_batch_is_retried_alone_so_only_the_bad_request_fails():
     np.testing.assert_array_equal(ok1, expected([b"ok1"]))
     np.testing.assert_array_equal(ok2, expected([b"ok2"]))
     assert [rid for _, rid in backend.calls] == ["r0,r1,r2", "r0", "r1", "r2"]
+
+
+def test_a_batch_refused_for_capacity_is_not_sent_again_request_by_request():
+    """UNAVAILABLE (503) means the class is at capacity: each request gets the refusal at once,
+    and the gateway does not add the load of one retry per request."""
+
+    class Full(Recorder):
+        async def embed_texts(self, model, blobs, request_id, priority_class=None):
+            self.calls.append((list(blobs), request_id, priority_class))
+            raise APIError(503, "at capacity")
+
+    backend = Full()
+
+    async def main():
+        c = Coalescer(backend, Model(), "bulk")
+        futures = [c.submit([b"a"], "r0"), c.submit([b"b"], "r1")]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    results = run(main())
+    assert all(isinstance(r, APIError) and r.status == 503 for r in results)
+    assert backend.calls == [([b"a", b"b"], "r0,r1", "bulk")]
 
 
 def test_a_request_cancelled_before_its_batch_leaves_is_not_sent():

@@ -19,7 +19,7 @@ from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
 from python_backends.cache.triton_metrics import CacheMetrics
 from python_backends.config import ModelConfig
-from python_backends.shim import decode_text_requests, error_response, install_logging, keep_metrics, load_error
+from python_backends.shim import apply_process_nice, decode_text_requests, error_response, install_logging, keep_metrics, load_error
 
 
 class TritonPythonModel:
@@ -27,6 +27,7 @@ class TritonPythonModel:
         install_logging(pb_utils)
         self.config = ModelConfig(args["model_config"])
         try:
+            apply_process_nice(self.config)
             self.text = self.config.require("input", "TEXT", "TYPE_STRING", (1,)).name
             out = self.config.require("output", "EMBEDDING", "TYPE_FP32")
             if len(out.dims) != 1 or out.dims[0] < 1:
@@ -37,7 +38,9 @@ class TritonPythonModel:
             # The class this entry serves and its admission into the lane (docs/priority-classes.md).
             self.cls = class_named(self.config.param("priority_class", "default"), "parameter priority_class")
             limit = self.config.param_int("admission_rows", 128, minimum=1)
-            self.admission = Admission(self.cls, SharedInflight(default_directory(), self.cls.name, limit))
+            # At most instances - 1 batches wait on the lane: one instance stays free for hits and refusals.
+            batches = max(1, self.config.instance_count() - 1)
+            self.admission = Admission(self.cls, SharedInflight(default_directory(), self.cls.name, limit, batches))
             settings = CacheSettings.from_config(self.config, os.environ)
             self.resolver = IdentityResolver(
                 Path(args["model_repository"]).parent, self.target,
