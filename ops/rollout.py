@@ -2,7 +2,8 @@
 text_encoder version on a running server (README "Model versions and canary rollout").
 
     rollout publish            copy the exported model files into the next version folder
-    rollout start 2            load + warm version 2 next to the serving one, check it, then
+    rollout start 2            put the canary router in front of text_encoder (text_embedding's
+                               routed form), load + warm version 2 next to the serving one, check it, then
                                10 % -> 50 % -> 100 % with a dwell per step; between checks it
                                reads the router's per-version metrics (and Triton's statistics)
                                and rolls back by itself when the error rate or the P99 regress,
@@ -11,15 +12,22 @@ text_encoder version on a running server (README "Model versions and canary roll
                                dwell; --allow-unjudged passes such a step with a warning)
     rollout status             the state file and what the server reports per version
     rollout rollback           100 % back to the previous version at once, then unload the new one
+                               and take the router out again (text_embedding's direct form)
     rollout finish             after the rollback window (default 15 min): unload the old version
-                               (--wait: wait for the window first; --force: do not)
+                               and take the router out (--wait: wait for the window first; --force: do not)
 
 The state (versions, weights, step, times, history) is one JSON file, written atomically
 after every change, so a restarted ``rollout start`` resumes its step, ``rollback`` and
-``status`` work from another shell, and ``python -m server`` re-applies the versions and
-weights on start. The weights live in the router's config (``text_encoder_router``,
-parameter ``weights``): each change reloads the router with a config override through the
-repository API, which needs the repository token (ops/repository.py).
+``status`` work from another shell, and ``python -m server`` re-applies the versions, the
+weights and the form of text_embedding on start. The weights live in the router's config
+(``text_encoder_router``, parameter ``weights``): each change reloads the router with a config
+override through the repository API, which needs the repository token (ops/repository.py).
+
+Outside a rollout the router is not on the request path: text_embedding's steady-state form is
+``text_tokenizer -> text_encoder`` with one version loaded (python_backends/routing/ensemble.py).
+``start`` reloads text_embedding with the router as its second step BEFORE it loads the new
+version; ``finish``, ``rollback`` and an abort put the direct form back once one version is
+loaded, then unload the router (unless it was loaded before the rollout began).
 
 Exit status: 0 done, 1 aborted (a version that does not load, e.g. an unknown one, aborts
 too) or refused by the server, 2 bad input (steps, thresholds, weights not summing to 100, a
@@ -42,12 +50,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ops.repository import ROOT, RepositoryClient, RepositoryError
+from python_backends.errors import ConfigError
+from python_backends.routing.ensemble import ROUTED, describe_form, direct_form, form_of, routed_form
 from python_backends.routing.weights import RoutingError, format_weights, parse_weights, validate_weights
 
 log = logging.getLogger(__name__)
 
 ENCODER = "text_encoder"
 ROUTER = "text_encoder_router"
+ENTRY = "text_embedding"  # the ensemble whose encoder step the router takes during a rollout
 SMOKE_MODEL = "text_embedding"
 # The smoke check's text: the encoder's warmup sentence (common word pieces only).
 SMOKE_TEXT = "A man is playing a guitar."
@@ -102,6 +113,7 @@ class Thresholds:
 class RolloutState:
     encoder: str = ENCODER
     router: str = ROUTER
+    entry: str = ENTRY
     stable: int = 1  # the version that serves when the rollout is rolled back
     candidate: int | None = None  # the version being rolled out
     weights: dict = field(default_factory=lambda: {1: 100})
@@ -117,6 +129,9 @@ class RolloutState:
     completed_at: float | None = None  # when 100 % was reached and held
     baseline_p99_ms: float | None = None
     reason: str = ""
+    # The router was loaded before this rollout put it in front (a user calls it directly):
+    # taking it out of text_embedding then leaves it loaded.
+    router_kept: bool = False
     history: list = field(default_factory=list)
 
     # -- persistence
@@ -143,6 +158,11 @@ class RolloutState:
         data["weights"] = {str(k): v for k, v in sorted(self.weights.items())}
         tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
+
+    def routed(self) -> bool:
+        """Whether text_embedding needs the router in front: during a rollout, or whenever more
+        than one encoder version is loaded (the direct form would send all traffic to the newest)."""
+        return self.phase in ("canary", "rolled_out") or len(set(self.loaded)) > 1
 
     def event(self, what: str, **details: Any) -> None:
         self.history.append({"at": round(time.time(), 3), "event": what, **details})
@@ -175,9 +195,10 @@ def set_versions(client: RepositoryClient, encoder: str, versions: list[int]) ->
             raise RepositoryError(f"{encoder} version {v} is not ready after its load")
 
 
-def set_weights(client: RepositoryClient, router: str, weights: dict) -> None:
-    """Swap the router for one with ``weights``; the old one serves until the new one is loaded."""
-    client.load(router, router_config(client.config(router), weights))
+def set_weights(client: RepositoryClient, router: str, weights: dict, base: dict | None = None) -> None:
+    """Swap the router for one with ``weights``; the old one serves until the new one is loaded.
+    ``base``: the config to override (default: the served one; a router not loaded has none)."""
+    client.load(router, router_config(base if base is not None else client.config(router), weights))
 
 
 def served_weights(client: RepositoryClient, router: str) -> dict:
@@ -199,29 +220,57 @@ def config_from_disk(repository: Path, model: str, config_name: str | None) -> d
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
+def config_text(config: dict) -> str:
+    """A config in Triton's JSON form as config.pbtxt text (e.g. the routed form of
+    text_embedding for a repository that serves it side by side)."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.MessageToString(json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+
+
 @dataclass(frozen=True)
 class LoadPlan:
-    """What a (re)started server loads from a state file: the encoder's versions and the weights."""
+    """What a (re)started server loads from a state file: the encoder's versions, the weights
+    and text_embedding's form (``routed``: the router in front, as during a rollout)."""
 
     encoder: str
     router: str
     versions: tuple
     weights: dict
+    entry: str = ENTRY
+    routed: bool = False
     repository: Path | None = None
     config_name: str | None = None
 
-    def apply(self, client: RepositoryClient, repository: Path | None = None, config_name: str | None = None) -> None:
+    def overridden(self) -> list[str]:
+        """The models this plan loads with a config override, in load order (the router only in
+        the routed form: in the direct form it is off the request path and not loaded)."""
+        return [self.encoder, self.router, self.entry] if self.routed else [self.encoder]
+
+    def override(self, model: str, repository: Path | None = None, config_name: str | None = None) -> dict | None:
+        """The config override ``model`` is loaded with under this plan; None: its own config."""
         repo = repository or self.repository
         name = config_name if config_name is not None else self.config_name
-        client.load(self.encoder, encoder_config(config_from_disk(repo, self.encoder, name), list(self.versions)))
-        client.load(self.router, router_config(config_from_disk(repo, self.router, name), self.weights))
+        if model == self.encoder:
+            return encoder_config(config_from_disk(repo, self.encoder, name), list(self.versions))
+        if model == self.router:  # also when a user asked for it in the direct form
+            return router_config(config_from_disk(repo, self.router, name), self.weights)
+        if model == self.entry and self.routed:
+            return routed_form(config_from_disk(repo, self.entry, name), self.encoder, self.router)
+        return None
+
+    def apply(self, client: RepositoryClient, repository: Path | None = None, config_name: str | None = None) -> None:
+        """Load the overridden models (encoder first, then router and the routed entry)."""
+        for model in self.overridden():
+            client.load(model, self.override(model, repository, config_name))
 
 
 def load_plan(path: Path) -> LoadPlan | None:
     state = RolloutState.load(path)
     if state is None:
         return None
-    return LoadPlan(state.encoder, state.router, tuple(state.loaded), dict(state.weights))
+    return LoadPlan(state.encoder, state.router, tuple(state.loaded), dict(state.weights), state.entry, state.routed())
 
 
 # ---------------------------------------------------------------- judging a step
@@ -344,9 +393,14 @@ class Rollout:
 
     def __init__(self, client: RepositoryClient, state_path: Path, say: Callable[[str], None] = print,
                  sleep: Callable[[float], None] = time.sleep, smoke_model: str = SMOKE_MODEL,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, repository: Path = ROOT / "model_repository",
+                 config_name: str | None = None):
         self.client = client
         self.state_path = Path(state_path)
+        # Where the config of a model that is not loaded comes from (the router before a rollout
+        # puts it in front): the server's model repository, as this checkout holds it.
+        self.repository = Path(repository)
+        self.config_name = config_name
         self.say = say
         self.sleep = sleep
         self.smoke_model = smoke_model
@@ -356,11 +410,61 @@ class Rollout:
     def state(self) -> RolloutState:
         state = RolloutState.load(self.state_path)
         if state is None:
-            # First use: what the server serves now.
-            weights = served_weights(self.client, ROUTER)
-            stable = max(weights, key=lambda v: (weights[v], v))
+            # First use: what the server serves now (the router's weights if it is in front,
+            # else the newest loaded encoder version, which the direct form serves).
+            if self._routed_now(ENTRY, ENCODER, ROUTER):
+                weights = served_weights(self.client, ROUTER)
+                stable = max(weights, key=lambda v: (weights[v], v))
+            else:
+                stable = max(self.client.version_stats(ENCODER), default=1)
             state = RolloutState(stable=stable, weights={stable: 100}, loaded=[stable])
         return state
+
+    def _routed_now(self, entry: str, encoder: str, router: str) -> bool:
+        try:
+            return form_of(self.client.config(entry), encoder, router) == ROUTED and self.client.ready(router)
+        except ConfigError as exc:
+            raise RepositoryError(str(exc)) from exc
+
+    def _config(self, model: str) -> dict:
+        """The served config of ``model``, or its repository config when it is not loaded."""
+        if self.client.ready(model):
+            return self.client.config(model)
+        return config_from_disk(self.repository, model, self.config_name)
+
+    def _route(self, state: RolloutState) -> None:
+        """Put the router in front of the encoder (text_embedding's routed form), weights
+        ``state.weights``: the router is loaded, then text_embedding swapped for its routed
+        form (Triton serves the old one until the new one is ready)."""
+        if self._routed_now(state.entry, state.encoder, state.router):
+            return
+        state.router_kept = self.client.ready(state.router)
+        weights = validate_weights(state.weights)
+        self.say(f"rollout: {state.entry}: {describe_form(ROUTED, state.encoder, state.router)}, "
+                 f"weights {format_weights(weights)}")
+        set_weights(self.client, state.router, weights, base=self._config(state.router))
+        self.client.load(state.entry, routed_form(self.client.config(state.entry), state.encoder, state.router))
+        state.event("router in front", weights=format_weights(weights))
+        self._save(state)
+
+    def _unroute(self, state: RolloutState) -> None:
+        """Back to the direct form once one version is loaded, then unload the router (kept
+        if it was loaded before the rollout). A failure leaves the router in front, which
+        serves the one version correctly, only slower: reported, not raised."""
+        if state.routed():
+            return
+        try:
+            entry = self.client.config(state.entry)
+            if form_of(entry, state.encoder, state.router) == ROUTED:
+                self.client.load(state.entry, direct_form(entry, state.encoder, state.router))
+                state.event("router out", serving=state.stable)
+                self._save(state)
+                self.say(f"rollout: {state.entry}: {describe_form('direct', state.encoder, state.router)}")
+            if not state.router_kept and self.client.ready(state.router):
+                self.client.unload(state.router)
+        except (RepositoryError, ConfigError) as exc:
+            self.say(f"rollout: the router could not be taken out of {state.entry} ({exc}); version "
+                     f"{state.stable} serves through it")
 
     def _save(self, state: RolloutState) -> None:
         state.save(self.state_path)
@@ -414,6 +518,9 @@ class Rollout:
         version = state.candidate
         limits = Thresholds(**state.thresholds)
         try:
+            # Before the new version is loaded: the direct form's model_version -1 would send
+            # it all traffic the moment it is ready.
+            self._route(state)
             if not (self.client.ready(state.encoder, version) and self.client.ready(state.encoder, state.stable)):
                 self.say(f"rollout: loading {state.encoder} versions {state.stable} and {version} (warmup runs at load)")
                 set_versions(self.client, state.encoder, [state.stable, version])
@@ -518,7 +625,10 @@ class Rollout:
     # -- rollback / finish
     def _rollback(self, state: RolloutState, phase: str, reason: str, figures: dict) -> None:
         candidate = state.candidate
-        self._apply_weights(state, {state.stable: 100}, f"rollback to version {state.stable}")
+        if self.client.ready(state.router):  # an abort before the router was in front has none
+            self._apply_weights(state, {state.stable: 100}, f"rollback to version {state.stable}")
+        else:
+            state.weights = {state.stable: 100}
         state.phase, state.reason, state.candidate, state.step = phase, reason, None, -1
         state.event(phase, version=candidate, reason=reason, **figures)
         self._save(state)
@@ -530,6 +640,7 @@ class Rollout:
             else:
                 state.loaded = [state.stable]
                 self._save(state)
+        self._unroute(state)
 
     def rollback(self) -> int:
         state = self.state()
@@ -564,6 +675,7 @@ class Rollout:
         state.stable, state.candidate, state.loaded, state.phase, state.step = new, None, [new], "finished", -1
         state.event("finished", unloaded=old, serving=new)
         self._save(state)
+        self._unroute(state)
         self.say(f"rollout: version {old} unloaded; version {new} serves alone")
         return 0
 
@@ -573,7 +685,10 @@ class Rollout:
         info["weights"] = format_weights(state.weights)
         info["history"] = state.history[-5:]
         try:
-            info["served_weights"] = format_weights(served_weights(self.client, state.router))
+            routed = self._routed_now(state.entry, state.encoder, state.router)
+            info["form"] = describe_form(ROUTED if routed else "direct", state.encoder, state.router)
+            if routed:
+                info["served_weights"] = format_weights(served_weights(self.client, state.router))
             stats = self.client.version_stats(state.encoder)
             info["versions"] = {v: {"ready": self.client.ready(state.encoder, v), **{k: int(x) for k, x in s.items() if k != "success_ns"}}
                                 for v, s in sorted(stats.items())}
@@ -620,6 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-url", default=None, help="default http://<host>:8002/metrics")
     p.add_argument("--token", default=None, help="repository token (default $TRITON_REPOSITORY_TOKEN or .triton/repository-token)")
     p.add_argument("--state-file", type=Path, default=Path(os.environ.get(STATE_ENV) or DEFAULT_STATE_FILE))
+    p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository",
+                   help="the server's model repository, for the router's config when it is not loaded")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("start", help="load, warm, check and step a version up to 100 %%")
     s.add_argument("version", type=int)
@@ -665,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         host = args.url.split("://")[-1].rsplit(":", 1)[0]
         client = RepositoryClient(args.url, token=args.token, metrics_url=args.metrics_url or f"http://{host}:8002/metrics")
-        rollout = Rollout(client, args.state_file, say=lambda m: print(m, flush=True))
+        rollout = Rollout(client, args.state_file, say=lambda m: print(m, flush=True),
+                          repository=args.model_repository)
         if args.command == "start":
             try:
                 steps = [int(s) for s in args.steps.split(",") if s.strip()]

@@ -1,6 +1,6 @@
-"""What the canary router step costs: text_embedding (tokenizer -> router -> encoder version,
-BLS) against the same pipeline without it (tokenizer -> text_encoder, the ensemble before issue 6),
-side by side on one server with perf_analyzer, interleaved rounds.
+"""What the canary router step costs: text_embedding (tokenizer -> text_encoder, the steady state)
+against its routed form (tokenizer -> router -> encoder version, BLS; what a rollout puts in
+front), side by side on one server with perf_analyzer, interleaved rounds.
 
     .venv/bin/python scripts/router_cost.py [--concurrency 16] [--rounds 3] [--request-count 2000]
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -28,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 from perf import perf_analyzer as pa  # noqa: E402
 from server.process import ServerOptions, TritonServer  # noqa: E402
 
-DIRECT = "text_embedding_direct"
+DIRECT = "text_embedding"
+ROUTED = "text_embedding_routed"
 
 
 def copy_repository(src: Path, dst: Path) -> None:
@@ -44,16 +44,15 @@ def copy_repository(src: Path, dst: Path) -> None:
             shutil.copy2(p, dst / p.name)
 
 
-def add_direct_ensemble(repo: Path) -> None:
-    """text_embedding's config with the encoder step pointing at text_encoder again."""
-    text = (repo / "text_embedding" / "config.pbtxt").read_text()
-    text = text.replace('name: "text_embedding"', f'name: "{DIRECT}"')
-    text = text.replace('model_name: "text_encoder_router"', 'model_name: "text_encoder"')
-    text = re.sub(r'\s*output_map \{ key: "encoder_version" value: "ENCODER_VERSION" \}', "", text)
-    text = re.sub(r',\s*# Which text_encoder version[^\n]*\n\s*\{ name: "ENCODER_VERSION"[^\n]*\n', "\n", text)
-    (repo / DIRECT).mkdir()
-    (repo / DIRECT / "config.pbtxt").write_text(text)
-    (repo / DIRECT / "1").mkdir()
+def add_routed_ensemble(repo: Path) -> None:
+    """text_embedding's routed form (ops/rollout.py puts it in front during a rollout) as a model of its own."""
+    from ops.rollout import config_from_disk, config_text
+    from python_backends.routing.ensemble import routed_form
+
+    config = routed_form(config_from_disk(repo, DIRECT, None))
+    config["name"] = ROUTED
+    (repo / ROUTED / "1").mkdir(parents=True)
+    (repo / ROUTED / "config.pbtxt").write_text(config_text(config))
 
 
 def main(argv=None) -> int:
@@ -73,16 +72,16 @@ def main(argv=None) -> int:
     try:
         repo = tmp / "model_repository"
         copy_repository(ROOT / "model_repository", repo)
-        add_direct_ensemble(repo)
+        add_routed_ensemble(repo)
         if args.no_router_metrics:
             config = repo / "text_encoder_router" / "config.pbtxt"
             config.write_text(config.read_text() + 'parameters { key: "metrics" value: { string_value: "false" } }\n')
         options = ServerOptions.with_free_ports(model_repository=repo, workdir=tmp / "work",
-                                                models=("text_embedding", DIRECT), model_config_name=args.precision)
-        results: dict[str, list[pa.Measurement]] = {"text_embedding": [], DIRECT: []}
+                                                models=(ROUTED, DIRECT), model_config_name=args.precision)
+        results: dict[str, list[pa.Measurement]] = {ROUTED: [], DIRECT: []}
         with TritonServer(options) as server:
             for r in range(args.rounds):
-                for model in (DIRECT, "text_embedding"):
+                for model in (DIRECT, ROUTED):
                     settings = pa.Settings(model=model, url=server.grpc_url, protocol="grpc",
                                            concurrency=args.concurrency, input_data=args.input_data,
                                            request_count=args.request_count, stability_percent=999, max_trials=3,
@@ -93,9 +92,9 @@ def main(argv=None) -> int:
                     print(f"round {r + 1} {model:24s} {m.throughput:7.1f} infer/s  p50 {m.p50_ms:6.1f} ms  p99 {m.p99_ms:6.1f} ms",
                           flush=True)
         direct = statistics.median(m.throughput for m in results[DIRECT])
-        routed = statistics.median(m.throughput for m in results["text_embedding"])
+        routed = statistics.median(m.throughput for m in results[ROUTED])
         d99 = statistics.median(m.p99_ms for m in results[DIRECT])
-        r99 = statistics.median(m.p99_ms for m in results["text_embedding"])
+        r99 = statistics.median(m.p99_ms for m in results[ROUTED])
         print(f"\nmedian of {args.rounds} rounds, concurrency {args.concurrency}, gRPC, {args.precision}, "
               f"{args.input_data.name}:\n"
               f"| pipeline | infer/s | p99 ms |\n|---|---|---|\n"

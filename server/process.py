@@ -261,31 +261,34 @@ class TritonServer:
         return load_plan(Path(path))
 
     def deferred_models(self) -> list[str]:
-        """Models loaded through the repository API after start: the rollout state's encoder and
-        router (with their overrides) and the requested models that contain them."""
+        """Models loaded through the repository API after start, in order: the rollout state's
+        encoder (its versions), the router (its weights) when the state puts it in front of
+        text_embedding or a requested model reaches it, then the requested models that reach
+        either (text_embedding in the form the state calls for)."""
         plan = self.rollout_plan()
         if plan is None:
             return []
-        first = {plan.encoder, plan.router}
+        repo = self.options.model_repository
+        wanted = with_dependencies(repo, self.options.models)
+        reached = {m for model in wanted for m in closure(repo, model)}
+        first = [plan.encoder] + ([plan.router] if plan.routed or plan.router in reached else [])
         out = list(first)
-        for model in with_dependencies(self.options.model_repository, self.options.models):
-            if model not in first and first & set(closure(self.options.model_repository, model)):
+        for model in wanted:
+            if model not in first and set(first) & set(closure(repo, model)):
                 out.append(model)
         return out
 
     def apply_rollout_state(self) -> None:
-        """Load the deferred models: encoder versions and router weights as the state says, then
-        the models that use them (each load returns when that model is ready)."""
+        """Load the deferred models with the state's overrides, in deferred_models' order (each
+        load returns when that model is ready)."""
         plan = self.rollout_plan()
         if plan is None:
             return
         from ops.repository import RepositoryClient
 
         client = RepositoryClient(self.triton_http_url, token=self.options.repository_token or "")
-        plan.apply(client, self.options.model_repository, self.options.model_config_name)
         for model in self.deferred_models():
-            if model not in (plan.encoder, plan.router):
-                client.load(model)
+            client.load(model, plan.override(model, self.options.model_repository, self.options.model_config_name))
 
     def environment(self) -> dict[str, str]:
         assert self.layout is not None

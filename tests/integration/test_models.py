@@ -7,18 +7,21 @@ import tritonclient.http as httpclient
 def test_ensemble_metadata(http_client):
     meta = http_client.get_model_metadata("text_embedding")
     assert meta["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1, 1]}]
-    assert meta["outputs"] == [
-        {"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]},
-        {"name": "ENCODER_VERSION", "datatype": "INT32", "shape": [-1, 1]},  # which text_encoder version served
-    ]
+    # The steady-state form: no router, no ENCODER_VERSION (a rollout adds both: docs/versions-and-rollout.md).
+    assert meta["outputs"] == [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]}]
     config = http_client.get_model_config("text_embedding")
     assert config["max_batch_size"] >= 64
 
 
 def test_every_composing_model_batches_without_priority_levels(http_client):
     # Priority levels and queue policies stall tritonserver 2.51's batcher (docs/performance.md).
+    from ops.rollout import config_from_disk
+    from server.layout import ROOT
+
     for name in ("text_tokenizer", "text_encoder_router", "text_encoder"):
-        config = http_client.get_model_config(name)
+        # The router is loaded during rollouts only: its config as the repository holds it.
+        config = (config_from_disk(ROOT / "model_repository", name, None) if name == "text_encoder_router"
+                  else http_client.get_model_config(name))
         batching = config["dynamic_batching"]
         assert int(batching.get("priority_levels", 0)) == 0 and "default_queue_policy" not in batching, name
         assert config["max_batch_size"] >= 64, name
@@ -44,8 +47,7 @@ def test_curl_style_json_request(triton):
     req = urllib.request.Request(f"http://{triton.http_url}/v2/models/text_embedding/infer", data=body.encode(), method="POST")
     with urllib.request.urlopen(req, timeout=30) as r:
         out = json.loads(r.read())
-    # Two outputs (EMBEDDING, ENCODER_VERSION) in no fixed order: pick them by name.
     outputs = {o["name"]: o for o in out["outputs"]}
     emb = np.array(outputs["EMBEDDING"]["data"], dtype=np.float32).reshape(outputs["EMBEDDING"]["shape"])
     assert emb.shape == (2, 384)
-    assert outputs["ENCODER_VERSION"]["data"] == [1, 1]
+    assert set(outputs) == {"EMBEDDING"}  # ENCODER_VERSION only while a rollout routes

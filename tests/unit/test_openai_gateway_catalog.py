@@ -53,7 +53,7 @@ def test_text_embedding_from_its_configs(catalog):
     m = catalog.models["text_embedding"]
     assert isinstance(m, EmbeddingModel)
     assert m.text_entry == "text_embedding_cached"  # the result cache by default
-    assert m.ids_entry == "text_encoder_router"  # the ensemble's encoder step
+    assert m.ids_entry == "text_encoder"  # the ensemble's encoder step (no router outside a rollout)
     assert m.ids_output == "sentence_embedding"
     assert m.max_batch_size == 64
     assert m.ids_max_batch_size == 64
@@ -65,7 +65,7 @@ def test_text_embedding_from_its_configs(catalog):
     assert m.max_tokens == int(_param(tokenizer_config, "max_sequence_length"))
     assert m.buckets == tuple(int(b) for b in _param(tokenizer_config, "sequence_buckets").split(","))
     # Every Triton model a request reaches must be ready before it is sent.
-    assert catalog.triton_models(m) == ("text_embedding_cached", "text_embedding", "text_encoder_router")
+    assert catalog.triton_models(m) == ("text_embedding_cached", "text_embedding", "text_encoder")
 
 
 def test_text_generation_limits_from_its_config(catalog):
@@ -111,7 +111,7 @@ def test_aliases_are_the_hugging_face_names(catalog):
 def test_config_pbtxt_is_the_source_of_truth(tmp_path):
     repo = _copy_configs(tmp_path / "repo")
     _edit(repo / "text_embedding_cached" / "config.pbtxt", "max_batch_size: 64", "max_batch_size: 8")
-    _edit(repo / "text_encoder_router" / "config.pbtxt", "max_batch_size: 64", "max_batch_size: 4")
+    _edit(repo / "text_encoder" / "config.pbtxt", "max_batch_size: 64", "max_batch_size: 4")
     _edit(repo / "text_tokenizer" / "config.pbtxt", 'string_value: "256"', 'string_value: "128"')
     _edit(repo / "text_tokenizer" / "config.pbtxt", '"16,32,64,128,256"', '"128,32"')
     _edit(repo / "text_generation" / "config.pbtxt", 'string_value: "2048"', 'string_value: "512"')
@@ -135,8 +135,8 @@ def test_embedding_entry_direct_uses_the_ensemble(tmp_path):
     catalog = Catalog.from_repository(repo, embedding_entry="direct")
     direct = catalog.models["text_embedding"]
     assert (direct.text_entry, direct.max_batch_size) == ("text_embedding", 32)
-    assert direct.ids_entry == "text_encoder_router"
-    assert catalog.triton_models(direct) == ("text_embedding", "text_encoder_router")
+    assert direct.ids_entry == "text_encoder"
+    assert catalog.triton_models(direct) == ("text_embedding", "text_encoder")
 
 
 def test_without_the_cache_model_texts_go_to_the_ensemble(tmp_path):

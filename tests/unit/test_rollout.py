@@ -19,7 +19,9 @@ from ops.rollout import (
     publish,
     router_config,
 )
+from python_backends.errors import ConfigError
 from python_backends.routing import RoutingError
+from python_backends.routing.ensemble import DIRECT, ROUTED, direct_form, form_of, routed_form
 from server.process import ServerOptions, closure, with_dependencies
 from server.layout import ROOT
 
@@ -112,18 +114,60 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys):
     assert "rollout:" in capsys.readouterr().err
 
 
-def test_launcher_loads_the_router_target_and_defers_what_the_state_overrides(tmp_path):
-    assert "text_encoder" in closure(REPO, "text_embedding")
-    models = with_dependencies(REPO, ["text_embedding", "text_embedding_cached"])
-    assert models.index("text_encoder") < models.index("text_embedding")
+def test_launcher_closure_and_what_the_state_defers(tmp_path):
+    # The direct form reaches the encoder as a step; the router only through its own config.
+    assert closure(REPO, "text_embedding") == ["text_embedding", "text_encoder", "text_tokenizer"]
+    assert "text_encoder_router" not in with_dependencies(REPO, ["text_embedding", "text_embedding_cached"])
+    assert with_dependencies(REPO, ["text_encoder_router"]) == ["text_encoder", "text_encoder_router"]
     from server.process import TritonServer
 
-    server = TritonServer(ServerOptions(model_repository=REPO, models=("text_embedding", "image_classification")))
+    server = TritonServer(ServerOptions(model_repository=REPO, models=("text_embedding", "text_embedding_cached")))
     assert server.deferred_models() == []
     state = tmp_path / "state.json"
-    RolloutState(stable=1, weights={1: 100}).save(state)
     server.options.rollout_state = state
-    assert sorted(server.deferred_models()) == ["text_embedding", "text_encoder", "text_encoder_router"]
+    # One version: the encoder first, then what uses it; no router.
+    RolloutState(stable=2, weights={2: 100}, loaded=[2], phase="finished").save(state)
+    plan = load_plan(state)
+    assert not plan.routed and plan.overridden() == ["text_encoder"]
+    assert server.deferred_models() == ["text_encoder", "text_embedding", "text_embedding_cached"]
+    assert plan.override("text_embedding", REPO) is None  # its own config: the direct form
+    # A user who asks for the router gets it with the state's weights, not its file's 1:100.
+    server.options.models = ("text_embedding", "text_encoder_router")
+    assert server.deferred_models() == ["text_encoder", "text_encoder_router", "text_embedding"]
+    assert plan.override("text_encoder_router", REPO)["parameters"]["weights"] == {"string_value": "2:100"}
+    # A rollout in progress: the router in front, text_embedding in the routed form.
+    server.options.models = ("text_embedding", "text_embedding_cached")
+    RolloutState(stable=1, candidate=2, weights={1: 50, 2: 50}, loaded=[1, 2], phase="canary").save(state)
+    plan = load_plan(state)
+    assert plan.routed and plan.overridden() == ["text_encoder", "text_encoder_router", "text_embedding"]
+    assert server.deferred_models() == ["text_encoder", "text_encoder_router", "text_embedding", "text_embedding_cached"]
+    entry = plan.override("text_embedding", REPO)
+    assert form_of(entry) == ROUTED and "ENCODER_VERSION" in [o["name"] for o in entry["output"]]
+    assert plan.override("text_encoder", REPO)["version_policy"] == {"specific": {"versions": [1, 2]}}
+    # Two versions loaded after a rollback whose unload failed: still routed.
+    RolloutState(stable=1, weights={1: 100}, loaded=[1, 2], phase="rolled_back").save(state)
+    assert load_plan(state).routed
+
+
+def test_the_two_forms_of_text_embedding():
+    direct = config_from_disk(REPO, "text_embedding", None)
+    assert form_of(direct) == DIRECT and [o["name"] for o in direct["output"]] == ["EMBEDDING"]
+    routed = routed_form(direct)
+    assert form_of(routed) == ROUTED and direct == config_from_disk(REPO, "text_embedding", None)  # a copy
+    step = routed["ensemble_scheduling"]["step"][1]
+    assert step["model_name"] == "text_encoder_router"
+    assert step["output_map"] == {"sentence_embedding": "EMBEDDING", "encoder_version": "ENCODER_VERSION"}
+    assert routed["output"][1] == {"name": "ENCODER_VERSION", "data_type": "TYPE_INT32", "dims": [1]}
+    # The router's inputs and outputs are the step's: the routed form is loadable as it is.
+    router = config_from_disk(REPO, "text_encoder_router", None)
+    assert set(step["input_map"]) == {i["name"] for i in router["input"]}
+    assert set(step["output_map"]) == {o["name"] for o in router["output"]}
+    assert routed_form(routed) == routed and direct_form(direct) == direct
+    back = direct_form(routed)
+    assert back["output"] == direct["output"] and form_of(back) == DIRECT
+    assert back["ensemble_scheduling"]["step"][1]["output_map"] == {"sentence_embedding": "EMBEDDING"}
+    with pytest.raises(ConfigError, match="no ensemble step is 'text_encoder'"):
+        form_of(config_from_disk(REPO, "image_classification", None))
 
 
 def test_token_created_once_with_private_mode(tmp_path, monkeypatch):
@@ -213,7 +257,10 @@ class FakeTriton:
 
     def __init__(self, clock: FakeClock | None = None, traffic=((1.0, 100),)):
         self.encoder = {"name": "text_encoder", "version_policy": {"latest": {"num_versions": 1}}}
-        self.router = {"name": "text_encoder_router", "parameters": {"weights": {"string_value": "1:100"}}}
+        self.router = config_from_disk(REPO, "text_encoder_router", None)
+        # The steady state: text_embedding in its direct form, the router not loaded.
+        self.entry = config_from_disk(REPO, "text_embedding", None)
+        self.models = {"text_tokenizer", "text_encoder", "text_embedding"}
         self.loaded = {1}
         self.loads = []
         self.clock = clock or FakeClock()
@@ -221,12 +268,20 @@ class FakeTriton:
         self.arrivals = []  # (at, version, router instance, calls)
 
     def config(self, model):
-        return dict(self.encoder if model == "text_encoder" else self.router)
+        if model not in self.models:
+            raise repository.RepositoryError(f"config of {model}: HTTP 400: unknown model", 400)
+        return dict({"text_encoder": self.encoder, "text_embedding": self.entry}.get(model, self.router))
 
     def load(self, model, config=None):
         self.loads.append((model, config))
+        if model == "text_embedding":
+            for step in config["ensemble_scheduling"]["step"]:  # Triton loads an ensemble's steps first
+                assert step["model_name"] in self.models, f"step {step['model_name']} is not loaded"
+        self.models.add(model)
         if model == "text_encoder":
             self.loaded = {int(v) for v in config["version_policy"]["specific"]["versions"]}
+        elif model == "text_embedding":
+            self.entry = config
         else:
             self.router = config
             weights = dict(x.split(":") for x in config["parameters"]["weights"]["string_value"].split(","))
@@ -234,8 +289,17 @@ class FakeTriton:
             instance = f"router-{len(self.loads)}"  # a reloaded router is a new series
             self.arrivals += [(self.clock.now + after, newest, instance, n) for after, n in self.traffic]
 
+    def unload(self, model):
+        self.loads.append((model, "unload"))
+        self.models.discard(model)
+
+    def form(self):
+        from python_backends.routing.ensemble import form_of
+
+        return form_of(self.entry)
+
     def ready(self, model, version=None):
-        return version is None or version in self.loaded
+        return model in self.models and (version is None or model != "text_encoder" or version in self.loaded)
 
     def version_stats(self, model):
         return {v: {"success": 0.0, "fail": 0.0, "success_ns": 0.0} for v in self.loaded}
@@ -297,9 +361,59 @@ def test_rollback_restores_weights_before_unloading(tmp_path):
     assert rollout.start(2, [50, 100], dwell_s=0, check_interval_s=0) == 0
     triton.loads.clear()
     assert rollout.rollback() == 0
-    assert [m for m, _ in triton.loads] == ["text_encoder_router", "text_encoder"]  # traffic first, then unload
+    # Traffic first, then the unload, then the direct form, then the router goes.
+    assert [(m, c if c == "unload" else "load") for m, c in triton.loads] == [
+        ("text_encoder_router", "load"), ("text_encoder", "load"), ("text_embedding", "load"),
+        ("text_encoder_router", "unload")]
     assert triton.router["parameters"]["weights"]["string_value"] == "1:100" and triton.loaded == {1}
+    assert triton.form() == DIRECT and not triton.ready("text_encoder_router")
     assert RolloutState.load(tmp_path / "state.json").phase == "rolled_back"
+
+
+def test_the_router_goes_in_front_before_the_new_version_loads(tmp_path):
+    triton = FakeTriton()
+    rollout = _rollout(tmp_path, triton)
+    assert rollout.start(2, [50, 100], dwell_s=0, check_interval_s=0) == 0
+    order = [m for m, _ in triton.loads]
+    # The router (weights 1:100, from the repository: it was not loaded), then the routed
+    # form, then version 2.
+    assert order[:3] == ["text_encoder_router", "text_embedding", "text_encoder"], order
+    assert triton.loads[0][1]["parameters"]["weights"] == {"string_value": "1:100"}
+    assert triton.loads[2][1]["version_policy"] == {"specific": {"versions": [1, 2]}}
+    assert triton.form() == ROUTED
+    events = [e["event"] for e in RolloutState.load(tmp_path / "state.json").history]
+    assert events[:2] == ["start", "router in front"]
+    triton.loads.clear()
+    assert rollout.finish(force=True) == 0
+    assert [(m, c if c == "unload" else "load") for m, c in triton.loads] == [
+        ("text_encoder_router", "load"), ("text_encoder", "load"), ("text_embedding", "load"),
+        ("text_encoder_router", "unload")]
+    assert triton.loaded == {2} and triton.form() == DIRECT
+    state = RolloutState.load(tmp_path / "state.json")
+    assert state.history[-1]["event"] == "router out" and state.history[-1]["serving"] == 2
+    assert not load_plan(tmp_path / "state.json").routed
+    # The next rollout starts from version 2 and puts the router back with 2:100.
+    triton.loads.clear()
+    assert rollout.start(3, [100], dwell_s=0, check_interval_s=0) == 0
+    assert triton.loads[0][0] == "text_encoder_router"
+    assert triton.loads[0][1]["parameters"]["weights"] == {"string_value": "2:100"}
+
+
+def test_a_router_loaded_before_the_rollout_stays_loaded(tmp_path):
+    triton = FakeTriton()
+    triton.models.add("text_encoder_router")  # a user calls it directly
+    rollout = _rollout(tmp_path, triton)
+    assert rollout.start(2, [100], dwell_s=0, check_interval_s=0) == 0
+    assert RolloutState.load(tmp_path / "state.json").router_kept
+    assert rollout.rollback() == 0
+    assert triton.form() == DIRECT and triton.ready("text_encoder_router")
+    assert ("text_encoder_router", "unload") not in triton.loads
+
+
+def test_first_use_reads_the_serving_version_from_the_encoder(tmp_path):
+    triton = FakeTriton()
+    triton.loaded = {4}
+    assert _rollout(tmp_path, triton).state().stable == 4
 
 
 def test_a_version_failing_its_smoke_check_is_aborted_before_any_traffic(tmp_path):
@@ -310,6 +424,7 @@ def test_a_version_failing_its_smoke_check_is_aborted_before_any_traffic(tmp_pat
     assert rollout.start(2, dwell_s=0, check_interval_s=0) == 1
     state = RolloutState.load(tmp_path / "state.json")
     assert state.phase == "aborted" and "smoke check of version 2: served by 1" in state.reason
+    assert triton.form() == DIRECT and not triton.ready("text_encoder_router")  # the router out again
     assert triton.loaded == {1} and triton.router["parameters"]["weights"]["string_value"] == "1:100"
 
 
