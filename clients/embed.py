@@ -300,7 +300,10 @@ def to_embedding_error(
     if isinstance(exc, InferenceServerException):
         message = exc.message() or str(exc)
         status = exc.status()
-        if status == "StatusCode.UNAVAILABLE":
+        if status in ("502", "503", "504") and message.startswith("an exception occurred in the client while decoding"):
+            # Not Triton's JSON error: a proxy (the front door) whose upstream is down or restarting.
+            message = f"the http server at {url} answered {status} without a Triton error (is tritonserver behind it down?)"
+        elif status == "StatusCode.UNAVAILABLE":
             message = f"cannot reach the grpc server at {url}: {message}"
         elif status == "StatusCode.DEADLINE_EXCEEDED":
             message = f"no answer from the grpc server at {url} within {options.timeout_s} s: {message}"

@@ -324,7 +324,8 @@ class _Call:
         self.r = retrier
         self.start = retrier.clock()
         self.timeout_s = timeout_s
-        self.attempts = 0
+        self.attempts = 0  # requests sent
+        self.waits = 0  # waits for an open breaker; they count against max_attempts too
         self.last: BaseException | None = None
         self.endpoint: Endpoint | None = None
 
@@ -350,8 +351,8 @@ class _Call:
             wait = self.r.pool.ready_in()
             if wait == float("inf"):
                 wait = max(self.r.policy.base_s, 0.01)  # a probe is in flight: look again soon
-            self.attempts += 1
-            if self.attempts >= self.r.policy.max_attempts or (remaining is not None and wait >= remaining):
+            self.waits += 1
+            if self.attempts + self.waits >= self.r.policy.max_attempts or (remaining is not None and wait >= remaining):
                 raise self.give_up("open")
             return None, wait
         self.attempts += 1
@@ -376,7 +377,7 @@ class _Call:
         endpoint.breaker.record_failure()
         self.last = exc
         log.debug("attempt %d at %s failed: %s", self.attempts, endpoint.url, exc)
-        if self.attempts >= self.r.policy.max_attempts:
+        if self.attempts + self.waits >= self.r.policy.max_attempts:
             raise self.give_up("attempts")
         delay = self.r.policy.backoff_s(self.attempts, self.r.random())
         remaining = self.remaining()
