@@ -55,6 +55,13 @@ class EngineConfig:
     default_max_tokens: int = 16
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    # Admission window of EngineLoop: when a burst may be arriving (the loop woke from idle, or
+    # the step just finished requests whose clients send their next ones), wait up to this long
+    # for the rest of it, so the burst shares one prefill step instead of its first request
+    # taking a step alone and the others waiting that whole step. 0: no window.
+    admission_window_ms: float = 0.0
+    # ... ending early once no request arrived for this long (or the batch is full).
+    admission_quiet_ms: float = 3.0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -65,6 +72,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        for name in ("admission_window_ms", "admission_quiet_ms"):
+            if not 0 <= float(getattr(self, name)) <= 1000:
+                raise ConfigError(f"{name} must be in [0, 1000], got {getattr(self, name)}")
 
 
 @dataclass
@@ -348,6 +358,12 @@ class EngineLoop:
         self._live: dict[RequestId, _Submission] = {}
         self._stopping = False
         self.step_errors = 0
+        self._window_s = float(engine.config.admission_window_ms) / 1000.0
+        self._quiet_s = float(engine.config.admission_quiet_ms) / 1000.0
+        self._last_submit = 0.0  # monotonic time of the latest submit
+        self._submits = 0  # submits so far
+        self.admission_waits = 0  # windows waited, and the seconds they took (tests, metrics)
+        self.admission_wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -373,6 +389,8 @@ class EngineLoop:
                     f"(max_num_seqs={sched.max_num_seqs}, max_waiting={self.engine.config.max_waiting})"
                 )
             self._pending.append(sub)
+            self._last_submit = time.monotonic()
+            self._submits += 1
             self._wake.notify()
         return len(ids)
 
@@ -439,7 +457,34 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - metrics never stop generation
                 log.exception("stats callback failed")
 
+    def _gather(self, since: float, expected: int | None, submits_since: int) -> None:
+        """The admission window: wait (lock held) while a burst's requests are still arriving.
+
+        Ends at ``admission_window_ms`` after ``since``, once ``admission_quiet_ms`` passed with
+        no new submission (counted from ``since`` or the latest one), once ``expected``
+        submissions came after the first ``submits_since`` (the clients of the requests the last
+        step finished), or once the running batch has no free place left for them."""
+        start = time.monotonic()
+        deadline = since + self._window_s
+        sched = self.engine.scheduler
+        while not self._stopping:
+            if expected is not None and self._submits - submits_since >= expected:
+                break
+            if sched.num_running + len(self._pending) >= sched.max_num_seqs:
+                break
+            now = time.monotonic()
+            end = min(deadline, max(since, self._last_submit) + self._quiet_s)
+            if now >= end:
+                break
+            self._wake.wait(end - now)
+        waited = time.monotonic() - start
+        if waited > 0.0005:
+            self.admission_waits += 1
+            self.admission_wait_s += waited
+
     def _run(self) -> None:
+        # When the latest step ended, how many requests it finished, the submits until then.
+        finished_at, finished, submits_at = 0.0, 0, 0
         while True:
             with self._lock:
                 idle = not self._pending and not self._aborts and not self.engine.has_unfinished()
@@ -450,6 +495,13 @@ class EngineLoop:
                     self._wake.wait()
                 if self._stopping:
                     break
+                if self._window_s > 0:
+                    if finished and time.monotonic() < finished_at + self._window_s:
+                        # The clients of the requests just finished are sending their next ones, maybe.
+                        self._gather(finished_at, finished, submits_at)
+                    elif idle and self._pending:  # woke from idle: the first of a burst, maybe
+                        self._gather(self._last_submit, None, 0)
+            finished = 0
             self._admit_and_cancel()
             if not self.engine.has_unfinished():
                 continue
@@ -462,6 +514,9 @@ class EngineLoop:
                 outputs = self.engine.fail_all(RuntimeError(f"generation failed: {exc}"))
             for out in outputs:
                 self._emit(out)
+            finished = sum(1 for out in outputs if out.finished)
+            with self._lock:
+                finished_at, submits_at = time.monotonic(), self._submits
         for out in self.engine.fail_all(RuntimeError("the model is unloading")):
             self._emit(out)
         with self._lock:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from python_backends.errors import InputError
+from python_backends.errors import ConfigError, InputError
 from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine
 from python_backends.generation.sampling import SamplingParams
 from python_backends.generation.scheduler import ContextTooLong, QueueFull
@@ -260,5 +260,56 @@ def test_loop_streams_cancels_within_a_step_and_refuses_when_full(hf, prompts):
             loop.submit(20, prompts[1], GREEDY, lambda o: None)
         for b in blockers:
             b.set()
+    finally:
+        loop.shutdown()
+
+
+def test_admission_window_lets_a_burst_share_its_first_step(hf, prompts):
+    """A burst's first request does not get a step alone: requests arriving within the window
+    (after the engine was idle, and after a step finished requests whose clients send the next
+    ones) are prefilled in the same step. Without the window the first of each burst ran alone."""
+    eng = make_engine(hf, admission_window_ms=1000, admission_quiet_ms=400)
+    loop = EngineLoop(eng)
+    firsts: dict[str, float] = {}
+    done = {k: threading.Event() for k in "ABCD"}
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def on_output(key, then=None):
+        def cb(out):
+            if key not in firsts and out.metrics is not None and out.metrics.first_scheduled is not None:
+                firsts[key] = out.metrics.first_scheduled
+            if out.finished:
+                done[key].set()
+                if then is not None:  # the client's next request, a few ms later (a closed loop)
+                    threading.Timer(then[1], lambda: loop.submit(then[0], prompts[2], short,
+                                                                  on_output(then[0]))).start()
+        return cb
+
+    try:
+        loop.submit("A", prompts[0], short, on_output("A", ("C", 0.005)))
+        time.sleep(0.02)  # B comes 20 ms after A: the engine woke for A, and waited
+        loop.submit("B", prompts[1], short, on_output("B", ("D", 0.015)))
+        for k in "ABCD":
+            assert done[k].wait(120), k
+        assert firsts["A"] == firsts["B"], "A and B (20 ms apart, the engine idle) were not prefilled together"
+        assert firsts["C"] == firsts["D"], "C and D (sent as A and B finished) were not prefilled together"
+        # The windows ended as soon as the expected requests came, well before the quiet time.
+        assert loop.admission_waits >= 2
+        assert loop.admission_wait_s < 0.8, (loop.admission_waits, loop.admission_wait_s)
+    finally:
+        loop.shutdown()
+
+
+def test_admission_window_is_bounded_and_off_at_zero(hf, prompts):
+    with pytest.raises(ConfigError, match="admission_window_ms"):
+        EngineConfig(model_dir=MODEL_DIR, admission_window_ms=5000)
+    eng = make_engine(hf, admission_window_ms=0)
+    loop = EngineLoop(eng)
+    try:
+        done = threading.Event()
+        loop.submit("solo", prompts[0], SamplingParams(max_tokens=2, temperature=0.0),
+                    lambda out: done.set() if out.finished else None)
+        assert done.wait(60)
+        assert loop.admission_waits == 0 and loop.admission_wait_s == 0
     finally:
         loop.shutdown()
