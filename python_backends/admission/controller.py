@@ -6,7 +6,9 @@ with UNAVAILABLE (``Overloaded``) instead of waiting. The limit is in rows, not 
 closed loop of at most ``limit`` clients is never refused, however slow the machine, while
 under an open-loop flood the entry's Triton queue is drained at the speed of a refusal
 (microseconds per request) instead of growing, and what is admitted waits behind at most
-``limit`` rows of its own class. (tritonserver 2.51's own bounds, ``max_queue_size`` and
+``limit`` rows of its own class. A refusal needs an instance that is not waiting on the lane:
+with full batches, ``limit`` must be at most (instances - 1) x max_batch_size, so an entry
+has at least two instances. (tritonserver 2.51's own bounds, ``max_queue_size`` and
 queue timeouts, stall its batcher: docs/performance.md.)
 """
 

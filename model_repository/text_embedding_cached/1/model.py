@@ -38,9 +38,13 @@ class TritonPythonModel:
             # The class this entry serves and its admission into the lane (docs/priority-classes.md).
             self.cls = class_named(self.config.param("priority_class", "default"), "parameter priority_class")
             limit = self.config.param_int("admission_rows", 128, minimum=1)
-            # At most instances - 1 batches wait on the lane: one instance stays free for hits and refusals.
-            batches = max(1, self.config.instance_count() - 1)
-            self.admission = Admission(self.cls, SharedInflight(default_directory(), self.cls.name, limit, batches))
+            self.admission = Admission(self.cls, SharedInflight(default_directory(), self.cls.name, limit))
+            # A flood is refused only while an instance is free to refuse it: the instances that
+            # can wait in the lane with full batches must hold more than the limit.
+            if limit > (self.config.instance_count() - 1) * max(1, self.config.max_batch_size):
+                pb_utils.Logger.log_warn(
+                    f"{self.config.name}: admission_rows {limit} >= (instances - 1) x max_batch_size: "
+                    f"a flood queues instead of being refused (docs/priority-classes.md)")
             settings = CacheSettings.from_config(self.config, os.environ)
             self.resolver = IdentityResolver(
                 Path(args["model_repository"]).parent, self.target,
