@@ -9,7 +9,7 @@ utime + stime of every process (/proc/<pid>/stat) before and after:
 
   text_tokenizer                 POST /v2/models/text_tokenizer/infer, unique texts (front door -> Triton)
   text_encoder                   token ids (16 tokens) straight to the encoder
-  text_embedding                 the ensemble (tokenizer -> router -> encoder), unique texts
+  text_embedding                 the ensemble (tokenizer -> encoder; the router only during a rollout), unique texts
   text_embedding_cached_miss     the cached entry point, unique texts (every one a miss)
   text_embedding_cached_hit      the cached entry point, 60 texts sent once beforehand (every one a hit)
   gateway_embeddings             POST /v1/embeddings, unique texts (gateway -> Triton's gRPC port)

@@ -342,6 +342,10 @@ def test_rollouts_rollback_finish_and_abort_under_load(rollout_server, admin, ro
               "direct_periods": [(round(a - t0, 1), round(b - t0, 1), v) for a, b, v in periods],
               "direct_answers_by_vector_version": {m: dict(c) for m, c in direct.items()},
               "failed_at_s": [(m, round(sent - t0, 1), e[:120]) for m, sent, _, _, e in failed[:10]],
+              # What a switch takes: seconds from the event before (router load + ensemble reload,
+              # or ensemble reload + router unload).
+              "switch_s": [(e["event"], round(e["at"] - before["at"], 2)) for before, e in
+                           zip(state.history, state.history[1:]) if e["event"] in ("router in front", "router out")],
               "wrong_version": len(wrong), "forms_after_each_command": forms,
               "abort": next((e for e in state.history if e["event"] == "aborted"), None)}
     with capsys.disabled():

@@ -74,12 +74,19 @@ def wait_gone(pids, timeout: float = 20.0) -> list[int]:
 
 def test_bls_stubs_exit_cleanly_on_unload_and_on_stop(start_triton):
     kernel_log()  # skip early where it is unreadable
-    with start_triton("triton-unload-", ("text_embedding", "text_embedding_cached")) as server:
+    # The router is off text_embedding's path outside a rollout: it is loaded and called directly.
+    with start_triton("triton-unload-", ("text_embedding", "text_embedding_cached", "text_encoder_router")) as server:
         client = httpclient.InferenceServerClient(server.http_url)
         try:
             # Create every metric series: the cache's at load, the router's at its first flush.
+            ids = np.array([[101, 1037, 2158, 102]], dtype=np.int64)  # [CLS] a man [SEP]
+            router_inputs = []
+            for name in ("input_ids", "attention_mask"):
+                router_inputs.append(httpclient.InferInput(name, list(ids.shape), "INT64"))
+                router_inputs[-1].set_data_from_numpy(ids if name == "input_ids" else np.ones_like(ids))
             for i in range(3):
                 assert embed(client, "text_embedding_cached", [f"unload check {i}"]).shape == (1, 384)
+                assert client.infer("text_encoder_router", router_inputs).as_numpy("sentence_embedding").shape == (1, 384)
                 time.sleep(0.6)
             bls = {p: m for p, m in stubs(server.process.pid).items() if m in BLS_MODELS}
             assert sorted(set(bls.values())) == sorted(BLS_MODELS), f"stubs found: {bls}"
@@ -94,7 +101,6 @@ def test_bls_stubs_exit_cleanly_on_unload_and_on_stop(start_triton):
                 assert server.process.poll() is None, "tritonserver died on a reload:\n" + server.log_tail(20)
 
             router = [p for p, m in bls.items() if m == "text_encoder_router"]
-            client.unload_model("text_embedding")  # the ensemble holds the router
             client.unload_model("text_encoder_router")
             assert wait_gone(router) == [], "the router's stubs did not exit after its unload"
             time.sleep(0.5)  # the kernel log line follows the death

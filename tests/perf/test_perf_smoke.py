@@ -41,8 +41,8 @@ def test_one_level_gives_sane_figures(triton, perf_analyzer, protocol, tmp_path)
     assert m.throughput > 0
     assert 0 < m.p50_ms <= m.p90_ms <= m.p95_ms <= m.p99_ms
     assert m.server is not None and m.server.inference_count > 0
-    # The ensemble's steps; text_encoder runs under the router (BLS), outside this list.
-    assert sorted(m.composing) == ["text_encoder_router", "text_tokenizer"]
+    # The ensemble's steps (no router outside a rollout).
+    assert sorted(m.composing) == ["text_encoder", "text_tokenizer"]
     for stats in m.composing.values():
         # Every request passes every step, and no step ran more executions than inferences.
         assert stats.success_count == stats.inference_count >= m.server.success_count * 0.9
