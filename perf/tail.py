@@ -22,11 +22,22 @@ mean batch size and queue and compute time per request: where the time goes.
 
 Workloads: text_tokenizer, text_encoder (direct, token ids), text_encoder_router (token ids),
 text_embedding, text_embedding_cached with unique texts (all misses) and with 60 texts sent
-once beforehand (all hits), image_classification (unique 64 x 64 PNGs, asyncio client only).
+once beforehand (all hits), image_classification (unique 64 x 64 PNGs, asyncio client only),
+text_generation_stream (text_generation over a gRPC stream, ``--max-tokens`` new tokens:
+latency of the whole answer and TTFT), and through an OpenAI gateway started in front of each
+phase's server (``python -m openai_gateway``, rate limit and request log off):
+gateway_embeddings_unique / gateway_embeddings_hits (POST /v1/embeddings, wrk) and
+gateway_chat_stream (POST /v1/chat/completions, stream, asyncio SSE client). The before phase
+also serves text_generation without its admission window (``admission_window_ms`` 0).
 Texts and images are unique per request across the whole run, so neither Triton's response
-cache nor the embedding cache answers them. Checks the targets at the highest concurrency:
-text_embedding_cached all hits P99 <= 50 ms, every text workload P99 <= 3 x P50. Writes
-tail.csv (every window), summary.md and the server logs under perf/results/tail-<UTC time>/.
+cache nor the embedding cache answers them.
+
+``--long 60``: one 60 s window per workload and phase at concurrency 32. The targets, checked
+at the highest concurrency and printed as a table at the end (also targets.md / targets.csv):
+all-hit P99 <= 50 ms, every other workload P99 <= 3 x P50 (streams: the answer and TTFT), and
+in long mode max <= 5 x P50; each with the CPU figures of its window, so a target missed
+because the cores were busy shows it. Writes tail.csv (every window), summary.md and the
+server and gateway logs under perf/results/tail-<UTC time>/.
 """
 
 from __future__ import annotations
@@ -36,8 +47,10 @@ import asyncio
 import datetime as dt
 import io
 import json
+import math
 import os
 import random
+import re
 import resource
 import secrets
 import shutil
@@ -64,7 +77,16 @@ BATCHING_MODELS = ("text_encoder", "text_tokenizer", "text_encoder_router", "tex
 SERVED_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
 TEXT_WORKLOADS = ("text_tokenizer", "text_encoder", "text_encoder_router", "text_embedding",
                   "text_embedding_cached_unique", "text_embedding_cached_hits")
-WORKLOADS = TEXT_WORKLOADS + ("image_classification",)
+# The OpenAI gateway in front of each phase's server: embeddings through wrk, chat streams.
+GATEWAY_WORKLOADS = ("gateway_embeddings_unique", "gateway_embeddings_hits", "gateway_chat_stream")
+# Streaming workloads: latency is the whole answer, TTFT recorded beside it.
+STREAM_WORKLOADS = ("gateway_chat_stream", "text_generation_stream")
+WORKLOADS = TEXT_WORKLOADS + ("image_classification", "text_generation_stream") + GATEWAY_WORKLOADS
+HIT_WORKLOADS = ("text_embedding_cached_hits", "gateway_embeddings_hits")
+TARGET_MAX_OVER_P50 = 5.0
+# The generation engine before its admission window (docs/generation.md): the before phase
+# serves text_generation with these parameters.
+BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0"}}
 # Models whose /v2/models/stats are recorded per window (the ensembles' steps and BLS targets).
 STATS_MODELS = ("text_tokenizer", "text_encoder_router", "text_encoder", "text_embedding", "text_embedding_cached",
                 "image_preprocess", "image_classifier", "image_postprocess")
@@ -113,6 +135,10 @@ def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
                         "parameters": {"binary_data_size": len(raw)}}], raw)
 
 
+def _no_body(_: int) -> tuple[bytes, dict[str, str]]:
+    raise RuntimeError("a streaming workload is measured by stream_window, not by a request body")
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -120,9 +146,21 @@ class Workload:
     kind: str  # unique_text, tokens, hits, image: what the wrk script has to generate
     make: Callable[[int], tuple[bytes, dict[str, str]]]  # request number -> (body, headers)
     warm: Sequence[tuple[bytes, dict[str, str]]] = ()  # sent once, unmeasured, before a measurement
+    path: str = ""  # HTTP path; default /v2/models/<model>/infer
+    via_gateway: bool = False  # sent to the phase's OpenAI gateway, not to tritonserver
+
+    @property
+    def endpoint(self) -> str:
+        return self.path or f"/v2/models/{self.model}/infer"
 
 
-def workloads(nonce: str, sentences: Sequence[str]) -> dict[str, Workload]:
+def gateway_request(text: str, api_key: str) -> tuple[bytes, dict[str, str]]:
+    """POST /v1/embeddings for one text, float vectors."""
+    body = json.dumps({"model": "text_embedding", "input": text, "encoding_format": "float"}).encode()
+    return body, {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+
+
+def workloads(nonce: str, sentences: Sequence[str], api_key: str = "") -> dict[str, Workload]:
     """Every workload; ``nonce`` makes the unique texts unique across runs and phases too."""
     rng = random.Random(nonce)
     counter = iter(range(10**12))
@@ -132,6 +170,11 @@ def workloads(nonce: str, sentences: Sequence[str]) -> dict[str, Workload]:
         return text_request(f"{sentences[n % len(sentences)]} ({nonce}-{n})")
 
     hits = [text_request(s) for s in sentences]
+    gw_hits = [gateway_request(s, api_key) for s in sentences]
+
+    def _next_text() -> str:
+        n = next(counter)
+        return f"{sentences[n % len(sentences)]} ({nonce}-{n})"
 
     def image(_: int) -> tuple[bytes, dict[str, str]]:
         n = next(counter)  # a new image per request: image_preprocess's response cache never answers
@@ -148,6 +191,17 @@ def workloads(nonce: str, sentences: Sequence[str]) -> dict[str, Workload]:
         "text_embedding_cached_hits": Workload("text_embedding_cached_hits", "text_embedding_cached", "hits",
                                                lambda n: hits[n % len(hits)], warm=hits),
         "image_classification": Workload("image_classification", "image_classification", "image", image),
+        "gateway_embeddings_unique": Workload(
+            "gateway_embeddings_unique", "text_embedding", "gw_unique_text",
+            lambda _: gateway_request(_next_text(), api_key),
+            path="/v1/embeddings", via_gateway=True),
+        "gateway_embeddings_hits": Workload(
+            "gateway_embeddings_hits", "text_embedding", "gw_hits", lambda n: gw_hits[n % len(gw_hits)],
+            warm=gw_hits, path="/v1/embeddings", via_gateway=True),
+        # Streams: measured by their own asyncio clients (stream_window), never by wrk.
+        "gateway_chat_stream": Workload("gateway_chat_stream", "text_generation", "chat", _no_body,
+                                        path="/v1/chat/completions", via_gateway=True),
+        "text_generation_stream": Workload("text_generation_stream", "text_generation", "generation", _no_body),
     }
 
 
@@ -169,7 +223,11 @@ class Window:
     p50_ms: float | None = None
     p99_ms: float | None = None
     max_ms: float | None = None
+    ttft_p50_ms: float | None = None  # streams: time to the first piece of text
+    ttft_p99_ms: float | None = None
+    ttft_max_ms: float | None = None
     client_cores: float | None = None  # CPU seconds of the load generator per wall second
+    gateway_cores: float | None = None  # the OpenAI gateway's process (gateway workloads)
     server_cores: float | None = None  # the same for tritonserver and its backend stubs
     server_wait_cores: float | None = None  # seconds its threads sat runnable, waiting for a CPU, per second
     machine_cores: float | None = None  # every process of the machine (neighbours included)
@@ -180,9 +238,14 @@ class Window:
     def p99_over_p50(self) -> float | None:
         return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
 
+    @property
+    def max_over_p50(self) -> float | None:
+        return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
+
     def record(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "stats"}
         out["p99_over_p50"] = self.p99_over_p50
+        out["max_over_p50"] = self.max_over_p50
         out["stats"] = json.dumps(self.stats, sort_keys=True)
         return out
 
@@ -204,7 +267,7 @@ async def _closed_loop(url: str, w: Workload, concurrency: int, duration: float,
     errors = 0
     first_error = ""
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        endpoint = f"http://{url}/v2/models/{w.model}/infer"
+        endpoint = f"http://{url}{w.endpoint}"
         for body, headers in w.warm:
             async with session.post(endpoint, data=body, headers=headers) as r:
                 await r.read()
@@ -253,6 +316,78 @@ def measure_python(url: str, w: Workload, window: Window, duration: float) -> No
         window.p50_ms, window.p99_ms, window.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
 
 
+async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence[str], max_tokens: int,
+                       concurrency: int, duration: float, warmup: float) -> tuple[list[tuple[float, float]], int, str, float]:
+    """``concurrency`` closed-loop streams for ``warmup + duration`` s: ``(TTFT, total)`` seconds of
+    each request started inside the measured part (waited for to their end), errors, first error,
+    the measured seconds. ``target``: the gateway's base URL, or tritonserver's gRPC host:port."""
+    import aiohttp
+
+    from clients.generation import AsyncGenerationClient
+    from perf.gateway_bench import DirectChat, GatewayChat
+
+    session = None
+    direct = None
+    if w.via_gateway:
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300),
+                                        connector=aiohttp.TCPConnector(limit=0))
+        system = GatewayChat(session, target, api_key)
+    else:
+        direct = AsyncGenerationClient(target, protocol="grpc", timeout_s=300)
+        system = DirectChat(direct)
+    samples: list[tuple[float, float]] = []
+    errors = 0
+    first_error = ""
+    try:
+        await system.stream(prompts[0], 2)  # the connection opened, outside the window
+        started = time.monotonic()
+        measure_from, stop_at = started + warmup, started + warmup + duration
+        turn = iter(range(10**12))
+
+        async def client(k: int) -> None:
+            nonlocal errors, first_error
+            while (now := time.monotonic()) < stop_at:
+                prompt = prompts[next(turn) % len(prompts)]
+                t0 = time.perf_counter()
+                try:
+                    ttft, _ = await system.stream(prompt, max_tokens)
+                except Exception as exc:  # noqa: BLE001 - counted, the window goes on
+                    if now >= measure_from:
+                        errors += 1
+                        first_error = first_error or f"{type(exc).__name__}: {exc}"[:200]
+                    await asyncio.sleep(0.05)
+                    continue
+                if now >= measure_from:
+                    samples.append((ttft if ttft is not None else float("nan"), time.perf_counter() - t0))
+
+        await asyncio.gather(*(client(k) for k in range(concurrency)))
+        measured = time.monotonic() - measure_from
+    finally:
+        if session is not None:
+            await session.close()
+        if direct is not None:
+            await direct.close()
+    return samples, errors, first_error, measured
+
+
+def measure_stream(w: Workload, target: str, api_key: str, prompts: Sequence[str], max_tokens: int,
+                   window: Window, duration: float, warmup: float) -> None:
+    """The asyncio streaming client in this process: latency = the whole answer, TTFT beside it."""
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    samples, errors, first_error, seconds = asyncio.run(
+        _stream_loop(w, target, api_key, prompts, max_tokens, window.concurrency, duration, warmup))
+    window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
+    window.requests, window.errors, window.first_error, window.seconds = len(samples), errors, first_error, seconds
+    if samples:
+        total = sorted(1000.0 * t for _, t in samples)
+        ttft = sorted(1000.0 * f for f, _ in samples if not math.isnan(f))
+        window.rps = len(total) / seconds if seconds > 0 else None
+        window.p50_ms, window.p99_ms, window.max_ms = percentile(total, 50), percentile(total, 99), total[-1]
+        if ttft:
+            window.ttft_p50_ms, window.ttft_p99_ms, window.ttft_max_ms = (
+                percentile(ttft, 50), percentile(ttft, 99), ttft[-1])
+
+
 def _lua_string(value: str) -> str:
     """A Lua long-bracket literal (taken verbatim, no escapes) for ``value``."""
     level = 1
@@ -265,7 +400,19 @@ def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
     """A wrk Lua script sending ``w``'s requests: unique texts carry the nonce, the wrk thread
     and a counter; ``done`` prints the window's figures as one JSON line."""
     tail = '"]}],"parameters":{"binary_data_output":true}}'
-    if w.kind == "unique_text":
+    if w.kind == "gw_unique_text":
+        texts = ",\n".join(_lua_string(json.dumps(s)[1:-1]) for s in sentences)
+        make = (f"local texts = {{\n{texts}\n}}\n"
+                "request = function()\n  n = n + 1\n"
+                "  local body = '{\"model\":\"text_embedding\",\"encoding_format\":\"float\",\"input\":\"' .. "
+                f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')\"}}'\n"
+                "  return wrk.format('POST', path, headers, body)\nend\n")
+    elif w.kind == "gw_hits":
+        bodies = ",\n".join(_lua_string(body.decode()) for body, _ in w.warm)
+        make = (f"local bodies = {{\n{bodies}\n}}\n"
+                "request = function()\n  n = n + 1\n"
+                "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n")
+    elif w.kind == "unique_text":
         texts = ",\n".join(_lua_string(json.dumps(s)[1:-1]) for s in sentences)
         make = (f"local texts = {{\n{texts}\n}}\n"
                 "request = function()\n  n = n + 1\n"
@@ -286,9 +433,16 @@ def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
                 "  return wrk.format('POST', path, headers, body)\nend\n")
     else:
         raise ValueError(f"{w.name}: no wrk script for {w.kind} requests")
+    headers = {"Content-Type": "application/json"}
+    if w.warm:
+        headers.update(w.warm[0][1])
+    elif w.via_gateway:
+        headers.update(w.make(0)[1])
+    headers["Content-Type"] = "application/json"
+    lua_headers = ", ".join(f"[ {_lua_string(k)} ] = {_lua_string(v)}" for k, v in headers.items())
     return (
         "local n = 0\nlocal tid = 0\nlocal next_tid = 0\n"
-        f"path = '/v2/models/{w.model}/infer'\nheaders = {{['Content-Type'] = 'application/json'}}\n"
+        f"path = '{w.endpoint}'\nheaders = {{{lua_headers}}}\n"
         "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid) end\n"
         "init = function(args) tid = tid_init or 0; math.randomseed(os.time() + tid) end\n"
         + make +
@@ -422,9 +576,17 @@ STALL_PBTXT = ("priority_levels: 2\n  default_priority_level: 2\n"
                "  default_queue_policy { timeout_action: REJECT allow_timeout_override: true }\n")
 
 
-def stall_config_text(text: str) -> str:
-    """A config.pbtxt text with the stall settings added to its dynamic_batching block (if any)."""
-    return text.replace("dynamic_batching {", "dynamic_batching {\n  " + STALL_PBTXT, 1)
+def stall_config_text(text: str, model: str = "", variant: bool = False) -> str:
+    """A config.pbtxt text with the stall settings added to its dynamic_batching block (if any),
+    and ``model``'s BEFORE_PARAMETERS values in place of its shipped ones (a generated variant in
+    configs/ may predate a parameter: left as it is)."""
+    text = text.replace("dynamic_batching {", "dynamic_batching {\n  " + STALL_PBTXT, 1)
+    for key, value in BEFORE_PARAMETERS.get(model, {}).items():
+        text, n = re.subn(r'(parameters \{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*(")',
+                          lambda m, v=value: m.group(1) + v + m.group(2), text)
+        if n != 1 and not variant:
+            raise ValueError(f"{model}/config.pbtxt: no parameter {key} to set for the before phase")
+    return text
 
 
 def before_repository(source: Path, target: Path, alt_configs: Path | None = None) -> Path:
@@ -437,7 +599,7 @@ def before_repository(source: Path, target: Path, alt_configs: Path | None = Non
 
         def config(path: Path, relative: str) -> str:
             if alt_configs is None:
-                return stall_config_text(path.read_text())
+                return stall_config_text(path.read_text(), model_dir.name, variant=relative != "config.pbtxt")
             replacement = alt_configs / model_dir.name / relative
             return replacement.read_text() if replacement.is_file() else path.read_text()
 
@@ -475,10 +637,18 @@ class Point:
     server_wait_cores: float | None
     machine_cores: float | None
     stats: dict
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    ttft_max_ms: float | None = None
+    gateway_cores: float | None = None
 
     @property
     def p99_over_p50(self) -> float | None:
         return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
+
+    @property
+    def max_over_p50(self) -> float | None:
+        return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -502,27 +672,59 @@ def points(windows: Sequence[Window]) -> list[Point]:
                          max((w.max_ms for w in ws if w.max_ms is not None), default=None),
                          (min(p99s), max(p99s)) if p99s else None,
                          _median([w.client_cores for w in ws]), _median([w.server_cores for w in ws]),
-                         _median([w.server_wait_cores for w in ws]), _median([w.machine_cores for w in ws]), stats))
+                         _median([w.server_wait_cores for w in ws]), _median([w.machine_cores for w in ws]), stats,
+                         _median([w.ttft_p50_ms for w in ws]), _median([w.ttft_p99_ms for w in ws]),
+                         max((w.ttft_max_ms for w in ws if w.ttft_max_ms is not None), default=None),
+                         _median([w.gateway_cores for w in ws])))
     return out
 
 
-def targets(results: Sequence[Point], concurrency: int, phase: str = "after") -> list[dict]:
-    """The issue's targets, checked on ``phase`` at ``concurrency``."""
+def targets(results: Sequence[Point], concurrency: int, phase: str = "after", long: bool = False) -> list[dict]:
+    """The issue's targets, checked on ``phase`` at ``concurrency``: all-hit P99 <= 50 ms, every other
+    workload P99 <= 3 x P50 (streams: the whole answer and TTFT), and with ``long`` (one long window
+    per workload) max <= 5 x P50. Each row: target, value, met, and the figures it comes from."""
     rows = []
     by = {(r.phase, r.workload, r.concurrency): r for r in results}
-    hits = by.get((phase, "text_embedding_cached_hits", concurrency))
-    if hits is not None:
-        met = hits.p99_ms is not None and hits.p99_ms <= TARGET_HITS_P99_MS and not hits.errors
-        rows.append({"target": f"text_embedding_cached all hits, c{concurrency}: P99 <= {TARGET_HITS_P99_MS:g} ms",
-                     "value": hits.p99_ms, "met": met})
-    for name in TEXT_WORKLOADS:
+
+    def row(target: str, value: float | None, limit: float, r: Point, detail: str) -> None:
+        rows.append({"target": target, "value": value, "limit": limit, "detail": detail,
+                     "met": value is not None and value <= limit and not r.errors,
+                     "cores": f"client {_f(r.client_cores, 2)}, server {_f(r.server_cores, 2)} "
+                              f"(waiting {_f(r.server_wait_cores, 2)}), machine {_f(r.machine_cores, 2)}"})
+
+    for name in WORKLOADS:
         r = by.get((phase, name, concurrency))
         if r is None:
             continue
-        ratio = r.p99_over_p50
-        rows.append({"target": f"{name}, c{concurrency}: P99 <= {TARGET_P99_OVER_P50:g} x P50",
-                     "value": ratio, "met": ratio is not None and ratio <= TARGET_P99_OVER_P50 and not r.errors})
+        c = f"c{concurrency}"
+        if name in HIT_WORKLOADS:
+            row(f"{name}, {c}: P99 <= {TARGET_HITS_P99_MS:g} ms", r.p99_ms, TARGET_HITS_P99_MS, r,
+                f"P99 {_f(r.p99_ms)} ms")
+        else:
+            what = "answer " if name in STREAM_WORKLOADS else ""
+            row(f"{name}, {c}: {what}P99 <= {TARGET_P99_OVER_P50:g} x P50", r.p99_over_p50, TARGET_P99_OVER_P50, r,
+                f"P50 {_f(r.p50_ms)}, P99 {_f(r.p99_ms)} ms")
+        if name in STREAM_WORKLOADS and r.ttft_p50_ms:
+            row(f"{name}, {c}: TTFT P99 <= {TARGET_P99_OVER_P50:g} x P50", (r.ttft_p99_ms or 0) / r.ttft_p50_ms,
+                TARGET_P99_OVER_P50, r, f"TTFT P50 {_f(r.ttft_p50_ms)}, P99 {_f(r.ttft_p99_ms)} ms")
+        if long:
+            row(f"{name}, {c}: max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)", r.max_over_p50,
+                TARGET_MAX_OVER_P50, r, f"P50 {_f(r.p50_ms)}, max {_f(r.max_ms)} ms")
+            if name in STREAM_WORKLOADS and r.ttft_p50_ms:
+                row(f"{name}, {c}: TTFT max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)",
+                    (r.ttft_max_ms or 0) / r.ttft_p50_ms, TARGET_MAX_OVER_P50, r,
+                    f"TTFT P50 {_f(r.ttft_p50_ms)}, max {_f(r.ttft_max_ms)} ms")
     return rows
+
+
+def targets_table(rows: Sequence[dict]) -> str:
+    """The targets as a markdown table: each target, the figure, PASS / FAIL, and the CPU beside it."""
+    lines = ["| target | value | result | from | CPU cores (client, server, machine) |",
+             "| --- | ---: | --- | --- | --- |"]
+    for t in rows:
+        lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {'PASS' if t['met'] else 'FAIL'} | {t['detail']} | "
+                     f"{t['cores']} |")
+    return "\n".join(lines) + "\n"
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -537,14 +739,21 @@ def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Seque
     ordered = sorted(results, key=lambda r: (WORKLOADS.index(r.workload), r.concurrency, r.phase != "before", r.phase))
     for r in ordered:
         spread = f" ({_f(r.p99_range[0])}-{_f(r.p99_range[1])})" if r.p99_range and r.rounds > 1 else ""
-        lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0)} | {_f(r.p50_ms)} | "
-                     f"{_f(r.p99_ms)}{spread} | {_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} | "
+        lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0 if r.rps and r.rps > 100 else 1)} | "
+                     f"{_f(r.p50_ms)} | {_f(r.p99_ms)}{spread} | {_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} | "
                      f"{_f(r.client_cores, 2)} | {_f(r.server_cores, 2)} | {_f(r.server_wait_cores, 2)} | "
                      f"{_f(r.machine_cores, 2)} |")
+    streams = [r for r in ordered if r.workload in STREAM_WORKLOADS]
+    if streams:
+        lines += ["", "Streams (P50/P99/max above are of the whole answer): time to the first text piece.", "",
+                  ("| workload | conc. | phase | answers/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | TTFT P99/P50 | "
+                   "gateway cores |"), "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in streams:
+            ratio = r.ttft_p99_ms / r.ttft_p50_ms if r.ttft_p99_ms and r.ttft_p50_ms else None
+            lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 1)} | {_f(r.ttft_p50_ms)} | "
+                         f"{_f(r.ttft_p99_ms)} | {_f(r.ttft_max_ms)} | {_f(ratio, 2)} | {_f(r.gateway_cores, 2)} |")
     if target_rows:
-        lines += ["", "| target | value | met |", "| --- | ---: | --- |"]
-        for t in target_rows:
-            lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {'yes' if t['met'] else 'no'} |")
+        lines += ["", "Targets:", "", targets_table(target_rows).rstrip("\n")]
     lines += ["", "Where the time goes (/v2/models/stats, medians over rounds): mean batch, queue ms and "
                   "compute ms per request of each model the workload reached.", "",
               "| workload | conc. | phase | model | batch | queue ms | compute ms |", "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
@@ -557,6 +766,12 @@ def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Seque
 
 
 # --------------------------------------------------------------------------- main
+
+
+def chat_prompts() -> list[str]:
+    """The user messages the streams send, in turn (perf/data/generation_prompts.json, the long ones left out)."""
+    doc = json.loads((PERF_DIR / "data" / "generation_prompts.json").read_text(encoding="utf-8"))
+    return [e["text"] for e in doc["prompts"] if e["kind"] != "long"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -578,7 +793,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", default="cpu", help="what the server serves, as `make serve PRECISION=` (default cpu)")
     p.add_argument("--cache-size-mb", type=int, default=64, help="Triton's response cache (default 64, as make serve)")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/tail-<UTC time>)")
+    p.add_argument("--long", type=float, metavar="SECONDS",
+                   help="long mode: one window of SECONDS per workload and phase at concurrency 32 (unless "
+                        "--concurrency names others), and the max <= 5 x P50 target checked on it")
+    p.add_argument("--max-tokens", type=int, default=8,
+                   help="new tokens per streamed answer (ignore_eos, greedy) of the generation workloads (default 8)")
     args = p.parse_args(argv)
+    if args.long is not None:
+        if args.long <= 0:
+            p.error("--long must be positive")
+        args.rounds, args.duration = 1, args.long
+        if not any(a == "--concurrency" or a.startswith("--concurrency=") for a in (argv or sys.argv[1:])):
+            args.concurrency = "32"
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.workload_list = [w for w in args.workloads.split(",") if w]
     args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
@@ -590,8 +816,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--phases: after, {second} or both")
     if args.alt_configs and not args.alt_configs.is_dir():
         p.error(f"--alt-configs {args.alt_configs}: not a folder")
-    if not args.concurrency_list or min(args.concurrency_list) < 1 or args.duration <= 0 or args.rounds < 1:
-        p.error("--concurrency, --duration and --rounds must be positive")
+    if not args.concurrency_list or min(args.concurrency_list) < 1 or args.duration <= 0 or args.rounds < 1 \
+            or args.max_tokens < 1:
+        p.error("--concurrency, --duration, --rounds and --max-tokens must be positive")
     if args.client == "wrk" and not shutil.which("wrk"):
         p.error("--client wrk: wrk is not installed (Debian package wrk)")
     args.use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
@@ -615,18 +842,26 @@ def run(args: argparse.Namespace) -> int:
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     needs_image = "image_classification" in args.workload_list
     models = SERVED_MODELS if needs_image else tuple(m for m in SERVED_MODELS if m != "image_classification")
+    if any(w in STREAM_WORKLOADS for w in args.workload_list):
+        models += ("text_generation",)
+    if "text_encoder_router" in args.workload_list:  # off text_embedding's path outside a rollout
+        models += ("text_encoder_router",)
+    needs_gateway = any(w in GATEWAY_WORKLOADS for w in args.workload_list)
     nonce = secrets.token_hex(4)
-    work = workloads(nonce, sentences)
+    api_key = "sk-tail-" + secrets.token_hex(16)
+    work = workloads(nonce, sentences, api_key)
+    prompts = chat_prompts()
     windows: list[Window] = []
     workdir = Path(tempfile.mkdtemp(prefix="perf-tail-"))
     scripts = {}
     if args.use_wrk:
         for name in args.workload_list:
-            if work[name].kind != "image":
+            if work[name].kind not in ("image", "chat", "generation"):
                 scripts[name] = workdir / f"{name}.lua"
                 scripts[name].write_text(wrk_script(work[name], sentences, nonce))
 
     servers: dict[str, TritonServer] = {}
+    gateways: dict = {}
     try:
         for phase in args.phase_list:
             repository = ROOT / "model_repository"
@@ -645,6 +880,18 @@ def run(args: argparse.Namespace) -> int:
             except ServerError as exc:
                 say(f"    {phase}: {exc}\n{exc.log_tail}")
                 return 1
+        if needs_gateway:
+            from server.gateway import GatewayOptions, GatewayProcess
+            from server.process import free_port
+
+            for phase, server in servers.items():
+                gateways[phase] = GatewayProcess(GatewayOptions(
+                    server.triton_grpc_url, port=free_port(), workdir=workdir / f"gateway-{phase}",
+                    api_key_file=workdir / "gateway-api-key", env={"GATEWAY_API_KEYS": api_key}, drain_timeout=5,
+                    extra_args=["--rate-limit", "0", "--no-request-log"])).start()
+            for phase, gateway in gateways.items():
+                gateway.wait_ready(timeout=120)
+                say(f"perf.tail: gateway for {phase} ready on {gateway.url}")
         if "before" in servers:
             with urllib.request.urlopen(f"http://{servers['before'].triton_http_url}/v2/models/text_tokenizer/config",
                                         timeout=10) as r:
@@ -658,26 +905,48 @@ def run(args: argparse.Namespace) -> int:
                     order = args.phase_list if rnd % 2 == 0 else args.phase_list[::-1]
                     for phase in order:
                         server = servers[phase]
-                        url = server.triton_http_url
+                        w = work[name]
+                        gateway = gateways.get(phase) if w.via_gateway else None
+                        url = gateway.url.removeprefix("http://") if gateway else server.triton_http_url
                         use_wrk = name in scripts
+                        stream = name in STREAM_WORKLOADS
                         window = Window(phase, name, conc, rnd + 1, "wrk" if use_wrk else "python")
-                        warm_up(url, work[name], conc, args.warmup, scripts.get(name))
+                        if not stream:
+                            warm_up(url, w, conc, args.warmup, scripts.get(name))
                         meter = CpuMeter(server.process.pid if server.process else None)
-                        stats0 = model_stats(url)
+                        gw_meter = CpuMeter(gateway.process.pid) if gateway is not None and gateway.process else None
+                        stats0 = model_stats(server.triton_http_url)
                         meter.start()
-                        if use_wrk:
-                            measure_wrk(url, work[name], window, scripts[name], args.duration)
+                        if gw_meter:
+                            gw_meter.start()
+                        if stream:
+                            target = gateway.url if gateway else server.triton_grpc_url
+                            measure_stream(w, target, api_key, prompts, args.max_tokens, window, args.duration,
+                                           args.warmup)
+                        elif use_wrk:
+                            measure_wrk(url, w, window, scripts[name], args.duration)
                         else:
-                            measure_python(url, work[name], window, args.duration)
+                            measure_python(url, w, window, args.duration)
+                        if gw_meter:
+                            probe = Window(phase, name, conc, rnd + 1, "")
+                            gw_meter.stop(probe)
+                            window.gateway_cores = probe.server_cores
                         meter.stop(window)
-                        window.stats = stats_delta(stats0, model_stats(url))
+                        window.stats = stats_delta(stats0, model_stats(server.triton_http_url))
                         windows.append(window)
                         say(f"{phase:6} {name:28} c{conc:<3} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
                             f"P50 {_f(window.p50_ms):>7}  P99 {_f(window.p99_ms):>7}  max {_f(window.max_ms):>7} ms  "
                             f"client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
-                            f"waiting {_f(window.server_wait_cores, 2)} cores  "
+                            f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores  "
+                            + (f"TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)} "
+                               f"max {_f(window.ttft_max_ms)}  " if stream else "")
+                            + (f"gateway {_f(window.gateway_cores, 2)} cores  " if gateway else "") +
                             f"errors {window.errors}" + (f" ({window.first_error})" if window.first_error else ""))
     finally:
+        for phase, gateway in gateways.items():
+            gateway.stop()
+            if gateway.log_path.is_file():
+                shutil.copyfile(gateway.log_path, out_dir / f"gateway-{phase}.log")
         for phase, server in servers.items():
             server.stop()
             if server.log_path.is_file():
@@ -686,7 +955,7 @@ def run(args: argparse.Namespace) -> int:
 
     results = points(windows)
     main_phase = "after" if "after" in args.phase_list else args.phase_list[0]
-    target_rows = targets(results, max(args.concurrency_list), main_phase)
+    target_rows = targets(results, max(args.concurrency_list), main_phase, long=args.long is not None)
     second = "a second server on the same machine with " + (
         f"the configs of {args.alt_configs}" if args.alt_configs else "the old settings")
     header = [
@@ -697,15 +966,22 @@ def run(args: argparse.Namespace) -> int:
         f"- command: `{' '.join(['python -m perf.tail', *args.argv])}`",
         f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
         f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
-        f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver; "
-        "unique texts and images per request (hits: 60 texts sent once first)",
+        f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver "
+        "(gateway_*: to an OpenAI gateway in front of each server); unique texts and images per request (hits: 60 "
+        f"texts sent once first); streams: asyncio clients (SSE; gRPC for text_generation_stream), {args.max_tokens} new "
+        "tokens (ignore_eos, greedy), the prompts of perf/data/generation_prompts.json in turn",
         "- figures: medians over the rounds (P99 range in brackets), max the largest; cores: CPU seconds per second; "
         "server waiting: seconds per second the server's threads were runnable but waited for a CPU (schedstat)",
     ]
+    if args.long is None:
+        header.append("- max <= 5 x P50 is a target over one long window per workload: `--long 60`")
     table = markdown(header, results, target_rows)
     (out_dir / "summary.md").write_text(table)
     write_csv(out_dir / "tail.csv", [w.record() for w in windows])
+    (out_dir / "targets.md").write_text("\n".join(header[:3]) + "\n\n" + targets_table(target_rows))
+    write_csv(out_dir / "targets.csv", target_rows)
     print("\n" + table, flush=True)
+    print(f"Targets at c{max(args.concurrency_list)} ({main_phase}):\n\n" + targets_table(target_rows), flush=True)
     say(f"perf.tail: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
     return 0 if windows and all(w.requests and not w.errors for w in windows) else 1
 

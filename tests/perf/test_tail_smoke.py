@@ -36,6 +36,52 @@ def test_alt_configs_replace_only_the_configs_given(tmp_path):
     assert (repo / "text_encoder" / "config.pbtxt").read_text() == shipped
 
 
+def test_before_repository_turns_the_generation_admission_window_off(tmp_path):
+    repo = tail.before_repository(tail.ROOT / "model_repository", tmp_path / "repo")
+    before = (repo / "text_generation" / "config.pbtxt").read_text()
+    shipped = (tail.ROOT / "model_repository" / "text_generation" / "config.pbtxt").read_text()
+    assert 'key: "admission_window_ms" value: { string_value: "0" }' in before
+    assert 'key: "admission_window_ms" value: { string_value: "0" }' not in shipped
+    assert before.count("admission_window_ms") == shipped.count("admission_window_ms")
+
+
+def _point(workload, p50, p99, peak, errors=0, ttft=None):
+    return tail.Point("after", workload, 32, 1, 100, errors, 10.0, p50, p99, peak, (p99, p99), 0.1, 1.0, 0.2, 1.5,
+                      {}, *(ttft or (None, None, None)))
+
+
+def test_targets_table_checks_each_target_and_the_long_window():
+    results = [_point("text_embedding", 10, 29, 49), _point("text_embedding_cached_hits", 3, 51, 60),
+               _point("gateway_embeddings_unique", 10, 31, 40),
+               _point("text_generation_stream", 1000, 1500, 6000, ttft=(200, 700, 900))]
+    rows = {r["target"]: r for r in tail.targets(results, 32, long=True)}
+    met = {k: v["met"] for k, v in rows.items()}
+    assert met == {
+        "text_embedding, c32: P99 <= 3 x P50": True,
+        "text_embedding, c32: max <= 5 x P50 (long window)": True,
+        "text_embedding_cached_hits, c32: P99 <= 50 ms": False,
+        "text_embedding_cached_hits, c32: max <= 5 x P50 (long window)": False,
+        "text_generation_stream, c32: answer P99 <= 3 x P50": True,
+        "text_generation_stream, c32: TTFT P99 <= 3 x P50": False,
+        "text_generation_stream, c32: max <= 5 x P50 (long window)": False,
+        "text_generation_stream, c32: TTFT max <= 5 x P50 (long window)": True,
+        "gateway_embeddings_unique, c32: P99 <= 3 x P50": False,
+        "gateway_embeddings_unique, c32: max <= 5 x P50 (long window)": True,
+    }
+    assert not any("long window" in r["target"] for r in tail.targets(results, 32))
+    table = tail.targets_table(list(rows.values()))
+    assert "| text_generation_stream, c32: TTFT P99 <= 3 x P50 | 3.50 | FAIL |" in table
+    assert "machine 1.50" in table
+    # An errored point never passes.
+    assert not tail.targets([_point("text_embedding", 10, 11, 12, errors=1)], 32)[0]["met"]
+
+
+def test_long_mode_is_one_window_at_concurrency_32():
+    args = tail.parse_args(["--long", "60", "--workloads", "text_embedding"])
+    assert (args.rounds, args.duration, args.concurrency_list) == (1, 60, [32])
+    assert tail.parse_args(["--long", "5", "--concurrency", "8"]).concurrency_list == [8]
+
+
 def test_short_tail_run_interleaves_both_phases(tmp_path):
     code = tail.main(["--workloads", "text_tokenizer,text_embedding_cached_hits", "--concurrency", "4",
                       "--rounds", "2", "--duration", "1", "--warmup", "0.5", "--out-dir", str(tmp_path)])
@@ -68,3 +114,15 @@ def test_wrk_scripts_quote_texts_verbatim_and_make_them_unique():
     assert "math.random(1000, 29999)" in tail.wrk_script(work["text_encoder"], [], "n0nce")
     with pytest.raises(ValueError):
         tail.wrk_script(work["image_classification"], [], "n0nce")
+
+
+def test_gateway_wrk_scripts_carry_the_key_and_the_openai_body():
+    work = tail.workloads("n0nce", ["one", "two"], api_key="sk-test")
+    unique = tail.wrk_script(work["gateway_embeddings_unique"], ["one", "two"], "n0nce")
+    assert "path = '/v1/embeddings'" in unique and "[ [=[Authorization]=] ] = [=[Bearer sk-test]=]" in unique
+    assert '\\"model\\":\\"text_embedding\\"' not in unique and '"model":"text_embedding"' in unique
+    hits = tail.wrk_script(work["gateway_embeddings_hits"], ["one", "two"], "n0nce")
+    assert '[=[{"model": "text_embedding", "input": "two", "encoding_format": "float"}]=]' in hits
+    for name in tail.STREAM_WORKLOADS:
+        with pytest.raises(ValueError):
+            tail.wrk_script(work[name], [], "n0nce")
