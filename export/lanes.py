@@ -73,14 +73,18 @@ def render_config(text: str, lane: Lane) -> str:
 
 
 def _link(target: Path, link: Path) -> None:
+    """``link`` -> ``target`` (relative), replaced atomically: servers started at the same time
+    render the same lanes."""
     rel = os.path.relpath(target, link.parent)
     if link.is_symlink() and os.readlink(link) == rel:
         return
-    if link.is_symlink() or link.is_file():
-        link.unlink()
-    elif link.is_dir():
+    if link.is_dir() and not link.is_symlink():
         shutil.rmtree(link)
-    link.symlink_to(rel)
+    tmp = link.with_name(f".{link.name}.tmp{os.getpid()}")
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(rel)
+    os.replace(tmp, link)
 
 
 def _write(path: Path, text: str) -> None:
