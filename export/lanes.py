@@ -120,7 +120,7 @@ def render_lane(repository: Path, lane: Lane) -> Path:
         for f in files:
             _link(src / name / f, vdst / f)
         for f in vdst.iterdir():
-            if f.is_symlink() and f.name not in files:
+            if f.is_symlink() and f.name not in files and not f.name.startswith("."):
                 f.unlink()
     for p in dst.iterdir():  # a version removed from the model is removed from the lane
         if p.is_dir() and not p.is_symlink() and p.name.isdigit() and p.name not in versions:
