@@ -316,10 +316,13 @@ class TritonServer:
         o = self.options
         o.workdir.mkdir(parents=True, exist_ok=True)
         self.layout = prepare(o.workdir)
-        # Priority-class lanes follow their model's current config and versions (export/lanes.py).
+        # Priority-class lanes follow their model's current config and versions (export/lanes.py);
+        # while a rollout runs they serve its most-weighted version, not the canary.
         from export.lanes import render_all
 
-        render_all(o.model_repository)
+        plan = self.rollout_plan()
+        pins = {plan.encoder: max(plan.weights, key=plan.weights.get)} if plan is not None and plan.weights else None
+        render_all(o.model_repository, pins)
         if o.front_door:
             taken = {o.http_port, o.grpc_port, o.metrics_port}
             for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port"):

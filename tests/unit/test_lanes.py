@@ -93,3 +93,9 @@ def test_the_served_repository_renders_text_encoder_interactive(tmp_path):
     for line in source.splitlines():
         if line.startswith(("input", "output", "  { name", "max_batch_size", "model_warmup", "dynamic_batching")):
             assert line in text
+
+
+def test_a_pinned_lane_serves_only_that_version():
+    out = render_config(CONFIG + "version_policy: { latest { num_versions: 1 } }\n", Lane("enc", "interactive", 1), 2)
+    assert "version_policy: { specific { versions: [ 2 ] } }" in out and "latest" not in out
+    assert "specific { versions: [ 3 ] }" in render_config(CONFIG, Lane("enc", "interactive", 1), 3)
