@@ -112,7 +112,9 @@ def test_mounted_repository_holds_the_loaded_models(compose, name):
     assert host_repo == (ROOT / "model_repository").resolve()
     assert args["--model-control-mode"] == ["explicit"]
     loaded = args["--load-model"]
-    assert loaded == ["text_encoder", "text_embedding", "text_embedding_cached", "image_classification", "text_generation"]
+    assert loaded == ["text_encoder", "text_embedding", "text_embedding_cached", "text_embedding_interactive",
+                      "text_embedding_cached_interactive", "text_embedding_cached_bulk", "image_classification",
+                      "text_generation"]
     # What a loaded model calls through BLS (load_with) is loaded explicitly too.
     from server.process import with_dependencies
 
