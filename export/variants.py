@@ -331,7 +331,7 @@ def _trt_accelerator(base: str) -> str:
 
 
 # Parameters of the Python-based backend's ragged path (python_backends.onnx_engine.batching).
-_RAGGED_PARAMS = re.compile(r'^\s*parameters\s*\{\s*key:\s*"(max_batch_tokens|max_batch_rows|ragged_length_input)".*\}\s*$')
+_RAGGED_PARAMS = re.compile(r'^\s*parameters\s*\{\s*key:\s*"(max_batch_tokens|max_batch_rows|max_row_padding|ragged_length_input)".*\}\s*$')
 
 
 def drop_ragged(body: str) -> str:

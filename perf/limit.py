@@ -25,7 +25,8 @@ with the best grouping there is (the whole pool sorted by length, cut into runs 
 ``max_batch_tokens`` padded tokens, each run padded to its own longest row:
 python_backends.onnx_engine.batching.plan_runs, what the served encoder does per execution),
 for each of ``--budgets``, against the grouping without lengths (runs of ``--count-batch``
-rows in arrival order, each padded to the tokenizer's bucket of its longest row). Figures:
+rows in arrival order, each padded to the tokenizer's bucket of its longest row) and against
+no grouping (``alone``: every row its own run, unpadded). Figures:
 sequences per second, per budget and thread layout; the limit is the best of them.
 """
 
@@ -291,11 +292,11 @@ def _feed(rows: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def grouped_feeds(rows: Sequence[np.ndarray], max_tokens: int) -> list[dict[str, np.ndarray]]:
+def grouped_feeds(rows: Sequence[np.ndarray], max_tokens: int, max_padding: int = 0) -> list[dict[str, np.ndarray]]:
     """The pool as the served encoder groups it under a token budget (plan_runs)."""
     from python_backends.onnx_engine.batching import plan_runs
 
-    runs = plan_runs([len(r) for r in rows], max_tokens)
+    runs = plan_runs([len(r) for r in rows], max_tokens, max_padding=max_padding)
     return [_feed([rows[i] for i in run], len(rows[run[0]])) for run in runs]
 
 
@@ -318,12 +319,14 @@ class MixLimit:
 
     @property
     def best(self) -> tuple[str, str, float]:
-        """(layout, grouping, sequences/s) of the fastest token-budget grouping: the limit."""
-        return max(((lay, g, v) for lay, gs in self.rates.items() for g, v in gs.items() if g.startswith("tokens")),
-                   key=lambda x: x[2])
+        """(layout, grouping, sequences/s) of the fastest grouping and layout: the limit."""
+        return max(((lay, g, v) for lay, gs in self.rates.items() for g, v in gs.items()), key=lambda x: x[2])
 
-    def best_budget(self) -> int:
-        return int(self.best[1].split("<=")[1])
+    def best_budget(self) -> int | None:
+        """The token budget of the fastest token-budget grouping."""
+        best = max(((g, v) for gs in self.rates.values() for g, v in gs.items() if g.startswith("tokens")),
+                   key=lambda x: x[1], default=None)
+        return int(best[0].split("<=")[1]) if best else None
 
     def rows(self) -> list[dict[str, object]]:
         return [{"kind": "length_mix", "variant": self.served.variant, "layout": lay, "grouping": g,
@@ -349,6 +352,7 @@ def measure_length_mix(
     rows = token_rows(lengths, seed=seed)
     groupings = {f"tokens<={b}": grouped_feeds(rows, b) for b in budgets}
     groupings[f"count={count_batch}"] = count_feeds(rows, count_batch)
+    groupings["alone"] = [_feed([r], len(r)) for r in rows]  # each row its own run, unpadded
     plan = layouts(served)
     sessions = {(n, t): [bench.open_cpu_session(served.model_path, t) for _ in range(n)] for n, t in plan}
     names = {layout: f"{layout[0]}x{layout[1]}" for layout in plan}
@@ -387,7 +391,8 @@ def mix_markdown(m: MixLimit) -> str:
     ]
     for g in groupings:
         lines.append(f"| {g} | " + " | ".join(f"{m.rates[n][g]:.0f}" for n in names) + " |")
-    lines += ["", f"limit: {value:.0f} seq/s ({grouping} tokens per run, layout {layout})"]
+    lines += ["", (f"limit: {value:.0f} seq/s (grouping {grouping}, layout {layout}); "
+                   f"best token budget: {m.best_budget()}")]
     return "\n".join(lines) + "\n"
 
 

@@ -57,18 +57,21 @@ class TokenBudget:
     """Length-aware grouping: at most ``max_tokens`` padded tokens (rows x the run's longest
     row) per run; a row longer than the budget runs alone. ``length_input`` is the attention
     mask a row's real length is read from (the position of its last 1); ``max_rows`` caps the
-    rows of one run (0: no cap)."""
+    rows of one run (0: no cap); ``max_padding`` is how many padding tokens a row may get to
+    join a run (0: any): on a CPU a padded token costs about as much as a real one, so rows
+    only share a run when the padding costs less than the run it saves."""
 
     max_tokens: int
     length_input: str = "attention_mask"
     max_rows: int = 0
     pad_value: int = 0
+    max_padding: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.max_rows < 0:
-            raise ValueError(f"max_rows must be >= 0, got {self.max_rows}")
+        if self.max_rows < 0 or self.max_padding < 0:
+            raise ValueError(f"max_rows and max_padding must be >= 0, got {self.max_rows}, {self.max_padding}")
 
 
 def budget_from_config(config) -> TokenBudget | None:
@@ -77,7 +80,8 @@ def budget_from_config(config) -> TokenBudget | None:
     Inputs declared ``allow_ragged_batch: true`` let Triton's batcher merge requests of any
     length; then every input must be ragged, each a [batch, sequence] tensor, no output may
     have a variable dimension (results are put back per row), and ``parameters`` give
-    ``max_batch_tokens`` (padded tokens per run) and optionally ``ragged_length_input`` (the
+    ``max_batch_tokens`` (padded tokens per run) and optionally ``max_row_padding`` (tokens a
+    row may be padded by to join a run), ``max_batch_rows`` and ``ragged_length_input`` (the
     attention mask, default ``attention_mask``). Raises ConfigError otherwise.
     """
     ragged = [t["name"] for t in config.raw.get("input", []) if t.get("allow_ragged_batch")]
@@ -104,7 +108,8 @@ def budget_from_config(config) -> TokenBudget | None:
         raise ConfigError(f"model {config.name!r}: ragged_length_input {length_input!r} is not an input "
                           f"({', '.join(names)})")
     return TokenBudget(config.param_int("max_batch_tokens", 0, minimum=1), length_input,
-                       max_rows=config.param_int("max_batch_rows", 0, minimum=0))
+                       max_rows=config.param_int("max_batch_rows", 0, minimum=0),
+                       max_padding=config.param_int("max_row_padding", 0, minimum=0))
 
 
 def row_lengths(mask: np.ndarray) -> np.ndarray:
@@ -118,16 +123,18 @@ def row_lengths(mask: np.ndarray) -> np.ndarray:
     return np.where(nonzero.any(axis=1), last, 1).astype(np.int64)
 
 
-def plan_runs(lengths: Sequence[int], max_tokens: int, max_rows: int = 0) -> list[list[int]]:
+def plan_runs(lengths: Sequence[int], max_tokens: int, max_rows: int = 0, max_padding: int = 0) -> list[list[int]]:
     """Cut rows (by index into ``lengths``) into runs: longest first, each run padded to its
-    first (longest) row and closed before rows x that length exceeds ``max_tokens`` or it
-    holds ``max_rows`` rows. A row longer than the budget gets a run of its own."""
+    first (longest) row and closed before rows x that length exceeds ``max_tokens``, before it
+    holds ``max_rows`` rows, or before a row shorter than that length by more than
+    ``max_padding`` tokens. A row longer than the budget gets a run of its own."""
     order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
     runs: list[list[int]] = []
     current: list[int] = []
     width = 0
     for i in order:
-        if current and ((len(current) + 1) * width > max_tokens or (max_rows and len(current) >= max_rows)):
+        if current and ((len(current) + 1) * width > max_tokens or (max_rows and len(current) >= max_rows)
+                        or (max_padding and width - int(lengths[i]) > max_padding)):
             runs.append(current)
             current = []
         if not current:
@@ -224,7 +231,8 @@ def _run_ragged(requests: Sequence[Inputs], input_names: Sequence[str], run: Run
             rows.append((r, j, int(length)))
     results: dict[int, dict[str, np.ndarray]] = {}
     retry: set[int] = set()
-    for members in plan_runs([length for _, _, length in rows], budget.max_tokens, budget.max_rows):
+    for members in plan_runs([length for _, _, length in rows], budget.max_tokens, budget.max_rows,
+                             budget.max_padding):
         picked = [rows[k] for k in members]
         owners = {r for r, _, _ in picked}
         if owners & retry:  # a request already known to fail: run its neighbours without it

@@ -34,6 +34,7 @@ def test_the_served_config_batches_ragged_under_a_token_budget():
     budget = budget_from_config(as_model_config(config))
     assert budget is not None and budget.max_tokens == int(config.parameters["max_batch_tokens"].string_value)
     assert budget.length_input == "attention_mask"
+    assert budget.max_padding == int(config.parameters["max_row_padding"].string_value)
 
 
 @pytest.mark.parametrize("name", ["fp32", "cpu_opt", "int8"])
@@ -48,7 +49,7 @@ def test_gpu_variants_drop_ragged_batching_and_its_parameters(name):
     text = variants.variant_config(BASE, variants.VARIANTS[name])
     config = parse(text)
     assert not any(i.allow_ragged_batch for i in config.input)
-    assert not {"max_batch_tokens", "max_batch_rows", "ragged_length_input"} & set(config.parameters)
+    assert not {"max_batch_tokens", "max_batch_rows", "max_row_padding", "ragged_length_input"} & set(config.parameters)
     assert "allow_ragged_batch dropped" in text
     # the Python-based backend loads it as a plain shape-grouped model
     assert budget_from_config(as_model_config(config)) is None

@@ -86,6 +86,17 @@ def test_plan_runs_row_above_the_budget_runs_alone_and_max_rows_caps():
     assert plan_runs([], 100) == []
 
 
+def test_plan_runs_max_padding_keeps_rows_of_other_lengths_apart():
+    lengths = [100, 97, 92, 60, 58, 10]
+    assert plan_runs(lengths, 10_000) == [[0, 1, 2, 3, 4, 5]]
+    assert plan_runs(lengths, 10_000, max_padding=8) == [[0, 1, 2], [3, 4], [5]]
+    assert plan_runs(lengths, 10_000, max_padding=2) == [[0], [1], [2], [3, 4], [5]]
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(8, 129, size=200).tolist()
+    for run in plan_runs(lengths, 2048, max_padding=8):
+        assert lengths[run[0]] - min(lengths[i] for i in run) <= 8
+
+
 def test_ragged_requests_are_trimmed_grouped_and_returned_in_order():
     rng = np.random.default_rng(1)
     requests = []
@@ -93,11 +104,13 @@ def test_ragged_requests_are_trimmed_grouped_and_returned_in_order():
         rows = [rng.integers(1, 999, size=int(n)).tolist() for n in rng.integers(8, 129, size=int(rng.integers(1, 4)))]
         requests.append(request(*rows, width=128))  # padded to a bucket, as the tokenizer does
     model = Recorder()
-    out = run_batched(requests, NAMES, model, TokenBudget(max_tokens=1024))
+    out = run_batched(requests, NAMES, model, TokenBudget(max_tokens=1024, max_padding=16))
     for req, o in zip(requests, out):
         assert o.error is None
         np.testing.assert_array_equal(o.outputs["out"][:, :2], expected(req))
     assert all(t <= 1024 for t, f in zip(model.padded_tokens(), model.feeds) if f["input_ids"].shape[0] > 1)
+    for f in model.feeds:  # no row padded by more than max_padding
+        assert (f["attention_mask"].shape[1] - f["attention_mask"].sum(axis=1)).max() <= 16
     # far fewer padded tokens than the requests as sent (every row at 128)
     sent = sum(r["input_ids"].size for r in requests)
     assert sum(model.padded_tokens()) < 0.8 * sent
@@ -201,7 +214,9 @@ def test_budget_from_config():
     assert budget_from_config(_config((False, False))) is None
     budget = budget_from_config(_config(params={"max_batch_tokens": "2048"}))
     assert budget == TokenBudget(2048, "attention_mask", 0)
-    assert budget_from_config(_config(params={"max_batch_tokens": "512", "max_batch_rows": "64"})).max_rows == 64
+    budget = budget_from_config(_config(params={"max_batch_tokens": "512", "max_batch_rows": "64",
+                                                "max_row_padding": "8"}))
+    assert (budget.max_rows, budget.max_padding) == (64, 8)
 
 
 @pytest.mark.parametrize(
