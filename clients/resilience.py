@@ -424,7 +424,12 @@ class Retrier:
                 await self.asleep(value or 0.0)
                 continue
             try:
-                result = await (fn(endpoint.url, value) if value is None else asyncio.wait_for(fn(endpoint.url, value), value))
+                if value is None:
+                    result = await fn(endpoint.url, value)
+                else:
+                    # asyncio.timeout, not wait_for: no extra task per attempt on the happy path.
+                    async with asyncio.timeout(value):
+                        result = await fn(endpoint.url, value)
             except BaseException as exc:
                 await self.asleep(call.failed(endpoint, exc))
                 continue

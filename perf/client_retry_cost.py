@@ -1,0 +1,196 @@
+"""What the clients' retry wrapper costs on the happy path (clients/resilience.py).
+
+    python -m perf.client_retry_cost [--concurrency 8] [--seconds 4] [--rounds 3]
+
+Two measurements:
+
+1. In process, no server: the time ``Retrier.call`` / ``Retrier.acall`` adds around a call
+   that succeeds at once (a no-op function), per call, against calling the function directly.
+2. Against one tritonserver (text_embedding only, through its front door), HTTP and gRPC: the
+   asyncio load of one short text per call at ``--concurrency``, side by side in alternating
+   rounds, through plain tritonclient, through ``AsyncEmbeddingClient`` with its request made
+   directly (the client's code without the wrapper) and through ``AsyncEmbeddingClient`` as
+   shipped (retry policy, breaker and pool on every call). Prints calls/s, P50, P99, max and
+   the ratio of the last two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from clients import AsyncEmbeddingClient
+from clients.embed import build_request, read_embeddings
+from clients.resilience import EndpointPool, Retrier
+
+MODEL = "text_embedding"
+
+
+def in_process(n: int = 200_000) -> dict:
+    """Microseconds per call: direct, through Retrier.call and through Retrier.acall."""
+    retrier = Retrier(EndpointPool(["a:1", "b:2"]))
+
+    def fn(url, timeout_s):
+        return url
+
+    start = time.perf_counter()
+    for _ in range(n):
+        fn("a:1", None)
+    direct = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(n):
+        retrier.call(fn, 5.0)
+    wrapped = time.perf_counter() - start
+
+    async def afn(url, timeout_s):
+        return url
+
+    async def arun(wrap: bool) -> float:
+        begin = time.perf_counter()
+        for _ in range(n // 10):
+            if wrap:
+                await retrier.acall(afn, 5.0)
+            else:
+                await afn("a:1", 5.0)
+        return time.perf_counter() - begin
+
+    adirect = asyncio.run(arun(False))
+    awrapped = asyncio.run(arun(True))
+    return {"sync_direct_us": direct / n * 1e6, "sync_wrapped_us": wrapped / n * 1e6,
+            "async_direct_us": adirect / (n // 10) * 1e6, "async_wrapped_us": awrapped / (n // 10) * 1e6}
+
+
+async def _raw(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
+    if protocol == "http":
+        import tritonclient.http.aio as module
+    else:
+        import tritonclient.grpc.aio as module
+    client = module.InferenceServerClient(url)
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker(w: int) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            tensor = module.InferInput("TEXT", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[f"retry cost {w} {n}".encode()]], dtype=object))
+            started = time.perf_counter()
+            result = await client.infer(MODEL, [tensor])
+            result.as_numpy("EMBEDDING")
+            latencies.append(time.perf_counter() - started)
+            n += 1
+
+    try:
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    finally:
+        await client.close()
+    return latencies
+
+
+class UnwrappedClient(AsyncEmbeddingClient):
+    """The client with each request sent once, straight: what it did before the retry wrapper."""
+
+    async def _request(self, items, start, stop):
+        o = self.options
+        inputs, outputs = build_request(o, items[start:stop])
+        result = await self._connection(o.url).infer(o.model, inputs, outputs=outputs, **o.infer_kwargs())
+        return read_embeddings(result, stop - start, o)
+
+
+async def _unwrapped(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
+    return await _client_load(UnwrappedClient, protocol, url, concurrency, seconds)
+
+
+async def _wrapped(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
+    return await _client_load(AsyncEmbeddingClient, protocol, url, concurrency, seconds)
+
+
+async def _client_load(cls, protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+    async with cls(url, protocol, timeout_s=10.0) as client:
+
+        async def worker(w: int) -> None:
+            n = 0
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                await client.embed([f"retry cost {w} {n}"])
+                latencies.append(time.perf_counter() - started)
+                n += 1
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return latencies
+
+
+def summarize(latencies: list[float], seconds: float) -> dict:
+    ms = np.array(latencies) * 1000.0
+    return {"calls": len(ms), "calls_per_s": len(ms) / seconds, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max())}
+
+
+def against_server(server, concurrency: int, seconds: float, rounds: int) -> dict:
+    paths = {"raw tritonclient": _raw, "client, no wrapper": _unwrapped, "client (retry wrapper)": _wrapped}
+    urls = {"http": server.http_url, "grpc": server.grpc_url}
+    keys = [(p, name) for p in urls for name in paths]
+    collected: dict = {key: [] for key in keys}
+    cpu: dict = {key: 0.0 for key in keys}  # this process's CPU seconds: the client side's own cost
+    for protocol, name in keys:  # warm-up: connections, first batches
+        asyncio.run(paths[name](protocol, urls[protocol], concurrency, 1.0))
+    for r in range(rounds):
+        for protocol, name in keys if r % 2 == 0 else list(reversed(keys)):
+            before = time.process_time()
+            collected[(protocol, name)] += asyncio.run(paths[name](protocol, urls[protocol], concurrency, seconds))
+            cpu[(protocol, name)] += time.process_time() - before
+    results = {f"{p} {name}": {**summarize(lat, seconds * rounds), "client_cpu_us_per_call": cpu[(p, name)] / len(lat) * 1e6}
+               for (p, name), lat in collected.items()}
+    for p in urls:
+        results[f"{p} ratio"] = results[f"{p} client (retry wrapper)"]["calls_per_s"] / results[f"{p} client, no wrapper"]["calls_per_s"]
+    return results
+
+
+def table(results: dict, micro: dict, concurrency: int) -> str:
+    lines = [f"in process: direct {micro['sync_direct_us']:.2f} us, Retrier.call {micro['sync_wrapped_us']:.2f} us; "
+             f"async direct {micro['async_direct_us']:.2f} us, Retrier.acall {micro['async_wrapped_us']:.2f} us per call", "",
+             f"| path (concurrency {concurrency}) | calls/s | P50 ms | P99 ms | max ms | client CPU us/call |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in results.items():
+        if isinstance(row, dict):
+            lines.append(f"| {name} | {row['calls_per_s']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} "
+                         f"| {row['client_cpu_us_per_call']:.0f} |")
+    for p in ("http", "grpc"):
+        lines.append(f"\n{p}: with / without the retry wrapper, calls/s = {results[f'{p} ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf.client_retry_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=4.0, help="per path and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path, help="write the figures here")
+    args = p.parse_args(argv)
+
+    from server.layout import ROOT
+    from server.process import ServerOptions, TritonServer
+
+    micro = in_process()
+    workdir = Path(tempfile.mkdtemp(prefix="client-retry-cost-"))
+    options = ServerOptions.with_free_ports(model_repository=ROOT / "model_repository", workdir=workdir, models=(MODEL,))
+    with TritonServer(options) as server:
+        results = against_server(server, args.concurrency, args.seconds, args.rounds)
+    print(table(results, micro, args.concurrency))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"in_process": micro, **results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
