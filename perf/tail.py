@@ -318,9 +318,11 @@ def measure_python(url: str, w: Workload, window: Window, duration: float) -> No
 
 async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence[str], max_tokens: int,
                        concurrency: int, duration: float, warmup: float) -> tuple[list[tuple[float, float]], int, str, float]:
-    """``concurrency`` closed-loop streams for ``warmup + duration`` s: ``(TTFT, total)`` seconds of
-    each request started inside the measured part (waited for to their end), errors, first error,
-    the measured seconds. ``target``: the gateway's base URL, or tritonserver's gRPC host:port."""
+    """``concurrency`` closed-loop streams: ``(TTFT, total)`` seconds of each request started inside
+    the measured part (waited for to their end), errors, first error, the measured seconds. The
+    measured part starts once every client has had one answer (the first burst, all prompts
+    uncached at once, is a cold start, not the steady tail) and ``warmup`` s have passed, and
+    lasts ``duration`` s. ``target``: the gateway's base URL, or tritonserver's gRPC host:port."""
     import aiohttp
 
     from clients.generation import AsyncGenerationClient
@@ -341,27 +343,34 @@ async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence
     try:
         await system.stream(prompts[0], 2)  # the connection opened, outside the window
         started = time.monotonic()
-        measure_from, stop_at = started + warmup, started + warmup + duration
+        measure_from: float | None = None
+        answered = 0
         turn = iter(range(10**12))
 
         async def client(k: int) -> None:
-            nonlocal errors, first_error
-            while (now := time.monotonic()) < stop_at:
+            nonlocal errors, first_error, measure_from, answered
+            first = True
+            while measure_from is None or time.monotonic() < measure_from + duration:
+                now = time.monotonic()
+                counted = measure_from is not None and now >= measure_from
                 prompt = prompts[next(turn) % len(prompts)]
                 t0 = time.perf_counter()
                 try:
                     ttft, _ = await system.stream(prompt, max_tokens)
+                    if counted:
+                        samples.append((ttft if ttft is not None else float("nan"), time.perf_counter() - t0))
                 except Exception as exc:  # noqa: BLE001 - counted, the window goes on
-                    if now >= measure_from:
+                    if counted:
                         errors += 1
                         first_error = first_error or f"{type(exc).__name__}: {exc}"[:200]
                     await asyncio.sleep(0.05)
-                    continue
-                if now >= measure_from:
-                    samples.append((ttft if ttft is not None else float("nan"), time.perf_counter() - t0))
+                if first:
+                    first, answered = False, answered + 1
+                    if answered == concurrency:
+                        measure_from = max(time.monotonic(), started + warmup)
 
         await asyncio.gather(*(client(k) for k in range(concurrency)))
-        measured = time.monotonic() - measure_from
+        measured = time.monotonic() - (measure_from or started)
     finally:
         if session is not None:
             await session.close()
@@ -898,6 +907,13 @@ def run(args: argparse.Namespace) -> int:
                 levels = int(json.loads(r.read()).get("dynamic_batching", {}).get("priority_levels", 0))
             if levels != 2:
                 raise RuntimeError(f"before phase: text_tokenizer serves priority_levels {levels}, not 2")
+            if "text_generation" in models:
+                with urllib.request.urlopen(
+                        f"http://{servers['before'].triton_http_url}/v2/models/text_generation/config", timeout=10) as r:
+                    params = json.loads(r.read()).get("parameters", {})
+                for key, value in BEFORE_PARAMETERS["text_generation"].items():
+                    if params.get(key, {}).get("string_value") != value:
+                        raise RuntimeError(f"before phase: text_generation serves {key} {params.get(key)}, not {value}")
 
         for conc in args.concurrency_list:
             for name in args.workload_list:

@@ -243,7 +243,7 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
         "default_max_tokens": param_int("default_max_tokens", 16, minimum=1),
         "enable_prefix_caching": param_bool("enable_prefix_caching", True),
     }
-    for name, default in (("admission_window_ms", 0), ("admission_quiet_ms", 3)):
+    for name, default in (("admission_window_ms", 0), ("admission_quiet_ms", 5)):
         value = param_int(name, default, minimum=0)
         if value > 1000:
             raise ConfigError(f"{name} must be <= 1000 ms, got {value}")
