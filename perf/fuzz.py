@@ -274,7 +274,7 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
         req.names.update({name[:40], "input", "duplicate"})
     elif kind == "rename":
         t.name = draw(st.sampled_from(["", "text", "TEXT ", "\ud800", "🙂", "a\x00b", 5, None, "x" * 1000]))
-        req.names.update({"name", "input", str(t.name)[:40]})
+        req.names.update({"name", "input", str(t.name)[:40], json.dumps(str(t.name))[1:41]})
     elif kind == "batch_mismatch":
         other = draw(st.integers(1, 3))
         if t.values is not None and isinstance(t.shape, list) and t.shape:
@@ -288,7 +288,7 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
                      | st.text(max_size=30))
             flat[draw(st.integers(0, flat.size - 1))] = s.encode("utf-8", "surrogatepass")
             t.values = flat.reshape(t.values.shape)
-        req.names.update({"text", "utf-8", "bytes", "empty", "whitespace", "image"})
+        req.names.update({"text", "utf-8", "bytes", "empty", "whitespace", "image", "data"})
     elif kind == "junk_bytes" and t.values is not None:
         flat = t.values.reshape(-1).copy()
         if flat.dtype == object and flat.size:
@@ -300,6 +300,8 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
         name = draw(st.sampled_from(PARAMETERS))
         req.parameters[name] = draw(st.sampled_from(BOGUS_VALUES))
         req.names.add(name)
+        if name.startswith("triton_"):
+            req.names.add("'triton_'")  # tritonserver names the reserved prefix
     elif kind == "output":
         name = draw(st.sampled_from([*req.model.outputs, "NOPE", ""]))
         params = draw(st.sampled_from([None, {"binary_data": 1}, {"binary_data": "x"}, {"classification": -1},
@@ -316,7 +318,8 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
                                                           | st.binary(max_size=8)))
         req.header_lie = draw(st.sampled_from([0, 1, -1, 7, 1 << 20]))
         req.names.update({"json", "body", "inference-header-content-length", "binary_data_size", "length",
-                          "header", "parse", "elements", "data"})
+                          "header", "parse", "elements", "data", "parameter '",
+                          "unknown sampling parameter"})  # these two name the damaged key
     else:
         req.mutations[-1] = f"{kind}(no-op)"
 
@@ -413,8 +416,13 @@ def encode_generate(req: Request) -> bytes:
     return _damage(json.dumps(body, default=_json_default).encode("utf-8", "surrogatepass"), req)
 
 
+def _proto_str(value) -> str:
+    """A protobuf string field holds UTF-8 only: lone surrogates become U+FFFD on the way."""
+    return str(value).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def _grpc_parameter(message, name: str, value) -> None:
-    p = message.parameters[str(name)]
+    p = message.parameters[_proto_str(name)]
     if isinstance(value, bool):
         p.bool_param = value
     elif isinstance(value, int) and -(1 << 63) <= value < (1 << 63):
@@ -424,7 +432,7 @@ def _grpc_parameter(message, name: str, value) -> None:
     elif isinstance(value, float):
         p.double_param = value
     else:
-        p.string_param = value if isinstance(value, str) else json.dumps(value, default=_json_default)
+        p.string_param = _proto_str(value if isinstance(value, str) else json.dumps(value, default=_json_default))
 
 
 def encode_grpc(req: Request, raw: bool):
@@ -435,11 +443,11 @@ def encode_grpc(req: Request, raw: bool):
         try:
             _grpc_parameter(message, name, value)
         except (TypeError, ValueError):
-            message.parameters[str(name)].string_param = "x"
+            message.parameters[_proto_str(name)].string_param = "x"
     for t in req.inputs:
         tensor = message.inputs.add()
-        tensor.name = t.name if isinstance(t.name, str) else str(t.name)
-        tensor.datatype = t.datatype if isinstance(t.datatype, str) else str(t.datatype)
+        tensor.name = _proto_str(t.name)
+        tensor.datatype = _proto_str(t.datatype)
         shape = t.shape if isinstance(t.shape, list) else []
         tensor.shape.extend(int(d) % (1 << 63) if isinstance(d, int) and not -(1 << 63) <= d < (1 << 63)
                             else int(d) if isinstance(d, (int, float)) else 0 for d in shape)
@@ -462,7 +470,7 @@ def encode_grpc(req: Request, raw: bool):
                 tensor.contents.bytes_contents.append(flat.tobytes())
     for out in req.outputs or ():
         o = message.outputs.add()
-        o.name = str(out.get("name", ""))
+        o.name = _proto_str(out.get("name", ""))
     return message
 
 
@@ -568,10 +576,29 @@ def grpc_outcome(exc) -> str:
     return f"grpc:{code}"
 
 
+def _utf8(value) -> bool:
+    try:
+        value.decode("utf-8") if isinstance(value, bytes) else str(value).encode("utf-8")
+        return True
+    except UnicodeError:
+        return False
+
+
 def send_case(endpoint: str, req: Request, http_conn: HTTP, stub, tally: Tally) -> None:
     import grpc
 
     model = req.model.name
+    if endpoint.startswith("http") and endpoint != "http_binary":
+        # JSON carries text only: an input of non-UTF-8 bytes (an image) is refused by name.
+        req.names.update(str(t.name) for t in req.inputs if t.junk is NOJUNK and t.values is not None
+                         and t.values.dtype == object and not all(_utf8(v) for v in t.values.reshape(-1)))
+    if any(_utf8(n) is False for n in req.names):
+        req.names.add("a key")  # an unprintable name (a lone surrogate) is called a key
+    if endpoint.startswith("http") and endpoint != "http_binary" and any(
+            t.values is not None and t.values.dtype == object for t in req.inputs):
+        req.names.add("'data'")
+    if req.model.decoupled and endpoint == "http_json":
+        req.names.add("decoupled")
     if endpoint == "http_json":
         answer = http_conn.post(f"/v2/models/{model}/infer", encode_json(req))
     elif endpoint == "http_binary":
@@ -651,10 +678,24 @@ def plan(models: Sequence[ModelSpec], cases: int) -> list[tuple[ModelSpec, str, 
     return out
 
 
+def fuzz_endpoint(model: ModelSpec, endpoint: str, n: int, seed: int, conn: HTTP, stub, tally: Tally) -> None:
+    """``n`` hypothesis cases of ``model`` on ``endpoint``."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as with_seed
+
+    @with_seed(seed)
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(req=requests_strategy(model))
+    def one(req):
+        send_case(endpoint, req, conn, stub, tally)
+
+    one()
+
+
 def run_endpoint_fuzz(http_url: str, grpc_url: str, models: Sequence[ModelSpec], cases: int, seed: int,
                       say: Callable[[str], None], tally: Tally) -> None:
     import grpc
-    from hypothesis import HealthCheck, Phase, given, settings
     from tritonclient.grpc import service_pb2_grpc
 
     channel = grpc.insecure_channel(grpc_url, options=[("grpc.max_send_message_length", 256 << 20),
@@ -664,17 +705,8 @@ def run_endpoint_fuzz(http_url: str, grpc_url: str, models: Sequence[ModelSpec],
     try:
         for model, endpoint, n in plan(models, cases):
             started = time.monotonic()
-
-            @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-                      suppress_health_check=list(HealthCheck), derandomize=False)
-            @given(req=requests_strategy(model))
-            def one(req, endpoint=endpoint):
-                send_case(endpoint, req, conn, stub, tally)
-
-            from hypothesis import seed as hseed
-
-            hseed(seed)(one)()
-            say(f"  {model.name:22} {endpoint:20} {n:5} cases in {time.monotonic() - started:5.1f} s")
+            fuzz_endpoint(model, endpoint, n, seed, conn, stub, tally)
+            say(f"  {model.name:34} {endpoint:20} {n:5} cases in {time.monotonic() - started:5.1f} s")
     finally:
         conn.close()
         channel.close()

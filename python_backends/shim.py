@@ -131,8 +131,9 @@ def check_shape(name: str, shape, dims, max_batch_size: int, size: int | None = 
     if max_batch_size > 0 and not 1 <= shape[0] <= max_batch_size:
         raise InputError(name, f"batch size {shape[0]} outside 1..{max_batch_size}")
     for axis, (got, want) in enumerate(zip(shape[expected - len(dims):], dims)):
-        if got < 0 or (want >= 0 and got != want):
-            raise InputError(name, f"dimension {axis} is {got}; the model expects {want if want >= 0 else 'any size'}")
+        # A variable dimension of 0 (an empty sequence) fails inside the model (a 500), not here.
+        if got < (1 if want < 0 else 0) or (want >= 0 and got != want):
+            raise InputError(name, f"dimension {axis} is {got}; the model expects {want if want >= 0 else 'at least 1'}")
     if size is not None:
         declared = 1
         for d in shape:

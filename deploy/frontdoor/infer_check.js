@@ -246,6 +246,36 @@ function bodyRefusal(r) {
     return null;
 }
 
+// tritonserver's JSON parser refuses an unpaired UTF-16 surrogate escape (a lone \\ud800) with
+// a 500 ("The surrogate pair in string is invalid"); njs's JSON.parse lets it through. The
+// refusal names the key the escape is in, or the key of the value holding it.
+function surrogateRefusal(text) {
+    if (text.indexOf('\\u') < 0) {
+        return null;
+    }
+    const escapes = /\\u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|\\u[dD][c-fC-F][0-9a-fA-F]{2}/g;
+    let m;
+    while ((m = escapes.exec(text)) !== null) {
+        let slashes = 0;
+        while (m.index - slashes - 1 >= 0 && text.charAt(m.index - slashes - 1) === '\\') {
+            slashes++;
+        }
+        if (slashes % 2 === 1) {
+            continue;  // an escaped backslash followed by "u": plain text
+        }
+        const high = /^\\u[dD][89abAB]/.test(m[0]);
+        if (!high || m[1] === undefined) {
+            const inKey = /^(?:[^"\\]|\\.)*"\s*:/.test(text.slice(m.index + 6, m.index + 300));
+            const keys = text.slice(Math.max(0, m.index - 4096), m.index).match(/"((?:[^"\\]|\\.){0,64})"\s*:/g);
+            const key = inKey ? 'a key' : keys && keys.length
+                ? `'${keys[keys.length - 1].replace(/"\s*:$/, '').slice(1)}'` : 'a value';
+            return [400, `${key}: the JSON body has an unpaired UTF-16 surrogate escape ${m[0].slice(0, 6)} ` +
+                         '(not valid Unicode text)'];
+        }
+    }
+    return null;
+}
+
 function checkRequest(r) {
     const early = bodyRefusal(r);
     if (early) {
@@ -263,6 +293,10 @@ function checkRequest(r) {
         text = body.slice(0, binaryStart).toString();
     } else {
         text = body.toString();
+    }
+    const unpaired = surrogateRefusal(text);
+    if (unpaired) {
+        return unpaired;
     }
     let request;
     try {
@@ -398,18 +432,9 @@ function checkGenerateRequest(r) {
         return early;
     }
     const text = r.requestBuffer.toString();
-    // njs's JSON.parse lets an unpaired surrogate escape through; tritonserver's parser does not.
-    const escapes = /\\u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|\\u[dD][c-fC-F][0-9a-fA-F]{2}/g;
-    let m;
-    while ((m = escapes.exec(text)) !== null) {
-        const high = /^\\u[dD][89abAB]/.test(m[0]);
-        if (!high || m[1] === undefined) {
-            // Name the field: the last key before the escape.
-            const keys = text.slice(0, m.index).match(/"((?:[^"\\]|\\.){0,64})"\s*:/g);
-            const key = keys ? keys[keys.length - 1].replace(/"\s*:$/, '').slice(1) : 'a value';
-            return [400, `${key}: the JSON body has an unpaired UTF-16 surrogate escape ${m[0].slice(0, 6)} ` +
-                         '(not valid Unicode text)'];
-        }
+    const unpaired = surrogateRefusal(text);
+    if (unpaired) {
+        return unpaired;
     }
     let request;
     try {

@@ -112,7 +112,7 @@ def parse_sampling_params(
     unknown = sorted(str(k) for k in data if k not in _FIELDS)
     if unknown:
         raise SamplingParamsError(
-            unknown[0], f"unknown sampling parameter (known: {', '.join(_FIELDS)})"
+            unknown[0] or "''", f"unknown sampling parameter (known: {', '.join(_FIELDS)})"
         )
 
     max_tokens = _int("max_tokens", data.get("max_tokens", default_max_tokens))

@@ -84,6 +84,13 @@ def _with(parameters=None, outputs=None) -> bytes:
 # Found by perf.fuzz: parameters tritonserver 2.51 parses with a fixed JSON type are a 500 there
 # ("Unable to parse 'priority': attempt to access JSON non-unsigned-integer as unsigned-integer").
 JSON_CASES.update({
+    # A lone surrogate escape: tritonserver's JSON parser answers 500 ("The surrogate pair in
+    # string is invalid").
+    "lone_surrogate_in_data": (_json(_text([1, 1], data=("a\udcff",))), "'data'"),
+    "lone_surrogate_in_a_name": (_json([{"name": "\ud800", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}]),
+                                 "'name'"),
+    "lone_surrogate_in_a_key": (b'{"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["a"], '
+                                b'"\\udcff": 1}]}', "a key"),
     "priority_negative": (_with({"priority": -1}), "priority"),
     "priority_string": (_with({"priority": "interactive"}), "priority"),
     "priority_over_2_64": (_with({"priority": 1 << 64}), "priority"),
@@ -161,6 +168,9 @@ GENERATE_CASES = {
     "priority_negative": ("generate", json.dumps({"text_input": "hi", "parameters": {"priority": -1}}).encode(),
                           "priority"),
     "lone_surrogate_names_its_key": ("generate", b'{"text_input": "a\\udcff"}', "text_input"),
+    # The model's own refusal (INVALID_ARG); it named no field for an empty key.
+    "empty_sampling_parameter_name": ("generate", json.dumps({"text_input": "hi", "sampling_parameters": '{"": 1}'})
+                                      .encode(), "'': unknown sampling parameter"),
 }
 
 
@@ -228,14 +238,42 @@ def test_grpc_stream_huge_batch_is_an_error_response(grpc_stub):
     assert all("dimensions" in a.error_message for a in answers), [a.error_message for a in answers]
 
 
-def test_encoder_refuses_truncated_batch_over_grpc(grpc_stub):
-    request = service_pb2.ModelInferRequest(model_name="text_encoder_router")
+@pytest.mark.parametrize("model", ["text_encoder", "text_encoder_router"])
+def test_encoder_refuses_truncated_batch_over_grpc(triton, grpc_stub, model):
+    # The router is loaded only while a rollout runs (docs/versions-and-rollout.md).
+    if model not in fuzz_models(triton):
+        pytest.skip(f"{model} is not loaded on this session's server")
+    request = service_pb2.ModelInferRequest(model_name=model)
     for name in ("input_ids", "attention_mask"):
         request.inputs.add(name=name, datatype="INT64", shape=[HUGE, 16])
         request.raw_input_contents.append(np.ones(16, np.int64).tobytes())
     with pytest.raises(grpc.RpcError) as info:
         grpc_stub.ModelInfer(request, timeout=60)
     assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,), info.value.details()
+
+
+@pytest.mark.parametrize("model", ["text_encoder", "text_encoder_router"])
+def test_an_empty_sequence_is_invalid_argument_naming_the_input(triton, grpc_stub, model):
+    # Found by perf.fuzz: a [1, 0] input_ids / attention_mask failed inside the encoder (HTTP 500;
+    # through the router 503).
+    if model not in fuzz_models(triton):
+        pytest.skip(f"{model} is not loaded on this session's server")
+    inputs = [{"name": n, "shape": [1, 0], "datatype": "INT64", "data": []} for n in ("input_ids", "attention_mask")]
+    status, answer = _post(triton.http_url, _json(inputs), path=f"/v2/models/{model}/infer")
+    assert status == 400 and "input_ids" in json.loads(answer)["error"], (status, answer[:300])
+    request = service_pb2.ModelInferRequest(model_name=model)
+    for name in ("input_ids", "attention_mask"):
+        request.inputs.add(name=name, datatype="INT64", shape=[1, 0])
+        request.raw_input_contents.append(b"")
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.ModelInfer(request, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input_ids" in info.value.details()
+
+
+def fuzz_models(triton) -> set:
+    with urllib.request.urlopen(urllib.request.Request(f"http://{triton.triton_http_url}/v2/repository/index",
+                                                       data=b"{}", method="POST"), timeout=10) as r:
+        return {m["name"] for m in json.loads(r.read()) if m.get("state") == "READY"}
 
 
 def _embed_ok(url: str, text="hello world"):
