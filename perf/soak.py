@@ -4,7 +4,9 @@ Starts its own deployment with the launcher's code (server.process.TritonServer 
 nginx front door, Triton's response cache at the launcher's default size, Redis as
 text_embedding_cached's L2 when redis-server is installed, and the OpenAI gateway as
 perf.gateway_bench starts it), measures the mix's peak throughput with --peak-concurrency
-closed-loop clients for --peak-seconds (or takes --rate), then sends the mix open-loop
+closed-loop clients for --peak-seconds (or takes --rate; before either, one burst of twice the
+largest batch of image_classifier and of text_encoder, so ONNX Runtime's arenas have grown to
+their largest batch before the warm-up ends), then sends the mix open-loop
 (Poisson arrivals) at --load (default 0.7) of that peak for --duration seconds (default 600):
 
   embed           text_embedding over HTTP, unique texts (every one computed)
@@ -254,6 +256,14 @@ class Recorder:
         return out
 
 
+def max_batch_size(repository: Path, model: str) -> int:
+    """``max_batch_size`` of a model's config.pbtxt (the one source of truth); 1 without batching."""
+    import re
+
+    m = re.search(r"^max_batch_size:\s*(\d+)", (Path(repository) / model / "config.pbtxt").read_text(), re.MULTILINE)
+    return max(1, int(m.group(1))) if m else 1
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
     rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
@@ -338,6 +348,17 @@ async def run_soak(args, triton, gateway, redis, key: str, say) -> tuple[Soak, R
                 await one(mix, rec, name)
             if rec.errors:
                 raise RuntimeError(f"a workload fails before the soak: {rec.errors[0]}")
+            # Bursts of twice the models' largest batch: ONNX Runtime's arena grows to the largest batch
+            # it has run, once; without these, the first large batch the soak happens to form (a
+            # neighbour's spike queues requests up) shows as a step in the stub's RSS after the warm-up.
+            warm = Recorder()
+            for name, model in (("image", "image_classifier"), ("embed", "text_encoder")):
+                n = 2 * max_batch_size(triton.options.model_repository, model)
+                await asyncio.gather(*(one(mix, warm, name) for _ in range(n)))
+            say(f"bursts of 2 x the largest batch sent (image_classifier, text_encoder), {len(warm.all_errors)} failed")
+            for e in warm.all_errors:
+                if REFUSED not in e:
+                    rec.fail("burst", e)
             peak = 0.0
             if args.rate:
                 rate = args.rate
