@@ -118,7 +118,8 @@ class AsyncEmbeddingClient:
                 raise to_embedding_error(exc, o, start, stop, len(items), url=url) from exc
 
         try:
-            return await self.retrier.acall(attempt, o.timeout_s)
+            # gRPC cuts the attempt itself (client_timeout); aiohttp's timeout is the session's.
+            return await self.retrier.acall(attempt, o.timeout_s, cut=o.protocol != "grpc")
         except RetryError as exc:
             raise to_embedding_error(exc, o, start, stop, len(items)) from exc
 

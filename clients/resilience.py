@@ -125,6 +125,8 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """May a request go now? In half-open state this takes the one probe slot."""
+        if self._state == CLOSED:
+            return True  # the common case, without the lock (a stale read lets one more through)
         with self._lock:
             if self._state == OPEN and self._clock() - self._opened_at >= self.policy.cooldown_s:
                 self._move(HALF_OPEN)
@@ -136,6 +138,8 @@ class CircuitBreaker:
             return False
 
     def record_success(self) -> None:
+        if self._state == CLOSED and not self._failures:
+            return  # nothing to reset: the happy path takes no lock
         with self._lock:
             self._failures = 0
             self._probing = False
@@ -201,6 +205,12 @@ class EndpointPool:
     def acquire(self, avoid: Endpoint | None = None) -> Endpoint | None:
         """An endpoint to send to now (``avoid``, the one that just failed, only as the last
         choice), or None when every breaker is open."""
+        if avoid is None and len(self.endpoints) == 1:
+            endpoint = self.endpoints[0]  # one server: no order to work out
+            if endpoint.breaker.allow():
+                endpoint.attempts += 1
+                return endpoint
+            return None
         order = self._order()
         if avoid is not None and len(order) > 1:
             order = [e for e in order if e is not avoid] + [avoid]
@@ -415,8 +425,11 @@ class Retrier:
             call.succeeded(endpoint)
             return result
 
-    async def acall(self, fn: Callable[[str, float | None], Awaitable[T]], timeout_s: float | None = None) -> T:
-        """The asyncio twin of ``call``; each attempt is also bounded by the remaining deadline."""
+    async def acall(self, fn: Callable[[str, float | None], Awaitable[T]], timeout_s: float | None = None,
+                    cut: bool = True) -> T:
+        """The asyncio twin of ``call``. With ``cut`` each attempt is also cancelled when the
+        remaining deadline ends; without, ``fn`` bounds itself by the timeout it is given
+        (gRPC's own deadline), which saves a timer per attempt."""
         call = _Call(self, timeout_s)
         while True:
             endpoint, value = call.plan()
@@ -424,7 +437,7 @@ class Retrier:
                 await self.asleep(value or 0.0)
                 continue
             try:
-                if value is None:
+                if value is None or not cut:
                     result = await fn(endpoint.url, value)
                 else:
                     # asyncio.timeout, not wait_for: no extra task per attempt on the happy path.
