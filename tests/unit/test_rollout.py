@@ -489,3 +489,13 @@ def test_cli_exits_non_zero_when_a_step_saw_no_traffic(tmp_path, monkeypatch, ca
     assert main(args[:2] + ["start", "3", "--steps", "100", "--dwell", "0", "--check-interval", "0",
                             "--traffic-timeout", "0", "--allow-unjudged"]) == 0
     assert "passes UNJUDGED" in capsys.readouterr().out
+
+
+def test_status_names_the_form(tmp_path):
+    triton = FakeTriton()
+    rollout = _rollout(tmp_path, triton)
+    info = rollout.status()
+    assert info["form"].startswith("tokenizer -> text_encoder (one version") and "served_weights" not in info
+    assert rollout.start(2, [100], dwell_s=0, check_interval_s=0) == 0
+    info = rollout.status()
+    assert "text_encoder_router" in info["form"] and info["served_weights"] == "1:0,2:100"
