@@ -837,34 +837,56 @@ def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callab
 
 # ---- atheris ------------------------------------------------------------------------------
 
-def atheris_fuzz(runs: int, workdir: Path, say: Callable[[str], None], tally: Tally,
-                 targets: Sequence[str] | None = None, max_time: int = 300) -> None:
-    from perf import fuzz_targets
+# perf/fuzz_targets.py's targets (not imported here: its import instruments python_backends).
+ATHERIS_TARGETS = ("text", "image", "generation", "sampling", "routing", "shapes")
 
-    for target in targets or list(fuzz_targets.TARGETS):
-        corpus = workdir / f"corpus-{target}"
-        corpus.mkdir(parents=True, exist_ok=True)
-        for i, data in enumerate(fuzz_targets.seeds(target)):
-            (corpus / f"seed-{i}").write_bytes(data)
-        started = time.monotonic()
-        cmd = [sys.executable, "-m", "perf.fuzz_targets", target, f"-runs={runs}", "-len_control=0",
-               "-max_len=4096", "-timeout=20", f"-max_total_time={max_time}",
-               f"-artifact_prefix={workdir}/crash-{target}-", str(corpus)]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max_time + 120, check=False)
-        log = done.stdout + done.stderr
-        m = re.search(r"Done (\d+) runs", log)
-        ran = int(m.group(1)) if m else 0
-        cov = re.findall(r"cov: (\d+)", log)
-        endpoint = f"atheris:{target}"
-        counts = tally.counts.setdefault(endpoint, Counter())
-        counts["cases"] += ran
-        counts["ok"] += ran
-        if done.returncode != 0:
-            counts["crash"] += 1
-            tail = log[log.find("Traceback"):][:1500] if "Traceback" in log else log[-1500:]
-            tally.findings.append({"endpoint": endpoint, "outcome": "crash", "detail": tail})
-        say(f"  atheris {target:14} {ran:6} runs in {time.monotonic() - started:5.1f} s, coverage "
-            f"{cov[-1] if cov else '?'}" + ("" if done.returncode == 0 else f"; CRASH (exit {done.returncode})"))
+
+def atheris_fuzz(runs: int, workdir: Path, say: Callable[[str], None], tally: Tally,
+                 targets: Sequence[str] = ATHERIS_TARGETS, max_time: int = 300, parallel: int = 2) -> None:
+    """Each target in its own process (``parallel`` at a time), ``runs`` runs or ``max_time`` s."""
+    pending = list(targets)
+    running: list[tuple[str, subprocess.Popen, float, Path]] = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            target = pending.pop(0)
+            corpus = workdir / f"corpus-{target}"
+            corpus.mkdir(parents=True, exist_ok=True)
+            log_path = workdir / f"atheris-{target}.log"
+            cmd = [sys.executable, "-m", "perf.fuzz_targets", target, f"-runs={runs}", "-len_control=0",
+                   "-max_len=4096", "-timeout=60", f"-max_total_time={max_time}",
+                   f"-artifact_prefix={workdir}/crash-{target}-", str(corpus)]
+            with log_path.open("w") as log_file:
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+            running.append((target, proc, time.monotonic(), log_path))
+        for item in list(running):
+            target, proc, started, log_path = item
+            try:
+                proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - started > max_time + 120:
+                    proc.kill()
+                    proc.wait()
+                else:
+                    continue
+            running.remove(item)
+            _count_atheris(target, proc.returncode, log_path.read_text(errors="replace"), time.monotonic() - started,
+                           say, tally)
+
+
+def _count_atheris(target: str, code: int, log: str, took: float, say, tally: Tally) -> None:
+    m = re.search(r"Done (\d+) runs", log)
+    ran = int(m.group(1)) if m else 0
+    cov = re.findall(r"cov: (\d+)", log)
+    endpoint = f"atheris:{target}"
+    counts = tally.counts.setdefault(endpoint, Counter())
+    counts["cases"] += ran
+    counts["ok"] += ran
+    if code != 0:
+        counts["crash"] += 1
+        tail = log[log.find("Traceback"):][:1500] if "Traceback" in log else log[-1500:]
+        tally.findings.append({"endpoint": endpoint, "outcome": "crash", "detail": tail})
+    say(f"  atheris {target:14} {ran:6} runs in {took:5.1f} s, coverage {cov[-1] if cov else '?'}"
+        + ("" if code == 0 else f"; CRASH (exit {code})"))
 
 
 # ---- report -------------------------------------------------------------------------------

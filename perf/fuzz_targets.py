@@ -257,6 +257,17 @@ def seeds(target: str) -> list[bytes]:
     return []
 
 
+def prepare(target: str) -> None:
+    """Load what a target needs (tokenizers, seed images) once, before fuzzing starts."""
+    global _TOKENIZER, _CHAT
+    if target == "text" and _TOKENIZER is None:
+        _TOKENIZER = BatchTokenizer(REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json", 256)
+    elif target == "generation" and _CHAT is None:
+        _CHAT = _ChatTokenizer()
+    elif target == "image" and not _SEEDS:
+        _SEEDS.extend(_seed_images())
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "text": text, "image": image, "generation": generation, "sampling": sampling, "routing": routing,
     "shapes": shapes,
@@ -269,6 +280,12 @@ def main(argv: list[str]) -> int:
               if len(argv) < 2 or argv[1] != "--list" else "\n".join(TARGETS))
         return 0 if len(argv) >= 2 and argv[1] == "--list" else 2
     target = TARGETS[argv[1]]
+    prepare(argv[1])  # loaded before the first input: libFuzzer's -timeout is per input
+    for arg in argv[2:]:
+        corpus = Path(arg)
+        if not arg.startswith("-") and corpus.is_dir() and not any(corpus.iterdir()):
+            for i, data in enumerate(seeds(argv[1])):  # an empty corpus folder gets the seeds
+                (corpus / f"seed-{i}").write_bytes(data)
     atheris.Setup([argv[0], *argv[2:]], target)
     atheris.Fuzz()
     return 0
