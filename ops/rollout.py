@@ -421,6 +421,9 @@ class Rollout:
         return state
 
     def _routed_now(self, entry: str, encoder: str, router: str) -> bool:
+        """Whether ``entry`` is loaded in its routed form with the router loaded."""
+        if not self.client.ready(entry):
+            return False
         try:
             return form_of(self.client.config(entry), encoder, router) == ROUTED and self.client.ready(router)
         except ConfigError as exc:
@@ -438,7 +441,8 @@ class Rollout:
         form (Triton serves the old one until the new one is ready)."""
         if self._routed_now(state.entry, state.encoder, state.router):
             return
-        state.router_kept = self.client.ready(state.router)
+        if state.history and state.history[-1]["event"] == "start":  # not a resumed start: we may have loaded it
+            state.router_kept = self.client.ready(state.router)
         weights = validate_weights(state.weights)
         self.say(f"rollout: {state.entry}: {describe_form(ROUTED, state.encoder, state.router)}, "
                  f"weights {format_weights(weights)}")
