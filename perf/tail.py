@@ -84,9 +84,9 @@ STREAM_WORKLOADS = ("gateway_chat_stream", "text_generation_stream")
 WORKLOADS = TEXT_WORKLOADS + ("image_classification", "text_generation_stream") + GATEWAY_WORKLOADS
 HIT_WORKLOADS = ("text_embedding_cached_hits", "gateway_embeddings_hits")
 TARGET_MAX_OVER_P50 = 5.0
-# The generation engine before its admission window and shared-prefix deferral
-# (docs/generation.md): the before phase serves text_generation with these parameters.
-BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0", "defer_shared_prefix": "false"}}
+# The generation engine before its admission window (docs/generation.md): the before phase
+# serves text_generation with these parameters.
+BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0"}}
 # Models whose /v2/models/stats are recorded per window (the ensembles' steps and BLS targets).
 STATS_MODELS = ("text_tokenizer", "text_encoder_router", "text_encoder", "text_embedding", "text_embedding_cached",
                 "image_preprocess", "image_classifier", "image_postprocess")

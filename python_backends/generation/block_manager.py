@@ -124,18 +124,6 @@ class BlockManager:
             prev = h
         return blocks, hashes
 
-    def first_uncached_block(self, tokens: Sequence[int]) -> bytes | None:
-        """The key of the first full block of ``tokens`` that is not cached (None: none, or
-        prefix caching off). Two prompts with the same key share that block and all before it."""
-        if not self.enable_prefix_caching:
-            return None
-        hits, hashes = self._hits(tokens)
-        i = len(hits)
-        bs = self.block_size
-        if i >= (len(tokens) - 1) // bs:
-            return None
-        return block_hash(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs])
-
     def can_admit(self, tokens: Sequence[int]) -> bool:
         """Whether a sequence with these prompt tokens can be allocated now, prefix hits counted."""
         hits, _ = self._hits(tokens)

@@ -54,9 +54,6 @@ class EngineConfig:
     max_tokens_limit: int = 2048
     default_max_tokens: int = 16
     enable_prefix_caching: bool = True
-    # A request sharing its first uncached prompt block with one admitted this step waits a step
-    # and finds it cached (Scheduler.defer_shared_prefix).
-    defer_shared_prefix: bool = True
     num_threads: int | None = None
     # Admission window of EngineLoop: when a burst may be arriving (the loop woke from idle, or
     # the step just finished requests whose clients send their next ones), wait up to this long
@@ -146,7 +143,6 @@ class LLMEngine:
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             max_waiting=config.max_waiting,
             max_model_len=self.max_model_len,
-            defer_shared_prefix=config.defer_shared_prefix,
         )
         self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
         eos = set(mcfg.eos_token_ids)

@@ -136,7 +136,6 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_waiting: int,
         max_model_len: int,
-        defer_shared_prefix: bool = True,
     ):
         if max_num_seqs <= 0 or max_waiting < 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs and max_model_len must be > 0, max_waiting >= 0")
@@ -156,8 +155,6 @@ class Scheduler:
         self._seqs: dict[SeqId, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
-        self.defer_shared_prefix = defer_shared_prefix
-        self.num_prefix_deferrals = 0  # admissions put off a step to share a prefix being computed
 
     # ---- requests in and out ---------------------------------------------------------
     def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int) -> Sequence:
@@ -304,12 +301,6 @@ class Scheduler:
 
         # 3. Admit waiting requests in FIFO order; none after a preemption this step
         # (the pool is short), and never skip the head (no starvation of long prompts).
-        # A request whose first uncached prompt block is also the first uncached block of one
-        # admitted in this step waits for the next step: that block (a shared system prompt,
-        # the same question twice) is computed once and then found in the prefix cache. A cold
-        # burst of 32 chat requests otherwise prefilled 32 copies of the system prompt, eight
-        # 256-token steps instead of three.
-        computing: set[bytes] = set()
         while (
             self.waiting
             and budget > 0
@@ -319,12 +310,6 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.bm.can_admit(seq.tokens):
                 break
-            key = self.bm.first_uncached_block(seq.tokens) if self.defer_shared_prefix else None
-            if key is not None:
-                if key in computing:
-                    self.num_prefix_deferrals += 1
-                    break
-                computing.add(key)
             self.waiting.popleft()
             seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.tokens)
             seq.num_computed_tokens = seq.num_cached_tokens

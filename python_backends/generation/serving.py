@@ -242,7 +242,6 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
         "max_tokens_limit": param_int("max_tokens_limit", 2048, minimum=1),
         "default_max_tokens": param_int("default_max_tokens", 16, minimum=1),
         "enable_prefix_caching": param_bool("enable_prefix_caching", True),
-        "defer_shared_prefix": param_bool("defer_shared_prefix", True),
     }
     for name, default in (("admission_window_ms", 0), ("admission_quiet_ms", 5)):
         value = param_int(name, default, minimum=0)

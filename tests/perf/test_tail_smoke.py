@@ -43,7 +43,6 @@ def test_before_repository_turns_the_generation_admission_window_off(tmp_path):
     assert 'key: "admission_window_ms" value: { string_value: "0" }' in before
     assert 'key: "admission_window_ms" value: { string_value: "0" }' not in shipped
     assert before.count("admission_window_ms") == shipped.count("admission_window_ms")
-    assert 'key: "defer_shared_prefix" value: { string_value: "false" }' in before
 
 
 def _point(workload, p50, p99, peak, errors=0, ttft=None):

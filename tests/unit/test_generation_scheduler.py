@@ -297,7 +297,7 @@ def test_randomized_arrivals_and_cancellations_leave_the_pool_as_it_started():
 def test_a_stop_decided_by_the_engine_ends_the_sequence_and_stats_follow():
     bm, sched, runner = make(num_blocks=16, block_size=4, budget=16)
     sched.add("a", [1, 2, 3, 4, 5], max_tokens=10)
-    sched.add("b", [1, 2, 3, 8, 9], max_tokens=10)  # no block shared with a: admitted beside it
+    sched.add("b", [1, 2, 3, 4, 9], max_tokens=10)
     sched.add("c", [7], max_tokens=10)
     out = sched.schedule()
     got = sched.update(out, runner.step(sched, out))
@@ -315,45 +315,3 @@ def test_a_stop_decided_by_the_engine_ends_the_sequence_and_stats_follow():
     for sid in ("b", "c", "d"):
         sched.abort(sid)
     assert sched.stats()["kv_blocks_used"] == 0 and sched.stats()["num_requests_running"] == 0
-
-
-def test_a_burst_sharing_an_uncached_prefix_computes_it_once():
-    """Eight requests arrive at once with the same 20-token system prompt, nothing cached: the
-    first is prefilled alone, the rest a step later on its cached blocks, with the tokens of
-    the reference. Before, all eight were admitted together and each computed the prompt."""
-    bm, sched, runner = make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64)
-    system = list(range(10, 30))  # 5 full blocks
-    prompts = {f"r{i}": system + [40 + i, 50 + i] for i in range(8)}
-    for rid, p in prompts.items():
-        sched.add(rid, p, max_tokens=3)
-    out = sched.schedule()
-    assert [c.seq_id for c in out.prefills] == ["r0"] and sched.num_prefix_deferrals == 1
-    sched.update(out, runner.step(sched, out))
-    out = sched.schedule()
-    assert [c.seq_id for c in out.prefills] == [f"r{i}" for i in range(1, 8)]
-    assert all(c.start == 20 for c in out.prefills)  # the system prompt came from the cache
-    sched.update(out, runner.step(sched, out))
-    done, _ = run_to_end(sched, runner)
-    for rid, p in prompts.items():
-        assert done[rid].output_tokens == reference_output(p, 3), rid
-    assert sched.stats()["prefix_cache_hits"] == 7 * 20
-    # Different prompts (nothing shared) are still admitted together.
-    for i in range(4):
-        sched.add(f"d{i}", [60 + 10 * i + j for j in range(9)], max_tokens=1)
-    assert len(sched.schedule().prefills) == 4
-
-
-def test_without_prefix_caching_nothing_is_deferred():
-    bm, sched, runner = make(num_blocks=64, block_size=4, budget=64, prefix=False)
-    for i in range(3):
-        sched.add(i, list(range(10, 30)) + [i], max_tokens=1)
-    assert len(sched.schedule().prefills) == 3 and sched.num_prefix_deferrals == 0
-
-
-def test_shared_prefix_deferral_can_be_turned_off():
-    bm = BlockManager(64, 4)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_waiting=10, max_model_len=512,
-                      defer_shared_prefix=False)
-    for i in range(3):
-        sched.add(i, list(range(10, 30)) + [i], max_tokens=1)
-    assert len(sched.schedule().prefills) == 3 and sched.num_prefix_deferrals == 0
