@@ -26,8 +26,8 @@ from clients.resilience import CLOSED, OPEN, BreakerPolicy, EndpointPool, RetryP
 
 MODELS = ("text_embedding",)
 CONCURRENCY = 8  # half HTTP, half gRPC
-BEFORE_S = 3.0  # load on both before the kill
-AFTER_S = 3.0  # load on both once the killed server is back and its breaker closed
+BEFORE_S = 2.0  # load on both before the kill
+AFTER_S = 2.0  # load on both once the killed server is back and its breaker closed
 TEXTS = [f"Sentence {i} about the {w} in the afternoon." for i, w in enumerate(
     ["weather", "river", "market", "orchestra", "harbour", "library", "mountain", "garden"] * 4)]
 
