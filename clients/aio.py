@@ -210,7 +210,7 @@ class AsyncEmbeddingClient:
         for client in clients.values():
             await client.close()
 
-    async def __aenter__(self) -> "AsyncEmbeddingClient":
+    async def __aenter__(self) -> AsyncEmbeddingClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -12,17 +12,23 @@ server.
 
 from __future__ import annotations
 
+import http.client
 import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal, Sequence
 
-import http.client
-
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
-from clients.resilience import EndpointPool, RetryError, RetryPolicy, describe, make_retrier, split_urls
+from clients.resilience import (
+    EndpointPool,
+    RetryError,
+    RetryPolicy,
+    describe,
+    make_retrier,
+    split_urls,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +133,7 @@ class ClientOptions:
         batch_size: int = MAX_BATCH_SIZE,
         retries: int | None = None,
         deadline_s: float | None = None,
-    ) -> "ClientOptions":
+    ) -> ClientOptions:
         """Check the options and fill in the protocol's default URL; ValueError on bad ones."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
@@ -395,7 +401,8 @@ class EmbeddingClient:
         for start, stop in split_batches(len(items), o.batch_size):
             inputs, outputs = build_request(o, items[start:stop])
 
-            def attempt(url: str, timeout_s: float | None, start: int = start, stop: int = stop) -> np.ndarray:
+            def attempt(url: str, timeout_s: float | None, start: int = start, stop: int = stop,
+                        inputs: list = inputs, outputs: list = outputs) -> np.ndarray:
                 log.debug("embed: %s texts[%d:%d] via %s %s", o.model, start, stop, o.protocol, url)
                 try:
                     result = self._connection(url).infer(o.model, inputs, outputs=outputs, **o.infer_kwargs(timeout_s))
@@ -417,7 +424,7 @@ class EmbeddingClient:
             for client in clients.values():
                 client.close()
 
-    def __enter__(self) -> "EmbeddingClient":
+    def __enter__(self) -> EmbeddingClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -52,7 +52,13 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 
 from clients.embed import PROTOCOLS, Protocol, parse_urls, transport
-from clients.resilience import EndpointPool, RetryError, RetryPolicy, describe, make_retrier
+from clients.resilience import (
+    EndpointPool,
+    RetryError,
+    RetryPolicy,
+    describe,
+    make_retrier,
+)
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ class RetryPolicy:
         return rand * ceiling
 
     @classmethod
-    def create(cls, retries: int | None = None, deadline_s: float | None = None) -> "RetryPolicy":
+    def create(cls, retries: int | None = None, deadline_s: float | None = None) -> RetryPolicy:
         """The default policy with ``retries`` retries (attempts = retries + 1) and a deadline."""
         if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
             raise ValueError(f"retries must be an int >= 0, not {retries!r}")
@@ -330,7 +330,7 @@ def describe(attempts: int, elapsed_s: float, deadline_s: float | None, reason: 
 class _Call:
     """The bookkeeping of one call: attempts, deadline, backoff, breakers."""
 
-    def __init__(self, retrier: "Retrier", timeout_s: float | None):
+    def __init__(self, retrier: Retrier, timeout_s: float | None):
         self.r = retrier
         self.start = retrier.clock()
         self.timeout_s = timeout_s
@@ -419,7 +419,7 @@ class Retrier:
                 continue
             try:
                 result = fn(endpoint.url, value)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 (failed() re-raises what is not retried)
                 self.sleep(call.failed(endpoint, exc))
                 continue
             call.succeeded(endpoint)
@@ -443,7 +443,7 @@ class Retrier:
                     # asyncio.timeout, not wait_for: no extra task per attempt on the happy path.
                     async with asyncio.timeout(value):
                         result = await fn(endpoint.url, value)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 (failed() re-raises what is not retried)
                 await self.asleep(call.failed(endpoint, exc))
                 continue
             call.succeeded(endpoint)

@@ -12,6 +12,7 @@ and the attempts within about that deadline, not a hang.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import threading
@@ -147,7 +148,7 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
     failure, outage_s, retries = asyncio.run(run())
     assert not failure, f"the killed server did not come back: {failure[0]}"
     served: Counter = Counter()  # (phase, protocol, server) -> successful calls
-    for (phase, before), (_, after) in zip(marks, marks[1:]):
+    for (phase, before), (_, after) in itertools.pairwise(marks):
         for key in after:
             served[(phase, *key)] = after[key] - before[key]
     calls = len(latencies) + len(failures)

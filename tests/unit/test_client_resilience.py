@@ -14,9 +14,20 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cli, generation_cli
+from clients import (
+    AsyncEmbeddingClient,
+    EmbeddingClient,
+    EmbeddingError,
+    cli,
+    generation_cli,
+)
 from clients.embed import ClientOptions
-from clients.generation import AsyncGenerationClient, GenerationClient, GenerationError, Piece
+from clients.generation import (
+    AsyncGenerationClient,
+    GenerationClient,
+    GenerationError,
+    Piece,
+)
 from clients.resilience import (
     CLOSED,
     HALF_OPEN,
@@ -55,9 +66,9 @@ def unavailable(url: str = "a:1") -> InferenceServerException:
     return InferenceServerException(f"failed to connect to {url}", status="StatusCode.UNAVAILABLE")
 
 
-def retrier(urls=("a:1",), clock=None, rand=0.5, breaker=BreakerPolicy(), strategy="round_robin", **policy) -> Retrier:
+def retrier(urls=("a:1",), clock=None, rand=0.5, breaker=None, strategy="round_robin", **policy) -> Retrier:
     clock = clock or FakeClock()
-    pool = EndpointPool(list(urls), strategy, breaker, clock)
+    pool = EndpointPool(list(urls), strategy, breaker or BreakerPolicy(), clock)
     return Retrier(pool, RetryPolicy(**policy), clock=clock, sleep=clock.sleep, asleep=clock.asleep,
                    random=lambda: rand)
 
