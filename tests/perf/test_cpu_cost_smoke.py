@@ -21,8 +21,8 @@ pytestmark = pytest.mark.perf
 
 def test_small_cpu_cost_run_accounts_every_process(tmp_path):
     out = tmp_path / "cpu"
-    code = cpu_cost.main(["--requests", "200", "--image-requests", "16", "--gen-requests", "4", "--max-tokens", "8",
-                          "--idle-seconds", "2", "--out", str(out)])
+    code = cpu_cost.main(["--requests", "100", "--image-requests", "8", "--gen-requests", "2", "--max-tokens", "8",
+                          "--idle-seconds", "1", "--out", str(out)])
     table = (out / "cpu_cost.md").read_text() if (out / "cpu_cost.md").is_file() else "(no table)"
     assert code == 0, table
     rows = list(csv.DictReader((out / "cpu_cost.csv").open()))
