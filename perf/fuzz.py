@@ -274,7 +274,7 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
         req.names.update({name[:40], "input", "duplicate"})
     elif kind == "rename":
         t.name = draw(st.sampled_from(["", "text", "TEXT ", "\ud800", "🙂", "a\x00b", 5, None, "x" * 1000]))
-        req.names.update({"name", "input", str(t.name)[:40], json.dumps(str(t.name))[1:41]})
+        req.names.update({"name", "input", str(t.name)[:40], json.dumps(str(t.name))[1:-1][:40]})
     elif kind == "batch_mismatch":
         other = draw(st.integers(1, 3))
         if t.values is not None and isinstance(t.shape, list) and t.shape:
@@ -532,9 +532,14 @@ class HTTP:
         self.host, port = url.rsplit(":", 1)
         self.port, self.timeout = int(port), timeout
         self.conn: http.client.HTTPConnection | None = None
+        self.reconnects = 0  # kept-alive connections found closed and sent again (reported)
+        self.error = ""
 
     def post(self, path: str, body: bytes, headers: dict | None = None) -> tuple[int, bytes] | None:
+        """(status, body), or None when no answer came (``self.error`` says why)."""
+        self.error = ""
         for attempt in (0, 1):
+            reused = self.conn is not None
             if self.conn is None:
                 self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
@@ -545,14 +550,14 @@ class HTTP:
                 if r.getheader("Connection", "").lower() == "close":
                     self.close()
                 return r.status, data
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+            except (OSError, http.client.HTTPException) as exc:
                 self.close()
-                # A keep-alive connection the server closed while idle is retried once, fresh.
-                if attempt == 1 or not isinstance(exc, http.client.RemoteDisconnected):
+                self.error = f"{type(exc).__name__}: {exc}"
+                # A kept-alive connection the server had closed is sent again once, on a fresh one
+                # (as HTTP clients do); a request that gets no answer on a fresh connection is dropped.
+                if attempt == 1 or not reused or isinstance(exc, TimeoutError):
                     return None
-            except (OSError, http.client.HTTPException):
-                self.close()
-                return None
+                self.reconnects += 1
         return None
 
     def close(self) -> None:
@@ -646,8 +651,11 @@ def send_case(endpoint: str, req: Request, http_conn: HTTP, stub, tally: Tally) 
             else:
                 tally.add(endpoint, outcome, req)
         return
+    if http_conn.reconnects:
+        tally.counts.setdefault(endpoint, Counter())["reconnected"] += http_conn.reconnects
+        http_conn.reconnects = 0
     if answer is None:
-        tally.add(endpoint, "dropped", req, "no answer")
+        tally.add(endpoint, "dropped", req, f"no answer ({http_conn.error})")
     else:
         classify_http(endpoint, answer[0], answer[1], req, tally)
 
@@ -990,7 +998,8 @@ def report(tally: Tally, health: Health, alive_after_all: bool, out_dir: Path, a
          f"{sum(c['cases'] for k, c in tally.counts.items() if not k.startswith(('atheris', 'gateway')))}"),
         (f"- server errors (5xx / gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED, UNAVAILABLE): "
          f"{sum(v for k, v in bad.items() if k not in ('dropped', 'unnamed'))}; refusals not naming the field: "
-         f"{bad['unnamed']}; dropped connections: {bad['dropped']}; atheris crashes: {crashes}"),
+         f"{bad['unnamed']}; dropped connections: {bad['dropped']} (kept-alive connections found closed "
+         f"and sent again: {sum(c['reconnected'] for c in tally.counts.values())}); atheris crashes: {crashes}"),
         (f"- python stubs before {len(health.stubs_before)}, crashed during the run "
          f"{len(health.crashed_stubs)}; tritonserver alive after the endpoint fuzz: {health.alive}, after the "
          f"gateway fuzz: {alive_after_all}; crash lines in its log: {len(health.log_lines)}"),
