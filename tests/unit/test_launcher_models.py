@@ -25,8 +25,8 @@ def _configs_only(tmp_path, with_variants=("text_encoder", "image_classifier")):
 
 def test_variant_models_are_found_through_ensembles_and_bls_targets(tmp_path):
     repo = _configs_only(tmp_path)
-    # text_embedding reaches text_encoder through the canary router's load_with (a BLS call),
-    # not as an ensemble step; it must still be reported.
+    # text_embedding reaches text_encoder as its step, text_embedding_cached through load_with
+    # (a BLS call) and text_embedding; both must be reported.
     assert _served_models(repo, DEFAULT_MODELS) == ["text_encoder", "image_classifier"]
     assert _served_models(repo, ("text_embedding_cached",)) == ["text_encoder"]
 
