@@ -980,12 +980,12 @@ def run(args: argparse.Namespace) -> int:
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- command: `{' '.join(['python -m perf.tail', *args.argv])}`",
-        f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
-        f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
-        f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver "
-        "(gateway_*: to an OpenAI gateway in front of each server); unique texts and images per request (hits: 60 "
-        f"texts sent once first); streams: asyncio clients (SSE; gRPC for text_generation_stream), {args.max_tokens} new "
-        "tokens (ignore_eos, greedy), the prompts of perf/data/generation_prompts.json in turn",
+        (f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
+         f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
+         f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver "
+         "(gateway_*: to an OpenAI gateway in front of each server); unique texts and images per request (hits: 60 "
+         f"texts sent once first); streams: asyncio clients (SSE; gRPC for text_generation_stream), {args.max_tokens} "
+         "new tokens (ignore_eos, greedy), the prompts of perf/data/generation_prompts.json in turn"),
         "- figures: medians over the rounds (P99 range in brackets), max the largest; cores: CPU seconds per second; "
         "server waiting: seconds per second the server's threads were runnable but waited for a CPU (schedstat)",
     ]
