@@ -1,9 +1,10 @@
 """Rows in flight per priority class, shared by the processes of one tritonserver.
 
-Each process (an entry model's instance) owns one cell of a small file: its pid and the
-rows and batches it has in its lane now. Admission sums the cells of live processes under an exclusive
-``flock`` of the file, so the instances of all entries of a class see one count; a process
-that dies leaves a cell whose pid is gone, which is ignored and reused. Nothing to clean up.
+Each process (an entry model's instance) owns one cell of a small file: its pid, its start
+time and the rows and batches it has in its lane now. Admission sums the cells of live
+processes under an exclusive ``flock`` of the file, so the instances of all entries of a class
+see one count; a process that dies leaves a cell whose process is gone (the pid, or a reused
+pid with another start time), which is ignored and reused. Nothing to clean up.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
-_CELL = struct.Struct("<qqq")  # pid, rows, batches
+_CELL = struct.Struct("<qqqq")  # pid, start time (clock ticks after boot), rows, batches
 CELLS = 128
 
 
@@ -30,16 +31,17 @@ def default_directory(scope: str | None = None) -> Path:
     return base / _SAFE.sub("_", scope or server_scope())
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22); 0 if gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def _alive(pid: int, started: int) -> bool:
+    return pid > 0 and started > 0 and start_time(pid) == started
 
 
 class SharedInflight:
@@ -52,12 +54,14 @@ class SharedInflight:
             raise ValueError(f"in-flight limits of {name!r} must be >= 1, got {limit} rows, {max_batches} batches")
         self.name, self.limit, self.max_batches = name, limit, max_batches
         self.pid = pid or os.getpid()
+        self.started = start_time(self.pid)
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._fd = os.open(Path(directory) / f"{_SAFE.sub('_', name)}.inflight", os.O_RDWR | os.O_CREAT, 0o600)
         self.own = self.own_batches = 0
         with self._locked():
             cells = self._read()
-            free = next((i for i, (p, _, _) in enumerate(cells) if p == self.pid or not _alive(p)), None)
+            free = next((i for i, (p, s, _, _) in enumerate(cells) if (p, s) == (self.pid, self.started) or not _alive(p, s)),
+                        None)
             if free is None:
                 raise RuntimeError(f"{name}: more than {CELLS} processes share one in-flight count")
             self._cell = free
@@ -75,12 +79,12 @@ class SharedInflight:
 
         return _Lock()
 
-    def _read(self) -> list[tuple[int, int, int]]:
+    def _read(self) -> list[tuple[int, int, int, int]]:
         raw = os.pread(self._fd, _CELL.size * CELLS, 0).ljust(_CELL.size * CELLS, b"\0")
         return [_CELL.unpack_from(raw, i * _CELL.size) for i in range(CELLS)]
 
     def _write_own(self, rows: int, batches: int) -> None:
-        os.pwrite(self._fd, _CELL.pack(self.pid, rows, batches), self._cell * _CELL.size)
+        os.pwrite(self._fd, _CELL.pack(self.pid, self.started, rows, batches), self._cell * _CELL.size)
         self.own, self.own_batches = rows, batches
 
     def total(self) -> tuple[int, int]:
@@ -89,7 +93,7 @@ class SharedInflight:
             return self._total(self._read())
 
     def _total(self, cells) -> tuple[int, int]:
-        live = [(r, b) for i, (p, r, b) in enumerate(cells) if b > 0 and (i == self._cell or _alive(p))]
+        live = [(r, b) for i, (p, s, r, b) in enumerate(cells) if b > 0 and (i == self._cell or _alive(p, s))]
         return sum(r for r, _ in live), sum(b for _, b in live)
 
     def try_add(self, rows: int) -> bool:

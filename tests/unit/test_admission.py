@@ -97,6 +97,21 @@ def test_admission_refuses_with_overloaded_and_releases_after_the_call(tmp_path)
     assert (adm.admitted, adm.refused) == (14, 1)  # rows
 
 
+def test_a_reused_pid_is_not_the_process_that_held_the_rows(tmp_path):
+    """A cell names its process by pid and start time: after a restart the pid may be reused
+    by another process, whose cell must not inherit the old rows."""
+    import struct
+
+    from python_backends.admission import inflight
+
+    pool = SharedInflight(tmp_path, "default", 10)
+    fd = os.open(tmp_path / "default.inflight", os.O_RDWR)
+    # a cell left by "this pid" from an earlier boot of it (another start time), holding 10 rows
+    os.pwrite(fd, struct.pack("<qqqq", os.getppid(), 1, 10, 1), inflight._CELL.size * 5)
+    os.close(fd)
+    assert pool.total() == (0, 0) and pool.try_add(10)
+
+
 def test_the_directory_is_per_server(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_ADMISSION_DIR", raising=False)
     assert default_directory("server-1") != default_directory("server-2")
