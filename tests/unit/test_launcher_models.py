@@ -57,5 +57,5 @@ def test_text_generation_is_a_default_model_once_its_folder_is_in_the_repository
     assert ServerOptions(model_repository=repo, models=("text_embedding",)).models == ("text_embedding",)
     # a repository without the generation model still serves the others by default
     (repo / "text_generation" / "config.pbtxt").unlink()
-        assert default_models(repo) == tuple(m for m in DEFAULT_MODELS if m != "text_generation")
+    assert default_models(repo) == tuple(m for m in DEFAULT_MODELS if m != "text_generation")
     assert ServerOptions(model_repository=repo).models == default_models(repo)
