@@ -32,6 +32,7 @@ import secrets
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,11 +62,12 @@ def token_body(ids: Sequence[int]) -> bytes:
     return json.dumps({"inputs": [
         {"name": "input_ids", "shape": [1, n], "datatype": "INT64", "data": list(ids)},
         {"name": "attention_mask", "shape": [1, n], "datatype": "INT64", "data": [1] * n},
-    ]}).encode()
+    ], "parameters": {"binary_data_output": True}}).encode()
 
 
 def text_body(text: str) -> bytes:
-    return json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}).encode()
+    return json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}],
+                       "parameters": {"binary_data_output": True}}).encode()
 
 
 def mixed_texts(lengths: Sequence[int], tokenizer, seed: int = 0) -> list[str]:
@@ -93,18 +95,59 @@ class Workload:
     name: str
     model: str
     make: Callable[[int], bytes]
+    lua: str = ""  # wrk: the Lua ``request`` function and the data it draws from
+
+
+def _lua_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
 def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000) -> dict[str, Workload]:
     lengths = limit_mod.mix_lengths(pool, *mix, seed=seed)
     rows = [r.tolist() for r in limit_mod.token_rows(lengths, seed=seed)]
     texts = mixed_texts(lengths, limit_mod.served_tokenizer(), seed=seed)
+    token_bodies = [token_body(r).decode() for r in rows[:500]]
+    head, _, tail = text_body("\0").decode().partition("\\u0000")
+    encoder_lua = ("local bodies = {\n" + ",\n".join(_lua_string(b) for b in token_bodies) + "\n}\n"
+                   "request = function()\n  n = n + 1\n"
+                   "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n")
+    embedding_lua = ("local texts = {\n" + ",\n".join(_lua_string(t) for t in texts) + "\n}\n"
+                     "request = function()\n  n = n + 1\n"
+                     f"  local body = {_lua_string(head)} .. '{nonce}' .. tid .. 'x' .. n .. ' ' .. "
+                     f"texts[(n % #texts) + 1] .. {_lua_string(tail)}\n"
+                     "  return wrk.format('POST', path, headers, body)\nend\n")
     return {
-        "text_encoder": Workload("text_encoder", "text_encoder", lambda i: token_body(rows[i % pool])),
+        "text_encoder": Workload("text_encoder", "text_encoder", lambda i: token_body(rows[i % pool]), encoder_lua),
         # a number in front makes every text unique: Triton's response cache never answers
         "text_embedding": Workload("text_embedding", "text_embedding",
-                                   lambda i: text_body(f"{nonce}{i} {texts[i % pool]}")),
+                                   lambda i: text_body(f"{nonce}{i} {texts[i % pool]}"), embedding_lua),
     }
+
+
+def wrk_script(w: Workload) -> str:
+    """A wrk Lua script sending ``w``'s requests; ``done`` prints the figures as one JSON line."""
+    return (
+        "local n = 0\nlocal tid = 0\nlocal next_tid = 0\n"
+        f"path = '/v2/models/{w.model}/infer'\nheaders = {{ ['Content-Type'] = 'application/json' }}\n"
+        "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid) end\n"
+        "init = function(args) tid = tid_init or 0 end\n"
+        + w.lua +
+        "done = function(summary, latency, requests)\n"
+        "  local e = summary.errors\n"
+        "  io.write(string.format('WRK_RESULT {\"requests\":%d,\"errors\":%d,\"duration_us\":%d,'"
+        " .. '\"p50_us\":%d,\"p99_us\":%d,\"max_us\":%d}\\n', summary.requests,"
+        " e.connect + e.read + e.write + e.status + e.timeout, summary.duration,"
+        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n")
+
+
+def run_wrk(url: str, script: Path, concurrency: int, seconds: float) -> dict:
+    command = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "60s",
+               "-s", str(script), f"http://{url}"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 90, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("WRK_RESULT "):
+            return json.loads(line[len("WRK_RESULT "):])
+    raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")
 
 
 @dataclass
@@ -170,20 +213,31 @@ def encoder_stats(url: str) -> tuple[int, int]:
     return sum(int(s["inference_count"]) for s in stats), sum(int(s["execution_count"]) for s in stats)
 
 
-def measure(url: str, w: Workload, window: Window, duration: float, warmup: float, start: int) -> None:
+def measure(url: str, w: Workload, window: Window, duration: float, warmup: float, start: int,
+            script: Path | None = None) -> None:
+    """One window: wrk with ``script`` (C, one thread: little of the 2 cores), else asyncio."""
     if warmup > 0:
         asyncio.run(closed_loop(url, w, window.concurrency, warmup, start + 10**9))
     before = encoder_stats(url)
-    latencies, window.errors, window.first_error, window.seconds = asyncio.run(
-        closed_loop(url, w, window.concurrency, duration, start))
-    after = encoder_stats(url)
-    window.requests = len(latencies)
+    if script is not None:
+        result = run_wrk(url, script, window.concurrency, duration)
+        after = encoder_stats(url)
+        window.seconds = result["duration_us"] / 1e6
+        window.requests, window.errors = result["requests"] - result["errors"], result["errors"]
+        if window.requests:
+            window.rps = window.requests / window.seconds
+            window.p50_ms, window.p99_ms, window.max_ms = (result[k] / 1e3 for k in ("p50_us", "p99_us", "max_us"))
+    else:
+        latencies, window.errors, window.first_error, window.seconds = asyncio.run(
+            closed_loop(url, w, window.concurrency, duration, start))
+        after = encoder_stats(url)
+        window.requests = len(latencies)
+        if latencies:
+            ms = sorted(x * 1000.0 for x in latencies)
+            window.rps = len(ms) / window.seconds
+            window.p50_ms, window.p99_ms, window.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
     executions = after[1] - before[1]
     window.batch_rows = (after[0] - before[0]) / executions if executions else None
-    if latencies:
-        ms = sorted(x * 1000.0 for x in latencies)
-        window.rps = len(ms) / window.seconds
-        window.p50_ms, window.p99_ms, window.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
 
 
 def before_repository(source: Path, target: Path) -> Path:
@@ -275,8 +329,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--limit-pool", type=int, default=512)
     p.add_argument("--budgets", default=",".join(map(str, limit_mod.DEFAULT_BUDGETS)),
                    help="token budgets the limit tries (comma-separated)")
+    p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
+                   help="load generator: wrk when installed (auto), else asyncio")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/length-mix-<UTC time>)")
     args = p.parse_args(argv)
+    args.use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     args.workload_list = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workload_list) - set(WORKLOADS)
@@ -330,13 +387,18 @@ def run(args: argparse.Namespace) -> int:
                 say(f"{phase}: {exc}\n{exc.log_tail}")
                 return 1
             urls[phase] = server.triton_http_url
+        scripts = {}
+        if args.use_wrk:
+            for name in args.workload_list:
+                scripts[name] = workdir / f"{name}.lua"
+                scripts[name].write_text(wrk_script(work[name]))
         sequence = 0
         for name in args.workload_list:
             for rnd in range(args.rounds):
                 order = args.phase_list if rnd % 2 == 0 else args.phase_list[::-1]
                 for phase in order:
                     window = Window(phase, name, args.concurrency, rnd + 1)
-                    measure(urls[phase], work[name], window, args.duration, args.warmup, sequence)
+                    measure(urls[phase], work[name], window, args.duration, args.warmup, sequence, scripts.get(name))
                     sequence += 10**6
                     windows.append(window)
                     say(f"{phase:6} {name:15} c{args.concurrency} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
@@ -366,7 +428,8 @@ def run(args: argparse.Namespace) -> int:
         f"- command: `{' '.join(['python -m perf.length_mix', *args.argv])}`",
         (f"- {args.mix} tokens per text, one text per HTTP request, {args.concurrency} connections; phases "
         f"{', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s (after "
-        f"{args.warmup:g} s warm-up); encoder variant {served.variant}; ratio = served req/s over the limit's seq/s"),
+        f"{args.warmup:g} s warm-up); client {'wrk (1 thread)' if args.use_wrk else 'asyncio'}; encoder variant "
+        f"{served.variant}; ratio = served req/s over the limit's seq/s"),
     ]
     text = markdown(header, results, mix_limit)
     (out_dir / "summary.md").write_text(text)
