@@ -676,6 +676,12 @@ class Rollout:
         old, new = state.stable, state.candidate
         self._apply_weights(state, {new: 100}, f"finish: version {new} alone")
         set_versions(self.client, state.encoder, [new])
+        for lane in lanes_of(self.client, state.encoder):  # the interactive lane follows (it served the stable one)
+            try:
+                set_versions(self.client, lane, [new])
+                self.say(f"rollout: {lane} serves version {new}")
+            except RepositoryError as exc:  # e.g. published elsewhere: the lane has no folder {new}
+                self.say(f"rollout: {lane} still serves its version ({exc}); it follows at the next server start")
         state.stable, state.candidate, state.loaded, state.phase, state.step = new, None, [new], "finished", -1
         state.event("finished", unloaded=old, serving=new)
         self._save(state)
@@ -727,7 +733,26 @@ def publish(repository: Path, encoder: str = ENCODER, source: Path | None = None
     for p in files:
         (os.link if link else shutil.copy2)(p, tmp / p.name)
     os.replace(tmp, target)  # the folder appears complete or not at all
+    from export.lanes import render_all
+
+    render_all(Path(repository))  # the priority-class lanes get the folder too (docs/priority-classes.md)
     return version
+
+
+def lanes_of(client: RepositoryClient, encoder: str) -> list[str]:
+    """The loaded priority-class lanes of ``encoder`` (its ``lanes`` parameter, export/lanes.py)."""
+    from export.lanes import declared_lanes
+
+    raw = client.config(encoder).get("parameters", {}).get("lanes", {}).get("string_value", "")
+    names = [lane.name for lane in declared_lanes(encoder, f'key: "lanes" value: {{ string_value: "{raw}" }}')] if raw else []
+    out = []
+    for n in names:
+        try:
+            if client.ready(n):
+                out.append(n)
+        except RepositoryError:
+            pass
+    return out
 
 
 # ---------------------------------------------------------------- command line

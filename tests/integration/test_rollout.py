@@ -116,7 +116,8 @@ def rollout_server(start_triton, rollout_repo):
     # Without a state, Triton would load only the newest folder (the broken 3); the launcher
     # applies the state: version 1 alone, all traffic on it, text_embedding in its direct form.
     RolloutState(stable=1, weights={1: 100}, loaded=[1]).save(state)
-    with start_triton("triton-rollout-", ("text_embedding", "text_embedding_cached"), model_repository=rollout_repo,
+    with start_triton("triton-rollout-", ("text_embedding", "text_embedding_cached", "text_embedding_cached_interactive"),
+                      model_repository=rollout_repo,
                       model_config_name="int8", repository_token=TOKEN, rollout_state=state) as server:
         yield server, state
 
@@ -300,8 +301,12 @@ def test_rollouts_rollback_finish_and_abort_under_load(rollout_server, admin, ro
         forms.append(form_of(admin.config("text_embedding")))
         time.sleep(3)  # traffic back on version 1 alone, direct
         assert rollout.start(2, [50, 100], DWELL_S, thresholds, check_interval_s=1.0, window_s=900) == 0, said
+        # the interactive lane served the stable version all along (pinned at start) ...
+        assert admin.ready("text_encoder_interactive", 1) and not admin.ready("text_encoder_interactive", 2)
         assert rollout.finish(force=True) == 0
         assert not admin.ready("text_encoder", 1) and not admin.ready("text_encoder_router")
+        # ... and follows the finished rollout (docs/priority-classes.md)
+        assert admin.ready("text_encoder_interactive", 2) and not admin.ready("text_encoder_interactive", 1)
         forms.append(form_of(admin.config("text_embedding")))
         time.sleep(3)  # version 2 alone, direct: the cache answers with version 2's vectors only
         # 50 % at once: half the load is on the cache, so a 10 % step would see too few calls of 3 to be judged early.
