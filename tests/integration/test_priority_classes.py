@@ -5,9 +5,9 @@ refused with UNAVAILABLE while the other classes are served."""
 import asyncio
 import json
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 
 import numpy as np
 import pytest
@@ -41,7 +41,7 @@ def test_every_class_entry_gives_the_default_entrys_vectors(triton):
     texts = [f"priority classes share one model {uuid.uuid4().hex}", "a second sentence"]
     status, default = _post(triton, "text_embedding", texts)
     assert status == 200
-    for cls, model in CACHED_ENTRIES.items():
+    for model in CACHED_ENTRIES.values():
         status, reply = _post(triton, model, texts)
         assert status == 200, (model, reply)
         np.testing.assert_allclose(_vector(reply), _vector(default), atol=1e-5, err_msg=model)

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.admission.classes import CACHED_ENTRIES, CLASSES, DIRECT_ENTRIES, check_request_class, class_named
+from python_backends.admission.classes import (
+    CACHED_ENTRIES,
+    CLASSES,
+    DIRECT_ENTRIES,
+    check_request_class,
+    class_named,
+)
 from python_backends.admission.controller import Admission
 from python_backends.admission.inflight import SharedInflight, default_directory
 from python_backends.errors import InputError, Overloaded
@@ -90,9 +96,8 @@ def test_admission_refuses_with_overloaded_and_releases_after_the_call(tmp_path)
                 pass
     with adm.rows(3):  # released after the first block, also when its body raised
         pass
-    with pytest.raises(RuntimeError):
-        with adm.rows(3):
-            raise RuntimeError("BLS failed")
+    with pytest.raises(RuntimeError), adm.rows(3):
+        raise RuntimeError("BLS failed")
     assert adm.inflight.total() == (0, 0)
     assert (adm.admitted, adm.refused) == (14, 1)  # rows
 
