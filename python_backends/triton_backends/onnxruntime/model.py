@@ -12,7 +12,7 @@ from pathlib import Path
 from python_backends.config import ModelConfig
 from python_backends.onnx_engine.batching import budget_from_config, run_batched
 from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
-from python_backends.shim import check_shape, error_response, install_logging, load_error
+from python_backends.shim import apply_process_nice, check_shape, error_response, install_logging, load_error
 
 
 class TritonPythonModel:
@@ -20,6 +20,7 @@ class TritonPythonModel:
         install_logging(pb_utils)
         self.config = ModelConfig(args["model_config"])
         try:
+            apply_process_nice(self.config)  # before the session: its threads inherit it
             version_dir = Path(args["model_repository"]) / args["model_version"]
             plan = plan_session(
                 self.config,
