@@ -149,6 +149,31 @@ class Probe:
                 "first_other": self.other[0] if self.other else ""}
 
 
+def model_stats(url: str) -> dict:
+    """Per model: requests, executions, queue and compute nanoseconds (Triton's statistics)."""
+    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=10) as r:
+        data = json.loads(r.read())
+    out = {}
+    for m in data.get("model_stats", []):
+        s = m["inference_stats"]
+        key = f"{m['name']}/{m['version']}"
+        out[key] = {"count": s["success"]["count"], "executions": m.get("execution_count", 0),
+                    "queue_ns": s["queue"]["ns"], "compute_ns": s["compute_infer"]["ns"]}
+    return out
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    out = {}
+    for key, a in after.items():
+        b = before.get(key, {"count": 0, "executions": 0, "queue_ns": 0, "compute_ns": 0})
+        n = a["count"] - b["count"]
+        if n > 0:
+            out[key] = {"requests": n, "per_execution": round(n / max(1, a["executions"] - b["executions"]), 1),
+                        "queue_ms": round((a["queue_ns"] - b["queue_ns"]) / n / 1e6, 2),
+                        "compute_ms": round((a["compute_ns"] - b["compute_ns"]) / n / 1e6, 2)}
+    return out
+
+
 class RssSampler:
     """RSS (MiB) of a process tree, each second, in a thread."""
 
@@ -292,9 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.sleep(2.0)  # the flood reaches its steady state
         probes = {cls: Probe(url, CACHED_ENTRIES[cls], args.probe_rate, nonce + "-over", sentences) for cls in CLASSES}
         pthreads = [threading.Thread(target=p.run, args=(args.duration,)) for p in probes.values()]
+        stats_before = model_stats(url)
         for t in pthreads:
             t.start()
-        for t in pthreads + threads:
+        for t in pthreads:
+            t.join()
+        per_model = stats_delta(stats_before, model_stats(url))
+        for t in threads:
             t.join()
         during = [s for _, s in sampler.samples]
         time.sleep(3.0)
@@ -311,13 +340,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         flood["offered_rate"] = flood["default"]["rate"] + flood["bulk"]["rate"]
         for cls, p in probes.items():
             rows.append(p.row("overload", cls))
-        table = markdown(rows, peak, flood, rss) + (
+        stats_lines = ["", "Per request during the overload (Triton's statistics): model, requests, per execution, "
+                       "queue ms, compute ms"] + [f"- {k}: {v['requests']}, {v['per_execution']}, {v['queue_ms']}, "
+                                                  f"{v['compute_ms']}" for k, v in sorted(per_model.items())]
+        table = markdown(rows, peak, flood, rss) + "\n".join(stats_lines) + "\n" + (
             f"\nLoad average at the start {load_start:.1f}, at the end {os.getloadavg()[0]:.1f} (2-core machines are shared: "
             f"compare classes within one run).\n")
         print(table)
         (out / "summary.md").write_text(table)
         (out / "results.json").write_text(json.dumps({"peak": peak, "rows": rows, "flood": flood, "rss": rss,
-                                                       "rss_samples": rss_samples, "args": vars(args) | {"out": str(out)},
+                                                       "rss_samples": rss_samples, "per_model_overload": per_model, "args": vars(args) | {"out": str(out)},
                                                        "variant": config_name}, indent=2, default=str))
         say(f"wrote {out}")
         inter = next(r for r in rows if r["phase"] == "overload" and r["class"] == "interactive")
