@@ -250,6 +250,8 @@ def parse_args(argv):
     p.add_argument("--overload", type=float, default=5.0, help="flood rate as a multiple of the default peak")
     p.add_argument("--flood-connections", type=int, default=512, help="wrk connections of the flood, split in two")
     p.add_argument("--probe-rate", type=float, default=20.0, help="requests/s of each class's probe")
+    p.add_argument("--interactive-model", default=CACHED_ENTRIES["interactive"],
+                   help="the model the interactive probe calls (e.g. text_embedding_interactive, the lane without the cache)")
     p.add_argument("--precision", default="auto")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -269,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     repo = ROOT / "model_repository"
     config_name, _ = variants.resolve_precision(repo, ["text_encoder"], args.precision,
                                                 loadable=tuple(v for v in variants.VARIANTS if v != "trt_plan"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=work, models=MODELS, model_config_name=config_name))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=work, models=(*MODELS, args.interactive_model),
+                                                        model_config_name=config_name))
     server.start()
     try:
         server.wait_ready(timeout=300)
@@ -290,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"default peak {peak['rate']:,.0f}/s P50 {peak['p50_ms']:.1f} P99 {peak['p99_ms']:.1f} ms "
             f"(refused {r['unavailable']}, other {r['other']})")
         rows = []
-        probe = Probe(url, CACHED_ENTRIES["interactive"], args.probe_rate, nonce + "-alone", sentences)
+        probe = Probe(url, args.interactive_model, args.probe_rate, nonce + "-alone", sentences)
         probe.run(args.duration)
         rows.append(probe.row("alone", "interactive"))
         say(f"interactive alone: {rows[-1]}")
@@ -315,7 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads.append(t)
             t.start()
         time.sleep(2.0)  # the flood reaches its steady state
-        probes = {cls: Probe(url, CACHED_ENTRIES[cls], args.probe_rate, nonce + "-over", sentences) for cls in CLASSES}
+        entries = {**CACHED_ENTRIES, "interactive": args.interactive_model}
+        probes = {cls: Probe(url, entries[cls], args.probe_rate, nonce + "-over", sentences) for cls in CLASSES}
         pthreads = [threading.Thread(target=p.run, args=(args.duration,)) for p in probes.values()]
         stats_before = model_stats(url)
         for t in pthreads:
