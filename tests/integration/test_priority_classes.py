@@ -91,10 +91,10 @@ def test_a_flood_of_bulk_is_refused_with_unavailable_and_interactive_is_served(t
         outcomes[status] = outcomes.get(status, 0) + 1
     print("bulk flood outcomes:", outcomes)
     assert set(outcomes) <= {"ok", "StatusCode.UNAVAILABLE"}, [r for r in results if r[0] not in ("ok", "StatusCode.UNAVAILABLE")][:3]
-    assert outcomes.get("ok", 0) >= 64, "at least one lane batch of bulk was admitted"
-    assert outcomes.get("StatusCode.UNAVAILABLE", 0) > 0, "400 simultaneous misses over a 64-row limit: some refused"
+    assert outcomes.get("ok", 0) >= 1, "bulk was admitted while its lane had room"
+    assert outcomes.get("StatusCode.UNAVAILABLE", 0) > 0, "400 simultaneous misses over a 16-row limit: some refused"
     refusal = next(msg for status, _, msg in results if status == "StatusCode.UNAVAILABLE")
-    assert "'bulk' is at capacity (64 rows" in refusal and "retry" in refusal
+    assert "'bulk' is at capacity (16 rows" in refusal and "retry" in refusal
     assert [s for s, _, _ in probe] == ["ok"] * 5, probe
     # after the flood the class is admitted again
     assert [s for s, _, _ in asyncio.run(_flood(triton.grpc_url, CACHED_ENTRIES["bulk"], 3, uuid.uuid4().hex))] == ["ok"] * 3

@@ -27,5 +27,5 @@ def test_a_short_run_measures_every_class_and_refuses_only_with_unavailable(tmp_
     assert all(r["sent"] > 0 and r["other_errors"] == 0 for r in rows.values()), rows
     for cls in ("default", "bulk"):
         assert result["flood"][cls]["other"] == 0 and result["flood"][cls]["socket_errors"] == 0
-    assert result["flood"]["bulk"]["refused_rate"] > 0, "a flood over bulk's 64 rows is refused"
+    assert result["flood"]["bulk"]["refused_rate"] > 0, "a flood over bulk's 16 rows is refused"
     assert "| overload | interactive (50 ms) |" in (tmp_path / "summary.md").read_text()
