@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from python_backends.config import ModelConfig
@@ -70,3 +72,14 @@ def test_json_string_is_accepted():
     import json
 
     assert ModelConfig(json.dumps(CONFIG)).name == "m"
+
+
+def test_every_ensemble_has_a_tracked_version_folder():
+    """git keeps no empty folder: an ensemble's 1/ must hold a file (.gitkeep), or a fresh
+    clone has no version and tritonserver refuses to start (it did, for text_embedding_interactive)."""
+    import re as _re
+
+    repo = Path(__file__).resolve().parents[2] / "model_repository"
+    for config in repo.glob("*/config.pbtxt"):
+        if _re.search(r'^platform:\s*"ensemble"', config.read_text(), _re.M):
+            assert (config.parent / "1" / ".gitkeep").is_file(), f"{config.parent.name}/1/.gitkeep missing"
