@@ -209,7 +209,7 @@ class TritonBackend:
         return found
 
     async def embed(self, job: EmbeddingJob, request_id: str, pad_id: int) -> np.ndarray:
-        """The job's vectors in input order; its chunks run concurrently."""
+        """The job's vectors in input order; its chunks are sent one after the other."""
         model: EmbeddingModel = job.model
         spans = job.chunks()
 
@@ -226,14 +226,9 @@ class TritonBackend:
 
         if len(spans) == 1:
             return await one(0, *spans[0])
-        tasks = [asyncio.ensure_future(one(k, a, b)) for k, (a, b) in enumerate(spans)]
-        try:
-            parts = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        # One batch at a time: sent together, a long list would be refused by its own priority
+        # class's admission (a batch of max_batch_size fills the default class's rows in flight).
+        parts = [await one(k, a, b) for k, (a, b) in enumerate(spans)]
         return np.concatenate(parts, axis=0)
 
     # --- generation ----------------------------------------------------------------------
