@@ -14,7 +14,9 @@ GPU=${GPU:-0}
 # service is not needed either: the launcher runs nginx as its child). docker-compose: the client
 # only (no engine), so tests/unit/test_compose.py checks docker-compose.yml as compose resolves it.
 # wrk: perf.tail's load generator (C, far cheaper per request than a Python client on 2 cores).
-APT_PACKAGES=(libb64-0d redis-server nginx libnginx-mod-http-js docker-compose wrk)
+# prometheus: scrapes the replicas in `make serve-cluster`; its promtool checks and unit-tests
+# the alert and recording rules (the package's own service is not needed).
+APT_PACKAGES=(libb64-0d redis-server nginx libnginx-mod-http-js docker-compose wrk prometheus)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
