@@ -138,6 +138,50 @@ def _config_name(path: Path) -> str:
         return ""
 
 
+def class_limits(repository: Path) -> dict[str, tuple[str, int]]:
+    """entry model -> (priority class, admission_rows) for every model whose config.pbtxt names
+    both (the class entries, docs/priority-classes.md). The front door keeps at most that many
+    of the entry's HTTP requests in flight and answers the rest 503 itself, before tritonserver
+    parses them: under a flood the refusals cost nginx microseconds instead of tritonserver's
+    and the entry stubs' CPU, which the other classes' lanes need."""
+    found: dict[str, tuple[str, int]] = {}
+    for config in sorted(Path(repository).glob("*/config.pbtxt")):
+        try:
+            parsed = _parse_config(config)
+        except Exception:
+            continue
+        params = {k: v.string_value for k, v in parsed.parameters.items()}
+        cls, rows = params.get("priority_class"), params.get("admission_rows", "")
+        if cls and rows.isdigit() and int(rows) > 0:
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", cls) or not re.fullmatch(r"[A-Za-z0-9_.-]+", parsed.name or config.parent.name):
+                raise FrontDoorError(f"{config}: priority_class {cls!r} or the model name cannot name an nginx zone")
+            found[parsed.name or config.parent.name] = (cls, int(rows))
+    return found
+
+
+def class_limit_zones(limits: Mapping[str, tuple[str, int]]) -> str:
+    """The http-level maps and limit_conn zones: one zone per entry model, keyed by the URI."""
+    lines = []
+    for i, model in enumerate(sorted(limits)):
+        var = f"inflight_{i}"  # short: nginx's variables hash has 64-byte buckets
+        lines += [f"# {model}: {limits[model][1]} requests in flight ({limits[model][0]} class)",
+                  f"map $uri ${var} {{",
+                  f"    ~^/v2/models/{re.escape(model)}(/versions/[0-9]+)?/infer$ 1;",
+                  "    default \"\";",
+                  "}",
+                  f"limit_conn_zone ${var} zone={var}:1m;"]
+    lines += ["map $uri $frontdoor_class {"]
+    lines += [f"    ~^/v2/models/{re.escape(m)}(/versions/[0-9]+)?/infer$ {c};" for m, (c, _) in sorted(limits.items())]
+    lines += ["    default \"\";", "}"]
+    return "\n    ".join(lines)
+
+
+def class_limit_conn(limits: Mapping[str, tuple[str, int]]) -> str:
+    """The infer location's limit_conn lines (a request matches one entry's zone at most)."""
+    lines = [f"limit_conn inflight_{i} {rows};  # {m}" for i, (m, (_, rows)) in enumerate(sorted(limits.items()))]
+    return "\n            ".join(lines) if lines else "# no class entries in this repository"
+
+
 def limits_module(repository: Path, max_body_bytes: int) -> str:
     """The generated ``limits.js`` that infer_check.js imports."""
     limits = {
@@ -167,10 +211,14 @@ class FrontDoorPorts:
 
 def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: int, workers: int | str = 1,
            js_module_path: Path | str | None = None, template: Path = TEMPLATE_DIR / "nginx.conf.template",
-           error_log: Path | str | None = None) -> str:
+           error_log: Path | str | None = None, limits: Mapping[str, tuple[str, int]] | None = None) -> str:
     """nginx.conf for these ports, with every temporary path in ``workdir`` (the error log too,
-    unless ``error_log`` names another file or ``stderr``)."""
+    unless ``error_log`` names another file or ``stderr``); ``limits``: the class entries'
+    in-flight limits (``class_limits``)."""
+    limits = limits or {}
     values: Mapping[str, object] = {
+        "CLASS_LIMIT_ZONES": class_limit_zones(limits),
+        "CLASS_LIMIT_CONN": class_limit_conn(limits),
         "WORKERS": workers,
         "WORKDIR": workdir,
         "ERROR_LOG": error_log or f"{workdir}/nginx-error.log",
@@ -210,7 +258,7 @@ def write_bundle(out: Path, repository: Path, ports: FrontDoorPorts, *, conf_dir
     seen_at = Path(conf_dir) if conf_dir is not None else out
     conf = out / "nginx.conf"
     conf.write_text(render(ports, workdir if workdir is not None else out, seen_at / "js", max_body_bytes, workers,
-                           js_module_path, error_log=error_log), encoding="utf-8")
+                           js_module_path, error_log=error_log, limits=class_limits(repository)), encoding="utf-8")
     return conf
 
 

@@ -100,16 +100,45 @@ def test_a_flood_of_bulk_is_refused_with_unavailable_and_interactive_is_served(t
     assert [s for s, _, _ in asyncio.run(_flood(triton.grpc_url, CACHED_ENTRIES["bulk"], 3, uuid.uuid4().hex))] == ["ok"] * 3
 
 
-def test_a_refusal_over_http_is_503(triton):
-    """Triton maps UNAVAILABLE to HTTP 503: retryable, never a 500."""
-    async def flood_http():
-        loop = asyncio.get_running_loop()
-        nonce = uuid.uuid4().hex
-        return await asyncio.gather(*(loop.run_in_executor(None, _post, triton, CACHED_ENTRIES["bulk"],
-                                                           [f"http flood {nonce} {i}"]) for i in range(120)))
+def _post_raw(server, model, text):
+    body = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/infer", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
 
-    statuses = [s for s, _ in asyncio.run(flood_http())]
+
+def test_the_front_door_refuses_a_class_over_its_in_flight_limit_with_503(triton):
+    """64 HTTP requests at once to the bulk entry (admission_rows 16): the front door lets 16
+    through and answers the rest 503 itself, naming the class and the model, with Retry-After;
+    never a 500. The interactive entry is served meanwhile, and bulk is admitted again after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not triton.options.front_door:
+        pytest.skip("the in-flight limit is the front door's; this server runs without it")
+    nonce = uuid.uuid4().hex
+    with ThreadPoolExecutor(72) as pool:
+        flood = [pool.submit(_post_raw, triton, CACHED_ENTRIES["bulk"], f"http flood {nonce} {i} with a few more words")
+                 for i in range(64)]
+        time.sleep(0.05)
+        probe = [pool.submit(_post_raw, triton, CACHED_ENTRIES["interactive"], f"probe {nonce} {i}") for i in range(4)]
+        results = [f.result() for f in flood]
+        probed = [f.result()[0] for f in probe]
+    statuses = sorted(s for s, _, _ in results)
+    print("bulk HTTP flood statuses:", {s: statuses.count(s) for s in set(statuses)})
     assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(200) >= 16, "the first 16 in flight are admitted"
+    refused = [(h, b) for s, h, b in results if s == 503]
+    assert refused, "64 at once over a 16-request limit: some refused"
+    headers, body = refused[0]
+    message = json.loads(body)["error"]
+    assert "priority class bulk" in message and CACHED_ENTRIES["bulk"] in message and "retry" in message, message
+    assert headers.get("Retry-After") == "1", headers
+    assert probed == [200] * 4, probed
+    assert _post_raw(triton, CACHED_ENTRIES["bulk"], f"after the flood {nonce}")[0] == 200
 
 
 def test_the_gateway_sends_each_class_to_its_entry(openai_client, triton):

@@ -7,7 +7,7 @@ import pytest
 
 from python_backends.errors import InputError
 from python_backends.shim import check_shape
-from server.frontdoor import FrontDoor, FrontDoorPorts, limits_module, model_limits, render
+from server.frontdoor import FrontDoor, FrontDoorPorts, class_limits, limits_module, model_limits, render
 from server.layout import ROOT
 from server.process import ServerOptions, TritonServer
 from server.layout import prepare
@@ -31,6 +31,22 @@ def test_render_fills_every_placeholder_and_keeps_nginx_variables(tmp_path):
     assert "listen 127.0.0.1:8001 http2;" in conf and "server 127.0.0.1:18000;" in conf
     assert "(?<frontdoor_model>" in conf and "limit_except GET" in conf
     assert f"client_body_temp_path {tmp_path}/client_body;" in conf
+
+
+def test_each_class_entry_gets_its_admission_rows_as_in_flight_limit(tmp_path):
+    from python_backends.admission.classes import CACHED_ENTRIES
+
+    limits = class_limits(ROOT / "model_repository")
+    assert {m: c for m, (c, _) in limits.items()} == {m: c for c, m in CACHED_ENTRIES.items()}
+    assert limits["text_embedding_cached_bulk"] == ("bulk", 16)
+    conf = render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so", limits=limits)
+    for i, (model, (cls, rows)) in enumerate(sorted(limits.items())):
+        assert f"~^/v2/models/{model}(/versions/[0-9]+)?/infer$ 1;" in conf
+        assert f"limit_conn inflight_{i} {rows};  # {model}" in conf
+        assert f"~^/v2/models/{model}(/versions/[0-9]+)?/infer$ {cls};" in conf
+    assert "limit_conn_status 503;" in conf and "error_page 503 = @class_full;" in conf
+    # no class entries: no limit lines
+    assert "limit_conn inflight" not in render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so")
 
 
 def test_launcher_keeps_its_error_log_in_the_work_folder(tmp_path):
