@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 _LANES = re.compile(r'key:\s*"lanes"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}')
 _LANES_LINE = re.compile(r'^.*key:\s*"lanes".*\n', re.MULTILINE)
-# A lane serves a higher class than its model: it keeps the full CPU priority.
-_NICE_LINE = re.compile(r'^.*key:\s*"process_nice".*\n', re.MULTILINE)
+# A lane serves a higher class than its model: it keeps the full CPU priority and never yields.
+_LOWER_CLASS_LINE = re.compile(r'^.*key:\s*"(?:process_nice|yield_to_class|yield_max_ms)".*\n', re.MULTILINE)
 _NAME = re.compile(r'^name:\s*"([^"]+)"', re.MULTILINE)
 _COUNT = re.compile(r'(instance_group\s*\[[^\]]*?\{[^}]*?count:\s*)(\d+)', re.DOTALL)
 _LANE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -68,7 +68,7 @@ def render_config(text: str, lane: Lane, version: int | None = None) -> str:
         out = _COUNT.sub(lambda m: f"{m.group(1)}{lane.count}", out, count=1)
     else:
         out += f"\ninstance_group [ {{ count: {lane.count} }} ]\n"
-    out = _NICE_LINE.sub("", _LANES_LINE.sub("", out))
+    out = _LOWER_CLASS_LINE.sub("", _LANES_LINE.sub("", out))
     if version is not None:
         policy = f"version_policy: {{ specific {{ versions: [ {int(version)} ] }} }}"
         out = _POLICY.sub(policy, out, count=1) if _POLICY.search(out) else out + policy + "\n"

@@ -16,6 +16,7 @@ from python_backends.admission.classes import (
 )
 from python_backends.admission.controller import Admission
 from python_backends.admission.inflight import SharedInflight, default_directory
+from python_backends.admission.yielding import InflightReader, YieldTo, yield_from_config
 from python_backends.errors import InputError, Overloaded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,3 +163,99 @@ def test_the_interactive_lane_is_the_ensemble_with_the_lane_encoder():
     assert "text_encoder_interactive:" not in lane and _param(lane, "lane_of") == "text_embedding"
     assert re.search(r'lanes"\s*value:\s*\{\s*string_value:\s*"interactive:1"',
                      (REPO / "text_encoder" / "config.pbtxt").read_text())
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def test_a_lower_class_waits_while_the_higher_class_has_rows_in_flight(tmp_path):
+    interactive = SharedInflight(tmp_path, "interactive", 32)
+    clock = _Clock()
+    polls = []
+
+    class Reader(InflightReader):
+        def rows(self):
+            rows = super().rows()
+            polls.append(rows)
+            if len(polls) == 4:  # the interactive request finishes after three looks
+                interactive.remove(2)
+            return rows
+
+    yielder = YieldTo(Reader(tmp_path, "interactive"), max_wait_s=0.020, poll_s=0.001, clock=clock, sleep=clock.sleep)
+    assert yielder.wait() == 0.0 and polls == [0]  # idle class: no wait, one look
+    assert interactive.try_add(2)
+    ran = []
+    run = yielder.wrap(lambda feed: ran.append((feed, clock.now)) or "out")
+    assert run("feed") == "out"
+    assert ran == [("feed", pytest.approx(0.003))] and yielder.waits == 1
+    assert polls[1:] == [2, 2, 2, 0]
+
+
+def test_the_wait_is_bounded_so_the_lower_class_is_never_stopped(tmp_path):
+    interactive = SharedInflight(tmp_path, "interactive", 32)
+    assert interactive.try_add(1)  # never leaves
+    clock = _Clock()
+    yielder = YieldTo(InflightReader(tmp_path, "interactive"), max_wait_s=0.020, poll_s=0.001, clock=clock,
+                      sleep=clock.sleep)
+    assert yielder.wait() == pytest.approx(0.020)
+    assert yielder.wait() == pytest.approx(0.020) and yielder.waited_s == pytest.approx(0.040)
+
+
+def test_rows_of_other_classes_and_of_dead_processes_do_not_make_it_wait(tmp_path):
+    assert SharedInflight(tmp_path, "bulk", 16).try_add(4)
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_class, args=(str(tmp_path), "interactive", ready, done))
+    child.start()
+    assert ready.wait(10)
+    reader = InflightReader(tmp_path, "interactive")
+    assert reader.rows() == 3
+    done.set()
+    child.join(10)
+    assert reader.rows() == 0  # it died holding its rows
+
+
+def _hold_class(directory, name, ready, done):
+    pool = SharedInflight(Path(directory), name, 10)
+    pool.try_add(3)
+    ready.set()
+    done.wait(10)
+    os._exit(0)
+
+
+class _Config:
+    def __init__(self, **params):
+        self.params = params
+
+    def param(self, key, default=None):
+        return self.params.get(key, default)
+
+    def param_int(self, key, default, minimum=None):
+        value = int(self.params.get(key, default))
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{key} must be >= {minimum}")
+        return value
+
+
+def test_yield_settings_come_from_the_config(tmp_path):
+    assert yield_from_config(_Config(), tmp_path) is None
+    y = yield_from_config(_Config(yield_to_class="interactive", yield_max_ms="5"), tmp_path)
+    assert y.max_wait_s == pytest.approx(0.005)
+    with pytest.raises(InputError, match="yield_to_class"):
+        yield_from_config(_Config(yield_to_class="urgent"), tmp_path)
+
+
+def test_the_served_encoder_yields_to_interactive_and_its_lane_does_not():
+    from export.lanes import Lane, render_config
+
+    text = (ROOT / "model_repository/text_encoder/config.pbtxt").read_text()
+    assert 'key: "yield_to_class" value: { string_value: "interactive" }' in text
+    assert "yield_" not in render_config(text, Lane("text_encoder", "interactive", 1))

@@ -20,6 +20,8 @@ instance_group [
 ]
 parameters { key: "lanes" value: { string_value: "interactive:1" } }
 parameters { key: "process_nice" value: { string_value: "5" } }
+parameters { key: "yield_to_class" value: { string_value: "interactive" } }
+parameters { key: "yield_max_ms" value: { string_value: "20" } }
 parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
 '''
 
@@ -32,12 +34,13 @@ def test_declared_lanes_are_parsed_and_bad_ones_refused():
             declared_lanes("enc", CONFIG.replace("interactive:1", bad))
 
 
-def test_a_lane_config_differs_only_in_name_instances_lanes_and_nice():
+def test_a_lane_config_differs_only_in_name_instances_lanes_nice_and_yield():
     out = render_config(CONFIG, Lane("enc", "interactive", 1))
     assert out.startswith(MARK)
     assert 'name: "enc_interactive"' in out and 'name: "enc"\n' not in out
     assert "{ count: 1 }" in out and "count: 2" not in out
     assert '"lanes"' not in out and '"process_nice"' not in out
+    assert "yield_" not in out  # the lane never waits for its own class
     assert 'key: "intra_op_thread_count"' in out and 'backend: "onnxruntime"' in out
 
 
