@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from server.layout import ROOT
 from server.lifetime import tie_to_parent
@@ -197,6 +197,32 @@ def limits_module(repository: Path, max_body_bytes: int) -> str:
     ) + ";\n"
 
 
+@dataclass(frozen=True)
+class Upstream:
+    """One tritonserver behind the front door; ``down``: listed but sent nothing (not ready)."""
+
+    host: str
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+    down: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Upstream":
+        """``HOST`` (ports 8000, 8001, 8002) or ``HOST:HTTP:GRPC:METRICS``."""
+        host, *ports = text.split(":")
+        if not host or len(ports) not in (0, 3) or not all(p.isdigit() for p in ports):
+            raise ValueError(f"upstream {text!r}: want HOST or HOST:HTTP:GRPC:METRICS")
+        return cls(host, *map(int, ports))
+
+
+# Passive health checks of every upstream server: after MAX_FAILS failed attempts within
+# FAIL_TIMEOUT a replica gets no request for FAIL_TIMEOUT, then one request tries it again.
+# nginx ignores both when an upstream has a single server (the one-server launcher).
+MAX_FAILS = 2
+FAIL_TIMEOUT_S = 5
+
+
 @dataclass
 class FrontDoorPorts:
     listen_host: str
@@ -207,6 +233,36 @@ class FrontDoorPorts:
     triton_http: int
     triton_grpc: int
     triton_metrics: int
+    # Several tritonservers (serve-cluster, docker-compose's replicas); empty: the one above.
+    replicas: tuple[Upstream, ...] = ()
+
+    @classmethod
+    def cluster(cls, listen_host: str, http: int, grpc: int, metrics: int,
+                replicas: Iterable[Upstream]) -> "FrontDoorPorts":
+        replicas = tuple(replicas)
+        if not replicas:
+            raise FrontDoorError("a front door needs at least one upstream server")
+        first = replicas[0]
+        return cls(listen_host, http, grpc, metrics, first.host, first.http, first.grpc, first.metrics, replicas)
+
+    def upstreams(self) -> tuple[Upstream, ...]:
+        return self.replicas or (Upstream(self.upstream_host, self.triton_http, self.triton_grpc, self.triton_metrics),)
+
+
+def upstream_servers(servers: Sequence[Upstream], port: str, *, backup: bool = False) -> str:
+    """The ``server`` lines of one upstream block (``port``: http, grpc or metrics). With
+    ``backup`` every server after the first is a backup (the metrics port: one replica's
+    counters at a time, the next one's when it fails)."""
+    lines = []
+    for i, s in enumerate(servers):
+        # A lone server: as it always was (nginx ignores the passive checks for it).
+        flags = [f"max_fails={MAX_FAILS}", f"fail_timeout={FAIL_TIMEOUT_S}s"] if len(servers) > 1 else []
+        if backup and i > 0:
+            flags.append("backup")
+        if s.down:
+            flags.append("down")
+        lines.append(f"server {s.host}:{getattr(s, port)}{''.join(' ' + f for f in flags)};")
+    return "\n        ".join(lines)
 
 
 def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: int, workers: int | str = 1,
@@ -215,7 +271,9 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
     """nginx.conf for these ports, with every temporary path in ``workdir`` (the error log too,
     unless ``error_log`` names another file or ``stderr``); ``limits``: the class entries'
     in-flight limits (``class_limits``)."""
-    limits = limits or {}
+    servers = ports.upstreams()
+    # admission_rows is per tritonserver: the whole cluster takes that many per replica.
+    limits = {model: (cls, rows * len(servers)) for model, (cls, rows) in (limits or {}).items()}
     values: Mapping[str, object] = {
         "CLASS_LIMIT_ZONES": class_limit_zones(limits),
         "CLASS_LIMIT_CONN": class_limit_conn(limits),
@@ -229,6 +287,9 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
         "HTTP_PORT": ports.http,
         "GRPC_PORT": ports.grpc,
         "METRICS_PORT": ports.metrics,
+        "HTTP_SERVERS": upstream_servers(servers, "http"),
+        "GRPC_SERVERS": upstream_servers(servers, "grpc"),
+        "METRICS_SERVERS": upstream_servers(servers, "metrics", backup=True),
         "UPSTREAM_HOST": ports.upstream_host,
         "TRITON_HTTP_PORT": ports.triton_http,
         "TRITON_GRPC_PORT": ports.triton_grpc,
@@ -311,6 +372,17 @@ class FrontDoor:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def reload(self) -> None:
+        """Re-render nginx.conf from ``ports`` (e.g. a replica marked down or back), check it,
+        and SIGHUP the master: new workers take the new configuration, the old ones finish
+        their in-flight requests first."""
+        import signal
+
+        self.check()
+        if not self.running():
+            raise FrontDoorError("nginx is not running")
+        self.process.send_signal(signal.SIGHUP)
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-lines:])
@@ -350,10 +422,14 @@ def ports_in_use(host: str, ports: Iterable[int]) -> list[int]:
     return busy
 
 
-def compose_ports(listen: str = "0.0.0.0", upstream: str = COMPOSE_UPSTREAM) -> FrontDoorPorts:
+def compose_ports(listen: str = "0.0.0.0", upstream: str | Sequence[str] = COMPOSE_UPSTREAM) -> FrontDoorPorts:
     """The compose front door: 8000/8001/8002 in its container (compose publishes them on the
-    host), tritonserver's 8000/8001/8002 on ``upstream``."""
-    return FrontDoorPorts(listen, 8000, 8001, 8002, upstream, 8000, 8001, 8002)
+    host), tritonserver's 8000/8001/8002 on ``upstream`` (one host, or several: each
+    ``HOST`` or ``HOST:HTTP:GRPC:METRICS``, every one a server of the upstream blocks)."""
+    hosts = [upstream] if isinstance(upstream, str) else list(upstream)
+    if len(hosts) == 1 and ":" not in hosts[0]:
+        return FrontDoorPorts(listen, 8000, 8001, 8002, hosts[0], 8000, 8001, 8002)
+    return FrontDoorPorts.cluster(listen, 8000, 8001, 8002, [Upstream.parse(h) for h in hosts])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True, help="folder to write (mounted read-only by compose)")
     r.add_argument("--repository", type=Path, default=ROOT / "model_repository",
                    help="model repository whose configs give the limits (default: model_repository)")
-    r.add_argument("--upstream", default=COMPOSE_UPSTREAM, help=f"tritonserver's host name (default {COMPOSE_UPSTREAM})")
+    r.add_argument("--upstream", action="append", default=None, metavar="HOST[:HTTP:GRPC:METRICS]",
+                   help=f"a tritonserver (repeat for replicas; ports default 8000:8001:8002; default {COMPOSE_UPSTREAM})")
     r.add_argument("--listen", default="0.0.0.0", help="address nginx listens on in its container (default 0.0.0.0)")
     r.add_argument("--mount", default=COMPOSE_MOUNT, help=f"where nginx sees --out (default {COMPOSE_MOUNT})")
     r.add_argument("--js-module", default=IMAGE_JS_MODULE, help=f"njs module path (default the image's, {IMAGE_JS_MODULE})")
@@ -375,11 +452,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="larger request bodies get 413 (default 64)")
     args = parser.parse_args(argv)
 
-    conf = write_bundle(args.out, args.repository, compose_ports(args.listen, args.upstream), conf_dir=args.mount,
-                        workdir=args.workdir, js_module_path=args.js_module, max_body_bytes=args.max_body_mb << 20,
+    try:
+        ports = compose_ports(args.listen, args.upstream or [COMPOSE_UPSTREAM])
+    except (ValueError, FrontDoorError) as exc:
+        parser.error(str(exc))
+    conf = write_bundle(args.out, args.repository, ports, conf_dir=args.mount, workdir=args.workdir,
+                        js_module_path=args.js_module, max_body_bytes=args.max_body_mb << 20,
                         workers=args.workers, error_log=args.error_log)
     models = sorted(model_limits(args.repository))
-    print(f"front door: wrote {conf} and {args.out / 'js'} (limits of {len(models)} models: {', '.join(models)})")
+    servers = ", ".join(f"{u.host}:{u.http}" for u in ports.upstreams())
+    print(f"front door: wrote {conf} and {args.out / 'js'} (limits of {len(models)} models: {', '.join(models)}; "
+          f"upstream {servers})")
     return 0
 
 

@@ -106,3 +106,52 @@ def test_check_shape(shape, dims, mbs, size, ok):
     else:
         with pytest.raises(InputError, match="^T: "):
             check_shape("T", shape, dims, mbs, size=size)
+
+
+def _cluster_ports(down=(False, False)):
+    from server.frontdoor import Upstream
+
+    return FrontDoorPorts.cluster("127.0.0.1", 8000, 8001, 8002, [
+        Upstream("127.0.0.1", 18000 + 10 * i, 18001 + 10 * i, 18002 + 10 * i, down=d) for i, d in enumerate(down)])
+
+
+def test_one_upstream_server_renders_as_before_and_a_cluster_lists_every_replica(tmp_path):
+    single = render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so")
+    assert "server 127.0.0.1:18000;" in single and "max_fails=" not in single
+    conf = render(_cluster_ports(down=(False, True)), tmp_path, tmp_path / "js", 4096, js_module_path="m.so")
+    assert "server 127.0.0.1:18000 max_fails=2 fail_timeout=5s;" in conf
+    assert "server 127.0.0.1:18010 max_fails=2 fail_timeout=5s down;" in conf  # not ready: no traffic
+    assert "server 127.0.0.1:18011 max_fails=2 fail_timeout=5s down;" in conf
+    assert "server 127.0.0.1:18012 max_fails=2 fail_timeout=5s backup down;" in conf  # metrics: one replica's
+    # inference is retried on the next replica, POSTs included; other locations only as nginx deems idempotent
+    assert conf.count("proxy_next_upstream error timeout http_502 http_503 non_idempotent;") == 2
+    assert "proxy_next_upstream error timeout http_502 http_503;" in conf
+    assert "grpc_next_upstream error timeout http_502 http_503 non_idempotent;" in conf
+    assert "proxy_connect_timeout 1s;" in conf and "proxy_next_upstream_tries 3;" in conf
+    assert "idempotent" in (ROOT / "deploy/frontdoor/nginx.conf.template").read_text().split("proxy_connect_timeout")[0]
+
+
+def test_class_limits_scale_with_the_replicas(tmp_path):
+    limits = {"text_embedding_cached": ("default", 64)}
+    one = render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so", limits=limits)
+    two = render(_cluster_ports(), tmp_path, tmp_path / "js", 4096, js_module_path="m.so", limits=limits)
+    assert "limit_conn inflight_0 64;" in one and "limit_conn inflight_0 128;" in two
+
+
+def test_render_command_takes_several_upstreams(tmp_path, capsys):
+    from server import frontdoor
+
+    out = tmp_path / "out"
+    assert frontdoor.main(["render", "--out", str(out), "--upstream", "triton-0", "--upstream", "triton-1:9000:9001:9002"]) == 0
+    conf = (out / "nginx.conf").read_text()
+    assert "server triton-0:8000 max_fails=2 fail_timeout=5s;" in conf and "server triton-1:9001 max_fails=2" in conf
+    assert "upstream triton-0:8000, triton-1:9000" in capsys.readouterr().out
+    assert "server triton-upstream:8000;" in (frontdoor.main(["render", "--out", str(tmp_path / "d")]) == 0
+                                              and (tmp_path / "d" / "nginx.conf").read_text())
+    with pytest.raises(SystemExit):
+        frontdoor.main(["render", "--out", str(out), "--upstream", "host:1:2"])
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/setup.sh installs it)")
+def test_cluster_configuration_passes_nginx_t_even_with_every_replica_down(tmp_path):
+    FrontDoor(_cluster_ports(down=(True, True)), tmp_path, ROOT / "model_repository", max_body_bytes=1 << 20).check()
