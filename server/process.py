@@ -226,6 +226,9 @@ class TritonServer:
             f"--metrics-address={bind}",
             f"--metrics-port={metrics_port}",
             "--allow-metrics=true",
+            # Queue and request time quantiles (nv_inference_*_summary_us{quantile}) for the P99
+            # alerts of deploy/prometheus/rules (docs/monitoring.md): the counters only give means.
+            "--metrics-config=summary_latencies=true",
             "--exit-on-error=true",
             "--strict-readiness=true",
             f"--exit-timeout-secs={max(1, int(o.drain_timeout))}",

@@ -6,7 +6,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.config import ModelConfig
-from python_backends.shim import decode_text_requests, error_response, install_logging, load_error
+from python_backends.padding_metrics import PaddingMetrics, batches_counts
+from python_backends.shim import decode_text_requests, error_response, install_logging, keep_metrics, load_error
 from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer
 
 
@@ -27,11 +28,13 @@ class TritonPythonModel:
             )
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
+        self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"], batch_histogram=True)
 
     def execute(self, requests):
         # owners[k] = (request index, start, stop) into texts; bad requests already answered
         responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
                                                         self.max_text_bytes, config=self.config)
+        encoded = []
         if owners:
             # One tokenizer call; if it raises, one per request (only the offender fails).
             encoded = self.tokenizer.encode_requests(texts, [(start, stop) for _, start, stop in owners])
@@ -45,4 +48,8 @@ class TritonPythonModel:
                         pb_utils.Tensor("attention_mask", np.ascontiguousarray(batch.attention_mask)),
                     ]
                 )
+        self.metrics.record(*batches_counts(encoded), requests=len(requests))
         return responses
+
+    def finalize(self):
+        keep_metrics(*self.metrics.objects())  # never deleted: see keep_metrics

@@ -12,7 +12,8 @@ from pathlib import Path
 from python_backends.config import ModelConfig
 from python_backends.onnx_engine.batching import budget_from_config, run_batched
 from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
-from python_backends.shim import apply_process_nice, check_shape, error_response, install_logging, load_error
+from python_backends.padding_metrics import PaddingMetrics, RunTally
+from python_backends.shim import apply_process_nice, check_shape, error_response, install_logging, keep_metrics, load_error
 
 
 class TritonPythonModel:
@@ -37,6 +38,13 @@ class TritonPythonModel:
             raise load_error(pb_utils, self.config.name, exc)
         self.input_names = [spec.name for spec in self.config.inputs]
         self.output_names = [spec.name for spec in self.config.outputs]
+        # Token models (an attention-mask input) report the real and padded tokens of the runs
+        # ONNX Runtime really made (python_backends/padding_metrics.py); the native backend cannot.
+        length_input = self.budget.length_input if self.budget else "attention_mask"
+        self.metrics = self.tally = None
+        if length_input in self.input_names:
+            self.tally = RunTally(length_input)
+            self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"])
         pb_utils.Logger.log_info(
             f"{self.config.name}: {plan.model_path.name} on {self.session.get_providers()[0]}, "
             f"intra_op_threads={plan.intra_op_threads or 'default'}"
@@ -65,14 +73,20 @@ class TritonPythonModel:
                 continue
             feeds.append(inputs)
             owners.append(i)
-        for i, outcome in zip(owners, run_batched(feeds, self.input_names, self._run, self.budget)):
+        run = self.tally.wrap(self._run) if self.tally else self._run
+        for i, outcome in zip(owners, run_batched(feeds, self.input_names, run, self.budget)):
             if outcome.error is not None:
                 responses[i] = error_response(pb_utils, self.config.name, outcome.error, requests[i].request_id())
             else:
                 responses[i] = pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, value) for name, value in outcome.outputs.items()]
                 )
+        if self.tally:
+            real, padded, _ = self.tally.take()
+            self.metrics.record(real, padded)
         return responses
 
     def finalize(self):
         self.session = None
+        if self.metrics:
+            keep_metrics(*self.metrics.objects())  # never deleted: see keep_metrics
