@@ -1,0 +1,788 @@
+"""`python -m server.cluster` (``make serve-cluster REPLICAS=2``): several tritonserver replicas on one machine.
+
+Topology (docs/cluster.md)::
+
+    clients -> nginx front door (HTTP 8000, gRPC 8001, metrics 8002)
+                 -> replica 0 .. N-1: tritonserver on loopback, each its own ports and work folder
+    OpenAI gateway (8080) -> the front door's gRPC port
+    redis-server: text_embedding_cached's shared L2, one for every replica
+    Prometheus: scrapes every replica's metrics port (job "triton") and the gateway (job "gateway")
+
+A supervisor thread starts the replicas, restarts a dead one with a bounded backoff, and keeps
+the front door's upstream list in step: a replica that is not ready (starting, dead, failing
+its health check) is marked ``down`` and nginx reloaded (SIGHUP), so traffic reaches it again
+only once its ``/v2/health/ready`` and every model's ready endpoint answer 200. Between its
+death and the reload, nginx's passive health checks and retries to the next upstream
+(deploy/frontdoor/nginx.conf.template) carry the requests it was sent.
+
+Every child is tied to this process (PR_SET_PDEATHSIG): Ctrl-C stops all of it in order, and a
+killed launcher takes its children with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.frontdoor import (
+    DEFAULT_MAX_BODY_BYTES,
+    FrontDoor,
+    FrontDoorError,
+    FrontDoorPorts,
+    Upstream,
+    ports_in_use,
+)
+from server.layout import ROOT
+from server.lifetime import tie_to_parent
+from server.process import (
+    ServerError,
+    ServerOptions,
+    TritonServer,
+    free_port,
+    http_status,
+)
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_TEMPLATE = ROOT / "deploy" / "prometheus" / "prometheus.yml.template"
+RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
+DEFAULT_PROMETHEUS_PORT = 9090
+# Replica states, as the supervisor sees them.
+STARTING, READY, DOWN, STOPPED = "starting", "ready", "down", "stopped"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Restart delays: ``first_s``, doubling up to ``max_s``; back to ``first_s`` once a replica
+    stayed ready ``reset_after_s``."""
+
+    first_s: float = 1.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        """The wait before restart number ``failures`` (1 = the first restart in a row)."""
+        return min(self.max_s, self.first_s * 2 ** max(0, failures - 1))
+
+
+@dataclass
+class ClusterOptions:
+    replicas: int = 2
+    model_repository: Path = ROOT / "model_repository"
+    workdir: Path = ROOT / ".triton" / "cluster"
+    models: Sequence[str] = ()  # empty: the launcher's default models
+    host: str = "127.0.0.1"  # the front door's (and so the cluster's) public address
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    model_config_name: str | None = None
+    cache_size_bytes: int = 0
+    # "": start a redis-server for the cluster; None: no shared L2; else that Redis.
+    redis_url: str | None = ""
+    gateway_port: int | None = 8080  # None: no gateway
+    gateway_host: str = "127.0.0.1"
+    gateway_api_key_file: Path = ROOT / ".triton" / "gateway-api-key"
+    gateway_env: Mapping[str, str] = field(default_factory=dict)
+    prometheus_port: int | None = 0  # 0: 9090 when free, else a free port; None: no Prometheus
+    scrape_interval_s: float = 5.0
+    repository_token: str | None = None
+    rollout_state: Path | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout: float = 30.0
+    ready_timeout: float = 300.0
+    backoff: Backoff = field(default_factory=Backoff)
+    # Health checks of a ready replica: its /v2/health/ready every health_interval_s; this
+    # many failures in a row mark it down in nginx (it is restarted only when it exits).
+    health_interval_s: float = 1.0
+    health_failures: int = 3
+    env: Mapping[str, str] = field(default_factory=dict)
+    echo: bool = False  # echo the replicas' logs on stdout
+
+
+@dataclass
+class Replica:
+    index: int
+    options: ServerOptions
+    server: TritonServer | None = None
+    state: str = DOWN
+    restarts: int = 0  # restarts done
+    failures_in_row: int = 0
+    next_start: float = 0.0
+    ready_since: float = 0.0
+    health_misses: int = 0
+    last_health: float = 0.0
+    waiter: threading.Thread | None = None
+    exit_codes: list[int | None] = field(default_factory=list)
+
+    @property
+    def http(self) -> int:
+        return self.options.http_port
+
+    @property
+    def grpc(self) -> int:
+        return self.options.grpc_port
+
+    @property
+    def metrics(self) -> int:
+        return self.options.metrics_port
+
+    @property
+    def workdir(self) -> Path:
+        return self.options.workdir
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.server is None or self.server.process is None else self.server.process.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.options.workdir / f"tritonserver-{self.options.http_port}.log"
+
+    def alive(self) -> bool:
+        return self.server is not None and self.server.process is not None and self.server.process.poll() is None
+
+    def upstream(self) -> Upstream:
+        return Upstream("127.0.0.1", self.http, self.grpc, self.metrics, down=self.state != READY)
+
+
+def rule_files(rules_dir: Path, on_skip: Callable[[str], None] = log.warning) -> list[Path]:
+    """The rules files in ``rules_dir`` that ``promtool check rules`` accepts (one broken file
+    would stop Prometheus from starting at all: it is left out, and said so)."""
+    files = sorted(Path(rules_dir).glob("*.yml")) + sorted(Path(rules_dir).glob("*.yaml"))
+    promtool = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").is_file() else None)
+    if promtool is None:
+        return files
+    good = []
+    for path in files:
+        done = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True,
+                              text=True)
+        if done.returncode == 0:
+            good.append(path)
+        else:
+            on_skip(f"prometheus: {path.name} left out, promtool check rules failed: "
+                    f"{(done.stdout + done.stderr).strip().splitlines()[-1:]}")
+    return good
+
+
+def render_prometheus(template: Path, replicas: Sequence[Replica], gateway: str | None, rules: Sequence[Path],
+                      scrape_interval_s: float) -> str:
+    """prometheus.yml from ``template``: job "triton" with one target per replica (label
+    ``replica``), job "gateway" (when there is one), the rules files ``rules``."""
+    def target(address: str, labels: Mapping[str, str]) -> str:
+        lab = ", ".join(f'{k}: "{v}"' for k, v in labels.items())
+        return f'      - targets: ["{address}"]\n        labels: {{{lab}}}'
+
+    triton = "\n".join(target(f"127.0.0.1:{r.metrics}", {"replica": str(r.index)}) for r in replicas)
+    gateway_job = ("  - job_name: gateway\n    metrics_path: /metrics\n    static_configs:\n"
+                   + target(gateway, {"service": "openai-gateway"})) if gateway else ""
+    values = {
+        "SCRAPE_INTERVAL": f"{scrape_interval_s:g}s",
+        "RULE_FILES": "\n".join(f'  - "{path}"' for path in rules) or "  []",
+        "TRITON_TARGETS": triton,
+        "GATEWAY_JOB": gateway_job,
+    }
+    text = template.read_text(encoding="utf-8")
+    for key, value in values.items():
+        text = text.replace("${" + key + "}", value)
+    if "${" in text:
+        raise ClusterError(f"{template.name}: a placeholder was left unfilled")
+    return text
+
+
+class Prometheus:
+    """/usr/bin/prometheus (Debian package prometheus) with its storage in the work folder."""
+
+    def __init__(self, workdir: Path, port: int, host: str = "127.0.0.1"):
+        self.workdir = Path(workdir)
+        self.port = port
+        self.host = host
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @staticmethod
+    def binary() -> str:
+        found = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").is_file() else None)
+        if not found:
+            raise ClusterError("prometheus is not installed (Debian package prometheus; scripts/setup.sh)")
+        return found
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "prometheus.yml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "prometheus.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, config: str) -> Prometheus:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(config, encoding="utf-8")
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [self.binary(), f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address={self.host}:{self.port}", "--storage.tsdb.retention.time=1d",
+             "--web.enable-lifecycle"],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=tie_to_parent("SIGTERM"))
+        return self
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise ClusterError(f"prometheus exited with code {self.process.returncode}:\n{self.log_tail()}")
+            if http_status(self.url + "/-/ready") == 200:
+                return
+            time.sleep(0.2)
+        raise ClusterError(f"prometheus not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def _free_ports(count: int, taken: set[int]) -> list[int]:
+    out = []
+    while len(out) < count:
+        port = free_port("127.0.0.1")
+        if port not in taken:
+            taken.add(port)
+            out.append(port)
+    return out
+
+
+class Cluster:
+    """N replicas, the front door over them, and their shared services.
+
+    Call ``start()`` from a thread that lives as long as the cluster (the main thread): the
+    front door, Redis, Prometheus and the gateway die with the thread that started them. The
+    replicas are started, and restarted, by the supervisor thread, which lives until ``stop()``.
+    """
+
+    def __init__(self, options: ClusterOptions, on_event: Callable[[str], None] | None = None):
+        if options.replicas < 1:
+            raise ClusterError(f"replicas must be >= 1, not {options.replicas}")
+        self.options = options
+        self.on_event = on_event or (lambda message: log.info("%s", message))
+        self.workdir = Path(options.workdir)
+        self.replicas: list[Replica] = []
+        self.front_door: FrontDoor | None = None
+        self.redis = None
+        self.redis_url: str | None = None
+        self.gateway = None
+        self.prometheus: Prometheus | None = None
+        self.rules: list[Path] = []
+        self.reloads = 0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._rendered: tuple[bool, ...] | None = None
+
+    # --- layout -------------------------------------------------------------------------
+    def _replica_options(self, index: int, ports: Sequence[int]) -> ServerOptions:
+        o = self.options
+        env = dict(o.env)
+        if self.redis_url:
+            env["EMBEDDING_CACHE_L2_REDIS_URL"] = self.redis_url
+        return ServerOptions(
+            model_repository=o.model_repository, workdir=self.workdir / f"replica-{index}", models=tuple(o.models),
+            host="127.0.0.1", http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
+            cache_size_bytes=o.cache_size_bytes, model_config_name=o.model_config_name, env=env,
+            repository_token=o.repository_token, rollout_state=o.rollout_state,
+            # The cluster's front door is in front of every replica; each replica on loopback.
+            front_door=False, drain_timeout=o.drain_timeout,
+        )
+
+    @property
+    def http_url(self) -> str:
+        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
+        return f"{host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
+        return f"{host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.http_url.rsplit(':', 1)[0]}:{self.options.metrics_port}/metrics"
+
+    @property
+    def state_path(self) -> Path:
+        return self.workdir / "cluster.json"
+
+    def describe(self) -> dict:
+        """Where everything is (also written to ``cluster.json`` in the work folder)."""
+        with self._lock:
+            return {
+                "front_door": {"http": self.http_url, "grpc": self.grpc_url, "metrics": self.metrics_url,
+                               "config": str(self.front_door.conf_path) if self.front_door else None,
+                               "log": str(self.front_door.log_path) if self.front_door else None,
+                               "reloads": self.reloads},
+                "gateway": None if self.gateway is None else {"url": self.gateway.url, "log": str(self.gateway.log_path)},
+                "prometheus": None if self.prometheus is None else {"url": self.prometheus.url,
+                                                                    "config": str(self.prometheus.config_path)},
+                "redis": self.redis_url,
+                "replicas": [{"index": r.index, "state": r.state, "pid": r.pid, "http": r.http, "grpc": r.grpc,
+                              "metrics": r.metrics, "restarts": r.restarts, "log": str(r.log_path),
+                              "exit_codes": list(r.exit_codes)} for r in self.replicas],
+            }
+
+    def _write_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.describe(), indent=1), encoding="utf-8")
+        tmp.replace(self.state_path)
+
+    # --- start --------------------------------------------------------------------------
+    def start(self) -> Cluster:
+        o = self.options
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        busy = ports_in_use(o.host, [o.http_port, o.grpc_port, o.metrics_port]
+                            + ([o.gateway_port] if o.gateway_port else []))
+        if busy:
+            raise ClusterError(f"ports already in use on {o.host}: {', '.join(map(str, busy))} (another server running?)")
+        if o.redis_url == "":
+            from server.redis_process import RedisProcess
+
+            self.redis = RedisProcess().start()
+            self.redis_url = self.redis.url
+        else:
+            self.redis_url = o.redis_url
+        taken = {o.http_port, o.grpc_port, o.metrics_port, *( [o.gateway_port] if o.gateway_port else [])}
+        for index in range(o.replicas):
+            self.replicas.append(Replica(index, self._replica_options(index, _free_ports(3, taken))))
+        # nginx first, every replica marked down: the public ports answer 502 until one is ready.
+        self.front_door = FrontDoor(self._door_ports(), self.workdir, o.model_repository,
+                                    max_body_bytes=o.max_body_bytes)
+        self.front_door.check()
+        self._rendered = tuple(r.state == READY for r in self.replicas)
+        self.front_door.start()
+        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
+        self._supervisor.start()
+        if o.prometheus_port is not None:
+            port = o.prometheus_port or (DEFAULT_PROMETHEUS_PORT if not ports_in_use("127.0.0.1", [DEFAULT_PROMETHEUS_PORT])
+                                         else _free_ports(1, taken)[0])
+            self.prometheus = Prometheus(self.workdir / "prometheus", port)
+            gateway = f"127.0.0.1:{o.gateway_port}" if o.gateway_port else None
+            self.rules = rule_files(RULES_DIR, self._event)
+            self.prometheus.start(render_prometheus(PROMETHEUS_TEMPLATE, self.replicas, gateway, self.rules,
+                                                    o.scrape_interval_s))
+        if o.gateway_port:
+            from server.gateway import GatewayOptions, GatewayProcess
+
+            # The gateway goes through the front door, so it fails over like any client.
+            self.gateway = GatewayProcess(GatewayOptions(
+                triton_grpc_url=self.grpc_url, host=o.gateway_host, port=o.gateway_port,
+                model_repository=o.model_repository, api_key_file=o.gateway_api_key_file, workdir=self.workdir,
+                drain_timeout=o.drain_timeout, env=dict(o.gateway_env))).start()
+        self._write_state()
+        return self
+
+    def _door_ports(self) -> FrontDoorPorts:
+        o = self.options
+        return FrontDoorPorts.cluster(o.host, o.http_port, o.grpc_port, o.metrics_port,
+                                      [r.upstream() for r in self.replicas])
+
+    def wait_ready(self, timeout: float | None = None, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Until every replica is ready and in the front door, then the gateway and Prometheus."""
+        deadline = time.monotonic() + (self.options.ready_timeout if timeout is None else timeout)
+        while True:
+            with self._lock:
+                states = [r.state for r in self.replicas]
+                in_door = self._rendered is not None and all(self._rendered)
+            if all(s == READY for s in states) and in_door:
+                break
+            if should_stop() or self._stop.is_set():
+                raise ClusterError("stopped before the cluster was ready")
+            if self.front_door is not None and not self.front_door.running():
+                raise ClusterError(f"the front door (nginx) exited:\n{self.front_door.log_tail()}")
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- replica {r.index} ({r.state}), {r.log_path} ---\n"
+                                  f"{r.server.log_tail(30) if r.server else ''}" for r in self.replicas)
+                raise ClusterError(f"replicas not ready after the timeout: {states}\n{tails}")
+            time.sleep(0.2)
+        if self.gateway is not None:
+            from server.gateway import GatewayError
+
+            try:
+                self.gateway.wait_ready(timeout=max(10.0, deadline - time.monotonic()), should_stop=should_stop)
+            except GatewayError as exc:
+                raise ClusterError(str(exc)) from exc
+        if self.prometheus is not None:
+            self.prometheus.wait_ready(timeout=30)
+
+    # --- the supervisor -----------------------------------------------------------------
+    def _event(self, message: str) -> None:
+        try:
+            self.on_event(message)
+        except Exception:  # a printer must not stop the supervisor
+            log.exception("cluster event printer failed")
+
+    def _start_replica(self, replica: Replica) -> None:
+        """From the supervisor thread (the replica is tied to it)."""
+        o = self.options
+        replica.server = TritonServer(replica.options, echo=sys.stdout if o.echo else None)
+        replica.state = STARTING
+        replica.health_misses = 0
+        try:
+            replica.server.start()
+        except Exception as exc:  # noqa: BLE001 - a failed start is retried like a crash
+            self._failed(replica, f"did not start: {exc}")
+            return
+        server = replica.server
+
+        def wait() -> None:
+            try:
+                server.wait_ready(timeout=o.ready_timeout, should_stop=lambda: self._stop.is_set() or server is not replica.server)
+            except ServerError as exc:
+                with self._lock:
+                    if replica.server is server and not self._stop.is_set():
+                        self._event(f"replica {replica.index}: not ready ({exc}); log {replica.log_path}")
+                        replica.state = "failed-start"
+                return
+            with self._lock:
+                if replica.server is server and replica.state == STARTING:
+                    replica.state = READY
+                    replica.ready_since = time.monotonic()
+                    replica.last_health = time.monotonic()
+
+        replica.waiter = threading.Thread(target=wait, name=f"replica-{replica.index}-ready", daemon=True)
+        replica.waiter.start()
+
+    def _failed(self, replica: Replica, why: str) -> None:
+        """Mark ``replica`` down and schedule its restart with backoff."""
+        o = self.options
+        if replica.ready_since and time.monotonic() - replica.ready_since >= o.backoff.reset_after_s:
+            replica.failures_in_row = 0
+        replica.failures_in_row += 1
+        delay = o.backoff.delay(replica.failures_in_row)
+        replica.state = DOWN
+        replica.ready_since = 0.0
+        replica.next_start = time.monotonic() + delay
+        self._event(f"replica {replica.index}: {why}; restart {replica.restarts + 1} in {delay:.0f} s")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        o = self.options
+        with self._lock:
+            for r in self.replicas:
+                if r.state in (READY, STARTING) and r.server is not None and not r.alive():
+                    code = r.server.process.returncode if r.server.process else None
+                    r.exit_codes.append(code)
+                    try:  # its python backend stubs and anything else in its process group
+                        os.killpg(r.server.process.pid, signal.SIGKILL)
+                    except (ProcessLookupError, AttributeError):
+                        pass
+                    self._failed(r, f"tritonserver exited (code {code})")
+                elif r.state == "failed-start":
+                    if r.server is not None:
+                        r.server.stop(timeout=2)
+                        r.exit_codes.append(r.server.process.returncode if r.server.process else None)
+                    self._failed(r, "failed to become ready")
+                elif r.state == READY and now - r.last_health >= o.health_interval_s:
+                    r.last_health = now
+                    ok = http_status(f"http://127.0.0.1:{r.http}/v2/health/ready", timeout=2) == 200
+                    r.health_misses = 0 if ok else r.health_misses + 1
+                    if r.health_misses >= o.health_failures:
+                        self._event(f"replica {r.index}: /v2/health/ready failed {r.health_misses} times; "
+                                    "out of the front door until it answers again")
+                        r.state = STARTING  # back in once ready again
+                        self._watch_ready(r)
+            for r in self.replicas:
+                if r.state == DOWN and now >= r.next_start and not self._stop.is_set():
+                    first = r.server is None
+                    if not first:
+                        r.restarts += 1
+                    self._start_replica(r)
+                    if not first:
+                        self._event(f"replica {r.index}: restarted (pid {r.pid}); back in the front door once ready")
+                    self._write_state()
+            self._sync_front_door()
+
+    def _watch_ready(self, replica: Replica) -> None:
+        server = replica.server
+
+        def wait() -> None:
+            while not self._stop.is_set() and replica.server is server and replica.state == STARTING:
+                if http_status(f"http://127.0.0.1:{replica.http}/v2/health/ready", timeout=2) == 200:
+                    with self._lock:
+                        if replica.server is server and replica.state == STARTING:
+                            replica.state = READY
+                            replica.health_misses = 0
+                            replica.last_health = time.monotonic()
+                    return
+                time.sleep(0.5)
+
+        replica.waiter = threading.Thread(target=wait, name=f"replica-{replica.index}-health", daemon=True)
+        replica.waiter.start()
+
+    def _sync_front_door(self) -> None:
+        """Re-render the upstream list and reload nginx when a replica went in or out."""
+        wanted = tuple(r.state == READY for r in self.replicas)
+        if wanted == self._rendered or self.front_door is None:
+            return
+        self.front_door.ports = self._door_ports()
+        try:
+            self.front_door.reload()
+        except FrontDoorError as exc:
+            self._event(f"front door: reload failed ({exc}); keeping the previous upstream list")
+            return
+        before = self._rendered or ()
+        self._rendered = wanted
+        self.reloads += 1
+        for r, was, now in zip(self.replicas, before, wanted):
+            if was != now:
+                self._event(f"replica {r.index}: {'in' if now else 'out of'} the front door "
+                            f"(127.0.0.1:{r.http}, pid {r.pid})")
+        self._write_state()
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:  # the supervisor must outlive any one mistake
+                log.exception("cluster supervisor tick failed")
+            self._stop.wait(0.2)
+        # The replicas are tied to this thread: stop them here, side by side, before it ends.
+        stoppers = [threading.Thread(target=self._stop_replica, args=(r,), daemon=True) for r in self.replicas]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+
+    def _stop_replica(self, replica: Replica) -> None:
+        if replica.server is not None:
+            try:
+                replica.server.stop()
+            except Exception:
+                log.exception("replica %d did not stop cleanly", replica.index)
+        replica.state = STOPPED
+
+    # --- stop ---------------------------------------------------------------------------
+    def stop(self) -> None:
+        """The gateway and the front door first (in-flight requests drain), then the replicas,
+        Prometheus and Redis."""
+        self._stop.set()
+        if self.gateway is not None:
+            self.gateway.stop()
+        if self.front_door is not None:
+            self.front_door.stop(timeout=self.options.drain_timeout)
+        if self._supervisor is not None:
+            self._supervisor.join()
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        if self.redis is not None:
+            self.redis.stop()
+        try:
+            self._write_state()
+        except OSError:
+            pass
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --- the command line ---------------------------------------------------------------------
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m server.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=_env_int("REPLICAS", 2), help="tritonserver replicas (default 2)")
+    p.add_argument("--host", default=os.environ.get("TRITON_HOST", "127.0.0.1"), help="the front door's address")
+    p.add_argument("--http-port", type=int, default=_env_int("TRITON_HTTP_PORT", 8000))
+    p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
+    p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
+    p.add_argument("--model", action="append", dest="models",
+                   help="model to load on every replica (repeatable; default: the launcher's default models)")
+    p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    p.add_argument("--workdir", type=Path, default=ROOT / ".triton" / "cluster",
+                   help="replicas' folders, logs, nginx and Prometheus (default .triton/cluster)")
+    p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"), help="as `python -m server`")
+    p.add_argument("--cache-size-mb", type=int, default=_env_int("TRITON_CACHE_SIZE_MB", 128),
+                   help="each replica's Triton response cache in MiB (default 128)")
+    p.add_argument("--redis-url", default=None,
+                   help="an existing Redis for the shared L2 (default: start a redis-server for the cluster)")
+    p.add_argument("--no-redis", action="store_true", help="no shared L2 cache")
+    p.add_argument("--gateway-port", type=int, default=_env_int("GATEWAY_PORT", 8080))
+    p.add_argument("--gateway-api-key-file", type=Path,
+                   default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"))
+    p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
+    p.add_argument("--prometheus-port", type=int, default=_env_int("PROMETHEUS_PORT", 0),
+                   help="Prometheus's port (default 9090 when free, else a free port)")
+    p.add_argument("--no-prometheus", action="store_true")
+    p.add_argument("--scrape-interval", type=float, default=5.0, help="Prometheus scrape interval in s (default 5)")
+    p.add_argument("--repository-token-file", type=Path,
+                   default=Path(os.environ.get("TRITON_REPOSITORY_TOKEN_FILE") or ROOT / ".triton" / "repository-token"))
+    p.add_argument("--rollout-state", type=Path,
+                   default=Path(os.environ.get("ROLLOUT_STATE_FILE") or ROOT / ".rollout" / "state.json"))
+    p.add_argument("--max-body-mb", type=int, default=_env_int("TRITON_MAX_BODY_MB", 64))
+    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", "30")))
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--max-backoff", type=float, default=30.0, help="longest wait before a restart, s (default 30)")
+    p.add_argument("--no-export", action="store_true", help="do not export missing models")
+    p.add_argument("--echo", action="store_true", help="echo every replica's log on stdout")
+    return p.parse_args(argv)
+
+
+def first_screen(cluster: Cluster, served: Mapping[str, str], precision: str) -> str:
+    d = cluster.describe()
+    door = d["front_door"]
+    lines = [
+        "",
+        f"serve-cluster: ready, {len(cluster.replicas)} replicas behind one front door (docs/cluster.md)",
+        f"  HTTP        http://{door['http']}  (e.g. curl http://{door['http']}/v2/models/text_embedding)",
+        f"  gRPC        {door['grpc']}",
+        f"  metrics     {door['metrics']}  (one replica's; Prometheus scrapes each)",
+    ]
+    if cluster.gateway is not None:
+        lines.append(f"  OpenAI      {cluster.gateway.url}/v1  (through the front door; key in {cluster.gateway.key_source})")
+    else:
+        lines.append("  OpenAI      off")
+    if cluster.prometheus is not None:
+        rules = ", ".join(path.name for path in cluster.rules) or f"none in {RULES_DIR.relative_to(ROOT)}"
+        jobs = "triton, gateway" if cluster.gateway is not None else "triton"
+        lines.append(f"  Prometheus  {cluster.prometheus.url}  (jobs {jobs}; rules {rules}; "
+                     f"log {cluster.prometheus.log_path})")
+    lines.append(f"  Redis       {cluster.redis_url or 'off'}  (text_embedding_cached's shared L2)")
+    for r in d["replicas"]:
+        lines.append(f"  replica {r['index']}   HTTP 127.0.0.1:{r['http']}  gRPC {r['grpc']}  metrics {r['metrics']}  "
+                     f"pid {r['pid']}  log {r['log']}")
+    lines += [
+        f"  models      {', '.join(cluster.replicas[0].options.models)}",
+        f"  variants    {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={precision})",
+        f"  front door  {door['config']}  log {door['log']}",
+        f"  state       {cluster.state_path}  (replicas, pids, restarts)",
+        "  Ctrl-C to stop.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    if not args.no_export:
+        from export import __main__ as export_main
+
+        if export_main.main(["--repository", str(args.model_repository), "--no-speed"]) != 0:
+            print("serve-cluster: export failed; not starting", file=sys.stderr)
+            return 1
+    from export import variants
+    from ops.repository import ensure_token
+    from server.__main__ import _openai_models, _served_models
+    from server.process import default_models
+
+    models = tuple(args.models or default_models(args.model_repository))
+    try:
+        local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
+        config_name, served = variants.resolve_precision(args.model_repository,
+                                                         _served_models(args.model_repository, models),
+                                                         args.precision, loadable=local)
+    except ValueError as exc:
+        print(f"serve-cluster: {exc}", file=sys.stderr)
+        return 2
+    gateway = not args.no_gateway and bool(_openai_models(args.model_repository, models))
+    if gateway and not os.environ.get("GATEWAY_API_KEYS", "").strip():
+        from openai_gateway.auth import ensure_key_file
+
+        ensure_key_file(args.gateway_api_key_file)
+    options = ClusterOptions(
+        replicas=args.replicas, model_repository=args.model_repository, workdir=args.workdir, models=models,
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        model_config_name=config_name, cache_size_bytes=args.cache_size_mb << 20,
+        redis_url=None if args.no_redis else (args.redis_url or ""),
+        gateway_port=args.gateway_port if gateway else None, gateway_api_key_file=args.gateway_api_key_file,
+        prometheus_port=None if args.no_prometheus else args.prometheus_port, scrape_interval_s=args.scrape_interval,
+        repository_token=ensure_token(args.repository_token_file), rollout_state=args.rollout_state,
+        max_body_bytes=args.max_body_mb << 20, drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
+        backoff=Backoff(max_s=args.max_backoff), echo=args.echo,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        print(f"\nserve-cluster: {signal.Signals(signum).name} received; stopping the gateway, the front door "
+              f"(draining at most {args.drain_timeout:.0f} s), the replicas, Prometheus and Redis", flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    cluster = Cluster(options, on_event=lambda m: print(f"serve-cluster: {m}", flush=True))
+    try:
+        cluster.start()
+        print(f"serve-cluster: starting {args.replicas} replicas ({', '.join(models)}); work folder {args.workdir}",
+              flush=True)
+        cluster.wait_ready(should_stop=stop.is_set)
+    except (ClusterError, FrontDoorError, ServerError, OSError) as exc:
+        cluster.stop()
+        if stop.is_set():
+            print("serve-cluster: stopped before the cluster was ready", flush=True)
+            return 0
+        print(f"serve-cluster: {exc}", file=sys.stderr)
+        return 1
+    print(first_screen(cluster, served, args.precision), flush=True)
+    code = 0
+    while not stop.is_set():
+        if not cluster.front_door.running():
+            print(f"serve-cluster: the front door (nginx) exited\n{cluster.front_door.log_tail()}", file=sys.stderr)
+            code = 1
+            break
+        if cluster.gateway is not None and not cluster.gateway.running():
+            print(f"serve-cluster: the gateway exited\n{cluster.gateway.log_tail()}", file=sys.stderr)
+            code = 1
+            break
+        stop.wait(0.5)
+    started = time.monotonic()
+    cluster.stop()
+    print(f"serve-cluster: stopped after {time.monotonic() - started:.1f} s", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

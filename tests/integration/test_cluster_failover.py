@@ -1,0 +1,103 @@
+"""serve-cluster under load (issue 14 items 1 and 2): one replica SIGKILLed, no request lost.
+
+`python -m server.cluster` with 2 replicas (the embedding models only), the gateway, Redis and
+Prometheus, started once for the module as a user starts it. The project's asyncio client
+(half HTTP, half gRPC) drives the front door at concurrency 16 for 30 s; at 10 s one replica's
+tritonserver and its stubs get SIGKILL. Zero requests may fail (after the client's retries),
+the last 5 s must carry at least half the requests/s of the first 10, and the supervisor must
+restart the replica and put it back in the front door, where requests reach it again (its own
+/v2/models/text_embedding/stats count grows). Then Ctrl-C stops every process it started.
+The same scenario, with its plot, is `make failover-bench` (perf/failover_bench.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from perf import failover_bench
+
+MODELS = ("text_embedding", "text_embedding_cached")
+KEY = "sk-test-cluster-key-0123456789"
+MISSING = [b for b in ("nginx", "redis-server", "prometheus") if shutil.which(b) is None
+           and not Path(f"/usr/bin/{b}").exists() and not Path(f"/usr/sbin/{b}").exists()]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.join(MISSING)} (scripts/setup.sh)")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    run = failover_bench.launch(tmp_path_factory.mktemp("cluster-"), replicas=2, models=MODELS,
+                                env={"GATEWAY_API_KEYS": KEY})
+    try:
+        yield run
+    finally:
+        run.stop(timeout=60)
+        print("\n".join(run.screen[-15:]))
+
+
+def _get(url: str, headers: dict | None = None, data: bytes | None = None) -> dict:
+    req = urllib.request.Request(url, data=data, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)
+
+
+def test_the_first_screen_says_where_everything_is_and_prometheus_scrapes_every_replica(cluster):
+    screen = "\n".join(cluster.screen)
+    state = cluster.state()
+    assert f"http://{cluster.http_url}" in screen and cluster.grpc_url in screen
+    assert f"127.0.0.1:{cluster.ports['gateway']}/v1" in screen and f"127.0.0.1:{cluster.ports['prometheus']}" in screen
+    for replica in state["replicas"]:
+        assert replica["state"] == "ready" and f"HTTP 127.0.0.1:{replica['http']}" in screen and replica["log"] in screen
+    assert state["redis"] and state["redis"] in screen
+    # Prometheus: one "triton" target per replica's own metrics port, and the gateway
+    prometheus = f"http://127.0.0.1:{cluster.ports['prometheus']}"
+    deadline = time.monotonic() + 20
+    while True:
+        targets = _get(f"{prometheus}/api/v1/targets")["data"]["activeTargets"]
+        up = sorted((t["labels"]["job"], t["scrapeUrl"]) for t in targets if t["health"] == "up")
+        if len(up) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert up == sorted([("gateway", f"http://127.0.0.1:{cluster.ports['gateway']}/metrics")]
+                        + [("triton", f"http://127.0.0.1:{r['metrics']}/metrics") for r in state["replicas"]]), targets
+    # the gateway goes through the front door to the replicas
+    body = json.dumps({"model": "text_embedding", "input": ["a cluster of two"]}).encode()
+    answer = _get(f"http://127.0.0.1:{cluster.ports['gateway']}/v1/embeddings", data=body,
+                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert len(answer["data"][0]["embedding"]) == 384
+
+
+def test_sigkill_of_a_replica_under_load_fails_no_request_and_it_serves_again(cluster):
+    result = failover_bench.scenario(cluster, concurrency=16, duration_s=30.0, kill_at_s=10.0, victim=0)
+    rows = result.pop("rows")
+    print(json.dumps(result, indent=1))
+    print("\n".join(f"{r['second']:>3} s {r['ok']:>4} req/s, failed {r['failed']}, P50 {r['p50_ms']} ms, "
+                    f"P99 {r['p99_ms']} ms" for r in rows))
+    assert result["requests"] > 0 and result["killed_at_s"] is not None
+    assert failover_bench.check(result) == []
+    assert result["failed"] == 0
+    assert result["victim_restarts"] == 1 and result["front_door_reloads"] >= 3  # in, out, in again
+
+
+def test_ctrl_c_stops_everything_it_started(cluster):
+    from tests.integration.test_launcher_lifetime import _alive, _children, _listening
+
+    descendants = [pid for pid in _children(cluster.proc.pid) if _alive(pid)]
+    names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in descendants if _alive(pid)}
+    assert {"tritonserver", "nginx", "redis-server", "prometheus"} <= names, names
+    state = cluster.state()
+    ports = [cluster.ports[k] for k in ("http", "grpc", "metrics", "gateway", "prometheus")]
+    ports += [r[k] for r in state["replicas"] for k in ("http", "grpc", "metrics")]
+    cluster.proc.send_signal(signal.SIGINT)
+    assert cluster.proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (any(_alive(p) for p in descendants) or any(_listening(p) for p in ports)):
+        time.sleep(0.2)
+    assert [p for p in descendants if _alive(p)] == [] and [p for p in ports if _listening(p)] == []
+    assert any("serve-cluster: stopped after" in line for line in cluster.screen)

@@ -1,0 +1,80 @@
+"""serve-cluster's pieces without a server: Prometheus's configuration, rules, restart backoff,
+the replicas' options and the upstream list the supervisor renders."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from server.cluster import (
+    DOWN,
+    PROMETHEUS_TEMPLATE,
+    READY,
+    Backoff,
+    Cluster,
+    ClusterOptions,
+    Replica,
+    render_prometheus,
+    rule_files,
+)
+from server.process import ServerOptions
+
+PROMTOOL = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
+
+
+def _replicas(n: int = 2) -> list[Replica]:
+    return [Replica(i, ServerOptions(http_port=18000 + 10 * i, grpc_port=18001 + 10 * i, metrics_port=18002 + 10 * i,
+                                     models=("text_embedding",))) for i in range(n)]
+
+
+def test_prometheus_scrapes_every_replica_and_the_gateway(tmp_path):
+    rules = tmp_path / "serving.rules.yml"
+    rules.write_text("groups: []\n")
+    text = render_prometheus(PROMETHEUS_TEMPLATE, _replicas(), "127.0.0.1:8080", [rules], 5)
+    assert "${" not in text and "scrape_interval: 5s" in text
+    assert text.count('targets: ["127.0.0.1:') == 3 and '"127.0.0.1:18012"' in text and 'replica: "1"' in text
+    assert "job_name: triton" in text and "job_name: gateway" in text and f'"{rules}"' in text
+    no_gateway = render_prometheus(PROMETHEUS_TEMPLATE, _replicas(1), None, [], 2)
+    assert "job_name: gateway" not in no_gateway and "rule_files:\n  []" in no_gateway
+    if PROMTOOL:
+        for name, body in (("with.yml", text), ("without.yml", no_gateway)):
+            (tmp_path / name).write_text(body)
+            done = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / name)], capture_output=True, text=True,
+                                  check=False)
+            assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
+def test_a_broken_rules_file_is_left_out_not_fatal(tmp_path):
+    (tmp_path / "good.yml").write_text("groups:\n  - name: g\n    rules:\n      - record: job:x:sum\n        expr: sum(up)\n")
+    (tmp_path / "broken.yml").write_text("groups:\n  - name: g\n    rules:\n      - record: x\n        expr: sum(\n")
+    skipped = []
+    assert [p.name for p in rule_files(tmp_path, skipped.append)] == ["good.yml"]
+    assert len(skipped) == 1 and "broken.yml" in skipped[0]
+
+
+def test_restarts_back_off_boundedly():
+    b = Backoff(first_s=1, max_s=30)
+    assert [b.delay(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_replicas_get_their_own_ports_and_folders_and_the_shared_l2(tmp_path):
+    cluster = Cluster(ClusterOptions(replicas=3, workdir=tmp_path, models=("text_embedding",), redis_url=None))
+    cluster.redis_url = "redis://127.0.0.1:1/0"
+    options = [cluster._replica_options(i, (20000 + 3 * i, 20001 + 3 * i, 20002 + 3 * i)) for i in range(3)]
+    assert len({o.workdir for o in options}) == 3 and len({o.http_port for o in options}) == 3
+    assert all(not o.front_door and o.host == "127.0.0.1" for o in options)  # the cluster's front door is in front
+    assert all(o.env["EMBEDDING_CACHE_L2_REDIS_URL"] == "redis://127.0.0.1:1/0" for o in options)
+    with pytest.raises(Exception, match="replicas must be"):
+        Cluster(ClusterOptions(replicas=0))
+
+
+def test_only_ready_replicas_get_traffic():
+    replicas = _replicas(2)
+    replicas[0].state, replicas[1].state = READY, DOWN
+    assert [u.down for u in (r.upstream() for r in replicas)] == [False, True]
+    replicas[1].state = "starting"
+    assert replicas[1].upstream().down
