@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost priority-bench clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost priority-bench serve-cluster failover-bench clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -32,6 +32,13 @@ export-report: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m server --precision $(PRECISION) $(SERVE_ARGS)
+
+# REPLICAS tritonserver replicas behind one nginx front door (8000/8001/8002), the gateway (8080),
+# a shared Redis L2 and Prometheus; a dead replica is restarted (docs/cluster.md). Ctrl-C stops all.
+REPLICAS ?= 2
+CLUSTER_ARGS ?=
+serve-cluster: $(STAMP)
+	$(PY) -m server.cluster --replicas $(REPLICAS) --precision $(PRECISION) $(CLUSTER_ARGS)
 
 test: $(STAMP)
 	$(PY) -m export --no-speed
@@ -157,6 +164,13 @@ PRIORITY_BENCH_ARGS ?=
 priority-bench: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.priority_bench $(PRIORITY_BENCH_ARGS)
+
+# serve-cluster with 2 replicas under load (16 clients), one SIGKILLed at 10 s: per-second
+# requests/s, P50/P99/max, failures and a PNG (docs/cluster.md). FAILOVER_ARGS e.g. "--duration 60".
+FAILOVER_ARGS ?=
+failover-bench: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.failover_bench $(FAILOVER_ARGS)
 
 clean:
 	rm -rf .triton perf/results
