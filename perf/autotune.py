@@ -41,13 +41,12 @@ from pathlib import Path
 from typing import Sequence
 
 from ops.repository import RepositoryClient
-from perf import compare
 from perf import harness
 from perf import limit as limit_mod
 from perf import perf_analyzer as pa
 
-MODEL = compare.MODEL
-ENCODER = compare.ENCODER
+MODEL = harness.MODEL
+ENCODER = harness.ENCODER
 DEFAULT_DELAYS_US = (0, 1000, 2000, 5000, 10000)
 DEFAULT_PREFERRED = (0, 16, 32)  # 0 = none: Triton sends whatever is queued, up to max_batch_size
 DEFAULT_INSTANCES = (1, 2)
@@ -240,12 +239,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- the search
 
 
-def measure(run: compare.Run, server, c: Candidate, round_: int, steps_after: int) -> Trial:
+def measure(run: harness.Run, server, c: Candidate, round_: int, steps_after: int) -> Trial:
     a = run.args
     trial = Trial(c, round_)
-    row = compare.Row(f"r{round_}-{c.name}", f"{ENCODER} {c.describe()}", "grpc", f"concurrency {a.concurrency}")
-    settings = compare.settings_for(run, server.grpc_url, "grpc", a.concurrency)
-    compare.measure_served(run, row, settings, steps_after, server.http_url)
+    row = harness.Row(f"r{round_}-{c.name}", f"{ENCODER} {c.describe()}", "grpc", f"concurrency {a.concurrency}")
+    settings = harness.settings_for(run, server.grpc_url, "grpc", a.concurrency)
+    harness.measure_served(run, row, settings, steps_after, server.http_url)
     trial.error = row.error
     if row.ok:
         trial.throughput, trial.p50_ms, trial.p99_ms = row.throughput, row.p50_ms, row.p99_ms
@@ -272,7 +271,7 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 
 
 def summary_markdown(header: Sequence[str], scores: Sequence[Score], winner: Score | None, budget_ms: float,
-                     untried: Sequence[Candidate], rate_row: compare.Row | None) -> str:
+                     untried: Sequence[Candidate], rate_row: harness.Row | None) -> str:
     lines = list(header) + ["", "| candidate | runs | throughput (infer/s, median) | p50 (ms) | p99 (ms) | "
                                 "encoder mean batch | within budget |",
                             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -303,13 +302,13 @@ def summary_markdown(header: Sequence[str], scores: Sequence[Score], winner: Sco
 def run(args: argparse.Namespace) -> int:
     from server.process import ServerError, ServerOptions, TritonServer
 
-    state = compare.new_run(args, "autotune")
+    state = harness.new_run(args, "autotune")
     if state is None:
         return 2
     out_dir = state.out_dir
     served = limit_mod.served_encoder(args.precision)
     args.no_export = False
-    if not compare.ensure_exported(served, args, state.say):
+    if not harness.ensure_exported(served, args, state.say):
         return 1
     served = limit_mod.served_encoder(args.precision)
     cores = os.cpu_count() or 1
@@ -325,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     scores: dict[Candidate, Score] = {}
     untried: list[Candidate] = []
     winner: Score | None = None
-    rate_row: compare.Row | None = None
+    rate_row: harness.Row | None = None
     base: dict = {}
     try:
         try:
@@ -369,15 +368,15 @@ def run(args: argparse.Namespace) -> int:
             load_config(server.http_url, ENCODER, apply_candidate(base, winner.candidate))
             if args.rate_fraction > 0 and winner.throughput and state.left() > 20:
                 rate = args.rate_fraction * winner.throughput
-                rate_row = compare.Row("winner-rate", "winner", "grpc",
+                rate_row = harness.Row("winner-rate", "winner", "grpc",
                                        f"{rate:.0f}/s ({args.rate_fraction:.0%} of {winner.throughput:.0f})")
                 state.say(f"winner under Poisson arrivals at {rate_row.load}")
                 b = pa.Settings(model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=1,
                                 input_data=args.input_data, request_count=args.request_count,
                                 stability_percent=max(args.stability_percent, 50.0), max_trials=args.max_trials)
-                settings = compare.RateSettings(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)},
+                settings = harness.RateSettings(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)},
                                                 request_rate=rate)
-                compare.measure(state, rate_row, settings, 0)
+                harness.measure(state, rate_row, settings, 0)
     finally:
         server.stop()
         if server.log_path.is_file():

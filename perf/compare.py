@@ -49,9 +49,8 @@ TARGET_SERVED_VS_NAIVE = 5.0
 TARGET_P99_OVER_P50 = 3.0
 
 
-from perf.harness import (DEFAULT_RESULTS, ENCODER, MODEL, PERF_DIR, ROOT, RateSettings, Row, Run,  # noqa: F401
-                          disable_all_dynamic_batching, disable_dynamic_batching, ensure_exported, measure,
-                          measure_served, new_run, rate_warnings, settings_for, skipped, write_csv)
+from perf.harness import (ENCODER, MODEL, RateSettings, Row, Run, disable_all_dynamic_batching, ensure_exported,
+                          measure, measure_served, new_run, rate_warnings, settings_for, skipped, write_csv)
 
 
 @dataclass

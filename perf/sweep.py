@@ -16,7 +16,7 @@ scikit-image's photos are absent), one image per request.
 
 One tritonserver (both ensembles loaded) serves the whole sweep and is stopped at the end.
 Windows count requests (count_windows); an unstable point is retried once with twice the
-requests per window (perf.compare.measure). After the first point of a sweep the window is
+requests per window (perf.harness.measure). After the first point of a sweep the window is
 sized from the measured throughput (--window-s seconds of requests), so slow models do not
 spend minutes per window. --time-budget bounds the whole run: each sweep gets an equal share
 of what is left, points that no longer fit are recorded as skipped.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from perf import compare
+from perf import harness
 from perf import perf_analyzer as pa
 from perf.baseline import _int_list
 
@@ -143,7 +143,7 @@ def peak_throughput(points: Sequence[Point], model: str, data: str, protocol: st
 
 
 def write_csv(path: Path, points: Sequence[Point]) -> None:
-    compare.write_csv(path, [p.record() for p in points])
+    harness.write_csv(path, [p.record() for p in points])
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -359,7 +359,7 @@ def ensure_exported(args: argparse.Namespace, say: Callable[[str], None]) -> boo
     return all((REPOSITORY / f).is_file() for m in missing for f in REQUIRED_FILES[m])
 
 
-def _point_from_row(point: Point, row: compare.Row, request_count: int) -> Point:
+def _point_from_row(point: Point, row: harness.Row, request_count: int) -> Point:
     point.error, point.note, point.wall_s, point.request_count = row.error, row.note, row.wall_s, request_count
     m = row.measurement
     if m is not None:
@@ -370,7 +370,7 @@ def _point_from_row(point: Point, row: compare.Row, request_count: int) -> Point
     return point
 
 
-def run_sweep(run: compare.Run, w: Workload, protocol: str, url: str) -> list[Point]:
+def run_sweep(run: harness.Run, w: Workload, protocol: str, url: str) -> list[Point]:
     """Concurrency then Poisson rate sweep of one workload over one protocol, within run.deadline."""
     a = run.args
     points: list[Point] = []
@@ -396,15 +396,15 @@ def run_sweep(run: compare.Run, w: Workload, protocol: str, url: str) -> list[Po
                            input_data=w.input_data, request_count=request_count,
                            stability_percent=a.stability_percent, max_trials=a.max_trials)
         if kind == "rate":
-            base = compare.RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+            base = harness.RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                                         request_rate=load)
         # Leave the points after this one at least some seconds each (at most two are reserved).
-        row = compare.measure(run, compare.Row(key, w.model, protocol, label), base, min(total - done, 2))
+        row = harness.measure(run, harness.Row(key, w.model, protocol, label), base, min(total - done, 2))
         if row.ok and kind == "rate":
             row.note = f"achieved {row.throughput / load:.0%} of the asked rate"
             retry_log = run.out_dir / f"{key}-retry.log"
             log_path = retry_log if retry_log.is_file() else run.out_dir / f"{key}.log"
-            for warning in compare.rate_warnings(log_path.read_text(errors="replace") if log_path.is_file() else ""):
+            for warning in harness.rate_warnings(log_path.read_text(errors="replace") if log_path.is_file() else ""):
                 row.note += f"; {warning}"
         return _point_from_row(point, row, request_count)
 
@@ -438,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"sweep-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    main_run = compare.Run(args, out_dir, deadline, binary, env, started=started)
+    main_run = harness.Run(args, out_dir, deadline, binary, env, started=started)
     say = main_run.say
     if not ensure_exported(args, say):
         return 1
@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
         for i, (w, protocol) in enumerate(groups):
             # An equal share of what is left for each remaining sweep.
             share = main_run.left() / (len(groups) - i)
-            sweep_run = compare.Run(args, out_dir, time.monotonic() + share, binary, env, started=started)
+            sweep_run = harness.Run(args, out_dir, time.monotonic() + share, binary, env, started=started)
             say(f"sweep {i + 1}/{len(groups)}: {w.name} over {protocol} ({share:.0f} s)")
             url = server.grpc_url if protocol == "grpc" else server.http_url
             points += run_sweep(sweep_run, w, protocol, url)

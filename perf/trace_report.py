@@ -168,7 +168,7 @@ def markdown(r: Report) -> str:
 
 
 def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
-    from perf import compare
+    from perf import harness
     from perf import limit as limit_mod
     from perf import perf_analyzer as pa
     from server.process import ServerOptions, TritonServer
@@ -196,7 +196,7 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
         base = pa.Settings(model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=args.concurrency,
                            input_data=args.input_data, request_count=args.requests, stability_percent=100,
                            max_trials=2, timeout_s=args.timeout)
-        settings = base if not args.rate else compare.RateSettings(
+        settings = base if not args.rate else harness.RateSettings(
             **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, request_rate=args.rate)
         load = f"Poisson {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}"
         print(f"perf.trace_report: {MODEL} ({served.variant} encoder), {load}, every request traced", flush=True)
@@ -242,10 +242,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         p.error("--concurrency, --requests and --rate must be positive")
     trace = args.trace_file
     if trace is None:
-        from perf import compare
+        from perf import harness
 
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        out_dir = compare.DEFAULT_RESULTS / f"trace-{stamp}"
+        out_dir = harness.DEFAULT_RESULTS / f"trace-{stamp}"
         out_dir.mkdir(parents=True, exist_ok=True)
         trace = out_dir / "trace.json"
         args.out = args.out or out_dir / "report.md"
