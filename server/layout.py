@@ -3,7 +3,7 @@
 The wheel ships tritonserver 2.51.0, the python backend, its stubs for several Python
 versions and the local response cache. We copy the server folder to a writable place, put
 the stub for the running Python next to the python backend, and install this project's
-Python-based backends (``python_backends/backends/<name>/model.py``) beside it.
+Python-based backends (``python_backends/triton_backends/<name>/model.py``) beside it.
 """
 
 from __future__ import annotations
