@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -29,14 +30,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+REPOSITORY = ROOT / "model_repository"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def repository(tmp_path_factory):
+    """The repository the gateway reads. Where `make export` has not run, its configs with the
+    tokenizer the gateway counts tokens with from the packaged model (what the export copies):
+    the unit tier needs no export output."""
+    global REPOSITORY
+    if not (REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json").is_file():
+        from export import reference
+
+        REPOSITORY = tmp_path_factory.mktemp("gateway-repository")
+        for config in (ROOT / "model_repository").glob("*/config.pbtxt"):
+            (REPOSITORY / config.parent.name).mkdir()
+            shutil.copyfile(config, REPOSITORY / config.parent.name / "config.pbtxt")
+        (REPOSITORY / "text_tokenizer" / "1").mkdir()
+        shutil.copyfile(reference.model_dir() / "tokenizer.json", REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json")
+    yield REPOSITORY
+    REPOSITORY = ROOT / "model_repository"
+
+
 def _settings(**changes) -> GatewaySettings:
-    base = GatewaySettings(triton_url=f"127.0.0.1:{_free_port()}", model_repository=ROOT / "model_repository",
+    base = GatewaySettings(triton_url=f"127.0.0.1:{_free_port()}", model_repository=REPOSITORY,
                            api_keys=(KEY,), rate_limit_rps=0, ready_poll_s=0.2)
     return dataclasses.replace(base, **changes)
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(repository):
     with TestClient(create_app(_settings(), ApiKeys([KEY])), raise_server_exceptions=False) as c:
         yield c
 
