@@ -1,0 +1,87 @@
+"""What deploy/kubernetes asks of the real servers: the probe paths answer on tritonserver's
+own port and on the gateway, and the series the HorizontalPodAutoscaler's adapter rule reads
+carry the label its selector names (model="text_encoder") and move with traffic."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import tritonclient.http as httpclient
+import yaml
+
+from server.layout import ROOT
+
+DEPLOY = ROOT / "deploy" / "kubernetes"
+
+
+def manifests(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def probe_paths(deployment: str, container: str) -> dict[str, str]:
+    (obj,) = [d for d in manifests(DEPLOY / "base" / f"{deployment}.yaml")
+              if d["kind"] == "Deployment" and d["metadata"]["name"] == deployment]
+    (c,) = [c for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == container]
+    return {p: c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in c}
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_triton_probe_paths_answer_on_tritonservers_own_port(triton):
+    paths = probe_paths("triton", "triton")
+    assert set(paths) == {"startupProbe", "readinessProbe", "livenessProbe"}
+    for probe, path in paths.items():
+        assert status(f"http://{triton.triton_http_url}{path}") == 200, f"{probe} {path}"
+    assert status(f"http://{triton.triton_http_url}/v2/health/nothing") != 200  # the check can fail
+
+
+def test_gateway_probe_paths_answer(gateway):
+    for probe, path in probe_paths("gateway", "gateway").items():
+        assert status(gateway.url + path) == 200, f"{probe} {path}"
+
+
+def adapter_rule() -> dict:
+    (cm,) = manifests(DEPLOY / "prometheus-adapter" / "adapter-config.yaml")
+    (rule,) = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+    return rule
+
+
+def samples(text: str, name: str, model: str) -> float:
+    total, found = 0.0, False
+    for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}}\s+(\S+)", text, re.MULTILINE):
+        if f'model="{model}"' in labels:
+            total, found = total + float(value), True
+    assert found, f"no {name} series with model={model!r} in the scrape"
+    return total
+
+
+def test_adapter_rule_series_carry_the_hpas_label_and_move(triton, http_client):
+    rule = adapter_rule()
+    names = sorted(set(re.findall(r"rate\((\w+)\{", rule["metricsQuery"])))
+    (hpa,) = [d for d in manifests(DEPLOY / "base" / "autoscaling.yaml") if d["metadata"]["name"] == "triton"]
+    model = hpa["spec"]["metrics"][0]["pods"]["metric"]["selector"]["matchLabels"]["model"]
+    metrics_url = f"http://{triton.triton_host}:{triton.options.internal_ports()[2]}/metrics"
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        return {n: samples(text, n, model) for n in names}
+
+    before = scrape()
+    texts = np.array([[b"kubernetes probe text %d" % i] for i in range(4)], dtype=object)
+    inp = httpclient.InferInput("TEXT", list(texts.shape), "BYTES")
+    inp.set_data_from_numpy(texts)
+    http_client.infer("text_embedding", [inp], request_id="k8s-probe")
+    after = scrape()
+    assert after["nv_inference_request_success"] > before["nv_inference_request_success"]
+    assert after["nv_inference_queue_duration_us"] >= before["nv_inference_queue_duration_us"]
+    assert set(names) == {"nv_inference_queue_duration_us", "nv_inference_request_success",
+                          "nv_inference_request_failure"}
