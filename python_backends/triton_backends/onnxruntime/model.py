@@ -10,6 +10,7 @@ import triton_python_backend_utils as pb_utils
 from pathlib import Path
 
 from python_backends.config import ModelConfig
+from python_backends.admission.yielding import yield_from_config
 from python_backends.onnx_engine.batching import budget_from_config, run_batched
 from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
 from python_backends.padding_metrics import PaddingMetrics, RunTally
@@ -34,6 +35,8 @@ class TritonPythonModel:
             check_io(self.config, self.session)
             # Inputs declared allow_ragged_batch: rows trimmed and grouped under a token budget.
             self.budget = budget_from_config(self.config)
+            # A lower class's encoder waits between runs while the higher class has work in flight.
+            self.yielder = yield_from_config(self.config)
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
         self.input_names = [spec.name for spec in self.config.inputs]
@@ -74,6 +77,8 @@ class TritonPythonModel:
             feeds.append(inputs)
             owners.append(i)
         run = self.tally.wrap(self._run) if self.tally else self._run
+        if self.yielder:
+            run = self.yielder.wrap(run)
         for i, outcome in zip(owners, run_batched(feeds, self.input_names, run, self.budget)):
             if outcome.error is not None:
                 responses[i] = error_response(pb_utils, self.config.name, outcome.error, requests[i].request_id())
