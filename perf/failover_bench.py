@@ -82,7 +82,7 @@ def launch(workdir: Path, replicas: int = 2, models=MODELS, gateway: bool = True
            scrape_interval: float = 2.0, timeout: float = 300.0, extra: list[str] | None = None,
            env: dict[str, str] | None = None) -> ClusterRun:
     """Start the cluster and return once its first screen is printed (all replicas ready)."""
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     taken: set[int] = set()
 
@@ -194,7 +194,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def per_second(samples: list[Sample], duration_s: float) -> list[dict]:
     rows = []
-    for second in range(int(duration_s + 0.999)):
+    for second in range(int(duration_s)):  # whole seconds only: the last partial one would show a false drop
         inside = [s for s in samples if second <= s.end_s < second + 1]
         lat = [s.latency_s * 1000 for s in inside if s.ok]
         rows.append({"second": second, "requests": len(inside), "ok": len(lat),
@@ -214,6 +214,7 @@ class Watcher:
         self.restarted_at: float | None = None
         self.back_at: float | None = None
         self.count_back: int | None = None
+        self.serving_at: float | None = None  # its own inference count first grew
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -240,7 +241,13 @@ class Watcher:
                         self.count_back = stats_count(f"127.0.0.1:{replica['http']}")
                     except OSError:
                         self.count_back = None
-                    return
+                if self.back_at is not None and self.count_back is not None:
+                    try:
+                        if stats_count(f"127.0.0.1:{replica['http']}") > self.count_back:
+                            self.serving_at = time.monotonic() - self.start
+                            return
+                    except OSError:
+                        pass
             self._stop.wait(0.1)
 
     def stop(self) -> None:
@@ -264,7 +271,8 @@ def plot(path: Path, rows: list[dict], events: dict[str, float | None], title: s
     b.set_ylabel("latency (ms)")
     b.set_xlabel("seconds since the load started")
     b.set_ylim(bottom=0)
-    colours = {"SIGKILL": "red", "restarted": "tab:purple", "back in the front door": "tab:blue"}
+    colours = {"SIGKILL": "red", "restarted": "tab:purple", "back in the front door": "tab:blue",
+               "serving again": "tab:cyan"}
     for ax in (a, b):
         for name, at in events.items():
             if at is not None:
@@ -310,6 +318,7 @@ def scenario(run: ClusterRun, concurrency: int = 16, duration_s: float = 30.0, k
         "p50_ms": round(_pct(lat, 0.5), 1), "p99_ms": round(_pct(lat, 0.99), 1),
         "max_ms": round(max(lat), 1) if lat else None,
         "killed_at_s": watcher.killed_at, "restarted_at_s": watcher.restarted_at, "back_at_s": watcher.back_at,
+        "serving_at_s": watcher.serving_at,
         "victim_count_back": watcher.count_back, "victim_count_end": count_end,
         "victim_restarts": replica["restarts"], "front_door_reloads": run.state()["front_door"]["reloads"],
         "client_retries": retries,
@@ -365,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     result["launcher_exit_code"] = code
     (out / "summary.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     events = {"SIGKILL": result["killed_at_s"], "restarted": result["restarted_at_s"],
-              "back in the front door": result["back_at_s"]}
+              "back in the front door": result["back_at_s"], "serving again": result["serving_at_s"]}
     plot(out / "failover.png", rows, events,
          f"serve-cluster, {args.replicas} replicas, {args.concurrency} clients (HTTP+gRPC): replica {args.victim} "
          f"SIGKILLed at {args.kill_at:.0f} s; {result['failed']} failed of {result['requests']}")
@@ -375,9 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"requests {result['requests']}, failed {result['failed']}; P50 {result['p50_ms']} ms, P99 "
           f"{result['p99_ms']} ms, max {result['max_ms']} ms; req/s before the kill {result['rps_before_kill']}, "
           f"last 5 s {result['rps_last_5s']}")
-    print(f"kill at {result['killed_at_s']:.1f} s, restarted at {result['restarted_at_s']}, back in the front door at "
-          f"{result['back_at_s']}; its inferences {result['victim_count_back']} -> {result['victim_count_end']}; "
-          f"client retries {result['client_retries']}; front door reloads {result['front_door_reloads']}")
+
+    def at(key: str) -> str:
+        return "never" if result[key] is None else f"{result[key]:.1f} s"
+
+    print(f"kill at {at('killed_at_s')}, restarted at {at('restarted_at_s')}, back in the front door at "
+          f"{at('back_at_s')}, serving again at {at('serving_at_s')}; its inferences {result['victim_count_back']} -> "
+          f"{result['victim_count_end']}; client retries {result['client_retries']}; front door reloads "
+          f"{result['front_door_reloads']}")
     print(f"failover-bench: {'PASS' if not problems else 'FAIL: ' + '; '.join(problems)}; wrote {out}")
     return 0 if not problems else 1
 

@@ -300,7 +300,7 @@ class Cluster:
             raise ClusterError(f"replicas must be >= 1, not {options.replicas}")
         self.options = options
         self.on_event = on_event or (lambda message: log.info("%s", message))
-        self.workdir = Path(options.workdir)
+        self.workdir = Path(options.workdir).resolve()  # nginx -p and the replicas need it absolute
         self.replicas: list[Replica] = []
         self.front_door: FrontDoor | None = None
         self.redis = None
@@ -753,7 +753,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    cluster = Cluster(options, on_event=lambda m: print(f"serve-cluster: {m}", flush=True))
+    def event(message: str) -> None:
+        now = time.time()
+        print(f"serve-cluster: {time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {message}",
+              flush=True)
+
+    cluster = Cluster(options, on_event=event)
     try:
         cluster.start()
         print(f"serve-cluster: starting {args.replicas} replicas ({', '.join(models)}); work folder {args.workdir}",
