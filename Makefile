@@ -125,10 +125,12 @@ rollout-finish: $(STAMP)
 	$(PY) -m ops.rollout $(ROLLOUT_OPTS) finish $(ROLLOUT_ARGS)
 
 # docker-compose's front door: nginx.conf and the njs check with every model's limits, rendered
-# from deploy/frontdoor/ and model_repository/ into .frontdoor/ (mounted read-only). Run it after
-# `make export` and before `docker-compose up`.
+# from deploy/frontdoor/ and model_repository/ into .frontdoor/ (mounted read-only), and Grafana's
+# dashboard from deploy/grafana/dashboard.py into .grafana/dashboards/. Run it after `make export`
+# and before `docker-compose up`.
 compose-config: $(STAMP)
-	$(PY) -m server.frontdoor render --out .frontdoor --upstream triton-upstream --listen 0.0.0.0
+	$(PY) -m server.frontdoor render --out .frontdoor --upstream triton-upstream-1 --upstream triton-upstream-2 --listen 0.0.0.0
+	$(PY) -m deploy.grafana.dashboard render .grafana/dashboards
 
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s

@@ -144,8 +144,10 @@ def rows() -> list[RowSpec]:
                 q(f"sum by (model, reason) (rate(nv_inference_request_failure{{{TRITON}}}[$__rate_interval])) > 0",
                   "{{model}} {{reason}}")], unit="reqps"),
             PanelSpec("Error rate per model (recording rule)", [
-                q("model:nv_inference_error_rate:ratio_rate5m", "{{model}}")], unit="percentunit",
-                thresholds=[(0.01, "red")], description="failures / all requests over 5 minutes; alert above 1 %."),
+                q("model:nv_inference_error_rate:ratio_rate5m", "{{model}}"),
+                q("job:gateway_requests_5xx:ratio_rate5m", "gateway 5xx")], unit="percentunit",
+                thresholds=[(0.01, "red")], description="Failures / all requests over 5 minutes as Triton counts them, "
+                                                        "and the gateway's 5xx share; alerts above 1 %."),
             PanelSpec("Gateway requests/s by route and status", [
                 q('sum by (route, status) (rate(gateway_requests_total{job="gateway"}[$__rate_interval]))',
                   "{{route}} {{status}}")], unit="reqps",
@@ -179,7 +181,7 @@ def rows() -> list[RowSpec]:
                 q(f'sum by (le) (increase(embedding_tokenizer_batch_size_bucket{{{TRITON}}}[$__range]))', "{{le}}")],
                 kind="bargauge", description="Executions with at most `le` requests over the time range (cumulative)."),
             PanelSpec("Padding fill rate", [
-                q("job:embedding_padding_fill_rate:ratio_rate5m", "fill rate (rule)"),
+                q("job:embedding_padding_fill_rate:ratio_rate5m", "{{model}} (5 min, rule)"),
                 q(f"sum by (model) (rate(embedding_padding_real_tokens_total{{{TRITON}}}[$__rate_interval])) "
                   f"/ sum by (model) (rate(embedding_padding_padded_tokens_total{{{TRITON}}}[$__rate_interval]))",
                   "{{model}}")],
@@ -215,7 +217,7 @@ def rows() -> list[RowSpec]:
                 q(f"sum by (instance) (llm_kv_cache_blocks_used{{{TRITON}}})", "used {{instance}}"),
                 q(f"sum by (instance) (llm_kv_cache_blocks_total{{{TRITON}}})", "total {{instance}}")]),
             PanelSpec("KV cache usage", [
-                q(f"max(llm_kv_cache_blocks_used{{{TRITON}}} / llm_kv_cache_blocks_total{{{TRITON}}})", "worst replica")],
+                q(f"max(instance:llm_kv_cache_usage:ratio{{{TRITON}}})", "worst replica")],
                 unit="percentunit", kind="stat", min=0, max=1, thresholds=[(0.9, "red")],
                 description="Alert above 90 %."),
             PanelSpec("Time to first token P50 / P99", [
@@ -238,9 +240,10 @@ def rows() -> list[RowSpec]:
                   "version {{version}}")], unit="percentunit", stacked=True, min=0, max=1,
                 description="The router's calls per text_encoder version; no data outside a rollout."),
             PanelSpec("Canary error rate per version", [
-                q(f'sum by (version) (rate(canary_encoder_calls_total{{{TRITON}, result="error"}}[$__rate_interval])) '
-                  f"/ sum by (version) (rate(canary_encoder_calls_total{{{TRITON}}}[$__rate_interval]))", "version {{version}}")],
-                unit="percentunit", thresholds=[(0.01, "red")]),
+                q("version:canary_encoder_error_rate:ratio_rate2m", "version {{version}}")],
+                unit="percentunit", thresholds=[(0.01, "red")],
+                description="Errors / (ok + error) over 2 minutes, as ops.rollout judges a canary (refused inputs "
+                            "are not the version's fault)."),
             PanelSpec("Canary call P99 per version", [
                 q(histogram(0.99, "canary_encoder_call_ms", "version"), "version {{version}}")], unit="ms"),
         ]),

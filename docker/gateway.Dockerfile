@@ -1,0 +1,29 @@
+# The OpenAI-compatible gateway (openai_gateway/) for docker-compose's `gateway` service.
+#
+# Python 3.11 as in requirements.txt (the gateway is not a python backend model: it does not run
+# in the Triton image's Python 3.10). Only what `python -m openai_gateway` imports, pinned as in
+# requirements.txt and constraints.txt (tests/unit/test_compose.py checks they agree):
+# FastAPI and uvicorn with uvloop and httptools, orjson, prometheus-client, tritonclient's gRPC
+# and HTTP clients (the clients/ package imports both), numpy and tokenizers (token counts).
+# Built from the repository root (.dockerignore admits python_backends/, openai_gateway/, clients/):
+#   docker-compose build gateway
+# The model repository (its configs and the tokenizer) is mounted, not copied.
+FROM python:3.11-slim-bookworm
+
+RUN pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "uvicorn==0.54.0" \
+      "uvloop==0.23.0" "httptools==0.9.0" "orjson==3.13.0" "prometheus-client==0.26.0" \
+      "tritonclient[grpc,http]==2.50.0" "grpcio==1.85.3" "protobuf==4.25.9" "aiohttp==3.14.5" \
+      "numpy==1.26.4" "tokenizers==0.23.3"
+
+COPY python_backends /opt/embedding/python_backends
+COPY clients /opt/embedding/clients
+COPY openai_gateway /opt/embedding/openai_gateway
+RUN find /opt/embedding -name __pycache__ -type d -prune -exec rm -rf {} + \
+ && useradd --system --uid 10001 --home-dir /var/lib/openai-gateway --create-home gateway
+ENV PYTHONPATH=/opt/embedding \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /opt/embedding
+USER 10001
+
+EXPOSE 8080
+ENTRYPOINT ["python", "-m", "openai_gateway"]
