@@ -632,7 +632,7 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=_env_int("REPLICAS", 2), help="tritonserver replicas (default 2)")
@@ -669,7 +669,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-backoff", type=float, default=30.0, help="longest wait before a restart, s (default 30)")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--echo", action="store_true", help="echo every replica's log on stdout")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def first_screen(cluster: Cluster, served: Mapping[str, str], precision: str) -> str:

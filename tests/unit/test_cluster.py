@@ -78,3 +78,15 @@ def test_only_ready_replicas_get_traffic():
     assert [u.down for u in (r.upstream() for r in replicas)] == [False, True]
     replicas[1].state = "starting"
     assert replicas[1].upstream().down
+
+
+def test_the_options_table_of_docs_cluster_matches_the_code():
+    import re
+
+    from server.cluster import build_parser
+    from server.layout import ROOT
+
+    rows = [line for line in (ROOT / "docs" / "cluster.md").read_text().splitlines() if line.startswith("| `--")]
+    documented = {flag for row in rows for flag in re.findall(r"--[a-z][a-z0-9-]*", row.split("|")[1])}
+    actual = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+    assert len(actual) > 10 and documented == actual, (sorted(documented - actual), sorted(actual - documented))
