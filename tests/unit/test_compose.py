@@ -110,8 +110,27 @@ def volume(service: dict, target: str) -> tuple[str, str]:
     raise AssertionError(f"nothing mounted at {target}")
 
 
+def repository_with_lanes(tmp_path: Path) -> Path:
+    """model_repository with its priority-class lanes, which `make export` renders (export/lanes.py)
+    and a fresh clone lacks: then rendered into a copy of the configs (the unit tier needs no export)."""
+    from export.lanes import declared_lanes, render_all
+
+    source = ROOT / "model_repository"
+    configs = sorted(source.glob("*/config.pbtxt"))
+    lanes = [lane.name for c in configs for lane in declared_lanes(c.parent.name, c.read_text())]
+    assert lanes, "no model declares a priority-class lane: the lane checks below would check nothing"
+    if all((source / name / "config.pbtxt").is_file() for name in lanes):
+        return source
+    copy = tmp_path / "model_repository"
+    for c in configs:
+        (copy / c.parent.name).mkdir(parents=True)
+        shutil.copyfile(c, copy / c.parent.name / "config.pbtxt")
+    render_all(copy)
+    return copy
+
+
 @pytest.mark.parametrize("name", SERVICES)
-def test_mounted_repository_holds_the_loaded_models(compose, name):
+def test_mounted_repository_holds_the_loaded_models(compose, name, tmp_path):
     service = compose["services"][name]
     args = flags(service)
     (repository,) = args["--model-repository"]
@@ -129,12 +148,13 @@ def test_mounted_repository_holds_the_loaded_models(compose, name):
 
     assert set(with_dependencies(host_repo, loaded)) <= set(loaded)
     assert any(a.startswith("model-repository:triton-repository-token=") for a in args["--http-restricted-api"])
+    rendered = repository_with_lanes(tmp_path)  # host_repo itself once `make export` has run
     for model in loaded:
         config = host_repo / model / "config.pbtxt"
         assert config.is_file(), f"{config} missing"
-        # An ensemble loads its steps too: each must be in the repository.
+        # An ensemble loads its steps too: each must be in the repository (a lane once rendered).
         for step in re.findall(r'model_name:\s*"([^"]+)"', config.read_text()):
-            assert (host_repo / step / "config.pbtxt").is_file(), f"ensemble step {step} missing"
+            assert (rendered / step / "config.pbtxt").is_file(), f"ensemble step {step} missing"
     assert "python,shm-default-byte-size=16777216" in args["--backend-config"]
 
 
@@ -431,10 +451,9 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
     assert "http://localhost:8000/v2/health/live" in " ".join(defaults["services"][name]["healthcheck"]["test"])
 
 
-def _loaded_with_everything_they_reach(compose) -> set[str]:
+def _loaded_with_everything_they_reach(compose, repository: Path) -> set[str]:
     from server.process import closure
 
-    repository = ROOT / "model_repository"
     models = set()
     for name in SERVICES:
         for model in flags(compose["services"][name])["--load-model"]:
@@ -452,16 +471,17 @@ def _rendered_limits(out: Path) -> dict:
 def test_rendered_limits_cover_every_model_compose_loads(compose, tmp_path):
     from server.frontdoor import DATATYPES, _parse_config, main, model_config_datatype
 
-    assert main(["render", "--out", str(tmp_path)]) == 0
-    limits = _rendered_limits(tmp_path)["models"]
-    models = _loaded_with_everything_they_reach(compose)
+    repository = repository_with_lanes(tmp_path)
+    assert main(["render", "--out", str(tmp_path / "out"), "--repository", str(repository)]) == 0
+    limits = _rendered_limits(tmp_path / "out")["models"]
+    models = _loaded_with_everything_they_reach(compose, repository)
     assert {"text_embedding", "text_tokenizer", "text_encoder", "image_classifier"} <= models
     # The router is off the request path in the steady state; a rollout loads it through the API.
     assert "text_encoder_router" not in models
     models.add("text_encoder_router")
     for model in sorted(models):
         assert model in limits, f"{model} is loaded by compose but has no front door limits"
-        config = _parse_config(ROOT / "model_repository" / model / "config.pbtxt")
+        config = _parse_config(repository / model / "config.pbtxt")
         assert limits[model]["max_batch_size"] >= config.max_batch_size, model
         for tensor in config.input:
             spec = limits[model]["inputs"][tensor.name]
