@@ -398,6 +398,9 @@ def test_grafana_is_provisioned_with_the_dashboard_make_compose_config_renders(d
     (datasource,) = yaml.safe_load((Path(source) / "datasources" / "prometheus.yml").read_text())["datasources"]
     host, port = urllib.parse.urlsplit(datasource["url"]).hostname, urllib.parse.urlsplit(datasource["url"]).port
     assert host == "prometheus" and host in defaults["services"] and str(port) in PUBLISHED["prometheus"]
+    # Grafana's $__rate_interval is built on the scrape interval it is told
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "compose.yml").read_text())["global"]["scrape_interval"]
+    assert datasource["jsonData"]["timeInterval"] == scrape
     assert "prometheus" in grafana["depends_on"]
     # a password is required; viewers need none
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == REQUIRED_ENV["GRAFANA_ADMIN_PASSWORD"]
