@@ -18,8 +18,11 @@ RUN pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic=
 COPY python_backends /opt/embedding/python_backends
 COPY clients /opt/embedding/clients
 COPY openai_gateway /opt/embedding/openai_gateway
+# The key file's folder exists in the image, owned by the gateway's user: a new named volume
+# mounted there (docker-compose's gateway-keys) starts with that owner, so the key can be written.
 RUN find /opt/embedding -name __pycache__ -type d -prune -exec rm -rf {} + \
- && useradd --system --uid 10001 --home-dir /var/lib/openai-gateway --create-home gateway
+ && useradd --system --uid 10001 --user-group --home-dir /var/lib/openai-gateway --create-home gateway \
+ && install -d -o gateway -g gateway -m 700 /var/lib/openai-gateway/keys
 ENV PYTHONPATH=/opt/embedding \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /opt/embedding

@@ -340,6 +340,13 @@ def test_gateway_image_pins_match_the_local_ones():
     for folder in ("python_backends", "clients", "openai_gateway"):
         assert re.search(rf"^COPY {folder} /opt/embedding/{folder}$", dockerfile, re.M), folder
     assert "PYTHONPATH=/opt/embedding" in dockerfile and re.search(r"^USER \d+$", dockerfile, re.M)
+    # the API key's folder (a named volume in compose) exists in the image, owned by that user
+    (uid,) = re.findall(r"^USER (\d+)$", dockerfile, re.M)
+    (user,) = re.findall(rf"useradd [^\n]*--uid {uid} [^\n]*?(\w+)\s*\\?$", dockerfile, re.M)
+    config, _ = resolved()
+    command = config["services"]["gateway"]["command"]
+    key_dir = str(Path(command[command.index("--api-key-file") + 1]).parent)
+    assert re.search(rf"install -d -o {user} -g {user} -m 700 {re.escape(key_dir)}$", dockerfile, re.M), key_dir
     assert 'ENTRYPOINT ["python", "-m", "openai_gateway"]' in dockerfile
 
 
