@@ -195,7 +195,24 @@ def test_cpu_overlay_has_no_gpu(built):
     assert find(built["overlays/cpu"], "ConfigMap", "serving-config")["data"]["PRECISION"] == "cpu"
     images = {c["image"] for o in built["overlays/cpu"] if o["kind"] in ("Deployment", "Job")
               for c in pod_spec(o)["containers"] + pod_spec(o).get("initContainers", [])}
-    assert "text-embedding-triton:24.10-cpu" in images and "text-embedding-tools:cpu" in images
+    assert {"text-embedding-triton:24.10-cpu", "text-embedding-tools:cpu", "text-embedding-gateway:1"} <= images
+
+
+def images_of(objects: list[dict]) -> dict[str, str]:
+    return {o["metadata"]["name"]: pod_spec(o)["containers"][0]["image"] for o in objects if o["kind"] == "Deployment"}
+
+
+def test_images_are_docker_composes(built):
+    """The images docker-compose.yml builds and runs (docker/Dockerfile, docker/gateway.Dockerfile)."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    cpu, gpu = images_of(built["overlays/cpu"]), images_of(built["overlays/gpu"])
+    triton = {"cpu" in svc.get("profiles", ()): svc["image"] for svc in services.values()
+              if svc.get("image", "").startswith("text-embedding-triton:")}
+    assert cpu["triton"] == triton[True] and gpu["triton"] == triton[False]
+    for name in ("gateway", "redis", "frontdoor"):
+        assert cpu[name] == gpu[name] == services[name]["image"], name
+    runtime = find(built["kserve"], "ServingRuntime", "text-embedding-triton")
+    assert runtime["spec"]["containers"][0]["image"] == triton[False]
 
 
 def test_gpu_overlay_puts_triton_and_the_export_on_gpus(built):

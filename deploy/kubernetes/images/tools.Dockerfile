@@ -1,6 +1,6 @@
 # The tools image of the Kubernetes manifests: this repository with its virtualenv, for the
-# model-export Job (python -m export, python -m server.frontdoor render) and the OpenAI
-# gateway (python -m openai_gateway). tritonserver itself runs docker/Dockerfile's image.
+# model-export Job (python -m export, python -m server.frontdoor render). tritonserver runs
+# docker/Dockerfile's image, the gateway docker/gateway.Dockerfile's.
 #
 # Built from the repository root; the ignore file beside this one keeps exported models, the
 # virtualenv and caches out of the context (BuildKit reads <Dockerfile>.dockerignore):
@@ -19,4 +19,3 @@ RUN GPU="${GPU}" PYTHON=/usr/local/bin/python3.11 scripts/setup.sh \
  && rm -rf /root/.cache/pip /var/lib/apt/lists/*
 ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1
-EXPOSE 8080
