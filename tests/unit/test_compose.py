@@ -754,3 +754,34 @@ def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp
         nginx.wait(timeout=10)
         for upstream in upstreams:
             upstream.shutdown()
+
+
+def test_the_gateway_image_folders_are_all_it_imports(tmp_path):
+    """The gateway image copies python_backends/, clients/ and openai_gateway/ only: with just
+    those three on the path, the gateway and everything it imports later (the gRPC client, the
+    generation client, the tokenizer) import, and no module comes from another folder of the repository."""
+    dockerfile = (ROOT / "docker" / "gateway.Dockerfile").read_text()
+    copied = re.findall(r"^COPY (\S+) /opt/embedding/\1$", dockerfile, re.M)
+    assert sorted(copied) == ["clients", "openai_gateway", "python_backends"]
+    for folder in copied:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    script = """
+import argparse, sys
+import openai_gateway.__main__, openai_gateway.app, openai_gateway.triton, openai_gateway.embeddings
+import openai_gateway.completions, openai_gateway.catalog, clients.generation
+import tritonclient.grpc.aio, grpc, tokenizers, uvicorn, uvloop, httptools
+from openai_gateway import settings
+from openai_gateway.app import create_app
+from openai_gateway.auth import ApiKeys
+parser = argparse.ArgumentParser()
+settings.add_arguments(parser)
+create_app(settings.from_args(parser.parse_args(["--model-repository", sys.argv[2]])), ApiKeys(["sk-" + "k" * 40]))
+root, venv = sys.argv[1], sys.prefix
+files = (getattr(m, "__file__", None) for m in list(sys.modules.values()))
+print("\\n".join(sorted(f for f in files if f and f.startswith(root) and not f.startswith(venv))))
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT) + os.sep, str(ROOT / "model_repository")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", f"imported from outside the image's folders: {done.stdout}"
