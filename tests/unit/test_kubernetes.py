@@ -31,6 +31,7 @@ TARGET_VERSIONS = ("1.33.0", kubernetes_validate.utils.latest_version())
 BUILDS = ("overlays/cpu", "overlays/gpu", "kserve", "prometheus-adapter")
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "servingruntime.json",
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice.json",
 }
@@ -47,6 +48,7 @@ def build(folder: str) -> list[dict]:
     result = subprocess.run([kubectl(), "kustomize", str(DEPLOY / folder)], capture_output=True, text=True,
                             timeout=60, check=False)
     assert result.returncode == 0, f"kubectl kustomize {folder} failed:\n{result.stderr}"
+    assert not result.stderr.strip(), f"kubectl kustomize {folder} warned:\n{result.stderr}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
@@ -139,7 +141,7 @@ def crd_objects(built) -> list[dict]:
 def test_custom_resources_validate_against_their_crd_schemas(built):
     objects = crd_objects(built)
     kinds = {o["kind"] for o in objects}
-    assert kinds == {"ServiceMonitor", "ServingRuntime", "InferenceService"}
+    assert kinds == {"ServiceMonitor", "PodMonitor", "ServingRuntime", "InferenceService"}
     for obj in objects:
         errors = sorted(crd_validator(obj["apiVersion"], obj["kind"]).iter_errors(obj), key=lambda e: list(e.path))
         assert not errors, f"{obj['kind']}/{obj['metadata']['name']}: " + "; ".join(
@@ -151,6 +153,7 @@ def test_custom_resources_validate_against_their_crd_schemas(built):
     ("InferenceService", ("spec", "predictor"), {"scaleMetric": "queue_time"}),
     ("ServingRuntime", ("spec",), {"protocolVersion": ["grpc-v2"]}),
     ("ServiceMonitor", ("spec", "endpoints", 0), {"prot": "metrics"}),
+    ("PodMonitor", ("spec", "podMetricsEndpoints", 0), {"portNumber": 70000}),
 ])
 def test_the_crd_schemas_refuse_what_upstream_refuses(built, kind, path, bad):
     obj = json.loads(json.dumps(next(o for o in crd_objects(built) if o["kind"] == kind)))
@@ -303,6 +306,14 @@ def test_kserve_runtime_loads_the_same_models(built):
     assert model["runtime"] == runtime["metadata"]["name"]
     assert [p["containerPort"] for p in model["ports"]] == [int(v) for v in arg_values(kserve_args, "--grpc-port")]
     assert 0 < isvc["spec"]["predictor"]["canaryTrafficPercent"] < 100
+    # Its metrics: the PodMonitor picks the declared gRPC port and scrapes tritonserver's metrics port.
+    monitor = find(built["kserve"], "PodMonitor", "text-embedding-kserve")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["portNumber"] == model["ports"][0]["containerPort"]
+    address = [r for r in endpoint["relabelings"] if r["targetLabel"] == "__address__"]
+    assert address[0]["replacement"].endswith(":" + arg_values(kserve_args, "--metrics-port")[0])
+    assert [r["replacement"] for r in endpoint["relabelings"] if r["targetLabel"] == "job"] == ["triton"]
+    assert monitor["spec"]["selector"]["matchLabels"] == {"serving.kserve.io/inferenceservice": isvc["metadata"]["name"]}
     claim = re.fullmatch(r"pvc://([^/]+)/(.+)", model["storageUri"])
     assert claim and claim.group(1) == "model-repository" and claim.group(2) == "model_repository"
 
