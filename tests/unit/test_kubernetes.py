@@ -442,6 +442,21 @@ def test_export_job_writes_what_the_pods_mount(built, tmp_path):
     assert gateway["args"][gateway["args"].index("--model-repository") + 1] == subpaths["gateway"]["model_repository"]
 
 
+def test_shell_scripts_parse(built):
+    """The Job's script and the init containers' loops, as /bin/sh reads them (syntax only)."""
+    scripts = []
+    for obj in built["overlays/cpu"]:
+        if obj["kind"] in ("Deployment", "Job"):
+            for c in pod_spec(obj)["containers"] + pod_spec(obj).get("initContainers", []):
+                command = c.get("command", [])
+                if command[:2] == ["/bin/sh", "-c"]:
+                    scripts.append(command[2] if len(command) > 2 else c["args"][0])
+    assert len(scripts) == 4  # the export Job and three init containers
+    for script in scripts:
+        result = subprocess.run(["sh", "-n", "-c", script], capture_output=True, text=True, timeout=10, check=False)
+        assert result.returncode == 0, f"{script}\n{result.stderr}"
+
+
 def test_gateway_reaches_triton_through_the_front_door(built):
     objects = built["overlays/cpu"]
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
