@@ -235,6 +235,16 @@ def test_gpu_overlay_puts_triton_and_the_export_on_gpus(built):
     find(gpu, "PersistentVolumeClaim", "trt-cache")
 
 
+def test_cpu_pod_has_the_cores_the_encoder_is_sized_for(built):
+    """requests = limits = text_encoder's instances x intra-op threads (config.pbtxt)."""
+    config = (ROOT / "model_repository" / "text_encoder" / "config.pbtxt").read_text()
+    instances = int(re.search(r"instance_group\s*\[[^\]]*?count:\s*(\d+)", config).group(1))
+    threads = int(re.search(r'key: "intra_op_thread_count" value: \{ string_value: "(\d+)"', config).group(1))
+    resources = container(pod_spec(find(built["overlays/cpu"], "Deployment", "triton")), "triton")["resources"]
+    assert resources["requests"] == resources["limits"]  # Guaranteed QoS
+    assert int(resources["requests"]["cpu"]) == instances * threads
+
+
 def probe_window(probe: dict) -> int:
     return probe["periodSeconds"] * probe["failureThreshold"]
 
