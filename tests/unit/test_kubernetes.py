@@ -64,8 +64,14 @@ def find(objects: list[dict], kind: str, name: str) -> dict:
 
 
 def container(pod_spec: dict, name: str) -> dict:
-    (c,) = [c for c in pod_spec["containers"] if c["name"] == name]
+    """A container or a (sidecar) init container of the pod, by name."""
+    (c,) = [c for c in pod_spec["containers"] + pod_spec.get("initContainers", []) if c["name"] == name]
     return c
+
+
+def pod_ports(pod_spec: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in pod_spec["containers"] + pod_spec.get("initContainers", [])
+            for p in c.get("ports", [])}
 
 
 def pod_spec(obj: dict) -> dict:
@@ -212,8 +218,11 @@ def test_images_are_docker_composes(built):
     triton = {"cpu" in svc.get("profiles", ()): svc["image"] for svc in services.values()
               if svc.get("image", "").startswith("text-embedding-triton:")}
     assert cpu["triton"] == triton[True] and gpu["triton"] == triton[False]
-    for name in ("gateway", "redis", "frontdoor"):
+    for name in ("gateway", "redis"):
         assert cpu[name] == gpu[name] == services[name]["image"], name
+    for objects in (built["overlays/cpu"], built["overlays/gpu"]):
+        sidecar = container(pod_spec(find(objects, "Deployment", "triton")), "frontdoor")
+        assert sidecar["image"] == services["frontdoor"]["image"]
     runtime = find(built["kserve"], "ServingRuntime", "text-embedding-triton")
     assert runtime["spec"]["containers"][0]["image"] == triton[False]
 
@@ -336,14 +345,16 @@ def test_ports_are_the_launchers(built):
     objects = built["overlays/cpu"]
     defaults = parse_args([])
     expected = {"http": defaults.http_port, "grpc": defaults.grpc_port, "metrics": defaults.metrics_port}
-    c = container(pod_spec(find(objects, "Deployment", "triton")), "triton")
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == expected
-    assert {f: int(arg_values(c["args"], f"--{f}-port")[0]) for f in expected} == expected
-    front = compose_ports()  # the rendered nginx.conf listens on these and proxies to the same upstream ports
-    nginx = container(pod_spec(find(objects, "Deployment", "frontdoor")), "nginx")
-    assert {p["name"]: p["containerPort"] for p in nginx["ports"]} == {
-        "http": front.http, "grpc": front.grpc, "metrics": front.metrics}
-    assert (front.triton_http, front.triton_grpc, front.triton_metrics) == tuple(expected.values())
+    spec = pod_spec(find(objects, "Deployment", "triton"))
+    # The pod's public ports are the front door's, the launcher's public ports; the rendered
+    # nginx.conf listens on those (compose_ports: the renderer's listen ports).
+    front = compose_ports()
+    assert container(spec, "triton").get("ports") is None  # tritonserver: loopback only
+    assert pod_ports(spec) == expected == {"http": front.http, "grpc": front.grpc, "metrics": front.metrics}
+    c = container(spec, "triton")
+    for f in expected:
+        assert arg_values(c["args"], f"--{f}-address") == ["127.0.0.1"]
+        assert int(arg_values(c["args"], f"--{f}-port")[0]) not in expected.values()
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     assert gateway["ports"] == [{"name": "http", "containerPort": DEFAULT_PORT}]
     redis_url = find(objects, "ConfigMap", "serving-config")["data"]["EMBEDDING_CACHE_L2_REDIS_URL"]
@@ -364,7 +375,7 @@ def test_selectors_and_ports_meet(built, folder):
     for name, svc in services.items():
         matched = [n for n, (labels, _) in templates.items() if selects(svc["spec"]["selector"], labels)]
         assert len(matched) == 1, f"Service {name} selects {matched}"
-        ports = {p["name"] for c in templates[matched[0]][1]["containers"] for p in c.get("ports", [])}
+        ports = set(pod_ports(templates[matched[0]][1]))
         for p in svc["spec"]["ports"]:
             assert p["targetPort"] in ports, f"Service {name}: targetPort {p['targetPort']} not among {ports}"
     for o in objects:
@@ -400,7 +411,7 @@ def test_monitoring_jobs_and_targets(built):
     assert set(jobs) == {"triton", "gateway"}  # the job names of deploy/prometheus's rules
     # One target per Triton pod: the Service of tritonserver itself, not the front door's.
     triton_svc = [s for s in objects if s["kind"] == "Service" and selects(jobs["triton"][0], s["metadata"]["labels"])]
-    assert [s["metadata"]["name"] for s in triton_svc] == ["triton-direct"]
+    assert [s["metadata"]["name"] for s in triton_svc] == ["triton"]
     from openai_gateway.app import ROUTES
 
     assert jobs["gateway"][1]["path"] in ROUTES
@@ -410,10 +421,14 @@ def test_probe_paths_exist(built):
     from openai_gateway.app import ROUTES
 
     objects = built["overlays/cpu"]
-    triton = container(pod_spec(find(objects, "Deployment", "triton")), "triton")
-    # Triton's health API (KServe v2); the integration tier asks the real tritonserver.
+    spec = pod_spec(find(objects, "Deployment", "triton"))
+    triton = container(spec, "triton")
+    # Triton's health API (KServe v2); the integration tier asks the real tritonserver. The
+    # kubelet reaches the pod's IP, not its loopback: the probes use the front door's port.
     assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert triton[probe]["httpGet"]["port"] in {p["name"] for p in container(spec, "frontdoor")["ports"]}
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     for probe in ("readinessProbe", "livenessProbe"):
         assert gateway[probe]["httpGet"]["path"] in ROUTES
@@ -437,17 +452,20 @@ def test_export_job_writes_what_the_pods_mount(built, tmp_path):
     from server.frontdoor import main as frontdoor_main
 
     assert frontdoor_main(argv[argv.index("render"):]) == 0
-    upstream = argv[argv.index("--upstream") + 1]
-    find(objects, "Service", upstream)
+    # The sidecar proxies to tritonserver's loopback ports in the same pod.
+    host, *ports = argv[argv.index("--upstream") + 1].split(":")
+    triton = container(pod_spec(find(objects, "Deployment", "triton")), "triton")
+    assert [host] == arg_values(triton["args"], "--http-address")
+    assert ports == [arg_values(triton["args"], f"--{f}-port")[0] for f in ("http", "grpc", "metrics")]
     conf = (tmp_path / "nginx.conf").read_text()
-    assert f"server {upstream}:8000" in conf and f"server {upstream}:8001" in conf
+    assert all(f"server {host}:{port}" in conf for port in ports)
     # Where the pods read what the Job wrote.
     subpaths = {}
-    for name in ("triton", "frontdoor", "gateway"):
+    for name in ("triton", "gateway"):
         d = pod_spec(find(objects, "Deployment", name))
-        subpaths[name] = {m["subPath"]: m["mountPath"] for c in d["containers"] for m in c["volumeMounts"] if "subPath" in m}
-    assert subpaths["triton"] == {"model_repository": "/models"}
-    assert subpaths["frontdoor"] == {"frontdoor": COMPOSE_MOUNT}
+        subpaths[name] = {m["subPath"]: m["mountPath"] for c in d["containers"] + d.get("initContainers", [])
+                          for m in c["volumeMounts"] if "subPath" in m}
+    assert subpaths["triton"] == {"model_repository": "/models", "frontdoor": COMPOSE_MOUNT}
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     assert gateway["args"][gateway["args"].index("--model-repository") + 1] == subpaths["gateway"]["model_repository"]
 
@@ -461,7 +479,7 @@ def test_shell_scripts_parse(built):
                 command = c.get("command", [])
                 if command[:2] == ["/bin/sh", "-c"]:
                     scripts.append(command[2] if len(command) > 2 else c["args"][0])
-    assert len(scripts) == 4  # the export Job and three init containers
+    assert len(scripts) == 3  # the export Job and the two pods' waits for it
     for script in scripts:
         result = subprocess.run(["sh", "-n", "-c", script], capture_output=True, text=True, timeout=10, check=False)
         assert result.returncode == 0, f"{script}\n{result.stderr}"
@@ -472,8 +490,11 @@ def test_gateway_reaches_triton_through_the_front_door(built):
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     host, port = gateway["args"][gateway["args"].index("--triton") + 1].split(":")
     svc = find(objects, "Service", host)
-    assert svc["spec"]["selector"] == find(objects, "Deployment", "frontdoor")["spec"]["selector"]["matchLabels"]
-    assert any(p["port"] == int(port) and p["name"] == "grpc" for p in svc["spec"]["ports"])
+    triton = find(objects, "Deployment", "triton")
+    assert svc["spec"]["selector"] == triton["spec"]["selector"]["matchLabels"]
+    (grpc,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+    # The Service's gRPC port leads to the front door's, not to tritonserver's own.
+    assert grpc["targetPort"] in {p["name"] for p in container(pod_spec(triton), "frontdoor")["ports"]}
     assert gateway["env"][0]["name"] == "GATEWAY_API_KEYS"  # keys from a Secret: no key file is written
 
 
