@@ -245,13 +245,16 @@ def test_gpu_overlay_puts_triton_and_the_export_on_gpus(built):
 
 
 def test_cpu_pod_has_the_cores_the_encoder_is_sized_for(built):
-    """requests = limits = text_encoder's instances x intra-op threads (config.pbtxt)."""
+    """text_encoder's instances x intra-op threads (config.pbtxt) whole cores, in a Guaranteed pod."""
     config = (ROOT / "model_repository" / "text_encoder" / "config.pbtxt").read_text()
     instances = int(re.search(r"instance_group\s*\[[^\]]*?count:\s*(\d+)", config).group(1))
     threads = int(re.search(r'key: "intra_op_thread_count" value: \{ string_value: "(\d+)"', config).group(1))
-    resources = container(pod_spec(find(built["overlays/cpu"], "Deployment", "triton")), "triton")["resources"]
-    assert resources["requests"] == resources["limits"]  # Guaranteed QoS
-    assert int(resources["requests"]["cpu"]) == instances * threads
+    spec = pod_spec(find(built["overlays/cpu"], "Deployment", "triton"))
+    assert int(container(spec, "triton")["resources"]["requests"]["cpu"]) == instances * threads
+    for folder in ("overlays/cpu", "overlays/gpu"):
+        spec = pod_spec(find(built[folder], "Deployment", "triton"))
+        for c in spec["containers"] + spec["initContainers"]:  # Guaranteed QoS: every container's
+            assert c["resources"]["requests"] == c["resources"]["limits"], (folder, c["name"])
 
 
 def probe_window(probe: dict) -> int:
