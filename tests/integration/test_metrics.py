@@ -43,6 +43,17 @@ def value(samples, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
+def settled(url: str, name: str, labels: dict, target: float, timeout: float = 10.0):
+    """A scrape once ``name``'s series reach ``target`` (a reporter thread sends them just after
+    the execution), or the last one when ``timeout`` ran out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        if value(samples, name, **labels) >= target or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
 def names(samples) -> set[str]:
     return {name for name, _ in samples}
 
@@ -72,10 +83,10 @@ def tokenizer(http_client):
 def test_tokenizer_padding_counts_the_known_batch(triton, http_client, tokenizer):
     texts = [unique("hi"), unique("a rather longer sentence about the prices of apples in the autumn market"), unique("ok")]
     expected = tokenizer.encode(texts)
+    labels = {"model": "text_tokenizer", "version": "1"}
     before = scrape(triton.metrics_url)
     result = http_client.infer("text_tokenizer", texts_request(texts))
-    after = scrape(triton.metrics_url)
-    labels = {"model": "text_tokenizer", "version": "1"}
+    after = settled(triton.metrics_url, f"{BATCH_SIZE}_count", labels, value(before, f"{BATCH_SIZE}_count", **labels) + 1)
     real = value(after, REAL_TOKENS, **labels) - value(before, REAL_TOKENS, **labels)
     padded = value(after, PADDED_TOKENS, **labels) - value(before, PADDED_TOKENS, **labels)
     mask = result.as_numpy("attention_mask")
@@ -105,10 +116,10 @@ def test_encoder_padding_counts_its_real_runs(triton, http_client, tokenizer):
         inp = httpclient.InferInput(name, list(array.shape), "INT64")
         inp.set_data_from_numpy(array)
         inputs.append(inp)
+    labels = {"model": "text_encoder", "version": "1"}
     before = scrape(triton.metrics_url)
     http_client.infer("text_encoder", inputs)
-    after = scrape(triton.metrics_url)
-    labels = {"model": "text_encoder", "version": "1"}
+    after = settled(triton.metrics_url, PADDED_TOKENS, labels, value(before, PADDED_TOKENS, **labels) + expected_padded)
     real = value(after, REAL_TOKENS, **labels) - value(before, REAL_TOKENS, **labels)
     padded = value(after, PADDED_TOKENS, **labels) - value(before, PADDED_TOKENS, **labels)
     assert real == sum(lengths)
@@ -121,8 +132,9 @@ def test_batch_size_histogram_is_cumulative_and_counts_executions(triton, http_c
     pending = [http_client.async_infer("text_tokenizer", texts_request([unique(f"text {i}")])) for i in range(48)]
     for request in pending:
         request.get_result()
-    samples = scrape(triton.metrics_url)
     labels = {"model": "text_tokenizer", "version": "1"}
+    executions = value(scrape(triton.metrics_url), "nv_inference_exec_count", model="text_tokenizer")
+    samples = settled(triton.metrics_url, f"{BATCH_SIZE}_count", labels, executions)
     buckets = {dict(ls)["le"]: v for (n, ls), v in samples.items()
                if n == f"{BATCH_SIZE}_bucket" and set(labels.items()) <= ls}
     order = [str(b) for b in BATCH_SIZE_BUCKETS] + ["+Inf"]

@@ -1,6 +1,7 @@
 """The padding and batch-size metrics' arithmetic (python_backends.padding_metrics): real and
 padded tokens of the tokenizer's tensors and of the encoder's real ONNX Runtime runs, the
-histogram's cumulative buckets, and at most one Metric call per metric and execution.
+histogram's cumulative buckets, at most one Metric call per metric and execution, and the
+reporter thread that makes them off the execution's path.
 
 ``pb_utils`` only exists inside Triton; the recorder below stands in for its MetricFamily and
 counts the calls (each one is an IPC round trip there). The real metrics port is checked by
@@ -131,7 +132,7 @@ def test_histogram_buckets_are_cumulative():
 
 
 def test_one_call_per_metric_and_execution_and_zeros_not_sent(calls):
-    metrics = PaddingMetrics(FakePbUtils, "text_tokenizer", "1", batch_histogram=True)
+    metrics = PaddingMetrics(FakePbUtils, "text_tokenizer", "1", batch_histogram=True, background=False)
     assert metrics.batch_size.buckets == list(BATCH_SIZE_BUCKETS)
     assert metrics.real.labels == {"model": "text_tokenizer", "version": "1"}
     metrics.record(20, 48, requests=5)
@@ -143,7 +144,7 @@ def test_one_call_per_metric_and_execution_and_zeros_not_sent(calls):
 
 
 def test_encoder_metrics_have_no_histogram_and_failures_do_not_raise(calls):
-    metrics = PaddingMetrics(FakePbUtils, "text_encoder", "1")
+    metrics = PaddingMetrics(FakePbUtils, "text_encoder", "1", background=False)
     metrics.record(30, 34)
     assert calls == [(REAL_TOKENS, "increment", 30), (PADDED_TOKENS, "increment", 34)]
     assert len(metrics.objects()) == 4
@@ -153,3 +154,17 @@ def test_encoder_metrics_have_no_histogram_and_failures_do_not_raise(calls):
 
     metrics.real.increment = broken
     metrics.record(1, 1)  # logged, not raised: the batch's responses still go out
+
+
+def test_background_reporter_sums_the_counters_and_observes_every_execution(calls):
+    metrics = PaddingMetrics(FakePbUtils, "text_tokenizer", "1", batch_histogram=True)
+    for n in range(1, 51):
+        metrics.record(10 * n, 16 * n, requests=n)
+    metrics.close()
+    assert not metrics._thread.is_alive()
+    increments = [c for c in calls if c[1] == "increment"]
+    assert sum(v for name, _, v in increments if name == REAL_TOKENS) == 10 * 1275
+    assert sum(v for name, _, v in increments if name == PADDED_TOKENS) == 16 * 1275
+    assert len(increments) <= 2 * 50  # executions queued meanwhile share one increment
+    assert [v for name, kind, v in calls if kind == "observe"] == list(range(1, 51))
+    metrics.close()  # twice is harmless

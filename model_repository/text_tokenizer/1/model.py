@@ -28,7 +28,10 @@ class TritonPythonModel:
             )
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
-        self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"], batch_histogram=True)
+        # Off only to measure what the metrics cost (perf/metrics_cost.py).
+        self.metrics = None
+        if self.config.param_bool("metrics", True):
+            self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"], batch_histogram=True)
 
     def execute(self, requests):
         # owners[k] = (request index, start, stop) into texts; bad requests already answered
@@ -48,8 +51,11 @@ class TritonPythonModel:
                         pb_utils.Tensor("attention_mask", np.ascontiguousarray(batch.attention_mask)),
                     ]
                 )
-        self.metrics.record(*batches_counts(encoded), requests=len(requests))
+        if self.metrics:
+            self.metrics.record(*batches_counts(encoded), requests=len(requests))
         return responses
 
     def finalize(self):
-        keep_metrics(*self.metrics.objects())  # never deleted: see keep_metrics
+        if self.metrics:
+            self.metrics.close()
+            keep_metrics(*self.metrics.objects())  # never deleted: see keep_metrics

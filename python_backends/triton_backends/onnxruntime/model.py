@@ -94,4 +94,5 @@ class TritonPythonModel:
     def finalize(self):
         self.session = None
         if self.metrics:
+            self.metrics.close()
             keep_metrics(*self.metrics.objects())  # never deleted: see keep_metrics

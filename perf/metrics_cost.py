@@ -1,0 +1,146 @@
+"""What the padding and batch-size metrics cost the tokenizer (python_backends/padding_metrics.py).
+
+    python -m perf.metrics_cost [--requests 600] [--rounds 3]
+
+1. In process, no server: one execution's tokenizer call (``BatchTokenizer.encode_requests``)
+   against what the metrics add to it (``batches_counts`` and the queueing of
+   ``PaddingMetrics.record``), per batch size, microseconds.
+2. One tritonserver serving text_tokenizer twice, side by side: as shipped (metrics on: the
+   execution queues its figures; a reporter thread makes the counter increments and the
+   histogram observe, each an IPC round trip from the stub) and a copy with the config
+   parameter ``metrics`` false. Requests alternate
+   between the two, one at a time (one request per execution), unique texts; the figure is
+   Triton's own compute time per execution (statistics: compute_infer / executions) and the
+   client's P50 / P99, per model, over ``--rounds`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from export.reference import model_dir
+from python_backends.padding_metrics import batches_counts
+from python_backends.text.tokenization import BatchTokenizer
+from server.layout import ROOT
+
+MODEL = "text_tokenizer"
+OFF = "text_tokenizer_metrics_off"
+TEXT = "The quarterly report shows steady growth in the northern region"
+
+
+def in_process(batches=(1, 8, 32), repeats: int = 2000) -> dict:
+    """Per execution of ``n`` one-text requests: the tokenizer call, the counting and the
+    queueing ``PaddingMetrics.record`` does on the execution's path (best of three, us)."""
+    import queue
+
+    tok = BatchTokenizer(model_dir() / "tokenizer.json", max_length=256)
+    out = {}
+    for n in batches:
+        texts = [f"{TEXT} {i}" for i in range(n)]
+        spans = [(i, i + 1) for i in range(n)]
+        encoded = tok.encode_requests(texts, spans)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        best = {"tokenize_us": [], "count_and_queue_us": []}
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                tok.encode_requests(texts, spans)
+            best["tokenize_us"].append((time.perf_counter() - start) / repeats * 1e6)
+            start = time.perf_counter()
+            for _ in range(repeats * 10):
+                q.put((*batches_counts(encoded), n))
+            best["count_and_queue_us"].append((time.perf_counter() - start) / (repeats * 10) * 1e6)
+        out[n] = {key: round(min(values), 2) for key, values in best.items()}
+        out[n]["share"] = round(out[n]["count_and_queue_us"] / out[n]["tokenize_us"], 4)
+    return out
+
+
+def make_repository(root: Path) -> Path:
+    repo = root / "model_repository"
+    source = ROOT / "model_repository" / MODEL
+    shutil.copytree(source, repo / MODEL, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    off = repo / OFF
+    shutil.copytree(source, off, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    config = (off / "config.pbtxt").read_text().replace(f'name: "{MODEL}"', f'name: "{OFF}"')
+    config += '\nparameters { key: "metrics" value: { string_value: "false" } }\n'
+    (off / "config.pbtxt").write_text(config)
+    return repo
+
+
+def served(requests: int, rounds: int) -> dict:
+    import tritonclient.grpc as grpcclient
+
+    from server.process import ServerOptions, TritonServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="metrics-cost-"))
+    server = TritonServer(ServerOptions.with_free_ports(model_repository=make_repository(tmp), workdir=tmp / "work",
+                                                        models=(MODEL, OFF), front_door=False))
+    server.start()
+    try:
+        server.wait_ready(timeout=120)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+
+        def send(model: str) -> float:
+            data = np.array([[f"{TEXT} {uuid.uuid4().hex[:8]}".encode()]], dtype=object)
+            inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+            inp.set_data_from_numpy(data)
+            start = time.perf_counter()
+            client.infer(model, [inp])
+            return (time.perf_counter() - start) * 1e3
+
+        def stats(model: str) -> tuple[int, int]:
+            s = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+            return int(s["execution_count"]), int(s["inference_stats"]["compute_infer"]["ns"])
+
+        for model in (MODEL, OFF):  # warm both
+            for _ in range(50):
+                send(model)
+        per_round = []
+        latencies = {MODEL: [], OFF: []}
+        for _ in range(rounds):
+            before = {m: stats(m) for m in (MODEL, OFF)}
+            for i in range(requests):
+                for model in ((MODEL, OFF) if i % 2 else (OFF, MODEL)):
+                    latencies[model].append(send(model))
+            after = {m: stats(m) for m in (MODEL, OFF)}
+            per_round.append({m: (after[m][1] - before[m][1]) / 1e3 / (after[m][0] - before[m][0]) for m in (MODEL, OFF)})
+        client.close()
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {}
+    for model, label in ((MODEL, "metrics on"), (OFF, "metrics off")):
+        lat = sorted(latencies[model])
+        out[label] = {"compute_us_per_execution": [round(r[model], 1) for r in per_round],
+                      "p50_ms": round(statistics.median(lat), 3), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3)}
+    on = statistics.median(r[MODEL] for r in per_round)
+    off = statistics.median(r[OFF] for r in per_round)
+    out["added_us_per_execution"] = round(on - off, 1)
+    out["ratio_on_off"] = round(on / off, 3)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=600, help="requests per model and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-server", action="store_true", help="the in-process part only")
+    args = p.parse_args(argv)
+    result = {"in_process": in_process()}
+    if not args.no_server:
+        result["served"] = served(args.requests, args.rounds)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
