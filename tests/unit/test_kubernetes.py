@@ -473,6 +473,28 @@ def test_export_job_writes_what_the_pods_mount(built, tmp_path):
     assert gateway["args"][gateway["args"].index("--model-repository") + 1] == subpaths["gateway"]["model_repository"]
 
 
+def test_sidecar_config_passes_nginx_t(built, tmp_path):
+    """The export Job's render with only this machine's paths (njs module, folders), checked by
+    the real nginx; its upstream is the pod's loopback, which resolves here as in the pod."""
+    from server import frontdoor
+
+    try:
+        module, nginx = frontdoor.js_module(), frontdoor.nginx_binary()
+    except frontdoor.FrontDoorError as exc:
+        print(f"nginx -t not run: {exc}")
+        pytest.skip(str(exc))
+    job = container(pod_spec(find(built["overlays/cpu"], "Job", "model-export")), "export")
+    render = shlex.split(next(line for line in job["args"][0].splitlines() if "server.frontdoor render" in line))
+    upstream = render[render.index("--upstream") + 1]
+    here = tmp_path / "frontdoor"
+    assert frontdoor.main(["render", "--out", str(here), "--repository", str(ROOT / "model_repository"),
+                           "--mount", str(here), "--js-module", str(module), "--workdir", str(here),
+                           "--upstream", upstream, "--listen", "0.0.0.0"]) == 0
+    done = subprocess.run([str(nginx), "-t", "-p", str(here), "-c", str(here / "nginx.conf"), "-e", "stderr"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_shell_scripts_parse(built):
     """The Job's script and the init containers' loops, as /bin/sh reads them (syntax only)."""
     scripts = []
