@@ -76,3 +76,23 @@ def redis_server():
 
     with RedisProcess() as redis:
         yield redis
+
+
+@pytest.fixture(scope="session")
+def repository_configs(tmp_path_factory) -> Path:
+    """model_repository's configs with the priority-class lanes, which `make export` renders
+    (export/lanes.py) and a fresh clone lacks: the repository itself once exported, else a copy
+    of every config.pbtxt with the lanes rendered into it (the unit tier needs no export)."""
+    from export.lanes import declared_lanes, render_all
+
+    configs = sorted(REPOSITORY.glob("*/config.pbtxt"))
+    lanes = [lane.name for c in configs for lane in declared_lanes(c.parent.name, c.read_text())]
+    assert lanes, "no model declares a priority-class lane: the lane checks would check nothing"
+    if all((REPOSITORY / name / "config.pbtxt").is_file() for name in lanes):
+        return REPOSITORY
+    copy = tmp_path_factory.mktemp("configs") / "model_repository"
+    for c in configs:
+        (copy / c.parent.name).mkdir(parents=True)
+        shutil.copyfile(c, copy / c.parent.name / "config.pbtxt")
+    render_all(copy)
+    return copy
