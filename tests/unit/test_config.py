@@ -83,3 +83,24 @@ def test_every_ensemble_has_a_tracked_version_folder():
     for config in repo.glob("*/config.pbtxt"):
         if _re.search(r'^platform:\s*"ensemble"', config.read_text(), _re.M):
             assert (config.parent / "1" / ".gitkeep").is_file(), f"{config.parent.name}/1/.gitkeep missing"
+
+
+# A measured figure in a comment: a ratio ("1.4x", "0.6-0.8x") or a percentage ("12 %").
+_FIGURE = r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:x\b|\s?%)"
+
+
+def test_config_comments_give_reasons_not_measurements():
+    """A config comment says why in a line and links the page with the figures: figures in
+    comments go stale (docs/performance.md and the subsystem pages keep them)."""
+    import re as _re
+
+    repo = Path(__file__).resolve().parents[2] / "model_repository"
+    found = []
+    for config in sorted(repo.glob("*/config.pbtxt")):
+        for n, line in enumerate(config.read_text().splitlines(), 1):
+            comment = line.partition("#")[2]
+            if comment and _re.search(_FIGURE, comment):
+                found.append(f"{config.parent.name}/config.pbtxt:{n}: {comment.strip()}")
+    assert not found, "measurements in config comments (move them to docs/, link the page):\n" + "\n".join(found)
+    assert _re.search(_FIGURE, "served 0.6-0.8x") and _re.search(_FIGURE, "cost 12 % of it")
+    assert not _re.search(_FIGURE, "3 x 224 x 224 floats") and not _re.search(_FIGURE, "max 20 ms")
