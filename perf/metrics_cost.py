@@ -1,6 +1,6 @@
 """What the padding and batch-size metrics cost the tokenizer (python_backends/padding_metrics.py).
 
-    python -m perf.metrics_cost [--requests 600] [--rounds 3]
+    python -m perf.metrics_cost [--requests 600] [--rounds 3] [--summaries]
 
 1. In process, no server: one execution's tokenizer call (``BatchTokenizer.encode_requests``)
    against what the metrics add to it (``batches_counts`` and the queueing of
@@ -12,6 +12,8 @@
    between the two, one at a time (one request per execution), unique texts; the figure is
    Triton's own compute time per execution (statistics: compute_infer / executions) and the
    client's P50 / P99, per model, over ``--rounds`` rounds.
+3. With ``--summaries``: the launcher's ``--metrics-config=summary_latencies=true`` (the
+   quantiles the P99 alerts read) against a second server without it, side by side.
 """
 
 from __future__ import annotations
@@ -129,15 +131,86 @@ def served(requests: int, rounds: int) -> dict:
     return out
 
 
+def summaries(requests: int, rounds: int) -> dict:
+    """Two servers of text_tokenizer at once, with the launcher's --metrics-config=summary_latencies=true
+    and without it (ServerOptions.summary_latencies); requests alternate between them, one at a time. Triton's
+    mean request time (nv_inference_request_duration_us / requests) and the client's P50 / P99."""
+    import tritonclient.grpc as grpcclient
+
+    from server.process import ServerOptions, TritonServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="summary-cost-"))
+    servers = {}
+    try:
+        for label, on in (("summaries on", True), ("summaries off", False)):
+            servers[label] = TritonServer(ServerOptions.with_free_ports(
+                workdir=tmp / label.replace(" ", "-"), models=(MODEL,), front_door=False, summary_latencies=on))
+            servers[label].start()
+        for server in servers.values():
+            server.wait_ready(timeout=120)
+        clients = {label: grpcclient.InferenceServerClient(server.grpc_url) for label, server in servers.items()}
+        metrics = {label: server.metrics_url for label, server in servers.items()}
+
+        def send(label: str) -> float:
+            data = np.array([[f"{TEXT} {uuid.uuid4().hex[:8]}".encode()]], dtype=object)
+            inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+            inp.set_data_from_numpy(data)
+            start = time.perf_counter()
+            clients[label].infer(MODEL, [inp])
+            return (time.perf_counter() - start) * 1e3
+
+        def request_us(label: str) -> tuple[float, float]:
+            s = clients[label].get_inference_statistics(MODEL, as_json=True)["model_stats"][0]["inference_stats"]
+            return int(s["success"]["count"]), int(s["success"]["ns"]) / 1e3
+
+        import urllib.request
+
+        exposes = {label: "nv_inference_queue_summary_us_count{" in urllib.request.urlopen(url).read().decode()
+                   for label, url in metrics.items()}
+        for label in servers:
+            for _ in range(50):
+                send(label)
+        latencies = {label: [] for label in servers}
+        per_round = []
+        for _ in range(rounds):
+            before = {label: request_us(label) for label in servers}
+            for i in range(requests):
+                for label in (list(servers) if i % 2 else list(servers)[::-1]):
+                    latencies[label].append(send(label))
+            after = {label: request_us(label) for label in servers}
+            per_round.append({label: (after[label][1] - before[label][1]) / (after[label][0] - before[label][0])
+                              for label in servers})
+        for c in clients.values():
+            c.close()
+    finally:
+        for server in servers.values():
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {}
+    for label in servers:
+        lat = sorted(latencies[label])
+        out[label] = {"exposes_queue_summary": exposes[label],
+                      "request_us": [round(r[label], 1) for r in per_round],
+                      "p50_ms": round(statistics.median(lat), 3), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3)}
+    on = statistics.median(r["summaries on"] for r in per_round)
+    off = statistics.median(r["summaries off"] for r in per_round)
+    out["added_us_per_request"] = round(on - off, 1)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=600, help="requests per model and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-server", action="store_true", help="the in-process part only")
+    p.add_argument("--summaries", action="store_true",
+                   help="also what the launcher's queue/request time summaries cost (two servers)")
     args = p.parse_args(argv)
     result = {"in_process": in_process()}
     if not args.no_server:
         result["served"] = served(args.requests, args.rounds)
+    if args.summaries:
+        result["summaries"] = summaries(args.requests, args.rounds)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -123,6 +123,8 @@ class ServerOptions:
     cache_size_bytes: int = 0  # Triton's local response cache; 0 = off
     model_config_name: str | None = None  # --model-config-name: a precision variant (export/variants.py)
     log_verbose: int = 0
+    # Triton's latency summaries (quantiles over a sliding window); off only to measure their cost.
+    summary_latencies: bool = True
     extra_args: Sequence[str] = field(default_factory=tuple)
     # Added to the server's environment, which the python backend stubs inherit: e.g.
     # EMBEDDING_CACHE_L2_REDIS_URL for text_embedding_cached (python_backends/cache/settings.py).
@@ -226,9 +228,6 @@ class TritonServer:
             f"--metrics-address={bind}",
             f"--metrics-port={metrics_port}",
             "--allow-metrics=true",
-            # Queue and request time quantiles (nv_inference_*_summary_us{quantile}) for the P99
-            # alerts of deploy/prometheus/rules (docs/monitoring.md): the counters only give means.
-            "--metrics-config=summary_latencies=true",
             "--exit-on-error=true",
             "--strict-readiness=true",
             f"--exit-timeout-secs={max(1, int(o.drain_timeout))}",
@@ -238,6 +237,10 @@ class TritonServer:
             "--backend-config=python,shm-default-byte-size=16777216",
             "--backend-config=python,shm-growth-byte-size=16777216",
         ]
+        if o.summary_latencies:
+            # Queue and request time quantiles (nv_inference_*_summary_us{quantile}) for the P99
+            # alerts of deploy/prometheus/rules (docs/monitoring.md): the counters only give means.
+            cmd.append("--metrics-config=summary_latencies=true")
         if o.model_config_name:
             cmd.append(f"--model-config-name={o.model_config_name}")
         if o.cache_size_bytes > 0:
