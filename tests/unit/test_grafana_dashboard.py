@@ -274,8 +274,9 @@ class TritonReplica:
 
         self.replica, self.scrapes = replica, 0
         self.pb = Exposition()
-        self.tokenizer = PaddingMetrics(self.pb, "text_tokenizer", "1", batch_histogram=True)
-        self.encoder = PaddingMetrics(self.pb, "text_encoder", "1")
+        # in the scrape's thread (no reporter thread): each scrape shows every execution recorded before it
+        self.tokenizer = PaddingMetrics(self.pb, "text_tokenizer", "1", batch_histogram=True, background=False)
+        self.encoder = PaddingMetrics(self.pb, "text_encoder", "1", background=False)
         self.cache = CacheMetrics(self.pb, "text_embedding_cached", instance="text_embedding_cached_0_0")
         self.generation = GenerationMetrics(self.pb, {"model": "text_generation", "version": "1"})
         self.generation.close()  # its reporter thread: the metrics are driven directly here
@@ -305,9 +306,8 @@ class TritonReplica:
 
     def tick(self) -> None:
         self.scrapes += 1
-        for batch in (1, 3, 8, 30):
-            self.tokenizer.batch_size.observe(batch)
-        self.tokenizer.record(real=700, padded=1024)
+        for requests in (1, 3, 8, 30):  # four tokenizer executions
+            self.tokenizer.record(real=175, padded=256, requests=requests)
         self.encoder.record(real=700, padded=800)
         for (level, result), n in {("l1", "hit"): 30, ("l1", "miss"): 10, ("l2", "hit"): 4, ("l2", "miss"): 6}.items():
             self.cache.lookups[(level, result)].increment(n)
