@@ -125,7 +125,6 @@ class Replica:
     next_start: float = 0.0
     ready_since: float = 0.0
     health_misses: int = 0
-    last_health: float = 0.0
     waiter: threading.Thread | None = None
     exit_codes: list[int | None] = field(default_factory=list)
 
@@ -395,6 +394,7 @@ class Cluster:
         self.front_door.start()
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
+        threading.Thread(target=self._health_checks, name="cluster-health", daemon=True).start()
         if o.prometheus_port is not None:
             port = o.prometheus_port or (DEFAULT_PROMETHEUS_PORT if not ports_in_use("127.0.0.1", [DEFAULT_PROMETHEUS_PORT])
                                          else _free_ports(1, taken)[0])
@@ -480,7 +480,6 @@ class Cluster:
                 if replica.server is server and replica.state == STARTING:
                     replica.state = READY
                     replica.ready_since = time.monotonic()
-                    replica.last_health = time.monotonic()
 
         replica.waiter = threading.Thread(target=wait, name=f"replica-{replica.index}-ready", daemon=True)
         replica.waiter.start()
@@ -515,15 +514,11 @@ class Cluster:
                         r.server.stop(timeout=2)
                         r.exit_codes.append(r.server.process.returncode if r.server.process else None)
                     self._failed(r, "failed to become ready")
-                elif r.state == READY and now - r.last_health >= o.health_interval_s:
-                    r.last_health = now
-                    ok = http_status(f"http://127.0.0.1:{r.http}/v2/health/ready", timeout=2) == 200
-                    r.health_misses = 0 if ok else r.health_misses + 1
-                    if r.health_misses >= o.health_failures:
-                        self._event(f"replica {r.index}: /v2/health/ready failed {r.health_misses} times; "
-                                    "out of the front door until it answers again")
-                        r.state = STARTING  # back in once ready again
-                        self._watch_ready(r)
+                elif r.state == READY and r.health_misses >= o.health_failures:
+                    self._event(f"replica {r.index}: /v2/health/ready failed {r.health_misses} times; "
+                                "out of the front door until it answers again")
+                    r.state = STARTING  # back in once ready again
+                    self._watch_ready(r)
             for r in self.replicas:
                 if r.state == DOWN and now >= r.next_start and not self._stop.is_set():
                     first = r.server is None
@@ -545,7 +540,6 @@ class Cluster:
                         if replica.server is server and replica.state == STARTING:
                             replica.state = READY
                             replica.health_misses = 0
-                            replica.last_health = time.monotonic()
                     return
                 time.sleep(0.5)
 
@@ -571,6 +565,18 @@ class Cluster:
                 self._event(f"replica {r.index}: {'in' if now else 'out of'} the front door "
                             f"(127.0.0.1:{r.http}, pid {r.pid})")
         self._write_state()
+
+    def _health_checks(self) -> None:
+        """Its own thread: a hung replica's 2-s timeouts must not delay the supervisor's tick."""
+        o = self.options
+        while not self._stop.wait(o.health_interval_s):
+            with self._lock:
+                due = [(r, r.server) for r in self.replicas if r.state == READY]
+            for r, server in due:
+                ok = http_status(f"http://127.0.0.1:{r.http}/v2/health/ready", timeout=2) == 200
+                with self._lock:
+                    if r.server is server and r.state == READY:
+                        r.health_misses = 0 if ok else r.health_misses + 1
 
     def _supervise(self) -> None:
         while not self._stop.is_set():
