@@ -1,6 +1,6 @@
 """What the padding and batch-size metrics cost the tokenizer (python_backends/padding_metrics.py).
 
-    python -m perf.metrics_cost [--requests 600] [--rounds 3] [--summaries]
+    python -m perf.metrics_cost [--requests 600] [--rounds 3] [--summaries] [--fill-rate]
 
 1. In process, no server: one execution's tokenizer call (``BatchTokenizer.encode_requests``)
    against what the metrics add to it (``batches_counts`` and the queueing of
@@ -14,6 +14,9 @@
    client's P50 / P99, per model, over ``--rounds`` rounds.
 3. With ``--summaries``: the launcher's ``--metrics-config=summary_latencies=true`` (the
    quantiles the P99 alerts read) against a second server without it, side by side.
+4. With ``--fill-rate``: what the new metrics show for text_embedding under mixed lengths
+   (4 x ``--requests`` unique texts of 3-100 words, 8 in flight): the tokenizer's and the
+   encoder's fill rates and the requests per tokenizer execution.
 """
 
 from __future__ import annotations
@@ -198,11 +201,76 @@ def summaries(requests: int, rounds: int) -> dict:
     return out
 
 
+def fill_rates(requests: int, concurrency: int, seed: int = 7) -> dict:
+    """text_embedding under mixed lengths (unique texts of 3-100 words, ``concurrency`` in
+    flight over HTTP): the fill rate of the tokenizer's tensors and of the encoder's runs, and
+    the requests per tokenizer execution, from the metrics port (deltas over the run)."""
+    import random
+    import re
+    import urllib.request
+
+    import tritonclient.http as httpclient
+
+    from python_backends.padding_metrics import BATCH_SIZE, PADDED_TOKENS, REAL_TOKENS
+    from server.process import ServerOptions, TritonServer
+
+    words = TEXT.lower().split() + "and then the market in spring was quiet again for most traders".split()
+    rng = random.Random(seed)
+    tmp = Path(tempfile.mkdtemp(prefix="fill-rate-"))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=tmp, models=("text_embedding",), front_door=False))
+    server.start()
+    sample = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)', re.M)
+
+    def scrape() -> dict:
+        out: dict = {}
+        for name, labels, value in sample.findall(urllib.request.urlopen(server.metrics_url).read().decode()):
+            model = re.search(r'model="([^"]+)"', labels)
+            if model and name in (REAL_TOKENS, PADDED_TOKENS, f"{BATCH_SIZE}_count", f"{BATCH_SIZE}_sum"):
+                out[(name, model.group(1))] = out.get((name, model.group(1)), 0.0) + float(value)
+        return out
+
+    try:
+        server.wait_ready(timeout=180)
+        client = httpclient.InferenceServerClient(server.http_url, concurrency=concurrency)
+
+        def request(i: int):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 100))) + f" {i}"
+            inp = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+            inp.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
+            return client.async_infer("text_embedding", [inp])
+
+        before = scrape()
+        start = time.perf_counter()
+        pending = [request(i) for i in range(requests)]
+        for p in pending:
+            p.get_result()
+        seconds = time.perf_counter() - start
+        time.sleep(0.5)  # the reporter threads
+        after = scrape()
+        client.close()
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    out = {"requests": requests, "requests_per_s": round(requests / seconds, 1)}
+    for model in ("text_tokenizer", "text_encoder"):
+        real, padded = delta.get((REAL_TOKENS, model), 0.0), delta.get((PADDED_TOKENS, model), 0.0)
+        out[model] = {"real_tokens": int(real), "padded_tokens": int(padded),
+                      "fill_rate": round(real / padded, 3) if padded else None}
+    executions = delta.get((f"{BATCH_SIZE}_count", "text_tokenizer"), 0.0)
+    out["text_tokenizer"]["executions"] = int(executions)
+    out["text_tokenizer"]["requests_per_execution"] = round(
+        delta.get((f"{BATCH_SIZE}_sum", "text_tokenizer"), 0.0) / executions, 2) if executions else None
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=600, help="requests per model and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-server", action="store_true", help="the in-process part only")
+    p.add_argument("--fill-rate", action="store_true",
+                   help="also the fill rates of text_embedding under mixed lengths (one server)")
     p.add_argument("--summaries", action="store_true",
                    help="also what the launcher's queue/request time summaries cost (two servers)")
     args = p.parse_args(argv)
@@ -211,6 +279,8 @@ def main(argv=None) -> int:
         result["served"] = served(args.requests, args.rounds)
     if args.summaries:
         result["summaries"] = summaries(args.requests, args.rounds)
+    if args.fill_rate:
+        result["fill_rate"] = fill_rates(4 * args.requests, 8)
     print(json.dumps(result, indent=2))
     return 0
 
