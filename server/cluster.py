@@ -379,7 +379,7 @@ class Cluster:
         if o.redis_url == "":
             from server.redis_process import RedisProcess
 
-            self.redis = RedisProcess().start()
+            self.redis = RedisProcess(tied=True).start()
             self.redis_url = self.redis.url
         else:
             self.redis_url = o.redis_url

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from server.lifetime import tie_to_parent
 from server.process import free_port
 
 
@@ -24,12 +25,15 @@ class RedisError(RuntimeError):
 
 
 class RedisProcess:
-    def __init__(self, port: int | None = None, maxmemory_mb: int = 256):
+    def __init__(self, port: int | None = None, maxmemory_mb: int = 256, tied: bool = False):
         self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         if not Path(self.binary).exists():
             raise RedisError("redis-server not found: install the Debian package redis-server (scripts/setup.sh does)")
         self.port = port or free_port()
         self.maxmemory_mb = maxmemory_mb
+        # serve-cluster: die with the launcher, even when it is SIGKILLed (server/lifetime.py); the
+        # forking thread must then live as long as Redis should.
+        self.tied = tied
         self.dir = Path(tempfile.mkdtemp(prefix="redis-"))
         self.process: subprocess.Popen | None = None
 
@@ -44,6 +48,7 @@ class RedisProcess:
              "--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru",
              "--logfile", str(self.dir / "redis.log")],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=tie_to_parent("SIGTERM") if self.tied else None,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -101,3 +101,24 @@ def test_ctrl_c_stops_everything_it_started(cluster):
         time.sleep(0.2)
     assert [p for p in descendants if _alive(p)] == [] and [p for p in ports if _listening(p)] == []
     assert any("serve-cluster: stopped after" in line for line in cluster.screen)
+
+
+def test_sigkill_of_the_launcher_takes_every_child_with_it(tmp_path):
+    """Replicas (started by the supervisor thread), nginx, Redis and Prometheus are tied to the
+    launcher (PR_SET_PDEATHSIG): a SIGKILLed launcher leaves nothing behind. text_tokenizer
+    only, so the replicas start in seconds."""
+    from tests.integration.test_launcher_lifetime import _alive, _children
+
+    run = failover_bench.launch(tmp_path, replicas=2, models=("text_tokenizer",), gateway=False)
+    try:
+        descendants = [pid for pid in _children(run.proc.pid) if _alive(pid)]
+        names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in descendants if _alive(pid)}
+        assert {"tritonserver", "nginx", "redis-server", "prometheus"} <= names, names
+        run.proc.kill()
+        run.proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in descendants):
+            time.sleep(0.2)
+        assert [(p, Path(f"/proc/{p}/comm").read_text().strip()) for p in descendants if _alive(p)] == []
+    finally:
+        run.stop(timeout=10)
