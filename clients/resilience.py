@@ -224,6 +224,9 @@ class EndpointPool:
         """Seconds until some endpoint takes a request again."""
         return min(e.breaker.ready_in() for e in self.endpoints)
 
+    def cooldown_s(self) -> float:
+        return max(e.breaker.policy.cooldown_s for e in self.endpoints)
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per endpoint: attempts, successes, failures, breaker state, times opened and closed."""
         return {
@@ -336,6 +339,7 @@ class _Call:
         self.timeout_s = timeout_s
         self.attempts = 0  # requests sent
         self.waits = 0  # waits for an open breaker; they count against max_attempts too
+        self.probe_wait_s = 0.0  # time spent looking while another call's probe was in flight
         self.last: BaseException | None = None
         self.endpoint: Endpoint | None = None
 
@@ -357,10 +361,19 @@ class _Call:
             raise self.give_up("deadline")
         endpoint = self.r.pool.acquire(avoid=self.endpoint)
         if endpoint is None:
-            # Waiting out an open breaker costs an attempt, so a call cannot wait forever.
             wait = self.r.pool.ready_in()
             if wait == float("inf"):
-                wait = max(self.r.policy.base_s, 0.01)  # a probe is in flight: look again soon
+                # A probe is in flight: look again soon. These looks cost no attempt (calls that
+                # queued behind one probe gave up after three looks, 150 ms, while the server
+                # came back), but their time is bounded: the deadline, else the cool-downs the
+                # attempts would have waited.
+                wait = max(self.r.policy.base_s, 0.01)
+                self.probe_wait_s += wait
+                bound = self.r.pool.cooldown_s() * self.r.policy.max_attempts
+                if (remaining is not None and wait >= remaining) or (remaining is None and self.probe_wait_s > bound):
+                    raise self.give_up("open")
+                return None, wait
+            # Waiting out an open breaker's cool-down costs an attempt, so a call cannot wait forever.
             self.waits += 1
             if self.attempts + self.waits >= self.r.policy.max_attempts or (remaining is not None and wait >= remaining):
                 raise self.give_up("open")

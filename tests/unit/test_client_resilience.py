@@ -288,6 +288,47 @@ def test_every_breaker_open_waits_for_the_cool_down_within_the_deadline():
     assert "circuit breaker is open" in str(info.value)
 
 
+def test_calls_queued_behind_a_probe_wait_for_it_without_spending_attempts():
+    """One endpoint (a front door), its breaker half-open with another call's probe in flight:
+    a call looks again every base_s without spending its attempts, and is served once the
+    probe closes the breaker (it gave up after three looks, 150 ms, before)."""
+    clock = FakeClock()
+    r = retrier(urls=("a:1",), clock=clock, breaker=BreakerPolicy(1, 0.5), max_attempts=4)
+    breaker = r.pool.endpoints[0].breaker
+    breaker.record_failure()
+    clock.now += 0.5
+    assert breaker.allow()  # the probe slot is taken by someone else's call
+    looks = []
+
+    def sleep(seconds):
+        clock.sleep(seconds)
+        looks.append(seconds)
+        if len(looks) == 10:  # the probe succeeds after 10 looks (0.5 s)
+            breaker.record_success()
+
+    r.sleep = sleep
+    assert r.call(lambda url, t: "ok") == "ok"
+    assert len(looks) == 10 and r.pool.endpoints[0].successes == 1
+    # without a deadline the looks are bounded by the cool-downs the attempts would have waited
+    stuck = retrier(urls=("a:1",), clock=clock, breaker=BreakerPolicy(1, 0.5), max_attempts=4)
+    stuck.pool.endpoints[0].breaker.record_failure()
+    clock.now += 0.5
+    assert stuck.pool.endpoints[0].breaker.allow()  # a probe that never returns
+    before = clock.now
+    with pytest.raises(RetryError) as info:
+        stuck.call(lambda url, t: "never")
+    assert info.value.reason == "open" and 1.9 <= clock.now - before <= 2.1
+    # with a deadline, the deadline bounds them
+    timed = retrier(urls=("a:1",), clock=clock, breaker=BreakerPolicy(1, 0.5), max_attempts=4, deadline_s=0.3)
+    timed.pool.endpoints[0].breaker.record_failure()
+    clock.now += 0.5
+    assert timed.pool.endpoints[0].breaker.allow()
+    before = clock.now
+    with pytest.raises(RetryError):
+        timed.call(lambda url, t: "never")
+    assert clock.now - before <= 0.3
+
+
 def test_async_retries_and_cuts_a_hung_attempt_at_the_deadline():
     async def go():
         clock = FakeClock()
