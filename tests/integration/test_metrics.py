@@ -25,7 +25,13 @@ from export.reference import model_dir
 from ops.prometheus_rules import all_rules, scraped_names
 from python_backends.config import ModelConfig
 from python_backends.onnx_engine.batching import plan_runs
-from python_backends.padding_metrics import BATCH_SIZE, BATCH_SIZE_BUCKETS, PADDED_TOKENS, REAL_TOKENS
+from python_backends.padding_metrics import (
+    BATCH_SIZE,
+    BATCH_SIZE_BUCKETS,
+    PADDED_TOKENS,
+    REAL_TOKENS,
+    histogram_buckets,
+)
 from python_backends.text.tokenization import BatchTokenizer
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.M)
@@ -93,8 +99,9 @@ def test_tokenizer_padding_counts_the_known_batch(triton, http_client, tokenizer
     assert (real, padded) == (int(expected.lengths.sum()), expected.input_ids.size) == (int(mask.sum()), mask.size)
     assert padded == 3 * 32 and real < padded  # the longest text rounded up to the 32 bucket
     executions = value(after, f"{BATCH_SIZE}_count", **labels) - value(before, f"{BATCH_SIZE}_count", **labels)
-    ones = value(after, f"{BATCH_SIZE}_bucket", le="1", **labels) - value(before, f"{BATCH_SIZE}_bucket", le="1", **labels)
-    assert executions == ones == 1  # one request, one execution
+    buckets = {le: value(after, f"{BATCH_SIZE}_bucket", le=le, **labels) - value(before, f"{BATCH_SIZE}_bucket", le=le, **labels)
+               for le in histogram_buckets([])}
+    assert executions == 1 and buckets == histogram_buckets([1])  # one request, one execution: every bucket +1
 
 
 def test_encoder_padding_counts_its_real_runs(triton, http_client, tokenizer):
