@@ -47,11 +47,11 @@ MAX_RANK = 16
 
 # docker-compose's front door (the official nginx image, which ships njs): where the rendered
 # folder is mounted, the image's njs module, a writable folder of the image for temporary files
-# and the pid, and the network alias both Triton services answer on.
+# and the pid, and the network aliases of the two Triton replicas.
 COMPOSE_MOUNT = "/etc/nginx/frontdoor"
 IMAGE_JS_MODULE = "/etc/nginx/modules/ngx_http_js_module.so"
 COMPOSE_WORKDIR = "/var/cache/nginx"
-COMPOSE_UPSTREAM = "triton-upstream"
+COMPOSE_UPSTREAMS = ("triton-upstream-1", "triton-upstream-2")
 
 
 class FrontDoorError(RuntimeError):
@@ -422,7 +422,7 @@ def ports_in_use(host: str, ports: Iterable[int]) -> list[int]:
     return busy
 
 
-def compose_ports(listen: str = "0.0.0.0", upstream: str | Sequence[str] = COMPOSE_UPSTREAM) -> FrontDoorPorts:
+def compose_ports(listen: str = "0.0.0.0", upstream: str | Sequence[str] = COMPOSE_UPSTREAMS) -> FrontDoorPorts:
     """The compose front door: 8000/8001/8002 in its container (compose publishes them on the
     host), tritonserver's 8000/8001/8002 on ``upstream`` (one host, or several: each
     ``HOST`` or ``HOST:HTTP:GRPC:METRICS``, every one a server of the upstream blocks)."""
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repository", type=Path, default=ROOT / "model_repository",
                    help="model repository whose configs give the limits (default: model_repository)")
     r.add_argument("--upstream", action="append", default=None, metavar="HOST[:HTTP:GRPC:METRICS]",
-                   help=f"a tritonserver (repeat for replicas; ports default 8000:8001:8002; default {COMPOSE_UPSTREAM})")
+                   help=f"a tritonserver (repeat for replicas; ports default 8000:8001:8002; default {' '.join(COMPOSE_UPSTREAMS)})")
     r.add_argument("--listen", default="0.0.0.0", help="address nginx listens on in its container (default 0.0.0.0)")
     r.add_argument("--mount", default=COMPOSE_MOUNT, help=f"where nginx sees --out (default {COMPOSE_MOUNT})")
     r.add_argument("--js-module", default=IMAGE_JS_MODULE, help=f"njs module path (default the image's, {IMAGE_JS_MODULE})")
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        ports = compose_ports(args.listen, args.upstream or [COMPOSE_UPSTREAM])
+        ports = compose_ports(args.listen, args.upstream or list(COMPOSE_UPSTREAMS))
     except (ValueError, FrontDoorError) as exc:
         parser.error(str(exc))
     conf = write_bundle(args.out, args.repository, ports, conf_dir=args.mount, workdir=args.workdir,

@@ -444,6 +444,9 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
     # the aliases the rendered nginx.conf proxies to, one per replica, on the network they share
     aliases = [a for r in replicas for a in defaults["services"][r]["networks"]["default"]["aliases"]]
     assert aliases == list(REPLICA_ALIASES) == compose_config_upstreams()
+    from server.frontdoor import COMPOSE_UPSTREAMS
+
+    assert list(COMPOSE_UPSTREAMS) == aliases  # the renderer's default is compose's replicas too
     # the official nginx image, whose njs module the rendered config loads
     assert re.fullmatch(r"nginx:1\.2[7-9](\.\d+)?", door["image"]), door["image"]
     source, mode = volume(door, COMPOSE_MOUNT)
