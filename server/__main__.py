@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", 30)),
                    help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish before each process is killed "
                    "(default 30)")
+    p.add_argument("--summary-latencies", action="store_true",
+                   default=os.environ.get("TRITON_SUMMARY_LATENCIES", "") not in ("", "0", "false"),
+                   help="Triton's queue/request time quantiles for the P99 alerts (docs/monitoring.md); off by "
+                   "default: they cost the tail at high request rates")
     p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     p.add_argument("--workdir", type=Path, default=ROOT / ".triton", help="where the server is laid out and logs go")
     p.add_argument("--model", action="append", dest="models", help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)}: "
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_metrics_port=args.triton_metrics_port,
         max_body_bytes=args.max_body_mb * 1024 * 1024,
         drain_timeout=args.drain_timeout,
+        summary_latencies=args.summary_latencies,
     )
     from ops.repository import ensure_token
 

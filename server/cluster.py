@@ -326,6 +326,8 @@ class Cluster:
             repository_token=o.repository_token, rollout_state=o.rollout_state,
             # The cluster's front door is in front of every replica; each replica on loopback.
             front_door=False, drain_timeout=o.drain_timeout,
+            # Prometheus reads them here: the class queue-time P99 alerts need the quantiles.
+            summary_latencies=True,
         )
 
     @property

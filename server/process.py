@@ -123,8 +123,10 @@ class ServerOptions:
     cache_size_bytes: int = 0  # Triton's local response cache; 0 = off
     model_config_name: str | None = None  # --model-config-name: a precision variant (export/variants.py)
     log_verbose: int = 0
-    # Triton's latency summaries (quantiles over a sliding window); off only to measure their cost.
-    summary_latencies: bool = True
+    # Triton's latency summaries (quantiles over a sliding window) for the P99 alerts: on where a
+    # Prometheus reads them (serve-cluster, compose, Kubernetes, `--summary-latencies`); off by
+    # default, since they cost the tail at high request rates (docs/monitoring.md).
+    summary_latencies: bool = False
     extra_args: Sequence[str] = field(default_factory=tuple)
     # Added to the server's environment, which the python backend stubs inherit: e.g.
     # EMBEDDING_CACHE_L2_REDIS_URL for text_embedding_cached (python_backends/cache/settings.py).

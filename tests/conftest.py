@@ -34,7 +34,8 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
         generation.export_for_serving(REPOSITORY)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     extra = {"models": models} if models else {}
-    options = {"model_repository": REPOSITORY, "workdir": workdir, **extra, **options}
+    # The monitored form (as serve-cluster, compose and Kubernetes run it): the rules' quantiles exist.
+    options = {"model_repository": REPOSITORY, "workdir": workdir, "summary_latencies": True, **extra, **options}
     server = TritonServer(ServerOptions.with_free_ports(**options))
     server.start()
     _RUNNING.append(server)

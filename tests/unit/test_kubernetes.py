@@ -288,7 +288,7 @@ def launcher_command(model_config_name: str, cache_size_bytes: int, token: str) 
     repo = ROOT / "model_repository"
     server = TritonServer(ServerOptions(model_repository=repo, models=default_models(repo), front_door=False,
                                         model_config_name=model_config_name, cache_size_bytes=cache_size_bytes,
-                                        repository_token=token))
+                                        repository_token=token, summary_latencies=True))
     server.layout = SimpleNamespace(binary=Path("tritonserver"), backends=Path("b"), caches=Path("c"))
     return server.command()[1:]
 
