@@ -2,13 +2,15 @@
 
 Topology (docs/cluster.md)::
 
-    clients -> nginx front door (HTTP 8000, gRPC 8001, metrics 8002)
+    clients -> nginx front door (HTTP 8000, gRPC 8001, metrics 8002, OpenAI 8080)
                  -> replica 0 .. N-1: tritonserver on loopback, each its own ports and work folder
-    OpenAI gateway (8080) -> the front door's gRPC port
+                 -> (8080) gateway 0 .. G-1: the OpenAI gateway on loopback ports
+                               -> the front door's gRPC port
     redis-server: text_embedding_cached's shared L2, one for every replica
-    Prometheus: scrapes every replica's metrics port (job "triton") and the gateway (job "gateway")
+    Prometheus: scrapes every replica's metrics port (job "triton") and every gateway (job "gateway")
 
-A supervisor thread starts the replicas, restarts a dead one with a bounded backoff, and keeps
+A supervisor thread starts the replicas and the gateways, restarts a dead one with a bounded
+backoff (a gateway is back in the front door once its /health/ready answers 200), and keeps
 the front door's upstream list in step: a replica that is not ready (starting, dead, failing
 its health check) is marked ``down`` and nginx reloaded (SIGHUP), so traffic reaches it again
 only once its ``/v2/health/ready`` and every model's ready endpoint answer 200. Between its
@@ -36,10 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.frontdoor import (
+    DEFAULT_GATEWAY_MAX_BODY_BYTES,
     DEFAULT_MAX_BODY_BYTES,
     FrontDoor,
     FrontDoorError,
     FrontDoorPorts,
+    GatewayDoor,
+    GatewayServer,
     Upstream,
     ports_in_use,
 )
@@ -94,8 +99,9 @@ class ClusterOptions:
     cache_size_bytes: int = 0
     # "": start a redis-server for the cluster; None: no shared L2; else that Redis.
     redis_url: str | None = ""
-    gateway_port: int | None = 8080  # None: no gateway
-    gateway_host: str = "127.0.0.1"
+    gateway_port: int | None = 8080  # the front door's OpenAI port; None: no gateway
+    gateways: int = 2  # gateway processes behind it (0: none)
+    gateway_host: str = "127.0.0.1"  # where the gateways listen (internal ports)
     gateway_api_key_file: Path = ROOT / ".triton" / "gateway-api-key"
     gateway_env: Mapping[str, str] = field(default_factory=dict)
     prometheus_port: int | None = 0  # 0: 9090 when free, else a free port; None: no Prometheus
@@ -159,6 +165,37 @@ class Replica:
         return Upstream("127.0.0.1", self.http, self.grpc, self.metrics, down=self.state != READY)
 
 
+@dataclass
+class Gateway:
+    """One OpenAI gateway process behind the front door's gateway port."""
+
+    index: int
+    port: int
+    process: object | None = None  # server.gateway.GatewayProcess
+    state: str = DOWN
+    restarts: int = 0
+    failures_in_row: int = 0
+    next_start: float = 0.0
+    ready_since: float = 0.0
+    health_misses: int = 0
+    exit_codes: list[int | None] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        proc = getattr(self.process, "process", None)
+        return None if proc is None else proc.pid
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.running()
+
+    def upstream(self) -> GatewayServer:
+        return GatewayServer("127.0.0.1", self.port, down=self.state != READY)
+
+
 def rule_files(rules_dir: Path, on_skip: Callable[[str], None] = log.warning) -> list[Path]:
     """The rules files in ``rules_dir`` that ``promtool check rules`` accepts (one broken file
     would stop Prometheus from starting at all: it is left out, and said so)."""
@@ -178,17 +215,20 @@ def rule_files(rules_dir: Path, on_skip: Callable[[str], None] = log.warning) ->
     return good
 
 
-def render_prometheus(template: Path, replicas: Sequence[Replica], gateway: str | None, rules: Sequence[Path],
-                      scrape_interval_s: float) -> str:
+def render_prometheus(template: Path, replicas: Sequence[Replica], gateways: str | Sequence[str] | None,
+                      rules: Sequence[Path], scrape_interval_s: float) -> str:
     """prometheus.yml from ``template``: job "triton" with one target per replica (label
-    ``replica``), job "gateway" (when there is one), the rules files ``rules``."""
+    ``replica``), job "gateway" with one target per gateway address in ``gateways`` (label
+    ``gateway``: its index; no job when there is none), the rules files ``rules``."""
     def target(address: str, labels: Mapping[str, str]) -> str:
         lab = ", ".join(f'{k}: "{v}"' for k, v in labels.items())
         return f'      - targets: ["{address}"]\n        labels: {{{lab}}}'
 
     triton = "\n".join(target(f"127.0.0.1:{r.metrics}", {"replica": str(r.index)}) for r in replicas)
+    gateways = [gateways] if isinstance(gateways, str) else list(gateways or ())
     gateway_job = ("  - job_name: gateway\n    metrics_path: /metrics\n    static_configs:\n"
-                   + target(gateway, {"service": "openai-gateway"})) if gateway else ""
+                   + "\n".join(target(address, {"gateway": str(i), "service": "openai-gateway"})
+                                for i, address in enumerate(gateways))) if gateways else ""
     values = {
         "SCRAPE_INTERVAL": f"{scrape_interval_s:g}s",
         "RULE_FILES": "\n".join(f'  - "{path}"' for path in rules) or "  []",
@@ -297,6 +337,8 @@ class Cluster:
     def __init__(self, options: ClusterOptions, on_event: Callable[[str], None] | None = None):
         if options.replicas < 1:
             raise ClusterError(f"replicas must be >= 1, not {options.replicas}")
+        if options.gateways < 0:
+            raise ClusterError(f"gateways must be >= 0, not {options.gateways}")
         self.options = options
         self.on_event = on_event or (lambda message: log.info("%s", message))
         self.workdir = Path(options.workdir).resolve()  # nginx -p and the replicas need it absolute
@@ -304,7 +346,7 @@ class Cluster:
         self.front_door: FrontDoor | None = None
         self.redis = None
         self.redis_url: str | None = None
-        self.gateway = None
+        self.gateways: list[Gateway] = []
         self.prometheus: Prometheus | None = None
         self.rules: list[Path] = []
         self.reloads = 0
@@ -345,6 +387,22 @@ class Cluster:
         return f"http://{self.http_url.rsplit(':', 1)[0]}:{self.options.metrics_port}/metrics"
 
     @property
+    def gateway_url(self) -> str | None:
+        """The OpenAI gateways' public URL: the front door's gateway port (None: no gateway)."""
+        if not self.gateways:
+            return None
+        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
+        return f"http://{host}:{self.options.gateway_port}"
+
+    @property
+    def gateway_key_source(self) -> str:
+        merged = {**os.environ, **self.options.gateway_env}
+        return "$GATEWAY_API_KEYS" if merged.get("GATEWAY_API_KEYS", "").strip() else str(self.options.gateway_api_key_file)
+
+    def _gateway_log(self, gateway: Gateway) -> Path:
+        return self.workdir / f"gateway-{gateway.port}.log"
+
+    @property
     def state_path(self) -> Path:
         return self.workdir / "cluster.json"
 
@@ -356,7 +414,10 @@ class Cluster:
                                "config": str(self.front_door.conf_path) if self.front_door else None,
                                "log": str(self.front_door.log_path) if self.front_door else None,
                                "reloads": self.reloads},
-                "gateway": None if self.gateway is None else {"url": self.gateway.url, "log": str(self.gateway.log_path)},
+                "gateway": None if not self.gateways else {"url": self.gateway_url, "key": self.gateway_key_source},
+                "gateways": [{"index": g.index, "state": g.state, "pid": g.pid, "port": g.port, "restarts": g.restarts,
+                              "log": str(self._gateway_log(g)), "exit_codes": list(g.exit_codes)}
+                             for g in self.gateways],
                 "prometheus": None if self.prometheus is None else {"url": self.prometheus.url,
                                                                     "config": str(self.prometheus.config_path)},
                 "redis": self.redis_url,
@@ -375,7 +436,7 @@ class Cluster:
         o = self.options
         self.workdir.mkdir(parents=True, exist_ok=True)
         busy = ports_in_use(o.host, [o.http_port, o.grpc_port, o.metrics_port]
-                            + ([o.gateway_port] if o.gateway_port else []))
+                            + ([o.gateway_port] if o.gateway_port and o.gateways > 0 else []))
         if busy:
             raise ClusterError(f"ports already in use on {o.host}: {', '.join(map(str, busy))} (another server running?)")
         if o.redis_url == "":
@@ -388,11 +449,17 @@ class Cluster:
         taken = {o.http_port, o.grpc_port, o.metrics_port, *( [o.gateway_port] if o.gateway_port else [])}
         for index in range(o.replicas):
             self.replicas.append(Replica(index, self._replica_options(index, _free_ports(3, taken))))
+        if o.gateway_port and o.gateways > 0:
+            self.gateways = [Gateway(i, port) for i, port in enumerate(_free_ports(o.gateways, taken))]
+            if not self.gateway_key_source.startswith("$"):
+                from openai_gateway.auth import ensure_key_file
+
+                ensure_key_file(o.gateway_api_key_file)  # once here: the gateways share it
         # nginx first, every replica marked down: the public ports answer 502 until one is ready.
         self.front_door = FrontDoor(self._door_ports(), self.workdir, o.model_repository,
                                     max_body_bytes=o.max_body_bytes)
         self.front_door.check()
-        self._rendered = tuple(r.state == READY for r in self.replicas)
+        self._rendered = self._wanted()
         self.front_door.start()
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
@@ -401,25 +468,30 @@ class Cluster:
             port = o.prometheus_port or (DEFAULT_PROMETHEUS_PORT if not ports_in_use("127.0.0.1", [DEFAULT_PROMETHEUS_PORT])
                                          else _free_ports(1, taken)[0])
             self.prometheus = Prometheus(self.workdir / "prometheus", port)
-            gateway = f"127.0.0.1:{o.gateway_port}" if o.gateway_port else None
             self.rules = rule_files(RULES_DIR, self._event)
-            self.prometheus.start(render_prometheus(PROMETHEUS_TEMPLATE, self.replicas, gateway, self.rules,
+            self.prometheus.start(render_prometheus(PROMETHEUS_TEMPLATE, self.replicas,
+                                                    [g.address for g in self.gateways], self.rules,
                                                     o.scrape_interval_s))
-        if o.gateway_port:
-            from server.gateway import GatewayOptions, GatewayProcess
-
-            # The gateway goes through the front door, so it fails over like any client.
-            self.gateway = GatewayProcess(GatewayOptions(
-                triton_grpc_url=self.grpc_url, host=o.gateway_host, port=o.gateway_port,
-                model_repository=o.model_repository, api_key_file=o.gateway_api_key_file, workdir=self.workdir,
-                drain_timeout=o.drain_timeout, env=dict(o.gateway_env))).start()
         self._write_state()
         return self
 
+    def _gateway_max_body_bytes(self) -> int:
+        """The gateways' own body limit (GATEWAY_MAX_BODY_MB, as openai_gateway reads it)."""
+        mb = {**os.environ, **self.options.gateway_env}.get("GATEWAY_MAX_BODY_MB", "").strip()
+        return int(float(mb) * 1024 * 1024) if mb else DEFAULT_GATEWAY_MAX_BODY_BYTES
+
     def _door_ports(self) -> FrontDoorPorts:
         o = self.options
+        door = None
+        if self.gateways:
+            door = GatewayDoor(o.gateway_port, tuple(g.upstream() for g in self.gateways),
+                               self._gateway_max_body_bytes())
         return FrontDoorPorts.cluster(o.host, o.http_port, o.grpc_port, o.metrics_port,
-                                      [r.upstream() for r in self.replicas])
+                                      [r.upstream() for r in self.replicas], door)
+
+    def _wanted(self) -> tuple[bool, ...]:
+        """Who is in the front door: the replicas, then the gateways."""
+        return tuple(r.state == READY for r in self.replicas) + tuple(g.state == READY for g in self.gateways)
 
     def wait_ready(self, timeout: float | None = None, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Until every replica is ready and in the front door, then the gateway and Prometheus."""
@@ -427,8 +499,9 @@ class Cluster:
         while True:
             with self._lock:
                 states = [r.state for r in self.replicas]
+                gateways = [g.state for g in self.gateways]
                 in_door = self._rendered is not None and all(self._rendered)
-            if all(s == READY for s in states) and in_door:
+            if all(s == READY for s in states + gateways) and in_door:
                 break
             if should_stop() or self._stop.is_set():
                 raise ClusterError("stopped before the cluster was ready")
@@ -437,15 +510,11 @@ class Cluster:
             if time.monotonic() > deadline:
                 tails = "\n".join(f"--- replica {r.index} ({r.state}), {r.log_path} ---\n"
                                   f"{r.server.log_tail(30) if r.server else ''}" for r in self.replicas)
-                raise ClusterError(f"replicas not ready after the timeout: {states}\n{tails}")
+                tails += "".join(f"\n--- gateway {g.index} ({g.state}), {self._gateway_log(g)} ---\n"
+                                 f"{g.process.log_tail(30) if g.process else ''}"
+                                 for g in self.gateways if g.state != READY)
+                raise ClusterError(f"not ready after the timeout: replicas {states}, gateways {gateways}\n{tails}")
             time.sleep(0.2)
-        if self.gateway is not None:
-            from server.gateway import GatewayError
-
-            try:
-                self.gateway.wait_ready(timeout=max(10.0, deadline - time.monotonic()), should_stop=should_stop)
-            except GatewayError as exc:
-                raise ClusterError(str(exc)) from exc
         if self.prometheus is not None:
             self.prometheus.wait_ready(timeout=30)
 
@@ -498,6 +567,89 @@ class Cluster:
         replica.next_start = time.monotonic() + delay
         self._event(f"replica {replica.index}: {why}; restart {replica.restarts + 1} in {delay:.0f} s")
 
+    def _start_gateway(self, gateway: Gateway) -> None:
+        """From the supervisor thread (the gateway is tied to it, as the replicas are)."""
+        from server.gateway import GatewayOptions, GatewayProcess
+
+        o = self.options
+        # Every gateway goes through the front door's gRPC port, so it fails over like any client.
+        gateway.process = GatewayProcess(GatewayOptions(
+            triton_grpc_url=self.grpc_url, host=o.gateway_host, port=gateway.port,
+            model_repository=o.model_repository, api_key_file=o.gateway_api_key_file, workdir=self.workdir,
+            drain_timeout=o.drain_timeout, env=dict(o.gateway_env)))
+        gateway.state = STARTING
+        gateway.health_misses = 0
+        try:
+            gateway.process.start()
+        except Exception as exc:  # noqa: BLE001 - a failed start is retried like a crash
+            self._failed_gateway(gateway, f"did not start: {exc}")
+            return
+        self._watch_gateway(gateway)
+
+    def _watch_gateway(self, gateway: Gateway) -> None:
+        """Until its /health/ready answers 200 (it is up and sees Triton's models ready)."""
+        process, deadline = gateway.process, time.monotonic() + self.options.ready_timeout
+
+        def wait() -> None:
+            while not self._stop.is_set() and gateway.process is process and gateway.state == STARTING:
+                if process.status("/health/ready") == 200:
+                    with self._lock:
+                        if gateway.process is process and gateway.state == STARTING:
+                            gateway.state = READY
+                            gateway.health_misses = 0
+                            gateway.ready_since = gateway.ready_since or time.monotonic()
+                    return
+                if time.monotonic() > deadline:
+                    with self._lock:
+                        if gateway.process is process and gateway.state == STARTING:
+                            gateway.state = "failed-start"
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=wait, name=f"gateway-{gateway.index}-ready", daemon=True).start()
+
+    def _failed_gateway(self, gateway: Gateway, why: str) -> None:
+        o = self.options
+        if gateway.ready_since and time.monotonic() - gateway.ready_since >= o.backoff.reset_after_s:
+            gateway.failures_in_row = 0
+        gateway.failures_in_row += 1
+        delay = o.backoff.delay(gateway.failures_in_row)
+        gateway.state = DOWN
+        gateway.ready_since = 0.0
+        gateway.next_start = time.monotonic() + delay
+        self._event(f"gateway {gateway.index}: {why}; restart {gateway.restarts + 1} in {delay:.0f} s")
+
+    def _tick_gateways(self, now: float) -> None:
+        o = self.options
+        for g in self.gateways:
+            if g.state in (READY, STARTING) and g.process is not None and not g.alive():
+                code = g.process.process.returncode if g.process.process else None
+                g.exit_codes.append(code)
+                try:  # anything else in its process group
+                    os.killpg(g.pid, signal.SIGKILL)
+                except (ProcessLookupError, TypeError):
+                    pass
+                g.process.stop(timeout=0)  # closes its log
+                self._failed_gateway(g, f"exited (code {code})")
+            elif g.state == "failed-start":
+                g.process.stop(timeout=2)
+                g.exit_codes.append(g.process.process.returncode if g.process.process else None)
+                self._failed_gateway(g, f"/health/ready not 200 within {o.ready_timeout:.0f} s")
+            elif g.state == READY and g.health_misses >= o.health_failures:
+                self._event(f"gateway {g.index}: /health failed {g.health_misses} times; "
+                            "out of the front door until it answers again")
+                g.state = STARTING
+                self._watch_gateway(g)
+        for g in self.gateways:
+            if g.state == DOWN and now >= g.next_start and not self._stop.is_set():
+                first = g.process is None
+                if not first:
+                    g.restarts += 1
+                self._start_gateway(g)
+                if not first:
+                    self._event(f"gateway {g.index}: restarted (pid {g.pid}); back in the front door once ready")
+                self._write_state()
+
     def _tick(self) -> None:
         now = time.monotonic()
         o = self.options
@@ -530,6 +682,7 @@ class Cluster:
                     if not first:
                         self._event(f"replica {r.index}: restarted (pid {r.pid}); back in the front door once ready")
                     self._write_state()
+            self._tick_gateways(now)
             self._sync_front_door()
 
     def _watch_ready(self, replica: Replica) -> None:
@@ -550,7 +703,7 @@ class Cluster:
 
     def _sync_front_door(self) -> None:
         """Re-render the upstream list and reload nginx when a replica went in or out."""
-        wanted = tuple(r.state == READY for r in self.replicas)
+        wanted = self._wanted()
         if wanted == self._rendered or self.front_door is None:
             return
         self.front_door.ports = self._door_ports()
@@ -566,6 +719,10 @@ class Cluster:
             if was != now:
                 self._event(f"replica {r.index}: {'in' if now else 'out of'} the front door "
                             f"(127.0.0.1:{r.http}, pid {r.pid})")
+        for g, was, now in zip(self.gateways, before[len(self.replicas):], wanted[len(self.replicas):]):
+            if was != now:
+                self._event(f"gateway {g.index}: {'in' if now else 'out of'} the front door "
+                            f"({g.address}, pid {g.pid})")
         self._write_state()
 
     def _health_checks(self) -> None:
@@ -574,11 +731,19 @@ class Cluster:
         while not self._stop.wait(o.health_interval_s):
             with self._lock:
                 due = [(r, r.server) for r in self.replicas if r.state == READY]
+                gateways = [(g, g.process) for g in self.gateways if g.state == READY]
             for r, server in due:
                 ok = http_status(f"http://127.0.0.1:{r.http}/v2/health/ready", timeout=2) == 200
                 with self._lock:
                     if r.server is server and r.state == READY:
                         r.health_misses = 0 if ok else r.health_misses + 1
+            # A gateway's liveness only (/health): its readiness follows Triton's, and a replica
+            # restart must not take every gateway out.
+            for g, process in gateways:
+                ok = process.status("/health") == 200
+                with self._lock:
+                    if g.process is process and g.state == READY:
+                        g.health_misses = 0 if ok else g.health_misses + 1
 
     def _supervise(self) -> None:
         while not self._stop.is_set():
@@ -607,8 +772,15 @@ class Cluster:
         """The gateway and the front door first (in-flight requests drain), then the replicas,
         Prometheus and Redis."""
         self._stop.set()
-        if self.gateway is not None:
-            self.gateway.stop()
+        with self._lock:  # after this, the supervisor starts no gateway (it checks _stop under the lock)
+            gateways = [g for g in self.gateways if g.process is not None]
+        stoppers = [threading.Thread(target=g.process.stop, daemon=True) for g in gateways]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+        for g in gateways:
+            g.state = STOPPED
         if self.front_door is not None:
             self.front_door.stop(timeout=self.options.drain_timeout)
         if self._supervisor is not None:
@@ -659,10 +831,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None,
                    help="an existing Redis for the shared L2 (default: start a redis-server for the cluster)")
     p.add_argument("--no-redis", action="store_true", help="no shared L2 cache")
-    p.add_argument("--gateway-port", type=int, default=_env_int("GATEWAY_PORT", 8080))
+    p.add_argument("--gateway-port", type=int, default=_env_int("GATEWAY_PORT", 8080),
+                   help="the front door's OpenAI port (default 8080); the gateways listen on internal ports")
+    p.add_argument("--gateways", type=int, default=_env_int("GATEWAYS", 2),
+                   help="OpenAI gateway processes behind the front door (default 2; 0: none)")
     p.add_argument("--gateway-api-key-file", type=Path,
                    default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"))
-    p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
+    p.add_argument("--no-gateway", action="store_true", help="no OpenAI-compatible gateway (as --gateways 0)")
     p.add_argument("--prometheus-port", type=int, default=_env_int("PROMETHEUS_PORT", 0),
                    help="Prometheus's port (default 9090 when free, else a free port)")
     p.add_argument("--no-prometheus", action="store_true")
@@ -694,19 +869,23 @@ def first_screen(cluster: Cluster, served: Mapping[str, str], precision: str) ->
         f"  gRPC        {door['grpc']}",
         f"  metrics     {door['metrics']}  (one replica's; Prometheus scrapes each)",
     ]
-    if cluster.gateway is not None:
-        lines.append(f"  OpenAI      {cluster.gateway.url}/v1  (through the front door; key in {cluster.gateway.key_source})")
+    if cluster.gateways:
+        lines.append(f"  OpenAI      {cluster.gateway_url}/v1  (the front door, {len(cluster.gateways)} gateways behind it; "
+                     f"key in {cluster.gateway_key_source})")
     else:
         lines.append("  OpenAI      off")
     if cluster.prometheus is not None:
         rules = ", ".join(path.name for path in cluster.rules) or f"none in {RULES_DIR.relative_to(ROOT)}"
-        jobs = "triton, gateway" if cluster.gateway is not None else "triton"
+        jobs = "triton, gateway" if cluster.gateways else "triton"
         lines.append(f"  Prometheus  {cluster.prometheus.url}  (jobs {jobs}; rules {rules}; "
                      f"log {cluster.prometheus.log_path})")
     lines.append(f"  Redis       {cluster.redis_url or 'off'}  (text_embedding_cached's shared L2)")
     for r in d["replicas"]:
         lines.append(f"  replica {r['index']}   HTTP 127.0.0.1:{r['http']}  gRPC {r['grpc']}  metrics {r['metrics']}  "
                      f"pid {r['pid']}  log {r['log']}")
+    for g in d["gateways"]:
+        lines.append(f"  gateway {g['index']}   HTTP 127.0.0.1:{g['port']}  pid {g['pid']}  "
+                     f"(Prometheus job gateway, gateway=\"{g['index']}\")  log {g['log']}")
     lines += [
         f"  models      {', '.join(cluster.replicas[0].options.models)}",
         f"  variants    {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={precision})",
@@ -740,7 +919,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"serve-cluster: {exc}", file=sys.stderr)
         return 2
-    gateway = not args.no_gateway and bool(_openai_models(args.model_repository, models))
+    if args.gateways < 0:
+        print(f"serve-cluster: --gateways must be >= 0, not {args.gateways}", file=sys.stderr)
+        return 2
+    gateway = not args.no_gateway and args.gateways > 0 and bool(_openai_models(args.model_repository, models))
     if gateway and not os.environ.get("GATEWAY_API_KEYS", "").strip():
         from openai_gateway.auth import ensure_key_file
 
@@ -750,7 +932,8 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         model_config_name=config_name, cache_size_bytes=args.cache_size_mb << 20,
         redis_url=None if args.no_redis else (args.redis_url or ""),
-        gateway_port=args.gateway_port if gateway else None, gateway_api_key_file=args.gateway_api_key_file,
+        gateway_port=args.gateway_port if gateway else None, gateways=args.gateways if gateway else 0,
+        gateway_api_key_file=args.gateway_api_key_file,
         prometheus_port=None if args.no_prometheus else args.prometheus_port, scrape_interval_s=args.scrape_interval,
         repository_token=ensure_token(args.repository_token_file), rollout_state=args.rollout_state,
         max_body_bytes=args.max_body_mb << 20, drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
@@ -759,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum, _frame):
-        print(f"\nserve-cluster: {signal.Signals(signum).name} received; stopping the gateway, the front door "
+        print(f"\nserve-cluster: {signal.Signals(signum).name} received; stopping the gateways, the front door "
               f"(draining at most {args.drain_timeout:.0f} s), the replicas, Prometheus and Redis", flush=True)
         stop.set()
 
@@ -773,8 +956,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(options, on_event=event)
     try:
         cluster.start()
-        print(f"serve-cluster: starting {args.replicas} replicas ({', '.join(models)}); work folder {args.workdir}",
-              flush=True)
+        print(f"serve-cluster: starting {args.replicas} replicas ({', '.join(models)}) and "
+              f"{len(cluster.gateways)} gateways; work folder {args.workdir}", flush=True)
         cluster.wait_ready(should_stop=stop.is_set)
     except (ClusterError, FrontDoorError, ServerError, OSError) as exc:
         cluster.stop()
@@ -788,10 +971,6 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.is_set():
         if not cluster.front_door.running():
             print(f"serve-cluster: the front door (nginx) exited\n{cluster.front_door.log_tail()}", file=sys.stderr)
-            code = 1
-            break
-        if cluster.gateway is not None and not cluster.gateway.running():
-            print(f"serve-cluster: the gateway exited\n{cluster.gateway.log_tail()}", file=sys.stderr)
             code = 1
             break
         stop.wait(0.5)

@@ -216,6 +216,28 @@ class Upstream:
         return cls(host, *map(int, ports))
 
 
+@dataclass(frozen=True)
+class GatewayServer:
+    """One OpenAI gateway behind the front door; ``down``: listed but sent nothing (not ready)."""
+
+    host: str
+    port: int
+    down: bool = False
+
+
+# The gateway's own default request body limit (openai_gateway/settings.py, --max-body-mb 16).
+DEFAULT_GATEWAY_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewayDoor:
+    """The front door's OpenAI port: nginx listens on ``port`` and proxies to ``servers``."""
+
+    port: int
+    servers: tuple[GatewayServer, ...]
+    max_body_bytes: int = DEFAULT_GATEWAY_MAX_BODY_BYTES
+
+
 # Passive health checks of every upstream server: after MAX_FAILS failed attempts within
 # FAIL_TIMEOUT a replica gets no request for FAIL_TIMEOUT, then one request tries it again.
 # nginx ignores both when an upstream has a single server (the one-server launcher).
@@ -235,15 +257,20 @@ class FrontDoorPorts:
     triton_metrics: int
     # Several tritonservers (serve-cluster, docker-compose's replicas); empty: the one above.
     replicas: tuple[Upstream, ...] = ()
+    # serve-cluster's OpenAI gateways behind the front door; None: no gateway server block.
+    gateway: GatewayDoor | None = None
 
     @classmethod
     def cluster(cls, listen_host: str, http: int, grpc: int, metrics: int,
-                replicas: Iterable[Upstream]) -> "FrontDoorPorts":
+                replicas: Iterable[Upstream], gateway: GatewayDoor | None = None) -> "FrontDoorPorts":
         replicas = tuple(replicas)
         if not replicas:
             raise FrontDoorError("a front door needs at least one upstream server")
+        if gateway is not None and not gateway.servers:
+            raise FrontDoorError("a gateway port needs at least one gateway server")
         first = replicas[0]
-        return cls(listen_host, http, grpc, metrics, first.host, first.http, first.grpc, first.metrics, replicas)
+        return cls(listen_host, http, grpc, metrics, first.host, first.http, first.grpc, first.metrics, replicas,
+                   gateway)
 
     def upstreams(self) -> tuple[Upstream, ...]:
         return self.replicas or (Upstream(self.upstream_host, self.triton_http, self.triton_grpc, self.triton_metrics),)
@@ -262,6 +289,20 @@ def upstream_servers(servers: Sequence[Upstream], port: str, *, backup: bool = F
         if s.down:
             flags.append("down")
         lines.append(f"server {s.host}:{getattr(s, port)}{''.join(' ' + f for f in flags)};")
+    return "\n        ".join(lines)
+
+
+GATEWAY_BLOCK = re.compile(r"\n[ \t]*# BEGIN openai_gateway.*?# END openai_gateway[^\n]*\n", re.S)
+
+
+def gateway_servers(servers: Sequence[GatewayServer]) -> str:
+    """The ``server`` lines of the ``openai_gateway`` upstream (the passive checks as for Triton's)."""
+    lines = []
+    for s in servers:
+        flags = [f"max_fails={MAX_FAILS}", f"fail_timeout={FAIL_TIMEOUT_S}s"] if len(servers) > 1 else []
+        if s.down:
+            flags.append("down")
+        lines.append(f"server {s.host}:{s.port}{''.join(' ' + f for f in flags)};")
     return "\n        ".join(lines)
 
 
@@ -295,13 +336,21 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
         "TRITON_GRPC_PORT": ports.triton_grpc,
         "TRITON_METRICS_PORT": ports.triton_metrics,
     }
+    text = template.read_text(encoding="utf-8")
+    if ports.gateway is None:
+        # No gateway behind this front door (make serve runs its own, compose its service).
+        text = GATEWAY_BLOCK.sub("\n", text)
+    else:
+        values = {**values, "GATEWAY_PORT": ports.gateway.port, "GATEWAY_SERVERS": gateway_servers(ports.gateway.servers),
+                  "GATEWAY_MAX_BODY_BYTES": ports.gateway.max_body_bytes}
+
     def fill(match: "re.Match[str]") -> str:
         if match.group(1) not in values:
             raise FrontDoorError(f"{template.name}: no value for ${{{match.group(1)}}}")
         return str(values[match.group(1)])
 
     # Only ${UPPER_CASE} is ours; nginx's own $variables pass through.
-    return re.sub(r"\$\{([A-Z_]+)\}", fill, template.read_text(encoding="utf-8"))
+    return re.sub(r"\$\{([A-Z_]+)\}", fill, text)
 
 
 def write_bundle(out: Path, repository: Path, ports: FrontDoorPorts, *, conf_dir: Path | str | None = None,
