@@ -16,6 +16,7 @@ from server.cluster import (
     Backoff,
     Cluster,
     ClusterOptions,
+    Gateway,
     Replica,
     render_prometheus,
     rule_files,
@@ -90,3 +91,28 @@ def test_the_options_table_of_docs_cluster_matches_the_code():
     documented = {flag for row in rows for flag in re.findall(r"--[a-z][a-z0-9-]*", row.split("|")[1])}
     actual = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
     assert len(actual) > 10 and documented == actual, (sorted(documented - actual), sorted(actual - documented))
+
+
+def test_prometheus_scrapes_each_gateway_and_the_front_door_lists_only_ready_ones(tmp_path):
+    text = render_prometheus(PROMETHEUS_TEMPLATE, _replicas(), ["127.0.0.1:19000", "127.0.0.1:19001"], [], 5)
+    gateway_job = text.split("job_name: gateway", 1)[1]
+    assert gateway_job.count("targets:") == 2 and 'gateway: "0"' in gateway_job and 'gateway: "1"' in gateway_job
+    assert '["127.0.0.1:19001"]' in gateway_job and "job_name: gateway" not in render_prometheus(
+        PROMETHEUS_TEMPLATE, _replicas(), [], [], 5)
+    if PROMTOOL:
+        (tmp_path / "p.yml").write_text(text)
+        done = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / "p.yml")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    cluster = Cluster(ClusterOptions(replicas=1, workdir=tmp_path, gateway_port=18080, gateways=2,
+                                     gateway_env={"GATEWAY_MAX_BODY_MB": "2"}))
+    cluster.replicas = _replicas(1)
+    cluster.gateways = [Gateway(0, 19000, state=READY), Gateway(1, 19001, state="starting")]
+    door = cluster._door_ports().gateway
+    assert door.port == 18080 and door.max_body_bytes == 2 << 20
+    assert [(s.port, s.down) for s in door.servers] == [(19000, False), (19001, True)]
+    assert cluster.gateway_url == "http://127.0.0.1:18080" and cluster._wanted() == (False, True, False)
+    none = Cluster(ClusterOptions(replicas=1, workdir=tmp_path, gateways=0))
+    none.replicas = _replicas(1)
+    assert none._door_ports().gateway is None and none.gateway_url is None
+    with pytest.raises(Exception, match="gateways must be"):
+        Cluster(ClusterOptions(gateways=-1))

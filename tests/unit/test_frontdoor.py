@@ -156,3 +156,37 @@ def test_render_command_takes_several_upstreams(tmp_path, capsys):
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/setup.sh installs it)")
 def test_cluster_configuration_passes_nginx_t_even_with_every_replica_down(tmp_path):
     FrontDoor(_cluster_ports(down=(True, True)), tmp_path, ROOT / "model_repository", max_body_bytes=1 << 20).check()
+
+
+def _gateway_ports(n: int, down=()):
+    from server.frontdoor import GatewayDoor, GatewayServer, Upstream
+
+    servers = tuple(GatewayServer("127.0.0.1", 19000 + i, down=i in down) for i in range(n))
+    return FrontDoorPorts.cluster("127.0.0.1", 8000, 8001, 8002, [Upstream("127.0.0.1", 18000, 18001, 18002)],
+                                  GatewayDoor(8080, servers, 1 << 20) if n else None)
+
+
+def test_the_gateway_server_block_lists_every_gateway_and_is_absent_without_one(tmp_path):
+    conf = render(_gateway_ports(3, down=(1,)), tmp_path, tmp_path / "js", 4096, js_module_path="m.so")
+    block = conf.split("upstream openai_gateway {", 1)[1].split("}", 1)[0]
+    assert [line.strip() for line in block.strip().splitlines()] == [
+        "server 127.0.0.1:19000 max_fails=2 fail_timeout=5s;",
+        "server 127.0.0.1:19001 max_fails=2 fail_timeout=5s down;",  # not ready: no traffic
+        "server 127.0.0.1:19002 max_fails=2 fail_timeout=5s;", "keepalive 64;"]
+    assert "listen 127.0.0.1:8080;" in conf and "client_max_body_size 1048576;" in conf
+    # SSE unbuffered; POSTs retried before the first byte; 503 and 429 reach the client
+    assert "location ~ ^/v1/(chat/completions|completions)$ {\n            proxy_pass http://openai_gateway;\n" \
+           "            proxy_next_upstream error timeout http_502 non_idempotent;\n            proxy_buffering off;" in conf
+    assert "location = /v1/embeddings {" in conf and conf.count("http_502 non_idempotent;") == 5
+    directives = [line for line in conf.splitlines() if "_next_upstream " in line and "#" not in line]
+    assert directives and not any("http_503" in line or "http_429" in line for line in directives)
+    for conf in (render(_gateway_ports(0), tmp_path, tmp_path / "js", 4096, js_module_path="m.so"),
+                 render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so")):
+        assert "openai_gateway" not in conf and "8080" not in conf and "${" not in conf
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/setup.sh installs it)")
+def test_the_gateway_configuration_passes_nginx_t(tmp_path):
+    for n, down in ((2, ()), (1, ()), (2, (0, 1))):
+        FrontDoor(_gateway_ports(n, down), tmp_path / f"g{n}{len(down)}", ROOT / "model_repository",
+                  max_body_bytes=1 << 20).check()
