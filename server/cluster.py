@@ -515,6 +515,16 @@ class Cluster:
                                  for g in self.gateways if g.state != READY)
                 raise ClusterError(f"not ready after the timeout: replicas {states}, gateways {gateways}\n{tails}")
             time.sleep(0.2)
+        if self.gateways:
+            # nginx applies a reload asynchronously (SIGHUP: new workers, the old ones finish):
+            # ready means the front door's gateway port answers, not only that it was told to.
+            url = f"{self.gateway_url}/health/ready"
+            while http_status(url, timeout=2) != 200:
+                if should_stop() or self._stop.is_set():
+                    raise ClusterError("stopped before the cluster was ready")
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"the front door's gateway port {url} did not answer 200 in time")
+                time.sleep(0.1)
         if self.prometheus is not None:
             self.prometheus.wait_ready(timeout=30)
 

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.joi
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     run = failover_bench.launch(tmp_path_factory.mktemp("cluster-"), replicas=2, models=MODELS,
-                                env={"GATEWAY_API_KEYS": KEY})
+                                # no per-key rate limit: the gateway test sends more than its default 100/s
+                                env={"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"})
     try:
         yield run
     finally:
@@ -61,12 +62,14 @@ def test_the_first_screen_says_where_everything_is_and_prometheus_scrapes_every_
     while True:
         targets = _get(f"{prometheus}/api/v1/targets")["data"]["activeTargets"]
         up = sorted((t["labels"]["job"], t["scrapeUrl"]) for t in targets if t["health"] == "up")
-        if len(up) == 3 or time.monotonic() > deadline:
+        if len(up) == 4 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert up == sorted([("gateway", f"http://127.0.0.1:{cluster.ports['gateway']}/metrics")]
+    assert up == sorted([("gateway", f"http://127.0.0.1:{g['port']}/metrics") for g in state["gateways"]]
                         + [("triton", f"http://127.0.0.1:{r['metrics']}/metrics") for r in state["replicas"]]), targets
-    # the gateway goes through the front door to the replicas
+    assert sorted(t["labels"].get("gateway", "") for t in targets if t["labels"]["job"] == "gateway") == ["0", "1"]
+    assert len(state["gateways"]) == 2 and all(f"HTTP 127.0.0.1:{g['port']}" in screen for g in state["gateways"])
+    # the front door's gateway port, to a gateway, which goes through the front door to the replicas
     body = json.dumps({"model": "text_embedding", "input": ["a cluster of two"]}).encode()
     answer = _get(f"http://127.0.0.1:{cluster.ports['gateway']}/v1/embeddings", data=body,
                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
@@ -85,6 +88,98 @@ def test_sigkill_of_a_replica_under_load_fails_no_request_and_it_serves_again(cl
     assert result["victim_restarts"] == 1 and result["front_door_reloads"] >= 3  # in, out, in again
 
 
+def _gateway_embeddings_ok(port: int) -> int:
+    """/v1/embeddings answered 200 by one gateway process (its own /metrics)."""
+    import re
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found = re.findall(r'^gateway_requests_total\{(?=[^}]*route="/v1/embeddings")(?=[^}]*status="200")[^}]*\} (\S+)$',
+                       text, re.M)
+    return int(sum(float(v) for v in found))
+
+
+def test_sigkill_of_a_gateway_under_openai_sdk_load_fails_no_request_and_it_serves_again(cluster):
+    """2 gateways behind the front door's gateway port; the official openai SDK (its default
+    retries, 2, counted), 8 threads for 12 s; gateway 0 SIGKILLed at 4 s. Zero failed
+    requests; the supervisor restarts it and its own /metrics counts embeddings again. The
+    calls in flight on the killed gateway are re-sent by nginx; the SDK's retries are for the
+    connections nginx's two reloads (out, back in) close while idle (with max_retries=0, a run
+    lost 2 of 1,359 that way)."""
+    import logging
+    import os
+    import threading
+
+    import openai
+
+    retried = []
+
+    class Retries(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "Retrying request" in record.getMessage():
+                retried.append(record.getMessage())
+
+    sdk_log = logging.getLogger("openai._base_client")
+    handler, level = Retries(), sdk_log.level
+    sdk_log.addHandler(handler)
+    sdk_log.setLevel(logging.INFO)
+
+    victim = cluster.state()["gateways"][0]
+    restarts_before = victim["restarts"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.ports['gateway']}/v1", api_key=KEY, max_retries=2,
+                           timeout=30)
+    ok, failed, stop_at = [0] * 8, [], time.monotonic() + 12
+
+    def worker(i: int) -> None:
+        n = 0
+        while time.monotonic() < stop_at:
+            n += 1
+            try:
+                answer = client.embeddings.create(model="text_embedding", input=[f"gateway failover {i}-{n}"])
+                assert len(answer.data[0].embedding) == 384
+                ok[i] += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is counted
+                failed.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    back: list[float] = []
+
+    def watch() -> None:  # when the restarted gateway is ready again (the state file)
+        while time.monotonic() < killed + 30:
+            g = cluster.state()["gateways"][0]
+            if g["state"] == "ready" and g["restarts"] == restarts_before + 1:
+                back.append(time.monotonic() - killed)
+                return
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for t in threads + [watcher]:
+        t.join()
+    sdk_log.removeHandler(handler)
+    sdk_log.setLevel(level)
+    back = back[0] if back else None
+    during = _gateway_embeddings_ok(victim["port"]) if back is not None else 0
+    for n in range(40):  # a few more through the front door, if the load ended before it was back
+        if _gateway_embeddings_ok(victim["port"]) > 0:
+            break
+        client.embeddings.create(model="text_embedding", input=[f"after the restart {n}"])
+    print(f"gateway failover: {sum(ok)} ok, {len(failed)} failed, {len(retried)} retried by the SDK; ready again {back} s after the kill; "
+          f"the restarted gateway answered {during} during the load")
+    assert sum(ok) > 100 and failed == [], failed[:5]
+    assert back is not None, cluster.state()["gateways"]
+    g = cluster.state()["gateways"][0]
+    assert g["pid"] != victim["pid"] and g["exit_codes"][-1] == -9
+    assert _gateway_embeddings_ok(victim["port"]) > 0
+    assert any("gateway 0: exited (code -9)" in line for line in cluster.screen)
+    assert any("gateway 0: in the front door" in line for line in cluster.screen)
+
+
 def test_ctrl_c_stops_everything_it_started(cluster):
     from tests.integration.test_launcher_lifetime import _alive, _children, _listening
 
@@ -93,7 +188,7 @@ def test_ctrl_c_stops_everything_it_started(cluster):
     assert {"tritonserver", "nginx", "redis-server", "prometheus"} <= names, names
     state = cluster.state()
     ports = [cluster.ports[k] for k in ("http", "grpc", "metrics", "gateway", "prometheus")]
-    ports += [r[k] for r in state["replicas"] for k in ("http", "grpc", "metrics")]
+    ports += [r[k] for r in state["replicas"] for k in ("http", "grpc", "metrics")] + [g["port"] for g in state["gateways"]]
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(timeout=60) == 0
     deadline = time.monotonic() + 10
