@@ -190,7 +190,8 @@ class GatewayState:
         self.limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
         self.backend = TritonBackend(settings.triton_url, self.catalog, settings.triton_timeout_s,
                                      settings.generation_timeout_s, settings.ready_poll_s,
-                                     coalesce=settings.coalesce_embeddings)
+                                     coalesce=settings.coalesce_embeddings,
+                                     coalesce_max_rows=settings.coalesce_max_rows)
         self.counters: dict[str, embeddings.TokenCounter] = {}
         for m in self.catalog.of_kind("embedding"):
             try:

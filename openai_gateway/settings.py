@@ -54,6 +54,9 @@ class GatewaySettings:
     log_requests: bool = True
     # Concurrent embeddings requests of one batch each go to Triton as one request.
     coalesce_embeddings: bool = True
+    # Rows per coalesced Triton request: batches of even size, not one large batch whose
+    # requests all wait for its last row while the next ones form a small fast batch.
+    coalesce_max_rows: int = 16
     extra: dict = field(default_factory=dict)
 
 
@@ -90,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-request-log", action="store_true", help="no log line per request")
     p.add_argument("--no-coalesce", action="store_true",
                    help="send each embeddings request to Triton alone (default: concurrent ones together)")
+    p.add_argument("--coalesce-max-rows", type=int, default=int(_env("GATEWAY_COALESCE_MAX_ROWS", str(d.coalesce_max_rows))),
+                   help=f"texts per coalesced Triton request (default {d.coalesce_max_rows}; at most the model's max_batch_size)")
 
 
 def from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -114,4 +119,5 @@ def from_args(args: argparse.Namespace) -> GatewaySettings:
         embedding_entry=args.embedding_entry,
         log_requests=not args.no_request_log,
         coalesce_embeddings=not args.no_coalesce,
+        coalesce_max_rows=args.coalesce_max_rows,
     )

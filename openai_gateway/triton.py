@@ -93,17 +93,21 @@ def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = N
 
 class TritonBackend:
     def __init__(self, url: str, catalog: Catalog, timeout_s: float, generation_timeout_s: float, poll_s: float = 1.0,
-                 coalesce: bool = True):
+                 coalesce: bool = True, coalesce_max_rows: int = 16):
         self.url = url
         self.catalog = catalog
         self.timeout_s = timeout_s
         self.generation_timeout_s = generation_timeout_s
         self.poll_s = poll_s
         self.client = None
-        self.server_ready = False
+        self.server_ready = False  # Triton answers (live); each model's readiness in ready_models
+        self._missed_polls = 0
         self.ready_models: frozenset[str] = frozenset()
         self._monitor: asyncio.Task | None = None
         self.coalesce = coalesce
+        if coalesce_max_rows < 1:
+            raise ValueError(f"coalesce_max_rows must be >= 1, got {coalesce_max_rows}")
+        self.coalesce_max_rows = coalesce_max_rows
         self._coalescers: dict[str, Coalescer] = {}
         self.on_batch = lambda requests: None  # each coalesced Triton request: how many it carried
 
@@ -125,11 +129,18 @@ class TritonBackend:
         # repository API's token, which the gateway does not need otherwise.
         names = sorted({n for m in self.catalog.models.values() for n in self.catalog.triton_models(m)}
                        | {n for m in self.catalog.of_kind("embedding") for lane in m.lanes for n in lane[1:]})
+        # Liveness, then each model's own readiness: tritonserver's server readiness is false
+        # while any model loads or unloads (strict readiness), which says nothing of the models
+        # the gateway serves (a router unloaded beside them turned every request into a 503).
         try:
-            ready = await self.client.is_server_ready(client_timeout=2.0)
+            ready = await self.client.is_server_live(client_timeout=2.0)
             states = await asyncio.gather(*(self.client.is_model_ready(n, client_timeout=2.0) for n in names)) \
                 if ready else []
+            self._missed_polls = 0
         except Exception as exc:  # Triton down or starting: not ready, logged once per change
+            self._missed_polls += 1
+            if self.server_ready and self._missed_polls < 2:
+                return  # one slow poll on a busy machine is not a dead server; the next one decides
             if self.server_ready:
                 log.warning("Triton at %s is not answering: %s", self.url, exc)
             ready, states = False, []
@@ -205,7 +216,7 @@ class TritonBackend:
         key = (model.id, priority_class)
         found = self._coalescers.get(key)
         if found is None:
-            found = self._coalescers[key] = Coalescer(self, model, priority_class)
+            found = self._coalescers[key] = Coalescer(self, model, priority_class, self.coalesce_max_rows)
         return found
 
     async def embed(self, job: EmbeddingJob, request_id: str, pad_id: int) -> np.ndarray:
@@ -283,11 +294,12 @@ class Coalescer:
     each request is sent again alone, so one request's error is its own.
     """
 
-    def __init__(self, backend: TritonBackend, model: EmbeddingModel, priority_class: str | None = None):
+    def __init__(self, backend: TritonBackend, model: EmbeddingModel, priority_class: str | None = None,
+                 max_rows: int | None = None):
         self.backend = backend
         self.model = model
         self.priority_class = priority_class
-        self.limit = model.max_batch_size
+        self.limit = max(1, min(model.max_batch_size, max_rows or model.max_batch_size))
         self.pending: list[tuple[list[bytes], str, asyncio.Future]] = []
         self.scheduled = False
 

@@ -3,6 +3,8 @@ gets the embedding it gets alone; a malformed request in such a batch fails alon
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -46,8 +48,14 @@ def test_mixed_lengths_batch_together_and_match_their_single_runs(http_client, t
         np.testing.assert_allclose(got[k], alone[k], atol=1e-4)
     np.testing.assert_allclose(extra[0].get_result().as_numpy("sentence_embedding")[0], alone[0], atol=1e-4)
     np.testing.assert_allclose(extra[1].get_result().as_numpy("sentence_embedding"), np.stack(alone[1:3]), atol=1e-4)
-    after = _stats(http_client)
-    inferences, executions = after[0] - before[0], after[1] - before[1]
+    # Triton records an execution's statistics after its responses are sent: wait for them.
+    deadline = time.monotonic() + 10
+    while True:
+        after = _stats(http_client)
+        inferences, executions = after[0] - before[0], after[1] - before[1]
+        if inferences >= 27 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     # 27 rows of 26 different lengths: without ragged batching nearly every request runs alone
     assert inferences == 27 and executions < 26, (inferences, executions)
     assert "ragged batches of at most" in triton.log_path.read_text()

@@ -80,6 +80,19 @@ def test_a_batch_never_exceeds_max_batch_size_and_requests_are_not_split():
         np.testing.assert_array_equal(r, expected([f"{k}-{j}".encode() for j in range(n)]))
 
 
+def test_a_batch_is_cut_at_max_rows_below_max_batch_size():
+    backend = Recorder()
+
+    async def main():
+        c = Coalescer(backend, Model(), max_rows=2)
+        return await asyncio.gather(*(c.submit([f"t{i}".encode()], f"r{i}") for i in range(5)))
+
+    results = run(main())
+    assert [len(blobs) for blobs, _ in backend.calls] == [2, 2, 1]
+    assert [r[0][0] for r in results] == [2.0] * 5  # each its own row back
+    assert Coalescer(backend, Model(), max_rows=64).limit == Model.max_batch_size
+
+
 def test_requests_of_later_turns_form_new_batches():
     backend = Recorder()
 
