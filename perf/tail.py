@@ -927,8 +927,15 @@ def run(args: argparse.Namespace) -> int:
                         use_wrk = name in scripts
                         stream = name in STREAM_WORKLOADS
                         window = Window(phase, name, conc, rnd + 1, "wrk" if use_wrk else "python")
+                        if use_wrk:
+                            # Each wrk run counts from 1: a fresh salt per run, or the warm-up's texts
+                            # (and an earlier window's) come back as cache hits in the measured window.
+                            scripts[name].write_text(wrk_script(work[name], sentences, f"{nonce}-{secrets.token_hex(3)}"))
                         if not stream:
                             warm_up(url, w, conc, args.warmup, scripts.get(name))
+                            if use_wrk:
+                                scripts[name].write_text(wrk_script(work[name], sentences,
+                                                                    f"{nonce}-{secrets.token_hex(3)}"))
                         meter = CpuMeter(server.process.pid if server.process else None)
                         gw_meter = CpuMeter(gateway.process.pid) if gateway is not None and gateway.process else None
                         stats0 = model_stats(server.triton_http_url)
