@@ -33,7 +33,7 @@ class ModelPipeline(Protocol):
 
     name: str  # the model's folder in the repository
     variants: tuple[str, ...]  # derived variants, in build order (fp32 is implicit)
-    builder_version: int  # bump when a builder changes what it writes
+    builder_version: int | str  # change it when a builder changes what it writes
     bench_batches: tuple[int, ...]
 
     def export_fp32(self, repo: Path, force: bool) -> Any: ...

@@ -183,7 +183,6 @@ class TextEncoderPipeline:
 
     name = "text_encoder"
     variants = ("cpu_opt", "int8", "fp16", "ort_trt_fp16", "trt_plan")
-    builder_version = 1
     bench_batches = (1, 8, 32, 64)
     # TensorRT profile: batch 1..64 (max_batch_size), sequence 1..256 (truncation).
     trt_profiles = {
@@ -193,6 +192,14 @@ class TextEncoderPipeline:
 
     def __init__(self):
         self._reference: np.ndarray | None = None
+
+    @property
+    def builder_version(self) -> str:
+        """Names the INT8 weights' range, which the exporting CPU decides (text_quant.weight_levels):
+        a checkout moved to a CPU of the other kind rebuilds its INT8 variant."""
+        from export import text_quant
+
+        return f"2-int8-weights-{text_quant.weight_levels()}"
 
     def export_fp32(self, repo: Path, force: bool) -> ExportResult:
         return export(repo, force=force)

@@ -69,8 +69,11 @@ MatMulIntegerToFloat, DynamicQuantizeMatMul; no custom ops):
 
 Deterministic for a given model and ONNX Runtime build (calibration is a max over fixed texts). The
 u8 x s8 integer GEMM is exact on VNNI CPUs (AVX512-VNNI, AVX-VNNI); on AVX2-only CPUs ORT's u8s8
-kernel can saturate int16 intermediates, which this recipe does not guard against (u8 x u8 weights
-avoid it but measured 1.3-1.6x slower here). Calibration and weights use ORT 1.32; the served
+kernel adds pairs of products in int16 with saturation, so there the weights get 7 bits (+-63,
+:func:`weight_levels`), as ``reduce_range`` does (measured 2026-12-02 on an AVX2-only AMD EPYC: worst
+text 0.9866 with 8-bit weights, a gate failure, 0.9939 with 7-bit; u8 x u8 weights would also avoid
+it but measured 1.3-1.6x slower). The choice is the exporting CPU's; an export moved to a CPU of
+the other kind rebuilds (the pipeline's builder_version names it). Calibration and weights use ORT 1.32; the served
 ORT must know MultiHeadAttention on CPU with a 1-D key padding mask (not checked on older builds).
 """
 
@@ -96,6 +99,11 @@ OUTPUT = "sentence_embedding"  # export.text_encoder.OUTPUT
 INT8_MIN_COSINE = 0.99
 FP16_MIN_COSINE = 0.999
 MS_DOMAIN = "com.microsoft"
+# ONNX Runtime's x86 u8 x s8 GEMM without VNNI (AVX2 only) adds pairs of products in int16 with
+# saturation: 255 x 127 x 2 overflows it. Weights of 7 bits (+-63) keep every pair in range (what
+# quantize_dynamic's reduce_range does); with VNNI (AVX512-VNNI, AVX-VNNI) the full 8 bits are exact.
+FULL_WEIGHT_LEVELS = 127
+REDUCED_WEIGHT_LEVELS = 63
 
 _LAYERNORM_OPS = {"LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization"}
 _GELU_OPS = {"BiasGelu", "Gelu", "FastGelu"}
@@ -125,10 +133,12 @@ def quantize_int8(src: Path, dst: Path) -> None:
         model = _fuse(model, multi_head=False)
     qkv = _unfuse_qkv_projection(model)
     maxima = _calibrate(model, calibration_texts())
-    counts = _quantize_matmuls(model, maxima)
+    levels = weight_levels()
+    counts = _quantize_matmuls(model, maxima, levels)
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    log.info("int8: %d MatMuls quantised (%s; %d outlier channels), %d QKV projections unfused",
-             sum(counts.values()), kinds, OUTLIER_CHANNELS, qkv)
+    log.info("int8: %d MatMuls quantised (%s; %d outlier channels), %d QKV projections unfused; weights +-%d "
+             "(%s)", sum(counts.values()), kinds, OUTLIER_CHANNELS, qkv, levels,
+             "VNNI CPU" if levels == FULL_WEIGHT_LEVELS else "no VNNI: 7-bit weights against int16 saturation")
     _save(model, dst)
 
 
@@ -293,9 +303,37 @@ def _calibrate(model, texts: Sequence[str]) -> dict[str, np.ndarray]:
     return maxima
 
 
-def _quantize_matmuls(model, maxima: dict[str, np.ndarray]) -> Counter:
+def cpu_has_vnni(cpuinfo: str | None = None) -> bool:
+    """Whether this x86 CPU has the VNNI dot-product instructions ONNX Runtime's INT8 GEMM uses
+    (Linux /proc/cpuinfo flags). Other architectures (ARM's dot products) do not saturate: True."""
+    import platform
+
+    if cpuinfo is None:
+        if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+            return True
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False  # unknown x86 CPU: the safe range
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return bool(flags & {"avx512_vnni", "avx_vnni", "avx_vnni_int8"})
+
+
+def weight_levels(has_vnni: bool | None = None) -> int:
+    """Largest |int8 weight| of the recipe on this CPU: 127 with VNNI, else 63 (module constants)."""
+    if has_vnni is None:
+        has_vnni = cpu_has_vnni()
+    return FULL_WEIGHT_LEVELS if has_vnni else REDUCED_WEIGHT_LEVELS
+
+
+def _quantize_matmuls(model, maxima: dict[str, np.ndarray], levels: int | None = None) -> Counter:
     from onnx import helper, numpy_helper
 
+    if levels is None:
+        levels = weight_levels()
     inits = {i.name: i for i in model.graph.initializer}
     producers = {o: n for n in model.graph.node for o in n.output}
     nodes, counts = [], Counter()
@@ -331,8 +369,8 @@ def _quantize_matmuls(model, maxima: dict[str, np.ndarray]) -> Counter:
             x, y = n + "_inliers_x", n + "_inliers_y"
             w = w * keep[:, None]
 
-        scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127.0
-        wq = const(np.clip(np.round(w / scale), -127, 127).astype(np.int8), n + "_weight_int8")
+        scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / levels
+        wq = const(np.clip(np.round(w / scale), -levels, levels).astype(np.int8), n + "_weight_int8")
         ws = const(scale.astype(np.float32), n + "_weight_scale")
         wz = const(np.zeros(scale.shape, np.int8), n + "_weight_zero_point")
         if per_token:
