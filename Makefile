@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost priority-bench serve-cluster failover-bench clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -159,6 +159,14 @@ CPU_COST_ARGS ?=
 cpu-cost: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.cpu_cost $(CPU_COST_ARGS)
+
+# Image classification: each served ensemble (EfficientNet-Lite0 default, ResNet-50) against ONNX Runtime
+# in-process on the same .onnx file, photos and batch sizes, preprocessing included in both; images/s,
+# P50/P99/max and the ratios (docs/performance.md). About 4 min; IMAGE_BENCH_ARGS e.g. "--rounds 1 --batches 1".
+IMAGE_BENCH_ARGS ?=
+image-bench: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.image_bench $(IMAGE_BENCH_ARGS)
 
 # Priority classes under overload: interactive alone, then with default and bulk traffic at 5x
 # their peak rate; P50/P99 and rejection rate per class (docs/priority-classes.md). PRIORITY_BENCH_ARGS e.g. "--duration 10".
