@@ -170,3 +170,17 @@ def apply_process_nice(config: Any) -> int:
             except OSError:
                 pass
     return value
+
+
+def freeze_loaded_objects() -> int:
+    """Call last in ``initialize``: collect, then move every object alive into the collector's
+    permanent generation (``gc.freeze``). Modules, tokenizers, sessions and configs live as long as
+    the stub, yet each full collection walks them all; in a stub under load those collections
+    took 12-20 ms, stalling every request of that moment. Frozen objects are never collected
+    (nothing loaded is meant to be); what requests allocate is collected as before.
+    Returns how many objects were frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

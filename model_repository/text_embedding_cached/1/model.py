@@ -19,7 +19,10 @@ from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
 from python_backends.cache.triton_metrics import CacheMetrics
 from python_backends.config import ModelConfig
-from python_backends.shim import apply_process_nice, decode_text_requests, error_response, install_logging, keep_metrics, load_error
+from python_backends.shim import (
+    apply_process_nice, decode_text_requests, error_response,
+    freeze_loaded_objects, install_logging, keep_metrics, load_error,
+)
 
 
 class TritonPythonModel:
@@ -61,6 +64,7 @@ class TritonPythonModel:
             self._keys = None
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
+        freeze_loaded_objects()
 
     def _key_maker(self, version=None):
         """The one place the key's model identity comes from (``version``: a caller's choice)."""

@@ -20,7 +20,9 @@ from python_backends.routing.router import (
     versions_on_disk,
 )
 from python_backends.routing.serving import CallError, GroupServer, Job, call_error
-from python_backends.shim import check_input_shapes, error_response, input_numpy, install_logging, keep_metrics, load_error
+from python_backends.shim import (
+    check_input_shapes, error_response, freeze_loaded_objects, input_numpy, install_logging, keep_metrics, load_error,
+)
 
 OUTPUT = "sentence_embedding"
 
@@ -61,6 +63,7 @@ class TritonPythonModel:
         # command judges canaries by these metrics.
         self.metrics_on = self.config.param_bool("metrics", True)
         pb_utils.Logger.log_info(f"{self.config.name}: {describe(self.settings)}")
+        freeze_loaded_objects()
 
     def _ready_versions(self):
         encoder = self.settings.encoder

@@ -19,7 +19,9 @@ from python_backends.generation.sampling import SamplingParams
 from python_backends.generation.scheduler import QueueFull
 from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request
 from python_backends.generation.triton_metrics import GenerationMetrics
-from python_backends.shim import check_input_shapes, error_response, install_logging, keep_metrics, load_error
+from python_backends.shim import (
+    check_input_shapes, error_response, freeze_loaded_objects, install_logging, keep_metrics, load_error,
+)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 OUTPUT_TYPES = {"text_output": object, "finish_reason": object, "num_input_tokens": np.uint32,
@@ -52,6 +54,7 @@ class TritonPythonModel:
             raise load_error(pb_utils, self.config.name, exc)
         self.ids = itertools.count()
         self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
+        freeze_loaded_objects()
 
     def execute(self, requests):
         for request in requests:

@@ -7,7 +7,9 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.config import ModelConfig
 from python_backends.padding_metrics import PaddingMetrics, batches_counts
-from python_backends.shim import decode_text_requests, error_response, install_logging, keep_metrics, load_error
+from python_backends.shim import (
+    decode_text_requests, error_response, freeze_loaded_objects, install_logging, keep_metrics, load_error,
+)
 from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer
 
 
@@ -32,6 +34,7 @@ class TritonPythonModel:
         self.metrics = None
         if self.config.param_bool("metrics", True):
             self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"], batch_histogram=True)
+        freeze_loaded_objects()
 
     def execute(self, requests):
         # owners[k] = (request index, start, stop) into texts; bad requests already answered

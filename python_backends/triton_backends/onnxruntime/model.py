@@ -14,7 +14,9 @@ from python_backends.admission.yielding import yield_from_config
 from python_backends.onnx_engine.batching import budget_from_config, run_batched
 from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
 from python_backends.padding_metrics import PaddingMetrics, RunTally
-from python_backends.shim import apply_process_nice, check_shape, error_response, install_logging, keep_metrics, load_error
+from python_backends.shim import (
+    apply_process_nice, check_shape, error_response, freeze_loaded_objects, install_logging, keep_metrics, load_error,
+)
 
 
 class TritonPythonModel:
@@ -53,6 +55,7 @@ class TritonPythonModel:
             f"intra_op_threads={plan.intra_op_threads or 'default'}"
             + (f", ragged batches of at most {self.budget.max_tokens} tokens per run" if self.budget else "")
         )
+        freeze_loaded_objects()
 
     def _run(self, feed):
         return dict(zip(self.output_names, self.session.run(self.output_names, feed)))
