@@ -28,8 +28,9 @@ _RUNNING: list[TritonServer] = []  # for attaching the log to failed tests' repo
 def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
     if not text_encoder.up_to_date(REPOSITORY):
         text_encoder.export(REPOSITORY)
-    if not image_classifier.up_to_date(REPOSITORY):
-        image_classifier.export(REPOSITORY)
+    for image_model in image_classifier.MODELS.values():
+        if not image_classifier.up_to_date(REPOSITORY, model=image_model):
+            image_classifier.export(REPOSITORY, model=image_model)
     if (REPOSITORY / generation.MODEL / "config.pbtxt").is_file() and not generation.up_to_date(REPOSITORY):
         generation.export_for_serving(REPOSITORY)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))

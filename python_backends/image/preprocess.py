@@ -1,10 +1,18 @@
-"""Decode and preprocess images for ResNet-50: encoded bytes -> normalised NCHW float32.
+"""Decode and preprocess images for an ImageNet classifier: encoded bytes -> normalised NCHW float32.
 
-The recipe is torchvision's ImageNet evaluation transform, step for step on PIL images:
-``Resize(256)`` (shorter side to 256, bilinear, the longer side truncated as torchvision
-computes it), ``CenterCrop(224)`` (offsets rounded with Python's ``round``), ``ToTensor``
-(/255) and ``Normalize(IMAGENET_MEAN, IMAGENET_STD)``, all in float32 and in the same order,
-so the served pixels equal a torchvision pipeline's on the same decoded image.
+Two recipes, chosen by the model's config (``resize_mode``), each what its weights were trained with:
+
+* ``resize_then_crop``, torchvision's ImageNet evaluation transform (ResNet-50), step for step on
+  PIL images: ``Resize(256)`` (shorter side to 256, the longer side truncated as torchvision
+  computes it), ``CenterCrop(224)`` (offsets rounded with Python's ``round``), ``ToTensor`` (/255)
+  and ``Normalize(mean, std)``, all in float32 and in the same order, so the served pixels equal
+  a torchvision pipeline's on the same decoded image.
+* ``crop_then_resize``, tensorflow/tpu's EfficientNet evaluation (``preprocessing.py``
+  ``_decode_and_center_crop``): a centred square of ``crop / resize_shorter`` of the shorter
+  side (offsets ``(size - c + 1) // 2``), resized to crop x crop, then normalised.
+
+``interpolation`` (bilinear or bicubic), ``mean_rgb`` and ``stddev_rgb`` (on the 0-255 pixel
+scale, tensorflow/tpu's names) come from the config too; the defaults are ResNet-50's.
 
 Input checks happen before any pixel is decoded where they can: the format is told from
 the file's magic bytes (JPEG and PNG only), and the size is read from the header, so an
@@ -28,6 +36,8 @@ IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 DEFAULT_RESIZE = 256
 DEFAULT_CROP = 224
 DEFAULT_MAX_MEGAPIXELS = 40.0
+RESIZE_MODES = ("resize_then_crop", "crop_then_resize")
+INTERPOLATIONS = ("bilinear", "bicubic")
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -41,12 +51,34 @@ class PreprocessOptions:
     resize: int = DEFAULT_RESIZE  # shorter side after resizing
     crop: int = DEFAULT_CROP  # square centre crop
     max_megapixels: float = DEFAULT_MAX_MEGAPIXELS  # width x height limit, checked from the header
+    resize_mode: str = "resize_then_crop"  # or "crop_then_resize" (RESIZE_MODES)
+    interpolation: str = "bilinear"  # or "bicubic"
+    # Per channel on the 0-1 scale (pixel / 255): (pixel / 255 - mean) / std.
+    mean: tuple[float, float, float] = tuple(float(v) for v in IMAGENET_MEAN)
+    std: tuple[float, float, float] = tuple(float(v) for v in IMAGENET_STD)
 
     def __post_init__(self):
         if self.crop < 1 or self.resize < self.crop:
             raise ConfigError(f"need 1 <= crop ({self.crop}) <= resize ({self.resize})")
         if not self.max_megapixels > 0:
             raise ConfigError(f"max_megapixels must be > 0, got {self.max_megapixels}")
+        if self.resize_mode not in RESIZE_MODES:
+            raise ConfigError(f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got {self.resize_mode!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ConfigError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {self.interpolation!r}")
+        if len(self.mean) != 3 or len(self.std) != 3 or not all(s > 0 for s in self.std):
+            raise ConfigError(f"need 3 mean values and 3 positive std values, got {self.mean} and {self.std}")
+        # Kept as the float32 values the arithmetic uses, so equal recipes compare equal.
+        object.__setattr__(self, "mean", tuple(float(np.float32(v)) for v in self.mean))
+        object.__setattr__(self, "std", tuple(float(np.float32(v)) for v in self.std))
+
+    @property
+    def mean_array(self) -> np.ndarray:
+        return np.asarray(self.mean, dtype=np.float32)
+
+    @property
+    def std_array(self) -> np.ndarray:
+        return np.asarray(self.std, dtype=np.float32)
 
     @property
     def max_pixels(self) -> int:
@@ -54,8 +86,10 @@ class PreprocessOptions:
 
     @classmethod
     def from_config(cls, config) -> "PreprocessOptions":
-        """Read ``resize_shorter`` and ``max_megapixels`` from parameters; the crop from the
-        ``pixel_values`` output dims [3, crop, crop] (python_backends.config.ModelConfig)."""
+        """Read ``resize_shorter``, ``resize_mode``, ``interpolation``, ``mean_rgb``,
+        ``stddev_rgb`` (three numbers each, 0-255 scale) and ``max_megapixels`` from
+        parameters; the crop from the ``pixel_values`` output dims [3, crop, crop]
+        (python_backends.config.ModelConfig)."""
         dims = config.output("pixel_values").dims
         if len(dims) != 3 or dims[0] != 3 or dims[1] != dims[2] or dims[1] < 1:
             raise ConfigError(f"model {config.name!r}: output 'pixel_values' must have dims [3, S, S], config says {list(dims)}")
@@ -68,7 +102,26 @@ class PreprocessOptions:
             resize=config.param_int("resize_shorter", DEFAULT_RESIZE, minimum=1),
             crop=dims[1],
             max_megapixels=megapixels,
+            resize_mode=config.param("resize_mode", "resize_then_crop"),
+            interpolation=config.param("interpolation", "bilinear"),
+            mean=_rgb(config, "mean_rgb", cls.mean),
+            std=_rgb(config, "stddev_rgb", cls.std),
         )
+
+
+def _rgb(config, key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
+    """Three comma-separated numbers on the 0-255 scale -> the 0-1 scale (divided in float64,
+    so "123.675,116.28,103.53" gives exactly torchvision's float32 0.485, 0.456, 0.406)."""
+    raw = config.param(key)
+    if raw is None:
+        return default
+    try:
+        values = tuple(float(v) / 255.0 for v in raw.split(","))
+    except ValueError:
+        raise ConfigError(f"model {config.name!r}: parameter {key!r} must be three numbers, got {raw!r}") from None
+    if len(values) != 3:
+        raise ConfigError(f"model {config.name!r}: parameter {key!r} must be three numbers (R,G,B), got {raw!r}")
+    return values
 
 
 def _format_of(data: bytes) -> str | None:
@@ -95,6 +148,8 @@ def _check_size(field: str, width: int, height: int, options: PreprocessOptions)
         raise InputError(
             field, f"{width}x{height} = {_megapixels(width * height)} MP exceeds the {options.max_megapixels:g} MP limit"
         )
+    if options.resize_mode == "crop_then_resize":
+        return  # the crop is resized to crop x crop whatever the aspect ratio
     # The shorter side is scaled to `resize` before cropping, so a tiny but extremely long
     # image (1 x 10000 pixels) would become 256 x 2,560,000. Same limit for the resized image.
     new_w, new_h = resized_size(width, height, options.resize)
@@ -172,19 +227,32 @@ def center_crop_box(width: int, height: int, crop: int) -> tuple[int, int]:
     return int(round((width - crop) / 2.0)), int(round((height - crop) / 2.0))
 
 
+def center_square(width: int, height: int, crop: int, resize: int) -> tuple[int, int, int]:
+    """(left, top, side) of tensorflow/tpu's eval crop: side = int(crop / resize * shorter side),
+    offsets ``(size - side + 1) // 2``."""
+    side = max(1, int((crop / resize) * min(width, height)))
+    return (width - side + 1) // 2, (height - side + 1) // 2, side
+
+
 def to_pixel_values(image, options: PreprocessOptions = PreprocessOptions()) -> np.ndarray:
-    """RGB PIL image -> [3, crop, crop] float32, normalised with the ImageNet mean and std."""
+    """RGB PIL image -> [3, crop, crop] float32, normalised with the options' mean and std."""
     from PIL import Image
 
     if image.mode != "RGB":
         raise ValueError(f"expected an RGB image, got mode {image.mode}")
-    width, height = resized_size(*image.size, options.resize)
-    if (width, height) != image.size:
-        image = image.resize((width, height), Image.Resampling.BILINEAR)
-    left, top = center_crop_box(width, height, options.crop)
-    pixels = np.asarray(image)[top : top + options.crop, left : left + options.crop]
+    resample = Image.Resampling.BICUBIC if options.interpolation == "bicubic" else Image.Resampling.BILINEAR
+    if options.resize_mode == "crop_then_resize":
+        left, top, side = center_square(*image.size, options.crop, options.resize)
+        box = (left, top, left + side, top + side)
+        pixels = np.asarray(image.resize((options.crop, options.crop), resample, box=box))
+    else:
+        width, height = resized_size(*image.size, options.resize)
+        if (width, height) != image.size:
+            image = image.resize((width, height), resample)
+        left, top = center_crop_box(width, height, options.crop)
+        pixels = np.asarray(image)[top : top + options.crop, left : left + options.crop]
     scaled = pixels.astype(np.float32) / np.float32(255.0)
-    normalised = (scaled - IMAGENET_MEAN) / IMAGENET_STD
+    normalised = (scaled - options.mean_array) / options.std_array
     return np.ascontiguousarray(normalised.transpose(2, 0, 1))
 
 

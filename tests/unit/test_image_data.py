@@ -9,13 +9,15 @@ from export import image_data
 
 def test_sets_are_disjoint_deterministic_and_varied():
     cal, ev = image_data.calibration_set(), image_data.evaluation_set()
-    assert len(cal) == len(ev) == image_data.SET_SIZE == 64
+    assert len(cal) == image_data.CALIBRATION_SIZE == 64 and len(ev) == image_data.EVALUATION_SIZE == 192
+    # the photos the served model is tested on by class are never calibration photos
+    assert {"chelsea.png", "coffee.png"} <= set(image_data.EVALUATION_PHOTOS)
     sources = lambda samples: {s.name.split("#")[0] for s in samples}  # noqa: E731
     assert sources(cal) == set(image_data.CALIBRATION_PHOTOS)
     assert sources(ev) == set(image_data.EVALUATION_PHOTOS)
     assert not sources(cal) & sources(ev)
     assert all(s.image.mode == "RGB" for s in cal + ev)
-    assert len({s.image.size for s in ev}) > 40  # crops of many sizes
+    assert len({s.image.size for s in ev}) > 120  # crops of many sizes
     assert any("flip" in s.name for s in ev)
     # rebuilt from scratch: the same images, pixel for pixel
     first = image_data.pixel_values(ev[:8])

@@ -1,4 +1,4 @@
-"""Export of the image classifier: parity gate, manifest and provenance, idempotence, weights;
+"""Export of the image classifiers: parity gate, manifest and provenance, idempotence, weights;
 INT8/FP16 builders on a small graph."""
 
 import json
@@ -10,11 +10,15 @@ import torch
 
 from export import image_classifier, image_data, image_quant
 
+# ResNet-50 without --weights: the random-init path (image_classification_resnet50). The
+# default model, EfficientNet-Lite0 with its packaged weights, is exported at the end.
+RN = image_classifier.RESNET50
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    return repo, image_classifier.export(repo)
+    return repo, image_classifier.export(repo, model=RN)
 
 
 def test_export_writes_model_labels_and_manifest(exported):
@@ -22,18 +26,18 @@ def test_export_writes_model_labels_and_manifest(exported):
     assert not result.skipped
     assert result.max_abs_diff is not None and result.max_abs_diff <= image_classifier.MAX_ABS_DIFF
     assert result.top1_agreement == 1.0
-    model_path, labels_path = image_classifier.paths(repo)
+    model_path, labels_path = image_classifier.paths(repo, RN)
     assert labels_path.read_bytes() == image_classifier.LABELS.read_bytes()
     manifest = json.loads(model_path.with_suffix(".export.json").read_text())
     assert manifest["provenance"] == "random-init(seed=0)+bn-recalibrated" == result.provenance
     assert manifest["weights"]["bn_calibration_images"] == 64
-    assert manifest["source"] == image_classifier.source_fingerprint()
-    assert manifest["max_abs_diff"] == result.max_abs_diff and manifest["evaluation_images"] == 64
+    assert manifest["source"] == image_classifier.source_fingerprint(None, RN)
+    assert manifest["max_abs_diff"] == result.max_abs_diff and manifest["evaluation_images"] == image_data.EVALUATION_SIZE
 
 
 def test_exported_graph_has_named_tensors_and_a_dynamic_batch(exported):
     repo, _ = exported
-    model = onnx.load(str(image_classifier.paths(repo)[0]), load_external_data=False)
+    model = onnx.load(str(image_classifier.paths(repo, RN)[0]), load_external_data=False)
     dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
     assert {i.name: dims(i) for i in model.graph.input} == {"pixel_values": ["batch", 3, 224, 224]}
     assert {o.name: dims(o) for o in model.graph.output} == {"logits": ["batch", 1000]}
@@ -44,37 +48,37 @@ def test_random_logits_depend_on_the_image(exported):
     """BatchNorm recalibration is what makes an untrained network's outputs input-dependent."""
     repo, _ = exported
     pixels = image_data.pixel_values(image_data.evaluation_set())
-    logits = image_classifier.ort_logits(image_classifier.paths(repo)[0], pixels)
+    logits = image_classifier.ort_logits(image_classifier.paths(repo, RN)[0], pixels)
     assert logits.std(axis=0).mean() > 0.2  # across images, per class
     assert len(set(logits.argmax(axis=1))) >= 4
 
 
 def test_second_export_is_skipped_until_something_changes(exported):
     repo, _ = exported
-    assert image_classifier.up_to_date(repo)
-    assert image_classifier.export(repo).skipped
-    model_path, labels_path = image_classifier.paths(repo)
+    assert image_classifier.up_to_date(repo, model=RN)
+    assert image_classifier.export(repo, model=RN).skipped
+    model_path, labels_path = image_classifier.paths(repo, RN)
     original = labels_path.read_bytes()
     labels_path.write_bytes(original + b"extra\n")
-    assert not image_classifier.up_to_date(repo)
+    assert not image_classifier.up_to_date(repo, model=RN)
     labels_path.write_bytes(original)
-    assert image_classifier.up_to_date(repo)
+    assert image_classifier.up_to_date(repo, model=RN)
     # other weights are another source
-    assert not image_classifier.up_to_date(repo, weights=image_classifier.LABELS)
+    assert not image_classifier.up_to_date(repo, weights=image_classifier.LABELS, model=RN)
 
 
 def test_force_rebuilds(exported):
     repo, _ = exported
-    result = image_classifier.export(repo, force=True)
-    assert not result.skipped and image_classifier.up_to_date(repo)
+    result = image_classifier.export(repo, force=True, model=RN)
+    assert not result.skipped and image_classifier.up_to_date(repo, model=RN)
 
 
 def test_gate_rejects_an_export_that_misses_its_tolerance(tmp_path, monkeypatch):
     monkeypatch.setattr(image_classifier, "MAX_ABS_DIFF", 0.0)
     with pytest.raises(RuntimeError, match="export rejected"):
-        image_classifier.export(tmp_path)
-    assert not image_classifier.paths(tmp_path)[0].exists()
-    assert not image_classifier.up_to_date(tmp_path)
+        image_classifier.export(tmp_path, model=RN)
+    assert not image_classifier.paths(tmp_path, RN)[0].exists()
+    assert not image_classifier.up_to_date(tmp_path, model=RN)
 
 
 def test_parity_check_measures_a_real_difference(exported, tmp_path):
@@ -82,14 +86,14 @@ def test_parity_check_measures_a_real_difference(exported, tmp_path):
     from onnx import numpy_helper
 
     repo, _ = exported
-    model = onnx.load(str(image_classifier.paths(repo)[0]))
+    model = onnx.load(str(image_classifier.paths(repo, RN)[0]))
     fc = next(t for t in model.graph.initializer if list(t.dims) == [1000, 2048])
     array = numpy_helper.to_array(fc).copy()
     array[:, :1024] *= -1
     fc.CopyFrom(numpy_helper.from_array(array, fc.name))
     broken = tmp_path / "broken.onnx"
     onnx.save(model, str(broken))
-    parity = image_classifier.check_parity(broken)
+    parity = image_classifier.check_parity(broken, model=RN)
     assert parity.max_abs_diff > 0.1 and parity.top1_agreement < 0.9 and parity.top1_disagreements > 0
 
 
@@ -101,22 +105,22 @@ def test_compare_forgives_only_ties():
 
 
 def test_export_with_weights_records_them(exported, tmp_path):
-    model, _ = image_classifier.load_torch_model()
+    model, _ = image_classifier.load_torch_model(None, RN)
     weights = tmp_path / "resnet50.pth"
     torch.save(model.state_dict(), weights)
     repo = tmp_path / "repo"
-    result = image_classifier.export(repo, weights=weights)
+    result = image_classifier.export(repo, weights=weights, model=RN)
     assert result.provenance == "pretrained" and result.top1_agreement == 1.0
-    manifest = json.loads(image_classifier.paths(repo)[0].with_suffix(".export.json").read_text())
+    manifest = json.loads(image_classifier.paths(repo, RN)[0].with_suffix(".export.json").read_text())
     assert manifest["weights"]["weights_file"] == "resnet50.pth"
     assert manifest["source"]["weights"]["sha256"] == manifest["weights"]["weights_sha256"]
-    assert image_classifier.up_to_date(repo, weights=weights)
+    assert image_classifier.up_to_date(repo, weights=weights, model=RN)
     # A later plain export (make serve / make test) keeps the trained model...
-    assert image_classifier.up_to_date(repo)
-    kept = image_classifier.export(repo)
+    assert image_classifier.up_to_date(repo, model=RN)
+    kept = image_classifier.export(repo, model=RN)
     assert kept.skipped and kept.provenance == "pretrained"
     # ...and only --force without --weights goes back to the random initialisation.
-    assert image_classifier.export(repo, force=True).provenance.startswith("random-init")
+    assert image_classifier.export(repo, force=True, model=RN).provenance.startswith("random-init")
 
 
 # ---- INT8 / FP16 builders, on a small CNN so they run in seconds ---------------------------
@@ -175,3 +179,20 @@ def test_agreement_and_calibration_reader():
     assert shapes == [2, 2, 1] and reader.get_next() is None
     reader.rewind()
     assert reader.get_next() is not None
+
+
+def test_default_export_is_the_trained_efficientnet(tmp_path):
+    repo = tmp_path / "repo"
+    result = image_classifier.export(repo)
+    assert result.provenance == "pretrained" and result.top1_agreement == 1.0
+    model_path, labels_path = image_classifier.paths(repo)
+    assert model_path.parent.parent.name == "image_classifier" and labels_path.is_file()
+    manifest = json.loads(model_path.with_suffix(".export.json").read_text())
+    assert manifest["architecture"] == "efficientnet_lite0"
+    assert manifest["source"]["weights"]["source"] == "packaged"
+    assert "crop_then_resize" in manifest["source"]["preprocess"]
+    assert image_classifier.up_to_date(repo) and image_classifier.export(repo).skipped
+    # ResNet-50 is another model: not exported by this, and not up to date
+    assert not image_classifier.up_to_date(repo, model=RN)
+    graph = onnx.load(str(model_path), load_external_data=False)
+    assert [i.name for i in graph.graph.input] == ["pixel_values"] and [o.name for o in graph.graph.output] == ["logits"]

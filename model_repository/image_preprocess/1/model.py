@@ -1,4 +1,6 @@
-"""Triton shim for the preprocessing step: IMAGE (JPEG/PNG bytes) -> pixel_values [n, 3, 224, 224]."""
+"""Triton shim for a preprocessing step: IMAGE (JPEG/PNG bytes) -> pixel_values [n, 3, S, S].
+
+The recipe (resize mode, interpolation, mean and std) is the config's parameters."""
 
 import triton_python_backend_utils as pb_utils
 
