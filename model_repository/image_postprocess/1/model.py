@@ -7,7 +7,9 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.config import ModelConfig
 from python_backends.image.postprocess import TopKClassifier, load_labels
-from python_backends.shim import check_input_shapes, error_response, input_numpy, install_logging, load_error
+from python_backends.shim import (
+    check_input_shapes, error_response, freeze_loaded_objects, input_numpy, install_logging, load_error,
+)
 
 
 class TritonPythonModel:
@@ -24,6 +26,7 @@ class TritonPythonModel:
             self.classify = TopKClassifier(labels, k)
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
+        freeze_loaded_objects()
 
     def execute(self, requests):
         responses = [None] * len(requests)
