@@ -338,22 +338,52 @@ def image_body(blobs: Sequence[bytes]) -> tuple[bytes, dict[str, str]]:
 
 
 async def _closed_loop(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], concurrency: int, warmup: float,
-                       duration: float) -> tuple[list[float], int, str, float]:
+                       duration: float, min_requests: int = 10) -> tuple[list[float], int, str, float]:
+    """Closed loop at ``concurrency``; the window counts the requests that complete in it.
+
+    The window opens after ``warmup`` seconds once ``concurrency`` requests have completed (the
+    pipeline is full: a slow model's first answers come after its warm-up), and closes at the
+    first completion after ``duration`` seconds once ``min_requests`` completed in it, at the
+    latest after 6 x ``duration``. Requests still in flight then are waited for, not counted.
+    Returns (latencies in s, errors, first error, window seconds).
+    """
     import aiohttp
 
     latencies: list[float] = []
     errors, first_error = 0, ""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+    done = 0
+    window: dict[str, float | None] = {"open": None, "close": None}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
                                      connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         started = time.monotonic()
-        measure_from, stop_at = started + warmup, started + warmup + duration
         counter = iter(range(10**12))
 
+        def completed(t: float, elapsed: float, ok: bool, payload: bytes) -> None:
+            nonlocal done, errors, first_error
+            done += 1
+            opened = window["open"]
+            if opened is None:
+                if t >= started + warmup and done >= concurrency:
+                    window["open"] = t
+                return
+            if window["close"] is not None:
+                return
+            if t >= opened + 6 * duration:
+                window["close"] = opened + 6 * duration
+                return
+            if ok:
+                latencies.append(elapsed)
+            else:
+                errors += 1
+                first_error = first_error or payload[:200].decode(errors="replace")
+            if t >= opened + duration and len(latencies) + errors >= min_requests:
+                window["close"] = t
+
         async def client() -> None:
-            nonlocal errors, first_error
-            while True:
-                now = time.monotonic()
-                if now >= stop_at:
+            while window["close"] is None:
+                opened = window["open"]
+                if opened is not None and time.monotonic() >= opened + 6 * duration:
+                    window["close"] = opened + 6 * duration
                     return
                 body, headers = bodies[next(counter) % len(bodies)]
                 t0 = time.perf_counter()
@@ -363,29 +393,24 @@ async def _closed_loop(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]],
                         ok = r.status == 200
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     ok, payload = False, repr(exc).encode()
-                elapsed = time.perf_counter() - t0
-                if now < measure_from:
-                    continue
-                if ok:
-                    latencies.append(elapsed)
-                else:
-                    errors += 1
-                    first_error = first_error or payload[:200].decode(errors="replace")
+                completed(time.monotonic(), time.perf_counter() - t0, ok, payload)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        measured = time.monotonic() - measure_from
+    opened, closed = window["open"], window["close"]
+    measured = closed - opened if opened is not None and closed is not None else 0.0
     return latencies, errors, first_error, measured
 
 
 def measure_served(http_url: str, pipe: Pipeline, blobs: Sequence[bytes], batch: int, concurrency: int,
-                   warmup: float, duration: float, window: Window) -> None:
+                   warmup: float, duration: float, window: Window, min_requests: int = 10) -> None:
     from perf import triton_stats
 
     bodies = [image_body(batch_of(blobs, batch, k)) for k in range(len(blobs))]
     before = triton_stats.snapshot(http_url)
     cpu0, wall0 = time.process_time(), time.monotonic()
     latencies, errors, first_error, seconds = asyncio.run(_closed_loop(
-        f"http://{http_url}/v2/models/{pipe.ensemble}/infer", bodies, concurrency, warmup, duration))
+        f"http://{http_url}/v2/models/{pipe.ensemble}/infer", bodies, concurrency, warmup, duration,
+        min_requests))
     window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
     stats = triton_stats.fetch_delta(http_url, before).get(pipe.classifier)
     window.requests, window.images, window.seconds = len(latencies), len(latencies) * batch, seconds
@@ -445,6 +470,7 @@ class Point:
     machine_cores: float | None = None
     errors: int = 0
     rounds: int = 0
+    requests: int = 0  # requests (served) or calls (in-process) measured, all rounds
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -464,7 +490,7 @@ def points(windows: Sequence[Window]) -> list[Point]:
             system, ensemble, batch, layout, _median([w.images_per_s for w in ws]), _median([w.p50_ms for w in ws]),
             _median([w.p99_ms for w in ws]), max(maxes) if maxes else None, _median([w.classifier_batch for w in ws]),
             _median([w.client_cores for w in ws]), _median([w.machine_cores for w in ws]),
-            sum(w.errors for w in ws), len(ws)))
+            sum(w.errors for w in ws), len(ws), sum(w.requests for w in ws)))
     return [max(c, key=lambda p: p.images_per_s or 0.0) for c in candidates.values()]
 
 
@@ -480,9 +506,9 @@ def markdown(header: Sequence[str], pipes: Sequence[Pipeline], results: Sequence
     by = {(p.system, p.ensemble, p.batch): p for p in results}
     batches = sorted({p.batch for p in results})
     lines = list(header) + ["", "## Served vs in-process (same .onnx file, same photos, preprocessing included in both)",
-                            "", "| ensemble | variant | batch | system | layout | images/s | P50 ms | P99 ms | max ms "
+                            "", "| ensemble | variant | batch | system | layout | n | images/s | P50 ms | P99 ms | max ms "
                             "| classifier batch | cores: this process | machine | served / in-process |",
-                            "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                            "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pipe in pipes:
         for b in batches:
             served, mine = by.get(("served", pipe.ensemble, b)), by.get(("in-process", pipe.ensemble, b))
@@ -491,7 +517,7 @@ def markdown(header: Sequence[str], pipes: Sequence[Pipeline], results: Sequence
                     continue
                 share = _f(ratio(served.images_per_s if served else None, mine.images_per_s if mine else None), 2) \
                     if p is served else ""
-                lines.append(f"| {pipe.ensemble} | {pipe.variant} | {b} | {p.system} | {p.layout} | "
+                lines.append(f"| {pipe.ensemble} | {pipe.variant} | {b} | {p.system} | {p.layout} | {p.requests} | "
                              f"{_f(p.images_per_s)} | {_f(p.p50_ms)} | {_f(p.p99_ms)} | {_f(p.max_ms)} | "
                              f"{_f(p.classifier_batch)} | {_f(p.client_cores, 2)} | {_f(p.machine_cores, 2)} | {share} |")
     if len(pipes) > 1:
@@ -540,6 +566,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="requests in flight, one per batch size or one for all (default 8,4)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per served window (default 5)")
+    p.add_argument("--min-requests", type=int, default=10,
+                   help="a served window lasts until this many requests completed in it, at most 6 x --duration "
+                        "(default 10)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each served window (default 1)")
     p.add_argument("--inprocess-seconds", type=float, default=3.0,
                    help="seconds per in-process window and layout (default 3)")
@@ -643,7 +672,7 @@ def run(args: argparse.Namespace) -> int:
                     conc = args.concurrency_of[b]
                     w = Window("served", pipe.ensemble, b, rnd, f"c{conc}")
                     meter = MachineMeter()
-                    measure_served(server.http_url, pipe, blobs, b, conc, args.warmup, args.duration, w)
+                    measure_served(server.http_url, pipe, blobs, b, conc, args.warmup, args.duration, w, args.min_requests)
                     meter.stop(w)
                     windows.append(w)
                     say(f"r{rnd} {pipe.ensemble:32} b{b:<3} served     {w.layout:4} {_f(w.images_per_s):>7} images/s  "
@@ -687,14 +716,17 @@ def run(args: argparse.Namespace) -> int:
         (f"- {len(photos)} photos (scikit-image's evaluation photos, whole, JPEG quality {JPEG_QUALITY}), batches "
          f"cycling through them; served: tritonserver without front door or response cache, HTTP (binary tensors), "
          f"{', '.join(f'batch {b} at concurrency {c}' for b, c in args.concurrency_of.items())}, {args.warmup:g} s "
-         f"warm-up + {args.duration:g} s per window; in-process: {args.inprocess_seconds:g} s per layout "
+         f"warm-up (and until as many requests as in flight completed) + {args.duration:g} s per window (longer "
+         f"until {args.min_requests} requests completed in it, at most {6 * args.duration:g} s); in-process: "
+         f"{args.inprocess_seconds:g} s (at least 3 calls) per layout "
          f"(`1t`: one thread; `2t`: the served layout, threads = preprocessing instances, model runs at once <= "
          f"classifier instances), the faster shown; {args.rounds} interleaved round(s), medians (max: the largest)"),
         "- both systems: JPEG bytes in, top-5 out (decode, resize, crop, normalise, the classifier, softmax and top-k); "
         "latency is per request (served) or per call (in-process) of `batch` images; classifier batch: the served "
         "classifier's mean executed batch (Triton's statistics); cores, this process: the load generator's CPU "
         "(served) or the pipeline's own (in-process); machine: busy cores of the whole machine, neighbours included; "
-        "model only: the classifier's session alone on pixels made beforehand (what decoding and top-k leave)",
+        "model only: the classifier's session alone on pixels made beforehand (what decoding and top-k leave); n: "
+        "requests (served) or calls (in-process) measured over all rounds; with few, P99 is the max",
     ]
     if agreement:
         header.append("- served and in-process top-5 classes agree on every photo; largest score difference "
