@@ -162,7 +162,7 @@ cpu-cost: $(STAMP)
 
 # Image classification: each served ensemble (EfficientNet-Lite0 default, ResNet-50) against ONNX Runtime
 # in-process on the same .onnx file, photos and batch sizes, preprocessing included in both; images/s,
-# P50/P99/max and the ratios (docs/performance.md). About 4 min; IMAGE_BENCH_ARGS e.g. "--rounds 1 --batches 1".
+# P50/P99/max and the ratios (docs/performance.md). About 5 min; IMAGE_BENCH_ARGS e.g. "--rounds 1 --batches 1".
 IMAGE_BENCH_ARGS ?=
 image-bench: $(STAMP)
 	$(PY) -m export --no-speed
