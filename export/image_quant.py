@@ -1,8 +1,9 @@
-"""INT8 and FP16 variants of the exported ResNet-50, and how far each moves from FP32.
+"""INT8 and FP16 variants of the exported image classifiers, and how far each moves from FP32.
 
 * ``quantize_int8``: ONNX Runtime **static** quantization in QDQ format, weights per channel,
   activations calibrated on the calibration photos (export/image_data.py) through a
-  ``CalibrationDataReader`` that feeds the served preprocessing's pixels. For CPUs.
+  ``CalibrationDataReader`` that feeds the served preprocessing's pixels; biases corrected for
+  the weights' rounding on the same photos; 7-bit weights on x86 CPUs without VNNI. For CPUs.
 * ``fp16``: FP16 weights and activations with FP32 inputs and outputs, for GPUs (on a CPU
   ONNX Runtime emulates most FP16 kernels with casts and is slower; evaluated here only for
   its accuracy).
@@ -49,19 +50,25 @@ class PhotoCalibrationReader:
         self._next = iter(self._batches)
 
 
-def quantize_int8(src: Path, dst: Path, calibration: np.ndarray | None = None, method: str = "MinMax") -> None:
+def quantize_int8(src: Path, dst: Path, calibration: np.ndarray | None = None, method: str = "MinMax",
+                  bias_correction: bool = True, has_vnni: bool | None = None) -> None:
     """Static QDQ INT8 (uint8 activations, per-channel int8 weights) calibrated on
-    ``calibration`` pixels [n, 3, 224, 224] (default: the calibration photos)."""
+    ``calibration`` pixels [n, 3, 224, 224] (default: the calibration photos).
+
+    Weights get 8 bits on CPUs with VNNI and 7 (``reduce_range``) on x86 CPUs without it
+    (export.text_quant.cpu_has_vnni): ONNX Runtime's u8 x s8 kernels there add pairs of products
+    in saturating int16. With ``bias_correction`` each Conv/Gemm bias absorbs the mean shift
+    its weight rounding causes on the calibration pixels (:func:`correct_biases`)."""
     import tempfile
 
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from export.text_quant import cpu_has_vnni
 
     if calibration is None:
         calibration = image_data.pixel_values(image_data.calibration_set())
-
-    class Reader(PhotoCalibrationReader, CalibrationDataReader):
-        pass
+    if has_vnni is None:
+        has_vnni = cpu_has_vnni()
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="image-quant-") as tmp:
@@ -69,21 +76,133 @@ def quantize_int8(src: Path, dst: Path, calibration: np.ndarray | None = None, m
         # Shape inference and ORT's graph optimisations first, as ORT recommends for static
         # quantization (the export already folded BatchNorm into the convolutions).
         quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
-        quantize_static(
-            str(prepared),
-            str(dst),
-            Reader(calibration),
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            # U8S8: unsigned activations, signed weights. With S8S8 ONNX Runtime 1.32 fused
-            # only 33 of the 53 convolutions into QLinearConv (the residual Adds stayed float,
-            # with layout transposes around them): 1.3-1.5x FP32's speed here. U8S8 fuses all
-            # 53 and all 16 Adds: about 3x, at the same accuracy. On x86 CPUs without VNNI,
-            # U8S8 can saturate; this machine (AVX-512 VNNI) is not one of them.
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            calibrate_method=getattr(CalibrationMethod, method),
-        )
+        _name_nodes(prepared)
+        if bias_correction:
+            first = Path(tmp) / "first.onnx"
+            _quantize_static(prepared, first, calibration, method, reduce_range=not has_vnni)
+            corrected = Path(tmp) / "corrected.onnx"
+            correct_biases(prepared, first, corrected, calibration)
+            prepared = corrected
+        _quantize_static(prepared, dst, calibration, method, reduce_range=not has_vnni)
+
+
+def _name_nodes(path: Path) -> None:
+    """Give every node a unique name: the quantized graph's nodes are matched to the float
+    graph's by name (ONNX Runtime's quantizer keeps them)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{i}"
+        seen.add(node.name)
+    onnx.save(model, str(path))
+
+
+def _quantize_static(src: Path, dst: Path, calibration: np.ndarray, method: str, reduce_range: bool) -> None:
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    class Reader(PhotoCalibrationReader, CalibrationDataReader):
+        pass
+
+    quantize_static(
+        str(src),
+        str(dst),
+        Reader(calibration),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        # U8S8: unsigned activations, signed weights. With S8S8 ONNX Runtime 1.32 fused
+        # only 33 of the 53 convolutions of ResNet-50 into QLinearConv (the residual Adds
+        # stayed float, with layout transposes around them). U8U8 weights avoid the int16
+        # saturation of CPUs without VNNI but run slower than FP32 there (docs/image-pipeline.md).
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        reduce_range=reduce_range,
+        calibrate_method=getattr(CalibrationMethod, method),
+    )
+
+
+def _dequantized_weights(quantized) -> dict[str, np.ndarray]:
+    """{node name: the weights its DequantizeLinear feeds it} of a QDQ graph's Conv and Gemm nodes."""
+    from onnx import numpy_helper
+
+    inits = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
+    producers = {o: n for n in quantized.graph.node for o in n.output}
+    weights = {}
+    for node in quantized.graph.node:
+        if node.op_type not in ("Conv", "Gemm") or len(node.input) < 2:
+            continue
+        dq = producers.get(node.input[1])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+            continue
+        q = inits[dq.input[0]].astype(np.float64)
+        scale = inits[dq.input[1]].astype(np.float64)
+        zero = inits[dq.input[2]].astype(np.float64) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
+        axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+        shape = [1] * q.ndim
+        if scale.ndim:
+            shape[axis] = -1
+        weights[node.name] = (q - zero.reshape(shape)) * scale.reshape(shape)
+    return weights
+
+
+def input_means(model, names: Sequence[str], pixels: np.ndarray, batch_size: int = 8) -> dict[str, np.ndarray]:
+    """Per-channel means of the tensors ``names`` (axis 1; the other axes averaged) over ``pixels``."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    outputs = {o.name for o in probe.graph.output}
+    for name in names:
+        if name not in outputs:
+            probe.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(probe.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
+    sums = {name: 0.0 for name in names}
+    for batch in image_data.batches(np.ascontiguousarray(pixels, dtype=np.float32), batch_size):
+        for name, value in zip(names, session.run(list(names), {INPUT: batch})):
+            axes = tuple(i for i in range(value.ndim) if i != 1)
+            sums[name] = sums[name] + value.astype(np.float64).mean(axis=axes) * len(batch)
+    return {name: total / len(pixels) for name, total in sums.items()}
+
+
+def correct_biases(float_path: Path, quantized_path: Path, dst: Path, calibration: np.ndarray) -> int:
+    """Write ``float_path`` with each Conv/Gemm bias corrected for its weights' rounding in
+    ``quantized_path`` (the same graph, quantized): b -= (W_q - W) applied to the mean input
+    channel over the calibration pixels, so rounding no longer shifts the mean output (empirical
+    bias correction, Nagel et al. 2019, "Data-Free Quantization"). Quantizing the result again
+    rounds the weights alike. Returns the number of corrected nodes."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(float_path))
+    dequantized = _dequantized_weights(onnx.load(str(quantized_path)))
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.name in dequantized and len(n.input) > 2 and n.input[2] in inits]
+    means = input_means(model, list(dict.fromkeys(n.input[0] for n in nodes)), calibration)
+    for node in nodes:
+        weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
+        bias = numpy_helper.to_array(inits[node.input[2]])
+        delta = dequantized[node.name] - weight
+        mean = means[node.input[0]]
+        if node.op_type == "Gemm":
+            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            shift = delta @ mean if trans_b else mean @ delta
+        else:
+            group = next((a.i for a in node.attribute if a.name == "group"), 1)
+            per_input = delta.sum(axis=tuple(range(2, delta.ndim)))  # [out, in / group]
+            per_group = per_input.shape[1]
+            # Output channel o reads input channels (o // (out / group)) * per_group + [0, per_group).
+            first = (np.arange(delta.shape[0]) // (delta.shape[0] // group)) * per_group
+            shift = np.einsum("oi,oi->o", per_input, mean[first[:, None] + np.arange(per_group)])
+        inits[node.input[2]].CopyFrom(numpy_helper.from_array((bias - shift).astype(bias.dtype), node.input[2]))
+    onnx.save(model, str(dst))
+    log.info("int8: bias correction of %d Conv/Gemm nodes on %d calibration images", len(nodes), len(calibration))
+    return len(nodes)
 
 
 def fp16(src: Path, dst: Path) -> None:

@@ -158,6 +158,54 @@ def test_int8_is_static_qdq_per_channel_and_close(small_cnn, tmp_path):
     assert metrics["max_abs_logit_diff"] < 0.05 * np.abs(reference).max()
 
 
+def _conv_weights(path):
+    """{Conv/Gemm node name: its quantized weight array} of a QDQ graph."""
+    graph = onnx.load(str(path)).graph
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    return {n.name: inits[producers[n.input[1]].input[0]] for n in graph.node if n.op_type in ("Conv", "Gemm")}
+
+
+def test_int8_weights_take_7_bits_without_vnni(small_cnn, tmp_path):
+    # ONNX Runtime's u8 x s8 kernels on x86 without VNNI add pairs of products in int16:
+    # 2 * 255 * 127 overflows it, 2 * 255 * 64 does not.
+    src, calibration, _ = small_cnn
+    full, reduced = tmp_path / "full.onnx", tmp_path / "reduced.onnx"
+    image_quant.quantize_int8(src, full, calibration=calibration, bias_correction=False, has_vnni=True)
+    image_quant.quantize_int8(src, reduced, calibration=calibration, bias_correction=False, has_vnni=False)
+    full_max = max(int(np.abs(w.astype(np.int32)).max()) for w in _conv_weights(full).values())
+    reduced_max = max(int(np.abs(w.astype(np.int32)).max()) for w in _conv_weights(reduced).values())
+    assert full_max >= 127 and reduced_max <= 64
+
+
+def test_bias_correction_cancels_the_mean_shift_of_weight_rounding(small_cnn, tmp_path):
+    src, calibration, _ = small_cnn
+    quantized, corrected = tmp_path / "q.onnx", tmp_path / "corrected.onnx"
+    image_quant.quantize_int8(src, quantized, calibration=calibration, bias_correction=False, has_vnni=True)
+    assert image_quant.correct_biases(src, quantized, corrected, calibration) == 3  # two Convs and the Gemm
+    dequantized = image_quant._dequantized_weights(onnx.load(str(quantized)))
+
+    def rounded(biases_from):
+        # The float graph with the quantized model's weights: weight rounding alone.
+        model, bias_model = onnx.load(str(src)), onnx.load(str(biases_from))
+        biases = {t.name: t for t in bias_model.graph.initializer}
+        inits = {t.name: t for t in model.graph.initializer}
+        for node in model.graph.node:
+            if node.name in dequantized:
+                inits[node.input[1]].CopyFrom(onnx.numpy_helper.from_array(dequantized[node.name].astype(np.float32), node.input[1]))
+                inits[node.input[2]].CopyFrom(biases[node.input[2]])
+        return model
+
+    first_conv = next(n for n in onnx.load(str(src)).graph.node if n.op_type == "Conv").output[0]
+    reference = image_quant.input_means(onnx.load(str(src)), [first_conv, "logits"], calibration)
+    before = image_quant.input_means(rounded(src), [first_conv, "logits"], calibration)
+    after = image_quant.input_means(rounded(corrected), [first_conv, "logits"], calibration)
+    for name in (first_conv, "logits"):
+        shift_before = np.abs(before[name] - reference[name]).max()
+        shift_after = np.abs(after[name] - reference[name]).max()
+        assert shift_before > 0 and shift_after < 0.5 * shift_before, (name, shift_before, shift_after)
+
+
 def test_fp16_keeps_float32_io(small_cnn, tmp_path):
     src, _, evaluation = small_cnn
     dst = tmp_path / "model.fp16.onnx"
