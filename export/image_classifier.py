@@ -407,11 +407,13 @@ class ImageClassifierPipeline:
             return ("random-init weights: top-1 margins of an untrained network are below INT8 noise, so its "
                     "top-1 gate is only meaningful with a trained checkpoint (--weights)")
         if self.model.architecture == "efficientnet_lite0":
-            # Measured (docs/image-pipeline.md): ONNX Runtime's static QDQ recipe misses the 0.98
-            # gate by far on the evaluation photos, so INT8 stays off the serving path (PRECISION=auto
-            # serves cpu_opt) until a recipe passes; the gate itself is unchanged.
-            return ("static INT8 of EfficientNet-Lite0 misses its top-1 gate (ONNX Runtime QDQ, per-channel weights, "
-                    "MinMax/Entropy/Percentile calibration all tried); not served until a recipe passes")
+            # Measured (docs/image-pipeline.md): no post-training recipe reaches the 0.98 gate on
+            # the evaluation photos, whose top-1 flips on 8 % of images under half a grey level of
+            # input noise; INT8 stays off the serving path (PRECISION=auto serves cpu_opt).
+            return ("static INT8 of EfficientNet-Lite0 misses its top-1 gate: best 0.92 (8-bit weights with bias "
+                    "correction, simulated), 0.90 with U8U8 kernels (slower than FP32), 0.83 as built on x86 CPUs without VNNI "
+                    "(7-bit weights, bias correction); calibration methods, signed activations, FP32 depthwise "
+                    "and first/last layers also tried; not served until a recipe passes")
         return None
 
     def skip_reason(self, variant: str) -> str | None:
