@@ -175,7 +175,9 @@ def correct_biases(float_path: Path, quantized_path: Path, dst: Path, calibratio
     ``quantized_path`` (the same graph, quantized): b -= (W_q - W) applied to the mean input
     channel over the calibration pixels, so rounding no longer shifts the mean output (empirical
     bias correction, Nagel et al. 2019, "Data-Free Quantization"). Quantizing the result again
-    rounds the weights alike. Returns the number of corrected nodes."""
+    rounds the weights alike, but for the channels with small weights and a large bias
+    whose weight scale ONNX Runtime widens so that the int32 bias fits. Returns the number of
+    corrected nodes."""
     import onnx
     from onnx import numpy_helper
 
