@@ -101,3 +101,20 @@ def openai_client(gateway):
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_retries=0, timeout=120)
     yield client
     client.close()
+
+
+def unload_and_wait(client, *models: str, timeout: float = 120.0) -> None:
+    """Unload ``models`` from the session's server and wait until it is ready again: Triton
+    unloads in the background, and its (strict) server readiness is false until every unload
+    finished, so the next test's readiness probe would see 400."""
+    import time
+
+    for model in models:
+        client.unload_model(model)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {m["name"]: m.get("state") for m in client.get_model_repository_index() if m["name"] in models}
+        if all(states.get(m) in (None, "UNAVAILABLE") for m in models) and client.is_server_ready():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the server is not ready {timeout:.0f} s after unloading {', '.join(models)}")

@@ -18,6 +18,7 @@ from export import image_classifier, image_data
 from python_backends.image.postprocess import softmax
 from python_backends.image.preprocess import preprocess
 from server.layout import ROOT
+from tests.integration.conftest import unload_and_wait
 
 MODEL = "image_classification"
 K = 5
@@ -131,8 +132,7 @@ def test_resnet50_ensemble_serves_beside_it(http_client, images):
         assert config["parameters"]["resize_mode"]["string_value"] == "resize_then_crop"
         assert http_client.get_model_metadata(name)["inputs"] == http_client.get_model_metadata(MODEL)["inputs"]
     finally:
-        for model in (name, "image_classifier_resnet50", "image_preprocess_resnet50"):
-            http_client.unload_model(model)
+        unload_and_wait(http_client, name, "image_classifier_resnet50", "image_preprocess_resnet50")
 
 
 def check_against_reference(result, logits: np.ndarray, labels: list[str]) -> None:

@@ -33,6 +33,7 @@ from python_backends.padding_metrics import (
     histogram_buckets,
 )
 from python_backends.text.tokenization import BatchTokenizer
+from tests.integration.conftest import unload_and_wait
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -194,7 +195,7 @@ def test_every_metric_the_rules_read_exists(triton, http_client, openai_client, 
             time.sleep(0.6)
             seen |= names(scrape(triton.metrics_url))
     finally:
-        http_client.unload_model(router)
+        unload_and_wait(http_client, router)
     openai_client.models.list()  # one request counted by the gateway
     seen |= names(scrape(f"{gateway.url}/metrics"))
     seen.add("up")  # made by Prometheus for every target, not scraped
