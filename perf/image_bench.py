@@ -29,7 +29,7 @@ ensemble and batch size, the served window then the in-process one; figures are 
 ``--rounds`` (max: the largest). Ratios: served / in-process per ensemble and batch, and the
 first ensemble over each other one (throughput) in-process and served.
 
-The photos are scikit-image's bundled evaluation photos (export/image_data.EVALUATION_PHOTOS),
+The photos are the classifier's evaluation photos (export/image_data.EVALUATION_PHOTOS),
 whole, JPEG-encoded once at quality 90. Writes image_bench.md (the tables), image_bench.csv
 (every window) and tritonserver.log under perf/results/image-bench-<UTC time>/ (``--out``).
 """
@@ -713,7 +713,7 @@ def run(args: argparse.Namespace) -> int:
         + "; ".join(f"{p.classifier} serves {p.variant} ({p.model_path.name}, {p.threads} intra-op threads x "
                     f"{p.classifier_instances} instance(s); weights {p.weights or 'unknown'}), {p.preprocess} "
                     f"{p.preprocess_instances} instance(s)" for p in pipes),
-        (f"- {len(photos)} photos (scikit-image's evaluation photos, whole, JPEG quality {JPEG_QUALITY}), batches "
+        (f"- {len(photos)} photos (the evaluation photos, whole, JPEG quality {JPEG_QUALITY}), batches "
          f"cycling through them; served: tritonserver without front door or response cache, HTTP (binary tensors), "
          f"{', '.join(f'batch {b} at concurrency {c}' for b, c in args.concurrency_of.items())}, {args.warmup:g} s "
          f"warm-up (and until as many requests as in flight completed) + {args.duration:g} s per window (longer "

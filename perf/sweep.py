@@ -12,7 +12,7 @@ Inputs: text_embedding with the checked-in perf/data/sentences_16tok.json ("16to
 request exactly 16 tokens) and perf/data/sentences_mixed.json ("mixed", real sentences of
 about 8, 16, 32, 64 and 128 tokens); image_classification with JPEGs written into the results
 folder at run time (export.image_data's evaluation photos, downscaled; synthetic images when
-scikit-image's photos are absent), one image per request.
+the sample photo packages are absent), one image per request.
 
 One tritonserver (both ensembles loaded) serves the whole sweep and is stopped at the end.
 Windows count requests (count_windows); an unstable point is retried once with twice the
@@ -245,7 +245,7 @@ def write_image_input(path: Path, count: int = IMAGE_COUNT, side: int = IMAGE_SI
 
     try:
         images = [s.image for s in image_data.evaluation_set()[:count]]
-    except Exception:  # scikit-image's photos missing: gradients with noise, still real JPEG decoding work
+    except Exception:  # the sample photos missing: gradients with noise, still real JPEG decoding work
         import numpy as np
 
         rng = np.random.default_rng(0)
