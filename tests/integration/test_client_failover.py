@@ -28,6 +28,7 @@ from clients.resilience import CLOSED, OPEN, BreakerPolicy, EndpointPool, RetryP
 MODELS = ("text_embedding",)
 CONCURRENCY = 8  # half HTTP, half gRPC
 BEFORE_S = 2.0  # load on both before the kill
+DOWN_S = 1.0  # load with b dead before it is started again: every call must go to a
 AFTER_S = 2.0  # load on both once the killed server is back and its breaker closed
 TEXTS = [f"Sentence {i} about the {w} in the afternoon." for i, w in enumerate(
     ["weather", "river", "market", "orchestra", "harbour", "library", "mountain", "garden"] * 4)]
@@ -124,8 +125,12 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
                        for i, p in enumerate(["http", "grpc"] * (CONCURRENCY // 2))]
             await asyncio.sleep(BEFORE_S)
             await asyncio.to_thread(_kill, b)
-            mark("b down")  # after the kill: no call can succeed at b from here on
+            mark("b down")  # after the kill: no call can succeed at b until it is started again
             killed_at = time.monotonic()
+            await asyncio.sleep(DOWN_S)
+            # The restarted b may answer before _wait_ready sees it ready: its calls count in
+            # "b starting", not "b down" (under load 11 did, in the 0.1 s before the mark).
+            mark("b starting")
             done, failure = threading.Event(), []
             b.start()  # from this (long-lived) thread: a server dies with the thread that forked it
             threading.Thread(target=_wait_ready, args=(b, done, failure), daemon=True).start()
@@ -164,7 +169,10 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
     assert failures == [], f"{len(failures)} failed calls, first: {failures[0]}"
     for protocol in ("http", "grpc"):
         assert served[("both up", protocol, "a")] > 0 and served[("both up", protocol, "b")] > 0
-        assert served[("b down", protocol, "a")] > 0 and served[("b down", protocol, "b")] == 0
+        # With b dead every new call goes to a. A success at b counted after the kill is a reply b
+        # sent before it died that the client had not yet processed: one per worker at most.
+        assert served[("b down", protocol, "a")] > 0
+        assert served[("b down", protocol, "b")] <= CONCURRENCY // 2, f"{protocol}: b answered after its kill"
         assert served[("b back", protocol, "b")] > 0, f"{protocol}: no call went back to the restarted server"
         b_stats = pools[protocol].stats()[pools[protocol].endpoints[1].url]
         assert b_stats["opened"] >= 1 and b_stats["closed"] >= 1 and b_stats["state"] == CLOSED

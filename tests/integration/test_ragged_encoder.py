@@ -40,14 +40,19 @@ def test_mixed_lengths_batch_together_and_match_their_single_runs(http_client, t
     for k, r in enumerate(rows[1:3]):
         pair[k, : len(r)] = r
     before = _stats(http_client)
-    jobs = [http_client.async_infer("text_encoder", _inputs([r])) for r in rows]
-    extra = [http_client.async_infer("text_encoder", _inputs(padded, (padded != 0).astype(np.int64))),
-             http_client.async_infer("text_encoder", _inputs(pair, (pair != 0).astype(np.int64)))]
+    # Every request in flight at once, so they queue behind the two instances and can merge (with
+    # the session client's 8 connections a loaded machine sent them too slowly to queue at all).
+    burst = httpclient.InferenceServerClient(triton.http_url, concurrency=len(rows) + 2)
+    jobs = [burst.async_infer("text_encoder", _inputs([r])) for r in rows]
+    extra = [burst.async_infer("text_encoder", _inputs(padded, (padded != 0).astype(np.int64))),
+             burst.async_infer("text_encoder", _inputs(pair, (pair != 0).astype(np.int64)))]
     got = [j.get_result().as_numpy("sentence_embedding")[0] for j in jobs]
+    extra_results = [e.get_result() for e in extra]
+    burst.close()
     for k in range(6):
         np.testing.assert_allclose(got[k], alone[k], atol=1e-4)
-    np.testing.assert_allclose(extra[0].get_result().as_numpy("sentence_embedding")[0], alone[0], atol=1e-4)
-    np.testing.assert_allclose(extra[1].get_result().as_numpy("sentence_embedding"), np.stack(alone[1:3]), atol=1e-4)
+    np.testing.assert_allclose(extra_results[0].as_numpy("sentence_embedding")[0], alone[0], atol=1e-4)
+    np.testing.assert_allclose(extra_results[1].as_numpy("sentence_embedding"), np.stack(alone[1:3]), atol=1e-4)
     # Triton records an execution's statistics after its responses are sent: wait for them.
     deadline = time.monotonic() + 10
     while True:
