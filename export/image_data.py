@@ -6,7 +6,7 @@ both are installed with --no-deps, so their own imports would fail):
 * scikit-image's sample photos (``skimage/data/*.png|jpg``): the calibration photos, and the
   cat ``chelsea`` and the ``coffee`` cup among the evaluation photos.
 * foolbox's 20 ImageNet validation photos (``foolbox/data/imagenet_<i>_<class>.jpg``, MIT,
-  224 x 224 crops, one class each): evaluation photos with a true label, so that the gates
+  512 x 512 but one, one class each): evaluation photos with a true label, so that the gates
   judge a variant where a trained classifier is sure of something. scikit-image's other
   photos (retina scans, gravel, coins, text) are no ImageNet class; the network is unsure on
   them, and there a top-1 class flips under input noise below one grey level.
