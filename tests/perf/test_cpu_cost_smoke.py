@@ -21,7 +21,9 @@ pytestmark = pytest.mark.perf
 
 def test_small_cpu_cost_run_accounts_every_process(tmp_path):
     out = tmp_path / "cpu"
-    code = cpu_cost.main(["--requests", "100", "--image-requests", "8", "--gen-requests", "2", "--max-tokens", "8",
+    # Enough work a path for Triton's share to be ticks: /proc counts CPU in 10 ms ticks, and
+    # its share of 100 cheap requests (about 20 ms) or 16 tokens rounded to none.
+    code = cpu_cost.main(["--requests", "500", "--image-requests", "24", "--gen-requests", "4", "--max-tokens", "16",
                           "--idle-seconds", "1", "--out", str(out)])
     table = (out / "cpu_cost.md").read_text() if (out / "cpu_cost.md").is_file() else "(no table)"
     assert code == 0, table
