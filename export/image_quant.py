@@ -207,6 +207,19 @@ def correct_biases(float_path: Path, quantized_path: Path, dst: Path, calibratio
     return len(nodes)
 
 
+def optimize_for_cpu(src: Path, dst: Path) -> None:
+    """ONNX Runtime's offline graph optimisation at the EXTENDED level (Conv+BN+ReLU fusions,
+    constant folding), saved as a portable ONNX file. Not ALL: that level adds layout
+    transformations specific to the CPU that ran it."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(dst)
+    ort.InferenceSession(str(src), sess_options=options, providers=["CPUExecutionProvider"])
+    log.info("cpu_opt: wrote %s (%.1f MB)", dst, dst.stat().st_size / 1e6)
+
+
 def fp16(src: Path, dst: Path) -> None:
     """FP16 weights and activations, FP32 ``pixel_values`` in and ``logits`` out."""
     import onnx
@@ -335,16 +348,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def optimize_for_cpu(src: Path, dst: Path) -> None:
-    """ONNX Runtime's offline graph optimisation at the EXTENDED level (Conv+BN+ReLU fusions,
-    constant folding), saved as a portable ONNX file. Not ALL: that level adds layout
-    transformations specific to the CPU that ran it."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    options.optimized_model_filepath = str(dst)
-    ort.InferenceSession(str(src), sess_options=options, providers=["CPUExecutionProvider"])
-    log.info("cpu_opt: wrote %s (%.1f MB)", dst, dst.stat().st_size / 1e6)

@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from tests.integration.conftest import unload_and_wait
+
 HUGE = 1 << 40  # 1099511627776
 MODEL = "text_embedding"
 
@@ -238,11 +240,24 @@ def test_grpc_stream_huge_batch_is_an_error_response(grpc_stub):
     assert all("dimensions" in a.error_message for a in answers), [a.error_message for a in answers]
 
 
-@pytest.mark.parametrize("model", ["text_encoder", "text_encoder_router"])
-def test_encoder_refuses_truncated_batch_over_grpc(triton, grpc_stub, model):
-    # The router is loaded only while a rollout runs (docs/versions-and-rollout.md).
-    if model not in fuzz_models(triton):
-        pytest.skip(f"{model} is not loaded on this session's server")
+@pytest.fixture
+def encoder_model(request, http_client):
+    """The parametrized model, ready. text_encoder_router is on the request path only while a
+    rollout runs (docs/versions-and-rollout.md): loaded for the test, unloaded after it."""
+    model = request.param
+    if model != "text_encoder_router":
+        yield model
+        return
+    http_client.load_model(model)
+    try:
+        yield model
+    finally:
+        unload_and_wait(http_client, model)
+
+
+@pytest.mark.parametrize("encoder_model", ["text_encoder", "text_encoder_router"], indirect=True)
+def test_encoder_refuses_truncated_batch_over_grpc(grpc_stub, encoder_model):
+    model = encoder_model
     request = service_pb2.ModelInferRequest(model_name=model)
     for name in ("input_ids", "attention_mask"):
         request.inputs.add(name=name, datatype="INT64", shape=[HUGE, 16])
@@ -252,12 +267,11 @@ def test_encoder_refuses_truncated_batch_over_grpc(triton, grpc_stub, model):
     assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,), info.value.details()
 
 
-@pytest.mark.parametrize("model", ["text_encoder", "text_encoder_router"])
-def test_an_empty_sequence_is_invalid_argument_naming_the_input(triton, grpc_stub, model):
+@pytest.mark.parametrize("encoder_model", ["text_encoder", "text_encoder_router"], indirect=True)
+def test_an_empty_sequence_is_invalid_argument_naming_the_input(triton, grpc_stub, encoder_model):
     # Found by perf.fuzz: a [1, 0] input_ids / attention_mask failed inside the encoder (HTTP 500;
     # through the router 503).
-    if model not in fuzz_models(triton):
-        pytest.skip(f"{model} is not loaded on this session's server")
+    model = encoder_model
     inputs = [{"name": n, "shape": [1, 0], "datatype": "INT64", "data": []} for n in ("input_ids", "attention_mask")]
     status, answer = _post(triton.http_url, _json(inputs), path=f"/v2/models/{model}/infer")
     assert status == 400 and "input_ids" in json.loads(answer)["error"], (status, answer[:300])
@@ -268,12 +282,6 @@ def test_an_empty_sequence_is_invalid_argument_naming_the_input(triton, grpc_stu
     with pytest.raises(grpc.RpcError) as info:
         grpc_stub.ModelInfer(request, timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input_ids" in info.value.details()
-
-
-def fuzz_models(triton) -> set:
-    with urllib.request.urlopen(urllib.request.Request(f"http://{triton.triton_http_url}/v2/repository/index",
-                                                       data=b"{}", method="POST"), timeout=10) as r:
-        return {m["name"] for m in json.loads(r.read()) if m.get("state") == "READY"}
 
 
 def _embed_ok(url: str, text="hello world"):

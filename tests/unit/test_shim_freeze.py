@@ -20,7 +20,9 @@ def test_loaded_objects_are_frozen_and_cycles_left_by_loading_are_collected_firs
     try:
         frozen = freeze_loaded_objects()
         assert dead() is None, "the garbage was frozen instead of collected"
-        assert frozen == gc.get_freeze_count() >= len(kept)
+        # The count only falls after the freeze: another thread of this process (a client's pool
+        # left by an earlier test) may free frozen objects in between (two did in CI).
+        assert frozen >= len(kept) and 0 < gc.get_freeze_count() <= frozen
         # A full collection now walks only what was allocated since: not the kept objects.
         tracked = len(gc.get_objects())
         assert tracked < frozen
