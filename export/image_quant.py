@@ -252,7 +252,8 @@ def agreement(reference_logits: np.ndarray, logits: np.ndarray, labels: np.ndarr
 
     * top1_agreement: fraction of all images with the reference's top-1 class;
     * decided_top1_agreement: the same over the images whose reference top-1 probability leads
-      the runner-up by at least ``decided_margin`` (decided_images of them);
+      the runner-up by at least ``decided_margin`` (decided_images of them); absent when none
+      is decided (an untrained network), so a gate on it fails;
     * prob_diff: the largest absolute difference of any class probability on any image;
     * with ``labels`` (the true classes): top1_accuracy of ``logits``, reference_top1_accuracy,
       and accuracy_drop = reference_top1_accuracy - top1_accuracy."""
@@ -262,12 +263,13 @@ def agreement(reference_logits: np.ndarray, logits: np.ndarray, labels: np.ndarr
     decided = (top2[:, 1] - top2[:, 0]) >= decided_margin
     result = {
         "top1_agreement": float(same.mean()),
-        "decided_top1_agreement": float(same[decided].mean()) if decided.any() else float("nan"),
         "decided_images": int(decided.sum()),
         "prob_diff": float(np.abs(p - p_ref).max()),
         "max_abs_logit_diff": float(np.abs(logits - reference_logits).max()),
         "images": int(len(logits)),
     }
+    if decided.any():
+        result["decided_top1_agreement"] = float(same[decided].mean())
     if labels is not None:
         labels = np.asarray(labels)
         accuracy = float(np.mean(logits.argmax(axis=1) == labels))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from export import image_classifier, image_data, image_quant
+from export.variants import check_gate
 
 # ResNet-50 without --weights: the random-init path (image_classification_resnet50). The
 # default model, EfficientNet-Lite0 with its packaged weights, is exported at the end.
@@ -238,8 +239,10 @@ def test_agreement_counts_decided_images_and_true_class_accuracy():
     # a flip on a decided image counts
     m = image_quant.agreement(ref, np.array([[0.0, 1.0], [0.0, 0.5], [0.0, 2.0]]))
     assert m["decided_top1_agreement"] == 0.5
-    # no decided image at all: nan, which fails any min_ gate
-    assert np.isnan(image_quant.agreement(ref[1:2], got[1:2])["decided_top1_agreement"])
+    # no decided image at all: no figure, and a gate on it fails
+    undecided = image_quant.agreement(ref[1:2], got[1:2])
+    assert "decided_top1_agreement" not in undecided and undecided["decided_images"] == 0
+    assert check_gate(undecided, {"min_decided_top1_agreement": 0.98}) == ["decided_top1_agreement = None < 0.98"]
     reader = image_quant.PhotoCalibrationReader(np.zeros((5, 3, 4, 4), np.float32), batch_size=2)
     shapes = [reader.get_next()["pixel_values"].shape[0] for _ in range(3)]
     assert shapes == [2, 2, 1] and reader.get_next() is None
