@@ -182,9 +182,11 @@ def class_limit_conn(limits: Mapping[str, tuple[str, int]]) -> str:
     return "\n            ".join(lines) if lines else "# no class entries in this repository"
 
 
-def limits_module(repository: Path, max_body_bytes: int) -> str:
-    """The generated ``limits.js`` that infer_check.js imports."""
+def limits_module(repository: Path, max_body_bytes: int, health_dir: Path | str | None = None) -> str:
+    """The generated ``limits.js`` that infer_check.js imports; ``health_dir``: the stub
+    watchdog's folder of unhealthy models (server/stubs.py), as nginx sees it."""
     limits = {
+        "health_dir": str(health_dir) if health_dir else "",
         "max_body_bytes": max_body_bytes,
         # Each JSON element takes at least 2 bytes and each binary one at least 1: a request
         # whose data matches its shape cannot declare more elements than this.
@@ -259,6 +261,9 @@ class FrontDoorPorts:
     replicas: tuple[Upstream, ...] = ()
     # serve-cluster's OpenAI gateways behind the front door; None: no gateway server block.
     gateway: GatewayDoor | None = None
+    # Where nginx's gRPC listener binds when the gRPC door (server/grpc_door.py) holds the public
+    # port and forwards to it: "127.0.0.1"; None: listen_host (no door, e.g. docker-compose).
+    grpc_listen_host: str | None = None
 
     @classmethod
     def cluster(cls, listen_host: str, http: int, grpc: int, metrics: int,
@@ -308,10 +313,12 @@ def gateway_servers(servers: Sequence[GatewayServer]) -> str:
 
 def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: int, workers: int | str = 1,
            js_module_path: Path | str | None = None, template: Path = TEMPLATE_DIR / "nginx.conf.template",
-           error_log: Path | str | None = None, limits: Mapping[str, tuple[str, int]] | None = None) -> str:
+           error_log: Path | str | None = None, limits: Mapping[str, tuple[str, int]] | None = None,
+           health_dir: Path | str | None = None) -> str:
     """nginx.conf for these ports, with every temporary path in ``workdir`` (the error log too,
     unless ``error_log`` names another file or ``stderr``); ``limits``: the class entries'
-    in-flight limits (``class_limits``)."""
+    in-flight limits (``class_limits``); ``health_dir``: the watchdog's folder of unhealthy
+    models (server/stubs.py; default ``workdir/health``, which stays empty without one)."""
     servers = ports.upstreams()
     # admission_rows is per tritonserver: the whole cluster takes that many per replica.
     limits = {model: (cls, rows * len(servers)) for model, (cls, rows) in (limits or {}).items()}
@@ -320,13 +327,14 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
         "CLASS_LIMIT_CONN": class_limit_conn(limits),
         "WORKERS": workers,
         "WORKDIR": workdir,
+        "HEALTH_DIR": health_dir or f"{workdir}/health",
         "ERROR_LOG": error_log or f"{workdir}/nginx-error.log",
         "JS_MODULE": js_module_path or js_module(),
         "JS_PATH": js_path,
         "MAX_BODY_BYTES": max_body_bytes,
         "LISTEN_HOST": ports.listen_host,
         "HTTP_PORT": ports.http,
-        "GRPC_PORT": ports.grpc,
+        "GRPC_LISTEN": f"{ports.grpc_listen_host or ports.listen_host}:{ports.grpc}",
         "METRICS_PORT": ports.metrics,
         "HTTP_SERVERS": upstream_servers(servers, "http"),
         "GRPC_SERVERS": upstream_servers(servers, "grpc"),
@@ -356,7 +364,7 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
 def write_bundle(out: Path, repository: Path, ports: FrontDoorPorts, *, conf_dir: Path | str | None = None,
                  workdir: Path | str | None = None, js_module_path: Path | str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, workers: int | str = 1,
-                 error_log: Path | str | None = None) -> Path:
+                 error_log: Path | str | None = None, health_dir: Path | str | None = None) -> Path:
     """Write ``out/nginx.conf``, ``out/js/infer_check.js`` and ``out/js/limits.js`` (the limits of
     every model in ``repository``); the path of nginx.conf. ``conf_dir`` is where nginx will see
     ``out`` (a container's mount point; default ``out`` itself), ``workdir`` its writable folder."""
@@ -364,11 +372,12 @@ def write_bundle(out: Path, repository: Path, ports: FrontDoorPorts, *, conf_dir
     js_dir = out / "js"
     js_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy2(TEMPLATE_DIR / "infer_check.js", js_dir / "infer_check.js")
-    (js_dir / "limits.js").write_text(limits_module(repository, max_body_bytes), encoding="utf-8")
+    (js_dir / "limits.js").write_text(limits_module(repository, max_body_bytes, health_dir), encoding="utf-8")
     seen_at = Path(conf_dir) if conf_dir is not None else out
     conf = out / "nginx.conf"
     conf.write_text(render(ports, workdir if workdir is not None else out, seen_at / "js", max_body_bytes, workers,
-                           js_module_path, error_log=error_log, limits=class_limits(repository)), encoding="utf-8")
+                           js_module_path, error_log=error_log, limits=class_limits(repository),
+                           health_dir=health_dir), encoding="utf-8")
     return conf
 
 
@@ -376,9 +385,11 @@ class FrontDoor:
     """An nginx child process (``daemon off``) whose life is tied to this process."""
 
     def __init__(self, ports: FrontDoorPorts, workdir: Path, repository: Path,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, workers: int | str = 1):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, workers: int | str = 1,
+                 health_dir: Path | None = None):
         self.ports = ports
         self.workdir = Path(workdir) / "frontdoor"
+        self.health_dir = Path(health_dir) if health_dir is not None else self.workdir / "health"
         self.repository = repository
         self.max_body_bytes = max_body_bytes
         self.workers = workers
@@ -397,8 +408,9 @@ class FrontDoor:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.workdir / name).mkdir(exist_ok=True)
+        self.health_dir.mkdir(parents=True, exist_ok=True)
         write_bundle(self.workdir, self.repository, self.ports, max_body_bytes=self.max_body_bytes,
-                     workers=self.workers, js_module_path=js_module())
+                     workers=self.workers, js_module_path=js_module(), health_dir=self.health_dir)
         return [nginx_binary(), "-p", str(self.workdir), "-c", str(self.conf_path), "-e", str(self.log_path)]
 
     def check(self) -> None:

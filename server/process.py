@@ -25,6 +25,8 @@ from typing import Mapping, Sequence, TextIO
 
 from ops.repository import TOKEN_HEADER
 from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts
+from server.grpc_door import GrpcDoor
+from server.stubs import StubWatchdog
 from server.layout import ROOT, ServerLayout, prepare
 from server.lifetime import tie_to_parent
 
@@ -144,6 +146,9 @@ class ServerOptions:
     triton_http_port: int = 0
     triton_grpc_port: int = 0
     triton_metrics_port: int = 0
+    # nginx's own gRPC listener on 127.0.0.1 behind the gRPC door (server/grpc_door.py), which
+    # holds grpc_port and checks every inference request (0 = a free port chosen at start).
+    nginx_grpc_port: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # SIGTERM drain: seconds the front door finishes in-flight requests, then tritonserver's
     # own graceful shutdown (--exit-timeout-secs), before each is killed.
@@ -181,6 +186,8 @@ class TritonServer:
         self._reader: threading.Thread | None = None
         self.layout: ServerLayout | None = None
         self.front_door: FrontDoor | None = None
+        self.grpc_door: GrpcDoor | None = None
+        self.watchdog: StubWatchdog | None = None
 
     @property
     def _public_host(self) -> str:
@@ -333,18 +340,22 @@ class TritonServer:
         render_all(o.model_repository, pins)
         if o.front_door:
             taken = {o.http_port, o.grpc_port, o.metrics_port}
-            for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port"):
+            for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port", "nginx_grpc_port"):
                 while not getattr(o, attr):
                     port = free_port("127.0.0.1")
                     if port not in taken:
                         setattr(o, attr, port)
                         taken.add(port)
             self.front_door = FrontDoor(
-                FrontDoorPorts(o.host, o.http_port, o.grpc_port, o.metrics_port,
-                               "127.0.0.1", o.triton_http_port, o.triton_grpc_port, o.triton_metrics_port),
+                FrontDoorPorts(o.host, o.http_port, o.nginx_grpc_port, o.metrics_port,
+                               "127.0.0.1", o.triton_http_port, o.triton_grpc_port, o.triton_metrics_port,
+                               grpc_listen_host="127.0.0.1"),
                 o.workdir / f"frontdoor-{o.http_port}", o.model_repository, max_body_bytes=o.max_body_bytes,
+                health_dir=self.health_dir,
             )
             self.front_door.check()
+            self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{o.nginx_grpc_port}", o.model_repository,
+                                      self.front_door.workdir, self.health_dir, o.max_body_bytes, o.drain_timeout)
         log_file = self.log_path.open("w", encoding="utf-8")
         self.process = subprocess.Popen(
             self.command(),
@@ -363,7 +374,42 @@ class TritonServer:
         self._reader.start()
         if self.front_door is not None:
             self.front_door.start()
+        if self.grpc_door is not None:
+            self.grpc_door.start()
         return self
+
+    @property
+    def watchdog_metrics_path(self) -> Path:
+        """The watchdog's Prometheus text file (served by the front door at /metrics/watchdog)."""
+        return self.health_dir / ".watchdog.prom"
+
+    def start_watchdog(self) -> None:
+        """Start the stub watchdog (server/stubs.py) once the server is ready; idempotent."""
+        if self.watchdog is not None or self.process is None or self.process.poll() is not None:
+            return
+        from ops.repository import RepositoryClient
+        from server.stubs import repository_loaded, repository_reload
+
+        client = RepositoryClient(self.triton_http_url, token=self.options.repository_token or "")
+        loaded = repository_loaded(client)
+        repo = self.options.model_repository
+
+        def reaches(model: str) -> list[str]:
+            return [m for m in loaded() if model in closure(repo, m)]
+
+        def event(text: str) -> None:
+            log.warning("%s", text)
+            if self.echo is not None:
+                self.echo.write(text + "\n")
+                self.echo.flush()
+
+        self.watchdog = StubWatchdog(self.process.pid, self.health_dir, self.watchdog_metrics_path,
+                                     repository_reload(client), loaded, reaches, on_event=event).start()
+
+    @property
+    def health_dir(self) -> Path:
+        """The watchdog's folder of unhealthy models, read by the front doors' readiness answers."""
+        return self.options.workdir / f"health-{self.options.http_port}"
 
     def _pump(self, process: subprocess.Popen, log_file) -> None:
         with log_file:
@@ -400,6 +446,9 @@ class TritonServer:
             if self.front_door is not None and not self.front_door.running():
                 raise ServerError(f"the front door (nginx) exited with code {self.front_door.process.returncode}",
                                   self.front_door.log_tail())
+            if self.grpc_door is not None and not self.grpc_door.running():
+                raise ServerError(f"the gRPC door exited with code {self.grpc_door.process.returncode}",
+                                  self.grpc_door.log_tail())
             if self._get("/v2/health/ready") == 200:
                 if not deferred_loaded:
                     try:
@@ -409,7 +458,9 @@ class TritonServer:
                                           self.log_tail()) from exc
                     deferred_loaded = True
                 pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
-                if not pending and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200):
+                if not pending and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200) \
+                        and (self.grpc_door is None or self.grpc_door.ready()):
+                    self.start_watchdog()
                     return
             time.sleep(0.25)
         raise ServerError(
@@ -426,6 +477,10 @@ class TritonServer:
         refused), then SIGTERM to tritonserver and its graceful shutdown; each is killed
         after ``timeout`` seconds (default: the options' drain_timeout)."""
         timeout = self.options.drain_timeout if timeout is None else timeout
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.grpc_door is not None:
+            self.grpc_door.stop(timeout=timeout)
         if self.front_door is not None:
             self.front_door.stop(timeout=timeout)
         if self.process is None:
@@ -434,7 +489,7 @@ class TritonServer:
             self.process.send_signal(signal.SIGTERM)
             try:
                 # --exit-timeout-secs bounds Triton's own wait for in-flight requests.
-                self.process.wait(timeout=timeout + 5)
+                self._wait_exit(timeout + 5)
             except subprocess.TimeoutExpired:
                 log.warning("tritonserver did not stop in %.0f s; killing it", timeout)
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -446,6 +501,25 @@ class TritonServer:
             pass
         self._join_reader()
         return self.process.returncode
+
+    def _wait_exit(self, timeout: float) -> None:
+        """Wait for tritonserver to exit. Once only the models the watchdog replaced after a stub
+        death remain (tritonserver 2.51 never finishes unloading those; its shutdown log says
+        "Found N live models and 0 in-flight"), it is killed instead of waiting out the exit
+        timeout."""
+        lingering = self.watchdog.lingering if self.watchdog is not None else 0
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.process.args, timeout)
+            if lingering:
+                last = next((line for line in reversed(self._tail) if "live models and" in line), "")
+                found = re.search(r"Found (\d+) live models and 0 in-flight", last)
+                if found and int(found.group(1)) <= lingering:
+                    log.warning("tritonserver: only the %s model(s) replaced after a stub death remain; stopping it",
+                                found.group(1))
+                    os.killpg(self.process.pid, signal.SIGKILL)
+            time.sleep(0.1)
 
     def __enter__(self) -> "TritonServer":
         self.start()

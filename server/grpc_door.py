@@ -1,0 +1,435 @@
+"""The gRPC front door: a proxy on the public gRPC port that checks every inference request.
+
+nginx cannot look inside protobuf, so tritonserver's gRPC port used to be reachable through it
+unchecked, and one ``ModelInfer`` whose declared dims wrap around 2^64 killed a python backend
+stub (docs/security.md). This process parses each ``ModelInferRequest`` header (never re-encoding
+it: the bytes go on as they came), checks it with ``server.grpc_check`` and answers a refusal
+itself: ``INVALID_ARGUMENT`` for ``ModelInfer``, an error response on the stream for
+``ModelStreamInfer`` (as Triton reports a failed request there; the stream goes on). Every other
+RPC (health, metadata, statistics, the repository API with its token) passes through unchanged,
+metadata, deadline and status included; an unknown method too.
+
+Readiness tells the truth: while the launcher's watchdog has a model marked unhealthy (a dead
+python backend stub, ``server.stubs``), ``ModelReady`` of that model, ``ServerReady`` and the
+standard ``grpc.health.v1.Health/Check`` answer not ready.
+
+Run by the launcher (``GrpcDoor``), in front of nginx's internal gRPC listener::
+
+    python -m server.grpc_door --listen 127.0.0.1:8001 --upstream 127.0.0.1:<nginx grpc> \\
+        --repository model_repository --health-dir .triton/health
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from server.grpc_check import Limits, Refusal, check_request
+
+log = logging.getLogger("grpc_door")
+
+SERVICE = "/inference.GRPCInferenceService/"
+INFER = SERVICE + "ModelInfer"
+STREAM = SERVICE + "ModelStreamInfer"
+SERVER_READY = SERVICE + "ServerReady"
+MODEL_READY = SERVICE + "ModelReady"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+# Sends of one inference request while its model is marked unhealthy, and the pause between.
+HEALING_RETRIES = 3
+HEALING_BACKOFF_S = 0.05
+# How long an INTERNAL answer waits for the watchdog to mark its model (its scan interval, twice).
+WATCHDOG_WAIT_S = 0.5
+# Metadata the channel sets itself; the rest (the repository token among it) goes on.
+_OWN_METADATA = ("user-agent", "content-type", "te", "grpc-")
+
+
+def unhealthy_models(health_dir: Path | None) -> dict[str, str]:
+    """model -> reason, from the watchdog's files (one per model with a dead stub)."""
+    if health_dir is None:
+        return {}
+    try:
+        names = os.listdir(health_dir)
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith("."):
+            continue
+        try:
+            out[name] = (Path(health_dir) / name).read_text(encoding="utf-8").strip()
+        except OSError:
+            continue
+    return out
+
+
+class Door:
+    """The generic handler: every method, forwarded as bytes; inference checked first."""
+
+    def __init__(self, upstream: str, limits: Limits, health_dir: Path | None, max_message_bytes: int):
+        from tritonclient.grpc import service_pb2
+
+        self.pb = service_pb2
+        self.limits = limits
+        self.health_dir = health_dir
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        self.channel = aio.insecure_channel(upstream, options=options)
+        self.refused = 0
+        self.healing_retries = 0
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def metadata(context) -> tuple:
+        return tuple((k, v) for k, v in (context.invocation_metadata() or ())
+                     if not k.startswith(":") and not k.startswith(_OWN_METADATA))
+
+    @staticmethod
+    def timeout(context) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None or remaining > 1e8 else max(remaining, 0.001)
+
+    async def _abort_with(self, context, exc: aio.AioRpcError):
+        trailing = await _safe_trailing(exc)
+        await context.abort(exc.code(), exc.details() or "", trailing)
+
+    def _parse(self, data: bytes):
+        try:
+            return self.pb.ModelInferRequest.FromString(data), None
+        except Exception as exc:  # DecodeError
+            return None, Refusal("request", "protobuf", f"the request is not a valid ModelInferRequest ({exc})")
+
+    # -- unary ---------------------------------------------------------------------------------
+
+    async def unary(self, method: str, request: bytes, context):
+        call = self.channel.unary_unary(method)(request, metadata=self.metadata(context), timeout=self.timeout(context))
+        try:
+            response = await call
+        except aio.AioRpcError as exc:
+            await self._abort_with(context, exc)
+        trailing = await call.trailing_metadata()
+        if trailing:
+            context.set_trailing_metadata(tuple(trailing))
+        return response
+
+    async def infer(self, request: bytes, context):
+        parsed, refusal = self._parse(request)
+        if refusal is None:
+            refusal = check_request(parsed, self.limits, stream=False)
+        if refusal is not None:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal.message)
+        # While the watchdog reloads a model whose instance died, tritonserver answers the requests
+        # it routes to the dead instance INTERNAL ("Stub process ... is not healthy"): inference is
+        # idempotent, so such a request is sent again (the healthy instances answer it); if every
+        # try fails it gets UNAVAILABLE, which clients retry, never a 500-class status.
+        for attempt in range(HEALING_RETRIES + 1):
+            call = self.channel.unary_unary(INFER)(request, metadata=self.metadata(context),
+                                                   timeout=self.timeout(context))
+            try:
+                response = await call
+            except aio.AioRpcError as exc:
+                reason = None
+                if exc.code() == grpc.StatusCode.INTERNAL:
+                    reason = self._healing(parsed.model_name)
+                    if reason is None and attempt == 0:
+                        # A request in the dead stub's batch fails at once, before the watchdog's
+                        # next scan (a few per second) marks the model: give it that long.
+                        await asyncio.sleep(WATCHDOG_WAIT_S)
+                        reason = self._healing(parsed.model_name)
+                if reason is None:
+                    await self._abort_with(context, exc)
+                if attempt == HEALING_RETRIES:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"model {parsed.model_name} is being reloaded ({reason}): retry")
+                self.healing_retries += 1
+                await asyncio.sleep(HEALING_BACKOFF_S * (attempt + 1))
+                continue
+            trailing = await call.trailing_metadata()
+            if trailing:
+                context.set_trailing_metadata(tuple(trailing))
+            return response
+
+    def _healing(self, model: str) -> str | None:
+        """The watchdog's reason when ``model`` is marked unhealthy, else None."""
+        return unhealthy_models(self.health_dir).get(model)
+
+    async def server_ready(self, request: bytes, context):
+        if unhealthy_models(self.health_dir):
+            return self.pb.ServerReadyResponse(ready=False).SerializeToString()
+        return await self.unary(SERVER_READY, request, context)
+
+    async def model_ready(self, request: bytes, context):
+        try:
+            name = self.pb.ModelReadyRequest.FromString(request).name
+        except Exception:
+            name = ""
+        if name and name in unhealthy_models(self.health_dir):
+            return self.pb.ModelReadyResponse(ready=False).SerializeToString()
+        return await self.unary(MODEL_READY, request, context)
+
+    async def health_check(self, request: bytes, context):
+        if unhealthy_models(self.health_dir):
+            return b"\x08\x02"  # HealthCheckResponse{status: NOT_SERVING}
+        return await self.unary(HEALTH_CHECK, request, context)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def _stream_error(self, parsed, refusal: Refusal) -> bytes:
+        response = self.pb.ModelStreamInferResponse(error_message=refusal.message)
+        if parsed is not None:
+            response.infer_response.id = parsed.id
+            response.infer_response.model_name = parsed.model_name
+            response.infer_response.model_version = parsed.model_version
+        return response.SerializeToString()
+
+    async def stream_infer(self, request_iterator, context):
+        """Each client message checked; a refused one answered on the stream, the others sent on."""
+        out: asyncio.Queue = asyncio.Queue()
+        to_upstream: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def requests():
+            while True:
+                item = await to_upstream.get()
+                if item is done:
+                    return
+                yield item
+
+        call = self.channel.stream_stream(STREAM)(requests(), metadata=self.metadata(context),
+                                                  timeout=self.timeout(context))
+
+        async def read_client():
+            try:
+                async for message in request_iterator:
+                    parsed, refusal = self._parse(message)
+                    if refusal is None:
+                        refusal = check_request(parsed, self.limits, stream=True)
+                    if refusal is not None:
+                        self.refused += 1
+                        await out.put(self._stream_error(parsed, refusal))
+                    else:
+                        await to_upstream.put(message)
+            finally:
+                await to_upstream.put(done)
+
+        async def read_upstream():
+            try:
+                async for response in call:
+                    await out.put(response)
+                await out.put(done)
+            except aio.AioRpcError as exc:
+                await out.put(exc)
+
+        reader = asyncio.ensure_future(read_client())
+        pump = asyncio.ensure_future(read_upstream())
+        try:
+            while True:
+                item = await out.get()
+                if item is done:
+                    break
+                if isinstance(item, aio.AioRpcError):
+                    await self._abort_with(context, item)
+                yield item
+        finally:
+            reader.cancel()
+            pump.cancel()
+            call.cancel()
+
+    async def unary_stream(self, method: str, request: bytes, context):
+        call = self.channel.unary_stream(method)(request, metadata=self.metadata(context), timeout=self.timeout(context))
+        try:
+            async for response in call:
+                yield response
+        except aio.AioRpcError as exc:
+            await self._abort_with(context, exc)
+
+    async def stream_stream(self, method: str, request_iterator, context):
+        call = self.channel.stream_stream(method)(request_iterator, metadata=self.metadata(context),
+                                                  timeout=self.timeout(context))
+        try:
+            async for response in call:
+                yield response
+        except aio.AioRpcError as exc:
+            await self._abort_with(context, exc)
+
+
+async def _safe_trailing(exc: aio.AioRpcError) -> tuple:
+    try:
+        return tuple(exc.trailing_metadata() or ())
+    except Exception:
+        return ()
+
+
+class Handler(grpc.GenericRpcHandler):
+    """Routes each method name to the door; unknown unary methods pass through as bytes."""
+
+    def __init__(self, door: Door):
+        self.door = door
+
+    def service(self, details):
+        method = details.method
+        door = self.door
+        special = {
+            INFER: door.infer,
+            SERVER_READY: door.server_ready,
+            MODEL_READY: door.model_ready,
+            HEALTH_CHECK: door.health_check,
+        }
+        if method in special:
+            return grpc.unary_unary_rpc_method_handler(special[method])
+        if method == STREAM:
+            return grpc.stream_stream_rpc_method_handler(door.stream_infer)
+        if method == HEALTH_WATCH:
+            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: door.unary_stream(method, req, ctx))
+        # Every other method of GRPCInferenceService is unary.
+        return grpc.unary_unary_rpc_method_handler(lambda req, ctx: door.unary(method, req, ctx))
+
+
+def load_limits(repository: Path, max_message_bytes: int) -> Limits:
+    from server.frontdoor import model_limits
+
+    # Every element takes at least one byte of the message (BOOL, INT8, or a BYTES prefix's share).
+    return Limits(models=model_limits(repository), max_elements=max_message_bytes)
+
+
+async def serve(listen: str, upstream: str, repository: Path, health_dir: Path | None, max_message_bytes: int,
+                ready_file: Path | None = None, drain_timeout: float = 30.0) -> None:
+    limits = load_limits(repository, max_message_bytes)
+    door = Door(upstream, limits, health_dir, max_message_bytes)
+    server = aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
+                                 ("grpc.max_receive_message_length", max_message_bytes),
+                                 ("grpc.so_reuseport", 0)],
+                        maximum_concurrent_rpcs=None)
+    server.add_generic_rpc_handlers((Handler(door),))
+    if server.add_insecure_port(listen) == 0:
+        raise SystemExit(f"grpc door: cannot listen on {listen}")
+    await server.start()
+    log.info("grpc door: %s -> %s (limits of %d models)", listen, upstream, len(limits.models))
+    if ready_file is not None:
+        ready_file.write_text(str(os.getpid()), encoding="utf-8")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum):
+        # SIGTERM: refuse new calls, finish those in flight (at most drain_timeout), then exit.
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    await stop.wait()
+    await server.stop(drain_timeout)
+    await door.channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m server.grpc_door", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--listen", required=True, help="HOST:PORT to serve gRPC on (the public port)")
+    p.add_argument("--upstream", required=True, help="HOST:PORT of the gRPC server behind (nginx's internal listener)")
+    p.add_argument("--repository", type=Path, required=True, help="model repository whose configs give the limits")
+    p.add_argument("--health-dir", type=Path, default=None, help="the watchdog's folder of unhealthy models")
+    p.add_argument("--max-message-mb", type=int, default=64, help="larger messages get RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--ready-file", type=Path, default=None, help="written with the pid once listening")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds for calls in flight to finish (default 30)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    asyncio.run(serve(args.listen, args.upstream, args.repository, args.health_dir, args.max_message_mb << 20,
+                      args.ready_file, args.drain_timeout))
+    return 0
+
+
+class GrpcDoor:
+    """The door as a child process of the launcher (dies with it: PR_SET_PDEATHSIG)."""
+
+    def __init__(self, listen: str, upstream: str, repository: Path, workdir: Path, health_dir: Path | None,
+                 max_message_bytes: int, drain_timeout: float = 30.0):
+        self.drain_timeout = drain_timeout
+        self.listen = listen
+        self.upstream = upstream
+        self.repository = repository
+        self.workdir = Path(workdir)
+        self.health_dir = health_dir
+        self.max_message_bytes = max_message_bytes
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "grpc-door.log"
+
+    @property
+    def ready_file(self) -> Path:
+        return self.workdir / "grpc-door.ready"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "server.grpc_door", "--listen", self.listen, "--upstream", self.upstream,
+               "--repository", str(self.repository), "--max-message-mb", str(max(1, self.max_message_bytes >> 20)),
+               "--ready-file", str(self.ready_file), "--drain-timeout", str(self.drain_timeout)]
+        if self.health_dir is not None:
+            cmd += ["--health-dir", str(self.health_dir)]
+        return cmd
+
+    def start(self) -> "GrpcDoor":
+        from server.layout import ROOT
+        from server.lifetime import tie_to_parent
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ready_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        with self.log_path.open("w", encoding="utf-8") as log_file:
+            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
+                                            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                            preexec_fn=tie_to_parent("SIGTERM"))
+        return self
+
+    def ready(self) -> bool:
+        return self.running() and self.ready_file.is_file()
+
+    def wait_listening(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise RuntimeError(f"the gRPC door exited with code {self.process.returncode}:\n{self.log_tail()}")
+            if self.ready_file.is_file():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the gRPC door did not listen within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        timeout = self.drain_timeout if timeout is None else timeout
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout + 5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
