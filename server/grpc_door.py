@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -71,6 +72,14 @@ def unhealthy_models(health_dir: Path | None) -> dict[str, str]:
         except OSError:
             continue
     return out
+
+
+@dataclass(frozen=True)
+class StreamLost:
+    """A stream's model was marked unhealthy by the watchdog while the stream was open."""
+
+    model: str
+    reason: str
 
 
 class Door:
@@ -198,6 +207,7 @@ class Door:
         """Each client message checked; a refused one answered on the stream, the others sent on."""
         out: asyncio.Queue = asyncio.Queue()
         to_upstream: asyncio.Queue = asyncio.Queue()
+        models: set[str] = set()
         done = object()
 
         async def requests():
@@ -220,6 +230,7 @@ class Door:
                         self.refused += 1
                         await out.put(self._stream_error(parsed, refusal))
                     else:
+                        models.add(parsed.model_name)
                         await to_upstream.put(message)
             finally:
                 await to_upstream.put(done)
@@ -232,19 +243,45 @@ class Door:
             except aio.AioRpcError as exc:
                 await out.put(exc)
 
+        async def watch_health():
+            # A decoupled model's stub that dies leaves its streams open forever in tritonserver
+            # 2.51 (no response will come, and none says so): once the watchdog marks a model
+            # this stream sent to, the stream ends UNAVAILABLE.
+            while True:
+                await asyncio.sleep(WATCHDOG_WAIT_S / 2)
+                dead = {m: r for m in models if (r := self._healing(m)) is not None}
+                if dead:
+                    model, reason = next(iter(dead.items()))
+                    await out.put(StreamLost(model, reason))
+                    return
+
         reader = asyncio.ensure_future(read_client())
         pump = asyncio.ensure_future(read_upstream())
+        watcher = asyncio.ensure_future(watch_health())
         try:
             while True:
                 item = await out.get()
                 if item is done:
                     break
+                if isinstance(item, StreamLost):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"model {item.model} lost the instance serving this stream ({item.reason}): retry")
                 if isinstance(item, aio.AioRpcError):
+                    # A stub that died mid-stream (the watchdog marks its model within a scan):
+                    # the stream ends UNAVAILABLE, which clients retry, not INTERNAL.
+                    if item.code() != grpc.StatusCode.UNAVAILABLE:
+                        await asyncio.sleep(WATCHDOG_WAIT_S)
+                        dead = {m: r for m in models if (r := self._healing(m)) is not None}
+                        if dead:
+                            model, reason = next(iter(dead.items()))
+                            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                                f"model {model} lost the instance serving this stream ({reason}): retry")
                     await self._abort_with(context, item)
                 yield item
         finally:
             reader.cancel()
             pump.cancel()
+            watcher.cancel()
             call.cancel()
 
     async def unary_stream(self, method: str, request: bytes, context):
@@ -292,9 +329,15 @@ class Handler(grpc.GenericRpcHandler):
         if method == STREAM:
             return grpc.stream_stream_rpc_method_handler(door.stream_infer)
         if method == HEALTH_WATCH:
-            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: door.unary_stream(method, req, ctx))
-        # Every other method of GRPCInferenceService is unary.
-        return grpc.unary_unary_rpc_method_handler(lambda req, ctx: door.unary(method, req, ctx))
+            async def watch(request, context):
+                async for response in door.unary_stream(method, request, context):
+                    yield response
+            return grpc.unary_stream_rpc_method_handler(watch)
+
+        # Every other method of GRPCInferenceService is unary (grpc.aio needs coroutine functions).
+        async def passthrough(request, context):
+            return await door.unary(method, request, context)
+        return grpc.unary_unary_rpc_method_handler(passthrough)
 
 
 def load_limits(repository: Path, max_message_bytes: int) -> Limits:

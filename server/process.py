@@ -188,6 +188,7 @@ class TritonServer:
         self.front_door: FrontDoor | None = None
         self.grpc_door: GrpcDoor | None = None
         self.watchdog: StubWatchdog | None = None
+        self._health_dir: Path | None = None
 
     @property
     def _public_host(self) -> str:
@@ -408,8 +409,16 @@ class TritonServer:
 
     @property
     def health_dir(self) -> Path:
-        """The watchdog's folder of unhealthy models, read by the front doors' readiness answers."""
-        return self.options.workdir / f"health-{self.options.http_port}"
+        """The watchdog's folder of unhealthy models, read by the front doors' readiness answers.
+        nginx's workers run as another user (nobody) when the launcher is root, and the work
+        folder may not be theirs to enter (a test's mkdtemp is 0700): the folder is made in the
+        system's temporary folder, mode 0755, and removed at stop. It holds model names only."""
+        if self._health_dir is None:
+            import tempfile
+
+            self._health_dir = Path(tempfile.mkdtemp(prefix=f"triton-health-{self.options.http_port}-"))
+            self._health_dir.chmod(0o755)
+        return self._health_dir
 
     def _pump(self, process: subprocess.Popen, log_file) -> None:
         with log_file:
@@ -500,6 +509,10 @@ class TritonServer:
         except ProcessLookupError:
             pass
         self._join_reader()
+        if self._health_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._health_dir, ignore_errors=True)
         return self.process.returncode
 
     def _wait_exit(self, timeout: float) -> None:

@@ -256,11 +256,18 @@ class StubWatchdog:
         os.replace(tmp, self.metrics_path)
 
 
+RELOAD_PARAMETER = "watchdog_reload"
+
+
 def repository_reload(repository_client) -> Callable[[str], None]:
-    """A reload through Triton's repository API: the model's live configuration as an override
-    (a plain load of an unchanged Python-based-backend model does nothing)."""
+    """A reload through Triton's repository API: the model's live configuration as an override,
+    with the parameter ``watchdog_reload`` set to a new value. tritonserver reloads a model only
+    when its configuration changed (a plain load, or an override equal to the live config, of an
+    unchanged model does nothing); no model reads that parameter."""
     def reload(model: str) -> None:
         config = repository_client.config(model)
+        parameters = config.setdefault("parameters", {})
+        parameters[RELOAD_PARAMETER] = {"string_value": f"{time.time_ns()}"}
         repository_client.load(model, config)
     return reload
 

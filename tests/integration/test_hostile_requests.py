@@ -196,10 +196,18 @@ def _grpc_request(shape, typed: bool, datatype="BYTES", model=MODEL):
     return request
 
 
-@pytest.fixture(scope="module")
-def grpc_stub(triton):
-    channel = grpc.insecure_channel(triton.grpc_url)
-    yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+# Each gRPC case runs through the gRPC front door (server/grpc_door.py, the public port), which
+# refuses it naming the shape, and on tritonserver's own internal port, where the models' own
+# checks (python_backends/shim.py check_shape) must refuse it too: defence in depth.
+WHERE = {"door": "(batch) must be between 1 and max_batch_size", "direct": "dimensions"}
+
+
+@pytest.fixture(scope="module", params=sorted(WHERE))
+def grpc_stub(request, triton):
+    channel = grpc.insecure_channel(triton.grpc_url if request.param == "door" else triton.triton_grpc_url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    stub.refusal = WHERE[request.param]
+    yield stub
     channel.close()
 
 
@@ -209,7 +217,7 @@ def test_grpc_huge_batch_is_invalid_argument(grpc_stub, typed, model):
     with pytest.raises(grpc.RpcError) as info:
         grpc_stub.ModelInfer(_grpc_request([HUGE, 1], typed, model=model), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    assert "TEXT" in info.value.details() and "dimensions" in info.value.details()
+    assert "TEXT" in info.value.details() and grpc_stub.refusal in info.value.details()
 
 
 @pytest.mark.parametrize("typed", [False, True], ids=["raw", "typed"])
@@ -237,7 +245,7 @@ def test_grpc_stream_huge_batch_is_an_error_response(grpc_stub):
     requests = [_grpc_request([HUGE, 1], typed, model="text_tokenizer") for typed in (False, True)]
     answers = list(grpc_stub.ModelStreamInfer(iter(requests), timeout=60))
     assert len(answers) == 2
-    assert all("dimensions" in a.error_message for a in answers), [a.error_message for a in answers]
+    assert all(grpc_stub.refusal in a.error_message for a in answers), [a.error_message for a in answers]
 
 
 @pytest.fixture

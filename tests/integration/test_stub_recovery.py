@@ -1,0 +1,212 @@
+"""What dies is brought back (server/stubs.py), and health says so meanwhile.
+
+A python backend stub is SIGKILLed (as the OOM killer does) on the session's server under a
+load of plain clients that never retry (http.client keep-alive through the nginx front door,
+tritonclient gRPC through the gRPC door). tritonserver 2.51 alone would answer every request
+routed to the dead instance 500 "Stub process ... is not healthy" forever, with readiness 200.
+Here: no client sees a 500 or INTERNAL (the doors resend an idempotent inference while the
+watchdog reloads), readiness answers 503 until the model is reloaded, the instance serves again
+within 30 s, and /metrics/watchdog counts the death.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import os
+import queue
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from server.stubs import find_stubs
+
+RECOVERY_S = 30
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def _stubs(triton, model: str) -> list:
+    return [s for s in find_stubs(triton.process.pid) if s.model == model and not s.zombie]
+
+
+class Load:
+    """Plain clients without retries on one model through both doors; counts every outcome."""
+
+    def __init__(self, triton, model: str, threads: int = 3):
+        self.triton, self.model = triton, model
+        self.outcomes: collections.Counter = collections.Counter()
+        self.messages: collections.Counter = collections.Counter()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.workers = [threading.Thread(target=self._http, daemon=True) for _ in range(threads)]
+        self.workers += [threading.Thread(target=self._grpc, daemon=True) for _ in range(threads)]
+
+    def _count(self, key: str, message: str = "") -> None:
+        with self.lock:
+            self.outcomes[key] += 1
+            if message:
+                self.messages[(key, message[:120])] += 1
+
+    def _http(self) -> None:
+        host, port = self.triton.http_url.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        body = json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
+                                       "data": ["a sentence for the load"]}]})
+        while not self.stop.is_set():
+            try:
+                conn.request("POST", f"/v2/models/{self.model}/infer", body)
+                response = conn.getresponse()
+                data = response.read()
+                self._count(f"http {response.status}", "" if response.status == 200 else data.decode(errors="replace"))
+            except (OSError, http.client.HTTPException) as exc:
+                self._count("http dropped", repr(exc))
+                conn.close()
+                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+
+    def _grpc(self) -> None:
+        client = grpcclient.InferenceServerClient(self.triton.grpc_url)
+        inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        inp.set_data_from_numpy(np.array([[b"another sentence for the load"]], dtype=object))
+        while not self.stop.is_set():
+            try:
+                client.infer(self.model, [inp], client_timeout=60)
+                self._count("grpc OK")
+            except grpcclient.InferenceServerException as exc:
+                self._count(f"grpc {exc.status()}", exc.message() or "")
+        client.close()
+
+    def __enter__(self) -> "Load":
+        for w in self.workers:
+            w.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for w in self.workers:
+            w.join(timeout=90)
+
+
+def _kill_and_watch(triton, model: str, entry: str) -> dict:
+    """SIGKILL one stub of ``model``; poll readiness of ``entry`` until the model is back."""
+    victims = _stubs(triton, model)
+    assert victims, f"no live stub of {model}"
+    victim = victims[-1]
+    base = f"http://{triton.http_url}"
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    seen = collections.Counter()
+    recovered = None
+    while time.monotonic() - killed < RECOVERY_S + 10:
+        ready = _status(f"{base}/v2/models/{entry}/ready")
+        server_ready = _status(f"{base}/v2/health/ready")
+        seen[(ready, server_ready)] += 1
+        marked = any(not name.startswith(".") for name in os.listdir(triton.health_dir))
+        back = [s for s in _stubs(triton, model) if s.pid != victim.pid]
+        if ready == 200 and server_ready == 200 and not marked and len(back) >= len(victims) and \
+                all(s.pid not in {v.pid for v in victims} for s in back):
+            recovered = time.monotonic() - killed
+            break
+        time.sleep(0.05)
+    return {"victim": victim, "recovered_s": recovered, "readiness": seen}
+
+
+def _watchdog_metric(triton, name: str, model: str) -> float:
+    with urllib.request.urlopen(triton.metrics_url.rsplit("/metrics", 1)[0] + "/metrics/watchdog", timeout=10) as r:
+        body = r.read().decode()
+    for line in body.splitlines():
+        if line.startswith(f'{name}{{model="{model}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("model, entry", [("text_encoder", "text_embedding"),
+                                          ("text_embedding_cached", "text_embedding_cached")],
+                         ids=["onnxruntime-step", "bls-entry"])
+def test_a_killed_stub_is_reloaded_under_load_without_a_failed_request(triton, model, entry):
+    deaths_before = _watchdog_metric(triton, "triton_stub_deaths_total", model)
+    with Load(triton, entry) as load:
+        time.sleep(1.5)
+        result = _kill_and_watch(triton, model, entry)
+        time.sleep(2.0)  # the replaced instances' requests finished; the new ones serve
+    outcomes, messages = load.outcomes, load.messages
+    assert result["recovered_s"] is not None and result["recovered_s"] < RECOVERY_S, result
+    # Readiness told the truth while the model was being reloaded.
+    assert any(ready == 503 and server == 503 for ready, server in result["readiness"]), result["readiness"]
+    failed = {k: v for k, v in outcomes.items() if k not in ("http 200", "grpc OK")}
+    # Never a 500 or INTERNAL; what a client may see is a clean 503 / UNAVAILABLE, and rarely.
+    assert not {k for k in failed if k not in ("http 503", "grpc StatusCode.UNAVAILABLE")}, (failed, messages)
+    served = outcomes["http 200"] + outcomes["grpc OK"]
+    assert served > 50 and sum(failed.values()) <= 0.02 * served, (outcomes, messages)
+    assert _watchdog_metric(triton, "triton_stub_deaths_total", model) == deaths_before + 1
+    assert _watchdog_metric(triton, "triton_model_unhealthy", model) == 0
+    print(f"\n{model}: recovered in {result['recovered_s']:.1f} s; outcomes {dict(outcomes)}")
+
+
+def _stream(triton, max_tokens: int, markers: queue.Queue) -> None:
+    """One greedy generation over the gRPC door; puts ("started", n) after 3 pieces, then
+    ("final", n) or ("error", exception) on ``markers``."""
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Tell me a long story about the sea."], dtype=object))
+    sampling = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": max_tokens, "temperature": 0,
+                                                       "ignore_eos": True}).encode()], dtype=object))
+    stream = grpcclient.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("text_generation", [text, sampling, stream], enable_empty_final_response=True)
+    pieces = 0
+    try:
+        while True:
+            result, error = responses.get(timeout=120)
+            if error is not None:
+                markers.put(("error", error))
+                return
+            pieces += 1
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                markers.put(("final", pieces))
+                return
+            if pieces == 3:
+                markers.put(("started", pieces))
+    finally:
+        client.stop_stream(cancel_requests=False)
+        client.close()
+
+
+def test_a_killed_generation_stub_ends_its_streams_with_an_error_and_serves_again(triton):
+    if "text_generation" not in triton.options.models:
+        pytest.skip("text_generation is not loaded")
+    markers: queue.Queue = queue.Queue()
+    worker = threading.Thread(target=_stream, args=(triton, 2000, markers), daemon=True)
+    worker.start()
+    assert markers.get(timeout=120)[0] == "started"
+    result = _kill_and_watch(triton, "text_generation", "text_generation")
+    worker.join(timeout=60)
+    kind, detail = markers.get(timeout=5)
+    # the in-flight stream ended with a clean UNAVAILABLE (retryable), not silence or INTERNAL
+    assert kind == "error" and detail.status() == "StatusCode.UNAVAILABLE", (kind, detail)
+    assert result["recovered_s"] is not None and result["recovered_s"] < RECOVERY_S, result
+    assert any(ready == 503 for ready, _ in result["readiness"]), result["readiness"]
+    # A new stream on the reloaded model (its own, fresh KV pool) runs to its end.
+    again: queue.Queue = queue.Queue()
+    _stream(triton, 8, again)
+    outcomes = [again.get_nowait() for _ in range(again.qsize())]
+    assert outcomes[-1][0] == "final", outcomes
+    print(f"\ntext_generation: recovered in {result['recovered_s']:.1f} s; the stream ended with {detail}")
