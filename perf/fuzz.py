@@ -204,8 +204,30 @@ def base_request(model: ModelSpec, rows: int, seq: int, rng: np.random.Generator
     return Request(model, inputs, params)
 
 
+# Bytes per element of the fixed-size datatypes (for shapes whose byte count wraps around 2^64).
+ITEM_SIZES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2, "UINT32": 4,
+              "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8}
+
+
+def wrapping_shape(rank: int, elements: int, item_size: int) -> list[int]:
+    """A shape of ``rank`` (at least 1) whose element count times ``item_size`` is the byte size of
+    ``elements`` elements modulo 2^64: tritonserver 2.51's 64-bit byte-size check passes it (the
+    attack that killed a stub through the gRPC port). Every dim fits an int64."""
+    target = elements + (1 << 64) // item_size  # x item_size == elements x item_size (mod 2^64)
+    dims = [1] * max(rank, 1)
+    if target < (1 << 63):
+        dims[-1] = target
+    elif len(dims) >= 2 and (factor := next((f for f in range(2, 1 << 16) if target % f == 0
+                                              and target // f < (1 << 63)), 0)):
+        dims[-2], dims[-1] = factor, target // factor
+    else:  # one-byte types on rank 1 (or no small factor): the largest dim stands in
+        dims[-1] = (1 << 63) - 1
+    return dims
+
+
 def mutation_kinds(model: ModelSpec) -> list[str]:
-    kinds = ["shape", "datatype", "data", "count", "missing", "extra", "rename", "parameter", "output", "body"]
+    kinds = ["shape", "datatype", "data", "count", "missing", "extra", "rename", "parameter", "output", "body",
+             "wrap"]
     if len(model.inputs) > 1 and model.max_batch_size:
         kinds.append("batch_mismatch")
     if any(s.datatype == "BYTES" for s in model.inputs):
@@ -240,6 +262,14 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
             shape = [d + draw(st.integers(1, 3)) for d in shape if isinstance(d, int)]
         t.shape = shape
         req.names.update({"shape", "dimension", "batch"})
+    elif kind == "wrap":
+        # Keep the data; declare a shape whose byte count wraps around 2^64 to the data's size.
+        size = ITEM_SIZES.get(t.datatype if isinstance(t.datatype, str) else "", 0) or \
+            draw(st.sampled_from([1, 2, 4, 8]))
+        sent = int(t.values.size) if t.values is not None else 1
+        rank = len(t.shape) if isinstance(t.shape, list) and t.shape else 2
+        t.shape = wrapping_shape(rank, sent, size)
+        req.names.update({"shape", "dimension", "batch", "elements"})
     elif kind == "datatype":
         t.datatype = draw(st.sampled_from(["BYTES", "INT64", "INT32", "FP32", "FP16", "BF16", "BOOL", "UINT8",
                                            "UINT64", "FP64", "FOO", "", "int64", None, 7, ["BYTES"], "STRING"]))

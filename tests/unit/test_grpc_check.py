@@ -173,3 +173,17 @@ def test_shared_memory_inputs_are_checked_on_their_declared_byte_size():
     req.inputs[1].parameters["shared_memory_byte_size"].int64_param = 16
     refusal = check_request(req, LIMITS, stream=False)
     assert refusal.rule == "data_size" and "needs 32 bytes" in refusal.message
+
+
+@pytest.mark.parametrize("datatype, size", [("INT64", 8), ("FP32", 4), ("FP16", 2), ("UINT8", 1)])
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_the_fuzzers_wrapping_shapes_wrap_and_are_refused(datatype, size, rank):
+    from perf.fuzz import wrapping_shape
+
+    shape = wrapping_shape(rank, 16, size)
+    assert len(shape) == rank and all(0 < d < 2**63 for d in shape)
+    elements = int(np.prod(np.array(shape, dtype=object)))
+    if size > 2 or rank > 1:  # (one int64 dim cannot reach 2^63 + 16 elements)
+        assert (elements * size) % 2**64 == 16 * size  # tritonserver's 64-bit check would pass it
+    req = _request("unknown_model", ("x", datatype, shape, b"\0" * (16 * size)))
+    assert check_request(req, LIMITS, stream=False).rule == "elements"
