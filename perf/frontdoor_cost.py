@@ -1,5 +1,6 @@
-"""What the front door costs: the same load through nginx + the njs check and straight to
-tritonserver's internal port, side by side on one server (HTTP and gRPC, text_embedding).
+"""What the front door costs: the same load through the front door (nginx + the njs check for
+HTTP JSON and binary; the gRPC door + nginx for gRPC) and straight to tritonserver's internal
+port, side by side on one server (text_embedding).
 
     python -m perf.frontdoor_cost [--concurrency 16] [--seconds 4] [--rounds 3]
 
@@ -21,10 +22,39 @@ from pathlib import Path
 import numpy as np
 
 MODEL = "text_embedding"
+# HTTP JSON and binary go through nginx + the njs check; gRPC through the gRPC door
+# (server/grpc_door.py) and nginx's internal gRPC listener.
+PROTOCOLS = ("http json", "http binary", "grpc")
+
+
+async def _drive_json(url: str, concurrency: int, seconds: float) -> list[float]:
+    """KServe v2 JSON bodies over aiohttp keep-alive connections."""
+    import aiohttp
+
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        async def worker(w: int) -> None:
+            n = 0
+            while time.perf_counter() < deadline:
+                body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
+                                    "data": [f"front door cost {w} {n}"]}]}
+                started = time.perf_counter()
+                async with session.post(f"http://{url}/v2/models/{MODEL}/infer", json=body) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}")
+                latencies.append(time.perf_counter() - started)
+                n += 1
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return latencies
 
 
 async def _drive(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
-    if protocol == "http":
+    if protocol == "http json":
+        return await _drive_json(url, concurrency, seconds)
+    if protocol == "http binary":
         import tritonclient.http.aio as client_mod
     else:
         import tritonclient.grpc.aio as client_mod
@@ -58,7 +88,8 @@ def summarize(latencies: list[float], seconds: float) -> dict:
 
 def measure(server, concurrency: int, seconds: float, rounds: int) -> dict:
     targets = {
-        ("http", "front door"): server.http_url, ("http", "direct"): server.triton_http_url,
+        ("http json", "front door"): server.http_url, ("http json", "direct"): server.triton_http_url,
+        ("http binary", "front door"): server.http_url, ("http binary", "direct"): server.triton_http_url,
         ("grpc", "front door"): server.grpc_url, ("grpc", "direct"): server.triton_grpc_url,
     }
     collected: dict = {key: [] for key in targets}
@@ -69,8 +100,10 @@ def measure(server, concurrency: int, seconds: float, rounds: int) -> dict:
         for key in order:
             collected[key] += asyncio.run(_drive(key[0], targets[key], concurrency, seconds))
     results = {f"{p} {path}": summarize(lat, seconds * rounds) for (p, path), lat in collected.items()}
-    for protocol in ("http", "grpc"):
+    for protocol in PROTOCOLS:
         results[f"{protocol} ratio"] = results[f"{protocol} front door"]["rps"] / results[f"{protocol} direct"]["rps"]
+        results[f"{protocol} p99 ratio"] = (results[f"{protocol} front door"]["p99_ms"]
+                                            / results[f"{protocol} direct"]["p99_ms"])
     return results
 
 
@@ -79,8 +112,10 @@ def table(results: dict, concurrency: int) -> str:
     for name, row in results.items():
         if isinstance(row, dict):
             lines.append(f"| {name} | {row['rps']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} |")
-    for protocol in ("http", "grpc"):
-        lines.append(f"\n{protocol}: front door / direct throughput = {results[f'{protocol} ratio']:.3f}")
+    lines.append("")
+    for protocol in PROTOCOLS:
+        lines.append(f"{protocol}: front door / direct throughput = {results[f'{protocol} ratio']:.3f}, "
+                     f"P99 = {results[f'{protocol} p99 ratio']:.2f}")
     return "\n".join(lines)
 
 
