@@ -344,6 +344,8 @@ class Cluster:
         self.workdir = Path(options.workdir).resolve()  # nginx -p and the replicas need it absolute
         self.replicas: list[Replica] = []
         self.front_door: FrontDoor | None = None
+        self.grpc_door = None  # server.grpc_door.GrpcDoor once started
+        self.nginx_grpc_port = 0
         self.redis = None
         self.redis_url: str | None = None
         self.gateways: list[Gateway] = []
@@ -456,11 +458,18 @@ class Cluster:
 
                 ensure_key_file(o.gateway_api_key_file)  # once here: the gateways share it
         # nginx first, every replica marked down: the public ports answer 502 until one is ready.
+        # The gRPC door holds the public gRPC port and checks every inference request
+        # (server/grpc_door.py); nginx's gRPC listener behind it is internal.
+        self.nginx_grpc_port = _free_ports(1, taken)[0]
         self.front_door = FrontDoor(self._door_ports(), self.workdir, o.model_repository,
                                     max_body_bytes=o.max_body_bytes)
         self.front_door.check()
         self._rendered = self._wanted()
         self.front_door.start()
+        from server.grpc_door import GrpcDoor
+
+        self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{self.nginx_grpc_port}", o.model_repository,
+                                  self.front_door.workdir, None, o.max_body_bytes, o.drain_timeout).start()
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
         threading.Thread(target=self._health_checks, name="cluster-health", daemon=True).start()
@@ -486,8 +495,10 @@ class Cluster:
         if self.gateways:
             door = GatewayDoor(o.gateway_port, tuple(g.upstream() for g in self.gateways),
                                self._gateway_max_body_bytes())
-        return FrontDoorPorts.cluster(o.host, o.http_port, o.grpc_port, o.metrics_port,
-                                      [r.upstream() for r in self.replicas], door)
+        ports = FrontDoorPorts.cluster(o.host, o.http_port, self.nginx_grpc_port, o.metrics_port,
+                                       [r.upstream() for r in self.replicas], door)
+        ports.grpc_listen_host = "127.0.0.1"
+        return ports
 
     def _wanted(self) -> tuple[bool, ...]:
         """Who is in the front door: the replicas, then the gateways."""
@@ -501,8 +512,11 @@ class Cluster:
                 states = [r.state for r in self.replicas]
                 gateways = [g.state for g in self.gateways]
                 in_door = self._rendered is not None and all(self._rendered)
-            if all(s == READY for s in states + gateways) and in_door:
+            if all(s == READY for s in states + gateways) and in_door and (self.grpc_door is None
+                                                                            or self.grpc_door.ready()):
                 break
+            if self.grpc_door is not None and not self.grpc_door.running():
+                raise ClusterError(f"the gRPC door exited:\n{self.grpc_door.log_tail()}")
             if should_stop() or self._stop.is_set():
                 raise ClusterError("stopped before the cluster was ready")
             if self.front_door is not None and not self.front_door.running():
@@ -791,6 +805,8 @@ class Cluster:
             t.join()
         for g in gateways:
             g.state = STOPPED
+        if self.grpc_door is not None:
+            self.grpc_door.stop(timeout=self.options.drain_timeout)
         if self.front_door is not None:
             self.front_door.stop(timeout=self.options.drain_timeout)
         if self._supervisor is not None:
