@@ -146,8 +146,9 @@ class ServerOptions:
     triton_http_port: int = 0
     triton_grpc_port: int = 0
     triton_metrics_port: int = 0
-    # nginx's own gRPC listener on 127.0.0.1 behind the gRPC door (server/grpc_door.py), which
-    # holds grpc_port and checks every inference request (0 = a free port chosen at start).
+    # nginx's own gRPC listener on 127.0.0.1 (0 = a free port chosen at start). The gRPC door
+    # (server/grpc_door.py) holds grpc_port, checks every inference request and forwards it to
+    # tritonserver directly (one hop less: 0.78 -> 0.84 of direct throughput, docs/security.md).
     nginx_grpc_port: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # SIGTERM drain: seconds the front door finishes in-flight requests, then tritonserver's
@@ -355,7 +356,7 @@ class TritonServer:
                 health_dir=self.health_dir,
             )
             self.front_door.check()
-            self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{o.nginx_grpc_port}", o.model_repository,
+            self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{o.triton_grpc_port}", o.model_repository,
                                       self.front_door.workdir, self.health_dir, o.max_body_bytes, o.drain_timeout)
         log_file = self.log_path.open("w", encoding="utf-8")
         self.process = subprocess.Popen(

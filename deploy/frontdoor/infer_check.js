@@ -386,8 +386,7 @@ function healing(model) {
     }
 }
 
-// Refuse with the check's answer, or hand the request on to tritonserver unchanged (to the
-// location that retries a dead instance's 500 while the model is being reloaded).
+// Refuse with the check's answer, or hand the request on to tritonserver unchanged.
 function checkThenPass(r, check, location) {
     let refusal;
     try {
@@ -399,7 +398,7 @@ function checkThenPass(r, check, location) {
         refuse(r, refusal[0], refusal[1]);
         return;
     }
-    r.internalRedirect(location === '@triton' && healing(r.variables.frontdoor_model) ? '@triton_healing' : location);
+    r.internalRedirect(location);
 }
 
 // tritonserver answered 500 (nginx kept its body): wait for the watchdog's scan, then retry
