@@ -29,7 +29,7 @@ from python_backends.generation.detokenizer import IncrementalDetokenizer
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
-from python_backends.generation.scheduler import FinishReason, QueueFull, Scheduler
+from python_backends.generation.scheduler import FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
 
 log = logging.getLogger(__name__)
 
@@ -235,27 +235,17 @@ class LLMEngine:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = start
         self.counters["prompt_tokens_computed"] += sum(c.num_tokens for c in plan.prefills)
-        logits = self.runner.execute(plan)
-        sampling = [c for c in plan.chunks if c.samples]
-        if sampling:
-            reqs = [self._requests[c.seq_id] for c in sampling]
-            seqs = [self.scheduler.get(c.seq_id) for c in sampling]
-            tokens = self.sampler(
-                logits,
-                [r.params for r in reqs],
-                token_ids=[s.tokens for s in seqs] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
-                num_generated=[len(s.output_tokens) for s in seqs],
-                generators=[r.generator for r in reqs],
-            ).tolist()
-            sampled = {c.seq_id: t for c, t in zip(sampling, tokens)}
-        else:
-            sampled = {}
+        failed: list[RequestOutput] = []
+        try:
+            sampled = self._run(plan)
+        except Exception as exc:  # noqa: BLE001 - isolated below; re-raised if every request fails
+            sampled, failed = self._run_isolated(plan, exc)
         new = self.scheduler.update(plan, sampled)
         now = time.monotonic()
         self.last_step_seconds = now - start
         self.counters["steps"] += 1
         self.counters["generation_tokens"] += len(new)
-        outputs = []
+        outputs = failed
         for seq in new:
             req = self._requests[seq.seq_id]
             m = req.metrics
@@ -284,6 +274,55 @@ class LLMEngine:
                 outputs.append(RequestOutput(seq.seq_id, text, ids, False, None, len(req.prompt_ids),
                                              len(seq.output_tokens), m))
         return outputs
+
+    def _run(self, plan: SchedulerOutput) -> dict[SeqId, int]:
+        """Run the model on ``plan`` and sample its sampling chunks: seq_id -> new token."""
+        logits = self.runner.execute(plan)
+        sampling = [c for c in plan.chunks if c.samples]
+        if not sampling:
+            return {}
+        reqs = [self._requests[c.seq_id] for c in sampling]
+        seqs = [self.scheduler.get(c.seq_id) for c in sampling]
+        tokens = self.sampler(
+            logits,
+            [r.params for r in reqs],
+            token_ids=[s.tokens for s in seqs] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
+            num_generated=[len(s.output_tokens) for s in seqs],
+            generators=[r.generator for r in reqs],
+        ).tolist()
+        return {c.seq_id: t for c, t in zip(sampling, tokens)}
+
+    def _run_isolated(self, plan: SchedulerOutput, error: Exception) -> tuple[dict[SeqId, int], list[RequestOutput]]:
+        """The step failed: run each request's chunks alone (as the encoder retries a failed
+        batch row by row), so that only the requests that fail alone get the error and the others
+        go on with the tokens of their own runs. Safe because the failed step changed no
+        scheduler state after :meth:`Scheduler.schedule` (the slots it planned are reused, the
+        KV entries it wrote are written again). Every request failing alone means the step
+        itself is broken: the original error is raised (the loop then fails them all)."""
+        self.counters["steps_isolated"] += 1
+        by_seq: dict[SeqId, list] = {}
+        for chunk in plan.chunks:
+            by_seq.setdefault(chunk.seq_id, []).append(chunk)
+        sampled: dict[SeqId, int] = {}
+        culprits: dict[SeqId, Exception] = {}
+        for seq_id, chunks in by_seq.items():
+            alone = SchedulerOutput(decodes=[c for c in chunks if not c.is_prefill],
+                                    prefills=[c for c in chunks if c.is_prefill], preempted=[])
+            try:
+                sampled.update(self._run(alone))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                culprits[seq_id] = exc
+        if len(culprits) == len(by_seq):
+            raise error
+        failed = []
+        for seq_id, exc in culprits.items():
+            log.warning("generation step failed because of request %r (%s); failing it alone", seq_id, exc)
+            out = self.abort(seq_id)
+            if out is not None:
+                out.error = RuntimeError(f"generation failed: {exc}")
+                failed.append(out)
+        self.counters["requests_failed_alone"] += len(failed)
+        return sampled, failed
 
     def _final(self, req: _Request, text: str, reason: str, output_ids: list[int] | None = None) -> RequestOutput:
         req.metrics.finished = time.monotonic()

@@ -313,3 +313,45 @@ def test_admission_window_is_bounded_and_off_at_zero(hf, prompts):
         assert loop.admission_waits == 0 and loop.admission_wait_s == 0
     finally:
         loop.shutdown()
+
+
+def test_a_request_that_fails_its_step_fails_alone_and_the_others_finish_unchanged(hf, prompts, reference):
+    """Issue 23 item 7: an exception inside a step used to fail every request of that step. A
+    request whose decode makes the model run raise (injected here, at its first decode, while 15
+    streams run beside it) gets the error; the 15 others finish with the tokens they have alone."""
+    eng = make_engine(hf)
+    batch, refs = (prompts * 3)[:15], (reference * 3)[:15]
+    real = eng.runner.execute
+
+    def execute(plan):
+        if any(c.seq_id == "poison" and not c.is_prefill for c in plan.chunks):
+            raise RuntimeError("injected failure")
+        return real(plan)
+
+    eng.runner.execute = execute
+    for i, p in enumerate(batch):
+        eng.add_request(i, p, GREEDY)
+    eng.add_request("poison", prompts[0], GREEDY)
+    tokens: dict = {i: [] for i in range(len(batch))}
+    errors: dict = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.error is not None:
+                errors[out.request_id] = out.error
+            elif out.request_id in tokens:
+                tokens[out.request_id].extend(out.token_ids)
+    assert list(errors) == ["poison"] and "injected failure" in str(errors["poison"])
+    for i, ref in enumerate(refs):
+        assert tokens[i] == ref, f"request {i}: {tokens[i]} != {ref}"
+    assert eng.counters["steps_isolated"] >= 1 and eng.counters["requests_failed_alone"] == 1
+    assert eng.block_manager.num_used_blocks == 0
+    eng.block_manager.check_invariants()
+
+
+def test_a_step_that_fails_for_every_request_still_raises(hf, prompts):
+    eng = make_engine(hf)
+    eng.runner.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("the model is broken"))
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(i, p, GREEDY)
+    with pytest.raises(RuntimeError, match="the model is broken"):
+        eng.step()
