@@ -30,7 +30,7 @@ from openai_gateway.auth import ANONYMOUS, ApiKeys
 from openai_gateway.catalog import Catalog, EmbeddingModel, GenerationModel
 from openai_gateway.errors import APIError, model_not_found
 from openai_gateway.metrics import GatewayMetrics
-from openai_gateway.ratelimit import RateLimiter
+from openai_gateway.ratelimit import RateLimiter, RateLimiterUnavailable, SharedRateLimiter
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.triton import TritonBackend
@@ -118,7 +118,7 @@ class RequestGate:
                     # curl -d sends a form content type: the body is JSON all the same.
                     scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
                     scope["headers"].append((b"content-type", b"application/json"))
-                err = self._check(headers, info)
+                err = await self._check(headers, info)
                 if err is not None:
                     await refuse(err)
                     return
@@ -156,7 +156,7 @@ class RequestGate:
                         line[k] = info[k]
                 access_log.info(orjson.dumps(line).decode("utf-8"))
 
-    def _check(self, headers: dict, info: dict) -> APIError | None:
+    async def _check(self, headers: dict, info: dict) -> APIError | None:
         st = self.state
         auth = headers.get(b"authorization")
         kid = st.keys.check(auth.decode("latin-1") if auth is not None else None)
@@ -164,7 +164,18 @@ class RequestGate:
             return APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>` "
                             "(keys: $GATEWAY_API_KEYS or the gateway's key file)", code="invalid_api_key")
         info["key_id"] = kid
-        retry = st.limiter.check(kid)
+        try:
+            retry = st.limiter.check(kid)
+            if not isinstance(retry, int):  # the shared limiter asks Redis
+                retry = await retry
+        except RateLimiterUnavailable as exc:
+            return APIError(503, f"{exc}; retry later", code="rate_limiter_unavailable", type="server_error",
+                            headers={"Retry-After": "1"})
+        finally:
+            errors = getattr(st.limiter, "redis_errors", 0)
+            if errors > st.redis_errors_seen:
+                st.metrics.rate_limit_redis_errors.inc(errors - st.redis_errors_seen)
+                st.redis_errors_seen = errors
         if retry:
             st.metrics.rate_limited.labels(kid).inc()
             return APIError(429, f"Rate limit reached for this key: {st.limiter.rate:g} requests/s, bursts of "
@@ -187,7 +198,13 @@ class GatewayState:
         self.keys = keys
         self.catalog = catalog or Catalog.from_repository(settings.model_repository, settings.embedding_entry)
         self.metrics = GatewayMetrics()
-        self.limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
+        if settings.rate_limit_redis_url and settings.rate_limit_rps > 0:
+            # One bucket per key for every gateway behind the front door (serve-cluster's Redis).
+            self.limiter = SharedRateLimiter(settings.rate_limit_redis_url, settings.rate_limit_rps,
+                                             settings.rate_limit_burst, fail=settings.rate_limit_fail)
+        else:
+            self.limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
+        self.redis_errors_seen = 0
         self.backend = TritonBackend(settings.triton_url, self.catalog, settings.triton_timeout_s,
                                      settings.generation_timeout_s, settings.ready_poll_s,
                                      coalesce=settings.coalesce_embeddings,
@@ -256,6 +273,8 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
             yield
         finally:
             await backend.close()
+            if isinstance(state.limiter, SharedRateLimiter):
+                await state.limiter.close()
 
     app = FastAPI(title="OpenAI-compatible gateway to Triton", version="1",
                   description="OpenAI's embeddings, chat completions, completions and models endpoints over the "

@@ -26,6 +26,9 @@ class GatewayMetrics:
                               ("model",), buckets=LATENCY_BUCKETS, registry=r)
         self.rate_limited = Counter("gateway_rate_limited", "Requests refused by the per-key rate limit",
                                     ("key_id",), registry=r)
+        self.rate_limit_redis_errors = Counter("gateway_rate_limit_redis_errors",
+                                               "Rate limit checks Redis did not answer (the fail mode applied)",
+                                               registry=r)
         self.cancelled = Counter("gateway_cancelled", "Requests whose client went away before the answer; "
                                  "their Triton requests were cancelled", ("route",), registry=r)
         self.coalesced = Histogram("gateway_embedding_requests_per_triton_request",

@@ -36,6 +36,11 @@ class GatewaySettings:
     # Per-key token bucket: requests per second and burst; 0 turns it off.
     rate_limit_rps: float = 100.0
     rate_limit_burst: int = 200
+    # Redis holding the buckets, shared by every gateway (serve-cluster sets it); empty: each
+    # gateway its own. When Redis does not answer: "open" falls back to the gateway's own bucket,
+    # "closed" answers 503.
+    rate_limit_redis_url: str = ""
+    rate_limit_fail: str = "open"
     max_body_bytes: int = 16 * 1024 * 1024
     max_inputs: int = 2048  # texts (or token arrays) per embeddings request, as OpenAI
     max_input_chars: int = 16384  # characters per text
@@ -76,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per second per API key (token bucket; 0 = no limit; default 100)")
     p.add_argument("--rate-burst", dest="rate_limit_burst", type=int,
                    default=int(_env("GATEWAY_RATE_LIMIT_BURST", str(d.rate_limit_burst))))
+    p.add_argument("--rate-limit-redis", dest="rate_limit_redis_url",
+                   default=_env("GATEWAY_RATE_LIMIT_REDIS_URL", d.rate_limit_redis_url),
+                   help="Redis URL: one token bucket per key for every gateway sharing it (default: this gateway's own)")
+    p.add_argument("--rate-limit-fail", dest="rate_limit_fail", choices=("open", "closed"),
+                   default=_env("GATEWAY_RATE_LIMIT_FAIL", d.rate_limit_fail),
+                   help="Redis down: open = this gateway's own bucket (default), closed = 503")
     p.add_argument("--max-body-mb", type=float, default=float(_env("GATEWAY_MAX_BODY_MB", "16")))
     p.add_argument("--max-inputs", type=int, default=int(_env("GATEWAY_MAX_INPUTS", str(d.max_inputs))))
     p.add_argument("--max-input-chars", type=int, default=int(_env("GATEWAY_MAX_INPUT_CHARS", str(d.max_input_chars))))
@@ -108,6 +119,8 @@ def from_args(args: argparse.Namespace) -> GatewaySettings:
         cors_origins=_csv(args.cors_origins),
         rate_limit_rps=args.rate_limit_rps,
         rate_limit_burst=args.rate_limit_burst,
+        rate_limit_redis_url=args.rate_limit_redis_url,
+        rate_limit_fail=args.rate_limit_fail,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         max_inputs=args.max_inputs,
         max_input_chars=args.max_input_chars,

@@ -600,7 +600,9 @@ class Cluster:
         gateway.process = GatewayProcess(GatewayOptions(
             triton_grpc_url=self.grpc_url, host=o.gateway_host, port=gateway.port,
             model_repository=o.model_repository, api_key_file=o.gateway_api_key_file, workdir=self.workdir,
-            drain_timeout=o.drain_timeout, env=dict(o.gateway_env)))
+            drain_timeout=o.drain_timeout,
+            # One rate limit per key for all gateways: the buckets live in the cluster's Redis.
+            env={"GATEWAY_RATE_LIMIT_REDIS_URL": self.redis_url or "", **o.gateway_env}))
         gateway.state = STARTING
         gateway.health_misses = 0
         try:

@@ -4,8 +4,9 @@ tritonserver 2.51's python backend never restarts a stub that died (a hostile re
 Runtime abort, the OOM killer's SIGKILL): every request routed to that instance answers
 ``Stub process '<instance>' is not healthy`` from then on, while ``/v2/health/ready`` and the
 model's ready endpoint keep answering 200. The launcher runs this watchdog beside each
-tritonserver. It scans the server's children a few times a second; a stub that is gone or a
-zombie while its model is still loaded is a death. Then it
+tritonserver. It scans the server's children a few times a second; a stub that stays a zombie
+(tritonserver reaps the stubs it ends itself at once) while its model is loaded is a death.
+Then it
 
 1. marks the model, and every loaded model whose requests reach it (an ensemble, a BLS caller),
    unhealthy: one file per model in the health folder, which the front doors read (nginx answers
@@ -123,6 +124,8 @@ class StubWatchdog:
         self.counters = Counters()
         self.unhealthy: dict[str, str] = {}  # model -> reason (the dead model's name for callers)
         self._known: dict[int, Stub] = {}
+        self._zombies: dict[int, Stub] = {}  # zombies of the last scan, not yet confirmed
+        self._handled: set[int] = set()  # zombies already counted (they stay until the unload)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.events: list[tuple[float, str, str]] = []  # (time, kind, model)
@@ -157,21 +160,24 @@ class StubWatchdog:
     # -- one scan --------------------------------------------------------------------------------
 
     def dead_models(self) -> dict[str, list[Stub]]:
-        """model -> its stubs that died since the last scan (gone or zombie while the model is
-        still loaded); updates the known set with new stubs (a reload's, a load's)."""
+        """model -> its stubs that died: zombies in two scans in a row while the model is loaded.
+
+        tritonserver 2.51 reaps a stub it ends itself (an unload, a reload's swap) at once, so
+        such a stub vanishes; one that died on its own (a crash, a SIGKILL) stays a zombie until
+        its model is unloaded. A zombie seen once may be a stub tritonserver is reaping right
+        then: it counts on the second scan."""
         now = find_stubs(self.server_pid)
-        alive = {s.pid: s for s in now if not s.zombie}
-        vanished = [s for pid, s in self._known.items() if pid not in alive]
-        self._known = alive
-        if not vanished:
+        zombies = {s.pid: s for s in now if s.zombie and s.pid not in self._handled}
+        confirmed = [s for pid, s in zombies.items() if pid in self._zombies]
+        self._zombies = zombies
+        self._known = {s.pid: s for s in now if not s.zombie}
+        if not confirmed:
             return {}
         loaded = self._loaded()
         dead: dict[str, list[Stub]] = {}
-        for stub in vanished:
-            # An unload (or a reload's swap) ends stubs on purpose: the model is no longer
-            # loaded then, or a live stub of the same instance name has taken over.
-            replaced = any(s.instance == stub.instance for s in alive.values())
-            if stub.model in loaded and not replaced:
+        for stub in confirmed:
+            self._handled.add(stub.pid)
+            if stub.model in loaded:
                 dead.setdefault(stub.model, []).append(stub)
         return dead
 
@@ -207,6 +213,7 @@ class StubWatchdog:
         # ones are done, the old stubs are ended.
         self._stop.wait(REPLACED_GRACE_S)
         for stub in before:
+            self._handled.add(stub.pid)  # its zombie is this watchdog's doing, not a death
             try:
                 os.kill(stub.pid, 9)
             except OSError:

@@ -880,3 +880,23 @@ def test_a_key_file_others_can_read_stops_the_start_with_a_clear_message(tmp_pat
     assert str(path) in output and "644" in output and "chmod 600" in output, output
     assert secret not in output
     assert stat.S_IMODE(path.stat().st_mode) == 0o644, "the gateway changed the file's mode"
+
+
+def test_two_gateways_sharing_redis_apply_one_limit_per_key_and_fail_open_when_it_dies(triton, start_gateway,
+                                                                                     redis_server):
+    """Issue 23 item 5: N gateways used to allow N times the rate. Two real gateways with the same
+    --rate-limit-redis share each key's bucket; with Redis killed each falls back to its own."""
+    env = {"GATEWAY_API_KEYS": K1}
+    args = ("--rate-limit", "0.2", "--rate-burst", "6", "--rate-limit-redis", redis_server.url)
+    with start_gateway(triton.triton_grpc_url, *args, env=env) as one, \
+            start_gateway(triton.triton_grpc_url, *args, env=env) as two, httpx.Client(timeout=10) as client:
+        headers = {"Authorization": f"Bearer {K1}"}
+        statuses = [client.get(f"{gw.url}/v1/models", headers=headers).status_code for _ in range(8)
+                    for gw in (one, two)]
+        # 16 requests over both gateways; one bucket of 6 (refilling 0.2/s) between them.
+        assert statuses.count(200) in (6, 7) and statuses.count(429) == 16 - statuses.count(200), statuses
+        redis_server.kill()
+        fallback = [client.get(f"{one.url}/v1/models", headers=headers).status_code for _ in range(8)]
+        # Redis gone: the gateway's own bucket (fail open), a burst of 6, then 429 again.
+        assert fallback[:6] == [200] * 6 and 429 in fallback[6:], fallback
+        assert gateway_metric(one, "gateway_rate_limit_redis_errors_total") >= 8
