@@ -331,6 +331,14 @@ class TritonServer:
 
     def start(self) -> "TritonServer":
         o = self.options
+        # A restart of this object (a test's kill and start): the last run's watchdog watched a
+        # process that is gone, and its door must not hold the port.
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.grpc_door is not None:
+            self.grpc_door.stop(timeout=1)
+            self.grpc_door = None
         o.workdir.mkdir(parents=True, exist_ok=True)
         self.layout = prepare(o.workdir)
         # Priority-class lanes follow their model's current config and versions (export/lanes.py);
@@ -397,7 +405,7 @@ class TritonServer:
         repo = self.options.model_repository
 
         def reaches(model: str) -> list[str]:
-            return [m for m in loaded() if model in closure(repo, m)]
+            return sorted({m for m, _ in loaded() if model in closure(repo, m)})
 
         def event(text: str) -> None:
             log.warning("%s", text)

@@ -4,9 +4,9 @@ tritonserver 2.51's python backend never restarts a stub that died (a hostile re
 Runtime abort, the OOM killer's SIGKILL): every request routed to that instance answers
 ``Stub process '<instance>' is not healthy`` from then on, while ``/v2/health/ready`` and the
 model's ready endpoint keep answering 200. The launcher runs this watchdog beside each
-tritonserver. It scans the server's children a few times a second; a stub that stays a zombie
-(tritonserver reaps the stubs it ends itself at once) while its model is loaded is a death.
-Then it
+tritonserver. It scans the server's children four times a second; a stub that is gone or a
+zombie while its model version is still READY, with no live stub of the same instance and
+version in its place, is a death (``StubWatchdog.dead_models``). Then it
 
 1. marks the model, and every loaded model whose requests reach it (an ensemble, a BLS caller),
    unhealthy: one file per model in the health folder, which the front doors read (nginx answers
@@ -45,6 +45,7 @@ class Stub:
     model: str
     instance: str
     zombie: bool
+    version: str = ""  # the version folder of its model file ("" when the path has none)
 
 
 def _children(pid: int) -> list[int]:
@@ -76,7 +77,8 @@ def stub_of(pid: int) -> Stub | None:
     state = stat[stat.rfind(")") + 2:].split(" ", 1)[0]
     texts = [a.decode(errors="replace") for a in args if a]
     model, instance = model_and_instance(texts)
-    return Stub(pid, model, instance, state in ("Z", "X"))
+    folder = Path(texts[1]).parent.name if len(texts) > 1 else ""
+    return Stub(pid, model, instance, state in ("Z", "X"), folder if folder.isdigit() else "")
 
 
 def model_and_instance(args: list[str]) -> tuple[str, str]:
@@ -91,7 +93,9 @@ def model_and_instance(args: list[str]) -> tuple[str, str]:
 
 
 def find_stubs(server_pid: int) -> list[Stub]:
-    return [s for s in (stub_of(p) for p in _children(server_pid)) if s is not None]
+    """The serving stubs of a tritonserver; the short-lived stub a load starts to auto-complete a
+    config (instance name AUTOCOMPLETE_STUB) serves nothing and is left out."""
+    return [s for s in (stub_of(p) for p in _children(server_pid)) if s is not None and s.instance]
 
 
 @dataclass
@@ -107,10 +111,10 @@ class StubWatchdog:
 
     ``reaches(model)`` gives the loaded models whose requests reach ``model`` (itself included);
     ``reload(model)`` reloads it and returns when it is ready (raises on failure);
-    ``loaded()`` the models Triton has ready now."""
+    ``loaded()`` the (model, version) pairs READY now."""
 
     def __init__(self, server_pid: int, health_dir: Path, metrics_path: Path | None,
-                 reload: Callable[[str], None], loaded: Callable[[], set[str]],
+                 reload: Callable[[str], None], loaded: Callable[[], set[tuple[str, str]]],
                  reaches: Callable[[str], Iterable[str]], interval: float = 0.25,
                  on_event: Callable[[str], None] | None = None):
         self.server_pid = server_pid
@@ -125,6 +129,8 @@ class StubWatchdog:
         self.unhealthy: dict[str, str] = {}  # model -> reason (the dead model's name for callers)
         self._known: dict[int, Stub] = {}
         self._zombies: dict[int, Stub] = {}  # zombies of the last scan, not yet confirmed
+        self._gone: list[Stub] = []  # stubs gone in the last scan, judged at this one
+        self.watched: set[str] = set()  # every model whose stubs were seen: its series start at 0
         self._handled: set[int] = set()  # zombies already counted (they stay until the unload)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -140,6 +146,7 @@ class StubWatchdog:
         for stale in self.health_dir.iterdir():
             stale.unlink(missing_ok=True)
         self._known = {s.pid: s for s in find_stubs(self.server_pid) if not s.zombie}
+        self.watched = {s.model for s in self._known.values()}
         self._write_metrics()
         self._thread = threading.Thread(target=self._run, name="stub-watchdog", daemon=True)
         self._thread.start()
@@ -160,24 +167,38 @@ class StubWatchdog:
     # -- one scan --------------------------------------------------------------------------------
 
     def dead_models(self) -> dict[str, list[Stub]]:
-        """model -> its stubs that died: zombies in two scans in a row while the model is loaded.
+        """model -> its stubs that died, confirmed over two scans.
 
-        tritonserver 2.51 reaps a stub it ends itself (an unload, a reload's swap) at once, so
-        such a stub vanishes; one that died on its own (a crash, a SIGKILL) stays a zombie until
-        its model is unloaded. A zombie seen once may be a stub tritonserver is reaping right
-        then: it counts on the second scan."""
+        A stub that died stays a zombie until tritonserver reaps it, which its python backend
+        does when it next checks the stub's health (a request routed to it): so a death shows
+        as a zombie or as a stub gone. A stub also goes when tritonserver ends it (an unload, a
+        reload's swap to new instances): then, by the next scan, its model version is no longer
+        READY, or a live stub of the same instance and version has taken over. What is left is a
+        death."""
         now = find_stubs(self.server_pid)
+        alive = {s.pid: s for s in now if not s.zombie}
         zombies = {s.pid: s for s in now if s.zombie and s.pid not in self._handled}
-        confirmed = [s for pid, s in zombies.items() if pid in self._zombies]
+        gone = [s for pid, s in self._known.items() if pid not in alive and pid not in self._handled]
+        # Candidates: zombies of the last scan still zombies, and stubs gone since the last scan
+        # but one (a scan's grace for tritonserver's own unloads to show in the index).
+        candidates = [s for pid, s in zombies.items() if pid in self._zombies]
+        candidates += [s for s in self._gone if s.pid not in {c.pid for c in candidates}]
         self._zombies = zombies
-        self._known = {s.pid: s for s in now if not s.zombie}
-        if not confirmed:
+        self._gone = [s for s in gone if s.pid not in zombies]
+        self._known = alive
+        models = {s.model for s in alive.values()}
+        if not models <= self.watched:
+            self.watched |= models
+            self._write_metrics()
+        if not candidates:
             return {}
         loaded = self._loaded()
         dead: dict[str, list[Stub]] = {}
-        for stub in confirmed:
+        for stub in candidates:
             self._handled.add(stub.pid)
-            if stub.model in loaded:
+            replaced = any(s.instance == stub.instance and s.version == stub.version for s in alive.values())
+            ready = (stub.model, stub.version) in loaded if stub.version else any(m == stub.model for m, _ in loaded)
+            if ready and not replaced:
                 dead.setdefault(stub.model, []).append(stub)
         return dead
 
@@ -240,17 +261,17 @@ class StubWatchdog:
         c = self.counters
         lines = ["# HELP triton_stub_deaths_total Python backend stubs that died while their model was loaded.",
                  "# TYPE triton_stub_deaths_total counter"]
-        lines += [f'triton_stub_deaths_total{{model="{m}"}} {v}' for m, v in sorted(c.deaths.items())]
+        lines += [f'triton_stub_deaths_total{{model="{m}"}} {c.deaths.get(m, 0)}' for m in sorted(self.watched | set(c.deaths))]
         lines += ["# HELP triton_stub_reloads_total Models the watchdog reloaded after a stub died.",
                   "# TYPE triton_stub_reloads_total counter"]
-        lines += [f'triton_stub_reloads_total{{model="{m}"}} {v}' for m, v in sorted(c.reloads.items())]
+        lines += [f'triton_stub_reloads_total{{model="{m}"}} {c.reloads.get(m, 0)}' for m in sorted(self.watched | set(c.reloads))]
         lines += ["# HELP triton_stub_reload_failures_total Reloads after a stub death that failed.",
                   "# TYPE triton_stub_reload_failures_total counter"]
-        lines += [f'triton_stub_reload_failures_total{{model="{m}"}} {v}' for m, v in sorted(c.reload_failures.items())]
+        lines += [f'triton_stub_reload_failures_total{{model="{m}"}} {c.reload_failures.get(m, 0)}' for m in sorted(self.watched | set(c.reload_failures))]
         lines += ["# HELP triton_model_unhealthy 1 while a model has a dead instance (or reaches one) and is being reloaded.",
                   "# TYPE triton_model_unhealthy gauge"]
-        models = sorted(set(c.deaths) | set(self.unhealthy))
-        lines += [f'triton_model_unhealthy{{model="{m}"}} {1 if m in self.unhealthy else 0}' for m in models]
+        lines += [f'triton_model_unhealthy{{model="{m}"}} {1 if m in self.unhealthy else 0}'
+                  for m in sorted(self.watched | set(self.unhealthy))]
         lines += ["# HELP triton_stub_watchdog_up 1 while the launcher's stub watchdog runs.",
                   "# TYPE triton_stub_watchdog_up gauge", "triton_stub_watchdog_up 1"]
         return "\n".join(lines) + "\n"
@@ -279,14 +300,15 @@ def repository_reload(repository_client) -> Callable[[str], None]:
     return reload
 
 
-def repository_loaded(repository_client) -> Callable[[], set[str]]:
-    """The models whose some version is READY, from the repository index."""
+def repository_loaded(repository_client) -> Callable[[], set[tuple[str, str]]]:
+    """The (model, version) pairs READY now, from the repository index."""
     from ops.repository import http
 
-    def loaded() -> set[str]:
+    def loaded() -> set[tuple[str, str]]:
         status, raw = http(repository_client.base + "/v2/repository/index", "POST", {}, repository_client.headers,
                            timeout=10)
         if status != 200:
             raise RuntimeError(f"repository index: HTTP {status}")
-        return {entry["name"] for entry in json.loads(raw) if entry.get("state") == "READY"}
+        return {(entry["name"], str(entry.get("version", ""))) for entry in json.loads(raw)
+                if entry.get("state") == "READY"}
     return loaded

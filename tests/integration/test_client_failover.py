@@ -59,11 +59,14 @@ def pair(start_triton):
 
 
 def _kill(server, front_door: bool = True) -> None:
-    """SIGKILL tritonserver and its stubs (and, by default, its front door)."""
+    """SIGKILL tritonserver and its stubs (and, by default, its front door: nginx and the gRPC door)."""
     os.killpg(server.process.pid, signal.SIGKILL)
     server.process.wait()
     if front_door and server.front_door is not None:
         server.front_door.stop(timeout=1, graceful=False)
+    if front_door and server.grpc_door is not None:
+        server.grpc_door.process.kill()
+        server.grpc_door.process.wait()
 
 
 def _pause(server) -> None:

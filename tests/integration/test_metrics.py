@@ -198,6 +198,8 @@ def test_every_metric_the_rules_read_exists(triton, http_client, openai_client, 
         unload_and_wait(http_client, router)
     openai_client.models.list()  # one request counted by the gateway
     seen |= names(scrape(f"{gateway.url}/metrics"))
+    # The launcher's stub watchdog, on the front door's metrics port (server/stubs.py).
+    seen |= names(scrape(triton.metrics_url.rsplit("/metrics", 1)[0] + "/metrics/watchdog"))
     seen.add("up")  # made by Prometheus for every target, not scraped
     assert wanted - seen == set(), "rules read series no server exposes"
     print(f"{len(wanted)} metric names the rules read, all in real scrapes: {sorted(wanted)}")
