@@ -126,6 +126,7 @@ class Replica:
     options: ServerOptions
     server: TritonServer | None = None
     state: str = DOWN
+    in_door: bool = False  # listed in nginx: once ready, until it fails readiness while alive
     restarts: int = 0  # restarts done
     failures_in_row: int = 0
     next_start: float = 0.0
@@ -162,7 +163,13 @@ class Replica:
         return self.server is not None and self.server.process is not None and self.server.process.poll() is None
 
     def upstream(self) -> Upstream:
-        return Upstream("127.0.0.1", self.http, self.grpc, self.metrics, down=self.state != READY)
+        # A replica that died stays listed: its ports refuse connections until its restarted
+        # tritonserver has loaded its models (tritonserver opens them only then), and nginx sends
+        # each refused request to the next replica. Taking it out and back would be two reloads,
+        # and a reload closes the idle keep-alive connections of clients: a request written on
+        # one at that instant is lost for a client that does not retry. Only a replica alive
+        # but failing its readiness is taken out (in_door False).
+        return Upstream("127.0.0.1", self.http, self.grpc, self.metrics, down=not self.in_door)
 
 
 @dataclass
@@ -345,6 +352,7 @@ class Cluster:
         self.replicas: list[Replica] = []
         self.front_door: FrontDoor | None = None
         self.grpc_door = None  # server.grpc_door.GrpcDoor once started
+        self._states_written: tuple = ()
         self.nginx_grpc_port = 0
         self.redis = None
         self.redis_url: str | None = None
@@ -502,7 +510,7 @@ class Cluster:
 
     def _wanted(self) -> tuple[bool, ...]:
         """Who is in the front door: the replicas, then the gateways."""
-        return tuple(r.state == READY for r in self.replicas) + tuple(g.state == READY for g in self.gateways)
+        return tuple(r.in_door for r in self.replicas) + tuple(g.state == READY for g in self.gateways)
 
     def wait_ready(self, timeout: float | None = None, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Until every replica is ready and in the front door, then the gateway and Prometheus."""
@@ -574,6 +582,7 @@ class Cluster:
             with self._lock:
                 if replica.server is server and replica.state == STARTING:
                     replica.state = READY
+                    replica.in_door = True
                     replica.ready_since = time.monotonic()
 
         replica.waiter = threading.Thread(target=wait, name=f"replica-{replica.index}-ready", daemon=True)
@@ -698,6 +707,7 @@ class Cluster:
                     self._event(f"replica {r.index}: /v2/health/ready failed {r.health_misses} times; "
                                 "out of the front door until it answers again")
                     r.state = STARTING  # back in once ready again
+                    r.in_door = False
                     self._watch_ready(r)
             for r in self.replicas:
                 if r.state == DOWN and now >= r.next_start and not self._stop.is_set():
@@ -720,6 +730,7 @@ class Cluster:
                     with self._lock:
                         if replica.server is server and replica.state == STARTING:
                             replica.state = READY
+                            replica.in_door = True
                             replica.health_misses = 0
                     return
                 time.sleep(0.5)
@@ -728,8 +739,15 @@ class Cluster:
         replica.waiter.start()
 
     def _sync_front_door(self) -> None:
-        """Re-render the upstream list and reload nginx when a replica went in or out."""
+        """Re-render the upstream list and reload nginx when a replica went in or out (and
+        write the state file when only the states changed: a restarted replica that is ready
+        again needs no reload, it never left the list)."""
         wanted = self._wanted()
+        states = tuple(r.state for r in self.replicas) + tuple(g.state for g in self.gateways)
+        if states != self._states_written:
+            self._states_written = states
+            if wanted == self._rendered:
+                self._write_state()
         if wanted == self._rendered or self.front_door is None:
             return
         self.front_door.ports = self._door_ports()

@@ -49,6 +49,10 @@ HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 # Sends of one inference request while its model is marked unhealthy, and the pause between.
 HEALING_RETRIES = 3
 HEALING_BACKOFF_S = 0.05
+# The metadata nginx's gRPC listener puts on its own UNAVAILABLE when a replica died with the
+# call in flight (deploy/frontdoor/nginx.conf.template), and how often such a call is resent.
+UPSTREAM_LOST = "frontdoor-upstream-lost"
+UPSTREAM_LOST_RETRIES = 2
 # How long an INTERNAL answer waits for the watchdog to mark its model (its scan interval, twice).
 WATCHDOG_WAIT_S = 0.5
 # Metadata the channel sets itself; the rest (the repository token among it) goes on.
@@ -96,6 +100,7 @@ class Door:
         self.channel = aio.insecure_channel(upstream, options=options)
         self.refused = 0
         self.healing_retries = 0
+        self.upstream_lost_retries = 0
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -143,12 +148,19 @@ class Door:
         # it routes to the dead instance INTERNAL ("Stub process ... is not healthy"): inference is
         # idempotent, so such a request is sent again (the healthy instances answer it); if every
         # try fails it gets UNAVAILABLE, which clients retry, never a 500-class status.
-        for attempt in range(HEALING_RETRIES + 1):
+        for attempt in range(max(HEALING_RETRIES, UPSTREAM_LOST_RETRIES) + 1):
             call = self.channel.unary_unary(INFER)(request, metadata=self.metadata(context),
                                                    timeout=self.timeout(context))
             try:
                 response = await call
             except aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < UPSTREAM_LOST_RETRIES \
+                        and any(k == UPSTREAM_LOST for k, _ in await _safe_trailing(exc)):
+                    # nginx lost the replica serving it (serve-cluster): send it again; nginx
+                    # picks a live replica.
+                    self.upstream_lost_retries += 1
+                    await asyncio.sleep(HEALING_BACKOFF_S * (attempt + 1))
+                    continue
                 reason = None
                 if exc.code() == grpc.StatusCode.INTERNAL:
                     reason = self._healing(parsed.model_name)
@@ -159,7 +171,7 @@ class Door:
                         reason = self._healing(parsed.model_name)
                 if reason is None:
                     await self._abort_with(context, exc)
-                if attempt == HEALING_RETRIES:
+                if attempt >= HEALING_RETRIES:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"model {parsed.model_name} is being reloaded ({reason}): retry")
                 self.healing_retries += 1

@@ -73,12 +73,21 @@ def test_replicas_get_their_own_ports_and_folders_and_the_shared_l2(tmp_path):
         Cluster(ClusterOptions(replicas=0))
 
 
-def test_only_ready_replicas_get_traffic():
+def test_a_replica_is_listed_once_ready_and_stays_listed_while_it_restarts():
     replicas = _replicas(2)
     replicas[0].state, replicas[1].state = READY, DOWN
+    replicas[0].in_door = True
+    # Before its first readiness a replica gets no traffic.
     assert [u.down for u in (r.upstream() for r in replicas)] == [False, True]
     replicas[1].state = "starting"
     assert replicas[1].upstream().down
+    # A ready replica that dies stays listed (its ports refuse; nginx sends on without a reload
+    # that would close clients' keep-alive connections); the supervisor takes one out only when
+    # it is alive but fails readiness (in_door False).
+    replicas[0].state = DOWN
+    assert not replicas[0].upstream().down
+    replicas[0].in_door = False
+    assert replicas[0].upstream().down
 
 
 def test_the_options_table_of_docs_cluster_matches_the_code():
