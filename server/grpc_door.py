@@ -444,7 +444,7 @@ class GrpcDoor:
         self.ready_file.unlink(missing_ok=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        with self.log_path.open("w", encoding="utf-8") as log_file:
+        with self.log_path.open("a", encoding="utf-8") as log_file:  # a restart keeps the last one's lines
             self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                             preexec_fn=tie_to_parent("SIGTERM"))

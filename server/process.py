@@ -413,8 +413,16 @@ class TritonServer:
                 self.echo.write(text + "\n")
                 self.echo.flush()
 
+        def door_alive() -> None:
+            # The gRPC door holds no state: if it exits, a new one takes the port at once.
+            door = self.grpc_door
+            if door is not None and door.process is not None and door.process.poll() is not None:
+                event(f"gRPC door: exited (code {door.process.returncode}); starting a new one\n{door.log_tail(10)}")
+                door.start()
+
         self.watchdog = StubWatchdog(self.process.pid, self.health_dir, self.watchdog_metrics_path,
-                                     repository_reload(client), loaded, reaches, on_event=event).start()
+                                     repository_reload(client), loaded, reaches, on_event=event,
+                                     extra_checks=[door_alive]).start()
 
     @property
     def health_dir(self) -> Path:

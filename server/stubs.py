@@ -116,7 +116,7 @@ class StubWatchdog:
     def __init__(self, server_pid: int, health_dir: Path, metrics_path: Path | None,
                  reload: Callable[[str], None], loaded: Callable[[], set[tuple[str, str]]],
                  reaches: Callable[[str], Iterable[str]], interval: float = 0.25,
-                 on_event: Callable[[str], None] | None = None):
+                 on_event: Callable[[str], None] | None = None, extra_checks: Iterable[Callable[[], None]] = ()):
         self.server_pid = server_pid
         self.health_dir = Path(health_dir)
         self.metrics_path = metrics_path
@@ -126,6 +126,7 @@ class StubWatchdog:
         self.interval = interval
         self.on_event = on_event or (lambda text: log.warning("%s", text))
         self.counters = Counters()
+        self.extra_checks = list(extra_checks)  # run at each scan (the launcher's: the gRPC door alive)
         self.unhealthy: dict[str, str] = {}  # model -> reason (the dead model's name for callers)
         self._known: dict[int, Stub] = {}
         self._zombies: dict[int, Stub] = {}  # zombies of the last scan, not yet confirmed
@@ -203,6 +204,8 @@ class StubWatchdog:
         return dead
 
     def poll(self) -> None:
+        for check in self.extra_checks:
+            check()
         for model, stubs in self.dead_models().items():
             names = ", ".join(s.instance or str(s.pid) for s in stubs)
             self.counters.deaths[model] = self.counters.deaths.get(model, 0) + len(stubs)

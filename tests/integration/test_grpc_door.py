@@ -198,3 +198,34 @@ def test_http_binary_tensors_with_a_wrapping_shape_are_refused(triton):
     except urllib.error.HTTPError as exc:
         status, answer = exc.code, exc.read()
     assert status == 400 and b"input_ids" in answer, (status, answer[:300])
+
+
+def test_a_door_that_exits_is_started_again_within_a_second_or_two(triton):
+    import os
+    import signal
+    import time
+
+    old = triton.grpc_door.process
+    os.kill(old.pid, signal.SIGKILL)
+    old.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        channel = grpc.insecure_channel(triton.grpc_url)
+        try:
+            live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(),
+                                                                                timeout=2).live
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, "no gRPC door 10 s after the last one was killed"
+            time.sleep(0.2)
+        finally:
+            channel.close()
+    assert live and triton.grpc_door.process.pid != old.pid
+    # The new door checks as the old one did.
+    channel = grpc.insecure_channel(triton.grpc_url)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(_wrapping_encoder_request(), timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        channel.close()
