@@ -326,20 +326,17 @@ class Handler(grpc.GenericRpcHandler):
 
     def __init__(self, door: Door):
         self.door = door
+        # Built once: service() runs for every call.
+        self.special = {method: grpc.unary_unary_rpc_method_handler(fn) for method, fn in (
+            (INFER, door.infer), (SERVER_READY, door.server_ready), (MODEL_READY, door.model_ready),
+            (HEALTH_CHECK, door.health_check))}
+        self.special[STREAM] = grpc.stream_stream_rpc_method_handler(door.stream_infer)
 
     def service(self, details):
         method = details.method
         door = self.door
-        special = {
-            INFER: door.infer,
-            SERVER_READY: door.server_ready,
-            MODEL_READY: door.model_ready,
-            HEALTH_CHECK: door.health_check,
-        }
-        if method in special:
-            return grpc.unary_unary_rpc_method_handler(special[method])
-        if method == STREAM:
-            return grpc.stream_stream_rpc_method_handler(door.stream_infer)
+        if method in self.special:
+            return self.special[method]
         if method == HEALTH_WATCH:
             async def watch(request, context):
                 async for response in door.unary_stream(method, request, context):
