@@ -124,6 +124,10 @@ class RepositoryClient:
         path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/ready"
         return http(self.base + path, timeout=10)[0] == 200
 
+    def answers(self) -> bool:
+        """Whether the server answers HTTP at all (any status): False when it is down."""
+        return http(self.base + "/v2/health/live", timeout=5)[0] != 0
+
     def wait_ready(self, model: str, version: int | None = None, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not self.ready(model, version):
@@ -143,6 +147,19 @@ class RepositoryClient:
             }
         return out
 
+    def post(self, path: str, body: bytes) -> bytes:
+        """A repository call with a raw JSON body as the caller sent it (the cluster's fan-out
+        forwards load and unload this way); a refusal raises RepositoryError with Triton's status."""
+        status, raw = http(self.base + path, "POST", body, self.headers, self.timeout)
+        if status != 200:
+            message = raw.decode(errors="replace")
+            try:
+                message = json.loads(message).get("error", message)
+            except (ValueError, AttributeError):
+                pass
+            raise RepositoryError(f"POST {path}: HTTP {status}: {message}", status)
+        return raw
+
     def metrics(self) -> str:
         if not self.metrics_url:
             return ""
@@ -151,3 +168,156 @@ class RepositoryClient:
 
     def infer_json(self, model: str, body: dict) -> dict:
         return self._json(f"/v2/models/{model}/infer", "POST", body, what=f"inference on {model}")
+
+
+class ReplicatedRepositoryClient:
+    """The same calls as ``RepositoryClient`` on every replica of a cluster (``serve-cluster``),
+    so that every replica serves the same versions and a rollout is judged on all their traffic.
+
+    - ``load`` and ``unload`` go to each replica in turn. When replica k refuses, the replicas
+      before it are put back as they were (the config they served, or unloaded if they served
+      none) and the error names replica k: a load happens on every replica or on none.
+    - ``ready`` is true only when every replica says so; ``config`` is the first replica's.
+    - ``version_stats`` and the metrics add up the replicas' (metric series keep apart: each
+      ``instance`` label gets its replica's name in front).
+    - ``infer_json`` asks every replica (a smoke check must pass on each) and returns the last answer.
+    """
+
+    def __init__(self, replicas: list[RepositoryClient], names: list[str] | None = None):
+        if not replicas:
+            raise ValueError("a replicated repository client needs at least one replica")
+        self.replicas = list(replicas)
+        self.names = list(names) if names else [f"replica {i}" for i in range(len(replicas))]
+
+    @property
+    def base(self) -> str:
+        return self.replicas[0].base
+
+    def _named(self, index: int, exc: RepositoryError) -> RepositoryError:
+        where = getattr(self.replicas[index], "base", "")
+        return RepositoryError(f"{self.names[index]}{f' ({where})' if where else ''}: {exc}", exc.status)
+
+    def _served_config(self, client: RepositoryClient, model: str) -> dict | None:
+        return client.config(model) if client.ready(model) else None
+
+    def _restore(self, model: str, done: list[tuple[RepositoryClient, dict | None]]) -> list[str]:
+        """Put ``done`` replicas back to the config each served before (None: unloaded).
+        Returns the replicas that could not be put back (logged by the caller's error)."""
+        failed = []
+        for client, before in reversed(done):
+            try:
+                if before is None:
+                    client.unload(model)
+                else:
+                    client.load(model, before)
+            except RepositoryError:
+                failed.append(self.names[self.replicas.index(client)])
+        return failed
+
+    def _each(self, model: str, action: str, call) -> list[str]:
+        """``call`` on each replica in turn, all or none (above). A replica that does not answer
+        at all (down, restarting) is skipped: it loads its startup models and the rollout
+        state when it comes back. Returns the skipped replicas' names."""
+        done: list[tuple[RepositoryClient, dict | None]] = []
+        skipped = []
+        for index, client in enumerate(self.replicas):
+            try:
+                before = self._served_config(client, model)
+                call(client)
+            except RepositoryError as exc:
+                if exc.status == 0 and not client.answers():
+                    skipped.append(self.names[index])
+                    continue
+                stuck = self._restore(model, done)
+                named = self._named(index, exc)
+                if done:
+                    restored = len(done) - len(stuck)
+                    note = f"; {restored} replica(s) before it put back as they were"
+                    if stuck:
+                        note += f", NOT put back: {', '.join(stuck)}"
+                    raise RepositoryError(f"{action} of {model} refused by {named}{note}", exc.status) from exc
+                raise named from exc
+            done.append((client, before))
+        if not done:
+            raise RepositoryError(f"{action} of {model}: no replica answers ({', '.join(skipped)})", 0)
+        return skipped
+
+    def load(self, model: str, config: dict | None = None) -> list[str]:
+        return self._each(model, "load", lambda c: c.load(model, config))
+
+    def unload(self, model: str) -> list[str]:
+        return self._each(model, "unload", lambda c: c.unload(model))
+
+    def post(self, model: str, action: str, body: bytes) -> list[str]:
+        """``POST /v2/repository/models/<model>/<action>`` with the caller's body on every replica."""
+        path = f"/v2/repository/models/{model}/{action}"
+        return self._each(model, action, lambda c: c.post(path, body))
+
+    def config(self, model: str) -> dict:
+        try:
+            return self.replicas[0].config(model)
+        except RepositoryError as exc:
+            raise self._named(0, exc) from exc
+
+    def ready(self, model: str, version: int | None = None) -> bool:
+        """Ready on every replica that answers (one that is down is skipped, as by ``load``)."""
+        answering = [c for c in self.replicas if c.ready(model, version) or c.answers()]
+        return bool(answering) and all(c.ready(model, version) for c in answering)
+
+    def wait_ready(self, model: str, version: int | None = None, timeout: float = 120.0) -> None:
+        for index, client in enumerate(self.replicas):
+            try:
+                client.wait_ready(model, version, timeout)
+            except RepositoryError as exc:
+                raise self._named(index, exc) from exc
+
+    def version_stats(self, model: str) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for index, client in enumerate(self.replicas):
+            try:
+                stats = client.version_stats(model)
+            except RepositoryError as exc:
+                raise self._named(index, exc) from exc
+            for version, figures in stats.items():
+                total = out.setdefault(version, {k: 0.0 for k in figures})
+                for k, v in figures.items():
+                    total[k] = total.get(k, 0.0) + v
+        return out
+
+    def metrics(self) -> str:
+        texts = []
+        for index, client in enumerate(self.replicas):
+            prefix = self.names[index].replace(" ", "-").replace('"', "")
+            texts.append(client.metrics().replace('instance="', f'instance="{prefix}/'))
+        return "\n".join(texts)
+
+    def infer_json(self, model: str, body: dict) -> dict:
+        answer: dict = {}
+        for index, client in enumerate(self.replicas):
+            try:
+                answer = client.infer_json(model, body)
+            except RepositoryError as exc:
+                raise self._named(index, exc) from exc
+        return answer
+
+
+CLUSTER_REPLICAS_PATH = "/v2/cluster/replicas"
+
+
+def connect(url: str, token: str | None = None, metrics_url: str | None = None,
+            timeout: float = 300.0) -> "RepositoryClient | ReplicatedRepositoryClient":
+    """A client for the server at ``url``: when it is serve-cluster's front door (it answers
+    ``GET /v2/cluster/replicas``), one that acts on every replica directly; else a plain one."""
+    plain = RepositoryClient(url, token=token, metrics_url=metrics_url, timeout=timeout)
+    status, raw = http(plain.base + CLUSTER_REPLICAS_PATH, headers=plain.headers, timeout=10)
+    if status == 401:
+        raise RepositoryError(f"{plain.base}: the cluster refused the repository token (HTTP 401)", 401)
+    if status != 200:
+        return plain
+    try:
+        replicas = json.loads(raw)["replicas"]
+        names = [r["name"] for r in replicas]
+        clients = [RepositoryClient(r["http"], token=token, metrics_url=r["metrics"], timeout=timeout) for r in replicas]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RepositoryError(f"{plain.base}{CLUSTER_REPLICAS_PATH}: not a replica list ({exc})") from None
+    return ReplicatedRepositoryClient(clients, names)

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ops.repository import ROOT, RepositoryClient, RepositoryError
+from ops.repository import ROOT, ReplicatedRepositoryClient, RepositoryClient, RepositoryError, connect
 from python_backends.errors import ConfigError
 from python_backends.routing.ensemble import ROUTED, describe_form, direct_form, form_of, routed_form
 from python_backends.routing.weights import RoutingError, format_weights, parse_weights, validate_weights
@@ -484,13 +484,16 @@ class Rollout:
         """One request pinned to ``version`` through the entry model: it must answer from it."""
         body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [SMOKE_TEXT]}],
                 "parameters": {"encoder_version": version}}
-        result = self.client.infer_json(self.smoke_model, body)
-        outputs = {o["name"]: o["data"] for o in result.get("outputs", [])}
-        served = outputs.get("ENCODER_VERSION", [None])[0]
-        vector = outputs.get("EMBEDDING") or []
-        norm = math.sqrt(sum(x * x for x in vector)) if vector else 0.0
-        if served != version or not 0.99 < norm < 1.01:
-            raise RepositoryError(f"smoke check of version {version}: served by {served}, |embedding| = {norm:.3f}")
+        replicas = getattr(self.client, "replicas", [self.client])  # a cluster: each replica must pass
+        for index, client in enumerate(replicas):
+            result = client.infer_json(self.smoke_model, body)
+            outputs = {o["name"]: o["data"] for o in result.get("outputs", [])}
+            served = outputs.get("ENCODER_VERSION", [None])[0]
+            vector = outputs.get("EMBEDDING") or []
+            norm = math.sqrt(sum(x * x for x in vector)) if vector else 0.0
+            if served != version or not 0.99 < norm < 1.01:
+                where = f" on {self.client.names[index]}" if len(replicas) > 1 else ""
+                raise RepositoryError(f"smoke check of version {version}{where}: served by {served}, |embedding| = {norm:.3f}")
 
     # -- start / resume
     def start(self, version: int, steps: list[int] | None = None, dwell_s: float | None = None,
@@ -810,7 +813,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout: published text_encoder version {version}; roll it out with `rollout start {version}`")
             return 0
         host = args.url.split("://")[-1].rsplit(":", 1)[0]
-        client = RepositoryClient(args.url, token=args.token, metrics_url=args.metrics_url or f"http://{host}:8002/metrics")
+        # serve-cluster's front door: every replica, each step judged on all their traffic.
+        client = connect(args.url, token=args.token, metrics_url=args.metrics_url or f"http://{host}:8002/metrics")
+        if isinstance(client, ReplicatedRepositoryClient):
+            print(f"rollout: a cluster of {len(client.replicas)} replicas: {', '.join(client.names)}", flush=True)
         rollout = Rollout(client, args.state_file, say=lambda m: print(m, flush=True),
                           repository=args.model_repository)
         if args.command == "start":

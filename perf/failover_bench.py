@@ -80,8 +80,9 @@ class ClusterRun:
 
 def launch(workdir: Path, replicas: int = 2, models=MODELS, gateway: bool = True, prometheus: bool = True,
            scrape_interval: float = 2.0, timeout: float = 300.0, extra: list[str] | None = None,
-           env: dict[str, str] | None = None) -> ClusterRun:
-    """Start the cluster and return once its first screen is printed (all replicas ready)."""
+           env: dict[str, str] | None = None, rollout_state: Path | None = None) -> ClusterRun:
+    """Start the cluster and return once its first screen is printed (all replicas ready).
+    ``rollout_state``: the replicas' rollout state file (default: none, a fresh path)."""
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     taken: set[int] = set()
@@ -100,7 +101,7 @@ def launch(workdir: Path, replicas: int = 2, models=MODELS, gateway: bool = True
            "--prometheus-port", str(ports["prometheus"]), "--scrape-interval", str(scrape_interval),
            "--repository-token-file", str(workdir / "repository-token"),
            "--gateway-api-key-file", str(workdir / "gateway-api-key"),
-           "--rollout-state", str(workdir / "no-rollout-state.json"), "--drain-timeout", "5",
+           "--rollout-state", str(rollout_state or workdir / "no-rollout-state.json"), "--drain-timeout", "5",
            *[a for m in models for a in ("--model", m)], *(extra or [])]
     if not gateway:
         cmd.append("--no-gateway")

@@ -54,8 +54,10 @@ from server.process import (
     ServerError,
     ServerOptions,
     TritonServer,
+    closure,
     free_port,
     http_status,
+    with_dependencies,
 )
 
 log = logging.getLogger(__name__)
@@ -352,6 +354,7 @@ class Cluster:
         self.replicas: list[Replica] = []
         self.front_door: FrontDoor | None = None
         self.grpc_door = None  # server.grpc_door.GrpcDoor once started
+        self.repository_door = None  # server.repository_door.RepositoryDoor once started
         self._states_written: tuple = ()
         self.nginx_grpc_port = 0
         self.redis = None
@@ -364,6 +367,7 @@ class Cluster:
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._rendered: tuple[bool, ...] | None = None
+        self._probed: list[str] = self._served_models()  # what the health checks ask each replica
 
     # --- layout -------------------------------------------------------------------------
     def _replica_options(self, index: int, ports: Sequence[int]) -> ServerOptions:
@@ -413,6 +417,11 @@ class Cluster:
         return self.workdir / f"gateway-{gateway.port}.log"
 
     @property
+    def replica_starting_file(self) -> Path:
+        """Exists while a replica listed in nginx is not ready (the gRPC door reads it)."""
+        return self.workdir / "replica-starting"
+
+    @property
     def state_path(self) -> Path:
         return self.workdir / "cluster.json"
 
@@ -445,6 +454,7 @@ class Cluster:
     def start(self) -> Cluster:
         o = self.options
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.replica_starting_file.unlink(missing_ok=True)  # a previous run's
         busy = ports_in_use(o.host, [o.http_port, o.grpc_port, o.metrics_port]
                             + ([o.gateway_port] if o.gateway_port and o.gateways > 0 else []))
         if busy:
@@ -469,6 +479,10 @@ class Cluster:
         # The gRPC door holds the public gRPC port and checks every inference request
         # (server/grpc_door.py); nginx's gRPC listener behind it is internal.
         self.nginx_grpc_port = _free_ports(1, taken)[0]
+        # The repository API through the front door acts on every replica (server/repository_door.py).
+        from server.repository_door import RepositoryDoor
+
+        self.repository_door = RepositoryDoor(self._replica_addresses, o.repository_token).start()
         self.front_door = FrontDoor(self._door_ports(), self.workdir, o.model_repository,
                                     max_body_bytes=o.max_body_bytes)
         self.front_door.check()
@@ -477,7 +491,8 @@ class Cluster:
         from server.grpc_door import GrpcDoor
 
         self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{self.nginx_grpc_port}", o.model_repository,
-                                  self.front_door.workdir, None, o.max_body_bytes, o.drain_timeout).start()
+                                  self.front_door.workdir, None, o.max_body_bytes, o.drain_timeout,
+                                  starting_file=self.replica_starting_file).start()
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
         threading.Thread(target=self._health_checks, name="cluster-health", daemon=True).start()
@@ -506,7 +521,15 @@ class Cluster:
         ports = FrontDoorPorts.cluster(o.host, o.http_port, self.nginx_grpc_port, o.metrics_port,
                                        [r.upstream() for r in self.replicas], door)
         ports.grpc_listen_host = "127.0.0.1"
+        ports.repository_door_port = self.repository_door.port if self.repository_door is not None else None
         return ports
+
+    def _replica_addresses(self) -> list:
+        from server.repository_door import ReplicaAddress
+
+        with self._lock:
+            return [ReplicaAddress(f"replica {r.index}", f"127.0.0.1:{r.http}", f"http://127.0.0.1:{r.metrics}/metrics",
+                                   r.state) for r in self.replicas]
 
     def _wanted(self) -> tuple[bool, ...]:
         """Who is in the front door: the replicas, then the gateways."""
@@ -704,7 +727,7 @@ class Cluster:
                         r.exit_codes.append(r.server.process.returncode if r.server.process else None)
                     self._failed(r, "failed to become ready")
                 elif r.state == READY and r.health_misses >= o.health_failures:
-                    self._event(f"replica {r.index}: /v2/health/ready failed {r.health_misses} times; "
+                    self._event(f"replica {r.index}: a served model was not ready {r.health_misses} times in a row; "
                                 "out of the front door until it answers again")
                     r.state = STARTING  # back in once ready again
                     r.in_door = False
@@ -726,7 +749,7 @@ class Cluster:
 
         def wait() -> None:
             while not self._stop.is_set() and replica.server is server and replica.state == STARTING:
-                if http_status(f"http://127.0.0.1:{replica.http}/v2/health/ready", timeout=2) == 200:
+                if self._replica_healthy(replica):
                     with self._lock:
                         if replica.server is server and replica.state == STARTING:
                             replica.state = READY
@@ -746,6 +769,11 @@ class Cluster:
         states = tuple(r.state for r in self.replicas) + tuple(g.state for g in self.gateways)
         if states != self._states_written:
             self._states_written = states
+            # The gRPC door resends NOT_FOUND while a listed replica is not ready (server/grpc_door.py).
+            if any(r.in_door and r.state != READY for r in self.replicas):
+                self.replica_starting_file.touch()
+            else:
+                self.replica_starting_file.unlink(missing_ok=True)
             if wanted == self._rendered:
                 self._write_state()
         if wanted == self._rendered or self.front_door is None:
@@ -769,6 +797,23 @@ class Cluster:
                             f"({g.address}, pid {g.pid})")
         self._write_state()
 
+    def _served_models(self) -> list[str]:
+        """What a replica must have ready to stay in the front door: the requested models and
+        every model they reach (ensemble steps, BLS targets)."""
+        repo = self.options.model_repository
+        wanted = with_dependencies(repo, list(self.options.models))
+        return sorted({m for model in wanted for m in closure(repo, model)} | set(wanted))
+
+    def _replica_healthy(self, replica: Replica) -> bool:
+        """Each served model ready (``/v2/models/<m>/ready``). Not ``/v2/health/ready``: under
+        strict readiness tritonserver says not ready while any model loads, so every rollout
+        step and repository load would take the replicas out of the front door while the old
+        models still serve."""
+        if not self._probed:
+            return http_status(f"http://127.0.0.1:{replica.http}/v2/health/ready", timeout=2) == 200
+        return all(http_status(f"http://127.0.0.1:{replica.http}/v2/models/{m}/ready", timeout=2) == 200
+                   for m in self._probed)
+
     def _health_checks(self) -> None:
         """Its own thread: a hung replica's 2-s timeouts must not delay the supervisor's tick."""
         o = self.options
@@ -777,7 +822,7 @@ class Cluster:
                 due = [(r, r.server) for r in self.replicas if r.state == READY]
                 gateways = [(g, g.process) for g in self.gateways if g.state == READY]
             for r, server in due:
-                ok = http_status(f"http://127.0.0.1:{r.http}/v2/health/ready", timeout=2) == 200
+                ok = self._replica_healthy(r)
                 with self._lock:
                     if r.server is server and r.state == READY:
                         r.health_misses = 0 if ok else r.health_misses + 1
@@ -829,6 +874,8 @@ class Cluster:
             self.grpc_door.stop(timeout=self.options.drain_timeout)
         if self.front_door is not None:
             self.front_door.stop(timeout=self.options.drain_timeout)
+        if self.repository_door is not None:
+            self.repository_door.stop()
         if self._supervisor is not None:
             self._supervisor.join()
         if self.prometheus is not None:

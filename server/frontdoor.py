@@ -264,6 +264,9 @@ class FrontDoorPorts:
     # Where nginx's gRPC listener binds when the gRPC door (server/grpc_door.py) holds the public
     # port and forwards to it: "127.0.0.1"; None: listen_host (no door, e.g. docker-compose).
     grpc_listen_host: str | None = None
+    # serve-cluster's repository door (server/repository_door.py) on loopback; None: the
+    # repository API goes to the one tritonserver.
+    repository_door_port: int | None = None
 
     @classmethod
     def cluster(cls, listen_host: str, http: int, grpc: int, metrics: int,
@@ -343,6 +346,11 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
         "TRITON_HTTP_PORT": ports.triton_http,
         "TRITON_GRPC_PORT": ports.triton_grpc,
         "TRITON_METRICS_PORT": ports.triton_metrics,
+        "REPOSITORY_UPSTREAM": (f"http://127.0.0.1:{ports.repository_door_port}" if ports.repository_door_port
+                                else "http://triton_http"),
+        # Without a cluster, /v2/cluster/ is tritonserver's (which answers it as an unknown path).
+        "CLUSTER_UPSTREAM": (f"http://127.0.0.1:{ports.repository_door_port}" if ports.repository_door_port
+                             else "http://triton_http"),
     }
     text = template.read_text(encoding="utf-8")
     if ports.gateway is None:

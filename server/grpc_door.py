@@ -53,6 +53,9 @@ HEALING_BACKOFF_S = 0.05
 # call in flight (deploy/frontdoor/nginx.conf.template), and how often such a call is resent.
 UPSTREAM_LOST = "frontdoor-upstream-lost"
 UPSTREAM_LOST_RETRIES = 2
+# While serve-cluster restarts a replica: how long NOT_FOUND of a repository model is resent, how often.
+NOT_FOUND_WAIT_S = 10.0
+NOT_FOUND_BACKOFF_S = 0.1
 # How long an INTERNAL answer waits for the watchdog to mark its model (its scan interval, twice).
 WATCHDOG_WAIT_S = 0.5
 # Metadata the channel sets itself; the rest (the repository token among it) goes on.
@@ -89,8 +92,16 @@ class StreamLost:
 class Door:
     """The generic handler: every method, forwarded as bytes; inference checked first."""
 
-    def __init__(self, upstream: str, limits: Limits, health_dir: Path | None, max_message_bytes: int):
+    def __init__(self, upstream: str, limits: Limits, health_dir: Path | None, max_message_bytes: int,
+                 starting_file: Path | None = None):
         from tritonclient.grpc import service_pb2
+
+        # serve-cluster writes this file while a replica listed in nginx is not ready (dead, or
+        # restarted and loading): such a replica may answer NOT_FOUND for a model its rollout
+        # state defers (server/process.py). While the file exists, NOT_FOUND for a model of the
+        # repository is resent (nginx balances each send) for at most NOT_FOUND_WAIT_S.
+        self.starting_file = starting_file
+        self.not_found_retries = 0
 
         self.pb = service_pb2
         self.limits = limits
@@ -148,18 +159,31 @@ class Door:
         # it routes to the dead instance INTERNAL ("Stub process ... is not healthy"): inference is
         # idempotent, so such a request is sent again (the healthy instances answer it); if every
         # try fails it gets UNAVAILABLE, which clients retry, never a 500-class status.
-        for attempt in range(max(HEALING_RETRIES, UPSTREAM_LOST_RETRIES) + 1):
+        not_found_until = None
+        attempt = 0
+        while attempt <= max(HEALING_RETRIES, UPSTREAM_LOST_RETRIES):
             call = self.channel.unary_unary(INFER)(request, metadata=self.metadata(context),
                                                    timeout=self.timeout(context))
             try:
                 response = await call
             except aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < UPSTREAM_LOST_RETRIES \
-                        and any(k == UPSTREAM_LOST for k, _ in await _safe_trailing(exc)):
+                if exc.code() == grpc.StatusCode.NOT_FOUND and parsed.model_name in self.limits.models \
+                        and self.starting_file is not None and self.starting_file.exists():
+                    # A restarting replica without the model yet: the next send may reach another.
+                    now = time.monotonic()
+                    not_found_until = not_found_until or now + NOT_FOUND_WAIT_S
+                    if now < not_found_until:
+                        self.not_found_retries += 1
+                        await asyncio.sleep(NOT_FOUND_BACKOFF_S)
+                        continue
+                lost = exc.code() == grpc.StatusCode.UNAVAILABLE \
+                    and any(k == UPSTREAM_LOST for k, _ in await _safe_trailing(exc))
+                if lost and attempt < UPSTREAM_LOST_RETRIES:
                     # nginx lost the replica serving it (serve-cluster): send it again; nginx
                     # picks a live replica.
                     self.upstream_lost_retries += 1
                     await asyncio.sleep(HEALING_BACKOFF_S * (attempt + 1))
+                    attempt += 1
                     continue
                 reason = None
                 if exc.code() == grpc.StatusCode.INTERNAL:
@@ -176,6 +200,7 @@ class Door:
                                         f"model {parsed.model_name} is being reloaded ({reason}): retry")
                 self.healing_retries += 1
                 await asyncio.sleep(HEALING_BACKOFF_S * (attempt + 1))
+                attempt += 1
                 continue
             trailing = await call.trailing_metadata()
             if trailing:
@@ -357,9 +382,10 @@ def load_limits(repository: Path, max_message_bytes: int) -> Limits:
 
 
 async def serve(listen: str, upstream: str, repository: Path, health_dir: Path | None, max_message_bytes: int,
-                ready_file: Path | None = None, drain_timeout: float = 30.0) -> None:
+                ready_file: Path | None = None, drain_timeout: float = 30.0,
+                starting_file: Path | None = None) -> None:
     limits = load_limits(repository, max_message_bytes)
-    door = Door(upstream, limits, health_dir, max_message_bytes)
+    door = Door(upstream, limits, health_dir, max_message_bytes, starting_file)
     server = aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
                                  ("grpc.max_receive_message_length", max_message_bytes),
                                  ("grpc.so_reuseport", 0)],
@@ -396,10 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-file", type=Path, default=None, help="written with the pid once listening")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds for calls in flight to finish (default 30)")
+    p.add_argument("--replica-starting-file", type=Path, default=None,
+                   help="serve-cluster: while this file exists (a listed replica is not ready), NOT_FOUND for a "
+                        f"model of the repository is resent for up to {NOT_FOUND_WAIT_S:.0f} s")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     asyncio.run(serve(args.listen, args.upstream, args.repository, args.health_dir, args.max_message_mb << 20,
-                      args.ready_file, args.drain_timeout))
+                      args.ready_file, args.drain_timeout, args.replica_starting_file))
     return 0
 
 
@@ -407,8 +436,9 @@ class GrpcDoor:
     """The door as a child process of the launcher (dies with it: PR_SET_PDEATHSIG)."""
 
     def __init__(self, listen: str, upstream: str, repository: Path, workdir: Path, health_dir: Path | None,
-                 max_message_bytes: int, drain_timeout: float = 30.0):
+                 max_message_bytes: int, drain_timeout: float = 30.0, starting_file: Path | None = None):
         self.drain_timeout = drain_timeout
+        self.starting_file = starting_file
         self.listen = listen
         self.upstream = upstream
         self.repository = repository
@@ -431,6 +461,8 @@ class GrpcDoor:
                "--ready-file", str(self.ready_file), "--drain-timeout", str(self.drain_timeout)]
         if self.health_dir is not None:
             cmd += ["--health-dir", str(self.health_dir)]
+        if self.starting_file is not None:
+            cmd += ["--replica-starting-file", str(self.starting_file)]
         return cmd
 
     def start(self) -> "GrpcDoor":

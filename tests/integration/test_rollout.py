@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,10 +32,9 @@ from tritonclient.utils import InferenceServerException
 from ops.repository import GRPC_TOKEN_HEADER, TOKEN_HEADER, RepositoryClient, http
 from ops.rollout import Rollout, RolloutState, Thresholds
 from python_backends.routing.ensemble import DIRECT, ROUTED, form_of
-from server.layout import ROOT
+from tests.integration.versions import versioned_repository
 
 TOKEN = "rollout-test-token"
-VOCAB_LIMIT = 5000
 CONCURRENCY = 16  # half on text_embedding, half on text_embedding_cached
 DWELL_S = 6.0
 # |observed share of a version - its weight| per step, in percentage points. Requests are
@@ -52,62 +48,9 @@ RARE = ["Photosynthesis converts sunlight into chemical energy.", "The archaeolo
         "Cryptocurrency volatility unsettled investors.", "A kaleidoscope of turquoise and crimson hues."]
 
 
-def _copy_repository(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True)
-    for p in src.iterdir():
-        if p.name == "__pycache__":
-            continue
-        if p.is_dir():
-            _copy_repository(p, dst / p.name)
-        elif p.suffix == ".onnx":
-            os.symlink(p.resolve(), dst / p.name)
-        else:
-            shutil.copy2(p, dst / p.name)
-
-
-def _rewired(src: Path, dst: Path, nodes, initializers=()) -> None:
-    """The model with its output renamed <out>_raw and ``nodes`` computing <out> from it."""
-    import onnx
-
-    model = onnx.load(str(src))
-    graph = model.graph
-    out = graph.output[0].name
-    for node in graph.node:
-        node.output[:] = [o + "_raw" if o == out else o for o in node.output]
-    graph.initializer.extend(initializers)
-    graph.node.extend(nodes(out))
-    onnx.save(model, str(dst))
-
-
-def _negated(src: Path, dst: Path) -> None:
-    from onnx import helper
-
-    _rewired(src, dst, lambda out: [helper.make_node("Neg", [out + "_raw"], [out])])
-
-
-def _truncated_vocabulary(src: Path, dst: Path) -> None:
-    from onnx import helper, numpy_helper
-
-    _rewired(src, dst, lambda out: [
-        helper.make_node("Gather", ["truncated_vocab", "input_ids"], ["vocab_rows"]),  # fails for ids >= 5000
-        helper.make_node("ReduceSum", ["vocab_rows"], ["vocab_zero"], keepdims=0),
-        helper.make_node("Add", [out + "_raw", "vocab_zero"], [out]),
-    ], [numpy_helper.from_array(np.zeros((VOCAB_LIMIT, 1), np.float32), "truncated_vocab")])
-
-
 @pytest.fixture(scope="module")
 def rollout_repo(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("rollout") / "model_repository"
-    _copy_repository(ROOT / "model_repository", repo)
-    encoder = repo / "text_encoder"
-    for version in ("2", "3"):
-        (encoder / version).mkdir()
-        for p in (encoder / "1").iterdir():
-            if p.name != "model.int8.onnx":
-                os.symlink(p.resolve(), encoder / version / p.name)
-    _negated(encoder / "1" / "model.int8.onnx", encoder / "2" / "model.int8.onnx")
-    _truncated_vocabulary(encoder / "1" / "model.int8.onnx", encoder / "3" / "model.int8.onnx")
-    return repo
+    return versioned_repository(tmp_path_factory.mktemp("rollout") / "model_repository", broken_version=True)
 
 
 @pytest.fixture(scope="module")

@@ -125,8 +125,16 @@ def test_one_upstream_server_renders_as_before_and_a_cluster_lists_every_replica
     assert "server 127.0.0.1:18012 max_fails=2 fail_timeout=5s backup down;" in conf  # metrics: one replica's
     # inference is retried on the next replica, POSTs included; other locations only as nginx deems idempotent
     # (@triton, its plain resend and the two healing retries, @triton_stream)
-    assert conf.count("proxy_next_upstream error timeout http_502 non_idempotent;") == 5
+    # (404: a replica restarted during a rollout that has not loaded a deferred model yet)
+    assert conf.count("proxy_next_upstream error timeout http_502 http_404 non_idempotent;") == 5
     assert "proxy_next_upstream error timeout http_502;" in conf
+    # the repository API goes to tritonserver with one server, to the cluster's repository door with several
+    assert "location /v2/repository/ {\n            proxy_pass http://triton_http;" in single
+    ports = _cluster_ports()
+    ports.repository_door_port = 19999
+    door = render(ports, tmp_path, tmp_path / "js", 4096, js_module_path="m.so")
+    assert "location /v2/repository/ {\n            proxy_pass http://127.0.0.1:19999;" in door
+    assert "location /v2/cluster/ {\n            proxy_pass http://127.0.0.1:19999;" in door
     assert "grpc_next_upstream error timeout http_502 non_idempotent;" in conf
     assert "proxy_connect_timeout 1s;" in conf and "proxy_next_upstream_tries 3;" in conf
     assert "idempotent" in (ROOT / "deploy/frontdoor/nginx.conf.template").read_text().split("proxy_connect_timeout")[0]
@@ -178,7 +186,7 @@ def test_the_gateway_server_block_lists_every_gateway_and_is_absent_without_one(
     # SSE unbuffered; POSTs retried before the first byte; 503 and 429 reach the client
     assert "location ~ ^/v1/(chat/completions|completions)$ {\n            proxy_pass http://openai_gateway;\n" \
            "            proxy_next_upstream error timeout http_502 non_idempotent;\n            proxy_buffering off;" in conf
-    assert "location = /v1/embeddings {" in conf and conf.count("http_502 non_idempotent;") == 8  # 5 Triton, 3 gateway
+    assert "location = /v1/embeddings {" in conf and conf.count("http_502 non_idempotent;") == 3 and conf.count("http_404 non_idempotent;") == 5  # 3 gateway, 5 Triton
     directives = [line for line in conf.splitlines() if "_next_upstream " in line and "#" not in line]
     assert directives and not any("http_503" in line or "http_429" in line for line in directives)
     for conf in (render(_gateway_ports(0), tmp_path, tmp_path / "js", 4096, js_module_path="m.so"),

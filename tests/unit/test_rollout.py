@@ -279,7 +279,9 @@ class FakeTriton:
                 assert step["model_name"] in self.models, f"step {step['model_name']} is not loaded"
         self.models.add(model)
         if model == "text_encoder":
-            self.loaded = {int(v) for v in config["version_policy"]["specific"]["versions"]}
+            policy = config["version_policy"]  # a cluster puts a replica back with the config it served
+            self.loaded = {int(v) for v in policy["specific"]["versions"]} if "specific" in policy else {1}
+            self.encoder = config
         elif model == "text_embedding":
             self.entry = config
         else:
@@ -311,6 +313,9 @@ class FakeTriton:
                 series[(version, instance)] = series.get((version, instance), 0) + n
         return "\n".join(f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="ok",version="{v}"}} {n}'
                          for (v, i), n in series.items())
+
+    def answers(self):
+        return True
 
     def infer_json(self, model, body):
         version = body["parameters"]["encoder_version"]
@@ -480,7 +485,7 @@ def test_cli_exits_non_zero_when_a_step_saw_no_traffic(tmp_path, monkeypatch, ca
     import ops.rollout as rollout_module
 
     triton = FakeTriton(traffic=())
-    monkeypatch.setattr(rollout_module, "RepositoryClient", lambda *a, **k: triton)
+    monkeypatch.setattr(rollout_module, "connect", lambda *a, **k: triton)
     args = ["--state-file", str(tmp_path / "state.json"), "start", "2", "--steps", "100", "--dwell", "0",
             "--check-interval", "0", "--traffic-timeout", "0"]
     assert main(args) == 1
@@ -499,3 +504,97 @@ def test_status_names_the_form(tmp_path):
     assert rollout.start(2, [100], dwell_s=0, check_interval_s=0) == 0
     info = rollout.status()
     assert "text_encoder_router" in info["form"] and info["served_weights"] == "1:0,2:100"
+
+
+# ---------------------------------------------------------------- a cluster (ReplicatedRepositoryClient)
+
+
+class RefusingTriton(FakeTriton):
+    """A replica that cannot load ``version`` of the encoder (say its disk lacks the folder)."""
+
+    def __init__(self, version, **kw):
+        super().__init__(**kw)
+        self.refused_version = version
+
+    def load(self, model, config=None):
+        if model == "text_encoder" and self.refused_version in config["version_policy"]["specific"]["versions"]:
+            raise repository.RepositoryError(f"load of text_encoder: HTTP 400: version {self.refused_version} failed", 400)
+        super().load(model, config)
+
+
+class DownTriton(FakeTriton):
+    """A replica that is down (restarting): every call fails to connect."""
+
+    def answers(self):
+        return False
+
+    def _down(self, *a, **k):
+        raise repository.RepositoryError("connection refused", 0)
+
+    load = unload = config = _down
+
+    def ready(self, model, version=None):
+        return False
+
+
+def _cluster(tmp_path, replicas, said=None):
+    from ops.rollout import Rollout
+
+    client = repository.ReplicatedRepositoryClient(replicas)
+    return Rollout(client, tmp_path / "state.json", say=(said if said is not None else []).append,
+                   sleep=replicas[0].clock.sleep, clock=replicas[0].clock.time)
+
+
+def test_a_cluster_rollout_acts_on_every_replica_and_judges_their_traffic_together(tmp_path):
+    clock = FakeClock()
+    # 15 calls of version 2 per step on each replica: neither alone reaches --min-requests 20.
+    replicas = [FakeTriton(clock=clock, traffic=((1.0, 15),)) for _ in range(2)]
+    rollout = _cluster(tmp_path, replicas)
+    assert rollout.start(2, [50, 100], dwell_s=3, check_interval_s=1) == 0
+    passed = [e for e in RolloutState.load(tmp_path / "state.json").history if e["event"].endswith("passed")]
+    assert [e["calls"] for e in passed] == [30, 30]
+    for triton in replicas:
+        assert triton.loaded == {1, 2} and triton.router["parameters"]["weights"]["string_value"] == "1:0,2:100"
+    assert rollout.rollback() == 0
+    for triton in replicas:
+        assert triton.loaded == {1} and triton.form() == DIRECT and not triton.ready("text_encoder_router")
+
+
+def test_a_replica_refusing_the_version_rolls_every_replica_back(tmp_path):
+    clock = FakeClock()
+    good, refusing = FakeTriton(clock=clock), RefusingTriton(2, clock=clock)
+    said = []
+    rollout = _cluster(tmp_path, [good, refusing], said)
+    assert rollout.start(2, [50, 100], dwell_s=0, check_interval_s=0) == 1
+    # the first replica had loaded version 2: it was put back before the error reached the command
+    assert good.loaded == {1} and refusing.loaded == {1}
+    assert good.form() == DIRECT and refusing.form() == DIRECT
+    assert not good.ready("text_encoder_router") and not refusing.ready("text_encoder_router")
+    state = RolloutState.load(tmp_path / "state.json")
+    assert state.phase == "aborted" and "replica 1" in state.reason and "put back as they were" in state.reason
+    assert any("ABORT" in line for line in said)
+
+
+def test_a_replica_that_is_down_is_skipped_and_ready_asks_the_others(tmp_path):
+    clock = FakeClock()
+    up, down = FakeTriton(clock=clock), DownTriton(clock=clock)
+    client = repository.ReplicatedRepositoryClient([up, down], ["replica 0", "replica 1"])
+    assert client.load("text_encoder", {"version_policy": {"specific": {"versions": [1, 2]}}}) == ["replica 1"]
+    assert up.loaded == {1, 2} and client.ready("text_encoder", 2)
+    both_down = repository.ReplicatedRepositoryClient([DownTriton(clock=clock)])
+    with pytest.raises(repository.RepositoryError, match="no replica answers"):
+        both_down.load("text_encoder", {"version_policy": {"specific": {"versions": [1]}}})
+    assert not both_down.ready("text_encoder")
+
+
+def test_cluster_metrics_keep_the_replicas_series_apart():
+    clock = FakeClock()
+    replicas = [FakeTriton(clock=clock) for _ in range(2)]
+    for t in replicas:
+        t.arrivals.append((0.0, 2, "router-0", 7))
+    clock.now = 5.0
+    client = repository.ReplicatedRepositoryClient(replicas)
+    from ops.rollout import call_counts, calls_between
+
+    counts = call_counts(client.metrics(), "text_encoder")
+    assert len(counts) == 2 and calls_between({}, counts, 2) == (14, 0)
