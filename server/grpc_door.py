@@ -44,6 +44,8 @@ INFER = SERVICE + "ModelInfer"
 STREAM = SERVICE + "ModelStreamInfer"
 SERVER_READY = SERVICE + "ServerReady"
 MODEL_READY = SERVICE + "ModelReady"
+REPOSITORY_LOAD = SERVICE + "RepositoryModelLoad"
+REPOSITORY_UNLOAD = SERVICE + "RepositoryModelUnload"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 # Sends of one inference request while its model is marked unhealthy, and the pause between.
@@ -207,6 +209,13 @@ class Door:
                 context.set_trailing_metadata(tuple(trailing))
             return response
 
+    async def one_replica_only(self, request: bytes, context):
+        """serve-cluster: a gRPC load or unload would reach one replica through nginx."""
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "serve-cluster: load and unload go through the front door's HTTP repository API "
+                            "(POST /v2/repository/models/<model>/load|unload), which acts on every replica; "
+                            "over gRPC they would reach one replica")
+
     def _healing(self, model: str) -> str | None:
         """The watchdog's reason when ``model`` is marked unhealthy, else None."""
         return unhealthy_models(self.health_dir).get(model)
@@ -356,6 +365,9 @@ class Handler(grpc.GenericRpcHandler):
             (INFER, door.infer), (SERVER_READY, door.server_ready), (MODEL_READY, door.model_ready),
             (HEALTH_CHECK, door.health_check))}
         self.special[STREAM] = grpc.stream_stream_rpc_method_handler(door.stream_infer)
+        if door.starting_file is not None:  # serve-cluster: nginx would take a load to one replica
+            for method in (REPOSITORY_LOAD, REPOSITORY_UNLOAD):
+                self.special[method] = grpc.unary_unary_rpc_method_handler(door.one_replica_only)
 
     def service(self, details):
         method = details.method

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ops.repository import TOKEN_HEADER, RepositoryClient, http
+from ops.repository import GRPC_TOKEN_HEADER, TOKEN_HEADER, RepositoryClient, http
 from ops.rollout import RolloutState
 from perf import failover_bench
 from python_backends.routing.ensemble import DIRECT, ROUTED, form_of
@@ -201,6 +201,16 @@ def test_the_repository_api_through_the_front_door_acts_on_every_replica(cluster
     deadline = time.monotonic() + 30
     while any(r.ready("text_encoder_router") for r in replicas) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert not any(r.ready("text_encoder_router") for r in replicas)
+    # Over gRPC a load would reach one replica through nginx: the gRPC door refuses it, naming the way.
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(cluster.grpc_url)
+    with pytest.raises(grpcclient.InferenceServerException) as refused:
+        client.load_model("text_encoder_router", headers={GRPC_TOKEN_HEADER: cluster.token})
+    assert refused.value.status() == "StatusCode.FAILED_PRECONDITION" and "/v2/repository/" in refused.value.message()
+    assert client.get_model_repository_index(headers={GRPC_TOKEN_HEADER: cluster.token}).models  # others pass
+    client.close()
     assert not any(r.ready("text_encoder_router") for r in replicas)
 
 
