@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -181,6 +181,15 @@ FAILOVER_ARGS ?=
 failover-bench: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.failover_bench $(FAILOVER_ARGS)
+
+# Chaos soak: serve-cluster (2 replicas, every model family, the gateways, Redis) at 70 % of peak
+# while a stub, a replica, a gateway and Redis are SIGKILLed and a burst of hostile requests
+# arrives; failures per client, recovery per fault, RSS before/after, a PNG timeline
+# (docs/chaos.md). About 8 minutes; CHAOS_ARGS e.g. "--duration 90".
+CHAOS_ARGS ?=
+chaos: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.chaos $(CHAOS_ARGS)
 
 clean:
 	rm -rf .triton perf/results

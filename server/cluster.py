@@ -359,6 +359,8 @@ class Cluster:
         self.nginx_grpc_port = 0
         self.redis = None
         self.redis_url: str | None = None
+        self.redis_restarts = 0
+        self._redis_next_start = 0.0
         self.gateways: list[Gateway] = []
         self.prometheus: Prometheus | None = None
         self.rules: list[Path] = []
@@ -368,6 +370,12 @@ class Cluster:
         self._supervisor: threading.Thread | None = None
         self._rendered: tuple[bool, ...] | None = None
         self._probed: list[str] = self._served_models()  # what the health checks ask each replica
+        # The replicas' stub watchdog folders, outside the work folder: nginx's workers (nobody
+        # when the launcher is root) read them, and a test's work folder is 0700.
+        import tempfile
+
+        self.healing_root = Path(tempfile.mkdtemp(prefix="cluster-health-"))
+        self.healing_root.chmod(0o755)
 
     # --- layout -------------------------------------------------------------------------
     def _replica_options(self, index: int, ports: Sequence[int]) -> ServerOptions:
@@ -384,6 +392,9 @@ class Cluster:
             front_door=False, drain_timeout=o.drain_timeout,
             # Prometheus reads them here: the class queue-time P99 alerts need the quantiles.
             summary_latencies=True,
+            # Its stub watchdog's folder, kept across restarts: the front door and the gRPC door
+            # resend a 500 / INTERNAL of a model marked there (a dead stub being reloaded).
+            health_dir=self.healing_root / f"replica-{index}",
         )
 
     @property
@@ -417,6 +428,10 @@ class Cluster:
         return self.workdir / f"gateway-{gateway.port}.log"
 
     @property
+    def healing_dirs(self) -> tuple[Path, ...]:
+        return tuple(self.healing_root / f"replica-{i}" for i in range(self.options.replicas))
+
+    @property
     def replica_starting_file(self) -> Path:
         """Exists while a replica listed in nginx is not ready (the gRPC door reads it)."""
         return self.workdir / "replica-starting"
@@ -440,6 +455,8 @@ class Cluster:
                 "prometheus": None if self.prometheus is None else {"url": self.prometheus.url,
                                                                     "config": str(self.prometheus.config_path)},
                 "redis": self.redis_url,
+                "redis_pid": None if self.redis is None or self.redis.process is None else self.redis.process.pid,
+                "redis_restarts": self.redis_restarts,
                 "replicas": [{"index": r.index, "state": r.state, "pid": r.pid, "http": r.http, "grpc": r.grpc,
                               "metrics": r.metrics, "restarts": r.restarts, "log": str(r.log_path),
                               "exit_codes": list(r.exit_codes)} for r in self.replicas],
@@ -484,7 +501,7 @@ class Cluster:
 
         self.repository_door = RepositoryDoor(self._replica_addresses, o.repository_token).start()
         self.front_door = FrontDoor(self._door_ports(), self.workdir, o.model_repository,
-                                    max_body_bytes=o.max_body_bytes)
+                                    max_body_bytes=o.max_body_bytes, healing_dirs=self.healing_dirs)
         self.front_door.check()
         self._rendered = self._wanted()
         self.front_door.start()
@@ -492,7 +509,7 @@ class Cluster:
 
         self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{self.nginx_grpc_port}", o.model_repository,
                                   self.front_door.workdir, None, o.max_body_bytes, o.drain_timeout,
-                                  starting_file=self.replica_starting_file).start()
+                                  starting_file=self.replica_starting_file, healing_dirs=self.healing_dirs).start()
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
         threading.Thread(target=self._health_checks, name="cluster-health", daemon=True).start()
@@ -742,7 +759,29 @@ class Cluster:
                         self._event(f"replica {r.index}: restarted (pid {r.pid}); back in the front door once ready")
                     self._write_state()
             self._tick_gateways(now)
+            self._tick_redis(now)
             self._sync_front_door()
+
+    def _tick_redis(self, now: float) -> None:
+        """The cluster's own redis-server (the replicas' L2 cache, the gateways' shared rate
+        limit) is restarted on the same port when it exited; meanwhile the replicas serve from
+        L1 and compute, and the rate limit fails open or closed as configured. Its contents are
+        gone: a cache refills."""
+        redis = self.redis
+        if redis is None or redis.process is None or redis.process.poll() is None or self._stop.is_set():
+            return
+        if now < self._redis_next_start:
+            return
+        code = redis.process.returncode
+        self.redis_restarts += 1
+        try:
+            redis.start()
+        except Exception as exc:  # noqa: BLE001 - RedisError or OSError: tried again after a pause
+            self._redis_next_start = now + 5.0
+            self._event(f"redis: exited (code {code}); restart failed ({exc}); trying again in 5 s")
+            return
+        self._event(f"redis: exited (code {code}); restarted on port {redis.port} (pid {redis.process.pid})")
+        self._write_state()
 
     def _watch_ready(self, replica: Replica) -> None:
         server = replica.server
@@ -882,6 +921,7 @@ class Cluster:
             self.prometheus.stop()
         if self.redis is not None:
             self.redis.stop()
+        shutil.rmtree(self.healing_root, ignore_errors=True)
         try:
             self._write_state()
         except OSError:

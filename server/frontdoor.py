@@ -182,11 +182,15 @@ def class_limit_conn(limits: Mapping[str, tuple[str, int]]) -> str:
     return "\n            ".join(lines) if lines else "# no class entries in this repository"
 
 
-def limits_module(repository: Path, max_body_bytes: int, health_dir: Path | str | None = None) -> str:
+def limits_module(repository: Path, max_body_bytes: int, health_dir: Path | str | None = None,
+                  healing_dirs: Sequence[Path | str] = ()) -> str:
     """The generated ``limits.js`` that infer_check.js imports; ``health_dir``: the stub
-    watchdog's folder of unhealthy models (server/stubs.py), as nginx sees it."""
+    watchdog's folder of unhealthy models (server/stubs.py), as nginx sees it; ``healing_dirs``:
+    more such folders (serve-cluster: one per replica), read only to decide whether a 500 is a
+    dead stub being reloaded (then resent), never for readiness."""
     limits = {
         "health_dir": str(health_dir) if health_dir else "",
+        "healing_dirs": [str(d) for d in healing_dirs],
         "max_body_bytes": max_body_bytes,
         # Each JSON element takes at least 2 bytes and each binary one at least 1: a request
         # whose data matches its shape cannot declare more elements than this.
@@ -372,7 +376,8 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
 def write_bundle(out: Path, repository: Path, ports: FrontDoorPorts, *, conf_dir: Path | str | None = None,
                  workdir: Path | str | None = None, js_module_path: Path | str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, workers: int | str = 1,
-                 error_log: Path | str | None = None, health_dir: Path | str | None = None) -> Path:
+                 error_log: Path | str | None = None, health_dir: Path | str | None = None,
+                 healing_dirs: Sequence[Path | str] = ()) -> Path:
     """Write ``out/nginx.conf``, ``out/js/infer_check.js`` and ``out/js/limits.js`` (the limits of
     every model in ``repository``); the path of nginx.conf. ``conf_dir`` is where nginx will see
     ``out`` (a container's mount point; default ``out`` itself), ``workdir`` its writable folder."""
@@ -380,7 +385,8 @@ def write_bundle(out: Path, repository: Path, ports: FrontDoorPorts, *, conf_dir
     js_dir = out / "js"
     js_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy2(TEMPLATE_DIR / "infer_check.js", js_dir / "infer_check.js")
-    (js_dir / "limits.js").write_text(limits_module(repository, max_body_bytes, health_dir), encoding="utf-8")
+    (js_dir / "limits.js").write_text(limits_module(repository, max_body_bytes, health_dir, healing_dirs),
+                                      encoding="utf-8")
     seen_at = Path(conf_dir) if conf_dir is not None else out
     conf = out / "nginx.conf"
     conf.write_text(render(ports, workdir if workdir is not None else out, seen_at / "js", max_body_bytes, workers,
@@ -394,8 +400,9 @@ class FrontDoor:
 
     def __init__(self, ports: FrontDoorPorts, workdir: Path, repository: Path,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, workers: int | str = 1,
-                 health_dir: Path | None = None):
+                 health_dir: Path | None = None, healing_dirs: Sequence[Path] = ()):
         self.ports = ports
+        self.healing_dirs = tuple(healing_dirs)
         self.workdir = Path(workdir) / "frontdoor"
         self.health_dir = Path(health_dir) if health_dir is not None else self.workdir / "health"
         self.repository = repository
@@ -418,7 +425,8 @@ class FrontDoor:
             (self.workdir / name).mkdir(exist_ok=True)
         self.health_dir.mkdir(parents=True, exist_ok=True)
         write_bundle(self.workdir, self.repository, self.ports, max_body_bytes=self.max_body_bytes,
-                     workers=self.workers, js_module_path=js_module(), health_dir=self.health_dir)
+                     workers=self.workers, js_module_path=js_module(), health_dir=self.health_dir,
+                     healing_dirs=self.healing_dirs)
         return [nginx_binary(), "-p", str(self.workdir), "-c", str(self.conf_path), "-e", str(self.log_path)]
 
     def check(self) -> None:

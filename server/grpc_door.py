@@ -95,8 +95,13 @@ class Door:
     """The generic handler: every method, forwarded as bytes; inference checked first."""
 
     def __init__(self, upstream: str, limits: Limits, health_dir: Path | None, max_message_bytes: int,
-                 starting_file: Path | None = None):
+                 starting_file: Path | None = None, healing_dirs: tuple[Path, ...] = ()):
         from tritonclient.grpc import service_pb2
+
+        # serve-cluster: each replica's watchdog folder. A model marked in one of them is being
+        # reloaded on that replica: an INTERNAL answer for it is resent (never used for readiness,
+        # nor to end streams, which may run on a healthy replica).
+        self.healing_dirs = tuple(healing_dirs)
 
         # serve-cluster writes this file while a replica listed in nginx is not ready (dead, or
         # restarted and loading): such a replica may answer NOT_FOUND for a model its rollout
@@ -189,12 +194,13 @@ class Door:
                     continue
                 reason = None
                 if exc.code() == grpc.StatusCode.INTERNAL:
-                    reason = self._healing(parsed.model_name)
+                    reason = self._lost_instance(parsed.model_name)
                     if reason is None and attempt == 0:
                         # A request in the dead stub's batch fails at once, before the watchdog's
-                        # next scan (a few per second) marks the model: give it that long.
+                        # next scan (a few per second) marks the model: give it that long. (The
+                        # same for a replica that died: serve-cluster's supervisor ticks 5 times a second.)
                         await asyncio.sleep(WATCHDOG_WAIT_S)
-                        reason = self._healing(parsed.model_name)
+                        reason = self._lost_instance(parsed.model_name)
                 if reason is None:
                     await self._abort_with(context, exc)
                 if attempt >= HEALING_RETRIES:
@@ -219,6 +225,23 @@ class Door:
     def _healing(self, model: str) -> str | None:
         """The watchdog's reason when ``model`` is marked unhealthy, else None."""
         return unhealthy_models(self.health_dir).get(model)
+
+    def _healing_anywhere(self, model: str) -> str | None:
+        """As ``_healing``, also in the replicas' folders (serve-cluster)."""
+        for folder in (self.health_dir, *self.healing_dirs):
+            reason = unhealthy_models(folder).get(model)
+            if reason is not None:
+                return reason
+        return None
+
+    def _lost_instance(self, model: str) -> str | None:
+        """Why an INTERNAL answer for ``model`` is an instance lost rather than the request's
+        fault: a watchdog has the model marked (a dead stub), or serve-cluster has a listed
+        replica down (nginx resets the calls in flight on it: "Stream removed"). None: neither."""
+        reason = self._healing_anywhere(model)
+        if reason is None and self.starting_file is not None and self.starting_file.exists():
+            reason = "a replica was lost with the call in flight"
+        return reason
 
     async def server_ready(self, request: bytes, context):
         if unhealthy_models(self.health_dir):
@@ -317,7 +340,7 @@ class Door:
                     # the stream ends UNAVAILABLE, which clients retry, not INTERNAL.
                     if item.code() != grpc.StatusCode.UNAVAILABLE:
                         await asyncio.sleep(WATCHDOG_WAIT_S)
-                        dead = {m: r for m in models if (r := self._healing(m)) is not None}
+                        dead = {m: r for m in models if (r := self._lost_instance(m)) is not None}
                         if dead:
                             model, reason = next(iter(dead.items()))
                             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -395,9 +418,9 @@ def load_limits(repository: Path, max_message_bytes: int) -> Limits:
 
 async def serve(listen: str, upstream: str, repository: Path, health_dir: Path | None, max_message_bytes: int,
                 ready_file: Path | None = None, drain_timeout: float = 30.0,
-                starting_file: Path | None = None) -> None:
+                starting_file: Path | None = None, healing_dirs: tuple[Path, ...] = ()) -> None:
     limits = load_limits(repository, max_message_bytes)
-    door = Door(upstream, limits, health_dir, max_message_bytes, starting_file)
+    door = Door(upstream, limits, health_dir, max_message_bytes, starting_file, healing_dirs)
     server = aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
                                  ("grpc.max_receive_message_length", max_message_bytes),
                                  ("grpc.so_reuseport", 0)],
@@ -437,10 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica-starting-file", type=Path, default=None,
                    help="serve-cluster: while this file exists (a listed replica is not ready), NOT_FOUND for a "
                         f"model of the repository is resent for up to {NOT_FOUND_WAIT_S:.0f} s")
+    p.add_argument("--healing-dir", type=Path, action="append", default=[],
+                   help="serve-cluster: a replica's watchdog folder (repeat per replica); an INTERNAL answer "
+                        "for a model marked there is resent")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     asyncio.run(serve(args.listen, args.upstream, args.repository, args.health_dir, args.max_message_mb << 20,
-                      args.ready_file, args.drain_timeout, args.replica_starting_file))
+                      args.ready_file, args.drain_timeout, args.replica_starting_file, tuple(args.healing_dir)))
     return 0
 
 
@@ -448,9 +474,11 @@ class GrpcDoor:
     """The door as a child process of the launcher (dies with it: PR_SET_PDEATHSIG)."""
 
     def __init__(self, listen: str, upstream: str, repository: Path, workdir: Path, health_dir: Path | None,
-                 max_message_bytes: int, drain_timeout: float = 30.0, starting_file: Path | None = None):
+                 max_message_bytes: int, drain_timeout: float = 30.0, starting_file: Path | None = None,
+                 healing_dirs: tuple[Path, ...] = ()):
         self.drain_timeout = drain_timeout
         self.starting_file = starting_file
+        self.healing_dirs = tuple(healing_dirs)
         self.listen = listen
         self.upstream = upstream
         self.repository = repository
@@ -475,6 +503,8 @@ class GrpcDoor:
             cmd += ["--health-dir", str(self.health_dir)]
         if self.starting_file is not None:
             cmd += ["--replica-starting-file", str(self.starting_file)]
+        for folder in self.healing_dirs:
+            cmd += ["--healing-dir", str(folder)]
         return cmd
 
     def start(self) -> "GrpcDoor":

@@ -154,6 +154,10 @@ class ServerOptions:
     # SIGTERM drain: seconds the front door finishes in-flight requests, then tritonserver's
     # own graceful shutdown (--exit-timeout-secs), before each is killed.
     drain_timeout: float = 30.0
+    # The stub watchdog's folder of unhealthy models (server/stubs.py). None: a temporary one,
+    # removed at stop. serve-cluster passes one per replica, kept across its restarts, so that
+    # its front door and gRPC door see which replica is healing a model.
+    health_dir: Path | None = None
 
     def __post_init__(self):
         if not self.models:
@@ -430,6 +434,9 @@ class TritonServer:
         nginx's workers run as another user (nobody) when the launcher is root, and the work
         folder may not be theirs to enter (a test's mkdtemp is 0700): the folder is made in the
         system's temporary folder, mode 0755, and removed at stop. It holds model names only."""
+        if self.options.health_dir is not None:
+            self.options.health_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+            return self.options.health_dir
         if self._health_dir is None:
             import tempfile
 

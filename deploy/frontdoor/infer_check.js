@@ -372,18 +372,23 @@ function checkRequest(r) {
     return null;
 }
 
-// True while the launcher's stub watchdog has the model marked unhealthy (server/stubs.py: a
-// file per model in limits.health_dir until its reload is done).
+// True while a stub watchdog has the model marked unhealthy (server/stubs.py: a file per model
+// in its folder until its reload is done): the launcher's (limits.health_dir) or, in
+// serve-cluster, any replica's (limits.healing_dirs).
 function healing(model) {
-    if (!limits.health_dir || !model) {
+    if (!model) {
         return false;
     }
-    try {
-        fs.accessSync(limits.health_dir + '/' + model);
-        return true;
-    } catch (e) {
-        return false;
+    const dirs = (limits.healing_dirs || []).concat(limits.health_dir ? [limits.health_dir] : []);
+    for (let i = 0; i < dirs.length; i++) {
+        try {
+            fs.accessSync(dirs[i] + '/' + model);
+            return true;
+        } catch (e) {
+            // not marked in this folder
+        }
     }
+    return false;
 }
 
 // Refuse with the check's answer, or hand the request on to tritonserver unchanged.

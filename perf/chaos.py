@@ -1,0 +1,580 @@
+"""`python -m perf.chaos` (`make chaos`): serve-cluster under a steady mixed load while a schedule
+kills its parts, then a burst of hostile requests; what failed, how long each part took to come
+back, and the memory before and after.
+
+Starts `python -m server.cluster` (--replicas, default 2, with text_embedding,
+text_embedding_cached, image_classification and text_generation; the gateways, Redis; its own
+ports and work folder), measures the mix's peak with closed-loop clients for --peak-seconds,
+then sends the mix open-loop (Poisson arrivals) at --load (0.7) of that peak for --duration
+seconds, through the front door, with the clients people use:
+
+  embed        text_embedding, the project's asyncio client over HTTP (retries)
+  embed_grpc   text_embedding, the project's asyncio client over gRPC (retries)
+  cached       text_embedding_cached, the project's asyncio client over HTTP (retries)
+  gateway      POST /v1/embeddings through the official `openai` SDK (its retries)
+  image        image_classification, plain aiohttp POSTs (no retries)
+  generation   text_generation streams, the project's asyncio client over gRPC (retried before the
+               first piece only; a stream broken later is not resent)
+
+The faults, at fractions of --duration: 0.15 SIGKILL of one text_encoder stub of replica 0;
+0.35 SIGKILL of replica 1's tritonserver and stubs; 0.50 SIGKILL of gateway 0; 0.65 SIGKILL of
+redis-server; 0.80 a burst of --hostile hostile requests (perf.fuzz's mutations, HTTP and gRPC,
+wrapping shapes among them) to every model. Recovery per fault: stub, the replica's stubs of
+text_encoder back to their number with the model ready; replica, gateway and Redis, back
+ready in cluster.json with a new pid; burst (counted from its end), every request answered
+4xx / INVALID_ARGUMENT, every stub of every replica the same process and every model ready.
+
+Checks (exit 1 when one fails): 0 failed requests of the retried idempotent workloads (embed,
+embed_grpc, cached, gateway); the others only clean failures (UNAVAILABLE, 502/503 with the
+front door's JSON); every fault recovered within --recovery-timeout (60 s); no server error in
+the burst. Writes per_second.csv, summary.md and chaos.png (answers/s, failed/s and P99 per
+second, the faults marked) under perf/results/chaos-<UTC time>/ (--out DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime as dt
+import io
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from perf import failover_bench, processes
+from perf.cpu_cost import image_request, photos, prompts, sentences
+from server.layout import ROOT
+
+RESULTS = ROOT / "perf" / "results"
+MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
+MIX = {"embed": 25, "embed_grpc": 15, "cached": 30, "gateway": 15, "image": 10, "generation": 5}
+RETRIED = ("embed", "embed_grpc", "cached", "gateway")  # idempotent, through clients that retry
+SCHEDULE = (("stub", 0.15), ("replica", 0.35), ("gateway", 0.50), ("redis", 0.65), ("hostile burst", 0.80))
+KEY = "sk-chaos-0123456789abcdef"
+GEN_TOKENS = 16
+MIB = 1 << 20
+
+
+@dataclass
+class Result:
+    workload: str
+    end_s: float
+    latency_s: float
+    error: str = ""
+
+
+@dataclass
+class Fault:
+    name: str
+    at_s: float | None = None
+    recovered_s: float | None = None  # seconds after at_s
+    detail: str = ""
+
+
+@dataclass
+class Run:
+    results: list[Result] = field(default_factory=list)
+    faults: dict[str, Fault] = field(default_factory=dict)
+    start: float = 0.0
+
+
+def clean_failure(error: str) -> bool:
+    """A failure a client can act on: UNAVAILABLE, or 502/503 from the front door (retry later)."""
+    return any(mark in error for mark in ("UNAVAILABLE", "HTTP 503", "HTTP 502", "unavailable"))
+
+
+# --------------------------------------------------------------------------- the mix
+
+
+class Mix:
+    def __init__(self, cluster: failover_bench.ClusterRun, nonce: str):
+        import aiohttp
+        import openai
+        from clients import AsyncEmbeddingClient
+        from clients.generation import AsyncGenerationClient
+        from clients.resilience import BreakerPolicy, EndpointPool
+
+        http_url, grpc_url = cluster.http_url, cluster.grpc_url
+        # One endpoint (the front door) for many calls in flight: the breaker opens only after
+        # more consecutive failures than calls in flight (perf/failover_bench.py says why).
+        def pool(url):
+            return EndpointPool([url], breaker=BreakerPolicy(failure_threshold=64))
+
+        self.embed = AsyncEmbeddingClient(http_url, "http", timeout_s=30, deadline_s=60, pool=pool(http_url))
+        self.embed_grpc = AsyncEmbeddingClient(grpc_url, "grpc", timeout_s=30, deadline_s=60, pool=pool(grpc_url))
+        self.cached = AsyncEmbeddingClient(http_url, "http", model="text_embedding_cached", timeout_s=30,
+                                           deadline_s=60, pool=pool(http_url))
+        self.gen = AsyncGenerationClient(grpc_url, protocol="grpc", timeout_s=60, deadline_s=60, pool=pool(grpc_url))
+        self.openai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.ports['gateway']}/v1", api_key=KEY,
+                                         max_retries=4, timeout=60)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        self.image_url = f"http://{http_url}/v2/models/image_classification/infer"
+        self.texts = sentences()
+        self.prompts = prompts()
+        self.rng = random.Random(nonce)
+        self.nonce = nonce
+        self.n = 0
+        self.images = []
+        for im in photos(4):
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=90)
+            self.images.append(image_request(buf.getvalue()))
+        self.zipf = [f"{self.texts[k % len(self.texts)]} (set {k})" for k in range(500)]
+        self.zipf_weights = [1 / (k + 1) ** 1.1 for k in range(500)]
+
+    def unique(self) -> str:
+        self.n += 1
+        return f"{self.texts[self.n % len(self.texts)]} ({self.nonce}-{self.n})"
+
+    async def send(self, name: str) -> None:
+        if name == "embed":
+            await self.embed.embed_many([self.unique()], concurrency=1, per_request=1)
+        elif name == "embed_grpc":
+            await self.embed_grpc.embed_many([self.unique()], concurrency=1, per_request=1)
+        elif name == "cached":
+            text = self.rng.choices(self.zipf, weights=self.zipf_weights)[0]
+            await self.cached.embed_many([text], concurrency=1, per_request=1)
+        elif name == "gateway":
+            answer = await self.openai.embeddings.create(model="text_embedding", input=self.unique())
+            if len(answer.data[0].embedding) != 384:
+                raise RuntimeError("not a 384-value embedding")
+        elif name == "image":
+            body, headers = self.rng.choice(self.images)
+            async with self.session.post(self.image_url, data=body, headers=headers) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {raw[:160]!r}")
+        elif name == "generation":
+            stream = self.gen.chat_stream([{"role": "user", "content": self.rng.choice(self.prompts)}],
+                                          max_tokens=GEN_TOKENS, temperature=0, ignore_eos=True)
+            async with stream:
+                async for _ in stream:
+                    pass
+            if stream.result is None or stream.result.num_output_tokens != GEN_TOKENS:
+                got = None if stream.result is None else stream.result.num_output_tokens
+                raise RuntimeError(f"generation: {got} tokens, not {GEN_TOKENS}")
+        else:
+            raise ValueError(name)
+
+    async def close(self) -> None:
+        for client in (self.embed, self.embed_grpc, self.cached, self.gen):
+            await client.close()
+        await self.openai.close()
+        await self.session.close()
+
+
+async def timed(mix: Mix, run: Run, name: str) -> None:
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(mix.send(name), 90)
+        error = ""
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded, the run goes on
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    now = time.monotonic()
+    run.results.append(Result(name, now - run.start, now - t0, error))
+
+
+async def peak(mix: Mix, seconds: float, concurrency: int) -> float:
+    """Answers per second of the mix with ``concurrency`` closed-loop clients."""
+    names, weights = list(MIX), list(MIX.values())
+    scratch = Run(start=time.monotonic())
+    stop_at = scratch.start + seconds
+    rng = random.Random(7)
+
+    async def client():
+        while time.monotonic() < stop_at:
+            await timed(mix, scratch, rng.choices(names, weights)[0])
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    ok = sum(1 for r in scratch.results if not r.error)
+    return ok / (time.monotonic() - scratch.start)
+
+
+async def open_loop(mix: Mix, run: Run, rate: float, duration_s: float) -> None:
+    """Poisson arrivals at ``rate`` per second for ``duration_s``, each a draw from the mix."""
+    names, weights = list(MIX), list(MIX.values())
+    rng = random.Random(11)
+    tasks: set[asyncio.Task] = set()
+    at = run.start
+    end = run.start + duration_s
+    while True:
+        at += rng.expovariate(rate)
+        if at >= end:
+            break
+        delay = at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.ensure_future(timed(mix, run, rng.choices(names, weights)[0]))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+
+
+# --------------------------------------------------------------------------- the faults
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = processes.children(p)
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def rss_mib(pid: int) -> float:
+    """RSS of ``pid`` and everything under it (the launcher: replicas, stubs, nginx, gateways, Redis)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        s = processes.sample(p)
+        total += s.rss_bytes if s else 0
+    return total / MIB
+
+
+def encoder_stubs(triton_pid: int) -> dict[int, str]:
+    out = {}
+    for p in processes.children(triton_pid):
+        try:
+            ident = processes.stub_identity(processes.cmdline(p))
+        except OSError:
+            continue
+        if ident and ident[0] == "text_encoder":
+            out[p] = ident[1]
+    return out
+
+
+def stub_pids(triton_pid: int) -> list[int]:
+    out = []
+    for p in processes.children(triton_pid):
+        try:
+            if processes.stub_identity(processes.cmdline(p)):
+                out.append(p)
+        except OSError:
+            continue
+    return out
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class Faults:
+    """Runs the schedule in its own thread (the event loop is busy with the load)."""
+
+    def __init__(self, cluster: failover_bench.ClusterRun, run: Run, duration_s: float, hostile: int,
+                 recovery_timeout_s: float, say):
+        self.cluster, self.run, self.duration_s = cluster, run, duration_s
+        self.hostile, self.timeout, self.say = hostile, recovery_timeout_s, say
+        self.burst: dict = {}
+        self.thread = threading.Thread(target=self._schedule, name="chaos-faults", daemon=True)
+
+    def _now(self) -> float:
+        return time.monotonic() - self.run.start
+
+    def _wait_for(self, fault: Fault, done, since_s: float | None = None) -> None:
+        """Poll ``done`` until it holds; ``fault.recovered_s`` counts from ``since_s`` (default the fault)."""
+        since_s = fault.at_s if since_s is None else since_s
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                if done():
+                    fault.recovered_s = round(self._now() - since_s, 2)
+                    return
+            except (OSError, ValueError, KeyError, IndexError):
+                pass
+            time.sleep(0.1)
+        fault.detail += f" not recovered within {self.timeout:.0f} s"
+
+    def _schedule(self) -> None:
+        for name, share in SCHEDULE:
+            delay = self.run.start + share * self.duration_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            fault = self.run.faults[name] = Fault(name)
+            try:
+                getattr(self, "_" + name.replace(" ", "_"))(fault)
+            except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported
+                fault.detail += f" injection failed: {type(exc).__name__}: {exc}"
+            self.say(f"chaos: {name} at {fault.at_s} s: recovered after {fault.recovered_s} s {fault.detail}".rstrip())
+
+    def _stub(self, fault: Fault) -> None:
+        replica = self.cluster.state()["replicas"][0]
+        stubs = encoder_stubs(replica["pid"])
+        victim = sorted(stubs)[0]
+        os.kill(victim, signal.SIGKILL)
+        fault.at_s = round(self._now(), 2)
+        fault.detail = f"stub {stubs[victim]} (pid {victim}) of replica 0"
+        url = f"http://127.0.0.1:{replica['http']}/v2/models/text_encoder/ready"
+
+        def back() -> bool:
+            now = encoder_stubs(replica["pid"])
+            return victim not in now and len(now) >= len(stubs) and ready(url)
+        self._wait_for(fault, back)
+
+    def _replica(self, fault: Fault) -> None:
+        replica = self.cluster.state()["replicas"][1]
+        os.killpg(replica["pid"], signal.SIGKILL)
+        fault.at_s = round(self._now(), 2)
+        fault.detail = f"replica 1 (pid {replica['pid']})"
+
+        def back() -> bool:
+            now = self.cluster.state()["replicas"][1]
+            return now["pid"] != replica["pid"] and now["state"] == "ready"
+        self._wait_for(fault, back)
+
+    def _gateway(self, fault: Fault) -> None:
+        gateway = self.cluster.state()["gateways"][0]
+        os.kill(gateway["pid"], signal.SIGKILL)
+        fault.at_s = round(self._now(), 2)
+        fault.detail = f"gateway 0 (pid {gateway['pid']})"
+
+        def back() -> bool:
+            now = self.cluster.state()["gateways"][0]
+            return now["pid"] not in (None, gateway["pid"]) and now["state"] == "ready"
+        self._wait_for(fault, back)
+
+    def _redis(self, fault: Fault) -> None:
+        pid = self.cluster.state()["redis_pid"]
+        os.kill(pid, signal.SIGKILL)
+        fault.at_s = round(self._now(), 2)
+        fault.detail = f"redis-server (pid {pid})"
+        self._wait_for(fault, lambda: self.cluster.state()["redis_pid"] not in (None, pid))
+
+    def _hostile_burst(self, fault: Fault) -> None:
+        from perf import fuzz
+
+        replicas = self.cluster.state()["replicas"]
+        stubs_before = {r["index"]: set(stub_pids(r["pid"])) for r in replicas}
+        fault.at_s = round(self._now(), 2)
+        tally = fuzz.Tally()
+        models = fuzz.served_models(self.cluster.http_url, MODELS)
+        fuzz.run_endpoint_fuzz(self.cluster.http_url, self.cluster.grpc_url, models, self.hostile, seed=23,
+                               say=lambda _m: None, tally=tally)
+        took = self._now() - fault.at_s
+        bad = tally.bad()
+        self.burst = {"cases": tally.total(), "server errors": sum(bad.values()), "kinds": dict(bad),
+                      "findings": tally.findings[:10], "seconds": round(took, 1)}
+        fault.detail = f"{tally.total()} hostile requests in {took:.1f} s, {sum(bad.values())} server errors"
+        # afterwards: every stub of every replica the same process, every model ready on every replica
+        lost = {i: sorted(before - set(stub_pids(replicas[i]["pid"]))) for i, before in stubs_before.items()}
+        lost = {i: pids for i, pids in lost.items() if pids}
+        if lost:
+            fault.detail += f"; stubs gone: {lost}"
+        self.burst["stubs_gone"] = lost
+        # recovered: counted from the burst's end
+        self._wait_for(fault, lambda: not lost and all(ready(f"http://127.0.0.1:{r['http']}/v2/models/{m}/ready")
+                                                       for r in replicas for m in MODELS), since_s=fault.at_s + took)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def per_second(run: Run, duration_s: float) -> list[dict]:
+    rows = []
+    for second in range(int(duration_s)):
+        inside = [r for r in run.results if second <= r.end_s < second + 1]
+        lat = [r.latency_s * 1000 for r in inside if not r.error and r.workload != "generation"]
+        rows.append({"second": second, "ok": sum(not r.error for r in inside), "failed": sum(bool(r.error) for r in inside),
+                     "p99_ms": round(_pct(lat, 0.99), 1), "max_ms": round(max(lat), 1) if lat else float("nan")})
+    return rows
+
+
+def plot(path: Path, rows: list[dict], faults: dict[str, Fault], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["second"] + 0.5 for r in rows]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    a.plot(xs, [r["ok"] for r in rows], lw=1, label="answered requests/s")
+    a.bar(xs, [r["failed"] for r in rows], color="red", label="failed requests/s")
+    a.set_ylabel("requests/s")
+    a.set_ylim(bottom=0)
+    b.plot(xs, [r["p99_ms"] for r in rows], lw=1, color="tab:orange", label="P99 (all but generation streams)")
+    b.set_ylabel("latency (ms)")
+    b.set_xlabel("seconds since the load started")
+    b.set_yscale("log")
+    colours = ["tab:red", "tab:purple", "tab:blue", "tab:green", "black"]
+    for colour, fault in zip(colours, faults.values()):
+        if fault.at_s is None:
+            continue
+        for ax in (a, b):
+            ax.axvline(fault.at_s, color=colour, ls="--", lw=1, label=fault.name if ax is a else None)
+            if fault.recovered_s is not None:
+                ax.axvspan(fault.at_s, fault.at_s + fault.recovered_s, color=colour, alpha=0.08)
+    a.legend(loc="lower left", fontsize=7, ncol=3)
+    b.legend(loc="upper left", fontsize=7)
+    a.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def summarize(run: Run) -> dict:
+    out = {}
+    for name in MIX:
+        mine = [r for r in run.results if r.workload == name]
+        failed = [r for r in mine if r.error]
+        lat = [r.latency_s * 1000 for r in mine if not r.error]
+        out[name] = {"sent": len(mine), "failed": len(failed),
+                     "unclean": sum(not clean_failure(r.error) for r in failed),
+                     "p50_ms": round(_pct(lat, 0.5), 1), "p99_ms": round(_pct(lat, 0.99), 1),
+                     "max_ms": round(max(lat), 1) if lat else None,
+                     "errors": sorted({r.error[:160] for r in failed})[:5]}
+    return out
+
+
+def checks(table: dict, faults: dict[str, Fault], burst: dict) -> list[str]:
+    problems = []
+    for name, row in table.items():
+        if name in RETRIED and row["failed"]:
+            problems.append(f"{name}: {row['failed']} failed requests through a retrying client ({row['errors']})")
+        elif row["unclean"]:
+            problems.append(f"{name}: {row['unclean']} failures that are not a clean UNAVAILABLE/502/503 ({row['errors']})")
+    for fault in faults.values():
+        if fault.recovered_s is None:
+            problems.append(f"fault {fault.name}: not recovered ({fault.detail.strip()})")
+    if burst.get("server errors"):
+        problems.append(f"hostile burst: {burst['server errors']} server errors {burst['kinds']}: "
+                        f"{[(f['endpoint'], f['outcome'], f['detail'][:150]) for f in burst['findings'][:5]]}")
+    if burst.get("stubs_gone"):
+        problems.append(f"hostile burst: stubs gone afterwards {burst['stubs_gone']}")
+    return problems
+
+
+def write_summary(path: Path, args, rate: float, peak_rps: float, table: dict, faults: dict[str, Fault],
+                  rss: tuple[float, float], burst: dict, problems: list[str], cpu: str) -> str:
+    lines = [f"# chaos soak: {args.duration:.0f} s at {args.load:.0%} of the peak ({peak_rps:.1f} answers/s -> "
+             f"{rate:.1f} requests/s), {args.replicas} replicas", "",
+             f"CPU: {cpu}. Command: `python -m perf.chaos --duration {args.duration:.0f}`", "",
+             "| workload | client | sent | failed | not clean | P50 ms | P99 ms | max ms |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    clients = {"embed": "clients.aio HTTP (retries)", "embed_grpc": "clients.aio gRPC (retries)",
+               "cached": "clients.aio HTTP (retries)", "gateway": "openai SDK (retries)",
+               "image": "aiohttp (no retries)", "generation": "clients.generation gRPC stream"}
+    for name, row in table.items():
+        lines.append(f"| {name} | {clients[name]} | {row['sent']:,} | {row['failed']} | {row['unclean']} | "
+                     f"{row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} |")
+    lines += ["", "| fault | at s | recovered after s | detail |", "| --- | ---: | ---: | --- |"]
+    for fault in faults.values():
+        lines.append(f"| {fault.name} | {fault.at_s} | {fault.recovered_s} | {fault.detail.strip()} |")
+    lines += ["", f"RSS of the whole cluster (launcher and every process under it): {rss[0]:,.0f} MiB before the "
+                  f"load, {rss[1]:,.0f} MiB after ({rss[1] - rss[0]:+,.0f} MiB).",
+              f"Hostile burst: {burst.get('cases', 0)} requests, {burst.get('server errors', 0)} server errors.", ""]
+    errors = sorted({e for row in table.values() for e in row["errors"]})
+    if errors:
+        lines += ["Failures seen:", "", *[f"- `{e}`" for e in errors], ""]
+    lines += ["Checks: " + ("all passed" if not problems else "FAILED"), *[f"- {p}" for p in problems]]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text, encoding="utf-8")
+    return text
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            flags = Path("/proc/cpuinfo").read_text()
+            extra = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f" {f}" in flags]
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores" + (f" ({', '.join(extra)})" if extra else "")
+    return "unknown"
+
+
+async def drive(cluster, args, say) -> tuple[Run, float, float, tuple[float, float], dict]:
+    mix = Mix(cluster, f"chaos{int(time.time())}")
+    try:
+        say(f"chaos: measuring the mix's peak for {args.peak_seconds:.0f} s ({args.peak_concurrency} clients)")
+        peak_rps = await peak(mix, args.peak_seconds, args.peak_concurrency)
+        rate = args.rate or args.load * peak_rps
+        rss_before = rss_mib(cluster.proc.pid)
+        say(f"chaos: peak {peak_rps:.1f} answers/s; soaking at {rate:.1f} requests/s for {args.duration:.0f} s")
+        run = Run(start=time.monotonic())
+        faults = Faults(cluster, run, args.duration, args.hostile, args.recovery_timeout, say)
+        faults.thread.start()
+        await open_loop(mix, run, rate, args.duration)
+        faults.thread.join(timeout=args.recovery_timeout + 60)
+        rss_after = rss_mib(cluster.proc.pid)
+        return run, peak_rps, rate, (rss_before, rss_after), faults.burst
+    finally:
+        await mix.close()
+
+
+def parse_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m perf.chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
+    p.add_argument("--load", type=float, default=0.7, help="share of the measured peak (default 0.7)")
+    p.add_argument("--rate", type=float, default=None, help="requests/s instead of --load x peak")
+    p.add_argument("--peak-seconds", type=float, default=20.0)
+    p.add_argument("--peak-concurrency", type=int, default=16)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--hostile", type=int, default=200, help="requests in the hostile burst (default 200)")
+    p.add_argument("--recovery-timeout", type=float, default=60.0)
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = args.out or RESULTS / f"chaos-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def say(message: str) -> None:
+        print(message, flush=True)
+
+    say(f"chaos: starting serve-cluster ({args.replicas} replicas: {', '.join(MODELS)}) in {out}")
+    cluster = failover_bench.launch(out / "work", replicas=args.replicas, models=MODELS, prometheus=False,
+                                    env={"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"})
+    try:
+        run, peak_rps, rate, rss, burst = asyncio.run(drive(cluster, args, say))
+        state = cluster.state()
+    finally:
+        cluster.stop(timeout=60)
+    rows = per_second(run, args.duration)
+    with (out / "per_second.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    table = summarize(run)
+    problems = checks(table, run.faults, burst)
+    cpu = cpu_model()
+    text = write_summary(out / "summary.md", args, rate, peak_rps, table, run.faults, rss, burst, problems, cpu)
+    (out / "summary.json").write_text(json.dumps({"table": table, "faults": {k: vars(v) for k, v in run.faults.items()},
+                                                  "rss_mib": rss, "burst": burst, "peak_rps": peak_rps, "rate": rate,
+                                                  "cluster": state, "problems": problems}, indent=1), encoding="utf-8")
+    sent = sum(r["sent"] for r in table.values())
+    failed = sum(r["failed"] for r in table.values())
+    plot(out / "chaos.png", rows, run.faults,
+         f"serve-cluster, {args.replicas} replicas, {rate:.0f} req/s ({args.load:.0%} of peak): {sent:,} requests, "
+         f"{failed} failed; {cpu}")
+    say(text)
+    say(f"chaos: wrote {out}/summary.md, chaos.png, per_second.csv")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
