@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -40,9 +40,16 @@ CLUSTER_ARGS ?=
 serve-cluster: $(STAMP)
 	$(PY) -m server.cluster --replicas $(REPLICAS) --precision $(PRECISION) $(CLUSTER_ARGS)
 
+# The product's tests, with the hostile-request fuzz and the chaos soak's short runs (about 24
+# minutes on 2 cores); test-perf: the other benchmarks' short runs (about 8 minutes). CI runs both.
+RESILIENCE_SMOKE := tests/perf/test_fuzz_smoke.py tests/perf/test_chaos_smoke.py
 test: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m pytest tests/unit tests/integration tests/perf $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) $(PYTEST_ARGS)
+
+test-perf: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m pytest tests/perf $(foreach f,$(RESILIENCE_SMOKE),--ignore=$(f)) $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

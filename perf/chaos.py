@@ -393,13 +393,17 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+WINDOW_S = 5  # the P99 and max of each second are over the 5 seconds ending with it (a second holds ~20 answers)
+
+
 def per_second(run: Run, duration_s: float) -> list[dict]:
     rows = []
     for second in range(int(duration_s)):
         inside = [r for r in run.results if second <= r.end_s < second + 1]
-        lat = [r.latency_s * 1000 for r in inside if not r.error and r.workload != "generation"]
+        window = [r.latency_s * 1000 for r in run.results if second + 1 - WINDOW_S <= r.end_s < second + 1
+                  and not r.error and r.workload != "generation"]
         rows.append({"second": second, "ok": sum(not r.error for r in inside), "failed": sum(bool(r.error) for r in inside),
-                     "p99_ms": round(_pct(lat, 0.99), 1), "max_ms": round(max(lat), 1) if lat else float("nan")})
+                     "p99_ms_5s": round(_pct(window, 0.99), 1), "max_ms_5s": round(max(window), 1) if window else float("nan")})
     return rows
 
 
@@ -411,11 +415,16 @@ def plot(path: Path, rows: list[dict], faults: dict[str, Fault], title: str) -> 
 
     xs = [r["second"] + 0.5 for r in rows]
     fig, (a, b) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    a.plot(xs, [r["ok"] for r in rows], lw=1, label="answered requests/s")
+    a.plot(xs, [r["ok"] for r in rows], lw=0.6, color="tab:blue", alpha=0.4, label="answered requests/s")
+    smooth = [sum(r["ok"] for r in rows[max(0, i - WINDOW_S + 1):i + 1]) / len(rows[max(0, i - WINDOW_S + 1):i + 1])
+              for i in range(len(rows))]
+    a.plot(xs, smooth, lw=1.5, color="tab:blue", label=f"answered, {WINDOW_S} s mean")
     a.bar(xs, [r["failed"] for r in rows], color="red", label="failed requests/s")
     a.set_ylabel("requests/s")
     a.set_ylim(bottom=0)
-    b.plot(xs, [r["p99_ms"] for r in rows], lw=1, color="tab:orange", label="P99 (all but generation streams)")
+    b.plot(xs, [r["p99_ms_5s"] for r in rows], lw=1, color="tab:orange",
+           label=f"P99 over {WINDOW_S} s (all but generation streams)")
+    b.plot(xs, [r["max_ms_5s"] for r in rows], lw=0.6, color="tab:red", alpha=0.5, label=f"max over {WINDOW_S} s")
     b.set_ylabel("latency (ms)")
     b.set_xlabel("seconds since the load started")
     b.set_yscale("log")
