@@ -5,7 +5,8 @@
 # requirements.txt and constraints.txt (tests/unit/test_compose.py checks they agree):
 # FastAPI and uvicorn with uvloop and httptools, orjson, prometheus-client, tritonclient's gRPC
 # and HTTP clients (the clients/ package imports both), numpy and tokenizers (token counts).
-# Built from the repository root (.dockerignore admits python_backends/, openai_gateway/, clients/):
+# Built from the repository root (.dockerignore admits python_backends/, openai_gateway/, clients/,
+# server/):
 #   docker-compose build gateway
 # The model repository (its configs and the tokenizer) is mounted, not copied.
 FROM python:3.11-slim-bookworm
@@ -18,6 +19,8 @@ RUN pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic=
 COPY python_backends /opt/embedding/python_backends
 COPY clients /opt/embedding/clients
 COPY openai_gateway /opt/embedding/openai_gateway
+# docker-compose's grpc-door service runs `python -m server.grpc_door` from this image.
+COPY server /opt/embedding/server
 # The key file's folder exists in the image, owned by the gateway's user: a new named volume
 # mounted there (docker-compose's gateway-keys) starts with that owner, so the key can be written.
 RUN find /opt/embedding -name __pycache__ -type d -prune -exec rm -rf {} + \

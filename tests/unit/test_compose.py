@@ -37,7 +37,7 @@ FRONT_DOORS = {"frontdoor": GPU_REPLICAS, "frontdoor-cpu": CPU_REPLICAS}
 # Prometheus's targets.
 REPLICA_ALIASES = ("triton-upstream-1", "triton-upstream-2")
 # Every other service, in no profile: they serve either profile's replicas.
-SHARED = ("gateway", "redis", "prometheus", "grafana")
+SHARED = ("gateway", "grpc-door", "redis", "prometheus", "grafana")
 # What the file needs set to resolve (compose's ${VAR:?} makes it mandatory).
 REQUIRED_ENV = {"TRITON_REPOSITORY_TOKEN": "compose-test-token", "GRAFANA_ADMIN_PASSWORD": "compose-test-password"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
@@ -168,7 +168,8 @@ def test_build_ports_and_healthcheck(compose, name):
     # The context is the repository root: .dockerignore must keep the venv and models out.
     ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     admitted = ignore[ignore.index("*") + 1:]
-    assert {a for a in admitted if a.startswith("!")} == {"!python_backends/", "!openai_gateway/", "!clients/"}, admitted
+    assert {a for a in admitted if a.startswith("!")} == {"!python_backends/", "!openai_gateway/", "!clients/",
+                                                          "!server/"}, admitted
     assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
     assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002"}
     assert service["entrypoint"][0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's set-up still runs
@@ -260,8 +261,8 @@ def published(service: dict) -> dict[str, str]:
 
 # The published ports of the services that have any: the front doors (Triton's only way in), the
 # gateway (its own API keys), Prometheus and Grafana.
-PUBLISHED = {"frontdoor": {"8000", "8001", "8002"}, "frontdoor-cpu": {"8000", "8001", "8002"}, "gateway": {"8080"},
-             "prometheus": {"9090"}, "grafana": {"3000"}}
+PUBLISHED = {"frontdoor": {"8000", "8002"}, "frontdoor-cpu": {"8000", "8002"}, "grpc-door": {"8001"},
+             "gateway": {"8080"}, "prometheus": {"9090"}, "grafana": {"3000"}}
 
 
 @pytest.mark.parametrize("profile_env", [{}, {"COMPOSE_PROFILES": "cpu"}])
@@ -415,8 +416,9 @@ def test_grafana_is_provisioned_with_the_dashboard_make_compose_config_renders(d
 
 
 @pytest.mark.parametrize("name", FRONT_DOORS)
-def test_front_door_publishes_all_three_ports_on_localhost_by_default(defaults, name):
-    assert published(defaults["services"][name]) == {"8000": "127.0.0.1", "8001": "127.0.0.1", "8002": "127.0.0.1"}
+def test_front_door_publishes_http_and_metrics_and_the_grpc_door_grpc_on_localhost_by_default(defaults, name):
+    assert published(defaults["services"][name]) == {"8000": "127.0.0.1", "8002": "127.0.0.1"}
+    assert published(defaults["services"]["grpc-door"]) == {"8001": "127.0.0.1"}
     opened, _ = resolved(TRITON_PUBLISH_HOST="0.0.0.0", TRITON_HTTP_PORT="9000")
     ports = opened["services"][name]["ports"]
     assert set(published(opened["services"][name]).values()) == {"0.0.0.0"}
@@ -759,19 +761,46 @@ def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp
             upstream.shutdown()
 
 
+def test_the_grpc_door_service_checks_what_it_forwards_to_the_front_door(defaults):
+    """docker-compose's public gRPC port is the gRPC door, run from the gateway's image, in front of
+    the front door's gRPC listener (the alias both profiles' front doors have), with the mounted
+    repository's limits."""
+    door = defaults["services"]["grpc-door"]
+    gateway = defaults["services"]["gateway"]
+    assert door["image"] == gateway["image"] and door["build"] == gateway["build"]
+    assert door["entrypoint"] == ["python", "-m", "server.grpc_door"]
+    args = door["command"]
+    flag = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2)}
+    assert flag["--listen"] == "0.0.0.0:8001" and flag["--upstream"] == "triton-frontdoor:8001"
+    assert flag["--repository"] == "/models" and any(str(v).endswith(":/models:ro") or
+                                                    (isinstance(v, dict) and v.get("target") == "/models")
+                                                    for v in door["volumes"])
+    for name in FRONT_DOORS:
+        assert "triton-frontdoor" in defaults["services"][name]["networks"]["default"]["aliases"]
+    # the door's command line is what server.grpc_door parses
+    from server import grpc_door
+
+    with pytest.raises(SystemExit) as done:
+        grpc_door.main([*args, "--help"])
+    assert done.value.code == 0
+
+
 def test_the_gateway_image_folders_are_all_it_imports(tmp_path):
-    """The gateway image copies python_backends/, clients/ and openai_gateway/ only: with just
-    those three on the path, the gateway and everything it imports later (the gRPC client, the
-    generation client, the tokenizer) import, and no module comes from another folder of the repository."""
+    """The gateway image copies python_backends/, clients/, openai_gateway/ and server/ only: with
+    just those on the path, the gateway and everything it imports later (the gRPC client, the
+    generation client, the tokenizer), and the gRPC door with its limits, import, and no module
+    comes from another folder of the repository."""
     dockerfile = (ROOT / "docker" / "gateway.Dockerfile").read_text()
     copied = re.findall(r"^COPY (\S+) /opt/embedding/\1$", dockerfile, re.M)
-    assert sorted(copied) == ["clients", "openai_gateway", "python_backends"]
+    assert sorted(copied) == ["clients", "openai_gateway", "python_backends", "server"]
     for folder in copied:
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     script = """
 import argparse, sys
 import openai_gateway.__main__, openai_gateway.app, openai_gateway.triton, openai_gateway.embeddings
 import openai_gateway.completions, openai_gateway.catalog, clients.generation
+import server.grpc_door, server.grpc_check
+server.grpc_door.load_limits(__import__("pathlib").Path(sys.argv[2]), 64 << 20)  # what the grpc-door service reads
 import tritonclient.grpc.aio, grpc, tokenizers, uvicorn, uvloop, httptools
 from openai_gateway import settings
 from openai_gateway.app import create_app
