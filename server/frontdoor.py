@@ -520,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--upstream", action="append", default=None, metavar="HOST[:HTTP:GRPC:METRICS]",
                    help=f"a tritonserver (repeat for replicas; ports default 8000:8001:8002; default {' '.join(COMPOSE_UPSTREAMS)})")
     r.add_argument("--listen", default="0.0.0.0", help="address nginx listens on in its container (default 0.0.0.0)")
+    r.add_argument("--grpc-listen", default=None, metavar="HOST:PORT",
+                   help="where nginx's gRPC listener binds instead of LISTEN:8001, when a gRPC door "
+                        "(server/grpc_door.py) holds the public gRPC port (Kubernetes: 127.0.0.1:8021)")
     r.add_argument("--mount", default=COMPOSE_MOUNT, help=f"where nginx sees --out (default {COMPOSE_MOUNT})")
     r.add_argument("--js-module", default=IMAGE_JS_MODULE, help=f"njs module path (default the image's, {IMAGE_JS_MODULE})")
     r.add_argument("--workdir", default=COMPOSE_WORKDIR, help=f"nginx's writable folder (default {COMPOSE_WORKDIR})")
@@ -531,6 +534,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         ports = compose_ports(args.listen, args.upstream or list(COMPOSE_UPSTREAMS))
+        if args.grpc_listen:
+            host, _, port = args.grpc_listen.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--grpc-listen {args.grpc_listen!r}: HOST:PORT")
+            ports.grpc_listen_host, ports.grpc = host, int(port)
     except (ValueError, FrontDoorError) as exc:
         parser.error(str(exc))
     conf = write_bundle(args.out, args.repository, ports, conf_dir=args.mount, workdir=args.workdir,

@@ -199,3 +199,18 @@ def test_the_gateway_configuration_passes_nginx_t(tmp_path):
     for n, down in ((2, ()), (1, ()), (2, (0, 1))):
         FrontDoor(_gateway_ports(n, down), tmp_path / f"g{n}{len(down)}", ROOT / "model_repository",
                   max_body_bytes=1 << 20).check()
+
+
+def test_render_puts_the_grpc_listener_where_a_grpc_door_forwards(tmp_path):
+    """Kubernetes: the export Job renders nginx's gRPC listener on the pod's loopback (the gRPC
+    door sidecar holds 8001); without --grpc-listen it is LISTEN:8001 (docker-compose)."""
+    from server.frontdoor import main
+
+    main(["render", "--out", str(tmp_path / "k8s"), "--upstream", "127.0.0.1:8010:8011:8012", "--listen", "0.0.0.0",
+          "--grpc-listen", "127.0.0.1:8021"])
+    conf = (tmp_path / "k8s" / "nginx.conf").read_text()
+    assert "listen 127.0.0.1:8021 http2;" in conf and "listen 0.0.0.0:8000;" in conf
+    main(["render", "--out", str(tmp_path / "compose")])
+    assert "listen 0.0.0.0:8001 http2;" in (tmp_path / "compose" / "nginx.conf").read_text()
+    with pytest.raises(SystemExit):
+        main(["render", "--out", str(tmp_path / "bad"), "--grpc-listen", "8021"])

@@ -510,7 +510,7 @@ def test_shell_scripts_parse(built):
         assert result.returncode == 0, f"{script}\n{result.stderr}"
 
 
-def test_gateway_reaches_triton_through_the_front_door(built):
+def test_gateway_and_grpc_clients_reach_triton_through_the_grpc_door_and_the_front_door(built):
     objects = built["overlays/cpu"]
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     host, port = gateway["args"][gateway["args"].index("--triton") + 1].split(":")
@@ -518,8 +518,16 @@ def test_gateway_reaches_triton_through_the_front_door(built):
     triton = find(objects, "Deployment", "triton")
     assert svc["spec"]["selector"] == triton["spec"]["selector"]["matchLabels"]
     (grpc,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
-    # The Service's gRPC port leads to the front door's, not to tritonserver's own.
-    assert grpc["targetPort"] in {p["name"] for p in container(pod_spec(triton), "frontdoor")["ports"]}
+    # The Service's gRPC port leads to the gRPC door, which forwards to the front door's loopback
+    # gRPC listener (rendered by the export Job), not to tritonserver's own.
+    door = container(pod_spec(triton), "grpc-door")
+    assert grpc["targetPort"] in {p["name"] for p in door["ports"]}
+    assert door["restartPolicy"] == "Always" and door["image"] == gateway["image"]
+    args = door["args"]
+    assert args[args.index("--upstream") + 1] == "127.0.0.1:8021" and args[args.index("--listen") + 1] == "0.0.0.0:8001"
+    job = container(pod_spec(find(objects, "Job", "model-export")), "export")
+    assert "--grpc-listen 127.0.0.1:8021" in job["args"][0]
+    assert "grpc" not in {p["name"] for p in container(pod_spec(triton), "frontdoor")["ports"]}
     assert gateway["env"][0]["name"] == "GATEWAY_API_KEYS"  # keys from a Secret: no key file is written
 
 
