@@ -208,7 +208,8 @@ class GatewayState:
         self.backend = TritonBackend(settings.triton_url, self.catalog, settings.triton_timeout_s,
                                      settings.generation_timeout_s, settings.ready_poll_s,
                                      coalesce=settings.coalesce_embeddings,
-                                     coalesce_max_rows=settings.coalesce_max_rows)
+                                     coalesce_max_rows=settings.coalesce_max_rows,
+                                     health_dir=settings.triton_health_dir)
         self.counters: dict[str, embeddings.TokenCounter] = {}
         for m in self.catalog.of_kind("embedding"):
             try:

@@ -54,6 +54,10 @@ class GatewaySettings:
     max_tokens_cap: int = 0
     triton_timeout_s: float = 60.0  # deadline of each embeddings call to Triton
     generation_timeout_s: float = 600.0  # deadline of a whole generation stream
+    # The launcher's stub watchdog folder (server/stubs.py; `make serve` passes it): a stream of a
+    # model marked there has lost the instance serving it (tritonserver 2.51 leaves it open and
+    # silent) and ends with a 503 error event. None: not watched.
+    triton_health_dir: Path | None = None
     ready_poll_s: float = 1.0
     embedding_entry: str = "cached"  # "cached": through text_embedding_cached; "direct": the ensemble
     log_requests: bool = True
@@ -99,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=float(_env("GATEWAY_TRITON_TIMEOUT_S", str(d.triton_timeout_s))))
     p.add_argument("--generation-timeout", dest="generation_timeout_s", type=float,
                    default=float(_env("GATEWAY_GENERATION_TIMEOUT_S", str(d.generation_timeout_s))))
+    p.add_argument("--triton-health-dir", type=Path, default=_env("GATEWAY_TRITON_HEALTH_DIR", "") or None,
+                   help="the launcher's stub watchdog folder: a generation stream of a model marked there ends "
+                        "with a 503 error event instead of waiting for --generation-timeout")
     p.add_argument("--embedding-entry", choices=("cached", "direct"), default=_env("GATEWAY_EMBEDDING_ENTRY", d.embedding_entry),
                    help="cached: through the result cache entry point (default); direct: the ensemble itself")
     p.add_argument("--no-request-log", action="store_true", help="no log line per request")
@@ -129,6 +136,7 @@ def from_args(args: argparse.Namespace) -> GatewaySettings:
         max_tokens_cap=args.max_tokens_cap,
         triton_timeout_s=args.triton_timeout_s,
         generation_timeout_s=args.generation_timeout_s,
+        triton_health_dir=args.triton_health_dir,
         embedding_entry=args.embedding_entry,
         log_requests=not args.no_request_log,
         coalesce_embeddings=not args.no_coalesce,

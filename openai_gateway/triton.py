@@ -14,6 +14,7 @@ import re
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -93,8 +94,10 @@ def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = N
 
 class TritonBackend:
     def __init__(self, url: str, catalog: Catalog, timeout_s: float, generation_timeout_s: float, poll_s: float = 1.0,
-                 coalesce: bool = True, coalesce_max_rows: int = 16):
+                 coalesce: bool = True, coalesce_max_rows: int = 16, health_dir: Path | None = None):
         self.url = url
+        # The launcher's stub watchdog folder: a file per model whose instance died (server/stubs.py).
+        self.health_dir = health_dir
         self.catalog = catalog
         self.timeout_s = timeout_s
         self.generation_timeout_s = generation_timeout_s
@@ -262,7 +265,7 @@ class TritonBackend:
         call = self.client.stream_infer(requests(), stream_timeout=self.generation_timeout_s)
         finished = False
         try:
-            async for result, error in call:
+            async for result, error in self._watched(call, job.model.id):
                 if error is not None:
                     raise triton_error(error, job.model.id, param_map)
                 piece = Piece.of(result)
@@ -281,6 +284,39 @@ class TritonBackend:
         finally:
             if not finished:
                 call.cancel()
+
+
+    async def _watched(self, call, model: str):
+        """The stream's items; while none arrives, the watchdog folder is looked at every
+        HEALTH_POLL_S: once ``model`` is marked there, its instance died with this stream open
+        (tritonserver 2.51 would keep it open and silent) and the stream ends with 503."""
+        items = call.__aiter__()
+        if self.health_dir is None:
+            async for item in items:
+                yield item
+            return
+        while True:
+            step = asyncio.ensure_future(items.__anext__())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({step}, timeout=HEALTH_POLL_S)
+                    if done:
+                        break
+                    if (self.health_dir / model).exists():
+                        raise APIError(503, f"model {model} lost the instance serving this stream (its python backend "
+                                            f"stub died; it is being reloaded): retry", code="model_unavailable",
+                                       type="server_error", headers={"Retry-After": "1"})
+            finally:
+                if not step.done():
+                    step.cancel()  # the caller cancels the call itself
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+
+
+HEALTH_POLL_S = 0.25
 
 
 class Coalescer:

@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         gateway = GatewayProcess(GatewayOptions(
             triton_grpc_url=server.triton_grpc_url, host=args.gateway_host, port=args.gateway_port,
             model_repository=args.model_repository, api_key_file=args.gateway_api_key_file, workdir=args.workdir,
-            drain_timeout=args.drain_timeout)).start()
+            drain_timeout=args.drain_timeout,
+            # the stub watchdog's folder: a generation stream whose stub died ends with a 503 event
+            extra_args=["--triton-health-dir", str(server.health_dir)])).start()
     try:
         server.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
     except ServerError as exc:

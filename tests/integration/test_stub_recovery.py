@@ -27,6 +27,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from server.stubs import find_stubs
+from tests.integration.conftest import GATEWAY_TEST_KEY
 
 RECOVERY_S = 30
 
@@ -198,18 +199,59 @@ def _stream(triton, max_tokens: int, markers: queue.Queue) -> None:
         client.close()
 
 
-def test_a_killed_generation_stub_ends_its_streams_with_an_error_and_serves_again(triton):
+def _gateway_stream(url: str, markers: queue.Queue) -> None:
+    """One chat completion streamed through the OpenAI gateway (server-sent events); puts
+    ("started", n) after 3 content chunks, then ("done", n) or ("error", the error event's body)."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = json.dumps({"model": "text_generation", "messages": [{"role": "user", "content": "Tell me a long story."}],
+                       "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {GATEWAY_TEST_KEY}",
+                                                        "Content-Type": "application/json"})
+    response = conn.getresponse()
+    chunks = 0
+    try:
+        for line in response:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                markers.put(("done", chunks))
+                return
+            event = json.loads(data)
+            if "error" in event:
+                markers.put(("error", event["error"]))
+                return
+            chunks += 1
+            if chunks == 3:
+                markers.put(("started", chunks))
+        markers.put(("done", chunks))
+    finally:
+        conn.close()
+
+
+def test_a_killed_generation_stub_ends_its_streams_with_an_error_and_serves_again(triton, start_gateway):
     if "text_generation" not in triton.options.models:
         pytest.skip("text_generation is not loaded")
     markers: queue.Queue = queue.Queue()
     worker = threading.Thread(target=_stream, args=(triton, 2000, markers), daemon=True)
     worker.start()
     assert markers.get(timeout=120)[0] == "started"
-    result = _kill_and_watch(triton, "text_generation", "text_generation")
+    # and one through the OpenAI gateway, told the watchdog's folder as `make serve` tells it
+    with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--triton-health-dir", str(triton.health_dir)) as gw:
+        sse: queue.Queue = queue.Queue()
+        sse_worker = threading.Thread(target=_gateway_stream, args=(gw.url, sse), daemon=True)
+        sse_worker.start()
+        assert sse.get(timeout=120)[0] == "started"
+        result = _kill_and_watch(triton, "text_generation", "text_generation")
+        sse_worker.join(timeout=60)
+        sse_kind, sse_detail = sse.get(timeout=5)
     worker.join(timeout=60)
     kind, detail = markers.get(timeout=5)
     # the in-flight stream ended with a clean UNAVAILABLE (retryable), not silence or INTERNAL
     assert kind == "error" and detail.status() == "StatusCode.UNAVAILABLE", (kind, detail)
+    # the gateway's stream ended with a 503-class error event (before: silent until its timeout)
+    assert sse_kind == "error" and sse_detail.get("code") == "model_unavailable", (sse_kind, sse_detail)
     assert result["recovered_s"] is not None and result["recovered_s"] < RECOVERY_S, result
     assert any(ready == 503 for ready, _ in result["readiness"]), result["readiness"]
     # A new stream on the reloaded model (its own, fresh KV pool) runs to its end.
