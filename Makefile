@@ -71,7 +71,8 @@ perf: $(STAMP)
 perf-quick: $(STAMP)
 	$(PY) -m perf.sweep --quick
 
-# Text generation side by side: naive generate(), in-process engine, Triton gRPC/HTTP, prefix caching (perf/README.md).
+# Text generation side by side: naive generate(), in-process engine, Triton gRPC/HTTP, llama.cpp's llama-server on the
+# same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores: perf/llama_cpp.py), prefix caching (perf/README.md).
 perf-generate: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.generate_bench

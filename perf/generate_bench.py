@@ -70,14 +70,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 MODEL = "text_generation"
 DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
 DEFAULT_DATA = PERF_DIR / "data" / "generation_prompts.json"
-SYSTEMS = ("naive", "engine", "grpc", "http")
+SYSTEMS = ("naive", "engine", "grpc", "http", "llama")
 SYSTEM_NAMES = {
     "naive": "naive: transformers generate(), one request at a time (FastAPI, SSE)",
     "engine": "engine in-process (LLMEngine + EngineLoop, no Triton)",
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
+    "llama": "llama.cpp llama-server (the same model, SmolLM2-135M-Instruct Q4_1 GGUF), --parallel = the concurrency, "
+             "--cont-batching, its /completion stream (perf/llama_cpp.py)",
 }
-PROTOCOLS = {"naive": "http sse", "engine": "in-process", "grpc": "grpc stream", "http": "http sse"}
+PROTOCOLS = {"naive": "http sse", "engine": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
 
 # The issue's targets, checked (not enforced) in the printed ratios.
 TARGET_ENGINE_VS_NAIVE = 10.0
@@ -201,6 +203,9 @@ class System:
     async def close(self) -> None:
         pass
 
+    async def prepare(self, concurrency: int) -> None:
+        """Before a window at ``concurrency`` (llama-server restarts with --parallel = it)."""
+
     async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
         raise NotImplementedError
 
@@ -293,6 +298,97 @@ class SseSystem(System):
 
     def busy(self) -> bool | None:
         return self._busy()
+
+
+class LlamaSystem(System):
+    """llama.cpp's llama-server on the same model (its GGUF), restarted with ``--parallel`` equal
+    to each window's concurrency and ``--cont-batching``; streams through its native
+    ``/completion`` endpoint with the prompt as the benchmark templated it (one event per token)."""
+
+    key = "llama"
+    CONTEXT_PER_SLOT = 2048  # tokens of KV per parallel slot: the longest prompt plus max_tokens
+
+    def __init__(self, binary: Path, model: Path, log_path: Path, threads: int | None = None):
+        self.binary, self.model, self.log_path = binary, model, log_path
+        self.threads = threads or os.cpu_count() or 1
+        self.process = None
+        self.parallel = 0
+        self.url = ""
+        self.session = None
+
+    async def open(self) -> None:
+        import aiohttp
+
+        # A fresh connection per stream: llama-server closes a kept-alive one after a stream, and a
+        # request written onto it then fails ("Can not write request body").
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600),
+                                             connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+    async def prepare(self, concurrency: int) -> None:
+        if self.process is not None and self.process.poll() is None and self.parallel == concurrency:
+            return
+        self._stop()
+        import subprocess
+
+        from server.process import free_port
+
+        port = free_port()
+        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
+               "--parallel", str(concurrency), "--cont-batching", "-t", str(self.threads),
+               "-c", str(self.CONTEXT_PER_SLOT * concurrency), "--no-webui"]
+        with self.log_path.open("a") as log:
+            log.write(f"\n$ {' '.join(cmd)}\n")
+            log.flush()
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.parallel, self.url = concurrency, f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.process.returncode} (log {self.log_path})")
+            try:
+                async with self.session.get(f"http://{self.url}/health") as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"llama-server not ready after 120 s (log {self.log_path})")
+
+    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with self.session.post(f"http://{self.url}/completion", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            seen = 0
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                if event.get("stop"):
+                    predicted = int(event.get("tokens_predicted") or seen)
+                    if predicted > seen:
+                        record.add(predicted - seen, now)
+                    return
+                seen += 1
+                record.add(1, now)
+
+    def _stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it is killed instead
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    async def close(self) -> None:
+        self._stop()
+        if self.session is not None:
+            await self.session.close()
 
 
 class GrpcSystem(System):
@@ -440,6 +536,7 @@ class Bench:
             for s in systems.values():
                 aio.run_until_complete(s.open())
             for key in order:  # warm-up: first requests allocate; keep them out of the windows
+                aio.run_until_complete(systems[key].prepare(a.concurrency[0]))
                 warm = Stream(key, 0, 0, time.perf_counter())
                 try:
                     aio.run_until_complete(asyncio.wait_for(systems[key].stream(workload.prompts[0], 4, warm), 120))
@@ -450,6 +547,7 @@ class Bench:
                 for c in a.concurrency:
                     for key in order[turn % len(order):] + order[: turn % len(order)]:
                         cell = self.cells.setdefault((key, c), Cell(key, c))
+                        aio.run_until_complete(systems[key].prepare(c))
                         index = aio.run_until_complete(
                             _window(systems[key], c, a.duration, workload.prompts, a.max_tokens, index, cell))
                         idle = wait_idle(systems[key], a.idle_timeout)
@@ -718,6 +816,20 @@ def ratios(args, summaries: dict[tuple[str, int], dict], prefix: dict | None) ->
             s, e = tps(key, c), tps("engine", c)
             out.append(ratio(f"Triton {key} / engine tokens/s, {c} streams", s, e,
                              TARGET_SERVED_VS_ENGINE if c == top else None, detail=f"{_fmt(s)} / {_fmt(e)}"))
+    for c in sorted(args.concurrency, reverse=True):  # the peer: ours over llama.cpp's
+        peer = summaries.get(("llama", c))
+        if not peer:
+            continue
+        for key in ("grpc", "http"):
+            ours = summaries.get((key, c))
+            if not ours:
+                continue
+            out.append(ratio(f"Triton {key} / llama.cpp tokens/s, {c} streams", ours["tokens_per_s"],
+                             peer["tokens_per_s"], detail=f"{_fmt(ours['tokens_per_s'])} / {_fmt(peer['tokens_per_s'])}"))
+            out.append(ratio(f"Triton {key} / llama.cpp TTFT P50 (lower is better), {c} streams", ours["ttft_p50_ms"],
+                             peer["ttft_p50_ms"], detail=f"{_fmt(ours['ttft_p50_ms'])} / {_fmt(peer['ttft_p50_ms'])} ms"))
+            out.append(ratio(f"Triton {key} / llama.cpp ITL P50 (lower is better), {c} streams", ours["itl_p50_ms"],
+                             peer["itl_p50_ms"], detail=f"{_fmt(ours['itl_p50_ms'])} / {_fmt(peer['itl_p50_ms'])} ms"))
     if prefix is not None:
         out.append(ratio("TTFT prefix cached / uncached (engine, P50)", prefix["ttft_cached_p50_ms"],
                          prefix["ttft_uncached_p50_ms"], TARGET_CACHED_TTFT, above=False,
@@ -769,7 +881,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, help="seconds per (system, concurrency) window (default 30, --quick 4)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole grid (default 1)")
     p.add_argument("--systems", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                   default=list(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+                   default=None, help=f"comma-separated subset of {','.join(SYSTEMS)} (default all; --quick: all but "
+                                      "llama, whose first build takes minutes)")
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching comparison")
     p.add_argument("--prefix-max-tokens", type=int, default=4, help="new tokens per prefix-caching request (default 4)")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
@@ -787,6 +900,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     q = args.quick
+    if args.systems is None:
+        args.systems = [k for k in SYSTEMS if not (q and k == "llama")]
     for name, full, quick in (("concurrency", [1, 8, 16, 32], [1, 4]), ("max_tokens", 128, 16), ("duration", 30.0, 4.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
@@ -857,6 +972,16 @@ def run(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 bench.say(f"naive server did not start: {exc}")
                 bench.notes.append("naive server did not start")
+        if "llama" in wanted:
+            from perf import llama_cpp
+
+            try:
+                binary, gguf = llama_cpp.build(say=bench.say), llama_cpp.model(say=bench.say)
+                systems["llama"] = LlamaSystem(binary, gguf, out_dir / "llama_server.log")
+                bench.say(f"llama-server: {binary} on {gguf.name}")
+            except llama_cpp.LlamaCppError as exc:
+                bench.say(f"llama-server unavailable: {exc}")
+                bench.notes.append(f"llama-server unavailable: {str(exc)[:200]}")
         if triton is not None:
             try:
                 triton.wait_ready(timeout=300)
