@@ -97,7 +97,8 @@ class RepositoryClient:
         self.metrics_url = metrics_url
         self.timeout = timeout
 
-    def _json(self, path: str, method: str = "GET", body: Any = None, what: str = "") -> Any:
+    def _call(self, path: str, method: str = "GET", body: Any = None, what: str = "") -> bytes:
+        """The answer's body; anything but 200 raises RepositoryError with Triton's status and message."""
         status, raw = http(self.base + path, method, body, self.headers, self.timeout)
         if status != 200:
             message = raw.decode(errors="replace")
@@ -106,6 +107,10 @@ class RepositoryClient:
             except (ValueError, AttributeError):
                 pass
             raise RepositoryError(f"{what or method + ' ' + path}: HTTP {status}: {message}", status)
+        return raw
+
+    def _json(self, path: str, method: str = "GET", body: Any = None, what: str = "") -> Any:
+        raw = self._call(path, method, body, what)
         return json.loads(raw) if raw else {}
 
     def config(self, model: str) -> dict:
@@ -150,15 +155,7 @@ class RepositoryClient:
     def post(self, path: str, body: bytes) -> bytes:
         """A repository call with a raw JSON body as the caller sent it (the cluster's fan-out
         forwards load and unload this way); a refusal raises RepositoryError with Triton's status."""
-        status, raw = http(self.base + path, "POST", body, self.headers, self.timeout)
-        if status != 200:
-            message = raw.decode(errors="replace")
-            try:
-                message = json.loads(message).get("error", message)
-            except (ValueError, AttributeError):
-                pass
-            raise RepositoryError(f"POST {path}: HTTP {status}: {message}", status)
-        return raw
+        return self._call(path, "POST", body)
 
     def metrics(self) -> str:
         if not self.metrics_url:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import itertools
@@ -254,6 +255,22 @@ class EngineSystem(System):
                     or self.loop.engine.has_unfinished())
 
 
+async def _sse_events(session, url: str, body: dict):
+    """(arrival time, event) of each server-sent ``data:`` event of a streaming POST; a status
+    other than 200 or an ``error`` event raises."""
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for line in resp.content:
+            if not line.startswith(b"data:"):
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            yield now, event
+
+
 class SseSystem(System):
     """Triton's generate_stream or the naive server (the same interface)."""
 
@@ -276,17 +293,10 @@ class SseSystem(System):
         # "stream" as an input (top level): the served model answers in pieces only when asked;
         # the naive server always streams on this endpoint and ignores it.
         body = {"text_input": prompt, "stream": True, "parameters": {**_params(max_tokens), **self.extra}}
-        async with self.session.post(f"http://{self.url}/v2/models/{MODEL}/generate_stream", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-            seen = 0
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                now = time.perf_counter()
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
+        seen = 0
+        url = f"http://{self.url}/v2/models/{MODEL}/generate_stream"
+        async with contextlib.aclosing(_sse_events(self.session, url, body)) as events:  # a return closes the response
+            async for now, event in events:
                 if "num_output_tokens" in event:  # cumulative in the served model's responses
                     n = int(event["num_output_tokens"]) - seen
                     seen = int(event["num_output_tokens"])
@@ -356,17 +366,9 @@ class LlamaSystem(System):
 
     async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-        async with self.session.post(f"http://{self.url}/completion", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-            seen = 0
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                now = time.perf_counter()
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
+        seen = 0
+        async with contextlib.aclosing(_sse_events(self.session, f"http://{self.url}/completion", body)) as events:
+            async for now, event in events:
                 if event.get("stop"):
                     predicted = int(event.get("tokens_predicted") or seen)
                     if predicted > seen:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from perf import failover_bench
+from tests.integration.plain_clients import PlainClients
 
 MODELS = ("text_embedding", "text_embedding_cached")
 KEY = "sk-test-cluster-key-0123456789"
@@ -76,71 +77,9 @@ def test_the_first_screen_says_where_everything_is_and_prometheus_scrapes_every_
     assert len(answer["data"][0]["embedding"]) == 384
 
 
-class PlainClients:
-    """Clients that never retry, beside the bench's retrying ones: keep-alive http.client
-    connections through the front door (as curl, wrk, browsers and `requests` use it) and
-    tritonclient gRPC through the gRPC door. Counts every outcome."""
-
-    def __init__(self, cluster, http_threads: int = 8, grpc_threads: int = 4):
-        import collections
-        import threading
-
-        self.cluster, self.stop = cluster, threading.Event()
-        self.outcomes: collections.Counter = collections.Counter()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._http, daemon=True) for _ in range(http_threads)]
-        self.threads += [threading.Thread(target=self._grpc, daemon=True) for _ in range(grpc_threads)]
-
-    def _count(self, key: str) -> None:
-        with self.lock:
-            self.outcomes[key] += 1
-
-    def _http(self) -> None:
-        import http.client
-
-        host, port = self.cluster.http_url.rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        body = json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["plain"]}]})
-        while not self.stop.is_set():
-            try:
-                conn.request("POST", "/v2/models/text_embedding/infer", body)
-                response = conn.getresponse()
-                response.read()
-                self._count(f"http {response.status}")
-            except (OSError, http.client.HTTPException) as exc:
-                self._count(f"http {type(exc).__name__}")
-                conn.close()
-                conn = http.client.HTTPConnection(host, int(port), timeout=60)
-
-    def _grpc(self) -> None:
-        import numpy as np
-        import tritonclient.grpc as grpcclient
-
-        client = grpcclient.InferenceServerClient(self.cluster.grpc_url)
-        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[b"plain grpc"]], dtype=object))
-        while not self.stop.is_set():
-            try:
-                client.infer("text_embedding", [tensor], client_timeout=60)
-                self._count("grpc OK")
-            except grpcclient.InferenceServerException as exc:
-                self._count(f"grpc {exc.status()}")
-        client.close()
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=90)
-
-
 def test_sigkill_of_a_replica_under_load_fails_no_request_and_it_serves_again(cluster):
     reloads_before = cluster.state()["front_door"]["reloads"]
-    with PlainClients(cluster) as plain:
+    with PlainClients(cluster.http_url, cluster.grpc_url) as plain:
         result = failover_bench.scenario(cluster, concurrency=8, duration_s=30.0, kill_at_s=10.0, victim=0)
     rows = result.pop("rows")
     print(f"plain clients without retries: {dict(plain.outcomes)}")

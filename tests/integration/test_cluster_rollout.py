@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from ops.rollout import RolloutState
 from perf import failover_bench
 from python_backends.routing.ensemble import DIRECT, ROUTED, form_of
 from server.layout import ROOT
+from tests.integration.plain_clients import PlainClients
 from tests.integration.versions import versioned_repository
 
 MISSING = [b for b in ("nginx", "redis-server") if shutil.which(b) is None
@@ -71,18 +71,14 @@ def _embedding(url: str) -> np.ndarray:
     return np.asarray(outputs["EMBEDDING"], dtype=np.float32)
 
 
-class VersionedLoad:
-    """Clients that never retry: keep-alive http.client threads through the front door and
-    tritonclient gRPC threads through the gRPC door. Each answer is counted by the version
-    whose vector it is (version 2 is version 1 negated); anything else by what it was."""
+class VersionedLoad(PlainClients):
+    """Plain clients (no retries, tests/integration/plain_clients.py) whose answers are counted
+    by the version whose vector they are (version 2 is version 1 negated); anything else by what
+    it was."""
 
     def __init__(self, cluster, reference: np.ndarray, http_threads: int = 4, grpc_threads: int = 2):
-        self.cluster, self.reference = cluster, reference
-        self.stop = threading.Event()
-        self.outcomes: collections.Counter = collections.Counter()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._http, daemon=True) for _ in range(http_threads)]
-        self.threads += [threading.Thread(target=self._grpc, daemon=True) for _ in range(grpc_threads)]
+        super().__init__(cluster.http_url, cluster.grpc_url, http_threads, grpc_threads, text=TEXT)
+        self.reference = reference
 
     def _version(self, vector: np.ndarray) -> str:
         vector = np.asarray(vector, dtype=np.float32).reshape(-1)
@@ -92,60 +88,17 @@ class VersionedLoad:
             return "version 2"
         return "neither version"
 
-    def _count(self, key: str) -> None:
-        with self.lock:
-            self.outcomes[key] += 1
+    def http_outcome(self, status: int, raw: bytes) -> str:
+        if status != 200:
+            return f"http {status} {raw[:120]!r}"
+        outputs = {o["name"]: o["data"] for o in json.loads(raw)["outputs"]}
+        return f"http {self._version(outputs['EMBEDDING'])}"
 
-    def _http(self) -> None:
-        import http.client
+    def grpc_outcome(self, result) -> str:
+        return f"grpc {self._version(result.as_numpy('EMBEDDING'))}"
 
-        host, port = self.cluster.http_url.rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        body = json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [TEXT]}]})
-        while not self.stop.is_set():
-            try:
-                conn.request("POST", "/v2/models/text_embedding/infer", body)
-                response = conn.getresponse()
-                raw = response.read()
-                if response.status != 200:
-                    self._count(f"http {response.status} {raw[:120]!r}")
-                    continue
-                outputs = {o["name"]: o["data"] for o in json.loads(raw)["outputs"]}
-                self._count(f"http {self._version(outputs['EMBEDDING'])}")
-            except (OSError, http.client.HTTPException) as exc:
-                self._count(f"http {type(exc).__name__}")
-                conn.close()
-                conn = http.client.HTTPConnection(host, int(port), timeout=60)
-
-    def _grpc(self) -> None:
-        import tritonclient.grpc as grpcclient
-
-        client = grpcclient.InferenceServerClient(self.cluster.grpc_url)
-        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[TEXT.encode()]], dtype=object))
-        while not self.stop.is_set():
-            try:
-                result = client.infer("text_embedding", [tensor], client_timeout=60)
-                self._count(f"grpc {self._version(result.as_numpy('EMBEDDING'))}")
-            except grpcclient.InferenceServerException as exc:
-                self._count(f"grpc {exc.status()} {exc.message()[:120]}")
-        client.close()
-
-    def take(self) -> collections.Counter:
-        """The outcomes since the last take."""
-        with self.lock:
-            out, self.outcomes = self.outcomes, collections.Counter()
-        return out
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=90)
+    def grpc_error(self, exc) -> str:
+        return f"grpc {exc.status()} {exc.message()[:120]}"
 
 
 def _rollout(cluster, *args: str) -> subprocess.CompletedProcess:
