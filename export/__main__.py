@@ -10,9 +10,10 @@ missed its gate or failed to build; skipped variants (no GPU, no TensorRT) say w
   python -m export --model text_encoder --variant int8 --force
   python -m export --update-docs           # also refresh docs/export-report.md
 
-The generation model (text_generation) has one precision and no variants: export/generation.py
-converts it to safetensors and gates it against its source (python -m export.generation for
---weights and --dtype).
+The generation model (text_generation): export/generation.py converts it to safetensors and
+gates it against its source (python -m export.generation for --weights and --dtype); its
+precision variants (BF16, INT4 blocks) are gated against the FP32 engine on this CPU by
+export/generation_gate.py.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if name in SINGLE:
             module = importlib.import_module(SINGLE[name])
             try:
-                singles.append((module, module.report(module.export_for_serving(args.repository, force=args.force))))
+                singles.append((module, module.report(module.export_for_serving(args.repository, force=args.force,
+                                                                                 speed=not args.no_speed))))
             except Exception as exc:  # report every model, then fail
                 log.exception("%s: export failed", name)
                 failed.append(f"{name} (export failed: {exc})")

@@ -96,6 +96,7 @@ class ExportResult:
     seconds: float = 0.0
     source: str = ""
     dtype: str = "float32"
+    variants: dict[str, Any] = field(default_factory=dict)  # export/generation_gate.py's manifest
 
 
 def packaged_source() -> Source:
@@ -381,25 +382,52 @@ def write_gpu_config(repo: Path) -> Path:
     return target
 
 
-def export_for_serving(repo: Path = ROOT / "model_repository", force: bool = False) -> ExportResult:
+def export_for_serving(repo: Path = ROOT / "model_repository", force: bool = False, speed: bool = False) -> ExportResult:
     """What `python -m export` (and so `make serve` / `make test`) runs: keep a complete export
-    that passed its gate, a user's own --weights export included; else export the packaged model."""
+    that passed its gate, a user's own --weights export included; else export the packaged model.
+    Then gate the precision variants on this CPU unless their verdicts were made here for these
+    weights (export/generation_gate.py); ``speed`` adds their decode tokens/s."""
     if (repo / MODEL / "config.pbtxt").is_file():
         write_gpu_config(repo)
     if not force and up_to_date(repo):
         manifest = read_manifest(repo) or {}
         log.info("%s: up to date (%s: %s, %s); --force to rebuild from the packaged model", MODEL, version_dir(repo),
                  manifest.get("source_description"), manifest.get("dtype"))
-        return ExportResult(version_dir(repo), True, manifest.get("gate", {}), 0.0,
-                            manifest.get("source_description", ""), manifest.get("dtype", ""))
-    return export(repo, force=True)
+        result = ExportResult(version_dir(repo), True, manifest.get("gate", {}), 0.0,
+                              manifest.get("source_description", ""), manifest.get("dtype", ""))
+    else:
+        result = export(repo, force=True)
+    result.variants = gate_precisions(repo, force=force, speed=speed)
+    return result
+
+
+def gate_precisions(repo: Path, force: bool = False, speed: bool = False) -> dict[str, Any]:
+    """The precision variants' manifest, gated again when the kernels, the weights or the gate changed."""
+    from export import generation_gate
+
+    manifest = read_manifest(repo) or {}
+    sha = manifest.get("files", {}).get("model.safetensors", "")
+    if not (repo / MODEL / "config.pbtxt").is_file():  # nothing would serve them
+        return {}
+    if manifest.get("dtype") != "float32":  # variants are built from FP32 weights
+        log.info("%s: weights are %s: no precision variants", MODEL, manifest.get("dtype"))
+        return {}
+    if not force and not speed and generation_gate.up_to_date(repo, sha):
+        from export.variants import read_manifest as read_variants
+
+        recorded = read_variants(repo, MODEL)
+        log.info("%s: precision variants gated on this CPU already (auto serves %s)", MODEL,
+                 recorded.get("best", {}).get("cpu"))
+        return recorded
+    log.info("%s: gating the precision variants this CPU runs against the FP32 engine", MODEL)
+    return generation_gate.gate_variants(repo, sha, speed=speed)
 
 
 def report(result: ExportResult) -> dict[str, Any]:
     """The export's row for `python -m export`'s summary."""
     return {"model": MODEL, "status": "up to date" if result.skipped else "exported", "source": result.source,
             "dtype": result.dtype, "folder": str(result.version_dir), "gate": result.metrics,
-            "seconds": round(result.seconds, 1)}
+            "seconds": round(result.seconds, 1), "variants": result.variants}
 
 
 def to_markdown(row: dict[str, Any]) -> str:
@@ -416,7 +444,13 @@ def to_markdown(row: dict[str, Any]) -> str:
          f"{g.get('logits_max_abs_diff', float('nan')):.3g} | {g.get('max_abs_diff_limit')} |"),
         f"| greedy {g.get('greedy_tokens')} tokens identical | {g.get('greedy_agree')}/{g.get('prompts')} | all |",
         "| tokenizer ids, chat template, bos/eos | " + ("same" if g.get("passed") else "; ".join(g.get("failures", [])))
-        + " | same |", ""])
+        + " | same |", ""] + ([generation_markdown(row["variants"])] if row.get("variants") else []))
+
+
+def generation_markdown(manifest: dict[str, Any]) -> str:
+    from export.generation_gate import markdown
+
+    return markdown(manifest)
 
 
 def main(argv: list[str] | None = None) -> int:

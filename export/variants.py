@@ -52,6 +52,10 @@ VARIANTS: dict[str, Variant] = {
     )
 }
 
+# Precision variants of the generation model (export/generation_gate.py): the same weights
+# multiplied in another precision, chosen by configs/<name>.pbtxt like the variants above.
+GENERATION_VARIANTS = ("bf16", "int4_bf16")
+
 # What PRECISION=auto serves, best first, per hardware.
 AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
 
@@ -196,8 +200,9 @@ def resolve_precision(repo: Path, models: list[str], precision: str, gpu: bool |
             bests = {read_manifest(repo, m).get("best", {}).get(hardware) for m in models}
             if any(b is not None and b not in loadable for b in bests):
                 precision = next((v for v in AUTO_ORDER[hardware] if v in loadable), "fp32")
-    if precision not in VARIANTS and precision not in AUTO_ORDER:
-        raise ValueError(f"PRECISION must be auto, cpu, gpu or one of {', '.join(VARIANTS)}; got {precision!r}")
+    if precision not in VARIANTS and precision not in AUTO_ORDER and precision not in GENERATION_VARIANTS:
+        raise ValueError(f"PRECISION must be auto, cpu, gpu or one of {', '.join((*VARIANTS, *GENERATION_VARIANTS))}; "
+                         f"got {precision!r}")
     served = {}
     for m in models:
         manifest = read_manifest(repo, m)

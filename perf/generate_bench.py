@@ -719,7 +719,7 @@ def profile_step(engine, prompts: Sequence[str], batch: int, steps: int) -> dict
         engine.runner.execute = execute
         for i in range(batch):
             engine.abort(f"profile-{i}")
-    matrix = {"aten::mm", "aten::addmm", "aten::bmm"}
+    matrix = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu"}
     attention = {"aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_softmax",
                  "aten::_safe_softmax", "aten::scaled_dot_product_attention"}
     groups = {"matrix": 0.0, "attention": 0.0, "other ops": 0.0}
@@ -743,8 +743,17 @@ def profile_step(engine, prompts: Sequence[str], batch: int, steps: int) -> dict
 # --------------------------------------------------------------------------- set-up
 
 
-def served_engine_settings(repository: Path) -> dict:
-    """EngineConfig keyword arguments from the served model's config.pbtxt parameters."""
+def resolve_precision(repository: Path, precision: str) -> tuple[str | None, str]:
+    """(Triton's --model-config-name, the weights precision served) for PRECISION (export/variants.py)."""
+    from export import variants
+
+    config_name, served = variants.resolve_precision(repository, [MODEL], precision, gpu=False)
+    return config_name, served[MODEL]
+
+
+def served_engine_settings(repository: Path, config_name: str | None = None) -> dict:
+    """EngineConfig keyword arguments from the parameters of the config Triton serves
+    (``configs/<config_name>.pbtxt`` when it exists, else config.pbtxt)."""
     from ops.rollout import config_from_disk
     from python_backends.config import ModelConfig
     from python_backends.generation.serving import engine_settings
@@ -752,7 +761,7 @@ def served_engine_settings(repository: Path) -> dict:
     path = repository / MODEL / "config.pbtxt"
     if not path.is_file():
         return {}
-    cfg = ModelConfig(config_from_disk(repository, MODEL, None))
+    cfg = ModelConfig(config_from_disk(repository, MODEL, config_name))
     settings = engine_settings(cfg.param, cfg.param_int, cfg.param_bool)
     if settings["dtype"] == "auto":  # what the served model picks on a CPU instance
         settings["dtype"] = "float32"
@@ -766,7 +775,7 @@ def start_engine(model_dir: Path, settings: dict):
     return engine, EngineLoop(engine)
 
 
-def start_triton(model_dir: Path, workdir: Path):
+def start_triton(model_dir: Path, workdir: Path, config_name: str | None = None):
     """tritonserver with only text_generation (the launcher's code path, front door included).
 
     With --model-dir elsewhere than the version folder, a temporary repository holds the
@@ -779,11 +788,14 @@ def start_triton(model_dir: Path, workdir: Path):
         version = repository / MODEL / "1"
         version.mkdir(parents=True)
         shutil.copy(ROOT / "model_repository" / MODEL / "config.pbtxt", repository / MODEL / "config.pbtxt")
+        if (ROOT / "model_repository" / MODEL / "configs").is_dir():
+            shutil.copytree(ROOT / "model_repository" / MODEL / "configs", repository / MODEL / "configs")
         for f in (ROOT / "model_repository" / MODEL / "1").glob("*.py"):
             shutil.copy(f, version / f.name)
         for f in model_dir.iterdir():
             (version / f.name).symlink_to(f.resolve())
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_repository=repository))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_repository=repository,
+                                                        model_config_name=config_name))
     return server.start()
 
 
@@ -899,6 +911,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="only profile decode steps of the in-process engine at the highest concurrency (torch.profiler): "
                         "matrix products vs attention vs other ops vs Python outside the ops")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/generate-<UTC time>)")
+    p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"),
+                   help="the weights precision served, as `make serve PRECISION=...` (default auto: the best variant "
+                        "that passed its gate on this CPU; fp32, bf16, int4_bf16)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     q = args.quick
@@ -914,11 +929,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--concurrency, --max-tokens, --duration and --rounds must be positive")
     if not (args.model_dir / "config.json").is_file():
         p.error(f"{args.model_dir} has no config.json: export the model first (python -m export.generation)")
+    try:
+        args.config_name, args.weights_precision = resolve_precision(ROOT / "model_repository", args.precision)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
 def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
-    settings = served_engine_settings(ROOT / "model_repository")
+    settings = served_engine_settings(ROOT / "model_repository", args.config_name)
     engine, loop = start_engine(args.model_dir, settings)
     loop.shutdown()  # the profile drives the engine itself
     workload = load_workload(args.data, engine.tokenizer, quick=False)
@@ -947,6 +966,9 @@ def run(args: argparse.Namespace) -> int:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     bench.say(f"perf.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, {args.max_tokens} "
               f"tokens, {args.duration:g} s windows x {args.rounds} round(s), load average {load}")
+    from python_backends.generation.linear import describe_cpu
+
+    bench.say(f"weights precision {args.weights_precision} (PRECISION={args.precision}), CPU: {describe_cpu()}")
 
     wanted = set(args.systems)
     workdir = Path(tempfile.mkdtemp(prefix="perf-generate-"))
@@ -955,12 +977,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The servers load while this process loads its own engine.
         if wanted & {"grpc", "http"}:
-            triton = start_triton(args.model_dir, workdir)
+            triton = start_triton(args.model_dir, workdir, args.config_name)
             bench.say(f"tritonserver starting ({MODEL} only): http {triton.http_url}, grpc {triton.grpc_url}")
         if "naive" in wanted:
             naive = NaiveGenerateServer(free_port(), out_dir / "naive_server.log", model_dir=args.model_dir).start()
             bench.say(f"naive server starting on {naive.http_url}")
-        settings = served_engine_settings(ROOT / "model_repository")
+        settings = served_engine_settings(ROOT / "model_repository", args.config_name)
         engine, loop = start_engine(args.model_dir, settings)
         bench.say(f"engine loaded in-process: {settings or 'EngineConfig defaults'}")
         workload = load_workload(args.data, engine.tokenizer, args.quick)

@@ -26,6 +26,7 @@ import torch
 from python_backends.errors import ConfigError, InputError
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
+from python_backends.generation.linear import PRECISIONS
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
@@ -43,6 +44,8 @@ class EngineConfig:
     model_dir: str | Path
     device: str = "cpu"
     dtype: str = "float32"
+    # The matrix products' weights (python_backends/generation/linear.py): fp32, bf16 or int4_bf16.
+    weights_precision: str = "fp32"
     block_size: int = 16
     # The pool: num_blocks when given, else as many blocks as kv_cache_bytes holds.
     kv_cache_bytes: int = 256 * 2**20
@@ -66,6 +69,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.weights_precision not in PRECISIONS:
+            raise ConfigError(f"weights_precision {self.weights_precision!r}: expected one of {', '.join(PRECISIONS)}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len", "max_tokens_limit"):
             if int(getattr(self, name)) <= 0:
@@ -122,7 +127,8 @@ class LLMEngine:
         dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device)
         model_dir = Path(config.model_dir)
-        self.weights = weights if weights is not None else LlamaWeights.from_folder(model_dir, dtype, self.device)
+        self.weights = weights if weights is not None else LlamaWeights.from_folder(
+            model_dir, dtype, self.device, config.weights_precision)
         mcfg = self.weights.config
         if tokenizer is None:
             from transformers import AutoTokenizer

@@ -11,7 +11,9 @@ rows that sample.
 Numerics follow ``transformers``' Llama (RMSNorm in FP32, RoPE from FP32 inverse
 frequencies, SiLU-gated MLP), so greedy tokens match ``generate()`` on the same weights.
 Q/K/V and gate/up projections are fused into one matrix each: fewer, larger matrix
-products per layer, which is where a small model's CPU step spends its time.
+products per layer, which is where a small model's CPU step spends its time. Each product is a
+:class:`~python_backends.generation.linear.Linear` in the weights' precision (FP32, BF16 or
+INT8, ``linear.py``); with FP32 weights the numbers are transformers' own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from python_backends.errors import ConfigError
+from python_backends.generation.linear import HEAD_PRECISION, Linear, make_linear
 from python_backends.generation.paged_attention import PagedKVCache
 from python_backends.generation.scheduler import SchedulerOutput
 
@@ -93,11 +96,11 @@ class LlamaConfig:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 def _load_state_dict(folder: Path, device) -> dict[str, torch.Tensor]:
@@ -113,51 +116,72 @@ def _load_state_dict(folder: Path, device) -> dict[str, torch.Tensor]:
 
 
 class LlamaWeights:
-    """The checkpoint's tensors, fused and cast once at load."""
+    """The checkpoint's tensors, fused and cast once at load; the products in ``precision``.
 
-    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    The token embedding stays in ``dtype`` (a lookup reads one row); the output head is its
+    own Linear in ``precision`` even when tied to it. The checkpoint's tensors are dropped as
+    each layer is built, so a quantized model's resident weights are the quantized ones.
+    """
+
+    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                 precision: str = "fp32"):
         self.config = config
+        self.precision = precision
 
         def take(name: str) -> torch.Tensor:
             if name not in state:
                 raise ConfigError(f"the checkpoint has no tensor {name!r}")
-            return state[name].to(device=device, dtype=dtype)
+            return state.pop(name).to(device=device, dtype=dtype)
+
+        def linear(*names: str, precision: str = precision) -> Linear:
+            parts = [take(n) for n in names]
+            return make_linear(parts[0] if len(parts) == 1 else torch.cat(parts, 0).contiguous(), precision)
 
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         if config.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = self.embed
+            self.lm_head = make_linear(self.embed, HEAD_PRECISION[precision])
         else:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = linear("lm_head.weight", precision=HEAD_PRECISION[precision])
+        expected = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(
-                _Layer(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0).contiguous(),
-                    o=take(p + "self_attn.o_proj.weight"),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0).contiguous(),
-                    down=take(p + "mlp.down_proj.weight"),
+            layer = _Layer(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                o=linear(p + "self_attn.o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
+            )
+            if (layer.qkv.out_features, layer.qkv.in_features) != (expected, config.hidden_size):
+                raise ConfigError(
+                    f"q/k/v projections are {[layer.qkv.out_features, layer.qkv.in_features]}, config.json implies "
+                    f"{[expected, config.hidden_size]}"
                 )
-            )
-        expected = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        if self.layers and self.layers[0].qkv.shape != (expected, config.hidden_size):
-            raise ConfigError(
-                f"q/k/v projections are {list(self.layers[0].qkv.shape)}, config.json implies "
-                f"{[expected, config.hidden_size]}"
-            )
+            self.layers.append(layer)
+
+    def nbytes(self) -> int:
+        """Bytes of the weights as held (the embedding, the norms and every Linear)."""
+        linears = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        tensors = [self.embed, self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
+        shared = self.lm_head.nbytes if getattr(self.lm_head, "weight", None) is self.embed else 0
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(m.nbytes for m in linears) - shared
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "LlamaWeights":
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
+                    precision: str = "fp32") -> "LlamaWeights":
         folder = Path(folder)
         config = LlamaConfig.from_folder(folder)
-        return cls(config, _load_state_dict(folder, device), dtype, device)
+        return cls(config, _load_state_dict(folder, device), dtype, device, precision)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # transformers' LlamaRMSNorm: the statistics in FP32, the weight applied in the input dtype.
+    # In FP32 PyTorch's fused rms_norm gives the same numbers in one op instead of eight.
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -231,6 +255,25 @@ class ModelRunner:
         return self.forward(token_ids, positions, slots, attn_plan, last_rows)
 
     @torch.inference_mode()
+    def sequence_logits(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
+        """FP32 logits after every token of one sequence ``[len, vocab]`` (teacher forcing).
+
+        For gates and tests on a runner that serves nothing: it writes the sequence's K/V into
+        the pool's first blocks, in prefill chunks of ``chunk`` tokens as the engine would."""
+        n = len(token_ids)
+        bs = self.cache.block_size
+        table = list(range(-(-n // bs)))
+        if not 0 < n <= self.max_model_len or len(table) > self.cache.num_blocks:
+            raise ValueError(f"{n} tokens: the runner holds 1..{min(self.max_model_len, self.cache.num_slots)}")
+        out = []
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            plan = self.cache.plan([table], [end], [end - start], self.config.num_heads)
+            out.append(self.forward(token_ids[start:end], list(range(start, end)), list(range(start, end)), plan,
+                                    list(range(end - start))))
+        return torch.cat(out, 0)
+
+    @torch.inference_mode()
     def forward(self, token_ids, positions, slots, attn_plan, last_rows) -> torch.Tensor:
         cfg, w, dev = self.config, self.weights, self.device
         # Slots are checked once here on the host, not by the cache in every layer (a CUDA
@@ -250,17 +293,17 @@ class ModelRunner:
         x = F.embedding(ids, w.embed)
         for i, layer in enumerate(w.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv)
-            q = qkv[:, : hq * d].view(n, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+            qkv = layer.qkv(h)
+            # RoPE on the query and key heads together: one set of elementwise ops, not two
+            qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             self.cache.write(i, k, v, slot_t, checked=checked)
             attn = self.cache.attention_planned(i, q, attn_plan, self._scale)
-            x = x + F.linear(attn.reshape(n, hq * d), layer.o)
+            x = x + layer.o(attn.reshape(n, hq * d))
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         h = _rms_norm(x[rows], w.norm, cfg.rms_norm_eps)
-        return F.linear(h, w.lm_head).float()
+        return w.lm_head(h).float()

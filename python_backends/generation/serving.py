@@ -233,6 +233,7 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
     kv_mb = param_int("kv_cache_mb", 256, minimum=1)
     settings = {
         "dtype": dtype,
+        "weights_precision": param("weights_precision", "fp32"),
         "block_size": param_int("block_size", 16, minimum=1),
         "kv_cache_bytes": kv_mb * 2**20,
         "max_num_seqs": param_int("max_num_seqs", 32, minimum=1),

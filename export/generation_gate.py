@@ -1,0 +1,223 @@
+"""Precision variants of ``text_generation``: gated against the FP32 engine, then offered to the server.
+
+A variant is the same exported safetensors multiplied in another precision
+(``python_backends/generation/linear.py``: ``bf16``, ``int4_bf16``); it is built when the model
+loads, so what the export decides is whether each variant may be served on this CPU. For every
+precision this CPU runs (:func:`~python_backends.generation.linear.runnable_precisions`), the
+engine's own forward pass reads the held-out text (``export/data/generation_heldout.json``:
+English, French, German, Spanish, Chinese, Python, JavaScript and a chat turn) with teacher
+forcing, and each position's next-token distribution is compared with the FP32 engine's on the
+same weights:
+
+* ``top1_agreement``: positions whose most likely next token is FP32's;
+* ``mean_kl``: KL(FP32 || variant) in nats, averaged over positions and texts;
+* ``worst_text_kl``: the worst text's mean KL (one language must not carry the whole loss);
+* ``ppl_ratio``: the variant's perplexity on the texts over FP32's.
+
+Each variant is read twice: in prompt chunks of 256 tokens (the large-batch kernels) and in
+chunks of ``INT4_MAX_ROWS`` tokens (the kernels of a decode step of a few streams); the worse
+figure of the two counts. Limits are in export/gates.toml (``[text_generation.<variant>]``).
+
+What passes gets ``configs/<variant>.pbtxt`` (config.pbtxt with ``weights_precision`` set); the
+best that passed becomes ``configs/cpu.pbtxt``, what ``PRECISION=auto`` serves on a CPU. The
+verdicts are recorded in ``text_generation/variants.json`` with the kernels' fingerprint (torch
+version and the CPU flags that pick code paths) and the weights' hash: a checkout moved to
+another CPU, or another torch, gates again at its next export instead of trusting these.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from export import variants as variant_files
+
+log = logging.getLogger(__name__)
+
+MODEL = "text_generation"
+HELDOUT = Path(__file__).resolve().parent / "data" / "generation_heldout.json"
+GATE_VERSION = 1  # bump when what the gate measures changes
+BEST_FIRST = ("int4_bf16", "bf16", "fp32")  # what PRECISION=auto serves on a CPU, best first
+DESCRIPTIONS = {
+    "fp32": "FP32 weights: the reference, token for token transformers' numbers",
+    "bf16": "BF16 weights and BF16 products (AVX512-BF16 / AMX)",
+    "int4_bf16": "4-bit blocks of 32 (the GGUF's Q4_1, exact) at up to 8 rows, BF16 above; BF16 output head",
+}
+LARGE_CHUNK = 256
+
+
+def heldout_texts(path: Path = HELDOUT) -> list[dict[str, str]]:
+    return json.loads(path.read_text())["texts"]
+
+
+def _runner(model_dir: Path, precision: str):
+    from python_backends.generation.model_runner import LlamaWeights, ModelRunner
+
+    weights = LlamaWeights.from_folder(model_dir, precision=precision)
+    return ModelRunner(weights, num_blocks=64, block_size=16, max_model_len=1024)
+
+
+def _passes(runner, token_ids: list[list[int]]) -> dict[int, list]:
+    from python_backends.generation.linear import INT4_MAX_ROWS
+
+    return {chunk: [runner.sequence_logits(ids, chunk=chunk) for ids in token_ids]
+            for chunk in (LARGE_CHUNK, INT4_MAX_ROWS)}
+
+
+def compare(reference: list, variant: list, token_ids: list[list[int]]) -> dict[str, float]:
+    """The figures of one pass: lists of [len, vocab] FP32 logits, one per text."""
+    import torch
+
+    agree = positions = 0
+    text_kl = []
+    nll_ref = nll_var = 0.0
+    for ref, var, ids in zip(reference, variant, token_ids):
+        a, b = torch.log_softmax(ref, -1), torch.log_softmax(var, -1)
+        kl = (a.exp() * (a - b)).sum(-1)
+        text_kl.append(float(kl.mean()))
+        agree += int((ref.argmax(-1) == var.argmax(-1)).sum())
+        positions += len(ids)
+        target = torch.tensor(ids[1:])[:, None]
+        nll_ref -= float(a[:-1].gather(1, target).sum())
+        nll_var -= float(b[:-1].gather(1, target).sum())
+    predicted = positions - len(token_ids)
+    return {"top1_agreement": agree / positions, "mean_kl": sum(text_kl) / len(text_kl), "worst_text_kl": max(text_kl),
+            "ppl_ratio": float(torch.tensor((nll_var - nll_ref) / predicted).exp()), "positions": positions}
+
+
+def _worst(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {"top1_agreement": min(a["top1_agreement"], b["top1_agreement"]),
+            "mean_kl": max(a["mean_kl"], b["mean_kl"]), "worst_text_kl": max(a["worst_text_kl"], b["worst_text_kl"]),
+            "ppl_ratio": max(a["ppl_ratio"], b["ppl_ratio"]), "positions": a["positions"]}
+
+
+def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -> float:
+    """Decode tokens/s of the in-process engine at ``batch`` streams (every prompt prefilled first)."""
+    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, weights_precision=precision, num_blocks=batch * 8 + 8,
+                                    max_num_seqs=batch, max_num_batched_tokens=max(256, batch)))
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(i, f"Write a short story about the number {i}.", params)
+    while any(not engine.scheduler.get(i).output_tokens for i in range(batch)):
+        engine.step()
+    engine.step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return batch * steps / (time.perf_counter() - started)
+
+
+def fingerprint() -> dict[str, str]:
+    from python_backends.generation.linear import describe_cpu, kernel_fingerprint
+
+    return {"kernels": kernel_fingerprint(), "cpu": describe_cpu(), "gate_version": str(GATE_VERSION)}
+
+
+def up_to_date(repo: Path, weights_sha256: str) -> bool:
+    """The recorded verdicts were made here: same kernels, same weights, same gate."""
+    manifest = variant_files.read_manifest(repo, MODEL)
+    fp = fingerprint()
+    return (manifest.get("kernels") == fp["kernels"] and manifest.get("gate_version") == fp["gate_version"]
+            and manifest.get("weights_sha256") == weights_sha256 and bool(manifest.get("variants")))
+
+
+def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[str, Any]:
+    """Gate every precision this CPU runs, write the manifest and the variant configs; return the manifest."""
+    from python_backends.generation.linear import runnable_precisions
+    from transformers import AutoTokenizer
+
+    model_dir = repo / MODEL / "1"
+    gates = variant_files.load_gates().get(MODEL, {})
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    token_ids = [tokenizer.encode(t["text"]) for t in heldout_texts()]
+    started = time.perf_counter()
+    reference_runner = _runner(model_dir, "fp32")
+    reference = _passes(reference_runner, token_ids)
+    rows: dict[str, dict[str, Any]] = {}
+    for precision in runnable_precisions():
+        runner = reference_runner if precision == "fp32" else _runner(model_dir, precision)
+        if precision == "fp32":
+            metrics = {"top1_agreement": 1.0, "mean_kl": 0.0, "worst_text_kl": 0.0, "ppl_ratio": 1.0,
+                       "positions": sum(map(len, token_ids))}
+        else:
+            passes = _passes(runner, token_ids)
+            metrics = _worst(*(compare(reference[c], passes[c], token_ids) for c in passes))
+        limits = gates.get(precision, {})
+        failures = variant_files.check_gate(metrics, limits)
+        row = {"status": "passed" if not failures else "failed", "metrics": metrics, "gate": limits,
+               "failures": failures, "description": DESCRIPTIONS[precision],
+               "weights_mb": round(runner.weights.nbytes() / 2**20, 1)}
+        del runner
+        if speed:
+            row["decode_tokens_per_s"] = {str(b): round(decode_speed(model_dir, precision, b), 1) for b in (1, 32)}
+        log.info("%s/%s: gate %s: top-1 agreement %.4f, mean KL %.5f (worst text %.5f), perplexity x%.4f, "
+                 "weights %.0f MiB%s%s", MODEL, precision, row["status"], metrics["top1_agreement"],
+                 metrics["mean_kl"], metrics["worst_text_kl"], metrics["ppl_ratio"], row["weights_mb"],
+                 f", decode tokens/s {row['decode_tokens_per_s']}" if speed else "",
+                 "" if not failures else ": " + "; ".join(failures))
+        rows[precision] = row
+    passed = [p for p, r in rows.items() if r["status"] == "passed"]
+    best = next((p for p in BEST_FIRST if p in passed), None)
+    manifest = {"model": MODEL, **fingerprint(), "weights_sha256": weights_sha256, "variants": rows,
+                "best": {"cpu": best, "gpu": "fp32"}, "seconds": round(time.perf_counter() - started, 1)}
+    write_configs(repo, passed, best)
+    variant_files.write_manifest(repo, MODEL, manifest)
+    return manifest
+
+
+_PRECISION_LINE = re.compile(r'^parameters \{ key: "weights_precision" value: \{ string_value: "[^"]*" \} \}$', re.M)
+
+
+def variant_config(base: str, precision: str, header: str) -> str:
+    """config.pbtxt's text serving ``precision``: its weights_precision parameter replaced."""
+    line = f'parameters {{ key: "weights_precision" value: {{ string_value: "{precision}" }} }}'
+    text, n = _PRECISION_LINE.subn(line, base)
+    if n != 1:
+        raise ValueError(f"{MODEL}/config.pbtxt must have one weights_precision parameter line")
+    return header + text
+
+
+def write_configs(repo: Path, passed: list[str], best: str | None) -> None:
+    """configs/<variant>.pbtxt for each variant that passed and configs/cpu.pbtxt (the best); the
+    configs of variants that did not pass are removed, so they cannot be served."""
+    folder = repo / MODEL / "configs"
+    folder.mkdir(exist_ok=True)
+    base = (repo / MODEL / "config.pbtxt").read_text()
+    for precision in DESCRIPTIONS:
+        target = folder / f"{precision}.pbtxt"
+        if precision in passed:
+            target.write_text(variant_config(base, precision, (
+                f"# GENERATED by `python -m export` from ../config.pbtxt: weights_precision {precision} passed its gate\n"
+                f"# on this CPU (variants.json). Served with PRECISION={precision}.\n")))
+        else:
+            target.unlink(missing_ok=True)
+    cpu = folder / "cpu.pbtxt"
+    if best is None:
+        cpu.unlink(missing_ok=True)
+    else:
+        cpu.write_text(variant_config(base, best, (
+            f"# GENERATED by `python -m export` from ../config.pbtxt: the best variant for this CPU that passed its\n"
+            f"# gate = {best} (variants.json). Served with PRECISION=auto or cpu.\n")))
+
+
+def markdown(manifest: dict[str, Any]) -> str:
+    """The generation variants' rows of the export report."""
+    lines = [f"Precision variants on this CPU ({manifest.get('cpu')}); `PRECISION=auto` serves "
+             f"**{manifest.get('best', {}).get('cpu')}**. Gate: teacher-forced next-token distributions on the "
+             f"held-out text against the FP32 engine (export/gates.toml).", "",
+             "| variant | status | top-1 agreement | mean KL (nats) | worst text KL | perplexity ratio | weights MiB "
+             "| decode tokens/s, 1 stream | 32 streams |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in manifest.get("variants", {}).items():
+        m, speed = row["metrics"], row.get("decode_tokens_per_s", {})
+        lines.append(f"| {name} | {row['status']} | {m['top1_agreement']:.4f} | {m['mean_kl']:.5f} | "
+                     f"{m['worst_text_kl']:.5f} | {m['ppl_ratio']:.4f} | {row['weights_mb']} | {speed.get('1', '')} | "
+                     f"{speed.get('32', '')} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,187 @@
+"""The engine's matrix products, per weight precision: FP32, BF16, and INT4 blocks with BF16.
+
+Every projection of the model (Q/K/V, O, gate/up, down and the output head) is one
+:class:`Linear`: activations in the engine's dtype in and out, whatever the weights are held in.
+The residual stream, the norms, RoPE, attention and the KV cache stay in the engine's dtype;
+only the products change. Which precisions a CPU runs well is decided here, from what the
+CPU has (:func:`cpu_features`), through PyTorch's own kernels, never loops written in Python:
+
+* ``fp32``: ``F.linear`` on FP32 weights (oneDNN / MKL sgemm). The reference; exact parity
+  with ``transformers``.
+* ``bf16``: BF16 weights, activations cast to BF16 for the product (oneDNN's AVX512-BF16 or
+  AMX kernels), output back to FP32. Offered only where the CPU has AVX512-BF16 or AMX:
+  elsewhere PyTorch emulates BF16 and it is slower than FP32.
+* ``int4_bf16``: the weights as 4-bit blocks of 32 along the input axis with a scale and a
+  minimum per block (GGUF's Q4_1 layout, which is what the packaged SmolLM2 ships: those
+  blocks are recovered exactly, only their scales rounded to BF16), multiplied by
+  ``aten._weight_int4pack_mm_for_cpu`` with BF16 activations when a call has at most
+  ``INT4_MAX_ROWS`` rows (a decode step of a few streams: it waits for weight bytes, and
+  these are an eighth of FP32's), and by the BF16 copy of the same weights above that (32
+  streams or a prompt chunk: there the packed kernel is slower than oneDNN's BF16 GEMM).
+
+Tried and not offered: INT8 through fbgemm's dynamic quantized linear (one activation scale
+per call) moved the next-token distribution 1,000 times further than BF16 (mean KL 0.81
+nats on the held-out text): SmolLM2's MLP activations have outlier channels that a single
+scale flattens (docs/generation.md has the figures).
+
+Which precision a model is served in is a gated choice made at export time
+(``export/generation_gate.py``); this module only builds what it is asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from python_backends.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "int4_bf16")
+# Rows up to which int4_bf16 runs the packed 4-bit kernel; above, the BF16 GEMM is faster
+# (a SmolLM2 layer set on an AVX-512 EPYC, 2 threads: 20 vs 46 ms at 1 row, 45 vs 52 at 16,
+# 96 vs 53 at 32; docs/generation.md).
+INT4_MAX_ROWS = 8
+INT4_GROUP = 32
+# The output head's precision per variant. int4_bf16 keeps the head in BF16: the packaged model's
+# head (its tied token embedding) is Q8_0 in the GGUF, and 4-bit blocks would round it (mean KL
+# 0.05 nats on the held-out text with a 4-bit head, 0.001 with BF16).
+HEAD_PRECISION = {"fp32": "fp32", "bf16": "bf16", "int4_bf16": "bf16"}
+# Kernel code paths that change numbers: a variant gated under one of these is gated again under another.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features(cpuinfo: str | None = None) -> frozenset[str]:
+    """The KERNEL_FLAGS this CPU has (from /proc/cpuinfo; empty where it cannot be read)."""
+    text = cpuinfo
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return frozenset(f for f in KERNEL_FLAGS if f in flags)
+
+
+def has_vnni(features: frozenset[str] | None = None) -> bool:
+    features = cpu_features() if features is None else features
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & features)
+
+
+def has_fast_bf16(features: frozenset[str] | None = None) -> bool:
+    features = cpu_features() if features is None else features
+    return bool({"avx512_bf16", "amx_bf16"} & features)
+
+
+def kernel_fingerprint(features: frozenset[str] | None = None) -> str:
+    """Identifies the kernels a variant ran on: torch's version, the quantized engine and the CPU
+    flags that pick code paths. A gate recorded under another fingerprint is not trusted."""
+    features = cpu_features() if features is None else features
+    text = f"torch {torch.__version__}; {' '.join(sorted(features))}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def describe_cpu(features: frozenset[str] | None = None) -> str:
+    features = cpu_features() if features is None else features
+    return f"torch {torch.__version__}, {' '.join(sorted(features)) or 'no AVX2'}"
+
+
+def runnable_precisions(device: torch.device | str = "cpu", features: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The precisions worth running here: every one on a CPU that has the kernels for it."""
+    if torch.device(device).type != "cpu":
+        return ("fp32",)  # the GPU path computes in the engine's dtype (bfloat16 there)
+    if has_fast_bf16(features):
+        return ("fp32", "bf16", "int4_bf16")
+    return ("fp32",)
+
+
+class Linear:
+    """``y = x @ W.T`` for activations ``x`` of shape ``[rows, in]``."""
+
+    precision = "fp32"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Bf16Linear(Linear):
+    precision = "bf16"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight.to(torch.bfloat16).contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+
+
+def int4_blocks(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, minimum)``: ``weight`` as 4-bit codes per block of ``group`` inputs, ``w = q * scale +
+    minimum`` (Q4_1's layout: the block's minimum and (max - min) / 15). Weights that were Q4_1 blocks
+    come back exactly; others are rounded to the nearest of 16 levels."""
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ConfigError(f"a {in_features}-input projection does not split into blocks of {group}")
+    w = weight.detach().float().reshape(out_features, in_features // group, group)
+    minimum = w.amin(-1, keepdim=True)
+    scale = (w.amax(-1, keepdim=True) - minimum) / 15
+    q = torch.where(scale > 0, (w - minimum) / torch.where(scale > 0, scale, 1), 0).round().clamp(0, 15)
+    return q.to(torch.int32).reshape(out_features, in_features), scale.squeeze(-1), minimum.squeeze(-1)
+
+
+class Int4Bf16Linear(Linear):
+    precision = "int4_bf16"
+
+    def __init__(self, weight: torch.Tensor, max_rows: int = INT4_MAX_ROWS):
+        q, scale, minimum = int4_blocks(weight)
+        self.out_features, self.in_features = weight.shape
+        self.max_rows = max_rows
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # The kernel's convention: w = (q - 8) * scale + zero, per [group, output] pair.
+        self.scales_zeros = torch.stack([scale, minimum + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.weight = self.dequantized().to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if x.shape[0] <= self.max_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, INT4_GROUP, self.scales_zeros)
+        else:
+            y = F.linear(xb, self.weight)
+        return y.to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The FP32 weight the packed kernel multiplies by: the codes times the BF16 scales and zeros."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_zeros).float().t()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2 + self.weight.numel() * 2
+
+
+def make_linear(weight: torch.Tensor, precision: str) -> Linear:
+    """The Linear of ``weight`` in ``precision`` (one of PRECISIONS)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"weights_precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        return Linear(weight)
+    if weight.device.type != "cpu":
+        raise ConfigError(f"weights_precision {precision!r} runs on CPU only; a GPU instance serves fp32 weights "
+                          f"in the engine's dtype")
+    if precision == "bf16":
+        return Bf16Linear(weight)
+    return Int4Bf16Linear(weight)

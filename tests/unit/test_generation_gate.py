@@ -1,0 +1,132 @@
+"""The generation model's precision variants: their gate on the exported SmolLM2 weights, and
+the configs that make a passed variant servable (export/generation_gate.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from export import generation_gate, variants
+from python_backends.generation import linear
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "model_repository" / "text_generation" / "1"
+EXPORTED = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").is_file(),
+                              reason="text_generation weights not exported (python -m export.generation)")
+QUANTIZED = [p for p in linear.runnable_precisions() if p != "fp32"]
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    texts = {t["name"]: t["text"] for t in generation_gate.heldout_texts()}
+    # one prose language, one non-Latin script, one program: the gate's full set runs at export
+    return [tokenizer.encode(texts[name]) for name in ("french", "chinese", "python")]
+
+
+@pytest.fixture(scope="module")
+def reference(heldout):
+    return generation_gate._passes(generation_gate._runner(MODEL_DIR, "fp32"), heldout)
+
+
+def test_heldout_text_covers_languages_and_code():
+    names = {t["name"] for t in generation_gate.heldout_texts()}
+    assert {"english", "french", "german", "chinese", "python", "chat"} <= names
+
+
+@EXPORTED
+@pytest.mark.skipif(not QUANTIZED, reason="this CPU has no AVX512-BF16 or AMX: only fp32 is offered here")
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_each_variant_passes_its_gate_in_both_kernel_paths(precision, heldout, reference):
+    gate = variants.load_gates()["text_generation"][precision]
+    passes = generation_gate._passes(generation_gate._runner(MODEL_DIR, precision), heldout)
+    for chunk, logits in passes.items():  # prompt-sized chunks and decode-sized ones
+        metrics = generation_gate.compare(reference[chunk], logits, heldout)
+        assert variants.check_gate(metrics, gate) == [], (chunk, metrics)
+        assert metrics["top1_agreement"] < 1.0 or precision == "fp32"  # the gate sees a real difference
+
+
+@EXPORTED
+@pytest.mark.skipif(not QUANTIZED, reason="this CPU has no AVX512-BF16 or AMX: only fp32 is offered here")
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_each_variant_answers_the_chat_question(precision):
+    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=MODEL_DIR, weights_precision=precision, num_blocks=64))
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        tokenize=False, add_generation_prompt=True)
+    [(text, _)] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
+    assert text.strip() == "The capital of France is Paris."
+    assert engine.weights.nbytes() < 0.9 * 4 * 134_515_008  # less than the FP32 weights
+
+
+def test_compare_figures_on_known_distributions():
+    import torch
+
+    ref = [torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0]])]
+    same = generation_gate.compare(ref, ref, [[0, 1]])
+    assert same["top1_agreement"] == 1.0 and same["mean_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert same["ppl_ratio"] == pytest.approx(1.0)
+    flipped = generation_gate.compare(ref, [torch.tensor([[0.0, 2.0, 0.0], [0.0, 3.0, 0.0]])], [[0, 1]])
+    assert flipped["top1_agreement"] == 0.5 and flipped["mean_kl"] > 0.5 and flipped["ppl_ratio"] < 1.0
+
+
+@pytest.fixture
+def repo(tmp_path):
+    folder = tmp_path / "text_generation"
+    folder.mkdir()
+    shutil.copy(ROOT / "model_repository" / "text_generation" / "config.pbtxt", folder / "config.pbtxt")
+    return tmp_path
+
+
+def _settings(path: Path) -> dict:
+    from ops.rollout import config_from_disk
+    from python_backends.config import ModelConfig
+    from python_backends.generation.serving import engine_settings
+
+    cfg = ModelConfig(config_from_disk(path.parents[2], "text_generation", path.stem))
+    return engine_settings(cfg.param, cfg.param_int, cfg.param_bool)
+
+
+def test_passed_variants_get_configs_and_the_best_serves_auto(repo):
+    configs = repo / "text_generation" / "configs"
+    configs.mkdir()
+    (configs / "bf16.pbtxt").write_text("stale: a variant that passed once")
+    generation_gate.write_configs(repo, ["fp32", "int4_bf16"], "int4_bf16")
+    assert sorted(p.name for p in configs.iterdir()) == ["cpu.pbtxt", "fp32.pbtxt", "int4_bf16.pbtxt"]
+    assert _settings(configs / "cpu.pbtxt")["weights_precision"] == "int4_bf16"
+    assert _settings(configs / "fp32.pbtxt")["weights_precision"] == "fp32"
+    base = _settings(repo / "text_generation" / "configs" / "none.pbtxt")  # config.pbtxt itself
+    assert base["weights_precision"] == "fp32"
+    assert {k: v for k, v in _settings(configs / "cpu.pbtxt").items() if k != "weights_precision"} == \
+        {k: v for k, v in base.items() if k != "weights_precision"}
+    variants.write_manifest(repo, "text_generation", {"best": {"cpu": "int4_bf16", "gpu": "fp32"}, "variants": {}})
+    assert variants.resolve_precision(repo, ["text_generation"], "auto", gpu=False) == ("cpu", {"text_generation": "int4_bf16"})
+    assert variants.resolve_precision(repo, ["text_generation"], "int4_bf16") == ("int4_bf16", {"text_generation": "int4_bf16"})
+    assert variants.resolve_precision(repo, ["text_generation"], "bf16") == ("bf16", {"text_generation": "fp32"})
+    assert variants.resolve_precision(repo, ["text_generation"], "fp32") == ("fp32", {"text_generation": "fp32"})
+    generation_gate.write_configs(repo, ["fp32"], "fp32")  # the variant failed on another CPU
+    assert not (configs / "int4_bf16.pbtxt").exists()
+    assert _settings(configs / "cpu.pbtxt")["weights_precision"] == "fp32"
+
+
+def test_a_config_without_its_precision_line_is_refused():
+    with pytest.raises(ValueError, match="one weights_precision parameter line"):
+        generation_gate.variant_config('name: "text_generation"\n', "bf16", "")
+
+
+def test_the_verdicts_are_trusted_only_for_the_same_kernels_and_weights(repo):
+    assert not generation_gate.up_to_date(repo, "abc")
+    variants.write_manifest(repo, "text_generation", {**generation_gate.fingerprint(), "weights_sha256": "abc",
+                                                      "variants": {"fp32": {"status": "passed"}}})
+    assert generation_gate.up_to_date(repo, "abc")
+    assert not generation_gate.up_to_date(repo, "def")  # other weights
+    manifest = variants.read_manifest(repo, "text_generation")
+    variants.write_manifest(repo, "text_generation", {**manifest, "kernels": "another CPU"})
+    assert not generation_gate.up_to_date(repo, "abc")
