@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed-gpu$(GPU)
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 # Which exported variant to serve: auto (best that passed its gate on this hardware), cpu,
-# gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan. See export/variants.py.
+# gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan; for text_generation also bf16,
+# int4_bf16. See export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
 .PHONY: venv export export-report serve compare tail autotune locust test test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
@@ -72,10 +73,11 @@ perf-quick: $(STAMP)
 	$(PY) -m perf.sweep --quick
 
 # Text generation side by side: naive generate(), in-process engine, Triton gRPC/HTTP, llama.cpp's llama-server on the
-# same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores: perf/llama_cpp.py), prefix caching (perf/README.md).
+# same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores: perf/llama_cpp.py), long-prompt prefill, prefix
+# caching (docs/performance.md). PRECISION picks the weights precision served (default auto).
 perf-generate: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.generate_bench
+	$(PY) -m perf.generate_bench --precision $(PRECISION)
 
 # The OpenAI gateway against Triton direct, side by side: /v1/embeddings vs Triton's HTTP infer at
 # 32 clients (unique and repeated texts), chat streaming TTFT and tokens/s vs gRPC (docs/performance.md).

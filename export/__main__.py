@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(pipeline.to_markdown(report))
     for module, row in singles:
         print(module.to_markdown(row))
-    if args.update_docs and reports:
+    if args.update_docs and (reports or singles):
         # Models not exported in this run (--model) keep their last full report in the page:
         # the saved JSON, else their section of the page as it stands.
         import json

@@ -151,6 +151,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
+        log.info("generation engine: weights %s (%.0f MiB), KV pool %d blocks of %d tokens (%.0f MiB), %s",
+                 self.weights.precision, self.weights.nbytes() / 2**20, num_blocks, config.block_size,
+                 self.runner.cache.nbytes() / 2**20, self.device)
         eos = set(mcfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))

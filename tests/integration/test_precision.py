@@ -57,3 +57,41 @@ def test_served_variant_meets_its_gate_end_to_end(cpu_server):
     cos = reference.cosine_rows(np.concatenate(got), reference.embed(texts))
     print(f"\nserved {served['text_encoder']}: min cosine {cos.min():.6f}, mean {cos.mean():.6f} over {len(texts)} texts")
     assert cos.min() >= gate["min_cosine"]
+
+
+@pytest.fixture(scope="module")
+def generation_server():
+    if not variants.manifest_path(REPO, "text_generation").is_file():
+        pytest.skip("no gated generation variants: run `python -m export` (make test does)")
+    config_name, served = variants.resolve_precision(REPO, ["text_generation"], "auto", gpu=False)
+    workdir = Path(tempfile.mkdtemp(prefix="triton-precision-generation-"))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=("text_generation",),
+                                                       model_config_name=config_name))
+    try:
+        with server:
+            yield server, served["text_generation"]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_auto_serves_the_generation_variant_that_passed_and_it_answers(generation_server):
+    """PRECISION=auto serves text_generation in the best weights precision gated on this CPU."""
+    import json
+    import urllib.request
+
+    server, precision = generation_server
+    manifest = variants.read_manifest(REPO, "text_generation")
+    assert precision == manifest["best"]["cpu"] and manifest["variants"][precision]["status"] == "passed"
+    client = httpclient.InferenceServerClient(server.http_url)
+    params = {p: v["string_value"] for p, v in client.get_model_config("text_generation")["parameters"].items()}
+    assert params["weights_precision"] == precision
+    assert f"generation engine: weights {precision} " in server.log_path.read_text()
+    body = json.dumps({"text_input": json.dumps([{"role": "user", "content":
+                       "What is the capital of France? Answer in one sentence."}]), "apply_chat_template": True,
+                       "exclude_input_in_output": True,
+                       "parameters": {"temperature": 0, "max_tokens": 12}}).encode()
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/text_generation/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())["text_output"]
+    assert answer.strip() == "The capital of France is Paris."
