@@ -386,7 +386,7 @@ def export_for_serving(repo: Path = ROOT / "model_repository", force: bool = Fal
     """What `python -m export` (and so `make serve` / `make test`) runs: keep a complete export
     that passed its gate, a user's own --weights export included; else export the packaged model.
     Then gate the precision variants on this CPU unless their verdicts were made here for these
-    weights (export/generation_gate.py); ``speed`` adds their decode tokens/s."""
+    weights (export/generation_gate.py); ``speed`` gates them again and adds their decode tokens/s."""
     if (repo / MODEL / "config.pbtxt").is_file():
         write_gpu_config(repo)
     if not force and up_to_date(repo):
@@ -402,8 +402,11 @@ def export_for_serving(repo: Path = ROOT / "model_repository", force: bool = Fal
 
 
 def gate_precisions(repo: Path, force: bool = False, speed: bool = False) -> dict[str, Any]:
-    """The precision variants' manifest, gated again when the kernels, the weights or the gate changed."""
+    """The precision variants' manifest, gated again when the kernels, the weights or the gate changed
+    (and with ``speed``, to measure). Their configs are rewritten from config.pbtxt on every run, so
+    an edit there reaches what PRECISION=auto serves; weights that are not FP32 get no variants."""
     from export import generation_gate
+    from export import variants as variant_files
 
     manifest = read_manifest(repo) or {}
     sha = manifest.get("files", {}).get("model.safetensors", "")
@@ -411,11 +414,13 @@ def gate_precisions(repo: Path, force: bool = False, speed: bool = False) -> dic
         return {}
     if manifest.get("dtype") != "float32":  # variants are built from FP32 weights
         log.info("%s: weights are %s: no precision variants", MODEL, manifest.get("dtype"))
+        generation_gate.write_configs(repo, [], None)
+        variant_files.manifest_path(repo, MODEL).unlink(missing_ok=True)
         return {}
     if not force and not speed and generation_gate.up_to_date(repo, sha):
-        from export.variants import read_manifest as read_variants
-
-        recorded = read_variants(repo, MODEL)
+        recorded = variant_files.read_manifest(repo, MODEL)
+        passed = [p for p, row in recorded.get("variants", {}).items() if row.get("status") == "passed"]
+        generation_gate.write_configs(repo, passed, recorded.get("best", {}).get("cpu"))
         log.info("%s: precision variants gated on this CPU already (auto serves %s)", MODEL,
                  recorded.get("best", {}).get("cpu"))
         return recorded

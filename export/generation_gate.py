@@ -142,13 +142,22 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     reference = _passes(reference_runner, token_ids)
     rows: dict[str, dict[str, Any]] = {}
     for precision in runnable_precisions():
-        runner = reference_runner if precision == "fp32" else _runner(model_dir, precision)
-        if precision == "fp32":
-            metrics = {"top1_agreement": 1.0, "mean_kl": 0.0, "worst_text_kl": 0.0, "ppl_ratio": 1.0,
-                       "positions": sum(map(len, token_ids))}
-        else:
-            passes = _passes(runner, token_ids)
-            metrics = _worst(*(compare(reference[c], passes[c], token_ids) for c in passes))
+        try:
+            runner = reference_runner if precision == "fp32" else _runner(model_dir, precision)
+            if precision == "fp32":
+                metrics = {"top1_agreement": 1.0, "mean_kl": 0.0, "worst_text_kl": 0.0, "ppl_ratio": 1.0,
+                           "positions": sum(map(len, token_ids))}
+            else:
+                passes = _passes(runner, token_ids)
+                metrics = _worst(*(compare(reference[c], passes[c], token_ids) for c in passes))
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot be built fails alone; FP32 serves
+            if precision == "fp32":
+                raise
+            log.warning("%s/%s: cannot be built: %s", MODEL, precision, exc)
+            rows[precision] = {"status": "failed", "metrics": {}, "gate": gates.get(precision, {}),
+                               "failures": [f"build: {type(exc).__name__}: {exc}"],
+                               "description": DESCRIPTIONS[precision], "weights_mb": None}
+            continue
         limits = gates.get(precision, {})
         failures = variant_files.check_gate(metrics, limits)
         row = {"status": "passed" if not failures else "failed", "metrics": metrics, "gate": limits,
@@ -217,6 +226,9 @@ def markdown(manifest: dict[str, Any]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in manifest.get("variants", {}).items():
         m, speed = row["metrics"], row.get("decode_tokens_per_s", {})
+        if not m:
+            lines.append(f"| {name} | {row['status']}: {'; '.join(row.get('failures', []))} | | | | | | | |")
+            continue
         lines.append(f"| {name} | {row['status']} | {m['top1_agreement']:.4f} | {m['mean_kl']:.5f} | "
                      f"{m['worst_text_kl']:.5f} | {m['ppl_ratio']:.4f} | {row['weights_mb']} | {speed.get('1', '')} | "
                      f"{speed.get('32', '')} |")

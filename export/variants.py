@@ -197,6 +197,8 @@ def resolve_precision(repo: Path, models: list[str], precision: str, gpu: bool |
         hardware = "gpu" if (has_gpu() if gpu is None else gpu) else "cpu"
         precision = hardware
         if loadable is not None:
+            # The generation variants are the python backend's own: every server loads them.
+            loadable = (*loadable, *GENERATION_VARIANTS)
             bests = {read_manifest(repo, m).get("best", {}).get(hardware) for m in models}
             if any(b is not None and b not in loadable for b in bests):
                 precision = next((v for v in AUTO_ORDER[hardware] if v in loadable), "fp32")

@@ -69,6 +69,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -364,7 +365,7 @@ class LlamaSystem(System):
         port = free_port()
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(concurrency), "--cont-batching", "-t", str(self.threads),
-               "-c", str(self.CONTEXT_PER_SLOT * concurrency), "--no-webui"]
+               "-c", str(self.CONTEXT_PER_SLOT * concurrency), "--no-webui", "--slots"]
         with self.log_path.open("a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
@@ -402,8 +403,12 @@ class LlamaSystem(System):
         import urllib.request
 
         try:
-            with urllib.request.urlopen(f"http://{self.url}/slots", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{self.url}/slots", timeout=5) as r:
                 return any(slot.get("is_processing") for slot in json.loads(r.read()))
+        except TimeoutError:
+            return True  # too busy to answer
+        except urllib.error.URLError as exc:
+            return True if isinstance(exc.reason, TimeoutError) else None
         except (OSError, ValueError):
             return None
 
@@ -521,7 +526,8 @@ async def _window(system: System, concurrency: int, duration: float, prompts: Se
             cell.streams.append(record)
             try:
                 prompt = prompts[i % len(prompts)]
-                await system.stream(f"request {system.key}-{i}\n{prompt}" if unique else prompt, max_tokens, record)
+                label = f"request {system.key}-{time.monotonic_ns()}\n"  # never the same twice, any window
+                await system.stream(label + prompt if unique else prompt, max_tokens, record)
                 record.finished = True
             except asyncio.CancelledError:
                 record.cancelled = True

@@ -26,7 +26,7 @@ import torch
 from python_backends.errors import ConfigError, InputError
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
-from python_backends.generation.linear import PRECISIONS
+from python_backends.generation.linear import PRECISIONS, has_fast_bf16
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
@@ -151,6 +151,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
+        if self.weights.precision != "fp32" and self.device.type == "cpu" and not has_fast_bf16():
+            log.warning("generation engine: weights_precision %s on a CPU without AVX512-BF16 or AMX: PyTorch "
+                        "emulates BF16 here, slower than fp32; export on this machine (python -m export) to gate "
+                        "what it runs, or serve PRECISION=fp32", self.weights.precision)
         log.info("generation engine: weights %s (%.0f MiB), KV pool %d blocks of %d tokens (%.0f MiB), %s",
                  self.weights.precision, self.weights.nbytes() / 2**20, num_blocks, config.block_size,
                  self.runner.cache.nbytes() / 2**20, self.device)

@@ -81,8 +81,8 @@ def has_fast_bf16(features: frozenset[str] | None = None) -> bool:
 
 
 def kernel_fingerprint(features: frozenset[str] | None = None) -> str:
-    """Identifies the kernels a variant ran on: torch's version, the quantized engine and the CPU
-    flags that pick code paths. A gate recorded under another fingerprint is not trusted."""
+    """Identifies the kernels a variant ran on: torch's version and the CPU flags that pick code
+    paths. A gate recorded under another fingerprint is not trusted."""
     features = cpu_features() if features is None else features
     text = f"torch {torch.__version__}; {' '.join(sorted(features))}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -153,7 +153,9 @@ class Int4Bf16Linear(Linear):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The kernel's convention: w = (q - 8) * scale + zero, per [group, output] pair.
         self.scales_zeros = torch.stack([scale, minimum + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self._codes = q
         self.weight = self.dequantized().to(torch.bfloat16).contiguous()
+        del self._codes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
@@ -164,9 +166,20 @@ class Int4Bf16Linear(Linear):
         return y.to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        """The FP32 weight the packed kernel multiplies by: the codes times the BF16 scales and zeros."""
+        """The weight the packed kernel multiplies by, ``(q - 8) * scale + zero`` with its BF16 scales
+        and zeros, in FP32 (the BF16 copy above 8 rows is this, rounded to BF16)."""
+        codes = self._codes if hasattr(self, "_codes") else self._unpacked_codes()
+        sz = self.scales_zeros.float()  # [groups, out, 2]
+        groups = self.in_features // INT4_GROUP
+        q = codes.reshape(self.out_features, groups, INT4_GROUP).float()
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
+        return ((q - 8) * scale + zero).reshape(self.out_features, self.in_features)
+
+    def _unpacked_codes(self) -> torch.Tensor:
+        """The 4-bit codes read back through the kernel (a test's check on the packing)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_zeros).float().t()
+        ones = torch.stack([torch.ones_like(self.scales_zeros[..., 0]), torch.full_like(self.scales_zeros[..., 0], 8)], -1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, ones).float().t().round().to(torch.int32)
 
     @property
     def nbytes(self) -> int:

@@ -13,7 +13,7 @@ frequencies, SiLU-gated MLP), so greedy tokens match ``generate()`` on the same 
 Q/K/V and gate/up projections are fused into one matrix each: fewer, larger matrix
 products per layer, which is where a small model's CPU step spends its time. Each product is a
 :class:`~python_backends.generation.linear.Linear` in the weights' precision (FP32, BF16 or
-INT8, ``linear.py``); with FP32 weights the numbers are transformers' own.
+INT4 blocks, ``linear.py``); with FP32 weights the numbers are transformers' own.
 """
 
 from __future__ import annotations

@@ -108,6 +108,10 @@ def test_passed_variants_get_configs_and_the_best_serves_auto(repo):
         {k: v for k, v in base.items() if k != "weights_precision"}
     variants.write_manifest(repo, "text_generation", {"best": {"cpu": "int4_bf16", "gpu": "fp32"}, "variants": {}})
     assert variants.resolve_precision(repo, ["text_generation"], "auto", gpu=False) == ("cpu", {"text_generation": "int4_bf16"})
+    # what the launcher passes: the local server loads no trt_plan, and every generation variant
+    local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
+    assert variants.resolve_precision(repo, ["text_generation"], "auto", gpu=False, loadable=local) == \
+        ("cpu", {"text_generation": "int4_bf16"})
     assert variants.resolve_precision(repo, ["text_generation"], "int4_bf16") == ("int4_bf16", {"text_generation": "int4_bf16"})
     assert variants.resolve_precision(repo, ["text_generation"], "bf16") == ("bf16", {"text_generation": "fp32"})
     assert variants.resolve_precision(repo, ["text_generation"], "fp32") == ("fp32", {"text_generation": "fp32"})
@@ -130,3 +134,31 @@ def test_the_verdicts_are_trusted_only_for_the_same_kernels_and_weights(repo):
     manifest = variants.read_manifest(repo, "text_generation")
     variants.write_manifest(repo, "text_generation", {**manifest, "kernels": "another CPU"})
     assert not generation_gate.up_to_date(repo, "abc")
+
+
+def test_the_up_to_date_path_rewrites_configs_and_other_weights_drop_them(repo, monkeypatch):
+    """An edit of config.pbtxt reaches configs/cpu.pbtxt without a new gate; BF16 weights get no variants."""
+    from export import generation
+
+    folder = repo / "text_generation"
+    variants.write_manifest(repo, "text_generation", {**generation_gate.fingerprint(), "weights_sha256": "abc",
+                                                      "best": {"cpu": "bf16", "gpu": "fp32"},
+                                                      "variants": {"fp32": {"status": "passed"},
+                                                                   "bf16": {"status": "passed"}}})
+    exported = {"dtype": "float32", "files": {"model.safetensors": "abc"}}
+    monkeypatch.setattr(generation, "read_manifest", lambda _repo: exported)
+    (folder / "config.pbtxt").write_text((folder / "config.pbtxt").read_text().replace(
+        'key: "max_num_seqs" value: { string_value: "32" }', 'key: "max_num_seqs" value: { string_value: "8" }'))
+    generation.gate_precisions(repo)
+    assert _settings(folder / "configs" / "cpu.pbtxt")["max_num_seqs"] == 8
+    assert _settings(folder / "configs" / "cpu.pbtxt")["weights_precision"] == "bf16"
+    exported["dtype"] = "bfloat16"
+    assert generation.gate_precisions(repo) == {}
+    assert sorted(p.name for p in (folder / "configs").iterdir()) == []
+    assert not variants.manifest_path(repo, "text_generation").exists()
+
+
+def test_a_failed_build_is_a_failed_row_in_the_report():
+    text = generation_gate.markdown({"cpu": "x", "best": {"cpu": "fp32"}, "variants": {
+        "int4_bf16": {"status": "failed", "metrics": {}, "failures": ["build: ConfigError: blocks of 32"]}}})
+    assert "| int4_bf16 | failed: build: ConfigError: blocks of 32 |" in text
