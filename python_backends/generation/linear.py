@@ -153,9 +153,11 @@ class Int4Bf16Linear(Linear):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The kernel's convention: w = (q - 8) * scale + zero, per [group, output] pair.
         self.scales_zeros = torch.stack([scale, minimum + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self._codes = q
-        self.weight = self.dequantized().to(torch.bfloat16).contiguous()
-        del self._codes
+        # The same weights for calls above max_rows: (q - 8) * scale + zero with the kernel's BF16
+        # scales and zeros, rounded to BF16.
+        sz = self.scales_zeros.float().transpose(0, 1)[:, :, None, :]  # [out, groups, 1, 2]
+        blocks = q.reshape(self.out_features, -1, INT4_GROUP).float()
+        self.weight = ((blocks - 8) * sz[..., 0] + sz[..., 1]).reshape(weight.shape).to(torch.bfloat16).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
@@ -166,20 +168,8 @@ class Int4Bf16Linear(Linear):
         return y.to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the packed kernel multiplies by, ``(q - 8) * scale + zero`` with its BF16 scales
-        and zeros, in FP32 (the BF16 copy above 8 rows is this, rounded to BF16)."""
-        codes = self._codes if hasattr(self, "_codes") else self._unpacked_codes()
-        sz = self.scales_zeros.float()  # [groups, out, 2]
-        groups = self.in_features // INT4_GROUP
-        q = codes.reshape(self.out_features, groups, INT4_GROUP).float()
-        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
-        return ((q - 8) * scale + zero).reshape(self.out_features, self.in_features)
-
-    def _unpacked_codes(self) -> torch.Tensor:
-        """The 4-bit codes read back through the kernel (a test's check on the packing)."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        ones = torch.stack([torch.ones_like(self.scales_zeros[..., 0]), torch.full_like(self.scales_zeros[..., 0], 8)], -1)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, ones).float().t().round().to(torch.int32)
+        """The weight both paths multiply by, in FP32 (the codes times the BF16 scales and zeros, in BF16)."""
+        return self.weight.float()
 
     @property
     def nbytes(self) -> int:

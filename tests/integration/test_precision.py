@@ -15,19 +15,24 @@ from server.process import ServerOptions, TritonServer
 REPO = variants.GATES_FILE.parent.parent / "model_repository"
 
 
-@pytest.fixture(scope="module")
-def cpu_server():
-    if not variants.manifest_path(REPO, "text_encoder").is_file():
-        pytest.skip("no exported variants: run `python -m export` (make test does)")
-    config_name, served = variants.resolve_precision(REPO, ["text_encoder"], "auto", gpu=False)
-    workdir = Path(tempfile.mkdtemp(prefix="triton-precision-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=("text_embedding",),
+def _serve_auto(variant_model: str, served_model: str, prefix: str):
+    """A server of ``served_model`` with PRECISION=auto as the launcher resolves it; yields (server, served)."""
+    if not variants.manifest_path(REPO, variant_model).is_file():
+        pytest.skip(f"no gated variants of {variant_model}: run `python -m export` (make test does)")
+    config_name, served = variants.resolve_precision(REPO, [variant_model], "auto", gpu=False)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(served_model,),
                                                        model_config_name=config_name))
     try:
         with server:
             yield server, served
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_server():
+    yield from _serve_auto("text_encoder", "text_embedding", "triton-precision-")
 
 
 def test_auto_serves_the_best_cpu_variant_that_passed(cpu_server):
@@ -61,17 +66,8 @@ def test_served_variant_meets_its_gate_end_to_end(cpu_server):
 
 @pytest.fixture(scope="module")
 def generation_server():
-    if not variants.manifest_path(REPO, "text_generation").is_file():
-        pytest.skip("no gated generation variants: run `python -m export` (make test does)")
-    config_name, served = variants.resolve_precision(REPO, ["text_generation"], "auto", gpu=False)
-    workdir = Path(tempfile.mkdtemp(prefix="triton-precision-generation-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=("text_generation",),
-                                                       model_config_name=config_name))
-    try:
-        with server:
-            yield server, served["text_generation"]
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    for server, served in _serve_auto("text_generation", "text_generation", "triton-precision-generation-"):
+        yield server, served["text_generation"]
 
 
 def test_auto_serves_the_generation_variant_that_passed_and_it_answers(generation_server):
