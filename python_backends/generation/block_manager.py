@@ -183,6 +183,29 @@ class BlockManager:
         s = self._seqs[seq_id]
         return len(s.tokens) < len(s.blocks) * self.block_size or self.num_free_blocks > 0
 
+    def can_append_slots(self, seq_id: SeqId, n: int) -> bool:
+        """Whether ``n`` more tokens of this sequence get slots (its last block's room, then free blocks)."""
+        s = self._seqs[seq_id]
+        room = len(s.blocks) * self.block_size - len(s.tokens)
+        return self.blocks_needed(max(0, n - room)) <= self.num_free_blocks
+
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Drop the sequence's tokens after the first ``num_tokens`` (a rejected speculative draft).
+
+        Only tokens whose K/V were not marked computed can go, so no published block changes;
+        blocks left empty go back to the clean list.
+        """
+        s = self._seqs[seq_id]
+        if not s.num_computed <= num_tokens <= len(s.tokens):
+            raise ValueError(f"truncate {seq_id!r} to {num_tokens}: it has {len(s.tokens)} tokens, "
+                             f"{s.num_computed} computed")
+        del s.tokens[num_tokens:]
+        while len(s.blocks) > self.blocks_needed(len(s.tokens)):
+            b = s.blocks.pop()
+            assert self._refcount[b] == 1 and self._hash_of[b] is None, "a draft's block was shared"
+            self._refcount[b] = 0
+            self._clean.append(b)
+
     def append_slot(self, seq_id: SeqId, token: int) -> int:
         """Add ``token`` to the sequence and return the physical slot its K/V go to."""
         s = self._seqs[seq_id]

@@ -30,6 +30,7 @@ from python_backends.generation.linear import PRECISIONS, has_fast_bf16
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
+from python_backends.generation.speculative import accept_draft
 from python_backends.generation.scheduler import FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class EngineConfig:
     max_tokens_limit: int = 2048
     default_max_tokens: int = 16
     enable_prefix_caching: bool = True
+    # Prompt-lookup speculative decoding (speculative.py): greedy requests' decodes carry a draft
+    # of up to this many tokens found earlier in their context, verified in the same step; only
+    # while at most speculative_max_seqs sequences decode. 0: off.
+    num_speculative_tokens: int = 0
+    speculative_max_seqs: int = 2
     num_threads: int | None = None
     # Admission window of EngineLoop: when a burst may be arriving (the loop woke from idle, or
     # the step just finished requests whose clients send their next ones), wait up to this long
@@ -75,6 +81,10 @@ class EngineConfig:
                      "max_model_len", "max_tokens_limit"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        if self.speculative_max_seqs < 0:
+            raise ConfigError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
         for name in ("admission_window_ms", "admission_quiet_ms"):
@@ -149,6 +159,8 @@ class LLMEngine:
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             max_waiting=config.max_waiting,
             max_model_len=self.max_model_len,
+            num_speculative_tokens=config.num_speculative_tokens,
+            speculative_max_seqs=config.speculative_max_seqs,
         )
         self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
         if self.weights.precision != "fp32" and self.device.type == "cpu" and not has_fast_bf16():
@@ -204,7 +216,7 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} is already running")
         ids = self.encode(prompt)
         self.check_request(ids, params)
-        self.scheduler.add(request_id, ids, params.max_tokens)
+        self.scheduler.add(request_id, ids, params.max_tokens, speculative=params.greedy)
         self._requests[request_id] = _Request(
             request_id,
             ids,
@@ -257,7 +269,7 @@ class LLMEngine:
         now = time.monotonic()
         self.last_step_seconds = now - start
         self.counters["steps"] += 1
-        self.counters["generation_tokens"] += len(new)
+        self.counters["generation_tokens"] += sum(s.num_new_tokens for s in new)
         outputs = failed
         for seq in new:
             req = self._requests[seq.seq_id]
@@ -265,17 +277,25 @@ class LLMEngine:
             if m.first_token is None:
                 m.first_token = now
             m.last_token = now
-            token = seq.output_tokens[-1]
+            # One token, or several after an accepted draft: each is checked for a stop in turn,
+            # and what follows a stop is dropped, as if they had come one step at a time.
             finish = None
-            if seq.finish_reason is FinishReason.LENGTH:
-                finish = FinishReason.LENGTH.value
-            elif (token in self.eos_token_ids and not req.params.ignore_eos
-                  and len(seq.output_tokens) >= req.params.min_tokens):
-                finish = FinishReason.STOP.value
-            piece = req.detokenizer.step(seq.output_tokens)
-            text = piece.text
-            if piece.finish_reason == "stop":
-                finish = "stop"  # a stop string: the text before it is the answer
+            text = ""
+            total = len(seq.output_tokens)
+            for upto in range(total - seq.num_new_tokens + 1, total + 1):
+                token = seq.output_tokens[upto - 1]
+                if seq.finish_reason is FinishReason.LENGTH and upto == total:
+                    finish = FinishReason.LENGTH.value
+                elif (token in self.eos_token_ids and not req.params.ignore_eos
+                      and upto >= req.params.min_tokens):
+                    finish = FinishReason.STOP.value
+                piece = req.detokenizer.step(seq.output_tokens[:upto])
+                text += piece.text
+                if piece.finish_reason == "stop":
+                    finish = "stop"  # a stop string: the text before it is the answer
+                if finish is not None:
+                    del seq.output_tokens[upto:]
+                    break
             if finish is not None:
                 self.scheduler.finish(seq.seq_id, FinishReason(finish))
                 text += req.detokenizer.finish().text if piece.finish_reason != "stop" else ""
@@ -288,22 +308,42 @@ class LLMEngine:
                                              len(seq.output_tokens), m))
         return outputs
 
-    def _run(self, plan: SchedulerOutput) -> dict[SeqId, int]:
-        """Run the model on ``plan`` and sample its sampling chunks: seq_id -> new token."""
+    def _run(self, plan: SchedulerOutput) -> dict[SeqId, int | list[int]]:
+        """Run the model on ``plan`` and sample its sampling chunks: seq_id -> new token, or
+        for a chunk with a draft the tokens the draft yields (``accept_draft``)."""
         logits = self.runner.execute(plan)
         sampling = [c for c in plan.chunks if c.samples]
         if not sampling:
             return {}
-        reqs = [self._requests[c.seq_id] for c in sampling]
-        seqs = [self.scheduler.get(c.seq_id) for c in sampling]
+        # One sampler row per logits row: a draft's row j sees the sequence plus draft[:j].
+        params, history, generated, generators = [], [], [], []
+        penalty = False
+        for c in sampling:
+            req, seq = self._requests[c.seq_id], self.scheduler.get(c.seq_id)
+            penalty = penalty or req.params.repetition_penalty != 1.0
+            for j in range(c.num_logits):
+                params.append(req.params)
+                history.append((seq, c.draft[:j]))
+                generated.append(len(seq.output_tokens) + j)
+                generators.append(req.generator)
         tokens = self.sampler(
             logits,
-            [r.params for r in reqs],
-            token_ids=[s.tokens for s in seqs] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
-            num_generated=[len(s.output_tokens) for s in seqs],
-            generators=[r.generator for r in reqs],
+            params,
+            token_ids=[s.tokens + d for s, d in history] if penalty else None,
+            num_generated=generated,
+            generators=generators,
         ).tolist()
-        return {c.seq_id: t for c, t in zip(sampling, tokens)}
+        out: dict[SeqId, int | list[int]] = {}
+        row = 0
+        for c in sampling:
+            if c.draft:
+                out[c.seq_id] = accept_draft(c.draft, tokens[row : row + c.num_logits])
+                self.counters["spec_draft_tokens"] += len(c.draft)
+                self.counters["spec_accepted_tokens"] += len(out[c.seq_id]) - 1
+            else:
+                out[c.seq_id] = tokens[row]
+            row += c.num_logits
+        return out
 
     def _run_isolated(self, plan: SchedulerOutput, error: Exception) -> tuple[dict[SeqId, int], list[RequestOutput]]:
         """The step failed: run each request's chunks alone (as the encoder retries a failed

@@ -227,9 +227,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Run every chunk of ``plan``; return FP32 logits ``[num sampling chunks, vocab]``.
+        """Run every chunk of ``plan``; return FP32 logits ``[sum of num_logits, vocab]``.
 
-        The rows follow the order of ``plan.chunks`` restricted to chunks with ``samples``.
+        The rows follow the order of ``plan.chunks`` restricted to chunks with ``samples``:
+        one row each, or ``1 + len(draft)`` rows (every position) for a chunk with a draft.
         """
         chunks = plan.chunks
         if not chunks:
@@ -242,8 +243,7 @@ class ModelRunner:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.end))
             slots.extend(c.slots)
-            if c.samples:
-                last_rows.append(len(token_ids) - 1)
+            last_rows.extend(range(len(token_ids) - c.num_logits, len(token_ids)))
         if positions and max(positions) >= self.max_model_len:
             raise ValueError(f"position {max(positions)} is beyond max_model_len {self.max_model_len}")
         attn_plan = self.cache.plan(

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from python_backends.errors import InputError
 from python_backends.generation.block_manager import BlockManager
+from python_backends.generation.speculative import propose_ngram
 
 SeqId = Hashable
 
@@ -67,6 +68,10 @@ class Sequence:
     num_prefill_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Its decodes may carry a prompt-lookup draft (greedy requests: the engine decides).
+    speculative: bool = False
+    # Tokens the latest update appended to output_tokens (more than one after an accepted draft).
+    num_new_tokens: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -87,7 +92,8 @@ class ScheduledChunk:
 
     ``slots`` is where the runner writes their K/V; attention reads positions
     ``0..end-1`` through ``block_table``. ``samples``: the chunk reaches the end of the
-    sequence, so the logits of its last position give the next token.
+    sequence, so the logits of its last position give the next token. A decode with a
+    ``draft`` runs the last sampled token and the draft's tokens; every row samples.
     """
 
     seq_id: SeqId
@@ -98,10 +104,16 @@ class ScheduledChunk:
     block_table: list[int]
     is_prefill: bool
     samples: bool
+    draft: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def num_logits(self) -> int:
+        """Rows at the chunk's end whose logits the step samples."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass
@@ -136,6 +148,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_waiting: int,
         max_model_len: int,
+        num_speculative_tokens: int = 0,
+        speculative_max_seqs: int = 0,
     ):
         if max_num_seqs <= 0 or max_waiting < 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs and max_model_len must be > 0, max_waiting >= 0")
@@ -150,6 +164,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
         self.max_model_len = max_model_len
+        # Prompt-lookup drafts of up to this many tokens, while at most speculative_max_seqs
+        # sequences decode (above that the rows cost real compute: no draft).
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_max_seqs = speculative_max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._seqs: dict[SeqId, Sequence] = {}
@@ -157,7 +175,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- requests in and out ---------------------------------------------------------
-    def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int) -> Sequence:
+    def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int, speculative: bool = False) -> Sequence:
         """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already scheduled")
@@ -187,7 +205,8 @@ class Scheduler:
                 f"{len(self.waiting)} requests already waiting and the running batch is full "
                 f"(max_num_seqs={self.max_num_seqs}, max_waiting={self.max_waiting})"
             )
-        seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals))
+        seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals),
+                       speculative=speculative)
         self.waiting.append(seq)
         self._seqs[seq_id] = seq
         return seq
@@ -253,6 +272,32 @@ class Scheduler:
             samples=end == seq.num_tokens,
         )
 
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """A prompt-lookup draft for ``seq``'s next decode, within its max_tokens, the step's
+        budget and the free blocks; ``[]`` when none."""
+        room = min(self.num_speculative_tokens, seq.max_tokens - len(seq.output_tokens) - 1, budget)
+        draft = propose_ngram(seq.tokens, room)
+        if draft and not self.bm.can_append_slots(seq.seq_id, len(draft)):
+            return []
+        return draft
+
+    def _draft_chunk(self, seq: Sequence, draft: list[int]) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        for token in draft:
+            self.bm.append_slot(seq.seq_id, token)
+        end = start + 1 + len(draft)
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            start=start,
+            end=end,
+            token_ids=[seq.tokens[start]] + list(draft),
+            slots=self.bm.slots(seq.seq_id, start, end),
+            block_table=self.bm.block_table(seq.seq_id),
+            is_prefill=False,
+            samples=True,
+            draft=list(draft),
+        )
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
@@ -270,6 +315,8 @@ class Scheduler:
         preempted: list[SeqId] = []
 
         # 1. Decodes: running sequences whose prompt is computed, oldest first.
+        speculate = self.num_speculative_tokens > 0 and 0 < sum(
+            1 for s in self.running if s.num_computed_tokens >= s.num_prefill_tokens) <= self.speculative_max_seqs
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop
@@ -286,8 +333,13 @@ class Scheduler:
                 continue
             if self.bm.num_tokens(seq.seq_id) < seq.num_tokens:
                 self.bm.append_slot(seq.seq_id, seq.output_tokens[-1])
-            decodes.append(self._chunk(seq, 1, is_prefill=False))
-            budget -= 1
+            # A draft leaves a token of the budget for every other decode (at most speculative_max_seqs).
+            draft = self._draft(seq, budget - self.speculative_max_seqs) if speculate and seq.speculative else []
+            if draft:
+                decodes.append(self._draft_chunk(seq, draft))
+            else:
+                decodes.append(self._chunk(seq, 1, is_prefill=False))
+            budget -= 1 + len(draft)
 
         # 2. Running prefills carry on in chunks (their prompt slots exist since admission).
         for seq in self.running:
@@ -322,23 +374,33 @@ class Scheduler:
 
         return SchedulerOutput(decodes=decodes, prefills=prefills, preempted=preempted)
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int]) -> list[Sequence]:
-        """Record a finished step: computed tokens, and one new token per sampling chunk.
+    def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int | Seq[int]]) -> list[Sequence]:
+        """Record a finished step: computed tokens, and the new tokens of each sampling chunk.
 
-        Returns the sequences that got a token (finished ones included, with
-        ``finish_reason`` LENGTH when they reached max_tokens). Chunks of sequences aborted
-        since :meth:`schedule` are ignored.
+        ``sampled`` gives one token per sampling chunk, or for a chunk with a draft the
+        tokens it yields (``speculative.accept_draft``: the accepted draft tokens, then the
+        model's own). Returns the sequences that got tokens (``num_new_tokens`` says how
+        many; finished ones included, with ``finish_reason`` LENGTH when they reached
+        max_tokens). Chunks of sequences aborted since :meth:`schedule` are ignored.
         """
         new: list[Sequence] = []
         for chunk in output.chunks:
             seq = self._seqs.get(chunk.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = chunk.end
-            self.bm.mark_computed(seq.seq_id, chunk.end)
+            got = sampled.get(chunk.seq_id) if chunk.samples else None
+            tokens = [int(t) for t in got] if isinstance(got, (list, tuple)) else [] if got is None else [int(got)]
+            end = chunk.end
+            if chunk.draft:
+                assert 1 <= len(tokens) <= len(chunk.draft) + 1 and tokens[:-1] == chunk.draft[: len(tokens) - 1]
+                end = chunk.start + len(tokens)  # the rejected draft's K/V are not the sequence's
+                self.bm.truncate(seq.seq_id, end)
+            seq.num_computed_tokens = end
+            self.bm.mark_computed(seq.seq_id, end)
             if not chunk.samples:
                 continue
-            seq.output_tokens.append(int(sampled[chunk.seq_id]))
+            seq.output_tokens.extend(tokens)
+            seq.num_new_tokens = len(tokens)
             new.append(seq)
             if len(seq.output_tokens) >= seq.max_tokens:
                 self.finish(seq.seq_id, FinishReason.LENGTH)

@@ -7,7 +7,9 @@ Names follow vLLM's (``vllm:<name>`` there, ``llm_<name>`` here), all labelled
   (each interval between two tokens of a stream) and ``llm_e2e_request_latency_seconds``;
 - counters ``llm_prompt_tokens_total``, ``llm_generation_tokens_total``,
   ``llm_request_success_total{finish_reason}``, ``llm_prefix_cache_queries_total`` and
-  ``llm_prefix_cache_hits_total`` (tokens), ``llm_num_preemptions_total``;
+  ``llm_prefix_cache_hits_total`` (tokens), ``llm_num_preemptions_total``,
+  ``llm_spec_decode_num_draft_tokens_total`` and ``llm_spec_decode_num_accepted_tokens_total``
+  (prompt-lookup drafts proposed and accepted);
 - gauges ``llm_num_requests_running``, ``llm_num_requests_waiting``,
   ``llm_kv_cache_blocks_used``, ``llm_kv_cache_blocks_total``.
 
@@ -31,7 +33,8 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
 FINISH_REASONS = ("stop", "length", "abort")
 STAT_COUNTERS = {"prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits",
-                 "num_preemptions": "preemptions"}
+                 "num_preemptions": "preemptions", "spec_draft_tokens": "spec_draft_tokens",
+                 "spec_accepted_tokens": "spec_accepted_tokens"}
 STAT_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total")
 
 
@@ -64,6 +67,10 @@ class GenerationMetrics:
                                family.COUNTER).Metric(labels=labels),
             "preemptions": fam("llm_num_preemptions_total", "Running sequences preempted (recomputed later)",
                                family.COUNTER).Metric(labels=labels),
+            "spec_draft_tokens": fam("llm_spec_decode_num_draft_tokens_total",
+                                     "Prompt-lookup draft tokens verified", family.COUNTER).Metric(labels=labels),
+            "spec_accepted_tokens": fam("llm_spec_decode_num_accepted_tokens_total",
+                                        "Prompt-lookup draft tokens accepted", family.COUNTER).Metric(labels=labels),
         }
         self.gauges = {
             "num_requests_running": fam("llm_num_requests_running", "Sequences in the running batch",

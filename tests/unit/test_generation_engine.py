@@ -179,6 +179,62 @@ def test_stop_string_and_min_tokens(engine, hf):
     assert len(ids) == 20
 
 
+COPY_TEXT = ("def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n"
+             "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
+             "        out.append(total / min(i + 1, window))\n    return out\n")
+
+
+@pytest.fixture(scope="module")
+def copy_prompt(hf):
+    """A prompt whose answer quotes it: what prompt-lookup drafts are for."""
+    return chat(hf[0], "Rewrite this function with the name rolling_mean, changing nothing else:\n" + COPY_TEXT)
+
+
+def hf_greedy(hf, prompt: str, n: int) -> list[int]:
+    tok, model = hf
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
+def test_speculative_decoding_gives_generates_tokens_in_fewer_steps(hf, prompts, reference, copy_prompt):
+    """Prompt-lookup drafts, verified in the step: FP32 greedy tokens stay generate()'s, one
+    request alone and all at once, and the quoting answer takes fewer steps than tokens."""
+    eng = make_engine(hf, num_speculative_tokens=4, speculative_max_seqs=32)
+    # Sampled requests never draft: on a fresh engine the same seed gives the same tokens as without.
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, seed=5)
+    assert eng.generate([copy_prompt], seeded)[0][1] == make_engine(hf).generate([copy_prompt], seeded)[0][1]
+    assert eng.counters["spec_draft_tokens"] == 0
+    eng.counters.clear()
+    copy_ref = hf_greedy(hf, copy_prompt, 64)
+    (_, ids), = eng.generate([copy_prompt], SamplingParams(max_tokens=64, temperature=0.0))
+    assert ids == copy_ref
+    assert eng.counters["spec_accepted_tokens"] >= 16, eng.counters
+    assert eng.counters["steps"] <= 64 - 16
+    batch = prompts + [copy_prompt]
+    everyone = eng.generate(batch, GREEDY)
+    assert_same(everyone, reference + [copy_ref[:NEW_TOKENS]], batch)
+    assert eng.block_manager.num_used_blocks == 0
+    eng.block_manager.check_invariants()
+
+
+def test_speculative_decoding_stops_where_one_token_at_a_time_stops(hf, copy_prompt):
+    """A stop string, EOS, min_tokens or max_tokens reached inside an accepted draft ends the
+    output there, as without drafts."""
+    plain, drafted = make_engine(hf), make_engine(hf, num_speculative_tokens=6)
+    for params in (SamplingParams(max_tokens=7, temperature=0.0),
+                   SamplingParams(max_tokens=40, temperature=0.0, stop=("(window - 1)",)),
+                   SamplingParams(max_tokens=100, temperature=0.0),
+                   SamplingParams(max_tokens=100, min_tokens=98, temperature=0.0),
+                   SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.2)):
+        want = plain.generate([copy_prompt], params)[0]
+        got = drafted.generate([copy_prompt], params)[0]
+        assert got == want, params
+    assert drafted.counters["spec_accepted_tokens"] > 0
+    assert drafted.block_manager.num_used_blocks == 0
+    drafted.block_manager.check_invariants()
+
+
 def test_bad_requests_name_the_field(engine):
     with pytest.raises(InputError, match="text_input"):
         engine.add_request("a", "   ", GREEDY)
