@@ -246,12 +246,21 @@ class ModelRunner:
             last_rows.extend(range(len(token_ids) - c.num_logits, len(token_ids)))
         if positions and max(positions) >= self.max_model_len:
             raise ValueError(f"position {max(positions)} is beyond max_model_len {self.max_model_len}")
-        attn_plan = self.cache.plan(
-            [c.block_table for c in chunks],
-            [c.end for c in chunks],
-            [c.num_tokens for c in chunks],
-            self.config.num_heads,
-        )
+        # A decode with a draft attends as that many one-token decodes (row j sees positions up
+        # to start + j), batched with the other decodes: the numbers each row gets are those of
+        # a plain decode at its position, so drafts change how many tokens a step yields, not them.
+        tables, ends, lens = [], [], []
+        for c in chunks:
+            rows = 1 + len(c.draft) if c.draft else 0
+            if rows:
+                tables += [c.block_table] * rows
+                ends += range(c.start + 1, c.end + 1)
+                lens += [1] * rows
+            else:
+                tables.append(c.block_table)
+                ends.append(c.end)
+                lens.append(c.num_tokens)
+        attn_plan = self.cache.plan(tables, ends, lens, self.config.num_heads)
         return self.forward(token_ids, positions, slots, attn_plan, last_rows)
 
     @torch.inference_mode()
