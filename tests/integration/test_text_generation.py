@@ -367,6 +367,43 @@ def test_served_text_equals_transformers_generate(server, tokenizer):
         assert (served.num_input_tokens, served.num_output_tokens) == (ids.shape[1], len(new))
 
 
+QUOTE = ("Copy this code exactly:\n\ndef area(width, height):\n    return width * height\n\n"
+         "def perimeter(width, height):\n    return 2 * (width + height)\n")
+
+
+DRAFTED, ACCEPTED = "llm_spec_decode_num_draft_tokens_total", "llm_spec_decode_num_accepted_tokens_total"
+
+
+def test_prompt_lookup_drafts_stream_the_same_text_in_fewer_pieces(server, tokenizer):
+    """config.pbtxt turns prompt-lookup drafts on: a lone greedy stream that quotes its prompt
+    gets several tokens in some pieces, the text is transformers' generate() (FP32), and the
+    metrics port counts the drafts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert int(_param("num_speculative_tokens")) > 0 and int(_param("speculative_max_seqs")) >= 1
+    before = wait_for(server, idle)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": QUOTE}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(str(VERSION_DIR), dtype=torch.float32).eval()
+    with torch.no_grad():
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    streamed = grpc_generate(server, grpc_inputs(text, sampling={"temperature": 0, "max_tokens": 48},
+                                                 exclude_input_in_output=True, return_num_output_tokens=True))
+    assert streamed.error is None
+    assert "".join(streamed.pieces) == tokenizer.decode(new, skip_special_tokens=True)
+    assert streamed.num_output_tokens == len(new)
+    assert len([p for p in streamed.pieces if p]) < len(new) * 3 // 4, "drafts accepted: fewer pieces than tokens"
+    def counted(body):  # the counters reach the metrics port with the engine's next stats report
+        return idle(body) and metric(body, ACCEPTED) > metric(before, ACCEPTED)
+
+    body = wait_for(server, counted)
+    drafted = metric(body, DRAFTED) - metric(before, DRAFTED)
+    accepted = metric(body, ACCEPTED) - metric(before, ACCEPTED)
+    assert drafted >= accepted > len(new) // 4, (drafted, accepted)
+
+
 def _mixed_requests():
     rng = random.Random(8)
     out = []
