@@ -15,7 +15,7 @@ SERVE_ARGS ?=
 # int4_bf16. See export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
+.PHONY: venv export export-report serve compare tail autotune locust test test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -78,6 +78,12 @@ perf-quick: $(STAMP)
 perf-generate: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.generate_bench --precision $(PRECISION)
+
+# Prompt-lookup speculative decoding on and off, side by side in-process: quoting and chat answers at
+# 1 and 2 streams, tokens/s, time per token, acceptance, same tokens (docs/generation.md). About 5 min.
+perf-speculative: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.speculative_bench --precision $(PRECISION)
 
 # The OpenAI gateway against Triton direct, side by side: /v1/embeddings vs Triton's HTTP infer at
 # 32 clients (unique and repeated texts), chat streaming TTFT and tokens/s vs gRPC (docs/performance.md).
