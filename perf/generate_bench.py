@@ -87,16 +87,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 MODEL = "text_generation"
 DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
 DEFAULT_DATA = PERF_DIR / "data" / "generation_prompts.json"
-SYSTEMS = ("naive", "engine", "grpc", "http", "llama")
+SYSTEMS = ("naive", "engine", "nodraft", "grpc", "http", "llama")
+# Measured only when named in --systems.
+OPTIONAL_SYSTEMS = ("nodraft",)
 SYSTEM_NAMES = {
     "naive": "naive: transformers generate(), one request at a time (FastAPI, SSE)",
     "engine": "engine in-process (LLMEngine + EngineLoop, no Triton)",
+    "nodraft": "engine in-process with prompt-lookup drafts off (num_speculative_tokens 0)",
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
     "llama": "llama.cpp llama-server (the same model, SmolLM2-135M-Instruct Q4_1 GGUF), --parallel = the concurrency, "
              "--cont-batching, its /completion stream (perf/llama_cpp.py)",
 }
-PROTOCOLS = {"naive": "http sse", "engine": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
+PROTOCOLS = {"naive": "http sse", "engine": "in-process", "nodraft": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
 
 # The targets, checked (not enforced) in the printed ratios.
 TARGET_ENGINE_VS_NAIVE = 10.0
@@ -240,9 +243,8 @@ def _params(max_tokens: int) -> dict:
 
 
 class EngineSystem(System):
-    key = "engine"
-
-    def __init__(self, loop):
+    def __init__(self, loop, key: str = "engine"):
+        self.key = key
         self.loop = loop  # python_backends.generation.engine.EngineLoop
         self._ids = itertools.count()
 
@@ -927,6 +929,10 @@ def ratios(args, summaries: dict[tuple[str, int], dict], prefix: dict | None,
             s, e = tps(key, c), tps("engine", c)
             out.append(ratio(f"Triton {key} / engine tokens/s, {c} streams", s, e,
                              TARGET_SERVED_VS_ENGINE, detail=f"{_fmt(s)} / {_fmt(e)}"))
+    for c in sorted(args.concurrency, reverse=True):  # prompt-lookup drafts on over off
+        e, n = tps("engine", c), tps("nodraft", c)
+        if e and n:
+            out.append(ratio(f"engine drafts on / off tokens/s, {c} streams", e, n, detail=f"{_fmt(e)} / {_fmt(n)}"))
     for c in sorted(args.concurrency, reverse=True):  # the peer: ours over llama.cpp's
         peer = summaries.get(("llama", c))
         if not peer:
@@ -1029,7 +1035,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     q = args.quick
     if args.systems is None:
-        args.systems = [k for k in SYSTEMS if not (q and k == "llama")]
+        args.systems = [k for k in SYSTEMS if not (q and k == "llama") and k not in OPTIONAL_SYSTEMS]
     if q:
         args.prefill = 0
     for name, full, quick in (("concurrency", [1, 4, 16, 32], [1, 4]), ("max_tokens", 128, 16), ("duration", 30.0, 4.0)):
@@ -1085,7 +1091,7 @@ def run(args: argparse.Namespace) -> int:
 
     wanted = set(args.systems)
     workdir = Path(tempfile.mkdtemp(prefix="perf-generate-"))
-    triton = naive = loop = genai = None
+    triton = naive = loop = nodraft_loop = genai = None
     systems: dict[str, System] = {}
     try:
         # The servers load while this process loads its own engine.
@@ -1101,6 +1107,9 @@ def run(args: argparse.Namespace) -> int:
         workload = load_workload(args.data, engine.tokenizer, args.quick)
         if "engine" in wanted:
             systems["engine"] = EngineSystem(loop)
+        if "nodraft" in wanted:
+            _, nodraft_loop = start_engine(args.model_dir, {**settings, "num_speculative_tokens": 0})
+            systems["nodraft"] = EngineSystem(nodraft_loop, "nodraft")
         if naive is not None:
             try:
                 naive.wait_ready()
@@ -1151,8 +1160,9 @@ def run(args: argparse.Namespace) -> int:
             prefix_rows = measure_prefix(engine, workload, args.prefix_max_tokens, bench.say)
             prefix = prefix_summary(prefix_rows)
     finally:
-        if loop is not None:
-            loop.shutdown()
+        for engine_loop in (loop, nodraft_loop):
+            if engine_loop is not None:
+                engine_loop.shutdown()
         if naive is not None:
             naive.stop()
         if triton is not None:

@@ -23,6 +23,7 @@ ratios drafts / none with the verdict the engine's default rests on (docs/genera
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -97,7 +98,7 @@ def summarise(runs: Sequence[dict]) -> dict[str, float]:
             if len(arr) >= 2:
                 produced = sum(n for _, n in arr[1:])
                 tpot.append((arr[-1][0] - arr[0][0]) / produced * 1e3)
-                gaps += [(b[0] - a[0]) * 1e3 for a, b in zip(arr, arr[1:])]
+                gaps += [(b[0] - a[0]) * 1e3 for a, b in itertools.pairwise(arr)]
     gaps.sort()
     drafted = sum(r["drafted"] for r in runs)
     return {
@@ -173,10 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"accepted", flush=True)
     write_csv(out_dir / "speculative.csv", rows)
     by = {(r["kind"], r["streams"], r["engine"]): r for r in rows}
-    lines = [f"# Prompt-lookup drafts on / off ({precision} weights, k={args.k}, {args.max_tokens} new tokens, "
-             f"load average {load})", "",
-             "| kind | streams | tokens/s none | tokens/s drafts | ratio | TPOT P50 ms none / drafts | "
-             "gap P99 ms none / drafts | accepted | same tokens |",
+    lines = [(f"# Prompt-lookup drafts on / off ({precision} weights, k={args.k}, {args.max_tokens} new tokens, "
+              f"load average {load})"), "",
+             ("| kind | streams | tokens/s none | tokens/s drafts | ratio | TPOT P50 ms none / drafts | "
+              "gap P99 ms none / drafts | accepted | same tokens |"),
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     verdict = True
     for kind in kinds:
@@ -188,8 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             lines.append(f"| {kind} | {s} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {ratio:.2f} | "
                          f"{a['tpot_p50_ms']:.1f} / {b['tpot_p50_ms']:.1f} | {a['gap_p99_ms']:.1f} / "
                          f"{b['gap_p99_ms']:.1f} | {b['acceptance']:.0%} | {n_same} of {n} |")
-    lines += ["", f"Pays (quote >= {TARGET_QUOTE}x, chat >= {FLOOR_CHAT}x at every stream count): "
-              f"{'yes' if verdict else 'no'}", "",
+    lines += ["", (f"Pays (quote >= {TARGET_QUOTE}x, chat >= {FLOOR_CHAT}x at every stream count): "
+                   f"{'yes' if verdict else 'no'}"), "",
               "Command: `python -m perf.speculative_bench " + " ".join(sys.argv[1:] if argv is None else argv) + "`"]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

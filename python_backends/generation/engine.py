@@ -30,8 +30,8 @@ from python_backends.generation.linear import PRECISIONS, has_fast_bf16
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
-from python_backends.generation.speculative import accept_draft
 from python_backends.generation.scheduler import FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
+from python_backends.generation.speculative import accept_draft
 
 log = logging.getLogger(__name__)
 
