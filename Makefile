@@ -46,7 +46,7 @@ serve-cluster: $(STAMP)
 RESILIENCE_SMOKE := tests/perf/test_fuzz_smoke.py tests/perf/test_chaos_smoke.py
 test: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) --durations=10 $(PYTEST_ARGS)
 
 test-perf: $(STAMP)
 	$(PY) -m export --no-speed
