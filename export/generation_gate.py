@@ -45,7 +45,7 @@ BEST_FIRST = ("int4_bf16", "bf16", "fp32")  # what PRECISION=auto serves on a CP
 DESCRIPTIONS = {
     "fp32": "FP32 weights: the reference, token for token transformers' numbers",
     "bf16": "BF16 weights and BF16 products (AVX512-BF16 / AMX)",
-    "int4_bf16": "4-bit blocks of 32 (the GGUF's Q4_1, exact) at up to 8 rows, BF16 above; BF16 output head",
+    "int4_bf16": "4-bit blocks of 32 (the GGUF's Q4_1, exact) at up to 16 rows, BF16 above; BF16 output head",
 }
 LARGE_CHUNK = 256
 

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from python_backends.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "int4_bf16")
-# Rows up to which int4_bf16 runs the packed 4-bit kernel; above, the BF16 GEMM is faster
-# (a SmolLM2 layer set on an AVX-512 EPYC, 2 threads: 20 vs 46 ms at 1 row, 45 vs 52 at 16,
-# 96 vs 53 at 32; docs/generation.md).
-INT4_MAX_ROWS = 8
+# Rows up to which int4_bf16 runs the packed 4-bit kernel; above, the BF16 GEMM is as fast or
+# faster (SmolLM2's forward on an AVX-512 EPYC, 2 threads, 4-bit vs BF16: 42-49 vs 58-67 ms at
+# 12 rows, 52-61 vs 70-82 at 16, about equal at 24-32; docs/generation.md).
+INT4_MAX_ROWS = 16
 INT4_GROUP = 32
 # The output head's precision per variant. int4_bf16 keeps the head in BF16: the packaged model's
 # head (its tied token embedding) is Q8_0 in the GGUF, and 4-bit blocks would round it (mean KL
@@ -81,10 +81,11 @@ def has_fast_bf16(features: frozenset[str] | None = None) -> bool:
 
 
 def kernel_fingerprint(features: frozenset[str] | None = None) -> str:
-    """Identifies the kernels a variant ran on: torch's version and the CPU flags that pick code
-    paths. A gate recorded under another fingerprint is not trusted."""
+    """Identifies the kernels a variant ran on: torch's version, the rows where int4_bf16 switches
+    kernels, and the CPU flags that pick code paths. A gate recorded under another fingerprint is
+    not trusted."""
     features = cpu_features() if features is None else features
-    text = f"torch {torch.__version__}; {' '.join(sorted(features))}"
+    text = f"torch {torch.__version__}; int4 rows {INT4_MAX_ROWS}; {' '.join(sorted(features))}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
