@@ -154,14 +154,20 @@ class Cell:
         itl: list[float] = []
         censored = 0
         for s in self.streams:
-            end = next((b for a, b in self.windows if a <= s.sent <= b), s.sent)
-            inside = [(t, n) for t, n in s.events if t <= end and n > 0]
+            sent_inside = next(((a, b) for a, b in self.windows if a <= s.sent <= b), None)
+            # A stream sent during a warm-up counts its tokens in the window that follows, not its TTFT.
+            window = sent_inside or next(((a, b) for a, b in self.windows if s.sent < a), None)
+            if window is None:
+                continue
+            start, end = window
+            inside = [(t, n) for t, n in s.events if start <= t <= end and n > 0]
             tokens += sum(n for _, n in inside)
-            if inside:
-                ttft.append(inside[0][0] - s.sent)
-            elif not s.error:
-                censored += 1
-                ttft.append(end - s.sent)  # still waiting at the window's end: a lower bound
+            if sent_inside is not None:
+                if inside and inside[0][0] == s.first:
+                    ttft.append(inside[0][0] - s.sent)
+                elif not s.error:
+                    censored += 1
+                    ttft.append(end - s.sent)  # still waiting at the window's end: a lower bound
             for (t0, _), (t1, n) in itertools.pairwise(inside):
                 itl += [(t1 - t0) / n] * n
         ttft.sort()
@@ -510,16 +516,17 @@ def triton_busy(metrics_url: str) -> Callable[[], bool | None]:
 
 
 async def _window(system: System, concurrency: int, duration: float, prompts: Sequence[str], max_tokens: int,
-                  start_index: int, cell: Cell, unique: bool = True) -> int:
-    """``concurrency`` closed-loop clients for ``duration`` s, prompts from ``start_index`` on, cycled;
-    returns the next prompt index.
+                  start_index: int, cell: Cell, unique: bool = True, warmup: float = 0.0) -> int:
+    """``concurrency`` closed-loop clients for ``warmup + duration`` s, prompts from ``start_index`` on,
+    cycled; what happens in the first ``warmup`` s is not measured (the cold-start burst: every client's
+    first prompt at once). Returns the next prompt index.
 
     ``unique``: each request starts with a line naming it, so no prompt is ever seen twice and no
     system's prefix cache (the engine's blocks, llama.cpp's slot cache) computes less than the
     whole prompt; the checked-in prompts cycle, and without it the systems that cache across
     requests would skip their prefills."""
     counter = itertools.count(start_index)
-    stop_at = time.perf_counter() + duration
+    stop_at = time.perf_counter() + warmup + duration
 
     async def client():
         while time.perf_counter() < stop_at:
@@ -538,8 +545,9 @@ async def _window(system: System, concurrency: int, duration: float, prompts: Se
                 record.error = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.05)
 
-    started = time.perf_counter()
     tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+    await asyncio.sleep(warmup)
+    started = time.perf_counter()
     await asyncio.sleep(duration)
     ended = time.perf_counter()
     for t in tasks:
@@ -603,7 +611,7 @@ class Bench:
                         aio.run_until_complete(systems[key].prepare(c))
                         aio.run_until_complete(
                             _window(systems[key], c, a.duration, prompts, a.max_tokens, start, cell,
-                                    unique=not a.repeat_prompts))
+                                    unique=not a.repeat_prompts, warmup=a.warmup))
                         idle = wait_idle(systems[key], a.idle_timeout)
                         if not idle:
                             cell.errors.append(f"still busy {a.idle_timeout:.0f} s after the window")
@@ -1004,6 +1012,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="comma-separated stream counts (default 1,8,16,32; --quick 1,4)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128, --quick 16)")
     p.add_argument("--duration", type=float, help="seconds per (system, concurrency) window (default 30, --quick 4)")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="seconds the clients run before each window is measured (default 0: the window starts with "
+                        "every client's first request at once, a cold-start burst; e.g. 30 for the steady state)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole grid (default 1)")
     p.add_argument("--systems", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    default=None, help=f"comma-separated subset of {','.join(SYSTEMS)} (default all; --quick: all but "
@@ -1183,7 +1194,8 @@ def run(args: argparse.Namespace) -> int:
         f"- command: `{' '.join(['python -m perf.generate_bench', *args.argv])}`",
         (f"- {len(workload.prompts)} prompts ({pa_display(args.data)}), chat template applied, {args.max_tokens} new "
         f"tokens each (ignore_eos), greedy; closed-loop clients, {args.duration:g} s window per system and "
-        f"concurrency, {args.rounds} round(s), systems interleaved"),
+        f"concurrency{f' after {args.warmup:g} s of warm-up' if args.warmup else ''}, {args.rounds} round(s), "
+        f"systems interleaved"),
         f"- engine settings (from config.pbtxt): {json.dumps(settings) if settings else 'defaults'}",
         *[f"- {n}" for n in bench.notes],
     ]
