@@ -1,8 +1,8 @@
 """python_backends.generation.scheduler: token budget, chunked prefill, preemption, abort, admission.
 
-A fake runner stands in for the model: it writes each chunk's tokens into a fake KV store
-at the planned slots, reads the whole context back through the block table, and "samples"
-a token that is a fixed function of that context. So a wrong slot, a wrongly shared
+A fake runner stands in for the model (``generation_fakes.FakeRunner``): it writes each chunk's
+tokens into a fake KV store at the planned slots, reads the whole context back through the block
+table, and "samples" a token that is a fixed function of that context. So a wrong slot, a wrongly shared
 prefix block or a wrong recompute after preemption changes the generated tokens.
 """
 
@@ -21,29 +21,11 @@ from python_backends.generation.scheduler import (
     Scheduler,
     SequenceStatus,
 )
+from tests.unit.generation_fakes import FakeRunner
 
 
 def next_token(context: list[int]) -> int:
     return (sum((i + 1) * t for i, t in enumerate(context)) * 31 + len(context)) % 97 + 3
-
-
-class FakeRunner:
-    def __init__(self, bm: BlockManager):
-        self.bm = bm
-        self.kv: dict[int, int] = {}
-
-    def step(self, sched: Scheduler, out) -> dict:
-        sampled = {}
-        for c in out.chunks:
-            assert len(c.token_ids) == len(c.slots) == c.end - c.start
-            for slot, tok in zip(c.slots, c.token_ids):
-                self.kv[slot] = tok
-            bs = self.bm.block_size
-            context = [self.kv[c.block_table[p // bs] * bs + p % bs] for p in range(c.end)]
-            assert context == sched.get(c.seq_id).tokens[: c.end], "K/V read back wrong"
-            if c.samples:
-                sampled[c.seq_id] = next_token(context)
-        return sampled
 
 
 def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
@@ -58,7 +40,7 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_waiting=100
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       max_waiting=max_waiting, max_model_len=max_len)
-    return bm, sched, FakeRunner(bm)
+    return bm, sched, FakeRunner(bm, next_token)
 
 
 def run_to_end(sched, runner, max_steps=10_000, on_step=None):

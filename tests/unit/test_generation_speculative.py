@@ -1,9 +1,9 @@
 """Prompt-lookup speculative decoding without a model: the proposer, acceptance, and the
 scheduler and block manager carrying drafts.
 
-A fake runner stands in for the model (as in test_generation_scheduler): it writes each
-chunk's tokens at the planned slots, reads every row's context back through the block table
-and "samples" a fixed function of that context. The function repeats the context with a
+A fake runner stands in for the model (``generation_fakes.FakeRunner``): it writes each chunk's
+tokens at the planned slots, reads every row's context back through the block table and
+"samples" a fixed function of that context. The function repeats the context with a
 period, except at some positions, so drafts are sometimes right and sometimes wrong; the
 output must be exactly what one-token-at-a-time decoding gives, and the pool's bookkeeping
 must hold after every step.
@@ -18,6 +18,7 @@ import pytest
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.scheduler import Scheduler
 from python_backends.generation.speculative import accept_draft, propose_ngram
+from tests.unit.generation_fakes import FakeRunner
 
 
 # ---- the proposer -------------------------------------------------------------------------
@@ -94,40 +95,7 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
     return ctx[len(prompt):]
 
 
-class DraftRunner:
-    """Writes each chunk at its slots, reads each sampling row's context back, samples it and
-    accepts drafts as the engine does."""
-
-    def __init__(self, bm: BlockManager):
-        self.bm = bm
-        self.kv: dict[int, int] = {}
-        self.drafted = self.accepted = self.rows = 0
-
-    def step(self, sched: Scheduler, out) -> dict:
-        sampled = {}
-        assert out.num_batched_tokens <= sched.max_num_batched_tokens
-        for c in out.chunks:
-            assert len(c.token_ids) == len(c.slots) == c.end - c.start
-            for slot, tok in zip(c.slots, c.token_ids):
-                self.kv[slot] = tok
-            bs = self.bm.block_size
-            context = [self.kv[c.block_table[p // bs] * bs + p % bs] for p in range(c.end)]
-            seq = sched.get(c.seq_id)
-            assert context == (seq.tokens + c.draft)[: c.end], "K/V read back wrong"
-            if not c.samples:
-                continue
-            rows = [periodic_token(context[: c.end - c.num_logits + 1 + j]) for j in range(c.num_logits)]
-            self.rows += len(rows)
-            if c.draft:
-                sampled[c.seq_id] = accept_draft(c.draft, rows)
-                self.drafted += len(c.draft)
-                self.accepted += len(sampled[c.seq_id]) - 1
-            else:
-                sampled[c.seq_id] = rows[0]
-        return sampled
-
-
-def run(sched: Scheduler, runner: DraftRunner, outputs: dict, max_steps: int = 5000) -> int:
+def run(sched: Scheduler, runner: FakeRunner, outputs: dict, max_steps: int = 5000) -> int:
     steps = 0
     while sched.has_unfinished():
         out = sched.schedule()
@@ -147,14 +115,14 @@ def test_drafted_decoding_gives_one_token_at_a_time_output_in_fewer_steps(prefix
     prompts = {f"s{i}": [rng.randrange(3, 100) for _ in range(rng.randrange(3, 30))] for i in range(6)}
     lengths = {sid: rng.randrange(1, 60) for sid in prompts}
 
-    def go(k: int, max_seqs: int) -> tuple[dict, int, DraftRunner]:
+    def go(k: int, max_seqs: int) -> tuple[dict, int, FakeRunner]:
         bm = BlockManager(128, 4, enable_prefix_caching=prefix)
         sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_waiting=100, max_model_len=512,
                           num_speculative_tokens=k, speculative_max_seqs=max_seqs)
         for sid, p in prompts.items():
             sched.add(sid, p, lengths[sid], speculative=True)
         outputs: dict = {}
-        runner = DraftRunner(bm)
+        runner = FakeRunner(bm, periodic_token)
         steps = run(sched, runner, outputs)
         assert bm.num_used_blocks == 0
         return outputs, steps, runner
@@ -175,7 +143,7 @@ def test_drafts_respect_max_tokens_the_flag_and_the_batch_limit():
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_waiting=10, max_model_len=256,
                       num_speculative_tokens=8, speculative_max_seqs=1)
     sched.add("a", [1, 2, 3, 4, 5] * 3, 3, speculative=True)
-    runner = DraftRunner(bm)
+    runner = FakeRunner(bm, periodic_token)
     out = sched.schedule()
     sched.update(out, runner.step(sched, out))  # prefill: first token
     out = sched.schedule()
@@ -184,7 +152,7 @@ def test_drafts_respect_max_tokens_the_flag_and_the_batch_limit():
     # A sequence not marked speculative never drafts; two decoding sequences exceed speculative_max_seqs 1.
     sched2 = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=16, max_waiting=10,
                        max_model_len=256, num_speculative_tokens=4, speculative_max_seqs=1)
-    r2 = DraftRunner(sched2.bm)
+    r2 = FakeRunner(sched2.bm, periodic_token)
     sched2.add("plain", [1, 2, 3, 1, 2, 3, 1, 2], 20, speculative=False)
     out = sched2.schedule()
     sched2.update(out, r2.step(sched2, out))
@@ -207,7 +175,7 @@ def test_drafts_in_a_pool_with_one_free_block():
                       num_speculative_tokens=8, speculative_max_seqs=2)
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1]
     sched.add("a", prompt, 6, speculative=True)
-    runner = DraftRunner(bm)
+    runner = FakeRunner(bm, periodic_token)
     outputs: dict = {}
     run(sched, runner, outputs)
     assert outputs["a"] == reference(prompt, 6) and runner.drafted > 0
