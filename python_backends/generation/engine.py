@@ -289,7 +289,8 @@ class LLMEngine:
                 elif (token in self.eos_token_ids and not req.params.ignore_eos
                       and upto >= req.params.min_tokens):
                     finish = FinishReason.STOP.value
-                piece = req.detokenizer.step(seq.output_tokens[:upto])
+                # the whole list for the newest token (no copy per step); a prefix only inside a draft
+                piece = req.detokenizer.step(seq.output_tokens if upto == total else seq.output_tokens[:upto])
                 text += piece.text
                 if piece.finish_reason == "stop":
                     finish = "stop"  # a stop string: the text before it is the answer

@@ -251,11 +251,10 @@ class ModelRunner:
         # a plain decode at its position, so drafts change how many tokens a step yields, not them.
         tables, ends, lens = [], [], []
         for c in chunks:
-            rows = 1 + len(c.draft) if c.draft else 0
-            if rows:
-                tables += [c.block_table] * rows
+            if c.draft:
+                tables += [c.block_table] * c.num_tokens
                 ends += range(c.start + 1, c.end + 1)
-                lens += [1] * rows
+                lens += [1] * c.num_tokens
             else:
                 tables.append(c.block_table)
                 ends.append(c.end)
