@@ -120,14 +120,62 @@ class Linear:
         return self.weight.numel() * self.weight.element_size()
 
 
+class PackedBf16:
+    """``x @ W.T`` for BF16 ``x`` and a BF16 weight, through oneDNN with the weight reordered once into
+    its blocked layout (``torch.ops.mkldnn``): the numbers of ``F.linear`` bit for bit, 8-24 % faster at
+    32-288 rows on an AVX-512 EPYC (``F.linear`` reorders the weight on every call). Where this torch
+    lacks the ops, or their result differs from ``F.linear`` on a probe, the plain weight is used."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.shape = weight.shape
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = weight
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            same = torch.equal(self._packed_mm(probe, packed), F.linear(probe, weight))
+        except (AttributeError, RuntimeError):
+            return
+        if same:
+            self.packed, self.weight = packed, None
+
+    @staticmethod
+    def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return self._packed_mm(x, self.packed)
+
+    def unpacked(self) -> torch.Tensor:
+        """The weight itself, ``[out, in]`` BF16 (from the packed layout: exact, the identity times it)."""
+        if self.packed is None:
+            return self.weight
+        return self._packed_mm(torch.eye(self.shape[1], dtype=torch.bfloat16), self.packed).t().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * 2
+
+
 class Bf16Linear(Linear):
     precision = "bf16"
 
     def __init__(self, weight: torch.Tensor):
-        super().__init__(weight.to(torch.bfloat16).contiguous())
+        self.out_features, self.in_features = weight.shape
+        self.product = PackedBf16(weight.to(torch.bfloat16).contiguous())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.product.unpacked()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return self.product(x.to(torch.bfloat16)).to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.product.nbytes
 
 
 def int4_blocks(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,15 +206,19 @@ class Int4Bf16Linear(Linear):
         # scales and zeros, rounded to BF16.
         sz = self.scales_zeros.float().transpose(0, 1)[:, :, None, :]  # [out, groups, 1, 2]
         blocks = q.reshape(self.out_features, -1, INT4_GROUP).float()
-        self.weight = ((blocks - 8) * sz[..., 0] + sz[..., 1]).reshape(weight.shape).to(torch.bfloat16).contiguous()
+        self.bf16 = PackedBf16(((blocks - 8) * sz[..., 0] + sz[..., 1]).reshape(weight.shape).to(torch.bfloat16).contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
         if x.shape[0] <= self.max_rows:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, INT4_GROUP, self.scales_zeros)
         else:
-            y = F.linear(xb, self.weight)
+            y = self.bf16(xb)
         return y.to(x.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.bf16.unpacked()
 
     def dequantized(self) -> torch.Tensor:
         """The weight both paths multiply by, in FP32 (the codes times the BF16 scales and zeros, in BF16)."""
@@ -174,7 +226,7 @@ class Int4Bf16Linear(Linear):
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2 + self.weight.numel() * 2
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2 + self.bf16.nbytes
 
 
 def make_linear(weight: torch.Tensor, precision: str) -> Linear:

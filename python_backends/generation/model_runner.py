@@ -166,7 +166,7 @@ class LlamaWeights:
         """Bytes of the weights as held (the embedding, the norms and every Linear)."""
         linears = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         tensors = [self.embed, self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
-        shared = self.lm_head.nbytes if getattr(self.lm_head, "weight", None) is self.embed else 0
+        shared = self.lm_head.nbytes if type(self.lm_head) is Linear and self.lm_head.weight is self.embed else 0
         return sum(t.numel() * t.element_size() for t in tensors) + sum(m.nbytes for m in linears) - shared
 
     @classmethod

@@ -9,6 +9,7 @@ import torch
 
 from python_backends.generation.paged_attention import (
     PagedKVCache,
+    bucket_by_length,
     bytes_per_block,
     pad_block_tables,
     slots_for_positions,
@@ -70,6 +71,41 @@ def test_decode_batch_mixed_lengths_matches_dense():
     for b, ((k, v), n) in enumerate(zip(dense, lengths)):
         ref = dense_causal(q[b : b + 1], k, v, start=n - 1)
         assert (out[b : b + 1] - ref).abs().max().item() < 1e-5
+
+
+def test_bucket_by_length_cuts_where_padding_costs_more_than_a_group():
+    assert bucket_by_length([100] * 8) == [list(range(8))]  # equal lengths: one bucket
+    assert bucket_by_length([10, 20, 30], group_cost=10**6) == [[0, 1, 2]]  # groups too dear to split
+    assert bucket_by_length([10, 20, 30], group_cost=0) == [[0], [1], [2]]
+    # two long contexts among many short ones get a bucket of their own; rows keep their order
+    lengths = [900, 40, 50, 60, 880] + [30] * 27
+    buckets = bucket_by_length(lengths, group_cost=384)
+    assert sorted(r for b in buckets for r in b) == list(range(len(lengths)))
+    assert [0, 4] in buckets
+    assert all(b == sorted(b) for b in buckets)
+    padded = sum(len(b) * max(lengths[r] for r in b) for b in buckets)
+    assert padded + 384 * len(buckets) < 900 * len(lengths) + 384
+
+
+def test_decode_buckets_out_of_order_match_dense_and_one_group():
+    """Decode rows whose buckets interleave (long, short, long, short...): each row gets its own
+    sequence's attention, the numbers the one padded group gives up to the last bits (the attention
+    kernel's blocks over the keys depend on the padded length)."""
+    gen = torch.Generator().manual_seed(3)
+    cache = make_cache(num_blocks=256)
+    lengths = [700, 20, 33, 650, 18, 25, 690, 31]
+    tables = shuffled_tables(lengths, cache.num_blocks, gen)
+    dense = fill(cache, 0, tables, lengths, gen)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=gen)
+    plan = cache.plan(tables, lengths, num_heads=HEADS)
+    assert len(plan.groups) >= 2 and any(g.tok_index is not None for g in plan.groups)
+    out = cache.attention_planned(0, q, plan)
+    for b, ((k, v), n) in enumerate(zip(dense, lengths)):
+        ref = dense_causal(q[b : b + 1], k, v, start=n - 1)
+        assert (out[b : b + 1] - ref).abs().max().item() < 1e-5
+    one_group = cache._group(0, tables, lengths, [1] * len(lengths), HEADS // KV_HEADS)
+    one_plan = type(plan)(groups=[one_group], num_tokens=len(lengths), num_heads=HEADS)
+    assert (out - cache.attention_planned(0, q, one_plan)).abs().max().item() < 1e-6
 
 
 def test_prefill_chunks_mixed_with_decode_rows():
