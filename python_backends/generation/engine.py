@@ -26,7 +26,7 @@ import torch
 from python_backends.errors import ConfigError, InputError
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
-from python_backends.generation.linear import PRECISIONS, has_fast_bf16
+from python_backends.generation.linear import PRECISIONS, has_fast_bf16, kv_cache_dtype
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
@@ -146,7 +146,8 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
-        per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, dtype)
+        kv_dtype = kv_cache_dtype(self.weights.precision, dtype, self.device)
+        per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
         num_blocks = config.num_blocks or config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ConfigError(

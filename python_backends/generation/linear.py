@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from python_backends.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "int4_bf16")
-# Rows up to which int4_bf16 runs the packed 4-bit kernel; above, the BF16 GEMM is as fast or
-# faster (SmolLM2's forward on an AVX-512 EPYC, 2 threads, 4-bit vs BF16: 42-49 vs 58-67 ms at
-# 12 rows, 52-61 vs 70-82 at 16, about equal at 24-32; docs/generation.md).
-INT4_MAX_ROWS = 16
+# Rows up to which int4_bf16 runs the packed 4-bit kernel; above, oneDNN's prepacked BF16 GEMM is
+# faster (SmolLM2's 120 products on an AVX-512 EPYC, 2 threads, 4-bit vs BF16: 24 vs 27 ms at 12 rows,
+# 29 vs 26 at 16, 38 vs 30 at 24; docs/generation.md).
+INT4_MAX_ROWS = 12
 INT4_GROUP = 32
 # The output head's precision per variant. int4_bf16 keeps the head in BF16: the packaged model's
 # head (its tied token embedding) is Q8_0 in the GGUF, and 4-bit blocks would round it (mean KL
@@ -80,12 +80,27 @@ def has_fast_bf16(features: frozenset[str] | None = None) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & features)
 
 
+# The KV cache's dtype per weights precision on a CPU. The BF16 variants keep K and V in BF16: half
+# the bytes that every decode step's attention reads, and twice the tokens a kv_cache_mb holds; the
+# gate measures it, since its teacher-forced passes read K/V back from the pool. fp32 keeps the
+# engine's dtype (exact parity with transformers).
+KV_DTYPE = {"bf16": torch.bfloat16, "int4_bf16": torch.bfloat16}
+
+
+def kv_cache_dtype(precision: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype the KV pool holds for weights in ``precision`` and activations in ``dtype``."""
+    if torch.device(device).type != "cpu":
+        return dtype
+    return KV_DTYPE.get(precision, dtype)
+
+
 def kernel_fingerprint(features: frozenset[str] | None = None) -> str:
     """Identifies the kernels a variant ran on: torch's version, the rows where int4_bf16 switches
     kernels, and the CPU flags that pick code paths. A gate recorded under another fingerprint is
     not trusted."""
     features = cpu_features() if features is None else features
-    text = f"torch {torch.__version__}; int4 rows {INT4_MAX_ROWS}; {' '.join(sorted(features))}"
+    kv = ",".join(f"{p}:{str(d).removeprefix('torch.')}" for p, d in sorted(KV_DTYPE.items()))
+    text = f"torch {torch.__version__}; int4 rows {INT4_MAX_ROWS}; kv {kv}; {' '.join(sorted(features))}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

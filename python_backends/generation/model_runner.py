@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from python_backends.errors import ConfigError
-from python_backends.generation.linear import HEAD_PRECISION, Linear, make_linear
+from python_backends.generation.linear import HEAD_PRECISION, Linear, kv_cache_dtype, make_linear
 from python_backends.generation.paged_attention import PagedKVCache
 from python_backends.generation.scheduler import SchedulerOutput
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTN_DTYPE: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,9 @@ class ModelRunner:
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        kv_dtype = kv_cache_dtype(weights.precision, dtype, self.device)
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
+                                  self.device, attn_dtype=ATTN_DTYPE.get(kv_dtype, dtype))
         # RoPE tables for every position the engine may run, as transformers computes
         # them: FP32 inverse frequencies times the FP32 position, then cos and sin.
         # inv_freq on the CPU (transformers' buffer is made there), the products and cos/sin

@@ -117,6 +117,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        attn_dtype: torch.dtype | None = None,
     ):
         for name, value in (
             ("num_layers", num_layers),
@@ -133,6 +134,8 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        # The dtype attention computes in (queries, K/V read back, masks); the pool's by default.
+        self.attn_dtype = dtype if attn_dtype is None else attn_dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: a bug that reads an unwritten slot then gives wrong numbers
@@ -281,7 +284,7 @@ class PagedKVCache:
         allowed[:, :, 0] = True
         # Additive (0 / -inf), built once for all layers: a boolean mask is converted to this
         # inside every attention call.
-        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        bias = torch.zeros(allowed.shape, dtype=self.attn_dtype, device=device).masked_fill_(~allowed, float("-inf"))
         mask = bias[:, None, None, :, :].expand(batch, 1, group, max_q, max_ctx)
         mask = mask.reshape(batch, 1, group * max_q, max_ctx)
         if batch == 1 or max_q == 1:
@@ -319,8 +322,10 @@ class PagedKVCache:
         # [B, Hkv, L, D]; K/V are not repeated per query head: the `group` query heads
         # that share KV head j are folded into the query axis instead (head h = j * group
         # + g reads KV head h // group), which saves copying K/V `group` times.
-        k = k.to(q.dtype).transpose(1, 2)
-        v = v.to(q.dtype).transpose(1, 2)
+        out_dtype = q.dtype
+        q = q.to(self.attn_dtype)
+        k = k.to(self.attn_dtype).transpose(1, 2)
+        v = v.to(self.attn_dtype).transpose(1, 2)
         group = num_heads // self.num_kv_heads
         batch, max_q = g.batch, g.max_q
         if g.q_row is None:
@@ -335,8 +340,8 @@ class PagedKVCache:
         out = out.view(batch, self.num_kv_heads, group, max_q, head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
         if g.q_row is None:
-            return out.reshape(batch * max_q, num_heads, head_dim)
-        return out[g.q_row, g.q_idx]
+            return out.reshape(batch * max_q, num_heads, head_dim).to(out_dtype)
+        return out[g.q_row, g.q_idx].to(out_dtype)
 
     def attention(
         self,

@@ -101,3 +101,21 @@ def test_cpu_features_pick_the_precisions_and_the_fingerprint():
     assert linear.runnable_precisions("cuda:0", with_bf16) == ("fp32",)
     assert linear.kernel_fingerprint(with_bf16) != linear.kernel_fingerprint(avx2_only)
     assert linear.kernel_fingerprint(with_bf16) == linear.kernel_fingerprint(frozenset(with_bf16))
+
+
+@NEEDS_BF16
+@pytest.mark.parametrize("rows", [1, 7, 33, 300])
+def test_bf16_products_through_the_packed_weight_equal_f_linear_bit_for_bit(rows):
+    w = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
+    product = linear.PackedBf16(w)
+    assert product.packed is not None, "oneDNN's packed BF16 product is expected on a CPU with AVX512-BF16"
+    x = torch.randn(rows, 128).to(torch.bfloat16)
+    assert torch.equal(product(x), torch.nn.functional.linear(x, w))
+    assert torch.equal(product.unpacked(), w)  # the weight read back from the packed layout, exactly
+
+
+def test_kv_cache_dtype_follows_the_weights_precision_on_a_cpu_only():
+    assert linear.kv_cache_dtype("fp32", torch.float32) == torch.float32  # exact parity with transformers
+    assert linear.kv_cache_dtype("bf16", torch.float32) == torch.bfloat16
+    assert linear.kv_cache_dtype("int4_bf16", torch.float32) == torch.bfloat16
+    assert linear.kv_cache_dtype("fp32", torch.bfloat16, "cuda:0") == torch.bfloat16
