@@ -61,29 +61,29 @@ test-integration: $(STAMP)
 
 # Throughput and P99 of the ensemble at concurrency 1 and 16 (starts its own server).
 perf-baseline: $(STAMP)
-	$(PY) -m perf.baseline
+	$(PY) -m perf.bench.baseline
 
 # Concurrency and Poisson request-rate sweeps of each served model over gRPC and HTTP: CSV,
 # PNG plots and summary.md under perf/results/sweep-<UTC time>/ (perf/README.md). About 15 min.
 perf: $(STAMP)
-	$(PY) -m perf.sweep
+	$(PY) -m perf.bench.sweep
 
 # CI smoke of the same: text_embedding (both input sets), gRPC, concurrency 1 and 8, one rate (under a minute).
 perf-quick: $(STAMP)
-	$(PY) -m perf.sweep --quick
+	$(PY) -m perf.bench.sweep --quick
 
 # Text generation side by side: naive generate(), in-process engine, Triton gRPC/HTTP, llama.cpp's llama-server on the
-# same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores: perf/llama_cpp.py), long-prompt prefill, prefix
-# caching (docs/performance.md). PRECISION picks the weights precision served (default auto).
+# same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores: perf/baselines/llama_cpp.py), long-prompt
+# prefill, prefix caching (docs/performance.md). PRECISION picks the weights precision served (default auto).
 perf-generate: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.generate_bench --precision $(PRECISION)
+	$(PY) -m perf.bench.generate_bench --precision $(PRECISION)
 
 # Prompt-lookup speculative decoding on and off, side by side in-process: quoting and chat answers at
 # 1 and 2 streams, tokens/s, time per token, acceptance, same tokens (docs/generation.md). About 5 min.
 perf-speculative: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.speculative_bench --precision $(PRECISION)
+	$(PY) -m perf.bench.speculative_bench --precision $(PRECISION)
 
 # The OpenAI gateway against Triton direct, side by side: /v1/embeddings vs Triton's HTTP infer at
 # 32 clients (unique and repeated texts), chat streaming TTFT and tokens/s vs gRPC (docs/performance.md).
@@ -91,34 +91,34 @@ perf-speculative: $(STAMP)
 GATEWAY_BENCH_ARGS ?=
 perf-gateway: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.gateway_bench $(GATEWAY_BENCH_ARGS)
+	$(PY) -m perf.bench.gateway_bench $(GATEWAY_BENCH_ARGS)
 
 # Side by side in one run: in-process ONNX Runtime limit, naive per-request PyTorch server,
 # Triton (gRPC/HTTP), Triton without dynamic batching; prints the ratios (perf/README.md).
 compare: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.compare
+	$(PY) -m perf.bench.compare
 
 # The latency tail (requests/s, P50, P99, max) of every model and ensemble at 4 and 32
 # connections, with and without the batcher settings that stall tritonserver 2.51, side by
 # side (docs/performance.md). About 6 minutes; TAIL_ARGS e.g. "--duration 4 --concurrency 32".
 TAIL_ARGS ?=
 tail: $(STAMP)
-	$(PY) -m perf.tail $(TAIL_ARGS)
+	$(PY) -m perf.bench.tail $(TAIL_ARGS)
 
 # Search the encoder's max_queue_delay x preferred_batch_size x instance count under a P99
 # budget (reloads through the repository API, one server); AUTOTUNE_ARGS, e.g. --apply 127.0.0.1:8000.
 AUTOTUNE_ARGS ?=
 autotune: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.autotune $(AUTOTUNE_ARGS)
+	$(PY) -m perf.bench.autotune $(AUTOTUNE_ARGS)
 
 # The result cache on a Zipf workload over 10,000 sentences: without cache, with cache (cold),
 # a new replica (warm L2) and hits only, side by side; starts its own servers and redis-server
 # (perf/README.md). CACHE_BENCH_ARGS="--requests 5000" for a shorter run.
 CACHE_BENCH_ARGS ?=
 cache-bench: $(STAMP)
-	$(PY) -m perf.cache_bench $(CACHE_BENCH_ARGS)
+	$(PY) -m perf.bench.cache_bench $(CACHE_BENCH_ARGS)
 
 # Canary rollout of a text_encoder version on a running server (make serve; README "Model
 # versions and canary rollout"): publish copies the export into the next version folder;
@@ -151,8 +151,8 @@ compose-config: $(STAMP)
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s
 locust: $(STAMP)
-	$(VENV)/bin/locust -f perf/locustfile.py --headless $(LOCUST_ARGS) --host http://127.0.0.1:8000 TritonHttpUser
-	$(VENV)/bin/locust -f perf/locustfile.py --headless $(LOCUST_ARGS) --host grpc://127.0.0.1:8001 TritonGrpcUser
+	$(VENV)/bin/locust -f perf/bench/locustfile.py --headless $(LOCUST_ARGS) --host http://127.0.0.1:8000 TritonHttpUser
+	$(VENV)/bin/locust -f perf/bench/locustfile.py --headless $(LOCUST_ARGS) --host grpc://127.0.0.1:8001 TritonGrpcUser
 
 # Property-based (hypothesis) and coverage-guided (atheris) fuzzing of every served model's HTTP
 # and gRPC endpoints and of the Python steps' decoding functions; counts per outcome (docs/fuzzing.md).
@@ -167,14 +167,14 @@ fuzz: $(STAMP)
 SOAK_ARGS ?=
 soak: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.soak $(SOAK_ARGS)
+	$(PY) -m perf.drills.soak $(SOAK_ARGS)
 
 # CPU-seconds per 1,000 requests of every process on each request path (front door, each stub,
 # the gateway, the load generator) (docs/performance.md). CPU_COST_ARGS e.g. "--requests 2000".
 CPU_COST_ARGS ?=
 cpu-cost: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.cpu_cost $(CPU_COST_ARGS)
+	$(PY) -m perf.bench.cpu_cost $(CPU_COST_ARGS)
 
 # Image classification: each served ensemble (EfficientNet-Lite0 default, ResNet-50) against ONNX Runtime
 # in-process on the same .onnx file, photos and batch sizes, preprocessing included in both; images/s,
@@ -182,21 +182,21 @@ cpu-cost: $(STAMP)
 IMAGE_BENCH_ARGS ?=
 image-bench: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.image_bench $(IMAGE_BENCH_ARGS)
+	$(PY) -m perf.bench.image_bench $(IMAGE_BENCH_ARGS)
 
 # Priority classes under overload: interactive alone, then with default and bulk traffic at 5x
 # their peak rate; P50/P99 and rejection rate per class (docs/priority-classes.md). PRIORITY_BENCH_ARGS e.g. "--duration 10".
 PRIORITY_BENCH_ARGS ?=
 priority-bench: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.priority_bench $(PRIORITY_BENCH_ARGS)
+	$(PY) -m perf.bench.priority_bench $(PRIORITY_BENCH_ARGS)
 
 # serve-cluster with 2 replicas under load (16 clients), one SIGKILLed at 10 s: per-second
 # requests/s, P50/P99/max, failures and a PNG (docs/cluster.md). FAILOVER_ARGS e.g. "--duration 60".
 FAILOVER_ARGS ?=
 failover-bench: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.failover_bench $(FAILOVER_ARGS)
+	$(PY) -m perf.drills.failover_bench $(FAILOVER_ARGS)
 
 # Chaos soak: serve-cluster (2 replicas, every model family, the gateways, Redis) at 70 % of peak
 # while a stub, a replica, a gateway and Redis are SIGKILLed and a burst of hostile requests
@@ -205,7 +205,7 @@ failover-bench: $(STAMP)
 CHAOS_ARGS ?=
 chaos: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.chaos $(CHAOS_ARGS)
+	$(PY) -m perf.drills.chaos $(CHAOS_ARGS)
 
 clean:
 	rm -rf .triton perf/results

@@ -1,7 +1,16 @@
-"""Performance measurement of the served models with NVIDIA's perf_analyzer.
+"""Measuring, drilling and fuzzing the served deployment: a library and the rooms built on it.
 
-``perf.perf_analyzer`` finds and runs the binary and parses its results; ``perf.baseline``
-(``python -m perf.baseline``) measures the ``text_embedding`` ensemble at a few
-concurrencies. Input data lives in ``perf/data``; results go to ``perf/results`` (ignored
-by git).
+- ``perf.lib``: the shared measurement library (paths, percentiles, the perf_analyzer driver and the
+  harness around it, Triton's statistics, process CPU and memory, request bodies, the deployment,
+  chat stream clients). It imports nothing from the rooms below.
+- ``perf.baselines``: what the served models are measured against (the in-process ceiling, the
+  naive per-request servers, llama.cpp's ``llama-server``).
+- ``perf.bench``: the benchmarks, one question each (``python -m perf.bench.<name>``, most behind a
+  ``make`` target).
+- ``perf.drills``: the deployment soaked and hurt under load (soak, chaos, replica failover).
+- ``perf.fuzz``: the endpoint, gateway and decoding-function fuzzers (``python -m perf.fuzz``).
+- ``perf.checks``: correctness checks for hardware this machine may lack (the engine on a GPU).
+
+Inputs are checked in under ``perf/data``; results go to ``perf/results`` (ignored by git).
+perf/README.md lists every command.
 """

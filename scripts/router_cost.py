@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perf import perf_analyzer as pa  # noqa: E402
+from perf.lib import perf_analyzer as pa  # noqa: E402
 from server.process import ServerOptions, TritonServer  # noqa: E402
 
 DIRECT = "text_embedding"

@@ -13,10 +13,10 @@ GPU=${GPU:-0}
 # checks HTTP inference requests before tritonserver (server/frontdoor.py; the package's own
 # service is not needed either: the launcher runs nginx as its child). docker-compose: the client
 # only (no engine), so tests/unit/test_compose.py checks docker-compose.yml as compose resolves it.
-# wrk: perf.tail's load generator (C, far cheaper per request than a Python client on 2 cores).
+# wrk: perf.bench.tail's load generator (C, far cheaper per request than a Python client on 2 cores).
 # prometheus: scrapes the replicas in `make serve-cluster`; its promtool checks and unit-tests
 # the alert and recording rules (the package's own service is not needed). cmake + ninja-build:
-# `make perf-generate` builds llama.cpp's llama-server, the generation peer (perf/llama_cpp.py).
+# `make perf-generate` builds llama.cpp's llama-server, the generation peer (perf/baselines/llama_cpp.py).
 APT_PACKAGES=(libb64-0d redis-server nginx libnginx-mod-http-js docker-compose wrk prometheus cmake ninja-build)
 
 missing=()

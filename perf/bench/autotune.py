@@ -1,4 +1,4 @@
-"""`python -m perf.autotune`: search the encoder's batching settings under a latency budget.
+"""`python -m perf.bench.autotune`: search the encoder's batching settings under a latency budget.
 
 The Triton form of the seed articles' adaptive batch window: instead of a batcher that moves
 its own window at run time, measure. One tritonserver serves ``text_embedding``; for each
@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ops.repository import RepositoryClient
-from perf import harness
-from perf import limit as limit_mod
-from perf import perf_analyzer as pa
+from perf.lib import harness
+from perf.lib import perf_analyzer as pa
+from perf.lib import served as served_mod
 
 MODEL = harness.MODEL
 ENCODER = harness.ENCODER
@@ -187,7 +187,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.autotune", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.autotune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a 2 x 1 x 2 grid with tiny windows (CI smoke)")
     p.add_argument("--precision", default="cpu", help="what Triton serves, as `make serve PRECISION=` (default cpu)")
@@ -205,7 +205,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--request-count", type=int, help="requests per window (default 600, --quick 60)")
     p.add_argument("--stability-percent", type=float, help="perf_analyzer -s (default 30, --quick 100)")
     p.add_argument("--max-trials", type=int, help="windows before a measurement is unstable (default 5, --quick 3)")
-    p.add_argument("--input-data", type=Path, default=limit_mod.DEFAULT_INPUT, help="perf_analyzer input JSON")
+    p.add_argument("--input-data", type=Path, default=served_mod.DEFAULT_INPUT, help="perf_analyzer input JSON")
     p.add_argument("--apply", metavar="HOST:PORT",
                    help="load the winning config into this running server's HTTP endpoint (e.g. 127.0.0.1:8000)")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/autotune-<UTC time>)")
@@ -306,18 +306,18 @@ def run(args: argparse.Namespace) -> int:
     if state is None:
         return 2
     out_dir = state.out_dir
-    served = limit_mod.served_encoder(args.precision)
+    served = served_mod.served_encoder(args.precision)
     args.no_export = False
     if not harness.ensure_exported(served, args, state.say):
         return 1
-    served = limit_mod.served_encoder(args.precision)
+    served = served_mod.served_encoder(args.precision)
     cores = os.cpu_count() or 1
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
     workdir = Path(tempfile.mkdtemp(prefix="perf-autotune-"))
     server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,),
                                                         model_config_name=served.config_name))
-    state.say(f"perf.autotune: {ENCODER} {served.variant}, concurrency {args.concurrency}, P99 budget "
+    state.say(f"perf.bench.autotune: {ENCODER} {served.variant}, concurrency {args.concurrency}, P99 budget "
               f"{args.latency_budget_ms:g} ms, time budget {args.time_budget:.0f} s, {cores} cores, load average {load}")
     server.start()
     trials: list[Trial] = []
@@ -387,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
         f"# Autotune: {ENCODER} ({served.variant}) batching in {MODEL}",
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {cores} CPUs, load average at the start {load}",
-        f"- command: `{' '.join(['python -m perf.autotune', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.autotune', *args.argv])}`",
         f"- perf_analyzer gRPC, concurrency {args.concurrency}, windows of {args.request_count} requests, "
         f"-s {args.stability_percent:g}; P99 budget {args.latency_budget_ms:g} ms; the best {args.finalists} "
         f"of the first pass measured {args.final_rounds} more time(s), interleaved; medians below",
@@ -397,18 +397,18 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out_dir / "search.csv", trials)
     print("\n" + table, flush=True)
     if winner is None:
-        state.say("perf.autotune: no candidate was measured")
+        state.say("perf.bench.autotune: no candidate was measured")
         return 1
     config = apply_candidate(base, winner.candidate)
-    note = (f"# Written by `python -m perf.autotune` {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: "
+    note = (f"# Written by `python -m perf.bench.autotune` {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: "
             f"{winner.candidate.describe()};\n# {_fmt(winner.throughput)} infer/s, p50 {_fmt(winner.p50_ms)} ms, "
             f"p99 {_fmt(winner.p99_ms)} ms at concurrency {args.concurrency} (summary.md beside this file).\n")
     (out_dir / f"{ENCODER}.pbtxt").write_text(to_pbtxt(config, note))
     (out_dir / "override.json").write_text(json.dumps({"parameters": {"config": json.dumps(config)}}, indent=1) + "\n")
     if args.apply:
         load_config(args.apply, ENCODER, config)
-        state.say(f"perf.autotune: winning config loaded into {args.apply}")
-    state.say(f"perf.autotune: results in {pa.display_path(out_dir)}")
+        state.say(f"perf.bench.autotune: winning config loaded into {args.apply}")
+    state.say(f"perf.bench.autotune: results in {pa.display_path(out_dir)}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`python -m perf.baseline`: throughput and latency of the text_embedding ensemble.
+"""`python -m perf.bench.baseline`: throughput and latency of the text_embedding ensemble.
 
 Runs perf_analyzer once per concurrency level (default 1 and 16) with the checked-in
 16-token sentences, over gRPC by default. Without --url it exports what is missing, starts
@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from perf import perf_analyzer as pa
+from perf.lib import perf_analyzer as pa
+from perf.lib.harness import int_list
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.paths import SENTENCES_16TOK as DEFAULT_INPUT
 
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-DEFAULT_INPUT = PERF_DIR / "data" / "sentences_16tok.json"
-DEFAULT_RESULTS = PERF_DIR / "results"
 MODEL = "text_embedding"
 
 
@@ -43,24 +42,14 @@ class Level:
     wall_s: float = 0.0
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m perf.baseline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m perf.bench.baseline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--url", help="host:port of a running server's endpoint for --protocol (default: start one)")
     p.add_argument("--protocol", choices=pa.PROTOCOLS, default="grpc")
     p.add_argument("--model", default=MODEL)
-    p.add_argument("--concurrency", type=_int_list, default=[1, 16], help="comma-separated levels (default 1,16)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated levels (default 1,16)")
     p.add_argument("--request-count", type=int, default=400, help="requests per measurement window (default 400)")
     p.add_argument("--stability-percent", type=float, default=30.0, help="perf_analyzer -s (default 30)")
     p.add_argument("--max-trials", type=int, default=6, help="windows before a level counts as unstable (default 6)")
@@ -189,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         binary, env = pa.check()
     except pa.PerfAnalyzerNotAvailable as exc:
-        say(f"perf.baseline: {exc}")
+        say(f"perf.bench.baseline: {exc}")
         return 2
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"baseline-{stamp}"
@@ -203,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             if server is None:
                 return 1
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-        say(f"perf.baseline: {args.model} over {args.protocol} at {url}, concurrency {args.concurrency}")
+        say(f"perf.bench.baseline: {args.model} over {args.protocol} at {url}, concurrency {args.concurrency}")
         levels = []
         for i, concurrency in enumerate(args.concurrency, start=1):
             say(f"[{i}/{len(args.concurrency)}] concurrency {concurrency} ({deadline - time.monotonic():.0f} s of budget left)")
@@ -214,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             levels.append(level)
     finally:
         if server is not None:
-            say("perf.baseline: stopping tritonserver")
+            say("perf.bench.baseline: stopping tritonserver")
             server.stop()
 
     header = [
@@ -222,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, "
         f"load average before measuring {load}",
-        f"- server: {'started by perf.baseline (local tritonserver)' if args.url is None else args.url}",
+        f"- server: {'started by perf.bench.baseline (local tritonserver)' if args.url is None else args.url}",
         f"- input: {pa.display_path(args.input_data)}, batch size 1",
         f"- windows of {args.request_count} requests (count_windows), -s {args.stability_percent:g}, "
         f"max trials {args.max_trials}",
@@ -231,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / "summary.md").write_text(table)
     write_summary_csv(out_dir / "summary.csv", levels, args.protocol)
     say("\n" + table)
-    say(f"perf.baseline: results in {pa.display_path(out_dir)}")
+    say(f"perf.bench.baseline: results in {pa.display_path(out_dir)}")
     return 0 if all(level.measurement is not None for level in levels) else 1
 
 
@@ -243,17 +232,17 @@ def start_server(args: argparse.Namespace, deadline: float):
         from export import __main__ as export_main
 
         if export_main.main([]) != 0:
-            say("perf.baseline: export failed")
+            say("perf.bench.baseline: export failed")
             return None, None
     workdir = Path(tempfile.mkdtemp(prefix="perf-baseline-"))
     server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(args.model,)))
-    say(f"perf.baseline: starting tritonserver (log {server.log_path})")
+    say(f"perf.bench.baseline: starting tritonserver (log {server.log_path})")
     server.start()
     try:
         server.wait_ready(timeout=max(deadline - time.monotonic(), 1.0))
     except ServerError as exc:
         server.stop()
-        say(f"perf.baseline: {exc}\n{exc.log_tail}")
+        say(f"perf.bench.baseline: {exc}\n{exc.log_tail}")
         return None, None
     except BaseException:
         server.stop()

@@ -1,7 +1,7 @@
-"""``python -m perf.cache_bench`` (``make cache-bench``): the result cache on a repeated-text workload.
+"""``python -m perf.bench.cache_bench`` (``make cache-bench``): the result cache on a repeated-text workload.
 
 One run, side by side: the same Zipf stream over 10,000 distinct sentences
-(perf/cache_workload.py), sent by an asyncio gRPC client at a fixed concurrency, one text
+(perf/bench/cache_workload.py), sent by an asyncio gRPC client at a fixed concurrency, one text
 per request,
 
 1. **without cache**: a server with Triton's response cache off, model ``text_embedding``;
@@ -33,10 +33,10 @@ from typing import Sequence
 
 import numpy as np
 
-from perf.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
-from perf.perf_analyzer import display_path
+from perf.bench.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
+from perf.lib.paths import RESULTS
+from perf.lib.perf_analyzer import display_path
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CACHED, ENSEMBLE = "text_embedding_cached", "text_embedding"
 
 
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.cache_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.cache_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=20000, help="requests per phase (default 20000)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")

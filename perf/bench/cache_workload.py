@@ -1,4 +1,4 @@
-"""The repeated-text workload of perf.cache_bench: 10,000 distinct sentences and a Zipf stream.
+"""The repeated-text workload of perf.bench.cache_bench: 10,000 distinct sentences and a Zipf stream.
 
 Sentences are built from the word lists below with a seeded generator (this module is the
 checked-in data: the same seed gives the same sentences and the same stream on every

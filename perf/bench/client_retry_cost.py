@@ -1,6 +1,6 @@
 """What the clients' retry wrapper costs on the happy path (clients/resilience.py).
 
-    python -m perf.client_retry_cost [--concurrency 8] [--seconds 4] [--rounds 3]
+    python -m perf.bench.client_retry_cost [--concurrency 8] [--seconds 4] [--rounds 3]
 
 Two measurements:
 
@@ -173,7 +173,7 @@ def table(results: dict, micro: dict, concurrency: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.client_retry_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.client_retry_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seconds", type=float, default=4.0, help="per path and round")

@@ -1,13 +1,13 @@
-"""`python -m perf.compare`: the served ensemble side by side with its limit and a naive server.
+"""`python -m perf.bench.compare`: the served ensemble side by side with its limit and a naive server.
 
 One run, one system at a time (a 2-core machine cannot host two without each slowing the
 other), the same checked-in 16-token sentences and the same load generator throughout:
 
   a. limit: ONNX Runtime in-process, the encoder file and thread count Triton serves for
      --precision, at its best batch size; also tokenizer + encoder in one loop
-     (perf/limit.py). Measured before and after the servers; the larger figure counts (noise
+     (perf/baselines/limit.py). Measured before and after the servers; the larger figure counts (noise
      only ever lowers a ceiling);
-  b. naive: perf/naive_server.py (FastAPI + PyTorch FP32, one request at a time), driven by
+  b. naive: perf/baselines/naive_server.py (FastAPI + PyTorch FP32, one request at a time), driven by
      perf_analyzer over HTTP at --concurrency;
   c. Triton's text_embedding ensemble via perf_analyzer over gRPC and HTTP at --concurrency,
      and over gRPC at --batching-concurrency (16);
@@ -35,13 +35,13 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from perf import limit as limit_mod
-from perf import perf_analyzer as pa
-
+from perf.baselines import limit as limit_mod
+from perf.lib import perf_analyzer as pa
+from perf.lib import served as served_mod
 
 # The issue's targets, checked (not enforced) in the printed ratios.
 TARGET_SERVED_VS_LIMIT = 0.85
@@ -49,8 +49,8 @@ TARGET_SERVED_VS_NAIVE = 5.0
 TARGET_P99_OVER_P50 = 3.0
 
 
-from perf.harness import (ENCODER, MODEL, RateSettings, Row, Run, disable_all_dynamic_batching, ensure_exported,
-                          measure, measure_served, new_run, rate_warnings, settings_for, skipped, write_csv)
+from perf.lib.harness import (ENCODER, MODEL, RateSettings, Row, Run, disable_all_dynamic_batching, ensure_exported,
+                              measure, measure_served, new_run, rate_warnings, settings_for, skipped, write_csv)
 
 
 @dataclass
@@ -62,11 +62,19 @@ class Ratio:
     detail: str = ""
 
 
+@dataclass
+class CompareRun(Run):
+    """A run of this tool: the in-process limits measured before and after the servers."""
+
+    limits: dict[str, limit_mod.Limit] = field(default_factory=dict)  # "before"/"after" the servers
+    limit_errors: list[str] = field(default_factory=list)
+
+
 # --------------------------------------------------------------------------- arguments
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="tiny request counts and a short limit measurement (CI smoke; figures are rough)")
@@ -81,7 +89,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--request-count", type=int, help="requests per measurement window (default 500, --quick 40)")
     p.add_argument("--stability-percent", type=float, help="perf_analyzer -s (default 30, --quick 100)")
     p.add_argument("--max-trials", type=int, help="windows before a measurement is unstable (default 6, --quick 3)")
-    p.add_argument("--input-data", type=Path, default=limit_mod.DEFAULT_INPUT, help="perf_analyzer input JSON")
+    p.add_argument("--input-data", type=Path, default=served_mod.DEFAULT_INPUT, help="perf_analyzer input JSON")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/compare-<UTC time>)")
     p.add_argument("--no-export", action="store_true", help="never export, even when model files are missing")
     p.add_argument("--verbose", action="store_true", help="log perf_analyzer command lines")
@@ -109,14 +117,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- the systems
 
 
-def measure_limit(run: Run, served: limit_mod.ServedEncoder, when: str) -> None:
+def measure_limit(run: CompareRun, served: served_mod.ServedEncoder, when: str) -> None:
     """One in-process limit measurement (``when``: "before" or "after" the servers) into run.limits."""
     a = run.args
     run.say(f"(a) limit {when} the servers: ONNX Runtime in-process, {served.variant} ({served.model_path.name}), "
             f"layouts {', '.join(f'{n}x{t}' for n, t in limit_mod.layouts(served))} (sessions x threads)")
     started = time.monotonic()
     try:
-        result = limit_mod.measure(served, limit_mod.load_sentences(a.input_data), a.limit_batches,
+        result = limit_mod.measure(served, served_mod.load_sentences(a.input_data), a.limit_batches,
                                    rounds=a.limit_rounds, seconds=a.limit_seconds,
                                    progress=lambda m: run.say(f"    {m}"))
     except Exception as exc:  # a broken export must not lose the served measurements
@@ -129,7 +137,7 @@ def measure_limit(run: Run, served: limit_mod.ServedEncoder, when: str) -> None:
             f"({time.monotonic() - started:.0f} s)")
 
 
-def add_limit_rows(run: Run) -> None:
+def add_limit_rows(run: CompareRun) -> None:
     """The limit rows: per kind, the larger of the before/after figures.
 
     A ceiling is a maximum: a busy neighbour can only lower an in-process figure, so the
@@ -159,7 +167,7 @@ def add_limit_rows(run: Run) -> None:
 
 
 def measure_naive(run: Run, threads: int) -> None:
-    from perf.naive_server import NaiveServer
+    from perf.baselines.naive_server import NaiveServer
     from server.process import free_port
 
     c = run.args.concurrency
@@ -199,7 +207,7 @@ def _encoder_note(row: Row) -> None:
         row.note = f"{row.note}; {extra}" if row.note else extra
 
 
-def measure_triton(run: Run, served: limit_mod.ServedEncoder) -> None:
+def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
     from server.process import ServerError, ServerOptions, TritonServer
 
     a = run.args
@@ -381,18 +389,18 @@ def summary_records(rows: Sequence[Row]) -> list[dict[str, object]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    state = new_run(args, "compare")
+    state = new_run(args, "compare", CompareRun)
     if state is None:
         return 2
     out_dir = state.out_dir
 
-    served = limit_mod.served_encoder(args.precision)
+    served = served_mod.served_encoder(args.precision)
     if not ensure_exported(served, args, state.say):
         return 1
-    served = limit_mod.served_encoder(args.precision)
+    served = served_mod.served_encoder(args.precision)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    state.say(f"perf.compare: precision {args.precision} -> {ENCODER} {served.variant}, concurrency {args.concurrency}, "
-              f"batching on/off at {args.batching_concurrency}, budget {args.time_budget:.0f} s, load average {load}")
+    state.say(f"perf.bench.compare: precision {args.precision} -> {ENCODER} {served.variant}, "
+              f"concurrency {args.concurrency}, batching on/off at {args.batching_concurrency}, budget {args.time_budget:.0f} s, load average {load}")
 
     measure_limit(state, served, "before")
     measure_naive(state, served.threads * served.instances)
@@ -409,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"measuring {load}; one system at a time",
-        f"- command: `{' '.join(['python -m perf.compare', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.compare', *args.argv])}`",
         f"- input: {pa.display_path(args.input_data)}, 16-token sentences, batch size 1 per request",
         f"- perf_analyzer windows of {args.request_count} requests (count_windows), -s {args.stability_percent:g}, "
         f"max trials {args.max_trials}, one retry with twice the requests",
@@ -421,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out_dir / "summary.csv", summary_records(state.rows))
     write_csv(out_dir / "ratios.csv", [dataclasses.asdict(q) for q in ratio_list])
     print("\n" + table, flush=True)
-    state.say(f"perf.compare: results in {pa.display_path(out_dir)}")
+    state.say(f"perf.bench.compare: results in {pa.display_path(out_dir)}")
     return 0 if all(r.ok for r in state.rows) else 1
 
 

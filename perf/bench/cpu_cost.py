@@ -1,4 +1,5 @@
-"""`python -m perf.cpu_cost` (`make cpu-cost`): CPU-seconds per 1,000 requests of every process on each request path.
+"""`python -m perf.bench.cpu_cost` (`make cpu-cost`): CPU-seconds per 1,000 requests of every process on each
+request path.
 
 Starts its own deployment with the launcher's code: tritonserver behind the nginx front door
 (server.process.TritonServer, Triton's response cache at the launcher's default size), Redis
@@ -31,13 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import io
 import json
 import os
 import random
 import secrets
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -45,92 +44,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf import processes
-from perf.harness import write_csv
+from perf.lib import processes
+from perf.lib.deployment import start_deployment, stop_deployment
+from perf.lib.harness import write_csv
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.workload import (gateway_request, image_request, prompts, sentences, text_request, token_request,
+                               unique_jpegs)
 
-PERF_DIR = Path(__file__).resolve().parent
-DEFAULT_RESULTS = PERF_DIR / "results"
-SENTENCES = PERF_DIR / "data" / "sentences_16tok.json"
-PROMPTS = PERF_DIR / "data" / "generation_prompts.json"
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
 PATHS = ("text_tokenizer", "text_encoder", "text_embedding", "text_embedding_cached_miss",
          "text_embedding_cached_hit", "gateway_embeddings", "image_classification", "text_generation")
-VOCAB = (1000, 30000)  # token ids for the encoder's direct inputs (all-MiniLM-L6-v2: 30,522)
 # The columns, in path order; a group a deployment lacks (no Redis) is left out.
 GROUP_ORDER = ("frontdoor (nginx)", "gateway", "tritonserver", "stub text_embedding_cached", "stub text_tokenizer",
                "stub text_encoder_router", "stub text_encoder", "stub image_preprocess", "stub image_classifier",
                "stub image_postprocess", "stub text_generation", "redis", "load generator")
-
-
-# --------------------------------------------------------------------------- requests
-
-
-def infer_body(inputs: list[dict], binary: bytes = b"") -> tuple[bytes, dict[str, str]]:
-    """A KServe v2 HTTP request; outputs come back in Triton's binary extension (cheap to skip)."""
-    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    headers = {"Content-Type": "application/octet-stream"}
-    if binary:
-        headers["Inference-Header-Content-Length"] = str(len(header))
-    return header + binary, headers
-
-
-def text_request(text: str) -> tuple[bytes, dict[str, str]]:
-    return infer_body([{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}])
-
-
-def token_request(rng: random.Random, length: int = 16) -> tuple[bytes, dict[str, str]]:
-    ids = [101] + [rng.randrange(*VOCAB) for _ in range(length - 2)] + [102]
-    return infer_body([
-        {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
-        {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
-    ])
-
-
-def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
-    raw = struct.pack("<I", len(blob)) + blob
-    return infer_body([{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
-                        "parameters": {"binary_data_size": len(raw)}}], raw)
-
-
-def gateway_request(text: str, api_key: str) -> tuple[bytes, dict[str, str]]:
-    body = json.dumps({"model": "text_embedding", "input": text, "encoding_format": "float"}).encode()
-    return body, {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
-
-
-def sentences() -> list[str]:
-    return [d["TEXT"]["content"][0] for d in json.loads(SENTENCES.read_text())["data"]]
-
-
-def prompts() -> list[str]:
-    doc = json.loads(PROMPTS.read_text(encoding="utf-8"))
-    return [e["text"] for e in doc["prompts"] if e["kind"] != "long"]
-
-
-def photos(count: int = 8) -> list:
-    """A few of the bundled sample photos (export.image_data's evaluation set), RGB PIL images."""
-    from export.image_data import evaluation_set
-
-    return [s.image for s in evaluation_set()[:count]]
-
-
-def unique_jpegs(n: int, seed: str, base: Sequence | None = None) -> list[bytes]:
-    """``n`` JPEGs, each a sample photo scaled to 256 px with one pixel set from its number:
-    no two are alike, so image_preprocess's response cache never answers them."""
-    base = list(base or photos())
-    scaled = []
-    for im in base:
-        w, h = im.size
-        f = 256 / min(w, h)
-        scaled.append(im.resize((max(1, round(w * f)), max(1, round(h * f)))))
-    rng = random.Random(seed)
-    out = []
-    for k in range(n):
-        im = scaled[k % len(scaled)].copy()
-        im.putpixel((k % 16, (k // 16) % 16), (rng.randrange(256), rng.randrange(256), k % 256))
-        buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
 
 
 # --------------------------------------------------------------------------- measurement
@@ -230,7 +157,7 @@ def embedding_check(raw: bytes) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.cpu_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.cpu_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=1000, help="requests per text path (default 1000)")
     p.add_argument("--image-requests", type=int, default=300, help="requests of image_classification (default 300)")
@@ -252,54 +179,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
            args.gen_concurrency) < 1 or args.idle_seconds <= 0:
         p.error("counts, concurrency and --idle-seconds must be positive")
     return args
-
-
-def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: bool, say):
-    """tritonserver (front door on), Redis (optional) and one gateway, as the launcher starts them."""
-    from server.__main__ import DEFAULT_CACHE_SIZE_MB
-    from server.gateway import GatewayOptions, GatewayProcess
-    from server.process import ServerOptions, TritonServer, free_port
-
-    redis = None
-    if use_redis and shutil.which("redis-server"):
-        from server.redis_process import RedisProcess
-
-        redis = RedisProcess().start()
-        say(f"redis on port {redis.port}")
-    env = {"EMBEDDING_CACHE_L2_REDIS_URL": redis.url} if redis else {}
-    # drain_timeout 5: tritonserver's own exit wait (--exit-timeout-secs) is 5 s, not the launcher's 30
-    # (text_generation's unload has been seen to wait out the whole timeout after serving streams).
-    triton = TritonServer(ServerOptions.with_free_ports(workdir=workdir / "triton", models=tuple(models),
-                                                        cache_size_bytes=DEFAULT_CACHE_SIZE_MB << 20, env=env,
-                                                        drain_timeout=5))
-    triton.start()
-    gateway = None
-    try:
-        triton.wait_ready(timeout=300)
-        say(f"tritonserver ready ({', '.join(models)}): front door http {triton.http_url}, grpc {triton.grpc_url}")
-        gateway = GatewayProcess(GatewayOptions(triton.triton_grpc_url, port=free_port(), workdir=workdir / "gateway",
-                                                api_key_file=workdir / "gateway-api-key",
-                                                extra_args=["--rate-limit", "0"], env={"GATEWAY_API_KEYS": key},
-                                                drain_timeout=5)).start()
-        gateway.wait_ready(timeout=120)
-        say(f"gateway ready on {gateway.url}")
-    except BaseException:
-        stop_deployment(triton, gateway, redis)
-        raise
-    return triton, gateway, redis
-
-
-def stop_deployment(triton, gateway, redis, logs_to: Path | None = None) -> None:
-    if gateway is not None:
-        gateway.stop()
-        if logs_to is not None and gateway.log_path.is_file():
-            shutil.copyfile(gateway.log_path, logs_to / "gateway.log")
-    if triton is not None:
-        triton.stop()
-        if logs_to is not None and triton.log_path.is_file():
-            shutil.copyfile(triton.log_path, logs_to / "tritonserver.log")
-    if redis is not None:
-        redis.stop()
 
 
 async def measure(args, triton, gateway, redis, key: str, say) -> tuple[dict[str, float], list[PathResult], list[str]]:
@@ -433,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(f"perf.cpu_cost: paths {','.join(args.paths)}; load average {load}")
+    say(f"perf.bench.cpu_cost: paths {','.join(args.paths)}; load average {load}")
     key = "sk-cpu-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-cpu-cost-"))
     triton = gateway = redis = None
@@ -448,14 +327,14 @@ def run(args: argparse.Namespace) -> int:
         idle, results, groups = asyncio.run(measure(args, triton, gateway, redis, key, say))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
-        say(f"perf.cpu_cost stopped: {failure}")
+        say(f"perf.bench.cpu_cost stopped: {failure}")
     finally:
         stop_deployment(triton, gateway, redis, out)
         shutil.rmtree(workdir, ignore_errors=True)
 
     header = ["# CPU cost per request path", "",
               f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load}",
-              f"- command: `{' '.join(['python -m perf.cpu_cost', *args.argv])}`",
+              f"- command: `{' '.join(['python -m perf.bench.cpu_cost', *args.argv])}`",
               (f"- {args.requests} requests per text path, {args.image_requests} images, {args.gen_requests} generation "
                f"streams of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {args.gen_concurrency}); "
                f"Redis L2 {'on' if redis else 'off'}; front door on every direct path, the gateway on gateway_embeddings")]
@@ -468,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "cpu_cost.md").write_text(table)
     write_csv(out / "cpu_cost.csv", csv_rows(idle, results, groups))
     print("\n" + table, flush=True)
-    say(f"perf.cpu_cost: results in {out}")
+    say(f"perf.bench.cpu_cost: results in {out}")
     complete = [r.path for r in results] == args.paths and all(r.units > 0 for r in results)
     return 0 if not failure and not errors and complete else 1
 

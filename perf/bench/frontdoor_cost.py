@@ -2,7 +2,7 @@
 HTTP JSON and binary; the gRPC door + nginx for gRPC) and straight to tritonserver's internal
 port, side by side on one server (text_embedding).
 
-    python -m perf.frontdoor_cost [--concurrency 16] [--seconds 4] [--rounds 3]
+    python -m perf.bench.frontdoor_cost [--concurrency 16] [--seconds 4] [--rounds 3]
 
 Rounds alternate between the two paths so that a neighbour's burst hits both; each request is
 one short text. Prints a table (requests/s, P50, P99, max) and the throughput ratio per protocol;
@@ -120,7 +120,7 @@ def table(results: dict, concurrency: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.frontdoor_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.frontdoor_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seconds", type=float, default=4.0, help="per path and round")

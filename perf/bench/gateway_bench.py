@@ -1,4 +1,4 @@
-"""`python -m perf.gateway_bench` (`make perf-gateway`): the OpenAI gateway against Triton direct, side by side.
+"""`python -m perf.bench.gateway_bench` (`make perf-gateway`): the OpenAI gateway against Triton direct, side by side.
 
 Starts its own tritonserver (text_embedding_cached, text_embedding, text_generation; the
 launcher's code path, front door included) and two gateways in front of its gRPC port
@@ -56,11 +56,12 @@ from pathlib import Path
 
 import orjson
 
-from perf.harness import DEFAULT_RESULTS, PERF_DIR
-from perf.tail import percentile
+from perf.lib.chat_streams import DirectChat, GatewayChat
+from perf.lib.paths import GENERATION_PROMPTS as PROMPTS
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.paths import SENTENCES_16TOK as SENTENCES
+from perf.lib.stats import percentile
 
-SENTENCES = PERF_DIR / "data" / "sentences_16tok.json"
-PROMPTS = PERF_DIR / "data" / "generation_prompts.json"
 MODELS = ("text_embedding_cached", "text_embedding", "text_generation")
 DIRECT_EMBED_MODEL = "text_embedding_cached"
 DIMENSIONS = 384
@@ -251,63 +252,6 @@ async def run_embeddings(args, direct_url: str, gateway_urls: dict[str, str], ke
 # --------------------------------------------------------------------------- chat
 
 
-class GatewayChat:
-    key = "gateway"
-
-    def __init__(self, session, url: str, api_key: str):
-        self.session, self.url = session, f"{url}/v1/chat/completions"
-        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-
-    async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
-        """(TTFT in seconds, completion tokens) of one streamed chat request."""
-        body = orjson.dumps({"model": "text_generation", "messages": [{"role": "user", "content": prompt}],
-                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                             "stream_options": {"include_usage": True}})
-        sent = time.perf_counter()
-        first = None
-        tokens = None
-        async with self.session.post(self.url, data=body, headers=self.headers) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                event = orjson.loads(data)
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
-                    first = time.perf_counter() - sent
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-        if tokens is None:
-            raise RuntimeError("the stream ended without a usage chunk")
-        return first, tokens
-
-
-class DirectChat:
-    key = "direct"
-
-    def __init__(self, client):
-        self.client = client  # clients.generation.AsyncGenerationClient, gRPC
-
-    async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
-        sent = time.perf_counter()
-        first = None
-        pieces = self.client.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                         temperature=0, ignore_eos=True)
-        async with pieces:
-            async for text in pieces:
-                if first is None and text:
-                    first = time.perf_counter() - sent
-        result = pieces.result
-        if result is None or result.num_output_tokens is None:
-            raise RuntimeError("the stream ended without a token count")
-        return first, result.num_output_tokens
-
-
 async def chat_window(system, prompts: Sequence[str], concurrency: int, per_client: int, max_tokens: int,
                       cell: ChatCell, stagger_s: float = 0.0) -> None:
     """``concurrency`` clients, each ``per_client`` requests one after the other, to their end;
@@ -468,7 +412,7 @@ def _names(choices: Sequence[str]):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.gateway_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.gateway_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="rounds of interleaved windows (default 3)")
     p.add_argument("--embed-concurrency", type=int, default=32, help="embedding clients (default 32)")
@@ -531,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(f"perf.gateway_bench: {args.rounds} round(s), load average {load}")
+    say(f"perf.bench.gateway_bench: {args.rounds} round(s), load average {load}")
     key = "sk-bench-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-gateway-"))
     triton = None
@@ -548,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
             chat_cells = asyncio.run(run_chat(args, urls["quiet"], triton.triton_grpc_url, key, say))
     except Exception as exc:  # noqa: BLE001 - reported, with what was measured so far
         failure = f"{type(exc).__name__}: {exc}"
-        say(f"perf.gateway_bench stopped: {failure}")
+        say(f"perf.bench.gateway_bench stopped: {failure}")
     finally:
         for name, gw in gateways.items():
             gw.stop()
@@ -568,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
         "# OpenAI gateway vs Triton direct",
         "",
         f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before measuring {load}",
-        f"- command: `{' '.join(['python -m perf.gateway_bench', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.gateway_bench', *args.argv])}`",
         (f"- embeddings: {args.embed_concurrency} closed-loop clients (aiohttp, one loop), one text per request, "
          f"{args.embed_duration:g} s windows x {args.rounds} round(s), systems interleaved; direct = POST "
          f"/v2/models/{DIRECT_EMBED_MODEL}/infer on the front door, gateway = POST /v1/embeddings"),
@@ -580,12 +524,12 @@ def run(args: argparse.Namespace) -> int:
     if failure:
         header.append(f"- stopped early: {failure}")
     table = markdown(header, embed, chat, ratio_rows)
-    result = {"command": ["python", "-m", "perf.gateway_bench", *args.argv], "load_average_before": load,
+    result = {"command": ["python", "-m", "perf.bench.gateway_bench", *args.argv], "load_average_before": load,
               "cpus": os.cpu_count(), "embeddings": embed, "chat": chat, "ratios": ratio_rows, "error": failure}
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(table)
     print("\n" + table, flush=True)
-    say(f"perf.gateway_bench: results in {out}")
+    say(f"perf.bench.gateway_bench: results in {out}")
     complete = (args.no_embeddings or len(embed) == len(WORKLOADS) * len(args.embed_systems)) and \
         (args.no_chat or len(chat) == len(args.chat_systems) * len(args.chat_concurrency))
     return 0 if not failure and complete else 1

@@ -1,4 +1,4 @@
-"""`python -m perf.generate_bench` (`make perf-generate`): text generation, every system side by side.
+"""`python -m perf.bench.generate_bench` (`make perf-generate`): text generation, every system side by side.
 
 Streams at concurrency 1, 4, 16 and 32 (closed loop: each client starts its next request
 when one ends), 128 new tokens per request with ``ignore_eos`` (so every stream makes
@@ -9,14 +9,14 @@ spares any system a prefill (``--repeat-prompts`` sends them as they are). The s
 model and the in-process engine run the weights precision ``--precision`` resolves to
 (``PRECISION``, default auto: the best variant gated on this CPU). Systems:
 
-  naive    perf/naive_generate_server.py: transformers ``generate()`` one request at a time
+  naive    perf/baselines/naive_generate_server.py: transformers ``generate()`` one request at a time
            behind FastAPI (SSE); the clients are concurrent, the server serialises them;
   engine   the generation engine in this process, no Triton (LLMEngine + EngineLoop, the
            clients submit through EngineLoop.submit): the limit of this design;
   grpc     Triton's ``text_generation`` over a gRPC stream (tritonclient.grpc.aio);
   http     the same over HTTP SSE (``POST /v2/models/text_generation/generate_stream``),
            both through the launcher's front door as clients reach it;
-  llama    llama.cpp's ``llama-server`` on the same model's GGUF (perf/llama_cpp.py builds it),
+  llama    llama.cpp's ``llama-server`` on the same model's GGUF (perf/baselines/llama_cpp.py builds it),
            ``--parallel`` = the concurrency, ``--cont-batching``, its ``/completion`` stream.
 
 The in-process engine takes the served model's config.pbtxt parameters (KV pool, block
@@ -75,8 +75,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.harness import DEFAULT_RESULTS, PERF_DIR, ROOT, write_csv
-from perf.tail import percentile
+from perf.lib.harness import write_csv
+from perf.lib.paths import GENERATION_PROMPTS, ROOT
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 MODEL = "text_generation"
 DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
-DEFAULT_DATA = PERF_DIR / "data" / "generation_prompts.json"
+DEFAULT_DATA = GENERATION_PROMPTS
 SYSTEMS = ("naive", "engine", "nodraft", "grpc", "http", "llama")
 # Measured only when named in --systems.
 OPTIONAL_SYSTEMS = ("nodraft",)
@@ -97,7 +99,7 @@ SYSTEM_NAMES = {
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
     "llama": "llama.cpp llama-server (the same model, SmolLM2-135M-Instruct Q4_1 GGUF), --parallel = the concurrency, "
-             "--cont-batching, its /completion stream (perf/llama_cpp.py)",
+             "--cont-batching, its /completion stream (perf/baselines/llama_cpp.py)",
 }
 PROTOCOLS = {"naive": "http sse", "engine": "in-process", "nodraft": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
 
@@ -740,7 +742,7 @@ def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path,
     never finished against it (without, the same run took 3 s)."""
     import subprocess
 
-    from perf import perf_analyzer as pa
+    from perf.lib import perf_analyzer as pa
 
     _, env = pa.check()  # libcudart for perf_analyzer
     env = {**env, "PATH": os.pathsep.join((str(Path(exe).parent), env.get("PATH", ""))), "HF_HUB_OFFLINE": "1"}
@@ -1004,7 +1006,7 @@ def markdown(header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.generate_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.generate_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="concurrency 1 and 4, 16 tokens, a few prompts, 4 s windows (CI smoke; figures are rough)")
@@ -1079,12 +1081,12 @@ def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     write_csv(out_dir / "profile.csv", rows)
-    print(f"perf.generate_bench --profile: {pa_display(out_dir / 'profile.csv')}", flush=True)
+    print(f"perf.bench.generate_bench --profile: {pa_display(out_dir / 'profile.csv')}", flush=True)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    from perf.naive_generate_server import NaiveGenerateServer
+    from perf.baselines.naive_generate_server import NaiveGenerateServer
     from server.process import ServerError, free_port
 
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
@@ -1094,8 +1096,8 @@ def run(args: argparse.Namespace) -> int:
         return run_profile(args, out_dir)
     bench = Bench(args, out_dir)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    bench.say(f"perf.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, {args.max_tokens} "
-              f"tokens, {args.duration:g} s windows x {args.rounds} round(s), load average {load}")
+    bench.say(f"perf.bench.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, "
+              f"{args.max_tokens} tokens, {args.duration:g} s windows x {args.rounds} round(s), load average {load}")
     from python_backends.generation.linear import describe_cpu
 
     bench.say(f"weights precision {args.weights_precision} (PRECISION={args.precision}), CPU: {describe_cpu()}")
@@ -1130,7 +1132,7 @@ def run(args: argparse.Namespace) -> int:
                 bench.say(f"naive server did not start: {exc}")
                 bench.notes.append("naive server did not start")
         if "llama" in wanted:
-            from perf import llama_cpp
+            from perf.baselines import llama_cpp
 
             try:
                 binary, gguf = llama_cpp.build(say=bench.say), llama_cpp.model(say=bench.say)
@@ -1191,7 +1193,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         (f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"measuring {load}"),
-        f"- command: `{' '.join(['python -m perf.generate_bench', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.generate_bench', *args.argv])}`",
         (f"- {len(workload.prompts)} prompts ({pa_display(args.data)}), chat template applied, {args.max_tokens} new "
         f"tokens each (ignore_eos), greedy; closed-loop clients, {args.duration:g} s window per system and "
         f"concurrency{f' after {args.warmup:g} s of warm-up' if args.warmup else ''}, {args.rounds} round(s), "
@@ -1230,13 +1232,13 @@ def run(args: argparse.Namespace) -> int:
     if requests:
         write_csv(out_dir / "requests.csv", requests)
     print("\n" + table, flush=True)
-    bench.say(f"perf.generate_bench: results in {pa_display(out_dir)}")
+    bench.say(f"perf.bench.generate_bench: results in {pa_display(out_dir)}")
     ok = all(s["output_tokens"] > 0 for s in ordered) and len(ordered) == len(args.systems) * len(args.concurrency)
     return 0 if ok and (prefix is not None or args.no_prefix) else 1
 
 
 def pa_display(path: Path) -> str:
-    from perf.perf_analyzer import display_path
+    from perf.lib.perf_analyzer import display_path
 
     return display_path(path)
 

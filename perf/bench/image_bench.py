@@ -1,4 +1,4 @@
-"""`python -m perf.image_bench` (`make image-bench`): the served image ensembles against ONNX Runtime in-process.
+"""`python -m perf.bench.image_bench` (`make image-bench`): the served image ensembles against ONNX Runtime in-process.
 
 For each ensemble given with ``--ensembles`` (default: ``image_classification``, the default
 model, and ``image_classification_resnet50``; one that the repository lacks is skipped with a
@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import struct
 import sys
 import tempfile
@@ -52,17 +51,16 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from perf.harness import write_csv
+from perf.lib.harness import write_csv
+from perf.lib.paths import REPOSITORY
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.stats import median, percentile
 
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-REPOSITORY = ROOT / "model_repository"
-DEFAULT_RESULTS = PERF_DIR / "results"
 DEFAULT_ENSEMBLES = ("image_classification", "image_classification_resnet50")
 JPEG_QUALITY = 90
 
@@ -123,7 +121,7 @@ def resolve(repo: Path, ensembles: Sequence[str], precision: str) -> tuple[str |
     """Triton's --model-config-name for ``precision`` and each ensemble's Pipeline."""
     from export import bench
     from export.variants import VARIANTS, resolve_precision
-    from perf.limit import config_parameter, instance_count, served_config_text
+    from perf.lib.served import config_parameter, instance_count, served_config_text
 
     steps = {e: ensemble_steps(repo, e) for e in ensembles}
     config_name, served = resolve_precision(repo, [cnn for _, cnn, _ in steps.values()], precision)
@@ -172,7 +170,7 @@ class InProcess:
 
     def __init__(self, pipe: Pipeline, repo: Path, config_name: str | None):
         from export import bench
-        from perf.limit import served_config_text
+        from perf.lib.served import served_config_text
         from python_backends.config import ModelConfig
         from python_backends.image.postprocess import TopKClassifier, load_labels
         from python_backends.image.preprocess import PreprocessOptions
@@ -275,14 +273,6 @@ class MachineMeter:
         busy1 = busy_jiffies()
         if self.busy0 is not None and busy1 is not None:
             window.machine_cores = (busy1[0] - self.busy0[0]) / max(time.monotonic() - self.t0, 1e-9)
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
-    if not sorted_values:
-        raise ValueError("no values")
-    rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
-    return sorted_values[rank - 1]
 
 
 def measure_inprocess(runner: Callable[[Sequence[bytes]], object], blobs: Sequence[bytes], batch: int, threads: int,
@@ -403,7 +393,7 @@ async def _closed_loop(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]],
 
 def measure_served(http_url: str, pipe: Pipeline, blobs: Sequence[bytes], batch: int, concurrency: int,
                    warmup: float, duration: float, window: Window, min_requests: int = 10) -> None:
-    from perf import triton_stats
+    from perf.lib import triton_stats
 
     bodies = [image_body(batch_of(blobs, batch, k)) for k in range(len(blobs))]
     before = triton_stats.snapshot(http_url)
@@ -473,11 +463,6 @@ class Point:
     requests: int = 0  # requests (served) or calls (in-process) measured, all rounds
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def points(windows: Sequence[Window]) -> list[Point]:
     """Per system, ensemble and batch; in-process: the faster layout (by median images/s)."""
     groups: dict[tuple, list[Window]] = {}
@@ -487,9 +472,9 @@ def points(windows: Sequence[Window]) -> list[Point]:
     for (system, ensemble, batch, layout), ws in groups.items():
         maxes = [w.max_ms for w in ws if w.max_ms is not None]
         candidates.setdefault((system, ensemble, batch), []).append(Point(
-            system, ensemble, batch, layout, _median([w.images_per_s for w in ws]), _median([w.p50_ms for w in ws]),
-            _median([w.p99_ms for w in ws]), max(maxes) if maxes else None, _median([w.classifier_batch for w in ws]),
-            _median([w.client_cores for w in ws]), _median([w.machine_cores for w in ws]),
+            system, ensemble, batch, layout, median([w.images_per_s for w in ws]), median([w.p50_ms for w in ws]),
+            median([w.p99_ms for w in ws]), max(maxes) if maxes else None, median([w.classifier_batch for w in ws]),
+            median([w.client_cores for w in ws]), median([w.machine_cores for w in ws]),
             sum(w.errors for w in ws), len(ws), sum(w.requests for w in ws)))
     return [max(c, key=lambda p: p.images_per_s or 0.0) for c in candidates.values()]
 
@@ -542,9 +527,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    from export import bench
-
     import onnxruntime
+
+    from export import bench
 
     return (f"{model or platform.processor() or 'unknown CPU'}, {bench.cpu_threads()} cores usable, no GPU used "
             f"(CPUExecutionProvider), onnxruntime {onnxruntime.__version__}, Python {platform.python_version()}")
@@ -554,7 +539,7 @@ def machine() -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.image_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.image_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ensembles", default=",".join(DEFAULT_ENSEMBLES),
                    help="comma-separated image ensembles, the first compared with each other one "
@@ -606,14 +591,14 @@ def ensure_exported(repo: Path, pipes: Sequence[Pipeline], no_export: bool, say:
         return False
     from export import __main__ as export_main
 
-    say(f"perf.image_bench: exporting {', '.join(missing)} (model files missing)")
+    say(f"perf.bench.image_bench: exporting {', '.join(missing)} (model files missing)")
     args = ["--no-speed", "--repository", str(repo)]
     for name in dict.fromkeys(missing):
         args += ["--model", name]
     try:
         export_main.main(args)
     except SystemExit as exc:  # an exporter that does not know the model: said, and the run reports the file
-        say(f"perf.image_bench: export {' '.join(args)} exited with {exc.code}")
+        say(f"perf.bench.image_bench: export {' '.join(args)} exited with {exc.code}")
     return True
 
 
@@ -633,16 +618,17 @@ def run(args: argparse.Namespace) -> int:
     present = [e for e in args.ensemble_list if (repo / e / "config.pbtxt").is_file()]
     notes = [f"{e} is not in the repository: skipped" for e in args.ensemble_list if e not in present]
     for note in notes:
-        say(f"perf.image_bench: {note}")
+        say(f"perf.bench.image_bench: {note}")
     if not present:
-        say("perf.image_bench: no ensemble to measure")
+        say("perf.bench.image_bench: no ensemble to measure")
         return 1
     config_name, pipes = resolve(repo, present, args.precision)
     if ensure_exported(repo, pipes, args.no_export, say):
         config_name, pipes = resolve(repo, present, args.precision)
     photos = photo_jpegs()
     blobs = [b for _, b in photos]
-    say(f"perf.image_bench: {', '.join(f'{p.ensemble} ({p.classifier}: {p.variant}, {p.model_path.name})' for p in pipes)}"
+    described = ', '.join(f'{p.ensemble} ({p.classifier}: {p.variant}, {p.model_path.name})' for p in pipes)
+    say(f"perf.bench.image_bench: {described}"
         f"; --model-config-name={config_name or '(none)'}; {len(photos)} photos, {sum(map(len, blobs)) // 1024} KiB")
     models = [p.ensemble for p in pipes]
     workdir = Path(tempfile.mkdtemp(prefix="perf-image-bench-"))
@@ -695,7 +681,7 @@ def run(args: argparse.Namespace) -> int:
                             f"errors {w.errors}" + (f" ({w.first_error})" if w.first_error else ""))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
-        say(f"perf.image_bench stopped: {failure}")
+        say(f"perf.bench.image_bench stopped: {failure}")
     finally:
         server.stop()
         if server.log_path.is_file():
@@ -708,7 +694,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; load average before {load_avg}, "
         f"after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        f"- command: `{' '.join(['python -m perf.image_bench', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.image_bench', *args.argv])}`",
         f"- precision {args.precision}: --model-config-name={config_name or '(none)'}; "
         + "; ".join(f"{p.classifier} serves {p.variant} ({p.model_path.name}, {p.threads} intra-op threads x "
                     f"{p.classifier_instances} instance(s); weights {p.weights or 'unknown'}), {p.preprocess} "
@@ -741,7 +727,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "image_bench.md").write_text(table)
     write_csv(out / "image_bench.csv", [w.record() for w in windows])
     print("\n" + table, flush=True)
-    say(f"perf.image_bench: results in {out}")
+    say(f"perf.bench.image_bench: results in {out}")
     expected = sum(len([b for b in args.batch_list if b <= p.max_batch_size]) for p in pipes) * (3 if args.model_only else 2)
     complete = len(results) == expected and all(p.images_per_s for p in results)
     return 0 if not failure and not errors and complete else 1

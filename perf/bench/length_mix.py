@@ -1,4 +1,4 @@
-"""`python -m perf.length_mix`: mixed-length traffic served against its in-process limit.
+"""`python -m perf.bench.length_mix`: mixed-length traffic served against its in-process limit.
 
 Texts of 8-128 tokens (``--mix``) arrive at ``--concurrency`` 32 connections, one text per
 HTTP request, on two workloads: ``text_encoder`` direct (token ids, each request as long as
@@ -14,7 +14,7 @@ Two tritonservers run side by side on this machine (the CPU variants, no front d
 
 Phases are interleaved A B, B A, ... in ``--rounds`` rounds of ``--duration`` seconds; a
 figure is the median over rounds. The in-process limit for the same mix is measured after
-(perf.limit --length-mix: the whole pool sorted by length and cut under each token budget,
+(perf.baselines.limit --length-mix: the whole pool sorted by length and cut under each token budget,
 the served encoder file, threads and layouts), and each served figure is given as a ratio to
 it. ``--url HOST:PORT`` measures one running server instead (phase "url", no limit unless
 ``--limit-rounds``). Writes length_mix.csv and summary.md under perf/results/length-mix-<UTC>/.
@@ -40,12 +40,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from perf import limit as limit_mod
-from perf.harness import write_csv
+from perf.baselines import limit as limit_mod
+from perf.lib import served as served_mod
+from perf.lib.harness import write_csv
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.paths import ROOT
 
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-DEFAULT_RESULTS = PERF_DIR / "results"
 WORKLOADS = ("text_encoder", "text_embedding")
 MODELS = ("text_embedding",)  # the ensemble loads the tokenizer and the encoder
 
@@ -105,7 +105,7 @@ def _lua_string(value: str) -> str:
 def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000) -> dict[str, Workload]:
     lengths = limit_mod.mix_lengths(pool, *mix, seed=seed)
     rows = [r.tolist() for r in limit_mod.token_rows(lengths, seed=seed)]
-    texts = mixed_texts(lengths, limit_mod.served_tokenizer(), seed=seed)
+    texts = mixed_texts(lengths, served_mod.served_tokenizer(), seed=seed)
     token_bodies = [token_body(r).decode() for r in rows[:500]]
     head, _, tail = text_body("\0").decode().partition("\\u0000")
     encoder_lua = ("local bodies = {\n" + ",\n".join(_lua_string(b) for b in token_bodies) + "\n}\n"
@@ -311,7 +311,7 @@ def markdown(header: Sequence[str], results: Sequence[Point], mix_limit) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.length_mix", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.length_mix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     p.add_argument("--mix", default=f"{limit_mod.DEFAULT_MIX[0]}-{limit_mod.DEFAULT_MIX[1]}", metavar="LOW-HIGH",
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"length-mix-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    served = limit_mod.served_encoder(args.precision)
+    served = served_mod.served_encoder(args.precision)
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     nonce = secrets.token_hex(4)
     work = workloads(args.mix_range, nonce)
@@ -425,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         (f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}"),
-        f"- command: `{' '.join(['python -m perf.length_mix', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.length_mix', *args.argv])}`",
         (f"- {args.mix} tokens per text, one text per HTTP request, {args.concurrency} connections; phases "
         f"{', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s (after "
         f"{args.warmup:g} s warm-up); client {'wrk (1 thread)' if args.use_wrk else 'asyncio'}; encoder variant "

@@ -4,9 +4,9 @@ The seed articles stress their service with Locust; this is the same tool pointe
 Each simulated user sends one 16-token sentence per request (perf/data/sentences_16tok.json),
 waits for the answer, and reports its latency to Locust. Run headless:
 
-    locust -f perf/locustfile.py --headless -u 32 -r 8 -t 60s \\
+    locust -f perf/bench/locustfile.py --headless -u 32 -r 8 -t 60s \\
         --host http://127.0.0.1:8000 TritonHttpUser
-    locust -f perf/locustfile.py --headless -u 32 -r 8 -t 60s \\
+    locust -f perf/bench/locustfile.py --headless -u 32 -r 8 -t 60s \\
         --host grpc://127.0.0.1:8001 TritonGrpcUser
 
 ``--host`` takes http://host:port (HTTP user) or grpc://host:port (gRPC user). Add
@@ -29,7 +29,7 @@ from locust import User, between, events, task
 
 SENTENCES = [
     item["TEXT"]["content"][0]
-    for item in json.loads((Path(__file__).resolve().parent / "data" / "sentences_16tok.json").read_text())["data"]
+    for item in json.loads((Path(__file__).resolve().parents[1] / "data" / "sentences_16tok.json").read_text())["data"]
 ]
 MODEL = "text_embedding"
 

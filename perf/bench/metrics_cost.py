@@ -1,6 +1,6 @@
 """What the padding and batch-size metrics cost the tokenizer (python_backends/padding_metrics.py).
 
-    python -m perf.metrics_cost [--requests 600] [--rounds 3] [--summaries] [--fill-rate]
+    python -m perf.bench.metrics_cost [--requests 600] [--rounds 3] [--summaries] [--fill-rate]
 
 1. In process, no server: one execution's tokenizer call (``BatchTokenizer.encode_requests``)
    against what the metrics add to it (``batches_counts`` and the queueing of

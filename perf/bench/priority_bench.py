@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from python_backends.admission.classes import CACHED_ENTRIES, CLASSES
@@ -243,7 +243,7 @@ def markdown(rows: Sequence[dict], peak: dict, flood: dict, rss: dict) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m perf.priority_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.priority_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of each phase (default 30)")
     p.add_argument("--peak-concurrency", type=int, default=32)

@@ -17,7 +17,7 @@ draft tokens accepted, and how many outputs are token for token the same as with
 row, so a near-tie may go the other way, as batch composition does without drafts). Then the
 ratios drafts / none with the verdict the engine's default rests on (docs/generation.md).
 
-    python -m perf.speculative_bench [--precision auto] [--max-tokens 128] [--k 3] [--requests 8]
+    python -m perf.bench.speculative_bench [--precision auto] [--max-tokens 128] [--k 3] [--requests 8]
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from perf.harness import DEFAULT_RESULTS, ROOT, write_csv
+from perf.lib.harness import write_csv
+from perf.lib.paths import GENERATION_PROMPTS, ROOT
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 
 MODEL = "text_generation"
 MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
 HELDOUT = ROOT / "export" / "data" / "generation_heldout.json"
-CHAT = ROOT / "perf" / "data" / "generation_prompts.json"
+CHAT = GENERATION_PROMPTS
 # What "pays" means here: quoting answers at least this much faster, ordinary ones no slower than this.
 TARGET_QUOTE = 1.3
 FLOOR_CHAT = 0.95
@@ -114,7 +116,7 @@ def summarise(runs: Sequence[dict]) -> dict[str, float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.speculative_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m perf.bench.speculative_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"),
                    help="weights precision as PRECISION names it (default $PRECISION or auto)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (num_speculative_tokens, default 3)")
@@ -129,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from perf.generate_bench import resolve_precision, served_engine_settings
+    from perf.bench.generate_bench import resolve_precision, served_engine_settings
     from python_backends.generation.engine import EngineConfig, LLMEngine
     from python_backends.generation.model_runner import DTYPES, LlamaWeights
 
@@ -149,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = {"quote": quote_prompts(tok), "chat": chat_prompts(tok, args.requests)}
     streams = [int(s) for s in args.streams.split(",")]
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    print(f"perf.speculative_bench: weights {precision}, k={args.k}, {args.max_tokens} new tokens, "
+    print(f"perf.bench.speculative_bench: weights {precision}, k={args.k}, {args.max_tokens} new tokens, "
           f"load average {load}", flush=True)
     for e in engines.values():  # warm both (first-call allocations)
         run_together(e, kinds["chat"][:1], 4, "warm")
@@ -191,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{b['gap_p99_ms']:.1f} | {b['acceptance']:.0%} | {n_same} of {n} |")
     lines += ["", (f"Pays (quote >= {TARGET_QUOTE}x, chat >= {FLOOR_CHAT}x at every stream count): "
                    f"{'yes' if verdict else 'no'}"), "",
-              "Command: `python -m perf.speculative_bench " + " ".join(sys.argv[1:] if argv is None else argv) + "`"]
+              "Command: `python -m perf.bench.speculative_bench "
+              + " ".join(sys.argv[1:] if argv is None else argv) + "`"]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out_dir}")

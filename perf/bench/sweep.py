@@ -1,4 +1,4 @@
-"""`python -m perf.sweep` (`make perf`): concurrency and Poisson request-rate sweeps with perf_analyzer.
+"""`python -m perf.bench.sweep` (`make perf`): concurrency and Poisson request-rate sweeps with perf_analyzer.
 
 For each served model (text_embedding and image_classification by default), each input set
 and each protocol (gRPC and HTTP):
@@ -16,7 +16,7 @@ the sample photo packages are absent), one image per request.
 
 One tritonserver (both ensembles loaded) serves the whole sweep and is stopped at the end.
 Windows count requests (count_windows); an unstable point is retried once with twice the
-requests per window (perf.harness.measure). After the first point of a sweep the window is
+requests per window (perf.lib.harness.measure). After the first point of a sweep the window is
 sized from the measured throughput (--window-s seconds of requests), so slow models do not
 spend minutes per window. --time-budget bounds the whole run: each sweep gets an equal share
 of what is left, points that no longer fit are recorded as skipped.
@@ -41,15 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from perf import harness
-from perf import perf_analyzer as pa
-from perf.baseline import _int_list
+from perf.lib import harness
+from perf.lib import perf_analyzer as pa
+from perf.lib.harness import int_list
+from perf.lib.paths import DATA, REPOSITORY
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-DATA = PERF_DIR / "data"
-DEFAULT_RESULTS = PERF_DIR / "results"
-REPOSITORY = ROOT / "model_repository"
 TEXT_MODEL = "text_embedding"
 IMAGE_MODEL = "image_classification"
 MODELS = (TEXT_MODEL, IMAGE_MODEL)
@@ -288,7 +285,7 @@ def _float_list(text: str) -> list[float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.sweep", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="CI smoke (about a minute): text_embedding (both input sets) over gRPC, concurrency 1,8, one rate, "
@@ -297,7 +294,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--text-data", type=_str_list(tuple(TEXT_DATA)),
                    help="text input sets: 16tok (exactly 16 tokens), mixed (8-128 tokens); default both")
     p.add_argument("--protocols", type=_str_list(pa.PROTOCOLS), help="default grpc,http (--quick: grpc)")
-    p.add_argument("--concurrency", type=_int_list, help="default 1,2,4,8,16,32 (--quick: 1,8)")
+    p.add_argument("--concurrency", type=int_list, help="default 1,2,4,8,16,32 (--quick: 1,8)")
     p.add_argument("--rates", type=_float_list, help="Poisson request rates in req/s (default: --rate-fractions of peak)")
     p.add_argument("--rate-fractions", type=_float_list,
                    help="rates as fractions of the concurrency sweep's peak (default 0.25,0.5,0.7,0.9; --quick: 0.7)")
@@ -349,12 +346,12 @@ def ensure_exported(args: argparse.Namespace, say: Callable[[str], None]) -> boo
     if not missing:
         return True
     if args.no_export:
-        say(f"perf.sweep: model files of {', '.join(missing)} missing and --no-export given")
+        say(f"perf.bench.sweep: model files of {', '.join(missing)} missing and --no-export given")
         return False
     from export import __main__ as export_main
 
     export_args = [a for m in missing for a in ("--model", EXPORT_NAMES[m])] + ["--no-speed"]
-    say(f"perf.sweep: exporting {', '.join(EXPORT_NAMES[m] for m in missing)} (model files missing)")
+    say(f"perf.bench.sweep: exporting {', '.join(EXPORT_NAMES[m] for m in missing)} (model files missing)")
     export_main.main(export_args)
     return all((REPOSITORY / f).is_file() for m in missing for f in REQUIRED_FILES[m])
 
@@ -433,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         binary, env = pa.check()
     except pa.PerfAnalyzerNotAvailable as exc:
-        print(f"perf.sweep: {exc}", flush=True)
+        print(f"perf.bench.sweep: {exc}", flush=True)
         return 2
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"sweep-{stamp}"
@@ -450,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
     loads = workloads(args, out_dir)
     groups = [(w, protocol) for w in loads for protocol in args.protocols]
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(f"perf.sweep: {len(groups)} sweeps ({', '.join(w.name for w in loads)} x {', '.join(args.protocols)}), "
+    say(f"perf.bench.sweep: {len(groups)} sweeps ({', '.join(w.name for w in loads)} x {', '.join(args.protocols)}), "
         f"concurrency {args.concurrency}, rates {args.rates or [f'{f:g} x peak' for f in args.rate_fractions]}, "
         f"budget {args.time_budget:.0f} s, load average {load_avg}")
 
@@ -487,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"measuring {load_avg}",
-        f"- command: `{' '.join(['python -m perf.sweep', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.sweep', *args.argv])}`",
         f"- served: {served} (--model-config-name={config_name or 'none'}), one tritonserver for the whole sweep",
         "- inputs: " + ", ".join(f"{w.name} = {pa.display_path(w.input_data)}" for w in loads) + "; batch size 1 per request",
         f"- count windows of up to {args.request_count} requests (about {args.window_s:g} s each after a sweep's "
@@ -499,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out_dir / "sweep.csv", points)
     pngs = plot(points, out_dir)
     print("\n" + table, flush=True)
-    say(f"perf.sweep: {sum(p.ok for p in points)}/{len(points)} points, {len(pngs)} plots, results in "
+    say(f"perf.bench.sweep: {sum(p.ok for p in points)}/{len(points)} points, {len(pngs)} plots, results in "
         f"{pa.display_path(out_dir)} ({time.monotonic() - started:.0f} s)")
     return 0 if points and all(p.ok for p in points) else 1
 

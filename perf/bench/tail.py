@@ -1,4 +1,4 @@
-"""`python -m perf.tail`: the latency tail of every served model and ensemble, side by side.
+"""`python -m perf.bench.tail`: the latency tail of every served model and ensemble, side by side.
 
 Two tritonservers run at once (the models `make serve` loads, the CPU variants, Triton's
 response cache on, no front door: the batcher is what is measured), on the same machine:
@@ -54,7 +54,6 @@ import re
 import resource
 import secrets
 import shutil
-import statistics
 import struct
 import subprocess
 import sys
@@ -65,12 +64,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from perf.harness import write_csv
-
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-DEFAULT_RESULTS = PERF_DIR / "results"
-SENTENCES = PERF_DIR / "data" / "sentences_16tok.json"
+from perf.lib.harness import write_csv
+from perf.lib.paths import GENERATION_PROMPTS, ROOT
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.paths import SENTENCES_16TOK as SENTENCES
+from perf.lib.stats import median, percentile
 
 BATCHING_MODELS = ("text_encoder", "text_tokenizer", "text_encoder_router", "text_embedding_cached",
                    "image_preprocess", "image_classifier", "image_postprocess")
@@ -251,14 +249,6 @@ class Window:
         return out
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
-    if not sorted_values:
-        raise ValueError("no values")
-    rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
-    return sorted_values[rank - 1]
-
-
 async def _closed_loop(url: str, w: Workload, concurrency: int, duration: float, warmup: float) -> tuple[list[float], int, str, float]:
     import aiohttp
 
@@ -329,7 +319,7 @@ async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence
     import aiohttp
 
     from clients.generation import AsyncGenerationClient
-    from perf.gateway_bench import DirectChat, GatewayChat
+    from perf.lib.chat_streams import DirectChat, GatewayChat
 
     session = None
     direct = None
@@ -667,11 +657,6 @@ class Point:
         return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def points(windows: Sequence[Window]) -> list[Point]:
     groups: dict[tuple[str, str, int], list[Window]] = {}
     for w in windows:
@@ -682,16 +667,16 @@ def points(windows: Sequence[Window]) -> list[Point]:
         stats: dict[str, dict] = {}
         for model in {m for w in ws for m in w.stats}:
             per = [w.stats[model] for w in ws if model in w.stats]
-            stats[model] = {k: _median([s[k] for s in per]) for k in ("batch", "queue_ms", "compute_ms")}
+            stats[model] = {k: median([s[k] for s in per]) for k in ("batch", "queue_ms", "compute_ms")}
         out.append(Point(phase, workload, conc, len(ws), sum(w.requests for w in ws), sum(w.errors for w in ws),
-                         _median([w.rps for w in ws]), _median([w.p50_ms for w in ws]), _median(p99s),
+                         median([w.rps for w in ws]), median([w.p50_ms for w in ws]), median(p99s),
                          max((w.max_ms for w in ws if w.max_ms is not None), default=None),
                          (min(p99s), max(p99s)) if p99s else None,
-                         _median([w.client_cores for w in ws]), _median([w.server_cores for w in ws]),
-                         _median([w.server_wait_cores for w in ws]), _median([w.machine_cores for w in ws]), stats,
-                         _median([w.ttft_p50_ms for w in ws]), _median([w.ttft_p99_ms for w in ws]),
+                         median([w.client_cores for w in ws]), median([w.server_cores for w in ws]),
+                         median([w.server_wait_cores for w in ws]), median([w.machine_cores for w in ws]), stats,
+                         median([w.ttft_p50_ms for w in ws]), median([w.ttft_p99_ms for w in ws]),
                          max((w.ttft_max_ms for w in ws if w.ttft_max_ms is not None), default=None),
-                         _median([w.gateway_cores for w in ws])))
+                         median([w.gateway_cores for w in ws])))
     return out
 
 
@@ -786,12 +771,12 @@ def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Seque
 
 def chat_prompts() -> list[str]:
     """The user messages the streams send, in turn (perf/data/generation_prompts.json, the long ones left out)."""
-    doc = json.loads((PERF_DIR / "data" / "generation_prompts.json").read_text(encoding="utf-8"))
+    doc = json.loads(GENERATION_PROMPTS.read_text(encoding="utf-8"))
     return [e["text"] for e in doc["prompts"] if e["kind"] != "long"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.tail", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.tail", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     p.add_argument("--concurrency", default="4,32", help="comma-separated connection counts (default 4,32)")
@@ -842,7 +827,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from perf import limit as limit_mod
+    from perf.lib import served as served_mod
     from server.process import ServerError, ServerOptions, TritonServer
 
     started = time.monotonic()
@@ -853,8 +838,8 @@ def run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"tail-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    served = limit_mod.served_encoder(args.precision)
-    sentences = limit_mod.load_sentences(SENTENCES)
+    served = served_mod.served_encoder(args.precision)
+    sentences = served_mod.load_sentences(SENTENCES)
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     needs_image = "image_classification" in args.workload_list
     models = SERVED_MODELS if needs_image else tuple(m for m in SERVED_MODELS if m != "image_classification")
@@ -887,7 +872,7 @@ def run(args: argparse.Namespace) -> int:
                 workdir=workdir / phase, model_repository=repository, models=models,
                 model_config_name=served.config_name, cache_size_bytes=args.cache_size_mb * 1024 * 1024,
                 repository_token=secrets.token_urlsafe(16), front_door=False))
-            say(f"perf.tail: starting tritonserver for {phase} ({', '.join(models)}; "
+            say(f"perf.bench.tail: starting tritonserver for {phase} ({', '.join(models)}; "
                 f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)")
             servers[phase].start()
         for phase, server in servers.items():
@@ -907,7 +892,7 @@ def run(args: argparse.Namespace) -> int:
                     extra_args=["--rate-limit", "0", "--no-request-log"])).start()
             for phase, gateway in gateways.items():
                 gateway.wait_ready(timeout=120)
-                say(f"perf.tail: gateway for {phase} ready on {gateway.url}")
+                say(f"perf.bench.tail: gateway for {phase} ready on {gateway.url}")
         if "before" in servers:
             with urllib.request.urlopen(f"http://{servers['before'].triton_http_url}/v2/models/text_tokenizer/config",
                                         timeout=10) as r:
@@ -993,7 +978,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        f"- command: `{' '.join(['python -m perf.tail', *args.argv])}`",
+        f"- command: `{' '.join(['python -m perf.bench.tail', *args.argv])}`",
         (f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
          f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
          f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver "
@@ -1012,7 +997,7 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out_dir / "targets.csv", target_rows)
     print("\n" + table, flush=True)
     print(f"Targets at c{max(args.concurrency_list)} ({main_phase}):\n\n" + targets_table(target_rows), flush=True)
-    say(f"perf.tail: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
+    say(f"perf.bench.tail: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
     return 0 if windows and all(w.requests and not w.errors for w in windows) else 1
 
 

@@ -1,4 +1,4 @@
-"""`python -m perf.trace_report`: where the slow requests spend their time, from a Triton trace.
+"""`python -m perf.bench.trace_report`: where the slow requests spend their time, from a Triton trace.
 
 Starts a tritonserver serving ``text_embedding`` with request tracing on for every request
 (``--trace-config level=TIMESTAMPS rate=1``), drives it with perf_analyzer (a concurrency or
@@ -8,10 +8,10 @@ model, its executions' durations and the longest gaps between consecutive execut
 it had requests queued. This is how the 0.5 s P99 stalls were found (perf/README.md,
 "Tuning"). ``--trace-file`` analyses an existing trace instead of running one.
 
-  python -m perf.trace_report                      # concurrency 22, 3000 requests
-  python -m perf.trace_report --rate 400           # Poisson arrivals at 400/s
-  python -m perf.trace_report --encoder-layout 1x2 # the encoder as 1 instance x 2 threads
-  python -m perf.trace_report --trace-file trace.json
+  python -m perf.bench.trace_report                      # concurrency 22, 3000 requests
+  python -m perf.bench.trace_report --rate 400           # Poisson arrivals at 400/s
+  python -m perf.bench.trace_report --encoder-layout 1x2 # the encoder as 1 instance x 2 threads
+  python -m perf.bench.trace_report --trace-file trace.json
 """
 
 from __future__ import annotations
@@ -168,12 +168,12 @@ def markdown(r: Report) -> str:
 
 
 def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
-    from perf import harness
-    from perf import limit as limit_mod
-    from perf import perf_analyzer as pa
+    from perf.lib import harness
+    from perf.lib import perf_analyzer as pa
+    from perf.lib import served as served_mod
     from server.process import ServerOptions, TritonServer
 
-    served = limit_mod.served_encoder(args.precision)
+    served = served_mod.served_encoder(args.precision)
     extra = (f"--trace-config=triton,file={trace_path}", "--trace-config=rate=1",
              "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1")
     workdir = Path(tempfile.mkdtemp(prefix="perf-trace-"))
@@ -183,7 +183,7 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
     try:
         server.wait_ready(timeout=240)
         if args.encoder_layout:
-            from perf import autotune
+            from perf.bench import autotune
 
             instances, threads = args.encoder_layout
             base = autotune.served_config(server.http_url)
@@ -191,7 +191,8 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
             candidate = autotune.Candidate(int(batching.get("max_queue_delay_microseconds", 0)),
                                            int((batching.get("preferred_batch_size") or [0])[0]), instances, threads)
             autotune.load_config(server.http_url, autotune.ENCODER, autotune.apply_candidate(base, candidate))
-            print(f"perf.trace_report: text_encoder reloaded as {instances} instance(s) x {threads} thread(s)", flush=True)
+            print(f"perf.bench.trace_report: text_encoder reloaded as {instances} instance(s) x {threads} thread(s)",
+                  flush=True)
         binary, env = pa.check()
         base = pa.Settings(model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=args.concurrency,
                            input_data=args.input_data, request_count=args.requests, stability_percent=100,
@@ -199,7 +200,7 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
         settings = base if not args.rate else harness.RateSettings(
             **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, request_rate=args.rate)
         load = f"Poisson {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}"
-        print(f"perf.trace_report: {MODEL} ({served.variant} encoder), {load}, every request traced", flush=True)
+        print(f"perf.bench.trace_report: {MODEL} ({served.variant} encoder), {load}, every request traced", flush=True)
         try:
             m = pa.measure(settings, workdir / "run.csv", binary=binary, env=env)
             print(f"perf_analyzer: {m.throughput:.1f} infer/s, p50 {m.p50_ms:.1f} ms, p99 {m.p99_ms:.1f} ms", flush=True)
@@ -221,9 +222,9 @@ def _layout(text: str) -> tuple[int, int]:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    from perf import limit as limit_mod
+    from perf.lib import served as served_mod
 
-    p = argparse.ArgumentParser(prog="python -m perf.trace_report", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.bench.trace_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace-file", type=Path, help="analyse this Triton trace file instead of running one")
     p.add_argument("--concurrency", type=int, default=22, help="perf_analyzer concurrency (default 22)")
@@ -232,7 +233,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--precision", default="cpu", help="as `make serve PRECISION=` (default cpu)")
     p.add_argument("--encoder-layout", type=_layout, metavar="NxT",
                    help="reload text_encoder as N instances x T intra-op threads first (default: as configured)")
-    p.add_argument("--input-data", type=Path, default=limit_mod.DEFAULT_INPUT)
+    p.add_argument("--input-data", type=Path, default=served_mod.DEFAULT_INPUT)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the perf_analyzer run")
     p.add_argument("--out", type=Path,
                    help="also write the report here (default with a run: perf/results/trace-<UTC time>/report.md, "
@@ -242,7 +243,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         p.error("--concurrency, --requests and --rate must be positive")
     trace = args.trace_file
     if trace is None:
-        from perf import harness
+        from perf.lib import harness
 
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         out_dir = harness.DEFAULT_RESULTS / f"trace-{stamp}"
@@ -251,7 +252,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         args.out = args.out or out_dir / "report.md"
         _run_traced(args, trace)
     if not trace.is_file():
-        print(f"perf.trace_report: no trace file at {trace}", file=sys.stderr)
+        print(f"perf.bench.trace_report: no trace file at {trace}", file=sys.stderr)
         return 1
     report = markdown(analyse(load(trace)))
     print("\n" + report)

@@ -1,4 +1,4 @@
-"""`python -m perf.chaos` (`make chaos`): serve-cluster under a steady mixed load while a schedule
+"""`python -m perf.drills.chaos` (`make chaos`): serve-cluster under a steady mixed load while a schedule
 kills its parts, then a burst of hostile requests; what failed, how long each part took to come
 back, and the memory before and after.
 
@@ -49,11 +49,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf import failover_bench, processes
-from perf.cpu_cost import image_request, photos, prompts, sentences
-from server.layout import ROOT
+from perf.drills import failover_bench
+from perf.lib import processes
+from perf.lib.paths import RESULTS
+from perf.lib.workload import image_request, photos, prompts, sentences
 
-RESULTS = ROOT / "perf" / "results"
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
 MIX = {"embed": 25, "embed_grpc": 15, "cached": 30, "gateway": 15, "image": 10, "generation": 5}
 RETRIED = ("embed", "embed_grpc", "cached", "gateway")  # idempotent, through clients that retry
@@ -98,13 +98,14 @@ class Mix:
     def __init__(self, cluster: failover_bench.ClusterRun, nonce: str):
         import aiohttp
         import openai
+
         from clients import AsyncEmbeddingClient
         from clients.generation import AsyncGenerationClient
         from clients.resilience import BreakerPolicy, EndpointPool
 
         http_url, grpc_url = cluster.http_url, cluster.grpc_url
         # One endpoint (the front door) for many calls in flight: the breaker opens only after
-        # more consecutive failures than calls in flight (perf/failover_bench.py says why).
+        # more consecutive failures than calls in flight (perf/drills/failover_bench.py says why).
         def pool(url):
             return EndpointPool([url], breaker=BreakerPolicy(failure_threshold=64))
 
@@ -358,7 +359,7 @@ class Faults:
         self._wait_for(fault, lambda: self.cluster.state()["redis_pid"] not in (None, pid))
 
     def _hostile_burst(self, fault: Fault) -> None:
-        from perf import fuzz
+        from perf.fuzz import endpoints as fuzz
 
         replicas = self.cluster.state()["replicas"]
         stubs_before = {r["index"]: set(stub_pids(r["pid"])) for r in replicas}
@@ -480,7 +481,7 @@ def write_summary(path: Path, args, rate: float, peak_rps: float, table: dict, f
                   rss: tuple[float, float], burst: dict, problems: list[str], cpu: str) -> str:
     lines = [f"# chaos soak: {args.duration:.0f} s at {args.load:.0%} of the peak ({peak_rps:.1f} answers/s -> "
              f"{rate:.1f} requests/s), {args.replicas} replicas", "",
-             f"CPU: {cpu}. Command: `python -m perf.chaos --duration {args.duration:.0f}`", "",
+             f"CPU: {cpu}. Command: `python -m perf.drills.chaos --duration {args.duration:.0f}`", "",
              "| workload | client | sent | failed | not clean | P50 ms | P99 ms | max ms |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     clients = {"embed": "clients.aio HTTP (retries)", "embed_grpc": "clients.aio gRPC (retries)",
@@ -533,7 +534,7 @@ async def drive(cluster, args, say) -> tuple[Run, float, float, tuple[float, flo
 
 
 def parse_args(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.chaos", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.drills.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
     p.add_argument("--load", type=float, default=0.7, help="share of the measured peak (default 0.7)")

@@ -1,4 +1,4 @@
-"""`python -m perf.failover_bench` (`make failover-bench`): a replica SIGKILLed under load in serve-cluster.
+"""`python -m perf.drills.failover_bench` (`make failover-bench`): a replica SIGKILLed under load in serve-cluster.
 
 Starts `python -m server.cluster` (its own ports and work folder; --replicas, default 2, with
 only text_embedding's models unless --model), then drives the front door with the project's
@@ -36,10 +36,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.layout import ROOT
+from perf.lib.paths import RESULTS, ROOT
 from server.process import free_port
 
-RESULTS = ROOT / "perf" / "results"
 MODELS = ("text_embedding",)
 
 
@@ -358,7 +357,7 @@ def check(result: dict, recovery: float = 0.5) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.failover_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.drills.failover_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", action="append", dest="models", help="models to load (default text_embedding)")

@@ -1,9 +1,9 @@
-"""`python -m perf.soak` (`make soak`): a bounded soak of the whole deployment at about 70 % of peak.
+"""`python -m perf.drills.soak` (`make soak`): a bounded soak of the whole deployment at about 70 % of peak.
 
 Starts its own deployment with the launcher's code (server.process.TritonServer behind the
 nginx front door, Triton's response cache at the launcher's default size, Redis as
 text_embedding_cached's L2 when redis-server is installed, and the OpenAI gateway as
-perf.gateway_bench starts it), measures the mix's peak throughput with --peak-concurrency
+perf.bench.gateway_bench starts it), measures the mix's peak throughput with --peak-concurrency
 closed-loop clients for --peak-seconds (or takes --rate; before either, one burst of twice the
 largest batch of image_classifier and of text_encoder, so ONNX Runtime's arenas have grown to
 their largest batch before the warm-up ends), then sends the mix open-loop
@@ -60,21 +60,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf import processes
-from perf.cpu_cost import (
-    gateway_request,
-    image_request,
-    photos,
-    prompts,
-    sentences,
-    start_deployment,
-    stop_deployment,
-    text_request,
-)
-from perf.harness import write_csv
+from perf.lib import processes
+from perf.lib.deployment import start_deployment, stop_deployment
+from perf.lib.harness import write_csv
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.stats import percentile
+from perf.lib.workload import gateway_request, image_request, photos, prompts, sentences, text_request
 
-PERF_DIR = Path(__file__).resolve().parent
-DEFAULT_RESULTS = PERF_DIR / "results"
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
 # Share of arrivals per workload (percent). Generation streams cost tens of times an embedding
 # (docs/performance.md, CPU accounting), so they are a small share of the requests.
@@ -262,12 +254,6 @@ def max_batch_size(repository: Path, model: str) -> int:
 
     m = re.search(r"^max_batch_size:\s*(\d+)", (Path(repository) / model / "config.pbtxt").read_text(), re.MULTILINE)
     return max(1, int(m.group(1))) if m else 1
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
-    rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
-    return sorted_values[rank - 1]
 
 
 async def one(mix: Mix, rec: Recorder, name: str) -> None:
@@ -572,7 +558,7 @@ def _mix(s: str) -> dict[str, float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m perf.drills.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of soak (default 600)")
     p.add_argument("--interval", type=float, help="seconds between samples (default 60; 10 for runs under 300 s)")
@@ -616,7 +602,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(f"perf.soak: {args.duration:g} s, sampling every {args.interval:g} s, warm-up {args.warmup:g} s; "
+    say(f"perf.drills.soak: {args.duration:g} s, sampling every {args.interval:g} s, warm-up {args.warmup:g} s; "
         f"load average {load}")
     key = "sk-soak-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-soak-"))
@@ -628,7 +614,7 @@ def run(args: argparse.Namespace) -> int:
         soak, rec, peak, rate = asyncio.run(run_soak(args, triton, gateway, redis, key, say))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
-        say(f"perf.soak stopped: {failure}")
+        say(f"perf.drills.soak stopped: {failure}")
     finally:
         stop_deployment(triton, gateway, redis, out)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -651,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
     mix = ", ".join(f"{n} {w:g}" for n, w in args.mix.items() if w)
     header = ["# Soak", "",
               f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load}",
-              f"- command: `{' '.join(['python -m perf.soak', *args.argv])}`",
+              f"- command: `{' '.join(['python -m perf.drills.soak', *args.argv])}`",
               (f"- {args.duration:g} s open loop (Poisson) at {rate:.1f} requests/s"
                + (f" = {args.load:g} x the peak {peak:.1f}/s ({args.peak_concurrency} closed-loop clients, "
                   f"{args.peak_seconds:g} s)" if peak else " (--rate)")),
@@ -667,7 +653,7 @@ def run(args: argparse.Namespace) -> int:
     if soak.samples:
         plot(out / "soak.png", soak, args.warmup)
     print("\n" + text, flush=True)
-    say(f"perf.soak: {'FAILED' if failures else 'passed'}; results in {out}")
+    say(f"perf.drills.soak: {'FAILED' if failures else 'passed'}; results in {out}")
     return 1 if failures else 0
 
 

@@ -16,7 +16,7 @@ Three parts, one run (``make fuzz``; docs/fuzzing.md):
    door (the public ports).
 2. **The OpenAI gateway**: the schemathesis fuzz of tests/integration/test_openai_gateway_hostile.py,
    run against a gateway in front of the same server; its counts join the table.
-3. **Decoding functions, coverage-guided (atheris)**: perf/fuzz_targets.py, each target in
+3. **Decoding functions, coverage-guided (atheris)**: perf/fuzz/targets.py, each target in
    its own process.
 
 Oracles: every HTTP answer is a 2xx or a 4xx whose message names the field a mutation
@@ -55,8 +55,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_RESULTS = ROOT / "perf" / "results"
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.paths import ROOT
+
 HUGE = 1 << 40
 
 # KServe datatype -> numpy dtype and the gRPC typed-contents field.
@@ -881,7 +882,7 @@ def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callab
 
 # ---- atheris ------------------------------------------------------------------------------
 
-# perf/fuzz_targets.py's targets (not imported here: its import instruments python_backends).
+# perf/fuzz/targets.py's targets (not imported here: its import instruments python_backends).
 ATHERIS_TARGETS = ("text", "image", "generation", "sampling", "routing", "shapes")
 
 
@@ -896,7 +897,7 @@ def atheris_fuzz(runs: int, workdir: Path, say: Callable[[str], None], tally: Ta
             corpus = workdir / f"corpus-{target}"
             corpus.mkdir(parents=True, exist_ok=True)
             log_path = workdir / f"atheris-{target}.log"
-            cmd = [sys.executable, "-m", "perf.fuzz_targets", target, f"-runs={runs}", "-len_control=0",
+            cmd = [sys.executable, "-m", "perf.fuzz.targets", target, f"-runs={runs}", "-len_control=0",
                    "-max_len=4096", "-timeout=60", f"-max_total_time={max_time}",
                    f"-artifact_prefix={workdir}/crash-{target}-", str(corpus)]
             with log_path.open("w") as log_file:

@@ -6,8 +6,8 @@ value or raises the project's own ``InputError`` (which the shim answers with IN
 that request). Any other exception is what the shim would answer as an internal error (HTTP
 500 / gRPC INTERNAL): atheris reports it as a crash, with the input that caused it.
 
-    python -m perf.fuzz_targets text -runs=5000       # libFuzzer flags after the target
-    python -m perf.fuzz_targets --list
+    python -m perf.fuzz.targets text -runs=5000       # libFuzzer flags after the target
+    python -m perf.fuzz.targets --list
 
 ``python -m perf.fuzz`` runs every target this way and counts the runs (docs/fuzzing.md).
 """
@@ -24,8 +24,7 @@ from pathlib import Path
 import atheris
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-REPOSITORY = ROOT / "model_repository"
+from perf.lib.paths import REPOSITORY
 
 with atheris.instrument_imports(include=["python_backends"]):
     from python_backends.cache.keys import KeyMaker, ModelIdentity
@@ -276,7 +275,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[1] not in TARGETS:
-        print(f"usage: python -m perf.fuzz_targets {{{','.join(TARGETS)}}} [libFuzzer flags]"
+        print(f"usage: python -m perf.fuzz.targets {{{','.join(TARGETS)}}} [libFuzzer flags]"
               if len(argv) < 2 or argv[1] != "--list" else "\n".join(TARGETS))
         return 0 if len(argv) >= 2 and argv[1] == "--list" else 2
     target = TARGETS[argv[1]]

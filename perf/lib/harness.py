@@ -1,4 +1,4 @@
-"""What the measuring tools share (perf.compare, perf.sweep, perf.autotune, perf.trace_report).
+"""What the measuring tools share (perf.bench: compare, sweep, autotune, trace_report; CSV writing for most).
 
 A run (deadline, perf_analyzer, results folder), a perf_analyzer measurement retried once
 with twice the requests when it does not stabilise, Triton's per-model statistics around it,
@@ -21,15 +21,14 @@ from typing import Callable, Sequence
 
 from ops import repository
 from ops.repository import RepositoryClient
-from perf import limit as limit_mod
-from perf import perf_analyzer as pa
-from perf import triton_stats
+from perf.lib import perf_analyzer as pa
+from perf.lib import served as served_mod
+from perf.lib import triton_stats
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 
-PERF_DIR = Path(__file__).resolve().parent
-ROOT = PERF_DIR.parent
-DEFAULT_RESULTS = PERF_DIR / "results"
 MODEL = "text_embedding"
 ENCODER = "text_encoder"
+
 
 @dataclass(frozen=True)
 class RateSettings(pa.Settings):
@@ -77,8 +76,6 @@ class Run:
     binary: Path
     env: dict
     rows: list[Row] = field(default_factory=list)
-    limits: dict[str, limit_mod.Limit] = field(default_factory=dict)  # "before"/"after" the servers
-    limit_errors: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     def left(self) -> float:
@@ -215,6 +212,18 @@ def disable_all_dynamic_batching(http_url: str, ensemble: str = MODEL, timeout: 
         raise RuntimeError("no loaded model has dynamic batching to switch off")
     return switched
 
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers (``1,8,16``)."""
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def write_csv(path: Path, records: Sequence[dict[str, object]]) -> None:
     columns: list[str] = []
     for record in records:
@@ -225,31 +234,31 @@ def write_csv(path: Path, records: Sequence[dict[str, object]]) -> None:
         writer.writerows(records)
 
 
-def ensure_exported(served: limit_mod.ServedEncoder, args: argparse.Namespace, say: Callable[[str], None]) -> bool:
-    tokenizer = limit_mod.REPOSITORY / limit_mod.TOKENIZER / "1" / "tokenizer.json"
+def ensure_exported(served: served_mod.ServedEncoder, args: argparse.Namespace, say: Callable[[str], None]) -> bool:
+    tokenizer = served_mod.REPOSITORY / served_mod.TOKENIZER / "1" / "tokenizer.json"
     if served.model_path.is_file() and tokenizer.is_file():
         return True
     if args.no_export:
-        say(f"perf.compare: {served.model_path} or {tokenizer} missing and --no-export given")
+        say(f"perf.bench.compare: {served.model_path} or {tokenizer} missing and --no-export given")
         return False
     from export import __main__ as export_main
 
-    say("perf.compare: exporting text_encoder (model files missing)")
+    say("perf.bench.compare: exporting text_encoder (model files missing)")
     export_main.main(["--model", ENCODER, "--no-speed"])
-    return tokenizer.is_file() and limit_mod.served_encoder(args.precision).model_path.is_file()
+    return tokenizer.is_file() and served_mod.served_encoder(args.precision).model_path.is_file()
 
 
-def new_run(args: argparse.Namespace, kind: str) -> Run | None:
-    """A run of ``perf.<kind>``: its deadline, perf_analyzer, and its results folder
+def new_run(args: argparse.Namespace, kind: str, run_class: type[Run] = Run) -> Run | None:
+    """A run of ``perf.bench.<kind>`` (a ``run_class``): its deadline, perf_analyzer, and its results folder
     (``--out-dir`` or perf/results/<kind>-<UTC time>). None (said why) without perf_analyzer."""
     deadline = time.monotonic() + args.time_budget
     try:
         binary, env = pa.check()
     except pa.PerfAnalyzerNotAvailable as exc:
-        print(f"perf.{kind}: {exc}", flush=True)
+        print(f"perf.bench.{kind}: {exc}", flush=True)
         return None
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"{kind}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    return Run(args, out_dir, deadline, binary, env)
+    return run_class(args, out_dir, deadline, binary, env)
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from perf.lib.paths import ROOT
+
 log = logging.getLogger(__name__)
 
 BINARY_NAME = "perf_analyzer"
@@ -479,6 +481,5 @@ def _write_log(path: Path | None, cmd: Sequence[str], output: str) -> None:
 
 def display_path(path: Path) -> str:
     """A results path as the perf tools print it: relative to the repository when inside it."""
-    root = Path(__file__).resolve().parent.parent
     path = Path(path).resolve()
-    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)

@@ -1,6 +1,6 @@
 """Every process of a local deployment, named, with its CPU time and memory from /proc.
 
-Shared by perf.soak (RSS and CPU of each process over time) and perf.cpu_cost (CPU-seconds
+Shared by perf.drills.soak (RSS and CPU of each process over time) and perf.bench.cpu_cost (CPU-seconds
 per request path). A deployment here is what the launcher starts: tritonserver and its python
 backend stubs (children of tritonserver; the model and instance are read from the stub's
 command line), the nginx front door (master and workers), the OpenAI gateway, Redis when the

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Mapping
 
-from perf.perf_analyzer import ModelStats
+from perf.lib.perf_analyzer import ModelStats
 
 _PHASES = {"queue": "queue", "compute_input": "compute input", "compute_infer": "compute infer",
            "compute_output": "compute output", "cache_hit": "cache hit", "cache_miss": "cache miss"}

@@ -7,7 +7,7 @@ tritonserver and its stubs get SIGKILL. Zero requests may fail (after the client
 the last 5 s must carry at least half the requests/s of the first 10, and the supervisor must
 restart the replica and put it back in the front door, where requests reach it again (its own
 /v2/models/text_embedding/stats count grows). Then Ctrl-C stops every process it started.
-The same scenario, with its plot, is `make failover-bench` (perf/failover_bench.py).
+The same scenario, with its plot, is `make failover-bench` (perf/drills/failover_bench.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from perf import failover_bench
+from perf.drills import failover_bench
 from tests.integration.plain_clients import PlainClients
 
 MODELS = ("text_embedding", "text_embedding_cached")

@@ -27,7 +27,7 @@ import pytest
 
 from ops.repository import GRPC_TOKEN_HEADER, TOKEN_HEADER, RepositoryClient, http
 from ops.rollout import RolloutState
-from perf import failover_bench
+from perf.drills import failover_bench
 from python_backends.routing.ensemble import DIRECT, ROUTED, form_of
 from server.layout import ROOT
 from tests.integration.plain_clients import PlainClients

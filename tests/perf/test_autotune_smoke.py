@@ -1,4 +1,4 @@
-"""A --quick run of perf.autotune against its own tritonserver: every candidate is reloaded
+"""A --quick run of perf.bench.autotune against its own tritonserver: every candidate is reloaded
 through the repository API and measured, a winner is chosen and written as a config."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from perf import autotune
-from perf import perf_analyzer as pa
+from perf.bench import autotune
+from perf.lib import perf_analyzer as pa
 
 pytestmark = pytest.mark.perf
 

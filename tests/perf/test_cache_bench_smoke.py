@@ -1,4 +1,4 @@
-"""A short run of perf.cache_bench: every phase ran and the report holds sane figures.
+"""A short run of perf.bench.cache_bench: every phase ran and the report holds sane figures.
 
 It starts its own servers (without cache, then with cache and a redis-server), one at a time.
 Checked: no errors, the hit rates the workload implies (a warm L2 answers a new replica, the
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from perf import cache_bench
+from perf.bench import cache_bench
 
 pytestmark = pytest.mark.perf
 

@@ -1,4 +1,4 @@
-"""A 60 s run of perf.chaos: serve-cluster at 70 % of its measured peak while a text_encoder stub,
+"""A 60 s run of perf.drills.chaos: serve-cluster at 70 % of its measured peak while a text_encoder stub,
 a replica, a gateway and Redis are SIGKILLed and 60 hostile requests arrive. It must pass its
 own checks (no failed request through a retrying client, only clean failures otherwise, every
 fault recovered, no server error in the burst) and write every file. `make chaos` runs the
@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from perf import chaos
+from perf.drills import chaos
 
 pytestmark = [pytest.mark.perf,
               pytest.mark.skipif(not (shutil.which("nginx") or shutil.which("/usr/sbin/nginx")) or not shutil.which("redis-server"),

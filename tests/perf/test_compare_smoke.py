@@ -1,4 +1,4 @@
-"""A --quick run of perf.compare: every system is measured in one run and the report is complete.
+"""A --quick run of perf.bench.compare: every system is measured in one run and the report is complete.
 
 It starts its own servers (the naive one, then a tritonserver), one at a time, and checks
 that the run produced a figure for each system and the ratios, never the figures' size:
@@ -11,8 +11,8 @@ import csv
 
 import pytest
 
-from perf import compare
-from perf import perf_analyzer as pa
+from perf.bench import compare
+from perf.lib import perf_analyzer as pa
 
 pytestmark = pytest.mark.perf
 

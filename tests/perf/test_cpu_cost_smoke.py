@@ -1,4 +1,4 @@
-"""A small run of perf.cpu_cost: every path measured, every process of the deployment a column, sane figures.
+"""A small run of perf.bench.cpu_cost: every path measured, every process of the deployment a column, sane figures.
 
 It starts its own deployment (tritonserver behind the front door, Redis when installed, the
 gateway), sends a few requests per path and checks the table's structure and that each path's
@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from perf import cpu_cost
+from perf.bench import cpu_cost
 
 pytestmark = pytest.mark.perf
 

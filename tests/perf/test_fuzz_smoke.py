@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from perf import fuzz
+from perf.fuzz import endpoints as fuzz
 
 pytestmark = pytest.mark.perf
 
@@ -57,7 +57,7 @@ def test_the_oracle_counts_a_5xx_past_the_front_door(triton):
 def test_atheris_targets_run_without_a_crash(tmp_path):
     tally = fuzz.Tally()
     fuzz.atheris_fuzz(200, tmp_path, print, tally, max_time=30)
-    listed = subprocess.run([sys.executable, "-m", "perf.fuzz_targets", "--list"], capture_output=True, text=True,
+    listed = subprocess.run([sys.executable, "-m", "perf.fuzz.targets", "--list"], capture_output=True, text=True,
                             check=True, cwd=fuzz.ROOT).stdout.split()
     assert set(listed) == set(fuzz.ATHERIS_TARGETS)
     assert set(tally.counts) == {f"atheris:{t}" for t in listed}

@@ -1,4 +1,4 @@
-"""A tiny run of perf.gateway_bench: every system answers, the report is complete and its figures sane.
+"""A tiny run of perf.bench.gateway_bench: every system answers, the report is complete and its figures sane.
 
 It starts its own tritonserver (text_embedding_cached, text_embedding, text_generation) and
 two gateways, runs one short round of every embeddings system and both chat systems, and
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from perf import gateway_bench
+from perf.bench import gateway_bench
 
 pytestmark = pytest.mark.perf
 

@@ -1,4 +1,4 @@
-"""A --quick run of perf.generate_bench: every system streams tokens in one run and the report is complete.
+"""A --quick run of perf.bench.generate_bench: every system streams tokens in one run and the report is complete.
 
 It starts its own servers (a tritonserver with text_generation only, the naive generate()
 server) and an in-process engine, and checks the structure of what the run wrote and that
@@ -11,7 +11,7 @@ import csv
 
 import pytest
 
-from perf import generate_bench
+from perf.bench import generate_bench
 
 pytestmark = pytest.mark.perf
 

@@ -1,4 +1,4 @@
-"""A short run of perf.image_bench: every image ensemble served and in-process, sane figures.
+"""A short run of perf.bench.image_bench: every image ensemble served and in-process, sane figures.
 
 It starts its own tritonserver, checks that the served and in-process pipelines give the same
 top-5 on every photo (the run stops otherwise), measures batch 1 and 4 for a second or two
@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from perf import image_bench
+from perf.bench import image_bench
 
 pytestmark = pytest.mark.perf
 

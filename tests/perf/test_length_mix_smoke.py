@@ -1,4 +1,4 @@
-"""A short run of perf.length_mix against the perf tier's server, and its before repository.
+"""A short run of perf.bench.length_mix against the perf tier's server, and its before repository.
 
 Asserts that the benchmark ran and wrote its figures, never their size (these machines are
 small and shared); the before/after comparison itself is docs/performance.md.
@@ -10,7 +10,8 @@ import csv
 
 import pytest
 
-from perf import length_mix, limit
+from perf.baselines import limit
+from perf.bench import length_mix
 
 pytestmark = pytest.mark.perf
 

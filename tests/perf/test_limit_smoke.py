@@ -1,4 +1,4 @@
-"""perf.limit on the exported encoder: a real (tiny) in-process measurement of both thread layouts.
+"""perf.baselines.limit on the exported encoder: a real (tiny) in-process measurement of both thread layouts.
 
 In the perf tier because it needs `make export`'s output (the unit tier must not).
 """
@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from perf import limit
+from perf.baselines import limit
 
 
 def test_measure_runs_both_layouts_and_keeps_the_faster_per_batch():

@@ -1,4 +1,4 @@
-"""The Locust load test (perf/locustfile.py) runs headless against a real server, both protocols."""
+"""The Locust load test (perf/bench/locustfile.py) runs headless against a real server, both protocols."""
 
 import csv
 import subprocess

@@ -10,8 +10,8 @@ import csv
 
 import pytest
 
-from perf import baseline
-from perf import perf_analyzer as pa
+from perf.bench import baseline
+from perf.lib import perf_analyzer as pa
 
 pytestmark = pytest.mark.perf
 

@@ -1,4 +1,4 @@
-"""A short run of perf.priority_bench: every phase and class measured, refusals only as
+"""A short run of perf.bench.priority_bench: every phase and class measured, refusals only as
 UNAVAILABLE. Whether interactive kept its budget is the benchmark's finding on a given
 machine (docs/performance.md), not asserted here."""
 
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from perf import priority_bench
+from perf.bench import priority_bench
 
 pytestmark = pytest.mark.perf
 

@@ -1,4 +1,4 @@
-"""A 60 s run of perf.soak (sampling every 10 s): it passes its own checks and writes every file.
+"""A 60 s run of perf.drills.soak (sampling every 10 s): it passes its own checks and writes every file.
 
 It starts its own deployment (tritonserver behind the front door, Redis when installed, the
 gateway), measures the mix's peak for 5 s and soaks at 0.7 of it. A minute cannot tell a P99
@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from perf import soak
+from perf.drills import soak
 
 pytestmark = pytest.mark.perf
 

@@ -1,4 +1,4 @@
-"""A short run of perf.speculative_bench: both engines answer both kinds of prompts, drafts are
+"""A short run of perf.bench.speculative_bench: both engines answer both kinds of prompts, drafts are
 proposed and accepted on the quoting answers, and the report is complete.
 
 The structure and the draft counts are checked, never the speed ratios: these machines are
@@ -11,7 +11,7 @@ import csv
 
 import pytest
 
-from perf import speculative_bench
+from perf.bench import speculative_bench
 
 pytestmark = pytest.mark.perf
 

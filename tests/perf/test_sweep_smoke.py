@@ -1,4 +1,4 @@
-"""A --quick run of perf.sweep: both sweep kinds measured, CSV, summary and plots written.
+"""A --quick run of perf.bench.sweep: both sweep kinds measured, CSV, summary and plots written.
 
 Starts its own tritonserver; checks that the figures are sane, never their size (these
 machines are small and shared).
@@ -10,8 +10,8 @@ import csv
 
 import pytest
 
-from perf import perf_analyzer as pa
-from perf import sweep
+from perf.bench import sweep
+from perf.lib import perf_analyzer as pa
 
 pytestmark = pytest.mark.perf
 

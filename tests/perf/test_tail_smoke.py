@@ -1,4 +1,4 @@
-"""A short run of perf.tail: both servers at once, phases interleaved, every figure present and sane.
+"""A short run of perf.bench.tail: both servers at once, phases interleaved, every figure present and sane.
 
 Asserts that the benchmark ran and wrote its table, never the size of the figures (these
 machines are small and shared); the before/after comparison itself is docs/performance.md.
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from perf import tail
+from perf.bench import tail
 
 pytestmark = pytest.mark.perf
 

@@ -1,11 +1,11 @@
-"""perf.autotune's pure parts: the grid, the choice of a winner, the config it writes."""
+"""perf.bench.autotune's pure parts: the grid, the choice of a winner, the config it writes."""
 
 from __future__ import annotations
 
 import pytest
 
-from perf import autotune
-from perf.autotune import Candidate, Score, Trial
+from perf.bench import autotune
+from perf.bench.autotune import Candidate, Score, Trial
 
 SERVED = {
     "name": "text_encoder",

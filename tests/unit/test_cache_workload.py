@@ -1,9 +1,9 @@
-"""perf.cache_bench's workload: deterministic distinct sentences and a Zipf stream."""
+"""perf.bench.cache_bench's workload: deterministic distinct sentences and a Zipf stream."""
 
 import numpy as np
 import pytest
 
-from perf.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
+from perf.bench.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
 
 
 def test_ten_thousand_distinct_sentences_the_same_every_time():

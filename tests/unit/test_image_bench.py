@@ -1,12 +1,12 @@
-"""perf.image_bench's parts that need no server: the ensembles' steps, the summary, the request body."""
+"""perf.bench.image_bench's parts that need no server: the ensembles' steps, the summary, the request body."""
 
 from __future__ import annotations
 
 import json
 import struct
 
-from perf import image_bench
-from perf.image_bench import Window
+from perf.bench import image_bench
+from perf.bench.image_bench import Window
 
 
 def test_ensemble_steps_read_from_the_ensemble_config():

@@ -1,10 +1,12 @@
-"""perf.limit: what the served config says (the in-process measurement: tests/perf/test_limit_smoke.py)."""
+"""perf.lib.served: what the served config says; perf.baselines.limit: its thread layouts (the in-process
+measurement: tests/perf/test_limit_smoke.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from perf import limit
+from perf.baselines import limit
+from perf.lib.served import ServedEncoder, config_parameter, instance_count
 
 CONFIG = """
 instance_group [
@@ -16,12 +18,12 @@ parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
 
 
 def test_instance_count_and_threads_come_from_the_config_text():
-    assert limit.instance_count(CONFIG) == 2
-    assert limit.instance_count('name: "x"') == 1
-    assert limit.config_parameter(CONFIG, "intra_op_thread_count") == "1"
+    assert instance_count(CONFIG) == 2
+    assert instance_count('name: "x"') == 1
+    assert config_parameter(CONFIG, "intra_op_thread_count") == "1"
 
 
 def test_layouts_are_the_served_one_and_one_session_over_all_cores(tmp_path):
-    served = limit.ServedEncoder("cpu", "cpu", "int8", tmp_path / "m.onnx", threads=1, instances=2)
+    served = ServedEncoder("cpu", "cpu", "int8", tmp_path / "m.onnx", threads=1, instances=2)
     assert limit.layouts(served, cores=2) == [(2, 1), (1, 2)]
     assert limit.layouts(dataclasses.replace(served, threads=2, instances=1), cores=2) == [(1, 2)]

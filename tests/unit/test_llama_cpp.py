@@ -1,11 +1,11 @@
-"""perf/llama_cpp.py: the build is cached per llama.cpp version and per CPU feature set, in the
+"""perf/baselines/llama_cpp.py: the build is cached per llama.cpp version and per CPU feature set, in the
 git-ignored .cache/ (building it is `make perf-generate`'s, not a test's)."""
 
 from __future__ import annotations
 
 import subprocess
 
-from perf import llama_cpp
+from perf.baselines import llama_cpp
 from server.layout import ROOT
 
 

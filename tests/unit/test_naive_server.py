@@ -1,4 +1,4 @@
-"""perf.naive_server without a network: FastAPI's TestClient against the app with the real model.
+"""perf.baselines.naive_server without a network: FastAPI's TestClient against the app with the real model.
 
 The naive server must answer the KServe v2 requests perf_analyzer sends (JSON and binary
 tensor bodies) with the reference embeddings, and refuse malformed ones with 400 and a
@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from export import reference
-from perf import naive_server as ns
+from perf.baselines import naive_server as ns
 
 INFER = "/v2/models/text_embedding/infer"
 TEXTS = [

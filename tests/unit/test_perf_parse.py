@@ -1,4 +1,4 @@
-"""perf.perf_analyzer without a server: CSV and report parsing, command line, failure modes.
+"""perf.lib.perf_analyzer without a server: CSV and report parsing, command line, failure modes.
 
 The samples were captured from perf_analyzer 2.50 (tritonclient[all]==2.50.0) measuring the
 text_embedding ensemble on the local tritonserver 2.51. A fake perf_analyzer (a shell
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from perf import perf_analyzer as pa
+from perf.lib import perf_analyzer as pa
 
 # `perf_analyzer ... -f out.csv` (no --verbose-csv), concurrency 1.
 CSV_PLAIN = """\
@@ -333,7 +333,7 @@ def test_sentences_are_distinct_16_token_requests():
 
 
 def test_baseline_markdown_table():
-    from perf.baseline import Level, markdown
+    from perf.bench.baseline import Level, markdown
 
     (m,) = pa.parse_csv(CSV_VERBOSE)
     _, composing = pa.parse_report(REPORT)

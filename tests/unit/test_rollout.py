@@ -206,7 +206,7 @@ def test_p99_from_the_router_histogram_per_series():
 def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
     import urllib.request
 
-    from perf import harness
+    from perf.lib import harness
 
     seen = []
 

@@ -1,5 +1,5 @@
-"""perf.soak's verdicts on made-up samples: a leak fails, a flat line and one noisy interval pass;
-perf.processes reads a stub's model from its command line."""
+"""perf.drills.soak's verdicts on made-up samples: a leak fails, a flat line and one noisy interval pass;
+perf.lib.processes reads a stub's model from its command line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from perf import processes, soak
+from perf.drills import soak
+from perf.lib import processes
 
 
 def rss_rows(name: str, values_mib, step: float = 60.0) -> list[dict]:

@@ -1,4 +1,4 @@
-"""perf/sweep.py's pure helpers (no server) and the checked-in mixed-length sentences."""
+"""perf/bench/sweep.py's pure helpers (no server) and the checked-in mixed-length sentences."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from perf import sweep
+from perf.bench import sweep
 
-TOKENIZER = sweep.ROOT / "model_repository" / "text_tokenizer" / "1" / "tokenizer.json"
+TOKENIZER = sweep.REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json"
 
 
 def test_rates_from_peak():

@@ -178,7 +178,7 @@ def test_a_failure_outside_the_batch_maps_invalid_argument_to_the_request():
 
 def test_trimming_matches_the_padded_run_on_a_real_encoder():
     """Equal embeddings whether a row runs padded to 128 or trimmed beside other lengths."""
-    from perf import limit
+    from perf.baselines import limit
 
     served = limit.served_encoder("fp32")
     if not served.model_path.is_file():

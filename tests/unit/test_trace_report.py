@@ -1,4 +1,4 @@
-"""perf.trace_report on a hand-made Triton trace: the slow requests' breakdown and the idle gaps."""
+"""perf.bench.trace_report on a hand-made Triton trace: the slow requests' breakdown and the idle gaps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from perf import trace_report
+from perf.bench import trace_report
 
 
 def _ts(**ns):

@@ -1,10 +1,10 @@
-"""perf.triton_stats: per-model figures from two snapshots of Triton's statistics."""
+"""perf.lib.triton_stats: per-model figures from two snapshots of Triton's statistics."""
 
 from __future__ import annotations
 
 import pytest
 
-from perf import triton_stats
+from perf.lib import triton_stats
 
 
 def entry(name, version, success, success_ns, queue_ns, infer_ns, inferences, executions):

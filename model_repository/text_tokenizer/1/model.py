@@ -30,7 +30,7 @@ class TritonPythonModel:
             )
         except Exception as exc:
             raise load_error(pb_utils, self.config.name, exc)
-        # Off only to measure what the metrics cost (perf/metrics_cost.py).
+        # Off only to measure what the metrics cost (perf/bench/metrics_cost.py).
         self.metrics = None
         if self.config.param_bool("metrics", True):
             self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"], batch_histogram=True)

@@ -1,0 +1,1 @@
+"""The benchmarks: one tool per question, each ``python -m perf.bench.<name>`` (most behind a ``make`` target)."""

@@ -1,0 +1,1 @@
+"""Fuzzing: the served endpoints (hypothesis), the gateway (schemathesis) and the decoding functions (atheris)."""

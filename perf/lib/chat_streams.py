@@ -1,0 +1,66 @@
+"""Two clients that stream one chat answer and report its time to first token and its token count:
+through the OpenAI gateway (``/v1/chat/completions``, SSE) and straight to Triton over a gRPC
+stream (the project's ``AsyncGenerationClient``). The gateway and tail benchmarks drive both alike."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+
+class GatewayChat:
+    key = "gateway"
+
+    def __init__(self, session, url: str, api_key: str):
+        self.session, self.url = session, f"{url}/v1/chat/completions"
+        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+
+    async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
+        """(TTFT in seconds, completion tokens) of one streamed chat request."""
+        body = orjson.dumps({"model": "text_generation", "messages": [{"role": "user", "content": prompt}],
+                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                             "stream_options": {"include_usage": True}})
+        sent = time.perf_counter()
+        first = None
+        tokens = None
+        async with self.session.post(self.url, data=body, headers=self.headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                event = orjson.loads(data)
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                    first = time.perf_counter() - sent
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        if tokens is None:
+            raise RuntimeError("the stream ended without a usage chunk")
+        return first, tokens
+
+
+class DirectChat:
+    key = "direct"
+
+    def __init__(self, client):
+        self.client = client  # clients.generation.AsyncGenerationClient, gRPC
+
+    async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
+        sent = time.perf_counter()
+        first = None
+        pieces = self.client.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                                         temperature=0, ignore_eos=True)
+        async with pieces:
+            async for text in pieces:
+                if first is None and text:
+                    first = time.perf_counter() - sent
+        result = pieces.result
+        if result is None or result.num_output_tokens is None:
+            raise RuntimeError("the stream ended without a token count")
+        return first, result.num_output_tokens

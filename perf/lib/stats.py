@@ -1,0 +1,20 @@
+"""Percentiles and medians as the tools report them."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
+    if not sorted_values:
+        raise ValueError("no values")
+    rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
+    return sorted_values[rank - 1]
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

@@ -1,0 +1,85 @@
+"""The request bodies and inputs the load generators send: KServe v2 HTTP bodies (text, token ids, JPEG
+images; outputs in Triton's binary extension), the gateway's embeddings body, and the checked-in
+sentences, chat prompts and sample photos they are made from.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import struct
+from collections.abc import Sequence
+
+from perf.lib.paths import GENERATION_PROMPTS as PROMPTS
+from perf.lib.paths import SENTENCES_16TOK as SENTENCES
+
+VOCAB = (1000, 30000)  # token ids for the encoder's direct inputs (all-MiniLM-L6-v2: 30,522)
+
+
+def infer_body(inputs: list[dict], binary: bytes = b"") -> tuple[bytes, dict[str, str]]:
+    """A KServe v2 HTTP request; outputs come back in Triton's binary extension (cheap to skip)."""
+    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    headers = {"Content-Type": "application/octet-stream"}
+    if binary:
+        headers["Inference-Header-Content-Length"] = str(len(header))
+    return header + binary, headers
+
+
+def text_request(text: str) -> tuple[bytes, dict[str, str]]:
+    return infer_body([{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}])
+
+
+def token_request(rng: random.Random, length: int = 16) -> tuple[bytes, dict[str, str]]:
+    ids = [101] + [rng.randrange(*VOCAB) for _ in range(length - 2)] + [102]
+    return infer_body([
+        {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
+        {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
+    ])
+
+
+def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
+    raw = struct.pack("<I", len(blob)) + blob
+    return infer_body([{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
+                        "parameters": {"binary_data_size": len(raw)}}], raw)
+
+
+def gateway_request(text: str, api_key: str) -> tuple[bytes, dict[str, str]]:
+    body = json.dumps({"model": "text_embedding", "input": text, "encoding_format": "float"}).encode()
+    return body, {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+
+
+def sentences() -> list[str]:
+    return [d["TEXT"]["content"][0] for d in json.loads(SENTENCES.read_text())["data"]]
+
+
+def prompts() -> list[str]:
+    doc = json.loads(PROMPTS.read_text(encoding="utf-8"))
+    return [e["text"] for e in doc["prompts"] if e["kind"] != "long"]
+
+
+def photos(count: int = 8) -> list:
+    """A few of the bundled sample photos (export.image_data's evaluation set), RGB PIL images."""
+    from export.image_data import evaluation_set
+
+    return [s.image for s in evaluation_set()[:count]]
+
+
+def unique_jpegs(n: int, seed: str, base: Sequence | None = None) -> list[bytes]:
+    """``n`` JPEGs, each a sample photo scaled to 256 px with one pixel set from its number:
+    no two are alike, so image_preprocess's response cache never answers them."""
+    base = list(base or photos())
+    scaled = []
+    for im in base:
+        w, h = im.size
+        f = 256 / min(w, h)
+        scaled.append(im.resize((max(1, round(w * f)), max(1, round(h * f)))))
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        im = scaled[k % len(scaled)].copy()
+        im.putpixel((k % 16, (k // 16) % 16), (rng.randrange(256), rng.randrange(256), k % 256))
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
