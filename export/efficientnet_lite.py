@@ -17,9 +17,9 @@ or unexpected key. Strides are not visible in a state dict: they come from the t
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from torch import nn

@@ -130,8 +130,9 @@ def up_to_date(repo: Path, weights_sha256: str) -> bool:
 
 def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[str, Any]:
     """Gate every precision this CPU runs, write the manifest and the variant configs; return the manifest."""
-    from python_backends.generation.linear import runnable_precisions
     from transformers import AutoTokenizer
+
+    from python_backends.generation.linear import runnable_precisions
 
     model_dir = repo / MODEL / "1"
     gates = variant_files.load_gates().get(MODEL, {})

@@ -24,10 +24,10 @@ import importlib.util
 import io
 import json
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -152,10 +152,11 @@ def evaluation_set(seed: int = 2) -> tuple[Sample, ...]:
     return tuple(_build(EVALUATION_PHOTOS, seed, EVALUATION_SIZE))
 
 
-def pixel_values(samples: Sequence[Sample], options: PreprocessOptions = PreprocessOptions()) -> np.ndarray:
+def pixel_values(samples: Sequence[Sample], options: PreprocessOptions | None = None) -> np.ndarray:
     """[n, 3, 224, 224] float32 through the served preprocessing (python_backends.image); pass
     the options of the model's own preprocessing step (export/image_classifier.py reads them
     from its config.pbtxt). The default is ResNet-50's torchvision recipe."""
+    options = PreprocessOptions() if options is None else options
     return np.stack([to_pixel_values(s.image, options) for s in samples])
 
 

@@ -7,9 +7,9 @@ Served embeddings and exported graphs are checked against this.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

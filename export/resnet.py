@@ -15,8 +15,8 @@ image to image. The class names of such a network mean nothing: ``provenance`` s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from torch import nn

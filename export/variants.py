@@ -19,10 +19,11 @@ import logging
 import re
 import shutil
 import subprocess
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from python_backends.files import sha256_file
 

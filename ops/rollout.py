@@ -45,9 +45,10 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ops.repository import ROOT, ReplicatedRepositoryClient, RepositoryClient, RepositoryError, connect
 from python_backends.errors import ConfigError
@@ -97,7 +98,7 @@ class Thresholds:
     traffic_timeout_s: float = 120.0
     allow_unjudged: bool = False
 
-    def check(self) -> "Thresholds":
+    def check(self) -> Thresholds:
         if not 0 <= self.max_error_rate < 1:
             raise UsageError(f"--max-error-rate must be in [0, 1), got {self.max_error_rate}")
         if self.p99_ratio < 1:
@@ -136,7 +137,7 @@ class RolloutState:
 
     # -- persistence
     @classmethod
-    def load(cls, path: Path) -> "RolloutState | None":
+    def load(cls, path: Path) -> RolloutState | None:
         try:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:

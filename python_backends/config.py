@@ -8,8 +8,9 @@ repeating them in code, so config.pbtxt stays the one source of truth.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from python_backends.errors import ConfigError
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from python_backends.admission.inflight import _CELL, _SAFE, CELLS, _alive, default_directory
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from python_backends.cache.keys import ModelIdentity
 from python_backends.files import sha256_file

@@ -36,7 +36,7 @@ class ModelIdentity:
         return f"{self.model} ({self.encoder} version {self.version}, variant {self.variant}{fp})"
 
 
-def _field(h: "hashlib._Hash", value: bytes, width: int = 4) -> None:
+def _field(h: hashlib._Hash, value: bytes, width: int = 4) -> None:
     h.update(len(value).to_bytes(width, "little"))
     h.update(value)
 

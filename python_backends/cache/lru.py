@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -39,7 +39,7 @@ class LRUCache:
         self.max_bytes = int(max_bytes)
         self.ttl_s = float(ttl_s)
         self._clock = clock
-        self._data: "OrderedDict[str, tuple[np.ndarray, float, int]]" = OrderedDict()
+        self._data: OrderedDict[str, tuple[np.ndarray, float, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = L1Stats()
 

@@ -5,8 +5,8 @@ one config serves every deployment and each deployment points at its own Redis."
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from python_backends.config import ModelConfig
 from python_backends.errors import ConfigError
@@ -35,7 +35,7 @@ class CacheSettings:
     warn_interval_s: float
 
     @classmethod
-    def from_config(cls, config: ModelConfig, environ: Mapping[str, str] = os.environ) -> "CacheSettings":
+    def from_config(cls, config: ModelConfig, environ: Mapping[str, str] = os.environ) -> CacheSettings:
         values: dict[str, float] = {}
         for key, (default, minimum, _) in NUMERIC.items():
             env = environ.get(ENV_PREFIX + key.upper())

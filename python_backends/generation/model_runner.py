@@ -52,7 +52,7 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "LlamaConfig":
+    def from_dict(cls, cfg: dict) -> LlamaConfig:
         archs = cfg.get("architectures") or []
         if archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
             raise ConfigError(
@@ -87,7 +87,7 @@ class LlamaConfig:
         )
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "LlamaConfig":
+    def from_folder(cls, folder: str | Path) -> LlamaConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path} is missing: export the model first (python -m export.generation)")
@@ -172,7 +172,7 @@ class LlamaWeights:
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-                    precision: str = "fp32") -> "LlamaWeights":
+                    precision: str = "fp32") -> LlamaWeights:
         folder = Path(folder)
         config = LlamaConfig.from_folder(folder)
         return cls(config, _load_state_dict(folder, device), dtype, device, precision)

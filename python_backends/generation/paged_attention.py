@@ -213,7 +213,7 @@ class PagedKVCache:
             self._gather_buffers[which] = buf
         return buf[:numel].view(shape)
 
-    def plan(self, block_tables, context_lens, query_lens=None, num_heads: int | None = None) -> "AttentionPlan":
+    def plan(self, block_tables, context_lens, query_lens=None, num_heads: int | None = None) -> AttentionPlan:
         """Everything about one step's attention that does not depend on the layer.
 
         Built once per step and reused by every layer (masks, padded tables, index maps).
@@ -268,7 +268,7 @@ class PagedKVCache:
             b = e
         return AttentionPlan(groups=groups, num_tokens=tok, num_heads=num_heads)
 
-    def _group(self, tok_start, tables, ctx, qlen, group, tok_index=None) -> "_Group":
+    def _group(self, tok_start, tables, ctx, qlen, group, tok_index=None) -> _Group:
         device = self.device
         batch = len(ctx)
         max_ctx, max_q = max(ctx), max(qlen)
@@ -296,7 +296,7 @@ class PagedKVCache:
             q_idx = torch.arange(sum(qlen), device=device) - starts[q_row]
         return _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask, tok_index)
 
-    def attention_planned(self, layer: int, q: torch.Tensor, plan: "AttentionPlan", scale: float | None = None) -> torch.Tensor:
+    def attention_planned(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
         """Attention of ``q`` ([num_tokens, num_heads, head_dim]) for a prepared plan."""
         num_tokens, num_heads, head_dim = q.shape
         if head_dim != self.head_dim or num_heads != plan.num_heads or num_tokens != plan.num_tokens:
@@ -316,7 +316,7 @@ class PagedKVCache:
                 out.index_copy_(0, g.tok_index, self._attend(layer, q.index_select(0, g.tok_index), g, scale))
         return out
 
-    def _attend(self, layer: int, q: torch.Tensor, g: "_Group", scale: float) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         k, v = self.gather(layer, g.tables, g.max_ctx)  # [B, L, Hkv, D]
         # [B, Hkv, L, D]; K/V are not repeated per query head: the `group` query heads

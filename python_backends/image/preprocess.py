@@ -24,8 +24,8 @@ from __future__ import annotations
 import io
 import struct
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -85,7 +85,7 @@ class PreprocessOptions:
         return int(self.max_megapixels * 1_000_000)
 
     @classmethod
-    def from_config(cls, config) -> "PreprocessOptions":
+    def from_config(cls, config) -> PreprocessOptions:
         """Read ``resize_shorter``, ``resize_mode``, ``interpolation``, ``mean_rgb``,
         ``stddev_rgb`` (three numbers each, 0-255 scale) and ``max_megapixels`` from
         parameters; the crop from the ``pixel_values`` output dims [3, crop, crop]

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from python_backends.config import ModelConfig
 from python_backends.errors import ConfigError, InputError
@@ -94,7 +95,7 @@ class RouterSettings:
     versions_on_disk: tuple
 
     @classmethod
-    def from_config(cls, config: ModelConfig, repository: Path) -> "RouterSettings":
+    def from_config(cls, config: ModelConfig, repository: Path) -> RouterSettings:
         """Read and check the router's ``parameters``; ``repository`` holds the encoder's folder."""
         encoder = config.param("encoder_model") or "text_encoder"
         weights = parse_weights(config.param("weights") or "", field=f"model {config.name!r}: parameter 'weights'")

@@ -22,8 +22,8 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Mapping
+from collections.abc import Mapping
 
 from python_backends.errors import ConfigError
 

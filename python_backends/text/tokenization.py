@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 

@@ -8,7 +8,12 @@ import triton_python_backend_utils as pb_utils
 from python_backends.config import ModelConfig
 from python_backends.image.postprocess import TopKClassifier, load_labels
 from python_backends.shim import (
-    check_input_shapes, error_response, freeze_loaded_objects, input_numpy, install_logging, load_error,
+    check_input_shapes,
+    error_response,
+    freeze_loaded_objects,
+    input_numpy,
+    install_logging,
+    load_error,
 )
 
 
@@ -25,7 +30,7 @@ class TritonPythonModel:
             labels = load_labels(version_dir / (self.config.param("labels_file") or "labels.txt"), expected=classes)
             self.classify = TopKClassifier(labels, k)
         except Exception as exc:
-            raise load_error(pb_utils, self.config.name, exc)
+            raise load_error(pb_utils, self.config.name, exc) from exc
         freeze_loaded_objects()
 
     def execute(self, requests):

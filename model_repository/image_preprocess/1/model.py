@@ -7,7 +7,12 @@ import triton_python_backend_utils as pb_utils
 from python_backends.config import ModelConfig
 from python_backends.image.preprocess import PreprocessOptions, preprocess
 from python_backends.shim import (
-    check_input_shapes, error_response, freeze_loaded_objects, input_numpy, install_logging, load_error,
+    check_input_shapes,
+    error_response,
+    freeze_loaded_objects,
+    input_numpy,
+    install_logging,
+    load_error,
 )
 
 
@@ -20,7 +25,7 @@ class TritonPythonModel:
             self.config.require("output", "pixel_values", "TYPE_FP32")
             self.options = PreprocessOptions.from_config(self.config)
         except Exception as exc:
-            raise load_error(pb_utils, self.config.name, exc)
+            raise load_error(pb_utils, self.config.name, exc) from exc
         freeze_loaded_objects()
 
     def execute(self, requests):

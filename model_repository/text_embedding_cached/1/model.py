@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.admission.classes import PARAMETER as CLASS_PARAMETER, check_request_class, class_named
+from python_backends.admission.classes import PARAMETER as CLASS_PARAMETER
+from python_backends.admission.classes import check_request_class, class_named
 from python_backends.admission.controller import Admission
 from python_backends.admission.inflight import SharedInflight, default_directory
-
 from python_backends.cache.identity import IdentityResolver
 from python_backends.cache.keys import KeyMaker
 from python_backends.cache.lru import LRUCache
@@ -20,8 +20,13 @@ from python_backends.cache.tiered import EmbeddingCache
 from python_backends.cache.triton_metrics import CacheMetrics
 from python_backends.config import ModelConfig
 from python_backends.shim import (
-    apply_process_nice, decode_text_requests, error_response,
-    freeze_loaded_objects, install_logging, keep_metrics, load_error,
+    apply_process_nice,
+    decode_text_requests,
+    error_response,
+    freeze_loaded_objects,
+    install_logging,
+    keep_metrics,
+    load_error,
 )
 
 
@@ -63,7 +68,7 @@ class TritonPythonModel:
             self.metrics.sync(l1, l2)
             self._keys = None
         except Exception as exc:
-            raise load_error(pb_utils, self.config.name, exc)
+            raise load_error(pb_utils, self.config.name, exc) from exc
         freeze_loaded_objects()
 
     def _key_maker(self, version=None):

@@ -21,7 +21,13 @@ from python_backends.routing.router import (
 )
 from python_backends.routing.serving import CallError, GroupServer, Job, call_error
 from python_backends.shim import (
-    check_input_shapes, error_response, freeze_loaded_objects, input_numpy, install_logging, keep_metrics, load_error,
+    check_input_shapes,
+    error_response,
+    freeze_loaded_objects,
+    input_numpy,
+    install_logging,
+    keep_metrics,
+    load_error,
 )
 
 OUTPUT = "sentence_embedding"
@@ -39,7 +45,7 @@ class TritonPythonModel:
             self.repository = Path(args["model_repository"]).parent
             self.settings = RouterSettings.from_config(self.config, self.repository)
         except Exception as exc:
-            raise load_error(pb_utils, self.config.name, exc)
+            raise load_error(pb_utils, self.config.name, exc) from exc
         self.warnings = RateLimitedLog()
         # Kept on self: a MetricFamily must outlive its Metric objects, or the next set() fails.
         self.calls_family = pb_utils.MetricFamily(

@@ -20,7 +20,12 @@ from python_backends.generation.scheduler import QueueFull
 from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request
 from python_backends.generation.triton_metrics import GenerationMetrics
 from python_backends.shim import (
-    check_input_shapes, error_response, freeze_loaded_objects, install_logging, keep_metrics, load_error,
+    check_input_shapes,
+    error_response,
+    freeze_loaded_objects,
+    install_logging,
+    keep_metrics,
+    load_error,
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -51,7 +56,7 @@ class TritonPythonModel:
             self.metrics = GenerationMetrics(pb_utils, labels, baseline=self.engine.stats())
             self.loop = EngineLoop(self.engine, on_stats=self.metrics.on_stats)
         except Exception as exc:
-            raise load_error(pb_utils, self.config.name, exc)
+            raise load_error(pb_utils, self.config.name, exc) from exc
         self.ids = itertools.count()
         self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
         freeze_loaded_objects()

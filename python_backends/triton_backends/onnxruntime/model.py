@@ -5,17 +5,24 @@ config says ``backend: "onnxruntime"`` then runs here. In NVIDIA's container the
 backend takes that name and reads the same config.pbtxt.
 """
 
-import onnxruntime as ort
-import triton_python_backend_utils as pb_utils
 from pathlib import Path
 
-from python_backends.config import ModelConfig
+import onnxruntime as ort
+import triton_python_backend_utils as pb_utils
+
 from python_backends.admission.yielding import yield_from_config
+from python_backends.config import ModelConfig
 from python_backends.onnx_engine.batching import budget_from_config, run_batched
 from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
 from python_backends.padding_metrics import PaddingMetrics, RunTally
 from python_backends.shim import (
-    apply_process_nice, check_shape, error_response, freeze_loaded_objects, install_logging, keep_metrics, load_error,
+    apply_process_nice,
+    check_shape,
+    error_response,
+    freeze_loaded_objects,
+    install_logging,
+    keep_metrics,
+    load_error,
 )
 
 
@@ -40,7 +47,7 @@ class TritonPythonModel:
             # A lower class's encoder waits between runs while the higher class has work in flight.
             self.yielder = yield_from_config(self.config)
         except Exception as exc:
-            raise load_error(pb_utils, self.config.name, exc)
+            raise load_error(pb_utils, self.config.name, exc) from exc
         self.input_names = [spec.name for spec in self.config.inputs]
         self.output_names = [spec.name for spec in self.config.outputs]
         # Token models (an attention-mask input) report the real and padded tokens of the runs
