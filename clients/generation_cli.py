@@ -222,3 +222,13 @@ def main(argv: Sequence[str] | None = None, stdin: IO[str] | None = None, stdout
 def _fail(err: IO[str], message: str, status: int) -> int:
     err.write(f"{PROG}: error: {' '.join(message.split())}\n")
     return status
+
+
+def generate_command() -> int:
+    """The ``generate`` console script: ``python -m clients generate`` by a shorter name."""
+    return main(["generate", *sys.argv[1:]])
+
+
+def chat_command() -> int:
+    """The ``chat`` console script: ``python -m clients chat`` by a shorter name."""
+    return main(["chat", *sys.argv[1:]])

@@ -1,0 +1,34 @@
+"""pyproject.toml says what the tree is: every top-level package installed, every console script runs."""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_top_level_package_is_installed():
+    include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
+    assert packages, "no package found beside pyproject.toml"
+    missing = [p for p in packages if f"{p}*" not in include]
+    assert not missing, f"pyproject.toml's packages omit {missing}"
+
+
+def test_console_scripts_name_callables_that_print_their_usage(capsys, monkeypatch):
+    scripts = PYPROJECT["project"]["scripts"]
+    assert {"embed", "generate", "chat"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        command = getattr(importlib.import_module(module), func)
+        monkeypatch.setattr("sys.argv", [name, "--help"])
+        try:
+            status = command()
+        except SystemExit as exc:  # argparse's --help
+            status = exc.code
+        assert status == 0, f"{name} --help exited {status}"
+        out = capsys.readouterr().out
+        assert "usage" in out.lower(), f"{name} --help printed no usage"
