@@ -8,7 +8,12 @@ import triton_python_backend_utils as pb_utils
 from python_backends.config import ModelConfig
 from python_backends.padding_metrics import PaddingMetrics, batches_counts
 from python_backends.shim import (
-    decode_text_requests, error_response, freeze_loaded_objects, install_logging, keep_metrics, load_error,
+    decode_text_requests,
+    error_response,
+    freeze_loaded_objects,
+    install_logging,
+    keep_metrics,
+    load_error,
 )
 from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer
 
@@ -29,7 +34,7 @@ class TritonPythonModel:
                 buckets=self.config.param_int_list("sequence_buckets", DEFAULT_BUCKETS),
             )
         except Exception as exc:
-            raise load_error(pb_utils, self.config.name, exc)
+            raise load_error(pb_utils, self.config.name, exc) from exc
         # Off only to measure what the metrics cost (perf/bench/metrics_cost.py).
         self.metrics = None
         if self.config.param_bool("metrics", True):
