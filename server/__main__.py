@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 from python_backends.redaction import redact_url
-from server.layout import ROOT
 from server.frontdoor import FrontDoorError
-from server.process import DEFAULT_MODELS, ServerError, ServerOptions, TritonServer, default_models
-
+from server.layout import ROOT
+from server.models import DEFAULT_MODELS, default_models, openai_models
+from server.process import ServerError, ServerOptions, TritonServer
+from server.repository_prep import export_missing, resolve_precision
+from server.repository_prep import prepare as prepare_repository
 
 # Triton's response cache (text_tokenizer and image_preprocess; README "Result cache"): a
 # tokenized text takes a few hundred bytes, a preprocessed image 602 KB.
@@ -105,19 +107,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _served_models(repo: Path, models: tuple[str, ...]) -> list[str]:
-    """The models a request can reach (ensemble steps, BLS ``load_with`` targets) that have
-    precision variants."""
-    from server.process import closure
-
-    found = []
-    for model in models:
-        for name in closure(repo, model):
-            if (repo / name / "variants.json").is_file() and name not in found:
-                found.append(name)
-    return found
-
-
 def _token_source(args: argparse.Namespace) -> str:
     return "$TRITON_REPOSITORY_TOKEN" if os.environ.get("TRITON_REPOSITORY_TOKEN") else str(args.repository_token_file)
 
@@ -135,34 +124,15 @@ def _rollout_line(path: Path) -> str:
     return f"weights {format_weights(state.weights)}, versions {state.loaded} ({state.phase}, from {path})"
 
 
-def _openai_models(repo: Path, models: tuple[str, ...]) -> list[str]:
-    """The loaded models the OpenAI gateway can serve (none: no gateway)."""
-    from openai_gateway.catalog import Catalog
-    from server.process import closure
-
-    loaded = {name for model in models for name in closure(repo, model)}
-    catalog = Catalog.from_repository(repo)
-    return [m.id for m in catalog.models.values() if set(catalog.triton_models(m)) <= loaded]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    if not args.no_export:
-        from export import __main__ as export_main
-
-        if export_main.main(["--repository", str(args.model_repository), "--no-speed"]) != 0:
-            print("serve: export failed; not starting the server", file=sys.stderr)
-            return 1
-    from export import variants
-
+    if not args.no_export and not export_missing(args.model_repository):
+        print("serve: export failed; not starting the server", file=sys.stderr)
+        return 1
     models = tuple(args.models or default_models(args.model_repository))
-    served_models = _served_models(args.model_repository, models)
     try:
-        # This server has no TensorRT backend: a trt_plan variant is for NVIDIA's container.
-        local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
-        config_name, served = variants.resolve_precision(args.model_repository, served_models, args.precision,
-                                                         loadable=local)
+        config_name, served = resolve_precision(args.model_repository, models, args.precision)
     except ValueError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
@@ -190,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
     options.repository_token = ensure_token(args.repository_token_file)
     options.rollout_state = args.rollout_state
+    # The lanes rendered and the rollout state read once, before anything starts.
+    repository = prepare_repository(args.model_repository, models, args.rollout_state)
     server = TritonServer(options, echo=None if args.quiet else sys.stdout)
     stop = threading.Event()
 
@@ -202,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
 
     try:
-        server.start()
+        server.start(repository)
     except FrontDoorError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
     gateway = None
-    openai_models = [] if args.no_gateway else _openai_models(args.model_repository, models)
-    if openai_models:
+    served_openai = [] if args.no_gateway else openai_models(args.model_repository, models)
+    if served_openai:
         from server.gateway import GatewayOptions, GatewayProcess
 
         if not os.environ.get("GATEWAY_API_KEYS", "").strip():
@@ -242,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             gateway.stop()
             server.stop()
             return 1
-        gateway_line = (f"  OpenAI   {gateway.url}/v1  models {', '.join(openai_models)}; API key: Authorization: "
+        gateway_line = (f"  OpenAI   {gateway.url}/v1  models {', '.join(served_openai)}; API key: Authorization: "
                         f"Bearer <key>, key in {gateway.key_source} (docs/openai-gateway.md)\n")
     else:
         gateway_line = ("  OpenAI   off (--no-gateway)\n" if args.no_gateway else

@@ -29,7 +29,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -49,22 +48,23 @@ from server.frontdoor import (
     ports_in_use,
 )
 from server.layout import ROOT
-from server.lifetime import tie_to_parent
-from server.process import (
-    ServerError,
-    ServerOptions,
-    TritonServer,
-    closure,
-    free_port,
-    http_status,
-    with_dependencies,
+from server.models import closure, default_models, openai_models, with_dependencies
+from server.process import ServerError, ServerOptions, TritonServer
+from server.prometheus import (
+    DEFAULT_PROMETHEUS_PORT,
+    PROMETHEUS_TEMPLATE,
+    RULES_DIR,
+    Prometheus,
+    PrometheusError,
+    render_prometheus,
+    rule_files,
 )
+from server.repository_prep import export_missing, resolve_precision
+from server.repository_prep import prepare as prepare_repository
+from server.supervisor import Service, free_ports, http_status
 
 log = logging.getLogger(__name__)
 
-PROMETHEUS_TEMPLATE = ROOT / "deploy" / "prometheus" / "prometheus.yml.template"
-RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
-DEFAULT_PROMETHEUS_PORT = 9090
 # Replica states, as the supervisor sees them.
 STARTING, READY, DOWN, STOPPED = "starting", "ready", "down", "stopped"
 
@@ -205,137 +205,7 @@ class Gateway:
         return GatewayServer("127.0.0.1", self.port, down=self.state != READY)
 
 
-def rule_files(rules_dir: Path, on_skip: Callable[[str], None] = log.warning) -> list[Path]:
-    """The rules files in ``rules_dir`` that ``promtool check rules`` accepts (one broken file
-    would stop Prometheus from starting at all: it is left out, and said so)."""
-    files = sorted(Path(rules_dir).glob("*.yml")) + sorted(Path(rules_dir).glob("*.yaml"))
-    promtool = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").is_file() else None)
-    if promtool is None:
-        return files
-    good = []
-    for path in files:
-        done = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True,
-                              text=True)
-        if done.returncode == 0:
-            good.append(path)
-        else:
-            on_skip(f"prometheus: {path.name} left out, promtool check rules failed: "
-                    f"{(done.stdout + done.stderr).strip().splitlines()[-1:]}")
-    return good
-
-
-def render_prometheus(template: Path, replicas: Sequence[Replica], gateways: str | Sequence[str] | None,
-                      rules: Sequence[Path], scrape_interval_s: float) -> str:
-    """prometheus.yml from ``template``: job "triton" with one target per replica (label
-    ``replica``), job "gateway" with one target per gateway address in ``gateways`` (label
-    ``gateway``: its index; no job when there is none), the rules files ``rules``."""
-    def target(address: str, labels: Mapping[str, str]) -> str:
-        lab = ", ".join(f'{k}: "{v}"' for k, v in labels.items())
-        return f'      - targets: ["{address}"]\n        labels: {{{lab}}}'
-
-    triton = "\n".join(target(f"127.0.0.1:{r.metrics}", {"replica": str(r.index)}) for r in replicas)
-    gateways = [gateways] if isinstance(gateways, str) else list(gateways or ())
-    gateway_job = ("  - job_name: gateway\n    metrics_path: /metrics\n    static_configs:\n"
-                   + "\n".join(target(address, {"gateway": str(i), "service": "openai-gateway"})
-                                for i, address in enumerate(gateways))) if gateways else ""
-    values = {
-        "SCRAPE_INTERVAL": f"{scrape_interval_s:g}s",
-        "RULE_FILES": "\n".join(f'  - "{path}"' for path in rules) or "  []",
-        "TRITON_TARGETS": triton,
-        "GATEWAY_JOB": gateway_job,
-    }
-    text = template.read_text(encoding="utf-8")
-    for key, value in values.items():
-        text = text.replace("${" + key + "}", value)
-    if "${" in text:
-        raise ClusterError(f"{template.name}: a placeholder was left unfilled")
-    return text
-
-
-class Prometheus:
-    """/usr/bin/prometheus (Debian package prometheus) with its storage in the work folder."""
-
-    def __init__(self, workdir: Path, port: int, host: str = "127.0.0.1"):
-        self.workdir = Path(workdir)
-        self.port = port
-        self.host = host
-        self.process: subprocess.Popen | None = None
-        self._log = None
-
-    @staticmethod
-    def binary() -> str:
-        found = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").is_file() else None)
-        if not found:
-            raise ClusterError("prometheus is not installed (Debian package prometheus; scripts/setup.sh)")
-        return found
-
-    @property
-    def config_path(self) -> Path:
-        return self.workdir / "prometheus.yml"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / "prometheus.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, config: str) -> Prometheus:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(config, encoding="utf-8")
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [self.binary(), f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address={self.host}:{self.port}", "--storage.tsdb.retention.time=1d",
-             "--web.enable-lifecycle"],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=tie_to_parent("SIGTERM"))
-        return self
-
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.running():
-                raise ClusterError(f"prometheus exited with code {self.process.returncode}:\n{self.log_tail()}")
-            if http_status(self.url + "/-/ready") == 200:
-                return
-            time.sleep(0.2)
-        raise ClusterError(f"prometheus not ready within {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-def _free_ports(count: int, taken: set[int]) -> list[int]:
-    out = []
-    while len(out) < count:
-        port = free_port("127.0.0.1")
-        if port not in taken:
-            taken.add(port)
-            out.append(port)
-    return out
-
-
-class Cluster:
+class Cluster(Service):
     """N replicas, the front door over them, and their shared services.
 
     Call ``start()`` from a thread that lives as long as the cluster (the main thread): the
@@ -485,9 +355,9 @@ class Cluster:
             self.redis_url = o.redis_url
         taken = {o.http_port, o.grpc_port, o.metrics_port, *( [o.gateway_port] if o.gateway_port else [])}
         for index in range(o.replicas):
-            self.replicas.append(Replica(index, self._replica_options(index, _free_ports(3, taken))))
+            self.replicas.append(Replica(index, self._replica_options(index, free_ports(3, taken))))
         if o.gateway_port and o.gateways > 0:
-            self.gateways = [Gateway(i, port) for i, port in enumerate(_free_ports(o.gateways, taken))]
+            self.gateways = [Gateway(i, port) for i, port in enumerate(free_ports(o.gateways, taken))]
             if not self.gateway_key_source.startswith("$"):
                 from openai_gateway.auth import ensure_key_file
 
@@ -495,7 +365,7 @@ class Cluster:
         # nginx first, every replica marked down: the public ports answer 502 until one is ready.
         # The gRPC door holds the public gRPC port and checks every inference request
         # (server/grpc_door.py); nginx's gRPC listener behind it is internal.
-        self.nginx_grpc_port = _free_ports(1, taken)[0]
+        self.nginx_grpc_port = free_ports(1, taken)[0]
         # The repository API through the front door acts on every replica (server/repository_door.py).
         from server.repository_door import RepositoryDoor
 
@@ -515,7 +385,7 @@ class Cluster:
         threading.Thread(target=self._health_checks, name="cluster-health", daemon=True).start()
         if o.prometheus_port is not None:
             port = o.prometheus_port or (DEFAULT_PROMETHEUS_PORT if not ports_in_use("127.0.0.1", [DEFAULT_PROMETHEUS_PORT])
-                                         else _free_ports(1, taken)[0])
+                                         else free_ports(1, taken)[0])
             self.prometheus = Prometheus(self.workdir / "prometheus", port)
             self.rules = rule_files(RULES_DIR, self._event)
             self.prometheus.start(render_prometheus(PROMETHEUS_TEMPLATE, self.replicas,
@@ -604,7 +474,8 @@ class Cluster:
         replica.state = STARTING
         replica.health_misses = 0
         try:
-            replica.server.start()
+            # Before each (re)start: the rollout state may have moved on since the last one.
+            replica.server.start(prepare_repository(o.model_repository, o.models, o.rollout_state))
         except Exception as exc:  # noqa: BLE001 - a failed start is retried like a crash
             self._failed(replica, f"did not start: {exc}")
             return
@@ -628,17 +499,18 @@ class Cluster:
         replica.waiter = threading.Thread(target=wait, name=f"replica-{replica.index}-ready", daemon=True)
         replica.waiter.start()
 
-    def _failed(self, replica: Replica, why: str) -> None:
-        """Mark ``replica`` down and schedule its restart with backoff."""
-        o = self.options
-        if replica.ready_since and time.monotonic() - replica.ready_since >= o.backoff.reset_after_s:
-            replica.failures_in_row = 0
-        replica.failures_in_row += 1
-        delay = o.backoff.delay(replica.failures_in_row)
-        replica.state = DOWN
-        replica.ready_since = 0.0
-        replica.next_start = time.monotonic() + delay
-        self._event(f"replica {replica.index}: {why}; restart {replica.restarts + 1} in {delay:.0f} s")
+    def _failed(self, member: Replica | Gateway, why: str) -> None:
+        """Mark a replica or a gateway down and schedule its restart with backoff."""
+        backoff = self.options.backoff
+        if member.ready_since and time.monotonic() - member.ready_since >= backoff.reset_after_s:
+            member.failures_in_row = 0
+        member.failures_in_row += 1
+        delay = backoff.delay(member.failures_in_row)
+        member.state = DOWN
+        member.ready_since = 0.0
+        member.next_start = time.monotonic() + delay
+        kind = "replica" if isinstance(member, Replica) else "gateway"
+        self._event(f"{kind} {member.index}: {why}; restart {member.restarts + 1} in {delay:.0f} s")
 
     def _start_gateway(self, gateway: Gateway) -> None:
         """From the supervisor thread (the gateway is tied to it, as the replicas are)."""
@@ -657,7 +529,7 @@ class Cluster:
         try:
             gateway.process.start()
         except Exception as exc:  # noqa: BLE001 - a failed start is retried like a crash
-            self._failed_gateway(gateway, f"did not start: {exc}")
+            self._failed(gateway, f"did not start: {exc}")
             return
         self._watch_gateway(gateway)
 
@@ -683,17 +555,6 @@ class Cluster:
 
         threading.Thread(target=wait, name=f"gateway-{gateway.index}-ready", daemon=True).start()
 
-    def _failed_gateway(self, gateway: Gateway, why: str) -> None:
-        o = self.options
-        if gateway.ready_since and time.monotonic() - gateway.ready_since >= o.backoff.reset_after_s:
-            gateway.failures_in_row = 0
-        gateway.failures_in_row += 1
-        delay = o.backoff.delay(gateway.failures_in_row)
-        gateway.state = DOWN
-        gateway.ready_since = 0.0
-        gateway.next_start = time.monotonic() + delay
-        self._event(f"gateway {gateway.index}: {why}; restart {gateway.restarts + 1} in {delay:.0f} s")
-
     def _tick_gateways(self, now: float) -> None:
         o = self.options
         for g in self.gateways:
@@ -705,11 +566,11 @@ class Cluster:
                 except (ProcessLookupError, TypeError):
                     pass
                 g.process.stop(timeout=0)  # closes its log
-                self._failed_gateway(g, f"exited (code {code})")
+                self._failed(g, f"exited (code {code})")
             elif g.state == "failed-start":
                 g.process.stop(timeout=2)
                 g.exit_codes.append(g.process.process.returncode if g.process.process else None)
-                self._failed_gateway(g, f"/health/ready not 200 within {o.ready_timeout:.0f} s")
+                self._failed(g, f"/health/ready not 200 within {o.ready_timeout:.0f} s")
             elif g.state == READY and g.health_misses >= o.health_failures:
                 self._event(f"gateway {g.index}: /health failed {g.health_misses} times; "
                             "out of the front door until it answers again")
@@ -927,18 +788,6 @@ class Cluster:
         except OSError:
             pass
 
-    def __enter__(self) -> Cluster:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 # --- the command line ---------------------------------------------------------------------
 def _env_int(name: str, default: int) -> int:
@@ -1032,30 +881,21 @@ def first_screen(cluster: Cluster, served: Mapping[str, str], precision: str) ->
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    if not args.no_export:
-        from export import __main__ as export_main
-
-        if export_main.main(["--repository", str(args.model_repository), "--no-speed"]) != 0:
-            print("serve-cluster: export failed; not starting", file=sys.stderr)
-            return 1
-    from export import variants
+    if not args.no_export and not export_missing(args.model_repository):
+        print("serve-cluster: export failed; not starting", file=sys.stderr)
+        return 1
     from ops.repository import ensure_token
-    from server.__main__ import _openai_models, _served_models
-    from server.process import default_models
 
     models = tuple(args.models or default_models(args.model_repository))
     try:
-        local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
-        config_name, served = variants.resolve_precision(args.model_repository,
-                                                         _served_models(args.model_repository, models),
-                                                         args.precision, loadable=local)
+        config_name, served = resolve_precision(args.model_repository, models, args.precision)
     except ValueError as exc:
         print(f"serve-cluster: {exc}", file=sys.stderr)
         return 2
     if args.gateways < 0:
         print(f"serve-cluster: --gateways must be >= 0, not {args.gateways}", file=sys.stderr)
         return 2
-    gateway = not args.no_gateway and args.gateways > 0 and bool(_openai_models(args.model_repository, models))
+    gateway = not args.no_gateway and args.gateways > 0 and bool(openai_models(args.model_repository, models))
     if gateway and not os.environ.get("GATEWAY_API_KEYS", "").strip():
         from openai_gateway.auth import ensure_key_file
 
@@ -1092,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve-cluster: starting {args.replicas} replicas ({', '.join(models)}) and "
               f"{len(cluster.gateways)} gateways; work folder {args.workdir}", flush=True)
         cluster.wait_ready(should_stop=stop.is_set)
-    except (ClusterError, FrontDoorError, ServerError, OSError) as exc:
+    except (ClusterError, PrometheusError, FrontDoorError, ServerError, OSError) as exc:
         cluster.stop()
         if stop.is_set():
             print("serve-cluster: stopped before the cluster was ready", flush=True)

@@ -19,13 +19,14 @@ import json
 import logging
 import re
 import shutil
+import signal
 import subprocess
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from server.layout import ROOT
-from server.lifetime import tie_to_parent
+from server.supervisor import DISCARD, ChildProcess
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ class Upstream:
     down: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> "Upstream":
+    def parse(cls, text: str) -> Upstream:
         """``HOST`` (ports 8000, 8001, 8002) or ``HOST:HTTP:GRPC:METRICS``."""
         host, *ports = text.split(":")
         if not host or len(ports) not in (0, 3) or not all(p.isdigit() for p in ports):
@@ -274,7 +275,7 @@ class FrontDoorPorts:
 
     @classmethod
     def cluster(cls, listen_host: str, http: int, grpc: int, metrics: int,
-                replicas: Iterable[Upstream], gateway: GatewayDoor | None = None) -> "FrontDoorPorts":
+                replicas: Iterable[Upstream], gateway: GatewayDoor | None = None) -> FrontDoorPorts:
         replicas = tuple(replicas)
         if not replicas:
             raise FrontDoorError("a front door needs at least one upstream server")
@@ -364,7 +365,7 @@ def render(ports: FrontDoorPorts, workdir: Path, js_path: Path, max_body_bytes: 
         values = {**values, "GATEWAY_PORT": ports.gateway.port, "GATEWAY_SERVERS": gateway_servers(ports.gateway.servers),
                   "GATEWAY_MAX_BODY_BYTES": ports.gateway.max_body_bytes}
 
-    def fill(match: "re.Match[str]") -> str:
+    def fill(match: re.Match[str]) -> str:
         if match.group(1) not in values:
             raise FrontDoorError(f"{template.name}: no value for ${{{match.group(1)}}}")
         return str(values[match.group(1)])
@@ -408,7 +409,14 @@ class FrontDoor:
         self.repository = repository
         self.max_body_bytes = max_body_bytes
         self.workers = workers
-        self.process: subprocess.Popen | None = None
+        # nginx writes its own error log (-e); SIGTERM on our death is its fast shutdown: the
+        # master stops its workers, then exits.
+        self.child = ChildProcess("nginx", self.log_path, output=DISCARD, tie="SIGTERM")
+
+    @property
+    def process(self):
+        """nginx master's subprocess.Popen (None before start)."""
+        return self.child.process
 
     @property
     def conf_path(self) -> Path:
@@ -436,55 +444,30 @@ class FrontDoor:
         if done.returncode != 0:
             raise FrontDoorError(f"nginx -t failed:\n{done.stdout}{done.stderr}")
 
-    def start(self) -> "FrontDoor":
-        cmd = self.prepare()
-        self.process = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            # SIGTERM is nginx's fast shutdown: the master stops its workers, then exits.
-            preexec_fn=tie_to_parent("SIGTERM"),
-        )
+    def start(self) -> FrontDoor:
+        self.child.start(self.prepare())
         return self
 
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.child.running()
 
     def reload(self) -> None:
         """Re-render nginx.conf from ``ports`` (e.g. a replica marked down or back), check it,
         and SIGHUP the master: new workers take the new configuration, the old ones finish
         their in-flight requests first."""
-        import signal
-
         self.check()
         if not self.running():
             raise FrontDoorError("nginx is not running")
-        self.process.send_signal(signal.SIGHUP)
+        self.child.send_signal(signal.SIGHUP)
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-lines:])
-        except OSError:
-            return ""
+        return self.child.log_tail(lines)
 
     def stop(self, timeout: float = 10.0, graceful: bool = True) -> int | None:
-        """SIGQUIT (finish in-flight requests, then exit) or SIGTERM; SIGKILL after ``timeout``."""
-        import os
-        import signal
-
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGQUIT if graceful else signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("nginx did not stop in %.0f s; killing it", timeout)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # workers too
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-        return self.process.returncode
+        """SIGQUIT (finish in-flight requests, then exit) or SIGTERM; SIGKILL to its workers
+        too after ``timeout``, and to any worker left after the master's exit."""
+        return self.child.stop(timeout, signal.SIGQUIT if graceful else signal.SIGTERM, kill_group=True,
+                               reap_group=True)
 
 
 def ports_in_use(host: str, ports: Iterable[int]) -> list[int]:

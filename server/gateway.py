@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.layout import ROOT
-from server.lifetime import tie_to_parent
-from server.process import http_status
+from server.supervisor import ChildProcess, NotReady, Service, http_status
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +37,15 @@ class GatewayOptions:
     drain_timeout: float = 30.0
 
 
-class GatewayProcess:
+class GatewayProcess(Service):
     def __init__(self, options: GatewayOptions):
         self.options = options
-        self.process: subprocess.Popen | None = None
-        self._log = None
+        self.child = ChildProcess("the gateway", self.log_path, tie="SIGTERM")
+
+    @property
+    def process(self):
+        """The gateway's subprocess.Popen (None before start)."""
+        return self.child.process
 
     @property
     def url(self) -> str:
@@ -68,17 +68,13 @@ class GatewayProcess:
                 "--triton", o.triton_grpc_url, "--model-repository", str(o.model_repository),
                 "--api-key-file", str(o.api_key_file), "--drain-timeout", str(o.drain_timeout), *o.extra_args]
 
-    def start(self) -> "GatewayProcess":
-        Path(self.options.workdir).mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
+    def start(self) -> GatewayProcess:
         env = {**os.environ, **self.options.env, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(self.command(), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                        preexec_fn=tie_to_parent("SIGTERM"))
+        self.child.start(self.command(), env=env, cwd=ROOT)
         return self
 
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.child.running()
 
     def status(self, path: str, timeout: float = 2.0) -> int:
         """The HTTP status of a GET of ``path`` on the gateway; 0 when it does not answer."""
@@ -86,41 +82,16 @@ class GatewayProcess:
 
     def wait_ready(self, timeout: float = 60.0, should_stop=lambda: False) -> None:
         """Until ``/health/ready`` answers 200 (the gateway is up and sees Triton's models ready)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not should_stop():
-            if not self.running():
-                raise GatewayError(f"the gateway exited with code {self.process.returncode}:\n{self.log_tail()}")
-            if self.status("/health/ready") == 200:
-                return
-            time.sleep(0.2)
-        raise GatewayError(f"the gateway was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+        try:
+            self.child.wait_ready(lambda: self.status("/health/ready") == 200, timeout, should_stop=should_stop)
+        except NotReady as exc:
+            if exc.why == "exited":
+                raise GatewayError(f"the gateway exited with code {exc.returncode}:\n{self.log_tail()}") from None
+            raise GatewayError(f"the gateway was not ready within {timeout:.0f} s:\n{self.log_tail()}") from None
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-lines:])
-        except OSError:
-            return ""
+        return self.child.log_tail(lines)
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGTERM (uvicorn stops accepting and lets in-flight requests finish), SIGKILL after ``timeout``."""
-        if self.process is None:
-            return None
-        timeout = self.options.drain_timeout + 5 if timeout is None else timeout
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("the gateway did not stop in %.0f s; killing it", timeout)
-                self.process.kill()
-                self.process.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return self.process.returncode
-
-    def __enter__(self) -> "GatewayProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        return self.child.stop(self.options.drain_timeout + 5 if timeout is None else timeout)

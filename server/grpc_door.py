@@ -26,7 +26,6 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import grpc
 from grpc import aio
 
 from server.grpc_check import Limits, Refusal, check_request
+from server.supervisor import ChildProcess, NotReady
 
 log = logging.getLogger("grpc_door")
 
@@ -105,7 +105,7 @@ class Door:
 
         # serve-cluster writes this file while a replica listed in nginx is not ready (dead, or
         # restarted and loading): such a replica may answer NOT_FOUND for a model its rollout
-        # state defers (server/process.py). While the file exists, NOT_FOUND for a model of the
+        # state defers (server/repository_prep.py). While the file exists, NOT_FOUND for a model of the
         # repository is resent (nginx balances each send) for at most NOT_FOUND_WAIT_S.
         self.starting_file = starting_file
         self.not_found_retries = 0
@@ -485,7 +485,13 @@ class GrpcDoor:
         self.workdir = Path(workdir)
         self.health_dir = health_dir
         self.max_message_bytes = max_message_bytes
-        self.process: subprocess.Popen | None = None
+        # A restart appends to the log: the last one's lines stay.
+        self.child = ChildProcess("the gRPC door", self.log_path, tie="SIGTERM")
+
+    @property
+    def process(self):
+        """The door's subprocess.Popen (None before start)."""
+        return self.child.process
 
     @property
     def log_path(self) -> Path:
@@ -507,54 +513,37 @@ class GrpcDoor:
             cmd += ["--healing-dir", str(folder)]
         return cmd
 
-    def start(self) -> "GrpcDoor":
+    def start(self) -> GrpcDoor:
         from server.layout import ROOT
-        from server.lifetime import tie_to_parent
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        with self.log_path.open("a", encoding="utf-8") as log_file:  # a restart keeps the last one's lines
-            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
-                                            stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                            preexec_fn=tie_to_parent("SIGTERM"))
+        self.child.start(self.command(), env=env)
         return self
 
     def ready(self) -> bool:
         return self.running() and self.ready_file.is_file()
 
     def wait_listening(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.running():
-                raise RuntimeError(f"the gRPC door exited with code {self.process.returncode}:\n{self.log_tail()}")
-            if self.ready_file.is_file():
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"the gRPC door did not listen within {timeout:.0f} s:\n{self.log_tail()}")
+        try:
+            self.child.wait_ready(self.ready_file.is_file, timeout, interval=0.05)
+        except NotReady as exc:
+            if exc.why == "exited":
+                raise RuntimeError(f"the gRPC door exited with code {exc.returncode}:\n{self.log_tail()}") from None
+            raise RuntimeError(f"the gRPC door did not listen within {timeout:.0f} s:\n{self.log_tail()}") from None
 
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.child.running()
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-lines:])
-        except OSError:
-            return ""
+        return self.child.log_tail(lines)
 
     def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM (the door drains for ``timeout`` s, default drain_timeout), SIGKILL 5 s later."""
         timeout = self.drain_timeout if timeout is None else timeout
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout + 5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return self.child.stop(timeout + 5)
 
 
 if __name__ == "__main__":

@@ -1,102 +1,35 @@
-"""Start, watch and stop one local tritonserver process.
+"""Start, watch and stop one local tritonserver process, with its front door and gRPC door.
 
-Used by ``make serve`` (``python -m server``) and by the integration tests' fixture, so
-both run the server exactly the same way.
+Used by ``make serve`` (``python -m server``), serve-cluster's replicas and the integration
+tests' fixture, so all run the server exactly the same way. The process itself is a
+server.supervisor.ChildProcess; the repository is prepared before (server/repository_prep.py).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import sysconfig
-import threading
-import time
-import urllib.error
-import urllib.request
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence, TextIO
+from typing import TextIO
 
 from ops.repository import TOKEN_HEADER
 from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts
 from server.grpc_door import GrpcDoor
-from server.stubs import StubWatchdog
 from server.layout import ROOT, ServerLayout, prepare
-from server.lifetime import tie_to_parent
+from server.models import DEFAULT_MODELS, closure, default_models, with_dependencies  # noqa: F401 (tests, perf/)
+from server.repository_prep import Prepared
+from server.repository_prep import prepare as prepare_repository
+from server.stubs import StubWatchdog, watch_server
+from server.supervisor import PIPE, ChildProcess, NotReady, Service, free_port, http_status
 
 log = logging.getLogger(__name__)
-
-# text_embedding_cached: the cached entry point in front of text_embedding (README "Result cache").
-# text_generation: the LLM (docs/export.md); its weights are exported by `python -m export`.
-DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "text_embedding_cached_interactive",
-                  "text_embedding_cached_bulk", "image_classification", "text_generation")
-# Default models a repository may lack: left out of the default set when their folder has no
-# config.pbtxt (a repository made before the generation model, or one holding only the
-# embedding and image models). Asked for by name (--model), they load or fail as any other.
-OPTIONAL_DEFAULT_MODELS = ("text_generation",)
-
-
-def default_models(repository: Path) -> tuple[str, ...]:
-    """The models `python -m server` loads when none are named."""
-    return tuple(m for m in DEFAULT_MODELS
-                 if m not in OPTIONAL_DEFAULT_MODELS or (Path(repository) / m / "config.pbtxt").is_file())
-
-
-def _config_text(repository: Path, model: str) -> str:
-    path = Path(repository) / model / "config.pbtxt"
-    return path.read_text(encoding="utf-8") if path.is_file() else ""
-
-
-def references(repository: Path, model: str) -> tuple[list[str], list[str]]:
-    """(ensemble steps, ``load_with`` targets) named in a model's config.pbtxt."""
-    text = _config_text(repository, model)
-    steps = re.findall(r'model_name:\s*"([^"]+)"', text)
-    m = re.search(r'key:\s*"load_with"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-    return steps, [t.strip() for t in (m.group(1).split(",") if m else []) if t.strip()]
-
-
-def closure(repository: Path, model: str) -> list[str]:
-    """Every model a request to ``model`` may reach through ensemble steps and ``load_with``."""
-    out: list[str] = []
-    todo = [model]
-    while todo:
-        current = todo.pop()
-        if current in out:
-            continue
-        out.append(current)
-        steps, targets = references(repository, current)
-        todo += steps + targets
-    return out
-
-
-def with_dependencies(repository: Path, models: Sequence[str]) -> list[str]:
-    """``models`` plus what Triton does not load for them: the ``load_with`` targets of a BLS
-    model (text_encoder_router names text_encoder), also when it is an ensemble's step. The
-    targets come first."""
-    out: list[str] = []
-    for model in models:
-        for reached in closure(repository, model):
-            for target in references(repository, reached)[1]:
-                if target not in out:
-                    out.append(target)
-    return out + [m for m in models if m not in out]
-
-
-def http_status(url: str, timeout: float = 2.0) -> int:
-    """The HTTP status of a GET of ``url``; 0 when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return 0
 
 
 class ServerError(RuntimeError):
@@ -105,12 +38,6 @@ class ServerError(RuntimeError):
     def __init__(self, message: str, log_tail: str = ""):
         super().__init__(message)
         self.log_tail = log_tail
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -164,7 +91,7 @@ class ServerOptions:
             self.models = default_models(self.model_repository)
 
     @classmethod
-    def with_free_ports(cls, **kwargs) -> "ServerOptions":
+    def with_free_ports(cls, **kwargs) -> ServerOptions:
         host = kwargs.get("host", "127.0.0.1")
         ports = set()
         while len(ports) < 3:
@@ -179,21 +106,30 @@ class ServerOptions:
         return self.triton_http_port, self.triton_grpc_port, self.triton_metrics_port
 
 
-class TritonServer:
-    """A tritonserver child process. Use as a context manager or call start()/stop()."""
+class TritonServer(Service):
+    """A tritonserver child process, with its front door and gRPC door when the options ask for
+    them. Use as a context manager or call start()/wait_ready()/stop()."""
 
     def __init__(self, options: ServerOptions, echo: TextIO | None = None):
         self.options = options
         self.echo = echo
-        self.process: subprocess.Popen | None = None
+        self.repository: Prepared | None = None  # as prepared for the current start
         self.log_path = options.workdir / f"tritonserver-{options.http_port}.log"
-        self._tail: collections.deque[str] = collections.deque(maxlen=400)
-        self._reader: threading.Thread | None = None
+        # Ctrl-C reaches the launcher, which stops the server in order. If the launcher dies
+        # without stopping it (SIGKILL, the OOM killer), so does tritonserver, and its ports are
+        # free again; its python backend stubs notice and exit.
+        self.child = ChildProcess("tritonserver", self.log_path, output=PIPE, log_mode="w", tie="SIGKILL",
+                                  echo=echo)
         self.layout: ServerLayout | None = None
         self.front_door: FrontDoor | None = None
         self.grpc_door: GrpcDoor | None = None
         self.watchdog: StubWatchdog | None = None
         self._health_dir: Path | None = None
+
+    @property
+    def process(self):
+        """tritonserver's subprocess.Popen (None before start)."""
+        return self.child.process
 
     @property
     def _public_host(self) -> str:
@@ -267,49 +203,11 @@ class TritonServer:
             # Registering shared memory, changing trace or log settings: operator actions too.
             cmd.append(f"--http-restricted-api=shared-memory,trace,logging:{TOKEN_HEADER}={o.repository_token}")
             cmd.append(f"--grpc-restricted-protocol=shared-memory,trace,logging:{TOKEN_HEADER}={o.repository_token}")
-        deferred = set(self.deferred_models())
+        # The rollout state's models are loaded through the repository API once the server is up.
+        deferred = set(self.repository.deferred if self.repository is not None else ())
         cmd += [f"--load-model={m}" for m in with_dependencies(o.model_repository, o.models) if m not in deferred]
         cmd += list(o.extra_args)
         return cmd
-
-    def rollout_plan(self):
-        """The rollout state's load plan (ops.rollout.LoadPlan), or None without a state file."""
-        path = self.options.rollout_state
-        if path is None or not Path(path).is_file():
-            return None
-        from ops.rollout import load_plan
-
-        return load_plan(Path(path))
-
-    def deferred_models(self) -> list[str]:
-        """Models loaded through the repository API after start, in order: the rollout state's
-        encoder (its versions), the router (its weights) when the state puts it in front of
-        text_embedding or a requested model reaches it, then the requested models that reach
-        either (text_embedding in the form the state calls for)."""
-        plan = self.rollout_plan()
-        if plan is None:
-            return []
-        repo = self.options.model_repository
-        wanted = with_dependencies(repo, self.options.models)
-        reached = {m for model in wanted for m in closure(repo, model)}
-        first = [plan.encoder] + ([plan.router] if plan.routed or plan.router in reached else [])
-        out = list(first)
-        for model in wanted:
-            if model not in first and set(first) & set(closure(repo, model)):
-                out.append(model)
-        return out
-
-    def apply_rollout_state(self) -> None:
-        """Load the deferred models with the state's overrides, in deferred_models' order (each
-        load returns when that model is ready)."""
-        plan = self.rollout_plan()
-        if plan is None:
-            return
-        from ops.repository import RepositoryClient
-
-        client = RepositoryClient(self.triton_http_url, token=self.options.repository_token or "")
-        for model in self.deferred_models():
-            client.load(model, plan.override(model, self.options.model_repository, self.options.model_config_name))
 
     def environment(self) -> dict[str, str]:
         assert self.layout is not None
@@ -333,7 +231,10 @@ class TritonServer:
         env.update(self.options.env)
         return env
 
-    def start(self) -> "TritonServer":
+    def start(self, repository: Prepared | None = None) -> TritonServer:
+        """Start tritonserver (and the doors) on ``repository``, as prepared for this start by
+        server/repository_prep.py (the launcher and serve-cluster do it before they start
+        anything); None: prepared here, at each start (the tests' fixture, perf/, scripts/)."""
         o = self.options
         # A restart of this object (a test's kill and start): the last run's watchdog watched a
         # process that is gone, and its door must not hold the port.
@@ -345,52 +246,36 @@ class TritonServer:
             self.grpc_door = None
         o.workdir.mkdir(parents=True, exist_ok=True)
         self.layout = prepare(o.workdir)
-        # Priority-class lanes follow their model's current config and versions (export/lanes.py);
-        # while a rollout runs they serve its most-weighted version, not the canary.
-        from export.lanes import render_all
-
-        plan = self.rollout_plan()
-        pins = {plan.encoder: max(plan.weights, key=plan.weights.get)} if plan is not None and plan.weights else None
-        render_all(o.model_repository, pins)
+        self.repository = repository or prepare_repository(o.model_repository, o.models, o.rollout_state)
         if o.front_door:
-            taken = {o.http_port, o.grpc_port, o.metrics_port}
-            for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port", "nginx_grpc_port"):
-                while not getattr(o, attr):
-                    port = free_port("127.0.0.1")
-                    if port not in taken:
-                        setattr(o, attr, port)
-                        taken.add(port)
-            self.front_door = FrontDoor(
-                FrontDoorPorts(o.host, o.http_port, o.nginx_grpc_port, o.metrics_port,
-                               "127.0.0.1", o.triton_http_port, o.triton_grpc_port, o.triton_metrics_port,
-                               grpc_listen_host="127.0.0.1"),
-                o.workdir / f"frontdoor-{o.http_port}", o.model_repository, max_body_bytes=o.max_body_bytes,
-                health_dir=self.health_dir,
-            )
-            self.front_door.check()
-            self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{o.triton_grpc_port}", o.model_repository,
-                                      self.front_door.workdir, self.health_dir, o.max_body_bytes, o.drain_timeout)
-        log_file = self.log_path.open("w", encoding="utf-8")
-        self.process = subprocess.Popen(
-            self.command(),
-            env=self.environment(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            start_new_session=True,  # Ctrl-C reaches us; we stop the server in order
-            # If we die without stopping it (SIGKILL, the OOM killer), so does tritonserver,
-            # and its ports are free again. Its python backend stubs notice and exit.
-            preexec_fn=tie_to_parent("SIGKILL"),
-        )
-        self._reader = threading.Thread(target=self._pump, args=(self.process, log_file), daemon=True)
-        self._reader.start()
+            self._configure_doors()
+        self.child.start(self.command(), env=self.environment())
         if self.front_door is not None:
             self.front_door.start()
         if self.grpc_door is not None:
             self.grpc_door.start()
         return self
+
+    def _configure_doors(self) -> None:
+        """Choose the internal ports, and check the front door's configuration (nginx -t)."""
+        o = self.options
+        taken = {o.http_port, o.grpc_port, o.metrics_port}
+        for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port", "nginx_grpc_port"):
+            while not getattr(o, attr):
+                port = free_port("127.0.0.1")
+                if port not in taken:
+                    setattr(o, attr, port)
+                    taken.add(port)
+        self.front_door = FrontDoor(
+            FrontDoorPorts(o.host, o.http_port, o.nginx_grpc_port, o.metrics_port,
+                           "127.0.0.1", o.triton_http_port, o.triton_grpc_port, o.triton_metrics_port,
+                           grpc_listen_host="127.0.0.1"),
+            o.workdir / f"frontdoor-{o.http_port}", o.model_repository, max_body_bytes=o.max_body_bytes,
+            health_dir=self.health_dir,
+        )
+        self.front_door.check()
+        self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{o.triton_grpc_port}", o.model_repository,
+                                  self.front_door.workdir, self.health_dir, o.max_body_bytes, o.drain_timeout)
 
     @property
     def watchdog_metrics_path(self) -> Path:
@@ -399,17 +284,8 @@ class TritonServer:
 
     def start_watchdog(self) -> None:
         """Start the stub watchdog (server/stubs.py) once the server is ready; idempotent."""
-        if self.watchdog is not None or self.process is None or self.process.poll() is not None:
+        if self.watchdog is not None or not self.child.running():
             return
-        from ops.repository import RepositoryClient
-        from server.stubs import repository_loaded, repository_reload
-
-        client = RepositoryClient(self.triton_http_url, token=self.options.repository_token or "")
-        loaded = repository_loaded(client)
-        repo = self.options.model_repository
-
-        def reaches(model: str) -> list[str]:
-            return sorted({m for m, _ in loaded() if model in closure(repo, m)})
 
         def event(text: str) -> None:
             log.warning("%s", text)
@@ -424,9 +300,9 @@ class TritonServer:
                 event(f"gRPC door: exited (code {door.process.returncode}); starting a new one\n{door.log_tail(10)}")
                 door.start()
 
-        self.watchdog = StubWatchdog(self.process.pid, self.health_dir, self.watchdog_metrics_path,
-                                     repository_reload(client), loaded, reaches, on_event=event,
-                                     extra_checks=[door_alive]).start()
+        self.watchdog = watch_server(self.process.pid, self.triton_http_url, self.options.repository_token or "",
+                                     self.options.model_repository, self.health_dir, self.watchdog_metrics_path,
+                                     on_event=event, extra_checks=[door_alive])
 
     @property
     def health_dir(self) -> Path:
@@ -438,72 +314,60 @@ class TritonServer:
             self.options.health_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
             return self.options.health_dir
         if self._health_dir is None:
-            import tempfile
-
             self._health_dir = Path(tempfile.mkdtemp(prefix=f"triton-health-{self.options.http_port}-"))
             self._health_dir.chmod(0o755)
         return self._health_dir
 
-    def _pump(self, process: subprocess.Popen, log_file) -> None:
-        with log_file:
-            assert process.stdout is not None
-            for line in process.stdout:
-                log_file.write(line)
-                log_file.flush()
-                self._tail.append(line)
-                if self.echo is not None:
-                    self.echo.write(line)
-                    self.echo.flush()
-
     def log_tail(self, lines: int = 60) -> str:
-        return "".join(list(self._tail)[-lines:])
+        return self.child.log_tail(lines)
 
     def _get(self, path: str, timeout: float = 2.0, base: str | None = None) -> int:
         return http_status(f"http://{base or self.triton_http_url}{path}", timeout)
 
     def wait_ready(self, timeout: float = 240.0, should_stop=lambda: False) -> None:
-        """Poll /v2/health/ready and each model's ready endpoint until all are ready.
+        """Poll /v2/health/ready and each model's ready endpoint until all are ready (loading the
+        rollout state's deferred models once the server is up), then the doors' readiness.
 
         ``should_stop`` is polled too (Ctrl-C while waiting): it raises ServerError.
         """
-        deadline = time.monotonic() + timeout
         pending = list(self.options.models)
-        deferred_loaded = not self.deferred_models()
-        while time.monotonic() < deadline:
-            if should_stop():
-                raise ServerError("stopped before the server became ready", self.log_tail())
-            if self.process is None or self.process.poll() is not None:
-                self._join_reader()
-                code = None if self.process is None else self.process.returncode
-                raise ServerError(f"tritonserver exited with code {code} before becoming ready", self.log_tail())
+        deferred_loaded = self.repository is None or not self.repository.deferred
+
+        def ready() -> bool:
+            nonlocal pending, deferred_loaded
             if self.front_door is not None and not self.front_door.running():
                 raise ServerError(f"the front door (nginx) exited with code {self.front_door.process.returncode}",
                                   self.front_door.log_tail())
             if self.grpc_door is not None and not self.grpc_door.running():
                 raise ServerError(f"the gRPC door exited with code {self.grpc_door.process.returncode}",
                                   self.grpc_door.log_tail())
-            if self._get("/v2/health/ready") == 200:
-                if not deferred_loaded:
-                    try:
-                        self.apply_rollout_state()
-                    except Exception as exc:
-                        raise ServerError(f"applying the rollout state {self.options.rollout_state} failed: {exc}",
-                                          self.log_tail()) from exc
-                    deferred_loaded = True
-                pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
-                if not pending and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200) \
-                        and (self.grpc_door is None or self.grpc_door.ready()):
-                    self.start_watchdog()
-                    return
-            time.sleep(0.25)
-        raise ServerError(
-            f"tritonserver not ready after {timeout:.0f} s (models not ready: {', '.join(pending) or 'none'})",
-            self.log_tail(),
-        )
+            if self._get("/v2/health/ready") != 200:
+                return False
+            if not deferred_loaded:
+                try:
+                    self.repository.load_deferred(self.triton_http_url, self.options.repository_token or "",
+                                                  self.options.model_config_name)
+                except Exception as exc:
+                    raise ServerError(f"applying the rollout state {self.options.rollout_state} failed: {exc}",
+                                      self.log_tail()) from exc
+                deferred_loaded = True
+            pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
+            return not pending and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200) \
+                and (self.grpc_door is None or self.grpc_door.ready())
 
-    def _join_reader(self) -> None:
-        if self._reader is not None:
-            self._reader.join(timeout=5)
+        try:
+            self.child.wait_ready(ready, timeout, should_stop=should_stop, interval=0.25)
+        except NotReady as exc:
+            if exc.why == "stopped":
+                raise ServerError("stopped before the server became ready", self.log_tail()) from None
+            if exc.why == "exited":
+                raise ServerError(f"tritonserver exited with code {exc.returncode} before becoming ready",
+                                  self.log_tail()) from None
+            raise ServerError(
+                f"tritonserver not ready after {timeout:.0f} s (models not ready: {', '.join(pending) or 'none'})",
+                self.log_tail(),
+            ) from None
+        self.start_watchdog()
 
     def stop(self, timeout: float | None = None) -> int | None:
         """Drain and stop: the front door first (in-flight requests finish, new ones are
@@ -518,54 +382,31 @@ class TritonServer:
             self.front_door.stop(timeout=timeout)
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                # --exit-timeout-secs bounds Triton's own wait for in-flight requests.
-                self._wait_exit(timeout + 5)
-            except subprocess.TimeoutExpired:
-                log.warning("tritonserver did not stop in %.0f s; killing it", timeout)
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        # Stubs are children of the server; make sure none outlives it.
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._join_reader()
+        # --exit-timeout-secs bounds Triton's own wait for in-flight requests. Stubs are children
+        # of the server: its process group is killed after it, so that none outlives it.
+        code = self.child.stop(timeout + 5, signal.SIGTERM, kill_group=True, reap_group=True,
+                               while_waiting=self._lingering_check())
         if self._health_dir is not None:
             import shutil
 
             shutil.rmtree(self._health_dir, ignore_errors=True)
-        return self.process.returncode
+        return code
 
-    def _wait_exit(self, timeout: float) -> None:
-        """Wait for tritonserver to exit. Once only the models the watchdog replaced after a stub
+    def _lingering_check(self):
+        """While tritonserver shuts down: once only the models the watchdog replaced after a stub
         death remain (tritonserver 2.51 never finishes unloading those; its shutdown log says
         "Found N live models and 0 in-flight"), it is killed instead of waiting out the exit
         timeout."""
         lingering = self.watchdog.lingering if self.watchdog is not None else 0
-        deadline = time.monotonic() + timeout
-        while self.process.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.process.args, timeout)
-            if lingering:
-                last = next((line for line in reversed(self._tail) if "live models and" in line), "")
-                found = re.search(r"Found (\d+) live models and 0 in-flight", last)
-                if found and int(found.group(1)) <= lingering:
-                    log.warning("tritonserver: only the %s model(s) replaced after a stub death remain; stopping it",
-                                found.group(1))
-                    os.killpg(self.process.pid, signal.SIGKILL)
-            time.sleep(0.1)
+        if not lingering:
+            return None
 
-    def __enter__(self) -> "TritonServer":
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        def check() -> None:
+            last = next((line for line in reversed(self.child.tail()) if "live models and" in line), "")
+            found = re.search(r"Found (\d+) live models and 0 in-flight", last)
+            if found and int(found.group(1)) <= lingering:
+                log.warning("tritonserver: only the %s model(s) replaced after a stub death remain; stopping it",
+                            found.group(1))
+                os.killpg(self.process.pid, signal.SIGKILL)
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        return check

@@ -11,54 +11,61 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from server.lifetime import tie_to_parent
-from server.process import free_port
+from server.supervisor import DISCARD, ChildProcess, NotReady, Service, free_port
 
 
 class RedisError(RuntimeError):
     pass
 
 
-class RedisProcess:
+class RedisProcess(Service):
     def __init__(self, port: int | None = None, maxmemory_mb: int = 256, tied: bool = False):
         self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         if not Path(self.binary).exists():
             raise RedisError("redis-server not found: install the Debian package redis-server (scripts/setup.sh does)")
         self.port = port or free_port()
         self.maxmemory_mb = maxmemory_mb
-        # serve-cluster: die with the launcher, even when it is SIGKILLed (server/lifetime.py); the
-        # forking thread must then live as long as Redis should.
-        self.tied = tied
         self.dir = Path(tempfile.mkdtemp(prefix="redis-"))
-        self.process: subprocess.Popen | None = None
+        # serve-cluster (``tied``): die with the launcher, even when it is SIGKILLed
+        # (server/lifetime.py); the forking thread must then live as long as Redis should.
+        # Redis writes its own log file; it stays in the caller's session.
+        self.child = ChildProcess("redis-server", self.dir / "redis.log", output=DISCARD,
+                                  tie="SIGTERM" if tied else None, new_session=False)
+
+    @property
+    def tied(self) -> bool:
+        return self.child.tie is not None
+
+    @property
+    def process(self):
+        """redis-server's subprocess.Popen (None before start)."""
+        return self.child.process
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "RedisProcess":
-        self.process = subprocess.Popen(
+    def start(self, timeout: float = 10.0) -> RedisProcess:
+        """Start it and wait until it answers PING."""
+        self.child.start(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
              "--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru",
-             "--logfile", str(self.dir / "redis.log")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=tie_to_parent("SIGTERM") if self.tied else None,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RedisError(f"redis-server exited with {self.process.returncode}: {self.log_tail()}")
-            if self.ping():
-                return self
-            time.sleep(0.05)
-        self.kill()
-        raise RedisError(f"redis-server not answering on port {self.port} after {timeout:.0f} s")
+             "--logfile", str(self.dir / "redis.log")])
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        try:
+            self.child.wait_ready(self.ping, timeout, interval=0.05)
+        except NotReady as exc:
+            if exc.why == "exited":
+                raise RedisError(f"redis-server exited with {exc.returncode}: {self.log_tail()}") from None
+            self.kill()
+            raise RedisError(f"redis-server not answering on port {self.port} after {timeout:.0f} s") from None
 
     def ping(self) -> bool:
         try:
@@ -70,12 +77,11 @@ class RedisProcess:
 
     def kill(self) -> None:
         """SIGKILL: gone at once, like a crashed Redis (data lost: nothing is persisted)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
-            self.process.kill()
-            self.process.wait()
+        if self.child.running():
+            self.child.send_signal(signal.SIGCONT)  # a paused one too
+            self.child.kill()
 
-    def restart(self) -> "RedisProcess":
+    def restart(self) -> RedisProcess:
         self.kill()
         return self.start()
 
@@ -88,15 +94,8 @@ class RedisProcess:
         self.process.send_signal(signal.SIGCONT)
 
     def log_tail(self, lines: int = 20) -> str:
-        log = self.dir / "redis.log"
-        return "".join(log.read_text(errors="replace").splitlines(True)[-lines:]) if log.is_file() else ""
+        return self.child.log_tail(lines)
 
     def stop(self) -> None:
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "RedisProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -27,9 +27,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class StubWatchdog:
 
     # -- the thread ------------------------------------------------------------------------------
 
-    def start(self) -> "StubWatchdog":
+    def start(self) -> StubWatchdog:
         self.health_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.health_dir.iterdir():
             stale.unlink(missing_ok=True)
@@ -315,3 +315,22 @@ def repository_loaded(repository_client) -> Callable[[], set[tuple[str, str]]]:
         return {(entry["name"], str(entry.get("version", ""))) for entry in json.loads(raw)
                 if entry.get("state") == "READY"}
     return loaded
+
+
+def watch_server(server_pid: int, triton_http_url: str, token: str, repository: Path, health_dir: Path,
+                 metrics_path: Path | None, on_event: Callable[[str], None] | None = None,
+                 extra_checks: Iterable[Callable[[], None]] = ()) -> StubWatchdog:
+    """A started watchdog over the tritonserver ``server_pid``: it reads and reloads models
+    through the repository API at ``triton_http_url`` (``token``: the repository token), and a
+    model's dead stub marks every loaded model that reaches it in ``repository``."""
+    from ops.repository import RepositoryClient
+    from server.models import closure
+
+    client = RepositoryClient(triton_http_url, token=token)
+    loaded = repository_loaded(client)
+
+    def reaches(model: str) -> list[str]:
+        return sorted({m for m, _ in loaded() if model in closure(repository, m)})
+
+    return StubWatchdog(server_pid, health_dir, metrics_path, repository_reload(client), loaded, reaches,
+                        on_event=on_event, extra_checks=extra_checks).start()

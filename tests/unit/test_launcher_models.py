@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 import shutil
 
-from server.__main__ import _served_models
 from server.layout import ROOT
-from server.process import DEFAULT_MODELS
+from server.models import DEFAULT_MODELS, variant_models
 
 
 def _configs_only(tmp_path, with_variants=("text_encoder", "image_classifier")):
@@ -27,19 +26,20 @@ def test_variant_models_are_found_through_ensembles_and_bls_targets(tmp_path):
     repo = _configs_only(tmp_path)
     # text_embedding reaches text_encoder as its step, text_embedding_cached through load_with
     # (a BLS call) and text_embedding; both must be reported.
-    assert _served_models(repo, DEFAULT_MODELS) == ["text_encoder", "image_classifier"]
-    assert _served_models(repo, ("text_embedding_cached",)) == ["text_encoder"]
+    assert variant_models(repo, DEFAULT_MODELS) == ["text_encoder", "image_classifier"]
+    assert variant_models(repo, ("text_embedding_cached",)) == ["text_encoder"]
 
 
 def test_only_models_with_variants_are_reported(tmp_path):
     repo = _configs_only(tmp_path, with_variants=("image_classifier",))
-    assert _served_models(repo, DEFAULT_MODELS) == ["image_classifier"]
-    assert _served_models(_configs_only(tmp_path / "none", with_variants=()), DEFAULT_MODELS) == []
+    assert variant_models(repo, DEFAULT_MODELS) == ["image_classifier"]
+    assert variant_models(_configs_only(tmp_path / "none", with_variants=()), DEFAULT_MODELS) == []
 
 
 def test_text_generation_is_a_default_model_once_its_folder_is_in_the_repository(tmp_path):
     from server.__main__ import parse_args
-    from server.process import ServerOptions, default_models, with_dependencies
+    from server.models import default_models, with_dependencies
+    from server.process import ServerOptions
 
     repo = _configs_only(tmp_path)
     if not (repo / "text_generation" / "config.pbtxt").is_file():  # before the served model lands
@@ -49,7 +49,7 @@ def test_text_generation_is_a_default_model_once_its_folder_is_in_the_repository
     assert DEFAULT_MODELS[-1] == "text_generation"
     assert ServerOptions(model_repository=repo).models == DEFAULT_MODELS
     # it reaches no model with precision variants, so the variant report is unchanged
-    assert _served_models(repo, default_models(repo)) == ["text_encoder", "image_classifier"]
+    assert variant_models(repo, default_models(repo)) == ["text_encoder", "image_classifier"]
     # tritonserver is told to load it (explicit model control: the --load-model list)
     assert "text_generation" in with_dependencies(repo, ServerOptions(model_repository=repo).models)
     # named models are loaded as named

@@ -22,8 +22,8 @@ from ops.rollout import (
 from python_backends.errors import ConfigError
 from python_backends.routing import RoutingError
 from python_backends.routing.ensemble import DIRECT, ROUTED, direct_form, form_of, routed_form
-from server.process import ServerOptions, closure, with_dependencies
 from server.layout import ROOT
+from server.models import closure, with_dependencies
 
 REPO = ROOT / "model_repository"
 
@@ -119,28 +119,29 @@ def test_launcher_closure_and_what_the_state_defers(tmp_path):
     assert closure(REPO, "text_embedding") == ["text_embedding", "text_encoder", "text_tokenizer"]
     assert "text_encoder_router" not in with_dependencies(REPO, ["text_embedding", "text_embedding_cached"])
     assert with_dependencies(REPO, ["text_encoder_router"]) == ["text_encoder", "text_encoder_router"]
-    from server.process import TritonServer
+    from server.repository_prep import deferred_models, rollout_plan
 
-    server = TritonServer(ServerOptions(model_repository=REPO, models=("text_embedding", "text_embedding_cached")))
-    assert server.deferred_models() == []
+    models = ("text_embedding", "text_embedding_cached")
     state = tmp_path / "state.json"
-    server.options.rollout_state = state
+    assert rollout_plan(None) is None and rollout_plan(state) is None  # no state file
+    assert deferred_models(REPO, models, rollout_plan(state)) == []
     # One version: the encoder first, then what uses it; no router.
     RolloutState(stable=2, weights={2: 100}, loaded=[2], phase="finished").save(state)
     plan = load_plan(state)
     assert not plan.routed and plan.overridden() == ["text_encoder"]
-    assert server.deferred_models() == ["text_encoder", "text_embedding", "text_embedding_cached"]
+    assert deferred_models(REPO, models, rollout_plan(state)) == ["text_encoder", "text_embedding", "text_embedding_cached"]
     assert plan.override("text_embedding", REPO) is None  # its own config: the direct form
     # A user who asks for the router gets it with the state's weights, not its file's 1:100.
-    server.options.models = ("text_embedding", "text_encoder_router")
-    assert server.deferred_models() == ["text_encoder", "text_encoder_router", "text_embedding"]
+    models = ("text_embedding", "text_encoder_router")
+    assert deferred_models(REPO, models, rollout_plan(state)) == ["text_encoder", "text_encoder_router", "text_embedding"]
     assert plan.override("text_encoder_router", REPO)["parameters"]["weights"] == {"string_value": "2:100"}
     # A rollout in progress: the router in front, text_embedding in the routed form.
-    server.options.models = ("text_embedding", "text_embedding_cached")
+    models = ("text_embedding", "text_embedding_cached")
     RolloutState(stable=1, candidate=2, weights={1: 50, 2: 50}, loaded=[1, 2], phase="canary").save(state)
     plan = load_plan(state)
     assert plan.routed and plan.overridden() == ["text_encoder", "text_encoder_router", "text_embedding"]
-    assert server.deferred_models() == ["text_encoder", "text_encoder_router", "text_embedding", "text_embedding_cached"]
+    assert deferred_models(REPO, models, rollout_plan(state)) == ["text_encoder", "text_encoder_router", "text_embedding",
+                                                                  "text_embedding_cached"]
     entry = plan.override("text_embedding", REPO)
     assert form_of(entry) == ROUTED and "ENCODER_VERSION" in [o["name"] for o in entry["output"]]
     assert plan.override("text_encoder", REPO)["version_policy"] == {"specific": {"versions": [1, 2]}}

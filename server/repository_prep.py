@@ -1,0 +1,101 @@
+"""The model repository made ready to serve, once before a tritonserver starts.
+
+The launcher (`python -m server`) and serve-cluster call these before they start anything:
+
+- ``export_missing``: export what the repository lacks (`python -m export --no-speed`);
+- ``resolve_precision``: the precision variant (``--model-config-name``) every served model
+  that has variants will load (export/variants.py);
+- ``prepare``: the priority-class lanes rendered from their models' current configs and
+  versions (export/lanes.py), pinned to a rollout's most-weighted version while one runs, and
+  the rollout state's load plan (ops/rollout.py): which models tritonserver must not load at
+  start, because they are loaded through the repository API with the state's versions and
+  weights once it is up (``Prepared.load_deferred``).
+
+serve-cluster prepares again before each replica (re)start: the rollout state may have moved
+on since the cluster started, and a restarted replica loads what it says now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.models import closure, variant_models, with_dependencies
+
+
+def export_missing(repository: Path) -> bool:
+    """Export what ``repository`` lacks (no speed measurements); False when the export failed."""
+    from export import __main__ as export_main
+
+    return export_main.main(["--repository", str(repository), "--no-speed"]) == 0
+
+
+def resolve_precision(repository: Path, models: Sequence[str], precision: str) -> tuple[str | None, dict[str, str]]:
+    """(``--model-config-name``, {model: variant}) for ``precision`` over the models ``models``
+    reach that have variants; ValueError when a model cannot serve it."""
+    from export import variants
+
+    # This server has no TensorRT backend: a trt_plan variant is for NVIDIA's container.
+    local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
+    return variants.resolve_precision(repository, variant_models(repository, models), precision, loadable=local)
+
+
+def rollout_plan(rollout_state: Path | None):
+    """The rollout state's load plan (ops.rollout.LoadPlan), or None without a state file."""
+    if rollout_state is None or not Path(rollout_state).is_file():
+        return None
+    from ops.rollout import load_plan
+
+    return load_plan(Path(rollout_state))
+
+
+def deferred_models(repository: Path, models: Sequence[str], plan) -> list[str]:
+    """Models loaded through the repository API after start, in order: the rollout plan's
+    encoder (its versions), the router (its weights) when the plan puts it in front of
+    text_embedding or a requested model reaches it, then the requested models that reach
+    either (text_embedding in the form the plan calls for). None without a plan."""
+    if plan is None:
+        return []
+    wanted = with_dependencies(repository, models)
+    reached = {m for model in wanted for m in closure(repository, model)}
+    first = [plan.encoder] + ([plan.router] if plan.routed or plan.router in reached else [])
+    out = list(first)
+    for model in wanted:
+        if model not in first and set(first) & set(closure(repository, model)):
+            out.append(model)
+    return out
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A repository ready for one tritonserver start: what to leave out of ``--load-model``
+    (``deferred``) and how to load it once the server is up (``load_deferred``)."""
+
+    repository: Path
+    rollout_state: Path | None = None
+    plan: object | None = None  # ops.rollout.LoadPlan
+    deferred: tuple[str, ...] = field(default_factory=tuple)
+
+    def load_deferred(self, triton_http_url: str, token: str = "", config_name: str | None = None) -> None:
+        """Load the deferred models with the plan's overrides, in order (each load returns when
+        that model is ready)."""
+        if self.plan is None:
+            return
+        from ops.repository import RepositoryClient
+
+        client = RepositoryClient(triton_http_url, token=token)
+        for model in self.deferred:
+            client.load(model, self.plan.override(model, self.repository, config_name))
+
+
+def prepare(repository: Path, models: Sequence[str], rollout_state: Path | None = None) -> Prepared:
+    """Render the priority-class lanes and read the rollout state for a start of ``models``."""
+    from export.lanes import render_all
+
+    plan = rollout_plan(rollout_state)
+    # Lanes follow their model's current config and versions; while a rollout runs they serve
+    # its most-weighted version, not the canary.
+    pins = {plan.encoder: max(plan.weights, key=plan.weights.get)} if plan is not None and plan.weights else None
+    render_all(repository, pins)
+    return Prepared(Path(repository), rollout_state, plan, tuple(deferred_models(repository, models, plan)))
