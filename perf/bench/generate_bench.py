@@ -785,26 +785,53 @@ def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path,
             "output_tokens_p50": get("output_sequence_length", "p50")}
 
 
-def profile_step(engine, prompts: Sequence[str], batch: int, steps: int) -> dict[str, object]:
-    """Where one decode step of ``batch`` streams spends its time (torch.profiler on ``steps`` steps).
+def profile_step(engine, prompts: Sequence[str], batch: int, steps: int, steady: bool = False,
+                 warm_steps: int = 150) -> dict[str, object]:
+    """Where a step of ``batch`` streams spends its time (torch.profiler on ``steps`` steps).
 
-    ``matrix``: the matrix products (aten::mm/addmm/bmm, the weights' share); ``attention``:
-    the paged attention's gathers and softmax (index_select, scaled_dot_product_attention and
-    what they call); ``other ops``: every other ATen op (norms, RoPE, SiLU, sampling);
-    ``outside ops``: the rest of the step's wall time, i.e. Python in the scheduler, block
-    manager, runner, sampler and detokenizer plus op dispatch. Self times, main thread."""
+    Decode-only (``steady`` False): every prompt prefilled first, then ``steps`` decode steps.
+    ``steady``: the served workload in-process, a closed loop of ``batch`` streams of 128 tokens
+    (``ignore_eos``) over every prompt (the long ones too), each request with a line of its own
+    so the prefix cache spares nothing, a finished stream replaced at once; ``warm_steps`` steps
+    first, so the window holds decodes of mixed context lengths and the prompt chunks of new
+    requests, as a serving step does.
+
+    ``matrix``: the matrix products (the weights' share); ``attention``: the paged attention's
+    gathers and its attention kernel; ``other ops``: every other ATen op (norms, RoPE, SiLU,
+    casts, sampling); ``outside ops``: the rest of the step's wall time, i.e. Python in the
+    scheduler, block manager, runner, sampler and detokenizer plus op dispatch. Self times,
+    main thread."""
     from torch.profiler import ProfilerActivity, profile
 
     from python_backends.generation.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"profile-{i}", prompts[i % len(prompts)], params)
-    while any(len(engine.scheduler.get(f"profile-{i}").output_tokens) == 0 for i in range(batch)
-              if engine.scheduler.get(f"profile-{i}") is not None):
-        engine.step()  # every prompt prefilled: what follows is decode steps only
-    for _ in range(3):
-        engine.step()
+    params = SamplingParams(max_tokens=128 if steady else steps + 40, temperature=0.0, ignore_eos=True)
+    ids = itertools.count()
+    live: list[str] = []
+
+    def add() -> None:
+        n = next(ids)
+        rid = f"profile-{n}"
+        label = f"request profile-{n}-{time.monotonic_ns()}\n" if steady else ""
+        engine.add_request(rid, label + prompts[n % len(prompts)], params)
+        live.append(rid)
+
+    def refill() -> None:
+        live[:] = [r for r in live if (seq := engine.scheduler.get(r)) is not None and not seq.is_finished]
+        while steady and len(live) < batch:
+            add()
+
+    for _ in range(batch):
+        add()
+    if steady:
+        for _ in range(warm_steps):
+            engine.step()
+            refill()
+    else:
+        while any(not seq.output_tokens for r in live if (seq := engine.scheduler.get(r)) is not None):
+            engine.step()  # every prompt prefilled: what follows is decode steps only
+        for _ in range(3):
+            engine.step()
     runner_s = 0.0
     execute = engine.runner.execute
 
@@ -817,17 +844,21 @@ def profile_step(engine, prompts: Sequence[str], batch: int, steps: int) -> dict
             runner_s += time.perf_counter() - t
 
     engine.runner.execute = timed
+    wall = 0.0
+    contexts: list[int] = []
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            started = time.perf_counter()
             for _ in range(steps):
+                contexts += [seq.num_tokens for r in live if (seq := engine.scheduler.get(r)) is not None]
+                started = time.perf_counter()
                 engine.step()
-            wall = time.perf_counter() - started
+                wall += time.perf_counter() - started
+                refill()  # new requests' tokenization is the client's side, not the step's
     finally:
         engine.runner.execute = execute
-        for i in range(batch):
-            engine.abort(f"profile-{i}")
-    matrix = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu"}
+        for r in live:
+            engine.abort(r)
+    matrix = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise"}
     attention = {"aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_softmax",
                  "aten::_safe_softmax", "aten::scaled_dot_product_attention"}
     groups = {"matrix": 0.0, "attention": 0.0, "other ops": 0.0}
@@ -838,8 +869,10 @@ def profile_step(engine, prompts: Sequence[str], batch: int, steps: int) -> dict
         top.append((us, e.key, e.count))
     in_ops = sum(groups.values())
     per = 1000.0 / steps
-    out = {"batch": batch, "steps": steps, "step_ms": round(wall * per, 2),
-           "runner_ms": round(runner_s * per, 2), "engine_outside_runner_ms": round((wall - runner_s) * per, 2)}
+    out = {"batch": batch, "mode": "steady" if steady else "decode", "steps": steps,
+           "mean_context": round(sum(contexts) / max(len(contexts), 1)), "max_context": max(contexts, default=0),
+           "step_ms": round(wall * per, 2), "runner_ms": round(runner_s * per, 2),
+           "engine_outside_runner_ms": round((wall - runner_s) * per, 2)}
     for k, v in groups.items():
         out[f"{k.replace(' ', '_')}_ms"] = round(v * per, 2)
     out["outside_ops_ms"] = round((wall - in_ops) * per, 2)
@@ -1038,8 +1071,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="also run NVIDIA's genai-perf (installed in its own venv: the path of its genai-perf script) "
                         "against the served model over gRPC at the highest concurrency, one request per stream")
     p.add_argument("--profile", action="store_true",
-                   help="only profile decode steps of the in-process engine at the highest concurrency (torch.profiler): "
-                        "matrix products vs attention vs other ops vs Python outside the ops")
+                   help="only profile steps of the in-process engine (torch.profiler): decode-only at 1 stream and the "
+                        "highest concurrency, then the served workload's steady state (a closed loop over every prompt) "
+                        "at 16 and the highest: matrix products vs attention vs other ops vs Python outside the ops")
+    p.add_argument("--memory", action="store_true",
+                   help="only measure the text_generation stub's RSS per weights precision (each variant served in "
+                        "turn: once loaded, and after the highest concurrency's streams over the longest prompts)")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/generate-<UTC time>)")
     p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"),
                    help="the weights precision served, as `make serve PRECISION=...` (default auto: the best variant "
@@ -1076,12 +1113,90 @@ def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
     short = [p for p in workload.prompts if len(p) < 1200]  # decode steps: the prompts' lengths hardly matter
     batch = max(args.concurrency)
     rows = []
-    for b in sorted({1, batch}):
-        row = profile_step(engine, short, b, steps=8 if args.quick else 20)
+    runs = [(b, False) for b in sorted({1, batch})] + [(b, True) for b in sorted({batch} if args.quick else {16, batch})]
+    for b, steady in runs:
+        steps = (5 if steady else 8) if args.quick else (30 if steady else 20)
+        row = profile_step(engine, workload.prompts if steady else short, b, steps=steps, steady=steady,
+                           warm_steps=20 if args.quick else 150)
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     write_csv(out_dir / "profile.csv", rows)
     print(f"perf.bench.generate_bench --profile: {pa_display(out_dir / 'profile.csv')}", flush=True)
+    return 0
+
+
+def _proc_kib(pid: int, field_name: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+async def _fill(system: System, prompts: Sequence[str], streams: int, max_tokens: int) -> int:
+    records = [Stream(system.key, streams, i, time.perf_counter()) for i in range(streams)]
+    await asyncio.gather(*(system.stream(f"request memory-{i}-{time.monotonic_ns()}\n" + prompts[i % len(prompts)],
+                                         max_tokens, r) for i, r in enumerate(records)))
+    return sum(r.tokens for r in records)
+
+
+async def _drive(system: System, prompts: Sequence[str], streams: int, max_tokens: int) -> int:
+    await system.open()
+    try:
+        return await _fill(system, prompts, streams, max_tokens)
+    finally:
+        await system.close()
+
+
+def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
+    """The text_generation stub's memory per weights precision: tritonserver serving each variant that
+    passed its gate in turn, the stub's RSS once loaded, then its RSS and peak (VmHWM) after
+    ``max(concurrency)`` gRPC streams of --max-tokens over the longest prompts (the KV pool is
+    preallocated zeroed, so its pages count as they are written)."""
+    from python_backends.generation.linear import kv_cache_dtype
+    from python_backends.generation.model_runner import DTYPES, LlamaConfig
+    from python_backends.generation.paged_attention import bytes_per_block
+    from server.stubs import find_stubs
+
+    streams = max(args.concurrency)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
+    workload = load_workload(args.data, tokenizer, quick=False)
+    prompts = [p for p, _ in sorted(workload.long_prompts, key=lambda pn: -pn[1])] or workload.prompts
+    mcfg = LlamaConfig.from_folder(args.model_dir)
+    rows = []
+    for precision in ("fp32", "bf16", "int4_bf16"):
+        try:
+            config_name, served = resolve_precision(ROOT / "model_repository", precision)
+        except ValueError as exc:  # not gated on this CPU: the reason is the row
+            rows.append({"precision": precision, "note": f"not served here: {exc}"})
+            print(f"{precision}: not served here: {exc}", flush=True)
+            continue
+        settings = served_engine_settings(ROOT / "model_repository", config_name)
+        kv_dtype = kv_cache_dtype(served, DTYPES[settings.get("dtype", "float32")])
+        per_block = bytes_per_block(mcfg.num_layers, settings["block_size"], mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
+        blocks = settings["kv_cache_bytes"] // per_block
+        workdir = Path(tempfile.mkdtemp(prefix=f"perf-generate-memory-{precision}-"))
+        triton = start_triton(args.model_dir, workdir, config_name)
+        try:
+            triton.wait_ready(timeout=300)
+            stubs = [st for st in find_stubs(triton.process.pid) if st.model == MODEL]
+            if len(stubs) != 1:
+                raise RuntimeError(f"expected one {MODEL} stub, found {stubs}")
+            pid = stubs[0].pid
+            loaded = _proc_kib(pid, "VmRSS")
+            tokens = asyncio.run(_drive(GrpcSystem(triton.grpc_url), prompts, streams, args.max_tokens))
+            row = {"precision": served, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+                   "kv_pool_mib": round(blocks * per_block / 2**20), "kv_tokens": blocks * settings["block_size"],
+                   "rss_loaded_mib": round(loaded / 1024), "rss_after_mib": round(_proc_kib(pid, "VmRSS") / 1024),
+                   "rss_peak_mib": round(_proc_kib(pid, "VmHWM") / 1024), "streams": streams, "tokens": tokens}
+        finally:
+            triton.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    write_csv(out_dir / "memory.csv", rows)
+    print(f"perf.bench.generate_bench --memory: {pa_display(out_dir / 'memory.csv')}", flush=True)
     return 0
 
 
@@ -1094,6 +1209,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.profile:
         return run_profile(args, out_dir)
+    if args.memory:
+        return run_memory(args, out_dir)
     bench = Bench(args, out_dir)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     bench.say(f"perf.bench.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, "
