@@ -1,0 +1,84 @@
+"""What one gateway holds for its lifetime: settings, keys, catalog, limiter, metrics, the
+Triton backend and the token counters; routes reach it as ``request.app.state.gateway``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import Request
+
+from openai_gateway import embeddings
+from openai_gateway.auth import ApiKeys
+from openai_gateway.catalog import Catalog, EmbeddingModel, Model
+from openai_gateway.errors import model_not_found
+from openai_gateway.metrics import GatewayMetrics
+from openai_gateway.ratelimit import RateLimiter, SharedRateLimiter
+from openai_gateway.settings import GatewaySettings
+from openai_gateway.triton import TritonBackend
+
+log = logging.getLogger("openai_gateway")
+
+
+class GatewayState:
+    """The gateway's parts, built once per app from its settings, and the model lookups the
+    routes share."""
+
+    def __init__(self, settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None = None):
+        self.settings = settings
+        self.keys = keys
+        self.catalog = catalog or Catalog.from_repository(settings.model_repository, settings.embedding_entry)
+        self.metrics = GatewayMetrics()
+        if settings.rate_limit_redis_url and settings.rate_limit_rps > 0:
+            # One bucket per key for every gateway behind the front door (serve-cluster's Redis).
+            self.limiter = SharedRateLimiter(settings.rate_limit_redis_url, settings.rate_limit_rps,
+                                             settings.rate_limit_burst, fail=settings.rate_limit_fail)
+        else:
+            self.limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
+        self.redis_errors_seen = 0
+        self.backend = TritonBackend(settings.triton_url, self.catalog, settings.triton_timeout_s,
+                                     settings.generation_timeout_s, settings.ready_poll_s,
+                                     coalesce=settings.coalesce_embeddings,
+                                     coalesce_max_rows=settings.coalesce_max_rows,
+                                     health_dir=settings.triton_health_dir)
+        self.backend.on_batch = self.metrics.coalesced.observe
+        self.counters: dict[str, embeddings.TokenCounter] = {}
+        for m in self.catalog.of_kind("embedding"):
+            try:
+                self.counters[m.id] = embeddings.TokenCounter(m.tokenizer_file)
+            except FileNotFoundError as exc:
+                log.warning("%s is not served by the gateway: %s", m.id, exc)
+
+    async def start(self) -> None:
+        """Connect to Triton and start polling its readiness (the app's startup)."""
+        await self.backend.start()
+
+    async def close(self) -> None:
+        """Close the Triton channel and the shared limiter's Redis connection (the app's shutdown)."""
+        await self.backend.close()
+        if isinstance(self.limiter, SharedRateLimiter):
+            await self.limiter.close()
+
+    def find(self, name: str, kind: str) -> Model:
+        """The served model ``name`` (an id or alias) of ``kind``; 404 in OpenAI's shape otherwise.
+        An embedding model also needs the tokenizer the gateway counts tokens with."""
+        model = self.catalog.find(name, kind)
+        if model is None or (kind == "embedding" and model.id not in self.counters):
+            served = [m.id for m in self.catalog.of_kind(kind)]
+            raise model_not_found(name, kind, served)
+        return model
+
+    def servable(self) -> list[Model]:
+        """Ready in Triton, and (embeddings) with the tokenizer the gateway counts tokens with."""
+        return [m for m in self.backend.served() if not isinstance(m, EmbeddingModel) or m.id in self.counters]
+
+
+def gateway_state(request: Request) -> GatewayState:
+    """The state of the app serving ``request``."""
+    return request.app.state.gateway
+
+
+def request_info(request: Request) -> dict[str, Any]:
+    """The request's log and metrics record (request id, key id, model, tokens, error), set by
+    the gate before any route runs."""
+    return request.scope["state"]["gateway"]
