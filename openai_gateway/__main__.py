@@ -10,11 +10,11 @@ import sys
 
 from openai_gateway import settings as settings_module
 
-
 GC_THRESHOLDS = (int(os.environ.get("GATEWAY_GC_GEN0", "50000")), 20, 100)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the flags, read the keys, serve until SIGTERM; the exit status."""
     p = argparse.ArgumentParser(prog="python -m openai_gateway", description=__doc__)
     settings_module.add_arguments(p)
     p.add_argument("--log-level", default=os.environ.get("GATEWAY_LOG_LEVEL", "info"))

@@ -19,6 +19,7 @@ ANONYMOUS = "-"
 
 
 def key_id(key: str) -> str:
+    """The id of a key in logs and metrics: a short SHA-256 prefix, never the key."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
 
 

@@ -24,10 +24,11 @@ OWNER = "triton-model-repository"
 
 
 class CatalogError(RuntimeError):
-    pass
+    """A model repository the gateway cannot serve from (a config it cannot read)."""
 
 
 def read_config(path: Path) -> ModelConfig:
+    """A config.pbtxt parsed with Triton's own protobuf schema."""
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
@@ -37,6 +38,8 @@ def read_config(path: Path) -> ModelConfig:
 
 @dataclass(frozen=True)
 class EmbeddingModel:
+    """An embedding ensemble as the gateway serves it: its entry models, limits and tokenizer."""
+
     id: str  # the ensemble, TEXT -> EMBEDDING
     text_entry: str  # the Triton model texts are sent to (the cache entry point by default)
     ids_entry: str  # the model token arrays go to (input_ids, attention_mask -> sentence_embedding)
@@ -63,6 +66,8 @@ class EmbeddingModel:
 
 @dataclass(frozen=True)
 class GenerationModel:
+    """The generation model and its token and text limits (config.pbtxt ``parameters``)."""
+
     id: str
     max_tokens_limit: int
     max_text_bytes: int
@@ -157,7 +162,8 @@ class Catalog:
                 self._names.setdefault(alias, m)
 
     @classmethod
-    def from_repository(cls, repository: Path, embedding_entry: str = "cached") -> "Catalog":
+    def from_repository(cls, repository: Path, embedding_entry: str = "cached") -> Catalog:
+        """The catalog of the model repository at ``repository`` (lanes are not models of their own)."""
         configs = _configs(repository)
         models: list[Model] = []
         for name, config in configs.items():
@@ -172,10 +178,12 @@ class Catalog:
         return cls(models)
 
     def find(self, name: object, kind: str) -> Model | None:
+        """The model of ``kind`` named ``name`` (id or alias); None when there is none."""
         model = self._names.get(name) if isinstance(name, str) else None
         return model if model is not None and model.kind == kind else None
 
     def of_kind(self, kind: str) -> list[Model]:
+        """The models of ``kind`` (``embedding`` or ``generation``)."""
         return [m for m in self.models.values() if m.kind == kind]
 
     def triton_models(self, model: Model) -> tuple[str, ...]:

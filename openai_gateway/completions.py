@@ -30,6 +30,8 @@ FINISH = {"stop": "stop", "length": "length"}
 
 @dataclass
 class GenerationJob:
+    """A checked completion request, ready for Triton: the model's inputs and how to answer."""
+
     model: GenerationModel
     chat: bool
     text_input: str
@@ -43,6 +45,7 @@ class GenerationJob:
 
     @property
     def completion_id(self) -> str:
+        """The ``id`` of OpenAI's completion object."""
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
 
@@ -122,6 +125,8 @@ def _include_usage(req: _Sampling) -> bool:
 
 
 def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
+    """A chat completion request checked against OpenAI's policy and the model's limits, as a job;
+    400/413 naming the field otherwise."""
     _refuse_unsupported(req)
     if req.logprobs or req.top_logprobs:
         raise bad_request("logprobs is not supported", param="logprobs")
@@ -178,6 +183,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def check_completion(req: CompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
+    """A text completion request checked as ``check_chat`` does, as a job (``max_tokens``
+    16 unless the request or --default-max-tokens says otherwise)."""
     _refuse_unsupported(req)
     if req.best_of not in (None, 1):
         raise bad_request(f"best_of must be 1, got {req.best_of}", param="best_of")
@@ -235,6 +242,7 @@ class Tally:
     completion_tokens: int = 0
 
     def add(self, piece) -> None:
+        """Take the piece's reason and counts (the latest wins)."""
         self.reason = piece.finish_reason or self.reason
         if piece.prompt_tokens is not None:
             self.prompt_tokens = piece.prompt_tokens
@@ -243,14 +251,17 @@ class Tally:
 
 
 def finish_reason(value: str | None) -> str | None:
+    """The engine's finish reason in OpenAI's words."""
     return None if value is None else FINISH.get(value, "stop")
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def whole_body(job: GenerationJob, text: str, reason: str | None, prompt_tokens: int, completion_tokens: int) -> bytes:
+    """The JSON of a whole (non-streamed) chat or text completion."""
     base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
     if job.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -297,9 +308,11 @@ class ChunkWriter:
         return self._event([self._choice(self.job.echo_prefix, None)]) if self.job.echo_prefix else b""
 
     def text(self, piece: str) -> bytes:
+        """The event of one text piece (nothing for an empty one)."""
         return self._event([self._choice(piece, None)]) if piece else b""
 
     def finish(self, reason: str | None, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last events: the finish reason, the usage when asked for, ``[DONE]``."""
         out = self._event([self._choice(None if self.job.chat else "", finish_reason(reason) or "stop")])
         if self.job.include_usage:
             out += self._event([], usage(prompt_tokens, completion_tokens))

@@ -40,6 +40,7 @@ class TokenCounter:
         self._counts: dict[str, int] = {}
 
     def count(self, texts: list[str]) -> list[int]:
+        """The token count of each text, special tokens included."""
         if len(texts) == 1:
             # Repeated texts are common (the result cache exists for them): remember their counts.
             text = texts[0]
@@ -56,6 +57,8 @@ class TokenCounter:
 
 @dataclass
 class EmbeddingJob:
+    """A checked embeddings request: texts (as UTF-8) or token ids, and their token counts."""
+
     model: EmbeddingModel
     texts: list[str] | None  # one of texts and ids
     ids: list[list[int]] | None
@@ -66,10 +69,12 @@ class EmbeddingJob:
 
     @property
     def size(self) -> int:
+        """The number of inputs."""
         return len(self.texts if self.texts is not None else self.ids)
 
     @property
     def prompt_tokens(self) -> int:
+        """The tokens of all inputs (OpenAI's ``usage.prompt_tokens``)."""
         return sum(self.token_counts)
 
     def chunks(self) -> list[tuple[int, int]]:

@@ -47,25 +47,31 @@ class APIError(Exception):
         self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def json(self) -> bytes:
+        """The error object as JSON bytes."""
         return orjson.dumps(self.body())
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400: the request broke a rule; ``param`` names the field."""
     return APIError(400, message, param=param, code=code)
 
 
 def too_large(message: str, param: str | None = None) -> APIError:
+    """413: an input over a size limit, which the message names."""
     return APIError(413, message, param=param, code="request_too_large")
 
 
 def model_not_found(model: Any, kind: str, served: list[str]) -> APIError:
+    """404 for a model that is not served, listing those that are."""
     names = ", ".join(served) or "none"
     return APIError(404, f"The model {model!r} does not exist or is not a served {kind} model (served: {names})",
                     param="model", code="model_not_found")
 
 
 def unavailable(message: str, retry_after_s: int = 1) -> APIError:
+    """503 with ``Retry-After``: Triton or a model is not ready."""
     return APIError(503, message, headers={"Retry-After": str(retry_after_s)}, code="triton_unavailable")

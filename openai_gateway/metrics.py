@@ -12,6 +12,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class GatewayMetrics:
+    """The gateway's metrics, in a registry of their own (not the process-wide default)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -38,15 +40,18 @@ class GatewayMetrics:
         self.triton_ready = Gauge("gateway_triton_ready", "1 when Triton and the served models are ready", registry=r)
 
     def observe(self, route: str, status: int, seconds: float) -> None:
+        """Count one answered request and its latency."""
         s = str(status)
         self.requests.labels(route, s).inc()
         self.latency.labels(route, s).observe(seconds)
 
     def count_tokens(self, key_id: str, model: str, prompt: int, completion: int = 0) -> None:
+        """Add a request's prompt and completion tokens to its key's and model's counts."""
         if prompt:
             self.tokens.labels(key_id, model, "in").inc(prompt)
         if completion:
             self.tokens.labels(key_id, model, "out").inc(completion)
 
     def exposition(self) -> bytes:
+        """The metrics in Prometheus' text format."""
         return generate_latest(self.registry)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 
 class TokenBucket:
+    """One key's bucket: ``burst`` tokens, refilled at ``rate`` per second."""
+
     __slots__ = ("rate", "burst", "tokens", "stamp")
 
     def __init__(self, rate: float, burst: int, now: float):
@@ -46,6 +48,7 @@ class RateLimiter:
 
     @property
     def enabled(self) -> bool:
+        """Whether requests are limited at all (``rate > 0``)."""
         return self.rate > 0
 
     def check(self, key: str) -> int:
@@ -121,6 +124,7 @@ class SharedRateLimiter:
 
     @property
     def enabled(self) -> bool:
+        """Whether requests are limited at all (``rate > 0``)."""
         return self.rate > 0
 
     async def check(self, key: str) -> int:
@@ -137,4 +141,5 @@ class SharedRateLimiter:
         return 0 if wait_us == 0 else max(1, math.ceil(wait_us / 1_000_000))
 
     async def close(self) -> None:
+        """Close the Redis connection."""
         await self._client.aclose()

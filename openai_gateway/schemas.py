@@ -20,6 +20,8 @@ class _Body(BaseModel):
 
 
 class EmbeddingRequest(_Body):
+    """The body of `POST /v1/embeddings`."""
+
     input: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]] = Field(
         description="A text, a list of texts, a list of token ids, or a list of token id lists "
         "(ids of the model's own tokenizer, special tokens included)")
@@ -30,17 +32,23 @@ class EmbeddingRequest(_Body):
 
 
 class TextPart(_Body):
+    """A part of a chat message's content (only text parts are served)."""
+
     type: StrictStr
     text: Optional[StrictStr] = None
 
 
 class ChatMessage(_Body):
+    """One message of a chat."""
+
     role: StrictStr
     content: Union[StrictStr, list[TextPart], None] = None
     name: Optional[StrictStr] = None
 
 
 class StreamOptions(_Body):
+    """`stream_options`: `include_usage` adds a last chunk with the usage."""
+
     include_usage: Optional[StrictBool] = None
 
 
@@ -66,6 +74,8 @@ class _Sampling(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
+    """The body of `POST /v1/chat/completions`."""
+
     messages: list[ChatMessage]
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = None
@@ -77,6 +87,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    """The body of `POST /v1/completions`."""
+
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
     echo: Optional[StrictBool] = False
     suffix: Optional[StrictStr] = None

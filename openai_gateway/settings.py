@@ -24,6 +24,8 @@ def _csv(value: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class GatewaySettings:
+    """Everything the gateway is configured with (flags, or ``GATEWAY_*`` variables)."""
+
     host: str = "127.0.0.1"
     port: int = 8080
     # Triton's gRPC endpoint: the internal one behind the front door when the launcher starts us.
@@ -70,6 +72,7 @@ class GatewaySettings:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The gateway's flags on ``p``, each defaulting to its ``GATEWAY_*`` variable."""
     d = GatewaySettings()
     p.add_argument("--host", default=_env("GATEWAY_HOST", d.host), help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=int(_env("GATEWAY_PORT", str(d.port))))
@@ -116,6 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> GatewaySettings:
+    """The settings of parsed flags."""
     return GatewaySettings(
         host=args.host,
         port=args.port,

@@ -49,7 +49,8 @@ class Piece:
     final: bool
 
     @classmethod
-    def of(cls, result) -> "Piece":
+    def of(cls, result) -> Piece:
+        """A piece of one decoupled gRPC response."""
         from clients.generation import is_final, piece_from_result
 
         p = piece_from_result(result)
@@ -93,6 +94,9 @@ def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = N
 
 
 class TritonBackend:
+    """The gateway's side of Triton: one gRPC channel, the models' readiness polled in the
+    background, embeddings (coalesced) and generation streams."""
+
     def __init__(self, url: str, catalog: Catalog, timeout_s: float, generation_timeout_s: float, poll_s: float = 1.0,
                  coalesce: bool = True, coalesce_max_rows: int = 16, health_dir: Path | None = None):
         self.url = url
@@ -115,12 +119,14 @@ class TritonBackend:
         self.on_batch = lambda requests: None  # each coalesced Triton request: how many it carried
 
     async def start(self) -> None:
+        """Open the channel and start polling readiness (inside the running loop)."""
         import tritonclient.grpc.aio as grpcclient
 
         self.client = grpcclient.InferenceServerClient(self.url)
         self._monitor = asyncio.create_task(self._watch(), name="triton-readiness")
 
     async def close(self) -> None:
+        """Stop polling and close the channel."""
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
@@ -128,6 +134,7 @@ class TritonBackend:
             await self.client.close()
 
     async def refresh(self) -> None:
+        """Poll Triton's liveness and each served model's readiness once."""
         # Readiness of each model, not the repository index: the index is behind the
         # repository API's token, which the gateway does not need otherwise.
         names = sorted({n for m in self.catalog.models.values() for n in self.catalog.triton_models(m)}
@@ -159,9 +166,11 @@ class TritonBackend:
             await asyncio.sleep(self.poll_s)
 
     def is_ready(self, model: Model) -> bool:
+        """Whether Triton and every model ``model`` reaches are ready."""
         return self.server_ready and all(name in self.ready_models for name in self.catalog.triton_models(model))
 
     def served(self, kind: str | None = None) -> list[Model]:
+        """The models (of ``kind``) ready to serve now."""
         return [m for m in self.catalog.models.values() if (kind is None or m.kind == kind) and self.is_ready(m)]
 
     def require_entry_ready(self, model: EmbeddingModel, priority_class: str) -> None:
@@ -172,6 +181,7 @@ class TritonBackend:
                               f"(not ready: {', '.join(missing)})")
 
     def require_ready(self, model: Model) -> None:
+        """503 unless Triton and every model ``model`` reaches are ready."""
         if not self.server_ready:
             raise unavailable("Triton is not ready yet (starting, or down); retry shortly")
         if not self.is_ready(model):
@@ -210,12 +220,13 @@ class TritonBackend:
 
     async def embed_texts(self, model: EmbeddingModel, blobs: list[bytes], request_id: str,
                           priority_class: str | None = None) -> np.ndarray:
+        """The vectors of ``blobs`` (UTF-8 texts) from the priority class's text entry."""
         # BYTES tensors on the wire: each element a 4-byte little-endian length, then its bytes.
         raw = b"".join(_LENGTH.pack(len(b)) + b for b in blobs)
         return await self._infer(model.entries(priority_class)[0], [("TEXT", "BYTES", (len(blobs), 1), raw)],
                                  "EMBEDDING", request_id)
 
-    def _coalescer(self, model: EmbeddingModel, priority_class: str | None) -> "Coalescer":
+    def _coalescer(self, model: EmbeddingModel, priority_class: str | None) -> Coalescer:
         key = (model.id, priority_class)
         found = self._coalescers.get(key)
         if found is None:
@@ -340,6 +351,7 @@ class Coalescer:
         self.scheduled = False
 
     def submit(self, blobs: list[bytes], request_id: str) -> asyncio.Future:
+        """Join the batch being gathered; the future gets this request's vectors."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.pending.append((blobs, request_id, future))
