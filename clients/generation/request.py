@@ -1,0 +1,183 @@
+"""What a generation request sends: the sampling fields, chat messages, the model's inputs on
+either protocol (``GenerateRequest``) and the connection options both clients share."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from clients.embed import PROTOCOLS, Protocol, parse_urls, transport
+from clients.resilience import RetryPolicy
+
+DEFAULT_MODEL = "text_generation"
+# Sampling parameters the served model accepts (vLLM's names), with the JSON types each takes.
+SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "max_tokens": (int,),
+    "min_tokens": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "seed": (int,),
+    "stop": (list,),
+    "ignore_eos": (bool,),
+    "repetition_penalty": (int, float),
+}
+ROLES = ("system", "user", "assistant")
+_ids = itertools.count(1)
+
+
+def sampling_parameters(**params: Any) -> dict[str, Any]:
+    """The ``sampling_parameters`` JSON object of the given options; ``None`` values are left out.
+
+    Checks names and JSON types only (TypeError/ValueError); ranges are the server's to judge,
+    so its INVALID_ARG message (naming the field) reaches the caller unchanged. ``stop`` may be
+    one string or a list of strings.
+    """
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if name not in SAMPLING_FIELDS:
+            raise ValueError(f"unknown sampling parameter {name!r}; known: {', '.join(SAMPLING_FIELDS)}")
+        if value is None:
+            continue
+        if name == "stop":
+            value = [value] if isinstance(value, str) else list(value)
+            if not all(isinstance(s, str) for s in value):
+                raise TypeError("stop must be a string or a list of strings")
+        elif isinstance(value, bool) != (SAMPLING_FIELDS[name] == (bool,)) or not isinstance(value, SAMPLING_FIELDS[name]):
+            kinds = " or ".join(t.__name__ for t in SAMPLING_FIELDS[name])
+            raise TypeError(f"{name} must be {kinds}, not {type(value).__name__}")
+        out[name] = value
+    return out
+
+
+def chat_messages(messages: str | Sequence[Mapping[str, str]], system: str | None = None) -> list[dict[str, str]]:
+    """A chat as the list of ``{"role", "content"}`` the server renders; a bare string is one
+    user message, and ``system`` prepends a system message (replacing one already first)."""
+    if isinstance(messages, str):
+        items = [{"role": "user", "content": messages}]
+    else:
+        items = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise TypeError(f"messages[{i}] must be a mapping with string 'role' and 'content'")
+            if m["role"] not in ROLES:
+                raise ValueError(f"messages[{i}]: role must be one of {', '.join(ROLES)}, not {m['role']!r}")
+            items.append({"role": m["role"], "content": m["content"]})
+    if not items:
+        raise ValueError("no messages")
+    if system is not None:
+        if items[0]["role"] == "system":
+            items = items[1:]
+        items.insert(0, {"role": "system", "content": system})
+    return items
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request as the model takes it: prompt (or chat JSON), sampling and flags."""
+
+    text_input: str
+    sampling: dict[str, Any] = field(default_factory=dict)
+    chat: bool = False
+
+    @classmethod
+    def prompt(cls, prompt: str, **sampling: Any) -> GenerateRequest:
+        """A completion of ``prompt`` as it is (no chat template)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be str, not {type(prompt).__name__}")
+        return cls(prompt, sampling_parameters(**sampling))
+
+    @classmethod
+    def from_chat(cls, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> GenerateRequest:
+        """A chat, sent as JSON messages for the server to render with the model's template."""
+        text = json.dumps(chat_messages(messages, system), ensure_ascii=False)
+        return cls(text, sampling_parameters(**sampling), chat=True)
+
+    def flags(self, stream: bool) -> dict[str, bool]:
+        """The model's BOOL inputs: streaming, no echoed prompt, the finish reason and counts back."""
+        flags = {
+            "stream": stream,
+            "exclude_input_in_output": True,
+            "return_finish_reason": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+        }
+        if self.chat:
+            flags["apply_chat_template"] = True
+        return flags
+
+    def http_body(self, stream: bool) -> bytes:
+        """The JSON body of ``/generate`` or ``/generate_stream`` (top-level fields are inputs)."""
+        body: dict[str, Any] = {"text_input": self.text_input, **self.flags(stream)}
+        if self.sampling:
+            body["sampling_parameters"] = json.dumps(self.sampling)
+        return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+    def grpc_inputs(self, stream: bool) -> list[Any]:
+        """tritonclient.grpc InferInputs (each ``[1]``: the model has no batch dimension)."""
+        module = transport("grpc")
+
+        def tensor(name: str, value: Any, datatype: str) -> Any:
+            array = np.array([value], dtype=object if datatype == "BYTES" else bool)
+            t = module.InferInput(name, [1], datatype)
+            t.set_data_from_numpy(array)
+            return t
+
+        inputs = [tensor("text_input", self.text_input.encode("utf-8"), "BYTES")]
+        if self.sampling:
+            inputs.append(tensor("sampling_parameters", json.dumps(self.sampling).encode("utf-8"), "BYTES"))
+        inputs += [tensor(name, value, "BOOL") for name, value in self.flags(stream).items()]
+        return inputs
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Validated connection options shared by the sync and asyncio clients."""
+
+    url: str
+    protocol: Protocol = "grpc"
+    model: str = DEFAULT_MODEL
+    model_version: str = ""
+    timeout_s: float | None = None  # longest wait for the next response (the first included)
+    urls: tuple[str, ...] = ()  # the endpoints failed over across; url is the first
+    retries: int | None = None
+    deadline_s: float | None = None  # bounds the attempts before the first response (default timeout_s)
+
+    @classmethod
+    def create(cls, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str = DEFAULT_MODEL,
+               model_version: str = "", timeout_s: float | None = None, retries: int | None = None,
+               deadline_s: float | None = None) -> GenerationOptions:
+        """The options, checked (ValueError naming the bad one); URLs default to the protocol's local port."""
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
+        urls = parse_urls(url, protocol)
+        if not model:
+            raise ValueError("model name is empty")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, not {timeout_s}")
+        RetryPolicy.create(retries, deadline_s)
+        return cls(urls[0], protocol, model, str(model_version), timeout_s, urls, retries, deadline_s)  # type: ignore[arg-type]
+
+    def http_path(self, stream: bool) -> str:
+        """The generate extension's path for the model (and version)."""
+        version = f"/versions/{self.model_version}" if self.model_version else ""
+        return f"/v2/models/{self.model}{version}/{'generate_stream' if stream else 'generate'}"
+
+    def host_port(self, url: str | None = None) -> tuple[str, int]:
+        """``url`` (default: the first) split into host and port."""
+        url = url or self.url
+        host, _, port = url.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"url {url!r} must be host:port")
+        return host.strip("[]"), int(port)
+
+
+def new_request_id() -> str:
+    """A request id unique in this process (``gen-<pid>-<n>``), for the server's logs and traces."""
+    return f"gen-{os.getpid()}-{next(_ids)}"

@@ -1,0 +1,270 @@
+"""What comes back: pieces of text with their counts, the finished Generation, and failures
+as GenerationError (the server's own words, its status, the retries made)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tritonclient.utils import InferenceServerException
+
+from clients.generation.request import DEFAULT_MODEL
+from clients.resilience import RetryError, describe
+
+
+class GenerationError(RuntimeError):
+    """A generation request failed.
+
+    ``server_message`` is Triton's (or the transport's) own message; for bad input it names
+    the field, e.g. ``"max_tokens must be >= 1, got 0"``. ``status`` is the HTTP status
+    (``"400"``) or the gRPC status code when there is one.
+    """
+
+    def __init__(self, server_message: str, *, model: str = DEFAULT_MODEL, status: str | None = None,
+                 retry_note: str = "", attempts: int | None = None):
+        self.server_message = server_message
+        self.model = model
+        self.status = status
+        self.attempts = attempts
+        code = f" [{status}]" if status else ""
+        note = f"; {retry_note}" if retry_note else ""
+        super().__init__(f"model '{model}'{code}: {server_message}{note}")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished generation. Times are measured by the client, from sending the request."""
+
+    text: str
+    finish_reason: str | None  # "stop", "length", "abort", or None when the server did not say
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+    time_to_first_token_s: float | None  # None when no text came back
+    total_time_s: float
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Output tokens per second over the whole request (None without a token count)."""
+        if not self.num_output_tokens or self.total_time_s <= 0:
+            return None
+        return self.num_output_tokens / self.total_time_s
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One response of the model: a piece of text and whatever counts came with it."""
+
+    text: str
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+
+
+class SSEDecoder:
+    """Incremental Server-Sent Events parser: bytes in, the ``data`` of each event out.
+
+    Chunks may end anywhere, inside a line or a multi-byte UTF-8 character: only complete
+    lines are decoded (a line break byte never occurs inside a UTF-8 sequence). Handles
+    LF, CRLF and CR line ends, multi-line ``data``, comments and other fields.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The data of every event completed by ``chunk``."""
+        self._buffer += chunk
+        events = []
+        while True:
+            cut = self._line_end()
+            if cut is None:
+                return events
+            end, skip = cut
+            line = self._buffer[:end].decode("utf-8", "replace")
+            self._buffer = self._buffer[end + skip :]
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+
+    def close(self) -> list[str]:
+        """Events left when the stream ends (a last event without its blank line)."""
+        events = []
+        if self._buffer:
+            line, self._buffer = self._buffer.decode("utf-8", "replace"), b""
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        if self._data:
+            events.append("\n".join(self._data))
+            self._data = []
+        return events
+
+    def _line_end(self) -> tuple[int, int] | None:
+        buf = self._buffer
+        lf, cr = buf.find(b"\n"), buf.find(b"\r")
+        if cr != -1 and (lf == -1 or cr < lf):
+            if cr == len(buf) - 1:
+                return None  # a CR at the end may be the first half of CRLF
+            return cr, 2 if buf[cr + 1 : cr + 2] == b"\n" else 1
+        return None if lf == -1 else (lf, 1)
+
+    def _line(self, line: str) -> str | None:
+        if line == "":
+            if not self._data:
+                return None
+            event, self._data = "\n".join(self._data), []
+            return event
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value.removeprefix(" "))
+        return None  # event:, id:, retry: carry nothing this client needs
+
+
+def _scalar(value: Any) -> Any:
+    # The generate extension writes one-element outputs as scalars; accept lists too.
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
+def _reason(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    # Non-final responses carry an empty reason (the vLLM backend writes "None").
+    return None if value in (None, "", "None", "null") else str(value)
+
+
+def _count(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def piece_from_json(data: str | Mapping[str, Any], model: str = DEFAULT_MODEL, status: str | None = None) -> Piece:
+    """One generate-extension JSON response as a Piece; GenerationError for ``{"error": ...}``."""
+    if isinstance(data, str):
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise GenerationError(f"malformed response from the server: {data[:200]!r}", model=model, status=status) from exc
+    else:
+        obj = data
+    if not isinstance(obj, Mapping):
+        raise GenerationError(f"malformed response from the server: {str(data)[:200]!r}", model=model, status=status)
+    if "error" in obj:
+        raise GenerationError(str(obj["error"]), model=model, status=status)
+    text = _scalar(obj.get("text_output"))
+    return Piece(
+        text="" if text is None else str(text),
+        finish_reason=_reason(_scalar(obj.get("finish_reason"))),
+        num_input_tokens=_count(_scalar(obj.get("num_input_tokens"))),
+        num_output_tokens=_count(_scalar(obj.get("num_output_tokens"))),
+    )
+
+
+def piece_from_result(result: Any) -> Piece:
+    """One gRPC InferResult as a Piece (an empty final response gives an empty Piece)."""
+
+    def first(name: str) -> Any:
+        array = result.as_numpy(name)
+        return None if array is None or array.size == 0 else array.reshape(-1)[0]
+
+    text = first("text_output")
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return Piece(
+        text=text or "",
+        finish_reason=_reason(first("finish_reason")),
+        num_input_tokens=_count(first("num_input_tokens")),
+        num_output_tokens=_count(first("num_output_tokens")),
+    )
+
+
+def is_final(result: Any) -> bool:
+    """Whether a decoupled gRPC response is the request's last one."""
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+class Tracker:
+    """Accumulates the pieces of one request into a Generation, timing them from ``start``."""
+
+    def __init__(self, clock=time.perf_counter):
+        self._clock = clock
+        self.start = clock()
+        self.first: float | None = None
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.num_input_tokens: int | None = None
+        self.num_output_tokens: int | None = None
+
+    def add(self, piece: Piece) -> str:
+        """Take one piece (its time if it is the first text); its text."""
+        if piece.text and self.first is None:
+            self.first = self._clock()
+        if piece.text:
+            self.parts.append(piece.text)
+        # The latest value wins: counts grow along the stream, the reason comes last.
+        self.finish_reason = piece.finish_reason or self.finish_reason
+        if piece.num_input_tokens is not None:
+            self.num_input_tokens = piece.num_input_tokens
+        if piece.num_output_tokens is not None:
+            self.num_output_tokens = piece.num_output_tokens
+        return piece.text
+
+    def result(self) -> Generation:
+        """The Generation of the pieces so far, timed until now."""
+        end = self._clock()
+        return Generation(
+            text="".join(self.parts),
+            finish_reason=self.finish_reason,
+            num_input_tokens=self.num_input_tokens,
+            num_output_tokens=self.num_output_tokens,
+            time_to_first_token_s=None if self.first is None else self.first - self.start,
+            total_time_s=end - self.start,
+        )
+
+
+def http_error(status: int, body: str, model: str = DEFAULT_MODEL) -> GenerationError:
+    """A non-200 generate response as a GenerationError: its ``error`` field (a JSON body or an
+    SSE event), else the body itself."""
+    decoder = SSEDecoder()
+    candidates = decoder.feed(body.encode("utf-8")) + decoder.close() if body.lstrip().startswith("data:") else [body]
+    for candidate in candidates:
+        try:
+            obj = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, Mapping) and "error" in obj:
+            return GenerationError(str(obj["error"]), model=model, status=str(status))
+    return GenerationError(body.strip()[:500] or f"HTTP {status}", model=model, status=str(status))
+
+
+def transport_error(exc: BaseException, protocol: str, url: str, model: str, timeout_s: float | None) -> GenerationError:
+    """A tritonclient, socket or aiohttp failure as a GenerationError with the server's words;
+    a RetryError as its last error, noting the attempts and the deadline."""
+    if isinstance(exc, RetryError):
+        note = describe(exc.attempts, exc.elapsed_s, exc.deadline_s, exc.reason)
+        if exc.last is None:
+            return GenerationError("no endpoint available", model=model, retry_note=note, attempts=exc.attempts)
+        last = transport_error(exc.last, protocol, url, model, timeout_s)
+        return GenerationError(last.server_message, model=model, status=last.status, retry_note=note,
+                               attempts=exc.attempts)
+    if isinstance(exc, GenerationError):
+        return exc
+    if isinstance(exc, InferenceServerException):
+        status = exc.status()
+        message = exc.message() or str(exc)
+        if status == "StatusCode.UNAVAILABLE":
+            message = f"cannot reach the grpc server at {url}: {message}"
+        elif status == "StatusCode.DEADLINE_EXCEEDED":
+            message = f"no answer from the grpc server at {url} within {timeout_s} s: {message}"
+        return GenerationError(message, model=model, status=status)
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return GenerationError(f"no answer from the {protocol} server at {url} within {timeout_s} s", model=model)
+    return GenerationError(f"cannot reach the {protocol} server at {url}: {exc}", model=model)
