@@ -15,7 +15,7 @@ SERVE_ARGS ?=
 # int4_bf16. See export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
+.PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -44,9 +44,18 @@ serve-cluster: $(STAMP)
 # The product's tests, with the hostile-request fuzz and the chaos soak's short runs (about 24
 # minutes on 2 cores); test-perf: the other benchmarks' short runs (about 8 minutes). CI runs both.
 RESILIENCE_SMOKE := tests/perf/test_fuzz_smoke.py tests/perf/test_chaos_smoke.py
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m export --no-speed
 	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) --durations=10 $(PYTEST_ARGS)
+
+# ruff's lint rules and formatter over the whole tree (pyproject.toml); `make format` applies both.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 test-perf: $(STAMP)
 	$(PY) -m export --no-speed

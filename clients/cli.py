@@ -17,12 +17,21 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import IO, Any
 
 import numpy as np
 
-from clients.embed import DEFAULT_MODEL, DEFAULT_URLS, MAX_BATCH_SIZE, PROTOCOLS, EmbeddingClient, EmbeddingError, cosine_similarity_matrix
+from clients.embed import (
+    DEFAULT_MODEL,
+    DEFAULT_URLS,
+    MAX_BATCH_SIZE,
+    PROTOCOLS,
+    EmbeddingClient,
+    EmbeddingError,
+    cosine_similarity_matrix,
+)
 
 PROG = "embed"
 LEGEND_WIDTH = 70  # characters of each text shown above the similarity table

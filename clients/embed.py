@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import http.client
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from tritonclient.utils import InferenceServerException

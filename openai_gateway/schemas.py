@@ -8,11 +8,11 @@ Limits with messages that name them are checked in ``embeddings.py`` and ``compl
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Number = Union[StrictInt, StrictFloat]
+Number = Union[StrictInt, StrictFloat]  # noqa: UP007 (pydantic's Strict types are Annotated aliases)
 
 
 class _Body(BaseModel):
@@ -22,75 +22,75 @@ class _Body(BaseModel):
 class EmbeddingRequest(_Body):
     """The body of `POST /v1/embeddings`."""
 
-    input: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]] = Field(
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="A text, a list of texts, a list of token ids, or a list of token id lists "
         "(ids of the model's own tokenizer, special tokens included)")
     model: StrictStr
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[StrictInt] = None
-    user: Optional[StrictStr] = None
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
 
 
 class TextPart(_Body):
     """A part of a chat message's content (only text parts are served)."""
 
     type: StrictStr
-    text: Optional[StrictStr] = None
+    text: StrictStr | None = None
 
 
 class ChatMessage(_Body):
     """One message of a chat."""
 
     role: StrictStr
-    content: Union[StrictStr, list[TextPart], None] = None
-    name: Optional[StrictStr] = None
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
 
 
 class StreamOptions(_Body):
     """`stream_options`: `include_usage` adds a last chunk with the usage."""
 
-    include_usage: Optional[StrictBool] = None
+    include_usage: StrictBool | None = None
 
 
 class _Sampling(_Body):
     model: StrictStr
-    max_tokens: Optional[StrictInt] = None
-    temperature: Optional[Number] = None
-    top_p: Optional[Number] = None
-    seed: Optional[StrictInt] = None
-    stop: Union[StrictStr, list[StrictStr], None] = None
-    n: Optional[StrictInt] = None
-    stream: Optional[StrictBool] = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[Number] = None
-    frequency_penalty: Optional[Number] = None
-    logit_bias: Optional[dict[str, Any]] = None
-    user: Optional[StrictStr] = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: StrictStr | None = None
     # vLLM's extensions (the openai SDK's extra_body), passed to the engine as they are.
-    top_k: Optional[StrictInt] = None
-    min_tokens: Optional[StrictInt] = None
-    repetition_penalty: Optional[Number] = None
-    ignore_eos: Optional[StrictBool] = None
+    top_k: StrictInt | None = None
+    min_tokens: StrictInt | None = None
+    repetition_penalty: Number | None = None
+    ignore_eos: StrictBool | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     """The body of `POST /v1/chat/completions`."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[StrictInt] = None
-    logprobs: Optional[StrictBool] = None
-    top_logprobs: Optional[StrictInt] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    functions: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     """The body of `POST /v1/completions`."""
 
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    echo: Optional[StrictBool] = False
-    suffix: Optional[StrictStr] = None
-    logprobs: Optional[StrictInt] = None
-    best_of: Optional[StrictInt] = None
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None

@@ -17,8 +17,8 @@ A refusal is data (``Refusal``: the field, the rule, the message); the door turn
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 # Bytes per element of each fixed-size datatype (BYTES: length-prefixed, checked apart).
 SIZES = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2, "INT32": 4,

@@ -26,10 +26,10 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Sequence
 
-from ops.repository import TOKEN_HEADER, RepositoryClient, RepositoryError, ReplicatedRepositoryClient, http
+from ops.repository import TOKEN_HEADER, ReplicatedRepositoryClient, RepositoryClient, RepositoryError, http
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RepositoryDoor:
         self.port = self.server.server_address[1]
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "RepositoryDoor":
+    def start(self) -> RepositoryDoor:
         self._thread = threading.Thread(target=self.server.serve_forever, name="repository-door", daemon=True)
         self._thread.start()
         return self

@@ -44,8 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from export import bench
-from perf.lib.served import (DEFAULT_INPUT, ENCODER, REPOSITORY, ServedEncoder, load_sentences, served_encoder,
-                             served_tokenizer)
+from perf.lib.served import DEFAULT_INPUT, ENCODER, REPOSITORY, ServedEncoder, load_sentences, served_encoder, served_tokenizer
 
 DEFAULT_BATCHES = (1, 8, 16, 32, 64)  # 64 = the served encoder's max_batch_size
 

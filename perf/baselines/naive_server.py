@@ -35,9 +35,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -414,7 +415,7 @@ class NaiveServer:
     def http_url(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> "NaiveServer":
+    def start(self) -> NaiveServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log_file:
             self.process = subprocess.Popen(
@@ -459,7 +460,7 @@ class NaiveServer:
                 self.process.wait()
         return self.process.returncode
 
-    def __enter__(self) -> "NaiveServer":
+    def __enter__(self) -> NaiveServer:
         self.start()
         try:
             self.wait_ready()

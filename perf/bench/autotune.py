@@ -36,9 +36,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from ops.repository import RepositoryClient
 from perf.lib import harness

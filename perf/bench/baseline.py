@@ -20,9 +20,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from perf.lib import perf_analyzer as pa
 from perf.lib.harness import int_list

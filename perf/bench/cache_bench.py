@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

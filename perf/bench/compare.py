@@ -35,22 +35,35 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from perf.baselines import limit as limit_mod
 from perf.lib import perf_analyzer as pa
 from perf.lib import served as served_mod
+from perf.lib.harness import (
+    ENCODER,
+    MODEL,
+    RateSettings,
+    Row,
+    Run,
+    disable_all_dynamic_batching,
+    ensure_exported,
+    measure,
+    measure_served,
+    new_run,
+    rate_warnings,
+    settings_for,
+    skipped,
+    write_csv,
+)
 
 # The targets, checked (not enforced) in the printed ratios.
 TARGET_SERVED_VS_LIMIT = 0.85
 TARGET_SERVED_VS_NAIVE = 5.0
 TARGET_P99_OVER_P50 = 3.0
 
-
-from perf.lib.harness import (ENCODER, MODEL, RateSettings, Row, Run, disable_all_dynamic_batching, ensure_exported,
-                              measure, measure_served, new_run, rate_warnings, settings_for, skipped, write_csv)
 
 
 @dataclass

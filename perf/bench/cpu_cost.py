@@ -48,8 +48,7 @@ from perf.lib import processes
 from perf.lib.deployment import start_deployment, stop_deployment
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
-from perf.lib.workload import (gateway_request, image_request, prompts, sentences, text_request, token_request,
-                               unique_jpegs)
+from perf.lib.workload import gateway_request, image_request, prompts, sentences, text_request, token_request, unique_jpegs
 
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
 PATHS = ("text_tokenizer", "text_encoder", "text_embedding", "text_embedding_cached_miss",

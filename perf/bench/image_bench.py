@@ -269,7 +269,7 @@ class MachineMeter:
     def __init__(self) -> None:
         self.t0, self.busy0 = time.monotonic(), busy_jiffies()
 
-    def stop(self, window: "Window") -> None:
+    def stop(self, window: Window) -> None:
         busy1 = busy_jiffies()
         if self.busy0 is not None and busy1 is not None:
             window.machine_cores = (busy1[0] - self.busy0[0]) / max(time.monotonic() - self.t0, 1e-9)

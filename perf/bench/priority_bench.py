@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from python_backends.admission.classes import CACHED_ENTRIES, CLASSES
+from python_backends.admission.classes import CACHED_ENTRIES, CLASSES  # noqa: E402 (after the sys.path line)
 
 SENTENCES = ROOT / "perf" / "data" / "sentences_16tok.json"
 MODELS = tuple(CACHED_ENTRIES.values())
@@ -262,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from export import variants
     from server.process import ServerOptions, TritonServer
 
-    say = lambda m: print(f"[priority-bench {time.strftime('%H:%M:%S')}] {m}", flush=True)
+    def say(m: str) -> None:
+        print(f"[priority-bench {time.strftime('%H:%M:%S')}] {m}", flush=True)
     sentences = [row["TEXT"]["content"][0] for row in json.loads(SENTENCES.read_text())["data"]]
     nonce = f"{os.getpid()}-{int(time.time())}"
     out = args.out or ROOT / "perf" / "results" / f"priority-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"

@@ -37,9 +37,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from perf.lib import harness
 from perf.lib import perf_analyzer as pa

@@ -60,9 +60,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
@@ -605,8 +605,8 @@ def before_repository(source: Path, target: Path, alt_configs: Path | None = Non
 
         def config(path: Path, relative: str) -> str:
             if alt_configs is None:
-                return stall_config_text(path.read_text(), model_dir.name, variant=relative != "config.pbtxt")
-            replacement = alt_configs / model_dir.name / relative
+                return stall_config_text(path.read_text(), model_dir.name, variant=relative != "config.pbtxt")  # noqa: B023
+            replacement = alt_configs / model_dir.name / relative  # noqa: B023 (called within this iteration)
             return replacement.read_text() if replacement.is_file() else path.read_text()
 
         for entry in model_dir.iterdir():

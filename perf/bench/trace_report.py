@@ -25,9 +25,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 MODEL = "text_embedding"
 

@@ -15,9 +15,9 @@ import datetime as dt
 import json
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ops import repository
 from ops.repository import RepositoryClient

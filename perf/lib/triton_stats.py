@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Mapping
+from collections.abc import Mapping
 
 from perf.lib.perf_analyzer import ModelStats
 

@@ -12,8 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cosine_similarity_matrix, embed
-from clients import cli
+from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cli, cosine_similarity_matrix, embed
 from server.layout import ROOT
 
 DIM = 384

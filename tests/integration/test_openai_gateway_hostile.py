@@ -827,7 +827,7 @@ def test_valid_neighbours_are_unharmed_by_hostile_traffic(gateway, http_client):
         for t in firing:
             t.join(timeout=60)
     assert len(results) >= 32
-    for texts, status, body in results:
+    for _texts, status, body in results:
         assert status == 200, body
         assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
     got = np.array([d["embedding"] for _, _, body in results for d in body["data"]], dtype=np.float32)

@@ -92,7 +92,7 @@ class Load:
                 self._count(f"grpc {exc.status()}", exc.message() or "")
         client.close()
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for w in self.workers:
             w.start()
         return self

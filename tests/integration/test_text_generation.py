@@ -631,7 +631,7 @@ def test_generate_bodies_tritonserver_would_500_are_a_400_naming_the_field(serve
 
 def test_unpaired_surrogate_escape_is_a_400_and_a_pair_is_fine(server):
     for text, expected in (('"\\ud800 hi"', 400), ('"\\ud83d\\ude00 hi"', 200)):
-        raw = ('{"text_input": %s, "parameters": {"max_tokens": 2, "temperature": 0}}' % text).encode()
+        raw = ('{"text_input": ' + text + ', "parameters": {"max_tokens": 2, "temperature": 0}}').encode()
         conn = http.client.HTTPConnection(*server.http_url.rsplit(":", 1), timeout=60)
         try:
             conn.request("POST", f"/v2/models/{MODEL}/generate", raw, {"Content-Type": "application/json"})
@@ -656,7 +656,7 @@ def _stub(server):
 def _random_round(server, n: int, seed: int) -> dict:
     rng = random.Random(seed)
     jobs = []
-    for i in range(n):
+    for _ in range(n):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 200)))
         cancel = rng.random() < 0.2
         max_tokens = 400 if cancel else rng.randint(1, 32)

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cosine_similarity_matrix
+from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cli, cosine_similarity_matrix
 from clients import aio as aio_module
-from clients import cli
 from clients.embed import ClientOptions, as_text_list, encode_texts, server_timeout_us, split_batches, to_embedding_error
 from server.process import free_port
 

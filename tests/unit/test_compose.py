@@ -604,7 +604,7 @@ def _dims(spec: str) -> dict[str, list[int]]:
 def test_ort_trt_fp16_has_one_profile_over_every_batch_and_bucket():
     from export import variants
 
-    for model, name, base, text in _served_configs():
+    for model, name, _base, text in _served_configs():
         if name != "ort_trt_fp16":
             continue
         config = _parse(text)
@@ -621,9 +621,10 @@ def test_ort_trt_fp16_has_one_profile_over_every_batch_and_bucket():
                 if d != -1:
                     assert lo[tensor.name][i + 1] == hi[tensor.name][i + 1] == d
         # the local Python-based backend hands them to ONNX Runtime's TensorRT provider as they are
+        from google.protobuf import json_format
+
         from python_backends.config import ModelConfig
         from python_backends.onnx_engine.session import _trt_options
-        from google.protobuf import json_format
 
         raw = json_format.MessageToDict(config, preserving_proto_field_name=True)
         (params,) = [a["parameters"] for a in ModelConfig(raw).execution_accelerators("gpu")]
@@ -638,7 +639,7 @@ def test_gpu_variants_warm_every_bucket_and_the_image_classifier():
 
     assert tuple(variants.SEQUENCE_BUCKETS) == tuple(DEFAULT_BUCKETS)
     seen = set()
-    for model, name, base, text in _served_configs():
+    for model, name, _base, text in _served_configs():
         config = _parse(text)
         warmed = set()
         for warmup in config.model_warmup:

@@ -8,9 +8,8 @@ import pytest
 from python_backends.errors import InputError
 from python_backends.shim import check_shape
 from server.frontdoor import FrontDoor, FrontDoorPorts, class_limits, limits_module, model_limits, render
-from server.layout import ROOT
+from server.layout import ROOT, prepare
 from server.process import ServerOptions, TritonServer
-from server.layout import prepare
 
 PORTS = FrontDoorPorts("127.0.0.1", 8000, 8001, 8002, "127.0.0.1", 18000, 18001, 18002)
 

@@ -248,7 +248,7 @@ def test_randomized_arrivals_and_cancellations_leave_the_pool_as_it_started():
     rng = random.Random(11)
     shared = [rng.randrange(90) for _ in range(12)]
     prompts, done, refused, next_id = {}, {}, 0, 0
-    for step in range(1500):
+    for _step in range(1500):
         for _ in range(rng.choice((0, 0, 0, 1, 1, 3))):  # bursts overflow the queue
             p = (shared if rng.random() < 0.5 else []) + [rng.randrange(90) for _ in range(rng.randrange(1, 30))]
             try:

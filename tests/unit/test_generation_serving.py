@@ -87,8 +87,8 @@ def test_bad_requests_name_the_field(tokenizer, text, params, inputs, field, wor
 
 
 def test_response_shaper_streaming_and_whole():
-    from python_backends.generation.serving import GenerationRequest
     from python_backends.generation.sampling import SamplingParams
+    from python_backends.generation.serving import GenerationRequest
 
     base = dict(prompt="P:", params=SamplingParams())
     s = ResponseShaper(GenerationRequest(**base, stream=True, return_finish_reason=True, return_num_output_tokens=True))

@@ -109,7 +109,7 @@ def test_the_manifest_records_the_tensorrt_that_built_the_plan(tmp_path, monkeyp
     repo = _plan_repo(tmp_path, None)
     plan = repo / "text_encoder" / "1" / "model.plan"
     for installed, served in ((variants.SERVING_TENSORRT, True), ("11.4.0.106", False)):
-        monkeypatch.setattr(variants, "installed_tensorrt", lambda: installed)
+        monkeypatch.setattr(variants, "installed_tensorrt", lambda installed=installed: installed)
         plan.write_bytes(f"engine built by {installed}".encode())  # a new build: a new file
         entry = {"status": "passed", "file": "model.plan", "file_sha256": sha256_file(plan)}
         variants.write_manifest(repo, "text_encoder", {"model": "text_encoder", "variants": {"trt_plan": entry}})

@@ -38,7 +38,7 @@ from server.layout import ROOT
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
 pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk is not installed (requirements.txt)")
 
-from deploy.grafana import dashboard
+from deploy.grafana import dashboard  # noqa: E402 (only once its packages are known installed)
 
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 RULES = ROOT / "deploy" / "prometheus" / "rules"

@@ -76,7 +76,7 @@ def test_plan_runs_keeps_every_run_within_the_budget_longest_first():
         widths = [lengths[run[0]] for run in runs]
         assert widths == sorted(widths, reverse=True)
         # greedy: the next run's first row would not have fitted in the previous run
-        for a, b in itertools.pairwise(runs):
+        for a, _b in itertools.pairwise(runs):
             assert (len(a) + 1) * lengths[a[0]] > budget
 
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from export.reference import model_dir, tokenize as hf_tokenize
+from export.reference import model_dir
+from export.reference import tokenize as hf_tokenize
 from python_backends.errors import ConfigError, InputError
 from python_backends.text.tokenization import BatchTokenizer, bucket_length, decode_texts
 

@@ -103,4 +103,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except UnknownField as exc:
-        raise SystemExit(str(exc))
+        raise SystemExit(str(exc)) from None
