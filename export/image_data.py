@@ -44,10 +44,28 @@ SKIMAGE_LABELS = {"chelsea.png": 281, "coffee.png": 967}
 # scikit-image photos the tests check by class (chelsea the cat, coffee the espresso) are
 # evaluation photos: INT8 is never calibrated on what it is judged by.
 CALIBRATION_PHOTOS = (
-    "astronaut.png", "rocket.jpg", "motorcycle_left.png", "motorcycle_right.png", "hubble_deep_field.jpg",
-    "brick.png", "grass.png", "camera.png", "moon.png", "ihc.png", "color.png", "logo.png",
-    "retina.jpg", "gravel.png", "horse.png", "coins.png", "clock_motion.png", "cell.png", "page.png",
-    "microaneurysms.png", "phantom.png", "text.png",
+    "astronaut.png",
+    "rocket.jpg",
+    "motorcycle_left.png",
+    "motorcycle_right.png",
+    "hubble_deep_field.jpg",
+    "brick.png",
+    "grass.png",
+    "camera.png",
+    "moon.png",
+    "ihc.png",
+    "color.png",
+    "logo.png",
+    "retina.jpg",
+    "gravel.png",
+    "horse.png",
+    "coins.png",
+    "clock_motion.png",
+    "cell.png",
+    "page.png",
+    "microaneurysms.png",
+    "phantom.png",
+    "text.png",
 )
 EVALUATION_PHOTOS = ("chelsea.png", "coffee.png") + IMAGENET_PHOTOS
 # Images per set, from the photos' variants (interleaved, then trimmed). The evaluation set is

@@ -50,8 +50,14 @@ class PhotoCalibrationReader:
         self._next = iter(self._batches)
 
 
-def quantize_int8(src: Path, dst: Path, calibration: np.ndarray | None = None, method: str = "MinMax",
-                  bias_correction: bool = True, has_vnni: bool | None = None) -> None:
+def quantize_int8(
+    src: Path,
+    dst: Path,
+    calibration: np.ndarray | None = None,
+    method: str = "MinMax",
+    bias_correction: bool = True,
+    has_vnni: bool | None = None,
+) -> None:
     """Static QDQ INT8 (uint8 activations, per-channel int8 weights) calibrated on
     ``calibration`` pixels [n, 3, 224, 224] (default: the calibration photos).
 
@@ -246,8 +252,9 @@ def run_logits(path: Path, pixels: np.ndarray, batch_size: int = 16, threads: in
 DECIDED_MARGIN = 0.05
 
 
-def agreement(reference_logits: np.ndarray, logits: np.ndarray, labels: np.ndarray | None = None,
-              decided_margin: float = DECIDED_MARGIN) -> dict:
+def agreement(
+    reference_logits: np.ndarray, logits: np.ndarray, labels: np.ndarray | None = None, decided_margin: float = DECIDED_MARGIN
+) -> dict:
     """How far ``logits`` move from ``reference_logits`` [n, classes]:
 
     * top1_agreement: fraction of all images with the reference's top-1 class;
@@ -274,8 +281,9 @@ def agreement(reference_logits: np.ndarray, logits: np.ndarray, labels: np.ndarr
         labels = np.asarray(labels)
         accuracy = float(np.mean(logits.argmax(axis=1) == labels))
         reference_accuracy = float(np.mean(reference_logits.argmax(axis=1) == labels))
-        result.update(top1_accuracy=accuracy, reference_top1_accuracy=reference_accuracy,
-                      accuracy_drop=reference_accuracy - accuracy)
+        result.update(
+            top1_accuracy=accuracy, reference_top1_accuracy=reference_accuracy, accuracy_drop=reference_accuracy - accuracy
+        )
     return result
 
 
@@ -319,13 +327,16 @@ def report(fp32_path: Path, out_dir: Path, rounds: int = 15) -> dict:
     }
     result["latency_ms_b1"] = latency_ms({"fp32": fp32_path, "int8": int8_path}, pixels, rounds=rounds)
     result["int8_speedup_b1"] = result["latency_ms_b1"]["fp32"] / result["latency_ms_b1"]["int8"]
-    result["size_mb"] = {n: round(p.stat().st_size / 1e6, 1) for n, p in (("fp32", fp32_path), ("int8", int8_path), ("fp16", fp16_path))}
+    result["size_mb"] = {
+        n: round(p.stat().st_size / 1e6, 1) for n, p in (("fp32", fp32_path), ("int8", int8_path), ("fp16", fp16_path))
+    }
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.image_quant", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m export.image_quant", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, default=ROOT / "model_repository" / "image_classifier" / "1" / "model.onnx")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "image_quant")
     parser.add_argument("--rounds", type=int, default=15, help="latency rounds (batch 1)")
@@ -342,8 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"| fp32 | 1 | 0 | 0 | {lat['fp32']:.1f} | {result['size_mb']['fp32']} |")
     for name in ("int8", "fp16"):
         r = result[name]
-        print(f"| {name} | {r['top1_agreement']:.3f} ({r['images']} images) | {r['prob_diff']:.2e} | "
-              f"{r['max_abs_logit_diff']:.3f} | {lat.get(name, float('nan')):.1f} | {result['size_mb'][name]} |")
+        print(
+            f"| {name} | {r['top1_agreement']:.3f} ({r['images']} images) | {r['prob_diff']:.2e} | "
+            f"{r['max_abs_logit_diff']:.3f} | {lat.get(name, float('nan')):.1f} | {result['size_mb'][name]} |"
+        )
     print(f"INT8 speed-up at batch 1: {result['int8_speedup_b1']:.2f}x")
     return 0
 

@@ -96,7 +96,6 @@ def variant_runner(variant: str, path: Path, output: str) -> Callable[[dict[str,
     return lambda feed: session.run([output], feed)[0]
 
 
-
 @dataclass
 class VariantOutcome:
     name: str
@@ -114,8 +113,14 @@ def _progress(model: str) -> Callable[[str], None]:
     return lambda message: log.info("%s: %s", model, message)
 
 
-def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = True,
-        only: tuple[str, ...] | None = None, bench_seconds: float = 1.0) -> dict[str, Any]:
+def run(
+    pipeline: ModelPipeline,
+    repo: Path,
+    force: bool = False,
+    speed: bool = True,
+    only: tuple[str, ...] | None = None,
+    bench_seconds: float = 1.0,
+) -> dict[str, Any]:
     """Export, gate and report one model. Returns the report dict; raises nothing for gate misses
     (they are in the report with status "failed")."""
     say = _progress(pipeline.name)
@@ -163,8 +168,16 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
         )
         if unchanged:
             say(f"{name}: up to date, {old['status']} before ({_fmt(old.get('metrics', {}))})")
-            outcomes[name] = VariantOutcome(name, old["status"], old.get("reason", ""), metrics=old["metrics"], gate=gate,
-                                            file=variant.filename, size_bytes=path.stat().st_size, reused=True)
+            outcomes[name] = VariantOutcome(
+                name,
+                old["status"],
+                old.get("reason", ""),
+                metrics=old["metrics"],
+                gate=gate,
+                file=variant.filename,
+                size_bytes=path.stat().st_size,
+                reused=True,
+            )
             if old["status"] == "passed":
                 variants.write_variant_config(model_dir, variant, params)
             continue
@@ -183,16 +196,23 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
             if built_here:
                 candidate.unlink(missing_ok=True)
             variants.remove_variant(model_dir, variant)
-            outcomes[name] = VariantOutcome(name, "error", f"{type(exc).__name__}: {exc}", gate=gate,
-                                            seconds=time.perf_counter() - started)
+            outcomes[name] = VariantOutcome(
+                name, "error", f"{type(exc).__name__}: {exc}", gate=gate, seconds=time.perf_counter() - started
+            )
             if name == "fp32":
                 break
             continue
         failures = variants.check_gate(metrics, gate)
         ungated = getattr(pipeline, "ungated_reason", lambda _: None)(name)
         outcome = VariantOutcome(
-            name, "failed" if failures else "passed", "; ".join(failures), metrics, gate,
-            variant.filename, candidate.stat().st_size if candidate.is_file() else None, time.perf_counter() - started,
+            name,
+            "failed" if failures else "passed",
+            "; ".join(failures),
+            metrics,
+            gate,
+            variant.filename,
+            candidate.stat().st_size if candidate.is_file() else None,
+            time.perf_counter() - started,
         )
         if ungated:
             # Built and measured for the report, but its gate cannot say anything here (e.g.
@@ -222,8 +242,15 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
         if name in outcomes or name not in variants.VARIANTS:
             continue
         if old.get("source_sha256") == fp32_sha and old.get("status") in ("passed", "ungated", "skipped"):
-            outcomes[name] = VariantOutcome(name, old["status"], old.get("reason", ""), old.get("metrics", {}),
-                                            old.get("gate", {}), old.get("file"), reused=True)
+            outcomes[name] = VariantOutcome(
+                name,
+                old["status"],
+                old.get("reason", ""),
+                old.get("metrics", {}),
+                old.get("gate", {}),
+                old.get("file"),
+                reused=True,
+            )
         else:
             say(f"{name}: built from an older FP32 model; removed (rebuild it with --variant {name})")
             variants.remove_variant(model_dir, variants.VARIANTS[name])
@@ -243,7 +270,8 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
                 "gate": o.gate,
                 "file": o.file,
                 "file_sha256": sha256_file(version_dir / o.file)
-                if o.status in ("passed", "ungated") and o.file and (version_dir / o.file).is_file() else None,
+                if o.status in ("passed", "ungated") and o.file and (version_dir / o.file).is_file()
+                else None,
                 "source_sha256": fp32_sha,
                 "builder_version": pipeline.builder_version,
             }
@@ -255,11 +283,15 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
     speeds: dict[str, bench.Speed] = {}
     if speed:
         measured = [n for n, o in outcomes.items() if o.status in ("passed", "ungated")]
-        runnable = {n: version_dir / variants.VARIANTS[n].filename for n in measured
-                    if variants.VARIANTS[n].filename.endswith(".onnx") and n != "ort_trt_fp16"}
+        runnable = {
+            n: version_dir / variants.VARIANTS[n].filename
+            for n in measured
+            if variants.VARIANTS[n].filename.endswith(".onnx") and n != "ort_trt_fp16"
+        }
         say(f"[{total}/{total}] in-process speed on CPU, side by side: {', '.join(runnable)}")
-        speeds = bench.measure_side_by_side(runnable, pipeline.bench_feed, pipeline.bench_batches,
-                                            seconds=bench_seconds, progress=say)
+        speeds = bench.measure_side_by_side(
+            runnable, pipeline.bench_feed, pipeline.bench_batches, seconds=bench_seconds, progress=say
+        )
 
     report = build_report(pipeline, outcomes, speeds, best)
     if speed:  # a run without timing must not overwrite a full report
@@ -268,8 +300,7 @@ def run(pipeline: ModelPipeline, repo: Path, force: bool = False, speed: bool = 
 
 
 def _fmt(metrics: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={_num(v)}" for k, v in metrics.items()
-                     if not isinstance(v, (dict, list)))
+    return ", ".join(f"{k}={_num(v)}" for k, v in metrics.items() if not isinstance(v, (dict, list)))
 
 
 def _num(value: Any) -> str:
@@ -286,8 +317,9 @@ def _provider(variant: str, measured_on_cpu: bool) -> str:
     return f"{served}; measured here on CPU" if measured_on_cpu else served
 
 
-def build_report(pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], speeds: dict[str, bench.Speed],
-                 best: dict[str, str]) -> dict[str, Any]:
+def build_report(
+    pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], speeds: dict[str, bench.Speed], best: dict[str, str]
+) -> dict[str, Any]:
     fp32_speed = speeds.get("fp32")
     rows = []
     for name, o in outcomes.items():
@@ -311,8 +343,11 @@ def build_report(pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], s
     return {
         "model": pipeline.name,
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_threads": bench.cpu_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_threads": bench.cpu_threads(),
+        },
         "source": pipeline.describe(),
         "serving_choice": best,
         "variants": rows,
@@ -320,15 +355,20 @@ def build_report(pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], s
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    lines = [f"### {report['model']}", "",
-             f"Generated {report['generated']} on {report['machine']['processor']}, "
-             f"{report['machine']['cpu_threads']} CPU threads. Source: {report['source'].get('summary', '')}", ""]
-    lines += ["| variant | status | size MB | parity vs FP32 PyTorch | gate | execution provider | latency b1 (ms) "
-              "| best batch: items/s | speed-up b1 / best |",
-              "| --- | --- | ---: | --- | --- | --- | ---: | --- | --- |"]
+    lines = [
+        f"### {report['model']}",
+        "",
+        f"Generated {report['generated']} on {report['machine']['processor']}, "
+        f"{report['machine']['cpu_threads']} CPU threads. Source: {report['source'].get('summary', '')}",
+        "",
+    ]
+    lines += [
+        "| variant | status | size MB | parity vs FP32 PyTorch | gate | execution provider | latency b1 (ms) "
+        "| best batch: items/s | speed-up b1 / best |",
+        "| --- | --- | ---: | --- | --- | --- | ---: | --- | --- |",
+    ]
     for r in report["variants"]:
-        metrics = ", ".join(f"{k} {_num(v)}" for k, v in r["metrics"].items()
-                            if not isinstance(v, (dict, list)))
+        metrics = ", ".join(f"{k} {_num(v)}" for k, v in r["metrics"].items() if not isinstance(v, (dict, list)))
         gate = ", ".join(f"{k} {v}" for k, v in r["gate"].items())
         status = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
         speed = r.get("speed")

@@ -130,7 +130,9 @@ def recalibrate_batchnorm(model: nn.Module, batches: Iterable[torch.Tensor]) -> 
     return seen
 
 
-def build(weights: Path | None = None, seed: int = DEFAULT_SEED, calibration: Iterable[torch.Tensor] | None = None) -> tuple[ResNet50, dict]:
+def build(
+    weights: Path | None = None, seed: int = DEFAULT_SEED, calibration: Iterable[torch.Tensor] | None = None
+) -> tuple[ResNet50, dict]:
     """The eval-mode model and its metadata (``provenance``: real weights or random init).
 
     ``calibration``: batches of preprocessed images [n, 3, 224, 224], required without weights.
@@ -139,7 +141,11 @@ def build(weights: Path | None = None, seed: int = DEFAULT_SEED, calibration: It
         model = ResNet50()
         load_weights(model, Path(weights))
         model.eval()
-        return model, {"provenance": "pretrained", "weights_file": Path(weights).name, "weights_sha256": sha256_file(Path(weights))}
+        return model, {
+            "provenance": "pretrained",
+            "weights_file": Path(weights).name,
+            "weights_sha256": sha256_file(Path(weights)),
+        }
     if calibration is None:
         raise ValueError("random initialisation needs calibration batches to re-estimate BatchNorm statistics")
     torch.manual_seed(seed)

@@ -41,11 +41,15 @@ def unavailable_reason() -> str | None:
 
     built_by = installed_tensorrt()
     if built_by is None:
-        return (f"the tensorrt Python package is not installed (TensorRT {SERVING_TENSORRT}: "
-                f"pip install -r requirements-gpu.txt, or use NVIDIA's container)")
+        return (
+            f"the tensorrt Python package is not installed (TensorRT {SERVING_TENSORRT}: "
+            f"pip install -r requirements-gpu.txt, or use NVIDIA's container)"
+        )
     if not same_tensorrt(built_by, SERVING_TENSORRT):
-        return (f"tensorrt {built_by} is installed, but the serving TensorRT is {SERVING_TENSORRT} (NVIDIA's "
-                f"24.10 container), which could not load its engine: pip install -r requirements-gpu.txt")
+        return (
+            f"tensorrt {built_by} is installed, but the serving TensorRT is {SERVING_TENSORRT} (NVIDIA's "
+            f"24.10 container), which could not load its engine: pip install -r requirements-gpu.txt"
+        )
     try:
         import torch
     except ImportError:
@@ -55,8 +59,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def build_engine(onnx_path: Path, plan_path: Path, profiles: Mapping[str, Profile], fp16: bool = True,
-                 workspace_bytes: int = 1 << 30) -> None:
+def build_engine(
+    onnx_path: Path, plan_path: Path, profiles: Mapping[str, Profile], fp16: bool = True, workspace_bytes: int = 1 << 30
+) -> None:
     """Parse the ONNX graph, build an engine for the given dynamic shapes, serialize it."""
     import tensorrt as trt
 

@@ -41,7 +41,6 @@ class ExportResult:
     seconds: float
 
 
-
 def source_fingerprint() -> dict:
     src = reference.model_dir()
     return {

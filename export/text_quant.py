@@ -136,9 +136,15 @@ def quantize_int8(src: Path, dst: Path) -> None:
     levels = weight_levels()
     counts = _quantize_matmuls(model, maxima, levels)
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    log.info("int8: %d MatMuls quantised (%s; %d outlier channels), %d QKV projections unfused; weights +-%d "
-             "(%s)", sum(counts.values()), kinds, OUTLIER_CHANNELS, qkv, levels,
-             "VNNI CPU" if levels == FULL_WEIGHT_LEVELS else "no VNNI: 7-bit weights against int16 saturation")
+    log.info(
+        "int8: %d MatMuls quantised (%s; %d outlier channels), %d QKV projections unfused; weights +-%d (%s)",
+        sum(counts.values()),
+        kinds,
+        OUTLIER_CHANNELS,
+        qkv,
+        levels,
+        "VNNI CPU" if levels == FULL_WEIGHT_LEVELS else "no VNNI: 7-bit weights against int16 saturation",
+    )
     _save(model, dst)
 
 
@@ -230,8 +236,15 @@ def _fuse(model, multi_head: bool):
     options.use_multi_head_attention = multi_head
     # opt_level=0: only the transformer fusions; ONNX Runtime applies its own, machine-specific
     # graph optimisations when a session loads the file.
-    optimized = optimize_model(model, model_type="bert", num_heads=NUM_HEADS, hidden_size=HIDDEN_SIZE,
-                               optimization_options=options, opt_level=0, use_gpu=False)
+    optimized = optimize_model(
+        model,
+        model_type="bert",
+        num_heads=NUM_HEADS,
+        hidden_size=HIDDEN_SIZE,
+        optimization_options=options,
+        opt_level=0,
+        use_gpu=False,
+    )
     fused = {k: v for k, v in optimized.get_fused_operator_statistics().items() if v}
     log.info("optimize: %d attention scale Mul(s) rewritten; fused %s", rewritten, fused)
     attention = fused.get("MultiHeadAttention" if multi_head else "Attention", 0)
@@ -263,8 +276,11 @@ def _unfuse_qkv_projection(model) -> int:
         nodes.append(helper.make_node("MatMul", [node.input[0], node.input[1]], [base], name=base + "_projection"))
         nodes.append(helper.make_node("Split", [base, sizes.name], qkv, name=base + "_split", axis=-1))
         mask = [node.input[3]] if len(node.input) > 3 and node.input[3] else []
-        nodes.append(helper.make_node("MultiHeadAttention", qkv + [node.input[2]] + mask, list(node.output),
-                                      name=node.name, domain=MS_DOMAIN, **attrs))
+        nodes.append(
+            helper.make_node(
+                "MultiHeadAttention", qkv + [node.input[2]] + mask, list(node.output), name=node.name, domain=MS_DOMAIN, **attrs
+            )
+        )
         count += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -363,8 +379,9 @@ def _quantize_matmuls(model, maxima: dict[str, np.ndarray], levels: int | None =
             keep = np.ones(w.shape[0], np.float32)
             keep[outliers] = 0.0
             add("Gather", [x, const(outliers, n + "_outlier_channels")], n + "_outliers_x", n + "_outliers", axis=-1)
-            add("MatMul", [n + "_outliers_x", const(w[outliers], n + "_outlier_weight")], n + "_outliers_y",
-                n + "_outlier_matmul")
+            add(
+                "MatMul", [n + "_outliers_x", const(w[outliers], n + "_outlier_weight")], n + "_outliers_y", n + "_outlier_matmul"
+            )
             add("Mul", [x, const(keep, n + "_inlier_mask")], n + "_inliers_x", n + "_inliers")
             x, y = n + "_inliers_x", n + "_inliers_y"
             w = w * keep[:, None]
@@ -383,8 +400,7 @@ def _quantize_matmuls(model, maxima: dict[str, np.ndarray], levels: int | None =
             add("Max", [n + "_rowmax", floor], n + "_row_scale", n + "_row_scale")
             add("Div", [x, n + "_row_scale"], n + "_normalised", n + "_normalise")
             add("QuantizeLinear", [n + "_normalised", xs, xz], n + "_x_uint8", n + "_quantize")
-            add("MatMulIntegerToFloat", [n + "_x_uint8", wq, xs, ws, xz, wz], n + "_normalised_y", n + "_int8",
-                domain=MS_DOMAIN)
+            add("MatMulIntegerToFloat", [n + "_x_uint8", wq, xs, ws, xz, wz], n + "_normalised_y", n + "_int8", domain=MS_DOMAIN)
             add("Mul", [n + "_normalised_y", n + "_row_scale"], y, n + "_denormalise")
         else:
             add("DynamicQuantizeMatMul", [x, wq, ws, wz], y, n + "_int8", domain=MS_DOMAIN)

@@ -99,11 +99,15 @@ def tensorrt_mismatch(model: str, built: str | None, serving: str = SERVING_TENS
     if same_tensorrt(built, serving):
         return None
     if built is None:
-        return (f"{model}: its trt_plan records no TensorRT version; the serving TensorRT is {serving}: "
-                f"rebuild it with TensorRT {serving} (`make export` after `make venv GPU=1`)")
-    return (f"{model}: its trt_plan was built by TensorRT {built}, but the serving TensorRT is {serving} "
-            f"(NVIDIA's 24.10 container): the engine would not deserialize; rebuild it with TensorRT {serving} "
-            f"(requirements-gpu.txt) or serve another variant")
+        return (
+            f"{model}: its trt_plan records no TensorRT version; the serving TensorRT is {serving}: "
+            f"rebuild it with TensorRT {serving} (`make export` after `make venv GPU=1`)"
+        )
+    return (
+        f"{model}: its trt_plan was built by TensorRT {built}, but the serving TensorRT is {serving} "
+        f"(NVIDIA's 24.10 container): the engine would not deserialize; rebuild it with TensorRT {serving} "
+        f"(requirements-gpu.txt) or serve another variant"
+    )
 
 
 def load_gates(path: Path = GATES_FILE) -> dict[str, dict[str, dict[str, float]]]:
@@ -182,8 +186,9 @@ def passed_variants(repo: Path, model: str) -> list[str]:
     return [name for name, entry in variants.items() if entry.get("status") == "passed"]
 
 
-def resolve_precision(repo: Path, models: list[str], precision: str, gpu: bool | None = None,
-                      loadable: tuple[str, ...] | None = None) -> tuple[str | None, dict[str, str]]:
+def resolve_precision(
+    repo: Path, models: list[str], precision: str, gpu: bool | None = None, loadable: tuple[str, ...] | None = None
+) -> tuple[str | None, dict[str, str]]:
     """Map PRECISION to Triton's --model-config-name and the variant each model then serves.
 
     ``auto`` means ``cpu`` or ``gpu`` by the hardware: configs/cpu.pbtxt and configs/gpu.pbtxt
@@ -204,8 +209,9 @@ def resolve_precision(repo: Path, models: list[str], precision: str, gpu: bool |
             if any(b is not None and b not in loadable for b in bests):
                 precision = next((v for v in AUTO_ORDER[hardware] if v in loadable), "fp32")
     if precision not in VARIANTS and precision not in AUTO_ORDER and precision not in GENERATION_VARIANTS:
-        raise ValueError(f"PRECISION must be auto, cpu, gpu or one of {', '.join((*VARIANTS, *GENERATION_VARIANTS))}; "
-                         f"got {precision!r}")
+        raise ValueError(
+            f"PRECISION must be auto, cpu, gpu or one of {', '.join((*VARIANTS, *GENERATION_VARIANTS))}; got {precision!r}"
+        )
     served = {}
     for m in models:
         manifest = read_manifest(repo, m)
@@ -293,8 +299,10 @@ def trt_profile_shapes(base: str) -> dict[str, str]:
     opt_batch = preferred[0] if preferred else max_batch
     median = SEQUENCE_BUCKETS[len(SEQUENCE_BUCKETS) // 2]
     shapes = {"min": (1, SEQUENCE_BUCKETS[0]), "opt": (opt_batch, median), "max": (max_batch, SEQUENCE_BUCKETS[-1])}
-    return {f"trt_profile_{kind}_shapes": ",".join(f"{i.name}:{_shape(b, i.dims, n)}" for i in inputs)
-            for kind, (b, n) in shapes.items()}
+    return {
+        f"trt_profile_{kind}_shapes": ",".join(f"{i.name}:{_shape(b, i.dims, n)}" for i in inputs)
+        for kind, (b, n) in shapes.items()
+    }
 
 
 def gpu_warmup(base: str) -> str:
@@ -308,12 +316,15 @@ def gpu_warmup(base: str) -> str:
         for batch in sorted({1, max_batch}):
             feeds = "".join(
                 f'    inputs {{ key: "{i.name}" value: {{ data_type: {i.data_type} '
-                f'dims: [ {", ".join(str(length if d == -1 else d) for d in i.dims)} ] zero_data: true }} }}\n'
-                for i in inputs)
+                f"dims: [ {', '.join(str(length if d == -1 else d) for d in i.dims)} ] zero_data: true }} }}\n"
+                for i in inputs
+            )
             label = f"gpu_{length}_batch_{batch}" if length else f"gpu_batch_{batch}"
             entries.append(f'  {{\n    name: "{label}"\n    batch_size: {batch}\n    count: 1\n{feeds}  }}')
-    return "# GENERATED: warm every shape on the GPU before serving (export/variants.py gpu_warmup)\n" \
-           "model_warmup [\n" + ",\n".join(entries) + "\n]\n"
+    return (
+        "# GENERATED: warm every shape on the GPU before serving (export/variants.py gpu_warmup)\n"
+        "model_warmup [\n" + ",\n".join(entries) + "\n]\n"
+    )
 
 
 def _trt_accelerator(base: str) -> str:
@@ -339,7 +350,9 @@ def _trt_accelerator(base: str) -> str:
 
 
 # Parameters of the Python-based backend's ragged path (python_backends.onnx_engine.batching).
-_RAGGED_PARAMS = re.compile(r'^\s*parameters\s*\{\s*key:\s*"(max_batch_tokens|max_batch_rows|max_row_padding|ragged_length_input)".*\}\s*$')
+_RAGGED_PARAMS = re.compile(
+    r'^\s*parameters\s*\{\s*key:\s*"(max_batch_tokens|max_batch_rows|max_row_padding|ragged_length_input)".*\}\s*$'
+)
 
 
 def drop_ragged(body: str) -> str:
@@ -357,16 +370,16 @@ def drop_ragged(body: str) -> str:
                 out.pop()
             continue
         out.append(line)
-    note = ("# GENERATED: allow_ragged_batch dropped: the native GPU backends would concatenate ragged\n"
-            "# inputs flat; requests batch by equal shape (the tokenizer pads to sequence buckets).\n")
+    note = (
+        "# GENERATED: allow_ragged_batch dropped: the native GPU backends would concatenate ragged\n"
+        "# inputs flat; requests batch by equal shape (the tokenizer pads to sequence buckets).\n"
+    )
     text = "\n".join(out) + "\n"
     return re.sub(r"^input \[", note + "input [", text, count=1, flags=re.MULTILINE)
 
 
 def _parameter_lines(params: dict[str, str] | None) -> str:
-    return "".join(
-        f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in (params or {}).items()
-    )
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in (params or {}).items())
 
 
 def variant_config(base: str, variant: Variant, params: dict[str, str] | None = None) -> str:

@@ -35,11 +35,22 @@ def include_flat(app: FastAPI, router: APIRouter) -> None:
     more per ``/v1/embeddings`` request, measured."""
     for route in router.routes:
         # What the routers use, copied; anything else would be lost, so it is refused here.
-        assert isinstance(route, APIRoute) and not route.tags and route.status_code is None \
-            and route.response_model is None and not route.responses, route
-        app.add_api_route(route.path, route.endpoint, methods=route.methods, name=route.name,
-                          dependencies=route.dependencies, include_in_schema=route.include_in_schema,
-                          openapi_extra=route.openapi_extra)
+        assert (
+            isinstance(route, APIRoute)
+            and not route.tags
+            and route.status_code is None
+            and route.response_model is None
+            and not route.responses
+        ), route
+        app.add_api_route(
+            route.path,
+            route.endpoint,
+            methods=route.methods,
+            name=route.name,
+            dependencies=route.dependencies,
+            include_in_schema=route.include_in_schema,
+            openapi_extra=route.openapi_extra,
+        )
 
 
 @asynccontextmanager
@@ -56,16 +67,26 @@ async def lifespan(app: FastAPI):
 def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None = None) -> FastAPI:
     """The gateway for ``settings``, accepting ``keys``; the catalog is read from the model
     repository unless given."""
-    app = FastAPI(title="OpenAI-compatible gateway to Triton", version="1",
-                  description="OpenAI's embeddings, chat completions, completions and models endpoints over the "
-                  "Triton models of this repository. Every /v1 route needs `Authorization: Bearer <key>`.",
-                  lifespan=lifespan, docs_url="/docs", redoc_url=None, exception_handlers=EXCEPTION_HANDLERS)
+    app = FastAPI(
+        title="OpenAI-compatible gateway to Triton",
+        version="1",
+        description="OpenAI's embeddings, chat completions, completions and models endpoints over the "
+        "Triton models of this repository. Every /v1 route needs `Authorization: Bearer <key>`.",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+        exception_handlers=EXCEPTION_HANDLERS,
+    )
     app.state.gateway = state = GatewayState(settings, keys, catalog)
     for router in ROUTERS:
         include_flat(app, router)
     app.add_middleware(RequestGate, state=state)
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id", PRIORITY_HEADER],
-                           expose_headers=["X-Request-Id", "Retry-After"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id", PRIORITY_HEADER],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     return app

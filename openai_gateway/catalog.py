@@ -90,8 +90,9 @@ def _configs(repository: Path) -> dict[str, ModelConfig]:
     return found
 
 
-def _embedding(name: str, config: ModelConfig, configs: dict[str, ModelConfig], repository: Path,
-               entry: str) -> EmbeddingModel | None:
+def _embedding(
+    name: str, config: ModelConfig, configs: dict[str, ModelConfig], repository: Path, entry: str
+) -> EmbeddingModel | None:
     steps = [s.get("model_name") for s in config.raw.get("ensemble_scheduling", {}).get("step", [])]
     if len(steps) != 2 or steps[0] not in configs or steps[1] not in configs:
         return None

@@ -60,11 +60,15 @@ def _refuse_unsupported(req: _Sampling) -> None:
         raise bad_request("logit_bias is not supported", param="logit_bias")
 
 
-def _sampling(req: _Sampling, max_tokens: int | None, model: GenerationModel, settings: GatewaySettings,
-              default_max_tokens: int) -> dict[str, Any]:
+def _sampling(
+    req: _Sampling, max_tokens: int | None, model: GenerationModel, settings: GatewaySettings, default_max_tokens: int
+) -> dict[str, Any]:
     cap = min(model.max_tokens_limit, settings.max_tokens_cap or model.max_tokens_limit)
-    param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None \
+    param = (
+        "max_completion_tokens"
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
         else "max_tokens"
+    )
     if max_tokens is None:
         max_tokens = min(cap, default_max_tokens)
     elif max_tokens < 1:
@@ -93,25 +97,23 @@ def _sampling(req: _Sampling, max_tokens: int | None, model: GenerationModel, se
             if not s:
                 raise bad_request(f"stop[{i}] is empty", param="stop")
             if len(s) > settings.max_stop_chars:
-                raise bad_request(f"stop[{i}] has {len(s)} characters; the limit is {settings.max_stop_chars}",
-                                  param="stop")
+                raise bad_request(f"stop[{i}] has {len(s)} characters; the limit is {settings.max_stop_chars}", param="stop")
         if stop:
             out["stop"] = stop
     if req.top_k is not None:
         # Above int64 the engine's sampler overflows and fails its whole batch step.
         if not 0 <= req.top_k <= MAX_SEED:
-            raise bad_request(f"top_k must be between 0 (0 disables it) and {MAX_SEED}, got {req.top_k}",
-                              param="top_k")
+            raise bad_request(f"top_k must be between 0 (0 disables it) and {MAX_SEED}, got {req.top_k}", param="top_k")
         out["top_k"] = req.top_k
     if req.min_tokens is not None:
         if not 0 <= req.min_tokens <= max_tokens:
-            raise bad_request(f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {req.min_tokens}",
-                              param="min_tokens")
+            raise bad_request(
+                f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {req.min_tokens}", param="min_tokens"
+            )
         out["min_tokens"] = req.min_tokens
     if req.repetition_penalty is not None:
         if not 0 < req.repetition_penalty <= 10:
-            raise bad_request(f"repetition_penalty must be in (0, 10], got {req.repetition_penalty}",
-                              param="repetition_penalty")
+            raise bad_request(f"repetition_penalty must be in (0, 10], got {req.repetition_penalty}", param="repetition_penalty")
         out["repetition_penalty"] = float(req.repetition_penalty)
     if req.ignore_eos is not None:
         out["ignore_eos"] = req.ignore_eos
@@ -133,26 +135,27 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
     if req.tools or req.functions or req.tool_choice not in (None, "none"):
         raise bad_request("tools and function calling are not supported by this model", param="tools")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request("response_format must be {\"type\": \"text\"}: structured output is not supported",
-                          param="response_format")
+        raise bad_request('response_format must be {"type": "text"}: structured output is not supported', param="response_format")
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
     if len(req.messages) > settings.max_messages:
-        raise too_large(f"messages has {len(req.messages)} items; the limit is {settings.max_messages}",
-                        param="messages")
+        raise too_large(f"messages has {len(req.messages)} items; the limit is {settings.max_messages}", param="messages")
     messages = []
     chars = 0
     for i, m in enumerate(req.messages):
         role = ROLES.get(m.role)
         if role is None:
-            raise bad_request(f"messages[{i}].role is {m.role!r}; expected one of {', '.join(ROLES)}",
-                              param=f"messages[{i}].role")
+            raise bad_request(
+                f"messages[{i}].role is {m.role!r}; expected one of {', '.join(ROLES)}", param=f"messages[{i}].role"
+            )
         if isinstance(m.content, list):
             parts = []
             for j, part in enumerate(m.content):
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts are "
-                                      "supported", param=f"messages[{i}].content[{j}].type")
+                    raise bad_request(
+                        f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts are supported",
+                        param=f"messages[{i}].content[{j}].type",
+                    )
                 parts.append(part.text)
             content = "".join(parts)
         elif m.content is None:
@@ -163,8 +166,10 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         utf8(content, f"messages[{i}].content")
         messages.append({"role": role, "content": content})
     if chars > settings.max_prompt_chars:
-        raise too_large(f"messages have {chars} characters together; the limit is {settings.max_prompt_chars} "
-                        "(--max-prompt-chars)", param="messages")
+        raise too_large(
+            f"messages have {chars} characters together; the limit is {settings.max_prompt_chars} (--max-prompt-chars)",
+            param="messages",
+        )
     if not any(m["content"].strip() for m in messages):
         raise bad_request("every message is empty", param="messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -172,10 +177,14 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
     sampling = _sampling(req, max_tokens, model, settings, default)
     text = orjson.dumps(messages).decode("utf-8")
     if len(text.encode("utf-8")) > model.max_text_bytes:
-        raise too_large(f"messages take {len(text.encode('utf-8'))} bytes as JSON; {model.id}'s limit is "
-                        f"{model.max_text_bytes} (max_text_bytes in its config.pbtxt)", param="messages")
-    return GenerationJob(model, True, text, sampling, bool(req.stream), _include_usage(req),
-                         max_tokens_defaulted=max_tokens is None)
+        raise too_large(
+            f"messages take {len(text.encode('utf-8'))} bytes as JSON; {model.id}'s limit is "
+            f"{model.max_text_bytes} (max_text_bytes in its config.pbtxt)",
+            param="messages",
+        )
+    return GenerationJob(
+        model, True, text, sampling, bool(req.stream), _include_usage(req), max_tokens_defaulted=max_tokens is None
+    )
 
 
 # /v1/completions without max_tokens generates 16 tokens, as OpenAI and vLLM do.
@@ -195,22 +204,37 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise bad_request("prompt must be one string (or a list of one string): token prompts and several "
-                              "prompts per request are not supported", param="prompt")
+            raise bad_request(
+                "prompt must be one string (or a list of one string): token prompts and several "
+                "prompts per request are not supported",
+                param="prompt",
+            )
         prompt = prompt[0]
     if not prompt.strip():
         raise bad_request("prompt is empty or only whitespace", param="prompt")
     utf8(prompt, "prompt")
     if len(prompt) > settings.max_prompt_chars:
-        raise too_large(f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars} "
-                        "(--max-prompt-chars)", param="prompt")
+        raise too_large(
+            f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars} (--max-prompt-chars)", param="prompt"
+        )
     if len(prompt.encode("utf-8")) > model.max_text_bytes:
-        raise too_large(f"prompt has {len(prompt.encode('utf-8'))} bytes; {model.id}'s limit is "
-                        f"{model.max_text_bytes} (max_text_bytes in its config.pbtxt)", param="prompt")
+        raise too_large(
+            f"prompt has {len(prompt.encode('utf-8'))} bytes; {model.id}'s limit is "
+            f"{model.max_text_bytes} (max_text_bytes in its config.pbtxt)",
+            param="prompt",
+        )
     default = settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     sampling = _sampling(req, req.max_tokens, model, settings, default)
-    return GenerationJob(model, False, prompt, sampling, bool(req.stream), _include_usage(req),
-                         echo_prefix=prompt if req.echo else "", max_tokens_defaulted=req.max_tokens is None)
+    return GenerationJob(
+        model,
+        False,
+        prompt,
+        sampling,
+        bool(req.stream),
+        _include_usage(req),
+        echo_prefix=prompt if req.echo else "",
+        max_tokens_defaulted=req.max_tokens is None,
+    )
 
 
 # The engine's refusal of prompt + max_tokens over the context (python_backends/generation/engine.py).
@@ -264,8 +288,12 @@ def whole_body(job: GenerationJob, text: str, reason: str | None, prompt_tokens:
     """The JSON of a whole (non-streamed) chat or text completion."""
     base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
     if job.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": finish_reason(reason)}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish_reason(reason),
+        }
         body = {**base, "object": "chat.completion", "choices": [choice]}
     else:
         choice = {"index": 0, "text": job.echo_prefix + text, "logprobs": None, "finish_reason": finish_reason(reason)}
@@ -279,9 +307,13 @@ class ChunkWriter:
 
     def __init__(self, job: GenerationJob):
         self.job = job
-        self._head = {"id": job.completion_id, "created": job.created, "model": job.model.id,
-                      "system_fingerprint": None,
-                      "object": "chat.completion.chunk" if job.chat else "text_completion"}
+        self._head = {
+            "id": job.completion_id,
+            "created": job.created,
+            "model": job.model.id,
+            "system_fingerprint": None,
+            "object": "chat.completion.chunk" if job.chat else "text_completion",
+        }
         self._started = False
 
     def _event(self, choices: list, usage_value: Any = None, with_usage: bool | None = None) -> bytes:

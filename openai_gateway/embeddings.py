@@ -83,12 +83,14 @@ class EmbeddingJob:
         return [(i, min(i + limit, self.size)) for i in range(0, self.size, limit)]
 
 
-def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCounter,
-                  settings: GatewaySettings) -> EmbeddingJob:
+def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCounter, settings: GatewaySettings) -> EmbeddingJob:
     """The request as a job, or APIError naming the field and the limit it broke."""
     if req.dimensions is not None and req.dimensions != model.dimensions:
-        raise bad_request(f"dimensions is not supported by {model.id}: it was not trained for shortened embeddings "
-                          f"(its vectors have {model.dimensions} dimensions; omit dimensions)", param="dimensions")
+        raise bad_request(
+            f"dimensions is not supported by {model.id}: it was not trained for shortened embeddings "
+            f"(its vectors have {model.dimensions} dimensions; omit dimensions)",
+            param="dimensions",
+        )
     value = req.input
     if isinstance(value, str):
         value = [value]
@@ -98,16 +100,18 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
     if isinstance(value[0], int):  # one token array (the schema makes the list homogeneous)
         value = [value]
     if len(value) > settings.max_inputs:
-        raise too_large(f"input has {len(value)} items; the limit is {settings.max_inputs} per request "
-                        "(--max-inputs)", param="input")
+        raise too_large(
+            f"input has {len(value)} items; the limit is {settings.max_inputs} per request (--max-inputs)", param="input"
+        )
     if isinstance(value[0], str):
         texts: list[str] = value  # type: ignore[assignment]
         limit = settings.max_input_chars
         blobs = []
         for i, text in enumerate(texts):
             if len(text) > limit:
-                raise too_large(f"input[{i}] has {len(text)} characters; the limit is {limit} (--max-input-chars)",
-                                param=f"input[{i}]")
+                raise too_large(
+                    f"input[{i}] has {len(text)} characters; the limit is {limit} (--max-input-chars)", param=f"input[{i}]"
+                )
             if not text.strip():
                 raise bad_request(f"input[{i}] is empty or only whitespace", param=f"input[{i}]")
             blobs.append(utf8(text, f"input[{i}]"))
@@ -124,8 +128,7 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
         lo, hi = min(row), max(row)
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
-            raise bad_request(f"input[{i}] has token id {bad}, outside {model.id}'s vocabulary [0, {vocab})",
-                              param=f"input[{i}]")
+            raise bad_request(f"input[{i}] has token id {bad}, outside {model.id}'s vocabulary [0, {vocab})", param=f"input[{i}]")
     counts = [len(row) for row in ids]
     _check_lengths(counts, model)
     return EmbeddingJob(model, None, ids, counts, req.encoding_format)
@@ -136,16 +139,21 @@ def utf8(text: str, param: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise bad_request(f"{param} is not valid Unicode: {exc.reason} at character {exc.start} "
-                          "(a lone surrogate escape)", param=param) from None
+        raise bad_request(
+            f"{param} is not valid Unicode: {exc.reason} at character {exc.start} (a lone surrogate escape)", param=param
+        ) from None
 
 
 def _check_lengths(counts: list[int], model: EmbeddingModel) -> None:
     for i, n in enumerate(counts):
         if n > model.max_tokens:
-            raise APIError(400, f"input[{i}] has {n} tokens; {model.id}'s maximum context length is {model.max_tokens} "
-                           "tokens (max_sequence_length in its config.pbtxt). Shorten or split the input.",
-                           param=f"input[{i}]", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"input[{i}] has {n} tokens; {model.id}'s maximum context length is {model.max_tokens} "
+                "tokens (max_sequence_length in its config.pbtxt). Shorten or split the input.",
+                param=f"input[{i}]",
+                code="context_length_exceeded",
+            )
 
 
 def pad_ids(rows: list[list[int]], buckets: tuple[int, ...], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -164,11 +172,14 @@ def response_body(job: EmbeddingJob, vectors: np.ndarray) -> bytes:
     """OpenAI's embeddings list; ``base64`` is the little-endian float32 bytes of each vector."""
     vectors = np.ascontiguousarray(vectors, dtype="<f4")
     if job.encoding_format == "base64":
-        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(row.tobytes()).decode("ascii")}
-                for i, row in enumerate(vectors)]
+        data = [
+            {"object": "embedding", "index": i, "embedding": base64.b64encode(row.tobytes()).decode("ascii")}
+            for i, row in enumerate(vectors)
+        ]
     else:
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(vectors)]
     tokens = job.prompt_tokens
-    return orjson.dumps({"object": "list", "data": data, "model": job.model.id,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                        option=orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(
+        {"object": "list", "data": data, "model": job.model.id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )

@@ -36,8 +36,16 @@ class APIError(Exception):
     message names the limit where one was broken.
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -68,8 +76,12 @@ def too_large(message: str, param: str | None = None) -> APIError:
 def model_not_found(model: Any, kind: str, served: list[str]) -> APIError:
     """404 for a model that is not served, listing those that are."""
     names = ", ".join(served) or "none"
-    return APIError(404, f"The model {model!r} does not exist or is not a served {kind} model (served: {names})",
-                    param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model {model!r} does not exist or is not a served {kind} model (served: {names})",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def unavailable(message: str, retry_after_s: int = 1) -> APIError:

@@ -26,8 +26,17 @@ if TYPE_CHECKING:
 access_log = logging.getLogger("openai_gateway.access")
 
 # The route label of the metrics; anything else is "other" (so a scan cannot grow the label set).
-ROUTES = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/health/ready",
-          "/metrics", "/openapi.json", "/docs")
+ROUTES = (
+    "/v1/embeddings",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/health/ready",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -88,8 +97,13 @@ class RequestGate:
             limit = st.settings.max_body_bytes
             length = headers.get(b"content-length")
             if length is not None and (not length.isdigit() or int(length) > limit):
-                await refuse(APIError(413, f"the request body has {length.decode('latin-1')} bytes; the limit is "
-                                      f"{limit} (--max-body-mb)", code="request_too_large"))
+                await refuse(
+                    APIError(
+                        413,
+                        f"the request body has {length.decode('latin-1')} bytes; the limit is {limit} (--max-body-mb)",
+                        code="request_too_large",
+                    )
+                )
                 return
             seen = [0]
 
@@ -112,8 +126,14 @@ class RequestGate:
             status = status_box[0] or 499
             st.metrics.observe(route, status, elapsed)
             if st.settings.log_requests:
-                line = {"request_id": request_id, "key_id": info["key_id"], "method": scope["method"], "path": path,
-                        "status": status, "ms": round(elapsed * 1000, 2)}
+                line = {
+                    "request_id": request_id,
+                    "key_id": info["key_id"],
+                    "method": scope["method"],
+                    "path": path,
+                    "status": status,
+                    "ms": round(elapsed * 1000, 2),
+                }
                 for k in ("model", "prompt_tokens", "completion_tokens", "error", "texts"):
                     if k in info:
                         line[k] = info[k]
@@ -124,16 +144,21 @@ class RequestGate:
         auth = headers.get(b"authorization")
         kid = st.keys.check(auth.decode("latin-1") if auth is not None else None)
         if kid is None:
-            return APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>` "
-                            "(keys: $GATEWAY_API_KEYS or the gateway's key file)", code="invalid_api_key")
+            return APIError(
+                401,
+                "Missing or invalid API key: send `Authorization: Bearer <key>` "
+                "(keys: $GATEWAY_API_KEYS or the gateway's key file)",
+                code="invalid_api_key",
+            )
         info["key_id"] = kid
         try:
             retry = st.limiter.check(kid)
             if not isinstance(retry, int):  # the shared limiter asks Redis
                 retry = await retry
         except RateLimiterUnavailable as exc:
-            return APIError(503, f"{exc}; retry later", code="rate_limiter_unavailable", type="server_error",
-                            headers={"Retry-After": "1"})
+            return APIError(
+                503, f"{exc}; retry later", code="rate_limiter_unavailable", type="server_error", headers={"Retry-After": "1"}
+            )
         finally:
             errors = getattr(st.limiter, "redis_errors", 0)
             if errors > st.redis_errors_seen:
@@ -141,9 +166,13 @@ class RequestGate:
                 st.redis_errors_seen = errors
         if retry:
             st.metrics.rate_limited.labels(kid).inc()
-            return APIError(429, f"Rate limit reached for this key: {st.limiter.rate:g} requests/s, bursts of "
-                            f"{st.limiter.burst}; retry after {retry} s", code="rate_limit_exceeded",
-                            headers={"Retry-After": str(retry)})
+            return APIError(
+                429,
+                f"Rate limit reached for this key: {st.limiter.rate:g} requests/s, bursts of "
+                f"{st.limiter.burst}; retry after {retry} s",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(retry)},
+            )
         return None
 
 

@@ -31,12 +31,14 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        err = APIError(400, f"The body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                       code="invalid_json")
+        err = APIError(
+            400, f"The body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", code="invalid_json"
+        )
     else:
         param = ".".join(loc) or None
-        details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                            for e in errors[:5])
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
+        )
         err = APIError(422, f"Invalid request: {details}", param=param, code="invalid_request")
     request_info(request)["error"] = err.type
     return error_response(err)
@@ -45,8 +47,11 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
     """Routing's 404 and 405, and a body over the limit read inside a route (413)."""
     message = {404: f"Unknown path {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-    err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
-                   code="request_too_large" if exc.status_code == 413 else None)
+    err = APIError(
+        exc.status_code,
+        message.get(exc.status_code, str(exc.detail)),
+        code="request_too_large" if exc.status_code == 413 else None,
+    )
     return error_response(err)
 
 

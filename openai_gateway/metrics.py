@@ -17,25 +17,45 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("gateway_requests", "HTTP requests answered, by route and status",
-                                ("route", "status"), registry=r)
-        self.latency = Histogram("gateway_request_duration_seconds",
-                                 "Time from request to the last byte of the response, by route and status",
-                                 ("route", "status"), buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens = Counter("gateway_tokens", "Tokens in (prompt) and out (completion) by API key id and model",
-                              ("key_id", "model", "direction"), registry=r)
-        self.ttft = Histogram("gateway_time_to_first_token_seconds", "Streams: time from request to the first text",
-                              ("model",), buckets=LATENCY_BUCKETS, registry=r)
-        self.rate_limited = Counter("gateway_rate_limited", "Requests refused by the per-key rate limit",
-                                    ("key_id",), registry=r)
-        self.rate_limit_redis_errors = Counter("gateway_rate_limit_redis_errors",
-                                               "Rate limit checks Redis did not answer (the fail mode applied)",
-                                               registry=r)
-        self.cancelled = Counter("gateway_cancelled", "Requests whose client went away before the answer; "
-                                 "their Triton requests were cancelled", ("route",), registry=r)
-        self.coalesced = Histogram("gateway_embedding_requests_per_triton_request",
-                                   "Embeddings requests sent to Triton together as one request (coalescing)",
-                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.requests = Counter(
+            "gateway_requests", "HTTP requests answered, by route and status", ("route", "status"), registry=r
+        )
+        self.latency = Histogram(
+            "gateway_request_duration_seconds",
+            "Time from request to the last byte of the response, by route and status",
+            ("route", "status"),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "gateway_tokens",
+            "Tokens in (prompt) and out (completion) by API key id and model",
+            ("key_id", "model", "direction"),
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Streams: time from request to the first text",
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rate_limited = Counter("gateway_rate_limited", "Requests refused by the per-key rate limit", ("key_id",), registry=r)
+        self.rate_limit_redis_errors = Counter(
+            "gateway_rate_limit_redis_errors", "Rate limit checks Redis did not answer (the fail mode applied)", registry=r
+        )
+        self.cancelled = Counter(
+            "gateway_cancelled",
+            "Requests whose client went away before the answer; their Triton requests were cancelled",
+            ("route",),
+            registry=r,
+        )
+        self.coalesced = Histogram(
+            "gateway_embedding_requests_per_triton_request",
+            "Embeddings requests sent to Triton together as one request (coalescing)",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
         self.in_flight = Gauge("gateway_requests_in_flight", "Requests being answered", registry=r)
         self.triton_ready = Gauge("gateway_triton_ready", "1 when Triton and the served models are ready", registry=r)
 

@@ -110,8 +110,17 @@ class SharedRateLimiter:
     ``fail="closed"`` raises ``RateLimiterUnavailable`` (the gateway answers 503). Either way
     ``redis_errors`` counts it; Redis is asked again at the next request."""
 
-    def __init__(self, url: str, rate: float, burst: int, *, fail: str = FAIL_OPEN, timeout_s: float = 0.25,
-                 prefix: str = "gateway:ratelimit:", clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        url: str,
+        rate: float,
+        burst: int,
+        *,
+        fail: str = FAIL_OPEN,
+        timeout_s: float = 0.25,
+        prefix: str = "gateway:ratelimit:",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if fail not in (FAIL_OPEN, FAIL_CLOSED):
             raise ValueError(f"rate limit fail mode must be {FAIL_OPEN!r} or {FAIL_CLOSED!r}, got {fail!r}")
         import redis.asyncio as aioredis

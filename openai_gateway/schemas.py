@@ -24,7 +24,8 @@ class EmbeddingRequest(_Body):
 
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="A text, a list of texts, a list of token ids, or a list of token id lists "
-        "(ids of the model's own tokenizer, special tokens included)")
+        "(ids of the model's own tokenizer, special tokens included)"
+    )
     model: StrictStr
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None

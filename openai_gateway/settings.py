@@ -76,46 +76,100 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = GatewaySettings()
     p.add_argument("--host", default=_env("GATEWAY_HOST", d.host), help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=int(_env("GATEWAY_PORT", str(d.port))))
-    p.add_argument("--triton", dest="triton_url", default=_env("GATEWAY_TRITON_URL", d.triton_url),
-                   help="Triton's gRPC host:port (default 127.0.0.1:8001)")
+    p.add_argument(
+        "--triton",
+        dest="triton_url",
+        default=_env("GATEWAY_TRITON_URL", d.triton_url),
+        help="Triton's gRPC host:port (default 127.0.0.1:8001)",
+    )
     p.add_argument("--model-repository", type=Path, default=Path(_env("GATEWAY_MODEL_REPOSITORY", str(d.model_repository))))
-    p.add_argument("--api-key-file", type=Path, default=Path(_env("GATEWAY_API_KEY_FILE", str(d.api_key_file))),
-                   help="the key file used when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) when missing")
-    p.add_argument("--cors-origins", default=_env("GATEWAY_CORS_ORIGINS", ""),
-                   help="comma-separated origins allowed by CORS (default none: CORS off)")
-    p.add_argument("--rate-limit", dest="rate_limit_rps", type=float,
-                   default=float(_env("GATEWAY_RATE_LIMIT_RPS", str(d.rate_limit_rps))),
-                   help="requests per second per API key (token bucket; 0 = no limit; default 100)")
-    p.add_argument("--rate-burst", dest="rate_limit_burst", type=int,
-                   default=int(_env("GATEWAY_RATE_LIMIT_BURST", str(d.rate_limit_burst))))
-    p.add_argument("--rate-limit-redis", dest="rate_limit_redis_url",
-                   default=_env("GATEWAY_RATE_LIMIT_REDIS_URL", d.rate_limit_redis_url),
-                   help="Redis URL: one token bucket per key for every gateway sharing it (default: this gateway's own)")
-    p.add_argument("--rate-limit-fail", dest="rate_limit_fail", choices=("open", "closed"),
-                   default=_env("GATEWAY_RATE_LIMIT_FAIL", d.rate_limit_fail),
-                   help="Redis down: open = this gateway's own bucket (default), closed = 503")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=Path(_env("GATEWAY_API_KEY_FILE", str(d.api_key_file))),
+        help="the key file used when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) when missing",
+    )
+    p.add_argument(
+        "--cors-origins",
+        default=_env("GATEWAY_CORS_ORIGINS", ""),
+        help="comma-separated origins allowed by CORS (default none: CORS off)",
+    )
+    p.add_argument(
+        "--rate-limit",
+        dest="rate_limit_rps",
+        type=float,
+        default=float(_env("GATEWAY_RATE_LIMIT_RPS", str(d.rate_limit_rps))),
+        help="requests per second per API key (token bucket; 0 = no limit; default 100)",
+    )
+    p.add_argument(
+        "--rate-burst", dest="rate_limit_burst", type=int, default=int(_env("GATEWAY_RATE_LIMIT_BURST", str(d.rate_limit_burst)))
+    )
+    p.add_argument(
+        "--rate-limit-redis",
+        dest="rate_limit_redis_url",
+        default=_env("GATEWAY_RATE_LIMIT_REDIS_URL", d.rate_limit_redis_url),
+        help="Redis URL: one token bucket per key for every gateway sharing it (default: this gateway's own)",
+    )
+    p.add_argument(
+        "--rate-limit-fail",
+        dest="rate_limit_fail",
+        choices=("open", "closed"),
+        default=_env("GATEWAY_RATE_LIMIT_FAIL", d.rate_limit_fail),
+        help="Redis down: open = this gateway's own bucket (default), closed = 503",
+    )
     p.add_argument("--max-body-mb", type=float, default=float(_env("GATEWAY_MAX_BODY_MB", "16")))
     p.add_argument("--max-inputs", type=int, default=int(_env("GATEWAY_MAX_INPUTS", str(d.max_inputs))))
     p.add_argument("--max-input-chars", type=int, default=int(_env("GATEWAY_MAX_INPUT_CHARS", str(d.max_input_chars))))
     p.add_argument("--max-prompt-chars", type=int, default=int(_env("GATEWAY_MAX_PROMPT_CHARS", str(d.max_prompt_chars))))
-    p.add_argument("--default-max-tokens", type=int, default=int(_env("GATEWAY_DEFAULT_MAX_TOKENS", "0")),
-                   help="max_tokens of a request that names none (default 0: the model's max_tokens_limit)")
-    p.add_argument("--max-tokens-cap", type=int, default=int(_env("GATEWAY_MAX_TOKENS_CAP", "0")),
-                   help="refuse max_tokens above this (default 0: the model's max_tokens_limit)")
-    p.add_argument("--triton-timeout", dest="triton_timeout_s", type=float,
-                   default=float(_env("GATEWAY_TRITON_TIMEOUT_S", str(d.triton_timeout_s))))
-    p.add_argument("--generation-timeout", dest="generation_timeout_s", type=float,
-                   default=float(_env("GATEWAY_GENERATION_TIMEOUT_S", str(d.generation_timeout_s))))
-    p.add_argument("--triton-health-dir", type=Path, default=_env("GATEWAY_TRITON_HEALTH_DIR", "") or None,
-                   help="the launcher's stub watchdog folder: a generation stream of a model marked there ends "
-                        "with a 503 error event instead of waiting for --generation-timeout")
-    p.add_argument("--embedding-entry", choices=("cached", "direct"), default=_env("GATEWAY_EMBEDDING_ENTRY", d.embedding_entry),
-                   help="cached: through the result cache entry point (default); direct: the ensemble itself")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=int(_env("GATEWAY_DEFAULT_MAX_TOKENS", "0")),
+        help="max_tokens of a request that names none (default 0: the model's max_tokens_limit)",
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=int(_env("GATEWAY_MAX_TOKENS_CAP", "0")),
+        help="refuse max_tokens above this (default 0: the model's max_tokens_limit)",
+    )
+    p.add_argument(
+        "--triton-timeout",
+        dest="triton_timeout_s",
+        type=float,
+        default=float(_env("GATEWAY_TRITON_TIMEOUT_S", str(d.triton_timeout_s))),
+    )
+    p.add_argument(
+        "--generation-timeout",
+        dest="generation_timeout_s",
+        type=float,
+        default=float(_env("GATEWAY_GENERATION_TIMEOUT_S", str(d.generation_timeout_s))),
+    )
+    p.add_argument(
+        "--triton-health-dir",
+        type=Path,
+        default=_env("GATEWAY_TRITON_HEALTH_DIR", "") or None,
+        help="the launcher's stub watchdog folder: a generation stream of a model marked there ends "
+        "with a 503 error event instead of waiting for --generation-timeout",
+    )
+    p.add_argument(
+        "--embedding-entry",
+        choices=("cached", "direct"),
+        default=_env("GATEWAY_EMBEDDING_ENTRY", d.embedding_entry),
+        help="cached: through the result cache entry point (default); direct: the ensemble itself",
+    )
     p.add_argument("--no-request-log", action="store_true", help="no log line per request")
-    p.add_argument("--no-coalesce", action="store_true",
-                   help="send each embeddings request to Triton alone (default: concurrent ones together)")
-    p.add_argument("--coalesce-max-rows", type=int, default=int(_env("GATEWAY_COALESCE_MAX_ROWS", str(d.coalesce_max_rows))),
-                   help=f"texts per coalesced Triton request (default {d.coalesce_max_rows}; at most the model's max_batch_size)")
+    p.add_argument(
+        "--no-coalesce",
+        action="store_true",
+        help="send each embeddings request to Triton alone (default: concurrent ones together)",
+    )
+    p.add_argument(
+        "--coalesce-max-rows",
+        type=int,
+        default=int(_env("GATEWAY_COALESCE_MAX_ROWS", str(d.coalesce_max_rows))),
+        help=f"texts per coalesced Triton request (default {d.coalesce_max_rows}; at most the model's max_batch_size)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> GatewaySettings:

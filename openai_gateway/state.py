@@ -31,16 +31,22 @@ class GatewayState:
         self.metrics = GatewayMetrics()
         if settings.rate_limit_redis_url and settings.rate_limit_rps > 0:
             # One bucket per key for every gateway behind the front door (serve-cluster's Redis).
-            self.limiter = SharedRateLimiter(settings.rate_limit_redis_url, settings.rate_limit_rps,
-                                             settings.rate_limit_burst, fail=settings.rate_limit_fail)
+            self.limiter = SharedRateLimiter(
+                settings.rate_limit_redis_url, settings.rate_limit_rps, settings.rate_limit_burst, fail=settings.rate_limit_fail
+            )
         else:
             self.limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
         self.redis_errors_seen = 0
-        self.backend = TritonBackend(settings.triton_url, self.catalog, settings.triton_timeout_s,
-                                     settings.generation_timeout_s, settings.ready_poll_s,
-                                     coalesce=settings.coalesce_embeddings,
-                                     coalesce_max_rows=settings.coalesce_max_rows,
-                                     health_dir=settings.triton_health_dir)
+        self.backend = TritonBackend(
+            settings.triton_url,
+            self.catalog,
+            settings.triton_timeout_s,
+            settings.generation_timeout_s,
+            settings.ready_poll_s,
+            coalesce=settings.coalesce_embeddings,
+            coalesce_max_rows=settings.coalesce_max_rows,
+            health_dir=settings.triton_health_dir,
+        )
         self.backend.on_batch = self.metrics.coalesced.observe
         self.counters: dict[str, embeddings.TokenCounter] = {}
         for m in self.catalog.of_kind("embedding"):

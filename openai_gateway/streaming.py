@@ -63,8 +63,9 @@ def record_usage(info: dict, job: completions.GenerationJob, tally: completions.
     metrics.count_tokens(info["key_id"], job.model.id, tally.prompt_tokens, tally.completion_tokens)
 
 
-async def sse_events(request: Request, job: completions.GenerationJob, first, pieces: AsyncIterator, info: dict,
-                     metrics: GatewayMetrics) -> AsyncIterator[bytes]:
+async def sse_events(
+    request: Request, job: completions.GenerationJob, first, pieces: AsyncIterator, info: dict, metrics: GatewayMetrics
+) -> AsyncIterator[bytes]:
     """The SSE chunks of a streamed completion, from its ``first`` piece on: the text pieces, then
     the finish (and usage) chunk and ``[DONE]``; an error mid-stream as an error event. However
     it ends, the Triton stream is closed and the usage counted."""

@@ -97,8 +97,17 @@ class TritonBackend:
     """The gateway's side of Triton: one gRPC channel, the models' readiness polled in the
     background, embeddings (coalesced) and generation streams."""
 
-    def __init__(self, url: str, catalog: Catalog, timeout_s: float, generation_timeout_s: float, poll_s: float = 1.0,
-                 coalesce: bool = True, coalesce_max_rows: int = 16, health_dir: Path | None = None):
+    def __init__(
+        self,
+        url: str,
+        catalog: Catalog,
+        timeout_s: float,
+        generation_timeout_s: float,
+        poll_s: float = 1.0,
+        coalesce: bool = True,
+        coalesce_max_rows: int = 16,
+        health_dir: Path | None = None,
+    ):
         self.url = url
         # The launcher's stub watchdog folder: a file per model whose instance died (server/stubs.py).
         self.health_dir = health_dir
@@ -137,15 +146,16 @@ class TritonBackend:
         """Poll Triton's liveness and each served model's readiness once."""
         # Readiness of each model, not the repository index: the index is behind the
         # repository API's token, which the gateway does not need otherwise.
-        names = sorted({n for m in self.catalog.models.values() for n in self.catalog.triton_models(m)}
-                       | {n for m in self.catalog.of_kind("embedding") for lane in m.lanes for n in lane[1:]})
+        names = sorted(
+            {n for m in self.catalog.models.values() for n in self.catalog.triton_models(m)}
+            | {n for m in self.catalog.of_kind("embedding") for lane in m.lanes for n in lane[1:]}
+        )
         # Liveness, then each model's own readiness: tritonserver's server readiness is false
         # while any model loads or unloads (strict readiness), which says nothing of the models
         # the gateway serves (a router unloaded beside them turned every request into a 503).
         try:
             ready = await self.client.is_server_live(client_timeout=2.0)
-            states = await asyncio.gather(*(self.client.is_model_ready(n, client_timeout=2.0) for n in names)) \
-                if ready else []
+            states = await asyncio.gather(*(self.client.is_model_ready(n, client_timeout=2.0) for n in names)) if ready else []
             self._missed_polls = 0
         except Exception as exc:  # Triton down or starting: not ready, logged once per change
             self._missed_polls += 1
@@ -156,8 +166,12 @@ class TritonBackend:
             ready, states = False, []
         models = frozenset(n for n, ok in zip(names, states) if ok)
         if ready != self.server_ready or models != self.ready_models:
-            log.info("Triton at %s %s; models ready: %s", self.url, "is ready" if ready else "is not ready",
-                     ", ".join(sorted(models)) or "none")
+            log.info(
+                "Triton at %s %s; models ready: %s",
+                self.url,
+                "is ready" if ready else "is not ready",
+                ", ".join(sorted(models)) or "none",
+            )
         self.server_ready, self.ready_models = ready, models
 
     async def _watch(self) -> None:
@@ -177,8 +191,9 @@ class TritonBackend:
         """503 when the class's entry models are not loaded and ready in Triton."""
         missing = [n for n in model.entries(priority_class) if n not in self.ready_models]
         if missing:
-            raise unavailable(f"{model.id}: priority class {priority_class!r} is not served now "
-                              f"(not ready: {', '.join(missing)})")
+            raise unavailable(
+                f"{model.id}: priority class {priority_class!r} is not served now (not ready: {', '.join(missing)})"
+            )
 
     def require_ready(self, model: Model) -> None:
         """503 unless Triton and every model ``model`` reaches are ready."""
@@ -190,8 +205,9 @@ class TritonBackend:
 
     # --- embeddings ----------------------------------------------------------------------
 
-    async def _infer(self, model_name: str, tensors: list[tuple[str, str, tuple[int, ...], bytes]], output: str,
-                     request_id: str) -> np.ndarray:
+    async def _infer(
+        self, model_name: str, tensors: list[tuple[str, str, tuple[int, ...], bytes]], output: str, request_id: str
+    ) -> np.ndarray:
         """One ModelInfer call with raw tensor contents, built straight into the protobuf
         (tritonclient's InferInput/InferResult copy and convert each tensor once more: a
         quarter of the gateway's CPU per cached embedding), on the client's own channel."""
@@ -213,18 +229,19 @@ class TritonBackend:
         for i, out in enumerate(response.outputs):
             if out.name == output:
                 if out.datatype != "FP32":
-                    raise APIError(502, f"{model_name} answered {output} as {out.datatype}, not FP32",
-                                   code="triton_error")
+                    raise APIError(502, f"{model_name} answered {output} as {out.datatype}, not FP32", code="triton_error")
                 return np.frombuffer(response.raw_output_contents[i], dtype="<f4").reshape(tuple(out.shape))
         raise APIError(502, f"{model_name} answered without {output}", code="triton_error")
 
-    async def embed_texts(self, model: EmbeddingModel, blobs: list[bytes], request_id: str,
-                          priority_class: str | None = None) -> np.ndarray:
+    async def embed_texts(
+        self, model: EmbeddingModel, blobs: list[bytes], request_id: str, priority_class: str | None = None
+    ) -> np.ndarray:
         """The vectors of ``blobs`` (UTF-8 texts) from the priority class's text entry."""
         # BYTES tensors on the wire: each element a 4-byte little-endian length, then its bytes.
         raw = b"".join(_LENGTH.pack(len(b)) + b for b in blobs)
-        return await self._infer(model.entries(priority_class)[0], [("TEXT", "BYTES", (len(blobs), 1), raw)],
-                                 "EMBEDDING", request_id)
+        return await self._infer(
+            model.entries(priority_class)[0], [("TEXT", "BYTES", (len(blobs), 1), raw)], "EMBEDDING", request_id
+        )
 
     def _coalescer(self, model: EmbeddingModel, priority_class: str | None) -> Coalescer:
         key = (model.id, priority_class)
@@ -245,9 +262,15 @@ class TritonBackend:
                     return await self._coalescer(model, job.priority_class).submit(job.blobs, rid)
                 return await self.embed_texts(model, job.blobs[start:stop], rid, job.priority_class)
             ids, mask = pad_ids(job.ids[start:stop], model.buckets, pad_id)
-            return await self._infer(model.entries(job.priority_class)[1], [("input_ids", "INT64", ids.shape, ids.astype("<i8").tobytes()),
-                                                       ("attention_mask", "INT64", mask.shape,
-                                                        mask.astype("<i8").tobytes())], model.ids_output, rid)
+            return await self._infer(
+                model.entries(job.priority_class)[1],
+                [
+                    ("input_ids", "INT64", ids.shape, ids.astype("<i8").tobytes()),
+                    ("attention_mask", "INT64", mask.shape, mask.astype("<i8").tobytes()),
+                ],
+                model.ids_output,
+                rid,
+            )
 
         if len(spans) == 1:
             return await one(0, *spans[0])
@@ -270,8 +293,12 @@ class TritonBackend:
         param_map = {"text_input": "messages" if job.chat else "prompt"}
 
         async def requests():
-            yield {"model_name": job.model.id, "inputs": request.grpc_inputs(job.stream), "request_id": request_id,
-                   "parameters": {"triton_enable_empty_final_response": True}}
+            yield {
+                "model_name": job.model.id,
+                "inputs": request.grpc_inputs(job.stream),
+                "request_id": request_id,
+                "parameters": {"triton_enable_empty_final_response": True},
+            }
 
         call = self.client.stream_infer(requests(), stream_timeout=self.generation_timeout_s)
         finished = False
@@ -296,7 +323,6 @@ class TritonBackend:
             if not finished:
                 call.cancel()
 
-
     async def _watched(self, call, model: str):
         """The stream's items; while none arrives, the watchdog folder is looked at every
         HEALTH_POLL_S: once ``model`` is marked there, its instance died with this stream open
@@ -314,9 +340,14 @@ class TritonBackend:
                     if done:
                         break
                     if (self.health_dir / model).exists():
-                        raise APIError(503, f"model {model} lost the instance serving this stream (its python backend "
-                                            f"stub died; it is being reloaded): retry", code="model_unavailable",
-                                       type="server_error", headers={"Retry-After": "1"})
+                        raise APIError(
+                            503,
+                            f"model {model} lost the instance serving this stream (its python backend "
+                            f"stub died; it is being reloaded): retry",
+                            code="model_unavailable",
+                            type="server_error",
+                            headers={"Retry-After": "1"},
+                        )
             finally:
                 if not step.done():
                     step.cancel()  # the caller cancels the call itself
@@ -341,8 +372,9 @@ class Coalescer:
     each request is sent again alone, so one request's error is its own.
     """
 
-    def __init__(self, backend: TritonBackend, model: EmbeddingModel, priority_class: str | None = None,
-                 max_rows: int | None = None):
+    def __init__(
+        self, backend: TritonBackend, model: EmbeddingModel, priority_class: str | None = None, max_rows: int | None = None
+    ):
         self.backend = backend
         self.model = model
         self.priority_class = priority_class
@@ -383,8 +415,7 @@ class Coalescer:
             return
         blobs = [b for item in group for b in item[0]]
         try:
-            vectors = await self.backend.embed_texts(self.model, blobs, ",".join(item[1] for item in group),
-                                                     self.priority_class)
+            vectors = await self.backend.embed_texts(self.model, blobs, ",".join(item[1] for item in group), self.priority_class)
         except APIError as exc:
             if exc.status == 503:  # the class is at capacity: sending each again would add load
                 for _, _, future in group:

@@ -16,9 +16,31 @@ RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "
 
 # PromQL words that look like metric names: aggregations, functions, operators, modifiers.
 _KEYWORDS = {
-    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "count_values",
-    "group", "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
-    "offset", "inf", "nan",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
 }
 _NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
@@ -42,7 +64,7 @@ def series_names(expr: str) -> set[str]:
     names = set()
     for match in _NAME.finditer(text):
         name = match.group(0)
-        rest = text[match.end():].lstrip()
+        rest = text[match.end() :].lstrip()
         if name.lower() in _KEYWORDS or rest.startswith("("):  # a keyword or a function call
             continue
         names.add(name)

@@ -73,12 +73,14 @@ def token_headers(token: str | None = None) -> dict[str, str]:
     return {TOKEN_HEADER: token} if token else {}
 
 
-def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None,
-         timeout: float = 120.0) -> tuple[int, bytes]:
+def http(
+    url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None, timeout: float = 120.0
+) -> tuple[int, bytes]:
     """One HTTP call: (status, body); connection errors give status 0."""
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, r.read()
@@ -137,7 +139,9 @@ class RepositoryClient:
         deadline = time.monotonic() + timeout
         while not self.ready(model, version):
             if time.monotonic() > deadline:
-                raise RepositoryError(f"{model}{'' if version is None else f' version {version}'} not ready after {timeout:.0f} s")
+                raise RepositoryError(
+                    f"{model}{'' if version is None else f' version {version}'} not ready after {timeout:.0f} s"
+                )
             time.sleep(0.2)
 
     def version_stats(self, model: str) -> dict[int, dict[str, float]]:
@@ -301,8 +305,9 @@ class ReplicatedRepositoryClient:
 CLUSTER_REPLICAS_PATH = "/v2/cluster/replicas"
 
 
-def connect(url: str, token: str | None = None, metrics_url: str | None = None,
-            timeout: float = 300.0) -> RepositoryClient | ReplicatedRepositoryClient:
+def connect(
+    url: str, token: str | None = None, metrics_url: str | None = None, timeout: float = 300.0
+) -> RepositoryClient | ReplicatedRepositoryClient:
     """A client for the server at ``url``: when it is serve-cluster's front door (it answers
     ``GET /v2/cluster/replicas``), one that acts on every replica directly; else a plain one."""
     plain = RepositoryClient(url, token=token, metrics_url=metrics_url, timeout=timeout)

@@ -283,8 +283,8 @@ CALLS_METRIC = "canary_encoder_calls_total"  # = python_backends.routing.router.
 # 0.5 s (python_backends.routing.router.FLUSH_INTERVAL_S): a read right at a step's end misses
 # up to that much of its traffic, so the final read of a step waits past it.
 FLUSH_WAIT_S = 1.0
-_BUCKET = re.compile(r'^(\w+)_bucket\{([^}]*)\}\s+(\S+)', re.M)
-_SAMPLE = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)', re.M)
+_BUCKET = re.compile(r"^(\w+)_bucket\{([^}]*)\}\s+(\S+)", re.M)
+_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\}\s+(\S+)", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -355,28 +355,49 @@ class Verdict:
     figures: dict
 
 
-def judge(ok_n: int, fail_n: int, candidate: int, stable_p99_ms: float | None, candidate_p99_ms: float | None,
-          thresholds: Thresholds, final: bool) -> Verdict:
+def judge(
+    ok_n: int,
+    fail_n: int,
+    candidate: int,
+    stable_p99_ms: float | None,
+    candidate_p99_ms: float | None,
+    thresholds: Thresholds,
+    final: bool,
+) -> Verdict:
     """One check of the canary from its encoder calls in the step so far (succeeded, failed).
     The error rate is judged as soon as enough calls were seen; the P99 only at the end of a
     step (``final``), when the window holds the step's traffic."""
     total = ok_n + fail_n
-    figures = {"calls": int(total), "failed": int(fail_n),
-               "error_rate": round(fail_n / total, 4) if total else None,
-               "p99_ms": None if candidate_p99_ms is None else round(candidate_p99_ms, 2),
-               "stable_p99_ms": None if stable_p99_ms is None else round(stable_p99_ms, 2)}
+    figures = {
+        "calls": int(total),
+        "failed": int(fail_n),
+        "error_rate": round(fail_n / total, 4) if total else None,
+        "p99_ms": None if candidate_p99_ms is None else round(candidate_p99_ms, 2),
+        "stable_p99_ms": None if stable_p99_ms is None else round(stable_p99_ms, 2),
+    }
     if total < thresholds.min_requests:
-        return Verdict(True, False, f"{int(total)} calls of version {candidate}, fewer than {thresholds.min_requests}: not judged", figures)
+        return Verdict(
+            True, False, f"{int(total)} calls of version {candidate}, fewer than {thresholds.min_requests}: not judged", figures
+        )
     rate = fail_n / total
     if rate > thresholds.max_error_rate:
-        return Verdict(False, True, f"version {candidate} error rate {rate:.1%} ({int(fail_n)} of {int(total)}) "
-                                    f"> {thresholds.max_error_rate:.1%}", figures)
+        return Verdict(
+            False,
+            True,
+            f"version {candidate} error rate {rate:.1%} ({int(fail_n)} of {int(total)}) > {thresholds.max_error_rate:.1%}",
+            figures,
+        )
     if final and candidate_p99_ms is not None and stable_p99_ms is not None:
         limit = max(stable_p99_ms * thresholds.p99_ratio, stable_p99_ms + thresholds.p99_slack_ms)
         if candidate_p99_ms > limit:
-            return Verdict(False, True, f"version {candidate} P99 {candidate_p99_ms:.1f} ms > {limit:.1f} ms "
-                                        f"(stable P99 {stable_p99_ms:.1f} ms x {thresholds.p99_ratio} or "
-                                        f"+ {thresholds.p99_slack_ms:.0f} ms)", figures)
+            return Verdict(
+                False,
+                True,
+                f"version {candidate} P99 {candidate_p99_ms:.1f} ms > {limit:.1f} ms "
+                f"(stable P99 {stable_p99_ms:.1f} ms x {thresholds.p99_ratio} or "
+                f"+ {thresholds.p99_slack_ms:.0f} ms)",
+                figures,
+            )
     return Verdict(True, True, "ok", figures)
 
 
@@ -392,10 +413,17 @@ def check_steps(steps: list[int]) -> list[int]:
 class Rollout:
     """The commands, on one server and one state file."""
 
-    def __init__(self, client: RepositoryClient, state_path: Path, say: Callable[[str], None] = print,
-                 sleep: Callable[[float], None] = time.sleep, smoke_model: str = SMOKE_MODEL,
-                 clock: Callable[[], float] = time.time, repository: Path = ROOT / "model_repository",
-                 config_name: str | None = None):
+    def __init__(
+        self,
+        client: RepositoryClient,
+        state_path: Path,
+        say: Callable[[str], None] = print,
+        sleep: Callable[[float], None] = time.sleep,
+        smoke_model: str = SMOKE_MODEL,
+        clock: Callable[[], float] = time.time,
+        repository: Path = ROOT / "model_repository",
+        config_name: str | None = None,
+    ):
         self.client = client
         self.state_path = Path(state_path)
         # Where the config of a model that is not loaded comes from (the router before a rollout
@@ -445,8 +473,9 @@ class Rollout:
         if state.history and state.history[-1]["event"] == "start":  # not a resumed start: we may have loaded it
             state.router_kept = self.client.ready(state.router)
         weights = validate_weights(state.weights)
-        self.say(f"rollout: {state.entry}: {describe_form(ROUTED, state.encoder, state.router)}, "
-                 f"weights {format_weights(weights)}")
+        self.say(
+            f"rollout: {state.entry}: {describe_form(ROUTED, state.encoder, state.router)}, weights {format_weights(weights)}"
+        )
         set_weights(self.client, state.router, weights, base=self._config(state.router))
         self.client.load(state.entry, routed_form(self.client.config(state.entry), state.encoder, state.router))
         state.event("router in front", weights=format_weights(weights))
@@ -468,8 +497,9 @@ class Rollout:
             if not state.router_kept and self.client.ready(state.router):
                 self.client.unload(state.router)
         except (RepositoryError, ConfigError) as exc:
-            self.say(f"rollout: the router could not be taken out of {state.entry} ({exc}); version "
-                     f"{state.stable} serves through it")
+            self.say(
+                f"rollout: the router could not be taken out of {state.entry} ({exc}); version {state.stable} serves through it"
+            )
 
     def _save(self, state: RolloutState) -> None:
         state.save(self.state_path)
@@ -483,8 +513,10 @@ class Rollout:
 
     def _smoke(self, state: RolloutState, version: int) -> None:
         """One request pinned to ``version`` through the entry model: it must answer from it."""
-        body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [SMOKE_TEXT]}],
-                "parameters": {"encoder_version": version}}
+        body = {
+            "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [SMOKE_TEXT]}],
+            "parameters": {"encoder_version": version},
+        }
         replicas = getattr(self.client, "replicas", [self.client])  # a cluster: each replica must pass
         for index, client in enumerate(replicas):
             result = client.infer_json(self.smoke_model, body)
@@ -497,18 +529,28 @@ class Rollout:
                 raise RepositoryError(f"smoke check of version {version}{where}: served by {served}, |embedding| = {norm:.3f}")
 
     # -- start / resume
-    def start(self, version: int, steps: list[int] | None = None, dwell_s: float | None = None,
-              thresholds: Thresholds | None = None, check_interval_s: float = 5.0,
-              window_s: float | None = None) -> int:
+    def start(
+        self,
+        version: int,
+        steps: list[int] | None = None,
+        dwell_s: float | None = None,
+        thresholds: Thresholds | None = None,
+        check_interval_s: float = 5.0,
+        window_s: float | None = None,
+    ) -> int:
         state = self.state()
         if state.phase == "canary" and state.candidate == version:
             self.say(f"rollout: resuming version {version} at step {state.step + 1} of {len(state.steps)}")
         elif state.phase == "canary":
-            raise UsageError(f"a rollout of version {state.candidate} is in progress (step {state.step + 1}); "
-                             f"roll it back or let it finish first")
+            raise UsageError(
+                f"a rollout of version {state.candidate} is in progress (step {state.step + 1}); "
+                f"roll it back or let it finish first"
+            )
         elif state.phase == "rolled_out":
-            raise UsageError(f"version {state.candidate} is rolled out and version {state.stable} kept for rollback; "
-                             f"run `rollout finish` (or `rollback`) before starting another rollout")
+            raise UsageError(
+                f"version {state.candidate} is rolled out and version {state.stable} kept for rollback; "
+                f"run `rollout finish` (or `rollback`) before starting another rollout"
+            )
         else:
             if version == state.stable:
                 raise UsageError(f"version {version} is already the serving version")
@@ -560,8 +602,10 @@ class Rollout:
         state.phase, state.completed_at = "rolled_out", time.time()
         state.event("rolled out", candidate=version, keep_until=round(state.completed_at + state.rollback_window_s))
         self._save(state)
-        self.say(f"rollout: version {version} serves 100 %; version {state.stable} stays loaded for "
-                 f"{state.rollback_window_s:.0f} s (`rollout rollback` until then, `rollout finish` after)")
+        self.say(
+            f"rollout: version {version} serves 100 %; version {state.stable} stays loaded for "
+            f"{state.rollback_window_s:.0f} s (`rollout rollback` until then, `rollout finish` after)"
+        )
         return 0
 
     def _watch(self, state: RolloutState, limits: Thresholds, interval_s: float) -> Verdict | None:
@@ -615,14 +659,20 @@ class Rollout:
                 return Verdict(True, False, f"{verdict.reason}; passed unjudged (--allow-unjudged)", verdict.figures)
             waited = self.clock() - end
             if self.clock() >= deadline:
-                return Verdict(False, False,
-                               f"{verdict.reason} after the {state.dwell_s:.0f} s dwell and {waited:.0f} s more waiting "
-                               f"for traffic (--traffic-timeout {limits.traffic_timeout_s:.0f} s): a step is not "
-                               f"passed on no evidence (--allow-unjudged passes such steps)", verdict.figures)
+                return Verdict(
+                    False,
+                    False,
+                    f"{verdict.reason} after the {state.dwell_s:.0f} s dwell and {waited:.0f} s more waiting "
+                    f"for traffic (--traffic-timeout {limits.traffic_timeout_s:.0f} s): a step is not "
+                    f"passed on no evidence (--allow-unjudged passes such steps)",
+                    verdict.figures,
+                )
             if not waiting:
                 waiting = True
-                self.say(f"rollout: step {state.step + 1}: {verdict.reason}; waiting up to "
-                         f"{limits.traffic_timeout_s:.0f} s for traffic")
+                self.say(
+                    f"rollout: step {state.step + 1}: {verdict.reason}; waiting up to "
+                    f"{limits.traffic_timeout_s:.0f} s for traffic"
+                )
             self.sleep(max(0.0, min(interval_s, deadline - self.clock()) - FLUSH_WAIT_S))
 
     def _abort(self, state: RolloutState, reason: str, figures: dict | None = None) -> int:
@@ -653,8 +703,10 @@ class Rollout:
     def rollback(self) -> int:
         state = self.state()
         if state.phase not in ("canary", "rolled_out"):
-            raise UsageError(f"nothing to roll back: the state is {state.phase!r} with version {state.stable} serving "
-                             f"(after `finish` the old version is unloaded; roll it out again instead)")
+            raise UsageError(
+                f"nothing to roll back: the state is {state.phase!r} with version {state.stable} serving "
+                f"(after `finish` the old version is unloaded; roll it out again instead)"
+            )
         self.say(f"rollout: rolling back version {state.candidate} -> {state.stable}")
         self._rollback(state, "rolled_back", "rollback requested", {})
         self.say(f"rollout: version {state.stable} serves 100 %")
@@ -675,8 +727,10 @@ class Rollout:
                     return 1
                 left = state.completed_at + state.rollback_window_s - time.time()
         if left > 0 and not force:
-            raise UsageError(f"the rollback window is open for {left:.0f} s more (version {state.stable} kept for "
-                             f"{state.rollback_window_s:.0f} s); run finish after it, or pass --wait or --force")
+            raise UsageError(
+                f"the rollback window is open for {left:.0f} s more (version {state.stable} kept for "
+                f"{state.rollback_window_s:.0f} s); run finish after it, or pass --wait or --force"
+            )
         old, new = state.stable, state.candidate
         self._apply_weights(state, {new: 100}, f"finish: version {new} alone")
         set_versions(self.client, state.encoder, [new])
@@ -704,8 +758,10 @@ class Rollout:
             if routed:
                 info["served_weights"] = format_weights(served_weights(self.client, state.router))
             stats = self.client.version_stats(state.encoder)
-            info["versions"] = {v: {"ready": self.client.ready(state.encoder, v), **{k: int(x) for k, x in s.items() if k != "success_ns"}}
-                                for v, s in sorted(stats.items())}
+            info["versions"] = {
+                v: {"ready": self.client.ready(state.encoder, v), **{k: int(x) for k, x in s.items() if k != "success_ns"}}
+                for v, s in sorted(stats.items())
+            }
         except RepositoryError as exc:
             info["server"] = f"unreachable: {exc}"
         if state.phase == "rolled_out" and state.completed_at:
@@ -713,8 +769,9 @@ class Rollout:
         return info
 
 
-def publish(repository: Path, encoder: str = ENCODER, source: Path | None = None, version: int | None = None,
-            link: bool = False) -> int:
+def publish(
+    repository: Path, encoder: str = ENCODER, source: Path | None = None, version: int | None = None, link: bool = False
+) -> int:
     """Copy an export (``source``, default the encoder's version folder 1, where ``python -m
     export`` writes) into the next version folder (or ``version``); returns the version."""
     model_dir = Path(repository) / encoder
@@ -766,32 +823,63 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=os.environ.get("TRITON_HTTP_URL", "127.0.0.1:8000"), help="Triton's HTTP host:port")
     p.add_argument("--metrics-url", default=None, help="default http://<host>:8002/metrics")
-    p.add_argument("--token", default=None, help="repository token (default $TRITON_REPOSITORY_TOKEN or .triton/repository-token)")
+    p.add_argument(
+        "--token", default=None, help="repository token (default $TRITON_REPOSITORY_TOKEN or .triton/repository-token)"
+    )
     p.add_argument("--state-file", type=Path, default=Path(os.environ.get(STATE_ENV) or DEFAULT_STATE_FILE))
-    p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository",
-                   help="the server's model repository, for the router's config when it is not loaded")
+    p.add_argument(
+        "--model-repository",
+        type=Path,
+        default=ROOT / "model_repository",
+        help="the server's model repository, for the router's config when it is not loaded",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("start", help="load, warm, check and step a version up to 100 %%")
     s.add_argument("version", type=int)
     s.add_argument("--steps", default="10,50,100", help="percent per step, ending at 100 (default 10,50,100)")
     s.add_argument("--dwell", type=float, default=DEFAULT_DWELL_S, help=f"seconds per step (default {DEFAULT_DWELL_S:.0f})")
     s.add_argument("--check-interval", type=float, default=5.0, help="seconds between checks within a step")
-    s.add_argument("--rollback-window", type=float, default=DEFAULT_WINDOW_S, help="seconds the old version stays loaded (default 900)")
+    s.add_argument(
+        "--rollback-window", type=float, default=DEFAULT_WINDOW_S, help="seconds the old version stays loaded (default 900)"
+    )
     t = Thresholds()
-    s.add_argument("--max-error-rate", type=float, default=t.max_error_rate,
-                   help=f"abort above this share of failed calls of the new version (default {t.max_error_rate})")
-    s.add_argument("--p99-ratio", type=float, default=t.p99_ratio,
-                   help=f"abort when the new P99 exceeds this x the stable P99 ... (default {t.p99_ratio})")
-    s.add_argument("--p99-slack-ms", type=float, default=t.p99_slack_ms,
-                   help=f"... and the stable P99 + this many ms (default {t.p99_slack_ms:g})")
-    s.add_argument("--min-requests", type=int, default=t.min_requests,
-                   help=f"calls of the new version before anything is judged (default {t.min_requests})")
-    s.add_argument("--traffic-timeout", type=float, default=t.traffic_timeout_s,
-                   help="seconds a step waits after its dwell for --min-requests calls of the new version, then "
-                        f"fails and rolls back (default {t.traffic_timeout_s:.0f})")
-    s.add_argument("--allow-unjudged", action="store_true",
-                   help="pass a step that saw fewer than --min-requests calls (a warning is printed) instead of "
-                        "rolling back: promotes the version without evidence")
+    s.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=t.max_error_rate,
+        help=f"abort above this share of failed calls of the new version (default {t.max_error_rate})",
+    )
+    s.add_argument(
+        "--p99-ratio",
+        type=float,
+        default=t.p99_ratio,
+        help=f"abort when the new P99 exceeds this x the stable P99 ... (default {t.p99_ratio})",
+    )
+    s.add_argument(
+        "--p99-slack-ms",
+        type=float,
+        default=t.p99_slack_ms,
+        help=f"... and the stable P99 + this many ms (default {t.p99_slack_ms:g})",
+    )
+    s.add_argument(
+        "--min-requests",
+        type=int,
+        default=t.min_requests,
+        help=f"calls of the new version before anything is judged (default {t.min_requests})",
+    )
+    s.add_argument(
+        "--traffic-timeout",
+        type=float,
+        default=t.traffic_timeout_s,
+        help="seconds a step waits after its dwell for --min-requests calls of the new version, then "
+        f"fails and rolls back (default {t.traffic_timeout_s:.0f})",
+    )
+    s.add_argument(
+        "--allow-unjudged",
+        action="store_true",
+        help="pass a step that saw fewer than --min-requests calls (a warning is printed) instead of "
+        "rolling back: promotes the version without evidence",
+    )
     sub.add_parser("status", help="print the state and the server's per-version figures (JSON)")
     sub.add_parser("rollback", help="100 %% back to the previous version now")
     f = sub.add_parser("finish", help="unload the old version after the rollback window")
@@ -818,16 +906,21 @@ def main(argv: list[str] | None = None) -> int:
         client = connect(args.url, token=args.token, metrics_url=args.metrics_url or f"http://{host}:8002/metrics")
         if isinstance(client, ReplicatedRepositoryClient):
             print(f"rollout: a cluster of {len(client.replicas)} replicas: {', '.join(client.names)}", flush=True)
-        rollout = Rollout(client, args.state_file, say=lambda m: print(m, flush=True),
-                          repository=args.model_repository)
+        rollout = Rollout(client, args.state_file, say=lambda m: print(m, flush=True), repository=args.model_repository)
         if args.command == "start":
             try:
                 steps = [int(s) for s in args.steps.split(",") if s.strip()]
             except ValueError:
                 raise UsageError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
             check_steps(steps)
-            thresholds = Thresholds(args.max_error_rate, args.p99_ratio, args.p99_slack_ms, args.min_requests,
-                                    traffic_timeout_s=args.traffic_timeout, allow_unjudged=args.allow_unjudged).check()
+            thresholds = Thresholds(
+                args.max_error_rate,
+                args.p99_ratio,
+                args.p99_slack_ms,
+                args.min_requests,
+                traffic_timeout_s=args.traffic_timeout,
+                allow_unjudged=args.allow_unjudged,
+            ).check()
             return rollout.start(args.version, steps, args.dwell, thresholds, args.check_interval, args.rollback_window)
         if args.command == "status":
             print(json.dumps(rollout.status(), indent=2, default=str))

@@ -115,13 +115,14 @@ class PaddingMetrics:
     meanwhile into one increment each: the IPC round trips (about 60 us each, measured by
     perf/bench/metrics_cost.py) stay off the execution's path. Without it, ``record`` calls at once."""
 
-    def __init__(self, pb_utils: Any, model: str, version: str, batch_histogram: bool = False,
-                 background: bool = True):
+    def __init__(self, pb_utils: Any, model: str, version: str, batch_histogram: bool = False, background: bool = True):
         family = pb_utils.MetricFamily
         labels = {"model": model, "version": str(version)}
         # A MetricFamily must outlive its Metric objects: kept on self.
-        self._families = [family(name=REAL_TOKENS, description=DESCRIPTIONS[REAL_TOKENS], kind=family.COUNTER),
-                          family(name=PADDED_TOKENS, description=DESCRIPTIONS[PADDED_TOKENS], kind=family.COUNTER)]
+        self._families = [
+            family(name=REAL_TOKENS, description=DESCRIPTIONS[REAL_TOKENS], kind=family.COUNTER),
+            family(name=PADDED_TOKENS, description=DESCRIPTIONS[PADDED_TOKENS], kind=family.COUNTER),
+        ]
         self.real = self._families[0].Metric(labels=labels)
         self.padded = self._families[1].Metric(labels=labels)
         self.batch_size = None

@@ -58,7 +58,9 @@ def error_response(pb_utils: Any, model: str, exc: BaseException, request_id: st
     logging.getLogger("python_backends.shim").error(
         "model %s request %r failed: %s", model, request_id or "-", "".join(traceback.format_exception(exc))
     )
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{model}: internal error: {exc}", pb_utils.TritonError.INTERNAL))
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(f"{model}: internal error: {exc}", pb_utils.TritonError.INTERNAL)
+    )
 
 
 def keep_metrics(*objects: Any) -> None:
@@ -126,11 +128,13 @@ def check_shape(name: str, shape, dims, max_batch_size: int, size: int | None = 
     dims = [int(d) for d in dims]
     expected = len(dims) + (1 if max_batch_size > 0 else 0)
     if len(shape) != expected:
-        raise InputError(name, f"shape {shape} has {len(shape)} dimensions; expected {expected} "
-                               f"({'batch + ' if max_batch_size > 0 else ''}{dims})")
+        raise InputError(
+            name,
+            f"shape {shape} has {len(shape)} dimensions; expected {expected} ({'batch + ' if max_batch_size > 0 else ''}{dims})",
+        )
     if max_batch_size > 0 and not 1 <= shape[0] <= max_batch_size:
         raise InputError(name, f"batch size {shape[0]} outside 1..{max_batch_size}")
-    for axis, (got, want) in enumerate(zip(shape[expected - len(dims):], dims)):
+    for axis, (got, want) in enumerate(zip(shape[expected - len(dims) :], dims)):
         # A variable dimension of 0 (an empty sequence) fails inside the model (a 500), not here.
         if got < (1 if want < 0 else 0) or (want >= 0 and got != want):
             raise InputError(name, f"dimension {axis} is {got}; the model expects {want if want >= 0 else 'at least 1'}")

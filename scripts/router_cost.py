@@ -62,8 +62,11 @@ def main(argv=None) -> int:
     p.add_argument("--request-count", type=int, default=2000, help="perf_analyzer requests per window")
     p.add_argument("--precision", default="int8")
     p.add_argument("--input-data", type=Path, default=ROOT / "perf" / "data" / "sentences_16tok.json")
-    p.add_argument("--no-router-metrics", action="store_true",
-                   help="router parameter metrics=false: what its two metric updates per call cost")
+    p.add_argument(
+        "--no-router-metrics",
+        action="store_true",
+        help="router parameter metrics=false: what its two metric updates per call cost",
+    )
     args = p.parse_args(argv)
     binary, env = pa.check()
     out = ROOT / "build" / time.strftime("router-cost-%Y%m%dT%H%M%SZ", time.gmtime())
@@ -76,31 +79,44 @@ def main(argv=None) -> int:
         if args.no_router_metrics:
             config = repo / "text_encoder_router" / "config.pbtxt"
             config.write_text(config.read_text() + 'parameters { key: "metrics" value: { string_value: "false" } }\n')
-        options = ServerOptions.with_free_ports(model_repository=repo, workdir=tmp / "work",
-                                                models=(ROUTED, DIRECT), model_config_name=args.precision)
+        options = ServerOptions.with_free_ports(
+            model_repository=repo, workdir=tmp / "work", models=(ROUTED, DIRECT), model_config_name=args.precision
+        )
         results: dict[str, list[pa.Measurement]] = {ROUTED: [], DIRECT: []}
         with TritonServer(options) as server:
             for r in range(args.rounds):
                 for model in (DIRECT, ROUTED):
-                    settings = pa.Settings(model=model, url=server.grpc_url, protocol="grpc",
-                                           concurrency=args.concurrency, input_data=args.input_data,
-                                           request_count=args.request_count, stability_percent=999, max_trials=3,
-                                           timeout_s=300)
-                    m = pa.measure(settings, out / f"{model}-r{r}.csv", log_path=out / f"{model}-r{r}.log",
-                                   binary=binary, env=env)
+                    settings = pa.Settings(
+                        model=model,
+                        url=server.grpc_url,
+                        protocol="grpc",
+                        concurrency=args.concurrency,
+                        input_data=args.input_data,
+                        request_count=args.request_count,
+                        stability_percent=999,
+                        max_trials=3,
+                        timeout_s=300,
+                    )
+                    m = pa.measure(
+                        settings, out / f"{model}-r{r}.csv", log_path=out / f"{model}-r{r}.log", binary=binary, env=env
+                    )
                     results[model].append(m)
-                    print(f"round {r + 1} {model:24s} {m.throughput:7.1f} infer/s  p50 {m.p50_ms:6.1f} ms  p99 {m.p99_ms:6.1f} ms",
-                          flush=True)
+                    print(
+                        f"round {r + 1} {model:24s} {m.throughput:7.1f} infer/s  p50 {m.p50_ms:6.1f} ms  p99 {m.p99_ms:6.1f} ms",
+                        flush=True,
+                    )
         direct = statistics.median(m.throughput for m in results[DIRECT])
         routed = statistics.median(m.throughput for m in results[ROUTED])
         d99 = statistics.median(m.p99_ms for m in results[DIRECT])
         r99 = statistics.median(m.p99_ms for m in results[ROUTED])
-        print(f"\nmedian of {args.rounds} rounds, concurrency {args.concurrency}, gRPC, {args.precision}, "
-              f"{args.input_data.name}:\n"
-              f"| pipeline | infer/s | p99 ms |\n|---|---|---|\n"
-              f"| tokenizer -> text_encoder (no router) | {direct:.1f} | {d99:.1f} |\n"
-              f"| tokenizer -> text_encoder_router -> text_encoder (BLS) | {routed:.1f} | {r99:.1f} |\n"
-              f"| ratio | {routed / direct:.3f} | {r99 / d99:.2f} |\n(files: {out.relative_to(ROOT)})")
+        print(
+            f"\nmedian of {args.rounds} rounds, concurrency {args.concurrency}, gRPC, {args.precision}, "
+            f"{args.input_data.name}:\n"
+            f"| pipeline | infer/s | p99 ms |\n|---|---|---|\n"
+            f"| tokenizer -> text_encoder (no router) | {direct:.1f} | {d99:.1f} |\n"
+            f"| tokenizer -> text_encoder_router -> text_encoder (BLS) | {routed:.1f} | {r99:.1f} |\n"
+            f"| ratio | {routed / direct:.3f} | {r99 / d99:.2f} |\n(files: {out.relative_to(ROOT)})"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -33,31 +33,54 @@ def _env_int(name: str, default: int) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default=os.environ.get("TRITON_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=_env_int("TRITON_HTTP_PORT", 8000))
     p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
     p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
-    p.add_argument("--no-front-door", action="store_true",
-                   help="serve tritonserver itself on the public ports, without the nginx front door that refuses "
-                   "malformed inference requests (docs/security.md); not for a shared network")
-    p.add_argument("--triton-http-port", type=int, default=_env_int("TRITON_INTERNAL_HTTP_PORT", 0),
-                   help="tritonserver's own HTTP port on 127.0.0.1 behind the front door (default: a free port)")
+    p.add_argument(
+        "--no-front-door",
+        action="store_true",
+        help="serve tritonserver itself on the public ports, without the nginx front door that refuses "
+        "malformed inference requests (docs/security.md); not for a shared network",
+    )
+    p.add_argument(
+        "--triton-http-port",
+        type=int,
+        default=_env_int("TRITON_INTERNAL_HTTP_PORT", 0),
+        help="tritonserver's own HTTP port on 127.0.0.1 behind the front door (default: a free port)",
+    )
     p.add_argument("--triton-grpc-port", type=int, default=_env_int("TRITON_INTERNAL_GRPC_PORT", 0))
     p.add_argument("--triton-metrics-port", type=int, default=_env_int("TRITON_INTERNAL_METRICS_PORT", 0))
-    p.add_argument("--max-body-mb", type=int, default=_env_int("TRITON_MAX_BODY_MB", 64),
-                   help="the front door refuses larger request bodies with 413 (default 64)")
-    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", 30)),
-                   help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish before each process is killed "
-                   "(default 30)")
-    p.add_argument("--summary-latencies", action="store_true",
-                   default=os.environ.get("TRITON_SUMMARY_LATENCIES", "") not in ("", "0", "false"),
-                   help="Triton's queue/request time quantiles for the P99 alerts (docs/monitoring.md); off by "
-                   "default: they cost the tail at high request rates")
+    p.add_argument(
+        "--max-body-mb",
+        type=int,
+        default=_env_int("TRITON_MAX_BODY_MB", 64),
+        help="the front door refuses larger request bodies with 413 (default 64)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", 30)),
+        help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish before each process is killed (default 30)",
+    )
+    p.add_argument(
+        "--summary-latencies",
+        action="store_true",
+        default=os.environ.get("TRITON_SUMMARY_LATENCIES", "") not in ("", "0", "false"),
+        help="Triton's queue/request time quantiles for the P99 alerts (docs/monitoring.md); off by "
+        "default: they cost the tail at high request rates",
+    )
     p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     p.add_argument("--workdir", type=Path, default=ROOT / ".triton", help="where the server is laid out and logs go")
-    p.add_argument("--model", action="append", dest="models", help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)}: "
-                   "those of them in the repository)")
+    p.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)}: those of them in the repository)",
+    )
     p.add_argument(
         "--precision",
         default=os.environ.get("PRECISION", "auto"),
@@ -91,14 +114,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rollout state (python -m ops.rollout): when it exists, text_encoder's versions and the router's "
         "weights are loaded as it records (default .rollout/state.json, or $ROLLOUT_STATE_FILE)",
     )
-    p.add_argument("--gateway-host", default=os.environ.get("GATEWAY_HOST", "127.0.0.1"),
-                   help="the OpenAI-compatible gateway's address (default 127.0.0.1, whatever --host is)")
-    p.add_argument("--gateway-port", type=int, default=_env_int("GATEWAY_PORT", 8080),
-                   help="the OpenAI-compatible gateway's port (default 8080; docs/openai-gateway.md)")
-    p.add_argument("--gateway-api-key-file", type=Path,
-                   default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"),
-                   help="the gateway's API keys when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) "
-                   "when missing (default .triton/gateway-api-key)")
+    p.add_argument(
+        "--gateway-host",
+        default=os.environ.get("GATEWAY_HOST", "127.0.0.1"),
+        help="the OpenAI-compatible gateway's address (default 127.0.0.1, whatever --host is)",
+    )
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        default=_env_int("GATEWAY_PORT", 8080),
+        help="the OpenAI-compatible gateway's port (default 8080; docs/openai-gateway.md)",
+    )
+    p.add_argument(
+        "--gateway-api-key-file",
+        type=Path,
+        default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"),
+        help="the gateway's API keys when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) "
+        "when missing (default .triton/gateway-api-key)",
+    )
     p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
@@ -166,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum, _frame):
-        print(f"\nserve: {signal.Signals(signum).name} received; draining in-flight requests (at most "
-              f"{args.drain_timeout:.0f} s each for the front door and tritonserver), then stopping", flush=True)
+        print(
+            f"\nserve: {signal.Signals(signum).name} received; draining in-flight requests (at most "
+            f"{args.drain_timeout:.0f} s each for the front door and tritonserver), then stopping",
+            flush=True,
+        )
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -187,12 +223,19 @@ def main(argv: list[str] | None = None) -> int:
             from openai_gateway.auth import ensure_key_file
 
             ensure_key_file(args.gateway_api_key_file)
-        gateway = GatewayProcess(GatewayOptions(
-            triton_grpc_url=server.triton_grpc_url, host=args.gateway_host, port=args.gateway_port,
-            model_repository=args.model_repository, api_key_file=args.gateway_api_key_file, workdir=args.workdir,
-            drain_timeout=args.drain_timeout,
-            # the stub watchdog's folder: a generation stream whose stub died ends with a 503 event
-            extra_args=["--triton-health-dir", str(server.health_dir)])).start()
+        gateway = GatewayProcess(
+            GatewayOptions(
+                triton_grpc_url=server.triton_grpc_url,
+                host=args.gateway_host,
+                port=args.gateway_port,
+                model_repository=args.model_repository,
+                api_key_file=args.gateway_api_key_file,
+                workdir=args.workdir,
+                drain_timeout=args.drain_timeout,
+                # the stub watchdog's folder: a generation stream whose stub died ends with a 503 event
+                extra_args=["--triton-health-dir", str(server.health_dir)],
+            )
+        ).start()
     try:
         server.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
     except ServerError as exc:
@@ -214,15 +257,20 @@ def main(argv: list[str] | None = None) -> int:
             gateway.stop()
             server.stop()
             return 1
-        gateway_line = (f"  OpenAI   {gateway.url}/v1  models {', '.join(served_openai)}; API key: Authorization: "
-                        f"Bearer <key>, key in {gateway.key_source} (docs/openai-gateway.md)\n")
+        gateway_line = (
+            f"  OpenAI   {gateway.url}/v1  models {', '.join(served_openai)}; API key: Authorization: "
+            f"Bearer <key>, key in {gateway.key_source} (docs/openai-gateway.md)\n"
+        )
     else:
-        gateway_line = ("  OpenAI   off (--no-gateway)\n" if args.no_gateway else
-                        "  OpenAI   off: no embedding or generation model loaded\n")
+        gateway_line = (
+            "  OpenAI   off (--no-gateway)\n" if args.no_gateway else "  OpenAI   off: no embedding or generation model loaded\n"
+        )
     if server.front_door is not None:
-        door = (f"  front door  nginx checks every HTTP inference request (docs/security.md); "
-                f"tritonserver itself on 127.0.0.1 at HTTP {options.triton_http_port}, "
-                f"gRPC {options.triton_grpc_port}, metrics {options.triton_metrics_port} (internal)\n")
+        door = (
+            f"  front door  nginx checks every HTTP inference request (docs/security.md); "
+            f"tritonserver itself on 127.0.0.1 at HTTP {options.triton_http_port}, "
+            f"gRPC {options.triton_grpc_port}, metrics {options.triton_metrics_port} (internal)\n"
+        )
     else:
         door = "  front door  OFF (--no-front-door): tritonserver itself on the public ports, undefended\n"
     print(
@@ -249,13 +297,18 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             return 1
         if gateway is not None and not gateway.running():
-            print(f"serve: the OpenAI gateway exited unexpectedly (code {gateway.process.returncode})\n"
-                  f"{gateway.log_tail()}", file=sys.stderr)
+            print(
+                f"serve: the OpenAI gateway exited unexpectedly (code {gateway.process.returncode})\n{gateway.log_tail()}",
+                file=sys.stderr,
+            )
             server.stop()
             return 1
         if server.front_door is not None and not server.front_door.running():
-            print(f"serve: the front door (nginx) exited unexpectedly (code {server.front_door.process.returncode})\n"
-                  f"{server.front_door.log_tail()}", file=sys.stderr)
+            print(
+                f"serve: the front door (nginx) exited unexpectedly (code {server.front_door.process.returncode})\n"
+                f"{server.front_door.log_tail()}",
+                file=sys.stderr,
+            )
             server.stop()
             return 1
         stop.wait(0.5)

@@ -254,12 +254,21 @@ class Cluster(Service):
         if self.redis_url:
             env["EMBEDDING_CACHE_L2_REDIS_URL"] = self.redis_url
         return ServerOptions(
-            model_repository=o.model_repository, workdir=self.workdir / f"replica-{index}", models=tuple(o.models),
-            host="127.0.0.1", http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
-            cache_size_bytes=o.cache_size_bytes, model_config_name=o.model_config_name, env=env,
-            repository_token=o.repository_token, rollout_state=o.rollout_state,
+            model_repository=o.model_repository,
+            workdir=self.workdir / f"replica-{index}",
+            models=tuple(o.models),
+            host="127.0.0.1",
+            http_port=ports[0],
+            grpc_port=ports[1],
+            metrics_port=ports[2],
+            cache_size_bytes=o.cache_size_bytes,
+            model_config_name=o.model_config_name,
+            env=env,
+            repository_token=o.repository_token,
+            rollout_state=o.rollout_state,
             # The cluster's front door is in front of every replica; each replica on loopback.
-            front_door=False, drain_timeout=o.drain_timeout,
+            front_door=False,
+            drain_timeout=o.drain_timeout,
             # Prometheus reads them here: the class queue-time P99 alerts need the quantiles.
             summary_latencies=True,
             # Its stub watchdog's folder, kept across restarts: the front door and the gRPC door
@@ -314,22 +323,47 @@ class Cluster(Service):
         """Where everything is (also written to ``cluster.json`` in the work folder)."""
         with self._lock:
             return {
-                "front_door": {"http": self.http_url, "grpc": self.grpc_url, "metrics": self.metrics_url,
-                               "config": str(self.front_door.conf_path) if self.front_door else None,
-                               "log": str(self.front_door.log_path) if self.front_door else None,
-                               "reloads": self.reloads},
+                "front_door": {
+                    "http": self.http_url,
+                    "grpc": self.grpc_url,
+                    "metrics": self.metrics_url,
+                    "config": str(self.front_door.conf_path) if self.front_door else None,
+                    "log": str(self.front_door.log_path) if self.front_door else None,
+                    "reloads": self.reloads,
+                },
                 "gateway": None if not self.gateways else {"url": self.gateway_url, "key": self.gateway_key_source},
-                "gateways": [{"index": g.index, "state": g.state, "pid": g.pid, "port": g.port, "restarts": g.restarts,
-                              "log": str(self._gateway_log(g)), "exit_codes": list(g.exit_codes)}
-                             for g in self.gateways],
-                "prometheus": None if self.prometheus is None else {"url": self.prometheus.url,
-                                                                    "config": str(self.prometheus.config_path)},
+                "gateways": [
+                    {
+                        "index": g.index,
+                        "state": g.state,
+                        "pid": g.pid,
+                        "port": g.port,
+                        "restarts": g.restarts,
+                        "log": str(self._gateway_log(g)),
+                        "exit_codes": list(g.exit_codes),
+                    }
+                    for g in self.gateways
+                ],
+                "prometheus": None
+                if self.prometheus is None
+                else {"url": self.prometheus.url, "config": str(self.prometheus.config_path)},
                 "redis": self.redis_url,
                 "redis_pid": None if self.redis is None or self.redis.process is None else self.redis.process.pid,
                 "redis_restarts": self.redis_restarts,
-                "replicas": [{"index": r.index, "state": r.state, "pid": r.pid, "http": r.http, "grpc": r.grpc,
-                              "metrics": r.metrics, "restarts": r.restarts, "log": str(r.log_path),
-                              "exit_codes": list(r.exit_codes)} for r in self.replicas],
+                "replicas": [
+                    {
+                        "index": r.index,
+                        "state": r.state,
+                        "pid": r.pid,
+                        "http": r.http,
+                        "grpc": r.grpc,
+                        "metrics": r.metrics,
+                        "restarts": r.restarts,
+                        "log": str(r.log_path),
+                        "exit_codes": list(r.exit_codes),
+                    }
+                    for r in self.replicas
+                ],
             }
 
     def _write_state(self) -> None:
@@ -342,8 +376,9 @@ class Cluster(Service):
         o = self.options
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.replica_starting_file.unlink(missing_ok=True)  # a previous run's
-        busy = ports_in_use(o.host, [o.http_port, o.grpc_port, o.metrics_port]
-                            + ([o.gateway_port] if o.gateway_port and o.gateways > 0 else []))
+        busy = ports_in_use(
+            o.host, [o.http_port, o.grpc_port, o.metrics_port] + ([o.gateway_port] if o.gateway_port and o.gateways > 0 else [])
+        )
         if busy:
             raise ClusterError(f"ports already in use on {o.host}: {', '.join(map(str, busy))} (another server running?)")
         if o.redis_url == "":
@@ -353,7 +388,7 @@ class Cluster(Service):
             self.redis_url = self.redis.url
         else:
             self.redis_url = o.redis_url
-        taken = {o.http_port, o.grpc_port, o.metrics_port, *( [o.gateway_port] if o.gateway_port else [])}
+        taken = {o.http_port, o.grpc_port, o.metrics_port, *([o.gateway_port] if o.gateway_port else [])}
         for index in range(o.replicas):
             self.replicas.append(Replica(index, self._replica_options(index, free_ports(3, taken))))
         if o.gateway_port and o.gateways > 0:
@@ -370,27 +405,39 @@ class Cluster(Service):
         from server.repository_door import RepositoryDoor
 
         self.repository_door = RepositoryDoor(self._replica_addresses, o.repository_token).start()
-        self.front_door = FrontDoor(self._door_ports(), self.workdir, o.model_repository,
-                                    max_body_bytes=o.max_body_bytes, healing_dirs=self.healing_dirs)
+        self.front_door = FrontDoor(
+            self._door_ports(), self.workdir, o.model_repository, max_body_bytes=o.max_body_bytes, healing_dirs=self.healing_dirs
+        )
         self.front_door.check()
         self._rendered = self._wanted()
         self.front_door.start()
         from server.grpc_door import GrpcDoor
 
-        self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{self.nginx_grpc_port}", o.model_repository,
-                                  self.front_door.workdir, None, o.max_body_bytes, o.drain_timeout,
-                                  starting_file=self.replica_starting_file, healing_dirs=self.healing_dirs).start()
+        self.grpc_door = GrpcDoor(
+            f"{o.host}:{o.grpc_port}",
+            f"127.0.0.1:{self.nginx_grpc_port}",
+            o.model_repository,
+            self.front_door.workdir,
+            None,
+            o.max_body_bytes,
+            o.drain_timeout,
+            starting_file=self.replica_starting_file,
+            healing_dirs=self.healing_dirs,
+        ).start()
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
         threading.Thread(target=self._health_checks, name="cluster-health", daemon=True).start()
         if o.prometheus_port is not None:
-            port = o.prometheus_port or (DEFAULT_PROMETHEUS_PORT if not ports_in_use("127.0.0.1", [DEFAULT_PROMETHEUS_PORT])
-                                         else free_ports(1, taken)[0])
+            port = o.prometheus_port or (
+                DEFAULT_PROMETHEUS_PORT if not ports_in_use("127.0.0.1", [DEFAULT_PROMETHEUS_PORT]) else free_ports(1, taken)[0]
+            )
             self.prometheus = Prometheus(self.workdir / "prometheus", port)
             self.rules = rule_files(RULES_DIR, self._event)
-            self.prometheus.start(render_prometheus(PROMETHEUS_TEMPLATE, self.replicas,
-                                                    [g.address for g in self.gateways], self.rules,
-                                                    o.scrape_interval_s))
+            self.prometheus.start(
+                render_prometheus(
+                    PROMETHEUS_TEMPLATE, self.replicas, [g.address for g in self.gateways], self.rules, o.scrape_interval_s
+                )
+            )
         self._write_state()
         return self
 
@@ -403,10 +450,10 @@ class Cluster(Service):
         o = self.options
         door = None
         if self.gateways:
-            door = GatewayDoor(o.gateway_port, tuple(g.upstream() for g in self.gateways),
-                               self._gateway_max_body_bytes())
-        ports = FrontDoorPorts.cluster(o.host, o.http_port, self.nginx_grpc_port, o.metrics_port,
-                                       [r.upstream() for r in self.replicas], door)
+            door = GatewayDoor(o.gateway_port, tuple(g.upstream() for g in self.gateways), self._gateway_max_body_bytes())
+        ports = FrontDoorPorts.cluster(
+            o.host, o.http_port, self.nginx_grpc_port, o.metrics_port, [r.upstream() for r in self.replicas], door
+        )
         ports.grpc_listen_host = "127.0.0.1"
         ports.repository_door_port = self.repository_door.port if self.repository_door is not None else None
         return ports
@@ -415,8 +462,10 @@ class Cluster(Service):
         from server.repository_door import ReplicaAddress
 
         with self._lock:
-            return [ReplicaAddress(f"replica {r.index}", f"127.0.0.1:{r.http}", f"http://127.0.0.1:{r.metrics}/metrics",
-                                   r.state) for r in self.replicas]
+            return [
+                ReplicaAddress(f"replica {r.index}", f"127.0.0.1:{r.http}", f"http://127.0.0.1:{r.metrics}/metrics", r.state)
+                for r in self.replicas
+            ]
 
     def _wanted(self) -> tuple[bool, ...]:
         """Who is in the front door: the replicas, then the gateways."""
@@ -430,8 +479,7 @@ class Cluster(Service):
                 states = [r.state for r in self.replicas]
                 gateways = [g.state for g in self.gateways]
                 in_door = self._rendered is not None and all(self._rendered)
-            if all(s == READY for s in states + gateways) and in_door and (self.grpc_door is None
-                                                                            or self.grpc_door.ready()):
+            if all(s == READY for s in states + gateways) and in_door and (self.grpc_door is None or self.grpc_door.ready()):
                 break
             if self.grpc_door is not None and not self.grpc_door.running():
                 raise ClusterError(f"the gRPC door exited:\n{self.grpc_door.log_tail()}")
@@ -440,11 +488,16 @@ class Cluster(Service):
             if self.front_door is not None and not self.front_door.running():
                 raise ClusterError(f"the front door (nginx) exited:\n{self.front_door.log_tail()}")
             if time.monotonic() > deadline:
-                tails = "\n".join(f"--- replica {r.index} ({r.state}), {r.log_path} ---\n"
-                                  f"{r.server.log_tail(30) if r.server else ''}" for r in self.replicas)
-                tails += "".join(f"\n--- gateway {g.index} ({g.state}), {self._gateway_log(g)} ---\n"
-                                 f"{g.process.log_tail(30) if g.process else ''}"
-                                 for g in self.gateways if g.state != READY)
+                tails = "\n".join(
+                    f"--- replica {r.index} ({r.state}), {r.log_path} ---\n{r.server.log_tail(30) if r.server else ''}"
+                    for r in self.replicas
+                )
+                tails += "".join(
+                    f"\n--- gateway {g.index} ({g.state}), {self._gateway_log(g)} ---\n"
+                    f"{g.process.log_tail(30) if g.process else ''}"
+                    for g in self.gateways
+                    if g.state != READY
+                )
                 raise ClusterError(f"not ready after the timeout: replicas {states}, gateways {gateways}\n{tails}")
             time.sleep(0.2)
         if self.gateways:
@@ -483,7 +536,9 @@ class Cluster(Service):
 
         def wait() -> None:
             try:
-                server.wait_ready(timeout=o.ready_timeout, should_stop=lambda: self._stop.is_set() or server is not replica.server)
+                server.wait_ready(
+                    timeout=o.ready_timeout, should_stop=lambda: self._stop.is_set() or server is not replica.server
+                )
             except ServerError as exc:
                 with self._lock:
                     if replica.server is server and not self._stop.is_set():
@@ -518,12 +573,19 @@ class Cluster(Service):
 
         o = self.options
         # Every gateway goes through the front door's gRPC port, so it fails over like any client.
-        gateway.process = GatewayProcess(GatewayOptions(
-            triton_grpc_url=self.grpc_url, host=o.gateway_host, port=gateway.port,
-            model_repository=o.model_repository, api_key_file=o.gateway_api_key_file, workdir=self.workdir,
-            drain_timeout=o.drain_timeout,
-            # One rate limit per key for all gateways: the buckets live in the cluster's Redis.
-            env={"GATEWAY_RATE_LIMIT_REDIS_URL": self.redis_url or "", **o.gateway_env}))
+        gateway.process = GatewayProcess(
+            GatewayOptions(
+                triton_grpc_url=self.grpc_url,
+                host=o.gateway_host,
+                port=gateway.port,
+                model_repository=o.model_repository,
+                api_key_file=o.gateway_api_key_file,
+                workdir=self.workdir,
+                drain_timeout=o.drain_timeout,
+                # One rate limit per key for all gateways: the buckets live in the cluster's Redis.
+                env={"GATEWAY_RATE_LIMIT_REDIS_URL": self.redis_url or "", **o.gateway_env},
+            )
+        )
         gateway.state = STARTING
         gateway.health_misses = 0
         try:
@@ -572,8 +634,9 @@ class Cluster(Service):
                 g.exit_codes.append(g.process.process.returncode if g.process.process else None)
                 self._failed(g, f"/health/ready not 200 within {o.ready_timeout:.0f} s")
             elif g.state == READY and g.health_misses >= o.health_failures:
-                self._event(f"gateway {g.index}: /health failed {g.health_misses} times; "
-                            "out of the front door until it answers again")
+                self._event(
+                    f"gateway {g.index}: /health failed {g.health_misses} times; out of the front door until it answers again"
+                )
                 g.state = STARTING
                 self._watch_gateway(g)
         for g in self.gateways:
@@ -605,8 +668,10 @@ class Cluster(Service):
                         r.exit_codes.append(r.server.process.returncode if r.server.process else None)
                     self._failed(r, "failed to become ready")
                 elif r.state == READY and r.health_misses >= o.health_failures:
-                    self._event(f"replica {r.index}: a served model was not ready {r.health_misses} times in a row; "
-                                "out of the front door until it answers again")
+                    self._event(
+                        f"replica {r.index}: a served model was not ready {r.health_misses} times in a row; "
+                        "out of the front door until it answers again"
+                    )
                     r.state = STARTING  # back in once ready again
                     r.in_door = False
                     self._watch_ready(r)
@@ -689,12 +754,10 @@ class Cluster(Service):
         self.reloads += 1
         for r, was, now in zip(self.replicas, before, wanted):
             if was != now:
-                self._event(f"replica {r.index}: {'in' if now else 'out of'} the front door "
-                            f"(127.0.0.1:{r.http}, pid {r.pid})")
-        for g, was, now in zip(self.gateways, before[len(self.replicas):], wanted[len(self.replicas):]):
+                self._event(f"replica {r.index}: {'in' if now else 'out of'} the front door (127.0.0.1:{r.http}, pid {r.pid})")
+        for g, was, now in zip(self.gateways, before[len(self.replicas) :], wanted[len(self.replicas) :]):
             if was != now:
-                self._event(f"gateway {g.index}: {'in' if now else 'out of'} the front door "
-                            f"({g.address}, pid {g.pid})")
+                self._event(f"gateway {g.index}: {'in' if now else 'out of'} the front door ({g.address}, pid {g.pid})")
         self._write_state()
 
     def _served_models(self) -> list[str]:
@@ -711,8 +774,7 @@ class Cluster(Service):
         models still serve."""
         if not self._probed:
             return http_status(f"http://127.0.0.1:{replica.http}/v2/health/ready", timeout=2) == 200
-        return all(http_status(f"http://127.0.0.1:{replica.http}/v2/models/{m}/ready", timeout=2) == 200
-                   for m in self._probed)
+        return all(http_status(f"http://127.0.0.1:{replica.http}/v2/models/{m}/ready", timeout=2) == 200 for m in self._probed)
 
     def _health_checks(self) -> None:
         """Its own thread: a hung replica's 2-s timeouts must not delay the supervisor's tick."""
@@ -795,39 +857,72 @@ def _env_int(name: str, default: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m server.cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m server.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--replicas", type=int, default=_env_int("REPLICAS", 2), help="tritonserver replicas (default 2)")
     p.add_argument("--host", default=os.environ.get("TRITON_HOST", "127.0.0.1"), help="the front door's address")
     p.add_argument("--http-port", type=int, default=_env_int("TRITON_HTTP_PORT", 8000))
     p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
     p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
-    p.add_argument("--model", action="append", dest="models",
-                   help="model to load on every replica (repeatable; default: the launcher's default models)")
+    p.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        help="model to load on every replica (repeatable; default: the launcher's default models)",
+    )
     p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
-    p.add_argument("--workdir", type=Path, default=ROOT / ".triton" / "cluster",
-                   help="replicas' folders, logs, nginx and Prometheus (default .triton/cluster)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=ROOT / ".triton" / "cluster",
+        help="replicas' folders, logs, nginx and Prometheus (default .triton/cluster)",
+    )
     p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"), help="as `python -m server`")
-    p.add_argument("--cache-size-mb", type=int, default=_env_int("TRITON_CACHE_SIZE_MB", 128),
-                   help="each replica's Triton response cache in MiB (default 128)")
-    p.add_argument("--redis-url", default=None,
-                   help="an existing Redis for the shared L2 (default: start a redis-server for the cluster)")
+    p.add_argument(
+        "--cache-size-mb",
+        type=int,
+        default=_env_int("TRITON_CACHE_SIZE_MB", 128),
+        help="each replica's Triton response cache in MiB (default 128)",
+    )
+    p.add_argument(
+        "--redis-url", default=None, help="an existing Redis for the shared L2 (default: start a redis-server for the cluster)"
+    )
     p.add_argument("--no-redis", action="store_true", help="no shared L2 cache")
-    p.add_argument("--gateway-port", type=int, default=_env_int("GATEWAY_PORT", 8080),
-                   help="the front door's OpenAI port (default 8080); the gateways listen on internal ports")
-    p.add_argument("--gateways", type=int, default=_env_int("GATEWAYS", 2),
-                   help="OpenAI gateway processes behind the front door (default 2; 0: none)")
-    p.add_argument("--gateway-api-key-file", type=Path,
-                   default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"))
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        default=_env_int("GATEWAY_PORT", 8080),
+        help="the front door's OpenAI port (default 8080); the gateways listen on internal ports",
+    )
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=_env_int("GATEWAYS", 2),
+        help="OpenAI gateway processes behind the front door (default 2; 0: none)",
+    )
+    p.add_argument(
+        "--gateway-api-key-file",
+        type=Path,
+        default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"),
+    )
     p.add_argument("--no-gateway", action="store_true", help="no OpenAI-compatible gateway (as --gateways 0)")
-    p.add_argument("--prometheus-port", type=int, default=_env_int("PROMETHEUS_PORT", 0),
-                   help="Prometheus's port (default 9090 when free, else a free port)")
+    p.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=_env_int("PROMETHEUS_PORT", 0),
+        help="Prometheus's port (default 9090 when free, else a free port)",
+    )
     p.add_argument("--no-prometheus", action="store_true")
     p.add_argument("--scrape-interval", type=float, default=5.0, help="Prometheus scrape interval in s (default 5)")
-    p.add_argument("--repository-token-file", type=Path,
-                   default=Path(os.environ.get("TRITON_REPOSITORY_TOKEN_FILE") or ROOT / ".triton" / "repository-token"))
-    p.add_argument("--rollout-state", type=Path,
-                   default=Path(os.environ.get("ROLLOUT_STATE_FILE") or ROOT / ".rollout" / "state.json"))
+    p.add_argument(
+        "--repository-token-file",
+        type=Path,
+        default=Path(os.environ.get("TRITON_REPOSITORY_TOKEN_FILE") or ROOT / ".triton" / "repository-token"),
+    )
+    p.add_argument(
+        "--rollout-state", type=Path, default=Path(os.environ.get("ROLLOUT_STATE_FILE") or ROOT / ".rollout" / "state.json")
+    )
     p.add_argument("--max-body-mb", type=int, default=_env_int("TRITON_MAX_BODY_MB", 64))
     p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", "30")))
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -852,22 +947,27 @@ def first_screen(cluster: Cluster, served: Mapping[str, str], precision: str) ->
         f"  metrics     {door['metrics']}  (one replica's; Prometheus scrapes each)",
     ]
     if cluster.gateways:
-        lines.append(f"  OpenAI      {cluster.gateway_url}/v1  (the front door, {len(cluster.gateways)} gateways behind it; "
-                     f"key in {cluster.gateway_key_source})")
+        lines.append(
+            f"  OpenAI      {cluster.gateway_url}/v1  (the front door, {len(cluster.gateways)} gateways behind it; "
+            f"key in {cluster.gateway_key_source})"
+        )
     else:
         lines.append("  OpenAI      off")
     if cluster.prometheus is not None:
         rules = ", ".join(path.name for path in cluster.rules) or f"none in {RULES_DIR.relative_to(ROOT)}"
         jobs = "triton, gateway" if cluster.gateways else "triton"
-        lines.append(f"  Prometheus  {cluster.prometheus.url}  (jobs {jobs}; rules {rules}; "
-                     f"log {cluster.prometheus.log_path})")
+        lines.append(f"  Prometheus  {cluster.prometheus.url}  (jobs {jobs}; rules {rules}; log {cluster.prometheus.log_path})")
     lines.append(f"  Redis       {cluster.redis_url or 'off'}  (text_embedding_cached's shared L2)")
     for r in d["replicas"]:
-        lines.append(f"  replica {r['index']}   HTTP 127.0.0.1:{r['http']}  gRPC {r['grpc']}  metrics {r['metrics']}  "
-                     f"pid {r['pid']}  log {r['log']}")
+        lines.append(
+            f"  replica {r['index']}   HTTP 127.0.0.1:{r['http']}  gRPC {r['grpc']}  metrics {r['metrics']}  "
+            f"pid {r['pid']}  log {r['log']}"
+        )
     for g in d["gateways"]:
-        lines.append(f"  gateway {g['index']}   HTTP 127.0.0.1:{g['port']}  pid {g['pid']}  "
-                     f"(Prometheus job gateway, gateway=\"{g['index']}\")  log {g['log']}")
+        lines.append(
+            f"  gateway {g['index']}   HTTP 127.0.0.1:{g['port']}  pid {g['pid']}  "
+            f'(Prometheus job gateway, gateway="{g["index"]}")  log {g["log"]}'
+        )
     lines += [
         f"  models      {', '.join(cluster.replicas[0].options.models)}",
         f"  variants    {', '.join(f'{m}={v}' for m, v in served.items()) or 'n/a'} (PRECISION={precision})",
@@ -901,36 +1001,57 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_key_file(args.gateway_api_key_file)
     options = ClusterOptions(
-        replicas=args.replicas, model_repository=args.model_repository, workdir=args.workdir, models=models,
-        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        model_config_name=config_name, cache_size_bytes=args.cache_size_mb << 20,
+        replicas=args.replicas,
+        model_repository=args.model_repository,
+        workdir=args.workdir,
+        models=models,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        model_config_name=config_name,
+        cache_size_bytes=args.cache_size_mb << 20,
         redis_url=None if args.no_redis else (args.redis_url or ""),
-        gateway_port=args.gateway_port if gateway else None, gateways=args.gateways if gateway else 0,
+        gateway_port=args.gateway_port if gateway else None,
+        gateways=args.gateways if gateway else 0,
         gateway_api_key_file=args.gateway_api_key_file,
-        prometheus_port=None if args.no_prometheus else args.prometheus_port, scrape_interval_s=args.scrape_interval,
-        repository_token=ensure_token(args.repository_token_file), rollout_state=args.rollout_state,
-        max_body_bytes=args.max_body_mb << 20, drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
-        backoff=Backoff(max_s=args.max_backoff), echo=args.echo,
+        prometheus_port=None if args.no_prometheus else args.prometheus_port,
+        scrape_interval_s=args.scrape_interval,
+        repository_token=ensure_token(args.repository_token_file),
+        rollout_state=args.rollout_state,
+        max_body_bytes=args.max_body_mb << 20,
+        drain_timeout=args.drain_timeout,
+        ready_timeout=args.ready_timeout,
+        backoff=Backoff(max_s=args.max_backoff),
+        echo=args.echo,
     )
     stop = threading.Event()
 
     def on_signal(signum, _frame):
-        print(f"\nserve-cluster: {signal.Signals(signum).name} received; stopping the gateways, the front door "
-              f"(draining at most {args.drain_timeout:.0f} s), the replicas, Prometheus and Redis", flush=True)
+        print(
+            f"\nserve-cluster: {signal.Signals(signum).name} received; stopping the gateways, the front door "
+            f"(draining at most {args.drain_timeout:.0f} s), the replicas, Prometheus and Redis",
+            flush=True,
+        )
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+
     def event(message: str) -> None:
         now = time.time()
-        print(f"serve-cluster: {time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {message}",
-              flush=True)
+        print(
+            f"serve-cluster: {time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {message}", flush=True
+        )
 
     cluster = Cluster(options, on_event=event)
     try:
         cluster.start()
-        print(f"serve-cluster: starting {args.replicas} replicas ({', '.join(models)}) and "
-              f"{len(cluster.gateways)} gateways; work folder {args.workdir}", flush=True)
+        print(
+            f"serve-cluster: starting {args.replicas} replicas ({', '.join(models)}) and "
+            f"{len(cluster.gateways)} gateways; work folder {args.workdir}",
+            flush=True,
+        )
         cluster.wait_ready(should_stop=stop.is_set)
     except (ClusterError, PrometheusError, FrontDoorError, ServerError, OSError) as exc:
         cluster.stop()

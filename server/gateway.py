@@ -64,9 +64,24 @@ class GatewayProcess(Service):
 
     def command(self) -> list[str]:
         o = self.options
-        return [sys.executable, "-m", "openai_gateway", "--host", o.host, "--port", str(o.port),
-                "--triton", o.triton_grpc_url, "--model-repository", str(o.model_repository),
-                "--api-key-file", str(o.api_key_file), "--drain-timeout", str(o.drain_timeout), *o.extra_args]
+        return [
+            sys.executable,
+            "-m",
+            "openai_gateway",
+            "--host",
+            o.host,
+            "--port",
+            str(o.port),
+            "--triton",
+            o.triton_grpc_url,
+            "--model-repository",
+            str(o.model_repository),
+            "--api-key-file",
+            str(o.api_key_file),
+            "--drain-timeout",
+            str(o.drain_timeout),
+            *o.extra_args,
+        ]
 
     def start(self) -> GatewayProcess:
         env = {**os.environ, **self.options.env, "PYTHONUNBUFFERED": "1"}

@@ -21,14 +21,38 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Bytes per element of each fixed-size datatype (BYTES: length-prefixed, checked apart).
-SIZES = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2, "INT32": 4,
-         "INT64": 8, "FP16": 2, "BF16": 2, "FP32": 4, "FP64": 8, "BYTES": 0}
+SIZES = {
+    "BOOL": 1,
+    "UINT8": 1,
+    "UINT16": 2,
+    "UINT32": 4,
+    "UINT64": 8,
+    "INT8": 1,
+    "INT16": 2,
+    "INT32": 4,
+    "INT64": 8,
+    "FP16": 2,
+    "BF16": 2,
+    "FP32": 4,
+    "FP64": 8,
+    "BYTES": 0,
+}
 # The InferTensorContents field that carries each datatype's typed values (FP16 and BF16 have
 # none: raw_input_contents only).
-TYPED_FIELD = {"BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-               "UINT32": "uint_contents", "UINT64": "uint64_contents", "INT8": "int_contents",
-               "INT16": "int_contents", "INT32": "int_contents", "INT64": "int64_contents",
-               "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+TYPED_FIELD = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
 TYPED_FIELDS = tuple(sorted(set(TYPED_FIELD.values())))
 MAX_RANK = 16
 _PREFIX = struct.Struct("<I")
@@ -118,13 +142,19 @@ def check_input(tensor, i: int, raw: bytes | None, model: Mapping | None, limits
         if len(shape) != rank:
             return Refusal(f"{name}.shape", "rank", f"{name}.shape has {len(shape)} dimensions; model expects {rank}")
         if batched and not 1 <= shape[0] <= model["max_batch_size"]:
-            return Refusal(f"{name}.shape[0]", "batch",
-                           f"{name}.shape[0] (batch) must be between 1 and max_batch_size {model['max_batch_size']}")
+            return Refusal(
+                f"{name}.shape[0]",
+                "batch",
+                f"{name}.shape[0] (batch) must be between 1 and max_batch_size {model['max_batch_size']}",
+            )
         offset = 1 if batched else 0
         for d, want in enumerate(dims):
             if want >= 0 and shape[d + offset] != want:
-                return Refusal(f"{name}.shape[{d + offset}]", "dim",
-                               f"{name}.shape[{d + offset}] is {shape[d + offset]}; model expects {want}")
+                return Refusal(
+                    f"{name}.shape[{d + offset}]",
+                    "dim",
+                    f"{name}.shape[{d + offset}] is {shape[d + offset]}; model expects {want}",
+                )
         if 0 < spec["max_elements"] < bound:
             bound = spec["max_elements"]
     elements = 1
@@ -140,30 +170,40 @@ def check_input(tensor, i: int, raw: bytes | None, model: Mapping | None, limits
             return Refusal(name, "data", f"{name}: both data and shared_memory_region given")
         declared = _param(tensor.parameters, "shared_memory_byte_size")
         if size and declared is not None and declared != elements * size:
-            return Refusal(f"{name}.parameters.shared_memory_byte_size", "data_size",
-                           f"{name}.parameters.shared_memory_byte_size is {declared}; shape {shape} of {datatype} "
-                           f"needs {elements * size} bytes")
+            return Refusal(
+                f"{name}.parameters.shared_memory_byte_size",
+                "data_size",
+                f"{name}.parameters.shared_memory_byte_size is {declared}; shape {shape} of {datatype} "
+                f"needs {elements * size} bytes",
+            )
         return None
     if raw is not None:
         if typed is not None:
             return Refusal(name, "data", f"{name}: both raw_input_contents and typed contents given")
         if size:
             if len(raw) != elements * size:
-                return Refusal(f"raw_input_contents[{i}]", "data_size",
-                               f"raw_input_contents[{i}] ({name}) holds {len(raw)} bytes; shape {shape} of {datatype} "
-                               f"needs {elements * size}")
+                return Refusal(
+                    f"raw_input_contents[{i}]",
+                    "data_size",
+                    f"raw_input_contents[{i}] ({name}) holds {len(raw)} bytes; shape {shape} of {datatype} "
+                    f"needs {elements * size}",
+                )
             return None
         count = count_bytes_elements(raw, f"raw_input_contents[{i}] ({name})")
         if isinstance(count, Refusal):
             return count
         if count != elements:
-            return Refusal(f"raw_input_contents[{i}]", "data_size",
-                           f"raw_input_contents[{i}] ({name}) holds {count} BYTES elements; shape {shape} declares {elements}")
+            return Refusal(
+                f"raw_input_contents[{i}]",
+                "data_size",
+                f"raw_input_contents[{i}] ({name}) holds {count} BYTES elements; shape {shape} declares {elements}",
+            )
         return None
     if typed is None:
         if elements:
-            return Refusal(name, "data", f"{name}: no data (contents, raw_input_contents or shared memory) for "
-                                         f"{elements} elements")
+            return Refusal(
+                name, "data", f"{name}: no data (contents, raw_input_contents or shared memory) for {elements} elements"
+            )
         return None
     contents_field, count = typed
     if contents_field == "several" or contents_field != TYPED_FIELD.get(datatype):
@@ -171,8 +211,11 @@ def check_input(tensor, i: int, raw: bytes | None, model: Mapping | None, limits
         where = f"contents.{want}" if want else "raw_input_contents"
         return Refusal(f"{name}.contents", "datatype", f"{name}: {datatype} data must be sent in {where}")
     if count != elements:
-        return Refusal(f"{name}.contents.{contents_field}", "data_size",
-                       f"{name}.contents.{contents_field} holds {count} elements; shape {shape} declares {elements}")
+        return Refusal(
+            f"{name}.contents.{contents_field}",
+            "data_size",
+            f"{name}.contents.{contents_field} holds {count} elements; shape {shape} declares {elements}",
+        )
     return None
 
 
@@ -182,13 +225,18 @@ def check_request(request, limits: Limits, *, stream: bool) -> Refusal | None:
     ``ModelStreamInfer`` (the only RPC a decoupled model serves)."""
     model = limits.models.get(request.model_name)
     if model is not None and model.get("decoupled") and not stream:
-        return Refusal("model_name", "decoupled",
-                       f"model {request.model_name} is decoupled (it streams its responses): call ModelStreamInfer, "
-                       f"not ModelInfer")
+        return Refusal(
+            "model_name",
+            "decoupled",
+            f"model {request.model_name} is decoupled (it streams its responses): call ModelStreamInfer, not ModelInfer",
+        )
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
-        return Refusal("raw_input_contents", "data",
-                       f"raw_input_contents has {len(raw)} entries; inputs has {len(request.inputs)} (one per input)")
+        return Refusal(
+            "raw_input_contents",
+            "data",
+            f"raw_input_contents has {len(raw)} entries; inputs has {len(request.inputs)} (one per input)",
+        )
     seen = set()
     for i, tensor in enumerate(request.inputs):
         if tensor.name in seen:

@@ -94,8 +94,15 @@ class StreamLost:
 class Door:
     """The generic handler: every method, forwarded as bytes; inference checked first."""
 
-    def __init__(self, upstream: str, limits: Limits, health_dir: Path | None, max_message_bytes: int,
-                 starting_file: Path | None = None, healing_dirs: tuple[Path, ...] = ()):
+    def __init__(
+        self,
+        upstream: str,
+        limits: Limits,
+        health_dir: Path | None,
+        max_message_bytes: int,
+        starting_file: Path | None = None,
+        healing_dirs: tuple[Path, ...] = (),
+    ):
         from tritonclient.grpc import service_pb2
 
         # serve-cluster: each replica's watchdog folder. A model marked in one of them is being
@@ -113,8 +120,7 @@ class Door:
         self.pb = service_pb2
         self.limits = limits
         self.health_dir = health_dir
-        options = [("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.max_receive_message_length", max_message_bytes)]
+        options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
         self.channel = aio.insecure_channel(upstream, options=options)
         self.refused = 0
         self.healing_retries = 0
@@ -124,8 +130,9 @@ class Door:
 
     @staticmethod
     def metadata(context) -> tuple:
-        return tuple((k, v) for k, v in (context.invocation_metadata() or ())
-                     if not k.startswith(":") and not k.startswith(_OWN_METADATA))
+        return tuple(
+            (k, v) for k, v in (context.invocation_metadata() or ()) if not k.startswith(":") and not k.startswith(_OWN_METADATA)
+        )
 
     @staticmethod
     def timeout(context) -> float | None:
@@ -169,13 +176,16 @@ class Door:
         not_found_until = None
         attempt = 0
         while attempt <= max(HEALING_RETRIES, UPSTREAM_LOST_RETRIES):
-            call = self.channel.unary_unary(INFER)(request, metadata=self.metadata(context),
-                                                   timeout=self.timeout(context))
+            call = self.channel.unary_unary(INFER)(request, metadata=self.metadata(context), timeout=self.timeout(context))
             try:
                 response = await call
             except aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND and parsed.model_name in self.limits.models \
-                        and self.starting_file is not None and self.starting_file.exists():
+                if (
+                    exc.code() == grpc.StatusCode.NOT_FOUND
+                    and parsed.model_name in self.limits.models
+                    and self.starting_file is not None
+                    and self.starting_file.exists()
+                ):
                     # A restarting replica without the model yet: the next send may reach another.
                     now = time.monotonic()
                     not_found_until = not_found_until or now + NOT_FOUND_WAIT_S
@@ -183,8 +193,7 @@ class Door:
                         self.not_found_retries += 1
                         await asyncio.sleep(NOT_FOUND_BACKOFF_S)
                         continue
-                lost = exc.code() == grpc.StatusCode.UNAVAILABLE \
-                    and any(k == UPSTREAM_LOST for k, _ in await _safe_trailing(exc))
+                lost = exc.code() == grpc.StatusCode.UNAVAILABLE and any(k == UPSTREAM_LOST for k, _ in await _safe_trailing(exc))
                 if lost and attempt < UPSTREAM_LOST_RETRIES:
                     # nginx lost the replica serving it (serve-cluster): send it again; nginx
                     # picks a live replica.
@@ -204,8 +213,9 @@ class Door:
                 if reason is None:
                     await self._abort_with(context, exc)
                 if attempt >= HEALING_RETRIES:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"model {parsed.model_name} is being reloaded ({reason}): retry")
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"model {parsed.model_name} is being reloaded ({reason}): retry"
+                    )
                 self.healing_retries += 1
                 await asyncio.sleep(HEALING_BACKOFF_S * (attempt + 1))
                 attempt += 1
@@ -217,10 +227,12 @@ class Door:
 
     async def one_replica_only(self, request: bytes, context):
         """serve-cluster: a gRPC load or unload would reach one replica through nginx."""
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            "serve-cluster: load and unload go through the front door's HTTP repository API "
-                            "(POST /v2/repository/models/<model>/load|unload), which acts on every replica; "
-                            "over gRPC they would reach one replica")
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "serve-cluster: load and unload go through the front door's HTTP repository API "
+            "(POST /v2/repository/models/<model>/load|unload), which acts on every replica; "
+            "over gRPC they would reach one replica",
+        )
 
     def _healing(self, model: str) -> str | None:
         """The watchdog's reason when ``model`` is marked unhealthy, else None."""
@@ -286,8 +298,7 @@ class Door:
                     return
                 yield item
 
-        call = self.channel.stream_stream(STREAM)(requests(), metadata=self.metadata(context),
-                                                  timeout=self.timeout(context))
+        call = self.channel.stream_stream(STREAM)(requests(), metadata=self.metadata(context), timeout=self.timeout(context))
 
         async def read_client():
             try:
@@ -333,8 +344,10 @@ class Door:
                 if item is done:
                     break
                 if isinstance(item, StreamLost):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"model {item.model} lost the instance serving this stream ({item.reason}): retry")
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"model {item.model} lost the instance serving this stream ({item.reason}): retry",
+                    )
                 if isinstance(item, aio.AioRpcError):
                     # A stub that died mid-stream (the watchdog marks its model within a scan):
                     # the stream ends UNAVAILABLE, which clients retry, not INTERNAL.
@@ -343,8 +356,10 @@ class Door:
                         dead = {m: r for m in models if (r := self._lost_instance(m)) is not None}
                         if dead:
                             model, reason = next(iter(dead.items()))
-                            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                                f"model {model} lost the instance serving this stream ({reason}): retry")
+                            await context.abort(
+                                grpc.StatusCode.UNAVAILABLE,
+                                f"model {model} lost the instance serving this stream ({reason}): retry",
+                            )
                     await self._abort_with(context, item)
                 yield item
         finally:
@@ -362,8 +377,9 @@ class Door:
             await self._abort_with(context, exc)
 
     async def stream_stream(self, method: str, request_iterator, context):
-        call = self.channel.stream_stream(method)(request_iterator, metadata=self.metadata(context),
-                                                  timeout=self.timeout(context))
+        call = self.channel.stream_stream(method)(
+            request_iterator, metadata=self.metadata(context), timeout=self.timeout(context)
+        )
         try:
             async for response in call:
                 yield response
@@ -384,9 +400,15 @@ class Handler(grpc.GenericRpcHandler):
     def __init__(self, door: Door):
         self.door = door
         # Built once: service() runs for every call.
-        self.special = {method: grpc.unary_unary_rpc_method_handler(fn) for method, fn in (
-            (INFER, door.infer), (SERVER_READY, door.server_ready), (MODEL_READY, door.model_ready),
-            (HEALTH_CHECK, door.health_check))}
+        self.special = {
+            method: grpc.unary_unary_rpc_method_handler(fn)
+            for method, fn in (
+                (INFER, door.infer),
+                (SERVER_READY, door.server_ready),
+                (MODEL_READY, door.model_ready),
+                (HEALTH_CHECK, door.health_check),
+            )
+        }
         self.special[STREAM] = grpc.stream_stream_rpc_method_handler(door.stream_infer)
         if door.starting_file is not None:  # serve-cluster: nginx would take a load to one replica
             for method in (REPOSITORY_LOAD, REPOSITORY_UNLOAD):
@@ -398,14 +420,17 @@ class Handler(grpc.GenericRpcHandler):
         if method in self.special:
             return self.special[method]
         if method == HEALTH_WATCH:
+
             async def watch(request, context):
                 async for response in door.unary_stream(method, request, context):
                     yield response
+
             return grpc.unary_stream_rpc_method_handler(watch)
 
         # Every other method of GRPCInferenceService is unary (grpc.aio needs coroutine functions).
         async def passthrough(request, context):
             return await door.unary(method, request, context)
+
         return grpc.unary_unary_rpc_method_handler(passthrough)
 
 
@@ -416,15 +441,27 @@ def load_limits(repository: Path, max_message_bytes: int) -> Limits:
     return Limits(models=model_limits(repository), max_elements=max_message_bytes)
 
 
-async def serve(listen: str, upstream: str, repository: Path, health_dir: Path | None, max_message_bytes: int,
-                ready_file: Path | None = None, drain_timeout: float = 30.0,
-                starting_file: Path | None = None, healing_dirs: tuple[Path, ...] = ()) -> None:
+async def serve(
+    listen: str,
+    upstream: str,
+    repository: Path,
+    health_dir: Path | None,
+    max_message_bytes: int,
+    ready_file: Path | None = None,
+    drain_timeout: float = 30.0,
+    starting_file: Path | None = None,
+    healing_dirs: tuple[Path, ...] = (),
+) -> None:
     limits = load_limits(repository, max_message_bytes)
     door = Door(upstream, limits, health_dir, max_message_bytes, starting_file, healing_dirs)
-    server = aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
-                                 ("grpc.max_receive_message_length", max_message_bytes),
-                                 ("grpc.so_reuseport", 0)],
-                        maximum_concurrent_rpcs=None)
+    server = aio.server(
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=None,
+    )
     server.add_generic_rpc_handlers((Handler(door),))
     if server.add_insecure_port(listen) == 0:
         raise SystemExit(f"grpc door: cannot listen on {listen}")
@@ -447,35 +484,66 @@ async def serve(listen: str, upstream: str, repository: Path, health_dir: Path |
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.grpc_door", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m server.grpc_door", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--listen", required=True, help="HOST:PORT to serve gRPC on (the public port)")
     p.add_argument("--upstream", required=True, help="HOST:PORT of the gRPC server behind (nginx's internal listener)")
     p.add_argument("--repository", type=Path, required=True, help="model repository whose configs give the limits")
     p.add_argument("--health-dir", type=Path, default=None, help="the watchdog's folder of unhealthy models")
     p.add_argument("--max-message-mb", type=int, default=64, help="larger messages get RESOURCE_EXHAUSTED (default 64)")
     p.add_argument("--ready-file", type=Path, default=None, help="written with the pid once listening")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds for calls in flight to finish (default 30)")
-    p.add_argument("--replica-starting-file", type=Path, default=None,
-                   help="serve-cluster: while this file exists (a listed replica is not ready), NOT_FOUND for a "
-                        f"model of the repository is resent for up to {NOT_FOUND_WAIT_S:.0f} s")
-    p.add_argument("--healing-dir", type=Path, action="append", default=[],
-                   help="serve-cluster: a replica's watchdog folder (repeat per replica); an INTERNAL answer "
-                        "for a model marked there is resent")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds for calls in flight to finish (default 30)"
+    )
+    p.add_argument(
+        "--replica-starting-file",
+        type=Path,
+        default=None,
+        help="serve-cluster: while this file exists (a listed replica is not ready), NOT_FOUND for a "
+        f"model of the repository is resent for up to {NOT_FOUND_WAIT_S:.0f} s",
+    )
+    p.add_argument(
+        "--healing-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="serve-cluster: a replica's watchdog folder (repeat per replica); an INTERNAL answer "
+        "for a model marked there is resent",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    asyncio.run(serve(args.listen, args.upstream, args.repository, args.health_dir, args.max_message_mb << 20,
-                      args.ready_file, args.drain_timeout, args.replica_starting_file, tuple(args.healing_dir)))
+    asyncio.run(
+        serve(
+            args.listen,
+            args.upstream,
+            args.repository,
+            args.health_dir,
+            args.max_message_mb << 20,
+            args.ready_file,
+            args.drain_timeout,
+            args.replica_starting_file,
+            tuple(args.healing_dir),
+        )
+    )
     return 0
 
 
 class GrpcDoor:
     """The door as a child process of the launcher (dies with it: PR_SET_PDEATHSIG)."""
 
-    def __init__(self, listen: str, upstream: str, repository: Path, workdir: Path, health_dir: Path | None,
-                 max_message_bytes: int, drain_timeout: float = 30.0, starting_file: Path | None = None,
-                 healing_dirs: tuple[Path, ...] = ()):
+    def __init__(
+        self,
+        listen: str,
+        upstream: str,
+        repository: Path,
+        workdir: Path,
+        health_dir: Path | None,
+        max_message_bytes: int,
+        drain_timeout: float = 30.0,
+        starting_file: Path | None = None,
+        healing_dirs: tuple[Path, ...] = (),
+    ):
         self.drain_timeout = drain_timeout
         self.starting_file = starting_file
         self.healing_dirs = tuple(healing_dirs)
@@ -502,9 +570,23 @@ class GrpcDoor:
         return self.workdir / "grpc-door.ready"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "server.grpc_door", "--listen", self.listen, "--upstream", self.upstream,
-               "--repository", str(self.repository), "--max-message-mb", str(max(1, self.max_message_bytes >> 20)),
-               "--ready-file", str(self.ready_file), "--drain-timeout", str(self.drain_timeout)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.grpc_door",
+            "--listen",
+            self.listen,
+            "--upstream",
+            self.upstream,
+            "--repository",
+            str(self.repository),
+            "--max-message-mb",
+            str(max(1, self.max_message_bytes >> 20)),
+            "--ready-file",
+            str(self.ready_file),
+            "--drain-timeout",
+            str(self.drain_timeout),
+        ]
         if self.health_dir is not None:
             cmd += ["--health-dir", str(self.health_dir)]
         if self.starting_file is not None:

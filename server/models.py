@@ -12,8 +12,14 @@ from pathlib import Path
 
 # text_embedding_cached: the cached entry point in front of text_embedding (README "Result cache").
 # text_generation: the LLM (docs/export.md); its weights are exported by `python -m export`.
-DEFAULT_MODELS = ("text_embedding", "text_embedding_cached", "text_embedding_cached_interactive",
-                  "text_embedding_cached_bulk", "image_classification", "text_generation")
+DEFAULT_MODELS = (
+    "text_embedding",
+    "text_embedding_cached",
+    "text_embedding_cached_interactive",
+    "text_embedding_cached_bulk",
+    "image_classification",
+    "text_generation",
+)
 # Default models a repository may lack: left out of the default set when their folder has no
 # config.pbtxt (a repository made before the generation model, or one holding only the
 # embedding and image models). Asked for by name (--model), they load or fail as any other.
@@ -22,8 +28,9 @@ OPTIONAL_DEFAULT_MODELS = ("text_generation",)
 
 def default_models(repository: Path) -> tuple[str, ...]:
     """The models `python -m server` loads when none are named."""
-    return tuple(m for m in DEFAULT_MODELS
-                 if m not in OPTIONAL_DEFAULT_MODELS or (Path(repository) / m / "config.pbtxt").is_file())
+    return tuple(
+        m for m in DEFAULT_MODELS if m not in OPTIONAL_DEFAULT_MODELS or (Path(repository) / m / "config.pbtxt").is_file()
+    )
 
 
 def _config_text(repository: Path, model: str) -> str:

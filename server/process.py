@@ -118,8 +118,7 @@ class TritonServer(Service):
         # Ctrl-C reaches the launcher, which stops the server in order. If the launcher dies
         # without stopping it (SIGKILL, the OOM killer), so does tritonserver, and its ports are
         # free again; its python backend stubs notice and exit.
-        self.child = ChildProcess("tritonserver", self.log_path, output=PIPE, log_mode="w", tie="SIGKILL",
-                                  echo=echo)
+        self.child = ChildProcess("tritonserver", self.log_path, output=PIPE, log_mode="w", tie="SIGKILL", echo=echo)
         self.layout: ServerLayout | None = None
         self.front_door: FrontDoor | None = None
         self.grpc_door: GrpcDoor | None = None
@@ -267,15 +266,32 @@ class TritonServer(Service):
                     setattr(o, attr, port)
                     taken.add(port)
         self.front_door = FrontDoor(
-            FrontDoorPorts(o.host, o.http_port, o.nginx_grpc_port, o.metrics_port,
-                           "127.0.0.1", o.triton_http_port, o.triton_grpc_port, o.triton_metrics_port,
-                           grpc_listen_host="127.0.0.1"),
-            o.workdir / f"frontdoor-{o.http_port}", o.model_repository, max_body_bytes=o.max_body_bytes,
+            FrontDoorPorts(
+                o.host,
+                o.http_port,
+                o.nginx_grpc_port,
+                o.metrics_port,
+                "127.0.0.1",
+                o.triton_http_port,
+                o.triton_grpc_port,
+                o.triton_metrics_port,
+                grpc_listen_host="127.0.0.1",
+            ),
+            o.workdir / f"frontdoor-{o.http_port}",
+            o.model_repository,
+            max_body_bytes=o.max_body_bytes,
             health_dir=self.health_dir,
         )
         self.front_door.check()
-        self.grpc_door = GrpcDoor(f"{o.host}:{o.grpc_port}", f"127.0.0.1:{o.triton_grpc_port}", o.model_repository,
-                                  self.front_door.workdir, self.health_dir, o.max_body_bytes, o.drain_timeout)
+        self.grpc_door = GrpcDoor(
+            f"{o.host}:{o.grpc_port}",
+            f"127.0.0.1:{o.triton_grpc_port}",
+            o.model_repository,
+            self.front_door.workdir,
+            self.health_dir,
+            o.max_body_bytes,
+            o.drain_timeout,
+        )
 
     @property
     def watchdog_metrics_path(self) -> Path:
@@ -300,9 +316,16 @@ class TritonServer(Service):
                 event(f"gRPC door: exited (code {door.process.returncode}); starting a new one\n{door.log_tail(10)}")
                 door.start()
 
-        self.watchdog = watch_server(self.process.pid, self.triton_http_url, self.options.repository_token or "",
-                                     self.options.model_repository, self.health_dir, self.watchdog_metrics_path,
-                                     on_event=event, extra_checks=[door_alive])
+        self.watchdog = watch_server(
+            self.process.pid,
+            self.triton_http_url,
+            self.options.repository_token or "",
+            self.options.model_repository,
+            self.health_dir,
+            self.watchdog_metrics_path,
+            on_event=event,
+            extra_checks=[door_alive],
+        )
 
     @property
     def health_dir(self) -> Path:
@@ -336,24 +359,31 @@ class TritonServer(Service):
         def ready() -> bool:
             nonlocal pending, deferred_loaded
             if self.front_door is not None and not self.front_door.running():
-                raise ServerError(f"the front door (nginx) exited with code {self.front_door.process.returncode}",
-                                  self.front_door.log_tail())
+                raise ServerError(
+                    f"the front door (nginx) exited with code {self.front_door.process.returncode}", self.front_door.log_tail()
+                )
             if self.grpc_door is not None and not self.grpc_door.running():
-                raise ServerError(f"the gRPC door exited with code {self.grpc_door.process.returncode}",
-                                  self.grpc_door.log_tail())
+                raise ServerError(
+                    f"the gRPC door exited with code {self.grpc_door.process.returncode}", self.grpc_door.log_tail()
+                )
             if self._get("/v2/health/ready") != 200:
                 return False
             if not deferred_loaded:
                 try:
-                    self.repository.load_deferred(self.triton_http_url, self.options.repository_token or "",
-                                                  self.options.model_config_name)
+                    self.repository.load_deferred(
+                        self.triton_http_url, self.options.repository_token or "", self.options.model_config_name
+                    )
                 except Exception as exc:
-                    raise ServerError(f"applying the rollout state {self.options.rollout_state} failed: {exc}",
-                                      self.log_tail()) from exc
+                    raise ServerError(
+                        f"applying the rollout state {self.options.rollout_state} failed: {exc}", self.log_tail()
+                    ) from exc
                 deferred_loaded = True
             pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
-            return not pending and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200) \
+            return (
+                not pending
+                and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200)
                 and (self.grpc_door is None or self.grpc_door.ready())
+            )
 
         try:
             self.child.wait_ready(ready, timeout, should_stop=should_stop, interval=0.25)
@@ -361,8 +391,9 @@ class TritonServer(Service):
             if exc.why == "stopped":
                 raise ServerError("stopped before the server became ready", self.log_tail()) from None
             if exc.why == "exited":
-                raise ServerError(f"tritonserver exited with code {exc.returncode} before becoming ready",
-                                  self.log_tail()) from None
+                raise ServerError(
+                    f"tritonserver exited with code {exc.returncode} before becoming ready", self.log_tail()
+                ) from None
             raise ServerError(
                 f"tritonserver not ready after {timeout:.0f} s (models not ready: {', '.join(pending) or 'none'})",
                 self.log_tail(),
@@ -384,8 +415,9 @@ class TritonServer(Service):
             return None
         # --exit-timeout-secs bounds Triton's own wait for in-flight requests. Stubs are children
         # of the server: its process group is killed after it, so that none outlives it.
-        code = self.child.stop(timeout + 5, signal.SIGTERM, kill_group=True, reap_group=True,
-                               while_waiting=self._lingering_check())
+        code = self.child.stop(
+            timeout + 5, signal.SIGTERM, kill_group=True, reap_group=True, while_waiting=self._lingering_check()
+        )
         if self._health_dir is not None:
             import shutil
 
@@ -405,8 +437,7 @@ class TritonServer(Service):
             last = next((line for line in reversed(self.child.tail()) if "live models and" in line), "")
             found = re.search(r"Found (\d+) live models and 0 in-flight", last)
             if found and int(found.group(1)) <= lingering:
-                log.warning("tritonserver: only the %s model(s) replaced after a stub death remain; stopping it",
-                            found.group(1))
+                log.warning("tritonserver: only the %s model(s) replaced after a stub death remain; stopping it", found.group(1))
                 os.killpg(self.process.pid, signal.SIGKILL)
 
         return check

@@ -32,30 +32,38 @@ def rule_files(rules_dir: Path, on_skip: Callable[[str], None] = log.warning) ->
         return files
     good = []
     for path in files:
-        done = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True,
-                              text=True)
+        done = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True, text=True)
         if done.returncode == 0:
             good.append(path)
         else:
-            on_skip(f"prometheus: {path.name} left out, promtool check rules failed: "
-                    f"{(done.stdout + done.stderr).strip().splitlines()[-1:]}")
+            on_skip(
+                f"prometheus: {path.name} left out, promtool check rules failed: "
+                f"{(done.stdout + done.stderr).strip().splitlines()[-1:]}"
+            )
     return good
 
 
-def render_prometheus(template: Path, replicas: Sequence, gateways: str | Sequence[str] | None,
-                      rules: Sequence[Path], scrape_interval_s: float) -> str:
+def render_prometheus(
+    template: Path, replicas: Sequence, gateways: str | Sequence[str] | None, rules: Sequence[Path], scrape_interval_s: float
+) -> str:
     """prometheus.yml from ``template``: job "triton" with one target per replica (label
     ``replica``), job "gateway" with one target per gateway address in ``gateways`` (label
     ``gateway``: its index; no job when there is none), the rules files ``rules``."""
+
     def target(address: str, labels: Mapping[str, str]) -> str:
         lab = ", ".join(f'{k}: "{v}"' for k, v in labels.items())
         return f'      - targets: ["{address}"]\n        labels: {{{lab}}}'
 
     triton = "\n".join(target(f"127.0.0.1:{r.metrics}", {"replica": str(r.index)}) for r in replicas)
     gateways = [gateways] if isinstance(gateways, str) else list(gateways or ())
-    gateway_job = ("  - job_name: gateway\n    metrics_path: /metrics\n    static_configs:\n"
-                   + "\n".join(target(address, {"gateway": str(i), "service": "openai-gateway"})
-                                for i, address in enumerate(gateways))) if gateways else ""
+    gateway_job = (
+        (
+            "  - job_name: gateway\n    metrics_path: /metrics\n    static_configs:\n"
+            + "\n".join(target(address, {"gateway": str(i), "service": "openai-gateway"}) for i, address in enumerate(gateways))
+        )
+        if gateways
+        else ""
+    )
     values = {
         "SCRAPE_INTERVAL": f"{scrape_interval_s:g}s",
         "RULE_FILES": "\n".join(f'  - "{path}"' for path in rules) or "  []",
@@ -105,9 +113,16 @@ class Prometheus:
     def start(self, config: str) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(config, encoding="utf-8")
-        self.child.start([self.binary(), f"--config.file={self.config_path}",
-                          f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address={self.host}:{self.port}",
-                          "--storage.tsdb.retention.time=1d", "--web.enable-lifecycle"])
+        self.child.start(
+            [
+                self.binary(),
+                f"--config.file={self.config_path}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address={self.host}:{self.port}",
+                "--storage.tsdb.retention.time=1d",
+                "--web.enable-lifecycle",
+            ]
+        )
         return self
 
     def running(self) -> bool:

@@ -32,8 +32,9 @@ class RedisProcess(Service):
         # serve-cluster (``tied``): die with the launcher, even when it is SIGKILLed
         # (server/lifetime.py); the forking thread must then live as long as Redis should.
         # Redis writes its own log file; it stays in the caller's session.
-        self.child = ChildProcess("redis-server", self.dir / "redis.log", output=DISCARD,
-                                  tie="SIGTERM" if tied else None, new_session=False)
+        self.child = ChildProcess(
+            "redis-server", self.dir / "redis.log", output=DISCARD, tie="SIGTERM" if tied else None, new_session=False
+        )
 
     @property
     def tied(self) -> bool:
@@ -51,10 +52,30 @@ class RedisProcess(Service):
     def start(self, timeout: float = 10.0) -> RedisProcess:
         """Start it and wait until it answers PING."""
         self.child.start(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
-             "--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru",
-             "--logfile", str(self.dir / "redis.log")])
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+                "--maxmemory",
+                f"{self.maxmemory_mb}mb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+                "--logfile",
+                str(self.dir / "redis.log"),
+            ]
+        )
         self.wait_ready(timeout)
         return self
 

@@ -50,8 +50,9 @@ class ReplicaAddress:
 class RepositoryDoor:
     """A threaded HTTP server on ``host:port``; ``replicas()`` is asked on every call."""
 
-    def __init__(self, replicas: Callable[[], Sequence[ReplicaAddress]], token: str | None,
-                 host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self, replicas: Callable[[], Sequence[ReplicaAddress]], token: str | None, host: str = "127.0.0.1", port: int = 0
+    ):
         self.replicas = replicas
         self.token = token or ""
         door = self
@@ -115,12 +116,15 @@ class RepositoryDoor:
             for client in clients:
                 status, raw = http(client.base + path, "POST", body or b"{}", {TOKEN_HEADER: token})
                 if status != 0:
-                    return status, json.loads(raw) if raw.strip().startswith((b"[", b"{")) else {"error": raw.decode(errors="replace")}
+                    return status, json.loads(raw) if raw.strip().startswith((b"[", b"{")) else {
+                        "error": raw.decode(errors="replace")
+                    }
             return 503, {"error": "no replica answers"}
         match = _MODEL_CALL.match(path)
         if match is None:
-            return 404, {"error": f"{path}: not a repository call (POST /v2/repository/index or "
-                                  f"/v2/repository/models/<model>/load|unload)"}
+            return 404, {
+                "error": f"{path}: not a repository call (POST /v2/repository/index or /v2/repository/models/<model>/load|unload)"
+            }
         model, action = match.groups()
         replicated = ReplicatedRepositoryClient(clients, [r.name for r in replicas])
         try:
@@ -128,6 +132,11 @@ class RepositoryDoor:
         except RepositoryError as exc:
             status = exc.status if 400 <= exc.status < 600 else 503
             return status, {"error": str(exc)}
-        log.info("repository door: %s of %s on %d replica(s)%s", action, model, len(replicas) - len(skipped),
-                 f", skipped (down): {', '.join(skipped)}" if skipped else "")
+        log.info(
+            "repository door: %s of %s on %d replica(s)%s",
+            action,
+            model,
+            len(replicas) - len(skipped),
+            f", skipped (down): {', '.join(skipped)}" if skipped else "",
+        )
         return 200, {"replicas": len(replicas) - len(skipped), "skipped": skipped} if skipped else {}

@@ -74,7 +74,7 @@ def stub_of(pid: int) -> Stub | None:
         return None
     if not args or not args[0].endswith(STUB_BINARY.encode()):
         return None
-    state = stat[stat.rfind(")") + 2:].split(" ", 1)[0]
+    state = stat[stat.rfind(")") + 2 :].split(" ", 1)[0]
     texts = [a.decode(errors="replace") for a in args if a]
     model, instance = model_and_instance(texts)
     folder = Path(texts[1]).parent.name if len(texts) > 1 else ""
@@ -86,8 +86,14 @@ def model_and_instance(args: list[str]) -> tuple[str, str]:
     model_path = Path(args[1]) if len(args) > 1 else Path()
     # <repository>/<model>/<version>/model.py, or a Python-based backend's model.py with the
     # model's folder passed further on: the instance name is "<model>_<group>_<index>".
-    instance = next((a for a in args[2:] if a.count("_") >= 2 and a.rsplit("_", 2)[-1].isdigit()
-                     and a.rsplit("_", 2)[-2].isdigit() and "/" not in a), "")
+    instance = next(
+        (
+            a
+            for a in args[2:]
+            if a.count("_") >= 2 and a.rsplit("_", 2)[-1].isdigit() and a.rsplit("_", 2)[-2].isdigit() and "/" not in a
+        ),
+        "",
+    )
     model = instance.rsplit("_", 2)[0] if instance else model_path.parent.parent.name
     return model, instance
 
@@ -113,10 +119,18 @@ class StubWatchdog:
     ``reload(model)`` reloads it and returns when it is ready (raises on failure);
     ``loaded()`` the (model, version) pairs READY now."""
 
-    def __init__(self, server_pid: int, health_dir: Path, metrics_path: Path | None,
-                 reload: Callable[[str], None], loaded: Callable[[], set[tuple[str, str]]],
-                 reaches: Callable[[str], Iterable[str]], interval: float = 0.25,
-                 on_event: Callable[[str], None] | None = None, extra_checks: Iterable[Callable[[], None]] = ()):
+    def __init__(
+        self,
+        server_pid: int,
+        health_dir: Path,
+        metrics_path: Path | None,
+        reload: Callable[[str], None],
+        loaded: Callable[[], set[tuple[str, str]]],
+        reaches: Callable[[str], Iterable[str]],
+        interval: float = 0.25,
+        on_event: Callable[[str], None] | None = None,
+        extra_checks: Iterable[Callable[[], None]] = (),
+    ):
         self.server_pid = server_pid
         self.health_dir = Path(health_dir)
         self.metrics_path = metrics_path
@@ -251,8 +265,12 @@ class StubWatchdog:
             (self.health_dir / ANY_UNHEALTHY).unlink(missing_ok=True)
         self.counters.last_recovery_s[model] = reloaded_s
         self._write_metrics()
-        self._event("recovered", model, f"stub watchdog: {model}: new instances serving {reloaded_s:.1f} s after "
-                                        f"the death; the replaced stubs ended, healthy again")
+        self._event(
+            "recovered",
+            model,
+            f"stub watchdog: {model}: new instances serving {reloaded_s:.1f} s after "
+            f"the death; the replaced stubs ended, healthy again",
+        )
 
     def _event(self, kind: str, model: str, text: str) -> None:
         self.events.append((time.time(), kind, model))
@@ -262,21 +280,39 @@ class StubWatchdog:
 
     def metrics_text(self) -> str:
         c = self.counters
-        lines = ["# HELP triton_stub_deaths_total Python backend stubs that died while their model was loaded.",
-                 "# TYPE triton_stub_deaths_total counter"]
+        lines = [
+            "# HELP triton_stub_deaths_total Python backend stubs that died while their model was loaded.",
+            "# TYPE triton_stub_deaths_total counter",
+        ]
         lines += [f'triton_stub_deaths_total{{model="{m}"}} {c.deaths.get(m, 0)}' for m in sorted(self.watched | set(c.deaths))]
-        lines += ["# HELP triton_stub_reloads_total Models the watchdog reloaded after a stub died.",
-                  "# TYPE triton_stub_reloads_total counter"]
-        lines += [f'triton_stub_reloads_total{{model="{m}"}} {c.reloads.get(m, 0)}' for m in sorted(self.watched | set(c.reloads))]
-        lines += ["# HELP triton_stub_reload_failures_total Reloads after a stub death that failed.",
-                  "# TYPE triton_stub_reload_failures_total counter"]
-        lines += [f'triton_stub_reload_failures_total{{model="{m}"}} {c.reload_failures.get(m, 0)}' for m in sorted(self.watched | set(c.reload_failures))]
-        lines += ["# HELP triton_model_unhealthy 1 while a model has a dead instance (or reaches one) and is being reloaded.",
-                  "# TYPE triton_model_unhealthy gauge"]
-        lines += [f'triton_model_unhealthy{{model="{m}"}} {1 if m in self.unhealthy else 0}'
-                  for m in sorted(self.watched | set(self.unhealthy))]
-        lines += ["# HELP triton_stub_watchdog_up 1 while the launcher's stub watchdog runs.",
-                  "# TYPE triton_stub_watchdog_up gauge", "triton_stub_watchdog_up 1"]
+        lines += [
+            "# HELP triton_stub_reloads_total Models the watchdog reloaded after a stub died.",
+            "# TYPE triton_stub_reloads_total counter",
+        ]
+        lines += [
+            f'triton_stub_reloads_total{{model="{m}"}} {c.reloads.get(m, 0)}' for m in sorted(self.watched | set(c.reloads))
+        ]
+        lines += [
+            "# HELP triton_stub_reload_failures_total Reloads after a stub death that failed.",
+            "# TYPE triton_stub_reload_failures_total counter",
+        ]
+        lines += [
+            f'triton_stub_reload_failures_total{{model="{m}"}} {c.reload_failures.get(m, 0)}'
+            for m in sorted(self.watched | set(c.reload_failures))
+        ]
+        lines += [
+            "# HELP triton_model_unhealthy 1 while a model has a dead instance (or reaches one) and is being reloaded.",
+            "# TYPE triton_model_unhealthy gauge",
+        ]
+        lines += [
+            f'triton_model_unhealthy{{model="{m}"}} {1 if m in self.unhealthy else 0}'
+            for m in sorted(self.watched | set(self.unhealthy))
+        ]
+        lines += [
+            "# HELP triton_stub_watchdog_up 1 while the launcher's stub watchdog runs.",
+            "# TYPE triton_stub_watchdog_up gauge",
+            "triton_stub_watchdog_up 1",
+        ]
         return "\n".join(lines) + "\n"
 
     def _write_metrics(self) -> None:
@@ -295,11 +331,13 @@ def repository_reload(repository_client) -> Callable[[str], None]:
     with the parameter ``watchdog_reload`` set to a new value. tritonserver reloads a model only
     when its configuration changed (a plain load, or an override equal to the live config, of an
     unchanged model does nothing); no model reads that parameter."""
+
     def reload(model: str) -> None:
         config = repository_client.config(model)
         parameters = config.setdefault("parameters", {})
         parameters[RELOAD_PARAMETER] = {"string_value": f"{time.time_ns()}"}
         repository_client.load(model, config)
+
     return reload
 
 
@@ -308,18 +346,24 @@ def repository_loaded(repository_client) -> Callable[[], set[tuple[str, str]]]:
     from ops.repository import http
 
     def loaded() -> set[tuple[str, str]]:
-        status, raw = http(repository_client.base + "/v2/repository/index", "POST", {}, repository_client.headers,
-                           timeout=10)
+        status, raw = http(repository_client.base + "/v2/repository/index", "POST", {}, repository_client.headers, timeout=10)
         if status != 200:
             raise RuntimeError(f"repository index: HTTP {status}")
-        return {(entry["name"], str(entry.get("version", ""))) for entry in json.loads(raw)
-                if entry.get("state") == "READY"}
+        return {(entry["name"], str(entry.get("version", ""))) for entry in json.loads(raw) if entry.get("state") == "READY"}
+
     return loaded
 
 
-def watch_server(server_pid: int, triton_http_url: str, token: str, repository: Path, health_dir: Path,
-                 metrics_path: Path | None, on_event: Callable[[str], None] | None = None,
-                 extra_checks: Iterable[Callable[[], None]] = ()) -> StubWatchdog:
+def watch_server(
+    server_pid: int,
+    triton_http_url: str,
+    token: str,
+    repository: Path,
+    health_dir: Path,
+    metrics_path: Path | None,
+    on_event: Callable[[str], None] | None = None,
+    extra_checks: Iterable[Callable[[], None]] = (),
+) -> StubWatchdog:
     """A started watchdog over the tritonserver ``server_pid``: it reads and reloads models
     through the repository API at ``triton_http_url`` (``token``: the repository token), and a
     model's dead stub marks every loaded model that reaches it in ``repository``."""
@@ -332,5 +376,13 @@ def watch_server(server_pid: int, triton_http_url: str, token: str, repository: 
     def reaches(model: str) -> list[str]:
         return sorted({m for m, _ in loaded() if model in closure(repository, m)})
 
-    return StubWatchdog(server_pid, health_dir, metrics_path, repository_reload(client), loaded, reaches,
-                        on_event=on_event, extra_checks=extra_checks).start()
+    return StubWatchdog(
+        server_pid,
+        health_dir,
+        metrics_path,
+        repository_reload(client),
+        loaded,
+        reaches,
+        on_event=on_event,
+        extra_checks=extra_checks,
+    ).start()

@@ -87,9 +87,20 @@ class ChildProcess:
     ``tail_lines`` lines stay in memory for ``log_tail`` and each line is echoed to ``echo``.
     """
 
-    def __init__(self, name: str, log_path: Path | None = None, *, output: str = FILE, log_mode: str = "a",
-                 tie: str | None = "SIGTERM", new_session: bool = True, stop_signal: int = signal.SIGTERM,
-                 grace: float = 10.0, echo: TextIO | None = None, tail_lines: int = 400):
+    def __init__(
+        self,
+        name: str,
+        log_path: Path | None = None,
+        *,
+        output: str = FILE,
+        log_mode: str = "a",
+        tie: str | None = "SIGTERM",
+        new_session: bool = True,
+        stop_signal: int = signal.SIGTERM,
+        grace: float = 10.0,
+        echo: TextIO | None = None,
+        tail_lines: int = 400,
+    ):
         assert output in (FILE, PIPE, DISCARD) and log_mode in ("a", "w")
         assert output == DISCARD or log_path is not None, "a log file is needed to write the output to"
         self.name = name
@@ -106,15 +117,20 @@ class ChildProcess:
         self._reader: threading.Thread | None = None
 
     # --- start ----------------------------------------------------------------------------
-    def start(self, command: Sequence[str], *, env: Mapping[str, str] | None = None,
-              cwd: Path | str | None = None) -> ChildProcess:
+    def start(
+        self, command: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | str | None = None
+    ) -> ChildProcess:
         """Start ``command`` (stdin /dev/null, output as ``output`` says)."""
         preexec = tie_to_parent(self.tie) if self.tie else None
-        popen = dict(env=None if env is None else dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                     start_new_session=self.new_session, preexec_fn=preexec)
+        popen = dict(
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            start_new_session=self.new_session,
+            preexec_fn=preexec,
+        )
         if self.output == DISCARD:
-            self.process = subprocess.Popen(list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                            **popen)
+            self.process = subprocess.Popen(list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.output == FILE:
@@ -124,13 +140,13 @@ class ChildProcess:
             return self
         log_file = self.log_path.open(self.log_mode, encoding="utf-8")
         try:
-            self.process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                            text=True, errors="replace", **popen)
+            self.process = subprocess.Popen(
+                list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", **popen
+            )
         except BaseException:
             log_file.close()
             raise
-        self._reader = threading.Thread(target=self._pump, args=(self.process, log_file),
-                                        name=f"{self.name}-log", daemon=True)
+        self._reader = threading.Thread(target=self._pump, args=(self.process, log_file), name=f"{self.name}-log", daemon=True)
         self._reader.start()
         return self
 
@@ -177,8 +193,9 @@ class ChildProcess:
             return ""
 
     # --- ready ----------------------------------------------------------------------------
-    def wait_ready(self, probe: Callable[[], bool], timeout: float, *, should_stop: Callable[[], bool] = lambda: False,
-                   interval: float = 0.2) -> None:
+    def wait_ready(
+        self, probe: Callable[[], bool], timeout: float, *, should_stop: Callable[[], bool] = lambda: False, interval: float = 0.2
+    ) -> None:
         """Poll ``probe`` every ``interval`` s until it answers True. Raises ``NotReady`` when
         ``should_stop`` answers True, when the child exits (checked before each probe) or after
         ``timeout`` s. ``probe`` may raise its own error (e.g. a companion process died)."""
@@ -212,8 +229,15 @@ class ChildProcess:
             self.process.kill()
         self.process.wait()
 
-    def stop(self, grace: float | None = None, sig: int | None = None, *, kill_group: bool = False,
-             reap_group: bool = False, while_waiting: Callable[[], None] | None = None) -> int | None:
+    def stop(
+        self,
+        grace: float | None = None,
+        sig: int | None = None,
+        *,
+        kill_group: bool = False,
+        reap_group: bool = False,
+        while_waiting: Callable[[], None] | None = None,
+    ) -> int | None:
         """Send ``sig`` (default ``stop_signal``), wait ``grace`` s (default ``grace``) for the
         exit, then SIGKILL it (``kill_group``: its process group). ``reap_group``: SIGKILL the
         process group after the exit too, for children that would outlive it (tritonserver's

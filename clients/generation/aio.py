@@ -73,9 +73,19 @@ class AsyncGenerationClient:
     Failover and retries before the first response: as ``GenerationClient``.
     """
 
-    def __init__(self, url: str | Sequence[str] | None = None, protocol: Protocol = "grpc", model: str = DEFAULT_MODEL,
-                 model_version: str = "", timeout_s: float | None = None, *, retries: int | None = None,
-                 deadline_s: float | None = None, policy: RetryPolicy | None = None, pool: EndpointPool | None = None):
+    def __init__(
+        self,
+        url: str | Sequence[str] | None = None,
+        protocol: Protocol = "grpc",
+        model: str = DEFAULT_MODEL,
+        model_version: str = "",
+        timeout_s: float | None = None,
+        *,
+        retries: int | None = None,
+        deadline_s: float | None = None,
+        policy: RetryPolicy | None = None,
+        pool: EndpointPool | None = None,
+    ):
         self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s, retries, deadline_s)
         o = self.options
         self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
@@ -94,7 +104,9 @@ class AsyncGenerationClient:
         """Answer a chat (the model's template applied on the server); whole answer."""
         return await self._whole(GenerateRequest.from_chat(messages, system, **sampling))
 
-    def chat_stream(self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> AsyncTextStream:
+    def chat_stream(
+        self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any
+    ) -> AsyncTextStream:
         """Answer a chat, yielding text pieces as they arrive."""
         return self._stream(GenerateRequest.from_chat(messages, system, **sampling), stream=True)
 
@@ -166,12 +178,14 @@ class AsyncGenerationClient:
         return AsyncTextStream(resilient(), tracker, cancel)
 
     # One attempt on one endpoint per protocol (grpc_transport.py, http_transport.py).
-    def _grpc_stream(self, client: Any, request: GenerateRequest, stream: bool, url: str | None = None,
-                     first_timeout_s: float | None = None):
+    def _grpc_stream(
+        self, client: Any, request: GenerateRequest, stream: bool, url: str | None = None, first_timeout_s: float | None = None
+    ):
         return grpc_transport.grpc_aio_stream(self.options, client, request, stream, url, first_timeout_s)
 
-    def _http_stream(self, session: Any, request: GenerateRequest, stream: bool, url: str | None = None,
-                     first_timeout_s: float | None = None):
+    def _http_stream(
+        self, session: Any, request: GenerateRequest, stream: bool, url: str | None = None, first_timeout_s: float | None = None
+    ):
         return http_transport.http_aio_stream(self.options, session, request, stream, url, first_timeout_s)
 
     async def close(self) -> None:

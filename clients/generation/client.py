@@ -82,9 +82,19 @@ class GenerationClient:
     ``clients.EmbeddingClient``.
     """
 
-    def __init__(self, url: str | Sequence[str] | None = None, protocol: Protocol = "grpc", model: str = DEFAULT_MODEL,
-                 model_version: str = "", timeout_s: float | None = None, *, retries: int | None = None,
-                 deadline_s: float | None = None, policy: RetryPolicy | None = None, pool: EndpointPool | None = None):
+    def __init__(
+        self,
+        url: str | Sequence[str] | None = None,
+        protocol: Protocol = "grpc",
+        model: str = DEFAULT_MODEL,
+        model_version: str = "",
+        timeout_s: float | None = None,
+        *,
+        retries: int | None = None,
+        deadline_s: float | None = None,
+        policy: RetryPolicy | None = None,
+        pool: EndpointPool | None = None,
+    ):
         self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s, retries, deadline_s)
         o = self.options
         self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
@@ -130,8 +140,10 @@ class GenerationClient:
         o = self.options
         if o.protocol == "grpc":
             if self._grpc_busy:
-                raise RuntimeError("GenerationClient runs one gRPC stream at a time: close the previous stream first "
-                                   "(or use AsyncGenerationClient for concurrent requests)")
+                raise RuntimeError(
+                    "GenerationClient runs one gRPC stream at a time: close the previous stream first "
+                    "(or use AsyncGenerationClient for concurrent requests)"
+                )
             self._grpc_busy = True  # taken now, given back when the stream ends or is closed
         tracker = Tracker()
         current: dict[str, Any] = {"cancel": lambda: None, "holds": o.protocol == "grpc"}
@@ -178,8 +190,7 @@ class GenerationClient:
         return TextStream(resilient(), tracker, cancel)
 
     # One attempt on one endpoint per protocol (grpc_transport.py, http_transport.py).
-    def _grpc_stream(self, request: GenerateRequest, stream: bool, url: str | None = None,
-                     first_timeout_s: float | None = None):
+    def _grpc_stream(self, request: GenerateRequest, stream: bool, url: str | None = None, first_timeout_s: float | None = None):
         return grpc_transport.grpc_stream(self._grpcs, self.options, request, stream, url, first_timeout_s)
 
     def _http_whole(self, request: GenerateRequest, url: str | None = None, timeout_s: float | None = None) -> Generation:
@@ -212,8 +223,13 @@ def generate(prompt: str, url: str | None = None, protocol: Protocol = "grpc", *
         return client.generate(prompt, **sampling)
 
 
-def chat(messages: str | Sequence[Mapping[str, str]], system: str | None = None, url: str | None = None,
-         protocol: Protocol = "grpc", **sampling: Any) -> Generation:
+def chat(
+    messages: str | Sequence[Mapping[str, str]],
+    system: str | None = None,
+    url: str | None = None,
+    protocol: Protocol = "grpc",
+    **sampling: Any,
+) -> Generation:
     """Answer a chat with a one-off client; the whole answer."""
     with GenerationClient(url, protocol) as client:
         return client.chat(messages, system, **sampling)

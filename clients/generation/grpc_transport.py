@@ -25,8 +25,14 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0  # at most this long to stop a cancelled gRPC stream
 
 
-def grpc_stream(connections: dict[str, Any], o: GenerationOptions, request: GenerateRequest, stream: bool,
-                url: str | None = None, first_timeout_s: float | None = None):
+def grpc_stream(
+    connections: dict[str, Any],
+    o: GenerationOptions,
+    request: GenerateRequest,
+    stream: bool,
+    url: str | None = None,
+    first_timeout_s: float | None = None,
+):
     """Blocking: the request on ``url``'s tritonclient stream (kept in ``connections``, which
     loses a client whose cancelled stream would not stop); responses reach a queue from
     tritonclient's thread."""
@@ -47,13 +53,15 @@ def grpc_stream(connections: dict[str, Any], o: GenerationOptions, request: Gene
             # Cancelling (Ctrl-C, close() mid-stream) must not hang the caller: tritonclient's
             # stop_stream joins its stream thread, which can wait on a call gRPC is still
             # tearing down. Bounded here; a client whose stream did not stop is replaced.
-            stopper = threading.Thread(target=client.stop_stream, kwargs={"cancel_requests": True},
-                                       name="generation-stream-stop", daemon=True)
+            stopper = threading.Thread(
+                target=client.stop_stream, kwargs={"cancel_requests": True}, name="generation-stream-stop", daemon=True
+            )
             stopper.start()
             stopper.join(STOP_TIMEOUT_S)
             if stopper.is_alive():
-                log.warning("generate: the cancelled gRPC stream did not stop within %.0f s; "
-                            "using a new connection", STOP_TIMEOUT_S)
+                log.warning(
+                    "generate: the cancelled gRPC stream did not stop within %.0f s; using a new connection", STOP_TIMEOUT_S
+                )
                 if connections.get(url) is client:
                     del connections[url]
 
@@ -63,8 +71,13 @@ def grpc_stream(connections: dict[str, Any], o: GenerationOptions, request: Gene
         wait = first_timeout_s if first_timeout_s is not None else o.timeout_s
         try:
             try:
-                client.async_stream_infer(o.model, request.grpc_inputs(stream), model_version=o.model_version,
-                                          request_id=request_id, enable_empty_final_response=True)
+                client.async_stream_infer(
+                    o.model,
+                    request.grpc_inputs(stream),
+                    model_version=o.model_version,
+                    request_id=request_id,
+                    enable_empty_final_response=True,
+                )
             except InferenceServerException:
                 # A stream that failed at once (server unreachable) refuses the request; the
                 # reason is the error its callback received, if it came.
@@ -94,8 +107,14 @@ def grpc_stream(connections: dict[str, Any], o: GenerationOptions, request: Gene
     return pieces(), lambda: stop(cancel=True)
 
 
-def grpc_aio_stream(o: GenerationOptions, client: Any, request: GenerateRequest, stream: bool,
-                    url: str | None = None, first_timeout_s: float | None = None):
+def grpc_aio_stream(
+    o: GenerationOptions,
+    client: Any,
+    request: GenerateRequest,
+    stream: bool,
+    url: str | None = None,
+    first_timeout_s: float | None = None,
+):
     """asyncio: the request as its own ``stream_infer`` call on ``client`` (grpc.aio), so many
     run at once on one channel."""
     import grpc
@@ -105,8 +124,13 @@ def grpc_aio_stream(o: GenerationOptions, client: Any, request: GenerateRequest,
     call: dict[str, Any] = {}
 
     async def requests():
-        yield {"model_name": o.model, "inputs": request.grpc_inputs(stream), "model_version": o.model_version,
-               "request_id": new_request_id(), "parameters": {"triton_enable_empty_final_response": True}}
+        yield {
+            "model_name": o.model,
+            "inputs": request.grpc_inputs(stream),
+            "model_version": o.model_version,
+            "request_id": new_request_id(),
+            "parameters": {"triton_enable_empty_final_response": True},
+        }
 
     async def pieces() -> AsyncIterator[Piece]:
         log.debug("generate: %s via grpc.aio %s", o.model, url)

@@ -33,11 +33,16 @@ def _connection(o: GenerationOptions, url: str | None = None, timeout_s: float |
     return http.client.HTTPConnection(host, port, timeout=timeout_s if timeout_s is not None else o.timeout_s)
 
 
-def _post(o: GenerationOptions, conn: http.client.HTTPConnection, request: GenerateRequest,
-          stream: bool) -> http.client.HTTPResponse:
+def _post(
+    o: GenerationOptions, conn: http.client.HTTPConnection, request: GenerateRequest, stream: bool
+) -> http.client.HTTPResponse:
     log.debug("generate: %s via http %s:%s%s", o.model, conn.host, conn.port, o.http_path(stream))
-    conn.request("POST", o.http_path(stream), body=request.http_body(stream),
-                 headers={"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"})
+    conn.request(
+        "POST",
+        o.http_path(stream),
+        body=request.http_body(stream),
+        headers={"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"},
+    )
     return conn.getresponse()
 
 
@@ -46,8 +51,9 @@ def _failure(o: GenerationOptions, response: http.client.HTTPResponse) -> Genera
     return http_error(response.status, body, o.model)
 
 
-def http_whole(o: GenerationOptions, request: GenerateRequest, url: str | None = None,
-               timeout_s: float | None = None) -> Generation:
+def http_whole(
+    o: GenerationOptions, request: GenerateRequest, url: str | None = None, timeout_s: float | None = None
+) -> Generation:
     """Blocking: the whole answer from ``/generate`` (its arrival is the first token)."""
     url = url or o.url
     tracker = Tracker()
@@ -66,8 +72,7 @@ def http_whole(o: GenerationOptions, request: GenerateRequest, url: str | None =
     return replace(generation, time_to_first_token_s=generation.total_time_s if generation.text else None)
 
 
-def http_stream(o: GenerationOptions, request: GenerateRequest, url: str | None = None,
-                first_timeout_s: float | None = None):
+def http_stream(o: GenerationOptions, request: GenerateRequest, url: str | None = None, first_timeout_s: float | None = None):
     """Blocking: the pieces of ``/generate_stream`` (http.client); cancelling closes the connection."""
     url = url or o.url
     conn = _connection(o, url, first_timeout_s)
@@ -95,8 +100,14 @@ def http_stream(o: GenerationOptions, request: GenerateRequest, url: str | None 
     return pieces(), conn.close
 
 
-def http_aio_stream(o: GenerationOptions, session: Any, request: GenerateRequest, stream: bool,
-                    url: str | None = None, first_timeout_s: float | None = None):
+def http_aio_stream(
+    o: GenerationOptions,
+    session: Any,
+    request: GenerateRequest,
+    stream: bool,
+    url: str | None = None,
+    first_timeout_s: float | None = None,
+):
     """asyncio: the pieces of ``/generate_stream`` (or the one of ``/generate``) on a connection
     of ``session`` (aiohttp); cancelling closes that connection."""
     import aiohttp
@@ -109,8 +120,9 @@ def http_aio_stream(o: GenerationOptions, session: Any, request: GenerateRequest
         connect = first_timeout_s if first_timeout_s is not None else o.timeout_s
         timeout = aiohttp.ClientTimeout(total=None, sock_read=o.timeout_s, sock_connect=connect)
         try:
-            response = await session.post(o.http_path(stream), data=request.http_body(stream), timeout=timeout,
-                                          headers={"Content-Type": "application/json"})
+            response = await session.post(
+                o.http_path(stream), data=request.http_body(stream), timeout=timeout, headers={"Content-Type": "application/json"}
+            )
             held["response"] = response
             try:
                 if response.status != 200:

@@ -94,7 +94,9 @@ class GenerateRequest:
         return cls(prompt, sampling_parameters(**sampling))
 
     @classmethod
-    def from_chat(cls, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> GenerateRequest:
+    def from_chat(
+        cls, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any
+    ) -> GenerateRequest:
         """A chat, sent as JSON messages for the server to render with the model's template."""
         text = json.dumps(chat_messages(messages, system), ensure_ascii=False)
         return cls(text, sampling_parameters(**sampling), chat=True)
@@ -150,9 +152,16 @@ class GenerationOptions:
     deadline_s: float | None = None  # bounds the attempts before the first response (default timeout_s)
 
     @classmethod
-    def create(cls, url: str | Sequence[str] | None = None, protocol: str = "grpc", model: str = DEFAULT_MODEL,
-               model_version: str = "", timeout_s: float | None = None, retries: int | None = None,
-               deadline_s: float | None = None) -> GenerationOptions:
+    def create(
+        cls,
+        url: str | Sequence[str] | None = None,
+        protocol: str = "grpc",
+        model: str = DEFAULT_MODEL,
+        model_version: str = "",
+        timeout_s: float | None = None,
+        retries: int | None = None,
+        deadline_s: float | None = None,
+    ) -> GenerationOptions:
         """The options, checked (ValueError naming the bad one); URLs default to the protocol's local port."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")

@@ -24,8 +24,15 @@ class GenerationError(RuntimeError):
     (``"400"``) or the gRPC status code when there is one.
     """
 
-    def __init__(self, server_message: str, *, model: str = DEFAULT_MODEL, status: str | None = None,
-                 retry_note: str = "", attempts: int | None = None):
+    def __init__(
+        self,
+        server_message: str,
+        *,
+        model: str = DEFAULT_MODEL,
+        status: str | None = None,
+        retry_note: str = "",
+        attempts: int | None = None,
+    ):
         self.server_message = server_message
         self.model = model
         self.status = status
@@ -253,8 +260,7 @@ def transport_error(exc: BaseException, protocol: str, url: str, model: str, tim
         if exc.last is None:
             return GenerationError("no endpoint available", model=model, retry_note=note, attempts=exc.attempts)
         last = transport_error(exc.last, protocol, url, model, timeout_s)
-        return GenerationError(last.server_message, model=model, status=last.status, retry_note=note,
-                               attempts=exc.attempts)
+        return GenerationError(last.server_message, model=model, status=last.status, retry_note=note, attempts=exc.attempts)
     if isinstance(exc, GenerationError):
         return exc
     if isinstance(exc, InferenceServerException):

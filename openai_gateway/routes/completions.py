@@ -41,6 +41,7 @@ async def serve_generation(request: Request, job: completions.GenerationJob, rou
     if first is not None and (first.text or first.final):
         metrics.ttft.labels(job.model.id).observe(time.perf_counter() - started)
     if not job.stream:
+
         async def whole():
             text, tally = [], completions.Tally()
             piece = first
@@ -52,10 +53,12 @@ async def serve_generation(request: Request, job: completions.GenerationJob, rou
 
         text, tally = await until_done_or_gone(request, whole(), metrics, route)
         record_usage(info, job, tally, metrics)
-        return json_response(200, completions.whole_body(job, text, tally.reason, tally.prompt_tokens,
-                                                         tally.completion_tokens))
-    return EventStream(sse_events(request, job, first, pieces, info, metrics), media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return json_response(200, completions.whole_body(job, text, tally.reason, tally.prompt_tokens, tally.completion_tokens))
+    return EventStream(
+        sse_events(request, job, first, pieces, info, metrics),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.post("/v1/chat/completions", dependencies=[Security(bearer)])

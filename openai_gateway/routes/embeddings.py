@@ -31,15 +31,21 @@ def priority_class_of(request: Request, model: EmbeddingModel) -> str | None:
     value = value.strip().lower()
     served = [cls for cls, _, _ in model.lanes] or ["default"]
     if value not in served:
-        raise APIError(400, f"{PRIORITY_HEADER} must be one of {', '.join(served)} for {model.id}, got {value[:40]!r}",
-                       param=PRIORITY_HEADER, code="invalid_priority_class")
+        raise APIError(
+            400,
+            f"{PRIORITY_HEADER} must be one of {', '.join(served)} for {model.id}, got {value[:40]!r}",
+            param=PRIORITY_HEADER,
+            code="invalid_priority_class",
+        )
     return None if value == "default" else value
 
 
 # The hot route parses and validates its body itself, in one pass (pydantic-core reads the
 # JSON bytes), instead of through FastAPI's body machinery; the schema is still published.
-_BODY = {"requestBody": {"required": True, "content": {JSON: {"schema": EmbeddingRequest.model_json_schema()}}},
-         "security": [{"HTTPBearer": []}]}
+_BODY = {
+    "requestBody": {"required": True, "content": {JSON: {"schema": EmbeddingRequest.model_json_schema()}}},
+    "security": [{"HTTPBearer": []}],
+}
 
 
 @router.post("/v1/embeddings", openapi_extra=_BODY)

@@ -27,11 +27,15 @@ async def health_ready(request: Request):
     served = [m.id for m in backend.served()]
     st.metrics.triton_ready.set(1 if backend.server_ready and served else 0)
     if not backend.server_ready:
-        return error_response(APIError(503, f"Triton at {st.settings.triton_url} is not ready",
-                                       code="triton_unavailable", headers={"Retry-After": "1"}))
+        return error_response(
+            APIError(
+                503, f"Triton at {st.settings.triton_url} is not ready", code="triton_unavailable", headers={"Retry-After": "1"}
+            )
+        )
     if not served:
-        return error_response(APIError(503, "no model is ready in Triton", code="triton_unavailable",
-                                       headers={"Retry-After": "1"}))
+        return error_response(
+            APIError(503, "no model is ready in Triton", code="triton_unavailable", headers={"Retry-After": "1"})
+        )
     return json_response(200, orjson.dumps({"status": "ready", "models": served}))
 
 

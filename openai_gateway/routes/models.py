@@ -16,8 +16,7 @@ router = APIRouter()
 
 def model_object(m: Model) -> dict:
     """OpenAI's model object, with this gateway's ``aliases`` and ``kind``."""
-    return {"id": m.id, "object": "model", "created": 0, "owned_by": "triton", "aliases": list(m.aliases),
-            "kind": m.kind}
+    return {"id": m.id, "object": "model", "created": 0, "owned_by": "triton", "aliases": list(m.aliases), "kind": m.kind}
 
 
 @router.get("/v1/models", dependencies=[Security(bearer)])
@@ -37,6 +36,5 @@ async def get_model(model: str, request: Request):
         raise APIError(503, "Triton is not ready yet", code="triton_unavailable", headers={"Retry-After": "1"})
     found = next((m for m in st.servable() if model == m.id or model in m.aliases), None)
     if found is None:
-        raise APIError(404, f"The model {model!r} does not exist or is not served", param="model",
-                       code="model_not_found")
+        raise APIError(404, f"The model {model!r} does not exist or is not served", param="model", code="model_not_found")
     return json_response(200, orjson.dumps(model_object(found)))

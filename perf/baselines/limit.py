@@ -69,9 +69,17 @@ class Limit:
             sessions, threads = (int(x) for x in layout.split("x"))
             for kind, speed in kinds.items():
                 for batch, value in speed.throughput.items():
-                    out.append({"kind": kind, "variant": self.served.variant, "layout": layout,
-                                "sessions": sessions, "threads": threads, "batch": batch,
-                                "sequences_per_s": round(value, 1)})
+                    out.append(
+                        {
+                            "kind": kind,
+                            "variant": self.served.variant,
+                            "layout": layout,
+                            "sessions": sessions,
+                            "threads": threads,
+                            "batch": batch,
+                            "sequences_per_s": round(value, 1),
+                        }
+                    )
         return out
 
 
@@ -159,8 +167,10 @@ def measure(
     latency = {names[lay]: {k: [] for k in kinds} for lay in plan}
     for r in range(rounds):
         if progress:
-            progress(f"limit round {r + 1}/{rounds}: batches {', '.join(map(str, batches))}, "
-                     f"layouts {', '.join(names.values())} (sessions x threads)")
+            progress(
+                f"limit round {r + 1}/{rounds}: batches {', '.join(map(str, batches))}, "
+                f"layouts {', '.join(names.values())} (sessions x threads)"
+            )
         for b in batches:
             for layout in plan:
                 for kind, make in kinds.items():
@@ -169,15 +179,20 @@ def measure(
                     if b == 1:
                         latency[names[layout]][kind].append(median_s * 1e3)
     per_layout = {
-        name: {kind: bench.Speed(statistics.median(latency[name][kind]),
-                                 {b: statistics.median(v) for b, v in rates[name][kind].items()})
-               for kind in kinds}
+        name: {
+            kind: bench.Speed(
+                statistics.median(latency[name][kind]), {b: statistics.median(v) for b, v in rates[name][kind].items()}
+            )
+            for kind in kinds
+        }
         for name in rates
     }
     served_name = names[plan[0]]
     best = {
-        kind: bench.Speed(per_layout[served_name][kind].latency_ms_b1,
-                          {b: max(per_layout[n][kind].throughput[b] for n in per_layout) for b in batches})
+        kind: bench.Speed(
+            per_layout[served_name][kind].latency_ms_b1,
+            {b: max(per_layout[n][kind].throughput[b] for n in per_layout) for b in batches},
+        )
         for kind in kinds
     }
     return Limit(served, best["encoder"], best["end_to_end"], per_layout)
@@ -243,14 +258,26 @@ class MixLimit:
 
     def best_budget(self) -> int | None:
         """The token budget of the fastest token-budget grouping."""
-        best = max(((g, v) for gs in self.rates.values() for g, v in gs.items() if g.startswith("tokens")),
-                   key=lambda x: x[1], default=None)
+        best = max(
+            ((g, v) for gs in self.rates.values() for g, v in gs.items() if g.startswith("tokens")),
+            key=lambda x: x[1],
+            default=None,
+        )
         return int(best[0].split("<=")[1]) if best else None
 
     def rows(self) -> list[dict[str, object]]:
-        return [{"kind": "length_mix", "variant": self.served.variant, "layout": lay, "grouping": g,
-                 "mix": f"{self.mix[0]}-{self.mix[1]}", "sequences_per_s": round(v, 1)}
-                for lay, gs in self.rates.items() for g, v in gs.items()]
+        return [
+            {
+                "kind": "length_mix",
+                "variant": self.served.variant,
+                "layout": lay,
+                "grouping": g,
+                "mix": f"{self.mix[0]}-{self.mix[1]}",
+                "sequences_per_s": round(v, 1),
+            }
+            for lay, gs in self.rates.items()
+            for g, v in gs.items()
+        ]
 
 
 def measure_length_mix(
@@ -301,17 +328,18 @@ def mix_markdown(m: MixLimit) -> str:
     groupings = list(next(iter(m.rates.values())))
     layout, grouping, value = m.best
     lines = [
-        (f"In-process limit for mixed lengths: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, "
-        f"spinning off; {m.pool} rows of {m.mix[0]}-{m.mix[1]} tokens (mean {m.mean_tokens:.1f}); "
-        f"layouts as sessions x intra-op threads (served: {s.layout})."),
+        (
+            f"In-process limit for mixed lengths: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, "
+            f"spinning off; {m.pool} rows of {m.mix[0]}-{m.mix[1]} tokens (mean {m.mean_tokens:.1f}); "
+            f"layouts as sessions x intra-op threads (served: {s.layout})."
+        ),
         "",
         "| grouping | " + " | ".join(f"{n} (seq/s)" for n in names) + " |",
         "| --- | " + " | ".join("---:" for _ in names) + " |",
     ]
     for g in groupings:
         lines.append(f"| {g} | " + " | ".join(f"{m.rates[n][g]:.0f}" for n in names) + " |")
-    lines += ["", (f"limit: {value:.0f} seq/s (grouping {grouping}, layout {layout}); "
-                   f"best token budget: {m.best_budget()}")]
+    lines += ["", (f"limit: {value:.0f} seq/s (grouping {grouping}, layout {layout}); best token budget: {m.best_budget()}")]
     return "\n".join(lines) + "\n"
 
 
@@ -319,15 +347,18 @@ def markdown(limit: Limit) -> str:
     s = limit.served
     names = list(limit.layouts)
     lines = [
-        (f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, spinning off, "
-        f"16-token sentences; layouts as sessions x intra-op threads (served: {s.layout})."),
+        (
+            f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, spinning off, "
+            f"16-token sentences; layouts as sessions x intra-op threads (served: {s.layout})."
+        ),
         "",
         "| batch | " + " | ".join(f"encoder {n} (seq/s) | tokenizer + encoder {n} (seq/s)" for n in names) + " |",
         "| ---: | " + " | ".join("---: | ---:" for _ in names) + " |",
     ]
     for b in limit.encoder.throughput:
-        cells = " | ".join(f"{limit.layouts[n]['encoder'].throughput[b]:.0f} | "
-                           f"{limit.layouts[n]['end_to_end'].throughput[b]:.0f}" for n in names)
+        cells = " | ".join(
+            f"{limit.layouts[n]['encoder'].throughput[b]:.0f} | {limit.layouts[n]['end_to_end'].throughput[b]:.0f}" for n in names
+        )
         lines.append(f"| {b} | {cells} |")
     lines += ["", "| limit | encoder only (seq/s) | tokenizer + encoder (seq/s) |", "| --- | ---: | ---: |"]
     lines.append(
@@ -339,31 +370,50 @@ def markdown(limit: Limit) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.baselines.limit", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.baselines.limit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--precision", default="cpu", help="as PRECISION of `make serve`: cpu (default), fp32, int8, ...")
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated batch sizes")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.0, help="per batch size, kind and round")
     p.add_argument("--input-data", type=Path, default=DEFAULT_INPUT)
-    p.add_argument("--length-mix", metavar="LOW-HIGH",
-                   help=f"mixed-length mode: token lengths drawn from LOW..HIGH (the issue's mix: "
-                        f"{DEFAULT_MIX[0]}-{DEFAULT_MIX[1]})")
-    p.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
-                   help="--length-mix: padded tokens per run to try, comma-separated")
+    p.add_argument(
+        "--length-mix",
+        metavar="LOW-HIGH",
+        help=f"mixed-length mode: token lengths drawn from LOW..HIGH (the issue's mix: {DEFAULT_MIX[0]}-{DEFAULT_MIX[1]})",
+    )
+    p.add_argument(
+        "--budgets",
+        default=",".join(map(str, DEFAULT_BUDGETS)),
+        help="--length-mix: padded tokens per run to try, comma-separated",
+    )
     p.add_argument("--count-batch", type=int, default=16, help="--length-mix: rows per run of the count grouping")
     p.add_argument("--pool", type=int, default=512, help="--length-mix: rows in the pool")
     args = p.parse_args(argv)
     served = served_encoder(args.precision)
     if args.length_mix:
         low, high = (int(x) for x in args.length_mix.split("-"))
-        mix = measure_length_mix(served, (low, high), [int(b) for b in args.budgets.split(",")], args.count_batch,
-                                 args.pool, rounds=args.rounds, seconds=args.seconds,
-                                 progress=lambda m: print(m, flush=True))
+        mix = measure_length_mix(
+            served,
+            (low, high),
+            [int(b) for b in args.budgets.split(",")],
+            args.count_batch,
+            args.pool,
+            rounds=args.rounds,
+            seconds=args.seconds,
+            progress=lambda m: print(m, flush=True),
+        )
         print(mix_markdown(mix))
         return 0
-    limit = measure(served, load_sentences(args.input_data), [int(b) for b in args.batches.split(",")],
-                    rounds=args.rounds, seconds=args.seconds, progress=lambda m: print(m, flush=True))
+    limit = measure(
+        served,
+        load_sentences(args.input_data),
+        [int(b) for b in args.batches.split(",")],
+        rounds=args.rounds,
+        seconds=args.seconds,
+        progress=lambda m: print(m, flush=True),
+    )
     print(markdown(limit))
     return 0
 

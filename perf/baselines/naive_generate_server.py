@@ -179,17 +179,23 @@ class NaiveGenerator:
                 return torch.full((input_ids.shape[0],), cancelled.is_set(), dtype=torch.bool)
 
         config = GenerationConfig(
-            max_new_tokens=req.max_tokens, min_new_tokens=req.max_tokens if req.ignore_eos else 0,
-            do_sample=req.temperature > 0, temperature=req.temperature or 1.0, top_p=req.top_p,
-            top_k=req.top_k or None, eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id,
+            max_new_tokens=req.max_tokens,
+            min_new_tokens=req.max_tokens if req.ignore_eos else 0,
+            do_sample=req.temperature > 0,
+            temperature=req.temperature or 1.0,
+            top_p=req.top_p,
+            top_k=req.top_k or None,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.eos_token_id,
         )
         if req.seed is not None:
             torch.manual_seed(req.seed)
         ids = self.tokenizer(req.prompt, return_tensors="pt", add_special_tokens=False)
         streamer = Streamer()
         with torch.inference_mode():
-            self.model.generate(**ids, generation_config=config, streamer=streamer,
-                                stopping_criteria=StoppingCriteriaList([Cancelled()]))
+            self.model.generate(
+                **ids, generation_config=config, streamer=streamer, stopping_criteria=StoppingCriteriaList([Cancelled()])
+            )
         return streamer.count
 
 
@@ -197,8 +203,9 @@ def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-def create_app(model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None,
-               generator: NaiveGenerator | None = None) -> FastAPI:
+def create_app(
+    model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None, generator: NaiveGenerator | None = None
+) -> FastAPI:
     """The FastAPI app; loads the model before it returns."""
     generator = generator or NaiveGenerator(Path(model_dir), threads or cpu_threads())
     tokenizer = generator.tokenizer
@@ -274,7 +281,7 @@ def create_app(model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None,
             if text.endswith("\ufffd"):
                 yield "", 1
                 continue
-            yield text[len(emitted):], 1
+            yield text[len(emitted) :], 1
             emitted = text
 
     async def read(request: Request) -> GenerateRequest:
@@ -312,8 +319,7 @@ def create_app(model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None,
                 return error(500, f"generate() failed: {item}")
             text.append(item[0])
             count += item[1]
-        return {"model_name": MODEL, "model_version": VERSION, "text_output": "".join(text),
-                "num_output_tokens": count}
+        return {"model_name": MODEL, "model_version": VERSION, "text_output": "".join(text), "num_output_tokens": count}
 
     return app
 
@@ -322,8 +328,9 @@ class NaiveGenerateServer:
     """``python -m perf.baselines.naive_generate_server`` as a child process: ``start()``, ``wait_ready()``,
     ``stop()``, ``stats()``; the output goes to ``log_path``."""
 
-    def __init__(self, port: int, log_path: Path, model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None,
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self, port: int, log_path: Path, model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None, host: str = "127.0.0.1"
+    ):
         self.host, self.port, self.log_path = host, port, Path(log_path)
         self.model_dir = Path(model_dir)
         self.threads = threads or cpu_threads()
@@ -337,10 +344,25 @@ class NaiveGenerateServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "perf.baselines.naive_generate_server", "--host", self.host,
-                 "--port", str(self.port), "--threads", str(self.threads), "--model-dir", str(self.model_dir)],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                [
+                    sys.executable,
+                    "-m",
+                    "perf.baselines.naive_generate_server",
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.port),
+                    "--threads",
+                    str(self.threads),
+                    "--model-dir",
+                    str(self.model_dir),
+                ],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                start_new_session=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
             )
         return self
 
@@ -356,8 +378,7 @@ class NaiveGenerateServer:
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
-                raise RuntimeError(f"naive generate server exited with code {code} before becoming ready\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(f"naive generate server exited with code {code} before becoming ready\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
                     if r.status == 200:
@@ -397,12 +418,19 @@ class NaiveGenerateServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.baselines.naive_generate_server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.baselines.naive_generate_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8090)
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
-                   help="exported weights and tokenizer (default: model_repository/text_generation/1)")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="exported weights and tokenizer (default: model_repository/text_generation/1)",
+    )
     p.add_argument("--threads", type=int, default=cpu_threads(), help="torch intra-op threads (default: this process's CPUs)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (info logs every request)")
     args = p.parse_args(argv)
@@ -413,8 +441,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     app = create_app(args.model_dir, threads=args.threads)
-    log.info("naive generate server: %s on %d threads, http://%s:%d/v2/models/%s/generate_stream",
-             args.model_dir, args.threads, args.host, args.port, MODEL)
+    log.info(
+        "naive generate server: %s on %d threads, http://%s:%d/v2/models/%s/generate_stream",
+        args.model_dir,
+        args.threads,
+        args.host,
+        args.port,
+        MODEL,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "info")
     return 0
 

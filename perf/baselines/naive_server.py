@@ -67,10 +67,18 @@ CONFIG: dict[str, Any] = {
     "backend": "fastapi_pytorch",
     "version_policy": {"latest": {"num_versions": 1}},
     "max_batch_size": MAX_BATCH,
-    "input": [{"name": INPUT, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1],
-               "is_shape_tensor": False, "allow_ragged_batch": False, "optional": False}],
-    "output": [{"name": OUTPUT, "data_type": "TYPE_FP32", "dims": [HIDDEN], "label_filename": "",
-                "is_shape_tensor": False}],
+    "input": [
+        {
+            "name": INPUT,
+            "data_type": "TYPE_STRING",
+            "format": "FORMAT_NONE",
+            "dims": [1],
+            "is_shape_tensor": False,
+            "allow_ragged_batch": False,
+            "optional": False,
+        }
+    ],
+    "output": [{"name": OUTPUT, "data_type": "TYPE_FP32", "dims": [HIDDEN], "label_filename": "", "is_shape_tensor": False}],
     "instance_group": [{"name": MODEL, "kind": "KIND_CPU", "count": 1}],
     "model_transaction_policy": {"decoupled": False},
     "parameters": {},
@@ -146,8 +154,7 @@ class Statistics:
     parts: dict[str, _Duration] = field(
         default_factory=lambda: {
             k: _Duration()
-            for k in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
-                      "cache_hit", "cache_miss")
+            for k in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
         }
     )
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -157,8 +164,13 @@ class Statistics:
             self.inference_count += n
             self.execution_count += 1
             self.last_inference_ms = int(time.time() * 1000)
-            for key, ns in (("success", total_ns), ("queue", queue_ns), ("compute_input", input_ns),
-                            ("compute_infer", infer_ns), ("compute_output", output_ns)):
+            for key, ns in (
+                ("success", total_ns),
+                ("queue", queue_ns),
+                ("compute_input", input_ns),
+                ("compute_infer", infer_ns),
+                ("compute_output", output_ns),
+            ):
                 self.parts[key].add(ns)
 
     def record_failure(self, total_ns: int) -> None:
@@ -419,10 +431,22 @@ class NaiveServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "perf.baselines.naive_server", "--host", self.host, "--port", str(self.port),
-                 "--threads", str(self.threads)],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=ROOT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "perf.baselines.naive_server",
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.port),
+                    "--threads",
+                    str(self.threads),
+                ],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                start_new_session=True,
             )
         return self
 
@@ -474,12 +498,17 @@ class NaiveServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.baselines.naive_server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.baselines.naive_server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--threads", type=int, default=cpu_threads(),
-                   help="torch intra-op threads (default: this process's CPUs, what ONNX Runtime gets in Triton)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=cpu_threads(),
+        help="torch intra-op threads (default: this process's CPUs, what ONNX Runtime gets in Triton)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level (info logs every request)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")

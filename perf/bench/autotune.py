@@ -66,8 +66,7 @@ class Candidate:
 
     def describe(self) -> str:
         pref = f"preferred {self.preferred}" if self.preferred else "no preferred size"
-        return (f"max_queue_delay {self.delay_us} us, {pref}, {self.instances} instance(s) x "
-                f"{self.threads} thread(s)")
+        return f"max_queue_delay {self.delay_us} us, {pref}, {self.instances} instance(s) x {self.threads} thread(s)"
 
 
 @dataclass
@@ -114,8 +113,9 @@ class Score:
         return self.p99_ms is not None and self.p99_ms <= budget_ms
 
 
-def candidates(delays: Sequence[int], preferred: Sequence[int], instances: Sequence[int], cores: int,
-               max_batch: int) -> list[Candidate]:
+def candidates(
+    delays: Sequence[int], preferred: Sequence[int], instances: Sequence[int], cores: int, max_batch: int
+) -> list[Candidate]:
     """The grid, instance counts interleaved so a cut-short run has tried each of them."""
     out = []
     for delay, pref in itertools.product(delays, preferred):
@@ -187,35 +187,52 @@ def _int_list(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.autotune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.autotune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="a 2 x 1 x 2 grid with tiny windows (CI smoke)")
     p.add_argument("--precision", default="cpu", help="what Triton serves, as `make serve PRECISION=` (default cpu)")
     p.add_argument("--concurrency", type=int, default=32, help="perf_analyzer concurrency (default 32)")
-    p.add_argument("--latency-budget-ms", type=float, default=120.0,
-                   help="P99 a candidate must stay within at --concurrency (default 120 ms)")
+    p.add_argument(
+        "--latency-budget-ms",
+        type=float,
+        default=120.0,
+        help="P99 a candidate must stay within at --concurrency (default 120 ms)",
+    )
     p.add_argument("--delays", type=_int_list, help="max_queue_delay_microseconds values (default 0,1000,2000,5000,10000)")
     p.add_argument("--preferred", type=_int_list, help="preferred_batch_size values, 0 = none (default 0,16,32)")
     p.add_argument("--instances", type=_int_list, help="encoder instance counts (default 1,2)")
     p.add_argument("--finalists", type=int, default=3, help="best candidates measured again (default 3)")
     p.add_argument("--final-rounds", type=int, default=2, help="extra interleaved rounds of the finalists (default 2)")
-    p.add_argument("--rate-fraction", type=float, default=0.7,
-                   help="Poisson rate for the winner's P99 / P50, as a fraction of its throughput (0 = skip)")
+    p.add_argument(
+        "--rate-fraction",
+        type=float,
+        default=0.7,
+        help="Poisson rate for the winner's P99 / P50, as a fraction of its throughput (0 = skip)",
+    )
     p.add_argument("--time-budget", type=float, help="seconds for the whole run (default 900, --quick 120)")
     p.add_argument("--request-count", type=int, help="requests per window (default 600, --quick 60)")
     p.add_argument("--stability-percent", type=float, help="perf_analyzer -s (default 30, --quick 100)")
     p.add_argument("--max-trials", type=int, help="windows before a measurement is unstable (default 5, --quick 3)")
     p.add_argument("--input-data", type=Path, default=served_mod.DEFAULT_INPUT, help="perf_analyzer input JSON")
-    p.add_argument("--apply", metavar="HOST:PORT",
-                   help="load the winning config into this running server's HTTP endpoint (e.g. 127.0.0.1:8000)")
+    p.add_argument(
+        "--apply",
+        metavar="HOST:PORT",
+        help="load the winning config into this running server's HTTP endpoint (e.g. 127.0.0.1:8000)",
+    )
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/autotune-<UTC time>)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     q = args.quick
-    defaults = dict(time_budget=120.0 if q else 900.0, request_count=60 if q else 600,
-                    stability_percent=100.0 if q else 30.0, max_trials=3 if q else 5,
-                    delays=[0, 2000] if q else list(DEFAULT_DELAYS_US), preferred=[0] if q else list(DEFAULT_PREFERRED),
-                    instances=[1, 2] if q else list(DEFAULT_INSTANCES))
+    defaults = dict(
+        time_budget=120.0 if q else 900.0,
+        request_count=60 if q else 600,
+        stability_percent=100.0 if q else 30.0,
+        max_trials=3 if q else 5,
+        delays=[0, 2000] if q else list(DEFAULT_DELAYS_US),
+        preferred=[0] if q else list(DEFAULT_PREFERRED),
+        instances=[1, 2] if q else list(DEFAULT_INSTANCES),
+    )
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -256,44 +273,83 @@ def measure(run: harness.Run, server, c: Candidate, round_: int, steps_after: in
 def write_csv(path: Path, trials: Sequence[Trial]) -> None:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["round", "candidate", "max_queue_delay_us", "preferred_batch_size", "instances", "threads",
-                    "throughput", "p50_ms", "p99_ms", "encoder_mean_batch", "error"])
+        w.writerow(
+            [
+                "round",
+                "candidate",
+                "max_queue_delay_us",
+                "preferred_batch_size",
+                "instances",
+                "threads",
+                "throughput",
+                "p50_ms",
+                "p99_ms",
+                "encoder_mean_batch",
+                "error",
+            ]
+        )
         for t in trials:
             c = t.candidate
-            w.writerow([t.round, c.name, c.delay_us, c.preferred or "", c.instances, c.threads,
-                        "" if t.throughput is None else f"{t.throughput:.1f}",
-                        "" if t.p50_ms is None else f"{t.p50_ms:.2f}", "" if t.p99_ms is None else f"{t.p99_ms:.2f}",
-                        "" if t.encoder_batch is None else f"{t.encoder_batch:.2f}", t.error])
+            w.writerow(
+                [
+                    t.round,
+                    c.name,
+                    c.delay_us,
+                    c.preferred or "",
+                    c.instances,
+                    c.threads,
+                    "" if t.throughput is None else f"{t.throughput:.1f}",
+                    "" if t.p50_ms is None else f"{t.p50_ms:.2f}",
+                    "" if t.p99_ms is None else f"{t.p99_ms:.2f}",
+                    "" if t.encoder_batch is None else f"{t.encoder_batch:.2f}",
+                    t.error,
+                ]
+            )
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
     return "" if v is None else f"{v:.{digits}f}"
 
 
-def summary_markdown(header: Sequence[str], scores: Sequence[Score], winner: Score | None, budget_ms: float,
-                     untried: Sequence[Candidate], rate_row: harness.Row | None) -> str:
-    lines = list(header) + ["", "| candidate | runs | throughput (infer/s, median) | p50 (ms) | p99 (ms) | "
-                                "encoder mean batch | within budget |",
-                            "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+def summary_markdown(
+    header: Sequence[str],
+    scores: Sequence[Score],
+    winner: Score | None,
+    budget_ms: float,
+    untried: Sequence[Candidate],
+    rate_row: harness.Row | None,
+) -> str:
+    lines = list(header) + [
+        "",
+        "| candidate | runs | throughput (infer/s, median) | p50 (ms) | p99 (ms) | encoder mean batch | within budget |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     ranked = sorted(scores, key=lambda s: -(s.throughput or 0))
     for s in ranked:
         runs = sum(t.ok for t in s.trials)
         mark = " **(winner)**" if winner is not None and s is winner else ""
         errors = "; ".join(sorted({t.error for t in s.trials if t.error}))
         within = ("yes" if s.feasible(budget_ms) else "no") if s.p99_ms is not None else errors or "not measured"
-        lines.append(f"| {s.candidate.describe()}{mark} | {runs} | {_fmt(s.throughput)} | {_fmt(s.p50_ms)} | "
-                     f"{_fmt(s.p99_ms)} | {_fmt(s.encoder_batch, 2)} | {within} |")
+        lines.append(
+            f"| {s.candidate.describe()}{mark} | {runs} | {_fmt(s.throughput)} | {_fmt(s.p50_ms)} | "
+            f"{_fmt(s.p99_ms)} | {_fmt(s.encoder_batch, 2)} | {within} |"
+        )
     if untried:
         lines += ["", f"Not tried (time budget): {', '.join(c.describe() for c in untried)}."]
     if winner is not None:
-        lines += ["", f"Winner: {winner.candidate.describe()}: {_fmt(winner.throughput)} infer/s, "
-                      f"p50 {_fmt(winner.p50_ms)} ms, p99 {_fmt(winner.p99_ms)} ms "
-                      f"({'within' if winner.feasible(budget_ms) else 'NOT within'} the {budget_ms:g} ms budget)."]
+        lines += [
+            "",
+            f"Winner: {winner.candidate.describe()}: {_fmt(winner.throughput)} infer/s, "
+            f"p50 {_fmt(winner.p50_ms)} ms, p99 {_fmt(winner.p99_ms)} ms "
+            f"({'within' if winner.feasible(budget_ms) else 'NOT within'} the {budget_ms:g} ms budget).",
+        ]
     if rate_row is not None:
         if rate_row.ok and rate_row.p50_ms:
-            lines.append(f"Winner under Poisson arrivals, {rate_row.load}: {_fmt(rate_row.throughput)} infer/s, "
-                         f"p50 {_fmt(rate_row.p50_ms)} ms, p99 {_fmt(rate_row.p99_ms)} ms, "
-                         f"P99 / P50 = {rate_row.p99_ms / rate_row.p50_ms:.2f}.")
+            lines.append(
+                f"Winner under Poisson arrivals, {rate_row.load}: {_fmt(rate_row.throughput)} infer/s, "
+                f"p50 {_fmt(rate_row.p50_ms)} ms, p99 {_fmt(rate_row.p99_ms)} ms, "
+                f"P99 / P50 = {rate_row.p99_ms / rate_row.p50_ms:.2f}."
+            )
         else:
             lines.append(f"Winner under Poisson arrivals ({rate_row.load}): {rate_row.error or 'not measured'}.")
     return "\n".join(lines) + "\n"
@@ -315,10 +371,11 @@ def run(args: argparse.Namespace) -> int:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
     workdir = Path(tempfile.mkdtemp(prefix="perf-autotune-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,),
-                                                        model_config_name=served.config_name))
-    state.say(f"perf.bench.autotune: {ENCODER} {served.variant}, concurrency {args.concurrency}, P99 budget "
-              f"{args.latency_budget_ms:g} ms, time budget {args.time_budget:.0f} s, {cores} cores, load average {load}")
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_config_name=served.config_name))
+    state.say(
+        f"perf.bench.autotune: {ENCODER} {served.variant}, concurrency {args.concurrency}, P99 budget "
+        f"{args.latency_budget_ms:g} ms, time budget {args.time_budget:.0f} s, {cores} cores, load average {load}"
+    )
     server.start()
     trials: list[Trial] = []
     scores: dict[Candidate, Score] = {}
@@ -368,14 +425,21 @@ def run(args: argparse.Namespace) -> int:
             load_config(server.http_url, ENCODER, apply_candidate(base, winner.candidate))
             if args.rate_fraction > 0 and winner.throughput and state.left() > 20:
                 rate = args.rate_fraction * winner.throughput
-                rate_row = harness.Row("winner-rate", "winner", "grpc",
-                                       f"{rate:.0f}/s ({args.rate_fraction:.0%} of {winner.throughput:.0f})")
+                rate_row = harness.Row(
+                    "winner-rate", "winner", "grpc", f"{rate:.0f}/s ({args.rate_fraction:.0%} of {winner.throughput:.0f})"
+                )
                 state.say(f"winner under Poisson arrivals at {rate_row.load}")
-                b = pa.Settings(model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=1,
-                                input_data=args.input_data, request_count=args.request_count,
-                                stability_percent=max(args.stability_percent, 50.0), max_trials=args.max_trials)
-                settings = harness.RateSettings(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)},
-                                                request_rate=rate)
+                b = pa.Settings(
+                    model=MODEL,
+                    url=server.grpc_url,
+                    protocol="grpc",
+                    concurrency=1,
+                    input_data=args.input_data,
+                    request_count=args.request_count,
+                    stability_percent=max(args.stability_percent, 50.0),
+                    max_trials=args.max_trials,
+                )
+                settings = harness.RateSettings(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)}, request_rate=rate)
                 harness.measure(state, rate_row, settings, 0)
     finally:
         server.stop()
@@ -400,9 +464,11 @@ def run(args: argparse.Namespace) -> int:
         state.say("perf.bench.autotune: no candidate was measured")
         return 1
     config = apply_candidate(base, winner.candidate)
-    note = (f"# Written by `python -m perf.bench.autotune` {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: "
-            f"{winner.candidate.describe()};\n# {_fmt(winner.throughput)} infer/s, p50 {_fmt(winner.p50_ms)} ms, "
-            f"p99 {_fmt(winner.p99_ms)} ms at concurrency {args.concurrency} (summary.md beside this file).\n")
+    note = (
+        f"# Written by `python -m perf.bench.autotune` {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: "
+        f"{winner.candidate.describe()};\n# {_fmt(winner.throughput)} infer/s, p50 {_fmt(winner.p50_ms)} ms, "
+        f"p99 {_fmt(winner.p99_ms)} ms at concurrency {args.concurrency} (summary.md beside this file).\n"
+    )
     (out_dir / f"{ENCODER}.pbtxt").write_text(to_pbtxt(config, note))
     (out_dir / "override.json").write_text(json.dumps({"parameters": {"config": json.dumps(config)}}, indent=1) + "\n")
     if args.apply:

@@ -209,8 +209,7 @@ def run(args: argparse.Namespace) -> int:
     header = [
         f"# {args.model} baseline, perf_analyzer over {args.protocol}",
         "",
-        f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, "
-        f"load average before measuring {load}",
+        f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before measuring {load}",
         f"- server: {'started by perf.bench.baseline (local tritonserver)' if args.url is None else args.url}",
         f"- input: {pa.display_path(args.input_data)}, batch size 1",
         f"- windows of {args.request_count} requests (count_windows), -s {args.stability_percent:g}, "

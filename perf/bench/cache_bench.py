@@ -122,13 +122,17 @@ def cache_counts(metrics_url: str) -> dict[str, float]:
         key = ",".join(sorted(f'{k}="{v}"' for k, v in labels.items()))
         return m.get(f"{name}{{{key}}}", 0.0)
 
-    counts = {f"{lvl}_{res}": get("embedding_cache_lookups_total", level=lvl, model=CACHED, result=res)
-              for lvl in ("l1", "l2") for res in ("hit", "miss")}
+    counts = {
+        f"{lvl}_{res}": get("embedding_cache_lookups_total", level=lvl, model=CACHED, result=res)
+        for lvl in ("l1", "l2")
+        for res in ("hit", "miss")
+    }
     counts["triton_tokenizer_hit"] = get("nv_cache_num_hits_per_model", model="text_tokenizer", version="1")
     counts["triton_tokenizer_miss"] = get("nv_cache_num_misses_per_model", model="text_tokenizer", version="1")
     counts["model_texts"] = get("embedding_cache_model_texts_total", model=CACHED)
-    counts["redis_errors"] = sum(get("embedding_cache_redis_errors_total", kind=k, model=CACHED)
-                                 for k in ("connection", "timeout", "garbage", "other"))
+    counts["redis_errors"] = sum(
+        get("embedding_cache_redis_errors_total", kind=k, model=CACHED) for k in ("connection", "timeout", "garbage", "other")
+    )
     return counts
 
 
@@ -166,8 +170,17 @@ def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: in
     say(f"cache_bench: {name}: {len(texts)} requests to {model} at concurrency {concurrency}")
     latencies, seconds, errors = drive(url, model, texts, concurrency)
     ok = latencies[~np.isnan(latencies)]
-    p = Phase(name, model, len(texts), concurrency, round(seconds, 2), round(len(ok) / seconds, 1),
-              round(percentile(ok, 50), 2), round(percentile(ok, 99), 2), errors)
+    p = Phase(
+        name,
+        model,
+        len(texts),
+        concurrency,
+        round(seconds, 2),
+        round(len(ok) / seconds, 1),
+        round(percentile(ok, 50), 2),
+        round(percentile(ok, 99), 2),
+        errors,
+    )
     if ranks is not None:
         seen = np.zeros(ranks.max() + 1, dtype=bool)
         repeat = np.zeros(len(ranks), dtype=bool)
@@ -188,11 +201,19 @@ def start(models: tuple[str, ...], cache_mb: int, env: dict[str, str], precision
     repo = ROOT / "model_repository"
     local = tuple(v for v in variants.VARIANTS if v != "trt_plan")
     config_name, served = variants.resolve_precision(repo, ["text_encoder"], precision, loadable=local)
-    server = TritonServer(ServerOptions.with_free_ports(
-        workdir=Path(tempfile.mkdtemp(prefix="cache-bench-")), models=models, cache_size_bytes=cache_mb << 20,
-        model_config_name=config_name, env=env))
-    say(f"cache_bench: starting tritonserver ({', '.join(models)}; text_encoder={served['text_encoder']}; "
-        f"response cache {cache_mb} MiB; log {server.log_path})")
+    server = TritonServer(
+        ServerOptions.with_free_ports(
+            workdir=Path(tempfile.mkdtemp(prefix="cache-bench-")),
+            models=models,
+            cache_size_bytes=cache_mb << 20,
+            model_config_name=config_name,
+            env=env,
+        )
+    )
+    say(
+        f"cache_bench: starting tritonserver ({', '.join(models)}; text_encoder={served['text_encoder']}; "
+        f"response cache {cache_mb} MiB; log {server.log_path})"
+    )
     return server.__enter__(), served["text_encoder"]
 
 
@@ -208,9 +229,11 @@ def markdown(phases: list[Phase], ratio: float, variant: str, args: argparse.Nam
     for p in phases:
         lv = p.levels
         f = lambda v: "-" if v is None else (f"{v:.1%}" if isinstance(v, float) and v <= 1 else str(v))  # noqa: E731
-        lines.append(f"| {p.name} | {p.model} | {p.throughput} | {p.p50_ms} | {p.p99_ms} | "
-                     f"{'-' if p.repeat_p50_ms is None else p.repeat_p50_ms} | {'-' if p.first_p50_ms is None else p.first_p50_ms} | "
-                     f"{f(lv.get('l1_hit_rate'))} | {f(lv.get('l2_hit_rate'))} | {f(lv.get('triton_tokenizer_hit_rate'))} | {p.errors} |")
+        lines.append(
+            f"| {p.name} | {p.model} | {p.throughput} | {p.p50_ms} | {p.p99_ms} | "
+            f"{'-' if p.repeat_p50_ms is None else p.repeat_p50_ms} | {'-' if p.first_p50_ms is None else p.first_p50_ms} | "
+            f"{f(lv.get('l1_hit_rate'))} | {f(lv.get('l2_hit_rate'))} | {f(lv.get('triton_tokenizer_hit_rate'))} | {p.errors} |"
+        )
     hits = phases[-1]
     lines += [
         "",
@@ -289,17 +312,28 @@ def run(args: argparse.Namespace) -> int:
     ratio = phases[1].throughput / phases[0].throughput if phases[0].throughput else float("nan")
     summary = markdown(phases, ratio, variant, args, repeat_fraction(ranks))
     (out_dir / "summary.md").write_text(summary)
-    (out_dir / "summary.json").write_text(json.dumps(
-        {"args": vars(args), "variant": variant, "throughput_ratio": round(ratio, 3),
-         "repeat_fraction": repeat_fraction(ranks), "phases": [asdict(p) for p in phases]}, indent=2, default=str))
+    (out_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "variant": variant,
+                "throughput_ratio": round(ratio, 3),
+                "repeat_fraction": repeat_fraction(ranks),
+                "phases": [asdict(p) for p in phases],
+            },
+            indent=2,
+            default=str,
+        )
+    )
     say("\n" + summary)
     say(f"cache_bench: results in {display_path(out_dir)}")
     return 0 if all(p.errors == 0 for p in phases) else 1
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.cache_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.cache_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=20000, help="requests per phase (default 20000)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")

@@ -21,8 +21,7 @@ a famous singer|the librarian|a small child|the journalist|our landlord|the coac
 the scientist|my cousin|the baker|a careful lawyer|the gardener|the police officer|a nervous tourist|
 the committee""".replace("\n", "").split("|")
 VERBS = """repairs|paints|describes|finds|sells|carries|cleans|orders|borrows|watches|photographs|measures|
-returns|builds|designs|delivers|inspects|forgets|remembers|moves|opens|checks|loses|buys|studies""".replace(
-    "\n", "").split("|")
+returns|builds|designs|delivers|inspects|forgets|remembers|moves|opens|checks|loses|buys|studies""".replace("\n", "").split("|")
 ADJECTIVES = """wooden|broken|heavy|bright|ancient|small|expensive|red|quiet|strange|modern|dusty|
 fragile|enormous|shiny|cheap|rusty|lovely|plain|unusual""".replace("\n", "").split("|")
 OBJECTS = """fence|bicycle|window|map|piano|boat|lamp|letter|garden gate|kitchen table|violin|

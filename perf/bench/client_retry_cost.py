@@ -64,9 +64,13 @@ def in_process(n: int = 200_000) -> dict:
     awrapped = asyncio.run(arun(True))
     anocut = asyncio.run(arun(True, cut=False))  # gRPC attempts: bounded by gRPC's own deadline
     m = n // 10
-    return {"sync_direct_us": direct / n * 1e6, "sync_wrapped_us": wrapped / n * 1e6,
-            "async_direct_us": adirect / m * 1e6, "async_wrapped_us": awrapped / m * 1e6,
-            "async_wrapped_nocut_us": anocut / m * 1e6}
+    return {
+        "sync_direct_us": direct / n * 1e6,
+        "sync_wrapped_us": wrapped / n * 1e6,
+        "async_direct_us": adirect / m * 1e6,
+        "async_wrapped_us": awrapped / m * 1e6,
+        "async_wrapped_nocut_us": anocut / m * 1e6,
+    }
 
 
 async def _raw(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
@@ -133,8 +137,13 @@ async def _client_load(cls, protocol: str, url: str, concurrency: int, seconds: 
 
 def summarize(latencies: list[float], seconds: float) -> dict:
     ms = np.array(latencies) * 1000.0
-    return {"calls": len(ms), "calls_per_s": len(ms) / seconds, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max())}
+    return {
+        "calls": len(ms),
+        "calls_per_s": len(ms) / seconds,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": float(ms.max()),
+    }
 
 
 def against_server(server, concurrency: int, seconds: float, rounds: int) -> dict:
@@ -150,31 +159,43 @@ def against_server(server, concurrency: int, seconds: float, rounds: int) -> dic
             before = time.process_time()
             collected[(protocol, name)] += asyncio.run(paths[name](protocol, urls[protocol], concurrency, seconds))
             cpu[(protocol, name)] += time.process_time() - before
-    results = {f"{p} {name}": {**summarize(lat, seconds * rounds), "client_cpu_us_per_call": cpu[(p, name)] / len(lat) * 1e6}
-               for (p, name), lat in collected.items()}
+    results = {
+        f"{p} {name}": {**summarize(lat, seconds * rounds), "client_cpu_us_per_call": cpu[(p, name)] / len(lat) * 1e6}
+        for (p, name), lat in collected.items()
+    }
     for p in urls:
-        results[f"{p} ratio"] = results[f"{p} client (retry wrapper)"]["calls_per_s"] / results[f"{p} client, no wrapper"]["calls_per_s"]
+        results[f"{p} ratio"] = (
+            results[f"{p} client (retry wrapper)"]["calls_per_s"] / results[f"{p} client, no wrapper"]["calls_per_s"]
+        )
     return results
 
 
 def table(results: dict, micro: dict, concurrency: int) -> str:
-    lines = [(f"in process: direct {micro['sync_direct_us']:.2f} us, Retrier.call {micro['sync_wrapped_us']:.2f} us; "
-              f"async direct {micro['async_direct_us']:.2f} us, Retrier.acall {micro['async_wrapped_us']:.2f} us "
-              f"(with asyncio.timeout, HTTP), {micro['async_wrapped_nocut_us']:.2f} us (without, gRPC) per call"), "",
-             f"| path (concurrency {concurrency}) | calls/s | P50 ms | P99 ms | max ms | client CPU us/call |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            f"in process: direct {micro['sync_direct_us']:.2f} us, Retrier.call {micro['sync_wrapped_us']:.2f} us; "
+            f"async direct {micro['async_direct_us']:.2f} us, Retrier.acall {micro['async_wrapped_us']:.2f} us "
+            f"(with asyncio.timeout, HTTP), {micro['async_wrapped_nocut_us']:.2f} us (without, gRPC) per call"
+        ),
+        "",
+        f"| path (concurrency {concurrency}) | calls/s | P50 ms | P99 ms | max ms | client CPU us/call |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, row in results.items():
         if isinstance(row, dict):
-            lines.append(f"| {name} | {row['calls_per_s']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} "
-                         f"| {row['client_cpu_us_per_call']:.0f} |")
+            lines.append(
+                f"| {name} | {row['calls_per_s']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} "
+                f"| {row['client_cpu_us_per_call']:.0f} |"
+            )
     for p in ("http", "grpc"):
         lines.append(f"\n{p}: with / without the retry wrapper, calls/s = {results[f'{p} ratio']:.3f}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.client_retry_cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.client_retry_cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seconds", type=float, default=4.0, help="per path and round")
     p.add_argument("--rounds", type=int, default=3)

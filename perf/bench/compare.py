@@ -65,7 +65,6 @@ TARGET_SERVED_VS_NAIVE = 5.0
 TARGET_P99_OVER_P50 = 3.0
 
 
-
 @dataclass
 class Ratio:
     name: str
@@ -87,17 +86,27 @@ class CompareRun(Run):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="tiny request counts and a short limit measurement (CI smoke; figures are rough)")
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny request counts and a short limit measurement (CI smoke; figures are rough)"
+    )
     p.add_argument("--concurrency", type=int, default=32, help="concurrency of naive vs Triton (default 32)")
-    p.add_argument("--batching-concurrency", type=int, default=16,
-                   help="concurrency of Triton with dynamic batching on vs off (default 16)")
-    p.add_argument("--precision", default="cpu",
-                   help="what Triton serves and the limit runs, as `make serve PRECISION=`: cpu (default), fp32, ...")
-    p.add_argument("--rate-fraction", type=float, default=0.7,
-                   help="Poisson request rate as a fraction of Triton's peak for P99 vs P50 (default 0.7; 0 = skip)")
+    p.add_argument(
+        "--batching-concurrency", type=int, default=16, help="concurrency of Triton with dynamic batching on vs off (default 16)"
+    )
+    p.add_argument(
+        "--precision",
+        default="cpu",
+        help="what Triton serves and the limit runs, as `make serve PRECISION=`: cpu (default), fp32, ...",
+    )
+    p.add_argument(
+        "--rate-fraction",
+        type=float,
+        default=0.7,
+        help="Poisson request rate as a fraction of Triton's peak for P99 vs P50 (default 0.7; 0 = skip)",
+    )
     p.add_argument("--time-budget", type=float, help="seconds for the whole run (default 900, --quick 150)")
     p.add_argument("--request-count", type=int, help="requests per measurement window (default 500, --quick 40)")
     p.add_argument("--stability-percent", type=float, help="perf_analyzer -s (default 30, --quick 100)")
@@ -109,8 +118,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     quick = args.quick
-    defaults = dict(time_budget=150.0 if quick else 900.0, request_count=40 if quick else 500,
-                    stability_percent=100.0 if quick else 30.0, max_trials=3 if quick else 6)
+    defaults = dict(
+        time_budget=150.0 if quick else 900.0,
+        request_count=40 if quick else 500,
+        stability_percent=100.0 if quick else 30.0,
+        max_trials=3 if quick else 6,
+    )
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -133,21 +146,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def measure_limit(run: CompareRun, served: served_mod.ServedEncoder, when: str) -> None:
     """One in-process limit measurement (``when``: "before" or "after" the servers) into run.limits."""
     a = run.args
-    run.say(f"(a) limit {when} the servers: ONNX Runtime in-process, {served.variant} ({served.model_path.name}), "
-            f"layouts {', '.join(f'{n}x{t}' for n, t in limit_mod.layouts(served))} (sessions x threads)")
+    run.say(
+        f"(a) limit {when} the servers: ONNX Runtime in-process, {served.variant} ({served.model_path.name}), "
+        f"layouts {', '.join(f'{n}x{t}' for n, t in limit_mod.layouts(served))} (sessions x threads)"
+    )
     started = time.monotonic()
     try:
-        result = limit_mod.measure(served, served_mod.load_sentences(a.input_data), a.limit_batches,
-                                   rounds=a.limit_rounds, seconds=a.limit_seconds,
-                                   progress=lambda m: run.say(f"    {m}"))
+        result = limit_mod.measure(
+            served,
+            served_mod.load_sentences(a.input_data),
+            a.limit_batches,
+            rounds=a.limit_rounds,
+            seconds=a.limit_seconds,
+            progress=lambda m: run.say(f"    {m}"),
+        )
     except Exception as exc:  # a broken export must not lose the served measurements
         run.say(f"    limit failed: {exc}")
         run.limit_errors.append(f"{when}: {exc}")
         return
     run.limits[when] = result
-    run.say(f"    encoder {result.encoder.best_throughput:.0f} seq/s (batch {result.encoder.best_batch}, "
-            f"{result.best_layout('encoder')}), end to end {result.end_to_end.best_throughput:.0f} seq/s "
-            f"({time.monotonic() - started:.0f} s)")
+    run.say(
+        f"    encoder {result.encoder.best_throughput:.0f} seq/s (batch {result.encoder.best_batch}, "
+        f"{result.best_layout('encoder')}), end to end {result.end_to_end.best_throughput:.0f} seq/s "
+        f"({time.monotonic() - started:.0f} s)"
+    )
 
 
 def add_limit_rows(run: CompareRun) -> None:
@@ -157,8 +179,10 @@ def add_limit_rows(run: CompareRun) -> None:
     larger of two measurements bracketing the servers is the better estimate of what the
     machine can do (and the served / limit ratio the more demanding).
     """
-    kinds = (("limit_encoder", "limit: encoder alone (ONNX Runtime)", "encoder"),
-             ("limit_e2e", "limit: tokenize + encode (pooling in the graph) in-process", "end_to_end"))
+    kinds = (
+        ("limit_encoder", "limit: encoder alone (ONNX Runtime)", "encoder"),
+        ("limit_e2e", "limit: tokenize + encode (pooling in the graph) in-process", "end_to_end"),
+    )
     if not run.limits:
         reason = "failed: " + "; ".join(run.limit_errors) if run.limit_errors else "time budget used up"
         for key, system, _ in kinds:
@@ -171,9 +195,18 @@ def add_limit_rows(run: CompareRun) -> None:
         speed = speeds[best_when]
         limit = run.limits[best_when]
         each = ", ".join(f"{w} {s.best_throughput:.0f}" for w, s in speeds.items())
-        run.rows.insert(position, Row(key, system, "in-process", f"batch {speed.best_batch} (best)", speed.best_throughput,
-                                      note=f"{limit.served.variant}, {limit.best_layout(attr)} sessions x threads; "
-                                           f"{each}; batch-1 latency {speed.latency_ms_b1:.1f} ms"))
+        run.rows.insert(
+            position,
+            Row(
+                key,
+                system,
+                "in-process",
+                f"batch {speed.best_batch} (best)",
+                speed.best_throughput,
+                note=f"{limit.served.variant}, {limit.best_layout(attr)} sessions x threads; "
+                f"{each}; batch-1 latency {speed.latency_ms_b1:.1f} ms",
+            ),
+        )
     for when, limit in run.limits.items():
         records += [{"when": when, **row} for row in limit.rows()]
     write_csv(run.out_dir / "limit.csv", records)
@@ -203,8 +236,10 @@ def measure_naive(run: Run, threads: int) -> None:
         stats = row.measurement.server if row.measurement else None
         if stats and stats.breakdown_ms:
             b = stats.breakdown_ms
-            row.note = (f"server: queue {b.get('queue', 0):.1f} ms, tokenize {b.get('compute input', 0):.1f} ms, "
-                        f"model {b.get('compute infer', 0):.1f} ms, pool {b.get('compute output', 0):.1f} ms")
+            row.note = (
+                f"server: queue {b.get('queue', 0):.1f} ms, tokenize {b.get('compute input', 0):.1f} ms, "
+                f"model {b.get('compute infer', 0):.1f} ms, pool {b.get('compute output', 0):.1f} ms"
+            )
         run.rows.append(row)
     finally:
         server.stop()
@@ -215,8 +250,10 @@ def _encoder_note(row: Row) -> None:
     m = row.measurement
     stats = m.composing.get(ENCODER) if m else None
     if stats is not None and stats.avg_batch is not None:
-        extra = f"{ENCODER} mean batch {stats.avg_batch:.2f}, queue {stats.breakdown_ms.get('queue', 0):.1f} ms, " \
-                f"infer {stats.breakdown_ms.get('compute infer', 0):.1f} ms"
+        extra = (
+            f"{ENCODER} mean batch {stats.avg_batch:.2f}, queue {stats.breakdown_ms.get('queue', 0):.1f} ms, "
+            f"infer {stats.breakdown_ms.get('compute infer', 0):.1f} ms"
+        )
         row.note = f"{row.note}; {extra}" if row.note else extra
 
 
@@ -238,8 +275,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
         run.rows.append(skipped(off_key, off_system, "grpc", f"concurrency {cb}", "time budget used up"))
         return
     workdir = Path(tempfile.mkdtemp(prefix="perf-compare-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,),
-                                                        model_config_name=served.config_name))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_config_name=served.config_name))
     run.say(f"(c) tritonserver: starting ({MODEL}, --model-config-name={served.config_name or '(none: FP32)'})")
     server.start()
     try:
@@ -256,8 +292,13 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
             steps_after -= 1
             url = server.grpc_url if protocol == "grpc" else server.http_url
             run.say(f"    perf_analyzer {protocol}, concurrency {conc}")
-            row = measure_served(run, Row(key, system, protocol, f"concurrency {conc}"),
-                                 settings_for(run, url, protocol, conc), steps_after, server.http_url)
+            row = measure_served(
+                run,
+                Row(key, system, protocol, f"concurrency {conc}"),
+                settings_for(run, url, protocol, conc),
+                steps_after,
+                server.http_url,
+            )
             _encoder_note(row)
             run.rows.append(row)
 
@@ -271,8 +312,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
                 load = f"Poisson {rate:.0f}/s ({a.rate_fraction:.0%} of {peak:.0f})"
                 run.say(f"(e) perf_analyzer grpc, {load}")
                 base = settings_for(run, server.grpc_url, "grpc", 1)
-                settings = RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                                        request_rate=rate)
+                settings = RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, request_rate=rate)
                 row = measure_served(run, Row(rate_key, system, "grpc", load), settings, steps_after, server.http_url)
                 if row.ok:
                     row.note = f"achieved {row.throughput / rate:.0%} of the asked rate"
@@ -293,8 +333,13 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
             run.rows.append(skipped(off_key, off_system, "grpc", f"concurrency {cb}", f"config swap failed: {exc}"))
         else:
             run.say(f"    perf_analyzer grpc, concurrency {cb}")
-            row = measure_served(run, Row(off_key, off_system, "grpc", f"concurrency {cb}"),
-                                 settings_for(run, server.grpc_url, "grpc", cb), steps_after, server.http_url)
+            row = measure_served(
+                run,
+                Row(off_key, off_system, "grpc", f"concurrency {cb}"),
+                settings_for(run, server.grpc_url, "grpc", cb),
+                steps_after,
+                server.http_url,
+            )
             _encoder_note(row)
             run.rows.append(row)
     finally:
@@ -314,12 +359,16 @@ def _row(rows: Sequence[Row], key: str) -> Row | None:
 
 def _ratio(name: str, num: Row | None, den: Row | None, target: float | None = None, above: bool = True) -> Ratio:
     if num is None or den is None or not den.throughput:
-        return Ratio(name, None, "" if target is None else f"{'>=' if above else '<='} {target:g}",
-                     detail="not measured")
+        return Ratio(name, None, "" if target is None else f"{'>=' if above else '<='} {target:g}", detail="not measured")
     value = num.throughput / den.throughput
     met = None if target is None else (value >= target if above else value <= target)
-    return Ratio(name, value, "" if target is None else f"{'>=' if above else '<='} {target:g}", met,
-                 f"{num.throughput:.0f} / {den.throughput:.0f} infer/s")
+    return Ratio(
+        name,
+        value,
+        "" if target is None else f"{'>=' if above else '<='} {target:g}",
+        met,
+        f"{num.throughput:.0f} / {den.throughput:.0f} infer/s",
+    )
 
 
 def ratios(args: argparse.Namespace, rows: Sequence[Row]) -> list[Ratio]:
@@ -338,11 +387,19 @@ def ratios(args: argparse.Namespace, rows: Sequence[Row]) -> list[Ratio]:
     rate = _row(rows, "triton_grpc_rate")
     if rate is not None and rate.p50_ms:
         value = rate.p99_ms / rate.p50_ms
-        out.append(Ratio(f"P99 / P50 at {rate.load}", value, f"<= {TARGET_P99_OVER_P50:g}",
-                         value <= TARGET_P99_OVER_P50, f"{rate.p99_ms:.1f} / {rate.p50_ms:.1f} ms"))
+        out.append(
+            Ratio(
+                f"P99 / P50 at {rate.load}",
+                value,
+                f"<= {TARGET_P99_OVER_P50:g}",
+                value <= TARGET_P99_OVER_P50,
+                f"{rate.p99_ms:.1f} / {rate.p50_ms:.1f} ms",
+            )
+        )
     else:
-        out.append(Ratio(f"P99 / P50 at {args.rate_fraction:.0%} of peak", None, f"<= {TARGET_P99_OVER_P50:g}",
-                         detail="not measured"))
+        out.append(
+            Ratio(f"P99 / P50 at {args.rate_fraction:.0%} of peak", None, f"<= {TARGET_P99_OVER_P50:g}", detail="not measured")
+        )
     return out
 
 
@@ -365,33 +422,50 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
         lines.append(f"| {q.name} | {_fmt(q.value, 2)} | {q.target} | {met} | {q.detail} |")
     measured = [r for r in rows if r.measurement is not None and r.measurement.composing]
     if measured:
-        lines += ["", "Where the time goes, Triton measurements (mean ms per request; client side from "
-                      "perf_analyzer's CSV, server side from Triton's statistics over the whole perf_analyzer run, "
-                      "every model that served requests, BLS calls included; a step's compute is the whole "
-                      "execution its request was part of):",
-                  "", "| measurement | client send | network + server send/recv | client recv | ensemble queue | "
-                      "step | step queue | compute input | compute infer | compute output | mean batch |",
-                  "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "Where the time goes, Triton measurements (mean ms per request; client side from "
+            "perf_analyzer's CSV, server side from Triton's statistics over the whole perf_analyzer run, "
+            "every model that served requests, BLS calls included; a step's compute is the whole "
+            "execution its request was part of):",
+            "",
+            "| measurement | client send | network + server send/recv | client recv | ensemble queue | "
+            "step | step queue | compute input | compute infer | compute output | mean batch |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in measured:
             m = r.measurement
-            client = (f"{_fmt(m.client_send_ms, 2)} | {_fmt(m.network_server_send_recv_ms, 2)} | "
-                      f"{_fmt(m.client_recv_ms, 2)} | {_fmt(m.server_queue_ms, 2)}")
+            client = (
+                f"{_fmt(m.client_send_ms, 2)} | {_fmt(m.network_server_send_recv_ms, 2)} | "
+                f"{_fmt(m.client_recv_ms, 2)} | {_fmt(m.server_queue_ms, 2)}"
+            )
             for i, name in enumerate(sorted(m.composing, key=lambda n: (n != "text_tokenizer", n))):
                 s = m.composing[name]
                 b = s.breakdown_ms
                 lead = f"| {r.key} | {client} |" if i == 0 else "| | | | | |"
-                lines.append(f"{lead} {name} | {_fmt(b.get('queue'))} | {_fmt(b.get('compute input'), 2)} | "
-                             f"{_fmt(b.get('compute infer'))} | {_fmt(b.get('compute output'), 2)} | "
-                             f"{_fmt(s.avg_batch, 2)} |")
+                lines.append(
+                    f"{lead} {name} | {_fmt(b.get('queue'))} | {_fmt(b.get('compute input'), 2)} | "
+                    f"{_fmt(b.get('compute infer'))} | {_fmt(b.get('compute output'), 2)} | "
+                    f"{_fmt(s.avg_batch, 2)} |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def summary_records(rows: Sequence[Row]) -> list[dict[str, object]]:
     records = []
     for r in rows:
-        record: dict[str, object] = {"key": r.key, "system": r.system, "protocol": r.protocol, "load": r.load,
-                                     "throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms,
-                                     "error": r.error, "note": r.note, "wall_s": round(r.wall_s, 1)}
+        record: dict[str, object] = {
+            "key": r.key,
+            "system": r.system,
+            "protocol": r.protocol,
+            "load": r.load,
+            "throughput": r.throughput,
+            "p50_ms": r.p50_ms,
+            "p99_ms": r.p99_ms,
+            "error": r.error,
+            "note": r.note,
+            "wall_s": round(r.wall_s, 1),
+        }
         if r.measurement is not None:
             record.update({k: v for k, v in r.measurement.as_row().items() if k not in record})
         records.append(record)
@@ -412,8 +486,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     served = served_mod.served_encoder(args.precision)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    state.say(f"perf.bench.compare: precision {args.precision} -> {ENCODER} {served.variant}, "
-              f"concurrency {args.concurrency}, batching on/off at {args.batching_concurrency}, budget {args.time_budget:.0f} s, load average {load}")
+    state.say(
+        f"perf.bench.compare: precision {args.precision} -> {ENCODER} {served.variant}, "
+        f"concurrency {args.concurrency}, batching on/off at {args.batching_concurrency}, budget {args.time_budget:.0f} s, load average {load}"
+    )
 
     measure_limit(state, served, "before")
     measure_naive(state, served.threads * served.instances)
@@ -448,8 +524,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
+    )
     return run(args)
 
 

@@ -51,12 +51,32 @@ from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.workload import gateway_request, image_request, prompts, sentences, text_request, token_request, unique_jpegs
 
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
-PATHS = ("text_tokenizer", "text_encoder", "text_embedding", "text_embedding_cached_miss",
-         "text_embedding_cached_hit", "gateway_embeddings", "image_classification", "text_generation")
+PATHS = (
+    "text_tokenizer",
+    "text_encoder",
+    "text_embedding",
+    "text_embedding_cached_miss",
+    "text_embedding_cached_hit",
+    "gateway_embeddings",
+    "image_classification",
+    "text_generation",
+)
 # The columns, in path order; a group a deployment lacks (no Redis) is left out.
-GROUP_ORDER = ("frontdoor (nginx)", "gateway", "tritonserver", "stub text_embedding_cached", "stub text_tokenizer",
-               "stub text_encoder_router", "stub text_encoder", "stub image_preprocess", "stub image_classifier",
-               "stub image_postprocess", "stub text_generation", "redis", "load generator")
+GROUP_ORDER = (
+    "frontdoor (nginx)",
+    "gateway",
+    "tritonserver",
+    "stub text_embedding_cached",
+    "stub text_tokenizer",
+    "stub text_encoder_router",
+    "stub text_encoder",
+    "stub image_preprocess",
+    "stub image_classifier",
+    "stub image_postprocess",
+    "stub text_generation",
+    "redis",
+    "load generator",
+)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -90,15 +110,18 @@ def group_cpu(procs: Sequence[processes.Proc], snap: dict[str, processes.Sample]
 RETRIES = 6  # a 503 (the admission control refusing) is sent again after 10, 20, 40 ... ms
 
 
-async def http_window(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], concurrency: int,
-                      result: PathResult, check=None) -> None:
+async def http_window(
+    url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], concurrency: int, result: PathResult, check=None
+) -> None:
     """Send every body once, ``concurrency`` at a time; a 503 is retried with backoff (counted in
     ``refused``: its cost is part of the path's), any other non-200 answer is an error."""
     import aiohttp
 
     todo = iter(bodies)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120), connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+
         async def client():
             for body, headers in todo:
                 try:
@@ -107,7 +130,7 @@ async def http_window(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], 
                             raw = await r.read()
                         if r.status == 503 and attempt < RETRIES:
                             result.refused += 1
-                            await asyncio.sleep(0.01 * 2 ** attempt)
+                            await asyncio.sleep(0.01 * 2**attempt)
                             continue
                         if r.status != 200:
                             raise RuntimeError(f"HTTP {r.status}: {raw[:200]!r}")
@@ -122,18 +145,21 @@ async def http_window(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], 
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-async def generation_window(grpc_url: str, prompt_list: Sequence[str], concurrency: int, max_tokens: int,
-                            result: PathResult) -> None:
+async def generation_window(
+    grpc_url: str, prompt_list: Sequence[str], concurrency: int, max_tokens: int, result: PathResult
+) -> None:
     from clients.generation import AsyncGenerationClient
 
     client = AsyncGenerationClient(grpc_url, protocol="grpc", timeout_s=300)
     todo = iter(prompt_list)
     try:
+
         async def one():
             for prompt in todo:
                 try:
-                    stream = client.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                                temperature=0, ignore_eos=True)
+                    stream = client.chat_stream(
+                        [{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, ignore_eos=True
+                    )
                     async with stream:
                         async for _ in stream:
                             pass
@@ -156,8 +182,9 @@ def embedding_check(raw: bytes) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.cpu_cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.cpu_cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=1000, help="requests per text path (default 1000)")
     p.add_argument("--image-requests", type=int, default=300, help="requests of image_classification (default 300)")
     p.add_argument("--gen-requests", type=int, default=24, help="text_generation streams (default 24)")
@@ -174,8 +201,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.paths) - set(PATHS))
     if unknown:
         p.error(f"unknown paths {unknown}; choose from {','.join(PATHS)}")
-    if min(args.requests, args.image_requests, args.gen_requests, args.max_tokens, args.concurrency,
-           args.gen_concurrency) < 1 or args.idle_seconds <= 0:
+    if (
+        min(args.requests, args.image_requests, args.gen_requests, args.max_tokens, args.concurrency, args.gen_concurrency) < 1
+        or args.idle_seconds <= 0
+    ):
         p.error("counts, concurrency and --idle-seconds must be positive")
     return args
 
@@ -185,8 +214,11 @@ async def measure(args, triton, gateway, redis, key: str, say) -> tuple[dict[str
     procs = processes.deployment(triton, {"gateway": gateway}, redis)
     present = list(dict.fromkeys(p.group for p in procs))
     # Known groups in path order; stubs of models added later go in before Redis and the load generator.
-    groups = [g for g in GROUP_ORDER[:-2] if g in present] + sorted(set(present) - set(GROUP_ORDER)) \
+    groups = (
+        [g for g in GROUP_ORDER[:-2] if g in present]
+        + sorted(set(present) - set(GROUP_ORDER))
         + [g for g in GROUP_ORDER[-2:] if g in present]
+    )
     nonce = secrets.token_hex(4)
     texts = sentences()
     counter = iter(range(10**12))
@@ -204,11 +236,11 @@ async def measure(args, triton, gateway, redis, key: str, say) -> tuple[dict[str
     await http_window(f"{base}/text_embedding/infer", [text_request(t) for t in unique(8)], 4, warm)
     await http_window(f"{base}/text_embedding_cached/infer", hit_bodies, 4, warm)
     await http_window(f"{base}/text_embedding_cached/infer", hit_bodies, 4, warm)  # hits in L1 now
-    await http_window(f"{gateway.url}/v1/embeddings", [gateway_request(t, key) for t in unique(8)], 4, warm,
-                      embedding_check)
+    await http_window(f"{gateway.url}/v1/embeddings", [gateway_request(t, key) for t in unique(8)], 4, warm, embedding_check)
     if "image_classification" in args.paths:
-        await http_window(f"{base}/image_classification/infer",
-                          [image_request(b) for b in unique_jpegs(4, nonce + "warm")], 2, warm)
+        await http_window(
+            f"{base}/image_classification/infer", [image_request(b) for b in unique_jpegs(4, nonce + "warm")], 2, warm
+        )
     if "text_generation" in args.paths:
         await generation_window(triton.grpc_url, prompts()[:2], 2, 4, PathResult("warm", "tokens"))
     if warm.errors:
@@ -234,21 +266,28 @@ async def measure(args, triton, gateway, redis, key: str, say) -> tuple[dict[str
         elif path == "text_embedding":
             work = http_window(f"{base}/text_embedding/infer", [text_request(t) for t in unique(n)], args.concurrency, r)
         elif path == "text_embedding_cached_miss":
-            work = http_window(f"{base}/text_embedding_cached/infer", [text_request(t) for t in unique(n)],
-                               args.concurrency, r)
+            work = http_window(f"{base}/text_embedding_cached/infer", [text_request(t) for t in unique(n)], args.concurrency, r)
         elif path == "text_embedding_cached_hit":
-            work = http_window(f"{base}/text_embedding_cached/infer", [hit_bodies[k % len(hit_bodies)] for k in range(n)],
-                               args.concurrency, r)
+            work = http_window(
+                f"{base}/text_embedding_cached/infer", [hit_bodies[k % len(hit_bodies)] for k in range(n)], args.concurrency, r
+            )
         elif path == "gateway_embeddings":
-            work = http_window(f"{gateway.url}/v1/embeddings", [gateway_request(t, key) for t in unique(n)],
-                               args.concurrency, r, embedding_check)
+            work = http_window(
+                f"{gateway.url}/v1/embeddings", [gateway_request(t, key) for t in unique(n)], args.concurrency, r, embedding_check
+            )
         elif path == "image_classification":
-            work = http_window(f"{base}/image_classification/infer",
-                               [image_request(b) for b in unique_jpegs(n, nonce)], args.concurrency, r)
+            work = http_window(
+                f"{base}/image_classification/infer", [image_request(b) for b in unique_jpegs(n, nonce)], args.concurrency, r
+            )
         else:
             plist = prompts()
-            work = generation_window(triton.grpc_url, [plist[k % len(plist)] for k in range(args.gen_requests)],
-                                     args.gen_concurrency, args.max_tokens, r)
+            work = generation_window(
+                triton.grpc_url,
+                [plist[k % len(plist)] for k in range(args.gen_requests)],
+                args.gen_concurrency,
+                args.max_tokens,
+                r,
+            )
         before = group_cpu(procs, processes.snapshot(procs))
         t0 = time.perf_counter()
         await work
@@ -261,8 +300,10 @@ async def measure(args, triton, gateway, redis, key: str, say) -> tuple[dict[str
         if gone:
             r.errors.append(f"processes exited: {', '.join(gone)}")
         total = sum(r.net_cpu_s.values())
-        say(f"{path}: {r.units} {unit} in {r.wall_s:.1f} s, {len(r.errors)} errors, {r.refused} refused (503), "
-            f"{1000 * total / max(1, r.units):.2f} CPU-s per 1000 {unit}")
+        say(
+            f"{path}: {r.units} {unit} in {r.wall_s:.1f} s, {len(r.errors)} errors, {r.refused} refused (503), "
+            f"{1000 * total / max(1, r.units):.2f} CPU-s per 1000 {unit}"
+        )
         results.append(r)
     return idle, results, groups
 
@@ -272,8 +313,14 @@ def short(group: str) -> str:
 
 
 def markdown(header: Sequence[str], idle: dict[str, float], results: Sequence[PathResult], groups: Sequence[str]) -> str:
-    lines = list(header) + ["", ("CPU-seconds per 1,000 requests (text_generation: per 1,000 generated tokens), net "
-                                 "of each process's idle rate; `-`: below 0.005."), ""]
+    lines = list(header) + [
+        "",
+        (
+            "CPU-seconds per 1,000 requests (text_generation: per 1,000 generated tokens), net "
+            "of each process's idle rate; `-`: below 0.005."
+        ),
+        "",
+    ]
     lines.append("| path | " + " | ".join(short(g) for g in groups) + " | total | wall s | refused | errors |")
     lines.append("| --- |" + " ---: |" * (len(groups) + 4))
     for r in results:
@@ -282,10 +329,16 @@ def markdown(header: Sequence[str], idle: dict[str, float], results: Sequence[Pa
             v = r.per_1000(g)
             cells.append("-" if v is None or v < 0.005 else f"{v:.2f}")
         total = sum(r.per_1000(g) or 0.0 for g in groups)
-        lines.append(f"| {r.path}{' (per 1k tokens)' if r.unit == 'tokens' else ''} | " + " | ".join(cells)
-                     + f" | {total:.2f} | {r.wall_s:.1f} | {r.refused} | {len(r.errors)} |")
-    lines.append("| idle, CPU-s per 1,000 s | " + " | ".join(f"{1000 * idle.get(g, 0.0):.1f}" for g in groups)
-                 + f" | {1000 * sum(idle.values()):.1f} | | | |")
+        lines.append(
+            f"| {r.path}{' (per 1k tokens)' if r.unit == 'tokens' else ''} | "
+            + " | ".join(cells)
+            + f" | {total:.2f} | {r.wall_s:.1f} | {r.refused} | {len(r.errors)} |"
+        )
+    lines.append(
+        "| idle, CPU-s per 1,000 s | "
+        + " | ".join(f"{1000 * idle.get(g, 0.0):.1f}" for g in groups)
+        + f" | {1000 * sum(idle.values()):.1f} | | | |"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -293,11 +346,22 @@ def csv_rows(idle: dict[str, float], results: Sequence[PathResult], groups: Sequ
     rows = []
     for r in results:
         for g in groups:
-            rows.append({"path": r.path, "process": g, "unit": r.unit, "units": r.units, "requests": r.requests,
-                         "wall_s": round(r.wall_s, 3), "raw_cpu_s": round(r.raw_cpu_s.get(g, 0.0), 4),
-                         "net_cpu_s": round(r.net_cpu_s.get(g, 0.0), 4),
-                         "net_cpu_s_per_1000": round(r.per_1000(g) or 0.0, 4),
-                         "idle_cores": round(idle.get(g, 0.0), 5), "refused": r.refused, "errors": len(r.errors)})
+            rows.append(
+                {
+                    "path": r.path,
+                    "process": g,
+                    "unit": r.unit,
+                    "units": r.units,
+                    "requests": r.requests,
+                    "wall_s": round(r.wall_s, 3),
+                    "raw_cpu_s": round(r.raw_cpu_s.get(g, 0.0), 4),
+                    "net_cpu_s": round(r.net_cpu_s.get(g, 0.0), 4),
+                    "net_cpu_s_per_1000": round(r.per_1000(g) or 0.0, 4),
+                    "idle_cores": round(idle.get(g, 0.0), 5),
+                    "refused": r.refused,
+                    "errors": len(r.errors),
+                }
+            )
     return rows
 
 
@@ -320,8 +384,11 @@ def run(args: argparse.Namespace) -> int:
     results: list[PathResult] = []
     groups: list[str] = []
     try:
-        models = [m for m in MODELS if not (m == "image_classification" and m not in args.paths)
-                  and not (m == "text_generation" and m not in args.paths)]
+        models = [
+            m
+            for m in MODELS
+            if not (m == "image_classification" and m not in args.paths) and not (m == "text_generation" and m not in args.paths)
+        ]
         triton, gateway, redis = start_deployment(models, workdir, key, not args.no_redis, say)
         idle, results, groups = asyncio.run(measure(args, triton, gateway, redis, key, say))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
@@ -331,12 +398,17 @@ def run(args: argparse.Namespace) -> int:
         stop_deployment(triton, gateway, redis, out)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    header = ["# CPU cost per request path", "",
-              f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load}",
-              f"- command: `{' '.join(['python -m perf.bench.cpu_cost', *args.argv])}`",
-              (f"- {args.requests} requests per text path, {args.image_requests} images, {args.gen_requests} generation "
-               f"streams of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {args.gen_concurrency}); "
-               f"Redis L2 {'on' if redis else 'off'}; front door on every direct path, the gateway on gateway_embeddings")]
+    header = [
+        "# CPU cost per request path",
+        "",
+        f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load}",
+        f"- command: `{' '.join(['python -m perf.bench.cpu_cost', *args.argv])}`",
+        (
+            f"- {args.requests} requests per text path, {args.image_requests} images, {args.gen_requests} generation "
+            f"streams of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {args.gen_concurrency}); "
+            f"Redis L2 {'on' if redis else 'off'}; front door on every direct path, the gateway on gateway_embeddings"
+        ),
+    ]
     if failure:
         header.append(f"- stopped early: {failure}")
     errors = [f"{r.path}: {e}" for r in results for e in r.errors[:3]]

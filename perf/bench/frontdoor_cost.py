@@ -34,11 +34,11 @@ async def _drive_json(url: str, concurrency: int, seconds: float) -> list[float]
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
         async def worker(w: int) -> None:
             n = 0
             while time.perf_counter() < deadline:
-                body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
-                                    "data": [f"front door cost {w} {n}"]}]}
+                body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [f"front door cost {w} {n}"]}]}
                 started = time.perf_counter()
                 async with session.post(f"http://{url}/v2/models/{MODEL}/infer", json=body) as r:
                     await r.read()
@@ -82,15 +82,23 @@ async def _drive(protocol: str, url: str, concurrency: int, seconds: float) -> l
 
 def summarize(latencies: list[float], seconds: float) -> dict:
     ms = np.array(latencies) * 1000.0
-    return {"requests": len(ms), "rps": len(ms) / seconds, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max())}
+    return {
+        "requests": len(ms),
+        "rps": len(ms) / seconds,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": float(ms.max()),
+    }
 
 
 def measure(server, concurrency: int, seconds: float, rounds: int) -> dict:
     targets = {
-        ("http json", "front door"): server.http_url, ("http json", "direct"): server.triton_http_url,
-        ("http binary", "front door"): server.http_url, ("http binary", "direct"): server.triton_http_url,
-        ("grpc", "front door"): server.grpc_url, ("grpc", "direct"): server.triton_grpc_url,
+        ("http json", "front door"): server.http_url,
+        ("http json", "direct"): server.triton_http_url,
+        ("http binary", "front door"): server.http_url,
+        ("http binary", "direct"): server.triton_http_url,
+        ("grpc", "front door"): server.grpc_url,
+        ("grpc", "direct"): server.triton_grpc_url,
     }
     collected: dict = {key: [] for key in targets}
     for key, url in targets.items():  # warm both paths (connections, first batches)
@@ -102,26 +110,31 @@ def measure(server, concurrency: int, seconds: float, rounds: int) -> dict:
     results = {f"{p} {path}": summarize(lat, seconds * rounds) for (p, path), lat in collected.items()}
     for protocol in PROTOCOLS:
         results[f"{protocol} ratio"] = results[f"{protocol} front door"]["rps"] / results[f"{protocol} direct"]["rps"]
-        results[f"{protocol} p99 ratio"] = (results[f"{protocol} front door"]["p99_ms"]
-                                            / results[f"{protocol} direct"]["p99_ms"])
+        results[f"{protocol} p99 ratio"] = results[f"{protocol} front door"]["p99_ms"] / results[f"{protocol} direct"]["p99_ms"]
     return results
 
 
 def table(results: dict, concurrency: int) -> str:
-    lines = [f"| path (concurrency {concurrency}) | requests/s | P50 ms | P99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"| path (concurrency {concurrency}) | requests/s | P50 ms | P99 ms | max ms |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name, row in results.items():
         if isinstance(row, dict):
             lines.append(f"| {name} | {row['rps']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} |")
     lines.append("")
     for protocol in PROTOCOLS:
-        lines.append(f"{protocol}: front door / direct throughput = {results[f'{protocol} ratio']:.3f}, "
-                     f"P99 = {results[f'{protocol} p99 ratio']:.2f}")
+        lines.append(
+            f"{protocol}: front door / direct throughput = {results[f'{protocol} ratio']:.3f}, "
+            f"P99 = {results[f'{protocol} p99 ratio']:.2f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.frontdoor_cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.frontdoor_cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seconds", type=float, default=4.0, help="per path and round")
     p.add_argument("--rounds", type=int, default=3)
@@ -132,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.process import ServerOptions, TritonServer
 
     workdir = Path(tempfile.mkdtemp(prefix="frontdoor-cost-"))
-    options = ServerOptions.with_free_ports(model_repository=ROOT / "model_repository", workdir=workdir,
-                                            models=(MODEL,))
+    options = ServerOptions.with_free_ports(model_repository=ROOT / "model_repository", workdir=workdir, models=(MODEL,))
     with TritonServer(options) as server:
         results = measure(server, args.concurrency, args.seconds, args.rounds)
     print(table(results, args.concurrency))

@@ -96,12 +96,21 @@ class EmbedCell:
         def q(p):
             return round(1000 * percentile(lat, p), 2) if lat else None
 
-        return {"system": self.system, "workload": self.workload, "concurrency": self.concurrency,
-                "windows": self.windows, "seconds": round(self.seconds, 2), "requests": len(lat),
-                "requests_per_s": round(len(lat) / self.seconds, 1) if self.seconds and lat else None,
-                "p50_ms": q(50), "p99_ms": q(99), "max_ms": q(100),
-                "client_cpu_per_request_ms": round(1000 * self.client_cpu_s / len(lat), 3) if lat else None,
-                "errors": len(self.errors), "first_error": self.errors[0][:300] if self.errors else ""}
+        return {
+            "system": self.system,
+            "workload": self.workload,
+            "concurrency": self.concurrency,
+            "windows": self.windows,
+            "seconds": round(self.seconds, 2),
+            "requests": len(lat),
+            "requests_per_s": round(len(lat) / self.seconds, 1) if self.seconds and lat else None,
+            "p50_ms": q(50),
+            "p99_ms": q(99),
+            "max_ms": q(100),
+            "client_cpu_per_request_ms": round(1000 * self.client_cpu_s / len(lat), 3) if lat else None,
+            "errors": len(self.errors),
+            "first_error": self.errors[0][:300] if self.errors else "",
+        }
 
 
 @dataclass
@@ -123,13 +132,22 @@ class ChatCell:
         def q(p):
             return round(1000 * percentile(t, p), 1) if t else None
 
-        return {"system": self.system, "concurrency": self.concurrency, "windows": self.windows,
-                "seconds": round(self.seconds, 2), "requests": self.requests, "output_tokens": self.tokens,
-                "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds and self.tokens else None,
-                "ttft_p50_ms": q(50), "ttft_p99_ms": q(99), "ttft_max_ms": q(100),
-                "tokens_per_request": sorted(set(self.token_counts)),
-                "client_cpu_s": round(self.client_cpu_s, 2),
-                "errors": len(self.errors), "first_error": self.errors[0][:300] if self.errors else ""}
+        return {
+            "system": self.system,
+            "concurrency": self.concurrency,
+            "windows": self.windows,
+            "seconds": round(self.seconds, 2),
+            "requests": self.requests,
+            "output_tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds and self.tokens else None,
+            "ttft_p50_ms": q(50),
+            "ttft_p99_ms": q(99),
+            "ttft_max_ms": q(100),
+            "tokens_per_request": sorted(set(self.token_counts)),
+            "client_cpu_s": round(self.client_cpu_s, 2),
+            "errors": len(self.errors),
+            "first_error": self.errors[0][:300] if self.errors else "",
+        }
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -238,22 +256,29 @@ async def run_embeddings(args, direct_url: str, gateway_urls: dict[str, str], ke
         turn = 0
         for rnd in range(args.rounds):
             for workload in WORKLOADS:
-                for system in order[turn % len(order):] + order[: turn % len(order)]:
-                    cell = cells.setdefault((workload, system),
-                                            EmbedCell(system, workload, args.embed_concurrency))
-                    await embed_window(clients[system], uniq if workload == "unique" else repeated,
-                                       args.embed_concurrency, args.embed_duration, cell)
+                for system in order[turn % len(order) :] + order[: turn % len(order)]:
+                    cell = cells.setdefault((workload, system), EmbedCell(system, workload, args.embed_concurrency))
+                    await embed_window(
+                        clients[system],
+                        uniq if workload == "unique" else repeated,
+                        args.embed_concurrency,
+                        args.embed_duration,
+                        cell,
+                    )
                 turn += 1
-            say(f"  embeddings round {rnd + 1}: " + ", ".join(
-                f"{w}/{s} {c.summary()['requests_per_s']}/s" for (w, s), c in cells.items()))
+            say(
+                f"  embeddings round {rnd + 1}: "
+                + ", ".join(f"{w}/{s} {c.summary()['requests_per_s']}/s" for (w, s), c in cells.items())
+            )
     return list(cells.values())
 
 
 # --------------------------------------------------------------------------- chat
 
 
-async def chat_window(system, prompts: Sequence[str], concurrency: int, per_client: int, max_tokens: int,
-                      cell: ChatCell, stagger_s: float = 0.0) -> None:
+async def chat_window(
+    system, prompts: Sequence[str], concurrency: int, per_client: int, max_tokens: int, cell: ChatCell, stagger_s: float = 0.0
+) -> None:
     """``concurrency`` clients, each ``per_client`` requests one after the other, to their end;
     client k starts ``k * stagger_s`` after the first."""
     queue = list(prompts)
@@ -303,14 +328,23 @@ async def run_chat(args, gateway_url: str, triton_grpc: str, key: str, say) -> l
             for rnd in range(args.rounds):
                 for c in args.chat_concurrency:
                     # Each round its own prompts, the same for both systems.
-                    window_prompts = prompts[(rnd * c * args.chat_requests) % len(prompts):] + prompts
-                    for key_ in order[turn % len(order):] + order[: turn % len(order)]:
+                    window_prompts = prompts[(rnd * c * args.chat_requests) % len(prompts) :] + prompts
+                    for key_ in order[turn % len(order) :] + order[: turn % len(order)]:
                         cell = cells.setdefault((key_, c), ChatCell(key_, c))
-                        await chat_window(systems[key_], window_prompts, c, args.chat_requests, args.max_tokens, cell,
-                                          args.chat_stagger_ms / 1000)
+                        await chat_window(
+                            systems[key_],
+                            window_prompts,
+                            c,
+                            args.chat_requests,
+                            args.max_tokens,
+                            cell,
+                            args.chat_stagger_ms / 1000,
+                        )
                         s = cell.summary()
-                        say(f"  chat round {rnd + 1} c{c:<2} {key_:<7} {s['tokens_per_s']} tokens/s, "
-                            f"TTFT p50 {s['ttft_p50_ms']} ms")
+                        say(
+                            f"  chat round {rnd + 1} c{c:<2} {key_:<7} {s['tokens_per_s']} tokens/s, "
+                            f"TTFT p50 {s['ttft_p50_ms']} ms"
+                        )
                     turn += 1
         finally:
             await direct_client.close()
@@ -339,14 +373,20 @@ def ratios(embed: Sequence[dict], chat: Sequence[dict], embed_concurrency: int) 
                 continue
             target = embed_concurrency == 32
             for name, num, den, tgt, above in (
-                    ("throughput", g["requests_per_s"], d["requests_per_s"], TARGET_EMBED_THROUGHPUT, True),
-                    ("P99", g["p99_ms"], d["p99_ms"], TARGET_EMBED_P99, False)):
+                ("throughput", g["requests_per_s"], d["requests_per_s"], TARGET_EMBED_THROUGHPUT, True),
+                ("P99", g["p99_ms"], d["p99_ms"], TARGET_EMBED_P99, False),
+            ):
                 value = round(num / den, 3) if num and den else None
                 met = None if value is None or not target else (value >= tgt if above else value <= tgt)
-                rows.append({"name": f"embeddings {workload}, {system} / direct {name}, c{embed_concurrency}",
-                             "value": value, "target": f"{'>=' if above else '<='} {tgt:g}" if target else "",
-                             "met": "" if met is None else ("yes" if met else "no"),
-                             "detail": f"{_fmt(num)} / {_fmt(den)}"})
+                rows.append(
+                    {
+                        "name": f"embeddings {workload}, {system} / direct {name}, c{embed_concurrency}",
+                        "value": value,
+                        "target": f"{'>=' if above else '<='} {tgt:g}" if target else "",
+                        "met": "" if met is None else ("yes" if met else "no"),
+                        "detail": f"{_fmt(num)} / {_fmt(den)}",
+                    }
+                )
     cb = {(s["system"], s["concurrency"]): s for s in chat}
     for c in sorted({s["concurrency"] for s in chat}):
         g, d = cb.get(("gateway", c)), cb.get(("direct", c))
@@ -356,36 +396,64 @@ def ratios(embed: Sequence[dict], chat: Sequence[dict], embed_concurrency: int) 
             a, b = g[f"ttft_{p}_ms"], d[f"ttft_{p}_ms"]
             value = round(a - b, 1) if a is not None and b is not None else None
             met = None if value is None else value <= TARGET_TTFT_MS
-            rows.append({"name": f"chat c{c}, gateway - direct TTFT {p.upper()} (ms)", "value": value,
-                         "target": f"<= {TARGET_TTFT_MS:g}", "met": "" if met is None else ("yes" if met else "no"),
-                         "detail": f"{_fmt(a)} - {_fmt(b)} ms"})
+            rows.append(
+                {
+                    "name": f"chat c{c}, gateway - direct TTFT {p.upper()} (ms)",
+                    "value": value,
+                    "target": f"<= {TARGET_TTFT_MS:g}",
+                    "met": "" if met is None else ("yes" if met else "no"),
+                    "detail": f"{_fmt(a)} - {_fmt(b)} ms",
+                }
+            )
         a, b = g["tokens_per_s"], d["tokens_per_s"]
         value = round(a / b, 3) if a and b else None
         met = None if value is None else value >= TARGET_TOKENS
-        rows.append({"name": f"chat c{c}, gateway / direct tokens/s", "value": value,
-                     "target": f">= {TARGET_TOKENS:g}", "met": "" if met is None else ("yes" if met else "no"),
-                     "detail": f"{_fmt(a, 2)} / {_fmt(b, 2)}"})
+        rows.append(
+            {
+                "name": f"chat c{c}, gateway / direct tokens/s",
+                "value": value,
+                "target": f">= {TARGET_TOKENS:g}",
+                "met": "" if met is None else ("yes" if met else "no"),
+                "detail": f"{_fmt(a, 2)} / {_fmt(b, 2)}",
+            }
+        )
     return rows
 
 
 def markdown(header: Sequence[str], embed: Sequence[dict], chat: Sequence[dict], ratio_rows: Sequence[dict]) -> str:
     lines = list(header)
     if embed:
-        lines += ["", ("| embeddings | workload | concurrency | requests/s | P50 ms | P99 ms | max ms | requests | "
-                  "client CPU ms/request | errors |"), "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += [
+            "",
+            (
+                "| embeddings | workload | concurrency | requests/s | P50 ms | P99 ms | max ms | requests | "
+                "client CPU ms/request | errors |"
+            ),
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for s in embed:
             err = f"{s['errors']}: {s['first_error'][:80]}" if s["errors"] else "0"
-            lines.append(f"| {s['system']} | {s['workload']} | {s['concurrency']} | {_fmt(s['requests_per_s'])} | "
-                         f"{_fmt(s['p50_ms'], 2)} | {_fmt(s['p99_ms'], 2)} | {_fmt(s['max_ms'], 2)} | {s['requests']} | "
-                         f"{_fmt(s['client_cpu_per_request_ms'], 3)} | {err} |")
+            lines.append(
+                f"| {s['system']} | {s['workload']} | {s['concurrency']} | {_fmt(s['requests_per_s'])} | "
+                f"{_fmt(s['p50_ms'], 2)} | {_fmt(s['p99_ms'], 2)} | {_fmt(s['max_ms'], 2)} | {s['requests']} | "
+                f"{_fmt(s['client_cpu_per_request_ms'], 3)} | {err} |"
+            )
     if chat:
-        lines += ["", ("| chat stream | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | requests | "
-                  "tokens per request | errors |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+        lines += [
+            "",
+            (
+                "| chat stream | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | requests | "
+                "tokens per request | errors |"
+            ),
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        ]
         for s in chat:
             err = f"{s['errors']}: {s['first_error'][:80]}" if s["errors"] else "0"
-            lines.append(f"| {s['system']} | {s['concurrency']} | {_fmt(s['tokens_per_s'], 2)} | {_fmt(s['ttft_p50_ms'])} | "
-                         f"{_fmt(s['ttft_p99_ms'])} | {_fmt(s['ttft_max_ms'])} | {s['requests']} | "
-                         f"{','.join(map(str, s['tokens_per_request']))} | {err} |")
+            lines.append(
+                f"| {s['system']} | {s['concurrency']} | {_fmt(s['tokens_per_s'], 2)} | {_fmt(s['ttft_p50_ms'])} | "
+                f"{_fmt(s['ttft_p99_ms'])} | {_fmt(s['ttft_max_ms'])} | {s['requests']} | "
+                f"{','.join(map(str, s['tokens_per_request']))} | {err} |"
+            )
     if ratio_rows:
         lines += ["", "| ratio | value | target | met | from |", "| --- | ---: | --- | --- | --- |"]
         for r in ratio_rows:
@@ -412,31 +480,57 @@ def _names(choices: Sequence[str]):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.gateway_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.gateway_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rounds", type=int, default=3, help="rounds of interleaved windows (default 3)")
     p.add_argument("--embed-concurrency", type=int, default=32, help="embedding clients (default 32)")
     p.add_argument("--embed-duration", type=float, default=4.0, help="seconds per embeddings window (default 4)")
-    p.add_argument("--embed-systems", type=_names(EMBED_SYSTEMS), default=list(EMBED_SYSTEMS),
-                   help=f"comma-separated subset of {','.join(EMBED_SYSTEMS)}")
+    p.add_argument(
+        "--embed-systems",
+        type=_names(EMBED_SYSTEMS),
+        default=list(EMBED_SYSTEMS),
+        help=f"comma-separated subset of {','.join(EMBED_SYSTEMS)}",
+    )
     p.add_argument("--chat-concurrency", type=_ints, default=[1, 8], help="chat streams, comma-separated (default 1,8)")
     p.add_argument("--chat-requests", type=int, default=3, help="chat requests per client per window (default 3)")
-    p.add_argument("--chat-systems", type=_names(CHAT_SYSTEMS), default=list(CHAT_SYSTEMS),
-                   help=f"comma-separated subset of {','.join(CHAT_SYSTEMS)}")
-    p.add_argument("--chat-stagger-ms", type=float, default=25.0,
-                   help="client k of a chat window starts k x this many ms after the first (default 25; 0: all at once, "
-                        "which makes TTFT hinge on whether all arrive before the engine's next step)")
+    p.add_argument(
+        "--chat-systems",
+        type=_names(CHAT_SYSTEMS),
+        default=list(CHAT_SYSTEMS),
+        help=f"comma-separated subset of {','.join(CHAT_SYSTEMS)}",
+    )
+    p.add_argument(
+        "--chat-stagger-ms",
+        type=float,
+        default=25.0,
+        help="client k of a chat window starts k x this many ms after the first (default 25; 0: all at once, "
+        "which makes TTFT hinge on whether all arrive before the engine's next step)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per chat request, ignore_eos (default 64)")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embeddings part")
     p.add_argument("--no-chat", action="store_true", help="skip the chat part (text_generation is then not loaded)")
-    p.add_argument("--out", type=Path, help="the JSON of results (default perf/results/gateway-<UTC time>.json); "
-                   "the markdown table and the servers' logs go beside it")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the JSON of results (default perf/results/gateway-<UTC time>.json); "
+        "the markdown table and the servers' logs go beside it",
+    )
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.rounds < 1 or args.embed_concurrency < 1 or args.embed_duration <= 0 or args.chat_requests < 1 \
-            or args.max_tokens < 1 or not args.chat_concurrency or min(args.chat_concurrency) < 1:
-        p.error("--rounds, --embed-concurrency, --embed-duration, --chat-concurrency, --chat-requests and "
-                "--max-tokens must be positive")
+    if (
+        args.rounds < 1
+        or args.embed_concurrency < 1
+        or args.embed_duration <= 0
+        or args.chat_requests < 1
+        or args.max_tokens < 1
+        or not args.chat_concurrency
+        or min(args.chat_concurrency) < 1
+    ):
+        p.error(
+            "--rounds, --embed-concurrency, --embed-duration, --chat-concurrency, --chat-requests and "
+            "--max-tokens must be positive"
+        )
     if "direct" not in args.embed_systems:
         args.embed_systems.insert(0, "direct")  # the reference every ratio is taken against
     return args
@@ -454,10 +548,17 @@ def start_servers(args, workdir: Path, key: str, say):
     for name, extra in (("quiet", ["--no-request-log"]), ("log", [])):
         if name == "log" and ("gateway_log" not in args.embed_systems or args.no_embeddings):
             continue
-        gw = GatewayProcess(GatewayOptions(triton.triton_grpc_url, port=free_port(), workdir=workdir / f"gateway-{name}",
-                                           api_key_file=workdir / "gateway-api-key",
-                                           extra_args=["--rate-limit", "0", *extra], env={"GATEWAY_API_KEYS": key},
-                                           drain_timeout=5))
+        gw = GatewayProcess(
+            GatewayOptions(
+                triton.triton_grpc_url,
+                port=free_port(),
+                workdir=workdir / f"gateway-{name}",
+                api_key_file=workdir / "gateway-api-key",
+                extra_args=["--rate-limit", "0", *extra],
+                env={"GATEWAY_API_KEYS": key},
+                drain_timeout=5,
+            )
+        )
         gateways[name] = gw.start()
     for name, gw in gateways.items():
         gw.wait_ready(timeout=120)
@@ -504,8 +605,7 @@ def run(args: argparse.Namespace) -> int:
                 shutil.copyfile(triton.log_path, out.with_name(f"{out.stem}-tritonserver.log"))
         shutil.rmtree(workdir, ignore_errors=True)
 
-    embed = [c.summary() for c in sorted(embed_cells, key=lambda c: (WORKLOADS.index(c.workload),
-                                                                     EMBED_SYSTEMS.index(c.system)))]
+    embed = [c.summary() for c in sorted(embed_cells, key=lambda c: (WORKLOADS.index(c.workload), EMBED_SYSTEMS.index(c.system)))]
     chat = [c.summary() for c in sorted(chat_cells, key=lambda c: (c.concurrency, CHAT_SYSTEMS.index(c.system)))]
     ratio_rows = ratios(embed, chat, args.embed_concurrency)
     header = [
@@ -513,25 +613,37 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before measuring {load}",
         f"- command: `{' '.join(['python -m perf.bench.gateway_bench', *args.argv])}`",
-        (f"- embeddings: {args.embed_concurrency} closed-loop clients (aiohttp, one loop), one text per request, "
-         f"{args.embed_duration:g} s windows x {args.rounds} round(s), systems interleaved; direct = POST "
-         f"/v2/models/{DIRECT_EMBED_MODEL}/infer on the front door, gateway = POST /v1/embeddings"),
-        (f"- chat: {args.max_tokens} new tokens (ignore_eos, greedy), {args.chat_requests} request(s) per client per "
-         f"window, concurrency {','.join(map(str, args.chat_concurrency))}, clients {args.chat_stagger_ms:g} ms apart; "
-         "direct = text_generation over gRPC (AsyncGenerationClient) on the port the gateway uses, gateway = "
-         "/v1/chat/completions SSE"),
+        (
+            f"- embeddings: {args.embed_concurrency} closed-loop clients (aiohttp, one loop), one text per request, "
+            f"{args.embed_duration:g} s windows x {args.rounds} round(s), systems interleaved; direct = POST "
+            f"/v2/models/{DIRECT_EMBED_MODEL}/infer on the front door, gateway = POST /v1/embeddings"
+        ),
+        (
+            f"- chat: {args.max_tokens} new tokens (ignore_eos, greedy), {args.chat_requests} request(s) per client per "
+            f"window, concurrency {','.join(map(str, args.chat_concurrency))}, clients {args.chat_stagger_ms:g} ms apart; "
+            "direct = text_generation over gRPC (AsyncGenerationClient) on the port the gateway uses, gateway = "
+            "/v1/chat/completions SSE"
+        ),
     ]
     if failure:
         header.append(f"- stopped early: {failure}")
     table = markdown(header, embed, chat, ratio_rows)
-    result = {"command": ["python", "-m", "perf.bench.gateway_bench", *args.argv], "load_average_before": load,
-              "cpus": os.cpu_count(), "embeddings": embed, "chat": chat, "ratios": ratio_rows, "error": failure}
+    result = {
+        "command": ["python", "-m", "perf.bench.gateway_bench", *args.argv],
+        "load_average_before": load,
+        "cpus": os.cpu_count(),
+        "embeddings": embed,
+        "chat": chat,
+        "ratios": ratio_rows,
+        "error": failure,
+    }
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(table)
     print("\n" + table, flush=True)
     say(f"perf.bench.gateway_bench: results in {out}")
-    complete = (args.no_embeddings or len(embed) == len(WORKLOADS) * len(args.embed_systems)) and \
-        (args.no_chat or len(chat) == len(args.chat_systems) * len(args.chat_concurrency))
+    complete = (args.no_embeddings or len(embed) == len(WORKLOADS) * len(args.embed_systems)) and (
+        args.no_chat or len(chat) == len(args.chat_systems) * len(args.chat_concurrency)
+    )
     return 0 if not failure and complete else 1
 
 

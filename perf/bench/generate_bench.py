@@ -99,9 +99,16 @@ SYSTEM_NAMES = {
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
     "llama": "llama.cpp llama-server (the same model, SmolLM2-135M-Instruct Q4_1 GGUF), --parallel = the concurrency, "
-             "--cont-batching, its /completion stream (perf/baselines/llama_cpp.py)",
+    "--cont-batching, its /completion stream (perf/baselines/llama_cpp.py)",
 }
-PROTOCOLS = {"naive": "http sse", "engine": "in-process", "nodraft": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
+PROTOCOLS = {
+    "naive": "http sse",
+    "engine": "in-process",
+    "nodraft": "in-process",
+    "grpc": "grpc stream",
+    "http": "http sse",
+    "llama": "http sse",
+}
 
 # The issue's targets, checked (not enforced) in the printed ratios.
 TARGET_ENGINE_VS_NAIVE = 10.0
@@ -180,14 +187,23 @@ class Cell:
 
         errors = [s.error for s in self.streams if s.error] + self.errors
         return {
-            "system": self.system, "protocol": PROTOCOLS[self.system], "concurrency": self.concurrency,
-            "window_s": round(seconds, 1), "requests": len(self.streams),
-            "finished": sum(s.finished for s in self.streams), "output_tokens": tokens,
+            "system": self.system,
+            "protocol": PROTOCOLS[self.system],
+            "concurrency": self.concurrency,
+            "window_s": round(seconds, 1),
+            "requests": len(self.streams),
+            "finished": sum(s.finished for s in self.streams),
+            "output_tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
-            "ttft_p50_ms": q(ttft, 50), "ttft_p99_ms": q(ttft, 99), "ttft_max_ms": q(ttft, 100),
+            "ttft_p50_ms": q(ttft, 50),
+            "ttft_p99_ms": q(ttft, 99),
+            "ttft_max_ms": q(ttft, 100),
             "ttft_censored": censored,
-            "itl_p50_ms": q(itl, 50), "itl_p99_ms": q(itl, 99), "itl_max_ms": q(itl, 100),
-            "errors": len(errors), "first_error": errors[0][:300] if errors else "",
+            "itl_p50_ms": q(itl, 50),
+            "itl_p99_ms": q(itl, 99),
+            "itl_max_ms": q(itl, 100),
+            "errors": len(errors),
+            "first_error": errors[0][:300] if errors else "",
         }
 
 
@@ -269,8 +285,7 @@ class EngineSystem(System):
                 error = out.error
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
 
-        self.loop.submit(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         on_output)
+        self.loop.submit(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), on_output)
         try:
             error = await done
         except asyncio.CancelledError:
@@ -281,8 +296,9 @@ class EngineSystem(System):
 
     def busy(self) -> bool:
         stats = self.loop.stats()
-        return bool(stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0)
-                    or self.loop.engine.has_unfinished())
+        return bool(
+            stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0) or self.loop.engine.has_unfinished()
+        )
 
 
 async def _sse_events(session, url: str, body: dict):
@@ -304,16 +320,16 @@ async def _sse_events(session, url: str, body: dict):
 class SseSystem(System):
     """Triton's generate_stream or the naive server (the same interface)."""
 
-    def __init__(self, key: str, url: str, busy: Callable[[], bool | None] = lambda: None,
-                 extra: dict | None = None):
+    def __init__(self, key: str, url: str, busy: Callable[[], bool | None] = lambda: None, extra: dict | None = None):
         self.key, self.url, self._busy, self.extra = key, url, busy, extra or {}
         self.session = None
 
     async def open(self) -> None:
         import aiohttp
 
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600),
-                                             connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=600), connector=aiohttp.TCPConnector(limit=0)
+        )
 
     async def close(self) -> None:
         if self.session is not None:
@@ -361,8 +377,9 @@ class LlamaSystem(System):
 
         # A fresh connection per stream: llama-server closes a kept-alive one after a stream, and a
         # request written onto it then fails ("Can not write request body").
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600),
-                                             connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=600), connector=aiohttp.TCPConnector(limit=0, force_close=True)
+        )
 
     async def prepare(self, concurrency: int) -> None:
         if self.process is not None and self.process.poll() is None and self.parallel == concurrency:
@@ -373,9 +390,24 @@ class LlamaSystem(System):
         from server.process import free_port
 
         port = free_port()
-        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
-               "--parallel", str(concurrency), "--cont-batching", "-t", str(self.threads),
-               "-c", str(self.CONTEXT_PER_SLOT * concurrency), "--no-webui", "--slots"]
+        cmd = [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--parallel",
+            str(concurrency),
+            "--cont-batching",
+            "-t",
+            str(self.threads),
+            "-c",
+            str(self.CONTEXT_PER_SLOT * concurrency),
+            "--no-webui",
+            "--slots",
+        ]
         with self.log_path.open("a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
@@ -459,10 +491,14 @@ class GrpcSystem(System):
         import numpy as np
         import tritonclient.grpc.aio as grpcclient
 
-        values = {"text_input": np.array([prompt.encode()], dtype=object),
-                  "stream": np.array([True]), "exclude_input_in_output": np.array([True]),
-                  "return_finish_reason": np.array([True]), "return_num_output_tokens": np.array([True]),
-                  "sampling_parameters": np.array([json.dumps(_params(max_tokens)).encode()], dtype=object)}
+        values = {
+            "text_input": np.array([prompt.encode()], dtype=object),
+            "stream": np.array([True]),
+            "exclude_input_in_output": np.array([True]),
+            "return_finish_reason": np.array([True]),
+            "return_num_output_tokens": np.array([True]),
+            "sampling_parameters": np.array([json.dumps(_params(max_tokens)).encode()], dtype=object),
+        }
         inputs = []
         for name, value in values.items():
             t = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == object else "BOOL")
@@ -517,8 +553,17 @@ def triton_busy(metrics_url: str) -> Callable[[], bool | None]:
 # --------------------------------------------------------------------------- measuring
 
 
-async def _window(system: System, concurrency: int, duration: float, prompts: Sequence[str], max_tokens: int,
-                  start_index: int, cell: Cell, unique: bool = True, warmup: float = 0.0) -> int:
+async def _window(
+    system: System,
+    concurrency: int,
+    duration: float,
+    prompts: Sequence[str],
+    max_tokens: int,
+    start_index: int,
+    cell: Cell,
+    unique: bool = True,
+    warmup: float = 0.0,
+) -> int:
     """``concurrency`` closed-loop clients for ``warmup + duration`` s, prompts from ``start_index`` on,
     cycled; what happens in the first ``warmup`` s is not measured (the cold-start burst: every client's
     first prompt at once). Returns the next prompt index.
@@ -608,19 +653,31 @@ class Bench:
             for rnd in range(a.rounds):
                 for c in a.concurrency:
                     start = (rnd * len(a.concurrency) + a.concurrency.index(c)) * 17 % len(prompts)
-                    for key in order[turn % len(order):] + order[: turn % len(order)]:
+                    for key in order[turn % len(order) :] + order[: turn % len(order)]:
                         cell = self.cells.setdefault((key, c), Cell(key, c))
                         aio.run_until_complete(systems[key].prepare(c))
                         aio.run_until_complete(
-                            _window(systems[key], c, a.duration, prompts, a.max_tokens, start, cell,
-                                    unique=not a.repeat_prompts, warmup=a.warmup))
+                            _window(
+                                systems[key],
+                                c,
+                                a.duration,
+                                prompts,
+                                a.max_tokens,
+                                start,
+                                cell,
+                                unique=not a.repeat_prompts,
+                                warmup=a.warmup,
+                            )
+                        )
                         idle = wait_idle(systems[key], a.idle_timeout)
                         if not idle:
                             cell.errors.append(f"still busy {a.idle_timeout:.0f} s after the window")
                         s = cell.summary()
-                        self.say(f"  round {rnd + 1} c{c:<3} {key:<6} {s['tokens_per_s']} tokens/s, "
-                                 f"TTFT p50 {s['ttft_p50_ms']} ms, ITL p50 {s['itl_p50_ms']} ms"
-                                 + ("" if idle else " (did not become idle)"))
+                        self.say(
+                            f"  round {rnd + 1} c{c:<3} {key:<6} {s['tokens_per_s']} tokens/s, "
+                            f"TTFT p50 {s['ttft_p50_ms']} ms, ITL p50 {s['itl_p50_ms']} ms"
+                            + ("" if idle else " (did not become idle)")
+                        )
                     turn += 1
             if a.prefill and workload.long_prompts:
                 self.prefill = aio.run_until_complete(measure_prefill(systems, workload, a.prefill, self.say))
@@ -641,7 +698,7 @@ async def measure_prefill(systems: dict[str, System], workload: Workload, count:
     rows = []
     chosen = [k for k in PREFILL_SYSTEMS if k in systems]
     for i, (prompt, tokens) in enumerate(workload.long_prompts[:count]):
-        for key in chosen[i % len(chosen):] + chosen[: i % len(chosen)]:
+        for key in chosen[i % len(chosen) :] + chosen[: i % len(chosen)]:
             await systems[key].prepare(1)
             record = Stream(key, 1, i, time.perf_counter())
             nonce = f"request {key}-{i}-{time.monotonic_ns()}\n"
@@ -652,14 +709,23 @@ async def measure_prefill(systems: dict[str, System], workload: Workload, count:
                 continue
             if record.first is not None:
                 ttft = record.first - record.sent
-                rows.append({"system": key, "prompt": i, "prompt_tokens": tokens, "ttft_ms": round(1000 * ttft, 1),
-                             "prompt_tokens_per_s": round(tokens / ttft, 1)})
+                rows.append(
+                    {
+                        "system": key,
+                        "prompt": i,
+                        "prompt_tokens": tokens,
+                        "ttft_ms": round(1000 * ttft, 1),
+                        "prompt_tokens_per_s": round(tokens / ttft, 1),
+                    }
+                )
     for key in chosen:
         mine = [r for r in rows if r["system"] == key]
         if mine:
-            say(f"  prefill {key:<6} median {statistics.median(r['prompt_tokens_per_s'] for r in mine):.0f} prompt "
+            say(
+                f"  prefill {key:<6} median {statistics.median(r['prompt_tokens_per_s'] for r in mine):.0f} prompt "
                 f"tokens/s over {len(mine)} prompts of {min(r['prompt_tokens'] for r in mine)}-"
-                f"{max(r['prompt_tokens'] for r in mine)} tokens")
+                f"{max(r['prompt_tokens'] for r in mine)} tokens"
+            )
     return rows
 
 
@@ -668,9 +734,14 @@ def prefill_summary(rows: Sequence[dict]) -> list[dict[str, object]]:
     for key in PREFILL_SYSTEMS:
         mine = [r for r in rows if r["system"] == key]
         if mine:
-            out.append({"system": key, "prompts": len(mine),
-                        "prompt_tokens_per_s_p50": round(statistics.median(r["prompt_tokens_per_s"] for r in mine), 1),
-                        "ttft_p50_ms": round(statistics.median(r["ttft_ms"] for r in mine), 1)})
+            out.append(
+                {
+                    "system": key,
+                    "prompts": len(mine),
+                    "prompt_tokens_per_s_p50": round(statistics.median(r["prompt_tokens_per_s"] for r in mine), 1),
+                    "ttft_p50_ms": round(statistics.median(r["ttft_ms"] for r in mine), 1),
+                }
+            )
     return out
 
 
@@ -684,15 +755,19 @@ def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dic
     engines = {}
     for on in (True, False):
         # A small pool: one request at a time plus the cached prefix (zeroing the served 1 GiB twice costs seconds).
-        cfg = dataclasses.replace(engine.config, enable_prefix_caching=on, num_blocks=None,
-                                  kv_cache_bytes=min(engine.config.kv_cache_bytes, 128 * 2**20))
+        cfg = dataclasses.replace(
+            engine.config,
+            enable_prefix_caching=on,
+            num_blocks=None,
+            kv_cache_bytes=min(engine.config.kv_cache_bytes, 128 * 2**20),
+        )
         engines[on] = LLMEngine(cfg, weights=engine.weights, tokenizer=engine.tokenizer)
         # A first request that shares nothing with the measured ones: the pool's pages and the
         # runner's workspaces are touched here, not in the first measured request.
         engines[on].generate(["Hello! Write one word."], params)
     rows = []
     for i, prompt in enumerate(workload.prefix_prompts):
-        for on in ((True, False) if i % 2 == 0 else (False, True)):
+        for on in (True, False) if i % 2 == 0 else (False, True):
             e = engines[on]
             before = e.stats()
             rid = f"prefix-{on}-{i}"
@@ -705,16 +780,22 @@ def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dic
                         first = time.perf_counter()
             after = e.stats()
             computed = after.get("prompt_tokens_computed", 0) - before.get("prompt_tokens_computed", 0)
-            rows.append({"request": i, "prefix_caching": "on" if on else "off",
-                         "prompt_tokens": len(e.tokenizer.encode(prompt, add_special_tokens=False)),
-                         "prompt_tokens_computed": computed,
-                         "ttft_ms": round(1000 * (first - sent), 1) if first else None})
+            rows.append(
+                {
+                    "request": i,
+                    "prefix_caching": "on" if on else "off",
+                    "prompt_tokens": len(e.tokenizer.encode(prompt, add_special_tokens=False)),
+                    "prompt_tokens_computed": computed,
+                    "ttft_ms": round(1000 * (first - sent), 1) if first else None,
+                }
+            )
     say(f"    prefix: {len(rows)} requests, shared prefix {workload.prefix_tokens} tokens")
     return rows
 
 
 def prefix_summary(rows: Sequence[dict]) -> dict[str, object]:
     """Medians over the second request onward (the first one fills the cache)."""
+
     def med(on: str) -> float | None:
         values = sorted(r["ttft_ms"] for r in rows if r["prefix_caching"] == on and r["request"] > 0 and r["ttft_ms"])
         return percentile(values, 50) if values else None
@@ -723,14 +804,27 @@ def prefix_summary(rows: Sequence[dict]) -> dict[str, object]:
     first = next((r["ttft_ms"] for r in rows if r["prefix_caching"] == "on" and r["request"] == 0), None)
     computed_on = [r["prompt_tokens_computed"] for r in rows if r["prefix_caching"] == "on" and r["request"] > 0]
     prompt = [r["prompt_tokens"] for r in rows if r["prefix_caching"] == "on" and r["request"] > 0]
-    return {"ttft_cached_p50_ms": on, "ttft_uncached_p50_ms": off, "ttft_first_on_ms": first,
-            "mean_prompt_tokens": round(sum(prompt) / len(prompt), 1) if prompt else None,
-            "mean_prompt_tokens_computed_cached": round(sum(computed_on) / len(computed_on), 1) if computed_on else None,
-            "ratio": round(on / off, 3) if on and off else None}
+    return {
+        "ttft_cached_p50_ms": on,
+        "ttft_uncached_p50_ms": off,
+        "ttft_first_on_ms": first,
+        "mean_prompt_tokens": round(sum(prompt) / len(prompt), 1) if prompt else None,
+        "mean_prompt_tokens_computed_cached": round(sum(computed_on) / len(computed_on), 1) if computed_on else None,
+        "ratio": round(on / off, 3) if on and off else None,
+    }
 
 
-def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path, prompts: Sequence[str],
-                   concurrency: int, max_tokens: int, requests: int, timeout: float) -> dict[str, object]:
+def run_genai_perf(
+    exe: Path,
+    grpc_url: str,
+    tokenizer_dir: Path,
+    out_dir: Path,
+    prompts: Sequence[str],
+    concurrency: int,
+    max_tokens: int,
+    requests: int,
+    timeout: float,
+) -> dict[str, object]:
     """NVIDIA's genai-perf (its own venv: ``exe``) against the served model over a gRPC stream.
 
     The benchmark's prompts (an --input-file; its synthetic prompts can come out empty,
@@ -751,16 +845,40 @@ def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path,
     inputs.mkdir(exist_ok=True)
     (inputs / "prompts.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
     sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
-    cmd = [str(exe), "profile", "-m", MODEL, "--backend", "vllm", "--endpoint-type", "kserve", "--streaming",
-           "-u", grpc_url, "--tokenizer", str(tokenizer_dir), "--input-file", str(inputs), "--extra-inputs", json.dumps({"sampling_parameters": sampling}),
-           "--concurrency", str(concurrency), "--request-count", str(requests), "--warmup-request-count", "0",
-           "--num-dataset-entries", str(max(requests, 8)), "--artifact-dir", str(artifacts)]
+    cmd = [
+        str(exe),
+        "profile",
+        "-m",
+        MODEL,
+        "--backend",
+        "vllm",
+        "--endpoint-type",
+        "kserve",
+        "--streaming",
+        "-u",
+        grpc_url,
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--input-file",
+        str(inputs),
+        "--extra-inputs",
+        json.dumps({"sampling_parameters": sampling}),
+        "--concurrency",
+        str(concurrency),
+        "--request-count",
+        str(requests),
+        "--warmup-request-count",
+        "0",
+        "--num-dataset-entries",
+        str(max(requests, 8)),
+        "--artifact-dir",
+        str(artifacts),
+    ]
     row: dict[str, object] = {"concurrency": concurrency, "requests": requests, "command": " ".join(cmd[1:])}
     log_path = out_dir / "genai-perf.log"
     with log_path.open("w") as log_file:
         # Its own session: on a timeout, perf_analyzer (genai-perf's child) goes too.
-        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=out_dir,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=out_dir, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -779,14 +897,21 @@ def run_genai_perf(exe: Path, grpc_url: str, tokenizer_dir: Path, out_dir: Path,
         value = (stats.get(metric) or {}).get(stat)
         return None if value is None else round(float(value), 2)
 
-    return {**row, "error": "", "tokens_per_s": get("output_token_throughput", "avg"),
-            "ttft_p50_ms": get("time_to_first_token", "p50"), "ttft_p99_ms": get("time_to_first_token", "p99"),
-            "itl_p50_ms": get("inter_token_latency", "p50"), "itl_p99_ms": get("inter_token_latency", "p99"),
-            "output_tokens_p50": get("output_sequence_length", "p50")}
+    return {
+        **row,
+        "error": "",
+        "tokens_per_s": get("output_token_throughput", "avg"),
+        "ttft_p50_ms": get("time_to_first_token", "p50"),
+        "ttft_p99_ms": get("time_to_first_token", "p99"),
+        "itl_p50_ms": get("inter_token_latency", "p50"),
+        "itl_p99_ms": get("inter_token_latency", "p99"),
+        "output_tokens_p50": get("output_sequence_length", "p50"),
+    }
 
 
-def profile_step(engine, prompts: Sequence[str], batch: int, steps: int, steady: bool = False,
-                 warm_steps: int = 150) -> dict[str, object]:
+def profile_step(
+    engine, prompts: Sequence[str], batch: int, steps: int, steady: bool = False, warm_steps: int = 150
+) -> dict[str, object]:
     """Where a step of ``batch`` streams spends its time (torch.profiler on ``steps`` steps).
 
     Decode-only (``steady`` False): every prompt prefilled first, then ``steps`` decode steps.
@@ -859,8 +984,13 @@ def profile_step(engine, prompts: Sequence[str], batch: int, steps: int, steady:
         for r in live:
             engine.abort(r)
     matrix = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise"}
-    attention = {"aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_softmax",
-                 "aten::_safe_softmax", "aten::scaled_dot_product_attention"}
+    attention = {
+        "aten::index_select",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_softmax",
+        "aten::_safe_softmax",
+        "aten::scaled_dot_product_attention",
+    }
     groups = {"matrix": 0.0, "attention": 0.0, "other ops": 0.0}
     top = []
     for e in prof.key_averages():
@@ -869,15 +999,22 @@ def profile_step(engine, prompts: Sequence[str], batch: int, steps: int, steady:
         top.append((us, e.key, e.count))
     in_ops = sum(groups.values())
     per = 1000.0 / steps
-    out = {"batch": batch, "mode": "steady" if steady else "decode", "steps": steps,
-           "mean_context": round(sum(contexts) / max(len(contexts), 1)), "max_context": max(contexts, default=0),
-           "step_ms": round(wall * per, 2), "runner_ms": round(runner_s * per, 2),
-           "engine_outside_runner_ms": round((wall - runner_s) * per, 2)}
+    out = {
+        "batch": batch,
+        "mode": "steady" if steady else "decode",
+        "steps": steps,
+        "mean_context": round(sum(contexts) / max(len(contexts), 1)),
+        "max_context": max(contexts, default=0),
+        "step_ms": round(wall * per, 2),
+        "runner_ms": round(runner_s * per, 2),
+        "engine_outside_runner_ms": round((wall - runner_s) * per, 2),
+    }
     for k, v in groups.items():
         out[f"{k.replace(' ', '_')}_ms"] = round(v * per, 2)
     out["outside_ops_ms"] = round((wall - in_ops) * per, 2)
-    out["top_ops"] = "; ".join(f"{k} {us / 1000 * per / 1000:.2f} ms ({n // steps}/step)"
-                               for us, k, n in sorted(top, reverse=True)[:8])
+    out["top_ops"] = "; ".join(
+        f"{k} {us / 1000 * per / 1000:.2f} ms ({n // steps}/step)" for us, k, n in sorted(top, reverse=True)[:8]
+    )
     return out
 
 
@@ -935,8 +1072,11 @@ def start_triton(model_dir: Path, workdir: Path, config_name: str | None = None)
             shutil.copy(f, version / f.name)
         for f in model_dir.iterdir():
             (version / f.name).symlink_to(f.resolve())
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_repository=repository,
-                                                        model_config_name=config_name))
+    server = TritonServer(
+        ServerOptions.with_free_ports(
+            workdir=workdir, models=(MODEL,), model_repository=repository, model_config_name=config_name
+        )
+    )
     return server.start()
 
 
@@ -949,8 +1089,9 @@ def _fmt(value, digits: int = 1) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def ratios(args, summaries: dict[tuple[str, int], dict], prefix: dict | None,
-           prefill: Sequence[dict] = ()) -> list[dict[str, object]]:
+def ratios(
+    args, summaries: dict[tuple[str, int], dict], prefix: dict | None, prefill: Sequence[dict] = ()
+) -> list[dict[str, object]]:
     def tps(key, c):
         s = summaries.get((key, c))
         return s["tokens_per_s"] if s and s["tokens_per_s"] else None
@@ -958,20 +1099,35 @@ def ratios(args, summaries: dict[tuple[str, int], dict], prefix: dict | None,
     def ratio(name, num, den, target=None, above=True, detail=""):
         value = round(num / den, 3) if num and den else None
         met = None if value is None or target is None else (value >= target if above else value <= target)
-        return {"name": name, "value": value, "target": "" if target is None else f"{'>=' if above else '<='} {target:g}",
-                "met": "" if met is None else ("yes" if met else "no"), "detail": detail}
+        return {
+            "name": name,
+            "value": value,
+            "target": "" if target is None else f"{'>=' if above else '<='} {target:g}",
+            "met": "" if met is None else ("yes" if met else "no"),
+            "detail": detail,
+        }
 
     top = max(args.concurrency)
     out = []
     for c in sorted(args.concurrency, reverse=True):
         e, n = tps("engine", c), tps("naive", c)
-        out.append(ratio(f"engine / naive tokens/s, {c} streams", e, n, TARGET_ENGINE_VS_NAIVE if c == top else None,
-                         detail=f"{_fmt(e)} / {_fmt(n)}"))
+        out.append(
+            ratio(
+                f"engine / naive tokens/s, {c} streams",
+                e,
+                n,
+                TARGET_ENGINE_VS_NAIVE if c == top else None,
+                detail=f"{_fmt(e)} / {_fmt(n)}",
+            )
+        )
     for c in sorted(args.concurrency, reverse=True):
         for key in ("grpc", "http"):
             s, e = tps(key, c), tps("engine", c)
-            out.append(ratio(f"Triton {key} / engine tokens/s, {c} streams", s, e,
-                             TARGET_SERVED_VS_ENGINE, detail=f"{_fmt(s)} / {_fmt(e)}"))
+            out.append(
+                ratio(
+                    f"Triton {key} / engine tokens/s, {c} streams", s, e, TARGET_SERVED_VS_ENGINE, detail=f"{_fmt(s)} / {_fmt(e)}"
+                )
+            )
     for c in sorted(args.concurrency, reverse=True):  # prompt-lookup drafts on over off
         e, n = tps("engine", c), tps("nodraft", c)
         if e and n:
@@ -984,32 +1140,65 @@ def ratios(args, summaries: dict[tuple[str, int], dict], prefix: dict | None,
             ours = summaries.get((key, c))
             if not ours:
                 continue
-            out.append(ratio(f"Triton {key} / llama.cpp tokens/s, {c} streams", ours["tokens_per_s"],
-                             peer["tokens_per_s"], TARGET_VS_LLAMA.get(c),
-                             detail=f"{_fmt(ours['tokens_per_s'])} / {_fmt(peer['tokens_per_s'])}"))
-            out.append(ratio(f"Triton {key} / llama.cpp TTFT P50 (lower is better), {c} streams", ours["ttft_p50_ms"],
-                             peer["ttft_p50_ms"], 1.0 if c == 16 else None, above=False,
-                             detail=f"{_fmt(ours['ttft_p50_ms'])} / {_fmt(peer['ttft_p50_ms'])} ms"))
-            out.append(ratio(f"Triton {key} / llama.cpp ITL P50 (lower is better), {c} streams", ours["itl_p50_ms"],
-                             peer["itl_p50_ms"], detail=f"{_fmt(ours['itl_p50_ms'])} / {_fmt(peer['itl_p50_ms'])} ms"))
+            out.append(
+                ratio(
+                    f"Triton {key} / llama.cpp tokens/s, {c} streams",
+                    ours["tokens_per_s"],
+                    peer["tokens_per_s"],
+                    TARGET_VS_LLAMA.get(c),
+                    detail=f"{_fmt(ours['tokens_per_s'])} / {_fmt(peer['tokens_per_s'])}",
+                )
+            )
+            out.append(
+                ratio(
+                    f"Triton {key} / llama.cpp TTFT P50 (lower is better), {c} streams",
+                    ours["ttft_p50_ms"],
+                    peer["ttft_p50_ms"],
+                    1.0 if c == 16 else None,
+                    above=False,
+                    detail=f"{_fmt(ours['ttft_p50_ms'])} / {_fmt(peer['ttft_p50_ms'])} ms",
+                )
+            )
+            out.append(
+                ratio(
+                    f"Triton {key} / llama.cpp ITL P50 (lower is better), {c} streams",
+                    ours["itl_p50_ms"],
+                    peer["itl_p50_ms"],
+                    detail=f"{_fmt(ours['itl_p50_ms'])} / {_fmt(peer['itl_p50_ms'])} ms",
+                )
+            )
     peer = next((r for r in prefill if r["system"] == "llama"), None)
     for r in prefill:
         if peer is not None and r is not peer:
-            out.append(ratio(f"prefill {r['system']} / llama.cpp prompt tokens/s (P50, one long prompt at a time)",
-                             r["prompt_tokens_per_s_p50"], peer["prompt_tokens_per_s_p50"],
-                             detail=f"{_fmt(r['prompt_tokens_per_s_p50'])} / {_fmt(peer['prompt_tokens_per_s_p50'])}"))
+            out.append(
+                ratio(
+                    f"prefill {r['system']} / llama.cpp prompt tokens/s (P50, one long prompt at a time)",
+                    r["prompt_tokens_per_s_p50"],
+                    peer["prompt_tokens_per_s_p50"],
+                    detail=f"{_fmt(r['prompt_tokens_per_s_p50'])} / {_fmt(peer['prompt_tokens_per_s_p50'])}",
+                )
+            )
     if prefix is not None:
-        out.append(ratio("TTFT prefix cached / uncached (engine, P50)", prefix["ttft_cached_p50_ms"],
-                         prefix["ttft_uncached_p50_ms"], TARGET_CACHED_TTFT, above=False,
-                         detail=f"{_fmt(prefix['ttft_cached_p50_ms'])} / {_fmt(prefix['ttft_uncached_p50_ms'])} ms"))
+        out.append(
+            ratio(
+                "TTFT prefix cached / uncached (engine, P50)",
+                prefix["ttft_cached_p50_ms"],
+                prefix["ttft_uncached_p50_ms"],
+                TARGET_CACHED_TTFT,
+                above=False,
+                detail=f"{_fmt(prefix['ttft_cached_p50_ms'])} / {_fmt(prefix['ttft_uncached_p50_ms'])} ms",
+            )
+        )
     return out
 
 
 def markdown(header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[dict], prefix: dict | None) -> str:
     lines = list(header) + [
         "",
-        ("| system | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | ITL P50 ms | ITL P99 ms | "
-        "ITL max ms | requests (finished) | notes |"),
+        (
+            "| system | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | ITL P50 ms | ITL P99 ms | "
+            "ITL max ms | requests (finished) | notes |"
+        ),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for s in cells:
@@ -1018,17 +1207,24 @@ def markdown(header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[
             notes.append(f"{s['ttft_censored']} still waiting at the window's end (TTFT a lower bound)")
         if s["errors"]:
             notes.append(f"{s['errors']} errors: {s['first_error'][:120]}")
-        lines.append(f"| {s['system']} | {s['concurrency']} | {_fmt(s['tokens_per_s'])} | {_fmt(s['ttft_p50_ms'])} | "
-                     f"{_fmt(s['ttft_p99_ms'])} | {_fmt(s['ttft_max_ms'])} | {_fmt(s['itl_p50_ms'])} | "
-                     f"{_fmt(s['itl_p99_ms'])} | {_fmt(s['itl_max_ms'])} | {s['requests']} ({s['finished']}) | "
-                     f"{'; '.join(notes)} |")
+        lines.append(
+            f"| {s['system']} | {s['concurrency']} | {_fmt(s['tokens_per_s'])} | {_fmt(s['ttft_p50_ms'])} | "
+            f"{_fmt(s['ttft_p99_ms'])} | {_fmt(s['ttft_max_ms'])} | {_fmt(s['itl_p50_ms'])} | "
+            f"{_fmt(s['itl_p99_ms'])} | {_fmt(s['itl_max_ms'])} | {s['requests']} ({s['finished']}) | "
+            f"{'; '.join(notes)} |"
+        )
     if prefix is not None:
-        lines += ["", "| prefix caching (engine, one request at a time) | TTFT P50 ms | prompt tokens computed |",
-                  "| --- | ---: | ---: |",
-                  (f"| on, second request onward | {_fmt(prefix['ttft_cached_p50_ms'])} | "
-                  f"{_fmt(prefix['mean_prompt_tokens_computed_cached'])} of {_fmt(prefix['mean_prompt_tokens'])} |"),
-                  f"| on, first request (fills the cache) | {_fmt(prefix['ttft_first_on_ms'])} | |",
-                  f"| off | {_fmt(prefix['ttft_uncached_p50_ms'])} | {_fmt(prefix['mean_prompt_tokens'])} |"]
+        lines += [
+            "",
+            "| prefix caching (engine, one request at a time) | TTFT P50 ms | prompt tokens computed |",
+            "| --- | ---: | ---: |",
+            (
+                f"| on, second request onward | {_fmt(prefix['ttft_cached_p50_ms'])} | "
+                f"{_fmt(prefix['mean_prompt_tokens_computed_cached'])} of {_fmt(prefix['mean_prompt_tokens'])} |"
+            ),
+            f"| on, first request (fills the cache) | {_fmt(prefix['ttft_first_on_ms'])} | |",
+            f"| off | {_fmt(prefix['ttft_uncached_p50_ms'])} | {_fmt(prefix['mean_prompt_tokens'])} |",
+        ]
     lines += ["", "| ratio | value | target | met | from |", "| --- | ---: | --- | --- | --- |"]
     for r in ratio_rows:
         lines.append(f"| {r['name']} | {_fmt(r['value'], 2)} | {r['target']} | {r['met']} | {r['detail']} |")
@@ -1039,48 +1235,89 @@ def markdown(header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.generate_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="concurrency 1 and 4, 16 tokens, a few prompts, 4 s windows (CI smoke; figures are rough)")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                   help="comma-separated stream counts (default 1,8,16,32; --quick 1,4)")
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.generate_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="concurrency 1 and 4, 16 tokens, a few prompts, 4 s windows (CI smoke; figures are rough)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="comma-separated stream counts (default 1,8,16,32; --quick 1,4)",
+    )
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128, --quick 16)")
     p.add_argument("--duration", type=float, help="seconds per (system, concurrency) window (default 30, --quick 4)")
-    p.add_argument("--warmup", type=float, default=0.0,
-                   help="seconds the clients run before each window is measured (default 0: the window starts with "
-                        "every client's first request at once, a cold-start burst; e.g. 30 for the steady state)")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="seconds the clients run before each window is measured (default 0: the window starts with "
+        "every client's first request at once, a cold-start burst; e.g. 30 for the steady state)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole grid (default 1)")
-    p.add_argument("--systems", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                   default=None, help=f"comma-separated subset of {','.join(SYSTEMS)} (default all; --quick: all but "
-                                      "llama, whose first build takes minutes)")
+    p.add_argument(
+        "--systems",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=None,
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (default all; --quick: all but "
+        "llama, whose first build takes minutes)",
+    )
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching comparison")
-    p.add_argument("--repeat-prompts", action="store_true",
-                   help="send the checked-in prompts as they are, so repeats hit prefix caches (default: each "
-                        "request starts with a line of its own and every prompt is computed in full)")
-    p.add_argument("--prefill", type=int, default=8, metavar="N",
-                   help="after the grid, N long prompts (400+ tokens) one at a time on engine, grpc and llama: "
-                        "prompt tokens/s (default 8, 0: skip; --quick: 0)")
+    p.add_argument(
+        "--repeat-prompts",
+        action="store_true",
+        help="send the checked-in prompts as they are, so repeats hit prefix caches (default: each "
+        "request starts with a line of its own and every prompt is computed in full)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=8,
+        metavar="N",
+        help="after the grid, N long prompts (400+ tokens) one at a time on engine, grpc and llama: "
+        "prompt tokens/s (default 8, 0: skip; --quick: 0)",
+    )
     p.add_argument("--prefix-max-tokens", type=int, default=4, help="new tokens per prefix-caching request (default 4)")
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
-                   help="exported weights (default model_repository/text_generation/1)")
+    p.add_argument(
+        "--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="exported weights (default model_repository/text_generation/1)"
+    )
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prompts JSON (default perf/data/generation_prompts.json)")
-    p.add_argument("--idle-timeout", type=float, default=60.0,
-                   help="seconds to wait for a system to finish cancelled work after a window (default 60)")
-    p.add_argument("--genai-perf", type=Path, metavar="EXE",
-                   help="also run NVIDIA's genai-perf (installed in its own venv: the path of its genai-perf script) "
-                        "against the served model over gRPC at the highest concurrency, one request per stream")
-    p.add_argument("--profile", action="store_true",
-                   help="only profile steps of the in-process engine (torch.profiler): decode-only at 1 stream and the "
-                        "highest concurrency, then the served workload's steady state (a closed loop over every prompt) "
-                        "at 16 and the highest: matrix products vs attention vs other ops vs Python outside the ops")
-    p.add_argument("--memory", action="store_true",
-                   help="only measure the text_generation stub's RSS per weights precision (each variant served in "
-                        "turn: once loaded, and after the highest concurrency's streams over the longest prompts)")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a system to finish cancelled work after a window (default 60)",
+    )
+    p.add_argument(
+        "--genai-perf",
+        type=Path,
+        metavar="EXE",
+        help="also run NVIDIA's genai-perf (installed in its own venv: the path of its genai-perf script) "
+        "against the served model over gRPC at the highest concurrency, one request per stream",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only profile steps of the in-process engine (torch.profiler): decode-only at 1 stream and the "
+        "highest concurrency, then the served workload's steady state (a closed loop over every prompt) "
+        "at 16 and the highest: matrix products vs attention vs other ops vs Python outside the ops",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="only measure the text_generation stub's RSS per weights precision (each variant served in "
+        "turn: once loaded, and after the highest concurrency's streams over the longest prompts)",
+    )
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/generate-<UTC time>)")
-    p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"),
-                   help="the weights precision served, as `make serve PRECISION=...` (default auto: the best variant "
-                        "that passed its gate on this CPU; fp32, bf16, int4_bf16)")
+    p.add_argument(
+        "--precision",
+        default=os.environ.get("PRECISION", "auto"),
+        help="the weights precision served, as `make serve PRECISION=...` (default auto: the best variant "
+        "that passed its gate on this CPU; fp32, bf16, int4_bf16)",
+    )
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     q = args.quick
@@ -1116,8 +1353,9 @@ def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
     runs = [(b, False) for b in sorted({1, batch})] + [(b, True) for b in sorted({batch} if args.quick else {16, batch})]
     for b, steady in runs:
         steps = (5 if steady else 8) if args.quick else (30 if steady else 20)
-        row = profile_step(engine, workload.prompts if steady else short, b, steps=steps, steady=steady,
-                           warm_steps=20 if args.quick else 150)
+        row = profile_step(
+            engine, workload.prompts if steady else short, b, steps=steps, steady=steady, warm_steps=20 if args.quick else 150
+        )
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     write_csv(out_dir / "profile.csv", rows)
@@ -1134,8 +1372,12 @@ def _proc_kib(pid: int, field_name: str) -> int:
 
 async def _fill(system: System, prompts: Sequence[str], streams: int, max_tokens: int) -> int:
     records = [Stream(system.key, streams, i, time.perf_counter()) for i in range(streams)]
-    await asyncio.gather(*(system.stream(f"request memory-{i}-{time.monotonic_ns()}\n" + prompts[i % len(prompts)],
-                                         max_tokens, r) for i, r in enumerate(records)))
+    await asyncio.gather(
+        *(
+            system.stream(f"request memory-{i}-{time.monotonic_ns()}\n" + prompts[i % len(prompts)], max_tokens, r)
+            for i, r in enumerate(records)
+        )
+    )
     return sum(r.tokens for r in records)
 
 
@@ -1186,10 +1428,17 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
             pid = stubs[0].pid
             loaded = _proc_kib(pid, "VmRSS")
             tokens = asyncio.run(_drive(GrpcSystem(triton.grpc_url), prompts, streams, args.max_tokens))
-            row = {"precision": served, "kv_dtype": str(kv_dtype).removeprefix("torch."),
-                   "kv_pool_mib": round(blocks * per_block / 2**20), "kv_tokens": blocks * settings["block_size"],
-                   "rss_loaded_mib": round(loaded / 1024), "rss_after_mib": round(_proc_kib(pid, "VmRSS") / 1024),
-                   "rss_peak_mib": round(_proc_kib(pid, "VmHWM") / 1024), "streams": streams, "tokens": tokens}
+            row = {
+                "precision": served,
+                "kv_dtype": str(kv_dtype).removeprefix("torch."),
+                "kv_pool_mib": round(blocks * per_block / 2**20),
+                "kv_tokens": blocks * settings["block_size"],
+                "rss_loaded_mib": round(loaded / 1024),
+                "rss_after_mib": round(_proc_kib(pid, "VmRSS") / 1024),
+                "rss_peak_mib": round(_proc_kib(pid, "VmHWM") / 1024),
+                "streams": streams,
+                "tokens": tokens,
+            }
         finally:
             triton.stop()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -1213,8 +1462,10 @@ def run(args: argparse.Namespace) -> int:
         return run_memory(args, out_dir)
     bench = Bench(args, out_dir)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    bench.say(f"perf.bench.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, "
-              f"{args.max_tokens} tokens, {args.duration:g} s windows x {args.rounds} round(s), load average {load}")
+    bench.say(
+        f"perf.bench.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, "
+        f"{args.max_tokens} tokens, {args.duration:g} s windows x {args.rounds} round(s), load average {load}"
+    )
     from python_backends.generation.linear import describe_cpu
 
     bench.say(f"weights precision {args.weights_precision} (PRECISION={args.precision}), CPU: {describe_cpu()}")
@@ -1243,8 +1494,9 @@ def run(args: argparse.Namespace) -> int:
         if naive is not None:
             try:
                 naive.wait_ready()
-                systems["naive"] = SseSystem("naive", naive.http_url, lambda: bool(
-                    (st := naive.stats())["queued"] or st["running"]))
+                systems["naive"] = SseSystem(
+                    "naive", naive.http_url, lambda: bool((st := naive.stats())["queued"] or st["running"])
+                )
             except RuntimeError as exc:
                 bench.say(f"naive server did not start: {exc}")
                 bench.notes.append("naive server did not start")
@@ -1265,9 +1517,12 @@ def run(args: argparse.Namespace) -> int:
                 if "grpc" in wanted:
                     systems["grpc"] = GrpcSystem(triton.grpc_url, probe)
                 if "http" in wanted:
-                    systems["http"] = SseSystem("http", triton.http_url, probe,
-                                                extra={"return_num_output_tokens": True, "return_finish_reason": True,
-                                                       "exclude_input_in_output": True})
+                    systems["http"] = SseSystem(
+                        "http",
+                        triton.http_url,
+                        probe,
+                        extra={"return_num_output_tokens": True, "return_finish_reason": True, "exclude_input_in_output": True},
+                    )
             except ServerError as exc:
                 bench.say(f"tritonserver did not start: {exc}\n{exc.log_tail}")
                 bench.notes.append("tritonserver did not start")
@@ -1277,9 +1532,17 @@ def run(args: argparse.Namespace) -> int:
         if args.genai_perf is not None and "grpc" in systems:
             c = max(args.concurrency)
             bench.say(f"genai-perf at concurrency {c} ({args.genai_perf})")
-            genai = run_genai_perf(args.genai_perf, triton.grpc_url, args.model_dir, out_dir, workload.prompts, c,
-                                   args.max_tokens,
-                                   requests=max(c, 4), timeout=max(120.0, 6 * args.duration))
+            genai = run_genai_perf(
+                args.genai_perf,
+                triton.grpc_url,
+                args.model_dir,
+                out_dir,
+                workload.prompts,
+                c,
+                args.max_tokens,
+                requests=max(c, 4),
+                timeout=max(120.0, 6 * args.duration),
+            )
             bench.say(f"    {genai.get('error') or genai}")
 
         prefix_rows, prefix = [], None
@@ -1308,13 +1571,14 @@ def run(args: argparse.Namespace) -> int:
     header = [
         f"# Text generation side by side: {MODEL} ({pa_display(args.model_dir)})",
         "",
-        (f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
-        f"measuring {load}"),
+        (f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before measuring {load}"),
         f"- command: `{' '.join(['python -m perf.bench.generate_bench', *args.argv])}`",
-        (f"- {len(workload.prompts)} prompts ({pa_display(args.data)}), chat template applied, {args.max_tokens} new "
-        f"tokens each (ignore_eos), greedy; closed-loop clients, {args.duration:g} s window per system and "
-        f"concurrency{f' after {args.warmup:g} s of warm-up' if args.warmup else ''}, {args.rounds} round(s), "
-        f"systems interleaved"),
+        (
+            f"- {len(workload.prompts)} prompts ({pa_display(args.data)}), chat template applied, {args.max_tokens} new "
+            f"tokens each (ignore_eos), greedy; closed-loop clients, {args.duration:g} s window per system and "
+            f"concurrency{f' after {args.warmup:g} s of warm-up' if args.warmup else ''}, {args.rounds} round(s), "
+            f"systems interleaved"
+        ),
         f"- engine settings (from config.pbtxt): {json.dumps(settings) if settings else 'defaults'}",
         *[f"- {n}" for n in bench.notes],
     ]
@@ -1324,28 +1588,44 @@ def run(args: argparse.Namespace) -> int:
     table = markdown(header, ordered, ratio_rows, prefix)
     if prefill:
         write_csv(out_dir / "prefill.csv", bench.prefill)
-        table += ("\n| prefill: long prompts one at a time, 1 new token | prompts | prompt tokens/s P50 | TTFT P50 ms |\n"
-                  "| --- | ---: | ---: | ---: |\n" + "".join(
-                      f"| {r['system']} | {r['prompts']} | {_fmt(r['prompt_tokens_per_s_p50'])} | {_fmt(r['ttft_p50_ms'])} |\n"
-                      for r in prefill))
+        table += (
+            "\n| prefill: long prompts one at a time, 1 new token | prompts | prompt tokens/s P50 | TTFT P50 ms |\n"
+            "| --- | ---: | ---: | ---: |\n"
+            + "".join(
+                f"| {r['system']} | {r['prompts']} | {_fmt(r['prompt_tokens_per_s_p50'])} | {_fmt(r['ttft_p50_ms'])} |\n"
+                for r in prefill
+            )
+        )
     if genai is not None:
         write_csv(out_dir / "genai_perf.csv", [genai])
         ours = summaries.get(("grpc", genai["concurrency"]), {})
-        table += ("\n| genai-perf (perf_analyzer, gRPC stream) | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | "
-                  "ITL P50 ms | ITL P99 ms | this benchmark's grpc tokens/s |\n| --- | ---: | ---: | ---: | ---: | ---: | "
-                  "---: | ---: |\n"
-                  f"| {genai.get('error') or 'measured'} | {genai['concurrency']} | {_fmt(genai.get('tokens_per_s'))} | "
-                  f"{_fmt(genai.get('ttft_p50_ms'))} | {_fmt(genai.get('ttft_p99_ms'))} | {_fmt(genai.get('itl_p50_ms'))} | "
-                  f"{_fmt(genai.get('itl_p99_ms'))} | {_fmt(ours.get('tokens_per_s'))} |\n")
+        table += (
+            "\n| genai-perf (perf_analyzer, gRPC stream) | concurrency | tokens/s | TTFT P50 ms | TTFT P99 ms | "
+            "ITL P50 ms | ITL P99 ms | this benchmark's grpc tokens/s |\n| --- | ---: | ---: | ---: | ---: | ---: | "
+            "---: | ---: |\n"
+            f"| {genai.get('error') or 'measured'} | {genai['concurrency']} | {_fmt(genai.get('tokens_per_s'))} | "
+            f"{_fmt(genai.get('ttft_p50_ms'))} | {_fmt(genai.get('ttft_p99_ms'))} | {_fmt(genai.get('itl_p50_ms'))} | "
+            f"{_fmt(genai.get('itl_p99_ms'))} | {_fmt(ours.get('tokens_per_s'))} |\n"
+        )
     (out_dir / "summary.md").write_text(table)
     write_csv(out_dir / "cells.csv", ordered)
     write_csv(out_dir / "ratios.csv", ratio_rows)
     if prefix_rows:
         write_csv(out_dir / "prefix.csv", prefix_rows)
-    requests = [{"system": s.system, "concurrency": s.concurrency, "prompt": s.prompt_index,
-                 "ttft_ms": round(1000 * (s.first - s.sent), 1) if s.first else None, "tokens": s.tokens,
-                 "finished": s.finished, "cancelled": s.cancelled, "error": s.error}
-                for c in bench.cells.values() for s in c.streams]
+    requests = [
+        {
+            "system": s.system,
+            "concurrency": s.concurrency,
+            "prompt": s.prompt_index,
+            "ttft_ms": round(1000 * (s.first - s.sent), 1) if s.first else None,
+            "tokens": s.tokens,
+            "finished": s.finished,
+            "cancelled": s.cancelled,
+            "error": s.error,
+        }
+        for c in bench.cells.values()
+        for s in c.streams
+    ]
     if requests:
         write_csv(out_dir / "requests.csv", requests)
     print("\n" + table, flush=True)

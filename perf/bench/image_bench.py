@@ -109,11 +109,14 @@ def ensemble_steps(repo: Path, ensemble: str) -> tuple[str, str, str]:
     steps = list(config.ensemble_scheduling.step)
     pre = [s.model_name for s in steps if "IMAGE" in s.input_map.values()]
     post = [s.model_name for s in steps if "LABEL" in s.output_map.values()]
-    cnn = [s.model_name for s in steps if parse_config((repo / s.model_name / "config.pbtxt").read_text()).backend
-           == "onnxruntime"]
+    cnn = [
+        s.model_name for s in steps if parse_config((repo / s.model_name / "config.pbtxt").read_text()).backend == "onnxruntime"
+    ]
     if len(pre) != 1 or len(post) != 1 or len(cnn) != 1:
-        raise ValueError(f"{ensemble}: expected one preprocessing step (fed IMAGE), one onnxruntime classifier and "
-                         f"one step producing LABEL; found {pre}, {cnn}, {post}")
+        raise ValueError(
+            f"{ensemble}: expected one preprocessing step (fed IMAGE), one onnxruntime classifier and "
+            f"one step producing LABEL; found {pre}, {cnn}, {post}"
+        )
     return pre[0], cnn[0], post[0]
 
 
@@ -136,9 +139,21 @@ def resolve(repo: Path, ensembles: Sequence[str], precision: str) -> tuple[str |
                 weights = str(json.loads(manifest.read_text()).get("provenance", ""))
             except json.JSONDecodeError:
                 pass
-        out.append(Pipeline(ensemble, pre, cnn, post, served[cnn], repo / cnn / "1" / VARIANTS[served[cnn]].filename,
-                            threads, instance_count(text), instance_count(served_config_text(repo, pre, config_name)),
-                            parse_config(text).max_batch_size, weights))
+        out.append(
+            Pipeline(
+                ensemble,
+                pre,
+                cnn,
+                post,
+                served[cnn],
+                repo / cnn / "1" / VARIANTS[served[cnn]].filename,
+                threads,
+                instance_count(text),
+                instance_count(served_config_text(repo, pre, config_name)),
+                parse_config(text).max_batch_size,
+                weights,
+            )
+        )
     return config_name, out
 
 
@@ -178,8 +193,9 @@ class InProcess:
         if not pipe.model_path.is_file():
             raise FileNotFoundError(f"{pipe.model_path} not found (run `make export`)")
         self.pipe = pipe
-        self.options = PreprocessOptions.from_config(ModelConfig(config_dict(
-            served_config_text(repo, pipe.preprocess, config_name))))
+        self.options = PreprocessOptions.from_config(
+            ModelConfig(config_dict(served_config_text(repo, pipe.preprocess, config_name)))
+        )
         post = ModelConfig(config_dict(served_config_text(repo, pipe.postprocess, config_name)))
         (classes,) = post.require("input", "logits", "TYPE_FP32").dims
         labels = load_labels(repo / pipe.postprocess / "1" / (post.param("labels_file") or "labels.txt"), classes)
@@ -275,8 +291,15 @@ class MachineMeter:
             window.machine_cores = (busy1[0] - self.busy0[0]) / max(time.monotonic() - self.t0, 1e-9)
 
 
-def measure_inprocess(runner: Callable[[Sequence[bytes]], object], blobs: Sequence[bytes], batch: int, threads: int,
-                      seconds: float, window: Window, min_calls: int = 3) -> None:
+def measure_inprocess(
+    runner: Callable[[Sequence[bytes]], object],
+    blobs: Sequence[bytes],
+    batch: int,
+    threads: int,
+    seconds: float,
+    window: Window,
+    min_calls: int = 3,
+) -> None:
     """``threads`` threads each running the pipeline on successive batches for ``seconds``."""
     latencies: list[list[float]] = [[] for _ in range(threads)]
     counter = iter(range(10**12))
@@ -320,15 +343,25 @@ def image_body(blobs: Sequence[bytes]) -> tuple[bytes, dict[str, str]]:
     """A KServe v2 HTTP request of ``len(blobs)`` images ([n, 1] BYTES) in Triton's binary
     extension; the outputs come back binary too (cheap for the client to skip)."""
     raw = b"".join(struct.pack("<I", len(b)) + b for b in blobs)
-    header = json.dumps({"inputs": [{"name": "IMAGE", "shape": [len(blobs), 1], "datatype": "BYTES",
-                                     "parameters": {"binary_data_size": len(raw)}}],
-                         "parameters": {"binary_data_output": True}}).encode()
-    return header + raw, {"Content-Type": "application/octet-stream",
-                          "Inference-Header-Content-Length": str(len(header))}
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "IMAGE", "shape": [len(blobs), 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    return header + raw, {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))}
 
 
-async def _closed_loop(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]], concurrency: int, warmup: float,
-                       duration: float, min_requests: int = 10) -> tuple[list[float], int, str, float]:
+async def _closed_loop(
+    url: str,
+    bodies: Sequence[tuple[bytes, dict[str, str]]],
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    min_requests: int = 10,
+) -> tuple[list[float], int, str, float]:
     """Closed loop at ``concurrency``; the window counts the requests that complete in it.
 
     The window opens after ``warmup`` seconds once ``concurrency`` requests have completed (the
@@ -343,8 +376,9 @@ async def _closed_loop(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]],
     errors, first_error = 0, ""
     done = 0
     window: dict[str, float | None] = {"open": None, "close": None}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
-                                     connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=300), connector=aiohttp.TCPConnector(limit=concurrency)
+    ) as session:
         started = time.monotonic()
         counter = iter(range(10**12))
 
@@ -391,16 +425,25 @@ async def _closed_loop(url: str, bodies: Sequence[tuple[bytes, dict[str, str]]],
     return latencies, errors, first_error, measured
 
 
-def measure_served(http_url: str, pipe: Pipeline, blobs: Sequence[bytes], batch: int, concurrency: int,
-                   warmup: float, duration: float, window: Window, min_requests: int = 10) -> None:
+def measure_served(
+    http_url: str,
+    pipe: Pipeline,
+    blobs: Sequence[bytes],
+    batch: int,
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    window: Window,
+    min_requests: int = 10,
+) -> None:
     from perf.lib import triton_stats
 
     bodies = [image_body(batch_of(blobs, batch, k)) for k in range(len(blobs))]
     before = triton_stats.snapshot(http_url)
     cpu0, wall0 = time.process_time(), time.monotonic()
-    latencies, errors, first_error, seconds = asyncio.run(_closed_loop(
-        f"http://{http_url}/v2/models/{pipe.ensemble}/infer", bodies, concurrency, warmup, duration,
-        min_requests))
+    latencies, errors, first_error, seconds = asyncio.run(
+        _closed_loop(f"http://{http_url}/v2/models/{pipe.ensemble}/infer", bodies, concurrency, warmup, duration, min_requests)
+    )
     window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
     stats = triton_stats.fetch_delta(http_url, before).get(pipe.classifier)
     window.requests, window.images, window.seconds = len(latencies), len(latencies) * batch, seconds
@@ -419,8 +462,10 @@ def served_top5(http_url: str, ensemble: str, blob: bytes) -> tuple[list[int], l
     doc["parameters"] = {"binary_data_output": False}
     header = json.dumps(doc).encode()
     request = urllib.request.Request(
-        f"http://{http_url}/v2/models/{ensemble}/infer", data=header + body[int(headers["Inference-Header-Content-Length"]):],
-        headers={"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))})
+        f"http://{http_url}/v2/models/{ensemble}/infer",
+        data=header + body[int(headers["Inference-Header-Content-Length"]) :],
+        headers={"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))},
+    )
     with urllib.request.urlopen(request, timeout=60) as r:
         outputs = {o["name"]: o["data"] for o in json.loads(r.read())["outputs"]}
     return [int(x) for x in outputs["CLASS_INDEX"]], [float(x) for x in outputs["SCORE"]]
@@ -434,8 +479,10 @@ def check_same(http_url: str, runner: InProcess, photos: Sequence[tuple[str, byt
         indices, scores = served_top5(http_url, runner.pipe.ensemble, blob)
         mine = runner([blob])
         if list(mine.indices[0]) != indices:
-            raise RuntimeError(f"{runner.pipe.ensemble}: {name}: served top-5 {indices} != in-process "
-                               f"{list(mine.indices[0])}: not the same model or preprocessing")
+            raise RuntimeError(
+                f"{runner.pipe.ensemble}: {name}: served top-5 {indices} != in-process "
+                f"{list(mine.indices[0])}: not the same model or preprocessing"
+            )
         worst = max(worst, float(np.max(np.abs(np.asarray(scores) - mine.scores[0]))))
     return worst
 
@@ -471,11 +518,24 @@ def points(windows: Sequence[Window]) -> list[Point]:
     candidates: dict[tuple, list[Point]] = {}
     for (system, ensemble, batch, layout), ws in groups.items():
         maxes = [w.max_ms for w in ws if w.max_ms is not None]
-        candidates.setdefault((system, ensemble, batch), []).append(Point(
-            system, ensemble, batch, layout, median([w.images_per_s for w in ws]), median([w.p50_ms for w in ws]),
-            median([w.p99_ms for w in ws]), max(maxes) if maxes else None, median([w.classifier_batch for w in ws]),
-            median([w.client_cores for w in ws]), median([w.machine_cores for w in ws]),
-            sum(w.errors for w in ws), len(ws), sum(w.requests for w in ws)))
+        candidates.setdefault((system, ensemble, batch), []).append(
+            Point(
+                system,
+                ensemble,
+                batch,
+                layout,
+                median([w.images_per_s for w in ws]),
+                median([w.p50_ms for w in ws]),
+                median([w.p99_ms for w in ws]),
+                max(maxes) if maxes else None,
+                median([w.classifier_batch for w in ws]),
+                median([w.client_cores for w in ws]),
+                median([w.machine_cores for w in ws]),
+                sum(w.errors for w in ws),
+                len(ws),
+                sum(w.requests for w in ws),
+            )
+        )
     return [max(c, key=lambda p: p.images_per_s or 0.0) for c in candidates.values()]
 
 
@@ -490,30 +550,51 @@ def _f(value: float | None, digits: int = 1) -> str:
 def markdown(header: Sequence[str], pipes: Sequence[Pipeline], results: Sequence[Point]) -> str:
     by = {(p.system, p.ensemble, p.batch): p for p in results}
     batches = sorted({p.batch for p in results})
-    lines = list(header) + ["", "## Served vs in-process (same .onnx file, same photos, preprocessing included in both)",
-                            "", "| ensemble | variant | batch | system | layout | n | images/s | P50 ms | P99 ms | max ms "
-                            "| classifier batch | cores: this process | machine | served / in-process |",
-                            "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = list(header) + [
+        "",
+        "## Served vs in-process (same .onnx file, same photos, preprocessing included in both)",
+        "",
+        "| ensemble | variant | batch | system | layout | n | images/s | P50 ms | P99 ms | max ms "
+        "| classifier batch | cores: this process | machine | served / in-process |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for pipe in pipes:
         for b in batches:
             served, mine = by.get(("served", pipe.ensemble, b)), by.get(("in-process", pipe.ensemble, b))
             for p in (served, mine, by.get(("model only", pipe.ensemble, b))):
                 if p is None:
                     continue
-                share = _f(ratio(served.images_per_s if served else None, mine.images_per_s if mine else None), 2) \
-                    if p is served else ""
-                lines.append(f"| {pipe.ensemble} | {pipe.variant} | {b} | {p.system} | {p.layout} | {p.requests} | "
-                             f"{_f(p.images_per_s)} | {_f(p.p50_ms)} | {_f(p.p99_ms)} | {_f(p.max_ms)} | "
-                             f"{_f(p.classifier_batch)} | {_f(p.client_cores, 2)} | {_f(p.machine_cores, 2)} | {share} |")
+                share = (
+                    _f(ratio(served.images_per_s if served else None, mine.images_per_s if mine else None), 2)
+                    if p is served
+                    else ""
+                )
+                lines.append(
+                    f"| {pipe.ensemble} | {pipe.variant} | {b} | {p.system} | {p.layout} | {p.requests} | "
+                    f"{_f(p.images_per_s)} | {_f(p.p50_ms)} | {_f(p.p99_ms)} | {_f(p.max_ms)} | "
+                    f"{_f(p.classifier_batch)} | {_f(p.client_cores, 2)} | {_f(p.machine_cores, 2)} | {share} |"
+                )
     if len(pipes) > 1:
         first = pipes[0]
-        lines += ["", f"## {first.ensemble} over each other ensemble (images/s ratio, same batch)", "",
-                  "| ensemble | batch | in-process | served |", "| --- | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            f"## {first.ensemble} over each other ensemble (images/s ratio, same batch)",
+            "",
+            "| ensemble | batch | in-process | served |",
+            "| --- | ---: | ---: | ---: |",
+        ]
         for other in pipes[1:]:
             for b in batches:
-                cells = [_f(ratio(getattr(by.get((s, first.ensemble, b)), "images_per_s", None),
-                                  getattr(by.get((s, other.ensemble, b)), "images_per_s", None)), 2)
-                         for s in ("in-process", "served")]
+                cells = [
+                    _f(
+                        ratio(
+                            getattr(by.get((s, first.ensemble, b)), "images_per_s", None),
+                            getattr(by.get((s, other.ensemble, b)), "images_per_s", None),
+                        ),
+                        2,
+                    )
+                    for s in ("in-process", "served")
+                ]
                 lines.append(f"| {first.ensemble} / {other.ensemble} | {b} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
@@ -531,34 +612,48 @@ def machine() -> str:
 
     from export import bench
 
-    return (f"{model or platform.processor() or 'unknown CPU'}, {bench.cpu_threads()} cores usable, no GPU used "
-            f"(CPUExecutionProvider), onnxruntime {onnxruntime.__version__}, Python {platform.python_version()}")
+    return (
+        f"{model or platform.processor() or 'unknown CPU'}, {bench.cpu_threads()} cores usable, no GPU used "
+        f"(CPUExecutionProvider), onnxruntime {onnxruntime.__version__}, Python {platform.python_version()}"
+    )
 
 
 # --------------------------------------------------------------------------- run
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.image_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ensembles", default=",".join(DEFAULT_ENSEMBLES),
-                   help="comma-separated image ensembles, the first compared with each other one "
-                        f"(default {','.join(DEFAULT_ENSEMBLES)}; missing ones are skipped)")
-    p.add_argument("--precision", default="cpu",
-                   help="as PRECISION of `make serve`: cpu (the variant a CPU serves), fp32, cpu_opt, int8 (default cpu)")
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.image_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--ensembles",
+        default=",".join(DEFAULT_ENSEMBLES),
+        help="comma-separated image ensembles, the first compared with each other one "
+        f"(default {','.join(DEFAULT_ENSEMBLES)}; missing ones are skipped)",
+    )
+    p.add_argument(
+        "--precision",
+        default="cpu",
+        help="as PRECISION of `make serve`: cpu (the variant a CPU serves), fp32, cpu_opt, int8 (default cpu)",
+    )
     p.add_argument("--batches", default="1,8", help="images per request / per in-process call (default 1,8)")
-    p.add_argument("--concurrency", default="8,4",
-                   help="requests in flight, one per batch size or one for all (default 8,4)")
+    p.add_argument("--concurrency", default="8,4", help="requests in flight, one per batch size or one for all (default 8,4)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per served window (default 5)")
-    p.add_argument("--min-requests", type=int, default=10,
-                   help="a served window lasts until this many requests completed in it, at most 6 x --duration "
-                        "(default 10)")
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=10,
+        help="a served window lasts until this many requests completed in it, at most 6 x --duration (default 10)",
+    )
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each served window (default 1)")
-    p.add_argument("--inprocess-seconds", type=float, default=3.0,
-                   help="seconds per in-process window and layout (default 3)")
-    p.add_argument("--no-model-only", dest="model_only", action="store_false",
-                   help="skip the in-process classifier-alone figure (pixels made beforehand)")
+    p.add_argument("--inprocess-seconds", type=float, default=3.0, help="seconds per in-process window and layout (default 3)")
+    p.add_argument(
+        "--no-model-only",
+        dest="model_only",
+        action="store_false",
+        help="skip the in-process classifier-alone figure (pixels made beforehand)",
+    )
     p.add_argument("--repository", type=Path, default=REPOSITORY, help="model repository (default model_repository)")
     p.add_argument("--out", type=Path, help="results folder (default perf/results/image-bench-<UTC time>)")
     p.add_argument("--no-export", action="store_true", help="never export, even when model files are missing")
@@ -585,8 +680,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def ensure_exported(repo: Path, pipes: Sequence[Pipeline], no_export: bool, say: Callable[[str], None]) -> bool:
     """Export the classifiers whose served file is missing (`python -m export --model <classifier>
     --no-speed`). Returns whether anything was exported (the variants may then differ)."""
-    missing = [p.classifier for p in pipes if not p.model_path.is_file()
-               or not (repo / p.postprocess / "1" / "labels.txt").is_file()]
+    missing = [
+        p.classifier for p in pipes if not p.model_path.is_file() or not (repo / p.postprocess / "1" / "labels.txt").is_file()
+    ]
     if not missing or no_export:
         return False
     from export import __main__ as export_main
@@ -627,13 +723,18 @@ def run(args: argparse.Namespace) -> int:
         config_name, pipes = resolve(repo, present, args.precision)
     photos = photo_jpegs()
     blobs = [b for _, b in photos]
-    described = ', '.join(f'{p.ensemble} ({p.classifier}: {p.variant}, {p.model_path.name})' for p in pipes)
-    say(f"perf.bench.image_bench: {described}"
-        f"; --model-config-name={config_name or '(none)'}; {len(photos)} photos, {sum(map(len, blobs)) // 1024} KiB")
+    described = ", ".join(f"{p.ensemble} ({p.classifier}: {p.variant}, {p.model_path.name})" for p in pipes)
+    say(
+        f"perf.bench.image_bench: {described}"
+        f"; --model-config-name={config_name or '(none)'}; {len(photos)} photos, {sum(map(len, blobs)) // 1024} KiB"
+    )
     models = [p.ensemble for p in pipes]
     workdir = Path(tempfile.mkdtemp(prefix="perf-image-bench-"))
-    server = TritonServer(ServerOptions.with_free_ports(
-        workdir=workdir, model_repository=repo, models=models, model_config_name=config_name, front_door=False))
+    server = TritonServer(
+        ServerOptions.with_free_ports(
+            workdir=workdir, model_repository=repo, models=models, model_config_name=config_name, front_door=False
+        )
+    )
     windows: list[Window] = []
     failure = ""
     agreement: dict[str, float] = {}
@@ -648,8 +749,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"tritonserver ready on {server.http_url} ({', '.join(models)})")
         for pipe in pipes:
             agreement[pipe.ensemble] = check_same(server.http_url, runners[pipe.ensemble], photos)
-            say(f"{pipe.ensemble}: served and in-process top-5 agree on every photo "
-                f"(largest score difference {agreement[pipe.ensemble]:.1e})")
+            say(
+                f"{pipe.ensemble}: served and in-process top-5 agree on every photo "
+                f"(largest score difference {agreement[pipe.ensemble]:.1e})"
+            )
         for rnd in range(1, args.rounds + 1):
             for pipe in pipes:
                 for b in args.batch_list:
@@ -661,11 +764,12 @@ def run(args: argparse.Namespace) -> int:
                     measure_served(server.http_url, pipe, blobs, b, conc, args.warmup, args.duration, w, args.min_requests)
                     meter.stop(w)
                     windows.append(w)
-                    say(f"r{rnd} {pipe.ensemble:32} b{b:<3} served     {w.layout:4} {_f(w.images_per_s):>7} images/s  "
+                    say(
+                        f"r{rnd} {pipe.ensemble:32} b{b:<3} served     {w.layout:4} {_f(w.images_per_s):>7} images/s  "
                         f"P50 {_f(w.p50_ms):>7}  P99 {_f(w.p99_ms):>7}  max {_f(w.max_ms):>7} ms  classifier batch "
                         f"{_f(w.classifier_batch)}  client {_f(w.client_cores, 2)} machine {_f(w.machine_cores, 2)} cores  "
-                        f"errors {w.errors}"
-                        + (f" ({w.first_error})" if w.first_error else ""))
+                        f"errors {w.errors}" + (f" ({w.first_error})" if w.first_error else "")
+                    )
                     layouts = [("in-process", t, runners[pipe.ensemble]) for t in sorted({1, pipe.preprocess_instances})]
                     if args.model_only:
                         layouts.append(("model only", 1, model_only[pipe.ensemble]))
@@ -675,10 +779,12 @@ def run(args: argparse.Namespace) -> int:
                         measure_inprocess(runner, blobs, b, threads, args.inprocess_seconds, w)
                         meter.stop(w)
                         windows.append(w)
-                        say(f"r{rnd} {pipe.ensemble:32} b{b:<3} {system:10} {w.layout:4} {_f(w.images_per_s):>7} "
+                        say(
+                            f"r{rnd} {pipe.ensemble:32} b{b:<3} {system:10} {w.layout:4} {_f(w.images_per_s):>7} "
                             f"images/s  P50 {_f(w.p50_ms):>7}  P99 {_f(w.p99_ms):>7}  max {_f(w.max_ms):>7} ms  "
                             f"this process {_f(w.client_cores, 2)} machine {_f(w.machine_cores, 2)} cores  "
-                            f"errors {w.errors}" + (f" ({w.first_error})" if w.first_error else ""))
+                            f"errors {w.errors}" + (f" ({w.first_error})" if w.first_error else "")
+                        )
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
         say(f"perf.bench.image_bench stopped: {failure}")
@@ -696,17 +802,22 @@ def run(args: argparse.Namespace) -> int:
         f"after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- command: `{' '.join(['python -m perf.bench.image_bench', *args.argv])}`",
         f"- precision {args.precision}: --model-config-name={config_name or '(none)'}; "
-        + "; ".join(f"{p.classifier} serves {p.variant} ({p.model_path.name}, {p.threads} intra-op threads x "
-                    f"{p.classifier_instances} instance(s); weights {p.weights or 'unknown'}), {p.preprocess} "
-                    f"{p.preprocess_instances} instance(s)" for p in pipes),
-        (f"- {len(photos)} photos (the evaluation photos, whole, JPEG quality {JPEG_QUALITY}), batches "
-         f"cycling through them; served: tritonserver without front door or response cache, HTTP (binary tensors), "
-         f"{', '.join(f'batch {b} at concurrency {c}' for b, c in args.concurrency_of.items())}, {args.warmup:g} s "
-         f"warm-up (and until as many requests as in flight completed) + {args.duration:g} s per window (longer "
-         f"until {args.min_requests} requests completed in it, at most {6 * args.duration:g} s); in-process: "
-         f"{args.inprocess_seconds:g} s (at least 3 calls) per layout "
-         f"(`1t`: one thread; `2t`: the served layout, threads = preprocessing instances, model runs at once <= "
-         f"classifier instances), the faster shown; {args.rounds} interleaved round(s), medians (max: the largest)"),
+        + "; ".join(
+            f"{p.classifier} serves {p.variant} ({p.model_path.name}, {p.threads} intra-op threads x "
+            f"{p.classifier_instances} instance(s); weights {p.weights or 'unknown'}), {p.preprocess} "
+            f"{p.preprocess_instances} instance(s)"
+            for p in pipes
+        ),
+        (
+            f"- {len(photos)} photos (the evaluation photos, whole, JPEG quality {JPEG_QUALITY}), batches "
+            f"cycling through them; served: tritonserver without front door or response cache, HTTP (binary tensors), "
+            f"{', '.join(f'batch {b} at concurrency {c}' for b, c in args.concurrency_of.items())}, {args.warmup:g} s "
+            f"warm-up (and until as many requests as in flight completed) + {args.duration:g} s per window (longer "
+            f"until {args.min_requests} requests completed in it, at most {6 * args.duration:g} s); in-process: "
+            f"{args.inprocess_seconds:g} s (at least 3 calls) per layout "
+            f"(`1t`: one thread; `2t`: the served layout, threads = preprocessing instances, model runs at once <= "
+            f"classifier instances), the faster shown; {args.rounds} interleaved round(s), medians (max: the largest)"
+        ),
         "- both systems: JPEG bytes in, top-5 out (decode, resize, crop, normalise, the classifier, softmax and top-k); "
         "latency is per request (served) or per call (in-process) of `batch` images; classifier batch: the served "
         "classifier's mean executed batch (Triton's statistics); cores, this process: the load generator's CPU "
@@ -715,8 +826,10 @@ def run(args: argparse.Namespace) -> int:
         "requests (served) or calls (in-process) measured over all rounds; with few, P99 is the max",
     ]
     if agreement:
-        header.append("- served and in-process top-5 classes agree on every photo; largest score difference "
-                      + ", ".join(f"{e} {d:.1e}" for e, d in agreement.items()))
+        header.append(
+            "- served and in-process top-5 classes agree on every photo; largest score difference "
+            + ", ".join(f"{e} {d:.1e}" for e, d in agreement.items())
+        )
     header += [f"- {n}" for n in notes]
     if failure:
         header.append(f"- stopped early: {failure.splitlines()[0]}")

@@ -59,22 +59,59 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 def token_body(ids: Sequence[int]) -> bytes:
     n = len(ids)
-    return json.dumps({"inputs": [
-        {"name": "input_ids", "shape": [1, n], "datatype": "INT64", "data": list(ids)},
-        {"name": "attention_mask", "shape": [1, n], "datatype": "INT64", "data": [1] * n},
-    ], "parameters": {"binary_data_output": True}}).encode()
+    return json.dumps(
+        {
+            "inputs": [
+                {"name": "input_ids", "shape": [1, n], "datatype": "INT64", "data": list(ids)},
+                {"name": "attention_mask", "shape": [1, n], "datatype": "INT64", "data": [1] * n},
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
 
 
 def text_body(text: str) -> bytes:
-    return json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}],
-                       "parameters": {"binary_data_output": True}}).encode()
+    return json.dumps(
+        {
+            "inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
 
 
 def mixed_texts(lengths: Sequence[int], tokenizer, seed: int = 0) -> list[str]:
     """One text per length whose tokenization (with [CLS], [SEP] and a request number of up to
     4 tokens put in front later) is about that long: words from a fixed list, as many as fit
     (a space-separated text tokenizes to the sum of its words' tokens)."""
-    words = ["serving", "models", "under", "load", "keeps", "the", "tail", "of", "latency", "short", "when", "batches", "form", "from", "requests", "of", "similar", "length", "and", "the", "encoder", "runs", "fewer", "padded", "tokens", "per", "call"]
+    words = [
+        "serving",
+        "models",
+        "under",
+        "load",
+        "keeps",
+        "the",
+        "tail",
+        "of",
+        "latency",
+        "short",
+        "when",
+        "batches",
+        "form",
+        "from",
+        "requests",
+        "of",
+        "similar",
+        "length",
+        "and",
+        "the",
+        "encoder",
+        "runs",
+        "fewer",
+        "padded",
+        "tokens",
+        "per",
+        "call",
+    ]
     cost = dict(zip(words, (int(n) - 2 for n in tokenizer.encode(words).lengths)))
     rng = random.Random(seed)
     out = []
@@ -108,19 +145,24 @@ def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000)
     texts = mixed_texts(lengths, served_mod.served_tokenizer(), seed=seed)
     token_bodies = [token_body(r).decode() for r in rows[:500]]
     head, _, tail = text_body("\0").decode().partition("\\u0000")
-    encoder_lua = ("local bodies = {\n" + ",\n".join(_lua_string(b) for b in token_bodies) + "\n}\n"
-                   "request = function()\n  n = n + 1\n"
-                   "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n")
-    embedding_lua = ("local texts = {\n" + ",\n".join(_lua_string(t) for t in texts) + "\n}\n"
-                     "request = function()\n  n = n + 1\n"
-                     f"  local body = {_lua_string(head)} .. '{nonce}' .. tid .. 'x' .. n .. ' ' .. "
-                     f"texts[(n % #texts) + 1] .. {_lua_string(tail)}\n"
-                     "  return wrk.format('POST', path, headers, body)\nend\n")
+    encoder_lua = (
+        "local bodies = {\n" + ",\n".join(_lua_string(b) for b in token_bodies) + "\n}\n"
+        "request = function()\n  n = n + 1\n"
+        "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
+    )
+    embedding_lua = (
+        "local texts = {\n" + ",\n".join(_lua_string(t) for t in texts) + "\n}\n"
+        "request = function()\n  n = n + 1\n"
+        f"  local body = {_lua_string(head)} .. '{nonce}' .. tid .. 'x' .. n .. ' ' .. "
+        f"texts[(n % #texts) + 1] .. {_lua_string(tail)}\n"
+        "  return wrk.format('POST', path, headers, body)\nend\n"
+    )
     return {
         "text_encoder": Workload("text_encoder", "text_encoder", lambda i: token_body(rows[i % pool]), encoder_lua),
         # a number in front makes every text unique: Triton's response cache never answers
-        "text_embedding": Workload("text_embedding", "text_embedding",
-                                   lambda i: text_body(f"{nonce}{i} {texts[i % pool]}"), embedding_lua),
+        "text_embedding": Workload(
+            "text_embedding", "text_embedding", lambda i: text_body(f"{nonce}{i} {texts[i % pool]}"), embedding_lua
+        ),
     }
 
 
@@ -130,23 +172,31 @@ def wrk_script(w: Workload) -> str:
         "local n = 0\nlocal tid = 0\nlocal next_tid = 0\n"
         f"path = '/v2/models/{w.model}/infer'\nheaders = {{ ['Content-Type'] = 'application/json' }}\n"
         "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid) end\n"
-        "init = function(args) tid = tid_init or 0 end\n"
-        + w.lua +
-        "done = function(summary, latency, requests)\n"
+        "init = function(args) tid = tid_init or 0 end\n" + w.lua + "done = function(summary, latency, requests)\n"
         "  local e = summary.errors\n"
-        "  io.write(string.format('WRK_RESULT {\"requests\":%d,\"errors\":%d,\"duration_us\":%d,'"
-        " .. '\"p50_us\":%d,\"p99_us\":%d,\"max_us\":%d}\\n', summary.requests,"
+        '  io.write(string.format(\'WRK_RESULT {"requests":%d,"errors":%d,"duration_us":%d,\''
+        ' .. \'"p50_us":%d,"p99_us":%d,"max_us":%d}\\n\', summary.requests,'
         " e.connect + e.read + e.write + e.status + e.timeout, summary.duration,"
-        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n")
+        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n"
+    )
 
 
 def run_wrk(url: str, script: Path, concurrency: int, seconds: float) -> dict:
-    command = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "60s",
-               "-s", str(script), f"http://{url}"]
+    command = [
+        "wrk",
+        "-t1",
+        f"-c{concurrency}",
+        f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "60s",
+        "-s",
+        str(script),
+        f"http://{url}",
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 90, check=False)
     for line in out.stdout.splitlines():
         if line.startswith("WRK_RESULT "):
-            return json.loads(line[len("WRK_RESULT "):])
+            return json.loads(line[len("WRK_RESULT ") :])
     raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")
 
 
@@ -168,7 +218,9 @@ class Window:
     stats: dict = field(default_factory=dict)
 
 
-async def closed_loop(url: str, w: Workload, concurrency: int, duration: float, start: int) -> tuple[list[float], int, str, float]:
+async def closed_loop(
+    url: str, w: Workload, concurrency: int, duration: float, start: int
+) -> tuple[list[float], int, str, float]:
     """``concurrency`` clients, each sending its next request when its answer came."""
     import aiohttp
 
@@ -213,8 +265,9 @@ def encoder_stats(url: str) -> tuple[int, int]:
     return sum(int(s["inference_count"]) for s in stats), sum(int(s["execution_count"]) for s in stats)
 
 
-def measure(url: str, w: Workload, window: Window, duration: float, warmup: float, start: int,
-            script: Path | None = None) -> None:
+def measure(
+    url: str, w: Workload, window: Window, duration: float, warmup: float, start: int, script: Path | None = None
+) -> None:
     """One window: wrk with ``script`` (C, one thread: little of the 2 cores), else asyncio."""
     if warmup > 0:
         asyncio.run(closed_loop(url, w, window.concurrency, warmup, start + 10**9))
@@ -229,7 +282,8 @@ def measure(url: str, w: Workload, window: Window, duration: float, warmup: floa
             window.p50_ms, window.p99_ms, window.max_ms = (result[k] / 1e3 for k in ("p50_us", "p99_us", "max_us"))
     else:
         latencies, window.errors, window.first_error, window.seconds = asyncio.run(
-            closed_loop(url, w, window.concurrency, duration, start))
+            closed_loop(url, w, window.concurrency, duration, start)
+        )
         after = encoder_stats(url)
         window.requests = len(latencies)
         if latencies:
@@ -286,11 +340,22 @@ def points(windows: Sequence[Window], limit_rps: float | None) -> list[Point]:
     for phase, workload, conc in keys:
         ws = [w for w in windows if (w.phase, w.workload, w.concurrency) == (phase, workload, conc)]
         rps = _median([w.rps for w in ws])
-        out.append(Point(phase, workload, conc, len(ws), sum(w.requests for w in ws), sum(w.errors for w in ws), rps,
-                         _median([w.p50_ms for w in ws]), _median([w.p99_ms for w in ws]),
-                         max((w.max_ms for w in ws if w.max_ms is not None), default=None),
-                         _median([w.batch_rows for w in ws]),
-                         rps / limit_rps if rps and limit_rps else None))
+        out.append(
+            Point(
+                phase,
+                workload,
+                conc,
+                len(ws),
+                sum(w.requests for w in ws),
+                sum(w.errors for w in ws),
+                rps,
+                _median([w.p50_ms for w in ws]),
+                _median([w.p99_ms for w in ws]),
+                max((w.max_ms for w in ws if w.max_ms is not None), default=None),
+                _median([w.batch_rows for w in ws]),
+                rps / limit_rps if rps and limit_rps else None,
+            )
+        )
     return out
 
 
@@ -299,23 +364,33 @@ def _f(value, digits: int = 1) -> str:
 
 
 def markdown(header: Sequence[str], results: Sequence[Point], mix_limit) -> str:
-    lines = [*header, "",
-             "| workload | phase | conc | req/s | ratio to limit | P50 ms | P99 ms | max ms | encoder rows/execution | errors |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        *header,
+        "",
+        "| workload | phase | conc | req/s | ratio to limit | P50 ms | P99 ms | max ms | encoder rows/execution | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for p in results:
-        lines.append(f"| {p.workload} | {p.phase} | {p.concurrency} | {_f(p.rps, 0)} | {_f(p.ratio_to_limit, 2)} | "
-                     f"{_f(p.p50_ms)} | {_f(p.p99_ms)} | {_f(p.max_ms)} | {_f(p.batch_rows)} | {p.errors} |")
+        lines.append(
+            f"| {p.workload} | {p.phase} | {p.concurrency} | {_f(p.rps, 0)} | {_f(p.ratio_to_limit, 2)} | "
+            f"{_f(p.p50_ms)} | {_f(p.p99_ms)} | {_f(p.max_ms)} | {_f(p.batch_rows)} | {p.errors} |"
+        )
     if mix_limit is not None:
         lines += ["", limit_mod.mix_markdown(mix_limit)]
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.length_mix", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.length_mix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
-    p.add_argument("--mix", default=f"{limit_mod.DEFAULT_MIX[0]}-{limit_mod.DEFAULT_MIX[1]}", metavar="LOW-HIGH",
-                   help="tokens per text, drawn uniformly (default 8-128)")
+    p.add_argument(
+        "--mix",
+        default=f"{limit_mod.DEFAULT_MIX[0]}-{limit_mod.DEFAULT_MIX[1]}",
+        metavar="LOW-HIGH",
+        help="tokens per text, drawn uniformly (default 8-128)",
+    )
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--phases", default="after,before", help="comma-separated, of: after, before")
     p.add_argument("--url", help="HOST:PORT of a running tritonserver's HTTP endpoint: measure it alone (phase url)")
@@ -323,14 +398,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per window (default 8)")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each window (default 2)")
     p.add_argument("--precision", default="cpu", help="what the servers serve, as `make serve PRECISION=` (default cpu)")
-    p.add_argument("--limit-rounds", type=int, default=None,
-                   help="rounds of the in-process limit (default 3; 0 skips it; with --url default 0)")
+    p.add_argument(
+        "--limit-rounds",
+        type=int,
+        default=None,
+        help="rounds of the in-process limit (default 3; 0 skips it; with --url default 0)",
+    )
     p.add_argument("--limit-seconds", type=float, default=1.0)
     p.add_argument("--limit-pool", type=int, default=512)
-    p.add_argument("--budgets", default=",".join(map(str, limit_mod.DEFAULT_BUDGETS)),
-                   help="token budgets the limit tries (comma-separated)")
-    p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
-                   help="load generator: wrk when installed (auto), else asyncio")
+    p.add_argument(
+        "--budgets", default=",".join(map(str, limit_mod.DEFAULT_BUDGETS)), help="token budgets the limit tries (comma-separated)"
+    )
+    p.add_argument(
+        "--client",
+        choices=("auto", "wrk", "python"),
+        default="auto",
+        help="load generator: wrk when installed (auto), else asyncio",
+    )
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/length-mix-<UTC time>)")
     args = p.parse_args(argv)
     args.use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
@@ -375,9 +459,16 @@ def run(args: argparse.Namespace) -> int:
             repository = ROOT / "model_repository"
             if phase == "before":
                 repository = before_repository(repository, workdir / "repository-before")
-            servers[phase] = TritonServer(ServerOptions.with_free_ports(
-                workdir=workdir / phase, model_repository=repository, models=MODELS,
-                model_config_name=served.config_name, repository_token=secrets.token_urlsafe(16), front_door=False))
+            servers[phase] = TritonServer(
+                ServerOptions.with_free_ports(
+                    workdir=workdir / phase,
+                    model_repository=repository,
+                    models=MODELS,
+                    model_config_name=served.config_name,
+                    repository_token=secrets.token_urlsafe(16),
+                    front_door=False,
+                )
+            )
             say(f"starting tritonserver for {phase} (--model-config-name={served.config_name or '(none)'})")
             servers[phase].start()
         for phase, server in servers.items():
@@ -401,10 +492,12 @@ def run(args: argparse.Namespace) -> int:
                     measure(urls[phase], work[name], window, args.duration, args.warmup, sequence, scripts.get(name))
                     sequence += 10**6
                     windows.append(window)
-                    say(f"{phase:6} {name:15} c{args.concurrency} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
+                    say(
+                        f"{phase:6} {name:15} c{args.concurrency} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
                         f"P50 {_f(window.p50_ms)}  P99 {_f(window.p99_ms)}  max {_f(window.max_ms)} ms  "
                         f"encoder rows/execution {_f(window.batch_rows)}  errors {window.errors}"
-                        + (f" ({window.first_error})" if window.first_error else ""))
+                        + (f" ({window.first_error})" if window.first_error else "")
+                    )
     finally:
         for phase, server in servers.items():
             server.stop()
@@ -415,21 +508,31 @@ def run(args: argparse.Namespace) -> int:
     mix_limit = None
     if args.limit_rounds > 0:
         say(f"in-process limit for {args.mix}: {args.limit_rounds} rounds")
-        mix_limit = limit_mod.measure_length_mix(served, args.mix_range, [int(b) for b in args.budgets.split(",")],
-                                                 pool=args.limit_pool, rounds=args.limit_rounds,
-                                                 seconds=args.limit_seconds, progress=say)
+        mix_limit = limit_mod.measure_length_mix(
+            served,
+            args.mix_range,
+            [int(b) for b in args.budgets.split(",")],
+            pool=args.limit_pool,
+            rounds=args.limit_rounds,
+            seconds=args.limit_seconds,
+            progress=say,
+        )
     limit_rps = mix_limit.best[2] if mix_limit else None
     results = points(windows, limit_rps)
     header = [
         "# Mixed-length traffic against its in-process limit",
         "",
-        (f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
-        f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}"),
+        (
+            f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
+            f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        ),
         f"- command: `{' '.join(['python -m perf.bench.length_mix', *args.argv])}`",
-        (f"- {args.mix} tokens per text, one text per HTTP request, {args.concurrency} connections; phases "
-        f"{', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s (after "
-        f"{args.warmup:g} s warm-up); client {'wrk (1 thread)' if args.use_wrk else 'asyncio'}; encoder variant "
-        f"{served.variant}; ratio = served req/s over the limit's seq/s"),
+        (
+            f"- {args.mix} tokens per text, one text per HTTP request, {args.concurrency} connections; phases "
+            f"{', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s (after "
+            f"{args.warmup:g} s warm-up); client {'wrk (1 thread)' if args.use_wrk else 'asyncio'}; encoder variant "
+            f"{served.variant}; ratio = served req/s over the limit's seq/s"
+        ),
     ]
     text = markdown(header, results, mix_limit)
     (out_dir / "summary.md").write_text(text)

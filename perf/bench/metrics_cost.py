@@ -87,8 +87,11 @@ def served(requests: int, rounds: int) -> dict:
     from server.process import ServerOptions, TritonServer
 
     tmp = Path(tempfile.mkdtemp(prefix="metrics-cost-"))
-    server = TritonServer(ServerOptions.with_free_ports(model_repository=make_repository(tmp), workdir=tmp / "work",
-                                                        models=(MODEL, OFF), front_door=False))
+    server = TritonServer(
+        ServerOptions.with_free_ports(
+            model_repository=make_repository(tmp), workdir=tmp / "work", models=(MODEL, OFF), front_door=False
+        )
+    )
     server.start()
     try:
         server.wait_ready(timeout=120)
@@ -114,7 +117,7 @@ def served(requests: int, rounds: int) -> dict:
         for _ in range(rounds):
             before = {m: stats(m) for m in (MODEL, OFF)}
             for i in range(requests):
-                for model in ((MODEL, OFF) if i % 2 else (OFF, MODEL)):
+                for model in (MODEL, OFF) if i % 2 else (OFF, MODEL):
                     latencies[model].append(send(model))
             after = {m: stats(m) for m in (MODEL, OFF)}
             per_round.append({m: (after[m][1] - before[m][1]) / 1e3 / (after[m][0] - before[m][0]) for m in (MODEL, OFF)})
@@ -125,8 +128,11 @@ def served(requests: int, rounds: int) -> dict:
     out = {}
     for model, label in ((MODEL, "metrics on"), (OFF, "metrics off")):
         lat = sorted(latencies[model])
-        out[label] = {"compute_us_per_execution": [round(r[model], 1) for r in per_round],
-                      "p50_ms": round(statistics.median(lat), 3), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3)}
+        out[label] = {
+            "compute_us_per_execution": [round(r[model], 1) for r in per_round],
+            "p50_ms": round(statistics.median(lat), 3),
+            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3),
+        }
     on = statistics.median(r[MODEL] for r in per_round)
     off = statistics.median(r[OFF] for r in per_round)
     out["added_us_per_execution"] = round(on - off, 1)
@@ -146,8 +152,11 @@ def summaries(requests: int, rounds: int) -> dict:
     servers = {}
     try:
         for label, on in (("summaries on", True), ("summaries off", False)):
-            servers[label] = TritonServer(ServerOptions.with_free_ports(
-                workdir=tmp / label.replace(" ", "-"), models=(MODEL,), front_door=False, summary_latencies=on))
+            servers[label] = TritonServer(
+                ServerOptions.with_free_ports(
+                    workdir=tmp / label.replace(" ", "-"), models=(MODEL,), front_door=False, summary_latencies=on
+                )
+            )
             servers[label].start()
         for server in servers.values():
             server.wait_ready(timeout=120)
@@ -168,8 +177,10 @@ def summaries(requests: int, rounds: int) -> dict:
 
         import urllib.request
 
-        exposes = {label: "nv_inference_queue_summary_us_count{" in urllib.request.urlopen(url).read().decode()
-                   for label, url in metrics.items()}
+        exposes = {
+            label: "nv_inference_queue_summary_us_count{" in urllib.request.urlopen(url).read().decode()
+            for label, url in metrics.items()
+        }
         for label in servers:
             for _ in range(50):
                 send(label)
@@ -178,11 +189,12 @@ def summaries(requests: int, rounds: int) -> dict:
         for _ in range(rounds):
             before = {label: request_us(label) for label in servers}
             for i in range(requests):
-                for label in (list(servers) if i % 2 else list(servers)[::-1]):
+                for label in list(servers) if i % 2 else list(servers)[::-1]:
                     latencies[label].append(send(label))
             after = {label: request_us(label) for label in servers}
-            per_round.append({label: (after[label][1] - before[label][1]) / (after[label][0] - before[label][0])
-                              for label in servers})
+            per_round.append(
+                {label: (after[label][1] - before[label][1]) / (after[label][0] - before[label][0]) for label in servers}
+            )
         for c in clients.values():
             c.close()
     finally:
@@ -192,9 +204,12 @@ def summaries(requests: int, rounds: int) -> dict:
     out = {}
     for label in servers:
         lat = sorted(latencies[label])
-        out[label] = {"exposes_queue_summary": exposes[label],
-                      "request_us": [round(r[label], 1) for r in per_round],
-                      "p50_ms": round(statistics.median(lat), 3), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3)}
+        out[label] = {
+            "exposes_queue_summary": exposes[label],
+            "request_us": [round(r[label], 1) for r in per_round],
+            "p50_ms": round(statistics.median(lat), 3),
+            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3),
+        }
     on = statistics.median(r["summaries on"] for r in per_round)
     off = statistics.median(r["summaries off"] for r in per_round)
     out["added_us_per_request"] = round(on - off, 1)
@@ -219,7 +234,7 @@ def fill_rates(requests: int, concurrency: int, seed: int = 7) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="fill-rate-"))
     server = TritonServer(ServerOptions.with_free_ports(workdir=tmp, models=("text_embedding",), front_door=False))
     server.start()
-    sample = re.compile(r'^(\w+)\{([^}]*)\}\s+(\S+)', re.M)
+    sample = re.compile(r"^(\w+)\{([^}]*)\}\s+(\S+)", re.M)
 
     def scrape() -> dict:
         out: dict = {}
@@ -255,12 +270,16 @@ def fill_rates(requests: int, concurrency: int, seed: int = 7) -> dict:
     out = {"requests": requests, "requests_per_s": round(requests / seconds, 1)}
     for model in ("text_tokenizer", "text_encoder"):
         real, padded = delta.get((REAL_TOKENS, model), 0.0), delta.get((PADDED_TOKENS, model), 0.0)
-        out[model] = {"real_tokens": int(real), "padded_tokens": int(padded),
-                      "fill_rate": round(real / padded, 3) if padded else None}
+        out[model] = {
+            "real_tokens": int(real),
+            "padded_tokens": int(padded),
+            "fill_rate": round(real / padded, 3) if padded else None,
+        }
     executions = delta.get((f"{BATCH_SIZE}_count", "text_tokenizer"), 0.0)
     out["text_tokenizer"]["executions"] = int(executions)
-    out["text_tokenizer"]["requests_per_execution"] = round(
-        delta.get((f"{BATCH_SIZE}_sum", "text_tokenizer"), 0.0) / executions, 2) if executions else None
+    out["text_tokenizer"]["requests_per_execution"] = (
+        round(delta.get((f"{BATCH_SIZE}_sum", "text_tokenizer"), 0.0) / executions, 2) if executions else None
+    )
     return out
 
 
@@ -269,10 +288,12 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=600, help="requests per model and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-server", action="store_true", help="the in-process part only")
-    p.add_argument("--fill-rate", action="store_true",
-                   help="also the fill rates of text_embedding under mixed lengths (one server)")
-    p.add_argument("--summaries", action="store_true",
-                   help="also what the launcher's queue/request time summaries cost (two servers)")
+    p.add_argument(
+        "--fill-rate", action="store_true", help="also the fill rates of text_embedding under mixed lengths (one server)"
+    )
+    p.add_argument(
+        "--summaries", action="store_true", help="also what the launcher's queue/request time summaries cost (two servers)"
+    )
     args = p.parse_args(argv)
     result = {"in_process": in_process()}
     if not args.no_server:

@@ -91,12 +91,21 @@ end
 
 
 def run_wrk(url: str, script: Path, connections: int, seconds: float) -> dict:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "30s", "-s", str(script),
-           f"http://{url}"]
+    cmd = [
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "30s",
+        "-s",
+        str(script),
+        f"http://{url}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=False)
     for line in out.stdout.splitlines():
         if line.startswith("WRK_RESULT "):
-            return json.loads(line[len("WRK_RESULT "):])
+            return json.loads(line[len("WRK_RESULT ") :])
     raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-400:]} {out.stderr[-400:]}")
 
 
@@ -120,8 +129,9 @@ class Probe:
         while time.monotonic() < end:
             n += 1
             text = f"{self.sentences[n % len(self.sentences)]} ({self.nonce}-probe-{self.model}-{n})"
-            req = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/infer", data=body(text),
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                f"http://{self.url}/v2/models/{self.model}/infer", data=body(text), headers={"Content-Type": "application/json"}
+            )
             t0 = time.perf_counter()
             try:
                 with urllib.request.urlopen(req, timeout=30) as r:
@@ -141,12 +151,21 @@ class Probe:
 
     def row(self, phase: str, cls: str) -> dict:
         total = len(self.ok_ms) + len(self.unavailable_ms) + len(self.other)
-        return {"phase": phase, "class": cls, "model": self.model, "sent": total, "ok": len(self.ok_ms),
-                "p50_ms": percentile(self.ok_ms, 50), "p99_ms": percentile(self.ok_ms, 99),
-                "max_ms": max(self.ok_ms) if self.ok_ms else None,
-                "refused": len(self.unavailable_ms), "refused_rate": len(self.unavailable_ms) / total if total else 0.0,
-                "refused_p99_ms": percentile(self.unavailable_ms, 99), "other_errors": len(self.other),
-                "first_other": self.other[0] if self.other else ""}
+        return {
+            "phase": phase,
+            "class": cls,
+            "model": self.model,
+            "sent": total,
+            "ok": len(self.ok_ms),
+            "p50_ms": percentile(self.ok_ms, 50),
+            "p99_ms": percentile(self.ok_ms, 99),
+            "max_ms": max(self.ok_ms) if self.ok_ms else None,
+            "refused": len(self.unavailable_ms),
+            "refused_rate": len(self.unavailable_ms) / total if total else 0.0,
+            "refused_p99_ms": percentile(self.unavailable_ms, 99),
+            "other_errors": len(self.other),
+            "first_other": self.other[0] if self.other else "",
+        }
 
 
 def model_stats(url: str) -> dict:
@@ -157,8 +176,12 @@ def model_stats(url: str) -> dict:
     for m in data.get("model_stats", []):
         s = m["inference_stats"]
         key = f"{m['name']}/{m['version']}"
-        out[key] = {"count": s["success"]["count"], "executions": m.get("execution_count", 0),
-                    "queue_ns": s["queue"]["ns"], "compute_ns": s["compute_infer"]["ns"]}
+        out[key] = {
+            "count": s["success"]["count"],
+            "executions": m.get("execution_count", 0),
+            "queue_ns": s["queue"]["ns"],
+            "compute_ns": s["compute_infer"]["ns"],
+        }
     return out
 
 
@@ -168,9 +191,12 @@ def stats_delta(before: dict, after: dict) -> dict:
         b = before.get(key, {"count": 0, "executions": 0, "queue_ns": 0, "compute_ns": 0})
         n = a["count"] - b["count"]
         if n > 0:
-            out[key] = {"requests": n, "per_execution": round(n / max(1, a["executions"] - b["executions"]), 1),
-                        "queue_ms": round((a["queue_ns"] - b["queue_ns"]) / n / 1e6, 2),
-                        "compute_ms": round((a["compute_ns"] - b["compute_ns"]) / n / 1e6, 2)}
+            out[key] = {
+                "requests": n,
+                "per_execution": round(n / max(1, a["executions"] - b["executions"]), 1),
+                "queue_ms": round((a["queue_ns"] - b["queue_ns"]) / n / 1e6, 2),
+                "compute_ms": round((a["compute_ns"] - b["compute_ns"]) / n / 1e6, 2),
+            }
     return out
 
 
@@ -224,34 +250,43 @@ def _f(v, digits=1) -> str:
 
 
 def markdown(rows: Sequence[dict], peak: dict, flood: dict, rss: dict) -> str:
-    lines = [f"Default entry's peak (closed loop, {peak['connections']} connections): {peak['rate']:,.0f} requests/s, "
-             f"P50 {_f(peak['p50_ms'])} ms, P99 {_f(peak['p99_ms'])} ms.",
-             f"Overload offered {flood['offered_rate']:,.0f} requests/s = {flood['offered_rate'] / peak['rate']:.1f} x peak "
-             f"(default {flood['default']['rate']:,.0f}/s, {flood['default']['refused_rate']:.0%} refused; bulk "
-             f"{flood['bulk']['rate']:,.0f}/s, {flood['bulk']['refused_rate']:.0%} refused; other errors "
-             f"{flood['default']['other'] + flood['bulk']['other']}, socket errors "
-             f"{flood['default']['socket_errors'] + flood['bulk']['socket_errors']}).",
-             f"Server RSS (tritonserver and stubs): {rss['before']:,.0f} MiB before, max {rss['max']:,.0f} MiB during "
-             f"overload, {rss['after']:,.0f} MiB after.", "",
-             "| phase | class (budget) | sent | P50 ms | P99 ms | max ms | refused | refused P99 ms | other errors |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Default entry's peak (closed loop, {peak['connections']} connections): {peak['rate']:,.0f} requests/s, "
+        f"P50 {_f(peak['p50_ms'])} ms, P99 {_f(peak['p99_ms'])} ms.",
+        f"Overload offered {flood['offered_rate']:,.0f} requests/s = {flood['offered_rate'] / peak['rate']:.1f} x peak "
+        f"(default {flood['default']['rate']:,.0f}/s, {flood['default']['refused_rate']:.0%} refused; bulk "
+        f"{flood['bulk']['rate']:,.0f}/s, {flood['bulk']['refused_rate']:.0%} refused; other errors "
+        f"{flood['default']['other'] + flood['bulk']['other']}, socket errors "
+        f"{flood['default']['socket_errors'] + flood['bulk']['socket_errors']}).",
+        f"Server RSS (tritonserver and stubs): {rss['before']:,.0f} MiB before, max {rss['max']:,.0f} MiB during "
+        f"overload, {rss['after']:,.0f} MiB after.",
+        "",
+        "| phase | class (budget) | sent | P50 ms | P99 ms | max ms | refused | refused P99 ms | other errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        lines.append(f"| {r['phase']} | {r['class']} ({CLASSES[r['class']].budget_ms} ms) | {r['sent']} | {_f(r['p50_ms'])} | "
-                     f"{_f(r['p99_ms'])} | {_f(r['max_ms'])} | {r['refused']} ({r['refused_rate']:.0%}) | "
-                     f"{_f(r['refused_p99_ms'])} | {r['other_errors']} |")
+        lines.append(
+            f"| {r['phase']} | {r['class']} ({CLASSES[r['class']].budget_ms} ms) | {r['sent']} | {_f(r['p50_ms'])} | "
+            f"{_f(r['p99_ms'])} | {_f(r['max_ms'])} | {r['refused']} ({r['refused_rate']:.0%}) | "
+            f"{_f(r['refused_p99_ms'])} | {r['other_errors']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m perf.bench.priority_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.priority_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, default=30.0, help="seconds of each phase (default 30)")
     p.add_argument("--peak-concurrency", type=int, default=32)
     p.add_argument("--overload", type=float, default=5.0, help="flood rate as a multiple of the default peak")
     p.add_argument("--flood-connections", type=int, default=512, help="wrk connections of the flood, split in two")
     p.add_argument("--probe-rate", type=float, default=20.0, help="requests/s of each class's probe")
-    p.add_argument("--interactive-model", default=CACHED_ENTRIES["interactive"],
-                   help="the model the interactive probe calls (e.g. text_embedding_interactive, the lane without the cache)")
+    p.add_argument(
+        "--interactive-model",
+        default=CACHED_ENTRIES["interactive"],
+        help="the model the interactive probe calls (e.g. text_embedding_interactive, the lane without the cache)",
+    )
     p.add_argument("--precision", default="auto")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -264,16 +299,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def say(m: str) -> None:
         print(f"[priority-bench {time.strftime('%H:%M:%S')}] {m}", flush=True)
+
     sentences = [row["TEXT"]["content"][0] for row in json.loads(SENTENCES.read_text())["data"]]
     nonce = f"{os.getpid()}-{int(time.time())}"
     out = args.out or ROOT / "perf" / "results" / f"priority-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="priority-bench-"))
     repo = ROOT / "model_repository"
-    config_name, _ = variants.resolve_precision(repo, ["text_encoder"], args.precision,
-                                                loadable=tuple(v for v in variants.VARIANTS if v != "trt_plan"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=work, models=(*MODELS, args.interactive_model),
-                                                        model_config_name=config_name))
+    config_name, _ = variants.resolve_precision(
+        repo, ["text_encoder"], args.precision, loadable=tuple(v for v in variants.VARIANTS if v != "trt_plan")
+    )
+    server = TritonServer(
+        ServerOptions.with_free_ports(workdir=work, models=(*MODELS, args.interactive_model), model_config_name=config_name)
+    )
     server.start()
     try:
         server.wait_ready(timeout=300)
@@ -289,10 +327,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_wrk(url, scripts[("default", "peak")], args.peak_concurrency, 3)
         r = run_wrk(url, scripts[("default", "peak")], args.peak_concurrency, args.duration)
         seconds = r["duration_us"] / 1e6
-        peak = {"connections": args.peak_concurrency, "rate": r["ok"] / seconds, "p50_ms": r["p50_us"] / 1000,
-                "p99_ms": r["p99_us"] / 1000, "refused": r["unavailable"], "other": r["other"]}
-        say(f"default peak {peak['rate']:,.0f}/s P50 {peak['p50_ms']:.1f} P99 {peak['p99_ms']:.1f} ms "
-            f"(refused {r['unavailable']}, other {r['other']})")
+        peak = {
+            "connections": args.peak_concurrency,
+            "rate": r["ok"] / seconds,
+            "p50_ms": r["p50_us"] / 1000,
+            "p99_ms": r["p99_us"] / 1000,
+            "refused": r["unavailable"],
+            "other": r["other"],
+        }
+        say(
+            f"default peak {peak['rate']:,.0f}/s P50 {peak['p50_ms']:.1f} P99 {peak['p99_ms']:.1f} ms "
+            f"(refused {r['unavailable']}, other {r['other']})"
+        )
         rows = []
         probe = Probe(url, args.interactive_model, args.probe_rate, nonce + "-alone", sentences)
         probe.run(args.duration)
@@ -314,8 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         before_rss = sampler.samples[-1][1]
         results, threads = {}, []
         for cls in ("default", "bulk"):
-            t = threading.Thread(target=lambda c=cls: results.__setitem__(c, run_wrk(url, scripts[(c, "flood")], conns,
-                                                                                     args.duration + 4)))
+            t = threading.Thread(
+                target=lambda c=cls: results.__setitem__(c, run_wrk(url, scripts[(c, "flood")], conns, args.duration + 4))
+            )
             threads.append(t)
             t.start()
         time.sleep(2.0)  # the flood reaches its steady state
@@ -339,30 +386,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             w = results[cls]
             s = w["duration_us"] / 1e6
             total = w["ok"] + w["unavailable"] + w["other"]
-            flood[cls] = {"rate": total / s, "ok_rate": w["ok"] / s, "refused_rate": w["unavailable"] / total if total else 0,
-                          "other": w["other"], "socket_errors": w["socket_errors"], "p50_ms": w["p50_us"] / 1000,
-                          "p99_ms": w["p99_us"] / 1000, "max_ms": w["max_us"] / 1000}
+            flood[cls] = {
+                "rate": total / s,
+                "ok_rate": w["ok"] / s,
+                "refused_rate": w["unavailable"] / total if total else 0,
+                "other": w["other"],
+                "socket_errors": w["socket_errors"],
+                "p50_ms": w["p50_us"] / 1000,
+                "p99_ms": w["p99_us"] / 1000,
+                "max_ms": w["max_us"] / 1000,
+            }
         flood["offered_rate"] = flood["default"]["rate"] + flood["bulk"]["rate"]
         for cls, p in probes.items():
             rows.append(p.row("overload", cls))
-        stats_lines = ["", "Per request during the overload (Triton's statistics): model, requests, per execution, "
-                       "queue ms, compute ms"] + [f"- {k}: {v['requests']}, {v['per_execution']}, {v['queue_ms']}, "
-                                                  f"{v['compute_ms']}" for k, v in sorted(per_model.items())]
-        table = markdown(rows, peak, flood, rss) + "\n".join(stats_lines) + "\n" + (
-            f"\nLoad average at the start {load_start:.1f}, at the end {os.getloadavg()[0]:.1f} (2-core machines are shared: "
-            f"compare classes within one run).\n")
+        stats_lines = [
+            "",
+            "Per request during the overload (Triton's statistics): model, requests, per execution, queue ms, compute ms",
+        ] + [
+            f"- {k}: {v['requests']}, {v['per_execution']}, {v['queue_ms']}, {v['compute_ms']}"
+            for k, v in sorted(per_model.items())
+        ]
+        table = (
+            markdown(rows, peak, flood, rss)
+            + "\n".join(stats_lines)
+            + "\n"
+            + (
+                f"\nLoad average at the start {load_start:.1f}, at the end {os.getloadavg()[0]:.1f} (2-core machines are shared: "
+                f"compare classes within one run).\n"
+            )
+        )
         print(table)
         (out / "summary.md").write_text(table)
-        (out / "results.json").write_text(json.dumps({"peak": peak, "rows": rows, "flood": flood, "rss": rss,
-                                                       "rss_samples": rss_samples, "per_model_overload": per_model, "args": vars(args) | {"out": str(out)},
-                                                       "variant": config_name}, indent=2, default=str))
+        (out / "results.json").write_text(
+            json.dumps(
+                {
+                    "peak": peak,
+                    "rows": rows,
+                    "flood": flood,
+                    "rss": rss,
+                    "rss_samples": rss_samples,
+                    "per_model_overload": per_model,
+                    "args": vars(args) | {"out": str(out)},
+                    "variant": config_name,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         say(f"wrote {out}")
         inter = next(r for r in rows if r["phase"] == "overload" and r["class"] == "interactive")
         failures = []
         if inter["p99_ms"] is None or inter["p99_ms"] > CLASSES["interactive"].budget_ms:
             failures.append(f"interactive P99 {inter['p99_ms']} ms over its {CLASSES['interactive'].budget_ms} ms budget")
         if any(r["other_errors"] for r in rows):
-            failures.append("a probe got an error other than UNAVAILABLE: " + "; ".join(r["first_other"] for r in rows if r["other_errors"]))
+            failures.append(
+                "a probe got an error other than UNAVAILABLE: " + "; ".join(r["first_other"] for r in rows if r["other_errors"])
+            )
         if any(flood[c]["other"] or flood[c]["socket_errors"] for c in ("default", "bulk")):
             failures.append("the flood got errors other than UNAVAILABLE, or dropped connections")
         for f in failures:

@@ -53,16 +53,21 @@ def quote_prompts(tokenizer) -> list[str]:
             ask = "Add one comment line at the top of this code and return the whole code, otherwise unchanged:\n\n"
         else:
             ask = "Copy the following text exactly, word for word:\n\n"
-        out.append(tokenizer.apply_chat_template([{"role": "user", "content": ask + t["text"]}], tokenize=False,
-                                                 add_generation_prompt=True))
+        out.append(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": ask + t["text"]}], tokenize=False, add_generation_prompt=True
+            )
+        )
     return out
 
 
 def chat_prompts(tokenizer, n: int) -> list[str]:
     entries = [e for e in json.loads(CHAT.read_text(encoding="utf-8"))["prompts"] if e["kind"] != "long"]
     step = max(1, len(entries) // n)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": e["text"]}], tokenize=False,
-                                          add_generation_prompt=True) for e in entries[::step][:n]]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": e["text"]}], tokenize=False, add_generation_prompt=True)
+        for e in entries[::step][:n]
+    ]
 
 
 def run_together(engine, prompts: Sequence[str], max_tokens: int, tag: str) -> dict[str, object]:
@@ -86,10 +91,14 @@ def run_together(engine, prompts: Sequence[str], max_tokens: int, tag: str) -> d
                 tokens[out.request_id].extend(out.token_ids)
                 arrivals[out.request_id].append((now, len(out.token_ids)))
     wall = time.perf_counter() - start
-    return {"tokens": [tokens[r] for r in ids], "arrivals": [arrivals[r] for r in ids], "wall": wall,
-            "steps": engine.counters["steps"] - steps0,
-            "drafted": engine.counters["spec_draft_tokens"] - drafted0,
-            "accepted": engine.counters["spec_accepted_tokens"] - accepted0}
+    return {
+        "tokens": [tokens[r] for r in ids],
+        "arrivals": [arrivals[r] for r in ids],
+        "wall": wall,
+        "steps": engine.counters["steps"] - steps0,
+        "drafted": engine.counters["spec_draft_tokens"] - drafted0,
+        "accepted": engine.counters["spec_accepted_tokens"] - accepted0,
+    }
 
 
 def summarise(runs: Sequence[dict]) -> dict[str, float]:
@@ -117,8 +126,11 @@ def summarise(runs: Sequence[dict]) -> dict[str, float]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m perf.bench.speculative_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"),
-                   help="weights precision as PRECISION names it (default $PRECISION or auto)")
+    p.add_argument(
+        "--precision",
+        default=os.environ.get("PRECISION", "auto"),
+        help="weights precision as PRECISION names it (default $PRECISION or auto)",
+    )
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (num_speculative_tokens, default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
     p.add_argument("--requests", type=int, default=8, help="requests per kind and stream count (default 8)")
@@ -141,18 +153,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.update(num_blocks=1024, max_num_seqs=8)
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     weights = LlamaWeights.from_folder(MODEL_DIR, DTYPES[settings.get("dtype", "float32")], "cpu", precision)
-    engines = {name: LLMEngine(EngineConfig(model_dir=str(MODEL_DIR), **{**settings, "num_speculative_tokens": k,
-                                                                          "speculative_max_seqs": 2}),
-                               weights=weights, tokenizer=tok)
-               for name, k in (("none", 0), ("drafts", args.k))}
+    engines = {
+        name: LLMEngine(
+            EngineConfig(model_dir=str(MODEL_DIR), **{**settings, "num_speculative_tokens": k, "speculative_max_seqs": 2}),
+            weights=weights,
+            tokenizer=tok,
+        )
+        for name, k in (("none", 0), ("drafts", args.k))
+    }
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out_dir = args.out_dir or DEFAULT_RESULTS / f"speculative-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     kinds = {"quote": quote_prompts(tok), "chat": chat_prompts(tok, args.requests)}
     streams = [int(s) for s in args.streams.split(",")]
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    print(f"perf.bench.speculative_bench: weights {precision}, k={args.k}, {args.max_tokens} new tokens, "
-          f"load average {load}", flush=True)
+    print(
+        f"perf.bench.speculative_bench: weights {precision}, k={args.k}, {args.max_tokens} new tokens, load average {load}",
+        flush=True,
+    )
     for e in engines.values():  # warm both (first-call allocations)
         run_together(e, kinds["chat"][:1], 4, "warm")
     rows, same = [], {}
@@ -170,17 +188,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, rs in runs.items():
                 row = {"kind": kind, "streams": s, "engine": name, **summarise(rs)}
                 rows.append(row)
-                print(f"  {kind:5} {s} stream(s) {name:6}: {row['tokens_per_s']:6.1f} tokens/s, TPOT P50 "
-                      f"{row['tpot_p50_ms']:5.1f} ms, gap P99 {row['gap_p99_ms']:5.1f} max {row['gap_max_ms']:5.1f} ms, "
-                      f"{row['steps_per_token']:.2f} steps/token, {row['acceptance']:.0%} of {row['drafted']} drafted "
-                      f"accepted", flush=True)
+                print(
+                    f"  {kind:5} {s} stream(s) {name:6}: {row['tokens_per_s']:6.1f} tokens/s, TPOT P50 "
+                    f"{row['tpot_p50_ms']:5.1f} ms, gap P99 {row['gap_p99_ms']:5.1f} max {row['gap_max_ms']:5.1f} ms, "
+                    f"{row['steps_per_token']:.2f} steps/token, {row['acceptance']:.0%} of {row['drafted']} drafted "
+                    f"accepted",
+                    flush=True,
+                )
     write_csv(out_dir / "speculative.csv", rows)
     by = {(r["kind"], r["streams"], r["engine"]): r for r in rows}
-    lines = [(f"# Prompt-lookup drafts on / off ({precision} weights, k={args.k}, {args.max_tokens} new tokens, "
-              f"load average {load})"), "",
-             ("| kind | streams | tokens/s none | tokens/s drafts | ratio | TPOT P50 ms none / drafts | "
-              "gap P99 ms none / drafts | accepted | same tokens |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (f"# Prompt-lookup drafts on / off ({precision} weights, k={args.k}, {args.max_tokens} new tokens, load average {load})"),
+        "",
+        (
+            "| kind | streams | tokens/s none | tokens/s drafts | ratio | TPOT P50 ms none / drafts | "
+            "gap P99 ms none / drafts | accepted | same tokens |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     verdict = True
     for kind in kinds:
         for s in streams:
@@ -188,13 +213,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ratio = b["tokens_per_s"] / a["tokens_per_s"]
             verdict &= ratio >= (TARGET_QUOTE if kind == "quote" else FLOOR_CHAT)
             n_same, n = same[(kind, s)]
-            lines.append(f"| {kind} | {s} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {ratio:.2f} | "
-                         f"{a['tpot_p50_ms']:.1f} / {b['tpot_p50_ms']:.1f} | {a['gap_p99_ms']:.1f} / "
-                         f"{b['gap_p99_ms']:.1f} | {b['acceptance']:.0%} | {n_same} of {n} |")
-    lines += ["", (f"Pays (quote >= {TARGET_QUOTE}x, chat >= {FLOOR_CHAT}x at every stream count): "
-                   f"{'yes' if verdict else 'no'}"), "",
-              "Command: `python -m perf.bench.speculative_bench "
-              + " ".join(sys.argv[1:] if argv is None else argv) + "`"]
+            lines.append(
+                f"| {kind} | {s} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {ratio:.2f} | "
+                f"{a['tpot_p50_ms']:.1f} / {b['tpot_p50_ms']:.1f} | {a['gap_p99_ms']:.1f} / "
+                f"{b['gap_p99_ms']:.1f} | {b['acceptance']:.0%} | {n_same} of {n} |"
+            )
+    lines += [
+        "",
+        (f"Pays (quote >= {TARGET_QUOTE}x, chat >= {FLOOR_CHAT}x at every stream count): {'yes' if verdict else 'no'}"),
+        "",
+        "Command: `python -m perf.bench.speculative_bench " + " ".join(sys.argv[1:] if argv is None else argv) + "`",
+    ]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out_dir}")

@@ -152,9 +152,13 @@ def summary_markdown(points: Sequence[Point], header: Sequence[str]) -> str:
     workloads = list(dict.fromkeys(p.workload for p in points))
     for workload in workloads:
         group = [p for p in points if p.workload == workload]
-        lines += ["", f"## {workload}", "",
-                  "| protocol | sweep | load | throughput (infer/s) | p50 (ms) | p99 (ms) | p99/p50 | note |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += [
+            "",
+            f"## {workload}",
+            "",
+            "| protocol | sweep | load | throughput (infer/s) | p50 (ms) | p99 (ms) | p99/p50 | note |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for p in group:
             load = f"c{p.load:g}" if p.kind == "concurrency" else f"{p.load:g}/s"
             kind = "concurrency" if p.kind == "concurrency" else "Poisson rate"
@@ -162,8 +166,9 @@ def summary_markdown(points: Sequence[Point], header: Sequence[str]) -> str:
                 lines.append(f"| {p.protocol} | {kind} | {load} | skipped: {p.error} | | | | |")
                 continue
             ratio = _fmt(p.p99_ms / p.p50_ms, 2) if p.p50_ms else ""
-            lines.append(f"| {p.protocol} | {kind} | {load} | {p.throughput:.1f} | {p.p50_ms:.1f} | "
-                         f"{p.p99_ms:.1f} | {ratio} | {p.note} |")
+            lines.append(
+                f"| {p.protocol} | {kind} | {load} | {p.throughput:.1f} | {p.p50_ms:.1f} | {p.p99_ms:.1f} | {ratio} | {p.note} |"
+            )
         peaks = []
         for protocol in dict.fromkeys(p.protocol for p in group):
             peak = peak_throughput(group, group[0].model, group[0].data, protocol)
@@ -285,25 +290,34 @@ def _float_list(text: str) -> list[float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="CI smoke (about a minute): text_embedding (both input sets) over gRPC, concurrency 1,8, one rate, "
-                        "small windows")
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI smoke (about a minute): text_embedding (both input sets) over gRPC, concurrency 1,8, one rate, small windows",
+    )
     p.add_argument("--models", type=_str_list(MODELS), help=f"default {','.join(MODELS)} (--quick: {TEXT_MODEL})")
-    p.add_argument("--text-data", type=_str_list(tuple(TEXT_DATA)),
-                   help="text input sets: 16tok (exactly 16 tokens), mixed (8-128 tokens); default both")
+    p.add_argument(
+        "--text-data",
+        type=_str_list(tuple(TEXT_DATA)),
+        help="text input sets: 16tok (exactly 16 tokens), mixed (8-128 tokens); default both",
+    )
     p.add_argument("--protocols", type=_str_list(pa.PROTOCOLS), help="default grpc,http (--quick: grpc)")
     p.add_argument("--concurrency", type=int_list, help="default 1,2,4,8,16,32 (--quick: 1,8)")
     p.add_argument("--rates", type=_float_list, help="Poisson request rates in req/s (default: --rate-fractions of peak)")
-    p.add_argument("--rate-fractions", type=_float_list,
-                   help="rates as fractions of the concurrency sweep's peak (default 0.25,0.5,0.7,0.9; --quick: 0.7)")
+    p.add_argument(
+        "--rate-fractions",
+        type=_float_list,
+        help="rates as fractions of the concurrency sweep's peak (default 0.25,0.5,0.7,0.9; --quick: 0.7)",
+    )
     p.add_argument("--precision", default="cpu", help="as `make serve PRECISION=`: cpu (default), fp32, auto, ...")
-    p.add_argument("--time-budget", type=float, help="seconds for the whole run, server start included "
-                                                     "(default 900, --quick 75)")
+    p.add_argument("--time-budget", type=float, help="seconds for the whole run, server start included (default 900, --quick 75)")
     p.add_argument("--request-count", type=int, help="max requests per window (default 500, --quick 60)")
-    p.add_argument("--window-s", type=float, help="target seconds per window after a sweep's first point "
-                                                  "(default 2, --quick 0.5)")
+    p.add_argument(
+        "--window-s", type=float, help="target seconds per window after a sweep's first point (default 2, --quick 0.5)"
+    )
     p.add_argument("--stability-percent", type=float, help="perf_analyzer -s (default 30, --quick 100)")
     p.add_argument("--max-trials", type=int, help="windows before a point is unstable (default 6, --quick 3)")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/sweep-<UTC time>)")
@@ -312,11 +326,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     q = args.quick
-    defaults = dict(models=[TEXT_MODEL] if q else list(MODELS), text_data=list(TEXT_DATA),
-                    protocols=["grpc"] if q else list(pa.PROTOCOLS), concurrency=[1, 8] if q else [1, 2, 4, 8, 16, 32],
-                    rate_fractions=[0.7] if q else list(DEFAULT_FRACTIONS), time_budget=75.0 if q else 900.0,
-                    request_count=60 if q else 500, window_s=0.5 if q else 2.0,
-                    stability_percent=100.0 if q else 30.0, max_trials=3 if q else 6)
+    defaults = dict(
+        models=[TEXT_MODEL] if q else list(MODELS),
+        text_data=list(TEXT_DATA),
+        protocols=["grpc"] if q else list(pa.PROTOCOLS),
+        concurrency=[1, 8] if q else [1, 2, 4, 8, 16, 32],
+        rate_fractions=[0.7] if q else list(DEFAULT_FRACTIONS),
+        time_budget=75.0 if q else 900.0,
+        request_count=60 if q else 500,
+        window_s=0.5 if q else 2.0,
+        stability_percent=100.0 if q else 30.0,
+        max_trials=3 if q else 6,
+    )
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -361,7 +382,13 @@ def _point_from_row(point: Point, row: harness.Row, request_count: int) -> Point
     m = row.measurement
     if m is not None:
         point.throughput, point.p50_ms, point.p90_ms, point.p95_ms, point.p99_ms, point.avg_ms = (
-            m.throughput, m.p50_ms, m.p90_ms, m.p95_ms, m.p99_ms, m.avg_ms)
+            m.throughput,
+            m.p50_ms,
+            m.p90_ms,
+            m.p95_ms,
+            m.p99_ms,
+            m.avg_ms,
+        )
         point.extra = {k: v for k, v in m.as_row().items() if k not in ("throughput", "concurrency", "request_rate")}
         point.error = ""
     return point
@@ -382,19 +409,27 @@ def run_sweep(run: harness.Run, w: Workload, protocol: str, url: str) -> list[Po
         done += 1
         point = Point(w.model, w.data, protocol, kind, load)
         label = f"concurrency {load:g}" if kind == "concurrency" else f"Poisson {load:g}/s"
-        run.say(f"  [{w.name} {protocol} {done}/{total}] {label}, windows of {request_count} requests "
-                f"({run.left():.0f} s left for this sweep)")
+        run.say(
+            f"  [{w.name} {protocol} {done}/{total}] {label}, windows of {request_count} requests "
+            f"({run.left():.0f} s left for this sweep)"
+        )
         if run.left() < 8:
             point.error = "time budget used up"
             run.say("    skipped: time budget used up")
             return point
         key = f"{w.name}-{protocol}-{'c' if kind == 'concurrency' else 'r'}{load:g}"
-        base = pa.Settings(model=w.model, url=url, protocol=protocol, concurrency=int(load) if kind == "concurrency" else 1,
-                           input_data=w.input_data, request_count=request_count,
-                           stability_percent=a.stability_percent, max_trials=a.max_trials)
+        base = pa.Settings(
+            model=w.model,
+            url=url,
+            protocol=protocol,
+            concurrency=int(load) if kind == "concurrency" else 1,
+            input_data=w.input_data,
+            request_count=request_count,
+            stability_percent=a.stability_percent,
+            max_trials=a.max_trials,
+        )
         if kind == "rate":
-            base = harness.RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                                        request_rate=load)
+            base = harness.RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, request_rate=load)
         # Leave the points after this one at least some seconds each (at most two are reserved).
         row = harness.measure(run, harness.Row(key, w.model, protocol, label), base, min(total - done, 2))
         if row.ok and kind == "rate":
@@ -415,8 +450,9 @@ def run_sweep(run: harness.Run, w: Workload, protocol: str, url: str) -> list[Po
     if not rates:
         for fraction in a.rate_fractions:
             done += 1
-            points.append(Point(w.model, w.data, protocol, "rate", 0.0, error="no peak throughput measured",
-                                note=f"{fraction:g} x peak"))
+            points.append(
+                Point(w.model, w.data, protocol, "rate", 0.0, error="no peak throughput measured", note=f"{fraction:g} x peak")
+            )
     total = len(plan) + len(rates)
     for rate in rates:
         request_count = window_requests(rate, a.window_s, 20, a.request_count)
@@ -447,16 +483,20 @@ def run(args: argparse.Namespace) -> int:
     loads = workloads(args, out_dir)
     groups = [(w, protocol) for w in loads for protocol in args.protocols]
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(f"perf.bench.sweep: {len(groups)} sweeps ({', '.join(w.name for w in loads)} x {', '.join(args.protocols)}), "
+    say(
+        f"perf.bench.sweep: {len(groups)} sweeps ({', '.join(w.name for w in loads)} x {', '.join(args.protocols)}), "
         f"concurrency {args.concurrency}, rates {args.rates or [f'{f:g} x peak' for f in args.rate_fractions]}, "
-        f"budget {args.time_budget:.0f} s, load average {load_avg}")
+        f"budget {args.time_budget:.0f} s, load average {load_avg}"
+    )
 
     points: list[Point] = []
     workdir = Path(tempfile.mkdtemp(prefix="perf-sweep-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=tuple(args.models),
-                                                        model_config_name=config_name))
-    say(f"tritonserver: starting ({', '.join(args.models)}; --model-config-name={config_name or '(none: FP32)'}; "
-        f"served {served})")
+    server = TritonServer(
+        ServerOptions.with_free_ports(workdir=workdir, models=tuple(args.models), model_config_name=config_name)
+    )
+    say(
+        f"tritonserver: starting ({', '.join(args.models)}; --model-config-name={config_name or '(none: FP32)'}; served {served})"
+    )
     server.start()
     try:
         try:
@@ -496,15 +536,18 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out_dir / "sweep.csv", points)
     pngs = plot(points, out_dir)
     print("\n" + table, flush=True)
-    say(f"perf.bench.sweep: {sum(p.ok for p in points)}/{len(points)} points, {len(pngs)} plots, results in "
-        f"{pa.display_path(out_dir)} ({time.monotonic() - started:.0f} s)")
+    say(
+        f"perf.bench.sweep: {sum(p.ok for p in points)}/{len(points)} points, {len(pngs)} plots, results in "
+        f"{pa.display_path(out_dir)} ({time.monotonic() - started:.0f} s)"
+    )
     return 0 if points and all(p.ok for p in points) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
+    )
     return run(args)
 
 

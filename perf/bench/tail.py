@@ -70,11 +70,24 @@ from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import SENTENCES_16TOK as SENTENCES
 from perf.lib.stats import median, percentile
 
-BATCHING_MODELS = ("text_encoder", "text_tokenizer", "text_encoder_router", "text_embedding_cached",
-                   "image_preprocess", "image_classifier", "image_postprocess")
+BATCHING_MODELS = (
+    "text_encoder",
+    "text_tokenizer",
+    "text_encoder_router",
+    "text_embedding_cached",
+    "image_preprocess",
+    "image_classifier",
+    "image_postprocess",
+)
 SERVED_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
-TEXT_WORKLOADS = ("text_tokenizer", "text_encoder", "text_encoder_router", "text_embedding",
-                  "text_embedding_cached_unique", "text_embedding_cached_hits")
+TEXT_WORKLOADS = (
+    "text_tokenizer",
+    "text_encoder",
+    "text_encoder_router",
+    "text_embedding",
+    "text_embedding_cached_unique",
+    "text_embedding_cached_hits",
+)
 # The OpenAI gateway in front of each phase's server: embeddings through wrk, chat streams.
 GATEWAY_WORKLOADS = ("gateway_embeddings_unique", "gateway_embeddings_hits", "gateway_chat_stream")
 # Streaming workloads: latency is the whole answer, TTFT recorded beside it.
@@ -87,8 +100,16 @@ TARGET_MAX_OVER_P50 = 5.0
 # serves text_generation with these parameters.
 BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0"}}
 # Models whose /v2/models/stats are recorded per window (the ensembles' steps and BLS targets).
-STATS_MODELS = ("text_tokenizer", "text_encoder_router", "text_encoder", "text_embedding", "text_embedding_cached",
-                "image_preprocess", "image_classifier", "image_postprocess")
+STATS_MODELS = (
+    "text_tokenizer",
+    "text_encoder_router",
+    "text_encoder",
+    "text_embedding",
+    "text_embedding_cached",
+    "image_preprocess",
+    "image_classifier",
+    "image_postprocess",
+)
 TARGET_HITS_P99_MS = 50.0
 TARGET_P99_OVER_P50 = 3.0
 VOCAB = (1000, 30000)  # token ids drawn for the encoder's direct inputs (all-MiniLM-L6-v2: 30,522)
@@ -112,10 +133,12 @@ def text_request(text: str) -> tuple[bytes, dict[str, str]]:
 
 def token_request(rng: random.Random, length: int = 16) -> tuple[bytes, dict[str, str]]:
     ids = [101] + [rng.randrange(*VOCAB) for _ in range(length - 2)] + [102]
-    return infer_body([
-        {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
-        {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
-    ])
+    return infer_body(
+        [
+            {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
+            {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
+        ]
+    )
 
 
 def png(seed: int, size: int = 64) -> bytes:
@@ -130,8 +153,9 @@ def png(seed: int, size: int = 64) -> bytes:
 
 def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
     raw = struct.pack("<I", len(blob)) + blob
-    return infer_body([{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
-                        "parameters": {"binary_data_size": len(raw)}}], raw)
+    return infer_body(
+        [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}], raw
+    )
 
 
 def _no_body(_: int) -> tuple[bytes, dict[str, str]]:
@@ -182,24 +206,36 @@ def workloads(nonce: str, sentences: Sequence[str], api_key: str = "") -> dict[s
     return {
         "text_tokenizer": Workload("text_tokenizer", "text_tokenizer", "unique_text", unique_text),
         "text_encoder": Workload("text_encoder", "text_encoder", "tokens", lambda _: token_request(rng)),
-        "text_encoder_router": Workload("text_encoder_router", "text_encoder_router", "tokens",
-                                        lambda _: token_request(rng)),
+        "text_encoder_router": Workload("text_encoder_router", "text_encoder_router", "tokens", lambda _: token_request(rng)),
         "text_embedding": Workload("text_embedding", "text_embedding", "unique_text", unique_text),
-        "text_embedding_cached_unique": Workload("text_embedding_cached_unique", "text_embedding_cached",
-                                                 "unique_text", unique_text),
-        "text_embedding_cached_hits": Workload("text_embedding_cached_hits", "text_embedding_cached", "hits",
-                                               lambda n: hits[n % len(hits)], warm=hits),
+        "text_embedding_cached_unique": Workload(
+            "text_embedding_cached_unique", "text_embedding_cached", "unique_text", unique_text
+        ),
+        "text_embedding_cached_hits": Workload(
+            "text_embedding_cached_hits", "text_embedding_cached", "hits", lambda n: hits[n % len(hits)], warm=hits
+        ),
         "image_classification": Workload("image_classification", "image_classification", "image", image),
         "gateway_embeddings_unique": Workload(
-            "gateway_embeddings_unique", "text_embedding", "gw_unique_text",
+            "gateway_embeddings_unique",
+            "text_embedding",
+            "gw_unique_text",
             lambda _: gateway_request(_next_text(), api_key),
-            path="/v1/embeddings", via_gateway=True),
+            path="/v1/embeddings",
+            via_gateway=True,
+        ),
         "gateway_embeddings_hits": Workload(
-            "gateway_embeddings_hits", "text_embedding", "gw_hits", lambda n: gw_hits[n % len(gw_hits)],
-            warm=gw_hits, path="/v1/embeddings", via_gateway=True),
+            "gateway_embeddings_hits",
+            "text_embedding",
+            "gw_hits",
+            lambda n: gw_hits[n % len(gw_hits)],
+            warm=gw_hits,
+            path="/v1/embeddings",
+            via_gateway=True,
+        ),
         # Streams: measured by their own asyncio clients (stream_window), never by wrk.
-        "gateway_chat_stream": Workload("gateway_chat_stream", "text_generation", "chat", _no_body,
-                                        path="/v1/chat/completions", via_gateway=True),
+        "gateway_chat_stream": Workload(
+            "gateway_chat_stream", "text_generation", "chat", _no_body, path="/v1/chat/completions", via_gateway=True
+        ),
         "text_generation_stream": Workload("text_generation_stream", "text_generation", "generation", _no_body),
     }
 
@@ -210,6 +246,7 @@ def workloads(nonce: str, sentences: Sequence[str], api_key: str = "") -> dict[s
 @dataclass
 class Window:
     """One measured window: one phase, one workload, one concurrency, one round."""
+
     phase: str
     workload: str
     concurrency: int
@@ -249,7 +286,9 @@ class Window:
         return out
 
 
-async def _closed_loop(url: str, w: Workload, concurrency: int, duration: float, warmup: float) -> tuple[list[float], int, str, float]:
+async def _closed_loop(
+    url: str, w: Workload, concurrency: int, duration: float, warmup: float
+) -> tuple[list[float], int, str, float]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=60)
@@ -298,7 +337,8 @@ def measure_python(url: str, w: Workload, window: Window, duration: float) -> No
     """The asyncio client in this process (its CPU: this process's over the window)."""
     cpu0, wall0 = time.process_time(), time.monotonic()
     latencies, errors, first_error, seconds = asyncio.run(
-        _closed_loop(url, replace(w, warm=()), window.concurrency, duration, 0.0))
+        _closed_loop(url, replace(w, warm=()), window.concurrency, duration, 0.0)
+    )
     window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
     window.requests, window.errors, window.first_error, window.seconds = len(latencies), errors, first_error, seconds
     if latencies:
@@ -307,8 +347,16 @@ def measure_python(url: str, w: Workload, window: Window, duration: float) -> No
         window.p50_ms, window.p99_ms, window.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
 
 
-async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence[str], max_tokens: int,
-                       concurrency: int, duration: float, warmup: float) -> tuple[list[tuple[float, float]], int, str, float]:
+async def _stream_loop(
+    w: Workload,
+    target: str,
+    api_key: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+) -> tuple[list[tuple[float, float]], int, str, float]:
     """``concurrency`` closed-loop streams: ``(TTFT, total)`` seconds of each request started inside
     the measured part (waited for to their end), errors, first error, the measured seconds. The
     measured part starts once every client has had one answer, every prompt has been answered
@@ -324,8 +372,9 @@ async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence
     session = None
     direct = None
     if w.via_gateway:
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300),
-                                        connector=aiohttp.TCPConnector(limit=0))
+        session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=300), connector=aiohttp.TCPConnector(limit=0)
+        )
         system = GatewayChat(session, target, api_key)
     else:
         direct = AsyncGenerationClient(target, protocol="grpc", timeout_s=300)
@@ -362,8 +411,11 @@ async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence
                 if first:
                     first, answered = False, answered + 1
                 # (A prompt that keeps failing must not hold the window off for ever: its errors count.)
-                if measure_from is None and answered == concurrency and (
-                        not cold or time.monotonic() > started + warmup + COLD_PASS_LIMIT_S):
+                if (
+                    measure_from is None
+                    and answered == concurrency
+                    and (not cold or time.monotonic() > started + warmup + COLD_PASS_LIMIT_S)
+                ):
                     measure_from = max(time.monotonic(), started + warmup)
 
         await asyncio.gather(*(client(k) for k in range(concurrency)))
@@ -376,12 +428,21 @@ async def _stream_loop(w: Workload, target: str, api_key: str, prompts: Sequence
     return samples, errors, first_error, measured
 
 
-def measure_stream(w: Workload, target: str, api_key: str, prompts: Sequence[str], max_tokens: int,
-                   window: Window, duration: float, warmup: float) -> None:
+def measure_stream(
+    w: Workload,
+    target: str,
+    api_key: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    window: Window,
+    duration: float,
+    warmup: float,
+) -> None:
     """The asyncio streaming client in this process: latency = the whole answer, TTFT beside it."""
     cpu0, wall0 = time.process_time(), time.monotonic()
     samples, errors, first_error, seconds = asyncio.run(
-        _stream_loop(w, target, api_key, prompts, max_tokens, window.concurrency, duration, warmup))
+        _stream_loop(w, target, api_key, prompts, max_tokens, window.concurrency, duration, warmup)
+    )
     window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
     window.requests, window.errors, window.first_error, window.seconds = len(samples), errors, first_error, seconds
     if samples:
@@ -390,8 +451,7 @@ def measure_stream(w: Workload, target: str, api_key: str, prompts: Sequence[str
         window.rps = len(total) / seconds if seconds > 0 else None
         window.p50_ms, window.p99_ms, window.max_ms = percentile(total, 50), percentile(total, 99), total[-1]
         if ttft:
-            window.ttft_p50_ms, window.ttft_p99_ms, window.ttft_max_ms = (
-                percentile(ttft, 50), percentile(ttft, 99), ttft[-1])
+            window.ttft_p50_ms, window.ttft_p99_ms, window.ttft_max_ms = (percentile(ttft, 50), percentile(ttft, 99), ttft[-1])
 
 
 def _lua_string(value: str) -> str:
@@ -408,35 +468,45 @@ def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
     tail = '"]}],"parameters":{"binary_data_output":true}}'
     if w.kind == "gw_unique_text":
         texts = ",\n".join(_lua_string(json.dumps(s)[1:-1]) for s in sentences)
-        make = (f"local texts = {{\n{texts}\n}}\n"
-                "request = function()\n  n = n + 1\n"
-                "  local body = '{\"model\":\"text_embedding\",\"encoding_format\":\"float\",\"input\":\"' .. "
-                f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')\"}}'\n"
-                "  return wrk.format('POST', path, headers, body)\nend\n")
+        make = (
+            f"local texts = {{\n{texts}\n}}\n"
+            "request = function()\n  n = n + 1\n"
+            '  local body = \'{"model":"text_embedding","encoding_format":"float","input":"\' .. '
+            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')\"}}'\n"
+            "  return wrk.format('POST', path, headers, body)\nend\n"
+        )
     elif w.kind == "gw_hits":
         bodies = ",\n".join(_lua_string(body.decode()) for body, _ in w.warm)
-        make = (f"local bodies = {{\n{bodies}\n}}\n"
-                "request = function()\n  n = n + 1\n"
-                "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n")
+        make = (
+            f"local bodies = {{\n{bodies}\n}}\n"
+            "request = function()\n  n = n + 1\n"
+            "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
+        )
     elif w.kind == "unique_text":
         texts = ",\n".join(_lua_string(json.dumps(s)[1:-1]) for s in sentences)
-        make = (f"local texts = {{\n{texts}\n}}\n"
-                "request = function()\n  n = n + 1\n"
-                "  local body = '{\"inputs\":[{\"name\":\"TEXT\",\"shape\":[1,1],\"datatype\":\"BYTES\",\"data\":[\"' .. "
-                f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')' .. {_lua_string(tail)}\n"
-                "  return wrk.format('POST', path, headers, body)\nend\n")
+        make = (
+            f"local texts = {{\n{texts}\n}}\n"
+            "request = function()\n  n = n + 1\n"
+            '  local body = \'{"inputs":[{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["\' .. '
+            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')' .. {_lua_string(tail)}\n"
+            "  return wrk.format('POST', path, headers, body)\nend\n"
+        )
     elif w.kind == "hits":
         bodies = ",\n".join(_lua_string(body.decode()) for body, _ in w.warm)
-        make = (f"local bodies = {{\n{bodies}\n}}\n"
-                "request = function()\n  n = n + 1\n"
-                "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n")
+        make = (
+            f"local bodies = {{\n{bodies}\n}}\n"
+            "request = function()\n  n = n + 1\n"
+            "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
+        )
     elif w.kind == "tokens":
-        make = ("request = function()\n  local ids = {101}\n"
-                f"  for i = 2, 15 do ids[i] = math.random({VOCAB[0]}, {VOCAB[1] - 1}) end\n  ids[16] = 102\n"
-                "  local body = '{\"inputs\":[{\"name\":\"input_ids\",\"shape\":[1,16],\"datatype\":\"INT64\",\"data\":['"
-                " .. table.concat(ids, ',') .. ']},{\"name\":\"attention_mask\",\"shape\":[1,16],\"datatype\":\"INT64\","
-                "\"data\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}],\"parameters\":{\"binary_data_output\":true}}'\n"
-                "  return wrk.format('POST', path, headers, body)\nend\n")
+        make = (
+            "request = function()\n  local ids = {101}\n"
+            f"  for i = 2, 15 do ids[i] = math.random({VOCAB[0]}, {VOCAB[1] - 1}) end\n  ids[16] = 102\n"
+            '  local body = \'{"inputs":[{"name":"input_ids","shape":[1,16],"datatype":"INT64","data":[\''
+            ' .. table.concat(ids, \',\') .. \']},{"name":"attention_mask","shape":[1,16],"datatype":"INT64",'
+            '"data":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}],"parameters":{"binary_data_output":true}}\'\n'
+            "  return wrk.format('POST', path, headers, body)\nend\n"
+        )
     else:
         raise ValueError(f"{w.name}: no wrk script for {w.kind} requests")
     headers = {"Content-Type": "application/json"}
@@ -451,22 +521,32 @@ def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
         f"path = '{w.endpoint}'\nheaders = {{{lua_headers}}}\n"
         "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid) end\n"
         "init = function(args) tid = tid_init or 0; math.randomseed(os.time() + tid) end\n"
-        + make +
-        "done = function(summary, latency, requests)\n"
+        + make
+        + "done = function(summary, latency, requests)\n"
         "  local e = summary.errors\n"
-        "  io.write(string.format('WRK_RESULT {\"requests\":%d,\"errors\":%d,\"duration_us\":%d,'"
-        " .. '\"p50_us\":%d,\"p99_us\":%d,\"max_us\":%d}\\n', summary.requests,"
+        '  io.write(string.format(\'WRK_RESULT {"requests":%d,"errors":%d,"duration_us":%d,\''
+        ' .. \'"p50_us":%d,"p99_us":%d,"max_us":%d}\\n\', summary.requests,'
         " e.connect + e.read + e.write + e.status + e.timeout, summary.duration,"
-        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n")
+        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n"
+    )
 
 
 def _run_wrk(url: str, script: Path, concurrency: int, seconds: float) -> dict:
-    command = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "60s",
-               "-s", str(script), f"http://{url}"]
+    command = [
+        "wrk",
+        "-t1",
+        f"-c{concurrency}",
+        f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "60s",
+        "-s",
+        str(script),
+        f"http://{url}",
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 90)
     for line in out.stdout.splitlines():
         if line.startswith("WRK_RESULT "):
-            return json.loads(line[len("WRK_RESULT "):])
+            return json.loads(line[len("WRK_RESULT ") :])
     raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")
 
 
@@ -568,18 +648,22 @@ def stats_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
         d = {k: a[k] - b.get(k, 0) for k in a}
         if d["requests"] <= 0:
             continue
-        out[name] = {"requests": d["requests"],
-                     "batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
-                     "queue_ms": round(d["queue_ns"] / d["requests"] / 1e6, 3),
-                     "compute_ms": round(d["compute_ns"] / d["requests"] / 1e6, 3)}
+        out[name] = {
+            "requests": d["requests"],
+            "batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
+            "queue_ms": round(d["queue_ns"] / d["requests"] / 1e6, 3),
+            "compute_ms": round(d["compute_ns"] / d["requests"] / 1e6, 3),
+        }
     return out
 
 
 # --------------------------------------------------------------------------- phases
 
 
-STALL_PBTXT = ("priority_levels: 2\n  default_priority_level: 2\n"
-               "  default_queue_policy { timeout_action: REJECT allow_timeout_override: true }\n")
+STALL_PBTXT = (
+    "priority_levels: 2\n  default_priority_level: 2\n"
+    "  default_queue_policy { timeout_action: REJECT allow_timeout_override: true }\n"
+)
 
 
 def stall_config_text(text: str, model: str = "", variant: bool = False) -> str:
@@ -588,8 +672,11 @@ def stall_config_text(text: str, model: str = "", variant: bool = False) -> str:
     configs/ may predate a parameter: left as it is)."""
     text = text.replace("dynamic_batching {", "dynamic_batching {\n  " + STALL_PBTXT, 1)
     for key, value in BEFORE_PARAMETERS.get(model, {}).items():
-        text, n = re.subn(r'(parameters \{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*(")',
-                          lambda m, v=value: m.group(1) + v + m.group(2), text)
+        text, n = re.subn(
+            r'(parameters \{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*(")',
+            lambda m, v=value: m.group(1) + v + m.group(2),
+            text,
+        )
         if n != 1 and not variant:
             raise ValueError(f"{model}/config.pbtxt: no parameter {key} to set for the before phase")
     return text
@@ -627,6 +714,7 @@ def before_repository(source: Path, target: Path, alt_configs: Path | None = Non
 @dataclass
 class Point:
     """The rounds of one phase, workload and concurrency: medians, and the largest max."""
+
     phase: str
     workload: str
     concurrency: int
@@ -668,15 +756,30 @@ def points(windows: Sequence[Window]) -> list[Point]:
         for model in {m for w in ws for m in w.stats}:
             per = [w.stats[model] for w in ws if model in w.stats]
             stats[model] = {k: median([s[k] for s in per]) for k in ("batch", "queue_ms", "compute_ms")}
-        out.append(Point(phase, workload, conc, len(ws), sum(w.requests for w in ws), sum(w.errors for w in ws),
-                         median([w.rps for w in ws]), median([w.p50_ms for w in ws]), median(p99s),
-                         max((w.max_ms for w in ws if w.max_ms is not None), default=None),
-                         (min(p99s), max(p99s)) if p99s else None,
-                         median([w.client_cores for w in ws]), median([w.server_cores for w in ws]),
-                         median([w.server_wait_cores for w in ws]), median([w.machine_cores for w in ws]), stats,
-                         median([w.ttft_p50_ms for w in ws]), median([w.ttft_p99_ms for w in ws]),
-                         max((w.ttft_max_ms for w in ws if w.ttft_max_ms is not None), default=None),
-                         median([w.gateway_cores for w in ws])))
+        out.append(
+            Point(
+                phase,
+                workload,
+                conc,
+                len(ws),
+                sum(w.requests for w in ws),
+                sum(w.errors for w in ws),
+                median([w.rps for w in ws]),
+                median([w.p50_ms for w in ws]),
+                median(p99s),
+                max((w.max_ms for w in ws if w.max_ms is not None), default=None),
+                (min(p99s), max(p99s)) if p99s else None,
+                median([w.client_cores for w in ws]),
+                median([w.server_cores for w in ws]),
+                median([w.server_wait_cores for w in ws]),
+                median([w.machine_cores for w in ws]),
+                stats,
+                median([w.ttft_p50_ms for w in ws]),
+                median([w.ttft_p99_ms for w in ws]),
+                max((w.ttft_max_ms for w in ws if w.ttft_max_ms is not None), default=None),
+                median([w.gateway_cores for w in ws]),
+            )
+        )
     return out
 
 
@@ -688,10 +791,17 @@ def targets(results: Sequence[Point], concurrency: int, phase: str = "after", lo
     by = {(r.phase, r.workload, r.concurrency): r for r in results}
 
     def row(target: str, value: float | None, limit: float, r: Point, detail: str) -> None:
-        rows.append({"target": target, "value": value, "limit": limit, "detail": detail,
-                     "met": value is not None and value <= limit and not r.errors,
-                     "cores": f"client {_f(r.client_cores, 2)}, server {_f(r.server_cores, 2)} "
-                              f"(waiting {_f(r.server_wait_cores, 2)}), machine {_f(r.machine_cores, 2)}"})
+        rows.append(
+            {
+                "target": target,
+                "value": value,
+                "limit": limit,
+                "detail": detail,
+                "met": value is not None and value <= limit and not r.errors,
+                "cores": f"client {_f(r.client_cores, 2)}, server {_f(r.server_cores, 2)} "
+                f"(waiting {_f(r.server_wait_cores, 2)}), machine {_f(r.machine_cores, 2)}",
+            }
+        )
 
     for name in WORKLOADS:
         r = by.get((phase, name, concurrency))
@@ -699,32 +809,48 @@ def targets(results: Sequence[Point], concurrency: int, phase: str = "after", lo
             continue
         c = f"c{concurrency}"
         if name in HIT_WORKLOADS:
-            row(f"{name}, {c}: P99 <= {TARGET_HITS_P99_MS:g} ms", r.p99_ms, TARGET_HITS_P99_MS, r,
-                f"P99 {_f(r.p99_ms)} ms")
+            row(f"{name}, {c}: P99 <= {TARGET_HITS_P99_MS:g} ms", r.p99_ms, TARGET_HITS_P99_MS, r, f"P99 {_f(r.p99_ms)} ms")
         else:
             what = "answer " if name in STREAM_WORKLOADS else ""
-            row(f"{name}, {c}: {what}P99 <= {TARGET_P99_OVER_P50:g} x P50", r.p99_over_p50, TARGET_P99_OVER_P50, r,
-                f"P50 {_f(r.p50_ms)}, P99 {_f(r.p99_ms)} ms")
+            row(
+                f"{name}, {c}: {what}P99 <= {TARGET_P99_OVER_P50:g} x P50",
+                r.p99_over_p50,
+                TARGET_P99_OVER_P50,
+                r,
+                f"P50 {_f(r.p50_ms)}, P99 {_f(r.p99_ms)} ms",
+            )
         if name in STREAM_WORKLOADS and r.ttft_p50_ms:
-            row(f"{name}, {c}: TTFT P99 <= {TARGET_P99_OVER_P50:g} x P50", (r.ttft_p99_ms or 0) / r.ttft_p50_ms,
-                TARGET_P99_OVER_P50, r, f"TTFT P50 {_f(r.ttft_p50_ms)}, P99 {_f(r.ttft_p99_ms)} ms")
+            row(
+                f"{name}, {c}: TTFT P99 <= {TARGET_P99_OVER_P50:g} x P50",
+                (r.ttft_p99_ms or 0) / r.ttft_p50_ms,
+                TARGET_P99_OVER_P50,
+                r,
+                f"TTFT P50 {_f(r.ttft_p50_ms)}, P99 {_f(r.ttft_p99_ms)} ms",
+            )
         if long:
-            row(f"{name}, {c}: max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)", r.max_over_p50,
-                TARGET_MAX_OVER_P50, r, f"P50 {_f(r.p50_ms)}, max {_f(r.max_ms)} ms")
+            row(
+                f"{name}, {c}: max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)",
+                r.max_over_p50,
+                TARGET_MAX_OVER_P50,
+                r,
+                f"P50 {_f(r.p50_ms)}, max {_f(r.max_ms)} ms",
+            )
             if name in STREAM_WORKLOADS and r.ttft_p50_ms:
-                row(f"{name}, {c}: TTFT max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)",
-                    (r.ttft_max_ms or 0) / r.ttft_p50_ms, TARGET_MAX_OVER_P50, r,
-                    f"TTFT P50 {_f(r.ttft_p50_ms)}, max {_f(r.ttft_max_ms)} ms")
+                row(
+                    f"{name}, {c}: TTFT max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)",
+                    (r.ttft_max_ms or 0) / r.ttft_p50_ms,
+                    TARGET_MAX_OVER_P50,
+                    r,
+                    f"TTFT P50 {_f(r.ttft_p50_ms)}, max {_f(r.ttft_max_ms)} ms",
+                )
     return rows
 
 
 def targets_table(rows: Sequence[dict]) -> str:
     """The targets as a markdown table: each target, the figure, PASS / FAIL, and the CPU beside it."""
-    lines = ["| target | value | result | from | CPU cores (client, server, machine) |",
-             "| --- | ---: | --- | --- | --- |"]
+    lines = ["| target | value | result | from | CPU cores (client, server, machine) |", "| --- | ---: | --- | --- | --- |"]
     for t in rows:
-        lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {'PASS' if t['met'] else 'FAIL'} | {t['detail']} | "
-                     f"{t['cores']} |")
+        lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {'PASS' if t['met'] else 'FAIL'} | {t['detail']} | {t['cores']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -734,35 +860,52 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Sequence[dict]) -> str:
     lines = list(header) + [
-        "", "| workload | conc. | phase | requests/s | P50 ms | P99 ms (rounds) | max ms | P99/P50 | errors | "
-            "client cores | server cores | server waiting | machine cores |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        "",
+        "| workload | conc. | phase | requests/s | P50 ms | P99 ms (rounds) | max ms | P99/P50 | errors | "
+        "client cores | server cores | server waiting | machine cores |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     ordered = sorted(results, key=lambda r: (WORKLOADS.index(r.workload), r.concurrency, r.phase != "before", r.phase))
     for r in ordered:
         spread = f" ({_f(r.p99_range[0])}-{_f(r.p99_range[1])})" if r.p99_range and r.rounds > 1 else ""
-        lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0 if r.rps and r.rps > 100 else 1)} | "
-                     f"{_f(r.p50_ms)} | {_f(r.p99_ms)}{spread} | {_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} | "
-                     f"{_f(r.client_cores, 2)} | {_f(r.server_cores, 2)} | {_f(r.server_wait_cores, 2)} | "
-                     f"{_f(r.machine_cores, 2)} |")
+        lines.append(
+            f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0 if r.rps and r.rps > 100 else 1)} | "
+            f"{_f(r.p50_ms)} | {_f(r.p99_ms)}{spread} | {_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} | "
+            f"{_f(r.client_cores, 2)} | {_f(r.server_cores, 2)} | {_f(r.server_wait_cores, 2)} | "
+            f"{_f(r.machine_cores, 2)} |"
+        )
     streams = [r for r in ordered if r.workload in STREAM_WORKLOADS]
     if streams:
-        lines += ["", "Streams (P50/P99/max above are of the whole answer): time to the first text piece.", "",
-                  ("| workload | conc. | phase | answers/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | TTFT P99/P50 | "
-                   "gateway cores |"), "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "Streams (P50/P99/max above are of the whole answer): time to the first text piece.",
+            "",
+            ("| workload | conc. | phase | answers/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | TTFT P99/P50 | gateway cores |"),
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in streams:
             ratio = r.ttft_p99_ms / r.ttft_p50_ms if r.ttft_p99_ms and r.ttft_p50_ms else None
-            lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 1)} | {_f(r.ttft_p50_ms)} | "
-                         f"{_f(r.ttft_p99_ms)} | {_f(r.ttft_max_ms)} | {_f(ratio, 2)} | {_f(r.gateway_cores, 2)} |")
+            lines.append(
+                f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 1)} | {_f(r.ttft_p50_ms)} | "
+                f"{_f(r.ttft_p99_ms)} | {_f(r.ttft_max_ms)} | {_f(ratio, 2)} | {_f(r.gateway_cores, 2)} |"
+            )
     if target_rows:
         lines += ["", "Targets:", "", targets_table(target_rows).rstrip("\n")]
-    lines += ["", "Where the time goes (/v2/models/stats, medians over rounds): mean batch, queue ms and "
-                  "compute ms per request of each model the workload reached.", "",
-              "| workload | conc. | phase | model | batch | queue ms | compute ms |", "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "Where the time goes (/v2/models/stats, medians over rounds): mean batch, queue ms and "
+        "compute ms per request of each model the workload reached.",
+        "",
+        "| workload | conc. | phase | model | batch | queue ms | compute ms |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
     for r in ordered:
         for model in (m for m in STATS_MODELS if m in r.stats):
             s = r.stats[model]
-            lines.append(f"| {r.workload} | {r.concurrency} | {r.phase} | {model} | {_f(s['batch'], 2)} | "
-                         f"{_f(s['queue_ms'], 2)} | {_f(s['compute_ms'], 2)} |")
+            lines.append(
+                f"| {r.workload} | {r.concurrency} | {r.phase} | {model} | {_f(s['batch'], 2)} | "
+                f"{_f(s['queue_ms'], 2)} | {_f(s['compute_ms'], 2)} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -776,29 +919,48 @@ def chat_prompts() -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.bench.tail", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.tail", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     p.add_argument("--concurrency", default="4,32", help="comma-separated connection counts (default 4,32)")
-    p.add_argument("--phases", default="after,before",
-                   help="after (shipped configs) and/or before (stall settings; 'alt' with --alt-configs)")
-    p.add_argument("--alt-configs", type=Path,
-                   help="a folder of <model>/config.pbtxt (and <model>/configs/*.pbtxt) the second server serves "
-                        "instead of the stall settings (phase 'alt')")
+    p.add_argument(
+        "--phases",
+        default="after,before",
+        help="after (shipped configs) and/or before (stall settings; 'alt' with --alt-configs)",
+    )
+    p.add_argument(
+        "--alt-configs",
+        type=Path,
+        help="a folder of <model>/config.pbtxt (and <model>/configs/*.pbtxt) the second server serves "
+        "instead of the stall settings (phase 'alt')",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (default 3)")
     p.add_argument("--duration", type=float, default=4.0, help="measured seconds per window (default 4)")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window (default 1)")
-    p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
-                   help="load generator: wrk when installed (auto, default) or the asyncio client; "
-                        "image_classification always uses the asyncio client")
+    p.add_argument(
+        "--client",
+        choices=("auto", "wrk", "python"),
+        default="auto",
+        help="load generator: wrk when installed (auto, default) or the asyncio client; "
+        "image_classification always uses the asyncio client",
+    )
     p.add_argument("--precision", default="cpu", help="what the server serves, as `make serve PRECISION=` (default cpu)")
     p.add_argument("--cache-size-mb", type=int, default=64, help="Triton's response cache (default 64, as make serve)")
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/tail-<UTC time>)")
-    p.add_argument("--long", type=float, metavar="SECONDS",
-                   help="long mode: one window of SECONDS per workload and phase at concurrency 32 (unless "
-                        "--concurrency names others), and the max <= 5 x P50 target checked on it")
-    p.add_argument("--max-tokens", type=int, default=8,
-                   help="new tokens per streamed answer (ignore_eos, greedy) of the generation workloads (default 8)")
+    p.add_argument(
+        "--long",
+        type=float,
+        metavar="SECONDS",
+        help="long mode: one window of SECONDS per workload and phase at concurrency 32 (unless "
+        "--concurrency names others), and the max <= 5 x P50 target checked on it",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=8,
+        help="new tokens per streamed answer (ignore_eos, greedy) of the generation workloads (default 8)",
+    )
     args = p.parse_args(argv)
     if args.long is not None:
         if args.long <= 0:
@@ -817,8 +979,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--phases: after, {second} or both")
     if args.alt_configs and not args.alt_configs.is_dir():
         p.error(f"--alt-configs {args.alt_configs}: not a folder")
-    if not args.concurrency_list or min(args.concurrency_list) < 1 or args.duration <= 0 or args.rounds < 1 \
-            or args.max_tokens < 1:
+    if (
+        not args.concurrency_list
+        or min(args.concurrency_list) < 1
+        or args.duration <= 0
+        or args.rounds < 1
+        or args.max_tokens < 1
+    ):
         p.error("--concurrency, --duration, --rounds and --max-tokens must be positive")
     if args.client == "wrk" and not shutil.which("wrk"):
         p.error("--client wrk: wrk is not installed (Debian package wrk)")
@@ -868,12 +1035,21 @@ def run(args: argparse.Namespace) -> int:
             repository = ROOT / "model_repository"
             if phase != "after":
                 repository = before_repository(repository, workdir / f"repository-{phase}", args.alt_configs)
-            servers[phase] = TritonServer(ServerOptions.with_free_ports(
-                workdir=workdir / phase, model_repository=repository, models=models,
-                model_config_name=served.config_name, cache_size_bytes=args.cache_size_mb * 1024 * 1024,
-                repository_token=secrets.token_urlsafe(16), front_door=False))
-            say(f"perf.bench.tail: starting tritonserver for {phase} ({', '.join(models)}; "
-                f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)")
+            servers[phase] = TritonServer(
+                ServerOptions.with_free_ports(
+                    workdir=workdir / phase,
+                    model_repository=repository,
+                    models=models,
+                    model_config_name=served.config_name,
+                    cache_size_bytes=args.cache_size_mb * 1024 * 1024,
+                    repository_token=secrets.token_urlsafe(16),
+                    front_door=False,
+                )
+            )
+            say(
+                f"perf.bench.tail: starting tritonserver for {phase} ({', '.join(models)}; "
+                f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)"
+            )
             servers[phase].start()
         for phase, server in servers.items():
             try:
@@ -886,22 +1062,31 @@ def run(args: argparse.Namespace) -> int:
             from server.process import free_port
 
             for phase, server in servers.items():
-                gateways[phase] = GatewayProcess(GatewayOptions(
-                    server.triton_grpc_url, port=free_port(), workdir=workdir / f"gateway-{phase}",
-                    api_key_file=workdir / "gateway-api-key", env={"GATEWAY_API_KEYS": api_key}, drain_timeout=5,
-                    extra_args=["--rate-limit", "0", "--no-request-log"])).start()
+                gateways[phase] = GatewayProcess(
+                    GatewayOptions(
+                        server.triton_grpc_url,
+                        port=free_port(),
+                        workdir=workdir / f"gateway-{phase}",
+                        api_key_file=workdir / "gateway-api-key",
+                        env={"GATEWAY_API_KEYS": api_key},
+                        drain_timeout=5,
+                        extra_args=["--rate-limit", "0", "--no-request-log"],
+                    )
+                ).start()
             for phase, gateway in gateways.items():
                 gateway.wait_ready(timeout=120)
                 say(f"perf.bench.tail: gateway for {phase} ready on {gateway.url}")
         if "before" in servers:
-            with urllib.request.urlopen(f"http://{servers['before'].triton_http_url}/v2/models/text_tokenizer/config",
-                                        timeout=10) as r:
+            with urllib.request.urlopen(
+                f"http://{servers['before'].triton_http_url}/v2/models/text_tokenizer/config", timeout=10
+            ) as r:
                 levels = int(json.loads(r.read()).get("dynamic_batching", {}).get("priority_levels", 0))
             if levels != 2:
                 raise RuntimeError(f"before phase: text_tokenizer serves priority_levels {levels}, not 2")
             if "text_generation" in models:
                 with urllib.request.urlopen(
-                        f"http://{servers['before'].triton_http_url}/v2/models/text_generation/config", timeout=10) as r:
+                    f"http://{servers['before'].triton_http_url}/v2/models/text_generation/config", timeout=10
+                ) as r:
                     params = json.loads(r.read()).get("parameters", {})
                 for key, value in BEFORE_PARAMETERS["text_generation"].items():
                     if params.get(key, {}).get("string_value") != value:
@@ -926,8 +1111,7 @@ def run(args: argparse.Namespace) -> int:
                         if not stream:
                             warm_up(url, w, conc, args.warmup, scripts.get(name))
                             if use_wrk:
-                                scripts[name].write_text(wrk_script(work[name], sentences,
-                                                                    f"{nonce}-{secrets.token_hex(3)}"))
+                                scripts[name].write_text(wrk_script(work[name], sentences, f"{nonce}-{secrets.token_hex(3)}"))
                         meter = CpuMeter(server.process.pid if server.process else None)
                         gw_meter = CpuMeter(gateway.process.pid) if gateway is not None and gateway.process else None
                         stats0 = model_stats(server.triton_http_url)
@@ -936,8 +1120,7 @@ def run(args: argparse.Namespace) -> int:
                             gw_meter.start()
                         if stream:
                             target = gateway.url if gateway else server.triton_grpc_url
-                            measure_stream(w, target, api_key, prompts, args.max_tokens, window, args.duration,
-                                           args.warmup)
+                            measure_stream(w, target, api_key, prompts, args.max_tokens, window, args.duration, args.warmup)
                         elif use_wrk:
                             measure_wrk(url, w, window, scripts[name], args.duration)
                         else:
@@ -949,14 +1132,20 @@ def run(args: argparse.Namespace) -> int:
                         meter.stop(window)
                         window.stats = stats_delta(stats0, model_stats(server.triton_http_url))
                         windows.append(window)
-                        say(f"{phase:6} {name:28} c{conc:<3} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
+                        say(
+                            f"{phase:6} {name:28} c{conc:<3} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
                             f"P50 {_f(window.p50_ms):>7}  P99 {_f(window.p99_ms):>7}  max {_f(window.max_ms):>7} ms  "
                             f"client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
                             f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores  "
-                            + (f"TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)} "
-                               f"max {_f(window.ttft_max_ms)}  " if stream else "")
-                            + (f"gateway {_f(window.gateway_cores, 2)} cores  " if gateway else "") +
-                            f"errors {window.errors}" + (f" ({window.first_error})" if window.first_error else ""))
+                            + (
+                                f"TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)} max {_f(window.ttft_max_ms)}  "
+                                if stream
+                                else ""
+                            )
+                            + (f"gateway {_f(window.gateway_cores, 2)} cores  " if gateway else "")
+                            + f"errors {window.errors}"
+                            + (f" ({window.first_error})" if window.first_error else "")
+                        )
     finally:
         for phase, gateway in gateways.items():
             gateway.stop()
@@ -972,19 +1161,22 @@ def run(args: argparse.Namespace) -> int:
     main_phase = "after" if "after" in args.phase_list else args.phase_list[0]
     target_rows = targets(results, max(args.concurrency_list), main_phase, long=args.long is not None)
     second = "a second server on the same machine with " + (
-        f"the configs of {args.alt_configs}" if args.alt_configs else "the old settings")
+        f"the configs of {args.alt_configs}" if args.alt_configs else "the old settings"
+    )
     header = [
         "# Latency tail per model and ensemble, side by side",
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
         f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- command: `{' '.join(['python -m perf.bench.tail', *args.argv])}`",
-        (f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
-         f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
-         f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver "
-         "(gateway_*: to an OpenAI gateway in front of each server); unique texts and images per request (hits: 60 "
-         f"texts sent once first); streams: asyncio clients (SSE; gRPC for text_generation_stream), {args.max_tokens} "
-         "new tokens (ignore_eos, greedy), the prompts of perf/data/generation_prompts.json in turn"),
+        (
+            f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
+            f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "
+            f"client {'wrk (1 thread, Lua)' if args.use_wrk else 'asyncio'} over HTTP keep-alive, straight to tritonserver "
+            "(gateway_*: to an OpenAI gateway in front of each server); unique texts and images per request (hits: 60 "
+            f"texts sent once first); streams: asyncio clients (SSE; gRPC for text_generation_stream), {args.max_tokens} "
+            "new tokens (ignore_eos, greedy), the prompts of perf/data/generation_prompts.json in turn"
+        ),
         "- figures: medians over the rounds (P99 range in brackets), max the largest; cores: CPU seconds per second; "
         "server waiting: seconds per second the server's threads were runnable but waited for a CPU (schedstat)",
     ]

@@ -55,8 +55,9 @@ def load(path: Path) -> dict[int, Span]:
         tid = record["id"]
         span = spans.get(tid)
         if span is None:
-            span = spans[tid] = Span(tid, record.get("model_name", ""), str(record.get("model_version", "")),
-                                     record.get("parent_id"))
+            span = spans[tid] = Span(
+                tid, record.get("model_name", ""), str(record.get("model_version", "")), record.get("parent_id")
+            )
         if "model_name" in record:
             span.model = record["model_name"]
         if record.get("parent_id"):
@@ -122,8 +123,8 @@ def analyse(spans: dict[int, Span], model: str = MODEL) -> Report:
                 sums[k].append(v)
         return {k: statistics.mean(v) for k, v in sorted(sums.items())}
 
-    middle = tops[max(0, n // 2 - 20): n // 2 + 20]
-    slowest = tops[int(n * 0.99):] or tops[-1:]
+    middle = tops[max(0, n // 2 - 20) : n // 2 + 20]
+    slowest = tops[int(n * 0.99) :] or tops[-1:]
 
     executions: dict[str, dict[str, float]] = {}
     gaps: dict[str, list[float]] = {}
@@ -147,21 +148,40 @@ def analyse(spans: dict[int, Span], model: str = MODEL) -> Report:
                 if waited_from < b:
                     idle.append((b - waited_from) / 1e6)
             busy_until = e if busy_until is None else max(busy_until, e)
-        executions[name] = {"executions": len(runs), "median_ms": statistics.median(durations),
-                            "max_ms": max(durations), "max_gap_ms": max(idle, default=0.0)}
+        executions[name] = {
+            "executions": len(runs),
+            "median_ms": statistics.median(durations),
+            "max_ms": max(durations),
+            "max_gap_ms": max(idle, default=0.0),
+        }
         gaps[name] = sorted(idle)[-5:]
-    return Report(n, statistics.median(totals), totals[min(n - 1, int(n * 0.99))], totals[-1], parts(middle),
-                  parts(slowest), executions, gaps)
+    return Report(
+        n,
+        statistics.median(totals),
+        totals[min(n - 1, int(n * 0.99))],
+        totals[-1],
+        parts(middle),
+        parts(slowest),
+        executions,
+        gaps,
+    )
 
 
 def markdown(r: Report) -> str:
     keys = sorted(set(r.median_parts) | set(r.slowest_parts), key=lambda k: (k == "total", k))
-    lines = [f"{r.requests} traced requests: p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms, max {r.max_ms:.1f} ms.", "",
-             "| mean ms per request | median requests | slowest 1 % |", "| --- | ---: | ---: |"]
+    lines = [
+        f"{r.requests} traced requests: p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms, max {r.max_ms:.1f} ms.",
+        "",
+        "| mean ms per request | median requests | slowest 1 % |",
+        "| --- | ---: | ---: |",
+    ]
     for k in keys:
         lines.append(f"| {k} | {r.median_parts.get(k, 0.0):.1f} | {r.slowest_parts.get(k, 0.0):.1f} |")
-    lines += ["", "| model | executions | median execution (ms) | longest execution (ms) | "
-                  "longest idle gap with requests queued (ms) |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "| model | executions | median execution (ms) | longest execution (ms) | longest idle gap with requests queued (ms) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name, e in sorted(r.executions.items()):
         lines.append(f"| {name} | {e['executions']:.0f} | {e['median_ms']:.1f} | {e['max_ms']:.1f} | {e['max_gap_ms']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -174,11 +194,16 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
     from server.process import ServerOptions, TritonServer
 
     served = served_mod.served_encoder(args.precision)
-    extra = (f"--trace-config=triton,file={trace_path}", "--trace-config=rate=1",
-             "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1")
+    extra = (
+        f"--trace-config=triton,file={trace_path}",
+        "--trace-config=rate=1",
+        "--trace-config=level=TIMESTAMPS",
+        "--trace-config=count=-1",
+    )
     workdir = Path(tempfile.mkdtemp(prefix="perf-trace-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,),
-                                                        model_config_name=served.config_name, extra_args=extra))
+    server = TritonServer(
+        ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_config_name=served.config_name, extra_args=extra)
+    )
     server.start()
     try:
         server.wait_ready(timeout=240)
@@ -188,17 +213,31 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
             instances, threads = args.encoder_layout
             base = autotune.served_config(server.http_url)
             batching = base.get("dynamic_batching", {})
-            candidate = autotune.Candidate(int(batching.get("max_queue_delay_microseconds", 0)),
-                                           int((batching.get("preferred_batch_size") or [0])[0]), instances, threads)
+            candidate = autotune.Candidate(
+                int(batching.get("max_queue_delay_microseconds", 0)),
+                int((batching.get("preferred_batch_size") or [0])[0]),
+                instances,
+                threads,
+            )
             autotune.load_config(server.http_url, autotune.ENCODER, autotune.apply_candidate(base, candidate))
-            print(f"perf.bench.trace_report: text_encoder reloaded as {instances} instance(s) x {threads} thread(s)",
-                  flush=True)
+            print(f"perf.bench.trace_report: text_encoder reloaded as {instances} instance(s) x {threads} thread(s)", flush=True)
         binary, env = pa.check()
-        base = pa.Settings(model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=args.concurrency,
-                           input_data=args.input_data, request_count=args.requests, stability_percent=100,
-                           max_trials=2, timeout_s=args.timeout)
-        settings = base if not args.rate else harness.RateSettings(
-            **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, request_rate=args.rate)
+        base = pa.Settings(
+            model=MODEL,
+            url=server.grpc_url,
+            protocol="grpc",
+            concurrency=args.concurrency,
+            input_data=args.input_data,
+            request_count=args.requests,
+            stability_percent=100,
+            max_trials=2,
+            timeout_s=args.timeout,
+        )
+        settings = (
+            base
+            if not args.rate
+            else harness.RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, request_rate=args.rate)
+        )
         load = f"Poisson {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}"
         print(f"perf.bench.trace_report: {MODEL} ({served.variant} encoder), {load}, every request traced", flush=True)
         try:
@@ -224,20 +263,27 @@ def _layout(text: str) -> tuple[int, int]:
 def main(argv: Iterable[str] | None = None) -> int:
     from perf.lib import served as served_mod
 
-    p = argparse.ArgumentParser(prog="python -m perf.bench.trace_report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.bench.trace_report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--trace-file", type=Path, help="analyse this Triton trace file instead of running one")
     p.add_argument("--concurrency", type=int, default=22, help="perf_analyzer concurrency (default 22)")
     p.add_argument("--rate", type=float, help="Poisson request rate instead of a concurrency")
     p.add_argument("--requests", type=int, default=3000, help="requests per perf_analyzer window (default 3000)")
     p.add_argument("--precision", default="cpu", help="as `make serve PRECISION=` (default cpu)")
-    p.add_argument("--encoder-layout", type=_layout, metavar="NxT",
-                   help="reload text_encoder as N instances x T intra-op threads first (default: as configured)")
+    p.add_argument(
+        "--encoder-layout",
+        type=_layout,
+        metavar="NxT",
+        help="reload text_encoder as N instances x T intra-op threads first (default: as configured)",
+    )
     p.add_argument("--input-data", type=Path, default=served_mod.DEFAULT_INPUT)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the perf_analyzer run")
-    p.add_argument("--out", type=Path,
-                   help="also write the report here (default with a run: perf/results/trace-<UTC time>/report.md, "
-                        "beside trace.json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="also write the report here (default with a run: perf/results/trace-<UTC time>/report.md, beside trace.json)",
+    )
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.concurrency < 1 or args.requests < 1 or (args.rate is not None and args.rate <= 0):
         p.error("--concurrency, --requests and --rate must be positive")

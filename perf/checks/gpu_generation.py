@@ -67,9 +67,17 @@ SMOLLM2_135M = {
     "initializer_range": 0.05,
 }
 # A 2-layer model of the same head layout for the CPU test: seconds, not minutes.
-TINY = {**SMOLLM2_135M, "vocab_size": 2048, "hidden_size": 192, "intermediate_size": 384,
-        "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,
-        "initializer_range": 0.1}
+TINY = {
+    **SMOLLM2_135M,
+    "vocab_size": 2048,
+    "hidden_size": 192,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "initializer_range": 0.1,
+}
 
 DTYPES = ("float32", "bfloat16", "float16")
 # First-step logits of a correct engine differ from transformers' by rounding only
@@ -93,6 +101,7 @@ class IdTokenizer:
 
 
 # ---- the checkpoint ------------------------------------------------------------------------
+
 
 def build_checkpoint(folder: str | Path, arch: dict = SMOLLM2_135M, seed: int = SEED) -> Path:
     """A random-init LlamaForCausalLM of ``arch`` saved (FP32 safetensors + config.json) in ``folder``."""
@@ -127,15 +136,23 @@ def load_hf(folder: Path, dtype: torch.dtype, device: torch.device):
     return LlamaForCausalLM.from_pretrained(str(folder), **kw).to(device).eval()
 
 
-def make_engine(folder: Path, device: torch.device, dtype: str, max_num_seqs: int = 128,
-                num_blocks: int = 2048):
+def make_engine(folder: Path, device: torch.device, dtype: str, max_num_seqs: int = 128, num_blocks: int = 2048):
     """The engine as the served model builds it; 2,048 blocks of 16 hold 128 streams of 224 tokens."""
     from python_backends.generation.engine import EngineConfig, LLMEngine
 
-    cfg = EngineConfig(model_dir=folder, device=str(device), dtype=dtype, block_size=16,
-                       num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=512, max_waiting=1024, max_model_len=1024,
-                       max_tokens_limit=512, enable_prefix_caching=True)
+    cfg = EngineConfig(
+        model_dir=folder,
+        device=str(device),
+        dtype=dtype,
+        block_size=16,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=512,
+        max_waiting=1024,
+        max_model_len=1024,
+        max_tokens_limit=512,
+        enable_prefix_caching=True,
+    )
     return LLMEngine(cfg, tokenizer=IdTokenizer())
 
 
@@ -152,15 +169,22 @@ def _sync(device: torch.device) -> None:
 
 # ---- (a) tokens and (b) logits ---------------------------------------------------------
 
+
 @torch.inference_mode()
 def hf_greedy_one_at_a_time(model, prompts, new_tokens: int) -> list[list[int]]:
     dev = model.device
     out = []
     for p in prompts:
         ids = torch.tensor([p], device=dev)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 
@@ -232,8 +256,9 @@ def compare_tokens(mode: str, reference: list[list[int]], got: list[list[int]]) 
         matched += len(ref) if j is None else j
         total += len(ref)
     diverged = [j for j in firsts if j is not None]
-    parity = Parity(mode, matched / total if total else 1.0, firsts.count(None), len(reference),
-                    min(diverged) if diverged else None, None)
+    parity = Parity(
+        mode, matched / total if total else 1.0, firsts.count(None), len(reference), min(diverged) if diverged else None, None
+    )
     return parity, firsts
 
 
@@ -262,8 +287,15 @@ class DtypeResult:
         return all(p.identical for p in self.parity) and self.logits_max_abs_diff <= FP32_LOGITS_TOL
 
 
-def check_parity(model_dir: Path, device: torch.device, dtype: str, prompts, new_tokens: int,
-                 engine_model_dir: Path | None = None, hf_model=None) -> DtypeResult:
+def check_parity(
+    model_dir: Path,
+    device: torch.device,
+    dtype: str,
+    prompts,
+    new_tokens: int,
+    engine_model_dir: Path | None = None,
+    hf_model=None,
+) -> DtypeResult:
     """(a) and (b) in one dtype. ``engine_model_dir`` (default ``model_dir``) lets a test feed the
     engine other weights than transformers, to see the check fail."""
     from python_backends.generation.model_runner import DTYPES as ENGINE_DTYPES
@@ -308,6 +340,7 @@ def check_parity(model_dir: Path, device: torch.device, dtype: str, prompts, new
 
 # ---- (c) throughput -------------------------------------------------------------------------
 
+
 @torch.inference_mode()
 def hf_static_batch(model, prompts, new_tokens: int) -> int:
     """One left-padded generate() over all prompts; returns the tokens generated."""
@@ -316,17 +349,24 @@ def hf_static_batch(model, prompts, new_tokens: int) -> int:
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
     mask = torch.zeros_like(ids)
     for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, device=dev)
-        mask[r, width - len(p):] = 1
-    gen = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0)
+        ids[r, width - len(p) :] = torch.tensor(p, device=dev)
+        mask[r, width - len(p) :] = 1
+    gen = model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
     _sync(dev)
     return (gen.shape[1] - width) * len(prompts)
 
 
-def measure_throughput(model_dir: Path, device: torch.device, dtype: str, streams=STREAMS,
-                       new_tokens: int = THROUGHPUT_NEW_TOKENS, serial_requests: int = 3,
-                       hf_model=None) -> list[dict]:
+def measure_throughput(
+    model_dir: Path,
+    device: torch.device,
+    dtype: str,
+    streams=STREAMS,
+    new_tokens: int = THROUGHPUT_NEW_TOKENS,
+    serial_requests: int = 3,
+    hf_model=None,
+) -> list[dict]:
     """Tokens/s of the engine at each stream count, and of generate() serial and static-batched."""
     from python_backends.generation.model_runner import DTYPES as ENGINE_DTYPES
 
@@ -360,13 +400,15 @@ def measure_throughput(model_dir: Path, device: torch.device, dtype: str, stream
         start = time.perf_counter()
         hf_tokens = hf_static_batch(model, batch, new_tokens)
         hf_s = time.perf_counter() - start
-        rows.append({
-            "streams": n,
-            "engine_tok_s": eng_tokens / eng_s,
-            "hf_static_batch_tok_s": hf_tokens / hf_s,
-            "hf_one_at_a_time_tok_s": hf_serial,
-            "engine_steps_s": eng_s,
-        })
+        rows.append(
+            {
+                "streams": n,
+                "engine_tok_s": eng_tokens / eng_s,
+                "hf_static_batch_tok_s": hf_tokens / hf_s,
+                "hf_one_at_a_time_tok_s": hf_serial,
+                "engine_steps_s": eng_s,
+            }
+        )
     preemptions = engine.stats()["num_preemptions"]
     for r in rows:
         r["engine_preemptions"] = preemptions  # over all stream counts: 0 means the pool held every stream
@@ -385,9 +427,20 @@ def _free(device: torch.device) -> None:
 
 # ---- the run ----------------------------------------------------------------------------------
 
-def run_checks(model_dir: Path, device: torch.device, dtypes=DTYPES, *, prompt_lengths=PARITY_PROMPT_LENGTHS,
-               new_tokens: int = PARITY_NEW_TOKENS, streams=STREAMS, throughput_tokens: int = THROUGHPUT_NEW_TOKENS,
-               throughput: bool = True, engine_model_dir: Path | None = None, log=print) -> list[DtypeResult]:
+
+def run_checks(
+    model_dir: Path,
+    device: torch.device,
+    dtypes=DTYPES,
+    *,
+    prompt_lengths=PARITY_PROMPT_LENGTHS,
+    new_tokens: int = PARITY_NEW_TOKENS,
+    streams=STREAMS,
+    throughput_tokens: int = THROUGHPUT_NEW_TOKENS,
+    throughput: bool = True,
+    engine_model_dir: Path | None = None,
+    log=print,
+) -> list[DtypeResult]:
     """Parity (and throughput unless ``throughput`` is false) in each dtype on ``device``."""
     from python_backends.generation.model_runner import DTYPES as ENGINE_DTYPES
 
@@ -420,35 +473,59 @@ def _fmt_gap(p: Parity) -> str:
 
 
 def format_report(results: list[DtypeResult]) -> str:
-    lines = ["## Greedy tokens: engine vs transformers generate() one prompt at a time", "",
-             "| dtype | engine mode | matching prefix | prompts identical | first divergence (reference logit gap) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Greedy tokens: engine vs transformers generate() one prompt at a time",
+        "",
+        "| dtype | engine mode | matching prefix | prompts identical | first divergence (reference logit gap) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         for p in r.parity:
-            lines.append(f"| {r.dtype} | {p.mode} | {100 * p.matching_prefix:.1f} % | "
-                         f"{p.prompts_identical}/{p.num_prompts} | {_fmt_gap(p)} |")
-    lines += ["", "## First-step logits (engine FP32 output vs transformers, cast to FP32)", "",
-              ("| dtype | max abs diff | max abs logit | transformers vs its own float32 tokens "
-              "| distinct tokens per reference output |"),
-              "| --- | --- | --- | --- | --- |"]
+            lines.append(
+                f"| {r.dtype} | {p.mode} | {100 * p.matching_prefix:.1f} % | "
+                f"{p.prompts_identical}/{p.num_prompts} | {_fmt_gap(p)} |"
+            )
+    lines += [
+        "",
+        "## First-step logits (engine FP32 output vs transformers, cast to FP32)",
+        "",
+        (
+            "| dtype | max abs diff | max abs logit | transformers vs its own float32 tokens "
+            "| distinct tokens per reference output |"
+        ),
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         yard = "-" if r.hf_vs_hf_float32 is None else f"{100 * r.hf_vs_hf_float32:.1f} % matching prefix"
-        lines.append(f"| {r.dtype} | {r.logits_max_abs_diff:.3e} | {r.logits_max_abs:.2f} | {yard} "
-                     f"| {100 * r.reference_distinct:.0f} % |")
+        lines.append(
+            f"| {r.dtype} | {r.logits_max_abs_diff:.3e} | {r.logits_max_abs:.2f} | {yard} | {100 * r.reference_distinct:.0f} % |"
+        )
     if any(r.reference_distinct < 0.5 for r in results):
-        lines += ["", ("WARNING: the reference repeats itself (under 50 % distinct tokens): the random model "
-                  "is too flat for token parity to test the attention")]
+        lines += [
+            "",
+            (
+                "WARNING: the reference repeats itself (under 50 % distinct tokens): the random model "
+                "is too flat for token parity to test the attention"
+            ),
+        ]
     if any(r.throughput for r in results):
-        lines += ["", "## Tokens/s (new tokens per second of wall time, prefill included)", "",
-                  ("| dtype | streams | engine | generate() static batch | generate() one at a time | "
-                  "engine / static | engine / one at a time |"),
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## Tokens/s (new tokens per second of wall time, prefill included)",
+            "",
+            (
+                "| dtype | streams | engine | generate() static batch | generate() one at a time | "
+                "engine / static | engine / one at a time |"
+            ),
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in results:
             for t in r.throughput:
                 lines.append(
                     f"| {r.dtype} | {t['streams']} | {t['engine_tok_s']:.0f} | {t['hf_static_batch_tok_s']:.0f} | "
                     f"{t['hf_one_at_a_time_tok_s']:.0f} | {t['engine_tok_s'] / t['hf_static_batch_tok_s']:.2f} | "
-                    f"{t['engine_tok_s'] / t['hf_one_at_a_time_tok_s']:.2f} |")
+                    f"{t['engine_tok_s'] / t['hf_one_at_a_time_tok_s']:.2f} |"
+                )
     return "\n".join(lines)
 
 
@@ -460,8 +537,9 @@ def fp32_failures(results: list[DtypeResult]) -> list[str]:
             continue
         for p in r.parity:
             if not p.identical:
-                out.append(f"float32 {p.mode}: {p.num_prompts - p.prompts_identical} prompts differ, "
-                           f"first at token {_fmt_gap(p)}")
+                out.append(
+                    f"float32 {p.mode}: {p.num_prompts - p.prompts_identical} prompts differ, first at token {_fmt_gap(p)}"
+                )
         if r.logits_max_abs_diff > FP32_LOGITS_TOL:
             out.append(f"float32 first-step logits differ by {r.logits_max_abs_diff:.3e} > {FP32_LOGITS_TOL}")
     return out
@@ -470,8 +548,12 @@ def fp32_failures(results: list[DtypeResult]) -> list[str]:
 def environment(device: torch.device) -> dict:
     import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
-           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+    }
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return env
@@ -494,8 +576,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown dtype {bad[0]!r}: choose from {', '.join(DTYPES)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        reason = ("this PyTorch has no CUDA" if torch.version.cuda is None
-                  else "no CUDA device is visible (torch.cuda.is_available() is false)")
+        reason = (
+            "this PyTorch has no CUDA"
+            if torch.version.cuda is None
+            else "no CUDA device is visible (torch.cuda.is_available() is false)"
+        )
         print(f"skipped: {reason}; the check needs an NVIDIA GPU (torch {torch.__version__})")
         return 0
     # FP32 is compared as FP32: TF32 matmuls would round inputs to 10 mantissa bits.
@@ -507,17 +592,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-generation-check-") as tmp:
         t0 = time.perf_counter()
         folder = build_checkpoint(Path(tmp) / "model", arch)
-        print(f"random-init Llama ({arch['num_hidden_layers']} layers, hidden {arch['hidden_size']}, "
-              f"vocab {arch['vocab_size']}) saved in {time.perf_counter() - t0:.1f} s")
-        results = run_checks(folder, device, dtypes, streams=[int(s) for s in args.streams.split(",")],
-                             throughput_tokens=args.throughput_tokens, throughput=not args.no_throughput)
+        print(
+            f"random-init Llama ({arch['num_hidden_layers']} layers, hidden {arch['hidden_size']}, "
+            f"vocab {arch['vocab_size']}) saved in {time.perf_counter() - t0:.1f} s"
+        )
+        results = run_checks(
+            folder,
+            device,
+            dtypes,
+            streams=[int(s) for s in args.streams.split(",")],
+            throughput_tokens=args.throughput_tokens,
+            throughput=not args.no_throughput,
+        )
     print()
     print(format_report(results))
     failures = fp32_failures(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"environment": env, "arch": arch, "fp32_failures": failures,
-                   "results": [dict(dataclasses.asdict(r), reference=None) for r in results]}
+        payload = {
+            "environment": env,
+            "arch": arch,
+            "fp32_failures": failures,
+            "results": [dict(dataclasses.asdict(r), reference=None) for r in results],
+        }
         args.out.write_text(json.dumps(payload, indent=2))
     print()
     if failures:

@@ -104,6 +104,7 @@ class Mix:
         from clients.resilience import BreakerPolicy, EndpointPool
 
         http_url, grpc_url = cluster.http_url, cluster.grpc_url
+
         # One endpoint (the front door) for many calls in flight: the breaker opens only after
         # more consecutive failures than calls in flight (perf/drills/failover_bench.py says why).
         def pool(url):
@@ -111,11 +112,13 @@ class Mix:
 
         self.embed = AsyncEmbeddingClient(http_url, "http", timeout_s=30, deadline_s=60, pool=pool(http_url))
         self.embed_grpc = AsyncEmbeddingClient(grpc_url, "grpc", timeout_s=30, deadline_s=60, pool=pool(grpc_url))
-        self.cached = AsyncEmbeddingClient(http_url, "http", model="text_embedding_cached", timeout_s=30,
-                                           deadline_s=60, pool=pool(http_url))
+        self.cached = AsyncEmbeddingClient(
+            http_url, "http", model="text_embedding_cached", timeout_s=30, deadline_s=60, pool=pool(http_url)
+        )
         self.gen = AsyncGenerationClient(grpc_url, protocol="grpc", timeout_s=60, deadline_s=60, pool=pool(grpc_url))
-        self.openai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.ports['gateway']}/v1", api_key=KEY,
-                                         max_retries=4, timeout=60)
+        self.openai = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{cluster.ports['gateway']}/v1", api_key=KEY, max_retries=4, timeout=60
+        )
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         self.image_url = f"http://{http_url}/v2/models/image_classification/infer"
         self.texts = sentences()
@@ -154,8 +157,12 @@ class Mix:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {raw[:160]!r}")
         elif name == "generation":
-            stream = self.gen.chat_stream([{"role": "user", "content": self.rng.choice(self.prompts)}],
-                                          max_tokens=GEN_TOKENS, temperature=0, ignore_eos=True)
+            stream = self.gen.chat_stream(
+                [{"role": "user", "content": self.rng.choice(self.prompts)}],
+                max_tokens=GEN_TOKENS,
+                temperature=0,
+                ignore_eos=True,
+            )
             async with stream:
                 async for _ in stream:
                     pass
@@ -279,8 +286,9 @@ def ready(url: str) -> bool:
 class Faults:
     """Runs the schedule in its own thread (the event loop is busy with the load)."""
 
-    def __init__(self, cluster: failover_bench.ClusterRun, run: Run, duration_s: float, hostile: int,
-                 recovery_timeout_s: float, say):
+    def __init__(
+        self, cluster: failover_bench.ClusterRun, run: Run, duration_s: float, hostile: int, recovery_timeout_s: float, say
+    ):
         self.cluster, self.run, self.duration_s = cluster, run, duration_s
         self.hostile, self.timeout, self.say = hostile, recovery_timeout_s, say
         self.burst: dict = {}
@@ -327,6 +335,7 @@ class Faults:
         def back() -> bool:
             now = encoder_stubs(replica["pid"])
             return victim not in now and len(now) >= len(stubs) and ready(url)
+
         self._wait_for(fault, back)
 
     def _replica(self, fault: Fault) -> None:
@@ -338,6 +347,7 @@ class Faults:
         def back() -> bool:
             now = self.cluster.state()["replicas"][1]
             return now["pid"] != replica["pid"] and now["state"] == "ready"
+
         self._wait_for(fault, back)
 
     def _gateway(self, fault: Fault) -> None:
@@ -349,6 +359,7 @@ class Faults:
         def back() -> bool:
             now = self.cluster.state()["gateways"][0]
             return now["pid"] not in (None, gateway["pid"]) and now["state"] == "ready"
+
         self._wait_for(fault, back)
 
     def _redis(self, fault: Fault) -> None:
@@ -366,12 +377,18 @@ class Faults:
         fault.at_s = round(self._now(), 2)
         tally = fuzz.Tally()
         models = fuzz.served_models(self.cluster.http_url, MODELS)
-        fuzz.run_endpoint_fuzz(self.cluster.http_url, self.cluster.grpc_url, models, self.hostile, seed=23,
-                               say=lambda _m: None, tally=tally)
+        fuzz.run_endpoint_fuzz(
+            self.cluster.http_url, self.cluster.grpc_url, models, self.hostile, seed=23, say=lambda _m: None, tally=tally
+        )
         took = self._now() - fault.at_s
         bad = tally.bad()
-        self.burst = {"cases": tally.total(), "server errors": sum(bad.values()), "kinds": dict(bad),
-                      "findings": tally.findings[:10], "seconds": round(took, 1)}
+        self.burst = {
+            "cases": tally.total(),
+            "server errors": sum(bad.values()),
+            "kinds": dict(bad),
+            "findings": tally.findings[:10],
+            "seconds": round(took, 1),
+        }
         fault.detail = f"{tally.total()} hostile requests in {took:.1f} s, {sum(bad.values())} server errors"
         # afterwards: every stub of every replica the same process, every model ready on every replica
         lost = {i: sorted(before - set(stub_pids(replicas[i]["pid"]))) for i, before in stubs_before.items()}
@@ -380,8 +397,13 @@ class Faults:
             fault.detail += f"; stubs gone: {lost}"
         self.burst["stubs_gone"] = lost
         # recovered: counted from the burst's end
-        self._wait_for(fault, lambda: not lost and all(ready(f"http://127.0.0.1:{r['http']}/v2/models/{m}/ready")
-                                                       for r in replicas for m in MODELS), since_s=fault.at_s + took)
+        self._wait_for(
+            fault,
+            lambda: (
+                not lost and all(ready(f"http://127.0.0.1:{r['http']}/v2/models/{m}/ready") for r in replicas for m in MODELS)
+            ),
+            since_s=fault.at_s + took,
+        )
 
 
 # --------------------------------------------------------------------------- report
@@ -401,10 +423,20 @@ def per_second(run: Run, duration_s: float) -> list[dict]:
     rows = []
     for second in range(int(duration_s)):
         inside = [r for r in run.results if second <= r.end_s < second + 1]
-        window = [r.latency_s * 1000 for r in run.results if second + 1 - WINDOW_S <= r.end_s < second + 1
-                  and not r.error and r.workload != "generation"]
-        rows.append({"second": second, "ok": sum(not r.error for r in inside), "failed": sum(bool(r.error) for r in inside),
-                     "p99_ms_5s": round(_pct(window, 0.99), 1), "max_ms_5s": round(max(window), 1) if window else float("nan")})
+        window = [
+            r.latency_s * 1000
+            for r in run.results
+            if second + 1 - WINDOW_S <= r.end_s < second + 1 and not r.error and r.workload != "generation"
+        ]
+        rows.append(
+            {
+                "second": second,
+                "ok": sum(not r.error for r in inside),
+                "failed": sum(bool(r.error) for r in inside),
+                "p99_ms_5s": round(_pct(window, 0.99), 1),
+                "max_ms_5s": round(max(window), 1) if window else float("nan"),
+            }
+        )
     return rows
 
 
@@ -417,14 +449,17 @@ def plot(path: Path, rows: list[dict], faults: dict[str, Fault], title: str) -> 
     xs = [r["second"] + 0.5 for r in rows]
     fig, (a, b) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     a.plot(xs, [r["ok"] for r in rows], lw=0.6, color="tab:blue", alpha=0.4, label="answered requests/s")
-    smooth = [sum(r["ok"] for r in rows[max(0, i - WINDOW_S + 1):i + 1]) / len(rows[max(0, i - WINDOW_S + 1):i + 1])
-              for i in range(len(rows))]
+    smooth = [
+        sum(r["ok"] for r in rows[max(0, i - WINDOW_S + 1) : i + 1]) / len(rows[max(0, i - WINDOW_S + 1) : i + 1])
+        for i in range(len(rows))
+    ]
     a.plot(xs, smooth, lw=1.5, color="tab:blue", label=f"answered, {WINDOW_S} s mean")
     a.bar(xs, [r["failed"] for r in rows], color="red", label="failed requests/s")
     a.set_ylabel("requests/s")
     a.set_ylim(bottom=0)
-    b.plot(xs, [r["p99_ms_5s"] for r in rows], lw=1, color="tab:orange",
-           label=f"P99 over {WINDOW_S} s (all but generation streams)")
+    b.plot(
+        xs, [r["p99_ms_5s"] for r in rows], lw=1, color="tab:orange", label=f"P99 over {WINDOW_S} s (all but generation streams)"
+    )
     b.plot(xs, [r["max_ms_5s"] for r in rows], lw=0.6, color="tab:red", alpha=0.5, label=f"max over {WINDOW_S} s")
     b.set_ylabel("latency (ms)")
     b.set_xlabel("seconds since the load started")
@@ -451,11 +486,15 @@ def summarize(run: Run) -> dict:
         mine = [r for r in run.results if r.workload == name]
         failed = [r for r in mine if r.error]
         lat = [r.latency_s * 1000 for r in mine if not r.error]
-        out[name] = {"sent": len(mine), "failed": len(failed),
-                     "unclean": sum(not clean_failure(r.error) for r in failed),
-                     "p50_ms": round(_pct(lat, 0.5), 1), "p99_ms": round(_pct(lat, 0.99), 1),
-                     "max_ms": round(max(lat), 1) if lat else None,
-                     "errors": sorted({r.error[:160] for r in failed})[:5]}
+        out[name] = {
+            "sent": len(mine),
+            "failed": len(failed),
+            "unclean": sum(not clean_failure(r.error) for r in failed),
+            "p50_ms": round(_pct(lat, 0.5), 1),
+            "p99_ms": round(_pct(lat, 0.99), 1),
+            "max_ms": round(max(lat), 1) if lat else None,
+            "errors": sorted({r.error[:160] for r in failed})[:5],
+        }
     return out
 
 
@@ -470,32 +509,59 @@ def checks(table: dict, faults: dict[str, Fault], burst: dict) -> list[str]:
         if fault.recovered_s is None:
             problems.append(f"fault {fault.name}: not recovered ({fault.detail.strip()})")
     if burst.get("server errors"):
-        problems.append(f"hostile burst: {burst['server errors']} server errors {burst['kinds']}: "
-                        f"{[(f['endpoint'], f['outcome'], f['detail'][:150]) for f in burst['findings'][:5]]}")
+        problems.append(
+            f"hostile burst: {burst['server errors']} server errors {burst['kinds']}: "
+            f"{[(f['endpoint'], f['outcome'], f['detail'][:150]) for f in burst['findings'][:5]]}"
+        )
     if burst.get("stubs_gone"):
         problems.append(f"hostile burst: stubs gone afterwards {burst['stubs_gone']}")
     return problems
 
 
-def write_summary(path: Path, args, rate: float, peak_rps: float, table: dict, faults: dict[str, Fault],
-                  rss: tuple[float, float], burst: dict, problems: list[str], cpu: str) -> str:
-    lines = [f"# chaos soak: {args.duration:.0f} s at {args.load:.0%} of the peak ({peak_rps:.1f} answers/s -> "
-             f"{rate:.1f} requests/s), {args.replicas} replicas", "",
-             f"CPU: {cpu}. Command: `python -m perf.drills.chaos --duration {args.duration:.0f}`", "",
-             "| workload | client | sent | failed | not clean | P50 ms | P99 ms | max ms |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    clients = {"embed": "clients.aio HTTP (retries)", "embed_grpc": "clients.aio gRPC (retries)",
-               "cached": "clients.aio HTTP (retries)", "gateway": "openai SDK (retries)",
-               "image": "aiohttp (no retries)", "generation": "clients.generation gRPC stream"}
+def write_summary(
+    path: Path,
+    args,
+    rate: float,
+    peak_rps: float,
+    table: dict,
+    faults: dict[str, Fault],
+    rss: tuple[float, float],
+    burst: dict,
+    problems: list[str],
+    cpu: str,
+) -> str:
+    lines = [
+        f"# chaos soak: {args.duration:.0f} s at {args.load:.0%} of the peak ({peak_rps:.1f} answers/s -> "
+        f"{rate:.1f} requests/s), {args.replicas} replicas",
+        "",
+        f"CPU: {cpu}. Command: `python -m perf.drills.chaos --duration {args.duration:.0f}`",
+        "",
+        "| workload | client | sent | failed | not clean | P50 ms | P99 ms | max ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    clients = {
+        "embed": "clients.aio HTTP (retries)",
+        "embed_grpc": "clients.aio gRPC (retries)",
+        "cached": "clients.aio HTTP (retries)",
+        "gateway": "openai SDK (retries)",
+        "image": "aiohttp (no retries)",
+        "generation": "clients.generation gRPC stream",
+    }
     for name, row in table.items():
-        lines.append(f"| {name} | {clients[name]} | {row['sent']:,} | {row['failed']} | {row['unclean']} | "
-                     f"{row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} |")
+        lines.append(
+            f"| {name} | {clients[name]} | {row['sent']:,} | {row['failed']} | {row['unclean']} | "
+            f"{row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} |"
+        )
     lines += ["", "| fault | at s | recovered after s | detail |", "| --- | ---: | ---: | --- |"]
     for fault in faults.values():
         lines.append(f"| {fault.name} | {fault.at_s} | {fault.recovered_s} | {fault.detail.strip()} |")
-    lines += ["", f"RSS of the whole cluster (launcher and every process under it): {rss[0]:,.0f} MiB before the "
-                  f"load, {rss[1]:,.0f} MiB after ({rss[1] - rss[0]:+,.0f} MiB).",
-              f"Hostile burst: {burst.get('cases', 0)} requests, {burst.get('server errors', 0)} server errors.", ""]
+    lines += [
+        "",
+        f"RSS of the whole cluster (launcher and every process under it): {rss[0]:,.0f} MiB before the "
+        f"load, {rss[1]:,.0f} MiB after ({rss[1] - rss[0]:+,.0f} MiB).",
+        f"Hostile burst: {burst.get('cases', 0)} requests, {burst.get('server errors', 0)} server errors.",
+        "",
+    ]
     errors = sorted({e for row in table.values() for e in row["errors"]})
     if errors:
         lines += ["Failures seen:", "", *[f"- `{e}`" for e in errors], ""]
@@ -534,8 +600,9 @@ async def drive(cluster, args, say) -> tuple[Run, float, float, tuple[float, flo
 
 
 def parse_args(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.drills.chaos", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.drills.chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
     p.add_argument("--load", type=float, default=0.7, help="share of the measured peak (default 0.7)")
     p.add_argument("--rate", type=float, default=None, help="requests/s instead of --load x peak")
@@ -557,8 +624,13 @@ def main(argv=None) -> int:
         print(message, flush=True)
 
     say(f"chaos: starting serve-cluster ({args.replicas} replicas: {', '.join(MODELS)}) in {out}")
-    cluster = failover_bench.launch(out / "work", replicas=args.replicas, models=MODELS, prometheus=False,
-                                    env={"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"})
+    cluster = failover_bench.launch(
+        out / "work",
+        replicas=args.replicas,
+        models=MODELS,
+        prometheus=False,
+        env={"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"},
+    )
     try:
         run, peak_rps, rate, rss, burst = asyncio.run(drive(cluster, args, say))
         state = cluster.state()
@@ -573,14 +645,31 @@ def main(argv=None) -> int:
     problems = checks(table, run.faults, burst)
     cpu = cpu_model()
     text = write_summary(out / "summary.md", args, rate, peak_rps, table, run.faults, rss, burst, problems, cpu)
-    (out / "summary.json").write_text(json.dumps({"table": table, "faults": {k: vars(v) for k, v in run.faults.items()},
-                                                  "rss_mib": rss, "burst": burst, "peak_rps": peak_rps, "rate": rate,
-                                                  "cluster": state, "problems": problems}, indent=1), encoding="utf-8")
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "table": table,
+                "faults": {k: vars(v) for k, v in run.faults.items()},
+                "rss_mib": rss,
+                "burst": burst,
+                "peak_rps": peak_rps,
+                "rate": rate,
+                "cluster": state,
+                "problems": problems,
+            },
+            indent=1,
+        ),
+        encoding="utf-8",
+    )
     sent = sum(r["sent"] for r in table.values())
     failed = sum(r["failed"] for r in table.values())
-    plot(out / "chaos.png", rows, run.faults,
-         f"serve-cluster, {args.replicas} replicas, {rate:.0f} req/s ({args.load:.0%} of peak): {sent:,} requests, "
-         f"{failed} failed; {cpu}")
+    plot(
+        out / "chaos.png",
+        rows,
+        run.faults,
+        f"serve-cluster, {args.replicas} replicas, {rate:.0f} req/s ({args.load:.0%} of peak): {sent:,} requests, "
+        f"{failed} failed; {cpu}",
+    )
     say(text)
     say(f"chaos: wrote {out}/summary.md, chaos.png, per_second.csv")
     return 1 if problems else 0

@@ -77,9 +77,18 @@ class ClusterRun:
         return self.proc.returncode
 
 
-def launch(workdir: Path, replicas: int = 2, models=MODELS, gateway: bool = True, prometheus: bool = True,
-           scrape_interval: float = 2.0, timeout: float = 300.0, extra: list[str] | None = None,
-           env: dict[str, str] | None = None, rollout_state: Path | None = None) -> ClusterRun:
+def launch(
+    workdir: Path,
+    replicas: int = 2,
+    models=MODELS,
+    gateway: bool = True,
+    prometheus: bool = True,
+    scrape_interval: float = 2.0,
+    timeout: float = 300.0,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    rollout_state: Path | None = None,
+) -> ClusterRun:
     """Start the cluster and return once its first screen is printed (all replicas ready).
     ``rollout_state``: the replicas' rollout state file (default: none, a fresh path)."""
     workdir = Path(workdir).resolve()
@@ -94,14 +103,38 @@ def launch(workdir: Path, replicas: int = 2, models=MODELS, gateway: bool = True
                 return p
 
     ports = {"http": port(), "grpc": port(), "metrics": port(), "gateway": port(), "prometheus": port()}
-    cmd = [sys.executable, "-m", "server.cluster", "--no-export", "--replicas", str(replicas),
-           "--workdir", str(workdir / "cluster"), "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
-           "--metrics-port", str(ports["metrics"]), "--gateway-port", str(ports["gateway"]),
-           "--prometheus-port", str(ports["prometheus"]), "--scrape-interval", str(scrape_interval),
-           "--repository-token-file", str(workdir / "repository-token"),
-           "--gateway-api-key-file", str(workdir / "gateway-api-key"),
-           "--rollout-state", str(rollout_state or workdir / "no-rollout-state.json"), "--drain-timeout", "5",
-           *[a for m in models for a in ("--model", m)], *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cluster",
+        "--no-export",
+        "--replicas",
+        str(replicas),
+        "--workdir",
+        str(workdir / "cluster"),
+        "--http-port",
+        str(ports["http"]),
+        "--grpc-port",
+        str(ports["grpc"]),
+        "--metrics-port",
+        str(ports["metrics"]),
+        "--gateway-port",
+        str(ports["gateway"]),
+        "--prometheus-port",
+        str(ports["prometheus"]),
+        "--scrape-interval",
+        str(scrape_interval),
+        "--repository-token-file",
+        str(workdir / "repository-token"),
+        "--gateway-api-key-file",
+        str(workdir / "gateway-api-key"),
+        "--rollout-state",
+        str(rollout_state or workdir / "no-rollout-state.json"),
+        "--drain-timeout",
+        "5",
+        *[a for m in models for a in ("--model", m)],
+        *(extra or []),
+    ]
     if not gateway:
         cmd.append("--no-gateway")
     if not prometheus:
@@ -143,8 +176,14 @@ class Sample:
     error: str = ""
 
 
-async def drive(http_url: str, grpc_url: str, concurrency: int, duration_s: float, actions: dict[float, callable],
-                model: str = "text_embedding") -> tuple[list[Sample], dict]:
+async def drive(
+    http_url: str,
+    grpc_url: str,
+    concurrency: int,
+    duration_s: float,
+    actions: dict[float, callable],
+    model: str = "text_embedding",
+) -> tuple[list[Sample], dict]:
     """``concurrency`` closed-loop workers (half HTTP, half gRPC), one unique text per request;
     ``actions``: {seconds since start: function} run in a timer thread at that time."""
     from clients import AsyncEmbeddingClient
@@ -157,13 +196,14 @@ async def drive(http_url: str, grpc_url: str, concurrency: int, duration_s: floa
     # after more consecutive failures than a client has calls in flight; with the default (5)
     # the calls waiting on the open breaker gave up.
     breaker = BreakerPolicy(failure_threshold=max(protocols.count("http"), protocols.count("grpc")) + 1)
-    clients = {p: AsyncEmbeddingClient(url, p, model=model, timeout_s=30, deadline_s=30,
-                                       pool=EndpointPool([url], breaker=breaker))
-               for p, url in (("http", http_url), ("grpc", grpc_url))}
+    clients = {
+        p: AsyncEmbeddingClient(url, p, model=model, timeout_s=30, deadline_s=30, pool=EndpointPool([url], breaker=breaker))
+        for p, url in (("http", http_url), ("grpc", grpc_url))
+    }
     samples: list[Sample] = []
     start = time.monotonic()
     stop_at = start + duration_s
-    counter = iter(range(10 ** 9))
+    counter = iter(range(10**9))
 
     async def worker(protocol: str) -> None:
         client = clients[protocol]
@@ -175,8 +215,9 @@ async def drive(http_url: str, grpc_url: str, concurrency: int, duration_s: floa
                 await client.embed_many([text], concurrency=1, per_request=1)
                 samples.append(Sample(time.monotonic() - start, time.monotonic() - t0, True, protocol))
             except Exception as exc:  # noqa: BLE001 - every failure is counted, whatever it is
-                samples.append(Sample(time.monotonic() - start, time.monotonic() - t0, False, protocol,
-                                      f"{type(exc).__name__}: {exc}"[:300]))
+                samples.append(
+                    Sample(time.monotonic() - start, time.monotonic() - t0, False, protocol, f"{type(exc).__name__}: {exc}"[:300])
+                )
 
     # Timers, not the event loop: a busy loop would run them late.
     timers = [threading.Timer(at, action) for at, action in sorted(actions.items())]
@@ -205,10 +246,17 @@ def per_second(samples: list[Sample], duration_s: float) -> list[dict]:
     for second in range(int(duration_s)):  # whole seconds only: the last partial one would show a false drop
         inside = [s for s in samples if second <= s.end_s < second + 1]
         lat = [s.latency_s * 1000 for s in inside if s.ok]
-        rows.append({"second": second, "requests": len(inside), "ok": len(lat),
-                     "failed": sum(not s.ok for s in inside),
-                     "p50_ms": round(_pct(lat, 0.5), 1), "p99_ms": round(_pct(lat, 0.99), 1),
-                     "max_ms": round(max(lat), 1) if lat else float("nan")})
+        rows.append(
+            {
+                "second": second,
+                "requests": len(inside),
+                "ok": len(lat),
+                "failed": sum(not s.ok for s in inside),
+                "p50_ms": round(_pct(lat, 0.5), 1),
+                "p99_ms": round(_pct(lat, 0.99), 1),
+                "max_ms": round(max(lat), 1) if lat else float("nan"),
+            }
+        )
     return rows
 
 
@@ -279,8 +327,7 @@ def plot(path: Path, rows: list[dict], events: dict[str, float | None], title: s
     b.set_ylabel("latency (ms)")
     b.set_xlabel("seconds since the load started")
     b.set_ylim(bottom=0)
-    colours = {"SIGKILL": "red", "restarted": "tab:purple", "back in the front door": "tab:blue",
-               "serving again": "tab:cyan"}
+    colours = {"SIGKILL": "red", "restarted": "tab:purple", "back in the front door": "tab:blue", "serving again": "tab:cyan"}
     for ax in (a, b):
         for name, at in events.items():
             if at is not None:
@@ -293,15 +340,20 @@ def plot(path: Path, rows: list[dict], events: dict[str, float | None], title: s
     plt.close(fig)
 
 
-def scenario(run: ClusterRun, concurrency: int = 16, duration_s: float = 30.0, kill_at_s: float = 10.0,
-             victim: int = 0, linger_s: float = 60.0) -> dict:
+def scenario(
+    run: ClusterRun,
+    concurrency: int = 16,
+    duration_s: float = 30.0,
+    kill_at_s: float = 10.0,
+    victim: int = 0,
+    linger_s: float = 60.0,
+) -> dict:
     """Drive the cluster, kill ``victim`` at ``kill_at_s``; the figures and checks' inputs.
     When the victim is not back by the end of the load, waits up to ``linger_s`` more; when no
     request reached it yet, sends a few short bursts, to see it serve again."""
     start = time.monotonic()
     watcher = Watcher(run, victim, start)
-    samples, client_stats = asyncio.run(drive(run.http_url, run.grpc_url, concurrency, duration_s,
-                                              {kill_at_s: watcher.kill}))
+    samples, client_stats = asyncio.run(drive(run.http_url, run.grpc_url, concurrency, duration_s, {kill_at_s: watcher.kill}))
     deadline = time.monotonic() + linger_s
     while watcher.back_at is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -320,20 +372,27 @@ def scenario(run: ClusterRun, concurrency: int = 16, duration_s: float = 30.0, k
     count_end = stats_count(victim_url) if watcher.back_at is not None else None
     rows = per_second(samples, max(duration_s, max((s.end_s for s in samples), default=0)))
     before = [r["ok"] for r in rows if r["second"] < kill_at_s]
-    last = [r["ok"] for r in rows[int(duration_s) - 5:int(duration_s)]]
+    last = [r["ok"] for r in rows[int(duration_s) - 5 : int(duration_s)]]
     lat = [s.latency_s * 1000 for s in samples if s.ok]
     failures = [s for s in samples if not s.ok]
     retries = {p: st["retries"] for p, st in client_stats.items()}
     return {
-        "requests": len(samples), "failed": len(failures), "errors": sorted({f.error for f in failures})[:10],
+        "requests": len(samples),
+        "failed": len(failures),
+        "errors": sorted({f.error for f in failures})[:10],
         "rps_before_kill": round(statistics.mean(before), 1) if before else 0.0,
         "rps_last_5s": round(statistics.mean(last), 1) if last else 0.0,
-        "p50_ms": round(_pct(lat, 0.5), 1), "p99_ms": round(_pct(lat, 0.99), 1),
+        "p50_ms": round(_pct(lat, 0.5), 1),
+        "p99_ms": round(_pct(lat, 0.99), 1),
         "max_ms": round(max(lat), 1) if lat else None,
-        "killed_at_s": watcher.killed_at, "restarted_at_s": watcher.restarted_at, "back_at_s": watcher.back_at,
+        "killed_at_s": watcher.killed_at,
+        "restarted_at_s": watcher.restarted_at,
+        "back_at_s": watcher.back_at,
         "serving_at_s": watcher.serving_at,
-        "victim_count_back": watcher.count_back, "victim_count_end": count_end,
-        "victim_restarts": replica["restarts"], "front_door_reloads": run.state()["front_door"]["reloads"],
+        "victim_count_back": watcher.count_back,
+        "victim_count_end": count_end,
+        "victim_restarts": replica["restarts"],
+        "front_door_reloads": run.state()["front_door"]["reloads"],
         "client_retries": retries,
         "rows": rows,
     }
@@ -345,20 +404,28 @@ def check(result: dict, recovery: float = 0.5) -> list[str]:
     if result["failed"]:
         problems.append(f"{result['failed']} failed requests: {result['errors']}")
     if result["rps_last_5s"] < recovery * result["rps_before_kill"]:
-        problems.append(f"throughput did not recover: last 5 s {result['rps_last_5s']} req/s < {recovery} x "
-                        f"{result['rps_before_kill']} before the kill")
+        problems.append(
+            f"throughput did not recover: last 5 s {result['rps_last_5s']} req/s < {recovery} x "
+            f"{result['rps_before_kill']} before the kill"
+        )
     if result["back_at_s"] is None:
         problems.append("the killed replica was not back in the front door")
-    elif result["victim_count_end"] is None or result["victim_count_back"] is None \
-            or result["victim_count_end"] <= result["victim_count_back"]:
-        problems.append(f"the restarted replica served no request after it came back "
-                        f"({result['victim_count_back']} -> {result['victim_count_end']})")
+    elif (
+        result["victim_count_end"] is None
+        or result["victim_count_back"] is None
+        or result["victim_count_end"] <= result["victim_count_back"]
+    ):
+        problems.append(
+            f"the restarted replica served no request after it came back "
+            f"({result['victim_count_back']} -> {result['victim_count_end']})"
+        )
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.drills.failover_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.drills.failover_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", action="append", dest="models", help="models to load (default text_embedding)")
     p.add_argument("--concurrency", type=int, default=16)
@@ -386,25 +453,37 @@ def main(argv: list[str] | None = None) -> int:
     result["problems"] = problems
     result["launcher_exit_code"] = code
     (out / "summary.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    events = {"SIGKILL": result["killed_at_s"], "restarted": result["restarted_at_s"],
-              "back in the front door": result["back_at_s"], "serving again": result["serving_at_s"]}
-    plot(out / "failover.png", rows, events,
-         f"serve-cluster, {args.replicas} replicas, {args.concurrency} clients (HTTP+gRPC): replica {args.victim} "
-         f"SIGKILLed at {args.kill_at:.0f} s; {result['failed']} failed of {result['requests']}")
+    events = {
+        "SIGKILL": result["killed_at_s"],
+        "restarted": result["restarted_at_s"],
+        "back in the front door": result["back_at_s"],
+        "serving again": result["serving_at_s"],
+    }
+    plot(
+        out / "failover.png",
+        rows,
+        events,
+        f"serve-cluster, {args.replicas} replicas, {args.concurrency} clients (HTTP+gRPC): replica {args.victim} "
+        f"SIGKILLed at {args.kill_at:.0f} s; {result['failed']} failed of {result['requests']}",
+    )
     print(f"{'s':>3} {'req/s':>6} {'failed':>6} {'P50 ms':>7} {'P99 ms':>7} {'max ms':>7}")
     for r in rows:
         print(f"{r['second']:>3} {r['ok']:>6} {r['failed']:>6} {r['p50_ms']:>7} {r['p99_ms']:>7} {r['max_ms']:>7}")
-    print(f"requests {result['requests']}, failed {result['failed']}; P50 {result['p50_ms']} ms, P99 "
-          f"{result['p99_ms']} ms, max {result['max_ms']} ms; req/s before the kill {result['rps_before_kill']}, "
-          f"last 5 s {result['rps_last_5s']}")
+    print(
+        f"requests {result['requests']}, failed {result['failed']}; P50 {result['p50_ms']} ms, P99 "
+        f"{result['p99_ms']} ms, max {result['max_ms']} ms; req/s before the kill {result['rps_before_kill']}, "
+        f"last 5 s {result['rps_last_5s']}"
+    )
 
     def at(key: str) -> str:
         return "never" if result[key] is None else f"{result[key]:.1f} s"
 
-    print(f"kill at {at('killed_at_s')}, restarted at {at('restarted_at_s')}, back in the front door at "
-          f"{at('back_at_s')}, serving again at {at('serving_at_s')}; its inferences {result['victim_count_back']} -> "
-          f"{result['victim_count_end']}; client retries {result['client_retries']}; front door reloads "
-          f"{result['front_door_reloads']}")
+    print(
+        f"kill at {at('killed_at_s')}, restarted at {at('restarted_at_s')}, back in the front door at "
+        f"{at('back_at_s')}, serving again at {at('serving_at_s')}; its inferences {result['victim_count_back']} -> "
+        f"{result['victim_count_end']}; client retries {result['client_retries']}; front door reloads "
+        f"{result['front_door_reloads']}"
+    )
     print(f"failover-bench: {'PASS' if not problems else 'FAIL: ' + '; '.join(problems)}; wrote {out}")
     return 0 if not problems else 1
 

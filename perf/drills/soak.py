@@ -150,8 +150,12 @@ class Mix:
 
     async def _generation(self, t0: float) -> Outcome:
         cancel = self._cancel_this()
-        stream = self.gen.chat_stream([{"role": "user", "content": self.rng.choice(self.prompts)}],
-                                      max_tokens=self.args.max_tokens, temperature=0, ignore_eos=True)
+        stream = self.gen.chat_stream(
+            [{"role": "user", "content": self.rng.choice(self.prompts)}],
+            max_tokens=self.args.max_tokens,
+            temperature=0,
+            ignore_eos=True,
+        )
         ttft = None
         pieces = 0
         async with stream:
@@ -171,9 +175,17 @@ class Mix:
         import orjson
 
         cancel = self._cancel_this()
-        body = orjson.dumps({"model": "text_generation", "messages": [{"role": "user", "content": self.rng.choice(self.prompts)}],
-                             "max_tokens": self.args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                             "stream_options": {"include_usage": True}})
+        body = orjson.dumps(
+            {
+                "model": "text_generation",
+                "messages": [{"role": "user", "content": self.rng.choice(self.prompts)}],
+                "max_tokens": self.args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
         headers = {"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"}
         ttft = None
         tokens = None
@@ -263,8 +275,9 @@ async def one(mix: Mix, rec: Recorder, name: str) -> None:
         rec.fail(name, f"{type(exc).__name__}: {exc}")
 
 
-async def closed_loop(mix: Mix, rec: Recorder, names: Sequence[str], weights: Sequence[float], concurrency: int,
-                      seconds: float) -> float:
+async def closed_loop(
+    mix: Mix, rec: Recorder, names: Sequence[str], weights: Sequence[float], concurrency: int, seconds: float
+) -> float:
     """The mix's throughput with ``concurrency`` clients: answers per second, cancelled streams
     included, failures (refusals are quick) not."""
     stop_at = time.perf_counter() + seconds
@@ -299,20 +312,35 @@ def sample_processes(soak: Soak, t: float, last_cpu: dict[str, float], last_t: f
         if last_t is not None and p.name in last_cpu and t > last_t:
             cores = round((s.cpu_s - last_cpu[p.name]) / (t - last_t), 4)
         last_cpu[p.name] = s.cpu_s
-        soak.samples.append({"time_s": round(t, 1), "process": p.name, "group": p.group, "pid": p.pid,
-                             "rss_mib": round(s.rss_bytes / MIB, 2), "anon_mib": round(s.anon_bytes / MIB, 2),
-                             "cpu_cores": cores})
+        soak.samples.append(
+            {
+                "time_s": round(t, 1),
+                "process": p.name,
+                "group": p.group,
+                "pid": p.pid,
+                "rss_mib": round(s.rss_bytes / MIB, 2),
+                "anon_mib": round(s.anon_bytes / MIB, 2),
+                "cpu_cores": cores,
+            }
+        )
 
 
 def record_latency(soak: Soak, rec: Recorder, t: float) -> None:
     lat, errs, canc = rec.take()
     for name in sorted(set(lat) | set(errs) | set(canc)):
         values = sorted(lat.get(name, ()))
-        soak.latency.append({"time_s": round(t, 1), "workload": name, "count": len(values),
-                             "errors": errs.get(name, 0), "cancelled": canc.get(name, 0),
-                             "p50_ms": round(1000 * percentile(values, 50), 2) if values else None,
-                             "p99_ms": round(1000 * percentile(values, 99), 2) if values else None,
-                             "max_ms": round(1000 * values[-1], 2) if values else None})
+        soak.latency.append(
+            {
+                "time_s": round(t, 1),
+                "workload": name,
+                "count": len(values),
+                "errors": errs.get(name, 0),
+                "cancelled": canc.get(name, 0),
+                "p50_ms": round(1000 * percentile(values, 50), 2) if values else None,
+                "p99_ms": round(1000 * percentile(values, 99), 2) if values else None,
+                "max_ms": round(1000 * values[-1], 2) if values else None,
+            }
+        )
 
 
 async def run_soak(args, triton, gateway, redis, key: str, say) -> tuple[Soak, Recorder, float, float]:
@@ -358,8 +386,10 @@ async def run_soak(args, triton, gateway, redis, key: str, say) -> tuple[Soak, R
                 for e in peak_rec.all_errors:
                     if REFUSED not in e:
                         rec.fail("peak", e)
-                say(f"peak of the mix at {args.peak_concurrency} closed-loop clients: {peak:.1f} requests/s "
-                    f"({rec.peak_refused} refused with 503); soak at {rate:.1f}/s")
+                say(
+                    f"peak of the mix at {args.peak_concurrency} closed-loop clients: {peak:.1f} requests/s "
+                    f"({rec.peak_refused} refused with 503); soak at {rate:.1f}/s"
+                )
             soak = Soak(processes.deployment(triton, {"gateway": gateway}, redis))
             say(f"{len(soak.procs)} processes sampled: {', '.join(p.name for p in soak.procs)}")
             await _open_loop(args, mix, rec, soak, names, weights, rate, say)
@@ -386,8 +416,10 @@ async def _open_loop(args, mix: Mix, rec: Recorder, soak: Soak, names, weights, 
             record_latency(soak, rec, t)
             last_t = t
             rows = [r for r in soak.latency if r["time_s"] == round(t, 1) and r["p99_ms"] is not None]
-            say(f"t={t:5.0f} s: in flight {len(tasks)}, errors {sum(rec.failed.values())}, P99 ms " +
-                ", ".join(f"{r['workload']} {r['p99_ms']:.0f}" for r in rows))
+            say(
+                f"t={t:5.0f} s: in flight {len(tasks)}, errors {sum(rec.failed.values())}, P99 ms "
+                + ", ".join(f"{r['workload']} {r['p99_ms']:.0f}" for r in rows)
+            )
             next_sample += args.interval
         if now >= end:
             break
@@ -428,9 +460,19 @@ def rss_checks(samples: Sequence[dict], warmup: float, pct: float, floor_mib: fl
         slope = fit_slope(ts, ys)  # MiB per second
         growth = slope * (ts[-1] - ts[0])
         limit = max(pct / 100 * ys[0], floor_mib)
-        out.append({"process": name, "group": rows[0]["group"], "rss_start_mib": ys[0], "rss_end_mib": ys[-1],
-                    "rss_max_mib": max(ys), "slope_mib_per_min": round(60 * slope, 3),
-                    "fitted_growth_mib": round(growth, 2), "limit_mib": round(limit, 2), "ok": growth <= limit})
+        out.append(
+            {
+                "process": name,
+                "group": rows[0]["group"],
+                "rss_start_mib": ys[0],
+                "rss_end_mib": ys[-1],
+                "rss_max_mib": max(ys),
+                "slope_mib_per_min": round(60 * slope, 3),
+                "fitted_growth_mib": round(growth, 2),
+                "limit_mib": round(limit, 2),
+                "ok": growth <= limit,
+            }
+        )
     return out
 
 
@@ -443,20 +485,33 @@ def robust_slope(ts: Sequence[float], ys: Sequence[float]) -> float:
 def p99_checks(latency: Sequence[dict], warmup: float, factor: float) -> list[dict]:
     out = []
     for name in dict.fromkeys(r["workload"] for r in latency):
-        rows = [r for r in latency if r["workload"] == name and r["time_s"] > warmup + 1e-6
-                and r["p99_ms"] is not None and r["count"] >= MIN_ANSWERS]
+        rows = [
+            r
+            for r in latency
+            if r["workload"] == name and r["time_s"] > warmup + 1e-6 and r["p99_ms"] is not None and r["count"] >= MIN_ANSWERS
+        ]
         if len(rows) < 3:
-            out.append({"workload": name, "ok": True,
-                        "note": f"{len(rows)} intervals with {MIN_ANSWERS}+ answers: no trend fitted"})
+            out.append(
+                {"workload": name, "ok": True, "note": f"{len(rows)} intervals with {MIN_ANSWERS}+ answers: no trend fitted"}
+            )
             continue
         ts = [r["time_s"] for r in rows]
         ys = [r["p99_ms"] for r in rows]
         rise = robust_slope(ts, ys) * (ts[-1] - ts[0])
         median = statistics.median(ys)
         limit = max(factor * median, MIN_P99_RISE_MS)
-        out.append({"workload": name, "p99_first_ms": ys[0], "p99_last_ms": ys[-1], "p99_median_ms": median,
-                    "p99_max_ms": max(ys), "fitted_rise_ms": round(rise, 1), "limit_ms": round(limit, 1),
-                    "ok": rise <= limit})
+        out.append(
+            {
+                "workload": name,
+                "p99_first_ms": ys[0],
+                "p99_last_ms": ys[-1],
+                "p99_median_ms": median,
+                "p99_max_ms": max(ys),
+                "fitted_rise_ms": round(rise, 1),
+                "limit_ms": round(limit, 1),
+                "ok": rise <= limit,
+            }
+        )
     return out
 
 
@@ -504,13 +559,16 @@ def _f(v, digits: int = 1) -> str:
     return "" if v is None else (f"{v:,.{digits}f}" if isinstance(v, float) else str(v))
 
 
-def summary(header: Sequence[str], soak: Soak, rec: Recorder, rss: Sequence[dict], p99: Sequence[dict],
-            failures: Sequence[str]) -> str:
+def summary(
+    header: Sequence[str], soak: Soak, rec: Recorder, rss: Sequence[dict], p99: Sequence[dict], failures: Sequence[str]
+) -> str:
     lines = list(header) + ["", f"**Result: {'FAILED: ' + '; '.join(failures) if failures else 'passed'}**", ""]
     lines += ["| workload | answered | cancelled | errors | of which refused (503) |", "| --- | ---: | ---: | ---: | ---: |"]
     for name in dict.fromkeys([*rec.ok, *rec.cancelled, *rec.failed]):
-        lines.append(f"| {name} | {rec.ok.get(name, 0)} | {rec.cancelled.get(name, 0)} | {rec.failed.get(name, 0)} | "
-                     f"{rec.refused.get(name, 0)} |")
+        lines.append(
+            f"| {name} | {rec.ok.get(name, 0)} | {rec.cancelled.get(name, 0)} | {rec.failed.get(name, 0)} | "
+            f"{rec.refused.get(name, 0)} |"
+        )
     if rec.errors:
         lines += ["", "First errors:", ""] + [f"- `{e}`" for e in rec.errors[:10]]
     if soak.lost:
@@ -519,24 +577,42 @@ def summary(header: Sequence[str], soak: Soak, rec: Recorder, rss: Sequence[dict
     for s in soak.samples:
         if s["cpu_cores"] is not None:
             cores.setdefault(s["process"], []).append(s["cpu_cores"])
-    lines += ["", ("| process | RSS after warm-up MiB | RSS at end MiB | max MiB | slope MiB/min | fitted growth MiB | "
-                   "limit MiB | mean CPU cores | ok |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += [
+        "",
+        (
+            "| process | RSS after warm-up MiB | RSS at end MiB | max MiB | slope MiB/min | fitted growth MiB | "
+            "limit MiB | mean CPU cores | ok |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rss:
         mean = statistics.fmean(cores[r["process"]]) if cores.get(r["process"]) else None
-        lines.append(f"| {r['process']} | {_f(r.get('rss_start_mib'))} | {_f(r.get('rss_end_mib'))} | "
-                     f"{_f(r.get('rss_max_mib'))} | {_f(r.get('slope_mib_per_min'), 3)} | {_f(r.get('fitted_growth_mib'), 2)} | "
-                     f"{_f(r.get('limit_mib'))} | {_f(mean, 3)} | {'yes' if r['ok'] else 'NO ' + r.get('note', '')} |")
-    lines += ["", ("| workload | P99 first ms | P99 last ms | median ms | max interval P99 ms | fitted rise ms | "
-                   "limit ms | ok |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines.append(
+            f"| {r['process']} | {_f(r.get('rss_start_mib'))} | {_f(r.get('rss_end_mib'))} | "
+            f"{_f(r.get('rss_max_mib'))} | {_f(r.get('slope_mib_per_min'), 3)} | {_f(r.get('fitted_growth_mib'), 2)} | "
+            f"{_f(r.get('limit_mib'))} | {_f(mean, 3)} | {'yes' if r['ok'] else 'NO ' + r.get('note', '')} |"
+        )
+    lines += [
+        "",
+        ("| workload | P99 first ms | P99 last ms | median ms | max interval P99 ms | fitted rise ms | limit ms | ok |"),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in p99:
-        lines.append(f"| {r['workload']} | {_f(r.get('p99_first_ms'))} | {_f(r.get('p99_last_ms'))} | "
-                     f"{_f(r.get('p99_median_ms'))} | {_f(r.get('p99_max_ms'))} | {_f(r.get('fitted_rise_ms'))} | "
-                     f"{_f(r.get('limit_ms'))} | {'yes' if r['ok'] else 'NO'}{' (' + r['note'] + ')' if r.get('note') else ''} |")
+        lines.append(
+            f"| {r['workload']} | {_f(r.get('p99_first_ms'))} | {_f(r.get('p99_last_ms'))} | "
+            f"{_f(r.get('p99_median_ms'))} | {_f(r.get('p99_max_ms'))} | {_f(r.get('fitted_rise_ms'))} | "
+            f"{_f(r.get('limit_ms'))} | {'yes' if r['ok'] else 'NO'}{' (' + r['note'] + ')' if r.get('note') else ''} |"
+        )
     workloads = list(dict.fromkeys(r["workload"] for r in soak.latency))
     times = sorted({r["time_s"] for r in soak.latency})
     by = {(r["time_s"], r["workload"]): r for r in soak.latency}
-    lines += ["", "P99 per interval (ms; P50 / P99 / max in latency.csv):", "",
-              "| t (s) | " + " | ".join(workloads) + " |", "| ---: |" + " ---: |" * len(workloads)]
+    lines += [
+        "",
+        "P99 per interval (ms; P50 / P99 / max in latency.csv):",
+        "",
+        "| t (s) | " + " | ".join(workloads) + " |",
+        "| ---: |" + " ---: |" * len(workloads),
+    ]
     for t in times:
         lines.append(f"| {t:.0f} | " + " | ".join(_f(by.get((t, w), {}).get("p99_ms")) for w in workloads) + " |")
     return "\n".join(lines) + "\n"
@@ -558,8 +634,9 @@ def _mix(s: str) -> dict[str, float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.drills.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.drills.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, default=600.0, help="seconds of soak (default 600)")
     p.add_argument("--interval", type=float, help="seconds between samples (default 60; 10 for runs under 300 s)")
     p.add_argument("--warmup", type=float, help="seconds before the checks start (default 60; a third of runs under 300 s)")
@@ -567,9 +644,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.7, help="share of the peak to run at (default 0.7)")
     p.add_argument("--peak-seconds", type=float, default=20.0, help="length of the peak measurement (default 20)")
     p.add_argument("--peak-concurrency", type=int, default=16, help="closed-loop clients measuring the peak (default 16)")
-    p.add_argument("--mix", type=_mix, default=dict(DEFAULT_MIX),
-                   help="share of arrivals per workload, e.g. embed=30,cached=35,image=10,gateway_embed=18,"
-                        "generation=4,gateway_chat=3 (the default; workloads not named get 0)")
+    p.add_argument(
+        "--mix",
+        type=_mix,
+        default=dict(DEFAULT_MIX),
+        help="share of arrivals per workload, e.g. embed=30,cached=35,image=10,gateway_embed=18,"
+        "generation=4,gateway_chat=3 (the default; workloads not named get 0)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per generation stream (default 16)")
     p.add_argument("--cancel-every", type=int, default=5, help="cancel every n-th stream mid-way (default 5; 0: never)")
     p.add_argument("--zipf-texts", type=int, default=500, help="texts in the cached workload's set (default 500)")
@@ -586,8 +667,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     short = args.duration < 300
     args.interval = args.interval or (10.0 if short else 60.0)
     args.warmup = args.warmup if args.warmup is not None else (args.duration / 3 if short else 60.0)
-    if args.duration <= 0 or args.interval <= 0 or args.interval > args.duration or args.max_tokens < 4 \
-            or not 0 < args.load <= 1 or args.peak_seconds <= 0 or args.peak_concurrency < 1:
+    if (
+        args.duration <= 0
+        or args.interval <= 0
+        or args.interval > args.duration
+        or args.max_tokens < 4
+        or not 0 < args.load <= 1
+        or args.peak_seconds <= 0
+        or args.peak_concurrency < 1
+    ):
         p.error("--duration, --interval (<= duration), --peak-* must be positive, --load in (0, 1], --max-tokens >= 4")
     return args
 
@@ -602,8 +690,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    say(f"perf.drills.soak: {args.duration:g} s, sampling every {args.interval:g} s, warm-up {args.warmup:g} s; "
-        f"load average {load}")
+    say(
+        f"perf.drills.soak: {args.duration:g} s, sampling every {args.interval:g} s, warm-up {args.warmup:g} s; "
+        f"load average {load}"
+    )
     key = "sk-soak-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-soak-"))
     triton = gateway = redis = None
@@ -629,23 +719,38 @@ def run(args: argparse.Namespace) -> int:
         failures.append(f"{n_errors} errors ({sum(rec.refused.values())} refused with 503, {rec.shed} shed)")
     if soak.lost:
         failures.append(f"processes exited: {', '.join(soak.lost)}")
-    failures += [f"RSS of {r['process']} grew {r.get('fitted_growth_mib')} MiB (limit {r.get('limit_mib')})"
-                 if "note" not in r else f"RSS of {r['process']}: {r['note']}" for r in rss if not r["ok"]]
+    failures += [
+        f"RSS of {r['process']} grew {r.get('fitted_growth_mib')} MiB (limit {r.get('limit_mib')})"
+        if "note" not in r
+        else f"RSS of {r['process']}: {r['note']}"
+        for r in rss
+        if not r["ok"]
+    ]
     failures += [f"P99 of {r['workload']} rose {r['fitted_rise_ms']} ms (limit {r['limit_ms']})" for r in p99 if not r["ok"]]
     if not soak.samples:
         failures.append("no samples")
     mix = ", ".join(f"{n} {w:g}" for n, w in args.mix.items() if w)
-    header = ["# Soak", "",
-              f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load}",
-              f"- command: `{' '.join(['python -m perf.drills.soak', *args.argv])}`",
-              (f"- {args.duration:g} s open loop (Poisson) at {rate:.1f} requests/s"
-               + (f" = {args.load:g} x the peak {peak:.1f}/s ({args.peak_concurrency} closed-loop clients, "
-                  f"{args.peak_seconds:g} s)" if peak else " (--rate)")),
-              f"- mix (share of arrivals): {mix}; streams {args.max_tokens} tokens, every {args.cancel_every}th cancelled",
-              (f"- sampled every {args.interval:g} s; checks after a {args.warmup:g} s warm-up: RSS fitted growth <= "
-               f"max({args.rss_growth_pct:g} %, {args.rss_growth_mib:g} MiB), P99 fitted rise (Theil-Sen) <= "
-               f"max({args.p99_growth:g} x median, {MIN_P99_RISE_MS:g} ms), zero errors"),
-              f"- Redis L2 {'on' if redis else 'off'}; requests refused (503) while measuring the peak: {rec.peak_refused}"]
+    header = [
+        "# Soak",
+        "",
+        f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load}",
+        f"- command: `{' '.join(['python -m perf.drills.soak', *args.argv])}`",
+        (
+            f"- {args.duration:g} s open loop (Poisson) at {rate:.1f} requests/s"
+            + (
+                f" = {args.load:g} x the peak {peak:.1f}/s ({args.peak_concurrency} closed-loop clients, {args.peak_seconds:g} s)"
+                if peak
+                else " (--rate)"
+            )
+        ),
+        f"- mix (share of arrivals): {mix}; streams {args.max_tokens} tokens, every {args.cancel_every}th cancelled",
+        (
+            f"- sampled every {args.interval:g} s; checks after a {args.warmup:g} s warm-up: RSS fitted growth <= "
+            f"max({args.rss_growth_pct:g} %, {args.rss_growth_mib:g} MiB), P99 fitted rise (Theil-Sen) <= "
+            f"max({args.p99_growth:g} x median, {MIN_P99_RISE_MS:g} ms), zero errors"
+        ),
+        f"- Redis L2 {'on' if redis else 'off'}; requests refused (503) while measuring the peak: {rec.peak_refused}",
+    ]
     text = summary(header, soak, rec, rss, p99, failures)
     (out / "summary.md").write_text(text)
     write_csv(out / "samples.csv", soak.samples or [{"time_s": None}])

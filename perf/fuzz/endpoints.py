@@ -61,28 +61,123 @@ from perf.lib.paths import ROOT
 HUGE = 1 << 40
 
 # KServe datatype -> numpy dtype and the gRPC typed-contents field.
-NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-         "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-         "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}
-CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-            "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-            "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+NUMPY = {
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BYTES": np.object_,
+}
+CONTENTS = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
 CONFIG_TYPES = {"TYPE_STRING": "BYTES", **{f"TYPE_{k}": k for k in NUMPY if k != "BYTES"}}
 
-ODD_STRINGS = ["\u202eevil\u202c", "e\u0301\u0301\u0301", "\U0001F600\U0001F9D1\u200d\U0001F680", "a\x00b", "\x00",
-               "\ufeff", "\u0000" * 3, "\U0010FFFF", "\ud800", "x\udfffy", "\u200b", "Ω≈ç√∫", "\r\n\t", "🙂" * 50]
-JUNK_BYTES = [b"\xff\xfe\x00", b"\x00" * 16, b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x89PNG\r\n\x1a\n",
-              b"\xff\xd8\xff" + b"\x00" * 40, b"GIF89a", b"RIFF\x00\x00\x00\x00WEBP", b"BM\x00\x00"]
+ODD_STRINGS = [
+    "\u202eevil\u202c",
+    "e\u0301\u0301\u0301",
+    "\U0001f600\U0001f9d1\u200d\U0001f680",
+    "a\x00b",
+    "\x00",
+    "\ufeff",
+    "\u0000" * 3,
+    "\U0010ffff",
+    "\ud800",
+    "x\udfffy",
+    "\u200b",
+    "Ω≈ç√∫",
+    "\r\n\t",
+    "🙂" * 50,
+]
+JUNK_BYTES = [
+    b"\xff\xfe\x00",
+    b"\x00" * 16,
+    b"\xc3\x28",
+    b"\xed\xa0\x80",
+    b"\xf4\x90\x80\x80",
+    b"\x89PNG\r\n\x1a\n",
+    b"\xff\xd8\xff" + b"\x00" * 40,
+    b"GIF89a",
+    b"RIFF\x00\x00\x00\x00WEBP",
+    b"BM\x00\x00",
+]
 BAD_DIMS = [-1, -(1 << 40), 0, (1 << 32) + 1, HUGE, (1 << 63) - 1, 1 << 63, 1 << 64]
 # Request parameters and bogus values for them; the message must name the parameter.
-PARAMETERS = ["priority", "timeout", "sequence_id", "sequence_start", "sequence_end", "binary_data_output",
-              "routing_key", "encoder_version", "priority_class", "max_tokens", "min_tokens", "temperature",
-              "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty", "stream", "triton_x"]
-BOGUS_VALUES = [-1, -(1 << 63), 1 << 64, 1.5, -0.0, 1e308, "x", "", "\ud800", "interactive", "bulk", "🙂", True,
-                False, None, [], [1, "a"], {"a": 1}, "9" * 40, 0]
+PARAMETERS = [
+    "priority",
+    "timeout",
+    "sequence_id",
+    "sequence_start",
+    "sequence_end",
+    "binary_data_output",
+    "routing_key",
+    "encoder_version",
+    "priority_class",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "repetition_penalty",
+    "stream",
+    "triton_x",
+]
+BOGUS_VALUES = [
+    -1,
+    -(1 << 63),
+    1 << 64,
+    1.5,
+    -0.0,
+    1e308,
+    "x",
+    "",
+    "\ud800",
+    "interactive",
+    "bulk",
+    "🙂",
+    True,
+    False,
+    None,
+    [],
+    [1, "a"],
+    {"a": 1},
+    "9" * 40,
+    0,
+]
 GRPC_SERVER_ERRORS = {"INTERNAL", "UNKNOWN", "UNIMPLEMENTED", "DATA_LOSS"}
-GRPC_TRANSPORT = ("failed to connect", "socket closed", "connection reset", "connect failed", "stream removed",
-                  "broken pipe", "goaway", "end of tcp stream", "recvmsg")
+GRPC_TRANSPORT = (
+    "failed to connect",
+    "socket closed",
+    "connection reset",
+    "connect failed",
+    "stream removed",
+    "broken pipe",
+    "goaway",
+    "end of tcp stream",
+    "recvmsg",
+)
 
 
 @dataclass(frozen=True)
@@ -106,14 +201,17 @@ class ModelSpec:
         def dims(t):
             return tuple(int(d) for d in t.get("dims", []))
 
-        inputs = tuple(InputSpec(t["name"], CONFIG_TYPES.get(t["data_type"], t["data_type"]), dims(t),
-                                 bool(t.get("optional", False))) for t in config.get("input", []))
+        inputs = tuple(
+            InputSpec(t["name"], CONFIG_TYPES.get(t["data_type"], t["data_type"]), dims(t), bool(t.get("optional", False)))
+            for t in config.get("input", [])
+        )
         outputs = tuple(t["name"] for t in config.get("output", []))
         decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         return cls(config["name"], int(config.get("max_batch_size", 0)), inputs, outputs, decoupled)
 
 
 # ---- valid values, per input, from the config -------------------------------------------
+
 
 def _tiny_jpeg() -> bytes:
     from PIL import Image
@@ -153,8 +251,11 @@ def valid_values(spec: InputSpec, rows: int, seq: int, rng: np.random.Generator)
         return ids
     if spec.name == "attention_mask":
         return np.ones(shape, dtype=np.int64)
-    return rng.standard_normal(shape).astype(NUMPY[spec.datatype]) if spec.datatype.startswith("FP") else \
-        np.ones(shape, dtype=NUMPY.get(spec.datatype, np.int64))
+    return (
+        rng.standard_normal(shape).astype(NUMPY[spec.datatype])
+        if spec.datatype.startswith("FP")
+        else np.ones(shape, dtype=NUMPY.get(spec.datatype, np.int64))
+    )
 
 
 # ---- the abstract request and its mutations ---------------------------------------------
@@ -183,10 +284,21 @@ class Request:
     header_lie: int = 0  # added to Inference-Header-Content-Length
 
     def describe(self) -> dict:
-        return {"model": self.model.name, "mutations": self.mutations,
-                "inputs": [{"name": _short(t.name), "datatype": _short(t.datatype), "shape": _short(t.shape),
-                            "junk": _short(t.junk) if t.junk is not NOJUNK else None} for t in self.inputs],
-                "parameters": {k: _short(v) for k, v in self.parameters.items()}, "outputs": _short(self.outputs)}
+        return {
+            "model": self.model.name,
+            "mutations": self.mutations,
+            "inputs": [
+                {
+                    "name": _short(t.name),
+                    "datatype": _short(t.datatype),
+                    "shape": _short(t.shape),
+                    "junk": _short(t.junk) if t.junk is not NOJUNK else None,
+                }
+                for t in self.inputs
+            ],
+            "parameters": {k: _short(v) for k, v in self.parameters.items()},
+            "outputs": _short(self.outputs),
+        }
 
 
 def _short(value, n: int = 80) -> str:
@@ -206,8 +318,21 @@ def base_request(model: ModelSpec, rows: int, seq: int, rng: np.random.Generator
 
 
 # Bytes per element of the fixed-size datatypes (for shapes whose byte count wraps around 2^64).
-ITEM_SIZES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2, "UINT32": 4,
-              "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8}
+ITEM_SIZES = {
+    "BOOL": 1,
+    "UINT8": 1,
+    "INT8": 1,
+    "UINT16": 2,
+    "INT16": 2,
+    "FP16": 2,
+    "BF16": 2,
+    "UINT32": 4,
+    "INT32": 4,
+    "FP32": 4,
+    "UINT64": 8,
+    "INT64": 8,
+    "FP64": 8,
+}
 
 
 def wrapping_shape(rank: int, elements: int, item_size: int) -> list[int]:
@@ -218,8 +343,7 @@ def wrapping_shape(rank: int, elements: int, item_size: int) -> list[int]:
     dims = [1] * max(rank, 1)
     if target < (1 << 63):
         dims[-1] = target
-    elif len(dims) >= 2 and (factor := next((f for f in range(2, 1 << 16) if target % f == 0
-                                              and target // f < (1 << 63)), 0)):
+    elif len(dims) >= 2 and (factor := next((f for f in range(2, 1 << 16) if target % f == 0 and target // f < (1 << 63)), 0)):
         dims[-2], dims[-1] = factor, target // factor
     else:  # one-byte types on rank 1 (or no small factor): the largest dim stands in
         dims[-1] = (1 << 63) - 1
@@ -227,8 +351,7 @@ def wrapping_shape(rank: int, elements: int, item_size: int) -> list[int]:
 
 
 def mutation_kinds(model: ModelSpec) -> list[str]:
-    kinds = ["shape", "datatype", "data", "count", "missing", "extra", "rename", "parameter", "output", "body",
-             "wrap"]
+    kinds = ["shape", "datatype", "data", "count", "missing", "extra", "rename", "parameter", "output", "body", "wrap"]
     if len(model.inputs) > 1 and model.max_batch_size:
         kinds.append("batch_mismatch")
     if any(s.datatype == "BYTES" for s in model.inputs):
@@ -265,22 +388,45 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
         req.names.update({"shape", "dimension", "batch"})
     elif kind == "wrap":
         # Keep the data; declare a shape whose byte count wraps around 2^64 to the data's size.
-        size = ITEM_SIZES.get(t.datatype if isinstance(t.datatype, str) else "", 0) or \
-            draw(st.sampled_from([1, 2, 4, 8]))
+        size = ITEM_SIZES.get(t.datatype if isinstance(t.datatype, str) else "", 0) or draw(st.sampled_from([1, 2, 4, 8]))
         sent = int(t.values.size) if t.values is not None else 1
         rank = len(t.shape) if isinstance(t.shape, list) and t.shape else 2
         t.shape = wrapping_shape(rank, sent, size)
         req.names.update({"shape", "dimension", "batch", "elements"})
     elif kind == "datatype":
-        t.datatype = draw(st.sampled_from(["BYTES", "INT64", "INT32", "FP32", "FP16", "BF16", "BOOL", "UINT8",
-                                           "UINT64", "FP64", "FOO", "", "int64", None, 7, ["BYTES"], "STRING"]))
+        t.datatype = draw(
+            st.sampled_from(
+                [
+                    "BYTES",
+                    "INT64",
+                    "INT32",
+                    "FP32",
+                    "FP16",
+                    "BF16",
+                    "BOOL",
+                    "UINT8",
+                    "UINT64",
+                    "FP64",
+                    "FOO",
+                    "",
+                    "int64",
+                    None,
+                    7,
+                    ["BYTES"],
+                    "STRING",
+                ]
+            )
+        )
         req.names.update({"datatype", "data type", "type"})
     elif kind == "data" and t.values is not None:
         dt_ = t.datatype if isinstance(t.datatype, str) else "BYTES"
         flat = t.values.reshape(-1).copy() if t.values.size else t.values.reshape(-1)
         if dt_ == "BYTES" or t.values.dtype == object:
-            t.junk = draw(st.sampled_from([[1] * flat.size, [None] * flat.size, [[1, 2]], {"a": 1}, "text",
-                                           [True] * flat.size, [1.5] * flat.size]))
+            t.junk = draw(
+                st.sampled_from(
+                    [[1] * flat.size, [None] * flat.size, [[1, 2]], {"a": 1}, "text", [True] * flat.size, [1.5] * flat.size]
+                )
+            )
         elif flat.size:
             i = draw(st.integers(0, flat.size - 1))
             if np.issubdtype(flat.dtype, np.integer):
@@ -300,8 +446,14 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
         req.names.update({"missing", "input"})
     elif kind == "extra":
         name = draw(st.sampled_from(["EXTRA", "TEXT", "input_ids", "text_input", "IMAGE", "x" * 300]))
-        req.inputs.append(Tensor(name, "BYTES", [1, 1] if req.model.max_batch_size else [1],
-                                 np.array([[b"extra"]] if req.model.max_batch_size else [b"extra"], dtype=object)))
+        req.inputs.append(
+            Tensor(
+                name,
+                "BYTES",
+                [1, 1] if req.model.max_batch_size else [1],
+                np.array([[b"extra"]] if req.model.max_batch_size else [b"extra"], dtype=object),
+            )
+        )
         req.names.update({name[:40], "input", "duplicate"})
     elif kind == "rename":
         t.name = draw(st.sampled_from(["", "text", "TEXT ", "\ud800", "🙂", "a\x00b", 5, None, "x" * 1000]))
@@ -315,8 +467,7 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
     elif kind == "strings" and t.values is not None:
         flat = t.values.reshape(-1).copy()
         if flat.dtype == object and flat.size:
-            s = draw(st.sampled_from(ODD_STRINGS + ["", " ", "x" * 70000, "x" * 1_000_000])
-                     | st.text(max_size=30))
+            s = draw(st.sampled_from(ODD_STRINGS + ["", " ", "x" * 70000, "x" * 1_000_000]) | st.text(max_size=30))
             flat[draw(st.integers(0, flat.size - 1))] = s.encode("utf-8", "surrogatepass")
             t.values = flat.reshape(t.values.shape)
         req.names.update({"text", "utf-8", "bytes", "empty", "whitespace", "image", "data"})
@@ -335,9 +486,21 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
             req.names.add("'triton_'")  # tritonserver names the reserved prefix
     elif kind == "output":
         name = draw(st.sampled_from([*req.model.outputs, "NOPE", ""]))
-        params = draw(st.sampled_from([None, {"binary_data": 1}, {"binary_data": "x"}, {"classification": -1},
-                                       {"classification": "x"}, {"classification": 2}, {"shared_memory_region": 1},
-                                       {"shared_memory_region": "nope"}, {"binary_data": True}]))
+        params = draw(
+            st.sampled_from(
+                [
+                    None,
+                    {"binary_data": 1},
+                    {"binary_data": "x"},
+                    {"classification": -1},
+                    {"classification": "x"},
+                    {"classification": 2},
+                    {"shared_memory_region": 1},
+                    {"shared_memory_region": "nope"},
+                    {"binary_data": True},
+                ]
+            )
+        )
         out = {"name": name}
         if params is not None:
             out["parameters"] = params
@@ -345,12 +508,26 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
         req.outputs = [*(req.outputs or []), out]
         req.names.update({name, "output"} - {""})
     elif kind == "body":
-        req.body_damage = (draw(st.floats(0, 1)), draw(st.sampled_from([b"", b"{", b"\x00", b"\xff", b'"', b"]]"])
-                                                          | st.binary(max_size=8)))
+        req.body_damage = (
+            draw(st.floats(0, 1)),
+            draw(st.sampled_from([b"", b"{", b"\x00", b"\xff", b'"', b"]]"]) | st.binary(max_size=8)),
+        )
         req.header_lie = draw(st.sampled_from([0, 1, -1, 7, 1 << 20]))
-        req.names.update({"json", "body", "inference-header-content-length", "binary_data_size", "length",
-                          "header", "parse", "elements", "data", "parameter '",
-                          "unknown sampling parameter"})  # these two name the damaged key
+        req.names.update(
+            {
+                "json",
+                "body",
+                "inference-header-content-length",
+                "binary_data_size",
+                "length",
+                "header",
+                "parse",
+                "elements",
+                "data",
+                "parameter '",
+                "unknown sampling parameter",
+            }
+        )  # these two name the damaged key
     else:
         req.mutations[-1] = f"{kind}(no-op)"
 
@@ -377,6 +554,7 @@ def requests_strategy(model: ModelSpec, max_mutations: int = 3):
 
 # ---- encodings ---------------------------------------------------------------------------
 
+
 def _json_data(t: Tensor):
     if t.junk is not NOJUNK:
         return t.junk
@@ -395,12 +573,13 @@ def _damage(body: bytes, req: Request) -> bytes:
         return body
     where, junk = req.body_damage
     cut = int(where * len(body))
-    return body[:cut] + junk + body[cut + (1 if junk else len(body)):]
+    return body[:cut] + junk + body[cut + (1 if junk else len(body)) :]
 
 
 def encode_json(req: Request) -> bytes:
-    body: dict = {"inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape, "data": _json_data(t)}
-                             for t in req.inputs]}
+    body: dict = {
+        "inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape, "data": _json_data(t)} for t in req.inputs]
+    }
     if req.parameters:
         body["parameters"] = req.parameters
     if req.outputs is not None:
@@ -416,7 +595,7 @@ def tensor_bytes(t: Tensor) -> bytes:
     flat = t.values.reshape(-1)
     if flat.dtype == object or t.junk is not NOJUNK:
         parts = []
-        for v in (flat if t.junk is NOJUNK else t.junk if isinstance(t.junk, list) else [t.junk]):
+        for v in flat if t.junk is NOJUNK else t.junk if isinstance(t.junk, list) else [t.junk]:
             raw = v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogatepass")
             parts.append(struct.pack("<I", len(raw)) + raw)
         return b"".join(parts)
@@ -425,16 +604,22 @@ def tensor_bytes(t: Tensor) -> bytes:
 
 def encode_binary(req: Request) -> tuple[bytes, dict]:
     sections = [tensor_bytes(t) for t in req.inputs]
-    header: dict = {"inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape,
-                                "parameters": {"binary_data_size": len(s)}} for t, s in zip(req.inputs, sections)]}
+    header: dict = {
+        "inputs": [
+            {"name": t.name, "datatype": t.datatype, "shape": t.shape, "parameters": {"binary_data_size": len(s)}}
+            for t, s in zip(req.inputs, sections)
+        ]
+    }
     if req.parameters:
         header["parameters"] = req.parameters
     if req.outputs is not None:
         header["outputs"] = req.outputs
     head = json.dumps(header, default=_json_default).encode("utf-8", "surrogatepass")
     body = _damage(head + b"".join(sections), req)
-    return body, {"Inference-Header-Content-Length": str(max(0, len(head) + req.header_lie)),
-                  "Content-Type": "application/octet-stream"}
+    return body, {
+        "Inference-Header-Content-Length": str(max(0, len(head) + req.header_lie)),
+        "Content-Type": "application/octet-stream",
+    }
 
 
 def encode_generate(req: Request) -> bytes:
@@ -480,8 +665,14 @@ def encode_grpc(req: Request, raw: bool):
         tensor.name = _proto_str(t.name)
         tensor.datatype = _proto_str(t.datatype)
         shape = t.shape if isinstance(t.shape, list) else []
-        tensor.shape.extend(int(d) % (1 << 63) if isinstance(d, int) and not -(1 << 63) <= d < (1 << 63)
-                            else int(d) if isinstance(d, (int, float)) else 0 for d in shape)
+        tensor.shape.extend(
+            int(d) % (1 << 63)
+            if isinstance(d, int) and not -(1 << 63) <= d < (1 << 63)
+            else int(d)
+            if isinstance(d, (int, float))
+            else 0
+            for d in shape
+        )
         if raw:
             message.raw_input_contents.append(tensor_bytes(t))
             continue
@@ -507,6 +698,7 @@ def encode_grpc(req: Request, raw: bool):
 
 # ---- outcomes ----------------------------------------------------------------------------
 
+
 @dataclass
 class Tally:
     counts: dict = field(default_factory=dict)  # endpoint -> Counter(outcome)
@@ -515,11 +707,13 @@ class Tally:
     def add(self, endpoint: str, outcome: str, req: Request | None = None, detail: str = "") -> None:
         self.counts.setdefault(endpoint, Counter())[outcome] += 1
         self.counts[endpoint]["cases"] += 1
-        bad = outcome.startswith(("5xx", "dropped", "unnamed")) or outcome.replace("grpc:", "") in \
-            GRPC_SERVER_ERRORS | {"UNAVAILABLE"}
+        bad = outcome.startswith(("5xx", "dropped", "unnamed")) or outcome.replace("grpc:", "") in GRPC_SERVER_ERRORS | {
+            "UNAVAILABLE"
+        }
         if bad and len(self.findings) < 200:
-            self.findings.append({"endpoint": endpoint, "outcome": outcome, "detail": detail[:400],
-                                  "request": req.describe() if req else None})
+            self.findings.append(
+                {"endpoint": endpoint, "outcome": outcome, "detail": detail[:400], "request": req.describe() if req else None}
+            )
 
     def total(self) -> int:
         return sum(c["cases"] for c in self.counts.values())
@@ -528,8 +722,12 @@ class Tally:
         out: Counter = Counter()
         for c in self.counts.values():
             for k, v in c.items():
-                if k.startswith("5xx") or k == "dropped" or k == "unnamed" or k.replace("grpc:", "") in \
-                        GRPC_SERVER_ERRORS | {"UNAVAILABLE"}:
+                if (
+                    k.startswith("5xx")
+                    or k == "dropped"
+                    or k == "unnamed"
+                    or k.replace("grpc:", "") in GRPC_SERVER_ERRORS | {"UNAVAILABLE"}
+                ):
                     out[k] += v
         return out
 
@@ -580,8 +778,7 @@ class HTTP:
             if self.conn is None:
                 self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
-                self.conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
-                                                                    **(headers or {})})
+                self.conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
                 r = self.conn.getresponse()
                 data = r.read()
                 if r.getheader("Connection", "").lower() == "close":
@@ -632,12 +829,21 @@ def send_case(endpoint: str, req: Request, http_conn: HTTP, stub, tally: Tally) 
     model = req.model.name
     if endpoint.startswith("http") and endpoint != "http_binary":
         # JSON carries text only: an input of non-UTF-8 bytes (an image) is refused by name.
-        req.names.update(str(t.name) for t in req.inputs if t.junk is NOJUNK and t.values is not None
-                         and t.values.dtype == object and not all(_utf8(v) for v in t.values.reshape(-1)))
+        req.names.update(
+            str(t.name)
+            for t in req.inputs
+            if t.junk is NOJUNK
+            and t.values is not None
+            and t.values.dtype == object
+            and not all(_utf8(v) for v in t.values.reshape(-1))
+        )
     if any(_utf8(n) is False for n in req.names):
         req.names.add("a key")  # an unprintable name (a lone surrogate) is called a key
-    if endpoint.startswith("http") and endpoint != "http_binary" and any(
-            t.values is not None and t.values.dtype == object for t in req.inputs):
+    if (
+        endpoint.startswith("http")
+        and endpoint != "http_binary"
+        and any(t.values is not None and t.values.dtype == object for t in req.inputs)
+    ):
         req.names.add("'data'")
     if req.model.decoupled and endpoint == "http_json":
         req.names.add("decoupled")
@@ -651,12 +857,17 @@ def send_case(endpoint: str, req: Request, http_conn: HTTP, stub, tally: Tally) 
         answer = http_conn.post(f"/v2/models/{model}/{path}", encode_generate(req))
         if answer is not None and endpoint.endswith("stream") and answer[0] == 200:
             # Server-sent events: an error mid-stream arrives as an event under status 200.
-            events = [json.loads(line[5:]) for line in answer[1].decode("utf-8", "replace").splitlines()
-                      if line.startswith("data:") and line[5:].strip()]
+            events = [
+                json.loads(line[5:])
+                for line in answer[1].decode("utf-8", "replace").splitlines()
+                if line.startswith("data:") and line[5:].strip()
+            ]
             errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
             if errors:
-                answer = (400 if all("internal" not in e.lower() for e in errors) else 500,
-                          json.dumps({"error": errors[0]}).encode())
+                answer = (
+                    400 if all("internal" not in e.lower() for e in errors) else 500,
+                    json.dumps({"error": errors[0]}).encode(),
+                )
     else:
         raw = endpoint.endswith("raw")
         message = encode_grpc(req, raw)
@@ -680,8 +891,10 @@ def send_case(endpoint: str, req: Request, http_conn: HTTP, stub, tally: Tally) 
         except grpc.RpcError as exc:
             outcome = grpc_outcome(exc)
             details = exc.details() or ""
-            if outcome in ("dropped", "grpc:UNAVAILABLE", "grpc:UNIMPLEMENTED(decoupled)") or \
-                    outcome.replace("grpc:", "") in GRPC_SERVER_ERRORS:
+            if (
+                outcome in ("dropped", "grpc:UNAVAILABLE", "grpc:UNIMPLEMENTED(decoupled)")
+                or outcome.replace("grpc:", "") in GRPC_SERVER_ERRORS
+            ):
                 tally.add(endpoint, outcome, req, details)
             elif req.names and not names_a_field(details, req):
                 tally.add(endpoint, "unnamed", req, f"{outcome} {details}")
@@ -700,15 +913,19 @@ def send_case(endpoint: str, req: Request, http_conn: HTTP, stub, tally: Tally) 
 def endpoints_for(model: ModelSpec) -> list[str]:
     grpc_eps = ["grpc_typed", "grpc_raw"]
     if model.decoupled:
-        return ["http_generate", "http_generate_stream", "http_json", "grpc_stream_typed", "grpc_stream_raw",
-                *grpc_eps]
+        return ["http_generate", "http_generate_stream", "http_json", "grpc_stream_typed", "grpc_stream_raw", *grpc_eps]
     return ["http_json", "http_binary", *grpc_eps, "grpc_stream_raw", "http_generate"]
 
 
 # Each model's share of the cases: the generation model and the image models cost the most
 # per valid request (a token, a ResNet-50 pass), so they get fewer cases.
-WEIGHTS = {"text_generation": 0.5, "image_classification": 0.5, "image_classifier": 0.25, "image_preprocess": 0.6,
-           "image_postprocess": 0.6}
+WEIGHTS = {
+    "text_generation": 0.5,
+    "image_classification": 0.5,
+    "image_classifier": 0.25,
+    "image_preprocess": 0.6,
+    "image_postprocess": 0.6,
+}
 
 
 def plan(models: Sequence[ModelSpec], cases: int) -> list[tuple[ModelSpec, str, int]]:
@@ -729,8 +946,7 @@ def fuzz_endpoint(model: ModelSpec, endpoint: str, n: int, seed: int, conn: HTTP
     from hypothesis import seed as with_seed
 
     @with_seed(seed)
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(req=requests_strategy(model))
     def one(req):
         send_case(endpoint, req, conn, stub, tally)
@@ -738,13 +954,15 @@ def fuzz_endpoint(model: ModelSpec, endpoint: str, n: int, seed: int, conn: HTTP
     one()
 
 
-def run_endpoint_fuzz(http_url: str, grpc_url: str, models: Sequence[ModelSpec], cases: int, seed: int,
-                      say: Callable[[str], None], tally: Tally) -> None:
+def run_endpoint_fuzz(
+    http_url: str, grpc_url: str, models: Sequence[ModelSpec], cases: int, seed: int, say: Callable[[str], None], tally: Tally
+) -> None:
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    channel = grpc.insecure_channel(grpc_url, options=[("grpc.max_send_message_length", 256 << 20),
-                                                       ("grpc.max_receive_message_length", 256 << 20)])
+    channel = grpc.insecure_channel(
+        grpc_url, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+    )
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     conn = HTTP(http_url)
     try:
@@ -759,6 +977,7 @@ def run_endpoint_fuzz(http_url: str, grpc_url: str, models: Sequence[ModelSpec],
 
 # ---- the server's health: stub processes, liveness, known-good answers -------------------
 
+
 def child_processes(pid: int) -> dict[int, str]:
     """{pid: command} of the processes whose parent is ``pid`` (the python backend stubs)."""
     out = {}
@@ -767,7 +986,7 @@ def child_processes(pid: int) -> dict[int, str]:
             continue
         try:
             stat = (entry / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
             if ppid == pid:
                 out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
         except (OSError, ValueError):
@@ -797,8 +1016,12 @@ def known_good(http_url: str, model: ModelSpec) -> dict:
     data = json.loads(answer[1])
     if model.decoupled:
         return {"text_output": data.get("text_output")}
-    return {o["name"]: np.round(np.asarray(o["data"], dtype=float if o["datatype"] != "BYTES" else object), 4).tolist()
-            if o["datatype"] != "BYTES" else o["data"] for o in data.get("outputs", [])}
+    return {
+        o["name"]: np.round(np.asarray(o["data"], dtype=float if o["datatype"] != "BYTES" else object), 4).tolist()
+        if o["datatype"] != "BYTES"
+        else o["data"]
+        for o in data.get("outputs", [])
+    }
 
 
 def same_answer(a: dict, b: dict) -> bool:
@@ -830,13 +1053,18 @@ def served_models(http_url: str, names: Sequence[str]) -> list[ModelSpec]:
 def repository_models(triton_http_url: str, token: str | None) -> list[str]:
     import urllib.request
 
-    req = urllib.request.Request(f"http://{triton_http_url}/v2/repository/index", data=b"{}", method="POST",
-                                 headers={"triton-repository-token": token or ""})
+    req = urllib.request.Request(
+        f"http://{triton_http_url}/v2/repository/index",
+        data=b"{}",
+        method="POST",
+        headers={"triton-repository-token": token or ""},
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return sorted(m["name"] for m in json.loads(r.read()) if m.get("state") == "READY")
 
 
 # ---- the gateway (the schemathesis fuzz of the hostile tests) ----------------------------
+
 
 def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callable[[str], None], tally: Tally) -> None:
     """Run tests/integration/test_openai_gateway_hostile.py's schemathesis fuzz against a fresh
@@ -849,10 +1077,15 @@ def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callab
     from tests.integration.conftest import GATEWAY_TEST_KEY
 
     hostile.FUZZ_EXAMPLES = examples
-    options = GatewayOptions(triton_grpc_url=triton_grpc_url, port=free_port(), workdir=workdir,
-                             api_key_file=workdir / "gateway-api-key",
-                             extra_args=["--rate-limit", "0", "--max-tokens-cap", "8", "--no-request-log"],
-                             env={"GATEWAY_API_KEYS": GATEWAY_TEST_KEY}, drain_timeout=5)
+    options = GatewayOptions(
+        triton_grpc_url=triton_grpc_url,
+        port=free_port(),
+        workdir=workdir,
+        api_key_file=workdir / "gateway-api-key",
+        extra_args=["--rate-limit", "0", "--max-tokens-cap", "8", "--no-request-log"],
+        env={"GATEWAY_API_KEYS": GATEWAY_TEST_KEY},
+        drain_timeout=5,
+    )
     gw = GatewayProcess(options).start()
     out = io.StringIO()
     started = time.monotonic()
@@ -876,8 +1109,10 @@ def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callab
     if failure:
         tally.findings.append({"endpoint": "gateway (schemathesis)", "outcome": "failed", "detail": failure})
         counts["failed"] += 1
-    say(f"  gateway (schemathesis) {counts['cases']:5} cases in {time.monotonic() - started:5.1f} s"
-        + (f"; FAILED: {failure[:200]}" if failure else ""))
+    say(
+        f"  gateway (schemathesis) {counts['cases']:5} cases in {time.monotonic() - started:5.1f} s"
+        + (f"; FAILED: {failure[:200]}" if failure else "")
+    )
 
 
 # ---- atheris ------------------------------------------------------------------------------
@@ -886,8 +1121,15 @@ def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callab
 ATHERIS_TARGETS = ("text", "image", "generation", "sampling", "routing", "shapes")
 
 
-def atheris_fuzz(runs: int, workdir: Path, say: Callable[[str], None], tally: Tally,
-                 targets: Sequence[str] = ATHERIS_TARGETS, max_time: int = 300, parallel: int = 2) -> None:
+def atheris_fuzz(
+    runs: int,
+    workdir: Path,
+    say: Callable[[str], None],
+    tally: Tally,
+    targets: Sequence[str] = ATHERIS_TARGETS,
+    max_time: int = 300,
+    parallel: int = 2,
+) -> None:
     """Each target in its own process (``parallel`` at a time), ``runs`` runs or ``max_time`` s."""
     pending = list(targets)
     running: list[tuple[str, subprocess.Popen, float, Path]] = []
@@ -897,9 +1139,19 @@ def atheris_fuzz(runs: int, workdir: Path, say: Callable[[str], None], tally: Ta
             corpus = workdir / f"corpus-{target}"
             corpus.mkdir(parents=True, exist_ok=True)
             log_path = workdir / f"atheris-{target}.log"
-            cmd = [sys.executable, "-m", "perf.fuzz.targets", target, f"-runs={runs}", "-len_control=0",
-                   "-max_len=4096", "-timeout=60", f"-max_total_time={max_time}",
-                   f"-artifact_prefix={workdir}/crash-{target}-", str(corpus)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "perf.fuzz.targets",
+                target,
+                f"-runs={runs}",
+                "-len_control=0",
+                "-max_len=4096",
+                "-timeout=60",
+                f"-max_total_time={max_time}",
+                f"-artifact_prefix={workdir}/crash-{target}-",
+                str(corpus),
+            ]
             with log_path.open("w") as log_file:
                 proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
             running.append((target, proc, time.monotonic(), log_path))
@@ -914,8 +1166,7 @@ def atheris_fuzz(runs: int, workdir: Path, say: Callable[[str], None], tally: Ta
                 else:
                     continue
             running.remove(item)
-            _count_atheris(target, proc.returncode, log_path.read_text(errors="replace"), time.monotonic() - started,
-                           say, tally)
+            _count_atheris(target, proc.returncode, log_path.read_text(errors="replace"), time.monotonic() - started, say, tally)
 
 
 def _count_atheris(target: str, code: int, log: str, took: float, say, tally: Tally) -> None:
@@ -928,26 +1179,37 @@ def _count_atheris(target: str, code: int, log: str, took: float, say, tally: Ta
     counts["ok"] += ran
     if code != 0:
         counts["crash"] += 1
-        tail = log[log.find("Traceback"):][:1500] if "Traceback" in log else log[-1500:]
+        tail = log[log.find("Traceback") :][:1500] if "Traceback" in log else log[-1500:]
         tally.findings.append({"endpoint": endpoint, "outcome": "crash", "detail": tail})
-    say(f"  atheris {target:14} {ran:6} runs in {took:5.1f} s, coverage {cov[-1] if cov else '?'}"
-        + ("" if code == 0 else f"; CRASH (exit {code})"))
+    say(
+        f"  atheris {target:14} {ran:6} runs in {took:5.1f} s, coverage {cov[-1] if cov else '?'}"
+        + ("" if code == 0 else f"; CRASH (exit {code})")
+    )
 
 
 # ---- report -------------------------------------------------------------------------------
 
+
 def table(tally: Tally) -> str:
-    rows = ["| endpoint | cases | 2xx / OK | 4xx / client errors | 5xx / server errors | unnamed | dropped |",
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    rows = [
+        "| endpoint | cases | 2xx / OK | 4xx / client errors | 5xx / server errors | unnamed | dropped |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
     for endpoint, c in sorted(tally.counts.items()):
         ok = c["2xx"] + c["grpc:OK"] + c["ok"]
-        client = {k: v for k, v in c.items() if k.startswith("4xx") or (k.startswith("grpc:") and k != "grpc:OK"
-                  and k.replace("grpc:", "") not in GRPC_SERVER_ERRORS | {"UNAVAILABLE"})}
-        server = sum(v for k, v in c.items() if k.startswith("5xx") or k.replace("grpc:", "") in
-                     GRPC_SERVER_ERRORS | {"UNAVAILABLE"} or k in ("crash", "failed"))
+        client = {
+            k: v
+            for k, v in c.items()
+            if k.startswith("4xx")
+            or (k.startswith("grpc:") and k != "grpc:OK" and k.replace("grpc:", "") not in GRPC_SERVER_ERRORS | {"UNAVAILABLE"})
+        }
+        server = sum(
+            v
+            for k, v in c.items()
+            if k.startswith("5xx") or k.replace("grpc:", "") in GRPC_SERVER_ERRORS | {"UNAVAILABLE"} or k in ("crash", "failed")
+        )
         client_text = ", ".join(f"{k.replace('grpc:', '').replace('4xx:', '')} {v}" for k, v in sorted(client.items()))
-        rows.append(f"| {endpoint} | {c['cases']} | {ok} | {client_text or '-'} | {server} | {c['unnamed']} | "
-                    f"{c['dropped']} |")
+        rows.append(f"| {endpoint} | {c['cases']} | {ok} | {client_text or '-'} | {server} | {c['unnamed']} | {c['dropped']} |")
     return "\n".join(rows)
 
 
@@ -978,8 +1240,11 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="perf-fuzz-"))
     token = secrets.token_urlsafe(16)
     tally = Tally()
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir / "triton", repository_token=token,
-                                                       **({"models": args.models} if args.models else {})))
+    server = TritonServer(
+        ServerOptions.with_free_ports(
+            workdir=workdir / "triton", repository_token=token, **({"models": args.models} if args.models else {})
+        )
+    )
     say(f"perf.fuzz: starting tritonserver behind the front door ({', '.join(server.options.models)})")
     server.start()
     try:
@@ -988,9 +1253,16 @@ def run(args: argparse.Namespace) -> int:
         except ServerError as exc:
             say(f"{exc}\n{exc.log_tail}")
             return 1
-        health = fuzz_server(server.http_url, server.grpc_url, server.process.pid,
-                             repository_models(server.triton_http_url, token), args, say, tally,
-                             log_path=server.log_path)
+        health = fuzz_server(
+            server.http_url,
+            server.grpc_url,
+            server.process.pid,
+            repository_models(server.triton_http_url, token),
+            args,
+            say,
+            tally,
+            log_path=server.log_path,
+        )
         if args.gateway_examples > 0:
             gateway_fuzz(server.triton_grpc_url, args.gateway_examples, workdir / "gateway", say, tally)
         alive_after_all = server.process.poll() is None
@@ -1001,8 +1273,9 @@ def run(args: argparse.Namespace) -> int:
     return report(tally, health, alive_after_all, out_dir, args, say, time.monotonic() - started)
 
 
-def fuzz_server(http_url: str, grpc_url: str, pid: int, model_names: Sequence[str], args, say, tally: Tally,
-                log_path: Path | None = None) -> Health:
+def fuzz_server(
+    http_url: str, grpc_url: str, pid: int, model_names: Sequence[str], args, say, tally: Tally, log_path: Path | None = None
+) -> Health:
     """The endpoint fuzz against a running server (front door at ``http_url``/``grpc_url``,
     tritonserver's ``pid``), with the health checks around it."""
     models = served_models(http_url, model_names)
@@ -1017,10 +1290,18 @@ def fuzz_server(http_url: str, grpc_url: str, pid: int, model_names: Sequence[st
     if log_path and log_path.is_file():
         with log_path.open("rb") as f:
             f.seek(log_start)
-            lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines()
-                     if re.search(r"segfault|Stub process .* not healthy|Signal \(|core dumped|bad_alloc", ln)]
-    return Health(alive, stubs, child_processes(pid),
-                  {m: same_answer(before[m], after[m]) and "error" not in before[m] for m in before}, lines[:20])
+            lines = [
+                ln
+                for ln in f.read().decode("utf-8", "replace").splitlines()
+                if re.search(r"segfault|Stub process .* not healthy|Signal \(|core dumped|bad_alloc", ln)
+            ]
+    return Health(
+        alive,
+        stubs,
+        child_processes(pid),
+        {m: same_answer(before[m], after[m]) and "error" not in before[m] for m in before},
+        lines[:20],
+    )
 
 
 def report(tally: Tally, health: Health, alive_after_all: bool, out_dir: Path, args, say, took: float) -> int:
@@ -1028,45 +1309,76 @@ def report(tally: Tally, health: Health, alive_after_all: bool, out_dir: Path, a
     crashes = sum(c["crash"] for c in tally.counts.values())
     failed_gateway = sum(c["failed"] for c in tally.counts.values())
     summary = [
-        "# Fuzz run", "",
-        (f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, {took:.0f} s; command: "
-         f"`python -m perf.fuzz {' '.join(args.argv)}`"),
-        (f"- {tally.total()} cases in all; endpoint cases through the front door: "
-         f"{sum(c['cases'] for k, c in tally.counts.items() if not k.startswith(('atheris', 'gateway')))}"),
-        (f"- server errors (5xx / gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED, UNAVAILABLE): "
-         f"{sum(v for k, v in bad.items() if k not in ('dropped', 'unnamed'))}; refusals not naming the field: "
-         f"{bad['unnamed']}; dropped connections: {bad['dropped']} (kept-alive connections found closed "
-         f"and sent again: {sum(c['reconnected'] for c in tally.counts.values())}); atheris crashes: {crashes}"),
-        (f"- python stubs before {len(health.stubs_before)}, crashed during the run "
-         f"{len(health.crashed_stubs)}; tritonserver alive after the endpoint fuzz: {health.alive}, after the "
-         f"gateway fuzz: {alive_after_all}; crash lines in its log: {len(health.log_lines)}"),
-        ("- known-good answer unchanged after the run: "
-         f"{', '.join(f'{m} {ok}' for m, ok in sorted(health.answers_ok.items()))}"), "",
-        table(tally), ""]
+        "# Fuzz run",
+        "",
+        (
+            f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, {took:.0f} s; command: "
+            f"`python -m perf.fuzz {' '.join(args.argv)}`"
+        ),
+        (
+            f"- {tally.total()} cases in all; endpoint cases through the front door: "
+            f"{sum(c['cases'] for k, c in tally.counts.items() if not k.startswith(('atheris', 'gateway')))}"
+        ),
+        (
+            f"- server errors (5xx / gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED, UNAVAILABLE): "
+            f"{sum(v for k, v in bad.items() if k not in ('dropped', 'unnamed'))}; refusals not naming the field: "
+            f"{bad['unnamed']}; dropped connections: {bad['dropped']} (kept-alive connections found closed "
+            f"and sent again: {sum(c['reconnected'] for c in tally.counts.values())}); atheris crashes: {crashes}"
+        ),
+        (
+            f"- python stubs before {len(health.stubs_before)}, crashed during the run "
+            f"{len(health.crashed_stubs)}; tritonserver alive after the endpoint fuzz: {health.alive}, after the "
+            f"gateway fuzz: {alive_after_all}; crash lines in its log: {len(health.log_lines)}"
+        ),
+        (f"- known-good answer unchanged after the run: {', '.join(f'{m} {ok}' for m, ok in sorted(health.answers_ok.items()))}"),
+        "",
+        table(tally),
+        "",
+    ]
     text = "\n".join(summary)
     (out_dir / "summary.md").write_text(text)
     (out_dir / "counts.json").write_text(json.dumps({k: dict(v) for k, v in tally.counts.items()}, indent=1))
-    (out_dir / "findings.json").write_text(json.dumps({"findings": tally.findings, "log": health.log_lines,
-                                                       "crashed_stubs": health.crashed_stubs}, indent=1, default=str))
+    (out_dir / "findings.json").write_text(
+        json.dumps(
+            {"findings": tally.findings, "log": health.log_lines, "crashed_stubs": health.crashed_stubs}, indent=1, default=str
+        )
+    )
     print("\n" + text, flush=True)
     for f in tally.findings[:10]:
         print(f"  finding: {f['endpoint']} {f['outcome']}: {f['detail'][:300]}\n    {json.dumps(f.get('request'))[:400]}")
     say(f"perf.fuzz: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
-    ok = (not bad and not crashes and not failed_gateway and health.alive and alive_after_all
-          and not health.crashed_stubs and not health.log_lines and all(health.answers_ok.values()))
+    ok = (
+        not bad
+        and not crashes
+        and not failed_gateway
+        and health.alive
+        and alive_after_all
+        and not health.crashed_stubs
+        and not health.log_lines
+        and all(health.answers_ok.values())
+    )
     return 0 if ok else 1
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m perf.fuzz", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perf.fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--cases", type=int, default=10_000, help="endpoint cases over all models (default 10000)")
-    p.add_argument("--gateway-examples", type=int, default=100,
-                   help="schemathesis examples per gateway operation and mode (0: skip the gateway)")
+    p.add_argument(
+        "--gateway-examples",
+        type=int,
+        default=100,
+        help="schemathesis examples per gateway operation and mode (0: skip the gateway)",
+    )
     p.add_argument("--atheris-runs", type=int, default=2000, help="atheris runs per decoding target (0: skip)")
     p.add_argument("--atheris-max-time", type=int, default=120, help="seconds per atheris target at most")
-    p.add_argument("--models", type=lambda s: [m for m in s.split(",") if m], default=None,
-                   help="entry models to load (default: the launcher's; their steps are fuzzed too)")
+    p.add_argument(
+        "--models",
+        type=lambda s: [m for m in s.split(",") if m],
+        default=None,
+        help="entry models to load (default: the launcher's; their steps are fuzzed too)",
+    )
     p.add_argument("--seed", type=int, default=13, help="hypothesis seed (default 13)")
     p.add_argument("--out-dir", type=Path, default=None, help="default perf/results/fuzz-<UTC stamp>")
     args = p.parse_args(argv)

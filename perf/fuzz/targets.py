@@ -115,7 +115,7 @@ def image(data: bytes) -> None:
     if pick < len(_SEEDS):
         seed = _SEEDS[pick]
         cut = (rest[0] if rest else 0) % len(seed)
-        rest = seed[:cut] + rest[1:] + seed[cut + len(rest):]
+        rest = seed[:cut] + rest[1:] + seed[cut + len(rest) :]
     try:
         pixels = preprocess(np.array([rest], dtype=object), "IMAGE", _IMAGE_OPTIONS)
     except InputError:
@@ -137,8 +137,18 @@ class _ChatTokenizer:
 
 
 _CHAT: _ChatTokenizer | None = None
-_BOOL_KINDS = (None, True, False, 1, "true", np.array([True]), np.array([True, False]), np.array([1], np.int32),
-               np.array([], bool), np.array(["x"], object))
+_BOOL_KINDS = (
+    None,
+    True,
+    False,
+    1,
+    "true",
+    np.array([True]),
+    np.array([True, False]),
+    np.array([1], np.int32),
+    np.array([], bool),
+    np.array(["x"], object),
+)
 
 
 def _json_value(fdp: atheris.FuzzedDataProvider, depth: int = 0):
@@ -170,9 +180,13 @@ def generation(data: bytes) -> None:
     names = list(serving.SAMPLING_NAMES) + ["priority", "timeout", "x", "stream", "apply_chat_template"]
     if fdp.ConsumeBool():
         # A chat: a JSON list of messages, sometimes well formed.
-        messages = [{"role": fdp.PickValueInList(["user", "system", "assistant", "tool", 5]),
-                     "content": _json_value(fdp) if fdp.ConsumeBool() else fdp.ConsumeUnicodeNoSurrogates(12)}
-                    for _ in range(fdp.ConsumeIntInRange(0, 3))]
+        messages = [
+            {
+                "role": fdp.PickValueInList(["user", "system", "assistant", "tool", 5]),
+                "content": _json_value(fdp) if fdp.ConsumeBool() else fdp.ConsumeUnicodeNoSurrogates(12),
+            }
+            for _ in range(fdp.ConsumeIntInRange(0, 3))
+        ]
         text_value = json.dumps(messages).encode() if fdp.ConsumeBool() else fdp.ConsumeBytes(40)
         inputs["apply_chat_template"] = np.array([True])
     else:
@@ -184,15 +198,23 @@ def generation(data: bytes) -> None:
         inputs["sampling_parameters"] = np.array([raw], dtype=object)
     params = {fdp.PickValueInList(names): _json_value(fdp) for _ in range(fdp.ConsumeIntInRange(0, 4))}
     try:
-        parsed = serving.parse_request(inputs, params, tokenizer=_CHAT, max_tokens_limit=64, default_max_tokens=16,
-                                       max_text_bytes=256)
+        parsed = serving.parse_request(
+            inputs, params, tokenizer=_CHAT, max_tokens_limit=64, default_max_tokens=16, max_text_bytes=256
+        )
     except InputError:
         return
     p = parsed.params
     if not (isinstance(parsed.prompt, str) and parsed.prompt.strip()):
         raise ContractBroken(f"empty prompt {parsed.prompt!r}")
-    if not (1 <= p.max_tokens <= 64 and 0 <= p.min_tokens <= p.max_tokens and math.isfinite(p.temperature)
-            and p.temperature >= 0 and 0 < p.top_p <= 1 and p.top_k >= 0 and p.repetition_penalty > 0):
+    if not (
+        1 <= p.max_tokens <= 64
+        and 0 <= p.min_tokens <= p.max_tokens
+        and math.isfinite(p.temperature)
+        and p.temperature >= 0
+        and 0 < p.top_p <= 1
+        and p.top_k >= 0
+        and p.repetition_penalty > 0
+    ):
         raise ContractBroken(f"invalid sampling params accepted: {p}")
 
 
@@ -215,8 +237,10 @@ def routing(data: bytes) -> None:
     if not any(weights.values()):
         weights[1] = 100
     if fdp.ConsumeBool():
-        params = {fdp.PickValueInList(["encoder_version", "routing_key", "priority_class", "x"]): _json_value(fdp)
-                  for _ in range(fdp.ConsumeIntInRange(0, 3))}
+        params = {
+            fdp.PickValueInList(["encoder_version", "routing_key", "priority_class", "x"]): _json_value(fdp)
+            for _ in range(fdp.ConsumeIntInRange(0, 3))
+        }
         raw = json.dumps(params)
     else:
         raw = fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 80))
@@ -232,8 +256,10 @@ def shapes(data: bytes) -> None:
     """The shims' per-request shape check (shim.check_shape) against any config."""
     fdp = atheris.FuzzedDataProvider(data)
     dims = [fdp.ConsumeIntInRange(-1, 8) for _ in range(fdp.ConsumeIntInRange(0, 3))]
-    shape = [fdp.ConsumeIntInRange(-(1 << 62), 1 << 62) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(-1, 9)
-             for _ in range(fdp.ConsumeIntInRange(0, 5))]
+    shape = [
+        fdp.ConsumeIntInRange(-(1 << 62), 1 << 62) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(-1, 9)
+        for _ in range(fdp.ConsumeIntInRange(0, 5))
+    ]
     mbs = fdp.ConsumeIntInRange(0, 64)
     size = fdp.ConsumeIntInRange(0, 100) if fdp.ConsumeBool() else None
     try:
@@ -250,9 +276,14 @@ def seeds(target: str) -> list[bytes]:
     if target == "image":
         return [bytes([i]) + b"" for i in range(3)] + [bytes([len(_seed_images())]) + s for s in _seed_images()]
     if target == "sampling":
-        return [b"\x40\x00" + json.dumps(v).encode() for v in (
-            {"max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 1, "stop": ["a", "b"]},
-            {"min_tokens": 2, "repetition_penalty": 1.1, "ignore_eos": True, "stop": "x"}, {})]
+        return [
+            b"\x40\x00" + json.dumps(v).encode()
+            for v in (
+                {"max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 1, "stop": ["a", "b"]},
+                {"min_tokens": 2, "repetition_penalty": 1.1, "ignore_eos": True, "stop": "x"},
+                {},
+            )
+        ]
     return []
 
 
@@ -268,15 +299,22 @@ def prepare(target: str) -> None:
 
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
-    "text": text, "image": image, "generation": generation, "sampling": sampling, "routing": routing,
+    "text": text,
+    "image": image,
+    "generation": generation,
+    "sampling": sampling,
+    "routing": routing,
     "shapes": shapes,
 }
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[1] not in TARGETS:
-        print(f"usage: python -m perf.fuzz.targets {{{','.join(TARGETS)}}} [libFuzzer flags]"
-              if len(argv) < 2 or argv[1] != "--list" else "\n".join(TARGETS))
+        print(
+            f"usage: python -m perf.fuzz.targets {{{','.join(TARGETS)}}} [libFuzzer flags]"
+            if len(argv) < 2 or argv[1] != "--list"
+            else "\n".join(TARGETS)
+        )
         return 0 if len(argv) >= 2 and argv[1] == "--list" else 2
     target = TARGETS[argv[1]]
     prepare(argv[1])  # loaded before the first input: libFuzzer's -timeout is per input

@@ -18,9 +18,17 @@ class GatewayChat:
 
     async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
         """(TTFT in seconds, completion tokens) of one streamed chat request."""
-        body = orjson.dumps({"model": "text_generation", "messages": [{"role": "user", "content": prompt}],
-                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                             "stream_options": {"include_usage": True}})
+        body = orjson.dumps(
+            {
+                "model": "text_generation",
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
         sent = time.perf_counter()
         first = None
         tokens = None
@@ -54,8 +62,9 @@ class DirectChat:
     async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
         sent = time.perf_counter()
         first = None
-        pieces = self.client.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                         temperature=0, ignore_eos=True)
+        pieces = self.client.chat_stream(
+            [{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, ignore_eos=True
+        )
         async with pieces:
             async for text in pieces:
                 if first is None and text:

@@ -24,18 +24,31 @@ def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: 
     env = {"EMBEDDING_CACHE_L2_REDIS_URL": redis.url} if redis else {}
     # drain_timeout 5: tritonserver's own exit wait (--exit-timeout-secs) is 5 s, not the launcher's 30
     # (text_generation's unload has been seen to wait out the whole timeout after serving streams).
-    triton = TritonServer(ServerOptions.with_free_ports(workdir=workdir / "triton", models=tuple(models),
-                                                        cache_size_bytes=DEFAULT_CACHE_SIZE_MB << 20, env=env,
-                                                        drain_timeout=5))
+    triton = TritonServer(
+        ServerOptions.with_free_ports(
+            workdir=workdir / "triton",
+            models=tuple(models),
+            cache_size_bytes=DEFAULT_CACHE_SIZE_MB << 20,
+            env=env,
+            drain_timeout=5,
+        )
+    )
     triton.start()
     gateway = None
     try:
         triton.wait_ready(timeout=300)
         say(f"tritonserver ready ({', '.join(models)}): front door http {triton.http_url}, grpc {triton.grpc_url}")
-        gateway = GatewayProcess(GatewayOptions(triton.triton_grpc_url, port=free_port(), workdir=workdir / "gateway",
-                                                api_key_file=workdir / "gateway-api-key",
-                                                extra_args=["--rate-limit", "0"], env={"GATEWAY_API_KEYS": key},
-                                                drain_timeout=5)).start()
+        gateway = GatewayProcess(
+            GatewayOptions(
+                triton.triton_grpc_url,
+                port=free_port(),
+                workdir=workdir / "gateway",
+                api_key_file=workdir / "gateway-api-key",
+                extra_args=["--rate-limit", "0"],
+                env={"GATEWAY_API_KEYS": key},
+                drain_timeout=5,
+            )
+        ).start()
         gateway.wait_ready(timeout=120)
         say(f"gateway ready on {gateway.url}")
     except BaseException:

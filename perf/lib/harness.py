@@ -42,8 +42,13 @@ class RateSettings(pa.Settings):
         i = cmd.index("--concurrency-range")
         # --async: open-loop arrivals; with synchronous calls a few client threads cannot
         # keep a Poisson schedule once latency grows (perf_analyzer then delays requests).
-        cmd[i : i + 2] = ["--request-rate-range", f"{self.request_rate:.0f}", "--request-distribution", self.distribution,
-                          "--async"]
+        cmd[i : i + 2] = [
+            "--request-rate-range",
+            f"{self.request_rate:.0f}",
+            "--request-distribution",
+            self.distribution,
+            "--async",
+        ]
         return cmd
 
 
@@ -97,8 +102,9 @@ def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int) -> Row:
         settings = dataclasses.replace(settings, timeout_s=timeout)
         stem = row.key if attempt == 1 else f"{row.key}-retry"
         try:
-            m = pa.measure(settings, run.out_dir / f"{stem}.csv", log_path=run.out_dir / f"{stem}.log",
-                           binary=run.binary, env=run.env)
+            m = pa.measure(
+                settings, run.out_dir / f"{stem}.csv", log_path=run.out_dir / f"{stem}.log", binary=run.binary, env=run.env
+            )
         except pa.PerfAnalyzerUnstable as exc:
             row.error = "unstable"
             run.say(f"    {exc}")
@@ -143,8 +149,16 @@ def measure_served(run: Run, row: Row, settings: pa.Settings, steps_after: int, 
 
 def settings_for(run: Run, url: str, protocol: str, concurrency: int) -> pa.Settings:
     a = run.args
-    return pa.Settings(model=MODEL, url=url, protocol=protocol, concurrency=concurrency, input_data=a.input_data,
-                       request_count=a.request_count, stability_percent=a.stability_percent, max_trials=a.max_trials)
+    return pa.Settings(
+        model=MODEL,
+        url=url,
+        protocol=protocol,
+        concurrency=concurrency,
+        input_data=a.input_data,
+        request_count=a.request_count,
+        stability_percent=a.stability_percent,
+        max_trials=a.max_trials,
+    )
 
 
 def skipped(key: str, system: str, protocol: str, load: str, reason: str) -> Row:
@@ -261,4 +275,3 @@ def new_run(args: argparse.Namespace, kind: str, run_class: type[Run] = Run) -> 
     out_dir = args.out_dir or DEFAULT_RESULTS / f"{kind}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     return run_class(args, out_dir, deadline, binary, env)
-

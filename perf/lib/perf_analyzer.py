@@ -247,9 +247,7 @@ class Measurement:
     def as_row(self) -> dict[str, object]:
         """Flat dict for a summary CSV: the scalar fields, then each composing model's queue/infer/batch."""
         row: dict[str, object] = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("extra", "server", "composing")
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "server", "composing")
         }
         for name, stats in sorted(self.composing.items()):
             row[f"{name}_queue_ms"] = stats.breakdown_ms.get("queue")

@@ -61,8 +61,9 @@ def served_encoder(precision: str, repo: Path = REPOSITORY) -> ServedEncoder:
     text = served_config_text(repo, ENCODER, config_name)
     # Triton's (and ONNX Runtime's) 0 = one thread per core; the same here.
     threads = int(config_parameter(text, "intra_op_thread_count") or 0) or bench.cpu_threads()
-    return ServedEncoder(precision, config_name, variant, repo / ENCODER / "1" / VARIANTS[variant].filename, threads,
-                         instance_count(text))
+    return ServedEncoder(
+        precision, config_name, variant, repo / ENCODER / "1" / VARIANTS[variant].filename, threads, instance_count(text)
+    )
 
 
 def instance_count(config_text: str) -> int:

@@ -15,8 +15,14 @@ from collections.abc import Mapping
 
 from perf.lib.perf_analyzer import ModelStats
 
-_PHASES = {"queue": "queue", "compute_input": "compute input", "compute_infer": "compute infer",
-           "compute_output": "compute output", "cache_hit": "cache hit", "cache_miss": "cache miss"}
+_PHASES = {
+    "queue": "queue",
+    "compute_input": "compute input",
+    "compute_infer": "compute infer",
+    "compute_output": "compute output",
+    "cache_hit": "cache hit",
+    "cache_miss": "cache miss",
+}
 
 
 def snapshot(http_url: str, headers: Mapping[str, str] | None = None, timeout: float = 10.0) -> dict[str, dict]:
@@ -72,8 +78,9 @@ def delta(before: Mapping[str, dict], after: Mapping[str, dict], skip: tuple[str
     return {(s.name if names.count(s.name) == 1 else key): s for key, s in raw.items()}
 
 
-def fetch_delta(http_url: str, before: Mapping[str, dict], skip: tuple[str, ...] = (),
-                headers: Mapping[str, str] | None = None) -> dict[str, ModelStats]:
+def fetch_delta(
+    http_url: str, before: Mapping[str, dict], skip: tuple[str, ...] = (), headers: Mapping[str, str] | None = None
+) -> dict[str, ModelStats]:
     """delta() against a fresh snapshot; {} when the server cannot be asked (never raises)."""
     try:
         return delta(before, snapshot(http_url, headers), skip)

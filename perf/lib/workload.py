@@ -32,16 +32,19 @@ def text_request(text: str) -> tuple[bytes, dict[str, str]]:
 
 def token_request(rng: random.Random, length: int = 16) -> tuple[bytes, dict[str, str]]:
     ids = [101] + [rng.randrange(*VOCAB) for _ in range(length - 2)] + [102]
-    return infer_body([
-        {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
-        {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
-    ])
+    return infer_body(
+        [
+            {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
+            {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
+        ]
+    )
 
 
 def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
     raw = struct.pack("<I", len(blob)) + blob
-    return infer_body([{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
-                        "parameters": {"binary_data_size": len(raw)}}], raw)
+    return infer_body(
+        [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}], raw
+    )
 
 
 def gateway_request(text: str, api_key: str) -> tuple[bytes, dict[str, str]]:

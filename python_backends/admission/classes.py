@@ -53,8 +53,7 @@ def class_named(name: str, field: str = PARAMETER) -> PriorityClass:
     return CLASSES[name]
 
 
-def check_request_class(parameters: str | dict | None, own: PriorityClass,
-                        entries: dict[str, str] = CACHED_ENTRIES) -> None:
+def check_request_class(parameters: str | dict | None, own: PriorityClass, entries: dict[str, str] = CACHED_ENTRIES) -> None:
     """Refuse a request whose ``priority_class`` parameter names another class than the
     entry's own, naming the entry model that serves it (``entries``: class -> model).
     ``parameters``: the request's parameters, as a dict or as python_backend's JSON string."""

@@ -34,8 +34,7 @@ class Admission:
         if not self.inflight.try_add(n):
             self.refused += n
             raise Overloaded(
-                f"priority class {self.cls.name!r} is at capacity ({self.inflight.limit} rows in its lane); "
-                f"retry with backoff"
+                f"priority class {self.cls.name!r} is at capacity ({self.inflight.limit} rows in its lane); retry with backoff"
             )
         self.admitted += n
         try:

@@ -37,7 +37,7 @@ def start_time(pid: int) -> int:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 def _alive(pid: int, started: int) -> bool:
@@ -60,8 +60,9 @@ class SharedInflight:
         self.own = self.own_batches = 0
         with self._locked():
             cells = self._read()
-            free = next((i for i, (p, s, _, _) in enumerate(cells) if (p, s) == (self.pid, self.started) or not _alive(p, s)),
-                        None)
+            free = next(
+                (i for i, (p, s, _, _) in enumerate(cells) if (p, s) == (self.pid, self.started) or not _alive(p, s)), None
+            )
             if free is None:
                 raise RuntimeError(f"{name}: more than {CELLS} processes share one in-flight count")
             self._cell = free

@@ -50,8 +50,14 @@ class InflightReader:
 class YieldTo:
     """``wait()`` before each run: returns the seconds waited (0 when the class is idle)."""
 
-    def __init__(self, reader: InflightReader, max_wait_s: float, poll_s: float = 0.001,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        reader: InflightReader,
+        max_wait_s: float,
+        poll_s: float = 0.001,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         if max_wait_s <= 0 or poll_s <= 0:
             raise ValueError(f"yield waits must be > 0, got max {max_wait_s} s, poll {poll_s} s")
         self.reader, self.max_wait_s, self.poll_s = reader, max_wait_s, poll_s
@@ -77,6 +83,7 @@ class YieldTo:
         def yielding_run(feed):
             self.wait()
             return run(feed)
+
         return yielding_run
 
 

@@ -85,8 +85,7 @@ def file_fingerprint(path: Path, fresh: bool = False) -> str:
 class IdentityResolver:
     """The served identity of ``encoder`` as seen from a model in the same repository."""
 
-    def __init__(self, repository: Path, model: str, encoder: str, config_name: str | None,
-                 is_ready: Callable[[str, str], bool]):
+    def __init__(self, repository: Path, model: str, encoder: str, config_name: str | None, is_ready: Callable[[str, str], bool]):
         self.repository = Path(repository)
         self.model = model
         self.encoder = encoder
@@ -137,8 +136,11 @@ class IdentityResolver:
             ready = self.ready_versions()
             if len(ready) != 1:
                 if ready and self._ambiguous != ready:
-                    log.warning("%s versions %s are all ready and no version was chosen: the cache is "
-                                "bypassed until one version serves", self.encoder, ", ".join(ready))
+                    log.warning(
+                        "%s versions %s are all ready and no version was chosen: the cache is bypassed until one version serves",
+                        self.encoder,
+                        ", ".join(ready),
+                    )
                 self._ambiguous = ready
                 return None
             version = ready[0]
@@ -161,6 +163,11 @@ class IdentityResolver:
         identity = ModelIdentity(self.model, self.encoder, version, variant, file_fingerprint(model, fresh))
         self._by_version[version] = (model, self._signature(model), identity)
         if known is not None and known[2] != identity:
-            log.info("%s version %s changed on disk (file %s -> %s): new cache keys", self.encoder, version,
-                     known[2].fingerprint or "-", identity.fingerprint or "-")
+            log.info(
+                "%s version %s changed on disk (file %s -> %s): new cache keys",
+                self.encoder,
+                version,
+                known[2].fingerprint or "-",
+                identity.fingerprint or "-",
+            )
         return identity

@@ -95,8 +95,9 @@ class RedisL2:
             self.stats.misses += len(keys)
             return [None] * len(keys)
         if not isinstance(raw, list) or len(raw) != len(keys):
-            self._garbage(f"MGET returned {type(raw).__name__} of length {len(raw) if isinstance(raw, list) else '-'} "
-                          f"for {len(keys)} keys")
+            self._garbage(
+                f"MGET returned {type(raw).__name__} of length {len(raw) if isinstance(raw, list) else '-'} for {len(keys)} keys"
+            )
             self.stats.misses += len(keys)
             return [None] * len(keys)
         self._succeeded()
@@ -158,8 +159,7 @@ class RedisL2:
         self.stats.errors[kind] += 1
         self.stats.up = False
         self._down_until = self._clock() + self.retry_interval_s
-        self._warn(f"Redis {what} failed ({kind}: {exc}); serving without L2, next try in "
-                   f"{self.retry_interval_s:g} s")
+        self._warn(f"Redis {what} failed ({kind}: {exc}); serving without L2, next try in {self.retry_interval_s:g} s")
 
     def _garbage(self, detail: str) -> None:
         self.stats.errors["garbage"] += 1
@@ -176,8 +176,8 @@ class RedisL2:
             self._unwarned += 1
             return
         extra = f" ({self._unwarned} more L2 problems since the last warning)" if self._unwarned else ""
-        log.warning("%s%s [L2 %s; this warning is logged at most every %g s]", message, extra,
-                    redact_url(self.url), self.warn_interval_s)
+        log.warning(
+            "%s%s [L2 %s; this warning is logged at most every %g s]", message, extra, redact_url(self.url), self.warn_interval_s
+        )
         self._last_warning = now
         self._unwarned = 0
-

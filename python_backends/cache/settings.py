@@ -39,8 +39,11 @@ class CacheSettings:
         values: dict[str, float] = {}
         for key, (default, minimum, _) in NUMERIC.items():
             env = environ.get(ENV_PREFIX + key.upper())
-            raw, where = (env, f"environment variable {ENV_PREFIX + key.upper()}") if env not in (None, "") \
+            raw, where = (
+                (env, f"environment variable {ENV_PREFIX + key.upper()}")
+                if env not in (None, "")
                 else (config.param(key), f"parameter {key!r}")
+            )
             if raw is None:
                 values[key] = default
                 continue

@@ -96,8 +96,10 @@ class EmbeddingCache:
         ``store`` also write them to L1 and L2."""
         vectors = np.asarray(vectors, dtype=np.float32)
         if vectors.shape != (len(plan.miss_keys), self.dim):
-            raise ValueError(f"model returned shape {list(vectors.shape)} for {len(plan.miss_keys)} texts, "
-                             f"expected [{len(plan.miss_keys)}, {self.dim}]")
+            raise ValueError(
+                f"model returned shape {list(vectors.shape)} for {len(plan.miss_keys)} texts, "
+                f"expected [{len(plan.miss_keys)}, {self.dim}]"
+            )
         items = list(zip(plan.miss_keys, vectors))
         for key, vector in items:
             plan.found[key] = vector

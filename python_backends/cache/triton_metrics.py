@@ -37,11 +37,16 @@ class CacheMetrics:
 
         base = {"model": model}
         lookups = fam("embedding_cache_lookups_total", "Distinct texts looked up, per cache level and result", family.COUNTER)
-        self.lookups = {(lvl, res): lookups.Metric(labels={**base, "level": lvl, "result": res})
-                        for lvl in ("l1", "l2") for res in ("hit", "miss")}
+        self.lookups = {
+            (lvl, res): lookups.Metric(labels={**base, "level": lvl, "result": res})
+            for lvl in ("l1", "l2")
+            for res in ("hit", "miss")
+        }
         evictions = fam("embedding_cache_evictions_total", "L1 entries removed: lru = byte budget, ttl = expired", family.COUNTER)
         self.evictions = {r: evictions.Metric(labels={**base, "level": "l1", "reason": r}) for r in ("lru", "ttl")}
-        errors = fam("embedding_cache_redis_errors_total", "Redis (L2) failures by kind; each one was served without L2", family.COUNTER)
+        errors = fam(
+            "embedding_cache_redis_errors_total", "Redis (L2) failures by kind; each one was served without L2", family.COUNTER
+        )
         self.errors = {k: errors.Metric(labels={**base, "kind": k}) for k in ERROR_KINDS}
         texts = fam("embedding_cache_model_texts_total", "Texts computed by the model (cache misses)", family.COUNTER)
         self.model_texts = texts.Metric(labels=base)
@@ -49,8 +54,9 @@ class CacheMetrics:
         own = {**base, "instance": instance}
         self.l1_bytes = fam("embedding_cache_l1_bytes", "Bytes held by this instance's L1", family.GAUGE).Metric(labels=own)
         self.l1_entries = fam("embedding_cache_l1_entries", "Entries held by this instance's L1", family.GAUGE).Metric(labels=own)
-        self.redis_up = fam("embedding_cache_redis_up", "1 when the last Redis call worked, 0 after a failure, -1 without L2",
-                            family.GAUGE).Metric(labels=own)
+        self.redis_up = fam(
+            "embedding_cache_redis_up", "1 when the last Redis call worked, 0 after a failure, -1 without L2", family.GAUGE
+        ).Metric(labels=own)
         latency = fam("embedding_cache_lookup_seconds", "L1 + L2 lookup time of one batch", family.HISTOGRAM)
         self.latency = latency.Metric(labels=base, buckets=LATENCY_BUCKETS)
         self._seen = {"lru": 0, "ttl": 0, **{k: 0 for k in ERROR_KINDS}}
@@ -58,8 +64,16 @@ class CacheMetrics:
 
     def objects(self) -> list:
         """Every Metric and MetricFamily made here (for ``python_backends.shim.keep_metrics``)."""
-        metrics = [*self.lookups.values(), *self.evictions.values(), *self.errors.values(), self.model_texts,
-                   self.l1_bytes, self.l1_entries, self.redis_up, self.latency]
+        metrics = [
+            *self.lookups.values(),
+            *self.evictions.values(),
+            *self.errors.values(),
+            self.model_texts,
+            self.l1_bytes,
+            self.l1_entries,
+            self.redis_up,
+            self.latency,
+        ]
         return metrics + list(self._families)
 
     def record(self, counts: LookupCounts, l1: LRUCache | None, l2: RedisL2 | None) -> None:

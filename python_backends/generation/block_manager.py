@@ -163,9 +163,7 @@ class BlockManager:
         if not tokens:
             raise ValueError("a sequence needs at least one token")
         if not self.can_admit(tokens):
-            raise NoFreeBlocks(
-                f"{self.blocks_needed(len(tokens))} blocks needed, {self.num_free_blocks} free"
-            )
+            raise NoFreeBlocks(f"{self.blocks_needed(len(tokens))} blocks needed, {self.num_free_blocks} free")
         hits, hashes = self._hits(tokens)
         for b in hits:
             self._hold(b)
@@ -197,8 +195,7 @@ class BlockManager:
         """
         s = self._seqs[seq_id]
         if not s.num_computed <= num_tokens <= len(s.tokens):
-            raise ValueError(f"truncate {seq_id!r} to {num_tokens}: it has {len(s.tokens)} tokens, "
-                             f"{s.num_computed} computed")
+            raise ValueError(f"truncate {seq_id!r} to {num_tokens}: it has {len(s.tokens)} tokens, {s.num_computed} computed")
         del s.tokens[num_tokens:]
         while len(s.blocks) > self.blocks_needed(len(s.tokens)):
             b = s.blocks.pop()

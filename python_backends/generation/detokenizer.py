@@ -33,12 +33,10 @@ def detokenize_incrementally(
 
     Returns ``("", prefix_offset, read_offset)`` while the new tokens end mid-character.
     """
-    prefix_text = tokenizer.decode(list(token_ids[prefix_offset:read_offset]),
-                                   skip_special_tokens=skip_special_tokens)
-    new_text = tokenizer.decode(list(token_ids[prefix_offset:]),
-                                skip_special_tokens=skip_special_tokens)
+    prefix_text = tokenizer.decode(list(token_ids[prefix_offset:read_offset]), skip_special_tokens=skip_special_tokens)
+    new_text = tokenizer.decode(list(token_ids[prefix_offset:]), skip_special_tokens=skip_special_tokens)
     if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
-        return new_text[len(prefix_text):], read_offset, len(token_ids)
+        return new_text[len(prefix_text) :], read_offset, len(token_ids)
     return "", prefix_offset, read_offset
 
 
@@ -96,7 +94,7 @@ class IncrementalDetokenizer:
         for s in self.stop:
             if len(s) < 2:
                 continue
-            tail = self.text[-(len(s) - 1):]
+            tail = self.text[-(len(s) - 1) :]
             i = tail.find(s[0])
             while i != -1 and len(tail) - i > longest:
                 if s.startswith(tail[i:]):
@@ -141,12 +139,12 @@ class IncrementalDetokenizer:
     def _tail(self) -> str:
         """Decoded text of the tokens not yet read (incomplete characters included)."""
         ids = self._ids
-        prefix_text = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset],
-                                            skip_special_tokens=self.skip_special_tokens)
-        new_text = self.tokenizer.decode(ids[self._prefix_offset :],
-                                         skip_special_tokens=self.skip_special_tokens)
+        prefix_text = self.tokenizer.decode(
+            ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens
+        )
+        new_text = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         self._prefix_offset = self._read_offset = len(ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def _release(self, before: int, final: bool) -> DetokenizerOutput:
         if self.stop:

@@ -77,8 +77,14 @@ class EngineConfig:
             raise ConfigError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.weights_precision not in PRECISIONS:
             raise ConfigError(f"weights_precision {self.weights_precision!r}: expected one of {', '.join(PRECISIONS)}")
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "max_tokens_limit"):
+        for name in (
+            "block_size",
+            "kv_cache_bytes",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_tokens_limit",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -137,8 +143,9 @@ class LLMEngine:
         dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device)
         model_dir = Path(config.model_dir)
-        self.weights = weights if weights is not None else LlamaWeights.from_folder(
-            model_dir, dtype, self.device, config.weights_precision)
+        self.weights = (
+            weights if weights is not None else LlamaWeights.from_folder(model_dir, dtype, self.device, config.weights_precision)
+        )
         mcfg = self.weights.config
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -150,9 +157,7 @@ class LLMEngine:
         per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
         num_blocks = config.num_blocks or config.kv_cache_bytes // per_block
         if num_blocks < 1:
-            raise ConfigError(
-                f"kv_cache_bytes {config.kv_cache_bytes} holds no block of {per_block} bytes"
-            )
+            raise ConfigError(f"kv_cache_bytes {config.kv_cache_bytes} holds no block of {per_block} bytes")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -165,12 +170,21 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
         if self.weights.precision != "fp32" and self.device.type == "cpu" and not has_fast_bf16():
-            log.warning("generation engine: weights_precision %s on a CPU without AVX512-BF16 or AMX: PyTorch "
-                        "emulates BF16 here, slower than fp32; export on this machine (python -m export) to gate "
-                        "what it runs, or serve PRECISION=fp32", self.weights.precision)
-        log.info("generation engine: weights %s (%.0f MiB), KV pool %d blocks of %d tokens (%.0f MiB), %s",
-                 self.weights.precision, self.weights.nbytes() / 2**20, num_blocks, config.block_size,
-                 self.runner.cache.nbytes() / 2**20, self.device)
+            log.warning(
+                "generation engine: weights_precision %s on a CPU without AVX512-BF16 or AMX: PyTorch "
+                "emulates BF16 here, slower than fp32; export on this machine (python -m export) to gate "
+                "what it runs, or serve PRECISION=fp32",
+                self.weights.precision,
+            )
+        log.info(
+            "generation engine: weights %s (%.0f MiB), KV pool %d blocks of %d tokens (%.0f MiB), %s",
+            self.weights.precision,
+            self.weights.nbytes() / 2**20,
+            num_blocks,
+            config.block_size,
+            self.runner.cache.nbytes() / 2**20,
+            self.device,
+        )
         eos = set(mcfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -210,8 +224,9 @@ class LLMEngine:
         if params.max_tokens > self.config.max_tokens_limit:
             raise InputError("max_tokens", f"must be <= {self.config.max_tokens_limit}, got {params.max_tokens}")
 
-    def add_request(self, request_id: RequestId, prompt: str | Seq[int], params: SamplingParams,
-                    arrival: float | None = None) -> None:
+    def add_request(
+        self, request_id: RequestId, prompt: str | Seq[int], params: SamplingParams, arrival: float | None = None
+    ) -> None:
         """Queue a request; raises InputError / ContextTooLong (INVALID_ARG) or QueueFull."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
@@ -287,8 +302,7 @@ class LLMEngine:
                 token = seq.output_tokens[upto - 1]
                 if seq.finish_reason is FinishReason.LENGTH and upto == total:
                     finish = FinishReason.LENGTH.value
-                elif (token in self.eos_token_ids and not req.params.ignore_eos
-                      and upto >= req.params.min_tokens):
+                elif token in self.eos_token_ids and not req.params.ignore_eos and upto >= req.params.min_tokens:
                     finish = FinishReason.STOP.value
                 # the whole list for the newest token (no copy per step); a prefix only inside a draft
                 piece = req.detokenizer.step(seq.output_tokens if upto == total else seq.output_tokens[:upto])
@@ -306,8 +320,7 @@ class LLMEngine:
             else:
                 ids = seq.output_tokens[req.num_emitted_ids :]
                 req.num_emitted_ids = len(seq.output_tokens)
-                outputs.append(RequestOutput(seq.seq_id, text, ids, False, None, len(req.prompt_ids),
-                                             len(seq.output_tokens), m))
+                outputs.append(RequestOutput(seq.seq_id, text, ids, False, None, len(req.prompt_ids), len(seq.output_tokens), m))
         return outputs
 
     def _run(self, plan: SchedulerOutput) -> dict[SeqId, int | list[int]]:
@@ -361,8 +374,9 @@ class LLMEngine:
         sampled: dict[SeqId, int] = {}
         culprits: dict[SeqId, Exception] = {}
         for seq_id, chunks in by_seq.items():
-            alone = SchedulerOutput(decodes=[c for c in chunks if not c.is_prefill],
-                                    prefills=[c for c in chunks if c.is_prefill], preempted=[])
+            alone = SchedulerOutput(
+                decodes=[c for c in chunks if not c.is_prefill], prefills=[c for c in chunks if c.is_prefill], preempted=[]
+            )
             try:
                 sampled.update(self._run(alone))
             except Exception as exc:  # noqa: BLE001 - this request's own failure
@@ -437,8 +451,13 @@ class EngineLoop:
     the loop thread for every new piece, and exactly once with ``finished`` true.
     """
 
-    def __init__(self, engine: LLMEngine, name: str = "generation-engine",
-                 on_stats: Callable[[dict], None] | None = None, stats_interval: float = 0.5):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        name: str = "generation-engine",
+        on_stats: Callable[[dict], None] | None = None,
+        stats_interval: float = 0.5,
+    ):
         self.engine = engine
         # Called in the loop thread with engine.stats() at most every stats_interval seconds
         # while it works, and once when it goes idle (the metrics port's gauges).
@@ -461,8 +480,14 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: RequestId, prompt: str | Seq[int], params: SamplingParams,
-               on_output: OutputCallback, is_cancelled: Callable[[], bool] | None = None) -> int:
+    def submit(
+        self,
+        request_id: RequestId,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        on_output: OutputCallback,
+        is_cancelled: Callable[[], bool] | None = None,
+    ) -> int:
         """Queue a request; returns its prompt length. Raises InputError or QueueFull."""
         ids = self.engine.encode(prompt)
         self.engine.check_request(ids, params)
@@ -530,8 +555,9 @@ class EngineLoop:
             try:
                 self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params, arrival=sub.arrival)
             except (InputError, QueueFull, ValueError) as exc:
-                self._emit(RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value,
-                                         len(sub.prompt_ids), 0, None, exc))
+                self._emit(
+                    RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value, len(sub.prompt_ids), 0, None, exc)
+                )
         for rid, sub in list(self._live.items()):
             if rid in aborts or (sub.is_cancelled is not None and _cancelled(sub)):
                 out = self.engine.abort(rid)
@@ -617,8 +643,19 @@ class EngineLoop:
             pending = list(self._pending)
             self._pending.clear()
         for sub in pending:
-            sub.on_output(RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value,
-                                        len(sub.prompt_ids), 0, None, RuntimeError("the model is unloading")))
+            sub.on_output(
+                RequestOutput(
+                    sub.request_id,
+                    "",
+                    [],
+                    True,
+                    FinishReason.ABORT.value,
+                    len(sub.prompt_ids),
+                    0,
+                    None,
+                    RuntimeError("the model is unloading"),
+                )
+            )
 
 
 def _cancelled(sub: _Submission) -> bool:

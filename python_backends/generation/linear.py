@@ -251,8 +251,9 @@ def make_linear(weight: torch.Tensor, precision: str) -> Linear:
     if precision == "fp32":
         return Linear(weight)
     if weight.device.type != "cpu":
-        raise ConfigError(f"weights_precision {precision!r} runs on CPU only; a GPU instance serves fp32 weights "
-                          f"in the engine's dtype")
+        raise ConfigError(
+            f"weights_precision {precision!r} runs on CPU only; a GPU instance serves fp32 weights in the engine's dtype"
+        )
     if precision == "bf16":
         return Bf16Linear(weight)
     return Int4Bf16Linear(weight)

@@ -55,10 +55,7 @@ class LlamaConfig:
     def from_dict(cls, cfg: dict) -> LlamaConfig:
         archs = cfg.get("architectures") or []
         if archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
-            raise ConfigError(
-                f"config.json declares architecture {archs}; this engine runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ConfigError(f"config.json declares architecture {archs}; this engine runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -124,8 +121,7 @@ class LlamaWeights:
     each layer is built, so a quantized model's resident weights are the quantized ones.
     """
 
-    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device,
-                 precision: str = "fp32"):
+    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device, precision: str = "fp32"):
         self.config = config
         self.precision = precision
 
@@ -171,8 +167,9 @@ class LlamaWeights:
         return sum(t.numel() * t.element_size() for t in tensors) + sum(m.nbytes for m in linears) - shared
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-                    precision: str = "fp32") -> LlamaWeights:
+    def from_folder(
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", precision: str = "fp32"
+    ) -> LlamaWeights:
         folder = Path(folder)
         config = LlamaConfig.from_folder(folder)
         return cls(config, _load_state_dict(folder, device), dtype, device, precision)
@@ -212,8 +209,16 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         kv_dtype = kv_cache_dtype(weights.precision, dtype, self.device)
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                                  self.device, attn_dtype=ATTN_DTYPE.get(kv_dtype, dtype))
+        self.cache = PagedKVCache(
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            kv_dtype,
+            self.device,
+            attn_dtype=ATTN_DTYPE.get(kv_dtype, dtype),
+        )
         # RoPE tables for every position the engine may run, as transformers computes
         # them: FP32 inverse frequencies times the FP32 position, then cos and sin.
         # inv_freq on the CPU (transformers' buffer is made there), the products and cos/sin
@@ -280,8 +285,11 @@ class ModelRunner:
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             plan = self.cache.plan([table], [end], [end - start], self.config.num_heads)
-            out.append(self.forward(token_ids[start:end], list(range(start, end)), list(range(start, end)), plan,
-                                    list(range(end - start))))
+            out.append(
+                self.forward(
+                    token_ids[start:end], list(range(start, end)), list(range(start, end)), plan, list(range(end - start))
+                )
+            )
         return torch.cat(out, 0)
 
     @torch.inference_mode()

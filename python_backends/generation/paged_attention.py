@@ -34,9 +34,7 @@ def bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
 
-def slots_for_positions(
-    block_table: Sequence[int], positions: Sequence[int] | range, block_size: int
-) -> list[int]:
+def slots_for_positions(block_table: Sequence[int], positions: Sequence[int] | range, block_size: int) -> list[int]:
     """Physical slots of the given token positions of one sequence.
 
     Raises IndexError when a position lies beyond the blocks the table holds, so a
@@ -46,9 +44,7 @@ def slots_for_positions(
     for pos in positions:
         block = pos // block_size
         if pos < 0 or block >= len(block_table):
-            raise IndexError(
-                f"position {pos} needs block {block}, the table holds {len(block_table)}"
-            )
+            raise IndexError(f"position {pos} needs block {block}, the table holds {len(block_table)}")
         slots.append(block_table[block] * block_size + pos % block_size)
     return slots
 
@@ -153,9 +149,7 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         """Bytes the pool holds (K and V, all layers)."""
-        return self.num_blocks * bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
+        return self.num_blocks * bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
@@ -172,9 +166,7 @@ class PagedKVCache:
         slots = _as_long(slot_mapping, self.device)
         expected = (slots.numel(), self.num_kv_heads, self.head_dim)
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(
-                f"k and v must be {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
-            )
+            raise ValueError(f"k and v must be {list(expected)}, got {list(k.shape)} and {list(v.shape)}")
         if not checked:
             keep = slots >= 0
             if not bool(keep.all()):
@@ -262,8 +254,16 @@ class PagedKVCache:
             for rows in buckets:
                 contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
                 index = None if contiguous else torch.as_tensor([tok + r for r in rows], device=self.device)
-                groups.append(self._group(tok + rows[0], [tables_rows[b + r] for r in rows],
-                                          [ctx[b + r] for r in rows], [1] * len(rows), group, index))
+                groups.append(
+                    self._group(
+                        tok + rows[0],
+                        [tables_rows[b + r] for r in rows],
+                        [ctx[b + r] for r in rows],
+                        [1] * len(rows),
+                        group,
+                        index,
+                    )
+                )
             tok += e - b
             b = e
         return AttentionPlan(groups=groups, num_tokens=tok, num_heads=num_heads)

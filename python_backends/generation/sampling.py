@@ -55,8 +55,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-           "ignore_eos", "repetition_penalty")
+_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty")
 
 
 def _int(name, value) -> int:
@@ -106,14 +105,10 @@ def parse_sampling_params(
             except json.JSONDecodeError as exc:
                 raise SamplingParamsError("sampling_parameters", f"is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise SamplingParamsError(
-                "sampling_parameters", f"must be a JSON object, got {type(data).__name__}"
-            )
+            raise SamplingParamsError("sampling_parameters", f"must be a JSON object, got {type(data).__name__}")
     unknown = sorted(str(k) for k in data if k not in _FIELDS)
     if unknown:
-        raise SamplingParamsError(
-            unknown[0] or "''", f"unknown sampling parameter (known: {', '.join(_FIELDS)})"
-        )
+        raise SamplingParamsError(unknown[0] or "''", f"unknown sampling parameter (known: {', '.join(_FIELDS)})")
 
     max_tokens = _int("max_tokens", data.get("max_tokens", default_max_tokens))
     if max_tokens <= 0:
@@ -122,9 +117,7 @@ def parse_sampling_params(
         raise SamplingParamsError("max_tokens", f"must be <= {max_tokens_limit}, got {max_tokens}")
     min_tokens = _int("min_tokens", data.get("min_tokens", 0))
     if not 0 <= min_tokens <= max_tokens:
-        raise SamplingParamsError(
-            "min_tokens", f"must be between 0 and max_tokens ({max_tokens}), got {min_tokens}"
-        )
+        raise SamplingParamsError("min_tokens", f"must be between 0 and max_tokens ({max_tokens}), got {min_tokens}")
     temperature = _float("temperature", data.get("temperature", 1.0))
     if temperature < 0:
         raise SamplingParamsError("temperature", f"must be >= 0, got {temperature}")
@@ -161,9 +154,7 @@ def parse_sampling_params(
         if not s:
             raise SamplingParamsError("stop", "stop strings must not be empty")
         if len(s) > max_stop_len:
-            raise SamplingParamsError(
-                "stop", f"each stop string must be <= {max_stop_len} characters, got {len(s)}"
-            )
+            raise SamplingParamsError("stop", f"each stop string must be <= {max_stop_len} characters, got {len(s)}")
 
     return SamplingParams(
         max_tokens=max_tokens,

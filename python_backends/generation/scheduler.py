@@ -155,10 +155,7 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_model_len must be > 0, max_waiting >= 0")
         if max_num_batched_tokens < max_num_seqs:
             # Otherwise some running decode would get no token in a full step.
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({max_num_seqs})"
-            )
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -205,8 +202,7 @@ class Scheduler:
                 f"{len(self.waiting)} requests already waiting and the running batch is full "
                 f"(max_num_seqs={self.max_num_seqs}, max_waiting={self.max_waiting})"
             )
-        seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals),
-                       speculative=speculative)
+        seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals), speculative=speculative)
         self.waiting.append(seq)
         self._seqs[seq_id] = seq
         return seq
@@ -315,8 +311,10 @@ class Scheduler:
         preempted: list[SeqId] = []
 
         # 1. Decodes: running sequences whose prompt is computed, oldest first.
-        speculate = self.num_speculative_tokens > 0 and 0 < sum(
-            1 for s in self.running if s.num_computed_tokens >= s.num_prefill_tokens) <= self.speculative_max_seqs
+        speculate = (
+            self.num_speculative_tokens > 0
+            and 0 < sum(1 for s in self.running if s.num_computed_tokens >= s.num_prefill_tokens) <= self.speculative_max_seqs
+        )
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop
@@ -353,12 +351,7 @@ class Scheduler:
 
         # 3. Admit waiting requests in FIFO order; none after a preemption this step
         # (the pool is short), and never skip the head (no starvation of long prompts).
-        while (
-            self.waiting
-            and budget > 0
-            and not preempted
-            and len(self.running) < self.max_num_seqs
-        ):
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.bm.can_admit(seq.tokens):
                 break

@@ -24,13 +24,26 @@ from typing import Any
 from python_backends.errors import ConfigError, InputError
 from python_backends.generation.sampling import SamplingParams, SamplingParamsError, parse_sampling_params
 
-BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "apply_chat_template")
-SAMPLING_NAMES = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-                  "repetition_penalty")
+BOOL_INPUTS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "apply_chat_template",
+)
+SAMPLING_NAMES = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty")
 # Request parameters Triton or its clients set themselves; never sampling parameters.
-RESERVED_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end", "headers",
-                       "binary_data_output", "triton_enable_empty_final_response")
+RESERVED_PARAMETERS = (
+    "priority",
+    "timeout",
+    "sequence_id",
+    "sequence_start",
+    "sequence_end",
+    "headers",
+    "binary_data_output",
+    "triton_enable_empty_final_response",
+)
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -174,8 +187,7 @@ def parse_request(
     sampling_raw = inputs.get("sampling_parameters")
     sampling_text = None if sampling_raw is None else _one_bytes("sampling_parameters", sampling_raw, 65536)
     sampling = merge_sampling_sources(sampling_text, params)
-    sampling_params = parse_sampling_params(sampling, max_tokens_limit=max_tokens_limit,
-                                            default_max_tokens=default_max_tokens)
+    sampling_params = parse_sampling_params(sampling, max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens)
     if flags["apply_chat_template"]:
         prompt = render_chat(tokenizer, text)
     else:

@@ -25,8 +25,9 @@ MAX_NGRAM = 4
 MAX_LOOKBACK = 4096
 
 
-def propose_ngram(tokens: Sequence[int], num_draft: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM,
-                  lookback: int = MAX_LOOKBACK) -> list[int]:
+def propose_ngram(
+    tokens: Sequence[int], num_draft: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM, lookback: int = MAX_LOOKBACK
+) -> list[int]:
     """Up to ``num_draft`` tokens that followed the latest earlier occurrence of the last n-gram.
 
     Returns ``[]`` when no n-gram of ``min_n..max_n`` tokens at the end of ``tokens`` occurred
@@ -37,7 +38,7 @@ def propose_ngram(tokens: Sequence[int], num_draft: int, min_n: int = MIN_NGRAM,
     arr = np.asarray(tokens[-lookback:], dtype=np.int64)
     size = arr.size
     for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = arr[size - n:]
+        suffix = arr[size - n :]
         # Candidate starts: an earlier window whose tokens equal the suffix's, with at least
         # one token after it (the window ending at the sequence's end is the suffix itself).
         starts = np.flatnonzero(arr[: size - n] == suffix[0])

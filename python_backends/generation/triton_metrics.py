@@ -32,9 +32,13 @@ TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
 FINISH_REASONS = ("stop", "length", "abort")
-STAT_COUNTERS = {"prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits",
-                 "num_preemptions": "preemptions", "spec_draft_tokens": "spec_draft_tokens",
-                 "spec_accepted_tokens": "spec_accepted_tokens"}
+STAT_COUNTERS = {
+    "prefix_cache_queries": "prefix_queries",
+    "prefix_cache_hits": "prefix_hits",
+    "num_preemptions": "preemptions",
+    "spec_draft_tokens": "spec_draft_tokens",
+    "spec_accepted_tokens": "spec_accepted_tokens",
+}
 STAT_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total")
 
 
@@ -48,39 +52,51 @@ class GenerationMetrics:
             self._families.append(f)
             return f
 
-        self.ttft = fam("llm_time_to_first_token_seconds", "Time from arrival to the first output token",
-                        family.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS)
-        self.tpot = fam("llm_time_per_output_token_seconds", "Interval between two output tokens of one stream",
-                        family.HISTOGRAM).Metric(labels=labels, buckets=TPOT_BUCKETS)
-        self.e2e = fam("llm_e2e_request_latency_seconds", "Time from arrival to the last output",
-                       family.HISTOGRAM).Metric(labels=labels, buckets=E2E_BUCKETS)
-        self.prompt_tokens = fam("llm_prompt_tokens_total", "Prompt tokens of finished requests",
-                                 family.COUNTER).Metric(labels=labels)
-        self.generation_tokens = fam("llm_generation_tokens_total", "Tokens generated",
-                                     family.COUNTER).Metric(labels=labels)
+        self.ttft = fam(
+            "llm_time_to_first_token_seconds", "Time from arrival to the first output token", family.HISTOGRAM
+        ).Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.tpot = fam(
+            "llm_time_per_output_token_seconds", "Interval between two output tokens of one stream", family.HISTOGRAM
+        ).Metric(labels=labels, buckets=TPOT_BUCKETS)
+        self.e2e = fam("llm_e2e_request_latency_seconds", "Time from arrival to the last output", family.HISTOGRAM).Metric(
+            labels=labels, buckets=E2E_BUCKETS
+        )
+        self.prompt_tokens = fam("llm_prompt_tokens_total", "Prompt tokens of finished requests", family.COUNTER).Metric(
+            labels=labels
+        )
+        self.generation_tokens = fam("llm_generation_tokens_total", "Tokens generated", family.COUNTER).Metric(labels=labels)
         success = fam("llm_request_success_total", "Finished requests by finish reason", family.COUNTER)
         self.success = {r: success.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
         self.counters = {
-            "prefix_queries": fam("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
-                                  family.COUNTER).Metric(labels=labels),
-            "prefix_hits": fam("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
-                               family.COUNTER).Metric(labels=labels),
-            "preemptions": fam("llm_num_preemptions_total", "Running sequences preempted (recomputed later)",
-                               family.COUNTER).Metric(labels=labels),
-            "spec_draft_tokens": fam("llm_spec_decode_num_draft_tokens_total",
-                                     "Prompt-lookup draft tokens verified", family.COUNTER).Metric(labels=labels),
-            "spec_accepted_tokens": fam("llm_spec_decode_num_accepted_tokens_total",
-                                        "Prompt-lookup draft tokens accepted", family.COUNTER).Metric(labels=labels),
+            "prefix_queries": fam(
+                "llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", family.COUNTER
+            ).Metric(labels=labels),
+            "prefix_hits": fam("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", family.COUNTER).Metric(
+                labels=labels
+            ),
+            "preemptions": fam(
+                "llm_num_preemptions_total", "Running sequences preempted (recomputed later)", family.COUNTER
+            ).Metric(labels=labels),
+            "spec_draft_tokens": fam(
+                "llm_spec_decode_num_draft_tokens_total", "Prompt-lookup draft tokens verified", family.COUNTER
+            ).Metric(labels=labels),
+            "spec_accepted_tokens": fam(
+                "llm_spec_decode_num_accepted_tokens_total", "Prompt-lookup draft tokens accepted", family.COUNTER
+            ).Metric(labels=labels),
         }
         self.gauges = {
-            "num_requests_running": fam("llm_num_requests_running", "Sequences in the running batch",
-                                        family.GAUGE).Metric(labels=labels),
-            "num_requests_waiting": fam("llm_num_requests_waiting", "Requests waiting for admission",
-                                        family.GAUGE).Metric(labels=labels),
-            "kv_blocks_used": fam("llm_kv_cache_blocks_used", "KV cache blocks held by sequences",
-                                  family.GAUGE).Metric(labels=labels),
-            "kv_blocks_total": fam("llm_kv_cache_blocks_total", "KV cache blocks in the pool",
-                                   family.GAUGE).Metric(labels=labels),
+            "num_requests_running": fam("llm_num_requests_running", "Sequences in the running batch", family.GAUGE).Metric(
+                labels=labels
+            ),
+            "num_requests_waiting": fam("llm_num_requests_waiting", "Requests waiting for admission", family.GAUGE).Metric(
+                labels=labels
+            ),
+            "kv_blocks_used": fam("llm_kv_cache_blocks_used", "KV cache blocks held by sequences", family.GAUGE).Metric(
+                labels=labels
+            ),
+            "kv_blocks_total": fam("llm_kv_cache_blocks_total", "KV cache blocks in the pool", family.GAUGE).Metric(
+                labels=labels
+            ),
         }
         # Counts already in the engine (its warm-up) are not reported.
         self._seen = {name: int((baseline or {}).get(key, 0)) for key, name in STAT_COUNTERS.items()}
@@ -91,8 +107,17 @@ class GenerationMetrics:
 
     def objects(self) -> list:
         """Every Metric and MetricFamily made here (for ``python_backends.shim.keep_metrics``)."""
-        return [self.ttft, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
-                *self.success.values(), *self.counters.values(), *self.gauges.values(), *self._families]
+        return [
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.prompt_tokens,
+            self.generation_tokens,
+            *self.success.values(),
+            *self.counters.values(),
+            *self.gauges.values(),
+            *self._families,
+        ]
 
     # ---- called by the engine loop thread: cheap -------------------------------------
     def on_output(self, out: RequestOutput) -> None:

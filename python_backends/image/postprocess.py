@@ -87,7 +87,4 @@ class TopKClassifier:
                     results.append(exc)
             return results
         offsets = np.cumsum([0] + [len(a) for a in arrays])
-        return [
-            TopK(top.labels[lo:hi], top.indices[lo:hi], top.scores[lo:hi])
-            for lo, hi in zip(offsets[:-1], offsets[1:])
-        ]
+        return [TopK(top.labels[lo:hi], top.indices[lo:hi], top.scores[lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]

@@ -91,25 +91,32 @@ def budget_from_config(config) -> TokenBudget | None:
         return None
     names = [spec.name for spec in config.inputs]
     if sorted(ragged) != sorted(names):
-        raise ConfigError(f"model {config.name!r}: allow_ragged_batch must be set on every input "
-                          f"({', '.join(names)}) or none; set on {', '.join(ragged)}")
+        raise ConfigError(
+            f"model {config.name!r}: allow_ragged_batch must be set on every input "
+            f"({', '.join(names)}) or none; set on {', '.join(ragged)}"
+        )
     for spec in config.inputs:
         if spec.dims != (-1,):
-            raise ConfigError(f"model {config.name!r}: ragged input {spec.name!r} must have dims [ -1 ], "
-                              f"config says {list(spec.dims)}")
+            raise ConfigError(
+                f"model {config.name!r}: ragged input {spec.name!r} must have dims [ -1 ], config says {list(spec.dims)}"
+            )
     for spec in config.outputs:
         if -1 in spec.dims:
-            raise ConfigError(f"model {config.name!r}: with ragged inputs, output {spec.name!r} "
-                              f"cannot have a variable dimension ({list(spec.dims)})")
+            raise ConfigError(
+                f"model {config.name!r}: with ragged inputs, output {spec.name!r} "
+                f"cannot have a variable dimension ({list(spec.dims)})"
+            )
     if config.param("max_batch_tokens") is None:
         raise ConfigError(f"model {config.name!r}: ragged inputs need parameters max_batch_tokens")
     length_input = config.param("ragged_length_input") or "attention_mask"
     if length_input not in names:
-        raise ConfigError(f"model {config.name!r}: ragged_length_input {length_input!r} is not an input "
-                          f"({', '.join(names)})")
-    return TokenBudget(config.param_int("max_batch_tokens", 0, minimum=1), length_input,
-                       max_rows=config.param_int("max_batch_rows", 0, minimum=0),
-                       max_padding=config.param_int("max_row_padding", 0, minimum=0))
+        raise ConfigError(f"model {config.name!r}: ragged_length_input {length_input!r} is not an input ({', '.join(names)})")
+    return TokenBudget(
+        config.param_int("max_batch_tokens", 0, minimum=1),
+        length_input,
+        max_rows=config.param_int("max_batch_rows", 0, minimum=0),
+        max_padding=config.param_int("max_row_padding", 0, minimum=0),
+    )
 
 
 def row_lengths(mask: np.ndarray) -> np.ndarray:
@@ -133,8 +140,11 @@ def plan_runs(lengths: Sequence[int], max_tokens: int, max_rows: int = 0, max_pa
     current: list[int] = []
     width = 0
     for i in order:
-        if current and ((len(current) + 1) * width > max_tokens or (max_rows and len(current) >= max_rows)
-                        or (max_padding and width - int(lengths[i]) > max_padding)):
+        if current and (
+            (len(current) + 1) * width > max_tokens
+            or (max_rows and len(current) >= max_rows)
+            or (max_padding and width - int(lengths[i]) > max_padding)
+        ):
             runs.append(current)
             current = []
         if not current:
@@ -161,8 +171,9 @@ def validate_ragged(inputs: Inputs, names: Sequence[str]) -> None:
             raise InputError(name, f"shape {list(array.shape)} differs from {first[0]}'s {list(first[1])}")
 
 
-def run_batched(requests: Sequence[Inputs], input_names: Sequence[str], run: RunFn,
-                budget: TokenBudget | None = None) -> list[Outcome]:
+def run_batched(
+    requests: Sequence[Inputs], input_names: Sequence[str], run: RunFn, budget: TokenBudget | None = None
+) -> list[Outcome]:
     """Return one Outcome per request, in order (grouped by shape, or under ``budget``)."""
     if budget is not None:
         return _run_ragged(requests, input_names, run, budget)
@@ -212,8 +223,7 @@ def _run_group(requests, members, input_names, run: RunFn, outcomes: list[Outcom
         outcomes[i].outputs = {name: value[offsets[k] : offsets[k + 1]] for name, value in results.items()}
 
 
-def _run_ragged(requests: Sequence[Inputs], input_names: Sequence[str], run: RunFn,
-                budget: TokenBudget) -> list[Outcome]:
+def _run_ragged(requests: Sequence[Inputs], input_names: Sequence[str], run: RunFn, budget: TokenBudget) -> list[Outcome]:
     outcomes = [Outcome() for _ in requests]
     if budget.length_input not in input_names:
         raise ValueError(f"the budget's length input {budget.length_input!r} is not among {list(input_names)}")
@@ -231,8 +241,7 @@ def _run_ragged(requests: Sequence[Inputs], input_names: Sequence[str], run: Run
             rows.append((r, j, int(length)))
     results: dict[int, dict[str, np.ndarray]] = {}
     retry: set[int] = set()
-    for members in plan_runs([length for _, _, length in rows], budget.max_tokens, budget.max_rows,
-                             budget.max_padding):
+    for members in plan_runs([length for _, _, length in rows], budget.max_tokens, budget.max_rows, budget.max_padding):
         picked = [rows[k] for k in members]
         owners = {r for r, _, _ in picked}
         if owners & retry:  # a request already known to fail: run its neighbours without it
@@ -244,8 +253,9 @@ def _run_ragged(requests: Sequence[Inputs], input_names: Sequence[str], run: Run
         except Exception as exc:  # noqa: BLE001 - isolate the failure to the request that caused it
             owners = {r for r, _, _ in picked}
             if len(owners) > 1:
-                log.warning("a run of %d rows from %d requests failed (%s); retrying them one by one",
-                            len(picked), len(owners), exc)
+                log.warning(
+                    "a run of %d rows from %d requests failed (%s); retrying them one by one", len(picked), len(owners), exc
+                )
             retry |= owners
             continue
         for k, (r, j, _) in enumerate(picked):
@@ -268,8 +278,9 @@ def _run_ragged(requests: Sequence[Inputs], input_names: Sequence[str], run: Run
     return outcomes
 
 
-def _pad_rows(requests: Sequence[Inputs], picked: Sequence[tuple[int, int, int]], input_names: Sequence[str],
-              pad_value: int) -> dict[str, np.ndarray]:
+def _pad_rows(
+    requests: Sequence[Inputs], picked: Sequence[tuple[int, int, int]], input_names: Sequence[str], pad_value: int
+) -> dict[str, np.ndarray]:
     """The rows ``picked`` (request, row, length), each cut to its length, in one [n, longest] feed."""
     width = max(length for _, _, length in picked)
     feed = {}

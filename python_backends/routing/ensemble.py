@@ -82,6 +82,8 @@ def direct_form(config: dict, encoder: str = "text_encoder", router: str = "text
 
 
 def describe_form(form: str, encoder: str = "text_encoder", router: str = "text_encoder_router") -> str:
-    return (f"tokenizer -> {router} -> {encoder} (BLS; ENCODER_VERSION)" if form == ROUTED
-            else f"tokenizer -> {encoder} (one version; no router)")
-
+    return (
+        f"tokenizer -> {router} -> {encoder} (BLS; ENCODER_VERSION)"
+        if form == ROUTED
+        else f"tokenizer -> {encoder} (one version; no router)"
+    )

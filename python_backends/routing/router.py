@@ -40,8 +40,28 @@ log = logging.getLogger(__name__)
 #    process (one per call measured about 10 % of the throughput at concurrency 16).
 CALLS_METRIC = "canary_encoder_calls_total"
 LATENCY_METRIC = "canary_encoder_call_ms"
-LATENCY_BUCKETS_MS = (1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0,
-                      500.0, 750.0, 1000.0, 2000.0, 5000.0)
+LATENCY_BUCKETS_MS = (
+    1.0,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    50.0,
+    75.0,
+    100.0,
+    150.0,
+    200.0,
+    300.0,
+    500.0,
+    750.0,
+    1000.0,
+    2000.0,
+    5000.0,
+)
 FLUSH_INTERVAL_S = 0.5
 
 
@@ -131,8 +151,9 @@ def parse_parameters(raw: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def decide(weights: Mapping[int, int], parameters: Mapping[str, Any], request_id: str = "",
-           known_versions: Iterable[int] = ()) -> Decision:
+def decide(
+    weights: Mapping[int, int], parameters: Mapping[str, Any], request_id: str = "", known_versions: Iterable[int] = ()
+) -> Decision:
     """The version for one request (see the module docstring for the parameters)."""
     pin = parameters.get(PIN_PARAMETER)
     if pin is not None and pin != "":
@@ -142,8 +163,7 @@ def decide(weights: Mapping[int, int], parameters: Mapping[str, Any], request_id
             raise InputError(PIN_PARAMETER, f"must be an integer version, got {pin!r}") from None
         allowed = sorted(set(weights) | set(known_versions))
         if version not in allowed:
-            raise InputError(PIN_PARAMETER, f"version {version} is not served; versions: "
-                                            f"{', '.join(map(str, allowed))}")
+            raise InputError(PIN_PARAMETER, f"version {version} is not served; versions: {', '.join(map(str, allowed))}")
         return Decision(version, True)
     key = parameters.get(KEY_PARAMETER)
     key = str(key) if key not in (None, "") else (request_id or None)

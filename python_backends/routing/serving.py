@@ -80,9 +80,17 @@ class GroupServer:
     """Runs a batch's jobs through ``call``; ``tally`` has ``record(version, result, ms, requests)``
     semantics of ``router.CallTally``; ``warn(message, *args)`` is rate-limited by the caller."""
 
-    def __init__(self, encoder: str, weights: Mapping[int, int], fallback_on_error: bool,
-                 ready_versions: Callable[[], Sequence[int]], call: CallFn, tally, warn=log.warning,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        encoder: str,
+        weights: Mapping[int, int],
+        fallback_on_error: bool,
+        ready_versions: Callable[[], Sequence[int]],
+        call: CallFn,
+        tally,
+        warn=log.warning,
+        clock=time.monotonic,
+    ):
         self.encoder = encoder
         self.weights = dict(weights)
         self.fallback_on_error = fallback_on_error
@@ -96,15 +104,15 @@ class GroupServer:
         """{request index: Outcome} for every job."""
         groups = list(group_by([(i, job.decision, job.ids.shape[1]) for i, job in jobs.items()]).items())
         results = await asyncio.gather(
-            *(self._group(version, pinned, [(i, jobs[i]) for i in members])
-              for (version, _, pinned), members in groups),
+            *(self._group(version, pinned, [(i, jobs[i]) for i in members]) for (version, _, pinned), members in groups),
             return_exceptions=True,
         )
         out: dict[int, Outcome] = {}
         for ((version, _, _), members), result in zip(groups, results):
             if isinstance(result, BaseException):  # a bug: it fails this group only
-                log.error("%s version %d: serving a group of %d requests failed", self.encoder, version,
-                          len(members), exc_info=result)
+                log.error(
+                    "%s version %d: serving a group of %d requests failed", self.encoder, version, len(members), exc_info=result
+                )
                 result = {i: Outcome(error=f"internal error: {result!r}", internal=True) for i in members}
             out.update(result)
         return out
@@ -129,20 +137,28 @@ class GroupServer:
             i, job = members[0]
             return {i: await self._alone(version, pinned, job)}
         try:
-            vectors = await self._timed(version, np.concatenate([j.ids for _, j in members]),
-                                        np.concatenate([j.mask for _, j in members]), requests=len(members))
+            vectors = await self._timed(
+                version,
+                np.concatenate([j.ids for _, j in members]),
+                np.concatenate([j.mask for _, j in members]),
+                requests=len(members),
+            )
         except CallError as exc:
-            log.info("%s version %d: a call of %d requests failed (%s); retrying them one by one",
-                     self.encoder, version, len(members), exc)
+            log.info(
+                "%s version %d: a call of %d requests failed (%s); retrying them one by one",
+                self.encoder,
+                version,
+                len(members),
+                exc,
+            )
         else:
             out, start = {}, 0
             for i, job in members:
                 rows = job.ids.shape[0]
-                out[i] = Outcome(served=version, vectors=vectors[start:start + rows])
+                out[i] = Outcome(served=version, vectors=vectors[start : start + rows])
                 start += rows
             return out
-        singles = await asyncio.gather(*(self._alone(version, pinned, job) for _, job in members),
-                                       return_exceptions=True)
+        singles = await asyncio.gather(*(self._alone(version, pinned, job) for _, job in members), return_exceptions=True)
         out = {}
         for (i, _), result in zip(members, singles):
             if isinstance(result, BaseException):
@@ -175,7 +191,7 @@ class GroupServer:
                 continue
             # Another version served it: whatever ``version`` said, it failed a servable request.
             self.tally.record(version, "error", None, requests=1)
-            for v in rejected[1 if first.invalid else 0:]:
+            for v in rejected[1 if first.invalid else 0 :]:
                 self.tally.record(v, "error", None, requests=1)
             self.warn("%s failed (%s); served by version %d instead", name, first, other)
             return Outcome(served=other, vectors=vectors)

@@ -19,6 +19,7 @@ BUCKETS = 10_000
 # Weights are whole percent: 10 -> 50 -> 100 and the rollback are all a rollout needs.
 TOTAL = 100
 
+
 class RoutingError(ConfigError):
     """Weights that cannot be served (they fail the router's load, or the rollout command)."""
 
@@ -77,8 +78,7 @@ def route_bucket(key: str | bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") % BUCKETS
 
 
-def choose_version(weights: Mapping[int, int], key: str | bytes | None = None,
-                   rng: random.Random | None = None) -> int:
+def choose_version(weights: Mapping[int, int], key: str | bytes | None = None, rng: random.Random | None = None) -> int:
     """The version that serves a request: by its key's bucket, or at random without a key.
 
     ``weights`` must be valid (``validate_weights``). Versions with weight 0 never serve.

@@ -79,9 +79,7 @@ class BatchTokenizer:
         if not self.buckets or self.buckets[0] < 1:
             raise ConfigError(f"sequence buckets must be positive integers, got {self.buckets}")
         if self.buckets[-1] != max_length:
-            raise ConfigError(
-                f"the largest sequence bucket ({self.buckets[-1]}) must equal max_sequence_length ({max_length})"
-            )
+            raise ConfigError(f"the largest sequence bucket ({self.buckets[-1]}) must equal max_sequence_length ({max_length})")
         self.max_length = max_length
         self._tok = Tokenizer.from_file(str(path))
         # tokenizer.json ships its own truncation/padding (128, fixed); ours replace them.
@@ -109,8 +107,9 @@ class BatchTokenizer:
         return encode_isolated(self.encode, texts, spans)
 
 
-def encode_isolated(encode: Callable[[Sequence[str]], EncodedBatch], texts: Sequence[str],
-                    spans: Sequence[tuple[int, int]]) -> list:
+def encode_isolated(
+    encode: Callable[[Sequence[str]], EncodedBatch], texts: Sequence[str], spans: Sequence[tuple[int, int]]
+) -> list:
     """One ``encode`` call for all of a batch's texts, sliced per request: ``spans[k] = (start,
     stop)`` into ``texts``. If that call raises, each request's texts are encoded alone, so an
     unexpected tokenizer failure on one text fails only the request that sent it (each retried

@@ -23,8 +23,13 @@ def trace_file(tmp_path_factory):
 @pytest.fixture(scope="session")
 def triton(start_triton, trace_file):
     """The running server (server.process.TritonServer): .http_url, .grpc_url, .metrics_url."""
-    tracing = (f"--trace-config=triton,file={trace_file}", "--trace-config=level=OFF", "--trace-config=rate=1",
-               "--trace-config=count=-1", "--trace-config=log_frequency=1")
+    tracing = (
+        f"--trace-config=triton,file={trace_file}",
+        "--trace-config=level=OFF",
+        "--trace-config=rate=1",
+        "--trace-config=count=-1",
+        "--trace-config=log_frequency=1",
+    )
     with start_triton("triton-it-", extra_args=tracing) as server:
         yield server
 
@@ -65,9 +70,15 @@ def start_gateway(tmp_path_factory):
     @contextlib.contextmanager
     def start(triton_grpc_url: str, *extra_args: str, env: dict | None = None, wait_ready: bool = True):
         workdir = tmp_path_factory.mktemp("gateway-")
-        options = GatewayOptions(triton_grpc_url=triton_grpc_url, port=free_port(), workdir=workdir,
-                                 api_key_file=workdir / "gateway-api-key", extra_args=list(extra_args),
-                                 env={"GATEWAY_API_KEYS": GATEWAY_TEST_KEY, **(env or {})}, drain_timeout=5)
+        options = GatewayOptions(
+            triton_grpc_url=triton_grpc_url,
+            port=free_port(),
+            workdir=workdir,
+            api_key_file=workdir / "gateway-api-key",
+            extra_args=list(extra_args),
+            env={"GATEWAY_API_KEYS": GATEWAY_TEST_KEY, **(env or {})},
+            drain_timeout=5,
+        )
         gw = GatewayProcess(options).start()
         try:
             if wait_ready:

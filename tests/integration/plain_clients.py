@@ -15,8 +15,15 @@ import numpy as np
 
 
 class PlainClients:
-    def __init__(self, http_url: str, grpc_url: str, http_threads: int = 8, grpc_threads: int = 4,
-                 text: str = "plain", model: str = "text_embedding"):
+    def __init__(
+        self,
+        http_url: str,
+        grpc_url: str,
+        http_threads: int = 8,
+        grpc_threads: int = 4,
+        text: str = "plain",
+        model: str = "text_embedding",
+    ):
         self.http_url, self.grpc_url, self.text, self.model = http_url, grpc_url, text, model
         self.stop = threading.Event()
         self.outcomes: collections.Counter = collections.Counter()

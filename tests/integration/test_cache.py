@@ -37,8 +37,9 @@ def redis_l2():
 def repo(tmp_path_factory):
     """The real repository's models as symlinks; folders are real, so versions can be added."""
     target = tmp_path_factory.mktemp("repo") / "model_repository"
-    shutil.copytree((ROOT / "model_repository").resolve(), target, copy_function=os.symlink,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        (ROOT / "model_repository").resolve(), target, copy_function=os.symlink, ignore=shutil.ignore_patterns("__pycache__")
+    )
     return target
 
 
@@ -49,8 +50,7 @@ def triton(start_triton, redis_l2, repo):
         "EMBEDDING_CACHE_L2_RETRY_INTERVAL_S": str(RETRY_S),
         "EMBEDDING_CACHE_WARN_INTERVAL_S": "3600",
     }
-    with start_triton("triton-cache-", (ENSEMBLE, CACHED), model_repository=repo,
-                      cache_size_bytes=16 << 20, env=env) as server:
+    with start_triton("triton-cache-", (ENSEMBLE, CACHED), model_repository=repo, cache_size_bytes=16 << 20, env=env) as server:
         yield server
 
 
@@ -256,4 +256,3 @@ def test_hot_swap_to_a_new_encoder_version_changes_the_keys(client, triton, repo
     assert np.abs(after - new_model).max() < 1e-4  # not the stale cached vector
     assert not np.array_equal(after, old)
     assert "text_encoder version 2" in triton.log_tail(400)
-

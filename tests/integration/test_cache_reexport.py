@@ -27,8 +27,9 @@ def repo(tmp_path_factory):
     if not (SOURCE / "model.int8.onnx").is_file():
         pytest.skip("model.int8.onnx is not exported (run `make export`): no second set of weights")
     target = tmp_path_factory.mktemp("reexport") / "model_repository"
-    shutil.copytree((ROOT / "model_repository").resolve(), target, copy_function=os.symlink,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        (ROOT / "model_repository").resolve(), target, copy_function=os.symlink, ignore=shutil.ignore_patterns("__pycache__")
+    )
     return target
 
 

@@ -30,8 +30,10 @@ CONCURRENCY = 8  # half HTTP, half gRPC
 BEFORE_S = 2.0  # load on both before the kill
 DOWN_S = 1.0  # load with b dead before it is started again: every call must go to a
 AFTER_S = 2.0  # load on both once the killed server is back and its breaker closed
-TEXTS = [f"Sentence {i} about the {w} in the afternoon." for i, w in enumerate(
-    ["weather", "river", "market", "orchestra", "harbour", "library", "mountain", "garden"] * 4)]
+TEXTS = [
+    f"Sentence {i} about the {w} in the afternoon."
+    for i, w in enumerate(["weather", "river", "market", "orchestra", "harbour", "library", "mountain", "garden"] * 4)
+]
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +95,10 @@ def _wait_ready(server, done: threading.Event, failure: list) -> None:
 def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
     a, b = pair
     breaker = BreakerPolicy(failure_threshold=3, cooldown_s=1.0)
-    pools = {"http": EndpointPool([a.http_url, b.http_url], breaker=breaker),
-             "grpc": EndpointPool([a.grpc_url, b.grpc_url], breaker=breaker)}
+    pools = {
+        "http": EndpointPool([a.http_url, b.http_url], breaker=breaker),
+        "grpc": EndpointPool([a.grpc_url, b.grpc_url], breaker=breaker),
+    }
     b_urls = {b.http_url, b.grpc_url}
     policy = RetryPolicy(deadline_s=10.0)  # defaults otherwise: 4 attempts, 50 ms base, 1 s cap
     failures: list[BaseException] = []
@@ -103,8 +107,9 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
     marks: list[tuple[str, dict]] = []  # (phase starting, successes per (protocol, server)) at each switch
 
     def mark(phase: str) -> None:
-        marks.append((phase, {(p, "b" if e.url in b_urls else "a"): e.successes
-                              for p, pool in pools.items() for e in pool.endpoints}))
+        marks.append(
+            (phase, {(p, "b" if e.url in b_urls else "a"): e.successes for p, pool in pools.items() for e in pool.endpoints})
+        )
 
     async def worker(client, index):
         i = index
@@ -120,12 +125,13 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
             i += CONCURRENCY
 
     async def run():
-        async with AsyncEmbeddingClient(pool=pools["http"], protocol="http", policy=policy, timeout_s=5) as http, \
-                AsyncEmbeddingClient(pool=pools["grpc"], protocol="grpc", policy=policy, timeout_s=5) as grpc:
+        async with (
+            AsyncEmbeddingClient(pool=pools["http"], protocol="http", policy=policy, timeout_s=5) as http,
+            AsyncEmbeddingClient(pool=pools["grpc"], protocol="grpc", policy=policy, timeout_s=5) as grpc,
+        ):
             clients = {"http": http, "grpc": grpc}
             mark("both up")
-            workers = [asyncio.create_task(worker(clients[p], i))
-                       for i, p in enumerate(["http", "grpc"] * (CONCURRENCY // 2))]
+            workers = [asyncio.create_task(worker(clients[p], i)) for i, p in enumerate(["http", "grpc"] * (CONCURRENCY // 2))]
             await asyncio.sleep(BEFORE_S)
             await asyncio.to_thread(_kill, b)
             mark("b down")  # after the kill: no call can succeed at b until it is started again
@@ -144,8 +150,8 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
             # Load until both breakers of b closed again and b served calls, then a little more.
             limit = time.monotonic() + 30
             while time.monotonic() < limit and any(
-                    p.endpoints[1].breaker.state != CLOSED or p.endpoints[1].breaker.count(CLOSED) == 0
-                    for p in pools.values()):
+                p.endpoints[1].breaker.state != CLOSED or p.endpoints[1].breaker.count(CLOSED) == 0 for p in pools.values()
+            ):
                 await asyncio.sleep(0.1)
             await asyncio.sleep(AFTER_S)
             stop.set()
@@ -163,8 +169,10 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
     assert latencies, f"no call succeeded; {len(failures)} failed, first: {failures[:1]}"
     latencies.sort()
     p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
-    print(f"\nfailover: {calls} calls, {len(failures)} failed, {retries} retries, outage {outage_s:.1f} s, "
-          f"P50 {p50 * 1000:.1f} ms, P99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.0f} ms")
+    print(
+        f"\nfailover: {calls} calls, {len(failures)} failed, {retries} retries, outage {outage_s:.1f} s, "
+        f"P50 {p50 * 1000:.1f} ms, P99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.0f} ms"
+    )
     for key in sorted(served):
         print(f"  {key[0]:>8} {key[1]:>4} -> server {key[2]}: {served[key]}")
     for protocol, pool in pools.items():

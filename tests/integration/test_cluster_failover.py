@@ -26,16 +26,23 @@ from tests.integration.plain_clients import PlainClients
 
 MODELS = ("text_embedding", "text_embedding_cached")
 KEY = "sk-test-cluster-key-0123456789"
-MISSING = [b for b in ("nginx", "redis-server", "prometheus") if shutil.which(b) is None
-           and not Path(f"/usr/bin/{b}").exists() and not Path(f"/usr/sbin/{b}").exists()]
+MISSING = [
+    b
+    for b in ("nginx", "redis-server", "prometheus")
+    if shutil.which(b) is None and not Path(f"/usr/bin/{b}").exists() and not Path(f"/usr/sbin/{b}").exists()
+]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.join(MISSING)} (scripts/setup.sh)")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    run = failover_bench.launch(tmp_path_factory.mktemp("cluster-"), replicas=2, models=MODELS,
-                                # no per-key rate limit: the gateway test sends more than its default 100/s
-                                env={"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"})
+    run = failover_bench.launch(
+        tmp_path_factory.mktemp("cluster-"),
+        replicas=2,
+        models=MODELS,
+        # no per-key rate limit: the gateway test sends more than its default 100/s
+        env={"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"},
+    )
     try:
         yield run
     finally:
@@ -66,14 +73,19 @@ def test_the_first_screen_says_where_everything_is_and_prometheus_scrapes_every_
         if len(up) == 4 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert up == sorted([("gateway", f"http://127.0.0.1:{g['port']}/metrics") for g in state["gateways"]]
-                        + [("triton", f"http://127.0.0.1:{r['metrics']}/metrics") for r in state["replicas"]]), targets
+    assert up == sorted(
+        [("gateway", f"http://127.0.0.1:{g['port']}/metrics") for g in state["gateways"]]
+        + [("triton", f"http://127.0.0.1:{r['metrics']}/metrics") for r in state["replicas"]]
+    ), targets
     assert sorted(t["labels"].get("gateway", "") for t in targets if t["labels"]["job"] == "gateway") == ["0", "1"]
     assert len(state["gateways"]) == 2 and all(f"HTTP 127.0.0.1:{g['port']}" in screen for g in state["gateways"])
     # the front door's gateway port, to a gateway, which goes through the front door to the replicas
     body = json.dumps({"model": "text_embedding", "input": ["a cluster of two"]}).encode()
-    answer = _get(f"http://127.0.0.1:{cluster.ports['gateway']}/v1/embeddings", data=body,
-                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    answer = _get(
+        f"http://127.0.0.1:{cluster.ports['gateway']}/v1/embeddings",
+        data=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert len(answer["data"][0]["embedding"]) == 384
 
 
@@ -89,8 +101,12 @@ def test_sigkill_of_a_replica_under_load_fails_no_request_and_it_serves_again(cl
     assert plain.outcomes["http 200"] > 100 and plain.outcomes["grpc OK"] > 50, dict(plain.outcomes)
     assert cluster.state()["front_door"]["reloads"] == reloads_before
     print(json.dumps(result, indent=1))
-    print("\n".join(f"{r['second']:>3} s {r['ok']:>4} req/s, failed {r['failed']}, P50 {r['p50_ms']} ms, "
-                    f"P99 {r['p99_ms']} ms" for r in rows))
+    print(
+        "\n".join(
+            f"{r['second']:>3} s {r['ok']:>4} req/s, failed {r['failed']}, P50 {r['p50_ms']} ms, P99 {r['p99_ms']} ms"
+            for r in rows
+        )
+    )
     assert result["requests"] > 0 and result["killed_at_s"] is not None
     assert failover_bench.check(result) == []
     assert result["failed"] == 0
@@ -103,8 +119,7 @@ def _gateway_embeddings_ok(port: int) -> int:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    found = re.findall(r'^gateway_requests_total\{(?=[^}]*route="/v1/embeddings")(?=[^}]*status="200")[^}]*\} (\S+)$',
-                       text, re.M)
+    found = re.findall(r'^gateway_requests_total\{(?=[^}]*route="/v1/embeddings")(?=[^}]*status="200")[^}]*\} (\S+)$', text, re.M)
     return int(sum(float(v) for v in found))
 
 
@@ -135,8 +150,7 @@ def test_sigkill_of_a_gateway_under_openai_sdk_load_fails_no_request_and_it_serv
 
     victim = cluster.state()["gateways"][0]
     restarts_before = victim["restarts"]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.ports['gateway']}/v1", api_key=KEY, max_retries=2,
-                           timeout=30)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.ports['gateway']}/v1", api_key=KEY, max_retries=2, timeout=30)
     ok, failed, stop_at = [0] * 8, [], time.monotonic() + 12
 
     def worker(i: int) -> None:
@@ -178,8 +192,10 @@ def test_sigkill_of_a_gateway_under_openai_sdk_load_fails_no_request_and_it_serv
         if _gateway_embeddings_ok(victim["port"]) > 0:
             break
         client.embeddings.create(model="text_embedding", input=[f"after the restart {n}"])
-    print(f"gateway failover: {sum(ok)} ok, {len(failed)} failed, {len(retried)} retried by the SDK; ready again {back} s after the kill; "
-          f"the restarted gateway answered {during} during the load")
+    print(
+        f"gateway failover: {sum(ok)} ok, {len(failed)} failed, {len(retried)} retried by the SDK; ready again {back} s after the kill; "
+        f"the restarted gateway answered {during} during the load"
+    )
     assert sum(ok) > 100 and failed == [], failed[:5]
     assert back is not None, cluster.state()["gateways"]
     g = cluster.state()["gateways"][0]

@@ -33,8 +33,11 @@ from server.layout import ROOT
 from tests.integration.plain_clients import PlainClients
 from tests.integration.versions import versioned_repository
 
-MISSING = [b for b in ("nginx", "redis-server") if shutil.which(b) is None
-           and not Path(f"/usr/bin/{b}").exists() and not Path(f"/usr/sbin/{b}").exists()]
+MISSING = [
+    b
+    for b in ("nginx", "redis-server")
+    if shutil.which(b) is None and not Path(f"/usr/bin/{b}").exists() and not Path(f"/usr/sbin/{b}").exists()
+]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.join(MISSING)} (scripts/setup.sh)")
 
 TEXT = "one version across the cluster"
@@ -47,9 +50,15 @@ def cluster(tmp_path_factory):
     state = work / "rollout-state.json"
     # Without a state, Triton would load only the newest folder (2); the state pins version 1.
     RolloutState(stable=1, weights={1: 100}, loaded=[1]).save(state)
-    run = failover_bench.launch(work, replicas=2, models=("text_embedding",), gateway=False, prometheus=False,
-                                rollout_state=state,
-                                extra=["--model-repository", str(repo), "--precision", "int8"])
+    run = failover_bench.launch(
+        work,
+        replicas=2,
+        models=("text_embedding",),
+        gateway=False,
+        prometheus=False,
+        rollout_state=state,
+        extra=["--model-repository", str(repo), "--precision", "int8"],
+    )
     run.repo, run.state_path = repo, state
     run.token = (work / "repository-token").read_text().strip()
     try:
@@ -103,10 +112,21 @@ class VersionedLoad(PlainClients):
 
 def _rollout(cluster, *args: str) -> subprocess.CompletedProcess:
     """`python -m ops.rollout` pointed at the front door, as an operator runs it."""
-    cmd = [sys.executable, "-m", "ops.rollout", "--url", cluster.http_url, "--token", cluster.token,
-           "--state-file", str(cluster.state_path), "--model-repository", str(cluster.repo), *args]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "ops.rollout",
+        "--url",
+        cluster.http_url,
+        "--token",
+        cluster.token,
+        "--state-file",
+        str(cluster.state_path),
+        "--model-repository",
+        str(cluster.repo),
+        *args,
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     print(f"$ rollout {' '.join(args)} -> {done.returncode}\n{done.stdout}{done.stderr}")
     return done
 
@@ -115,8 +135,7 @@ def _served(replica: RepositoryClient) -> tuple[list[int], str]:
     """(text_encoder's ready versions, text_embedding's form) of one replica. (Not the config's
     version policy: a version kept across a reload keeps the config it was loaded with.)"""
     versions = [v for v in (1, 2) if replica.ready("text_encoder", v)]
-    return versions, form_of(replica.config("text_embedding"), "text_encoder",
-                                                   "text_encoder_router")
+    return versions, form_of(replica.config("text_embedding"), "text_encoder", "text_encoder_router")
 
 
 def _only(outcomes: collections.Counter, *versions: str) -> None:
@@ -143,13 +162,13 @@ def test_the_repository_api_through_the_front_door_acts_on_every_replica(cluster
     # replica and the field; the router the replicas serve stays as it was.
     config = replicas[0].config("text_encoder_router")
     config["parameters"]["weights"] = {"string_value": "1:90,2:20"}
-    status, raw = http(base + path, "POST", {"parameters": {"config": json.dumps(config)}},
-                       headers={TOKEN_HEADER: cluster.token})
+    status, raw = http(base + path, "POST", {"parameters": {"config": json.dumps(config)}}, headers={TOKEN_HEADER: cluster.token})
     assert status == 400 and b"replica 0" in raw and b"weights sum to 110" in raw, raw
     assert all(r.ready("text_encoder_router") for r in replicas)
     assert all(_served(r) == ([1], DIRECT) for r in replicas)
-    status, raw = http(base + "/v2/repository/models/text_encoder_router/unload", "POST", {},
-                       headers={TOKEN_HEADER: cluster.token})
+    status, raw = http(
+        base + "/v2/repository/models/text_encoder_router/unload", "POST", {}, headers={TOKEN_HEADER: cluster.token}
+    )
     assert status == 200, raw
     deadline = time.monotonic() + 30
     while any(r.ready("text_encoder_router") for r in replicas) and time.monotonic() < deadline:
@@ -172,8 +191,7 @@ def test_a_rollout_and_a_rollback_act_on_every_replica_under_load_with_no_failed
     reference = _embedding(cluster.http_url)
     for r in replicas:
         assert np.abs(_embedding(r.base.split("://")[1]) - reference).max() < 1e-3
-    step = ["--steps", "50,100", "--dwell", "4", "--check-interval", "1", "--min-requests", "10",
-            "--traffic-timeout", "30"]
+    step = ["--steps", "50,100", "--dwell", "4", "--check-interval", "1", "--min-requests", "10", "--traffic-timeout", "30"]
     with VersionedLoad(cluster, reference) as load:
         time.sleep(3)
         _only(load.take(), "version 1")

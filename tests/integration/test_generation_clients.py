@@ -67,7 +67,10 @@ def test_streamed_pieces_concatenate_to_the_whole_answer(server, reference, prot
     assert "".join(pieces) == reference.text
     r = stream.result
     assert (r.finish_reason, r.num_input_tokens, r.num_output_tokens) == (
-        reference.finish_reason, reference.num_input_tokens, reference.num_output_tokens)
+        reference.finish_reason,
+        reference.num_input_tokens,
+        reference.num_output_tokens,
+    )
     assert r.time_to_first_token_s < r.total_time_s
 
 
@@ -137,7 +140,9 @@ def wait_idle(server, timeout: float = 10.0) -> float:
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_closing_a_long_stream_cancels_it_on_the_server(server, protocol):
     with GenerationClient(url(server, protocol), protocol) as client:
-        stream = client.chat_stream("Write a very long story about a lighthouse.", max_tokens=1000, ignore_eos=True, temperature=0)
+        stream = client.chat_stream(
+            "Write a very long story about a lighthouse.", max_tokens=1000, ignore_eos=True, temperature=0
+        )
         # Read until the engine's gauge (reported every 0.5 s) shows the stream running.
         deadline = time.monotonic() + 20
         for _piece in stream:
@@ -168,7 +173,9 @@ def test_asyncio_cancel_frees_the_engine(server):
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "clients", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def test_cli_chat_streams_the_answer_and_reports_tokens(server, reference):
@@ -176,7 +183,10 @@ def test_cli_chat_streams_the_answer_and_reports_tokens(server, reference):
     assert done.returncode == 0, done.stderr
     assert done.stdout == reference.text + "\n"
     summary = done.stderr.strip().splitlines()[-1]
-    assert summary.startswith(f"finish_reason={reference.finish_reason} ") and f"output_tokens={reference.num_output_tokens}" in summary
+    assert (
+        summary.startswith(f"finish_reason={reference.finish_reason} ")
+        and f"output_tokens={reference.num_output_tokens}" in summary
+    )
     assert "tokens/s=" in summary
 
     http = cli("chat", QUESTION, "--max-tokens", "12", "--temperature", "0", "--protocol", "http", "--url", server.http_url)
@@ -194,9 +204,25 @@ def test_cli_ctrl_c_cancels_the_request(server):
 
     # SIGINT as a terminal delivers it: a test run started in the background of a shell script
     # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all.
-    process = subprocess.Popen([sys.executable, "-m", "clients", "generate", "Once upon a time", "--max-tokens", "1000",
-                                "--ignore-eos", "--url", server.grpc_url], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clients",
+            "generate",
+            "Once upon a time",
+            "--max-tokens",
+            "1000",
+            "--ignore-eos",
+            "--url",
+            server.grpc_url,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         # Wait for the first pieces, then interrupt as a terminal's Ctrl-C would.
         assert process.stdout is not None

@@ -61,8 +61,7 @@ def _every_model_answers(door, times: int = 4) -> None:
     for _ in range(times):
         answer = door.ModelInfer(_text_request([1, 1], _bytes(b"hello world")), timeout=60)
         assert answer.outputs and answer.outputs[0].name in ("EMBEDDING", "ENCODER_VERSION")
-        cached = door.ModelInfer(_text_request([1, 1], _bytes(b"another text"), model="text_embedding_cached"),
-                                 timeout=60)
+        cached = door.ModelInfer(_text_request([1, 1], _bytes(b"another text"), model="text_embedding_cached"), timeout=60)
         assert cached.outputs
 
 
@@ -112,8 +111,14 @@ def test_malformed_requests_are_invalid_argument_naming_the_field(door, case):
 
 
 def test_every_fixed_size_input_of_every_loaded_model_refuses_a_wrapping_byte_count(triton, door):
-    loaded = {m.name for m in door.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True), timeout=30,
-                                                   metadata=[(GRPC_TOKEN_HEADER, triton.options.repository_token)]).models}
+    loaded = {
+        m.name
+        for m in door.RepositoryIndex(
+            service_pb2.RepositoryIndexRequest(ready=True),
+            timeout=30,
+            metadata=[(GRPC_TOKEN_HEADER, triton.options.repository_token)],
+        ).models
+    }
     limits = model_limits(triton.options.model_repository)
     sizes = {"INT64": 8, "INT32": 4, "FP32": 4, "FP16": 2, "UINT8": 1, "BOOL": 1}
     attacked = 0
@@ -176,22 +181,33 @@ def test_other_rpcs_pass_through_with_metadata_and_status(triton, door):
     assert [i.name for i in meta.inputs] == ["TEXT"]
     with pytest.raises(grpc.RpcError) as info:
         door.ModelMetadata(service_pb2.ModelMetadataRequest(name="no_such_model"), timeout=10)
-    assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
-                                 grpc.StatusCode.INVALID_ARGUMENT)
+    assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT)
     # Metadata goes on (the repository token's refusal and acceptance through the door are in
     # test_rollout.py, whose server has a token).
-    index = door.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True), timeout=10,
-                                 metadata=[(GRPC_TOKEN_HEADER, triton.options.repository_token)])
+    index = door.RepositoryIndex(
+        service_pb2.RepositoryIndexRequest(ready=True),
+        timeout=10,
+        metadata=[(GRPC_TOKEN_HEADER, triton.options.repository_token)],
+    )
     assert "text_embedding" in {m.name for m in index.models}
 
 
 def test_http_binary_tensors_with_a_wrapping_shape_are_refused(triton):
-    header = json.dumps({"inputs": [
-        {"name": n, "datatype": "INT64", "shape": [1, WRAP_INT64], "parameters": {"binary_data_size": 128}}
-        for n in ("input_ids", "attention_mask")]}).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": n, "datatype": "INT64", "shape": [1, WRAP_INT64], "parameters": {"binary_data_size": 128}}
+                for n in ("input_ids", "attention_mask")
+            ]
+        }
+    ).encode()
     body = header + np.ones(32, np.int64).tobytes()
-    request = urllib.request.Request(f"http://{triton.http_url}/v2/models/text_encoder/infer", data=body,
-                                     method="POST", headers={"Inference-Header-Content-Length": str(len(header))})
+    request = urllib.request.Request(
+        f"http://{triton.http_url}/v2/models/text_encoder/infer",
+        data=body,
+        method="POST",
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
     try:
         urllib.request.urlopen(request, timeout=30)
         status, answer = 200, b""
@@ -212,8 +228,7 @@ def test_a_door_that_exits_is_started_again_within_a_second_or_two(triton):
     while True:
         channel = grpc.insecure_channel(triton.grpc_url)
         try:
-            live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(),
-                                                                                timeout=2).live
+            live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(), timeout=2).live
             break
         except grpc.RpcError:
             assert time.monotonic() < deadline, "no gRPC door 10 s after the last one was killed"

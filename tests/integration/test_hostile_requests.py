@@ -46,8 +46,10 @@ def _text(shape, datatype="BYTES", data=("a",)):
 
 def _binary(header: dict, payload: bytes, length_lie: int = 0):
     head = json.dumps(header).encode()
-    return head + payload, {"Inference-Header-Content-Length": str(len(head) + length_lie),
-                            "Content-Type": "application/octet-stream"}
+    return head + payload, {
+        "Inference-Header-Content-Length": str(len(head) + length_lie),
+        "Content-Type": "application/octet-stream",
+    }
 
 
 ONE = struct.pack("<I", 1) + b"a"
@@ -85,28 +87,34 @@ def _with(parameters=None, outputs=None) -> bytes:
 
 # Found by perf.fuzz: parameters tritonserver 2.51 parses with a fixed JSON type are a 500 there
 # ("Unable to parse 'priority': attempt to access JSON non-unsigned-integer as unsigned-integer").
-JSON_CASES.update({
-    # A lone surrogate escape: tritonserver's JSON parser answers 500 ("The surrogate pair in
-    # string is invalid").
-    "lone_surrogate_in_data": (_json(_text([1, 1], data=("a\udcff",))), "'data'"),
-    "lone_surrogate_in_a_name": (_json([{"name": "\ud800", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}]),
-                                 "'name'"),
-    "lone_surrogate_in_a_key": (b'{"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["a"], '
-                                b'"\\udcff": 1}]}', "a key"),
-    "priority_negative": (_with({"priority": -1}), "priority"),
-    "priority_string": (_with({"priority": "interactive"}), "priority"),
-    "priority_over_2_64": (_with({"priority": 1 << 64}), "priority"),
-    "timeout_float": (_with({"timeout": 1.5}), "timeout"),
-    "sequence_id_negative": (_with({"sequence_id": -1}), "sequence_id"),
-    "sequence_start_number": (_with({"sequence_start": 1}), "sequence_start"),
-    "binary_data_output_string": (_with({"binary_data_output": "x"}), "binary_data_output"),
-    "output_binary_data_number": (_with(outputs=[{"name": "EMBEDDING", "parameters": {"binary_data": 1}}]),
-                                  "binary_data"),
-    "output_classification_negative": (_with(outputs=[{"name": "EMBEDDING", "parameters": {"classification": -1}}]),
-                                       "classification"),
-    "output_shared_memory_region_number": (
-        _with(outputs=[{"name": "EMBEDDING", "parameters": {"shared_memory_region": 1}}]), "shared_memory_region"),
-})
+JSON_CASES.update(
+    {
+        # A lone surrogate escape: tritonserver's JSON parser answers 500 ("The surrogate pair in
+        # string is invalid").
+        "lone_surrogate_in_data": (_json(_text([1, 1], data=("a\udcff",))), "'data'"),
+        "lone_surrogate_in_a_name": (_json([{"name": "\ud800", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]}]), "'name'"),
+        "lone_surrogate_in_a_key": (
+            b'{"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["a"], "\\udcff": 1}]}',
+            "a key",
+        ),
+        "priority_negative": (_with({"priority": -1}), "priority"),
+        "priority_string": (_with({"priority": "interactive"}), "priority"),
+        "priority_over_2_64": (_with({"priority": 1 << 64}), "priority"),
+        "timeout_float": (_with({"timeout": 1.5}), "timeout"),
+        "sequence_id_negative": (_with({"sequence_id": -1}), "sequence_id"),
+        "sequence_start_number": (_with({"sequence_start": 1}), "sequence_start"),
+        "binary_data_output_string": (_with({"binary_data_output": "x"}), "binary_data_output"),
+        "output_binary_data_number": (_with(outputs=[{"name": "EMBEDDING", "parameters": {"binary_data": 1}}]), "binary_data"),
+        "output_classification_negative": (
+            _with(outputs=[{"name": "EMBEDDING", "parameters": {"classification": -1}}]),
+            "classification",
+        ),
+        "output_shared_memory_region_number": (
+            _with(outputs=[{"name": "EMBEDDING", "parameters": {"shared_memory_region": 1}}]),
+            "shared_memory_region",
+        ),
+    }
+)
 
 
 @pytest.mark.parametrize("case", sorted(JSON_CASES))
@@ -119,20 +127,47 @@ def test_malformed_json_request_is_refused_with_400_naming_the_field(triton, cas
 
 
 BINARY_CASES = {
-    "bytes_huge_batch": (_binary({"inputs": [{"name": "TEXT", "shape": [HUGE, 1], "datatype": "BYTES",
-                                              "parameters": {"binary_data_size": len(ONE)}}]}, ONE), "shape[0]"),
-    "size_runs_past_body": (_binary({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
-                                                 "parameters": {"binary_data_size": 100}}]}, ONE), "binary_data_size"),
-    "bytes_count_mismatch": (_binary({"inputs": [{"name": "TEXT", "shape": [2, 1], "datatype": "BYTES",
-                                                  "parameters": {"binary_data_size": len(ONE)}}]}, ONE), "elements"),
-    "prefix_past_end": (_binary({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
-                                             "parameters": {"binary_data_size": 5}}]},
-                                struct.pack("<I", 99) + b"a"), "runs past"),
-    "int64_huge": (_binary({"inputs": [{"name": "X", "shape": [HUGE], "datatype": "INT64",
-                                        "parameters": {"binary_data_size": 8}}]}, b"\0" * 8), "elements"),
+    "bytes_huge_batch": (
+        _binary(
+            {"inputs": [{"name": "TEXT", "shape": [HUGE, 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(ONE)}}]},
+            ONE,
+        ),
+        "shape[0]",
+    ),
+    "size_runs_past_body": (
+        _binary(
+            {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 100}}]}, ONE
+        ),
+        "binary_data_size",
+    ),
+    "bytes_count_mismatch": (
+        _binary(
+            {"inputs": [{"name": "TEXT", "shape": [2, 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(ONE)}}]},
+            ONE,
+        ),
+        "elements",
+    ),
+    "prefix_past_end": (
+        _binary(
+            {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 5}}]},
+            struct.pack("<I", 99) + b"a",
+        ),
+        "runs past",
+    ),
+    "int64_huge": (
+        _binary(
+            {"inputs": [{"name": "X", "shape": [HUGE], "datatype": "INT64", "parameters": {"binary_data_size": 8}}]}, b"\0" * 8
+        ),
+        "elements",
+    ),
     "header_length_past_body": (_binary({"inputs": []}, b"", length_lie=1000), "Inference-Header-Content-Length"),
-    "trailing_bytes": (_binary({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
-                                            "parameters": {"binary_data_size": len(ONE)}}]}, ONE + b"xx"), "body length"),
+    "trailing_bytes": (
+        _binary(
+            {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(ONE)}}]},
+            ONE + b"xx",
+        ),
+        "body length",
+    ),
 }
 
 
@@ -153,8 +188,10 @@ def test_compressed_and_oversized_bodies_are_refused(triton):
 
 
 def test_valid_typed_parameters_still_pass(triton):
-    body = _with({"priority": 0, "timeout": 0, "sequence_id": "abc", "binary_data_output": False},
-                 [{"name": "EMBEDDING", "parameters": {"binary_data": False}}])
+    body = _with(
+        {"priority": 0, "timeout": 0, "sequence_id": "abc", "binary_data_output": False},
+        [{"name": "EMBEDDING", "parameters": {"binary_data": False}}],
+    )
     status, answer = _post(triton.http_url, body)
     assert status == 200, answer[:300]
 
@@ -162,17 +199,21 @@ def test_valid_typed_parameters_still_pass(triton):
 GENERATION = "text_generation"
 GENERATE_CASES = {
     # (path, body, the field the error must name); each was a 5xx (or 501) from tritonserver 2.51.
-    "infer_on_a_decoupled_model": ("infer", _json([{"name": "text_input", "shape": [1], "datatype": "BYTES",
-                                                    "data": ["hi"]}]), "generate_stream"),
+    "infer_on_a_decoupled_model": (
+        "infer",
+        _json([{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]),
+        "generate_stream",
+    ),
     "nul_in_a_key": ("generate", json.dumps({"text_input": "hi", "a\u0000b": 1}).encode(), "NUL"),
-    "nul_in_a_parameter_name": ("generate", json.dumps({"text_input": "hi", "parameters": {"x\u0000": 1}}).encode(),
-                                "NUL"),
-    "priority_negative": ("generate", json.dumps({"text_input": "hi", "parameters": {"priority": -1}}).encode(),
-                          "priority"),
+    "nul_in_a_parameter_name": ("generate", json.dumps({"text_input": "hi", "parameters": {"x\u0000": 1}}).encode(), "NUL"),
+    "priority_negative": ("generate", json.dumps({"text_input": "hi", "parameters": {"priority": -1}}).encode(), "priority"),
     "lone_surrogate_names_its_key": ("generate", b'{"text_input": "a\\udcff"}', "text_input"),
     # The model's own refusal (INVALID_ARG); it named no field for an empty key.
-    "empty_sampling_parameter_name": ("generate", json.dumps({"text_input": "hi", "sampling_parameters": '{"": 1}'})
-                                      .encode(), "'': unknown sampling parameter"),
+    "empty_sampling_parameter_name": (
+        "generate",
+        json.dumps({"text_input": "hi", "sampling_parameters": '{"": 1}'}).encode(),
+        "'': unknown sampling parameter",
+    ),
 }
 
 
@@ -326,23 +367,30 @@ def test_server_live_and_correct_after_hostile_requests_and_good_ones_answered_a
 
 # Fuzzing: arbitrary JSON-ish values in each field of an otherwise plausible request.
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(1 << 64), max_value=1 << 64) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 64), max_value=1 << 64)
+    | st.floats(allow_nan=False)
     | st.text(max_size=8),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=3),
     max_leaves=12,
 )
 _shapes = st.lists(st.integers(min_value=-2, max_value=1 << 62) | st.sampled_from([HUGE, 1 << 32, 0, 1, 2]), max_size=4)
-_inputs = st.fixed_dictionaries({
-    "name": st.sampled_from(["TEXT", "X", ""]) | _json_values,
-    "shape": _shapes | _json_values,
-    "datatype": st.sampled_from(["BYTES", "INT64", "FP32", "BOOL", "UINT8", "FOO"]) | _json_values,
-    "data": st.lists(st.text(max_size=4) | st.integers(), max_size=4) | _json_values,
-})
+_inputs = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["TEXT", "X", ""]) | _json_values,
+        "shape": _shapes | _json_values,
+        "datatype": st.sampled_from(["BYTES", "INT64", "FP32", "BOOL", "UINT8", "FOO"]) | _json_values,
+        "data": st.lists(st.text(max_size=4) | st.integers(), max_size=4) | _json_values,
+    }
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(inputs=st.lists(_inputs, min_size=0, max_size=2) | _json_values,
-       model=st.sampled_from([MODEL, "text_tokenizer", "text_encoder", "image_classification"]))
+@given(
+    inputs=st.lists(_inputs, min_size=0, max_size=2) | _json_values,
+    model=st.sampled_from([MODEL, "text_tokenizer", "text_encoder", "image_classification"]),
+)
 def test_fuzzed_http_requests_get_no_5xx(triton, inputs, model):
     status, answer = _post(triton.http_url, json.dumps({"inputs": inputs}).encode(), path=f"/v2/models/{model}/infer")
     assert status < 500, (status, answer[:300])

@@ -22,8 +22,11 @@ def manifests(path: Path) -> list[dict]:
 
 
 def probe_paths(deployment: str, container: str) -> dict[str, str]:
-    (obj,) = [d for d in manifests(DEPLOY / "base" / f"{deployment}.yaml")
-              if d["kind"] == "Deployment" and d["metadata"]["name"] == deployment]
+    (obj,) = [
+        d
+        for d in manifests(DEPLOY / "base" / f"{deployment}.yaml")
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == deployment
+    ]
     (c,) = [c for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == container]
     return {p: c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in c}
 
@@ -86,5 +89,4 @@ def test_adapter_rule_series_carry_the_hpas_label_and_move(triton, http_client):
     after = scrape()
     assert after["nv_inference_request_success"] > before["nv_inference_request_success"]
     assert after["nv_inference_queue_duration_us"] >= before["nv_inference_queue_duration_us"]
-    assert set(names) == {"nv_inference_queue_duration_us", "nv_inference_request_success",
-                          "nv_inference_request_failure"}
+    assert set(names) == {"nv_inference_queue_duration_us", "nv_inference_request_success", "nv_inference_request_failure"}

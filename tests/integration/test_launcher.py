@@ -21,10 +21,23 @@ output [ { name: "sentence_embedding" data_type: TYPE_FP32 dims: [ 384 ] } ]
 def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
     ports = ServerOptions.with_free_ports()
     cmd = [
-        sys.executable, "-m", "server", "--no-export", "--workdir", str(tmp_path / "work"),
-        "--http-port", str(ports.http_port), "--grpc-port", str(ports.grpc_port),
-        "--metrics-port", str(ports.metrics_port), "--gateway-port", str(free_port()),
-        "--gateway-api-key-file", str(tmp_path / "gateway-api-key"), *args,
+        sys.executable,
+        "-m",
+        "server",
+        "--no-export",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--http-port",
+        str(ports.http_port),
+        "--grpc-port",
+        str(ports.grpc_port),
+        "--metrics-port",
+        str(ports.metrics_port),
+        "--gateway-port",
+        str(free_port()),
+        "--gateway-api-key-file",
+        str(tmp_path / "gateway-api-key"),
+        *args,
     ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -53,7 +66,9 @@ def test_serves_then_stops_cleanly_on_sigterm(tmp_path):
         lines.append(line)
         if line.startswith("serve: ready"):
             break
-    assert lines and lines[-1].startswith("serve: ready"), "".join(lines) + (proc.stderr.read() if proc.poll() is not None else "")
+    assert lines and lines[-1].startswith("serve: ready"), "".join(lines) + (
+        proc.stderr.read() if proc.poll() is not None else ""
+    )
     ready = "".join(lines)
     while time.monotonic() < deadline and "Ctrl-C to stop" not in ready:
         ready += proc.stdout.readline()

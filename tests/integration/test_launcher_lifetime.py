@@ -18,10 +18,27 @@ from server.process import ServerOptions
 def _launch(tmp_path: Path) -> tuple[subprocess.Popen, ServerOptions]:
     ports = ServerOptions.with_free_ports()
     cmd = [
-        sys.executable, "-m", "server", "--no-export", "--quiet", "--workdir", str(tmp_path / "work"),
-        "--http-port", str(ports.http_port), "--grpc-port", str(ports.grpc_port),
-        "--metrics-port", str(ports.metrics_port), "--model", "text_tokenizer", "--drain-timeout", "5",
-        "--repository-token-file", str(tmp_path / "token"), "--rollout-state", str(tmp_path / "no-state.json"),
+        sys.executable,
+        "-m",
+        "server",
+        "--no-export",
+        "--quiet",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--http-port",
+        str(ports.http_port),
+        "--grpc-port",
+        str(ports.grpc_port),
+        "--metrics-port",
+        str(ports.metrics_port),
+        "--model",
+        "text_tokenizer",
+        "--drain-timeout",
+        "5",
+        "--repository-token-file",
+        str(tmp_path / "token"),
+        "--rollout-state",
+        str(tmp_path / "no-state.json"),
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []

@@ -83,8 +83,11 @@ def served_config(http_client, model: str) -> ModelConfig:
 @pytest.fixture(scope="module")
 def tokenizer(http_client):
     config = served_config(http_client, "text_tokenizer")
-    return BatchTokenizer(model_dir() / "tokenizer.json", max_length=config.param_int("max_sequence_length", 256),
-                          buckets=config.param_int_list("sequence_buckets", ()))
+    return BatchTokenizer(
+        model_dir() / "tokenizer.json",
+        max_length=config.param_int("max_sequence_length", 256),
+        buckets=config.param_int_list("sequence_buckets", ()),
+    )
 
 
 def test_tokenizer_padding_counts_the_known_batch(triton, http_client, tokenizer):
@@ -100,8 +103,10 @@ def test_tokenizer_padding_counts_the_known_batch(triton, http_client, tokenizer
     assert (real, padded) == (int(expected.lengths.sum()), expected.input_ids.size) == (int(mask.sum()), mask.size)
     assert padded == 3 * 32 and real < padded  # the longest text rounded up to the 32 bucket
     executions = value(after, f"{BATCH_SIZE}_count", **labels) - value(before, f"{BATCH_SIZE}_count", **labels)
-    buckets = {le: value(after, f"{BATCH_SIZE}_bucket", le=le, **labels) - value(before, f"{BATCH_SIZE}_bucket", le=le, **labels)
-               for le in histogram_buckets([])}
+    buckets = {
+        le: value(after, f"{BATCH_SIZE}_bucket", le=le, **labels) - value(before, f"{BATCH_SIZE}_bucket", le=le, **labels)
+        for le in histogram_buckets([])
+    }
     assert executions == 1 and buckets == histogram_buckets([1])  # one request, one execution: every bucket +1
 
 
@@ -116,8 +121,12 @@ def test_encoder_padding_counts_its_real_runs(triton, http_client, tokenizer):
     mask[:, : batch.input_ids.shape[1]] = batch.attention_mask
     lengths = [int(n) for n in mask.sum(axis=1)]
     config = served_config(http_client, "text_encoder")
-    runs = plan_runs(lengths, config.param_int("max_batch_tokens", 0), config.param_int("max_batch_rows", 0),
-                     config.param_int("max_row_padding", 0))
+    runs = plan_runs(
+        lengths,
+        config.param_int("max_batch_tokens", 0),
+        config.param_int("max_batch_rows", 0),
+        config.param_int("max_row_padding", 0),
+    )
     expected_padded = sum(len(run) * max(lengths[i] for i in run) for run in runs)
     inputs = []
     for name, array in (("input_ids", ids), ("attention_mask", mask)):
@@ -143,8 +152,7 @@ def test_batch_size_histogram_is_cumulative_and_counts_executions(triton, http_c
     labels = {"model": "text_tokenizer", "version": "1"}
     executions = value(scrape(triton.metrics_url), "nv_inference_exec_count", model="text_tokenizer")
     samples = settled(triton.metrics_url, f"{BATCH_SIZE}_count", labels, executions)
-    buckets = {dict(ls)["le"]: v for (n, ls), v in samples.items()
-               if n == f"{BATCH_SIZE}_bucket" and set(labels.items()) <= ls}
+    buckets = {dict(ls)["le"]: v for (n, ls), v in samples.items() if n == f"{BATCH_SIZE}_bucket" and set(labels.items()) <= ls}
     order = [str(b) for b in BATCH_SIZE_BUCKETS] + ["+Inf"]
     assert list(sorted(buckets, key=order.index)) == order
     counts = [buckets[le] for le in order]
@@ -153,7 +161,8 @@ def test_batch_size_histogram_is_cumulative_and_counts_executions(triton, http_c
     assert counts[-1] == count == value(samples, "nv_inference_exec_count", model="text_tokenizer") > 0
     # _sum: the requests that reached execute = all requests answered minus the cache's hits
     answered = value(samples, "nv_inference_request_success", model="text_tokenizer") + value(
-        samples, "nv_inference_request_failure", model="text_tokenizer")
+        samples, "nv_inference_request_failure", model="text_tokenizer"
+    )
     hits = value(samples, "nv_cache_num_hits_per_model", model="text_tokenizer")
     assert value(samples, f"{BATCH_SIZE}_sum", **labels) == answered - hits
     print(f"text_tokenizer: {count:.0f} executions, buckets {dict(zip(order, counts))}")

@@ -20,8 +20,11 @@ def test_every_composing_model_batches_without_priority_levels(http_client):
 
     for name in ("text_tokenizer", "text_encoder_router", "text_encoder"):
         # The router is loaded during rollouts only: its config as the repository holds it.
-        config = (config_from_disk(ROOT / "model_repository", name, None) if name == "text_encoder_router"
-                  else http_client.get_model_config(name))
+        config = (
+            config_from_disk(ROOT / "model_repository", name, None)
+            if name == "text_encoder_router"
+            else http_client.get_model_config(name)
+        )
         batching = config["dynamic_batching"]
         assert int(batching.get("priority_levels", 0)) == 0 and "default_queue_policy" not in batching, name
         assert config["max_batch_size"] >= 64, name

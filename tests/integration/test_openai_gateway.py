@@ -74,7 +74,7 @@ def triton_embed(grpc_client):
     def embed(texts: list[str]) -> np.ndarray:
         parts = []
         for start in range(0, len(texts), MAX_BATCH):
-            chunk = texts[start:start + MAX_BATCH]
+            chunk = texts[start : start + MAX_BATCH]
             t = grpcclient.InferInput("TEXT", [len(chunk), 1], "BYTES")
             t.set_data_from_numpy(np.array([s.encode("utf-8") for s in chunk], dtype=object).reshape(-1, 1))
             result = grpc_client.infer(EMBEDDING, [t], outputs=[grpcclient.InferRequestedOutput("EMBEDDING")])
@@ -199,10 +199,12 @@ def test_base64_encoding(openai_client, gateway, triton_embed):
     assert_same_vectors([decode_base64(d.embedding) for d in raw.data], expected)
     # Raw HTTP: little-endian float32 bytes, the same numbers as the float encoding.
     url = f"{gateway.url}/v1/embeddings"
-    as_b64 = requests.post(url, json={"model": EMBEDDING, "input": TEXTS, "encoding_format": "base64"},
-                           headers=auth(), timeout=60)
-    as_float = requests.post(url, json={"model": EMBEDDING, "input": TEXTS, "encoding_format": "float"},
-                             headers=auth(), timeout=60)
+    as_b64 = requests.post(
+        url, json={"model": EMBEDDING, "input": TEXTS, "encoding_format": "base64"}, headers=auth(), timeout=60
+    )
+    as_float = requests.post(
+        url, json={"model": EMBEDDING, "input": TEXTS, "encoding_format": "float"}, headers=auth(), timeout=60
+    )
     assert as_b64.status_code == 200 and as_float.status_code == 200, (as_b64.text, as_float.text)
     b64_rows = [decode_base64(d["embedding"]) for d in as_b64.json()["data"]]
     float_rows = [d["embedding"] for d in as_float.json()["data"]]
@@ -219,8 +221,9 @@ def test_a_list_over_the_batch_limit_comes_back_whole_and_in_order(openai_client
     got, expected = vectors(response), triton_embed(texts)
     assert_same_vectors(got, expected)
     # In order: each vector is nearest to its own text's, not to a neighbour's.
-    similarity = (got / np.linalg.norm(got, axis=1, keepdims=True)) @ \
-        (expected / np.linalg.norm(expected, axis=1, keepdims=True)).T
+    similarity = (got / np.linalg.norm(got, axis=1, keepdims=True)) @ (
+        expected / np.linalg.norm(expected, axis=1, keepdims=True)
+    ).T
     assert (similarity.argmax(axis=1) == np.arange(len(texts))).all()
     assert response.usage.prompt_tokens == sum(len(e.ids) for e in tokenizer.encode_batch(texts))
 
@@ -276,8 +279,7 @@ def test_a_text_over_the_token_limit_is_refused_naming_the_limit(openai_client, 
 
 def test_chat_greedy_equals_triton(openai_client, direct):
     expected = direct.chat(QUESTION, max_tokens=12, temperature=0)
-    response = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=12,
-                                                     temperature=0)
+    response = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0)
     assert response.object == "chat.completion" and response.model == GENERATION
     assert len(response.choices) == 1
     choice = response.choices[0]
@@ -292,11 +294,12 @@ def test_chat_greedy_equals_triton(openai_client, direct):
 
 def test_chat_stream_equals_the_whole_answer_with_usage_last(openai_client, direct):
     expected = direct.chat(QUESTION, max_tokens=12, temperature=0)
-    whole = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=12,
-                                                  temperature=0)
-    chunks = list(openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=12,
-                                                        temperature=0, stream=True,
-                                                        stream_options={"include_usage": True}))
+    whole = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0)
+    chunks = list(
+        openai_client.chat.completions.create(
+            model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     text_chunks = [c for c in chunks if c.choices]
@@ -314,13 +317,18 @@ def test_chat_stream_equals_the_whole_answer_with_usage_last(openai_client, dire
 
 
 def test_chat_stream_without_usage_and_its_done_event(openai_client, gateway):
-    chunks = list(openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4,
-                                                        temperature=0, stream=True))
+    chunks = list(
+        openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4, temperature=0, stream=True)
+    )
     assert chunks and all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
     # On the wire: SSE events, the last one data: [DONE].
-    with requests.post(f"{gateway.url}/v1/chat/completions", headers=auth(), stream=True, timeout=60,
-                       json={"model": GENERATION, "messages": QUESTION, "max_tokens": 4, "temperature": 0,
-                             "stream": True}) as response:
+    with requests.post(
+        f"{gateway.url}/v1/chat/completions",
+        headers=auth(),
+        stream=True,
+        timeout=60,
+        json={"model": GENERATION, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "stream": True},
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines(decode_unicode=True) if line]
@@ -341,8 +349,9 @@ def test_chat_finish_reasons(openai_client, direct):
     assert ended.usage.completion_tokens < 40
     assert "Paris" in expected.text
     # A stop string hits: the text ends before it.
-    stopped = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=16,
-                                                    temperature=0, stop=["Paris"])
+    stopped = openai_client.chat.completions.create(
+        model=GENERATION, messages=QUESTION, max_tokens=16, temperature=0, stop=["Paris"]
+    )
     expected_stop = direct.chat(QUESTION, max_tokens=16, temperature=0, stop=["Paris"])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].message.content == expected_stop.text
@@ -350,14 +359,14 @@ def test_chat_finish_reasons(openai_client, direct):
     assert expected.text.startswith(stopped.choices[0].message.content)
     assert stopped.usage.completion_tokens < ended.usage.completion_tokens
     # Streamed, the last chunk says the same.
-    chunks = list(openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=3,
-                                                        temperature=0, stream=True))
+    chunks = list(
+        openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=3, temperature=0, stream=True)
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_max_completion_tokens(openai_client):
-    response = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION,
-                                                     max_completion_tokens=5, temperature=0)
+    response = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_completion_tokens=5, temperature=0)
     assert response.usage.completion_tokens == 5
     assert response.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as caught:
@@ -376,8 +385,9 @@ def test_seed_makes_sampling_reproducible(openai_client, direct):
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
 
     def sampled(seed: int) -> str:
-        response = openai_client.chat.completions.create(model=GENERATION, messages=messages, max_tokens=12,
-                                                         temperature=1, seed=seed)
+        response = openai_client.chat.completions.create(
+            model=GENERATION, messages=messages, max_tokens=12, temperature=1, seed=seed
+        )
         return response.choices[0].message.content
 
     first = sampled(1234)
@@ -393,21 +403,27 @@ def test_concurrent_streams_with_the_async_sdk_each_get_their_own_answer(gateway
     """Streams share the gateway's one gRPC channel: each must still get its own answer."""
     import asyncio
 
-    questions = [[{"role": "user", "content": q}] for q in (
-        "What is the capital of France? Answer in one sentence.",
-        "Name three colours.",
-        "What is 2 + 2?",
-        "Say hello in Spanish.",
-    )]
+    questions = [
+        [{"role": "user", "content": q}]
+        for q in (
+            "What is the capital of France? Answer in one sentence.",
+            "Name three colours.",
+            "What is 2 + 2?",
+            "Say hello in Spanish.",
+        )
+    ]
     expected = [direct.chat(q, max_tokens=8, temperature=0).text for q in questions]
     assert len(set(expected)) == len(expected), expected
 
     async def run() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_retries=0,
-                                      timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_retries=0, timeout=120
+        ) as client:
+
             async def one(messages) -> str:
-                stream = await client.chat.completions.create(model=GENERATION, messages=messages, max_tokens=8,
-                                                              temperature=0, stream=True)
+                stream = await client.chat.completions.create(
+                    model=GENERATION, messages=messages, max_tokens=8, temperature=0, stream=True
+                )
                 return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
             return await asyncio.gather(*(one(q) for q in questions))
@@ -432,8 +448,11 @@ def test_completion_greedy_equals_triton_streamed_or_not(openai_client, direct):
     assert whole.choices[0].finish_reason == expected.finish_reason == "length"
     assert whole.usage.prompt_tokens == expected.num_input_tokens
     assert whole.usage.completion_tokens == expected.num_output_tokens == 12
-    chunks = list(openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=12, temperature=0,
-                                                   stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        openai_client.completions.create(
+            model=GENERATION, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == expected.text
     assert len([c for c in text_chunks if c.choices[0].text]) > 1
@@ -444,12 +463,12 @@ def test_completion_greedy_equals_triton_streamed_or_not(openai_client, direct):
 
 def test_completion_echo_prepends_the_prompt(openai_client, direct):
     expected = direct.generate(PROMPT, max_tokens=6, temperature=0)
-    echoed = openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=6, temperature=0,
-                                              echo=True)
+    echoed = openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + expected.text
     assert echoed.usage.completion_tokens == expected.num_output_tokens
-    chunks = list(openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=6, temperature=0,
-                                                   echo=True, stream=True))
+    chunks = list(
+        openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True)
+    )
     assert chunks[0].choices[0].text == PROMPT
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + expected.text
 
@@ -460,8 +479,7 @@ def test_completion_stop_and_default_length(openai_client, direct):
     words = expected.text.split()
     assert len(words) >= 3, expected.text
     stop = words[2]
-    stopped = openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=16, temperature=0,
-                                               stop=stop)
+    stopped = openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop)
     assert stopped.choices[0].finish_reason == "stop"
     assert stop not in stopped.choices[0].text
     assert expected.text.startswith(stopped.choices[0].text)
@@ -477,8 +495,9 @@ def test_without_max_tokens_a_long_prompt_gets_the_rest_of_the_context(openai_cl
     # 4,086 prompt tokens: the completions default of 16 would pass the 4,096-token context, so
     # the gateway asks again for the 10 tokens left, as OpenAI fills the rest of the context.
     prompt = "hello " * 4085
-    done = openai_client.completions.create(model="text_generation", prompt=prompt, temperature=0,
-                                            extra_body={"ignore_eos": True})
+    done = openai_client.completions.create(
+        model="text_generation", prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert done.usage.prompt_tokens + done.usage.completion_tokens == 4096, done.usage
     assert done.choices[0].finish_reason == "length"
     # A max_tokens the client chose is not changed: the engine's refusal names it.
@@ -512,8 +531,9 @@ def _wait_for_log(gateway, request_id: str, timeout: float = 5.0) -> dict:
 
 
 def test_request_id_is_echoed_and_logged(openai_client, gateway, tokenizer):
-    raw = openai_client.embeddings.with_raw_response.create(model=EMBEDDING, input=TEXTS[0], encoding_format="float",
-                                                            extra_headers={"X-Request-Id": "abc-123"})
+    raw = openai_client.embeddings.with_raw_response.create(
+        model=EMBEDDING, input=TEXTS[0], encoding_format="float", extra_headers={"X-Request-Id": "abc-123"}
+    )
     assert raw.headers["x-request-id"] == "abc-123"
     assert raw.parse().data[0].embedding
     line = _wait_for_log(gateway, "abc-123")
@@ -526,16 +546,25 @@ def test_request_id_is_echoed_and_logged(openai_client, gateway, tokenizer):
     assert re.fullmatch(r"[0-9a-f]{32}", a) and re.fullmatch(r"[0-9a-f]{32}", b) and a != b
     assert _wait_for_log(gateway, a)["path"] == "/v1/models"
     # A failed request is logged with its status and error, and errors carry the id too.
-    bad = requests.post(f"{gateway.url}/v1/embeddings", json={"model": "nope", "input": "x"},
-                        headers=auth(**{"X-Request-Id": "bad-model-1"}), timeout=30)
+    bad = requests.post(
+        f"{gateway.url}/v1/embeddings",
+        json={"model": "nope", "input": "x"},
+        headers=auth(**{"X-Request-Id": "bad-model-1"}),
+        timeout=30,
+    )
     assert_openai_error(bad, 404, "not_found_error")
     assert bad.headers["x-request-id"] == "bad-model-1"
     failed = _wait_for_log(gateway, "bad-model-1")
     assert failed["status"] == 404 and failed["error"] == "not_found_error"
     # A streamed chat is logged once, when it ends, with its token counts.
     stream = openai_client.chat.completions.with_raw_response.create(
-        model=GENERATION, messages=QUESTION, max_tokens=3, temperature=0, stream=True,
-        extra_headers={"X-Request-Id": "chat-stream-1"})
+        model=GENERATION,
+        messages=QUESTION,
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+        extra_headers={"X-Request-Id": "chat-stream-1"},
+    )
     assert stream.headers["x-request-id"] == "chat-stream-1"
     assert list(stream.parse())
     chat_line = _wait_for_log(gateway, "chat-stream-1")
@@ -570,9 +599,11 @@ def test_metrics_count_requests_tokens_and_latency(openai_client, gateway, token
     assert delta(f"{hist}_count", **embeddings, status="200") == 1
     assert delta(f"{hist}_bucket", **embeddings, status="200", le="+Inf") == 1
     assert delta(f"{hist}_sum", **embeddings, status="200") > 0
-    buckets = sorted((float(dict(labels)["le"]), v) for (name, labels), v in after.items()
-                     if name == f"{hist}_bucket" and dict(labels).get("route") == "/v1/embeddings"
-                     and dict(labels).get("status") == "200")
+    buckets = sorted(
+        (float(dict(labels)["le"]), v)
+        for (name, labels), v in after.items()
+        if name == f"{hist}_bucket" and dict(labels).get("route") == "/v1/embeddings" and dict(labels).get("status") == "200"
+    )
     assert len(buckets) > 5 and [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
 
 
@@ -581,4 +612,4 @@ def test_the_api_key_is_never_logged(gateway):
     text = gateway.log_path.read_text(encoding="utf-8", errors="replace")
     assert "openai_gateway.access" in text and KEY_ID in text
     assert GATEWAY_TEST_KEY not in text
-    assert GATEWAY_TEST_KEY[len("sk-"):] not in text
+    assert GATEWAY_TEST_KEY[len("sk-") :] not in text

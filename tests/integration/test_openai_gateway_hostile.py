@@ -52,8 +52,7 @@ V1_ROUTES = [
     ("GET", "/v1/models", None),
     ("GET", "/v1/models/text_embedding", None),
     ("POST", "/v1/embeddings", {"model": EMB, "input": "hello"}),
-    ("POST", "/v1/chat/completions", {"model": GEN, "messages": [{"role": "user", "content": "hi"}],
-                                      "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
     ("POST", "/v1/completions", {"model": GEN, "prompt": "hi", "max_tokens": 1}),
     ("GET", "/v1/no-such-route", None),
 ]
@@ -94,9 +93,11 @@ def triton_metric(triton, name: str, **labels) -> float:
 
 
 def generation_idle(triton) -> bool:
-    return (triton_metric(triton, "llm_num_requests_running") == 0
-            and triton_metric(triton, "llm_num_requests_waiting") == 0
-            and triton_metric(triton, "llm_kv_cache_blocks_used") == 0)
+    return (
+        triton_metric(triton, "llm_num_requests_running") == 0
+        and triton_metric(triton, "llm_num_requests_waiting") == 0
+        and triton_metric(triton, "llm_kv_cache_blocks_used") == 0
+    )
 
 
 def wait_until(check, timeout: float, interval: float = 0.1) -> bool:
@@ -160,8 +161,9 @@ def plain_request(gw, method: str, path: str, body=None, headers: dict | None = 
     conn = http.client.HTTPConnection(*host_port(gw), timeout=60)
     try:
         data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={**({"Content-Type": "application/json"} if data else {}),
-                                                       **(headers or {})})
+        conn.request(
+            method, path, body=data, headers={**({"Content-Type": "application/json"} if data else {}), **(headers or {})}
+        )
         r = conn.getresponse()
         return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     finally:
@@ -219,8 +221,7 @@ def test_health_and_metrics_need_no_key(gateway):
 def test_sdk_with_a_wrong_key_raises_authentication_error(gateway):
     import openai
 
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-wrong-key-but-long-enough-111",
-                           max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-wrong-key-but-long-enough-111", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError) as caught:
         client.embeddings.create(model=EMB, input="hello")
     assert caught.value.status_code == 401
@@ -241,12 +242,26 @@ def test_keys_never_reach_the_log(gateway):
 
 # ---- 2. limits and malformed bodies ------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def limited(triton, start_gateway):
     """A gateway with small limits: 1 MB bodies, 4 inputs of 100 characters, 200-character prompts,
     max_tokens at most 8."""
-    with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--max-body-mb", "1", "--max-inputs", "4",
-                       "--max-input-chars", "100", "--max-prompt-chars", "200", "--max-tokens-cap", "8") as gw:
+    with start_gateway(
+        triton.triton_grpc_url,
+        "--rate-limit",
+        "0",
+        "--max-body-mb",
+        "1",
+        "--max-inputs",
+        "4",
+        "--max-input-chars",
+        "100",
+        "--max-prompt-chars",
+        "200",
+        "--max-tokens-cap",
+        "8",
+    ) as gw:
         yield gw
 
 
@@ -255,16 +270,17 @@ MB = 1024 * 1024
 
 def test_a_body_over_max_body_mb_is_413(limited):
     body = json.dumps({"model": EMB, "input": "x" * (2 * MB)})
-    r = httpx.post(f"{limited.url}/v1/embeddings", content=body, headers={**AUTH, "Content-Type": "application/json"},
-                   timeout=30)
+    r = httpx.post(f"{limited.url}/v1/embeddings", content=body, headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413, (r.status_code, r.text[:300])
     err = error_of(r)
     assert "--max-body-mb" in err["message"] and err["code"] == "request_too_large", err
 
 
 def test_a_content_length_claiming_too_much_is_413_before_the_body_is_read(limited):
-    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {50 * MB}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {50 * MB}\r\n\r\n"
+    ).encode()
     status, raw, took = raw_exchange(limited, head, [b'{"model": "text_embedding", "input": "a"}'])
     assert status == 413, raw[:400]
     assert "--max-body-mb" in body_json(raw)["error"]["message"]
@@ -275,26 +291,32 @@ def test_a_content_length_claiming_too_much_is_413_before_the_body_is_read(limit
 def test_a_content_length_claiming_less_than_is_sent_is_a_4xx_and_the_gateway_lives(limited):
     """The server reads what Content-Length says; the rest is garbage on the connection."""
     tail = b'{"model": "text_embedding", "input": "' + b"y" * (2 * MB) + b'"}'
-    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n").encode()
-    status, raw, _ = raw_exchange(limited, head, [tail[i:i + 65536] for i in range(0, len(tail), 65536)])
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n"
+    ).encode()
+    status, raw, _ = raw_exchange(limited, head, [tail[i : i + 65536] for i in range(0, len(tail), 65536)])
     assert status is not None and 400 <= status < 500, raw[:400]
     assert healthy(limited)
 
 
 def test_a_non_numeric_content_length_is_refused(limited):
-    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: 12abc\r\n\r\n").encode()
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: 12abc\r\n\r\n"
+    ).encode()
     status, raw, _ = raw_exchange(limited, head, [b'{"a": 1}'])
     assert status is None or 400 <= status < 500, raw[:400]
     assert healthy(limited)
 
 
 def test_a_chunked_body_over_the_limit_without_content_length_is_413(limited):
-    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
-            f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GATEWAY_TEST_KEY}\r\n"
+        f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
     payload = b'{"model": "text_embedding", "input": "' + b"z" * (2 * MB) + b'"}'
-    chunks = [b"%x\r\n%s\r\n" % (len(p), p) for p in (payload[i:i + 65536] for i in range(0, len(payload), 65536))]
+    chunks = [b"%x\r\n%s\r\n" % (len(p), p) for p in (payload[i : i + 65536] for i in range(0, len(payload), 65536))]
     status, raw, _ = raw_exchange(limited, head, [*chunks, b"0\r\n\r\n"])
     assert status == 413, raw[:400]
     assert "--max-body-mb" in body_json(raw)["error"]["message"]
@@ -330,16 +352,28 @@ def test_a_prompt_over_max_prompt_chars_is_413_naming_it(limited):
     assert r.status_code == 413, r.text
     err = error_of(r)
     assert "--max-prompt-chars" in err["message"] and err["param"] == "prompt", err
-    r = _post(limited, "/v1/chat/completions", {"model": GEN, "max_tokens": 1, "messages": [
-        {"role": "system", "content": "s" * 150}, {"role": "user", "content": "u" * 51}]})
+    r = _post(
+        limited,
+        "/v1/chat/completions",
+        {
+            "model": GEN,
+            "max_tokens": 1,
+            "messages": [{"role": "system", "content": "s" * 150}, {"role": "user", "content": "u" * 51}],
+        },
+    )
     assert r.status_code == 413, r.text
     err = error_of(r)
     assert "--max-prompt-chars" in err["message"] and err["param"] == "messages", err
 
 
-@pytest.mark.parametrize("route,field", [("/v1/chat/completions", "max_tokens"),
-                                         ("/v1/chat/completions", "max_completion_tokens"),
-                                         ("/v1/completions", "max_tokens")])
+@pytest.mark.parametrize(
+    "route,field",
+    [
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+        ("/v1/completions", "max_tokens"),
+    ],
+)
 def test_max_tokens_over_the_cap_is_400_naming_it(limited, route, field):
     body = {"model": GEN, field: 9}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"})
@@ -354,8 +388,7 @@ def test_max_tokens_over_the_cap_is_400_naming_it(limited, route, field):
 
 
 def test_too_many_stop_strings_is_400(limited):
-    r = _post(limited, "/v1/completions", {"model": GEN, "prompt": "hi", "max_tokens": 1,
-                                           "stop": ["a", "b", "c", "d", "e"]})
+    r = _post(limited, "/v1/completions", {"model": GEN, "prompt": "hi", "max_tokens": 1, "stop": ["a", "b", "c", "d", "e"]})
     assert r.status_code == 400, r.text
     err = error_of(r)
     assert err["param"] == "stop" and "limit" in err["message"], err
@@ -364,9 +397,18 @@ def test_too_many_stop_strings_is_400(limited):
 POST_ROUTES = ["/v1/embeddings", "/v1/chat/completions", "/v1/completions"]
 
 
-@pytest.mark.parametrize("raw", [b"{", b'{"model": "text_embedding", "input": "a"', b"not json", b"\xff\xfe",
-                                 b'{"model": "text_embedding", "input": "a"}}', b"{'model': 'x'}"],
-                         ids=["brace", "unterminated", "words", "bad-utf8", "trailing", "single-quotes"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{",
+        b'{"model": "text_embedding", "input": "a"',
+        b"not json",
+        b"\xff\xfe",
+        b'{"model": "text_embedding", "input": "a"}}',
+        b"{'model': 'x'}",
+    ],
+    ids=["brace", "unterminated", "words", "bad-utf8", "trailing", "single-quotes"],
+)
 @pytest.mark.parametrize("route", POST_ROUTES)
 def test_invalid_json_is_400(gateway, route, raw):
     r = httpx.post(gateway.url + route, content=raw, headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
@@ -428,11 +470,13 @@ WRONG_TYPES = [
 ]
 
 
-@pytest.mark.parametrize("route,body,param", WRONG_TYPES, ids=[f"{r.split('/')[-1]}-{p}-{i}"
-                                                              for i, (r, _, p) in enumerate(WRONG_TYPES)])
+@pytest.mark.parametrize(
+    "route,body,param", WRONG_TYPES, ids=[f"{r.split('/')[-1]}-{p}-{i}" for i, (r, _, p) in enumerate(WRONG_TYPES)]
+)
 def test_wrong_types_are_4xx_naming_the_field(gateway, route, body, param):
-    r = httpx.post(gateway.url + route, content=json.dumps(body), headers={**AUTH, "Content-Type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        gateway.url + route, content=json.dumps(body), headers={**AUTH, "Content-Type": "application/json"}, timeout=60
+    )
     assert r.status_code in (400, 422), (r.status_code, r.text)
     err = error_of(r)
     assert err["type"] == "invalid_request_error", err
@@ -442,15 +486,18 @@ def test_wrong_types_are_4xx_naming_the_field(gateway, route, body, param):
 @pytest.mark.parametrize("body", [[], None, "a", 5, {}], ids=["list", "null", "string", "number", "empty-object"])
 @pytest.mark.parametrize("route", POST_ROUTES)
 def test_a_body_that_is_not_the_request_object_is_4xx(gateway, route, body):
-    r = httpx.post(gateway.url + route, content=json.dumps(body), headers={**AUTH, "Content-Type": "application/json"},
-                   timeout=30)
+    r = httpx.post(
+        gateway.url + route, content=json.dumps(body), headers={**AUTH, "Content-Type": "application/json"}, timeout=30
+    )
     assert r.status_code in (400, 422), (r.status_code, r.text)
     error_of(r)
 
 
-@pytest.mark.parametrize("ids,bad", [([[101, 49152 * 10, 102]], 491520), ([[101, -1, 102]], -1), ([5, -3], -3),
-                                     ([[101, 102], [101, 30522, 102]], 30522)],
-                         ids=["huge", "negative", "flat-negative", "just-past-the-vocab"])
+@pytest.mark.parametrize(
+    "ids,bad",
+    [([[101, 49152 * 10, 102]], 491520), ([[101, -1, 102]], -1), ([5, -3], -3), ([[101, 102], [101, 30522, 102]], 30522)],
+    ids=["huge", "negative", "flat-negative", "just-past-the-vocab"],
+)
 def test_token_ids_outside_the_vocabulary_are_400(gateway, ids, bad):
     r = _post(gateway, "/v1/embeddings", {"model": EMB, "input": ids})
     assert r.status_code == 400, r.text
@@ -468,8 +515,9 @@ K2 = "sk-rate-key-two-0123456789"
 
 @pytest.fixture(scope="module")
 def rate_limited(triton, start_gateway):
-    with start_gateway(triton.triton_grpc_url, "--rate-limit", "2", "--rate-burst", "3",
-                       env={"GATEWAY_API_KEYS": f"{K1},{K2}"}) as gw:
+    with start_gateway(
+        triton.triton_grpc_url, "--rate-limit", "2", "--rate-burst", "3", env={"GATEWAY_API_KEYS": f"{K1},{K2}"}
+    ) as gw:
         yield gw
 
 
@@ -544,8 +592,7 @@ def test_the_sdk_with_retries_succeeds_by_honouring_retry_after(rate_limited):
 
 # ---- 4. CORS -----------------------------------------------------------------------------
 
-PREFLIGHT = {"Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization,content-type"}
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
 
 
 def test_cors_is_off_by_default(gateway):
@@ -559,13 +606,11 @@ def test_cors_is_off_by_default(gateway):
 
 def test_cors_allows_the_configured_origin_only(triton, start_gateway):
     with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--cors-origins", "http://app.example") as gw:
-        ok = httpx.options(gw.url + "/v1/embeddings", headers={"Origin": "http://app.example", **PREFLIGHT},
-                           timeout=10)
+        ok = httpx.options(gw.url + "/v1/embeddings", headers={"Origin": "http://app.example", **PREFLIGHT}, timeout=10)
         assert ok.status_code == 200, ok.text
         assert ok.headers.get("access-control-allow-origin") == "http://app.example", dict(ok.headers)
         assert "authorization" in ok.headers.get("access-control-allow-headers", "").lower()
-        other = httpx.options(gw.url + "/v1/embeddings", headers={"Origin": "http://evil.example", **PREFLIGHT},
-                              timeout=10)
+        other = httpx.options(gw.url + "/v1/embeddings", headers={"Origin": "http://evil.example", **PREFLIGHT}, timeout=10)
         assert other.headers.get("access-control-allow-origin") != "http://evil.example", dict(other.headers)
         assert "access-control-allow-origin" not in other.headers and other.status_code < 500
         real = httpx.get(gw.url + "/v1/models", headers={**AUTH, "Origin": "http://app.example"}, timeout=10)
@@ -580,13 +625,17 @@ def test_cors_allows_the_configured_origin_only(triton, start_gateway):
 
 # ---- 5. readiness ------------------------------------------------------------------------
 
+
 def test_in_front_of_a_dead_triton_health_is_up_and_v1_is_a_quick_503(start_gateway):
     with start_gateway(f"127.0.0.1:{free_port()}", "--rate-limit", "0", wait_ready=False) as gw:
         with httpx.Client(timeout=10) as client:
-            for method, path, body, want in [("GET", "/health", None, 200), ("GET", "/health/ready", None, 503),
-                                             ("POST", "/v1/embeddings", {"model": EMB, "input": "hi"}, 503),
-                                             ("POST", "/v1/chat/completions", CHAT, 503),
-                                             ("GET", "/v1/models", None, 503)]:
+            for method, path, body, want in [
+                ("GET", "/health", None, 200),
+                ("GET", "/health/ready", None, 503),
+                ("POST", "/v1/embeddings", {"model": EMB, "input": "hi"}, 503),
+                ("POST", "/v1/chat/completions", CHAT, 503),
+                ("GET", "/v1/models", None, 503),
+            ]:
                 started = time.monotonic()
                 r = client.request(method, gw.url + path, json=body, headers=AUTH)
                 took = time.monotonic() - started
@@ -605,8 +654,13 @@ def test_in_front_of_a_dead_triton_health_is_up_and_v1_is_a_quick_503(start_gate
 
 # ---- 6. disconnect cancels ---------------------------------------------------------------
 
-LONG_CHAT = {"model": GEN, "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
-             "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+LONG_CHAT = {
+    "model": GEN,
+    "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
+    "max_tokens": 1000,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 def _aborts(triton) -> float:
@@ -617,9 +671,10 @@ def test_closing_a_stream_cancels_the_generation(triton, gateway):
     assert wait_until(lambda: generation_idle(triton), 30), "the generation model was busy before the test"
     aborts = _aborts(triton)
     cancelled = gateway_metric(gateway, "gateway_cancelled_total", route="/v1/chat/completions")
-    with httpx.Client(timeout=120) as client, \
-            client.stream("POST", f"{gateway.url}/v1/chat/completions", json={**LONG_CHAT, "stream": True},
-                          headers=AUTH) as r:
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{gateway.url}/v1/chat/completions", json={**LONG_CHAT, "stream": True}, headers=AUTH) as r,
+    ):
         assert r.status_code == 200
         lines = r.iter_lines()
         for line in lines:
@@ -627,11 +682,11 @@ def test_closing_a_stream_cancels_the_generation(triton, gateway):
                 break
         # The engine reports its gauges every 0.5 s from a thread of its own, and a busy
         # machine (2 shared cores) slows its steps: give it time.
-        assert wait_until(lambda: triton_metric(triton, "llm_kv_cache_blocks_used") > 0, 15), \
-            "no KV blocks held while streaming"
+        assert wait_until(lambda: triton_metric(triton, "llm_kv_cache_blocks_used") > 0, 15), "no KV blocks held while streaming"
     closed = time.monotonic()
-    assert wait_until(lambda: generation_idle(triton), 10), \
+    assert wait_until(lambda: generation_idle(triton), 10), (
         f"the generation still runs {time.monotonic() - closed:.1f} s after the client left"
+    )
     took = time.monotonic() - closed
     assert wait_until(lambda: _aborts(triton) == aborts + 1, 3), "the engine did not abort the request"
     assert gateway_metric(gateway, "gateway_cancelled_total", route="/v1/chat/completions") == cancelled + 1
@@ -648,11 +703,13 @@ def test_a_client_timeout_on_a_whole_answer_cancels_the_generation(triton, gatew
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{gateway.url}/v1/chat/completions", json=LONG_CHAT, headers=AUTH, timeout=1.0)
     gone = time.monotonic()
-    assert wait_until(lambda: generation_idle(triton) and _aborts(triton) == aborts + 1, 10), \
+    assert wait_until(lambda: generation_idle(triton) and _aborts(triton) == aborts + 1, 10), (
         f"the generation was not aborted within {time.monotonic() - gone:.1f} s of the client's timeout"
+    )
     took = time.monotonic() - gone
-    assert wait_until(lambda: gateway_metric(gateway, "gateway_cancelled_total", route="/v1/chat/completions")
-                      == cancelled + 1, 3)
+    assert wait_until(
+        lambda: gateway_metric(gateway, "gateway_cancelled_total", route="/v1/chat/completions") == cancelled + 1, 3
+    )
     print(f"client timeout -> generation idle in {took:.2f} s")
 
 
@@ -661,14 +718,27 @@ def test_a_client_timeout_on_a_whole_answer_cancels_the_generation(triton, gatew
 FUZZ_EXAMPLES = int(os.environ.get("GATEWAY_FUZZ_EXAMPLES", "100"))
 # The served ids and aliases (None in a draw: keep the generated name, mostly a 404).
 MODEL_NAMES = [EMB, "sentence-transformers/all-MiniLM-L6-v2", GEN, "HuggingFaceTB/SmolLM2-135M-Instruct"]
-REFUSED_FIELDS = ("n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
-                  "tool_choice", "functions", "response_format", "dimensions", "suffix", "best_of", "stream_options")
+REFUSED_FIELDS = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "response_format",
+    "dimensions",
+    "suffix",
+    "best_of",
+    "stream_options",
+)
 
 
 @pytest.fixture(scope="module")
 def fuzz_gateway(triton, start_gateway):
-    with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--max-tokens-cap", "8",
-                       "--no-request-log") as gw:
+    with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--max-tokens-cap", "8", "--no-request-log") as gw:
         yield gw
 
 
@@ -681,8 +751,7 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
     schema = schemathesis.openapi.from_url(f"{fuzz_gateway.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {f"{op.method.upper()} {op.path}" for op in operations}
-    assert {"POST /v1/embeddings", "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"} <= labels, \
-        labels
+    assert {"POST /v1/embeddings", "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"} <= labels, labels
     statuses: Counter = Counter()
     refusals: Counter = Counter()
     per_op: dict[str, Counter] = {}
@@ -695,8 +764,14 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
     def fuzz(op, mode, label: str, names: list, counts: Counter) -> None:
         """Run one operation's cases in one generation mode."""
 
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=FUZZ_EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=op.as_strategy(generation_mode=mode), model=st.sampled_from(names), plain=st.booleans())
         def run(case, model, plain):
             # A free-form model string is a 404 before anything else is looked at: most cases
@@ -712,8 +787,7 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
                 for message in case.body.get("messages") or ():
                     if isinstance(message, dict) and message.get("role") not in ("system", "user", "assistant"):
                         message["role"] = "user"
-                    if isinstance(message, dict) and not (isinstance(message.get("content"), str)
-                                                          and message["content"].strip()):
+                    if isinstance(message, dict) and not (isinstance(message.get("content"), str) and message["content"].strip()):
                         message["content"] = "hi"
             if case.path_parameters and "model" in case.path_parameters and model:
                 case.path_parameters["model"] = model
@@ -730,8 +804,13 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
 
     for op in operations:
         label = f"{op.method.upper()} {op.path}"
-        names = MODEL_NAMES[:2] if "embeddings" in op.path else MODEL_NAMES[2:] if "completions" in op.path \
+        names = (
+            MODEL_NAMES[:2]
+            if "embeddings" in op.path
+            else MODEL_NAMES[2:]
+            if "completions" in op.path
             else [MODEL_NAMES[0], MODEL_NAMES[2]]
+        )
         names = [*names, None]
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
             counts = per_op.setdefault(f"{label} {mode.value}", Counter())
@@ -739,8 +818,10 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
     took = time.monotonic() - started
     total = sum(statuses.values())
     by_class = Counter(f"{s // 100}xx" for s in statuses.elements())
-    print(f"schemathesis: {total} cases over {len(operations)} operations in {took:.0f} s; "
-          f"{dict(sorted(by_class.items()))}; statuses {dict(sorted(statuses.items()))}")
+    print(
+        f"schemathesis: {total} cases over {len(operations)} operations in {took:.0f} s; "
+        f"{dict(sorted(by_class.items()))}; statuses {dict(sorted(statuses.items()))}"
+    )
     for name, c in per_op.items():
         print(f"  {name}: {dict(sorted(c.items()))}")
     print(f"  400s of positive cases by route and param: {dict(refusals.most_common(12))}")
@@ -766,8 +847,7 @@ def _hostile_requests(gw):
         lambda: httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "temperature": "hot"}, headers=AUTH),
         lambda: httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 2**80}, headers=AUTH),
         lambda: httpx.post(f"{url}/v1/completions", json={"model": GEN, "prompt": [None]}, headers=AUTH),
-        lambda: httpx.post(f"{url}/v1/embeddings", content=b"\x00" * 1000,
-                           headers={**AUTH, "Content-Type": "application/json"}),
+        lambda: httpx.post(f"{url}/v1/embeddings", content=b"\x00" * 1000, headers={**AUTH, "Content-Type": "application/json"}),
     ]
 
 
@@ -832,7 +912,7 @@ def test_valid_neighbours_are_unharmed_by_hostile_traffic(gateway, http_client):
         assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
     got = np.array([d["embedding"] for _, _, body in results for d in body["data"]], dtype=np.float32)
     sent = [t for texts, _, _ in results for t in texts]
-    want = np.concatenate([_triton_embeddings(http_client, sent[i:i + 64]) for i in range(0, len(sent), 64)])
+    want = np.concatenate([_triton_embeddings(http_client, sent[i : i + 64]) for i in range(0, len(sent), 64)])
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     print(f"{len(results)} neighbour requests, min cosine {cos.min():.6f}; hostile: {dict(hostile_statuses)}")
     assert cos.min() >= 0.9999, cos.min()
@@ -844,6 +924,7 @@ def test_valid_neighbours_are_unharmed_by_hostile_traffic(gateway, http_client):
 
 # ---- 8. the key file ---------------------------------------------------------------------
 
+
 def test_without_keys_a_0600_key_file_is_created_and_its_key_works(triton, start_gateway):
     with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", env={"GATEWAY_API_KEYS": ""}) as gw:
         path = gw.options.api_key_file
@@ -854,12 +935,14 @@ def test_without_keys_a_0600_key_file_is_created_and_its_key_works(triton, start
         key = keys[0]
         r = httpx.get(f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         assert r.status_code == 200, r.text
-        assert httpx.get(f"{gw.url}/v1/models", headers=AUTH, timeout=10).status_code == 401, \
+        assert httpx.get(f"{gw.url}/v1/models", headers=AUTH, timeout=10).status_code == 401, (
             "the test key works although $GATEWAY_API_KEYS is empty"
+        )
         assert key not in gw.log_path.read_text(encoding="utf-8", errors="replace"), "the new key is in the log"
     # A second start reads the same file: the key stays the same.
-    with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--api-key-file", str(path),
-                       env={"GATEWAY_API_KEYS": ""}) as again:
+    with start_gateway(
+        triton.triton_grpc_url, "--rate-limit", "0", "--api-key-file", str(path), env={"GATEWAY_API_KEYS": ""}
+    ) as again:
         assert path.read_text(encoding="utf-8").strip() == key
         r = httpx.get(f"{again.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         assert r.status_code == 200, r.text
@@ -871,9 +954,25 @@ def test_a_key_file_others_can_read_stops_the_start_with_a_clear_message(tmp_pat
     path.write_text(secret + "\n", encoding="utf-8")
     path.chmod(0o644)
     env = {**os.environ, "GATEWAY_API_KEYS": ""}
-    proc = subprocess.run([sys.executable, "-m", "openai_gateway", "--triton", f"127.0.0.1:{free_port()}",
-                           "--port", str(free_port()), "--api-key-file", str(path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openai_gateway",
+            "--triton",
+            f"127.0.0.1:{free_port()}",
+            "--port",
+            str(free_port()),
+            "--api-key-file",
+            str(path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert "Traceback" not in output and "refusing to start" in output, output
@@ -882,17 +981,18 @@ def test_a_key_file_others_can_read_stops_the_start_with_a_clear_message(tmp_pat
     assert stat.S_IMODE(path.stat().st_mode) == 0o644, "the gateway changed the file's mode"
 
 
-def test_two_gateways_sharing_redis_apply_one_limit_per_key_and_fail_open_when_it_dies(triton, start_gateway,
-                                                                                     redis_server):
+def test_two_gateways_sharing_redis_apply_one_limit_per_key_and_fail_open_when_it_dies(triton, start_gateway, redis_server):
     """Issue 23 item 5: N gateways used to allow N times the rate. Two real gateways with the same
     --rate-limit-redis share each key's bucket; with Redis killed each falls back to its own."""
     env = {"GATEWAY_API_KEYS": K1}
     args = ("--rate-limit", "0.2", "--rate-burst", "6", "--rate-limit-redis", redis_server.url)
-    with start_gateway(triton.triton_grpc_url, *args, env=env) as one, \
-            start_gateway(triton.triton_grpc_url, *args, env=env) as two, httpx.Client(timeout=10) as client:
+    with (
+        start_gateway(triton.triton_grpc_url, *args, env=env) as one,
+        start_gateway(triton.triton_grpc_url, *args, env=env) as two,
+        httpx.Client(timeout=10) as client,
+    ):
         headers = {"Authorization": f"Bearer {K1}"}
-        statuses = [client.get(f"{gw.url}/v1/models", headers=headers).status_code for _ in range(8)
-                    for gw in (one, two)]
+        statuses = [client.get(f"{gw.url}/v1/models", headers=headers).status_code for _ in range(8) for gw in (one, two)]
         # 16 requests over both gateways; one bucket of 6 (refilling 0.2/s) between them.
         assert statuses.count(200) in (6, 7) and statuses.count(429) == 16 - statuses.count(200), statuses
         redis_server.kill()

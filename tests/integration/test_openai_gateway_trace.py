@@ -12,9 +12,11 @@ from tests.integration.conftest import GATEWAY_TEST_KEY
 
 
 def _trace(triton, level: str) -> None:
-    r = requests.post(f"http://{triton.triton_http_url}/v2/trace/setting",
-                      json={"trace_level": [level], "trace_rate": "1", "trace_count": "-1", "log_frequency": "1"},
-                      timeout=10)
+    r = requests.post(
+        f"http://{triton.triton_http_url}/v2/trace/setting",
+        json={"trace_level": [level], "trace_rate": "1", "trace_count": "-1", "log_frequency": "1"},
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
 
 
@@ -38,9 +40,12 @@ def test_the_request_id_reaches_triton(gateway, triton, trace_file):
     request_id = f"trace-{uuid.uuid4().hex[:12]}"
     _trace(triton, "TIMESTAMPS")
     try:
-        r = requests.post(f"{gateway.url}/v1/embeddings", timeout=60,
-                          headers={"Authorization": f"Bearer {GATEWAY_TEST_KEY}", "X-Request-Id": request_id},
-                          json={"model": "text_embedding", "input": f"traced text {request_id}"})
+        r = requests.post(
+            f"{gateway.url}/v1/embeddings",
+            timeout=60,
+            headers={"Authorization": f"Bearer {GATEWAY_TEST_KEY}", "X-Request-Id": request_id},
+            json={"model": "text_embedding", "input": f"traced text {request_id}"},
+        )
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == request_id
         deadline = time.monotonic() + 10

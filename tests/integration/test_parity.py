@@ -29,8 +29,10 @@ def _check(got, expected, label):
     assert got.shape == expected.shape and got.dtype == np.float32
     cos = reference.cosine_rows(got, expected)
     worst = int(np.argmin(cos))
-    print(f"\n{label}: min cosine {cos.min():.9f} (text {worst}), mean {cos.mean():.9f}, "
-          f"max |norm-1| {np.abs(np.linalg.norm(got, axis=1) - 1).max():.1e}")
+    print(
+        f"\n{label}: min cosine {cos.min():.9f} (text {worst}), mean {cos.mean():.9f}, "
+        f"max |norm-1| {np.abs(np.linalg.norm(got, axis=1) - 1).max():.1e}"
+    )
     assert cos.min() >= MIN_COSINE, f"text {worst} {TEXTS[worst][:60]!r}: cosine {cos[worst]:.6f} < {MIN_COSINE}"
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 

@@ -21,8 +21,7 @@ def _serve_auto(variant_model: str, served_model: str, prefix: str):
         pytest.skip(f"no gated variants of {variant_model}: run `python -m export` (make test does)")
     config_name, served = variants.resolve_precision(REPO, [variant_model], "auto", gpu=False)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(served_model,),
-                                                       model_config_name=config_name))
+    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(served_model,), model_config_name=config_name))
     try:
         with server:
             yield server, served
@@ -82,12 +81,17 @@ def test_auto_serves_the_generation_variant_that_passed_and_it_answers(generatio
     params = {p: v["string_value"] for p, v in client.get_model_config("text_generation")["parameters"].items()}
     assert params["weights_precision"] == precision
     assert f"generation engine: weights {precision} " in server.log_path.read_text()
-    body = json.dumps({"text_input": json.dumps([{"role": "user", "content":
-                       "What is the capital of France? Answer in one sentence."}]), "apply_chat_template": True,
-                       "exclude_input_in_output": True,
-                       "parameters": {"temperature": 0, "max_tokens": 12}}).encode()
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/text_generation/generate", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "text_input": json.dumps([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
+            "apply_chat_template": True,
+            "exclude_input_in_output": True,
+            "parameters": {"temperature": 0, "max_tokens": 12},
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/text_generation/generate", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         answer = json.loads(response.read())["text_output"]
     assert answer.strip() == "The capital of France is Paris."

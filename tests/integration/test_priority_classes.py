@@ -23,8 +23,11 @@ def _post(server, model, texts, parameters=None):
     body = {"inputs": [{"name": "TEXT", "shape": [len(texts), 1], "datatype": "BYTES", "data": texts}]}
     if parameters:
         body["parameters"] = parameters
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/infer", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{model}/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -62,6 +65,7 @@ def test_a_request_for_another_class_gets_400_naming_the_entry_that_serves_it(tr
 async def _flood(url, model, n, nonce):
     client = grpcaio.InferenceServerClient(url)
     try:
+
         async def one(i):
             inp = grpcaio.InferInput("TEXT", [1, 1], "BYTES")
             inp.set_data_from_numpy(np.array([[f"flood {nonce} number {i} with some words".encode()]], dtype=object))
@@ -90,7 +94,9 @@ def test_a_flood_of_bulk_is_refused_with_unavailable_and_interactive_is_served(t
     for status, _, _ in results:
         outcomes[status] = outcomes.get(status, 0) + 1
     print("bulk flood outcomes:", outcomes)
-    assert set(outcomes) <= {"ok", "StatusCode.UNAVAILABLE"}, [r for r in results if r[0] not in ("ok", "StatusCode.UNAVAILABLE")][:3]
+    assert set(outcomes) <= {"ok", "StatusCode.UNAVAILABLE"}, [
+        r for r in results if r[0] not in ("ok", "StatusCode.UNAVAILABLE")
+    ][:3]
     assert outcomes.get("ok", 0) >= 1, "bulk was admitted while its lane had room"
     assert outcomes.get("StatusCode.UNAVAILABLE", 0) > 0, "400 simultaneous misses over a 16-row limit: some refused"
     refusal = next(msg for status, _, msg in results if status == "StatusCode.UNAVAILABLE")
@@ -102,8 +108,11 @@ def test_a_flood_of_bulk_is_refused_with_unavailable_and_interactive_is_served(t
 
 def _post_raw(server, model, text):
     body = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/infer", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{model}/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, dict(r.headers), r.read()
@@ -121,8 +130,10 @@ def test_the_front_door_refuses_a_class_over_its_in_flight_limit_with_503(triton
         pytest.skip("the in-flight limit is the front door's; this server runs without it")
     nonce = uuid.uuid4().hex
     with ThreadPoolExecutor(72) as pool:
-        flood = [pool.submit(_post_raw, triton, CACHED_ENTRIES["bulk"], f"http flood {nonce} {i} with a few more words")
-                 for i in range(64)]
+        flood = [
+            pool.submit(_post_raw, triton, CACHED_ENTRIES["bulk"], f"http flood {nonce} {i} with a few more words")
+            for i in range(64)
+        ]
         time.sleep(0.05)
         probe = [pool.submit(_post_raw, triton, CACHED_ENTRIES["interactive"], f"probe {nonce} {i}") for i in range(4)]
         results = [f.result() for f in flood]
@@ -146,8 +157,11 @@ def test_the_gateway_sends_each_class_to_its_entry(openai_client, triton):
     text = f"gateway priority class {uuid.uuid4().hex}"
     plain = openai_client.embeddings.create(model="text_embedding", input=[text]).data[0].embedding
     for cls in ("interactive", "default", "bulk"):
-        got = openai_client.embeddings.create(model="text_embedding", input=[text],
-                                              extra_headers={"X-Priority-Class": cls}).data[0].embedding
+        got = (
+            openai_client.embeddings.create(model="text_embedding", input=[text], extra_headers={"X-Priority-Class": cls})
+            .data[0]
+            .embedding
+        )
         np.testing.assert_allclose(got, plain, atol=1e-5, err_msg=cls)
     import openai
 

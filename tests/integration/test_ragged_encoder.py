@@ -49,8 +49,10 @@ def test_mixed_lengths_batch_together_and_match_their_single_runs(http_client, t
     blockers = [burst.async_infer("text_encoder", _inputs(blocker)) for _ in range(2)]
     gevent.sleep(0.05)  # the client's greenlets send the blockers; both instances start on them
     jobs = [burst.async_infer("text_encoder", _inputs([r])) for r in rows]
-    extra = [burst.async_infer("text_encoder", _inputs(padded, (padded != 0).astype(np.int64))),
-             burst.async_infer("text_encoder", _inputs(pair, (pair != 0).astype(np.int64)))]
+    extra = [
+        burst.async_infer("text_encoder", _inputs(padded, (padded != 0).astype(np.int64))),
+        burst.async_infer("text_encoder", _inputs(pair, (pair != 0).astype(np.int64))),
+    ]
     got = [j.get_result().as_numpy("sentence_embedding")[0] for j in jobs]
     extra_results = [e.get_result() for e in extra]
     assert all(b.get_result().as_numpy("sentence_embedding").shape == (64, 384) for b in blockers)

@@ -42,10 +42,18 @@ DWELL_S = 6.0
 # standard deviation of at most 50/sqrt(N) points: about 2 points at N = 600.
 SPLIT_TOLERANCE = 5.0
 # Common word pieces only (ids < 5,000) and texts with rarer ones (version 3 fails those).
-COMMON = ["A man is playing a guitar.", "A woman is reading a book in the park.",
-          "The children are playing in the garden.", "She opened the window to let in fresh air."]
-RARE = ["Photosynthesis converts sunlight into chemical energy.", "The archaeologist catalogued ceramic fragments.",
-        "Cryptocurrency volatility unsettled investors.", "A kaleidoscope of turquoise and crimson hues."]
+COMMON = [
+    "A man is playing a guitar.",
+    "A woman is reading a book in the park.",
+    "The children are playing in the garden.",
+    "She opened the window to let in fresh air.",
+]
+RARE = [
+    "Photosynthesis converts sunlight into chemical energy.",
+    "The archaeologist catalogued ceramic fragments.",
+    "Cryptocurrency volatility unsettled investors.",
+    "A kaleidoscope of turquoise and crimson hues.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +67,14 @@ def rollout_server(start_triton, rollout_repo):
     # Without a state, Triton would load only the newest folder (the broken 3); the launcher
     # applies the state: version 1 alone, all traffic on it, text_embedding in its direct form.
     RolloutState(stable=1, weights={1: 100}, loaded=[1]).save(state)
-    with start_triton("triton-rollout-", ("text_embedding", "text_embedding_cached", "text_embedding_cached_interactive"),
-                      model_repository=rollout_repo,
-                      model_config_name="int8", repository_token=TOKEN, rollout_state=state) as server:
+    with start_triton(
+        "triton-rollout-",
+        ("text_embedding", "text_embedding_cached", "text_embedding_cached_interactive"),
+        model_repository=rollout_repo,
+        model_config_name="int8",
+        repository_token=TOKEN,
+        rollout_state=state,
+    ) as server:
         yield server, state
 
 
@@ -78,8 +91,9 @@ def _rollout(admin, state_path, said, repo):
 def test_server_started_from_the_state_file_in_the_direct_form(rollout_server, admin):
     assert admin.ready("text_encoder", 1)
     assert not admin.ready("text_encoder", 2) and not admin.ready("text_encoder", 3)
-    assert admin.config("text_encoder")["version_policy"] == {"specific": {"versions": ["1"]}} or \
-        admin.config("text_encoder")["version_policy"] == {"specific": {"versions": [1]}}
+    assert admin.config("text_encoder")["version_policy"] == {"specific": {"versions": ["1"]}} or admin.config("text_encoder")[
+        "version_policy"
+    ] == {"specific": {"versions": [1]}}
     entry = admin.config("text_embedding")
     assert form_of(entry) == DIRECT and [o["name"] for o in entry["output"]] == ["EMBEDDING"]
     assert not admin.ready("text_encoder_router")  # off the request path, not loaded
@@ -164,8 +178,9 @@ class Load:
                     vector = result.as_numpy("EMBEDDING")
                     assert vector.shape == (1, 384) and abs(float(np.linalg.norm(vector)) - 1) < 1e-3
                     reported = result.as_numpy("ENCODER_VERSION")
-                    self.records.append((model, sent, None if reported is None else int(reported[0, 0]),
-                                         self.vector_version(text, vector), ""))
+                    self.records.append(
+                        (model, sent, None if reported is None else int(reported[0, 0]), self.vector_version(text, vector), "")
+                    )
                 except Exception as exc:  # recorded: the test asserts there are none
                     self.records.append((model, sent, None, None, f"{type(exc).__name__}: {exc}"))
 
@@ -286,16 +301,24 @@ def test_rollouts_rollback_finish_and_abort_under_load(rollout_server, admin, ro
                 if from_vector != version or reported is not None:
                     wrong.append(("direct", model, sent, reported, from_vector, version))
     by_model = Counter(model for model, *_ in records)
-    report = {"requests_sent": dict(by_model), "failed": len(failed), "steps": rows,
-              "direct_periods": [(round(a - t0, 1), round(b - t0, 1), v) for a, b, v in periods],
-              "direct_answers_by_vector_version": {m: dict(c) for m, c in direct.items()},
-              "failed_at_s": [(m, round(sent - t0, 1), e[:120]) for m, sent, _, _, e in failed[:10]],
-              # What a switch takes: seconds from the event before (router load + ensemble reload,
-              # or ensemble reload + router unload).
-              "switch_s": [(e["event"], round(e["at"] - before["at"], 2)) for before, e in
-                           zip(state.history, state.history[1:]) if e["event"] in ("router in front", "router out")],
-              "wrong_version": len(wrong), "forms_after_each_command": forms,
-              "abort": next((e for e in state.history if e["event"] == "aborted"), None)}
+    report = {
+        "requests_sent": dict(by_model),
+        "failed": len(failed),
+        "steps": rows,
+        "direct_periods": [(round(a - t0, 1), round(b - t0, 1), v) for a, b, v in periods],
+        "direct_answers_by_vector_version": {m: dict(c) for m, c in direct.items()},
+        "failed_at_s": [(m, round(sent - t0, 1), e[:120]) for m, sent, _, _, e in failed[:10]],
+        # What a switch takes: seconds from the event before (router load + ensemble reload,
+        # or ensemble reload + router unload).
+        "switch_s": [
+            (e["event"], round(e["at"] - before["at"], 2))
+            for before, e in zip(state.history, state.history[1:])
+            if e["event"] in ("router in front", "router out")
+        ],
+        "wrong_version": len(wrong),
+        "forms_after_each_command": forms,
+        "abort": next((e for e in state.history if e["event"] == "aborted"), None),
+    }
     with capsys.disabled():
         print("\nrollout under load:", json.dumps(report, indent=1, default=str))
         print("rollout command said:\n  " + "\n  ".join(said))
@@ -330,12 +353,12 @@ def test_rollouts_rollback_finish_and_abort_under_load(rollout_server, admin, ro
     starts = [i for i, e in enumerate(events) if e == "start"]
     assert len(starts) == 3
     for i in starts:
-        assert events[i + 1] == "router in front", events[i:i + 3]
+        assert events[i + 1] == "router in front", events[i : i + 3]
     assert events.count("router out") == 3
     # Every step of the first rollout of version 2 was judged on real traffic (enough calls,
     # none failed) after a whole dwell; version 3 was stopped by its error rate inside its
     # first step.
-    v2, v3 = state.history[starts[0]:starts[1]], state.history[starts[2]:]
+    v2, v3 = state.history[starts[0] : starts[1]], state.history[starts[2] :]
     passed = [e for e in v2 if e["event"].endswith(" passed")]
     assert [e["event"] for e in passed] == ["step 1 passed", "step 2 passed", "step 3 passed"], v2
     assert all(e["calls"] >= thresholds.min_requests and e["failed"] == 0 for e in passed), passed
@@ -366,11 +389,13 @@ def test_pin_during_a_rollout_and_restart_comes_back_with_the_last_weights(rollo
     try:
         inp = httpclient.InferInput("TEXT", [1, 1], "BYTES")
         inp.set_data_from_numpy(np.array([[b"after restart"]], dtype=object))
-        served = Counter(int(client.infer("text_embedding", [inp], request_id=f"r{i}").as_numpy("ENCODER_VERSION")[0, 0])
-                         for i in range(200))
+        served = Counter(
+            int(client.infer("text_embedding", [inp], request_id=f"r{i}").as_numpy("ENCODER_VERSION")[0, 0]) for i in range(200)
+        )
         # During a rollout the router reads the pin.
-        assert client.infer("text_embedding", [inp], parameters={"encoder_version": 2}).as_numpy(
-            "ENCODER_VERSION").tolist() == [[2]]
+        assert client.infer("text_embedding", [inp], parameters={"encoder_version": 2}).as_numpy("ENCODER_VERSION").tolist() == [
+            [2]
+        ]
         with pytest.raises(InferenceServerException, match="encoder_version: version 9 is not served; versions: 1, 2, 3"):
             client.infer("text_embedding", [inp], parameters={"encoder_version": 9})
     finally:

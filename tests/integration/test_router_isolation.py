@@ -68,13 +68,13 @@ def calls(server) -> dict[str, float]:
 
 def test_eight_concurrent_requests_one_out_of_vocabulary_only_it_fails(client, server):
     batch = requests(8, bad=3)
-    direct = {i: client.infer("text_encoder", inputs(ids)).as_numpy("sentence_embedding")
-              for i, ids in enumerate(batch) if i != 3}
+    direct = {
+        i: client.infer("text_encoder", inputs(ids)).as_numpy("sentence_embedding") for i, ids in enumerate(batch) if i != 3
+    }
     before = calls(server)
     done: queue.Queue = queue.Queue()
     for i, ids in enumerate(batch):  # all in flight at once: the router batches them
-        client.async_infer("text_encoder_router", inputs(ids),
-                           callback=lambda result, error, i=i: done.put((i, result, error)))
+        client.async_infer("text_encoder_router", inputs(ids), callback=lambda result, error, i=i: done.put((i, result, error)))
     answers = dict((i, (result, error)) for i, result, error in (done.get(timeout=60) for _ in batch))
 
     result, error = answers[3]

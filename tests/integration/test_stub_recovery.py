@@ -67,8 +67,9 @@ class Load:
     def _http(self) -> None:
         host, port = self.triton.http_url.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        body = json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
-                                       "data": ["a sentence for the load"]}]})
+        body = json.dumps(
+            {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["a sentence for the load"]}]}
+        )
         while not self.stop.is_set():
             try:
                 conn.request("POST", f"/v2/models/{self.model}/infer", body)
@@ -119,8 +120,13 @@ def _kill_and_watch(triton, model: str, entry: str) -> dict:
         seen[(ready, server_ready)] += 1
         marked = any(not name.startswith(".") for name in os.listdir(triton.health_dir))
         back = [s for s in _stubs(triton, model) if s.pid != victim.pid]
-        if ready == 200 and server_ready == 200 and not marked and len(back) >= len(victims) and \
-                all(s.pid not in {v.pid for v in victims} for s in back):
+        if (
+            ready == 200
+            and server_ready == 200
+            and not marked
+            and len(back) >= len(victims)
+            and all(s.pid not in {v.pid for v in victims} for s in back)
+        ):
             recovered = time.monotonic() - killed
             break
         time.sleep(0.05)
@@ -141,9 +147,11 @@ def _watchdog_metric(triton, name: str, model: str) -> float:
 # ("terminate called after throwing an instance of 'boost::interprocess::lock_exception'",
 # seen in 2 of 6 runs here): a crash of the whole server that no watchdog inside it can heal
 # (docs/security.md, what is not defended).
-@pytest.mark.parametrize("model, entry, under_load", [("text_encoder", "text_embedding", True),
-                                                      ("text_embedding_cached", "text_embedding_cached", False)],
-                         ids=["onnxruntime-step", "bls-entry"])
+@pytest.mark.parametrize(
+    "model, entry, under_load",
+    [("text_encoder", "text_embedding", True), ("text_embedding_cached", "text_embedding_cached", False)],
+    ids=["onnxruntime-step", "bls-entry"],
+)
 def test_a_killed_stub_is_reloaded_under_load_without_a_failed_request(triton, model, entry, under_load):
     deaths_before = _watchdog_metric(triton, "triton_stub_deaths_total", model)
     if not under_load:
@@ -174,8 +182,9 @@ def _stream(triton, max_tokens: int, markers: queue.Queue) -> None:
     text = grpcclient.InferInput("text_input", [1], "BYTES")
     text.set_data_from_numpy(np.array([b"Tell me a long story about the sea."], dtype=object))
     sampling = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
-    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": max_tokens, "temperature": 0,
-                                                       "ignore_eos": True}).encode()], dtype=object))
+    sampling.set_data_from_numpy(
+        np.array([json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()], dtype=object)
+    )
     stream = grpcclient.InferInput("stream", [1], "BOOL")
     stream.set_data_from_numpy(np.array([True]))
     responses: queue.Queue = queue.Queue()
@@ -204,10 +213,19 @@ def _gateway_stream(url: str, markers: queue.Queue) -> None:
     ("started", n) after 3 content chunks, then ("done", n) or ("error", the error event's body)."""
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    body = json.dumps({"model": "text_generation", "messages": [{"role": "user", "content": "Tell me a long story."}],
-                       "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True})
-    conn.request("POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {GATEWAY_TEST_KEY}",
-                                                        "Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": "text_generation",
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    conn.request(
+        "POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {GATEWAY_TEST_KEY}", "Content-Type": "application/json"}
+    )
     response = conn.getresponse()
     chunks = 0
     try:

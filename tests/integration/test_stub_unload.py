@@ -51,8 +51,7 @@ def stubs(server_pid: int) -> dict[int, str]:
 def crashes(lines: list[str], pids: dict[int, str]) -> list[str]:
     """Kernel log lines saying one of ``pids`` died by a signal (segfault, general protection, ...)."""
     marks = ("segfault", "general protection", "trap ")
-    return [line for line in lines for pid in pids
-            if f"[{pid}]:" in line and any(m in line for m in marks)]
+    return [line for line in lines for pid in pids if f"[{pid}]:" in line and any(m in line for m in marks)]
 
 
 def embed(client, model: str, texts: list[str]) -> np.ndarray:

@@ -53,9 +53,31 @@ LEAK_REQUESTS = int(os.environ.get("TEXT_GENERATION_LEAK_REQUESTS", "60"))
 # largest batch during warm-up; what remains is allocator noise (measured: a few MB). A leak
 # of one step's logits (49,152 floats, 192 KiB) per step of a 60-request run is ~280 MB.
 RSS_GROWTH_BOUND = 48 * 2**20
-WORDS = ["river", "stone", "light", "garden", "window", "music", "paper", "cloud", "silver", "orange",
-         "morning", "quiet", "engine", "market", "winter", "yellow", "forest", "ladder", "pocket", "bridge",
-         "candle", "mirror", "letter"]
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "garden",
+    "window",
+    "music",
+    "paper",
+    "cloud",
+    "silver",
+    "orange",
+    "morning",
+    "quiet",
+    "engine",
+    "market",
+    "winter",
+    "yellow",
+    "forest",
+    "ladder",
+    "pocket",
+    "bridge",
+    "candle",
+    "mirror",
+    "letter",
+]
 
 
 _PARAMETER = r'(key:\s*"{}"\s*value:\s*\{{\s*string_value:\s*")([^"]*)"'
@@ -132,8 +154,16 @@ def _first(result, name):
     return value.decode("utf-8") if isinstance(value, bytes) else int(value)
 
 
-def grpc_generate(server, inputs, *, cancel_after: int | None = None, cancel_when=None, on_piece=None,
-                  timeout: float = 120.0, request_id: str = "r") -> Streamed:
+def grpc_generate(
+    server,
+    inputs,
+    *,
+    cancel_after: int | None = None,
+    cancel_when=None,
+    on_piece=None,
+    timeout: float = 120.0,
+    request_id: str = "r",
+) -> Streamed:
     """One request over a fresh gRPC stream; every response until the final one (or an error).
     stop_stream(cancel_requests=True) once ``cancel_after`` pieces arrived or ``cancel_when(out)``."""
     out = Streamed()
@@ -166,8 +196,7 @@ def grpc_generate(server, inputs, *, cancel_after: int | None = None, cancel_whe
             if final:
                 done = True
                 break
-            if (cancel_after is not None and len(out.pieces) >= cancel_after) or (
-                    cancel_when is not None and cancel_when(out)):
+            if (cancel_after is not None and len(out.pieces) >= cancel_after) or (cancel_when is not None and cancel_when(out)):
                 client.stop_stream(cancel_requests=True)
                 out.cancelled = True
                 break
@@ -194,11 +223,11 @@ def grpc_error(server, inputs) -> str:
 
 
 # ---- HTTP ----------------------------------------------------------------------------------
-def http_post(server, path: str, body, timeout: float = 120.0,
-              content_type: str = "application/json") -> tuple[int, dict | str]:
+def http_post(server, path: str, body, timeout: float = 120.0, content_type: str = "application/json") -> tuple[int, dict | str]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=data, method="POST",
-                                 headers={"Content-Type": content_type})
+    req = urllib.request.Request(
+        f"http://{server.http_url}{path}", data=data, method="POST", headers={"Content-Type": content_type}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, raw = r.status, r.read()
@@ -218,8 +247,9 @@ def sse_events(server, body: dict, timeout: float = 120.0) -> tuple[int, list[tu
     """POST generate_stream through the front door; (status, [(arrival, event JSON)])."""
     conn = http.client.HTTPConnection(*server.http_url.rsplit(":", 1), timeout=timeout)
     try:
-        conn.request("POST", f"/v2/models/{MODEL}/generate_stream", json.dumps(body).encode(),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST", f"/v2/models/{MODEL}/generate_stream", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         events = []
         while True:
@@ -270,23 +300,24 @@ def wait_for(server, check, timeout: float = 10.0, interval: float = 0.1):
 
 
 def idle(body: str) -> bool:
-    return (metric(body, "llm_num_requests_running") == 0 and metric(body, "llm_num_requests_waiting") == 0
-            and metric(body, "llm_kv_cache_blocks_used") == 0)
+    return (
+        metric(body, "llm_num_requests_running") == 0
+        and metric(body, "llm_num_requests_waiting") == 0
+        and metric(body, "llm_kv_cache_blocks_used") == 0
+    )
 
 
 @pytest.fixture(scope="module")
 def reference(server):
     """The greedy answer to PROMPT, whole, over gRPC: what every streamed path must equal."""
-    r = generate_text(server, PROMPT, exclude_input_in_output=True, return_finish_reason=True,
-                      return_num_output_tokens=True)
+    r = generate_text(server, PROMPT, exclude_input_in_output=True, return_finish_reason=True, return_num_output_tokens=True)
     assert r.text.strip() and r.num_output_tokens > 4, f"a poor answer: {r.text!r}"
     return r
 
 
 # ---- 1. streaming --------------------------------------------------------------------------
 def test_grpc_stream_sends_one_response_per_piece_and_the_final_flag_last(server, reference):
-    r = grpc_generate(server, grpc_inputs(PROMPT, sampling=GREEDY, return_finish_reason=True,
-                                          return_num_output_tokens=True))
+    r = grpc_generate(server, grpc_inputs(PROMPT, sampling=GREEDY, return_finish_reason=True, return_num_output_tokens=True))
     assert r.error is None, r.error
     assert len(r.pieces) == len(r.finals) > 1, "the answer came in one response: not streamed"
     assert r.finals[-1] is True and not any(r.finals[:-1]), f"final flags {r.finals}"
@@ -302,8 +333,7 @@ def test_grpc_stream_sends_one_response_per_piece_and_the_final_flag_last(server
 
 
 def test_http_generate_and_sse_give_the_same_text_and_sse_is_incremental(server, reference):
-    status, body = http_generate(server, {"text_input": PROMPT, "exclude_input_in_output": True,
-                                          "parameters": GREEDY})
+    status, body = http_generate(server, {"text_input": PROMPT, "exclude_input_in_output": True, "parameters": GREEDY})
     assert status == 200, body
     assert body["text_output"] == reference.text
 
@@ -314,8 +344,9 @@ def test_http_generate_and_sse_give_the_same_text_and_sse_is_incremental(server,
     # 64 tokens: about 4 s on these cores; the first event must come long before the last.
     long = {"temperature": 0, "max_tokens": 64, "ignore_eos": True}
     start = time.monotonic()
-    status, events = sse_events(server, {"text_input": PROMPT, "stream": True, "parameters": long,
-                                         "return_num_output_tokens": True})
+    status, events = sse_events(
+        server, {"text_input": PROMPT, "stream": True, "parameters": long, "return_num_output_tokens": True}
+    )
     assert status == 200 and len(events) > 32, f"{len(events)} events"
     first, last = events[0][0] - start, events[-1][0] - start
     assert first < 0.25 * last, f"first event at {first:.2f} s, last at {last:.2f} s: buffered, not streamed"
@@ -326,19 +357,27 @@ def test_http_generate_and_sse_give_the_same_text_and_sse_is_incremental(server,
 
 
 def test_chat_template_answer_is_paris(server):
-    r = generate_text(server, QUESTION, sampling={"temperature": 0, "max_tokens": 24},
-                      apply_chat_template=True, exclude_input_in_output=True, return_finish_reason=True)
+    r = generate_text(
+        server,
+        QUESTION,
+        sampling={"temperature": 0, "max_tokens": 24},
+        apply_chat_template=True,
+        exclude_input_in_output=True,
+        return_finish_reason=True,
+    )
     assert r.text == "The capital of France is Paris."
     assert r.finish_reason == "stop"
-    status, body = http_generate(server, {"text_input": QUESTION, "apply_chat_template": True,
-                                          "exclude_input_in_output": True, "parameters": {"temperature": 0}})
+    status, body = http_generate(
+        server,
+        {"text_input": QUESTION, "apply_chat_template": True, "exclude_input_in_output": True, "parameters": {"temperature": 0}},
+    )
     assert status == 200, body
     assert body["text_output"] == "The capital of France is Paris."
 
 
 # ---- 2. parity and batching ----------------------------------------------------------------
 PARITY_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "La tour Eiffel est un monument de Paris. Elle a été construite",
     None,  # the chat question, rendered with the model's own template
 ]
@@ -352,23 +391,30 @@ def test_served_text_equals_transformers_generate(server, tokenizer):
     model.eval()
     for prompt in PARITY_PROMPTS:
         chat = prompt is None
-        text = tokenizer.apply_chat_template(json.loads(QUESTION), tokenize=False,
-                                             add_generation_prompt=True) if chat else prompt
+        text = tokenizer.apply_chat_template(json.loads(QUESTION), tokenize=False, add_generation_prompt=True) if chat else prompt
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                 pad_token_id=tokenizer.eos_token_id)
-        new = out[0, ids.shape[1]:].tolist()
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            )
+        new = out[0, ids.shape[1] :].tolist()
         expected = tokenizer.decode(new, skip_special_tokens=True)
-        served = generate_text(server, QUESTION if chat else prompt, apply_chat_template=chat,
-                               exclude_input_in_output=True, return_num_input_tokens=True,
-                               return_num_output_tokens=True)
+        served = generate_text(
+            server,
+            QUESTION if chat else prompt,
+            apply_chat_template=chat,
+            exclude_input_in_output=True,
+            return_num_input_tokens=True,
+            return_num_output_tokens=True,
+        )
         assert served.text == expected, f"prompt {text[:40]!r}: served {served.text!r}, transformers {expected!r}"
         assert (served.num_input_tokens, served.num_output_tokens) == (ids.shape[1], len(new))
 
 
-QUOTE = ("Copy this code exactly:\n\ndef area(width, height):\n    return width * height\n\n"
-         "def perimeter(width, height):\n    return 2 * (width + height)\n")
+QUOTE = (
+    "Copy this code exactly:\n\ndef area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n"
+)
 
 
 DRAFTED, ACCEPTED = "llm_spec_decode_num_draft_tokens_total", "llm_spec_decode_num_accepted_tokens_total"
@@ -387,14 +433,20 @@ def test_prompt_lookup_drafts_stream_the_same_text_in_fewer_pieces(server, token
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     model = AutoModelForCausalLM.from_pretrained(str(VERSION_DIR), dtype=torch.float32).eval()
     with torch.no_grad():
-        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
-    streamed = grpc_generate(server, grpc_inputs(text, sampling={"temperature": 0, "max_tokens": 48},
-                                                 exclude_input_in_output=True, return_num_output_tokens=True))
+        new = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )[0, ids.shape[1] :].tolist()
+    streamed = grpc_generate(
+        server,
+        grpc_inputs(
+            text, sampling={"temperature": 0, "max_tokens": 48}, exclude_input_in_output=True, return_num_output_tokens=True
+        ),
+    )
     assert streamed.error is None
     assert "".join(streamed.pieces) == tokenizer.decode(new, skip_special_tokens=True)
     assert streamed.num_output_tokens == len(new)
     assert len([p for p in streamed.pieces if p]) < len(new) * 3 // 4, "drafts accepted: fewer pieces than tokens"
+
     def counted(body):  # the counters reach the metrics port with the engine's next stats report
         return idle(body) and metric(body, ACCEPTED) > metric(before, ACCEPTED)
 
@@ -418,8 +470,9 @@ def test_eight_concurrent_streams_equal_the_same_requests_one_at_a_time(server):
 
     def run(i):
         prompt, max_tokens = requests[i]
-        return grpc_generate(server, grpc_inputs(prompt, sampling={"temperature": 0, "max_tokens": max_tokens}),
-                             request_id=f"c{i}")
+        return grpc_generate(
+            server, grpc_inputs(prompt, sampling={"temperature": 0, "max_tokens": max_tokens}), request_id=f"c{i}"
+        )
 
     alone = [run(i) for i in range(len(requests))]
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
@@ -450,12 +503,12 @@ def test_grpc_cancel_frees_the_kv_blocks_at_once(server):
             held.append(metric(scrape(server), "llm_kv_cache_blocks_used"))
         return bool(held and held[-1] > 0) or len(stream.pieces) >= 100
 
-    r = grpc_generate(server, grpc_inputs("Tell me a very long story about the sea.", sampling=LONG),
-                      cancel_when=holding)
+    r = grpc_generate(server, grpc_inputs("Tell me a very long story about the sea.", sampling=LONG), cancel_when=holding)
     cancelled_at = time.monotonic()
     assert r.cancelled and r.error is None and len(r.pieces) >= 3
-    after = wait_for(server, lambda b: idle(b) and metric(b, "llm_request_success_total",
-                                                             finish_reason="abort") > aborts, timeout=2.0)
+    after = wait_for(
+        server, lambda b: idle(b) and metric(b, "llm_request_success_total", finish_reason="abort") > aborts, timeout=2.0
+    )
     took = time.monotonic() - cancelled_at
     assert held[-1] > 0, "the stream's blocks never showed on llm_kv_cache_blocks_used"
     assert metric(after, "llm_kv_cache_blocks_used") == 0, f"blocks still held {took:.1f} s after the cancel"
@@ -471,24 +524,29 @@ def test_http_sse_disconnect_frees_the_kv_blocks_at_once(server):
     client goes: so a client leaving generate_stream frees its blocks within a step."""
     before = wait_for(server, idle)
     aborts = metric(before, "llm_request_success_total", finish_reason="abort")
-    body = json.dumps({"text_input": "Tell me a very long story about the mountains.", "stream": True,
-                       "parameters": LONG}).encode()
+    body = json.dumps(
+        {"text_input": "Tell me a very long story about the mountains.", "stream": True, "parameters": LONG}
+    ).encode()
     host, port = server.http_url.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=60)
-    sock.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % (MODEL.encode(), host.encode(), len(body)) + body)
+    sock.sendall(
+        b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (MODEL.encode(), host.encode(), len(body)) + body
+    )
     got = b""
     while got.count(b"data:") < 5:
         chunk = sock.recv(65536)
         assert chunk, f"the stream ended early: {got[-300:]!r}"
         got += chunk
     assert b" 200 OK" in got.split(b"\r\n", 1)[0]
-    assert metric(wait_for(server, lambda b: metric(b, "llm_kv_cache_blocks_used") > 0, timeout=3),
-                  "llm_kv_cache_blocks_used") > 0
+    assert (
+        metric(wait_for(server, lambda b: metric(b, "llm_kv_cache_blocks_used") > 0, timeout=3), "llm_kv_cache_blocks_used") > 0
+    )
     sock.close()
     closed_at = time.monotonic()
-    after = wait_for(server, lambda b: idle(b) and metric(b, "llm_request_success_total",
-                                                             finish_reason="abort") > aborts, timeout=2.0)
+    after = wait_for(
+        server, lambda b: idle(b) and metric(b, "llm_request_success_total", finish_reason="abort") > aborts, timeout=2.0
+    )
     took = time.monotonic() - closed_at
     assert metric(after, "llm_kv_cache_blocks_used") == 0, f"blocks still held {took:.1f} s after the disconnect"
     assert metric(after, "llm_request_success_total", finish_reason="abort") == aborts + 1
@@ -560,8 +618,9 @@ def test_bad_input_over_http_generate_is_a_400_naming_the_field(server, tokenize
 
 def test_bad_requests_do_not_disturb_a_running_stream(server, reference):
     result: dict = {}
-    good = threading.Thread(target=lambda: result.update(r=grpc_generate(
-        server, grpc_inputs(PROMPT, sampling=GREEDY), request_id="good")))
+    good = threading.Thread(
+        target=lambda: result.update(r=grpc_generate(server, grpc_inputs(PROMPT, sampling=GREEDY), request_id="good"))
+    )
     good.start()
     errors = {}
     for case in BAD:
@@ -590,8 +649,7 @@ def test_hostile_requests_get_4xx_and_the_server_stays_ready(server, reference):
     # curl -d's default type: tritonserver 2.51 itself segfaults parsing such a body as a form
     # (any path); the front door passes it on as JSON.
     for path in (f"/v2/models/{MODEL}/generate", "/v2/health/ready"):
-        statuses[f"10MB form {path}"], answer = http_post(server, path, big,
-                                                          content_type="application/x-www-form-urlencoded")
+        statuses[f"10MB form {path}"], answer = http_post(server, path, big, content_type="application/x-www-form-urlencoded")
         assert ready(server), f"a form-typed 10 MB body to {path} took the server down"
     # /infer does not serve a decoupled model: the front door says where to go, whatever the shape.
     statuses["infer shape [2]"], answer = _raw_infer(server, [2], ["a", "b"])
@@ -614,14 +672,17 @@ def test_hostile_requests_get_4xx_and_the_server_stays_ready(server, reference):
     assert generate_text(server, PROMPT, exclude_input_in_output=True).text == reference.text
 
 
-@pytest.mark.parametrize("body, words", [
-    # tritonserver 2.51 answers each of these with 500; the front door's generate check refuses them.
-    ({"text_input": "Hello", "stream": "yes"}, "stream: element \"yes\" is not a valid BOOL value"),
-    ({"text_input": 5}, "text_input: element 5 is not a valid BYTES value"),
-    ({"text_input": "Hi", "parameters": {"stop": ["a"]}}, "parameters.stop must be a string"),
-    # ... and this one with an error under HTTP status 200.
-    ({"text_input": "Hi", "stream": True}, "send it to .../generate_stream"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        # tritonserver 2.51 answers each of these with 500; the front door's generate check refuses them.
+        ({"text_input": "Hello", "stream": "yes"}, 'stream: element "yes" is not a valid BOOL value'),
+        ({"text_input": 5}, "text_input: element 5 is not a valid BYTES value"),
+        ({"text_input": "Hi", "parameters": {"stop": ["a"]}}, "parameters.stop must be a string"),
+        # ... and this one with an error under HTTP status 200.
+        ({"text_input": "Hi", "stream": True}, "send it to .../generate_stream"),
+    ],
+)
 def test_generate_bodies_tritonserver_would_500_are_a_400_naming_the_field(server, body, words):
     status, answer = http_generate(server, body)
     assert ready(server)
@@ -646,9 +707,13 @@ def test_unpaired_surrogate_escape_is_a_400_and_a_pair_is_fine(server):
 def _stub(server):
     import psutil
 
-    stubs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
-             if p.cmdline()[:1] and p.cmdline()[0].endswith("triton_python_backend_stub")
-             and any(f"/{MODEL}/" in a for a in p.cmdline())]
+    stubs = [
+        p
+        for p in psutil.Process(server.process.pid).children(recursive=True)
+        if p.cmdline()[:1]
+        and p.cmdline()[0].endswith("triton_python_backend_stub")
+        and any(f"/{MODEL}/" in a for a in p.cmdline())
+    ]
     assert len(stubs) == 1, f"python stubs of {MODEL}: {stubs}"
     return stubs[0]
 
@@ -664,9 +729,11 @@ def _random_round(server, n: int, seed: int) -> dict:
 
     def run(job):
         prompt, max_tokens, cancel_after = job
-        return grpc_generate(server, grpc_inputs(prompt, sampling={"temperature": 0.8, "top_p": 0.95,
-                                                                     "max_tokens": max_tokens, "seed": 7}),
-                             cancel_after=cancel_after)
+        return grpc_generate(
+            server,
+            grpc_inputs(prompt, sampling={"temperature": 0.8, "top_p": 0.95, "max_tokens": max_tokens, "seed": 7}),
+            cancel_after=cancel_after,
+        )
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(run, jobs))
@@ -684,26 +751,43 @@ def test_no_leak_after_many_random_requests_with_cancellations(server):
     rss_before = stub.memory_info().rss
     before = scrape(server)
     run = _random_round(server, LEAK_REQUESTS, seed=2)
-    after = wait_for(server, lambda b: idle(b) and metric(b, "llm_e2e_request_latency_seconds_count")
-                     - metric(before, "llm_e2e_request_latency_seconds_count") >= LEAK_REQUESTS, timeout=10)
+    after = wait_for(
+        server,
+        lambda b: (
+            idle(b)
+            and metric(b, "llm_e2e_request_latency_seconds_count") - metric(before, "llm_e2e_request_latency_seconds_count")
+            >= LEAK_REQUESTS
+        ),
+        timeout=10,
+    )
     rss_after = stub.memory_info().rss
     growth = rss_after - rss_before
-    print(f"leak run: {run['requests']} requests, {run['cancelled']} cancelled; stub RSS "
-          f"{rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB ({growth / 2**20:+.1f} MiB)")
+    print(
+        f"leak run: {run['requests']} requests, {run['cancelled']} cancelled; stub RSS "
+        f"{rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB ({growth / 2**20:+.1f} MiB)"
+    )
     assert run["cancelled"] > 0
     assert metric(after, "llm_kv_cache_blocks_used") == 0
     assert metric(after, "llm_num_requests_running") == 0 and metric(after, "llm_num_requests_waiting") == 0
-    finished = sum(metric(after, "llm_request_success_total", finish_reason=r) - metric(
-        before, "llm_request_success_total", finish_reason=r) for r in ("stop", "length", "abort"))
+    finished = sum(
+        metric(after, "llm_request_success_total", finish_reason=r) - metric(before, "llm_request_success_total", finish_reason=r)
+        for r in ("stop", "length", "abort")
+    )
     assert finished == LEAK_REQUESTS
     assert growth < RSS_GROWTH_BOUND, f"stub RSS grew {growth / 2**20:.1f} MiB over {LEAK_REQUESTS} requests"
     assert ready(server)
 
 
 # ---- 6. metrics ----------------------------------------------------------------------------
-COUNTERS = ("llm_time_to_first_token_seconds_count", "llm_e2e_request_latency_seconds_count",
-            "llm_time_per_output_token_seconds_count", "llm_generation_tokens_total", "llm_prompt_tokens_total",
-            "llm_prefix_cache_queries_total", "llm_prefix_cache_hits_total")
+COUNTERS = (
+    "llm_time_to_first_token_seconds_count",
+    "llm_e2e_request_latency_seconds_count",
+    "llm_time_per_output_token_seconds_count",
+    "llm_generation_tokens_total",
+    "llm_prompt_tokens_total",
+    "llm_prefix_cache_queries_total",
+    "llm_prefix_cache_hits_total",
+)
 
 
 def test_metrics_on_the_metrics_port(server):
@@ -711,17 +795,26 @@ def test_metrics_on_the_metrics_port(server):
     before = {name: metric(before_body, name) for name in COUNTERS}
     # A prefix of ~10 full blocks no earlier request had (the nonce comes first).
     prefix = f"[{uuid.uuid4().hex}] " + "Rules: answer briefly, in English, and stay polite. " * 14
-    results = [generate_text(server, prefix + q, sampling={"temperature": 0, "max_tokens": n},
-                             return_num_input_tokens=True, return_num_output_tokens=True)
-               for q, n in (("What is a river?", 12), ("What is a mountain?", 9))]
-    results.append(grpc_generate(server, grpc_inputs(PROMPT, sampling=GREEDY, return_num_output_tokens=True,
-                                                     return_num_input_tokens=True)))
+    results = [
+        generate_text(
+            server,
+            prefix + q,
+            sampling={"temperature": 0, "max_tokens": n},
+            return_num_input_tokens=True,
+            return_num_output_tokens=True,
+        )
+        for q, n in (("What is a river?", 12), ("What is a mountain?", 9))
+    ]
+    results.append(
+        grpc_generate(server, grpc_inputs(PROMPT, sampling=GREEDY, return_num_output_tokens=True, return_num_input_tokens=True))
+    )
     n_out = sum(r.num_output_tokens for r in results)
     n_in = sum(r.num_input_tokens for r in results)
 
     def settled(body):
         return idle(body) and metric(body, "llm_e2e_request_latency_seconds_count") - before[
-            "llm_e2e_request_latency_seconds_count"] >= len(results)
+            "llm_e2e_request_latency_seconds_count"
+        ] >= len(results)
 
     body = wait_for(server, settled)
     delta = {name: metric(body, name) - before[name] for name in COUNTERS}
@@ -735,11 +828,17 @@ def test_metrics_on_the_metrics_port(server):
     assert metric(body, "llm_kv_cache_blocks_total") > 0
     assert metric(body, "llm_time_to_first_token_seconds_sum") > 0
     assert metric(body, "llm_time_to_first_token_seconds_bucket", le="+Inf") == metric(
-        body, "llm_time_to_first_token_seconds_count")
+        body, "llm_time_to_first_token_seconds_count"
+    )
     assert metric(body, "llm_num_preemptions_total") >= 0
-    print("metrics port excerpt:\n" + "\n".join(
-        line for line in body.splitlines()
-        if line.startswith("llm_") and ("_bucket" not in line or 'le="+Inf"' in line or 'le="0.5"' in line)))
+    print(
+        "metrics port excerpt:\n"
+        + "\n".join(
+            line
+            for line in body.splitlines()
+            if line.startswith("llm_") and ("_bucket" not in line or 'le="+Inf"' in line or 'le="0.5"' in line)
+        )
+    )
 
 
 # ---- 7. queue full -------------------------------------------------------------------------
@@ -755,7 +854,7 @@ def small_queue_server(start_triton):
                 (repo / MODEL / "1" / f.name).symlink_to(f)
         config = (REPOSITORY / MODEL / "config.pbtxt").read_text(encoding="utf-8")
         for key, value in (("max_num_seqs", "1"), ("max_waiting", "1"), ("kv_cache_mb", "32")):
-            config, n = re.subn(_PARAMETER.format(key), r'\g<1>' + value + '"', config)
+            config, n = re.subn(_PARAMETER.format(key), r"\g<1>" + value + '"', config)
             assert n == 1, key
         (repo / MODEL / "config.pbtxt").write_text(config, encoding="utf-8")
         with start_triton("triton-textgen-queue-", models=(MODEL,), model_repository=repo) as triton:

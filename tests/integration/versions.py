@@ -55,11 +55,16 @@ def _negated(src: Path, dst: Path) -> None:
 def _truncated_vocabulary(src: Path, dst: Path) -> None:
     from onnx import helper, numpy_helper
 
-    _rewired(src, dst, lambda out: [
-        helper.make_node("Gather", ["truncated_vocab", "input_ids"], ["vocab_rows"]),  # fails for ids >= 5000
-        helper.make_node("ReduceSum", ["vocab_rows"], ["vocab_zero"], keepdims=0),
-        helper.make_node("Add", [out + "_raw", "vocab_zero"], [out]),
-    ], [numpy_helper.from_array(np.zeros((VOCAB_LIMIT, 1), np.float32), "truncated_vocab")])
+    _rewired(
+        src,
+        dst,
+        lambda out: [
+            helper.make_node("Gather", ["truncated_vocab", "input_ids"], ["vocab_rows"]),  # fails for ids >= 5000
+            helper.make_node("ReduceSum", ["vocab_rows"], ["vocab_zero"], keepdims=0),
+            helper.make_node("Add", [out + "_raw", "vocab_zero"], [out]),
+        ],
+        [numpy_helper.from_array(np.zeros((VOCAB_LIMIT, 1), np.float32), "truncated_vocab")],
+    )
 
 
 def versioned_repository(dst: Path, broken_version: bool = False) -> Path:

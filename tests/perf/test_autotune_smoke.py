@@ -22,8 +22,9 @@ def test_quick_autotune_measures_the_grid_and_writes_the_winner(tmp_path):
         pa.check()
     except pa.PerfAnalyzerNotAvailable as exc:
         pytest.fail(str(exc), pytrace=False)
-    code = autotune.main(["--quick", "--concurrency", "8", "--latency-budget-ms", "10000", "--time-budget", "150",
-                          "--out-dir", str(tmp_path)])
+    code = autotune.main(
+        ["--quick", "--concurrency", "8", "--latency-budget-ms", "10000", "--time-budget", "150", "--out-dir", str(tmp_path)]
+    )
     summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").is_file() else "(no summary.md)"
     assert code == 0, summary
 
@@ -42,12 +43,12 @@ def test_quick_autotune_measures_the_grid_and_writes_the_winner(tmp_path):
     assert "**(winner)**" in summary and "P99 / P50 =" in summary
 
     # The written config is the winner the summary names, and the winner is a finalist of the grid.
-    winner = re.search(r"^Winner: max_queue_delay (\d+) us, [^,]+, (\d+) instance\(s\) x (\d+) thread\(s\)",
-                       summary, re.M)
+    winner = re.search(r"^Winner: max_queue_delay (\d+) us, [^,]+, (\d+) instance\(s\) x (\d+) thread\(s\)", summary, re.M)
     assert winner, summary
     assert winner.groups() in first, (winner.groups(), summary)
-    assert any(t["round"] == "2" and (t["max_queue_delay_us"], t["instances"], t["threads"]) == winner.groups()
-               for t in trials), summary
+    assert any(
+        t["round"] == "2" and (t["max_queue_delay_us"], t["instances"], t["threads"]) == winner.groups() for t in trials
+    ), summary
     config = text_format.Parse((tmp_path / "text_encoder.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert config.name == "text_encoder"
     delay, instances, threads = (int(x) for x in winner.groups())

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.perf
 
 
 def test_short_cache_bench_reports_every_phase_and_level(tmp_path):
-    rc = cache_bench.main(["--requests", "400", "--hit-requests", "200", "--concurrency", "4",
-                           "--no-export", "--results-dir", str(tmp_path)])
+    rc = cache_bench.main(
+        ["--requests", "400", "--hit-requests", "200", "--concurrency", "4", "--no-export", "--results-dir", str(tmp_path)]
+    )
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     phases = {p["name"]: p for p in summary["phases"]}

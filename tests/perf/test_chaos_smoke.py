@@ -15,9 +15,13 @@ import pytest
 
 from perf.drills import chaos
 
-pytestmark = [pytest.mark.perf,
-              pytest.mark.skipif(not (shutil.which("nginx") or shutil.which("/usr/sbin/nginx")) or not shutil.which("redis-server"),
-                                 reason="serve-cluster needs nginx and redis-server (scripts/setup.sh)")]
+pytestmark = [
+    pytest.mark.perf,
+    pytest.mark.skipif(
+        not (shutil.which("nginx") or shutil.which("/usr/sbin/nginx")) or not shutil.which("redis-server"),
+        reason="serve-cluster needs nginx and redis-server (scripts/setup.sh)",
+    ),
+]
 
 
 def test_one_minute_chaos_soak_loses_nothing_and_every_fault_recovers(tmp_path):

@@ -28,8 +28,9 @@ def test_quick_compare_measures_every_system(tmp_path):
     except pa.PerfAnalyzerNotAvailable as exc:
         pytest.fail(str(exc), pytrace=False)
     # Small concurrencies keep the naive server's windows short; the code paths are those of c32/c16.
-    code = compare.main(["--quick", "--concurrency", "8", "--batching-concurrency", "4", "--time-budget", "120",
-                         "--out-dir", str(tmp_path)])
+    code = compare.main(
+        ["--quick", "--concurrency", "8", "--batching-concurrency", "4", "--time-budget", "120", "--out-dir", str(tmp_path)]
+    )
     summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").is_file() else "(no summary.md)"
     assert code == 0, summary
 

@@ -23,8 +23,22 @@ def test_small_cpu_cost_run_accounts_every_process(tmp_path):
     out = tmp_path / "cpu"
     # Enough work a path for Triton's share to be ticks: /proc counts CPU in 10 ms ticks, and
     # its share of 100 cheap requests (about 20 ms) or 16 tokens rounded to none.
-    code = cpu_cost.main(["--requests", "500", "--image-requests", "24", "--gen-requests", "4", "--max-tokens", "32",
-                          "--idle-seconds", "1", "--out", str(out)])
+    code = cpu_cost.main(
+        [
+            "--requests",
+            "500",
+            "--image-requests",
+            "24",
+            "--gen-requests",
+            "4",
+            "--max-tokens",
+            "32",
+            "--idle-seconds",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     table = (out / "cpu_cost.md").read_text() if (out / "cpu_cost.md").is_file() else "(no table)"
     assert code == 0, table
     rows = list(csv.DictReader((out / "cpu_cost.csv").open()))
@@ -33,9 +47,19 @@ def test_small_cpu_cost_run_accounts_every_process(tmp_path):
     paths = {p for p, _ in cost}
     groups = {g for _, g in cost}
     assert paths == set(cpu_cost.PATHS), table
-    expected = {"tritonserver", "frontdoor (nginx)", "gateway", "load generator", "stub text_tokenizer",
-                "stub text_encoder", "stub text_embedding_cached", "stub image_preprocess", "stub image_classifier",
-                "stub image_postprocess", "stub text_generation"}
+    expected = {
+        "tritonserver",
+        "frontdoor (nginx)",
+        "gateway",
+        "load generator",
+        "stub text_tokenizer",
+        "stub text_encoder",
+        "stub text_embedding_cached",
+        "stub image_preprocess",
+        "stub image_classifier",
+        "stub image_postprocess",
+        "stub text_generation",
+    }
     if shutil.which("redis-server"):
         expected.add("redis")
     assert expected <= groups, (sorted(expected - groups), table)
@@ -54,8 +78,9 @@ def test_small_cpu_cost_run_accounts_every_process(tmp_path):
     for path in cpu_cost.PATHS:
         assert raw[(path, "tritonserver")] > 0 and cost[(path, "load generator")] >= 0, (on(path), table)
     assert cost[("text_encoder", "stub text_encoder")] > cost[("text_encoder", "stub text_tokenizer")], on("text_encoder")
-    assert cost[("text_embedding", "stub text_encoder")] > 0 and cost[("text_embedding", "stub text_tokenizer")] > 0, \
-        on("text_embedding")
+    assert cost[("text_embedding", "stub text_encoder")] > 0 and cost[("text_embedding", "stub text_tokenizer")] > 0, on(
+        "text_embedding"
+    )
     assert cost[("image_classification", "stub image_classifier")] > cost[("image_classification", "stub text_encoder")]
     assert cost[("text_generation", "stub text_generation")] > cost[("text_generation", "stub text_encoder")]
     assert cost[("gateway_embeddings", "gateway")] > cost[("text_embedding", "gateway")], on("gateway_embeddings")

@@ -27,8 +27,9 @@ def test_endpoint_fuzz_finds_no_5xx_no_unnamed_refusal_no_crash(triton):
     tally = fuzz.Tally()
     names = fuzz.repository_models(triton.triton_http_url, triton.options.repository_token)
     args = argparse.Namespace(cases=CASES, seed=13)
-    health = fuzz.fuzz_server(triton.http_url, triton.grpc_url, triton.process.pid, names, args, print, tally,
-                              log_path=triton.log_path)
+    health = fuzz.fuzz_server(
+        triton.http_url, triton.grpc_url, triton.process.pid, names, args, print, tally, log_path=triton.log_path
+    )
     print(fuzz.table(tally))
     assert tally.total() >= CASES
     assert {"http_json", "http_binary", "http_generate", "grpc_typed", "grpc_raw", "grpc_stream_raw"} <= set(tally.counts)
@@ -57,8 +58,9 @@ def test_the_oracle_counts_a_5xx_past_the_front_door(triton):
 def test_atheris_targets_run_without_a_crash(tmp_path):
     tally = fuzz.Tally()
     fuzz.atheris_fuzz(200, tmp_path, print, tally, max_time=30)
-    listed = subprocess.run([sys.executable, "-m", "perf.fuzz.targets", "--list"], capture_output=True, text=True,
-                            check=True, cwd=fuzz.ROOT).stdout.split()
+    listed = subprocess.run(
+        [sys.executable, "-m", "perf.fuzz.targets", "--list"], capture_output=True, text=True, check=True, cwd=fuzz.ROOT
+    ).stdout.split()
     assert set(listed) == set(fuzz.ATHERIS_TARGETS)
     assert set(tally.counts) == {f"atheris:{t}" for t in listed}
     for target, counts in tally.counts.items():

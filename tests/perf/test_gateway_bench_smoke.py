@@ -19,9 +19,24 @@ pytestmark = pytest.mark.perf
 
 def test_tiny_gateway_bench_measures_every_system(tmp_path):
     out = tmp_path / "gateway.json"
-    code = gateway_bench.main(["--rounds", "1", "--embed-duration", "1", "--embed-concurrency", "4",
-                               "--chat-concurrency", "1", "--chat-requests", "1", "--max-tokens", "8",
-                               "--out", str(out)])
+    code = gateway_bench.main(
+        [
+            "--rounds",
+            "1",
+            "--embed-duration",
+            "1",
+            "--embed-concurrency",
+            "4",
+            "--chat-concurrency",
+            "1",
+            "--chat-requests",
+            "1",
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     table = out.with_suffix(".md").read_text() if out.with_suffix(".md").is_file() else "(no table)"
     assert code == 0, table
     result = json.loads(out.read_text())
@@ -46,8 +61,11 @@ def test_tiny_gateway_bench_measures_every_system(tmp_path):
         assert c["tokens_per_s"] > 0 and c["ttft_p50_ms"] > 0, (key, c)
 
     names = {r["name"]: r for r in result["ratios"]}
-    for name in ("embeddings unique, gateway / direct throughput, c4", "embeddings repeated, gateway / direct P99, c4",
-                 "chat c1, gateway / direct tokens/s"):
+    for name in (
+        "embeddings unique, gateway / direct throughput, c4",
+        "embeddings repeated, gateway / direct P99, c4",
+        "chat c1, gateway / direct tokens/s",
+    ):
         assert names[name]["value"] > 0, names.get(name)
     assert isinstance(names["chat c1, gateway - direct TTFT P50 (ms)"]["value"], float)
     assert "| ratio | value | target | met | from |" in table

@@ -48,8 +48,12 @@ def test_quick_generate_bench_streams_from_every_system(tmp_path):
 
     with (tmp_path / "ratios.csv").open() as f:
         ratios = {r["name"]: r for r in csv.DictReader(f)}
-    for name in ("engine / naive tokens/s, 4 streams", "Triton grpc / engine tokens/s, 4 streams",
-                 "Triton http / engine tokens/s, 4 streams", "TTFT prefix cached / uncached (engine, P50)"):
+    for name in (
+        "engine / naive tokens/s, 4 streams",
+        "Triton grpc / engine tokens/s, 4 streams",
+        "Triton http / engine tokens/s, 4 streams",
+        "TTFT prefix cached / uncached (engine, P50)",
+    ):
         assert float(ratios[name]["value"]) > 0, (name, ratios.get(name))
     assert "| ratio | value | target | met | from |" in summary
     assert (tmp_path / "tritonserver.log").is_file() and (tmp_path / "naive_server.log").is_file()

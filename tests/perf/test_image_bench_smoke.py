@@ -21,8 +21,24 @@ pytestmark = pytest.mark.perf
 
 def test_short_image_bench_run_measures_both_systems(tmp_path):
     out = tmp_path / "bench"
-    code = image_bench.main(["--batches", "1,4", "--concurrency", "2,2", "--rounds", "1", "--duration", "1.5",
-                             "--warmup", "0.5", "--inprocess-seconds", "0.5", "--out", str(out)])
+    code = image_bench.main(
+        [
+            "--batches",
+            "1,4",
+            "--concurrency",
+            "2,2",
+            "--rounds",
+            "1",
+            "--duration",
+            "1.5",
+            "--warmup",
+            "0.5",
+            "--inprocess-seconds",
+            "0.5",
+            "--out",
+            str(out),
+        ]
+    )
     table = (out / "image_bench.md").read_text() if (out / "image_bench.md").is_file() else "(no table)"
     assert code == 0, table
     rows = list(csv.DictReader((out / "image_bench.csv").open()))

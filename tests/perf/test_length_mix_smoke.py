@@ -39,9 +39,30 @@ def test_mixed_texts_span_the_mix():
 
 def test_short_run_against_a_server_reports_both_workloads_and_the_ratio(triton, tmp_path):
     url = getattr(triton, "triton_http_url", None) or triton.http_url
-    code = length_mix.main(["--url", url, "--rounds", "1", "--duration", "1", "--warmup", "0", "--concurrency", "4",
-                            "--limit-rounds", "1", "--limit-pool", "8", "--limit-seconds", "0.05",
-                            "--budgets", "2048", "--out-dir", str(tmp_path)])
+    code = length_mix.main(
+        [
+            "--url",
+            url,
+            "--rounds",
+            "1",
+            "--duration",
+            "1",
+            "--warmup",
+            "0",
+            "--concurrency",
+            "4",
+            "--limit-rounds",
+            "1",
+            "--limit-pool",
+            "8",
+            "--limit-seconds",
+            "0.05",
+            "--budgets",
+            "2048",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     rows = list(csv.DictReader((tmp_path / "length_mix.csv").open()))
     assert {r["workload"] for r in rows} == {"text_encoder", "text_embedding"}

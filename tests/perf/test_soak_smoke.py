@@ -28,9 +28,19 @@ def test_one_minute_soak_passes_and_writes_its_files(tmp_path):
 
     samples = list(csv.DictReader((out / "samples.csv").open()))
     groups = {s["group"] for s in samples}
-    expected = {"tritonserver", "frontdoor (nginx)", "gateway", "load generator", "stub text_tokenizer",
-                "stub text_encoder", "stub text_embedding_cached", "stub image_preprocess", "stub image_classifier",
-                "stub image_postprocess", "stub text_generation"}
+    expected = {
+        "tritonserver",
+        "frontdoor (nginx)",
+        "gateway",
+        "load generator",
+        "stub text_tokenizer",
+        "stub text_encoder",
+        "stub text_embedding_cached",
+        "stub image_preprocess",
+        "stub image_classifier",
+        "stub image_postprocess",
+        "stub text_generation",
+    }
     if shutil.which("redis-server"):
         expected.add("redis")
     assert expected <= groups, sorted(expected - groups)

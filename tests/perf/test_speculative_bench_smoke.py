@@ -19,8 +19,9 @@ pytestmark = pytest.mark.perf
 def test_short_speculative_bench_reports_both_engines_and_accepts_drafts(tmp_path):
     if not (speculative_bench.MODEL_DIR / "model.safetensors").is_file():
         pytest.fail("text_generation is not exported: run python -m export (make test does)", pytrace=False)
-    code = speculative_bench.main(["--requests", "2", "--max-tokens", "24", "--streams", "1,2", "--precision", "fp32",
-                                   "--out-dir", str(tmp_path)])
+    code = speculative_bench.main(
+        ["--requests", "2", "--max-tokens", "24", "--streams", "1,2", "--precision", "fp32", "--out-dir", str(tmp_path)]
+    )
     summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").is_file() else "(no summary.md)"
     assert code == 0, summary
     rows = list(csv.DictReader((tmp_path / "speculative.csv").open()))

@@ -46,14 +46,34 @@ def test_before_repository_turns_the_generation_admission_window_off(tmp_path):
 
 
 def _point(workload, p50, p99, peak, errors=0, ttft=None):
-    return tail.Point("after", workload, 32, 1, 100, errors, 10.0, p50, p99, peak, (p99, p99), 0.1, 1.0, 0.2, 1.5,
-                      {}, *(ttft or (None, None, None)))
+    return tail.Point(
+        "after",
+        workload,
+        32,
+        1,
+        100,
+        errors,
+        10.0,
+        p50,
+        p99,
+        peak,
+        (p99, p99),
+        0.1,
+        1.0,
+        0.2,
+        1.5,
+        {},
+        *(ttft or (None, None, None)),
+    )
 
 
 def test_targets_table_checks_each_target_and_the_long_window():
-    results = [_point("text_embedding", 10, 29, 49), _point("text_embedding_cached_hits", 3, 51, 60),
-               _point("gateway_embeddings_unique", 10, 31, 40),
-               _point("text_generation_stream", 1000, 1500, 6000, ttft=(200, 700, 900))]
+    results = [
+        _point("text_embedding", 10, 29, 49),
+        _point("text_embedding_cached_hits", 3, 51, 60),
+        _point("gateway_embeddings_unique", 10, 31, 40),
+        _point("text_generation_stream", 1000, 1500, 6000, ttft=(200, 700, 900)),
+    ]
     rows = {r["target"]: r for r in tail.targets(results, 32, long=True)}
     met = {k: v["met"] for k, v in rows.items()}
     assert met == {
@@ -83,16 +103,33 @@ def test_long_mode_is_one_window_at_concurrency_32():
 
 
 def test_short_tail_run_interleaves_both_phases(tmp_path):
-    code = tail.main(["--workloads", "text_tokenizer,text_embedding_cached_hits", "--concurrency", "4",
-                      "--rounds", "2", "--duration", "1", "--warmup", "0.5", "--out-dir", str(tmp_path)])
+    code = tail.main(
+        [
+            "--workloads",
+            "text_tokenizer,text_embedding_cached_hits",
+            "--concurrency",
+            "4",
+            "--rounds",
+            "2",
+            "--duration",
+            "1",
+            "--warmup",
+            "0.5",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").is_file() else "(no summary.md)"
     assert code == 0, summary
     with (tmp_path / "tail.csv").open() as f:
         rows = list(csv.DictReader(f))
     # A B, then B A: both phases see the same stretch of the machine.
     assert [(r["workload"], r["round"], r["phase"]) for r in rows] == [
-        (w, rnd, p) for w in ("text_tokenizer", "text_embedding_cached_hits")
-        for rnd, order in (("1", ("after", "before")), ("2", ("before", "after"))) for p in order], summary
+        (w, rnd, p)
+        for w in ("text_tokenizer", "text_embedding_cached_hits")
+        for rnd, order in (("1", ("after", "before")), ("2", ("before", "after")))
+        for p in order
+    ], summary
     client = "wrk" if shutil.which("wrk") else "python"
     for r in rows:
         p50, p99, peak = float(r["p50_ms"]), float(r["p99_ms"]), float(r["max_ms"])

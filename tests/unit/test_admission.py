@@ -161,8 +161,9 @@ def test_the_interactive_lane_is_the_ensemble_with_the_lane_encoder():
     assert steps == ["text_tokenizer", "text_encoder_interactive"]
     assert re.findall(r'model_name:\s*"([^"]+)"', default)[0] == "text_tokenizer"
     assert "text_encoder_interactive:" not in lane and _param(lane, "lane_of") == "text_embedding"
-    assert re.search(r'lanes"\s*value:\s*\{\s*string_value:\s*"interactive:1"',
-                     (REPO / "text_encoder" / "config.pbtxt").read_text())
+    assert re.search(
+        r'lanes"\s*value:\s*\{\s*string_value:\s*"interactive:1"', (REPO / "text_encoder" / "config.pbtxt").read_text()
+    )
 
 
 class _Clock:
@@ -203,8 +204,7 @@ def test_the_wait_is_bounded_so_the_lower_class_is_never_stopped(tmp_path):
     interactive = SharedInflight(tmp_path, "interactive", 32)
     assert interactive.try_add(1)  # never leaves
     clock = _Clock()
-    yielder = YieldTo(InflightReader(tmp_path, "interactive"), max_wait_s=0.020, poll_s=0.001, clock=clock,
-                      sleep=clock.sleep)
+    yielder = YieldTo(InflightReader(tmp_path, "interactive"), max_wait_s=0.020, poll_s=0.001, clock=clock, sleep=clock.sleep)
     assert yielder.wait() == pytest.approx(0.020)
     assert yielder.wait() == pytest.approx(0.020) and yielder.waited_s == pytest.approx(0.040)
 

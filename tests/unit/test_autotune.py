@@ -85,8 +85,10 @@ def test_summary_marks_the_winner_and_the_untried():
     assert "Not tried (time budget): max_queue_delay 9 us" in text
 
 
-@pytest.mark.parametrize("argv", [["--instances", "0"], ["--delays", "a,b"], ["--latency-budget-ms", "0"],
-                                  ["--rate-fraction", "1.5"], ["--finalists", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--instances", "0"], ["--delays", "a,b"], ["--latency-budget-ms", "0"], ["--rate-fraction", "1.5"], ["--finalists", "0"]],
+)
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         autotune.parse_args(argv)

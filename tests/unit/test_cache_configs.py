@@ -35,16 +35,19 @@ def test_shipped_defaults_work_out_of_the_box_with_l2_off():
     assert s.l2_redis_url == "" and s.l1_max_bytes == 64 << 20 and s.l1_ttl_s == 3600 and s.l2_timeout_s == 0.05
 
 
-@pytest.mark.parametrize("name, enabled", [
-    ("text_tokenizer", True),
-    ("image_preprocess", True),
-    # Triton keys on name, version and inputs only: after a text_encoder hot swap the ensemble's
-    # entries (and a same-version variant swap of the encoder's) would be stale.
-    ("text_embedding", False),
-    ("text_encoder", False),
-    ("text_embedding_cached", False),
-    ("image_classification", False),
-    ("image_classifier", False),
-])
+@pytest.mark.parametrize(
+    "name, enabled",
+    [
+        ("text_tokenizer", True),
+        ("image_preprocess", True),
+        # Triton keys on name, version and inputs only: after a text_encoder hot swap the ensemble's
+        # entries (and a same-version variant swap of the encoder's) would be stale.
+        ("text_embedding", False),
+        ("text_encoder", False),
+        ("text_embedding_cached", False),
+        ("image_classification", False),
+        ("image_classifier", False),
+    ],
+)
 def test_response_cache_only_where_correct(name, enabled):
     assert parse(name).response_cache.enable is enabled

@@ -63,6 +63,7 @@ def test_a_copy_over_keeping_inode_size_and_mtime_is_caught_by_the_ready_transit
     shutil.copystat(path, other)
     # What no stat shows: simulate it by poisoning the fingerprint cache for the new content.
     import python_backends.cache.identity as identity_module
+
     path.write_bytes(other.read_bytes())
     signature = identity_module.file_signature(path)
     identity_module._FINGERPRINTS[(str(path), *signature)] = old.fingerprint
@@ -78,7 +79,8 @@ def test_a_changed_variant_config_changes_the_identity(repo):
     r = resolver(repo, config_name="int8")
     assert r.identity().variant == "fp32"  # no configs/int8.pbtxt: Triton loads config.pbtxt
     (repo / "text_encoder" / "configs" / "int8.pbtxt").write_text(
-        "# GENERATED for variant 'int8'\nname: \"text_encoder\"\ndefault_model_filename: \"model.int8.onnx\"\n")
+        '# GENERATED for variant \'int8\'\nname: "text_encoder"\ndefault_model_filename: "model.int8.onnx"\n'
+    )
     (repo / "text_encoder" / "1" / "model.int8.onnx").write_bytes(b"int8 weights")
     now = r.identity()
     assert now.variant == "int8"

@@ -69,8 +69,7 @@ def unavailable(url: str = "a:1") -> InferenceServerException:
 def retrier(urls=("a:1",), clock=None, rand=0.5, breaker=None, strategy="round_robin", **policy) -> Retrier:
     clock = clock or FakeClock()
     pool = EndpointPool(list(urls), strategy, breaker or BreakerPolicy(), clock)
-    return Retrier(pool, RetryPolicy(**policy), clock=clock, sleep=clock.sleep, asleep=clock.asleep,
-                   random=lambda: rand)
+    return Retrier(pool, RetryPolicy(**policy), clock=clock, sleep=clock.sleep, asleep=clock.asleep, random=lambda: rand)
 
 
 # --- the policy ---------------------------------------------------------------------------------

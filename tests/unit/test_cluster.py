@@ -27,8 +27,15 @@ PROMTOOL = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/pr
 
 
 def _replicas(n: int = 2) -> list[Replica]:
-    return [Replica(i, ServerOptions(http_port=18000 + 10 * i, grpc_port=18001 + 10 * i, metrics_port=18002 + 10 * i,
-                                     models=("text_embedding",))) for i in range(n)]
+    return [
+        Replica(
+            i,
+            ServerOptions(
+                http_port=18000 + 10 * i, grpc_port=18001 + 10 * i, metrics_port=18002 + 10 * i, models=("text_embedding",)
+            ),
+        )
+        for i in range(n)
+    ]
 
 
 def test_prometheus_scrapes_every_replica_and_the_gateway(tmp_path):
@@ -43,8 +50,9 @@ def test_prometheus_scrapes_every_replica_and_the_gateway(tmp_path):
     if PROMTOOL:
         for name, body in (("with.yml", text), ("without.yml", no_gateway)):
             (tmp_path / name).write_text(body)
-            done = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / name)], capture_output=True, text=True,
-                                  check=False)
+            done = subprocess.run(
+                [PROMTOOL, "check", "config", str(tmp_path / name)], capture_output=True, text=True, check=False
+            )
             assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -107,13 +115,15 @@ def test_prometheus_scrapes_each_gateway_and_the_front_door_lists_only_ready_one
     gateway_job = text.split("job_name: gateway", 1)[1]
     assert gateway_job.count("targets:") == 2 and 'gateway: "0"' in gateway_job and 'gateway: "1"' in gateway_job
     assert '["127.0.0.1:19001"]' in gateway_job and "job_name: gateway" not in render_prometheus(
-        PROMETHEUS_TEMPLATE, _replicas(), [], [], 5)
+        PROMETHEUS_TEMPLATE, _replicas(), [], [], 5
+    )
     if PROMTOOL:
         (tmp_path / "p.yml").write_text(text)
         done = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / "p.yml")], capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
-    cluster = Cluster(ClusterOptions(replicas=1, workdir=tmp_path, gateway_port=18080, gateways=2,
-                                     gateway_env={"GATEWAY_MAX_BODY_MB": "2"}))
+    cluster = Cluster(
+        ClusterOptions(replicas=1, workdir=tmp_path, gateway_port=18080, gateways=2, gateway_env={"GATEWAY_MAX_BODY_MB": "2"})
+    )
     cluster.replicas = _replicas(1)
     cluster.gateways = [Gateway(0, 19000, state=READY), Gateway(1, 19001, state="starting")]
     door = cluster._door_ports().gateway

@@ -45,6 +45,7 @@ _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
 
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose's variable substitution: ${V}, ${V:-default}, ${V-default}, ${V:?error}."""
+
     def one(match: re.Match) -> str:
         name, dash, default, question, _ = match.groups()
         value = env.get(name)
@@ -55,6 +56,7 @@ def interpolate(text: str, env: dict[str, str]) -> str:
         if question:
             assert value, f"docker-compose.yml needs {name}"
         return value or ""
+
     return _VARIABLE.sub(one, text)
 
 
@@ -64,8 +66,9 @@ def resolved(**env: str) -> tuple[dict, str]:
     tool = shutil.which("docker-compose")
     if tool:
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "PRECISION", "EMBEDDING_"))}
-        out = subprocess.run([tool, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60,
-                             env={**clean, **env}, cwd=ROOT)
+        out = subprocess.run(
+            [tool, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60, env={**clean, **env}, cwd=ROOT
+        )
         assert out.returncode == 0, out.stderr
         return yaml.safe_load(out.stdout), "docker-compose config"
     return yaml.safe_load(interpolate(COMPOSE.read_text(), env)), "YAML + interpolation"
@@ -89,7 +92,7 @@ def tritonserver_args(service: dict) -> list[str]:
     assert isinstance(entrypoint, list) and isinstance(command, list), "entrypoint and command must be exec-form lists"
     argv = entrypoint + command
     assert "tritonserver" in argv, argv
-    return argv[argv.index("tritonserver"):]
+    return argv[argv.index("tritonserver") :]
 
 
 def flags(service: dict) -> dict[str, list[str]]:
@@ -140,9 +143,16 @@ def test_mounted_repository_holds_the_loaded_models(compose, name, tmp_path):
     assert host_repo == (ROOT / "model_repository").resolve()
     assert args["--model-control-mode"] == ["explicit"]
     loaded = args["--load-model"]
-    assert loaded == ["text_encoder", "text_embedding", "text_embedding_cached", "text_embedding_interactive",
-                      "text_embedding_cached_interactive", "text_embedding_cached_bulk", "image_classification",
-                      "text_generation"]
+    assert loaded == [
+        "text_encoder",
+        "text_embedding",
+        "text_embedding_cached",
+        "text_embedding_interactive",
+        "text_embedding_cached_interactive",
+        "text_embedding_cached_bulk",
+        "image_classification",
+        "text_generation",
+    ]
     # What a loaded model calls through BLS (load_with) is loaded explicitly too.
     from server.process import with_dependencies
 
@@ -167,9 +177,10 @@ def test_build_ports_and_healthcheck(compose, name):
     assert (context / build["dockerfile"]).resolve() == (ROOT / "docker" / "Dockerfile").resolve()
     # The context is the repository root: .dockerignore must keep the venv and models out.
     ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
-    admitted = ignore[ignore.index("*") + 1:]
-    assert {a for a in admitted if a.startswith("!")} == {"!python_backends/", "!openai_gateway/", "!clients/",
-                                                          "!server/"}, admitted
+    admitted = ignore[ignore.index("*") + 1 :]
+    assert {a for a in admitted if a.startswith("!")} == {"!python_backends/", "!openai_gateway/", "!clients/", "!server/"}, (
+        admitted
+    )
     assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
     assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002"}
     assert service["entrypoint"][0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's set-up still runs
@@ -237,8 +248,13 @@ def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, d
     assert cpu["image"] != gpu["image"], "one tag for two builds: the last build would serve both"
 
 
-@pytest.mark.parametrize("precision, served", [(None, {**dict.fromkeys(GPU_REPLICAS, "gpu"), **dict.fromkeys(CPU_REPLICAS, "cpu")}),
-                                               ("fp32", dict.fromkeys(SERVICES, "fp32"))])
+@pytest.mark.parametrize(
+    "precision, served",
+    [
+        (None, {**dict.fromkeys(GPU_REPLICAS, "gpu"), **dict.fromkeys(CPU_REPLICAS, "cpu")}),
+        ("fp32", dict.fromkeys(SERVICES, "fp32")),
+    ],
+)
 def test_each_service_defaults_to_its_hardwares_variant(precision, served):
     config, _ = resolved(**({"PRECISION": precision} if precision else {}))
     for name, variant in served.items():
@@ -261,8 +277,14 @@ def published(service: dict) -> dict[str, str]:
 
 # The published ports of the services that have any: the front doors (Triton's only way in), the
 # gateway (its own API keys), Prometheus and Grafana.
-PUBLISHED = {"frontdoor": {"8000", "8002"}, "frontdoor-cpu": {"8000", "8002"}, "grpc-door": {"8001"},
-             "gateway": {"8080"}, "prometheus": {"9090"}, "grafana": {"3000"}}
+PUBLISHED = {
+    "frontdoor": {"8000", "8002"},
+    "frontdoor-cpu": {"8000", "8002"},
+    "grpc-door": {"8001"},
+    "gateway": {"8080"},
+    "prometheus": {"9090"},
+    "grafana": {"3000"},
+}
 
 
 @pytest.mark.parametrize("profile_env", [{}, {"COMPOSE_PROFILES": "cpu"}])
@@ -289,7 +311,9 @@ def test_every_service_is_present_with_a_health_check(defaults, compose):
 def test_two_replicas_each_under_its_alias_the_second_after_the_first_is_healthy(defaults, replicas):
     first, second = (defaults["services"][n] for n in replicas)
     assert [first["networks"]["default"]["aliases"], second["networks"]["default"]["aliases"]] == [
-        [REPLICA_ALIASES[0]], [REPLICA_ALIASES[1]]]
+        [REPLICA_ALIASES[0]],
+        [REPLICA_ALIASES[1]],
+    ]
     # the second waits for the first: the TensorRT engines it shares are built once
     assert second["depends_on"][replicas[0]]["condition"] == "service_healthy"
     assert "redis" in first["depends_on"] and "redis" in second["depends_on"]
@@ -313,8 +337,9 @@ def test_the_gateway_goes_through_the_front_door_of_either_profile(defaults):
     repository = command[command.index("--model-repository") + 1]
     assert volume(gateway, repository) == (str(ROOT / "model_repository"), "ro")
     key_file = Path(command[command.index("--api-key-file") + 1])
-    assert any(str(v).split(":")[1] == str(key_file.parent) and str(v).startswith("gateway-keys:")
-               for v in gateway["volumes"]), gateway["volumes"]
+    assert any(str(v).split(":")[1] == str(key_file.parent) and str(v).startswith("gateway-keys:") for v in gateway["volumes"]), (
+        gateway["volumes"]
+    )
     assert "depends_on" not in gateway  # in no profile; it polls Triton's readiness itself
     assert "/health" in " ".join(gateway["healthcheck"]["test"])
 
@@ -336,7 +361,17 @@ def test_gateway_image_pins_match_the_local_ones():
     for pkg, version in pinned.items():
         name = re.sub(r"\[.*\]", "", pkg).lower()
         assert local.get(name) == version, f"{pkg}=={version} in the gateway image, {local.get(name)} here"
-    for pkg in ("fastapi", "uvicorn", "uvloop", "httptools", "orjson", "prometheus-client", "tritonclient", "numpy", "tokenizers"):
+    for pkg in (
+        "fastapi",
+        "uvicorn",
+        "uvloop",
+        "httptools",
+        "orjson",
+        "prometheus-client",
+        "tritonclient",
+        "numpy",
+        "tokenizers",
+    ):
         assert pkg in {re.sub(r"\[.*\]", "", p).lower() for p in pinned}, pkg
     for folder in ("python_backends", "clients", "openai_gateway"):
         assert re.search(rf"^COPY {folder} /opt/embedding/{folder}$", dockerfile, re.M), folder
@@ -422,8 +457,9 @@ def test_front_door_publishes_http_and_metrics_and_the_grpc_door_grpc_on_localho
     opened, _ = resolved(TRITON_PUBLISH_HOST="0.0.0.0", TRITON_HTTP_PORT="9000")
     ports = opened["services"][name]["ports"]
     assert set(published(opened["services"][name]).values()) == {"0.0.0.0"}
-    assert any(str(p).startswith("0.0.0.0:9000:8000") or (isinstance(p, dict) and str(p.get("published")) == "9000")
-               for p in ports), ports
+    assert any(
+        str(p).startswith("0.0.0.0:9000:8000") or (isinstance(p, dict) and str(p.get("published")) == "9000") for p in ports
+    ), ports
 
 
 def compose_config_upstreams() -> list[str]:
@@ -514,12 +550,14 @@ def _nginx_t(conf: Path, *upstreams: str) -> subprocess.CompletedProcess:
     unshare = shutil.which("unshare")
     if unshare:
         ns = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
-        probe = subprocess.run([unshare, *ns, "sh", "-c", 'mount --bind "$0" /etc/hosts', str(hosts)],
-                               capture_output=True, text=True, timeout=60)
+        probe = subprocess.run(
+            [unshare, *ns, "sh", "-c", 'mount --bind "$0" /etc/hosts', str(hosts)], capture_output=True, text=True, timeout=60
+        )
         if probe.returncode == 0:
             script = 'mount --bind "$0" /etc/hosts && exec "$@"'
-            return subprocess.run([unshare, *ns, "sh", "-c", script, str(hosts), *cmd],
-                                  capture_output=True, text=True, timeout=60)
+            return subprocess.run(
+                [unshare, *ns, "sh", "-c", script, str(hosts), *cmd], capture_output=True, text=True, timeout=60
+            )
         print(f"no private mount namespace here ({probe.stderr.strip()[:200]})")
     print(f"nginx -t with {upstreams} replaced by 127.0.0.1 (the names cannot resolve on this machine)")
     text = conf.read_text()
@@ -555,11 +593,29 @@ def test_rendered_compose_config_passes_nginx_t(tmp_path):
         print(f"nginx -t not run: {exc}")
         pytest.skip(str(exc))
     # the same render with only this machine's paths: the njs module, where the folder is, a writable folder
-    assert frontdoor.main(["render", "--out", str(here), "--mount", str(here), "--js-module", str(module),
-                           "--workdir", str(here), *upstream_args, "--listen", "0.0.0.0"]) == 0
+    assert (
+        frontdoor.main(
+            [
+                "render",
+                "--out",
+                str(here),
+                "--mount",
+                str(here),
+                "--js-module",
+                str(module),
+                "--workdir",
+                str(here),
+                *upstream_args,
+                "--listen",
+                "0.0.0.0",
+            ]
+        )
+        == 0
+    )
     changed = {(a, b) for a, b in zip(conf.splitlines(), (here / "nginx.conf").read_text().splitlines()) if a != b}
-    assert all(frontdoor.IMAGE_JS_MODULE in a or frontdoor.COMPOSE_MOUNT in a or frontdoor.COMPOSE_WORKDIR in a
-               for a, _ in changed), changed
+    assert all(
+        frontdoor.IMAGE_JS_MODULE in a or frontdoor.COMPOSE_MOUNT in a or frontdoor.COMPOSE_WORKDIR in a for a, _ in changed
+    ), changed
     assert (shipped / "js" / "limits.js").read_text() == (here / "js" / "limits.js").read_text()
     done = _nginx_t(here / "nginx.conf", *REPLICA_ALIASES)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -648,8 +704,11 @@ def test_gpu_variants_warm_every_bucket_and_the_image_classifier():
                 assert tensor.data_type == declared.data_type
                 warmed.add((key, warmup.batch_size, tuple(tensor.dims)))
         for tensor in config.input:
-            shapes = ([tuple(variants.SEQUENCE_BUCKETS[0] if d == -1 else d for d in tensor.dims)]
-                      if -1 not in tensor.dims else [(n,) for n in variants.SEQUENCE_BUCKETS])
+            shapes = (
+                [tuple(variants.SEQUENCE_BUCKETS[0] if d == -1 else d for d in tensor.dims)]
+                if -1 not in tensor.dims
+                else [(n,) for n in variants.SEQUENCE_BUCKETS]
+            )
             for shape in shapes:
                 for batch in (1, config.max_batch_size):
                     assert (tensor.name, batch, shape) in warmed, (model, name, tensor.name, batch, shape)
@@ -711,13 +770,33 @@ def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp
         threading.Thread(target=upstream.serve_forever, daemon=True).start()
     public = free_port()
     upstream_args = [a for u in compose_config_upstreams() for a in ("--upstream", u)]
-    assert frontdoor.main(["render", "--out", str(tmp_path), "--mount", str(tmp_path), "--js-module", str(module),
-                           "--workdir", str(tmp_path), "--workers", "1", *upstream_args]) == 0
+    assert (
+        frontdoor.main(
+            [
+                "render",
+                "--out",
+                str(tmp_path),
+                "--mount",
+                str(tmp_path),
+                "--js-module",
+                str(module),
+                "--workdir",
+                str(tmp_path),
+                "--workers",
+                "1",
+                *upstream_args,
+            ]
+        )
+        == 0
+    )
     conf = tmp_path / "nginx.conf"
     # this machine's free ports instead of the container's 8000 (the rest as compose renders it)
-    text = (conf.read_text().replace("listen 0.0.0.0:8000;", f"listen 127.0.0.1:{public};")
-            .replace("listen 0.0.0.0:8001", f"listen 127.0.0.1:{free_port()}")
-            .replace("listen 0.0.0.0:8002", f"listen 127.0.0.1:{free_port()}"))
+    text = (
+        conf.read_text()
+        .replace("listen 0.0.0.0:8000;", f"listen 127.0.0.1:{public};")
+        .replace("listen 0.0.0.0:8001", f"listen 127.0.0.1:{free_port()}")
+        .replace("listen 0.0.0.0:8002", f"listen 127.0.0.1:{free_port()}")
+    )
     for alias, upstream in zip(REPLICA_ALIASES, upstreams):
         text = re.sub(rf"server {alias}:8000\b", f"server {alias}:{upstream.server_port}", text)
     conf.write_text(text)
@@ -725,13 +804,30 @@ def test_rendered_compose_front_door_refuses_the_crash_request_before_triton(tmp
         pytest.skip("needs root and unshare to resolve the replicas' names in a private mount namespace")
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {alias}\n" for alias in REPLICA_ALIASES))
-    nginx = subprocess.Popen(["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts),
-                              frontdoor.nginx_binary(), "-p", str(tmp_path), "-c", str(conf), "-e", "stderr"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    nginx = subprocess.Popen(
+        [
+            "unshare",
+            "--mount",
+            "sh",
+            "-c",
+            'mount --bind "$0" /etc/hosts && exec "$@"',
+            str(hosts),
+            frontdoor.nginx_binary(),
+            "-p",
+            str(tmp_path),
+            "-c",
+            str(conf),
+            "-e",
+            "stderr",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
     def post(body: dict) -> tuple[int, str]:
-        request = urllib.request.Request(f"http://127.0.0.1:{public}/v2/models/text_embedding/infer",
-                                         data=json.dumps(body).encode(), method="POST")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{public}/v2/models/text_embedding/infer", data=json.dumps(body).encode(), method="POST"
+        )
         try:
             with urllib.request.urlopen(request, timeout=10) as reply:
                 return reply.status, reply.read().decode()
@@ -773,9 +869,9 @@ def test_the_grpc_door_service_checks_what_it_forwards_to_the_front_door(default
     args = door["command"]
     flag = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2)}
     assert flag["--listen"] == "0.0.0.0:8001" and flag["--upstream"] == "triton-frontdoor:8001"
-    assert flag["--repository"] == "/models" and any(str(v).endswith(":/models:ro") or
-                                                    (isinstance(v, dict) and v.get("target") == "/models")
-                                                    for v in door["volumes"])
+    assert flag["--repository"] == "/models" and any(
+        str(v).endswith(":/models:ro") or (isinstance(v, dict) and v.get("target") == "/models") for v in door["volumes"]
+    )
     for name in FRONT_DOORS:
         assert "triton-frontdoor" in defaults["services"][name]["networks"]["default"]["aliases"]
     # the door's command line is what server.grpc_door parses
@@ -813,8 +909,13 @@ root, venv = sys.argv[1], sys.prefix
 files = (getattr(m, "__file__", None) for m in list(sys.modules.values()))
 print("\\n".join(sorted(f for f in files if f and f.startswith(root) and not f.startswith(venv))))
 """
-    done = subprocess.run([sys.executable, "-c", script, str(ROOT) + os.sep, str(ROOT / "model_repository")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT) + os.sep, str(ROOT / "model_repository")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "", f"imported from outside the image's folders: {done.stdout}"

@@ -20,9 +20,7 @@ CONFIG = {
         "empty": {"string_value": ""},
     },
     "optimization": {
-        "execution_accelerators": {
-            "gpu_execution_accelerator": [{"name": "tensorrt", "parameters": {"precision_mode": "FP16"}}]
-        },
+        "execution_accelerators": {"gpu_execution_accelerator": [{"name": "tensorrt", "parameters": {"precision_mode": "FP16"}}]},
         "graph": {"level": 1},
     },
 }

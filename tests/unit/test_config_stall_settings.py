@@ -21,10 +21,12 @@ model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
 ROOT = Path(__file__).resolve().parents[2]
 REPOSITORY = ROOT / "model_repository"
-WHY = ("stalls tritonserver 2.51's dynamic batcher: with priority levels or a queue policy the batcher "
-       "cannot prefetch and a queued request waits out its 500 ms default wait "
-       "(core src/dynamic_batch_scheduler.cc BatcherThread, src/scheduler_utils.cc PriorityQueue; "
-       "docs/performance.md \"The 500 ms stalls\")")
+WHY = (
+    "stalls tritonserver 2.51's dynamic batcher: with priority levels or a queue policy the batcher "
+    "cannot prefetch and a queued request waits out its 500 ms default wait "
+    "(core src/dynamic_batch_scheduler.cc BatcherThread, src/scheduler_utils.cc PriorityQueue; "
+    'docs/performance.md "The 500 ms stalls")'
+)
 
 
 def stall_settings(config) -> list[str]:
@@ -62,11 +64,13 @@ def config_files() -> list[Path]:
 def test_the_lint_catches_each_stalling_setting():
     # The check itself must be able to fail: each known setting alone is reported.
     base = 'name: "m" backend: "python" max_batch_size: 8 dynamic_batching { %s }'
-    for body in ("priority_levels: 2 default_priority_level: 2",
-                 "default_queue_policy { timeout_action: REJECT allow_timeout_override: true }",
-                 "default_queue_policy { default_timeout_microseconds: 1000 }",
-                 "default_queue_policy { max_queue_size: 16 }",
-                 "priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 1 value: { max_queue_size: 4 } }"):
+    for body in (
+        "priority_levels: 2 default_priority_level: 2",
+        "default_queue_policy { timeout_action: REJECT allow_timeout_override: true }",
+        "default_queue_policy { default_timeout_microseconds: 1000 }",
+        "default_queue_policy { max_queue_size: 16 }",
+        "priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 1 value: { max_queue_size: 4 } }",
+    ):
         assert stall_settings(parse(base % body)), body
     # A plain batcher (delay, preferred sizes) and a policy that changes nothing are fine.
     assert stall_settings(parse(base % "max_queue_delay_microseconds: 100 preferred_batch_size: [4]")) == []

@@ -66,7 +66,7 @@ def test_readme_fits_the_limit():
 
 def test_the_link_parser_finds_links():
     # Guards the tests below against a regex that silently finds nothing.
-    found = LINK.findall("see [a](docs/a.md), [b](b.md#x \"t\") and `[c](not-a-link.md)`\n```\n[d](e.md)\n```")
+    found = LINK.findall('see [a](docs/a.md), [b](b.md#x "t") and `[c](not-a-link.md)`\n```\n[d](e.md)\n```')
     assert found == ["docs/a.md", "b.md#x", "not-a-link.md", "e.md"]
     assert LINK.findall(prose("[a](x.md) `[c](y.md)`\n```\n[d](e.md)\n```\n")) == ["x.md"]
     assert slug("Choosing what is served: `PRECISION`") == "choosing-what-is-served-precision"
@@ -119,9 +119,8 @@ def test_no_tracked_file_refers_outside_the_repository():
         for up, name in CLIMBING_PATH.findall(text):
             if not (path.parent / up / name).resolve().is_relative_to(ROOT):
                 offenders.append(f"{rel}: {up}{name}")
-    assert not offenders, (
-        "files cite documents that are not part of this repository (state the fact itself): "
-        + ", ".join(dict.fromkeys(offenders))
+    assert not offenders, "files cite documents that are not part of this repository (state the fact itself): " + ", ".join(
+        dict.fromkeys(offenders)
     )
 
 
@@ -162,17 +161,16 @@ def named_make_targets(path: Path) -> set[str]:
 
 
 def unknown_targets(named: set[str], targets: set[str]) -> list[str]:
-    return sorted(
-        t for t in named
-        if not (any(x.startswith(t[:-1]) for x in targets) if t.endswith("*") else t in targets)
-    )
+    return sorted(t for t in named if not (any(x.startswith(t[:-1]) for x in targets) if t.endswith("*") else t in targets))
 
 
 def test_make_targets_named_in_the_docs_exist():
     targets = make_targets()
     assert {"serve", "test"} <= targets, f"the Makefile parser found only {sorted(targets)}"
     assert {"serve", "test"} <= named_make_targets(README), "README.md must give the two commands, make serve and make test"
-    missing = [f"{doc.relative_to(ROOT)}: make {t}" for doc in doc_files() for t in unknown_targets(named_make_targets(doc), targets)]
+    missing = [
+        f"{doc.relative_to(ROOT)}: make {t}" for doc in doc_files() for t in unknown_targets(named_make_targets(doc), targets)
+    ]
     assert not missing, f"docs name make targets the Makefile lacks: {missing}"
 
 

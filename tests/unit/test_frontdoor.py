@@ -51,8 +51,7 @@ def test_each_class_entry_gets_its_admission_rows_as_in_flight_limit(tmp_path):
 def test_launcher_keeps_its_error_log_in_the_work_folder(tmp_path):
     conf = render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path=tmp_path / "m.so")
     assert f"error_log {tmp_path}/nginx-error.log warn;" in conf
-    assert "error_log stderr warn;" in render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so",
-                                              error_log="stderr")
+    assert "error_log stderr warn;" in render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so", error_log="stderr")
 
 
 def test_render_command_writes_the_compose_bundle(tmp_path):
@@ -77,8 +76,9 @@ def test_generated_configuration_passes_nginx_t(tmp_path):
 
 
 def test_triton_listens_internally_behind_the_front_door(tmp_path):
-    options = ServerOptions.with_free_ports(workdir=tmp_path, triton_http_port=1234, triton_grpc_port=1235,
-                                            triton_metrics_port=1236, repository_token="t")
+    options = ServerOptions.with_free_ports(
+        workdir=tmp_path, triton_http_port=1234, triton_grpc_port=1235, triton_metrics_port=1236, repository_token="t"
+    )
     server = TritonServer(options)
     server.layout = prepare(tmp_path)
     cmd = server.command()
@@ -88,17 +88,20 @@ def test_triton_listens_internally_behind_the_front_door(tmp_path):
     assert f"--exit-timeout-secs={int(options.drain_timeout)}" in cmd
 
 
-@pytest.mark.parametrize("shape, dims, mbs, size, ok", [
-    ([2, 1], [1], 64, None, True),
-    ([1], [1], 64, None, False),          # a batch of 2^40 arrives with the batch axis gone
-    ([0, 1], [1], 64, None, False),
-    ([65, 1], [1], 64, None, False),
-    ([2, 7], [-1], 64, 14, True),
-    ([2, 7], [-1], 64, 13, False),
-    ([2, 3], [1], 64, None, False),
-    ([3], [-1], 0, 3, True),
-    ([1, 3], [-1], 0, None, False),
-])
+@pytest.mark.parametrize(
+    "shape, dims, mbs, size, ok",
+    [
+        ([2, 1], [1], 64, None, True),
+        ([1], [1], 64, None, False),  # a batch of 2^40 arrives with the batch axis gone
+        ([0, 1], [1], 64, None, False),
+        ([65, 1], [1], 64, None, False),
+        ([2, 7], [-1], 64, 14, True),
+        ([2, 7], [-1], 64, 13, False),
+        ([2, 3], [1], 64, None, False),
+        ([3], [-1], 0, 3, True),
+        ([1, 3], [-1], 0, None, False),
+    ],
+)
 def test_check_shape(shape, dims, mbs, size, ok):
     if ok:
         check_shape("T", shape, dims, mbs, size=size)
@@ -110,8 +113,13 @@ def test_check_shape(shape, dims, mbs, size, ok):
 def _cluster_ports(down=(False, False)):
     from server.frontdoor import Upstream
 
-    return FrontDoorPorts.cluster("127.0.0.1", 8000, 8001, 8002, [
-        Upstream("127.0.0.1", 18000 + 10 * i, 18001 + 10 * i, 18002 + 10 * i, down=d) for i, d in enumerate(down)])
+    return FrontDoorPorts.cluster(
+        "127.0.0.1",
+        8000,
+        8001,
+        8002,
+        [Upstream("127.0.0.1", 18000 + 10 * i, 18001 + 10 * i, 18002 + 10 * i, down=d) for i, d in enumerate(down)],
+    )
 
 
 def test_one_upstream_server_renders_as_before_and_a_cluster_lists_every_replica(tmp_path):
@@ -170,8 +178,14 @@ def _gateway_ports(n: int, down=()):
     from server.frontdoor import GatewayDoor, GatewayServer, Upstream
 
     servers = tuple(GatewayServer("127.0.0.1", 19000 + i, down=i in down) for i in range(n))
-    return FrontDoorPorts.cluster("127.0.0.1", 8000, 8001, 8002, [Upstream("127.0.0.1", 18000, 18001, 18002)],
-                                  GatewayDoor(8080, servers, 1 << 20) if n else None)
+    return FrontDoorPorts.cluster(
+        "127.0.0.1",
+        8000,
+        8001,
+        8002,
+        [Upstream("127.0.0.1", 18000, 18001, 18002)],
+        GatewayDoor(8080, servers, 1 << 20) if n else None,
+    )
 
 
 def test_the_gateway_server_block_lists_every_gateway_and_is_absent_without_one(tmp_path):
@@ -180,24 +194,35 @@ def test_the_gateway_server_block_lists_every_gateway_and_is_absent_without_one(
     assert [line.strip() for line in block.strip().splitlines()] == [
         "server 127.0.0.1:19000 max_fails=2 fail_timeout=5s;",
         "server 127.0.0.1:19001 max_fails=2 fail_timeout=5s down;",  # not ready: no traffic
-        "server 127.0.0.1:19002 max_fails=2 fail_timeout=5s;", "keepalive 64;"]
+        "server 127.0.0.1:19002 max_fails=2 fail_timeout=5s;",
+        "keepalive 64;",
+    ]
     assert "listen 127.0.0.1:8080;" in conf and "client_max_body_size 1048576;" in conf
     # SSE unbuffered; POSTs retried before the first byte; 503 and 429 reach the client
-    assert "location ~ ^/v1/(chat/completions|completions)$ {\n            proxy_pass http://openai_gateway;\n" \
-           "            proxy_next_upstream error timeout http_502 non_idempotent;\n            proxy_buffering off;" in conf
-    assert "location = /v1/embeddings {" in conf and conf.count("http_502 non_idempotent;") == 3 and conf.count("http_404 non_idempotent;") == 5  # 3 gateway, 5 Triton
+    assert (
+        "location ~ ^/v1/(chat/completions|completions)$ {\n            proxy_pass http://openai_gateway;\n"
+        "            proxy_next_upstream error timeout http_502 non_idempotent;\n            proxy_buffering off;" in conf
+    )
+    assert (
+        "location = /v1/embeddings {" in conf
+        and conf.count("http_502 non_idempotent;") == 3
+        and conf.count("http_404 non_idempotent;") == 5
+    )  # 3 gateway, 5 Triton
     directives = [line for line in conf.splitlines() if "_next_upstream " in line and "#" not in line]
     assert directives and not any("http_503" in line or "http_429" in line for line in directives)
-    for conf in (render(_gateway_ports(0), tmp_path, tmp_path / "js", 4096, js_module_path="m.so"),
-                 render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so")):
+    for conf in (
+        render(_gateway_ports(0), tmp_path, tmp_path / "js", 4096, js_module_path="m.so"),
+        render(PORTS, tmp_path, tmp_path / "js", 4096, js_module_path="m.so"),
+    ):
         assert "openai_gateway" not in conf and "8080" not in conf and "${" not in conf
 
 
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/setup.sh installs it)")
 def test_the_gateway_configuration_passes_nginx_t(tmp_path):
     for n, down in ((2, ()), (1, ()), (2, (0, 1))):
-        FrontDoor(_gateway_ports(n, down), tmp_path / f"g{n}{len(down)}", ROOT / "model_repository",
-                  max_body_bytes=1 << 20).check()
+        FrontDoor(
+            _gateway_ports(n, down), tmp_path / f"g{n}{len(down)}", ROOT / "model_repository", max_body_bytes=1 << 20
+        ).check()
 
 
 def test_render_puts_the_grpc_listener_where_a_grpc_door_forwards(tmp_path):
@@ -205,8 +230,19 @@ def test_render_puts_the_grpc_listener_where_a_grpc_door_forwards(tmp_path):
     door sidecar holds 8001); without --grpc-listen it is LISTEN:8001 (docker-compose)."""
     from server.frontdoor import main
 
-    main(["render", "--out", str(tmp_path / "k8s"), "--upstream", "127.0.0.1:8010:8011:8012", "--listen", "0.0.0.0",
-          "--grpc-listen", "127.0.0.1:8021"])
+    main(
+        [
+            "render",
+            "--out",
+            str(tmp_path / "k8s"),
+            "--upstream",
+            "127.0.0.1:8010:8011:8012",
+            "--listen",
+            "0.0.0.0",
+            "--grpc-listen",
+            "127.0.0.1:8021",
+        ]
+    )
     conf = (tmp_path / "k8s" / "nginx.conf").read_text()
     assert "listen 127.0.0.1:8021 http2;" in conf and "listen 0.0.0.0:8000;" in conf
     main(["render", "--out", str(tmp_path / "compose")])

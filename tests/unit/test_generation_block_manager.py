@@ -67,8 +67,11 @@ def test_block_hash_is_chained_and_independent_of_pythonhashseed():
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                                capture_output=True, text=True, cwd=os.getcwd()).stdout)
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True, cwd=os.getcwd()
+            ).stdout
+        )
     assert outs == {block_hash(block_hash(None, [5, 6]), [7, 8]).hex() + "\n"}
 
 

@@ -79,7 +79,7 @@ def test_sse_multiline_data_comments_other_fields_and_a_last_event_without_blank
     decoder = SSEDecoder()
     events = decoder.feed(b": keep-alive\nevent: message\nid: 3\ndata: first\ndata:second\n\nretry: 5\n\n\n")
     assert events == ["first\nsecond"]
-    assert decoder.feed(b"data: {\"text_output\": \"x\"}") == []
+    assert decoder.feed(b'data: {"text_output": "x"}') == []
     assert decoder.close() == ['{"text_output": "x"}']
     assert decoder.close() == []
 
@@ -88,8 +88,12 @@ def test_sse_multiline_data_comments_other_fields_and_a_last_event_without_blank
 
 
 def test_piece_from_json_scalars_lists_and_empty_reasons():
-    assert piece_from_json('{"text_output": "a", "finish_reason": "", "num_input_tokens": 3, "num_output_tokens": 1}') == Piece("a", None, 3, 1)
-    assert piece_from_json({"text_output": ["b"], "finish_reason": ["stop"], "num_output_tokens": [2]}) == Piece("b", "stop", None, 2)
+    assert piece_from_json('{"text_output": "a", "finish_reason": "", "num_input_tokens": 3, "num_output_tokens": 1}') == Piece(
+        "a", None, 3, 1
+    )
+    assert piece_from_json({"text_output": ["b"], "finish_reason": ["stop"], "num_output_tokens": [2]}) == Piece(
+        "b", "stop", None, 2
+    )
     assert piece_from_json({"text_output": "", "finish_reason": "None"}).finish_reason is None
 
 
@@ -155,8 +159,16 @@ def test_http_error_bodies():
 
 
 def test_sampling_parameters_names_types_and_stop():
-    assert sampling_parameters(max_tokens=8, temperature=0, top_p=None, stop="\n\n") == {"max_tokens": 8, "temperature": 0, "stop": ["\n\n"]}
-    assert sampling_parameters(temperature=0.7, ignore_eos=True, stop=("a", "b")) == {"temperature": 0.7, "ignore_eos": True, "stop": ["a", "b"]}
+    assert sampling_parameters(max_tokens=8, temperature=0, top_p=None, stop="\n\n") == {
+        "max_tokens": 8,
+        "temperature": 0,
+        "stop": ["\n\n"],
+    }
+    assert sampling_parameters(temperature=0.7, ignore_eos=True, stop=("a", "b")) == {
+        "temperature": 0.7,
+        "ignore_eos": True,
+        "stop": ["a", "b"],
+    }
     with pytest.raises(ValueError, match="unknown sampling parameter 'max_new_tokens'"):
         sampling_parameters(max_new_tokens=8)
     with pytest.raises(TypeError, match="max_tokens must be int"):
@@ -169,7 +181,17 @@ def test_sampling_parameters_names_types_and_stop():
         sampling_parameters(stop=["a", 1])
     # Ranges are the server's: its INVALID_ARG names the field.
     assert sampling_parameters(max_tokens=0, top_p=2.0) == {"max_tokens": 0, "top_p": 2.0}
-    assert set(SAMPLING_FIELDS) == {"max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty"}
+    assert set(SAMPLING_FIELDS) == {
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "repetition_penalty",
+    }
 
 
 def test_chat_messages_and_the_system_option():
@@ -199,8 +221,16 @@ def test_http_body_sends_sampling_as_one_json_input():
 
 def test_grpc_inputs_names_types_shapes_and_values():
     inputs = {i.name(): i for i in GenerateRequest.from_chat("日本", temperature=0).grpc_inputs(stream=True)}
-    assert set(inputs) == {"text_input", "sampling_parameters", "stream", "exclude_input_in_output", "return_finish_reason",
-                           "return_num_input_tokens", "return_num_output_tokens", "apply_chat_template"}
+    assert set(inputs) == {
+        "text_input",
+        "sampling_parameters",
+        "stream",
+        "exclude_input_in_output",
+        "return_finish_reason",
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+        "apply_chat_template",
+    }
     assert all(i.shape() == [1] for i in inputs.values())
     assert inputs["text_input"].datatype() == "BYTES" and inputs["stream"].datatype() == "BOOL"
     text = deserialize_bytes_tensor(inputs["text_input"]._get_content())[0].decode("utf-8")
@@ -362,10 +392,40 @@ def test_sync_grpc_client_refuses_a_second_open_stream():
 
 def test_cli_options_become_sampling_parameters():
     args = cli.build_parser().parse_args(
-        ["chat", "hi", "--system", "brief", "--max-tokens", "8", "--temperature", "0", "--seed", "3", "--top-p", "0.9",
-         "--top-k", "5", "--stop", "\n", "--stop", "END", "--protocol", "http", "--url", "h:1"])
+        [
+            "chat",
+            "hi",
+            "--system",
+            "brief",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--seed",
+            "3",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "5",
+            "--stop",
+            "\n",
+            "--stop",
+            "END",
+            "--protocol",
+            "http",
+            "--url",
+            "h:1",
+        ]
+    )
     assert args.command == "chat" and args.prompt == "hi" and args.system == "brief" and args.protocol == "http"
-    assert cli.sampling_from_args(args) == {"max_tokens": 8, "temperature": 0.0, "seed": 3, "top_p": 0.9, "top_k": 5, "stop": ["\n", "END"]}
+    assert cli.sampling_from_args(args) == {
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "seed": 3,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop": ["\n", "END"],
+    }
     plain = cli.build_parser().parse_args(["generate", "x"])
     assert cli.sampling_from_args(plain) == {} and plain.protocol == "grpc"
     assert cli.sampling_from_args(cli.build_parser().parse_args(["generate", "x", "--ignore-eos"])) == {"ignore_eos": True}
@@ -429,5 +489,8 @@ def test_cli_interactive_chat_keeps_the_history():
     sent = [json.loads(body["text_input"]) for body in server.bodies]
     assert len(sent) == 2
     assert sent[0] == [{"role": "system", "content": "brief"}, {"role": "user", "content": "first question"}]
-    assert sent[1][1:] == [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "".join(TEXTS)},
-                           {"role": "user", "content": "second question"}]
+    assert sent[1][1:] == [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "".join(TEXTS)},
+        {"role": "user", "content": "second question"},
+    ]

@@ -115,8 +115,11 @@ def stream(tok, text, stop):
 @pytest.mark.parametrize(
     "text, stop, expected",
     [
-        ("def add(a, b):\n    return a + b  # Grüße aus Köln\n\nUser: hello", ["\nUser:"],
-         "def add(a, b):\n    return a + b  # Grüße aus Köln\n"),
+        (
+            "def add(a, b):\n    return a + b  # Grüße aus Köln\n\nUser: hello",
+            ["\nUser:"],
+            "def add(a, b):\n    return a + b  # Grüße aus Köln\n",
+        ),
         ("Emoji: 😀🎉👍🏽 and more", ["🎉👍"], "Emoji: 😀"),
         ("東京は日本の首都です。北京是中国的首都。", ["首都。北", "本の首都で"], "東京は日"),
         ("The capital of France is Paris. Le café", ["Paris.", "is P"], "The capital of France "),
@@ -129,8 +132,7 @@ def test_stop_string_cut_and_never_partly_emitted(tok, text, stop, expected):
     # The stop string spans several tokens: some prefix's complete text ends inside it,
     # which a naive stream would have shown.
     first, s = min((text.find(s), s) for s in stop if s in text)
-    assert any(first < len(tok.decode(ids[:n]).rstrip("\ufffd")) < first + len(s)
-               for n in range(1, len(ids)))
+    assert any(first < len(tok.decode(ids[:n]).rstrip("\ufffd")) < first + len(s) for n in range(1, len(ids)))
     # No piece, nor the text streamed at any point, ever contains part of a stop string
     # beyond what the final output holds.
     so_far = ""

@@ -43,8 +43,10 @@ MESSAGES = [
 def long_prompt(tokenizer) -> str:
     """A prompt of about 1,500 tokens: a chat turn around a long passage."""
     rng = random.Random(7)
-    words = ("the model serves many clients at once while each stream gets its tokens in time "
-             "and the cache keeps every block of keys and values until the sequence ends").split()
+    words = (
+        "the model serves many clients at once while each stream gets its tokens in time "
+        "and the cache keeps every block of keys and values until the sequence ends"
+    ).split()
     passage = " ".join(rng.choice(words) for _ in range(1400))
     text = chat(tokenizer, f"Summarise this passage in one sentence:\n{passage}")
     n = len(tokenizer.encode(text, add_special_tokens=False))
@@ -53,8 +55,7 @@ def long_prompt(tokenizer) -> str:
 
 
 def chat(tokenizer, message: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +83,15 @@ def reference(hf, prompts):
         ids = tok(p, return_tensors="pt", add_special_tokens=False).input_ids
         with torch.inference_mode():
             gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        out.append(gen[0, ids.shape[1]:].tolist())
+        out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 
 def make_engine(hf, **overrides) -> LLMEngine:
     tok, _ = hf
-    settings = dict(model_dir=MODEL_DIR, num_blocks=512, block_size=16, max_num_seqs=32,
-                    max_num_batched_tokens=512, max_model_len=4096)
+    settings = dict(
+        model_dir=MODEL_DIR, num_blocks=512, block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings), tokenizer=tok)
 
@@ -160,11 +162,11 @@ def test_seeded_sampling_same_alone_and_batched(engine, prompts):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     alone = engine.generate([prompts[2]], params)[0][1]
     others = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in (1, 2, 3)]
-    batched = engine.generate([prompts[0], prompts[2], prompts[3], prompts[4]],
-                              [others[0], params, others[1], others[2]])
+    batched = engine.generate([prompts[0], prompts[2], prompts[3], prompts[4]], [others[0], params, others[1], others[2]])
     assert batched[1][1] == alone
-    other_seed = engine.generate([prompts[2]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9,
-                                                              top_k=50, seed=4321))[0][1]
+    other_seed = engine.generate([prompts[2]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=4321))[0][
+        1
+    ]
     assert other_seed != alone
 
 
@@ -179,9 +181,11 @@ def test_stop_string_and_min_tokens(engine, hf):
     assert len(ids) == 20
 
 
-COPY_TEXT = ("def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n"
-             "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
-             "        out.append(total / min(i + 1, window))\n    return out\n")
+COPY_TEXT = (
+    "def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n"
+    "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
+    "        out.append(total / min(i + 1, window))\n    return out\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +198,7 @@ def hf_greedy(hf, prompt: str, n: int) -> list[int]:
     tok, model = hf
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.inference_mode():
-        return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+        return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1] :].tolist()
 
 
 def test_speculative_decoding_gives_generates_tokens_in_fewer_steps(hf, prompts, reference, copy_prompt):
@@ -207,7 +211,7 @@ def test_speculative_decoding_gives_generates_tokens_in_fewer_steps(hf, prompts,
     assert eng.counters["spec_draft_tokens"] == 0
     eng.counters.clear()
     copy_ref = hf_greedy(hf, copy_prompt, 64)
-    (_, ids), = eng.generate([copy_prompt], SamplingParams(max_tokens=64, temperature=0.0))
+    ((_, ids),) = eng.generate([copy_prompt], SamplingParams(max_tokens=64, temperature=0.0))
     assert ids == copy_ref
     assert eng.counters["spec_accepted_tokens"] >= 16, eng.counters
     assert eng.counters["steps"] <= 64 - 16
@@ -222,11 +226,13 @@ def test_speculative_decoding_stops_where_one_token_at_a_time_stops(hf, copy_pro
     """A stop string, EOS, min_tokens or max_tokens reached inside an accepted draft ends the
     output there, as without drafts."""
     plain, drafted = make_engine(hf), make_engine(hf, num_speculative_tokens=6)
-    for params in (SamplingParams(max_tokens=7, temperature=0.0),
-                   SamplingParams(max_tokens=40, temperature=0.0, stop=("(window - 1)",)),
-                   SamplingParams(max_tokens=100, temperature=0.0),
-                   SamplingParams(max_tokens=100, min_tokens=98, temperature=0.0),
-                   SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.2)):
+    for params in (
+        SamplingParams(max_tokens=7, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, stop=("(window - 1)",)),
+        SamplingParams(max_tokens=100, temperature=0.0),
+        SamplingParams(max_tokens=100, min_tokens=98, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.2),
+    ):
         want = plain.generate([copy_prompt], params)[0]
         got = drafted.generate([copy_prompt], params)[0]
         assert got == want, params
@@ -285,11 +291,17 @@ def test_loop_streams_cancels_within_a_step_and_refuses_when_full(hf, prompts):
                 got[rid].append(out)
                 if out.finished:
                     done[rid].set()
+
             return on_output
 
         loop.submit(0, prompts[0], SamplingParams(max_tokens=8, temperature=0.0), collect(0))
-        loop.submit(1, prompts[4], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True), collect(1),
-                    is_cancelled=cancel.is_set)
+        loop.submit(
+            1,
+            prompts[4],
+            SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True),
+            collect(1),
+            is_cancelled=cancel.is_set,
+        )
         assert done[0].wait(60)
         assert "".join(o.text for o in got[0]) == "The capital of France is Paris."
         while len(got[1]) < 3:
@@ -306,8 +318,13 @@ def test_loop_streams_cancels_within_a_step_and_refuses_when_full(hf, prompts):
         # Fill the running batch (4) and the queue (2), then one more is refused.
         blockers = [threading.Event() for _ in range(6)]
         for i in range(6):
-            loop.submit(10 + i, prompts[1], SamplingParams(max_tokens=2000, ignore_eos=True), lambda o: None,
-                        is_cancelled=blockers[i].is_set)
+            loop.submit(
+                10 + i,
+                prompts[1],
+                SamplingParams(max_tokens=2000, ignore_eos=True),
+                lambda o: None,
+                is_cancelled=blockers[i].is_set,
+            )
             if i == 3:
                 deadline = time.monotonic() + 60
                 while eng.scheduler.num_running < 4 and time.monotonic() < deadline:
@@ -337,8 +354,8 @@ def test_admission_window_lets_a_burst_share_its_first_step(hf, prompts):
             if out.finished:
                 done[key].set()
                 if then is not None:  # the client's next request, a few ms later (a closed loop)
-                    threading.Timer(then[1], lambda: loop.submit(then[0], prompts[2], short,
-                                                                  on_output(then[0]))).start()
+                    threading.Timer(then[1], lambda: loop.submit(then[0], prompts[2], short, on_output(then[0]))).start()
+
         return cb
 
     try:
@@ -363,8 +380,9 @@ def test_admission_window_is_bounded_and_off_at_zero(hf, prompts):
     loop = EngineLoop(eng)
     try:
         done = threading.Event()
-        loop.submit("solo", prompts[0], SamplingParams(max_tokens=2, temperature=0.0),
-                    lambda out: done.set() if out.finished else None)
+        loop.submit(
+            "solo", prompts[0], SamplingParams(max_tokens=2, temperature=0.0), lambda out: done.set() if out.finished else None
+        )
         assert done.wait(60)
         assert loop.admission_waits == 0 and loop.admission_wait_s == 0
     finally:

@@ -45,10 +45,20 @@ def tiny_llama(real_export, tmp_path_factory):
     """A Llama checkpoint folder (random weights, 2 layers) with the real tokenizer."""
     folder = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=512, tie_word_embeddings=True,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(real_export).save_pretrained(folder)
     return folder

@@ -13,8 +13,9 @@ from python_backends.generation import linear
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "model_repository" / "text_generation" / "1"
-EXPORTED = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").is_file(),
-                              reason="text_generation weights not exported (python -m export.generation)")
+EXPORTED = pytest.mark.skipif(
+    not (MODEL_DIR / "model.safetensors").is_file(), reason="text_generation weights not exported (python -m export.generation)"
+)
 QUANTIZED = [p for p in linear.runnable_precisions() if p != "fp32"]
 
 
@@ -60,7 +61,9 @@ def test_each_variant_answers_the_chat_question(precision):
     engine = LLMEngine(EngineConfig(model_dir=MODEL_DIR, weights_precision=precision, num_blocks=64))
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     [(text, _)] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
     assert text.strip() == "The capital of France is Paris."
     assert engine.weights.nbytes() < 0.9 * 4 * 134_515_008  # less than the FP32 weights
@@ -104,14 +107,17 @@ def test_passed_variants_get_configs_and_the_best_serves_auto(repo):
     assert _settings(configs / "fp32.pbtxt")["weights_precision"] == "fp32"
     base = _settings(repo / "text_generation" / "configs" / "none.pbtxt")  # config.pbtxt itself
     assert base["weights_precision"] == "fp32"
-    assert {k: v for k, v in _settings(configs / "cpu.pbtxt").items() if k != "weights_precision"} == \
-        {k: v for k, v in base.items() if k != "weights_precision"}
+    assert {k: v for k, v in _settings(configs / "cpu.pbtxt").items() if k != "weights_precision"} == {
+        k: v for k, v in base.items() if k != "weights_precision"
+    }
     variants.write_manifest(repo, "text_generation", {"best": {"cpu": "int4_bf16", "gpu": "fp32"}, "variants": {}})
     assert variants.resolve_precision(repo, ["text_generation"], "auto", gpu=False) == ("cpu", {"text_generation": "int4_bf16"})
     # what the launcher passes: the local server loads no trt_plan, and every generation variant
     local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
-    assert variants.resolve_precision(repo, ["text_generation"], "auto", gpu=False, loadable=local) == \
-        ("cpu", {"text_generation": "int4_bf16"})
+    assert variants.resolve_precision(repo, ["text_generation"], "auto", gpu=False, loadable=local) == (
+        "cpu",
+        {"text_generation": "int4_bf16"},
+    )
     assert variants.resolve_precision(repo, ["text_generation"], "int4_bf16") == ("int4_bf16", {"text_generation": "int4_bf16"})
     assert variants.resolve_precision(repo, ["text_generation"], "bf16") == ("bf16", {"text_generation": "fp32"})
     assert variants.resolve_precision(repo, ["text_generation"], "fp32") == ("fp32", {"text_generation": "fp32"})
@@ -127,8 +133,11 @@ def test_a_config_without_its_precision_line_is_refused():
 
 def test_the_verdicts_are_trusted_only_for_the_same_kernels_and_weights(repo):
     assert not generation_gate.up_to_date(repo, "abc")
-    variants.write_manifest(repo, "text_generation", {**generation_gate.fingerprint(), "weights_sha256": "abc",
-                                                      "variants": {"fp32": {"status": "passed"}}})
+    variants.write_manifest(
+        repo,
+        "text_generation",
+        {**generation_gate.fingerprint(), "weights_sha256": "abc", "variants": {"fp32": {"status": "passed"}}},
+    )
     assert generation_gate.up_to_date(repo, "abc")
     assert not generation_gate.up_to_date(repo, "def")  # other weights
     manifest = variants.read_manifest(repo, "text_generation")
@@ -141,14 +150,23 @@ def test_the_up_to_date_path_rewrites_configs_and_other_weights_drop_them(repo, 
     from export import generation
 
     folder = repo / "text_generation"
-    variants.write_manifest(repo, "text_generation", {**generation_gate.fingerprint(), "weights_sha256": "abc",
-                                                      "best": {"cpu": "bf16", "gpu": "fp32"},
-                                                      "variants": {"fp32": {"status": "passed"},
-                                                                   "bf16": {"status": "passed"}}})
+    variants.write_manifest(
+        repo,
+        "text_generation",
+        {
+            **generation_gate.fingerprint(),
+            "weights_sha256": "abc",
+            "best": {"cpu": "bf16", "gpu": "fp32"},
+            "variants": {"fp32": {"status": "passed"}, "bf16": {"status": "passed"}},
+        },
+    )
     exported = {"dtype": "float32", "files": {"model.safetensors": "abc"}}
     monkeypatch.setattr(generation, "read_manifest", lambda _repo: exported)
-    (folder / "config.pbtxt").write_text((folder / "config.pbtxt").read_text().replace(
-        'key: "max_num_seqs" value: { string_value: "32" }', 'key: "max_num_seqs" value: { string_value: "8" }'))
+    (folder / "config.pbtxt").write_text(
+        (folder / "config.pbtxt")
+        .read_text()
+        .replace('key: "max_num_seqs" value: { string_value: "32" }', 'key: "max_num_seqs" value: { string_value: "8" }')
+    )
     generation.gate_precisions(repo)
     assert _settings(folder / "configs" / "cpu.pbtxt")["max_num_seqs"] == 8
     assert _settings(folder / "configs" / "cpu.pbtxt")["weights_precision"] == "bf16"
@@ -159,6 +177,11 @@ def test_the_up_to_date_path_rewrites_configs_and_other_weights_drop_them(repo, 
 
 
 def test_a_failed_build_is_a_failed_row_in_the_report():
-    text = generation_gate.markdown({"cpu": "x", "best": {"cpu": "fp32"}, "variants": {
-        "int4_bf16": {"status": "failed", "metrics": {}, "failures": ["build: ConfigError: blocks of 32"]}}})
+    text = generation_gate.markdown(
+        {
+            "cpu": "x",
+            "best": {"cpu": "fp32"},
+            "variants": {"int4_bf16": {"status": "failed", "metrics": {}, "failures": ["build: ConfigError: blocks of 32"]}},
+        }
+    )
     assert "| int4_bf16 | failed: build: ConfigError: blocks of 32 |" in text

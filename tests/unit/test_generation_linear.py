@@ -9,8 +9,9 @@ from python_backends.errors import ConfigError
 from python_backends.generation import linear
 from python_backends.generation.linear import Bf16Linear, Int4Bf16Linear, Linear, int4_blocks, make_linear
 
-NEEDS_BF16 = pytest.mark.skipif(not linear.has_fast_bf16(),
-                                reason="this CPU has no AVX512-BF16 or AMX: bf16 and int4_bf16 are not offered here")
+NEEDS_BF16 = pytest.mark.skipif(
+    not linear.has_fast_bf16(), reason="this CPU has no AVX512-BF16 or AMX: bf16 and int4_bf16 are not offered here"
+)
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:

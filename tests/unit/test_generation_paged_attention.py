@@ -154,8 +154,7 @@ def test_layers_and_sequences_do_not_leak_into_each_other():
         ref = dense_causal(q[b : b + 1], *dense0[b], start=19)
         assert (out[b : b + 1] - ref).abs().max().item() < 1e-5
     # Changing sequence 1's K changes only its own output.
-    cache.write(0, torch.randn(1, KV_HEADS, DIM), torch.randn(1, KV_HEADS, DIM),
-                slots_for_positions(tables[1], [5], BLOCK))
+    cache.write(0, torch.randn(1, KV_HEADS, DIM), torch.randn(1, KV_HEADS, DIM), slots_for_positions(tables[1], [5], BLOCK))
     out2 = cache.attention(0, q, tables, [20, 20])
     assert torch.equal(out2[0], out[0])
     assert not torch.allclose(out2[1], out[1])

@@ -26,9 +26,12 @@ def parse(source, limit=256, **kw):
 
 # ---- parameters -----------------------------------------------------------------------
 
+
 def test_parse_full_json_and_defaults():
-    p = parse(b'{"max_tokens": 32, "min_tokens": 2, "temperature": 0, "top_p": 0.9, "top_k": 40,'
-              b' "seed": 5, "stop": ["\\n\\n", "User:"], "ignore_eos": true, "repetition_penalty": 1.1}')
+    p = parse(
+        b'{"max_tokens": 32, "min_tokens": 2, "temperature": 0, "top_p": 0.9, "top_k": 40,'
+        b' "seed": 5, "stop": ["\\n\\n", "User:"], "ignore_eos": true, "repetition_penalty": 1.1}'
+    )
     assert p == SamplingParams(32, 2, 0.0, 0.9, 40, 5, ("\n\n", "User:"), True, 1.1)
     assert p.greedy
     assert parse(None) == parse(b"") == parse({}) == SamplingParams()
@@ -86,6 +89,7 @@ def test_stop_limits_come_from_the_caller():
 
 # ---- sampler --------------------------------------------------------------------------
 
+
 def rand_logits(batch, seed=0):
     return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -102,8 +106,7 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
 def test_seeded_row_same_alone_and_in_any_batch():
     steps, sampler = 20, Sampler()
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
-    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.7, seed=99, top_k=5)]
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=99, top_k=5)]
 
     def run(position, companions):
         gens = [make_generator(p.seed) for p in companions]
@@ -132,9 +135,11 @@ def test_seeded_row_same_alone_and_in_any_batch():
 def test_top_p_keeps_the_smallest_nucleus():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     logits = probs.log()
+
     def kept(top_p, top_k=0):
         out = apply_top_k_top_p(logits.clone(), torch.tensor([top_k]), torch.tensor([top_p]))
         return set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+
     assert kept(0.4) == {1}
     assert kept(0.75) == {1, 3}
     assert kept(0.85) == {1, 3, 2}
@@ -173,8 +178,9 @@ def test_min_tokens_suppresses_eos():
     out = sampler(logits, params, num_generated=[2, 3])
     assert out[0].item() != EOS
     assert out[1].item() == EOS
-    sampled = sampler(logits[:1], [SamplingParams(temperature=1.0, min_tokens=1, seed=0)],
-                      num_generated=[0], generators=[make_generator(0)])
+    sampled = sampler(
+        logits[:1], [SamplingParams(temperature=1.0, min_tokens=1, seed=0)], num_generated=[0], generators=[make_generator(0)]
+    )
     assert sampled.item() != EOS
 
 
@@ -240,6 +246,8 @@ def test_seeded_sampling_on_cuda_alone_and_batched():
     logits = [rand_logits(3, seed=s).cuda() for s in range(10)]
     gen_alone, gen_batched = make_generator(7, "cuda"), make_generator(7, "cuda")
     alone = [sampler(x[:1], [p], generators=[gen_alone]).item() for x in logits]
-    batched = [sampler(x, [p, SamplingParams(), SamplingParams(temperature=0.0)],
-                       generators=[gen_batched, None, None])[0].item() for x in logits]
+    batched = [
+        sampler(x, [p, SamplingParams(), SamplingParams(temperature=0.0)], generators=[gen_batched, None, None])[0].item()
+        for x in logits
+    ]
     assert alone == batched

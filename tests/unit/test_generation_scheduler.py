@@ -32,14 +32,14 @@ def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
     ctx = list(prompt)
     for _ in range(max_tokens):
         ctx.append(next_token(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_waiting=100, max_len=512,
-         prefix=True):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_waiting=100, max_len=512, prefix=True):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                      max_waiting=max_waiting, max_model_len=max_len)
+    sched = Scheduler(
+        bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_waiting=max_waiting, max_model_len=max_len
+    )
     return bm, sched, FakeRunner(bm, next_token)
 
 
@@ -243,8 +243,7 @@ def test_a_shared_prefix_is_not_recomputed_for_the_next_request():
 
 
 def test_randomized_arrivals_and_cancellations_leave_the_pool_as_it_started():
-    bm, sched, runner = make(num_blocks=40, block_size=4, max_num_seqs=6, budget=24,
-                             max_waiting=10)
+    bm, sched, runner = make(num_blocks=40, block_size=4, max_num_seqs=6, budget=24, max_waiting=10)
     rng = random.Random(11)
     shared = [rng.randrange(90) for _ in range(12)]
     prompts, done, refused, next_id = {}, {}, 0, 0

@@ -26,16 +26,23 @@ def tokenizer():
 def req(tokenizer, text=b"Hello", params=None, **inputs):
     values = {"text_input": np.array([text], dtype=object)}
     for name, value in inputs.items():
-        values[name] = value if isinstance(value, np.ndarray) else np.array([value], dtype=object if isinstance(value, (bytes, str)) else bool)
-    return parse_request(values, params, tokenizer=tokenizer, max_tokens_limit=2048, default_max_tokens=16,
-                         max_text_bytes=1000)
+        values[name] = (
+            value
+            if isinstance(value, np.ndarray)
+            else np.array([value], dtype=object if isinstance(value, (bytes, str)) else bool)
+        )
+    return parse_request(values, params, tokenizer=tokenizer, max_tokens_limit=2048, default_max_tokens=16, max_text_bytes=1000)
 
 
 def test_defaults_and_both_parameter_sources(tokenizer):
     r = req(tokenizer)
     assert r.prompt == "Hello" and r.params.max_tokens == 16 and not r.stream
-    r = req(tokenizer, sampling_parameters=json.dumps({"max_tokens": 5, "temperature": 0.5}),
-            params={"temperature": 0, "stop": '["a", "b"]', "priority": 1}, stream=True)
+    r = req(
+        tokenizer,
+        sampling_parameters=json.dumps({"max_tokens": 5, "temperature": 0.5}),
+        params={"temperature": 0, "stop": '["a", "b"]', "priority": 1},
+        stream=True,
+    )
     assert r.params.max_tokens == 5 and r.params.temperature == 0.0 and r.params.stop == ("a", "b")
     assert r.stream
     # The generate endpoint's JSON may carry the boolean inputs as parameters.
@@ -43,10 +50,12 @@ def test_defaults_and_both_parameter_sources(tokenizer):
 
 
 def test_numbers_and_booleans_as_strings_are_converted_as_the_vllm_backend_does(tokenizer):
-    r = req(tokenizer, sampling_parameters=json.dumps({"max_tokens": "8", "temperature": "0.5", "ignore_eos": "true"}),
-            params={"top_k": "5", "seed": "7"})
-    assert (r.params.max_tokens, r.params.temperature, r.params.ignore_eos, r.params.top_k, r.params.seed) == \
-        (8, 0.5, True, 5, 7)
+    r = req(
+        tokenizer,
+        sampling_parameters=json.dumps({"max_tokens": "8", "temperature": "0.5", "ignore_eos": "true"}),
+        params={"top_k": "5", "seed": "7"},
+    )
+    assert (r.params.max_tokens, r.params.temperature, r.params.ignore_eos, r.params.top_k, r.params.seed) == (8, 0.5, True, 5, 7)
     with pytest.raises(InputError, match="max_tokens: must be an integer, got str 'eight'"):
         req(tokenizer, params={"max_tokens": "eight"})
     with pytest.raises(InputError, match="max_tokens: must be an integer"):
@@ -59,26 +68,29 @@ def test_chat_template_renders_messages(tokenizer):
     assert r.prompt.endswith("<|im_start|>assistant\n") and "Be brief." in r.prompt
 
 
-@pytest.mark.parametrize("text, params, inputs, field, words", [
-    (b"   ", None, {}, "text_input", "empty"),
-    (b"\xff\xfe", None, {}, "text_input", "UTF-8"),
-    (b"x" * 1001, None, {}, "text_input", "limit is 1000 bytes"),
-    (b"hi", None, {"sampling_parameters": b"{not json"}, "sampling_parameters", "JSON"),
-    (b"hi", None, {"sampling_parameters": b"[1]"}, "sampling_parameters", "JSON object"),
-    (b"hi", {"bogus": 1}, {}, "bogus", "unknown sampling parameter"),
-    (b"hi", {"max_tokens": 0}, {}, "max_tokens", "> 0"),
-    (b"hi", {"max_tokens": 5000}, {}, "max_tokens", "<= 2048"),
-    (b"hi", {"temperature": -1}, {}, "temperature", ">= 0"),
-    (b"hi", {"top_p": 0}, {}, "top_p", "(0, 1]"),
-    (b"hi", {"top_p": 1.5}, {}, "top_p", "(0, 1]"),
-    (b"hi", {"top_k": -1}, {}, "top_k", "between 0 (0 disables it) and"),
-    (b"hi", {"stop": json.dumps(["s"] * 17)}, {}, "stop", "at most 16"),
-    (b"hi", {"stop": "[broken"}, {}, "stop", "JSON list"),
-    (b"hi", None, {"stream": np.array([1, 2], dtype=bool)}, "stream", "exactly one"),
-    (b"not json", None, {"apply_chat_template": True}, "text_input", "JSON list of messages"),
-    (b'[{"role": "robot", "content": "x"}]', None, {"apply_chat_template": True}, "text_input", "role"),
-    (b'[]', None, {"apply_chat_template": True}, "text_input", "non-empty"),
-])
+@pytest.mark.parametrize(
+    "text, params, inputs, field, words",
+    [
+        (b"   ", None, {}, "text_input", "empty"),
+        (b"\xff\xfe", None, {}, "text_input", "UTF-8"),
+        (b"x" * 1001, None, {}, "text_input", "limit is 1000 bytes"),
+        (b"hi", None, {"sampling_parameters": b"{not json"}, "sampling_parameters", "JSON"),
+        (b"hi", None, {"sampling_parameters": b"[1]"}, "sampling_parameters", "JSON object"),
+        (b"hi", {"bogus": 1}, {}, "bogus", "unknown sampling parameter"),
+        (b"hi", {"max_tokens": 0}, {}, "max_tokens", "> 0"),
+        (b"hi", {"max_tokens": 5000}, {}, "max_tokens", "<= 2048"),
+        (b"hi", {"temperature": -1}, {}, "temperature", ">= 0"),
+        (b"hi", {"top_p": 0}, {}, "top_p", "(0, 1]"),
+        (b"hi", {"top_p": 1.5}, {}, "top_p", "(0, 1]"),
+        (b"hi", {"top_k": -1}, {}, "top_k", "between 0 (0 disables it) and"),
+        (b"hi", {"stop": json.dumps(["s"] * 17)}, {}, "stop", "at most 16"),
+        (b"hi", {"stop": "[broken"}, {}, "stop", "JSON list"),
+        (b"hi", None, {"stream": np.array([1, 2], dtype=bool)}, "stream", "exactly one"),
+        (b"not json", None, {"apply_chat_template": True}, "text_input", "JSON list of messages"),
+        (b'[{"role": "robot", "content": "x"}]', None, {"apply_chat_template": True}, "text_input", "role"),
+        (b"[]", None, {"apply_chat_template": True}, "text_input", "non-empty"),
+    ],
+)
 def test_bad_requests_name_the_field(tokenizer, text, params, inputs, field, words):
     with pytest.raises(InputError) as info:
         req(tokenizer, text, params, **inputs)

@@ -92,7 +92,7 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
     ctx = list(prompt)
     for _ in range(max_tokens):
         ctx.append(periodic_token(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 def run(sched: Scheduler, runner: FakeRunner, outputs: dict, max_steps: int = 5000) -> int:
@@ -117,8 +117,15 @@ def test_drafted_decoding_gives_one_token_at_a_time_output_in_fewer_steps(prefix
 
     def go(k: int, max_seqs: int) -> tuple[dict, int, FakeRunner]:
         bm = BlockManager(128, 4, enable_prefix_caching=prefix)
-        sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_waiting=100, max_model_len=512,
-                          num_speculative_tokens=k, speculative_max_seqs=max_seqs)
+        sched = Scheduler(
+            bm,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            max_waiting=100,
+            max_model_len=512,
+            num_speculative_tokens=k,
+            speculative_max_seqs=max_seqs,
+        )
         for sid, p in prompts.items():
             sched.add(sid, p, lengths[sid], speculative=True)
         outputs: dict = {}
@@ -140,8 +147,15 @@ def test_drafted_decoding_gives_one_token_at_a_time_output_in_fewer_steps(prefix
 
 def test_drafts_respect_max_tokens_the_flag_and_the_batch_limit():
     bm = BlockManager(64, 4)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_waiting=10, max_model_len=256,
-                      num_speculative_tokens=8, speculative_max_seqs=1)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_waiting=10,
+        max_model_len=256,
+        num_speculative_tokens=8,
+        speculative_max_seqs=1,
+    )
     sched.add("a", [1, 2, 3, 4, 5] * 3, 3, speculative=True)
     runner = FakeRunner(bm, periodic_token)
     out = sched.schedule()
@@ -150,8 +164,15 @@ def test_drafts_respect_max_tokens_the_flag_and_the_batch_limit():
     (chunk,) = out.decodes
     assert len(chunk.draft) == 1, "max_tokens 3 with one token out leaves room for one draft token"
     # A sequence not marked speculative never drafts; two decoding sequences exceed speculative_max_seqs 1.
-    sched2 = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=16, max_waiting=10,
-                       max_model_len=256, num_speculative_tokens=4, speculative_max_seqs=1)
+    sched2 = Scheduler(
+        BlockManager(64, 4),
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_waiting=10,
+        max_model_len=256,
+        num_speculative_tokens=4,
+        speculative_max_seqs=1,
+    )
     r2 = FakeRunner(sched2.bm, periodic_token)
     sched2.add("plain", [1, 2, 3, 1, 2, 3, 1, 2], 20, speculative=False)
     out = sched2.schedule()
@@ -171,8 +192,15 @@ def test_drafts_respect_max_tokens_the_flag_and_the_batch_limit():
 def test_drafts_in_a_pool_with_one_free_block():
     # 5 blocks of 4: the sequence holds 4 after its prompt, its drafts take the last one.
     bm = BlockManager(5, 4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=32, max_waiting=10, max_model_len=64,
-                      num_speculative_tokens=8, speculative_max_seqs=2)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        max_waiting=10,
+        max_model_len=64,
+        num_speculative_tokens=8,
+        speculative_max_seqs=2,
+    )
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1]
     sched.add("a", prompt, 6, speculative=True)
     runner = FakeRunner(bm, periodic_token)

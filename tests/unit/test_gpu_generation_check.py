@@ -57,11 +57,21 @@ def test_compare_tokens_counts_the_matching_prefix_and_first_divergence():
 
 
 def test_fp32_parity_on_cpu_is_exact(tiny_dir):
-    results = check.run_checks(tiny_dir, torch.device("cpu"), ["float32"], prompt_lengths=PROMPT_LENGTHS,
-                               new_tokens=NEW_TOKENS, throughput=False, log=lambda _: None)
+    results = check.run_checks(
+        tiny_dir,
+        torch.device("cpu"),
+        ["float32"],
+        prompt_lengths=PROMPT_LENGTHS,
+        new_tokens=NEW_TOKENS,
+        throughput=False,
+        log=lambda _: None,
+    )
     (res,) = results
     assert [p.mode.split(" (")[0] for p in res.parity] == [
-        "engine one at a time", "engine batched", "engine batched, prefix hits"]
+        "engine one at a time",
+        "engine batched",
+        "engine batched, prefix hits",
+    ]
     for p in res.parity:
         assert p.identical, p
         assert p.matching_prefix == 1.0
@@ -77,9 +87,14 @@ def test_fp32_parity_on_cpu_is_exact(tiny_dir):
 
 
 def test_fp32_parity_fails_when_the_engine_runs_other_weights(tiny_dir, perturbed_dir):
-    res = check.check_parity(tiny_dir, torch.device("cpu"), "float32",
-                             check.make_prompts(PROMPT_LENGTHS, check.TINY["vocab_size"], check.SEED),
-                             NEW_TOKENS, engine_model_dir=perturbed_dir)
+    res = check.check_parity(
+        tiny_dir,
+        torch.device("cpu"),
+        "float32",
+        check.make_prompts(PROMPT_LENGTHS, check.TINY["vocab_size"], check.SEED),
+        NEW_TOKENS,
+        engine_model_dir=perturbed_dir,
+    )
     assert res.logits_max_abs_diff > check.FP32_LOGITS_TOL
     assert not res.passed()
     failures = check.fp32_failures([res])
@@ -93,8 +108,7 @@ def test_fp32_parity_fails_when_the_engine_runs_other_weights(tiny_dir, perturbe
 
 
 def test_throughput_rows_on_cpu(tiny_dir):
-    rows = check.measure_throughput(tiny_dir, torch.device("cpu"), "float32", streams=(1, 2), new_tokens=4,
-                                    serial_requests=1)
+    rows = check.measure_throughput(tiny_dir, torch.device("cpu"), "float32", streams=(1, 2), new_tokens=4, serial_requests=1)
     assert [r["streams"] for r in rows] == [1, 2]
     for r in rows:
         for key in ("engine_tok_s", "hf_static_batch_tok_s", "hf_one_at_a_time_tok_s"):

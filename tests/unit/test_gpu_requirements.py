@@ -35,8 +35,12 @@ def pins() -> dict[str, str]:
 
 
 def available_versions(name: str) -> tuple[int, list[str], str]:
-    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name, "--disable-pip-version-check"],
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", name, "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     listed = re.search(r"^Available versions:\s*(.*)$", out.stdout, re.M)
     return out.returncode, [v.strip() for v in listed.group(1).split(",")] if listed else [], out.stderr
 

@@ -24,8 +24,9 @@ gpu = pytest.mark.gpu
 def repo(tmp_path):
     """A copy of text_encoder's folder (exported files included) to build variants into."""
     copy = tmp_path / "model_repository"
-    shutil.copytree(SOURCE_REPO / "text_encoder", copy / "text_encoder",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.candidate"))
+    shutil.copytree(
+        SOURCE_REPO / "text_encoder", copy / "text_encoder", ignore=shutil.ignore_patterns("__pycache__", "*.candidate")
+    )
     return copy
 
 
@@ -34,8 +35,9 @@ def _ort_trt_reason() -> str | None:
 
 
 @gpu
-@pytest.mark.skipif(tensorrt_engine.unavailable_reason() is not None,
-                    reason=f"TensorRT engine: {tensorrt_engine.unavailable_reason()}")
+@pytest.mark.skipif(
+    tensorrt_engine.unavailable_reason() is not None, reason=f"TensorRT engine: {tensorrt_engine.unavailable_reason()}"
+)
 def test_text_encoder_tensorrt_engine_builds_and_passes_its_gate(repo):
     report = pipeline.run(TextEncoderPipeline(), repo, speed=False, only=("trt_plan",))
     row = next(r for r in report["variants"] if r["variant"] == "trt_plan")
@@ -77,8 +79,11 @@ def _plan_repo(tmp_path, built_by):
     entry = {"status": "passed", "file": "model.plan", "file_sha256": "x"}
     if built_by is not None:
         entry["tensorrt_version"] = built_by
-    manifest = {"model": "text_encoder", "best": {"gpu": "trt_plan", "cpu": "int8"},
-                "variants": {"trt_plan": entry, "fp16": {"status": "passed", "file": "model.fp16.onnx"}}}
+    manifest = {
+        "model": "text_encoder",
+        "best": {"gpu": "trt_plan", "cpu": "int8"},
+        "variants": {"trt_plan": entry, "fp16": {"status": "passed", "file": "model.fp16.onnx"}},
+    }
     (model / "variants.json").write_text(json.dumps(manifest))
     return tmp_path
 

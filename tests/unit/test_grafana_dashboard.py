@@ -47,21 +47,50 @@ GRAFANA_VARIABLES = {"__rate_interval": "1m", "__interval": "15s", "__range": "1
 # tritonserver 2.51's families on its metrics port (a scrape of `make serve`'s server with
 # --metrics-config=summary_latencies=true, CPU only: the GPU families are not listed).
 TRITON_FAMILIES = {
-    "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count", "nv_inference_exec_count",
-    "nv_inference_request_duration_us", "nv_inference_queue_duration_us", "nv_inference_compute_input_duration_us",
-    "nv_inference_compute_infer_duration_us", "nv_inference_compute_output_duration_us",
-    "nv_inference_pending_request_count", "nv_inference_request_summary_us", "nv_inference_queue_summary_us",
-    "nv_inference_compute_input_summary_us", "nv_inference_compute_infer_summary_us",
-    "nv_inference_compute_output_summary_us", "nv_cache_num_hits_per_model", "nv_cache_num_misses_per_model",
-    "nv_cache_hit_summary_per_model", "nv_cache_miss_summary_per_model", "nv_cache_util", "nv_cache_num_entries",
-    "nv_cpu_utilization", "nv_cpu_memory_used_bytes", "nv_cpu_memory_total_bytes",
+    "nv_inference_request_success",
+    "nv_inference_request_failure",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+    "nv_inference_request_duration_us",
+    "nv_inference_queue_duration_us",
+    "nv_inference_compute_input_duration_us",
+    "nv_inference_compute_infer_duration_us",
+    "nv_inference_compute_output_duration_us",
+    "nv_inference_pending_request_count",
+    "nv_inference_request_summary_us",
+    "nv_inference_queue_summary_us",
+    "nv_inference_compute_input_summary_us",
+    "nv_inference_compute_infer_summary_us",
+    "nv_inference_compute_output_summary_us",
+    "nv_cache_num_hits_per_model",
+    "nv_cache_num_misses_per_model",
+    "nv_cache_hit_summary_per_model",
+    "nv_cache_miss_summary_per_model",
+    "nv_cache_util",
+    "nv_cache_num_entries",
+    "nv_cpu_utilization",
+    "nv_cpu_memory_used_bytes",
+    "nv_cpu_memory_total_bytes",
 }
 # What Prometheus itself adds to every scrape.
 PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 # Where the project's own metric names are written (as string literals).
 EMITTING_CODE = ("python_backends", "openai_gateway", "model_repository")
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
-                "offset", "inf", "nan"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +110,7 @@ def queries(board: dict) -> list[tuple[str, str]]:
 def substitute(expr: str) -> str:
     """Grafana's $var and ${var} (only its own names: label_replace's "$1" stays)."""
     names = "|".join(map(re.escape, GRAFANA_VARIABLES))
-    return re.sub(r"\$\{(" + names + r")\}|\$(" + names + r")\b",
-                  lambda m: GRAFANA_VARIABLES[m.group(1) or m.group(2)], expr)
+    return re.sub(r"\$\{(" + names + r")\}|\$(" + names + r")\b", lambda m: GRAFANA_VARIABLES[m.group(1) or m.group(2)], expr)
 
 
 def metric_names(expr: str) -> set[str]:
@@ -93,7 +121,7 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     names = set()
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
-        rest = text[match.end():].lstrip()
+        rest = text[match.end() :].lstrip()
         if rest.startswith("(") or match.group(0).lower() in PROMQL_WORDS:
             continue  # a function or aggregation, or a keyword
         names.add(match.group(0))
@@ -156,15 +184,35 @@ def test_panel_ids_are_unique_and_the_grid_has_no_overlap(board):
 def test_the_dashboard_shows_what_the_issue_asks_for(board):
     exprs = " ".join(e for _, e in queries(board))
     titles = " ".join(p["title"] for p in panels(board)).lower()
-    for name in ("nv_inference_request_success", "nv_inference_request_summary_us", "model:nv_inference_queue_time_us:avg_rate1m",
-                 "embedding_tokenizer_batch_size_bucket", "job:embedding_padding_fill_rate:ratio_rate5m",
-                 "embedding_cache_lookups_total", "llm_kv_cache_blocks_used", "llm_kv_cache_blocks_total",
-                 "llm_time_to_first_token_seconds_bucket", "canary_encoder_calls_total", 'up{job="triton"}'):
+    for name in (
+        "nv_inference_request_success",
+        "nv_inference_request_summary_us",
+        "model:nv_inference_queue_time_us:avg_rate1m",
+        "embedding_tokenizer_batch_size_bucket",
+        "job:embedding_padding_fill_rate:ratio_rate5m",
+        "embedding_cache_lookups_total",
+        "llm_kv_cache_blocks_used",
+        "llm_kv_cache_blocks_total",
+        "llm_time_to_first_token_seconds_bucket",
+        "canary_encoder_calls_total",
+        'up{job="triton"}',
+    ):
         assert name in exprs, name
     for entry in dashboard.CLASS_ENTRIES:
         assert entry in exprs
-    for word in ("requests/s", "p50 / p99", "per class", "queue time", "batch size", "fill rate", "hit rate per level",
-                 "kv cache", "first token", "canary split", "replicas up"):
+    for word in (
+        "requests/s",
+        "p50 / p99",
+        "per class",
+        "queue time",
+        "batch size",
+        "fill rate",
+        "hit rate per level",
+        "kv cache",
+        "first token",
+        "canary split",
+        "replicas up",
+    ):
         assert word in titles, word
 
 
@@ -177,9 +225,13 @@ def test_every_metric_name_is_emitted_or_known(board):
             if ":" in name:
                 ok = name in rules
             else:
-                ok = any(n in TRITON_FAMILIES or n in PROMETHEUS_SERIES or n in literals
-                         or n.removesuffix("_total") in literals  # prometheus_client adds _total
-                         for n in (name, base))
+                ok = any(
+                    n in TRITON_FAMILIES
+                    or n in PROMETHEUS_SERIES
+                    or n in literals
+                    or n.removesuffix("_total") in literals  # prometheus_client adds _total
+                    for n in (name, base)
+                )
             if not ok:
                 unknown.append((title, name))
     assert not unknown, f"names neither emitted by the project, nor Triton's, nor recording rules: {unknown}"
@@ -250,7 +302,10 @@ class Exposition:
                 for bound in [*m.buckets, float("inf")]:
                     le = "+Inf" if bound == float("inf") else f"{bound:g}"
                     lines.append(f"{f.name}_bucket{labels({**m.labels, 'le': le})} {sum(v <= bound for v in m.observed)}")
-                lines += [f"{f.name}_sum{labels(m.labels)} {sum(m.observed)}", f"{f.name}_count{labels(m.labels)} {len(m.observed)}"]
+                lines += [
+                    f"{f.name}_sum{labels(m.labels)} {sum(m.observed)}",
+                    f"{f.name}_count{labels(m.labels)} {len(m.observed)}",
+                ]
         return "\n".join(lines) + "\n"
 
 
@@ -259,8 +314,16 @@ class TritonReplica:
     and Triton's own families with the labels tritonserver 2.51 gives them. Every scrape is one
     more second of traffic, so rates are non-zero."""
 
-    MODELS = ("text_embedding", "text_tokenizer", "text_encoder", "text_encoder_interactive", "text_embedding_interactive",
-              *dashboard.CLASS_ENTRIES, "image_classification", "text_generation")
+    MODELS = (
+        "text_embedding",
+        "text_tokenizer",
+        "text_encoder",
+        "text_encoder_interactive",
+        "text_embedding_interactive",
+        *dashboard.CLASS_ENTRIES,
+        "image_classification",
+        "text_generation",
+    )
 
     def __init__(self, replica: int):
         from python_backends.cache.triton_metrics import CacheMetrics
@@ -294,8 +357,10 @@ class TritonReplica:
             self.tally.record(version, "error" if n == 5 else "ok", ms=3.0 + n)
         results, buckets = self.tally.drain()
         base = {"model": "text_encoder", "instance": "text_encoder_router_0_0"}
-        for family, extra in [(self.calls, {(f"{v}", r): n for (v, r), n in results.items()}),
-                              (self.latency, {(f"{v}", le): n for (v, le), n in buckets.items()})]:
+        for family, extra in [
+            (self.calls, {(f"{v}", r): n for (v, r), n in results.items()}),
+            (self.latency, {(f"{v}", le): n for (v, le), n in buckets.items()}),
+        ]:
             key_name = "result" if family is self.calls else "le"
             for (version, key), n in extra.items():
                 labels = {**base, "version": version, key_name: key}
@@ -325,14 +390,23 @@ class TritonReplica:
         g.gauges["num_requests_waiting"].set(1)
         self._router()
         for model in self.MODELS:
-            add = {"nv_inference_request_success": 50, "nv_inference_count": 80, "nv_inference_exec_count": 10,
-                   "nv_inference_request_duration_us": 50 * 9000, "nv_inference_queue_duration_us": 50 * 700,
-                   "nv_inference_compute_infer_duration_us": 10 * 5000}
+            add = {
+                "nv_inference_request_success": 50,
+                "nv_inference_count": 80,
+                "nv_inference_exec_count": 10,
+                "nv_inference_request_duration_us": 50 * 9000,
+                "nv_inference_queue_duration_us": 50 * 700,
+                "nv_inference_compute_infer_duration_us": 10 * 5000,
+            }
             for name, n in add.items():
                 key = (name, (("model", model), ("version", "1")))
                 self.triton[key] = self.triton.get(key, 0) + n
-            for reason, n in (("REJECTED", 1 if model in dashboard.CLASS_ENTRIES else 0), ("BACKEND", 0), ("OTHER", 0),
-                              ("CANCELED", 0)):
+            for reason, n in (
+                ("REJECTED", 1 if model in dashboard.CLASS_ENTRIES else 0),
+                ("BACKEND", 0),
+                ("OTHER", 0),
+                ("CANCELED", 0),
+            ):
                 key = ("nv_inference_request_failure", (("model", model), ("reason", reason), ("version", "1")))
                 self.triton[key] = self.triton.get(key, 0) + n
         for model in ("text_tokenizer", "image_preprocess"):
@@ -341,13 +415,14 @@ class TritonReplica:
                 self.triton[key] = self.triton.get(key, 0) + n
 
     def text(self) -> str:
-        lines = [f'{name}{{{",".join(f"{k}={json.dumps(v)}" for k, v in labels)}}} {value}'
-                 for (name, labels), value in sorted(self.triton.items())]
+        lines = [
+            f"{name}{{{','.join(f'{k}={json.dumps(v)}' for k, v in labels)}}} {value}"
+            for (name, labels), value in sorted(self.triton.items())
+        ]
         for model in self.MODELS:
             for family, base in (("nv_inference_request_summary_us", 9000), ("nv_inference_queue_summary_us", 700)):
                 for quantile, factor in (("0.5", 1), ("0.9", 2), ("0.95", 3), ("0.99", 5), ("0.999", 8)):
-                    lines.append(f'{family}{{model="{model}",version="1",quantile="{quantile}"}} '
-                                 f"{base * factor * self.replica}")
+                    lines.append(f'{family}{{model="{model}",version="1",quantile="{quantile}"}} {base * factor * self.replica}')
         lines.append(f"nv_cpu_utilization {0.3 * self.replica}")
         return "\n".join(lines) + "\n" + self.pb.text()
 
@@ -419,9 +494,17 @@ def prom(tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(work / "prometheus.log", "w") as log:
-        process = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
-                                    f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                                    "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={work / 'prometheus.yml'}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 30
             while True:

@@ -37,8 +37,7 @@ def _encoder(shape, raw_len=None, datatype="INT64"):
 
 def test_a_valid_request_passes():
     assert check_request(_encoder([2, 8]), LIMITS, stream=False) is None
-    assert check_request(_request("text_embedding", ("TEXT", "BYTES", [2, 1], _bytes(b"a", b"bc"))), LIMITS,
-                         stream=False) is None
+    assert check_request(_request("text_embedding", ("TEXT", "BYTES", [2, 1], _bytes(b"a", b"bc"))), LIMITS, stream=False) is None
 
 
 def test_the_wrapping_shape_of_the_issue_is_refused_naming_the_input_and_the_limit():
@@ -48,8 +47,7 @@ def test_the_wrapping_shape_of_the_issue_is_refused_naming_the_input_and_the_lim
 
 
 SIZES = {"INT64": 8, "FP32": 4, "INT32": 4, "FP16": 2, "UINT8": 1, "BOOL": 1}
-FIXED_SIZE_MODELS = sorted(m for m, spec in LIMITS.models.items()
-                           if any(s["datatype"] in SIZES for s in spec["inputs"].values()))
+FIXED_SIZE_MODELS = sorted(m for m, spec in LIMITS.models.items() if any(s["datatype"] in SIZES for s in spec["inputs"].values()))
 
 
 def test_the_repository_has_fixed_size_inputs_to_attack():
@@ -114,11 +112,22 @@ def test_junk_bytes_prefixes_are_refused():
     assert count_bytes_elements(_bytes(b"", b"x", b"yz"), "x") == 3
 
 
-@pytest.mark.parametrize("case, rule", [
-    ("wrong_datatype", "datatype"), ("unknown_input", "name"), ("rank", "rank"), ("negative_dim", "dim"),
-    ("fixed_dim", "dim"), ("zero_batch", "batch"), ("duplicate", "name"), ("raw_count", "data"),
-    ("no_data", "data"), ("unknown_datatype", "datatype"), ("too_many_dims", "rank"),
-])
+@pytest.mark.parametrize(
+    "case, rule",
+    [
+        ("wrong_datatype", "datatype"),
+        ("unknown_input", "name"),
+        ("rank", "rank"),
+        ("negative_dim", "dim"),
+        ("fixed_dim", "dim"),
+        ("zero_batch", "batch"),
+        ("duplicate", "name"),
+        ("raw_count", "data"),
+        ("no_data", "data"),
+        ("unknown_datatype", "datatype"),
+        ("too_many_dims", "rank"),
+    ],
+)
 def test_each_malformed_header_gets_one_refusal_naming_the_field(case, rule):
     one = _bytes(b"x")
     img = np.zeros((1, 3, 224, 224), np.float32).tobytes()

@@ -47,7 +47,8 @@ def test_each_preprocessing_step_has_its_weights_recipe():
     assert resnet == PreprocessOptions()  # torchvision's recipe, the library's default
     assert lite.mean != resnet.mean and lite.std != resnet.std
     assert (REPO / "image_preprocess_resnet50" / "1" / "model.py").read_text() == (
-        REPO / "image_preprocess" / "1" / "model.py").read_text()
+        REPO / "image_preprocess" / "1" / "model.py"
+    ).read_text()
 
 
 @pytest.mark.parametrize("ensemble_name", sorted(ENSEMBLES))

@@ -131,12 +131,25 @@ def test_export_with_weights_records_them(exported, tmp_path):
 def small_cnn(tmp_path_factory):
     torch.manual_seed(0)
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3, stride=2, padding=1),
-        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10),
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 10),
     ).eval()
     path = tmp_path_factory.mktemp("cnn") / "model.onnx"
-    torch.onnx.export(net, (torch.zeros(2, 3, 32, 32),), str(path), input_names=["pixel_values"], output_names=["logits"],
-                      dynamic_axes={"pixel_values": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17, dynamo=False)
+    torch.onnx.export(
+        net,
+        (torch.zeros(2, 3, 32, 32),),
+        str(path),
+        input_names=["pixel_values"],
+        output_names=["logits"],
+        dynamic_axes={"pixel_values": {0: "batch"}, "logits": {0: "batch"}},
+        opset_version=17,
+        dynamo=False,
+    )
     rng = np.random.default_rng(0)
     calibration = rng.normal(0, 1, (16, 3, 32, 32)).astype(np.float32)
     evaluation = rng.normal(0, 1, (16, 3, 32, 32)).astype(np.float32)
@@ -152,7 +165,9 @@ def test_int8_is_static_qdq_per_channel_and_close(small_cnn, tmp_path):
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
     assert not any(op in ops for op in ("DynamicQuantizeLinear", "ConvInteger"))  # static, not dynamic
     inits = {t.name: t for t in graph.initializer}
-    per_channel = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[1] in inits and list(inits[n.input[1]].dims) == [32]]
+    per_channel = [
+        n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[1] in inits and list(inits[n.input[1]].dims) == [32]
+    ]
     assert per_channel, "the 32-channel convolution's weights should have one scale per channel"
     reference = image_quant.run_logits(src, evaluation)
     metrics = image_quant.agreement(reference, image_quant.run_logits(dst, evaluation))
@@ -193,7 +208,9 @@ def test_bias_correction_cancels_the_mean_shift_of_weight_rounding(small_cnn, tm
         inits = {t.name: t for t in model.graph.initializer}
         for node in model.graph.node:
             if node.name in dequantized:
-                inits[node.input[1]].CopyFrom(onnx.numpy_helper.from_array(dequantized[node.name].astype(np.float32), node.input[1]))
+                inits[node.input[1]].CopyFrom(
+                    onnx.numpy_helper.from_array(dequantized[node.name].astype(np.float32), node.input[1])
+                )
                 inits[node.input[2]].CopyFrom(biases[node.input[2]])
         return model
 

@@ -150,7 +150,10 @@ def test_truncated_inside_the_header():
         (b"", r"^IMAGE\[0\]: empty \(0 bytes\); a JPEG or PNG file was expected$"),
         (np.random.default_rng(1).bytes(5000), r"^IMAGE\[0\]: not a decodable image \(JPEG/PNG expected\)$"),
         (b"hello, world", r"^IMAGE\[0\]: not a decodable image \(JPEG/PNG expected\)$"),
-        (b"\x89PNG\r\n\x1a\n" + np.random.default_rng(2).bytes(100), r"^IMAGE\[0\]: not a decodable image \(JPEG/PNG expected\): corrupt PNG header"),
+        (
+            b"\x89PNG\r\n\x1a\n" + np.random.default_rng(2).bytes(100),
+            r"^IMAGE\[0\]: not a decodable image \(JPEG/PNG expected\): corrupt PNG header",
+        ),
         (b"GIF89a" + bytes(40), r"^IMAGE\[0\]: GIF images are not accepted \(JPEG/PNG expected\)$"),
         (b"RIFF\x00\x00\x00\x00WEBPVP8 ", r"^IMAGE\[0\]: WEBP images are not accepted"),
     ],
@@ -186,8 +189,11 @@ def test_pixel_limit_is_checked_from_the_header_before_decoding():
 def test_extreme_aspect_ratio_is_refused_before_resizing():
     """1 x 10000 is small, but scaling its shorter side to 256 would make it 655 MP."""
     line = encode(np.zeros((10000, 1, 3), np.uint8), "PNG")
-    with pytest.raises(InputError, match=r"^IMAGE\[0\]: 1x10000 would be resized to 256x2560000 = 655.4 MP before cropping, "
-                       r"over the 40 MP limit: aspect ratio too extreme$"):
+    with pytest.raises(
+        InputError,
+        match=r"^IMAGE\[0\]: 1x10000 would be resized to 256x2560000 = 655.4 MP before cropping, "
+        r"over the 40 MP limit: aspect ratio too extreme$",
+    ):
         decode_image(line, "IMAGE[0]")
     assert decode_image(encode(np.zeros((2000, 20, 3), np.uint8), "PNG"), "IMAGE[0]").size == (20, 2000)  # 100:1 is fine
 

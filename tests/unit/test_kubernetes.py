@@ -45,8 +45,9 @@ def kubectl() -> str:
 
 
 def build(folder: str) -> list[dict]:
-    result = subprocess.run([kubectl(), "kustomize", str(DEPLOY / folder)], capture_output=True, text=True,
-                            timeout=60, check=False)
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(DEPLOY / folder)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, f"kubectl kustomize {folder} failed:\n{result.stderr}"
     assert not result.stderr.strip(), f"kubectl kustomize {folder} warned:\n{result.stderr}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -70,8 +71,11 @@ def container(pod_spec: dict, name: str) -> dict:
 
 
 def pod_ports(pod_spec: dict) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for c in pod_spec["containers"] + pod_spec.get("initContainers", [])
-            for p in c.get("ports", [])}
+    return {
+        p["name"]: p["containerPort"]
+        for c in pod_spec["containers"] + pod_spec.get("initContainers", [])
+        for p in c.get("ports", [])
+    }
 
 
 def pod_spec(obj: dict) -> dict:
@@ -84,9 +88,9 @@ def arg_values(args: list[str], flag: str) -> list[str]:
 
 # --- kustomize and the schemas ---------------------------------------------------------------
 
+
 def test_kustomize_is_the_real_one():
-    out = subprocess.run([kubectl(), "version", "--client"], capture_output=True, text=True, timeout=30,
-                         check=True).stdout
+    out = subprocess.run([kubectl(), "version", "--client"], capture_output=True, text=True, timeout=30, check=True).stdout
     assert re.search(r"Kustomize Version: v5\.", out), out
 
 
@@ -114,8 +118,7 @@ def test_built_objects_validate_against_the_kubernetes_schemas(built, folder, ve
         try:
             kubernetes_validate.validate(obj, version, strict=True)  # strict: unknown fields refused
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{folder}: {obj['kind']}/{obj['metadata']['name']} at {'.'.join(map(str, exc.path))}: "
-                        f"{exc.message}")
+            pytest.fail(f"{folder}: {obj['kind']}/{obj['metadata']['name']} at {'.'.join(map(str, exc.path))}: {exc.message}")
         checked += 1
     assert checked >= {"overlays/cpu": 15, "overlays/gpu": 16}.get(folder, 1)
 
@@ -151,16 +154,20 @@ def test_custom_resources_validate_against_their_crd_schemas(built):
     for obj in objects:
         errors = sorted(crd_validator(obj["apiVersion"], obj["kind"]).iter_errors(obj), key=lambda e: list(e.path))
         assert not errors, f"{obj['kind']}/{obj['metadata']['name']}: " + "; ".join(
-            f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+            f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors
+        )
 
 
-@pytest.mark.parametrize("kind, path, bad", [
-    ("InferenceService", ("spec", "predictor"), {"canaryTrafficPercnt": 10}),
-    ("InferenceService", ("spec", "predictor"), {"scaleMetric": "queue_time"}),
-    ("ServingRuntime", ("spec",), {"protocolVersion": ["grpc-v2"]}),
-    ("ServiceMonitor", ("spec", "endpoints", 0), {"prot": "metrics"}),
-    ("PodMonitor", ("spec", "podMetricsEndpoints", 0), {"portNumber": 70000}),
-])
+@pytest.mark.parametrize(
+    "kind, path, bad",
+    [
+        ("InferenceService", ("spec", "predictor"), {"canaryTrafficPercnt": 10}),
+        ("InferenceService", ("spec", "predictor"), {"scaleMetric": "queue_time"}),
+        ("ServingRuntime", ("spec",), {"protocolVersion": ["grpc-v2"]}),
+        ("ServiceMonitor", ("spec", "endpoints", 0), {"prot": "metrics"}),
+        ("PodMonitor", ("spec", "podMetricsEndpoints", 0), {"portNumber": 70000}),
+    ],
+)
 def test_the_crd_schemas_refuse_what_upstream_refuses(built, kind, path, bad):
     obj = json.loads(json.dumps(next(o for o in crd_objects(built) if o["kind"] == kind)))
     node = obj
@@ -189,6 +196,7 @@ def test_adapter_config_fields_are_the_adapters(built):
 
 # --- the overlays ----------------------------------------------------------------------------
 
+
 def test_every_volume_has_one_source(built):
     # A strategic-merge patch that adds a source without removing the old one leaves two.
     for folder in ("overlays/cpu", "overlays/gpu"):
@@ -202,8 +210,12 @@ def test_cpu_overlay_has_no_gpu(built):
     text = yaml.safe_dump_all(built["overlays/cpu"])
     assert "nvidia.com/gpu" not in text
     assert find(built["overlays/cpu"], "ConfigMap", "serving-config")["data"]["PRECISION"] == "cpu"
-    images = {c["image"] for o in built["overlays/cpu"] if o["kind"] in ("Deployment", "Job")
-              for c in pod_spec(o)["containers"] + pod_spec(o).get("initContainers", [])}
+    images = {
+        c["image"]
+        for o in built["overlays/cpu"]
+        if o["kind"] in ("Deployment", "Job")
+        for c in pod_spec(o)["containers"] + pod_spec(o).get("initContainers", [])
+    }
     assert {"text-embedding-triton:24.10-cpu", "text-embedding-tools:cpu", "text-embedding-gateway:1"} <= images
 
 
@@ -215,8 +227,11 @@ def test_images_are_docker_composes(built):
     """The images docker-compose.yml builds and runs (docker/Dockerfile, docker/gateway.Dockerfile)."""
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     cpu, gpu = images_of(built["overlays/cpu"]), images_of(built["overlays/gpu"])
-    triton = {"cpu" in svc.get("profiles", ()): svc["image"] for svc in services.values()
-              if svc.get("image", "").startswith("text-embedding-triton:")}
+    triton = {
+        "cpu" in svc.get("profiles", ()): svc["image"]
+        for svc in services.values()
+        if svc.get("image", "").startswith("text-embedding-triton:")
+    }
     assert cpu["triton"] == triton[True] and gpu["triton"] == triton[False]
     for name in ("gateway", "redis"):
         assert cpu[name] == gpu[name] == services[name]["image"], name
@@ -276,6 +291,7 @@ def test_startup_probe_allows_model_loads_and_tensorrt_builds(built):
 
 # --- consistency with the repository ---------------------------------------------------------
 
+
 def resolve_env(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], a) for a in args]
 
@@ -286,17 +302,35 @@ def launcher_command(model_config_name: str, cache_size_bytes: int, token: str) 
     from server.process import ServerOptions, TritonServer, default_models
 
     repo = ROOT / "model_repository"
-    server = TritonServer(ServerOptions(model_repository=repo, models=default_models(repo), front_door=False,
-                                        model_config_name=model_config_name, cache_size_bytes=cache_size_bytes,
-                                        repository_token=token, summary_latencies=True))
+    server = TritonServer(
+        ServerOptions(
+            model_repository=repo,
+            models=default_models(repo),
+            front_door=False,
+            model_config_name=model_config_name,
+            cache_size_bytes=cache_size_bytes,
+            repository_token=token,
+            summary_latencies=True,
+        )
+    )
     server.layout = SimpleNamespace(binary=Path("tritonserver"), backends=Path("b"), caches=Path("c"))
     return server.command()[1:]
 
 
 # Flags the launcher sets from its own layout (paths, loopback addresses, ports, log level).
-LOCAL_ONLY = ("--model-repository", "--backend-directory", "--cache-directory", "--http-address", "--grpc-address",
-              "--metrics-address", "--http-port", "--grpc-port", "--metrics-port", "--log-verbose",
-              "--exit-timeout-secs")
+LOCAL_ONLY = (
+    "--model-repository",
+    "--backend-directory",
+    "--cache-directory",
+    "--http-address",
+    "--grpc-address",
+    "--metrics-address",
+    "--http-port",
+    "--grpc-port",
+    "--metrics-port",
+    "--log-verbose",
+    "--exit-timeout-secs",
+)
 
 
 def test_triton_runs_with_the_launchers_flags_and_models(built, repository_configs):
@@ -305,8 +339,7 @@ def test_triton_runs_with_the_launchers_flags_and_models(built, repository_confi
     c = container(pod_spec(find(objects, "Deployment", "triton")), "triton")
     args = resolve_env(c["args"], {**config, "TRITON_REPOSITORY_TOKEN": "T"})
     launcher = launcher_command(config["PRECISION"], int(config["TRITON_CACHE_SIZE_BYTES"]), "T")
-    assert sorted(a for a in args if not a.startswith(LOCAL_ONLY)) == sorted(
-        a for a in launcher if not a.startswith(LOCAL_ONLY))
+    assert sorted(a for a in args if not a.startswith(LOCAL_ONLY)) == sorted(a for a in launcher if not a.startswith(LOCAL_ONLY))
     assert arg_values(args, "--model-repository") == ["/models"]
     # Every loaded model, and every model it reaches, is in the repository.
     from server.process import closure
@@ -449,12 +482,13 @@ def test_export_job_writes_what_the_pods_mount(built, tmp_path):
     assert f"{mount}/export-done" in script.splitlines()[-1]  # written last: the pods' init containers wait for it
     # The front door's configuration, rendered as the Job does it (into a temporary folder).
     render = next(line for line in script.splitlines() if "server.frontdoor render" in line)
-    argv = shlex.split(render.replace(f"{mount}/model_repository", str(ROOT / "model_repository"))
-                       .replace(f"{mount}/frontdoor", str(tmp_path)))
+    argv = shlex.split(
+        render.replace(f"{mount}/model_repository", str(ROOT / "model_repository")).replace(f"{mount}/frontdoor", str(tmp_path))
+    )
     from server.frontdoor import COMPOSE_MOUNT
     from server.frontdoor import main as frontdoor_main
 
-    assert frontdoor_main(argv[argv.index("render"):]) == 0
+    assert frontdoor_main(argv[argv.index("render") :]) == 0
     # The sidecar proxies to tritonserver's loopback ports in the same pod.
     host, *ports = argv[argv.index("--upstream") + 1].split(":")
     triton = container(pod_spec(find(objects, "Deployment", "triton")), "triton")
@@ -466,8 +500,12 @@ def test_export_job_writes_what_the_pods_mount(built, tmp_path):
     subpaths = {}
     for name in ("triton", "gateway"):
         d = pod_spec(find(objects, "Deployment", name))
-        subpaths[name] = {m["subPath"]: m["mountPath"] for c in d["containers"] + d.get("initContainers", [])
-                          for m in c["volumeMounts"] if "subPath" in m}
+        subpaths[name] = {
+            m["subPath"]: m["mountPath"]
+            for c in d["containers"] + d.get("initContainers", [])
+            for m in c["volumeMounts"]
+            if "subPath" in m
+        }
     assert subpaths["triton"] == {"model_repository": "/models", "frontdoor": COMPOSE_MOUNT}
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     assert gateway["args"][gateway["args"].index("--model-repository") + 1] == subpaths["gateway"]["model_repository"]
@@ -487,11 +525,35 @@ def test_sidecar_config_passes_nginx_t(built, tmp_path):
     render = shlex.split(next(line for line in job["args"][0].splitlines() if "server.frontdoor render" in line))
     upstream = render[render.index("--upstream") + 1]
     here = tmp_path / "frontdoor"
-    assert frontdoor.main(["render", "--out", str(here), "--repository", str(ROOT / "model_repository"),
-                           "--mount", str(here), "--js-module", str(module), "--workdir", str(here),
-                           "--upstream", upstream, "--listen", "0.0.0.0"]) == 0
-    done = subprocess.run([str(nginx), "-t", "-p", str(here), "-c", str(here / "nginx.conf"), "-e", "stderr"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    assert (
+        frontdoor.main(
+            [
+                "render",
+                "--out",
+                str(here),
+                "--repository",
+                str(ROOT / "model_repository"),
+                "--mount",
+                str(here),
+                "--js-module",
+                str(module),
+                "--workdir",
+                str(here),
+                "--upstream",
+                upstream,
+                "--listen",
+                "0.0.0.0",
+            ]
+        )
+        == 0
+    )
+    done = subprocess.run(
+        [str(nginx), "-t", "-p", str(here), "-c", str(here / "nginx.conf"), "-e", "stderr"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -546,8 +608,9 @@ def test_hpa_metric_is_the_one_the_adapter_rule_serves(built):
 def test_adapter_rule_is_the_recording_rule_per_pod(built):
     """The HPA's figure is the dashboards' and alerts' mean queue time, grouped by pod."""
     rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules" / "serving.rules.yml").read_text())
-    (recorded,) = [r["expr"] for g in rules["groups"] for r in g["rules"]
-                   if r.get("record") == "model:nv_inference_queue_time_us:avg_rate1m"]
+    (recorded,) = [
+        r["expr"] for g in rules["groups"] for r in g["rules"] if r.get("record") == "model:nv_inference_queue_time_us:avg_rate1m"
+    ]
     (rule,) = adapter_config(built)["rules"]
 
     def rates(expr: str) -> list[str]:
@@ -568,35 +631,57 @@ def test_adapter_query_is_queue_time_per_request(built, tmp_path):
     promtool = shutil.which("promtool")
     assert promtool, "promtool not found: scripts/setup.sh installs Debian's prometheus package"
     (rule,) = adapter_config(built)["rules"]
-    query = render_adapter_query(rule["metricsQuery"], 'model="text_encoder",namespace="text-embedding",'
-                                 'pod=~"triton-a|triton-b"', "pod")
+    query = render_adapter_query(
+        rule["metricsQuery"], 'model="text_encoder",namespace="text-embedding",pod=~"triton-a|triton-b"', "pod"
+    )
     base = 'namespace="text-embedding",job="triton",version="1"'
     # 2 requests/s, 80,000 us of queueing/s on pod a: 40,000 us per request.
     series = [
         {"series": f'nv_inference_request_success{{{base},pod="triton-a",model="text_encoder"}}', "values": "0+30x40"},
         {"series": f'nv_inference_queue_duration_us{{{base},pod="triton-a",model="text_encoder"}}', "values": "0+1200000x40"},
-        {"series": f'nv_inference_request_failure{{{base},pod="triton-a",model="text_encoder",reason="BACKEND"}}',
-         "values": "0+0x40"},
+        {
+            "series": f'nv_inference_request_failure{{{base},pod="triton-a",model="text_encoder",reason="BACKEND"}}',
+            "values": "0+0x40",
+        },
         {"series": f'nv_inference_request_success{{{base},pod="triton-b",model="text_encoder"}}', "values": "100+0x40"},
-        {"series": f'nv_inference_request_failure{{{base},pod="triton-b",model="text_encoder",reason="BACKEND"}}',
-         "values": "3+0x40"},
+        {
+            "series": f'nv_inference_request_failure{{{base},pod="triton-b",model="text_encoder",reason="BACKEND"}}',
+            "values": "3+0x40",
+        },
         {"series": f'nv_inference_queue_duration_us{{{base},pod="triton-b",model="text_encoder"}}', "values": "5000+0x40"},
         {"series": f'nv_inference_request_success{{{base},pod="triton-b",model="text_tokenizer"}}', "values": "0+30x40"},
         {"series": f'nv_inference_queue_duration_us{{{base},pod="triton-b",model="text_tokenizer"}}', "values": "0+9000000x40"},
     ]
     (tmp_path / "empty.rules.yml").write_text("groups: []\n")
-    test = {"rule_files": ["empty.rules.yml"], "evaluation_interval": "15s",
-            "tests": [{"interval": "15s", "input_series": series,
-                       "promql_expr_test": [{"expr": query, "eval_time": "5m", "exp_samples": [
-                           {"labels": '{pod="triton-a"}', "value": 40000},
-                           {"labels": '{pod="triton-b"}', "value": 0}]}]}]}
+    test = {
+        "rule_files": ["empty.rules.yml"],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": query,
+                        "eval_time": "5m",
+                        "exp_samples": [
+                            {"labels": '{pod="triton-a"}', "value": 40000},
+                            {"labels": '{pod="triton-b"}', "value": 0},
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
     (tmp_path / "adapter.test.yml").write_text(yaml.safe_dump(test))
-    result = subprocess.run([promtool, "test", "rules", "adapter.test.yml"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [promtool, "test", "rules", "adapter.test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, f"{query}\n{result.stdout}\n{result.stderr}"
     # And the target: pod a is over it, pod b under it.
-    target = float(find(built["overlays/cpu"], "HorizontalPodAutoscaler", "triton")["spec"]["metrics"][0]["pods"]
-                   ["target"]["averageValue"])
+    target = float(
+        find(built["overlays/cpu"], "HorizontalPodAutoscaler", "triton")["spec"]["metrics"][0]["pods"]["target"]["averageValue"]
+    )
     assert 0 < target < 40000
 
 

@@ -10,7 +10,7 @@ from export.lanes import MARK, Lane, declared_lanes, render_all, render_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CONFIG = '''# a comment
+CONFIG = """# a comment
 name: "enc"
 backend: "onnxruntime"
 max_batch_size: 64
@@ -23,7 +23,7 @@ parameters { key: "process_nice" value: { string_value: "5" } }
 parameters { key: "yield_to_class" value: { string_value: "interactive" } }
 parameters { key: "yield_max_ms" value: { string_value: "20" } }
 parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
-'''
+"""
 
 
 def test_declared_lanes_are_parsed_and_bad_ones_refused():
@@ -87,8 +87,9 @@ def test_render_never_overwrites_a_hand_written_model(tmp_path):
 def test_the_served_repository_renders_text_encoder_interactive(tmp_path):
     """The real text_encoder config, copied: the lane keeps its inputs, batching and warmup."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "model_repository" / "text_encoder", repo / "text_encoder",
-                    ignore=shutil.ignore_patterns("*.onnx", "*.json"))
+    shutil.copytree(
+        ROOT / "model_repository" / "text_encoder", repo / "text_encoder", ignore=shutil.ignore_patterns("*.onnx", "*.json")
+    )
     (lane,) = render_all(repo)
     text = (lane / "config.pbtxt").read_text()
     source = (repo / "text_encoder" / "config.pbtxt").read_text()

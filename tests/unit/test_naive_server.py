@@ -41,12 +41,15 @@ def json_request(texts, **extra) -> dict:
 def binary_request(texts: list[str]) -> tuple[bytes, dict[str, str]]:
     """A request as perf_analyzer's HTTP client sends it: JSON header, then length-prefixed BYTES."""
     blob = b"".join(struct.pack("<I", len(t.encode())) + t.encode() for t in texts)
-    header = json.dumps({
-        "id": "",
-        "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [len(texts), 1],
-                    "parameters": {"binary_data_size": len(blob)}}],
-        "outputs": [{"name": "EMBEDDING", "parameters": {"binary_data": True}}],
-    }).encode()
+    header = json.dumps(
+        {
+            "id": "",
+            "inputs": [
+                {"name": "TEXT", "datatype": "BYTES", "shape": [len(texts), 1], "parameters": {"binary_data_size": len(blob)}}
+            ],
+            "outputs": [{"name": "EMBEDDING", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
     headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
     return header + blob, headers
 
@@ -104,20 +107,31 @@ def test_metadata_config_health_and_statistics(client):
         (b"{not json", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object"),
         (json.dumps({"outputs": []}).encode(), "non-empty 'inputs'"),
-        (json.dumps({"inputs": [{"name": "IDS", "datatype": "BYTES", "shape": [1, 1], "data": ["x"]}]}).encode(),
-         "unexpected input 'IDS'"),
-        (json.dumps({"inputs": [{"name": "TEXT", "datatype": "INT64", "shape": [1, 1], "data": [1]}]}).encode(),
-         "datatype BYTES"),
-        (json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}).encode(),
-         "shape [n, 1]"),
-        (json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2, 1], "data": ["x"]}]}).encode(),
-         "needs 2 elements, got 1"),
-        (json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [65, 1], "data": ["x"] * 65}]}).encode(),
-         "between 1 and 64"),
-        (json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1]}]}).encode(),
-         "neither 'data' nor binary_data_size"),
-        (json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [3]}]}).encode(),
-         "must be strings"),
+        (
+            json.dumps({"inputs": [{"name": "IDS", "datatype": "BYTES", "shape": [1, 1], "data": ["x"]}]}).encode(),
+            "unexpected input 'IDS'",
+        ),
+        (
+            json.dumps({"inputs": [{"name": "TEXT", "datatype": "INT64", "shape": [1, 1], "data": [1]}]}).encode(),
+            "datatype BYTES",
+        ),
+        (json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}).encode(), "shape [n, 1]"),
+        (
+            json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2, 1], "data": ["x"]}]}).encode(),
+            "needs 2 elements, got 1",
+        ),
+        (
+            json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [65, 1], "data": ["x"] * 65}]}).encode(),
+            "between 1 and 64",
+        ),
+        (
+            json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1]}]}).encode(),
+            "neither 'data' nor binary_data_size",
+        ),
+        (
+            json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [3]}]}).encode(),
+            "must be strings",
+        ),
         (json.dumps(json_request(["   "])).encode(), "TEXT[0]: text contains only whitespace"),
         (json.dumps(json_request(["ok", ""])).encode(), "TEXT[1]: text is empty"),
         (json.dumps(json_request(["ok"], outputs=[{"name": "LOGITS"}])).encode(), "unknown output 'LOGITS'"),
@@ -138,15 +152,18 @@ def test_malformed_binary_bodies_get_400(client):
     r = client.post(INFER, content=body, headers={**headers, "Inference-Header-Content-Length": str(len(body) + 1)})
     assert r.status_code == 400 and "does not fit a body" in r.json()["error"]
     # An element length that runs past the tensor's bytes.
-    header = json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
-                                     "parameters": {"binary_data_size": 6}}]}).encode()
-    r = client.post(INFER, content=header + struct.pack("<I", 50) + b"hi",
-                    headers={"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "parameters": {"binary_data_size": 6}}]}
+    ).encode()
+    r = client.post(
+        INFER, content=header + struct.pack("<I", 50) + b"hi", headers={"Inference-Header-Content-Length": str(len(header))}
+    )
     assert r.status_code == 400 and "runs past the end" in r.json()["error"]
     # Not UTF-8.
     blob = struct.pack("<I", 2) + b"\xff\xfe"
-    header = json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
-                                     "parameters": {"binary_data_size": len(blob)}}]}).encode()
+    header = json.dumps(
+        {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "parameters": {"binary_data_size": len(blob)}}]}
+    ).encode()
     r = client.post(INFER, content=header + blob, headers={"Inference-Header-Content-Length": str(len(header))})
     assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]
 

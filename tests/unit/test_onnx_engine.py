@@ -58,7 +58,9 @@ def test_native_parameter_names_are_honoured(toy_model):
         "enable_mem_arena": {"string_value": "0"},
         "session.intra_op.allow_spinning": {"string_value": "1"},
     }
-    plan = plan_session(_config(parameters=params, optimization={"graph": {"level": 2}}), toy_model, "CPU", 0, ["CPUExecutionProvider"])
+    plan = plan_session(
+        _config(parameters=params, optimization={"graph": {"level": 2}}), toy_model, "CPU", 0, ["CPUExecutionProvider"]
+    )
     assert (plan.intra_op_threads, plan.inter_op_threads, plan.parallel) == (2, 1, True)
     assert plan.enable_mem_arena is False
     assert plan.graph_level == "ORT_DISABLE_ALL"
@@ -73,9 +75,20 @@ def test_bad_execution_mode_fails_the_load(toy_model):
 
 
 def test_gpu_instance_uses_tensorrt_then_cuda(toy_model):
-    accel = {"execution_accelerators": {"gpu_execution_accelerator": [
-        {"name": "tensorrt", "parameters": {"precision_mode": "FP16", "max_workspace_size_bytes": "1073741824", "trt_engine_cache_enable": "1"}}
-    ]}}
+    accel = {
+        "execution_accelerators": {
+            "gpu_execution_accelerator": [
+                {
+                    "name": "tensorrt",
+                    "parameters": {
+                        "precision_mode": "FP16",
+                        "max_workspace_size_bytes": "1073741824",
+                        "trt_engine_cache_enable": "1",
+                    },
+                }
+            ]
+        }
+    }
     available = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     plan = plan_session(_config(optimization=accel), toy_model, "GPU", 1, available)
     names = [p[0] if isinstance(p, tuple) else p for p in plan.providers]
@@ -137,7 +150,5 @@ def test_run_batched_concatenates_by_shape_and_isolates_failures(toy_model):
 
 
 def test_batch_size_mismatch_between_inputs():
-    out = run_batched(
-        [{"a": np.zeros((2, 3)), "b": np.zeros((1, 3))}], ["a", "b"], lambda feed: {}
-    )
+    out = run_batched([{"a": np.zeros((2, 3)), "b": np.zeros((1, 3))}], ["a", "b"], lambda feed: {})
     assert "batch size 1 differs" in str(out[0].error)

@@ -53,8 +53,9 @@ def repository(tmp_path_factory):
 
 
 def _settings(**changes) -> GatewaySettings:
-    base = GatewaySettings(triton_url=f"127.0.0.1:{_free_port()}", model_repository=REPOSITORY,
-                           api_keys=(KEY,), rate_limit_rps=0, ready_poll_s=0.2)
+    base = GatewaySettings(
+        triton_url=f"127.0.0.1:{_free_port()}", model_repository=REPOSITORY, api_keys=(KEY,), rate_limit_rps=0, ready_poll_s=0.2
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -76,6 +77,7 @@ def error_of(response, status: int) -> dict:
 
 # --- health, metrics -----------------------------------------------------------------------
 
+
 def test_health_is_200_without_a_key(client):
     r = client.get("/health")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
@@ -92,8 +94,12 @@ def test_metrics_are_prometheus_text_without_a_key(client):
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    for name in ("gateway_requests_total", "gateway_request_duration_seconds_bucket", "gateway_requests_in_flight",
-                 "gateway_triton_ready 0.0"):
+    for name in (
+        "gateway_requests_total",
+        "gateway_request_duration_seconds_bucket",
+        "gateway_requests_in_flight",
+        "gateway_triton_ready 0.0",
+    ):
         assert name in text, name
     assert re.search(r'gateway_requests_total\{route="/v1/models",status="401"\} [1-9]', text)
 
@@ -111,11 +117,22 @@ def test_metrics_routes_are_bounded(client):
 
 # --- keys ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-triton-wrong-key-000000000"},
-                                     {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}])
-@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/v1/models/text_embedding"),
-                                          ("POST", "/v1/embeddings"), ("POST", "/v1/chat/completions"),
-                                          ("POST", "/v1/completions"), ("GET", "/v1/nothing")])
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer sk-triton-wrong-key-000000000"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}],
+)
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/models/text_embedding"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/nothing"),
+    ],
+)
 def test_v1_without_a_valid_key_is_401(client, headers, method, path):
     r = client.request(method, path, headers=headers, json=EMBED if method == "POST" else None)
     err = error_of(r, 401)
@@ -129,12 +146,12 @@ def test_the_key_is_checked_before_the_body(client):
 
 # --- body limits and bad bodies --------------------------------------------------------------
 
+
 def test_a_body_over_the_limit_is_413():
     settings = _settings(max_body_bytes=1000)
     with TestClient(create_app(settings, ApiKeys([KEY]))) as c:
         body = json.dumps({"model": "text_embedding", "input": "x" * 2000}).encode()
-        err = error_of(c.post("/v1/embeddings", headers={**AUTH, "Content-Type": "application/json"},
-                              content=body), 413)
+        err = error_of(c.post("/v1/embeddings", headers={**AUTH, "Content-Type": "application/json"}, content=body), 413)
         assert err["code"] == "request_too_large" and "1000" in err["message"]
         # No Content-Length (a chunked upload): counted while it is read.
         err = error_of(c.post("/v1/embeddings", headers=AUTH, content=iter([body[:600], body[600:]])), 413)
@@ -146,24 +163,33 @@ def test_a_body_over_the_limit_is_413():
 
 
 def test_invalid_json_is_400(client):
-    err = error_of(client.post("/v1/embeddings", headers={**AUTH, "Content-Type": "application/json"},
-                               content=b'{"model": "text_embedding", "input": '), 400)
+    err = error_of(
+        client.post(
+            "/v1/embeddings",
+            headers={**AUTH, "Content-Type": "application/json"},
+            content=b'{"model": "text_embedding", "input": ',
+        ),
+        400,
+    )
     assert err["code"] == "invalid_json"
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/embeddings", {"model": "text_embedding"}, "input"),
-    ("/v1/embeddings", {"input": "hi"}, "model"),
-    ("/v1/embeddings", {"model": "text_embedding", "input": 5}, "input"),
-    ("/v1/embeddings", {"model": "text_embedding", "input": ["a", 1]}, "input"),
-    ("/v1/embeddings", {"model": "text_embedding", "input": "a", "encoding_format": "int8"}, "encoding_format"),
-    ("/v1/embeddings", {"model": "text_embedding", "input": "a", "dimensions": "384"}, "dimensions"),
-    ("/v1/chat/completions", {"model": "text_generation"}, "messages"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": "4"}, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
-    ("/v1/completions", {"model": "text_generation", "prompt": 5}, "prompt"),
-    ("/v1/embeddings", [1, 2], None),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/embeddings", {"model": "text_embedding"}, "input"),
+        ("/v1/embeddings", {"input": "hi"}, "model"),
+        ("/v1/embeddings", {"model": "text_embedding", "input": 5}, "input"),
+        ("/v1/embeddings", {"model": "text_embedding", "input": ["a", 1]}, "input"),
+        ("/v1/embeddings", {"model": "text_embedding", "input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ("/v1/embeddings", {"model": "text_embedding", "input": "a", "dimensions": "384"}, "dimensions"),
+        ("/v1/chat/completions", {"model": "text_generation"}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": "4"}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
+        ("/v1/completions", {"model": "text_generation", "prompt": 5}, "prompt"),
+        ("/v1/embeddings", [1, 2], None),
+    ],
+)
 def test_schema_violations_are_422_naming_the_field(client, path, body, param):
     err = error_of(client.post(path, headers=AUTH, json=body), 422)
     assert err["code"] == "invalid_request"
@@ -173,45 +199,58 @@ def test_schema_violations_are_422_naming_the_field(client, path, body, param):
 
 def test_a_form_content_type_is_read_as_json(client):
     # curl -d sends application/x-www-form-urlencoded.
-    r = client.post("/v1/embeddings", headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
-                    content=json.dumps({"model": "text_embedding", "input": []}).encode())
+    r = client.post(
+        "/v1/embeddings",
+        headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
+        content=json.dumps({"model": "text_embedding", "input": []}).encode(),
+    )
     assert error_of(r, 400)["param"] == "input"
 
 
 # --- models and request checks before readiness -----------------------------------------------
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/embeddings", {"model": "gpt-4o", "input": "hi"}),
-    ("/v1/embeddings", {"model": "text_generation", "input": "hi"}),
-    ("/v1/embeddings", {"model": "text_embedding_cached", "input": "hi"}),
-    ("/v1/chat/completions", {**CHAT, "model": "text_embedding"}),
-    ("/v1/completions", {"model": "sentence-transformers/all-MiniLM-L6-v2", "prompt": "hi"}),
-])
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/embeddings", {"model": "gpt-4o", "input": "hi"}),
+        ("/v1/embeddings", {"model": "text_generation", "input": "hi"}),
+        ("/v1/embeddings", {"model": "text_embedding_cached", "input": "hi"}),
+        ("/v1/chat/completions", {**CHAT, "model": "text_embedding"}),
+        ("/v1/completions", {"model": "sentence-transformers/all-MiniLM-L6-v2", "prompt": "hi"}),
+    ],
+)
 def test_an_unknown_model_is_404(client, path, body):
     err = error_of(client.post(path, headers=AUTH, json=body), 404)
     assert (err["type"], err["param"], err["code"]) == ("not_found_error", "model", "model_not_found")
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/embeddings", {"model": "text_embedding", "input": []}, 400, "input"),
-    ("/v1/embeddings", {"model": "text_embedding", "input": "hi", "dimensions": 128}, 400, "dimensions"),
-    ("/v1/embeddings", {"model": "text_embedding", "input": [[1] * 300]}, 400, "input[0]"),
-    ("/v1/embeddings", {"model": "text_embedding", "input": ["a"] * 2049}, 413, "input"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "text_generation", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/embeddings", {"model": "text_embedding", "input": []}, 400, "input"),
+        ("/v1/embeddings", {"model": "text_embedding", "input": "hi", "dimensions": 128}, 400, "dimensions"),
+        ("/v1/embeddings", {"model": "text_embedding", "input": [[1] * 300]}, 400, "input[0]"),
+        ("/v1/embeddings", {"model": "text_embedding", "input": ["a"] * 2049}, 413, "input"),
+        ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "text_generation", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ],
+)
 def test_request_checks_answer_while_triton_is_down(client, path, body, status, param):
     assert error_of(client.post(path, headers=AUTH, json=body), status)["param"] == param
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/embeddings", EMBED),
-    ("/v1/embeddings", {"model": "sentence-transformers/all-MiniLM-L6-v2", "input": [[101, 102]]}),
-    ("/v1/chat/completions", CHAT),
-    ("/v1/chat/completions", {**CHAT, "stream": True}),
-    ("/v1/completions", {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "prompt": "Once"}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/embeddings", EMBED),
+        ("/v1/embeddings", {"model": "sentence-transformers/all-MiniLM-L6-v2", "input": [[101, 102]]}),
+        ("/v1/chat/completions", CHAT),
+        ("/v1/chat/completions", {**CHAT, "stream": True}),
+        ("/v1/completions", {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "prompt": "Once"}),
+    ],
+)
 def test_valid_requests_are_503_while_triton_is_down(client, path, body):
     r = client.post(path, headers=AUTH, json=body)
     err = error_of(r, 503)
@@ -234,6 +273,7 @@ def test_unknown_paths_and_methods_get_openai_errors(client):
 
 # --- rate limit ----------------------------------------------------------------------------
 
+
 def test_rate_limit_is_429_with_retry_after():
     with TestClient(create_app(_settings(rate_limit_rps=0.01, rate_limit_burst=2), ApiKeys([KEY]))) as c:
         assert [c.get("/v1/models", headers=AUTH).status_code for _ in range(2)] == [503, 503]
@@ -247,6 +287,7 @@ def test_rate_limit_is_429_with_retry_after():
 
 
 # --- request ids, logs -----------------------------------------------------------------------
+
 
 def test_a_request_id_is_echoed_or_made(client):
     r = client.get("/health", headers={"X-Request-Id": "trace-42.a:b"})
@@ -262,15 +303,14 @@ def test_a_request_id_is_echoed_or_made(client):
 
 def test_one_log_line_per_request_with_the_key_id_never_the_key(client, caplog):
     caplog.set_level(logging.INFO, logger="openai_gateway.access")
-    client.post("/v1/embeddings", headers={**AUTH, "X-Request-Id": "log-1"}, json={"model": "text_embedding",
-                                                                                    "input": []})
-    client.post("/v1/embeddings", headers={"Authorization": "Bearer sk-triton-wrong-key-000000000",
-                                           "X-Request-Id": "log-2"}, json=EMBED)
+    client.post("/v1/embeddings", headers={**AUTH, "X-Request-Id": "log-1"}, json={"model": "text_embedding", "input": []})
+    client.post(
+        "/v1/embeddings", headers={"Authorization": "Bearer sk-triton-wrong-key-000000000", "X-Request-Id": "log-2"}, json=EMBED
+    )
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "openai_gateway.access"]
     assert [line["request_id"] for line in lines] == ["log-1", "log-2"]
     first, second = lines
-    assert (first["status"], first["key_id"], first["path"], first["method"]) == \
-        (400, key_id(KEY), "/v1/embeddings", "POST")
+    assert (first["status"], first["key_id"], first["path"], first["method"]) == (400, key_id(KEY), "/v1/embeddings", "POST")
     assert first["model"] == "text_embedding" and first["error"] == "invalid_request_error"
     assert (second["status"], second["key_id"]) == (401, "-")
     assert all(isinstance(line["ms"], float) for line in lines)
@@ -280,8 +320,11 @@ def test_one_log_line_per_request_with_the_key_id_never_the_key(client, caplog):
 
 # --- CORS ----------------------------------------------------------------------------------
 
-PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization,content-type"}
+PREFLIGHT = {
+    "Origin": "https://app.example",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization,content-type",
+}
 
 
 def test_cors_is_off_by_default(client):

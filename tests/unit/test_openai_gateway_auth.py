@@ -15,33 +15,40 @@ OTHER = "sk-triton-another-key-abcdefghij"
 
 # --- ApiKeys.check -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("header", [
-    f"Bearer {KEY}",
-    f"bearer {KEY}",  # the scheme is case-insensitive (RFC 9110)
-    f"BEARER {KEY}",
-    f"Bearer   {KEY}",  # extra spaces between scheme and key
-    f"Bearer {KEY}  ",
-])
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        f"Bearer {KEY}",
+        f"bearer {KEY}",  # the scheme is case-insensitive (RFC 9110)
+        f"BEARER {KEY}",
+        f"Bearer   {KEY}",  # extra spaces between scheme and key
+        f"Bearer {KEY}  ",
+    ],
+)
 def test_a_right_key_gives_its_key_id(header):
     keys = ApiKeys([OTHER, KEY])
     assert keys.check(header) == key_id(KEY)
 
 
-@pytest.mark.parametrize("header", [
-    None,
-    "",
-    KEY,  # no scheme
-    f"Basic {KEY}",
-    f"Token {KEY}",
-    "Bearer",
-    "Bearer ",
-    "Bearer    ",
-    f"Bearer {KEY[:-1]}",  # a prefix of a key
-    f"Bearer {KEY}x",  # a key with more after it
-    f"Bearer {KEY.upper()}",  # keys are case-sensitive
-    f"Bearer {KEY} {KEY}",
-    "Bearer sk-triton-wrong-key-0000000000",
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        KEY,  # no scheme
+        f"Basic {KEY}",
+        f"Token {KEY}",
+        "Bearer",
+        "Bearer ",
+        "Bearer    ",
+        f"Bearer {KEY[:-1]}",  # a prefix of a key
+        f"Bearer {KEY}x",  # a key with more after it
+        f"Bearer {KEY.upper()}",  # keys are case-sensitive
+        f"Bearer {KEY} {KEY}",
+        "Bearer sk-triton-wrong-key-0000000000",
+    ],
+)
 def test_a_wrong_or_missing_key_is_refused(header):
     assert ApiKeys([KEY, OTHER]).check(header) is None
 
@@ -71,6 +78,7 @@ def test_short_or_no_keys_are_refused_without_showing_the_key():
 
 
 # --- ensure_key_file -----------------------------------------------------------------------
+
 
 def test_ensure_key_file_creates_one_0600_key_and_reuses_it(tmp_path):
     path = tmp_path / "state" / "gateway-api-key"  # the folder is created too
@@ -112,6 +120,7 @@ def test_ensure_key_file_ignores_comments_and_blank_lines(tmp_path):
 
 
 # --- RateLimiter (a fake clock) ------------------------------------------------------------
+
 
 class Clock:
     def __init__(self):

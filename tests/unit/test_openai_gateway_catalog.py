@@ -78,26 +78,29 @@ def test_text_generation_limits_from_its_config(catalog):
     assert catalog.triton_models(m) == ("text_generation",)
 
 
-@pytest.mark.parametrize("name, kind, expected", [
-    ("text_embedding", "embedding", "text_embedding"),
-    ("sentence-transformers/all-MiniLM-L6-v2", "embedding", "text_embedding"),
-    ("all-MiniLM-L6-v2", "embedding", "text_embedding"),
-    ("text_generation", "generation", "text_generation"),
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", "generation", "text_generation"),
-    ("SmolLM2-135M-Instruct", "generation", "text_generation"),
-    # The right name for the wrong endpoint is not found: an embedding model cannot chat.
-    ("text_embedding", "generation", None),
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", "embedding", None),
-    # Steps of the ensemble are not OpenAI models, nor are unknown or non-string names.
-    ("text_embedding_cached", "embedding", None),
-    ("text_tokenizer", "embedding", None),
-    ("gpt-4o", "generation", None),
-    ("Text_Embedding", "embedding", None),
-    ("", "embedding", None),
-    (None, "embedding", None),
-    (42, "embedding", None),
-    (["text_embedding"], "embedding", None),
-])
+@pytest.mark.parametrize(
+    "name, kind, expected",
+    [
+        ("text_embedding", "embedding", "text_embedding"),
+        ("sentence-transformers/all-MiniLM-L6-v2", "embedding", "text_embedding"),
+        ("all-MiniLM-L6-v2", "embedding", "text_embedding"),
+        ("text_generation", "generation", "text_generation"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "generation", "text_generation"),
+        ("SmolLM2-135M-Instruct", "generation", "text_generation"),
+        # The right name for the wrong endpoint is not found: an embedding model cannot chat.
+        ("text_embedding", "generation", None),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "embedding", None),
+        # Steps of the ensemble are not OpenAI models, nor are unknown or non-string names.
+        ("text_embedding_cached", "embedding", None),
+        ("text_tokenizer", "embedding", None),
+        ("gpt-4o", "generation", None),
+        ("Text_Embedding", "embedding", None),
+        ("", "embedding", None),
+        (None, "embedding", None),
+        (42, "embedding", None),
+        (["text_embedding"], "embedding", None),
+    ],
+)
 def test_find_by_id_or_alias_and_kind(catalog, name, kind, expected):
     found = catalog.find(name, kind)
     assert (found.id if found is not None else None) == expected
@@ -156,6 +159,6 @@ def test_a_repository_without_the_generation_model_serves_embeddings_only(tmp_pa
 
 def test_a_broken_config_is_an_error_naming_its_file(tmp_path):
     repo = _copy_configs(tmp_path / "repo")
-    (repo / "text_tokenizer" / "config.pbtxt").write_text("name: \"text_tokenizer\"\nmax_batch_size: [\n")
+    (repo / "text_tokenizer" / "config.pbtxt").write_text('name: "text_tokenizer"\nmax_batch_size: [\n')
     with pytest.raises(CatalogError, match=r"text_tokenizer.config\.pbtxt: not a valid model configuration"):
         Catalog.from_repository(repo)

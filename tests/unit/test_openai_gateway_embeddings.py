@@ -47,6 +47,7 @@ def refusal(model, counter, input, settings=SETTINGS, **fields) -> APIError:
 
 # --- input forms and counts ----------------------------------------------------------------
 
+
 def test_a_string_is_one_text_counted_with_special_tokens(model, counter):
     job = check(model, counter, "hello world")
     assert job.texts == ["hello world"] and job.ids is None
@@ -84,6 +85,7 @@ def test_counts_are_not_truncated_at_the_tokenizer_files_length(model, counter):
 
 
 # --- refusals ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("input", [[], "", [""], ["a", ""], [[]], [[101, 102], []]])
 def test_empty_inputs_are_400_naming_the_item(model, counter, input):
@@ -153,11 +155,14 @@ def test_too_many_tokens_is_400_context_length_exceeded(model, counter):
     assert (err.status, err.param) == (400, "input[0]")
 
 
-@pytest.mark.parametrize("ids, bad", [
-    ([[101, 102], [101, VOCAB, 102]], VOCAB),
-    ([[101, 102], [101, -1, 102]], -1),
-    ([[101, 102], [10**12]], 10**12),
-])
+@pytest.mark.parametrize(
+    "ids, bad",
+    [
+        ([[101, 102], [101, VOCAB, 102]], VOCAB),
+        ([[101, 102], [101, -1, 102]], -1),
+        ([[101, 102], [10**12]], 10**12),
+    ],
+)
 def test_token_ids_outside_the_vocabulary_are_400(model, counter, ids, bad):
     err = refusal(model, counter, ids)
     assert (err.status, err.param) == (400, "input[1]")
@@ -183,6 +188,7 @@ def test_dimensions_is_checked_before_the_input(model, counter):
 
 
 # --- batching, padding ---------------------------------------------------------------------
+
 
 def test_chunks_split_at_the_entry_models_batch_limit_in_order(model, counter):
     assert model.max_batch_size == 64
@@ -217,6 +223,7 @@ def test_pad_ids_to_the_smallest_bucket_with_a_mask():
 
 
 # --- response ------------------------------------------------------------------------------
+
 
 def _vectors(n: int, dtype="<f4") -> np.ndarray:
     rng = np.random.default_rng(12)

@@ -19,9 +19,12 @@ def imported(source: str) -> set[str]:
     """The modules a source file imports, ``from perf import compare`` as ``perf.compare``; imports
     under ``if TYPE_CHECKING:`` are annotations only and are left out."""
     tree = ast.parse(source)
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -47,9 +50,11 @@ def perf_modules() -> dict[str, set[str]]:
 
 
 def test_the_import_reader_sees_both_forms_and_skips_type_checking():
-    source = ("from typing import TYPE_CHECKING\nfrom perf.bench import compare\n"
-              "def f():\n    import perf.lib.harness\n"
-              "if TYPE_CHECKING:\n    from perf.baselines.limit import Limit\n")
+    source = (
+        "from typing import TYPE_CHECKING\nfrom perf.bench import compare\n"
+        "def f():\n    import perf.lib.harness\n"
+        "if TYPE_CHECKING:\n    from perf.baselines.limit import Limit\n"
+    )
     found = imported(source)
     assert {"perf.bench.compare", "perf.lib.harness"} <= found
     assert "perf.baselines.limit" not in found
@@ -60,7 +65,8 @@ def test_tools_share_the_harness_not_the_compare_tool(tool):
     modules = imported((PERF / "bench" / f"{tool}.py").read_text(encoding="utf-8"))
     assert "perf.lib.harness" in modules, f"perf/bench/{tool}.py no longer uses perf.lib.harness"
     assert "perf.bench.compare" not in modules, (
-        f"perf/bench/{tool}.py imports perf.bench.compare, a tool: take the shared code from perf.lib.harness")
+        f"perf/bench/{tool}.py imports perf.bench.compare, a tool: take the shared code from perf.lib.harness"
+    )
 
 
 def test_the_library_imports_no_tool():
@@ -85,7 +91,7 @@ def test_no_two_perf_modules_import_each_other():
         seen[name] = 1
         for dep in sorted(graph[name]):
             if seen.get(dep) == 1:
-                cycle = path[path.index(dep):] + [dep]
+                cycle = path[path.index(dep) :] + [dep]
                 raise AssertionError("perf modules import each other: " + " -> ".join(cycle))
             if dep not in seen:
                 visit(dep, path + [dep])

@@ -257,9 +257,7 @@ def fake_binary(tmp_path: Path, body: str) -> Path:
     """A shell script standing in for perf_analyzer; $CSV is the path after -f."""
     path = tmp_path / "perf_analyzer"
     path.write_text(
-        "#!/bin/sh\n"
-        'CSV=""; prev=""\n'
-        'for a in "$@"; do [ "$prev" = "-f" ] && CSV="$a"; prev="$a"; done\n' + textwrap.dedent(body)
+        '#!/bin/sh\nCSV=""; prev=""\nfor a in "$@"; do [ "$prev" = "-f" ] && CSV="$a"; prev="$a"; done\n' + textwrap.dedent(body)
     )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
@@ -293,7 +291,7 @@ def test_measure_unstable(tmp_path):
 
 
 def test_measure_failure_keeps_output(tmp_path):
-    binary = fake_binary(tmp_path, "echo \"error: failed to get model metadata: Request for unknown model\"\nexit 1\n")
+    binary = fake_binary(tmp_path, 'echo "error: failed to get model metadata: Request for unknown model"\nexit 1\n')
     with pytest.raises(pa.PerfAnalyzerError, match="unknown model") as info:
         pa.measure(settings(), tmp_path / "c1.csv", binary=binary, env={})
     assert type(info.value) is pa.PerfAnalyzerError

@@ -26,8 +26,11 @@ TESTS_DIR = ROOT / "deploy" / "prometheus" / "tests"
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool is not installed: scripts/setup.sh installs it with the Debian package "
-                    "prometheus (apt-get install prometheus); the rule tests need the real one", pytrace=False)
+        pytest.fail(
+            "promtool is not installed: scripts/setup.sh installs it with the Debian package "
+            "prometheus (apt-get install prometheus); the rule tests need the real one",
+            pytrace=False,
+        )
     return path
 
 
@@ -52,8 +55,9 @@ def test_promtool_check_rules(promtool):
 def test_promtool_rule_unit_tests(promtool, rules):
     files = sorted(TESTS_DIR.glob("*.yml"))
     assert files, f"no promtool tests in {TESTS_DIR}"
-    out = subprocess.run([promtool, "test", "rules", *map(str, files)], capture_output=True, text=True,
-                         timeout=120, cwd=TESTS_DIR)
+    out = subprocess.run(
+        [promtool, "test", "rules", *map(str, files)], capture_output=True, text=True, timeout=120, cwd=TESTS_DIR
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout + out.stderr
     # Every alert is tested firing (an exp_alerts entry) and quiet (an empty exp_alerts) somewhere,

@@ -64,12 +64,15 @@ def test_call_counters_per_series():
     from ops.rollout import call_counts, calls_between
 
     def text(series):
-        return "\n".join(f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="{r}",version="{v}"}} {c}'
-                         for (v, i, r), c in series.items())
+        return "\n".join(
+            f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="{r}",version="{v}"}} {c}'
+            for (v, i, r), c in series.items()
+        )
 
     before = call_counts(text({(3, "a", "ok"): 10, (3, "a", "error"): 2}), "text_encoder")
-    after = call_counts(text({(3, "a", "ok"): 30, (3, "a", "error"): 7, (3, "b", "error"): 4, (1, "a", "ok"): 99}),
-                        "text_encoder")
+    after = call_counts(
+        text({(3, "a", "ok"): 30, (3, "a", "error"): 7, (3, "b", "error"): 4, (1, "a", "ok"): 99}), "text_encoder"
+    )
     assert calls_between(before, after, 3) == (20, 9)
     assert calls_between(before, after, 1) == (99, 0)
 
@@ -140,8 +143,12 @@ def test_launcher_closure_and_what_the_state_defers(tmp_path):
     RolloutState(stable=1, candidate=2, weights={1: 50, 2: 50}, loaded=[1, 2], phase="canary").save(state)
     plan = load_plan(state)
     assert plan.routed and plan.overridden() == ["text_encoder", "text_encoder_router", "text_embedding"]
-    assert deferred_models(REPO, models, rollout_plan(state)) == ["text_encoder", "text_encoder_router", "text_embedding",
-                                                                  "text_embedding_cached"]
+    assert deferred_models(REPO, models, rollout_plan(state)) == [
+        "text_encoder",
+        "text_encoder_router",
+        "text_embedding",
+        "text_embedding_cached",
+    ]
     entry = plan.override("text_embedding", REPO)
     assert form_of(entry) == ROUTED and "ENCODER_VERSION" in [o["name"] for o in entry["output"]]
     assert plan.override("text_encoder", REPO)["version_policy"] == {"specific": {"versions": [1, 2]}}
@@ -189,14 +196,22 @@ def test_p99_from_the_router_histogram_per_series():
         lines = []
         for (version, instance), counts in series.items():
             for le, c in counts.items():
-                lines.append(f'canary_encoder_call_ms_bucket{{instance="{instance}",model="text_encoder",'
-                             f'version="{version}",le="{le}"}} {c}')
+                lines.append(
+                    f'canary_encoder_call_ms_bucket{{instance="{instance}",model="text_encoder",'
+                    f'version="{version}",le="{le}"}} {c}'
+                )
         return "\n".join(lines)
 
     before = latency_buckets(text({(1, "a"): {"5": 90, "10": 100, "+Inf": 100}}), "text_encoder")
-    after = latency_buckets(text({(1, "a"): {"5": 90, "10": 190, "+Inf": 200},   # +100, all in (5, 10]
-                                  (2, "b"): {"5": 10, "10": 40, "+Inf": 50}}),   # new series: counted whole
-                            "text_encoder")
+    after = latency_buckets(
+        text(
+            {
+                (1, "a"): {"5": 90, "10": 190, "+Inf": 200},  # +100, all in (5, 10]
+                (2, "b"): {"5": 10, "10": 40, "+Inf": 50},
+            }
+        ),  # new series: counted whole
+        "text_encoder",
+    )
     assert p99_between(before, after, 1) == (10.0, 100)
     assert p99_between(before, after, 2) == (10.0, 50)
     assert p99_between(before, after, 3) == (None, 0)
@@ -312,23 +327,29 @@ class FakeTriton:
         for at, version, instance, n in self.arrivals:
             if at + self.ROUTER_FLUSH_S <= self.clock.now:
                 series[(version, instance)] = series.get((version, instance), 0) + n
-        return "\n".join(f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="ok",version="{v}"}} {n}'
-                         for (v, i), n in series.items())
+        return "\n".join(
+            f'canary_encoder_calls_total{{instance="{i}",model="text_encoder",result="ok",version="{v}"}} {n}'
+            for (v, i), n in series.items()
+        )
 
     def answers(self):
         return True
 
     def infer_json(self, model, body):
         version = body["parameters"]["encoder_version"]
-        return {"outputs": [{"name": "ENCODER_VERSION", "data": [version]},
-                            {"name": "EMBEDDING", "data": [1.0] + [0.0] * 383}]}
+        return {"outputs": [{"name": "ENCODER_VERSION", "data": [version]}, {"name": "EMBEDDING", "data": [1.0] + [0.0] * 383}]}
 
 
 def _rollout(tmp_path, triton, said=None):
     from ops.rollout import Rollout
 
-    return Rollout(triton, tmp_path / "state.json", say=(said if said is not None else []).append,
-                   sleep=triton.clock.sleep, clock=triton.clock.time)
+    return Rollout(
+        triton,
+        tmp_path / "state.json",
+        say=(said if said is not None else []).append,
+        sleep=triton.clock.sleep,
+        clock=triton.clock.time,
+    )
 
 
 def test_command_state_machine(tmp_path):
@@ -369,8 +390,11 @@ def test_rollback_restores_weights_before_unloading(tmp_path):
     assert rollout.rollback() == 0
     # Traffic first, then the unload, then the direct form, then the router goes.
     assert [(m, c if c == "unload" else "load") for m, c in triton.loads] == [
-        ("text_encoder_router", "load"), ("text_encoder", "load"), ("text_embedding", "load"),
-        ("text_encoder_router", "unload")]
+        ("text_encoder_router", "load"),
+        ("text_encoder", "load"),
+        ("text_embedding", "load"),
+        ("text_encoder_router", "unload"),
+    ]
     assert triton.router["parameters"]["weights"]["string_value"] == "1:100" and triton.loaded == {1}
     assert triton.form() == DIRECT and not triton.ready("text_encoder_router")
     assert RolloutState.load(tmp_path / "state.json").phase == "rolled_back"
@@ -392,8 +416,11 @@ def test_the_router_goes_in_front_before_the_new_version_loads(tmp_path):
     triton.loads.clear()
     assert rollout.finish(force=True) == 0
     assert [(m, c if c == "unload" else "load") for m, c in triton.loads] == [
-        ("text_encoder_router", "load"), ("text_encoder", "load"), ("text_embedding", "load"),
-        ("text_encoder_router", "unload")]
+        ("text_encoder_router", "load"),
+        ("text_encoder", "load"),
+        ("text_embedding", "load"),
+        ("text_encoder_router", "unload"),
+    ]
     assert triton.loaded == {2} and triton.form() == DIRECT
     state = RolloutState.load(tmp_path / "state.json")
     assert state.history[-1]["event"] == "router out" and state.history[-1]["serving"] == 2
@@ -424,8 +451,9 @@ def test_first_use_reads_the_serving_version_from_the_encoder(tmp_path):
 
 def test_a_version_failing_its_smoke_check_is_aborted_before_any_traffic(tmp_path):
     triton = FakeTriton()
-    triton.infer_json = lambda model, body: {"outputs": [{"name": "ENCODER_VERSION", "data": [1]},
-                                                         {"name": "EMBEDDING", "data": [1.0]}]}
+    triton.infer_json = lambda model, body: {
+        "outputs": [{"name": "ENCODER_VERSION", "data": [1]}, {"name": "EMBEDDING", "data": [1.0]}]
+    }
     rollout = _rollout(tmp_path, triton)
     assert rollout.start(2, dwell_s=0, check_interval_s=0) == 1
     state = RolloutState.load(tmp_path / "state.json")
@@ -438,8 +466,10 @@ def test_a_step_without_traffic_rolls_back_after_the_traffic_timeout(tmp_path):
     triton, said = FakeTriton(traffic=()), []
     rollout = _rollout(tmp_path, triton, said)
     started = triton.clock.now
-    assert rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5,
-                         thresholds=Thresholds(min_requests=20, traffic_timeout_s=120)) == 1
+    assert (
+        rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5, thresholds=Thresholds(min_requests=20, traffic_timeout_s=120))
+        == 1
+    )
     state = RolloutState.load(tmp_path / "state.json")
     assert state.phase == "aborted" and state.weights == {1: 100} and triton.loaded == {1}
     assert "0 calls of version 2, fewer than 20: not judged after the 60 s dwell" in state.reason
@@ -452,8 +482,10 @@ def test_a_step_without_traffic_rolls_back_after_the_traffic_timeout(tmp_path):
 def test_allow_unjudged_passes_a_step_without_traffic_with_a_warning(tmp_path):
     triton, said = FakeTriton(traffic=()), []
     rollout = _rollout(tmp_path, triton, said)
-    assert rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5,
-                         thresholds=Thresholds(min_requests=20, allow_unjudged=True)) == 0
+    assert (
+        rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5, thresholds=Thresholds(min_requests=20, allow_unjudged=True))
+        == 0
+    )
     assert RolloutState.load(tmp_path / "state.json").phase == "rolled_out"
     warnings = [m for m in said if "WARNING" in m]
     assert len(warnings) == 2 and all("passes UNJUDGED (--allow-unjudged)" in m for m in warnings), said
@@ -464,8 +496,10 @@ def test_traffic_arriving_late_within_the_timeout_is_judged(tmp_path):
     triton, said = FakeTriton(traffic=((90.0, 25),)), []
     rollout = _rollout(tmp_path, triton, said)
     started = triton.clock.now
-    assert rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5,
-                         thresholds=Thresholds(min_requests=20, traffic_timeout_s=120)) == 0
+    assert (
+        rollout.start(2, [10, 100], dwell_s=60, check_interval_s=5, thresholds=Thresholds(min_requests=20, traffic_timeout_s=120))
+        == 0
+    )
     passed = [e for e in RolloutState.load(tmp_path / "state.json").history if e["event"].endswith("passed")]
     assert [e["calls"] for e in passed] == [25, 25]
     assert triton.clock.now - started < 2 * 100  # judged when the calls came, not at the deadline
@@ -476,8 +510,9 @@ def test_the_final_read_waits_for_the_routers_last_flush(tmp_path):
     # Without waiting past the flush the step would see 0 calls and (no timeout) roll back.
     triton = FakeTriton(traffic=((9.8, 30),))
     rollout = _rollout(tmp_path, triton)
-    assert rollout.start(2, [100], dwell_s=10, check_interval_s=5,
-                         thresholds=Thresholds(min_requests=20, traffic_timeout_s=0)) == 0
+    assert (
+        rollout.start(2, [100], dwell_s=10, check_interval_s=5, thresholds=Thresholds(min_requests=20, traffic_timeout_s=0)) == 0
+    )
     passed = [e for e in RolloutState.load(tmp_path / "state.json").history if e["event"].endswith("passed")]
     assert [e["calls"] for e in passed] == [30]
 
@@ -487,13 +522,42 @@ def test_cli_exits_non_zero_when_a_step_saw_no_traffic(tmp_path, monkeypatch, ca
 
     triton = FakeTriton(traffic=())
     monkeypatch.setattr(rollout_module, "connect", lambda *a, **k: triton)
-    args = ["--state-file", str(tmp_path / "state.json"), "start", "2", "--steps", "100", "--dwell", "0",
-            "--check-interval", "0", "--traffic-timeout", "0"]
+    args = [
+        "--state-file",
+        str(tmp_path / "state.json"),
+        "start",
+        "2",
+        "--steps",
+        "100",
+        "--dwell",
+        "0",
+        "--check-interval",
+        "0",
+        "--traffic-timeout",
+        "0",
+    ]
     assert main(args) == 1
     assert "ABORT" in capsys.readouterr().out
     assert RolloutState.load(tmp_path / "state.json").phase == "aborted"
-    assert main(args[:2] + ["start", "3", "--steps", "100", "--dwell", "0", "--check-interval", "0",
-                            "--traffic-timeout", "0", "--allow-unjudged"]) == 0
+    assert (
+        main(
+            args[:2]
+            + [
+                "start",
+                "3",
+                "--steps",
+                "100",
+                "--dwell",
+                "0",
+                "--check-interval",
+                "0",
+                "--traffic-timeout",
+                "0",
+                "--allow-unjudged",
+            ]
+        )
+        == 0
+    )
     assert "passes UNJUDGED" in capsys.readouterr().out
 
 
@@ -542,8 +606,13 @@ def _cluster(tmp_path, replicas, said=None):
     from ops.rollout import Rollout
 
     client = repository.ReplicatedRepositoryClient(replicas)
-    return Rollout(client, tmp_path / "state.json", say=(said if said is not None else []).append,
-                   sleep=replicas[0].clock.sleep, clock=replicas[0].clock.time)
+    return Rollout(
+        client,
+        tmp_path / "state.json",
+        say=(said if said is not None else []).append,
+        sleep=replicas[0].clock.sleep,
+        clock=replicas[0].clock.time,
+    )
 
 
 def test_a_cluster_rollout_acts_on_every_replica_and_judges_their_traffic_together(tmp_path):

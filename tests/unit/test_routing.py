@@ -25,16 +25,19 @@ def test_weights_round_trip():
     assert format_weights({2: 10, 1: 90}) == "1:90,2:10"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "empty"),
-    ("1:90,2:20", "weights sum to 110"),
-    ("1:50", "weights sum to 50"),
-    ("1:100,1:0", "version 1 is given twice"),
-    ("0:100", "version 0 must be >= 1"),
-    ("1:120,2:-20", "each weight must be 0..100"),
-    ("one:100", "must be two integers"),
-    ("1=100", "is not 'version:percent'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty"),
+        ("1:90,2:20", "weights sum to 110"),
+        ("1:50", "weights sum to 50"),
+        ("1:100,1:0", "version 1 is given twice"),
+        ("0:100", "version 0 must be >= 1"),
+        ("1:120,2:-20", "each weight must be 0..100"),
+        ("one:100", "must be two integers"),
+        ("1=100", "is not 'version:percent'"),
+    ],
+)
 def test_bad_weights_name_the_field_and_the_limit(text, message):
     with pytest.raises(RoutingError, match=message) as err:
         parse_weights(text, field="parameter 'weights'")
@@ -95,7 +98,9 @@ def _router_config(weights):
 def test_router_settings_check_the_version_folders(tmp_path: Path):
     (tmp_path / "text_encoder" / "1").mkdir(parents=True)
     assert RouterSettings.from_config(_router_config("1:100"), tmp_path).weights == {1: 100}
-    with pytest.raises(ConfigError, match=r"names version 2 of 'text_encoder', which has no folder text_encoder/2 .*versions there: 1"):
+    with pytest.raises(
+        ConfigError, match=r"names version 2 of 'text_encoder', which has no folder text_encoder/2 .*versions there: 1"
+    ):
         RouterSettings.from_config(_router_config("1:90,2:10"), tmp_path)
     with pytest.raises(ConfigError, match="weights sum to 90"):
         RouterSettings.from_config(_router_config("1:90"), tmp_path)

@@ -43,8 +43,15 @@ def job(first_id, rows=1, length=4, version=1, pinned=False):
 def serve(jobs, encoder, weights=None, fallback=True, ready=(1, 2), ready_fn=None):
     tally = CallTally()
     warnings = []
-    server = GroupServer("text_encoder", weights or {1: 90, 2: 10}, fallback, ready_fn or (lambda: list(ready)),
-                         encoder, tally, lambda *a: warnings.append(a))
+    server = GroupServer(
+        "text_encoder",
+        weights or {1: 90, 2: 10},
+        fallback,
+        ready_fn or (lambda: list(ready)),
+        encoder,
+        tally,
+        lambda *a: warnings.append(a),
+    )
     out = asyncio.run(server.serve(jobs))
     assert sorted(out) == sorted(jobs)  # exactly one outcome per request
     return out, tally.drain()[0], warnings
@@ -117,8 +124,13 @@ def test_an_exception_in_one_group_fails_only_that_group():
     def ready():
         raise RuntimeError("boom")  # a bug on the fallback path of version 2's group
 
-    jobs = {0: job(1, version=1), 1: job(2, version=1), 2: job(3, version=2), 3: job(4, version=2, length=8),
-            4: job(5, version=2, length=8)}
+    jobs = {
+        0: job(1, version=1),
+        1: job(2, version=1),
+        2: job(3, version=2),
+        3: job(4, version=2, length=8),
+        4: job(5, version=2, length=8),
+    }
     out, results, _ = serve(jobs, FakeEncoder(broken={2}), ready_fn=ready)
     assert out[0].served == 1 and out[1].served == 1  # version 1's group is untouched
     for i in (2, 3, 4):  # a single-request group and a two-request group, both failing inside
@@ -136,8 +148,10 @@ def test_every_request_is_answered_when_every_version_fails(failing):
 
 def test_invalid_input_is_recognised_by_onnx_runtimes_wording():
     assert call_error("x", invalid_code=True).invalid
-    assert call_error("text_encoder: inputs: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code "
-                      "returned while running Gather node").invalid
+    assert call_error(
+        "text_encoder: inputs: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code "
+        "returned while running Gather node"
+    ).invalid
     assert call_error("onnx runtime error 2: Non-zero status code returned while running Gather node").invalid
     assert not call_error("text_encoder: internal error: [ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : oom").invalid
     assert not call_error("Request for unknown model: 'text_encoder' version 2 is not found").invalid

@@ -40,8 +40,9 @@ def latency_rows(name: str, p99s, count: int = 100) -> list[dict]:
 
 
 def test_a_rising_p99_fails_and_one_spike_does_not():
-    rows = (latency_rows("rising", [20, 40, 60, 80, 100, 120, 140, 160, 180, 200])
-            + latency_rows("spiky", [30, 31, 29, 30, 900, 30, 31, 30, 29, 30]))
+    rows = latency_rows("rising", [20, 40, 60, 80, 100, 120, 140, 160, 180, 200]) + latency_rows(
+        "spiky", [30, 31, 29, 30, 900, 30, 31, 30, 29, 30]
+    )
     verdict = {r["workload"]: r for r in soak.p99_checks(rows, warmup=60, factor=1.0)}
     assert not verdict["rising"]["ok"] and verdict["rising"]["fitted_rise_ms"] == pytest.approx(160.0)
     assert verdict["spiky"]["ok"], verdict["spiky"]
@@ -60,8 +61,18 @@ def test_mix_parsing_names_unknown_workloads():
 
 
 def test_stub_identity_reads_model_and_instance():
-    args = ["/x/backends/python/triton_python_backend_stub", "/repo/model_repository/text_encoder/1/model.onnx",
-            "shm", "16777216", "16777216", "123", "/x/backends/python", "336", "text_encoder_0_1", "/x/onnxruntime"]
+    args = [
+        "/x/backends/python/triton_python_backend_stub",
+        "/repo/model_repository/text_encoder/1/model.onnx",
+        "shm",
+        "16777216",
+        "16777216",
+        "123",
+        "/x/backends/python",
+        "336",
+        "text_encoder_0_1",
+        "/x/onnxruntime",
+    ]
     assert processes.stub_identity(args) == ("text_encoder", "text_encoder_0_1")
     assert processes.stub_identity(["/usr/sbin/nginx", "-c", "x"]) is None
 

@@ -66,8 +66,10 @@ def test_a_timeout_and_a_stop_request_are_told_apart(tmp_path):
 
 def test_a_child_that_ignores_its_stop_signal_is_killed_after_the_grace(tmp_path, caplog):
     ready = tmp_path / "ready"
-    code = ("import signal, time, pathlib, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "pathlib.Path(sys.argv[1]).write_text('up'); time.sleep(60)")
+    code = (
+        "import signal, time, pathlib, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "pathlib.Path(sys.argv[1]).write_text('up'); time.sleep(60)"
+    )
     child = ChildProcess("stubborn child", output=DISCARD)
     child.start(_python(code) + [str(ready)])
     child.wait_ready(ready.is_file, timeout=30, interval=0.05)

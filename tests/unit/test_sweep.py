@@ -30,10 +30,36 @@ def _points():
     P = sweep.Point
     return [
         P("text_embedding", "16tok", "grpc", "concurrency", 1, 100.0, 8.0, 9.0, 10.0, 12.0, 8.5, 60),
-        P("text_embedding", "16tok", "grpc", "concurrency", 8, 300.0, 26.0, 30.0, 35.0, 45.0, 27.0, 60,
-          extra={"text_encoder_avg_batch": 5.2}),
-        P("text_embedding", "16tok", "grpc", "rate", 210, 200.0, 12.0, 20.0, 25.0, 36.0, 14.0, 60,
-          note="achieved 95% of the asked rate"),
+        P(
+            "text_embedding",
+            "16tok",
+            "grpc",
+            "concurrency",
+            8,
+            300.0,
+            26.0,
+            30.0,
+            35.0,
+            45.0,
+            27.0,
+            60,
+            extra={"text_encoder_avg_batch": 5.2},
+        ),
+        P(
+            "text_embedding",
+            "16tok",
+            "grpc",
+            "rate",
+            210,
+            200.0,
+            12.0,
+            20.0,
+            25.0,
+            36.0,
+            14.0,
+            60,
+            note="achieved 95% of the asked rate",
+        ),
         P("text_embedding", "16tok", "grpc", "rate", 270, error="time budget used up"),
     ]
 
@@ -60,8 +86,10 @@ def test_csv_and_plots(tmp_path):
     assert rows[1]["text_encoder_avg_batch"] == "5.2" and rows[0]["text_encoder_avg_batch"] == ""
     assert rows[3]["error"] == "time budget used up"
     pngs = sweep.plot(points, tmp_path)
-    assert sorted(p.name for p in pngs) == ["latency_vs_throughput_text_embedding-16tok.png",
-                                            "throughput_vs_concurrency_text_embedding-16tok.png"]
+    assert sorted(p.name for p in pngs) == [
+        "latency_vs_throughput_text_embedding-16tok.png",
+        "throughput_vs_concurrency_text_embedding-16tok.png",
+    ]
     assert all(p.stat().st_size > 1000 for p in pngs)
 
 

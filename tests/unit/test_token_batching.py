@@ -202,8 +202,10 @@ def _config(inputs_ragged=(True, True), params=None, output_dims=("384",)):
     raw = {
         "name": "enc",
         "max_batch_size": 64,
-        "input": [{"name": n, "data_type": "TYPE_INT64", "dims": ["-1"], **({"allow_ragged_batch": True} if r else {})}
-                  for n, r in zip(NAMES, inputs_ragged)],
+        "input": [
+            {"name": n, "data_type": "TYPE_INT64", "dims": ["-1"], **({"allow_ragged_batch": True} if r else {})}
+            for n, r in zip(NAMES, inputs_ragged)
+        ],
         "output": [{"name": "sentence_embedding", "data_type": "TYPE_FP32", "dims": list(output_dims)}],
         "parameters": {k: {"string_value": v} for k, v in (params or {}).items()},
     }
@@ -214,8 +216,7 @@ def test_budget_from_config():
     assert budget_from_config(_config((False, False))) is None
     budget = budget_from_config(_config(params={"max_batch_tokens": "2048"}))
     assert budget == TokenBudget(2048, "attention_mask", 0)
-    budget = budget_from_config(_config(params={"max_batch_tokens": "512", "max_batch_rows": "64",
-                                                "max_row_padding": "8"}))
+    budget = budget_from_config(_config(params={"max_batch_tokens": "512", "max_batch_rows": "64", "max_row_padding": "8"}))
     assert (budget.max_rows, budget.max_padding) == (64, 8)
 
 

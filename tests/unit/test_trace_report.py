@@ -26,14 +26,42 @@ def make_trace(tmp_path):
         top, tok, enc = tid, tid + 1, tid + 2
         tid += 3
         end = start + 12 * ms + delay
-        records.append({"id": top, "model_name": "text_embedding", "model_version": 1,
-                        "timestamps": _ts(REQUEST_START=start, REQUEST_END=end)})
+        records.append(
+            {
+                "id": top,
+                "model_name": "text_embedding",
+                "model_version": 1,
+                "timestamps": _ts(REQUEST_START=start, REQUEST_END=end),
+            }
+        )
         records.append({"id": tok, "parent_id": top, "model_name": "text_tokenizer", "model_version": 1})
-        records.append({"id": tok, "timestamps": _ts(REQUEST_START=start, QUEUE_START=start, COMPUTE_START=start + ms,
-                                                     COMPUTE_END=start + 2 * ms, REQUEST_END=start + 2 * ms)})
-        records.append({"id": enc, "parent_id": top, "model_name": "text_encoder", "model_version": 1,
-                        "timestamps": _ts(REQUEST_START=start + 2 * ms, QUEUE_START=start + 2 * ms,
-                                          COMPUTE_START=start + 2 * ms + delay, COMPUTE_END=end, REQUEST_END=end)})
+        records.append(
+            {
+                "id": tok,
+                "timestamps": _ts(
+                    REQUEST_START=start,
+                    QUEUE_START=start,
+                    COMPUTE_START=start + ms,
+                    COMPUTE_END=start + 2 * ms,
+                    REQUEST_END=start + 2 * ms,
+                ),
+            }
+        )
+        records.append(
+            {
+                "id": enc,
+                "parent_id": top,
+                "model_name": "text_encoder",
+                "model_version": 1,
+                "timestamps": _ts(
+                    REQUEST_START=start + 2 * ms,
+                    QUEUE_START=start + 2 * ms,
+                    COMPUTE_START=start + 2 * ms + delay,
+                    COMPUTE_END=end,
+                    REQUEST_END=end,
+                ),
+            }
+        )
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(records))
     return path

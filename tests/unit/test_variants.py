@@ -67,7 +67,10 @@ def test_generated_configs_parse_with_tritons_text_format():
         config = text_format.Parse(variants.variant_config(ROOT_CONFIG, VARIANTS[name]), model_config_pb2.ModelConfig())
         assert config.name == "text_encoder"
         assert config.default_model_filename == VARIANTS[name].filename
-    assert text_format.Parse(variants.variant_config(ROOT_CONFIG, VARIANTS["trt_plan"]), model_config_pb2.ModelConfig()).platform == "tensorrt_plan"
+    assert (
+        text_format.Parse(variants.variant_config(ROOT_CONFIG, VARIANTS["trt_plan"]), model_config_pb2.ModelConfig()).platform
+        == "tensorrt_plan"
+    )
 
 
 def _fake_repo(tmp_path, passed):
@@ -80,8 +83,11 @@ def _fake_repo(tmp_path, passed):
     if "trt_plan" in passed:  # a plan built by the serving TensorRT, as variants.json records it
         plan = model_dir / "1" / "model.plan"
         plan.write_bytes(b"engine")
-        entries["trt_plan"] = {"status": "passed", "tensorrt_version": variants.SERVING_TENSORRT,
-                               "file_sha256": variants.sha256_file(plan)}
+        entries["trt_plan"] = {
+            "status": "passed",
+            "tensorrt_version": variants.SERVING_TENSORRT,
+            "file_sha256": variants.sha256_file(plan),
+        }
         variants.write_manifest(tmp_path, "text_encoder", {"model": "text_encoder", "variants": entries})
     best = variants.write_best_configs(model_dir, passed)
     variants.write_manifest(tmp_path, "text_encoder", {"model": "text_encoder", "best": best, "variants": entries})
@@ -106,7 +112,9 @@ def test_auto_avoids_what_the_local_server_cannot_load(tmp_path):
     assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=True) == ("gpu", {"text_encoder": "trt_plan"})
     local = tuple(n for n in VARIANTS if n != "trt_plan")
     assert variants.resolve_precision(tmp_path, ["text_encoder"], "auto", gpu=True, loadable=local) == (
-        "fp16", {"text_encoder": "fp16"})
+        "fp16",
+        {"text_encoder": "fp16"},
+    )
 
 
 def test_no_config_for_a_model_whose_fp32_failed(tmp_path):

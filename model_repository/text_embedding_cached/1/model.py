@@ -52,17 +52,27 @@ class TritonPythonModel:
             if limit > (self.config.instance_count() - 1) * max(1, self.config.max_batch_size):
                 pb_utils.Logger.log_warn(
                     f"{self.config.name}: admission_rows {limit} >= (instances - 1) x max_batch_size: "
-                    f"a flood queues instead of being refused (docs/priority-classes.md)")
+                    f"a flood queues instead of being refused (docs/priority-classes.md)"
+                )
             settings = CacheSettings.from_config(self.config, os.environ)
             self.resolver = IdentityResolver(
-                Path(args["model_repository"]).parent, self.target,
-                self.config.param("encoder_model", "text_encoder"), None, pb_utils.is_model_ready,
+                Path(args["model_repository"]).parent,
+                self.target,
+                self.config.param("encoder_model", "text_encoder"),
+                None,
+                pb_utils.is_model_ready,
             )
             l1 = LRUCache(settings.l1_max_bytes, settings.l1_ttl_s)
             l2 = None
             if settings.l2_redis_url:
-                l2 = RedisL2(settings.l2_redis_url, self.dim, settings.l2_ttl_s, settings.l2_timeout_s,
-                             settings.l2_retry_interval_s, settings.warn_interval_s)
+                l2 = RedisL2(
+                    settings.l2_redis_url,
+                    self.dim,
+                    settings.l2_ttl_s,
+                    settings.l2_timeout_s,
+                    settings.l2_retry_interval_s,
+                    settings.warn_interval_s,
+                )
             self.cache = EmbeddingCache(self.dim, l1, l2)
             self.metrics = CacheMetrics(pb_utils, self.config.name, args.get("model_instance_name", ""))
             self.metrics.sync(l1, l2)
@@ -116,8 +126,9 @@ class TritonPythonModel:
         if not requests:
             return []
         # owners[k] = (request index, start, stop) into texts; bad requests already answered
-        responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
-                                                        self.max_text_bytes, config=self.config)
+        responses, texts, owners = decode_text_requests(
+            pb_utils, self.config.name, requests, self.text, self.max_text_bytes, config=self.config
+        )
         if not owners:
             return responses
 

@@ -63,8 +63,15 @@ class TritonPythonModel:
         self.instance = f"{args.get('model_instance_name', '')}/pid{os.getpid()}"
         self.metrics = {}
         self.tally = CallTally()
-        self.server = GroupServer(self.settings.encoder, self.settings.weights, self.settings.fallback_on_error,
-                                  self._ready_versions, self._call, self.tally, self.warnings.warn)
+        self.server = GroupServer(
+            self.settings.encoder,
+            self.settings.weights,
+            self.settings.fallback_on_error,
+            self._ready_versions,
+            self._call,
+            self.tally,
+            self.warnings.warn,
+        )
         # Off only to measure what the metrics cost (scripts/router_cost.py); the rollout
         # command judges canaries by these metrics.
         self.metrics_on = self.config.param_bool("metrics", True)
@@ -117,24 +124,31 @@ class TritonPythonModel:
                 mask = input_numpy(pb_utils, request, "attention_mask")
                 if ids.shape != mask.shape:
                     raise InputError("attention_mask", f"shape {list(mask.shape)} differs from input_ids' {list(ids.shape)}")
-                decision = decide(self.settings.weights, parse_parameters(request.parameters()),
-                                  request.request_id(), known)
+                decision = decide(self.settings.weights, parse_parameters(request.parameters()), request.request_id(), known)
             except Exception as exc:
                 responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
                 continue
             jobs[i] = Job(ids, mask, decision)
         for i, outcome in (await self.server.serve(jobs)).items():
             if outcome.error is not None:
-                code = (pb_utils.TritonError.INVALID_ARG if outcome.invalid else
-                        pb_utils.TritonError.INTERNAL if outcome.internal else pb_utils.TritonError.UNAVAILABLE)
+                code = (
+                    pb_utils.TritonError.INVALID_ARG
+                    if outcome.invalid
+                    else pb_utils.TritonError.INTERNAL
+                    if outcome.internal
+                    else pb_utils.TritonError.UNAVAILABLE
+                )
                 responses[i] = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"{self.config.name}: {outcome.error}", code))
+                    error=pb_utils.TritonError(f"{self.config.name}: {outcome.error}", code)
+                )
             else:
                 rows = outcome.vectors.shape[0]
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor(OUTPUT, np.ascontiguousarray(outcome.vectors)),
-                    pb_utils.Tensor("encoder_version", np.full((rows, 1), outcome.served, dtype=np.int32)),
-                ])
+                responses[i] = pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor(OUTPUT, np.ascontiguousarray(outcome.vectors)),
+                        pb_utils.Tensor("encoder_version", np.full((rows, 1), outcome.served, dtype=np.int32)),
+                    ]
+                )
         if self.metrics_on and self.tally.due():
             self._flush()
         return responses

@@ -29,8 +29,7 @@ from python_backends.shim import (
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-OUTPUT_TYPES = {"text_output": object, "finish_reason": object, "num_input_tokens": np.uint32,
-                "num_output_tokens": np.uint32}
+OUTPUT_TYPES = {"text_output": object, "finish_reason": object, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}
 
 
 class TritonPythonModel:
@@ -79,9 +78,13 @@ class TritonPythonModel:
                     max_text_bytes=self.max_text_bytes,
                 )
                 shaper = ResponseShaper(parsed)
-                self.loop.submit(next(self.ids), parsed.prompt, parsed.params,
-                                 self._sender_callback(sender, shaper, request.request_id()),
-                                 is_cancelled=sender.is_cancelled)
+                self.loop.submit(
+                    next(self.ids),
+                    parsed.prompt,
+                    parsed.params,
+                    self._sender_callback(sender, shaper, request.request_id()),
+                    is_cancelled=sender.is_cancelled,
+                )
             except QueueFull as exc:
                 error = pb_utils.TritonError(f"{self.config.name}: {exc}", pb_utils.TritonError.UNAVAILABLE)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
@@ -101,8 +104,7 @@ class TritonPythonModel:
             if out.finish_reason == "abort" and sender.is_cancelled():
                 sender.send(flags=FINAL)  # the client is gone: close the stream, nothing to say
                 return
-            values = shaper.on_output(out.text, out.finished, out.finish_reason, out.num_input_tokens,
-                                      out.num_output_tokens)
+            values = shaper.on_output(out.text, out.finished, out.finish_reason, out.num_input_tokens, out.num_output_tokens)
             if values is None:
                 if out.finished:
                     sender.send(flags=FINAL)

@@ -43,8 +43,9 @@ class TritonPythonModel:
 
     def execute(self, requests):
         # owners[k] = (request index, start, stop) into texts; bad requests already answered
-        responses, texts, owners = decode_text_requests(pb_utils, self.config.name, requests, self.text,
-                                                        self.max_text_bytes, config=self.config)
+        responses, texts, owners = decode_text_requests(
+            pb_utils, self.config.name, requests, self.text, self.max_text_bytes, config=self.config
+        )
         encoded = []
         if owners:
             # One tokenizer call; if it raises, one per request (only the offender fails).

@@ -79,8 +79,7 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
                     if tensor is not None:
                         inputs[spec.name] = tensor.as_numpy()
-                        check_shape(spec.name, tensor.shape(), spec.dims, self.config.max_batch_size,
-                                    size=inputs[spec.name].size)
+                        check_shape(spec.name, tensor.shape(), spec.dims, self.config.max_batch_size, size=inputs[spec.name].size)
             except Exception as exc:
                 responses[i] = error_response(pb_utils, self.config.name, exc, request.request_id())
                 continue

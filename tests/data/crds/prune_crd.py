@@ -23,9 +23,27 @@ from pathlib import Path
 
 import yaml
 
-KEEP = ("type", "format", "enum", "required", "pattern", "minimum", "maximum", "exclusiveMinimum",
-        "exclusiveMaximum", "minLength", "maxLength", "minItems", "maxItems", "nullable", "anyOf", "oneOf",
-        "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-embedded-resource")
+KEEP = (
+    "type",
+    "format",
+    "enum",
+    "required",
+    "pattern",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "nullable",
+    "anyOf",
+    "oneOf",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-embedded-resource",
+)
 
 
 class UnknownField(Exception):
@@ -82,16 +100,22 @@ def main(argv: list[str]) -> int:
     crd = yaml.safe_load(Path(crd_path).read_text(encoding="utf-8"))
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
     (schema,) = [v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version]
-    objects = [doc for path in manifests for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8"))
-               if doc and doc.get("kind") == kind and doc.get("apiVersion") == f"{group}/{version}"]
+    objects = [
+        doc
+        for path in manifests
+        for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8"))
+        if doc and doc.get("kind") == kind and doc.get("apiVersion") == f"{group}/{version}"
+    ]
     if not objects:
         raise SystemExit(f"no {kind} {group}/{version} in {', '.join(manifests)}")
     pruned: dict = {}
     for obj in objects:
         one = prune(schema, obj, kind)
         pruned = merge(pruned, one) if pruned else one
-    pruned["$comment"] = (f"{kind} {group}/{version}: the fields this repository's manifests use, pruned by "
-                          f"tests/data/crds/prune_crd.py from {source} (Apache License 2.0)")
+    pruned["$comment"] = (
+        f"{kind} {group}/{version}: the fields this repository's manifests use, pruned by "
+        f"tests/data/crds/prune_crd.py from {source} (Apache License 2.0)"
+    )
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(pruned, f, indent=1, sort_keys=True)
         f.write("\n")
