@@ -44,8 +44,8 @@ GATE_VERSION = 1  # bump when what the gate measures changes
 BEST_FIRST = ("int4_bf16", "bf16", "fp32")  # what PRECISION=auto serves on a CPU, best first
 DESCRIPTIONS = {
     "fp32": "FP32 weights: the reference, token for token transformers' numbers",
-    "bf16": "BF16 weights and BF16 products (AVX512-BF16 / AMX)",
-    "int4_bf16": "4-bit blocks of 32 (the GGUF's Q4_1, exact) at up to 16 rows, BF16 above; BF16 output head",
+    "bf16": "BF16 weights and BF16 products (AVX512-BF16 / AMX), BF16 K/V",
+    "int4_bf16": "4-bit blocks of 32 (the GGUF's Q4_1, exact) at up to 12 rows, BF16 above; BF16 output head and K/V",
 }
 LARGE_CHUNK = 256
 

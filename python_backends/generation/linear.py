@@ -2,22 +2,22 @@
 
 Every projection of the model (Q/K/V, O, gate/up, down and the output head) is one
 :class:`Linear`: activations in the engine's dtype in and out, whatever the weights are held in.
-The residual stream, the norms, RoPE, attention and the KV cache stay in the engine's dtype;
-only the products change. Which precisions a CPU runs well is decided here, from what the
+The residual stream, the norms and RoPE stay in the engine's dtype; the BF16 variants also hold
+the KV cache in BF16 (:data:`KV_DTYPE`). Which precisions a CPU runs well is decided here, from what the
 CPU has (:func:`cpu_features`), through PyTorch's own kernels, never loops written in Python:
 
 * ``fp32``: ``F.linear`` on FP32 weights (oneDNN / MKL sgemm). The reference; exact parity
   with ``transformers``.
-* ``bf16``: BF16 weights, activations cast to BF16 for the product (oneDNN's AVX512-BF16 or
-  AMX kernels), output back to FP32. Offered only where the CPU has AVX512-BF16 or AMX:
+* ``bf16``: BF16 weights prepacked once in oneDNN's layout (:class:`PackedBf16`), activations
+  cast to BF16 for the product (oneDNN's AVX512-BF16 or AMX kernels), output back to FP32. Offered only where the CPU has AVX512-BF16 or AMX:
   elsewhere PyTorch emulates BF16 and it is slower than FP32.
 * ``int4_bf16``: the weights as 4-bit blocks of 32 along the input axis with a scale and a
   minimum per block (GGUF's Q4_1 layout, which is what the packaged SmolLM2 ships: those
   blocks are recovered exactly, only their scales rounded to BF16), multiplied by
   ``aten._weight_int4pack_mm_for_cpu`` with BF16 activations when a call has at most
   ``INT4_MAX_ROWS`` rows (a decode step of a few streams: it waits for weight bytes, and
-  these are an eighth of FP32's), and by the BF16 copy of the same weights above that (32
-  streams or a prompt chunk: there the packed kernel is slower than oneDNN's BF16 GEMM).
+  these are an eighth of FP32's), and by the prepacked BF16 copy of the same weights above that
+  (more streams or a prompt chunk: there the 4-bit kernel is slower than oneDNN's BF16 GEMM).
 
 Tried and not offered: INT8 through fbgemm's dynamic quantized linear (one activation scale
 per call) moved the next-token distribution 1,000 times further than BF16 (mean KL 0.81
