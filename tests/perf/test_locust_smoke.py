@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.perf
 
-LOCUSTFILE = Path(__file__).resolve().parents[2] / "perf" / "locustfile.py"
+LOCUSTFILE = Path(__file__).resolve().parents[2] / "perf" / "bench" / "locustfile.py"
 
 
 @pytest.mark.parametrize(
