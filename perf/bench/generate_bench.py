@@ -75,6 +75,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from perf.lib import processes
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
@@ -1363,13 +1364,6 @@ def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
     return 0
 
 
-def _proc_kib(pid: int, field_name: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 async def _fill(system: System, prompts: Sequence[str], streams: int, max_tokens: int) -> int:
     records = [Stream(system.key, streams, i, time.perf_counter()) for i in range(streams)]
     await asyncio.gather(
@@ -1426,16 +1420,19 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
             if len(stubs) != 1:
                 raise RuntimeError(f"expected one {MODEL} stub, found {stubs}")
             pid = stubs[0].pid
-            loaded = _proc_kib(pid, "VmRSS")
+            loaded = processes.sample(pid)
             tokens = asyncio.run(_drive(GrpcSystem(triton.grpc_url), prompts, streams, args.max_tokens))
+            after = processes.sample(pid)
+            if loaded is None or after is None:
+                raise RuntimeError(f"the {MODEL} stub (pid {pid}) is gone")
             row = {
                 "precision": served,
                 "kv_dtype": str(kv_dtype).removeprefix("torch."),
                 "kv_pool_mib": round(blocks * per_block / 2**20),
                 "kv_tokens": blocks * settings["block_size"],
-                "rss_loaded_mib": round(loaded / 1024),
-                "rss_after_mib": round(_proc_kib(pid, "VmRSS") / 1024),
-                "rss_peak_mib": round(_proc_kib(pid, "VmHWM") / 1024),
+                "rss_loaded_mib": round(loaded.rss_bytes / 2**20),
+                "rss_after_mib": round(after.rss_bytes / 2**20),
+                "rss_peak_mib": round(after.peak_rss_bytes / 2**20),
                 "streams": streams,
                 "tokens": tokens,
             }

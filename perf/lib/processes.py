@@ -37,6 +37,7 @@ class Sample:
     cpu_s: float  # utime + stime, seconds
     rss_bytes: int
     anon_bytes: int  # RssAnon: the part that is the process's own heap, not file or shared memory
+    peak_rss_bytes: int = 0  # VmHWM: the highest RSS the process has had
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -93,9 +94,9 @@ def sample(pid: int) -> Sample | None:
     values = {}
     for line in status.splitlines():
         key, _, rest = line.partition(":")
-        if key in ("VmRSS", "RssAnon"):
+        if key in ("VmRSS", "RssAnon", "VmHWM"):
             values[key] = int(rest.split()[0]) * 1024
-    return Sample(cpu, values.get("VmRSS", 0), values.get("RssAnon", 0))
+    return Sample(cpu, values.get("VmRSS", 0), values.get("RssAnon", 0), values.get("VmHWM", 0))
 
 
 def _proc(pid: int, name: str, group: str) -> Proc | None:
