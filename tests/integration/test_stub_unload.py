@@ -6,7 +6,8 @@ objects were deleted in the stub's own teardown, after its IPC state was gone. D
 in finalize instead aborted the server on a reload (two families sharing a series: heap
 corruption), so the test also reloads the cache model under traffic and checks the server
 lives and exits cleanly. A stub's exit status is seen only by tritonserver, so the check reads
-the kernel log for the stubs' own PIDs (other servers on the machine may be running): it is
+the kernel log for the stubs' own PIDs, only the lines written since the test began (PIDs are
+reused, and other servers on the machine may have left lines under the same numbers): it is
 skipped, saying why, where dmesg is not readable.
 """
 
@@ -48,10 +49,20 @@ def stubs(server_pid: int) -> dict[int, str]:
     return found
 
 
-def crashes(lines: list[str], pids: dict[int, str]) -> list[str]:
-    """Kernel log lines saying one of ``pids`` died by a signal (segfault, general protection, ...)."""
+def stamp(line: str) -> float:
+    """The kernel log line's time since boot (``[63104.428650] ...``), 0 where it has none."""
+    head = line.partition("]")[0].lstrip("[ ")
+    try:
+        return float(head)
+    except ValueError:
+        return 0.0
+
+
+def crashes(lines: list[str], pids: dict[int, str], since: float) -> list[str]:
+    """Kernel log lines after ``since`` saying one of ``pids`` died by a signal (segfault, general protection, ...)."""
     marks = ("segfault", "general protection", "trap ")
-    return [line for line in lines for pid in pids if f"[{pid}]:" in line and any(m in line for m in marks)]
+    fresh = [line for line in lines if stamp(line) > since]
+    return [line for line in fresh for pid in pids if f"[{pid}]:" in line and any(m in line for m in marks)]
 
 
 def embed(client, model: str, texts: list[str]) -> np.ndarray:
@@ -72,7 +83,8 @@ def wait_gone(pids, timeout: float = 20.0) -> list[int]:
 
 
 def test_bls_stubs_exit_cleanly_on_unload_and_on_stop(start_triton):
-    kernel_log()  # skip early where it is unreadable
+    # Skips early where the log is unreadable. Older lines may name the same, reused PIDs.
+    since = max((stamp(line) for line in kernel_log()), default=0.0)
     # The router is off text_embedding's path outside a rollout: it is loaded and called directly.
     with start_triton("triton-unload-", ("text_embedding", "text_embedding_cached", "text_encoder_router")) as server:
         client = httpclient.InferenceServerClient(server.http_url)
@@ -103,13 +115,13 @@ def test_bls_stubs_exit_cleanly_on_unload_and_on_stop(start_triton):
             client.unload_model("text_encoder_router")
             assert wait_gone(router) == [], "the router's stubs did not exit after its unload"
             time.sleep(0.5)  # the kernel log line follows the death
-            after_unload = crashes(kernel_log(), bls)
+            after_unload = crashes(kernel_log(), bls, since)
             assert after_unload == [], "stubs died by a signal on unload:\n" + "\n".join(after_unload)
         finally:
             client.close()
         # The server stops (the fixture's finally); the cache model's stubs go with it.
     time.sleep(0.5)
-    after_stop = crashes(kernel_log(), bls)
+    after_stop = crashes(kernel_log(), bls, since)
     assert after_stop == [], "BLS stubs died by a signal on server stop:\n" + "\n".join(after_stop)
     log = server.log_tail(400)
     assert "Signal (6)" not in log and "malloc()" not in log, log
