@@ -75,6 +75,15 @@ class Outcome:
     invalid: bool = False
     internal: bool = False
 
+    @property
+    def code(self) -> str:
+        """The TritonError code of a failed outcome: INVALID_ARG, INTERNAL or UNAVAILABLE."""
+        return "INVALID_ARG" if self.invalid else "INTERNAL" if self.internal else "UNAVAILABLE"
+
+    def version_column(self) -> np.ndarray:
+        """The served version once per row, INT32 [rows, 1] (the output ``encoder_version``)."""
+        return np.full((self.vectors.shape[0], 1), self.served, dtype=np.int32)
+
 
 class GroupServer:
     """Runs a batch's jobs through ``call``; ``tally`` has ``record(version, result, ms, requests)``

@@ -344,7 +344,7 @@ class TritonReplica:
         self.generation = GenerationMetrics(self.pb, {"model": "text_generation", "version": "1"})
         self.generation.close()  # its reporter thread: the metrics are driven directly here
         family = self.pb.MetricFamily
-        # The router's families as model_repository/text_encoder_router/1/model.py creates them.
+        # The router's families as python_backends/routing/triton_metrics.py creates them.
         self.calls = family(CALLS_METRIC, "router calls", family.COUNTER)
         self.latency = family(LATENCY_METRIC + "_bucket", "router call latency", family.COUNTER)
         self.router_metrics: dict = {}
