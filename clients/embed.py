@@ -30,6 +30,7 @@ from clients.resilience import (
     make_retrier,
     split_urls,
 )
+from python_backends.errors import parse_error, words_of
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,11 @@ class EmbeddingError(RuntimeError):
         retry_note: str = "",
         attempts: int | None = None,
     ):
-        self.server_message = server_message
+        data = parse_error(server_message)  # the model's error data (python_backends/errors.py)
+        self.server_message = words_of(server_message)
+        self.code = data.code if data else None
+        self.field = data.field if data else None
+        self.values = data.values if data else {}
         self.model = model
         self.status = status
         self.start = start
@@ -80,7 +85,7 @@ class EmbeddingError(RuntimeError):
             where += f", texts[{start}:{stop}]"
         code = f" [{status}]" if status else ""
         note = f"; {retry_note}" if retry_note else ""
-        super().__init__(f"{where}{code}: {server_message}{note}")
+        super().__init__(f"{where}{code}: {self.server_message}{note}")
 
 
 def parse_urls(url: str | Sequence[str] | None, protocol: str) -> tuple[str, ...]:

@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from python_backends.errors import CODES, OVERLOADED, UNAVAILABLE, parse_error
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -257,6 +259,16 @@ def _status(exc: BaseException) -> str | None:
     return None if status is None else str(status)
 
 
+def _raw_message(exc: BaseException) -> str:
+    """The message as the server sent it (the model's error data still in it)."""
+    if callable(getattr(exc, "message", None)):
+        try:
+            return str(exc.message())  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001
+            return ""
+    return ""
+
+
 def _message(exc: BaseException) -> str:
     message = getattr(exc, "server_message", None)
     if message is None and callable(getattr(exc, "message", None)):
@@ -297,6 +309,10 @@ def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit, RetryError)):
         return False
     for e in _chain(exc):
+        data = parse_error(_raw_message(e))
+        code = data.code if data is not None else getattr(e, "code", None)
+        if isinstance(code, str) and code in CODES:  # the model's error as data: its code decides
+            return code in (OVERLOADED, UNAVAILABLE)
         status = _status(e)
         if status is not None:
             if status in RETRY_HTTP_STATUSES or status in RETRY_GRPC_STATUSES:

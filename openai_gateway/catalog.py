@@ -66,11 +66,10 @@ class EmbeddingModel:
 
 @dataclass(frozen=True)
 class GenerationModel:
-    """The generation model and its token and text limits (config.pbtxt ``parameters``)."""
+    """The generation model and its context length (config.pbtxt ``parameters``); its other
+    limits are the model's own to check (errors come back as data)."""
 
     id: str
-    max_tokens_limit: int
-    max_text_bytes: int
     max_model_len: int
     aliases: tuple[str, ...] = ()
     kind: str = "generation"
@@ -144,8 +143,6 @@ def _generation(name: str, config: ModelConfig) -> GenerationModel | None:
         return None
     return GenerationModel(
         id=name,
-        max_tokens_limit=config.param_int("max_tokens_limit", 2048, minimum=1),
-        max_text_bytes=config.param_int("max_text_bytes", 262144, minimum=1),
         max_model_len=config.param_int("max_model_len", 4096, minimum=1),
         aliases=ALIASES.get(name, ()),
     )

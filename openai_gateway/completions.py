@@ -8,22 +8,21 @@ the token counts. Answers become OpenAI's objects; streams become its SSE chunks
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from openai_gateway.catalog import GenerationModel
 from openai_gateway.embeddings import utf8
-from openai_gateway.errors import APIError, bad_request, too_large
+from openai_gateway.errors import bad_request, too_large
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
+from python_backends.generation.fields import SAMPLING_FIELDS
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MAX_SEED = 2**63 - 1
 # The engine's names for why a sequence ended; "abort" (cancelled) never reaches a client.
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -39,7 +38,7 @@ class GenerationJob:
     stream: bool
     include_usage: bool
     echo_prefix: str = ""  # /v1/completions with echo: the prompt, sent before the answer
-    max_tokens_defaulted: bool = False  # the request named no max_tokens: it may shrink to fit the context
+    fields: dict[str, str] = field(default_factory=dict)  # the model's field names -> the request's (errors' param)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -61,62 +60,43 @@ def _refuse_unsupported(req: _Sampling) -> None:
 
 
 def _sampling(
-    req: _Sampling, max_tokens: int | None, model: GenerationModel, settings: GatewaySettings, default_max_tokens: int
+    req: _Sampling, max_tokens: int | None, settings: GatewaySettings, default_max_tokens: int | None
 ) -> dict[str, Any]:
-    cap = min(model.max_tokens_limit, settings.max_tokens_cap or model.max_tokens_limit)
+    """The request's sampling fields for the engine (python_backends/generation/fields.py),
+    which judges their values; here only OpenAI's own policy and the operator's cap are
+    checked. Without max_tokens the engine fills the rest of the context, up to the default."""
     param = (
         "max_completion_tokens"
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
         else "max_tokens"
     )
+    out: dict[str, Any] = {f.name: getattr(req, f.name) for f in SAMPLING_FIELDS if getattr(req, f.name, None) is not None}
+    cap = settings.max_tokens_cap
     if max_tokens is None:
-        max_tokens = min(cap, default_max_tokens)
-    elif max_tokens < 1:
-        raise bad_request(f"{param} must be >= 1, got {max_tokens}", param=param)
-    elif max_tokens > cap:
-        raise bad_request(f"{param} must be <= {cap} ({model.id}'s max_tokens_limit), got {max_tokens}", param=param)
-    out: dict[str, Any] = {"max_tokens": max_tokens}
+        # None: the model's max_tokens_limit (the engine reads null so), lowered by the cap.
+        out["max_tokens"] = min(x for x in (default_max_tokens, cap or None) if x) if (default_max_tokens or cap) else None
+        out["fit_to_context"] = True
+    else:
+        if cap and max_tokens > cap:
+            raise bad_request(f"{param} must be <= {cap} (--max-tokens-cap), got {max_tokens}", param=param)
+        out["max_tokens"] = max_tokens
     if req.temperature is not None:
-        if not 0 <= req.temperature <= 2:
+        if not 0 <= req.temperature <= 2:  # OpenAI's range; the engine takes any temperature >= 0
             raise bad_request(f"temperature must be between 0 and 2, got {req.temperature}", param="temperature")
         out["temperature"] = float(req.temperature)
-    if req.top_p is not None:
-        if not 0 < req.top_p <= 1:
-            raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
-        out["top_p"] = float(req.top_p)
-    if req.seed is not None:
-        if not 0 <= req.seed <= MAX_SEED:
-            raise bad_request(f"seed must be between 0 and {MAX_SEED}, got {req.seed}", param="seed")
-        out["seed"] = req.seed
     if req.stop is not None:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-        if len(stop) > settings.max_stop:
+        if len(stop) > settings.max_stop:  # OpenAI's 4; the engine's own limit is higher
             raise bad_request(f"stop has {len(stop)} sequences; the limit is {settings.max_stop}", param="stop")
         for i, s in enumerate(stop):
             utf8(s, f"stop[{i}]")
-            if not s:
-                raise bad_request(f"stop[{i}] is empty", param="stop")
-            if len(s) > settings.max_stop_chars:
-                raise bad_request(f"stop[{i}] has {len(s)} characters; the limit is {settings.max_stop_chars}", param="stop")
         if stop:
             out["stop"] = stop
-    if req.top_k is not None:
-        # Above int64 the engine's sampler overflows and fails its whole batch step.
-        if not 0 <= req.top_k <= MAX_SEED:
-            raise bad_request(f"top_k must be between 0 (0 disables it) and {MAX_SEED}, got {req.top_k}", param="top_k")
-        out["top_k"] = req.top_k
-    if req.min_tokens is not None:
-        if not 0 <= req.min_tokens <= max_tokens:
-            raise bad_request(
-                f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {req.min_tokens}", param="min_tokens"
-            )
-        out["min_tokens"] = req.min_tokens
-    if req.repetition_penalty is not None:
-        if not 0 < req.repetition_penalty <= 10:
-            raise bad_request(f"repetition_penalty must be in (0, 10], got {req.repetition_penalty}", param="repetition_penalty")
-        out["repetition_penalty"] = float(req.repetition_penalty)
-    if req.ignore_eos is not None:
-        out["ignore_eos"] = req.ignore_eos
+        else:
+            out.pop("stop")
+    for name in ("top_p", "repetition_penalty"):
+        if name in out:
+            out[name] = float(out[name])
     return out
 
 
@@ -127,8 +107,8 @@ def _include_usage(req: _Sampling) -> bool:
 
 
 def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
-    """A chat completion request checked against OpenAI's policy and the model's limits, as a job;
-    400/413 naming the field otherwise."""
+    """A chat completion request checked against OpenAI's policy and the gateway's own limits, as a
+    job; 400/413 naming the field otherwise. The model judges the rest (its errors come back as data)."""
     _refuse_unsupported(req)
     if req.logprobs or req.top_logprobs:
         raise bad_request("logprobs is not supported", param="logprobs")
@@ -136,8 +116,6 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         raise bad_request("tools and function calling are not supported by this model", param="tools")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise bad_request('response_format must be {"type": "text"}: structured output is not supported', param="response_format")
-    if not req.messages:
-        raise bad_request("messages must not be empty", param="messages")
     if len(req.messages) > settings.max_messages:
         raise too_large(f"messages has {len(req.messages)} items; the limit is {settings.max_messages}", param="messages")
     messages = []
@@ -170,21 +148,14 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
             f"messages have {chars} characters together; the limit is {settings.max_prompt_chars} (--max-prompt-chars)",
             param="messages",
         )
-    if not any(m["content"].strip() for m in messages):
-        raise bad_request("every message is empty", param="messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    default = settings.default_max_tokens or model.max_tokens_limit
-    sampling = _sampling(req, max_tokens, model, settings, default)
+    sampling = _sampling(req, max_tokens, settings, settings.default_max_tokens or None)
     text = orjson.dumps(messages).decode("utf-8")
-    if len(text.encode("utf-8")) > model.max_text_bytes:
-        raise too_large(
-            f"messages take {len(text.encode('utf-8'))} bytes as JSON; {model.id}'s limit is "
-            f"{model.max_text_bytes} (max_text_bytes in its config.pbtxt)",
-            param="messages",
-        )
-    return GenerationJob(
-        model, True, text, sampling, bool(req.stream), _include_usage(req), max_tokens_defaulted=max_tokens is None
-    )
+    fields = {
+        "text_input": "messages",
+        "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+    }
+    return GenerationJob(model, True, text, sampling, bool(req.stream), _include_usage(req), fields=fields)
 
 
 # /v1/completions without max_tokens generates 16 tokens, as OpenAI and vLLM do.
@@ -210,21 +181,12 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
                 param="prompt",
             )
         prompt = prompt[0]
-    if not prompt.strip():
-        raise bad_request("prompt is empty or only whitespace", param="prompt")
     utf8(prompt, "prompt")
     if len(prompt) > settings.max_prompt_chars:
         raise too_large(
             f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars} (--max-prompt-chars)", param="prompt"
         )
-    if len(prompt.encode("utf-8")) > model.max_text_bytes:
-        raise too_large(
-            f"prompt has {len(prompt.encode('utf-8'))} bytes; {model.id}'s limit is "
-            f"{model.max_text_bytes} (max_text_bytes in its config.pbtxt)",
-            param="prompt",
-        )
-    default = settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-    sampling = _sampling(req, req.max_tokens, model, settings, default)
+    sampling = _sampling(req, req.max_tokens, settings, settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     return GenerationJob(
         model,
         False,
@@ -233,28 +195,8 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
         bool(req.stream),
         _include_usage(req),
         echo_prefix=prompt if req.echo else "",
-        max_tokens_defaulted=req.max_tokens is None,
+        fields={"text_input": "prompt"},
     )
-
-
-# The engine's refusal of prompt + max_tokens over the context (python_backends/generation/engine.py).
-_CONTEXT = re.compile(r"the prompt has (\d+) tokens and max_tokens is (\d+): \d+ exceeds the context limit of (\d+)")
-
-
-def fit_to_context(job: GenerationJob, error: APIError) -> GenerationJob | None:
-    """The job again with max_tokens cut to the room the prompt leaves, when the request named
-    no max_tokens and the engine refused the default for the context (as OpenAI's and vLLM's
-    servers fill the rest of the context); None when that does not apply."""
-    if not job.max_tokens_defaulted or error.status != 400:
-        return None
-    m = _CONTEXT.search(error.message)
-    if m is None:
-        return None
-    prompt, limit = int(m.group(1)), int(m.group(3))
-    room = limit - prompt
-    if room < 1 or room >= job.sampling["max_tokens"]:
-        return None
-    return replace(job, sampling={**job.sampling, "max_tokens": room}, max_tokens_defaulted=False)
 
 
 @dataclass

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
+
+from python_backends.generation.fields import SAMPLING_FIELDS
 
 Number = Union[StrictInt, StrictFloat]  # noqa: UP007 (pydantic's Strict types are Annotated aliases)
 
@@ -53,13 +55,12 @@ class StreamOptions(_Body):
     include_usage: StrictBool | None = None
 
 
-class _Sampling(_Body):
+# JSON types of the sampling fields' table (python_backends/generation/fields.py) as strict types.
+_TYPES = {(int,): StrictInt, (int, float): Number, (bool,): StrictBool, (str, list): StrictStr | list[StrictStr]}
+
+
+class _OpenAISampling(_Body):
     model: StrictStr
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -67,11 +68,15 @@ class _Sampling(_Body):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
-    # vLLM's extensions (the openai SDK's extra_body), passed to the engine as they are.
-    top_k: StrictInt | None = None
-    min_tokens: StrictInt | None = None
-    repetition_penalty: Number | None = None
-    ignore_eos: StrictBool | None = None
+
+
+# The engine's sampling fields, from its one table: OpenAI's own (max_tokens, temperature, top_p,
+# seed, stop) and vLLM's extensions (the openai SDK's extra_body), which go to the engine as they are.
+_Sampling = create_model(
+    "_Sampling",
+    __base__=_OpenAISampling,
+    **{f.name: (_TYPES[f.kinds] | None, Field(None, description=f.doc)) for f in SAMPLING_FIELDS},
+)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -49,7 +49,6 @@ class GatewaySettings:
     max_messages: int = 256  # chat messages per request
     max_prompt_chars: int = 65536  # characters of a completion prompt or of all chat messages together
     max_stop: int = 4  # stop sequences, as OpenAI
-    max_stop_chars: int = 256
     # max_tokens when the request names none; 0: the model's max_tokens_limit (config.pbtxt).
     default_max_tokens: int = 0
     # A lower cap than the model's max_tokens_limit (0: the model's).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from openai_gateway.catalog import Catalog, EmbeddingModel, Model
 from openai_gateway.completions import GenerationJob
 from openai_gateway.embeddings import EmbeddingJob, pad_ids
 from openai_gateway.errors import APIError, unavailable
+from python_backends.errors import INVALID, parse_error, words_of
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ _STATUS = {
     "StatusCode.RESOURCE_EXHAUSTED": 413,
 }
 _LENGTH = struct.Struct("<I")  # the length prefix of each element of a BYTES tensor
-# Fields of the generation model's errors ("max_tokens: must be <= 2048") -> the OpenAI field.
-_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?): ")
+# tritonserver's own words for a model it cannot reach now, in stream errors (no status there).
+TRITON_UNAVAILABLE_WORDS = ("unknown model", "is not ready", "unavailable")
 
 
 @dataclass(frozen=True)
@@ -58,39 +58,42 @@ class Piece:
 
 
 def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:
-    """An APIError for a failed Triton call; 4xx for what the request did, 5xx for Triton."""
+    """An APIError for a failed Triton call: 4xx for what the request did, 5xx for Triton.
+
+    The models' errors carry their code, field and values as data (python_backends/errors.py),
+    which decide the status and the OpenAI ``param`` (the model's input names mapped to the
+    request's fields by ``param_map``) on a unary call and on a stream alike. Triton's own
+    errors carry a gRPC status; a stream error of Triton's own has neither (502)."""
     # tritonclient's InferenceServerException has status() and message(); a stream's has no status.
     status_of, message_of = getattr(exc, "status", None), getattr(exc, "message", None)
     status_name = str(status_of() or "") if callable(status_of) else ""
-    message = (message_of() if callable(message_of) else "") or str(exc)
-    status = _STATUS.get(status_name)
-    if status is None:  # stream errors carry no status code: read the message
-        lowered = message.lower()
-        if "max_waiting=" in lowered or "unavailable" in lowered:
-            status = 503
-        elif "unknown model" in lowered or "not ready" in lowered:
-            status = 503
-        elif "internal error" in lowered or "failed to connect" in lowered or "socket closed" in lowered:
-            status = 502
-        elif status_name:
-            status = 502
-        else:
-            status = 400
+    text = (message_of() if callable(message_of) else "") or str(exc)
+    data = parse_error(text)
+    message = words_of(text)
+    if data is not None:
+        status = data.http_status
+        if status == 500:
+            status = 502  # the model failed: a bad gateway to the client
+    elif status_name:
+        status = _STATUS.get(status_name, 502)
+    else:  # a stream error of Triton's own (its words): a model it cannot reach now is a 503
+        status = 503 if any(w in message.lower() for w in TRITON_UNAVAILABLE_WORDS) else 502
     if status == 503:
         return unavailable(f"{what}: Triton cannot take the request now: {message}")
     if status == 504:
         return APIError(504, f"{what}: no answer from Triton within the deadline: {message}", code="timeout")
     if status == 499:
         return APIError(499, f"{what}: cancelled", code="cancelled")
-    if status == 413:
-        return APIError(413, f"{what}: {message}", code="request_too_large")
     if status >= 500:
         return APIError(502, f"{what}: Triton failed: {message}", code="triton_error")
     param = None
-    m = _FIELD.match(message)
-    if m:
-        param = (param_map or {}).get(m.group(1), m.group(1))
-    return APIError(400, message, param=param)
+    if data is not None and data.field:
+        base, bracket, index = data.field.partition("[")  # TEXT[3] -> input[3]
+        param = (param_map or {}).get(base, base) + bracket + index
+    code = None if data is None or data.code == INVALID else data.code
+    if status == 413:
+        return APIError(413, message, param=param, code=code)
+    return APIError(400, message, param=param, code=code)
 
 
 class TritonBackend:
@@ -290,7 +293,7 @@ class TritonBackend:
         from clients.generation import GenerateRequest
 
         request = GenerateRequest(job.text_input, job.sampling, chat=job.chat)
-        param_map = {"text_input": "messages" if job.chat else "prompt"}
+        param_map = job.fields
 
         async def requests():
             yield {

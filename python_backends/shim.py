@@ -11,7 +11,7 @@ import logging
 import traceback
 from typing import Any
 
-from python_backends.errors import ConfigError, InputError, Overloaded
+from python_backends.errors import TRITON_CODES, ConfigError, InputError, RequestError, format_error
 
 
 class _TritonLogHandler(logging.Handler):
@@ -50,17 +50,16 @@ def load_error(pb_utils: Any, model: str, exc: BaseException) -> Exception:
 
 
 def error_response(pb_utils: Any, model: str, exc: BaseException, request_id: str = "") -> Any:
-    """One request's error response with a fitting code; unexpected errors are logged."""
-    if isinstance(exc, InputError):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
-    if isinstance(exc, Overloaded):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{model}: {exc}", pb_utils.TritonError.UNAVAILABLE))
+    """One request's error response: the Triton code of the error's code, and its data in the
+    message (python_backends.errors.format_error); unexpected errors are logged."""
+    if isinstance(exc, RequestError):
+        prefix = "" if isinstance(exc, InputError) else f"{model}: "
+        code = getattr(pb_utils.TritonError, TRITON_CODES[exc.code])
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(format_error(exc, prefix), code))
     logging.getLogger("python_backends.shim").error(
         "model %s request %r failed: %s", model, request_id or "-", "".join(traceback.format_exception(exc))
     )
-    return pb_utils.InferenceResponse(
-        error=pb_utils.TritonError(f"{model}: internal error: {exc}", pb_utils.TritonError.INTERNAL)
-    )
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(format_error(exc, f"{model}: "), pb_utils.TritonError.INTERNAL))
 
 
 def keep_metrics(*objects: Any) -> None:

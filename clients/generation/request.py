@@ -14,20 +14,12 @@ import numpy as np
 
 from clients.embed import PROTOCOLS, Protocol, parse_urls, transport
 from clients.resilience import RetryPolicy
+from python_backends.generation.fields import SAMPLING_FIELDS as _FIELDS
 
 DEFAULT_MODEL = "text_generation"
-# Sampling parameters the served model accepts (vLLM's names), with the JSON types each takes.
-SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "max_tokens": (int,),
-    "min_tokens": (int,),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "seed": (int,),
-    "stop": (list,),
-    "ignore_eos": (bool,),
-    "repetition_penalty": (int, float),
-}
+# Sampling parameters the served model accepts (vLLM's names), with the JSON types each takes:
+# the engine's own table (python_backends/generation/fields.py).
+SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {f.name: f.kinds for f in _FIELDS}
 ROLES = ("system", "user", "assistant")
 _ids = itertools.count(1)
 
@@ -45,7 +37,7 @@ def sampling_parameters(**params: Any) -> dict[str, Any]:
             raise ValueError(f"unknown sampling parameter {name!r}; known: {', '.join(SAMPLING_FIELDS)}")
         if value is None:
             continue
-        if name == "stop":
+        if list in SAMPLING_FIELDS[name]:
             value = [value] if isinstance(value, str) else list(value)
             if not all(isinstance(s, str) for s in value):
                 raise TypeError("stop must be a string or a list of strings")

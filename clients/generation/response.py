@@ -14,14 +14,18 @@ from tritonclient.utils import InferenceServerException
 
 from clients.generation.request import DEFAULT_MODEL
 from clients.resilience import RetryError, describe
+from python_backends.errors import GRPC_STATUS, parse_error, words_of
 
 
 class GenerationError(RuntimeError):
     """A generation request failed.
 
     ``server_message`` is Triton's (or the transport's) own message; for bad input it names
-    the field, e.g. ``"max_tokens must be >= 1, got 0"``. ``status`` is the HTTP status
-    (``"400"``) or the gRPC status code when there is one.
+    the field, e.g. ``"max_tokens: must be > 0, got 0"``. ``status`` is the HTTP status
+    (``"400"``) or the gRPC status code, a stream error's included (the model's error data
+    says it). The model's errors also come as data: ``code`` (``"invalid_value"``,
+    ``"context_length_exceeded"``, ``"overloaded"``, ...), ``field`` and ``values`` (the limit
+    and what was sent), python_backends/errors.py; None and {} for other failures.
     """
 
     def __init__(
@@ -33,13 +37,17 @@ class GenerationError(RuntimeError):
         retry_note: str = "",
         attempts: int | None = None,
     ):
-        self.server_message = server_message
+        data = parse_error(server_message)
+        self.server_message = words_of(server_message)
+        self.code = data.code if data else None
+        self.field = data.field if data else None
+        self.values = data.values if data else {}
         self.model = model
         self.status = status
         self.attempts = attempts
         code = f" [{status}]" if status else ""
         note = f"; {retry_note}" if retry_note else ""
-        super().__init__(f"model '{model}'{code}: {server_message}{note}")
+        super().__init__(f"model '{model}'{code}: {self.server_message}{note}")
 
 
 @dataclass(frozen=True)
@@ -260,12 +268,17 @@ def transport_error(exc: BaseException, protocol: str, url: str, model: str, tim
         if exc.last is None:
             return GenerationError("no endpoint available", model=model, retry_note=note, attempts=exc.attempts)
         last = transport_error(exc.last, protocol, url, model, timeout_s)
-        return GenerationError(last.server_message, model=model, status=last.status, retry_note=note, attempts=exc.attempts)
+        error = GenerationError(last.server_message, model=model, status=last.status, retry_note=note, attempts=exc.attempts)
+        error.code, error.field, error.values = last.code, last.field, last.values
+        return error
     if isinstance(exc, GenerationError):
         return exc
     if isinstance(exc, InferenceServerException):
         status = exc.status()
         message = exc.message() or str(exc)
+        data = parse_error(message)
+        if data is not None:  # the model's own error: a stream's carries its status only here
+            return GenerationError(message, model=model, status=status or GRPC_STATUS[data.code])
         if status == "StatusCode.UNAVAILABLE":
             message = f"cannot reach the grpc server at {url}: {message}"
         elif status == "StatusCode.DEADLINE_EXCEEDED":

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request, Security
 
 from openai_gateway import completions
 from openai_gateway.catalog import GenerationModel
-from openai_gateway.errors import APIError
 from openai_gateway.responses import json_response
 from openai_gateway.routes import bearer
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -29,15 +28,7 @@ async def serve_generation(request: Request, job: completions.GenerationJob, rou
     backend.require_ready(job.model)
     started = time.perf_counter()
     pieces = backend.generate(job, info["request_id"])
-    try:
-        first = await until_done_or_gone(request, anext(pieces, None), metrics, route)
-    except APIError as exc:
-        fitted = completions.fit_to_context(job, exc)
-        if fitted is None:
-            raise
-        job = fitted  # no max_tokens given: the rest of the context, as OpenAI does
-        pieces = backend.generate(job, info["request_id"])
-        first = await until_done_or_gone(request, anext(pieces, None), metrics, route)
+    first = await until_done_or_gone(request, anext(pieces, None), metrics, route)
     if first is not None and (first.text or first.final):
         metrics.ttft.labels(job.model.id).observe(time.perf_counter() - started)
     if not job.stream:

@@ -18,19 +18,19 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from python_backends.errors import ConfigError, InputError
+from python_backends.errors import ConfigError, InputError, RequestError, Unavailable
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
 from python_backends.generation.linear import PRECISIONS, has_fast_bf16, kv_cache_dtype
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
-from python_backends.generation.scheduler import FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
+from python_backends.generation.scheduler import ContextTooLong, FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
 from python_backends.generation.speculative import accept_draft
 
 log = logging.getLogger(__name__)
@@ -208,21 +208,21 @@ class LLMEngine:
             raise InputError("text_input", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Raise what ``add_request`` would, without touching the scheduler's state."""
+    def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> SamplingParams:
+        """The engine's admission rules, checked once before a request is queued: the prompt and
+        ``max_tokens`` fit the context and the KV pool. Returns the params to run (``max_tokens``
+        lowered to the room left when ``fit_to_context``); ContextTooLong (INVALID_ARG) otherwise."""
         if not prompt_ids:
             raise InputError("text_input", "the prompt has no tokens")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            from python_backends.generation.scheduler import ContextTooLong
-
-            raise ContextTooLong(
-                "max_tokens",
-                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{total} exceeds the context limit of {self.max_model_len} tokens",
-            )
-        if params.max_tokens > self.config.max_tokens_limit:
-            raise InputError("max_tokens", f"must be <= {self.config.max_tokens_limit}, got {params.max_tokens}")
+        prompt = len(prompt_ids)
+        # The last generated token is never fed back: a sequence holds total - 1 slots at most.
+        limit = min(self.max_model_len, self.scheduler.bm.num_blocks * self.scheduler.bm.block_size + 1)
+        room = limit - prompt
+        if params.fit_to_context and 0 < room < params.max_tokens:
+            params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room), fit_to_context=False)
+        if prompt + params.max_tokens > limit:
+            raise ContextTooLong(prompt, params.max_tokens, limit, pool=limit < self.max_model_len)
+        return params
 
     def add_request(
         self, request_id: RequestId, prompt: str | Seq[int], params: SamplingParams, arrival: float | None = None
@@ -231,7 +231,10 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
         ids = self.encode(prompt)
-        self.check_request(ids, params)
+        self.admit(request_id, ids, self.check_request(ids, params), arrival)
+
+    def admit(self, request_id: RequestId, ids: list[int], params: SamplingParams, arrival: float | None = None) -> None:
+        """Queue a request that passed :meth:`check_request` (QueueFull when the queue is full)."""
         self.scheduler.add(request_id, ids, params.max_tokens, speculative=params.greedy)
         self._requests[request_id] = _Request(
             request_id,
@@ -490,11 +493,11 @@ class EngineLoop:
     ) -> int:
         """Queue a request; returns its prompt length. Raises InputError or QueueFull."""
         ids = self.engine.encode(prompt)
-        self.engine.check_request(ids, params)
+        params = self.engine.check_request(ids, params)
         sub = _Submission(request_id, ids, params, on_output, is_cancelled)
         with self._lock:
             if self._stopping:
-                raise QueueFull("the engine is shutting down")
+                raise Unavailable("the engine is shutting down")
             if request_id in self._live or any(p.request_id == request_id for p in self._pending):
                 raise ValueError(f"request {request_id!r} is already running")
             # Submissions not yet handed to the scheduler count as waiting, less the free
@@ -503,10 +506,7 @@ class EngineLoop:
             free_places = max(0, sched.max_num_seqs - sched.num_running)
             waiting = max(0, sched.num_waiting + len(self._pending) - free_places)
             if waiting >= self.engine.config.max_waiting:
-                raise QueueFull(
-                    f"{waiting} requests already waiting and the running batch is full "
-                    f"(max_num_seqs={sched.max_num_seqs}, max_waiting={self.engine.config.max_waiting})"
-                )
+                raise QueueFull(waiting, sched.max_num_seqs, self.engine.config.max_waiting)
             self._pending.append(sub)
             self._last_submit = time.monotonic()
             self._submits += 1
@@ -553,8 +553,8 @@ class EngineLoop:
         for sub in pending:
             self._live[sub.request_id] = sub
             try:
-                self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params, arrival=sub.arrival)
-            except (InputError, QueueFull, ValueError) as exc:
+                self.engine.admit(sub.request_id, sub.prompt_ids, sub.params, arrival=sub.arrival)
+            except (RequestError, ValueError) as exc:
                 self._emit(
                     RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value, len(sub.prompt_ids), 0, None, exc)
                 )
@@ -637,7 +637,7 @@ class EngineLoop:
             finished = sum(1 for out in outputs if out.finished)
             with self._lock:
                 finished_at, submits_at = time.monotonic(), self._submits
-        for out in self.engine.fail_all(RuntimeError("the model is unloading")):
+        for out in self.engine.fail_all(Unavailable("the model is unloading")):
             self._emit(out)
         with self._lock:
             pending = list(self._pending)
@@ -653,7 +653,7 @@ class EngineLoop:
                     len(sub.prompt_ids),
                     0,
                     None,
-                    RuntimeError("the model is unloading"),
+                    Unavailable("the model is unloading"),
                 )
             )
 

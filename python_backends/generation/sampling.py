@@ -12,80 +12,25 @@ checked token for token against it.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from python_backends.errors import InputError
+from python_backends.generation.fields import FIELD_NAMES, SamplingParams
 
-# Limits the caller does not override; generous enough for chat clients, small enough
-# that the per-step stop-string search stays cheap.
-DEFAULT_MAX_STOP = 16
-DEFAULT_MAX_STOP_LEN = 256
-_MAX_SEED = 2**63 - 1
-
-
-class SamplingParamsError(InputError):
-    """A sampling parameter is invalid: that request fails with INVALID_ARG."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling settings (vLLM names and meanings).
-
-    ``top_k`` 0 and ``top_p`` 1.0 disable those filters; ``temperature`` 0 is greedy.
-    ``ignore_eos`` is the engine's stop check's business: EOS may still be sampled, it
-    just does not end the sequence (as in vLLM).
-    """
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty")
-
-
-def _int(name, value) -> int:
-    # bool is an int in Python; a client that sends true for max_tokens made a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SamplingParamsError(name, f"must be an integer, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _float(name, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SamplingParamsError(name, f"must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise SamplingParamsError(name, f"must be finite, got {value!r}")
-    return value
+# One name for the errors of sampling parameters (every path raises InputError).
+SamplingParamsError = InputError
 
 
 def parse_sampling_params(
-    source: str | bytes | Mapping | None,
-    *,
-    max_tokens_limit: int,
-    default_max_tokens: int = 16,
-    max_stop: int = DEFAULT_MAX_STOP,
-    max_stop_len: int = DEFAULT_MAX_STOP_LEN,
+    source: str | bytes | Mapping | None, *, max_tokens_limit: int, default_max_tokens: int = 16
 ) -> SamplingParams:
-    """Parse and validate ``sampling_parameters`` (a JSON object, as bytes/str, or a dict).
+    """``sampling_parameters`` (a JSON object, as bytes/str, or a dict) as SamplingParams.
 
-    ``max_tokens_limit`` is the caller's ceiling (the configured limit, or what the context
-    window leaves after the prompt). Errors name the field and the limit it broke.
+    Where the values enter the served interface: unknown names, the default ``max_tokens``
+    (``default_max_tokens``; ``null`` asks for the rest of the context, at most the limit) and
+    ``max_tokens_limit`` are checked here; SamplingParams checks each value's own rules.
     """
     if source is None:
         data: Mapping = {}
@@ -96,77 +41,33 @@ def parse_sampling_params(
             try:
                 source = source.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise SamplingParamsError("sampling_parameters", f"is not UTF-8: {exc}") from None
+                raise InputError("sampling_parameters", f"is not UTF-8: {exc}") from None
         if not source.strip():
             data = {}
         else:
             try:
                 data = json.loads(source)
             except json.JSONDecodeError as exc:
-                raise SamplingParamsError("sampling_parameters", f"is not valid JSON: {exc}") from None
+                raise InputError("sampling_parameters", f"is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise SamplingParamsError("sampling_parameters", f"must be a JSON object, got {type(data).__name__}")
-    unknown = sorted(str(k) for k in data if k not in _FIELDS)
+            raise InputError("sampling_parameters", f"must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in FIELD_NAMES)
     if unknown:
-        raise SamplingParamsError(unknown[0] or "''", f"unknown sampling parameter (known: {', '.join(_FIELDS)})")
-
-    max_tokens = _int("max_tokens", data.get("max_tokens", default_max_tokens))
-    if max_tokens <= 0:
-        raise SamplingParamsError("max_tokens", f"must be > 0, got {max_tokens}")
-    if max_tokens > max_tokens_limit:
-        raise SamplingParamsError("max_tokens", f"must be <= {max_tokens_limit}, got {max_tokens}")
-    min_tokens = _int("min_tokens", data.get("min_tokens", 0))
-    if not 0 <= min_tokens <= max_tokens:
-        raise SamplingParamsError("min_tokens", f"must be between 0 and max_tokens ({max_tokens}), got {min_tokens}")
-    temperature = _float("temperature", data.get("temperature", 1.0))
-    if temperature < 0:
-        raise SamplingParamsError("temperature", f"must be >= 0, got {temperature}")
-    top_p = _float("top_p", data.get("top_p", 1.0))
-    if not 0 < top_p <= 1:
-        raise SamplingParamsError("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = _int("top_k", data.get("top_k", 0))
-    # Above int64 the sampler's torch.topk overflows and fails the whole batch step, so the
-    # request is refused here, alone.
-    if not 0 <= top_k <= _MAX_SEED:
-        raise SamplingParamsError("top_k", f"must be between 0 (0 disables it) and {_MAX_SEED}, got {top_k}")
-    seed = data.get("seed")
-    if seed is not None:
-        seed = _int("seed", seed)
-        if not 0 <= seed <= _MAX_SEED:
-            raise SamplingParamsError("seed", f"must be between 0 and {_MAX_SEED}, got {seed}")
-    repetition_penalty = _float("repetition_penalty", data.get("repetition_penalty", 1.0))
-    if repetition_penalty <= 0:
-        raise SamplingParamsError("repetition_penalty", f"must be > 0, got {repetition_penalty}")
-    ignore_eos = data.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise SamplingParamsError("ignore_eos", f"must be true or false, got {ignore_eos!r}")
-
-    stop = data.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise SamplingParamsError("stop", "must be a string or a list of strings")
-    if len(stop) > max_stop:
-        raise SamplingParamsError("stop", f"at most {max_stop} stop strings, got {len(stop)}")
-    for s in stop:
-        if not s:
-            raise SamplingParamsError("stop", "stop strings must not be empty")
-        if len(s) > max_stop_len:
-            raise SamplingParamsError("stop", f"each stop string must be <= {max_stop_len} characters, got {len(s)}")
-
-    return SamplingParams(
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop),
-        ignore_eos=ignore_eos,
-        repetition_penalty=repetition_penalty,
-    )
+        raise InputError(unknown[0] or "''", f"unknown sampling parameter (known: {', '.join(FIELD_NAMES)})")
+    values = {k: v for k, v in data.items() if v is not None or k == "max_tokens"}
+    if "max_tokens" not in values:
+        values["max_tokens"] = default_max_tokens
+    elif values["max_tokens"] is None:  # vLLM's meaning: as many as the context leaves
+        values["max_tokens"] = max_tokens_limit
+        values["fit_to_context"] = True
+    elif isinstance(values["max_tokens"], int) and not isinstance(values["max_tokens"], bool):
+        if values["max_tokens"] > max_tokens_limit:
+            raise InputError(
+                "max_tokens",
+                f"must be <= {max_tokens_limit}, got {values['max_tokens']}",
+                values={"maximum": max_tokens_limit, "got": values["max_tokens"]},
+            )
+    return SamplingParams(**values)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -22,19 +22,36 @@ from collections.abc import Hashable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from python_backends.errors import InputError
+from python_backends.errors import CONTEXT_LENGTH, InputError, Overloaded
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.speculative import propose_ngram
 
 SeqId = Hashable
 
 
-class QueueFull(RuntimeError):
+class QueueFull(Overloaded):
     """The waiting queue is at ``max_waiting``: refuse the request now (Triton UNAVAILABLE)."""
+
+    def __init__(self, waiting: int, max_num_seqs: int, max_waiting: int):
+        super().__init__(
+            f"{waiting} requests already waiting and the running batch is full "
+            f"(max_num_seqs={max_num_seqs}, max_waiting={max_waiting})",
+            values={"waiting": waiting, "max_num_seqs": max_num_seqs, "max_waiting": max_waiting},
+        )
 
 
 class ContextTooLong(InputError):
-    """prompt + max_tokens exceed the context limit (Triton INVALID_ARG)."""
+    """prompt + max_tokens exceed the context, or the KV pool (Triton INVALID_ARG)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, pool: bool = False):
+        total = prompt_tokens + max_tokens
+        where = f"the KV pool holds {limit - 1} tokens" if pool else f"the context limit of {limit} tokens"
+        super().__init__(
+            "max_tokens",
+            f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: {total} exceeds {where}",
+            code=CONTEXT_LENGTH,
+            values={"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "limit": limit},
+        )
 
 
 class SequenceStatus(enum.Enum):
@@ -176,32 +193,14 @@ class Scheduler:
         """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already scheduled")
-        if len(prompt_tokens) == 0:
-            raise InputError("text_input", "the prompt has no tokens")
-        if max_tokens <= 0:
-            raise InputError("max_tokens", f"must be > 0, got {max_tokens}")
-        total = len(prompt_tokens) + max_tokens
-        if total > self.max_model_len:
-            raise ContextTooLong(
-                "max_tokens",
-                f"the prompt has {len(prompt_tokens)} tokens and max_tokens is {max_tokens}: "
-                f"{total} exceeds the context limit of {self.max_model_len} tokens",
-            )
-        # The last generated token is never fed back, hence total - 1 slots at most.
-        need = self.bm.blocks_needed(total - 1)
-        if need > self.bm.num_blocks:
-            raise ContextTooLong(
-                "max_tokens",
-                f"the prompt has {len(prompt_tokens)} tokens and max_tokens is {max_tokens}: "
-                f"{need} KV blocks would be needed, the pool has {self.bm.num_blocks}",
-            )
+        # The engine checked the request (LLMEngine.check_request); here it is only asserted.
+        assert prompt_tokens and max_tokens > 0, (len(prompt_tokens), max_tokens)
+        assert len(prompt_tokens) + max_tokens <= self.max_model_len, "the engine admitted too much"
+        assert self.bm.blocks_needed(len(prompt_tokens) + max_tokens - 1) <= self.bm.num_blocks, "the engine admitted too much"
         # Requests the running batch will take at the next step do not count as waiting.
         queued = len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
         if queued >= self.max_waiting:
-            raise QueueFull(
-                f"{len(self.waiting)} requests already waiting and the running batch is full "
-                f"(max_num_seqs={self.max_num_seqs}, max_waiting={self.max_waiting})"
-            )
+            raise QueueFull(len(self.waiting), self.max_num_seqs, self.max_waiting)
         seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals), speculative=speculative)
         self.waiting.append(seq)
         self._seqs[seq_id] = seq

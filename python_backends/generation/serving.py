@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from python_backends.errors import ConfigError, InputError
-from python_backends.generation.sampling import SamplingParams, SamplingParamsError, parse_sampling_params
+from python_backends.errors import TOO_LARGE, ConfigError, InputError
+from python_backends.generation.fields import SAMPLING_FIELDS, SamplingParams
+from python_backends.generation.sampling import parse_sampling_params
 
 BOOL_INPUTS = (
     "stream",
@@ -32,7 +33,6 @@ BOOL_INPUTS = (
     "return_num_output_tokens",
     "apply_chat_template",
 )
-SAMPLING_NAMES = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty")
 # Request parameters Triton or its clients set themselves; never sampling parameters.
 RESERVED_PARAMETERS = (
     "priority",
@@ -84,15 +84,19 @@ def _one_bytes(name: str, value: Any, max_bytes: int) -> str:
     if not isinstance(value, (bytes, bytearray)):
         raise InputError(name, f"must be a string, got {type(value).__name__}")
     if len(value) > max_bytes:
-        raise InputError(name, f"is {len(value)} bytes; the limit is {max_bytes} bytes")
+        raise InputError(
+            name,
+            f"is {len(value)} bytes; the limit is {max_bytes} bytes",
+            code=TOO_LARGE,
+            values={"maximum": max_bytes, "got": len(value)},
+        )
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(name, f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
-INT_PARAMETERS = ("max_tokens", "min_tokens", "top_k", "seed")
-FLOAT_PARAMETERS = ("temperature", "top_p", "repetition_penalty")
+_KINDS = {f.name: f.kinds for f in SAMPLING_FIELDS}
 
 
 def _coerce_parameter(name: str, value: Any) -> Any:
@@ -106,22 +110,19 @@ def _coerce_parameter(name: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    if name == "stop" and text.startswith("["):
+    kinds = _KINDS.get(name, ())
+    if list in kinds and text.startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
-            raise SamplingParamsError("stop", f"is not a valid JSON list: {exc}") from None
-    if name in INT_PARAMETERS:
+            raise InputError(name, f"is not a valid JSON list: {exc}") from None
+    number = float if float in kinds else int if int in kinds else None
+    if number is not None:
         try:
-            return int(text)
+            return number(text)
         except ValueError:
             return value
-    if name in FLOAT_PARAMETERS:
-        try:
-            return float(text)
-        except ValueError:
-            return value
-    if name == "ignore_eos" and text.lower() in ("true", "false"):
+    if kinds == (bool,) and text.lower() in ("true", "false"):
         return text.lower() == "true"
     return value
 
@@ -133,9 +134,9 @@ def merge_sampling_sources(sampling_parameters: str | None, request_parameters: 
         try:
             data = json.loads(sampling_parameters)
         except json.JSONDecodeError as exc:
-            raise SamplingParamsError("sampling_parameters", f"is not valid JSON: {exc}") from None
+            raise InputError("sampling_parameters", f"is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise SamplingParamsError("sampling_parameters", f"must be a JSON object, got {type(data).__name__}")
+            raise InputError("sampling_parameters", f"must be a JSON object, got {type(data).__name__}")
         merged.update({key: _coerce_parameter(key, value) for key, value in data.items()})
     for key, value in (request_parameters or {}).items():
         if key in RESERVED_PARAMETERS or key in BOOL_INPUTS:

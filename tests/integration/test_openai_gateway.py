@@ -493,7 +493,7 @@ def test_completion_stop_and_default_length(openai_client, direct):
 
 def test_without_max_tokens_a_long_prompt_gets_the_rest_of_the_context(openai_client):
     # 4,086 prompt tokens: the completions default of 16 would pass the 4,096-token context, so
-    # the gateway asks again for the 10 tokens left, as OpenAI fills the rest of the context.
+    # the engine generates the 10 tokens left (fit_to_context), as OpenAI fills the rest of it.
     prompt = "hello " * 4085
     done = openai_client.completions.create(
         model="text_generation", prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
@@ -504,6 +504,49 @@ def test_without_max_tokens_a_long_prompt_gets_the_rest_of_the_context(openai_cl
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.completions.create(model="text_generation", prompt=prompt, max_tokens=16)
     assert "context limit of 4096" in str(info.value) and info.value.body["param"] == "max_tokens"
+
+
+# The engine judges the sampling values (python_backends/generation/fields.py); its errors come
+# back through Triton as data and reach the client as OpenAI's 400/413 naming the request's field.
+ENGINE_REFUSALS = [
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": -5}, 400, "max_tokens"),
+    ({"max_tokens": 2049}, 400, "max_tokens"),
+    ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"max_completion_tokens": 4096}, 400, "max_completion_tokens"),
+    ({"max_tokens": 10, "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_p": 1.5}, 400, "top_p"),
+    ({"seed": -1}, 400, "seed"),
+    ({"seed": 2**63}, 400, "seed"),
+    ({"stop": "x" * 257}, 400, "stop"),
+    ({"stop": ["ok", ""]}, 400, "stop"),
+    ({"top_k": -1}, 400, "top_k"),
+    ({"min_tokens": 10, "max_tokens": 5}, 400, "min_tokens"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"repetition_penalty": 11}, 400, "repetition_penalty"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "system", "content": "  "}, {"role": "user", "content": "\n"}]}, 400, "messages"),
+    # 65,536 four-byte characters (the gateway's character limit) and the JSON around them: over
+    # the model's max_text_bytes (262,144).
+    ({"messages": [{"role": "user", "content": "\U0001f600" * 65536}]}, 413, "messages"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": " \n\t"}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("fields, status, param", ENGINE_REFUSALS)
+def test_the_engines_refusals_reach_the_client_naming_its_field(gateway, fields, status, param):
+    chat = "prompt" not in fields
+    body = {"model": GENERATION, **({"messages": [{"role": "user", "content": "Hi"}]} if chat else {}), **fields}
+    if not chat or not any(k.startswith("max_") for k in fields):
+        body.setdefault("max_tokens", 4)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    for stream in (False, True):
+        response = requests.post(f"{gateway.url}{path}", json={**body, "stream": stream}, headers=auth(), timeout=60)
+        error = assert_openai_error(response, status, "invalid_request_error")
+        assert error["param"] == param, (stream, error)
+        assert "#error-data" not in error["message"]
 
 
 def test_models_list_and_retrieve(openai_client):

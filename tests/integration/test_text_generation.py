@@ -882,10 +882,18 @@ def test_queue_full_is_unavailable_naming_max_waiting_and_admitted_requests_fini
     status, answer = http_generate(server, {"text_input": PROMPT, "parameters": sampling})
     running.join(120)
     waiting.join(120)
+    from python_backends.errors import parse_error
+
     assert refused.error is not None and "max_waiting" in refused.error.message(), refused
-    # UNAVAILABLE; tritonserver 2.51's generate endpoint answers it with 400, not 503 (the
-    # code of a decoupled model's error response does not reach the HTTP status).
+    # The stream error has no status of its own: its data says what it is, the numbers included.
+    data = parse_error(refused.error.message())
+    assert data is not None and (data.code, data.http_status) == ("overloaded", 503), refused.error.message()
+    assert data.values["max_waiting"] == 1
+    # The model answers UNAVAILABLE, yet tritonserver 2.51's generate endpoint sends 400 (the code
+    # of a decoupled model's error response does not reach its HTTP status): the data in the body
+    # says what it is, and the project's clients retry by it.
     assert status in (400, 503) and "max_waiting" in answer["error"], (status, answer)
+    assert parse_error(answer["error"]).code == "overloaded", answer
     for key in ("running", "waiting"):
         r = results[key]
         assert r.error is None and r.finals[-1] and len(r.pieces) > 1, (key, r.error)

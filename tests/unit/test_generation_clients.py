@@ -191,7 +191,12 @@ def test_sampling_parameters_names_types_and_stop():
         "stop",
         "ignore_eos",
         "repetition_penalty",
+        "fit_to_context",
     }
+    # The engine's own table: one list of fields for the clients, the gateway and the engine.
+    from python_backends.generation.fields import FIELD_NAMES
+
+    assert tuple(SAMPLING_FIELDS) == FIELD_NAMES
 
 
 def test_chat_messages_and_the_system_option():

@@ -251,6 +251,36 @@ def test_bad_requests_name_the_field(engine):
     assert not engine.has_unfinished()
 
 
+def test_the_engine_checks_context_and_pool_once_with_the_numbers_as_data(hf, engine):
+    with pytest.raises(ContextTooLong) as e:
+        engine.check_request([1] * 3500, SamplingParams(max_tokens=1000))
+    assert (e.value.code, e.value.field) == ("context_length_exceeded", "max_tokens")
+    assert e.value.values == {"prompt_tokens": 3500, "max_tokens": 1000, "limit": 4096}
+    assert engine.check_request([1] * 3096, SamplingParams(max_tokens=1000)).max_tokens == 1000  # exactly the limit
+    with pytest.raises(InputError, match="no tokens"):
+        engine.check_request([], GREEDY)
+    # Larger than the whole pool could ever hold: refused now, not queued forever.
+    small = make_engine(hf, num_blocks=4, block_size=4, max_model_len=1000)
+    with pytest.raises(ContextTooLong, match="the KV pool holds 16 tokens") as e:
+        small.check_request(list(range(10)), SamplingParams(max_tokens=10))
+    assert e.value.values["limit"] == 17
+
+
+def test_fit_to_context_lowers_max_tokens_to_the_room_left(engine):
+    fit = SamplingParams(max_tokens=16, min_tokens=12, fit_to_context=True)
+    fitted = engine.check_request([1] * 4086, fit)
+    assert (fitted.max_tokens, fitted.min_tokens) == (10, 10)
+    assert engine.check_request([1] * 100, fit) == fit  # room enough: unchanged
+    with pytest.raises(ContextTooLong):  # no room at all
+        engine.check_request([1] * 4096, fit)
+    rid = "fit"
+    engine.add_request(rid, [1] * 4090, SamplingParams(max_tokens=2048, temperature=0.0, ignore_eos=True, fit_to_context=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [(o.num_input_tokens, o.num_output_tokens, o.finish_reason) for o in outputs] == [(4090, 6, "length")]
+
+
 def test_abort_mid_stream_frees_blocks_and_random_load_leaks_nothing(hf, prompts):
     eng = make_engine(hf, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128)
     rng = random.Random(3)

@@ -61,7 +61,9 @@ def test_parse_full_json_and_defaults():
         ({"top_p": 1.5}, "top_p", "must be in (0, 1]"),
         ({"top_k": -1}, "top_k", "must be between 0 (0 disables it) and"),
         ({"top_k": 2**63}, "top_k", "must be between 0 (0 disables it) and"),
-        ({"repetition_penalty": 0}, "repetition_penalty", "must be > 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "must be in (0, 10]"),
+        ({"repetition_penalty": 11}, "repetition_penalty", "must be in (0, 10], got 11"),
+        ({"fit_to_context": 1}, "fit_to_context", "true or false"),
         ({"seed": -1}, "seed", "between 0 and"),
         ({"seed": 1.5}, "seed", "must be an integer"),
         ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
@@ -80,11 +82,25 @@ def test_parse_errors_name_the_field_and_limit(source, field, words):
     assert isinstance(info.value, InputError)  # the shims map it to INVALID_ARG
 
 
-def test_stop_limits_come_from_the_caller():
-    with pytest.raises(SamplingParamsError, match="at most 2 stop strings, got 3"):
-        parse({"stop": ["a", "b", "c"]}, max_stop=2)
-    with pytest.raises(SamplingParamsError, match="<= 4 characters, got 5"):
-        parse({"stop": "abcde"}, max_stop_len=4)
+def test_values_come_with_the_error_as_data():
+    with pytest.raises(SamplingParamsError) as info:
+        parse({"max_tokens": 300})
+    assert (info.value.code, info.value.field, info.value.values) == ("invalid_value", "max_tokens", {"maximum": 256, "got": 300})
+    with pytest.raises(SamplingParamsError) as info:
+        parse({"stop": ["a"] * 17})
+    assert info.value.values == {"maximum": 16, "got": 17}
+
+
+def test_sampling_params_validate_themselves_however_they_are_made():
+    with pytest.raises(InputError, match="top_p: must be in"):
+        SamplingParams(top_p=0)
+    assert SamplingParams(stop="x").stop == ("x",) and SamplingParams(temperature=1).temperature == 1.0
+
+
+def test_null_max_tokens_asks_for_the_rest_of_the_context():
+    p = parse({"max_tokens": None})
+    assert (p.max_tokens, p.fit_to_context) == (256, True)
+    assert parse({"seed": None, "stop": None}) == SamplingParams()
 
 
 # ---- sampler --------------------------------------------------------------------------

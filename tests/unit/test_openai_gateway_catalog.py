@@ -72,8 +72,6 @@ def test_text_generation_limits_from_its_config(catalog):
     m = catalog.models["text_generation"]
     assert isinstance(m, GenerationModel)
     config = REPOSITORY / "text_generation" / "config.pbtxt"
-    assert m.max_tokens_limit == int(_param(config, "max_tokens_limit")) == 2048
-    assert m.max_text_bytes == int(_param(config, "max_text_bytes")) == 262144
     assert m.max_model_len == int(_param(config, "max_model_len")) == 4096
     assert catalog.triton_models(m) == ("text_generation",)
 
@@ -117,15 +115,14 @@ def test_config_pbtxt_is_the_source_of_truth(tmp_path):
     _edit(repo / "text_encoder" / "config.pbtxt", "max_batch_size: 64", "max_batch_size: 4")
     _edit(repo / "text_tokenizer" / "config.pbtxt", 'string_value: "256"', 'string_value: "128"')
     _edit(repo / "text_tokenizer" / "config.pbtxt", '"16,32,64,128,256"', '"128,32"')
-    _edit(repo / "text_generation" / "config.pbtxt", 'string_value: "2048"', 'string_value: "512"')
-    _edit(repo / "text_generation" / "config.pbtxt", 'string_value: "262144"', 'string_value: "1000"')
+    _edit(repo / "text_generation" / "config.pbtxt", 'string_value: "4096"', 'string_value: "1024"')
 
     catalog = Catalog.from_repository(repo)
     e = catalog.models["text_embedding"]
     assert (e.max_batch_size, e.ids_max_batch_size, e.max_tokens, e.buckets) == (8, 4, 128, (32, 128))
     assert e.tokenizer_file == repo / "text_tokenizer" / "1" / "tokenizer.json"
     g = catalog.models["text_generation"]
-    assert (g.max_tokens_limit, g.max_text_bytes, g.max_model_len) == (512, 1000, 4096)
+    assert g.max_model_len == 1024
 
 
 def test_embedding_entry_direct_uses_the_ensemble(tmp_path):

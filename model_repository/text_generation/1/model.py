@@ -16,7 +16,6 @@ import triton_python_backend_utils as pb_utils
 from python_backends.config import ModelConfig
 from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine
 from python_backends.generation.sampling import SamplingParams
-from python_backends.generation.scheduler import QueueFull
 from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request
 from python_backends.generation.triton_metrics import GenerationMetrics
 from python_backends.shim import (
@@ -85,10 +84,7 @@ class TritonPythonModel:
                     self._sender_callback(sender, shaper, request.request_id()),
                     is_cancelled=sender.is_cancelled,
                 )
-            except QueueFull as exc:
-                error = pb_utils.TritonError(f"{self.config.name}: {exc}", pb_utils.TritonError.UNAVAILABLE)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
-            except Exception as exc:
+            except Exception as exc:  # InputError, QueueFull, ...: their codes pick Triton's (shim.error_response)
                 sender.send(error_response(pb_utils, self.config.name, exc, request.request_id()), flags=FINAL)
         return None
 

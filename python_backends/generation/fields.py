@@ -1,0 +1,172 @@
+"""The sampling fields: one table for the engine, the clients and the gateway's schema, and
+:class:`SamplingParams`, which validates itself once when it is made.
+
+Names and meanings are vLLM's (``sampling_parameters`` of Triton's vLLM backend), except
+``fit_to_context``, this project's. Errors name the field and the rule it broke, with the
+values as data (python_backends.errors). Light on purpose: no torch, so the clients and the
+gateway import it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from python_backends.errors import InputError
+
+MAX_STOP = 16  # stop strings per request: the per-step stop search stays cheap
+MAX_STOP_LEN = 256  # characters per stop string
+MAX_REPETITION_PENALTY = 10.0
+MAX_INT64 = 2**63 - 1  # top_k and seed: above int64 torch overflows and fails the whole batch step
+
+
+@dataclass(frozen=True)
+class SamplingField:
+    """One sampling field: its name, the JSON types a request may send, its default."""
+
+    name: str
+    kinds: tuple[type, ...]
+    default: Any
+    doc: str
+    openai: bool = False  # one of OpenAI's own request fields (else an extension: the SDK's extra_body)
+
+
+SAMPLING_FIELDS: tuple[SamplingField, ...] = (
+    SamplingField(
+        "max_tokens",
+        (int,),
+        16,
+        "Most tokens to generate (the model's default_max_tokens when absent; null: the rest of the context, "
+        "at most max_tokens_limit)",
+        openai=True,
+    ),
+    SamplingField("min_tokens", (int,), 0, "Tokens generated before EOS or a stop string may end the sequence"),
+    SamplingField("temperature", (int, float), 1.0, "Sampling temperature; 0 is greedy", openai=True),
+    SamplingField(
+        "top_p", (int, float), 1.0, "Nucleus sampling: the smallest set of tokens holding this mass; 1 disables it", openai=True
+    ),
+    SamplingField("top_k", (int,), 0, "Sample among the k most likely tokens; 0 disables it"),
+    SamplingField("seed", (int,), None, "A seeded request samples the same tokens every time", openai=True),
+    SamplingField("stop", (str, list), (), f"Up to {MAX_STOP} strings that end the text (left out of it)", openai=True),
+    SamplingField("ignore_eos", (bool,), False, "EOS does not end the sequence"),
+    SamplingField("repetition_penalty", (int, float), 1.0, "Above 1 discourages tokens already in the text"),
+    SamplingField(
+        "fit_to_context",
+        (bool,),
+        False,
+        "max_tokens shrinks to the room the prompt leaves in the context, instead of the request being refused",
+    ),
+)
+FIELD_NAMES = tuple(f.name for f in SAMPLING_FIELDS)
+
+
+def _int(name: str, value: Any) -> int:
+    # bool is an int in Python; a client that sends true for max_tokens made a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(name, f"must be an integer, got {type(value).__name__} {value!r}", values={"got": repr(value)})
+    return value
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(name, f"must be a number, got {type(value).__name__} {value!r}", values={"got": repr(value)})
+    value = float(value)
+    if not math.isfinite(value):
+        raise InputError(name, f"must be finite, got {value!r}", values={"got": repr(value)})
+    return value
+
+
+def _range(name: str, value, ok: bool, rule: str, **limits) -> None:
+    if not ok:
+        raise InputError(name, f"{rule}, got {value}", values={**limits, "got": value})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings, valid once made (InputError names the field otherwise).
+
+    ``top_k`` 0 and ``top_p`` 1.0 disable those filters; ``temperature`` 0 is greedy.
+    ``ignore_eos`` is the engine's stop check's business: EOS may still be sampled, it
+    just does not end the sequence (as in vLLM). ``fit_to_context``: the engine lowers
+    ``max_tokens`` to what the context leaves after the prompt instead of refusing.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    fit_to_context: bool = False
+
+    def __post_init__(self):
+        put = object.__setattr__  # frozen: normalised values are set once, here
+        max_tokens = _int("max_tokens", self.max_tokens)
+        _range("max_tokens", max_tokens, max_tokens > 0, "must be > 0", minimum=1)
+        min_tokens = _int("min_tokens", self.min_tokens)
+        _range(
+            "min_tokens",
+            min_tokens,
+            0 <= min_tokens <= max_tokens,
+            f"must be between 0 and max_tokens ({max_tokens})",
+            minimum=0,
+            maximum=max_tokens,
+        )
+        temperature = _float("temperature", self.temperature)
+        _range("temperature", temperature, temperature >= 0, "must be >= 0", minimum=0)
+        top_p = _float("top_p", self.top_p)
+        _range("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1]", above=0, maximum=1)
+        top_k = _int("top_k", self.top_k)
+        _range(
+            "top_k",
+            top_k,
+            0 <= top_k <= MAX_INT64,
+            f"must be between 0 (0 disables it) and {MAX_INT64}",
+            minimum=0,
+            maximum=MAX_INT64,
+        )
+        if self.seed is not None:
+            seed = _int("seed", self.seed)
+            _range("seed", seed, 0 <= seed <= MAX_INT64, f"must be between 0 and {MAX_INT64}", minimum=0, maximum=MAX_INT64)
+        penalty = _float("repetition_penalty", self.repetition_penalty)
+        _range(
+            "repetition_penalty",
+            penalty,
+            0 < penalty <= MAX_REPETITION_PENALTY,
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}]",
+            above=0,
+            maximum=MAX_REPETITION_PENALTY,
+        )
+        for name in ("ignore_eos", "fit_to_context"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(
+                    name, f"must be true or false, got {getattr(self, name)!r}", values={"got": repr(getattr(self, name))}
+                )
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InputError("stop", "must be a string or a list of strings")
+        _range("stop", len(stop), len(stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings", maximum=MAX_STOP)
+        for s in stop:
+            if not s:
+                raise InputError("stop", "stop strings must not be empty")
+            _range(
+                "stop",
+                len(s),
+                len(s) <= MAX_STOP_LEN,
+                f"each stop string must be <= {MAX_STOP_LEN} characters",
+                maximum=MAX_STOP_LEN,
+            )
+        put(self, "temperature", temperature)
+        put(self, "top_p", top_p)
+        put(self, "repetition_penalty", penalty)
+        put(self, "stop", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,105 @@
+"""The error contract: errors cross every hop as data (code, field, values), and every reader
+(the shim, the gateway, the clients, the retry policy) takes them from the data."""
+
+from __future__ import annotations
+
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from clients.generation.response import GenerationError, transport_error
+from clients.resilience import is_retryable
+from python_backends.errors import (
+    CODES,
+    GRPC_STATUS,
+    HTTP_STATUS,
+    MARK,
+    TRITON_CODES,
+    InputError,
+    Overloaded,
+    RequestError,
+    Unavailable,
+    format_error,
+    parse_error,
+    words_of,
+)
+from python_backends.generation.scheduler import ContextTooLong, QueueFull
+from python_backends.shim import error_response
+from tests.unit.triton_fakes import make_pb_utils
+
+
+def test_every_code_has_a_status_on_every_protocol():
+    assert set(TRITON_CODES) == set(GRPC_STATUS) == set(HTTP_STATUS) == set(CODES)
+    with pytest.raises(ValueError, match="unknown error code"):
+        RequestError("x", "y", code="no_such_code")
+
+
+@pytest.mark.parametrize(
+    "exc, code, field, values",
+    [
+        (
+            InputError("top_p", "must be in (0, 1], got 2", values={"maximum": 1, "got": 2}),
+            "invalid_value",
+            "top_p",
+            {"maximum": 1, "got": 2},
+        ),
+        (
+            ContextTooLong(4086, 16, 4096),
+            "context_length_exceeded",
+            "max_tokens",
+            {"prompt_tokens": 4086, "max_tokens": 16, "limit": 4096},
+        ),
+        (QueueFull(5, 32, 4), "overloaded", None, {"waiting": 5, "max_num_seqs": 32, "max_waiting": 4}),
+        (Unavailable("the model is unloading"), "unavailable", None, {}),
+        (Overloaded("no capacity in class bulk"), "overloaded", None, {}),
+    ],
+)
+def test_format_and_parse_round_trip_whatever_is_put_in_front(exc, code, field, values):
+    text = format_error(exc)
+    for received in (text, "in ensemble 'text_embedding', " + text, "text_generation: " + text):
+        data = parse_error(received)
+        assert data is not None and (data.code, data.field, data.values) == (code, field, values)
+        assert MARK not in words_of(received) and str(exc) in words_of(received)
+
+
+def test_messages_without_data_are_not_guessed_at():
+    for text in ("max_tokens: must be <= 2048, got 5000", "x #error-data not json", 'x #error-data {"code": "nope"}', ""):
+        assert parse_error(text) is None
+    assert words_of("plain") == "plain"
+    # An unexpected exception is an internal error, data included.
+    assert parse_error(format_error(RuntimeError("boom"))).code == "internal"
+
+
+def test_the_shim_picks_tritons_code_from_the_errors_code():
+    pb = make_pb_utils()
+    for exc, name in (
+        (InputError("stop", "must not be empty"), "INVALID_ARG"),
+        (ContextTooLong(10, 4090, 4096), "INVALID_ARG"),
+        (InputError("text_input", "too big", code="request_too_large"), "INVALID_ARG"),
+        (QueueFull(1, 1, 1), "UNAVAILABLE"),
+        (Unavailable("unloading"), "UNAVAILABLE"),
+        (RuntimeError("boom"), "INTERNAL"),
+    ):
+        response = error_response(pb, "text_generation", exc)
+        assert response.error().code() == getattr(pb.TritonError, name), exc
+        assert parse_error(response.error().message()) is not None
+
+
+def test_a_stream_error_gets_its_status_and_fields_from_the_data():
+    stream = InferenceServerException(format_error(QueueFull(3, 32, 3)))  # a stream's: no status
+    err = transport_error(stream, "grpc", "127.0.0.1:8001", "text_generation", 60)
+    assert isinstance(err, GenerationError)
+    assert (err.status, err.code, err.values["max_waiting"]) == ("StatusCode.UNAVAILABLE", "overloaded", 3)
+    assert MARK not in str(err) and "max_waiting=3" in err.server_message
+    bad = transport_error(
+        InferenceServerException(format_error(InputError("top_k", "must be >= 0"))), "grpc", "u", "text_generation", 60
+    )
+    assert (bad.status, bad.field) == ("StatusCode.INVALID_ARGUMENT", "top_k")
+
+
+def test_retries_follow_the_code_not_the_words():
+    overloaded = InferenceServerException(format_error(QueueFull(3, 32, 3)))
+    assert is_retryable(overloaded)
+    # Words that look like a load-shedding rejection do not make a bad request retryable.
+    bad = InferenceServerException(format_error(InputError("stop", "unavailable is not a stop string")))
+    assert not is_retryable(bad)
+    assert is_retryable(InferenceServerException(format_error(Unavailable("unloading"))))
