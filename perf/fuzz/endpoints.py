@@ -57,6 +57,7 @@ import numpy as np
 
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
+from python_backends.errors import parse_error
 
 HUGE = 1 << 40
 
@@ -877,7 +878,8 @@ def send_case(endpoint: str, req: Request, http_conn: HTTP, stub, tally: Tally) 
                 errors = [r.error_message for r in responses if r.error_message]
                 if errors:
                     message_text = errors[0]
-                    if "internal" in message_text.lower() and "internal error" in message_text.lower():
+                    data = parse_error(message_text)  # the model's error as data; Triton's own have none
+                    if data.code == "internal" if data is not None else "internal error" in message_text.lower():
                         tally.add(endpoint, "grpc:INTERNAL", req, message_text)
                     elif req.names and not names_a_field(message_text, req):
                         tally.add(endpoint, "unnamed", req, message_text)

@@ -30,6 +30,7 @@ with atheris.instrument_imports(include=["python_backends"]):
     from python_backends.cache.keys import KeyMaker, ModelIdentity
     from python_backends.errors import InputError
     from python_backends.generation import serving
+    from python_backends.generation.fields import FIELD_NAMES
     from python_backends.generation.sampling import parse_sampling_params
     from python_backends.image.preprocess import PreprocessOptions, preprocess
     from python_backends.routing.router import decide, parse_parameters
@@ -177,7 +178,7 @@ def generation(data: bytes) -> None:
         _CHAT = _ChatTokenizer()
     fdp = atheris.FuzzedDataProvider(data)
     inputs: dict = {name: fdp.PickValueInList(list(_BOOL_KINDS)) for name in serving.BOOL_INPUTS}
-    names = list(serving.SAMPLING_NAMES) + ["priority", "timeout", "x", "stream", "apply_chat_template"]
+    names = list(FIELD_NAMES) + ["priority", "timeout", "x", "stream", "apply_chat_template"]
     if fdp.ConsumeBool():
         # A chat: a JSON list of messages, sometimes well formed.
         messages = [

@@ -60,7 +60,7 @@ def parse_sampling_params(
     elif values["max_tokens"] is None:  # vLLM's meaning: as many as the context leaves
         values["max_tokens"] = max_tokens_limit
         values["fit_to_context"] = True
-    elif isinstance(values["max_tokens"], int) and not isinstance(values["max_tokens"], bool):
+    if isinstance(values["max_tokens"], int) and not isinstance(values["max_tokens"], bool):
         if values["max_tokens"] > max_tokens_limit:
             raise InputError(
                 "max_tokens",

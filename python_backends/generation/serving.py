@@ -267,6 +267,10 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
     threads = param_int("num_threads", 0, minimum=0)
     if threads:
         settings["num_threads"] = threads
+    if settings["default_max_tokens"] > settings["max_tokens_limit"]:
+        raise ConfigError(
+            f"default_max_tokens ({settings['default_max_tokens']}) must be <= max_tokens_limit ({settings['max_tokens_limit']})"
+        )
     if settings["max_num_batched_tokens"] < settings["max_num_seqs"]:
         raise ConfigError(
             f"max_num_batched_tokens ({settings['max_num_batched_tokens']}) must be >= max_num_seqs "
