@@ -330,6 +330,7 @@ LOCAL_ONLY = (
     "--metrics-port",
     "--log-verbose",
     "--exit-timeout-secs",
+    "--backend-config=python,shm-region-prefix-name",  # a pod's /dev/shm goes with the pod
 )
 
 
