@@ -42,10 +42,13 @@ def test_two_gateways_share_one_bucket_per_key(redis_server):
 
 def test_concurrent_checks_from_two_gateways_never_overdraw(redis_server):
     async def run():
-        a = SharedRateLimiter(redis_server.url, rate=0.01, burst=25)
-        b = SharedRateLimiter(redis_server.url, rate=0.01, burst=25)
+        # A generous timeout: 80 calls at once on a loaded machine took longer than the default
+        # 0.25 s, and each timeout fell back (fail open) to that gateway's own bucket of 25.
+        a = SharedRateLimiter(redis_server.url, rate=0.01, burst=25, timeout_s=10.0)
+        b = SharedRateLimiter(redis_server.url, rate=0.01, burst=25, timeout_s=10.0)
         try:
             answers = await asyncio.gather(*(lim.check("burst") for _ in range(40) for lim in (a, b)))
+            assert a.redis_errors == b.redis_errors == 0, "Redis did not answer: the fallback decided, not the script"
             assert sum(1 for r in answers if r == 0) == 25  # the script is atomic: no race
         finally:
             await a.close()
