@@ -73,8 +73,9 @@ def _sampling(
     out: dict[str, Any] = {f.name: getattr(req, f.name) for f in SAMPLING_FIELDS if getattr(req, f.name, None) is not None}
     cap = settings.max_tokens_cap
     if max_tokens is None:
-        # None: the model's max_tokens_limit (the engine reads null so), lowered by the cap.
-        out["max_tokens"] = min(x for x in (default_max_tokens, cap or None) if x) if (default_max_tokens or cap) else None
+        # None (null): the model's max_tokens_limit, as the engine reads it; the cap lowers either.
+        limits = [n for n in (default_max_tokens, cap) if n]
+        out["max_tokens"] = min(limits) if limits else None
         out["fit_to_context"] = True
     else:
         if cap and max_tokens > cap:
@@ -94,9 +95,6 @@ def _sampling(
             out["stop"] = stop
         else:
             out.pop("stop")
-    for name in ("top_p", "repetition_penalty"):
-        if name in out:
-            out[name] = float(out[name])
     return out
 
 
