@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,11 +39,46 @@ PIPE = "pipe"  # read by a thread: written to log_path, kept as a tail in memory
 DISCARD = "discard"  # /dev/null: the program writes its own log (nginx -e, redis --logfile)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux; IANA's elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+# Ports this process has handed out: a port chosen for a child that has not bound it yet
+# must not be chosen again for another (a cluster picks all its replicas' ports first).
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+_random = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nothing is bound to now, outside the kernel's ephemeral range, and not
+    handed out before by this process.
+
+    The kernel's own choice (``bind(port 0)``) comes from the ephemeral range, which outgoing
+    connections also draw from: in the seconds between the choice and the child's bind, a
+    connection could take the port and the child would fail to listen.
+    """
+    low, high = _ephemeral_range()
+    # Above the usual fixed service ports (8000-8002, 8080, 9090, 6379, ...).
+    candidates = (10000, low - 1) if low - 10000 >= 4096 else (high + 1, 65535)
+    for _ in range(1000):
+        port = _random.randint(*candidates)
+        with _handed_out_lock:
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port on {host} in {candidates[0]}-{candidates[1]}")
 
 
 def free_ports(count: int, taken: set[int], host: str = "127.0.0.1") -> list[int]:

@@ -7,7 +7,6 @@ import json
 import logging
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,13 @@ from starlette.testclient import TestClient
 from openai_gateway.app import create_app
 from openai_gateway.auth import ApiKeys, key_id
 from openai_gateway.settings import GatewaySettings
+from server.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-triton-unit-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EMBED = {"model": "text_embedding", "input": ["hello world"]}
 CHAT = {"model": "text_generation", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 REPOSITORY = ROOT / "model_repository"
@@ -54,7 +48,7 @@ def repository(tmp_path_factory):
 
 def _settings(**changes) -> GatewaySettings:
     base = GatewaySettings(
-        triton_url=f"127.0.0.1:{_free_port()}", model_repository=REPOSITORY, api_keys=(KEY,), rate_limit_rps=0, ready_poll_s=0.2
+        triton_url=f"127.0.0.1:{free_port()}", model_repository=REPOSITORY, api_keys=(KEY,), rate_limit_rps=0, ready_poll_s=0.2
     )
     return dataclasses.replace(base, **changes)
 

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 
 import pytest
 
-from server.supervisor import DISCARD, FILE, PIPE, ChildProcess, NotReady, Service, free_ports
+from server.supervisor import (
+    DISCARD,
+    FILE,
+    PIPE,
+    ChildProcess,
+    NotReady,
+    Service,
+    _ephemeral_range,
+    free_port,
+    free_ports,
+)
 
 
 def _python(code: str) -> list[str]:
@@ -106,6 +117,17 @@ def test_the_service_context_manager_stops_what_never_became_ready():
         with Broken():
             pass
     assert calls == ["start", "wait", "stop"]
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_never_handed_out_twice():
+    # Outgoing connections take their local ports from the ephemeral range: a port chosen
+    # there could be taken between the choice and the child's bind.
+    low, high = _ephemeral_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == 200
+    assert not any(low <= port <= high for port in ports)
+    with socket.socket() as s:  # each is free to bind
+        s.bind(("127.0.0.1", ports[-1]))
 
 
 def test_free_ports_are_distinct_and_not_taken():
