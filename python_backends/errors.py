@@ -148,3 +148,20 @@ def words_of(text: str) -> str:
     """A Triton error message without its data: what a person reads."""
     words, mark, _ = text.rpartition(MARK)
     return words if mark else text
+
+
+def error_from_message(text: str, prefix: str = "") -> Exception:
+    """The error an error message from another hop (a BLS response) stands for: a RequestError of
+    the same code, field and values when the message carries data, else a RuntimeError with its
+    words. Triton 2.51's python backend drops a BLS error's Triton code, so the data is what
+    tells an overloaded or invalid request from a failure."""
+    data = parse_error(text)
+    if data is None:
+        return RuntimeError(f"{prefix}{text}")
+    return RequestError(data.field, f"{prefix}{_without_field(data)}", code=data.code, values=data.values)
+
+
+def _without_field(data: ErrorData) -> str:
+    # RequestError puts "field: " in front of its message again.
+    lead = f"{data.field}: "
+    return data.message.split(lead, 1)[1] if data.field and lead in data.message else data.message

@@ -189,14 +189,9 @@ def parse_request(
     sampling_text = None if sampling_raw is None else _one_bytes("sampling_parameters", sampling_raw, 65536)
     sampling = merge_sampling_sources(sampling_text, params)
     sampling_params = parse_sampling_params(sampling, max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens)
-    if flags["apply_chat_template"]:
-        prompt = render_chat(tokenizer, text)
-    else:
-        if not text.strip():
-            raise InputError("text_input", "the prompt is empty or only whitespace")
-        prompt = text
+    # An empty prompt is the engine's to refuse (LLMEngine.encode), on every path into it.
     return GenerationRequest(
-        prompt=prompt,
+        prompt=render_chat(tokenizer, text) if flags["apply_chat_template"] else text,
         params=sampling_params,
         stream=flags["stream"],
         exclude_input_in_output=flags["exclude_input_in_output"],

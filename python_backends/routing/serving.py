@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from python_backends.errors import InputError, Unavailable, parse_error, words_of
 from python_backends.routing.router import Decision, fallback_versions, group_by
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,11 @@ _INVALID_INPUT = re.compile(r"\bINVALID_ARGUMENT\b|onnx runtime error 2:")
 def call_error(message: str, invalid_code: bool = False) -> CallError:
     """The CallError for an encoder error response. The python backend of Triton 2.51 drops a
     BLS response's error code (``request_executor.cc`` rebuilds the error from its message, as
-    INTERNAL), so an invalid input is also recognised by ONNX Runtime's wording of it."""
+    INTERNAL): the project's Python-based onnxruntime backend says what it was in the error's
+    data; the native onnxruntime backend has none, and is recognised by ONNX Runtime's wording."""
+    data = parse_error(message)
+    if data is not None:
+        return CallError(words_of(message), invalid=data.http_status in (400, 413))
     return CallError(message, invalid=invalid_code or bool(_INVALID_INPUT.search(message)))
 
 
@@ -75,10 +80,15 @@ class Outcome:
     invalid: bool = False
     internal: bool = False
 
-    @property
-    def code(self) -> str:
-        """The TritonError code of a failed outcome: INVALID_ARG, INTERNAL or UNAVAILABLE."""
-        return "INVALID_ARG" if self.invalid else "INTERNAL" if self.internal else "UNAVAILABLE"
+    def exception(self) -> Exception:
+        """A failed outcome as the error its request is answered with (python_backends.errors):
+        the encoder refused the input ids (invalid_value), a bug in the router (internal), or
+        no version could serve it now (unavailable)."""
+        if self.invalid:
+            return InputError("input_ids", self.error or "")
+        if self.internal:
+            return RuntimeError(self.error)
+        return Unavailable(self.error or "")
 
     def version_column(self) -> np.ndarray:
         """The served version once per row, INT32 [rows, 1] (the output ``encoder_version``)."""
@@ -122,7 +132,7 @@ class GroupServer:
                 log.error(
                     "%s version %d: serving a group of %d requests failed", self.encoder, version, len(members), exc_info=result
                 )
-                result = {i: Outcome(error=f"internal error: {result!r}", internal=True) for i in members}
+                result = {i: Outcome(error=repr(result), internal=True) for i in members}
             out.update(result)
         return out
 
@@ -172,7 +182,7 @@ class GroupServer:
         for (i, _), result in zip(members, singles):
             if isinstance(result, BaseException):
                 log.error("%s version %d: serving one request failed", self.encoder, version, exc_info=result)
-                result = Outcome(error=f"internal error: {result!r}", internal=True)
+                result = Outcome(error=repr(result), internal=True)
             out[i] = result
         return out
 

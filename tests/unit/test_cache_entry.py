@@ -10,7 +10,7 @@ import pytest
 
 from python_backends.cache.entry import CachedEntry
 from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError, Overloaded
+from python_backends.errors import ConfigError, InputError, Overloaded, format_error, parse_error
 from tests.unit.triton_fakes import (
     Request,
     encoder_repository,
@@ -215,6 +215,13 @@ def test_the_shim_answers_each_request_and_calls_the_target_once_per_batch(tmp_p
     cached, failed = shim.execute([Request("hit", TEXT=text("one")), Request("miss", TEXT=text("four"))])
     assert cached.output("EMBEDDING").tolist() == [vector("one").tolist()]
     assert failed.error().code() == pb.TritonError.INTERNAL and "text_embedding failed: down" in failed.error().message()
+    # The target's refusal crosses the BLS hop as data: its code, not INTERNAL, answers the client.
+    busy = Overloaded("lane full", values={"in_flight": 8})
+    pb.bls = lambda request: pb.InferenceResponse(error=pb.TritonError(format_error(busy), pb.TritonError.INTERNAL))
+    (refused,) = shim.execute([Request("miss", TEXT=text("five"))])
+    data = parse_error(refused.error().message())
+    assert refused.error().code() == pb.TritonError.UNAVAILABLE, refused.error().message()
+    assert (data.code, data.values) == ("overloaded", {"in_flight": 8}) and "text_embedding failed: lane full" in data.message
     kept = []
     monkeypatch.setattr("python_backends.shim_base.keep_metrics", lambda *objects: kept.extend(objects))
     shim.finalize()

@@ -18,6 +18,7 @@ from python_backends.errors import (
     Overloaded,
     RequestError,
     Unavailable,
+    error_from_message,
     format_error,
     parse_error,
     words_of,
@@ -103,3 +104,13 @@ def test_retries_follow_the_code_not_the_words():
     bad = InferenceServerException(format_error(InputError("stop", "unavailable is not a stop string")))
     assert not is_retryable(bad)
     assert is_retryable(InferenceServerException(format_error(Unavailable("unloading"))))
+
+
+def test_an_error_from_another_hop_keeps_its_code_field_and_values():
+    text = "in ensemble 'text_embedding', " + format_error(InputError("TEXT[2]", "text is empty", values={"index": 2}))
+    error = error_from_message(text, "text_embedding failed: ")
+    assert isinstance(error, RequestError)
+    assert (error.code, error.field, error.values) == ("invalid_value", "TEXT[2]", {"index": 2})
+    assert str(error) == "TEXT[2]: text_embedding failed: text is empty"
+    plain = error_from_message("Stub process is not healthy", "text_embedding failed: ")
+    assert type(plain) is RuntimeError and str(plain) == "text_embedding failed: Stub process is not healthy"

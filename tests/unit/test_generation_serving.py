@@ -71,7 +71,6 @@ def test_chat_template_renders_messages(tokenizer):
 @pytest.mark.parametrize(
     "text, params, inputs, field, words",
     [
-        (b"   ", None, {}, "text_input", "empty"),
         (b"\xff\xfe", None, {}, "text_input", "UTF-8"),
         (b"x" * 1001, None, {}, "text_input", "limit is 1000 bytes"),
         (b"hi", None, {"sampling_parameters": b"{not json"}, "sampling_parameters", "JSON"),

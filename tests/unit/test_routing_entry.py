@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError
+from python_backends.errors import ConfigError, InputError, Unavailable, format_error, parse_error
 from python_backends.routing.entry import OUTPUT, RouterEntry
 from python_backends.routing.router import CALLS_METRIC, LATENCY_METRIC, CallTally
 from python_backends.routing.serving import CallError, Outcome
@@ -105,7 +105,7 @@ def test_a_batch_is_served_and_the_tally_flushed_when_due_and_at_close(repo, cap
     jobs = {0: entry.job(ids(2), ids(2), {}, "a"), 3: entry.job(ids(), ids(), {"encoder_version": 2}, "b")}
     out = asyncio.run(entry.serve(jobs))
     assert out[0].served == 1 and out[0].vectors.shape == (2, 3)
-    assert out[3].error and out[3].code == "UNAVAILABLE"  # pinned to a broken version: never moved
+    assert out[3].error and isinstance(out[3].exception(), Unavailable)  # pinned to a broken version: never moved
     assert metrics.flushes == []  # not due yet
     entry.close()
     assert metrics.flushes == [{(1, "ok"): 1, (2, "error"): 1}]
@@ -118,9 +118,13 @@ def test_a_batch_is_served_and_the_tally_flushed_when_due_and_at_close(repo, cap
 
 
 def test_an_outcome_names_its_code_and_its_version_column():
-    assert Outcome(error="x", invalid=True, internal=True).code == "INVALID_ARG"
-    assert Outcome(error="x", internal=True).code == "INTERNAL"
-    assert Outcome(error="x").code == "UNAVAILABLE"
+    for outcome, code, field in (
+        (Outcome(error="x", invalid=True, internal=True), "invalid_value", "input_ids"),
+        (Outcome(error="x", internal=True), "internal", None),
+        (Outcome(error="x"), "unavailable", None),
+    ):
+        data = format_error(outcome.exception())
+        assert (parse_error(data).code, parse_error(data).field) == (code, field), data
     column = Outcome(served=2, vectors=np.zeros((3, 4), np.float32)).version_column()
     assert column.dtype == np.int32 and column.tolist() == [[2], [2], [2]]
 
@@ -166,7 +170,9 @@ def test_the_shim_routes_each_request_and_answers_each_failure_with_its_code(rep
     a, b, c, d = asyncio.run(shim.execute(batch))
     assert a.output(OUTPUT).shape == (2, 3) and a.output("encoder_version").tolist() == [[1], [1]]
     assert b.error().code() == d.error().code() == c.error().code() == pb.TritonError.INVALID_ARG
-    assert c.error().message().startswith("text_encoder_router: text_encoder version 2: ")
+    data = parse_error(c.error().message())
+    assert (data.code, data.field) == ("invalid_value", "input_ids")
+    assert data.message.startswith("input_ids: text_encoder version 2: ")
     kept = []
     monkeypatch.setattr("python_backends.shim_base.keep_metrics", lambda *objects: kept.extend(objects))
     shim.finalize()  # flushes the last counts first

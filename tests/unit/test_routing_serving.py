@@ -155,3 +155,12 @@ def test_invalid_input_is_recognised_by_onnx_runtimes_wording():
     assert call_error("onnx runtime error 2: Non-zero status code returned while running Gather node").invalid
     assert not call_error("text_encoder: internal error: [ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : oom").invalid
     assert not call_error("Request for unknown model: 'text_encoder' version 2 is not found").invalid
+
+
+def test_the_python_onnxruntime_backends_error_data_decides_before_its_words():
+    from python_backends.errors import InputError, Overloaded, format_error
+
+    refused = call_error("in BLS, " + format_error(InputError("input_ids", "token id 99999 is out of range")))
+    assert refused.invalid and "#error-data" not in str(refused)
+    # Data that says the model was busy wins over words that look like a refusal.
+    assert not call_error(format_error(Overloaded("INVALID_ARGUMENT queue full"))).invalid

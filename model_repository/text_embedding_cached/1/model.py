@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.admission.classes import PARAMETER as CLASS_PARAMETER
 from python_backends.cache.entry import CachedEntry
 from python_backends.cache.triton_metrics import CacheMetrics
+from python_backends.errors import error_from_message
 from python_backends.shim import apply_process_nice
 from python_backends.shim_base import BatchShim, request_texts
 
@@ -34,7 +35,7 @@ class TritonPythonModel(BatchShim):
         )
         response = request.exec()
         if response.has_error():
-            raise RuntimeError(f"{self.entry.target} failed: {response.error().message()}")
+            raise error_from_message(response.error().message(), f"{self.entry.target} failed: ")
         return pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy()
 
     def decode(self, request):

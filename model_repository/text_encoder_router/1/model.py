@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.routing.entry import OUTPUT, RouterEntry
 from python_backends.routing.serving import CallError, call_error
 from python_backends.routing.triton_metrics import RouterMetrics
-from python_backends.shim import check_input_shapes, input_numpy
+from python_backends.shim import check_input_shapes, error_response, input_numpy
 from python_backends.shim_base import AsyncBatchShim
 
 
@@ -47,8 +47,7 @@ class TritonPythonModel(AsyncBatchShim):
 
     def encode(self, outcome):
         if outcome.error is not None:
-            code = getattr(pb_utils.TritonError, outcome.code)
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.config.name}: {outcome.error}", code))
+            return error_response(pb_utils, self.config.name, outcome.exception())
         vectors = pb_utils.Tensor(OUTPUT, np.ascontiguousarray(outcome.vectors))
         return pb_utils.InferenceResponse(output_tensors=[vectors, pb_utils.Tensor("encoder_version", outcome.version_column())])
 
