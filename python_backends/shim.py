@@ -89,32 +89,6 @@ def input_numpy(pb_utils: Any, request: Any, name: str):
     return tensor.as_numpy()
 
 
-def decode_text_requests(pb_utils: Any, model: str, requests: list, name: str, max_bytes: int, config: Any = None):
-    """The texts of a batch of requests, flattened, with the bad requests answered.
-
-    Returns (responses, texts, owners): responses[i] is an error response for a request whose
-    ``name`` input could not be decoded, else None; owners[k] = (request index, start, stop)
-    into texts for each good request, in order. With ``config``, each request's shapes are
-    checked against it first (check_input_shapes).
-    """
-    from python_backends.text.tokenization import decode_texts
-
-    responses: list = [None] * len(requests)
-    texts: list = []
-    owners: list = []
-    for i, request in enumerate(requests):
-        try:
-            if config is not None:
-                check_input_shapes(pb_utils, request, config)
-            decoded = decode_texts(input_numpy(pb_utils, request, name), name, max_bytes)
-        except Exception as exc:
-            responses[i] = error_response(pb_utils, model, exc, request.request_id())
-            continue
-        owners.append((i, len(texts), len(texts) + len(decoded)))
-        texts.extend(decoded)
-    return responses, texts, owners
-
-
 def check_shape(name: str, shape, dims, max_batch_size: int, size: int | None = None) -> None:
     """Raise InputError unless a tensor's shape fits its config: the batch axis (when the model
     batches) between 1 and ``max_batch_size``, then exactly the config's ``dims`` (-1 = any), and,

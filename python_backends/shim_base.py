@@ -108,6 +108,7 @@ class BatchShim:
         freeze_loaded_objects()
 
     def execute(self, requests: list) -> list:
+        self.batch_size = len(requests)  # for run(): the execution's requests, refused ones included
         responses, decoded = decode_requests(self.pb_utils, self.config.name, requests, self.decode)
         return encode_results(self.pb_utils, self.config.name, requests, responses, self.run(decoded), self.encode)
 

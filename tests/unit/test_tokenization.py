@@ -105,3 +105,41 @@ def test_a_good_batch_is_one_call_sliced_per_request(tok):
     np.testing.assert_array_equal(out[0].input_ids, whole.input_ids[:2])
     np.testing.assert_array_equal(out[1].attention_mask, whole.attention_mask[2:])
     assert out[1].lengths.tolist() == whole.lengths[2:].tolist()
+
+
+def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeypatch):
+    from tests.unit.triton_fakes import Request, load_shim, make_pb_utils, model_config, tensor
+
+    version = tmp_path / "text_tokenizer" / "1"
+    version.mkdir(parents=True)
+    (version / "tokenizer.json").write_bytes(TOKENIZER_JSON.read_bytes())
+    pb = make_pb_utils()
+    shim = load_shim("text_tokenizer", pb, monkeypatch)
+    monkeypatch.setattr("python_backends.shim_base.freeze_loaded_objects", lambda: 0)
+    config = model_config(
+        "text_tokenizer",
+        [tensor("TEXT", [1], "TYPE_STRING")],
+        [tensor("input_ids", [-1], "TYPE_INT64"), tensor("attention_mask", [-1], "TYPE_INT64")],
+        parameters={"max_sequence_length": "32", "sequence_buckets": "16,32"},
+    )
+    shim.initialize({"model_config": config, "model_repository": str(tmp_path / "text_tokenizer"), "model_version": "1"})
+    calls, recorded = [], []
+    encode = shim.tokenizer.encode
+    monkeypatch.setattr(shim.tokenizer, "encode", lambda texts: calls.append(list(texts)) or encode(texts))
+    monkeypatch.setattr(shim.metrics, "record", lambda real, padded, requests: recorded.append((real, padded, requests)))
+
+    def text(*values):
+        return np.array([[v.encode()] for v in values], dtype=object)
+
+    good, blank, two = shim.execute(
+        [Request("a", TEXT=text("hello world")), Request("b", TEXT=text("  ")), Request("c", TEXT=text("one", "two"))]
+    )
+    assert calls == [["hello world", "one", "two"]]
+    ids, _ = hf_tokenize(["hello world"])
+    assert good.output("input_ids").tolist() == [ids[0].tolist() + [0] * (16 - ids.shape[1])]
+    assert two.output("attention_mask").shape == (2, 16)
+    assert (
+        blank.error().code() == pb.TritonError.INVALID_ARG and "TEXT[0]: text contains only whitespace" in blank.error().message()
+    )
+    # The batch had 3 requests (the refused one included) and 3 texts padded to 16 tokens.
+    assert recorded == [(int(good.output("attention_mask").sum() + two.output("attention_mask").sum()), 48, 3)]

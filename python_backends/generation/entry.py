@@ -1,0 +1,123 @@
+"""The text_generation model without Triton: its config checked at load, the engine and its
+loop, each request parsed and handed to the loop, and each engine output turned into the
+values of one response.
+
+The model.py shim supplies a :class:`Reply` per request (its response sender) and the metrics;
+docs/generation.md describes the model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from python_backends.config import ModelConfig
+from python_backends.errors import ConfigError
+from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput
+from python_backends.generation.sampling import SamplingParams
+from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request
+
+# The inputs a request may carry, and each output's array type.
+INPUT_NAMES = ("text_input", "sampling_parameters", *BOOL_INPUTS)
+OUTPUT_TYPES = {"text_output": object, "finish_reason": object, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}
+
+
+class Reply(Protocol):
+    """One request's way back to its client (the shim wraps Triton's response sender)."""
+
+    def send(self, arrays: dict[str, np.ndarray], final: bool) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+    def close(self) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+def output_arrays(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """One response's outputs (ResponseShaper's values; None: not sent) as one-element arrays."""
+    arrays = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if OUTPUT_TYPES[name] is object:
+            arrays[name] = np.array([str(value).encode("utf-8")], dtype=object)
+        else:
+            arrays[name] = np.array([value], dtype=OUTPUT_TYPES[name])
+    return arrays
+
+
+class GenerationEntry:
+    """``config``: the model's parsed config; ``version_dir``: its exported weights and tokenizer;
+    ``decoupled``: what the config's transaction policy says; ``gpu_device``: the instance's
+    device id on a KIND_GPU instance, else None."""
+
+    def __init__(self, config: ModelConfig, version_dir: Path, *, decoupled: bool, gpu_device: str | None = None):
+        if not decoupled:
+            raise ConfigError(f"{config.name} must be decoupled (model_transaction_policy {{ decoupled: true }})")
+        config.require("input", "text_input", "TYPE_STRING", (1,))
+        config.require("output", "text_output", "TYPE_STRING", (-1,))
+        settings = engine_settings(config.param, config.param_int, config.param_bool)
+        device = "cpu" if gpu_device is None else f"cuda:{gpu_device}"
+        if settings["dtype"] == "auto":
+            settings["dtype"] = "float32" if gpu_device is None else "bfloat16"
+        self.name = config.name
+        self.max_text_bytes = config.param_int("max_text_bytes", 262144, minimum=1)
+        self.engine = LLMEngine(EngineConfig(model_dir=Path(version_dir), device=device, **settings))
+        # One short generation so the first client does not pay for lazy initialisation.
+        self.engine.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0))
+        self.loop: EngineLoop | None = None
+        self.on_output: Callable[[RequestOutput], None] | None = None
+        self.ids = itertools.count()
+
+    def start(self, on_stats: Callable | None = None, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        """Start the engine's loop thread; ``on_stats`` and ``on_output`` feed the metrics."""
+        self.on_output = on_output
+        self.loop = EngineLoop(self.engine, on_stats=on_stats)
+
+    def submit(self, inputs: Mapping[str, Any], parameters: Mapping[str, Any], reply: Reply) -> None:
+        """Check one request (``inputs``: INPUT_NAMES to arrays or None) and queue it; raises
+        InputError, ContextTooLong or QueueFull (nothing was queued), else the loop answers
+        through ``reply``."""
+        assert self.loop is not None, "start() first"
+        engine = self.engine
+        parsed = parse_request(
+            inputs,
+            parameters,
+            tokenizer=engine.tokenizer,
+            max_tokens_limit=engine.config.max_tokens_limit,
+            default_max_tokens=engine.config.default_max_tokens,
+            max_text_bytes=self.max_text_bytes,
+        )
+        shaper = ResponseShaper(parsed)
+        self.loop.submit(
+            next(self.ids), parsed.prompt, parsed.params, self._answer(shaper, reply), is_cancelled=reply.is_cancelled
+        )
+
+    def _answer(self, shaper: ResponseShaper, reply: Reply) -> Callable[[RequestOutput], None]:
+        def on_output(out: RequestOutput) -> None:
+            if self.on_output is not None:
+                self.on_output(out)
+            if out.error is not None:
+                reply.fail(out.error)
+                return
+            if out.finish_reason == "abort" and reply.is_cancelled():
+                reply.close()  # the client is gone: close the stream, nothing to say
+                return
+            values = shaper.on_output(out.text, out.finished, out.finish_reason, out.num_input_tokens, out.num_output_tokens)
+            if values is None:
+                if out.finished:
+                    reply.close()
+                return
+            reply.send(output_arrays(values), final=out.finished)
+
+        return on_output
+
+    def close(self) -> None:
+        """Stop the loop (requests still running are aborted)."""
+        if self.loop is not None:
+            self.loop.shutdown()

@@ -1,0 +1,110 @@
+"""python_backends.generation.entry: the text_generation model without Triton (config at load,
+each request to the engine loop, the loop's outputs as response arrays) on the exported
+SmolLM2 weights; and its model.py shim driven with a fake pb_utils."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from python_backends.config import ModelConfig
+from python_backends.errors import ConfigError, InputError
+from python_backends.generation.entry import GenerationEntry, output_arrays
+from python_backends.generation.sampling import SamplingParams
+from python_backends.generation.scheduler import QueueFull
+from tests.unit.triton_fakes import model_config, tensor
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
+pytestmark = pytest.mark.skipif(
+    not (MODEL_DIR / "model.safetensors").is_file(), reason="text_generation is not exported (run `make export`)"
+)
+
+
+def config(**parameters) -> ModelConfig:
+    settings = {"kv_cache_mb": "16", "max_num_seqs": "1", "max_waiting": "1", "num_threads": "2", **parameters}
+    return ModelConfig(
+        model_config(
+            "text_generation",
+            [tensor("text_input", [1], "TYPE_STRING")],
+            [tensor("text_output", [-1], "TYPE_STRING")],
+            max_batch_size=0,
+            parameters=settings,
+        )
+    )
+
+
+class Recorder:
+    """A Reply that keeps what it was sent."""
+
+    def __init__(self):
+        self.sent, self.errors, self.closed, self.done = [], [], False, threading.Event()
+
+    def send(self, arrays, final):
+        self.sent.append(arrays)
+        if final:
+            self.done.set()
+
+    def fail(self, error):
+        self.errors.append(error)
+        self.done.set()
+
+    def close(self):
+        self.closed = True
+        self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+
+def inputs(text: str, **flags) -> dict:
+    out = {name: None for name in ("text_input", "sampling_parameters")}
+    out["text_input"] = np.array([text.encode()], dtype=object)
+    for name, value in flags.items():
+        out[name] = np.array([value])
+    return out
+
+
+@pytest.fixture(scope="module")
+def entry():
+    entry = GenerationEntry(config(), MODEL_DIR, decoupled=True)
+    yield entry
+    entry.close()
+
+
+def test_a_model_that_is_not_decoupled_fails_the_load():
+    with pytest.raises(ConfigError, match="must be decoupled"):
+        GenerationEntry(config(), MODEL_DIR, decoupled=False)
+
+
+def test_requests_stream_through_the_reply_as_the_engine_generates_them(entry):
+    want, _ = entry.engine.generate(["Hello"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    outputs = []
+    entry.start(on_output=outputs.append)
+    reply = Recorder()
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    entry.submit(inputs("Hello", stream=True, return_finish_reason=True), params, reply)
+    assert reply.done.wait(60) and not reply.errors
+    text = "".join(a["text_output"][0].decode() for a in reply.sent if "text_output" in a)
+    assert text == want
+    assert reply.sent[-1]["finish_reason"].tolist() == [b"length"]
+    assert outputs and outputs[-1].finished  # the metrics hook heard every output
+    with pytest.raises(InputError, match="text_input"):
+        entry.submit(inputs("   "), {}, Recorder())
+    # One running and one waiting: the next is refused at once, its numbers as data.
+    running, waiting = Recorder(), Recorder()
+    entry.submit(inputs("Tell me a story."), {"max_tokens": 32, "ignore_eos": True}, running)
+    entry.submit(inputs("Hello"), {"max_tokens": 4}, waiting)
+    with pytest.raises(QueueFull) as refused:
+        entry.submit(inputs("Hello"), {"max_tokens": 4}, Recorder())
+    assert (refused.value.code, refused.value.values) == ("overloaded", {"waiting": 1, "max_num_seqs": 1, "max_waiting": 1})
+    assert waiting.done.wait(120) and not waiting.errors
+    assert running.done.wait(120) and not running.errors
+
+
+def test_output_arrays_are_one_element_arrays_of_the_configured_types():
+    arrays = output_arrays({"text_output": "hé", "finish_reason": None, "num_output_tokens": 3})
+    assert arrays["text_output"].tolist() == ["hé".encode()] and arrays["text_output"].dtype == object
+    assert arrays["num_output_tokens"].dtype == np.uint32 and "finish_reason" not in arrays
