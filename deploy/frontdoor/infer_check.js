@@ -392,6 +392,7 @@ function healing(model) {
 }
 
 // Refuse with the check's answer, or hand the request on to tritonserver unchanged.
+// location: a named location to redirect to, or a function that passes the request on.
 function checkThenPass(r, check, location) {
     let refusal;
     try {
@@ -403,7 +404,11 @@ function checkThenPass(r, check, location) {
         refuse(r, refusal[0], refusal[1]);
         return;
     }
-    r.internalRedirect(location);
+    if (typeof location === 'function') {
+        location(r);
+    } else {
+        r.internalRedirect(location);
+    }
 }
 
 // tritonserver answered 500 (nginx kept its body): wait for the watchdog's scan, then retry
@@ -530,8 +535,50 @@ function checkGenerateRequest(r) {
     return null;
 }
 
+// A model's error carries its code as data after its words (python_backends/errors.py); each
+// code's HTTP status. tritonserver 2.51's generate endpoint answers every error with 400.
+const ERROR_DATA = ' #error-data ';
+const DATA_STATUS = {invalid_value: 400, context_length_exceeded: 400, request_too_large: 413,
+                     overloaded: 503, unavailable: 503, internal: 500};
+
+function statusOfData(status, text) {
+    if (status !== 400) {
+        return status;
+    }
+    try {
+        const words = JSON.parse(text).error;
+        const at = words.lastIndexOf(ERROR_DATA);
+        const data = at < 0 ? null : JSON.parse(words.slice(at + ERROR_DATA.length));
+        return (data && DATA_STATUS[data.code]) || status;
+    } catch (e) {
+        return status;
+    }
+}
+
+// A decoupled model's whole answer (.../generate without _stream) is read here first, so its
+// status can follow the error's data: a full generation queue is 503, not 400.
+function passWhole(r) {
+    r.subrequest('/_generate_whole' + r.uri, {method: 'POST'}, (reply) => {
+        if (reply.status === 500) {
+            r.internalRedirect('@triton_after_500');  // a stub that just died: as @triton does
+            return;
+        }
+        const status = statusOfData(reply.status, reply.responseText);
+        r.headersOut['Content-Type'] = reply.headersOut['Content-Type'] || 'application/json';
+        if (status === 503) {
+            r.headersOut['Retry-After'] = '1';
+        }
+        r.return(status, reply.responseText);
+    });
+}
+
 function generate(r) {
-    checkThenPass(r, checkGenerateRequest, r.uri.endsWith('_stream') ? '@triton_stream' : '@triton');
+    const model = limits.models[r.variables.frontdoor_model];
+    if (r.uri.endsWith('_stream')) {
+        checkThenPass(r, checkGenerateRequest, '@triton_stream');
+    } else {
+        checkThenPass(r, checkGenerateRequest, model && model.decoupled ? passWhole : '@triton');
+    }
 }
 
 export default {infer, generate, after500};

@@ -889,10 +889,9 @@ def test_queue_full_is_unavailable_naming_max_waiting_and_admitted_requests_fini
     data = parse_error(refused.error.message())
     assert data is not None and (data.code, data.http_status) == ("overloaded", 503), refused.error.message()
     assert data.values["max_waiting"] == 1
-    # The model answers UNAVAILABLE, yet tritonserver 2.51's generate endpoint sends 400 (the code
-    # of a decoupled model's error response does not reach its HTTP status): the data in the body
-    # says what it is, and the project's clients retry by it.
-    assert status in (400, 503) and "max_waiting" in answer["error"], (status, answer)
+    # tritonserver 2.51's generate endpoint answers every error with 400; the front door gives
+    # a decoupled model's whole answer the status of its error's data.
+    assert status == 503 and "max_waiting" in answer["error"], (status, answer)
     assert parse_error(answer["error"]).code == "overloaded", answer
     for key in ("running", "waiting"):
         r = results[key]

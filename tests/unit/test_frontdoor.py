@@ -131,9 +131,9 @@ def test_one_upstream_server_renders_as_before_and_a_cluster_lists_every_replica
     assert "server 127.0.0.1:18011 max_fails=2 fail_timeout=5s down;" in conf
     assert "server 127.0.0.1:18012 max_fails=2 fail_timeout=5s backup down;" in conf  # metrics: one replica's
     # inference is retried on the next replica, POSTs included; other locations only as nginx deems idempotent
-    # (@triton, its plain resend and the two healing retries, @triton_stream)
+    # (@triton, its plain resend and the two healing retries, @triton_stream, a decoupled model's whole answer)
     # (404: a replica restarted during a rollout that has not loaded a deferred model yet)
-    assert conf.count("proxy_next_upstream error timeout http_502 http_404 non_idempotent;") == 5
+    assert conf.count("proxy_next_upstream error timeout http_502 http_404 non_idempotent;") == 6
     assert "proxy_next_upstream error timeout http_502;" in conf
     # the repository API goes to tritonserver with one server, to the cluster's repository door with several
     assert "location /v2/repository/ {\n            proxy_pass http://triton_http;" in single
@@ -206,8 +206,8 @@ def test_the_gateway_server_block_lists_every_gateway_and_is_absent_without_one(
     assert (
         "location = /v1/embeddings {" in conf
         and conf.count("http_502 non_idempotent;") == 3
-        and conf.count("http_404 non_idempotent;") == 5
-    )  # 3 gateway, 5 Triton
+        and conf.count("http_404 non_idempotent;") == 6
+    )  # 3 gateway, 6 Triton
     directives = [line for line in conf.splitlines() if "_next_upstream " in line and "#" not in line]
     assert directives and not any("http_503" in line or "http_429" in line for line in directives)
     for conf in (
