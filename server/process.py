@@ -322,8 +322,13 @@ class TritonServer(Service):
                 self.echo.flush()
 
         def door_alive() -> None:
-            # The gRPC door holds no state: if it exits, a new one takes the port at once.
+            # The gRPC door holds no state: if it exits, a new one takes the port at once. Not
+            # while tritonserver is down too: the whole server is being stopped or was killed,
+            # and whoever starts it again starts its door (a door started here then would hold
+            # the port that the next start's door must bind).
             door = self.grpc_door
+            if not self.child.running():
+                return
             if door is not None and door.process is not None and door.process.poll() is not None:
                 event(f"gRPC door: exited (code {door.process.returncode}); starting a new one\n{door.log_tail(10)}")
                 door.start()

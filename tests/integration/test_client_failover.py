@@ -137,6 +137,9 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
             mark("b down")  # after the kill: no call can succeed at b until it is started again
             killed_at = time.monotonic()
             await asyncio.sleep(DOWN_S)
+            # b's watchdog (four scans by now) started no door for a server that is down: one
+            # would hold the port that b's next start must bind.
+            assert b.grpc_door.process.poll() is not None, "a gRPC door was started for a killed server"
             # The restarted b may answer before _wait_ready sees it ready: its calls count in
             # "b starting", not "b down" (under load 11 did, in the 0.1 s before the mark).
             mark("b starting")
