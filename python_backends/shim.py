@@ -62,6 +62,27 @@ def error_response(pb_utils: Any, model: str, exc: BaseException, request_id: st
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(format_error(exc, f"{model}: "), pb_utils.TritonError.INTERNAL))
 
 
+class SenderReply:
+    """A decoupled request's response sender as a reply: ``send`` the arrays of one response
+    (``final``: the last), ``fail`` with an error (its code and data, error_response), ``close``
+    the stream with nothing more to say."""
+
+    def __init__(self, pb_utils: Any, sender: Any, model: str, request_id: str = ""):
+        self.pb_utils, self.sender, self.model, self.request_id = pb_utils, sender, model, request_id
+        self.is_cancelled = sender.is_cancelled
+        self.final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+    def send(self, arrays: dict, final: bool) -> None:
+        tensors = [self.pb_utils.Tensor(name, array) for name, array in arrays.items()]
+        self.sender.send(self.pb_utils.InferenceResponse(output_tensors=tensors), flags=self.final if final else 0)
+
+    def fail(self, error: BaseException) -> None:
+        self.sender.send(error_response(self.pb_utils, self.model, error, self.request_id), flags=self.final)
+
+    def close(self) -> None:
+        self.sender.send(flags=self.final)
+
+
 def keep_metrics(*objects: Any) -> None:
     """Keep ``pb_utils`` Metric and MetricFamily objects alive until the process exits: call it
     from ``finalize`` with every one the model made.

@@ -92,3 +92,30 @@ def test_a_load_failure_names_the_model_and_finalize_keeps_the_metrics(monkeypat
     model.initialize({"model_config": CONFIG})
     model.finalize()
     assert model.closed and kept == ["a metric"]
+
+
+def test_a_sender_reply_sends_arrays_errors_with_their_data_and_the_final_flag():
+    from python_backends.errors import parse_error
+    from python_backends.shim import SenderReply
+
+    pb = make_pb_utils()
+
+    class Sender:
+        sent: list = []
+
+        def send(self, response=None, flags=0):
+            self.sent.append((response, flags))
+
+        def is_cancelled(self):
+            return False
+
+    sender = Sender()
+    reply = SenderReply(pb, sender, "text_generation", "r1")
+    reply.send({"text_output": np.array([b"hi"], dtype=object)}, final=False)
+    reply.fail(InputError("max_tokens", "must be > 0"))
+    reply.close()
+    (piece, f0), (error, f1), (closed, f2) = sender.sent
+    assert piece.output("text_output").tolist() == [b"hi"] and f0 == 0
+    data = parse_error(error.error().message())
+    assert error.error().code() == pb.TritonError.INVALID_ARG and (data.code, data.field) == ("invalid_value", "max_tokens")
+    assert closed is None and f1 == f2 == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and not reply.is_cancelled()

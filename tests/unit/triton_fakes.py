@@ -132,6 +132,7 @@ def make_pb_utils(bls=None, ready=lambda model, version: True):
             return self.exec()
 
     pb.InferenceRequest, pb.bls = InferenceRequest, bls
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     pb.is_model_ready = lambda model, version="": pb.ready(model, version)
     pb.ready = ready
     pb.get_input_tensor_by_name = lambda request, name: next((t for t in request.inputs if t.name() == name), None)

@@ -11,33 +11,13 @@ from python_backends.config import ModelConfig
 from python_backends.generation.entry import INPUT_NAMES, GenerationEntry
 from python_backends.generation.triton_metrics import GenerationMetrics
 from python_backends.shim import (
+    SenderReply,
     check_input_shapes,
-    error_response,
     freeze_loaded_objects,
     install_logging,
     keep_metrics,
     load_error,
 )
-
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-class Reply:
-    """One request's response sender, as the entry answers through it."""
-
-    def __init__(self, sender, model, request_id):
-        self.sender, self.model, self.request_id = sender, model, request_id
-        self.is_cancelled = sender.is_cancelled
-
-    def send(self, arrays, final):
-        tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
-
-    def fail(self, error):
-        self.sender.send(error_response(pb_utils, self.model, error, self.request_id), flags=FINAL)
-
-    def close(self):
-        self.sender.send(flags=FINAL)
 
 
 class TritonPythonModel:
@@ -60,7 +40,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            reply = Reply(request.get_response_sender(), self.config.name, request.request_id())
+            reply = SenderReply(pb_utils, request.get_response_sender(), self.config.name, request.request_id())
             try:
                 check_input_shapes(pb_utils, request, self.config)
                 inputs = {}
