@@ -109,6 +109,34 @@ class ServerOptions:
 
 
 SHM_DIR = Path("/dev/shm")
+_OWNED_REGION = re.compile(r"triton_p(\d+)_[0-9a-f]+_")
+
+
+def release_orphaned_shared_memory() -> list[str]:
+    """Unlink the regions in /dev/shm of TritonServers whose launcher process is gone (killed
+    with SIGKILL, it could not release them; its tritonservers died with it); their names. A
+    launcher's pid reused by another process keeps its regions until that one ends."""
+    gone: list[str] = []
+    if not SHM_DIR.is_dir():
+        return gone
+    for region in SHM_DIR.iterdir():
+        match = _OWNED_REGION.match(region.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            region.unlink()
+            gone.append(region.name)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class TritonServer(Service):
@@ -132,7 +160,9 @@ class TritonServer(Service):
         # backend's too: it takes the python backend's configuration) carry this server's own
         # prefix: a killed tritonserver never unlinks them, so they are removed after it stops
         # (or before it starts again), by this prefix alone. Containers drop /dev/shm with them.
-        self.shm_prefix = f"triton_{secrets.token_hex(6)}_"
+        # The launcher's pid in the name: a launcher killed with SIGKILL cannot release its
+        # servers' regions, and the next start of any server releases them (release_orphaned).
+        self.shm_prefix = f"triton_p{os.getpid()}_{secrets.token_hex(4)}_"
         self._health_dir: Path | None = None
 
     @property
@@ -256,6 +286,7 @@ class TritonServer(Service):
             self.grpc_door = None
         o.workdir.mkdir(parents=True, exist_ok=True)
         self.release_shared_memory()  # a killed last run of this object left its regions
+        release_orphaned_shared_memory()  # and those of launchers that were killed
         self.layout = prepare(o.workdir)
         self.repository = repository or prepare_repository(o.model_repository, o.models, o.rollout_state)
         if o.front_door:

@@ -1,5 +1,6 @@
 """The launcher lays out NVIDIA's tritonserver from the nvidia-pytriton wheel."""
 
+import os
 import sys
 
 from server.layout import prepare
@@ -32,3 +33,23 @@ def test_command_and_environment(tmp_path):
     env = server.environment()
     assert env["PATH"].split(":")[0] == str(__import__("pathlib").Path(sys.executable).parent)
     assert str(server.layout.libs) in env["LD_LIBRARY_PATH"]
+
+
+def test_regions_of_launchers_that_are_gone_are_released(tmp_path, monkeypatch):
+    import subprocess
+
+    from server import process
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    monkeypatch.setattr(process, "SHM_DIR", tmp_path)
+    names = [
+        f"triton_p{dead}_0a1b2c3d_python_1",  # a killed launcher's
+        f"triton_p{os.getpid()}_0a1b2c3d_python_2",  # a live launcher's
+        "triton_python_backend_shm_region_3",  # tritonserver's default name: not the project's
+        "other",
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert process.release_orphaned_shared_memory() == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
