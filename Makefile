@@ -48,10 +48,11 @@ test: $(STAMP) lint
 	$(PY) -m export --no-speed
 	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) --durations=10 $(PYTEST_ARGS)
 
-# ruff's lint rules and formatter over the whole tree (pyproject.toml); `make format` applies both.
+# ruff's lint rules and formatter over the whole tree, then mypy over python_backends, openai_gateway and clients (pyproject.toml); `make format` applies the first two.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 format: $(STAMP)
 	$(PY) -m ruff check --fix .

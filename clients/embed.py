@@ -43,7 +43,7 @@ OUTPUT_NAME = "EMBEDDING"
 # max_batch_size of model_repository/text_embedding/config.pbtxt; a bigger request is refused.
 MAX_BATCH_SIZE = 64
 DEFAULT_URLS: dict[str, str] = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
-PROTOCOLS: tuple[str, ...] = ("http", "grpc")
+PROTOCOLS: tuple[Protocol, ...] = ("http", "grpc")
 
 
 class EmbeddingError(RuntimeError):
@@ -160,7 +160,7 @@ class ClientOptions:
             str(model_version),
             timeout_s,
             priority,
-            batch_size,  # type: ignore[arg-type]
+            batch_size,
             urls,
             retries,
             deadline_s,
@@ -307,18 +307,18 @@ def to_embedding_error(
 
     A RetryError (the retries ran out) gives its last error, noting the attempts and deadline.
     """
-    where = dict(model=options.model, start=start, stop=stop, total=total)
+    where: dict[str, Any] = dict(model=options.model, start=start, stop=stop, total=total)
     url = url or options.url
     if isinstance(exc, RetryError):
         note = describe(exc.attempts, exc.elapsed_s, exc.deadline_s, exc.reason)
         if exc.last is None:
             return EmbeddingError(
                 f"no endpoint of {', '.join(options.urls)} available", retry_note=note, attempts=exc.attempts, **where
-            )  # type: ignore[arg-type]
+            )
         last = to_embedding_error(exc.last, options, start, stop, total)
-        return EmbeddingError(last.server_message, status=last.status, retry_note=note, attempts=exc.attempts, **where)  # type: ignore[arg-type]
+        return EmbeddingError(last.server_message, status=last.status, retry_note=note, attempts=exc.attempts, **where)
     if isinstance(exc, EmbeddingError):
-        return EmbeddingError(exc.server_message, status=exc.status, **where)  # type: ignore[arg-type]
+        return EmbeddingError(exc.server_message, status=exc.status, **where)
     if isinstance(exc, InferenceServerException):
         message = exc.message() or str(exc)
         status = exc.status()
@@ -329,13 +329,13 @@ def to_embedding_error(
             message = f"cannot reach the grpc server at {url}: {message}"
         elif status == "StatusCode.DEADLINE_EXCEEDED":
             message = f"no answer from the grpc server at {url} within {options.timeout_s} s: {message}"
-        return EmbeddingError(message, status=status, **where)  # type: ignore[arg-type]
+        return EmbeddingError(message, status=status, **where)
     if isinstance(exc, TimeoutError):
         return EmbeddingError(
             f"no answer from the {options.protocol} server at {url} within {options.timeout_s} s",
-            **where,  # type: ignore[arg-type]
+            **where,
         )
-    return EmbeddingError(f"cannot reach the {options.protocol} server at {url}: {exc}", **where)  # type: ignore[arg-type]
+    return EmbeddingError(f"cannot reach the {options.protocol} server at {url}: {exc}", **where)
 
 
 # What a failed request raises on either transport (socket errors, tritonclient's, a response

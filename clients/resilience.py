@@ -279,8 +279,8 @@ def _message(exc: BaseException) -> str:
     return str(message if message is not None else exc)
 
 
-def _chain(exc: BaseException):
-    seen = set()
+def _chain(exc: BaseException | None):
+    seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc

@@ -45,7 +45,7 @@ def include_flat(app: FastAPI, router: APIRouter) -> None:
         app.add_api_route(
             route.path,
             route.endpoint,
-            methods=route.methods,
+            methods=route.methods,  # type: ignore[arg-type]  # FastAPI's annotation says list; its router takes a set too
             name=route.name,
             dependencies=route.dependencies,
             include_in_schema=route.include_in_schema,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, overload
 
 from python_backends.config import ModelConfig
 
@@ -167,6 +168,7 @@ class Catalog:
         for name, config in configs.items():
             if config.param("lane_of"):  # a priority class's lane of another model, not a model of its own
                 continue
+            m: Model | None
             if config.raw.get("platform") == "ensemble":
                 m = _embedding(name, config, configs, Path(repository), embedding_entry)
             else:
@@ -175,12 +177,30 @@ class Catalog:
                 models.append(m)
         return cls(models)
 
+    @overload
+    def find(self, name: object, kind: Literal["embedding"]) -> EmbeddingModel | None: ...
+
+    @overload
+    def find(self, name: object, kind: Literal["generation"]) -> GenerationModel | None: ...
+
+    @overload
+    def find(self, name: object, kind: str) -> Model | None: ...
+
     def find(self, name: object, kind: str) -> Model | None:
         """The model of ``kind`` named ``name`` (id or alias); None when there is none."""
         model = self._names.get(name) if isinstance(name, str) else None
         return model if model is not None and model.kind == kind else None
 
-    def of_kind(self, kind: str) -> list[Model]:
+    @overload
+    def of_kind(self, kind: Literal["embedding"]) -> list[EmbeddingModel]: ...
+
+    @overload
+    def of_kind(self, kind: Literal["generation"]) -> list[GenerationModel]: ...
+
+    @overload
+    def of_kind(self, kind: str) -> list[Model]: ...
+
+    def of_kind(self, kind: str) -> list[Any]:
         """The models of ``kind`` (``embedding`` or ``generation``)."""
         return [m for m in self.models.values() if m.kind == kind]
 

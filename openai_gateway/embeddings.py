@@ -70,7 +70,9 @@ class EmbeddingJob:
     @property
     def size(self) -> int:
         """The number of inputs."""
-        return len(self.texts if self.texts is not None else self.ids)
+        rows = self.texts if self.texts is not None else self.ids
+        assert rows is not None  # one of texts and ids
+        return len(rows)
 
     @property
     def prompt_tokens(self) -> int:
@@ -104,7 +106,7 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
             f"input has {len(value)} items; the limit is {settings.max_inputs} per request (--max-inputs)", param="input"
         )
     if isinstance(value[0], str):
-        texts: list[str] = value  # type: ignore[assignment]
+        texts: list[str] = value
         limit = settings.max_input_chars
         blobs = []
         for i, text in enumerate(texts):
@@ -118,7 +120,7 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
         counts = counter.count(texts)
         _check_lengths(counts, model)
         return EmbeddingJob(model, texts, None, counts, req.encoding_format, blobs)
-    ids: list[list[int]] = value  # type: ignore[assignment]
+    ids: list[list[int]] = value
     vocab = counter.vocab_size
     for i, row in enumerate(ids):
         if not row:

@@ -4,6 +4,8 @@ it, leaves as OpenAI's error object with a fitting status (a client gone: 499, n
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -69,7 +71,7 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     return error_response(APIError(500, f"Internal error (request id {info.get('request_id')})"))
 
 
-EXCEPTION_HANDLERS = {
+EXCEPTION_HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]] = {
     APIError: on_api_error,
     RequestValidationError: on_validation_error,
     StarletteHTTPException: on_http_error,

@@ -8,7 +8,7 @@ Limits with messages that name them are checked in ``embeddings.py`` and ``compl
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
 
@@ -56,7 +56,12 @@ class StreamOptions(_Body):
 
 
 # JSON types of the sampling fields' table (python_backends/generation/fields.py) as strict types.
-_TYPES = {(int,): StrictInt, (int, float): Number, (bool,): StrictBool, (str, list): StrictStr | list[StrictStr]}
+_TYPES: dict[tuple[type, ...], Any] = {
+    (int,): StrictInt,
+    (int, float): Number,
+    (bool,): StrictBool,
+    (str, list): StrictStr | list[StrictStr],
+}
 
 
 class _OpenAISampling(_Body):
@@ -72,11 +77,11 @@ class _OpenAISampling(_Body):
 
 # The engine's sampling fields, from its one table: OpenAI's own (max_tokens, temperature, top_p,
 # seed, stop) and vLLM's extensions (the openai SDK's extra_body), which go to the engine as they are.
-_Sampling = create_model(
-    "_Sampling",
-    __base__=_OpenAISampling,
-    **{f.name: (_TYPES[f.kinds] | None, Field(None, description=f.doc)) for f in SAMPLING_FIELDS},
-)
+_FIELDS: dict[str, Any] = {f.name: (_TYPES[f.kinds] | None, Field(None, description=f.doc)) for f in SAMPLING_FIELDS}
+if TYPE_CHECKING:  # a class built at run time is Any to the checker
+    _Sampling = Any
+else:
+    _Sampling = create_model("_Sampling", __base__=_OpenAISampling, **_FIELDS)
 
 
 class ChatCompletionRequest(_Sampling):

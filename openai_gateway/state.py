@@ -4,13 +4,13 @@ Triton backend and the token counters; routes reach it as ``request.app.state.ga
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal, overload
 
 from fastapi import Request
 
 from openai_gateway import embeddings
 from openai_gateway.auth import ApiKeys
-from openai_gateway.catalog import Catalog, EmbeddingModel, Model
+from openai_gateway.catalog import Catalog, EmbeddingModel, GenerationModel, Model
 from openai_gateway.errors import model_not_found
 from openai_gateway.metrics import GatewayMetrics
 from openai_gateway.ratelimit import RateLimiter, SharedRateLimiter
@@ -29,6 +29,7 @@ class GatewayState:
         self.keys = keys
         self.catalog = catalog or Catalog.from_repository(settings.model_repository, settings.embedding_entry)
         self.metrics = GatewayMetrics()
+        self.limiter: RateLimiter | SharedRateLimiter
         if settings.rate_limit_redis_url and settings.rate_limit_rps > 0:
             # One bucket per key for every gateway behind the front door (serve-cluster's Redis).
             self.limiter = SharedRateLimiter(
@@ -64,6 +65,12 @@ class GatewayState:
         await self.backend.close()
         if isinstance(self.limiter, SharedRateLimiter):
             await self.limiter.close()
+
+    @overload
+    def find(self, name: str, kind: Literal["embedding"]) -> EmbeddingModel: ...
+
+    @overload
+    def find(self, name: str, kind: Literal["generation"]) -> GenerationModel: ...
 
     def find(self, name: str, kind: str) -> Model:
         """The served model ``name`` (an id or alias) of ``kind``; 404 in OpenAI's shape otherwise.

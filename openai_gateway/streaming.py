@@ -4,7 +4,7 @@ of a streamed completion."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -18,6 +18,8 @@ from openai_gateway.metrics import GatewayMetrics
 class EventStream(StreamingResponse):
     """SSE that closes its iterator however the response ends (a client gone mid-stream
     included), so the generation's Triton request is cancelled at once, not at garbage collection."""
+
+    body_iterator: AsyncGenerator[bytes, None]
 
     async def stream_response(self, send) -> None:
         """Send the stream, then close its iterator whatever happened."""
@@ -64,8 +66,8 @@ def record_usage(info: dict, job: completions.GenerationJob, tally: completions.
 
 
 async def sse_events(
-    request: Request, job: completions.GenerationJob, first, pieces: AsyncIterator, info: dict, metrics: GatewayMetrics
-) -> AsyncIterator[bytes]:
+    request: Request, job: completions.GenerationJob, first, pieces: AsyncGenerator, info: dict, metrics: GatewayMetrics
+) -> AsyncGenerator[bytes, None]:
     """The SSE chunks of a streamed completion, from its ``first`` piece on: the text pieces, then
     the finish (and usage) chunk and ``[DONE]``; an error mid-stream as an error event. However
     it ends, the Triton stream is closed and the usage counted."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -118,7 +119,7 @@ class TritonBackend:
         self.timeout_s = timeout_s
         self.generation_timeout_s = generation_timeout_s
         self.poll_s = poll_s
-        self.client = None
+        self.client: Any = None  # tritonclient.grpc.aio's InferenceServerClient (untyped) once started
         self.server_ready = False  # Triton answers (live); each model's readiness in ready_models
         self._missed_polls = 0
         self.ready_models: frozenset[str] = frozenset()
@@ -127,7 +128,7 @@ class TritonBackend:
         if coalesce_max_rows < 1:
             raise ValueError(f"coalesce_max_rows must be >= 1, got {coalesce_max_rows}")
         self.coalesce_max_rows = coalesce_max_rows
-        self._coalescers: dict[str, Coalescer] = {}
+        self._coalescers: dict[tuple[str, str | None], Coalescer] = {}
         self.on_batch = lambda requests: None  # each coalesced Triton request: how many it carried
 
     async def start(self) -> None:
@@ -261,9 +262,11 @@ class TritonBackend:
         async def one(k: int, start: int, stop: int) -> np.ndarray:
             rid = request_id if len(spans) == 1 else f"{request_id}.{k}"
             if job.texts is not None:
+                assert job.blobs is not None  # check_request encodes the texts
                 if len(spans) == 1 and self.coalesce:
                     return await self._coalescer(model, job.priority_class).submit(job.blobs, rid)
                 return await self.embed_texts(model, job.blobs[start:stop], rid, job.priority_class)
+            assert job.ids is not None  # one of texts and ids
             ids, mask = pad_ids(job.ids[start:stop], model.buckets, pad_id)
             return await self._infer(
                 model.entries(job.priority_class)[1],
@@ -284,7 +287,7 @@ class TritonBackend:
 
     # --- generation ----------------------------------------------------------------------
 
-    async def generate(self, job: GenerationJob, request_id: str) -> AsyncIterator[Piece]:
+    async def generate(self, job: GenerationJob, request_id: str) -> AsyncGenerator[Piece, None]:
         """The pieces of one generation; leaving the iteration early cancels the Triton request
         (the gRPC call is cancelled, the model sees it and frees the KV blocks)."""
         import grpc

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from python_backends.errors import ConfigError
 
@@ -62,6 +62,15 @@ class ModelConfig:
         if dims is not None and spec.dims != dims:
             raise ConfigError(f"model {self.name!r}: {kind} {name!r} must have dims {list(dims)}, config says {list(spec.dims)}")
         return spec
+
+    @overload
+    def param(self, key: str) -> str | None: ...
+
+    @overload
+    def param(self, key: str, default: str) -> str: ...
+
+    @overload
+    def param(self, key: str, default: str | None) -> str | None: ...
 
     # parameters { key: "..." value: { string_value: "..." } }
     def param(self, key: str, default: str | None = None) -> str | None:

@@ -14,9 +14,10 @@ only status a client has.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # The codes, as the gateway and the clients see them.
@@ -109,7 +110,7 @@ class ErrorData:
 
     code: str
     field: str | None
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
     message: str = ""
 
     @property

@@ -174,7 +174,7 @@ class PaddingMetrics:
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued and stop the reporter thread."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._queue is not None and self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)
 

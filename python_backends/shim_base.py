@@ -121,6 +121,7 @@ class AsyncBatchShim(BatchShim):
     """BatchShim whose ``run`` is a coroutine: Triton awaits an ``async def execute``, so a batch
     can wait on several BLS calls at once (``InferenceRequest.async_exec``)."""
 
-    async def execute(self, requests: list) -> list:
+    async def execute(self, requests: list) -> list:  # type: ignore[override]  # Triton awaits a coroutine execute
         responses, decoded = decode_requests(self.pb_utils, self.config.name, requests, self.decode)
-        return encode_results(self.pb_utils, self.config.name, requests, responses, await self.run(decoded), self.encode)
+        results = await self.run(decoded)  # type: ignore[misc]  # run is a coroutine in this class
+        return encode_results(self.pb_utils, self.config.name, requests, responses, results, self.encode)

@@ -155,7 +155,7 @@ class AsyncGenerationClient:
             except BaseException:
                 # A cancelled or timed-out attempt must not leave its call open.
                 await cancel()
-                await pieces.aclose()  # type: ignore[attr-defined]
+                await pieces.aclose()
                 raise
 
         async def resilient() -> AsyncIterator[Piece]:

@@ -163,7 +163,7 @@ class GenerationOptions:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, not {timeout_s}")
         RetryPolicy.create(retries, deadline_s)
-        return cls(urls[0], protocol, model, str(model_version), timeout_s, urls, retries, deadline_s)  # type: ignore[arg-type]
+        return cls(urls[0], protocol, model, str(model_version), timeout_s, urls, retries, deadline_s)
 
     def http_path(self, stream: bool) -> str:
         """The generate extension's path for the model (and version)."""

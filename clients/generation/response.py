@@ -94,7 +94,7 @@ class SSEDecoder:
     def feed(self, chunk: bytes) -> list[str]:
         """The data of every event completed by ``chunk``."""
         self._buffer += chunk
-        events = []
+        events: list[str] = []
         while True:
             cut = self._line_end()
             if cut is None:

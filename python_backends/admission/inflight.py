@@ -56,7 +56,7 @@ class SharedInflight:
         self.pid = pid or os.getpid()
         self.started = start_time(self.pid)
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(Path(directory) / f"{_SAFE.sub('_', name)}.inflight", os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd: int | None = os.open(Path(directory) / f"{_SAFE.sub('_', name)}.inflight", os.O_RDWR | os.O_CREAT, 0o600)
         self.own = self.own_batches = 0
         with self._locked():
             cells = self._read()
@@ -68,8 +68,14 @@ class SharedInflight:
             self._cell = free
             self._write_own(0, 0)
 
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"in-flight count {self.name!r} is closed")
+        return self._fd
+
     def _locked(self):
-        fd = self._fd
+        fd = self.fd
 
         class _Lock:
             def __enter__(self):
@@ -81,11 +87,11 @@ class SharedInflight:
         return _Lock()
 
     def _read(self) -> list[tuple[int, int, int, int]]:
-        raw = os.pread(self._fd, _CELL.size * CELLS, 0).ljust(_CELL.size * CELLS, b"\0")
+        raw = os.pread(self.fd, _CELL.size * CELLS, 0).ljust(_CELL.size * CELLS, b"\0")
         return [_CELL.unpack_from(raw, i * _CELL.size) for i in range(CELLS)]
 
     def _write_own(self, rows: int, batches: int) -> None:
-        os.pwrite(self._fd, _CELL.pack(self.pid, self.started, rows, batches), self._cell * _CELL.size)
+        os.pwrite(self.fd, _CELL.pack(self.pid, self.started, rows, batches), self._cell * _CELL.size)
         self.own, self.own_batches = rows, batches
 
     def total(self) -> tuple[int, int]:

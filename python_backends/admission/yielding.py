@@ -26,14 +26,17 @@ class InflightReader:
 
     def __init__(self, directory: Path, name: str):
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(Path(directory) / f"{_SAFE.sub('_', name)}.inflight", os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd: int | None = os.open(Path(directory) / f"{_SAFE.sub('_', name)}.inflight", os.O_RDWR | os.O_CREAT, 0o600)
 
     def rows(self) -> int:
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        fd = self._fd
+        if fd is None:
+            raise ValueError("in-flight reader is closed")
+        fcntl.flock(fd, fcntl.LOCK_SH)
         try:
-            raw = os.pread(self._fd, _CELL.size * CELLS, 0)
+            raw = os.pread(fd, _CELL.size * CELLS, 0)
         finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
         total = 0
         for i in range(len(raw) // _CELL.size):
             pid, started, rows, batches = _CELL.unpack_from(raw, i * _CELL.size)

@@ -28,7 +28,7 @@ class CacheMetrics:
         family = pb_utils.MetricFamily
         # A MetricFamily must outlive its Metric objects, or the next set() fails the request:
         # keep them all.
-        self._families = []
+        self._families: list[Any] = []
 
         def fam(name: str, description: str, kind: Any) -> Any:
             f = family(name=name, description=description, kind=kind)

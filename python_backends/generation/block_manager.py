@@ -138,7 +138,9 @@ class BlockManager:
             b = self._clean.popleft()
         elif self._evictable:
             b, _ = self._evictable.popitem(last=False)
-            del self._cached[self._hash_of[b]]
+            h = self._hash_of[b]
+            assert h is not None  # an evictable block has a key
+            del self._cached[h]
             self._hash_of[b] = None
             self.evictions += 1
         else:

@@ -191,7 +191,7 @@ class LLMEngine:
         self.eos_token_ids = sorted(eos)
         self.sampler = Sampler(self.eos_token_ids)
         self._requests: dict[RequestId, _Request] = {}
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self.last_step_seconds = 0.0
 
     # ---- requests ------------------------------------------------------------------------
@@ -338,6 +338,7 @@ class LLMEngine:
         penalty = False
         for c in sampling:
             req, seq = self._requests[c.seq_id], self.scheduler.get(c.seq_id)
+            assert seq is not None  # a scheduled chunk's sequence
             penalty = penalty or req.params.repetition_penalty != 1.0
             for j in range(c.num_logits):
                 params.append(req.params)
@@ -355,15 +356,16 @@ class LLMEngine:
         row = 0
         for c in sampling:
             if c.draft:
-                out[c.seq_id] = accept_draft(c.draft, tokens[row : row + c.num_logits])
+                accepted = accept_draft(c.draft, tokens[row : row + c.num_logits])
+                out[c.seq_id] = accepted
                 self.counters["spec_draft_tokens"] += len(c.draft)
-                self.counters["spec_accepted_tokens"] += len(out[c.seq_id]) - 1
+                self.counters["spec_accepted_tokens"] += len(accepted) - 1
             else:
                 out[c.seq_id] = tokens[row]
             row += c.num_logits
         return out
 
-    def _run_isolated(self, plan: SchedulerOutput, error: Exception) -> tuple[dict[SeqId, int], list[RequestOutput]]:
+    def _run_isolated(self, plan: SchedulerOutput, error: Exception) -> tuple[dict[SeqId, int | list[int]], list[RequestOutput]]:
         """The step failed: run each request's chunks alone (as the encoder retries a failed
         batch row by row), so that only the requests that fail alone get the error and the others
         go on with the tokens of their own runs. Safe because the failed step changed no
@@ -374,7 +376,7 @@ class LLMEngine:
         by_seq: dict[SeqId, list] = {}
         for chunk in plan.chunks:
             by_seq.setdefault(chunk.seq_id, []).append(chunk)
-        sampled: dict[SeqId, int] = {}
+        sampled: dict[SeqId, int | list[int]] = {}
         culprits: dict[SeqId, Exception] = {}
         for seq_id, chunks in by_seq.items():
             alone = SchedulerOutput(
@@ -387,11 +389,11 @@ class LLMEngine:
         if len(culprits) == len(by_seq):
             raise error
         failed = []
-        for seq_id, exc in culprits.items():
-            log.warning("generation step failed because of request %r (%s); failing it alone", seq_id, exc)
+        for seq_id, cause in culprits.items():
+            log.warning("generation step failed because of request %r (%s); failing it alone", seq_id, cause)
             out = self.abort(seq_id)
             if out is not None:
-                out.error = RuntimeError(f"generation failed: {exc}")
+                out.error = RuntimeError(f"generation failed: {cause}")
                 failed.append(out)
         self.counters["requests_failed_alone"] += len(failed)
         return sampled, failed
@@ -421,8 +423,8 @@ class LLMEngine:
         ids = [("generate", base, i) for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
-        texts = {rid: [] for rid in ids}
-        tokens = {rid: [] for rid in ids}
+        texts: dict[RequestId, list[str]] = {rid: [] for rid in ids}
+        tokens: dict[RequestId, list[int]] = {rid: [] for rid in ids}
         while any(rid in self._requests for rid in ids):
             for out in self.step():
                 if out.request_id in texts:
@@ -559,7 +561,7 @@ class EngineLoop:
                     RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value, len(sub.prompt_ids), 0, None, exc)
                 )
         for rid, sub in list(self._live.items()):
-            if rid in aborts or (sub.is_cancelled is not None and _cancelled(sub)):
+            if rid in aborts or (sub.is_cancelled is not None and _cancelled(sub.is_cancelled)):
                 out = self.engine.abort(rid)
                 if out is not None:
                     self._emit(out)
@@ -658,8 +660,8 @@ class EngineLoop:
             )
 
 
-def _cancelled(sub: _Submission) -> bool:
+def _cancelled(is_cancelled: Callable[[], bool]) -> bool:
     try:
-        return bool(sub.is_cancelled())
+        return bool(is_cancelled())
     except Exception:  # noqa: BLE001 - a sender that cannot answer is gone
         return True

@@ -124,15 +124,19 @@ class Linear:
     precision = "fp32"
 
     def __init__(self, weight: torch.Tensor):
-        self.weight = weight
+        self._weight = weight
         self.out_features, self.in_features = weight.shape
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self._weight)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return self._weight.numel() * self._weight.element_size()
 
 
 class PackedBf16:
@@ -160,12 +164,14 @@ class PackedBf16:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
+            assert self.weight is not None  # one of packed and weight
             return F.linear(x, self.weight)
         return self._packed_mm(x, self.packed)
 
     def unpacked(self) -> torch.Tensor:
         """The weight itself, ``[out, in]`` BF16 (from the packed layout: exact, the identity times it)."""
         if self.packed is None:
+            assert self.weight is not None  # one of packed and weight
             return self.weight
         return self._packed_mm(torch.eye(self.shape[1], dtype=torch.bfloat16), self.packed).t().contiguous()
 

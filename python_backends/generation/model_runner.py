@@ -257,7 +257,9 @@ class ModelRunner:
         # A decode with a draft attends as that many one-token decodes (row j sees positions up
         # to start + j), batched with the other decodes: the numbers each row gets are those of
         # a plain decode at its position, so drafts change how many tokens a step yields, not them.
-        tables, ends, lens = [], [], []
+        tables: list[list[int]] = []
+        ends: list[int] = []
+        lens: list[int] = []
         for c in chunks:
             if c.draft:
                 tables += [c.block_table] * c.num_tokens

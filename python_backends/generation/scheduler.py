@@ -366,7 +366,7 @@ class Scheduler:
 
         return SchedulerOutput(decodes=decodes, prefills=prefills, preempted=preempted)
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int | Seq[int]]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int | list[int] | tuple[int, ...]]) -> list[Sequence]:
         """Record a finished step: computed tokens, and the new tokens of each sampling chunk.
 
         ``sampled`` gives one token per sampling chunk, or for a chunk with a draft the

@@ -45,7 +45,7 @@ STAT_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used",
 class GenerationMetrics:
     def __init__(self, pb_utils: Any, labels: dict[str, str], baseline: dict | None = None):
         family = pb_utils.MetricFamily
-        self._families = []
+        self._families: list[Any] = []
 
         def fam(name, description, kind):
             f = family(name=name, description=description, kind=kind)

@@ -54,8 +54,8 @@ class PreprocessOptions:
     resize_mode: str = "resize_then_crop"  # or "crop_then_resize" (RESIZE_MODES)
     interpolation: str = "bilinear"  # or "bicubic"
     # Per channel on the 0-1 scale (pixel / 255): (pixel / 255 - mean) / std.
-    mean: tuple[float, float, float] = tuple(float(v) for v in IMAGENET_MEAN)
-    std: tuple[float, float, float] = tuple(float(v) for v in IMAGENET_STD)
+    mean: tuple[float, ...] = tuple(float(v) for v in IMAGENET_MEAN)
+    std: tuple[float, ...] = tuple(float(v) for v in IMAGENET_STD)
 
     def __post_init__(self):
         if self.crop < 1 or self.resize < self.crop:
@@ -109,7 +109,7 @@ class PreprocessOptions:
         )
 
 
-def _rgb(config, key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
+def _rgb(config, key: str, default: tuple[float, ...]) -> tuple[float, ...]:
     """Three comma-separated numbers on the 0-255 scale -> the 0-1 scale (divided in float64,
     so "123.675,116.28,103.53" gives exactly torchvision's float32 0.485, 0.456, 0.406)."""
     raw = config.param(key)
@@ -168,7 +168,7 @@ def to_rgb(image):
     if image.mode == "RGB":
         return image
     if image.mode.startswith("I;16") or image.mode == "I":
-        wide = np.asarray(image, dtype=np.uint32 if image.mode == "I" else np.uint16)
+        wide: np.ndarray = np.asarray(image, dtype=np.uint32 if image.mode == "I" else np.uint16)
         image = Image.fromarray(np.clip(wide >> 8, 0, 255).astype(np.uint8), mode="L")
     with warnings.catch_warnings():
         # "Palette images with Transparency expressed in bytes should be converted to RGBA"
@@ -179,7 +179,7 @@ def to_rgb(image):
 
 def decode_image(data: bytes, field: str, options: PreprocessOptions = PreprocessOptions()):
     """Validated bytes -> RGB ``PIL.Image``. Raises InputError naming ``field`` and the rule."""
-    from PIL import JpegImagePlugin, PngImagePlugin
+    from PIL import ImageFile, JpegImagePlugin, PngImagePlugin
 
     if len(data) == 0:
         raise InputError(field, "empty (0 bytes); a JPEG or PNG file was expected")
@@ -195,6 +195,7 @@ def decode_image(data: bytes, field: str, options: PreprocessOptions = Preproces
     try:
         # The format's own class parses the header only. Image.open would do the same plus a
         # global decompression-bomb check of its own; ours, below, is the configured one.
+        image: ImageFile.ImageFile
         if kind == "PNG":
             image = PngImagePlugin.PngImageFile(io.BytesIO(data))
         else:
@@ -241,12 +242,13 @@ def to_pixel_values(image, options: PreprocessOptions = PreprocessOptions()) -> 
     if image.mode != "RGB":
         raise ValueError(f"expected an RGB image, got mode {image.mode}")
     resample = Image.Resampling.BICUBIC if options.interpolation == "bicubic" else Image.Resampling.BILINEAR
+    width, height = image.size
     if options.resize_mode == "crop_then_resize":
-        left, top, side = center_square(*image.size, options.crop, options.resize)
+        left, top, side = center_square(width, height, options.crop, options.resize)
         box = (left, top, left + side, top + side)
         pixels = np.asarray(image.resize((options.crop, options.crop), resample, box=box))
     else:
-        width, height = resized_size(*image.size, options.resize)
+        width, height = resized_size(width, height, options.resize)
         if (width, height) != image.size:
             image = image.resize((width, height), resample)
         left, top = center_crop_box(width, height, options.crop)

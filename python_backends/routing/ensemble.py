@@ -56,7 +56,9 @@ def routed_form(config: dict, encoder: str = "text_encoder", router: str = "text
     out = copy.deepcopy(config)
     if form_of(out, encoder, router) == ROUTED:
         return out
-    step = _steps(out)[_step_index(out, encoder)]
+    index = _step_index(out, encoder)
+    assert index is not None  # form_of found it
+    step = _steps(out)[index]
     step["model_name"] = router
     # The router serves the version its weights choose; its own version is the newest loaded.
     step["model_version"] = -1
@@ -73,7 +75,9 @@ def direct_form(config: dict, encoder: str = "text_encoder", router: str = "text
     out = copy.deepcopy(config)
     if form_of(out, encoder, router) == DIRECT:
         return out
-    step = _steps(out)[_step_index(out, router)]
+    index = _step_index(out, router)
+    assert index is not None  # form_of found it
+    step = _steps(out)[index]
     step["model_name"] = encoder
     step["model_version"] = -1
     step["output_map"] = {k: v for k, v in (step.get("output_map") or {}).items() if k != ROUTER_VERSION_OUTPUT}

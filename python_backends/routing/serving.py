@@ -92,6 +92,7 @@ class Outcome:
 
     def version_column(self) -> np.ndarray:
         """The served version once per row, INT32 [rows, 1] (the output ``encoder_version``)."""
+        assert self.vectors is not None  # a served outcome
         return np.full((self.vectors.shape[0], 1), self.served, dtype=np.int32)
 
 

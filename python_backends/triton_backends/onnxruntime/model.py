@@ -92,10 +92,11 @@ class TritonPythonModel:
             if outcome.error is not None:
                 responses[i] = error_response(pb_utils, self.config.name, outcome.error, requests[i].request_id())
             else:
+                assert outcome.outputs is not None  # run_batched gives outputs or an error
                 responses[i] = pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(name, value) for name, value in outcome.outputs.items()]
                 )
-        if self.tally:
+        if self.tally and self.metrics is not None:
             real, padded, _ = self.tally.take()
             self.metrics.record(real, padded)
         return responses
