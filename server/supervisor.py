@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from server.lifetime import tie_to_parent
+from server.lifetime import tied_command
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class ChildProcess:
         self, command: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | str | None = None
     ) -> ChildProcess:
         """Start ``command`` (stdin /dev/null, output as ``output`` says)."""
-        preexec = tie_to_parent(self.tie) if self.tie else None
+        command, preexec = tied_command(list(command), self.tie) if self.tie else (list(command), None)
         popen = dict(
             env=None if env is None else dict(env),
             cwd=cwd,

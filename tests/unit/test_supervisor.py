@@ -134,3 +134,30 @@ def test_free_ports_are_distinct_and_not_taken():
     taken = {1}
     ports = free_ports(3, taken)
     assert len(set(ports)) == 3 and set(ports) <= taken and 1 not in ports
+
+
+PDEATHSIG = """
+import ctypes, os
+value = ctypes.c_int()
+ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(value), 0, 0, 0)  # PR_GET_PDEATHSIG
+print("pdeathsig", value.value, "comm", open(f"/proc/{os.getpid()}/comm").read().strip(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("setpriv", [True, False])
+def test_a_tied_child_gets_its_signal_when_we_die_with_or_without_setpriv(tmp_path, monkeypatch, setpriv):
+    import shutil
+
+    from server import lifetime
+
+    if setpriv and shutil.which("setpriv") is None:
+        pytest.skip("util-linux's setpriv is not installed")
+    if not setpriv:
+        monkeypatch.setattr(lifetime.shutil, "which", lambda name: None)
+    child = ChildProcess("child", tmp_path / "child.log", output=PIPE, tie="SIGTERM")
+    child.start(_python(PDEATHSIG))
+    child.process.wait(30)
+    child.stop()
+    # The child is the program itself (setpriv execs it), with the parent-death signal set.
+    assert f"pdeathsig {int(signal.SIGTERM)} comm python" in child.log_tail(), child.log_tail()
