@@ -57,6 +57,8 @@ class EngineConfig:
     max_model_len: int = 4096
     max_tokens_limit: int = 2048
     default_max_tokens: int = 16
+    # The sampling fields a request that leaves them out gets (sampling.sampling_defaults).
+    sampling_defaults: dict = field(default_factory=dict)
     enable_prefix_caching: bool = True
     # Prompt-lookup speculative decoding (speculative.py): greedy requests' decodes carry a draft
     # of up to this many tokens found earlier in their context, verified in the same step; only

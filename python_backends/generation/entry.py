@@ -9,6 +9,7 @@ docs/generation.md describes the model.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,7 +19,7 @@ import numpy as np
 from python_backends.config import ModelConfig
 from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput
-from python_backends.generation.sampling import SamplingParams
+from python_backends.generation.sampling import SamplingParams, sampling_defaults
 from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request
 
 # The inputs a request may carry, and each output's array type.
@@ -65,6 +66,9 @@ class GenerationEntry:
         device = "cpu" if gpu_device is None else f"cuda:{gpu_device}"
         if settings["dtype"] == "auto":
             settings["dtype"] = "float32" if gpu_device is None else "bfloat16"
+        generation_config = Path(version_dir) / "generation_config.json"
+        model_sampling = json.loads(generation_config.read_text(encoding="utf-8")) if generation_config.is_file() else {}
+        settings["sampling_defaults"] = sampling_defaults(model_sampling, config.param("sampling_defaults"))
         self.name = config.name
         self.max_text_bytes = config.param_int("max_text_bytes", 262144, minimum=1)
         self.engine = LLMEngine(EngineConfig(model_dir=Path(version_dir), device=device, **settings))
@@ -92,6 +96,7 @@ class GenerationEntry:
             max_tokens_limit=engine.config.max_tokens_limit,
             default_max_tokens=engine.config.default_max_tokens,
             max_text_bytes=self.max_text_bytes,
+            sampling_defaults=engine.config.sampling_defaults,
         )
         shaper = ResponseShaper(parsed)
         self.loop.submit(

@@ -42,7 +42,9 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         openai=True,
     ),
     SamplingField("min_tokens", (int,), 0, "Tokens generated before EOS or a stop string may end the sequence"),
-    SamplingField("temperature", (int, float), 1.0, "Sampling temperature; 0 is greedy", openai=True),
+    SamplingField(
+        "temperature", (int, float), 1.0, "Sampling temperature; 0 is greedy (absent: the model's default)", openai=True
+    ),
     SamplingField(
         "top_p", (int, float), 1.0, "Nucleus sampling: the smallest set of tokens holding this mass; 1 disables it", openai=True
     ),

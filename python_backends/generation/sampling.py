@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from python_backends.errors import InputError
+from python_backends.errors import ConfigError, InputError
 from python_backends.generation.fields import FIELD_NAMES, SamplingParams
 
 # One name for the errors of sampling parameters (every path raises InputError).
@@ -24,13 +25,19 @@ SamplingParamsError = InputError
 
 
 def parse_sampling_params(
-    source: str | bytes | Mapping | None, *, max_tokens_limit: int, default_max_tokens: int = 16
+    source: str | bytes | Mapping | None,
+    *,
+    max_tokens_limit: int,
+    default_max_tokens: int = 16,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """``sampling_parameters`` (a JSON object, as bytes/str, or a dict) as SamplingParams.
 
     Where the values enter the served interface: unknown names, the default ``max_tokens``
     (``default_max_tokens``; ``null`` asks for the rest of the context, at most the limit) and
-    ``max_tokens_limit`` are checked here; SamplingParams checks each value's own rules.
+    ``max_tokens_limit`` are checked here; SamplingParams checks each value's own rules. A field
+    the request leaves out (or sets to null) takes the model's default from ``defaults``
+    (:func:`sampling_defaults`), else the field's own.
     """
     if source is None:
         data: Mapping = {}
@@ -54,7 +61,7 @@ def parse_sampling_params(
     unknown = sorted(str(k) for k in data if k not in FIELD_NAMES)
     if unknown:
         raise InputError(unknown[0] or "''", f"unknown sampling parameter (known: {', '.join(FIELD_NAMES)})")
-    values = {k: v for k, v in data.items() if v is not None or k == "max_tokens"}
+    values = {**(defaults or {}), **{k: v for k, v in data.items() if v is not None or k == "max_tokens"}}
     if "max_tokens" not in values:
         values["max_tokens"] = default_max_tokens
     elif values["max_tokens"] is None:  # vLLM's meaning: as many as the context leaves
@@ -207,3 +214,33 @@ class Sampler:
         target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
         out[rows] = torch.searchsorted(cdf, target, right=True).flatten().clamp_max(vocab - 1)
         return out
+
+
+# What a model's generation_config.json may say about sampling, as the engine's fields.
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: Mapping[str, Any], override: str | None = None) -> dict[str, Any]:
+    """The sampling fields a request that leaves them out gets: the model's own
+    (``generation_config.json``: temperature, top_p, top_k, repetition_penalty; ``do_sample``
+    false is greedy), then the operator's ``override`` (config.pbtxt ``sampling_defaults``, a
+    JSON object of sampling fields). Checked at load: ConfigError names the bad field."""
+    defaults: dict[str, Any] = {k: generation_config[k] for k in GENERATION_CONFIG_FIELDS if generation_config.get(k) is not None}
+    if generation_config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    if override is not None and override.strip():
+        try:
+            given = json.loads(override)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"sampling_defaults is not valid JSON: {exc}") from None
+        if not isinstance(given, dict):
+            raise ConfigError("sampling_defaults must be a JSON object of sampling fields")
+        defaults.update(given)
+    unknown = sorted(k for k in defaults if k not in FIELD_NAMES or k in ("max_tokens", "fit_to_context"))
+    if unknown:
+        raise ConfigError(f"sampling_defaults: {unknown[0]} is not a sampling field with a model default")
+    try:
+        SamplingParams(**defaults)
+    except InputError as exc:
+        raise ConfigError(f"sampling_defaults: {exc}") from None
+    return defaults

@@ -173,6 +173,7 @@ def parse_request(
     max_tokens_limit: int,
     default_max_tokens: int,
     max_text_bytes: int,
+    sampling_defaults: Mapping[str, Any] | None = None,
 ) -> GenerationRequest:
     """Validate one request's inputs and parameters; InputError names the field and limit."""
     flags = {name: _scalar_bool(name, inputs.get(name)) for name in BOOL_INPUTS}
@@ -188,7 +189,9 @@ def parse_request(
     sampling_raw = inputs.get("sampling_parameters")
     sampling_text = None if sampling_raw is None else _one_bytes("sampling_parameters", sampling_raw, 65536)
     sampling = merge_sampling_sources(sampling_text, params)
-    sampling_params = parse_sampling_params(sampling, max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens)
+    sampling_params = parse_sampling_params(
+        sampling, max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens, defaults=sampling_defaults
+    )
     # An empty prompt is the engine's to refuse (LLMEngine.encode), on every path into it.
     return GenerationRequest(
         prompt=render_chat(tokenizer, text) if flags["apply_chat_template"] else text,

@@ -24,7 +24,14 @@ pytestmark = pytest.mark.skipif(
 
 
 def config(**parameters) -> ModelConfig:
-    settings = {"kv_cache_mb": "16", "max_num_seqs": "1", "max_waiting": "1", "num_threads": "2", **parameters}
+    settings = {
+        "kv_cache_mb": "16",
+        "max_num_seqs": "1",
+        "max_waiting": "1",
+        "num_threads": "2",
+        "sampling_defaults": '{"temperature": 0.2, "top_p": 0.9}',
+        **parameters,
+    }
     return ModelConfig(
         model_config(
             "text_generation",
@@ -108,3 +115,10 @@ def test_output_arrays_are_one_element_arrays_of_the_configured_types():
     arrays = output_arrays({"text_output": "hé", "finish_reason": None, "num_output_tokens": 3})
     assert arrays["text_output"].tolist() == ["hé".encode()] and arrays["text_output"].dtype == object
     assert arrays["num_output_tokens"].dtype == np.uint32 and "finish_reason" not in arrays
+
+
+def test_the_sampling_defaults_are_the_models_with_the_operators_on_top(entry):
+    # generation_config.json of SmolLM2 sets no sampling; config.pbtxt gives the model card's.
+    assert entry.engine.config.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+    with pytest.raises(ConfigError, match="sampling_defaults: temperature"):
+        GenerationEntry(config(sampling_defaults='{"temperature": -1}'), MODEL_DIR, decoupled=True)

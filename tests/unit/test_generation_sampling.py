@@ -267,3 +267,31 @@ def test_seeded_sampling_on_cuda_alone_and_batched():
         for x in logits
     ]
     assert alone == batched
+
+
+def test_sampling_defaults_come_from_the_model_then_the_operator():
+    from python_backends.errors import ConfigError
+    from python_backends.generation.sampling import sampling_defaults
+
+    model = {"temperature": 0.6, "top_p": 0.95, "top_k": 50, "bos_token_id": 1}
+    assert sampling_defaults(model) == {"temperature": 0.6, "top_p": 0.95, "top_k": 50}
+    assert sampling_defaults({**model, "do_sample": False})["temperature"] == 0.0
+    assert sampling_defaults(model, '{"temperature": 0.2, "top_p": 0.9}') == {"temperature": 0.2, "top_p": 0.9, "top_k": 50}
+    for bad, words in (
+        ('{"temperature": -1}', "temperature"),
+        ('{"max_tokens": 5}', "max_tokens"),
+        ('{"nope": 1}', "nope"),
+        ("[1]", "JSON object"),
+        ("{", "valid JSON"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            sampling_defaults({}, bad)
+
+
+def test_a_request_that_leaves_a_field_out_gets_the_models_default():
+    defaults = {"temperature": 0.2, "top_p": 0.9}
+    plain = parse_sampling_params({}, max_tokens_limit=2048, defaults=defaults)
+    assert (plain.temperature, plain.top_p) == (0.2, 0.9)
+    given = parse_sampling_params({"temperature": 1.0, "top_p": None}, max_tokens_limit=2048, defaults=defaults)
+    assert (given.temperature, given.top_p) == (1.0, 0.9)  # null: the default, as when left out
+    assert parse_sampling_params({}, max_tokens_limit=2048).temperature == 1.0  # no model default: the field's
