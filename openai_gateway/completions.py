@@ -204,6 +204,7 @@ class Tally:
     reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # of the prompt's, in the engine's prefix cache
 
     def add(self, piece) -> None:
         """Take the piece's reason and counts (the latest wins)."""
@@ -212,6 +213,16 @@ class Tally:
             self.prompt_tokens = piece.prompt_tokens
         if piece.completion_tokens is not None:
             self.completion_tokens = piece.completion_tokens
+        if piece.cached_tokens is not None:
+            self.cached_tokens = piece.cached_tokens
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` when the model said."""
+        out: dict[str, Any] = usage(self.prompt_tokens, self.completion_tokens)
+        if self.cached_tokens is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
 
 def finish_reason(value: str | None) -> str | None:
@@ -224,7 +235,7 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def whole_body(job: GenerationJob, text: str, reason: str | None, prompt_tokens: int, completion_tokens: int) -> bytes:
+def whole_body(job: GenerationJob, text: str, tally: Tally) -> bytes:
     """The JSON of a whole (non-streamed) chat or text completion."""
     base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
     if job.chat:
@@ -232,13 +243,13 @@ def whole_body(job: GenerationJob, text: str, reason: str | None, prompt_tokens:
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None},
             "logprobs": None,
-            "finish_reason": finish_reason(reason),
+            "finish_reason": finish_reason(tally.reason),
         }
         body = {**base, "object": "chat.completion", "choices": [choice]}
     else:
-        choice = {"index": 0, "text": job.echo_prefix + text, "logprobs": None, "finish_reason": finish_reason(reason)}
+        choice = {"index": 0, "text": job.echo_prefix + text, "logprobs": None, "finish_reason": finish_reason(tally.reason)}
         body = {**base, "object": "text_completion", "choices": [choice]}
-    body["usage"] = usage(prompt_tokens, completion_tokens)
+    body["usage"] = tally.usage
     return orjson.dumps(body)
 
 
@@ -283,11 +294,11 @@ class ChunkWriter:
         """The event of one text piece (nothing for an empty one)."""
         return self._event([self._choice(piece, None)]) if piece else b""
 
-    def finish(self, reason: str | None, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def finish(self, tally: Tally) -> bytes:
         """The last events: the finish reason, the usage when asked for, ``[DONE]``."""
-        out = self._event([self._choice(None if self.job.chat else "", finish_reason(reason) or "stop")])
+        out = self._event([self._choice(None if self.job.chat else "", finish_reason(tally.reason) or "stop")])
         if self.job.include_usage:
-            out += self._event([], usage(prompt_tokens, completion_tokens))
+            out += self._event([], tally.usage)
         return out + b"data: [DONE]\n\n"
 
     @staticmethod

@@ -87,7 +87,7 @@ async def sse_events(
                 break
             piece = await anext(pieces, None)
         completed = True
-        yield writer.finish(tally.reason, tally.prompt_tokens, tally.completion_tokens)
+        yield writer.finish(tally)
     except APIError as exc:
         info["error"] = exc.type
         yield writer.error(exc.body())

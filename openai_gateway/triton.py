@@ -48,6 +48,7 @@ class Piece:
     prompt_tokens: int | None
     completion_tokens: int | None
     final: bool
+    cached_tokens: int | None = None
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -55,7 +56,7 @@ class Piece:
         from clients.generation import is_final, piece_from_result
 
         p = piece_from_result(result)
-        return cls(p.text, p.finish_reason, p.num_input_tokens, p.num_output_tokens, is_final(result))
+        return cls(p.text, p.finish_reason, p.num_input_tokens, p.num_output_tokens, is_final(result), p.num_cached_tokens)
 
 
 def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:

@@ -94,13 +94,15 @@ class GenerateRequest:
         return cls(text, sampling_parameters(**sampling), chat=True)
 
     def flags(self, stream: bool) -> dict[str, bool]:
-        """The model's BOOL inputs: streaming, no echoed prompt, the finish reason and counts back."""
+        """The model's BOOL inputs: streaming, no echoed prompt, the finish reason and counts back
+        (the cached prompt tokens too)."""
         flags = {
             "stream": stream,
             "exclude_input_in_output": True,
             "return_finish_reason": True,
             "return_num_input_tokens": True,
             "return_num_output_tokens": True,
+            "return_num_cached_tokens": True,
         }
         if self.chat:
             flags["apply_chat_template"] = True

@@ -60,6 +60,7 @@ class Generation:
     num_output_tokens: int | None
     time_to_first_token_s: float | None  # None when no text came back
     total_time_s: float
+    num_cached_tokens: int | None = None  # of the prompt's, found in the server's prefix cache
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -77,6 +78,7 @@ class Piece:
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    num_cached_tokens: int | None = None
 
 
 class SSEDecoder:
@@ -179,6 +181,7 @@ def piece_from_json(data: str | Mapping[str, Any], model: str = DEFAULT_MODEL, s
         finish_reason=_reason(_scalar(obj.get("finish_reason"))),
         num_input_tokens=_count(_scalar(obj.get("num_input_tokens"))),
         num_output_tokens=_count(_scalar(obj.get("num_output_tokens"))),
+        num_cached_tokens=_count(_scalar(obj.get("num_cached_tokens"))),
     )
 
 
@@ -197,6 +200,7 @@ def piece_from_result(result: Any) -> Piece:
         finish_reason=_reason(first("finish_reason")),
         num_input_tokens=_count(first("num_input_tokens")),
         num_output_tokens=_count(first("num_output_tokens")),
+        num_cached_tokens=_count(first("num_cached_tokens")),
     )
 
 
@@ -217,6 +221,7 @@ class Tracker:
         self.finish_reason: str | None = None
         self.num_input_tokens: int | None = None
         self.num_output_tokens: int | None = None
+        self.num_cached_tokens: int | None = None
 
     def add(self, piece: Piece) -> str:
         """Take one piece (its time if it is the first text); its text."""
@@ -230,6 +235,8 @@ class Tracker:
             self.num_input_tokens = piece.num_input_tokens
         if piece.num_output_tokens is not None:
             self.num_output_tokens = piece.num_output_tokens
+        if piece.num_cached_tokens is not None:
+            self.num_cached_tokens = piece.num_cached_tokens
         return piece.text
 
     def result(self) -> Generation:
@@ -242,6 +249,7 @@ class Tracker:
             num_output_tokens=self.num_output_tokens,
             time_to_first_token_s=None if self.first is None else self.first - self.start,
             total_time_s=end - self.start,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 

@@ -44,7 +44,7 @@ async def serve_generation(request: Request, job: completions.GenerationJob, rou
 
         text, tally = await until_done_or_gone(request, whole(), metrics, route)
         record_usage(info, job, tally, metrics)
-        return json_response(200, completions.whole_body(job, text, tally.reason, tally.prompt_tokens, tally.completion_tokens))
+        return json_response(200, completions.whole_body(job, text, tally))
     return EventStream(
         sse_events(request, job, first, pieces, info, metrics),
         media_type="text/event-stream",

@@ -122,6 +122,7 @@ class RequestOutput:
     num_output_tokens: int
     metrics: RequestMetrics | None = None
     error: Exception | None = None  # set when the engine failed this request (finished too)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
 
 
 @dataclass
@@ -133,6 +134,7 @@ class _Request:
     generator: torch.Generator | None
     metrics: RequestMetrics
     num_emitted_ids: int = 0
+    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -280,6 +282,8 @@ class LLMEngine:
             req = self._requests[chunk.seq_id]
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = start
+                seq = self.scheduler.get(chunk.seq_id)
+                req.num_cached_tokens = 0 if seq is None else min(seq.num_cached_tokens, len(req.prompt_ids))
         self.counters["prompt_tokens_computed"] += sum(c.num_tokens for c in plan.prefills)
         failed: list[RequestOutput] = []
         try:
@@ -325,7 +329,19 @@ class LLMEngine:
             else:
                 ids = seq.output_tokens[req.num_emitted_ids :]
                 req.num_emitted_ids = len(seq.output_tokens)
-                outputs.append(RequestOutput(seq.seq_id, text, ids, False, None, len(req.prompt_ids), len(seq.output_tokens), m))
+                outputs.append(
+                    RequestOutput(
+                        seq.seq_id,
+                        text,
+                        ids,
+                        False,
+                        None,
+                        len(req.prompt_ids),
+                        len(seq.output_tokens),
+                        m,
+                        num_cached_tokens=req.num_cached_tokens,
+                    )
+                )
         return outputs
 
     def _run(self, plan: SchedulerOutput) -> dict[SeqId, int | list[int]]:
@@ -405,7 +421,17 @@ class LLMEngine:
         ids = [] if output_ids is None else output_ids[req.num_emitted_ids :]
         n_out = req.num_emitted_ids + len(ids) if output_ids is not None else req.num_emitted_ids
         self.counters[f"finished_{reason}"] += 1
-        return RequestOutput(req.request_id, text, ids, True, reason, len(req.prompt_ids), n_out, req.metrics)
+        return RequestOutput(
+            req.request_id,
+            text,
+            ids,
+            True,
+            reason,
+            len(req.prompt_ids),
+            n_out,
+            req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """Finish every request with ``error`` (a failed step): free everything, keep serving."""

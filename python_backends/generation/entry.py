@@ -24,7 +24,13 @@ from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engi
 
 # The inputs a request may carry, and each output's array type.
 INPUT_NAMES = ("text_input", "sampling_parameters", *BOOL_INPUTS)
-OUTPUT_TYPES = {"text_output": object, "finish_reason": object, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}
+OUTPUT_TYPES = {
+    "text_output": object,
+    "finish_reason": object,
+    "num_input_tokens": np.uint32,
+    "num_output_tokens": np.uint32,
+    "num_cached_tokens": np.uint32,
+}
 
 
 class Reply(Protocol):
@@ -113,7 +119,9 @@ class GenerationEntry:
             if out.finish_reason == "abort" and reply.is_cancelled():
                 reply.close()  # the client is gone: close the stream, nothing to say
                 return
-            values = shaper.on_output(out.text, out.finished, out.finish_reason, out.num_input_tokens, out.num_output_tokens)
+            values = shaper.on_output(
+                out.text, out.finished, out.finish_reason, out.num_input_tokens, out.num_output_tokens, out.num_cached_tokens
+            )
             if values is None:
                 if out.finished:
                     reply.close()

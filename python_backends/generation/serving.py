@@ -5,7 +5,8 @@ work unchanged: ``text_input`` (BYTES), optional ``stream``, ``sampling_paramete
 JSON object), ``exclude_input_in_output``, ``return_finish_reason``,
 ``return_num_input_tokens``, ``return_num_output_tokens`` (BOOL), and this project's
 ``apply_chat_template`` (BOOL: ``text_input`` is then a JSON list of chat messages that
-the model's own template renders). Sampling parameters may also come as request
+the model's own template renders) and ``return_num_cached_tokens`` (BOOL: the prompt tokens
+the prefix cache held). Sampling parameters may also come as request
 parameters, which is how Triton's ``generate`` / ``generate_stream`` HTTP endpoints pass
 ``{"parameters": {...}}``.
 
@@ -31,6 +32,7 @@ BOOL_INPUTS = (
     "return_finish_reason",
     "return_num_input_tokens",
     "return_num_output_tokens",
+    "return_num_cached_tokens",
     "apply_chat_template",
 )
 # Request parameters Triton or its clients set themselves; never sampling parameters.
@@ -56,6 +58,7 @@ class GenerationRequest:
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
 
 
 def _scalar_bool(name: str, value: Any) -> bool:
@@ -201,6 +204,7 @@ def parse_request(
         return_finish_reason=flags["return_finish_reason"],
         return_num_input_tokens=flags["return_num_input_tokens"],
         return_num_output_tokens=flags["return_num_output_tokens"],
+        return_num_cached_tokens=flags["return_num_cached_tokens"],
     )
 
 
@@ -216,7 +220,9 @@ class ResponseShaper:
         self.request = request
         self._parts: list[str] = []
 
-    def on_output(self, text: str, finished: bool, finish_reason: str | None, num_input: int, num_output: int):
+    def on_output(
+        self, text: str, finished: bool, finish_reason: str | None, num_input: int, num_output: int, num_cached: int = 0
+    ):
         """The outputs dict of the response to send now, or None to send nothing yet."""
         r = self.request
         if not r.stream:
@@ -235,6 +241,8 @@ class ResponseShaper:
                 out["num_input_tokens"] = num_input
             if r.return_num_output_tokens:
                 out["num_output_tokens"] = num_output
+            if r.return_num_cached_tokens:
+                out["num_cached_tokens"] = num_cached
         return out
 
 

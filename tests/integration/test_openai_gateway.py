@@ -374,6 +374,25 @@ def test_max_completion_tokens(openai_client):
     assert caught.value.response.json()["error"]["param"] == "max_completion_tokens"
 
 
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(openai_client):
+    import uuid
+
+    # A prompt no other test sent: only the chat template's first block can be cached before it.
+    passage = " ".join(f"{uuid.uuid4().hex[:6]} river" for _ in range(120))
+    messages = [{"role": "user", "content": f"Repeat the first word of: {passage}"}]
+    first = openai_client.chat.completions.create(model=GENERATION, messages=messages, max_tokens=2, temperature=0)
+    again = openai_client.chat.completions.create(model=GENERATION, messages=messages, max_tokens=2, temperature=0)
+    prompt = again.usage.prompt_tokens
+    cold, warm = first.usage.prompt_tokens_details.cached_tokens, again.usage.prompt_tokens_details.cached_tokens
+    assert prompt > 300 and cold <= 32 and prompt - 16 <= warm <= prompt, (prompt, cold, warm)
+    # The same in the usage chunk of a stream.
+    stream = openai_client.chat.completions.create(
+        model=GENERATION, messages=messages, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == warm
+
+
 def test_n_above_one_is_refused(openai_client):
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4, n=2)

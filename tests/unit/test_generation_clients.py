@@ -95,6 +95,7 @@ def test_piece_from_json_scalars_lists_and_empty_reasons():
         "b", "stop", None, 2
     )
     assert piece_from_json({"text_output": "", "finish_reason": "None"}).finish_reason is None
+    assert piece_from_json({"text_output": "c", "num_cached_tokens": [32]}).num_cached_tokens == 32
 
 
 def test_piece_from_json_error_event_and_malformed_data():
@@ -234,6 +235,7 @@ def test_grpc_inputs_names_types_shapes_and_values():
         "return_finish_reason",
         "return_num_input_tokens",
         "return_num_output_tokens",
+        "return_num_cached_tokens",
         "apply_chat_template",
     }
     assert all(i.shape() == [1] for i in inputs.values())

@@ -459,3 +459,24 @@ def test_a_step_that_fails_for_every_request_still_raises(hf, prompts):
         eng.add_request(i, p, GREEDY)
     with pytest.raises(RuntimeError, match="the model is broken"):
         eng.step()
+
+
+def test_each_output_says_how_many_prompt_tokens_the_prefix_cache_held(hf, prompts):
+    eng = make_engine(hf)
+    prompt = prompts[-1]  # about 1,500 tokens
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    def outputs(request_id):
+        eng.add_request(request_id, prompt, params)
+        out = []
+        while eng.has_unfinished():
+            out += eng.step()
+        return out
+
+    first, again = outputs("first"), outputs("again")
+    assert {o.num_cached_tokens for o in first} == {0}
+    cached = {o.num_cached_tokens for o in again}
+    n_prompt = again[-1].num_input_tokens
+    # Every full block of the prompt but the last one's tail: a multiple of the block size.
+    assert len(cached) == 1 and 0 < cached.pop() <= n_prompt and again[-1].num_cached_tokens % 16 == 0
+    assert again[-1].num_cached_tokens >= n_prompt - 32, (again[-1].num_cached_tokens, n_prompt)

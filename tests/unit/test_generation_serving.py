@@ -112,6 +112,8 @@ def test_response_shaper_streaming_and_whole():
     x = ResponseShaper(GenerationRequest(**base, exclude_input_in_output=True, return_num_input_tokens=True))
     x.on_output("a", False, None, 3, 1)
     assert x.on_output("b", True, "length", 3, 2) == {"text_output": "ab", "num_input_tokens": 3}
+    c = ResponseShaper(GenerationRequest(**base, exclude_input_in_output=True, return_num_cached_tokens=True))
+    assert c.on_output("a", True, "stop", 40, 1, 32) == {"text_output": "a", "num_cached_tokens": 32}
 
 
 def test_engine_settings_from_parameters():

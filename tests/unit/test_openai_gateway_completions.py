@@ -14,6 +14,7 @@ from openai_gateway.catalog import Catalog
 from openai_gateway.completions import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChunkWriter,
+    Tally,
     check_chat,
     check_completion,
     whole_body,
@@ -284,7 +285,7 @@ def events(raw: bytes) -> list:
 
 def stream(job, pieces, reason, n_in, n_out) -> bytes:
     w = ChunkWriter(job)
-    return w.start() + b"".join(w.text(p) for p in pieces) + w.finish(reason, n_in, n_out)
+    return w.start() + b"".join(w.text(p) for p in pieces) + w.finish(Tally(reason, n_in, n_out))
 
 
 def test_chat_chunks_role_text_finish_done(model):
@@ -347,7 +348,7 @@ def test_an_error_after_the_stream_began_is_an_error_event():
 
 def test_whole_body_chat(model):
     job = chat(model)
-    body = orjson.loads(whole_body(job, "Paris.", "stop", 30, 3))
+    body = orjson.loads(whole_body(job, "Paris.", Tally("stop", 30, 3)))
     assert body["object"] == "chat.completion" and body["id"] == job.completion_id
     assert body["model"] == "text_generation" and body["created"] == job.created
     assert body["choices"] == [
@@ -359,14 +360,21 @@ def test_whole_body_chat(model):
         }
     ]
     assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
+    cached = orjson.loads(whole_body(job, "Paris.", Tally("stop", 30, 3, cached_tokens=16)))
+    assert cached["usage"] == {
+        "prompt_tokens": 30,
+        "completion_tokens": 3,
+        "total_tokens": 33,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
 
 
 def test_whole_body_completion_with_and_without_echo(model):
-    body = orjson.loads(whole_body(completion(model), " there was", "length", 4, 2))
+    body = orjson.loads(whole_body(completion(model), " there was", Tally("length", 4, 2)))
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"] == [{"index": 0, "text": " there was", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["total_tokens"] == 6
-    body = orjson.loads(whole_body(completion(model, prompt="Once", echo=True), " upon", "stop", 2, 1))
+    body = orjson.loads(whole_body(completion(model, prompt="Once", echo=True), " upon", Tally("stop", 2, 1)))
     assert body["choices"][0]["text"] == "Once upon"
 
 
