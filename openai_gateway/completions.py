@@ -219,7 +219,11 @@ class Tally:
     @property
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` when the model said."""
-        out: dict[str, Any] = usage(self.prompt_tokens, self.completion_tokens)
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
         if self.cached_tokens is not None:
             out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return out
@@ -228,11 +232,6 @@ class Tally:
 def finish_reason(value: str | None) -> str | None:
     """The engine's finish reason in OpenAI's words."""
     return None if value is None else FINISH.get(value, "stop")
-
-
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def whole_body(job: GenerationJob, text: str, tally: Tally) -> bytes:

@@ -122,6 +122,7 @@ class AsyncBatchShim(BatchShim):
     can wait on several BLS calls at once (``InferenceRequest.async_exec``)."""
 
     async def execute(self, requests: list) -> list:  # type: ignore[override]  # Triton awaits a coroutine execute
+        self.batch_size = len(requests)
         responses, decoded = decode_requests(self.pb_utils, self.config.name, requests, self.decode)
         results = await self.run(decoded)  # type: ignore[misc]  # run is a coroutine in this class
         return encode_results(self.pb_utils, self.config.name, requests, responses, results, self.encode)
