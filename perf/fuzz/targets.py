@@ -27,7 +27,7 @@ import numpy as np
 from perf.lib.paths import REPOSITORY
 
 with atheris.instrument_imports(include=["python_backends"]):
-    from python_backends.cache.keys import KeyMaker, ModelIdentity
+    from python_backends.cache.keys import KEY_PREFIX, KeyMaker, ModelIdentity
     from python_backends.errors import InputError
     from python_backends.generation import serving
     from python_backends.generation.fields import FIELD_NAMES
@@ -80,13 +80,15 @@ def text(data: bytes) -> None:
     if len(texts) != values.size or not all(isinstance(t, str) and t.strip() for t in texts):
         raise ContractBroken(f"decode_texts returned {texts!r} for {values!r}")
     keys = [_KEYS(t) for t in texts]
-    if any(not k.startswith("emb1:") for k in keys):
+    if any(not k.startswith(KEY_PREFIX) for k in keys):
         raise ContractBroken(f"bad keys {keys}")
     batch = _TOKENIZER.encode(texts)
     if batch.input_ids.shape != batch.attention_mask.shape or batch.input_ids.shape[0] != len(texts):
         raise ContractBroken(f"tokenizer shapes {batch.input_ids.shape} {batch.attention_mask.shape}")
     if texts and not 1 <= batch.input_ids.shape[1] <= 256:
         raise ContractBroken(f"sequence length {batch.input_ids.shape[1]}")
+    if not (batch.num_tokens >= batch.lengths).all() or not (batch.lengths == np.minimum(batch.num_tokens, 256)).all():
+        raise ContractBroken(f"token counts {batch.num_tokens} against lengths {batch.lengths}")
 
 
 def _seed_images() -> list[bytes]:
@@ -205,8 +207,9 @@ def generation(data: bytes) -> None:
     except InputError:
         return
     p = parsed.params
-    if not (isinstance(parsed.prompt, str) and parsed.prompt.strip()):
-        raise ContractBroken(f"empty prompt {parsed.prompt!r}")
+    # An empty or blank prompt passes here: the engine's encode refuses it, on every path in.
+    if not isinstance(parsed.prompt, str):
+        raise ContractBroken(f"prompt {parsed.prompt!r} is not a text")
     if not (
         1 <= p.max_tokens <= 64
         and 0 <= p.min_tokens <= p.max_tokens
