@@ -1,14 +1,17 @@
 """``/v1/embeddings``: OpenAI's input forms checked and counted, split into Triton batches,
 and the vectors written back in OpenAI's shape.
 
-Texts go to the model's text entry point (the result cache by default); token arrays go to
-the encoder step with an attention mask, padded to the tokenizer's buckets. Token counts
-(``usage``) and the context limit come from the model's own tokenizer file, read here once.
+Texts go to the model's text entry point (the result cache by default), which answers each
+text's vector and its token count (the tokenizer step's, kept in the cache beside the vector);
+a text over the context length is refused with those counts. Token arrays go to the encoder
+step with an attention mask, padded to the tokenizer's buckets; their length is their count
+and is checked before they are sent.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,47 +25,29 @@ from openai_gateway.settings import GatewaySettings
 from python_backends.text.tokenization import bucket_length
 
 
-class TokenCounter:
-    """The model's tokenizer without truncation or padding: real token counts."""
+class Vocabulary:
+    """What the gateway needs of the model's tokenizer file to check token arrays: the
+    vocabulary's size and the padding id. Texts are counted by the model's own tokenizer step
+    (its NUM_TOKENS output), never here."""
 
     def __init__(self, tokenizer_file: Path):
         from tokenizers import Tokenizer
 
         if not Path(tokenizer_file).is_file():
             raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file} (run `make export`)")
-        self._tok = Tokenizer.from_file(str(tokenizer_file))
-        self._tok.no_truncation()
-        self._tok.no_padding()
-        pad = self._tok.token_to_id("[PAD]")
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        pad = tok.token_to_id("[PAD]")
         self.pad_id = 0 if pad is None else pad
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.remembered = 65536
-        self._counts: dict[str, int] = {}
-
-    def count(self, texts: list[str]) -> list[int]:
-        """The token count of each text, special tokens included."""
-        if len(texts) == 1:
-            # Repeated texts are common (the result cache exists for them): remember their counts.
-            text = texts[0]
-            n = self._counts.get(text)
-            if n is None:
-                n = len(self._tok.encode_batch_fast([text], add_special_tokens=True)[0].ids)
-                if len(text) <= 1024:  # bounded: at most 64 Ki texts of 1 Ki characters
-                    if len(self._counts) >= self.remembered:
-                        self._counts.clear()
-                    self._counts[text] = n
-            return [n]
-        return [len(e.ids) for e in self._tok.encode_batch_fast(texts, add_special_tokens=True)]
+        self.size = tok.get_vocab_size(with_added_tokens=True)
 
 
 @dataclass
 class EmbeddingJob:
-    """A checked embeddings request: texts (as UTF-8) or token ids, and their token counts."""
+    """A checked embeddings request: texts (as UTF-8) or token ids."""
 
     model: EmbeddingModel
     texts: list[str] | None  # one of texts and ids
     ids: list[list[int]] | None
-    token_counts: list[int]
     encoding_format: str
     blobs: list[bytes] | None = None  # the texts as UTF-8, what Triton gets
     priority_class: str | None = None  # X-Priority-Class (docs/priority-classes.md); None: default
@@ -74,18 +59,15 @@ class EmbeddingJob:
         assert rows is not None  # one of texts and ids
         return len(rows)
 
-    @property
-    def prompt_tokens(self) -> int:
-        """The tokens of all inputs (OpenAI's ``usage.prompt_tokens``)."""
-        return sum(self.token_counts)
-
     def chunks(self) -> list[tuple[int, int]]:
         """[start, stop) spans of at most the entry model's max_batch_size, in order."""
         limit = self.model.max_batch_size if self.texts is not None else self.model.ids_max_batch_size
         return [(i, min(i + limit, self.size)) for i in range(0, self.size, limit)]
 
 
-def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCounter, settings: GatewaySettings) -> EmbeddingJob:
+def check_request(
+    req: EmbeddingRequest, model: EmbeddingModel, vocabulary: Vocabulary, settings: GatewaySettings
+) -> EmbeddingJob:
     """The request as a job, or APIError naming the field and the limit it broke."""
     if req.dimensions is not None and req.dimensions != model.dimensions:
         raise bad_request(
@@ -117,11 +99,9 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
             if not text.strip():
                 raise bad_request(f"input[{i}] is empty or only whitespace", param=f"input[{i}]")
             blobs.append(utf8(text, f"input[{i}]"))
-        counts = counter.count(texts)
-        _check_lengths(counts, model)
-        return EmbeddingJob(model, texts, None, counts, req.encoding_format, blobs)
+        return EmbeddingJob(model, texts, None, req.encoding_format, blobs)
     ids: list[list[int]] = value
-    vocab = counter.vocab_size
+    vocab = vocabulary.size
     for i, row in enumerate(ids):
         if not row:
             raise bad_request(f"input[{i}] is an empty token array", param=f"input[{i}]")
@@ -131,9 +111,8 @@ def check_request(req: EmbeddingRequest, model: EmbeddingModel, counter: TokenCo
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise bad_request(f"input[{i}] has token id {bad}, outside {model.id}'s vocabulary [0, {vocab})", param=f"input[{i}]")
-    counts = [len(row) for row in ids]
-    _check_lengths(counts, model)
-    return EmbeddingJob(model, None, ids, counts, req.encoding_format)
+    check_lengths([len(row) for row in ids], model)
+    return EmbeddingJob(model, None, ids, req.encoding_format)
 
 
 def utf8(text: str, param: str) -> bytes:
@@ -146,7 +125,8 @@ def utf8(text: str, param: str) -> bytes:
         ) from None
 
 
-def _check_lengths(counts: list[int], model: EmbeddingModel) -> None:
+def check_lengths(counts: Sequence[int] | np.ndarray, model: EmbeddingModel) -> None:
+    """400 context_length_exceeded for the first input with more tokens than the model takes."""
     for i, n in enumerate(counts):
         if n > model.max_tokens:
             raise APIError(
@@ -170,7 +150,7 @@ def pad_ids(rows: list[list[int]], buckets: tuple[int, ...], pad_id: int) -> tup
     return ids, mask
 
 
-def response_body(job: EmbeddingJob, vectors: np.ndarray) -> bytes:
+def response_body(job: EmbeddingJob, vectors: np.ndarray, prompt_tokens: int) -> bytes:
     """OpenAI's embeddings list; ``base64`` is the little-endian float32 bytes of each vector."""
     vectors = np.ascontiguousarray(vectors, dtype="<f4")
     if job.encoding_format == "base64":
@@ -180,8 +160,8 @@ def response_body(job: EmbeddingJob, vectors: np.ndarray) -> bytes:
         ]
     else:
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(vectors)]
-    tokens = job.prompt_tokens
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
     return orjson.dumps(
-        {"object": "list", "data": data, "model": job.model.id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+        {"object": "list", "data": data, "model": job.model.id, "usage": usage},
         option=orjson.OPT_SERIALIZE_NUMPY,
     )

@@ -49,10 +49,10 @@ class GatewayState:
             health_dir=settings.triton_health_dir,
         )
         self.backend.on_batch = self.metrics.coalesced.observe
-        self.counters: dict[str, embeddings.TokenCounter] = {}
+        self.vocabularies: dict[str, embeddings.Vocabulary] = {}
         for m in self.catalog.of_kind("embedding"):
             try:
-                self.counters[m.id] = embeddings.TokenCounter(m.tokenizer_file)
+                self.vocabularies[m.id] = embeddings.Vocabulary(m.tokenizer_file)
             except FileNotFoundError as exc:
                 log.warning("%s is not served by the gateway: %s", m.id, exc)
 
@@ -74,16 +74,16 @@ class GatewayState:
 
     def find(self, name: str, kind: str) -> Model:
         """The served model ``name`` (an id or alias) of ``kind``; 404 in OpenAI's shape otherwise.
-        An embedding model also needs the tokenizer the gateway counts tokens with."""
+        An embedding model also needs its tokenizer file (the vocabulary token arrays are checked against)."""
         model = self.catalog.find(name, kind)
-        if model is None or (kind == "embedding" and model.id not in self.counters):
+        if model is None or (kind == "embedding" and model.id not in self.vocabularies):
             served = [m.id for m in self.catalog.of_kind(kind)]
             raise model_not_found(name, kind, served)
         return model
 
     def servable(self) -> list[Model]:
-        """Ready in Triton, and (embeddings) with the tokenizer the gateway counts tokens with."""
-        return [m for m in self.backend.served() if not isinstance(m, EmbeddingModel) or m.id in self.counters]
+        """Ready in Triton, and (embeddings) with the tokenizer file the gateway checks token arrays against."""
+        return [m for m in self.backend.served() if not isinstance(m, EmbeddingModel) or m.id in self.vocabularies]
 
 
 def gateway_state(request: Request) -> GatewayState:

@@ -35,6 +35,9 @@ _STATUS = {
     "StatusCode.RESOURCE_EXHAUSTED": 413,
 }
 _LENGTH = struct.Struct("<I")  # the length prefix of each element of a BYTES tensor
+_WIRE_DTYPES = {"FP32": "<f4", "INT32": "<i4"}  # raw output contents are little-endian
+# The text entries' output beside EMBEDDING: each text's token count (the tokenizer step's).
+TOKEN_COUNT_OUTPUT = "NUM_TOKENS"
 # tritonserver's own words for a model it cannot reach now, in stream errors (no status there).
 TRITON_UNAVAILABLE_WORDS = ("unknown model", "is not ready", "unavailable")
 
@@ -211,11 +214,16 @@ class TritonBackend:
     # --- embeddings ----------------------------------------------------------------------
 
     async def _infer(
-        self, model_name: str, tensors: list[tuple[str, str, tuple[int, ...], bytes]], output: str, request_id: str
-    ) -> np.ndarray:
+        self,
+        model_name: str,
+        tensors: list[tuple[str, str, tuple[int, ...], bytes]],
+        outputs: tuple[tuple[str, str], ...],
+        request_id: str,
+    ) -> list[np.ndarray]:
         """One ModelInfer call with raw tensor contents, built straight into the protobuf
         (tritonclient's InferInput/InferResult copy and convert each tensor once more: a
-        quarter of the gateway's CPU per cached embedding), on the client's own channel."""
+        quarter of the gateway's CPU per cached embedding), on the client's own channel.
+        ``outputs``: (name, datatype) of each output asked for; their arrays, in that order."""
         import grpc
         from tritonclient.grpc import service_pb2
         from tritonclient.grpc._utils import get_error_grpc
@@ -226,27 +234,37 @@ class TritonBackend:
             t.name, t.datatype = name, datatype
             t.shape.extend(shape)
             request.raw_input_contents.append(raw)
-        request.outputs.add().name = output
+        for name, _ in outputs:
+            request.outputs.add().name = name
         try:
             response = await self.client._client_stub.ModelInfer(request=request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise triton_error(get_error_grpc(exc), model_name, {"TEXT": "input"}) from None
-        for i, out in enumerate(response.outputs):
-            if out.name == output:
-                if out.datatype != "FP32":
-                    raise APIError(502, f"{model_name} answered {output} as {out.datatype}, not FP32", code="triton_error")
-                return np.frombuffer(response.raw_output_contents[i], dtype="<f4").reshape(tuple(out.shape))
-        raise APIError(502, f"{model_name} answered without {output}", code="triton_error")
+        found = {out.name: (out, response.raw_output_contents[i]) for i, out in enumerate(response.outputs)}
+        arrays = []
+        for name, datatype in outputs:
+            if name not in found:
+                raise APIError(502, f"{model_name} answered without {name}", code="triton_error")
+            out, raw = found[name]
+            if out.datatype != datatype:
+                raise APIError(502, f"{model_name} answered {name} as {out.datatype}, not {datatype}", code="triton_error")
+            arrays.append(np.frombuffer(raw, dtype=_WIRE_DTYPES[datatype]).reshape(tuple(out.shape)))
+        return arrays
 
     async def embed_texts(
         self, model: EmbeddingModel, blobs: list[bytes], request_id: str, priority_class: str | None = None
-    ) -> np.ndarray:
-        """The vectors of ``blobs`` (UTF-8 texts) from the priority class's text entry."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The vectors of ``blobs`` (UTF-8 texts) from the priority class's text entry, and each
+        text's token count as the model's tokenizer counted it."""
         # BYTES tensors on the wire: each element a 4-byte little-endian length, then its bytes.
         raw = b"".join(_LENGTH.pack(len(b)) + b for b in blobs)
-        return await self._infer(
-            model.entries(priority_class)[0], [("TEXT", "BYTES", (len(blobs), 1), raw)], "EMBEDDING", request_id
+        vectors, counts = await self._infer(
+            model.entries(priority_class)[0],
+            [("TEXT", "BYTES", (len(blobs), 1), raw)],
+            (("EMBEDDING", "FP32"), (TOKEN_COUNT_OUTPUT, "INT32")),
+            request_id,
         )
+        return vectors, counts.reshape(-1)
 
     def _coalescer(self, model: EmbeddingModel, priority_class: str | None) -> Coalescer:
         key = (model.id, priority_class)
@@ -255,12 +273,13 @@ class TritonBackend:
             found = self._coalescers[key] = Coalescer(self, model, priority_class, self.coalesce_max_rows)
         return found
 
-    async def embed(self, job: EmbeddingJob, request_id: str, pad_id: int) -> np.ndarray:
-        """The job's vectors in input order; its chunks are sent one after the other."""
+    async def embed(self, job: EmbeddingJob, request_id: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """The job's vectors in input order and each input's token count (the model's for
+        texts, the array's length for token arrays); its chunks are sent one after the other."""
         model: EmbeddingModel = job.model
         spans = job.chunks()
 
-        async def one(k: int, start: int, stop: int) -> np.ndarray:
+        async def one(k: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
             rid = request_id if len(spans) == 1 else f"{request_id}.{k}"
             if job.texts is not None:
                 assert job.blobs is not None  # check_request encodes the texts
@@ -268,23 +287,25 @@ class TritonBackend:
                     return await self._coalescer(model, job.priority_class).submit(job.blobs, rid)
                 return await self.embed_texts(model, job.blobs[start:stop], rid, job.priority_class)
             assert job.ids is not None  # one of texts and ids
-            ids, mask = pad_ids(job.ids[start:stop], model.buckets, pad_id)
-            return await self._infer(
+            rows = job.ids[start:stop]
+            ids, mask = pad_ids(rows, model.buckets, pad_id)
+            (vectors,) = await self._infer(
                 model.entries(job.priority_class)[1],
                 [
                     ("input_ids", "INT64", ids.shape, ids.astype("<i8").tobytes()),
                     ("attention_mask", "INT64", mask.shape, mask.astype("<i8").tobytes()),
                 ],
-                model.ids_output,
+                ((model.ids_output, "FP32"),),
                 rid,
             )
+            return vectors, np.array([len(r) for r in rows], dtype=np.int32)
 
         if len(spans) == 1:
             return await one(0, *spans[0])
         # One batch at a time: sent together, a long list would be refused by its own priority
         # class's admission (a batch of max_batch_size fills the default class's rows in flight).
         parts = [await one(k, a, b) for k, (a, b) in enumerate(spans)]
-        return np.concatenate(parts, axis=0)
+        return np.concatenate([p[0] for p in parts], axis=0), np.concatenate([p[1] for p in parts])
 
     # --- generation ----------------------------------------------------------------------
 
@@ -390,7 +411,7 @@ class Coalescer:
         self.scheduled = False
 
     def submit(self, blobs: list[bytes], request_id: str) -> asyncio.Future:
-        """Join the batch being gathered; the future gets this request's vectors."""
+        """Join the batch being gathered; the future gets this request's (vectors, token counts)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.pending.append((blobs, request_id, future))
@@ -422,7 +443,9 @@ class Coalescer:
             return
         blobs = [b for item in group for b in item[0]]
         try:
-            vectors = await self.backend.embed_texts(self.model, blobs, ",".join(item[1] for item in group), self.priority_class)
+            vectors, counts = await self.backend.embed_texts(
+                self.model, blobs, ",".join(item[1] for item in group), self.priority_class
+            )
         except APIError as exc:
             if exc.status == 503:  # the class is at capacity: sending each again would add load
                 for _, _, future in group:
@@ -440,16 +463,16 @@ class Coalescer:
         for item_blobs, _, future in group:
             stop = start + len(item_blobs)
             if not future.done():
-                future.set_result(vectors[start:stop])
+                future.set_result((vectors[start:stop], counts[start:stop]))
             start = stop
 
     async def _alone(self, item) -> None:
         blobs, request_id, future = item
         try:
-            vectors = await self.backend.embed_texts(self.model, blobs, request_id, self.priority_class)
+            rows = await self.backend.embed_texts(self.model, blobs, request_id, self.priority_class)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)
             return
         if not future.done():
-            future.set_result(vectors)
+            future.set_result(rows)

@@ -60,19 +60,22 @@ async def create_embeddings(request: Request):
     info = request_info(request)
     model: EmbeddingModel = st.find(body.model, "embedding")
     info["model"] = model.id
-    counter = st.counters[model.id]
+    vocabulary = st.vocabularies[model.id]
     if isinstance(body.input, list) and len(body.input) > 64:
-        job = await asyncio.to_thread(embeddings.check_request, body, model, counter, st.settings)
+        job = await asyncio.to_thread(embeddings.check_request, body, model, vocabulary, st.settings)
     else:
-        job = embeddings.check_request(body, model, counter, st.settings)
+        job = embeddings.check_request(body, model, vocabulary, st.settings)
     info["texts"] = job.size
-    info["prompt_tokens"] = job.prompt_tokens
     job.priority_class = priority_class_of(request, model)
     backend.require_ready(model)
     if job.priority_class is not None:
         backend.require_entry_ready(model, job.priority_class)
-    work = backend.embed(job, info["request_id"], counter.pad_id)
+    work = backend.embed(job, info["request_id"], vocabulary.pad_id)
     # One batch is over in milliseconds: watching for a disconnect would cost more than it saves.
-    vectors = await (work if len(job.chunks()) == 1 else until_done_or_gone(request, work, metrics, "/v1/embeddings"))
-    metrics.count_tokens(info["key_id"], model.id, job.prompt_tokens)
-    return json_response(200, embeddings.response_body(job, vectors))
+    vectors, counts = await (work if len(job.chunks()) == 1 else until_done_or_gone(request, work, metrics, "/v1/embeddings"))
+    # The model counted each text's tokens; one over the context length fails the request.
+    embeddings.check_lengths(counts, model)
+    prompt_tokens = int(counts.sum())
+    info["prompt_tokens"] = prompt_tokens
+    metrics.count_tokens(info["key_id"], model.id, prompt_tokens)
+    return json_response(200, embeddings.response_body(job, vectors, prompt_tokens))

@@ -3,8 +3,10 @@
 ``CachedEntry`` reads and checks the entry's config at load: the class it serves, its
 admission into the class's lane, the cache levels. ``embed`` serves one batch: keys for the
 encoder identity that serves now, L1 and L2 lookups, ONE call of ``compute`` (the shim's BLS
-call to the target model) for the misses, admitted into the lane, and each request's rows.
-See docs/result-cache.md and docs/priority-classes.md.
+call to the target model) for the misses, admitted into the lane, and each request's rows:
+its vectors and each text's token count. A cache entry holds both: the vector's ``dim``
+float32 values, then the token count as one more float32 (exact below 2**24). See
+docs/result-cache.md and docs/priority-classes.md.
 """
 
 from __future__ import annotations
@@ -30,8 +32,22 @@ from python_backends.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-# texts -> their vectors [len(texts), dim], computed by the target model in one call
-ComputeFn = Callable[[list], np.ndarray]
+# texts -> their vectors [len(texts), dim] and token counts [len(texts)], from the target model in one call
+ComputeFn = Callable[[list], tuple[np.ndarray, np.ndarray]]
+Rows = tuple[np.ndarray, np.ndarray]  # one request's vectors [n, dim] float32 and token counts [n] int32
+
+
+def pack(vectors: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Cache entries [n, dim + 1]: each vector, then its text's token count."""
+    counts = np.asarray(counts).reshape(-1)
+    if len(counts) != len(vectors):
+        raise ValueError(f"the model returned {len(counts)} token counts for {len(vectors)} vectors")
+    return np.concatenate([np.asarray(vectors, dtype=np.float32), counts.astype(np.float32)[:, None]], axis=1)
+
+
+def unpack(entries: np.ndarray) -> Rows:
+    """(vectors, token counts) of cache entries [n, dim + 1]."""
+    return entries[:, :-1], entries[:, -1].astype(np.int32)
 
 
 class CachedEntry:
@@ -52,6 +68,7 @@ class CachedEntry:
         if len(out.dims) != 1 or out.dims[0] < 1:
             raise ValueError(f"output EMBEDDING must have dims [d], config says {list(out.dims)}")
         self.dim = out.dims[0]
+        config.require("output", "NUM_TOKENS", "TYPE_INT32", (1,))
         self.target = config.param("target_model", "text_embedding")
         self.max_text_bytes = config.param_int("max_text_bytes", 65536, minimum=1)
         self.cls = class_named(config.param("priority_class", "default"), "parameter priority_class")
@@ -75,13 +92,13 @@ class CachedEntry:
         if settings.l2_redis_url:
             l2 = RedisL2(
                 settings.l2_redis_url,
-                self.dim,
+                self.dim + 1,
                 settings.l2_ttl_s,
                 settings.l2_timeout_s,
                 settings.l2_retry_interval_s,
                 settings.warn_interval_s,
             )
-        self.cache = EmbeddingCache(self.dim, l1, l2)
+        self.cache = EmbeddingCache(self.dim + 1, l1, l2)  # entries: pack()
         self.compute = compute
         self.metrics: Any = None
         self._keys: KeyMaker | None = None
@@ -106,13 +123,15 @@ class CachedEntry:
         return self._keys
 
     def _compute(self, texts: list) -> np.ndarray:
+        """Cache entries of ``texts`` (pack()), from one admitted call of ``compute``."""
         with self.admission.rows(len(texts)):
-            return self.compute(texts)
+            vectors, counts = self.compute(texts)
+        return pack(vectors, counts)
 
-    def embed(self, batch: Sequence[Sequence[str]]) -> list:
-        """For each request's texts in ``batch``, their vectors [len(texts), dim] or the exception
-        that failed them. A request answered entirely from cache succeeds even when the model
-        call failed."""
+    def embed(self, batch: Sequence[Sequence[str]]) -> list[Rows | BaseException]:
+        """For each request's texts in ``batch``, their (vectors [len(texts), dim], token counts
+        [len(texts)]) or the exception that failed them. A request answered entirely from cache
+        succeeds even when the model call failed."""
         if not batch:
             return []
         texts = [text for request in batch for text in request]
@@ -123,10 +142,10 @@ class CachedEntry:
         keys = self.key_maker()
         if keys is None:  # no single encoder version serves: no identity, no cache; the model answers
             try:
-                vectors = self._compute(texts)
+                entries = self._compute(texts)
             except Exception as exc:
                 return [exc] * len(spans)
-            return [vectors[start:stop] for start, stop in spans]
+            return [unpack(entries[start:stop]) for start, stop in spans]
 
         plan = self.cache.plan(texts, [keys(t) for t in texts])
         failure = None
@@ -143,10 +162,10 @@ class CachedEntry:
                 failure = exc
         if self.metrics is not None:
             self.metrics.record(plan.counts, self.cache.l1, self.cache.l2)
-        out = []
+        out: list[Rows | BaseException] = []
         for start, stop in spans:
-            rows = plan.rows(start, stop, self.dim)
-            out.append(rows if rows is not None else failure or RuntimeError("no embedding was produced"))
+            rows = plan.rows(start, stop, self.dim + 1)
+            out.append(unpack(rows) if rows is not None else failure or RuntimeError("no embedding was produced"))
         return out
 
     def close(self) -> None:

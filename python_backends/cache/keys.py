@@ -1,6 +1,6 @@
 """Cache keys: a hash of what computed the vector and of the exact text.
 
-A key is ``emb1:`` + SHA-256 over, each length-prefixed: the model the misses go to
+A key is ``emb2:`` + SHA-256 over, each length-prefixed: the model the misses go to
 (``text_embedding``), the encoder (``text_encoder``), the encoder version that serves, its
 precision variant (``int8``, ``fp32``, ...), a fingerprint of the served model file, and the
 text's exact UTF-8 bytes. No normalisation: "Hello", "hello" and "Hello " are three keys,
@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import dataclass
 
 # Bump when the key recipe or the stored value layout changes: old entries become unreachable.
-KEY_PREFIX = "emb1:"
+KEY_PREFIX = "emb2:"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """L2: Redis shared by all replicas, with bounded timeouts and a failure policy.
 
-Values are the raw little-endian float32 bytes of one vector (384 x 4 = 1536 bytes), written
-with ``SET key value EX ttl`` in one pipeline and read with one ``MGET`` per batch.
+Values are the raw little-endian float32 bytes of one entry of ``dim`` values (the cached
+entry's: a 384-float vector and its token count, 385 x 4 = 1540 bytes), written with ``SET key
+value EX ttl`` in one pipeline and read with one ``MGET`` per batch.
 
 Failures never fail a request. Whatever goes wrong (connection refused, a timeout because
 Redis is slow or stopped, an unexpected reply, a value of the wrong size or with NaN/inf) is

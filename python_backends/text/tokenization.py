@@ -1,7 +1,10 @@
 """Batch tokenization for the text-embedding ensemble.
 
 One tokenizer call per Triton batch (all texts of all requests together), truncation at the
-model's maximum length, padding to the batch's longest sequence rounded up to a bucket.
+model's maximum length, padding to the batch's longest sequence rounded up to a bucket. Each
+text's token count before truncation comes back too (``num_tokens``): it is what OpenAI's
+``usage`` reports and what the gateway checks against the context length, so nobody has to
+tokenize the text a second time.
 Bucketing matters downstream: Triton's dynamic batcher only merges requests whose
 non-batch shapes are equal, so a handful of fixed lengths lets encoder batches form
 across tokenizer batches, while padding to the longest (not to 256) keeps short texts cheap.
@@ -63,7 +66,12 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
 class EncodedBatch:
     input_ids: np.ndarray  # [n, L] int64
     attention_mask: np.ndarray  # [n, L] int64
-    lengths: np.ndarray  # [n] real token counts (with special tokens)
+    lengths: np.ndarray  # [n] int64 tokens the model sees (with special tokens, after truncation)
+    num_tokens: np.ndarray  # [n] int32 tokens of the whole text (with special tokens, before truncation)
+
+    def __getitem__(self, span: slice) -> EncodedBatch:
+        """The rows of ``span``, keeping the batch's padded length."""
+        return EncodedBatch(self.input_ids[span], self.attention_mask[span], self.lengths[span], self.num_tokens[span])
 
 
 class BatchTokenizer:
@@ -82,25 +90,46 @@ class BatchTokenizer:
             raise ConfigError(f"the largest sequence bucket ({self.buckets[-1]}) must equal max_sequence_length ({max_length})")
         self.max_length = max_length
         self._tok = Tokenizer.from_file(str(path))
-        # tokenizer.json ships its own truncation/padding (128, fixed); ours replace them.
-        self._tok.enable_truncation(max_length=max_length)
+        # tokenizer.json ships its own truncation/padding (128, fixed). The whole text is
+        # tokenized (the tokenizers library does so even when it truncates), so its count is
+        # known; truncation and padding are done here, as the library would do them.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         pad_id = self._tok.token_to_id("[PAD]")
         self.pad_id = 0 if pad_id is None else pad_id
-        self._tok.enable_padding(pad_id=self.pad_id, pad_token="[PAD]")  # to the batch's longest
+        # Truncation keeps the post-processor's special tokens at both ends ([CLS] ... [SEP]).
+        self._tail = (
+            self._tok.post_processor.num_special_tokens_to_add(False) - self._leading_specials()
+            if self._tok.post_processor
+            else 0
+        )
+        if max_length <= self._tail + 1:
+            raise ConfigError(f"max_sequence_length {max_length} leaves no room for text beside the special tokens")
+
+    def _leading_specials(self) -> int:
+        mask = self._tok.encode("a", add_special_tokens=True).special_tokens_mask
+        lead = 0
+        while lead < len(mask) and mask[lead]:
+            lead += 1
+        return lead
 
     def encode(self, texts: Sequence[str]) -> EncodedBatch:
         if not texts:
             empty = np.zeros((0, self.buckets[0]), dtype=np.int64)
-            return EncodedBatch(empty, empty.copy(), np.zeros((0,), dtype=np.int64))
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=True)
-        ids = np.asarray([e.ids for e in encodings], dtype=np.int64)
-        mask = np.asarray([e.attention_mask for e in encodings], dtype=np.int64)
-        target = bucket_length(ids.shape[1], self.buckets)
-        if target > ids.shape[1]:
-            extra = target - ids.shape[1]
-            ids = np.pad(ids, ((0, 0), (0, extra)), constant_values=self.pad_id)
-            mask = np.pad(mask, ((0, 0), (0, extra)), constant_values=0)
-        return EncodedBatch(ids, mask, mask.sum(axis=1))
+            return EncodedBatch(empty, empty.copy(), np.zeros((0,), dtype=np.int64), np.zeros((0,), dtype=np.int32))
+        encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=True)
+        counts = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+        lengths = np.minimum(counts, self.max_length)
+        width = bucket_length(int(lengths.max()), self.buckets)
+        ids = np.full((len(encodings), width), self.pad_id, dtype=np.int64)
+        keep, tail = self.max_length - self._tail, self._tail
+        for row, e in enumerate(encodings):
+            seq = e.ids
+            if len(seq) > self.max_length:  # the text's first tokens, then the closing specials
+                seq = seq[:keep] + (seq[len(seq) - tail :] if tail else [])
+            ids[row, : len(seq)] = seq
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        return EncodedBatch(ids, mask, lengths, counts.astype(np.int32))
 
     def encode_requests(self, texts: Sequence[str], spans: Sequence[tuple[int, int]]) -> list:
         """``encode_isolated`` with this tokenizer."""
@@ -122,7 +151,7 @@ def encode_isolated(
             return [exc for _ in spans]
         log.warning("tokenizing a batch of %d requests failed (%s); retrying one by one", len(spans), exc)
     else:
-        return [EncodedBatch(batch.input_ids[a:b], batch.attention_mask[a:b], batch.lengths[a:b]) for a, b in spans]
+        return [batch[a:b] for a, b in spans]
     out: list = []
     for a, b in spans:
         try:

@@ -62,10 +62,16 @@ def client(triton):
 
 
 def embed(client, model: str, texts: list[str]) -> np.ndarray:
+    return embed_counted(client, model, texts)[0]
+
+
+def embed_counted(client, model: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """EMBEDDING [n, 384] and NUM_TOKENS [n] of ``texts``."""
     data = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
     inp = httpclient.InferInput("TEXT", list(data.shape), "BYTES")
     inp.set_data_from_numpy(data)
-    return client.infer(model, [inp]).as_numpy("EMBEDDING")
+    result = client.infer(model, [inp])
+    return result.as_numpy("EMBEDDING"), result.as_numpy("NUM_TOKENS").reshape(-1)
 
 
 def metrics(server) -> dict[str, float]:
@@ -143,6 +149,31 @@ def test_triton_response_cache_hits_show_in_triton_metrics(client, triton):
     assert np.abs(a - b).max() < 1e-5
     # and never on the ensemble itself (it would serve old vectors after an encoder swap)
     assert metrics(triton).get('nv_cache_num_hits_per_model{model="text_embedding",version="1"}', 0.0) == 0
+
+
+def test_token_counts_come_back_with_the_vectors_from_the_model_l1_and_l2(client, triton, redis_l2):
+    """NUM_TOKENS is the tokenizer's count of the whole text (special tokens included, not cut at
+    256) from the ensemble, and the same from the cache on a miss, an L1 hit and an L2 hit."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ROOT / "model_repository" / "text_tokenizer" / "1" / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    texts = ["counts: hello world", "counts: " + "word " * 300, "counts: 猫が好きです 🙂"]
+    expected = [len(tok.encode(t).ids) for t in texts]
+    assert expected[1] > 256
+    vectors, counts = embed_counted(client, ENSEMBLE, texts)
+    assert counts.tolist() == expected and counts.dtype == np.int32
+    miss = embed_counted(client, CACHED, texts)
+    hit = embed_counted(client, CACHED, texts)
+    assert miss[1].tolist() == hit[1].tolist() == expected
+    assert np.array_equal(hit[0], miss[0]) and np.abs(miss[0] - vectors).max() < 1e-4
+    client.unload_model(CACHED)  # a new process: an empty L1, the entries in L2
+    client.load_model(CACHED)
+    l2_hits = lookups(triton, "l2", "hit")
+    from_l2 = embed_counted(client, CACHED, texts)
+    assert lookups(triton, "l2", "hit") - l2_hits == 3
+    assert from_l2[1].tolist() == expected and np.array_equal(from_l2[0], miss[0])
 
 
 def test_l2_serves_a_new_replica(client, triton, redis_l2):

@@ -8,7 +8,10 @@ def test_ensemble_metadata(http_client):
     meta = http_client.get_model_metadata("text_embedding")
     assert meta["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1, 1]}]
     # The steady-state form: no router, no ENCODER_VERSION (a rollout adds both: docs/versions-and-rollout.md).
-    assert meta["outputs"] == [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]}]
+    assert meta["outputs"] == [
+        {"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]},
+        {"name": "NUM_TOKENS", "datatype": "INT32", "shape": [-1, 1]},
+    ]
     config = http_client.get_model_config("text_embedding")
     assert config["max_batch_size"] >= 64
 
@@ -53,4 +56,5 @@ def test_curl_style_json_request(triton):
     outputs = {o["name"]: o for o in out["outputs"]}
     emb = np.array(outputs["EMBEDDING"]["data"], dtype=np.float32).reshape(outputs["EMBEDDING"]["shape"])
     assert emb.shape == (2, 384)
-    assert set(outputs) == {"EMBEDDING"}  # ENCODER_VERSION only while a rollout routes
+    assert set(outputs) == {"EMBEDDING", "NUM_TOKENS"}  # ENCODER_VERSION only while a rollout routes
+    assert outputs["NUM_TOKENS"]["data"] == [3, 3]  # [CLS] hello [SEP]

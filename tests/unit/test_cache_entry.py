@@ -3,6 +3,7 @@ admission, failures) without Triton; and its model.py shim driven with a fake pb
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -29,7 +30,7 @@ def config_json(dims=(DIM,), **parameters):
     return model_config(
         "text_embedding_cached",
         [tensor("TEXT", [1], "TYPE_STRING")],
-        [tensor("EMBEDDING", dims, "TYPE_FP32")],
+        [tensor("EMBEDDING", dims, "TYPE_FP32"), tensor("NUM_TOKENS", [1], "TYPE_INT32")],
         parameters={"admission_rows": "64", **parameters},
     )
 
@@ -38,8 +39,18 @@ def vector(text):
     return np.full(DIM, float(len(text)), np.float32)
 
 
+def count(text):
+    """The target's token count of ``text`` (any function other than the vector's)."""
+    return 2 + 3 * len(text)
+
+
+def answer(texts):
+    return np.stack([vector(t) for t in texts]), np.array([[count(t)] for t in texts], np.int32)
+
+
 class Model:
-    """The target model: one vector per text, every call recorded; ``fail`` makes it raise."""
+    """The target model: one vector and token count per text, every call recorded; ``fail``
+    makes it raise."""
 
     def __init__(self):
         self.calls, self.fail = [], None
@@ -48,7 +59,7 @@ class Model:
         self.calls.append(list(texts))
         if self.fail:
             raise self.fail
-        return np.stack([vector(t) for t in texts])
+        return answer(texts)
 
 
 @pytest.fixture
@@ -77,13 +88,17 @@ def test_hits_are_served_without_the_model_and_misses_go_in_one_call(tmp_path, r
     entry = entry_for(tmp_path, repo, ready, model)
     first = entry.embed([["a", "bb"], ["bb", "ccc"]])
     assert model.calls == [["a", "bb", "ccc"]]  # distinct texts, one call
-    assert [r.tolist() for r in first] == [
+    assert [r[0].tolist() for r in first] == [
         [vector("a").tolist(), vector("bb").tolist()],
         [vector("bb").tolist(), vector("ccc").tolist()],
     ]
+    assert [r[1].tolist() for r in first] == [[count("a"), count("bb")], [count("bb"), count("ccc")]]
+    assert first[0][1].dtype == np.int32 and first[0][0].dtype == np.float32
     again = entry.embed([["ccc"], ["dddd", "a"]])
     assert model.calls[1:] == [["dddd"]]
-    assert again[1][0].tolist() == vector("dddd").tolist() and again[1][1].tolist() == vector("a").tolist()
+    vectors, counts = again[1]
+    assert vectors.tolist() == [vector("dddd").tolist(), vector("a").tolist()]
+    assert counts.tolist() == [count("dddd"), count("a")]  # the hit's count came from the cache
     assert entry.embed([]) == [] and len(model.calls) == 2
 
 
@@ -93,7 +108,7 @@ def test_a_failed_model_call_fails_only_the_requests_it_left_without_vectors(tmp
     entry.embed([["cached"]])
     model.fail = RuntimeError("text_embedding failed: boom")
     cached, missing = entry.embed([["cached"], ["cached", "new"]])
-    assert cached.tolist() == [vector("cached").tolist()]
+    assert cached[0].tolist() == [vector("cached").tolist()] and cached[1].tolist() == [count("cached")]
     assert missing is model.fail
 
 
@@ -103,11 +118,11 @@ def test_a_full_lane_refuses_the_misses_with_overloaded(tmp_path, repo, ready):
 
     def nested(texts):  # the lane is full while this batch is in it: a second batch is refused
         seen.append(entry.embed([["other"], ["more"]]))
-        return np.stack([vector(t) for t in texts])
+        return answer(texts)
 
     entry.compute = nested
     (rows,) = entry.embed([["x"]])
-    assert rows.tolist() == [vector("x").tolist()]
+    assert rows[0].tolist() == [vector("x").tolist()]
     assert all(isinstance(r, Overloaded) for r in seen[0])
 
 
@@ -116,8 +131,9 @@ def test_without_one_ready_version_the_cache_is_bypassed(tmp_path, repo, ready):
     entry = entry_for(tmp_path, repo, ready, model)
     ready.add("2")  # a canary: two versions ready, none chosen
     entry.embed([["a"]])
-    entry.embed([["a"], ["b"]])
+    (a, b) = entry.embed([["a"], ["b"]])
     assert model.calls == [["a"], ["a", "b"]]
+    assert (a[0].tolist(), a[1].tolist(), b[1].tolist()) == ([vector("a").tolist()], [count("a")], [count("b")])
     model.fail = RuntimeError("down")
     assert entry.embed([["a"], ["b"]]) == [model.fail, model.fail]
 
@@ -133,7 +149,7 @@ def test_vectors_computed_across_a_version_swap_are_returned_not_stored(tmp_path
 
     entry.compute = swapping
     (rows,) = entry.embed([["a"]])
-    assert rows.tolist() == [vector("a").tolist()]
+    assert rows[0].tolist() == [vector("a").tolist()]
     entry.compute = model
     entry.embed([["a"]])
     assert model.calls == [["a"], ["a"]]  # not found under either version's keys
@@ -150,6 +166,10 @@ def test_a_request_for_another_class_is_refused_naming_its_entry(tmp_path, repo,
 def test_the_config_is_checked_at_load(tmp_path, repo, ready, caplog):
     with pytest.raises(ValueError, match=r"EMBEDDING must have dims \[d\]"):
         CachedEntry(ModelConfig(config_json(dims=(2, 2))), repo, lambda *a: True, Model(), {}, tmp_path)
+    no_counts = json.loads(config_json())
+    no_counts["output"] = no_counts["output"][:1]
+    with pytest.raises(ConfigError, match="NUM_TOKENS"):
+        CachedEntry(ModelConfig(json.dumps(no_counts)), repo, lambda *a: True, Model(), {}, tmp_path)
     with pytest.raises(InputError, match="unknown priority class 'urgent'"):
         entry_for(tmp_path, repo, ready, Model(), priority_class="urgent")
     with pytest.raises(ConfigError, match="l2_redis_url must start with"):
@@ -186,7 +206,8 @@ def test_the_shim_answers_each_request_and_calls_the_target_once_per_batch(tmp_p
 
     def bls(request):
         texts = [row[0].decode() for row in request.inputs["TEXT"]]
-        return pb.InferenceResponse(output_tensors=[pb.Tensor("EMBEDDING", np.stack([vector(t) for t in texts]))])
+        vectors, counts = answer(texts)
+        return pb.InferenceResponse(output_tensors=[pb.Tensor("EMBEDDING", vectors), pb.Tensor("NUM_TOKENS", counts)])
 
     pb = make_pb_utils(bls, ready=lambda model, version: version == "1")
     shim = load_shim("text_embedding_cached", pb, monkeypatch)
@@ -207,13 +228,16 @@ def test_the_shim_answers_each_request_and_calls_the_target_once_per_batch(tmp_p
     responses = shim.execute(batch)
     assert [t for r in pb.sent for t in r.inputs["TEXT"].ravel()] == [b"one", b"two"]
     assert pb.sent[0].model_name == "text_embedding" and pb.sent[0].parameters == {"priority_class": "default"}
+    assert pb.sent[0].requested_output_names == ["EMBEDDING", "NUM_TOKENS"]
     assert responses[0].output("EMBEDDING").tolist() == [vector("one").tolist(), vector("two").tolist()]
+    assert responses[0].output("NUM_TOKENS").tolist() == [[count("one")], [count("two")]]
     assert responses[3].output("EMBEDDING").tolist() == [vector("two").tolist()]
     assert responses[1].error().code() == responses[2].error().code() == pb.TritonError.INVALID_ARG
     assert "text_embedding_cached_bulk" in responses[2].error().message()
     pb.bls = lambda request: pb.InferenceResponse(error=pb.TritonError("down"))
     cached, failed = shim.execute([Request("hit", TEXT=text("one")), Request("miss", TEXT=text("four"))])
     assert cached.output("EMBEDDING").tolist() == [vector("one").tolist()]
+    assert cached.output("NUM_TOKENS").tolist() == [[count("one")]] and cached.output("NUM_TOKENS").dtype == np.int32
     assert failed.error().code() == pb.TritonError.INTERNAL and "text_embedding failed: down" in failed.error().message()
     # The target's refusal crosses the BLS hop as data: its code, not INTERNAL, answers the client.
     busy = Overloaded("lane full", values={"in_flight": 8})

@@ -17,7 +17,8 @@ from openai_gateway.triton import Coalescer
 
 
 class Recorder:
-    """embed_texts as the Coalescer calls it: one vector per text, [len(text), first byte]."""
+    """embed_texts as the Coalescer calls it: one vector per text, [len(text), first byte], and
+    a token count per text, len(text) + 2."""
 
     def __init__(self, fail_when=lambda blobs: False):
         self.calls: list[tuple[list[bytes], str]] = []
@@ -29,7 +30,7 @@ class Recorder:
         await asyncio.sleep(0)
         if self.fail_when(blobs):
             raise APIError(400, "refused")
-        return np.array([[len(b), b[0]] for b in blobs], dtype=np.float32)
+        return expected(blobs)
 
     def on_batch(self, n):
         self.batches.append(n)
@@ -41,7 +42,14 @@ class Model:
 
 
 def expected(blobs):
-    return np.array([[len(b), b[0]] for b in blobs], dtype=np.float32)
+    return np.array([[len(b), b[0]] for b in blobs], dtype=np.float32), np.array([len(b) + 2 for b in blobs], np.int32)
+
+
+def assert_rows(got, blobs):
+    """``got`` is the (vectors, token counts) of ``blobs``, in their order."""
+    vectors, counts = expected(blobs)
+    np.testing.assert_array_equal(got[0], vectors)
+    np.testing.assert_array_equal(got[1], counts)
 
 
 def run(coro):
@@ -61,7 +69,7 @@ def test_requests_of_one_turn_go_together_and_come_back_in_order():
     assert backend.calls[0] == ([b"t0", b"t1", b"t2"], "r0,r1,r2")
     assert backend.batches == [3]
     for i, r in enumerate(results):
-        np.testing.assert_array_equal(r, expected([f"t{i}".encode()]))
+        assert_rows(r, [f"t{i}".encode()])
 
 
 def test_a_batch_never_exceeds_max_batch_size_and_requests_are_not_split():
@@ -77,7 +85,7 @@ def test_a_batch_never_exceeds_max_batch_size_and_requests_are_not_split():
     assert [len(blobs) for blobs, _ in backend.calls] == [4, 4, 1]
     assert [rid for _, rid in backend.calls] == ["r0,r1", "r2,r3", "r4"]
     for k, (n, r) in enumerate(zip(sizes, results)):
-        np.testing.assert_array_equal(r, expected([f"{k}-{j}".encode() for j in range(n)]))
+        assert_rows(r, [f"{k}-{j}".encode() for j in range(n)])
 
 
 def test_a_batch_is_cut_at_max_rows_below_max_batch_size():
@@ -89,7 +97,7 @@ def test_a_batch_is_cut_at_max_rows_below_max_batch_size():
 
     results = run(main())
     assert [len(blobs) for blobs, _ in backend.calls] == [2, 2, 1]
-    assert [r[0][0] for r in results] == [2.0] * 5  # each its own row back
+    assert [r[0][0][0] for r in results] == [2.0] * 5  # each its own row back
     assert Coalescer(backend, Model(), max_rows=64).limit == Model.max_batch_size
 
 
@@ -116,8 +124,8 @@ def test_a_failed_batch_is_retried_alone_so_only_the_bad_request_fails():
 
     ok1, bad, ok2 = run(main())
     assert isinstance(bad, APIError) and bad.status == 400
-    np.testing.assert_array_equal(ok1, expected([b"ok1"]))
-    np.testing.assert_array_equal(ok2, expected([b"ok2"]))
+    assert_rows(ok1, [b"ok1"])
+    assert_rows(ok2, [b"ok2"])
     assert [rid for _, rid in backend.calls] == ["r0,r1,r2", "r0", "r1", "r2"]
 
 
@@ -152,7 +160,7 @@ def test_a_request_cancelled_before_its_batch_leaves_is_not_sent():
         gone.cancel()
         return await kept
 
-    np.testing.assert_array_equal(run(main()), expected([b"kept"]))
+    assert_rows(run(main()), [b"kept"])
     assert backend.calls == [([b"kept"], "r1")]
 
 
@@ -165,6 +173,6 @@ def test_every_request_gets_exactly_its_rows(n):
         futures = [c.submit([bytes([65 + i]) * (i + 1)], f"r{i}") for i in range(n)]
         return await asyncio.gather(*futures)
 
-    for i, r in enumerate(run(main())):
-        assert r.shape == (1, 2)
-        assert r[0, 0] == i + 1 and r[0, 1] == 65 + i
+    for i, (vectors, counts) in enumerate(run(main())):
+        assert vectors.shape == (1, 2) and counts.shape == (1,)
+        assert vectors[0, 0] == i + 1 and vectors[0, 1] == 65 + i and counts[0] == i + 3

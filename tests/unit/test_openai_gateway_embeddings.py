@@ -1,5 +1,7 @@
-"""``/v1/embeddings`` request checks, token counts, batching, padding and the response body
-(openai_gateway/embeddings.py), with the model's real tokenizer file; no server."""
+"""``/v1/embeddings`` request checks, the context-length check of the model's token counts,
+batching, padding and the response body (openai_gateway/embeddings.py), with the model's real
+tokenizer file; no server. The counts themselves are the tokenizer step's
+(tests/unit/test_tokenization.py), and reach ``usage`` in tests/integration/test_openai_gateway.py."""
 
 import base64
 import dataclasses
@@ -10,7 +12,7 @@ import orjson
 import pytest
 
 from openai_gateway.catalog import Catalog
-from openai_gateway.embeddings import EmbeddingJob, TokenCounter, check_request, pad_ids, response_body
+from openai_gateway.embeddings import EmbeddingJob, Vocabulary, check_lengths, check_request, pad_ids, response_body
 from openai_gateway.errors import APIError
 from openai_gateway.schemas import EmbeddingRequest
 from openai_gateway.settings import GatewaySettings
@@ -32,7 +34,7 @@ def counter(model):
     if not TOKENIZER.is_file():
         pytest.skip(f"{TOKENIZER.relative_to(ROOT)} is not exported (run `make export`)")
     assert model.tokenizer_file == TOKENIZER
-    return TokenCounter(TOKENIZER)
+    return Vocabulary(TOKENIZER)
 
 
 def check(model, counter, input, settings=SETTINGS, **fields):
@@ -48,40 +50,36 @@ def refusal(model, counter, input, settings=SETTINGS, **fields) -> APIError:
 # --- input forms and counts ----------------------------------------------------------------
 
 
-def test_a_string_is_one_text_counted_with_special_tokens(model, counter):
+def test_a_string_is_one_text(model, counter):
     job = check(model, counter, "hello world")
-    assert job.texts == ["hello world"] and job.ids is None
-    assert job.token_counts == [4]  # [CLS] hello world [SEP]: the tokenizer file's padding is off
-    assert (job.size, job.prompt_tokens) == (1, 4)
-    assert job.encoding_format == "float"
+    assert job.texts == ["hello world"] and job.ids is None and job.blobs == [b"hello world"]
+    assert job.size == 1 and job.encoding_format == "float"
 
 
-def test_a_list_of_strings_is_counted_per_text(model, counter):
+def test_a_list_of_strings_is_one_input_per_text(model, counter):
     texts = ["hello world", "a", "The quick brown fox jumps over the lazy dog."]
     job = check(model, counter, texts)
-    assert job.texts == texts
-    assert job.token_counts == [4, 3, 12]
-    assert job.prompt_tokens == 19
+    assert job.texts == texts and job.size == 3
 
 
 def test_a_token_array_is_one_input(model, counter):
     job = check(model, counter, [101, 7592, 2088, 102])
     assert job.texts is None
     assert job.ids == [[101, 7592, 2088, 102]]
-    assert job.token_counts == [4]
 
 
-def test_a_list_of_token_arrays_is_counted_by_length(model, counter):
+def test_a_list_of_token_arrays_up_to_the_context_length_goes(model, counter):
     job = check(model, counter, [[101, 102], [101, 7592, 2088, 102], [0] * model.max_tokens])
     assert job.ids is not None and job.size == 3
-    assert job.token_counts == [2, 4, model.max_tokens]
-    assert job.prompt_tokens == 6 + model.max_tokens
 
 
-def test_counts_are_not_truncated_at_the_tokenizer_files_length(model, counter):
-    # The exported tokenizer.json truncates at 128; a 200-token text must count 200.
-    text = " ".join(["word"] * 198)
-    assert check(model, counter, text).token_counts == [200]
+def test_the_models_counts_over_the_context_length_are_400_naming_the_input(model):
+    check_lengths(np.array([4, model.max_tokens], np.int32), model)  # exactly the limit goes
+    with pytest.raises(APIError) as err:
+        check_lengths(np.array([4, 302, 900], np.int32), model)
+    e = err.value
+    assert (e.status, e.param, e.code) == (400, "input[1]", "context_length_exceeded")
+    assert "302 tokens" in e.message and "256" in e.message and "max_sequence_length" in e.message
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -131,7 +129,7 @@ def test_one_token_array_is_one_input_however_long(model, counter):
     err = refusal(model, counter, [101] * 2049)
     assert (err.status, err.param, err.code) == (400, "input[0]", "context_length_exceeded")
     settings = dataclasses.replace(SETTINGS, max_inputs=2)
-    assert check(model, counter, [101, 7592, 2088, 102], settings).token_counts == [4]
+    assert check(model, counter, [101, 7592, 2088, 102], settings).size == 1
 
 
 def test_too_many_characters_is_413_naming_the_text(model, counter):
@@ -142,12 +140,8 @@ def test_too_many_characters_is_413_naming_the_text(model, counter):
     assert "11 characters" in err.message and "limit is 10" in err.message and "--max-input-chars" in err.message
 
 
-def test_too_many_tokens_is_400_context_length_exceeded(model, counter):
-    long_text = " ".join(["word"] * 300)
-    err = refusal(model, counter, ["short", long_text])
-    assert (err.status, err.param, err.code) == (400, "input[1]", "context_length_exceeded")
-    assert "302 tokens" in err.message and "256" in err.message and "max_sequence_length" in err.message
-
+def test_token_arrays_over_the_context_length_are_400_before_they_are_sent(model, counter):
+    check(model, counter, [" ".join(["word"] * 300)])  # a text is counted by the model, not here
     check(model, counter, [[1] * 256])  # exactly the limit goes
     err = refusal(model, counter, [[1] * 3, [1] * 257])
     assert (err.status, err.param, err.code) == (400, "input[1]", "context_length_exceeded")
@@ -170,7 +164,7 @@ def test_token_ids_outside_the_vocabulary_are_400(model, counter, ids, bad):
 
 
 def test_the_last_vocabulary_id_is_accepted(model, counter):
-    assert counter.vocab_size == VOCAB
+    assert counter.size == VOCAB
     assert check(model, counter, [0, VOCAB - 1]).ids == [[0, VOCAB - 1]]
 
 
@@ -198,9 +192,9 @@ def test_chunks_split_at_the_entry_models_batch_limit_in_order(model, counter):
     assert check(model, counter, "a").chunks() == [(0, 1)]
 
     small = dataclasses.replace(model, max_batch_size=5, ids_max_batch_size=3)
-    texts = EmbeddingJob(small, ["a"] * 11, None, [3] * 11, "float")
+    texts = EmbeddingJob(small, ["a"] * 11, None, "float")
     assert texts.chunks() == [(0, 5), (5, 10), (10, 11)]
-    ids = EmbeddingJob(small, None, [[1]] * 7, [1] * 7, "float")  # token arrays: the encoder's limit
+    ids = EmbeddingJob(small, None, [[1]] * 7, "float")  # token arrays: the encoder's limit
     assert ids.chunks() == [(0, 3), (3, 6), (6, 7)]
     spans = ids.chunks()
     assert [i for a, b in spans for i in range(a, b)] == list(range(7))  # every input once, in order
@@ -234,21 +228,20 @@ def _vectors(n: int, dtype="<f4") -> np.ndarray:
 def test_response_body_float(model, counter):
     job = check(model, counter, ["hello world", "a", "The quick brown fox"])
     vectors = _vectors(3)
-    body = orjson.loads(response_body(job, vectors))
+    body = orjson.loads(response_body(job, vectors, 13))
     assert body["object"] == "list" and body["model"] == "text_embedding"
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
     assert all(d["object"] == "embedding" for d in body["data"])
     got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
     assert np.array_equal(got, vectors)  # float32 values survive the JSON text exactly
-    assert body["usage"] == {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens}
-    assert job.prompt_tokens == 4 + 3 + 6
+    assert body["usage"] == {"prompt_tokens": 13, "total_tokens": 13}
 
 
 @pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8"])
 def test_response_body_base64_decodes_to_the_same_float32_vectors(model, counter, dtype):
     job = check(model, counter, ["hello world", "a"], encoding_format="base64")
     vectors = _vectors(2, dtype)
-    body = orjson.loads(response_body(job, vectors))
+    body = orjson.loads(response_body(job, vectors, 7))
     for i, d in enumerate(body["data"]):
         assert d["index"] == i and isinstance(d["embedding"], str)
         raw = base64.b64decode(d["embedding"])
@@ -256,10 +249,4 @@ def test_response_body_base64_decodes_to_the_same_float32_vectors(model, counter
         # What the openai SDK does with a base64 embedding.
         decoded = np.frombuffer(raw, dtype="<f4")
         assert np.array_equal(decoded, vectors[i].astype(np.float32))
-    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
-
-
-def test_usage_of_token_arrays_is_their_lengths(model, counter):
-    job = check(model, counter, [[101, 102], [101, 5, 6, 7, 102]])
-    body = orjson.loads(response_body(job, _vectors(2)))
     assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}

@@ -159,13 +159,14 @@ def test_launcher_closure_and_what_the_state_defers(tmp_path):
 
 def test_the_two_forms_of_text_embedding():
     direct = config_from_disk(REPO, "text_embedding", None)
-    assert form_of(direct) == DIRECT and [o["name"] for o in direct["output"]] == ["EMBEDDING"]
+    assert form_of(direct) == DIRECT and [o["name"] for o in direct["output"]] == ["EMBEDDING", "NUM_TOKENS"]
     routed = routed_form(direct)
     assert form_of(routed) == ROUTED and direct == config_from_disk(REPO, "text_embedding", None)  # a copy
     step = routed["ensemble_scheduling"]["step"][1]
     assert step["model_name"] == "text_encoder_router"
     assert step["output_map"] == {"sentence_embedding": "EMBEDDING", "encoder_version": "ENCODER_VERSION"}
-    assert routed["output"][1] == {"name": "ENCODER_VERSION", "data_type": "TYPE_INT32", "dims": [1]}
+    assert routed["output"][2] == {"name": "ENCODER_VERSION", "data_type": "TYPE_INT32", "dims": [1]}
+    assert routed["ensemble_scheduling"]["step"][0] == direct["ensemble_scheduling"]["step"][0]  # NUM_TOKENS too
     # The router's inputs and outputs are the step's: the routed form is loadable as it is.
     router = config_from_disk(REPO, "text_encoder_router", None)
     assert set(step["input_map"]) == {i["name"] for i in router["input"]}

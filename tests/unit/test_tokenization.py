@@ -54,6 +54,30 @@ def test_truncates_at_max_length(tok):
     assert batch.input_ids[0, -1] == tok._tok.token_to_id("[SEP]")
 
 
+def test_truncation_is_the_tokenizers_librarys_and_counts_are_of_the_whole_text(tok):
+    """Ours truncates after counting; the library's own truncation gives the same ids, and the
+    count is what an untruncated encode gives."""
+    from tokenizers import Tokenizer
+
+    theirs = Tokenizer.from_file(str(TOKENIZER_JSON))
+    theirs.enable_truncation(max_length=256)
+    theirs.no_padding()
+    whole = Tokenizer.from_file(str(TOKENIZER_JSON))
+    whole.no_truncation()
+    whole.no_padding()
+    rng = np.random.default_rng(7)
+    words = ["river", "unbelievably", "東京", "émigré", "x", ",", "tokenization", "🙂", "4096"]
+    texts = [" ".join(rng.choice(words, size=n)) for n in (1, 120, 250, 253, 254, 255, 400, 3000)]
+    batch = tok.encode(texts)
+    for row, text in enumerate(texts):
+        expected = theirs.encode(text).ids
+        n = int(batch.lengths[row])
+        assert batch.input_ids[row, :n].tolist() == expected
+        assert not batch.input_ids[row, n:].any() and batch.attention_mask[row].sum() == n
+        assert batch.num_tokens[row] == len(whole.encode(text).ids)
+    assert batch.num_tokens.dtype == np.int32 and batch.num_tokens.max() > 256 == batch.lengths.max()
+
+
 def test_same_ids_as_transformers_tokenizer(tok):
     from export.texts import reference_texts
 
@@ -105,6 +129,7 @@ def test_a_good_batch_is_one_call_sliced_per_request(tok):
     np.testing.assert_array_equal(out[0].input_ids, whole.input_ids[:2])
     np.testing.assert_array_equal(out[1].attention_mask, whole.attention_mask[2:])
     assert out[1].lengths.tolist() == whole.lengths[2:].tolist()
+    assert out[1].num_tokens.tolist() == whole.num_tokens[2:].tolist() == [5]
 
 
 def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeypatch):
@@ -119,7 +144,11 @@ def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeyp
     config = model_config(
         "text_tokenizer",
         [tensor("TEXT", [1], "TYPE_STRING")],
-        [tensor("input_ids", [-1], "TYPE_INT64"), tensor("attention_mask", [-1], "TYPE_INT64")],
+        [
+            tensor("input_ids", [-1], "TYPE_INT64"),
+            tensor("attention_mask", [-1], "TYPE_INT64"),
+            tensor("num_tokens", [1], "TYPE_INT32"),
+        ],
         parameters={"max_sequence_length": "32", "sequence_buckets": "16,32"},
     )
     shim.initialize({"model_config": config, "model_repository": str(tmp_path / "text_tokenizer"), "model_version": "1"})
@@ -138,6 +167,7 @@ def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeyp
     ids, _ = hf_tokenize(["hello world"])
     assert good.output("input_ids").tolist() == [ids[0].tolist() + [0] * (16 - ids.shape[1])]
     assert two.output("attention_mask").shape == (2, 16)
+    assert good.output("num_tokens").tolist() == [[ids.shape[1]]] and two.output("num_tokens").tolist() == [[3], [3]]
     assert (
         blank.error().code() == pb.TritonError.INVALID_ARG and "TEXT[0]: text contains only whitespace" in blank.error().message()
     )

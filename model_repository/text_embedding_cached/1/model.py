@@ -29,14 +29,15 @@ class TritonPythonModel(BatchShim):
         """ONE batched BLS call to the target model for all of a batch's misses."""
         request = pb_utils.InferenceRequest(
             model_name=self.entry.target,
-            requested_output_names=["EMBEDDING"],
+            requested_output_names=["EMBEDDING", "NUM_TOKENS"],
             inputs=[pb_utils.Tensor("TEXT", np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))],
             parameters={CLASS_PARAMETER: self.entry.cls.name},  # the class, carried through the BLS hop
         )
         response = request.exec()
         if response.has_error():
             raise error_from_message(response.error().message(), f"{self.entry.target} failed: ")
-        return pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy()
+        out = (pb_utils.get_output_tensor_by_name(response, name) for name in ("EMBEDDING", "NUM_TOKENS"))
+        return tuple(t.as_numpy() for t in out)
 
     def decode(self, request):
         self.entry.check_class(request.parameters())  # a request naming another class is answered here
@@ -46,7 +47,13 @@ class TritonPythonModel(BatchShim):
         return zip(decoded, self.entry.embed(list(decoded.values())))
 
     def encode(self, rows):
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("EMBEDDING", np.ascontiguousarray(rows))])
+        vectors, counts = rows
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("EMBEDDING", np.ascontiguousarray(vectors)),
+                pb_utils.Tensor("NUM_TOKENS", counts.reshape(-1, 1)),
+            ]
+        )
 
     def close(self):
         if self.entry is not None:

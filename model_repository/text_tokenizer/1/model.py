@@ -1,5 +1,5 @@
-"""Triton shim for the tokenizer step: TEXT -> input_ids, attention_mask (one tokenizer call per
-batch; python_backends.text.tokenization)."""
+"""Triton shim for the tokenizer step: TEXT -> input_ids, attention_mask, num_tokens (one
+tokenizer call per batch; python_backends.text.tokenization)."""
 
 from pathlib import Path
 
@@ -19,6 +19,7 @@ class TritonPythonModel(BatchShim):
         self.text = self.config.require("input", "TEXT", "TYPE_STRING", (1,)).name
         self.config.require("output", "input_ids", "TYPE_INT64", (-1,))
         self.config.require("output", "attention_mask", "TYPE_INT64", (-1,))
+        self.config.require("output", "num_tokens", "TYPE_INT32", (1,))
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.max_text_bytes = self.config.param_int("max_text_bytes", 65536, minimum=1)
         self.tokenizer = BatchTokenizer(
@@ -49,6 +50,7 @@ class TritonPythonModel(BatchShim):
             output_tensors=[
                 pb_utils.Tensor("input_ids", np.ascontiguousarray(batch.input_ids)),
                 pb_utils.Tensor("attention_mask", np.ascontiguousarray(batch.attention_mask)),
+                pb_utils.Tensor("num_tokens", batch.num_tokens.reshape(-1, 1)),
             ]
         )
 
