@@ -20,7 +20,12 @@ from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
-from python_backends.generation.fields import SAMPLING_FIELDS
+from python_backends.generation.fields import MAX_LOGPROBS, SAMPLING_FIELDS
+
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: OpenAI's 20, the engine's limit too
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: OpenAI's legacy limit
+# Fields whose OpenAI meaning differs from the engine's: the checks below map them.
+_MAPPED = ("logprobs",)
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # The engine's names for why a sequence ended; "abort" (cancelled) never reaches a client.
@@ -38,6 +43,7 @@ class GenerationJob:
     stream: bool
     include_usage: bool
     echo_prefix: str = ""  # /v1/completions with echo: the prompt, sent before the answer
+    logprobs: bool = False  # the answer carries log-probabilities (sampling["logprobs"] alternatives each)
     fields: dict[str, str] = field(default_factory=dict)  # the model's field names -> the request's (errors' param)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -51,12 +57,6 @@ class GenerationJob:
 def _refuse_unsupported(req: _Sampling) -> None:
     if req.n not in (None, 1):
         raise bad_request(f"n must be 1, got {req.n}: this server returns one choice per request", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0):
-            raise bad_request(f"{name} is not supported (only 0); repetition_penalty is", param=name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
 
 
 def _sampling(
@@ -70,7 +70,9 @@ def _sampling(
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
         else "max_tokens"
     )
-    out: dict[str, Any] = {f.name: getattr(req, f.name) for f in SAMPLING_FIELDS if getattr(req, f.name, None) is not None}
+    out: dict[str, Any] = {
+        f.name: getattr(req, f.name) for f in SAMPLING_FIELDS if f.name not in _MAPPED and getattr(req, f.name, None) is not None
+    }
     cap = settings.max_tokens_cap
     if max_tokens is None:
         # None (null): the model's max_tokens_limit, as the engine reads it; the cap lowers either.
@@ -108,8 +110,13 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
     """A chat completion request checked against OpenAI's policy and the gateway's own limits, as a
     job; 400/413 naming the field otherwise. The model judges the rest (its errors come back as data)."""
     _refuse_unsupported(req)
-    if req.logprobs or req.top_logprobs:
-        raise bad_request("logprobs is not supported", param="logprobs")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}", param="top_logprobs"
+            )
     if req.tools or req.functions or req.tool_choice not in (None, "none"):
         raise bad_request("tools and function calling are not supported by this model", param="tools")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -148,12 +155,16 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(req, max_tokens, settings, settings.default_max_tokens or None)
+    if req.logprobs:
+        sampling["logprobs"] = req.top_logprobs or 0
     text = orjson.dumps(messages).decode("utf-8")
     fields = {
         "text_input": "messages",
         "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
     }
-    return GenerationJob(model, True, text, sampling, bool(req.stream), _include_usage(req), fields=fields)
+    return GenerationJob(
+        model, True, text, sampling, bool(req.stream), _include_usage(req), fields=fields, logprobs=bool(req.logprobs)
+    )
 
 
 # /v1/completions without max_tokens generates 16 tokens, as OpenAI and vLLM do.
@@ -166,8 +177,8 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
     _refuse_unsupported(req)
     if req.best_of not in (None, 1):
         raise bad_request(f"best_of must be 1, got {req.best_of}", param="best_of")
-    if req.logprobs is not None:
-        raise bad_request("logprobs is not supported", param="logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {req.logprobs}", param="logprobs")
     if req.suffix:
         raise bad_request("suffix is not supported by this model", param="suffix")
     prompt = req.prompt
@@ -185,6 +196,8 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
             f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars} (--max-prompt-chars)", param="prompt"
         )
     sampling = _sampling(req, req.max_tokens, settings, settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
     return GenerationJob(
         model,
         False,
@@ -194,6 +207,7 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
         _include_usage(req),
         echo_prefix=prompt if req.echo else "",
         fields={"text_input": "prompt"},
+        logprobs=req.logprobs is not None,
     )
 
 
@@ -205,9 +219,12 @@ class Tally:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None  # of the prompt's, in the engine's prefix cache
+    logprobs: list[dict] = field(default_factory=list)  # OpenAI's token objects of every piece so far
 
     def add(self, piece) -> None:
-        """Take the piece's reason and counts (the latest wins)."""
+        """Take the piece's reason, counts (the latest wins) and log-probabilities."""
+        if piece.logprobs:
+            self.logprobs.extend(piece.logprobs)
         self.reason = piece.finish_reason or self.reason
         if piece.prompt_tokens is not None:
             self.prompt_tokens = piece.prompt_tokens
@@ -234,6 +251,26 @@ def finish_reason(value: str | None) -> str | None:
     return None if value is None else FINISH.get(value, "stop")
 
 
+def chat_logprobs(entries: list[dict]) -> dict:
+    """A chat choice's ``logprobs``: the model's token objects as OpenAI's ``content``."""
+    return {"content": entries, "refusal": None}
+
+
+def completion_logprobs(entries: list[dict], offset: int) -> dict:
+    """A text completion choice's legacy ``logprobs``; ``offset``: where the first token's text
+    starts in the choice's text (after an echoed prompt, or earlier chunks)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def whole_body(job: GenerationJob, text: str, tally: Tally) -> bytes:
     """The JSON of a whole (non-streamed) chat or text completion."""
     base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
@@ -241,12 +278,13 @@ def whole_body(job: GenerationJob, text: str, tally: Tally) -> bytes:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
+            "logprobs": chat_logprobs(tally.logprobs) if job.logprobs else None,
             "finish_reason": finish_reason(tally.reason),
         }
         body = {**base, "object": "chat.completion", "choices": [choice]}
     else:
-        choice = {"index": 0, "text": job.echo_prefix + text, "logprobs": None, "finish_reason": finish_reason(tally.reason)}
+        logprobs = completion_logprobs(tally.logprobs, len(job.echo_prefix)) if job.logprobs else None
+        choice = {"index": 0, "text": job.echo_prefix + text, "logprobs": logprobs, "finish_reason": finish_reason(tally.reason)}
         body = {**base, "object": "text_completion", "choices": [choice]}
     body["usage"] = tally.usage
     return orjson.dumps(body)
@@ -265,6 +303,7 @@ class ChunkWriter:
             "object": "chat.completion.chunk" if job.chat else "text_completion",
         }
         self._started = False
+        self._offset = len(job.echo_prefix)  # completions: where the next token's text starts
 
     def _event(self, choices: list, usage_value: Any = None, with_usage: bool | None = None) -> bytes:
         body = {**self._head, "choices": choices}
@@ -272,15 +311,20 @@ class ChunkWriter:
             body["usage"] = usage_value
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def _choice(self, text: str | None, reason: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, reason: str | None, role: bool = False, logprobs: list[dict] | None = None) -> dict:
         if self.job.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            lp = chat_logprobs(logprobs) if logprobs is not None else None
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        lp = None
+        if logprobs is not None:
+            lp = completion_logprobs(logprobs, self._offset)
+            self._offset += sum(len(e["token"]) for e in logprobs)
+        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
     def start(self) -> bytes:
         """The first event: the assistant role (chat) or the echoed prompt (completions)."""
@@ -289,9 +333,12 @@ class ChunkWriter:
             return self._event([self._choice("", None, role=True)])
         return self._event([self._choice(self.job.echo_prefix, None)]) if self.job.echo_prefix else b""
 
-    def text(self, piece: str) -> bytes:
-        """The event of one text piece (nothing for an empty one)."""
-        return self._event([self._choice(piece, None)]) if piece else b""
+    def text(self, piece: str, logprobs: list[dict] | None = None) -> bytes:
+        """The event of one text piece and its tokens' log-probabilities when asked for (nothing
+        for an empty piece without any)."""
+        if not piece and not logprobs:
+            return b""
+        return self._event([self._choice(piece, None, logprobs=(logprobs or []) if self.job.logprobs else None)])
 
     def finish(self, tally: Tally) -> bytes:
         """The last events: the finish reason, the usage when asked for, ``[DONE]``."""

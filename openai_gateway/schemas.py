@@ -2,7 +2,7 @@
 
 Types are strict (no ``"1"`` for 1, no ``true`` for 1). Unknown fields are ignored, as
 OpenAI-compatible servers do, so newer SDKs keep working; fields this server cannot honour
-(``logprobs``, tools, penalties) are refused with 400 by the request checks, not ignored.
+(``logprobs``, tools, ``n`` > 1) are refused with 400 by the request checks, not ignored.
 Limits with messages that name them are checked in ``embeddings.py`` and ``completions.py``.
 """
 
@@ -61,6 +61,7 @@ _TYPES: dict[tuple[type, ...], Any] = {
     (int, float): Number,
     (bool,): StrictBool,
     (str, list): StrictStr | list[StrictStr],
+    (dict,): dict[StrictStr, Number],
 }
 
 
@@ -69,9 +70,6 @@ class _OpenAISampling(_Body):
     n: StrictInt | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
 
 

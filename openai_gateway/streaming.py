@@ -80,8 +80,8 @@ async def sse_events(
             yield head
         piece = first
         while piece is not None:
-            if piece.text:
-                yield writer.text(piece.text)
+            if piece.text or piece.logprobs:
+                yield writer.text(piece.text, piece.logprobs)
             tally.add(piece)
             if piece.final:
                 break

@@ -52,6 +52,7 @@ class Piece:
     completion_tokens: int | None
     final: bool
     cached_tokens: int | None = None
+    logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -59,7 +60,9 @@ class Piece:
         from clients.generation import is_final, piece_from_result
 
         p = piece_from_result(result)
-        return cls(p.text, p.finish_reason, p.num_input_tokens, p.num_output_tokens, is_final(result), p.num_cached_tokens)
+        return cls(
+            p.text, p.finish_reason, p.num_input_tokens, p.num_output_tokens, is_final(result), p.num_cached_tokens, p.logprobs
+        )
 
 
 def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:

@@ -61,6 +61,8 @@ class Generation:
     time_to_first_token_s: float | None  # None when no text came back
     total_time_s: float
     num_cached_tokens: int | None = None  # of the prompt's, found in the server's prefix cache
+    # When asked (sampling logprobs=N): OpenAI's token objects, one per generated token.
+    logprobs: list[dict] | None = None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -79,6 +81,15 @@ class Piece:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     num_cached_tokens: int | None = None
+    logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
+
+
+def _logprobs(value: Any) -> list[dict] | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = value.decode("utf-8")
+    return json.loads(value) if isinstance(value, str) else list(value)
 
 
 class SSEDecoder:
@@ -182,6 +193,7 @@ def piece_from_json(data: str | Mapping[str, Any], model: str = DEFAULT_MODEL, s
         num_input_tokens=_count(_scalar(obj.get("num_input_tokens"))),
         num_output_tokens=_count(_scalar(obj.get("num_output_tokens"))),
         num_cached_tokens=_count(_scalar(obj.get("num_cached_tokens"))),
+        logprobs=_logprobs(_scalar(obj.get("logprobs"))),
     )
 
 
@@ -201,6 +213,7 @@ def piece_from_result(result: Any) -> Piece:
         num_input_tokens=_count(first("num_input_tokens")),
         num_output_tokens=_count(first("num_output_tokens")),
         num_cached_tokens=_count(first("num_cached_tokens")),
+        logprobs=_logprobs(first("logprobs")),
     )
 
 
@@ -222,6 +235,7 @@ class Tracker:
         self.num_input_tokens: int | None = None
         self.num_output_tokens: int | None = None
         self.num_cached_tokens: int | None = None
+        self.logprobs: list[dict] | None = None
 
     def add(self, piece: Piece) -> str:
         """Take one piece (its time if it is the first text); its text."""
@@ -237,6 +251,8 @@ class Tracker:
             self.num_output_tokens = piece.num_output_tokens
         if piece.num_cached_tokens is not None:
             self.num_cached_tokens = piece.num_cached_tokens
+        if piece.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + piece.logprobs
         return piece.text
 
     def result(self) -> Generation:
@@ -250,6 +266,7 @@ class Tracker:
             time_to_first_token_s=None if self.first is None else self.first - self.start,
             total_time_s=end - self.start,
             num_cached_tokens=self.num_cached_tokens,
+            logprobs=self.logprobs,
         )
 
 

@@ -142,6 +142,10 @@ PARAMETERS = [
     "stop",
     "ignore_eos",
     "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "logit_bias",
     "stream",
     "triton_x",
 ]
@@ -164,6 +168,8 @@ BOGUS_VALUES = [
     [],
     [1, "a"],
     {"a": 1},
+    {"49152": 5},
+    {"1": 1e300},
     "9" * 40,
     0,
 ]

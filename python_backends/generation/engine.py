@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from python_backends.errors import ConfigError, InputError, RequestError, Unavailable
+from python_backends.generation import logprobs as lp
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
 from python_backends.generation.linear import PRECISIONS, has_fast_bf16, kv_cache_dtype
@@ -123,6 +124,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: Exception | None = None  # set when the engine failed this request (finished too)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
+    # The log-probabilities of the tokens whose text this output completes (None: not asked for).
+    logprobs: list[lp.TokenLogprob] | None = None
 
 
 @dataclass
@@ -135,6 +138,7 @@ class _Request:
     metrics: RequestMetrics
     num_emitted_ids: int = 0
     num_cached_tokens: int = 0
+    aligner: lp.Aligner | None = None  # set when the request asked for log-probabilities
 
 
 class LLMEngine:
@@ -197,6 +201,8 @@ class LLMEngine:
         self._requests: dict[RequestId, _Request] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_step_seconds = 0.0
+        self.token_bytes = lp.TokenBytes(self.tokenizer)
+        self._step_logprobs: dict[SeqId, list[lp.TokenLogprob]] = {}  # what the step's sampling computed
 
     # ---- requests ------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -218,6 +224,14 @@ class LLMEngine:
         lowered to the room left when ``fit_to_context``); ContextTooLong (INVALID_ARG) otherwise."""
         if not prompt_ids:
             raise InputError("text_input", "the prompt has no tokens")
+        vocab = self.weights.config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id: the last is the largest
+            token = params.logit_bias[-1][0]
+            raise InputError(
+                f"logit_bias[{str(token)!r}]",
+                f"token id {token} is outside the vocabulary [0, {vocab})",
+                values={"maximum": vocab - 1},
+            )
         prompt = len(prompt_ids)
         # The last generated token is never fed back: a sequence holds total - 1 slots at most.
         limit = min(self.max_model_len, self.scheduler.bm.num_blocks * self.scheduler.bm.block_size + 1)
@@ -247,6 +261,7 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=params.stop),
             make_generator(params.seed, self.device),
             RequestMetrics(arrival=time.monotonic() if arrival is None else arrival),
+            aligner=None if params.logprobs is None else lp.Aligner(self.token_bytes),
         )
         self.counters["requests_added"] += 1
 
@@ -286,6 +301,7 @@ class LLMEngine:
                 req.num_cached_tokens = 0 if seq is None else min(seq.num_cached_tokens, len(req.prompt_ids))
         self.counters["prompt_tokens_computed"] += sum(c.num_tokens for c in plan.prefills)
         failed: list[RequestOutput] = []
+        self._step_logprobs.clear()
         try:
             sampled = self._run(plan)
         except Exception as exc:  # noqa: BLE001 - isolated below; re-raised if every request fails
@@ -306,6 +322,8 @@ class LLMEngine:
             # and what follows a stop is dropped, as if they had come one step at a time.
             finish = None
             text = ""
+            if req.aligner is not None:
+                req.aligner.add(self._step_logprobs.pop(seq.seq_id, ()))
             total = len(seq.output_tokens)
             for upto in range(total - seq.num_new_tokens + 1, total + 1):
                 token = seq.output_tokens[upto - 1]
@@ -326,6 +344,8 @@ class LLMEngine:
                 text += req.detokenizer.finish().text if piece.finish_reason != "stop" else ""
                 del self._requests[seq.seq_id]
                 outputs.append(self._final(req, text, finish, seq.output_tokens))
+                if req.aligner is not None:  # the last of the tokens the sequence kept
+                    outputs[-1].logprobs = req.aligner.finish(len(seq.output_tokens))
             else:
                 ids = seq.output_tokens[req.num_emitted_ids :]
                 req.num_emitted_ids = len(seq.output_tokens)
@@ -340,6 +360,7 @@ class LLMEngine:
                         len(seq.output_tokens),
                         m,
                         num_cached_tokens=req.num_cached_tokens,
+                        logprobs=None if req.aligner is None else req.aligner.release(text, len(seq.output_tokens)),
                     )
                 )
         return outputs
@@ -357,7 +378,7 @@ class LLMEngine:
         for c in sampling:
             req, seq = self._requests[c.seq_id], self.scheduler.get(c.seq_id)
             assert seq is not None  # a scheduled chunk's sequence
-            penalty = penalty or req.params.repetition_penalty != 1.0
+            penalty = penalty or req.params.penalises_history
             for j in range(c.num_logits):
                 params.append(req.params)
                 history.append((seq, c.draft[:j]))
@@ -370,6 +391,13 @@ class LLMEngine:
             num_generated=generated,
             generators=generators,
         ).tolist()
+        # Log-probabilities from the logits the step already has, for the rows that asked only.
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        by_row: dict[int, lp.TokenLogprob] = {}
+        if want:
+            rows = torch.as_tensor(want, device=logits.device)
+            entries = lp.compute(logits.index_select(0, rows), [tokens[i] for i in want], [params[i].logprobs or 0 for i in want])
+            by_row = dict(zip(want, entries))
         out: dict[SeqId, int | list[int]] = {}
         row = 0
         for c in sampling:
@@ -378,8 +406,12 @@ class LLMEngine:
                 out[c.seq_id] = accepted
                 self.counters["spec_draft_tokens"] += len(c.draft)
                 self.counters["spec_accepted_tokens"] += len(accepted) - 1
+                n = len(accepted)
             else:
                 out[c.seq_id] = tokens[row]
+                n = 1
+            if row in by_row:
+                self._step_logprobs[c.seq_id] = [by_row[row + j] for j in range(n)]
             row += c.num_logits
         return out
 

@@ -30,6 +30,7 @@ OUTPUT_TYPES = {
     "num_input_tokens": np.uint32,
     "num_output_tokens": np.uint32,
     "num_cached_tokens": np.uint32,
+    "logprobs": object,
 }
 
 
@@ -104,7 +105,7 @@ class GenerationEntry:
             max_text_bytes=self.max_text_bytes,
             sampling_defaults=engine.config.sampling_defaults,
         )
-        shaper = ResponseShaper(parsed)
+        shaper = ResponseShaper(parsed, engine.token_bytes)
         self.loop.submit(
             next(self.ids), parsed.prompt, parsed.params, self._answer(shaper, reply), is_cancelled=reply.is_cancelled
         )
@@ -120,7 +121,13 @@ class GenerationEntry:
                 reply.close()  # the client is gone: close the stream, nothing to say
                 return
             values = shaper.on_output(
-                out.text, out.finished, out.finish_reason, out.num_input_tokens, out.num_output_tokens, out.num_cached_tokens
+                out.text,
+                out.finished,
+                out.finish_reason,
+                out.num_input_tokens,
+                out.num_output_tokens,
+                out.num_cached_tokens,
+                out.logprobs,
             )
             if values is None:
                 if out.finished:

@@ -18,6 +18,10 @@ from python_backends.errors import InputError
 MAX_STOP = 16  # stop strings per request: the per-step stop search stays cheap
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_REPETITION_PENALTY = 10.0
+MAX_PRESENCE_FREQUENCY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: the per-step addition stays cheap
+MAX_LOGPROBS = 20  # alternatives per generated token (OpenAI's top_logprobs limit)
 MAX_INT64 = 2**63 - 1  # top_k and seed: above int64 torch overflows and fails the whole batch step
 
 
@@ -53,6 +57,41 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("stop", (str, list), (), f"Up to {MAX_STOP} strings that end the text (left out of it)", openai=True),
     SamplingField("ignore_eos", (bool,), False, "EOS does not end the sequence"),
     SamplingField("repetition_penalty", (int, float), 1.0, "Above 1 discourages tokens already in the text"),
+    SamplingField(
+        "presence_penalty",
+        (int, float),
+        0.0,
+        f"In [-{MAX_PRESENCE_FREQUENCY:g}, {MAX_PRESENCE_FREQUENCY:g}]: subtracted once from the logit of every token generated so far",
+        openai=True,
+    ),
+    SamplingField(
+        "frequency_penalty",
+        (int, float),
+        0.0,
+        f"In [-{MAX_PRESENCE_FREQUENCY:g}, {MAX_PRESENCE_FREQUENCY:g}]: subtracted from a token's logit once per time it was generated",
+        openai=True,
+    ),
+    SamplingField(
+        "min_p",
+        (int, float),
+        0.0,
+        "Drop tokens less likely than min_p times the most likely one (after temperature); 0 disables it",
+    ),
+    SamplingField(
+        "logit_bias",
+        (dict,),
+        None,
+        f"Token id (a string, as JSON keys are) -> a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to its logit "
+        f"before sampling (at most {MAX_LOGIT_BIAS_TOKENS} tokens)",
+        openai=True,
+    ),
+    SamplingField(
+        "logprobs",
+        (int,),
+        None,
+        f"Return each generated token's log-probability and the N (0..{MAX_LOGPROBS}) most likely tokens at its position "
+        "(output logprobs); absent: none",
+    ),
     SamplingField(
         "fit_to_context",
         (bool,),
@@ -103,6 +142,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    # ((token id, bias), ...) sorted by id; a dict of {"id": bias} is accepted and normalised
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    logprobs: int | None = None  # None: no log-probabilities; N: the chosen token's and N alternatives
     fit_to_context: bool = False
 
     def __post_init__(self):
@@ -143,6 +188,28 @@ class SamplingParams:
             above=0,
             maximum=MAX_REPETITION_PENALTY,
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            bound = MAX_PRESENCE_FREQUENCY
+            _range(
+                name, value, -bound <= value <= bound, f"must be between -{bound:g} and {bound:g}", minimum=-bound, maximum=bound
+            )
+            put(self, name, value)
+        min_p = _float("min_p", self.min_p)
+        _range("min_p", min_p, 0 <= min_p <= 1, "must be between 0 and 1", minimum=0, maximum=1)
+        put(self, "min_p", min_p)
+        if self.logprobs is not None:
+            logprobs = _int("logprobs", self.logprobs)
+            _range(
+                "logprobs",
+                logprobs,
+                0 <= logprobs <= MAX_LOGPROBS,
+                f"must be between 0 and {MAX_LOGPROBS}",
+                minimum=0,
+                maximum=MAX_LOGPROBS,
+            )
+        if self.logit_bias is not None:
+            put(self, "logit_bias", _logit_bias(self.logit_bias) or None)
         for name in ("ignore_eos", "fit_to_context"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(
@@ -172,3 +239,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalises_history(self) -> bool:
+        """Whether the sampler needs the tokens so far (a repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` (or an already normalised tuple of pairs) as sorted pairs."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        items = list(value)
+    else:
+        raise InputError("logit_bias", f"must be an object of token id -> bias, got {type(value).__name__}")
+    pairs: dict[int, float] = {}
+    for key, bias in items:
+        field = f"logit_bias[{str(key)[:24]!r}]"
+        if isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
+            token = int(key)
+        else:
+            raise InputError(field, "keys must be token ids (non-negative integers)", values={"got": repr(key)[:40]})
+        _range(field, token, 0 <= token <= MAX_INT64, "token ids are >= 0", minimum=0)
+        number = _float(field, bias)
+        _range(
+            field,
+            number,
+            abs(number) <= MAX_LOGIT_BIAS,
+            f"must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}",
+            minimum=-MAX_LOGIT_BIAS,
+            maximum=MAX_LOGIT_BIAS,
+        )
+        pairs[token] = number
+    _range(
+        "logit_bias",
+        len(pairs),
+        len(pairs) <= MAX_LOGIT_BIAS_TOKENS,
+        f"at most {MAX_LOGIT_BIAS_TOKENS} tokens",
+        maximum=MAX_LOGIT_BIAS_TOKENS,
+    )
+    return tuple(sorted(pairs.items()))

@@ -84,6 +84,32 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def apply_presence_frequency(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
+    """One row, in place, as OpenAI and vLLM define them over the generated tokens: a token
+    generated c > 0 times loses ``frequency * c + presence`` from its logit."""
+    if len(output_ids) == 0 or (presence == 0.0 and frequency == 0.0):
+        return logits
+    idx, counts = torch.as_tensor(list(output_ids), dtype=torch.long, device=logits.device).unique(return_counts=True)
+    logits[idx] -= frequency * counts.to(logits.dtype) + presence
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """One row, in place: each (token id, bias) added to its logit (ids outside the row are the
+    engine's to refuse before this runs)."""
+    ids = torch.as_tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+    logits[ids] += torch.as_tensor([v for _, v in bias], dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens whose probability is below ``min_p`` times the row's largest;
+    ``[B, V]``, ``[B]`` (0 keeps all). The most likely token always stays."""
+    probs = torch.softmax(logits, dim=-1)
+    floor = probs.max(dim=-1, keepdim=True).values * min_p.to(device=logits.device, dtype=probs.dtype)[:, None]
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: Sequence[int], penalty: float) -> torch.Tensor:
     """One row, in place, as transformers does: positive logits / penalty, negative x penalty."""
     if penalty == 1.0 or len(token_ids) == 0:
@@ -165,19 +191,27 @@ class Sampler:
         """``logits`` [batch, vocab] of each sequence's last position -> token ids [batch].
 
         ``token_ids[b]`` is the sequence so far (prompt and output: what the repetition
-        penalty looks at), ``num_generated[b]`` how many tokens it has produced (EOS is
-        suppressed while that is below ``min_tokens``), ``generators[b]`` the seeded
-        row's generator from :func:`make_generator`.
+        penalty looks at; its last ``num_generated[b]`` tokens are the output the presence
+        and frequency penalties look at), ``num_generated[b]`` how many tokens it has
+        produced (EOS is suppressed while that is below ``min_tokens``), ``generators[b]``
+        the seeded row's generator from :func:`make_generator`. Order: logit bias, EOS
+        suppression, penalties, then (sampled rows) temperature, min-p, top-k and top-p.
         """
         batch, vocab = logits.shape
         if len(params) != batch:
             raise ValueError(f"{len(params)} params for {batch} rows")
         logits = logits.float().clone()  # processors work in place; FP32 like transformers' output
         for b, p in enumerate(params):
+            if p.logit_bias:
+                apply_logit_bias(logits[b], p.logit_bias)
             if self.eos_token_ids and num_generated is not None and num_generated[b] < p.min_tokens:
                 logits[b, self.eos_token_ids] = float("-inf")
-            if p.repetition_penalty != 1.0 and token_ids is not None:
-                apply_repetition_penalty(logits[b], token_ids[b], p.repetition_penalty)
+            if token_ids is not None:
+                if p.repetition_penalty != 1.0:
+                    apply_repetition_penalty(logits[b], token_ids[b], p.repetition_penalty)
+                if (p.presence_penalty or p.frequency_penalty) and num_generated is not None and num_generated[b]:
+                    output = token_ids[b][len(token_ids[b]) - num_generated[b] :]
+                    apply_presence_frequency(logits[b], output, p.presence_penalty, p.frequency_penalty)
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         out = logits.argmax(dim=-1)
@@ -187,6 +221,8 @@ class Sampler:
         sub = [params[i] for i in rows.tolist()]
         temps = torch.tensor([p.temperature for p in sub], device=logits.device)[:, None]
         scaled = (logits if len(sub) == batch else logits[rows]) / temps
+        if any(p.min_p > 0.0 for p in sub):
+            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in sub], device=logits.device))
         if any(p.top_k or p.top_p < 1.0 for p in sub):
             scaled = apply_top_k_top_p(
                 scaled,

@@ -5,8 +5,10 @@ work unchanged: ``text_input`` (BYTES), optional ``stream``, ``sampling_paramete
 JSON object), ``exclude_input_in_output``, ``return_finish_reason``,
 ``return_num_input_tokens``, ``return_num_output_tokens`` (BOOL), and this project's
 ``apply_chat_template`` (BOOL: ``text_input`` is then a JSON list of chat messages that
-the model's own template renders) and ``return_num_cached_tokens`` (BOOL: the prompt tokens
-the prefix cache held). Sampling parameters may also come as request
+the model's own template renders), ``return_num_cached_tokens`` (BOOL: the prompt tokens
+the prefix cache held) and ``return_logprobs`` (BOOL: the output ``logprobs``, a JSON list of
+OpenAI's token objects, as the sampling parameter ``logprobs`` also asks; alone it means 0
+alternatives). Sampling parameters may also come as request
 parameters, which is how Triton's ``generate`` / ``generate_stream`` HTTP endpoints pass
 ``{"parameters": {...}}``.
 
@@ -18,12 +20,13 @@ outputs into the output values of each response.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from python_backends.errors import TOO_LARGE, ConfigError, InputError
 from python_backends.generation.fields import SAMPLING_FIELDS, SamplingParams
+from python_backends.generation.logprobs import TokenLogprob, openai_content
 from python_backends.generation.sampling import parse_sampling_params
 
 BOOL_INPUTS = (
@@ -33,6 +36,7 @@ BOOL_INPUTS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_num_cached_tokens",
+    "return_logprobs",
     "apply_chat_template",
 )
 # Request parameters Triton or its clients set themselves; never sampling parameters.
@@ -106,7 +110,7 @@ def _coerce_parameter(name: str, value: Any) -> Any:
     """A sampling parameter as the value it stands for.
 
     HTTP generate keeps JSON types, but Triton's request parameters hold only scalars, so
-    a list of stop strings comes as a JSON string; and tools written for the vLLM backend
+    a list of stop strings (or a logit_bias object) comes as a JSON string; and tools written for the vLLM backend
     (genai-perf among them) send numbers and booleans as strings, which that backend
     converts. A string that is not a number stays a string and fails validation by name.
     """
@@ -119,6 +123,11 @@ def _coerce_parameter(name: str, value: Any) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise InputError(name, f"is not a valid JSON list: {exc}") from None
+    if dict in kinds:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(name, f"is not a valid JSON object: {exc}") from None
     number = float if float in kinds else int if int in kinds else None
     if number is not None:
         try:
@@ -195,6 +204,8 @@ def parse_request(
     sampling_params = parse_sampling_params(
         sampling, max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens, defaults=sampling_defaults
     )
+    if flags["return_logprobs"] and sampling_params.logprobs is None:
+        sampling_params = replace(sampling_params, logprobs=0)
     # An empty prompt is the engine's to refuse (LLMEngine.encode), on every path into it.
     return GenerationRequest(
         prompt=render_chat(tokenizer, text) if flags["apply_chat_template"] else text,
@@ -216,15 +227,26 @@ class ResponseShaper:
     prompt in front unless ``exclude_input_in_output`` (the vLLM backend's default).
     """
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, token_bytes: Callable[[int], bytes] | None = None):
         self.request = request
+        self.token_bytes = token_bytes
         self._parts: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
 
     def on_output(
-        self, text: str, finished: bool, finish_reason: str | None, num_input: int, num_output: int, num_cached: int = 0
+        self,
+        text: str,
+        finished: bool,
+        finish_reason: str | None,
+        num_input: int,
+        num_output: int,
+        num_cached: int = 0,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ):
         """The outputs dict of the response to send now, or None to send nothing yet."""
         r = self.request
+        if logprobs:
+            self._logprobs.extend(logprobs)
         if not r.stream:
             self._parts.append(text)
             if not finished:
@@ -232,8 +254,11 @@ class ResponseShaper:
             body = "".join(self._parts)
             text = body if r.exclude_input_in_output else r.prompt + body
         elif not finished and not text:
-            return None
+            return None  # its entries (a special token's) go with the next piece
         out: dict[str, Any] = {"text_output": text}
+        if r.params.logprobs is not None and self.token_bytes is not None:
+            out["logprobs"] = json.dumps(openai_content(self._logprobs, self.token_bytes), ensure_ascii=False)
+            self._logprobs = []
         if finished or r.stream:
             if r.return_finish_reason:
                 out["finish_reason"] = finish_reason if finished else None

@@ -292,6 +292,68 @@ def test_chat_greedy_equals_triton(openai_client, direct):
     assert response.usage.total_tokens == expected.num_input_tokens + expected.num_output_tokens
 
 
+def test_penalties_min_p_and_logit_bias_are_served_as_through_triton(openai_client, direct):
+    """OpenAI's presence/frequency penalties and logit_bias (and vLLM's min_p) reach the engine:
+    the gateway's answer is Triton's for the same fields, and a banned first token is gone."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "model_repository" / "text_generation" / "1"))
+    plain = direct.chat(QUESTION, max_tokens=12, temperature=0)
+    first = tok.encode(plain.text, add_special_tokens=False)[0]
+    fields = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "logit_bias": {str(first): -100}}
+    expected = direct.chat(QUESTION, max_tokens=12, temperature=0, **fields)
+    response = openai_client.chat.completions.create(
+        model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0, extra_body={"min_p": 0.05}, **fields
+    )
+    text = response.choices[0].message.content
+    assert text == expected.text and text.strip()
+    assert tok.encode(text, add_special_tokens=False)[0] != first and text != plain.text
+    # Out of range: 400 naming the field, from the engine's checks.
+    for bad, param in (
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logit_bias": {"10000000": 1}}, "logit_bias['10000000']"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=2, **bad)
+        assert caught.value.response.json()["error"]["param"] == param, caught.value.response.text
+
+
+def test_logprobs_of_chat_and_completions_streamed_and_whole(openai_client, direct):
+    """OpenAI's logprobs: chat's content objects (top_logprobs alternatives each, the chosen token
+    first when greedy) spell the message, a stream's chunks carry their own tokens, and the
+    legacy completions shape has tokens, token_logprobs, top_logprobs and text offsets."""
+    import math
+
+    whole = openai_client.chat.completions.create(
+        model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = whole.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    assert len(content) == whole.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token and t.logprob <= 0
+        assert sum(math.exp(a.logprob) for a in t.top_logprobs) <= 1.0 + 1e-6
+    expected = direct.chat(QUESTION, max_tokens=12, temperature=0, logprobs=2)
+    assert [(e["token"], e["logprob"]) for e in expected.logprobs] == [(t.token, t.logprob) for t in content]
+    plain = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    chunks = list(
+        openai_client.chat.completions.create(
+            model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, stream=True
+        )
+    )
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            assert "".join(t.token for t in c.choices[0].logprobs.content) == (c.choices[0].delta.content or "")
+    legacy = openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, echo=True)
+    lp = legacy.choices[0].logprobs
+    assert legacy.choices[0].text == PROMPT + "".join(lp.tokens)
+    assert lp.text_offset[0] == len(PROMPT) and all(len(d) == 1 for d in lp.top_logprobs)
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+
+
 def test_chat_stream_equals_the_whole_answer_with_usage_last(openai_client, direct):
     expected = direct.chat(QUESTION, max_tokens=12, temperature=0)
     whole = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0)

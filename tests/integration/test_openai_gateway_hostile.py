@@ -720,11 +720,6 @@ FUZZ_EXAMPLES = int(os.environ.get("GATEWAY_FUZZ_EXAMPLES", "100"))
 MODEL_NAMES = [EMB, "sentence-transformers/all-MiniLM-L6-v2", GEN, "HuggingFaceTB/SmolLM2-135M-Instruct"]
 REFUSED_FIELDS = (
     "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
     "tools",
     "tool_choice",
     "functions",

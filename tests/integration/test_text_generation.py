@@ -411,6 +411,47 @@ def test_served_text_equals_transformers_generate(server, tokenizer):
         assert (served.num_input_tokens, served.num_output_tokens) == (ids.shape[1], len(new))
 
 
+def test_logprobs_through_triton_are_transformers_and_spell_the_text(server, tokenizer):
+    """The sampling field logprobs (or the return_logprobs flag) adds the output logprobs: OpenAI's
+    token objects, whose tokens spell the text of their response (stream and whole alike) and
+    whose chosen log-probabilities are transformers' own on the same weights."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(VERSION_DIR), dtype=torch.float32).eval()
+    ids = tokenizer(PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref_lp = [torch.log_softmax(step[0].float(), -1) for step in ref.logits]
+    params = {"temperature": 0, "max_tokens": 16, "logprobs": 3}
+    status, body = http_generate(server, {"text_input": PROMPT, "exclude_input_in_output": True, "parameters": params})
+    assert status == 200, body
+    entries = json.loads(body["logprobs"])
+    new = ref.sequences[0, ids.shape[1] :].tolist()
+    assert len(entries) == len(new) and "".join(e["token"] for e in entries) == body["text_output"]
+    worst = max(abs(e["logprob"] - ref_lp[j][new[j]].item()) for j, e in enumerate(entries))
+    assert worst < 1e-3, worst
+    for e in entries:
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["token"] == e["token"]
+        assert sum(math.exp(t["logprob"]) for t in e["top_logprobs"]) <= 1.0 + 1e-6
+        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"]
+    status, events = sse_events(server, {"text_input": PROMPT, "stream": True, "parameters": params})
+    assert status == 200 and len(events) > 4
+    for _, event in events:  # each event's tokens are its own text
+        assert "".join(e["token"] for e in json.loads(event["logprobs"])) == event["text_output"]
+    streamed = [e for _, event in events for e in json.loads(event["logprobs"])]
+    assert [(e["token"], e["logprob"]) for e in streamed] == [(e["token"], e["logprob"]) for e in entries]
+    status, flag = http_generate(
+        server, {"text_input": PROMPT, "return_logprobs": True, "parameters": {"temperature": 0, "max_tokens": 4}}
+    )
+    assert status == 200, flag
+    assert [e["top_logprobs"] for e in json.loads(flag["logprobs"])] == [[]] * 4  # the flag alone: no alternatives
+    status, plain = http_generate(server, {"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": 4}})
+    assert status == 200 and "logprobs" not in plain
+
+
 QUOTE = (
     "Copy this code exactly:\n\ndef area(width, height):\n    return width * height\n\n"
     "def perimeter(width, height):\n    return 2 * (width + height)\n"

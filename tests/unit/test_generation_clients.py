@@ -192,8 +192,16 @@ def test_sampling_parameters_names_types_and_stop():
         "stop",
         "ignore_eos",
         "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "logit_bias",
+        "logprobs",
         "fit_to_context",
     }
+    assert sampling_parameters(logit_bias={"5": -100}, logprobs=2) == {"logit_bias": {"5": -100}, "logprobs": 2}
+    with pytest.raises(TypeError, match="logit_bias must be dict"):
+        sampling_parameters(logit_bias=[5])
     # The engine's own table: one list of fields for the clients, the gateway and the engine.
     from python_backends.generation.fields import FIELD_NAMES
 

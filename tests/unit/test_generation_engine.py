@@ -8,6 +8,7 @@ every block.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -181,6 +182,102 @@ def test_stop_string_and_min_tokens(engine, hf):
     assert len(ids) == 20
 
 
+class _OpenAIPenalties:
+    """A transformers LogitsProcessor of OpenAI's presence and frequency penalties over the
+    generated tokens and its logit bias: the reference the engine's sampler must match."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float, bias: dict[int, float]):
+        self.prompt_len, self.presence, self.frequency, self.bias = prompt_len, presence, frequency, bias
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for token, value in self.bias.items():
+            scores[:, token] += value
+        for token, count in zip(*input_ids[0, self.prompt_len :].unique(return_counts=True)):
+            scores[:, token] -= self.frequency * count.item() + self.presence
+        return scores
+
+
+def test_penalties_and_logit_bias_match_generate_with_the_same_processor(engine, hf):
+    """Greedy, batched, three settings at once: each is token for token transformers' generate()
+    with a processor of OpenAI's formulas, so the penalties look at the output alone."""
+    from transformers import LogitsProcessorList
+
+    tok, model = hf
+    prompt = chat(tok, "Write a short poem about the sea, the sea, the sea.")
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    the = tok.encode(" the", add_special_tokens=False)[0]
+    settings = [(0.0, 1.2, {}), (1.5, 0.0, {the: 4.0}), (0.8, 0.4, {the: -100.0})]
+    params = [
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.0,
+            presence_penalty=pr,
+            frequency_penalty=fr,
+            logit_bias={str(k): v for k, v in b.items()},
+        )
+        for pr, fr, b in settings
+    ]
+    got = engine.generate([prompt] * 3, params)
+    plain = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0][1]
+    for (_, out), (pr, fr, b) in zip(got, settings):
+        processors = LogitsProcessorList([_OpenAIPenalties(ids.shape[1], pr, fr, b)])
+        with torch.inference_mode():
+            ref = model.generate(ids, max_new_tokens=20, do_sample=False, logits_processor=processors)[0, ids.shape[1] :]
+        assert out == ref.tolist()[: len(out)] and len(out) == min(20, len(ref))
+        assert out != plain  # each setting changed the answer
+    assert the not in got[2][1]
+
+
+def run_outputs(engine, requests):
+    """Each request's RequestOutputs, stepping the engine until all finish."""
+    outs: dict = {rid: [] for rid, _, _ in requests}
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    return outs
+
+
+def test_logprobs_are_the_models_own_and_travel_with_their_text(engine, hf):
+    """The chosen token's log-probability is log-softmax of transformers' logits at that position
+    (greedy, so also the first alternative); each output's entries spell exactly its text; a
+    request without logprobs gets none; a stop string keeps the tokens up to it."""
+    tok, model = hf
+    prompt = chat(tok, "Write one sentence about the moon. Use an emoji 🌙.")
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        ref = model.generate(ids, max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref_ids = ref.sequences[0, ids.shape[1] :].tolist()
+    ref_lp = [torch.log_softmax(step[0].float(), -1) for step in ref.logits]
+    outs = run_outputs(
+        engine,
+        [
+            ("lp", prompt, SamplingParams(max_tokens=24, temperature=0.0, logprobs=5)),
+            ("plain", prompt, SamplingParams(max_tokens=24, temperature=0.0)),
+            ("stop", prompt, SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, stop=("moon",))),
+        ],
+    )
+    entries = [e for o in outs["lp"] for e in o.logprobs]
+    assert [e.token_id for e in entries] == ref_ids[: len(entries)] and len(entries) == sum(len(o.token_ids) for o in outs["lp"])
+    worst = 0.0
+    for j, e in enumerate(entries):
+        worst = max(worst, abs(e.logprob - ref_lp[j][e.token_id].item()))
+        assert len(e.top) == 5 and e.top[0][0] == e.token_id  # greedy: the chosen one is the most likely
+        assert [t for t, _ in e.top] == ref_lp[j].topk(5).indices.tolist()
+        assert sum(math.exp(v) for _, v in e.top) <= 1.0 + 1e-6
+    assert worst < 1e-3, worst
+    for o in outs["lp"]:  # each output's entries are the bytes of its text
+        assert b"".join(engine.token_bytes(e.token_id) for e in o.logprobs) == o.text.encode("utf-8")
+    assert all(o.logprobs is None for o in outs["plain"])
+    stopped = [e for o in outs["stop"] for e in o.logprobs]
+    text = "".join(o.text for o in outs["stop"])
+    assert outs["stop"][-1].finish_reason == "stop" and all(e.top == () for e in stopped)
+    spelled = b"".join(engine.token_bytes(e.token_id) for e in stopped).decode("utf-8", "replace")
+    assert spelled.startswith(text) and "moon" in spelled[len(text) :]
+
+
 COPY_TEXT = (
     "def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n"
     "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
@@ -248,6 +345,10 @@ def test_bad_requests_name_the_field(engine):
         engine.add_request("b", [1] * 3500, SamplingParams(max_tokens=1000))
     with pytest.raises(InputError, match="outside the vocabulary"):
         engine.add_request("c", [1, 10**9], GREEDY)
+    vocab = engine.weights.config.vocab_size
+    with pytest.raises(InputError) as caught:
+        engine.add_request("d", [1, 2], SamplingParams(temperature=0.0, logit_bias={"3": 1, str(vocab): 5}))
+    assert caught.value.field == f"logit_bias['{vocab}']" and caught.value.values == {"maximum": vocab - 1}
     assert not engine.has_unfinished()
 
 

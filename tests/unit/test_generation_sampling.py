@@ -10,6 +10,8 @@ from python_backends.generation.sampling import (
     Sampler,
     SamplingParams,
     SamplingParamsError,
+    apply_min_p,
+    apply_presence_frequency,
     apply_repetition_penalty,
     apply_top_k_top_p,
     make_generator,
@@ -71,6 +73,20 @@ def test_parse_full_json_and_defaults():
         ({"stop": ["x" * 257]}, "stop", "<= 256 characters, got 257"),
         ({"stop": [""]}, "stop", "must not be empty"),
         ({"stop": [1]}, "stop", "string or a list of strings"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2, got 2.5"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "between -2 and 2"),
+        ({"frequency_penalty": "1"}, "frequency_penalty", "must be a number"),
+        ({"min_p": 1.5}, "min_p", "between 0 and 1"),
+        ({"min_p": -0.1}, "min_p", "between 0 and 1"),
+        ({"logit_bias": [1, 2]}, "logit_bias", "object of token id -> bias"),
+        ({"logit_bias": "x"}, "logit_bias", "object of token id -> bias"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias['hello']", "keys must be token ids"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias['-1']", "keys must be token ids"),
+        ({"logit_bias": {"9" * 40: 1}}, "logit_bias['" + "9" * 24 + "']", "keys must be token ids"),
+        ({"logit_bias": {"5": 101}}, "logit_bias['5']", "between -100 and 100, got 101"),
+        ({"logit_bias": {"5": float("inf")}}, "logit_bias['5']", "must be finite"),
+        ({"logit_bias": {"5": "up"}}, "logit_bias['5']", "must be a number"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024 tokens, got 1025"),
     ],
 )
 def test_parse_errors_name_the_field_and_limit(source, field, words):
@@ -184,6 +200,66 @@ def test_repetition_penalty_matches_transformers():
             assert torch.allclose(mine, ref[0], atol=0, rtol=0)
             # Greedy with the penalty picks the argmax of the penalised row.
             assert sampler(logits[b : b + 1], params, token_ids=[ids.tolist()]).item() == ref[0].argmax().item()
+
+
+def test_new_fields_parse_and_normalise():
+    p = parse({"presence_penalty": 1, "frequency_penalty": -0.5, "min_p": 0.1, "logit_bias": {"12": 5, "3": -100, "7": 0.5}})
+    assert (p.presence_penalty, p.frequency_penalty, p.min_p) == (1.0, -0.5, 0.1)
+    assert p.logit_bias == ((3, -100.0), (7, 0.5), (12, 5.0))  # sorted by id, floats
+    assert parse({"logit_bias": {}}).logit_bias is None and parse({}).logit_bias is None
+    assert p.penalises_history and not SamplingParams().penalises_history
+    assert hash(p) and SamplingParams(logit_bias=p.logit_bias) == p.__class__(logit_bias={"12": 5, "7": 0.5, "3": -100})
+
+
+def test_presence_and_frequency_penalties_are_openais_over_the_output_only():
+    logits = rand_logits(1, seed=3)[0]
+    output = [4, 9, 4, 4, 11]
+    mine = apply_presence_frequency(logits.clone(), output, 0.5, 0.25)
+    ref = logits.clone()
+    for token in set(output):  # OpenAI's formula: mu[j] -= c[j] * alpha_frequency + (c[j] > 0) * alpha_presence
+        ref[token] -= output.count(token) * 0.25 + 0.5
+    assert torch.equal(mine, ref)
+    # Through the sampler: the prompt's tokens are not penalised, the generated ones are.
+    row = torch.zeros(1, VOCAB)
+    row[0, 20], row[0, 21], row[0, 22] = 3.0, 2.9, 2.8
+    prompt, generated = [21, 21, 21], [20]
+    params = [SamplingParams(temperature=0.0, presence_penalty=0.5)]
+    sampler = Sampler()
+    assert sampler(row, params, token_ids=[prompt + generated], num_generated=[1]).item() == 21
+    freq = [SamplingParams(temperature=0.0, frequency_penalty=0.06)]
+    assert sampler(row, freq, token_ids=[prompt + [20, 21]], num_generated=[2]).item() == 20  # 2.94 vs 2.84
+    freq = [SamplingParams(temperature=0.0, frequency_penalty=0.2)]
+    assert sampler(row, freq, token_ids=[prompt + [20, 20, 21]], num_generated=[3]).item() == 22  # 2.6, 2.7 vs 2.8
+    assert sampler(row, [SamplingParams(temperature=0.0, presence_penalty=-2)], token_ids=[[22]], num_generated=[1]).item() == 22
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices():
+    logits = rand_logits(2, seed=9)
+    top = logits.argmax(dim=-1)
+    sampler = Sampler()
+    forced = SamplingParams(temperature=0.0, logit_bias={"17": 100})
+    banned = SamplingParams(temperature=0.0, logit_bias={str(int(top[1])): -100})
+    out = sampler(logits, [forced, banned])
+    assert out[0].item() == 17
+    assert out[1].item() != top[1].item() and out[1].item() == logits[1].topk(2).indices[1].item()
+    seeded = SamplingParams(temperature=1.0, seed=1, logit_bias={"17": 100})
+    draws = {sampler(logits[:1], [seeded], generators=[make_generator(s)]).item() for s in range(20)}
+    assert draws == {17}
+
+
+def test_min_p_keeps_tokens_within_a_fraction_of_the_most_likely():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    kept = apply_min_p(logits.clone(), torch.tensor([0.15]))
+    assert torch.isfinite(kept[0]).tolist() == [True, True, True, False, False]  # 0.075 is the floor
+    assert torch.isfinite(apply_min_p(logits.clone(), torch.tensor([0.0]))).all()
+    assert torch.isfinite(apply_min_p(logits.clone(), torch.tensor([1.0]))[0]).tolist() == [True] + [False] * 4
+    wide = torch.zeros(1, VOCAB)
+    wide[0, :5] = logits[0]
+    wide[0, 5:] = -30.0
+    sampler = Sampler()
+    params = [SamplingParams(temperature=1.0, min_p=0.15, seed=0)]
+    draws = {sampler(wide, params, generators=[make_generator(s)]).item() for s in range(200)}
+    assert draws == {0, 1, 2}
 
 
 def test_min_tokens_suppresses_eos():

@@ -116,6 +116,38 @@ def test_response_shaper_streaming_and_whole():
     assert c.on_output("a", True, "stop", 40, 1, 32) == {"text_output": "a", "num_cached_tokens": 32}
 
 
+def test_logprobs_are_asked_by_the_sampling_field_or_the_flag_and_sent_as_openai_objects(tokenizer):
+    from python_backends.generation.logprobs import TokenBytes, TokenLogprob
+
+    assert req(tokenizer).params.logprobs is None
+    assert req(tokenizer, return_logprobs=True).params.logprobs == 0  # the flag alone: no alternatives
+    assert req(tokenizer, sampling_parameters=json.dumps({"logprobs": 3}), return_logprobs=True).params.logprobs == 3
+    assert req(tokenizer, params={"logprobs": "2"}).params.logprobs == 2  # a request parameter, as a string
+    with pytest.raises(InputError, match="logprobs: must be between 0 and 20, got 21"):
+        req(tokenizer, params={"logprobs": 21})
+    token_bytes = TokenBytes(tokenizer)
+    hi, there = tokenizer.encode("Hi there", add_special_tokens=False)
+    stream = ResponseShaper(req(tokenizer, params={"logprobs": 1}, stream=True), token_bytes)
+    first = stream.on_output("Hi", False, None, 3, 1, 0, [TokenLogprob(hi, -0.25, ((hi, -0.25),))])
+    assert json.loads(first["logprobs"]) == [
+        {
+            "token": "Hi",
+            "logprob": -0.25,
+            "bytes": [72, 105],
+            "top_logprobs": [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105]}],
+        }
+    ]
+    eos = tokenizer.eos_token_id
+    assert stream.on_output("", False, None, 3, 2, 0, [TokenLogprob(eos, -1.0)]) is None  # no text: kept for the next piece
+    last = json.loads(stream.on_output(" there", True, "stop", 3, 3, 0, [TokenLogprob(there, -0.5)])["logprobs"])
+    assert [(e["token"], e["logprob"]) for e in last] == [("", -1.0), (" there", -0.5)]  # a special token is no text
+    whole = ResponseShaper(req(tokenizer, return_logprobs=True), token_bytes)
+    assert whole.on_output("Hi", False, None, 3, 1, 0, [TokenLogprob(hi, -0.25)]) is None
+    out = whole.on_output(" there", True, "length", 3, 2, 0, [TokenLogprob(there, -0.5)])
+    assert [e["token"] for e in json.loads(out["logprobs"])] == ["Hi", " there"]
+    assert "logprobs" not in ResponseShaper(req(tokenizer), token_bytes).on_output("a", True, "stop", 1, 1)
+
+
 def test_engine_settings_from_parameters():
     values = {"max_num_seqs": 64, "max_num_batched_tokens": 32}
 

@@ -228,7 +228,7 @@ def test_an_unknown_model_is_404(client, path, body):
         ("/v1/embeddings", {"model": "text_embedding", "input": ["a"] * 2049}, 413, "input"),
         ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
         ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
-        ("/v1/completions", {"model": "text_generation", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+        ("/v1/completions", {"model": "text_generation", "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ],
 )
 def test_request_checks_answer_while_triton_is_down(client, path, body, status, param):

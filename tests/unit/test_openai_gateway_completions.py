@@ -125,8 +125,18 @@ def test_sampling_fields_are_passed_to_the_engine(model):
         "min_tokens": 2,
         "repetition_penalty": 1.1,
         "ignore_eos": True,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
     }
     assert isinstance(job.sampling["temperature"], float)
+    # OpenAI's penalties, min_p and logit_bias go to the engine as they are (it judges them).
+    more = chat(model, presence_penalty=0.5, frequency_penalty=-1, min_p=0.05, logit_bias={"50256": -100})
+    assert {k: more.sampling[k] for k in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias")} == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "min_p": 0.05,
+        "logit_bias": {"50256": -100},
+    }
     assert chat(model, stop=["a", "b"]).sampling["stop"] == ["a", "b"]
     assert "stop" not in chat(model, stop=[]).sampling
     assert chat(model, temperature=2, top_p=1, seed=2**63 - 1).sampling["seed"] == 2**63 - 1
@@ -137,10 +147,6 @@ def test_sampling_fields_are_passed_to_the_engine(model):
     [
         ({"n": 2}, "n"),
         ({"n": 0}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
-        ({"presence_penalty": math.nan}, "presence_penalty"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
         # OpenAI's own policy; the engine judges the other values (the integration test).
         ({"temperature": 2.01}, "temperature"),
         ({"temperature": -0.1}, "temperature"),
@@ -162,8 +168,9 @@ def test_sampling_refusals_name_the_field(model, fn, fields, param):
 @pytest.mark.parametrize(
     "fields, status, param",
     [
-        ({"logprobs": True}, 400, "logprobs"),
-        ({"top_logprobs": 3}, 400, "logprobs"),
+        ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"tool_choice": "auto"}, 400, "tools"),
         ({"functions": [{"name": "f"}]}, 400, "tools"),
@@ -247,8 +254,8 @@ def test_stream_flags(model):
     "fields, status, param",
     [
         ({"best_of": 2}, 400, "best_of"),
-        ({"logprobs": 1}, 400, "logprobs"),
-        ({"logprobs": 0}, 400, "logprobs"),
+        ({"logprobs": 6}, 400, "logprobs"),
+        ({"logprobs": -1}, 400, "logprobs"),
         ({"suffix": "end"}, 400, "suffix"),
         ({"prompt": ["one", "two"]}, 400, "prompt"),
         ({"prompt": [1, 2, 3]}, 400, "prompt"),
@@ -367,6 +374,52 @@ def test_whole_body_chat(model):
         "total_tokens": 33,
         "prompt_tokens_details": {"cached_tokens": 16},
     }
+
+
+ENTRIES = [
+    {
+        "token": "Par",
+        "logprob": -0.1,
+        "bytes": [80, 97, 114],
+        "top_logprobs": [{"token": "Par", "logprob": -0.1, "bytes": [80, 97, 114]}],
+    },
+    {
+        "token": "is",
+        "logprob": -0.5,
+        "bytes": [105, 115],
+        "top_logprobs": [{"token": "is", "logprob": -0.5, "bytes": [105, 115]}],
+    },
+]
+
+
+def test_logprobs_are_asked_of_the_engine_and_written_in_each_apis_shape(model):
+    job = chat(model, logprobs=True, top_logprobs=1)
+    assert job.logprobs and job.sampling["logprobs"] == 1
+    assert chat(model, logprobs=True).sampling["logprobs"] == 0
+    assert "logprobs" not in chat(model, logprobs=False).sampling and not chat(model, logprobs=False).logprobs
+    tally = Tally("stop", 30, 2, logprobs=list(ENTRIES))
+    body = orjson.loads(whole_body(job, "Paris", tally))
+    assert body["choices"][0]["logprobs"] == {"content": ENTRIES, "refusal": None}
+    # Legacy completions: tokens, token_logprobs, top_logprobs as {token: logprob}, text offsets after the echo.
+    legacy = completion(model, prompt="The capital: ", echo=True, logprobs=1)
+    assert legacy.sampling["logprobs"] == 1 and completion(model).logprobs is False
+    body = orjson.loads(whole_body(legacy, "Paris", tally))
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["Par", "is"],
+        "token_logprobs": [-0.1, -0.5],
+        "top_logprobs": [{"Par": -0.1}, {"is": -0.5}],
+        "text_offset": [13, 16],
+    }
+    # Streamed: each chunk carries its own tokens; the offsets go on across chunks.
+    writer = ChunkWriter(completion(model, stream=True, logprobs=0))
+    first = orjson.loads(writer.text("Par", ENTRIES[:1])[6:])
+    second = orjson.loads(writer.text("is", ENTRIES[1:])[6:])
+    assert first["choices"][0]["logprobs"]["text_offset"] == [0] and second["choices"][0]["logprobs"]["text_offset"] == [3]
+    chat_writer = ChunkWriter(chat(model, stream=True, logprobs=True))
+    event = orjson.loads(chat_writer.text("is", ENTRIES[1:])[6:])
+    assert event["choices"][0]["logprobs"] == {"content": ENTRIES[1:], "refusal": None}
+    assert orjson.loads(chat_writer.text("", ENTRIES[:1])[6:])["choices"][0]["delta"] == {"content": ""}  # EOS's entry
+    assert ChunkWriter(chat(model, stream=True)).text("x", None) and ChunkWriter(chat(model, stream=True)).text("", None) == b""
 
 
 def test_whole_body_completion_with_and_without_echo(model):
