@@ -15,7 +15,7 @@ SERVE_ARGS ?=
 # int4_bf16. See export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
+.PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -127,6 +127,12 @@ autotune: $(STAMP)
 # a new replica (warm L2) and hits only, side by side; starts its own servers and redis-server
 # (perf/README.md). CACHE_BENCH_ARGS="--requests 5000" for a shorter run.
 CACHE_BENCH_ARGS ?=
+# Structured outputs through the whole stack: validity with and without the engine's guide, and
+# tokens/s at 16 streams with and without a JSON schema (docs/generation.md#structured-outputs).
+structured-bench: $(STAMP)
+	$(PY) -m export --no-speed
+	$(PY) -m perf.bench.structured_bench
+
 cache-bench: $(STAMP)
 	$(PY) -m perf.bench.cache_bench $(CACHE_BENCH_ARGS)
 

@@ -20,6 +20,7 @@ from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
+from openai_gateway.tools import ToolUse, check_tools, render_message
 from python_backends.generation.fields import MAX_LOGPROBS, SAMPLING_FIELDS
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: OpenAI's 20, the engine's limit too
@@ -44,6 +45,7 @@ class GenerationJob:
     include_usage: bool
     echo_prefix: str = ""  # /v1/completions with echo: the prompt, sent before the answer
     logprobs: bool = False  # the answer carries log-probabilities (sampling["logprobs"] alternatives each)
+    tools: ToolUse | None = None  # the functions the answer may call (openai_gateway/tools.py)
     fields: dict[str, str] = field(default_factory=dict)  # the model's field names -> the request's (errors' param)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -117,15 +119,23 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
             raise bad_request(
                 f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}", param="top_logprobs"
             )
-    if req.tools or req.functions or req.tool_choice not in (None, "none"):
-        raise bad_request("tools and function calling are not supported by this model", param="tools")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request('response_format must be {"type": "text"}: structured output is not supported', param="response_format")
+    if req.functions or req.function_call is not None:
+        raise bad_request("functions and function_call are superseded: send tools and tool_choice", param="functions")
+    tool_use = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     if len(req.messages) > settings.max_messages:
         raise too_large(f"messages has {len(req.messages)} items; the limit is {settings.max_messages}", param="messages")
     messages = []
     chars = 0
+    call_names: dict[str, str] = {}
     for i, m in enumerate(req.messages):
+        if isinstance(m.content, list) and m.role == "tool":  # a tool result in text parts
+            m = m.model_copy(update={"content": "".join(p.text or "" for p in m.content)})
+        rendered = render_message(m, i, call_names)
+        if rendered is not None:
+            chars += len(rendered["content"])
+            utf8(rendered["content"], f"messages[{i}].content")
+            messages.append(rendered)
+            continue
         role = ROLES.get(m.role)
         if role is None:
             raise bad_request(
@@ -153,6 +163,10 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
             f"messages have {chars} characters together; the limit is {settings.max_prompt_chars} (--max-prompt-chars)",
             param="messages",
         )
+    if tool_use is not None:  # the functions, as the fallback prompt lists them, before the conversation
+        listing = tool_use.system_prompt()
+        utf8(listing, "tools")
+        messages.insert(0, {"role": "system", "content": listing})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(req, max_tokens, settings, settings.default_max_tokens or None)
     if req.logprobs:
@@ -162,9 +176,52 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         "text_input": "messages",
         "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
     }
+    schema = response_format_schema(req.response_format)
+    if schema is not None:
+        sampling["guided_json"] = schema  # the engine compiles and enforces it (its errors name guided_json)
+        fields["guided_json"] = "response_format"
+    if tool_use is not None and tool_use.enforced:
+        if schema is not None:
+            raise bad_request(
+                "response_format cannot be enforced beside tool_choice required or a named function", param="response_format"
+            )
+        sampling["guided_json"] = tool_use.schema()
+        fields["guided_json"] = "tools"
     return GenerationJob(
-        model, True, text, sampling, bool(req.stream), _include_usage(req), fields=fields, logprobs=bool(req.logprobs)
+        model,
+        True,
+        text,
+        sampling,
+        bool(req.stream),
+        _include_usage(req),
+        fields=fields,
+        logprobs=bool(req.logprobs),
+        tools=tool_use,
     )
+
+
+def response_format_schema(value: dict[str, Any] | None) -> Any:
+    """The JSON schema a chat's ``response_format`` asks for: None for text, any JSON object for
+    ``json_object``, ``json_schema.schema`` for ``json_schema`` (enforced whether or not
+    ``strict``); 400 naming the part that is wrong."""
+    if not value or value.get("type") in (None, "text"):
+        return None
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise bad_request(
+            f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}", param="response_format.type"
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object with a schema", param="response_format.json_schema")
+    schema = spec.get("schema", {})  # OpenAI: absent means any JSON object
+    if not isinstance(schema, dict):
+        raise bad_request(
+            "response_format.json_schema.schema must be a JSON schema object", param="response_format.json_schema.schema"
+        )
+    return schema or {"type": "object"}
 
 
 # /v1/completions without max_tokens generates 16 tokens, as OpenAI and vLLM do.
@@ -275,11 +332,15 @@ def whole_body(job: GenerationJob, text: str, tally: Tally) -> bytes:
     """The JSON of a whole (non-streamed) chat or text completion."""
     base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
     if job.chat:
+        calls = job.tools.calls(text) if job.tools is not None else None
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if calls:
+            message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": chat_logprobs(tally.logprobs) if job.logprobs else None,
-            "finish_reason": finish_reason(tally.reason),
+            "finish_reason": "tool_calls" if calls and tally.reason != "length" else finish_reason(tally.reason),
         }
         body = {**base, "object": "chat.completion", "choices": [choice]}
     else:
@@ -304,6 +365,7 @@ class ChunkWriter:
         }
         self._started = False
         self._offset = len(job.echo_prefix)  # completions: where the next token's text starts
+        self._held: list[str] | None = [] if job.tools is not None else None  # an answer that may be calls
 
     def _event(self, choices: list, usage_value: Any = None, with_usage: bool | None = None) -> bytes:
         body = {**self._head, "choices": choices}
@@ -338,11 +400,25 @@ class ChunkWriter:
         for an empty piece without any)."""
         if not piece and not logprobs:
             return b""
+        if self._held is not None:  # calls or content: known at the end
+            self._held.append(piece)
+            return b""
         return self._event([self._choice(piece, None, logprobs=(logprobs or []) if self.job.logprobs else None)])
 
     def finish(self, tally: Tally) -> bytes:
         """The last events: the finish reason, the usage when asked for, ``[DONE]``."""
-        out = self._event([self._choice(None if self.job.chat else "", finish_reason(tally.reason) or "stop")])
+        out = b""
+        reason = finish_reason(tally.reason) or "stop"
+        if self._held is not None and self.job.tools is not None:
+            text = "".join(self._held)
+            calls = self.job.tools.calls(text)
+            if calls:
+                deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+                out += self._event([{"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}])
+                reason = "tool_calls" if reason != "length" else reason
+            elif text:
+                out += self._event([self._choice(text, None)])
+        out += self._event([self._choice(None if self.job.chat else "", reason)])
         if self.job.include_usage:
             out += self._event([], tally.usage)
         return out + b"data: [DONE]\n\n"

@@ -2,7 +2,7 @@
 
 Types are strict (no ``"1"`` for 1, no ``true`` for 1). Unknown fields are ignored, as
 OpenAI-compatible servers do, so newer SDKs keep working; fields this server cannot honour
-(``logprobs``, tools, ``n`` > 1) are refused with 400 by the request checks, not ignored.
+(``n`` > 1, ``functions``) are refused with 400 by the request checks, not ignored.
 Limits with messages that name them are checked in ``embeddings.py`` and ``completions.py``.
 """
 
@@ -47,6 +47,8 @@ class ChatMessage(_Body):
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls (openai_gateway/tools.py)
+    tool_call_id: StrictStr | None = None  # a tool message's call
 
 
 class StreamOptions(_Body):
@@ -62,6 +64,9 @@ _TYPES: dict[tuple[type, ...], Any] = {
     (bool,): StrictBool,
     (str, list): StrictStr | list[StrictStr],
     (dict,): dict[StrictStr, Number],
+    (dict, str): dict[StrictStr, Any] | StrictStr,
+    (str,): StrictStr,
+    (list,): list[StrictStr],
 }
 
 
@@ -91,7 +96,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
+    function_call: Any | None = None
     response_format: dict[str, Any] | None = None
 
 

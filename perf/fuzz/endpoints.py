@@ -146,6 +146,11 @@ PARAMETERS = [
     "frequency_penalty",
     "min_p",
     "logit_bias",
+    "logprobs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
     "stream",
     "triton_x",
 ]

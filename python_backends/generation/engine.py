@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
 from python_backends.generation.scheduler import ContextTooLong, FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
 from python_backends.generation.speculative import accept_draft
+from python_backends.generation.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class _Request:
     num_emitted_ids: int = 0
     num_cached_tokens: int = 0
     aligner: lp.Aligner | None = None  # set when the request asked for log-probabilities
+    matcher: Any = None  # the guide's llguidance matcher (structured outputs), None without a guide
 
 
 class LLMEngine:
@@ -202,6 +205,8 @@ class LLMEngine:
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_step_seconds = 0.0
         self.token_bytes = lp.TokenBytes(self.tokenizer)
+        self._grammars: Grammars | None = None  # made on the first guided request
+        self._grammars_lock = threading.Lock()
         self._step_logprobs: dict[SeqId, list[lp.TokenLogprob]] = {}  # what the step's sampling computed
 
     # ---- requests ------------------------------------------------------------------------
@@ -232,6 +237,9 @@ class LLMEngine:
                 f"token id {token} is outside the vocabulary [0, {vocab})",
                 values={"maximum": vocab - 1},
             )
+        guide = params.guide
+        if guide is not None:
+            self.grammars().compile(*guide)  # here, on the submitting thread: the loop only makes a matcher
         prompt = len(prompt_ids)
         # The last generated token is never fed back: a sequence holds total - 1 slots at most.
         limit = min(self.max_model_len, self.scheduler.bm.num_blocks * self.scheduler.bm.block_size + 1)
@@ -251,9 +259,18 @@ class LLMEngine:
         ids = self.encode(prompt)
         self.admit(request_id, ids, self.check_request(ids, params), arrival)
 
+    def grammars(self) -> Grammars:
+        """The compiled guides of this engine's tokenizer (made on first use: 0.5 s)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.weights.config.vocab_size)
+            return self._grammars
+
     def admit(self, request_id: RequestId, ids: list[int], params: SamplingParams, arrival: float | None = None) -> None:
         """Queue a request that passed :meth:`check_request` (QueueFull when the queue is full)."""
-        self.scheduler.add(request_id, ids, params.max_tokens, speculative=params.greedy)
+        guide = params.guide
+        # A guided sequence is not drafted: its mask is computed one token at a time.
+        self.scheduler.add(request_id, ids, params.max_tokens, speculative=params.greedy and guide is None)
         self._requests[request_id] = _Request(
             request_id,
             ids,
@@ -262,6 +279,7 @@ class LLMEngine:
             make_generator(params.seed, self.device),
             RequestMetrics(arrival=time.monotonic() if arrival is None else arrival),
             aligner=None if params.logprobs is None else lp.Aligner(self.token_bytes),
+            matcher=None if guide is None else self.grammars().matcher(*guide),
         )
         self.counters["requests_added"] += 1
 
@@ -325,11 +343,12 @@ class LLMEngine:
             if req.aligner is not None:
                 req.aligner.add(self._step_logprobs.pop(seq.seq_id, ()))
             total = len(seq.output_tokens)
+            guide_done = req.matcher is not None and req.matcher.is_stopped()  # a complete guide allows EOS alone
             for upto in range(total - seq.num_new_tokens + 1, total + 1):
                 token = seq.output_tokens[upto - 1]
                 if seq.finish_reason is FinishReason.LENGTH and upto == total:
                     finish = FinishReason.LENGTH.value
-                elif token in self.eos_token_ids and not req.params.ignore_eos and upto >= req.params.min_tokens:
+                elif token in self.eos_token_ids and not req.params.ignore_eos and (upto >= req.params.min_tokens or guide_done):
                     finish = FinishReason.STOP.value
                 # the whole list for the newest token (no copy per step); a prefix only inside a draft
                 piece = req.detokenizer.step(seq.output_tokens if upto == total else seq.output_tokens[:upto])
@@ -373,24 +392,38 @@ class LLMEngine:
         if not sampling:
             return {}
         # One sampler row per logits row: a draft's row j sees the sequence plus draft[:j].
-        params, history, generated, generators = [], [], [], []
+        params: list[SamplingParams] = []
+        history: list[tuple[Any, list[int]]] = []
+        generated: list[int] = []
+        generators: list[torch.Generator | None] = []
+        guided: list[tuple[int, Any]] = []  # (row, matcher) of each guided sequence
         penalty = False
         for c in sampling:
             req, seq = self._requests[c.seq_id], self.scheduler.get(c.seq_id)
             assert seq is not None  # a scheduled chunk's sequence
             penalty = penalty or req.params.penalises_history
+            if req.matcher is not None:  # never drafted: one row
+                guided.append((len(params), req.matcher))
             for j in range(c.num_logits):
                 params.append(req.params)
                 history.append((seq, c.draft[:j]))
                 generated.append(len(seq.output_tokens) + j)
                 generators.append(req.generator)
+        allowed = None
+        if guided:
+            masks = self.grammars().allowed([m for _, m in guided]).to(logits.device)
+            allowed = dict(zip((r for r, _ in guided), masks))
         tokens = self.sampler(
             logits,
             params,
             token_ids=[s.tokens + d for s, d in history] if penalty else None,
             num_generated=generated,
             generators=generators,
+            allowed=allowed,
         ).tolist()
+        for r, matcher in guided:
+            if not matcher.consume_token(tokens[r]):
+                log.warning("structured output: the guide refused sampled token %d (%s)", tokens[r], matcher.get_error())
         # Log-probabilities from the logits the step already has, for the rows that asked only.
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         by_row: dict[int, lp.TokenLogprob] = {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from python_backends.errors import InputError
+from python_backends.generation.structured import GUIDE_FIELDS, guide_source
 
 MAX_STOP = 16  # stop strings per request: the per-step stop search stays cheap
 MAX_STOP_LEN = 256  # characters per stop string
@@ -92,6 +93,10 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         f"Return each generated token's log-probability and the N (0..{MAX_LOGPROBS}) most likely tokens at its position "
         "(output logprobs); absent: none",
     ),
+    SamplingField("guided_json", (dict, str), None, "A JSON schema the output must match, enforced token by token"),
+    SamplingField("guided_regex", (str,), None, "A regular expression the whole output must match"),
+    SamplingField("guided_choice", (list,), None, "The output is exactly one of these strings"),
+    SamplingField("guided_grammar", (str,), None, "A Lark grammar the output must match"),
     SamplingField(
         "fit_to_context",
         (bool,),
@@ -148,6 +153,11 @@ class SamplingParams:
     # ((token id, bias), ...) sorted by id; a dict of {"id": bias} is accepted and normalised
     logit_bias: tuple[tuple[int, float], ...] | None = None
     logprobs: int | None = None  # None: no log-probabilities; N: the chosen token's and N alternatives
+    # At most one guide (structured outputs), each kept as its canonical text (structured.guide_source).
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: Any = None
+    guided_grammar: str | None = None
     fit_to_context: bool = False
 
     def __post_init__(self):
@@ -210,6 +220,11 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             put(self, "logit_bias", _logit_bias(self.logit_bias) or None)
+        guides = [name for name in GUIDE_FIELDS if getattr(self, name) is not None]
+        if len(guides) > 1:
+            raise InputError(guides[1], f"only one guide per request: {guides[0]} is set too")
+        for name in guides:
+            put(self, name, guide_source(name, getattr(self, name)))
         for name in ("ignore_eos", "fit_to_context"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(
@@ -239,6 +254,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def guide(self) -> tuple[str, str] | None:
+        """(field, canonical source) of the request's guide, or None."""
+        for name in GUIDE_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def penalises_history(self) -> bool:

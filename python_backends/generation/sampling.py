@@ -187,6 +187,7 @@ class Sampler:
         token_ids: Sequence[Sequence[int]] | None = None,
         num_generated: Sequence[int] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        allowed: Mapping[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``logits`` [batch, vocab] of each sequence's last position -> token ids [batch].
 
@@ -194,8 +195,10 @@ class Sampler:
         penalty looks at; its last ``num_generated[b]`` tokens are the output the presence
         and frequency penalties look at), ``num_generated[b]`` how many tokens it has
         produced (EOS is suppressed while that is below ``min_tokens``), ``generators[b]``
-        the seeded row's generator from :func:`make_generator`. Order: logit bias, EOS
-        suppression, penalties, then (sampled rows) temperature, min-p, top-k and top-p.
+        the seeded row's generator from :func:`make_generator`, ``allowed[b]`` a guided row's
+        mask of the tokens its guide allows (structured outputs). Order: logit bias, EOS
+        suppression, penalties, the guide's mask, then (sampled rows) temperature, min-p, top-k
+        and top-p. A guide that allows only EOS wins over ``min_tokens``.
         """
         batch, vocab = logits.shape
         if len(params) != batch:
@@ -212,6 +215,12 @@ class Sampler:
                 if (p.presence_penalty or p.frequency_penalty) and num_generated is not None and num_generated[b]:
                     output = token_ids[b][len(token_ids[b]) - num_generated[b] :]
                     apply_presence_frequency(logits[b], output, p.presence_penalty, p.frequency_penalty)
+        for b, mask in (allowed or {}).items():
+            row = logits[b].masked_fill(~mask, float("-inf"))
+            if not bool(torch.isfinite(row).any()) and self.eos_token_ids:  # only EOS left, suppressed by min_tokens
+                eos = torch.as_tensor(self.eos_token_ids, device=row.device)
+                row[eos] = torch.where(mask[eos], 0.0, float("-inf"))
+            logits[b] = row
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         out = logits.argmax(dim=-1)

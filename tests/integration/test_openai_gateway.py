@@ -354,6 +354,74 @@ def test_logprobs_of_chat_and_completions_streamed_and_whole(openai_client, dire
     assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
 
 
+STRUCTURED_PROMPTS = [
+    "Invent a character for a fantasy novel.",
+    "Describe the teacher you remember best.",
+    "Make up a person who lives in Lisbon.",
+    "Tell me about a famous painter.",
+    "Describe a neighbour who owns a bakery.",
+    "Invent a detective for a mystery story.",
+    "Describe an astronaut on her first mission.",
+    "Make up a farmer from Kenya.",
+    "Ecris une personne qui habite à Lyon.",
+    "Beschreibe eine Ärztin aus Hamburg.",
+    "Describe a child who loves trains.",
+    "Invent a chess champion.",
+]
+
+
+def test_structured_outputs_parse_into_the_clients_pydantic_model_every_time(openai_client, gateway):
+    """The openai SDK's parse() with a Pydantic model, sampled at temperature 1 on varied prompts
+    at once: the schema is enforced by the engine, so every answer parses (not most of them).
+    vLLM's guided_choice and guided_regex work through extra_body; a bad schema is a 400 naming
+    response_format. (make structured-bench measures validity with and without the guide.)"""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+    from typing import Annotated
+
+    import pydantic
+
+    # Every field bounded, so an answer always completes within max_tokens (a 135M model can loop
+    # inside an unbounded string: valid so far, but cut).
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=24)
+        age: int = pydantic.Field(ge=0, le=130)
+        city: str = pydantic.Field(max_length=24)
+        hobbies: list[Annotated[str, pydantic.StringConstraints(max_length=24)]] = pydantic.Field(max_length=3)
+
+    def ask(prompt):
+        return openai_client.chat.completions.parse(
+            model=GENERATION,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=Person,
+            max_tokens=160,
+            temperature=1.0,
+        )
+
+    with ThreadPoolExecutor(len(STRUCTURED_PROMPTS)) as pool:
+        answers = list(pool.map(ask, STRUCTURED_PROMPTS))
+    for a in answers:
+        assert a.choices[0].finish_reason == "stop", a.choices[0].message.content
+        assert isinstance(a.choices[0].message.parsed, Person), a.choices[0].message.content
+    choice = openai_client.chat.completions.create(
+        model=GENERATION, messages=QUESTION, max_tokens=8, extra_body={"guided_choice": ["Paris", "London", "Rome"]}
+    )
+    assert choice.choices[0].message.content in ("Paris", "London", "Rome")
+    regex = openai_client.completions.create(
+        model=GENERATION, prompt="My phone number is", max_tokens=12, extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"}
+    )
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", regex.choices[0].text)
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}},
+    }
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4, response_format=bad)
+    error = caught.value.response.json()["error"]
+    assert error["param"] == "response_format" and "strin" in error["message"], error
+
+
 def test_chat_stream_equals_the_whole_answer_with_usage_last(openai_client, direct):
     expected = direct.chat(QUESTION, max_tokens=12, temperature=0)
     whole = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=12, temperature=0)

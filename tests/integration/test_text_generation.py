@@ -452,6 +452,34 @@ def test_logprobs_through_triton_are_transformers_and_spell_the_text(server, tok
     assert status == 200 and "logprobs" not in plain
 
 
+def test_guides_through_triton_are_enforced_and_bad_ones_are_400_naming_the_field(server):
+    """vLLM's guided_* sampling fields, as Triton's vLLM backend takes them: enforced by the
+    engine; a guide that does not compile is one INVALID_ARG naming its field."""
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 30}}, "required": ["capital"]}
+    status, body = http_generate(
+        server,
+        {
+            "text_input": QUESTION,
+            "apply_chat_template": True,
+            "exclude_input_in_output": True,
+            "parameters": {"temperature": 0, "max_tokens": 40, "guided_json": json.dumps(schema)},
+        },
+    )
+    assert status == 200, body
+    assert isinstance(json.loads(body["text_output"])["capital"], str)
+    choice = generate_text(
+        server,
+        QUESTION,
+        sampling={"max_tokens": 8, "guided_choice": ["Paris", "Rome"]},
+        apply_chat_template=True,
+        exclude_input_in_output=True,
+    )
+    assert choice.text in ("Paris", "Rome")
+    for name, value in (("guided_regex", "a(b"), ("guided_grammar", "start: nothing_here"), ("guided_json", "{")):
+        status, body = http_generate(server, {"text_input": "hi", "parameters": {name: value}})
+        assert status == 400 and name in body["error"], body
+
+
 QUOTE = (
     "Copy this code exactly:\n\ndef area(width, height):\n    return width * height\n\n"
     "def perimeter(width, height):\n    return 2 * (width + height)\n"

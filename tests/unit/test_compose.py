@@ -232,6 +232,7 @@ def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, d
     pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements.txt").read_text(), re.M))
     assert f'--index-url "${{TORCH_INDEX_URL}}" "torch=={pins["torch"]}"' in dockerfile
     assert f'"safetensors=={pins["safetensors"]}"' in dockerfile
+    assert f'"llguidance=={pins["llguidance"]}"' in dockerfile  # structured outputs
     # transformers: requirements.txt's release needs Python 3.11; the image has the last for 3.10
     (container,) = re.findall(r'"transformers==([^"]+)"', dockerfile)
     assert container == pins["transformers"] or pins["transformers"] == "5.24.0" and container == "5.20.2", container

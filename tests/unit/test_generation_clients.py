@@ -197,6 +197,10 @@ def test_sampling_parameters_names_types_and_stop():
         "min_p",
         "logit_bias",
         "logprobs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
         "fit_to_context",
     }
     assert sampling_parameters(logit_bias={"5": -100}, logprobs=2) == {"logit_bias": {"5": -100}, "logprobs": 2}

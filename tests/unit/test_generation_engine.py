@@ -278,6 +278,57 @@ def test_logprobs_are_the_models_own_and_travel_with_their_text(engine, hf):
     assert spelled.startswith(text) and "moon" in spelled[len(text) :]
 
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "maxLength": 20},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_hold_their_guide_beside_free_streams_and_through_preemption(hf, prompts):
+    """Guided sequences (a JSON schema, choices, a regex; greedy and sampled) in one batch with
+    unguided ones, in a pool small enough to preempt: every guided output matches its guide, the
+    unguided ones are generate()'s, min_tokens does not outlast a finished guide."""
+    import json
+    import re
+
+    import jsonschema
+
+    tok = hf[0]
+    ask = [chat(tok, m) for m in ("Describe a person as JSON.", "Is the sea salty?", "Give me a phone number.")]
+    guided = [
+        (ask[0], SamplingParams(max_tokens=64, temperature=0.0, guided_json=PERSON)),
+        (ask[0], SamplingParams(max_tokens=64, temperature=0.8, seed=3, guided_json=PERSON)),
+        (ask[1], SamplingParams(max_tokens=16, temperature=0.8, seed=5, min_tokens=8, guided_choice=["yes", "no"])),
+        (ask[2], SamplingParams(max_tokens=16, temperature=0.0, guided_regex=r"[0-9]{3}-[0-9]{4}")),
+    ]
+    free = [(p, GREEDY) for p in prompts[:3]]
+    need = max(len(tok.encode(p, add_special_tokens=False)) for p, _ in guided + free) + 64
+    eng = make_engine(hf, num_blocks=-(-need // 16) + 2, enable_prefix_caching=False)
+    batch = guided + free
+    results = eng.generate([p for p, _ in batch], [q for _, q in batch])
+    assert eng.scheduler.num_preemptions > 0
+    for text in (results[0][0], results[1][0]):
+        jsonschema.validate(json.loads(text), PERSON)
+    assert results[2][0] in ("yes", "no") and len(results[2][1]) <= 3  # EOS after the choice, min_tokens or not
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", results[3][0])
+    for (_, ids), p in zip(results[4:], prompts[:3]):
+        assert ids == hf_greedy(hf, p, NEW_TOKENS)
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_a_bad_guide_is_refused_at_admission_naming_its_field(engine):
+    with pytest.raises(InputError) as caught:
+        engine.add_request("g", [1, 2], SamplingParams(guided_regex="a(b"))
+    assert caught.value.field == "guided_regex" and "unclosed group" in str(caught.value)
+    assert not engine.has_unfinished()
+
+
 COPY_TEXT = (
     "def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n"
     "        total += v\n        if i >= window:\n            total -= values[i - window]\n"

@@ -165,18 +165,107 @@ def test_sampling_refusals_name_the_field(model, fn, fields, param):
 # --- chat refusals -------------------------------------------------------------------------
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tools_are_listed_in_a_system_message_and_required_calls_are_the_engines_guide(model):
+    job = chat(model, tools=[TOOL, CLOCK])  # auto: listed, not enforced
+    first = orjson.loads(job.text_input)[0]
+    assert first["role"] == "system" and "get_weather" in first["content"] and "JSON list of calls" in first["content"]
+    assert "guided_json" not in job.sampling and job.tools.choice == "auto"
+    required = chat(model, tools=[TOOL, CLOCK], tool_choice="required")
+    schema = required.sampling["guided_json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema  # parallel calls allowed
+    assert [i["properties"]["name"]["const"] for i in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
+    assert required.fields["guided_json"] == "tools"
+    named = chat(model, tools=[TOOL, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.sampling["guided_json"]["items"]["properties"]["name"] == {"const": "get_time"}
+    assert named.sampling["guided_json"]["maxItems"] == 1
+    one = chat(model, tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    assert one.sampling["guided_json"]["maxItems"] == 1
+    none = chat(model, tools=[TOOL], tool_choice="none")
+    assert none.tools is None and orjson.loads(none.text_input)[0]["role"] == "user"
+
+
+def test_tool_calls_come_back_in_openais_shape_whole_and_streamed(model):
+    job = chat(model, tools=[TOOL, CLOCK], tool_choice="required")
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
+    body = orjson.loads(whole_body(job, text, Tally("stop", 50, 20)))
+    message, reason = body["choices"][0]["message"], body["choices"][0]["finish_reason"]
+    assert reason == "tool_calls" and message["content"] is None
+    calls = message["tool_calls"]
+    assert [(c["type"], c["function"]["name"], orjson.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Oslo"}),
+        ("function", "get_time", {}),
+    ]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # auto: an answer that is not a list of known calls is content.
+    auto = chat(model, tools=[TOOL])
+    plain = orjson.loads(whole_body(auto, "It is sunny.", Tally("stop", 5, 3)))["choices"][0]
+    assert plain["message"]["content"] == "It is sunny." and plain["finish_reason"] == "stop"
+    unknown = orjson.loads(whole_body(auto, '[{"name": "rm", "arguments": {}}]', Tally("stop", 5, 3)))["choices"][0]
+    assert "tool_calls" not in unknown["message"]
+    writer = ChunkWriter(chat(model, tools=[TOOL], tool_choice="required", stream=True))
+    assert writer.text('[{"name": "get_weather", ') == b""  # held until the end
+    writer.text('"arguments": {"city": "Oslo"}}]')
+    events = [orjson.loads(e[6:]) for e in writer.finish(Tally("stop", 5, 3)).split(b"\n\n") if e.startswith(b"data: {")]
+    delta = events[0]["choices"][0]["delta"]["tool_calls"][0]
+    assert delta["index"] == 0 and delta["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_tool_round_trip_is_rendered_for_the_model(model):
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"},
+    ]
+    job = chat(model, messages=messages, tools=[TOOL])
+    rendered = orjson.loads(job.text_input)
+    assert rendered[2] == {"role": "assistant", "content": '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'}
+    assert rendered[3] == {"role": "user", "content": "Result of get_weather (call_1): 12 C, rain"}
+
+
 @pytest.mark.parametrize(
     "fields, status, param",
     [
         ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-        ({"tool_choice": "auto"}, 400, "tools"),
-        ({"functions": [{"name": "f"}]}, 400, "tools"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, 400, "tools[0].function.name"),
+        ({"tools": [{"type": "retrieval"}]}, 400, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, 400, "tools[0].function.parameters"),
+        ({"tools": [TOOL, TOOL]}, 400, "tools[1].function.name"),
+        ({"tools": [TOOL] * 129}, 400, "tools"),
+        ({"tool_choice": "auto"}, 400, "tool_choice"),  # without tools
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, 400, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, 400, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"functions": [{"name": "f"}]}, 400, "functions"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "x\ud800"}}]}, 400, "tools"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{"}}]}]},
+            400,
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        ({"response_format": {"type": "xml"}}, 400, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": 5}}, 400, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, 400, "response_format.json_schema.schema"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, 400, "messages[1].role"),
         ({"messages": [{"role": "User", "content": "a"}]}, 400, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, 400, "messages[0].content"),
@@ -420,6 +509,17 @@ def test_logprobs_are_asked_of_the_engine_and_written_in_each_apis_shape(model):
     assert event["choices"][0]["logprobs"] == {"content": ENTRIES[1:], "refusal": None}
     assert orjson.loads(chat_writer.text("", ENTRIES[:1])[6:])["choices"][0]["delta"] == {"content": ""}  # EOS's entry
     assert ChunkWriter(chat(model, stream=True)).text("x", None) and ChunkWriter(chat(model, stream=True)).text("", None) == b""
+
+
+def test_response_format_becomes_the_engines_json_guide(model):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    job = chat(model, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
+    assert job.sampling["guided_json"] == schema and job.fields["guided_json"] == "response_format"
+    assert chat(model, response_format={"type": "json_object"}).sampling["guided_json"] == {"type": "object"}
+    assert "guided_json" not in chat(model, response_format={"type": "text"}).sampling
+    # vLLM's own guides pass as extra fields, to the engine that checks them.
+    assert chat(model, guided_choice=["a", "b"]).sampling["guided_choice"] == ["a", "b"]
+    assert completion(model, guided_regex="[0-9]+").sampling["guided_regex"] == "[0-9]+"
 
 
 def test_whole_body_completion_with_and_without_echo(model):

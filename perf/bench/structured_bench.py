@@ -1,0 +1,198 @@
+"""Structured outputs through the whole stack (tritonserver + the OpenAI gateway, the official
+``openai`` SDK): how often an answer is a valid object with and without the engine enforcing
+the schema, and what enforcing costs in tokens/s at 16 streams.
+
+1. **Validity**: ``--prompts`` varied requests (people of many jobs and cities, several
+   languages) for a Pydantic model. Enforced: ``chat.completions.parse(response_format=Person)``
+   (the schema becomes the engine's guide). Not enforced: the same schema spelled out in the
+   system message, the answer parsed with ``Person.model_validate_json`` (a Markdown code fence
+   around it is forgiven). Both at the model's default sampling.
+2. **Cost**: ``--streams`` concurrent requests of ``--max-tokens`` tokens each, alternating
+   rounds with and without a JSON-schema guide (a long string property, so every request runs to
+   ``max_tokens`` as the unguided ones do with ``ignore_eos``): tokens/s, request P50/P99/max, and
+   the ratio guided / unguided (target >= 0.9).
+
+    python -m perf.bench.structured_bench [--prompts 50] [--streams 16] [--max-tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated
+
+from perf.lib.harness import write_csv
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+
+MODEL = "text_generation"
+KEY = "structured-bench-key"
+TARGET = 0.9
+JOBS = ["baker", "pilot", "nurse", "painter", "teacher", "farmer", "chemist", "poet", "judge", "sailor"]
+PLACES = ["Lisbon", "Nairobi", "Osaka", "Lima", "Oslo"]
+ASKS = [
+    "Describe a {job} from {place}.",
+    "Invent a {job} who lives in {place}.",
+    "Tell me about a retired {job} in {place}.",
+    "Décris un {job} qui habite à {place}.",
+    "Beschreibe eine Person ({job}) aus {place}.",
+]
+LONG_TEXT = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 2000}},
+    "required": ["story"],
+    "additionalProperties": False,
+}
+
+
+def person_model():
+    import pydantic
+
+    # Every field bounded (a small model can loop inside an unbounded string: the answer is then cut
+    # by max_tokens, valid so far but not finished).
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=40)
+        age: int = pydantic.Field(ge=0, le=130)
+        job: str = pydantic.Field(max_length=40)
+        city: str = pydantic.Field(max_length=40)
+        hobbies: list[Annotated[str, pydantic.StringConstraints(max_length=30)]] = pydantic.Field(max_length=4)
+
+    return Person
+
+
+def prompts(n: int) -> list[str]:
+    pairs = itertools.product(ASKS, JOBS, PLACES)
+    return [ask.format(job=job, place=place) for ask, job, place in itertools.islice(pairs, n)]
+
+
+def unfenced(text: str) -> str:
+    text = text.strip()
+    if text.startswith("```"):
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+        text = text.rsplit("```", 1)[0]
+    return text.strip()
+
+
+def validity(client, person, asks: list[str], max_tokens: int) -> dict:
+    import json
+
+    import pydantic
+
+    schema = json.dumps(person.model_json_schema())
+    system = f"Answer with one JSON object only, matching this JSON schema:\n{schema}"
+
+    def enforced(prompt):
+        r = client.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], response_format=person, max_tokens=max_tokens
+        )
+        return isinstance(r.choices[0].message.parsed, person)
+
+    def free(prompt):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+        )
+        try:
+            person.model_validate_json(unfenced(r.choices[0].message.content or ""))
+        except pydantic.ValidationError:
+            return False
+        return True
+
+    out = {}
+    with ThreadPoolExecutor(16) as pool:
+        for name, fn in (("enforced", enforced), ("not enforced", free)):
+            start = time.perf_counter()
+            ok = list(pool.map(fn, asks))
+            out[name] = (sum(ok), len(ok), time.perf_counter() - start)
+    return out
+
+
+def cost(client, streams: int, max_tokens: int, rounds: int) -> list[dict]:
+    question = [{"role": "user", "content": "Write a long story about the sea."}]
+    kinds = {
+        "no guide": {"extra_body": {"ignore_eos": True}},
+        "json schema": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": LONG_TEXT}},
+            "extra_body": {"ignore_eos": True},
+        },
+    }
+
+    def one(kw):
+        start = time.perf_counter()
+        r = client.chat.completions.create(model=MODEL, messages=question, max_tokens=max_tokens, temperature=0.7, **kw)
+        return r.usage.completion_tokens, time.perf_counter() - start
+
+    rows = {k: {"tokens": 0, "seconds": 0.0, "latencies": []} for k in kinds}
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(one, [kinds["no guide"]] * 2))  # warm
+        for _ in range(rounds):
+            for name, kw in kinds.items():
+                start = time.perf_counter()
+                done = list(pool.map(one, [kw] * streams))
+                rows[name]["seconds"] += time.perf_counter() - start
+                rows[name]["tokens"] += sum(t for t, _ in done)
+                rows[name]["latencies"] += [s for _, s in done]
+    out = []
+    for name, r in rows.items():
+        lat = sorted(r["latencies"])
+        out.append(
+            {
+                "kind": name,
+                "tokens_per_s": r["tokens"] / r["seconds"],
+                "p50_s": statistics.median(lat),
+                "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                "max_s": lat[-1],
+                "tokens": r["tokens"],
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    args = parser.parse_args(argv)
+
+    import openai
+
+    from perf.lib.deployment import start_deployment, stop_deployment
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="structured-bench-") as tmp:
+        triton, gateway, redis = start_deployment([MODEL], Path(tmp), KEY, False, say)
+        try:
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0, timeout=600)
+            person = person_model()
+            valid = validity(client, person, prompts(args.prompts), 200)
+            rows = cost(client, args.streams, args.max_tokens, args.rounds)
+        finally:
+            stop_deployment(triton, gateway, redis)
+    print(f"\nValidity over {args.prompts} prompts (Pydantic model of 5 fields, the model's default sampling):")
+    for name, (ok, n, seconds) in valid.items():
+        print(f"  {name:<13} {ok:>3}/{n} valid ({100 * ok / n:.0f} %) in {seconds:.0f} s")
+    print(f"\nCost at {args.streams} streams, {args.max_tokens} tokens each, {args.rounds} alternating rounds:")
+    print(f"  {'kind':<12} {'tokens/s':>9} {'P50 s':>7} {'P99 s':>7} {'max s':>7}")
+    for r in rows:
+        print(f"  {r['kind']:<12} {r['tokens_per_s']:>9.1f} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} {r['max_s']:>7.2f}")
+    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print(f"  guided / unguided tokens/s: {ratio:.2f} (target >= {TARGET})")
+    args.results.mkdir(parents=True, exist_ok=True)
+    write_csv(args.results / "structured_cost.csv", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

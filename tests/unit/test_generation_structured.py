@@ -1,0 +1,84 @@
+"""Structured outputs' guides (python_backends/generation/structured.py) with the model's real
+tokenizer and llguidance: the checks on a guide's form, compiling once per guide, the errors that
+name the field, and the mask's bit order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from python_backends.errors import InputError
+from python_backends.generation.fields import SamplingParams
+from python_backends.generation.structured import MAX_CHOICES, MAX_GUIDE_BYTES, Grammars, guide_source
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]}
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    if not (MODEL_DIR / "tokenizer.json").is_file():
+        pytest.skip("text_generation not exported (python -m export.generation)")
+    from transformers import AutoTokenizer
+
+    return Grammars(AutoTokenizer.from_pretrained(str(MODEL_DIR)), 49152)
+
+
+def test_a_guide_is_kept_as_its_canonical_text_one_per_request():
+    p = SamplingParams(guided_json=SCHEMA)
+    assert p.guide == (
+        "guided_json",
+        '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]}',
+    )
+    assert SamplingParams(guided_json='{"type": "object"}').guide == ("guided_json", '{"type": "object"}')  # a JSON string too
+    assert SamplingParams(guided_choice=["yes", "no"]).guide == ("guided_choice", '["yes", "no"]')
+    assert SamplingParams().guide is None and hash(SamplingParams(guided_json=SCHEMA))
+    with pytest.raises(InputError, match="guided_regex: only one guide per request: guided_json is set too"):
+        SamplingParams(guided_json=SCHEMA, guided_regex="a+")
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("guided_json", "{not json", "is not valid JSON"),
+        ("guided_json", [1, 2], "must be a JSON schema"),
+        ("guided_choice", [], "non-empty list of strings"),
+        ("guided_choice", ["a", ""], "every choice must be a non-empty string"),
+        ("guided_choice", ["a", 3], "every choice must be a non-empty string"),
+        ("guided_choice", ["x"] * (MAX_CHOICES + 1), f"at most {MAX_CHOICES} choices"),
+        ("guided_regex", "", "non-empty string"),
+        ("guided_grammar", 5, "non-empty string"),
+        ("guided_regex", "a" * (MAX_GUIDE_BYTES + 1), f"the limit is {MAX_GUIDE_BYTES}"),
+        ("guided_regex", "a\ud800", "not valid Unicode"),
+        ("guided_json", {"description": "\udc00"}, "not valid Unicode"),
+    ],
+)
+def test_a_guide_of_the_wrong_form_or_size_is_refused_naming_its_field(field, value, words):
+    with pytest.raises(InputError) as caught:
+        guide_source(field, value)
+    assert caught.value.field == field and words in str(caught.value)
+
+
+def test_each_guide_compiles_once_and_bad_ones_name_their_field(grammars):
+    before = grammars.compiled
+    first = grammars.compile("guided_json", guide_source("guided_json", SCHEMA))
+    assert grammars.compile("guided_json", guide_source("guided_json", SCHEMA)) is first
+    assert grammars.compiled == before + 1
+    for field, value, words in (
+        ("guided_json", {"type": "object", "properties": {"a": {"type": "strin"}}}, "strin"),
+        ("guided_regex", "a(b", "unclosed group"),
+        ("guided_grammar", "start: foo", "unknown name"),
+    ):
+        with pytest.raises(InputError) as caught:
+            grammars.compile(field, guide_source(field, value))
+        assert caught.value.field == field and "cannot be compiled" in str(caught.value) and words in str(caught.value)
+
+
+def test_the_mask_is_llguidances_own_bit_for_bit(grammars):
+    """Our unpacking of the bitmask against llguidance's byte-per-token logit bias."""
+    m = grammars.matcher("guided_choice", guide_source("guided_choice", ["yes", "no", "maybe"]))
+    allowed = grammars.allowed([m, grammars.matcher("guided_regex", "[0-9]+")])
+    reference = [b != 0 for b in m.compute_logit_bias()][:49152]
+    assert allowed.shape == (2, 49152) and allowed[0].tolist() == reference
+    assert 0 < int(allowed[0].sum()) < 100 and int(allowed[1].sum()) > int(allowed[0].sum())
