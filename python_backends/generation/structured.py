@@ -31,7 +31,11 @@ MAX_CHOICES = 256
 CACHED_GRAMMARS = 256
 # JSON on one line with ", " and ": ": llguidance's default allows any run of whitespace between
 # tokens, where a small model can loop until max_tokens cuts the answer.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT: Any = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}  # llguidance's JsonCompileOptions
 
 
 def guide_source(field: str, value: Any) -> str:
