@@ -20,7 +20,7 @@ from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
-from openai_gateway.tools import ToolUse, check_tools, render_message
+from openai_gateway.tools import ToolUse, check_tools, closed, render_message
 from python_backends.generation.fields import MAX_LOGPROBS, SAMPLING_FIELDS
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: OpenAI's 20, the engine's limit too
@@ -203,7 +203,7 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
 def response_format_schema(value: dict[str, Any] | None) -> Any:
     """The JSON schema a chat's ``response_format`` asks for: None for text, any JSON object for
     ``json_object``, ``json_schema.schema`` for ``json_schema`` (enforced whether or not
-    ``strict``); 400 naming the part that is wrong."""
+    ``strict``, its objects closed unless they say otherwise); 400 naming the part that is wrong."""
     if not value or value.get("type") in (None, "text"):
         return None
     kind = value.get("type")
@@ -221,7 +221,9 @@ def response_format_schema(value: dict[str, Any] | None) -> Any:
         raise bad_request(
             "response_format.json_schema.schema must be a JSON schema object", param="response_format.json_schema.schema"
         )
-    return schema or {"type": "object"}
+    # Objects that do not say otherwise take only their listed properties (OpenAI's strict mode
+    # requires that of the schema; enforced, an open object lets a small model add keys forever).
+    return closed(schema) if schema else {"type": "object"}
 
 
 # /v1/completions without max_tokens generates 16 tokens, as OpenAI and vLLM do.

@@ -12,6 +12,8 @@ with tools) lets the model choose, and an answer that is such a list of known fu
 ``tool_calls``; ``required`` and a named function are enforced: the list's JSON schema (each
 item's ``name`` a constant, its ``arguments`` the function's parameters; one item when
 ``parallel_tool_calls`` is false or a function is named) becomes the engine's ``guided_json``.
+Objects in the parameters that do not say ``additionalProperties`` are closed there (no keys
+beyond those listed), as OpenAI's strict function calling has them.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class ToolUse:
         items = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -99,6 +101,26 @@ class ToolUse:
                 }
             )
         return out
+
+
+def closed(schema: Any) -> Any:
+    """A copy of ``schema`` whose objects take no properties beyond those listed, unless they
+    say otherwise, as OpenAI's strict function calling has them: an open object lets a small
+    model add keys until max_tokens cuts the call."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in schema[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "additionalProperties")
 
 
 def check_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolUse | None:

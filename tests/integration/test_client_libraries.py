@@ -18,8 +18,8 @@ GENERATION = "text_generation"
 class City(pydantic.BaseModel):
     """A city and the country it is in."""
 
-    name: str = pydantic.Field(max_length=30)
-    country: str = pydantic.Field(max_length=30)
+    name: str = pydantic.Field(min_length=1, max_length=30)
+    country: str = pydantic.Field(min_length=1, max_length=30)
     landmarks: list[Annotated[str, pydantic.StringConstraints(max_length=30)]] = pydantic.Field(max_length=2)
 
 
@@ -32,7 +32,7 @@ def test_instructor_extracts_a_pydantic_model_through_a_named_tool(openai_client
     client = instructor.from_openai(openai_client)  # instructor's default mode: tools, tool_choice named
     for question in QUESTIONS:
         city = client.chat.completions.create(
-            model=GENERATION, response_model=City, messages=[{"role": "user", "content": question}], max_tokens=120, max_retries=0
+            model=GENERATION, response_model=City, messages=[{"role": "user", "content": question}], max_tokens=160, max_retries=0
         )
         assert isinstance(city, City) and city.name
 
@@ -42,7 +42,7 @@ def test_langchain_structured_output_and_tools(gateway):
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(
-        model=GENERATION, base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_tokens=120, max_retries=0, timeout=120
+        model=GENERATION, base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_tokens=160, max_retries=0, timeout=120
     )
     for method in ("json_schema", "function_calling"):
         city = llm.with_structured_output(City, method=method).invoke(QUESTIONS[0])

@@ -186,6 +186,13 @@ def test_tools_are_listed_in_a_system_message_and_required_calls_are_the_engines
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema  # parallel calls allowed
     assert [i["properties"]["name"]["const"] for i in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
     assert required.fields["guided_json"] == "tools"
+    weather = schema["items"]["anyOf"][0]["properties"]["arguments"]
+    assert weather["additionalProperties"] is False and TOOL["function"]["parameters"].get("additionalProperties") is None
+    nested = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object", "properties": {}}}}}
+    from openai_gateway.tools import closed
+
+    assert closed(nested)["properties"]["a"]["items"]["additionalProperties"] is False
+    assert closed({"type": "object", "additionalProperties": True}) == {"type": "object", "additionalProperties": True}
     named = chat(model, tools=[TOOL, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert named.sampling["guided_json"]["items"]["properties"]["name"] == {"const": "get_time"}
     assert named.sampling["guided_json"]["maxItems"] == 1
@@ -514,7 +521,10 @@ def test_logprobs_are_asked_of_the_engine_and_written_in_each_apis_shape(model):
 def test_response_format_becomes_the_engines_json_guide(model):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     job = chat(model, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
-    assert job.sampling["guided_json"] == schema and job.fields["guided_json"] == "response_format"
+    assert (
+        job.sampling["guided_json"] == {**schema, "additionalProperties": False}
+        and job.fields["guided_json"] == "response_format"
+    )
     assert chat(model, response_format={"type": "json_object"}).sampling["guided_json"] == {"type": "object"}
     assert "guided_json" not in chat(model, response_format={"type": "text"}).sampling
     # vLLM's own guides pass as extra fields, to the engine that checks them.
