@@ -4,7 +4,8 @@
 # in the Triton image's Python 3.10). Only what `python -m openai_gateway` imports, pinned as in
 # requirements.txt and constraints.txt (tests/unit/test_compose.py checks they agree):
 # FastAPI and uvicorn with uvloop and httptools, orjson, prometheus-client, tritonclient's gRPC
-# and HTTP clients (the clients/ package imports both), numpy and tokenizers (token counts).
+# and HTTP clients (the clients/ package imports both), numpy, tokenizers and jinja2 (/tokenize:
+# the models' tokenizer files and the chat template).
 # Built from the repository root (.dockerignore admits python_backends/, openai_gateway/, clients/,
 # server/):
 #   docker-compose build gateway
@@ -14,7 +15,7 @@ FROM python:3.11-slim-bookworm
 RUN pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "uvicorn==0.54.0" \
       "uvloop==0.23.0" "httptools==0.9.0" "orjson==3.13.0" "prometheus-client==0.26.0" \
       "tritonclient[grpc,http]==2.50.0" "grpcio==1.85.3" "protobuf==4.25.9" "aiohttp==3.14.5" \
-      "numpy==1.26.4" "tokenizers==0.23.3"
+      "numpy==1.26.4" "tokenizers==0.23.3" "jinja2==3.1.6" "markupsafe==3.0.4"
 
 COPY python_backends /opt/embedding/python_backends
 COPY clients /opt/embedding/clients

@@ -74,6 +74,7 @@ class GenerationModel:
     max_model_len: int
     aliases: tuple[str, ...] = ()
     kind: str = "generation"
+    version_dir: Path | None = None  # its tokenizer and chat template (/tokenize)
 
 
 Model = EmbeddingModel | GenerationModel
@@ -137,7 +138,7 @@ def _embedding(
     )
 
 
-def _generation(name: str, config: ModelConfig) -> GenerationModel | None:
+def _generation(name: str, config: ModelConfig, repository: Path) -> GenerationModel | None:
     decoupled = bool(config.raw.get("model_transaction_policy", {}).get("decoupled"))
     names = {i.name for i in config.inputs}
     if not decoupled or not {"text_input", "sampling_parameters"} <= names:
@@ -146,6 +147,7 @@ def _generation(name: str, config: ModelConfig) -> GenerationModel | None:
         id=name,
         max_model_len=config.param_int("max_model_len", 4096, minimum=1),
         aliases=ALIASES.get(name, ()),
+        version_dir=repository / name / "1",
     )
 
 
@@ -172,7 +174,7 @@ class Catalog:
             if config.raw.get("platform") == "ensemble":
                 m = _embedding(name, config, configs, Path(repository), embedding_entry)
             else:
-                m = _generation(name, config)
+                m = _generation(name, config, Path(repository))
             if m is not None:
                 models.append(m)
         return cls(models)

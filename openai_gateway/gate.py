@@ -31,12 +31,16 @@ ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/models",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/health/ready",
     "/metrics",
     "/openapi.json",
     "/docs",
 )
+# Routes outside /v1 that need a key as the /v1 ones do (vLLM's paths).
+KEYED = ("/tokenize", "/detokenize")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -84,7 +88,7 @@ class RequestGate:
 
         st.metrics.in_flight.inc()
         try:
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path in KEYED:
                 ctype = headers.get(b"content-type", b"")
                 if scope["method"] == "POST" and (not ctype or ctype.startswith(b"application/x-www-form-urlencoded")):
                     # curl -d sends a form content type: the body is JSON all the same.

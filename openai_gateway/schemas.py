@@ -51,6 +51,24 @@ class ChatMessage(_Body):
     tool_call_id: StrictStr | None = None  # a tool message's call
 
 
+class TokenizeRequest(_Body):
+    """The body of `POST /tokenize` (vLLM's): a prompt, or chat messages rendered with the model's template."""
+
+    model: StrictStr
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = Field(None, description="default: true for a prompt, false for messages")
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    """The body of `POST /detokenize` (vLLM's)."""
+
+    model: StrictStr
+    tokens: list[StrictInt]
+
+
 class StreamOptions(_Body):
     """`stream_options`: `include_usage` adds a last chunk with the usage."""
 

@@ -15,6 +15,7 @@ from openai_gateway.errors import model_not_found
 from openai_gateway.metrics import GatewayMetrics
 from openai_gateway.ratelimit import RateLimiter, SharedRateLimiter
 from openai_gateway.settings import GatewaySettings
+from openai_gateway.tokenize import ModelTokenizer
 from openai_gateway.triton import TritonBackend
 
 log = logging.getLogger("openai_gateway")
@@ -50,9 +51,16 @@ class GatewayState:
         )
         self.backend.on_batch = self.metrics.coalesced.observe
         self.vocabularies: dict[str, embeddings.Vocabulary] = {}
+        self.tokenizers: dict[str, ModelTokenizer] = {}  # /tokenize, /detokenize
+        for g in self.catalog.of_kind("generation"):
+            if g.version_dir is not None and (g.version_dir / "tokenizer.json").is_file():
+                self.tokenizers[g.id] = ModelTokenizer.load(
+                    g.version_dir / "tokenizer.json", g.max_model_len, g.version_dir / "chat_template.jinja"
+                )
         for m in self.catalog.of_kind("embedding"):
             try:
                 self.vocabularies[m.id] = embeddings.Vocabulary(m.tokenizer_file)
+                self.tokenizers[m.id] = ModelTokenizer.load(m.tokenizer_file, m.max_tokens)
             except FileNotFoundError as exc:
                 log.warning("%s is not served by the gateway: %s", m.id, exc)
 

@@ -4,8 +4,9 @@
 - ``models``: ``/v1/models``, ``/v1/models/{model}``
 - ``embeddings``: ``/v1/embeddings``
 - ``completions``: ``/v1/chat/completions``, ``/v1/completions``
+- ``tokenize``: ``/tokenize``, ``/detokenize`` (vLLM's paths; a key as for ``/v1``)
 
-Every ``/v1`` route has passed the gate (key, rate limit, body size) before it runs; a route
+Every ``/v1`` route (and the tokenize pair) has passed the gate (key, rate limit, body size) before it runs; a route
 parses its body, checks it, asks Triton and writes the answer.
 """
 
