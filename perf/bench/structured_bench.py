@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  guided / unguided tokens/s: {ratio:.2f} (target >= {TARGET})")
     args.results.mkdir(parents=True, exist_ok=True)
     write_csv(args.results / "structured_cost.csv", rows)
+    write_csv(
+        args.results / "structured_validity.csv",
+        [{"kind": k, "valid": ok, "total": n, "seconds": round(t, 1)} for k, (ok, n, t) in valid.items()],
+    )
     return 0
 
 
