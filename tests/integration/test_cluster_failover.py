@@ -16,6 +16,7 @@ import json
 import shutil
 import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -52,8 +53,11 @@ def cluster(tmp_path_factory):
 
 def _get(url: str, headers: dict | None = None, data: bytes | None = None) -> dict:
     req = urllib.request.Request(url, data=data, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as exc:  # the body says why
+        raise AssertionError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
 
 
 def test_the_first_screen_says_where_everything_is_and_prometheus_scrapes_every_replica(cluster):

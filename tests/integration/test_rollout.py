@@ -95,7 +95,7 @@ def test_server_started_from_the_state_file_in_the_direct_form(rollout_server, a
         "version_policy"
     ] == {"specific": {"versions": [1]}}
     entry = admin.config("text_embedding")
-    assert form_of(entry) == DIRECT and [o["name"] for o in entry["output"]] == ["EMBEDDING"]
+    assert form_of(entry) == DIRECT and [o["name"] for o in entry["output"]] == ["EMBEDDING", "NUM_TOKENS"]
     assert not admin.ready("text_encoder_router")  # off the request path, not loaded
 
 
