@@ -18,8 +18,8 @@ the schema, and what enforcing costs in tokens/s at 16 streams.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import itertools
-import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +29,7 @@ from typing import Annotated
 
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.stats import median, percentile
 
 MODEL = "text_generation"
 KEY = "structured-bench-key"
@@ -146,8 +147,8 @@ def cost(client, streams: int, max_tokens: int, rounds: int) -> list[dict]:
             {
                 "kind": name,
                 "tokens_per_s": r["tokens"] / r["seconds"],
-                "p50_s": statistics.median(lat),
-                "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                "p50_s": median(lat),
+                "p99_s": percentile(lat, 99),
                 "max_s": lat[-1],
                 "tokens": r["tokens"],
             }
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--results", type=Path, help="output folder (default perf/results/structured-<UTC time>)")
     args = parser.parse_args(argv)
 
     import openai
@@ -189,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['kind']:<12} {r['tokens_per_s']:>9.1f} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} {r['max_s']:>7.2f}")
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     print(f"  guided / unguided tokens/s: {ratio:.2f} (target >= {TARGET})")
-    args.results.mkdir(parents=True, exist_ok=True)
-    write_csv(args.results / "structured_cost.csv", rows)
+    results = args.results or DEFAULT_RESULTS / f"structured-{dt.datetime.now(dt.UTC).strftime('%Y%m%d-%H%M%S')}"
+    results.mkdir(parents=True, exist_ok=True)
+    write_csv(results / "structured_cost.csv", rows)
     write_csv(
-        args.results / "structured_validity.csv",
+        results / "structured_validity.csv",
         [{"kind": k, "valid": ok, "total": n, "seconds": round(t, 1)} for k, (ok, n, t) in valid.items()],
     )
     return 0
