@@ -108,6 +108,30 @@ def _include_usage(req: _Sampling) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
+def plain_message(m: Any, i: int) -> dict[str, str]:
+    """A system, user or assistant message as the model's template takes it (role mapped, text
+    parts joined, valid UTF-8); 400 naming the part that is not."""
+    role = ROLES.get(m.role)
+    if role is None:
+        raise bad_request(f"messages[{i}].role is {m.role!r}; expected one of {', '.join(ROLES)}", param=f"messages[{i}].role")
+    if isinstance(m.content, list):
+        parts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts are supported",
+                    param=f"messages[{i}].content[{j}].type",
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    elif m.content is None:
+        raise bad_request(f"messages[{i}].content is missing", param=f"messages[{i}].content")
+    else:
+        content = m.content
+    utf8(content, f"messages[{i}].content")
+    return {"role": role, "content": content}
+
+
 def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
     """A chat completion request checked against OpenAI's policy and the gateway's own limits, as a
     job; 400/413 naming the field otherwise. The model judges the rest (its errors come back as data)."""
@@ -136,28 +160,9 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
             utf8(rendered["content"], f"messages[{i}].content")
             messages.append(rendered)
             continue
-        role = ROLES.get(m.role)
-        if role is None:
-            raise bad_request(
-                f"messages[{i}].role is {m.role!r}; expected one of {', '.join(ROLES)}", param=f"messages[{i}].role"
-            )
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts are supported",
-                        param=f"messages[{i}].content[{j}].type",
-                    )
-                parts.append(part.text)
-            content = "".join(parts)
-        elif m.content is None:
-            raise bad_request(f"messages[{i}].content is missing", param=f"messages[{i}].content")
-        else:
-            content = m.content
-        chars += len(content)
-        utf8(content, f"messages[{i}].content")
-        messages.append({"role": role, "content": content})
+        message = plain_message(m, i)
+        chars += len(message["content"])
+        messages.append(message)
     if chars > settings.max_prompt_chars:
         raise too_large(
             f"messages have {chars} characters together; the limit is {settings.max_prompt_chars} (--max-prompt-chars)",

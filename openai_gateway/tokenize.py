@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from openai_gateway.completions import ROLES
+from openai_gateway.completions import plain_message
 from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
 
@@ -104,16 +104,7 @@ def tokenize_body(tok: ModelTokenizer, req: Any, max_chars: int, max_messages: i
     else:
         if len(req.messages) > max_messages:
             raise too_large(f"messages has {len(req.messages)} items; the limit is {max_messages}", param="messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            role = ROLES.get(m.role)
-            if role is None:
-                raise bad_request(
-                    f"messages[{i}].role is {m.role!r}; expected one of {', '.join(ROLES)}", param=f"messages[{i}].role"
-                )
-            content = m.content if isinstance(m.content, str) else "".join(p.text or "" for p in m.content or [])
-            utf8(content, f"messages[{i}].content")
-            messages.append({"role": role, "content": content})
+        messages = [plain_message(m, i) for i, m in enumerate(req.messages)]
         text = tok.render(messages, req.add_generation_prompt)
         if len(text) > max_chars:
             raise too_large(f"the messages render to {len(text)} characters; the limit is {max_chars}", param="messages")
