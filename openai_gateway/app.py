@@ -19,14 +19,14 @@ from openai_gateway.auth import ApiKeys
 from openai_gateway.catalog import Catalog
 from openai_gateway.gate import ROUTES, RequestGate
 from openai_gateway.handlers import EXCEPTION_HANDLERS
-from openai_gateway.routes import completions, embeddings, health, models, tokenize
+from openai_gateway.routes import completions, embeddings, health, models, rerank, tokenize
 from openai_gateway.routes.embeddings import PRIORITY_HEADER
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.state import GatewayState
 
 __all__ = ["PRIORITY_HEADER", "ROUTES", "create_app"]
 
-ROUTERS = (health.router, models.router, embeddings.router, completions.router, tokenize.router)
+ROUTERS = (health.router, models.router, embeddings.router, completions.router, tokenize.router, rerank.router)
 
 
 def include_flat(app: FastAPI, router: APIRouter) -> None:

@@ -33,6 +33,11 @@ ROUTES = (
     "/v1/models",
     "/tokenize",
     "/detokenize",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/score",
+    "/v1/score",
     "/health",
     "/health/ready",
     "/metrics",
@@ -40,7 +45,7 @@ ROUTES = (
     "/docs",
 )
 # Routes outside /v1 that need a key as the /v1 ones do (vLLM's paths).
-KEYED = ("/tokenize", "/detokenize")
+KEYED = ("/tokenize", "/detokenize", "/rerank", "/v2/rerank", "/score")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 

@@ -1,0 +1,246 @@
+"""``/v1/rerank`` (Cohere's and Jina's shape, as vLLM serves it) and ``/score`` (vLLM's) on the
+embedding model: relevance is the **cosine of the bi-encoder's vectors**, not a cross-encoder's
+judgement of the pair.
+
+A request becomes a ``ScoreJob``: its distinct texts (each checked as ``/v1/embeddings`` checks
+a text, under its own field name) and the pairs to score as indices into them. The texts are
+embedded through the gateway's own embeddings path (``TritonBackend.embed``: the text entry,
+the result cache by default, coalescing and batching included), so a document seen before is
+a cache hit and costs no model work. The scores are computed here from the vectors.
+
+The scorer is one function, ``bi_encoder_scores``: a cross-encoder (a model that reads the
+pair together) would be a second function of the same signature, chosen by the model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from openai_gateway.catalog import EmbeddingModel
+from openai_gateway.embeddings import EmbeddingJob, utf8
+from openai_gateway.errors import APIError, bad_request, too_large
+from openai_gateway.settings import GatewaySettings
+
+# --- request bodies (published in /openapi.json) --------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # as schemas.py: unknown fields ignored, types strict
+
+
+class RerankDocument(_Body):
+    """A document as an object (Cohere v1, Jina): only ``text`` is read."""
+
+    text: StrictStr
+
+
+class RerankRequest(_Body):
+    """The body of `POST /v1/rerank` (also `/rerank`, `/v2/rerank`)."""
+
+    model: StrictStr = Field(description="The embedding model (its id or alias)")
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument] = Field(description="Texts, or objects with a `text` field")
+    top_n: StrictInt | None = Field(None, description="Return the best top_n (>= 1); default: all")
+    return_documents: StrictBool = Field(True, description="Echo each result's document text (default true)")
+    user: StrictStr | None = None
+
+
+class ScoreRequest(_Body):
+    """The body of `POST /score` (also `/v1/score`), vLLM's: pairs 1:1, 1:N or N:N."""
+
+    model: StrictStr = Field(description="The embedding model (its id or alias)")
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    user: StrictStr | None = None
+
+
+# --- the checked request --------------------------------------------------------------------
+
+
+@dataclass
+class ScoreJob:
+    """Distinct texts to embed, and the pairs to score as (left, right) indices into them."""
+
+    model: EmbeddingModel
+    texts: list[str] = field(default_factory=list)
+    blobs: list[bytes] = field(default_factory=list)  # the texts as UTF-8
+    params: list[str] = field(default_factory=list)  # the field each distinct text first came from
+    left: list[int] = field(default_factory=list)
+    right: list[int] = field(default_factory=list)
+    uses: list[int] = field(default_factory=list)  # per distinct text: how often the request sent it
+    _seen: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def add(self, text: str, param: str, settings: GatewaySettings) -> int:
+        """The index of ``text`` among the distinct texts, checked as /v1/embeddings checks a text."""
+        found = self._seen.get(text)
+        if found is not None:
+            self.uses[found] += 1
+            return found
+        limit = settings.max_input_chars
+        if len(text) > limit:
+            raise too_large(f"{param} has {len(text)} characters; the limit is {limit} (--max-input-chars)", param=param)
+        if not text.strip():
+            raise bad_request(f"{param} is empty or only whitespace", param=param)
+        self.blobs.append(utf8(text, param))
+        self.texts.append(text)
+        self.params.append(param)
+        self.uses.append(1)
+        self._seen[text] = len(self.texts) - 1
+        return len(self.texts) - 1
+
+    def named(self, exc: APIError) -> APIError:
+        """``exc`` with the request's own field for the text a model refused: the embeddings path
+        names it ``input[k]``, k its index among the distinct texts when they went as one batch
+        (the index of a later batch is its own, so it is left as it is)."""
+        base, _, rest = (exc.param or "").partition("[")
+        one_batch = len(self.texts) <= self.model.max_batch_size
+        if one_batch and base == "input" and rest.endswith("]") and rest[:-1].isdigit() and int(rest[:-1]) < len(self.params):
+            exc.param = self.params[int(rest[:-1])]
+            exc.message = f"{exc.param}: {exc.message}"
+            exc.args = (exc.message,)
+        return exc
+
+    def embedding_job(self, priority_class: str | None) -> EmbeddingJob:
+        """The distinct texts as the embeddings path's job (same entry, cache and batching)."""
+        return EmbeddingJob(self.model, self.texts, None, "float", self.blobs, priority_class)
+
+
+def _count(items: list, param: str, settings: GatewaySettings) -> None:
+    if not items:
+        raise bad_request(f"{param} must not be empty", param=param)
+    if len(items) > settings.max_inputs:
+        raise too_large(
+            f"{param} has {len(items)} items; the limit is {settings.max_inputs} per request (--max-inputs)", param=param
+        )
+
+
+def check_rerank(req: RerankRequest, model: EmbeddingModel, settings: GatewaySettings) -> tuple[ScoreJob, list[str]]:
+    """The rerank request as a job (the query is text 0, pairs query x each document) and the
+    documents' texts; APIError naming the field and the limit it broke."""
+    if req.top_n is not None and req.top_n < 1:
+        raise bad_request(f"top_n must be at least 1 (omit it for all documents), got {req.top_n}", param="top_n")
+    _count(req.documents, "documents", settings)
+    job = ScoreJob(model)
+    query = job.add(req.query, "query", settings)
+    docs = [d if isinstance(d, str) else d.text for d in req.documents]
+    for i, text in enumerate(docs):
+        job.left.append(query)
+        job.right.append(job.add(text, f"documents[{i}]", settings))
+    return job, docs
+
+
+def check_score(req: ScoreRequest, model: EmbeddingModel, settings: GatewaySettings) -> ScoreJob:
+    """The score request as a job, pairs as vLLM makes them: one text_1 against each text_2
+    (1:N), or text_1[i] against text_2[i] (N:N)."""
+    one = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    two = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    _count(one, "text_1", settings)
+    _count(two, "text_2", settings)
+    if len(one) > 1 and len(one) != len(two):
+        raise bad_request(
+            f"text_1 has {len(one)} items and text_2 {len(two)}: pairs are 1:1, 1:N or N:N (equal lengths)", param="text_2"
+        )
+    job = ScoreJob(model)
+    name_1 = "text_1" if isinstance(req.text_1, str) else "text_1[{}]"
+    name_2 = "text_2" if isinstance(req.text_2, str) else "text_2[{}]"
+    firsts = [job.add(t, name_1.format(i), settings) for i, t in enumerate(one)]
+    for i, text in enumerate(two):
+        job.left.append(firsts[i if len(firsts) > 1 else 0])
+        job.right.append(job.add(text, name_2.format(i), settings))
+    return job
+
+
+# --- scoring --------------------------------------------------------------------------------
+
+# What embeds a job's texts: the embeddings path (TritonBackend.embed with its request id and
+# padding id bound), answering the vectors in order and each text's token count.
+Embed = Callable[[EmbeddingJob], Awaitable[tuple[np.ndarray, np.ndarray]]]
+
+
+@dataclass
+class Scored:
+    """A job's scores, one per pair, and the tokens of the texts the request sent."""
+
+    scores: np.ndarray  # float64 [pairs]
+    total_tokens: int
+
+
+def check_lengths(job: ScoreJob, counts: np.ndarray) -> None:
+    """400 context_length_exceeded for the first text with more tokens than the model takes."""
+    limit = job.model.max_tokens
+    for i, n in enumerate(counts):
+        if n > limit:
+            raise APIError(
+                400,
+                f"{job.params[i]} has {int(n)} tokens; {job.model.id}'s maximum context length is {limit} "
+                "tokens (max_sequence_length in its config.pbtxt). Shorten or split it.",
+                param=job.params[i],
+                code="context_length_exceeded",
+            )
+
+
+def cosine(vectors: np.ndarray, left: list[int], right: list[int]) -> np.ndarray:
+    """The cosine of each (left, right) pair of rows, in float64. The model's vectors are
+    L2-normalised already, so this is their dot product up to float32 rounding."""
+    v = np.asarray(vectors, dtype=np.float64)
+    norms = np.linalg.norm(v, axis=1)
+    norms[norms == 0] = 1.0  # a zero vector scores 0 against everything, not NaN
+    unit = v / norms[:, None]
+    return np.einsum("ij,ij->i", unit[left], unit[right])
+
+
+async def bi_encoder_scores(job: ScoreJob, embed: Embed, priority_class: str | None) -> Scored:
+    """The scorer of a bi-encoder: each distinct text embedded once (through the result cache),
+    each pair scored as the cosine of its two vectors. Tokens are counted per text sent (a
+    repeated text counts each time, as it would in /v1/embeddings)."""
+    try:
+        vectors, counts = await embed(job.embedding_job(priority_class))
+    except APIError as exc:
+        raise job.named(exc) from None
+    check_lengths(job, counts)
+    total = int(np.dot(np.asarray(counts, dtype=np.int64), np.asarray(job.uses, dtype=np.int64)))
+    return Scored(cosine(vectors, job.left, job.right), total)
+
+
+# --- answers --------------------------------------------------------------------------------
+
+
+def ranked(scores: np.ndarray, top_n: int | None) -> list[int]:
+    """Indices by score, highest first, ties by index; the first ``top_n`` (all when None)."""
+    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+    return order if top_n is None else order[:top_n]
+
+
+def rerank_body(request_id: str, model: EmbeddingModel, req: RerankRequest, docs: list[str], scored: Scored) -> bytes:
+    """vLLM's (and Jina's) rerank answer: results sorted by relevance, the usage's total tokens."""
+    results = []
+    for i in ranked(scored.scores, req.top_n):
+        item: dict = {"index": i, "relevance_score": float(scored.scores[i])}
+        if req.return_documents:
+            item["document"] = {"text": docs[i]}
+        results.append(item)
+    return orjson.dumps(
+        {"id": f"rerank-{request_id}", "model": model.id, "usage": {"total_tokens": scored.total_tokens}, "results": results}
+    )
+
+
+def score_body(request_id: str, model: EmbeddingModel, scored: Scored) -> bytes:
+    """vLLM's score answer: one score per pair, in pair order."""
+    data = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scored.scores)]
+    usage = {"prompt_tokens": scored.total_tokens, "total_tokens": scored.total_tokens, "completion_tokens": 0}
+    return orjson.dumps(
+        {
+            "id": f"score-{request_id}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": model.id,
+            "data": data,
+            "usage": usage,
+        }
+    )

@@ -1,0 +1,73 @@
+"""``/v1/rerank`` and ``/score``: relevance of texts to a query (or of text pairs) as the cosine
+of the embedding model's vectors, computed from the embeddings path (``openai_gateway/rerank.py``).
+
+``/rerank`` and ``/v2/rerank`` answer as ``/v1/rerank``, and ``/v1/score`` as ``/score`` (vLLM
+serves all four); only ``/v1/rerank`` and ``/score`` are published in /openapi.json.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Security
+
+from openai_gateway import rerank
+from openai_gateway.catalog import EmbeddingModel
+from openai_gateway.embeddings import EmbeddingJob
+from openai_gateway.responses import json_response
+from openai_gateway.routes import bearer
+from openai_gateway.routes.embeddings import priority_class_of
+from openai_gateway.state import gateway_state, request_info
+from openai_gateway.streaming import until_done_or_gone
+
+router = APIRouter()
+
+
+async def _score(request: Request, job: rerank.ScoreJob, model: EmbeddingModel) -> rerank.Scored:
+    """The job scored by the model's scorer, its texts through the embeddings path; the tokens
+    counted in the log line and the per-key metrics."""
+    st = gateway_state(request)
+    info = request_info(request)
+    info["texts"] = len(job.texts)
+    priority_class = priority_class_of(request, model)
+    st.backend.require_ready(model)
+    if priority_class is not None:
+        st.backend.require_entry_ready(model, priority_class)
+    pad_id = st.vocabularies[model.id].pad_id
+
+    async def embed(ejob: EmbeddingJob):
+        work = st.backend.embed(ejob, info["request_id"], pad_id)
+        # As /v1/embeddings: one batch is over in milliseconds; several are watched for a disconnect.
+        return await (work if len(ejob.chunks()) == 1 else until_done_or_gone(request, work, st.metrics, request.url.path))
+
+    scored = await rerank.bi_encoder_scores(job, embed, priority_class)
+    info["prompt_tokens"] = scored.total_tokens
+    st.metrics.count_tokens(info["key_id"], model.id, scored.total_tokens)
+    return scored
+
+
+@router.post("/v1/rerank", dependencies=[Security(bearer)])
+async def create_rerank(body: rerank.RerankRequest, request: Request):
+    """Rank `documents` by relevance to `query`: the cosine of the embedding model's vectors
+    (a bi-encoder, not a cross-encoder); documents go through the result cache."""
+    st = gateway_state(request)
+    model = st.find(body.model, "embedding")
+    request_info(request)["model"] = model.id
+    job, docs = rerank.check_rerank(body, model, st.settings)
+    scored = await _score(request, job, model)
+    return json_response(200, rerank.rerank_body(request_info(request)["request_id"], model, body, docs, scored))
+
+
+@router.post("/score", dependencies=[Security(bearer)])
+async def create_score(body: rerank.ScoreRequest, request: Request):
+    """Score text pairs (vLLM's 1:1, 1:N, N:N): the cosine of the embedding model's vectors."""
+    st = gateway_state(request)
+    model = st.find(body.model, "embedding")
+    request_info(request)["model"] = model.id
+    job = rerank.check_score(body, model, st.settings)
+    scored = await _score(request, job, model)
+    return json_response(200, rerank.score_body(request_info(request)["request_id"], model, scored))
+
+
+# vLLM's other paths for the same two handlers, kept out of the schema (one published path each).
+router.add_api_route("/rerank", create_rerank, methods=["POST"], dependencies=[Security(bearer)], include_in_schema=False)
+router.add_api_route("/v2/rerank", create_rerank, methods=["POST"], dependencies=[Security(bearer)], include_in_schema=False)
+router.add_api_route("/v1/score", create_score, methods=["POST"], dependencies=[Security(bearer)], include_in_schema=False)
