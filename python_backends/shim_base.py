@@ -64,6 +64,18 @@ def request_texts(pb_utils: Any, request: Any, name: str, max_bytes: int, config
     return decode_texts(input_numpy(pb_utils, request, name), name, max_bytes)
 
 
+def request_truncation(pb_utils: Any, request: Any, rows: int) -> list:
+    """Each of a request's ``rows`` texts' Truncation from its optional TRUNCATE and
+    TRUNCATION_DIRECTION inputs (python_backends.text.truncation; InputError for a bad value)."""
+    from python_backends.text.truncation import DIRECTION_INPUT, TRUNCATE_INPUT, parse_truncation
+
+    def optional(name: str):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return parse_truncation(optional(TRUNCATE_INPUT), optional(DIRECTION_INPUT), rows)
+
+
 class BatchShim:
     """- initialize: logging, ``self.config`` (the parsed config), ``load(args)``, whose
       exception fails the load naming the model, then freeze_loaded_objects;

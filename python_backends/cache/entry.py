@@ -7,12 +7,21 @@ call to the target model) for the misses, admitted into the lane, and each reque
 its vectors and each text's token count. A cache entry holds both: the vector's ``dim``
 float32 values, then the token count as one more float32 (exact below 2**24). See
 docs/result-cache.md and docs/priority-classes.md.
+
+Truncation (python_backends/text/truncation.py, docs/embeddings.md#truncation): a text over the
+limit is refused unless its request asked to truncate it. Left truncation gives another vector,
+so it has keys of its own; right truncation and none share keys (a text that fits gets the same
+vector either way), so a refusing request that hits an entry whose count is over the limit is
+refused from the cache. Misses go to the model truncated only where some request in the batch
+asked for it; a refused text is not embedded: the tokenizer step's error names it (data: its
+index, tokens and limit), that text is set aside and the other misses are sent again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,11 +38,30 @@ from python_backends.cache.redis_l2 import RedisL2
 from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
 from python_backends.config import ModelConfig
+from python_backends.errors import CONTEXT_LENGTH, ConfigError, RequestError
+from python_backends.text.truncation import REFUSE, ContextLengthError, Truncation, refuse_over_limit
 
 log = logging.getLogger(__name__)
 
-# texts -> their vectors [len(texts), dim] and token counts [len(texts)], from the target model in one call
-ComputeFn = Callable[[list], tuple[np.ndarray, np.ndarray]]
+# texts and each one's Truncation -> their vectors [len(texts), dim] and token counts [len(texts)],
+# from the target model in one call (a text over the limit that may not be truncated: ContextLengthError's data)
+ComputeFn = Callable[[list, list], tuple[np.ndarray, np.ndarray]]
+_MAX_LENGTH = re.compile(r'key:\s*"max_sequence_length"\s*value:\s*\{\s*string_value:\s*"(\d+)"')
+
+
+def tokenizer_limit(repository: Path, tokenizer: str) -> int:
+    """``max_sequence_length`` of the tokenizer step's config.pbtxt (its one source), the limit a
+    refusing request's cached count is checked against."""
+    path = Path(repository) / tokenizer / "config.pbtxt"
+    try:
+        m = _MAX_LENGTH.search(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {tokenizer}'s config for max_sequence_length: {exc}") from None
+    if m is None:
+        raise ConfigError(f"{path} has no max_sequence_length parameter")
+    return int(m.group(1))
+
+
 Rows = tuple[np.ndarray, np.ndarray]  # one request's vectors [n, dim] float32 and token counts [n] int32
 
 
@@ -64,6 +92,8 @@ class CachedEntry:
         admission_dir: Path | None = None,
     ):
         self.text = config.require("input", "TEXT", "TYPE_STRING", (1,)).name
+        config.require("input", "TRUNCATE", "TYPE_BOOL", (1,))
+        config.require("input", "TRUNCATION_DIRECTION", "TYPE_STRING", (1,))
         out = config.require("output", "EMBEDDING", "TYPE_FP32")
         if len(out.dims) != 1 or out.dims[0] < 1:
             raise ValueError(f"output EMBEDDING must have dims [d], config says {list(out.dims)}")
@@ -86,6 +116,7 @@ class CachedEntry:
             )
         settings = CacheSettings.from_config(config, environ)
         encoder = config.param("encoder_model", "text_encoder")
+        self.max_tokens = tokenizer_limit(Path(repository), config.param("tokenizer_model", "text_tokenizer"))
         self.resolver = IdentityResolver(Path(repository), self.target, encoder, None, is_ready)
         l1 = LRUCache(settings.l1_max_bytes, settings.l1_ttl_s)
         l2 = None
@@ -122,51 +153,110 @@ class CachedEntry:
             self._keys = KeyMaker(identity)
         return self._keys
 
-    def _compute(self, texts: list) -> np.ndarray:
-        """Cache entries of ``texts`` (pack()), from one admitted call of ``compute``."""
-        with self.admission.rows(len(texts)):
-            vectors, counts = self.compute(texts)
-        return pack(vectors, counts)
+    def _compute(self, texts: list, options: list) -> tuple[np.ndarray, dict[int, int], BaseException | None]:
+        """Cache entries of ``texts`` (pack()) from admitted calls of ``compute``, each text
+        truncated as ``options`` says. Returns (entries of the texts embedded, {index: tokens} of
+        those refused as over the limit, the failure that left others without entries, or
+        None). The entries' rows follow ``texts`` without the refused ones and, after a
+        failure, are empty."""
+        refused: dict[int, int] = {}
+        todo = list(range(len(texts)))
+        while todo:
+            try:
+                with self.admission.rows(len(todo)):
+                    vectors, counts = self.compute([texts[i] for i in todo], [options[i] for i in todo])
+            except RequestError as exc:
+                index = exc.values.get("index") if exc.code == CONTEXT_LENGTH else None
+                if not isinstance(index, int) or not 0 <= index < len(todo):
+                    return np.empty((0, self.dim + 1), np.float32), refused, exc
+                # The tokenizer refused one text (the first over the limit): set it aside, send the rest.
+                refused[todo.pop(index)] = int(exc.values.get("tokens", self.max_tokens + 1))
+                continue
+            except Exception as exc:
+                return np.empty((0, self.dim + 1), np.float32), refused, exc
+            return pack(vectors, counts), refused, None
+        return np.empty((0, self.dim + 1), np.float32), refused, None
 
-    def embed(self, batch: Sequence[Sequence[str]]) -> list[Rows | BaseException]:
-        """For each request's texts in ``batch``, their (vectors [len(texts), dim], token counts
+    def _rows(self, entries: np.ndarray | None, options: Sequence[Truncation]) -> Rows | BaseException:
+        """One request's rows from its entries (None: some text has none), or its refusal: the
+        first text over the limit that it did not allow to be truncated (counts in the entries)."""
+        if entries is None:
+            return RuntimeError("no embedding was produced")
+        vectors, counts = unpack(entries)
+        return refuse_over_limit(counts, options, self.max_tokens, self.text) or (vectors, counts)
+
+    def embed(
+        self, batch: Sequence[Sequence[str]], options: Sequence[Sequence[Truncation]] | None = None
+    ) -> list[Rows | BaseException]:
+        """For each request's texts in ``batch`` (truncated as that request's ``options`` say;
+        default: refused when over the limit), their (vectors [len(texts), dim], token counts
         [len(texts)]) or the exception that failed them. A request answered entirely from cache
         succeeds even when the model call failed."""
         if not batch:
             return []
+        if options is None:
+            options = [[REFUSE] * len(request) for request in batch]
         texts = [text for request in batch for text in request]
+        flat = [option for request in options for option in request]
         spans, start = [], 0
         for request in batch:
             spans.append((start, start + len(request)))
             start += len(request)
         keys = self.key_maker()
         if keys is None:  # no single encoder version serves: no identity, no cache; the model answers
-            try:
-                entries = self._compute(texts)
-            except Exception as exc:
-                return [exc] * len(spans)
-            return [unpack(entries[start:stop]) for start, stop in spans]
+            entries, refused, error = self._compute(texts, flat)
+            rows: list[np.ndarray | None] = [None] * len(texts)
+            if error is None:
+                for row, i in enumerate(i for i in range(len(texts)) if i not in refused):
+                    rows[i] = entries[row]
+            return [self._request(rows, refused, flat, a, b, error) for a, b in spans]
 
-        plan = self.cache.plan(texts, [keys(t) for t in texts])
-        failure = None
+        text_keys = [keys(t, left=o.left) for t, o in zip(texts, flat)]
+        plan = self.cache.plan(texts, text_keys)
+        failure: BaseException | None = None
+        refused_keys: dict[str, int] = {}
         if plan.miss_texts:
-            try:
-                vectors = self._compute(plan.miss_texts)
+            # A key shared by a refusing and a truncating request is computed truncated (the
+            # refusing one is then refused by its count).
+            wants: dict[str, Truncation] = {}
+            for key, option in zip(text_keys, flat):
+                if key in plan.found or (key in wants and wants[key].truncate):
+                    continue
+                wants[key] = option
+            miss_options = [wants[k] for k in plan.miss_keys]
+            entries, refused, failure = self._compute(plan.miss_texts, miss_options)
+            refused_keys = {plan.miss_keys[i]: n for i, n in refused.items()}
+            if failure is None and len(entries):
                 # Written back only if the identity did not change during the call (a hot swap
                 # in between could have computed them with the new model under the old keys).
                 after = self.key_maker()
-                self.cache.fill(plan, vectors, store=after is not None and after.identity == keys.identity)
+                done = [k for k in plan.miss_keys if k not in refused_keys]
+                self.cache.fill(plan, entries, store=after is not None and after.identity == keys.identity, keys=done)
                 if self.metrics is not None:
-                    self.metrics.model_computed(len(plan.miss_texts))
-            except Exception as exc:
-                failure = exc
+                    self.metrics.model_computed(len(done))
         if self.metrics is not None:
             self.metrics.record(plan.counts, self.cache.l1, self.cache.l2)
-        out: list[Rows | BaseException] = []
-        for start, stop in spans:
-            rows = plan.rows(start, stop, self.dim + 1)
-            out.append(unpack(rows) if rows is not None else failure or RuntimeError("no embedding was produced"))
-        return out
+        full = [plan.found.get(k) for k in text_keys]
+        refused_rows = {i: refused_keys[k] for i, k in enumerate(text_keys) if k in refused_keys}
+        return [self._request(full, refused_rows, flat, a, b, failure) for a, b in spans]
+
+    def _request(
+        self,
+        full: list,
+        refused: dict[int, int],
+        options: Sequence[Truncation],
+        start: int,
+        stop: int,
+        failure: BaseException | None,
+    ) -> Rows | BaseException:
+        """The result of the request of texts[start:stop]: its refusal (a text the model refused,
+        or one over the limit in its entries), its rows, or the failure that left it without."""
+        for i in range(start, stop):
+            if i in refused and not options[i].truncate:
+                return ContextLengthError(self.text, i - start, refused[i], self.max_tokens)
+        if any(full[i] is None for i in range(start, stop)):
+            return failure or RuntimeError("no embedding was produced")
+        return self._rows(np.stack(full[start:stop]), options[start:stop])
 
     def close(self) -> None:
         if self.cache.l2 is not None:

@@ -3,8 +3,9 @@
 A key is ``emb2:`` + SHA-256 over, each length-prefixed: the model the misses go to
 (``text_embedding``), the encoder (``text_encoder``), the encoder version that serves, its
 precision variant (``int8``, ``fp32``, ...), a fingerprint of the served model file, and the
-text's exact UTF-8 bytes. No normalisation: "Hello", "hello" and "Hello " are three keys,
-because the tokenizer (lower-casing, whitespace splitting) belongs to the model, and a cache
+text's exact UTF-8 bytes (a vector of the text truncated at the left, its last tokens, has the
+tag ``truncation=left`` hashed before the text and the prefix ``emb2:left:``). No normalisation:
+"Hello", "hello" and "Hello " are three keys, because the tokenizer (lower-casing, whitespace splitting) belongs to the model, and a cache
 that folded texts together would serve a vector the model might not produce for them.
 Length prefixes make field boundaries unambiguous ("ab"+"c" never equals "a"+"bc").
 
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 # Bump when the key recipe or the stored value layout changes: old entries become unreachable.
 KEY_PREFIX = "emb2:"
+# Hashed before the text in the key of a left-truncated vector (docs/embeddings.md#truncation).
+LEFT_TAG = b"truncation=left"
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,13 @@ class KeyMaker:
             _field(base, part.encode("utf-8"))
         self._base = base
 
-    def __call__(self, text: str) -> str:
+    def __call__(self, text: str, left: bool = False) -> str:
+        """The key of ``text``'s vector; ``left``: of its vector truncated at the left (its last
+        tokens), which differs from the right-truncated one for a text over the limit. A text
+        that fits has one vector whichever way it may be truncated, and right truncation keeps
+        what the keys always held, so only left gets a tag of its own."""
         h = self._base.copy()
+        if left:
+            _field(h, LEFT_TAG)
         _field(h, text.encode("utf-8"), 8)
-        return KEY_PREFIX + h.hexdigest()
+        return (KEY_PREFIX + "left:" if left else KEY_PREFIX) + h.hexdigest()

@@ -91,16 +91,17 @@ class EmbeddingCache:
         counts.seconds = time.perf_counter() - start
         return BatchPlan(list(keys), found, missing, [distinct[k] for k in missing], counts)
 
-    def fill(self, plan: BatchPlan, vectors: np.ndarray, store: bool = True) -> None:
-        """Give the plan the model's vectors for ``plan.miss_texts`` (same order); with
-        ``store`` also write them to L1 and L2."""
+    def fill(self, plan: BatchPlan, vectors: np.ndarray, store: bool = True, keys: Sequence[str] | None = None) -> None:
+        """Give the plan the model's vectors for ``plan.miss_texts`` (same order), or for the
+        misses ``keys`` only (those the model answered); with ``store`` also write them to L1
+        and L2."""
+        keys = plan.miss_keys if keys is None else list(keys)
         vectors = np.asarray(vectors, dtype=np.float32)
-        if vectors.shape != (len(plan.miss_keys), self.dim):
+        if vectors.shape != (len(keys), self.dim):
             raise ValueError(
-                f"model returned shape {list(vectors.shape)} for {len(plan.miss_keys)} texts, "
-                f"expected [{len(plan.miss_keys)}, {self.dim}]"
+                f"model returned shape {list(vectors.shape)} for {len(keys)} texts, expected [{len(keys)}, {self.dim}]"
             )
-        items = list(zip(plan.miss_keys, vectors))
+        items = list(zip(keys, vectors))
         for key, vector in items:
             plan.found[key] = vector
         if store:

@@ -1,10 +1,11 @@
 """Batch tokenization for the text-embedding ensemble.
 
-One tokenizer call per Triton batch (all texts of all requests together), truncation at the
-model's maximum length, padding to the batch's longest sequence rounded up to a bucket. Each
-text's token count before truncation comes back too (``num_tokens``): it is what OpenAI's
-``usage`` reports and what the gateway checks against the context length, so nobody has to
-tokenize the text a second time.
+One tokenizer call per Triton batch (all texts of all requests together); a text over the
+model's maximum length is refused, or truncated at either end, as each text's request chose
+(python_backends/text/truncation.py); padding to the batch's longest sequence rounded up to a
+bucket. Each text's token count before truncation comes back too (``num_tokens``): it is what
+OpenAI's ``usage`` reports and what the refusal names, so nobody has to tokenize the text a
+second time.
 Bucketing matters downstream: Triton's dynamic batcher only merges requests whose
 non-batch shapes are equal, so a handful of fixed lengths lets encoder batches form
 across tokenizer batches, while padding to the longest (not to 256) keeps short texts cheap.
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from python_backends.errors import ConfigError, InputError
+from python_backends.text.truncation import REFUSE, Truncation, refuse_over_limit
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256)
 
@@ -98,12 +100,9 @@ class BatchTokenizer:
         pad_id = self._tok.token_to_id("[PAD]")
         self.pad_id = 0 if pad_id is None else pad_id
         # Truncation keeps the post-processor's special tokens at both ends ([CLS] ... [SEP]).
-        self._tail = (
-            self._tok.post_processor.num_special_tokens_to_add(False) - self._leading_specials()
-            if self._tok.post_processor
-            else 0
-        )
-        if max_length <= self._tail + 1:
+        self._lead = self._leading_specials() if self._tok.post_processor else 0
+        self._tail = self._tok.post_processor.num_special_tokens_to_add(False) - self._lead if self._tok.post_processor else 0
+        if max_length <= self._lead + self._tail:
             raise ConfigError(f"max_sequence_length {max_length} leaves no room for text beside the special tokens")
 
     def _leading_specials(self) -> int:
@@ -113,7 +112,10 @@ class BatchTokenizer:
             lead += 1
         return lead
 
-    def encode(self, texts: Sequence[str]) -> EncodedBatch:
+    def encode(self, texts: Sequence[str], left: Sequence[bool] | None = None) -> EncodedBatch:
+        """Ids and mask of ``texts``; one over ``max_length`` keeps its first tokens, or its last
+        ones where ``left[i]``, the special tokens staying at both ends. Refusing is the caller's
+        choice (encode_requests)."""
         if not texts:
             empty = np.zeros((0, self.buckets[0]), dtype=np.int64)
             return EncodedBatch(empty, empty.copy(), np.zeros((0,), dtype=np.int64), np.zeros((0,), dtype=np.int32))
@@ -122,30 +124,53 @@ class BatchTokenizer:
         lengths = np.minimum(counts, self.max_length)
         width = bucket_length(int(lengths.max()), self.buckets)
         ids = np.full((len(encodings), width), self.pad_id, dtype=np.int64)
-        keep, tail = self.max_length - self._tail, self._tail
+        keep, lead, tail = self.max_length - self._tail, self._lead, self._tail
         for row, e in enumerate(encodings):
             seq = e.ids
-            if len(seq) > self.max_length:  # the text's first tokens, then the closing specials
-                seq = seq[:keep] + (seq[len(seq) - tail :] if tail else [])
+            if len(seq) > self.max_length:
+                if left is not None and left[row]:  # the opening specials, then the text's last tokens
+                    seq = seq[:lead] + seq[len(seq) - (self.max_length - lead) :]
+                else:  # the text's first tokens, then the closing specials
+                    seq = seq[:keep] + (seq[len(seq) - tail :] if tail else [])
             ids[row, : len(seq)] = seq
         mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         return EncodedBatch(ids, mask, lengths, counts.astype(np.int32))
 
-    def encode_requests(self, texts: Sequence[str], spans: Sequence[tuple[int, int]]) -> list:
-        """``encode_isolated`` with this tokenizer."""
-        return encode_isolated(self.encode, texts, spans)
+    def encode_requests(
+        self, texts: Sequence[str], spans: Sequence[tuple[int, int]], options: Sequence[Truncation] | None = None
+    ) -> list:
+        """``encode_isolated`` with this tokenizer, each text truncated as ``options[i]`` says
+        (default: none may be; python_backends.text.truncation). A request with a text over
+        ``max_length`` that may not be truncated gets a ContextLengthError (its first such
+        text, index within the request); the other requests of the batch are unaffected."""
+        options = list(options) if options is not None else [REFUSE] * len(texts)
+        left = [o.left for o in options]
+        out = encode_isolated(self.encode, texts, spans, left)
+        for k, ((a, b), got) in enumerate(zip(spans, out)):
+            if isinstance(got, EncodedBatch):
+                refused = refuse_over_limit(got.num_tokens, options[a:b], self.max_length)
+                if refused is not None:
+                    out[k] = refused
+        return out
 
 
 def encode_isolated(
-    encode: Callable[[Sequence[str]], EncodedBatch], texts: Sequence[str], spans: Sequence[tuple[int, int]]
+    encode: Callable[..., EncodedBatch],
+    texts: Sequence[str],
+    spans: Sequence[tuple[int, int]],
+    left: Sequence[bool] | None = None,
 ) -> list:
-    """One ``encode`` call for all of a batch's texts, sliced per request: ``spans[k] = (start,
-    stop)`` into ``texts``. If that call raises, each request's texts are encoded alone, so an
-    unexpected tokenizer failure on one text fails only the request that sent it (each retried
-    request is then padded to its own bucket). Returns, per span, its EncodedBatch or the
-    exception that request raised."""
+    """One ``encode`` call for all of a batch's texts (and their ``left`` flags, when given),
+    sliced per request: ``spans[k] = (start, stop)`` into ``texts``. If that call raises, each
+    request's texts are encoded alone, so an unexpected tokenizer failure on one text fails only
+    the request that sent it (each retried request is then padded to its own bucket). Returns,
+    per span, its EncodedBatch or the exception that request raised."""
+
+    def call(a: int, b: int) -> EncodedBatch:
+        return encode(texts[a:b]) if left is None else encode(texts[a:b], left[a:b])
+
     try:
-        batch = encode(texts)
+        batch = call(0, len(texts))
     except Exception as exc:  # noqa: BLE001 - isolate it to the request that caused it
         if len(spans) <= 1:
             return [exc for _ in spans]
@@ -155,7 +180,7 @@ def encode_isolated(
     out: list = []
     for a, b in spans:
         try:
-            out.append(encode(texts[a:b]))
+            out.append(call(a, b))
         except Exception as exc:  # noqa: BLE001
             out.append(exc)
     return out

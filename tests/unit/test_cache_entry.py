@@ -29,7 +29,11 @@ DIM = 4
 def config_json(dims=(DIM,), **parameters):
     return model_config(
         "text_embedding_cached",
-        [tensor("TEXT", [1], "TYPE_STRING")],
+        [
+            tensor("TEXT", [1], "TYPE_STRING"),
+            tensor("TRUNCATE", [1], "TYPE_BOOL"),
+            tensor("TRUNCATION_DIRECTION", [1], "TYPE_STRING"),
+        ],
         [tensor("EMBEDDING", dims, "TYPE_FP32"), tensor("NUM_TOKENS", [1], "TYPE_INT32")],
         parameters={"admission_rows": "64", **parameters},
     )
@@ -55,7 +59,7 @@ class Model:
     def __init__(self):
         self.calls, self.fail = [], None
 
-    def __call__(self, texts):
+    def __call__(self, texts, options=None):
         self.calls.append(list(texts))
         if self.fail:
             raise self.fail
@@ -116,7 +120,7 @@ def test_a_full_lane_refuses_the_misses_with_overloaded(tmp_path, repo, ready):
     entry = entry_for(tmp_path, repo, ready, Model(), admission_rows="1")
     seen = []
 
-    def nested(texts):  # the lane is full while this batch is in it: a second batch is refused
+    def nested(texts, options):  # the lane is full while this batch is in it: a second batch is refused
         seen.append(entry.embed([["other"], ["more"]]))
         return answer(texts)
 
@@ -142,7 +146,7 @@ def test_vectors_computed_across_a_version_swap_are_returned_not_stored(tmp_path
     model = Model()
     entry = entry_for(tmp_path, repo, ready, model)
 
-    def swapping(texts):
+    def swapping(texts, options):
         ready.clear()
         ready.add("2")  # version 2 replaced version 1 during the call
         return model(texts)
@@ -250,3 +254,68 @@ def test_the_shim_answers_each_request_and_calls_the_target_once_per_batch(tmp_p
     monkeypatch.setattr("python_backends.shim_base.keep_metrics", lambda *objects: kept.extend(objects))
     shim.finalize()
     assert kept and all(hasattr(o, "increment") or hasattr(o, "Metric") for o in kept)
+
+
+# --- truncation (docs/embeddings.md#truncation) ------------------------------------------------
+
+
+class Tokenizing(Model):
+    """A target that refuses as text_tokenizer does: a text starting with "long" has 300 tokens;
+    sent without truncate, the call fails with the tokenizer's error as it crosses the BLS hop
+    (format_error, then error_from_message: data, not words). Its vector depends on the end kept."""
+
+    def __call__(self, texts, options=None):
+        from python_backends.errors import error_from_message
+        from python_backends.text.truncation import REFUSE, ContextLengthError
+
+        self.calls.append(list(texts))
+        self.options = list(options or [REFUSE] * len(texts))
+        counts = [300 if t.startswith("long") else count(t) for t in texts]
+        for i, (n, o) in enumerate(zip(counts, self.options)):
+            if n > 256 and not o.truncate:
+                raise error_from_message(format_error(ContextLengthError("TEXT", i, n, 256)), "text_embedding failed: ")
+        vectors = np.stack([vector(t) + (100 if n > 256 and o.left else 0) for t, n, o in zip(texts, counts, self.options)])
+        return vectors, np.array(counts, np.int32)
+
+
+def test_a_text_over_the_limit_is_refused_by_default_and_its_neighbours_answered(tmp_path, repo, ready):
+    from python_backends.text.truncation import ContextLengthError
+
+    model = Tokenizing()
+    entry = entry_for(tmp_path, repo, ready, model)
+    refused, fine = entry.embed([["ok", "long one"], ["short"]])
+    assert isinstance(refused, ContextLengthError) and refused.field == "TEXT[1]"
+    assert refused.values == {"index": 1, "tokens": 300, "limit": 256}
+    assert fine[1].tolist() == [count("short")]
+    # The model refused the long text (no vector was made for it); the others were sent again.
+    assert model.calls == [["ok", "long one", "short"], ["ok", "short"]]
+    assert entry.embed([["ok"]])[0][1].tolist() == [count("ok")] and len(model.calls) == 2  # cached
+
+
+def test_left_has_keys_of_its_own_right_shares_them_with_refusing(tmp_path, repo, ready):
+    from python_backends.text.truncation import LEFT, REFUSE, RIGHT, ContextLengthError, Truncation
+
+    model = Tokenizing()
+    entry = entry_for(tmp_path, repo, ready, model)
+    right, left = Truncation(True, RIGHT), Truncation(True, LEFT)
+    (r,) = entry.embed([["long text"]], [[right]])
+    (lft,) = entry.embed([["long text"]], [[left]])
+    assert len(model.calls) == 2 and not np.array_equal(r[0], lft[0])  # two keys, two vectors
+    assert r[1].tolist() == lft[1].tolist() == [300]  # the whole text's count either way
+    # A refusing request finds the right-truncated entry and is refused by its stored count.
+    (refused,) = entry.embed([["long text"]])
+    assert isinstance(refused, ContextLengthError) and refused.values["tokens"] == 300 and len(model.calls) == 2
+    # Hits again, from each key.
+    assert np.array_equal(entry.embed([["long text"]], [[right]])[0][0], r[0])
+    assert np.array_equal(entry.embed([["long text"]], [[left]])[0][0], lft[0]) and len(model.calls) == 2
+    # A text that fits: refusing and right share one entry; left has its own, with the same vector.
+    (a,) = entry.embed([["fits"]])
+    (b,) = entry.embed([["fits"]], [[right]])
+    (c,) = entry.embed([["fits"]], [[left]])
+    assert len(model.calls) == 4 and np.array_equal(a[0], b[0]) and np.array_equal(a[0], c[0])
+    keys = entry.key_maker()
+    assert keys("fits") != keys("fits", left=True) and keys("fits", left=True).startswith("emb2:left:")
+    # One batch, the same long text refused by one request and truncated by another: one call, truncated.
+    refused, kept = entry.embed([["long new"], ["long new"]], [[REFUSE], [right]])
+    assert model.calls[-1] == ["long new"] and model.options == [right]
+    assert isinstance(refused, ContextLengthError) and kept[1].tolist() == [300]

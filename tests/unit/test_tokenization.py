@@ -143,7 +143,11 @@ def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeyp
     monkeypatch.setattr("python_backends.shim_base.freeze_loaded_objects", lambda: 0)
     config = model_config(
         "text_tokenizer",
-        [tensor("TEXT", [1], "TYPE_STRING")],
+        [
+            tensor("TEXT", [1], "TYPE_STRING"),
+            tensor("TRUNCATE", [1], "TYPE_BOOL"),
+            tensor("TRUNCATION_DIRECTION", [1], "TYPE_STRING"),
+        ],
         [
             tensor("input_ids", [-1], "TYPE_INT64"),
             tensor("attention_mask", [-1], "TYPE_INT64"),
@@ -154,7 +158,7 @@ def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeyp
     shim.initialize({"model_config": config, "model_repository": str(tmp_path / "text_tokenizer"), "model_version": "1"})
     calls, recorded = [], []
     encode = shim.tokenizer.encode
-    monkeypatch.setattr(shim.tokenizer, "encode", lambda texts: calls.append(list(texts)) or encode(texts))
+    monkeypatch.setattr(shim.tokenizer, "encode", lambda texts, left=None: calls.append(list(texts)) or encode(texts, left))
     monkeypatch.setattr(shim.metrics, "record", lambda real, padded, requests: recorded.append((real, padded, requests)))
 
     def text(*values):
@@ -173,3 +177,123 @@ def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeyp
     )
     # The batch had 3 requests (the refused one included) and 3 texts padded to 16 tokens.
     assert recorded == [(int(good.output("attention_mask").sum() + two.output("attention_mask").sum()), 48, 3)]
+
+
+# --- truncation as the caller chooses (python_backends/text/truncation.py) ------------------
+
+
+def _whole(text):
+    from tokenizers import Tokenizer
+
+    whole = Tokenizer.from_file(str(TOKENIZER_JSON))
+    whole.no_truncation()
+    whole.no_padding()
+    return whole.encode(text).ids
+
+
+LONG = " ".join(f"word{i}" for i in range(400))  # about 1,200 tokens
+
+
+def test_a_text_over_the_limit_is_refused_by_default_naming_it_its_count_and_the_limit(tok):
+    from python_backends.errors import CONTEXT_LENGTH, format_error, parse_error
+    from python_backends.text.truncation import ContextLengthError
+
+    texts = ["short", "fits", LONG, "after"]
+    out = tok.encode_requests(texts, [(0, 1), (1, 3), (3, 4)])
+    assert isinstance(out[1], ContextLengthError)
+    n = len(_whole(LONG))
+    assert n > 256
+    assert out[1].code == CONTEXT_LENGTH and out[1].field == "TEXT[1]"
+    assert out[1].values == {"index": 1, "tokens": n, "limit": 256}
+    assert f"text has {n} tokens" in str(out[1]) and "limit is 256" in str(out[1]) and "TRUNCATE=true" in str(out[1])
+    data = parse_error(format_error(out[1]))  # what crosses the hop: the code and values as data
+    assert data is not None and data.code == CONTEXT_LENGTH and data.values["tokens"] == n
+    # The neighbours of the same batch are answered.
+    assert out[0].num_tokens.tolist() == [len(_whole("short"))] and out[2].num_tokens.tolist() == [len(_whole("after"))]
+
+
+def test_right_keeps_the_first_tokens_and_left_the_last_with_cls_and_sep_in_place(tok):
+    from tokenizers import Tokenizer
+
+    from python_backends.text.truncation import LEFT, RIGHT, Truncation
+
+    whole = _whole(LONG)
+    cls, sep = tok._tok.token_to_id("[CLS]"), tok._tok.token_to_id("[SEP]")
+    right, left, short_left = tok.encode_requests(
+        [LONG, LONG, "a short one"],
+        [(0, 1), (1, 2), (2, 3)],
+        [Truncation(True, RIGHT), Truncation(True, LEFT), Truncation(True, LEFT)],
+    )
+    r, lft = right.input_ids[0].tolist(), left.input_ids[0].tolist()
+    assert r == whole[:255] + [sep]
+    assert lft == [cls] + whole[-255:]  # whole ends with [SEP]
+    assert lft[0] == cls and lft[-1] == sep and r[0] == cls and r != lft
+    # The tokenizers library's own left truncation (truncates the text, then adds the specials) agrees.
+    theirs = Tokenizer.from_file(str(TOKENIZER_JSON))
+    theirs.enable_truncation(max_length=256, direction="left")
+    theirs.no_padding()
+    assert lft == theirs.encode(LONG).ids
+    # Counts are of the whole text, whichever end was kept; a text that fits is untouched.
+    assert right.num_tokens.tolist() == left.num_tokens.tolist() == [len(whole)]
+    assert right.lengths.tolist() == left.lengths.tolist() == [256] and left.attention_mask.all()
+    assert short_left.input_ids[0, : short_left.lengths[0]].tolist() == _whole("a short one")
+
+
+def test_truncation_options_are_checked_where_they_enter():
+    from python_backends.text.truncation import LEFT, RIGHT, Truncation, parse_direction, parse_truncation
+
+    assert parse_truncation(None, None, 2) == [Truncation(False, RIGHT)] * 2
+    got = parse_truncation(np.array([[True], [False]]), np.array([[b"Left"], ["RIGHT "]], dtype=object), 2)
+    assert got == [Truncation(True, LEFT), Truncation(False, RIGHT)] and got[0].left and not got[1].left
+    assert not Truncation(False, LEFT).left  # a direction without truncate truncates nothing
+    with pytest.raises(InputError, match=r"TRUNCATION_DIRECTION\[1\]: must be one of right, left, got 'middle'") as bad:
+        parse_truncation(None, np.array([[b"left"], [b"middle"]], dtype=object), 2)
+    assert bad.value.values["allowed"] == ["right", "left"]
+    with pytest.raises(InputError, match=r"TRUNCATE: has 1 values for 2 texts"):
+        parse_truncation(np.array([[True]]), None, 2)
+    with pytest.raises(InputError, match=r"X: must be one of"):
+        parse_direction(b"\xff", "X")
+
+
+def test_the_tokenizer_shim_refuses_or_truncates_per_request(tmp_path, monkeypatch):
+    from tests.unit.triton_fakes import Request, load_shim, make_pb_utils, model_config, tensor
+
+    version = tmp_path / "text_tokenizer" / "1"
+    version.mkdir(parents=True)
+    (version / "tokenizer.json").write_bytes(TOKENIZER_JSON.read_bytes())
+    pb = make_pb_utils()
+    shim = load_shim("text_tokenizer", pb, monkeypatch)
+    monkeypatch.setattr("python_backends.shim_base.freeze_loaded_objects", lambda: 0)
+    config = model_config(
+        "text_tokenizer",
+        [
+            tensor("TEXT", [1], "TYPE_STRING"),
+            tensor("TRUNCATE", [1], "TYPE_BOOL"),
+            tensor("TRUNCATION_DIRECTION", [1], "TYPE_STRING"),
+        ],
+        [
+            tensor("input_ids", [-1], "TYPE_INT64"),
+            tensor("attention_mask", [-1], "TYPE_INT64"),
+            tensor("num_tokens", [1], "TYPE_INT32"),
+        ],
+        parameters={"max_sequence_length": "32", "sequence_buckets": "16,32"},
+    )
+    shim.initialize({"model_config": config, "model_repository": str(tmp_path / "text_tokenizer"), "model_version": "1"})
+    text = np.array([[LONG.encode()]], dtype=object)
+    refused, right, left, bad = shim.execute(
+        [
+            Request("a", TEXT=text),
+            Request("b", TEXT=text, TRUNCATE=np.array([[True]])),
+            Request("c", TEXT=text, TRUNCATE=np.array([[True]]), TRUNCATION_DIRECTION=np.array([[b"LEFT"]], dtype=object)),
+            Request("d", TEXT=text, TRUNCATION_DIRECTION=np.array([[b"up"]], dtype=object)),
+        ]
+    )
+    n = len(_whole(LONG))
+    assert refused.error().code() == pb.TritonError.INVALID_ARG
+    assert f"TEXT[0]: text has {n} tokens; the model's limit is 32 tokens" in refused.error().message()
+    assert bad.error().code() == pb.TritonError.INVALID_ARG and "TRUNCATION_DIRECTION[0]: must be one of right, left" in (
+        bad.error().message()
+    )
+    assert right.output("num_tokens").tolist() == left.output("num_tokens").tolist() == [[n]]
+    assert right.output("input_ids")[0, :31].tolist() == _whole(LONG)[:31]
+    assert left.output("input_ids")[0, 1:].tolist() == _whole(LONG)[-31:]

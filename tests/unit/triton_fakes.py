@@ -176,6 +176,11 @@ def encoder_repository(root: Path, versions=(1,)) -> Path:
     for v in versions:
         (encoder / str(v)).mkdir()
         (encoder / str(v) / "model.onnx").write_bytes(f"weights {v}".encode())
+    # The tokenizer step's limit, which the cached entry reads (python_backends/cache/entry.py).
+    (root / "text_tokenizer").mkdir(exist_ok=True)
+    (root / "text_tokenizer" / "config.pbtxt").write_text(
+        'name: "text_tokenizer"\nparameters { key: "max_sequence_length" value: { string_value: "256" } }\n'
+    )
     return root
 
 

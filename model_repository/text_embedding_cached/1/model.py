@@ -11,7 +11,8 @@ from python_backends.cache.entry import CachedEntry
 from python_backends.cache.triton_metrics import CacheMetrics
 from python_backends.errors import error_from_message
 from python_backends.shim import apply_process_nice
-from python_backends.shim_base import BatchShim, request_texts
+from python_backends.shim_base import BatchShim, request_texts, request_truncation
+from python_backends.text.truncation import DIRECTION_INPUT, TRUNCATE_INPUT
 
 
 class TritonPythonModel(BatchShim):
@@ -25,12 +26,17 @@ class TritonPythonModel(BatchShim):
         self.metrics = CacheMetrics(pb_utils, self.config.name, args.get("model_instance_name", ""))
         self.entry.use_metrics(self.metrics)
 
-    def _compute(self, texts):
-        """ONE batched BLS call to the target model for all of a batch's misses."""
+    def _compute(self, texts, options):
+        """ONE batched BLS call to the target model for all of a batch's misses, each truncated
+        as its Truncation says (a refused text: the target's error, whose data the entry reads)."""
         request = pb_utils.InferenceRequest(
             model_name=self.entry.target,
             requested_output_names=["EMBEDDING", "NUM_TOKENS"],
-            inputs=[pb_utils.Tensor("TEXT", np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))],
+            inputs=[
+                pb_utils.Tensor("TEXT", np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)),
+                pb_utils.Tensor(TRUNCATE_INPUT, np.array([[o.truncate] for o in options], dtype=np.bool_)),
+                pb_utils.Tensor(DIRECTION_INPUT, np.array([[o.direction.encode()] for o in options], dtype=np.object_)),
+            ],
             parameters={CLASS_PARAMETER: self.entry.cls.name},  # the class, carried through the BLS hop
         )
         response = request.exec()
@@ -41,10 +47,12 @@ class TritonPythonModel(BatchShim):
 
     def decode(self, request):
         self.entry.check_class(request.parameters())  # a request naming another class is answered here
-        return request_texts(pb_utils, request, self.entry.text, self.entry.max_text_bytes, self.config)
+        texts = request_texts(pb_utils, request, self.entry.text, self.entry.max_text_bytes, self.config)
+        return texts, request_truncation(pb_utils, request, len(texts))
 
     def run(self, decoded):
-        return zip(decoded, self.entry.embed(list(decoded.values())))
+        batch = list(decoded.values())
+        return zip(decoded, self.entry.embed([texts for texts, _ in batch], [options for _, options in batch]))
 
     def encode(self, rows):
         vectors, counts = rows

@@ -1,5 +1,6 @@
-"""Triton shim for the tokenizer step: TEXT -> input_ids, attention_mask, num_tokens (one
-tokenizer call per batch; python_backends.text.tokenization)."""
+"""Triton shim for the tokenizer step: TEXT (and the optional TRUNCATE, TRUNCATION_DIRECTION)
+-> input_ids, attention_mask, num_tokens (one tokenizer call per batch;
+python_backends.text.tokenization and .truncation)."""
 
 from pathlib import Path
 
@@ -7,8 +8,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.padding_metrics import PaddingMetrics, batches_counts
-from python_backends.shim_base import BatchShim, request_texts
+from python_backends.shim_base import BatchShim, request_texts, request_truncation
 from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer
+from python_backends.text.truncation import DIRECTION_INPUT, TRUNCATE_INPUT
 
 
 class TritonPythonModel(BatchShim):
@@ -17,6 +19,8 @@ class TritonPythonModel(BatchShim):
 
     def load(self, args):
         self.text = self.config.require("input", "TEXT", "TYPE_STRING", (1,)).name
+        self.config.require("input", TRUNCATE_INPUT, "TYPE_BOOL", (1,))
+        self.config.require("input", DIRECTION_INPUT, "TYPE_STRING", (1,))
         self.config.require("output", "input_ids", "TYPE_INT64", (-1,))
         self.config.require("output", "attention_mask", "TYPE_INT64", (-1,))
         self.config.require("output", "num_tokens", "TYPE_INT32", (1,))
@@ -32,15 +36,18 @@ class TritonPythonModel(BatchShim):
             self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"], batch_histogram=True)
 
     def decode(self, request):
-        return request_texts(pb_utils, request, self.text, self.max_text_bytes, self.config)
+        texts = request_texts(pb_utils, request, self.text, self.max_text_bytes, self.config)
+        return texts, request_truncation(pb_utils, request, len(texts))
 
     def run(self, decoded):
-        texts, spans = [], []
-        for one in decoded.values():
+        texts, options, spans = [], [], []
+        for one, truncation in decoded.values():
             spans.append((len(texts), len(texts) + len(one)))
             texts.extend(one)
-        # One tokenizer call; if it raises, one per request (only the offender fails).
-        encoded = self.tokenizer.encode_requests(texts, spans) if spans else []
+            options.extend(truncation)
+        # One tokenizer call; if it raises, one per request (only the offender fails); a text
+        # over the limit without TRUNCATE fails its own request.
+        encoded = self.tokenizer.encode_requests(texts, spans, options) if spans else []
         if self.metrics:
             self.metrics.record(*batches_counts(encoded), requests=self.batch_size)
         return zip(decoded, encoded)
