@@ -14,6 +14,10 @@ The generation model (text_generation): export/generation.py converts it to safe
 gates it against its source (python -m export.generation for --weights and --dtype); its
 precision variants (BF16, INT4 blocks) are gated against the FP32 engine on this CPU by
 export/generation_gate.py.
+
+The cross-encoder reranker (text_cross_encoder, served by text_reranker) is exported only on
+request, from a team's own checkpoint: --model text_cross_encoder --weights <checkpoint dir>
+(export/cross_encoder.py).
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ PIPELINES = {
     "text_encoder": "export.text_encoder:TextEncoderPipeline",
     "image_classifier": "export.image_classifier:ImageClassifierPipeline",
     "image_classifier_resnet50": "export.image_classifier:ResNet50Pipeline",
+    "text_cross_encoder": "export.cross_encoder:TextCrossEncoderPipeline",
 }
 # Models whose exporter takes --weights (a checkpoint of the model's own architecture).
-TAKES_WEIGHTS = ("image_classifier", "image_classifier_resnet50")
+TAKES_WEIGHTS = ("image_classifier", "image_classifier_resnet50", "text_cross_encoder")
+# Exported only when named, from a user's checkpoint (--weights): never by a plain run.
+ON_REQUEST = ("text_cross_encoder",)
 
 
 # Models exported outside the variant pipeline: model -> "module" with export_for_serving,
@@ -99,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         "--weights",
         type=Path,
         help="with one --model: image_classifier_resnet50 (a torchvision-style ResNet-50 state_dict) or "
-        "image_classifier (an EfficientNet-Lite0 state_dict in efficientnet_pytorch naming)",
+        "image_classifier (an EfficientNet-Lite0 state_dict in efficientnet_pytorch naming) or "
+        "text_cross_encoder (a Hugging Face folder of a BertForSequenceClassification with 1 label)",
     )
     parser.add_argument("--update-docs", action="store_true", help=f"write the summary to {DOCS_REPORT.relative_to(ROOT)}")
     args = parser.parse_args(argv)
@@ -110,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
             f"--weights needs exactly one --model of {', '.join(TAKES_WEIGHTS)} "
             "(e.g. --model image_classifier_resnet50 --weights ckpt.pth)"
         )
+    if args.model and set(args.model) & set(ON_REQUEST) and args.weights is None:
+        parser.error("--model text_cross_encoder needs --weights <checkpoint dir> (a BertForSequenceClassification with 1 label)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s export %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("export")
 
     from export import pipeline
 
     failed, reports, singles = [], [], []
-    for name in args.model or [*PIPELINES, *SINGLE]:
+    for name in args.model or [*(m for m in PIPELINES if m not in ON_REQUEST), *SINGLE]:
         if name in SINGLE:
             module = importlib.import_module(SINGLE[name])
             try:
@@ -156,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = DOCS_REPORT.read_text() if DOCS_REPORT.is_file() else ""
         done = {r["model"]: r for r in reports}
         sections, kept_lines, in_order = [], [], []  # in_order: the reports in the page's order
-        for name in PIPELINES:
+        for name in (m for m in PIPELINES if m not in ON_REQUEST):
             saved = pipeline.REPORTS / f"{name}.json"
             if name in done:
                 in_order.append(done[name])
