@@ -746,7 +746,14 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
     schema = schemathesis.openapi.from_url(f"{fuzz_gateway.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {f"{op.method.upper()} {op.path}" for op in operations}
-    assert {"POST /v1/embeddings", "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"} <= labels, labels
+    assert {
+        "POST /v1/embeddings",
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "GET /v1/models",
+        "POST /v1/rerank",
+        "POST /score",
+    } <= labels, labels
     statuses: Counter = Counter()
     refusals: Counter = Counter()
     per_op: dict[str, Counter] = {}
@@ -801,7 +808,7 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
         label = f"{op.method.upper()} {op.path}"
         names = (
             MODEL_NAMES[:2]
-            if "embeddings" in op.path
+            if "embeddings" in op.path or "rerank" in op.path or "score" in op.path
             else MODEL_NAMES[2:]
             if "completions" in op.path
             else [MODEL_NAMES[0], MODEL_NAMES[2]]
