@@ -90,8 +90,13 @@ def test_a_broken_graph_fails_the_gate(exported, checkpoint, tmp_path):
     cross_encoder.export_onnx(broken, tmp_path / "broken.onnx")
     tokenizer = cross_encoder.pair_tokenizer(cross_encoder.paths(repo)[1], repo)
     metrics = cross_encoder.evaluate(cross_encoder.onnx_runner(tmp_path / "broken.onnx"), model, tokenizer)
-    failures = variants.check_gate(metrics, variants.load_gates()["text_cross_encoder"]["fp32"])
-    assert any(f.startswith("logit_diff") for f in failures), metrics
+    gate = variants.load_gates()["text_cross_encoder"]["fp32"]
+    assert any(f.startswith("logit_diff") for f in variants.check_gate(metrics, gate)), metrics
+    # And the right graph fed no padding mask (every position attended to).
+    run = cross_encoder.onnx_runner(cross_encoder.paths(repo)[0])
+    unmasked = cross_encoder.evaluate(lambda f: run({**f, "attention_mask": np.ones_like(f["attention_mask"])}), model, tokenizer)
+    assert any(f.startswith("logit_diff") for f in variants.check_gate(unmasked, gate)), unmasked
+    print(f"segment ids dropped: {metrics}; padding mask dropped: {unmasked}")
 
 
 def test_a_gate_failure_installs_nothing_and_keeps_the_served_model(exported, checkpoint, tmp_path, monkeypatch):
