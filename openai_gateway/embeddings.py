@@ -2,10 +2,13 @@
 and the vectors written back in OpenAI's shape.
 
 Texts go to the model's text entry point (the result cache by default), which answers each
-text's vector and its token count (the tokenizer step's, kept in the cache beside the vector);
-a text over the context length is refused with those counts. Token arrays go to the encoder
-step with an attention mask, padded to the tokenizer's buckets; their length is their count
-and is checked before they are sent.
+text's vector and its token count (the tokenizer step's, kept in the cache beside the vector).
+A text over the context length is refused by the model itself unless the request says
+``truncate`` (TEI's ``truncate`` and ``truncation_direction``; docs/embeddings.md#truncation):
+the model's error carries the text's index and count as data, and becomes 400
+``context_length_exceeded``. Token arrays go to the encoder step with an attention mask, padded
+to the tokenizer's buckets; their length is their count, checked (or truncated) before they are
+sent.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from openai_gateway.catalog import EmbeddingModel
 from openai_gateway.errors import APIError, bad_request, too_large
 from openai_gateway.schemas import EmbeddingRequest
 from openai_gateway.settings import GatewaySettings
+from python_backends.errors import InputError
 from python_backends.text.tokenization import bucket_length
+from python_backends.text.truncation import LEFT, RIGHT, parse_direction
 
 
 class Vocabulary:
@@ -38,6 +43,8 @@ class Vocabulary:
         tok = Tokenizer.from_file(str(tokenizer_file))
         pad = tok.token_to_id("[PAD]")
         self.pad_id = 0 if pad is None else pad
+        # A truncated token array keeps these at its ends where it has them, as the tokenizer step does.
+        self.cls_id, self.sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         self.size = tok.get_vocab_size(with_added_tokens=True)
 
 
@@ -51,6 +58,9 @@ class EmbeddingJob:
     encoding_format: str
     blobs: list[bytes] | None = None  # the texts as UTF-8, what Triton gets
     priority_class: str | None = None  # X-Priority-Class (docs/priority-classes.md); None: default
+    truncate: bool = False  # False: an input over the context length is refused (docs/embeddings.md#truncation)
+    truncation_direction: str = RIGHT  # with truncate: right keeps the first tokens, left the last
+    counts: list[int] | None = None  # token arrays: each one's length as sent (before truncation)
 
     @property
     def size(self) -> int:
@@ -75,6 +85,10 @@ def check_request(
             f"(its vectors have {model.dimensions} dimensions; omit dimensions)",
             param="dimensions",
         )
+    try:
+        direction = parse_direction(req.truncation_direction, "truncation_direction")
+    except InputError as exc:
+        raise bad_request(f"truncation_direction {exc.message}", param="truncation_direction") from None
     value = req.input
     if isinstance(value, str):
         value = [value]
@@ -99,20 +113,39 @@ def check_request(
             if not text.strip():
                 raise bad_request(f"input[{i}] is empty or only whitespace", param=f"input[{i}]")
             blobs.append(utf8(text, f"input[{i}]"))
-        return EmbeddingJob(model, texts, None, req.encoding_format, blobs)
+        return EmbeddingJob(model, texts, None, req.encoding_format, blobs, truncate=req.truncate, truncation_direction=direction)
     ids: list[list[int]] = value
     vocab = vocabulary.size
     for i, row in enumerate(ids):
         if not row:
             raise bad_request(f"input[{i}] is an empty token array", param=f"input[{i}]")
-        if len(row) > model.max_tokens:
+        if len(row) > model.max_tokens and not req.truncate:
             break  # reported below with the count
         lo, hi = min(row), max(row)
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise bad_request(f"input[{i}] has token id {bad}, outside {model.id}'s vocabulary [0, {vocab})", param=f"input[{i}]")
-    check_lengths([len(row) for row in ids], model)
-    return EmbeddingJob(model, None, ids, req.encoding_format)
+    counts = [len(row) for row in ids]
+    if req.truncate:
+        ids = [truncate_ids(row, model.max_tokens, direction, vocabulary) for row in ids]
+    else:
+        check_lengths(counts, model)
+    return EmbeddingJob(
+        model, None, ids, req.encoding_format, truncate=req.truncate, truncation_direction=direction, counts=counts
+    )
+
+
+def truncate_ids(row: list[int], limit: int, direction: str, vocabulary: Vocabulary) -> list[int]:
+    """A token array cut to ``limit`` ids as the tokenizer step cuts a text: its first ids
+    (``right``) or its last ones (``left``), a leading [CLS] and a trailing [SEP] kept in place."""
+    if len(row) <= limit:
+        return row
+    lead = 1 if row[0] == vocabulary.cls_id else 0
+    tail = 1 if row[-1] == vocabulary.sep_id else 0
+    keep = limit - lead - tail
+    content = row[lead : len(row) - tail]
+    content = content[len(content) - keep :] if direction == LEFT else content[:keep]
+    return row[:lead] + content + row[len(row) - tail :]
 
 
 def utf8(text: str, param: str) -> bytes:
@@ -129,13 +162,20 @@ def check_lengths(counts: Sequence[int] | np.ndarray, model: EmbeddingModel) -> 
     """400 context_length_exceeded for the first input with more tokens than the model takes."""
     for i, n in enumerate(counts):
         if n > model.max_tokens:
-            raise APIError(
-                400,
-                f"input[{i}] has {n} tokens; {model.id}'s maximum context length is {model.max_tokens} "
-                "tokens (max_sequence_length in its config.pbtxt). Shorten or split the input.",
-                param=f"input[{i}]",
-                code="context_length_exceeded",
-            )
+            raise context_length_error(i, int(n), model)
+
+
+def context_length_error(index: int, tokens: int, model: EmbeddingModel) -> APIError:
+    """400 context_length_exceeded for input ``index`` of ``tokens`` tokens (the gateway's check
+    of a token array, or the model's refusal of a text, read from its error data)."""
+    return APIError(
+        400,
+        f"input[{index}] has {tokens} tokens; {model.id}'s maximum context length is {model.max_tokens} "
+        "tokens (max_sequence_length in its config.pbtxt). Shorten or split the input, or send "
+        '"truncate": true (and "truncation_direction": "right" or "left") to embed its first or last tokens.',
+        param=f"input[{index}]",
+        code="context_length_exceeded",
+    )
 
 
 def pad_ids(rows: list[list[int]], buckets: tuple[int, ...], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -45,8 +45,11 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
         type: str | None = None,
+        data: Any = None,
     ):
         super().__init__(message)
+        # The model's error data (python_backends.errors.ErrorData) when a model refused the request.
+        self.data = data
         self.status = status
         self.message = message
         self.param = param

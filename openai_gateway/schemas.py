@@ -32,6 +32,13 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
+    # TEI's names (the openai SDK sends them in extra_body); docs/embeddings.md#truncation.
+    truncate: StrictBool = Field(
+        False, description="false (default): an input over the model's context length is refused (400 context_length_exceeded)"
+    )
+    truncation_direction: StrictStr = Field(
+        "right", description="with truncate: right (default) keeps an input's first tokens, left its last ones"
+    )
 
 
 class TextPart(_Body):

@@ -20,9 +20,10 @@ import numpy as np
 
 from openai_gateway.catalog import Catalog, EmbeddingModel, Model
 from openai_gateway.completions import GenerationJob
-from openai_gateway.embeddings import EmbeddingJob, pad_ids
+from openai_gateway.embeddings import EmbeddingJob, context_length_error, pad_ids
 from openai_gateway.errors import APIError, unavailable
-from python_backends.errors import INVALID, parse_error, words_of
+from python_backends.errors import CONTEXT_LENGTH, INVALID, parse_error, words_of
+from python_backends.text.truncation import DIRECTION_INPUT, RIGHT, TRUNCATE_INPUT
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,8 @@ def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = N
         param = (param_map or {}).get(base, base) + bracket + index
     code = None if data is None or data.code == INVALID else data.code
     if status == 413:
-        return APIError(413, message, param=param, code=code)
-    return APIError(400, message, param=param, code=code)
+        return APIError(413, message, param=param, code=code, data=data)
+    return APIError(400, message, param=param, code=code, data=data)
 
 
 class TritonBackend:
@@ -255,17 +256,41 @@ class TritonBackend:
         return arrays
 
     async def embed_texts(
-        self, model: EmbeddingModel, blobs: list[bytes], request_id: str, priority_class: str | None = None
+        self,
+        model: EmbeddingModel,
+        blobs: list[bytes],
+        request_id: str,
+        priority_class: str | None = None,
+        *,
+        truncate: bool = False,
+        truncation_direction: str = RIGHT,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The vectors of ``blobs`` (UTF-8 texts) from the priority class's text entry, and each
-        text's token count as the model's tokenizer counted it."""
+        text's token count as the model's tokenizer counted it (the whole text). A text over the
+        model's limit is refused by the model (APIError 400 context_length_exceeded, its index in
+        ``blobs`` in ``.data.values``) unless ``truncate``; then ``truncation_direction`` (checked
+        by the caller: ``right`` or ``left``) says which end is kept."""
+        return await self.embed_rows(model, blobs, request_id, priority_class, [(truncate, truncation_direction)] * len(blobs))
+
+    async def embed_rows(
+        self,
+        model: EmbeddingModel,
+        blobs: list[bytes],
+        request_id: str,
+        priority_class: str | None,
+        options: list[tuple[bool, str]],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """embed_texts with each text's own (truncate, direction): what the Coalescer sends."""
         # BYTES tensors on the wire: each element a 4-byte little-endian length, then its bytes.
         raw = b"".join(_LENGTH.pack(len(b)) + b for b in blobs)
+        tensors: list[tuple[str, str, tuple[int, ...], bytes]] = [("TEXT", "BYTES", (len(blobs), 1), raw)]
+        if any(t or d != RIGHT for t, d in options):  # else the model's defaults: nothing more on the wire
+            flags = np.array([t for t, _ in options], dtype=np.bool_).tobytes()
+            tensors.append((TRUNCATE_INPUT, "BOOL", (len(blobs), 1), flags))
+            ways = b"".join(_LENGTH.pack(len(d)) + d.encode() for _, d in options)
+            tensors.append((DIRECTION_INPUT, "BYTES", (len(blobs), 1), ways))
         vectors, counts = await self._infer(
-            model.entries(priority_class)[0],
-            [("TEXT", "BYTES", (len(blobs), 1), raw)],
-            (("EMBEDDING", "FP32"), (TOKEN_COUNT_OUTPUT, "INT32")),
-            request_id,
+            model.entries(priority_class)[0], tensors, (("EMBEDDING", "FP32"), (TOKEN_COUNT_OUTPUT, "INT32")), request_id
         )
         return vectors, counts.reshape(-1)
 
@@ -286,9 +311,19 @@ class TritonBackend:
             rid = request_id if len(spans) == 1 else f"{request_id}.{k}"
             if job.texts is not None:
                 assert job.blobs is not None  # check_request encodes the texts
-                if len(spans) == 1 and self.coalesce:
-                    return await self._coalescer(model, job.priority_class).submit(job.blobs, rid)
-                return await self.embed_texts(model, job.blobs[start:stop], rid, job.priority_class)
+                option = (job.truncate, job.truncation_direction)
+                try:
+                    if len(spans) == 1 and self.coalesce:
+                        return await self._coalescer(model, job.priority_class).submit(job.blobs, rid, option)
+                    return await self.embed_texts(
+                        model, job.blobs[start:stop], rid, job.priority_class, truncate=option[0], truncation_direction=option[1]
+                    )
+                except APIError as exc:
+                    # The model refused a text over its limit: named as the request's input, from the error's data.
+                    data = exc.data
+                    if data is None or data.code != CONTEXT_LENGTH or not isinstance(data.values.get("index"), int):
+                        raise
+                    raise context_length_error(start + data.values["index"], int(data.values.get("tokens", 0)), model) from None
             assert job.ids is not None  # one of texts and ids
             rows = job.ids[start:stop]
             ids, mask = pad_ids(rows, model.buckets, pad_id)
@@ -301,7 +336,9 @@ class TritonBackend:
                 ((model.ids_output, "FP32"),),
                 rid,
             )
-            return vectors, np.array([len(r) for r in rows], dtype=np.int32)
+            # Each array's length as sent (before any truncation), as texts report theirs.
+            counts = job.counts[start:stop] if job.counts is not None else [len(r) for r in rows]
+            return vectors, np.array(counts, dtype=np.int32)
 
         if len(spans) == 1:
             return await one(0, *spans[0])
@@ -410,14 +447,16 @@ class Coalescer:
         self.model = model
         self.priority_class = priority_class
         self.limit = max(1, min(model.max_batch_size, max_rows or model.max_batch_size))
-        self.pending: list[tuple[list[bytes], str, asyncio.Future]] = []
+        self.pending: list[tuple[list[bytes], str, asyncio.Future, tuple[bool, str]]] = []
         self.scheduled = False
 
-    def submit(self, blobs: list[bytes], request_id: str) -> asyncio.Future:
-        """Join the batch being gathered; the future gets this request's (vectors, token counts)."""
+    def submit(self, blobs: list[bytes], request_id: str, truncation: tuple[bool, str] = (False, RIGHT)) -> asyncio.Future:
+        """Join the batch being gathered; the future gets this request's (vectors, token counts).
+        ``truncation``: this request's (truncate, direction), sent per text, so requests that
+        chose differently still share one Triton request."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.pending.append((blobs, request_id, future))
+        self.pending.append((blobs, request_id, future, truncation))
         if not self.scheduled:
             self.scheduled = True
             loop.call_soon(self._flush)
@@ -445,34 +484,35 @@ class Coalescer:
             await self._alone(group[0])
             return
         blobs = [b for item in group for b in item[0]]
+        options = [item[3] for item in group for _ in item[0]]
         try:
-            vectors, counts = await self.backend.embed_texts(
-                self.model, blobs, ",".join(item[1] for item in group), self.priority_class
+            vectors, counts = await self.backend.embed_rows(
+                self.model, blobs, ",".join(item[1] for item in group), self.priority_class, options
             )
         except APIError as exc:
             if exc.status == 503:  # the class is at capacity: sending each again would add load
-                for _, _, future in group:
+                for _, _, future, _ in group:
                     if not future.done():
                         future.set_exception(exc)
                 return
             await asyncio.gather(*(self._alone(item) for item in group))
             return
         except BaseException as exc:
-            for _, _, future in group:
+            for _, _, future, _ in group:
                 if not future.done():
                     future.set_exception(exc)
             return
         start = 0
-        for item_blobs, _, future in group:
+        for item_blobs, _, future, _ in group:
             stop = start + len(item_blobs)
             if not future.done():
                 future.set_result((vectors[start:stop], counts[start:stop]))
             start = stop
 
     async def _alone(self, item) -> None:
-        blobs, request_id, future = item
+        blobs, request_id, future, option = item
         try:
-            rows = await self.backend.embed_texts(self.model, blobs, request_id, self.priority_class)
+            rows = await self.backend.embed_rows(self.model, blobs, request_id, self.priority_class, [option] * len(blobs))
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)

@@ -73,8 +73,8 @@ async def create_embeddings(request: Request):
     work = backend.embed(job, info["request_id"], vocabulary.pad_id)
     # One batch is over in milliseconds: watching for a disconnect would cost more than it saves.
     vectors, counts = await (work if len(job.chunks()) == 1 else until_done_or_gone(request, work, metrics, "/v1/embeddings"))
-    # The model counted each text's tokens; one over the context length fails the request.
-    embeddings.check_lengths(counts, model)
+    # The model counted each text's tokens (the whole text) and refused one over the context
+    # length unless the request said truncate (docs/embeddings.md#truncation).
     prompt_tokens = int(counts.sum())
     info["prompt_tokens"] = prompt_tokens
     metrics.count_tokens(info["key_id"], model.id, prompt_tokens)

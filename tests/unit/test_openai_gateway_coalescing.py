@@ -17,16 +17,18 @@ from openai_gateway.triton import Coalescer
 
 
 class Recorder:
-    """embed_texts as the Coalescer calls it: one vector per text, [len(text), first byte], and
+    """embed_rows as the Coalescer calls it: one vector per text, [len(text), first byte], and
     a token count per text, len(text) + 2."""
 
     def __init__(self, fail_when=lambda blobs: False):
         self.calls: list[tuple[list[bytes], str]] = []
         self.batches: list[int] = []
+        self.options: list[list[tuple[bool, str]]] = []  # each call's (truncate, direction) per text
         self.fail_when = fail_when
 
-    async def embed_texts(self, model, blobs, request_id, priority_class=None):
+    async def embed_rows(self, model, blobs, request_id, priority_class, options):
         self.calls.append((list(blobs), request_id))
+        self.options.append(list(options))
         await asyncio.sleep(0)
         if self.fail_when(blobs):
             raise APIError(400, "refused")
@@ -134,7 +136,7 @@ def test_a_batch_refused_for_capacity_is_not_sent_again_request_by_request():
     and the gateway does not add the load of one retry per request."""
 
     class Full(Recorder):
-        async def embed_texts(self, model, blobs, request_id, priority_class=None):
+        async def embed_rows(self, model, blobs, request_id, priority_class, options):
             self.calls.append((list(blobs), request_id, priority_class))
             raise APIError(503, "at capacity")
 
@@ -176,3 +178,22 @@ def test_every_request_gets_exactly_its_rows(n):
     for i, (vectors, counts) in enumerate(run(main())):
         assert vectors.shape == (1, 2) and counts.shape == (1,)
         assert vectors[0, 0] == i + 1 and vectors[0, 1] == 65 + i and counts[0] == i + 3
+
+
+def test_requests_that_chose_different_truncation_share_a_batch_each_text_with_its_own_choice():
+    backend = Recorder(fail_when=lambda blobs: b"long" in blobs)
+
+    async def main():
+        c = Coalescer(backend, Model())
+        plain = c.submit([b"a", b"b"], "r0")
+        left = c.submit([b"c"], "r1", (True, "left"))
+        refused = c.submit([b"long"], "r2")
+        return await asyncio.gather(plain, left, refused, return_exceptions=True)
+
+    plain, left, refused = run(main())
+    assert backend.options[0] == [(False, "right"), (False, "right"), (True, "left"), (False, "right")]
+    # The batch failed (as the model refuses an over-long text): each request alone, with its own choice.
+    assert backend.options[1:] == [[(False, "right")] * 2, [(True, "left")], [(False, "right")]]
+    assert_rows(plain, [b"a", b"b"])
+    assert_rows(left, [b"c"])
+    assert isinstance(refused, APIError)

@@ -250,3 +250,34 @@ def test_response_body_base64_decodes_to_the_same_float32_vectors(model, counter
         decoded = np.frombuffer(raw, dtype="<f4")
         assert np.array_equal(decoded, vectors[i].astype(np.float32))
     assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+
+
+# --- truncation (TEI's truncate / truncation_direction; docs/embeddings.md#truncation) --------
+
+
+def test_truncation_fields_default_to_refusing_and_are_carried_to_the_job(model, counter):
+    job = check(model, counter, ["a text"])
+    assert (job.truncate, job.truncation_direction) == (False, "right")
+    job = check(model, counter, ["a text"], truncate=True, truncation_direction="Left")  # TEI's spelling
+    assert (job.truncate, job.truncation_direction) == (True, "left")
+    err = refusal(model, counter, ["a text"], truncate=True, truncation_direction="middle")
+    assert (err.status, err.param) == (400, "truncation_direction")
+    assert "must be one of right, left" in err.message
+    with pytest.raises(ValueError):  # strict types: no "yes" for true
+        EmbeddingRequest(input="x", model="text_embedding", truncate="yes")
+
+
+def test_token_arrays_over_the_limit_are_truncated_by_direction_keeping_cls_and_sep(model, counter):
+    cls, sep = counter.cls_id, counter.sep_id
+    row = [cls, *range(1000, 1300), sep]  # 302 ids
+    right = check(model, counter, [row, [5, 6]], truncate=True)
+    left = check(model, counter, [row], truncate=True, truncation_direction="left")
+    assert right.ids[0] == [cls, *range(1000, 1254), sep] and right.ids[1] == [5, 6]
+    assert left.ids[0] == [cls, *range(1046, 1300), sep] and len(left.ids[0]) == 256
+    bare = check(model, counter, [list(range(1000, 1300))], truncate=True, truncation_direction="left")
+    assert bare.ids[0] == list(range(1044, 1300))  # no specials to keep: the last 256 ids
+    # Usage counts what was sent, before truncation, as for texts.
+    assert right.counts == [302, 2] and left.counts == [302]
+    err = refusal(model, counter, [row])
+    assert (err.status, err.param, err.code) == (400, "input[0]", "context_length_exceeded")
+    assert "302 tokens" in err.message and "256" in err.message and '"truncate": true' in err.message
