@@ -26,6 +26,8 @@ from openai_gateway.catalog import EmbeddingModel
 from openai_gateway.embeddings import EmbeddingJob, utf8
 from openai_gateway.errors import APIError, bad_request, too_large
 from openai_gateway.settings import GatewaySettings
+from python_backends.errors import InputError
+from python_backends.text.truncation import RIGHT, parse_direction
 
 # --- request bodies (published in /openapi.json) --------------------------------------------
 
@@ -48,6 +50,13 @@ class RerankRequest(_Body):
     documents: list[StrictStr | RerankDocument] = Field(description="Texts, or objects with a `text` field")
     top_n: StrictInt | None = Field(None, description="Return the best top_n (>= 1); default: all")
     return_documents: StrictBool = Field(True, description="Echo each result's document text (default true)")
+    # As /v1/embeddings takes them (TEI's names; docs/embeddings.md#truncation).
+    truncate: StrictBool = Field(
+        False, description="false (default): a text over the model's context length is refused (400 context_length_exceeded)"
+    )
+    truncation_direction: StrictStr = Field(
+        "right", description="with truncate: right (default) keeps a text's first tokens, left its last ones"
+    )
     user: StrictStr | None = None
 
 
@@ -57,6 +66,13 @@ class ScoreRequest(_Body):
     model: StrictStr = Field(description="The embedding model (its id or alias)")
     text_1: StrictStr | list[StrictStr]
     text_2: StrictStr | list[StrictStr]
+    # As /v1/embeddings takes them (TEI's names; docs/embeddings.md#truncation).
+    truncate: StrictBool = Field(
+        False, description="false (default): a text over the model's context length is refused (400 context_length_exceeded)"
+    )
+    truncation_direction: StrictStr = Field(
+        "right", description="with truncate: right (default) keeps a text's first tokens, left its last ones"
+    )
     user: StrictStr | None = None
 
 
@@ -68,6 +84,8 @@ class ScoreJob:
     """Distinct texts to embed, and the pairs to score as (left, right) indices into them."""
 
     model: EmbeddingModel
+    truncate: bool = False  # False: a text over the context length is refused
+    truncation_direction: str = RIGHT
     texts: list[str] = field(default_factory=list)
     blobs: list[bytes] = field(default_factory=list)  # the texts as UTF-8
     params: list[str] = field(default_factory=list)  # the field each distinct text first came from
@@ -96,19 +114,38 @@ class ScoreJob:
 
     def named(self, exc: APIError) -> APIError:
         """``exc`` with the request's own field for the text a model refused: the embeddings path
-        names it ``input[k]``, k its index among the distinct texts when they went as one batch
-        (the index of a later batch is its own, so it is left as it is)."""
-        base, _, rest = (exc.param or "").partition("[")
-        one_batch = len(self.texts) <= self.model.max_batch_size
-        if one_batch and base == "input" and rest.endswith("]") and rest[:-1].isdigit() and int(rest[:-1]) < len(self.params):
+        names it ``input[k]``, k its index among the distinct texts."""
+        old = exc.param or ""
+        base, _, rest = old.partition("[")
+        if base == "input" and rest.endswith("]") and rest[:-1].isdigit() and int(rest[:-1]) < len(self.params):
             exc.param = self.params[int(rest[:-1])]
-            exc.message = f"{exc.param}: {exc.message}"
+            # The gateway's own messages start with the param they name ("input[2] has 402 tokens").
+            head = f"{old} "
+            exc.message = exc.param + exc.message[len(old) :] if exc.message.startswith(head) else f"{exc.param}: {exc.message}"
             exc.args = (exc.message,)
         return exc
 
     def embedding_job(self, priority_class: str | None) -> EmbeddingJob:
         """The distinct texts as the embeddings path's job (same entry, cache and batching)."""
-        return EmbeddingJob(self.model, self.texts, None, "float", self.blobs, priority_class)
+        return EmbeddingJob(
+            self.model,
+            self.texts,
+            None,
+            "float",
+            self.blobs,
+            priority_class,
+            truncate=self.truncate,
+            truncation_direction=self.truncation_direction,
+        )
+
+
+def _job(req: RerankRequest | ScoreRequest, model: EmbeddingModel) -> ScoreJob:
+    """An empty job with the request's truncation choice, checked."""
+    try:
+        direction = parse_direction(req.truncation_direction, "truncation_direction")
+    except InputError as exc:
+        raise bad_request(f"truncation_direction {exc.message}", param="truncation_direction") from None
+    return ScoreJob(model, req.truncate, direction)
 
 
 def _count(items: list, param: str, settings: GatewaySettings) -> None:
@@ -125,8 +162,8 @@ def check_rerank(req: RerankRequest, model: EmbeddingModel, settings: GatewaySet
     documents' texts; APIError naming the field and the limit it broke."""
     if req.top_n is not None and req.top_n < 1:
         raise bad_request(f"top_n must be at least 1 (omit it for all documents), got {req.top_n}", param="top_n")
+    job = _job(req, model)
     _count(req.documents, "documents", settings)
-    job = ScoreJob(model)
     query = job.add(req.query, "query", settings)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     for i, text in enumerate(docs):
@@ -138,6 +175,7 @@ def check_rerank(req: RerankRequest, model: EmbeddingModel, settings: GatewaySet
 def check_score(req: ScoreRequest, model: EmbeddingModel, settings: GatewaySettings) -> ScoreJob:
     """The score request as a job, pairs as vLLM makes them: one text_1 against each text_2
     (1:N), or text_1[i] against text_2[i] (N:N)."""
+    job = _job(req, model)
     one = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     two = [req.text_2] if isinstance(req.text_2, str) else req.text_2
     _count(one, "text_1", settings)
@@ -146,7 +184,6 @@ def check_score(req: ScoreRequest, model: EmbeddingModel, settings: GatewaySetti
         raise bad_request(
             f"text_1 has {len(one)} items and text_2 {len(two)}: pairs are 1:1, 1:N or N:N (equal lengths)", param="text_2"
         )
-    job = ScoreJob(model)
     name_1 = "text_1" if isinstance(req.text_1, str) else "text_1[{}]"
     name_2 = "text_2" if isinstance(req.text_2, str) else "text_2[{}]"
     firsts = [job.add(t, name_1.format(i), settings) for i, t in enumerate(one)]
@@ -203,7 +240,8 @@ async def bi_encoder_scores(job: ScoreJob, embed: Embed, priority_class: str | N
         vectors, counts = await embed(job.embedding_job(priority_class))
     except APIError as exc:
         raise job.named(exc) from None
-    check_lengths(job, counts)
+    if not job.truncate:  # the model refuses such a text itself; this guards a model that did not
+        check_lengths(job, counts)
     total = int(np.dot(np.asarray(counts, dtype=np.int64), np.asarray(job.uses, dtype=np.int64)))
     return Scored(cosine(vectors, job.left, job.right), total)
 

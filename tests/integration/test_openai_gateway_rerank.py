@@ -253,7 +253,7 @@ def test_a_document_over_the_context_length_is_400_naming_it(gateway):
     long_doc = " ".join(["word"] * 400)
     body = post(gateway, "/v1/rerank", {**GOOD, "documents": ["short", long_doc]}, expect=400)
     assert body["error"]["param"] == "documents[1]" and body["error"]["code"] == "context_length_exceeded", body
-    assert "256" in body["error"]["message"], body
+    assert "256" in body["error"]["message"] and body["error"]["message"].startswith("documents[1] "), body
 
 
 @pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank", "/score", "/v1/score"])
@@ -267,3 +267,27 @@ def test_both_routes_are_in_the_openapi_schema(gateway):
     paths = requests.get(gateway.url + "/openapi.json", timeout=30).json()["paths"]
     assert {"/v1/rerank", "/score"} <= set(paths), sorted(paths)
     assert "post" in paths["/v1/rerank"] and "post" in paths["/score"]
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_truncate_passes_through_as_v1_embeddings_takes_it(gateway, direction):
+    """A document over 256 tokens is scored on its first (right) or last (left) tokens, as
+    /v1/embeddings embeds it with the same choice; its whole count is in the usage."""
+    query = "What do cats like to eat?"
+    long_doc = "Cats like to eat fish. " + " ".join(["filler"] * 300) + " Dogs like to chew bones."
+    choice = {"truncate": True, "truncation_direction": direction}
+    body = post(gateway, "/v1/embeddings", {"model": EMB, "input": [query, long_doc], **choice})
+    vectors = np.array([d["embedding"] for d in body["data"]], dtype=np.float64)
+    assert body["usage"]["prompt_tokens"] > 256 + 8
+    ranked = rerank(gateway, query, [long_doc], **choice)
+    assert abs(ranked["results"][0]["relevance_score"] - cosine(vectors[0], vectors[1])) <= TOLERANCE
+    assert ranked["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]
+    scored = post(gateway, "/score", {"model": EMB, "text_1": query, "text_2": long_doc, **choice})
+    assert abs(scored["data"][0]["score"] - cosine(vectors[0], vectors[1])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/score"])
+def test_a_bad_truncation_direction_is_400_naming_it(gateway, path):
+    body = {**GOOD, "text_1": "a", "text_2": "b", "truncate": True, "truncation_direction": "middle"}
+    err = post(gateway, path, body, expect=400)["error"]
+    assert err["param"] == "truncation_direction", err
