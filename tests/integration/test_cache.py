@@ -65,12 +65,18 @@ def embed(client, model: str, texts: list[str]) -> np.ndarray:
     return embed_counted(client, model, texts)[0]
 
 
-def embed_counted(client, model: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """EMBEDDING [n, 384] and NUM_TOKENS [n] of ``texts``."""
+def embed_counted(client, model: str, texts: list[str], truncate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """EMBEDDING [n, 384] and NUM_TOKENS [n] of ``texts`` (``truncate``: with TRUNCATE true, so
+    a text over 256 tokens is embedded from its first tokens instead of refused)."""
     data = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
     inp = httpclient.InferInput("TEXT", list(data.shape), "BYTES")
     inp.set_data_from_numpy(data)
-    result = client.infer(model, [inp])
+    inputs = [inp]
+    if truncate:
+        flag = httpclient.InferInput("TRUNCATE", list(data.shape), "BOOL")
+        flag.set_data_from_numpy(np.ones(data.shape, dtype=np.bool_))
+        inputs.append(flag)
+    result = client.infer(model, inputs)
     return result.as_numpy("EMBEDDING"), result.as_numpy("NUM_TOKENS").reshape(-1)
 
 
@@ -162,16 +168,16 @@ def test_token_counts_come_back_with_the_vectors_from_the_model_l1_and_l2(client
     texts = ["counts: hello world", "counts: " + "word " * 300, "counts: 猫が好きです 🙂"]
     expected = [len(tok.encode(t).ids) for t in texts]
     assert expected[1] > 256
-    vectors, counts = embed_counted(client, ENSEMBLE, texts)
+    vectors, counts = embed_counted(client, ENSEMBLE, texts, truncate=True)
     assert counts.tolist() == expected and counts.dtype == np.int32
-    miss = embed_counted(client, CACHED, texts)
-    hit = embed_counted(client, CACHED, texts)
+    miss = embed_counted(client, CACHED, texts, truncate=True)
+    hit = embed_counted(client, CACHED, texts, truncate=True)
     assert miss[1].tolist() == hit[1].tolist() == expected
     assert np.array_equal(hit[0], miss[0]) and np.abs(miss[0] - vectors).max() < 1e-4
     client.unload_model(CACHED)  # a new process: an empty L1, the entries in L2
     client.load_model(CACHED)
     l2_hits = lookups(triton, "l2", "hit")
-    from_l2 = embed_counted(client, CACHED, texts)
+    from_l2 = embed_counted(client, CACHED, texts, truncate=True)
     assert lookups(triton, "l2", "hit") - l2_hits == 3
     assert from_l2[1].tolist() == expected and np.array_equal(from_l2[0], miss[0])
 

@@ -274,6 +274,46 @@ def test_a_text_over_the_token_limit_is_refused_naming_the_limit(openai_client, 
     assert str(MAX_TOKENS) in caught.value.response.json()["error"]["message"]
 
 
+def test_truncate_as_tei_names_it_through_the_sdks_extra_body(openai_client, tokenizer, grpc_client):
+    """truncate (default false) and truncation_direction, as TEI names them: the same vectors as
+    Triton's ensemble with the same choice, usage still the whole texts' counts."""
+    import tritonclient.grpc as grpcclient
+
+    long_text = "the opening of the text " + " ".join(f"w{i}" for i in range(300)) + " and its very end"
+    n = len(tokenizer.encode(long_text).ids)
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.embeddings.create(model=EMBEDDING, input=["fine", long_text], extra_body={"truncate": False})
+    error = caught.value.response.json()["error"]
+    assert (error["param"], error["code"]) == ("input[1]", "context_length_exceeded") and str(n) in error["message"]
+    right = openai_client.embeddings.create(model=EMBEDDING, input=["fine", long_text], extra_body={"truncate": True})
+    left = openai_client.embeddings.create(
+        model=EMBEDDING, input=["fine", long_text], extra_body={"truncate": True, "truncation_direction": "Left"}
+    )
+    assert right.usage.prompt_tokens == left.usage.prompt_tokens == len(tokenizer.encode("fine").ids) + n
+    r, lft = vectors(right), vectors(left)
+    assert cosines(r[:1], lft[:1])[0] > 0.99999 and cosines(r[1:], lft[1:])[0] < 0.99
+    # The same vectors as Triton's ensemble asked directly with the same choice.
+    for got, way in ((r[1], "right"), (lft[1], "left")):
+        inputs = [
+            grpcclient.InferInput(name, [1, 1], dt)
+            for name, dt in (("TEXT", "BYTES"), ("TRUNCATE", "BOOL"), ("TRUNCATION_DIRECTION", "BYTES"))
+        ]
+        inputs[0].set_data_from_numpy(np.array([[long_text.encode()]], dtype=object))
+        inputs[1].set_data_from_numpy(np.ones((1, 1), dtype=np.bool_))
+        inputs[2].set_data_from_numpy(np.array([[way.encode()]], dtype=object))
+        want = grpc_client.infer(EMBEDDING, inputs).as_numpy("EMBEDDING")
+        assert cosines(got[None, :], want)[0] > 0.99999, way
+    # Token arrays: truncated by direction too, [CLS] and [SEP] kept; usage the arrays' lengths.
+    ids = tokenizer.encode(long_text).ids
+    by_ids = openai_client.embeddings.create(
+        model=EMBEDDING, input=[ids], extra_body={"truncate": True, "truncation_direction": "left"}
+    )
+    assert by_ids.usage.prompt_tokens == n and cosines(vectors(by_ids), lft[1:])[0] > 0.9999
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.embeddings.create(model=EMBEDDING, input="x", extra_body={"truncate": True, "truncation_direction": "up"})
+    assert caught.value.response.json()["error"]["param"] == "truncation_direction"
+
+
 # --- chat completions ----------------------------------------------------------------------
 
 

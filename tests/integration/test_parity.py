@@ -17,11 +17,18 @@ def expected():
     return reference.embed(TEXTS)
 
 
-def _infer(client, module, texts):
+def _infer(client, module, texts, truncate=True):
     data = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
     inp = module.InferInput("TEXT", list(data.shape), "BYTES")
     inp.set_data_from_numpy(data)
-    result = client.infer("text_embedding", [inp], outputs=[module.InferRequestedOutput("EMBEDDING")])
+    inputs = [inp]
+    # The reference cuts at 256 tokens as the model was trained, and some texts are longer: a text
+    # over the limit is refused unless the request says TRUNCATE (docs/embeddings.md#truncation).
+    if truncate:
+        flag = module.InferInput("TRUNCATE", list(data.shape), "BOOL")
+        flag.set_data_from_numpy(np.ones(data.shape, dtype=np.bool_))
+        inputs.append(flag)
+    result = client.infer("text_embedding", inputs, outputs=[module.InferRequestedOutput("EMBEDDING")])
     return result.as_numpy("EMBEDDING")
 
 
@@ -58,7 +65,9 @@ def test_concurrent_requests_batched_together(expected, http_client):
     for d in data:
         inp = httpclient.InferInput("TEXT", [1, 1], "BYTES")
         inp.set_data_from_numpy(d)
-        pending.append(http_client.async_infer("text_embedding", [inp]))
+        flag = httpclient.InferInput("TRUNCATE", [1, 1], "BOOL")  # some reference texts are over 256 tokens
+        flag.set_data_from_numpy(np.ones((1, 1), dtype=np.bool_))
+        pending.append(http_client.async_infer("text_embedding", [inp, flag]))
     got = np.concatenate([p.get_result().as_numpy("EMBEDDING") for p in pending])
     _check(got, expected, "http, concurrent single-text requests")
 
