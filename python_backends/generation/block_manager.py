@@ -11,6 +11,11 @@ the block, because a token's K/V depends on all of them. A new sequence whose pr
 starts with the same full blocks shares them by reference count instead of recomputing
 them. A block whose count drops to 0 keeps its contents and its key, and is reused for
 other data only when the pool has no clean block left, least recently freed first.
+
+Forks (``n`` > 1 choices of one prompt): :meth:`fork` gives a new sequence the same blocks
+by reference. The last, partly filled block is copied on write: the first sequence to add a
+token to a shared partial block gets a fresh block and a pending copy of the slots already
+written (:meth:`take_copies`; the runner copies them before the step writes anything).
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
         self.evictions = 0
+        self.forks = 0
+        # (source block, destination block, slots to copy) of copies on write, for the next step.
+        self._copies: list[tuple[int, int, int]] = []
 
     # ---- counters -------------------------------------------------------------------
     @property
@@ -178,16 +186,35 @@ class BlockManager:
         self.prefix_hits += state.num_computed
         return state.num_computed
 
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """Give ``child`` the blocks, tokens and computed state of ``parent``, by reference."""
+        if child in self._seqs:
+            raise ValueError(f"sequence {child!r} already has blocks")
+        p = self._seqs[parent]
+        for b in p.blocks:
+            self._hold(b)
+        self._seqs[child] = _SeqBlocks(list(p.blocks), list(p.tokens), list(p.hashes), p.num_computed)
+        self.forks += 1
+
+    def _needed(self, s: _SeqBlocks, n: int) -> int:
+        """Fresh blocks ``n`` more tokens of the sequence take: its last block's room first,
+        after a copy of that block when it is shared."""
+        room = len(s.blocks) * self.block_size - len(s.tokens)
+        copy = 1 if n > 0 and room > 0 and self._refcount[s.blocks[-1]] > 1 else 0
+        return copy + self.blocks_needed(max(0, n - room))
+
     def can_append_slot(self, seq_id: SeqId) -> bool:
-        """Whether the next token of this sequence gets a slot without a new block, or one is free."""
-        s = self._seqs[seq_id]
-        return len(s.tokens) < len(s.blocks) * self.block_size or self.num_free_blocks > 0
+        """Whether the next token of this sequence gets a slot: room in its own last block, or a free block."""
+        return self._needed(self._seqs[seq_id], 1) <= self.num_free_blocks
 
     def can_append_slots(self, seq_id: SeqId, n: int) -> bool:
         """Whether ``n`` more tokens of this sequence get slots (its last block's room, then free blocks)."""
-        s = self._seqs[seq_id]
-        room = len(s.blocks) * self.block_size - len(s.tokens)
-        return self.blocks_needed(max(0, n - room)) <= self.num_free_blocks
+        return self._needed(self._seqs[seq_id], n) <= self.num_free_blocks
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The copies on write made since the last call: (source, destination, slots) each."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
         """Drop the sequence's tokens after the first ``num_tokens`` (a rejected speculative draft).
@@ -210,6 +237,11 @@ class BlockManager:
         s = self._seqs[seq_id]
         if len(s.tokens) == len(s.blocks) * self.block_size:
             s.blocks.append(self._take_block())
+        elif self._refcount[s.blocks[-1]] > 1:  # a shared partial block: copy on write
+            shared = s.blocks[-1]
+            s.blocks[-1] = self._take_block()
+            self._refcount[shared] -= 1
+            self._copies.append((shared, s.blocks[-1], len(s.tokens) % self.block_size))
         s.tokens.append(int(token))
         return self.slot(seq_id, len(s.tokens) - 1)
 

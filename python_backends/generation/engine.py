@@ -41,6 +41,14 @@ log = logging.getLogger(__name__)
 RequestId = Hashable
 
 
+@dataclass(frozen=True)
+class ChoiceId:
+    """The sequence of choice ``index`` > 0 of a request with ``n`` > 1 (choice 0's is the request id)."""
+
+    request_id: RequestId
+    index: int
+
+
 @dataclass
 class EngineConfig:
     """Sizes and limits of one engine; the Triton model fills it from config.pbtxt."""
@@ -128,6 +136,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
     # The log-probabilities of the tokens whose text this output completes (None: not asked for).
     logprobs: list[lp.TokenLogprob] | None = None
+    index: int = 0  # the choice (0..n-1) this output is about
+    # No more outputs for this request: ``finished`` and every other choice finished earlier.
+    last: bool = False
 
 
 @dataclass
@@ -142,6 +153,10 @@ class _Request:
     num_cached_tokens: int = 0
     aligner: lp.Aligner | None = None  # set when the request asked for log-probabilities
     matcher: Any = None  # the guide's llguidance matcher (structured outputs), None without a guide
+    seq_id: SeqId = None  # the request id for choice 0, ChoiceId for the others
+    index: int = 0
+    # Choice 0 until its prompt is computed: the other choices, forked from it then.
+    forks: list[_Request] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -208,6 +223,11 @@ class LLMEngine:
         self._grammars: Grammars | None = None  # made on the first guided request
         self._grammars_lock = threading.Lock()
         self._step_logprobs: dict[SeqId, list[lp.TokenLogprob]] = {}  # what the step's sampling computed
+        # Requests with n > 1: their choices' sequences not finished yet (forked or still to be).
+        self._choices: dict[RequestId, list[SeqId]] = {}
+        # What the step's sampling drew for choices forked from a prompt just computed:
+        # choice 0's sequence -> (choice, first token, its log-probabilities) each.
+        self._step_forks: dict[SeqId, list[tuple[_Request, int, list[lp.TokenLogprob]]]] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -229,6 +249,12 @@ class LLMEngine:
         lowered to the room left when ``fit_to_context``); ContextTooLong (INVALID_ARG) otherwise."""
         if not prompt_ids:
             raise InputError("text_input", "the prompt has no tokens")
+        if params.n > self.scheduler.max_num_seqs:
+            raise InputError(
+                "n",
+                f"{params.n} choices; this model runs at most {self.scheduler.max_num_seqs} sequences at once",
+                values={"maximum": self.scheduler.max_num_seqs},
+            )
         vocab = self.weights.config.vocab_size
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id: the last is the largest
             token = params.logit_bias[-1][0]
@@ -267,30 +293,53 @@ class LLMEngine:
             return self._grammars
 
     def admit(self, request_id: RequestId, ids: list[int], params: SamplingParams, arrival: float | None = None) -> None:
-        """Queue a request that passed :meth:`check_request` (QueueFull when the queue is full)."""
+        """Queue a request that passed :meth:`check_request` (QueueFull when the queue is full).
+
+        With ``n`` > 1 one sequence is queued; the other choices are forked from it once its
+        prompt is computed (:meth:`step`), sharing its KV blocks: one prefill for all."""
         guide = params.guide
+        arrival = time.monotonic() if arrival is None else arrival
         # A guided sequence is not drafted: its mask is computed one token at a time.
-        self.scheduler.add(request_id, ids, params.max_tokens, speculative=params.greedy and guide is None)
-        self._requests[request_id] = _Request(
-            request_id,
-            ids,
-            params,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=params.stop),
-            make_generator(params.seed, self.device),
-            RequestMetrics(arrival=time.monotonic() if arrival is None else arrival),
-            aligner=None if params.logprobs is None else lp.Aligner(self.token_bytes),
-            matcher=None if guide is None else self.grammars().matcher(*guide),
-        )
+        self.scheduler.add(request_id, ids, params.max_tokens, speculative=params.greedy and guide is None, forks=params.n - 1)
+
+        def choice(index: int) -> _Request:
+            seed = None if params.seed is None else (params.seed + index) % 2**63
+            return _Request(
+                request_id,
+                ids,
+                params,
+                IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=params.stop),
+                make_generator(seed, self.device),
+                RequestMetrics(arrival=arrival),
+                aligner=None if params.logprobs is None else lp.Aligner(self.token_bytes),
+                matcher=None if guide is None else self.grammars().matcher(*guide),
+                seq_id=request_id if index == 0 else ChoiceId(request_id, index),
+                index=index,
+            )
+
+        first = choice(0)
+        if params.n > 1:
+            first.forks = [choice(i) for i in range(1, params.n)]
+            self._choices[request_id] = [request_id, *(c.seq_id for c in first.forks)]
+        self._requests[request_id] = first
         self.counters["requests_added"] += 1
 
-    def abort(self, request_id: RequestId) -> RequestOutput | None:
-        """Cancel a request now; its blocks are free when this returns. Idempotent."""
-        req = self._requests.pop(request_id, None)
-        self.scheduler.abort(request_id)
-        if req is None:
-            return None
-        self.counters["requests_aborted"] += 1
-        return self._final(req, "", FinishReason.ABORT.value)
+    def abort(self, request_id: RequestId) -> list[RequestOutput]:
+        """Cancel a request now, every choice of it: its blocks are free when this returns.
+
+        Returns the final output of each choice that had not finished (none: it was not
+        running). Idempotent."""
+        outs = []
+        for seq_id in list(self._choices.get(request_id, (request_id,))):
+            req = self._requests.pop(seq_id, None)
+            self.scheduler.abort(seq_id)
+            if req is None:
+                continue
+            for choice in [req, *req.forks]:  # choices not forked yet end with the first
+                outs.append(self._final(choice, "", FinishReason.ABORT.value))
+        if outs:
+            self.counters["requests_aborted"] += 1
+        return outs
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -320,10 +369,25 @@ class LLMEngine:
         self.counters["prompt_tokens_computed"] += sum(c.num_tokens for c in plan.prefills)
         failed: list[RequestOutput] = []
         self._step_logprobs.clear()
+        self._step_forks.clear()
         try:
             sampled = self._run(plan)
         except Exception as exc:  # noqa: BLE001 - isolated below; re-raised if every request fails
             sampled, failed = self._run_isolated(plan, exc)
+        for parent, forked in self._step_forks.items():
+            first = self._requests.get(parent)
+            if first is None:  # failed alone in this step
+                continue
+            first.forks = []
+            for choice, token, logprobs in forked:
+                plan.prefills.append(self.scheduler.fork(parent, choice.seq_id))
+                sampled[choice.seq_id] = token
+                choice.metrics.first_scheduled = first.metrics.first_scheduled
+                choice.num_cached_tokens = first.num_cached_tokens
+                self._requests[choice.seq_id] = choice
+                if logprobs:
+                    self._step_logprobs[choice.seq_id] = logprobs
+                self.counters["sequences_forked"] += 1
         new = self.scheduler.update(plan, sampled)
         now = time.monotonic()
         self.last_step_seconds = now - start
@@ -370,7 +434,7 @@ class LLMEngine:
                 req.num_emitted_ids = len(seq.output_tokens)
                 outputs.append(
                     RequestOutput(
-                        seq.seq_id,
+                        req.request_id,
                         text,
                         ids,
                         False,
@@ -380,6 +444,7 @@ class LLMEngine:
                         m,
                         num_cached_tokens=req.num_cached_tokens,
                         logprobs=None if req.aligner is None else req.aligner.release(text, len(seq.output_tokens)),
+                        index=req.index,
                     )
                 )
         return outputs
@@ -397,18 +462,26 @@ class LLMEngine:
         generated: list[int] = []
         generators: list[torch.Generator | None] = []
         guided: list[tuple[int, Any]] = []  # (row, matcher) of each guided sequence
+        source: list[int] = []  # the logits row of each sampler row (choices to fork share their prompt's)
         penalty = False
         for c in sampling:
             req, seq = self._requests[c.seq_id], self.scheduler.get(c.seq_id)
             assert seq is not None  # a scheduled chunk's sequence
             penalty = penalty or req.params.penalises_history
-            if req.matcher is not None:  # never drafted: one row
-                guided.append((len(params), req.matcher))
-            for j in range(c.num_logits):
-                params.append(req.params)
-                history.append((seq, c.draft[:j]))
-                generated.append(len(seq.output_tokens) + j)
-                generators.append(req.generator)
+            first_row = len(source) and source[-1] + 1
+            # The prompt's last row: choice 0 samples from it, and so does each choice forked now.
+            last = range(c.num_logits - 1, c.num_logits)
+            for choice, logit_rows in [(req, range(c.num_logits)), *((f, last) for f in req.forks)]:
+                if choice.matcher is not None:  # never drafted: one row
+                    guided.append((len(params), choice.matcher))
+                for j in logit_rows:
+                    source.append(first_row + j)
+                    params.append(choice.params)
+                    history.append((seq, c.draft[:j]))
+                    generated.append(len(seq.output_tokens) + j)
+                    generators.append(choice.generator)
+        if len(source) != logits.shape[0]:
+            logits = logits.index_select(0, torch.as_tensor(source, device=logits.device))
         allowed = None
         if guided:
             masks = self.grammars().allowed([m for _, m in guided]).to(logits.device)
@@ -434,6 +507,11 @@ class LLMEngine:
         out: dict[SeqId, int | list[int]] = {}
         row = 0
         for c in sampling:
+            forks = self._requests[c.seq_id].forks
+            if forks:  # rows after choice 0's: the first token of each choice forked now
+                self._step_forks[c.seq_id] = [
+                    (f, tokens[row + k], [by_row[row + k]] if row + k in by_row else []) for k, f in enumerate(forks, 1)
+                ]
             if c.draft:
                 accepted = accept_draft(c.draft, tokens[row : row + c.num_logits])
                 out[c.seq_id] = accepted
@@ -445,7 +523,7 @@ class LLMEngine:
                 n = 1
             if row in by_row:
                 self._step_logprobs[c.seq_id] = [by_row[row + j] for j in range(n)]
-            row += c.num_logits
+            row += c.num_logits + len(forks)
         return out
 
     def _run_isolated(self, plan: SchedulerOutput, error: Exception) -> tuple[dict[SeqId, int | list[int]], list[RequestOutput]]:
@@ -474,8 +552,7 @@ class LLMEngine:
         failed = []
         for seq_id, cause in culprits.items():
             log.warning("generation step failed because of request %r (%s); failing it alone", seq_id, cause)
-            out = self.abort(seq_id)
-            if out is not None:
+            for out in self.abort(seq_id):  # that choice only, when it is one of n
                 out.error = RuntimeError(f"generation failed: {cause}")
                 failed.append(out)
         self.counters["requests_failed_alone"] += len(failed)
@@ -496,14 +573,27 @@ class LLMEngine:
             n_out,
             req.metrics,
             num_cached_tokens=req.num_cached_tokens,
+            index=req.index,
+            last=self._retire(req),
         )
+
+    def _retire(self, req: _Request) -> bool:
+        """Drop a finished choice from its request's live choices; whether none is left."""
+        live = self._choices.get(req.request_id)
+        if live is None:
+            return True
+        if req.seq_id in live:
+            live.remove(req.seq_id)
+        if live:
+            return False
+        del self._choices[req.request_id]
+        return True
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """Finish every request with ``error`` (a failed step): free everything, keep serving."""
         outs = []
         for rid in list(self._requests):
-            out = self.abort(rid)
-            if out is not None:
+            for out in self.abort(rid):
                 out.error = error
                 outs.append(out)
         return outs
@@ -518,9 +608,9 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         texts: dict[RequestId, list[str]] = {rid: [] for rid in ids}
         tokens: dict[RequestId, list[int]] = {rid: [] for rid in ids}
-        while any(rid in self._requests for rid in ids):
+        while any(rid in self._requests or rid in self._choices for rid in ids):
             for out in self.step():
-                if out.request_id in texts:
+                if out.request_id in texts and out.index == 0:
                     texts[out.request_id].append(out.text)
                     tokens[out.request_id].extend(out.token_ids)
         return [("".join(texts[r]), tokens[r]) for r in ids]
@@ -628,7 +718,7 @@ class EngineLoop:
 
     def _emit(self, out: RequestOutput) -> None:
         sub = self._live.get(out.request_id)
-        if out.finished:
+        if out.last:
             self._live.pop(out.request_id, None)
         if sub is None:
             return
@@ -636,7 +726,7 @@ class EngineLoop:
             sub.on_output(out)
         except Exception:  # noqa: BLE001 - a failing callback must not stop other streams
             log.exception("output callback of request %r failed; cancelling it", out.request_id)
-            if not out.finished:
+            if not out.last:
                 self._aborts.add(out.request_id)
 
     def _admit_and_cancel(self) -> None:
@@ -651,14 +741,16 @@ class EngineLoop:
                 self.engine.admit(sub.request_id, sub.prompt_ids, sub.params, arrival=sub.arrival)
             except (RequestError, ValueError) as exc:
                 self._emit(
-                    RequestOutput(sub.request_id, "", [], True, FinishReason.ABORT.value, len(sub.prompt_ids), 0, None, exc)
+                    RequestOutput(
+                        sub.request_id, "", [], True, FinishReason.ABORT.value, len(sub.prompt_ids), 0, None, exc, last=True
+                    )
                 )
         for rid, sub in list(self._live.items()):
             if rid in aborts or (sub.is_cancelled is not None and _cancelled(sub.is_cancelled)):
-                out = self.engine.abort(rid)
-                if out is not None:
+                outs = self.engine.abort(rid)
+                for out in outs:
                     self._emit(out)
-                else:
+                if not outs:
                     self._live.pop(rid, None)
 
     def _report_stats(self, force: bool = False) -> None:
@@ -729,7 +821,7 @@ class EngineLoop:
                 outputs = self.engine.fail_all(RuntimeError(f"generation failed: {exc}"))
             for out in outputs:
                 self._emit(out)
-            finished = sum(1 for out in outputs if out.finished)
+            finished = sum(1 for out in outputs if out.last)
             with self._lock:
                 finished_at, submits_at = time.monotonic(), self._submits
         for out in self.engine.fail_all(Unavailable("the model is unloading")):
@@ -749,6 +841,7 @@ class EngineLoop:
                     0,
                     None,
                     Unavailable("the model is unloading"),
+                    last=True,
                 )
             )
 

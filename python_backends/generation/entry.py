@@ -31,6 +31,7 @@ OUTPUT_TYPES = {
     "num_output_tokens": np.uint32,
     "num_cached_tokens": np.uint32,
     "logprobs": object,
+    "index": np.uint32,
 }
 
 
@@ -111,14 +112,24 @@ class GenerationEntry:
         )
 
     def _answer(self, shaper: ResponseShaper, reply: Reply) -> Callable[[RequestOutput], None]:
+        done = False  # the reply was failed or closed: the other choices' outputs go nowhere
+
         def on_output(out: RequestOutput) -> None:
+            nonlocal done
             if self.on_output is not None:
                 self.on_output(out)
+            if done:
+                return
             if out.error is not None:
+                done = True
                 reply.fail(out.error)
+                if not out.last:  # one choice failed: the request fails, its other choices stop
+                    assert self.loop is not None
+                    self.loop.abort(out.request_id)
                 return
             if out.finish_reason == "abort" and reply.is_cancelled():
-                reply.close()  # the client is gone: close the stream, nothing to say
+                if out.last:
+                    reply.close()  # the client is gone: close the stream, nothing to say
                 return
             values = shaper.on_output(
                 out.text,
@@ -128,12 +139,13 @@ class GenerationEntry:
                 out.num_output_tokens,
                 out.num_cached_tokens,
                 out.logprobs,
+                out.index,
             )
             if values is None:
-                if out.finished:
+                if out.last:
                     reply.close()
                 return
-            reply.send(output_arrays(values), final=out.finished)
+            reply.send(output_arrays(values), final=out.last)
 
         return on_output
 

@@ -23,6 +23,7 @@ MAX_PRESENCE_FREQUENCY = 2.0  # OpenAI's range for presence_penalty and frequenc
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: the per-step addition stays cheap
 MAX_LOGPROBS = 20  # alternatives per generated token (OpenAI's top_logprobs limit)
+MAX_CHOICES = 16  # n: choices per request (each a running sequence; the engine's max_num_seqs bounds it too)
 MAX_INT64 = 2**63 - 1  # top_k and seed: above int64 torch overflows and fails the whole batch step
 
 
@@ -54,7 +55,20 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         "top_p", (int, float), 1.0, "Nucleus sampling: the smallest set of tokens holding this mass; 1 disables it", openai=True
     ),
     SamplingField("top_k", (int,), 0, "Sample among the k most likely tokens; 0 disables it"),
-    SamplingField("seed", (int,), None, "A seeded request samples the same tokens every time", openai=True),
+    SamplingField(
+        "n",
+        (int,),
+        1,
+        f"Choices to generate for the prompt (1..{MAX_CHOICES}): forks of one prefill sharing its KV blocks",
+        openai=True,
+    ),
+    SamplingField(
+        "seed",
+        (int,),
+        None,
+        "A seeded request samples the same tokens every time (choice i of n draws from seed + i)",
+        openai=True,
+    ),
     SamplingField("stop", (str, list), (), f"Up to {MAX_STOP} strings that end the text (left out of it)", openai=True),
     SamplingField("ignore_eos", (bool,), False, "EOS does not end the sequence"),
     SamplingField("repetition_penalty", (int, float), 1.0, "Above 1 discourages tokens already in the text"),
@@ -159,6 +173,7 @@ class SamplingParams:
     guided_choice: Any = None
     guided_grammar: str | None = None
     fit_to_context: bool = False
+    n: int = 1  # choices of the prompt
 
     def __post_init__(self):
         put = object.__setattr__  # frozen: normalised values are set once, here
@@ -186,6 +201,8 @@ class SamplingParams:
             minimum=0,
             maximum=MAX_INT64,
         )
+        n = _int("n", self.n)
+        _range("n", n, 1 <= n <= MAX_CHOICES, f"must be between 1 and {MAX_CHOICES}", minimum=1, maximum=MAX_CHOICES)
         if self.seed is not None:
             seed = _int("seed", self.seed)
             _range("seed", seed, 0 <= seed <= MAX_INT64, f"must be between 0 and {MAX_INT64}", minimum=0, maximum=MAX_INT64)

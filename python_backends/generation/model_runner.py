@@ -240,6 +240,8 @@ class ModelRunner:
         The rows follow the order of ``plan.chunks`` restricted to chunks with ``samples``:
         one row each, or ``1 + len(draft)`` rows (every position) for a chunk with a draft.
         """
+        if plan.copies:  # forked sequences' shared partial blocks, copied before anything is written
+            self.cache.copy_blocks(plan.copies)
         chunks = plan.chunks
         if not chunks:
             return torch.empty(0, self.config.vocab_size, device=self.device)

@@ -151,6 +151,13 @@ class PagedKVCache:
         """Bytes the pool holds (K and V, all layers)."""
         return self.num_blocks * bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
+    def copy_blocks(self, copies) -> None:
+        """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer, for each
+        ``(src, dst, n)`` (the block manager's copies on write of forked sequences)."""
+        for src, dst, n in copies:
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[dst, :n].copy_(cache[src, :n])
+
     def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         return self.k_cache[layer].view(shape), self.v_cache[layer].view(shape)

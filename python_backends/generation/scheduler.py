@@ -89,6 +89,9 @@ class Sequence:
     speculative: bool = False
     # Tokens the latest update appended to output_tokens (more than one after an accepted draft).
     num_new_tokens: int = 0
+    # Sequences still to be forked from this one when its prompt is computed (n > 1 choices):
+    # they hold places in the running batch from its admission on.
+    num_forks: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -140,6 +143,8 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk]
     prefills: list[ScheduledChunk]
     preempted: list[SeqId]
+    # Block copies on write (source, destination, slots) the runner makes before the step.
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -189,8 +194,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- requests in and out ---------------------------------------------------------
-    def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int, speculative: bool = False) -> Sequence:
-        """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull."""
+    def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int, speculative: bool = False, forks: int = 0) -> Sequence:
+        """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull.
+
+        ``forks``: sequences :meth:`fork` will make from it once its prompt is computed."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already scheduled")
         # The engine checked the request (LLMEngine.check_request); here it is only asserted.
@@ -201,10 +208,45 @@ class Scheduler:
         queued = len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
         if queued >= self.max_waiting:
             raise QueueFull(len(self.waiting), self.max_num_seqs, self.max_waiting)
-        seq = Sequence(seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals), speculative=speculative)
+        assert 1 + forks <= self.max_num_seqs, "the engine admitted too many choices"
+        seq = Sequence(
+            seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals), speculative=speculative, num_forks=forks
+        )
         self.waiting.append(seq)
         self._seqs[seq_id] = seq
         return seq
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> ScheduledChunk:
+        """A new running sequence with ``parent_id``'s prompt and KV blocks (shared by reference),
+        made in the step that computed the parent's last prompt token, before :meth:`update`.
+
+        Returns the chunk that :meth:`update` records for the child as if it had run (its first
+        token is sampled from the parent's logits): no prompt token is computed twice."""
+        parent = self._seqs[parent_id]
+        assert parent.status is SequenceStatus.RUNNING and not parent.output_tokens and parent.num_forks > 0
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} is already scheduled")
+        child = Sequence(
+            child_id,
+            list(parent.prompt_tokens),
+            parent.max_tokens,
+            parent.arrival,
+            status=SequenceStatus.RUNNING,
+            num_computed_tokens=parent.num_computed_tokens,
+            num_cached_tokens=parent.num_cached_tokens,
+            num_prefill_tokens=parent.num_prefill_tokens,
+            speculative=parent.speculative,
+        )
+        self.bm.fork(parent_id, child_id)
+        parent.num_forks -= 1
+        self._seqs[child_id] = child
+        self.running.append(child)
+        return self._chunk(child, child.num_tokens - child.num_computed_tokens, is_prefill=True)
+
+    @property
+    def num_places_taken(self) -> int:
+        """Places in the running batch: running sequences and the forks they will make."""
+        return len(self.running) + sum(s.num_forks for s in self.running)
 
     def get(self, seq_id: SeqId) -> Sequence | None:
         return self._seqs.get(seq_id)
@@ -350,10 +392,12 @@ class Scheduler:
 
         # 3. Admit waiting requests in FIFO order; none after a preemption this step
         # (the pool is short), and never skip the head (no starvation of long prompts).
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        taken = self.num_places_taken
+        while self.waiting and budget > 0 and not preempted and taken < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.bm.can_admit(seq.tokens):
+            if taken + 1 + seq.num_forks > self.max_num_seqs or not self.bm.can_admit(seq.tokens):
                 break
+            taken += 1 + seq.num_forks
             self.waiting.popleft()
             seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.tokens)
             seq.num_computed_tokens = seq.num_cached_tokens
@@ -364,7 +408,7 @@ class Scheduler:
             prefills.append(self._chunk(seq, n, is_prefill=True))
             budget -= n
 
-        return SchedulerOutput(decodes=decodes, prefills=prefills, preempted=preempted)
+        return SchedulerOutput(decodes=decodes, prefills=prefills, preempted=preempted, copies=self.bm.take_copies())
 
     def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int | list[int] | tuple[int, ...]]) -> list[Sequence]:
         """Record a finished step: computed tokens, and the new tokens of each sampling chunk.

@@ -225,13 +225,15 @@ class ResponseShaper:
     Streaming: one response per new text piece (the final one may be empty, with the
     finish reason). Not streaming: one response when the request finishes, with the
     prompt in front unless ``exclude_input_in_output`` (the vLLM backend's default).
+    With ``n`` > 1 each response is one choice's (the output ``index`` says which, as
+    OpenAI's ``choices[].index``); not streaming, one response per choice as it finishes.
     """
 
     def __init__(self, request: GenerationRequest, token_bytes: Callable[[int], bytes] | None = None):
         self.request = request
         self.token_bytes = token_bytes
-        self._parts: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
+        self._parts: dict[int, list[str]] = {}
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
 
     def on_output(
         self,
@@ -242,23 +244,25 @@ class ResponseShaper:
         num_output: int,
         num_cached: int = 0,
         logprobs: Sequence[TokenLogprob] | None = None,
+        index: int = 0,
     ):
         """The outputs dict of the response to send now, or None to send nothing yet."""
         r = self.request
         if logprobs:
-            self._logprobs.extend(logprobs)
+            self._logprobs.setdefault(index, []).extend(logprobs)
         if not r.stream:
-            self._parts.append(text)
+            self._parts.setdefault(index, []).append(text)
             if not finished:
                 return None
-            body = "".join(self._parts)
+            body = "".join(self._parts.pop(index))
             text = body if r.exclude_input_in_output else r.prompt + body
         elif not finished and not text:
             return None  # its entries (a special token's) go with the next piece
         out: dict[str, Any] = {"text_output": text}
+        if r.params.n > 1:
+            out["index"] = index
         if r.params.logprobs is not None and self.token_bytes is not None:
-            out["logprobs"] = json.dumps(openai_content(self._logprobs, self.token_bytes), ensure_ascii=False)
-            self._logprobs = []
+            out["logprobs"] = json.dumps(openai_content(self._logprobs.pop(index, []), self.token_bytes), ensure_ascii=False)
         if finished or r.stream:
             if r.return_finish_reason:
                 out["finish_reason"] = finish_reason if finished else None

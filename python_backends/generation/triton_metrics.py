@@ -9,7 +9,9 @@ Names follow vLLM's (``vllm:<name>`` there, ``llm_<name>`` here), all labelled
   ``llm_request_success_total{finish_reason}``, ``llm_prefix_cache_queries_total`` and
   ``llm_prefix_cache_hits_total`` (tokens), ``llm_num_preemptions_total``,
   ``llm_spec_decode_num_draft_tokens_total`` and ``llm_spec_decode_num_accepted_tokens_total``
-  (prompt-lookup drafts proposed and accepted);
+  (prompt-lookup drafts proposed and accepted), ``llm_prompt_tokens_computed_total`` (prompt
+  tokens the model ran: prefix-cache hits and forked choices not counted) and
+  ``llm_sequences_forked_total`` (choices of ``n`` > 1 forked from their prompt's sequence);
 - gauges ``llm_num_requests_running``, ``llm_num_requests_waiting``,
   ``llm_kv_cache_blocks_used``, ``llm_kv_cache_blocks_total``.
 
@@ -38,6 +40,8 @@ STAT_COUNTERS = {
     "num_preemptions": "preemptions",
     "spec_draft_tokens": "spec_draft_tokens",
     "spec_accepted_tokens": "spec_accepted_tokens",
+    "prompt_tokens_computed": "prompt_tokens_computed",
+    "sequences_forked": "sequences_forked",
 }
 STAT_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total")
 
@@ -82,6 +86,14 @@ class GenerationMetrics:
             ).Metric(labels=labels),
             "spec_accepted_tokens": fam(
                 "llm_spec_decode_num_accepted_tokens_total", "Prompt-lookup draft tokens accepted", family.COUNTER
+            ).Metric(labels=labels),
+            "prompt_tokens_computed": fam(
+                "llm_prompt_tokens_computed_total",
+                "Prompt tokens the model ran (prefix-cache hits and forked choices not counted)",
+                family.COUNTER,
+            ).Metric(labels=labels),
+            "sequences_forked": fam(
+                "llm_sequences_forked_total", "Choices of n > 1 forked from their prompt's sequence", family.COUNTER
             ).Metric(labels=labels),
         }
         self.gauges = {
@@ -148,7 +160,7 @@ class GenerationMetrics:
         m = out.metrics
         if m is None:
             return
-        rid = out.request_id
+        rid = (out.request_id, out.index)  # a stream: one choice of the request
         if out.token_ids:
             self.generation_tokens.increment(len(out.token_ids))
             previous = self._last_token.get(rid)
@@ -162,6 +174,7 @@ class GenerationMetrics:
                 self._last_token[rid] = m.last_token
         if out.finished:
             self._last_token.pop(rid, None)
+        if out.last:  # the request's, once whatever its n
             self.prompt_tokens.increment(out.num_input_tokens)
             self.success.get(out.finish_reason or "abort", self.success["abort"]).increment(1)
             if m.finished is not None:

@@ -186,7 +186,7 @@ def test_randomized_admit_grow_finish_cancel_keeps_invariants_and_returns_the_po
     prefixes = [[rng.randrange(50) for _ in range(rng.choice((4, 8, 12)))] for _ in range(4)]
     live: dict[int, int] = {}  # seq id -> computed tokens
     next_id = 0
-    hits = 0
+    hits = copies = 0
     for _ in range(2000):
         op = rng.random()
         if op < 0.35 or not live:
@@ -201,6 +201,13 @@ def test_randomized_admit_grow_finish_cancel_keeps_invariants_and_returns_the_po
                 with pytest.raises(NoFreeBlocks):
                     bm.allocate(next_id, prompt)
                 assert not bm.has(next_id)
+        elif op < 0.42:  # a choice of n forked from a sequence whose tokens are all computed
+            sid = rng.choice(list(live))
+            bm.mark_computed(sid, bm.num_tokens(sid))
+            live[sid] = bm.num_tokens(sid)
+            bm.fork(sid, next_id)
+            live[next_id] = live[sid]
+            next_id += 1
         elif op < 0.8:
             sid = rng.choice(list(live))
             n = bm.num_tokens(sid)
@@ -209,6 +216,7 @@ def test_randomized_admit_grow_finish_cancel_keeps_invariants_and_returns_the_po
             if bm.can_append_slot(sid):
                 slot = bm.append_slot(sid, rng.randrange(50))
                 assert slot == bm.slot(sid, n)
+                copies += len(bm.take_copies())
             else:
                 with pytest.raises(NoFreeBlocks):
                     bm.append_slot(sid, 1)
@@ -227,8 +235,49 @@ def test_randomized_admit_grow_finish_cancel_keeps_invariants_and_returns_the_po
                 assert s not in owners, "two sequences write the same slot"
                 owners[s] = sid
     assert hits > 50, "the workload should exercise prefix hits"
+    assert bm.forks > 50 and copies > 20, "the workload should exercise forks and copies on write"
     assert bm.evictions > 0, "the workload should exercise eviction"
     for sid in list(live):
         bm.free(sid)
     bm.check_invariants()
     assert bm.num_free_blocks == start_free == 48 and bm.num_used_blocks == 0
+
+
+def test_a_fork_shares_every_block_and_copies_the_partial_one_on_write():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("p", [1, 2, 3, 4, 5, 6])  # one full block, one holding 2 of 4 slots
+    bm.mark_computed("p", 6)
+    bm.fork("p", "c1")
+    bm.fork("p", "c2")
+    full, partial = bm.block_table("p")
+    assert bm.block_table("c1") == bm.block_table("c2") == [full, partial] and bm.num_used_blocks == 2
+    bm.check_invariants()
+    # The first two writers into the shared partial block copy it; the last keeps it.
+    bm.append_slot("c1", 7)
+    new = bm.block_table("c1")[1]
+    assert new != partial and bm.take_copies() == [(partial, new, 2)]
+    assert bm.slot("c1", 6) == new * 4 + 2 and bm.slot("c1", 5) == new * 4 + 1
+    bm.append_slot("c2", 7)
+    assert len(bm.take_copies()) == 1
+    bm.append_slot("p", 7)
+    assert bm.block_table("p") == [full, partial] and bm.take_copies() == []
+    assert bm.num_used_blocks == 4
+    bm.check_invariants()
+    # The full block stays shared until its last holder goes.
+    for sid in ("p", "c1", "c2"):
+        bm.free(sid)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_a_copy_on_write_needs_a_free_block():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate("p", [1, 2, 3, 4, 5])
+    bm.mark_computed("p", 5)
+    bm.fork("p", "c")
+    assert bm.num_free_blocks == 0
+    assert not bm.can_append_slot("c") and not bm.can_append_slots("p", 1)
+    with pytest.raises(NoFreeBlocks):
+        bm.append_slot("c", 6)
+    bm.free("c")
+    assert bm.can_append_slot("p") and bm.can_append_slots("p", 3) and not bm.can_append_slots("p", 4)

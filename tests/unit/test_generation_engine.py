@@ -12,6 +12,7 @@ import math
 import random
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,83 @@ def test_seeded_sampling_same_alone_and_batched(engine, prompts):
         1
     ]
     assert other_seed != alone
+
+
+def run_choices(eng: LLMEngine, rid, prompt, params) -> tuple[dict[int, list[int]], list]:
+    """Run one request with ``params.n`` choices alone: the token ids of each choice, and every output."""
+    eng.add_request(rid, prompt, params)
+    ids: dict[int, list[int]] = {}
+    outs = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs.append(out)
+            ids.setdefault(out.index, []).extend(out.token_ids)
+    return ids, outs
+
+
+@pytest.mark.parametrize("which", [0, 6], ids=["prompt-in-partial-block", "other-prompt"])
+def test_n_choices_fork_one_prefill_and_share_its_blocks(hf, prompts, reference, which):
+    """n = 4: one prefill (prefix caching off, so nothing but the fork can share it), three
+    forked sequences; greedy choices are generate()'s tokens each, seeded choice i draws as a
+    lone request seeded seed + i, and every block comes back."""
+    eng = make_engine(hf, enable_prefix_caching=False)
+    prompt = prompts[which]
+    n_prompt = len(eng.encode(prompt))
+    ids, outs = run_choices(eng, "greedy", prompt, replace(GREEDY, n=4))
+    assert eng.counters["prompt_tokens_computed"] == n_prompt  # one prefill, not four
+    assert eng.counters["sequences_forked"] == 3 and eng.block_manager.forks == 3
+    assert sorted(ids) == [0, 1, 2, 3] and all(v == reference[which] for v in ids.values())
+    finals = [o for o in outs if o.finished]
+    assert sorted(o.index for o in finals) == [0, 1, 2, 3]
+    assert [o.last for o in outs] == [False] * (len(outs) - 1) + [True]  # the request ends once
+    assert {o.num_input_tokens for o in outs} == {n_prompt}
+    assert eng.block_manager.num_used_blocks == 0
+    eng.block_manager.check_invariants()
+
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=77, n=3)
+    ids, _ = run_choices(eng, "seeded", prompt, sampled)
+    for i in range(3):
+        alone = eng.generate([prompt], replace(sampled, n=1, seed=77 + i))[0][1]
+        assert ids[i] == alone, f"choice {i}"
+    assert len({tuple(v) for v in ids.values()}) > 1
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_forked_choices_share_blocks_copy_the_partial_one_and_abort_together(hf, prompts):
+    eng = make_engine(hf, enable_prefix_caching=False)
+    prompt = prompts[0]
+    n_prompt = len(eng.encode(prompt))
+    assert n_prompt % 16, "the prompt must end inside a block for a copy on write"
+    eng.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=1.0, n=3, ignore_eos=True))
+    produced: dict[int, int] = {}
+    while len(produced) < 3 or min(produced.values()) < 3:
+        produced.update((o.index, o.num_output_tokens) for o in eng.step())
+    bm = eng.block_manager
+    prompt_blocks = n_prompt // 16
+    # The full prompt blocks are held three times; each choice has its own copy of the partial one.
+    assert bm.num_used_blocks == prompt_blocks + 3 + sum(
+        max(0, bm.blocks_needed(bm.num_tokens(s)) - prompt_blocks - 1) for s in eng.scheduler._seqs
+    )
+    bm.check_invariants()
+    outs = eng.abort("r")
+    assert sorted(o.index for o in outs) == [0, 1, 2] and [o.last for o in outs] == [False, False, True]
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert bm.num_used_blocks == 0 and not eng.has_unfinished()
+    bm.check_invariants()
+
+
+def test_n_is_bounded_by_the_batch_and_its_places_are_held_from_admission(hf, prompts):
+    eng = make_engine(hf, max_num_seqs=4)
+    with pytest.raises(InputError) as err:
+        eng.add_request("big", prompts[0], replace(GREEDY, n=5))
+    assert err.value.field == "n" and err.value.values["maximum"] == 4
+    eng.add_request("a", prompts[0], replace(GREEDY, n=3, max_tokens=4))
+    eng.add_request("b", prompts[1], replace(GREEDY, n=2, max_tokens=4))
+    eng.step()  # a's prompt is computed and its two other choices forked; b (two places) does not fit
+    assert eng.scheduler.num_running == eng.scheduler.num_places_taken == 3 and eng.scheduler.num_waiting == 1
+    while eng.has_unfinished():
+        eng.step()
+        assert eng.scheduler.num_places_taken <= 4
 
 
 def test_stop_string_and_min_tokens(engine, hf):
@@ -448,7 +526,7 @@ def test_abort_mid_stream_frees_blocks_and_random_load_leaks_nothing(hf, prompts
                 finished += 1
                 live.pop(out.request_id, None)
             elif live.get(out.request_id) and out.num_output_tokens >= 2:
-                assert eng.abort(out.request_id).finish_reason == "abort"
+                assert [o.finish_reason for o in eng.abort(out.request_id)] == ["abort"]
                 finished += 1
                 live.pop(out.request_id)
     while eng.has_unfinished():

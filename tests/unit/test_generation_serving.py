@@ -116,6 +116,23 @@ def test_response_shaper_streaming_and_whole():
     assert c.on_output("a", True, "stop", 40, 1, 32) == {"text_output": "a", "num_cached_tokens": 32}
 
 
+def test_response_shaper_with_n_choices_says_each_responses_choice():
+    from python_backends.generation.sampling import SamplingParams
+    from python_backends.generation.serving import GenerationRequest
+
+    base = dict(prompt="P:", params=SamplingParams(n=2), exclude_input_in_output=True, return_finish_reason=True)
+    whole = ResponseShaper(GenerationRequest(**base))
+    assert whole.on_output("a", False, None, 3, 1, index=0) is None
+    assert whole.on_output("x", False, None, 3, 1, index=1) is None
+    # Each choice's whole text in its own response when it finishes, the choices' texts kept apart.
+    assert whole.on_output("y", True, "stop", 3, 2, index=1) == {"text_output": "xy", "index": 1, "finish_reason": "stop"}
+    assert whole.on_output("b", True, "length", 3, 2, index=0) == {"text_output": "ab", "index": 0, "finish_reason": "length"}
+    stream = ResponseShaper(GenerationRequest(**base, stream=True))
+    assert stream.on_output("a", False, None, 3, 1, index=1) == {"text_output": "a", "index": 1, "finish_reason": None}
+    one = ResponseShaper(GenerationRequest(prompt="P:", params=SamplingParams(), stream=True))
+    assert "index" not in one.on_output("a", False, None, 3, 1)  # n = 1: the vLLM backend's responses, unchanged
+
+
 def test_logprobs_are_asked_by_the_sampling_field_or_the_flag_and_sent_as_openai_objects(tokenizer):
     from python_backends.generation.logprobs import TokenBytes, TokenLogprob
 
