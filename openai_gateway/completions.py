@@ -55,10 +55,10 @@ class GenerationJob:
         """The ``id`` of OpenAI's completion object."""
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
-
-def _refuse_unsupported(req: _Sampling) -> None:
-    if req.n not in (None, 1):
-        raise bad_request(f"n must be 1, got {req.n}: this server returns one choice per request", param="n")
+    @property
+    def n(self) -> int:
+        """Choices asked for (the engine forks them from one prefill and checks the number)."""
+        return int(self.sampling.get("n") or 1)
 
 
 def _sampling(
@@ -135,7 +135,6 @@ def plain_message(m: Any, i: int) -> dict[str, str]:
 def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
     """A chat completion request checked against OpenAI's policy and the gateway's own limits, as a
     job; 400/413 naming the field otherwise. The model judges the rest (its errors come back as data)."""
-    _refuse_unsupported(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -238,9 +237,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def check_completion(req: CompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
     """A text completion request checked as ``check_chat`` does, as a job (``max_tokens``
     16 unless the request or --default-max-tokens says otherwise)."""
-    _refuse_unsupported(req)
-    if req.best_of not in (None, 1):
-        raise bad_request(f"best_of must be 1, got {req.best_of}", param="best_of")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request(f"best_of must equal n ({req.n or 1}), got {req.best_of}: every choice is returned", param="best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {req.logprobs}", param="logprobs")
     if req.suffix:
@@ -310,6 +308,38 @@ class Tally:
         return out
 
 
+class Tallies:
+    """The tallies of a request's choices (``n`` > 1: each piece says its choice), and their usage."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, Tally] = {}
+
+    def add(self, piece) -> Tally:
+        """Add the piece to its choice's tally; returns that tally."""
+        tally = self.of(piece.index)
+        tally.add(piece)
+        return tally
+
+    def of(self, index: int) -> Tally:
+        return self.by_index.setdefault(index, Tally())
+
+    @property
+    def prompt_tokens(self) -> int:
+        return max((t.prompt_tokens for t in self.by_index.values()), default=0)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(t.completion_tokens for t in self.by_index.values())
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's ``usage``: the prompt once, the tokens of every choice."""
+        cached = [t.cached_tokens for t in self.by_index.values() if t.cached_tokens is not None]
+        return Tally(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, cached_tokens=max(cached, default=None)
+        ).usage
+
+
 def finish_reason(value: str | None) -> str | None:
     """The engine's finish reason in OpenAI's words."""
     return None if value is None else FINISH.get(value, "stop")
@@ -335,26 +365,28 @@ def completion_logprobs(entries: list[dict], offset: int) -> dict:
     }
 
 
-def whole_body(job: GenerationJob, text: str, tally: Tally) -> bytes:
-    """The JSON of a whole (non-streamed) chat or text completion."""
-    base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
+def _whole_choice(job: GenerationJob, index: int, text: str, tally: Tally) -> dict[str, Any]:
     if job.chat:
         calls = job.tools.calls(text) if job.tools is not None else None
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if calls:
             message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": message,
             "logprobs": chat_logprobs(tally.logprobs) if job.logprobs else None,
             "finish_reason": "tool_calls" if calls and tally.reason != "length" else finish_reason(tally.reason),
         }
-        body = {**base, "object": "chat.completion", "choices": [choice]}
-    else:
-        logprobs = completion_logprobs(tally.logprobs, len(job.echo_prefix)) if job.logprobs else None
-        choice = {"index": 0, "text": job.echo_prefix + text, "logprobs": logprobs, "finish_reason": finish_reason(tally.reason)}
-        body = {**base, "object": "text_completion", "choices": [choice]}
-    body["usage"] = tally.usage
+    logprobs = completion_logprobs(tally.logprobs, len(job.echo_prefix)) if job.logprobs else None
+    return {"index": index, "text": job.echo_prefix + text, "logprobs": logprobs, "finish_reason": finish_reason(tally.reason)}
+
+
+def whole_body(job: GenerationJob, texts: dict[int, str], tallies: Tallies) -> bytes:
+    """The JSON of a whole (non-streamed) chat or text completion: one choice per index."""
+    base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
+    choices = [_whole_choice(job, i, texts.get(i, ""), tallies.of(i)) for i in range(job.n)]
+    body = {**base, "object": "chat.completion" if job.chat else "text_completion", "choices": choices}
+    body["usage"] = tallies.usage
     return orjson.dumps(body)
 
 
@@ -371,8 +403,10 @@ class ChunkWriter:
             "object": "chat.completion.chunk" if job.chat else "text_completion",
         }
         self._started = False
-        self._offset = len(job.echo_prefix)  # completions: where the next token's text starts
-        self._held: list[str] | None = [] if job.tools is not None else None  # an answer that may be calls
+        # Per choice: completions' offset of the next token's text; an answer that may be calls.
+        self._offset = {i: len(job.echo_prefix) for i in range(job.n)}
+        self._held: dict[int, list[str]] | None = {i: [] for i in range(job.n)} if job.tools is not None else None
+        self._finished: set[int] = set()
 
     def _event(self, choices: list, usage_value: Any = None, with_usage: bool | None = None) -> bytes:
         body = {**self._head, "choices": choices}
@@ -380,7 +414,9 @@ class ChunkWriter:
             body["usage"] = usage_value
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def _choice(self, text: str | None, reason: str | None, role: bool = False, logprobs: list[dict] | None = None) -> dict:
+    def _choice(
+        self, index: int, text: str | None, reason: str | None, role: bool = False, logprobs: list[dict] | None = None
+    ) -> dict:
         if self.job.chat:
             delta: dict[str, Any] = {}
             if role:
@@ -388,46 +424,56 @@ class ChunkWriter:
             if text is not None:
                 delta["content"] = text
             lp = chat_logprobs(logprobs) if logprobs is not None else None
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         lp = None
         if logprobs is not None:
-            lp = completion_logprobs(logprobs, self._offset)
-            self._offset += sum(len(e["token"]) for e in logprobs)
-        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
+            lp = completion_logprobs(logprobs, self._offset[index])
+            self._offset[index] += sum(len(e["token"]) for e in logprobs)
+        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
     def start(self) -> bytes:
-        """The first event: the assistant role (chat) or the echoed prompt (completions)."""
+        """The first events: each choice's assistant role (chat) or echoed prompt (completions)."""
         self._started = True
         if self.job.chat:
-            return self._event([self._choice("", None, role=True)])
-        return self._event([self._choice(self.job.echo_prefix, None)]) if self.job.echo_prefix else b""
+            return b"".join(self._event([self._choice(i, "", None, role=True)]) for i in range(self.job.n))
+        if not self.job.echo_prefix:
+            return b""
+        return b"".join(self._event([self._choice(i, self.job.echo_prefix, None)]) for i in range(self.job.n))
 
-    def text(self, piece: str, logprobs: list[dict] | None = None) -> bytes:
-        """The event of one text piece and its tokens' log-probabilities when asked for (nothing
-        for an empty piece without any)."""
+    def text(self, piece: str, logprobs: list[dict] | None = None, index: int = 0) -> bytes:
+        """The event of one text piece of choice ``index`` and its tokens' log-probabilities when
+        asked for (nothing for an empty piece without any)."""
         if not piece and not logprobs:
             return b""
         if self._held is not None:  # calls or content: known at the end
-            self._held.append(piece)
+            self._held[index].append(piece)
             return b""
-        return self._event([self._choice(piece, None, logprobs=(logprobs or []) if self.job.logprobs else None)])
+        return self._event([self._choice(index, piece, None, logprobs=(logprobs or []) if self.job.logprobs else None)])
 
-    def finish(self, tally: Tally) -> bytes:
-        """The last events: the finish reason, the usage when asked for, ``[DONE]``."""
+    def finish_choice(self, index: int, tally: Tally) -> bytes:
+        """The events that end choice ``index``: held tool calls or text, then its finish reason
+        (nothing when it was ended already)."""
+        if index in self._finished:
+            return b""
+        self._finished.add(index)
         out = b""
         reason = finish_reason(tally.reason) or "stop"
         if self._held is not None and self.job.tools is not None:
-            text = "".join(self._held)
+            text = "".join(self._held[index])
             calls = self.job.tools.calls(text)
             if calls:
                 deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-                out += self._event([{"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}])
+                out += self._event([{"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}])
                 reason = "tool_calls" if reason != "length" else reason
             elif text:
-                out += self._event([self._choice(text, None)])
-        out += self._event([self._choice(None if self.job.chat else "", reason)])
+                out += self._event([self._choice(index, text, None)])
+        return out + self._event([self._choice(index, None if self.job.chat else "", reason)])
+
+    def finish(self, tallies: Tallies) -> bytes:
+        """The last events: the finish of every choice not ended yet, the usage when asked for, ``[DONE]``."""
+        out = b"".join(self.finish_choice(i, tallies.of(i)) for i in range(self.job.n))
         if self.job.include_usage:
-            out += self._event([], tally.usage)
+            out += self._event([], tallies.usage)
         return out + b"data: [DONE]\n\n"
 
     @staticmethod

@@ -97,7 +97,6 @@ _TYPES: dict[tuple[type, ...], Any] = {
 
 class _OpenAISampling(_Body):
     model: StrictStr
-    n: StrictInt | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None

@@ -59,7 +59,7 @@ async def until_done_or_gone(request: Request, coro, metrics: GatewayMetrics, ro
     raise ClientGone()
 
 
-def record_usage(info: dict, job: completions.GenerationJob, tally: completions.Tally, metrics: GatewayMetrics) -> None:
+def record_usage(info: dict, job: completions.GenerationJob, tally: completions.Tallies, metrics: GatewayMetrics) -> None:
     """A generation's token counts into its log line and the per-key token metrics."""
     info["prompt_tokens"], info["completion_tokens"] = tally.prompt_tokens, tally.completion_tokens
     metrics.count_tokens(info["key_id"], job.model.id, tally.prompt_tokens, tally.completion_tokens)
@@ -72,7 +72,7 @@ async def sse_events(
     the finish (and usage) chunk and ``[DONE]``; an error mid-stream as an error event. However
     it ends, the Triton stream is closed and the usage counted."""
     writer = completions.ChunkWriter(job)
-    tally = completions.Tally()
+    tally = completions.Tallies()
     completed = False
     try:
         head = writer.start()
@@ -81,8 +81,10 @@ async def sse_events(
         piece = first
         while piece is not None:
             if piece.text or piece.logprobs:
-                yield writer.text(piece.text, piece.logprobs)
-            tally.add(piece)
+                yield writer.text(piece.text, piece.logprobs, piece.index)
+            choice = tally.add(piece)
+            if piece.finish_reason is not None and job.n > 1:  # that choice ended; the others go on
+                yield writer.finish_choice(piece.index, choice)
             if piece.final:
                 break
             piece = await anext(pieces, None)

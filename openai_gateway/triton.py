@@ -54,6 +54,7 @@ class Piece:
     final: bool
     cached_tokens: int | None = None
     logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
+    index: int = 0  # the choice (n > 1)
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -62,7 +63,14 @@ class Piece:
 
         p = piece_from_result(result)
         return cls(
-            p.text, p.finish_reason, p.num_input_tokens, p.num_output_tokens, is_final(result), p.num_cached_tokens, p.logprobs
+            p.text,
+            p.finish_reason,
+            p.num_input_tokens,
+            p.num_output_tokens,
+            is_final(result),
+            p.num_cached_tokens,
+            p.logprobs,
+            p.index,
         )
 
 

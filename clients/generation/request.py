@@ -44,6 +44,10 @@ def sampling_parameters(**params: Any) -> dict[str, Any]:
         elif isinstance(value, bool) != (SAMPLING_FIELDS[name] == (bool,)) or not isinstance(value, SAMPLING_FIELDS[name]):
             kinds = " or ".join(t.__name__ for t in SAMPLING_FIELDS[name])
             raise TypeError(f"{name} must be {kinds}, not {type(value).__name__}")
+        if name == "n" and value != 1:
+            # One Generation per request here; n > 1 answers come per choice (the output index):
+            # the OpenAI gateway, or Triton directly (docs/generation.md#the-interface).
+            raise ValueError(f"n={value}: this client returns one choice per request; ask the OpenAI gateway for n > 1")
         out[name] = value
     return out
 

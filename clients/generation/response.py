@@ -82,6 +82,7 @@ class Piece:
     num_output_tokens: int | None = None
     num_cached_tokens: int | None = None
     logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
+    index: int = 0  # the choice this piece belongs to (sampling parameter n > 1)
 
 
 def _logprobs(value: Any) -> list[dict] | None:
@@ -194,6 +195,7 @@ def piece_from_json(data: str | Mapping[str, Any], model: str = DEFAULT_MODEL, s
         num_output_tokens=_count(_scalar(obj.get("num_output_tokens"))),
         num_cached_tokens=_count(_scalar(obj.get("num_cached_tokens"))),
         logprobs=_logprobs(_scalar(obj.get("logprobs"))),
+        index=_count(_scalar(obj.get("index"))) or 0,
     )
 
 
@@ -214,6 +216,7 @@ def piece_from_result(result: Any) -> Piece:
         num_output_tokens=_count(first("num_output_tokens")),
         num_cached_tokens=_count(first("num_cached_tokens")),
         logprobs=_logprobs(first("logprobs")),
+        index=_count(first("index")) or 0,
     )
 
 

@@ -34,17 +34,18 @@ async def serve_generation(request: Request, job: completions.GenerationJob, rou
     if not job.stream:
 
         async def whole():
-            text, tally = [], completions.Tally()
+            texts: dict[int, list[str]] = {}
+            tallies = completions.Tallies()
             piece = first
             while piece is not None:  # an empty final response may follow the answer
-                text.append(piece.text)
-                tally.add(piece)
+                texts.setdefault(piece.index, []).append(piece.text)
+                tallies.add(piece)
                 piece = None if piece.final else await anext(pieces, None)
-            return "".join(text), tally
+            return {i: "".join(parts) for i, parts in texts.items()}, tallies
 
-        text, tally = await until_done_or_gone(request, whole(), metrics, route)
-        record_usage(info, job, tally, metrics)
-        return json_response(200, completions.whole_body(job, text, tally))
+        texts, tallies = await until_done_or_gone(request, whole(), metrics, route)
+        record_usage(info, job, tallies, metrics)
+        return json_response(200, completions.whole_body(job, texts, tallies))
     return EventStream(
         sse_events(request, job, first, pieces, info, metrics),
         media_type="text/event-stream",

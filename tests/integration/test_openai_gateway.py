@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 import time
+import urllib.request
 
 import numpy as np
 import openai
@@ -563,11 +564,76 @@ def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(openai_client):
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == warm
 
 
-def test_n_above_one_is_refused(openai_client):
+def triton_counter(triton, name: str) -> float:
+    """A counter of the generation model on Triton's metrics port."""
+    with urllib.request.urlopen(triton.metrics_url, timeout=10) as r:
+        body = r.read().decode("utf-8")
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+        if s.name == name and s.labels.get("model") == GENERATION
+    )
+
+
+def test_n_choices_come_from_one_prefill(openai_client, triton):
+    """n = 4: four choices, each its own seeded draw; the prompt runs through the model once
+    (Triton's metrics: prompt tokens computed = the prompt less its prefix-cache hits, three
+    sequences forked); streamed, each choice's deltas add up to the whole answer's choice."""
+    messages = [{"role": "user", "content": f"Name a colour. ({time.time_ns()})"}]  # a prompt never seen
+    computed = triton_counter(triton, "llm_prompt_tokens_computed_total")
+    forked = triton_counter(triton, "llm_sequences_forked_total")
+    whole = openai_client.chat.completions.create(
+        model=GENERATION, messages=messages, max_tokens=12, temperature=1.0, seed=11, n=4
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in whole.choices)
+    assert len({c.message.content for c in whole.choices}) > 1, "four seeded draws, all the same"
+    cached = whole.usage.prompt_tokens_details.cached_tokens
+    assert triton_counter(triton, "llm_prompt_tokens_computed_total") - computed == whole.usage.prompt_tokens - cached
+    assert triton_counter(triton, "llm_sequences_forked_total") - forked == 3
+    # The prompt once, the tokens of every choice.
+    assert (
+        whole.usage.completion_tokens >= 4
+        and whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    )
+
+    stream = openai_client.chat.completions.create(
+        model=GENERATION,
+        messages=messages,
+        max_tokens=12,
+        temperature=1.0,
+        seed=11,
+        n=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                assert c.index not in reasons, "a choice finished twice"
+                reasons[c.index] = c.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+    legacy = openai_client.completions.create(model=GENERATION, prompt=PROMPT, max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in legacy.choices] == [0, 1, 2]
+    assert len({c.text for c in legacy.choices}) == 1  # greedy: three forks, the same tokens
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_range_is_refused_naming_it(openai_client, n):
     with pytest.raises(openai.BadRequestError) as caught:
-        openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4, n=2)
+        openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4, n=n)
     error = caught.value.response.json()["error"]
-    assert error["param"] == "n" and "n must be 1" in error["message"]
+    assert error["param"] == "n" and "16" in error["message"]
 
 
 def test_seed_makes_sampling_reproducible(openai_client, direct):

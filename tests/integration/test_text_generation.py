@@ -586,6 +586,50 @@ def test_grpc_cancel_frees_the_kv_blocks_at_once(server):
     assert metric(after, "llm_generation_tokens_total") < metric(before, "llm_generation_tokens_total") + 200
 
 
+def test_n_choices_over_grpc_one_response_per_choice_one_prefill_and_a_cancel_frees_them_all(server):
+    """sampling_parameters n = 3: each response says its choice (output index); whole answers
+    come one per choice, the final flag on the last; the prompt is computed once (metrics);
+    cancelling the stream frees every choice's blocks."""
+    prompt = f"List some animals. ({time.time_ns()})"  # never seen: no prefix-cache hit
+    before = wait_for(server, idle)
+    computed = metric(before, "llm_prompt_tokens_computed_total")
+    forked = metric(before, "llm_sequences_forked_total")
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        sampling = {**GREEDY, "n": 3}
+        client.async_stream_infer(
+            MODEL,
+            grpc_inputs(prompt, stream=False, sampling=sampling, exclude_input_in_output=True, return_num_input_tokens=True),
+            request_id="n3",
+            enable_empty_final_response=True,
+        )
+        got = []
+        while True:
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            if result.as_numpy("text_output") is not None:
+                got.append((_first(result, "index"), _first(result, "text_output"), _first(result, "num_input_tokens")))
+            if final:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    assert sorted(i for i, _, _ in got) == [0, 1, 2]
+    after = wait_for(server, idle)
+    assert metric(after, "llm_prompt_tokens_computed_total") - computed == got[0][2]  # the prompt, once
+    assert metric(after, "llm_sequences_forked_total") - forked == 2
+    alone = generate_text(server, prompt, exclude_input_in_output=True).text
+    assert {text for _, text, _ in got} == {alone}  # greedy: every choice is the one-choice answer
+
+    r = grpc_generate(server, grpc_inputs("Tell me a very long story about the sea.", sampling={**LONG, "n": 3}), cancel_after=9)
+    assert r.cancelled and r.error is None
+    after = wait_for(server, idle, timeout=5.0)
+    assert idle(after) and metric(after, "llm_kv_cache_blocks_used") == 0
+
+
 def test_http_sse_disconnect_frees_the_kv_blocks_at_once(server):
     """tritonserver 2.51 cancels an HTTP request whose connection closes before it completes
     (src/http_server.cc: InferRequestClass::RequestFiniHook calls

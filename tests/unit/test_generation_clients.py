@@ -188,6 +188,7 @@ def test_sampling_parameters_names_types_and_stop():
         "temperature",
         "top_p",
         "top_k",
+        "n",
         "seed",
         "stop",
         "ignore_eos",
@@ -204,6 +205,9 @@ def test_sampling_parameters_names_types_and_stop():
         "fit_to_context",
     }
     assert sampling_parameters(logit_bias={"5": -100}, logprobs=2) == {"logit_bias": {"5": -100}, "logprobs": 2}
+    assert sampling_parameters(n=1) == {"n": 1}
+    with pytest.raises(ValueError, match="one choice per request"):
+        sampling_parameters(n=2)
     with pytest.raises(TypeError, match="logit_bias must be dict"):
         sampling_parameters(logit_bias=[5])
     # The engine's own table: one list of fields for the clients, the gateway and the engine.

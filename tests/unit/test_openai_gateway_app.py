@@ -226,7 +226,6 @@ def test_an_unknown_model_is_404(client, path, body):
         ("/v1/embeddings", {"model": "text_embedding", "input": "hi", "dimensions": 128}, 400, "dimensions"),
         ("/v1/embeddings", {"model": "text_embedding", "input": [[1] * 300]}, 400, "input[0]"),
         ("/v1/embeddings", {"model": "text_embedding", "input": ["a"] * 2049}, 413, "input"),
-        ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
         ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
         ("/v1/completions", {"model": "text_generation", "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ],

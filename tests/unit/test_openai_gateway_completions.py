@@ -14,6 +14,7 @@ from openai_gateway.catalog import Catalog
 from openai_gateway.completions import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChunkWriter,
+    Tallies,
     Tally,
     check_chat,
     check_completion,
@@ -27,6 +28,13 @@ from openai_gateway.triton import triton_error
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = GatewaySettings()
 USER = [{"role": "user", "content": "Hello"}]
+
+
+def one(tally: Tally) -> Tallies:
+    """The tallies of a one-choice answer."""
+    tallies = Tallies()
+    tallies.by_index[0] = tally
+    return tallies
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +121,11 @@ def test_sampling_fields_are_passed_to_the_engine(model):
         ignore_eos=True,
         presence_penalty=0,
         frequency_penalty=0.0,
-        n=1,
+        n=3,
     )
+    assert job.n == 3
     assert job.sampling == {
+        "n": 3,
         "max_tokens": 20,
         "temperature": 0.0,
         "top_p": 0.9,
@@ -145,8 +155,6 @@ def test_sampling_fields_are_passed_to_the_engine(model):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"n": 2}, "n"),
-        ({"n": 0}, "n"),
         # OpenAI's own policy; the engine judges the other values (the integration test).
         ({"temperature": 2.01}, "temperature"),
         ({"temperature": -0.1}, "temperature"),
@@ -205,7 +213,7 @@ def test_tools_are_listed_in_a_system_message_and_required_calls_are_the_engines
 def test_tool_calls_come_back_in_openais_shape_whole_and_streamed(model):
     job = chat(model, tools=[TOOL, CLOCK], tool_choice="required")
     text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
-    body = orjson.loads(whole_body(job, text, Tally("stop", 50, 20)))
+    body = orjson.loads(whole_body(job, {0: text}, one(Tally("stop", 50, 20))))
     message, reason = body["choices"][0]["message"], body["choices"][0]["finish_reason"]
     assert reason == "tool_calls" and message["content"] is None
     calls = message["tool_calls"]
@@ -216,14 +224,14 @@ def test_tool_calls_come_back_in_openais_shape_whole_and_streamed(model):
     assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
     # auto: an answer that is not a list of known calls is content.
     auto = chat(model, tools=[TOOL])
-    plain = orjson.loads(whole_body(auto, "It is sunny.", Tally("stop", 5, 3)))["choices"][0]
+    plain = orjson.loads(whole_body(auto, {0: "It is sunny."}, one(Tally("stop", 5, 3))))["choices"][0]
     assert plain["message"]["content"] == "It is sunny." and plain["finish_reason"] == "stop"
-    unknown = orjson.loads(whole_body(auto, '[{"name": "rm", "arguments": {}}]', Tally("stop", 5, 3)))["choices"][0]
+    unknown = orjson.loads(whole_body(auto, {0: '[{"name": "rm", "arguments": {}}]'}, one(Tally("stop", 5, 3))))["choices"][0]
     assert "tool_calls" not in unknown["message"]
     writer = ChunkWriter(chat(model, tools=[TOOL], tool_choice="required", stream=True))
     assert writer.text('[{"name": "get_weather", ') == b""  # held until the end
     writer.text('"arguments": {"city": "Oslo"}}]')
-    events = [orjson.loads(e[6:]) for e in writer.finish(Tally("stop", 5, 3)).split(b"\n\n") if e.startswith(b"data: {")]
+    events = [orjson.loads(e[6:]) for e in writer.finish(one(Tally("stop", 5, 3))).split(b"\n\n") if e.startswith(b"data: {")]
     delta = events[0]["choices"][0]["delta"]["tool_calls"][0]
     assert delta["index"] == 0 and delta["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
@@ -350,6 +358,7 @@ def test_stream_flags(model):
     "fields, status, param",
     [
         ({"best_of": 2}, 400, "best_of"),
+        ({"n": 2, "best_of": 3}, 400, "best_of"),
         ({"logprobs": 6}, 400, "logprobs"),
         ({"logprobs": -1}, 400, "logprobs"),
         ({"suffix": "end"}, 400, "suffix"),
@@ -388,7 +397,7 @@ def events(raw: bytes) -> list:
 
 def stream(job, pieces, reason, n_in, n_out) -> bytes:
     w = ChunkWriter(job)
-    return w.start() + b"".join(w.text(p) for p in pieces) + w.finish(Tally(reason, n_in, n_out))
+    return w.start() + b"".join(w.text(p) for p in pieces) + w.finish(one(Tally(reason, n_in, n_out)))
 
 
 def test_chat_chunks_role_text_finish_done(model):
@@ -451,7 +460,7 @@ def test_an_error_after_the_stream_began_is_an_error_event():
 
 def test_whole_body_chat(model):
     job = chat(model)
-    body = orjson.loads(whole_body(job, "Paris.", Tally("stop", 30, 3)))
+    body = orjson.loads(whole_body(job, {0: "Paris."}, one(Tally("stop", 30, 3))))
     assert body["object"] == "chat.completion" and body["id"] == job.completion_id
     assert body["model"] == "text_generation" and body["created"] == job.created
     assert body["choices"] == [
@@ -463,7 +472,7 @@ def test_whole_body_chat(model):
         }
     ]
     assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
-    cached = orjson.loads(whole_body(job, "Paris.", Tally("stop", 30, 3, cached_tokens=16)))
+    cached = orjson.loads(whole_body(job, {0: "Paris."}, one(Tally("stop", 30, 3, cached_tokens=16))))
     assert cached["usage"] == {
         "prompt_tokens": 30,
         "completion_tokens": 3,
@@ -494,12 +503,12 @@ def test_logprobs_are_asked_of_the_engine_and_written_in_each_apis_shape(model):
     assert chat(model, logprobs=True).sampling["logprobs"] == 0
     assert "logprobs" not in chat(model, logprobs=False).sampling and not chat(model, logprobs=False).logprobs
     tally = Tally("stop", 30, 2, logprobs=list(ENTRIES))
-    body = orjson.loads(whole_body(job, "Paris", tally))
+    body = orjson.loads(whole_body(job, {0: "Paris"}, one(tally)))
     assert body["choices"][0]["logprobs"] == {"content": ENTRIES, "refusal": None}
     # Legacy completions: tokens, token_logprobs, top_logprobs as {token: logprob}, text offsets after the echo.
     legacy = completion(model, prompt="The capital: ", echo=True, logprobs=1)
     assert legacy.sampling["logprobs"] == 1 and completion(model).logprobs is False
-    body = orjson.loads(whole_body(legacy, "Paris", tally))
+    body = orjson.loads(whole_body(legacy, {0: "Paris"}, one(tally)))
     assert body["choices"][0]["logprobs"] == {
         "tokens": ["Par", "is"],
         "token_logprobs": [-0.1, -0.5],
@@ -533,11 +542,11 @@ def test_response_format_becomes_the_engines_json_guide(model):
 
 
 def test_whole_body_completion_with_and_without_echo(model):
-    body = orjson.loads(whole_body(completion(model), " there was", Tally("length", 4, 2)))
+    body = orjson.loads(whole_body(completion(model), {0: " there was"}, one(Tally("length", 4, 2))))
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"] == [{"index": 0, "text": " there was", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["total_tokens"] == 6
-    body = orjson.loads(whole_body(completion(model, prompt="Once", echo=True), " upon", Tally("stop", 2, 1)))
+    body = orjson.loads(whole_body(completion(model, prompt="Once", echo=True), {0: " upon"}, one(Tally("stop", 2, 1))))
     assert body["choices"][0]["text"] == "Once upon"
 
 
