@@ -375,7 +375,10 @@ def test_logprobs_of_chat_and_completions_streamed_and_whole(openai_client, dire
         assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token and t.logprob <= 0
         assert sum(math.exp(a.logprob) for a in t.top_logprobs) <= 1.0 + 1e-6
     expected = direct.chat(QUESTION, max_tokens=12, temperature=0, logprobs=2)
-    assert [(e["token"], e["logprob"]) for e in expected.logprobs] == [(t.token, t.logprob) for t in content]
+    # The same tokens and values; within 1e-4, because one of the two may find the prompt's blocks
+    # in the prefix cache and compute only its tail (other matrix shapes, other rounding).
+    assert [e["token"] for e in expected.logprobs] == [t.token for t in content]
+    assert max(abs(e["logprob"] - t.logprob) for e, t in zip(expected.logprobs, content)) < 1e-4
     plain = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
     chunks = list(
@@ -384,7 +387,8 @@ def test_logprobs_of_chat_and_completions_streamed_and_whole(openai_client, dire
         )
     )
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-4
     for c in chunks:
         if c.choices and c.choices[0].logprobs is not None:
             assert "".join(t.token for t in c.choices[0].logprobs.content) == (c.choices[0].delta.content or "")
