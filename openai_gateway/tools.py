@@ -11,7 +11,8 @@ message ``Result of <name> (<tool_call_id>): <content>``, so a conversation roun
 with tools) lets the model choose, and an answer that is such a list of known functions becomes
 ``tool_calls``; ``required`` and a named function are enforced: the list's JSON schema (each
 item's ``name`` a constant, its ``arguments`` the function's parameters; one item when
-``parallel_tool_calls`` is false or a function is named) becomes the engine's ``guided_json``.
+``parallel_tool_calls`` is false or a function is named, else at most ``MAX_PARALLEL_CALLS``)
+becomes the engine's ``guided_json``.
 Objects in the parameters that do not say ``additionalProperties`` are closed there (no keys
 beyond those listed), as OpenAI's strict function calling has them.
 """
@@ -27,6 +28,7 @@ from typing import Any
 from openai_gateway.errors import bad_request
 
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_PARALLEL_CALLS = 4  # calls in one enforced answer (tool_choice required with parallel_tool_calls)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 INSTRUCTION = (
     "You can call these functions. To call one or more, answer with only a JSON list of calls, "
@@ -66,8 +68,9 @@ class ToolUse:
             for t in allowed
         ]
         array: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
-        if not self.parallel or self.choice != "required":
-            array["maxItems"] = 1
+        # One call, or at most MAX_PARALLEL_CALLS: a small model repeats calls until max_tokens cuts
+        # the list (then no call parses at all), as it would add keys to an open object.
+        array["maxItems"] = MAX_PARALLEL_CALLS if self.parallel and self.choice == "required" else 1
         return array
 
     def system_prompt(self) -> str:

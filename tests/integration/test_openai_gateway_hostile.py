@@ -453,7 +453,9 @@ WRONG_TYPES = [
     ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "seed": 2**80}, "seed"),
     ("/v1/chat/completions", {**CHAT, "seed": -1}, "seed"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 2**80}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": "2"}, "n"),
     ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
     ("/v1/chat/completions", {**CHAT, "stop": [None]}, "stop"),
     ("/v1/chat/completions", {**CHAT, "stop": 5}, "stop"),
@@ -719,7 +721,6 @@ FUZZ_EXAMPLES = int(os.environ.get("GATEWAY_FUZZ_EXAMPLES", "100"))
 # The served ids and aliases (None in a draw: keep the generated name, mostly a 404).
 MODEL_NAMES = [EMB, "sentence-transformers/all-MiniLM-L6-v2", GEN, "HuggingFaceTB/SmolLM2-135M-Instruct"]
 REFUSED_FIELDS = (
-    "n",
     "tools",
     "tool_choice",
     "functions",
@@ -778,7 +779,7 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
         def run(case, model, plain):
             # A free-form model string is a 404 before anything else is looked at: most cases
             # name a served model so that the fuzz reaches the request checks and Triton,
-            # and half drop the fields the gateway refuses (n, penalties, tools...) so that
+            # and half drop the fields the gateway refuses (tools, response_format...) so that
             # they reach Triton. The key is always valid (auth has its own tests).
             case.headers = {**(case.headers or {}), **AUTH}
             if isinstance(case.body, dict) and isinstance(case.body.get("model"), str) and model:

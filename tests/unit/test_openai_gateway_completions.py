@@ -191,7 +191,7 @@ def test_tools_are_listed_in_a_system_message_and_required_calls_are_the_engines
     assert "guided_json" not in job.sampling and job.tools.choice == "auto"
     required = chat(model, tools=[TOOL, CLOCK], tool_choice="required")
     schema = required.sampling["guided_json"]
-    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema  # parallel calls allowed
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 4  # parallel calls allowed, bounded
     assert [i["properties"]["name"]["const"] for i in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
     assert required.fields["guided_json"] == "tools"
     weather = schema["items"]["anyOf"][0]["properties"]["arguments"]
