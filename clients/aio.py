@@ -70,9 +70,10 @@ class AsyncEmbeddingClient:
         deadline_s: float | None = None,
         policy: RetryPolicy | None = None,
         pool: EndpointPool | None = None,
+        truncation: str | None = None,
     ):
         self.options = ClientOptions.create(
-            url, protocol, model, model_version, timeout_s, priority, batch_size, retries, deadline_s
+            url, protocol, model, model_version, timeout_s, priority, batch_size, retries, deadline_s, truncation
         )
         o = self.options
         self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)

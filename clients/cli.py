@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, help="retries of a request refused as unavailable or cut off (default 3; 0 = none)")
     p.add_argument("--deadline", type=float, help="seconds for all attempts and backoff of one request (default --timeout)")
     p.add_argument("--batch-size", type=int, default=MAX_BATCH_SIZE, help=f"texts per request, 1..{MAX_BATCH_SIZE}")
+    p.add_argument(
+        "--truncate",
+        choices=("right", "left"),
+        help="embed the first (right) or last (left) 256 tokens of a longer text (default: such a text is refused)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--similarity", action="store_true", help="print the cosine-similarity matrix of the texts instead")
     out.add_argument("--json", action="store_true", help="with --similarity: print it as JSON instead of a table")
@@ -196,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             batch_size=args.batch_size,
             retries=args.retries,
             deadline_s=args.deadline,
+            truncation=args.truncate,
         )
     except (UsageError, ValueError) as exc:  # ValueError: options the client refuses, e.g. --url
         return _fail(str(exc), 2)

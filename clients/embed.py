@@ -44,6 +44,7 @@ OUTPUT_NAME = "EMBEDDING"
 MAX_BATCH_SIZE = 64
 DEFAULT_URLS: dict[str, str] = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
 PROTOCOLS: tuple[Protocol, ...] = ("http", "grpc")
+TRUNCATIONS = (None, "right", "left")  # ClientOptions.truncation
 
 
 class EmbeddingError(RuntimeError):
@@ -126,6 +127,9 @@ class ClientOptions:
     urls: tuple[str, ...] = ()
     retries: int | None = None
     deadline_s: float | None = None
+    # None: a text over the model's 256 tokens is refused (the server's default); "right" keeps
+    # its first tokens, "left" its last (TRUNCATE / TRUNCATION_DIRECTION, docs/embeddings.md).
+    truncation: str | None = None
 
     @classmethod
     def create(
@@ -139,8 +143,11 @@ class ClientOptions:
         batch_size: int = MAX_BATCH_SIZE,
         retries: int | None = None,
         deadline_s: float | None = None,
+        truncation: str | None = None,
     ) -> ClientOptions:
         """Check the options and fill in the protocol's default URL; ValueError on bad ones."""
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be None (refuse texts over the limit), 'right' or 'left', not {truncation!r}")
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
         urls = parse_urls(url, protocol)
@@ -164,6 +171,7 @@ class ClientOptions:
             urls,
             retries,
             deadline_s,
+            truncation,
         )
 
     def infer_kwargs(self, attempt_timeout_s: float | None = None) -> dict[str, Any]:
@@ -284,7 +292,14 @@ def build_request(options: ClientOptions, texts: Sequence[Text]) -> tuple[list[A
     data = encode_texts(texts)
     text_input = module.InferInput(INPUT_NAME, list(data.shape), "BYTES")
     text_input.set_data_from_numpy(data)
-    return [text_input], [module.InferRequestedOutput(OUTPUT_NAME)]
+    inputs = [text_input]
+    if options.truncation is not None:  # one choice per text, as the model takes it
+        truncate = module.InferInput("TRUNCATE", list(data.shape), "BOOL")
+        truncate.set_data_from_numpy(np.ones(data.shape, dtype=bool))
+        direction = module.InferInput("TRUNCATION_DIRECTION", list(data.shape), "BYTES")
+        direction.set_data_from_numpy(np.full(data.shape, options.truncation.encode("ascii"), dtype=object))
+        inputs += [truncate, direction]
+    return inputs, [module.InferRequestedOutput(OUTPUT_NAME)]
 
 
 def read_embeddings(result: Any, expected_rows: int, options: ClientOptions) -> np.ndarray:
@@ -372,9 +387,10 @@ class EmbeddingClient:
         deadline_s: float | None = None,
         policy: RetryPolicy | None = None,
         pool: EndpointPool | None = None,
+        truncation: str | None = None,
     ):
         self.options = ClientOptions.create(
-            url, protocol, model, model_version, timeout_s, priority, batch_size, retries, deadline_s
+            url, protocol, model, model_version, timeout_s, priority, batch_size, retries, deadline_s, truncation
         )
         o = self.options
         self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
@@ -470,9 +486,19 @@ def embed(
     batch_size: int = MAX_BATCH_SIZE,
     retries: int | None = None,
     deadline_s: float | None = None,
+    truncation: str | None = None,
 ) -> np.ndarray:
     """Embed ``texts`` with a one-off EmbeddingClient (same options); float32 ``[n, dim]``."""
     with EmbeddingClient(
-        url, protocol, model, model_version, timeout_s, priority, batch_size, retries=retries, deadline_s=deadline_s
+        url,
+        protocol,
+        model,
+        model_version,
+        timeout_s,
+        priority,
+        batch_size,
+        retries=retries,
+        deadline_s=deadline_s,
+        truncation=truncation,
     ) as client:
         return client.embed(texts)

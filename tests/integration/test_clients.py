@@ -77,6 +77,25 @@ def test_bad_text_raises_with_server_message(triton, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_long_text_is_refused_unless_the_client_truncates_it(triton, protocol):
+    url = triton.http_url if protocol == "http" else triton.grpc_url
+    long = " ".join(f"word{i} stands here" for i in range(300))  # far over 256 tokens
+    head = " ".join(f"word{i} stands here" for i in range(60))
+    with EmbeddingClient(url, protocol=protocol) as client:
+        with pytest.raises(EmbeddingError) as info:
+            client.embed([SENTENCES[0], long])
+    assert "TEXT[1]" in info.value.server_message and "256" in info.value.server_message
+    with EmbeddingClient(url, protocol=protocol, truncation="right") as client:
+        right = client.embed([SENTENCES[0], long, head])
+    left = embed([long], url=url, protocol=protocol, truncation="left")
+    assert right.shape == (3, DIM)
+    assert diagonal(right[1:2], right[2:3]).min() > 0.9  # right keeps the head of the text
+    assert diagonal(right[1:2], left).min() < SAME  # left keeps its end: another vector
+    with pytest.raises(ValueError, match="truncation"):
+        EmbeddingClient(url, protocol=protocol, truncation="middle")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_unknown_model(triton, protocol):
     url = triton.http_url if protocol == "http" else triton.grpc_url
     with EmbeddingClient(url, protocol=protocol, model="no_such_model") as client:
