@@ -77,7 +77,21 @@ class GenerationModel:
     version_dir: Path | None = None  # its tokenizer and chat template (/tokenize)
 
 
-Model = EmbeddingModel | GenerationModel
+@dataclass(frozen=True)
+class RerankerModel:
+    """A cross-encoder ensemble (QUERY [1], DOCUMENTS [n] -> SCORES [n, 1], NUM_TOKENS [n]); its
+    limits are its pair tokenizer step's parameters, which that step enforces itself."""
+
+    id: str
+    steps: tuple[str, ...]  # the pair tokenizer and the encoder
+    max_documents: int  # per Triton request; a request with more is sent in several
+    max_tokens: int  # per (query, document) pair
+    truncation: str  # the pair tokenizer's: "refuse" a long pair, or cut its "document"
+    aliases: tuple[str, ...] = ()
+    kind: str = "reranker"
+
+
+Model = EmbeddingModel | GenerationModel | RerankerModel
 
 
 def _configs(repository: Path) -> dict[str, ModelConfig]:
@@ -138,6 +152,25 @@ def _embedding(
     )
 
 
+def _reranker(name: str, config: ModelConfig, configs: dict[str, ModelConfig]) -> RerankerModel | None:
+    steps = [s.get("model_name") for s in config.raw.get("ensemble_scheduling", {}).get("step", [])]
+    if len(steps) != 2 or steps[0] not in configs or steps[1] not in configs:
+        return None
+    if {i.name for i in config.inputs} != {"QUERY", "DOCUMENTS"} or not {"SCORES", "NUM_TOKENS"} <= {
+        o.name for o in config.outputs
+    }:
+        return None
+    tokenizer = configs[steps[0]]
+    return RerankerModel(
+        id=name,
+        steps=(steps[0], steps[1]),
+        max_documents=tokenizer.param_int("max_documents", 64, minimum=1),
+        max_tokens=tokenizer.param_int("max_sequence_length", 512, minimum=1),
+        truncation=tokenizer.param("truncation", "refuse"),
+        aliases=ALIASES.get(name, ()),
+    )
+
+
 def _generation(name: str, config: ModelConfig, repository: Path) -> GenerationModel | None:
     decoupled = bool(config.raw.get("model_transaction_policy", {}).get("decoupled"))
     names = {i.name for i in config.inputs}
@@ -172,7 +205,7 @@ class Catalog:
                 continue
             m: Model | None
             if config.raw.get("platform") == "ensemble":
-                m = _embedding(name, config, configs, Path(repository), embedding_entry)
+                m = _embedding(name, config, configs, Path(repository), embedding_entry) or _reranker(name, config, configs)
             else:
                 m = _generation(name, config, Path(repository))
             if m is not None:
@@ -184,6 +217,9 @@ class Catalog:
 
     @overload
     def find(self, name: object, kind: Literal["generation"]) -> GenerationModel | None: ...
+
+    @overload
+    def find(self, name: object, kind: Literal["reranker"]) -> RerankerModel | None: ...
 
     @overload
     def find(self, name: object, kind: str) -> Model | None: ...
@@ -200,14 +236,19 @@ class Catalog:
     def of_kind(self, kind: Literal["generation"]) -> list[GenerationModel]: ...
 
     @overload
+    def of_kind(self, kind: Literal["reranker"]) -> list[RerankerModel]: ...
+
+    @overload
     def of_kind(self, kind: str) -> list[Model]: ...
 
     def of_kind(self, kind: str) -> list[Any]:
-        """The models of ``kind`` (``embedding`` or ``generation``)."""
+        """The models of ``kind`` (``embedding``, ``generation`` or ``reranker``)."""
         return [m for m in self.models.values() if m.kind == kind]
 
     def triton_models(self, model: Model) -> tuple[str, ...]:
         """The Triton models a request to ``model`` reaches (all must be ready to serve it)."""
         if isinstance(model, EmbeddingModel):
             return tuple(dict.fromkeys((model.text_entry, model.id, model.ids_entry)))
+        if isinstance(model, RerankerModel):
+            return (model.id, *model.steps)
         return (model.id,)

@@ -1,19 +1,21 @@
-"""``/v1/rerank`` (Cohere's and Jina's shape, as vLLM serves it) and ``/score`` (vLLM's) on the
-embedding model: relevance is the **cosine of the bi-encoder's vectors**, not a cross-encoder's
-judgement of the pair.
+"""``/v1/rerank`` (Cohere's and Jina's shape, as vLLM serves it) and ``/score`` (vLLM's), scored
+by one of two scorers, chosen by the kind of the model the request names:
+
+- an **embedding model** (a bi-encoder): relevance is the cosine of the two texts' vectors
+  (``bi_encoder_scores``). The distinct texts are embedded through the gateway's own embeddings
+  path (``TritonBackend.embed``: the text entry, the result cache by default, coalescing and
+  batching included), so a document seen before is a cache hit and costs no model work.
+- a **cross-encoder reranker** (``text_reranker``, served once exported): the model reads each
+  (query, document) pair together and its raw logit is the score (``cross_encoder_scores``):
+  one Triton call per query and at most ``max_documents`` of its documents.
 
 A request becomes a ``ScoreJob``: its distinct texts (each checked as ``/v1/embeddings`` checks
-a text, under its own field name) and the pairs to score as indices into them. The texts are
-embedded through the gateway's own embeddings path (``TritonBackend.embed``: the text entry,
-the result cache by default, coalescing and batching included), so a document seen before is
-a cache hit and costs no model work. The scores are computed here from the vectors.
-
-The scorer is one function, ``bi_encoder_scores``: a cross-encoder (a model that reads the
-pair together) would be a second function of the same signature, chosen by the model.
+a text, under its own field name) and the pairs to score as indices into them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from openai_gateway.catalog import EmbeddingModel
+from openai_gateway.catalog import EmbeddingModel, RerankerModel
 from openai_gateway.embeddings import EmbeddingJob, utf8
 from openai_gateway.errors import APIError, bad_request, too_large
 from openai_gateway.settings import GatewaySettings
@@ -45,7 +47,7 @@ class RerankDocument(_Body):
 class RerankRequest(_Body):
     """The body of `POST /v1/rerank` (also `/rerank`, `/v2/rerank`)."""
 
-    model: StrictStr = Field(description="The embedding model (its id or alias)")
+    model: StrictStr = Field(description="An embedding model (cosine of its vectors) or a served cross-encoder reranker")
     query: StrictStr
     documents: list[StrictStr | RerankDocument] = Field(description="Texts, or objects with a `text` field")
     top_n: StrictInt | None = Field(None, description="Return the best top_n (>= 1); default: all")
@@ -63,7 +65,7 @@ class RerankRequest(_Body):
 class ScoreRequest(_Body):
     """The body of `POST /score` (also `/v1/score`), vLLM's: pairs 1:1, 1:N or N:N."""
 
-    model: StrictStr = Field(description="The embedding model (its id or alias)")
+    model: StrictStr = Field(description="An embedding model (cosine of its vectors) or a served cross-encoder reranker")
     text_1: StrictStr | list[StrictStr]
     text_2: StrictStr | list[StrictStr]
     # As /v1/embeddings takes them (TEI's names; docs/embeddings.md#truncation).
@@ -83,7 +85,7 @@ class ScoreRequest(_Body):
 class ScoreJob:
     """Distinct texts to embed, and the pairs to score as (left, right) indices into them."""
 
-    model: EmbeddingModel
+    model: EmbeddingModel | RerankerModel
     truncate: bool = False  # False: a text over the context length is refused
     truncation_direction: str = RIGHT
     texts: list[str] = field(default_factory=list)
@@ -91,6 +93,7 @@ class ScoreJob:
     params: list[str] = field(default_factory=list)  # the field each distinct text first came from
     left: list[int] = field(default_factory=list)
     right: list[int] = field(default_factory=list)
+    right_params: list[str] = field(default_factory=list)  # per pair: the field its right text came from
     uses: list[int] = field(default_factory=list)  # per distinct text: how often the request sent it
     _seen: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -125,8 +128,15 @@ class ScoreJob:
             exc.args = (exc.message,)
         return exc
 
+    def pair(self, left: int, text: str, param: str, settings: GatewaySettings) -> None:
+        """Pair the distinct text ``left`` with ``text`` (checked; its field ``param``)."""
+        self.left.append(left)
+        self.right.append(self.add(text, param, settings))
+        self.right_params.append(param)
+
     def embedding_job(self, priority_class: str | None) -> EmbeddingJob:
         """The distinct texts as the embeddings path's job (same entry, cache and batching)."""
+        assert isinstance(self.model, EmbeddingModel), "a bi-encoder's job"
         return EmbeddingJob(
             self.model,
             self.texts,
@@ -139,12 +149,25 @@ class ScoreJob:
         )
 
 
-def _job(req: RerankRequest | ScoreRequest, model: EmbeddingModel) -> ScoreJob:
+def _job(req: RerankRequest | ScoreRequest, model: EmbeddingModel | RerankerModel) -> ScoreJob:
     """An empty job with the request's truncation choice, checked."""
     try:
         direction = parse_direction(req.truncation_direction, "truncation_direction")
     except InputError as exc:
         raise bad_request(f"truncation_direction {exc.message}", param="truncation_direction") from None
+    if isinstance(model, RerankerModel) and req.truncate:
+        # The pair tokenizer cuts or refuses by its config (truncation), not per request: truncate
+        # is honoured only where that config already cuts the document's end (= direction right).
+        if model.truncation != "document":
+            raise bad_request(
+                f"{model.id} takes no truncate: a pair over {model.max_tokens} tokens is refused (its pair "
+                'tokenizer\'s truncation is "refuse" in config.pbtxt); shorten the document',
+                param="truncate",
+            )
+        if direction != RIGHT:
+            raise bad_request(
+                f"{model.id} cuts a long document's end only: truncation_direction must be right", param="truncation_direction"
+            )
     return ScoreJob(model, req.truncate, direction)
 
 
@@ -157,7 +180,9 @@ def _count(items: list, param: str, settings: GatewaySettings) -> None:
         )
 
 
-def check_rerank(req: RerankRequest, model: EmbeddingModel, settings: GatewaySettings) -> tuple[ScoreJob, list[str]]:
+def check_rerank(
+    req: RerankRequest, model: EmbeddingModel | RerankerModel, settings: GatewaySettings
+) -> tuple[ScoreJob, list[str]]:
     """The rerank request as a job (the query is text 0, pairs query x each document) and the
     documents' texts; APIError naming the field and the limit it broke."""
     if req.top_n is not None and req.top_n < 1:
@@ -167,12 +192,11 @@ def check_rerank(req: RerankRequest, model: EmbeddingModel, settings: GatewaySet
     query = job.add(req.query, "query", settings)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     for i, text in enumerate(docs):
-        job.left.append(query)
-        job.right.append(job.add(text, f"documents[{i}]", settings))
+        job.pair(query, text, f"documents[{i}]", settings)
     return job, docs
 
 
-def check_score(req: ScoreRequest, model: EmbeddingModel, settings: GatewaySettings) -> ScoreJob:
+def check_score(req: ScoreRequest, model: EmbeddingModel | RerankerModel, settings: GatewaySettings) -> ScoreJob:
     """The score request as a job, pairs as vLLM makes them: one text_1 against each text_2
     (1:N), or text_1[i] against text_2[i] (N:N)."""
     job = _job(req, model)
@@ -188,8 +212,7 @@ def check_score(req: ScoreRequest, model: EmbeddingModel, settings: GatewaySetti
     name_2 = "text_2" if isinstance(req.text_2, str) else "text_2[{}]"
     firsts = [job.add(t, name_1.format(i), settings) for i, t in enumerate(one)]
     for i, text in enumerate(two):
-        job.left.append(firsts[i if len(firsts) > 1 else 0])
-        job.right.append(job.add(text, name_2.format(i), settings))
+        job.pair(firsts[i if len(firsts) > 1 else 0], text, name_2.format(i), settings)
     return job
 
 
@@ -210,6 +233,7 @@ class Scored:
 
 def check_lengths(job: ScoreJob, counts: np.ndarray) -> None:
     """400 context_length_exceeded for the first text with more tokens than the model takes."""
+    assert isinstance(job.model, EmbeddingModel), "a bi-encoder's texts"
     limit = job.model.max_tokens
     for i, n in enumerate(counts):
         if n > limit:
@@ -246,6 +270,75 @@ async def bi_encoder_scores(job: ScoreJob, embed: Embed, priority_class: str | N
     return Scored(cosine(vectors, job.left, job.right), total)
 
 
+# What scores one query against some of its documents: the cross-encoder's Triton call
+# (TritonBackend.rerank_pairs with the model and request id bound), given the query, the documents
+# (UTF-8) and the call's number in the request; it answers each pair's raw logit and token count.
+Infer = Callable[[bytes, list[bytes], int], Awaitable[tuple[np.ndarray, np.ndarray]]]
+
+
+def group_pairs(left: list[int], limit: int) -> list[tuple[int, list[int]]]:
+    """The pairs as cross-encoder calls: (left text, pair indices) with one left text each (the
+    query), in order of first appearance, each of at most ``limit`` pairs (the model's
+    max_documents). /v1/rerank is one group; /score N:N groups the pairs by their text_1."""
+    groups: dict[int, list[int]] = {}
+    for p, q in enumerate(left):
+        groups.setdefault(q, []).append(p)
+    return [(q, pairs[i : i + limit]) for q, pairs in groups.items() for i in range(0, len(pairs), limit)]
+
+
+def _pair_error(job: ScoreJob, exc: APIError, left: int, pairs: list[int]) -> APIError:
+    """``exc`` (the reranker refused a call) naming the request's own field, read from its data:
+    ``DOCUMENTS[j]`` is the call's j-th pair, ``QUERY`` its left text. A pair over the model's token
+    limit becomes 400 context_length_exceeded."""
+    assert isinstance(job.model, RerankerModel)
+    data = exc.data
+    if data is None or not data.field:
+        return exc
+    base, _, rest = data.field.partition("[")
+    if base == "DOCUMENTS" and rest[:-1].isdigit() and int(rest[:-1]) < len(pairs):
+        param = job.right_params[pairs[int(rest[:-1])]]
+    elif base == "QUERY":
+        param = job.params[left]
+    else:
+        return exc
+    tokens, limit = data.values.get("tokens"), data.values.get("limit")
+    if isinstance(tokens, int) and isinstance(limit, int):
+        what = "the query" if base == "QUERY" else f"{param} with its query"
+        return APIError(
+            400,
+            f"{param}: {what} is {tokens} tokens; {job.model.id}'s maximum context length is {limit} tokens per "
+            "pair (max_sequence_length of its pair tokenizer). Shorten it.",
+            param=param,
+            code="context_length_exceeded",
+            data=data,
+        )
+    return APIError(exc.status, f"{param}: {exc.message}", param=param, code=exc.code, data=data)
+
+
+async def cross_encoder_scores(job: ScoreJob, infer: Infer) -> Scored:
+    """The scorer of a cross-encoder: each (query, document) pair read by the model together, its
+    raw logit the score (no sigmoid: the order is the same, and it is what Triton answers). One
+    call per query and at most ``max_documents`` of its documents, sent together; the tokens are
+    the model's count of each pair sent (a repeated document counts each time)."""
+    assert isinstance(job.model, RerankerModel)
+    calls = group_pairs(job.left, job.model.max_documents)
+    answers = await asyncio.gather(
+        *(infer(job.blobs[q], [job.blobs[job.right[p]] for p in pairs], k) for k, (q, pairs) in enumerate(calls)),
+        return_exceptions=True,
+    )
+    scores = np.zeros(len(job.left), dtype=np.float64)
+    total = 0
+    for (q, pairs), answer in zip(calls, answers):
+        if isinstance(answer, APIError):  # the first refused call in request order is the request's error
+            raise _pair_error(job, answer, q, pairs) from None
+        if isinstance(answer, BaseException):
+            raise answer
+        logits, counts = answer
+        scores[pairs] = logits
+        total += int(np.asarray(counts, dtype=np.int64).sum())
+    return Scored(scores, total)
+
+
 # --- answers --------------------------------------------------------------------------------
 
 
@@ -255,7 +348,9 @@ def ranked(scores: np.ndarray, top_n: int | None) -> list[int]:
     return order if top_n is None else order[:top_n]
 
 
-def rerank_body(request_id: str, model: EmbeddingModel, req: RerankRequest, docs: list[str], scored: Scored) -> bytes:
+def rerank_body(
+    request_id: str, model: EmbeddingModel | RerankerModel, req: RerankRequest, docs: list[str], scored: Scored
+) -> bytes:
     """vLLM's (and Jina's) rerank answer: results sorted by relevance, the usage's total tokens."""
     results = []
     for i in ranked(scored.scores, req.top_n):
@@ -268,7 +363,7 @@ def rerank_body(request_id: str, model: EmbeddingModel, req: RerankRequest, docs
     )
 
 
-def score_body(request_id: str, model: EmbeddingModel, scored: Scored) -> bytes:
+def score_body(request_id: str, model: EmbeddingModel | RerankerModel, scored: Scored) -> bytes:
     """vLLM's score answer: one score per pair, in pair order."""
     data = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scored.scores)]
     usage = {"prompt_tokens": scored.total_tokens, "total_tokens": scored.total_tokens, "completion_tokens": 0}

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from openai_gateway import embeddings
 from openai_gateway.auth import ApiKeys
-from openai_gateway.catalog import Catalog, EmbeddingModel, GenerationModel, Model
+from openai_gateway.catalog import Catalog, EmbeddingModel, GenerationModel, Model, RerankerModel
 from openai_gateway.errors import model_not_found
 from openai_gateway.metrics import GatewayMetrics
 from openai_gateway.ratelimit import RateLimiter, SharedRateLimiter
@@ -88,6 +88,21 @@ class GatewayState:
             served = [m.id for m in self.catalog.of_kind(kind)]
             raise model_not_found(name, kind, served)
         return model
+
+    def find_scorer(self, name: str) -> EmbeddingModel | RerankerModel:
+        """The model that scores ``/v1/rerank`` and ``/score`` requests to ``name``: an embedding
+        model (the cosine of its vectors), or a cross-encoder reranker while Triton serves it. A
+        reranker is exported and loaded on request only, so one that Triton does not have ready is
+        unknown (404), as in /v1/models; while Triton itself is down the route answers 503."""
+        reranker = self.catalog.find(name, "reranker")
+        if reranker is not None and (self.backend.is_ready(reranker) or not self.backend.server_ready):
+            return reranker
+        embedding = self.catalog.find(name, "embedding")
+        if embedding is not None and embedding.id in self.vocabularies:
+            return embedding
+        served = [m.id for m in self.catalog.of_kind("embedding") if m.id in self.vocabularies]
+        served += [m.id for m in self.backend.served("reranker")]
+        raise model_not_found(name, "embedding or reranker", served)
 
     def servable(self) -> list[Model]:
         """Ready in Triton, and (embeddings) with the tokenizer file the gateway checks token arrays against."""

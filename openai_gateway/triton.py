@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from openai_gateway.catalog import Catalog, EmbeddingModel, Model
+from openai_gateway.catalog import Catalog, EmbeddingModel, Model, RerankerModel
 from openai_gateway.completions import GenerationJob
 from openai_gateway.embeddings import EmbeddingJob, context_length_error, pad_ids
 from openai_gateway.errors import APIError, unavailable
@@ -231,11 +231,13 @@ class TritonBackend:
         tensors: list[tuple[str, str, tuple[int, ...], bytes]],
         outputs: tuple[tuple[str, str], ...],
         request_id: str,
+        param_map: dict[str, str] | None = None,
     ) -> list[np.ndarray]:
         """One ModelInfer call with raw tensor contents, built straight into the protobuf
         (tritonclient's InferInput/InferResult copy and convert each tensor once more: a
         quarter of the gateway's CPU per cached embedding), on the client's own channel.
-        ``outputs``: (name, datatype) of each output asked for; their arrays, in that order."""
+        ``outputs``: (name, datatype) of each output asked for; their arrays, in that order.
+        ``param_map``: the model's input names as the request's fields (default TEXT -> input)."""
         import grpc
         from tritonclient.grpc import service_pb2
         from tritonclient.grpc._utils import get_error_grpc
@@ -251,7 +253,8 @@ class TritonBackend:
         try:
             response = await self.client._client_stub.ModelInfer(request=request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise triton_error(get_error_grpc(exc), model_name, {"TEXT": "input"}) from None
+            mapping = {"TEXT": "input"} if param_map is None else param_map
+            raise triton_error(get_error_grpc(exc), model_name, mapping) from None
         found = {out.name: (out, response.raw_output_contents[i]) for i, out in enumerate(response.outputs)}
         arrays = []
         for name, datatype in outputs:
@@ -301,6 +304,21 @@ class TritonBackend:
             model.entries(priority_class)[0], tensors, (("EMBEDDING", "FP32"), (TOKEN_COUNT_OUTPUT, "INT32")), request_id
         )
         return vectors, counts.reshape(-1)
+
+    async def rerank_pairs(
+        self, model: RerankerModel, query: bytes, documents: list[bytes], request_id: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One call of a cross-encoder reranker: the raw logit of (query, documents[i]) and the
+        tokens of each pair (at most ``model.max_documents`` documents, the caller splits). A pair
+        the model refuses is an APIError whose ``data`` names ``DOCUMENTS[i]`` (or ``QUERY``)."""
+        tensors: list[tuple[str, str, tuple[int, ...], bytes]] = [
+            ("QUERY", "BYTES", (1,), _LENGTH.pack(len(query)) + query),
+            ("DOCUMENTS", "BYTES", (len(documents),), b"".join(_LENGTH.pack(len(d)) + d for d in documents)),
+        ]
+        scores, counts = await self._infer(
+            model.id, tensors, (("SCORES", "FP32"), (TOKEN_COUNT_OUTPUT, "INT32")), request_id, param_map={}
+        )
+        return scores.reshape(-1), counts.reshape(-1)
 
     def _coalescer(self, model: EmbeddingModel, priority_class: str | None) -> Coalescer:
         key = (model.id, priority_class)

@@ -220,6 +220,7 @@ BAD_RERANK = [
     ({**GOOD, "return_documents": "yes"}, 422, "return_documents"),
     ({**GOOD, "model": "no-such-model"}, 404, "model"),
     ({**GOOD, "model": "text_generation"}, 404, "model"),
+    ({**GOOD, "model": "text_reranker"}, 404, "model"),  # in the repository, not loaded in Triton: unknown
     ({**GOOD, "model": 5}, 422, "model"),
 ]
 BAD_SCORE = [
@@ -232,6 +233,7 @@ BAD_SCORE = [
     ({"model": EMB, "text_1": "a", "text_2": [None]}, 422, "text_2"),
     ({"model": EMB, "text_1": "a", "text_2": ["x"] * (MAX_INPUTS + 1)}, 413, "text_2"),
     ({"model": "nope", "text_1": "a", "text_2": "b"}, 404, "model"),
+    ({"model": "text_reranker", "text_1": "a", "text_2": "b"}, 404, "model"),
 ]
 
 
@@ -291,3 +293,10 @@ def test_a_bad_truncation_direction_is_400_naming_it(gateway, path):
     body = {**GOOD, "text_1": "a", "text_2": "b", "truncate": True, "truncation_direction": "middle"}
     err = post(gateway, path, body, expect=400)["error"]
     assert err["param"] == "truncation_direction", err
+
+
+def test_a_reranker_triton_does_not_serve_is_not_listed(gateway):
+    """text_reranker's configs are in the repository, but this server never loaded it."""
+    listed = requests.get(gateway.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+    assert EMB in [m["id"] for m in listed] and "text_reranker" not in [m["id"] for m in listed], listed
+    assert requests.get(gateway.url + "/v1/models/text_reranker", headers=AUTH, timeout=30).status_code == 404

@@ -7,35 +7,20 @@ naming the field, and the model answers afterwards.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from export import cross_encoder, pipeline, variants
-from server.layout import ROOT
-from tests.unit.cross_encoder_checkpoint import make_checkpoint
+from export import cross_encoder, variants
+from tests.integration.reranker_repository import Reference, export_reranker
 
 MODEL = "text_reranker"
-OWN = ("text_reranker", "text_pair_tokenizer", "text_cross_encoder")
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    base = tmp_path_factory.mktemp("reranker")
-    repo = base / "model_repository"
-    source = (ROOT / "model_repository").resolve()
-    # The reranker's folders as real copies (the export writes into them); the rest as links.
-    shutil.copytree(source, repo, copy_function=os.symlink, ignore=shutil.ignore_patterns("__pycache__", *OWN))
-    for name in OWN:
-        shutil.copytree(source / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    checkpoint = make_checkpoint(base / "checkpoint")
-    report = pipeline.run(cross_encoder.TextCrossEncoderPipeline(checkpoint), repo, speed=False)
-    assert [r["status"] for r in report["variants"]] == ["passed"], report
-    return repo, checkpoint
+    return export_reranker(tmp_path_factory.mktemp("reranker"))
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +54,7 @@ def rerank(client, query, documents):
 
 
 def reference_scores(exported, query, documents):
-    repo, checkpoint = exported
-    model = cross_encoder.load_torch_model(checkpoint.resolve())
-    tokenizer = cross_encoder.pair_tokenizer(cross_encoder.paths(repo)[1], repo)
-    return cross_encoder.torch_logits(model, tokenizer.encode(query, documents))
+    return Reference(*exported).scores(query, documents)
 
 
 def test_served_scores_equal_the_checkpoints_logits_within_the_gate(client, exported):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from openai_gateway.catalog import Catalog, CatalogError, EmbeddingModel, GenerationModel
+from openai_gateway.catalog import Catalog, CatalogError, EmbeddingModel, GenerationModel, RerankerModel
 
 ROOT = Path(__file__).resolve().parents[2]
 REPOSITORY = ROOT / "model_repository"
@@ -41,12 +41,28 @@ def catalog():
     return Catalog.from_repository(REPOSITORY)
 
 
-def test_the_served_models_are_the_embedding_ensemble_and_the_generation_model(catalog):
+def test_the_served_models_are_the_embedding_ensemble_the_generation_model_and_the_reranker(catalog):
     # image_classification is an ensemble too, but not a text embedding one; the other
-    # models are steps of these.
-    assert set(catalog.models) == {"text_embedding", "text_generation"}
+    # models are steps of these. The reranker is listed; the gateway serves it only while
+    # Triton has it ready (it is exported on request).
+    assert set(catalog.models) == {"text_embedding", "text_generation", "text_reranker"}
     assert [m.id for m in catalog.of_kind("embedding")] == ["text_embedding"]
     assert [m.id for m in catalog.of_kind("generation")] == ["text_generation"]
+    assert [m.id for m in catalog.of_kind("reranker")] == ["text_reranker"]
+
+
+def test_text_reranker_limits_from_its_pair_tokenizers_config(catalog, tmp_path):
+    m = catalog.models["text_reranker"]
+    assert isinstance(m, RerankerModel)
+    tokenizer_config = REPOSITORY / "text_pair_tokenizer" / "config.pbtxt"
+    assert m.max_documents == int(_param(tokenizer_config, "max_documents")) == 64
+    assert m.max_tokens == int(_param(tokenizer_config, "max_sequence_length")) == 512
+    assert m.truncation == _param(tokenizer_config, "truncation") == "refuse"
+    assert catalog.triton_models(m) == ("text_reranker", "text_pair_tokenizer", "text_cross_encoder")
+    repo = _copy_configs(tmp_path)
+    _edit(repo / "text_pair_tokenizer" / "config.pbtxt", 'value: { string_value: "64" }', 'value: { string_value: "16" }')
+    changed = Catalog.from_repository(repo).models["text_reranker"]
+    assert isinstance(changed, RerankerModel) and changed.max_documents == 16
 
 
 def test_text_embedding_from_its_configs(catalog):
@@ -150,7 +166,7 @@ def test_a_repository_without_the_generation_model_serves_embeddings_only(tmp_pa
     repo = _copy_configs(tmp_path / "repo")
     shutil.rmtree(repo / "text_generation")
     catalog = Catalog.from_repository(repo)
-    assert set(catalog.models) == {"text_embedding"}
+    assert set(catalog.models) == {"text_embedding", "text_reranker"}
     assert catalog.find("text_generation", "generation") is None
 
 
