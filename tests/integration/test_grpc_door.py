@@ -178,7 +178,7 @@ def test_other_rpcs_pass_through_with_metadata_and_status(triton, door):
     assert door.ServerReady(service_pb2.ServerReadyRequest(), timeout=10).ready
     assert door.ModelReady(service_pb2.ModelReadyRequest(name="text_embedding"), timeout=10).ready
     meta = door.ModelMetadata(service_pb2.ModelMetadataRequest(name="text_embedding"), timeout=10)
-    assert [i.name for i in meta.inputs] == ["TEXT"]
+    assert [i.name for i in meta.inputs] == ["TEXT", "TRUNCATE", "TRUNCATION_DIRECTION"]
     with pytest.raises(grpc.RpcError) as info:
         door.ModelMetadata(service_pb2.ModelMetadataRequest(name="no_such_model"), timeout=10)
     assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT)

@@ -6,7 +6,12 @@ import tritonclient.http as httpclient
 
 def test_ensemble_metadata(http_client):
     meta = http_client.get_model_metadata("text_embedding")
-    assert meta["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1, 1]}]
+    assert meta["inputs"] == [
+        {"name": "TEXT", "datatype": "BYTES", "shape": [-1, 1]},
+        # optional: a text over 256 tokens is refused unless the request says how to truncate it
+        {"name": "TRUNCATE", "datatype": "BOOL", "shape": [-1, 1]},
+        {"name": "TRUNCATION_DIRECTION", "datatype": "BYTES", "shape": [-1, 1]},
+    ]
     # The steady-state form: no router, no ENCODER_VERSION (a rollout adds both: docs/versions-and-rollout.md).
     assert meta["outputs"] == [
         {"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]},
