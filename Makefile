@@ -41,7 +41,7 @@ CLUSTER_ARGS ?=
 serve-cluster: $(STAMP)
 	$(PY) -m server.cluster --replicas $(REPLICAS) --precision $(PRECISION) $(CLUSTER_ARGS)
 
-# The product's tests, with the hostile-request fuzz and the chaos soak's short runs (about 24
+# The product's tests, with the hostile-request fuzz and the chaos soak's short runs (about 29
 # minutes on 2 cores); test-perf: the other benchmarks' short runs (about 8 minutes). CI runs both.
 RESILIENCE_SMOKE := tests/perf/test_fuzz_smoke.py tests/perf/test_chaos_smoke.py
 test: $(STAMP) lint
