@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from python_backends.errors import TOO_LARGE, ConfigError, InputError
-from python_backends.text.tokenization import bucket_length
+from python_backends.text.tokenization import bucket_length, load_tokenizer
 
 TRUNCATION = ("refuse", "document")
 DEFAULT_PAIR_BUCKETS = (32, 64, 128, 256, 512)
@@ -46,26 +46,13 @@ class PairTokenizer:
         buckets: Iterable[int] = DEFAULT_PAIR_BUCKETS,
         truncation: str = "refuse",
     ):
-        from tokenizers import Tokenizer
-
-        path = Path(tokenizer_file)
-        if not path.is_file():
-            raise ConfigError(f"tokenizer file not found: {path} (export a cross-encoder: docs/export.md)")
         if truncation not in TRUNCATION:
             raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION)}; got {truncation!r}")
-        self.buckets = sorted(set(int(b) for b in buckets))
-        if not self.buckets or self.buckets[0] < 1:
-            raise ConfigError(f"sequence buckets must be positive integers, got {self.buckets}")
-        if self.buckets[-1] != max_length:
-            raise ConfigError(f"the largest sequence bucket ({self.buckets[-1]}) must equal max_sequence_length ({max_length})")
+        path = Path(tokenizer_file)
+        # Length is decided here (refuse or cut the document), never by the file's own settings.
+        self._tok, self.buckets, self.pad_id = load_tokenizer(path, max_length, buckets, "export a cross-encoder: docs/export.md")
         self.max_length = max_length
         self.truncation = truncation
-        self._tok = Tokenizer.from_file(str(path))
-        # Length is decided here (refuse or cut the document), never by the file's own settings.
-        self._tok.no_truncation()
-        self._tok.no_padding()
-        pad_id = self._tok.token_to_id("[PAD]")
-        self.pad_id = 0 if pad_id is None else pad_id
         probe = self._tok.encode("a", "b", add_special_tokens=True)
         if 1 not in probe.type_ids:
             raise ConfigError(

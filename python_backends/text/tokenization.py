@@ -64,6 +64,27 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
     return buckets[min(i, len(buckets) - 1)]
 
 
+def load_tokenizer(path: str | Path, max_length: int, buckets: Iterable[int], missing: str) -> tuple:
+    """A tokenizer file with its own truncation and padding off (length is decided by the caller),
+    the sorted sequence buckets (the largest must be ``max_length``) and the padding id.
+    ``missing``: what to say when the file is not there."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"tokenizer file not found: {path} ({missing})")
+    sorted_buckets = sorted(set(int(b) for b in buckets))
+    if not sorted_buckets or sorted_buckets[0] < 1:
+        raise ConfigError(f"sequence buckets must be positive integers, got {sorted_buckets}")
+    if sorted_buckets[-1] != max_length:
+        raise ConfigError(f"the largest sequence bucket ({sorted_buckets[-1]}) must equal max_sequence_length ({max_length})")
+    tok = Tokenizer.from_file(str(path))
+    tok.no_truncation()
+    tok.no_padding()
+    pad_id = tok.token_to_id("[PAD]")
+    return tok, sorted_buckets, 0 if pad_id is None else pad_id
+
+
 @dataclass(frozen=True)
 class EncodedBatch:
     input_ids: np.ndarray  # [n, L] int64
@@ -80,25 +101,11 @@ class BatchTokenizer:
     """A fast (Rust) tokenizer configured for fixed truncation and bucketed padding."""
 
     def __init__(self, tokenizer_file: str | Path, max_length: int, buckets: Iterable[int] = DEFAULT_BUCKETS):
-        from tokenizers import Tokenizer
-
-        path = Path(tokenizer_file)
-        if not path.is_file():
-            raise ConfigError(f"tokenizer file not found: {path} (run `make export`)")
-        self.buckets = sorted(set(int(b) for b in buckets))
-        if not self.buckets or self.buckets[0] < 1:
-            raise ConfigError(f"sequence buckets must be positive integers, got {self.buckets}")
-        if self.buckets[-1] != max_length:
-            raise ConfigError(f"the largest sequence bucket ({self.buckets[-1]}) must equal max_sequence_length ({max_length})")
-        self.max_length = max_length
-        self._tok = Tokenizer.from_file(str(path))
-        # tokenizer.json ships its own truncation/padding (128, fixed). The whole text is
-        # tokenized (the tokenizers library does so even when it truncates), so its count is
+        # tokenizer.json ships its own truncation/padding (128, fixed), turned off: the whole text
+        # is tokenized (the tokenizers library does so even when it truncates), so its count is
         # known; truncation and padding are done here, as the library would do them.
-        self._tok.no_truncation()
-        self._tok.no_padding()
-        pad_id = self._tok.token_to_id("[PAD]")
-        self.pad_id = 0 if pad_id is None else pad_id
+        self._tok, self.buckets, self.pad_id = load_tokenizer(tokenizer_file, max_length, buckets, "run `make export`")
+        self.max_length = max_length
         # Truncation keeps the post-processor's special tokens at both ends ([CLS] ... [SEP]).
         self._lead = self._leading_specials() if self._tok.post_processor else 0
         self._tail = self._tok.post_processor.num_special_tokens_to_add(False) - self._lead if self._tok.post_processor else 0
