@@ -38,7 +38,11 @@ def stubs(server_pid: int) -> dict[int, str]:
     """{pid: model} of the server's python backend stubs (its children running the stub)."""
     found = {}
     for task in Path(f"/proc/{server_pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        for pid in children:
             try:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
