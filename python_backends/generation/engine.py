@@ -28,7 +28,7 @@ from python_backends.errors import ConfigError, InputError, RequestError, Unavai
 from python_backends.generation import logprobs as lp
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
-from python_backends.generation.linear import PRECISIONS, has_fast_bf16, kv_cache_dtype
+from python_backends.generation.linear import PRECISIONS, describe_cpu, kv_cache_dtype, runnable_precisions
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
@@ -76,6 +76,9 @@ class EngineConfig:
     # while at most speculative_max_seqs sequences decode. 0: off.
     num_speculative_tokens: int = 0
     speculative_max_seqs: int = 2
+    # The most prompt tokens a step spends while it also carries decodes (0: the whole
+    # max_num_batched_tokens): bounds the inter-token gap a new prompt adds to running streams.
+    prefill_tokens_with_decodes: int = 0
     num_threads: int | None = None
     # Admission window of EngineLoop: when a burst may be arriving (the loop woke from idle, or
     # the step just finished requests whose clients send their next ones), wait up to this long
@@ -102,6 +105,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        if self.prefill_tokens_with_decodes < 0:
+            raise ConfigError(f"prefill_tokens_with_decodes must be >= 0, got {self.prefill_tokens_with_decodes}")
         if self.speculative_max_seqs < 0:
             raise ConfigError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
         if self.max_waiting < 0:
@@ -193,14 +198,16 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_speculative_tokens=config.num_speculative_tokens,
             speculative_max_seqs=config.speculative_max_seqs,
+            prefill_tokens_with_decodes=config.prefill_tokens_with_decodes,
         )
         self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
-        if self.weights.precision != "fp32" and self.device.type == "cpu" and not has_fast_bf16():
+        if self.device.type == "cpu" and self.weights.precision not in runnable_precisions():
             log.warning(
-                "generation engine: weights_precision %s on a CPU without AVX512-BF16 or AMX: PyTorch "
-                "emulates BF16 here, slower than fp32; export on this machine (python -m export) to gate "
+                "generation engine: weights_precision %s is not offered on this CPU (%s): PyTorch emulates "
+                "its kernels here, slower than fp32; export on this machine (python -m export) to gate "
                 "what it runs, or serve PRECISION=fp32",
                 self.weights.precision,
+                describe_cpu(),
             )
         log.info(
             "generation engine: weights %s (%.0f MiB), KV pool %d blocks of %d tokens (%.0f MiB), %s",

@@ -172,6 +172,7 @@ class Scheduler:
         max_model_len: int,
         num_speculative_tokens: int = 0,
         speculative_max_seqs: int = 0,
+        prefill_tokens_with_decodes: int = 0,
     ):
         if max_num_seqs <= 0 or max_waiting < 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs and max_model_len must be > 0, max_waiting >= 0")
@@ -187,6 +188,10 @@ class Scheduler:
         # sequences decode (above that the rows cost real compute: no draft).
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_max_seqs = speculative_max_seqs
+        # A step that carries decodes spends at most this many tokens on prompts (0: the whole
+        # budget): a long prompt then takes more, shorter steps, and running streams' tokens are
+        # not held up by a full 256-token chunk.
+        self.prefill_tokens_with_decodes = prefill_tokens_with_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._seqs: dict[SeqId, Sequence] = {}
@@ -379,6 +384,8 @@ class Scheduler:
             else:
                 decodes.append(self._chunk(seq, 1, is_prefill=False))
             budget -= 1 + len(draft)
+        if decodes and self.prefill_tokens_with_decodes:
+            budget = min(budget, self.prefill_tokens_with_decodes)
 
         # 2. Running prefills carry on in chunks (their prompt slots exist since admission).
         for seq in self.running:

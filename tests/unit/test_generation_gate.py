@@ -40,7 +40,7 @@ def test_heldout_text_covers_languages_and_code():
 
 
 @EXPORTED
-@pytest.mark.skipif(not QUANTIZED, reason="this CPU has no AVX512-BF16 or AMX: only fp32 is offered here")
+@pytest.mark.skipif(not QUANTIZED, reason=f"only fp32 is offered on this CPU ({linear.describe_cpu()})")
 @pytest.mark.parametrize("precision", QUANTIZED)
 def test_each_variant_passes_its_gate_in_both_kernel_paths(precision, heldout, reference):
     gate = variants.load_gates()["text_generation"][precision]
@@ -48,11 +48,12 @@ def test_each_variant_passes_its_gate_in_both_kernel_paths(precision, heldout, r
     for chunk, logits in passes.items():  # prompt-sized chunks and decode-sized ones
         metrics = generation_gate.compare(reference[chunk], logits, heldout)
         assert variants.check_gate(metrics, gate) == [], (chunk, metrics)
-        assert metrics["top1_agreement"] < 1.0 or precision == "fp32"  # the gate sees a real difference
+        # the gate sees a real difference (FP16 weights may keep every top-1 token: KL still moves)
+        assert metrics["mean_kl"] > 0 and (metrics["top1_agreement"] < 1.0 or precision == "fp16"), (chunk, metrics)
 
 
 @EXPORTED
-@pytest.mark.skipif(not QUANTIZED, reason="this CPU has no AVX512-BF16 or AMX: only fp32 is offered here")
+@pytest.mark.skipif(not QUANTIZED, reason=f"only fp32 is offered on this CPU ({linear.describe_cpu()})")
 @pytest.mark.parametrize("precision", QUANTIZED)
 def test_each_variant_answers_the_chat_question(precision):
     from python_backends.generation.engine import EngineConfig, LLMEngine

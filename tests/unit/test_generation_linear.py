@@ -7,10 +7,13 @@ import torch
 
 from python_backends.errors import ConfigError
 from python_backends.generation import linear
-from python_backends.generation.linear import Bf16Linear, Int4Bf16Linear, Linear, int4_blocks, make_linear
+from python_backends.generation.linear import Bf16Linear, Fp16Linear, Int4Bf16Linear, Linear, int4_blocks, make_linear
 
 NEEDS_BF16 = pytest.mark.skipif(
     not linear.has_fast_bf16(), reason="this CPU has no AVX512-BF16 or AMX: bf16 and int4_bf16 are not offered here"
+)
+NEEDS_FBGEMM = pytest.mark.skipif(
+    not linear.has_fbgemm(), reason=f"no fbgemm here ({linear.describe_cpu()}): fp16 is not offered"
 )
 
 
@@ -75,6 +78,23 @@ def test_bf16_linear_keeps_fp32_in_and_out():
     assert layer.nbytes == 32 * 64 * 2
 
 
+@NEEDS_FBGEMM
+@pytest.mark.parametrize("rows", [0, 1, 7, 33, 300])
+def test_fp16_linear_is_fp32_products_of_the_fp16_rounded_weight(rows):
+    w = torch.randn(96, 128) * 0.05
+    layer = make_linear(w, "fp16")
+    assert isinstance(layer, Fp16Linear) and layer.precision == "fp16" and layer.nbytes == 96 * 128 * 2
+    assert torch.equal(layer.weight, w.half().float())  # what the kernel multiplies by
+    x = torch.randn(rows, 128)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert torch.allclose(got, x @ w.half().float().t(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(w.half().float(), w)  # and that is not the FP32 weight
+    strided = torch.randn(rows, 256)[:, ::2]  # a non-contiguous view is multiplied as its values
+    assert torch.allclose(layer(strided), strided @ w.half().float().t(), rtol=1e-5, atol=1e-5)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16  # activations in another dtype come back in it
+
+
 def test_fp32_linear_is_f_linear_bit_for_bit():
     w, x = torch.randn(16, 32), torch.randn(3, 32)
     layer = make_linear(w, "fp32")
@@ -82,7 +102,7 @@ def test_fp32_linear_is_f_linear_bit_for_bit():
 
 
 def test_unknown_precision_is_a_config_error_naming_the_choices():
-    with pytest.raises(ConfigError, match=r"weights_precision 'int3'.*fp32, bf16, int4_bf16"):
+    with pytest.raises(ConfigError, match=r"weights_precision 'int3'.*fp32, fp16, bf16, int4_bf16"):
         make_linear(torch.randn(4, 32), "int3")
 
 
@@ -97,8 +117,11 @@ def test_cpu_features_pick_the_precisions_and_the_fingerprint():
     assert with_bf16 == {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}
     avx2_only = linear.cpu_features.__wrapped__(CPUINFO.replace(" avx512f avx512_vnni avx512_bf16", ""))
     assert avx2_only == {"avx2"}
-    assert linear.runnable_precisions("cpu", with_bf16) == ("fp32", "bf16", "int4_bf16")
-    assert linear.runnable_precisions("cpu", avx2_only) == ("fp32",)  # BF16 emulated there: slower than FP32
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines  # this torch's build
+    fp16 = ("fp16",) if fbgemm else ()
+    assert linear.runnable_precisions("cpu", with_bf16) == ("fp32", *fp16, "bf16", "int4_bf16")
+    assert linear.runnable_precisions("cpu", avx2_only) == ("fp32", *fp16)  # BF16 emulated there: slower than FP32
+    assert linear.runnable_precisions("cpu", frozenset()) == ("fp32",)  # fbgemm needs AVX2
     assert linear.runnable_precisions("cuda:0", with_bf16) == ("fp32",)
     assert linear.kernel_fingerprint(with_bf16) != linear.kernel_fingerprint(avx2_only)
     assert linear.kernel_fingerprint(with_bf16) == linear.kernel_fingerprint(frozenset(with_bf16))
@@ -119,4 +142,5 @@ def test_kv_cache_dtype_follows_the_weights_precision_on_a_cpu_only():
     assert linear.kv_cache_dtype("fp32", torch.float32) == torch.float32  # exact parity with transformers
     assert linear.kv_cache_dtype("bf16", torch.float32) == torch.bfloat16
     assert linear.kv_cache_dtype("int4_bf16", torch.float32) == torch.bfloat16
+    assert linear.kv_cache_dtype("fp16", torch.float32) == torch.float32  # FP32 products, FP32 K/V
     assert linear.kv_cache_dtype("fp32", torch.bfloat16, "cuda:0") == torch.bfloat16

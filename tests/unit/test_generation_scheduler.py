@@ -33,10 +33,15 @@ def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
     return ctx[len(prompt) :]
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_waiting=100, max_len=512, prefix=True):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_waiting=100, max_len=512, prefix=True, with_decodes=0):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
     sched = Scheduler(
-        bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_waiting=max_waiting, max_model_len=max_len
+        bm,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_waiting=max_waiting,
+        max_model_len=max_len,
+        prefill_tokens_with_decodes=with_decodes,
     )
     return bm, sched, FakeRunner(bm, next_token)
 
@@ -109,6 +114,30 @@ def test_a_long_prompt_is_chunked_while_running_decodes_get_a_token_every_step()
     assert [c.start for c in chunks] == [13 * k for k in range(8)]
     done, _ = run_to_end(sched, runner)
     assert done["long"].output_tokens == reference_output(list(range(1, 101)), 4)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefill_tokens_with_decodes_caps_the_prompt_share_of_a_step_that_carries_decodes():
+    bm, sched, runner = make(num_blocks=128, budget=32, with_decodes=8)
+    sched.add("first", list(range(1, 41)), max_tokens=30)
+    out = sched.schedule()  # nothing decodes yet: the prompt gets the whole budget
+    assert [(c.seq_id, c.num_tokens) for c in out.prefills] == [("first", 32)]
+    sched.update(out, runner.step(sched, out))
+    sched.add("second", list(range(50, 90)), max_tokens=3)
+    out = sched.schedule()  # "first" still in prefill: no decode, the whole budget again
+    assert [(c.seq_id, c.num_tokens) for c in out.prefills] == [("first", 8), ("second", 24)]
+    sched.update(out, runner.step(sched, out))
+    sizes = []
+    while sched.get("second").num_computed_tokens < 40:
+        out = sched.schedule()
+        assert [c.seq_id for c in out.decodes] == ["first"]
+        assert sum(c.num_tokens for c in out.prefills) <= 8
+        sizes.append(out.prefills[0].num_tokens)
+        sched.update(out, runner.step(sched, out))
+    assert sizes == [8, 8]
+    done, _ = run_to_end(sched, runner)
+    assert done["second"].output_tokens == reference_output(list(range(50, 90)), 3)
+    assert done["first"].output_tokens == reference_output(list(range(1, 41)), 30)
     assert bm.num_free_blocks == bm.num_blocks
 
 

@@ -179,3 +179,6 @@ def test_engine_settings_from_parameters():
     values["max_num_batched_tokens"] = 256
     s = engine_settings(param, param_int, lambda k, d: d)
     assert s["kv_cache_bytes"] == 256 * 2**20 and s["max_num_seqs"] == 64
+    assert s["prefill_tokens_with_decodes"] == 0  # the whole step budget
+    values["prefill_tokens_with_decodes"] = 64
+    assert engine_settings(param, param_int, lambda k, d: d)["prefill_tokens_with_decodes"] == 64
