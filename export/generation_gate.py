@@ -1,7 +1,7 @@
 """Precision variants of ``text_generation``: gated against the FP32 engine, then offered to the server.
 
 A variant is the same exported safetensors multiplied in another precision
-(``python_backends/generation/linear.py``: ``fp16``, ``bf16``, ``int4_bf16``); it is built when the model
+(``python_backends/generation/linear.py``: ``fp16_fp32``, ``bf16``, ``int4_bf16``); it is built when the model
 loads, so what the export decides is whether each variant may be served on this CPU. For every
 precision this CPU runs (:func:`~python_backends.generation.linear.runnable_precisions`), the
 engine's own forward pass reads the held-out text (``export/data/generation_heldout.json``:
@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 MODEL = "text_generation"
 HELDOUT = Path(__file__).resolve().parent / "data" / "generation_heldout.json"
 GATE_VERSION = 1  # bump when what the gate measures changes
-BEST_FIRST = ("int4_bf16", "bf16", "fp16", "fp32")  # what PRECISION=auto serves on a CPU, best first
+BEST_FIRST = ("int4_bf16", "bf16", "fp16_fp32", "fp32")  # what PRECISION=auto serves on a CPU, best first
 DESCRIPTIONS = {
     "fp32": "FP32 weights: the reference, token for token transformers' numbers",
-    "fp16": "FP16 weights through fbgemm's FP16 GEMM (AVX2), FP32 activations, products and K/V",
+    "fp16_fp32": "FP16 weights through fbgemm's FP16 GEMM (AVX2), FP32 activations, products and K/V",
     "bf16": "BF16 weights and BF16 products (AVX512-BF16 / AMX), BF16 K/V",
     "int4_bf16": "4-bit blocks of 32 (the GGUF's Q4_1, exact) at up to 12 rows, BF16 above; BF16 output head and K/V",
 }

@@ -55,7 +55,7 @@ VARIANTS: dict[str, Variant] = {
 
 # Precision variants of the generation model (export/generation_gate.py): the same weights
 # multiplied in another precision, chosen by configs/<name>.pbtxt like the variants above.
-GENERATION_VARIANTS = ("fp16", "bf16", "int4_bf16")
+GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16")
 
 # What PRECISION=auto serves, best first, per hardware.
 AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}

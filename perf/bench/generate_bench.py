@@ -1317,7 +1317,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--precision",
         default=os.environ.get("PRECISION", "auto"),
         help="the weights precision served, as `make serve PRECISION=...` (default auto: the best variant "
-        "that passed its gate on this CPU; fp32, fp16, bf16, int4_bf16)",
+        "that passed its gate on this CPU; fp32, fp16_fp32, bf16, int4_bf16)",
     )
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -1401,7 +1401,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     prompts = [p for p, _ in sorted(workload.long_prompts, key=lambda pn: -pn[1])] or workload.prompts
     mcfg = LlamaConfig.from_folder(args.model_dir)
     rows = []
-    for precision in ("fp32", "fp16", "bf16", "int4_bf16"):
+    for precision in ("fp32", "fp16_fp32", "bf16", "int4_bf16"):
         try:
             config_name, served = resolve_precision(ROOT / "model_repository", precision)
         except ValueError as exc:  # not gated on this CPU: the reason is the row

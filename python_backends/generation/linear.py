@@ -8,7 +8,7 @@ CPU has (:func:`cpu_features`), through PyTorch's own kernels, never loops writt
 
 * ``fp32``: ``F.linear`` on FP32 weights (oneDNN / MKL sgemm). The reference; exact parity
   with ``transformers``.
-* ``fp16``: FP16 weights packed once for fbgemm's FP16 GEMM (``quantized.linear_dynamic_fp16``):
+* ``fp16_fp32``: FP16 weights packed once for fbgemm's FP16 GEMM (``quantized.linear_dynamic_fp16``):
   the weights are read as half the bytes and widened to FP32 in registers, activations and
   products stay FP32, as does the KV cache. The numbers are FP32 products with FP16-rounded
   weights. Offered wherever fbgemm runs (AVX2): on a 2-core AVX2 EPYC, SmolLM2's 120 layer
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from python_backends.errors import ConfigError
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int4_bf16")
+PRECISIONS = ("fp32", "fp16_fp32", "bf16", "int4_bf16")
 # Rows up to which int4_bf16 runs the packed 4-bit kernel; above, oneDNN's prepacked BF16 GEMM is
 # faster (SmolLM2's 120 products on an AVX-512 EPYC, 2 threads, 4-bit vs BF16: 24 vs 27 ms at 12 rows,
 # 29 vs 26 at 16, 38 vs 30 at 24; docs/generation.md).
@@ -53,7 +53,7 @@ INT4_GROUP = 32
 # The output head's precision per variant. int4_bf16 keeps the head in BF16: the packaged model's
 # head (its tied token embedding) is Q8_0 in the GGUF, and 4-bit blocks would round it (mean KL
 # 0.05 nats on the held-out text with a 4-bit head, 0.001 with BF16).
-HEAD_PRECISION = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int4_bf16": "bf16"}
+HEAD_PRECISION = {"fp32": "fp32", "fp16_fp32": "fp16_fp32", "bf16": "bf16", "int4_bf16": "bf16"}
 # Kernel code paths that change numbers: a variant gated under one of these is gated again under another.
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
@@ -86,7 +86,7 @@ def has_fast_bf16(features: frozenset[str] | None = None) -> bool:
 
 
 def has_fbgemm(features: frozenset[str] | None = None) -> bool:
-    """Whether fbgemm's kernels (FP16 weights) run here: this torch has them and the CPU has AVX2."""
+    """Whether fbgemm's kernels (fp16_fp32) run here: this torch has them and the CPU has AVX2."""
     features = cpu_features() if features is None else features
     return "avx2" in features and "fbgemm" in torch.backends.quantized.supported_engines
 
@@ -127,7 +127,7 @@ def runnable_precisions(device: torch.device | str = "cpu", features: frozenset[
         return ("fp32",)  # the GPU path computes in the engine's dtype (bfloat16 there)
     offered = ["fp32"]
     if has_fbgemm(features):
-        offered.append("fp16")
+        offered.append("fp16_fp32")
     if has_fast_bf16(features):
         offered += ["bf16", "int4_bf16"]
     return tuple(offered)
@@ -200,7 +200,7 @@ class Fp16Linear(Linear):
     weight packed once. Its result is checked on a probe against ``F.linear`` with the FP16-rounded
     weight; a kernel that disagrees is refused (the variant fails its build, FP32 serves)."""
 
-    precision = "fp16"
+    precision = "fp16_fp32"
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
@@ -208,12 +208,12 @@ class Fp16Linear(Linear):
         try:
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
         except RuntimeError as exc:
-            raise ConfigError(f"weights_precision 'fp16': fbgemm cannot pack the weight here ({exc})") from exc
+            raise ConfigError(f"weights_precision 'fp16_fp32': fbgemm cannot pack the weight here ({exc})") from exc
         probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
         want = F.linear(probe, weight.half().float())
         # FP32 accumulation in another order: about 1e-6 of the output's scale on SmolLM2's weights.
         if not torch.allclose(self(probe), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()) + 1e-6):
-            raise ConfigError("weights_precision 'fp16': fbgemm's FP16 product differs from FP32 with FP16 weights")
+            raise ConfigError("weights_precision 'fp16_fp32': fbgemm's FP16 product differs from FP32 with FP16 weights")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), self.packed)
@@ -308,7 +308,7 @@ def make_linear(weight: torch.Tensor, precision: str) -> Linear:
         raise ConfigError(
             f"weights_precision {precision!r} runs on CPU only; a GPU instance serves fp32 weights in the engine's dtype"
         )
-    if precision == "fp16":
+    if precision == "fp16_fp32":
         return Fp16Linear(weight)
     if precision == "bf16":
         return Bf16Linear(weight)

@@ -13,7 +13,7 @@ NEEDS_BF16 = pytest.mark.skipif(
     not linear.has_fast_bf16(), reason="this CPU has no AVX512-BF16 or AMX: bf16 and int4_bf16 are not offered here"
 )
 NEEDS_FBGEMM = pytest.mark.skipif(
-    not linear.has_fbgemm(), reason=f"no fbgemm here ({linear.describe_cpu()}): fp16 is not offered"
+    not linear.has_fbgemm(), reason=f"no fbgemm here ({linear.describe_cpu()}): fp16_fp32 is not offered"
 )
 
 
@@ -80,10 +80,10 @@ def test_bf16_linear_keeps_fp32_in_and_out():
 
 @NEEDS_FBGEMM
 @pytest.mark.parametrize("rows", [0, 1, 7, 33, 300])
-def test_fp16_linear_is_fp32_products_of_the_fp16_rounded_weight(rows):
+def test_fp16_fp32_linear_is_fp32_products_of_the_fp16_rounded_weight(rows):
     w = torch.randn(96, 128) * 0.05
-    layer = make_linear(w, "fp16")
-    assert isinstance(layer, Fp16Linear) and layer.precision == "fp16" and layer.nbytes == 96 * 128 * 2
+    layer = make_linear(w, "fp16_fp32")
+    assert isinstance(layer, Fp16Linear) and layer.precision == "fp16_fp32" and layer.nbytes == 96 * 128 * 2
     assert torch.equal(layer.weight, w.half().float())  # what the kernel multiplies by
     x = torch.randn(rows, 128)
     got = layer(x)
@@ -102,7 +102,7 @@ def test_fp32_linear_is_f_linear_bit_for_bit():
 
 
 def test_unknown_precision_is_a_config_error_naming_the_choices():
-    with pytest.raises(ConfigError, match=r"weights_precision 'int3'.*fp32, fp16, bf16, int4_bf16"):
+    with pytest.raises(ConfigError, match=r"weights_precision 'int3'.*fp32, fp16_fp32, bf16, int4_bf16"):
         make_linear(torch.randn(4, 32), "int3")
 
 
@@ -118,7 +118,7 @@ def test_cpu_features_pick_the_precisions_and_the_fingerprint():
     avx2_only = linear.cpu_features.__wrapped__(CPUINFO.replace(" avx512f avx512_vnni avx512_bf16", ""))
     assert avx2_only == {"avx2"}
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines  # this torch's build
-    fp16 = ("fp16",) if fbgemm else ()
+    fp16 = ("fp16_fp32",) if fbgemm else ()
     assert linear.runnable_precisions("cpu", with_bf16) == ("fp32", *fp16, "bf16", "int4_bf16")
     assert linear.runnable_precisions("cpu", avx2_only) == ("fp32", *fp16)  # BF16 emulated there: slower than FP32
     assert linear.runnable_precisions("cpu", frozenset()) == ("fp32",)  # fbgemm needs AVX2
@@ -142,5 +142,5 @@ def test_kv_cache_dtype_follows_the_weights_precision_on_a_cpu_only():
     assert linear.kv_cache_dtype("fp32", torch.float32) == torch.float32  # exact parity with transformers
     assert linear.kv_cache_dtype("bf16", torch.float32) == torch.bfloat16
     assert linear.kv_cache_dtype("int4_bf16", torch.float32) == torch.bfloat16
-    assert linear.kv_cache_dtype("fp16", torch.float32) == torch.float32  # FP32 products, FP32 K/V
+    assert linear.kv_cache_dtype("fp16_fp32", torch.float32) == torch.float32  # FP32 products, FP32 K/V
     assert linear.kv_cache_dtype("fp32", torch.bfloat16, "cuda:0") == torch.bfloat16
