@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-gpu$(GPU)
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 # Which exported variant to serve: auto (best that passed its gate on this hardware), cpu,
-# gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan; for text_generation also bf16,
+# gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan; for text_generation also fp16_fp32, bf16,
 # int4_bf16. See export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
