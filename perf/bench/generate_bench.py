@@ -984,7 +984,14 @@ def profile_step(
         engine.runner.execute = execute
         for r in live:
             engine.abort(r)
-    matrix = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise"}
+    matrix = {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::_weight_int4pack_mm_for_cpu",
+        "mkldnn::_linear_pointwise",
+        "quantized::linear_dynamic_fp16",
+    }
     attention = {
         "aten::index_select",
         "aten::_scaled_dot_product_flash_attention_for_cpu",
