@@ -225,6 +225,7 @@ class Fp16Linear(Linear):
 
     @property
     def nbytes(self) -> int:
+        """The FP16 bytes a product reads; fbgemm's packed buffer holds about 1.8x that (docs/generation.md)."""
         return self.out_features * self.in_features * 2
 
 
