@@ -984,14 +984,9 @@ def profile_step(
         engine.runner.execute = execute
         for r in live:
             engine.abort(r)
-    matrix = {
-        "aten::mm",
-        "aten::addmm",
-        "aten::bmm",
-        "aten::_weight_int4pack_mm_for_cpu",
-        "mkldnn::_linear_pointwise",
-        "quantized::linear_dynamic_fp16",
-    }
+    from python_backends.generation.linear import PRODUCT_OPS
+
+    matrix = {*PRODUCT_OPS, "aten::bmm"}
     attention = {
         "aten::index_select",
         "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -1395,7 +1390,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     passed its gate in turn, the stub's RSS once loaded, then its RSS and peak (VmHWM) after
     ``max(concurrency)`` gRPC streams of --max-tokens over the longest prompts (the KV pool is
     preallocated zeroed, so its pages count as they are written)."""
-    from python_backends.generation.linear import kv_cache_dtype
+    from python_backends.generation.linear import PRECISIONS, kv_cache_dtype
     from python_backends.generation.model_runner import DTYPES, LlamaConfig
     from python_backends.generation.paged_attention import bytes_per_block
     from server.stubs import find_stubs
@@ -1408,7 +1403,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     prompts = [p for p, _ in sorted(workload.long_prompts, key=lambda pn: -pn[1])] or workload.prompts
     mcfg = LlamaConfig.from_folder(args.model_dir)
     rows = []
-    for precision in ("fp32", "fp16_fp32", "bf16", "int4_bf16"):
+    for precision in PRECISIONS:
         try:
             config_name, served = resolve_precision(ROOT / "model_repository", precision)
         except ValueError as exc:  # not gated on this CPU: the reason is the row

@@ -54,6 +54,14 @@ INT4_GROUP = 32
 # head (its tied token embedding) is Q8_0 in the GGUF, and 4-bit blocks would round it (mean KL
 # 0.05 nats on the held-out text with a 4-bit head, 0.001 with BF16).
 HEAD_PRECISION = {"fp32": "fp32", "fp16_fp32": "fp16_fp32", "bf16": "bf16", "int4_bf16": "bf16"}
+# The profiler's names of the ops these products run (F.linear: mm/addmm), for step profiles.
+PRODUCT_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::_weight_int4pack_mm_for_cpu",
+    "mkldnn::_linear_pointwise",
+    "quantized::linear_dynamic_fp16",
+)
 # Kernel code paths that change numbers: a variant gated under one of these is gated again under another.
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
