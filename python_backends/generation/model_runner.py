@@ -186,11 +186,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class ModelRunner:
     """Owns the weights and the KV pool; runs one batched forward per engine step."""
 
@@ -230,6 +225,10 @@ class ModelRunner:
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos = emb.cos().to(device=self.device, dtype=dtype)
         self._sin = emb.sin().to(device=self.device, dtype=dtype)
+        # rotate_half(x) * sin == roll(x, D/2) * sin with its first half negated, bit for bit
+        # (negation is exact): one roll instead of two slices, a negation and a cat per layer.
+        half = cfg.head_dim // 2
+        self._sin_rolled = torch.cat((-self._sin[:, :half], self._sin[:, half:]), dim=-1)
         self.max_model_len = max_model_len
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
 
@@ -310,23 +309,31 @@ class ModelRunner:
         slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
         rows = torch.as_tensor(last_rows, dtype=torch.long, device=dev)
         cos = self._cos[pos][:, None, :]  # [T, 1, D]
-        sin = self._sin[pos][:, None, :]
-        n = ids.numel()
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        sin = self._sin_rolled[pos][:, None, :]
+        store = self.cache.store if checked else self.cache.write
         x = F.embedding(ids, w.embed)
-        for i, layer in enumerate(w.layers):
+        x = self._layers(x, cos, sin, slot_t, attn_plan, store)
+        h = _rms_norm(x[rows], w.norm, cfg.rms_norm_eps)
+        return w.lm_head(h).float()
+
+    def _layers(self, x, cos, sin, slot_t, attn_plan, store) -> torch.Tensor:
+        """Every decoder layer over the residual stream ``x`` [T, hidden], in place."""
+        cfg = self.config
+        n = x.shape[0]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        half = d // 2
+        for i, layer in enumerate(self.weights.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
             # RoPE on the query and key heads together: one set of elementwise ops, not two
             qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + qk.roll(half, -1) * sin
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-            self.cache.write(i, k, v, slot_t, checked=checked)
+            store(i, k, v, slot_t)
             attn = self.cache.attention_planned(i, q, attn_plan, self._scale)
-            x = x + layer.o(attn.reshape(n, hq * d))
+            x += layer.o(attn.reshape(n, hq * d))
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        h = _rms_norm(x[rows], w.norm, cfg.rms_norm_eps)
-        return w.lm_head(h).float()
+            x += layer.down(F.silu(gate) * up)
+        return x

@@ -139,6 +139,9 @@ class PagedKVCache:
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._gather_buffers: list[torch.Tensor | None] = [None, None]
+        flat = (self.num_slots, num_kv_heads, head_dim)
+        self._flat_k = [c.view(flat) for c in self.k_cache]
+        self._flat_v = [c.view(flat) for c in self.v_cache]
         # Decode rows are bucketed by context length on a CPU (GROUP_COST_ROWS is a CPU figure); on a
         # GPU each bucket is more kernel launches, so the decodes stay one padded group there.
         self.group_cost: int | None = GROUP_COST_ROWS if self.device.type == "cpu" else None
@@ -159,8 +162,7 @@ class PagedKVCache:
                 cache[dst, :n].copy_(cache[src, :n])
 
     def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
-        return self.k_cache[layer].view(shape), self.v_cache[layer].view(shape)
+        return self._flat_k[layer], self._flat_v[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, *, checked: bool = False) -> None:
         """Store new tokens' K and V ([num_tokens, num_kv_heads, head_dim]) at their slots.
@@ -183,6 +185,12 @@ class PagedKVCache:
         flat_k, flat_v = self._flat(layer)
         flat_k.index_copy_(0, slots, k.to(self.dtype))
         flat_v.index_copy_(0, slots, v.to(self.dtype))
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """:meth:`write` for a caller that has checked everything once per step: ``slots`` a long
+        tensor on the pool's device, every slot in [0, num_slots), ``k`` and ``v`` of its shape."""
+        self._flat_k[layer].index_copy_(0, slots, k if k.dtype == self.dtype else k.to(self.dtype))
+        self._flat_v[layer].index_copy_(0, slots, v if v.dtype == self.dtype else v.to(self.dtype))
 
     def gather(self, layer: int, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [0, max_len) of each sequence: [batch, max_len, kv_heads, dim].
@@ -275,6 +283,13 @@ class PagedKVCache:
             b = e
         return AttentionPlan(groups=groups, num_tokens=tok, num_heads=num_heads)
 
+    def _gather_views(self, which: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, seq)``: the workspace as ``index_select``'s target for ``g``'s blocks, and the same
+        memory as ``[batch, kv_heads, max_ctx, head_dim]`` (positions past a context are masked)."""
+        out = self._workspace(which, (g.blocks.numel(), self.block_size, self.num_kv_heads, self.head_dim))
+        seq = out.view(g.batch, -1, self.num_kv_heads, self.head_dim)[:, : g.max_ctx].transpose(1, 2)
+        return out, seq
+
     def _group(self, tok_start, tables, ctx, qlen, group, tok_index=None) -> _Group:
         device = self.device
         batch = len(ctx)
@@ -301,7 +316,13 @@ class PagedKVCache:
             # Sizes from the host lists: reading them off a CUDA tensor would synchronise.
             q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t, output_size=sum(qlen))
             q_idx = torch.arange(sum(qlen), device=device) - starts[q_row]
-        return _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask, tok_index)
+        g = _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask, tok_index)
+        # The gather's block list and its target, views of the workspace the groups share (they run one
+        # after the other), made once per step here instead of in every layer.
+        g.blocks = tables_t[:, : -(-max_ctx // self.block_size)].clamp_min(0).reshape(-1)
+        g.k_out, g.k_seq = self._gather_views(0, g)
+        g.v_out, g.v_seq = self._gather_views(1, g)
+        return g
 
     def attention_planned(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
         """Attention of ``q`` ([num_tokens, num_heads, head_dim]) for a prepared plan."""
@@ -325,16 +346,23 @@ class PagedKVCache:
 
     def _attend(self, layer: int, q: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
-        k, v = self.gather(layer, g.tables, g.max_ctx)  # [B, L, Hkv, D]
-        # [B, Hkv, L, D]; K/V are not repeated per query head: the `group` query heads
-        # that share KV head j are folded into the query axis instead (head h = j * group
-        # + g reads KV head h // group), which saves copying K/V `group` times.
+        torch.index_select(self.k_cache[layer], 0, g.blocks, out=g.k_out)
+        torch.index_select(self.v_cache[layer], 0, g.blocks, out=g.v_out)
+        k, v = g.k_seq, g.v_seq  # [B, Hkv, L, D]
+        # K/V are not repeated per query head: the `group` query heads that share KV head j are
+        # folded into the query axis instead (head h = j * group + g reads KV head h // group),
+        # which saves copying K/V `group` times.
         out_dtype = q.dtype
+        if self.attn_dtype != self.dtype:
+            k, v = k.to(self.attn_dtype), v.to(self.attn_dtype)
         q = q.to(self.attn_dtype)
-        k = k.to(self.attn_dtype).transpose(1, 2)
-        v = v.to(self.attn_dtype).transpose(1, 2)
         group = num_heads // self.num_kv_heads
         batch, max_q = g.batch, g.max_q
+        if max_q == 1:  # decode rows: [B, H, D] is already [B, Hkv, group, D], query axis g
+            out = F.scaled_dot_product_attention(
+                q.view(batch, self.num_kv_heads, group, head_dim), k, v, attn_mask=g.mask, scale=scale
+            )
+            return out.reshape(batch, num_heads, head_dim).to(out_dtype)
         if g.q_row is None:
             q_pad = q.reshape(batch, max_q, num_heads, head_dim)
         else:
@@ -396,6 +424,13 @@ class _Group:
     q_idx: torch.Tensor | None
     mask: torch.Tensor
     tok_index: torch.Tensor | None = None  # the group's tokens when they are not tok_start..tok_end
+    # Set by PagedKVCache._group: the blocks gathered (each table's first ceil(max_ctx / block_size),
+    # padding read as block 0) and the workspace views they are gathered into (_gather_views).
+    blocks: torch.Tensor | None = None
+    k_out: torch.Tensor | None = None
+    k_seq: torch.Tensor | None = None
+    v_out: torch.Tensor | None = None
+    v_seq: torch.Tensor | None = None
 
 
 @dataclass
