@@ -1015,6 +1015,8 @@ def profile_step(
     for k, v in groups.items():
         out[f"{k.replace(' ', '_')}_ms"] = round(v * per, 2)
     out["outside_ops_ms"] = round((wall - in_ops) * per, 2)
+    # Op calls per step (nested ones included): what the Python and dispatch cost scales with, and not noisy.
+    out["ops_per_step"] = sum(n for _, _, n in top) // steps
     out["top_ops"] = "; ".join(
         f"{k} {us / 1000 * per / 1000:.2f} ms ({n // steps}/step)" for us, k, n in sorted(top, reverse=True)[:8]
     )

@@ -27,7 +27,10 @@ CPU has (:func:`cpu_features`), through PyTorch's own kernels, never loops writt
 Tried and not offered: INT8 through fbgemm's dynamic quantized linear (one activation scale
 per call) moved the next-token distribution 1,000 times further than BF16 (mean KL 0.81
 nats on the held-out text): SmolLM2's MLP activations have outlier channels that a single
-scale flattens (docs/generation.md has the figures).
+scale flattens (docs/generation.md has the figures). onnxruntime's MatMulNBits (4- or 8-bit blocks,
+activations quantized per block to INT8) was no faster than fbgemm's FP16 product on the 2-core AVX2
+EPYC (the four layer products at 1 row: 6.6-12.2 ms against 8.5-9.3 per step, slower from 4 rows), and
+re-quantizing the Q4_1 weights to its integer zero points moved the distribution far (mean KL 0.40).
 
 Which precision a model is served in is a gated choice made at export time
 (``export/generation_gate.py``); this module only builds what it is asked for.

@@ -283,11 +283,11 @@ class PagedKVCache:
             b = e
         return AttentionPlan(groups=groups, num_tokens=tok, num_heads=num_heads)
 
-    def _gather_views(self, which: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, seq)``: the workspace as ``index_select``'s target for ``g``'s blocks, and the same
+    def _gather_views(self, which: int, blocks: torch.Tensor, batch: int, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, seq)``: the workspace as ``index_select``'s target for ``blocks``, and the same
         memory as ``[batch, kv_heads, max_ctx, head_dim]`` (positions past a context are masked)."""
-        out = self._workspace(which, (g.blocks.numel(), self.block_size, self.num_kv_heads, self.head_dim))
-        seq = out.view(g.batch, -1, self.num_kv_heads, self.head_dim)[:, : g.max_ctx].transpose(1, 2)
+        out = self._workspace(which, (blocks.numel(), self.block_size, self.num_kv_heads, self.head_dim))
+        seq = out.view(batch, -1, self.num_kv_heads, self.head_dim)[:, :max_ctx].transpose(1, 2)
         return out, seq
 
     def _group(self, tok_start, tables, ctx, qlen, group, tok_index=None) -> _Group:
@@ -316,13 +316,28 @@ class PagedKVCache:
             # Sizes from the host lists: reading them off a CUDA tensor would synchronise.
             q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t, output_size=sum(qlen))
             q_idx = torch.arange(sum(qlen), device=device) - starts[q_row]
-        g = _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask, tok_index)
         # The gather's block list and its target, views of the workspace the groups share (they run one
         # after the other), made once per step here instead of in every layer.
-        g.blocks = tables_t[:, : -(-max_ctx // self.block_size)].clamp_min(0).reshape(-1)
-        g.k_out, g.k_seq = self._gather_views(0, g)
-        g.v_out, g.v_seq = self._gather_views(1, g)
-        return g
+        blocks = tables_t[:, : -(-max_ctx // self.block_size)].clamp_min(0).reshape(-1)
+        k_out, k_seq = self._gather_views(0, blocks, batch, max_ctx)
+        v_out, v_seq = self._gather_views(1, blocks, batch, max_ctx)
+        return _Group(
+            tok_start,
+            tok_start + sum(qlen),
+            tables_t,
+            batch,
+            max_q,
+            max_ctx,
+            q_row,
+            q_idx,
+            mask,
+            blocks,
+            k_out,
+            k_seq,
+            v_out,
+            v_seq,
+            tok_index,
+        )
 
     def attention_planned(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
         """Attention of ``q`` ([num_tokens, num_heads, head_dim]) for a prepared plan."""
@@ -423,14 +438,14 @@ class _Group:
     q_row: torch.Tensor | None
     q_idx: torch.Tensor | None
     mask: torch.Tensor
+    # The blocks gathered (each table's first ceil(max_ctx / block_size), padding read as block 0)
+    # and the workspace views they are gathered into (PagedKVCache._gather_views).
+    blocks: torch.Tensor
+    k_out: torch.Tensor
+    k_seq: torch.Tensor
+    v_out: torch.Tensor
+    v_seq: torch.Tensor
     tok_index: torch.Tensor | None = None  # the group's tokens when they are not tok_start..tok_end
-    # Set by PagedKVCache._group: the blocks gathered (each table's first ceil(max_ctx / block_size),
-    # padding read as block 0) and the workspace views they are gathered into (_gather_views).
-    blocks: torch.Tensor | None = None
-    k_out: torch.Tensor | None = None
-    k_seq: torch.Tensor | None = None
-    v_out: torch.Tensor | None = None
-    v_seq: torch.Tensor | None = None
 
 
 @dataclass
