@@ -41,7 +41,7 @@ CLUSTER_ARGS ?=
 serve-cluster: $(STAMP)
 	$(PY) -m server.cluster --replicas $(REPLICAS) --precision $(PRECISION) $(CLUSTER_ARGS)
 
-# The product's tests, with the hostile-request fuzz's short run (pytest about 24 minutes on 2 cores);
+# The product's tests, with the hostile-request fuzz's short run (pytest 24-29 minutes on 2 cores);
 # test-perf: the benchmarks' and the chaos soak's short runs (about 10 minutes). CI runs both.
 RESILIENCE_SMOKE := tests/perf/test_fuzz_smoke.py
 test: $(STAMP) lint
