@@ -161,9 +161,6 @@ class PagedKVCache:
             for cache in (*self.k_cache, *self.v_cache):
                 cache[dst, :n].copy_(cache[src, :n])
 
-    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._flat_k[layer], self._flat_v[layer]
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, *, checked: bool = False) -> None:
         """Store new tokens' K and V ([num_tokens, num_kv_heads, head_dim]) at their slots.
 
@@ -182,35 +179,13 @@ class PagedKVCache:
                 slots, k, v = slots[keep], k[keep], v[keep]
             if slots.numel() and int(slots.max()) >= self.num_slots:
                 raise IndexError(f"slot {int(slots.max())} is beyond the pool's {self.num_slots} slots")
-        flat_k, flat_v = self._flat(layer)
-        flat_k.index_copy_(0, slots, k.to(self.dtype))
-        flat_v.index_copy_(0, slots, v.to(self.dtype))
+        self.store(layer, k, v, slots)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """:meth:`write` for a caller that has checked everything once per step: ``slots`` a long
         tensor on the pool's device, every slot in [0, num_slots), ``k`` and ``v`` of its shape."""
         self._flat_k[layer].index_copy_(0, slots, k if k.dtype == self.dtype else k.to(self.dtype))
         self._flat_v[layer].index_copy_(0, slots, v if v.dtype == self.dtype else v.to(self.dtype))
-
-    def gather(self, layer: int, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [0, max_len) of each sequence: [batch, max_len, kv_heads, dim].
-
-        Positions past a table's end (padding -1) read block 0; the caller masks them.
-        Whole blocks are copied with index_select, several times faster on CPU than
-        indexing slot by slot.
-
-        The result lives in a workspace reused by the next call (any layer): fresh
-        tensors of this size cost a page fault per 4 KiB on every CPU step (glibc hands
-        them out with mmap), which measured slower than the copy itself.
-        """
-        batch = block_tables.shape[0]
-        num = -(-max_len // self.block_size)
-        blocks = block_tables[:, :num].clamp_min(0).reshape(-1)
-        shape = (batch, num * self.block_size, self.num_kv_heads, self.head_dim)
-        out_shape = (blocks.numel(), self.block_size, self.num_kv_heads, self.head_dim)
-        k = torch.index_select(self.k_cache[layer], 0, blocks, out=self._workspace(0, out_shape))
-        v = torch.index_select(self.v_cache[layer], 0, blocks, out=self._workspace(1, out_shape))
-        return k.view(shape)[:, :max_len], v.view(shape)[:, :max_len]
 
     def _workspace(self, which: int, shape: tuple[int, ...]) -> torch.Tensor:
         numel = math.prod(shape)
@@ -285,7 +260,12 @@ class PagedKVCache:
 
     def _gather_views(self, which: int, blocks: torch.Tensor, batch: int, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, seq)``: the workspace as ``index_select``'s target for ``blocks``, and the same
-        memory as ``[batch, kv_heads, max_ctx, head_dim]`` (positions past a context are masked)."""
+        memory as ``[batch, kv_heads, max_ctx, head_dim]`` (positions past a context are masked).
+
+        Whole blocks are copied with index_select, several times faster on CPU than indexing slot
+        by slot. The workspace is reused by every layer and step: fresh tensors of this size cost
+        a page fault per 4 KiB on every CPU step (glibc hands them out with mmap), which measured
+        slower than the copy itself."""
         out = self._workspace(which, (blocks.numel(), self.block_size, self.num_kv_heads, self.head_dim))
         seq = out.view(batch, -1, self.num_kv_heads, self.head_dim)[:, :max_ctx].transpose(1, 2)
         return out, seq
