@@ -12,6 +12,12 @@ starts with the same full blocks shares them by reference count instead of recom
 them. A block whose count drops to 0 keeps its contents and its key, and is reused for
 other data only when the pool has no clean block left, least recently freed first.
 
+A sequence admitted while it is the only one in the pool (a lone stream) gets private copies
+of its cached prefix blocks instead, in fresh blocks consecutive with the rest of its prompt:
+its prefill is spared all the same, and attention reads its consecutive blocks in place
+(``paged_attention.py``), which a table made of shared blocks followed by fresh ones elsewhere
+would not allow. A growing sequence takes the block after its last when that one is clean.
+
 Forks (``n`` > 1 choices of one prompt): :meth:`fork` gives a new sequence the same blocks
 by reference. The last, partly filled block is copied on write: the first sequence to add a
 token to a shared partial block gets a fresh block and a pending copy of the slots already
@@ -21,7 +27,7 @@ written (:meth:`take_copies`; the runner copies them before the step writes anyt
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,8 +79,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
-        # Blocks with count 0 and no key: handed out first, so cached contents live longer.
-        self._clean: deque[int] = deque(range(num_blocks))
+        # Blocks with count 0 and no key: handed out first (oldest first), so cached contents live longer.
+        self._clean: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # Blocks with count 0 that still hold a key, oldest first (LRU eviction order).
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
@@ -141,9 +147,15 @@ class BlockManager:
         return need <= self.num_free_blocks - idle_hits
 
     # ---- allocation --------------------------------------------------------------------
-    def _take_block(self) -> int:
-        if self._clean:
-            b = self._clean.popleft()
+    def _take_block(self, after: int | None = None) -> int:
+        """A free block: the one after block ``after`` when it is clean (a sequence that grows into
+        consecutive blocks is read by attention where it lies, paged_attention.py), else the oldest
+        clean block, else the least recently freed cached block."""
+        if after is not None and after + 1 in self._clean:
+            b = after + 1
+            del self._clean[b]
+        elif self._clean:
+            b, _ = self._clean.popitem(last=False)
         elif self._evictable:
             b, _ = self._evictable.popitem(last=False)
             h = self._hash_of[b]
@@ -175,12 +187,23 @@ class BlockManager:
         if not self.can_admit(tokens):
             raise NoFreeBlocks(f"{self.blocks_needed(len(tokens))} blocks needed, {self.num_free_blocks} free")
         hits, hashes = self._hits(tokens)
-        for b in hits:
-            self._hold(b)
-        state = _SeqBlocks(blocks=list(hits), tokens=list(tokens), hashes=list(hashes))
+        state = _SeqBlocks(tokens=list(tokens), hashes=list(hashes))
         state.num_computed = len(hits) * self.block_size
+        if hits and not self._seqs and self.blocks_needed(len(tokens)) <= len(self._clean):
+            # A lone sequence (the only one the pool holds) copies its cached prefix into fresh blocks
+            # ahead of the rest of its prompt instead of sharing it: its table is then consecutive and
+            # attention reads it in place every step (paged_attention.py). The copies run before the step
+            # writes anything, in the order queued, so the cached blocks they read are intact even if
+            # this step's allocations hand them out again.
+            for b in hits:
+                state.blocks.append(self._take_block(state.blocks[-1] if state.blocks else None))
+                self._copies.append((b, state.blocks[-1], self.block_size))
+        else:
+            for b in hits:
+                self._hold(b)
+            state.blocks = list(hits)
         for _ in range(self.blocks_needed(len(tokens)) - len(hits)):
-            state.blocks.append(self._take_block())
+            state.blocks.append(self._take_block(state.blocks[-1] if state.blocks else None))
         self._seqs[seq_id] = state
         self.prefix_queries += len(tokens)
         self.prefix_hits += state.num_computed
@@ -230,13 +253,13 @@ class BlockManager:
             b = s.blocks.pop()
             assert self._refcount[b] == 1 and self._hash_of[b] is None, "a draft's block was shared"
             self._refcount[b] = 0
-            self._clean.append(b)
+            self._clean[b] = None
 
     def append_slot(self, seq_id: SeqId, token: int) -> int:
         """Add ``token`` to the sequence and return the physical slot its K/V go to."""
         s = self._seqs[seq_id]
         if len(s.tokens) == len(s.blocks) * self.block_size:
-            s.blocks.append(self._take_block())
+            s.blocks.append(self._take_block(s.blocks[-1] if s.blocks else None))
         elif self._refcount[s.blocks[-1]] > 1:  # a shared partial block: copy on write
             shared = s.blocks[-1]
             s.blocks[-1] = self._take_block()
@@ -281,7 +304,7 @@ class BlockManager:
                 if self._hash_of[b] is not None:
                     self._evictable[b] = None
                 else:
-                    self._clean.append(b)
+                    self._clean[b] = None
         return True
 
     # ---- what the runner reads ----------------------------------------------------------

@@ -7,6 +7,14 @@ of the sequence lives at slot ``block_table[i // block_size] * block_size + i %
 block_size``. Blocks need not be contiguous or ordered, which is what lets sequences
 grow on demand and share prefix blocks without copying.
 
+Attention reads a group's K/V in one of two ways, chosen per step (:meth:`PagedKVCache.plan`):
+where they lie, when the group's rows all read one sequence whose blocks are consecutive in the
+pool (a lone stream, its speculative rows, a prompt chunk: every layer's K/V is then a view of the
+pool, no copy); else gathered, whole blocks copied by ``index_select`` into a workspace padded to
+the group's longest context (a batch of sequences, or a table with gaps). The block manager hands
+a growing sequence the block after its last when that one is free, so the first case is the
+common one for a single stream.
+
 This module holds tensors and does arithmetic only: which blocks a sequence gets, and
 when they are freed, is the block manager's business. Everything here runs on whatever
 device the pool was created on (CPU in the tests, CUDA on a GPU instance).
@@ -133,11 +141,17 @@ class PagedKVCache:
         # The dtype attention computes in (queries, K/V read back, masks); the pool's by default.
         self.attn_dtype = dtype if attn_dtype is None else attn_dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: a bug that reads an unwritten slot then gives wrong numbers
         # that a parity test catches, never NaN that poisons a whole softmax row.
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # One tensor for all layers, so a run of blocks is one view across every layer (_PooledKV).
+        self._k_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._v_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_cache = list(self._k_pool.unbind(0))
+        self.v_cache = list(self._v_pool.unbind(0))
+        # Attention groups per step whose K/V were read where they lie, and those gathered.
+        self.groups_in_place = 0
+        self.groups_gathered = 0
         self._gather_buffers: list[torch.Tensor | None] = [None, None]
         flat = (self.num_slots, num_kv_heads, head_dim)
         self._flat_k = [c.view(flat) for c in self.k_cache]
@@ -158,8 +172,8 @@ class PagedKVCache:
         """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer, for each
         ``(src, dst, n)`` (the block manager's copies on write of forked sequences)."""
         for src, dst, n in copies:
-            for cache in (*self.k_cache, *self.v_cache):
-                cache[dst, :n].copy_(cache[src, :n])
+            for pool in (self._k_pool, self._v_pool):
+                pool[:, dst, :n].copy_(pool[:, src, :n])
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, *, checked: bool = False) -> None:
         """Store new tokens' K and V ([num_tokens, num_kv_heads, head_dim]) at their slots.
@@ -270,6 +284,31 @@ class PagedKVCache:
         seq = out.view(batch, -1, self.num_kv_heads, self.head_dim)[:, :max_ctx].transpose(1, 2)
         return out, seq
 
+    def _pooled_views(self, pool: torch.Tensor, first: int, num: int, batch: int, max_ctx: int) -> tuple[torch.Tensor, ...]:
+        """Every layer's ``[batch, kv_heads, max_ctx, head_dim]`` view of blocks ``first .. first +
+        num - 1`` of ``pool``, the same for each row (stride 0): one unbind for all layers."""
+        seq = pool[:, first : first + num].view(self.num_layers, 1, num * self.block_size, self.num_kv_heads, self.head_dim)
+        seq = seq[:, :, :max_ctx].transpose(2, 3)
+        if batch > 1:
+            seq = seq.expand(self.num_layers, batch, self.num_kv_heads, max_ctx, self.head_dim)
+        return seq.unbind(0)
+
+    def _read(self, tables: list[list[int]], batch: int, max_ctx: int, tables_t: torch.Tensor) -> _GatheredKV | _PooledKV:
+        """How a group reads its K/V: in place when every row reads the same consecutive blocks."""
+        num = -(-max_ctx // self.block_size)
+        first = tables[0][:num]
+        if first == list(range(first[0], first[0] + num)) and all(t is tables[0] or t[:num] == first for t in tables[1:]):
+            self.groups_in_place += 1
+            return _PooledKV(
+                self._pooled_views(self._k_pool, first[0], num, batch, max_ctx),
+                self._pooled_views(self._v_pool, first[0], num, batch, max_ctx),
+            )
+        self.groups_gathered += 1
+        blocks = tables_t[:, :num].clamp_min(0).reshape(-1)
+        k_out, k_seq = self._gather_views(0, blocks, batch, max_ctx)
+        v_out, v_seq = self._gather_views(1, blocks, batch, max_ctx)
+        return _GatheredKV(blocks, k_out, k_seq, v_out, v_seq)
+
     def _group(self, tok_start, tables, ctx, qlen, group, tok_index=None) -> _Group:
         device = self.device
         batch = len(ctx)
@@ -277,18 +316,20 @@ class PagedKVCache:
         tables_t = pad_block_tables(tables, device)
         ctx_t = torch.as_tensor(ctx, dtype=torch.long, device=device)
         qlen_t = torch.as_tensor(qlen, dtype=torch.long, device=device)
-        # Query i of sequence b sits at position ctx - qlen + i and sees keys up to it.
-        q_pos = (ctx_t - qlen_t)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
-        k_pos = torch.arange(max_ctx, device=device)
-        allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]
-        # Padding query rows would be all -inf (NaN out of softmax); let them see key 0
-        # and drop them afterwards.
-        allowed[:, :, 0] = True
-        # Additive (0 / -inf), built once for all layers: a boolean mask is converted to this
-        # inside every attention call.
-        bias = torch.zeros(allowed.shape, dtype=self.attn_dtype, device=device).masked_fill_(~allowed, float("-inf"))
-        mask = bias[:, None, None, :, :].expand(batch, 1, group, max_q, max_ctx)
-        mask = mask.reshape(batch, 1, group * max_q, max_ctx)
+        mask = None  # one decode row sees every key: SDPA without a mask gives the same numbers
+        if batch > 1 or max_q > 1:
+            # Query i of sequence b sits at position ctx - qlen + i and sees keys up to it.
+            q_pos = (ctx_t - qlen_t)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
+            k_pos = torch.arange(max_ctx, device=device)
+            allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]
+            # Padding query rows would be all -inf (NaN out of softmax); let them see key 0
+            # and drop them afterwards.
+            allowed[:, :, 0] = True
+            # Additive (0 / -inf), built once for all layers: a boolean mask is converted to this
+            # inside every attention call.
+            bias = torch.zeros(allowed.shape, dtype=self.attn_dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            mask = bias[:, None, None, :, :].expand(batch, 1, group, max_q, max_ctx)
+            mask = mask.reshape(batch, 1, group * max_q, max_ctx)
         if batch == 1 or max_q == 1:
             q_row = q_idx = None  # the flat queries already are the padded batch
         else:
@@ -296,28 +337,10 @@ class PagedKVCache:
             # Sizes from the host lists: reading them off a CUDA tensor would synchronise.
             q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t, output_size=sum(qlen))
             q_idx = torch.arange(sum(qlen), device=device) - starts[q_row]
-        # The gather's block list and its target, views of the workspace the groups share (they run one
-        # after the other), made once per step here instead of in every layer.
-        blocks = tables_t[:, : -(-max_ctx // self.block_size)].clamp_min(0).reshape(-1)
-        k_out, k_seq = self._gather_views(0, blocks, batch, max_ctx)
-        v_out, v_seq = self._gather_views(1, blocks, batch, max_ctx)
-        return _Group(
-            tok_start,
-            tok_start + sum(qlen),
-            tables_t,
-            batch,
-            max_q,
-            max_ctx,
-            q_row,
-            q_idx,
-            mask,
-            blocks,
-            k_out,
-            k_seq,
-            v_out,
-            v_seq,
-            tok_index,
-        )
+        # Where every layer reads K/V from (views of the pool, or of the workspace the groups share
+        # and the gather's block list), made once per step here instead of in every layer.
+        kv = self._read(tables, batch, max_ctx, tables_t)
+        return _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask, kv, tok_index)
 
     def attention_planned(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
         """Attention of ``q`` ([num_tokens, num_heads, head_dim]) for a prepared plan."""
@@ -341,9 +364,7 @@ class PagedKVCache:
 
     def _attend(self, layer: int, q: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
-        torch.index_select(self.k_cache[layer], 0, g.blocks, out=g.k_out)
-        torch.index_select(self.v_cache[layer], 0, g.blocks, out=g.v_out)
-        k, v = g.k_seq, g.v_seq  # [B, Hkv, L, D]
+        k, v = g.kv.read(self, layer)  # [B, Hkv, L, D]
         # K/V are not repeated per query head: the `group` query heads that share KV head j are
         # folded into the query axis instead (head h = j * group + g reads KV head h // group),
         # which saves copying K/V `group` times.
@@ -417,15 +438,38 @@ class _Group:
     max_ctx: int
     q_row: torch.Tensor | None
     q_idx: torch.Tensor | None
-    mask: torch.Tensor
-    # The blocks gathered (each table's first ceil(max_ctx / block_size), padding read as block 0)
-    # and the workspace views they are gathered into (PagedKVCache._gather_views).
+    mask: torch.Tensor | None  # None: a single decode row, which sees every key
+    kv: _GatheredKV | _PooledKV
+    tok_index: torch.Tensor | None = None  # the group's tokens when they are not tok_start..tok_end
+
+
+@dataclass
+class _GatheredKV:
+    """K/V copied out of the pool in every layer: the blocks gathered (each table's first
+    ceil(max_ctx / block_size), padding read as block 0) and the workspace views they land in
+    (PagedKVCache._gather_views)."""
+
     blocks: torch.Tensor
     k_out: torch.Tensor
     k_seq: torch.Tensor
     v_out: torch.Tensor
     v_seq: torch.Tensor
-    tok_index: torch.Tensor | None = None  # the group's tokens when they are not tok_start..tok_end
+
+    def read(self, cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.index_select(cache.k_cache[layer], 0, self.blocks, out=self.k_out)
+        torch.index_select(cache.v_cache[layer], 0, self.blocks, out=self.v_out)
+        return self.k_seq, self.v_seq
+
+
+@dataclass
+class _PooledKV:
+    """K/V read where they lie: each layer's view of one sequence's consecutive blocks (PagedKVCache._pooled_views)."""
+
+    k_layers: tuple[torch.Tensor, ...]
+    v_layers: tuple[torch.Tensor, ...]
+
+    def read(self, cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_layers[layer], self.v_layers[layer]
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 It writes each chunk's tokens into a fake KV store at the planned slots, reads every context
 back through the block table (a wrong slot, a wrongly shared prefix block or a wrong recompute
-fails the read-back), and "samples" ``next_token(context)`` for each row that samples. A chunk
+fails the read-back; block copies are made first, as the runner makes them), and "samples" ``next_token(context)`` for each row that samples. A chunk
 with a prompt-lookup draft yields what the engine keeps of it (``accept_draft``).
 """
 
@@ -25,11 +25,15 @@ class FakeRunner:
     def step(self, sched: Scheduler, out) -> dict:
         sampled = {}
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        bs = self.bm.block_size
+        for src, dst, n in out.copies:  # before anything is written, as the runner does
+            for i in range(n):
+                if src * bs + i in self.kv:
+                    self.kv[dst * bs + i] = self.kv[src * bs + i]
         for c in out.chunks:
             assert len(c.token_ids) == len(c.slots) == c.end - c.start
             for slot, tok in zip(c.slots, c.token_ids):
                 self.kv[slot] = tok
-            bs = self.bm.block_size
             context = [self.kv[c.block_table[p // bs] * bs + p % bs] for p in range(c.end)]
             assert context == (sched.get(c.seq_id).tokens + c.draft)[: c.end], "K/V read back wrong"
             if not c.samples:

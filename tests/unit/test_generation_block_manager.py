@@ -34,6 +34,55 @@ def test_slots_follow_the_block_table_and_grow_on_demand():
     bm.check_invariants()
 
 
+def test_a_growing_sequence_takes_the_block_after_its_last_when_it_is_clean():
+    """Consecutive blocks are what attention reads in place: growth, a rejected draft's block given
+    back and taken again, and a neighbour in between keep a lone sequence's table consecutive."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    bm.allocate("a", list(range(6)))
+    assert bm.block_table("a") == [0, 1]
+    bm.allocate("b", [1, 2, 3])  # takes block 2, right after a's
+    for t in range(6, 10):
+        bm.append_slot("a", t)  # a's third block: 2 is b's, so the oldest clean one
+    assert bm.block_table("a") == [0, 1, 3]
+    bm.free("b")
+    for t in range(10, 13):
+        bm.append_slot("a", t)  # a draft runs into a fourth block...
+    assert bm.block_table("a") == [0, 1, 3, 4]
+    bm.truncate("a", 12)  # ...which is given back
+    assert bm.block_table("a") == [0, 1, 3]
+    for t in range(12, 21):
+        bm.append_slot("a", t)
+    assert bm.block_table("a") == [0, 1, 3, 4, 5, 6]
+    bm.check_invariants()
+
+
+def test_a_lone_sequence_copies_its_cached_prefix_into_consecutive_blocks_and_others_share_it():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(13))  # three full blocks and one token
+    bm.allocate("a", prompt)
+    bm.mark_computed("a", 13)
+    cached = bm.block_table("a")[:3]
+    bm.free("a")
+    assert bm.take_copies() == []
+    # Alone in the pool: the hits are copied, the table is consecutive, the prefill still spared
+    assert bm.allocate("b", prompt[:12] + [99, 98]) == 12
+    table = bm.block_table("b")
+    assert table == list(range(table[0], table[0] + 4)) and not set(table) & set(cached)
+    assert bm.take_copies() == [(src, dst, 4) for src, dst in zip(cached, table)]
+    assert [bm._refcount[b] for b in cached] == [0, 0, 0] and bm.num_cached_blocks == 3  # still cached, free
+    assert bm.prefix_hits == 12
+    # Beside a live sequence the hits are shared by reference, nothing copied
+    assert bm.allocate("c", prompt[:12] + [7]) == 12
+    assert bm.block_table("c")[:3] == cached and bm.take_copies() == []
+    bm.mark_computed("b", 14)
+    assert bm.num_cached_blocks == 3  # b's copies are private: their keys are already published
+    bm.check_invariants()
+    for seq in ("b", "c"):
+        bm.free(seq)
+    assert bm.num_free_blocks == 32
+    bm.check_invariants()
+
+
 def test_free_is_idempotent_and_returns_every_block():
     bm = BlockManager(num_blocks=4, block_size=2)
     bm.allocate("a", [1, 2, 3])

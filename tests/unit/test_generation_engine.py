@@ -112,8 +112,15 @@ def assert_same(results, reference, prompts):
 
 
 def test_greedy_one_at_a_time_matches_generate(engine, prompts, reference):
+    cache, bm = engine.runner.cache, engine.block_manager
+    hits = bm.prefix_hits
     for p, ref in zip(prompts, reference):
+        in_place, gathered = cache.groups_in_place, cache.groups_gathered
         assert_same(engine.generate([p], GREEDY), [ref], [p])
+        # A lone stream's blocks are consecutive (a prefix hit copied ahead of its prompt): its
+        # attention read K/V where they lie in every step
+        assert cache.groups_in_place > in_place and cache.groups_gathered == gathered
+    assert bm.prefix_hits > hits  # the chat prompts share the template's system prompt
     assert engine.block_manager.num_used_blocks == 0
     engine.block_manager.check_invariants()
 

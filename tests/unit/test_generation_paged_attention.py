@@ -142,6 +142,50 @@ def test_chunked_prefill_equals_one_shot_prefill():
     assert (torch.cat(pieces) - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize(
+    "lengths, query_lens",
+    [
+        ([37], [1]),  # a lone decode row
+        ([40, 41, 42, 43], [1, 1, 1, 1]),  # one sequence's speculative rows: same table, one position each
+        ([45], [12]),  # a prompt chunk starting mid-block
+        ([16], [16]),  # a whole prompt, exactly one block
+    ],
+)
+def test_consecutive_blocks_are_read_in_place_with_the_gathered_numbers(lengths, query_lens):
+    """A group reading one sequence's consecutive blocks attends to views of the pool, bit for bit
+    what the gather gives for the same K/V in scattered blocks, and within float error of dense."""
+    gen = torch.Generator().manual_seed(7)
+    n = max(lengths)
+    k = torch.randn(n, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(n, KV_HEADS, DIM, generator=gen)
+    q = torch.randn(sum(query_lens), HEADS, DIM, generator=gen)
+    outs = []
+    for table in (list(range(5, 5 + -(-n // BLOCK))), shuffled_tables([n], 64, gen)[0]):
+        cache = make_cache()
+        cache.write(1, k, v, slots_for_positions(table, range(n), BLOCK))
+        outs.append(cache.attention(1, q, [table] * len(lengths), lengths, query_lens))
+        consecutive = table == list(range(table[0], table[0] + len(table)))
+        assert (cache.groups_in_place, cache.groups_gathered) == ((1, 0) if consecutive else (0, 1))
+    assert torch.equal(outs[0], outs[1])
+    start = 0
+    for length, ql in zip(lengths, query_lens):
+        ref = dense_causal(q[start : start + ql], k[:length], v[:length], start=length - ql)
+        assert (outs[0][start : start + ql] - ref).abs().max().item() < 1e-5
+        start += ql
+
+
+def test_rows_of_different_sequences_are_gathered_even_when_each_is_consecutive():
+    gen = torch.Generator().manual_seed(8)
+    cache = make_cache()
+    tables = [[0, 1], [2, 3]]
+    dense = fill(cache, 0, tables, [20, 30], gen)
+    q = torch.randn(2, HEADS, DIM, generator=gen)
+    out = cache.attention(0, q, tables, [20, 30])
+    assert (cache.groups_in_place, cache.groups_gathered) == (0, 1)
+    for b, ((kk, vv), n) in enumerate(zip(dense, [20, 30])):
+        assert (out[b : b + 1] - dense_causal(q[b : b + 1], kk, vv, start=n - 1)).abs().max().item() < 1e-5
+
+
 def test_layers_and_sequences_do_not_leak_into_each_other():
     gen = torch.Generator().manual_seed(3)
     cache = make_cache()
