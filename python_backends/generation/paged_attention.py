@@ -12,8 +12,9 @@ where they lie, when the group's rows all read one sequence whose blocks are con
 pool (a lone stream, its speculative rows, a prompt chunk: every layer's K/V is then a view of the
 pool, no copy); else gathered, whole blocks copied by ``index_select`` into a workspace padded to
 the group's longest context (a batch of sequences, or a table with gaps). The block manager hands
-a growing sequence the block after its last when that one is free, so the first case is the
-common one for a single stream.
+a growing sequence the block after its last when that one is clean, and a sequence admitted alone
+copies its prefix-cache hits ahead of its prompt, so the first case is the common one for a single
+stream.
 
 This module holds tensors and does arithmetic only: which blocks a sequence gets, and
 when they are freed, is the block manager's business. Everything here runs on whatever
@@ -170,7 +171,8 @@ class PagedKVCache:
 
     def copy_blocks(self, copies) -> None:
         """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer, for each
-        ``(src, dst, n)`` (the block manager's copies on write of forked sequences)."""
+        ``(src, dst, n)``: the block manager's copies on write of forked sequences, and of the prefix
+        hits a sequence admitted alone takes as its own (block_manager.py)."""
         for src, dst, n in copies:
             for pool in (self._k_pool, self._v_pool):
                 pool[:, dst, :n].copy_(pool[:, src, :n])

@@ -143,7 +143,8 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk]
     prefills: list[ScheduledChunk]
     preempted: list[SeqId]
-    # Block copies on write (source, destination, slots) the runner makes before the step.
+    # Block copies (source, destination, slots) the runner makes before the step: copies on write of
+    # forked sequences, and prefix hits copied for a sequence admitted alone (block_manager.py).
     copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
