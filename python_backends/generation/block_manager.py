@@ -168,6 +168,10 @@ class BlockManager:
         self._refcount[b] = 1
         return b
 
+    def _append_block(self, s: _SeqBlocks) -> None:
+        """Give the sequence one more block, the one after its last when that one is clean."""
+        s.blocks.append(self._take_block(s.blocks[-1] if s.blocks else None))
+
     def _hold(self, b: int) -> None:
         if self._refcount[b] == 0:
             del self._evictable[b]
@@ -189,21 +193,20 @@ class BlockManager:
         hits, hashes = self._hits(tokens)
         state = _SeqBlocks(tokens=list(tokens), hashes=list(hashes))
         state.num_computed = len(hits) * self.block_size
-        if hits and not self._seqs and self.blocks_needed(len(tokens)) <= len(self._clean):
-            # A lone sequence (the only one the pool holds) copies its cached prefix into fresh blocks
-            # ahead of the rest of its prompt instead of sharing it: its table is then consecutive and
-            # attention reads it in place every step (paged_attention.py). The copies run before the step
-            # writes anything, in the order queued, so the cached blocks they read are intact even if
-            # this step's allocations hand them out again.
-            for b in hits:
-                state.blocks.append(self._take_block(state.blocks[-1] if state.blocks else None))
-                self._copies.append((b, state.blocks[-1], self.block_size))
-        else:
+        # A lone sequence (the only one the pool holds) copies its cached prefix into fresh blocks
+        # ahead of the rest of its prompt instead of sharing it: its table is then consecutive and
+        # attention reads it in place every step (paged_attention.py). The copies run before the step
+        # writes anything, in the order queued, so the cached blocks they read are intact even if
+        # this step's allocations hand them out again.
+        copy_hits = bool(hits) and not self._seqs and self.blocks_needed(len(tokens)) <= len(self._clean)
+        if not copy_hits:
             for b in hits:
                 self._hold(b)
             state.blocks = list(hits)
-        for _ in range(self.blocks_needed(len(tokens)) - len(hits)):
-            state.blocks.append(self._take_block(state.blocks[-1] if state.blocks else None))
+        while len(state.blocks) < self.blocks_needed(len(tokens)):
+            self._append_block(state)
+        if copy_hits:
+            self._copies += [(src, dst, self.block_size) for src, dst in zip(hits, state.blocks)]
         self._seqs[seq_id] = state
         self.prefix_queries += len(tokens)
         self.prefix_hits += state.num_computed
@@ -259,7 +262,7 @@ class BlockManager:
         """Add ``token`` to the sequence and return the physical slot its K/V go to."""
         s = self._seqs[seq_id]
         if len(s.tokens) == len(s.blocks) * self.block_size:
-            s.blocks.append(self._take_block(s.blocks[-1] if s.blocks else None))
+            self._append_block(s)
         elif self._refcount[s.blocks[-1]] > 1:  # a shared partial block: copy on write
             shared = s.blocks[-1]
             s.blocks[-1] = self._take_block()

@@ -295,7 +295,7 @@ class PagedKVCache:
             seq = seq.expand(self.num_layers, batch, self.num_kv_heads, max_ctx, self.head_dim)
         return seq.unbind(0)
 
-    def _read(self, tables: list[list[int]], batch: int, max_ctx: int, tables_t: torch.Tensor) -> _GatheredKV | _PooledKV:
+    def _read(self, tables: list[list[int]], batch: int, max_ctx: int) -> _GatheredKV | _PooledKV:
         """How a group reads its K/V: in place when every row reads the same consecutive blocks."""
         num = -(-max_ctx // self.block_size)
         first = tables[0][:num]
@@ -306,7 +306,7 @@ class PagedKVCache:
                 self._pooled_views(self._v_pool, first[0], num, batch, max_ctx),
             )
         self.groups_gathered += 1
-        blocks = tables_t[:, :num].clamp_min(0).reshape(-1)
+        blocks = pad_block_tables(tables, self.device)[:, :num].clamp_min(0).reshape(-1)
         k_out, k_seq = self._gather_views(0, blocks, batch, max_ctx)
         v_out, v_seq = self._gather_views(1, blocks, batch, max_ctx)
         return _GatheredKV(blocks, k_out, k_seq, v_out, v_seq)
@@ -315,11 +315,12 @@ class PagedKVCache:
         device = self.device
         batch = len(ctx)
         max_ctx, max_q = max(ctx), max(qlen)
-        tables_t = pad_block_tables(tables, device)
-        ctx_t = torch.as_tensor(ctx, dtype=torch.long, device=device)
-        qlen_t = torch.as_tensor(qlen, dtype=torch.long, device=device)
-        mask = None  # one decode row sees every key: SDPA without a mask gives the same numbers
+        # One decode row sees every key: SDPA without a mask gives the same numbers, and its flat
+        # query already is the padded batch.
+        mask = q_row = q_idx = None
         if batch > 1 or max_q > 1:
+            ctx_t = torch.as_tensor(ctx, dtype=torch.long, device=device)
+            qlen_t = torch.as_tensor(qlen, dtype=torch.long, device=device)
             # Query i of sequence b sits at position ctx - qlen + i and sees keys up to it.
             q_pos = (ctx_t - qlen_t)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
             k_pos = torch.arange(max_ctx, device=device)
@@ -332,17 +333,15 @@ class PagedKVCache:
             bias = torch.zeros(allowed.shape, dtype=self.attn_dtype, device=device).masked_fill_(~allowed, float("-inf"))
             mask = bias[:, None, None, :, :].expand(batch, 1, group, max_q, max_ctx)
             mask = mask.reshape(batch, 1, group * max_q, max_ctx)
-        if batch == 1 or max_q == 1:
-            q_row = q_idx = None  # the flat queries already are the padded batch
-        else:
-            starts = torch.cumsum(qlen_t, 0) - qlen_t
-            # Sizes from the host lists: reading them off a CUDA tensor would synchronise.
-            q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t, output_size=sum(qlen))
-            q_idx = torch.arange(sum(qlen), device=device) - starts[q_row]
+            if batch > 1 and max_q > 1:  # else the flat queries already are the padded batch
+                starts = torch.cumsum(qlen_t, 0) - qlen_t
+                # Sizes from the host lists: reading them off a CUDA tensor would synchronise.
+                q_row = torch.repeat_interleave(torch.arange(batch, device=device), qlen_t, output_size=sum(qlen))
+                q_idx = torch.arange(sum(qlen), device=device) - starts[q_row]
         # Where every layer reads K/V from (views of the pool, or of the workspace the groups share
         # and the gather's block list), made once per step here instead of in every layer.
-        kv = self._read(tables, batch, max_ctx, tables_t)
-        return _Group(tok_start, tok_start + sum(qlen), tables_t, batch, max_q, max_ctx, q_row, q_idx, mask, kv, tok_index)
+        kv = self._read(tables, batch, max_ctx)
+        return _Group(tok_start, tok_start + sum(qlen), batch, max_q, max_ctx, q_row, q_idx, mask, kv, tok_index)
 
     def attention_planned(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
         """Attention of ``q`` ([num_tokens, num_heads, head_dim]) for a prepared plan."""
@@ -434,7 +433,6 @@ class PagedKVCache:
 class _Group:
     tok_start: int
     tok_end: int
-    tables: torch.Tensor
     batch: int
     max_q: int
     max_ctx: int
