@@ -227,8 +227,9 @@ class Fp16Linear(Linear):
             raise ConfigError("weights_precision 'fp16_fp32': fbgemm's FP16 product differs from FP32 with FP16 weights")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), self.packed)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dtype == torch.float32:  # the runner's activations: no cast to dispatch (120 calls a step)
+            return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        return torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), self.packed).to(x.dtype)
 
     @property
     def weight(self) -> torch.Tensor:

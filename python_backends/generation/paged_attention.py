@@ -354,7 +354,7 @@ class PagedKVCache:
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         if len(plan.groups) == 1 and plan.groups[0].tok_index is None:
             g = plan.groups[0]
-            return self._attend(layer, q[g.tok_start : g.tok_end], g, scale)
+            return self._attend(layer, q if g.tok_end - g.tok_start == num_tokens else q[g.tok_start : g.tok_end], g, scale)
         out = torch.empty_like(q)
         for g in plan.groups:
             if g.tok_index is None:
@@ -372,14 +372,16 @@ class PagedKVCache:
         out_dtype = q.dtype
         if self.attn_dtype != self.dtype:
             k, v = k.to(self.attn_dtype), v.to(self.attn_dtype)
-        q = q.to(self.attn_dtype)
+        if q.dtype != self.attn_dtype:
+            q = q.to(self.attn_dtype)
         group = num_heads // self.num_kv_heads
         batch, max_q = g.batch, g.max_q
         if max_q == 1:  # decode rows: [B, H, D] is already [B, Hkv, group, D], query axis g
             out = F.scaled_dot_product_attention(
                 q.view(batch, self.num_kv_heads, group, head_dim), k, v, attn_mask=g.mask, scale=scale
             )
-            return out.reshape(batch, num_heads, head_dim).to(out_dtype)
+            out = out.reshape(batch, num_heads, head_dim)
+            return out if out.dtype == out_dtype else out.to(out_dtype)
         if g.q_row is None:
             q_pad = q.reshape(batch, max_q, num_heads, head_dim)
         else:
