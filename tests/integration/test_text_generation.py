@@ -624,10 +624,16 @@ def test_n_choices_over_grpc_one_response_per_choice_one_prefill_and_a_cancel_fr
     alone = generate_text(server, prompt, exclude_input_in_output=True).text
     assert {text for _, text, _ in got} == {alone}  # greedy: every choice is the one-choice answer
 
+    aborts = metric(after, "llm_request_success_total", finish_reason="abort")
     r = grpc_generate(server, grpc_inputs("Tell me a very long story about the sea.", sampling={**LONG, "n": 3}), cancel_after=9)
     assert r.cancelled and r.error is None
-    after = wait_for(server, idle, timeout=5.0)
+    # The gauges and the counters reach the metrics port as separate updates: wait for both, so
+    # this request's abort is counted here and not in the next test's window.
+    after = wait_for(
+        server, lambda b: idle(b) and metric(b, "llm_request_success_total", finish_reason="abort") > aborts, timeout=5.0
+    )
     assert idle(after) and metric(after, "llm_kv_cache_blocks_used") == 0
+    assert metric(after, "llm_request_success_total", finish_reason="abort") == aborts + 1  # the request's, once for n choices
 
 
 def test_http_sse_disconnect_frees_the_kv_blocks_at_once(server):
