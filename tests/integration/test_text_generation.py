@@ -627,8 +627,8 @@ def test_n_choices_over_grpc_one_response_per_choice_one_prefill_and_a_cancel_fr
     aborts = metric(after, "llm_request_success_total", finish_reason="abort")
     r = grpc_generate(server, grpc_inputs("Tell me a very long story about the sea.", sampling={**LONG, "n": 3}), cancel_after=9)
     assert r.cancelled and r.error is None
-    # The gauges and the counters reach the metrics port as separate updates: wait for both, so
-    # this request's abort is counted here and not in the next test's window.
+    # The idle gauges have shown on the metrics port before this request's abort was counted:
+    # wait for both, so its abort is counted here and not in the next test's window.
     after = wait_for(
         server, lambda b: idle(b) and metric(b, "llm_request_success_total", finish_reason="abort") > aborts, timeout=5.0
     )
