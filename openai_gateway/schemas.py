@@ -104,7 +104,10 @@ class _OpenAISampling(_Body):
 
 # The engine's sampling fields, from its one table: OpenAI's own (max_tokens, temperature, top_p,
 # seed, stop) and vLLM's extensions (the openai SDK's extra_body), which go to the engine as they are.
-_FIELDS: dict[str, Any] = {f.name: (_TYPES[f.kinds] | None, Field(None, description=f.doc)) for f in SAMPLING_FIELDS}
+_SHAPES = {"structured_outputs": dict[StrictStr, Any]}  # an object of guides: the engine judges its keys
+_FIELDS: dict[str, Any] = {
+    f.name: (_SHAPES.get(f.name, _TYPES[f.kinds]) | None, Field(None, description=f.doc)) for f in SAMPLING_FIELDS
+}
 if TYPE_CHECKING:  # a class built at run time is Any to the checker
     _Sampling = Any
 else:

@@ -112,6 +112,12 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("guided_choice", (list,), None, "The output is exactly one of these strings"),
     SamplingField("guided_grammar", (str,), None, "A Lark grammar the output must match"),
     SamplingField(
+        "structured_outputs",
+        (dict,),
+        None,
+        "vLLM's current form of the guides: one of json (a schema), regex, choice, grammar, or json_object: true",
+    ),
+    SamplingField(
         "fit_to_context",
         (bool,),
         False,
@@ -119,6 +125,45 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     ),
 )
 FIELD_NAMES = tuple(f.name for f in SAMPLING_FIELDS)
+
+
+# vLLM's StructuredOutputsParams: the guide keys, and the options that only choose or tune its backend
+# (accepted: this engine always runs llguidance, compact JSON without free whitespace).
+STRUCTURED_GUIDES = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+STRUCTURED_OPTIONS = (
+    "backend",
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+)
+
+
+def _structured_outputs(value: Any) -> tuple[str, Any]:
+    """(guided_* field, its value) of vLLM's ``structured_outputs`` object; a key this engine does not
+    serve (``structural_tag``) or knows nothing of is refused, never dropped."""
+    if not isinstance(value, dict):
+        raise InputError("structured_outputs", f"must be an object, got {type(value).__name__}")
+    guides = []
+    for key, item in value.items():
+        if item is None or key in STRUCTURED_OPTIONS:
+            continue
+        if key in STRUCTURED_GUIDES:
+            guides.append((STRUCTURED_GUIDES[key], item))
+        elif key == "json_object":
+            if item is not True:
+                raise InputError("structured_outputs.json_object", f"must be true, got {item!r}")
+            guides.append(("guided_json", {"type": "object"}))
+        elif key == "structural_tag":
+            raise InputError("structured_outputs.structural_tag", "structural tags are not served by this model")
+        else:
+            known = ", ".join([*STRUCTURED_GUIDES, "json_object", *STRUCTURED_OPTIONS])
+            raise InputError(f"structured_outputs.{key}", f"unknown key (known: {known})")
+    if len(guides) != 1:
+        raise InputError(
+            "structured_outputs", f"needs exactly one of {', '.join([*STRUCTURED_GUIDES, 'json_object'])}, got {len(guides)}"
+        )
+    return guides[0]
 
 
 def _int(name: str, value: Any) -> int:
@@ -172,6 +217,8 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: Any = None
     guided_grammar: str | None = None
+    # vLLM's current name for the guides ({"choice": [...]} ...): turned into the guided_* field it names.
+    structured_outputs: Any = None
     fit_to_context: bool = False
     n: int = 1  # choices of the prompt
 
@@ -237,6 +284,12 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             put(self, "logit_bias", _logit_bias(self.logit_bias) or None)
+        if self.structured_outputs is not None:
+            name, value = _structured_outputs(self.structured_outputs)
+            if getattr(self, name) is not None:
+                raise InputError("structured_outputs", f"only one guide per request: {name} is set too")
+            put(self, name, value)
+            put(self, "structured_outputs", None)
         guides = [name for name in GUIDE_FIELDS if getattr(self, name) is not None]
         if len(guides) > 1:
             raise InputError(guides[1], f"only one guide per request: {guides[0]} is set too")

@@ -453,6 +453,21 @@ def test_structured_outputs_parse_into_the_clients_pydantic_model_every_time(ope
         model=GENERATION, messages=QUESTION, max_tokens=8, extra_body={"guided_choice": ["Paris", "London", "Rome"]}
     )
     assert choice.choices[0].message.content in ("Paris", "London", "Rome")
+    # vLLM's current field, as outlines and vLLM's own clients send it: enforced, not dropped.
+    for _ in range(3):
+        current = openai_client.chat.completions.create(
+            model=GENERATION,
+            messages=QUESTION,
+            max_tokens=8,
+            temperature=1.0,
+            extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+        )
+        assert current.choices[0].message.content in ("red", "blue"), current.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=GENERATION, messages=QUESTION, max_tokens=4, extra_body={"structured_outputs": {"structural_tag": "{}"}}
+        )
+    assert caught.value.response.json()["error"]["param"] == "structured_outputs.structural_tag"
     regex = openai_client.completions.create(
         model=GENERATION, prompt="My phone number is", max_tokens=12, extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"}
     )

@@ -38,6 +38,35 @@ def test_a_guide_is_kept_as_its_canonical_text_one_per_request():
         SamplingParams(guided_json=SCHEMA, guided_regex="a+")
 
 
+def test_vllms_structured_outputs_object_becomes_the_guide_it_names():
+    assert SamplingParams(structured_outputs={"choice": ["red", "blue"]}).guide == ("guided_choice", '["red", "blue"]')
+    assert SamplingParams(structured_outputs={"regex": "[0-9]+", "backend": "xgrammar"}).guide == ("guided_regex", "[0-9]+")
+    assert SamplingParams(structured_outputs={"json": SCHEMA}).guide == SamplingParams(guided_json=SCHEMA).guide
+    assert SamplingParams(structured_outputs={"json_object": True}).guide == ("guided_json", '{"type": "object"}')
+    assert SamplingParams(structured_outputs={"grammar": "start: /[a-z]+/"}).guide == ("guided_grammar", "start: /[a-z]+/")
+    assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs is None  # one form downstream
+
+
+@pytest.mark.parametrize(
+    "value, field, words",
+    [
+        ({"structural_tag": "{}"}, "structured_outputs.structural_tag", "not served"),
+        ({"choise": ["a"]}, "structured_outputs.choise", "unknown key"),
+        ({}, "structured_outputs", "exactly one of"),
+        ({"regex": "a", "choice": ["a"]}, "structured_outputs", "exactly one of"),
+        ({"json_object": False}, "structured_outputs.json_object", "must be true"),
+        ([1], "structured_outputs", "must be an object"),
+        ({"choice": []}, "guided_choice", "non-empty list of strings"),
+    ],
+)
+def test_a_structured_outputs_key_is_served_or_refused_never_dropped(value, field, words):
+    with pytest.raises(InputError) as caught:
+        SamplingParams(structured_outputs=value)
+    assert caught.value.field == field and words in str(caught.value)
+    with pytest.raises(InputError, match="only one guide per request: guided_regex is set too"):
+        SamplingParams(structured_outputs={"regex": "a"}, guided_regex="b")
+
+
 @pytest.mark.parametrize(
     "field, value, words",
     [
