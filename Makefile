@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 SERVE_ARGS ?=
 # Which exported variant to serve: auto (best that passed its gate on this hardware), cpu,
 # gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan; for text_generation also fp16_fp32, bf16,
-# int4_bf16. See export/variants.py and export/generation_gate.py.
+# int4_bf16 and llama.cpp's llama_q4_0, llama_q4_1, llama_q8_0, llama_bf16, llama_f16. See
+# export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
 .PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean

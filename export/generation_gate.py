@@ -41,12 +41,20 @@ log = logging.getLogger(__name__)
 MODEL = "text_generation"
 HELDOUT = Path(__file__).resolve().parent / "data" / "generation_heldout.json"
 GATE_VERSION = 1  # bump when what the gate measures changes
-BEST_FIRST = ("int4_bf16", "bf16", "fp16_fp32", "fp32")  # what PRECISION=auto serves on a CPU, best first
+# The order variants are listed and gated in. What PRECISION=auto serves is the fastest that passed,
+# by a short decode probe on this CPU (choose_best); this order breaks ties.
+BEST_FIRST = ("llama_q4_0", "llama_q4_1", "llama_q8_0", "llama_bf16", "int4_bf16", "bf16", "fp16_fp32", "llama_f16", "fp32")
+PROBE_STREAMS = (1, 16)  # the decode probe's concurrencies: one stream, and a loaded server
 DESCRIPTIONS = {
     "fp32": "FP32 weights: the reference, token for token transformers' numbers",
     "fp16_fp32": "FP16 weights through fbgemm's FP16 GEMM (AVX2), FP32 activations, products and K/V",
     "bf16": "BF16 weights and BF16 products (AVX512-BF16 / AMX), BF16 K/V",
     "int4_bf16": "4-bit blocks of 32 (the GGUF's Q4_1, exact) at up to 12 rows, BF16 above; BF16 output head and K/V",
+    "llama_q4_0": "llama.cpp, Q4_0 from the FP32 export (4-bit blocks of 32, a scale each; head Q6_K; 8-bit activations), F16 K/V",
+    "llama_q4_1": "llama.cpp, Q4_1 from the FP32 export (the packaged GGUF's blocks; head Q6_K; 8-bit activations), F16 K/V",
+    "llama_q8_0": "llama.cpp, Q8_0 from the FP32 export (8-bit blocks of 32; 8-bit activations), F16 K/V",
+    "llama_bf16": "llama.cpp, BF16 weights and products from the FP32 export, F16 K/V",
+    "llama_f16": "llama.cpp, F16 weights and products from the FP32 export, F16 K/V",
 }
 LARGE_CHUNK = 256
 
@@ -56,8 +64,12 @@ def heldout_texts(path: Path = HELDOUT) -> list[dict[str, str]]:
 
 
 def _runner(model_dir: Path, precision: str):
+    from python_backends.generation.block_manager import BlockManager
+    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, GGUFWeights, LlamaCppRunner
     from python_backends.generation.model_runner import LlamaWeights, ModelRunner
 
+    if precision in LLAMA_PRECISIONS:
+        return LlamaCppRunner(GGUFWeights.from_folder(model_dir, precision), BlockManager(64, 16), 1024, LARGE_CHUNK)
     weights = LlamaWeights.from_folder(model_dir, precision=precision)
     return ModelRunner(weights, num_blocks=64, block_size=16, max_model_len=1024)
 
@@ -130,10 +142,55 @@ def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -
     return batch * steps / (time.perf_counter() - started)
 
 
+def gated_precisions() -> tuple[str, ...]:
+    """What this CPU runs: PyTorch's precisions for its kernels, and llama.cpp's variants once it is built."""
+    from export.llama_cpp import is_built
+    from python_backends.generation.linear import runnable_precisions
+    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS
+
+    return runnable_precisions() + (tuple(LLAMA_PRECISIONS) if is_built() else ())
+
+
+def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, Any]]) -> str | None:
+    """The fastest variant that passed: decode tokens/s at each of PROBE_STREAMS, relative to the best
+    at that concurrency, multiplied (so one stream and a loaded server count alike); recorded in each row."""
+    if len(passed) < 2:
+        return passed[0] if passed else None
+    speeds: dict[str, dict[int, float]] = {}
+    for precision in passed:
+        try:
+            speeds[precision] = {b: decode_speed(model_dir, precision, b, steps=8) for b in PROBE_STREAMS}
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run the probe is not chosen
+            log.warning("%s/%s: decode probe failed: %s", MODEL, precision, exc)
+            continue
+        rows[precision]["probe_tokens_per_s"] = {str(b): round(v, 1) for b, v in speeds[precision].items()}
+    if not speeds:
+        return next((p for p in BEST_FIRST if p in passed), None)
+    top = {b: max(s[b] for s in speeds.values()) for b in PROBE_STREAMS}
+
+    def score(precision: str) -> float:
+        out = 1.0
+        for b in PROBE_STREAMS:
+            out *= speeds[precision][b] / top[b]
+        return out
+
+    best = max(speeds, key=lambda p: (score(p), -BEST_FIRST.index(p)))
+    log.info(
+        "%s: decode probe (tokens/s at %s streams): %s; auto serves %s",
+        MODEL,
+        "/".join(map(str, PROBE_STREAMS)),
+        ", ".join(f"{p} {'/'.join(f'{v:.0f}' for v in s.values())}" for p, s in speeds.items()),
+        best,
+    )
+    return best
+
+
 def fingerprint() -> dict[str, str]:
     from python_backends.generation.linear import describe_cpu, kernel_fingerprint
+    from python_backends.generation.llama_cpp_runtime import build_key
 
-    return {"kernels": kernel_fingerprint(), "cpu": describe_cpu(), "gate_version": str(GATE_VERSION)}
+    kernels = f"{kernel_fingerprint()}; llama.cpp {build_key()}; {','.join(gated_precisions())}"
+    return {"kernels": kernels, "cpu": describe_cpu(), "gate_version": str(GATE_VERSION)}
 
 
 def up_to_date(repo: Path, weights_sha256: str) -> bool:
@@ -152,9 +209,14 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     """Gate every precision this CPU runs, write the manifest and the variant configs; return the manifest."""
     from transformers import AutoTokenizer
 
-    from python_backends.generation.linear import runnable_precisions
+    from export.llama_cpp import make_ggufs
+    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS
 
     model_dir = repo / MODEL / "1"
+    precisions = tuple(sorted(gated_precisions(), key=BEST_FIRST.index))
+    llama = [p for p in precisions if p in LLAMA_PRECISIONS]
+    if llama:  # made from these FP32 weights every time they are gated (15 s)
+        make_ggufs(model_dir, llama)
     gates = variant_files.load_gates().get(MODEL, {})
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     token_ids = [tokenizer.encode(t["text"]) for t in heldout_texts()]
@@ -162,7 +224,7 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     reference_runner = _runner(model_dir, "fp32")
     reference = _passes(reference_runner, token_ids)
     rows: dict[str, dict[str, Any]] = {}
-    for precision in runnable_precisions():
+    for precision in precisions:
         try:
             runner = reference_runner if precision == "fp32" else _runner(model_dir, precision)
             if precision == "fp32":
@@ -217,7 +279,7 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
         )
         rows[precision] = row
     passed = [p for p, r in rows.items() if r["status"] == "passed"]
-    best = next((p for p in BEST_FIRST if p in passed), None)
+    best = choose_best(model_dir, passed, rows)
     manifest = {
         "model": MODEL,
         **fingerprint(),

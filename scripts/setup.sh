@@ -96,4 +96,14 @@ elif "$VENV/bin/python" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutio
   "${PIP[@]}" install --force-reinstall --no-deps -c constraints.txt onnxruntime
 fi
 "${PIP[@]}" install -q --no-deps -e .
+# llama.cpp, the generation engine's CPU runtime (python_backends/generation/llama_cpp_runtime.py):
+# its shared libraries built for this CPU from the sources vendored in the llama-cpp-python sdist,
+# once per CPU into the git-ignored .cache/llama.cpp/ (4-6 minutes on 2 cores), and that package's
+# Python bindings installed without their own build (LLAMA_BUILD=OFF: they load the cached libraries).
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"; then
+  echo "setup: pip install llama-cpp-python's bindings (no build of their own)"
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${PIP[@]}" install -q --no-deps --no-binary llama-cpp-python \
+    "llama-cpp-python==$("$VENV/bin/python" -c 'from python_backends.generation.llama_cpp_runtime import LLAMA_CPP_VERSION as v; print(v)')"
+fi
+"$VENV/bin/python" -m export.llama_cpp build
 echo "setup: done ($("$VENV/bin/python" --version), $VENV)"

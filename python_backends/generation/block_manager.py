@@ -310,6 +310,22 @@ class BlockManager:
                     self._clean[b] = None
         return True
 
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` carries a prefix key (its contents may be reused by a later prompt)."""
+        return self._hash_of[block] is not None
+
+    def uncache(self, block: int) -> None:
+        """Forget ``block``'s prefix key: its contents can no longer be shared (a runner that cannot keep
+        them any more says so). A block nobody holds goes back to the clean list."""
+        h = self._hash_of[block]
+        if h is None:
+            return
+        del self._cached[h]
+        self._hash_of[block] = None
+        if self._refcount[block] == 0:
+            del self._evictable[block]
+            self._clean[block] = None
+
     # ---- what the runner reads ----------------------------------------------------------
     def has(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs

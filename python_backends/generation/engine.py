@@ -29,6 +29,13 @@ from python_backends.generation import logprobs as lp
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
 from python_backends.generation.linear import PRECISIONS, describe_cpu, kv_cache_dtype, runnable_precisions
+from python_backends.generation.llama_cpp_runtime import (
+    KV_TYPES,
+    LLAMA_PRECISIONS,
+    GGUFWeights,
+    LlamaCppRunner,
+    kv_bytes_per_block,
+)
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
@@ -56,8 +63,12 @@ class EngineConfig:
     model_dir: str | Path
     device: str = "cpu"
     dtype: str = "float32"
-    # The matrix products' weights (python_backends/generation/linear.py): fp32, bf16 or int4_bf16.
+    # The matrix products' weights (python_backends/generation/linear.py): fp32, bf16 or int4_bf16; or a
+    # llama_* variant, the whole forward on llama.cpp over the exported GGUF (llama_cpp_runtime.py).
     weights_precision: str = "fp32"
+    # llama_* variants: the K/V cells' type (f16, q8_0) and flash attention.
+    kv_cache_type: str = "f16"
+    flash_attn: bool = True
     block_size: int = 16
     # The pool: num_blocks when given, else as many blocks as kv_cache_bytes holds.
     kv_cache_bytes: int = 256 * 2**20
@@ -91,8 +102,13 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        if self.weights_precision not in PRECISIONS:
-            raise ConfigError(f"weights_precision {self.weights_precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if self.weights_precision not in PRECISIONS and self.weights_precision not in LLAMA_PRECISIONS:
+            choices = ", ".join((*PRECISIONS, *LLAMA_PRECISIONS))
+            raise ConfigError(f"weights_precision {self.weights_precision!r}: expected one of {choices}")
+        if self.kv_cache_type not in KV_TYPES:
+            raise ConfigError(f"kv_cache_type {self.kv_cache_type!r}: expected one of {', '.join(KV_TYPES)}")
+        if self.weights_precision in LLAMA_PRECISIONS and self.device != "cpu":
+            raise ConfigError(f"weights_precision {self.weights_precision} runs on the CPU (llama.cpp's CPU build)")
         for name in (
             "block_size",
             "kv_cache_bytes",
@@ -167,16 +183,21 @@ class _Request:
 class LLMEngine:
     """One model, one KV pool, one scheduler. Not thread-safe: see :class:`EngineLoop`."""
 
-    def __init__(self, config: EngineConfig, weights: LlamaWeights | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, weights: LlamaWeights | GGUFWeights | None = None, tokenizer=None):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(int(config.num_threads))
         dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device)
         model_dir = Path(config.model_dir)
-        self.weights = (
-            weights if weights is not None else LlamaWeights.from_folder(model_dir, dtype, self.device, config.weights_precision)
-        )
+        on_llama = config.weights_precision in LLAMA_PRECISIONS
+        if weights is None:
+            weights = (
+                GGUFWeights.from_folder(model_dir, config.weights_precision)
+                if on_llama
+                else LlamaWeights.from_folder(model_dir, dtype, self.device, config.weights_precision)
+            )
+        self.weights = weights
         mcfg = self.weights.config
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -184,8 +205,11 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
-        kv_dtype = kv_cache_dtype(self.weights.precision, dtype, self.device)
-        per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
+        if on_llama:
+            per_block = kv_bytes_per_block(mcfg, config.block_size, config.kv_cache_type)
+        else:
+            kv_dtype = kv_cache_dtype(self.weights.precision, dtype, self.device)
+            per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
         num_blocks = config.num_blocks or config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_bytes {config.kv_cache_bytes} holds no block of {per_block} bytes")
@@ -200,22 +224,41 @@ class LLMEngine:
             speculative_max_seqs=config.speculative_max_seqs,
             prefill_tokens_with_decodes=config.prefill_tokens_with_decodes,
         )
-        self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
-        if self.device.type == "cpu" and self.weights.precision not in runnable_precisions():
-            log.warning(
-                "generation engine: weights_precision %s is not offered on this CPU (%s): PyTorch emulates "
-                "its kernels here, slower than fp32; export on this machine (python -m export) to gate "
-                "what it runs, or serve PRECISION=fp32",
-                self.weights.precision,
-                describe_cpu(),
+        self.runner: ModelRunner | LlamaCppRunner
+        if on_llama:
+            assert isinstance(self.weights, GGUFWeights)
+            # A step holds the token budget plus the drafts of the decodes that carry one.
+            step_tokens = self.scheduler.max_num_batched_tokens + config.num_speculative_tokens * config.speculative_max_seqs
+            self.runner = LlamaCppRunner(
+                self.weights,
+                self.block_manager,
+                self.max_model_len,
+                step_tokens,
+                num_threads=config.num_threads,
+                kv_type=config.kv_cache_type,
+                flash_attn=config.flash_attn,
             )
+            self.scheduler.on_release = self.runner.release
+            kv_mib = self.runner.kv_nbytes() / 2**20
+        else:
+            assert isinstance(self.weights, LlamaWeights)
+            self.runner = ModelRunner(self.weights, num_blocks, config.block_size, self.max_model_len, self.device, dtype)
+            kv_mib = self.runner.cache.nbytes() / 2**20
+            if self.device.type == "cpu" and self.weights.precision not in runnable_precisions():
+                log.warning(
+                    "generation engine: weights_precision %s is not offered on this CPU (%s): PyTorch emulates "
+                    "its kernels here, slower than fp32; export on this machine (python -m export) to gate "
+                    "what it runs, or serve PRECISION=fp32",
+                    self.weights.precision,
+                    describe_cpu(),
+                )
         log.info(
             "generation engine: weights %s (%.0f MiB), KV pool %d blocks of %d tokens (%.0f MiB), %s",
             self.weights.precision,
             self.weights.nbytes() / 2**20,
             num_blocks,
             config.block_size,
-            self.runner.cache.nbytes() / 2**20,
+            kv_mib,
             self.device,
         )
         eos = set(mcfg.eos_token_ids)

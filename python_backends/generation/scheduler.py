@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -198,6 +198,9 @@ class Scheduler:
         self._seqs: dict[SeqId, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        # Called with the seq id whenever a sequence's blocks are freed (finished, cancelled, failed,
+        # preempted): a runner that mirrors the pool in its own KV cache (llama_cpp_runtime.py) listens.
+        self.on_release: Callable[[SeqId], None] | None = None
 
     # ---- requests in and out ---------------------------------------------------------
     def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int, speculative: bool = False, forks: int = 0) -> Sequence:
@@ -271,6 +274,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         self.bm.free(seq_id)
+        if self.on_release is not None:
+            self.on_release(seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         return True
@@ -344,6 +349,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
+        if self.on_release is not None:
+            self.on_release(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

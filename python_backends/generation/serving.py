@@ -294,6 +294,8 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
         "num_speculative_tokens": param_int("num_speculative_tokens", 0, minimum=0),
         "speculative_max_seqs": param_int("speculative_max_seqs", 2, minimum=0),
         "prefill_tokens_with_decodes": param_int("prefill_tokens_with_decodes", 0, minimum=0),
+        "kv_cache_type": param("kv_cache_type", "f16"),
+        "flash_attn": param_bool("flash_attn", True),
     }
     for name, default in (("admission_window_ms", 0), ("admission_quiet_ms", 5)):
         value = param_int(name, default, minimum=0)

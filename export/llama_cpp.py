@@ -1,0 +1,244 @@
+"""llama.cpp for this CPU, and the GGUF files ``text_generation``'s ``llama_*`` variants serve.
+
+llama.cpp is built from the sources vendored in PyPI's ``llama-cpp-python`` sdist (the Python
+bindings the runtime uses are that package, installed without its own build by scripts/setup.sh):
+shared libraries with ``GGML_NATIVE`` (the kernels this CPU has: AVX2, AVX-512, VNNI, BF16, AMX),
+cached per llama.cpp version and CPU feature set in the git-ignored ``.cache/llama.cpp/<key>/``
+(``python_backends.generation.llama_cpp_runtime.build_dir``), so a checkout moved to another CPU
+builds again instead of running kernels its CPU lacks. The persistent build folder beside it makes
+later targets (``llama-server``, the benchmark's peer) incremental.
+
+The GGUF files are made from the FP32 export (``model.safetensors``), never from another GGUF:
+llama.cpp's ``convert_hf_to_gguf.py`` (from the same sources) writes an F32 GGUF, and
+``llama_model_quantize`` (the library's own quantizer, what ``llama-quantize`` runs) makes each
+variant's file type from it.
+
+    python -m export.llama_cpp build            # libraries (4-6 min on 2 cores, once per CPU)
+    python -m export.llama_cpp build --server   # and llama-server (the benchmark peer)
+    python -m export.llama_cpp gguf             # the variants' GGUF files in model_repository/text_generation/1/
+    python -m export.llama_cpp where            # what is built and where
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from python_backends.generation.llama_cpp_runtime import (
+    LLAMA_CPP_VERSION,
+    LLAMA_PRECISIONS,
+    build_dir,
+    build_key,
+    cpu_features,
+    gguf_file,
+)
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "llama.cpp"
+SDIST = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
+# What the runtime and the export need from the sources besides the libraries.
+CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+LIBRARIES = ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so")
+
+
+class LlamaCppError(RuntimeError):
+    pass
+
+
+def source_dir() -> Path:
+    return CACHE / f"src-{LLAMA_CPP_VERSION}"
+
+
+def _build_folder() -> Path:
+    return CACHE / f"build-{build_key()}"
+
+
+def is_built(server: bool = False) -> bool:
+    out = build_dir()
+    return all((out / name).exists() for name in LIBRARIES) and (not server or (out / "llama-server").is_file())
+
+
+def _pip_download(spec: str, dest: Path, source: bool) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), spec]
+    if source:
+        cmd[4:4] = ["--no-binary", ":all:"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LlamaCppError(f"pip download {spec} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    name = spec.split("==")[0].replace("-", "_")
+    found = sorted(p for p in dest.iterdir() if p.name.replace("-", "_").startswith(name))
+    if not found:
+        raise LlamaCppError(f"pip download {spec}: nothing in {dest}")
+    return found[-1]
+
+
+def sources(say=print) -> Path:
+    """The vendored llama.cpp sources, extracted once from the sdist."""
+    target = source_dir()
+    if (target / "CMakeLists.txt").is_file():
+        return target
+    with tempfile.TemporaryDirectory(prefix="llama-src-") as tmp:
+        say(f"llama.cpp: downloading the {SDIST} sdist")
+        sdist = _pip_download(SDIST, Path(tmp) / "dl", source=True)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(Path(tmp) / "src", filter="data")
+        (top,) = [p for p in (Path(tmp) / "src").iterdir() if p.is_dir()]
+        vendored = top / "vendor" / "llama.cpp"
+        if not (vendored / "CMakeLists.txt").is_file():
+            raise LlamaCppError(f"{sdist.name}: no vendor/llama.cpp/CMakeLists.txt")
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(vendored, staging, symlinks=True)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.replace(target)
+    return target
+
+
+def build(server: bool = False, jobs: int | None = None, say=print) -> Path:
+    """This CPU's llama.cpp libraries (and with ``server`` llama-server), built first if missing."""
+    out = build_dir()
+    if is_built(server):
+        return out
+    if os.environ.get("LLAMA_CPP_HOME"):
+        raise LlamaCppError(f"LLAMA_CPP_HOME={out} lacks {', '.join(LIBRARIES)}{' or llama-server' if server else ''}")
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise LlamaCppError(f"{tool} not found: install the Debian packages cmake and ninja-build (scripts/setup.sh)")
+    src = sources(say)
+    folder = _build_folder()
+    targets = ["llama"] + (["llama-server"] if server else [])
+    say(
+        f"llama.cpp: building {', '.join(targets)} (GGML_NATIVE for {', '.join(cpu_features()) or 'this CPU'}); "
+        "4-10 minutes on 2 cores, once per CPU"
+    )
+    configure = [
+        "cmake",
+        "-S",
+        str(src),
+        "-B",
+        str(folder),
+        "-G",
+        "Ninja",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DLLAMA_CURL=OFF",
+        "-DGGML_NATIVE=ON",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",  # the libraries and tools find each other in one folder
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_TOOLS=ON",
+        "-DLLAMA_BUILD_SERVER=ON",
+    ]
+    compile_ = ["cmake", "--build", str(folder), "--target", *targets] + (["-j", str(jobs)] if jobs else [])
+    for cmd in (configure, compile_):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise LlamaCppError(f"{' '.join(cmd[:3])} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    built = folder / "bin"
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(built.iterdir()):
+        if path.name.startswith("lib") and ".so" in path.name or path.name in ("llama-server",):
+            tmp = out / (path.name + ".tmp")
+            if tmp.exists() or tmp.is_symlink():
+                tmp.unlink()
+            if path.is_symlink():
+                tmp.symlink_to(os.readlink(path))
+            else:
+                shutil.copy2(path, tmp)
+            tmp.replace(out / path.name)
+    if not is_built(server):
+        raise LlamaCppError(f"the build left {out} incomplete")
+    say(f"llama.cpp: {out}")
+    return out
+
+
+def convert(model_dir: Path, out: Path) -> Path:
+    """An F32 GGUF of the exported checkpoint in ``model_dir`` (llama.cpp's own converter)."""
+    src = sources()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(src)])}
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32", "--outfile", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0 or not out.is_file():
+        raise LlamaCppError(f"convert_hf_to_gguf.py failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return out
+
+
+def quantize(source: Path, out: Path, file_type: str, allow_requantize: bool = False) -> Path:
+    """``source`` quantized to ``file_type`` (Q4_0, Q8_0, F16, ...) by llama.cpp's quantizer."""
+    from python_backends.generation.llama_cpp_runtime import load_library
+
+    lib = load_library()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.nthread = os.cpu_count() or 1
+    params.allow_requantize = allow_requantize
+    tmp = out.with_name(out.name + ".tmp")
+    status = lib.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes_byref(params))
+    if status != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise LlamaCppError(f"llama_model_quantize {source.name} -> {file_type} failed ({status})")
+    tmp.replace(out)
+    return out
+
+
+def ctypes_byref(params):
+    import ctypes
+
+    return ctypes.byref(params)
+
+
+def make_ggufs(model_dir: Path, precisions=tuple(LLAMA_PRECISIONS), say=log.info) -> dict[str, Path]:
+    """Each variant's GGUF in ``model_dir``, made from its model.safetensors (F32 GGUF, then quantized)."""
+    done: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory(prefix="gguf-", dir=model_dir.parent) as tmp:
+        f32 = None
+        for precision in precisions:
+            target = model_dir / gguf_file(precision)
+            if f32 is None:
+                say(f"text_generation: converting {model_dir.name}/model.safetensors to an F32 GGUF (llama.cpp's converter)")
+                f32 = convert(model_dir, Path(tmp) / "model-f32.gguf")
+            say(f"text_generation: quantizing to {LLAMA_PRECISIONS[precision]} -> {target.name}")
+            quantize(f32, target, LLAMA_PRECISIONS[precision])
+            target.chmod(0o644)
+            done[precision] = target
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m export.llama_cpp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("command", choices=("build", "gguf", "where"))
+    p.add_argument("--server", action="store_true", help="build llama-server too (the benchmark's peer)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's)")
+    p.add_argument("--model-dir", type=Path, default=ROOT / "model_repository" / "text_generation" / "1")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        if args.command == "build":
+            print(build(args.server, args.jobs))
+        elif args.command == "gguf":
+            for precision, path in make_ggufs(args.model_dir, say=print).items():
+                print(f"{precision}: {path}")
+        else:
+            print(f"key: {build_key()} ({', '.join(cpu_features())})")
+            print(f"libraries: {build_dir()} ({'present' if is_built() else 'missing'})")
+            print(f"llama-server: {build_dir() / 'llama-server'} ({'present' if is_built(True) else 'missing'})")
+    except LlamaCppError as exc:
+        print(f"llama.cpp: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

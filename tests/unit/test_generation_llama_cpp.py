@@ -1,0 +1,201 @@
+"""The engine on llama.cpp (python_backends/generation/llama_cpp_runtime.py): the real library built for
+this CPU (export/llama_cpp.py, scripts/setup.sh) and the GGUF files the export makes from the FP32 weights.
+
+The runner replaces only the forward pass, so the engine's features are checked through it: the
+numbers against the FP32 engine, prefix-cache hits, forks of n choices, preemption, speculative
+drafts, cancellation and the mirror of the block manager in llama.cpp's sequence ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from python_backends.generation.engine import EngineConfig, LLMEngine
+from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
+from python_backends.generation.sampling import SamplingParams
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
+PRECISION = "llama_f16"  # the variant closest to FP32 (the gate's figures: KL 1e-5)
+PROMPTS = [
+    "The three primary colours are",
+    "Écris une phrase sur la mer.",
+    "def fibonacci(n):",
+    "Die Hauptstadt von Deutschland ist",
+    "Once upon a time, in a small village by the sea,",
+    "SELECT name FROM users WHERE",
+]
+
+
+def _built() -> bool:
+    from export.llama_cpp import is_built
+
+    return is_built() and (MODEL_DIR / gguf_file(PRECISION)).is_file()
+
+
+pytestmark = pytest.mark.skipif(not _built(), reason="llama.cpp not built or text_generation not exported (python -m export)")
+
+
+def _engine(**overrides) -> LLMEngine:
+    settings = dict(
+        model_dir=MODEL_DIR,
+        weights_precision=PRECISION,
+        num_blocks=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        num_threads=2,
+    )
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return _engine()
+
+
+def _run(engine: LLMEngine, prompts, params: SamplingParams, prefix="r", logprobs=None) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            key = f"{o.request_id.removeprefix(prefix)}/{o.index}"
+            out.setdefault(key, []).extend(o.token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(key, []).extend(o.logprobs or [])
+    return out
+
+
+def _same_until_a_near_tie(expected, margins, got, tie=0.1) -> None:
+    """llama.cpp is not batch-invariant (a batch's products take other kernels than one row's), so two
+    runs of the same greedy stream in different batches may part, but only where the reference's two
+    most likely tokens were within ``tie`` nats of each other: anywhere else a difference is a fault."""
+    for key, tokens in expected.items():
+        for i, (a, b) in enumerate(zip(tokens, got[key])):
+            if a != b:
+                assert margins[key][i] < tie, (key, i, margins[key][i], tokens, got[key])
+                break
+        else:
+            assert len(tokens) == len(got[key]), key
+
+
+def _margins(logprobs) -> dict[str, list[float]]:
+    return {k: [e.top[0][1] - e.top[1][1] for e in v] for k, v in logprobs.items()}
+
+
+def _check_mirror(engine: LLMEngine) -> None:
+    """Every retired llama.cpp id owns blocks the prefix cache still holds, and owns them alone."""
+    runner = engine.runner
+    for ls in runner._retired.values():
+        assert ls.owned, ls
+        for block in ls.owned:
+            assert engine.block_manager.is_cached(block) and runner._owner[block][0] is ls
+    assert not runner._running or engine.has_unfinished()
+
+
+def test_teacher_forced_logits_are_the_fp32_engines():
+    from python_backends.generation.model_runner import LlamaWeights, ModelRunner
+
+    engine = _engine()
+    ids = engine.encode("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is")
+    reference = ModelRunner(LlamaWeights.from_folder(MODEL_DIR), 64, 16, 1024).sequence_logits(ids)
+    for chunk in (256, 7):  # one batch, and decode-sized pieces
+        got = engine.runner.sequence_logits(ids, chunk=chunk)
+        a, b = torch.log_softmax(reference, -1), torch.log_softmax(got, -1)
+        kl = (a.exp() * (a - b)).sum(-1)
+        assert float(kl.max()) < 1e-3 and (reference.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
+
+
+SYSTEM = (
+    "You are a careful assistant. Answer in one short sentence, in the language of the question, "
+    "without lists, code or greetings, and never repeat the question. "
+)
+
+
+def test_greedy_answers_alone_equal_batched_and_after_prefix_hits(engine):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [SYSTEM + p for p in PROMPTS]
+    alone, lp = {}, {}
+    for i, p in enumerate(prompts):
+        one, one_lp = {}, {}
+        one = _run(_engine(enable_prefix_caching=False), [p], params, "solo", one_lp)
+        alone[f"{i}/0"], lp[f"{i}/0"] = one["0/0"], one_lp["0/0"]
+    hits_before = engine.stats()["prefix_cache_hits"]
+    batched = _run(engine, prompts, params, "a")
+    again = _run(engine, prompts, params, "b")
+    assert engine.stats()["prefix_cache_hits"] - hits_before >= 6 * 32  # the system prompt's blocks, shared
+    _same_until_a_near_tie(alone, _margins(lp), batched)
+    _same_until_a_near_tie(alone, _margins(lp), again)
+    _check_mirror(engine)
+
+
+def test_n_choices_share_the_prompt_and_greedy_choices_equal_one(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    lp = {}
+    one = _run(engine, [SYSTEM + PROMPTS[4]], greedy, "one", lp)
+    forked = engine.stats().get("sequences_forked", 0)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3)
+    many = _run(engine, [SYSTEM + PROMPTS[4]], params, "many")
+    assert engine.stats()["sequences_forked"] == forked + 2
+    for i in range(3):
+        _same_until_a_near_tie(one, _margins(lp), {"0/0": many[f"0/{i}"]})
+    sampled = _run(engine, [PROMPTS[4]], SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True), "s")
+    assert len({tuple(v) for v in sampled.values()}) > 1  # seeds 7, 8, 9: different draws
+    _check_mirror(engine)
+
+
+def test_preemption_under_a_small_pool_finishes_every_stream(engine):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    lp = {}
+    expected = _run(_engine(), PROMPTS, params, "big", lp)
+    small = _engine(num_blocks=14)
+    got = _run(small, PROMPTS, params, "big")
+    assert small.stats()["num_preemptions"] > 0
+    _same_until_a_near_tie(expected, _margins(lp), got)
+    _check_mirror(small)
+    assert small.block_manager.num_used_blocks == 0
+
+
+def test_speculative_drafts_give_the_tokens_of_plain_decoding():
+    text = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
+    lp = {}
+    plain = _run(_engine(), [text], params, "p", lp)
+    drafting = _engine(num_speculative_tokens=3)
+    drafted = _run(drafting, [text], params, "p")
+    assert drafting.stats()["spec_accepted_tokens"] > 0
+    _same_until_a_near_tie(plain, _margins(lp), drafted)
+
+
+def test_abort_frees_the_blocks_and_the_llama_ids_at_once(engine):
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"x{i}", p, params)
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0 and engine.runner._running
+    for i in range(len(PROMPTS)):
+        engine.abort(f"x{i}")
+    assert engine.block_manager.num_used_blocks == 0 and not engine.runner._running
+    _check_mirror(engine)
+
+
+def test_guides_logprobs_and_penalties_run_on_the_llama_logits(engine):
+    params = SamplingParams(max_tokens=8, temperature=0.0, guided_choice=["red", "blue", "green"], logprobs=2)
+    engine.add_request("g", "My favourite colour is", params)
+    text, logprobs = "", []
+    while engine.has_unfinished():
+        for o in engine.step():
+            text += o.text
+            logprobs += o.logprobs or []
+    assert text in ("red", "blue", "green") and logprobs
+    penalised = _run(engine, [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=2.0), "f")
+    tokens = penalised["0/0"]
+    assert len(set(tokens)) >= len(tokens) - 3  # hardly a token twice
+
+
+def test_every_variant_is_named_by_its_runtime_and_file_type():
+    assert all(p.startswith("llama_") for p in LLAMA_PRECISIONS)
+    assert {gguf_file(p) for p in LLAMA_PRECISIONS} == {f"model-{t.lower()}.gguf" for t in LLAMA_PRECISIONS.values()}
