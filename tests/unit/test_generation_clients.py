@@ -198,6 +198,7 @@ def test_sampling_parameters_names_types_and_stop():
         "min_p",
         "logit_bias",
         "logprobs",
+        "structured_outputs",
         "guided_json",
         "guided_regex",
         "guided_choice",

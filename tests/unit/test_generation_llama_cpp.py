@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from python_backends.generation.engine import EngineConfig, LLMEngine
+from export import variants
 from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
 from python_backends.generation.sampling import SamplingParams
 
@@ -199,3 +200,5 @@ def test_guides_logprobs_and_penalties_run_on_the_llama_logits(engine):
 def test_every_variant_is_named_by_its_runtime_and_file_type():
     assert all(p.startswith("llama_") for p in LLAMA_PRECISIONS)
     assert {gguf_file(p) for p in LLAMA_PRECISIONS} == {f"model-{t.lower()}.gguf" for t in LLAMA_PRECISIONS.values()}
+    # The launcher's list (export/variants.py, which does not import torch) names them all.
+    assert set(LLAMA_PRECISIONS) <= set(variants.GENERATION_VARIANTS)
