@@ -16,8 +16,12 @@ model and the in-process engine run the weights precision ``--precision`` resolv
   grpc     Triton's ``text_generation`` over a gRPC stream (tritonclient.grpc.aio);
   http     the same over HTTP SSE (``POST /v2/models/text_generation/generate_stream``),
            both through the launcher's front door as clients reach it;
-  llama    llama.cpp's ``llama-server`` on the same model's GGUF (perf/baselines/llama_cpp.py builds it),
-           ``--parallel`` = the concurrency, ``--cont-batching``, its ``/completion`` stream.
+  llama    llama.cpp's ``llama-server`` (built beside the runtime's libraries) on the peers' GGUF:
+           the published Q4_1 requantized to Q4_0 by llama.cpp's quantizer, as a llama.cpp user
+           does (``--peer-type``; perf/baselines/llama_cpp.py), ``--parallel`` = the concurrency,
+           ``--cont-batching``, its ``/completion`` stream, OpenMP's own wait policy;
+  openvino OpenVINO GenAI's ``ContinuousBatchingPipeline`` in this process on the same GGUF, stepped
+           by one thread as OpenVINO Model Server does (perf/baselines/openvino_genai.py).
 
 The in-process engine takes the served model's config.pbtxt parameters (KV pool, block
 size, batch limits), so engine and served model run the same settings.
@@ -34,7 +38,7 @@ latency is the gap between two streamed responses, per token they carry.
 
 Then prefill (``--prefill N``): the long prompts (400+ tokens), one request at a time with
 one new token, each starting with a line no other request has (no prefix cache helps),
-on engine, grpc and llama in turn: prompt tokens/s.
+on engine, grpc, llama and openvino in turn: prompt tokens/s.
 
 Then prefix caching: the shared ~500-token system prompt with a different user message
 per request, one at a time, on two in-process engines (same weights) with
@@ -42,9 +46,9 @@ enable_prefix_caching on and off, requests alternating between them: TTFT with t
 prefix cached (second request onward) over TTFT without.
 
 Prints a table and the ratios the targets are written in (engine / naive tokens/s at 32
-streams >= 10, served / engine at every concurrency >= 0.9, ours / llama.cpp tokens/s >= 0.6
-alone and >= 1.2 at 16 and 32 streams, TTFT P50 at 16 streams <= llama.cpp's, cached /
-uncached TTFT <= 0.3), and writes cells.csv, requests.csv, prefill.csv, prefix.csv, ratios.csv
+streams >= 10, served / engine at every concurrency >= 0.9, served / llama.cpp tokens/s >= 0.9
+alone and served / OpenVINO >= 1.0, both >= 1.0 at 16 and 32 streams, TTFT P50 at 16 streams
+<= llama.cpp's, cached / uncached TTFT <= 0.3), and writes cells.csv, requests.csv, prefill.csv, prefix.csv, ratios.csv
 and summary.md under
 perf/results/generate-<UTC time>/. ``--quick``: concurrency 1 and 4, 16 tokens, a few
 prompts, short windows (the CI smoke).
@@ -90,7 +94,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 MODEL = "text_generation"
 DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
 DEFAULT_DATA = GENERATION_PROMPTS
-SYSTEMS = ("naive", "engine", "nodraft", "grpc", "http", "llama")
+SYSTEMS = ("naive", "engine", "nodraft", "grpc", "http", "llama", "openvino")
+PEERS = ("llama", "openvino")
 # Measured only when named in --systems.
 OPTIONAL_SYSTEMS = ("nodraft",)
 SYSTEM_NAMES = {
@@ -99,8 +104,11 @@ SYSTEM_NAMES = {
     "nodraft": "engine in-process with prompt-lookup drafts off (num_speculative_tokens 0)",
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
-    "llama": "llama.cpp llama-server (the same model, SmolLM2-135M-Instruct Q4_1 GGUF), --parallel = the concurrency, "
-    "--cont-batching, its /completion stream (perf/baselines/llama_cpp.py)",
+    "llama": "llama.cpp llama-server on the peers' GGUF (SmolLM2-135M-Instruct, the published Q4_1 requantized by "
+    "llama.cpp's quantizer, --peer-type), --parallel = the concurrency, --cont-batching, its /completion stream "
+    "(perf/baselines/llama_cpp.py)",
+    "openvino": "OpenVINO GenAI ContinuousBatchingPipeline in process on the peers' GGUF, stepped by one thread "
+    "(perf/baselines/openvino_genai.py)",
 }
 PROTOCOLS = {
     "naive": "http sse",
@@ -109,14 +117,17 @@ PROTOCOLS = {
     "grpc": "grpc stream",
     "http": "http sse",
     "llama": "http sse",
+    "openvino": "in-process",
 }
 
 # The issue's targets, checked (not enforced) in the printed ratios.
 TARGET_ENGINE_VS_NAIVE = 10.0
 TARGET_SERVED_VS_ENGINE = 0.9
 TARGET_CACHED_TTFT = 0.3
-# Ours over llama.cpp's llama-server, tokens/s per concurrency (issue targets: 0.6 alone, 1.2 at 16 and 32).
-TARGET_VS_LLAMA = {1: 0.6, 16: 1.2, 32: 1.2}
+# Ours served over each peer, tokens/s per concurrency: >= 0.9x llama.cpp and >= 1.0x OpenVINO alone,
+# >= 1.0x the better peer at 16 and 32 streams; TTFT P50 at 16 streams <= llama.cpp's.
+TARGET_VS_PEER = {"llama": {1: 0.9, 16: 1.0, 32: 1.0}, "openvino": {1: 1.0, 16: 1.0, 32: 1.0}}
+PEER_NAMES = {"llama": "llama.cpp", "openvino": "OpenVINO GenAI"}
 
 
 # --------------------------------------------------------------------------- records
@@ -412,7 +423,9 @@ class LlamaSystem(System):
         with self.log_path.open("a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            # OpenMP's own wait policy, as a user runs it: not this process's PASSIVE (half its speed here).
+            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.parallel, self.url = concurrency, f"127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -469,6 +482,39 @@ class LlamaSystem(System):
         self._stop()
         if self.session is not None:
             await self.session.close()
+
+
+class OpenVinoSystem(System):
+    """OpenVINO GenAI's ContinuousBatchingPipeline in this process (perf/baselines/openvino_genai.py) on
+    the peer's GGUF, fed the benchmark's templated prompt as token ids."""
+
+    key = "openvino"
+
+    def __init__(self, pipeline, tokenizer):
+        self.pipeline, self.tokenizer = pipeline, tokenizer
+
+    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
+        aio = asyncio.get_running_loop()
+        done = aio.create_future()
+
+        def on_done(error: str | None) -> None:  # the pipeline's thread
+            aio.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        rid = self.pipeline.submit(ids, max_tokens, lambda n, at: record.add(n, at), on_done)
+        try:
+            error = await done
+        except asyncio.CancelledError:
+            self.pipeline.cancel(rid)
+            raise
+        if error is not None:
+            raise RuntimeError(error)
+
+    def busy(self) -> bool:
+        return self.pipeline.busy()
+
+    async def close(self) -> None:
+        self.pipeline.close()
 
 
 class GrpcSystem(System):
@@ -688,7 +734,7 @@ class Bench:
             aio.close()
 
 
-PREFILL_SYSTEMS = ("engine", "grpc", "llama")
+PREFILL_SYSTEMS = ("engine", "grpc", "llama", "openvino")
 
 
 async def measure_prefill(systems: dict[str, System], workload: Workload, count: int, say) -> list[dict[str, object]]:
@@ -1026,6 +1072,30 @@ def profile_step(
 # --------------------------------------------------------------------------- set-up
 
 
+def split_openvino_config(items: Sequence[str]) -> tuple[dict[str, object], dict[str, str]]:
+    """--openvino-config KEY=VALUE items: (SchedulerConfig fields, CPU plugin properties as given)."""
+    from perf.baselines.openvino_genai import SCHEDULER_DEFAULTS
+
+    scheduler: dict[str, object] = {}
+    plugin: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--openvino-config {item!r}: expected KEY=VALUE")
+        if key not in SCHEDULER_DEFAULTS:
+            plugin[key] = value
+        elif isinstance(SCHEDULER_DEFAULTS[key], bool):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--openvino-config {key}: expected true or false, got {value!r}")
+            scheduler[key] = value.lower() == "true"
+        else:
+            try:
+                scheduler[key] = type(SCHEDULER_DEFAULTS[key])(value)
+            except ValueError:
+                raise ValueError(f"--openvino-config {key}: expected a number, got {value!r}") from None
+    return scheduler, plugin
+
+
 def resolve_precision(repository: Path, precision: str) -> tuple[str | None, str]:
     """(Triton's --model-config-name, the weights precision served) for PRECISION (export/variants.py)."""
     from export import variants
@@ -1137,41 +1207,46 @@ def ratios(
         e, n = tps("engine", c), tps("nodraft", c)
         if e and n:
             out.append(ratio(f"engine drafts on / off tokens/s, {c} streams", e, n, detail=f"{_fmt(e)} / {_fmt(n)}"))
-    for c in sorted(args.concurrency, reverse=True):  # the peer: ours over llama.cpp's
-        peer = summaries.get(("llama", c))
-        if not peer:
-            continue
-        for key in ("grpc", "http"):
-            ours = summaries.get((key, c))
-            if not ours:
+    for c in sorted(args.concurrency, reverse=True):  # the peers: ours over each
+        for peer_key in PEERS:
+            peer = summaries.get((peer_key, c))
+            if not peer:
                 continue
-            out.append(
-                ratio(
-                    f"Triton {key} / llama.cpp tokens/s, {c} streams",
-                    ours["tokens_per_s"],
-                    peer["tokens_per_s"],
-                    TARGET_VS_LLAMA.get(c),
-                    detail=f"{_fmt(ours['tokens_per_s'])} / {_fmt(peer['tokens_per_s'])}",
+            name = PEER_NAMES[peer_key]
+            for key in ("grpc", "http", "engine"):
+                ours = summaries.get((key, c))
+                if not ours:
+                    continue
+                who = "engine" if key == "engine" else f"Triton {key}"
+                out.append(
+                    ratio(
+                        f"{who} / {name} tokens/s, {c} streams",
+                        ours["tokens_per_s"],
+                        peer["tokens_per_s"],
+                        TARGET_VS_PEER[peer_key].get(c) if key != "engine" else None,
+                        detail=f"{_fmt(ours['tokens_per_s'])} / {_fmt(peer['tokens_per_s'])}",
+                    )
                 )
-            )
-            out.append(
-                ratio(
-                    f"Triton {key} / llama.cpp TTFT P50 (lower is better), {c} streams",
-                    ours["ttft_p50_ms"],
-                    peer["ttft_p50_ms"],
-                    1.0 if c == 16 else None,
-                    above=False,
-                    detail=f"{_fmt(ours['ttft_p50_ms'])} / {_fmt(peer['ttft_p50_ms'])} ms",
+                if key == "engine":
+                    continue
+                out.append(
+                    ratio(
+                        f"{who} / {name} TTFT P50 (lower is better), {c} streams",
+                        ours["ttft_p50_ms"],
+                        peer["ttft_p50_ms"],
+                        1.0 if c == 16 and peer_key == "llama" else None,
+                        above=False,
+                        detail=f"{_fmt(ours['ttft_p50_ms'])} / {_fmt(peer['ttft_p50_ms'])} ms",
+                    )
                 )
-            )
-            out.append(
-                ratio(
-                    f"Triton {key} / llama.cpp ITL P50 (lower is better), {c} streams",
-                    ours["itl_p50_ms"],
-                    peer["itl_p50_ms"],
-                    detail=f"{_fmt(ours['itl_p50_ms'])} / {_fmt(peer['itl_p50_ms'])} ms",
+                out.append(
+                    ratio(
+                        f"{who} / {name} ITL P99 (lower is better), {c} streams",
+                        ours["itl_p99_ms"],
+                        peer["itl_p99_ms"],
+                        detail=f"{_fmt(ours['itl_p99_ms'])} / {_fmt(peer['itl_p99_ms'])} ms",
+                    )
                 )
-            )
     peer = next((r for r in prefill if r["system"] == "llama"), None)
     for r in prefill:
         if peer is not None and r is not peer:
@@ -1267,8 +1342,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--systems",
         type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
         default=None,
-        help=f"comma-separated subset of {','.join(SYSTEMS)} (default all; --quick: all but "
-        "llama, whose first build takes minutes)",
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (default all but nodraft)",
+    )
+    p.add_argument(
+        "--peer-type",
+        default="Q4_0",
+        choices=("Q4_0", "Q4_1", "Q8_0"),
+        help="the peers' GGUF: the published Q4_1 as it is or requantized by llama.cpp's quantizer (default "
+        "Q4_0, the format llama.cpp has repacked x86 kernels for)",
+    )
+    p.add_argument(
+        "--openvino-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an OpenVINO GenAI SchedulerConfig field (cache_size, max_num_seqs, max_num_batched_tokens, "
+        "dynamic_split_fuse, enable_prefix_caching) or a CPU plugin property (KV_CACHE_PRECISION=u8), repeatable",
     )
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching comparison")
     p.add_argument(
@@ -1327,7 +1416,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     q = args.quick
     if args.systems is None:
-        args.systems = [k for k in SYSTEMS if not (q and k == "llama") and k not in OPTIONAL_SYSTEMS]
+        args.systems = [k for k in SYSTEMS if k not in OPTIONAL_SYSTEMS]
     if q:
         args.prefill = 0
     for name, full, quick in (("concurrency", [1, 4, 16, 32], [1, 4]), ("max_tokens", 128, 16), ("duration", 30.0, 4.0)):
@@ -1341,6 +1430,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not (args.model_dir / "config.json").is_file():
         p.error(f"{args.model_dir} has no config.json: export the model first (python -m export.generation)")
     try:
+        split_openvino_config(args.openvino_config)
         args.config_name, args.weights_precision = resolve_precision(ROOT / "model_repository", args.precision)
     except ValueError as exc:
         p.error(str(exc))
@@ -1393,6 +1483,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     ``max(concurrency)`` gRPC streams of --max-tokens over the longest prompts (the KV pool is
     preallocated zeroed, so its pages count as they are written)."""
     from python_backends.generation.linear import PRECISIONS, kv_cache_dtype
+    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, kv_bytes_per_block
     from python_backends.generation.model_runner import DTYPES, LlamaConfig
     from python_backends.generation.paged_attention import bytes_per_block
     from server.stubs import find_stubs
@@ -1405,7 +1496,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     prompts = [p for p, _ in sorted(workload.long_prompts, key=lambda pn: -pn[1])] or workload.prompts
     mcfg = LlamaConfig.from_folder(args.model_dir)
     rows = []
-    for precision in PRECISIONS:
+    for precision in (*PRECISIONS, *LLAMA_PRECISIONS):
         try:
             config_name, served = resolve_precision(ROOT / "model_repository", precision)
         except ValueError as exc:  # not gated on this CPU: the reason is the row
@@ -1413,8 +1504,13 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
             print(f"{precision}: not served here: {exc}", flush=True)
             continue
         settings = served_engine_settings(ROOT / "model_repository", config_name)
-        kv_dtype = kv_cache_dtype(served, DTYPES[settings.get("dtype", "float32")])
-        per_block = bytes_per_block(mcfg.num_layers, settings["block_size"], mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
+        if served in LLAMA_PRECISIONS:  # llama.cpp's cache cells
+            kv_dtype = settings.get("kv_cache_type", "f16")
+            per_block = kv_bytes_per_block(mcfg, settings["block_size"], kv_dtype)
+        else:
+            torch_dtype = kv_cache_dtype(served, DTYPES[settings.get("dtype", "float32")])
+            per_block = bytes_per_block(mcfg.num_layers, settings["block_size"], mcfg.num_kv_heads, mcfg.head_dim, torch_dtype)
+            kv_dtype = str(torch_dtype).removeprefix("torch.")
         blocks = settings["kv_cache_bytes"] // per_block
         workdir = Path(tempfile.mkdtemp(prefix=f"perf-generate-memory-{precision}-"))
         triton = start_triton(args.model_dir, workdir, config_name)
@@ -1431,7 +1527,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
                 raise RuntimeError(f"the {MODEL} stub (pid {pid}) is gone")
             row = {
                 "precision": served,
-                "kv_dtype": str(kv_dtype).removeprefix("torch."),
+                "kv_dtype": kv_dtype,
                 "kv_pool_mib": round(blocks * per_block / 2**20),
                 "kv_tokens": blocks * settings["block_size"],
                 "rss_loaded_mib": round(loaded.rss_bytes / 2**20),
@@ -1501,16 +1597,31 @@ def run(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 bench.say(f"naive server did not start: {exc}")
                 bench.notes.append("naive server did not start")
-        if "llama" in wanted:
+        if wanted & set(PEERS):
             from perf.baselines import llama_cpp
 
             try:
-                binary, gguf = llama_cpp.build(say=bench.say), llama_cpp.model(say=bench.say)
+                gguf = llama_cpp.model(args.peer_type, say=bench.say)
+            except llama_cpp.LlamaCppError as exc:
+                gguf = None
+                bench.say(f"the peers' GGUF is unavailable: {exc}")
+                bench.notes.append(f"peers unavailable: {str(exc)[:200]}")
+        if "llama" in wanted and gguf is not None:
+            try:
+                binary = llama_cpp.server(say=bench.say)
                 systems["llama"] = LlamaSystem(binary, gguf, out_dir / "llama_server.log")
-                bench.say(f"llama-server: {binary} on {gguf.name}")
+                bench.say(f"llama-server: {pa_display(binary)} on {gguf.name}")
             except llama_cpp.LlamaCppError as exc:
                 bench.say(f"llama-server unavailable: {exc}")
                 bench.notes.append(f"llama-server unavailable: {str(exc)[:200]}")
+        if "openvino" in wanted and gguf is not None:
+            from perf.baselines.openvino_genai import Pipeline
+
+            scheduler, plugin = split_openvino_config(args.openvino_config)
+            started = time.perf_counter()
+            pipeline = Pipeline(gguf, os.cpu_count() or 1, scheduler, plugin)
+            systems["openvino"] = OpenVinoSystem(pipeline, engine.tokenizer)
+            bench.say(f"OpenVINO GenAI on {gguf.name} in {time.perf_counter() - started:.1f} s: {pipeline.settings}")
         if triton is not None:
             try:
                 triton.wait_ready(timeout=300)

@@ -1,7 +1,8 @@
 """A --quick run of perf.bench.generate_bench: every system streams tokens in one run and the report is complete.
 
 It starts its own servers (a tritonserver with text_generation only, the naive generate()
-server) and an in-process engine, and checks the structure of what the run wrote and that
+server, llama.cpp's llama-server on the peers' Q4_0 GGUF), an in-process engine and OpenVINO
+GenAI's pipeline in process, and checks the structure of what the run wrote and that
 every system produced tokens, never the figures' size: these machines are small and shared.
 """
 
@@ -15,7 +16,7 @@ from perf.bench import generate_bench
 
 pytestmark = pytest.mark.perf
 
-SYSTEMS = {"naive", "engine", "grpc", "http"}
+SYSTEMS = {"naive", "engine", "grpc", "http", "llama", "openvino"}
 
 
 def test_quick_generate_bench_streams_from_every_system(tmp_path):
@@ -52,8 +53,11 @@ def test_quick_generate_bench_streams_from_every_system(tmp_path):
         "engine / naive tokens/s, 4 streams",
         "Triton grpc / engine tokens/s, 4 streams",
         "Triton http / engine tokens/s, 4 streams",
+        "Triton grpc / llama.cpp tokens/s, 4 streams",
+        "Triton grpc / OpenVINO GenAI tokens/s, 4 streams",
         "TTFT prefix cached / uncached (engine, P50)",
     ):
         assert float(ratios[name]["value"]) > 0, (name, ratios.get(name))
     assert "| ratio | value | target | met | from |" in summary
-    assert (tmp_path / "tritonserver.log").is_file() and (tmp_path / "naive_server.log").is_file()
+    for log in ("tritonserver.log", "naive_server.log", "llama_server.log"):
+        assert (tmp_path / log).is_file(), log
