@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from python_backends.generation.llama_cpp_runtime import (
+    BUILD_OPTIONS,
     LLAMA_CPP_VERSION,
     LLAMA_PRECISIONS,
     build_dir,
@@ -139,6 +140,7 @@ def build(server: bool = False, jobs: int | None = None, say=print) -> Path:
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_TOOLS=ON",
         "-DLLAMA_BUILD_SERVER=ON",
+        *(f"-D{option}" for option in BUILD_OPTIONS),
     ]
     compile_ = ["cmake", "--build", str(folder), "--target", *targets] + (["-j", str(jobs)] if jobs else [])
     for cmd in (configure, compile_):

@@ -71,6 +71,12 @@ CPU_FEATURES = (
     "amx_int8",
     "amx_bf16",
 )
+# How llama.cpp is built besides GGML_NATIVE (export/llama_cpp.py), part of the cache key. Without
+# OpenMP ggml runs its own thread pool: with it, ggml shares the libgomp that torch loaded first
+# (one libgomp.so.1 per process), which python_backends.generation makes sleep at once
+# (OMP_WAIT_POLICY=PASSIVE, for torch's threads), and a one-stream llama_bf16 step took 26 ms
+# instead of 12-13.
+BUILD_OPTIONS = ("GGML_OPENMP=OFF",)
 KV_TYPES = {"f16": 1, "q8_0": 8, "f32": 0}  # GGML_TYPE_*
 KV_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "f32": 4.0}
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,9 +95,10 @@ def cpu_features() -> list[str]:
 
 
 def build_key(features: list[str] | None = None) -> str:
-    """The llama.cpp version and this CPU's features, e.g. ``0.3.36-1f2e3d4c``: a build made for
-    one CPU is never run on another (its kernels may need instructions this one lacks)."""
-    digest = hashlib.sha256(" ".join(cpu_features() if features is None else features).encode()).hexdigest()[:8]
+    """The llama.cpp version, this CPU's features and the build options, e.g. ``0.3.36-1f2e3d4c``: a
+    build made for one CPU is never run on another (its kernels may need instructions this one lacks)."""
+    described = " ".join([*(cpu_features() if features is None else features), *BUILD_OPTIONS])
+    digest = hashlib.sha256(described.encode()).hexdigest()[:8]
     return f"{LLAMA_CPP_VERSION}-{digest}"
 
 
@@ -122,21 +129,9 @@ def load_library():
                     "run `python -m export.llama_cpp build` (make serve and make test do)"
                 )
             os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
-            # ggml's OpenMP runtime (the system libgomp, not torch's own copy) reads the wait policy when
-            # it loads: python_backends.generation sets PASSIVE for torch's threads, and a sleeping ggml
-            # thread wakes late at each of a step's hundreds of barriers (a one-stream step 25 ms instead
-            # of 7). LLAMA_OMP_WAIT_POLICY chooses ggml's (default: libgomp's own, spin then sleep).
-            saved = os.environ.pop("OMP_WAIT_POLICY", None)
-            if os.environ.get("LLAMA_OMP_WAIT_POLICY"):
-                os.environ["OMP_WAIT_POLICY"] = os.environ["LLAMA_OMP_WAIT_POLICY"]
-            try:
-                import llama_cpp.llama_cpp as lib  # the low-level bindings only: no chat formats, no server
+            import llama_cpp.llama_cpp as lib  # the low-level bindings only: no chat formats, no server
 
-                lib.llama_backend_init()
-            finally:
-                os.environ.pop("OMP_WAIT_POLICY", None)
-                if saved is not None:
-                    os.environ["OMP_WAIT_POLICY"] = saved
+            lib.llama_backend_init()
 
             global _log_callback
             _log_callback = lib.llama_log_callback(_quiet_log)  # referenced as long as llama.cpp may call it
