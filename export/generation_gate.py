@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,35 @@ def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -
     return batch * steps / (time.perf_counter() - started)
 
 
+# The probe's process starts as the served model's stub does: python_backends.generation imported
+# before torch (its OpenMP wait policy for torch's threads), one variant's runtime only. In the
+# export's own process torch was loaded first by the other models' exports, with libgomp's spinning
+# default: there int4_bf16 probed at 74 tokens/s and llama_bf16 at 43, served 34 and 74.
+_PROBE_CHILD = """
+import json, sys
+from pathlib import Path
+
+import python_backends.generation
+from export.generation_gate import PROBE_STREAMS, decode_speed
+
+print(json.dumps({b: decode_speed(Path(sys.argv[1]), sys.argv[2], b, steps=int(sys.argv[3])) for b in PROBE_STREAMS}))
+"""
+
+
+def probe_speeds(model_dir: Path, precision: str, steps: int = 24) -> dict[int, float]:
+    """Decode tokens/s at each of PROBE_STREAMS, measured in a fresh process set up as the served stub."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE_CHILD, str(model_dir), precision, str(steps)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=600,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the probe's process exited with {done.returncode}: {done.stderr[-1500:]}")
+    return {int(b): float(v) for b, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
 def gated_precisions() -> tuple[str, ...]:
     """What this CPU runs: PyTorch's precisions for its kernels, and llama.cpp's variants once it is built."""
     from export.llama_cpp import is_built
@@ -159,7 +190,7 @@ def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, An
     speeds: dict[str, dict[int, float]] = {}
     for precision in passed:
         try:
-            speeds[precision] = {b: decode_speed(model_dir, precision, b, steps=8) for b in PROBE_STREAMS}
+            speeds[precision] = probe_speeds(model_dir, precision)
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run the probe is not chosen
             log.warning("%s/%s: decode probe failed: %s", MODEL, precision, exc)
             continue

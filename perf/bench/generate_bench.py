@@ -19,7 +19,8 @@ model and the in-process engine run the weights precision ``--precision`` resolv
   llama    llama.cpp's ``llama-server`` (built beside the runtime's libraries) on the peers' GGUF:
            the published Q4_1 requantized to Q4_0 by llama.cpp's quantizer, as a llama.cpp user
            does (``--peer-type``; perf/baselines/llama_cpp.py), ``--parallel`` = the concurrency,
-           ``--cont-batching``, its ``/completion`` stream, OpenMP's own wait policy;
+           ``--cont-batching``, its ``/completion`` stream (ggml's thread pool, as the runtime's build:
+           the same speed as an OpenMP build here);
   openvino OpenVINO GenAI's ``ContinuousBatchingPipeline`` in this process on the same GGUF, stepped
            by one thread as OpenVINO Model Server does (perf/baselines/openvino_genai.py).
 
@@ -423,9 +424,7 @@ class LlamaSystem(System):
         with self.log_path.open("a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
-            # OpenMP's own wait policy, as a user runs it: not this process's PASSIVE (half its speed here).
-            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.parallel, self.url = concurrency, f"127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
