@@ -186,3 +186,27 @@ def test_a_failed_build_is_a_failed_row_in_the_report():
         }
     )
     assert "| int4_bf16 | failed: build: ConfigError: blocks of 32 |" in text
+
+
+def test_the_probe_picks_the_fastest_product_and_never_a_llama_variant(monkeypatch, tmp_path):
+    """choose_best on given probe figures: the best product of the speeds relative to the fastest at each
+    concurrency among the PyTorch variants; a faster llama_* variant is recorded but not chosen."""
+    figures = {
+        "llama_bf16": {1: 95.0, 16: 470.0},
+        "int4_bf16": {1: 45.0, 16: 300.0},
+        "fp16_fp32": {1: 50.0, 16: 200.0},
+        "fp32": {1: 18.0, 16: 130.0},
+    }
+    monkeypatch.setattr(generation_gate, "probe_speeds", lambda model_dir, precision: figures[precision])
+    rows = {p: {} for p in figures}
+    assert generation_gate.choose_best(tmp_path, list(figures), rows) == "int4_bf16"  # 0.90 x 1.0 > 1.0 x 0.67
+    assert rows["llama_bf16"]["probe_tokens_per_s"] == {"1": 95.0, "16": 470.0}
+    assert set(generation_gate.AUTO_EXCLUDED) == {p for p in variants.GENERATION_VARIANTS if p.startswith("llama_")}
+
+
+@EXPORTED
+def test_the_probe_runs_in_a_process_of_its_own_and_reports_each_concurrency():
+    speeds = generation_gate.probe_speeds(MODEL_DIR, "fp32", steps=2)
+    assert set(speeds) == set(generation_gate.PROBE_STREAMS) and all(v > 0 for v in speeds.values())
+    with pytest.raises(RuntimeError, match="probe's process exited"):
+        generation_gate.probe_speeds(MODEL_DIR, "no_such_precision", steps=2)
