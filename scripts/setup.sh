@@ -16,7 +16,7 @@ GPU=${GPU:-0}
 # wrk: perf.bench.tail's load generator (C, far cheaper per request than a Python client on 2 cores).
 # prometheus: scrapes the replicas in `make serve-cluster`; its promtool checks and unit-tests
 # the alert and recording rules (the package's own service is not needed). cmake + ninja-build:
-# `make perf-generate` builds llama.cpp's llama-server, the generation peer (perf/baselines/llama_cpp.py).
+# build llama.cpp for this CPU: the llama_* runtime and llama-server, the generation peer (export/llama_cpp.py).
 APT_PACKAGES=(libb64-0d redis-server nginx libnginx-mod-http-js docker-compose wrk prometheus cmake ninja-build)
 
 missing=()
@@ -98,12 +98,13 @@ fi
 "${PIP[@]}" install -q --no-deps -e .
 # llama.cpp, the generation engine's CPU runtime (python_backends/generation/llama_cpp_runtime.py):
 # its shared libraries built for this CPU from the sources vendored in the llama-cpp-python sdist,
-# once per CPU into the git-ignored .cache/llama.cpp/ (4-6 minutes on 2 cores), and that package's
+# once per CPU into the git-ignored .cache/llama.cpp/ (4-6 minutes on 2 cores) with llama-server, the
+# generation benchmark's peer (make test-perf's smoke runs it; 3-4 minutes more), and that package's
 # Python bindings installed without their own build (LLAMA_BUILD=OFF: they load the cached libraries).
 if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"; then
   echo "setup: pip install llama-cpp-python's bindings (no build of their own)"
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${PIP[@]}" install -q --no-deps --no-binary llama-cpp-python \
     "llama-cpp-python==$("$VENV/bin/python" -c 'from python_backends.generation.llama_cpp_runtime import LLAMA_CPP_VERSION as v; print(v)')"
 fi
-"$VENV/bin/python" -m export.llama_cpp build
+"$VENV/bin/python" -m export.llama_cpp build --server
 echo "setup: done ($("$VENV/bin/python" --version), $VENV)"
