@@ -100,7 +100,9 @@ def sources(say=print) -> Path:
             raise LlamaCppError(f"{sdist.name}: no vendor/llama.cpp/CMakeLists.txt")
         staging = target.with_name(target.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(vendored, staging, symlinks=True)
+        # Without its .git (a submodule link to a folder the sdist may not have): ggml's build-info
+        # would otherwise watch a missing git index and ninja re-run cmake forever.
+        shutil.copytree(vendored, staging, symlinks=True, ignore=shutil.ignore_patterns(".git"))
         shutil.rmtree(target, ignore_errors=True)
         staging.replace(target)
     return target
