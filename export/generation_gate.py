@@ -199,8 +199,9 @@ def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, An
     # The probe's fresh engine flatters llama.cpp: its unified KV buffer attends over every cell up to
     # the highest one in use, and under sustained traffic the prefix cache's cells spread over the
     # whole pool (a 1 GiB pool, filled: prefill 200 tokens/s instead of 552, 16 streams 166 instead of
-    # 329). Until a sequence attends over its own cells only, the llama_* variants are probed and
-    # recorded but served by name only (PRECISION=llama_bf16), never chosen by auto.
+    # 329; llama_prefix_cells bounds the kept cells: 471 and 333 at 512). Until a sequence attends over
+    # its own cells only, the llama_* variants are probed and recorded but served by name only
+    # (PRECISION=llama_bf16), never chosen by auto.
     probed = ", ".join(f"{p} {'/'.join(f'{v:.0f}' for v in s.values())}" for p, s in speeds.items())
     speeds = {p: s for p, s in speeds.items() if p not in AUTO_EXCLUDED}
     if not speeds:

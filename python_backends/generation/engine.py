@@ -69,6 +69,10 @@ class EngineConfig:
     # llama_* variants: the K/V cells' type (f16, q8_0) and flash attention.
     kv_cache_type: str = "f16"
     flash_attn: bool = True
+    # llama_* variants: at most this many cells of finished sequences stay in llama.cpp for the prefix
+    # cache (oldest given up first). Its attention reads every cell up to the highest in use, so cells
+    # kept over the whole pool make every step pay for the whole pool (llama_cpp_runtime.py).
+    llama_prefix_cells: int = 512
     block_size: int = 16
     # The pool: num_blocks when given, else as many blocks as kv_cache_bytes holds.
     kv_cache_bytes: int = 256 * 2**20
@@ -105,6 +109,8 @@ class EngineConfig:
         if self.weights_precision not in PRECISIONS and self.weights_precision not in LLAMA_PRECISIONS:
             choices = ", ".join((*PRECISIONS, *LLAMA_PRECISIONS))
             raise ConfigError(f"weights_precision {self.weights_precision!r}: expected one of {choices}")
+        if self.llama_prefix_cells < 0:
+            raise ConfigError(f"llama_prefix_cells must be >= 0, got {self.llama_prefix_cells}")
         if self.kv_cache_type not in KV_TYPES:
             raise ConfigError(f"kv_cache_type {self.kv_cache_type!r}: expected one of {', '.join(KV_TYPES)}")
         if self.weights_precision in LLAMA_PRECISIONS and self.device != "cpu":
@@ -237,6 +243,7 @@ class LLMEngine:
                 num_threads=config.num_threads,
                 kv_type=config.kv_cache_type,
                 flash_attn=config.flash_attn,
+                prefix_cells=config.llama_prefix_cells,
             )
             self.scheduler.on_release = self.runner.release
             kv_mib = self.runner.kv_nbytes() / 2**20

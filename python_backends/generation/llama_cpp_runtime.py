@@ -198,8 +198,10 @@ class LlamaCppRunner:
         num_threads: int | None = None,
         kv_type: str = "f16",
         flash_attn: bool = True,
+        prefix_cells: int = 512,
     ):
         self.lib = lib = load_library()
+        self.prefix_cells = int(prefix_cells)
         self.weights = weights
         self.config = weights.config
         self.bm = block_manager
@@ -353,6 +355,21 @@ class LlamaCppRunner:
         if start is not None:
             self._rm(ls, start, -1)
         self._retired[ls.lid] = ls
+        self._trim_retired()
+
+    def _trim_retired(self) -> None:
+        """Finished sequences keep at most ``prefix_cells`` cells: the oldest give theirs up (and the prefix
+        cache those blocks). llama.cpp attends over every cell up to the highest one in use, so cached
+        cells left all over the pool cost every step of every sequence (filled 1 GiB pool: prefill
+        200 tokens/s against 552)."""
+        kept = sum(len(ls.owned) for ls in self._retired.values()) * self.block_size
+        while kept > self.prefix_cells and self._retired:
+            _, oldest = self._retired.popitem(last=False)
+            kept -= len(oldest.owned) * self.block_size
+            for b in list(oldest.owned):
+                self._owner.pop(b, None)
+                self.bm.uncache(b)
+            self._release_id(oldest)
 
     def _attach(self, chunk, copies: dict[int, tuple[int, int]]) -> _LSeq:
         """The llama.cpp sequence of ``chunk``'s engine sequence, with cells for positions

@@ -296,6 +296,7 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
         "prefill_tokens_with_decodes": param_int("prefill_tokens_with_decodes", 0, minimum=0),
         "kv_cache_type": param("kv_cache_type", "f16"),
         "flash_attn": param_bool("flash_attn", True),
+        "llama_prefix_cells": param_int("llama_prefix_cells", 512, minimum=0),
     }
     for name, default in (("admission_window_ms", 0), ("admission_quiet_ms", 5)):
         value = param_int(name, default, minimum=0)

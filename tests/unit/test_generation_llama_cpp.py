@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from export import variants
+from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, LLMEngine
 from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
 from python_backends.generation.sampling import SamplingParams
@@ -130,6 +131,25 @@ def test_greedy_answers_alone_equal_batched_and_after_prefix_hits(engine):
     _same_until_a_near_tie(alone, _margins(lp), batched)
     _same_until_a_near_tie(alone, _margins(lp), again)
     _check_mirror(engine)
+
+
+def test_finished_sequences_keep_at_most_the_prefix_cell_budget_oldest_first():
+    small = _engine(llama_prefix_cells=64)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    bs = small.block_manager.block_size
+    prompts = [f"Request {k}. {p} {p} {p}" for k, p in enumerate(PROMPTS)]  # two or three full blocks each
+    for k, prompt in enumerate(prompts):
+        _run(small, [prompt], params, f"k{k}")
+        runner = small.runner
+        kept = sum(len(ls.owned) for ls in runner._retired.values()) * bs
+        assert 0 < kept <= 64, kept
+        _check_mirror(small)
+    # The newest finished prompt is still a prefix hit; the first one's blocks were given up.
+    hits = small.stats()["prefix_cache_hits"]
+    _run(small, [prompts[-1]], params, "again")
+    assert small.stats()["prefix_cache_hits"] > hits
+    with pytest.raises(ConfigError, match="llama_prefix_cells"):
+        _engine(llama_prefix_cells=-1)
 
 
 def test_n_choices_share_the_prompt_and_greedy_choices_equal_one(engine):
