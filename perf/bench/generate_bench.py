@@ -1502,6 +1502,10 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
             rows.append({"precision": precision, "note": f"not served here: {exc}"})
             print(f"{precision}: not served here: {exc}", flush=True)
             continue
+        if served != precision:  # no config of its own here: it failed its gate or was not built
+            rows.append({"precision": precision, "note": f"not served here: PRECISION={precision} serves {served}"})
+            print(f"{precision}: not served here (no configs/{precision}.pbtxt)", flush=True)
+            continue
         settings = served_engine_settings(ROOT / "model_repository", config_name)
         if served in LLAMA_PRECISIONS:  # llama.cpp's cache cells
             kv_dtype = settings.get("kv_cache_type", "f16")
