@@ -47,7 +47,7 @@ GATE_VERSION = 1  # bump when what the gate measures changes
 # by a short decode probe on this CPU (choose_best); this order breaks ties.
 BEST_FIRST = ("llama_q4_0", "llama_q4_1", "llama_q8_0", "llama_bf16", "int4_bf16", "bf16", "fp16_fp32", "llama_f16", "fp32")
 PROBE_STREAMS = (1, 16)  # the decode probe's concurrencies: one stream, and a loaded server
-AUTO_EXCLUDED = ("llama_q4_0", "llama_q4_1", "llama_q8_0", "llama_bf16", "llama_f16")  # see choose_best
+AUTO_EXCLUDED = variant_files.LLAMA_VARIANTS  # see choose_best
 DESCRIPTIONS = {
     "fp32": "FP32 weights: the reference, token for token transformers' numbers",
     "fp16_fp32": "FP16 weights through fbgemm's FP16 GEMM (AVX2), FP32 activations, products and K/V",

@@ -1429,7 +1429,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not (args.model_dir / "config.json").is_file():
         p.error(f"{args.model_dir} has no config.json: export the model first (python -m export.generation)")
     try:
-        split_openvino_config(args.openvino_config)
+        args.openvino_scheduler, args.openvino_plugin = split_openvino_config(args.openvino_config)
         args.config_name, args.weights_precision = resolve_precision(ROOT / "model_repository", args.precision)
     except ValueError as exc:
         p.error(str(exc))
@@ -1620,9 +1620,8 @@ def run(args: argparse.Namespace) -> int:
         if "openvino" in wanted and gguf is not None:
             from perf.baselines.openvino_genai import Pipeline
 
-            scheduler, plugin = split_openvino_config(args.openvino_config)
             started = time.perf_counter()
-            pipeline = Pipeline(gguf, os.cpu_count() or 1, scheduler, plugin)
+            pipeline = Pipeline(gguf, os.cpu_count() or 1, args.openvino_scheduler, args.openvino_plugin)
             systems["openvino"] = OpenVinoSystem(pipeline, engine.tokenizer)
             bench.say(f"OpenVINO GenAI on {gguf.name} in {time.perf_counter() - started:.1f} s: {pipeline.settings}")
         if triton is not None:
