@@ -45,7 +45,18 @@ HELDOUT = Path(__file__).resolve().parent / "data" / "generation_heldout.json"
 GATE_VERSION = 1  # bump when what the gate measures changes
 # The order variants are listed and gated in. What PRECISION=auto serves is the fastest that passed,
 # by a short decode probe on this CPU (choose_best); this order breaks ties.
-BEST_FIRST = ("llama_q4_0", "llama_q4_1", "llama_q8_0", "llama_bf16", "int4_bf16", "bf16", "fp16_fp32", "llama_f16", "fp32")
+BEST_FIRST = (
+    "llama_q4_0",
+    "llama_q4_1",
+    "llama_q8_0",
+    "ov_f16",
+    "llama_bf16",
+    "int4_bf16",
+    "bf16",
+    "fp16_fp32",
+    "llama_f16",
+    "fp32",
+)
 PROBE_STREAMS = (1, 16)  # the decode probe's concurrencies: one stream, and a loaded server
 AUTO_EXCLUDED = variant_files.LLAMA_VARIANTS  # see choose_best
 DESCRIPTIONS = {
@@ -58,6 +69,7 @@ DESCRIPTIONS = {
     "llama_q8_0": "llama.cpp, Q8_0 from the FP32 export (8-bit blocks of 32; 8-bit activations), F16 K/V",
     "llama_bf16": "llama.cpp, BF16 weights and products from the FP32 export, F16 K/V",
     "llama_f16": "llama.cpp, F16 weights and products from the FP32 export, F16 K/V",
+    "ov_f16": "OpenVINO, GenAI's graph of the F16 GGUF, paged attention; BF16 products and K/V on AVX512-BF16 / AMX, else F32 / F16",
 }
 LARGE_CHUNK = 256
 
@@ -70,9 +82,12 @@ def _runner(model_dir: Path, precision: str):
     from python_backends.generation.block_manager import BlockManager
     from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, GGUFWeights, LlamaCppRunner
     from python_backends.generation.model_runner import LlamaWeights, ModelRunner
+    from python_backends.generation.openvino_runtime import OV_BLOCK_SIZE, OV_PRECISIONS, OpenVINORunner, OVWeights
 
     if precision in LLAMA_PRECISIONS:
         return LlamaCppRunner(GGUFWeights.from_folder(model_dir, precision), BlockManager(64, 16), 1024, LARGE_CHUNK)
+    if precision in OV_PRECISIONS:
+        return OpenVINORunner(OVWeights.from_folder(model_dir, precision), 64, OV_BLOCK_SIZE, 1024)
     weights = LlamaWeights.from_folder(model_dir, precision=precision)
     return ModelRunner(weights, num_blocks=64, block_size=16, max_model_len=1024)
 
@@ -128,6 +143,7 @@ def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -
         EngineConfig(
             model_dir=model_dir,
             weights_precision=precision,
+            block_size=block_size(precision),
             num_blocks=batch * 8 + 8,
             max_num_seqs=batch,
             max_num_batched_tokens=max(256, batch),
@@ -175,12 +191,21 @@ def probe_speeds(model_dir: Path, precision: str, steps: int = 24) -> dict[int, 
 
 
 def gated_precisions() -> tuple[str, ...]:
-    """What this CPU runs: PyTorch's precisions for its kernels, and llama.cpp's variants once it is built."""
+    """What this CPU runs: PyTorch's precisions for its kernels, and llama.cpp's and OpenVINO's variants
+    once llama.cpp is built (OpenVINO's models are made from its GGUFs)."""
     from export.llama_cpp import is_built
     from python_backends.generation.linear import runnable_precisions
     from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS
+    from python_backends.generation.openvino_runtime import OV_PRECISIONS
 
-    return runnable_precisions() + (tuple(LLAMA_PRECISIONS) if is_built() else ())
+    return runnable_precisions() + ((*LLAMA_PRECISIONS, *OV_PRECISIONS) if is_built() else ())
+
+
+def block_size(precision: str, configured: int = 16) -> int:
+    """The KV block size ``precision`` runs with: OpenVINO's CPU plugin keeps blocks of its own size."""
+    from python_backends.generation.openvino_runtime import OV_BLOCK_SIZE, OV_PRECISIONS
+
+    return OV_BLOCK_SIZE if precision in OV_PRECISIONS else configured
 
 
 def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, Any]]) -> str | None:
@@ -226,10 +251,12 @@ def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, An
 
 
 def fingerprint() -> dict[str, str]:
+    from openvino import get_version
+
     from python_backends.generation.linear import describe_cpu, kernel_fingerprint
     from python_backends.generation.llama_cpp_runtime import build_key
 
-    kernels = f"{kernel_fingerprint()}; llama.cpp {build_key()}; {','.join(gated_precisions())}"
+    kernels = f"{kernel_fingerprint()}; llama.cpp {build_key()}; openvino {get_version()}; {','.join(gated_precisions())}"
     return {"kernels": kernels, "cpu": describe_cpu(), "gate_version": str(GATE_VERSION)}
 
 
@@ -250,13 +277,22 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     from transformers import AutoTokenizer
 
     from export.llama_cpp import make_ggufs
+    from export.openvino_ir import make_ir
     from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS
+    from python_backends.generation.openvino_runtime import OV_PRECISIONS
 
     model_dir = repo / MODEL / "1"
     precisions = tuple(sorted(gated_precisions(), key=BEST_FIRST.index))
     llama = [p for p in precisions if p in LLAMA_PRECISIONS]
+    openvino = [p for p in precisions if p in OV_PRECISIONS]
+    llama += [f"llama_{OV_PRECISIONS[p]}" for p in openvino if f"llama_{OV_PRECISIONS[p]}" not in llama]
     if llama:  # made from these FP32 weights every time they are gated (15 s)
         make_ggufs(model_dir, llama)
+    for precision in openvino:  # OpenVINO GenAI's graph of the GGUF (10 s)
+        try:
+            make_ir(model_dir, precision)
+        except Exception as exc:  # noqa: BLE001 - the gate below reports the variant as failed to build
+            log.warning("%s/%s: %s", MODEL, precision, exc)
     gates = variant_files.load_gates().get(MODEL, {})
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     token_ids = [tokenizer.encode(t["text"]) for t in heldout_texts()]
@@ -336,12 +372,21 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
 _PRECISION_LINE = re.compile(r'^parameters \{ key: "weights_precision" value: \{ string_value: "[^"]*" \} \}$', re.M)
 
 
+_BLOCK_SIZE_LINE = re.compile(r'^parameters \{ key: "block_size" value: \{ string_value: "([0-9]+)" \} \}$', re.M)
+
+
 def variant_config(base: str, precision: str, header: str) -> str:
-    """config.pbtxt's text serving ``precision``: its weights_precision parameter replaced."""
+    """config.pbtxt's text serving ``precision``: its weights_precision parameter replaced (and its
+    block_size, for a runtime that keeps blocks of its own size)."""
     line = f'parameters {{ key: "weights_precision" value: {{ string_value: "{precision}" }} }}'
     text, n = _PRECISION_LINE.subn(line, base)
     if n != 1:
         raise ValueError(f"{MODEL}/config.pbtxt must have one weights_precision parameter line")
+    found = _BLOCK_SIZE_LINE.search(text)
+    if found is None:
+        raise ValueError(f"{MODEL}/config.pbtxt must have one block_size parameter line")
+    size = block_size(precision, int(found.group(1)))
+    text = _BLOCK_SIZE_LINE.sub(f'parameters {{ key: "block_size" value: {{ string_value: "{size}" }} }}', text)
     return header + text
 
 

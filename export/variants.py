@@ -58,7 +58,9 @@ VARIANTS: dict[str, Variant] = {
 # llama_* ones run on llama.cpp (python_backends/generation/llama_cpp_runtime.LLAMA_PRECISIONS,
 # not imported here: that module loads torch).
 LLAMA_VARIANTS = ("llama_q4_0", "llama_q4_1", "llama_q8_0", "llama_bf16", "llama_f16")
-GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16", *LLAMA_VARIANTS)
+# The ov_* ones run on OpenVINO (python_backends/generation/openvino_runtime.OV_PRECISIONS).
+OV_VARIANTS = ("ov_f16",)
+GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16", *LLAMA_VARIANTS, *OV_VARIANTS)
 
 # What PRECISION=auto serves, best first, per hardware.
 AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}

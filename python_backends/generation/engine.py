@@ -37,6 +37,8 @@ from python_backends.generation.llama_cpp_runtime import (
     kv_bytes_per_block,
 )
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
+from python_backends.generation.openvino_runtime import OV_PRECISIONS, OpenVINORunner, OVWeights
+from python_backends.generation.openvino_runtime import kv_bytes_per_block as ov_kv_bytes_per_block
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
 from python_backends.generation.scheduler import ContextTooLong, FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
@@ -64,7 +66,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     # The matrix products' weights (python_backends/generation/linear.py): fp32, bf16 or int4_bf16; or a
-    # llama_* variant, the whole forward on llama.cpp over the exported GGUF (llama_cpp_runtime.py).
+    # llama_* variant, the whole forward on llama.cpp over the exported GGUF (llama_cpp_runtime.py); or an
+    # ov_* variant, the whole forward on OpenVINO's paged-attention model (openvino_runtime.py).
     weights_precision: str = "fp32"
     # llama_* variants: the K/V cells' type (f16, q8_0) and flash attention.
     kv_cache_type: str = "f16"
@@ -106,8 +109,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        if self.weights_precision not in PRECISIONS and self.weights_precision not in LLAMA_PRECISIONS:
-            choices = ", ".join((*PRECISIONS, *LLAMA_PRECISIONS))
+        if self.weights_precision not in (*PRECISIONS, *LLAMA_PRECISIONS, *OV_PRECISIONS):
+            choices = ", ".join((*PRECISIONS, *LLAMA_PRECISIONS, *OV_PRECISIONS))
             raise ConfigError(f"weights_precision {self.weights_precision!r}: expected one of {choices}")
         if self.llama_prefix_cells < 0:
             raise ConfigError(f"llama_prefix_cells must be >= 0, got {self.llama_prefix_cells}")
@@ -115,6 +118,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_type {self.kv_cache_type!r}: expected one of {', '.join(KV_TYPES)}")
         if self.weights_precision in LLAMA_PRECISIONS and self.device != "cpu":
             raise ConfigError(f"weights_precision {self.weights_precision} runs on the CPU (llama.cpp's CPU build)")
+        if self.weights_precision in OV_PRECISIONS and self.device != "cpu":
+            raise ConfigError(f"weights_precision {self.weights_precision} runs on the CPU (OpenVINO's CPU plugin)")
         for name in (
             "block_size",
             "kv_cache_bytes",
@@ -189,7 +194,7 @@ class _Request:
 class LLMEngine:
     """One model, one KV pool, one scheduler. Not thread-safe: see :class:`EngineLoop`."""
 
-    def __init__(self, config: EngineConfig, weights: LlamaWeights | GGUFWeights | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, weights: LlamaWeights | GGUFWeights | OVWeights | None = None, tokenizer=None):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(int(config.num_threads))
@@ -197,12 +202,14 @@ class LLMEngine:
         self.device = torch.device(config.device)
         model_dir = Path(config.model_dir)
         on_llama = config.weights_precision in LLAMA_PRECISIONS
+        on_openvino = config.weights_precision in OV_PRECISIONS
         if weights is None:
-            weights = (
-                GGUFWeights.from_folder(model_dir, config.weights_precision)
-                if on_llama
-                else LlamaWeights.from_folder(model_dir, dtype, self.device, config.weights_precision)
-            )
+            if on_llama:
+                weights = GGUFWeights.from_folder(model_dir, config.weights_precision)
+            elif on_openvino:
+                weights = OVWeights.from_folder(model_dir, config.weights_precision)
+            else:
+                weights = LlamaWeights.from_folder(model_dir, dtype, self.device, config.weights_precision)
         self.weights = weights
         mcfg = self.weights.config
         if tokenizer is None:
@@ -213,6 +220,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         if on_llama:
             per_block = kv_bytes_per_block(mcfg, config.block_size, config.kv_cache_type)
+        elif on_openvino:
+            per_block = ov_kv_bytes_per_block(mcfg, config.block_size)
         else:
             kv_dtype = kv_cache_dtype(self.weights.precision, dtype, self.device)
             per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
@@ -230,7 +239,7 @@ class LLMEngine:
             speculative_max_seqs=config.speculative_max_seqs,
             prefill_tokens_with_decodes=config.prefill_tokens_with_decodes,
         )
-        self.runner: ModelRunner | LlamaCppRunner
+        self.runner: ModelRunner | LlamaCppRunner | OpenVINORunner
         if on_llama:
             assert isinstance(self.weights, GGUFWeights)
             # A step holds the token budget plus the drafts of the decodes that carry one.
@@ -246,6 +255,10 @@ class LLMEngine:
                 prefix_cells=config.llama_prefix_cells,
             )
             self.scheduler.on_release = self.runner.release
+            kv_mib = self.runner.kv_nbytes() / 2**20
+        elif on_openvino:
+            assert isinstance(self.weights, OVWeights)
+            self.runner = OpenVINORunner(self.weights, num_blocks, config.block_size, self.max_model_len, config.num_threads)
             kv_mib = self.runner.kv_nbytes() / 2**20
         else:
             assert isinstance(self.weights, LlamaWeights)

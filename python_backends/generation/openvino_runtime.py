@@ -1,0 +1,218 @@
+"""The engine's forward pass on OpenVINO: the ``ov_*`` variants of ``text_generation``.
+
+Everything the engine adds around the model stays as it is (scheduler, block manager and prefix
+cache, sampling, penalties, logit bias, logprobs, guides, ``n`` choices, preemption, speculative
+drafts, metrics): :class:`OpenVINORunner` only replaces
+:class:`~python_backends.generation.model_runner.ModelRunner`, takes the same plan and returns the
+same FP32 logits rows.
+
+The model is OpenVINO GenAI's graph of the exported GGUF (``export/openvino_ir.py``), turned at load
+into the paged form OpenVINO GenAI's continuous batching runs (``paged_attention_transformation``):
+one ``PagedAttentionExtension`` per layer over K/V cache tensors of ``[blocks, kv heads, block size,
+head dim]``, addressed by block tables. Those tables are the block manager's own: a block the prefix
+cache shares, a fork's prompt or a copy on write is read from the same physical block, so nothing is
+mirrored and no cell is kept beyond what the block manager counts. Each sequence attends over its own
+blocks only (``past_lens``, ``block_indices``), so a step costs what its sequences hold, not the pool.
+One input is added to the graph: ``logits_indices``, the rows the head computes (the last token of a
+prompt chunk, every position of a chunk with a draft), as vLLM's ``logits_indices``.
+
+OpenVINO's CPU plugin picks the cache's element type (BF16 on CPUs with AVX512-BF16 or AMX, else F16)
+and its block size (32): the block manager must use the same block size (``block_size`` 32 in the
+variant's config).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from python_backends.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# variant -> the GGUF its OpenVINO model is built from (export/openvino_ir.py) and the IR's folder.
+OV_PRECISIONS = {"ov_f16": "f16"}
+OV_BLOCK_SIZE = 32  # the CPU plugin's paged-attention block
+IR_FILE = "openvino_model.xml"
+
+
+def ir_dir(model_dir: str | Path, precision: str) -> Path:
+    return Path(model_dir) / f"openvino-{OV_PRECISIONS[precision]}"
+
+
+@dataclass
+class OVWeights:
+    """The OpenVINO model an ``ov_*`` variant serves, with the exported folder's config.json."""
+
+    config: Any
+    path: Path  # openvino_model.xml
+    precision: str
+
+    def nbytes(self) -> int:
+        return self.path.with_suffix(".bin").stat().st_size
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, precision: str) -> OVWeights:
+        from python_backends.generation.model_runner import LlamaConfig
+
+        if precision not in OV_PRECISIONS:
+            raise ConfigError(f"weights_precision {precision!r}: expected one of {', '.join(OV_PRECISIONS)}")
+        path = ir_dir(folder, precision) / IR_FILE
+        if not path.is_file() or not path.with_suffix(".bin").is_file():
+            raise ConfigError(f"{path} is missing: export it first (python -m export)")
+        return cls(LlamaConfig.from_folder(folder), path, precision)
+
+
+def kv_bytes_per_block(config, block_size: int) -> int:
+    """K and V of one block over every layer, in the cache's 2-byte element type."""
+    return int(config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2 * block_size)
+
+
+def paged_model(xml: Path):
+    """OpenVINO GenAI's model as its continuous batching compiles it, plus ``logits_indices``."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino._offline_transformations import paged_attention_transformation
+
+    model = ov.Core().read_model(str(xml))
+    paged_attention_transformation(model, False, False, False, False)
+    results = model.get_results()
+    if len(results) != 1:
+        raise ConfigError(f"{xml.name}: expected one output (logits), found {len(results)}")
+    head = results[0].input_value(0).get_node()
+    if head.get_type_name() != "MatMul":
+        raise ConfigError(f"{xml.name}: the logits come from {head.get_type_name()}, not the head's MatMul")
+    rows = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="logits_indices")
+    rows.output(0).get_tensor().set_names({"logits_indices"})
+    head.input(0).replace_source_output(ops.gather(head.input_value(0), rows, ops.constant(np.int64(0))).output(0))
+    model.add_parameters([rows])
+    model.validate_nodes_and_infer_types()
+    return model
+
+
+class OpenVINORunner:
+    """An OpenVINO paged-attention model behind :class:`~python_backends.generation.model_runner.ModelRunner`'s interface."""
+
+    def __init__(self, weights: OVWeights, num_blocks: int, block_size: int, max_model_len: int, num_threads: int | None = None):
+        import openvino as ov
+
+        self._ov = ov
+        self.weights = weights
+        self.config = weights.config
+        self.vocab = int(weights.config.vocab_size)
+        self.max_model_len = max_model_len
+        self.num_threads = int(num_threads or os.cpu_count() or 1)
+        self.compiled = ov.Core().compile_model(
+            paged_model(weights.path),
+            "CPU",
+            {"INFERENCE_NUM_THREADS": self.num_threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1},
+        )
+        self._request = self.compiled.create_infer_request()
+        self._caches: list[np.ndarray] = []  # every layer's K and V, shared with the request
+        self.cache_type = ""
+        for port in self.compiled.inputs:
+            name = port.get_any_name()
+            if not name.startswith(("key_cache.", "value_cache.")):
+                continue
+            dims = [d.get_length() for d in list(port.get_partial_shape())[1:]]
+            element = port.get_element_type()
+            if element.size != 2 or dims[1] != block_size:
+                raise ConfigError(
+                    f"{weights.precision}: OpenVINO's CPU plugin keeps K/V as {element.get_type_name()} in blocks of "
+                    f"{dims[1]} tokens; block_size must be {dims[1]} (it is {block_size})"
+                )
+            array = np.zeros([num_blocks, *dims], np.uint16)
+            self._caches.append(array)
+            self._request.set_tensor(name, ov.Tensor(array, array.shape, element))
+            self.cache_type = element.get_type_name()
+        if len(self._caches) != 2 * self.config.num_layers:
+            raise ConfigError(f"{weights.path.name}: {len(self._caches)} cache inputs for {self.config.num_layers} layers")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        log.info(
+            "OpenVINO runner: %s (%.0f MiB), %d KV blocks of %d (%s, %.0f MiB), %d threads",
+            weights.path.parent.name,
+            weights.nbytes() / 2**20,
+            num_blocks,
+            block_size,
+            self.cache_type,
+            self.kv_nbytes() / 2**20,
+            self.num_threads,
+        )
+
+    def kv_nbytes(self) -> int:
+        return sum(a.nbytes for a in self._caches)
+
+    def close(self) -> None:
+        self._request = None
+        self.compiled = None
+        self._caches = []
+
+    def copy_blocks(self, copies) -> None:
+        """Copies on write: the first ``n`` slots of block ``src`` into block ``dst``, every layer."""
+        for src, dst, n in copies:
+            for array in self._caches:
+                array[dst, :, :n] = array[src, :, :n]
+
+    def _infer(self, parts: list[tuple[list[int], int, list[int]]], rows: np.ndarray) -> torch.Tensor:
+        """One inference over ``parts`` (tokens, first position, block table); logits of ``rows``."""
+        ov, bs = self._ov, self.block_size
+        tokens = np.fromiter((t for p in parts for t in p[0]), np.int64)
+        positions = np.concatenate([np.arange(start, start + len(toks), dtype=np.int64) for toks, start, _ in parts])
+        ends = [start + len(toks) for toks, start, _ in parts]
+        tables = [table[: -(-end // bs)] for (_, _, table), end in zip(parts, ends)]
+        feed = {
+            "input_ids": tokens,
+            "position_ids": positions,
+            "past_lens": np.array([start for _, start, _ in parts], np.int32),
+            "subsequence_begins": np.cumsum([0] + [len(p[0]) for p in parts], dtype=np.int32),
+            "block_indices": np.fromiter((b for t in tables for b in t), np.int32),
+            "block_indices_begins": np.cumsum([0] + [len(t) for t in tables], dtype=np.int32),
+            "max_context_len": np.array(max(ends), np.int32),
+            "logits_indices": rows,
+        }
+        request = self._request
+        for name, value in feed.items():
+            request.set_tensor(name, ov.Tensor(value))
+        request.infer()
+        logits = request.get_output_tensor(0).data
+        return torch.from_numpy(logits.reshape(len(rows), self.vocab))
+
+    def execute(self, plan) -> torch.Tensor:
+        """Run every chunk of ``plan`` in one inference; FP32 logits ``[rows, vocab]`` in
+        :meth:`ModelRunner.execute`'s order (valid until the next step)."""
+        if plan.copies:
+            self.copy_blocks(plan.copies)
+        chunks = plan.chunks
+        if not chunks:
+            return torch.empty(0, self.vocab)
+        rows: list[int] = []
+        n = 0
+        for c in chunks:
+            if c.end > self.max_model_len:
+                raise ValueError(f"position {c.end - 1} is beyond max_model_len {self.max_model_len}")
+            n += c.end - c.start
+            rows.extend(range(n - c.num_logits, n))
+        if not rows:  # prompt chunks that sample nothing still write their K/V
+            self._infer([(list(c.token_ids), c.start, list(c.block_table)) for c in chunks], np.zeros(1, np.int64))
+            return torch.empty(0, self.vocab)
+        return self._infer([(list(c.token_ids), c.start, list(c.block_table)) for c in chunks], np.array(rows, np.int64))
+
+    def sequence_logits(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
+        """Teacher-forced FP32 logits of every position of ``token_ids`` (the gate), in chunks of
+        ``chunk`` tokens written to the pool's first blocks; ``[len, vocab]``."""
+        n = len(token_ids)
+        table = list(range(-(-n // self.block_size)))
+        if not 0 < n <= self.max_model_len or len(table) > self.num_blocks:
+            raise ValueError(f"{n} tokens: the runner holds 1..{min(self.max_model_len, self.num_blocks * self.block_size)}")
+        out = []
+        for start in range(0, n, chunk):
+            part = token_ids[start : start + chunk]
+            out.append(self._infer([(part, start, table)], np.arange(len(part), dtype=np.int64)).clone())
+        return torch.cat(out)

@@ -1,0 +1,194 @@
+"""The engine on OpenVINO (python_backends/generation/openvino_runtime.py): OpenVINO GenAI's graph of
+the exported F16 GGUF (export/openvino_ir.py), run in its paged form over the block manager's tables.
+
+The runner replaces only the forward pass, so the engine's features are checked through it: the
+numbers against the FP32 engine, prefix-cache hits, forks of n choices and their copies on write,
+preemption, speculative drafts, cancellation, guides, logprobs and penalties."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from export import generation_gate, variants
+from python_backends.errors import ConfigError
+from python_backends.generation.engine import EngineConfig, LLMEngine
+from python_backends.generation.openvino_runtime import IR_FILE, OV_BLOCK_SIZE, OV_PRECISIONS, ir_dir
+from python_backends.generation.sampling import SamplingParams
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
+PRECISION = "ov_f16"
+PROMPTS = [
+    "The three primary colours are",
+    "Écris une phrase sur la mer.",
+    "def fibonacci(n):",
+    "Die Hauptstadt von Deutschland ist",
+    "Once upon a time, in a small village by the sea,",
+    "SELECT name FROM users WHERE",
+]
+SYSTEM = (
+    "You are a careful assistant. Answer in one short sentence, in the language of the question, "
+    "without lists, code or greetings, and never repeat the question. "
+)
+
+pytestmark = pytest.mark.skipif(
+    not (ir_dir(MODEL_DIR, PRECISION) / IR_FILE).is_file(),
+    reason="text_generation's OpenVINO model is not exported (python -m export, with llama.cpp built for its GGUF)",
+)
+
+
+def _engine(**overrides) -> LLMEngine:
+    settings = dict(
+        model_dir=MODEL_DIR,
+        weights_precision=PRECISION,
+        block_size=OV_BLOCK_SIZE,
+        num_blocks=128,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        num_threads=2,
+    )
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return _engine()
+
+
+def _run(engine: LLMEngine, prompts, params: SamplingParams, prefix="r", logprobs=None) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            key = f"{o.request_id.removeprefix(prefix)}/{o.index}"
+            out.setdefault(key, []).extend(o.token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(key, []).extend(o.logprobs or [])
+    return out
+
+
+def _same_until_a_near_tie(expected, margins, got, tie=0.1) -> None:
+    """OpenVINO is not batch-invariant (a batch's products take other kernels than one row's), so two
+    runs of the same greedy stream in different batches may part, but only where the reference's two
+    most likely tokens were within ``tie`` nats of each other: anywhere else a difference is a fault."""
+    for key, tokens in expected.items():
+        for i, (a, b) in enumerate(zip(tokens, got[key])):
+            if a != b:
+                assert margins[key][i] < tie, (key, i, margins[key][i], tokens, got[key])
+                break
+        else:
+            assert len(tokens) == len(got[key]), key
+
+
+def _margins(logprobs) -> dict[str, list[float]]:
+    return {k: [e.top[0][1] - e.top[1][1] for e in v] for k, v in logprobs.items()}
+
+
+def test_teacher_forced_logits_are_the_fp32_engines():
+    from python_backends.generation.model_runner import LlamaWeights, ModelRunner
+
+    engine = _engine()
+    ids = engine.encode("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is")
+    reference = ModelRunner(LlamaWeights.from_folder(MODEL_DIR), 64, 16, 1024).sequence_logits(ids)
+    for chunk in (256, 7):  # one inference, and decode-sized pieces over the paged cache
+        got = engine.runner.sequence_logits(ids, chunk=chunk)
+        a, b = torch.log_softmax(reference, -1), torch.log_softmax(got, -1)
+        kl = (a.exp() * (a - b)).sum(-1)
+        assert float(kl.mean()) < 3e-3 and (reference.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
+
+
+def test_greedy_answers_alone_equal_batched_and_after_prefix_hits(engine):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [SYSTEM + p for p in PROMPTS]
+    alone, lp = {}, {}
+    solo = _engine(enable_prefix_caching=False)
+    for i, p in enumerate(prompts):
+        one_lp: dict = {}
+        one = _run(solo, [p], params, f"solo{i}-", one_lp)
+        alone[f"{i}/0"], lp[f"{i}/0"] = one["0/0"], one_lp["0/0"]
+    hits_before = engine.stats()["prefix_cache_hits"]
+    batched = _run(engine, prompts, params, "a")
+    again = _run(engine, prompts, params, "b")
+    assert engine.stats()["prefix_cache_hits"] - hits_before >= 6  # the system prompt's blocks, shared
+    _same_until_a_near_tie(alone, _margins(lp), batched)
+    _same_until_a_near_tie(alone, _margins(lp), again)
+
+
+def test_n_choices_share_the_prompt_and_greedy_choices_equal_one(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    lp: dict = {}
+    one = _run(engine, [SYSTEM + PROMPTS[4]], greedy, "one", lp)
+    forked = engine.stats().get("sequences_forked", 0)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3)
+    many = _run(engine, [SYSTEM + PROMPTS[4]], params, "many")
+    assert engine.stats()["sequences_forked"] == forked + 2
+    for i in range(3):  # each fork's copy of the prompt's partial block gives the same answer
+        _same_until_a_near_tie(one, _margins(lp), {"0/0": many[f"0/{i}"]})
+    sampled = _run(engine, [PROMPTS[4]], SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True), "s")
+    assert len({tuple(v) for v in sampled.values()}) > 1
+
+
+def test_preemption_under_a_small_pool_finishes_every_stream():
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    lp: dict = {}
+    expected = _run(_engine(), PROMPTS, params, "big", lp)
+    small = _engine(num_blocks=8)
+    got = _run(small, PROMPTS, params, "big")
+    assert small.stats()["num_preemptions"] > 0
+    _same_until_a_near_tie(expected, _margins(lp), got)
+    assert small.block_manager.num_used_blocks == 0
+
+
+def test_speculative_drafts_give_the_tokens_of_plain_decoding():
+    text = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
+    lp: dict = {}
+    plain = _run(_engine(), [text], params, "p", lp)
+    drafting = _engine(num_speculative_tokens=3)
+    drafted = _run(drafting, [text], params, "p")
+    assert drafting.stats()["spec_accepted_tokens"] > 0
+    _same_until_a_near_tie(plain, _margins(lp), drafted)
+
+
+def test_abort_frees_the_blocks_at_once(engine):
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"x{i}", p, params)
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    for i in range(len(PROMPTS)):
+        engine.abort(f"x{i}")
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_guides_logprobs_and_penalties_run_on_the_openvino_logits(engine):
+    params = SamplingParams(max_tokens=8, temperature=0.0, guided_choice=["red", "blue", "green"], logprobs=2)
+    engine.add_request("g", "My favourite colour is", params)
+    text, logprobs = "", []
+    while engine.has_unfinished():
+        for o in engine.step():
+            text += o.text
+            logprobs += o.logprobs or []
+    assert text in ("red", "blue", "green") and logprobs
+    penalised = _run(engine, [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=2.0), "f")
+    tokens = penalised["0/0"]
+    assert len(set(tokens)) >= len(tokens) - 3
+
+
+def test_a_block_size_other_than_the_plugins_is_refused_by_name():
+    with pytest.raises(ConfigError, match=f"block_size must be {OV_BLOCK_SIZE}"):
+        _engine(block_size=16)
+
+
+def test_every_variant_is_named_by_its_runtime_and_its_config_takes_the_plugins_block_size():
+    assert all(p.startswith("ov_") for p in OV_PRECISIONS)
+    assert set(OV_PRECISIONS) == set(variants.OV_VARIANTS) and set(OV_PRECISIONS) <= set(variants.GENERATION_VARIANTS)
+    base = (MODEL_DIR.parent / "config.pbtxt").read_text()
+    text = generation_gate.variant_config(base, PRECISION, "")
+    assert f'key: "block_size" value: {{ string_value: "{OV_BLOCK_SIZE}" }}' in text
+    assert f'key: "weights_precision" value: {{ string_value: "{PRECISION}" }}' in text
