@@ -1483,6 +1483,8 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     preallocated zeroed, so its pages count as they are written)."""
     from python_backends.generation.linear import PRECISIONS, kv_cache_dtype
     from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, kv_bytes_per_block
+    from python_backends.generation.openvino_runtime import OV_PRECISIONS
+    from python_backends.generation.openvino_runtime import kv_bytes_per_block as ov_kv_bytes_per_block
     from python_backends.generation.model_runner import DTYPES, LlamaConfig
     from python_backends.generation.paged_attention import bytes_per_block
     from server.stubs import find_stubs
@@ -1495,7 +1497,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     prompts = [p for p, _ in sorted(workload.long_prompts, key=lambda pn: -pn[1])] or workload.prompts
     mcfg = LlamaConfig.from_folder(args.model_dir)
     rows = []
-    for precision in (*PRECISIONS, *LLAMA_PRECISIONS):
+    for precision in (*PRECISIONS, *LLAMA_PRECISIONS, *OV_PRECISIONS):
         try:
             config_name, served = resolve_precision(ROOT / "model_repository", precision)
         except ValueError as exc:  # not gated on this CPU: the reason is the row
@@ -1510,6 +1512,9 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
         if served in LLAMA_PRECISIONS:  # llama.cpp's cache cells
             kv_dtype = settings.get("kv_cache_type", "f16")
             per_block = kv_bytes_per_block(mcfg, settings["block_size"], kv_dtype)
+        elif served in OV_PRECISIONS:  # OpenVINO's paged cache, 2-byte elements
+            kv_dtype = "bf16/f16"
+            per_block = ov_kv_bytes_per_block(mcfg, settings["block_size"])
         else:
             torch_dtype = kv_cache_dtype(served, DTYPES[settings.get("dtype", "float32")])
             per_block = bytes_per_block(mcfg.num_layers, settings["block_size"], mcfg.num_kv_heads, mcfg.head_dim, torch_dtype)
