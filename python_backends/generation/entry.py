@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import queue
+import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +25,8 @@ from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput
 from python_backends.generation.sampling import SamplingParams, sampling_defaults
 from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request
+
+log = logging.getLogger(__name__)
 
 # The inputs a request may carry, and each output's array type.
 INPUT_NAMES = ("text_input", "sampling_parameters", *BOOL_INPUTS)
@@ -60,6 +66,92 @@ def output_arrays(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return arrays
 
 
+class ReplyPump:
+    """Sends the loop's responses from a thread of its own, in order, and watches the streams for
+    cancellation.
+
+    Triton's response sender waits for tritonserver to take each response, and ``is_cancelled`` asks
+    it too (a round trip to the server process each). In the engine's thread both cost every step:
+    at 16 streams 15 % of the loop was spent in ``send`` and 5 % in ``is_cancelled``, against 73 % in
+    the forward pass (py-spy on the served stub). Here they overlap the next step's forward pass,
+    which runs without the GIL. A stream found cancelled, or whose send fails, is aborted through
+    ``on_cancel`` (the engine frees its blocks at its next step); the watch runs whenever the queue
+    is drained, at most every ``poll_s``.
+    """
+
+    _STOP = object()
+
+    def __init__(self, on_cancel: Callable[[Any], None], poll_s: float = 0.02):
+        self.on_cancel = on_cancel
+        self.poll_s = poll_s
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._watched: dict[Any, Reply] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="generation-replies", daemon=True)
+        self._thread.start()
+
+    def watch(self, request_id: Any, reply: Reply) -> None:
+        with self._lock:
+            self._watched[request_id] = reply
+
+    def unwatch(self, request_id: Any) -> None:
+        with self._lock:
+            self._watched.pop(request_id, None)
+
+    def send(self, request_id: Any, reply: Reply, arrays: dict[str, np.ndarray], final: bool) -> None:
+        self._jobs.put((request_id, reply.send, (arrays, final), final))
+
+    def fail(self, request_id: Any, reply: Reply, error: BaseException) -> None:
+        self._jobs.put((request_id, reply.fail, (error,), True))
+
+    def close(self, request_id: Any, reply: Reply) -> None:
+        self._jobs.put((request_id, reply.close, (), True))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then stop."""
+        self._jobs.put(self._STOP)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        polled = time.monotonic()
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.poll_s)
+            except queue.Empty:
+                job = None
+            if job is self._STOP:
+                return
+            if job is not None:
+                request_id, call, args, last = job
+                if last:
+                    self.unwatch(request_id)
+                try:
+                    call(*args)
+                except Exception:  # noqa: BLE001 - one stream's failure never stops the others
+                    log.exception("response of request %r could not be sent; cancelling it", request_id)
+                    if not last:
+                        self.unwatch(request_id)
+                        self.on_cancel(request_id)
+                if not self._jobs.empty():
+                    continue
+            now = time.monotonic()
+            if now - polled >= self.poll_s:
+                polled = now
+                self._watch_cancellations()
+
+    def _watch_cancellations(self) -> None:
+        with self._lock:
+            watched = list(self._watched.items())
+        for request_id, reply in watched:
+            try:
+                cancelled = bool(reply.is_cancelled())
+            except Exception:  # noqa: BLE001 - a sender that cannot say counts as gone
+                cancelled = True
+            if cancelled:
+                self.unwatch(request_id)
+                self.on_cancel(request_id)
+
+
 class GenerationEntry:
     """``config``: the model's parsed config; ``version_dir``: its exported weights and tokenizer;
     ``decoupled``: what the config's transaction policy says; ``gpu_device``: the instance's
@@ -83,13 +175,15 @@ class GenerationEntry:
         # One short generation so the first client does not pay for lazy initialisation.
         self.engine.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0))
         self.loop: EngineLoop | None = None
+        self.replies: ReplyPump | None = None
         self.on_output: Callable[[RequestOutput], None] | None = None
         self.ids = itertools.count()
 
     def start(self, on_stats: Callable | None = None, on_output: Callable[[RequestOutput], None] | None = None) -> None:
         """Start the engine's loop thread; ``on_stats`` and ``on_output`` feed the metrics."""
         self.on_output = on_output
-        self.loop = EngineLoop(self.engine, on_stats=on_stats)
+        self.loop = loop = EngineLoop(self.engine, on_stats=on_stats)
+        self.replies = ReplyPump(on_cancel=loop.abort)
 
     def submit(self, inputs: Mapping[str, Any], parameters: Mapping[str, Any], reply: Reply) -> None:
         """Check one request (``inputs``: INPUT_NAMES to arrays or None) and queue it; raises
@@ -107,11 +201,16 @@ class GenerationEntry:
             sampling_defaults=engine.config.sampling_defaults,
         )
         shaper = ResponseShaper(parsed, engine.token_bytes)
-        self.loop.submit(
-            next(self.ids), parsed.prompt, parsed.params, self._answer(shaper, reply), is_cancelled=reply.is_cancelled
-        )
+        assert self.replies is not None
+        request_id = next(self.ids)
+        self.replies.watch(request_id, reply)  # its cancellation, watched by the pump
+        try:
+            self.loop.submit(request_id, parsed.prompt, parsed.params, self._answer(shaper, reply, self.replies))
+        except BaseException:
+            self.replies.unwatch(request_id)
+            raise
 
-    def _answer(self, shaper: ResponseShaper, reply: Reply) -> Callable[[RequestOutput], None]:
+    def _answer(self, shaper: ResponseShaper, reply: Reply, replies: ReplyPump) -> Callable[[RequestOutput], None]:
         done = False  # the reply was failed or closed: the other choices' outputs go nowhere
 
         def on_output(out: RequestOutput) -> None:
@@ -122,14 +221,14 @@ class GenerationEntry:
                 return
             if out.error is not None:
                 done = True
-                reply.fail(out.error)
+                replies.fail(out.request_id, reply, out.error)
                 if not out.last:  # one choice failed: the request fails, its other choices stop
                     assert self.loop is not None
                     self.loop.abort(out.request_id)
                 return
             if out.finish_reason == "abort" and reply.is_cancelled():
                 if out.last:
-                    reply.close()  # the client is gone: close the stream, nothing to say
+                    replies.close(out.request_id, reply)  # the client is gone: close the stream, nothing to say
                 return
             values = shaper.on_output(
                 out.text,
@@ -143,9 +242,9 @@ class GenerationEntry:
             )
             if values is None:
                 if out.last:
-                    reply.close()
+                    replies.close(out.request_id, reply)
                 return
-            reply.send(output_arrays(values), final=out.last)
+            replies.send(out.request_id, reply, output_arrays(values), out.last)
 
         return on_output
 
@@ -153,3 +252,5 @@ class GenerationEntry:
         """Stop the loop (requests still running are aborted)."""
         if self.loop is not None:
             self.loop.shutdown()
+        if self.replies is not None:
+            self.replies.stop()

@@ -122,3 +122,55 @@ def test_the_sampling_defaults_are_the_models_with_the_operators_on_top(entry):
     assert entry.engine.config.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
     with pytest.raises(ConfigError, match="sampling_defaults: temperature"):
         GenerationEntry(config(sampling_defaults='{"temperature": -1}'), MODEL_DIR, decoupled=True)
+
+
+class _PumpReply:
+    def __init__(self, fail_on: int | None = None):
+        self.sent: list = []
+        self.cancelled = False
+        self.fail_on = fail_on
+
+    def send(self, arrays, final):
+        if self.fail_on is not None and len(self.sent) == self.fail_on:
+            raise RuntimeError("the stream is gone")
+        self.sent.append((arrays["n"], final))
+
+    def fail(self, error):
+        self.sent.append(("failed", str(error)))
+
+    def close(self):
+        self.sent.append(("closed", True))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+def test_the_reply_pump_sends_in_order_watches_cancellation_and_aborts_a_failed_stream():
+    import threading
+
+    from python_backends.generation.entry import ReplyPump
+
+    cancelled: list = []
+    seen = threading.Event()
+
+    def on_cancel(request_id):
+        cancelled.append(request_id)
+        seen.set()
+
+    pump = ReplyPump(on_cancel, poll_s=0.005)
+    ordered, watched, broken = _PumpReply(), _PumpReply(), _PumpReply(fail_on=1)
+    for rid, reply in ((1, ordered), (2, watched), (3, broken)):
+        pump.watch(rid, reply)
+    for i in range(200):
+        pump.send(1, ordered, {"n": i}, i == 199)
+    pump.send(3, broken, {"n": 0}, False)
+    pump.send(3, broken, {"n": 1}, False)  # raises: request 3 is aborted, not the pump
+    assert seen.wait(5) and cancelled == [3]
+    seen.clear()
+    watched.cancelled = True  # the client went away: found by the watch, aborted once
+    assert seen.wait(5) and cancelled == [3, 2]
+    pump.fail(2, watched, ValueError("abort"))
+    pump.stop()
+    assert ordered.sent == [(i, i == 199) for i in range(200)]
+    assert broken.sent == [(0, False)] and watched.sent == [("failed", "abort")]
+    assert cancelled == [3, 2]  # request 1 finished: no longer watched
