@@ -58,6 +58,15 @@ def open_cpu_session(path: Path, threads: int):
     return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
 
 
+def open_session(variant: str, path: Path, threads: int):
+    """What serves ``variant`` on a CPU: OpenVINO for the openvino variant, else ONNX Runtime."""
+    if variant == "openvino":
+        from python_backends.onnx_engine.openvino_session import DEFAULT_PROPERTIES, OpenVINOSession
+
+        return OpenVINOSession(path, {**DEFAULT_PROPERTIES, "INFERENCE_NUM_THREADS": str(threads)})
+    return open_cpu_session(path, threads)
+
+
 def _time_runs(session, feed: dict[str, np.ndarray], seconds: float, min_runs: int = 3) -> list[float]:
     times = []
     deadline = time.perf_counter() + seconds
@@ -79,7 +88,7 @@ def measure_side_by_side(
 ) -> dict[str, Speed]:
     """Latency at batch 1 and throughput per batch size for each model, interleaved."""
     threads = threads or cpu_threads()
-    sessions = {name: open_cpu_session(path, threads) for name, path in models.items()}
+    sessions = {name: open_session(name, path, threads) for name, path in models.items()}
     feeds = {b: feed(b) for b in set(batches) | {1}}
     for session in sessions.values():  # warm-up: first runs allocate and pick kernels
         for b in feeds:

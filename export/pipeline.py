@@ -54,7 +54,14 @@ class ModelPipeline(Protocol):
 
 
 def gpu_skip_reason(variant: str) -> str | None:
-    """Why a GPU-only variant cannot be built here, or None (any other variant: None)."""
+    """Why a variant bound to hardware cannot be built here (the GPU ones; openvino without BF16
+    products), or None (any other variant: None)."""
+    if variant == "openvino":
+        from python_backends.generation.linear import cpu_features
+
+        if not {"avx512_bf16", "amx_bf16"} & cpu_features():
+            return "no AVX512-BF16 or AMX: OpenVINO would compute in FP32 here, where ONNX Runtime's INT8 serves"
+        return None
     if variant == "trt_plan":
         from export import tensorrt_engine
 
@@ -83,6 +90,11 @@ def variant_runner(variant: str, path: Path, output: str) -> Callable[[dict[str,
 
         engine = EngineRunner(path)
         return lambda feed: engine.run(feed)[output]
+    if variant == "openvino":  # what the Python-based openvino backend runs
+        from python_backends.onnx_engine.openvino_session import DEFAULT_PROPERTIES, OpenVINOSession
+
+        ov_session = OpenVINOSession(path, dict(DEFAULT_PROPERTIES))
+        return lambda feed: ov_session.run([output], feed)[0]
     import onnxruntime as ort
 
     if variant == "ort_trt_fp16":
@@ -184,7 +196,7 @@ def run(
         started = time.perf_counter()
         # Built under a candidate name and moved into place only once its gate passed: an
         # interrupted or failed build never replaces what the configs point at.
-        built_here = name not in ("fp32", "ort_trt_fp16")
+        built_here = variant.filename != variants.VARIANTS["fp32"].filename  # not FP32's file under another runtime
         candidate = path.with_name(path.name + ".candidate") if built_here else path
         try:
             if built_here:
@@ -313,7 +325,7 @@ def _num(value: Any) -> str:
 def _provider(variant: str, measured_on_cpu: bool) -> str:
     served = {"fp16": "CUDA", "ort_trt_fp16": "TensorRT (ONNX Runtime)", "trt_plan": "TensorRT"}.get(variant)
     if served is None:
-        return "CPU (ONNX Runtime)"
+        return "CPU (OpenVINO)" if variant == "openvino" else "CPU (ONNX Runtime)"
     return f"{served}; measured here on CPU" if measured_on_cpu else served
 
 

@@ -181,7 +181,7 @@ class TextEncoderPipeline:
     """all-MiniLM-L6-v2 in every precision: gated on the sentence embedding's cosine per held-out text."""
 
     name = "text_encoder"
-    variants = ("cpu_opt", "int8", "fp16", "ort_trt_fp16", "trt_plan")
+    variants = ("cpu_opt", "int8", "openvino", "fp16", "ort_trt_fp16", "trt_plan")
     bench_batches = (1, 8, 32, 64)
     # TensorRT profile: batch 1..64 (max_batch_size), sequence 1..256 (truncation).
     trt_profiles = {

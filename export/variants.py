@@ -47,6 +47,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("fp32", "model.onnx", "any", "ONNX export of the PyTorch graph, FP32"),
         Variant("cpu_opt", "model.opt.onnx", "cpu", "ONNX Runtime graph fusions for CPU, FP32"),
         Variant("int8", "model.int8.onnx", "cpu", "INT8 quantized for CPU"),
+        Variant(
+            "openvino", "model.onnx", "cpu", "the FP32 ONNX file on OpenVINO's CPU plugin, BF16 products (AVX512-BF16 / AMX CPUs)"
+        ),
         Variant("fp16", "model.fp16.onnx", "gpu", "FP16 ONNX (FP32 inputs/outputs) for GPUs"),
         Variant("ort_trt_fp16", "model.onnx", "gpu", "FP32 ONNX run by ONNX Runtime's TensorRT provider in FP16"),
         Variant("trt_plan", "model.plan", "gpu", "serialized TensorRT engine, FP16 (platform tensorrt_plan)"),
@@ -63,7 +66,7 @@ OV_VARIANTS = ("ov_f16",)
 GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16", *LLAMA_VARIANTS, *OV_VARIANTS)
 
 # What PRECISION=auto serves, best first, per hardware.
-AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
+AUTO_ORDER = {"cpu": ("openvino", "int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
 
 # The TensorRT of the server that loads trt_plan variants: NVIDIA's 24.10 container (the
 # tritonserver 2.51 release this project runs) ships TensorRT 10.5. A serialized engine
@@ -411,6 +414,14 @@ def variant_config(base: str, variant: Variant, params: dict[str, str] | None = 
         if n != 1:
             raise ValueError('a trt_plan variant needs a config.pbtxt with backend: "onnxruntime"')
         body = "\n".join(line for line in body.splitlines() if not _ORT_ONLY_PARAMS.match(line)) + "\n"
+    elif variant.name == "openvino":
+        body, n = re.subn(r'^backend:\s*"onnxruntime"\s*$', 'backend: "openvino"', body, flags=re.M)
+        if n != 1:
+            raise ValueError('an openvino variant needs a config.pbtxt with backend: "onnxruntime"')
+        threads = re.search(r'key:\s*"intra_op_thread_count"\s*value:\s*\{\s*string_value:\s*"(\d+)"', body)
+        body = "\n".join(line for line in body.splitlines() if not _ORT_ONLY_PARAMS.match(line)) + "\n"
+        # ONNX Runtime's intra-op threads per instance become OpenVINO's inference threads.
+        extra += _parameter_lines({"INFERENCE_NUM_THREADS": threads.group(1) if threads else "0"})
     if variant.name in GPU_VARIANTS:
         body = drop_ragged(body)
         extra += gpu_warmup(base)
@@ -431,7 +442,7 @@ def remove_variant(model_dir: Path, variant: Variant, version: str = "1") -> Non
     For fp32 that is the model itself: config.pbtxt then fails to load, loudly, rather than
     serve a model that missed its gate.
     """
-    if variant.name != "ort_trt_fp16":
+    if variant.name == "fp32" or variant.filename != VARIANTS["fp32"].filename:  # not FP32's file under another runtime
         (model_dir / version / variant.filename).unlink(missing_ok=True)
     (model_dir / "configs" / f"{variant.name}.pbtxt").unlink(missing_ok=True)
     if variant.name == "fp32":

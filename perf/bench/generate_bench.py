@@ -1483,9 +1483,9 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     preallocated zeroed, so its pages count as they are written)."""
     from python_backends.generation.linear import PRECISIONS, kv_cache_dtype
     from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, kv_bytes_per_block
+    from python_backends.generation.model_runner import DTYPES, LlamaConfig
     from python_backends.generation.openvino_runtime import OV_PRECISIONS
     from python_backends.generation.openvino_runtime import kv_bytes_per_block as ov_kv_bytes_per_block
-    from python_backends.generation.model_runner import DTYPES, LlamaConfig
     from python_backends.generation.paged_attention import bytes_per_block
     from server.stubs import find_stubs
 
