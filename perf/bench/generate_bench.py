@@ -1401,8 +1401,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--memory",
         action="store_true",
-        help="only measure the text_generation stub's RSS per weights precision (each variant served in "
-        "turn: once loaded, and after the highest concurrency's streams over the longest prompts)",
+        help="only measure the text_generation stub's RSS per weights precision (each variant served in turn, "
+        "or only --precision when it names one: once loaded, and after the highest concurrency's streams over the longest prompts)",
     )
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/generate-<UTC time>)")
     p.add_argument(
@@ -1497,7 +1497,8 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     prompts = [p for p, _ in sorted(workload.long_prompts, key=lambda pn: -pn[1])] or workload.prompts
     mcfg = LlamaConfig.from_folder(args.model_dir)
     rows = []
-    for precision in (*PRECISIONS, *LLAMA_PRECISIONS, *OV_PRECISIONS):
+    every = (*PRECISIONS, *LLAMA_PRECISIONS, *OV_PRECISIONS)
+    for precision in every if args.precision in ("auto", "cpu") else (args.precision,):
         try:
             config_name, served = resolve_precision(ROOT / "model_repository", precision)
         except ValueError as exc:  # not gated on this CPU: the reason is the row

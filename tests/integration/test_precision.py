@@ -43,7 +43,9 @@ def test_auto_serves_the_best_cpu_variant_that_passed(cpu_server):
     config = client.get_model_config("text_encoder")
     expected_file = variants.VARIANTS[served["text_encoder"]].filename
     assert config.get("default_model_filename", "model.onnx") == expected_file
-    assert f"text_encoder: {expected_file} on CPUExecutionProvider" in server.log_path.read_text()
+    runtime = "OpenVINO CPU" if served["text_encoder"] == "openvino" else "CPUExecutionProvider"
+    assert config["backend"] == ("openvino" if served["text_encoder"] == "openvino" else "onnxruntime")
+    assert f"text_encoder: {expected_file} on {runtime}" in server.log_path.read_text()
 
 
 def test_served_variant_meets_its_gate_end_to_end(cpu_server):
