@@ -66,7 +66,8 @@ OV_VARIANTS = ("ov_f16",)
 GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16", *LLAMA_VARIANTS, *OV_VARIANTS)
 
 # What PRECISION=auto serves, best first, per hardware.
-AUTO_ORDER = {"cpu": ("openvino", "int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
+# The encoders' openvino variant is served by name only: faster in process, slower served (docs/performance.md).
+AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
 
 # The TensorRT of the server that loads trt_plan variants: NVIDIA's 24.10 container (the
 # tritonserver 2.51 release this project runs) ships TensorRT 10.5. A serialized engine
