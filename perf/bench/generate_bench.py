@@ -1485,7 +1485,6 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, kv_bytes_per_block
     from python_backends.generation.model_runner import DTYPES, LlamaConfig
     from python_backends.generation.openvino_runtime import OV_PRECISIONS
-    from python_backends.generation.openvino_runtime import kv_bytes_per_block as ov_kv_bytes_per_block
     from python_backends.generation.paged_attention import bytes_per_block
     from server.stubs import find_stubs
 
@@ -1515,7 +1514,7 @@ def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
             per_block = kv_bytes_per_block(mcfg, settings["block_size"], kv_dtype)
         elif served in OV_PRECISIONS:  # OpenVINO's paged cache, 2-byte elements
             kv_dtype = "bf16/f16"
-            per_block = ov_kv_bytes_per_block(mcfg, settings["block_size"])
+            per_block = kv_bytes_per_block(mcfg, settings["block_size"], "f16")
         else:
             torch_dtype = kv_cache_dtype(served, DTYPES[settings.get("dtype", "float32")])
             per_block = bytes_per_block(mcfg.num_layers, settings["block_size"], mcfg.num_kv_heads, mcfg.head_dim, torch_dtype)

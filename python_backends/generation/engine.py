@@ -38,7 +38,6 @@ from python_backends.generation.llama_cpp_runtime import (
 )
 from python_backends.generation.model_runner import DTYPES, LlamaWeights, ModelRunner
 from python_backends.generation.openvino_runtime import OV_PRECISIONS, OpenVINORunner, OVWeights
-from python_backends.generation.openvino_runtime import kv_bytes_per_block as ov_kv_bytes_per_block
 from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
 from python_backends.generation.scheduler import ContextTooLong, FinishReason, QueueFull, Scheduler, SchedulerOutput, SeqId
@@ -218,10 +217,8 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
-        if on_llama:
-            per_block = kv_bytes_per_block(mcfg, config.block_size, config.kv_cache_type)
-        elif on_openvino:
-            per_block = ov_kv_bytes_per_block(mcfg, config.block_size)
+        if on_llama or on_openvino:  # OpenVINO's cache holds 2-byte K/V (BF16 or F16)
+            per_block = kv_bytes_per_block(mcfg, config.block_size, config.kv_cache_type if on_llama else "f16")
         else:
             kv_dtype = kv_cache_dtype(self.weights.precision, dtype, self.device)
             per_block = bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)

@@ -69,11 +69,6 @@ class OVWeights:
         return cls(LlamaConfig.from_folder(folder), path, precision)
 
 
-def kv_bytes_per_block(config, block_size: int) -> int:
-    """K and V of one block over every layer, in the cache's 2-byte element type."""
-    return int(config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2 * block_size)
-
-
 def paged_model(xml: Path):
     """OpenVINO GenAI's model as its continuous batching compiles it, plus ``logits_indices``."""
     import openvino as ov
@@ -199,10 +194,10 @@ class OpenVINORunner:
                 raise ValueError(f"position {c.end - 1} is beyond max_model_len {self.max_model_len}")
             n += c.end - c.start
             rows.extend(range(n - c.num_logits, n))
-        if not rows:  # prompt chunks that sample nothing still write their K/V
-            self._infer([(list(c.token_ids), c.start, list(c.block_table)) for c in chunks], np.zeros(1, np.int64))
-            return torch.empty(0, self.vocab)
-        return self._infer([(list(c.token_ids), c.start, list(c.block_table)) for c in chunks], np.array(rows, np.int64))
+        parts = [(list(c.token_ids), c.start, list(c.block_table)) for c in chunks]
+        # Prompt chunks that sample nothing still write their K/V (the head then computes one row).
+        logits = self._infer(parts, np.array(rows or [0], np.int64))
+        return logits if rows else torch.empty(0, self.vocab)
 
     def sequence_logits(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
         """Teacher-forced FP32 logits of every position of ``token_ids`` (the gate), in chunks of

@@ -17,17 +17,10 @@ from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, LLMEngine
 from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
 from python_backends.generation.sampling import SamplingParams
+from tests.unit.runtime_checks import PROMPTS, SYSTEM, margins, run_all, same_until_a_near_tie
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
 PRECISION = "llama_f16"  # the variant closest to FP32 (the gate's figures: KL 1e-5)
-PROMPTS = [
-    "The three primary colours are",
-    "Écris une phrase sur la mer.",
-    "def fibonacci(n):",
-    "Die Hauptstadt von Deutschland ist",
-    "Once upon a time, in a small village by the sea,",
-    "SELECT name FROM users WHERE",
-]
 
 
 def _built() -> bool:
@@ -57,36 +50,6 @@ def engine() -> LLMEngine:
     return _engine()
 
 
-def _run(engine: LLMEngine, prompts, params: SamplingParams, prefix="r", logprobs=None) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, params)
-    while engine.has_unfinished():
-        for o in engine.step():
-            key = f"{o.request_id.removeprefix(prefix)}/{o.index}"
-            out.setdefault(key, []).extend(o.token_ids)
-            if logprobs is not None:
-                logprobs.setdefault(key, []).extend(o.logprobs or [])
-    return out
-
-
-def _same_until_a_near_tie(expected, margins, got, tie=0.1) -> None:
-    """llama.cpp is not batch-invariant (a batch's products take other kernels than one row's), so two
-    runs of the same greedy stream in different batches may part, but only where the reference's two
-    most likely tokens were within ``tie`` nats of each other: anywhere else a difference is a fault."""
-    for key, tokens in expected.items():
-        for i, (a, b) in enumerate(zip(tokens, got[key])):
-            if a != b:
-                assert margins[key][i] < tie, (key, i, margins[key][i], tokens, got[key])
-                break
-        else:
-            assert len(tokens) == len(got[key]), key
-
-
-def _margins(logprobs) -> dict[str, list[float]]:
-    return {k: [e.top[0][1] - e.top[1][1] for e in v] for k, v in logprobs.items()}
-
-
 def _check_mirror(engine: LLMEngine) -> None:
     """Every retired llama.cpp id owns blocks the prefix cache still holds, and owns them alone."""
     runner = engine.runner
@@ -110,26 +73,20 @@ def test_teacher_forced_logits_are_the_fp32_engines():
         assert float(kl.max()) < 1e-3 and (reference.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
 
 
-SYSTEM = (
-    "You are a careful assistant. Answer in one short sentence, in the language of the question, "
-    "without lists, code or greetings, and never repeat the question. "
-)
-
-
 def test_greedy_answers_alone_equal_batched_and_after_prefix_hits(engine):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [SYSTEM + p for p in PROMPTS]
     alone, lp = {}, {}
     for i, p in enumerate(prompts):
         one, one_lp = {}, {}
-        one = _run(_engine(enable_prefix_caching=False), [p], params, "solo", one_lp)
+        one = run_all(_engine(enable_prefix_caching=False), [p], params, "solo", one_lp)
         alone[f"{i}/0"], lp[f"{i}/0"] = one["0/0"], one_lp["0/0"]
     hits_before = engine.stats()["prefix_cache_hits"]
-    batched = _run(engine, prompts, params, "a")
-    again = _run(engine, prompts, params, "b")
+    batched = run_all(engine, prompts, params, "a")
+    again = run_all(engine, prompts, params, "b")
     assert engine.stats()["prefix_cache_hits"] - hits_before >= 6 * 32  # the system prompt's blocks, shared
-    _same_until_a_near_tie(alone, _margins(lp), batched)
-    _same_until_a_near_tie(alone, _margins(lp), again)
+    same_until_a_near_tie(alone, margins(lp), batched)
+    same_until_a_near_tie(alone, margins(lp), again)
     _check_mirror(engine)
 
 
@@ -139,14 +96,14 @@ def test_finished_sequences_keep_at_most_the_prefix_cell_budget_oldest_first():
     bs = small.block_manager.block_size
     prompts = [f"Request {k}. {p} {p} {p}" for k, p in enumerate(PROMPTS)]  # two or three full blocks each
     for k, prompt in enumerate(prompts):
-        _run(small, [prompt], params, f"k{k}")
+        run_all(small, [prompt], params, f"k{k}")
         runner = small.runner
         kept = sum(len(ls.owned) for ls in runner._retired.values()) * bs
         assert 0 < kept <= 64, kept
         _check_mirror(small)
     # The newest finished prompt is still a prefix hit; the first one's blocks were given up.
     hits = small.stats()["prefix_cache_hits"]
-    _run(small, [prompts[-1]], params, "again")
+    run_all(small, [prompts[-1]], params, "again")
     assert small.stats()["prefix_cache_hits"] > hits
     with pytest.raises(ConfigError, match="llama_prefix_cells"):
         _engine(llama_prefix_cells=-1)
@@ -155,14 +112,14 @@ def test_finished_sequences_keep_at_most_the_prefix_cell_budget_oldest_first():
 def test_n_choices_share_the_prompt_and_greedy_choices_equal_one(engine):
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     lp = {}
-    one = _run(engine, [SYSTEM + PROMPTS[4]], greedy, "one", lp)
+    one = run_all(engine, [SYSTEM + PROMPTS[4]], greedy, "one", lp)
     forked = engine.stats().get("sequences_forked", 0)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3)
-    many = _run(engine, [SYSTEM + PROMPTS[4]], params, "many")
+    many = run_all(engine, [SYSTEM + PROMPTS[4]], params, "many")
     assert engine.stats()["sequences_forked"] == forked + 2
     for i in range(3):
-        _same_until_a_near_tie(one, _margins(lp), {"0/0": many[f"0/{i}"]})
-    sampled = _run(engine, [PROMPTS[4]], SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True), "s")
+        same_until_a_near_tie(one, margins(lp), {"0/0": many[f"0/{i}"]})
+    sampled = run_all(engine, [PROMPTS[4]], SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True), "s")
     assert len({tuple(v) for v in sampled.values()}) > 1  # seeds 7, 8, 9: different draws
     _check_mirror(engine)
 
@@ -170,11 +127,11 @@ def test_n_choices_share_the_prompt_and_greedy_choices_equal_one(engine):
 def test_preemption_under_a_small_pool_finishes_every_stream(engine):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     lp = {}
-    expected = _run(_engine(), PROMPTS, params, "big", lp)
+    expected = run_all(_engine(), PROMPTS, params, "big", lp)
     small = _engine(num_blocks=14)
-    got = _run(small, PROMPTS, params, "big")
+    got = run_all(small, PROMPTS, params, "big")
     assert small.stats()["num_preemptions"] > 0
-    _same_until_a_near_tie(expected, _margins(lp), got)
+    same_until_a_near_tie(expected, margins(lp), got)
     _check_mirror(small)
     assert small.block_manager.num_used_blocks == 0
 
@@ -183,11 +140,11 @@ def test_speculative_drafts_give_the_tokens_of_plain_decoding():
     text = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
     lp = {}
-    plain = _run(_engine(), [text], params, "p", lp)
+    plain = run_all(_engine(), [text], params, "p", lp)
     drafting = _engine(num_speculative_tokens=3)
-    drafted = _run(drafting, [text], params, "p")
+    drafted = run_all(drafting, [text], params, "p")
     assert drafting.stats()["spec_accepted_tokens"] > 0
-    _same_until_a_near_tie(plain, _margins(lp), drafted)
+    same_until_a_near_tie(plain, margins(lp), drafted)
 
 
 def test_abort_frees_the_blocks_and_the_llama_ids_at_once(engine):
@@ -212,7 +169,7 @@ def test_guides_logprobs_and_penalties_run_on_the_llama_logits(engine):
             text += o.text
             logprobs += o.logprobs or []
     assert text in ("red", "blue", "green") and logprobs
-    penalised = _run(engine, [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=2.0), "f")
+    penalised = run_all(engine, [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=2.0), "f")
     tokens = penalised["0/0"]
     assert len(set(tokens)) >= len(tokens) - 3  # hardly a token twice
 

@@ -17,21 +17,10 @@ from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, LLMEngine
 from python_backends.generation.openvino_runtime import IR_FILE, OV_BLOCK_SIZE, OV_PRECISIONS, ir_dir
 from python_backends.generation.sampling import SamplingParams
+from tests.unit.runtime_checks import PROMPTS, SYSTEM, margins, run_all, same_until_a_near_tie
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
 PRECISION = "ov_f16"
-PROMPTS = [
-    "The three primary colours are",
-    "Écris une phrase sur la mer.",
-    "def fibonacci(n):",
-    "Die Hauptstadt von Deutschland ist",
-    "Once upon a time, in a small village by the sea,",
-    "SELECT name FROM users WHERE",
-]
-SYSTEM = (
-    "You are a careful assistant. Answer in one short sentence, in the language of the question, "
-    "without lists, code or greetings, and never repeat the question. "
-)
 
 pytestmark = pytest.mark.skipif(
     not (ir_dir(MODEL_DIR, PRECISION) / IR_FILE).is_file(),
@@ -58,36 +47,6 @@ def engine() -> LLMEngine:
     return _engine()
 
 
-def _run(engine: LLMEngine, prompts, params: SamplingParams, prefix="r", logprobs=None) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, params)
-    while engine.has_unfinished():
-        for o in engine.step():
-            key = f"{o.request_id.removeprefix(prefix)}/{o.index}"
-            out.setdefault(key, []).extend(o.token_ids)
-            if logprobs is not None:
-                logprobs.setdefault(key, []).extend(o.logprobs or [])
-    return out
-
-
-def _same_until_a_near_tie(expected, margins, got, tie=0.1) -> None:
-    """OpenVINO is not batch-invariant (a batch's products take other kernels than one row's), so two
-    runs of the same greedy stream in different batches may part, but only where the reference's two
-    most likely tokens were within ``tie`` nats of each other: anywhere else a difference is a fault."""
-    for key, tokens in expected.items():
-        for i, (a, b) in enumerate(zip(tokens, got[key])):
-            if a != b:
-                assert margins[key][i] < tie, (key, i, margins[key][i], tokens, got[key])
-                break
-        else:
-            assert len(tokens) == len(got[key]), key
-
-
-def _margins(logprobs) -> dict[str, list[float]]:
-    return {k: [e.top[0][1] - e.top[1][1] for e in v] for k, v in logprobs.items()}
-
-
 def test_teacher_forced_logits_are_the_fp32_engines():
     from python_backends.generation.model_runner import LlamaWeights, ModelRunner
 
@@ -108,38 +67,38 @@ def test_greedy_answers_alone_equal_batched_and_after_prefix_hits(engine):
     solo = _engine(enable_prefix_caching=False)
     for i, p in enumerate(prompts):
         one_lp: dict = {}
-        one = _run(solo, [p], params, f"solo{i}-", one_lp)
+        one = run_all(solo, [p], params, f"solo{i}-", one_lp)
         alone[f"{i}/0"], lp[f"{i}/0"] = one["0/0"], one_lp["0/0"]
     hits_before = engine.stats()["prefix_cache_hits"]
-    batched = _run(engine, prompts, params, "a")
-    again = _run(engine, prompts, params, "b")
+    batched = run_all(engine, prompts, params, "a")
+    again = run_all(engine, prompts, params, "b")
     assert engine.stats()["prefix_cache_hits"] - hits_before >= 6  # the system prompt's blocks, shared
-    _same_until_a_near_tie(alone, _margins(lp), batched)
-    _same_until_a_near_tie(alone, _margins(lp), again)
+    same_until_a_near_tie(alone, margins(lp), batched)
+    same_until_a_near_tie(alone, margins(lp), again)
 
 
 def test_n_choices_share_the_prompt_and_greedy_choices_equal_one(engine):
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     lp: dict = {}
-    one = _run(engine, [SYSTEM + PROMPTS[4]], greedy, "one", lp)
+    one = run_all(engine, [SYSTEM + PROMPTS[4]], greedy, "one", lp)
     forked = engine.stats().get("sequences_forked", 0)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3)
-    many = _run(engine, [SYSTEM + PROMPTS[4]], params, "many")
+    many = run_all(engine, [SYSTEM + PROMPTS[4]], params, "many")
     assert engine.stats()["sequences_forked"] == forked + 2
     for i in range(3):  # each fork's copy of the prompt's partial block gives the same answer
-        _same_until_a_near_tie(one, _margins(lp), {"0/0": many[f"0/{i}"]})
-    sampled = _run(engine, [PROMPTS[4]], SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True), "s")
+        same_until_a_near_tie(one, margins(lp), {"0/0": many[f"0/{i}"]})
+    sampled = run_all(engine, [PROMPTS[4]], SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True), "s")
     assert len({tuple(v) for v in sampled.values()}) > 1
 
 
 def test_preemption_under_a_small_pool_finishes_every_stream():
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     lp: dict = {}
-    expected = _run(_engine(), PROMPTS, params, "big", lp)
+    expected = run_all(_engine(), PROMPTS, params, "big", lp)
     small = _engine(num_blocks=8)
-    got = _run(small, PROMPTS, params, "big")
+    got = run_all(small, PROMPTS, params, "big")
     assert small.stats()["num_preemptions"] > 0
-    _same_until_a_near_tie(expected, _margins(lp), got)
+    same_until_a_near_tie(expected, margins(lp), got)
     assert small.block_manager.num_used_blocks == 0
 
 
@@ -147,11 +106,11 @@ def test_speculative_drafts_give_the_tokens_of_plain_decoding():
     text = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
     lp: dict = {}
-    plain = _run(_engine(), [text], params, "p", lp)
+    plain = run_all(_engine(), [text], params, "p", lp)
     drafting = _engine(num_speculative_tokens=3)
-    drafted = _run(drafting, [text], params, "p")
+    drafted = run_all(drafting, [text], params, "p")
     assert drafting.stats()["spec_accepted_tokens"] > 0
-    _same_until_a_near_tie(plain, _margins(lp), drafted)
+    same_until_a_near_tie(plain, margins(lp), drafted)
 
 
 def test_abort_frees_the_blocks_at_once(engine):
@@ -175,7 +134,7 @@ def test_guides_logprobs_and_penalties_run_on_the_openvino_logits(engine):
             text += o.text
             logprobs += o.logprobs or []
     assert text in ("red", "blue", "green") and logprobs
-    penalised = _run(engine, [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=2.0), "f")
+    penalised = run_all(engine, [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=2.0), "f")
     tokens = penalised["0/0"]
     assert len(set(tokens)) >= len(tokens) - 3
 
