@@ -69,7 +69,7 @@ class OpenVINOSession:
         return [np.array(by_name[name], copy=True) for name in (output_names or list(self.outputs))]
 
     def describe(self) -> str:
-        precision = self.compiled.get_property("INFERENCE_PRECISION_HINT")
+        precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
         threads = self.compiled.get_property("INFERENCE_NUM_THREADS")
         return f"OpenVINO CPU, {precision} products, {threads} threads"
 
