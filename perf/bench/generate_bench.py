@@ -955,6 +955,10 @@ def run_genai_perf(
     }
 
 
+OV_MATRIX = {"FullyConnected", "MatMul", "Gemm"}  # OpenVINO CPU node types: the weights' products
+OV_ATTENTION = {"PagedAttentionExtension", "PagedAttention"}
+
+
 def profile_step(
     engine, prompts: Sequence[str], batch: int, steps: int, steady: bool = False, warm_steps: int = 150
 ) -> dict[str, object]:
@@ -971,14 +975,25 @@ def profile_step(
     gathers and its attention kernel; ``other ops``: every other ATen op (norms, RoPE, SiLU,
     casts, sampling); ``outside ops``: the rest of the step's wall time, i.e. Python in the
     scheduler, block manager, runner, sampler and detokenizer plus op dispatch. Self times,
-    main thread."""
+    main thread. On the OpenVINO runtime the forward pass's nodes come from OpenVINO's own
+    counters (the runner is recompiled with them on): ``FullyConnected``/``MatMul`` nodes are
+    ``matrix``, ``PagedAttentionExtension`` is ``attention``, the rest ``other ops``; where the
+    counters add up to more than the runner's wall time they share that time out. A runtime
+    without such counters (llama.cpp) leaves the three columns empty: its forward pass is
+    ``runner_ms``."""
     from torch.profiler import ProfilerActivity, profile
 
+    from python_backends.generation.model_runner import ModelRunner
     from python_backends.generation.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=128 if steady else steps + 40, temperature=0.0, ignore_eos=True)
     ids = itertools.count()
     live: list[str] = []
+    runner = engine.runner
+    node_split = hasattr(runner, "node_times")  # the OpenVINO runtime: its own per-node counters
+    torch_split = isinstance(runner, ModelRunner)
+    if node_split:
+        runner.enable_node_profiling()  # before the warm-up: the recompiled model's first inferences are slow
 
     def add() -> None:
         n = next(ids)
@@ -1004,7 +1019,8 @@ def profile_step(
         for _ in range(3):
             engine.step()
     runner_s = 0.0
-    execute = engine.runner.execute
+    execute = runner.execute
+    nodes: dict[str, tuple[float, int]] = {}
 
     def timed(plan):
         nonlocal runner_s
@@ -1013,6 +1029,10 @@ def profile_step(
             return execute(plan)
         finally:
             runner_s += time.perf_counter() - t
+            if node_split:
+                for kind, (s, n) in runner.node_times().items():
+                    total, count = nodes.get(kind, (0.0, 0))
+                    nodes[kind] = (total + s, count + n)
 
     engine.runner.execute = timed
     wall = 0.0
@@ -1045,6 +1065,12 @@ def profile_step(
         us = e.self_cpu_time_total
         groups["matrix" if e.key in matrix else "attention" if e.key in attention else "other ops"] += us / 1e6
         top.append((us, e.key, e.count))
+    # OpenVINO's counters can add up to more than the inference's wall time (a node's time on both
+    # threads): then they only share out the runner's time.
+    scale = min(1.0, runner_s / max(sum(s for s, _ in nodes.values()), 1e-9))
+    for kind, (s, n) in nodes.items():  # the OpenVINO runtime's nodes, all steps summed
+        groups["matrix" if kind in OV_MATRIX else "attention" if kind in OV_ATTENTION else "other ops"] += s * scale
+        top.append((s * 1e6, f"ov::{kind}", n))
     in_ops = sum(groups.values())
     per = 1000.0 / steps
     out = {
@@ -1057,8 +1083,11 @@ def profile_step(
         "runner_ms": round(runner_s * per, 2),
         "engine_outside_runner_ms": round((wall - runner_s) * per, 2),
     }
+    split = torch_split or node_split
     for k, v in groups.items():
-        out[f"{k.replace(' ', '_')}_ms"] = round(v * per, 2)
+        out[f"{k.replace(' ', '_')}_ms"] = round(v * per, 2) if split else ""
+    if not split:  # the runtime's own ops are not seen: whatever ran outside it is what is known
+        in_ops = runner_s
     out["outside_ops_ms"] = round((wall - in_ops) * per, 2)
     # Op calls per step (nested ones included): what the Python and dispatch cost scales with, and not noisy.
     out["ops_per_step"] = sum(n for _, _, n in top) // steps

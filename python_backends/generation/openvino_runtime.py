@@ -103,29 +103,10 @@ class OpenVINORunner:
         self.vocab = int(weights.config.vocab_size)
         self.max_model_len = max_model_len
         self.num_threads = int(num_threads or os.cpu_count() or 1)
-        self.compiled = ov.Core().compile_model(
-            paged_model(weights.path),
-            "CPU",
-            {"INFERENCE_NUM_THREADS": self.num_threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1},
-        )
-        self._request = self.compiled.create_infer_request()
         self._caches: list[np.ndarray] = []  # every layer's K and V, shared with the request
         self.cache_type = ""
-        for port in self.compiled.inputs:
-            name = port.get_any_name()
-            if not name.startswith(("key_cache.", "value_cache.")):
-                continue
-            dims = [d.get_length() for d in list(port.get_partial_shape())[1:]]
-            element = port.get_element_type()
-            if element.size != 2 or dims[1] != block_size:
-                raise ConfigError(
-                    f"{weights.precision}: OpenVINO's CPU plugin keeps K/V as {element.get_type_name()} in blocks of "
-                    f"{dims[1]} tokens; block_size must be {dims[1]} (it is {block_size})"
-                )
-            array = np.zeros([num_blocks, *dims], np.uint16)
-            self._caches.append(array)
-            self._request.set_tensor(name, ov.Tensor(array, array.shape, element))
-            self.cache_type = element.get_type_name()
+        self.node_profiling = False
+        self._compile(num_blocks, block_size, {})  # the ov.Model is dropped once compiled: it holds a copy of the weights
         if len(self._caches) != 2 * self.config.num_layers:
             raise ConfigError(f"{weights.path.name}: {len(self._caches)} cache inputs for {self.config.num_layers} layers")
         self.block_size = block_size
@@ -140,6 +121,44 @@ class OpenVINORunner:
             self.kv_nbytes() / 2**20,
             self.num_threads,
         )
+
+    def _compile(self, num_blocks: int, block_size: int, extra: dict[str, object]) -> None:
+        """Compile the paged model and bind the K/V cache arrays (made on the first call) to its request."""
+        ov = self._ov
+        properties = {"INFERENCE_NUM_THREADS": self.num_threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, **extra}
+        self.compiled = ov.Core().compile_model(paged_model(self.weights.path), "CPU", properties)
+        self._request = self.compiled.create_infer_request()
+        fresh = not self._caches
+        cache_ports = [p for p in self.compiled.inputs if p.get_any_name().startswith(("key_cache.", "value_cache."))]
+        for i, port in enumerate(cache_ports):
+            dims = [d.get_length() for d in list(port.get_partial_shape())[1:]]
+            element = port.get_element_type()
+            if element.size != 2 or dims[1] != block_size:
+                raise ConfigError(
+                    f"{self.weights.precision}: OpenVINO's CPU plugin keeps K/V as {element.get_type_name()} in blocks of "
+                    f"{dims[1]} tokens; block_size must be {dims[1]} (it is {block_size})"
+                )
+            if fresh:
+                self._caches.append(np.zeros([num_blocks, *dims], np.uint16))
+            array = self._caches[i]
+            self._request.set_tensor(port.get_any_name(), ov.Tensor(array, array.shape, element))
+            self.cache_type = element.get_type_name()
+
+    def enable_node_profiling(self) -> None:
+        """Recompile with OpenVINO's per-node counters on (the cache is kept): :meth:`node_times` then
+        reads the last inference's time per node type. For the profiler only; the counters cost time."""
+        if not self.node_profiling:
+            self._compile(self.num_blocks, self.block_size, {"PERF_COUNT": True})
+            self.node_profiling = True
+
+    def node_times(self) -> dict[str, tuple[float, int]]:
+        """(seconds, nodes) per executed node type ("FullyConnected", "PagedAttentionExtension", ...) in the last inference."""
+        out: dict[str, tuple[float, int]] = {}
+        for info in self._request.profiling_info:
+            if info.status == info.Status.EXECUTED:
+                s, n = out.get(info.node_type, (0.0, 0))
+                out[info.node_type] = (s + info.real_time.total_seconds(), n + 1)
+        return out
 
     def kv_nbytes(self) -> int:
         return sum(a.nbytes for a in self._caches)
