@@ -62,7 +62,7 @@ VARIANTS: dict[str, Variant] = {
 # not imported here: that module loads torch).
 LLAMA_VARIANTS = ("llama_q4_0", "llama_q4_1", "llama_q8_0", "llama_bf16", "llama_f16")
 # The ov_* ones run on OpenVINO (python_backends/generation/openvino_runtime.OV_PRECISIONS).
-OV_VARIANTS = ("ov_f16",)
+OV_VARIANTS = ("ov_f16", "ov_int4_f16")
 GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16", *LLAMA_VARIANTS, *OV_VARIANTS)
 
 # What PRECISION=auto serves, best first, per hardware.

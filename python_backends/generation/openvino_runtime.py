@@ -19,6 +19,13 @@ prompt chunk, every position of a chunk with a draft), as vLLM's ``logits_indice
 OpenVINO's CPU plugin picks the cache's element type (BF16 on CPUs with AVX512-BF16 or AMX, else F16)
 and its block size (32): the block manager must use the same block size (``block_size`` 32 in the
 variant's config).
+
+``ov_int4_f16`` is one model computed two ways, as ``int4_bf16`` is on PyTorch: at load every layer's
+weights become 4-bit blocks of 32 (Q4_1's layout, :func:`~python_backends.generation.linear.int4_blocks`)
+and the head 8-bit blocks of 32. Steps of up to :data:`OV_INT4_MAX_ROWS` tokens run a graph that
+reads those codes (a quarter of the bytes: one stream is bound by reading the weights); larger steps
+run the F16 graph of the same rounded weights (OpenVINO's BF16 products beat its 4-bit ones from a
+few rows). Both graphs share the K/V cache.
 """
 
 from __future__ import annotations
@@ -37,8 +44,15 @@ from python_backends.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # variant -> the GGUF its OpenVINO model is built from (export/openvino_ir.py) and the IR's folder.
-OV_PRECISIONS = {"ov_f16": "f16"}
+OV_PRECISIONS = {"ov_f16": "f16", "ov_int4_f16": "f16"}
 OV_BLOCK_SIZE = 32  # the CPU plugin's paged-attention block
+# ov_int4_f16: its 4-bit graph runs steps of up to this many tokens (one or two decoding streams),
+# where reading 4-bit weights pays; OpenVINO's 4-bit products cost more than its BF16 ones from
+# about 4 rows (perf.bench.generate_bench --profile, docs/generation.md).
+OV_INT4_MAX_ROWS = 2
+OV_INT4_PRECISIONS = ("ov_int4_f16",)
+OV_INT4_GROUP = 32  # Q4_1's blocks: the layers' weights as 4-bit codes with a scale and a minimum each
+OV_HEAD_GROUP = 32  # the output head's 8-bit blocks (a scale each)
 IR_FILE = "openvino_model.xml"
 
 
@@ -91,6 +105,96 @@ def paged_model(xml: Path):
     return model
 
 
+def _weight_products(model):
+    """(MatMul, its [out, in] FP32 weight, transpose_b, is the head) for each product whose weight is a
+    converted constant: the layers' projections and the output head."""
+    head = model.get_results()[0].input_value(0).get_node()
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "MatMul":
+            continue
+        convert = node.input_value(1).get_node()
+        if convert.get_type_name() != "Convert" or convert.input_value(0).get_node().get_type_name() != "Constant":
+            continue
+        weight = convert.input_value(0).get_node().get_data().astype(np.float32)
+        transpose_b = bool(node.get_attributes().get("transpose_b", False))
+        yield node, weight if transpose_b else weight.T, transpose_b, node is head
+
+
+def int4_codes(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [out, blocks, 32] uint8, scale and zero point [out, blocks, 1] float16): Q4_1 blocks
+    (:func:`~python_backends.generation.linear.int4_blocks`, ``w = q * scale + minimum``) in OpenVINO's
+    decompression form ``w = (q - zero point) * scale``. A block of equal weights (scale 0) gets
+    scale ``minimum / 8`` and zero point -8."""
+    from python_backends.generation.linear import int4_blocks
+
+    out_features, in_features = weight.shape
+    q, scale, minimum = int4_blocks(torch.from_numpy(np.ascontiguousarray(weight)), OV_INT4_GROUP)
+    shape = (out_features, in_features // OV_INT4_GROUP, 1)
+    codes = q.numpy().astype(np.uint8).reshape(out_features, -1, OV_INT4_GROUP)
+    scale_np, minimum_np = scale.numpy().reshape(shape), minimum.numpy().reshape(shape)
+    flat = scale_np == 0
+    scale16 = np.where(flat, minimum_np / 8, scale_np).astype(np.float16)
+    wide = np.where(scale16 == 0, 1, scale16).astype(np.float32)
+    zero_point = np.where(flat, -8, -minimum_np / wide).astype(np.float16)
+    return codes, scale16, zero_point
+
+
+def int4_values(codes: np.ndarray, scale: np.ndarray, zero_point: np.ndarray) -> np.ndarray:
+    """The weights OpenVINO decodes from :func:`int4_codes`' parts, FP32 ``[out, in]``."""
+    values = (codes.astype(np.float32) - zero_point.astype(np.float32)) * scale.astype(np.float32)
+    return values.reshape(codes.shape[0], -1)
+
+
+def int8_codes(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [out, blocks, 32] int8, scale [out, blocks, 1] float16): symmetric 8-bit blocks."""
+    blocks = weight.reshape(weight.shape[0], -1, OV_HEAD_GROUP)
+    scale = (np.abs(blocks).max(-1, keepdims=True) / 127).astype(np.float16)
+    wide = scale.astype(np.float32)
+    codes = np.round(blocks / np.where(wide == 0, 1, wide)).clip(-127, 127).astype(np.int8)
+    return codes, scale
+
+
+def quantize_int4(large, small) -> int:
+    """Round both copies of one paged model to ``ov_int4_f16``'s weights: in ``small`` each product reads
+    its 4-bit (head: 8-bit) codes through OpenVINO's decompression pattern, in ``large`` an F16 constant
+    of the same values. Returns the number of products rounded."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    def layout(value, out_features: int, in_features: int, transpose_b: bool):
+        value = ops.reshape(value, ops.constant(np.array([out_features, in_features], np.int64)), False)
+        return value if transpose_b else ops.transpose(value, ops.constant(np.array([1, 0], np.int64)))
+
+    n = 0
+    for (big, weight, transpose_b, is_head), (node, *_) in zip(_weight_products(large), _weight_products(small)):
+        out_features, in_features = weight.shape
+        if in_features % OV_INT4_GROUP:
+            raise ConfigError(f"a {in_features}-input product does not split into blocks of {OV_INT4_GROUP}")
+        if is_head:
+            codes, scale = int8_codes(weight)
+            values = codes.astype(np.float32) * scale.astype(np.float32)
+            decoded = ops.multiply(ops.convert(ops.constant(codes), ov.Type.f16), ops.constant(scale))
+        else:
+            codes, scale, zero_point = int4_codes(weight)
+            values = int4_values(codes, scale, zero_point)
+            packed = codes.reshape(-1)
+            u4 = ov.Tensor(ov.Type.u4, ov.Shape(list(codes.shape)))
+            np.copyto(u4.data.reshape(-1), (packed[0::2] | (packed[1::2] << 4)).astype(np.uint8))
+            decoded = ops.multiply(
+                ops.subtract(ops.convert(ops.constant(u4), ov.Type.f16), ops.constant(zero_point)), ops.constant(scale)
+            )
+        node.input(1).replace_source_output(
+            ops.convert(layout(decoded, out_features, in_features, transpose_b), ov.Type.f32).output(0)
+        )
+        rounded = values.reshape(out_features, in_features).astype(np.float16)
+        constant = ops.constant(rounded if transpose_b else np.ascontiguousarray(rounded.T))
+        big.input(1).replace_source_output(ops.convert(constant, ov.Type.f32).output(0))
+        n += 1
+    large.validate_nodes_and_infer_types()
+    small.validate_nodes_and_infer_types()
+    return n
+
+
 class OpenVINORunner:
     """An OpenVINO paged-attention model behind :class:`~python_backends.generation.model_runner.ModelRunner`'s interface."""
 
@@ -106,6 +210,7 @@ class OpenVINORunner:
         self._caches: list[np.ndarray] = []  # every layer's K and V, shared with the request
         self.cache_type = ""
         self.node_profiling = False
+        self.compiled_small: Any = None  # ov_int4_f16's 4-bit graph
         self._compile(num_blocks, block_size, {})  # the ov.Model is dropped once compiled: it holds a copy of the weights
         if len(self._caches) != 2 * self.config.num_layers:
             raise ConfigError(f"{weights.path.name}: {len(self._caches)} cache inputs for {self.config.num_layers} layers")
@@ -123,11 +228,26 @@ class OpenVINORunner:
         )
 
     def _compile(self, num_blocks: int, block_size: int, extra: dict[str, object]) -> None:
-        """Compile the paged model and bind the K/V cache arrays (made on the first call) to its request."""
+        """Compile the paged model (ov_int4_f16: both its graphs) and bind the K/V cache arrays (made on
+        the first call) to each request."""
         ov = self._ov
         properties = {"INFERENCE_NUM_THREADS": self.num_threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, **extra}
-        self.compiled = ov.Core().compile_model(paged_model(self.weights.path), "CPU", properties)
+        core = ov.Core()
+        large = paged_model(self.weights.path)
+        small = None
+        if self.weights.precision in OV_INT4_PRECISIONS:
+            small = paged_model(self.weights.path)
+            quantize_int4(large, small)
+        self.compiled = core.compile_model(large, "CPU", properties)
+        del large  # the ov.Model holds a copy of the weights
         self._request = self.compiled.create_infer_request()
+        self._small = None
+        if small is not None:
+            # The 4-bit products decode each weight block in F16 (no 8-bit activations): the gate's numbers.
+            self.compiled_small = core.compile_model(small, "CPU", {**properties, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
+            del small
+            self._small = self.compiled_small.create_infer_request()
+        self._last = self._request
         fresh = not self._caches
         cache_ports = [p for p in self.compiled.inputs if p.get_any_name().startswith(("key_cache.", "value_cache."))]
         for i, port in enumerate(cache_ports):
@@ -141,7 +261,9 @@ class OpenVINORunner:
             if fresh:
                 self._caches.append(np.zeros([num_blocks, *dims], np.uint16))
             array = self._caches[i]
-            self._request.set_tensor(port.get_any_name(), ov.Tensor(array, array.shape, element))
+            for request in (self._request, self._small):
+                if request is not None:  # both graphs read and write the same cache
+                    request.set_tensor(port.get_any_name(), ov.Tensor(array, array.shape, element))
             self.cache_type = element.get_type_name()
 
     def enable_node_profiling(self) -> None:
@@ -154,7 +276,7 @@ class OpenVINORunner:
     def node_times(self) -> dict[str, tuple[float, int]]:
         """(seconds, nodes) per executed node type ("FullyConnected", "PagedAttentionExtension", ...) in the last inference."""
         out: dict[str, tuple[float, int]] = {}
-        for info in self._request.profiling_info:
+        for info in self._last.profiling_info:
             if info.status == info.Status.EXECUTED:
                 s, n = out.get(info.node_type, (0.0, 0))
                 out[info.node_type] = (s + info.real_time.total_seconds(), n + 1)
@@ -164,8 +286,8 @@ class OpenVINORunner:
         return sum(a.nbytes for a in self._caches)
 
     def close(self) -> None:
-        self._request = None
-        self.compiled = None
+        self._request = self._small = self._last = None
+        self.compiled = self.compiled_small = None
         self._caches = []
 
     def copy_blocks(self, copies) -> None:
@@ -191,7 +313,8 @@ class OpenVINORunner:
             "max_context_len": np.array(max(ends), np.int32),
             "logits_indices": rows,
         }
-        request = self._request
+        request = self._small if self._small is not None and len(tokens) <= OV_INT4_MAX_ROWS else self._request
+        self._last = request
         for name, value in feed.items():
             request.set_tensor(name, ov.Tensor(value))
         request.infer()

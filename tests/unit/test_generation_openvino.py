@@ -9,13 +9,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from export import generation_gate, variants
 from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, LLMEngine
-from python_backends.generation.openvino_runtime import IR_FILE, OV_BLOCK_SIZE, OV_PRECISIONS, ir_dir
+from python_backends.generation.linear import int4_blocks
+from python_backends.generation.openvino_runtime import (
+    IR_FILE,
+    OV_BLOCK_SIZE,
+    OV_INT4_MAX_ROWS,
+    OV_PRECISIONS,
+    int4_codes,
+    int4_values,
+    int8_codes,
+    ir_dir,
+)
 from python_backends.generation.sampling import SamplingParams
 from tests.unit.runtime_checks import PROMPTS, SYSTEM, margins, run_all, same_until_a_near_tie
 
@@ -151,3 +162,68 @@ def test_every_variant_is_named_by_its_runtime_and_its_config_takes_the_plugins_
     text = generation_gate.variant_config(base, PRECISION, "")
     assert f'key: "block_size" value: {{ string_value: "{OV_BLOCK_SIZE}" }}' in text
     assert f'key: "weights_precision" value: {{ string_value: "{PRECISION}" }}' in text
+
+
+def _kl(reference: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    a, b = torch.log_softmax(reference, -1), torch.log_softmax(got, -1)
+    return (a.exp() * (a - b)).sum(-1)
+
+
+def test_int4_codes_decode_to_q4_1s_values_and_a_flat_block_keeps_its_value():
+    torch.manual_seed(0)
+    weight = torch.randn(8, 64)
+    weight[3, :32] = 0.25  # a block of equal weights: Q4_1's scale is 0
+    weight[4, 32:] = -1.5
+    weight[5, :32] = 0.0
+    q, scale, minimum = int4_blocks(weight)
+    expected = (q.reshape(8, 2, 32).float() * scale[..., None] + minimum[..., None]).reshape(8, 64)
+    codes, s16, zero_point = int4_codes(weight.numpy())
+    assert codes.dtype == np.uint8 and codes.max() <= 15 and codes.shape == (8, 2, 32)
+    got = torch.from_numpy(int4_values(codes, s16, zero_point))
+    # OpenVINO's scale and zero point are F16: within F16's rounding of Q4_1's values
+    assert torch.allclose(got, expected, rtol=2e-3, atol=2e-3)
+    assert torch.equal(got[3, :32], torch.full((32,), 0.25)) and torch.equal(got[4, 32:], torch.full((32,), -1.5))
+    assert torch.equal(got[5, :32], torch.zeros(32))
+    head, head_scale = int8_codes(weight.numpy())
+    decoded = head.astype(np.float32) * head_scale.astype(np.float32)
+    assert np.abs(decoded.reshape(8, 64) - weight.numpy()).max() <= np.abs(weight.numpy()).max() / 127
+
+
+@pytest.fixture(scope="module")
+def int4_engine() -> LLMEngine:
+    return _engine(weights_precision="ov_int4_f16")
+
+
+def test_int4_variant_runs_small_steps_on_its_codes_and_both_paths_match_the_fp32_engine(int4_engine):
+    from python_backends.generation.model_runner import LlamaWeights, ModelRunner
+
+    runner = int4_engine.runner
+    ids = int4_engine.encode("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is")
+    ids = ids[: len(ids) // 6 * 6]  # the last chunk as long as the others, so it takes the same path
+    reference = ModelRunner(LlamaWeights.from_folder(MODEL_DIR), 64, 16, 1024).sequence_logits(ids)
+    by_path = {}
+    for chunk, small in ((256, False), (OV_INT4_MAX_ROWS, True), (OV_INT4_MAX_ROWS + 1, False)):
+        got = runner.sequence_logits(ids, chunk=chunk)
+        assert (runner._last is runner._small) is small, chunk  # the step's size picks the graph
+        assert float(_kl(reference, got).mean()) < 3e-3 and (reference.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
+        by_path[small] = got
+    # one model computed two ways (BF16 products of the F16 values, or the codes decoded per block): the
+    # paths agree with each other within the gate's bar too
+    between = _kl(by_path[False], by_path[True])
+    assert float(between.mean()) < 3e-3 and (by_path[False].argmax(-1) == by_path[True].argmax(-1)).float().mean() >= 0.95
+
+
+def test_int4_variant_serves_the_engines_features_with_the_paths_mixed(int4_engine):
+    # one stream decodes on the codes, a batch on F16; the prefix cache's blocks come from either
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [SYSTEM + p for p in PROMPTS[:4]]
+    alone, lp = {}, {}
+    for i, p in enumerate(prompts):
+        one_lp: dict = {}
+        one = run_all(int4_engine, [p], params, f"int4-solo{i}-", one_lp)
+        alone[f"{i}/0"], lp[f"{i}/0"] = one["0/0"], one_lp["0/0"]
+    batched = run_all(int4_engine, prompts, params, "int4-b")
+    same_until_a_near_tie(alone, margins(lp), batched)
+    n = run_all(int4_engine, [prompts[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2), "int4-n")
+    assert n["0/0"] == n["0/1"]
+    assert int4_engine.block_manager.num_used_blocks == 0 or not int4_engine.has_unfinished()
