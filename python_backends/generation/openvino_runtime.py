@@ -20,12 +20,12 @@ OpenVINO's CPU plugin picks the cache's element type (BF16 on CPUs with AVX512-B
 and its block size (32): the block manager must use the same block size (``block_size`` 32 in the
 variant's config).
 
-``ov_int4_f16`` is one model computed two ways, as ``int4_bf16`` is on PyTorch: at load every layer's
-weights become 4-bit blocks of 32 (Q4_1's layout, :func:`~python_backends.generation.linear.int4_blocks`)
-and the head 8-bit blocks of 32. Steps of up to :data:`OV_INT4_MAX_ROWS` tokens run a graph that
-reads those codes (a quarter of the bytes: one stream is bound by reading the weights); larger steps
-run the F16 graph of the same rounded weights (OpenVINO's BF16 products beat its 4-bit ones from a
-few rows). Both graphs share the K/V cache.
+``ov_int4_f16`` adds a second graph over the same K/V cache for steps of up to :data:`OV_INT4_MAX_ROWS`
+tokens (one or two decoding streams), where a step is bound by reading the weights: every layer's
+product reads 4-bit blocks of 32 (Q4_1's layout, :func:`~python_backends.generation.linear.int4_blocks`,
+so the GGUF's Q4_1 blocks come back exactly), the head 8-bit blocks of 32 (:func:`quantize_int4`, run
+by the export). Larger steps run ``ov_f16``'s graph: on two cores OpenVINO's BF16 products beat its
+4-bit ones from a few rows.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ OV_INT4_PRECISIONS = ("ov_int4_f16",)
 OV_INT4_GROUP = 32  # Q4_1's blocks: the layers' weights as 4-bit codes with a scale and a minimum each
 OV_HEAD_GROUP = 32  # the output head's 8-bit blocks (a scale each)
 IR_FILE = "openvino_model.xml"
+INT4_IR_FILE = "openvino_model_int4.xml"  # ov_int4_f16's 4-bit graph, beside the F16 one (export/openvino_ir.py)
 
 
 def ir_dir(model_dir: str | Path, precision: str) -> Path:
@@ -67,9 +68,10 @@ class OVWeights:
     config: Any
     path: Path  # openvino_model.xml
     precision: str
+    int4_path: Path | None = None  # ov_int4_f16: openvino_model_int4.xml
 
     def nbytes(self) -> int:
-        return self.path.with_suffix(".bin").stat().st_size
+        return sum(p.with_suffix(".bin").stat().st_size for p in (self.path, self.int4_path) if p is not None)
 
     @classmethod
     def from_folder(cls, folder: str | Path, precision: str) -> OVWeights:
@@ -78,9 +80,11 @@ class OVWeights:
         if precision not in OV_PRECISIONS:
             raise ConfigError(f"weights_precision {precision!r}: expected one of {', '.join(OV_PRECISIONS)}")
         path = ir_dir(folder, precision) / IR_FILE
-        if not path.is_file() or not path.with_suffix(".bin").is_file():
-            raise ConfigError(f"{path} is missing: export it first (python -m export)")
-        return cls(LlamaConfig.from_folder(folder), path, precision)
+        int4_path = path.with_name(INT4_IR_FILE) if precision in OV_INT4_PRECISIONS else None
+        for p in (path, int4_path):
+            if p is not None and not (p.is_file() and p.with_suffix(".bin").is_file()):
+                raise ConfigError(f"{p} is missing: export it first (python -m export)")
+        return cls(LlamaConfig.from_folder(folder), path, precision, int4_path)
 
 
 def paged_model(xml: Path):
@@ -154,10 +158,10 @@ def int8_codes(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, scale
 
 
-def quantize_int4(large, small) -> int:
-    """Round both copies of one paged model to ``ov_int4_f16``'s weights: in ``small`` each product reads
-    its 4-bit (head: 8-bit) codes through OpenVINO's decompression pattern, in ``large`` an F16 constant
-    of the same values. Returns the number of products rounded."""
+def quantize_int4(model) -> int:
+    """``ov_int4_f16``'s 4-bit graph: each layer's product in ``model`` reads 4-bit codes (the head 8-bit
+    ones) through OpenVINO's decompression pattern (codes -> F16, minus the zero point, times the scale),
+    which the CPU plugin runs inside its matrix kernel. Returns the number of products rounded."""
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -166,19 +170,17 @@ def quantize_int4(large, small) -> int:
         return value if transpose_b else ops.transpose(value, ops.constant(np.array([1, 0], np.int64)))
 
     n = 0
-    for (big, weight, transpose_b, is_head), (node, *_) in zip(_weight_products(large), _weight_products(small)):
+    for node, weight, transpose_b, is_head in list(_weight_products(model)):
         out_features, in_features = weight.shape
         if in_features % OV_INT4_GROUP:
             raise ConfigError(f"a {in_features}-input product does not split into blocks of {OV_INT4_GROUP}")
         if is_head:
             codes, scale = int8_codes(weight)
-            values = codes.astype(np.float32) * scale.astype(np.float32)
             decoded = ops.multiply(ops.convert(ops.constant(codes), ov.Type.f16), ops.constant(scale))
         else:
-            codes, scale, zero_point = int4_codes(weight)
-            values = int4_values(codes, scale, zero_point)
-            packed = codes.reshape(-1)
-            u4 = ov.Tensor(ov.Type.u4, ov.Shape(list(codes.shape)))
+            codes4, scale, zero_point = int4_codes(weight)
+            packed = codes4.reshape(-1)
+            u4 = ov.Tensor(ov.Type.u4, ov.Shape(list(codes4.shape)))
             np.copyto(u4.data.reshape(-1), (packed[0::2] | (packed[1::2] << 4)).astype(np.uint8))
             decoded = ops.multiply(
                 ops.subtract(ops.convert(ops.constant(u4), ov.Type.f16), ops.constant(zero_point)), ops.constant(scale)
@@ -186,12 +188,8 @@ def quantize_int4(large, small) -> int:
         node.input(1).replace_source_output(
             ops.convert(layout(decoded, out_features, in_features, transpose_b), ov.Type.f32).output(0)
         )
-        rounded = values.reshape(out_features, in_features).astype(np.float16)
-        constant = ops.constant(rounded if transpose_b else np.ascontiguousarray(rounded.T))
-        big.input(1).replace_source_output(ops.convert(constant, ov.Type.f32).output(0))
         n += 1
-    large.validate_nodes_and_infer_types()
-    small.validate_nodes_and_infer_types()
+    model.validate_nodes_and_infer_types()
     return n
 
 
@@ -233,19 +231,13 @@ class OpenVINORunner:
         ov = self._ov
         properties = {"INFERENCE_NUM_THREADS": self.num_threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, **extra}
         core = ov.Core()
-        large = paged_model(self.weights.path)
-        small = None
-        if self.weights.precision in OV_INT4_PRECISIONS:
-            small = paged_model(self.weights.path)
-            quantize_int4(large, small)
-        self.compiled = core.compile_model(large, "CPU", properties)
-        del large  # the ov.Model holds a copy of the weights
+        self.compiled = core.compile_model(paged_model(self.weights.path), "CPU", properties)
         self._request = self.compiled.create_infer_request()
         self._small = None
-        if small is not None:
+        if self.weights.int4_path is not None:
             # The 4-bit products decode each weight block in F16 (no 8-bit activations): the gate's numbers.
-            self.compiled_small = core.compile_model(small, "CPU", {**properties, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
-            del small
+            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+            self.compiled_small = core.compile_model(paged_model(self.weights.int4_path), "CPU", properties)
             self._small = self.compiled_small.create_infer_request()
         self._last = self._request
         fresh = not self._caches
