@@ -71,8 +71,8 @@ DESCRIPTIONS = {
     "llama_bf16": "llama.cpp, BF16 weights and products from the FP32 export, F16 K/V",
     "llama_f16": "llama.cpp, F16 weights and products from the FP32 export, F16 K/V",
     "ov_f16": "OpenVINO, GenAI's graph of the F16 GGUF, paged attention; BF16 products and K/V on AVX512-BF16 / AMX, else F32 / F16",
-    "ov_int4_f16": "OpenVINO, ov_f16's graph with 4-bit blocks of 32 (Q4_1's, from the F16 weights) and an 8-bit head: read as codes "
-    "at up to 2 tokens a step, as F16 above",
+    "ov_int4_f16": "OpenVINO, ov_f16's graph with 4-bit blocks of 32 (Q4_1's, from the F16 weights) and an 8-bit head for steps of "
+    "up to 2 tokens, ov_f16's graph above",
 }
 LARGE_CHUNK = 256
 
@@ -295,12 +295,13 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     llama += [f"llama_{OV_PRECISIONS[p]}" for p in openvino if f"llama_{OV_PRECISIONS[p]}" not in llama]
     if llama:  # made from these FP32 weights every time they are gated (15 s)
         make_ggufs(model_dir, llama)
-    for precision in {ir_dir(model_dir, p): p for p in openvino}.values():  # GenAI's graph of each GGUF (10 s)
+    # GenAI's graph of each GGUF once (10 s), then the 4-bit graphs made from it (the gate below
+    # reports a variant that could not be built as failed)
+    builds = [(make_ir, p) for p in {ir_dir(model_dir, p): p for p in openvino}.values()]
+    for make, precision in builds + [(make_int4_ir, p) for p in openvino if p in OV_INT4_PRECISIONS]:
         try:
-            make_ir(model_dir, precision)
-            for int4 in (p for p in openvino if p in OV_INT4_PRECISIONS and ir_dir(model_dir, p) == ir_dir(model_dir, precision)):
-                make_int4_ir(model_dir, int4)
-        except Exception as exc:  # noqa: BLE001 - the gate below reports the variant as failed to build
+            make(model_dir, precision)
+        except Exception as exc:  # noqa: BLE001
             log.warning("%s/%s: %s", MODEL, precision, exc)
     gates = variant_files.load_gates().get(MODEL, {})
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

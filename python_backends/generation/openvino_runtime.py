@@ -48,10 +48,9 @@ OV_PRECISIONS = {"ov_f16": "f16", "ov_int4_f16": "f16"}
 OV_BLOCK_SIZE = 32  # the CPU plugin's paged-attention block
 # ov_int4_f16: its 4-bit graph runs steps of up to this many tokens (one or two decoding streams),
 # where reading 4-bit weights pays; OpenVINO's 4-bit products cost more than its BF16 ones from
-# about 4 rows (perf.bench.generate_bench --profile, docs/generation.md).
+# about 4 rows (docs/generation.md#four-bit-weights-for-a-lone-stream).
 OV_INT4_MAX_ROWS = 2
 OV_INT4_PRECISIONS = ("ov_int4_f16",)
-OV_INT4_GROUP = 32  # Q4_1's blocks: the layers' weights as 4-bit codes with a scale and a minimum each
 OV_HEAD_GROUP = 32  # the output head's 8-bit blocks (a scale each)
 IR_FILE = "openvino_model.xml"
 INT4_IR_FILE = "openvino_model_int4.xml"  # ov_int4_f16's 4-bit graph, beside the F16 one (export/openvino_ir.py)
@@ -131,10 +130,9 @@ def int4_codes(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scale ``minimum / 8`` and zero point -8."""
     from python_backends.generation.linear import int4_blocks
 
-    out_features, in_features = weight.shape
-    q, scale, minimum = int4_blocks(torch.from_numpy(np.ascontiguousarray(weight)), OV_INT4_GROUP)
-    shape = (out_features, in_features // OV_INT4_GROUP, 1)
-    codes = q.numpy().astype(np.uint8).reshape(out_features, -1, OV_INT4_GROUP)
+    q, scale, minimum = int4_blocks(torch.from_numpy(np.ascontiguousarray(weight)))  # refuses a partial block
+    shape = (*scale.shape, 1)
+    codes = q.numpy().astype(np.uint8).reshape(*scale.shape, -1)
     scale_np, minimum_np = scale.numpy().reshape(shape), minimum.numpy().reshape(shape)
     flat = scale_np == 0
     scale16 = np.where(flat, minimum_np / 8, scale_np).astype(np.float16)
@@ -170,10 +168,8 @@ def quantize_int4(model) -> int:
         return value if transpose_b else ops.transpose(value, ops.constant(np.array([1, 0], np.int64)))
 
     n = 0
-    for node, weight, transpose_b, is_head in list(_weight_products(model)):
+    for node, weight, transpose_b, is_head in _weight_products(model):  # one FP32 weight at a time
         out_features, in_features = weight.shape
-        if in_features % OV_INT4_GROUP:
-            raise ConfigError(f"a {in_features}-input product does not split into blocks of {OV_INT4_GROUP}")
         if is_head:
             codes, scale = int8_codes(weight)
             decoded = ops.multiply(ops.convert(ops.constant(codes), ov.Type.f16), ops.constant(scale))
