@@ -886,11 +886,14 @@ class EngineLoop:
                 self.step_errors += 1
                 log.exception("engine step failed; failing its %d requests", self.engine.num_requests)
                 outputs = self.engine.fail_all(RuntimeError(f"generation failed: {exc}"))
+            # Count submits before the outputs go out: a client that gets its last output may
+            # send its next request before this thread runs again, and that one must count.
+            with self._lock:
+                submits_at = self._submits
             for out in outputs:
                 self._emit(out)
             finished = sum(1 for out in outputs if out.last)
-            with self._lock:
-                finished_at, submits_at = time.monotonic(), self._submits
+            finished_at = time.monotonic()
         for out in self.engine.fail_all(Unavailable("the model is unloading")):
             self._emit(out)
         with self._lock:

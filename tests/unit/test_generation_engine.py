@@ -620,13 +620,17 @@ def test_admission_window_lets_a_burst_share_its_first_step(hf, prompts):
                 firsts[key] = out.metrics.first_scheduled
             if out.finished:
                 done[key].set()
-                if then is not None:  # the client's next request, a few ms later (a closed loop)
-                    threading.Timer(then[1], lambda: loop.submit(then[0], prompts[2], short, on_output(then[0]))).start()
+                if then is not None:  # the client's next request (a closed loop)
+                    nxt = then[0]
+                    if then[1] == 0:  # at once, before the engine thread records the step's end
+                        loop.submit(nxt, prompts[2], short, on_output(nxt))
+                    else:  # a few ms later
+                        threading.Timer(then[1], lambda: loop.submit(nxt, prompts[2], short, on_output(nxt))).start()
 
         return cb
 
     try:
-        loop.submit("A", prompts[0], short, on_output("A", ("C", 0.005)))
+        loop.submit("A", prompts[0], short, on_output("A", ("C", 0)))
         time.sleep(0.02)  # B comes 20 ms after A: the engine woke for A, and waited
         loop.submit("B", prompts[1], short, on_output("B", ("D", 0.015)))
         for k in "ABCD":
