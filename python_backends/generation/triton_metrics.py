@@ -16,7 +16,8 @@ Names follow vLLM's (``vllm:<name>`` there, ``llm_<name>`` here), all labelled
   ``llm_kv_cache_blocks_used``, ``llm_kv_cache_blocks_total``.
 
 Every Metric call is a round trip to the Triton process, so the engine thread only
-queues events; one reporter thread makes the calls.
+queues events; one reporter thread makes the calls, and adds a step's generated tokens to
+their counter in one call once it has drained the step's outputs.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class GenerationMetrics:
         self._seen = {name: int((baseline or {}).get(key, 0)) for key, name in STAT_COUNTERS.items()}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._last_token: dict[Any, float] = {}
+        self._unreported_tokens = 0  # generated tokens not yet added to llm_generation_tokens_total
         self._thread = threading.Thread(target=self._report, name="generation-metrics", daemon=True)
         self._thread.start()
 
@@ -145,8 +147,11 @@ class GenerationMetrics:
     # ---- reporter thread -----------------------------------------------------------------
     def _report(self) -> None:
         while True:
+            if self._unreported_tokens and self._events.empty():  # a step's outputs are in: one call for their tokens
+                self._flush_tokens()
             kind, item = self._events.get()
             if kind == "stop":
+                self._flush_tokens()
                 return
             try:
                 if kind == "output":
@@ -156,13 +161,21 @@ class GenerationMetrics:
             except Exception:  # noqa: BLE001 - metrics must never take generation down
                 log.exception("recording generation metrics failed")
 
+    def _flush_tokens(self) -> None:
+        tokens, self._unreported_tokens = self._unreported_tokens, 0
+        if tokens:
+            try:
+                self.generation_tokens.increment(tokens)
+            except Exception:  # noqa: BLE001 - metrics must never take generation down
+                log.exception("recording generation metrics failed")
+
     def _record_output(self, out: RequestOutput) -> None:
         m = out.metrics
         if m is None:
             return
         rid = (out.request_id, out.index)  # a stream: one choice of the request
         if out.token_ids:
-            self.generation_tokens.increment(len(out.token_ids))
+            self._unreported_tokens += len(out.token_ids)  # one counter call per drained burst (_report)
             previous = self._last_token.get(rid)
             if previous is None and m.first_token is not None:
                 self.ttft.observe(m.first_token - m.arrival)
@@ -175,6 +188,7 @@ class GenerationMetrics:
         if out.finished:
             self._last_token.pop(rid, None)
         if out.last:  # the request's, once whatever its n
+            self._flush_tokens()  # a scrape that sees the request finished sees all its tokens
             self.prompt_tokens.increment(out.num_input_tokens)
             self.success.get(out.finish_reason or "abort", self.success["abort"]).increment(1)
             if m.finished is not None:

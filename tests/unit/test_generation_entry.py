@@ -174,3 +174,39 @@ def test_the_reply_pump_sends_in_order_watches_cancellation_and_aborts_a_failed_
     assert ordered.sent == [(i, i == 199) for i in range(200)]
     assert broken.sent == [(0, False)] and watched.sent == [("failed", "abort")]
     assert cancelled == [3, 2]  # request 1 finished: no longer watched
+
+
+def test_the_reply_pump_bounds_its_cancellation_polls_and_still_finds_every_cancelled_stream():
+    """At 16-32 streams, asking each stream every 20 ms was 800-1,600 round trips a second to
+    tritonserver; the pump asks at most max_polls_per_s streams a second, in turn."""
+    import time
+
+    from python_backends.generation.entry import ReplyPump
+
+    found: list = []
+    all_found = threading.Event()
+    replies = {rid: _PumpReply() for rid in range(40)}
+
+    def on_cancel(request_id):
+        found.append(request_id)
+        if len(found) == 3:
+            all_found.set()
+
+    with pytest.raises(ValueError, match="max_polls_per_s"):
+        ReplyPump(on_cancel, max_polls_per_s=0)
+    pump = ReplyPump(on_cancel, poll_s=0.005, max_polls_per_s=400)  # 2 streams a sweep
+    assert pump.polls_per_sweep == 2
+    started = time.monotonic()
+    for rid, reply in replies.items():
+        pump.watch(rid, reply)
+    for rid in (0, 21, 39):  # the first, one in the middle, the last
+        replies[rid].cancelled = True
+    try:
+        assert all_found.wait(10), found
+        elapsed = time.monotonic() - started
+        assert sorted(found) == [0, 21, 39]
+        # Never more than 2 polls per 5 ms sweep (a slow machine only sweeps less often).
+        assert pump.polls <= 2 * (elapsed / 0.005 + 2), (pump.polls, elapsed)
+        assert pump.polls >= 37  # every watched stream was asked before the last one was found
+    finally:
+        pump.stop()
