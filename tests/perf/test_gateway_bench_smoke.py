@@ -1,7 +1,8 @@
 """A tiny run of perf.bench.gateway_bench: every system answers, the report is complete and its figures sane.
 
-It starts its own tritonserver (text_embedding_cached, text_embedding, text_generation) and
-two gateways, runs one short round of every embeddings system and both chat systems, and
+It starts its own tritonserver (text_embedding_cached, text_embedding, text_generation), two
+gateways and the embeddings peer (infinity-emb, INT8 and FP32: installed into its own virtualenv
+on first use), runs one short round of every embeddings system and both chat systems, and
 checks the structure of the JSON and the table, never the figures' size: these machines are
 small and shared.
 """
@@ -64,9 +65,12 @@ def test_tiny_gateway_bench_measures_every_system(tmp_path):
     for name in (
         "embeddings unique, gateway / direct throughput, c4",
         "embeddings repeated, gateway / direct P99, c4",
+        "embeddings unique, direct / infinity throughput, c4",
+        "embeddings unique, gateway / infinity_fp32 P99, c4",
         "chat c1, gateway / direct tokens/s",
     ):
         assert names[name]["value"] > 0, names.get(name)
     assert isinstance(names["chat c1, gateway - direct TTFT P50 (ms)"]["value"], float)
     assert "| ratio | value | target | met | from |" in table
     assert out.with_name("gateway-tritonserver.log").is_file() and out.with_name("gateway-gateway-log.log").is_file()
+    assert out.with_name("gateway-infinity.log").is_file() and out.with_name("gateway-infinity_fp32.log").is_file()
