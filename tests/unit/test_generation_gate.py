@@ -204,6 +204,33 @@ def test_the_probe_picks_the_fastest_product_and_never_a_llama_variant(monkeypat
     assert set(generation_gate.AUTO_EXCLUDED) == {p for p in variants.GENERATION_VARIANTS if p.startswith("llama_")}
 
 
+def test_the_probe_keeps_each_candidates_best_of_two_interleaved_rounds(monkeypatch, tmp_path):
+    """A busy neighbour slowed ov_int4_f16's first probe: its second, in reversed order, counts. Excluded
+    variants are probed once; one whose probe fails is neither probed again nor chosen."""
+    figures = {
+        "ov_int4_f16": [{1: 30.0, 16: 250.0}, {1: 80.0, 16: 520.0}],
+        "ov_f16": [{1: 55.0, 16: 530.0}, {1: 50.0, 16: 500.0}],
+        "llama_bf16": [{1: 90.0, 16: 460.0}],
+        "bf16": [RuntimeError("no BF16 here")],
+    }
+    calls: list[str] = []
+
+    def probe(model_dir, precision):
+        calls.append(precision)
+        figure = figures[precision][sum(1 for c in calls if c == precision) - 1]
+        if isinstance(figure, Exception):
+            raise figure
+        return dict(figure)
+
+    monkeypatch.setattr(generation_gate, "probe_speeds", probe)
+    rows = {p: {} for p in figures}
+    assert generation_gate.choose_best(tmp_path, list(figures), rows) == "ov_int4_f16"
+    assert calls == ["ov_int4_f16", "ov_f16", "llama_bf16", "bf16", "ov_f16", "ov_int4_f16"]
+    assert rows["ov_int4_f16"]["probe_tokens_per_s"] == {"1": 80.0, "16": 520.0}
+    assert rows["ov_f16"]["probe_tokens_per_s"] == {"1": 55.0, "16": 530.0}  # the best of each concurrency
+    assert "probe_tokens_per_s" not in rows["bf16"]
+
+
 @EXPORTED
 def test_the_probe_runs_in_a_process_of_its_own_and_reports_each_concurrency():
     speeds = generation_gate.probe_speeds(MODEL_DIR, "fp32", steps=2)
