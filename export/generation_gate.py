@@ -228,14 +228,9 @@ def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, An
     speeds: dict[str, dict[int, float]] = {}
     failed: set[str] = set()
     candidates = [p for p in passed if p not in AUTO_EXCLUDED]
-    for round_ in range(PROBE_ROUNDS):
-        if round_ == 0:
-            order = list(passed)
-        elif len(candidates) > 1:
-            order = [p for p in reversed(candidates) if p not in failed]
-        else:
-            break
-        for precision in order:
+    rounds = [passed] + ([candidates[::-1]] if len(candidates) > 1 else []) * (PROBE_ROUNDS - 1)
+    for order in rounds:
+        for precision in (p for p in order if p not in failed):
             try:
                 measured = probe_speeds(model_dir, precision)
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run the probe is not chosen

@@ -78,8 +78,8 @@ def ensure_venv(say=print) -> Path:
     return VENV
 
 
-def quantization_target(flags: set[str]) -> str:
-    """optimum's AutoQuantizationConfig for this CPU's flags (``/proc/cpuinfo``)."""
+def quantization_target(flags: frozenset[str]) -> str:
+    """optimum's AutoQuantizationConfig for this CPU's flags (python_backends.generation.linear.cpu_features)."""
     if "avx512_vnni" in flags:
         return "avx512_vnni"
     if "avx512f" in flags:
@@ -87,19 +87,11 @@ def quantization_target(flags: set[str]) -> str:
     return "avx2"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def ensure_model(say=print) -> Path:
     """The peer's model folder (made once): tokenizer and config, ``model.onnx`` and ``model_quantized.onnx``."""
-    target = quantization_target(_cpu_flags())
+    from python_backends.generation.linear import cpu_features
+
+    target = quantization_target(cpu_features())
     stamp = MODEL / ".prepared"
     if stamp.is_file() and stamp.read_text() == f"{target} per channel":
         return MODEL

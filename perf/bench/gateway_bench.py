@@ -378,55 +378,50 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+def _embed_ratio_rows(
+    label: str, ours: dict, ref: dict, targets: tuple[float, float], concurrency: int
+) -> list[dict[str, object]]:
+    """Throughput (ours / ref, at least targets[0]) and P99 (at most targets[1]) of two embeddings cells;
+    the targets are written for 32 clients and checked there only."""
+    checked = concurrency == 32
+    rows = []
+    for name, num, den, tgt, above in (
+        ("throughput", ours["requests_per_s"], ref["requests_per_s"], targets[0], True),
+        ("P99", ours["p99_ms"], ref["p99_ms"], targets[1], False),
+    ):
+        value = round(num / den, 3) if num and den else None
+        met = None if value is None or not checked else (value >= tgt if above else value <= tgt)
+        rows.append(
+            {
+                "name": f"{label} {name}, c{concurrency}",
+                "value": value,
+                "target": f"{'>=' if above else '<='} {tgt:g}" if checked else "",
+                "met": "" if met is None else ("yes" if met else "no"),
+                "detail": f"{_fmt(num)} / {_fmt(den)}",
+            }
+        )
+    return rows
+
+
 def ratios(embed: Sequence[dict], chat: Sequence[dict], embed_concurrency: int) -> list[dict[str, object]]:
     rows = []
     by = {(s["workload"], s["system"]): s for s in embed}
     for workload in WORKLOADS:
         d = by.get((workload, "direct"))
         for system in EMBED_SYSTEMS[1:]:
-            if system in PEER_SYSTEMS:
-                continue
             g = by.get((workload, system))
-            if not d or not g:
+            if system in PEER_SYSTEMS or not d or not g:
                 continue
-            target = embed_concurrency == 32
-            for name, num, den, tgt, above in (
-                ("throughput", g["requests_per_s"], d["requests_per_s"], TARGET_EMBED_THROUGHPUT, True),
-                ("P99", g["p99_ms"], d["p99_ms"], TARGET_EMBED_P99, False),
-            ):
-                value = round(num / den, 3) if num and den else None
-                met = None if value is None or not target else (value >= tgt if above else value <= tgt)
-                rows.append(
-                    {
-                        "name": f"embeddings {workload}, {system} / direct {name}, c{embed_concurrency}",
-                        "value": value,
-                        "target": f"{'>=' if above else '<='} {tgt:g}" if target else "",
-                        "met": "" if met is None else ("yes" if met else "no"),
-                        "detail": f"{_fmt(num)} / {_fmt(den)}",
-                    }
-                )
+            label = f"embeddings {workload}, {system} / direct"
+            rows += _embed_ratio_rows(label, g, d, (TARGET_EMBED_THROUGHPUT, TARGET_EMBED_P99), embed_concurrency)
     for peer in PEER_SYSTEMS:
         theirs = by.get(("unique", peer))
         for system in ("direct", "gateway"):
             ours = by.get(("unique", system))
             if not theirs or not ours:
                 continue
-            target = embed_concurrency == 32
-            for name, num, den, tgt, above in (
-                ("throughput", ours["requests_per_s"], theirs["requests_per_s"], TARGET_VS_PEER, True),
-                ("P99", ours["p99_ms"], theirs["p99_ms"], TARGET_P99_VS_PEER, False),
-            ):
-                value = round(num / den, 3) if num and den else None
-                met = None if value is None or not target else (value >= tgt if above else value <= tgt)
-                rows.append(
-                    {
-                        "name": f"embeddings unique, {system} / {peer} {name}, c{embed_concurrency}",
-                        "value": value,
-                        "target": f"{'>=' if above else '<='} {tgt:g}" if target else "",
-                        "met": "" if met is None else ("yes" if met else "no"),
-                        "detail": f"{_fmt(num)} / {_fmt(den)}",
-                    }
-                )
+            label = f"embeddings unique, {system} / {peer}"
+            rows += _embed_ratio_rows(label, ours, theirs, (TARGET_VS_PEER, TARGET_P99_VS_PEER), embed_concurrency)
     cb = {(s["system"], s["concurrency"]): s for s in chat}
     for c in sorted({s["concurrency"] for s in chat}):
         g, d = cb.get(("gateway", c)), cb.get(("direct", c))
