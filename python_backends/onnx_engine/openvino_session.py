@@ -28,12 +28,15 @@ OV_TO_TRITON = {
     "u8": "TYPE_UINT8",
     "boolean": "TYPE_BOOL",
 }
-DEFAULT_PROPERTIES = {"NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY"}
+# Pinning off: the plugin pins each instance's threads to the first cores, so two 1-thread
+# instances share one core and serve what one does (docs/performance.md#encoders-on-openvino).
+DEFAULT_PROPERTIES = {"NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": "NO"}
 
 
 def properties_from_config(config: ModelConfig) -> dict[str, str]:
     """The OpenVINO properties of config.pbtxt's upper-case parameters, over the defaults (one
-    stream, latency hint: a Triton instance runs one request batch at a time)."""
+    stream, latency hint: a Triton instance runs one request batch at a time; threads not pinned:
+    instances and the server's own threads share the cores)."""
     props = dict(DEFAULT_PROPERTIES)
     for key in config.raw.get("parameters", {}):
         if key.isupper():
