@@ -103,7 +103,7 @@ class EngineConfig:
     # taking a step alone and the others waiting that whole step. 0: no window.
     admission_window_ms: float = 0.0
     # ... ending early once no request arrived for this long (or the batch is full).
-    admission_quiet_ms: float = 5.0
+    admission_quiet_ms: float = 15.0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -298,7 +298,7 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
         "flash_attn": param_bool("flash_attn", True),
         "llama_prefix_cells": param_int("llama_prefix_cells", 512, minimum=0),
     }
-    for name, default in (("admission_window_ms", 0), ("admission_quiet_ms", 5)):
+    for name, default in (("admission_window_ms", 0), ("admission_quiet_ms", 15)):
         value = param_int(name, default, minimum=0)
         if value > 1000:
             raise ConfigError(f"{name} must be <= 1000 ms, got {value}")
