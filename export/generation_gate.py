@@ -216,15 +216,18 @@ def block_size(precision: str, configured: int = 16) -> int:
     return OV_BLOCK_SIZE if precision in OV_PRECISIONS else configured
 
 
-def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, Any]]) -> str | None:
+def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, Any]], probe: bool = True) -> str | None:
     """The fastest variant that passed: decode tokens/s at each of PROBE_STREAMS, relative to the best
     at that concurrency, multiplied (so one stream and a loaded server count alike); recorded in each row.
 
     The candidates auto may choose are probed PROBE_ROUNDS times, in turn and in reversed order the
     second time, and each keeps its best figure per concurrency: a busy neighbour only ever slows a
-    probe, and on a shared machine one 24-step probe of two close variants could reverse them."""
+    probe, and on a shared machine one 24-step probe of two close variants could reverse them.
+    Without ``probe``, the first that passed in BEST_FIRST's order."""
     if len(passed) < 2:
         return passed[0] if passed else None
+    if not probe:
+        return next((p for p in BEST_FIRST if p in passed and p not in AUTO_EXCLUDED), None)
     speeds: dict[str, dict[int, float]] = {}
     failed: set[str] = set()
     candidates = [p for p in passed if p not in AUTO_EXCLUDED]
@@ -293,13 +296,14 @@ def up_to_date(repo: Path, weights_sha256: str) -> bool:
     )
 
 
-def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[str, Any]:
-    """Gate every precision this CPU runs, write the manifest and the variant configs; return the manifest."""
+def gate_variants(repo: Path, weights_sha256: str, speed: bool = True, probe: bool = True) -> dict[str, Any]:
+    """Gate every precision this CPU runs, write the manifest and the variant configs; return the manifest.
+    ``probe`` False chooses auto's variant by BEST_FIRST's order instead of measuring (choose_best)."""
     from transformers import AutoTokenizer
 
-    from export.llama_cpp import make_ggufs
+    from export.llama_cpp import LlamaCppError, make_ggufs
     from export.openvino_ir import make_int4_ir, make_ir
-    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS
+    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
     from python_backends.generation.openvino_runtime import OV_INT4_PRECISIONS, OV_PRECISIONS, ir_dir
 
     model_dir = repo / MODEL / "1"
@@ -307,12 +311,22 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     llama = [p for p in precisions if p in LLAMA_PRECISIONS]
     openvino = [p for p in precisions if p in OV_PRECISIONS]
     llama += [f"llama_{OV_PRECISIONS[p]}" for p in openvino if f"llama_{OV_PRECISIONS[p]}" not in llama]
+    unbuilt: dict[str, str] = {}  # precision -> why its files could not be made
     if llama:  # made from these FP32 weights every time they are gated (15 s)
-        make_ggufs(model_dir, llama)
+        try:
+            make_ggufs(model_dir, llama)
+        except LlamaCppError as exc:
+            # e.g. a tokenizer llama.cpp's converter does not know: those variants fail, the others go on;
+            # no GGUF of earlier weights is left for a runner to load
+            reason = f"GGUF conversion: {_last_line(str(exc))}"
+            log.warning("%s: %s", MODEL, reason)
+            for precision in llama:
+                (model_dir / gguf_file(precision)).unlink(missing_ok=True)
+            unbuilt.update(dict.fromkeys([*llama, *openvino], reason))
     # GenAI's graph of each GGUF once (10 s), then the 4-bit graphs made from it (the gate below
     # reports a variant that could not be built as failed)
-    builds = [(make_ir, p) for p in {ir_dir(model_dir, p): p for p in openvino}.values()]
-    for make, precision in builds + [(make_int4_ir, p) for p in openvino if p in OV_INT4_PRECISIONS]:
+    builds = [(make_ir, p) for p in {ir_dir(model_dir, p): p for p in openvino if p not in unbuilt}.values()]
+    for make, precision in builds + [(make_int4_ir, p) for p in openvino if p in OV_INT4_PRECISIONS and p not in unbuilt]:
         try:
             make(model_dir, precision)
         except Exception as exc:  # noqa: BLE001
@@ -326,6 +340,8 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     rows: dict[str, dict[str, Any]] = {}
     for precision in precisions:
         try:
+            if precision in unbuilt:
+                raise RuntimeError(unbuilt[precision])
             runner = reference_runner if precision == "fp32" else _runner(model_dir, precision)
             if precision == "fp32":
                 metrics = {
@@ -380,7 +396,7 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
         )
         rows[precision] = row
     passed = [p for p, r in rows.items() if r["status"] == "passed"]
-    best = choose_best(model_dir, passed, rows)
+    best = choose_best(model_dir, passed, rows, probe)
     manifest = {
         "model": MODEL,
         **fingerprint(),
@@ -392,6 +408,12 @@ def gate_variants(repo: Path, weights_sha256: str, speed: bool = True) -> dict[s
     write_configs(repo, passed, best)
     variant_files.write_manifest(repo, MODEL, manifest)
     return manifest
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of a tool's output (a Python traceback's exception)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
 
 
 _PRECISION_LINE = re.compile(r'^parameters \{ key: "weights_precision" value: \{ string_value: "[^"]*" \} \}$', re.M)

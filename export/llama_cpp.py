@@ -168,10 +168,21 @@ def build(server: bool = False, jobs: int | None = None, say=print) -> Path:
 
 
 def convert(model_dir: Path, out: Path) -> Path:
-    """An F32 GGUF of the exported checkpoint in ``model_dir`` (llama.cpp's own converter)."""
+    """An F32 GGUF of the exported checkpoint in ``model_dir`` (llama.cpp's own converter, through
+    ``export/gguf_convert.py``)."""
     src = sources()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(src)])}
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32", "--outfile", str(out)]
+    wrapper = Path(__file__).with_name("gguf_convert.py")  # a tokenizer llama.cpp does not know is not refused
+    cmd = [
+        sys.executable,
+        str(wrapper),
+        str(src / "convert_hf_to_gguf.py"),
+        str(model_dir),
+        "--outtype",
+        "f32",
+        "--outfile",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0 or not out.is_file():
         raise LlamaCppError(f"convert_hf_to_gguf.py failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")

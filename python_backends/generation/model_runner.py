@@ -31,7 +31,8 @@ from python_backends.generation.linear import HEAD_PRECISION, Linear, kv_cache_d
 from python_backends.generation.paged_attention import PagedKVCache
 from python_backends.generation.scheduler import SchedulerOutput
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# Qwen2 is Llama with a bias on the query, key and value projections.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTN_DTYPE: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.bfloat16}
 
@@ -50,6 +51,7 @@ class LlamaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    qkv_bias: bool = False  # Qwen2's q/k/v projections carry a bias
 
     @classmethod
     def from_dict(cls, cfg: dict) -> LlamaConfig:
@@ -65,9 +67,12 @@ class LlamaConfig:
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        qwen2 = "Qwen2ForCausalLM" in archs or cfg.get("model_type") == "qwen2"
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
                 raise ConfigError(f"config.json sets {key}; this engine runs Llama without biases")
+        if qwen2 and cfg.get("use_sliding_window"):
+            raise ConfigError("config.json sets use_sliding_window; this engine attends over the whole context")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -81,6 +86,7 @@ class LlamaConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
+            qkv_bias=qwen2,
         )
 
     @classmethod
@@ -95,6 +101,7 @@ class LlamaConfig:
 class _Layer:
     input_norm: torch.Tensor
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (Qwen2), in the activations' dtype
     o: Linear
     post_norm: torch.Tensor
     gate_up: Linear  # [2 * intermediate, hidden]
@@ -147,6 +154,7 @@ class LlamaWeights:
             layer = _Layer(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                qkv_bias=torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None,
                 o=linear(p + "self_attn.o_proj.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
@@ -163,6 +171,7 @@ class LlamaWeights:
         """Bytes of the weights as held (the embedding, the norms and every Linear)."""
         linears = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         tensors = [self.embed, self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
+        tensors += [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None]
         shared = self.lm_head.nbytes if type(self.lm_head) is Linear and self.lm_head.weight is self.embed else 0
         return sum(t.numel() * t.element_size() for t in tensors) + sum(m.nbytes for m in linears) - shared
 
@@ -325,6 +334,8 @@ class ModelRunner:
         for i, layer in enumerate(self.weights.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
             # RoPE on the query and key heads together: one set of elementwise ops, not two
             qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
             qk = qk * cos + qk.roll(half, -1) * sin

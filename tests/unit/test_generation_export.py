@@ -118,7 +118,7 @@ def test_refuses_a_non_llama_folder_naming_both_architectures(tmp_path, capsys):
         generation.export(repo, weights=weights)
     assert generation.main(["--weights", str(weights), "--repository", str(repo)]) == 1
     err = capsys.readouterr().err
-    assert "architecture GPT2LMHeadModel" in err and "only LlamaForCausalLM is supported" in err
+    assert "architecture GPT2LMHeadModel" in err and "supported: LlamaForCausalLM, Qwen2ForCausalLM" in err
     assert not repo.exists()
     (weights / "config.json").unlink()
     with pytest.raises(generation.GenerationExportError, match="no config.json"):
