@@ -376,7 +376,7 @@ class ImageClassifierPipeline:
     difference against its FP32 PyTorch model on the evaluation photos (export/gates.toml)."""
 
     model = EFFICIENTNET
-    variants = ("cpu_opt", "int8", "fp16", "ort_trt_fp16", "trt_plan")
+    variants = ("cpu_opt", "int8", "openvino", "fp16", "ort_trt_fp16", "trt_plan")
     # INT8 recipe (export/image_quant.quantize_int8): bias correction, and the weights' bit
     # width from the exporting CPU (None: 7 bits on x86 without VNNI, else 8).
     int8_bias_correction = True

@@ -66,8 +66,12 @@ OV_VARIANTS = ("ov_f16", "ov_int4_f16")
 GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16", *LLAMA_VARIANTS, *OV_VARIANTS)
 
 # What PRECISION=auto serves, best first, per hardware.
-# The encoders' openvino variant is served by name only: faster in process, slower served (docs/performance.md).
 AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}
+# Per model where served figures say otherwise. The openvino variant is built only on CPUs with BF16
+# products (export/pipeline.py); there it serves EfficientNet-Lite0 as fast as INT8 one image at a
+# time and 1.23x at 8, closer to FP32, and text_encoder 0.92x INT8 on short texts, so only the
+# classifier prefers it (docs/image-pipeline.md, docs/performance.md#encoders-on-openvino).
+AUTO_ORDER_BY_MODEL = {"image_classifier": {"cpu": ("openvino", *AUTO_ORDER["cpu"])}}
 
 # The TensorRT of the server that loads trt_plan variants: NVIDIA's 24.10 container (the
 # tritonserver 2.51 release this project runs) ships TensorRT 10.5. A serialized engine
@@ -238,8 +242,9 @@ def resolve_precision(
     return precision, served
 
 
-def best_variant(passed: list[str], hardware: str) -> str | None:
-    return next((v for v in AUTO_ORDER[hardware] if v in passed), None)
+def best_variant(passed: list[str], hardware: str, model: str = "") -> str | None:
+    order = AUTO_ORDER_BY_MODEL.get(model, {}).get(hardware, AUTO_ORDER[hardware])
+    return next((v for v in order if v in passed), None)
 
 
 def write_best_configs(model_dir: Path, passed: list[str], params: dict[str, str] | None = None) -> dict[str, str | None]:
@@ -254,7 +259,7 @@ def write_best_configs(model_dir: Path, passed: list[str], params: dict[str, str
             passed = [v for v in passed if v != "trt_plan"]
             (model_dir / "configs" / "trt_plan.pbtxt").unlink(missing_ok=True)
     for hardware in AUTO_ORDER:
-        name = best_variant(passed, hardware)
+        name = best_variant(passed, hardware, model_dir.name)
         best[hardware] = name
         target = model_dir / "configs" / f"{hardware}.pbtxt"
         if name is None:

@@ -15,7 +15,7 @@ included in both (JPEG bytes in, top-5 out):
               flight, each carrying ``batch`` images ([batch, 1] BYTES), for ``--duration``
               seconds after ``--warmup``; every latency is kept (P50, P99, max). Triton's
               statistics around each window give the classifier's mean executed batch.
-  in-process  the same .onnx file in an ONNX Runtime session with the served config's intra-op
+  in-process  the same .onnx file in an ONNX Runtime session (OpenVINO for the openvino variant) with the served config's intra-op
               threads, spinning off; python_backends.image's preprocessing configured from the
               served preprocessing config and its top-k from the postprocessing config; the
               same batches of the same photos, for ``--inprocess-seconds``. Two layouts: one
@@ -78,7 +78,7 @@ class Pipeline:
     postprocess: str
     variant: str  # the classifier's precision variant (fp32, cpu_opt, int8, ...)
     model_path: Path  # the .onnx file that variant serves
-    threads: int  # the classifier config's intra-op threads (0 = one per core, resolved)
+    threads: int  # the classifier config's intra-op (openvino: inference) threads (0 = one per core, resolved)
     classifier_instances: int
     preprocess_instances: int
     max_batch_size: int
@@ -131,7 +131,9 @@ def resolve(repo: Path, ensembles: Sequence[str], precision: str) -> tuple[str |
     out = []
     for ensemble, (pre, cnn, post) in steps.items():
         text = served_config_text(repo, cnn, config_name)
-        threads = int(config_parameter(text, "intra_op_thread_count") or 0) or bench.cpu_threads()
+        # ONNX Runtime's intra-op threads, or the openvino backend's INFERENCE_NUM_THREADS
+        threads_value = config_parameter(text, "intra_op_thread_count") or config_parameter(text, "INFERENCE_NUM_THREADS")
+        threads = int(threads_value or 0) or bench.cpu_threads()
         manifest = repo / cnn / "1" / "model.export.json"
         weights = ""
         if manifest.is_file():
@@ -200,8 +202,12 @@ class InProcess:
         (classes,) = post.require("input", "logits", "TYPE_FP32").dims
         labels = load_labels(repo / pipe.postprocess / "1" / (post.param("labels_file") or "labels.txt"), classes)
         self.classify = TopKClassifier(labels, post.param_int("top_k", 5, minimum=1))
-        self.sessions = [bench.open_cpu_session(pipe.model_path, pipe.threads) for _ in range(pipe.classifier_instances)]
-        self.input_name = self.sessions[0].get_inputs()[0].name
+        # what serves the variant: OpenVINO for openvino, else ONNX Runtime
+        self.sessions = [
+            bench.open_session(pipe.variant, pipe.model_path, pipe.threads) for _ in range(pipe.classifier_instances)
+        ]
+        first = self.sessions[0]
+        self.input_name = next(iter(first.inputs)) if pipe.variant == "openvino" else first.get_inputs()[0].name
         self._free = list(range(len(self.sessions)))
         self._lock = threading.Condition()
 
