@@ -15,6 +15,7 @@ import pytest
 
 from export import generation
 from server.layout import ROOT
+from tests.unit.tiny_checkpoints import tiny_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -43,25 +44,7 @@ def real_export(source, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_llama(real_export, tmp_path_factory):
     """A Llama checkpoint folder (random weights, 2 layers) with the real tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(real_export).save_pretrained(folder)
-    return folder
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), real_export, "llama", head_dim=16, max_position_embeddings=512)
 
 
 def _hashes(folder):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from python_backends.errors import ConfigError
+from tests.unit.tiny_checkpoints import tiny_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,28 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 def build_tiny_qwen2(folder: Path) -> Path:
     """A 2-layer Qwen2ForCausalLM with random weights and random (non-zero) q/k/v biases."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,  # config.pbtxt's max_model_len
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.5)  # transformers initialises them to zero: a missing bias would not show
-    model.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(MODEL_DIR).save_pretrained(folder)
-    return folder
+    return tiny_checkpoint(folder, MODEL_DIR, "qwen2", max_position_embeddings=4096)  # config.pbtxt's max_model_len
 
 
 @pytest.fixture(scope="module")
