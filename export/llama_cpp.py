@@ -17,6 +17,7 @@ variant's file type from it.
     python -m export.llama_cpp build --server   # and llama-server (the benchmark peer)
     python -m export.llama_cpp gguf             # the variants' GGUF files in model_repository/text_generation/1/
     python -m export.llama_cpp where            # what is built and where
+    python -m export.llama_cpp formats          # llama.cpp's file types against F16 on this model: KL, speed
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 from python_backends.generation.llama_cpp_runtime import (
@@ -189,8 +191,12 @@ def convert(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def quantize(source: Path, out: Path, file_type: str, allow_requantize: bool = False) -> Path:
-    """``source`` quantized to ``file_type`` (Q4_0, Q8_0, F16, ...) by llama.cpp's quantizer."""
+GGML_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20, "BF16": 30}
+
+
+def quantize(source: Path, out: Path, file_type: str, allow_requantize: bool = False, head_type: str | None = None) -> Path:
+    """``source`` quantized to ``file_type`` (Q4_0, Q8_0, F16, ...) by llama.cpp's quantizer; ``head_type``
+    (a GGML_TYPES name) overrides the quantizer's choice for the output head and token embeddings."""
     from python_backends.generation.llama_cpp_runtime import load_library
 
     lib = load_library()
@@ -198,6 +204,8 @@ def quantize(source: Path, out: Path, file_type: str, allow_requantize: bool = F
     params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{file_type}")
     params.nthread = os.cpu_count() or 1
     params.allow_requantize = allow_requantize
+    if head_type is not None:
+        params.output_tensor_type = params.token_embedding_type = GGML_TYPES[head_type]
     tmp = out.with_name(out.name + ".tmp")
     status = lib.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
     if status != 0 or not tmp.is_file():
@@ -224,11 +232,125 @@ def make_ggufs(model_dir: Path, precisions=tuple(LLAMA_PRECISIONS), say=log.info
     return done
 
 
+# (body, head) file types the ``formats`` command compares; "default" is the quantizer's own head choice
+# (Q8_0 here: 576-wide rows are no multiple of K-quants' 256).
+FORMATS = (
+    ("Q4_0", "default"),
+    ("Q4_1", "default"),
+    ("Q8_0", "default"),
+    ("Q4_0", "F16"),
+    ("IQ4_NL", "F16"),
+    ("Q5_0", "F16"),
+    ("Q5_1", "F16"),
+    ("Q4_1", "F16"),
+    ("Q8_0", "F16"),
+    ("BF16", "BF16"),
+)
+
+
+def _logits_and_decode(lib, path: Path, token_ids: list[list[int]], threads: int) -> tuple[list, float]:
+    """Teacher-forced logits of each text (one batch each), and decode ms per token (one sequence, 64 steps)."""
+    import numpy as np
+
+    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    if not model:
+        raise LlamaCppError(f"llama.cpp could not load {path}")
+    vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    longest = max(len(ids) for ids in token_ids)
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = longest + 64
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = lib.llama_init_from_model(model, cparams)
+    batch = lib.llama_batch_init(longest + 64, 0, 1)
+    mem = lib.llama_get_memory(ctx)
+    out = []
+    try:
+        for ids in token_ids:
+            lib.llama_memory_clear(mem, True)
+            for i, t in enumerate(ids):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
+                batch.seq_id[i][0] = 0
+            batch.n_tokens = len(ids)
+            if lib.llama_decode(ctx, batch) != 0:
+                raise LlamaCppError(f"llama_decode failed on {path.name}")
+            flat = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(len(ids) * vocab,))
+            out.append(flat.reshape(len(ids), vocab).astype(np.float64))
+        n = len(token_ids[-1])
+        batch.n_tokens = 1
+        start = time.perf_counter()
+        for j in range(64):
+            batch.token[0], batch.pos[0] = token_ids[-1][j % n], n + j
+            if lib.llama_decode(ctx, batch) != 0:
+                raise LlamaCppError(f"llama_decode failed on {path.name}")
+            lib.llama_get_logits_ith(ctx, 0)
+        decode_ms = (time.perf_counter() - start) / 64 * 1e3
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+    return out, decode_ms
+
+
+def _kl_top1(reference: list, logits: list) -> tuple[float, float]:
+    import numpy as np
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    kls, agree = [], []
+    for ref, got in zip(reference, logits):
+        p, q = log_softmax(ref), log_softmax(got)
+        kls.append((np.exp(p) * (p - q)).sum(-1))
+        agree.append(ref.argmax(-1) == got.argmax(-1))
+    return float(np.concatenate(kls).mean()), float(np.concatenate(agree).mean())
+
+
+def compare_formats(model_dir: Path, threads: int | None = None, say=print) -> list[dict]:
+    """Each of FORMATS made from the FP32 export, against its F16 file on the gate's held-out texts:
+    mean KL and top-1 agreement as llama.cpp computes (8-bit activations for quantized weights), the
+    same for the weights alone (the file requantized to F16: F16 products), size and decode speed."""
+    from tokenizers import Tokenizer
+
+    from export.generation_gate import heldout_texts
+    from python_backends.generation.llama_cpp_runtime import load_library
+
+    lib = load_library()
+    threads = int(threads or os.cpu_count() or 1)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    token_ids = [tokenizer.encode(t["text"]).ids[:512] for t in heldout_texts()]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gguf-formats-", dir=model_dir.parent) as tmp:
+        f32 = convert(model_dir, Path(tmp) / "model-f32.gguf")
+        reference, f16_ms = _logits_and_decode(lib, quantize(f32, Path(tmp) / "f16.gguf", "F16"), token_ids, threads)
+        rows.append({"body": "F16", "head": "F16", "mib": None, "kl": 0.0, "top1": 1.0, "weights_kl": 0.0, "ms": f16_ms})
+        for body, head in FORMATS:
+            path = quantize(f32, Path(tmp) / f"{body}-{head}.gguf", body, head_type=None if head == "default" else head)
+            logits, ms = _logits_and_decode(lib, path, token_ids, threads)
+            kl, top1 = _kl_top1(reference, logits)
+            dequantized = quantize(path, Path(tmp) / "dequantized.gguf", "F16", allow_requantize=True)
+            weights_kl, _ = _kl_top1(reference, _logits_and_decode(lib, dequantized, token_ids, threads)[0])
+            rows.append(
+                {
+                    "body": body,
+                    "head": head,
+                    "mib": path.stat().st_size / 2**20,
+                    "kl": kl,
+                    "top1": top1,
+                    "weights_kl": weights_kl,
+                    "ms": ms,
+                }
+            )
+            say(f"{body} head {head}: mean KL {kl:.5f}, top-1 {top1:.4f}, weights alone {weights_kl:.5f}, {ms:.2f} ms/token")
+            path.unlink()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m export.llama_cpp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("command", choices=("build", "gguf", "where"))
+    p.add_argument("command", choices=("build", "gguf", "where", "formats"))
     p.add_argument("--server", action="store_true", help="build llama-server too (the benchmark's peer)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's)")
     p.add_argument("--model-dir", type=Path, default=ROOT / "model_repository" / "text_generation" / "1")
@@ -237,6 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             print(build(args.server, args.jobs))
+        elif args.command == "formats":
+            print("| body | head | MiB | mean KL vs F16 | top-1 vs F16 | weights alone: mean KL | decode ms/token |")
+            print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+            for r in compare_formats(args.model_dir, say=lambda line: print(line, file=sys.stderr)):
+                mib = "" if r["mib"] is None else f"{r['mib']:.0f}"
+                print(
+                    f"| {r['body']} | {r['head']} | {mib} | {r['kl']:.5f} | {r['top1']:.4f} | {r['weights_kl']:.5f} | {r['ms']:.2f} |"
+                )
         elif args.command == "gguf":
             for precision, path in make_ggufs(args.model_dir, say=print).items():
                 print(f"{precision}: {path}")
