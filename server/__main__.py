@@ -41,6 +41,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
     p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
     p.add_argument(
+        "--role",
+        choices=("all", "replica"),
+        default=os.environ.get("TRITON_ROLE", "all"),
+        help="all (default): tritonserver behind its doors, with the gateway; replica: one tritonserver on the "
+        "public ports with its stub watchdog and the probe port, no doors, no gateway, no export (a container "
+        "of docker-compose or a Kubernetes pod, behind a front door of its own; docs/deployment.md)",
+    )
+    p.add_argument(
+        "--probe-port",
+        type=int,
+        default=_env_int("TRITON_PROBE_PORT", 8003),
+        help="replica role: readiness and liveness from the served models and the stub watchdog "
+        "(server/health_port.py; default 8003, or $TRITON_PROBE_PORT)",
+    )
+    p.add_argument(
         "--no-front-door",
         action="store_true",
         help="serve tritonserver itself on the public ports, without the nginx front door that refuses "
@@ -137,7 +152,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
     p.add_argument("--log-verbose", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.role == "replica":
+        args.no_front_door = args.no_gateway = args.no_export = True
+    return args
 
 
 def _token_source(args: argparse.Namespace) -> str:
@@ -209,6 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
+    started = threading.Event()
+    probe_port = None
+    if args.role == "replica":
+        from server.health_port import ProbePort, Probes
+        from server.supervisor import http_status
+
+        probes = Probes(
+            models=models,
+            health_dir=server.health_dir,
+            triton_status=lambda path: http_status(f"http://{server.triton_http_url}{path}", 2.0),
+            running=lambda: server.process is not None and server.process.poll() is None,
+            started=started.is_set,
+            watchdog_alive=lambda: server.watchdog is not None and server.watchdog.alive(),
+        )
+        probe_port = ProbePort(args.host, args.probe_port, probes).start()
     try:
         server.start(repository)
     except FrontDoorError as exc:
@@ -247,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"\nserve: {exc}\n--- last lines of {server.log_path} ---\n{exc.log_tail}", file=sys.stderr)
         return 1
+    started.set()
     if gateway is not None:
         from server.gateway import GatewayError
 
@@ -270,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
             f"  front door  nginx checks every HTTP inference request (docs/security.md); "
             f"tritonserver itself on 127.0.0.1 at HTTP {options.triton_http_port}, "
             f"gRPC {options.triton_grpc_port}, metrics {options.triton_metrics_port} (internal)\n"
+        )
+    elif probe_port is not None:
+        door = (
+            f"  role     replica: tritonserver on the public ports, no doors (a front door of its own is in front); "
+            f"probes http://{server.http_url.rsplit(':', 1)[0]}:{probe_port.port}/v2/health/ready and /v2/health/live\n"
         )
     else:
         door = "  front door  OFF (--no-front-door): tritonserver itself on the public ports, undefended\n"
@@ -312,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             return 1
         stop.wait(0.5)
-    started = time.monotonic()
+    started_stop = time.monotonic()
+    if probe_port is not None:
+        probe_port.stop()
     if gateway is not None:
         gateway.stop()
     code = server.stop()
-    print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - started:.1f} s", flush=True)
+    print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - started_stop:.1f} s", flush=True)
     return 0
 
 

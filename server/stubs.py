@@ -172,6 +172,9 @@ class StubWatchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
