@@ -16,7 +16,7 @@ SERVE_ARGS ?=
 # export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
+.PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config compose-images compose-up compose-down fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -164,6 +164,20 @@ rollout-finish: $(STAMP)
 compose-config: $(STAMP)
 	$(PY) -m server.frontdoor render --out .frontdoor --upstream triton-upstream-1 --upstream triton-upstream-2 --listen 0.0.0.0
 	$(PY) -m deploy.grafana.dashboard render .grafana/dashboards
+
+# docker-compose's CPU profile on this machine (docs/deployment.md): a Docker engine (installed and
+# started if absent), local base images from Debian's packages, the project's images, then the stack
+# (both replicas, front door, gRPC door, gateway, Redis, Prometheus). With registry access,
+# `docker-compose --profile cpu up` runs the same file on the public images.
+compose-images: $(STAMP)
+	VENV=$(VENV) scripts/compose.sh images
+
+compose-up: $(STAMP)
+	$(PY) -m export --no-speed
+	VENV=$(VENV) scripts/compose.sh up
+
+compose-down:
+	scripts/compose.sh down
 
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s

@@ -10,9 +10,15 @@
 # server/):
 #   docker-compose build gateway
 # The model repository (its configs and the tokenizer) is mounted, not copied.
-FROM python:3.11-slim-bookworm
+# python:3.11-slim-bookworm; a machine without registry access passes a local stand-in
+# (docker/local-bases.Dockerfile, scripts/compose.sh).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
-RUN pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "uvicorn==0.54.0" \
+# docker/local/ca.crt, when there, is the CA bundle pip trusts (docker/local/README.md).
+COPY docker/local/ /tmp/local/
+RUN if [ -f /tmp/local/ca.crt ]; then export PIP_CERT=/tmp/local/ca.crt; fi \
+ && pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "uvicorn==0.54.0" \
       "uvloop==0.23.0" "httptools==0.9.0" "orjson==3.13.0" "prometheus-client==0.26.0" \
       "tritonclient[grpc,http]==2.50.0" "grpcio==1.85.3" "protobuf==4.25.9" "aiohttp==3.14.5" \
       "numpy==1.26.4" "tokenizers==0.23.3" "jinja2==3.1.6" "markupsafe==3.0.4"
