@@ -16,7 +16,7 @@ SERVE_ARGS ?=
 # export/variants.py and export/generation_gate.py.
 PRECISION ?= auto
 
-.PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config compose-images compose-up compose-down fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
+.PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config compose-images compose-up compose-down compose-test fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
 $(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
@@ -178,6 +178,12 @@ compose-up: $(STAMP)
 
 compose-down:
 	scripts/compose.sh down
+
+# The CPU stack started on test ports and checked from the host (tests/compose/), then taken down:
+# nothing of it may be left (scripts/compose.sh test).
+compose-test: $(STAMP)
+	$(PY) -m export --no-speed
+	VENV=$(VENV) scripts/compose.sh test
 
 # Locust, headless, against a running server (make serve): LOCUST_ARGS to change users/time.
 LOCUST_ARGS ?= -u 32 -r 8 -t 60s

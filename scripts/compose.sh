@@ -5,6 +5,7 @@
 #   scripts/compose.sh up       # images, then the CPU stack (no Grafana: Debian does not package it)
 #   scripts/compose.sh down     # the stack, its network and volumes removed
 #   scripts/compose.sh env      # the variables that point docker-compose.yml at the local images
+#   scripts/compose.sh test     # up on test ports, tests/compose/ from the host, down; then nothing may be left
 # A machine with registry access runs docker-compose.yml as it is (its defaults are the public images).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +87,54 @@ images() {
   docker-compose --profile cpu build "${SERVICES[@]}"
 }
 
+wait_healthy() {
+  local deadline=$((SECONDS + ${1:-600})) c status
+  for svc in "${SERVICES[@]}"; do
+    c="${PROJECT}_${svc}_1"
+    while :; do
+      status=$(docker inspect -f '{{.State.Health.Status}}' "$c" 2>/dev/null || echo missing)
+      [ "$status" = healthy ] && break
+      if [ $SECONDS -ge $deadline ]; then say "$svc is $status"; docker logs --tail 30 "$c" >&2 || true; return 1; fi
+      sleep 2
+    done
+  done
+}
+
+# What `down -v` must leave: no container, network or volume of the project.
+leftovers() {
+  local label="label=com.docker.compose.project=$PROJECT"
+  { docker ps -aq --filter "$label"; docker network ls -q --filter "$label"; docker volume ls -q --filter "$label"; } | wc -l
+}
+
+compose_test() {
+  # Ports of their own, so that a `make serve` on the defaults does not collide; a known API key.
+  export TRITON_HTTP_PORT=${TRITON_HTTP_PORT:-18000} TRITON_GRPC_PORT=${TRITON_GRPC_PORT:-18001}
+  export TRITON_METRICS_PORT=${TRITON_METRICS_PORT:-18002} GATEWAY_PORT=${GATEWAY_PORT:-18080}
+  export PROMETHEUS_PORT=${PROMETHEUS_PORT:-19090}
+  export GATEWAY_API_KEYS=${GATEWAY_API_KEYS:-compose-test-$(python3 -c 'import secrets; print(secrets.token_hex(8))')}
+  local t0=$SECONDS rc=0
+  images
+  local t_images=$((SECONDS - t0))
+  make compose-config >/dev/null
+  docker-compose --profile cpu up -d "${SERVICES[@]}"
+  wait_healthy 600 || rc=1
+  local t_up=$((SECONDS - t0 - t_images))
+  say "images ${t_images} s, up and healthy ${t_up} s"
+  if [ $rc = 0 ]; then
+    COMPOSE_HTTP=127.0.0.1:$TRITON_HTTP_PORT COMPOSE_GRPC=127.0.0.1:$TRITON_GRPC_PORT \
+      COMPOSE_GATEWAY=127.0.0.1:$GATEWAY_PORT COMPOSE_PROMETHEUS=127.0.0.1:$PROMETHEUS_PORT COMPOSE_PROJECT=$PROJECT \
+      "${VENV:-.venv}/bin/python" -m pytest tests/compose -v -s --durations=0 || rc=$?
+  fi
+  [ $rc = 0 ] || docker-compose --profile cpu logs --tail 40 >&2 || true
+  local t_checks=$((SECONDS - t0 - t_images - t_up))
+  docker-compose --profile cpu down -v --remove-orphans
+  local left
+  left=$(leftovers)
+  say "checks ${t_checks} s; after down -v: $left containers, networks and volumes of $PROJECT left"
+  [ "$left" = 0 ] || rc=1
+  return $rc
+}
+
 case "${1:-}" in
   images) images ;;
   up)
@@ -96,6 +145,7 @@ case "${1:-}" in
   down)
     if docker info >/dev/null 2>&1; then docker-compose --profile cpu down -v --remove-orphans; fi
     ;;
+  test) compose_test ;;
   env)
     for v in CPU_BASE_IMAGE PYTHON_BASE_IMAGE NGINX_IMAGE REDIS_IMAGE PROMETHEUS_IMAGE COMPOSE_PROJECT_NAME; do echo "export $v=${!v}"; done
     ;;

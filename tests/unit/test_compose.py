@@ -1,7 +1,7 @@
-"""docker-compose.yml and docker/Dockerfile agree with the repository.
+"""docker-compose.yml and docker/ agree with the repository, statically (the CPU profile is built,
+started and attacked by `make compose-test`: tests/compose/).
 
-No Docker engine runs on these machines, so nothing is built or started here: the checks
-are that the paths compose mounts and builds from exist, that the models it loads are in
+The checks here are that the paths compose mounts and builds from exist, that the models it loads are in
 the mounted repository, that the image's pins match the local ones, and what the services
 resolve to with no variable set (and with PRECISION set): `docker-compose config` (the Debian
 docker-compose client) where it is installed, else the YAML with compose's ${VAR:-default}
@@ -31,6 +31,9 @@ COMPOSE = ROOT / "docker-compose.yml"
 GPU_REPLICAS = ("triton-1", "triton-2")
 CPU_REPLICAS = ("triton-cpu-1", "triton-cpu-2")
 SERVICES = GPU_REPLICAS + CPU_REPLICAS
+# The GPU replicas run tritonserver from NVIDIA's entrypoint; the CPU replicas the project's launcher
+# in the replica role (docker/cpu.Dockerfile).
+CPU_DOCKERFILE = ROOT / "docker" / "cpu.Dockerfile"
 # Each front door and the Triton replicas it stands in front of.
 FRONT_DOORS = {"frontdoor": GPU_REPLICAS, "frontdoor-cpu": CPU_REPLICAS}
 # The network alias of each replica, the same in both profiles: the front door's upstreams and
@@ -132,7 +135,7 @@ def repository_with_lanes(tmp_path: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("name", SERVICES)
+@pytest.mark.parametrize("name", GPU_REPLICAS)
 def test_mounted_repository_holds_the_loaded_models(compose, name, tmp_path):
     service = compose["services"][name]
     args = flags(service)
@@ -168,7 +171,51 @@ def test_mounted_repository_holds_the_loaded_models(compose, name, tmp_path):
     assert "python,shm-default-byte-size=16777216" in args["--backend-config"]
 
 
-@pytest.mark.parametrize("name", SERVICES)
+def _dockerfile_env(dockerfile: Path) -> dict[str, str]:
+    text = dockerfile.read_text().replace("\\\n", " ")
+    return dict(re.findall(r"(\w+)=(\S+)", " ".join(re.findall(r"^ENV (.+)$", text, re.M))))
+
+
+@pytest.mark.parametrize("name", CPU_REPLICAS)
+def test_cpu_replicas_run_the_launchers_replica_role_on_the_mounted_repository(compose, defaults, name, tmp_path):
+    from server.models import closure, default_models
+
+    service = compose["services"][name]
+    assert service["build"]["dockerfile"] == "docker/cpu.Dockerfile" and (ROOT / service["build"]["context"]).resolve() == ROOT
+    dockerfile = CPU_DOCKERFILE.read_text()
+    env = _dockerfile_env(CPU_DOCKERFILE)
+    assert env["TRITON_ROLE"] == "replica" and env["TRITON_HOST"] == "0.0.0.0" and env["TRITON_PROBE_PORT"] == "8003"
+    assert re.search(r'^ENTRYPOINT \["python", "-m", "server"', dockerfile, re.M)
+    command = service["command"]
+    repository = command[command.index("--model-repository") + 1]
+    source, mode = volume(service, repository)
+    assert mode == "ro" and (ROOT / source).resolve() == (ROOT / "model_repository").resolve()
+    assert repository == "/opt/project/model_repository"  # the launcher's own default: ROOT/model_repository
+    assert re.search(r"^COPY server /opt/project/server$", dockerfile, re.M)
+    # what the launcher loads by default: every entry the GPU replicas load by name, but the interactive
+    # lane's uncached entry, which only the launcher-less GPU replicas list
+    host_repo = ROOT / "model_repository"
+    gpu = set(flags(compose["services"]["triton-1"])["--load-model"])
+    rendered = repository_with_lanes(tmp_path)
+    loaded = {step for model in default_models(host_repo) for step in closure(rendered, model)}
+    assert gpu - loaded <= {"text_embedding_interactive"}, gpu - loaded
+    # the replica role needs the token from the environment (no file on a read-only image)
+    assert service["environment"]["TRITON_REPOSITORY_TOKEN"].startswith("${TRITON_REPOSITORY_TOKEN:?")
+    assert defaults["services"][name]["environment"]["TRITON_SUMMARY_LATENCIES"] == "1"
+
+
+@pytest.mark.parametrize("name", CPU_REPLICAS)
+def test_cpu_replicas_expose_their_ports_and_the_probe_port_checks_health(compose, name):
+    service = compose["services"][name]
+    assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
+    assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002", "8003"}
+    assert "healthcheck" not in service  # the image's: the probe port
+    (check,) = re.findall(r"^HEALTHCHECK .*\n\s+CMD (.+)$", CPU_DOCKERFILE.read_text(), re.M)
+    assert "http://127.0.0.1:8003/v2/health/ready" in check
+    assert service["restart"] == "unless-stopped" and service["shm_size"] == "1gb"
+
+
+@pytest.mark.parametrize("name", GPU_REPLICAS)
 def test_build_ports_and_healthcheck(compose, name):
     service = compose["services"][name]
     build = service["build"]
@@ -178,9 +225,16 @@ def test_build_ports_and_healthcheck(compose, name):
     # The context is the repository root: .dockerignore must keep the venv and models out.
     ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     admitted = ignore[ignore.index("*") + 1 :]
-    assert {a for a in admitted if a.startswith("!")} == {"!python_backends/", "!openai_gateway/", "!clients/", "!server/"}, (
-        admitted
-    )
+    assert {a for a in admitted if a.startswith("!")} == {
+        "!python_backends/",
+        "!openai_gateway/",
+        "!clients/",
+        "!server/",
+        "!export/",
+        "!ops/",
+        "!constraints.txt",
+        "!docker/local/",
+    }, admitted
     assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
     assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002"}
     assert service["entrypoint"][0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's set-up still runs
@@ -190,10 +244,12 @@ def test_build_ports_and_healthcheck(compose, name):
 @pytest.mark.parametrize("name", SERVICES)
 def test_result_cache_wiring(compose, defaults, name):
     service = compose["services"][name]
-    args = flags(service)
-    assert args["--cache-config"] == ["local,size=${TRITON_CACHE_SIZE_BYTES:-134217728}"]
-    # the variant the cache keys on is the one --model-config-name selects
-    assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == args["--model-config-name"][0]
+    if name in GPU_REPLICAS:
+        args = flags(service)
+        assert args["--cache-config"] == ["local,size=${TRITON_CACHE_SIZE_BYTES:-134217728}"]
+        # the variant the cache keys on is the one --model-config-name selects
+        assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == args["--model-config-name"][0]
+    # (the launcher of the CPU replicas tells the stubs the variant itself, and sizes the cache)
     assert service["environment"]["EMBEDDING_CACHE_L2_REDIS_URL"].endswith("redis://redis:6379/0}")
     assert defaults["services"][name]["environment"]["EMBEDDING_CACHE_L2_REDIS_URL"] == "redis://redis:6379/0"
     assert "redis" in service["depends_on"] and "redis" in compose["services"]
@@ -226,8 +282,9 @@ def test_dockerfile_matches_local_versions():
 
 
 def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, defaults):
-    """The image has torch for text_generation's engine: PyPI's CUDA build by default (the GPU
-    service), PyTorch's CPU build on the CPU service, each under its own image tag."""
+    """Each image has torch for text_generation's engine: PyPI's CUDA build in NVIDIA's container (the
+    GPU replicas), PyTorch's CPU build in the CPU image, each under its own image tag; the CPU image
+    takes every version from constraints.txt."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements.txt").read_text(), re.M))
     assert f'--index-url "${{TORCH_INDEX_URL}}" "torch=={pins["torch"]}"' in dockerfile
@@ -238,21 +295,25 @@ def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, d
     assert container == pins["transformers"] or pins["transformers"] == "5.24.0" and container == "5.20.2", container
     (default_index,) = re.findall(r"^ARG TORCH_INDEX_URL=(\S+)$", dockerfile, re.M)
     assert default_index == "https://pypi.org/simple"
+    cpu_file = CPU_DOCKERFILE.read_text()
+    (cpu_index,) = re.findall(r"^ARG TORCH_INDEX_URL=(\S+)$", cpu_file, re.M)
+    assert cpu_index == "https://download.pytorch.org/whl/cpu"
+    assert cpu_file.count("-c /tmp/constraints.txt") == 3  # torch (a local wheel or the index), then the rest
+    for package in ("nvidia-pytriton", "onnxruntime", "openvino", "tokenizers", "transformers", "llguidance", "redis"):
+        assert re.search(rf"\s{re.escape(package)}\s", cpu_file), package
     gpu, cpu = defaults["services"]["triton-1"], defaults["services"]["triton-cpu-1"]
     for a, b in (GPU_REPLICAS, CPU_REPLICAS):  # the replicas of one profile are one image
         assert defaults["services"][a]["build"] == defaults["services"][b]["build"]
         assert defaults["services"][a]["image"] == defaults["services"][b]["image"]
     assert not (gpu["build"].get("args") or {}).get("TORCH_INDEX_URL")
-    assert cpu["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    assert (ROOT / cpu["build"]["context"]).resolve() == ROOT.resolve()
-    assert cpu["build"]["dockerfile"] == gpu["build"]["dockerfile"]
+    assert cpu["build"]["args"]["BASE_IMAGE"] == "debian:bookworm-slim"  # the public image by default
     assert cpu["image"] != gpu["image"], "one tag for two builds: the last build would serve both"
 
 
 @pytest.mark.parametrize(
     "precision, served",
     [
-        (None, {**dict.fromkeys(GPU_REPLICAS, "gpu"), **dict.fromkeys(CPU_REPLICAS, "cpu")}),
+        (None, {**dict.fromkeys(GPU_REPLICAS, "gpu"), **dict.fromkeys(CPU_REPLICAS, "auto")}),
         ("fp32", dict.fromkeys(SERVICES, "fp32")),
     ],
 )
@@ -260,6 +321,10 @@ def test_each_service_defaults_to_its_hardwares_variant(precision, served):
     config, _ = resolved(**({"PRECISION": precision} if precision else {}))
     for name, variant in served.items():
         service = config["services"][name]
+        if name in CPU_REPLICAS:  # the launcher resolves it (auto: the best that passed its gate here)
+            command = service["command"]
+            assert command[command.index("--precision") + 1] == variant, name
+            continue
         assert flags(service)["--model-config-name"] == [variant], name
         assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == variant, name
 
@@ -303,6 +368,9 @@ def test_every_service_is_present_with_a_health_check(defaults, compose):
     assert set(defaults["services"]) == set(SERVICES) | set(FRONT_DOORS) | set(SHARED)
     for name, service in defaults["services"].items():
         check = service.get("healthcheck") or {}
+        if name in CPU_REPLICAS:  # the image's HEALTHCHECK (test_cpu_replicas_expose_...)
+            assert "HEALTHCHECK " in CPU_DOCKERFILE.read_text() and not check, name
+            continue
         assert check.get("test") and not check.get("disable"), f"{name} has no health check"
         assert service.get("restart") == "unless-stopped", name
         assert (name in SHARED) == ("profiles" not in service) or name in GPU_REPLICAS + ("frontdoor",), name
@@ -318,10 +386,13 @@ def test_two_replicas_each_under_its_alias_the_second_after_the_first_is_healthy
     # the second waits for the first: the TensorRT engines it shares are built once
     assert second["depends_on"][replicas[0]]["condition"] == "service_healthy"
     assert "redis" in first["depends_on"] and "redis" in second["depends_on"]
-    assert [v for v in first["volumes"] if "trt_cache" in str(v)] == [v for v in second["volumes"] if "trt_cache" in str(v)]
-    assert flags(first) == flags(second) and first["environment"] == second["environment"]
+    assert first["volumes"] == second["volumes"] and first["environment"] == second["environment"]
+    assert first["command"] == second["command"] and first.get("entrypoint") == second.get("entrypoint")
     # the dashboard's P50/P99 need Triton's latency summaries
-    assert flags(first)["--metrics-config"] == ["summary_latencies=true"]
+    if replicas == GPU_REPLICAS:
+        assert flags(first)["--metrics-config"] == ["summary_latencies=true"]
+    else:
+        assert first["environment"]["TRITON_SUMMARY_LATENCIES"] == "1"
 
 
 def test_the_gateway_goes_through_the_front_door_of_either_profile(defaults):
@@ -355,7 +426,9 @@ def _pins() -> dict[str, str]:
 
 def test_gateway_image_pins_match_the_local_ones():
     dockerfile = (ROOT / "docker" / "gateway.Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim", dockerfile, re.M)  # requirements.txt's Python
+    # requirements.txt's Python; a local stand-in through the build argument (docker/local-bases.Dockerfile)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm$", dockerfile, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
     pinned = dict(re.findall(r'"([A-Za-z0-9_.\[\],-]+)==([^"]+)"', dockerfile))
     local = _pins()
     assert pinned, "no pins found"
@@ -486,8 +559,10 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
     from server.frontdoor import COMPOSE_UPSTREAMS
 
     assert list(COMPOSE_UPSTREAMS) == aliases  # the renderer's default is compose's replicas too
-    # the official nginx image, whose njs module the rendered config loads
-    assert re.fullmatch(r"nginx:1\.2[7-9](\.\d+)?", door["image"]), door["image"]
+    # the official nginx image by default, whose njs module the rendered config loads; a local
+    # stand-in (docker/local-bases.Dockerfile) links Debian's module to the same path
+    assert re.fullmatch(r"\$\{NGINX_IMAGE:-nginx:1\.2[7-9](\.\d+)?\}", door["image"]), door["image"]
+    assert "ln -sfn /usr/lib/nginx/modules /etc/nginx/modules" in (ROOT / "docker" / "local-bases.Dockerfile").read_text()
     source, mode = volume(door, COMPOSE_MOUNT)
     assert mode == "ro" and source == "./.frontdoor"
     assert f"exec nginx -c {COMPOSE_MOUNT}/nginx.conf" in door["entrypoint"][-1]
@@ -499,17 +574,22 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
     # each Triton healthcheck still calls tritonserver itself inside its container; the front
     # door's goes through nginx to a replica
     for replica in replicas:
-        assert "http://localhost:8000/v2/health/ready" in " ".join(defaults["services"][replica]["healthcheck"]["test"])
+        if replica in GPU_REPLICAS:  # (the CPU image's checks its probe port)
+            assert "http://localhost:8000/v2/health/ready" in " ".join(defaults["services"][replica]["healthcheck"]["test"])
     assert "http://localhost:8000/v2/health/live" in " ".join(defaults["services"][name]["healthcheck"]["test"])
 
 
 def _loaded_with_everything_they_reach(compose, repository: Path) -> set[str]:
     from server.process import closure
 
+    from server.models import default_models
+
     models = set()
-    for name in SERVICES:
+    for name in GPU_REPLICAS:
         for model in flags(compose["services"][name])["--load-model"]:
             models.update(closure(repository, model))
+    for model in default_models(ROOT / "model_repository"):  # the CPU replicas' launcher
+        models.update(closure(repository, model))
     return models
 
 
@@ -623,7 +703,7 @@ def test_rendered_compose_config_passes_nginx_t(tmp_path):
     assert "test is successful" in done.stderr
 
 
-@pytest.mark.parametrize("name", SERVICES)
+@pytest.mark.parametrize("name", GPU_REPLICAS)
 def test_the_tensorrt_engine_cache_is_on_a_volume(defaults, name):
     from export import variants
 

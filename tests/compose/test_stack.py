@@ -1,0 +1,239 @@
+"""docker-compose's CPU profile, started by `make compose-test` (scripts/compose.sh test), checked from
+the host on the ports it publishes on 127.0.0.1 only: the front door (HTTP, metrics), the gRPC door, the
+gateway and Prometheus. Skipped unless scripts/compose.sh set COMPOSE_HTTP and the others.
+
+Each check: embeddings over HTTP and gRPC against the PyTorch reference, the cached path, a photo
+classified, a streamed chat through the openai SDK via the gateway, Prometheus with both replicas'
+series and the alert rules, a stub SIGKILLed inside a replica (its probe port says so, then heals, no
+request lost by a retrying client), a replica's container killed under clients that never retry (0
+failed, the replica back by its restart policy), and the hostile-request fuzz smoke against the doors
+(0 5xx, every replica still answering). That `down -v` leaves nothing is checked by the script after.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+ENV = ("COMPOSE_HTTP", "COMPOSE_GRPC", "COMPOSE_GATEWAY", "COMPOSE_PROMETHEUS", "COMPOSE_PROJECT", "GATEWAY_API_KEYS")
+pytestmark = pytest.mark.skipif(
+    not all(os.environ.get(v) for v in ENV), reason="docker-compose's stack is not up (make compose-test starts it)"
+)
+REPLICAS = ("triton-cpu-1", "triton-cpu-2")
+
+
+def container(service: str) -> str:
+    return f"{os.environ['COMPOSE_PROJECT']}_{service}_1"
+
+
+def docker(*args: str, check: bool = True) -> str:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check).stdout.strip()
+
+
+def probe(service: str, path: str = "/v2/health/ready") -> tuple[int, dict]:
+    """The replica's probe port, from inside its container (it publishes no port)."""
+    code = (
+        "import json, sys, urllib.request, urllib.error\n"
+        "try:\n"
+        f"    r = urllib.request.urlopen('http://127.0.0.1:8003{path}', timeout=3); s, b = r.status, r.read()\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    s, b = e.code, e.read()\n"
+        "except OSError:\n"
+        "    s, b = 0, b'{}'\n"
+        "print(s); print(b.decode())\n"
+    )
+    out = docker("exec", container(service), "python", "-c", code, check=False).splitlines()
+    return (int(out[0]), json.loads(out[1] or "{}")) if len(out) >= 2 else (0, {})
+
+
+def wait_restarted_and_healthy(service: str, started_before: str, timeout: float = 300) -> float:
+    """Seconds until the container has started again (another StartedAt) and its health check passed."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        state = docker("inspect", "-f", "{{.State.StartedAt}} {{.State.Health.Status}}", container(service), check=False)
+        started, _, health = state.partition(" ")
+        if started != started_before and health == "healthy":
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise AssertionError(f"{service} not restarted and healthy after {timeout} s: {state}")
+
+
+def embed_http(texts: list[str], model: str = "text_embedding") -> np.ndarray:
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(os.environ["COMPOSE_HTTP"])
+    data = np.array([[t] for t in texts], dtype=object)
+    inp = httpclient.InferInput("TEXT", list(data.shape), "BYTES")
+    inp.set_data_from_numpy(data)
+    try:
+        return client.infer(model, [inp]).as_numpy("EMBEDDING")
+    finally:
+        client.close()
+
+
+def embed_grpc(texts: list[str]) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(os.environ["COMPOSE_GRPC"])
+    data = np.array([[t] for t in texts], dtype=object)
+    inp = grpcclient.InferInput("TEXT", list(data.shape), "BYTES")
+    inp.set_data_from_numpy(data)
+    try:
+        return client.infer("text_embedding", [inp]).as_numpy("EMBEDDING")
+    finally:
+        client.close()
+
+
+TEXTS = ["docker-compose serves the same model", "un texte en français", "def f(x): return x * 2"]
+
+
+def test_embeddings_over_http_and_grpc_match_the_reference():
+    from export import reference
+
+    expected = reference.embed(TEXTS)
+    for label, got in (("http", embed_http(TEXTS)), ("grpc", embed_grpc(TEXTS))):
+        cos = reference.cosine_rows(got, expected)
+        print(f"{label}: min cosine {cos.min():.5f} against the PyTorch reference (the served variant: auto)")
+        assert got.shape == (3, 384) and cos.min() > 0.99, (label, cos)
+
+
+def test_the_cached_path_answers_the_same_vector_twice():
+    first = embed_http(TEXTS[:1], model="text_embedding_cached")
+    second = embed_http(TEXTS[:1], model="text_embedding_cached")
+    direct = embed_http(TEXTS[:1])
+    assert np.array_equal(first, second) and float(np.dot(first[0], direct[0])) > 0.9999
+
+
+def test_a_photo_is_classified():
+    import tritonclient.http as httpclient
+
+    from export import image_data
+
+    buf = io.BytesIO()
+    image_data.load_photo("coffee.png").save(buf, format="JPEG", quality=90)
+    client = httpclient.InferenceServerClient(os.environ["COMPOSE_HTTP"])
+    inp = httpclient.InferInput("IMAGE", [1, 1], "BYTES")
+    inp.set_data_from_numpy(np.array([[buf.getvalue()]], dtype=object))
+    try:
+        result = client.infer("image_classification", [inp])
+    finally:
+        client.close()
+    top5 = result.as_numpy("CLASS_INDEX")[0].tolist()
+    assert top5[0] in {967, 968, 504}, top5  # espresso, cup, coffee mug
+
+
+def test_a_streamed_chat_through_the_gateway_with_the_openai_sdk():
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{os.environ['COMPOSE_GATEWAY']}/v1", api_key=os.environ["GATEWAY_API_KEYS"].split(",")[0])
+    stream = client.chat.completions.create(
+        model="text_generation",
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    text = "".join(pieces)
+    print(f"streamed in {len(pieces)} chunks: {text!r}")
+    assert len(pieces) > 3 and "Paris" in text
+
+
+def prometheus(path: str) -> dict:
+    with urllib.request.urlopen(f"http://{os.environ['COMPOSE_PROMETHEUS']}{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_prometheus_scrapes_both_replicas_and_loads_the_rules():
+    deadline = time.monotonic() + 60
+    while True:
+        result = prometheus("/api/v1/query?query=nv_inference_count")["data"]["result"]
+        instances = {r["metric"]["instance"] for r in result}
+        if len(instances) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert instances == {"triton-upstream-1:8002", "triton-upstream-2:8002"}, instances
+    up = {r["metric"]["instance"]: r["value"][1] for r in prometheus("/api/v1/query?query=up")["data"]["result"]}
+    assert all(v == "1" for v in up.values()) and len(up) >= 3, up  # both replicas and the gateway
+    groups = prometheus("/api/v1/rules")["data"]["groups"]
+    alerts = [r["name"] for g in groups for r in g["rules"] if r["type"] == "alerting"]
+    assert alerts, groups
+    print(f"{len(groups)} rule groups, alerts: {', '.join(alerts)}")
+
+
+def test_a_stub_killed_inside_a_replica_is_seen_by_its_probe_and_healed():
+    service = REPLICAS[0]
+    assert probe(service)[0] == 200
+    kill = (
+        "import os, signal\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if argv[0].endswith(b'triton_python_backend_stub') and b'/text_encoder/1/' in argv[1]:\n"
+        "        os.kill(int(pid), signal.SIGKILL); print(pid); break\n"
+    )
+    assert docker("exec", container(service), "python", "-c", kill), "no text_encoder stub in the replica"
+    start = time.monotonic()
+    seen_down = healed = None
+    lost = 0
+    while time.monotonic() - start < 45:
+        status, body = probe(service)
+        if status == 503 and seen_down is None:
+            seen_down = time.monotonic() - start
+            assert "text_encoder" in body.get("unhealthy", []), body
+        if status == 200 and seen_down is not None:
+            healed = time.monotonic() - start
+            break
+        for _ in range(5):  # a retrying client: 5 tries, 0.2 s apart
+            try:
+                embed_http(TEXTS[:1])
+                break
+            except Exception:  # noqa: BLE001 - counted, then retried
+                time.sleep(0.2)
+        else:
+            lost += 1
+    print(f"stub SIGKILLed in {service}: probe 503 after {seen_down} s, 200 after {healed} s; lost {lost}")
+    assert seen_down is not None and healed is not None and healed < 30
+    assert lost == 0
+
+
+def test_a_replica_container_killed_under_clients_that_never_retry_loses_nothing():
+    from tests.integration.plain_clients import PlainClients
+
+    service = REPLICAS[1]
+    pid, started = docker("inspect", "-f", "{{.State.Pid}} {{.State.StartedAt}}", container(service)).split()
+    restarts = int(docker("inspect", "-f", "{{.RestartCount}}", container(service)))
+    with PlainClients(os.environ["COMPOSE_HTTP"], os.environ["COMPOSE_GRPC"], http_threads=4, grpc_threads=2) as load:
+        time.sleep(3)
+        subprocess.run(["kill", "-9", pid], check=True)  # the container's init, from the host: a crash
+        back = wait_restarted_and_healthy(service, started, timeout=240)
+        time.sleep(3)
+        outcomes = load.take()
+    print(f"{service} killed and back healthy after {back:.1f} s: {dict(outcomes)}")
+    assert int(docker("inspect", "-f", "{{.RestartCount}}", container(service))) == restarts + 1
+    failed = {k: v for k, v in outcomes.items() if not k.endswith("OK") and not k.endswith("200")}
+    assert not failed and sum(outcomes.values()) > 100, outcomes
+
+
+def test_the_fuzz_smoke_against_the_doors_finds_no_5xx_and_every_replica_answers():
+    from perf.fuzz import endpoints as fuzz
+
+    http_url, grpc_url = os.environ["COMPOSE_HTTP"], os.environ["COMPOSE_GRPC"]
+    models = fuzz.served_models(http_url, ["text_embedding", "image_classification"])
+    tally = fuzz.Tally()
+    fuzz.run_endpoint_fuzz(http_url, grpc_url, models, 300, 17, print, tally)
+    print(fuzz.table(tally))
+    assert tally.total() >= 300 and not tally.bad(), (tally.bad(), tally.findings[:5])
+    for service in REPLICAS:
+        assert probe(service)[0] == 200, service
+    for _ in range(4):  # round-robin: both replicas answer
+        assert embed_http(TEXTS[:1]).shape == (1, 384)
