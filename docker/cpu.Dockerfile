@@ -20,6 +20,8 @@ FROM ${BASE_IMAGE}
 # asking this index, and ca.crt is the CA bundle pip trusts.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
+# Debian's packages unpinned: a stable release's point updates replace them on the mirror.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv libpython3.11 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
@@ -53,6 +55,8 @@ COPY clients /opt/project/clients
 # unless mounted elsewhere.
 RUN find /opt/project -name __pycache__ -type d -prune -exec rm -rf {} + \
  && useradd --system --uid 10002 --user-group --home-dir /var/lib/triton --create-home triton
+# (TRITON_REPOSITORY_TOKEN_FILE is where the token is read, not the token)
+# hadolint ignore=DL3064
 ENV PYTHONPATH=/opt/project \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

