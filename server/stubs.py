@@ -81,6 +81,15 @@ def stub_of(pid: int) -> Stub | None:
     return Stub(pid, model, instance, state in ("Z", "X"), folder if folder.isdigit() else "")
 
 
+def process_running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed process its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split(" ", 1)[0] not in ("Z", "X")
+
+
 def model_and_instance(args: list[str]) -> tuple[str, str]:
     """(model, instance) from a stub's arguments."""
     model_path = Path(args[1]) if len(args) > 1 else Path()
@@ -177,6 +186,11 @@ class StubWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            if not process_running(self.server_pid):
+                # tritonserver itself died (its stubs follow it): that is its launcher's to see and
+                # restart, with a new watchdog; a scan now could only fail to reach its repository API.
+                log.info("stub watchdog: tritonserver (pid %d) is gone; the watchdog stops", self.server_pid)
+                return
             try:
                 self.poll()
             except Exception:  # the watchdog must outlive any one bad scan

@@ -54,3 +54,48 @@ def test_a_process_that_is_not_a_stub_is_not_one():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_watchdog_stops_quietly_when_its_tritonserver_dies(tmp_path, caplog):
+    """A killed tritonserver takes its stubs with it: that is the launcher's to restart, and a scan
+    could only fail on the repository API (it logged 'repository index: HTTP 0' tracebacks)."""
+    import logging
+    import time
+
+    from server.stubs import StubWatchdog
+
+    def process_running(pid: int) -> bool:  # as the watchdog's own check, written out here
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            return False
+        return stat[stat.rfind(")") + 2] not in "ZX"
+
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def reaches_the_server() -> None:  # what a scan asks of tritonserver, here: fails once it is gone
+        if not process_running(server.pid):
+            raise RuntimeError("repository index: HTTP 0")
+
+    watchdog = StubWatchdog(
+        server.pid,
+        tmp_path,
+        None,
+        reload=lambda m: None,
+        loaded=set,
+        reaches=lambda m: [m],
+        interval=0.05,
+        extra_checks=[reaches_the_server],
+    )
+    with caplog.at_level(logging.INFO, logger="server.stubs"):
+        watchdog.start()
+        time.sleep(0.2)
+        assert watchdog.alive() and process_running(server.pid)
+        server.kill()  # not reaped yet: a zombie, as a SIGKILLed tritonserver is until its launcher waits
+        deadline = time.monotonic() + 5
+        while watchdog.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not watchdog.alive() and not process_running(server.pid)
+        server.wait()
+    assert "is gone; the watchdog stops" in caplog.text
+    assert "scan failed" not in caplog.text
