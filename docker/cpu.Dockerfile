@@ -13,37 +13,41 @@
 # The models are not in the image: they are exported on the host (`make export`) and mounted at
 # /opt/project/model_repository (read-only is enough: the export rendered the priority lanes).
 ARG BASE_IMAGE=debian:bookworm-slim
-FROM ${BASE_IMAGE}
 
+# Debian's Python 3.11 (and libpython3.11, which the python backend stub links); packages unpinned: a
+# stable release's point updates replace them on the mirror.
+FROM ${BASE_IMAGE} AS python
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv libpython3.11 ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+# The virtualenv, built in a stage of its own: what docker/local/ hands in (the torch wheel, the CA
+# bundle) stays in this stage's layers and never reaches the image.
+FROM python AS venv
 # CPU wheels of PyTorch (2.13.0+cpu: a few hundred MB; PyPI's default build carries CUDA's libraries).
 # What docker/local/ holds is used first (docker/local/README.md): a torch wheel is installed instead of
 # asking this index, and ca.crt is the CA bundle pip trusts.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-
-# Debian's packages unpinned: a stable release's point updates replace them on the mirror.
-# hadolint ignore=DL3008
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv libpython3.11 ca-certificates \
- && rm -rf /var/lib/apt/lists/* \
- && python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 # What the replica imports, at the versions constraints.txt pins for the whole project (torch first,
 # so that the second install finds it satisfied and does not fetch PyPI's CUDA build).
 COPY constraints.txt /tmp/constraints.txt
 COPY docker/local/ /tmp/local/
-RUN if [ -f /tmp/local/ca.crt ]; then export PIP_CERT=/tmp/local/ca.crt; fi \
+RUN python3 -m venv /opt/venv \
+ && if [ -f /tmp/local/ca.crt ]; then export PIP_CERT=/tmp/local/ca.crt; fi \
  && if ls /tmp/local/torch-*.whl >/dev/null 2>&1; then \
-      pip install --no-cache-dir -c /tmp/constraints.txt /tmp/local/torch-*.whl; \
+      /opt/venv/bin/pip install --no-cache-dir -c /tmp/constraints.txt /tmp/local/torch-*.whl; \
     else \
-      pip install --no-cache-dir -c /tmp/constraints.txt --index-url "${TORCH_INDEX_URL}" torch; \
+      /opt/venv/bin/pip install --no-cache-dir -c /tmp/constraints.txt --index-url "${TORCH_INDEX_URL}" torch; \
     fi \
- && pip install --no-cache-dir -c /tmp/constraints.txt \
+ && /opt/venv/bin/pip install --no-cache-dir -c /tmp/constraints.txt \
       nvidia-pytriton "tritonclient[grpc,http]" numpy onnx onnxruntime tokenizers transformers safetensors \
-      llguidance gguf openvino openvino-genai openvino-tokenizers pillow redis async-timeout pyyaml \
- && rm -rf /tmp/constraints.txt /tmp/local
+      llguidance gguf openvino openvino-genai openvino-tokenizers pillow redis async-timeout pyyaml
 
+FROM python
+COPY --from=venv /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
 COPY python_backends /opt/project/python_backends
 COPY server /opt/project/server
 COPY export /opt/project/export

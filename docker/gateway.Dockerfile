@@ -15,8 +15,9 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
-# docker/local/ca.crt, when there, is the CA bundle pip trusts (docker/local/README.md).
-COPY docker/local/ /tmp/local/
+# docker/local/ca.crt, when there, is the CA bundle pip trusts (docker/local/README.md); the README is
+# copied only so that the pattern always matches something.
+COPY docker/local/README.md docker/local/ca.cr[t] /tmp/local/
 RUN if [ -f /tmp/local/ca.crt ]; then export PIP_CERT=/tmp/local/ca.crt; fi \
  && pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "uvicorn==0.54.0" \
       "uvloop==0.23.0" "httptools==0.9.0" "orjson==3.13.0" "prometheus-client==0.26.0" \

@@ -191,12 +191,10 @@ def convert(model_dir: Path, out: Path) -> Path:
     return out
 
 
-GGML_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20, "BF16": 30}
-
-
 def quantize(source: Path, out: Path, file_type: str, allow_requantize: bool = False, head_type: str | None = None) -> Path:
     """``source`` quantized to ``file_type`` (Q4_0, Q8_0, F16, ...) by llama.cpp's quantizer; ``head_type``
-    (a GGML_TYPES name) overrides the quantizer's choice for the output head and token embeddings."""
+    (a ggml type name: F16, BF16, Q8_0, ...) overrides the quantizer's choice for the output head and
+    token embeddings."""
     from python_backends.generation.llama_cpp_runtime import load_library
 
     lib = load_library()
@@ -205,7 +203,10 @@ def quantize(source: Path, out: Path, file_type: str, allow_requantize: bool = F
     params.nthread = os.cpu_count() or 1
     params.allow_requantize = allow_requantize
     if head_type is not None:
-        params.output_tensor_type = params.token_embedding_type = GGML_TYPES[head_type]
+        ggml_type = getattr(lib, f"GGML_TYPE_{head_type}", None)
+        if ggml_type is None:
+            raise LlamaCppError(f"head type {head_type!r}: not a ggml type of llama.cpp {LLAMA_CPP_VERSION}")
+        params.output_tensor_type = params.token_embedding_type = ggml_type
     tmp = out.with_name(out.name + ".tmp")
     status = lib.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
     if status != 0 or not tmp.is_file():
@@ -261,6 +262,9 @@ def _logits_and_decode(lib, path: Path, token_ids: list[list[int]], threads: int
     cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = longest + 64
     cparams.n_threads = cparams.n_threads_batch = threads
     ctx = lib.llama_init_from_model(model, cparams)
+    if not ctx:
+        lib.llama_model_free(model)
+        raise LlamaCppError(f"llama.cpp could not make a context for {path}")
     batch = lib.llama_batch_init(longest + 64, 0, 1)
     mem = lib.llama_get_memory(ctx)
     out = []
@@ -299,7 +303,7 @@ def _kl_top1(reference: list, logits: list) -> tuple[float, float]:
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
     kls, agree = [], []
-    for ref, got in zip(reference, logits):
+    for ref, got in zip(reference, logits, strict=True):
         p, q = log_softmax(ref), log_softmax(got)
         kls.append((np.exp(p) * (p - q)).sum(-1))
         agree.append(ref.argmax(-1) == got.argmax(-1))
@@ -322,8 +326,19 @@ def compare_formats(model_dir: Path, threads: int | None = None, say=print) -> l
     rows = []
     with tempfile.TemporaryDirectory(prefix="gguf-formats-", dir=model_dir.parent) as tmp:
         f32 = convert(model_dir, Path(tmp) / "model-f32.gguf")
-        reference, f16_ms = _logits_and_decode(lib, quantize(f32, Path(tmp) / "f16.gguf", "F16"), token_ids, threads)
-        rows.append({"body": "F16", "head": "F16", "mib": None, "kl": 0.0, "top1": 1.0, "weights_kl": 0.0, "ms": f16_ms})
+        f16 = quantize(f32, Path(tmp) / "f16.gguf", "F16")
+        reference, f16_ms = _logits_and_decode(lib, f16, token_ids, threads)
+        rows.append(
+            {
+                "body": "F16",
+                "head": "F16",
+                "mib": f16.stat().st_size / 2**20,
+                "kl": 0.0,
+                "top1": 1.0,
+                "weights_kl": 0.0,
+                "ms": f16_ms,
+            }
+        )
         for body, head in FORMATS:
             path = quantize(f32, Path(tmp) / f"{body}-{head}.gguf", body, head_type=None if head == "default" else head)
             logits, ms = _logits_and_decode(lib, path, token_ids, threads)
@@ -363,9 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             print("| body | head | MiB | mean KL vs F16 | top-1 vs F16 | weights alone: mean KL | decode ms/token |")
             print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
             for r in compare_formats(args.model_dir, say=lambda line: print(line, file=sys.stderr)):
-                mib = "" if r["mib"] is None else f"{r['mib']:.0f}"
                 print(
-                    f"| {r['body']} | {r['head']} | {mib} | {r['kl']:.5f} | {r['top1']:.4f} | {r['weights_kl']:.5f} | {r['ms']:.2f} |"
+                    f"| {r['body']} | {r['head']} | {r['mib']:.0f} | {r['kl']:.5f} | {r['top1']:.4f} | {r['weights_kl']:.5f} | {r['ms']:.2f} |"
                 )
         elif args.command == "gguf":
             for precision, path in make_ggufs(args.model_dir, say=print).items():

@@ -26,11 +26,13 @@ export REDIS_IMAGE=local/redis:bookworm
 export PROMETHEUS_IMAGE=local/prometheus:bookworm
 export COMPOSE_PROJECT_NAME=$PROJECT
 export TRITON_REPOSITORY_TOKEN=${TRITON_REPOSITORY_TOKEN:-$(cat .triton/repository-token 2>/dev/null || true)}
-if [ -z "$TRITON_REPOSITORY_TOKEN" ]; then
-  mkdir -p .triton && umask 077 && python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > .triton/repository-token
+if [ -z "$TRITON_REPOSITORY_TOKEN" ]; then  # the launcher's token file (make serve's), made as it makes it
+  mkdir -p .triton
+  (umask 077 && python3 -c 'import secrets; print(secrets.token_urlsafe(32))' >.triton/repository-token)
   TRITON_REPOSITORY_TOKEN=$(cat .triton/repository-token)
 fi
-export GRAFANA_ADMIN_PASSWORD=${GRAFANA_ADMIN_PASSWORD:-unused-grafana-is-not-started}
+# Grafana is not started here, but the file requires its password: a random one, never a known string.
+export GRAFANA_ADMIN_PASSWORD=${GRAFANA_ADMIN_PASSWORD:-$(python3 -c 'import secrets; print(secrets.token_urlsafe(16))')}
 SERVICES=(triton-cpu-1 triton-cpu-2 frontdoor-cpu grpc-door gateway redis prometheus)
 
 engine() {
@@ -53,11 +55,16 @@ base_images() {
       DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
     }
     root=$(mktemp -d "${TMPDIR:-/tmp}/debian-rootfs.XXXXXX")
+    trap '$SUDO rm -rf "$root"' EXIT
     say "debootstrap bookworm -> $BASE"
     $SUDO debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \
       || { tail -20 "$STATE/debootstrap.log" >&2; exit 1; }
+    # debootstrap lists bookworm main only: the images built on it get the point and security updates too
+    printf '%s\n' "deb http://deb.debian.org/debian bookworm main" "deb http://deb.debian.org/debian bookworm-updates main" \
+      "deb http://deb.debian.org/debian-security bookworm-security main" | $SUDO tee "$root/etc/apt/sources.list" >/dev/null
     $SUDO tar -C "$root" -c . | docker import - "$BASE" >/dev/null
     $SUDO rm -rf "$root"
+    trap - EXIT
   fi
   for target in python nginx redis prometheus; do
     say "building local/$target:bookworm"
@@ -90,11 +97,11 @@ images() {
 wait_healthy() {
   local deadline=$((SECONDS + ${1:-600})) c status
   for svc in "${SERVICES[@]}"; do
-    c="${PROJECT}_${svc}_1"
     while :; do
-      status=$(docker inspect -f '{{.State.Health.Status}}' "$c" 2>/dev/null || echo missing)
+      c=$(docker-compose --profile cpu ps -q "$svc" 2>/dev/null || true)
+      status=$( [ -n "$c" ] && docker inspect -f '{{.State.Health.Status}}' "$c" 2>/dev/null || echo missing)
       [ "$status" = healthy ] && break
-      if [ $SECONDS -ge $deadline ]; then say "$svc is $status"; docker logs --tail 30 "$c" >&2 || true; return 1; fi
+      if [ $SECONDS -ge $deadline ]; then say "$svc is $status"; [ -z "$c" ] || docker logs --tail 30 "$c" >&2 || true; return 1; fi
       sleep 2
     done
   done
@@ -107,7 +114,10 @@ leftovers() {
 }
 
 compose_test() {
-  # Ports of their own, so that a `make serve` on the defaults does not collide; a known API key.
+  # A project, ports and an API key of its own: a `make compose-up` stack (its volumes, the gateway's
+  # key) or a `make serve` on the default ports is left alone.
+  PROJECT=$PROJECT-test
+  export COMPOSE_PROJECT_NAME=$PROJECT
   export TRITON_HTTP_PORT=${TRITON_HTTP_PORT:-18000} TRITON_GRPC_PORT=${TRITON_GRPC_PORT:-18001}
   export TRITON_METRICS_PORT=${TRITON_METRICS_PORT:-18002} GATEWAY_PORT=${GATEWAY_PORT:-18080}
   export PROMETHEUS_PORT=${PROMETHEUS_PORT:-19090}
@@ -116,18 +126,21 @@ compose_test() {
   images
   local t_images=$((SECONDS - t0))
   make compose-config >/dev/null
-  docker-compose --profile cpu up -d "${SERVICES[@]}"
-  wait_healthy 600 || rc=1
+  # whatever happens from here (a failed start, Ctrl-C), the stack goes
+  trap 'docker-compose --profile cpu down -v --remove-orphans >/dev/null 2>&1 || true' EXIT
+  docker-compose --profile cpu up -d "${SERVICES[@]}" || rc=1
+  [ $rc != 0 ] || wait_healthy 600 || rc=1
   local t_up=$((SECONDS - t0 - t_images))
   say "images ${t_images} s, up and healthy ${t_up} s"
   if [ $rc = 0 ]; then
     COMPOSE_HTTP=127.0.0.1:$TRITON_HTTP_PORT COMPOSE_GRPC=127.0.0.1:$TRITON_GRPC_PORT \
-      COMPOSE_GATEWAY=127.0.0.1:$GATEWAY_PORT COMPOSE_PROMETHEUS=127.0.0.1:$PROMETHEUS_PORT COMPOSE_PROJECT=$PROJECT \
+      COMPOSE_GATEWAY=127.0.0.1:$GATEWAY_PORT COMPOSE_PROMETHEUS=127.0.0.1:$PROMETHEUS_PORT \
       "${VENV:-.venv}/bin/python" -m pytest tests/compose -v -s --durations=0 || rc=$?
   fi
   [ $rc = 0 ] || docker-compose --profile cpu logs --tail 40 >&2 || true
   local t_checks=$((SECONDS - t0 - t_images - t_up))
   docker-compose --profile cpu down -v --remove-orphans
+  trap - EXIT
   local left
   left=$(leftovers)
   say "checks ${t_checks} s; after down -v: $left containers, networks and volumes of $PROJECT left"

@@ -29,7 +29,13 @@ DEFAULT_CACHE_SIZE_MB = 128
 
 
 def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"serve: ${name} {value!r}: expected an integer") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -153,8 +159,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
     p.add_argument("--log-verbose", type=int, default=0)
     args = p.parse_args(argv)
+    # argparse checks choices and types on the command line only, not on defaults from the environment
+    if args.role not in ("all", "replica"):
+        p.error(f"--role (or $TRITON_ROLE) {args.role!r}: expected all or replica")
     if args.role == "replica":
         args.no_front_door = args.no_gateway = args.no_export = True
+        public = {args.http_port, args.grpc_port, args.metrics_port}
+        if not 0 < args.probe_port < 65536 or args.probe_port in public:
+            p.error(
+                f"--probe-port (or $TRITON_PROBE_PORT) {args.probe_port}: a free port 1-65535, not the HTTP, gRPC or metrics one"
+            )
     return args
 
 
@@ -351,13 +365,13 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             return 1
         stop.wait(0.5)
-    started_stop = time.monotonic()
+    stopping_since = time.monotonic()
     if probe_port is not None:
         probe_port.stop()
     if gateway is not None:
         gateway.stop()
     code = server.stop()
-    print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - started_stop:.1f} s", flush=True)
+    print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - stopping_since:.1f} s", flush=True)
     return 0
 
 

@@ -12,8 +12,9 @@ port answers from what serves:
   reasons as JSON (``{"ready": false, "not_ready": [...], "unhealthy": [...]}``);
 - ``GET /v2/models/<model>/ready``: 503 while the watchdog marks the model, else tritonserver's
   own answer for it;
-- ``GET /v2/health/live``: 200 while tritonserver runs, answers its live endpoint and the
-  watchdog runs; 503 otherwise (a liveness probe restarts the container then).
+- ``GET /v2/health/live``: 200 while tritonserver runs (while it starts, loading models with its
+  ports still closed, too), and once started while it answers its live endpoint and the watchdog
+  runs; 503 otherwise (a liveness probe restarts the container then).
 
 Everything else is 404: the port serves probes, not inference.
 """
@@ -82,9 +83,11 @@ class Probes:
     def live(self) -> tuple[int, dict]:
         if not self.running():
             return 503, {"live": False, "reason": "tritonserver is not running"}
+        if not self.started():  # its ports open once the models are loaded: a liveness probe must not restart a load
+            return 200, {"live": True, "starting": True}
         if self.triton_status("/v2/health/live") != 200:
             return 503, {"live": False, "reason": "tritonserver does not answer /v2/health/live"}
-        if self.started() and not self.watchdog_alive():
+        if not self.watchdog_alive():
             return 503, {"live": False, "reason": "the stub watchdog is not running"}
         return 200, {"live": True}
 

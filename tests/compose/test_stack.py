@@ -22,7 +22,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-ENV = ("COMPOSE_HTTP", "COMPOSE_GRPC", "COMPOSE_GATEWAY", "COMPOSE_PROMETHEUS", "COMPOSE_PROJECT", "GATEWAY_API_KEYS")
+ENV = ("COMPOSE_HTTP", "COMPOSE_GRPC", "COMPOSE_GATEWAY", "COMPOSE_PROMETHEUS", "COMPOSE_PROJECT_NAME", "GATEWAY_API_KEYS")
 pytestmark = pytest.mark.skipif(
     not all(os.environ.get(v) for v in ENV), reason="docker-compose's stack is not up (make compose-test starts it)"
 )
@@ -30,7 +30,14 @@ REPLICAS = ("triton-cpu-1", "triton-cpu-2")
 
 
 def container(service: str) -> str:
-    return f"{os.environ['COMPOSE_PROJECT']}_{service}_1"
+    """The id of ``service``'s container in the project scripts/compose.sh started (by compose's own lookup)."""
+    from server.layout import ROOT
+
+    done = subprocess.run(
+        ["docker-compose", "--profile", "cpu", "ps", "-q", service], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    (found,) = done.stdout.split()
+    return found
 
 
 def docker(*args: str, check: bool = True) -> str:

@@ -60,7 +60,8 @@ def test_the_replica_role_serves_without_doors_and_its_probes_tell_the_truth(tmp
         str(tmp_path / "token"),
         "--quiet",
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "launcher.err"  # a file, not a pipe nobody reads while the launcher runs
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     base = f"http://127.0.0.1:{probe}"
     try:
         seen = set()
@@ -71,11 +72,13 @@ def test_the_replica_role_serves_without_doors_and_its_probes_tell_the_truth(tmp
             if status == 200:
                 break
             time.sleep(0.25)
-        assert status == 200, (status, body, proc.stderr.read() if proc.poll() is not None else "")
+        assert status == 200, (status, body, log.read_text())
         assert 503 in seen  # the probe port answered before tritonserver was ready, and said not ready
-        out = proc.stdout.readline()
+        out = ""
         while "Ctrl-C to stop" not in out:
-            out += proc.stdout.readline()
+            line = proc.stdout.readline()
+            assert line, f"the launcher's output ended: {out}{log.read_text()}"
+            out += line
         assert "role     replica" in out and "OpenAI   off" in out, out
         # tritonserver itself on the public HTTP port (no front door), serving
         client = httpclient.InferenceServerClient(f"127.0.0.1:{ports.http_port}")
@@ -87,9 +90,9 @@ def test_the_replica_role_serves_without_doors_and_its_probes_tell_the_truth(tmp
         assert _get(f"{base}/v2/models/text_embedding/ready")[0] == 200
         assert _get(f"{base}/v2/models/text_embedding/infer")[0] == 404  # probes only
 
-        triton = [s for s in find_stubs(_tritonserver_pid(proc.pid)) if s.model == "text_encoder" and not s.zombie]
-        assert triton, "no text_encoder stub found"
-        os.kill(triton[0].pid, signal.SIGKILL)
+        stubs = [s for s in find_stubs(_tritonserver_pid(proc.pid)) if s.model == "text_encoder" and not s.zombie]
+        assert stubs, "no text_encoder stub found"
+        os.kill(stubs[0].pid, signal.SIGKILL)
         marked = healed = None
         start = time.monotonic()
         while time.monotonic() - start < 30:
@@ -111,8 +114,12 @@ def test_the_replica_role_serves_without_doors_and_its_probes_tell_the_truth(tmp
         client.close()  # tritonserver's drain waits for every open HTTP connection, idle ones too
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, log.read_text()
     # exit code 0, or -9: the launcher ends a tritonserver whose only models left are those replaced
     # after a stub death (tritonserver 2.51 waits for their dead stub forever; server/process.py)
     assert "tritonserver stopped (exit code 0)" in out or "tritonserver stopped (exit code -9)" in out, out
