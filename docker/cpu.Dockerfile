@@ -32,16 +32,17 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 # What the replica imports, at the versions constraints.txt pins for the whole project (torch first,
 # so that the second install finds it satisfied and does not fetch PyPI's CUDA build).
-COPY constraints.txt /tmp/constraints.txt
-COPY docker/local/ /tmp/local/
+WORKDIR /build
+COPY constraints.txt constraints.txt
+COPY docker/local/ local/
 RUN python3 -m venv /opt/venv \
- && if [ -f /tmp/local/ca.crt ]; then export PIP_CERT=/tmp/local/ca.crt; fi \
- && if ls /tmp/local/torch-*.whl >/dev/null 2>&1; then \
-      /opt/venv/bin/pip install --no-cache-dir -c /tmp/constraints.txt /tmp/local/torch-*.whl; \
+ && if [ -f local/ca.crt ]; then export PIP_CERT="$PWD/local/ca.crt"; fi \
+ && if ls local/torch-*.whl >/dev/null 2>&1; then \
+      /opt/venv/bin/pip install --no-cache-dir -c constraints.txt local/torch-*.whl; \
     else \
-      /opt/venv/bin/pip install --no-cache-dir -c /tmp/constraints.txt --index-url "${TORCH_INDEX_URL}" torch; \
+      /opt/venv/bin/pip install --no-cache-dir -c constraints.txt --index-url "${TORCH_INDEX_URL}" torch; \
     fi \
- && /opt/venv/bin/pip install --no-cache-dir -c /tmp/constraints.txt \
+ && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt \
       nvidia-pytriton "tritonclient[grpc,http]" numpy onnx onnxruntime tokenizers transformers safetensors \
       llguidance gguf openvino openvino-genai openvino-tokenizers pillow redis async-timeout pyyaml
 

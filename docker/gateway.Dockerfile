@@ -17,12 +17,14 @@ FROM ${BASE_IMAGE}
 
 # docker/local/ca.crt, when there, is the CA bundle pip trusts (docker/local/README.md); the README is
 # copied only so that the pattern always matches something.
-COPY docker/local/README.md docker/local/ca.cr[t] /tmp/local/
-RUN if [ -f /tmp/local/ca.crt ]; then export PIP_CERT=/tmp/local/ca.crt; fi \
+WORKDIR /opt/embedding
+COPY docker/local/README.md docker/local/ca.cr[t] build-local/
+RUN if [ -f build-local/ca.crt ]; then export PIP_CERT="$PWD/build-local/ca.crt"; fi \
  && pip install --no-cache-dir "fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "uvicorn==0.54.0" \
       "uvloop==0.23.0" "httptools==0.9.0" "orjson==3.13.0" "prometheus-client==0.26.0" \
       "tritonclient[grpc,http]==2.50.0" "grpcio==1.85.3" "protobuf==4.25.9" "aiohttp==3.14.5" \
-      "numpy==1.26.4" "tokenizers==0.23.3" "jinja2==3.1.6" "markupsafe==3.0.4"
+      "numpy==1.26.4" "tokenizers==0.23.3" "jinja2==3.1.6" "markupsafe==3.0.4" \
+ && rm -rf build-local
 
 COPY python_backends /opt/embedding/python_backends
 COPY clients /opt/embedding/clients

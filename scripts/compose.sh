@@ -54,7 +54,7 @@ base_images() {
       $SUDO apt-get update -qq
       DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
     }
-    root=$(mktemp -d "${TMPDIR:-/tmp}/debian-rootfs.XXXXXX")
+    root=$(mktemp -d -t debian-rootfs.XXXXXX)
     trap '$SUDO rm -rf "$root"' EXIT
     say "debootstrap bookworm -> $BASE"
     $SUDO debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \

@@ -298,7 +298,7 @@ def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, d
     cpu_file = CPU_DOCKERFILE.read_text()
     (cpu_index,) = re.findall(r"^ARG TORCH_INDEX_URL=(\S+)$", cpu_file, re.M)
     assert cpu_index == "https://download.pytorch.org/whl/cpu"
-    assert cpu_file.count("-c /tmp/constraints.txt") == 3  # torch (a local wheel or the index), then the rest
+    assert cpu_file.count("-c constraints.txt") == 3  # torch (a local wheel or the index), then the rest
     for package in ("nvidia-pytriton", "onnxruntime", "openvino", "tokenizers", "transformers", "llguidance", "redis"):
         assert re.search(rf"\s{re.escape(package)}\s", cpu_file), package
     gpu, cpu = defaults["services"]["triton-1"], defaults["services"]["triton-cpu-1"]
