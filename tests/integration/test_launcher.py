@@ -2,12 +2,12 @@
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from server.layout import ROOT
 from server.process import ServerOptions, free_port
+from tests.integration.launcher_command import launcher_command
 
 BROKEN_CONFIG = """
 name: "broken_encoder"
@@ -20,25 +20,16 @@ output [ { name: "sentence_embedding" data_type: TYPE_FP32 dims: [ 384 ] } ]
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
     ports = ServerOptions.with_free_ports()
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
+    cmd = launcher_command(
+        tmp_path,
+        ports,
         "--no-export",
-        "--workdir",
-        str(tmp_path / "work"),
-        "--http-port",
-        str(ports.http_port),
-        "--grpc-port",
-        str(ports.grpc_port),
-        "--metrics-port",
-        str(ports.metrics_port),
         "--gateway-port",
         str(free_port()),
         "--gateway-api-key-file",
         str(tmp_path / "gateway-api-key"),
         *args,
-    ]
+    )
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

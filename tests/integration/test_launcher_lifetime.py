@@ -7,30 +7,21 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from server.layout import ROOT
 from server.process import ServerOptions
+from tests.integration.launcher_command import launcher_command
 
 
 def _launch(tmp_path: Path) -> tuple[subprocess.Popen, ServerOptions]:
     ports = ServerOptions.with_free_ports()
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
+    cmd = launcher_command(
+        tmp_path,
+        ports,
         "--no-export",
         "--quiet",
-        "--workdir",
-        str(tmp_path / "work"),
-        "--http-port",
-        str(ports.http_port),
-        "--grpc-port",
-        str(ports.grpc_port),
-        "--metrics-port",
-        str(ports.metrics_port),
         "--model",
         "text_tokenizer",
         "--drain-timeout",
@@ -39,7 +30,7 @@ def _launch(tmp_path: Path) -> tuple[subprocess.Popen, ServerOptions]:
         str(tmp_path / "token"),
         "--rollout-state",
         str(tmp_path / "no-state.json"),
-    ]
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     deadline = time.monotonic() + 240

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ import tritonclient.http as httpclient
 from server.layout import ROOT
 from server.process import ServerOptions, free_port
 from server.stubs import find_stubs
+from tests.integration.launcher_command import launcher_command
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -36,22 +36,13 @@ def _get(url: str) -> tuple[int, dict]:
 def test_the_replica_role_serves_without_doors_and_its_probes_tell_the_truth(tmp_path):
     ports = ServerOptions.with_free_ports()
     probe = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
+    cmd = launcher_command(
+        tmp_path,
+        ports,
         "--role",
         "replica",
         "--model",
         "text_embedding",
-        "--workdir",
-        str(tmp_path / "work"),
-        "--http-port",
-        str(ports.http_port),
-        "--grpc-port",
-        str(ports.grpc_port),
-        "--metrics-port",
-        str(ports.metrics_port),
         "--probe-port",
         str(probe),
         "--rollout-state",
@@ -59,7 +50,7 @@ def test_the_replica_role_serves_without_doors_and_its_probes_tell_the_truth(tmp
         "--repository-token-file",
         str(tmp_path / "token"),
         "--quiet",
-    ]
+    )
     log = tmp_path / "launcher.err"  # a file, not a pipe nobody reads while the launcher runs
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     base = f"http://127.0.0.1:{probe}"
