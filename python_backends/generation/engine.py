@@ -47,6 +47,8 @@ from python_backends.generation.structured import Grammars
 log = logging.getLogger(__name__)
 
 RequestId = Hashable
+# The input that carries a continued stream's first tokens (config.pbtxt), named in its errors.
+PREFIX_FIELD = "prefix_token_ids"
 
 
 @dataclass(frozen=True)
@@ -310,10 +312,14 @@ class LLMEngine:
             raise InputError("text_input", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> SamplingParams:
+    def check_request(self, prompt_ids: Seq[int], params: SamplingParams, prefix_ids: Seq[int] = ()) -> SamplingParams:
         """The engine's admission rules, checked once before a request is queued: the prompt and
         ``max_tokens`` fit the context and the KV pool. Returns the params to run (``max_tokens``
-        lowered to the room left when ``fit_to_context``); ContextTooLong (INVALID_ARG) otherwise."""
+        lowered to the room left when ``fit_to_context``); ContextTooLong (INVALID_ARG) otherwise.
+
+        ``prefix_ids``: the answer's first tokens, already sent to the client by a replica that
+        died (a continued stream, docs/generation.md#streams-that-outlive-a-replica); they count
+        against ``max_tokens`` and must leave room for one more."""
         if not prompt_ids:
             raise InputError("text_input", "the prompt has no tokens")
         if params.n > self.scheduler.max_num_seqs:
@@ -333,6 +339,8 @@ class LLMEngine:
         guide = params.guide
         if guide is not None:
             self.grammars().compile(*guide)  # here, on the submitting thread: the loop only makes a matcher
+        if prefix_ids:
+            self._check_prefix(prefix_ids, params, vocab)
         prompt = len(prompt_ids)
         # The last generated token is never fed back: a sequence holds total - 1 slots at most.
         limit = min(self.max_model_len, self.scheduler.bm.num_blocks * self.scheduler.bm.block_size + 1)
@@ -341,16 +349,49 @@ class LLMEngine:
             params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room), fit_to_context=False)
         if prompt + params.max_tokens > limit:
             raise ContextTooLong(prompt, params.max_tokens, limit, pool=limit < self.max_model_len)
+        if len(prefix_ids) >= params.max_tokens:
+            raise InputError(
+                PREFIX_FIELD,
+                f"{len(prefix_ids)} tokens already sent leave none of max_tokens ({params.max_tokens}) to generate",
+                values={"maximum": params.max_tokens - 1, "got": len(prefix_ids)},
+            )
         return params
 
+    @staticmethod
+    def _check_prefix(prefix_ids: Seq[int], params: SamplingParams, vocab: int) -> None:
+        """What a continuation may carry: token ids of the vocabulary, for a request whose next
+        tokens depend only on the tokens so far (one choice, no log-probabilities to realign)."""
+        bad = [t for t in prefix_ids if not 0 <= t < vocab]
+        if bad:
+            raise InputError(
+                PREFIX_FIELD,
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                values={"maximum": vocab - 1, "got": bad[0]},
+            )
+        if params.n != 1:
+            raise InputError(
+                PREFIX_FIELD, f"a continuation continues one choice; this request asks n={params.n}", values={"n": params.n}
+            )
+        if params.logprobs is not None:
+            raise InputError(
+                PREFIX_FIELD, "a continuation cannot return log-probabilities (those of the prefix were sent already)"
+            )
+
     def add_request(
-        self, request_id: RequestId, prompt: str | Seq[int], params: SamplingParams, arrival: float | None = None
+        self,
+        request_id: RequestId,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        arrival: float | None = None,
+        prefix_ids: Seq[int] = (),
     ) -> None:
-        """Queue a request; raises InputError / ContextTooLong (INVALID_ARG) or QueueFull."""
+        """Queue a request; raises InputError / ContextTooLong (INVALID_ARG) or QueueFull.
+        ``prefix_ids``: as for :meth:`check_request`."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
         ids = self.encode(prompt)
-        self.admit(request_id, ids, self.check_request(ids, params), arrival)
+        prefix = [int(t) for t in prefix_ids]
+        self.admit(request_id, ids, self.check_request(ids, params, prefix), arrival, prefix)
 
     def grammars(self) -> Grammars:
         """The compiled guides of this engine's tokenizer (made on first use: 0.5 s)."""
@@ -359,15 +400,43 @@ class LLMEngine:
                 self._grammars = Grammars(self.tokenizer, self.weights.config.vocab_size)
             return self._grammars
 
-    def admit(self, request_id: RequestId, ids: list[int], params: SamplingParams, arrival: float | None = None) -> None:
+    def admit(
+        self,
+        request_id: RequestId,
+        ids: list[int],
+        params: SamplingParams,
+        arrival: float | None = None,
+        prefix_ids: Seq[int] = (),
+    ) -> None:
         """Queue a request that passed :meth:`check_request` (QueueFull when the queue is full).
 
         With ``n`` > 1 one sequence is queued; the other choices are forked from it once its
-        prompt is computed (:meth:`step`), sharing its KV blocks: one prefill for all."""
+        prompt is computed (:meth:`step`), sharing its KV blocks: one prefill for all.
+
+        With ``prefix_ids`` the sequence starts as if it had generated them here: they are
+        prefilled after the prompt (as a preempted sequence's tokens are), the detokenizer reads
+        them, a guide consumes them and a seeded generator draws past them, so the tokens that
+        follow are those an uninterrupted run samples next."""
         guide = params.guide
         arrival = time.monotonic() if arrival is None else arrival
+        matcher = None if guide is None else self.grammars().matcher(*guide)
+        if matcher is not None:
+            for position, token in enumerate(prefix_ids):
+                if not matcher.consume_token(token):
+                    raise InputError(
+                        PREFIX_FIELD,
+                        f"token {token} at position {position} breaks the request's guide",
+                        values={"position": position, "got": token},
+                    )
         # A guided sequence is not drafted: its mask is computed one token at a time.
-        self.scheduler.add(request_id, ids, params.max_tokens, speculative=params.greedy and guide is None, forks=params.n - 1)
+        self.scheduler.add(
+            request_id,
+            ids,
+            params.max_tokens,
+            speculative=params.greedy and guide is None,
+            forks=params.n - 1,
+            output_tokens=prefix_ids,
+        )
 
         def choice(index: int) -> _Request:
             seed = None if params.seed is None else (params.seed + index) % 2**63
@@ -379,12 +448,14 @@ class LLMEngine:
                 make_generator(seed, self.device),
                 RequestMetrics(arrival=arrival),
                 aligner=None if params.logprobs is None else lp.Aligner(self.token_bytes),
-                matcher=None if guide is None else self.grammars().matcher(*guide),
+                matcher=matcher if index == 0 else None if guide is None else self.grammars().matcher(*guide),
                 seq_id=request_id if index == 0 else ChoiceId(request_id, index),
                 index=index,
             )
 
         first = choice(0)
+        if prefix_ids:
+            _continue_after(first, list(prefix_ids))
         if params.n > 1:
             first.forks = [choice(i) for i in range(1, params.n)]
             self._choices[request_id] = [request_id, *(c.seq_id for c in first.forks)]
@@ -683,6 +754,19 @@ class LLMEngine:
         return [("".join(texts[r]), tokens[r]) for r in ids]
 
 
+def _continue_after(req: _Request, prefix_ids: list[int]) -> None:
+    """Bring a new request's state to where a run that generated ``prefix_ids`` stands: its
+    detokenizer has read them one at a time (the same pieces, the same text held back for a stop
+    string), and a sampled request's generator has drawn once per token (Sampler: one uniform
+    per sampled row and step; greedy rows draw none)."""
+    for upto in range(1, len(prefix_ids) + 1):
+        req.detokenizer.step(prefix_ids[:upto])
+    req.num_emitted_ids = len(prefix_ids)
+    if req.generator is not None and not req.params.greedy:
+        for _ in prefix_ids:
+            torch.rand((), generator=req.generator, device=req.generator.device)
+
+
 OutputCallback = Callable[[RequestOutput], None]
 
 
@@ -694,6 +778,7 @@ class _Submission:
     on_output: OutputCallback
     is_cancelled: Callable[[], bool] | None
     arrival: float = field(default_factory=time.monotonic)
+    prefix_ids: list[int] = field(default_factory=list)
 
 
 class EngineLoop:
@@ -742,11 +827,14 @@ class EngineLoop:
         params: SamplingParams,
         on_output: OutputCallback,
         is_cancelled: Callable[[], bool] | None = None,
+        prefix_ids: Seq[int] = (),
     ) -> int:
-        """Queue a request; returns its prompt length. Raises InputError or QueueFull."""
+        """Queue a request (``prefix_ids``: as for LLMEngine.check_request); returns its prompt
+        length. Raises InputError or QueueFull."""
         ids = self.engine.encode(prompt)
-        params = self.engine.check_request(ids, params)
-        sub = _Submission(request_id, ids, params, on_output, is_cancelled)
+        prefix = [int(t) for t in prefix_ids]
+        params = self.engine.check_request(ids, params, prefix)
+        sub = _Submission(request_id, ids, params, on_output, is_cancelled, prefix_ids=prefix)
         with self._lock:
             if self._stopping:
                 raise Unavailable("the engine is shutting down")
@@ -805,7 +893,7 @@ class EngineLoop:
         for sub in pending:
             self._live[sub.request_id] = sub
             try:
-                self.engine.admit(sub.request_id, sub.prompt_ids, sub.params, arrival=sub.arrival)
+                self.engine.admit(sub.request_id, sub.prompt_ids, sub.params, arrival=sub.arrival, prefix_ids=sub.prefix_ids)
             except (RequestError, ValueError) as exc:
                 self._emit(
                     RequestOutput(

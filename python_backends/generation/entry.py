@@ -29,7 +29,7 @@ from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engi
 log = logging.getLogger(__name__)
 
 # The inputs a request may carry, and each output's array type.
-INPUT_NAMES = ("text_input", "sampling_parameters", *BOOL_INPUTS)
+INPUT_NAMES = ("text_input", "sampling_parameters", "prefix_token_ids", *BOOL_INPUTS)
 OUTPUT_TYPES = {
     "text_output": object,
     "finish_reason": object,
@@ -38,6 +38,7 @@ OUTPUT_TYPES = {
     "num_cached_tokens": np.uint32,
     "logprobs": object,
     "index": np.uint32,
+    "token_ids": np.int32,
 }
 
 
@@ -54,12 +55,15 @@ class Reply(Protocol):
 
 
 def output_arrays(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """One response's outputs (ResponseShaper's values; None: not sent) as one-element arrays."""
+    """One response's outputs (ResponseShaper's values; None: not sent) as one-element arrays,
+    a list as an array of its own length."""
     arrays = {}
     for name, value in values.items():
         if value is None:
             continue
-        if OUTPUT_TYPES[name] is object:
+        if isinstance(value, list):
+            arrays[name] = np.asarray(value, dtype=OUTPUT_TYPES[name])
+        elif OUTPUT_TYPES[name] is object:
             arrays[name] = np.array([str(value).encode("utf-8")], dtype=object)
         else:
             arrays[name] = np.array([value], dtype=OUTPUT_TYPES[name])
@@ -217,7 +221,9 @@ class GenerationEntry:
         request_id = next(self.ids)
         self.replies.watch(request_id, reply)  # its cancellation, watched by the pump
         try:
-            self.loop.submit(request_id, parsed.prompt, parsed.params, self._answer(shaper, reply, self.replies))
+            self.loop.submit(
+                request_id, parsed.prompt, parsed.params, self._answer(shaper, reply, self.replies), prefix_ids=parsed.prefix_ids
+            )
         except BaseException:
             self.replies.unwatch(request_id)
             raise
@@ -251,6 +257,7 @@ class GenerationEntry:
                 out.num_cached_tokens,
                 out.logprobs,
                 out.index,
+                out.token_ids,
             )
             if values is None:
                 if out.last:

@@ -203,10 +203,21 @@ class Scheduler:
         self.on_release: Callable[[SeqId], None] | None = None
 
     # ---- requests in and out ---------------------------------------------------------
-    def add(self, seq_id: SeqId, prompt_tokens: Seq[int], max_tokens: int, speculative: bool = False, forks: int = 0) -> Sequence:
+    def add(
+        self,
+        seq_id: SeqId,
+        prompt_tokens: Seq[int],
+        max_tokens: int,
+        speculative: bool = False,
+        forks: int = 0,
+        output_tokens: Seq[int] = (),
+    ) -> Sequence:
         """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull.
 
-        ``forks``: sequences :meth:`fork` will make from it once its prompt is computed."""
+        ``forks``: sequences :meth:`fork` will make from it once its prompt is computed.
+        ``output_tokens``: the answer's first tokens, generated elsewhere (a stream continued
+        after its replica died): the sequence is admitted as a preempted one is, prompt and
+        those tokens prefilled, and counts them against ``max_tokens``."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already scheduled")
         # The engine checked the request (LLMEngine.check_request); here it is only asserted.
@@ -218,8 +229,15 @@ class Scheduler:
         if queued >= self.max_waiting:
             raise QueueFull(len(self.waiting), self.max_num_seqs, self.max_waiting)
         assert 1 + forks <= self.max_num_seqs, "the engine admitted too many choices"
+        assert len(output_tokens) < max_tokens and not (output_tokens and forks), "the engine admitted a bad continuation"
         seq = Sequence(
-            seq_id, [int(t) for t in prompt_tokens], max_tokens, next(self._arrivals), speculative=speculative, num_forks=forks
+            seq_id,
+            [int(t) for t in prompt_tokens],
+            max_tokens,
+            next(self._arrivals),
+            output_tokens=[int(t) for t in output_tokens],
+            speculative=speculative,
+            num_forks=forks,
         )
         self.waiting.append(seq)
         self._seqs[seq_id] = seq

@@ -8,7 +8,11 @@ JSON object), ``exclude_input_in_output``, ``return_finish_reason``,
 the model's own template renders), ``return_num_cached_tokens`` (BOOL: the prompt tokens
 the prefix cache held) and ``return_logprobs`` (BOOL: the output ``logprobs``, a JSON list of
 OpenAI's token objects, as the sampling parameter ``logprobs`` also asks; alone it means 0
-alternatives). Sampling parameters may also come as request
+alternatives). A stream continued on another replica after its own died
+(docs/generation.md#streams-that-outlive-a-replica) uses two more: ``return_token_ids`` (BOOL:
+the output ``token_ids``, the ids whose text each response completes) and ``prefix_token_ids``
+(INT32 ``[-1]``: the answer's first tokens, already sent; the model generates what follows them,
+``num_output_tokens`` counting them). Sampling parameters may also come as request
 parameters, which is how Triton's ``generate`` / ``generate_stream`` HTTP endpoints pass
 ``{"parameters": {...}}``.
 
@@ -24,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from python_backends.errors import TOO_LARGE, ConfigError, InputError
 from python_backends.generation.fields import SAMPLING_FIELDS, SamplingParams
 from python_backends.generation.logprobs import TokenLogprob, openai_content
@@ -37,8 +43,11 @@ BOOL_INPUTS = (
     "return_num_output_tokens",
     "return_num_cached_tokens",
     "return_logprobs",
+    "return_token_ids",
     "apply_chat_template",
 )
+# The continued stream's first tokens: at most this many (the model's max_tokens_limit is far below).
+MAX_PREFIX_TOKENS = 1 << 16
 # Request parameters Triton or its clients set themselves; never sampling parameters.
 RESERVED_PARAMETERS = (
     "priority",
@@ -63,6 +72,8 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False
+    return_token_ids: bool = False
+    prefix_ids: tuple[int, ...] = ()  # the answer's first tokens, sent by a replica that died
 
 
 def _scalar_bool(name: str, value: Any) -> bool:
@@ -76,6 +87,18 @@ def _scalar_bool(name: str, value: Any) -> bool:
     if isinstance(value, (bool, int)) or type(value).__name__ in ("bool_", "bool"):
         return bool(value)
     raise InputError(name, f"must be a boolean, got {value!r}")
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """An optional tensor of token ids (their range is the engine's to check)."""
+    if value is None:
+        return ()
+    flat = np.asarray(value).reshape(-1)
+    if flat.size > MAX_PREFIX_TOKENS:
+        raise InputError(name, f"holds {flat.size} ids; the limit is {MAX_PREFIX_TOKENS}", values={"maximum": MAX_PREFIX_TOKENS})
+    if flat.size and flat.dtype.kind not in "iu":
+        raise InputError(name, f"must hold integer token ids, got {flat.dtype}")
+    return tuple(int(t) for t in flat.tolist())
 
 
 def _one_bytes(name: str, value: Any, max_bytes: int) -> str:
@@ -216,6 +239,8 @@ def parse_request(
         return_num_input_tokens=flags["return_num_input_tokens"],
         return_num_output_tokens=flags["return_num_output_tokens"],
         return_num_cached_tokens=flags["return_num_cached_tokens"],
+        return_token_ids=flags["return_token_ids"],
+        prefix_ids=_token_ids("prefix_token_ids", inputs.get("prefix_token_ids")),
     )
 
 
@@ -234,6 +259,7 @@ class ResponseShaper:
         self.token_bytes = token_bytes
         self._parts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list[TokenLogprob]] = {}
+        self._ids: dict[int, list[int]] = {}  # token ids not sent yet (their text was held back)
 
     def on_output(
         self,
@@ -245,11 +271,14 @@ class ResponseShaper:
         num_cached: int = 0,
         logprobs: Sequence[TokenLogprob] | None = None,
         index: int = 0,
+        token_ids: Sequence[int] = (),
     ):
         """The outputs dict of the response to send now, or None to send nothing yet."""
         r = self.request
         if logprobs:
             self._logprobs.setdefault(index, []).extend(logprobs)
+        if r.return_token_ids and token_ids:
+            self._ids.setdefault(index, []).extend(token_ids)
         if not r.stream:
             self._parts.setdefault(index, []).append(text)
             if not finished:
@@ -263,6 +292,10 @@ class ResponseShaper:
             out["index"] = index
         if r.params.logprobs is not None and self.token_bytes is not None:
             out["logprobs"] = json.dumps(openai_content(self._logprobs.pop(index, []), self.token_bytes), ensure_ascii=False)
+        if r.return_token_ids:
+            # Sent with the text they complete: a client that holds the ids holds exactly the
+            # tokens behind the text it got, which is what a continuation replays.
+            out["token_ids"] = self._ids.pop(index, [])
         if finished or r.stream:
             if r.return_finish_reason:
                 out["finish_reason"] = finish_reason if finished else None

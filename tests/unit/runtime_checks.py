@@ -51,3 +51,27 @@ def same_until_a_near_tie(expected, margins, got, tie=0.1) -> None:
 def margins(logprobs) -> dict[str, list[float]]:
     """Per stream, each position's gap between the two most likely tokens (logprobs=2)."""
     return {k: [e.top[0][1] - e.top[1][1] for e in v] for k, v in logprobs.items()}
+
+
+def continue_after_each_cut(engine: LLMEngine, prompt: str, params: SamplingParams, cuts=(1, 6)) -> None:
+    """A stream continued with its first pieces' token ids as ``prefix_ids`` (a replica died) gives
+    the uninterrupted run's tokens: on a runtime that is not batch-invariant the prefix is prefilled
+    in one batch where the uninterrupted run decoded it row by row, so the two may part, but only at
+    a near tie of the uninterrupted run (greedy ``params``)."""
+    from dataclasses import replace
+
+    whole, logprobs = [], {}
+    engine.add_request("whole", prompt, replace(params, logprobs=2))
+    while engine.has_unfinished():
+        for o in engine.step():
+            whole.append(o)
+            logprobs.setdefault("0/0", []).extend(o.logprobs or [])
+    expected = {"0/0": [t for o in whole for t in o.token_ids]}
+    for cut in cuts:
+        prefix = [t for o in whole[:cut] for t in o.token_ids]
+        engine.add_request("rest", prompt, params, prefix_ids=prefix)
+        rest = []
+        while engine.has_unfinished():
+            rest += engine.step()
+        assert rest[-1].num_output_tokens == whole[-1].num_output_tokens
+        same_until_a_near_tie(expected, margins(logprobs), {"0/0": prefix + [t for o in rest for t in o.token_ids]})

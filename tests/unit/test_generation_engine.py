@@ -518,6 +518,56 @@ def test_fit_to_context_lowers_max_tokens_to_the_room_left(engine):
     assert [(o.num_input_tokens, o.num_output_tokens, o.finish_reason) for o in outputs] == [(4090, 6, "length")]
 
 
+CONTINUED = {
+    "greedy": SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True),
+    "seeded": SamplingParams(max_tokens=28, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True),
+    # min_tokens, the presence and frequency penalties and a stop string count the tokens before the cut
+    "penalised": SamplingParams(
+        max_tokens=28, min_tokens=20, temperature=0.8, seed=7, presence_penalty=0.5, frequency_penalty=0.7, stop=("\n\n",)
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONTINUED))
+def test_a_stream_continued_after_its_first_pieces_gives_the_uninterrupted_answer(engine, prompts, kind):
+    """A replica died after sending some pieces: the request sent again with their token ids as
+    prefix_ids produces exactly the rest of the answer (text, ids, counts, finish reason), the
+    sampled kinds included (their generator draws past the prefix)."""
+    params = CONTINUED[kind]
+    prompt = prompts[4 if kind == "greedy" else 1]
+    whole = run_outputs(engine, [("whole", prompt, params)])["whole"]
+    assert len(whole) > 8
+    for cut in (1, 5, len(whole) - 2):
+        sent = whole[:cut]
+        prefix = [t for o in sent for t in o.token_ids]
+        engine.add_request("rest", prompt, params, prefix_ids=prefix)
+        rest = []
+        while engine.has_unfinished():
+            rest += engine.step()
+        assert "".join(o.text for o in sent + rest) == "".join(o.text for o in whole), (kind, cut)
+        assert prefix + [t for o in rest for t in o.token_ids] == [t for o in whole for t in o.token_ids]
+        assert [o.num_output_tokens for o in rest] == [o.num_output_tokens for o in whole[cut:]]
+        assert (rest[-1].finish_reason, rest[-1].num_input_tokens) == (whole[-1].finish_reason, whole[-1].num_input_tokens)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_continuation_is_checked_once_with_its_field_and_numbers(engine):
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(InputError) as e:
+        engine.check_request([1, 2], params, [5, 6, 7, 8])
+    assert (e.value.field, e.value.values) == ("prefix_token_ids", {"maximum": 3, "got": 4})
+    vocab = engine.weights.config.vocab_size
+    with pytest.raises(InputError, match="outside the vocabulary") as e:
+        engine.check_request([1, 2], params, [vocab])
+    assert e.value.field == "prefix_token_ids"
+    with pytest.raises(InputError, match="n=2"):
+        engine.check_request([1, 2], replace(params, n=2), [5])
+    with pytest.raises(InputError, match="log-probabilities"):
+        engine.check_request([1, 2], replace(params, logprobs=0), [5])
+    assert engine.check_request([1, 2], params, [5, 6, 7]) == params
+    assert not engine.has_unfinished()
+
+
 def test_abort_mid_stream_frees_blocks_and_random_load_leaks_nothing(hf, prompts):
     eng = make_engine(hf, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128)
     rng = random.Random(3)

@@ -17,7 +17,7 @@ from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, LLMEngine
 from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
 from python_backends.generation.sampling import SamplingParams
-from tests.unit.runtime_checks import PROMPTS, SYSTEM, margins, run_all, same_until_a_near_tie
+from tests.unit.runtime_checks import PROMPTS, SYSTEM, continue_after_each_cut, margins, run_all, same_until_a_near_tie
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
 PRECISION = "llama_f16"  # the variant closest to FP32 (the gate's figures: KL 1e-5)
@@ -179,3 +179,8 @@ def test_every_variant_is_named_by_its_runtime_and_file_type():
     assert {gguf_file(p) for p in LLAMA_PRECISIONS} == {f"model-{t.lower()}.gguf" for t in LLAMA_PRECISIONS.values()}
     # The launcher's list (export/variants.py, which does not import torch) names them all.
     assert set(LLAMA_PRECISIONS) <= set(variants.GENERATION_VARIANTS)
+
+
+def test_a_stream_continued_after_its_first_pieces_gives_the_uninterrupted_tokens(engine):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    continue_after_each_cut(engine, SYSTEM + PROMPTS[4], params)

@@ -28,7 +28,7 @@ from python_backends.generation.openvino_runtime import (
     ir_dir,
 )
 from python_backends.generation.sampling import SamplingParams
-from tests.unit.runtime_checks import PROMPTS, SYSTEM, margins, run_all, same_until_a_near_tie
+from tests.unit.runtime_checks import PROMPTS, SYSTEM, continue_after_each_cut, margins, run_all, same_until_a_near_tie
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
 PRECISION = "ov_f16"
@@ -240,3 +240,14 @@ def test_int4_variant_greedy_tokens_are_fp32s_choices_on_either_path(int4_engine
             chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
             assert bool((logp.max(-1).values - chosen <= 0.5).all()), (key, tokens)
     assert int4_engine.block_manager.num_used_blocks == 0
+
+
+def test_a_stream_continued_after_its_first_pieces_gives_the_uninterrupted_tokens(engine):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    continue_after_each_cut(engine, SYSTEM + PROMPTS[4], params)
+
+
+def test_the_int4_variant_continues_a_stream_too(int4_engine):
+    """ov_int4_f16 is what PRECISION=auto serves on this kind of CPU (variants.json)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    continue_after_each_cut(int4_engine, SYSTEM + PROMPTS[0], params)

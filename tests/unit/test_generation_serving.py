@@ -182,3 +182,22 @@ def test_engine_settings_from_parameters():
     assert s["prefill_tokens_with_decodes"] == 0  # the whole step budget
     values["prefill_tokens_with_decodes"] = 64
     assert engine_settings(param, param_int, lambda k, d: d)["prefill_tokens_with_decodes"] == 64
+
+
+def test_token_ids_travel_with_the_text_they_complete_and_a_prefix_is_read_as_ids(tokenizer):
+    from python_backends.generation.sampling import SamplingParams
+    from python_backends.generation.serving import GenerationRequest
+
+    s = ResponseShaper(GenerationRequest(prompt="P:", params=SamplingParams(), stream=True, return_token_ids=True))
+    assert s.on_output("a", False, None, 3, 1, token_ids=[7]) == {"text_output": "a", "token_ids": [7]}
+    assert s.on_output("", False, None, 3, 2, token_ids=[8]) is None  # its text held back: its id waits too
+    assert s.on_output("bc", False, None, 3, 3, token_ids=[9]) == {"text_output": "bc", "token_ids": [8, 9]}
+    assert "token_ids" not in ResponseShaper(GenerationRequest(prompt="P:", params=SamplingParams(), stream=True)).on_output(
+        "a", False, None, 3, 1, token_ids=[7]
+    )
+    r = req(tokenizer, prefix_token_ids=np.array([5, 6], dtype=np.int32), return_token_ids=True)
+    assert (r.prefix_ids, r.return_token_ids) == ((5, 6), True)
+    assert req(tokenizer).prefix_ids == ()
+    with pytest.raises(InputError) as e:
+        req(tokenizer, prefix_token_ids=np.array([0.5], dtype=np.float32))
+    assert e.value.field == "prefix_token_ids"
