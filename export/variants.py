@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from python_backends.files import sha256_file
 
 log = logging.getLogger(__name__)
@@ -124,6 +122,9 @@ def tensorrt_mismatch(model: str, built: str | None, serving: str = SERVING_TENS
 
 
 def load_gates(path: Path = GATES_FILE) -> dict[str, dict[str, dict[str, float]]]:
+    # Python 3.11's: the export's, never NVIDIA's container (3.10), whose launcher imports this module
+    import tomllib
+
     with path.open("rb") as f:
         return tomllib.load(f)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from python_backends.redaction import redact_url
 from server.frontdoor import FrontDoorError
-from server.layout import ROOT
+from server.layout import ROOT, check_home
 from server.models import DEFAULT_MODELS, default_models, openai_models
 from server.process import ServerError, ServerOptions, TritonServer
 from server.repository_prep import export_missing, resolve_precision
@@ -36,6 +36,16 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise SystemExit(f"serve: ${name} {value!r}: expected an integer") from None
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"serve: ${name} {value!r}: expected a number of seconds") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,6 +72,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(server/health_port.py; default 8003, or $TRITON_PROBE_PORT)",
     )
     p.add_argument(
+        "--probe-host",
+        default=os.environ.get("TRITON_PROBE_HOST") or None,
+        help="replica role: the probe port's address (default --host; a pod whose tritonserver listens on its "
+        "loopback behind a front door sidecar sets 0.0.0.0 for the kubelet, or $TRITON_PROBE_HOST)",
+    )
+    p.add_argument(
+        "--tritonserver-home",
+        type=Path,
+        default=Path(os.environ["TRITONSERVER_HOME"]) if os.environ.get("TRITONSERVER_HOME") else None,
+        help="an installed tritonserver to run in place, e.g. /opt/tritonserver in NVIDIA's container, with its "
+        "native backends (default: the nvidia-pytriton wheel's, or $TRITONSERVER_HOME)",
+    )
+    p.add_argument(
         "--no-front-door",
         action="store_true",
         help="serve tritonserver itself on the public ports, without the nginx front door that refuses "
@@ -84,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--drain-timeout",
         type=float,
-        default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", 30)),
+        default=_env_seconds("TRITON_DRAIN_TIMEOUT", 30.0),
         help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish before each process is killed (default 30)",
     )
     p.add_argument(
@@ -154,7 +177,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "when missing (default .triton/gateway-api-key)",
     )
     p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=_env_seconds("TRITON_READY_TIMEOUT", 300.0),
+        help="seconds to wait for readiness (default 300, or $TRITON_READY_TIMEOUT; a GPU's first start builds "
+        "TensorRT engines for minutes)",
+    )
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
     p.add_argument("--log-verbose", type=int, default=0)
@@ -162,8 +191,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # argparse checks choices and types on the command line only, not on defaults from the environment
     if args.role not in ("all", "replica"):
         p.error(f"--role (or $TRITON_ROLE) {args.role!r}: expected all or replica")
+    if args.tritonserver_home is not None:
+        try:
+            check_home(args.tritonserver_home)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.role == "replica":
         args.no_front_door = args.no_gateway = args.no_export = True
+        args.probe_host = args.probe_host or args.host
         public = {args.http_port, args.grpc_port, args.metrics_port}
         if not 0 < args.probe_port < 65536 or args.probe_port in public:
             p.error(
@@ -197,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     models = tuple(args.models or default_models(args.model_repository))
     try:
-        config_name, served = resolve_precision(args.model_repository, models, args.precision)
+        config_name, served = resolve_precision(args.model_repository, models, args.precision, args.tritonserver_home)
     except ValueError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
@@ -220,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_mb * 1024 * 1024,
         drain_timeout=args.drain_timeout,
         summary_latencies=args.summary_latencies,
+        tritonserver_home=args.tritonserver_home,
     )
     from ops.repository import ensure_token
 
@@ -255,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             started=started.is_set,
             watchdog_alive=lambda: server.watchdog is not None and server.watchdog.alive(),
         )
-        probe_port = ProbePort(args.host, args.probe_port, probes).start()
+        probe_port = ProbePort(args.probe_host, args.probe_port, probes).start()
     try:
         server.start(repository)
     except FrontDoorError as exc:
@@ -322,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     elif probe_port is not None:
         door = (
             f"  role     replica: tritonserver on the public ports, no doors (a front door of its own is in front); "
-            f"probes http://{server.http_url.rsplit(':', 1)[0]}:{probe_port.port}/v2/health/ready and /v2/health/live\n"
+            f"probes http://{args.probe_host}:{probe_port.port}/v2/health/ready and /v2/health/live\n"
         )
     else:
         door = "  front door  OFF (--no-front-door): tritonserver itself on the public ports, undefended\n"

@@ -33,6 +33,9 @@ from server.stubs import ANY_UNHEALTHY
 
 log = logging.getLogger(__name__)
 
+# The KServe v2 health paths, as on tritonserver's own port (the probes of compose and Kubernetes).
+READY_PATH = "/v2/health/ready"
+LIVE_PATH = "/v2/health/live"
 MODEL_READY = re.compile(r"^/v2/models/([^/]+)(?:/versions/([0-9]+))?/ready$")
 
 
@@ -98,9 +101,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         path = self.path.split("?", 1)[0]
         match = MODEL_READY.match(path)
-        if path == "/v2/health/ready":
+        if path == READY_PATH:
             status, body = self.probes.ready()
-        elif path == "/v2/health/live":
+        elif path == LIVE_PATH:
             status, body = self.probes.live()
         elif match:
             status, body = self.probes.model_ready(match.group(1), match.group(2))

@@ -1,9 +1,15 @@
-"""Lay out a runnable Triton server from NVIDIA's ``nvidia-pytriton`` wheel.
+"""Lay out a runnable Triton server from NVIDIA's ``nvidia-pytriton`` wheel or an installed one.
 
 The wheel ships tritonserver 2.51.0, the python backend, its stubs for several Python
 versions and the local response cache. We copy the server folder to a writable place, put
 the stub for the running Python next to the python backend, and install this project's
 Python-based backends (``python_backends/triton_backends/<name>/model.py``) beside it.
+
+An installed server (``home``: NVIDIA's container has it in /opt/tritonserver, with its native
+backends and the python backend's stub for the container's Python) is run in place: its
+binary, libraries and caches as they are, and a backends folder of our own under the work
+folder with a link to each of its backends and this project's Python-based backends beside
+them (a native backend of the same name wins).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -25,12 +32,13 @@ PROJECT_BACKENDS = ROOT / "python_backends" / "triton_backends"
 
 @dataclass(frozen=True)
 class ServerLayout:
-    root: Path  # the copied tritonserver folder
-    libs: Path  # nvidia_pytriton.libs: shared libraries the binary needs
+    root: Path  # the laid-out folder under the work folder (the wheel's copy, or the backends' links)
+    libs: Path  # shared libraries the binary needs (nvidia_pytriton.libs, or the install's lib/)
+    home: Path | None = None  # an installed tritonserver run in place; None: the wheel's copy
 
     @property
     def binary(self) -> Path:
-        return self.root / "bin" / "tritonserver"
+        return (self.home or self.root) / "bin" / "tritonserver"
 
     @property
     def backends(self) -> Path:
@@ -38,7 +46,7 @@ class ServerLayout:
 
     @property
     def caches(self) -> Path:
-        return self.root / "caches"
+        return (self.home or self.root) / "caches"
 
 
 def find_pytriton() -> tuple[Path, Path]:
@@ -53,8 +61,19 @@ def find_pytriton() -> tuple[Path, Path]:
     return server, libs
 
 
-def prepare(workdir: Path) -> ServerLayout:
-    """Create (or refresh) the server layout under ``workdir``; cheap when already there."""
+def check_home(home: Path) -> Path:
+    """``home`` as an installed tritonserver: its binary and backends folder must be there."""
+    for needed in (home / "bin" / "tritonserver", home / "backends"):
+        if not needed.exists():
+            raise ValueError(f"--tritonserver-home (or $TRITONSERVER_HOME) {home}: no {needed.relative_to(home)} in it")
+    return home
+
+
+def prepare(workdir: Path, home: Path | None = None) -> ServerLayout:
+    """Create (or refresh) the server layout under ``workdir``; cheap when already there.
+    ``home``: an installed tritonserver (checked by :func:`check_home`) instead of the wheel."""
+    if home is not None:
+        return _prepare_installed(workdir, home)
     source, libs = find_pytriton()
     target = workdir / "tritonserver"
     stamp = target / ".layout.json"
@@ -72,6 +91,27 @@ def prepare(workdir: Path) -> ServerLayout:
         raise RuntimeError(f"nvidia-pytriton has no python backend stub for Python {version}")
     _copy_if_changed(stub, target / "backends" / "python" / "triton_python_backend_stub")
     layout = ServerLayout(target, libs)
+    install_project_backends(layout)
+    return layout
+
+
+def _prepare_installed(workdir: Path, home: Path) -> ServerLayout:
+    target = workdir / "tritonserver-installed"
+    backends = target / "backends"
+    backends.mkdir(parents=True, exist_ok=True)
+    installed = {entry.name: entry for entry in (home / "backends").iterdir() if entry.is_dir()}
+    for entry in backends.iterdir():
+        # A link of an earlier start whose backend is gone (another home), or a project backend
+        # that the install now has natively: laid out again below.
+        if entry.is_symlink() and installed.get(entry.name) != Path(os.readlink(entry)):
+            entry.unlink()
+        elif entry.is_dir() and not entry.is_symlink() and entry.name in installed:
+            shutil.rmtree(entry)
+    for name, source in installed.items():
+        link = backends / name
+        if not link.is_symlink():
+            link.symlink_to(source, target_is_directory=True)
+    layout = ServerLayout(target, home / "lib", home)
     install_project_backends(layout)
     return layout
 

@@ -87,6 +87,9 @@ class ServerOptions:
     # removed at stop. serve-cluster passes one per replica, kept across its restarts, so that
     # its front door and gRPC door see which replica is healing a model.
     health_dir: Path | None = None
+    # An installed tritonserver run in place (NVIDIA's container: /opt/tritonserver), checked by
+    # server.layout.check_home where it enters; None: the nvidia-pytriton wheel's, laid out in workdir.
+    tritonserver_home: Path | None = None
 
     def __post_init__(self):
         if not self.models:
@@ -287,7 +290,7 @@ class TritonServer(Service):
         o.workdir.mkdir(parents=True, exist_ok=True)
         self.release_shared_memory()  # a killed last run of this object left its regions
         release_orphaned_shared_memory()  # and those of launchers that were killed
-        self.layout = prepare(o.workdir)
+        self.layout = prepare(o.workdir, o.tritonserver_home)
         self.repository = repository or prepare_repository(o.model_repository, o.models, o.rollout_state)
         if o.front_door:
             self._configure_doors()

@@ -31,14 +31,17 @@ def export_missing(repository: Path) -> bool:
     return export_main.main(["--repository", str(repository), "--no-speed"]) == 0
 
 
-def resolve_precision(repository: Path, models: Sequence[str], precision: str) -> tuple[str | None, dict[str, str]]:
+def resolve_precision(
+    repository: Path, models: Sequence[str], precision: str, tritonserver_home: Path | None = None
+) -> tuple[str | None, dict[str, str]]:
     """(``--model-config-name``, {model: variant}) for ``precision`` over the models ``models``
-    reach that have variants; ValueError when a model cannot serve it."""
+    reach that have variants; ValueError when a model cannot serve it. A trt_plan variant needs
+    the TensorRT backend: an installed tritonserver that has it (NVIDIA's container), not the wheel."""
     from export import variants
 
-    # This server has no TensorRT backend: a trt_plan variant is for NVIDIA's container.
-    local = tuple(name for name in variants.VARIANTS if name != "trt_plan")
-    return variants.resolve_precision(repository, variant_models(repository, models), precision, loadable=local)
+    tensorrt = tritonserver_home is not None and (tritonserver_home / "backends" / "tensorrt").is_dir()
+    loadable = tuple(name for name in variants.VARIANTS if tensorrt or name != "trt_plan")
+    return variants.resolve_precision(repository, variant_models(repository, models), precision, loadable=loadable)
 
 
 def rollout_plan(rollout_state: Path | None):

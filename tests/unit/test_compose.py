@@ -31,9 +31,11 @@ COMPOSE = ROOT / "docker-compose.yml"
 GPU_REPLICAS = ("triton-1", "triton-2")
 CPU_REPLICAS = ("triton-cpu-1", "triton-cpu-2")
 SERVICES = GPU_REPLICAS + CPU_REPLICAS
-# The GPU replicas run tritonserver from NVIDIA's entrypoint; the CPU replicas the project's launcher
-# in the replica role (docker/cpu.Dockerfile).
+# Every replica runs the project's launcher in the replica role: the GPU replicas from NVIDIA's
+# container (docker/Dockerfile, its tritonserver in place), the CPU replicas from docker/cpu.Dockerfile.
+GPU_DOCKERFILE = ROOT / "docker" / "Dockerfile"
 CPU_DOCKERFILE = ROOT / "docker" / "cpu.Dockerfile"
+DOCKERFILES = {**dict.fromkeys(GPU_REPLICAS, GPU_DOCKERFILE), **dict.fromkeys(CPU_REPLICAS, CPU_DOCKERFILE)}
 # Each front door and the Triton replicas it stands in front of.
 FRONT_DOORS = {"frontdoor": GPU_REPLICAS, "frontdoor-cpu": CPU_REPLICAS}
 # The network alias of each replica, the same in both profiles: the front door's upstreams and
@@ -89,30 +91,19 @@ def defaults() -> dict:
     return config
 
 
-def tritonserver_args(service: dict) -> list[str]:
-    """What the container runs: the entrypoint (NVIDIA's script, then tritonserver) + command."""
-    entrypoint, command = service.get("entrypoint") or [], service.get("command") or []
-    assert isinstance(entrypoint, list) and isinstance(command, list), "entrypoint and command must be exec-form lists"
-    argv = entrypoint + command
-    assert "tritonserver" in argv, argv
-    return argv[argv.index("tritonserver") :]
-
-
-def flags(service: dict) -> dict[str, list[str]]:
-    """tritonserver's --name=value flags of a service, by name (repeatable ones listed)."""
-    found: dict[str, list[str]] = {}
-    for arg in tritonserver_args(service)[1:]:
-        name, _, value = arg.partition("=")
-        found.setdefault(name, []).append(value)
-    return found
+def launcher_option(service: dict, name: str) -> str:
+    """The value of the launcher's option ``name`` in a replica's command."""
+    command = service["command"]
+    assert isinstance(command, list), "command must be an exec-form list"
+    return command[command.index(name) + 1]
 
 
 def volume(service: dict, target: str) -> tuple[str, str]:
-    """(host source, mode) of the short-syntax volume mounted at ``target``."""
+    """(host source, mode) of the short-syntax volume mounted at ``target`` (a source may be ${VAR:-default})."""
     for spec in service["volumes"]:
-        parts = spec.split(":")
-        if len(parts) >= 2 and parts[1] == target:
-            return parts[0], parts[2] if len(parts) > 2 else "rw"
+        match = re.fullmatch(r"(\$\{[^}]*\}|[^:]+):([^:]+)(?::(\w+))?", spec)
+        if match and match.group(2) == target:
+            return match.group(1), match.group(3) or "rw"
     raise AssertionError(f"nothing mounted at {target}")
 
 
@@ -135,84 +126,88 @@ def repository_with_lanes(tmp_path: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("name", GPU_REPLICAS)
-def test_mounted_repository_holds_the_loaded_models(compose, name, tmp_path):
-    service = compose["services"][name]
-    args = flags(service)
-    (repository,) = args["--model-repository"]
-    source, mode = volume(service, repository)
-    assert mode == "ro"
-    host_repo = (ROOT / source).resolve()
-    assert host_repo == (ROOT / "model_repository").resolve()
-    assert args["--model-control-mode"] == ["explicit"]
-    loaded = args["--load-model"]
-    assert loaded == [
-        "text_encoder",
-        "text_embedding",
-        "text_embedding_cached",
-        "text_embedding_interactive",
-        "text_embedding_cached_interactive",
-        "text_embedding_cached_bulk",
-        "image_classification",
-        "text_generation",
-    ]
-    # What a loaded model calls through BLS (load_with) is loaded explicitly too.
-    from server.process import with_dependencies
-
-    assert set(with_dependencies(host_repo, loaded)) <= set(loaded)
-    assert any(a.startswith("model-repository:triton-repository-token=") for a in args["--http-restricted-api"])
-    rendered = repository_with_lanes(tmp_path)  # host_repo itself once `make export` has run
-    for model in loaded:
-        config = host_repo / model / "config.pbtxt"
-        assert config.is_file(), f"{config} missing"
-        # An ensemble loads its steps too: each must be in the repository (a lane once rendered).
-        for step in re.findall(r'model_name:\s*"([^"]+)"', config.read_text()):
-            assert (rendered / step / "config.pbtxt").is_file(), f"ensemble step {step} missing"
-    assert "python,shm-default-byte-size=16777216" in args["--backend-config"]
-
-
 def _dockerfile_env(dockerfile: Path) -> dict[str, str]:
     text = dockerfile.read_text().replace("\\\n", " ")
     return dict(re.findall(r"(\w+)=(\S+)", " ".join(re.findall(r"^ENV (.+)$", text, re.M))))
 
 
-@pytest.mark.parametrize("name", CPU_REPLICAS)
-def test_cpu_replicas_run_the_launchers_replica_role_on_the_mounted_repository(compose, defaults, name, tmp_path):
-    from server.models import closure, default_models
+@pytest.mark.parametrize("name", SERVICES)
+def test_replicas_run_the_launchers_replica_role_on_the_mounted_repository(compose, defaults, name, tmp_path):
+    from server.models import closure, default_models, with_dependencies
 
     service = compose["services"][name]
-    assert service["build"]["dockerfile"] == "docker/cpu.Dockerfile" and (ROOT / service["build"]["context"]).resolve() == ROOT
-    dockerfile = CPU_DOCKERFILE.read_text()
-    env = _dockerfile_env(CPU_DOCKERFILE)
+    dockerfile_path = DOCKERFILES[name]
+    assert (ROOT / service["build"]["context"]).resolve() == ROOT
+    assert (ROOT / service["build"]["dockerfile"]).resolve() == dockerfile_path
+    dockerfile = dockerfile_path.read_text()
+    env = _dockerfile_env(dockerfile_path)
     assert env["TRITON_ROLE"] == "replica" and env["TRITON_HOST"] == "0.0.0.0" and env["TRITON_PROBE_PORT"] == "8003"
-    assert re.search(r'^ENTRYPOINT \["python", "-m", "server"', dockerfile, re.M)
-    command = service["command"]
-    repository = command[command.index("--model-repository") + 1]
+    (entrypoint,) = re.findall(r"^ENTRYPOINT (\[.+\])$", dockerfile, re.M)
+    entrypoint = yaml.safe_load(entrypoint)
+    launcher = entrypoint.index("-m")
+    assert entrypoint[launcher - 1] in ("python", "python3") and entrypoint[launcher + 1] == "server", entrypoint
+    if name in GPU_REPLICAS:
+        # NVIDIA's set-up still runs first; the container's tritonserver, native backends and Python 3.10
+        assert entrypoint[0] == "/opt/nvidia/nvidia_entrypoint.sh"
+        assert env["TRITONSERVER_HOME"] == "/opt/tritonserver"
+        assert re.search(r"^COPY server /opt/embedding/server$", dockerfile, re.M)
+        assert re.search(r"^COPY ops /opt/embedding/ops$", dockerfile, re.M)
+        assert re.search(r"^COPY export /opt/embedding/export$", dockerfile, re.M)
+    else:
+        assert re.search(r"^COPY server /opt/project/server$", dockerfile, re.M)
+    repository = launcher_option(service, "--model-repository")
     source, mode = volume(service, repository)
     assert mode == "ro" and (ROOT / source).resolve() == (ROOT / "model_repository").resolve()
-    assert repository == "/opt/project/model_repository"  # the launcher's own default: ROOT/model_repository
-    assert re.search(r"^COPY server /opt/project/server$", dockerfile, re.M)
-    # what the launcher loads by default: every entry the GPU replicas load by name, but the interactive
-    # lane's uncached entry, which only the launcher-less GPU replicas list
+    # the rollout state ops.rollout writes on the host, read-only where the image's launcher reads it
+    state_dir, mode = volume(service, str(Path(env["ROLLOUT_STATE_FILE"]).parent))
+    assert mode == "ro" and state_dir == "${ROLLOUT_STATE_DIR:-./.rollout}"
+    # what the launcher loads by default, with every ensemble step and BLS dependency in the repository
     host_repo = ROOT / "model_repository"
-    gpu = set(flags(compose["services"]["triton-1"])["--load-model"])
-    rendered = repository_with_lanes(tmp_path)
-    loaded = {step for model in default_models(host_repo) for step in closure(rendered, model)}
-    assert gpu - loaded <= {"text_embedding_interactive"}, gpu - loaded
+    rendered = repository_with_lanes(tmp_path)  # host_repo itself once `make export` has run
+    loaded = with_dependencies(host_repo, default_models(host_repo))
+    assert {"text_embedding", "text_embedding_cached", "image_classification", "text_generation"} <= set(loaded)
+    for model in loaded:
+        for step in closure(rendered, model):
+            assert (rendered / step / "config.pbtxt").is_file(), f"{model}: step {step} missing"
     # the replica role needs the token from the environment (no file on a read-only image)
     assert service["environment"]["TRITON_REPOSITORY_TOKEN"].startswith("${TRITON_REPOSITORY_TOKEN:?")
     assert defaults["services"][name]["environment"]["TRITON_SUMMARY_LATENCIES"] == "1"
 
 
-@pytest.mark.parametrize("name", CPU_REPLICAS)
-def test_cpu_replicas_expose_their_ports_and_the_probe_port_checks_health(compose, name):
+def test_the_gpu_images_launcher_runs_on_its_python_310():
+    """NVIDIA's 24.10 container has Python 3.10: what its launcher imports must not need 3.11
+    (tomllib is imported inside the export's gate loader only)."""
+    import ast
+
+    for folder in ("server", "ops"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in tree.body:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""]
+                assert not any(n.split(".")[0] == "tomllib" for n in names), f"{path}: imports tomllib at module level"
+    variants = ast.parse((ROOT / "export" / "variants.py").read_text())
+    top = [a.name for node in variants.body if isinstance(node, ast.Import) for a in node.names]
+    assert "tomllib" not in top
+    # the launcher's one package beyond the standard library and the models' own: grpcio (its gRPC door module)
+    assert '"grpcio==' in GPU_DOCKERFILE.read_text()
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_replicas_expose_their_ports_and_the_probe_port_checks_health(compose, name):
     service = compose["services"][name]
     assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
     assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002", "8003"}
-    assert "healthcheck" not in service  # the image's: the probe port
-    (check,) = re.findall(r"^HEALTHCHECK .*\n\s+CMD (.+)$", CPU_DOCKERFILE.read_text(), re.M)
+    (check,) = re.findall(r"^HEALTHCHECK .*\n\s+CMD (.+)$", DOCKERFILES[name].read_text(), re.M)
     assert "http://127.0.0.1:8003/v2/health/ready" in check
+    if name in GPU_REPLICAS:  # its own, with the longer start period of TensorRT engine builds
+        assert "http://127.0.0.1:8003/v2/health/ready" in " ".join(service["healthcheck"]["test"])
+        assert service["healthcheck"]["start_period"] == "600s"
+    else:
+        assert "healthcheck" not in service  # the image's
     assert service["restart"] == "unless-stopped" and service["shm_size"] == "1gb"
+    assert service["stop_grace_period"] == "45s"  # the launcher's drain, 30 s for tritonserver
 
 
 @pytest.mark.parametrize("name", GPU_REPLICAS)
@@ -235,21 +230,14 @@ def test_build_ports_and_healthcheck(compose, name):
         "!constraints.txt",
         "!docker/local/",
     }, admitted
-    assert "ports" not in service, "tritonserver's own ports must not be published: the front door is the way in"
-    assert {str(p) for p in service["expose"]} == {"8000", "8001", "8002"}
-    assert service["entrypoint"][0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's set-up still runs
-    assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
+    assert "entrypoint" not in service  # the image's: NVIDIA's set-up, then the launcher
 
 
 @pytest.mark.parametrize("name", SERVICES)
 def test_result_cache_wiring(compose, defaults, name):
     service = compose["services"][name]
-    if name in GPU_REPLICAS:
-        args = flags(service)
-        assert args["--cache-config"] == ["local,size=${TRITON_CACHE_SIZE_BYTES:-134217728}"]
-        # the variant the cache keys on is the one --model-config-name selects
-        assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == args["--model-config-name"][0]
-    # (the launcher of the CPU replicas tells the stubs the variant itself, and sizes the cache)
+    # (the launcher tells the stubs the variant the cache keys on itself, and sizes Triton's cache)
+    assert "TRITON_MODEL_CONFIG_NAME" not in service["environment"]
     assert service["environment"]["EMBEDDING_CACHE_L2_REDIS_URL"].endswith("redis://redis:6379/0}")
     assert defaults["services"][name]["environment"]["EMBEDDING_CACHE_L2_REDIS_URL"] == "redis://redis:6379/0"
     assert "redis" in service["depends_on"] and "redis" in compose["services"]
@@ -320,13 +308,8 @@ def test_torch_for_the_generation_engine_cpu_build_on_the_cpu_service(compose, d
 def test_each_service_defaults_to_its_hardwares_variant(precision, served):
     config, _ = resolved(**({"PRECISION": precision} if precision else {}))
     for name, variant in served.items():
-        service = config["services"][name]
-        if name in CPU_REPLICAS:  # the launcher resolves it (auto: the best that passed its gate here)
-            command = service["command"]
-            assert command[command.index("--precision") + 1] == variant, name
-            continue
-        assert flags(service)["--model-config-name"] == [variant], name
-        assert service["environment"]["TRITON_MODEL_CONFIG_NAME"] == variant, name
+        # the launcher resolves it (auto: the best that passed its gate on that hardware)
+        assert launcher_option(config["services"][name], "--precision") == variant, name
 
 
 def published(service: dict) -> dict[str, str]:
@@ -368,7 +351,7 @@ def test_every_service_is_present_with_a_health_check(defaults, compose):
     assert set(defaults["services"]) == set(SERVICES) | set(FRONT_DOORS) | set(SHARED)
     for name, service in defaults["services"].items():
         check = service.get("healthcheck") or {}
-        if name in CPU_REPLICAS:  # the image's HEALTHCHECK (test_cpu_replicas_expose_...)
+        if name in CPU_REPLICAS:  # the image's HEALTHCHECK (test_replicas_expose_...)
             assert "HEALTHCHECK " in CPU_DOCKERFILE.read_text() and not check, name
             continue
         assert check.get("test") and not check.get("disable"), f"{name} has no health check"
@@ -389,10 +372,7 @@ def test_two_replicas_each_under_its_alias_the_second_after_the_first_is_healthy
     assert first["volumes"] == second["volumes"] and first["environment"] == second["environment"]
     assert first["command"] == second["command"] and first.get("entrypoint") == second.get("entrypoint")
     # the dashboard's P50/P99 need Triton's latency summaries
-    if replicas == GPU_REPLICAS:
-        assert flags(first)["--metrics-config"] == ["summary_latencies=true"]
-    else:
-        assert first["environment"]["TRITON_SUMMARY_LATENCIES"] == "1"
+    assert first["environment"]["TRITON_SUMMARY_LATENCIES"] == "1"
 
 
 def test_the_gateway_goes_through_the_front_door_of_either_profile(defaults):
@@ -571,11 +551,8 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
     (recipe,) = re.findall(r"^compose-config:.*\n\t(.+)$", makefile, re.M)
     assert f"--out {source[2:]}" in recipe, recipe
     assert any(line.strip() in (".frontdoor/", "/.frontdoor/") for line in (ROOT / ".gitignore").read_text().splitlines())
-    # each Triton healthcheck still calls tritonserver itself inside its container; the front
+    # each replica's healthcheck reads its probe port (test_replicas_expose_...); the front
     # door's goes through nginx to a replica
-    for replica in replicas:
-        if replica in GPU_REPLICAS:  # (the CPU image's checks its probe port)
-            assert "http://localhost:8000/v2/health/ready" in " ".join(defaults["services"][replica]["healthcheck"]["test"])
     assert "http://localhost:8000/v2/health/live" in " ".join(defaults["services"][name]["healthcheck"]["test"])
 
 
@@ -584,10 +561,7 @@ def _loaded_with_everything_they_reach(compose, repository: Path) -> set[str]:
     from server.process import closure
 
     models = set()
-    for name in GPU_REPLICAS:
-        for model in flags(compose["services"][name])["--load-model"]:
-            models.update(closure(repository, model))
-    for model in default_models(ROOT / "model_repository"):  # the CPU replicas' launcher
+    for model in default_models(ROOT / "model_repository"):  # every replica's launcher
         models.update(closure(repository, model))
     return models
 

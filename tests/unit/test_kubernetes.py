@@ -216,7 +216,7 @@ def test_cpu_overlay_has_no_gpu(built):
         if o["kind"] in ("Deployment", "Job")
         for c in pod_spec(o)["containers"] + pod_spec(o).get("initContainers", [])
     }
-    assert {"text-embedding-triton:24.10-cpu", "text-embedding-tools:cpu", "text-embedding-gateway:1"} <= images
+    assert {"text-embedding-triton:cpu", "text-embedding-tools:cpu", "text-embedding-gateway:1"} <= images
 
 
 def images_of(objects: list[dict]) -> dict[str, str]:
@@ -224,9 +224,8 @@ def images_of(objects: list[dict]) -> dict[str, str]:
 
 
 def test_images_are_docker_composes(built):
-    """The images docker-compose.yml builds and runs (docker/Dockerfile, docker/gateway.Dockerfile); the
-    CPU pods run NVIDIA's container built with PyTorch's CPU index, as docs/kubernetes.md builds it (the
-    compose CPU replicas' own image, docker/cpu.Dockerfile, runs the launcher, which the pods do not yet)."""
+    """The images docker-compose.yml builds and runs: the CPU pods run the compose CPU replicas' image
+    (docker/cpu.Dockerfile), the GPU pods the GPU replicas' (docker/Dockerfile), both the launcher."""
     # compose's public defaults (${NGINX_IMAGE:-nginx:1.27}: a machine without a registry sets local stand-ins)
     text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", (ROOT / "docker-compose.yml").read_text())
     services = yaml.safe_load(text)["services"]
@@ -236,10 +235,7 @@ def test_images_are_docker_composes(built):
         for svc in services.values()
         if svc.get("image", "").startswith("text-embedding-triton:")
     }
-    assert gpu["triton"] == triton[False]
-    build = "docker build -f docker/Dockerfile --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
-    assert f"{build} -t REGISTRY/{cpu['triton']} ." in (ROOT / "docs" / "kubernetes.md").read_text(), cpu["triton"]
-    assert cpu["triton"] != triton[True]  # not the compose CPU image: another entry point
+    assert gpu["triton"] == triton[False] and cpu["triton"] == triton[True]
     for name in ("gateway", "redis"):
         assert cpu[name] == gpu[name] == services[name]["image"], name
     for objects in (built["overlays/cpu"], built["overlays/gpu"]):
@@ -303,66 +299,60 @@ def resolve_env(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], a) for a in args]
 
 
-def launcher_command(model_config_name: str, cache_size_bytes: int, token: str) -> list[str]:
-    from types import SimpleNamespace
-
-    from server.process import ServerOptions, TritonServer, default_models
-
-    repo = ROOT / "model_repository"
-    server = TritonServer(
-        ServerOptions(
-            model_repository=repo,
-            models=default_models(repo),
-            front_door=False,
-            model_config_name=model_config_name,
-            cache_size_bytes=cache_size_bytes,
-            repository_token=token,
-            summary_latencies=True,
-        )
-    )
-    server.layout = SimpleNamespace(binary=Path("tritonserver"), backends=Path("b"), caches=Path("c"))
-    return server.command()[1:]
+def env_of(c: dict, config: dict[str, str]) -> dict[str, str]:
+    """A container's environment with its ConfigMap references resolved (secrets: "secret")."""
+    env = {}
+    for e in c.get("env", []):
+        ref = e.get("valueFrom", {})
+        if "configMapKeyRef" in ref:
+            env[e["name"]] = config[ref["configMapKeyRef"]["key"]]
+        elif "secretKeyRef" in ref:
+            env[e["name"]] = "secret"
+        else:
+            env[e["name"]] = e["value"]
+    return env
 
 
-# Flags the launcher sets from its own layout (paths, loopback addresses, ports, log level).
-LOCAL_ONLY = (
-    "--model-repository",
-    "--backend-directory",
-    "--cache-directory",
-    "--http-address",
-    "--grpc-address",
-    "--metrics-address",
-    "--http-port",
-    "--grpc-port",
-    "--metrics-port",
-    "--log-verbose",
-    "--exit-timeout-secs",
-    "--backend-config=python,shm-region-prefix-name",  # a pod's /dev/shm goes with the pod
-)
+@pytest.mark.parametrize("folder", ("overlays/cpu", "overlays/gpu"))
+def test_triton_runs_the_launchers_replica_role_on_the_repository(built, repository_configs, folder, monkeypatch):
+    """The pod's arguments and environment as the launcher parses them (its own checks included)."""
+    from server.__main__ import DEFAULT_CACHE_SIZE_MB, parse_args
+    from server.models import closure, default_models
 
-
-def test_triton_runs_with_the_launchers_flags_and_models(built, repository_configs):
-    objects = built["overlays/cpu"]
+    objects = built[folder]
     config = find(objects, "ConfigMap", "serving-config")["data"]
     c = container(pod_spec(find(objects, "Deployment", "triton")), "triton")
-    args = resolve_env(c["args"], {**config, "TRITON_REPOSITORY_TOKEN": "T"})
-    launcher = launcher_command(config["PRECISION"], int(config["TRITON_CACHE_SIZE_BYTES"]), "T")
-    assert sorted(a for a in args if not a.startswith(LOCAL_ONLY)) == sorted(a for a in launcher if not a.startswith(LOCAL_ONLY))
-    assert arg_values(args, "--model-repository") == ["/models"]
-    # Every loaded model, and every model it reaches, is in the repository.
-    from server.process import closure
-
+    env = env_of(c, config)
+    for name in list(__import__("os").environ):
+        if name.startswith(("TRITON", "PRECISION", "ROLLOUT_STATE")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = parse_args(resolve_env(c["args"], env))
+    assert args.role == "replica" and args.no_front_door and args.no_gateway and args.no_export
+    assert str(args.model_repository) == "/models" and args.precision == config["PRECISION"]
+    assert args.host == "127.0.0.1" and args.probe_host == "0.0.0.0"  # tritonserver on loopback, probes for the kubelet
+    assert args.cache_size_mb == DEFAULT_CACHE_SIZE_MB and args.summary_latencies
+    assert args.drain_timeout == 30 and env["TRITON_REPOSITORY_TOKEN"] == "secret"
+    assert args.ready_timeout <= probe_window(c["startupProbe"])  # the launcher gives up no later than the kubelet
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"probe": args.probe_port}
+    # The launcher's default models, and every model each reaches, are in the repository.
     repo = repository_configs  # with the priority-class lanes a fresh clone lacks
-    for model in arg_values(args, "--load-model"):
+    for model in default_models(ROOT / "model_repository"):
         for reached in closure(repo, model):
             assert (repo / reached / "config.pbtxt").is_file(), f"{model} reaches {reached}, not in model_repository/"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["work"] == "/var/lib/triton/work"  # the images' --workdir, writable for the pod's user
 
 
 def test_kserve_runtime_loads_the_same_models(built):
+    from server.models import default_models, with_dependencies
+
     runtime = find(built["kserve"], "ServingRuntime", "text-embedding-triton")
     kserve_args = runtime["spec"]["containers"][0]["args"]
-    deployment = container(pod_spec(find(built["overlays/gpu"], "Deployment", "triton")), "triton")["args"]
-    assert arg_values(kserve_args, "--load-model") == arg_values(deployment, "--load-model")
+    # what the launcher loads (its default models and their BLS dependencies), named one by one
+    repo = ROOT / "model_repository"
+    assert set(arg_values(kserve_args, "--load-model")) == set(with_dependencies(repo, default_models(repo)))
     assert arg_values(kserve_args, "--allow-http") == ["false"]  # no front door in the KServe form
     isvc = find(built["kserve"], "InferenceService", "text-embedding")
     model = isvc["spec"]["predictor"]["model"]
@@ -393,11 +383,12 @@ def test_ports_are_the_launchers(built):
     # The pod's public ports are the front door's, the launcher's public ports; the rendered
     # nginx.conf listens on those (compose_ports: the renderer's listen ports).
     front = compose_ports()
-    assert container(spec, "triton").get("ports") is None  # tritonserver: loopback only
-    assert pod_ports(spec) == expected == {"http": front.http, "grpc": front.grpc, "metrics": front.metrics}
     c = container(spec, "triton")
+    assert [p["name"] for p in c["ports"]] == ["probe"]  # tritonserver: loopback only; the probe port for the kubelet
+    public = {k: v for k, v in pod_ports(spec).items() if k != "probe"}
+    assert public == expected == {"http": front.http, "grpc": front.grpc, "metrics": front.metrics}
+    assert arg_values(c["args"], "--host") == ["127.0.0.1"]
     for f in expected:
-        assert arg_values(c["args"], f"--{f}-address") == ["127.0.0.1"]
         assert int(arg_values(c["args"], f"--{f}-port")[0]) not in expected.values()
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     assert gateway["ports"] == [{"name": "http", "containerPort": DEFAULT_PORT}]
@@ -467,12 +458,14 @@ def test_probe_paths_exist(built):
     objects = built["overlays/cpu"]
     spec = pod_spec(find(objects, "Deployment", "triton"))
     triton = container(spec, "triton")
-    # Triton's health API (KServe v2); the integration tier asks the real tritonserver. The
-    # kubelet reaches the pod's IP, not its loopback: the probes use the front door's port.
-    assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # The launcher's probe port (server/health_port.py, the KServe v2 health paths); the integration
+    # tier drives them through a rollout (tests/integration/test_replica_role.py).
+    from server.health_port import LIVE_PATH, READY_PATH
+
+    assert triton["startupProbe"]["httpGet"]["path"] == triton["readinessProbe"]["httpGet"]["path"] == READY_PATH
+    assert triton["livenessProbe"]["httpGet"]["path"] == LIVE_PATH
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert triton[probe]["httpGet"]["port"] in {p["name"] for p in container(spec, "frontdoor")["ports"]}
+        assert triton[probe]["httpGet"]["port"] == "probe"
     gateway = container(pod_spec(find(objects, "Deployment", "gateway")), "gateway")
     for probe in ("readinessProbe", "livenessProbe"):
         assert gateway[probe]["httpGet"]["path"] in ROUTES
@@ -500,7 +493,7 @@ def test_export_job_writes_what_the_pods_mount(built, tmp_path):
     # The sidecar proxies to tritonserver's loopback ports in the same pod.
     host, *ports = argv[argv.index("--upstream") + 1].split(":")
     triton = container(pod_spec(find(objects, "Deployment", "triton")), "triton")
-    assert [host] == arg_values(triton["args"], "--http-address")
+    assert [host] == arg_values(triton["args"], "--host")
     assert ports == [arg_values(triton["args"], f"--{f}-port")[0] for f in ("http", "grpc", "metrics")]
     conf = (tmp_path / "nginx.conf").read_text()
     assert all(f"server {host}:{port}" in conf for port in ports)

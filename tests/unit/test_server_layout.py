@@ -53,3 +53,36 @@ def test_regions_of_launchers_that_are_gone_are_released(tmp_path, monkeypatch):
         (tmp_path / name).write_bytes(b"x")
     assert process.release_orphaned_shared_memory() == [names[0]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+def test_an_installed_tritonserver_is_run_in_place_with_its_backends_linked(tmp_path):
+    """NVIDIA's container: its binary, lib/ and caches/ as they are; a backends folder of links under
+    the work folder, the project's Python-based backends beside them unless the install has one natively."""
+    import pytest
+
+    from server.layout import check_home
+
+    home = tmp_path / "opt-tritonserver"
+    for folder in ("bin", "lib", "caches/local", "backends/python", "backends/openvino", "backends/tensorrt"):
+        (home / folder).mkdir(parents=True)
+    (home / "bin" / "tritonserver").write_text("")
+    (home / "backends" / "openvino" / "libtriton_openvino.so").write_text("")
+    work = tmp_path / "work"
+    layout = prepare(work, check_home(home))
+    assert layout.binary == home / "bin" / "tritonserver" and layout.libs == home / "lib" and layout.caches == home / "caches"
+    assert layout.backends == work / "tritonserver-installed" / "backends"
+    for name in ("python", "openvino", "tensorrt"):
+        assert (layout.backends / name).is_symlink() and (layout.backends / name).resolve() == home / "backends" / name
+    assert (layout.backends / "onnxruntime" / "model.py").is_file()  # the project's: the install has none
+    assert not (home / "backends" / "openvino" / "model.py").exists()  # its native one wins, untouched
+    # a later start where the install now has onnxruntime natively and no tensorrt: laid out again
+    (home / "backends" / "onnxruntime").mkdir()
+    (home / "backends" / "onnxruntime" / "libtriton_onnxruntime.so").write_text("")
+    (home / "backends" / "tensorrt").rmdir()
+    layout = prepare(work, home)
+    assert (layout.backends / "onnxruntime").resolve() == home / "backends" / "onnxruntime"
+    assert not (layout.backends / "tensorrt").exists() and not (layout.backends / "tensorrt").is_symlink()
+    # where it enters: a folder without the binary is refused, naming the option and what is missing
+    with pytest.raises(ValueError, match=r"--tritonserver-home .*no bin/tritonserver"):
+        check_home(tmp_path / "work")
+
