@@ -85,4 +85,3 @@ def test_an_installed_tritonserver_is_run_in_place_with_its_backends_linked(tmp_
     # where it enters: a folder without the binary is refused, naming the option and what is missing
     with pytest.raises(ValueError, match=r"--tritonserver-home .*no bin/tritonserver"):
         check_home(tmp_path / "work")
-
