@@ -35,6 +35,7 @@ import grpc
 from grpc import aio
 
 from server.grpc_check import Limits, Refusal, check_request
+from server.stream_resume import StreamBook, continuable_models
 from server.supervisor import ChildProcess, NotReady
 
 log = logging.getLogger("grpc_door")
@@ -60,6 +61,12 @@ NOT_FOUND_WAIT_S = 10.0
 NOT_FOUND_BACKOFF_S = 0.1
 # How long an INTERNAL answer waits for the watchdog to mark its model (its scan interval, twice).
 WATCHDOG_WAIT_S = 0.5
+# A stream lost with continuable requests in flight: how long its requests are sent again (a
+# replica's model reloading takes 6-8 s), the pause before a new call, and how long a continuable
+# stream must be silent while its model is marked on some replica before it counts as lost.
+RESUME_WAIT_S = 30.0
+RESUME_BACKOFF_S = 0.05
+SILENT_STREAM_S = 1.0
 # Metadata the channel sets itself; the rest (the repository token among it) goes on.
 _OWN_METADATA = ("user-agent", "content-type", "te", "grpc-")
 
@@ -125,6 +132,10 @@ class Door:
         self.refused = 0
         self.healing_retries = 0
         self.upstream_lost_retries = 0
+        # Models whose streams are continued on another call when their replica is lost.
+        self.continuable = continuable_models(limits.models)
+        self.streams_resumed = 0
+        self.requests_resumed = 0
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -285,20 +296,38 @@ class Door:
         return response.SerializeToString()
 
     async def stream_infer(self, request_iterator, context):
-        """Each client message checked; a refused one answered on the stream, the others sent on."""
+        """Each client message checked; a refused one answered on the stream, the others sent on.
+
+        A stream whose upstream is lost (a replica died, a stub died) with continuable requests in
+        flight goes on on a new upstream call: each of them is sent again with the token ids its
+        client got as ``prefix_token_ids`` (server/stream_resume.py), so the client sees the rest
+        of the answer, no error and no token twice."""
         out: asyncio.Queue = asyncio.Queue()
         to_upstream: asyncio.Queue = asyncio.Queue()
         models: set[str] = set()
         done = object()
+        book = StreamBook(self.continuable, self.pb)
+        client_closed = False
+        generation = 0  # the current upstream call; items of older ones are dropped
 
-        async def requests():
-            while True:
+        async def requests(resend: list[bytes]):
+            nonlocal client_closed
+            for message in resend:
+                yield message
+            while not client_closed:
                 item = await to_upstream.get()
                 if item is done:
+                    client_closed = True
                     return
-                yield item
+                request_id, message = item
+                book.mark_sent(request_id)
+                yield message
 
-        call = self.channel.stream_stream(STREAM)(requests(), metadata=self.metadata(context), timeout=self.timeout(context))
+        def open_call(resend: list[bytes]):
+            call = self.channel.stream_stream(STREAM)(
+                requests(resend), metadata=self.metadata(context), timeout=self.timeout(context)
+            )
+            return call, asyncio.ensure_future(read_upstream(call, generation))
 
         async def read_client():
             try:
@@ -308,65 +337,138 @@ class Door:
                         refusal = check_request(parsed, self.limits, stream=True)
                     if refusal is not None:
                         self.refused += 1
-                        await out.put(self._stream_error(parsed, refusal))
+                        await out.put((generation, self._stream_error(parsed, refusal)))
                     else:
                         models.add(parsed.model_name)
-                        await to_upstream.put(message)
+                        await to_upstream.put((parsed.id, book.outgoing(parsed) or message))
             finally:
                 await to_upstream.put(done)
 
-        async def read_upstream():
+        async def read_upstream(call, mine: int):
             try:
                 async for response in call:
-                    await out.put(response)
-                await out.put(done)
+                    await out.put((mine, response))
+                await out.put((mine, done))
             except aio.AioRpcError as exc:
-                await out.put(exc)
+                await out.put((mine, exc))
 
-        async def watch_health():
+        last_response = time.monotonic()
+
+        async def watch_health(after_loss: bool):
             # A decoupled model's stub that dies leaves its streams open forever in tritonserver
             # 2.51 (no response will come, and none says so): once the watchdog marks a model
-            # this stream sent to, the stream ends UNAVAILABLE.
+            # this stream sent to, the stream is lost (continued, or ended UNAVAILABLE). After a
+            # loss, watching starts again once the mark is gone (the model reloaded). serve-cluster:
+            # a model marked on some replica loses a continuable stream that went silent.
+            mine = generation
             while True:
                 await asyncio.sleep(WATCHDOG_WAIT_S / 2)
                 dead = {m: r for m in models if (r := self._healing(m)) is not None}
+                if after_loss:
+                    after_loss = bool(dead)
+                    continue
+                if not dead and self.healing_dirs and book.tracked and book.can_resume():
+                    if time.monotonic() - last_response >= SILENT_STREAM_S:
+                        dead = {m: r for m in models if (r := self._healing_anywhere(m)) is not None}
                 if dead:
                     model, reason = next(iter(dead.items()))
-                    await out.put(StreamLost(model, reason))
+                    await out.put((mine, StreamLost(model, reason)))
                     return
 
         reader = asyncio.ensure_future(read_client())
-        pump = asyncio.ensure_future(read_upstream())
-        watcher = asyncio.ensure_future(watch_health())
+        call, pump = open_call([])
+        watcher = asyncio.ensure_future(watch_health(False))
+        lost_since: float | None = None  # the first loss since the stream's latest answer
+        attempts = 0
+
+        async def resume(reason: str, after_loss: bool) -> bool:
+            """Send the requests in flight again on a new call; False once RESUME_WAIT_S is spent."""
+            nonlocal call, pump, watcher, generation, lost_since, attempts
+            now = time.monotonic()
+            lost_since = now if lost_since is None else lost_since
+            if now - lost_since >= RESUME_WAIT_S:
+                return False
+            resend = book.resubmissions()
+            self.streams_resumed += 1
+            self.requests_resumed += len(resend)
+            log.info(
+                "stream lost (%s): %d request(s) continued on a new call after %d token(s) sent",
+                reason,
+                len(resend),
+                sum(len(t.ids) for t in book.tracked.values() if t.sent),
+            )
+            call.cancel()
+            pump.cancel()
+            watcher.cancel()
+            await asyncio.sleep(RESUME_BACKOFF_S * 2 ** min(attempts, 4))
+            attempts += 1
+            generation += 1
+            call, pump = open_call(resend)
+            watcher = asyncio.ensure_future(watch_health(after_loss))
+            return True
+
         try:
             while True:
-                item = await out.get()
+                mine, item = await out.get()
+                if mine != generation:
+                    continue  # from a call given up
                 if item is done:
                     break
-                if isinstance(item, StreamLost):
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"model {item.model} lost the instance serving this stream ({item.reason}): retry",
-                    )
-                if isinstance(item, aio.AioRpcError):
-                    # A stub that died mid-stream (the watchdog marks its model within a scan):
-                    # the stream ends UNAVAILABLE, which clients retry, not INTERNAL.
-                    if item.code() != grpc.StatusCode.UNAVAILABLE:
-                        await asyncio.sleep(WATCHDOG_WAIT_S)
-                        dead = {m: r for m in models if (r := self._lost_instance(m)) is not None}
-                        if dead:
-                            model, reason = next(iter(dead.items()))
-                            await context.abort(
-                                grpc.StatusCode.UNAVAILABLE,
-                                f"model {model} lost the instance serving this stream ({reason}): retry",
-                            )
+                if isinstance(item, (StreamLost, aio.AioRpcError)):
+                    reason = await self._loss_reason(item, models)
+                    if reason is not None and book.can_resume():
+                        # nginx (or the model, once reloaded) takes the requests again.
+                        if await resume(reason, isinstance(item, StreamLost)):
+                            continue
+                    if isinstance(item, StreamLost):
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"model {item.model} lost the instance serving this stream ({item.reason}): retry",
+                        )
+                    assert isinstance(item, aio.AioRpcError)
+                    if reason is not None and item.code() != grpc.StatusCode.UNAVAILABLE:
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"model {next(iter(models), '')} lost the instance serving this stream ({reason}): retry",
+                        )
                     await self._abort_with(context, item)
+                last_response = time.monotonic()
+                item, tracked, error = book.incoming(item)
+                if tracked is not None and error:
+                    # A request sent again may reach a replica that cannot take it yet (NOT_FOUND
+                    # while it starts, the dead instance while its model reloads): again, later.
+                    model = tracked.request.model_name
+                    reason = self._lost_instance(model) if tracked.resends and book.can_resume() else None
+                    if reason is not None and await resume(reason, self._healing(model) is not None):
+                        continue
+                    book.done(tracked.request.id)
+                elif tracked is not None:
+                    lost_since, attempts = None, 0
                 yield item
         finally:
             reader.cancel()
             pump.cancel()
             watcher.cancel()
             call.cancel()
+
+    async def _loss_reason(self, item, models: set[str]) -> str | None:
+        """Why a stream's upstream failed, when it was an instance lost (not the request's fault)."""
+        if isinstance(item, StreamLost):
+            return item.reason
+        if item.code() == grpc.StatusCode.UNAVAILABLE:
+            lost = any(k == UPSTREAM_LOST for k, _ in await _safe_trailing(item))
+            return "a replica was lost with the stream open" if lost else (self._any_lost(models) or "upstream unavailable")
+        # A stub that died mid-stream (the watchdog marks its model within a scan), or a replica
+        # killed (serve-cluster marks it down): UNAVAILABLE, which clients retry, not INTERNAL.
+        await asyncio.sleep(WATCHDOG_WAIT_S)
+        return self._any_lost(models)
+
+    def _any_lost(self, models: set[str]) -> str | None:
+        for model in models:
+            reason = self._lost_instance(model)
+            if reason is not None:
+                return reason
+        return None
 
     async def unary_stream(self, method: str, request: bytes, context):
         call = self.channel.unary_stream(method)(request, metadata=self.metadata(context), timeout=self.timeout(context))
