@@ -280,6 +280,7 @@ class LLMEngine:
             kv_mib,
             self.device,
         )
+        self.scheduler.replay_rows = int(getattr(self.runner, "replay_rows", 0))
         eos = set(mcfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))

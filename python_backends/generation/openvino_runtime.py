@@ -236,6 +236,9 @@ class OpenVINORunner:
             self.compiled_small = core.compile_model(paged_model(self.weights.int4_path), "CPU", properties)
             self._small = self.compiled_small.create_infer_request()
         self._last = self._request
+        # ov_int4_f16 decodes on other weights (4-bit) than it prefills (F16): a continued stream's
+        # tokens get their K/V one per step, as the decodes that made them did (Scheduler.replay_rows).
+        self.replay_rows = 1 if self._small is not None else 0
         fresh = not self._caches
         cache_ports = [p for p in self.compiled.inputs if p.get_any_name().startswith(("key_cache.", "value_cache."))]
         for i, port in enumerate(cache_ports):

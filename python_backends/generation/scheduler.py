@@ -92,6 +92,10 @@ class Sequence:
     # Sequences still to be forked from this one when its prompt is computed (n > 1 choices):
     # they hold places in the running batch from its admission on.
     num_forks: int = 0
+    # A continued stream (output tokens given at admission): after its prompt, at most this many of
+    # them per step (0: with the prompt), so their K/V come from steps shaped as the decodes that
+    # generated them (Scheduler.replay_rows). Cleared by a preemption.
+    replay_rows: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -193,6 +197,10 @@ class Scheduler:
         # budget): a long prompt then takes more, shorter steps, and running streams' tokens are
         # not held up by a full 256-token chunk.
         self.prefill_tokens_with_decodes = prefill_tokens_with_decodes
+        # A runtime whose steps of few rows compute otherwise than its prefills (other weights:
+        # ov_int4_f16) sets this: a continued stream's given tokens are then computed this many per
+        # step after its prompt, and it continues as the uninterrupted run did. 0: with the prompt.
+        self.replay_rows = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._seqs: dict[SeqId, Sequence] = {}
@@ -238,6 +246,7 @@ class Scheduler:
             output_tokens=[int(t) for t in output_tokens],
             speculative=speculative,
             num_forks=forks,
+            replay_rows=self.replay_rows if output_tokens else 0,
         )
         self.waiting.append(seq)
         self._seqs[seq_id] = seq
@@ -323,6 +332,17 @@ class Scheduler:
         }
 
     # ---- one step ------------------------------------------------------------------------
+    @staticmethod
+    def _prefill_size(seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq``'s prefill to run this step: what the budget allows, and for a continued
+        stream replayed a few rows at a time, the prompt first, then its given tokens."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if seq.replay_rows:
+            prompt = len(seq.prompt_tokens)
+            start = seq.num_computed_tokens
+            n = min(n, prompt - start) if start < prompt else min(n, seq.replay_rows)
+        return n
+
     def _chunk(self, seq: Sequence, n: int, is_prefill: bool) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + n
@@ -371,6 +391,7 @@ class Scheduler:
             self.on_release(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.replay_rows = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -419,7 +440,7 @@ class Scheduler:
                 break
             if seq.num_computed_tokens >= seq.num_prefill_tokens:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._prefill_size(seq, budget)
             prefills.append(self._chunk(seq, n, is_prefill=True))
             budget -= n
 
@@ -437,7 +458,7 @@ class Scheduler:
             seq.num_prefill_tokens = seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._prefill_size(seq, budget)
             prefills.append(self._chunk(seq, n, is_prefill=True))
             budget -= n
 

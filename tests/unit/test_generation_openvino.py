@@ -247,7 +247,24 @@ def test_a_stream_continued_after_its_first_pieces_gives_the_uninterrupted_token
     continue_after_each_cut(engine, SYSTEM + PROMPTS[4], params)
 
 
-def test_the_int4_variant_continues_a_stream_too(int4_engine):
-    """ov_int4_f16 is what PRECISION=auto serves on this kind of CPU (variants.json)."""
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    continue_after_each_cut(int4_engine, SYSTEM + PROMPTS[0], params)
+def test_the_int4_variant_continues_a_lone_stream_token_for_token(int4_engine):
+    """ov_int4_f16 (what PRECISION=auto serves on this kind of CPU) decodes on its 4-bit weights and
+    prefills on F16 ones, so a continued stream's given tokens get their K/V one per step (replay_rows),
+    as the decodes that made them: greedy and seeded continuations are then the lone stream's own."""
+    assert int4_engine.scheduler.replay_rows == 1
+    prompt = int4_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a walk along the sea in a few sentences."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    for params in (
+        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True),
+    ):
+        whole = run_all(int4_engine, [prompt], params, "whole")["0/0"]
+        for cut in (1, 9):
+            int4_engine.add_request("rest", prompt, params, prefix_ids=whole[:cut])
+            rest = []
+            while int4_engine.has_unfinished():
+                rest += [t for o in int4_engine.step() for t in o.token_ids]
+            assert whole[:cut] + rest == whole, (params, cut)
