@@ -75,6 +75,8 @@ class GenerationModel:
     aliases: tuple[str, ...] = ()
     kind: str = "generation"
     version_dir: Path | None = None  # its tokenizer and chat template (/tokenize)
+    # Its config declares return_token_ids and prefix_token_ids: a stream lost mid-answer is continued.
+    continuable: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,7 @@ def _generation(name: str, config: ModelConfig, repository: Path) -> GenerationM
         max_model_len=config.param_int("max_model_len", 4096, minimum=1),
         aliases=ALIASES.get(name, ()),
         version_dir=repository / name / "1",
+        continuable={"return_token_ids", "prefix_token_ids"} <= names,
     )
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ class Piece:
     cached_tokens: int | None = None
     logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
     index: int = 0  # the choice (n > 1)
+    token_ids: tuple[int, ...] = ()  # asked when the stream can be continued (TritonBackend.generate)
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -71,6 +73,7 @@ class Piece:
             p.num_cached_tokens,
             p.logprobs,
             p.index,
+            p.token_ids,
         )
 
 
@@ -146,6 +149,7 @@ class TritonBackend:
         self.coalesce_max_rows = coalesce_max_rows
         self._coalescers: dict[tuple[str, str | None], Coalescer] = {}
         self.on_batch = lambda requests: None  # each coalesced Triton request: how many it carried
+        self.streams_resumed = 0  # generation streams continued after Triton lost them
 
     async def start(self) -> None:
         """Open the channel and start polling readiness (inside the running loop)."""
@@ -377,45 +381,70 @@ class TritonBackend:
 
     async def generate(self, job: GenerationJob, request_id: str) -> AsyncGenerator[Piece, None]:
         """The pieces of one generation; leaving the iteration early cancels the Triton request
-        (the gRPC call is cancelled, the model sees it and frees the KV blocks)."""
+        (the gRPC call is cancelled, the model sees it and frees the KV blocks).
+
+        A stream that Triton loses after its first piece (503: its instance or replica died) is
+        sent again with the token ids already sent as ``prefix_token_ids``, for up to
+        RESUME_WAIT_S: the model continues the answer after them, and the client sees no error
+        (docs/generation.md#streams-that-outlive-a-replica). Before the first piece the error
+        goes to the client as before (a 503 it retries)."""
         import grpc
         from tritonclient.utils import InferenceServerException
 
         from clients.generation import GenerateRequest
 
-        request = GenerateRequest(job.text_input, job.sampling, chat=job.chat)
+        continuable = job.model.continuable and job.n == 1 and not job.logprobs
+        request = GenerateRequest(job.text_input, job.sampling, chat=job.chat, return_token_ids=continuable)
         param_map = job.fields
+        sent: list[int] = []  # the token ids of the pieces given to the client
+        pieces = 0
+        lost_since: float | None = None
+        while True:
 
-        async def requests():
-            yield {
-                "model_name": job.model.id,
-                "inputs": request.grpc_inputs(job.stream),
-                "request_id": request_id,
-                "parameters": {"triton_enable_empty_final_response": True},
-            }
+            async def requests(request=request):
+                yield {
+                    "model_name": job.model.id,
+                    "inputs": request.grpc_inputs(job.stream),
+                    "request_id": request_id,
+                    "parameters": {"triton_enable_empty_final_response": True},
+                }
 
-        call = self.client.stream_infer(requests(), stream_timeout=self.generation_timeout_s)
-        finished = False
-        try:
-            async for result, error in self._watched(call, job.model.id):
-                if error is not None:
-                    raise triton_error(error, job.model.id, param_map)
-                piece = Piece.of(result)
-                yield piece
-                if piece.final:
-                    finished = True
-                    return
-            finished = True
-        except grpc.RpcError as exc:
-            from tritonclient.grpc._utils import get_error_grpc
+            call = self.client.stream_infer(requests(), stream_timeout=self.generation_timeout_s)
+            finished = False
+            try:
+                async for result, error in self._watched(call, job.model.id):
+                    if error is not None:
+                        raise triton_error(error, job.model.id, param_map)
+                    piece = Piece.of(result)
+                    sent.extend(piece.token_ids)
+                    pieces += 1
+                    lost_since = None
+                    yield piece
+                    if piece.final:
+                        finished = True
+                        return
+                finished = True
+                return
+            except grpc.RpcError as exc:
+                from tritonclient.grpc._utils import get_error_grpc
 
-            finished = True
-            raise triton_error(get_error_grpc(exc), job.model.id, param_map) from None
-        except InferenceServerException as exc:
-            raise triton_error(exc, job.model.id, param_map) from None
-        finally:
-            if not finished:
-                call.cancel()
+                finished = True
+                failure = triton_error(get_error_grpc(exc), job.model.id, param_map)
+            except InferenceServerException as exc:
+                failure = triton_error(exc, job.model.id, param_map)
+            except APIError as exc:
+                failure = exc
+            finally:
+                if not finished:
+                    call.cancel()
+            now = time.monotonic()
+            lost_since = now if lost_since is None else lost_since
+            if not (continuable and pieces and failure.status == 503 and now - lost_since < RESUME_WAIT_S):
+                raise failure from None
+            log.info("generation %s: stream lost after %d token(s) (%s); continuing it", request_id, len(sent), failure.message)
+            self.streams_resumed += 1
+            await asyncio.sleep(RESUME_BACKOFF_S)
+            request = replace(request, prefix_token_ids=tuple(sent))
 
     async def _watched(self, call, model: str):
         """The stream's items; while none arrives, the watchdog folder is looked at every
@@ -453,6 +482,9 @@ class TritonBackend:
 
 
 HEALTH_POLL_S = 0.25
+# A generation stream lost after its first piece: how long it is sent again, the pause before each send.
+RESUME_WAIT_S = 30.0
+RESUME_BACKOFF_S = 0.25
 
 
 class Coalescer:

@@ -81,6 +81,10 @@ class GenerateRequest:
     text_input: str
     sampling: dict[str, Any] = field(default_factory=dict)
     chat: bool = False
+    # A stream continued after its replica died (docs/generation.md#streams-that-outlive-a-replica):
+    # the token ids back with each piece, and the answer's first tokens, already received.
+    return_token_ids: bool = False
+    prefix_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def prompt(cls, prompt: str, **sampling: Any) -> GenerateRequest:
@@ -110,6 +114,8 @@ class GenerateRequest:
         }
         if self.chat:
             flags["apply_chat_template"] = True
+        if self.return_token_ids:
+            flags["return_token_ids"] = True
         return flags
 
     def http_body(self, stream: bool) -> bytes:
@@ -133,6 +139,10 @@ class GenerateRequest:
         if self.sampling:
             inputs.append(tensor("sampling_parameters", json.dumps(self.sampling).encode("utf-8"), "BYTES"))
         inputs += [tensor(name, value, "BOOL") for name, value in self.flags(stream).items()]
+        if self.prefix_token_ids:
+            prefix = module.InferInput("prefix_token_ids", [len(self.prefix_token_ids)], "INT32")
+            prefix.set_data_from_numpy(np.asarray(self.prefix_token_ids, dtype=np.int32))
+            inputs.append(prefix)
         return inputs
 
 

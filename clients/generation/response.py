@@ -83,6 +83,7 @@ class Piece:
     num_cached_tokens: int | None = None
     logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
     index: int = 0  # the choice this piece belongs to (sampling parameter n > 1)
+    token_ids: tuple[int, ...] = ()  # the ids whose text this piece completes, when asked (return_token_ids)
 
 
 def _logprobs(value: Any) -> list[dict] | None:
@@ -217,7 +218,12 @@ def piece_from_result(result: Any) -> Piece:
         num_cached_tokens=_count(first("num_cached_tokens")),
         logprobs=_logprobs(first("logprobs")),
         index=_count(first("index")) or 0,
+        token_ids=_ids(result.as_numpy("token_ids")),
     )
+
+
+def _ids(array: Any) -> tuple[int, ...]:
+    return () if array is None else tuple(int(t) for t in array.reshape(-1).tolist())
 
 
 def is_final(result: Any) -> bool:
