@@ -14,7 +14,8 @@ seconds, through the front door, with the clients people use:
   gateway      POST /v1/embeddings through the official `openai` SDK (its retries)
   image        image_classification, plain aiohttp POSTs (no retries)
   generation   text_generation streams, the project's asyncio client over gRPC (retried before the
-               first piece only; a stream broken later is not resent)
+               first piece only; a stream whose replica dies later is continued by the gRPC door on
+               the other replica, after the token ids already sent)
 
 The faults, at fractions of --duration: 0.15 SIGKILL of one text_encoder stub of replica 0;
 0.35 SIGKILL of replica 1's tritonserver and stubs; 0.50 SIGKILL of gateway 0; 0.65 SIGKILL of
@@ -25,7 +26,7 @@ ready in cluster.json with a new pid; burst (counted from its end), every reques
 4xx / INVALID_ARGUMENT, every stub of every replica the same process and every model ready.
 
 Checks (exit 1 when one fails): 0 failed requests of the retried idempotent workloads (embed,
-embed_grpc, cached, gateway); the others only clean failures (UNAVAILABLE, 502/503 with the
+embed_grpc, cached, gateway) and of the generation streams; the image requests only clean failures (UNAVAILABLE, 502/503 with the
 front door's JSON); every fault recovered within --recovery-timeout (60 s); no server error in
 the burst. Writes per_second.csv, summary.md and chaos.png (answers/s, failed/s and P99 per
 second, the faults marked) under perf/results/chaos-<UTC time>/ (--out DIR).
@@ -56,7 +57,9 @@ from perf.lib.workload import image_request, photos, prompts, sentences
 
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
 MIX = {"embed": 25, "embed_grpc": 15, "cached": 30, "gateway": 15, "image": 10, "generation": 5}
-RETRIED = ("embed", "embed_grpc", "cached", "gateway")  # idempotent, through clients that retry
+# No failure allowed: idempotent requests through clients that retry, and generation streams (the
+# gRPC door continues a stream whose replica died: server/stream_resume.py).
+RETRIED = ("embed", "embed_grpc", "cached", "gateway", "generation")
 SCHEDULE = (("stub", 0.15), ("replica", 0.35), ("gateway", 0.50), ("redis", 0.65), ("hostile burst", 0.80))
 KEY = "sk-chaos-0123456789abcdef"
 GEN_TOKENS = 16
@@ -502,7 +505,7 @@ def checks(table: dict, faults: dict[str, Fault], burst: dict) -> list[str]:
     problems = []
     for name, row in table.items():
         if name in RETRIED and row["failed"]:
-            problems.append(f"{name}: {row['failed']} failed requests through a retrying client ({row['errors']})")
+            problems.append(f"{name}: {row['failed']} failed requests through a retrying or continuing path ({row['errors']})")
         elif row["unclean"]:
             problems.append(f"{name}: {row['unclean']} failures that are not a clean UNAVAILABLE/502/503 ({row['errors']})")
     for fault in faults.values():
@@ -516,6 +519,15 @@ def checks(table: dict, faults: dict[str, Fault], burst: dict) -> list[str]:
     if burst.get("stubs_gone"):
         problems.append(f"hostile burst: stubs gone afterwards {burst['stubs_gone']}")
     return problems
+
+
+def streams_continued(state: dict) -> int:
+    """Streams the gRPC door continued on a new call (its log, beside the front door's)."""
+    log = Path(state["front_door"]["log"]).parent / "grpc-door.log"
+    try:
+        return log.read_text(encoding="utf-8", errors="replace").count("continued on a new call")
+    except OSError:
+        return 0
 
 
 def write_summary(
@@ -545,7 +557,7 @@ def write_summary(
         "cached": "clients.aio HTTP (retries)",
         "gateway": "openai SDK (retries)",
         "image": "aiohttp (no retries)",
-        "generation": "clients.generation gRPC stream",
+        "generation": "clients.generation gRPC stream (continued)",
     }
     for name, row in table.items():
         lines.append(
@@ -560,6 +572,8 @@ def write_summary(
         f"RSS of the whole cluster (launcher and every process under it): {rss[0]:,.0f} MiB before the "
         f"load, {rss[1]:,.0f} MiB after ({rss[1] - rss[0]:+,.0f} MiB).",
         f"Hostile burst: {burst.get('cases', 0)} requests, {burst.get('server errors', 0)} server errors.",
+        f"Generation streams continued by the gRPC door on another call after losing their replica: "
+        f"{burst.get('streams_continued', 0)}.",
         "",
     ]
     errors = sorted({e for row in table.values() for e in row["errors"]})
@@ -634,6 +648,7 @@ def main(argv=None) -> int:
     try:
         run, peak_rps, rate, rss, burst = asyncio.run(drive(cluster, args, say))
         state = cluster.state()
+        burst["streams_continued"] = streams_continued(state)
     finally:
         cluster.stop(timeout=60)
     rows = per_second(run, args.duration)

@@ -1,6 +1,7 @@
 """A 60 s run of perf.drills.chaos: serve-cluster at 70 % of its measured peak while a text_encoder stub,
 a replica, a gateway and Redis are SIGKILLed and 60 hostile requests arrive. It must pass its
-own checks (no failed request through a retrying client, only clean failures otherwise, every
+own checks (no failed request through a retrying client, no failed generation stream (the gRPC
+door continues one whose replica died), only clean failures otherwise, every
 fault recovered, no server error in the burst) and write every file. `make chaos` runs the
 same for 5 minutes.
 """
