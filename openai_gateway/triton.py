@@ -439,7 +439,9 @@ class TritonBackend:
                     call.cancel()
             now = time.monotonic()
             lost_since = now if lost_since is None else lost_since
-            if not (continuable and pieces and failure.status == 503 and now - lost_since < RESUME_WAIT_S):
+            # 503, or whatever the dead instance answered while the watchdog has the model marked
+            lost = failure.status == 503 or (self.health_dir is not None and (self.health_dir / job.model.id).exists())
+            if not (continuable and pieces and lost and now - lost_since < RESUME_WAIT_S):
                 raise failure from None
             log.info("generation %s: stream lost after %d token(s) (%s); continuing it", request_id, len(sent), failure.message)
             self.streams_resumed += 1

@@ -80,8 +80,8 @@ class StreamBook:
     """The continuable requests of one client stream, by request id.
 
     ``continuable`` turns false for good once the stream carries a request the door cannot send
-    again (another model, no request id, an id already in flight, a ``return_token_ids`` the
-    client set false): then a lost replica ends the stream as before.
+    again (another model, an id already in flight, a ``return_token_ids`` the client set false):
+    then a lost replica ends the stream as before.
     """
 
     def __init__(self, models: Iterable[str], pb: Any):
@@ -95,7 +95,8 @@ class StreamBook:
         ``return_token_ids`` asked when it is tracked, None to send the client's bytes as they came."""
         if not self.continuable:
             return None
-        if parsed.model_name not in self.models or not parsed.id or parsed.id in self.tracked:
+        # Responses name their request by id: two in flight with one id (two without any) are ambiguous.
+        if parsed.model_name not in self.models or parsed.id in self.tracked:
             self.continuable = False
             return None
         request = self.pb.ModelInferRequest()

@@ -101,9 +101,12 @@ def test_a_client_that_asked_for_ids_keeps_them_and_what_cannot_be_continued_say
     assert data == response("a", "x", [1])  # forwarded as it came
     book.incoming(response("a", "y", [2], extra=("index",)))  # n > 1: no prefix continues it
     assert not book.can_resume()
-    for request in (generation_request("b", ask_ids=False), generation_request(""), generation_request("c", model="other")):
+    for request in (generation_request("b", ask_ids=False), generation_request("c", model="other")):
         other = StreamBook({"text_generation"}, service_pb2)
         assert other.outgoing(request) is None and not other.continuable
+    unnamed = StreamBook({"text_generation"}, service_pb2)
+    assert unnamed.outgoing(generation_request("")) is not None  # one without an id is unambiguous
+    assert unnamed.outgoing(generation_request("")) is None and not unnamed.continuable  # two are not
 
 
 # --------------------------------------------------------------------------- the door, over a fake upstream
