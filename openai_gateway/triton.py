@@ -449,38 +449,48 @@ class TritonBackend:
             request = replace(request, prefix_token_ids=tuple(sent))
 
     async def _watched(self, call, model: str):
-        """The stream's items; while none arrives, the watchdog folder is looked at every
-        HEALTH_POLL_S: once ``model`` is marked there, its instance died with this stream open
-        (tritonserver 2.51 would keep it open and silent) and the stream ends with 503."""
+        """The stream's items. With a watchdog folder, one task per stream looks at it every
+        HEALTH_POLL_S: once ``model`` is marked there and no item came for that long, its instance
+        died with this stream open (tritonserver 2.51 would keep it open and silent): the call is
+        cancelled and the stream ends with 503."""
         items = call.__aiter__()
         if self.health_dir is None:
             async for item in items:
                 yield item
             return
-        while True:
-            step = asyncio.ensure_future(items.__anext__())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({step}, timeout=HEALTH_POLL_S)
-                    if done:
-                        break
-                    if (self.health_dir / model).exists():
-                        raise APIError(
-                            503,
-                            f"model {model} lost the instance serving this stream (its python backend "
-                            f"stub died; it is being reloaded): retry",
-                            code="model_unavailable",
-                            type="server_error",
-                            headers={"Retry-After": "1"},
-                        )
-            finally:
-                if not step.done():
-                    step.cancel()  # the caller cancels the call itself
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
+        marked = self.health_dir / model
+        last = time.monotonic()
+        lost = False
+
+        async def watch() -> None:
+            nonlocal lost
+            while not (marked.exists() and time.monotonic() - last >= HEALTH_POLL_S):
+                await asyncio.sleep(HEALTH_POLL_S)
+            lost = True
+            call.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            while True:
+                try:
+                    item = await items.__anext__()
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if not lost:
+                        raise
+                    raise APIError(
+                        503,
+                        f"model {model} lost the instance serving this stream (its python backend "
+                        f"stub died; it is being reloaded): retry",
+                        code="model_unavailable",
+                        type="server_error",
+                        headers={"Retry-After": "1"},
+                    ) from None
+                last = time.monotonic()
+                yield item
+        finally:
+            watcher.cancel()
 
 
 HEALTH_POLL_S = 0.25

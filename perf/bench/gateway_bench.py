@@ -548,6 +548,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.environ.get("PRECISION", "auto"),
         help="what Triton serves, as `make serve PRECISION=` (default auto, or $PRECISION)",
     )
+    p.add_argument(
+        "--watchdog-folder",
+        action="store_true",
+        help="give the gateways an (empty) stub watchdog folder, as `make serve` does (--triton-health-dir): "
+        "its streams are then watched for a dead stub",
+    )
     p.add_argument("--no-embeddings", action="store_true", help="skip the embeddings part")
     p.add_argument("--no-chat", action="store_true", help="skip the chat part (text_generation is then not loaded)")
     p.add_argument(
@@ -597,7 +603,11 @@ def start_servers(args, workdir: Path, key: str, say):
     )
     triton.wait_ready(timeout=300)
     gateways = {}
-    for name, extra in (("quiet", ["--no-request-log"]), ("log", [])):
+    watch = []
+    if args.watchdog_folder:
+        (workdir / "health").mkdir(parents=True, exist_ok=True)
+        watch = ["--triton-health-dir", str(workdir / "health")]
+    for name, extra in (("quiet", ["--no-request-log", *watch]), ("log", watch)):
         if name == "log" and ("gateway_log" not in args.embed_systems or args.no_embeddings):
             continue
         gw = GatewayProcess(

@@ -100,3 +100,45 @@ def test_before_the_first_piece_or_without_the_models_inputs_the_error_goes_to_t
     assert e.value.status == 503
     with pytest.raises(APIError):
         _collect(cut=2, continuable=False)
+
+
+class SilentAfter:
+    """A grpc.aio-like stream: ``n`` items, then silence until cancelled (a read of a cancelled
+    call raises CancelledError, as grpc.aio's does)."""
+
+    def __init__(self, n: int):
+        self.n, self.cancelled = n, asyncio.Event()
+
+    def cancel(self):
+        self.cancelled.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.n:
+            self.n -= 1
+            await asyncio.sleep(0)
+            return ("item", None)
+        await self.cancelled.wait()
+        raise asyncio.CancelledError()
+
+
+def test_one_watcher_per_stream_ends_a_silent_stream_of_a_marked_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(gateway_triton, "HEALTH_POLL_S", 0.02)
+    backend = gateway_triton.TritonBackend("fake:0", Catalog([]), 5.0, 5.0, health_dir=tmp_path)
+    started = []
+    real = asyncio.ensure_future
+    monkeypatch.setattr(asyncio, "ensure_future", lambda *a, **k: started.append(1) or real(*a, **k))
+
+    async def go():
+        got = []
+        (tmp_path / "text_generation").write_text("stub died")
+        with pytest.raises(APIError) as e:
+            async for item in backend._watched(SilentAfter(500), "text_generation"):
+                got.append(item)  # items flowing while the model is marked are not cut
+        return got, e.value
+
+    got, error = asyncio.run(go())
+    assert len(got) == 500 and error.status == 503 and error.code == "model_unavailable"
+    assert len(started) == 1  # one watcher for the stream, not a task per item
