@@ -439,8 +439,13 @@ class TritonBackend:
                     call.cancel()
             now = time.monotonic()
             lost_since = now if lost_since is None else lost_since
-            # 503, or whatever the dead instance answered while the watchdog has the model marked
-            lost = failure.status == 503 or (self.health_dir is not None and (self.health_dir / job.model.id).exists())
+            # 503, or what tritonserver says of a dead instance ("Stub process ... is not healthy",
+            # no data) once the watchdog has the model marked (its next scan, within half a second)
+            marked = self.health_dir / job.model.id if self.health_dir is not None else None
+            lost = failure.status == 503 or (marked is not None and marked.exists())
+            if not lost and marked is not None and continuable and pieces and failure.data is None:
+                await asyncio.sleep(WATCHDOG_SCAN_S)
+                lost = marked.exists()
             if not (continuable and pieces and lost and now - lost_since < RESUME_WAIT_S):
                 raise failure from None
             log.info("generation %s: stream lost after %d token(s) (%s); continuing it", request_id, len(sent), failure.message)
@@ -497,6 +502,7 @@ HEALTH_POLL_S = 0.25
 # A generation stream lost after its first piece: how long it is sent again, the pause before each send.
 RESUME_WAIT_S = 30.0
 RESUME_BACKOFF_S = 0.25
+WATCHDOG_SCAN_S = 0.5  # the stub watchdog's scan interval, twice (server/stubs.py)
 
 
 class Coalescer:

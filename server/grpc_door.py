@@ -34,7 +34,9 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
+from python_backends.errors import parse_error
 from server.grpc_check import Limits, Refusal, check_request
+from server.replica_probes import ReplicaProbes
 from server.stream_resume import StreamBook, continuable_models
 from server.supervisor import ChildProcess, NotReady
 
@@ -122,6 +124,8 @@ class Door:
         # state defers (server/repository_prep.py). While the file exists, NOT_FOUND for a model of the
         # repository is resent (nginx balances each send) for at most NOT_FOUND_WAIT_S.
         self.starting_file = starting_file
+        # docker-compose: the replicas' probe ports, polled (server/replica_probes.py); set by serve().
+        self.replica_probes: ReplicaProbes | None = None
         self.not_found_retries = 0
 
         self.pb = service_pb2
@@ -194,8 +198,7 @@ class Door:
                 if (
                     exc.code() == grpc.StatusCode.NOT_FOUND
                     and parsed.model_name in self.limits.models
-                    and self.starting_file is not None
-                    and self.starting_file.exists()
+                    and self.replica_starting()
                 ):
                     # A restarting replica without the model yet: the next send may reach another.
                     now = time.monotonic()
@@ -257,12 +260,19 @@ class Door:
                 return reason
         return None
 
+    def replica_starting(self) -> bool:
+        """A replica behind nginx is not ready now: serve-cluster's starting file exists, or
+        (docker-compose) a replica's probe port does not answer ready (server/replica_probes.py)."""
+        if self.starting_file is not None and self.starting_file.exists():
+            return True
+        return self.replica_probes is not None and self.replica_probes.starting()
+
     def _lost_instance(self, model: str) -> str | None:
         """Why an INTERNAL answer for ``model`` is an instance lost rather than the request's
         fault: a watchdog has the model marked (a dead stub), or serve-cluster has a listed
         replica down (nginx resets the calls in flight on it: "Stream removed"). None: neither."""
         reason = self._healing_anywhere(model)
-        if reason is None and self.starting_file is not None and self.starting_file.exists():
+        if reason is None and self.replica_starting():
             reason = "a replica was lost with the call in flight"
         return reason
 
@@ -435,10 +445,21 @@ class Door:
                 last_response = time.monotonic()
                 item, tracked, error = book.incoming(item)
                 if tracked is not None and error:
-                    # A request sent again may reach a replica that cannot take it yet (NOT_FOUND
-                    # while it starts, the dead instance while its model reloads): again, later.
+                    # tritonserver's own error for a request whose instance died ("Stub process ...
+                    # is not healthy"), or for one sent again to a replica that cannot take it yet
+                    # (NOT_FOUND while it starts, the dead instance while its model reloads): the
+                    # request goes on elsewhere, or later. A model's own error (its data) goes on.
                     model = tracked.request.model_name
-                    reason = self._lost_instance(model) if tracked.resends and book.can_resume() else None
+                    reason = None
+                    if book.can_resume() and parse_error(error) is None:
+                        reason = self._lost_instance(model)
+                        if reason is None and tracked.resends:
+                            # sent again: tritonserver's own errors while the model reloads (the dead
+                            # instance, then "not ready") pass, within RESUME_WAIT_S
+                            reason = f"sent again, answered: {error[:120]}"
+                        elif reason is None:
+                            await asyncio.sleep(WATCHDOG_WAIT_S)  # the watchdog's next scan marks it
+                            reason = self._lost_instance(model)
                     if reason is not None and await resume(reason, self._healing(model) is not None):
                         continue
                     book.done(tracked.request.id)
@@ -512,7 +533,8 @@ class Handler(grpc.GenericRpcHandler):
             )
         }
         self.special[STREAM] = grpc.stream_stream_rpc_method_handler(door.stream_infer)
-        if door.starting_file is not None:  # serve-cluster: nginx would take a load to one replica
+        # serve-cluster and compose: nginx would take a load to one replica
+        if door.starting_file is not None or door.replica_probes is not None:
             for method in (REPOSITORY_LOAD, REPOSITORY_UNLOAD):
                 self.special[method] = grpc.unary_unary_rpc_method_handler(door.one_replica_only)
 
@@ -553,9 +575,12 @@ async def serve(
     drain_timeout: float = 30.0,
     starting_file: Path | None = None,
     healing_dirs: tuple[Path, ...] = (),
+    replica_probes: tuple[str, ...] = (),
 ) -> None:
     limits = load_limits(repository, max_message_bytes)
     door = Door(upstream, limits, health_dir, max_message_bytes, starting_file, healing_dirs)
+    if replica_probes:
+        door.replica_probes = ReplicaProbes(replica_probes).start()
     server = aio.server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
@@ -606,6 +631,15 @@ def main(argv: list[str] | None = None) -> int:
         f"model of the repository is resent for up to {NOT_FOUND_WAIT_S:.0f} s",
     )
     p.add_argument(
+        "--replica-probe",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="docker-compose: a replica's probe port readiness, e.g. http://triton-upstream-1:8003/v2/health/ready "
+        f"(repeat per replica); while one is not 200, NOT_FOUND for a model of the repository is resent for up to "
+        f"{NOT_FOUND_WAIT_S:.0f} s, and repository loads are refused (they would reach one replica)",
+    )
+    p.add_argument(
         "--healing-dir",
         type=Path,
         action="append",
@@ -626,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             args.drain_timeout,
             args.replica_starting_file,
             tuple(args.healing_dir),
+            tuple(args.replica_probe),
         )
     )
     return 0

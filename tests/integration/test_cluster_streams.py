@@ -165,5 +165,5 @@ def test_a_stream_whose_replica_is_killed_mid_answer_goes_on_with_the_same_token
     started = time.monotonic()
     got = run(cluster, kind, killer)  # a client error fails the test here
     print(f"{path}, {kind}: replica {killer.victim} killed after {KILL_AFTER_PIECES} pieces; {time.monotonic() - started:.1f} s")
-    assert killer.victim is not None and _resumed(cluster) == resumed + 1
+    assert killer.victim is not None and _resumed(cluster) > resumed
     assert got == reference, (got, reference)
