@@ -7,7 +7,7 @@
 # and HTTP clients (the clients/ package imports both), numpy, tokenizers and jinja2 (/tokenize:
 # the models' tokenizer files and the chat template).
 # Built from the repository root (.dockerignore admits python_backends/, openai_gateway/, clients/,
-# server/):
+# server/, ops/):
 #   docker-compose build gateway
 # The model repository (its configs and the tokenizer) is mounted, not copied.
 # python:3.11-slim-bookworm; a machine without registry access passes a local stand-in
@@ -29,8 +29,10 @@ RUN if [ -f build-local/ca.crt ]; then export PIP_CERT="$PWD/build-local/ca.crt"
 COPY python_backends /opt/embedding/python_backends
 COPY clients /opt/embedding/clients
 COPY openai_gateway /opt/embedding/openai_gateway
-# docker-compose's grpc-door service runs `python -m server.grpc_door` from this image.
+# docker-compose's grpc-door and repository-door services run `python -m server.grpc_door` and
+# `python -m server.repository_door` (which acts through ops/repository.py) from this image.
 COPY server /opt/embedding/server
+COPY ops /opt/embedding/ops
 # The key file's folder exists in the image, owned by the gateway's user: a new named volume
 # mounted there (docker-compose's gateway-keys) starts with that owner, so the key can be written.
 RUN find /opt/embedding -name __pycache__ -type d -prune -exec rm -rf {} + \

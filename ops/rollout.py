@@ -209,13 +209,18 @@ def served_weights(client: RepositoryClient, router: str) -> dict:
 
 def config_from_disk(repository: Path, model: str, config_name: str | None) -> dict:
     """The config Triton would load for ``model`` (``configs/<name>.pbtxt`` if present), as JSON."""
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
-
     folder = Path(repository) / model
     custom = folder / "configs" / f"{config_name}.pbtxt" if config_name else None
     path = custom if custom is not None and custom.is_file() else folder / "config.pbtxt"
-    message = text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+    return config_from_text(path.read_text(encoding="utf-8"), model)
+
+
+def config_from_text(text: str, model: str) -> dict:
+    """A config.pbtxt's text in Triton's JSON form (a load override), named ``model`` if it names none."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    message = text_format.Parse(text, model_config_pb2.ModelConfig())
     if not message.name:
         message.name = model
     return json_format.MessageToDict(message, preserving_proto_field_name=True)

@@ -33,7 +33,7 @@ if [ -z "$TRITON_REPOSITORY_TOKEN" ]; then  # the launcher's token file (make se
 fi
 # Grafana is not started here, but the file requires its password: a random one, never a known string.
 export GRAFANA_ADMIN_PASSWORD=${GRAFANA_ADMIN_PASSWORD:-$(python3 -c 'import secrets; print(secrets.token_urlsafe(16))')}
-SERVICES=(triton-cpu-1 triton-cpu-2 frontdoor-cpu grpc-door gateway redis prometheus)
+SERVICES=(triton-cpu-1 triton-cpu-2 frontdoor-cpu grpc-door repository-door gateway redis prometheus)
 
 engine() {
   if docker info >/dev/null 2>&1; then return; fi
@@ -122,6 +122,13 @@ compose_test() {
   export TRITON_METRICS_PORT=${TRITON_METRICS_PORT:-18002} GATEWAY_PORT=${GATEWAY_PORT:-18080}
   export PROMETHEUS_PORT=${PROMETHEUS_PORT:-19090}
   export GATEWAY_API_KEYS=${GATEWAY_API_KEYS:-compose-test-$(python3 -c 'import secrets; print(secrets.token_hex(8))')}
+  # The rollout check publishes a text_encoder version and writes a rollout state: into a copy of the
+  # repository (hard links: every write to it replaces a file, never changes one in place) and a
+  # state folder of the test's own, which the replicas mount in place of model_repository/ and .rollout/.
+  local scratch=$STATE/test
+  rm -rf "$scratch" && mkdir -p "$scratch/rollout"
+  cp -al model_repository "$scratch/model_repository"
+  export MODEL_REPOSITORY_DIR=./$scratch/model_repository ROLLOUT_STATE_DIR=./$scratch/rollout
   local t0=$SECONDS rc=0
   images
   local t_images=$((SECONDS - t0))
@@ -135,12 +142,15 @@ compose_test() {
   if [ $rc = 0 ]; then
     COMPOSE_HTTP=127.0.0.1:$TRITON_HTTP_PORT COMPOSE_GRPC=127.0.0.1:$TRITON_GRPC_PORT \
       COMPOSE_GATEWAY=127.0.0.1:$GATEWAY_PORT COMPOSE_PROMETHEUS=127.0.0.1:$PROMETHEUS_PORT \
+      COMPOSE_METRICS=127.0.0.1:$TRITON_METRICS_PORT COMPOSE_MODEL_REPOSITORY=$scratch/model_repository \
+      COMPOSE_ROLLOUT_STATE=$scratch/rollout/state.json \
       "${VENV:-.venv}/bin/python" -m pytest tests/compose -v -s --durations=0 || rc=$?
   fi
   [ $rc = 0 ] || docker-compose --profile cpu logs --tail 40 >&2 || true
   local t_checks=$((SECONDS - t0 - t_images - t_up))
   docker-compose --profile cpu down -v --remove-orphans
   trap - EXIT
+  rm -rf "$scratch"
   local left
   left=$(leftovers)
   say "checks ${t_checks} s; after down -v: $left containers, networks and volumes of $PROJECT left"
@@ -153,6 +163,7 @@ case "${1:-}" in
   up)
     images
     make compose-config >/dev/null
+    mkdir -p .rollout  # the replicas mount it (the rollout state); made by the user, not by dockerd as root
     docker-compose --profile cpu up -d "${SERVICES[@]}"
     ;;
   down)

@@ -20,7 +20,7 @@ from server.frontdoor import FrontDoorError
 from server.layout import ROOT, check_home
 from server.models import DEFAULT_MODELS, default_models, openai_models
 from server.process import ServerError, ServerOptions, TritonServer
-from server.repository_prep import export_missing, resolve_precision
+from server.repository_prep import RepositoryNotWritable, export_missing, resolve_precision
 from server.repository_prep import prepare as prepare_repository
 
 # Triton's response cache (text_tokenizer and image_preprocess; README "Result cache"): a
@@ -262,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     options.repository_token = ensure_token(args.repository_token_file)
     options.rollout_state = args.rollout_state
     # The lanes rendered and the rollout state read once, before anything starts.
-    repository = prepare_repository(args.model_repository, models, args.rollout_state)
+    try:
+        repository = prepare_repository(args.model_repository, models, args.rollout_state)
+    except RepositoryNotWritable as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
     server = TritonServer(options, echo=None if args.quiet else sys.stdout)
     stop = threading.Event()
 

@@ -291,6 +291,10 @@ class FrontDoorPorts:
     # serve-cluster's repository door (server/repository_door.py) on loopback; None: the
     # repository API goes to the one tritonserver.
     repository_door_port: int | None = None
+    # docker-compose's repository door service (HOST:PORT on the compose network): the repository
+    # API acts on every replica through it; /v2/cluster/ stays tritonserver's, since the replicas'
+    # own addresses are not reachable from where ops.rollout runs (the host).
+    repository_door_address: str | None = None
 
     @classmethod
     def cluster(
@@ -385,7 +389,11 @@ def render(
         "TRITON_GRPC_PORT": ports.triton_grpc,
         "TRITON_METRICS_PORT": ports.triton_metrics,
         "REPOSITORY_UPSTREAM": (
-            f"http://127.0.0.1:{ports.repository_door_port}" if ports.repository_door_port else "http://triton_http"
+            f"http://{ports.repository_door_address}"
+            if ports.repository_door_address
+            else f"http://127.0.0.1:{ports.repository_door_port}"
+            if ports.repository_door_port
+            else "http://triton_http"
         ),
         # Without a cluster, /v2/cluster/ is tritonserver's (which answers it as an unknown path).
         "CLUSTER_UPSTREAM": (
@@ -591,6 +599,13 @@ def main(argv: list[str] | None = None) -> int:
         help="where nginx's gRPC listener binds instead of LISTEN:8001, when a gRPC door "
         "(server/grpc_door.py) holds the public gRPC port (Kubernetes: 127.0.0.1:8021)",
     )
+    r.add_argument(
+        "--repository-door",
+        default=None,
+        metavar="HOST:PORT",
+        help="the repository door (python -m server.repository_door) that acts on every replica: "
+        "/v2/repository/ goes there instead of to one replica (docker-compose: repository-door:8004)",
+    )
     r.add_argument("--mount", default=COMPOSE_MOUNT, help=f"where nginx sees --out (default {COMPOSE_MOUNT})")
     r.add_argument("--js-module", default=IMAGE_JS_MODULE, help=f"njs module path (default the image's, {IMAGE_JS_MODULE})")
     r.add_argument("--workdir", default=COMPOSE_WORKDIR, help=f"nginx's writable folder (default {COMPOSE_WORKDIR})")
@@ -611,6 +626,11 @@ def main(argv: list[str] | None = None) -> int:
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--grpc-listen {args.grpc_listen!r}: HOST:PORT")
             ports.grpc_listen_host, ports.grpc = host, int(port)
+        if args.repository_door:
+            host, _, port = args.repository_door.rpartition(":")
+            if not re.fullmatch(r"[A-Za-z0-9._-]+", host) or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--repository-door {args.repository_door!r}: HOST:PORT")
+            ports.repository_door_address = args.repository_door
     except (ValueError, FrontDoorError) as exc:
         parser.error(str(exc))
     conf = write_bundle(

@@ -17,14 +17,23 @@ of the cluster process) instead of to one replica:
 
 Each replica checks the token itself; this door also refuses a call without the right one
 (401), so that the replica list is not public. A cluster started without a token checks none.
+
+docker-compose runs it as a service of its own (``python -m server.repository_door --listen
+0.0.0.0:8004 --replica triton-upstream-1 --replica triton-upstream-2``, the token from
+``$TRITON_REPOSITORY_TOKEN``), its front door sending ``/v2/repository/`` here and ``/v2/cluster/``
+to a replica: ops.rollout on the host reaches the replicas through the front door only, so it
+acts through this door (every replica) and judges on the front door's metrics.
 """
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import json
 import logging
+import os
 import re
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -140,3 +149,52 @@ class RepositoryDoor:
             f", skipped (down): {', '.join(skipped)}" if skipped else "",
         )
         return 200, {"replicas": len(replicas) - len(skipped), "skipped": skipped} if skipped else {}
+
+
+def _listen_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"--listen {text!r}: HOST:PORT")
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from server.frontdoor import Upstream
+
+    p = argparse.ArgumentParser(
+        prog="python -m server.repository_door",
+        description="The repository API of several tritonservers: one load or unload acts on every replica.",
+    )
+    p.add_argument("--listen", type=_listen_address, default=("0.0.0.0", 8004), help="HOST:PORT (default 0.0.0.0:8004)")
+    p.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="HOST[:HTTP:GRPC:METRICS]",
+        help="a tritonserver (repeat for each replica; ports default 8000:8001:8002)",
+    )
+    args = p.parse_args(argv)
+    try:
+        upstreams = [Upstream.parse(text) for text in args.replica]
+    except ValueError as exc:
+        p.error(f"--replica: {exc}")
+    token = os.environ.get("TRITON_REPOSITORY_TOKEN", "").strip()
+    if not token:
+        p.error("$TRITON_REPOSITORY_TOKEN is empty: the replicas refuse repository calls without it")
+    replicas = [
+        ReplicaAddress(u.host, f"http://{u.host}:{u.http}", f"http://{u.host}:{u.metrics}/metrics", "listed") for u in upstreams
+    ]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host, port = args.listen
+    door = RepositoryDoor(lambda: replicas, token, host=host, port=port).start()
+    log.info("repository door on %s:%d for %s", host, door.port, ", ".join(r.name for r in replicas))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    door.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,11 +13,18 @@ The launcher (`python -m server`) and serve-cluster call these before they start
 
 serve-cluster prepares again before each replica (re)start: the rollout state may have moved
 on since the cluster started, and a restarted replica loads what it says now.
+
+A container's repository is mounted read-only: there the lanes cannot be rendered in place. When the
+files on the mount are not what a rollout's pin needs (a replica restarted mid-rollout), the pinned
+lanes are loaded through the repository API instead, with the rendered config as an override, after
+the encoder and before the models that reach them; a repository whose lanes were never rendered
+(no `make export` on the host) is refused with what to run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import errno
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,16 +60,18 @@ def rollout_plan(rollout_state: Path | None):
     return load_plan(Path(rollout_state))
 
 
-def deferred_models(repository: Path, models: Sequence[str], plan) -> list[str]:
+def deferred_models(repository: Path, models: Sequence[str], plan, pinned_lanes: Sequence[str] = ()) -> list[str]:
     """Models loaded through the repository API after start, in order: the rollout plan's
     encoder (its versions), the router (its weights) when the plan puts it in front of
-    text_embedding or a requested model reaches it, then the requested models that reach
-    either (text_embedding in the form the plan calls for). None without a plan."""
+    text_embedding or a requested model reaches it, the lanes pinned by an override (a read-only
+    repository) that a requested model reaches, then the requested models that reach any of
+    them (text_embedding in the form the plan calls for). None without a plan."""
     if plan is None:
         return []
     wanted = with_dependencies(repository, models)
     reached = {m for model in wanted for m in closure(repository, model)}
     first = [plan.encoder] + ([plan.router] if plan.routed or plan.router in reached else [])
+    first += [lane for lane in pinned_lanes if lane in reached]
     out = list(first)
     for model in wanted:
         if model not in first and set(first) & set(closure(repository, model)):
@@ -79,6 +88,8 @@ class Prepared:
     rollout_state: Path | None = None
     plan: object | None = None  # ops.rollout.LoadPlan
     deferred: tuple[str, ...] = field(default_factory=tuple)
+    # lane -> the version it is pinned to through an override (a read-only repository; above)
+    lane_pins: Mapping[str, int] = field(default_factory=dict)
 
     def load_deferred(self, triton_http_url: str, token: str = "", config_name: str | None = None) -> None:
         """Load the deferred models with the plan's overrides, in order (each load returns when
@@ -89,7 +100,39 @@ class Prepared:
 
         client = RepositoryClient(triton_http_url, token=token)
         for model in self.deferred:
-            client.load(model, self.plan.override(model, self.repository, config_name))
+            if model in self.lane_pins:
+                client.load(model, pinned_lane_config(self.repository, model, self.lane_pins[model], config_name))
+            else:
+                client.load(model, self.plan.override(model, self.repository, config_name))
+
+
+class RepositoryNotWritable(ValueError):
+    """The repository is read-only and its lanes are not rendered as this start needs them."""
+
+
+def _lanes(repository: Path) -> list:
+    from export.lanes import MARK, declared_lanes
+
+    lanes = []
+    for config in sorted(Path(repository).glob("*/config.pbtxt")):
+        text = config.read_text(encoding="utf-8")
+        if MARK not in text:
+            lanes += declared_lanes(config.parent.name, text)
+    return lanes
+
+
+def pinned_lane_config(repository: Path, lane_name: str, version: int, config_name: str | None = None) -> dict:
+    """The lane's config pinned to ``version``, rendered from its model's config (the variant
+    ``config_name`` picks, as tritonserver would), in Triton's JSON form for a load override."""
+    from export.lanes import render_config
+    from ops.rollout import config_from_text
+
+    (lane,) = [lane for lane in _lanes(repository) if lane.name == lane_name]
+    folder = Path(repository) / lane.model
+    variant = folder / "configs" / f"{config_name}.pbtxt" if config_name else None
+    source = variant if variant is not None and variant.is_file() else folder / "config.pbtxt"
+    rendered = render_config(source.read_text(encoding="utf-8"), lane, version)
+    return config_from_text(rendered, lane.name)
 
 
 def prepare(repository: Path, models: Sequence[str], rollout_state: Path | None = None) -> Prepared:
@@ -100,5 +143,19 @@ def prepare(repository: Path, models: Sequence[str], rollout_state: Path | None 
     # Lanes follow their model's current config and versions; while a rollout runs they serve
     # its most-weighted version, not the canary.
     pins = {plan.encoder: max(plan.weights, key=plan.weights.get)} if plan is not None and plan.weights else None
-    render_all(repository, pins)
-    return Prepared(Path(repository), rollout_state, plan, tuple(deferred_models(repository, models, plan)))
+    lane_pins: dict[str, int] = {}
+    try:
+        render_all(repository, pins)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        try:  # the files as they are, unpinned: are they what the host rendered?
+            render_all(repository)
+        except OSError:
+            raise RepositoryNotWritable(
+                f"{repository} is read-only ({exc.strerror}) and its priority-class lanes are not rendered from "
+                f"its models' configs: run `python -m export.lanes` (or `make export`) where it is writable"
+            ) from None
+        lane_pins = {lane.name: pins[lane.model] for lane in _lanes(repository) if pins and lane.model in pins}
+    deferred = deferred_models(repository, models, plan, tuple(lane_pins))
+    return Prepared(Path(repository), rollout_state, plan, tuple(deferred), lane_pins)

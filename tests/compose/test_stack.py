@@ -6,8 +6,10 @@ Each check: embeddings over HTTP and gRPC against the PyTorch reference, the cac
 classified, a streamed chat through the openai SDK via the gateway, Prometheus with both replicas'
 series and the alert rules, a stub SIGKILLed inside a replica (its probe port says so, then heals, no
 request lost by a retrying client), a replica's container killed under clients that never retry (0
-failed, the replica back by its restart policy), and the hostile-request fuzz smoke against the doors
-(0 5xx, every replica still answering). That `down -v` leaves nothing is checked by the script after.
+failed, the replica back by its restart policy on the rollout's versions), a canary rollout and its
+rollback by ops.rollout through the front door (the repository door acts on both replicas; clients that
+never retry see no failure), and the hostile-request fuzz smoke against the doors (0 5xx, every replica
+still answering). That `down -v` leaves nothing is checked by the script after.
 """
 
 from __future__ import annotations
@@ -16,13 +18,26 @@ import io
 import json
 import os
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-ENV = ("COMPOSE_HTTP", "COMPOSE_GRPC", "COMPOSE_GATEWAY", "COMPOSE_PROMETHEUS", "COMPOSE_PROJECT_NAME", "GATEWAY_API_KEYS")
+ENV = (
+    "COMPOSE_HTTP",
+    "COMPOSE_GRPC",
+    "COMPOSE_GATEWAY",
+    "COMPOSE_PROMETHEUS",
+    "COMPOSE_METRICS",
+    "COMPOSE_PROJECT_NAME",
+    "COMPOSE_MODEL_REPOSITORY",  # the stack's repository: a copy the rollout publishes a version into
+    "COMPOSE_ROLLOUT_STATE",  # the state file the replicas read at start (their .rollout/ mount)
+    "GATEWAY_API_KEYS",
+    "TRITON_REPOSITORY_TOKEN",
+)
 pytestmark = pytest.mark.skipif(
     not all(os.environ.get(v) for v in ENV), reason="docker-compose's stack is not up (make compose-test starts it)"
 )
@@ -70,6 +85,48 @@ def wait_restarted_and_healthy(service: str, started_before: str, timeout: float
             return time.monotonic() - start
         time.sleep(0.5)
     raise AssertionError(f"{service} not restarted and healthy after {timeout} s: {state}")
+
+
+def served(service: str) -> tuple[list[int], str, str | None]:
+    """(text_encoder's ready versions, text_embedding's form, the router's weights or None) of one
+    replica, asked inside its container (it publishes no port)."""
+    from python_backends.routing.ensemble import form_of
+
+    code = (
+        "import json, urllib.request, urllib.error\n"
+        "def get(path):\n"
+        "    try:\n"
+        "        with urllib.request.urlopen('http://127.0.0.1:8000' + path, timeout=5) as r:\n"
+        "            return r.status, json.loads(r.read() or b'{}')\n"
+        "    except urllib.error.HTTPError as e:\n"
+        "        return e.code, {}\n"
+        "versions = [v for v in (1, 2) if get(f'/v2/models/text_encoder/versions/{v}/ready')[0] == 200]\n"
+        "status, router = get('/v2/models/text_encoder_router/config')\n"
+        "weights = router.get('parameters', {}).get('weights', {}).get('string_value') if status == 200 else None\n"
+        "print(json.dumps({'versions': versions, 'embedding': get('/v2/models/text_embedding/config')[1], 'weights': weights}))\n"
+    )
+    answer = json.loads(docker("exec", container(service), "python", "-c", code))
+    return answer["versions"], form_of(answer["embedding"], "text_encoder", "text_encoder_router"), answer["weights"]
+
+
+def rollout(*args: str) -> subprocess.CompletedProcess:
+    """`python -m ops.rollout` from the host, pointed at the front door as an operator runs it."""
+    from server.layout import ROOT
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "ops.rollout",
+        "--url",
+        os.environ["COMPOSE_HTTP"],
+        "--token",
+        os.environ["TRITON_REPOSITORY_TOKEN"],
+    ]
+    cmd += ["--metrics-url", f"http://{os.environ['COMPOSE_METRICS']}/metrics"]
+    cmd += ["--state-file", os.environ["COMPOSE_ROLLOUT_STATE"], "--model-repository", os.environ["COMPOSE_MODEL_REPOSITORY"]]
+    done = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(f"$ rollout {' '.join(args)} -> {done.returncode}\n{done.stdout}{done.stderr}")
+    return done
 
 
 def embed_http(texts: list[str], model: str = "text_embedding") -> np.ndarray:
@@ -213,6 +270,29 @@ def test_a_stub_killed_inside_a_replica_is_seen_by_its_probe_and_healed():
     assert lost == 0
 
 
+def test_a_canary_rollout_through_the_front_door_reaches_both_replicas_and_loses_nothing():
+    from ops.rollout import publish
+    from python_backends.routing.ensemble import DIRECT, ROUTED
+    from tests.integration.plain_clients import PlainClients
+
+    for service in REPLICAS:
+        assert served(service)[:2] == ([1], DIRECT), service
+    version = publish(Path(os.environ["COMPOSE_MODEL_REPOSITORY"]), link=True)  # version 1's files, hard-linked
+    assert version == 2
+    with PlainClients(os.environ["COMPOSE_HTTP"], os.environ["COMPOSE_GRPC"], http_threads=2, grpc_threads=1) as load:
+        # what is checked here is that each step reaches both replicas; the judgement is
+        # tests/integration/test_rollout.py's (on 2 busy cores a fresh version's P99 is noise)
+        step = ["--steps", "50,100", "--dwell", "2", "--check-interval", "1", "--allow-unjudged"]
+        done = rollout("start", "2", *step, "--p99-ratio", "20", "--p99-slack-ms", "5000")
+        outcomes = load.take()
+    assert done.returncode == 0 and "step 2 passed" in done.stdout, done.stdout + done.stderr
+    for service in REPLICAS:  # both replicas: both versions, the router in front, all traffic on 2
+        assert served(service) == ([1, 2], ROUTED, "1:0,2:100"), service
+    print(f"requests during the rollout: {dict(outcomes)}")
+    failed = {k: v for k, v in outcomes.items() if not k.endswith("OK") and not k.endswith("200")}
+    assert not failed and sum(outcomes.values()) > 20, outcomes
+
+
 def test_a_replica_container_killed_under_clients_that_never_retry_loses_nothing():
     from tests.integration.plain_clients import PlainClients
 
@@ -229,6 +309,21 @@ def test_a_replica_container_killed_under_clients_that_never_retry_loses_nothing
     assert int(docker("inspect", "-f", "{{.RestartCount}}", container(service))) == restarts + 1
     failed = {k: v for k, v in outcomes.items() if not k.endswith("OK") and not k.endswith("200")}
     assert not failed and sum(outcomes.values()) > 100, outcomes
+    # back on the cluster's versions: the rollout state it mounts (not the newest folder alone)
+    from python_backends.routing.ensemble import ROUTED
+
+    assert served(service) == ([1, 2], ROUTED, "1:0,2:100")
+
+
+def test_the_rollback_through_the_front_door_reaches_both_replicas():
+    from ops.rollout import RolloutState
+    from python_backends.routing.ensemble import DIRECT
+
+    done = rollout("rollback")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for service in REPLICAS:
+        assert served(service)[:2] == ([1], DIRECT), service
+    assert RolloutState.load(Path(os.environ["COMPOSE_ROLLOUT_STATE"])).phase == "rolled_back"
 
 
 def test_the_fuzz_smoke_against_the_doors_finds_no_5xx_and_every_replica_answers():

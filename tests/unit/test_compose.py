@@ -42,7 +42,7 @@ FRONT_DOORS = {"frontdoor": GPU_REPLICAS, "frontdoor-cpu": CPU_REPLICAS}
 # Prometheus's targets.
 REPLICA_ALIASES = ("triton-upstream-1", "triton-upstream-2")
 # Every other service, in no profile: they serve either profile's replicas.
-SHARED = ("gateway", "grpc-door", "redis", "prometheus", "grafana")
+SHARED = ("gateway", "grpc-door", "repository-door", "redis", "prometheus", "grafana")
 # What the file needs set to resolve (compose's ${VAR:?} makes it mandatory).
 REQUIRED_ENV = {"TRITON_REPOSITORY_TOKEN": "compose-test-token", "GRAFANA_ADMIN_PASSWORD": "compose-test-password"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")
@@ -99,11 +99,12 @@ def launcher_option(service: dict, name: str) -> str:
 
 
 def volume(service: dict, target: str) -> tuple[str, str]:
-    """(host source, mode) of the short-syntax volume mounted at ``target`` (a source may be ${VAR:-default})."""
+    """(host source, mode) of the short-syntax volume mounted at ``target`` (a ${VAR:-default} source: its default)."""
     for spec in service["volumes"]:
         match = re.fullmatch(r"(\$\{[^}]*\}|[^:]+):([^:]+)(?::(\w+))?", spec)
         if match and match.group(2) == target:
-            return match.group(1), match.group(3) or "rw"
+            # a variable's default: what the file mounts when nothing is set
+            return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", match.group(1)), match.group(3) or "rw"
     raise AssertionError(f"nothing mounted at {target}")
 
 
@@ -160,7 +161,9 @@ def test_replicas_run_the_launchers_replica_role_on_the_mounted_repository(compo
     assert mode == "ro" and (ROOT / source).resolve() == (ROOT / "model_repository").resolve()
     # the rollout state ops.rollout writes on the host, read-only where the image's launcher reads it
     state_dir, mode = volume(service, str(Path(env["ROLLOUT_STATE_FILE"]).parent))
-    assert mode == "ro" and state_dir == "${ROLLOUT_STATE_DIR:-./.rollout}"
+    assert mode == "ro" and state_dir == "./.rollout"  # (ROLLOUT_STATE_DIR: make compose-test's own folder)
+    assert "${ROLLOUT_STATE_DIR:-./.rollout}:" in str(service["volumes"])
+    assert "${MODEL_REPOSITORY_DIR:-./model_repository}:" in str(service["volumes"])
     # what the launcher loads by default, with every ensemble step and BLS dependency in the repository
     host_repo = ROOT / "model_repository"
     rendered = repository_with_lanes(tmp_path)  # host_repo itself once `make export` has run
@@ -190,8 +193,9 @@ def test_the_gpu_images_launcher_runs_on_its_python_310():
     variants = ast.parse((ROOT / "export" / "variants.py").read_text())
     top = [a.name for node in variants.body if isinstance(node, ast.Import) for a in node.names]
     assert "tomllib" not in top
-    # the launcher's one package beyond the standard library and the models' own: grpcio (its gRPC door module)
-    assert '"grpcio==' in GPU_DOCKERFILE.read_text()
+    # the launcher's packages beyond the standard library and the models' own: grpcio (its gRPC door
+    # module) and tritonclient's protobuf messages (a rollout state's overrides)
+    assert '"grpcio==' in GPU_DOCKERFILE.read_text() and '"tritonclient[grpc]==' in GPU_DOCKERFILE.read_text()
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -529,8 +533,8 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
     from server.frontdoor import COMPOSE_MOUNT
 
     door = compose["services"][name]
-    # starts after both replicas, in their profile
-    assert set(defaults["services"][name]["depends_on"]) == set(replicas)
+    # starts after both replicas, in their profile, and the repository door it sends /v2/repository/ to
+    assert set(defaults["services"][name]["depends_on"]) == set(replicas) | {"repository-door"}
     for replica in replicas:
         assert door.get("profiles") == compose["services"][replica].get("profiles")
     # the aliases the rendered nginx.conf proxies to, one per replica, on the network they share
@@ -937,20 +941,20 @@ def test_the_grpc_door_service_checks_what_it_forwards_to_the_front_door(default
 
 
 def test_the_gateway_image_folders_are_all_it_imports(tmp_path):
-    """The gateway image copies python_backends/, clients/, openai_gateway/ and server/ only: with
+    """The gateway image copies python_backends/, clients/, openai_gateway/, server/ and ops/ only: with
     just those on the path, the gateway and everything it imports later (the gRPC client, the
-    generation client, the tokenizer), and the gRPC door with its limits, import, and no module
-    comes from another folder of the repository."""
+    generation client, the tokenizer), the gRPC door with its limits and the repository door, import,
+    and no module comes from another folder of the repository."""
     dockerfile = (ROOT / "docker" / "gateway.Dockerfile").read_text()
     copied = re.findall(r"^COPY (\S+) /opt/embedding/\1$", dockerfile, re.M)
-    assert sorted(copied) == ["clients", "openai_gateway", "python_backends", "server"]
+    assert sorted(copied) == ["clients", "openai_gateway", "ops", "python_backends", "server"]
     for folder in copied:
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     script = """
 import argparse, sys
 import openai_gateway.__main__, openai_gateway.app, openai_gateway.triton, openai_gateway.embeddings
 import openai_gateway.completions, openai_gateway.catalog, clients.generation
-import server.grpc_door, server.grpc_check
+import server.grpc_door, server.grpc_check, server.repository_door
 server.grpc_door.load_limits(__import__("pathlib").Path(sys.argv[2]), 64 << 20)  # what the grpc-door service reads
 import tritonclient.grpc.aio, grpc, tokenizers, uvicorn, uvloop, httptools
 from openai_gateway import settings
@@ -973,3 +977,32 @@ print("\\n".join(sorted(f for f in files if f and f.startswith(root) and not f.s
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "", f"imported from outside the image's folders: {done.stdout}"
+
+
+def test_the_repository_door_acts_on_both_replicas_behind_either_front_door(defaults, tmp_path):
+    """The repository-door service: both replicas' aliases, the token, the port the rendered front door
+    sends /v2/repository/ to (and /v2/cluster/ stays a replica's: the host cannot reach the replicas)."""
+    door = defaults["services"]["repository-door"]
+    assert door["image"] == defaults["services"]["gateway"]["image"]
+    assert door["entrypoint"] == ["python", "-m", "server.repository_door"]
+    args = door["command"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--replica"] == list(REPLICA_ALIASES)
+    listen = args[args.index("--listen") + 1]
+    assert listen == "0.0.0.0:8004" and [str(p) for p in door["expose"]] == ["8004"] and not published(door)
+    assert door["environment"]["TRITON_REPOSITORY_TOKEN"] == REQUIRED_ENV["TRITON_REPOSITORY_TOKEN"]
+    makefile = (ROOT / "Makefile").read_text()
+    (recipe,) = re.findall(r"^compose-config:.*\n\t(.+)$", makefile, re.M)
+    (address,) = re.findall(r"--repository-door (\S+)", recipe)
+    assert address == "repository-door:" + listen.rsplit(":", 1)[1]
+    from server import frontdoor, repository_door
+
+    with pytest.raises(SystemExit) as done:  # the service's command line is what the door parses
+        repository_door.main([*args, "--help"])
+    assert done.value.code == 0
+    ports = frontdoor.compose_ports(upstream=list(REPLICA_ALIASES))
+    ports.repository_door_address = address
+    conf = frontdoor.render(ports, tmp_path, tmp_path / "js", 1 << 20)
+    repository = conf[conf.index("location /v2/repository/") :]
+    cluster = conf[conf.index("location /v2/cluster/") :]
+    assert repository.split("\n")[1].strip() == f"proxy_pass http://{address};"
+    assert cluster.split("\n")[1].strip() == "proxy_pass http://triton_http;"

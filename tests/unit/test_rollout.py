@@ -669,3 +669,61 @@ def test_cluster_metrics_keep_the_replicas_series_apart():
 
     counts = call_counts(client.metrics(), "text_encoder")
     assert len(counts) == 2 and calls_between({}, counts, 2) == (14, 0)
+
+
+def _configs_only(tmp_path):
+    """model_repository's configs (no model files) with its lanes rendered, as `make export` leaves them."""
+    import shutil
+
+    from export.lanes import render_all
+
+    copy = tmp_path / "model_repository"
+    for config in REPO.glob("*/config.pbtxt"):
+        (copy / config.parent.name / "1").mkdir(parents=True)
+        shutil.copyfile(config, copy / config.parent.name / "config.pbtxt")
+        if (config.parent / "configs").is_dir():
+            shutil.copytree(config.parent / "configs", copy / config.parent.name / "configs")
+    render_all(copy)
+    return copy
+
+
+def test_a_read_only_repository_pins_the_lanes_by_an_override(tmp_path, monkeypatch):
+    """A container's repository is a read-only mount: a replica restarted mid-rollout cannot render its
+    lanes pinned to the stable version, so it loads them through the API with the pinned config (here
+    the mount's refusal is raised by the lanes' one writer, export/lanes.py's _write)."""
+    import errno
+
+    from export import lanes
+    from server.repository_prep import RepositoryNotWritable, prepare
+
+    repo = _configs_only(tmp_path)
+    (repo / "text_encoder" / "2").mkdir()
+    lanes.render_all(repo)  # what `ops.rollout publish` does on the host
+    state = tmp_path / "state.json"
+    RolloutState(stable=1, candidate=2, weights={1: 0, 2: 100}, loaded=[1, 2], phase="canary").save(state)
+
+    def read_only(path, text):
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(lanes, "_write", read_only)
+    models = ("text_embedding", "text_embedding_interactive", "text_embedding_cached_interactive")
+    prepared = prepare(repo, models, state)
+    assert prepared.lane_pins == {"text_encoder_interactive": 2}
+    deferred = list(prepared.deferred)
+    # the encoder and the router first, then the pinned lane, then what reaches any of them
+    assert deferred[:3] == ["text_encoder", "text_encoder_router", "text_encoder_interactive"]
+    assert {"text_embedding", "text_embedding_interactive", "text_embedding_cached_interactive"} <= set(deferred[3:])
+    from server.repository_prep import pinned_lane_config
+
+    for config_name in (None, "cpu"):
+        override = pinned_lane_config(repo, "text_encoder_interactive", 2, config_name)
+        assert override["name"] == "text_encoder_interactive"
+        # (protobuf's JSON writes int64 as strings; tritonserver's parser reads both)
+        assert [int(v) for v in override["version_policy"]["specific"]["versions"]] == [2]
+    # without a rollout nothing needs pinning: the mount's files serve as they are
+    assert prepare(repo, models, None).lane_pins == {}
+    # a mount whose lanes were never rendered is refused, saying what to run
+    (repo / "text_encoder_interactive" / "config.pbtxt").unlink()
+    with pytest.raises(RepositoryNotWritable, match=r"read-only .* `python -m export.lanes`"):
+        prepare(repo, models, state)
