@@ -377,7 +377,7 @@ class Door:
                 if after_loss:
                     after_loss = bool(dead)
                     continue
-                if not dead and self.healing_dirs and book.tracked and book.can_resume():
+                if not dead and self.healing_dirs and book.can_resume():
                     if time.monotonic() - last_response >= SILENT_STREAM_S:
                         dead = {m: r for m in models if (r := self._healing_anywhere(m)) is not None}
                 if dead:
@@ -451,7 +451,7 @@ class Door:
                     # request goes on elsewhere, or later. A model's own error (its data) goes on.
                     model = tracked.request.model_name
                     reason = None
-                    if book.can_resume() and parse_error(error) is None:
+                    if tracked.responses and book.can_resume() and parse_error(error) is None:
                         reason = self._lost_instance(model)
                         if reason is None and tracked.resends:
                             # sent again: tritonserver's own errors while the model reloads (the dead

@@ -160,8 +160,14 @@ class StreamBook:
         self.tracked.pop(request_id, None)
 
     def can_resume(self) -> bool:
-        """Whether every request in flight on the stream can be sent again."""
-        return self.continuable and all(t.continuable for t in self.tracked.values())
+        """Whether the stream goes on after a loss: every request in flight can be sent again and
+        one of them has answered already. A stream lost before any answer ends as it always did
+        (UNAVAILABLE: its client retries), so a request that fails at once is never sent around."""
+        return (
+            self.continuable
+            and any(t.responses for t in self.tracked.values())
+            and all(t.continuable for t in self.tracked.values())
+        )
 
     def resubmission(self, t: Tracked) -> bytes:
         """The request that continues ``t`` after the tokens its client got."""

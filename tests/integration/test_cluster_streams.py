@@ -4,7 +4,8 @@ is SIGKILLed mid-answer; the gRPC door sends the request again to the other repl
 ids the client got as prefix_token_ids (server/stream_resume.py), and the client sees the rest of
 the answer: no error, no token twice, the same text and token count as an uninterrupted run, for a
 greedy and a seeded sampled request, through the project's gRPC client and through the gateway
-with the official openai SDK.
+with the official openai SDK. And a stream whose replica keeps running but loses its
+text_generation stub (tritonserver 2.51 would leave it open) goes on the same way.
 
 Each case runs its stream alone, as its reference did: the served variant (ov_int4_f16 on this kind
 of CPU) computes a step of one or two rows on other weights than a larger one, so a stream's tokens
@@ -87,10 +88,11 @@ def _wait_all_ready(cluster, timeout: float = 180.0) -> None:
 
 class Killer:
     """SIGKILLs the replica whose execution count grew since it was made (the one serving the
-    stream) once the stream got KILL_AFTER_PIECES pieces."""
+    stream) once the stream got KILL_AFTER_PIECES pieces: its tritonserver and stubs, or with
+    ``stub`` only its text_generation stub (the replica's watchdog reloads the model)."""
 
-    def __init__(self, cluster):
-        self.cluster, self.before = cluster, _executions(cluster)
+    def __init__(self, cluster, stub: bool = False):
+        self.cluster, self.before, self.stub = cluster, _executions(cluster), stub
         self.pieces = 0
         self.victim: int | None = None
 
@@ -99,7 +101,14 @@ class Killer:
         if self.victim is None and self.pieces >= KILL_AFTER_PIECES:
             grown = [after - before for before, after in zip(self.before, _executions(self.cluster))]
             self.victim = max(range(len(grown)), key=grown.__getitem__)
-            os.killpg(self.cluster.state()["replicas"][self.victim]["pid"], signal.SIGKILL)
+            pid = self.cluster.state()["replicas"][self.victim]["pid"]
+            if self.stub:
+                from server.stubs import find_stubs
+
+                (stub,) = [s for s in find_stubs(pid) if s.model == "text_generation" and not s.zombie]
+                os.kill(stub.pid, signal.SIGKILL)
+            else:
+                os.killpg(pid, signal.SIGKILL)
 
 
 def _grpc_stream(cluster, kind: str, killer: Killer | None) -> tuple[str, int]:
@@ -149,21 +158,24 @@ def _sdk_stream(cluster, kind: str, killer: Killer | None) -> tuple[str, int]:
 # A replica's restart (text_generation compiled and warmed up) takes most of a minute on 2 cores,
 # and each case waits for it: make test runs two cases that cover both paths and both kinds;
 # CLUSTER_STREAMS=all runs the four (3 min 56 s here, all passing).
-CASES = [(p, k) for p in ("grpc door", "gateway") for k in sorted(KINDS)]
+# The stub's death first: the replica stays up (its watchdog reloads the model), no restart to wait for.
+CASES = [("grpc door", "greedy", "stub")] + [(p, k, "replica") for p in ("grpc door", "gateway") for k in sorted(KINDS)]
 if os.environ.get("CLUSTER_STREAMS") != "all":
-    CASES = [("grpc door", "greedy"), ("gateway", "seeded")]
+    CASES = [("grpc door", "greedy", "stub"), ("grpc door", "greedy", "replica"), ("gateway", "seeded", "replica")]
 
 
-@pytest.mark.parametrize("path,kind", CASES)
-def test_a_stream_whose_replica_is_killed_mid_answer_goes_on_with_the_same_tokens(cluster, path, kind):
+@pytest.mark.parametrize("path,kind,what", CASES)
+def test_a_stream_whose_replica_is_killed_mid_answer_goes_on_with_the_same_tokens(cluster, path, kind, what):
     run = _grpc_stream if path == "grpc door" else _sdk_stream
     _wait_all_ready(cluster)
     reference = run(cluster, kind, None)
     assert reference[1] == TOKENS and reference[0], reference
     resumed = _resumed(cluster)
-    killer = Killer(cluster)
+    killer = Killer(cluster, stub=what == "stub")
     started = time.monotonic()
     got = run(cluster, kind, killer)  # a client error fails the test here
-    print(f"{path}, {kind}: replica {killer.victim} killed after {KILL_AFTER_PIECES} pieces; {time.monotonic() - started:.1f} s")
+    print(
+        f"{path}, {kind}: {what} of replica {killer.victim} killed after {KILL_AFTER_PIECES} pieces; {time.monotonic() - started:.1f} s"
+    )
     assert killer.victim is not None and _resumed(cluster) > resumed
     assert got == reference, (got, reference)

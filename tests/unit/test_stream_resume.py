@@ -91,7 +91,7 @@ def test_the_book_asks_for_ids_keeps_those_forwarded_and_continues_after_them(ra
         assert list(tensor.contents.int_contents) == [5, 6, 7] and not again.raw_input_contents
     assert again.id == "r1" and again.parameters["triton_enable_empty_final_response"].bool_param
     book.incoming(response("r1", "", [], final=True))
-    assert not book.tracked and book.can_resume()
+    assert not book.tracked and not book.can_resume()  # nothing in flight that answered
 
 
 def test_a_client_that_asked_for_ids_keeps_them_and_what_cannot_be_continued_says_so():
@@ -117,10 +117,10 @@ class FakeUpstream:
     CUT pieces (a replica killed); later calls continue after the prefix they are given."""
 
     PIECES = [("The", [10]), (" cap", [11]), ("ital", [12]), (" is", [13]), (" Paris", [14]), (".", [15])]
-    CUT = 3
 
-    def __init__(self):
+    def __init__(self, cut: int = 3):
         self.calls: list[list] = []
+        self.cut = cut
 
     async def stream(self, request_iterator, context):
         seen: list = []
@@ -132,7 +132,7 @@ class FakeUpstream:
             prefix = prefix_of(req) or []
             start = len(prefix)
             for i, (text, ids) in enumerate(self.PIECES[start:], start):
-                if first and i == self.CUT:
+                if first and i == self.cut:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "upstream connect error (replica killed)")
                 yield response(req.id, text, ids)
                 await asyncio.sleep(0.01)
@@ -147,9 +147,9 @@ async def _serve(handler) -> tuple[aio.Server, int]:
     return server, port
 
 
-def test_the_door_continues_a_stream_whose_upstream_died_mid_answer():
+def _through_the_door(cut: int):
     async def go():
-        fake = FakeUpstream()
+        fake = FakeUpstream(cut)
         upstream, up_port = await _serve(
             grpc.method_handlers_generic_handler(
                 "inference.GRPCInferenceService", {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(fake.stream)}
@@ -163,14 +163,24 @@ def test_the_door_continues_a_stream_whose_upstream_died_mid_answer():
                 async def one():
                     yield generation_request().SerializeToString()
 
-                got = [service_pb2.ModelStreamInferResponse.FromString(r) async for r in channel.stream_stream(STREAM)(one())]
+                got, error = [], None
+                try:
+                    async for r in channel.stream_stream(STREAM)(one()):
+                        got.append(service_pb2.ModelStreamInferResponse.FromString(r))
+                except aio.AioRpcError as exc:
+                    error = exc
         finally:
             await front.stop(None)
             await upstream.stop(None)
             await door.channel.close()
-        return fake, door, got
+        return fake, door, got, error
 
-    fake, door, got = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_the_door_continues_a_stream_whose_upstream_died_mid_answer():
+    fake, door, got, error = _through_the_door(cut=3)
+    assert error is None
     texts = [struct.unpack_from("<I", r.infer_response.raw_output_contents[0])[0] for r in got]
     assert all(not r.error_message for r in got)
     text = b"".join(r.infer_response.raw_output_contents[0][4:] for r in got).decode()
@@ -179,3 +189,10 @@ def test_the_door_continues_a_stream_whose_upstream_died_mid_answer():
     (first,), (second,) = fake.calls
     assert prefix_of(first) is None and prefix_of(second) == [10, 11, 12]
     assert (door.streams_resumed, door.requests_resumed) == (1, 1)
+
+
+def test_a_stream_lost_before_its_first_piece_ends_unavailable_as_before():
+    """Its client retries it; the door does not send around a request that never answered."""
+    fake, door, got, error = _through_the_door(cut=0)
+    assert got == [] and error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(fake.calls) == 1 and door.streams_resumed == 0
