@@ -522,7 +522,7 @@ def checks(table: dict, faults: dict[str, Fault], burst: dict) -> list[str]:
 
 
 def streams_continued(state: dict) -> int:
-    """Streams the gRPC door continued on a new call (its log, beside the front door's)."""
+    """New calls the gRPC door opened to continue streams (its log, beside the front door's)."""
     log = Path(state["front_door"]["log"]).parent / "grpc-door.log"
     try:
         return log.read_text(encoding="utf-8", errors="replace").count("continued on a new call")
@@ -572,8 +572,8 @@ def write_summary(
         f"RSS of the whole cluster (launcher and every process under it): {rss[0]:,.0f} MiB before the "
         f"load, {rss[1]:,.0f} MiB after ({rss[1] - rss[0]:+,.0f} MiB).",
         f"Hostile burst: {burst.get('cases', 0)} requests, {burst.get('server errors', 0)} server errors.",
-        f"Generation streams continued by the gRPC door on another call after losing their replica: "
-        f"{burst.get('streams_continued', 0)}.",
+        f"New calls the gRPC door opened to continue generation streams that lost their replica (a stream "
+        f"that meets no ready replica takes several): {burst.get('streams_continued', 0)}.",
         "",
     ]
     errors = sorted({e for row in table.values() for e in row["errors"]})

@@ -278,7 +278,11 @@ def test_a_killed_generation_stub_loses_no_stream_and_serves_again(triton, start
     worker.join(timeout=180)
     kind, detail = markers.get(timeout=5)
     # the stream in flight through the gRPC door went on after the reload, to its last token
-    assert (kind, detail) == ("final", 600), (kind, getattr(detail, "message", lambda: detail)(), getattr(detail, "status", str)())
+    assert (kind, detail) == ("final", 600), (
+        kind,
+        getattr(detail, "message", lambda: detail)(),
+        getattr(detail, "status", str)(),
+    )
     # and so did the gateway's (its own continuation: it talks to tritonserver directly here)
     assert (sse_kind, sse_detail) == ("done", 300), (sse_kind, sse_detail)
     assert result["recovered_s"] is not None and result["recovered_s"] < RECOVERY_S, result
