@@ -395,6 +395,8 @@ def render(
             if ports.repository_door_port
             else "http://triton_http"
         ),
+        # docker-compose: readiness from the replicas' probe ports, through the repository door.
+        "READY_UPSTREAM": f"http://{ports.repository_door_address}" if ports.repository_door_address else "http://triton_http",
         # Without a cluster, /v2/cluster/ is tritonserver's (which answers it as an unknown path).
         "CLUSTER_UPSTREAM": (
             f"http://127.0.0.1:{ports.repository_door_port}" if ports.repository_door_port else "http://triton_http"

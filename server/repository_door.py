@@ -19,10 +19,12 @@ Each replica checks the token itself; this door also refuses a call without the 
 (401), so that the replica list is not public. A cluster started without a token checks none.
 
 docker-compose runs it as a service of its own (``python -m server.repository_door --listen
-0.0.0.0:8004 --replica triton-upstream-1 --replica triton-upstream-2``, the token from
-``$TRITON_REPOSITORY_TOKEN``), its front door sending ``/v2/repository/`` here and ``/v2/cluster/``
+0.0.0.0:8004 --probe-port 8003 --replica triton-upstream-1 --replica triton-upstream-2``, the token
+from ``$TRITON_REPOSITORY_TOKEN``), its front door sending ``/v2/repository/`` here and ``/v2/cluster/``
 to a replica: ops.rollout on the host reaches the replicas through the front door only, so it
-acts through this door (every replica) and judges on the front door's metrics.
+acts through this door (every replica) and judges on the front door's metrics. With the replicas'
+probe port it also answers the front door's ``GET /v2/health/ready`` (no token): 200 while one
+replica's probe port says ready, each replica's answer listed.
 """
 
 from __future__ import annotations
@@ -43,14 +45,33 @@ from ops.repository import TOKEN_HEADER, ReplicatedRepositoryClient, RepositoryC
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a config override with files stays far below this
+READY_PATH = "/v2/health/ready"
+
+
+def _probe_status(url: str, timeout: float = 2.0) -> int:
+    """A probe port's status for ``url``; 0 when it does not answer (the replica is down)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
 _MODEL_CALL = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 
 
 class ReplicaAddress:
-    """One replica as the door sees it: its name, tritonserver's HTTP and metrics addresses."""
+    """One replica as the door sees it: its name, tritonserver's HTTP and metrics addresses, and
+    (docker-compose) its probe port's readiness URL."""
 
-    def __init__(self, name: str, http_url: str, metrics_url: str, state: str):
+    def __init__(self, name: str, http_url: str, metrics_url: str, state: str, probe_url: str | None = None):
         self.name, self.http_url, self.metrics_url, self.state = name, http_url, metrics_url, state
+        self.probe_url = probe_url
 
     def as_dict(self) -> dict:
         return {"name": self.name, "http": self.http_url, "metrics": self.metrics_url, "state": self.state}
@@ -106,15 +127,27 @@ class RepositoryDoor:
         request.end_headers()
         request.wfile.write(raw)
 
+    def ready(self) -> tuple[int, dict]:
+        """The front door's readiness (docker-compose): 200 while at least one replica's probe port
+        says ready (nginx takes requests to it), each replica's answer listed; 503 when none does."""
+        replicas = [r for r in self.replicas() if r.probe_url]
+        if not replicas:
+            return 404, {"error": f"{READY_PATH}: this door was started without the replicas' probe ports"}
+        answers = {r.name: _probe_status(r.probe_url) for r in replicas}
+        ready = [name for name, status in answers.items() if status == 200]
+        return (200 if ready else 503), {"ready": bool(ready), "replicas": answers}
+
     def answer(self, request: BaseHTTPRequestHandler, method: str) -> tuple[int, dict]:
         length = request.headers.get("Content-Length") or "0"
         if not length.isdigit() or int(length) > MAX_BODY_BYTES:
             return 413, {"error": f"Content-Length {length[:20]!r}: a repository call's body is at most {MAX_BODY_BYTES} bytes"}
         body = request.rfile.read(int(length)) if int(length) else b""
+        path = request.path.split("?", 1)[0]
+        if method == "GET" and path == READY_PATH:  # open, as tritonserver's is
+            return self.ready()
         token = request.headers.get(TOKEN_HEADER) or ""
         if self.token and not hmac.compare_digest(token.encode(), self.token.encode()):
             return 401, {"error": f"the repository API needs the header {TOKEN_HEADER} (the repository token)"}
-        path = request.path.split("?", 1)[0]
         replicas = list(self.replicas())
         if method == "GET" and path == "/v2/cluster/replicas":
             return 200, {"replicas": [r.as_dict() for r in replicas]}
@@ -167,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--listen", type=_listen_address, default=("0.0.0.0", 8004), help="HOST:PORT (default 0.0.0.0:8004)")
     p.add_argument(
+        "--probe-port",
+        type=int,
+        default=None,
+        help="the replicas' probe port (the launcher's replica role, 8003): GET /v2/health/ready then answers "
+        "200 while one of them is ready (the front door's readiness)",
+    )
+    p.add_argument(
         "--replica",
         action="append",
         required=True,
@@ -181,8 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("TRITON_REPOSITORY_TOKEN", "").strip()
     if not token:
         p.error("$TRITON_REPOSITORY_TOKEN is empty: the replicas refuse repository calls without it")
+    if args.probe_port is not None and not 0 < args.probe_port < 65536:
+        p.error(f"--probe-port {args.probe_port}: 1-65535")
+    probe = f":{args.probe_port}{READY_PATH}" if args.probe_port else None
     replicas = [
-        ReplicaAddress(u.host, f"http://{u.host}:{u.http}", f"http://{u.host}:{u.metrics}/metrics", "listed") for u in upstreams
+        ReplicaAddress(
+            u.host,
+            f"http://{u.host}:{u.http}",
+            f"http://{u.host}:{u.metrics}/metrics",
+            "listed",
+            f"http://{u.host}{probe}" if probe else None,
+        )
+        for u in upstreams
     ]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     host, port = args.listen

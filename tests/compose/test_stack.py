@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -232,6 +233,19 @@ def test_prometheus_scrapes_both_replicas_and_loads_the_rules():
     print(f"{len(groups)} rule groups, alerts: {', '.join(alerts)}")
 
 
+def front_door_ready() -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://{os.environ['COMPOSE_HTTP']}/v2/health/ready", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_the_front_doors_readiness_is_the_replicas_probe_ports():
+    status, body = front_door_ready()
+    assert status == 200 and body["replicas"] == {"triton-upstream-1": 200, "triton-upstream-2": 200}, body
+
+
 def test_a_stub_killed_inside_a_replica_is_seen_by_its_probe_and_healed():
     service = REPLICAS[0]
     assert probe(service)[0] == 200
@@ -254,6 +268,9 @@ def test_a_stub_killed_inside_a_replica_is_seen_by_its_probe_and_healed():
         if status == 503 and seen_down is None:
             seen_down = time.monotonic() - start
             assert "text_encoder" in body.get("unhealthy", []), body
+            # the front door stays ready (replica 2 serves) and says which replica is not
+            door_status, door_body = front_door_ready()
+            assert door_status == 200 and door_body["replicas"]["triton-upstream-1"] == 503, door_body
         if status == 200 and seen_down is not None:
             healed = time.monotonic() - start
             break
@@ -294,25 +311,29 @@ def test_a_canary_rollout_through_the_front_door_reaches_both_replicas_and_loses
 
 
 def test_a_replica_container_killed_under_clients_that_never_retry_loses_nothing():
+    """One kill of replica 2 (COMPOSE_REPLICA_KILLS=N: N kills, the replicas in turn, each once the
+    other is healthy), under the same clients throughout."""
+    from python_backends.routing.ensemble import ROUTED
     from tests.integration.plain_clients import PlainClients
 
-    service = REPLICAS[1]
-    pid, started = docker("inspect", "-f", "{{.State.Pid}} {{.State.StartedAt}}", container(service)).split()
-    restarts = int(docker("inspect", "-f", "{{.RestartCount}}", container(service)))
+    kills = int(os.environ.get("COMPOSE_REPLICA_KILLS") or 1)
+    backs = []
     with PlainClients(os.environ["COMPOSE_HTTP"], os.environ["COMPOSE_GRPC"], http_threads=4, grpc_threads=2) as load:
         time.sleep(3)
-        subprocess.run(["kill", "-9", pid], check=True)  # the container's init, from the host: a crash
-        back = wait_restarted_and_healthy(service, started, timeout=240)
-        time.sleep(3)
+        for kill in range(kills):
+            service = REPLICAS[1 - kill % 2]
+            pid, started = docker("inspect", "-f", "{{.State.Pid}} {{.State.StartedAt}}", container(service)).split()
+            restarts = int(docker("inspect", "-f", "{{.RestartCount}}", container(service)))
+            subprocess.run(["kill", "-9", pid], check=True)  # the container's init, from the host: a crash
+            backs.append(wait_restarted_and_healthy(service, started, timeout=240))
+            assert int(docker("inspect", "-f", "{{.RestartCount}}", container(service))) == restarts + 1
+            # back on the cluster's versions: the rollout state it mounts (not the newest folder alone)
+            assert served(service) == ([1, 2], ROUTED, "1:0,2:100")
+            time.sleep(3)
         outcomes = load.take()
-    print(f"{service} killed and back healthy after {back:.1f} s: {dict(outcomes)}")
-    assert int(docker("inspect", "-f", "{{.RestartCount}}", container(service))) == restarts + 1
+    print(f"{kills} replica kill(s), back healthy after {', '.join(f'{b:.1f}' for b in backs)} s: {dict(outcomes)}")
     failed = {k: v for k, v in outcomes.items() if not k.endswith("OK") and not k.endswith("200")}
     assert not failed and sum(outcomes.values()) > 100, outcomes
-    # back on the cluster's versions: the rollout state it mounts (not the newest folder alone)
-    from python_backends.routing.ensemble import ROUTED
-
-    assert served(service) == ([1, 2], ROUTED, "1:0,2:100")
 
 
 def test_the_rollback_through_the_front_door_reaches_both_replicas():

@@ -1006,3 +1006,7 @@ def test_the_repository_door_acts_on_both_replicas_behind_either_front_door(defa
     cluster = conf[conf.index("location /v2/cluster/") :]
     assert repository.split("\n")[1].strip() == f"proxy_pass http://{address};"
     assert cluster.split("\n")[1].strip() == "proxy_pass http://triton_http;"
+    # readiness: the door answers from the replicas' probe ports (the launcher's, 8003)
+    ready = conf[conf.index("location = /v2/health/ready") :]
+    assert ready.split("proxy_pass ", 1)[1].split(";")[0] == f"http://{address}"
+    assert args[args.index("--probe-port") + 1] == "8003"

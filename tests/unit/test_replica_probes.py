@@ -57,3 +57,58 @@ def test_a_replica_is_starting_until_its_probe_answers_200():
         probes.stop()
         a.shutdown()
         b.shutdown()
+
+
+def test_the_repository_doors_readiness_is_the_replicas_probe_ports():
+    """docker-compose's front door asks the repository door for /v2/health/ready: 200 while one replica's
+    probe port says ready, each replica listed; 503 when none does; no token needed, unlike the rest."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from server.repository_door import ReplicaAddress, RepositoryDoor
+
+    first, second = [503], [503]
+    a, b = _probe_port(first), _probe_port(second)
+    replicas = [
+        ReplicaAddress(
+            name,
+            "http://127.0.0.1:1",
+            "http://127.0.0.1:1/metrics",
+            "listed",
+            f"http://127.0.0.1:{s.server_address[1]}/v2/health/ready",
+        )
+        for name, s in (("triton-upstream-1", a), ("triton-upstream-2", b))
+    ]
+    door = RepositoryDoor(lambda: replicas, "the-token").start()
+
+    def get(path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{door.port}{path}", timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        assert get("/v2/health/ready") == (
+            503,
+            {"ready": False, "replicas": {"triton-upstream-1": 503, "triton-upstream-2": 503}},
+        )
+        second[0] = 200
+        assert get("/v2/health/ready") == (200, {"ready": True, "replicas": {"triton-upstream-1": 503, "triton-upstream-2": 200}})
+        b.shutdown()
+        b.server_close()  # replica 2 down: its probe does not answer
+        status, body = get("/v2/health/ready")
+        assert status == 503 and body["replicas"]["triton-upstream-2"] == 0
+        assert get("/v2/cluster/replicas")[0] == 401  # the rest still needs the token
+    finally:
+        door.stop()
+        a.shutdown()
+    plain = RepositoryDoor(lambda: [ReplicaAddress("r", "http://127.0.0.1:1", "m", "listed")], "t").start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{plain.port}/v2/health/ready", timeout=5):
+            raise AssertionError("a door without probe ports answered readiness")
+    except urllib.error.HTTPError as e:
+        assert e.code == 404
+    finally:
+        plain.stop()
