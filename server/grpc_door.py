@@ -347,7 +347,7 @@ class Door:
                         refusal = check_request(parsed, self.limits, stream=True)
                     if refusal is not None:
                         self.refused += 1
-                        await out.put((generation, self._stream_error(parsed, refusal)))
+                        await out.put((None, self._stream_error(parsed, refusal)))  # on any call
                     else:
                         models.add(parsed.model_name)
                         await to_upstream.put((parsed.id, book.outgoing(parsed) or message))
@@ -420,7 +420,7 @@ class Door:
         try:
             while True:
                 mine, item = await out.get()
-                if mine != generation:
+                if mine is not None and mine != generation:
                     continue  # from a call given up
                 if item is done:
                     break
