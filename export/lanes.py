@@ -138,17 +138,20 @@ def render_lane(repository: Path, lane: Lane, version: int | None = None) -> Pat
     return dst
 
 
+def repository_lanes(repository: Path = ROOT / "model_repository") -> list[Lane]:
+    """The lanes every model in ``repository`` declares (not those generated from them)."""
+    lanes = []
+    for config in sorted(Path(repository).glob("*/config.pbtxt")):
+        text = config.read_text(encoding="utf-8")
+        if MARK not in text:
+            lanes += declared_lanes(config.parent.name, text)
+    return lanes
+
+
 def render_all(repository: Path = ROOT / "model_repository", versions: dict[str, int] | None = None) -> list[Path]:
     """Render the lanes of every model in ``repository`` that declares some; ``versions``
     (model -> version) pins a model's lanes, e.g. to the stable version of a rollout."""
-    out = []
-    for config in sorted(Path(repository).glob("*/config.pbtxt")):
-        text = config.read_text(encoding="utf-8")
-        if MARK in text:
-            continue
-        for lane in declared_lanes(config.parent.name, text):
-            out.append(render_lane(repository, lane, (versions or {}).get(lane.model)))
-    return out
+    return [render_lane(repository, lane, (versions or {}).get(lane.model)) for lane in repository_lanes(repository)]
 
 
 def main(argv: list[str] | None = None) -> int:

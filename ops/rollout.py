@@ -207,12 +207,16 @@ def served_weights(client: RepositoryClient, router: str) -> dict:
     return parse_weights(raw, f"{router} parameter 'weights'")
 
 
-def config_from_disk(repository: Path, model: str, config_name: str | None) -> dict:
-    """The config Triton would load for ``model`` (``configs/<name>.pbtxt`` if present), as JSON."""
+def config_path(repository: Path, model: str, config_name: str | None) -> Path:
+    """The config file Triton loads for ``model``: ``configs/<name>.pbtxt`` if present, else config.pbtxt."""
     folder = Path(repository) / model
     custom = folder / "configs" / f"{config_name}.pbtxt" if config_name else None
-    path = custom if custom is not None and custom.is_file() else folder / "config.pbtxt"
-    return config_from_text(path.read_text(encoding="utf-8"), model)
+    return custom if custom is not None and custom.is_file() else folder / "config.pbtxt"
+
+
+def config_from_disk(repository: Path, model: str, config_name: str | None) -> dict:
+    """The config Triton would load for ``model`` (``configs/<name>.pbtxt`` if present), as JSON."""
+    return config_from_text(config_path(repository, model, config_name).read_text(encoding="utf-8"), model)
 
 
 def config_from_text(text: str, model: str) -> dict:

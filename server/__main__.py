@@ -192,8 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.role not in ("all", "replica"):
         p.error(f"--role (or $TRITON_ROLE) {args.role!r}: expected all or replica")
     if args.tritonserver_home is not None:
-        try:
-            check_home(args.tritonserver_home)
+        try:  # absolute: the laid-out backends link to it from the work folder
+            args.tritonserver_home = check_home(args.tritonserver_home.resolve())
         except ValueError as exc:
             p.error(str(exc))
     if args.role == "replica":

@@ -2,8 +2,9 @@
 
 nginx cannot look inside protobuf, so tritonserver's gRPC port used to be reachable through it
 unchecked, and one ``ModelInfer`` whose declared dims wrap around 2^64 killed a python backend
-stub (docs/security.md). This process parses each ``ModelInferRequest`` header (never re-encoding
-it: the bytes go on as they came), checks it with ``server.grpc_check`` and answers a refusal
+stub (docs/security.md). This process parses each ``ModelInferRequest`` header (the bytes go on as
+they came, but for a continuable stream's requests, re-encoded with the token ids asked for:
+``server.stream_resume``), checks it with ``server.grpc_check`` and answers a refusal
 itself: ``INVALID_ARGUMENT`` for ``ModelInfer``, an error response on the stream for
 ``ModelStreamInfer`` (as Triton reports a failed request there; the stream goes on). Every other
 RPC (health, metadata, statistics, the repository API with its token) passes through unchanged,
@@ -36,7 +37,7 @@ from grpc import aio
 
 from python_backends.errors import parse_error
 from server.grpc_check import Limits, Refusal, check_request
-from server.replica_probes import ReplicaProbes
+from server.replica_probes import ReplicaProbes, probe_url
 from server.stream_resume import StreamBook, continuable_models
 from server.supervisor import ChildProcess, NotReady
 
@@ -115,8 +116,9 @@ class Door:
         from tritonclient.grpc import service_pb2
 
         # serve-cluster: each replica's watchdog folder. A model marked in one of them is being
-        # reloaded on that replica: an INTERNAL answer for it is resent (never used for readiness,
-        # nor to end streams, which may run on a healthy replica).
+        # reloaded on that replica: an INTERNAL answer for it is resent, and a continuable stream
+        # silent while it is marked is continued (never used for readiness: the stream may run on a
+        # healthy replica).
         self.healing_dirs = tuple(healing_dirs)
 
         # serve-cluster writes this file while a replica listed in nginx is not ready (dead, or
@@ -240,10 +242,10 @@ class Door:
             return response
 
     async def one_replica_only(self, request: bytes, context):
-        """serve-cluster: a gRPC load or unload would reach one replica through nginx."""
+        """serve-cluster and docker-compose: a gRPC load or unload would reach one replica through nginx."""
         await context.abort(
             grpc.StatusCode.FAILED_PRECONDITION,
-            "serve-cluster: load and unload go through the front door's HTTP repository API "
+            "replicas behind this door: load and unload go through the front door's HTTP repository API "
             "(POST /v2/repository/models/<model>/load|unload), which acts on every replica; "
             "over gRPC they would reach one replica",
         )
@@ -253,12 +255,13 @@ class Door:
         return unhealthy_models(self.health_dir).get(model)
 
     def _healing_anywhere(self, model: str) -> str | None:
-        """As ``_healing``, also in the replicas' folders (serve-cluster)."""
+        """As ``_healing``, also in the replicas' folders (serve-cluster) or on their probe ports
+        (docker-compose: the watchdog's marks each replica's readiness lists)."""
         for folder in (self.health_dir, *self.healing_dirs):
             reason = unhealthy_models(folder).get(model)
             if reason is not None:
                 return reason
-        return None
+        return self.replica_probes.marked(model) if self.replica_probes is not None else None
 
     def replica_starting(self) -> bool:
         """A replica behind nginx is not ready now: serve-cluster's starting file exists, or
@@ -368,16 +371,17 @@ class Door:
             # A decoupled model's stub that dies leaves its streams open forever in tritonserver
             # 2.51 (no response will come, and none says so): once the watchdog marks a model
             # this stream sent to, the stream is lost (continued, or ended UNAVAILABLE). After a
-            # loss, watching starts again once the mark is gone (the model reloaded). serve-cluster:
-            # a model marked on some replica loses a continuable stream that went silent.
+            # loss, watching starts again once the mark is gone (the model reloaded). serve-cluster
+            # (the replicas' folders) and compose (their probe ports): a model marked on some
+            # replica loses a continuable stream that went silent.
             mine = generation
             while True:
                 await asyncio.sleep(WATCHDOG_WAIT_S / 2)
                 dead = {m: r for m in models if (r := self._healing(m)) is not None}
-                if after_loss:
-                    after_loss = bool(dead)
+                if after_loss:  # until the model is reloaded wherever it was marked
+                    after_loss = any(self._healing_anywhere(m) is not None for m in models)
                     continue
-                if not dead and self.healing_dirs and book.can_resume():
+                if not dead and (self.healing_dirs or self.replica_probes is not None) and book.can_resume():
                     if time.monotonic() - last_response >= SILENT_STREAM_S:
                         dead = {m: r for m in models if (r := self._healing_anywhere(m)) is not None}
                 if dead:
@@ -393,7 +397,7 @@ class Door:
 
         async def resume(reason: str, after_loss: bool) -> bool:
             """Send the requests in flight again on a new call; False once RESUME_WAIT_S is spent."""
-            nonlocal call, pump, watcher, generation, lost_since, attempts
+            nonlocal call, pump, watcher, generation, lost_since, attempts, last_response
             now = time.monotonic()
             lost_since = now if lost_since is None else lost_since
             if now - lost_since >= RESUME_WAIT_S:
@@ -413,6 +417,8 @@ class Door:
             await asyncio.sleep(RESUME_BACKOFF_S * 2 ** min(attempts, 4))
             attempts += 1
             generation += 1
+            # the new call's silence counts from now: a continuation first replays what was sent
+            last_response = time.monotonic()
             call, pump = open_call(resend)
             watcher = asyncio.ensure_future(watch_health(after_loss))
             return True
@@ -422,13 +428,17 @@ class Door:
                 mine, item = await out.get()
                 if mine is not None and mine != generation:
                     continue  # from a call given up
+                if mine is None:  # the door's own refusal of a request: never a tracked one's answer
+                    yield item
+                    continue
                 if item is done:
                     break
                 if isinstance(item, (StreamLost, aio.AioRpcError)):
                     reason = await self._loss_reason(item, models)
                     if reason is not None and book.can_resume():
                         # nginx (or the model, once reloaded) takes the requests again.
-                        if await resume(reason, isinstance(item, StreamLost)):
+                        marked = any(self._healing_anywhere(m) is not None for m in models)
+                        if await resume(reason, isinstance(item, StreamLost) or marked):
                             continue
                     if isinstance(item, StreamLost):
                         await context.abort(
@@ -439,7 +449,7 @@ class Door:
                     if reason is not None and item.code() != grpc.StatusCode.UNAVAILABLE:
                         await context.abort(
                             grpc.StatusCode.UNAVAILABLE,
-                            f"model {next(iter(models), '')} lost the instance serving this stream ({reason}): retry",
+                            f"model {', '.join(sorted(models))} lost the instance serving this stream ({reason}): retry",
                         )
                     await self._abort_with(context, item)
                 last_response = time.monotonic()
@@ -460,7 +470,7 @@ class Door:
                         elif reason is None:
                             await asyncio.sleep(WATCHDOG_WAIT_S)  # the watchdog's next scan marks it
                             reason = self._lost_instance(model)
-                    if reason is not None and await resume(reason, self._healing(model) is not None):
+                    if reason is not None and await resume(reason, self._healing_anywhere(model) is not None):
                         continue
                     book.done(tracked.request.id)
                 elif tracked is not None:
@@ -610,6 +620,13 @@ async def serve(
     await door.channel.close()
 
 
+def _probe_argument(text: str) -> str:
+    try:
+        return probe_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--replica-probe {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m server.grpc_door", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -634,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         "--replica-probe",
         action="append",
         default=[],
+        type=_probe_argument,
         metavar="URL",
         help="docker-compose: a replica's probe port readiness, e.g. http://triton-upstream-1:8003/v2/health/ready "
         f"(repeat per replica); while one is not 200, NOT_FOUND for a model of the repository is resent for up to "

@@ -41,27 +41,12 @@ from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ops.repository import TOKEN_HEADER, ReplicatedRepositoryClient, RepositoryClient, RepositoryError, http
+from server.health_port import READY_PATH
+from server.replica_probes import probe_answer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a config override with files stays far below this
-READY_PATH = "/v2/health/ready"
-
-
-def _probe_status(url: str, timeout: float = 2.0) -> int:
-    """A probe port's status for ``url``; 0 when it does not answer (the replica is down)."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
 _MODEL_CALL = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 
 
@@ -133,7 +118,7 @@ class RepositoryDoor:
         replicas = [r for r in self.replicas() if r.probe_url]
         if not replicas:
             return 404, {"error": f"{READY_PATH}: this door was started without the replicas' probe ports"}
-        answers = {r.name: _probe_status(r.probe_url) for r in replicas}
+        answers = {r.name: probe_answer(r.probe_url, 2.0)[0] for r in replicas}
         ready = [name for name, status in answers.items() if status == 200]
         return (200 if ready else 503), {"ready": bool(ready), "replicas": answers}
 

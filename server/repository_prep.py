@@ -110,27 +110,14 @@ class RepositoryNotWritable(ValueError):
     """The repository is read-only and its lanes are not rendered as this start needs them."""
 
 
-def _lanes(repository: Path) -> list:
-    from export.lanes import MARK, declared_lanes
-
-    lanes = []
-    for config in sorted(Path(repository).glob("*/config.pbtxt")):
-        text = config.read_text(encoding="utf-8")
-        if MARK not in text:
-            lanes += declared_lanes(config.parent.name, text)
-    return lanes
-
-
 def pinned_lane_config(repository: Path, lane_name: str, version: int, config_name: str | None = None) -> dict:
     """The lane's config pinned to ``version``, rendered from its model's config (the variant
     ``config_name`` picks, as tritonserver would), in Triton's JSON form for a load override."""
-    from export.lanes import render_config
-    from ops.rollout import config_from_text
+    from export.lanes import render_config, repository_lanes
+    from ops.rollout import config_from_text, config_path
 
-    (lane,) = [lane for lane in _lanes(repository) if lane.name == lane_name]
-    folder = Path(repository) / lane.model
-    variant = folder / "configs" / f"{config_name}.pbtxt" if config_name else None
-    source = variant if variant is not None and variant.is_file() else folder / "config.pbtxt"
+    (lane,) = [lane for lane in repository_lanes(repository) if lane.name == lane_name]
+    source = config_path(repository, lane.model, config_name)
     rendered = render_config(source.read_text(encoding="utf-8"), lane, version)
     return config_from_text(rendered, lane.name)
 
@@ -151,11 +138,16 @@ def prepare(repository: Path, models: Sequence[str], rollout_state: Path | None 
             raise
         try:  # the files as they are, unpinned: are they what the host rendered?
             render_all(repository)
-        except OSError:
+        except OSError as unpinned:
+            if unpinned.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
             raise RepositoryNotWritable(
-                f"{repository} is read-only ({exc.strerror}) and its priority-class lanes are not rendered from "
-                f"its models' configs: run `python -m export.lanes` (or `make export`) where it is writable"
+                f"{repository} is read-only ({exc.strerror}) and its priority-class lanes are not rendered from its "
+                f"models' current configs (never rendered, or pinned to a rollout's version by a server that wrote "
+                f"there): run `python -m export.lanes` (or `make export`) where it is writable"
             ) from None
-        lane_pins = {lane.name: pins[lane.model] for lane in _lanes(repository) if pins and lane.model in pins}
+        from export.lanes import repository_lanes
+
+        lane_pins = {lane.name: pins[lane.model] for lane in repository_lanes(repository) if pins and lane.model in pins}
     deferred = deferred_models(repository, models, plan, tuple(lane_pins))
     return Prepared(Path(repository), rollout_state, plan, tuple(deferred), lane_pins)

@@ -1,8 +1,8 @@
 """Generation streams that outlive a replica: what the gRPC door keeps of each continuable request
 on a ``ModelStreamInfer`` stream, and the request that continues it elsewhere.
 
-A model is continuable when its config declares the inputs ``return_token_ids`` (BOOL) and
-``prefix_token_ids`` (INT32 ``[-1]``) and the output ``token_ids`` (text_generation:
+A model is continuable when it is decoupled and its config declares the inputs ``return_token_ids``
+(BOOL) and ``prefix_token_ids`` (INT32 ``[-1]``), which come with its output ``token_ids`` (text_generation:
 docs/generation.md#streams-that-outlive-a-replica). The door asks every such request for its token
 ids (a request parameter, so the client's tensors go on as they came), keeps the ids of the
 responses it forwards (and takes them out again where the client did not ask for them), and when

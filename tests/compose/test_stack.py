@@ -10,6 +10,10 @@ failed, the replica back by its restart policy on the rollout's versions), a can
 rollback by ops.rollout through the front door (the repository door acts on both replicas; clients that
 never retry see no failure), and the hostile-request fuzz smoke against the doors (0 5xx, every replica
 still answering). That `down -v` leaves nothing is checked by the script after.
+
+The checks run in file order on one stack: the replica kill expects the canary's versions and the
+rollback undoes the canary, so they are meant to run together (a `-k` subset, or a failed canary,
+fails them for that reason).
 """
 
 from __future__ import annotations

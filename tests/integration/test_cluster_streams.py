@@ -156,7 +156,7 @@ def _sdk_stream(cluster, kind: str, killer: Killer | None) -> tuple[str, int]:
 
 
 # A replica's restart (text_generation compiled and warmed up) takes most of a minute on 2 cores,
-# and each case waits for it: make test runs two cases that cover both paths and both kinds;
+# and each case waits for it: make test runs three cases (a stub, then both paths and both kinds);
 # CLUSTER_STREAMS=all runs the four (3 min 56 s here, all passing).
 # The stub's death first: the replica stays up (its watchdog reloads the model), no restart to wait for.
 CASES = [("grpc door", "greedy", "stub")] + [(p, k, "replica") for p in ("grpc door", "gateway") for k in sorted(KINDS)]

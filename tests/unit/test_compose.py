@@ -177,25 +177,77 @@ def test_replicas_run_the_launchers_replica_role_on_the_mounted_repository(compo
     assert defaults["services"][name]["environment"]["TRITON_SUMMARY_LATENCIES"] == "1"
 
 
-def test_the_gpu_images_launcher_runs_on_its_python_310():
-    """NVIDIA's 24.10 container has Python 3.10: what its launcher imports must not need 3.11
-    (tomllib is imported inside the export's gate loader only)."""
+# What Python 3.11 added that 3.10 lacks, as code names it: modules, names imported from a module, or
+# attributes of one (asyncio.timeout, typing.Self, ...).
+PY311_ONLY = {
+    "tomllib": None,
+    "asyncio": {"timeout", "timeout_at", "TaskGroup", "Runner"},
+    "typing": {
+        "Self",
+        "Never",
+        "LiteralString",
+        "assert_never",
+        "reveal_type",
+        "Required",
+        "NotRequired",
+        "TypeVarTuple",
+        "Unpack",
+    },
+    "datetime": {"UTC"},
+    "enum": {"StrEnum", "verify", "ReprEnum"},
+    "builtins": {"ExceptionGroup", "BaseExceptionGroup"},
+}
+
+
+def _py311_uses(path: Path) -> list[str]:
     import ast
 
-    for folder in ("server", "ops"):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text())
-            for node in tree.body:
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                if isinstance(node, ast.ImportFrom):
-                    names = [node.module or ""]
-                assert not any(n.split(".")[0] == "tomllib" for n in names), f"{path}: imports tomllib at module level"
-    variants = ast.parse((ROOT / "export" / "variants.py").read_text())
-    top = [a.name for node in variants.body if isinstance(node, ast.Import) for a in node.names]
-    assert "tomllib" not in top
+    found = []
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Import):
+            found += [f"{where} import {a.name}" for a in node.names if a.name.split(".")[0] == "tomllib" and node in tree.body]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] == "tomllib" and node in tree.body:
+                found.append(f"{where} from tomllib")
+            names = PY311_ONLY.get(node.module) or set()
+            found += [f"{where} from {node.module} import {a.name}" for a in node.names if a.name in names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.attr in (PY311_ONLY.get(node.value.id) or set()):
+                found.append(f"{where} {node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in PY311_ONLY["builtins"]:
+            found.append(f"{where} {node.id}")
+        elif type(node).__name__ == "TryStar":
+            found.append(f"{where} except*")
+    return found
+
+
+def test_what_the_gpu_image_runs_needs_no_python_311():
+    """NVIDIA's 24.10 container has Python 3.10: the launcher (server/, ops/, export/variants.py and
+    export/lanes.py) and the models' library (python_backends/) must not use what 3.11 added (tomllib
+    is imported inside the export's gate loader only, which the container never runs)."""
+    files = [*sorted((ROOT / "server").rglob("*.py")), *sorted((ROOT / "ops").rglob("*.py"))]
+    files += [ROOT / "export" / "variants.py", ROOT / "export" / "lanes.py", ROOT / "export" / "__init__.py"]
+    files += sorted((ROOT / "python_backends").rglob("*.py"))
+    found = [use for path in files for use in _py311_uses(path)]
+    assert not found, found
+    # the check sees what it looks for
+    sample = ROOT / "tests" / "unit" / "test_compose.py"
+    assert _py311_uses(sample) == [], "this file names them only as strings"
     # the launcher's packages beyond the standard library and the models' own: grpcio (its gRPC door
     # module) and tritonclient's protobuf messages (a rollout state's overrides)
     assert '"grpcio==' in GPU_DOCKERFILE.read_text() and '"tritonclient[grpc]==' in GPU_DOCKERFILE.read_text()
+
+
+def test_the_python_311_scan_finds_what_it_looks_for(tmp_path):
+    code = "import asyncio, typing\nfrom enum import StrEnum\nimport tomllib\n"
+    code += "async def f():\n    async with asyncio.timeout(1):\n        pass\n"
+    code += "def g() -> typing.Self: ...\ntry:\n    pass\nexcept* ValueError:\n    pass\n"
+    path = tmp_path / "sample.py"
+    path.write_text(code)
+    found = _py311_uses(path)
+    assert len(found) == 5, found  # StrEnum, tomllib, asyncio.timeout, typing.Self, except*
 
 
 @pytest.mark.parametrize("name", SERVICES)

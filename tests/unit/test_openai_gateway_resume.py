@@ -98,8 +98,9 @@ def test_before_the_first_piece_or_without_the_models_inputs_the_error_goes_to_t
     with pytest.raises(APIError) as e:
         _collect(cut=0)
     assert e.value.status == 503
-    with pytest.raises(APIError):
+    with pytest.raises(APIError) as e:
         _collect(cut=2, continuable=False)
+    assert e.value.status == 503
 
 
 class SilentAfter:

@@ -11,15 +11,17 @@ from server.replica_probes import ReplicaProbes
 from server.supervisor import free_port
 
 
-def _probe_port(status: list[int]) -> ThreadingHTTPServer:
+def _probe_port(status: list[int], body: list[bytes] | None = None) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
         def do_GET(self):  # noqa: N802 - http.server's name
+            raw = body[0] if body else b""
             self.send_response(status[0])
-            self.send_header("Content-Length", "0")
+            self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
+            self.wfile.write(raw)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -112,3 +114,42 @@ def test_the_repository_doors_readiness_is_the_replicas_probe_ports():
         assert e.code == 404
     finally:
         plain.stop()
+
+
+def test_a_replica_counts_as_not_ready_until_it_answers_and_its_marks_are_read():
+    import json
+
+    import pytest
+
+    from server.replica_probes import probe_url
+
+    status, body = [503], [json.dumps({"ready": False, "not_ready": [], "unhealthy": {"text_generation": "stub died"}}).encode()]
+    server = _probe_port(status, body)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v2/health/ready"
+    probes = ReplicaProbes([url], poll_s=0.05, timeout_s=0.5)
+    try:
+        assert probes.starting()  # before its first answer
+        probes.start()
+        assert _until(lambda: probes.marked("text_generation") is not None)
+        assert "stub died" in probes.marked("text_generation") and probes.marked("text_encoder") is None
+        body[0] = json.dumps({"ready": False, "unhealthy": ["text_encoder"]}).encode()  # the probe's list form
+        assert _until(lambda: probes.marked("text_encoder") is not None and probes.marked("text_generation") is None)
+        status[0], body[0] = 200, b"{}"
+        assert _until(lambda: not probes.starting() and probes.marked("text_encoder") is None)
+    finally:
+        probes.stop()
+        server.shutdown()
+    assert probe_url("http://triton-upstream-1:8003/v2/health/ready")
+    for bad in (
+        "triton-upstream-1:8003/v2/health/ready",
+        "http://triton-upstream-1/v2/health/ready",
+        "ftp://h:1/x",
+        "http://:8003/x",
+    ):
+        with pytest.raises(ValueError, match="want http://HOST:PORT/v2/health/ready"):
+            probe_url(bad)
+    from server import grpc_door
+
+    with pytest.raises(SystemExit) as done:  # refused where it enters, naming the option
+        grpc_door.main(["--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:1", "--repository", ".", "--replica-probe", "nohost"])
+    assert done.value.code == 2

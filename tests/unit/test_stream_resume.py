@@ -147,7 +147,7 @@ async def _serve(handler) -> tuple[aio.Server, int]:
     return server, port
 
 
-def _through_the_door(cut: int):
+def _through_the_door(cut: int, requests=None):
     async def go():
         fake = FakeUpstream(cut)
         upstream, up_port = await _serve(
@@ -161,7 +161,8 @@ def _through_the_door(cut: int):
             async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
 
                 async def one():
-                    yield generation_request().SerializeToString()
+                    for req in requests or [generation_request()]:
+                        yield req.SerializeToString()
 
                 got, error = [], None
                 try:
@@ -196,3 +197,17 @@ def test_a_stream_lost_before_its_first_piece_ends_unavailable_as_before():
     fake, door, got, error = _through_the_door(cut=0)
     assert got == [] and error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
     assert len(fake.calls) == 1 and door.streams_resumed == 0
+
+
+def test_a_refusal_by_the_door_is_its_own_answer_never_a_tracked_requests():
+    """tritonclient's requests have no id by default: a request the door refuses (its own error response,
+    id "") must reach its client as it is, not be taken for the id-less request in flight."""
+    bad = generation_request(request_id="")
+    bad.inputs[0].datatype = "FP32"  # text_input is BYTES: the door refuses it, naming the field
+    fake, door, got, error = _through_the_door(cut=99, requests=[generation_request(request_id=""), bad])
+    assert error is None and door.refused == 1 and door.streams_resumed == 0
+    errors = [r for r in got if r.error_message]
+    assert len(errors) == 1 and "text_input" in errors[0].error_message, errors
+    text = b"".join(r.infer_response.raw_output_contents[0][4:] for r in got if not r.error_message).decode()
+    assert text == "The capital is Paris."
+    assert all([o.name for o in r.infer_response.outputs] == ["text_output"] for r in got if not r.error_message)
