@@ -42,12 +42,15 @@ CLUSTER_ARGS ?=
 serve-cluster: $(STAMP)
 	$(PY) -m server.cluster --replicas $(REPLICAS) --precision $(PRECISION) $(CLUSTER_ARGS)
 
-# The product's tests, with the hostile-request fuzz's short run (pytest 24-29 minutes on 2 cores);
-# test-perf: the benchmarks' and the chaos soak's short runs (about 10 minutes). CI runs both.
+# The product's tests, with the hostile-request fuzz's short run; test-perf: the benchmarks' and the
+# chaos soak's short runs and the serve-cluster drills (each starts replicas, gateways and Redis of its
+# own: tests/integration/test_cluster_*.py), so that make test stays under 25 minutes on 2 cores.
+# CI runs both.
 RESILIENCE_SMOKE := tests/perf/test_fuzz_smoke.py
+CLUSTER_DRILLS := $(sort $(wildcard tests/integration/test_cluster_*.py))
 test: $(STAMP) lint
 	$(PY) -m export --no-speed
-	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) $(foreach f,$(CLUSTER_DRILLS),--ignore=$(f)) --durations=10 $(PYTEST_ARGS)
 
 # ruff's lint rules and formatter over the whole tree, then mypy over python_backends, openai_gateway and clients (pyproject.toml); `make format` applies the first two.
 lint: $(STAMP)
@@ -61,7 +64,7 @@ format: $(STAMP)
 
 test-perf: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m pytest tests/perf $(foreach f,$(RESILIENCE_SMOKE),--ignore=$(f)) $(PYTEST_ARGS)
+	$(PY) -m pytest tests/perf $(CLUSTER_DRILLS) $(foreach f,$(RESILIENCE_SMOKE),--ignore=$(f)) $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -76,10 +76,29 @@ def _resumed(cluster) -> int:
     return log.read_text(encoding="utf-8", errors="replace").count("continued on a new call")
 
 
+def _answers_one_token(http_port: int) -> bool:
+    """The replica's own text_generation streams a token: its stub is alive (tritonserver's ready
+    endpoint says ready with a dead stub until the watchdog has reloaded the model)."""
+    body = json.dumps({"text_input": "Hi", "sampling_parameters": json.dumps({"max_tokens": 1})}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v2/models/text_generation/generate_stream",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status == 200 and b'"error"' not in r.read()
+    except OSError:
+        return False
+
+
 def _wait_all_ready(cluster, timeout: float = 180.0) -> None:
+    """Every replica ready and its text_generation answering (a stub killed by the case before is
+    reloaded by then, wherever its stream went on)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(r["state"] == "ready" for r in cluster.state()["replicas"]):
+        replicas = cluster.state()["replicas"]
+        if all(r["state"] == "ready" for r in replicas) and all(_answers_one_token(r["http"]) for r in replicas):
             time.sleep(1.0)  # the front door's reload that lists it again
             return
         time.sleep(0.5)
