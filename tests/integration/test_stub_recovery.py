@@ -263,13 +263,13 @@ def test_a_killed_generation_stub_loses_no_stream_and_serves_again(triton, start
     if "text_generation" not in triton.options.models:
         pytest.skip("text_generation is not loaded")
     markers: queue.Queue = queue.Queue()
-    worker = threading.Thread(target=_stream, args=(triton, 600, markers), daemon=True)
+    worker = threading.Thread(target=_stream, args=(triton, 300, markers), daemon=True)
     worker.start()
     assert markers.get(timeout=120)[0] == "started"
     # and one through the OpenAI gateway, told the watchdog's folder as `make serve` tells it
     with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--triton-health-dir", str(triton.health_dir)) as gw:
         sse: queue.Queue = queue.Queue()
-        sse_worker = threading.Thread(target=_gateway_stream, args=(gw.url, 300, sse), daemon=True)
+        sse_worker = threading.Thread(target=_gateway_stream, args=(gw.url, 150, sse), daemon=True)
         sse_worker.start()
         assert sse.get(timeout=120)[0] == "started"
         result = _kill_and_watch(triton, "text_generation", "text_generation")
@@ -278,13 +278,13 @@ def test_a_killed_generation_stub_loses_no_stream_and_serves_again(triton, start
     worker.join(timeout=180)
     kind, detail = markers.get(timeout=5)
     # the stream in flight through the gRPC door went on after the reload, to its last token
-    assert (kind, detail) == ("final", 600), (
+    assert (kind, detail) == ("final", 300), (
         kind,
         getattr(detail, "message", lambda: detail)(),
         getattr(detail, "status", str)(),
     )
     # and so did the gateway's (its own continuation: it talks to tritonserver directly here)
-    assert (sse_kind, sse_detail) == ("done", 300), (sse_kind, sse_detail)
+    assert (sse_kind, sse_detail) == ("done", 150), (sse_kind, sse_detail)
     assert result["recovered_s"] is not None and result["recovered_s"] < RECOVERY_S, result
     assert any(ready == 503 for ready, _ in result["readiness"]), result["readiness"]
     # A new stream on the reloaded model (its own, fresh KV pool) runs to its end.
