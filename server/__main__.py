@@ -28,24 +28,24 @@ from server.repository_prep import prepare as prepare_repository
 DEFAULT_CACHE_SIZE_MB = 128
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_number(name: str, default, kind=int, expected: str = "an integer"):
+    """``$name`` as ``kind`` (int or float), ``default`` when unset or empty; a bad value stops
+    the launcher naming the variable."""
     value = os.environ.get(name, "")
     if not value:
         return default
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
-        raise SystemExit(f"serve: ${name} {value!r}: expected an integer") from None
+        raise SystemExit(f"serve: ${name} {value!r}: expected {expected}") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    return _env_number(name, default)
 
 
 def _env_seconds(name: str, default: float) -> float:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise SystemExit(f"serve: ${name} {value!r}: expected a number of seconds") from None
+    return _env_number(name, default, float, "a number of seconds")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
