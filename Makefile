@@ -165,7 +165,7 @@ rollout-finish: $(STAMP)
 # dashboard from deploy/grafana/dashboard.py into .grafana/dashboards/. Run it after `make export`
 # and before `docker-compose up`.
 compose-config: $(STAMP)
-	$(PY) -m server.frontdoor render --out .frontdoor --upstream triton-upstream-1 --upstream triton-upstream-2 --listen 0.0.0.0 --repository-door repository-door:8004
+	$(PY) -m server.frontdoor render --out .frontdoor --upstream triton-upstream-1 --upstream triton-upstream-2 --listen 0.0.0.0 --repository-door repository-door:8004 --stream-door grpc-door:8005 --stream-upstream-listen 0.0.0.0:8006
 	$(PY) -m deploy.grafana.dashboard render .grafana/dashboards
 
 # docker-compose's CPU profile on this machine (docs/deployment.md): a Docker engine (installed and

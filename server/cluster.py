@@ -227,6 +227,7 @@ class Cluster(Service):
         self.repository_door = None  # server.repository_door.RepositoryDoor once started
         self._states_written: tuple = ()
         self.nginx_grpc_port = 0
+        self.stream_door_port = self.stream_upstream_port = 0
         self.redis = None
         self.redis_url: str | None = None
         self.redis_restarts = 0
@@ -401,6 +402,9 @@ class Cluster(Service):
         # The gRPC door holds the public gRPC port and checks every inference request
         # (server/grpc_door.py); nginx's gRPC listener behind it is internal.
         self.nginx_grpc_port = free_ports(1, taken)[0]
+        # generate_stream: nginx -> the gRPC door's stream listener -> nginx's internal stream
+        # listener, which balances the replicas (server/stream_door.py).
+        self.stream_door_port, self.stream_upstream_port = free_ports(2, taken)
         # The repository API through the front door acts on every replica (server/repository_door.py).
         from server.repository_door import RepositoryDoor
 
@@ -423,6 +427,7 @@ class Cluster(Service):
             o.drain_timeout,
             starting_file=self.replica_starting_file,
             healing_dirs=self.healing_dirs,
+            stream=(f"127.0.0.1:{self.stream_door_port}", f"127.0.0.1:{self.stream_upstream_port}"),
         ).start()
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
@@ -456,6 +461,8 @@ class Cluster(Service):
         )
         ports.grpc_listen_host = "127.0.0.1"
         ports.repository_door_port = self.repository_door.port if self.repository_door is not None else None
+        ports.stream_door = f"127.0.0.1:{self.stream_door_port}"
+        ports.stream_upstream_listen = f"127.0.0.1:{self.stream_upstream_port}"
         return ports
 
     def _replica_addresses(self) -> list:

@@ -295,6 +295,11 @@ class FrontDoorPorts:
     # API acts on every replica through it; /v2/cluster/ stays tritonserver's, since the replicas'
     # own addresses are not reachable from where ops.rollout runs (the host).
     repository_door_address: str | None = None
+    # The gRPC door's HTTP stream listener (server/stream_door.py), HOST:PORT, where nginx sends
+    # generate_stream; None: straight to tritonserver. stream_upstream_listen: where nginx's
+    # internal listener for the stream door's own calls binds (replicas to balance); None: none.
+    stream_door: str | None = None
+    stream_upstream_listen: str | None = None
 
     @classmethod
     def cluster(
@@ -335,6 +340,7 @@ def upstream_servers(servers: Sequence[Upstream], port: str, *, backup: bool = F
 
 
 GATEWAY_BLOCK = re.compile(r"\n[ \t]*# BEGIN openai_gateway.*?# END openai_gateway[^\n]*\n", re.S)
+STREAM_DOOR_BLOCK = re.compile(r"\n[ \t]*# BEGIN stream_door.*?# END stream_door[^\n]*\n", re.S)
 
 
 def gateway_servers(servers: Sequence[GatewayServer]) -> str:
@@ -397,12 +403,16 @@ def render(
         ),
         # docker-compose: readiness from the replicas' probe ports, through the repository door.
         "READY_UPSTREAM": f"http://{ports.repository_door_address}" if ports.repository_door_address else "http://triton_http",
+        "STREAM_UPSTREAM": f"http://{ports.stream_door}" if ports.stream_door else "http://triton_http",
+        "STREAM_UPSTREAM_LISTEN": ports.stream_upstream_listen or "",
         # Without a cluster, /v2/cluster/ is tritonserver's (which answers it as an unknown path).
         "CLUSTER_UPSTREAM": (
             f"http://127.0.0.1:{ports.repository_door_port}" if ports.repository_door_port else "http://triton_http"
         ),
     }
     text = template.read_text(encoding="utf-8")
+    if not ports.stream_upstream_listen:
+        text = STREAM_DOOR_BLOCK.sub("\n", text)
     if ports.gateway is None:
         # No gateway behind this front door (make serve runs its own, compose its service).
         text = GATEWAY_BLOCK.sub("\n", text)
@@ -608,6 +618,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the repository door (python -m server.repository_door) that acts on every replica: "
         "/v2/repository/ goes there instead of to one replica (docker-compose: repository-door:8004)",
     )
+    r.add_argument(
+        "--stream-door",
+        default=None,
+        metavar="HOST:PORT",
+        help="the gRPC door's HTTP stream listener (server/stream_door.py): generate_stream goes there, which "
+        "ends or continues a stream whose stub or replica is lost (docker-compose: grpc-door:8005)",
+    )
+    r.add_argument(
+        "--stream-upstream-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --stream-door: where nginx's internal listener for the stream door's own calls binds, "
+        "balancing the replicas (docker-compose: 0.0.0.0:8006)",
+    )
     r.add_argument("--mount", default=COMPOSE_MOUNT, help=f"where nginx sees --out (default {COMPOSE_MOUNT})")
     r.add_argument("--js-module", default=IMAGE_JS_MODULE, help=f"njs module path (default the image's, {IMAGE_JS_MODULE})")
     r.add_argument("--workdir", default=COMPOSE_WORKDIR, help=f"nginx's writable folder (default {COMPOSE_WORKDIR})")
@@ -633,6 +657,15 @@ def main(argv: list[str] | None = None) -> int:
             if not re.fullmatch(r"[A-Za-z0-9._-]+", host) or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--repository-door {args.repository_door!r}: HOST:PORT")
             ports.repository_door_address = args.repository_door
+        for option, value in (("--stream-door", args.stream_door), ("--stream-upstream-listen", args.stream_upstream_listen)):
+            host, _, port = (value or "").rpartition(":")
+            if value is not None and (
+                not re.fullmatch(r"[A-Za-z0-9._-]+", host) or not port.isdigit() or not 0 < int(port) < 65536
+            ):
+                raise ValueError(f"{option} {value!r}: HOST:PORT")
+        if (args.stream_door is None) != (args.stream_upstream_listen is None):
+            raise ValueError("--stream-door and --stream-upstream-listen go together")
+        ports.stream_door, ports.stream_upstream_listen = args.stream_door, args.stream_upstream_listen
     except (ValueError, FrontDoorError) as exc:
         parser.error(str(exc))
     conf = write_bundle(

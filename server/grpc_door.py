@@ -10,6 +10,9 @@ itself: ``INVALID_ARGUMENT`` for ``ModelInfer``, an error response on the stream
 RPC (health, metadata, statistics, the repository API with its token) passes through unchanged,
 metadata, deadline and status included; an unknown method too.
 
+With ``--stream-listen`` the same process serves Triton's HTTP ``generate_stream`` for the front
+door's nginx (``server.stream_door``): those streams are continued or ended as this door's are.
+
 Readiness tells the truth: while the launcher's watchdog has a model marked unhealthy (a dead
 python backend stub, ``server.stubs``), ``ModelReady`` of that model, ``ServerReady`` and the
 standard ``grpc.health.v1.Health/Check`` answer not ready.
@@ -586,6 +589,8 @@ async def serve(
     starting_file: Path | None = None,
     healing_dirs: tuple[Path, ...] = (),
     replica_probes: tuple[str, ...] = (),
+    stream_listen: str | None = None,
+    stream_upstream: str | None = None,
 ) -> None:
     limits = load_limits(repository, max_message_bytes)
     door = Door(upstream, limits, health_dir, max_message_bytes, starting_file, healing_dirs)
@@ -604,6 +609,11 @@ async def serve(
         raise SystemExit(f"grpc door: cannot listen on {listen}")
     await server.start()
     log.info("grpc door: %s -> %s (limits of %d models)", listen, upstream, len(limits.models))
+    stream_runner = None
+    if stream_listen is not None and stream_upstream is not None:
+        from server import stream_door
+
+        stream_runner = await stream_door.start(door, stream_listen, stream_upstream, max_message_bytes)
     if ready_file is not None:
         ready_file.write_text(str(os.getpid()), encoding="utf-8")
     stop = asyncio.Event()
@@ -616,8 +626,18 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
+    if stream_runner is not None:
+        await stream_runner.shutdown()
+        await asyncio.wait_for(stream_runner.cleanup(), drain_timeout)
     await server.stop(drain_timeout)
     await door.channel.close()
+
+
+def _address_argument(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return text
 
 
 def _probe_argument(text: str) -> str:
@@ -665,7 +685,24 @@ def main(argv: list[str] | None = None) -> int:
         help="serve-cluster: a replica's watchdog folder (repeat per replica); an INTERNAL answer "
         "for a model marked there is resent",
     )
+    p.add_argument(
+        "--stream-listen",
+        type=_address_argument,
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve Triton's HTTP generate_stream here, for the front door's nginx (server/stream_door.py): "
+        "a stream whose stub or replica is lost is continued or ended at once; needs --stream-upstream",
+    )
+    p.add_argument(
+        "--stream-upstream",
+        type=_address_argument,
+        default=None,
+        metavar="HOST:PORT",
+        help="the HTTP server behind --stream-listen: tritonserver's HTTP port, or nginx's internal stream listener",
+    )
     args = p.parse_args(argv)
+    if (args.stream_listen is None) != (args.stream_upstream is None):
+        p.error("--stream-listen and --stream-upstream go together")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     asyncio.run(
         serve(
@@ -679,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
             args.replica_starting_file,
             tuple(args.healing_dir),
             tuple(args.replica_probe),
+            args.stream_listen,
+            args.stream_upstream,
         )
     )
     return 0
@@ -698,7 +737,10 @@ class GrpcDoor:
         drain_timeout: float = 30.0,
         starting_file: Path | None = None,
         healing_dirs: tuple[Path, ...] = (),
+        stream: tuple[str, str] | None = None,
     ):
+        # (listen, upstream) of the HTTP stream door (server/stream_door.py); None: none.
+        self.stream = stream
         self.drain_timeout = drain_timeout
         self.starting_file = starting_file
         self.healing_dirs = tuple(healing_dirs)
@@ -748,6 +790,8 @@ class GrpcDoor:
             cmd += ["--replica-starting-file", str(self.starting_file)]
         for folder in self.healing_dirs:
             cmd += ["--healing-dir", str(folder)]
+        if self.stream is not None:
+            cmd += ["--stream-listen", self.stream[0], "--stream-upstream", self.stream[1]]
         return cmd
 
     def start(self) -> GrpcDoor:

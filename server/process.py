@@ -79,6 +79,9 @@ class ServerOptions:
     # (server/grpc_door.py) holds grpc_port, checks every inference request and forwards it to
     # tritonserver directly (one hop less: 0.78 -> 0.84 of direct throughput, docs/security.md).
     nginx_grpc_port: int = 0
+    # The gRPC door's HTTP stream listener on 127.0.0.1 (server/stream_door.py; 0 = a free port
+    # chosen at start): nginx sends generate_stream there, and it calls tritonserver.
+    stream_door_port: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # SIGTERM drain: seconds the front door finishes in-flight requests, then tritonserver's
     # own graceful shutdown (--exit-timeout-secs), before each is killed.
@@ -305,7 +308,7 @@ class TritonServer(Service):
         """Choose the internal ports, and check the front door's configuration (nginx -t)."""
         o = self.options
         taken = {o.http_port, o.grpc_port, o.metrics_port}
-        for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port", "nginx_grpc_port"):
+        for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port", "nginx_grpc_port", "stream_door_port"):
             while not getattr(o, attr):
                 port = free_port("127.0.0.1")
                 if port not in taken:
@@ -322,6 +325,7 @@ class TritonServer(Service):
                 o.triton_grpc_port,
                 o.triton_metrics_port,
                 grpc_listen_host="127.0.0.1",
+                stream_door=f"127.0.0.1:{o.stream_door_port}",
             ),
             o.workdir / f"frontdoor-{o.http_port}",
             o.model_repository,
@@ -337,6 +341,7 @@ class TritonServer(Service):
             self.health_dir,
             o.max_body_bytes,
             o.drain_timeout,
+            stream=(f"127.0.0.1:{o.stream_door_port}", f"127.0.0.1:{o.triton_http_port}"),
         )
 
     @property

@@ -5,7 +5,8 @@ gateway and Prometheus. Skipped unless scripts/compose.sh set COMPOSE_HTTP and t
 Each check: embeddings over HTTP and gRPC against the PyTorch reference, the cached path, a photo
 classified, a streamed chat through the openai SDK via the gateway, Prometheus with both replicas'
 series and the alert rules, a stub SIGKILLed inside a replica (its probe port says so, then heals, no
-request lost by a retrying client), a replica's container killed under clients that never retry (0
+request lost by a retrying client), an HTTP generation stream through both replicas' stubs killed
+(continued, every token once), a replica's container killed under clients that never retry (0
 failed, the replica back by its restart policy on the rollout's versions), a canary rollout and its
 rollback by ops.rollout through the front door (the repository door acts on both replicas; clients that
 never retry see no failure), and the hostile-request fuzz smoke against the doors (0 5xx, every replica
@@ -253,17 +254,7 @@ def test_the_front_doors_readiness_is_the_replicas_probe_ports():
 def test_a_stub_killed_inside_a_replica_is_seen_by_its_probe_and_healed():
     service = REPLICAS[0]
     assert probe(service)[0] == 200
-    kill = (
-        "import os, signal\n"
-        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-        "    try:\n"
-        "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
-        "    except OSError:\n"
-        "        continue\n"
-        "    if argv[0].endswith(b'triton_python_backend_stub') and b'/text_encoder/1/' in argv[1]:\n"
-        "        os.kill(int(pid), signal.SIGKILL); print(pid); break\n"
-    )
-    assert docker("exec", container(service), "python", "-c", kill), "no text_encoder stub in the replica"
+    assert kill_stub(service, "text_encoder"), "no text_encoder stub in the replica"
     start = time.monotonic()
     seen_down = healed = None
     lost = 0
@@ -289,6 +280,74 @@ def test_a_stub_killed_inside_a_replica_is_seen_by_its_probe_and_healed():
     print(f"stub SIGKILLed in {service}: probe 503 after {seen_down} s, 200 after {healed} s; lost {lost}")
     assert seen_down is not None and healed is not None and healed < 30
     assert lost == 0
+
+
+def kill_stub(service: str, model: str) -> str:
+    """SIGKILL ``model``'s python backend stub inside the replica's container; its pid, or "" when none."""
+    kill = (
+        "import os, signal\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+        "    except OSError:\n"
+        "        continue\n"
+        f"    if argv[0].endswith(b'triton_python_backend_stub') and b'/{model}/1/' in argv[1]:\n"
+        "        os.kill(int(pid), signal.SIGKILL); print(pid); break\n"
+    )
+    return docker("exec", container(service), "python", "-c", kill)
+
+
+def test_an_http_generation_stream_outlives_the_stubs_serving_it():
+    """Triton's HTTP generate_stream through the front door: nginx sends it to the grpc-door service's
+    stream listener. Both replicas' text_generation stubs are SIGKILLed mid-answer (whichever serves
+    it); the listener reads the marks on their probe ports and sends the request again after the
+    tokens already sent: the client, which never retries, reads every token and no error."""
+    import http.client
+    import threading
+
+    host, port = os.environ["COMPOSE_HTTP"].rsplit(":", 1)
+    body = {
+        "text_input": "Tell me a long story about the sea.",
+        "stream": True,
+        "sampling_parameters": json.dumps({"max_tokens": 200, "temperature": 0, "ignore_eos": True}),
+        "return_num_output_tokens": True,
+    }
+    events: list[dict] = []
+    started = threading.Event()
+
+    def read() -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        try:
+            conn.request(
+                "POST", "/v2/models/text_generation/generate_stream", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            response = conn.getresponse()
+            assert response.status == 200, response.status
+            for line in response:
+                if line.startswith(b"data:"):
+                    events.append(json.loads(line[5:]))
+                    if len(events) == 3:
+                        started.set()
+        finally:
+            started.set()
+            conn.close()
+
+    reader = threading.Thread(target=read, daemon=True)
+    start = time.monotonic()
+    reader.start()
+    assert started.wait(120) and len(events) >= 3, events
+    killed = [kill_stub(service, "text_generation") for service in REPLICAS]
+    assert all(killed), killed
+    reader.join(180)
+    took = time.monotonic() - start
+    errors = [e for e in events if "error" in e]
+    print(f"HTTP stream with both text_generation stubs killed after 3 events: {len(events)} events in {took:.1f} s, {errors}")
+    assert not errors and events[-1].get("num_output_tokens") == 200, events[-3:]
+    assert all("token_ids" not in e for e in events)  # the listener asked for them and took them out
+    deadline = time.monotonic() + 60
+    while any(probe(service)[0] != 200 for service in REPLICAS):  # both healed before the next check
+        assert time.monotonic() < deadline, [probe(service) for service in REPLICAS]
+        time.sleep(1)
 
 
 def test_a_canary_rollout_through_the_front_door_reaches_both_replicas_and_loses_nothing():

@@ -4,7 +4,8 @@ is SIGKILLed mid-answer; the gRPC door sends the request again to the other repl
 ids the client got as prefix_token_ids (server/stream_resume.py), and the client sees the rest of
 the answer: no error, no token twice, the same text and token count as an uninterrupted run, for a
 greedy and a seeded sampled request, through the project's gRPC client and through the gateway
-with the official openai SDK. And a stream whose replica keeps running but loses its
+with the official openai SDK, and over Triton's HTTP generate_stream through the front door (the
+gRPC door's stream listener, server/stream_door.py). And a stream whose replica keeps running but loses its
 text_generation stub (tritonserver 2.51 would leave it open) goes on the same way.
 
 Each case runs its stream alone, as its reference did: the served variant (ov_int4_f16 on this kind
@@ -174,18 +175,57 @@ def _sdk_stream(cluster, kind: str, killer: Killer | None) -> tuple[str, int]:
     return "".join(parts), usage
 
 
+def _http_stream(cluster, kind: str, killer: Killer | None) -> tuple[str, int]:
+    """Triton's HTTP generate_stream through the front door (nginx, then the gRPC door's stream
+    listener), read with http.client: no retry at all."""
+    import http.client
+
+    host, port = cluster.http_url.rsplit(":", 1)
+    body = {
+        "text_input": json.dumps(QUESTION),
+        "apply_chat_template": True,
+        "stream": True,
+        "sampling_parameters": json.dumps({"max_tokens": TOKENS, "ignore_eos": True, **KINDS[kind]}),
+        "return_num_output_tokens": True,
+    }
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    parts, tokens = [], 0
+    try:
+        conn.request("POST", "/v2/models/text_generation/generate_stream", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, (response.status, response.read())
+        for line in response:
+            if line.startswith(b"data:"):
+                event = json.loads(line[5:])
+                assert "error" not in event and "token_ids" not in event, event
+                parts.append(event.get("text_output", ""))
+                tokens = event.get("num_output_tokens", tokens)
+                if killer is not None and event.get("text_output"):
+                    killer.piece()
+    finally:
+        conn.close()
+    return "".join(parts), tokens
+
+
 # A replica's restart (text_generation compiled and warmed up) takes most of a minute on 2 cores,
-# and each case waits for it: make test runs three cases (a stub, then both paths and both kinds);
-# CLUSTER_STREAMS=all runs the four (3 min 56 s here, all passing).
+# and each case waits for it: make test-perf runs four cases (a stub, then the three paths);
+# CLUSTER_STREAMS=all runs seven (every path with both kinds).
 # The stub's death first: the replica stays up (its watchdog reloads the model), no restart to wait for.
-CASES = [("grpc door", "greedy", "stub")] + [(p, k, "replica") for p in ("grpc door", "gateway") for k in sorted(KINDS)]
+CASES = [("grpc door", "greedy", "stub")] + [
+    (p, k, "replica") for p in ("grpc door", "gateway", "http front door") for k in sorted(KINDS)
+]
 if os.environ.get("CLUSTER_STREAMS") != "all":
-    CASES = [("grpc door", "greedy", "stub"), ("grpc door", "greedy", "replica"), ("gateway", "seeded", "replica")]
+    CASES = [
+        ("grpc door", "greedy", "stub"),
+        ("grpc door", "greedy", "replica"),
+        ("gateway", "seeded", "replica"),
+        ("http front door", "greedy", "replica"),
+    ]
 
 
 @pytest.mark.parametrize("path,kind,what", CASES)
 def test_a_stream_whose_replica_is_killed_mid_answer_goes_on_with_the_same_tokens(cluster, path, kind, what):
-    run = _grpc_stream if path == "grpc door" else _sdk_stream
+    run = {"grpc door": _grpc_stream, "gateway": _sdk_stream, "http front door": _http_stream}[path]
     _wait_all_ready(cluster)
     reference = run(cluster, kind, None)
     assert reference[1] == TOKENS and reference[0], reference

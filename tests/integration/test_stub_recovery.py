@@ -256,9 +256,42 @@ def _gateway_stream(url: str, max_tokens: int, markers: queue.Queue) -> None:
         conn.close()
 
 
+def _http_stream(triton, max_tokens: int, markers: queue.Queue) -> None:
+    """One greedy generation over Triton's HTTP generate_stream through the front door (nginx, then
+    the gRPC door's stream listener); puts ("started", n) after 3 events, then ("done", the tokens'
+    count from the last event) or ("error", the error event's message)."""
+    host, port = triton.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {
+        "text_input": "Tell me a long story about the mountains.",
+        "stream": True,
+        "sampling_parameters": json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}),
+        "return_num_output_tokens": True,
+    }
+    conn.request("POST", "/v2/models/text_generation/generate_stream", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    events, tokens = 0, None
+    try:
+        for line in response:
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                markers.put(("error", event["error"]))
+                return
+            assert "token_ids" not in event, event  # the door asked for them, and takes them out again
+            tokens = event.get("num_output_tokens", tokens)
+            events += 1
+            if events == 3:
+                markers.put(("started", events))
+        markers.put(("done", tokens))
+    finally:
+        conn.close()
+
+
 def test_a_killed_generation_stub_loses_no_stream_and_serves_again(triton, start_gateway):
     """The streams in flight when the stub dies go on once the watchdog has reloaded the model:
-    the gRPC door and the gateway send each again with the token ids already sent
+    the gRPC door (its gRPC port and its HTTP stream listener) and the gateway send each again with the token ids already sent
     (docs/generation.md#streams-that-outlive-a-replica), and each ends with all its tokens."""
     if "text_generation" not in triton.options.models:
         pytest.skip("text_generation is not loaded")
@@ -266,6 +299,11 @@ def test_a_killed_generation_stub_loses_no_stream_and_serves_again(triton, start
     worker = threading.Thread(target=_stream, args=(triton, 300, markers), daemon=True)
     worker.start()
     assert markers.get(timeout=120)[0] == "started"
+    # one over HTTP generate_stream through the front door (before, it stayed open for nginx's 600 s)
+    http_markers: queue.Queue = queue.Queue()
+    http_worker = threading.Thread(target=_http_stream, args=(triton, 150, http_markers), daemon=True)
+    http_worker.start()
+    assert http_markers.get(timeout=120)[0] == "started"
     # and one through the OpenAI gateway, told the watchdog's folder as `make serve` tells it
     with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--triton-health-dir", str(triton.health_dir)) as gw:
         sse: queue.Queue = queue.Queue()
@@ -277,6 +315,9 @@ def test_a_killed_generation_stub_loses_no_stream_and_serves_again(triton, start
         sse_kind, sse_detail = sse.get(timeout=5)
     worker.join(timeout=180)
     kind, detail = markers.get(timeout=5)
+    http_worker.join(timeout=180)
+    # the HTTP stream went on too: the stream listener sent it again after the ids it had sent
+    assert http_markers.get(timeout=5) == ("done", 150)
     # the stream in flight through the gRPC door went on after the reload, to its last token
     assert (kind, detail) == ("final", 300), (
         kind,

@@ -585,8 +585,16 @@ def test_front_door_stands_in_front_of_its_triton_replicas(compose, defaults, na
     from server.frontdoor import COMPOSE_MOUNT
 
     door = compose["services"][name]
-    # starts after both replicas, in their profile, and the repository door it sends /v2/repository/ to
-    assert set(defaults["services"][name]["depends_on"]) == set(replicas) | {"repository-door"}
+    # starts after both replicas, in their profile, the repository door it sends /v2/repository/ to
+    # and the gRPC door whose stream listener takes generate_stream (nginx resolves both at start)
+    assert set(defaults["services"][name]["depends_on"]) == set(replicas) | {"repository-door", "grpc-door"}
+    # the render's stream door is the grpc-door service's listener, whose upstream is the render's internal listener
+    recipe = re.findall(r"^compose-config:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M)[0]
+    command = compose["services"]["grpc-door"]["command"]
+    stream_door = re.search(r"--stream-door (\S+)", recipe).group(1)
+    internal = re.search(r"--stream-upstream-listen (\S+)", recipe).group(1)
+    assert stream_door == "grpc-door:" + command[command.index("--stream-listen") + 1].rpartition(":")[2]
+    assert command[command.index("--stream-upstream") + 1] == "triton-frontdoor:" + internal.rpartition(":")[2]
     for replica in replicas:
         assert door.get("profiles") == compose["services"][replica].get("profiles")
     # the aliases the rendered nginx.conf proxies to, one per replica, on the network they share

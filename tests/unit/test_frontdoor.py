@@ -249,3 +249,15 @@ def test_render_puts_the_grpc_listener_where_a_grpc_door_forwards(tmp_path):
     assert "listen 0.0.0.0:8001 http2;" in (tmp_path / "compose" / "nginx.conf").read_text()
     with pytest.raises(SystemExit):
         main(["render", "--out", str(tmp_path / "bad"), "--grpc-listen", "8021"])
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/setup.sh installs it)")
+def test_a_configuration_with_the_stream_door_passes_nginx_t(tmp_path):
+    """generate_stream to the gRPC door's stream listener, and the internal listener it calls back."""
+    import dataclasses
+
+    ports = dataclasses.replace(PORTS, stream_door="127.0.0.1:18005", stream_upstream_listen="127.0.0.1:18006")
+    door = FrontDoor(ports, tmp_path, ROOT / "model_repository", max_body_bytes=1 << 20)
+    door.check()
+    conf = door.conf_path.read_text()
+    assert "proxy_pass http://127.0.0.1:18005;" in conf and "listen 127.0.0.1:18006;" in conf

@@ -1,0 +1,375 @@
+"""Triton's HTTP ``generate_stream`` through the door: server-sent events that outlive a stub or a replica.
+
+nginx cannot end a stream by itself: a decoupled model whose python backend stub dies leaves its
+streams open in tritonserver 2.51 (no response will come, and none says so), so an HTTP client of
+``.../generate_stream`` used to wait for its own timeout, or nginx's 600 s. The front door now
+sends these streams here (``@triton_stream`` in deploy/frontdoor/nginx.conf.template), after its
+own check of the body (``check.generate``). This listener runs in the gRPC door's process and
+reads the same marks (``server.grpc_door.Door``): the launcher's watchdog folder, serve-cluster's
+replica folders, docker-compose's probe ports. It passes the events on as tritonserver wrote them
+and, when the stream is lost (a mark on its model, or the upstream connection cut by a replica's
+death):
+
+- a continuable model (``server.stream_resume``: ``text_generation``) that has answered goes on:
+  the request is sent again with the token ids its client got as ``prefix_token_ids``, and the
+  client reads the rest of the answer, no error and no token twice (the door asks for the ids
+  with ``return_token_ids`` and takes them out of the events where the client did not ask);
+- any other stream ends at once with an error event naming the model and the reason, as
+  tritonserver reports an error on a stream (``data: {"error": ...}``); a stream lost before any
+  event answers 503 with ``Retry-After``, which clients retry.
+
+Not continued, as on the gRPC door: answers with several choices (``index``) or log-probabilities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+from python_backends.errors import parse_error
+from server.stream_resume import ASK_INPUT, IDS_OUTPUT, NOT_CONTINUABLE_OUTPUTS, PREFIX_INPUT
+
+if TYPE_CHECKING:
+    from server.grpc_door import Door
+
+log = logging.getLogger("stream_door")
+
+# How often an open stream's marks are read while it is silent; how long a stream must be silent
+# while its model is marked on some replica (serve-cluster, compose) before it counts as lost.
+WATCH_S = 0.25
+# How long an error event with no data of the model's waits for the watchdog to mark the model (its
+# scan interval, twice): a stub's death reaches the stream before the mark.
+WATCHDOG_WAIT_S = 0.5
+SILENT_STREAM_S = 1.0
+# How long a lost stream is sent again (a model's reload takes 6-12 s), and the pause between sends.
+RESUME_WAIT_S = 30.0
+RESUME_BACKOFF_S = 0.05
+EVENT_END = b"\n\n"
+# Hop-by-hop and length headers are the server's own; the rest of tritonserver's go on.
+_OWN_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"})
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The upstream stream ended without its end: why."""
+
+    reason: str
+
+
+_END = object()
+
+
+@dataclass
+class Continuation:
+    """One continuable request: its JSON body as the client sent it, and the ids its client got."""
+
+    body: dict[str, Any]
+    client_wants_ids: bool
+    prefix: list[int]
+    ids: list[int] = field(default_factory=list)
+    events: int = 0
+    resends: int = 0
+    continuable: bool = True
+
+    @classmethod
+    def of(cls, body: Any) -> Continuation | None:
+        """The continuation of a checked ``generate_stream`` body, or None when it cannot be sent
+        again: not a JSON object, ``return_token_ids`` set false, or a prefix that is not a list of ints."""
+        if not isinstance(body, dict):
+            return None
+        asked = body.get(ASK_INPUT)
+        if asked is not None and asked is not True and asked != [True]:
+            return None
+        prefix = body.get(PREFIX_INPUT, [])
+        if isinstance(prefix, int) and not isinstance(prefix, bool):
+            prefix = [prefix]
+        if not isinstance(prefix, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+            return None
+        return cls(body, client_wants_ids=asked is not None, prefix=list(prefix))
+
+    def request_body(self) -> bytes:
+        """The body to send upstream: the client's, asking for the ids, after the ids sent so far."""
+        body = dict(self.body)
+        body[ASK_INPUT] = True
+        prefix = self.prefix + self.ids
+        if prefix:
+            body[PREFIX_INPUT] = prefix
+        else:
+            body.pop(PREFIX_INPUT, None)
+        return orjson.dumps(body)
+
+    def incoming(self, event: bytes) -> tuple[bytes, str | None]:
+        """One upstream event: (the bytes to pass on, its error message or None). The ids it
+        carries are kept, and taken out where the client did not ask for them."""
+        if not event.startswith(b"data:"):
+            return event, None
+        try:
+            data = orjson.loads(event[5:])
+        except orjson.JSONDecodeError:
+            return event, None
+        if not isinstance(data, dict):
+            return event, None
+        if "error" in data:
+            return event, str(data["error"])
+        self.events += 1
+        if any(name in data for name in NOT_CONTINUABLE_OUTPUTS):
+            self.continuable = False
+        if IDS_OUTPUT in data:
+            ids = data[IDS_OUTPUT]
+            self.ids.extend(ids if isinstance(ids, list) else [ids])
+            if not self.client_wants_ids:
+                del data[IDS_OUTPUT]
+                return b"data: " + orjson.dumps(data) + EVENT_END, None
+        return event, None
+
+    def can_resume(self) -> bool:
+        return self.continuable and self.events > 0
+
+
+class StreamDoor:
+    """The aiohttp application behind nginx's ``@triton_stream``; ``upstream``: HOST:PORT of
+    tritonserver's HTTP port (the launcher) or of nginx's internal stream listener, which balances
+    the replicas (serve-cluster, docker-compose)."""
+
+    def __init__(self, door: Door, upstream: str, max_body_bytes: int):
+        self.door = door
+        self.upstream = f"http://{upstream}"
+        self.max_body_bytes = max_body_bytes
+        self.session: ClientSession | None = None
+        self.streams_resumed = 0
+        self.streams_ended = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_post("/v2/models/{model}/generate_stream", self.generate_stream)
+        app.router.add_post("/v2/models/{model}/versions/{version}/generate_stream", self.generate_stream)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, app) -> None:
+        self.session = ClientSession(
+            connector=TCPConnector(limit=0, keepalive_timeout=60),
+            timeout=ClientTimeout(total=None, sock_connect=5, sock_read=None),
+            auto_decompress=False,
+        )
+
+    async def _close(self, app) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # -- the marks -----------------------------------------------------------------------------
+
+    def _marked_loss(self, model: str, silent_s: float) -> str | None:
+        """Why an open stream of ``model`` is lost: its model marked by this server's watchdog, or
+        (replicas behind nginx) marked on some replica while the stream is silent."""
+        door = self.door
+        reason = door._healing(model)
+        if reason is None and (door.healing_dirs or door.replica_probes is not None) and silent_s >= SILENT_STREAM_S:
+            reason = door._healing_anywhere(model)
+        return reason
+
+    async def _marked_soon(self, model: str) -> str | None:
+        """Why ``model``'s instance is lost, waiting for the mark a stub's death brings: the
+        watchdog's next scans, and with replicas behind nginx the probe ports' next polls."""
+        door = self.door
+        deadline = time.monotonic() + WATCHDOG_WAIT_S * (3 if door.healing_dirs or door.replica_probes else 1)
+        while True:
+            reason = door._lost_instance(model)
+            if reason is not None or time.monotonic() >= deadline:
+                return reason
+            await asyncio.sleep(0.1)
+
+    # -- one stream ----------------------------------------------------------------------------
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        model = request.match_info["model"]
+        raw = await request.read()
+        plan = None
+        if model in self.door.continuable:
+            try:
+                plan = Continuation.of(orjson.loads(raw))
+            except orjson.JSONDecodeError:
+                plan = None
+        state = _Client(request)
+        lost_since: float | None = None
+        attempts = 0
+        after_loss = False
+        while True:
+            outcome = await self._one_call(model, request, raw if plan is None else plan.request_body(), plan, state, after_loss)
+            if outcome is _END:
+                return await state.finish()
+            assert isinstance(outcome, Lost)
+            now = time.monotonic()
+            lost_since = now if lost_since is None else lost_since
+            if plan is not None and plan.can_resume() and now - lost_since < RESUME_WAIT_S:
+                if attempts == 0 or state.progressed:
+                    self.streams_resumed += 1
+                    log.info(
+                        "HTTP stream of %s lost (%s): continued on a new call after %d token(s) sent",
+                        model,
+                        outcome.reason,
+                        len(plan.ids),
+                    )
+                state.progressed = False
+                plan.resends += 1
+                await asyncio.sleep(RESUME_BACKOFF_S * 2 ** min(attempts, 4))
+                attempts += 1
+                after_loss = self.door._healing_anywhere(model) is not None
+                continue
+            self.streams_ended += 1
+            message = f"model {model} lost the instance serving this stream ({outcome.reason}): retry"
+            return await state.fail(message)
+
+    async def _one_call(
+        self, model: str, request: web.Request, body: bytes, plan: Continuation | None, state: _Client, after_loss: bool
+    ) -> object:
+        """One upstream call, its events passed on: ``_END`` when it ended as it should (or with a
+        model's own error, passed on), else ``Lost``."""
+        assert self.session is not None
+        url = self.upstream + request.path_qs
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        try:
+            upstream = await self.session.post(url, data=body, headers=headers)
+        except (ClientError, OSError) as exc:
+            return Lost(f"upstream unreachable: {exc.__class__.__name__}")
+        try:
+            if upstream.status != 200:
+                text = await upstream.read()
+                if plan is not None and plan.resends and parse_error(_error_of(text)) is None:
+                    # sent again: tritonserver's own refusals while the model reloads (the dead
+                    # instance, then "not ready") pass, within RESUME_WAIT_S; a model's own goes on
+                    return Lost(f"sent again, answered {upstream.status}")
+                return await state.relay_refusal(upstream, text)
+            queue: asyncio.Queue = asyncio.Queue()
+            pump = asyncio.ensure_future(_pump(upstream, queue))
+            try:
+                return await self._relay(model, upstream, queue, plan, state, after_loss)
+            finally:
+                pump.cancel()
+        finally:
+            upstream.close()
+
+    async def _relay(self, model, upstream, queue: asyncio.Queue, plan, state: _Client, after_loss: bool) -> object:
+        last_event = time.monotonic()
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), WATCH_S)
+            except asyncio.TimeoutError:
+                if after_loss:  # until the model is reloaded wherever it was marked
+                    after_loss = self.door._healing_anywhere(model) is not None
+                    continue
+                reason = self._marked_loss(model, time.monotonic() - last_event)
+                if reason is not None:
+                    return Lost(reason)
+                continue
+            if item is _END or isinstance(item, Lost):
+                return item
+            last_event = time.monotonic()
+            event = item
+            if plan is not None:
+                event, error = plan.incoming(event)
+                if error is not None and plan.can_resume() and parse_error(error) is None:
+                    # tritonserver's own error for a request whose instance died, or for one sent
+                    # again while its model reloads: the request goes on. A model's own error goes on.
+                    reason = self.door._lost_instance(model)
+                    if reason is None and plan.resends:
+                        reason = f"sent again, answered: {error[:120]}"
+                    elif reason is None:
+                        reason = await self._marked_soon(model)
+                    if reason is not None:
+                        return Lost(reason)
+            await state.write(upstream, event)
+
+
+class _Client:
+    """The client's side of one stream: headers sent with the first event."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response: web.StreamResponse | None = None
+        self.progressed = False  # an event reached the client since the last loss
+
+    async def write(self, upstream, event: bytes) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(status=200)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _OWN_HEADERS:
+                    self.response.headers[name] = value
+            await self.response.prepare(self.request)
+        await self.response.write(event)
+        self.progressed = True
+
+    async def relay_refusal(self, upstream, text: bytes) -> object:
+        """tritonserver's refusal before the stream began: to the client as it came."""
+        if self.response is not None:
+            await self.response.write(text if text.startswith(b"data:") else b"data: " + text.strip() + EVENT_END)
+            return _END
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _OWN_HEADERS}
+        self.response = web.Response(status=upstream.status, body=text, headers=headers)
+        return _END
+
+    async def fail(self, message: str) -> web.StreamResponse:
+        if self.response is None:
+            return web.json_response({"error": message}, status=503, headers={"Retry-After": "1"})
+        await self.response.write(b"data: " + orjson.dumps({"error": message}) + EVENT_END)
+        return await self.finish()
+
+    async def finish(self) -> web.StreamResponse:
+        if self.response is None:  # an empty stream: what tritonserver answers for no event
+            self.response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+            await self.response.prepare(self.request)
+        if isinstance(self.response, web.Response) and not self.response.prepared:
+            return self.response
+        await self.response.write_eof()
+        return self.response
+
+
+def _error_of(body: bytes) -> str:
+    """The message of tritonserver's refusal (``{"error": ...}``, as JSON or as an event)."""
+    text = body[5:] if body.startswith(b"data:") else body
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace")
+    return str(data.get("error", "")) if isinstance(data, dict) else str(data)
+
+
+async def _pump(upstream, queue: asyncio.Queue) -> None:
+    """The upstream's events into ``queue``, then ``_END``, or ``Lost`` when it was cut."""
+    try:
+        while True:
+            event = await upstream.content.readuntil(EVENT_END)
+            if not event:
+                break
+            if not event.endswith(EVENT_END):
+                await queue.put(Lost("the upstream stream was cut mid-event"))
+                return
+            await queue.put(event)
+    except (ClientError, OSError, asyncio.IncompleteReadError) as exc:
+        await queue.put(Lost(f"the upstream stream was cut ({exc.__class__.__name__})"))
+        return
+    await queue.put(_END)
+
+
+STREAM_DOOR = web.AppKey("stream_door", StreamDoor)
+
+
+async def start(door: Door, listen: str, upstream: str, max_body_bytes: int) -> web.AppRunner:
+    """Serve the stream door on ``listen`` (HOST:PORT) in the running loop; the runner to clean up
+    (its application holds the ``StreamDoor`` under ``STREAM_DOOR``)."""
+    host, _, port = listen.rpartition(":")
+    stream_door = StreamDoor(door, upstream, max_body_bytes)
+    app = stream_door.app()
+    app[STREAM_DOOR] = stream_door
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, int(port), reuse_address=True).start()
+    log.info("stream door: %s -> %s", listen, upstream)
+    return runner

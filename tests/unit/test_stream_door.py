@@ -1,0 +1,181 @@
+"""Triton's HTTP generate_stream through the gRPC door's stream listener (server/stream_door.py),
+without Triton: a fake upstream writes server-sent events as tritonserver does and dies (its
+connection cut, or silent with the model marked by the watchdog) partway; the client reads every
+piece once and no error, or, where a stream cannot go on, an error event at once (never a hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from server.frontdoor import model_limits
+from server.grpc_check import Limits
+from server.grpc_door import Door
+from server.stream_door import STREAM_DOOR, Continuation, start
+
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+LIMITS = Limits(models=model_limits(REPOSITORY), max_elements=1 << 26)
+PIECES = [("The", 10), (" cap", 11), ("ital", 12), (" is", 13), (" Paris", 14), (".", 15)]
+TEXT = "The capital is Paris."
+
+
+def event(data: dict) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+# --------------------------------------------------------------------------- the continuation alone
+
+
+def test_a_continuation_asks_for_ids_keeps_them_and_sends_them_back_as_prefix():
+    plan = Continuation.of({"text_input": "Hi", "max_tokens": 8})
+    assert plan is not None and not plan.client_wants_ids
+    assert orjson.loads(plan.request_body()) == {"text_input": "Hi", "max_tokens": 8, "return_token_ids": True}
+    out, error = plan.incoming(event({"text_output": "The", "token_ids": 10}))
+    assert error is None and orjson.loads(out[6:]) == {"text_output": "The"}  # taken out: not asked
+    plan.incoming(event({"text_output": " cap", "token_ids": [11]}))
+    assert plan.can_resume() and plan.ids == [10, 11]
+    assert orjson.loads(plan.request_body())["prefix_token_ids"] == [10, 11]
+
+
+def test_a_client_that_asked_keeps_its_ids_and_its_own_prefix_comes_first():
+    plan = Continuation.of({"text_input": "Hi", "return_token_ids": True, "prefix_token_ids": [7, 8]})
+    assert plan is not None and plan.client_wants_ids
+    raw = event({"text_output": "x", "token_ids": [9]})
+    assert plan.incoming(raw) == (raw, None)
+    assert orjson.loads(plan.request_body())["prefix_token_ids"] == [7, 8, 9]
+
+
+def test_what_cannot_be_continued_says_so():
+    assert Continuation.of({"text_input": "Hi", "return_token_ids": False}) is None
+    assert Continuation.of({"text_input": "Hi", "prefix_token_ids": ["a"]}) is None
+    assert Continuation.of([1, 2]) is None
+    plan = Continuation.of({"text_input": "Hi"})
+    assert not plan.can_resume()  # nothing answered yet: a loss ends it (its client retries)
+    plan.incoming(event({"text_output": "a", "index": 1, "token_ids": [1]}))  # n > 1
+    assert not plan.can_resume()
+    other = Continuation.of({"text_input": "Hi"})
+    assert other.incoming(event({"error": "boom"})) == (event({"error": "boom"}), "boom")
+
+
+# --------------------------------------------------------------------------- the door, over a fake upstream
+
+
+class FakeTriton:
+    """generate_stream as tritonserver writes it. The first call dies after ``cut`` events: its
+    connection cut (``how="cut"``), or it goes silent while the test marks the model (``"silent"``).
+    Later calls continue after the prefix they are given."""
+
+    def __init__(self, cut: int, how: str = "cut", health_dir: Path | None = None):
+        self.cut, self.how, self.health_dir = cut, how, health_dir
+        self.bodies: list[dict] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        first = len(self.bodies) == 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        start = len(body.get("prefix_token_ids", []))
+        for i, (text, token) in enumerate(PIECES[start:], start):
+            if first and i == self.cut:
+                if self.how == "cut":
+                    request.transport.close()  # a replica killed mid-answer
+                    return response
+                (self.health_dir / request.match_info["model"]).write_text("stub died (pid 1, SIGKILL)")
+                await asyncio.sleep(60)  # a dead stub: nothing more, and nothing says so
+            piece = {"model_name": request.match_info["model"], "model_version": "1", "text_output": text}
+            if body.get("return_token_ids"):
+                piece["token_ids"] = token
+            await response.write(event(piece))
+            await asyncio.sleep(0.01)
+        await response.write_eof()
+        return response
+
+
+def _through_the_door(tmp_path: Path, fake: FakeTriton, body: dict, model: str = "text_generation"):
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v2/models/{model}/generate_stream", fake.handle)
+        upstream = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+        await upstream.setup()
+        site = web.TCPSite(upstream, "127.0.0.1", 0)
+        await site.start()
+        up_port = site._server.sockets[0].getsockname()[1]
+        door = Door("127.0.0.1:1", LIMITS, fake.health_dir, 1 << 26)
+        runner = await start(door, "127.0.0.1:0", f"127.0.0.1:{up_port}", 1 << 26)
+        port = runner.addresses[0][1]
+        stream_door = runner.app[STREAM_DOOR]
+        try:
+            async with aiohttp.ClientSession() as client:
+                url = f"http://127.0.0.1:{port}/v2/models/{model}/generate_stream"
+                async with client.post(url, json=body) as r:
+                    status, raw = r.status, await asyncio.wait_for(r.read(), 20)
+        finally:
+            await runner.cleanup()
+            await upstream.cleanup()
+            await door.channel.close()
+        events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+        return status, raw, events, stream_door
+
+    return asyncio.run(go())
+
+
+def test_a_stream_cut_mid_answer_goes_on_with_every_piece_once(tmp_path):
+    fake = FakeTriton(cut=3)
+    status, _, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi", "max_tokens": 6})
+    assert status == 200 and "".join(e["text_output"] for e in events) == TEXT
+    assert all("token_ids" not in e and "error" not in e for e in events)  # ids taken out again
+    first, second = fake.bodies
+    assert first["return_token_ids"] is True and "prefix_token_ids" not in first
+    assert second["prefix_token_ids"] == [10, 11, 12] and second["max_tokens"] == 6
+    assert door.streams_resumed == 1
+
+
+def test_a_stream_whose_stub_died_goes_on_once_the_watchdog_marks_it(tmp_path):
+    health = tmp_path / "health"
+    health.mkdir()
+    fake = FakeTriton(cut=2, how="silent", health_dir=health)
+    status, _, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi", "return_token_ids": True})
+    assert status == 200 and "".join(e["text_output"] for e in events) == TEXT
+    assert [e["token_ids"] for e in events] == [t for _, t in PIECES]  # asked for: kept
+    assert fake.bodies[1]["prefix_token_ids"] == [10, 11] and door.streams_resumed == 1
+
+
+def test_a_stream_that_cannot_go_on_ends_at_once_with_an_error_event(tmp_path):
+    health = tmp_path / "health"
+    health.mkdir()
+    fake = FakeTriton(cut=2, how="silent", health_dir=health)
+    # not a continuable model: before, such a stream stayed open until the client's timeout
+    status, _, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"}, model="other_decoupled")
+    assert status == 200 and [e.get("text_output") for e in events[:2]] == ["The", " cap"]
+    assert "error" in events[-1] and "other_decoupled" in events[-1]["error"] and "stub died" in events[-1]["error"]
+    assert len(fake.bodies) == 1 and door.streams_ended == 1
+
+
+def test_a_stream_lost_before_its_first_event_answers_503_and_is_not_sent_around(tmp_path):
+    fake = FakeTriton(cut=0)
+    status, raw, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"})
+    assert status == 503 and b"text_generation" in raw and len(fake.bodies) == 1 and door.streams_resumed == 0
+
+
+@pytest.mark.parametrize("option", ["--stream-door", "--stream-upstream-listen"])
+def test_render_takes_the_stream_door_and_its_listener_together(tmp_path, option):
+    from server import frontdoor
+
+    out = tmp_path / "out"
+    args = ["render", "--out", str(out), "--stream-door", "grpc-door:8005", "--stream-upstream-listen", "0.0.0.0:8006"]
+    assert frontdoor.main(args) == 0
+    conf = (out / "nginx.conf").read_text()
+    assert "proxy_pass http://grpc-door:8005;" in conf and "listen 0.0.0.0:8006;" in conf
+    lone = [a for a in args if a not in (option, {"--stream-door": "grpc-door:8005"}.get(option, "0.0.0.0:8006"))]
+    with pytest.raises(SystemExit):
+        frontdoor.main(lone)
+    assert frontdoor.main(["render", "--out", str(out)]) == 0
+    conf = (out / "nginx.conf").read_text()
+    assert "BEGIN stream_door" not in conf and conf.count("proxy_pass http://triton_http;") >= 2
