@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make serve   - venv + Debian packages, export the models, start tritonserver and the OpenAI gateway (Ctrl-C stops)
-#   make test    - the same set-up, then unit, integration and perf-smoke tests against a real tritonserver
+#   make test    - the same set-up, then unit and integration tests (and the fuzz smoke) against a real tritonserver
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,10 +10,8 @@ GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 STAMP := $(VENV)/.installed-gpu$(GPU)
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
-# Which exported variant to serve: auto (best that passed its gate on this hardware), cpu,
-# gpu, fp32, cpu_opt, int8, fp16, ort_trt_fp16, trt_plan; for text_generation also fp16_fp32, bf16,
-# int4_bf16 and llama.cpp's llama_q4_0, llama_q4_1, llama_q8_0, llama_bf16, llama_f16. See
-# export/variants.py and export/generation_gate.py.
+# Which exported variant to serve: auto (best that passed its gate on this hardware), cpu, gpu, or
+# one variant by name (`python -m server --help` lists them; export/variants.py, export/generation_gate.py).
 PRECISION ?= auto
 
 .PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config compose-images compose-up compose-down compose-test fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
@@ -140,9 +138,8 @@ structured-bench: $(STAMP)
 cache-bench: $(STAMP)
 	$(PY) -m perf.bench.cache_bench $(CACHE_BENCH_ARGS)
 
-# Canary rollout of a text_encoder version on a running server (make serve; README "Model
-# versions and canary rollout"): publish copies the export into the next version folder;
-# start VERSION=N steps 10 -> 50 -> 100 % with automatic rollback; ROLLOUT_ARGS e.g.
+# Canary rollout of a text_encoder version on a running server (make serve; docs/versions-and-rollout.md):
+# publish copies the export into the next version folder; start VERSION=N steps 10 -> 50 -> 100 % with automatic rollback; ROLLOUT_ARGS e.g.
 # "--dwell 120 --max-error-rate 0.005" (start) or "--force" (finish); ROLLOUT_OPTS for all
 # commands, e.g. "--url 127.0.0.1:9000 --state-file other.json".
 VERSION ?=

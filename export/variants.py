@@ -62,6 +62,8 @@ LLAMA_VARIANTS = ("llama_q4_0", "llama_q4_1", "llama_q8_0", "llama_bf16", "llama
 # The ov_* ones run on OpenVINO (python_backends/generation/openvino_runtime.OV_PRECISIONS).
 OV_VARIANTS = ("ov_f16", "ov_int4_f16")
 GENERATION_VARIANTS = ("fp16_fp32", "bf16", "int4_bf16", *LLAMA_VARIANTS, *OV_VARIANTS)
+# What PRECISION may name: auto, a hardware's best, or one variant (the launchers' --precision).
+PRECISION_CHOICES = ("auto", "cpu", "gpu", *VARIANTS, *GENERATION_VARIANTS)
 
 # What PRECISION=auto serves, best first, per hardware.
 AUTO_ORDER = {"cpu": ("int8", "cpu_opt", "fp32"), "gpu": ("trt_plan", "fp16", "ort_trt_fp16", "fp32")}

@@ -1,5 +1,5 @@
 """``python -m ops.rollout``: publish, canary-roll out, watch, roll back and finish a
-text_encoder version on a running server (README "Model versions and canary rollout").
+text_encoder version on a running server (docs/versions-and-rollout.md).
 
     rollout publish            copy the exported model files into the next version folder
     rollout start 2            put the canary router in front of text_encoder (text_embedding's

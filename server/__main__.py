@@ -15,17 +15,14 @@ import threading
 import time
 from pathlib import Path
 
+from export.variants import PRECISION_CHOICES
 from python_backends.redaction import redact_url
 from server.frontdoor import FrontDoorError
 from server.layout import ROOT, check_home
 from server.models import DEFAULT_MODELS, default_models, openai_models
-from server.process import ServerError, ServerOptions, TritonServer
+from server.process import DEFAULT_CACHE_SIZE_MB, ServerError, ServerOptions, TritonServer
 from server.repository_prep import RepositoryNotWritable, export_missing, resolve_precision
 from server.repository_prep import prepare as prepare_repository
-
-# Triton's response cache (text_tokenizer and image_preprocess; README "Result cache"): a
-# tokenized text takes a few hundred bytes, a preprocessed image 602 KB.
-DEFAULT_CACHE_SIZE_MB = 128
 
 
 def _env_number(name: str, default, kind=int, expected: str = "an integer"):
@@ -128,8 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--precision",
         default=os.environ.get("PRECISION", "auto"),
-        help="model variant to serve: auto (best that passed its gate: cpu or gpu), cpu, gpu, fp32, cpu_opt, "
-        "int8, fp16, ort_trt_fp16, trt_plan (default auto, or $PRECISION)",
+        help="model variant to serve: auto (best that passed its gate: cpu or gpu), "
+        f"{', '.join(PRECISION_CHOICES[1:])} (default auto, or $PRECISION)",
     )
     p.add_argument(
         "--cache-size-mb",

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-# text_embedding_cached: the cached entry point in front of text_embedding (README "Result cache").
+# text_embedding_cached: the cached entry point in front of text_embedding (docs/result-cache.md).
 # text_generation: the LLM (docs/export.md); its weights are exported by `python -m export`.
 DEFAULT_MODELS = (
     "text_embedding",

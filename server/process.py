@@ -42,6 +42,11 @@ class ServerError(RuntimeError):
         self.log_tail = log_tail
 
 
+# make serve's response cache (text_tokenizer and image_preprocess; docs/result-cache.md): a
+# tokenized text takes a few hundred bytes, a preprocessed image 602 KB.
+DEFAULT_CACHE_SIZE_MB = 128
+
+
 @dataclass
 class ServerOptions:
     model_repository: Path = ROOT / "model_repository"

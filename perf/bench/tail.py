@@ -69,6 +69,7 @@ from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import SENTENCES_16TOK as SENTENCES
 from perf.lib.stats import median, percentile
+from server.process import DEFAULT_CACHE_SIZE_MB
 
 BATCHING_MODELS = (
     "text_encoder",
@@ -946,7 +947,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "image_classification always uses the asyncio client",
     )
     p.add_argument("--precision", default="cpu", help="what the server serves, as `make serve PRECISION=` (default cpu)")
-    p.add_argument("--cache-size-mb", type=int, default=64, help="Triton's response cache (default 64, as make serve)")
+    p.add_argument(
+        "--cache-size-mb",
+        type=int,
+        default=DEFAULT_CACHE_SIZE_MB,
+        help=f"Triton's response cache (default {DEFAULT_CACHE_SIZE_MB}, as make serve)",
+    )
     p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/tail-<UTC time>)")
     p.add_argument(
         "--long",

@@ -11,9 +11,8 @@ from pathlib import Path
 
 def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: bool, say):
     """tritonserver (front door on), Redis (optional) and one gateway, as the launcher starts them."""
-    from server.__main__ import DEFAULT_CACHE_SIZE_MB
     from server.gateway import GatewayOptions, GatewayProcess
-    from server.process import ServerOptions, TritonServer, free_port
+    from server.process import DEFAULT_CACHE_SIZE_MB, ServerOptions, TritonServer, free_port
 
     redis = None
     if use_redis and shutil.which("redis-server"):

@@ -217,3 +217,53 @@ def test_rollout_docs_name_only_real_options():
     named = set(OPTION.findall(page.read_text(encoding="utf-8")))
     assert "--dwell" in named, "the link between the page and the rollout command was lost"
     assert not named - known, f"{page.name} names options no command has: {sorted(named - known)}"
+
+
+# A pointer to a README section by its title, quoted after README or after "README, " in parentheses.
+README_SECTION = re.compile(r"README[,:]? \"?((?:[A-Z][\w-]*)(?: [\w-]+)*)\"?[)\"]")
+
+
+def test_pointers_to_readme_sections_name_sections_it_has():
+    headings = {m.group(1).strip() for m in re.finditer(r"^#{1,6}\s+(.*)$", README.read_text(encoding="utf-8"), re.M)}
+    stale = []
+    for path in tracked_files():
+        if path == Path(__file__).resolve():
+            continue  # its own examples
+        if path.suffix not in {".py", ".md", ".yml", ".yaml", ".sh", ".pbtxt", ".toml"} and path.name != "Makefile":
+            continue
+        for section in README_SECTION.findall(path.read_text(encoding="utf-8", errors="replace")):
+            if section not in headings:
+                stale.append(f"{path.relative_to(ROOT)}: README {section!r}")
+    assert not stale, f"README has no such sections (its headings: {sorted(headings)}): {stale}"
+
+
+def test_the_readme_section_pointer_check_can_fail():
+    assert README_SECTION.findall("see (README, Model versions and canary rollout).") == ["Model versions and canary rollout"]
+    assert README_SECTION.findall('# text_embedding_cached (README "Result cache"): a') == ["Result cache"]
+
+
+def test_the_documented_defaults_and_counts_are_the_codes():
+    from export.variants import PRECISION_CHOICES
+    from server.models import DEFAULT_MODELS
+
+    runtime = (ROOT / "docs" / "local-runtime.md").read_text(encoding="utf-8")
+    (row,) = [line for line in runtime.splitlines() if line.startswith("| `--model` ")]
+    assert re.findall(r"`(\w+)`", row.split("|")[3]) == list(DEFAULT_MODELS), row
+    launcher_help = subprocess.run(
+        [sys.executable, "-m", "server", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert all(re.search(rf"\b{p}\b", launcher_help) for p in PRECISION_CHOICES), "--precision's help lacks a variant"
+    # "all <n> services" of docker-compose.yml, where a page counts them
+    import yaml
+
+    services = len(yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"])
+    words = {"ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14}
+    for path in doc_files():
+        for count in re.findall(r"all (\w+) services", path.read_text(encoding="utf-8")):
+            assert words.get(count, count) in (services, str(services)), (
+                f"{path.name}: 'all {count} services', compose has {services}"
+            )
+    # the promtool cases docs/monitoring.md counts
+    cases = len(yaml.safe_load((ROOT / "deploy/prometheus/tests/serving_rules_test.yml").read_text(encoding="utf-8"))["tests"])
+    (said,) = re.findall(r"serving_rules_test\.yml`, (\d+) cases", (ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8"))
+    assert int(said) == cases, f"docs/monitoring.md says {said} promtool cases, the file has {cases}"
