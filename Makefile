@@ -48,7 +48,7 @@ RESILIENCE_SMOKE := tests/perf/test_fuzz_smoke.py
 CLUSTER_DRILLS := $(sort $(wildcard tests/integration/test_cluster_*.py))
 test: $(STAMP) lint
 	$(PY) -m export --no-speed
-	$(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) $(foreach f,$(CLUSTER_DRILLS),--ignore=$(f)) --durations=10 $(PYTEST_ARGS)
+	STRICT_SKIPS=1 $(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) $(foreach f,$(CLUSTER_DRILLS),--ignore=$(f)) -rs --durations=10 $(PYTEST_ARGS)
 
 # ruff's lint rules and formatter over the whole tree, then mypy over python_backends, openai_gateway and clients (pyproject.toml); `make format` applies the first two.
 lint: $(STAMP)
@@ -62,7 +62,7 @@ format: $(STAMP)
 
 test-perf: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m pytest tests/perf $(CLUSTER_DRILLS) $(foreach f,$(RESILIENCE_SMOKE),--ignore=$(f)) $(PYTEST_ARGS)
+	STRICT_SKIPS=1 $(PY) -m pytest tests/perf $(CLUSTER_DRILLS) $(foreach f,$(RESILIENCE_SMOKE),--ignore=$(f)) -rs $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

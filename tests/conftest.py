@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -61,6 +62,25 @@ def start_triton():
     return _serve
 
 
+# Under `make test` and `make test-perf` (STRICT_SKIPS=1, set by the Makefile) a test may skip only
+# for what no set-up provides: a GPU or TensorRT, a CPU feature, a kernel facility. A skip for
+# anything scripts/setup.sh installs or `make export` builds (nginx, promtool, wrk, a package, an
+# exported model) means a broken set-up, and fails instead of reading green.
+HARDWARE_SKIPS = re.compile(
+    r"GPU|CUDA|nvidia|TensorRT|on this CPU|this CPU has no|fbgemm|dmesg|kernel log|root and unshare|PR_SET_PDEATHSIG",
+    re.IGNORECASE,
+)
+
+
+def skip_reason(report) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def skip_fails_when_strict(reason: str) -> bool:
+    """Whether a skip for ``reason`` fails under STRICT_SKIPS=1: anything but hardware and kernel."""
+    return HARDWARE_SKIPS.search(reason) is None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -68,6 +88,11 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call" and report.failed and "triton" in getattr(item, "fixturenames", ()):
         for server in _RUNNING:
             report.sections.append(("tritonserver log (last lines)", server.log_tail(80)))
+    if report.skipped and os.environ.get("STRICT_SKIPS") == "1" and not hasattr(report, "wasxfail"):
+        reason = skip_reason(report)
+        if skip_fails_when_strict(reason):
+            report.outcome = "failed"
+            report.longrepr = f"skipped, but the set-up of make test provides what it needs (STRICT_SKIPS=1): {reason}"
 
 
 @pytest.fixture

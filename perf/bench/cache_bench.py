@@ -36,6 +36,7 @@ import numpy as np
 from perf.bench.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
 from perf.lib.paths import RESULTS
 from perf.lib.perf_analyzer import display_path
+from perf.lib.stats import percentile_of
 
 CACHED, ENSEMBLE = "text_embedding_cached", "text_embedding"
 
@@ -61,10 +62,6 @@ class Phase:
     server_compute_us: float | None = None  # per request, Triton statistics (hits-only phase)
     server_queue_us: float | None = None
     lookup_us: float | None = None  # L1 + L2 lookup of one batch, from embedding_cache_lookup_seconds
-
-
-def percentile(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
 async def _drive(url: str, model: str, texts: Sequence[str], concurrency: int) -> tuple[np.ndarray, float, int]:
@@ -177,8 +174,8 @@ def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: in
         concurrency,
         round(seconds, 2),
         round(len(ok) / seconds, 1),
-        round(percentile(ok, 50), 2),
-        round(percentile(ok, 99), 2),
+        round(percentile_of(ok, 50), 2),
+        round(percentile_of(ok, 99), 2),
         errors,
     )
     if ranks is not None:
@@ -188,8 +185,8 @@ def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: in
             repeat[i] = seen[r]
             seen[r] = True
         valid = ~np.isnan(latencies)
-        p.repeat_p50_ms = round(percentile(latencies[repeat & valid], 50), 2)
-        p.first_p50_ms = round(percentile(latencies[~repeat & valid], 50), 2)
+        p.repeat_p50_ms = round(percentile_of(latencies[repeat & valid], 50), 2)
+        p.first_p50_ms = round(percentile_of(latencies[~repeat & valid], 50), 2)
     return p
 
 

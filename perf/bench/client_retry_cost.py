@@ -28,6 +28,7 @@ import numpy as np
 from clients import AsyncEmbeddingClient
 from clients.embed import build_request, read_embeddings
 from clients.resilience import EndpointPool, Retrier
+from perf.lib.stats import percentile_of
 
 MODEL = "text_embedding"
 
@@ -140,8 +141,8 @@ def summarize(latencies: list[float], seconds: float) -> dict:
     return {
         "calls": len(ms),
         "calls_per_s": len(ms) / seconds,
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p99_ms": float(np.percentile(ms, 99)),
+        "p50_ms": float(percentile_of(list(ms), 50)),
+        "p99_ms": float(percentile_of(list(ms), 99)),
         "max_ms": float(ms.max()),
     }
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from perf.lib.stats import percentile_of
+
 MODEL = "text_embedding"
 # HTTP JSON and binary go through nginx + the njs check; gRPC through the gRPC door
 # (server/grpc_door.py) and nginx's internal gRPC listener.
@@ -85,8 +87,8 @@ def summarize(latencies: list[float], seconds: float) -> dict:
     return {
         "requests": len(ms),
         "rps": len(ms) / seconds,
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p99_ms": float(np.percentile(ms, 99)),
+        "p50_ms": float(percentile_of(list(ms), 50)),
+        "p99_ms": float(percentile_of(list(ms), 99)),
         "max_ms": float(ms.max()),
     }
 

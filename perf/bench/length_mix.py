@@ -45,16 +45,10 @@ from perf.lib import served as served_mod
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
+from perf.lib.stats import percentile_of
 
 WORKLOADS = ("text_encoder", "text_embedding")
 MODELS = ("text_embedding",)  # the ensemble loads the tokenizer and the encoder
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    k = max(0, min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[k]
 
 
 def token_body(ids: Sequence[int]) -> bytes:
@@ -289,7 +283,7 @@ def measure(
         if latencies:
             ms = sorted(x * 1000.0 for x in latencies)
             window.rps = len(ms) / window.seconds
-            window.p50_ms, window.p99_ms, window.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
+            window.p50_ms, window.p99_ms, window.max_ms = percentile_of(ms, 50), percentile_of(ms, 99), ms[-1]
     executions = after[1] - before[1]
     window.batch_rows = (after[0] - before[0]) / executions if executions else None
 

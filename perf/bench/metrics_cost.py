@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from export.reference import model_dir
+from perf.lib.stats import percentile
 from python_backends.padding_metrics import batches_counts
 from python_backends.text.tokenization import BatchTokenizer
 from server.layout import ROOT
@@ -131,7 +132,7 @@ def served(requests: int, rounds: int) -> dict:
         out[label] = {
             "compute_us_per_execution": [round(r[model], 1) for r in per_round],
             "p50_ms": round(statistics.median(lat), 3),
-            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3),
+            "p99_ms": round(percentile(lat, 99), 3),
         }
     on = statistics.median(r[MODEL] for r in per_round)
     off = statistics.median(r[OFF] for r in per_round)
@@ -208,7 +209,7 @@ def summaries(requests: int, rounds: int) -> dict:
             "exposes_queue_summary": exposes[label],
             "request_us": [round(r[label], 1) for r in per_round],
             "p50_ms": round(statistics.median(lat), 3),
-            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3),
+            "p99_ms": round(percentile(lat, 99), 3),
         }
     on = statistics.median(r["summaries on"] for r in per_round)
     off = statistics.median(r["summaries off"] for r in per_round)

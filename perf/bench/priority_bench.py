@@ -37,17 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from perf.lib.stats import percentile_of  # noqa: E402 (after the sys.path line)
 from python_backends.admission.classes import CACHED_ENTRIES, CLASSES  # noqa: E402 (after the sys.path line)
 
 SENTENCES = ROOT / "perf" / "data" / "sentences_16tok.json"
 MODELS = tuple(CACHED_ENTRIES.values())
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100.0 * len(s) + 0.5) - 1))]
 
 
 def body(text: str) -> bytes:
@@ -157,12 +151,12 @@ class Probe:
             "model": self.model,
             "sent": total,
             "ok": len(self.ok_ms),
-            "p50_ms": percentile(self.ok_ms, 50),
-            "p99_ms": percentile(self.ok_ms, 99),
+            "p50_ms": percentile_of(self.ok_ms, 50, empty=None),
+            "p99_ms": percentile_of(self.ok_ms, 99, empty=None),
             "max_ms": max(self.ok_ms) if self.ok_ms else None,
             "refused": len(self.unavailable_ms),
             "refused_rate": len(self.unavailable_ms) / total if total else 0.0,
-            "refused_p99_ms": percentile(self.unavailable_ms, 99),
+            "refused_p99_ms": percentile_of(self.unavailable_ms, 99, empty=None),
             "other_errors": len(self.other),
             "first_other": self.other[0] if self.other else "",
         }

@@ -35,6 +35,7 @@ from pathlib import Path
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.stats import percentile_of
 
 MODEL = "text_generation"
 MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
@@ -115,7 +116,7 @@ def summarise(runs: Sequence[dict]) -> dict[str, float]:
     return {
         "tokens_per_s": n_tokens / sum(r["wall"] for r in runs),
         "tpot_p50_ms": statistics.median(tpot) if tpot else float("nan"),
-        "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan"),
+        "gap_p99_ms": percentile_of(gaps, 99),
         "gap_max_ms": gaps[-1] if gaps else float("nan"),
         "steps_per_token": sum(r["steps"] for r in runs) / max(1, n_tokens),
         "drafted": drafted,

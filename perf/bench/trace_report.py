@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from perf.lib.stats import percentile
+
 MODEL = "text_embedding"
 
 
@@ -158,7 +160,7 @@ def analyse(spans: dict[int, Span], model: str = MODEL) -> Report:
     return Report(
         n,
         statistics.median(totals),
-        totals[min(n - 1, int(n * 0.99))],
+        percentile(totals, 99),
         totals[-1],
         parts(middle),
         parts(slowest),

@@ -53,6 +53,7 @@ from pathlib import Path
 from perf.drills import failover_bench
 from perf.lib import processes
 from perf.lib.paths import RESULTS
+from perf.lib.stats import percentile_of
 from perf.lib.workload import image_request, photos, prompts, sentences
 
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
@@ -412,13 +413,6 @@ class Faults:
 # --------------------------------------------------------------------------- report
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
 WINDOW_S = 5  # the P99 and max of each second are over the 5 seconds ending with it (a second holds ~20 answers)
 
 
@@ -436,7 +430,7 @@ def per_second(run: Run, duration_s: float) -> list[dict]:
                 "second": second,
                 "ok": sum(not r.error for r in inside),
                 "failed": sum(bool(r.error) for r in inside),
-                "p99_ms_5s": round(_pct(window, 0.99), 1),
+                "p99_ms_5s": round(percentile_of(window, 99), 1),
                 "max_ms_5s": round(max(window), 1) if window else float("nan"),
             }
         )
@@ -493,8 +487,8 @@ def summarize(run: Run) -> dict:
             "sent": len(mine),
             "failed": len(failed),
             "unclean": sum(not clean_failure(r.error) for r in failed),
-            "p50_ms": round(_pct(lat, 0.5), 1),
-            "p99_ms": round(_pct(lat, 0.99), 1),
+            "p50_ms": round(percentile_of(lat, 50), 1),
+            "p99_ms": round(percentile_of(lat, 99), 1),
             "max_ms": round(max(lat), 1) if lat else None,
             "errors": sorted({r.error[:160] for r in failed})[:5],
         }

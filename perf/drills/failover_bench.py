@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from perf.lib.paths import RESULTS, ROOT
+from perf.lib.stats import percentile_of
 from server.process import free_port
 
 MODELS = ("text_embedding",)
@@ -234,13 +235,6 @@ async def drive(
     return samples, stats
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
 def per_second(samples: list[Sample], duration_s: float) -> list[dict]:
     rows = []
     for second in range(int(duration_s)):  # whole seconds only: the last partial one would show a false drop
@@ -252,8 +246,8 @@ def per_second(samples: list[Sample], duration_s: float) -> list[dict]:
                 "requests": len(inside),
                 "ok": len(lat),
                 "failed": sum(not s.ok for s in inside),
-                "p50_ms": round(_pct(lat, 0.5), 1),
-                "p99_ms": round(_pct(lat, 0.99), 1),
+                "p50_ms": round(percentile_of(lat, 50), 1),
+                "p99_ms": round(percentile_of(lat, 99), 1),
                 "max_ms": round(max(lat), 1) if lat else float("nan"),
             }
         )
@@ -382,8 +376,8 @@ def scenario(
         "errors": sorted({f.error for f in failures})[:10],
         "rps_before_kill": round(statistics.mean(before), 1) if before else 0.0,
         "rps_last_5s": round(statistics.mean(last), 1) if last else 0.0,
-        "p50_ms": round(_pct(lat, 0.5), 1),
-        "p99_ms": round(_pct(lat, 0.99), 1),
+        "p50_ms": round(percentile_of(lat, 50), 1),
+        "p99_ms": round(percentile_of(lat, 99), 1),
         "max_ms": round(max(lat), 1) if lat else None,
         "killed_at_s": watcher.killed_at,
         "restarted_at_s": watcher.restarted_at,

@@ -1,4 +1,5 @@
-"""Percentiles and medians as the tools report them."""
+"""Percentiles and medians as the tools report them: the one percentile definition of the
+repository (nearest rank), which every benchmark and drill reports its P50/P99 with."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
         raise ValueError("no values")
     rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
     return sorted_values[rank - 1]
+
+
+def percentile_of(values: Sequence[float], q: float, empty: float | None = float("nan")) -> float | None:
+    """``percentile`` of values in any order; ``empty`` when there are none."""
+    return percentile(sorted(values), q) if len(values) else empty
 
 
 def median(values: Sequence[float | None]) -> float | None:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from server.layout import ROOT
 from server.redis_process import RedisProcess
+from tests.metrics_text import metric_sum, metric_values, scrape
 
 CACHED, ENSEMBLE = "text_embedding_cached", "text_embedding"
 RETRY_S = 0.5
@@ -80,20 +80,8 @@ def embed_counted(client, model: str, texts: list[str], truncate: bool = False) 
     return result.as_numpy("EMBEDDING"), result.as_numpy("NUM_TOKENS").reshape(-1)
 
 
-def metrics(server) -> dict[str, float]:
-    """Prometheus text -> {'name{k="v",...}': value} with labels sorted."""
-    out = {}
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-            if m:
-                labels = ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or "")))
-                out[f"{m.group(1)}{{{labels}}}"] = float(m.group(3))
-    return out
-
-
 def lookups(server, level: str, result: str) -> float:
-    return metrics(server).get(f'embedding_cache_lookups_total{{level="{level}",model="{CACHED}",result="{result}"}}', 0.0)
+    return metric(server, "embedding_cache_lookups_total", level=level, model=CACHED, result=result)
 
 
 def cache_hits(server) -> float:
@@ -104,12 +92,12 @@ def cache_hits(server) -> float:
 
 def redis_up(server) -> set[float]:
     """embedding_cache_redis_up of each instance."""
-    return {v for k, v in metrics(server).items() if k.startswith("embedding_cache_redis_up{")}
+    return set(metric_values(scrape(server.metrics_url), "embedding_cache_redis_up"))
 
 
 def metric(server, name: str, **labels) -> float:
-    key = ",".join(sorted(f'{k}="{v}"' for k, v in labels.items()))
-    return metrics(server).get(f"{name}{{{key}}}", 0.0)
+    """The sum of ``name``'s series whose labels include ``labels`` (tests/metrics_text.py)."""
+    return metric_sum(scrape(server.metrics_url), name, **labels)
 
 
 def ensemble_requests(client) -> int:
@@ -146,15 +134,17 @@ def test_partial_hits_in_one_batch_one_model_call_for_the_misses_in_order(client
 
 
 def test_triton_response_cache_hits_show_in_triton_metrics(client, triton):
-    key = 'nv_cache_num_hits_per_model{model="text_tokenizer",version="1"}'
-    before = metrics(triton).get(key, 0.0)
+    def hits(model: str) -> float:
+        return metric(triton, "nv_cache_num_hits_per_model", model=model, version="1")
+
+    before = hits("text_tokenizer")
     text = ["response cache: the same text twice"]
     a = embed(client, ENSEMBLE, text)
     b = embed(client, ENSEMBLE, text)
-    assert metrics(triton).get(key, 0.0) - before >= 1
+    assert hits("text_tokenizer") - before >= 1
     assert np.abs(a - b).max() < 1e-5
     # and never on the ensemble itself (it would serve old vectors after an encoder swap)
-    assert metrics(triton).get('nv_cache_num_hits_per_model{model="text_embedding",version="1"}', 0.0) == 0
+    assert hits("text_embedding") == 0
 
 
 def test_token_counts_come_back_with_the_vectors_from_the_model_l1_and_l2(client, triton, redis_l2):

@@ -42,6 +42,7 @@ except ImportError:  # the openai SDK of this venv ships its fork under this nam
 from server.layout import ROOT
 from server.process import free_port
 from tests.integration.conftest import GATEWAY_TEST_KEY
+from tests.metrics_text import metric_sum, scrape
 
 AUTH = {"Authorization": f"Bearer {GATEWAY_TEST_KEY}"}
 GEN = "text_generation"
@@ -69,27 +70,13 @@ def error_of(r) -> dict:
 
 
 def gateway_metric(gw, name: str, **labels) -> float:
-    """The sum of a gateway metric's series whose labels include ``labels`` (0 when absent)."""
-    body = httpx.get(f"{gw.url}/metrics", timeout=10).text
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", body, re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    """The sum of a gateway metric's series whose labels include ``labels`` (tests/metrics_text.py)."""
+    return metric_sum(httpx.get(f"{gw.url}/metrics", timeout=10).text, name, **labels)
 
 
 def triton_metric(triton, name: str, **labels) -> float:
-    with urllib.request.urlopen(triton.metrics_url, timeout=10) as r:
-        body = r.read().decode("utf-8")
-    total, found = 0.0, False
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", body, re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if have.get("model") == GEN and all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-            found = True
-    assert found, f"{name}{labels or ''} of {GEN} is not on Triton's metrics port"
-    return total
+    """The sum of the generation model's series of a Triton metric (at least one must exist)."""
+    return metric_sum(scrape(triton.metrics_url), name, series=True, model=GEN, **labels)
 
 
 def generation_idle(triton) -> bool:

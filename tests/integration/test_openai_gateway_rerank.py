@@ -16,8 +16,6 @@ objects, vLLM's other paths; bad input as 4xx naming the field, never 5xx; the k
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 import uuid
 
 import numpy as np
@@ -27,6 +25,7 @@ import requests
 from server.layout import ROOT
 from server.redis_process import RedisProcess
 from tests.integration.conftest import GATEWAY_TEST_KEY
+from tests.metrics_text import metric_sum, scrape
 
 EMB, CACHED = "text_embedding", "text_embedding_cached"
 ALIAS = "sentence-transformers/all-MiniLM-L6-v2"
@@ -74,15 +73,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def triton_metric(server, name: str, **labels) -> float:
-    """The sum of a Triton metric's series whose labels include ``labels`` (0 when absent)."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    """The sum of a Triton metric's series whose labels include ``labels`` (tests/metrics_text.py)."""
+    return metric_sum(scrape(server.metrics_url), name, **labels)
 
 
 def cache_counts(server) -> tuple[float, float]:

@@ -28,6 +28,7 @@ import tritonclient.grpc as grpcclient
 
 from server.stubs import find_stubs
 from tests.integration.conftest import GATEWAY_TEST_KEY
+from tests.metrics_text import metric_sum, scrape
 
 RECOVERY_S = 30
 
@@ -134,12 +135,7 @@ def _kill_and_watch(triton, model: str, entry: str) -> dict:
 
 
 def _watchdog_metric(triton, name: str, model: str) -> float:
-    with urllib.request.urlopen(triton.metrics_url.rsplit("/metrics", 1)[0] + "/metrics/watchdog", timeout=10) as r:
-        body = r.read().decode()
-    for line in body.splitlines():
-        if line.startswith(f'{name}{{model="{model}"}} '):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric_sum(scrape(triton.metrics_url.rsplit("/metrics", 1)[0] + "/metrics/watchdog"), name, series=True, model=model)
 
 
 # The BLS entry's stub is killed between requests: SIGKILLed in the middle of a BLS call it

@@ -40,6 +40,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from server.layout import ROOT
+from tests.metrics_text import metric_sum
+from tests.metrics_text import scrape as scrape_url
 
 MODEL = "text_generation"
 REPOSITORY = ROOT / "model_repository"
@@ -273,20 +275,12 @@ def ready(server) -> bool:
 
 # ---- metrics -------------------------------------------------------------------------------
 def scrape(server) -> str:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-        return r.read().decode("utf-8")
+    return scrape_url(server.metrics_url)
 
 
 def metric(body: str, name: str, **labels) -> float:
-    """The sum of ``name``'s series on this model whose labels include ``labels``."""
-    total, found = 0.0, False
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", body, re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if have.get("model") == MODEL and all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-            found = True
-    assert found, f"{name}{labels or ''} is not on the metrics port"
-    return total
+    """The sum of ``name``'s series on this model whose labels include ``labels`` (one must exist)."""
+    return metric_sum(body, name, series=True, model=MODEL, **labels)
 
 
 def wait_for(server, check, timeout: float = 10.0, interval: float = 0.1):

@@ -321,7 +321,10 @@ def test_lone_surrogates_are_400_naming_the_field(model, fn, fields, param):
 
 
 def test_chat_accepts_what_it_can_honour(model):
-    chat(model, tool_choice="none", response_format={"type": "text"}, logprobs=False, tools=[])
+    """Each field as asked is what the model does anyway: no tools, plain text, no log-probabilities."""
+    job = chat(model, tool_choice="none", response_format={"type": "text"}, logprobs=False, tools=[])
+    assert job.tools is None and not job.logprobs and "logprobs" not in job.sampling
+    assert not any(k.startswith("guided_") for k in job.sampling), job.sampling
 
 
 def test_chat_messages_become_the_templates_json(model):

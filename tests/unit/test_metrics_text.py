@@ -1,0 +1,37 @@
+"""The tests' Prometheus reader fails on a metric that is not there (tests/metrics_text.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.metrics_text import metric_sum
+
+TEXT = """# HELP requests_total Requests.
+# TYPE requests_total counter
+requests_total{model="a",code="200"} 3
+requests_total{model="a",code="500"} 1
+requests_total{model="b",code="200"} 5
+# HELP hits_total Hits, none yet.
+# TYPE hits_total counter
+# HELP up Up.
+# TYPE up gauge
+up 1
+"""
+
+
+def test_sums_the_series_whose_labels_include_those_asked():
+    assert metric_sum(TEXT, "requests_total") == 9
+    assert metric_sum(TEXT, "requests_total", model="a") == 4
+    assert metric_sum(TEXT, "requests_total", model="a", code="500") == 1
+    assert metric_sum(TEXT, "up") == 1
+
+
+def test_a_family_without_a_matching_series_is_0_unless_a_series_is_required():
+    assert metric_sum(TEXT, "hits_total") == 0 and metric_sum(TEXT, "requests_total", model="c") == 0
+    with pytest.raises(AssertionError, match="no series"):
+        metric_sum(TEXT, "requests_total", series=True, model="c")
+
+
+def test_a_metric_not_in_the_scrape_fails():
+    with pytest.raises(AssertionError, match="not in the scrape"):
+        metric_sum(TEXT, "request_total")  # a typo
