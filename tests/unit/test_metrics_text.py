@@ -13,6 +13,9 @@ requests_total{model="a",code="500"} 1
 requests_total{model="b",code="200"} 5
 # HELP hits_total Hits, none yet.
 # TYPE hits_total counter
+# HELP nv_inference_request_success Successful requests (a counter without _total, as tritonserver's).
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="a",version="1"} 7
 # HELP up Up.
 # TYPE up gauge
 up 1
@@ -24,6 +27,7 @@ def test_sums_the_series_whose_labels_include_those_asked():
     assert metric_sum(TEXT, "requests_total", model="a") == 4
     assert metric_sum(TEXT, "requests_total", model="a", code="500") == 1
     assert metric_sum(TEXT, "up") == 1
+    assert metric_sum(TEXT, "nv_inference_request_success", model="a") == 7
 
 
 def test_a_family_without_a_matching_series_is_0_unless_a_series_is_required():
