@@ -62,7 +62,7 @@ class Lost:
     reason: str
 
 
-_END = object()
+_END = object()  # the upstream stream ended as it should
 
 
 @dataclass
@@ -247,45 +247,65 @@ class StreamDoor:
                     # instance, then "not ready") pass, within RESUME_WAIT_S; a model's own goes on
                     return Lost(f"sent again, answered {upstream.status}")
                 return await state.relay_refusal(upstream, text)
-            queue: asyncio.Queue = asyncio.Queue()
-            pump = asyncio.ensure_future(_pump(upstream, queue))
-            try:
-                return await self._relay(model, upstream, queue, plan, state, after_loss)
-            finally:
-                pump.cancel()
+            return await self._relay(model, upstream, plan, state, after_loss)
         finally:
             upstream.close()
 
-    async def _relay(self, model, upstream, queue: asyncio.Queue, plan, state: _Client, after_loss: bool) -> object:
-        last_event = time.monotonic()
+    async def _relay(self, model: str, upstream, plan: Continuation | None, state: _Client, after_loss: bool) -> object:
+        """The upstream's events to the client as they come (read here, no queue and no timer per
+        event); a watcher task beside it reads the marks while the stream is silent and, on a loss,
+        closes the upstream connection, which ends the read."""
+        call = _Call()
+        watcher = asyncio.ensure_future(self._watch(model, call, upstream, after_loss))
+        try:
+            while True:
+                try:
+                    event = await upstream.content.readuntil(EVENT_END)
+                except (ClientError, OSError, asyncio.IncompleteReadError) as exc:
+                    return call.lost or Lost(f"the upstream stream was cut ({exc.__class__.__name__})")
+                if call.lost is not None:
+                    return call.lost
+                if not event:
+                    return _END
+                if not event.endswith(EVENT_END):
+                    return Lost("the upstream stream was cut mid-event")
+                call.last_event = time.monotonic()
+                if plan is not None:
+                    event, error = plan.incoming(event)
+                    if error is not None and plan.can_resume() and parse_error(error) is None:
+                        # tritonserver's own error for a request whose instance died, or for one sent
+                        # again while its model reloads: the request goes on. A model's own error goes on.
+                        reason = self.door._lost_instance(model)
+                        if reason is None and plan.resends:
+                            reason = f"sent again, answered: {error[:120]}"
+                        elif reason is None:
+                            reason = await self._marked_soon(model)
+                        if reason is not None:
+                            return Lost(reason)
+                await state.write(upstream, event)
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, model: str, call: _Call, upstream, after_loss: bool) -> None:
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), WATCH_S)
-            except asyncio.TimeoutError:
-                if after_loss:  # until the model is reloaded wherever it was marked
-                    after_loss = self.door._healing_anywhere(model) is not None
-                    continue
-                reason = self._marked_loss(model, time.monotonic() - last_event)
-                if reason is not None:
-                    return Lost(reason)
+            await asyncio.sleep(WATCH_S)
+            if after_loss:  # until the model is reloaded wherever it was marked
+                after_loss = self.door._healing_anywhere(model) is not None
                 continue
-            if item is _END or isinstance(item, Lost):
-                return item
-            last_event = time.monotonic()
-            event = item
-            if plan is not None:
-                event, error = plan.incoming(event)
-                if error is not None and plan.can_resume() and parse_error(error) is None:
-                    # tritonserver's own error for a request whose instance died, or for one sent
-                    # again while its model reloads: the request goes on. A model's own error goes on.
-                    reason = self.door._lost_instance(model)
-                    if reason is None and plan.resends:
-                        reason = f"sent again, answered: {error[:120]}"
-                    elif reason is None:
-                        reason = await self._marked_soon(model)
-                    if reason is not None:
-                        return Lost(reason)
-            await state.write(upstream, event)
+            silent = time.monotonic() - call.last_event
+            reason = self._marked_loss(model, silent) if silent >= WATCH_S else None
+            if reason is not None:
+                call.lost = Lost(reason)
+                upstream.close()
+                return
+
+
+@dataclass
+class _Call:
+    """What the relay and its watcher share about one upstream call."""
+
+    last_event: float = field(default_factory=time.monotonic)
+    lost: Lost | None = None
 
 
 class _Client:
@@ -339,23 +359,6 @@ def _error_of(body: bytes) -> str:
     except orjson.JSONDecodeError:
         return body.decode("utf-8", "replace")
     return str(data.get("error", "")) if isinstance(data, dict) else str(data)
-
-
-async def _pump(upstream, queue: asyncio.Queue) -> None:
-    """The upstream's events into ``queue``, then ``_END``, or ``Lost`` when it was cut."""
-    try:
-        while True:
-            event = await upstream.content.readuntil(EVENT_END)
-            if not event:
-                break
-            if not event.endswith(EVENT_END):
-                await queue.put(Lost("the upstream stream was cut mid-event"))
-                return
-            await queue.put(event)
-    except (ClientError, OSError, asyncio.IncompleteReadError) as exc:
-        await queue.put(Lost(f"the upstream stream was cut ({exc.__class__.__name__})"))
-        return
-    await queue.put(_END)
 
 
 STREAM_DOOR = web.AppKey("stream_door", StreamDoor)
