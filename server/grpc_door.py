@@ -613,7 +613,7 @@ async def serve(
     if stream_listen is not None and stream_upstream is not None:
         from server import stream_door
 
-        stream_runner = await stream_door.start(door, stream_listen, stream_upstream, max_message_bytes)
+        stream_runner = await stream_door.start(door, stream_listen, stream_upstream, max_message_bytes, drain_timeout)
     if ready_file is not None:
         ready_file.write_text(str(os.getpid()), encoding="utf-8")
     stop = asyncio.Event()
@@ -626,10 +626,11 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
+    # Both listeners drain at once, each for at most drain_timeout (the HTTP one's runner has it).
+    drains = [server.stop(drain_timeout)]
     if stream_runner is not None:
-        await stream_runner.shutdown()
-        await asyncio.wait_for(stream_runner.cleanup(), drain_timeout)
-    await server.stop(drain_timeout)
+        drains.append(stream_runner.cleanup())
+    await asyncio.gather(*drains, return_exceptions=True)
     await door.channel.close()
 
 

@@ -30,10 +30,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientConnectionResetError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from python_backends.errors import parse_error
 from server.stream_resume import ASK_INPUT, IDS_OUTPUT, NOT_CONTINUABLE_OUTPUTS, PREFIX_INPUT
+
+# The answer's end, asked for on every continuable request: an event of HTTP's generate_stream has
+# no final flag (gRPC's triton_final_response), and a stream cut after its last event must not be
+# sent again (it would be continued past its end, or refused).
+REASON_INPUT, REASON_OUTPUT = "return_finish_reason", "finish_reason"
 
 if TYPE_CHECKING:
     from server.grpc_door import Door
@@ -51,15 +57,22 @@ SILENT_STREAM_S = 1.0
 RESUME_WAIT_S = 30.0
 RESUME_BACKOFF_S = 0.05
 EVENT_END = b"\n\n"
+# Bodies past this are sent on as they came, not parsed (a continuation's prefix is far smaller:
+# the model refuses one of max_tokens_limit tokens or more), so one request cannot hold the loop
+# that serves every gRPC call too.
+MAX_CONTINUED_BODY_BYTES = 1 << 20
+MAX_PREFIX_TOKENS = 65536
 # Hop-by-hop and length headers are the server's own; the rest of tritonserver's go on.
 _OWN_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"})
 
 
 @dataclass(frozen=True)
 class Lost:
-    """The upstream stream ended without its end: why."""
+    """The upstream stream ended without its end: why; ``resumable`` False where sending the
+    request again cannot help (an event over the size limit)."""
 
     reason: str
+    resumable: bool = True
 
 
 _END = object()  # the upstream stream ended as it should
@@ -72,10 +85,12 @@ class Continuation:
     body: dict[str, Any]
     client_wants_ids: bool
     prefix: list[int]
+    client_wants_reason: bool = False
     ids: list[int] = field(default_factory=list)
     events: int = 0
     resends: int = 0
     continuable: bool = True
+    finished: bool = False  # an event carried the answer's finish_reason: nothing is left to continue
 
     @classmethod
     def of(cls, body: Any) -> Continuation | None:
@@ -89,14 +104,20 @@ class Continuation:
         prefix = body.get(PREFIX_INPUT, [])
         if isinstance(prefix, int) and not isinstance(prefix, bool):
             prefix = [prefix]
-        if not isinstance(prefix, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+        if not isinstance(prefix, list) or len(prefix) > MAX_PREFIX_TOKENS:
             return None
-        return cls(body, client_wants_ids=asked is not None, prefix=list(prefix))
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+            return None
+        reason = body.get(REASON_INPUT)
+        if reason is not None and reason is not True and reason != [True]:
+            return None
+        return cls(body, client_wants_ids=asked is not None, prefix=list(prefix), client_wants_reason=reason is not None)
 
     def request_body(self) -> bytes:
         """The body to send upstream: the client's, asking for the ids, after the ids sent so far."""
         body = dict(self.body)
         body[ASK_INPUT] = True
+        body[REASON_INPUT] = True
         prefix = self.prefix + self.ids
         if prefix:
             body[PREFIX_INPUT] = prefix
@@ -120,13 +141,22 @@ class Continuation:
         self.events += 1
         if any(name in data for name in NOT_CONTINUABLE_OUTPUTS):
             self.continuable = False
+        changed = False
         if IDS_OUTPUT in data:
             ids = data[IDS_OUTPUT]
             self.ids.extend(ids if isinstance(ids, list) else [ids])
             if not self.client_wants_ids:
                 del data[IDS_OUTPUT]
-                return b"data: " + orjson.dumps(data) + EVENT_END, None
-        return event, None
+                changed = True
+        if REASON_OUTPUT in data:
+            reason = data[REASON_OUTPUT]
+            self.finished = self.finished or any(
+                isinstance(r, str) and r for r in (reason if isinstance(reason, list) else [reason])
+            )
+            if not self.client_wants_reason:
+                del data[REASON_OUTPUT]
+                changed = True
+        return (b"data: " + orjson.dumps(data) + EVENT_END if changed else event), None
 
     def can_resume(self) -> bool:
         return self.continuable and self.events > 0
@@ -138,6 +168,7 @@ class StreamDoor:
     the replicas (serve-cluster, docker-compose)."""
 
     def __init__(self, door: Door, upstream: str, max_body_bytes: int):
+        # max_body_bytes: the largest request body, and the largest event passed on
         self.door = door
         self.upstream = f"http://{upstream}"
         self.max_body_bytes = max_body_bytes
@@ -166,12 +197,15 @@ class StreamDoor:
 
     # -- the marks -----------------------------------------------------------------------------
 
-    def _marked_loss(self, model: str, silent_s: float) -> str | None:
+    def _marked_loss(self, model: str, silent_s: float, resumable: bool) -> str | None:
         """Why an open stream of ``model`` is lost: its model marked by this server's watchdog, or
-        (replicas behind nginx) marked on some replica while the stream is silent."""
+        (replicas behind nginx, and only for a stream that can go on elsewhere, as on the gRPC
+        door) marked on some replica while the stream is silent: the mark may be another
+        replica's, and a stream cut for it that cannot be continued would be lost for nothing."""
         door = self.door
         reason = door._healing(model)
-        if reason is None and (door.healing_dirs or door.replica_probes is not None) and silent_s >= SILENT_STREAM_S:
+        remote = door.healing_dirs or door.replica_probes is not None
+        if reason is None and resumable and remote and silent_s >= SILENT_STREAM_S:
             reason = door._healing_anywhere(model)
         return reason
 
@@ -192,7 +226,7 @@ class StreamDoor:
         model = request.match_info["model"]
         raw = await request.read()
         plan = None
-        if model in self.door.continuable:
+        if model in self.door.continuable and len(raw) <= MAX_CONTINUED_BODY_BYTES:
             try:
                 plan = Continuation.of(orjson.loads(raw))
             except orjson.JSONDecodeError:
@@ -207,8 +241,12 @@ class StreamDoor:
                 return await state.finish()
             assert isinstance(outcome, Lost)
             now = time.monotonic()
+            if state.progressed:  # the stream went on since its last loss: a new loss starts afresh
+                lost_since, attempts = None, 0
             lost_since = now if lost_since is None else lost_since
-            if plan is not None and plan.can_resume() and now - lost_since < RESUME_WAIT_S:
+            if plan is not None and plan.finished and outcome.resumable:
+                return await state.finish()  # cut after its last event: the answer is whole
+            if plan is not None and outcome.resumable and plan.can_resume() and now - lost_since < RESUME_WAIT_S:
                 if attempts == 0 or state.progressed:
                     self.streams_resumed += 1
                     log.info(
@@ -241,7 +279,10 @@ class StreamDoor:
             return Lost(f"upstream unreachable: {exc.__class__.__name__}")
         try:
             if upstream.status != 200:
-                text = await upstream.read()
+                try:
+                    text = await upstream.read()
+                except (ClientError, OSError) as exc:
+                    return Lost(f"the upstream answer was cut ({exc.__class__.__name__})")
                 if plan is not None and plan.resends and parse_error(_error_of(text)) is None:
                     # sent again: tritonserver's own refusals while the model reloads (the dead
                     # instance, then "not ready") pass, within RESUME_WAIT_S; a model's own goes on
@@ -256,11 +297,13 @@ class StreamDoor:
         event); a watcher task beside it reads the marks while the stream is silent and, on a loss,
         closes the upstream connection, which ends the read."""
         call = _Call()
-        watcher = asyncio.ensure_future(self._watch(model, call, upstream, after_loss))
+        watcher = asyncio.ensure_future(self._watch(model, call, upstream, after_loss, plan))
         try:
             while True:
                 try:
-                    event = await upstream.content.readuntil(EVENT_END)
+                    event = await upstream.content.readuntil(EVENT_END, max_size=self.max_body_bytes)
+                except HttpProcessingError:
+                    return Lost(f"an event of the answer is over {self.max_body_bytes} bytes", resumable=False)
                 except (ClientError, OSError, asyncio.IncompleteReadError) as exc:
                     return call.lost or Lost(f"the upstream stream was cut ({exc.__class__.__name__})")
                 if call.lost is not None:
@@ -282,18 +325,20 @@ class StreamDoor:
                             reason = await self._marked_soon(model)
                         if reason is not None:
                             return Lost(reason)
-                await state.write(upstream, event)
+                if not await state.write(upstream, event):
+                    return _END  # the client went away: the upstream call is closed
         finally:
             watcher.cancel()
 
-    async def _watch(self, model: str, call: _Call, upstream, after_loss: bool) -> None:
+    async def _watch(self, model: str, call: _Call, upstream, after_loss: bool, plan: Continuation | None) -> None:
         while True:
             await asyncio.sleep(WATCH_S)
             if after_loss:  # until the model is reloaded wherever it was marked
                 after_loss = self.door._healing_anywhere(model) is not None
                 continue
             silent = time.monotonic() - call.last_event
-            reason = self._marked_loss(model, silent) if silent >= WATCH_S else None
+            resumable = plan is not None and plan.can_resume()
+            reason = self._marked_loss(model, silent, resumable) if silent >= WATCH_S else None
             if reason is not None:
                 call.lost = Lost(reason)
                 upstream.close()
@@ -316,15 +361,20 @@ class _Client:
         self.response: web.StreamResponse | None = None
         self.progressed = False  # an event reached the client since the last loss
 
-    async def write(self, upstream, event: bytes) -> None:
-        if self.response is None:
-            self.response = web.StreamResponse(status=200)
-            for name, value in upstream.headers.items():
-                if name.lower() not in _OWN_HEADERS:
-                    self.response.headers[name] = value
-            await self.response.prepare(self.request)
-        await self.response.write(event)
+    async def write(self, upstream, event: bytes) -> bool:
+        """Pass one event on; False when the client has gone."""
+        try:
+            if self.response is None:
+                self.response = web.StreamResponse(status=200)
+                for name, value in upstream.headers.items():
+                    if name.lower() not in _OWN_HEADERS:
+                        self.response.headers[name] = value
+                await self.response.prepare(self.request)
+            await self.response.write(event)
+        except (ClientConnectionResetError, ConnectionResetError):
+            return False
         self.progressed = True
+        return True
 
     async def relay_refusal(self, upstream, text: bytes) -> object:
         """tritonserver's refusal before the stream began: to the client as it came."""
@@ -338,16 +388,22 @@ class _Client:
     async def fail(self, message: str) -> web.StreamResponse:
         if self.response is None:
             return web.json_response({"error": message}, status=503, headers={"Retry-After": "1"})
-        await self.response.write(b"data: " + orjson.dumps({"error": message}) + EVENT_END)
+        try:
+            await self.response.write(b"data: " + orjson.dumps({"error": message}) + EVENT_END)
+        except (ClientConnectionResetError, ConnectionResetError):
+            return self.response
         return await self.finish()
 
     async def finish(self) -> web.StreamResponse:
-        if self.response is None:  # an empty stream: what tritonserver answers for no event
-            self.response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
-            await self.response.prepare(self.request)
-        if isinstance(self.response, web.Response) and not self.response.prepared:
-            return self.response
-        await self.response.write_eof()
+        try:
+            if self.response is None:  # an empty stream: what tritonserver answers for no event
+                self.response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+                await self.response.prepare(self.request)
+            if isinstance(self.response, web.Response) and not self.response.prepared:
+                return self.response
+            await self.response.write_eof()
+        except (ClientConnectionResetError, ConnectionResetError):
+            pass  # the client has gone
         return self.response
 
 
@@ -364,14 +420,14 @@ def _error_of(body: bytes) -> str:
 STREAM_DOOR = web.AppKey("stream_door", StreamDoor)
 
 
-async def start(door: Door, listen: str, upstream: str, max_body_bytes: int) -> web.AppRunner:
+async def start(door: Door, listen: str, upstream: str, max_body_bytes: int, drain_timeout: float = 30.0) -> web.AppRunner:
     """Serve the stream door on ``listen`` (HOST:PORT) in the running loop; the runner to clean up
     (its application holds the ``StreamDoor`` under ``STREAM_DOOR``)."""
     host, _, port = listen.rpartition(":")
     stream_door = StreamDoor(door, upstream, max_body_bytes)
     app = stream_door.app()
     app[STREAM_DOOR] = stream_door
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_timeout)
     await runner.setup()
     await web.TCPSite(runner, host, int(port), reuse_address=True).start()
     log.info("stream door: %s -> %s", listen, upstream)

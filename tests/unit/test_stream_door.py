@@ -35,7 +35,12 @@ def event(data: dict) -> bytes:
 def test_a_continuation_asks_for_ids_keeps_them_and_sends_them_back_as_prefix():
     plan = Continuation.of({"text_input": "Hi", "max_tokens": 8})
     assert plan is not None and not plan.client_wants_ids
-    assert orjson.loads(plan.request_body()) == {"text_input": "Hi", "max_tokens": 8, "return_token_ids": True}
+    assert orjson.loads(plan.request_body()) == {
+        "text_input": "Hi",
+        "max_tokens": 8,
+        "return_token_ids": True,
+        "return_finish_reason": True,  # an event has no final flag: the reason says the answer ended
+    }
     out, error = plan.incoming(event({"text_output": "The", "token_ids": 10}))
     assert error is None and orjson.loads(out[6:]) == {"text_output": "The"}  # taken out: not asked
     plan.incoming(event({"text_output": " cap", "token_ids": [11]}))
@@ -71,8 +76,9 @@ class FakeTriton:
     connection cut (``how="cut"``), or it goes silent while the test marks the model (``"silent"``).
     Later calls continue after the prefix they are given."""
 
-    def __init__(self, cut: int, how: str = "cut", health_dir: Path | None = None):
+    def __init__(self, cut: int, how: str = "cut", health_dir: Path | None = None, first_after_s: float = 0.0, pad: int = 0):
         self.cut, self.how, self.health_dir = cut, how, health_dir
+        self.first_after_s, self.pad = first_after_s, pad
         self.bodies: list[dict] = []
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -82,6 +88,7 @@ class FakeTriton:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         start = len(body.get("prefix_token_ids", []))
+        await asyncio.sleep(self.first_after_s)  # a long queue or prefill before the first token
         for i, (text, token) in enumerate(PIECES[start:], start):
             if first and i == self.cut:
                 if self.how == "cut":
@@ -89,16 +96,23 @@ class FakeTriton:
                     return response
                 (self.health_dir / request.match_info["model"]).write_text("stub died (pid 1, SIGKILL)")
                 await asyncio.sleep(60)  # a dead stub: nothing more, and nothing says so
-            piece = {"model_name": request.match_info["model"], "model_version": "1", "text_output": text}
+            piece = {"model_name": request.match_info["model"], "model_version": "1", "text_output": text + " " * self.pad}
             if body.get("return_token_ids"):
                 piece["token_ids"] = token
+            if body.get("return_finish_reason"):
+                piece["finish_reason"] = "length" if i == len(PIECES) - 1 else None
             await response.write(event(piece))
             await asyncio.sleep(0.01)
+        if first and self.how == "cut after the last":
+            request.transport.close()  # every piece sent, the stream's end not
+            return response
         await response.write_eof()
         return response
 
 
-def _through_the_door(tmp_path: Path, fake: FakeTriton, body: dict, model: str = "text_generation"):
+def _through_the_door(
+    tmp_path: Path, fake: FakeTriton, body: dict, model: str = "text_generation", healing_dirs: tuple[Path, ...] = ()
+):
     async def go():
         app = web.Application()
         app.router.add_post("/v2/models/{model}/generate_stream", fake.handle)
@@ -107,7 +121,7 @@ def _through_the_door(tmp_path: Path, fake: FakeTriton, body: dict, model: str =
         site = web.TCPSite(upstream, "127.0.0.1", 0)
         await site.start()
         up_port = site._server.sockets[0].getsockname()[1]
-        door = Door("127.0.0.1:1", LIMITS, fake.health_dir, 1 << 26)
+        door = Door("127.0.0.1:1", LIMITS, fake.health_dir, 1 << 26, healing_dirs=healing_dirs)
         runner = await start(door, "127.0.0.1:0", f"127.0.0.1:{up_port}", 1 << 26)
         port = runner.addresses[0][1]
         stream_door = runner.app[STREAM_DOOR]
@@ -158,6 +172,33 @@ def test_a_stream_that_cannot_go_on_ends_at_once_with_an_error_event(tmp_path):
     assert len(fake.bodies) == 1 and door.streams_ended == 1
 
 
+def test_a_stream_cut_after_its_last_event_is_whole_and_not_sent_again(tmp_path):
+    """HTTP events have no final flag: the finish_reason the door asks for says the answer ended."""
+    fake = FakeTriton(cut=99, how="cut after the last")
+    status, _, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"})
+    assert status == 200 and "".join(e["text_output"] for e in events) == TEXT
+    assert all("finish_reason" not in e and "error" not in e for e in events)  # not asked: taken out
+    assert len(fake.bodies) == 1 and door.streams_resumed == 0
+
+
+def test_a_mark_on_another_replica_does_not_cut_a_healthy_stream_before_its_first_token(tmp_path):
+    """serve-cluster: a model marked in some replica's folder; this stream's replica is healthy and
+    slow to its first token (a queue): it is not cut, as it could not be continued anyway."""
+    other = tmp_path / "replica-1-health"
+    other.mkdir()
+    (other / "text_generation").write_text("stub died on the other replica")
+    fake = FakeTriton(cut=99, first_after_s=1.6)
+    status, _, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"}, healing_dirs=(other,))
+    assert status == 200 and "".join(e["text_output"] for e in events) == TEXT
+    assert len(fake.bodies) == 1 and door.streams_resumed == door.streams_ended == 0
+
+
+def test_an_event_larger_than_aiohttps_read_buffer_passes_whole(tmp_path):
+    fake = FakeTriton(cut=99, pad=600_000)  # each event about 600 KB (aiohttp's default line limit is 512 KiB)
+    status, _, events, _ = _through_the_door(tmp_path, fake, {"text_input": "Hi"}, model="other_decoupled")
+    assert status == 200 and "".join(e["text_output"].rstrip(" ") for e in events) == TEXT
+
+
 def test_a_stream_lost_before_its_first_event_answers_503_and_is_not_sent_around(tmp_path):
     fake = FakeTriton(cut=0)
     status, raw, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"})
@@ -178,4 +219,5 @@ def test_render_takes_the_stream_door_and_its_listener_together(tmp_path, option
         frontdoor.main(lone)
     assert frontdoor.main(["render", "--out", str(out)]) == 0
     conf = (out / "nginx.conf").read_text()
-    assert "BEGIN stream_door" not in conf and conf.count("proxy_pass http://triton_http;") >= 2
+    stream_block = conf.split("location @triton_stream {", 1)[1].split("}", 1)[0]
+    assert "BEGIN stream_door" not in conf and "proxy_pass http://triton_http;" in stream_block
