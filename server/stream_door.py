@@ -95,11 +95,13 @@ class Continuation:
     @classmethod
     def of(cls, body: Any) -> Continuation | None:
         """The continuation of a checked ``generate_stream`` body, or None when it cannot be sent
-        again: not a JSON object, ``return_token_ids`` set false, or a prefix that is not a list of ints."""
-        if not isinstance(body, dict):
+        again: not a JSON object, ``return_token_ids`` set false, or a prefix that is not a list of
+        ints. A flag may come as a top-level field (an input) or in ``parameters`` (a request
+        parameter, which the model reads too); tritonserver refuses a name given both ways."""
+        if not isinstance(body, dict) or not isinstance(body.get("parameters", {}), dict):
             return None
-        asked = body.get(ASK_INPUT)
-        if asked is not None and asked is not True and asked != [True]:
+        asked = _flag(body, ASK_INPUT)
+        if asked is not None and asked is not True:
             return None
         prefix = body.get(PREFIX_INPUT, [])
         if isinstance(prefix, int) and not isinstance(prefix, bool):
@@ -108,16 +110,19 @@ class Continuation:
             return None
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
             return None
-        reason = body.get(REASON_INPUT)
-        if reason is not None and reason is not True and reason != [True]:
+        reason = _flag(body, REASON_INPUT)
+        if reason is not None and reason is not True:
             return None
         return cls(body, client_wants_ids=asked is not None, prefix=list(prefix), client_wants_reason=reason is not None)
 
     def request_body(self) -> bytes:
         """The body to send upstream: the client's, asking for the ids, after the ids sent so far."""
         body = dict(self.body)
-        body[ASK_INPUT] = True
-        body[REASON_INPUT] = True
+        params = dict(body.get("parameters") or {})
+        for name in (ASK_INPUT, REASON_INPUT):
+            if name not in body:  # asked as a request parameter, unless the client made it an input
+                params[name] = True
+        body["parameters"] = params
         prefix = self.prefix + self.ids
         if prefix:
             body[PREFIX_INPUT] = prefix
@@ -160,6 +165,15 @@ class Continuation:
 
     def can_resume(self) -> bool:
         return self.continuable and self.events > 0
+
+
+def _flag(body: dict[str, Any], name: str) -> Any:
+    """A BOOL flag as the client gave it: an input (top level: true, [true]) or a request parameter
+    (true, "true"); None when absent, True when set, anything else as it came."""
+    value = body[name] if name in body else body.get("parameters", {}).get(name)
+    if value is True or value == [True] or (isinstance(value, str) and value.lower() == "true"):
+        return True
+    return value
 
 
 class StreamDoor:

@@ -38,8 +38,9 @@ def test_a_continuation_asks_for_ids_keeps_them_and_sends_them_back_as_prefix():
     assert orjson.loads(plan.request_body()) == {
         "text_input": "Hi",
         "max_tokens": 8,
-        "return_token_ids": True,
-        "return_finish_reason": True,  # an event has no final flag: the reason says the answer ended
+        # request parameters, which the model reads as its inputs; an event has no final flag:
+        # the reason says the answer ended
+        "parameters": {"return_token_ids": True, "return_finish_reason": True},
     }
     out, error = plan.incoming(event({"text_output": "The", "token_ids": 10}))
     assert error is None and orjson.loads(out[6:]) == {"text_output": "The"}  # taken out: not asked
@@ -54,6 +55,19 @@ def test_a_client_that_asked_keeps_its_ids_and_its_own_prefix_comes_first():
     raw = event({"text_output": "x", "token_ids": [9]})
     assert plan.incoming(raw) == (raw, None)
     assert orjson.loads(plan.request_body())["prefix_token_ids"] == [7, 8, 9]
+
+
+def test_a_flag_the_client_gave_as_a_parameter_or_an_input_is_not_given_twice():
+    """tritonserver refuses a name that is both an input and a parameter ("input ... already exists")."""
+    plan = Continuation.of({"text_input": "Hi", "parameters": {"return_finish_reason": True, "max_tokens": 4}})
+    assert plan is not None and plan.client_wants_reason and not plan.client_wants_ids
+    sent = orjson.loads(plan.request_body())
+    assert "return_finish_reason" not in sent and sent["parameters"]["return_finish_reason"] is True
+    plan = Continuation.of({"text_input": "Hi", "return_token_ids": True})
+    sent = orjson.loads(plan.request_body())
+    assert sent["return_token_ids"] is True and "return_token_ids" not in sent["parameters"]
+    assert Continuation.of({"text_input": "Hi", "parameters": {"return_token_ids": False}}) is None
+    assert Continuation.of({"text_input": "Hi", "parameters": "x"}) is None
 
 
 def test_what_cannot_be_continued_says_so():
@@ -87,6 +101,10 @@ class FakeTriton:
         first = len(self.bodies) == 1
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+
+        def asked(flag: str) -> bool:  # an input (top level) or a request parameter, as tritonserver takes either
+            return bool(body.get(flag) or body.get("parameters", {}).get(flag))
+
         start = len(body.get("prefix_token_ids", []))
         await asyncio.sleep(self.first_after_s)  # a long queue or prefill before the first token
         for i, (text, token) in enumerate(PIECES[start:], start):
@@ -97,9 +115,9 @@ class FakeTriton:
                 (self.health_dir / request.match_info["model"]).write_text("stub died (pid 1, SIGKILL)")
                 await asyncio.sleep(60)  # a dead stub: nothing more, and nothing says so
             piece = {"model_name": request.match_info["model"], "model_version": "1", "text_output": text + " " * self.pad}
-            if body.get("return_token_ids"):
+            if asked("return_token_ids"):
                 piece["token_ids"] = token
-            if body.get("return_finish_reason"):
+            if asked("return_finish_reason"):
                 piece["finish_reason"] = "length" if i == len(PIECES) - 1 else None
             await response.write(event(piece))
             await asyncio.sleep(0.01)
@@ -146,7 +164,7 @@ def test_a_stream_cut_mid_answer_goes_on_with_every_piece_once(tmp_path):
     assert status == 200 and "".join(e["text_output"] for e in events) == TEXT
     assert all("token_ids" not in e and "error" not in e for e in events)  # ids taken out again
     first, second = fake.bodies
-    assert first["return_token_ids"] is True and "prefix_token_ids" not in first
+    assert first["parameters"]["return_token_ids"] is True and "prefix_token_ids" not in first
     assert second["prefix_token_ids"] == [10, 11, 12] and second["max_tokens"] == 6
     assert door.streams_resumed == 1
 
