@@ -583,6 +583,13 @@ def compose_ports(listen: str = "0.0.0.0", upstream: str | Sequence[str] = COMPO
     return FrontDoorPorts.cluster(listen, 8000, 8001, 8002, [Upstream.parse(h) for h in hosts])
 
 
+def _check_address(option: str, value: str) -> None:
+    """A HOST:PORT option of the render command (a compose service name or an address)."""
+    host, _, port = value.rpartition(":")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{option} {value!r}: HOST:PORT")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m server.frontdoor", description="Render the front door's nginx configuration for docker-compose."
@@ -652,17 +659,15 @@ def main(argv: list[str] | None = None) -> int:
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"--grpc-listen {args.grpc_listen!r}: HOST:PORT")
             ports.grpc_listen_host, ports.grpc = host, int(port)
+        for option, value in (
+            ("--repository-door", args.repository_door),
+            ("--stream-door", args.stream_door),
+            ("--stream-upstream-listen", args.stream_upstream_listen),
+        ):
+            if value is not None:
+                _check_address(option, value)
         if args.repository_door:
-            host, _, port = args.repository_door.rpartition(":")
-            if not re.fullmatch(r"[A-Za-z0-9._-]+", host) or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--repository-door {args.repository_door!r}: HOST:PORT")
             ports.repository_door_address = args.repository_door
-        for option, value in (("--stream-door", args.stream_door), ("--stream-upstream-listen", args.stream_upstream_listen)):
-            host, _, port = (value or "").rpartition(":")
-            if value is not None and (
-                not re.fullmatch(r"[A-Za-z0-9._-]+", host) or not port.isdigit() or not 0 < int(port) < 65536
-            ):
-                raise ValueError(f"{option} {value!r}: HOST:PORT")
         if (args.stream_door is None) != (args.stream_upstream_listen is None):
             raise ValueError("--stream-door and --stream-upstream-listen go together")
         ports.stream_door, ports.stream_upstream_listen = args.stream_door, args.stream_upstream_listen
