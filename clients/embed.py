@@ -30,7 +30,7 @@ from clients.resilience import (
     make_retrier,
     split_urls,
 )
-from python_backends.errors import parse_error, words_of
+from contract.errors import parse_error, words_of
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class EmbeddingError(RuntimeError):
         retry_note: str = "",
         attempts: int | None = None,
     ):
-        data = parse_error(server_message)  # the model's error data (python_backends/errors.py)
+        data = parse_error(server_message)  # the model's error data (contract/errors.py)
         self.server_message = words_of(server_message)
         self.code = data.code if data else None
         self.field = data.field if data else None

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from python_backends.errors import CODES, OVERLOADED, UNAVAILABLE, parse_error
+from contract.errors import CODES, OVERLOADED, UNAVAILABLE, parse_error
 
 log = logging.getLogger(__name__)
 

@@ -49,6 +49,7 @@ RUN python3 -m venv /opt/venv \
 FROM python
 COPY --from=venv /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+COPY contract /opt/project/contract
 COPY python_backends /opt/project/python_backends
 COPY server /opt/project/server
 COPY export /opt/project/export

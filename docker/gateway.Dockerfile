@@ -6,7 +6,7 @@
 # FastAPI and uvicorn with uvloop and httptools, orjson, prometheus-client, tritonclient's gRPC
 # and HTTP clients (the clients/ package imports both), numpy, tokenizers and jinja2 (/tokenize:
 # the models' tokenizer files and the chat template).
-# Built from the repository root (.dockerignore admits python_backends/, openai_gateway/, clients/,
+# Built from the repository root (.dockerignore admits contract/, openai_gateway/, clients/,
 # server/, ops/):
 #   docker-compose build gateway
 # The model repository (its configs and the tokenizer) is mounted, not copied.
@@ -26,7 +26,7 @@ RUN if [ -f build-local/ca.crt ]; then export PIP_CERT="$PWD/build-local/ca.crt"
       "numpy==1.26.4" "tokenizers==0.23.3" "jinja2==3.1.6" "markupsafe==3.0.4" \
  && rm -rf build-local
 
-COPY python_backends /opt/embedding/python_backends
+COPY contract /opt/embedding/contract
 COPY clients /opt/embedding/clients
 COPY openai_gateway /opt/embedding/openai_gateway
 # docker-compose's grpc-door and repository-door services run `python -m server.grpc_door` and

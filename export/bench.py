@@ -29,7 +29,7 @@ class Speed:
 
     @property
     def best_batch(self) -> int:
-        return max(self.throughput, key=self.throughput.get)
+        return max(self.throughput, key=lambda batch: self.throughput[batch])
 
     @property
     def best_throughput(self) -> float:
@@ -68,7 +68,7 @@ def open_session(variant: str, path: Path, threads: int):
 
 
 def _time_runs(session, feed: dict[str, np.ndarray], seconds: float, min_runs: int = 3) -> list[float]:
-    times = []
+    times: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(times) < min_runs or time.perf_counter() < deadline:
         start = time.perf_counter()

@@ -148,7 +148,7 @@ def served_tokenizer_settings(repo: Path) -> dict[str, Any]:
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
-    from python_backends.config import ModelConfig
+    from contract.model_config import ModelConfig
     from python_backends.text.pairs import DEFAULT_PAIR_BUCKETS
 
     text = (repo / TOKENIZER_STEP / "config.pbtxt").read_text()

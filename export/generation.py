@@ -81,6 +81,7 @@ class Source:
 
     def files(self) -> list[Path]:
         if self.kind == "gguf":
+            assert self.gguf_file is not None  # a "gguf" source always names its file
             return [self.folder / self.gguf_file]
         return sorted(
             p
@@ -228,8 +229,10 @@ def load_source(source: Source, dtype: str = "float32"):
             f"{source.describe()}: architecture {', '.join(found)}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     # The GGUF load leaves a quantization config behind although the weights are dequantized;
-    # saved, it would make the checkpoint ask for GGUF again.
-    model.hf_quantizer = None
+    # saved, it would make the checkpoint ask for GGUF again. transformers sets hf_quantizer on the
+    # instance without declaring it on PreTrainedModel, so mypy sees torch's Module.__setattr__
+    # (Tensor | Module values only).
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return model.eval(), tokenizer

@@ -160,7 +160,13 @@ def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(i, f"Write a short story about the number {i}.", params)
-    while any(not engine.scheduler.get(i).output_tokens for i in range(batch)):
+
+    def first_token_pending(seq_id: int) -> bool:
+        seq = engine.scheduler.get(seq_id)
+        assert seq is not None, f"probe sequence {seq_id} left the scheduler before its first token"
+        return not seq.output_tokens
+
+    while any(first_token_pending(i) for i in range(batch)):
         engine.step()
     engine.step()
     started = time.perf_counter()
@@ -241,10 +247,10 @@ def choose_best(model_dir: Path, passed: list[str], rows: dict[str, dict[str, An
                 failed.add(precision)
                 speeds.pop(precision, None)
                 continue
-            best = speeds.setdefault(precision, measured)
+            kept = speeds.setdefault(precision, measured)
             for b, v in measured.items():
-                best[b] = max(best.get(b, 0.0), v)
-            rows[precision]["probe_tokens_per_s"] = {str(b): round(v, 1) for b, v in best.items()}
+                kept[b] = max(kept.get(b, 0.0), v)
+            rows[precision]["probe_tokens_per_s"] = {str(b): round(v, 1) for b, v in kept.items()}
     # The probe's fresh engine flatters llama.cpp: its unified KV buffer attends over every cell up to
     # the highest one in use, and under sustained traffic the prefix cache's cells spread over the
     # whole pool (a 1 GiB pool, filled: prefill 200 tokens/s instead of 552, 16 streams 166 instead of

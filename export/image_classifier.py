@@ -82,11 +82,11 @@ DEFAULT = EFFICIENTNET
 
 
 def preprocess_config(model: ImageModel = DEFAULT, repo: Path = SOURCE_REPOSITORY):
-    """The parsed config.pbtxt of ``model``'s preprocessing step (python_backends.config.ModelConfig)."""
+    """The parsed config.pbtxt of ``model``'s preprocessing step (contract.model_config.ModelConfig)."""
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
-    from python_backends.config import ModelConfig
+    from contract.model_config import ModelConfig
 
     text = (repo / model.preprocess / "config.pbtxt").read_text()
     message = text_format.Parse(text, model_config_pb2.ModelConfig())
@@ -376,7 +376,7 @@ class ImageClassifierPipeline:
     difference against its FP32 PyTorch model on the evaluation photos (export/gates.toml)."""
 
     model = EFFICIENTNET
-    variants = ("cpu_opt", "int8", "openvino", "fp16", "ort_trt_fp16", "trt_plan")
+    variants: tuple[str, ...] = ("cpu_opt", "int8", "openvino", "fp16", "ort_trt_fp16", "trt_plan")
     # INT8 recipe (export/image_quant.quantize_int8): bias correction, and the weights' bit
     # width from the exporting CPU (None: 7 bits on x86 without VNNI, else 8).
     int8_bias_correction = True
@@ -386,7 +386,7 @@ class ImageClassifierPipeline:
     trt_profiles = {"pixel_values": ((1, 3, 224, 224), (8, 3, 224, 224), (32, 3, 224, 224))}
 
     @property
-    def builder_version(self) -> str:
+    def builder_version(self) -> int | str:
         """Names the INT8 recipe, whose weight width the exporting CPU decides: a checkout moved
         to a CPU of the other kind rebuilds its INT8 variant."""
         from export.text_quant import cpu_has_vnni
@@ -478,6 +478,7 @@ class ImageClassifierPipeline:
             net, meta = load_torch_model(self.weights, self.model)
             self._pixels, self._reference = reference_logits(net, self.model)
             self._trained = self.weights is not None or meta["provenance"] == "pretrained"
+        assert self._pixels is not None  # set together with self._reference
         return self._pixels, self._reference
 
     def evaluate(self, variant: str, path: Path) -> dict:

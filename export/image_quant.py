@@ -168,7 +168,7 @@ def input_means(model, names: Sequence[str], pixels: np.ndarray, batch_size: int
     options = ort.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(probe.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
-    sums = {name: 0.0 for name in names}
+    sums: dict[str, np.ndarray] = {name: np.zeros(()) for name in names}  # per-channel sums, broadcast on the first add
     for batch in image_data.batches(np.ascontiguousarray(pixels, dtype=np.float32), batch_size):
         for name, value in zip(names, session.run(list(names), {INPUT: batch})):
             axes = tuple(i for i in range(value.ndim) if i != 1)

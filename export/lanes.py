@@ -126,9 +126,9 @@ def render_lane(repository: Path, lane: Lane, version: int | None = None) -> Pat
         files = {f.name for f in (src / name).iterdir() if f.is_file() and not f.name.startswith(".")}
         for f in files:
             _link(src / name / f, vdst / f)
-        for f in vdst.iterdir():
-            if f.is_symlink() and f.name not in files and not f.name.startswith("."):
-                f.unlink()
+        for entry in vdst.iterdir():
+            if entry.is_symlink() and entry.name not in files and not entry.name.startswith("."):
+                entry.unlink()
     for p in dst.iterdir():  # a version removed from the model is removed from the lane
         if p.is_dir() and not p.is_symlink() and p.name.isdigit() and p.name not in versions:
             shutil.rmtree(p)

@@ -149,7 +149,7 @@ def run(
     previous = variants.read_manifest(repo, pipeline.name).get("variants", {})
     outcomes: dict[str, VariantOutcome] = {}
 
-    params = getattr(pipeline, "config_parameters", lambda: {})()
+    params: dict[str, str] = getattr(pipeline, "config_parameters", lambda: {})()
     for step, name in enumerate(names, start=1):
         variant = variants.VARIANTS[name]
         gate = gates.get(name)
@@ -330,7 +330,7 @@ def _provider(variant: str, measured_on_cpu: bool) -> str:
 
 
 def build_report(
-    pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], speeds: dict[str, bench.Speed], best: dict[str, str]
+    pipeline: ModelPipeline, outcomes: dict[str, VariantOutcome], speeds: dict[str, bench.Speed], best: dict[str, str | None]
 ) -> dict[str, Any]:
     fp32_speed = speeds.get("fp32")
     rows = []

@@ -83,6 +83,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -352,7 +353,8 @@ def _quantize_matmuls(model, maxima: dict[str, np.ndarray], levels: int | None =
         levels = weight_levels()
     inits = {i.name: i for i in model.graph.initializer}
     producers = {o: n for n in model.graph.node for o in n.output}
-    nodes, counts = [], Counter()
+    nodes: list[Any] = []
+    counts: Counter[str] = Counter()
 
     def const(array: np.ndarray, name: str) -> str:
         model.graph.initializer.append(numpy_helper.from_array(array, name))

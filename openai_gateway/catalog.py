@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from python_backends.config import ModelConfig
+from contract.model_config import ModelConfig
 
 # The weights each model serves (export/): the names applications already use for them.
 ALIASES = {

@@ -15,13 +15,13 @@ from typing import Any
 
 import orjson
 
+from contract.sampling import MAX_LOGPROBS, SAMPLING_FIELDS
 from openai_gateway.catalog import GenerationModel
 from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.tools import ToolUse, check_tools, closed, render_message
-from python_backends.generation.fields import MAX_LOGPROBS, SAMPLING_FIELDS
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: OpenAI's 20, the engine's limit too
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: OpenAI's legacy limit
@@ -64,7 +64,7 @@ class GenerationJob:
 def _sampling(
     req: _Sampling, max_tokens: int | None, settings: GatewaySettings, default_max_tokens: int | None
 ) -> dict[str, Any]:
-    """The request's sampling fields for the engine (python_backends/generation/fields.py),
+    """The request's sampling fields for the engine (contract/sampling.py),
     which judges their values; here only OpenAI's own policy and the operator's cap are
     checked. Without max_tokens the engine fills the rest of the context, up to the default."""
     param = (

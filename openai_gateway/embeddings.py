@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from contract.errors import InputError
+from contract.model_config import bucket_length
+from contract.truncation import LEFT, RIGHT, parse_direction
 from openai_gateway.catalog import EmbeddingModel
 from openai_gateway.errors import APIError, bad_request, too_large
 from openai_gateway.schemas import EmbeddingRequest
 from openai_gateway.settings import GatewaySettings
-from python_backends.errors import InputError
-from python_backends.text.tokenization import bucket_length
-from python_backends.text.truncation import LEFT, RIGHT, parse_direction
 
 
 class Vocabulary:

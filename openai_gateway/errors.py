@@ -48,7 +48,7 @@ class APIError(Exception):
         data: Any = None,
     ):
         super().__init__(message)
-        # The model's error data (python_backends.errors.ErrorData) when a model refused the request.
+        # The model's error data (contract.errors.ErrorData) when a model refused the request.
         self.data = data
         self.status = status
         self.message = message

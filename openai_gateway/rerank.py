@@ -24,12 +24,12 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from contract.errors import InputError
+from contract.truncation import RIGHT, parse_direction
 from openai_gateway.catalog import EmbeddingModel, RerankerModel
 from openai_gateway.embeddings import EmbeddingJob, utf8
 from openai_gateway.errors import APIError, bad_request, too_large
 from openai_gateway.settings import GatewaySettings
-from python_backends.errors import InputError
-from python_backends.text.truncation import RIGHT, parse_direction
 
 # --- request bodies (published in /openapi.json) --------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
 
-from python_backends.generation.fields import SAMPLING_FIELDS
+from contract.sampling import SAMPLING_FIELDS
 
 Number = Union[StrictInt, StrictFloat]  # noqa: UP007 (pydantic's Strict types are Annotated aliases)
 
@@ -82,7 +82,7 @@ class StreamOptions(_Body):
     include_usage: StrictBool | None = None
 
 
-# JSON types of the sampling fields' table (python_backends/generation/fields.py) as strict types.
+# JSON types of the sampling fields' table (contract/sampling.py) as strict types.
 _TYPES: dict[tuple[type, ...], Any] = {
     (int,): StrictInt,
     (int, float): Number,

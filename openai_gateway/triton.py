@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from contract.errors import CONTEXT_LENGTH, INVALID, parse_error, words_of
+from contract.truncation import DIRECTION_INPUT, RIGHT, TRUNCATE_INPUT
 from openai_gateway.catalog import Catalog, EmbeddingModel, Model, RerankerModel
 from openai_gateway.completions import GenerationJob
 from openai_gateway.embeddings import EmbeddingJob, context_length_error, pad_ids
 from openai_gateway.errors import APIError, unavailable
-from python_backends.errors import CONTEXT_LENGTH, INVALID, parse_error, words_of
-from python_backends.text.truncation import DIRECTION_INPUT, RIGHT, TRUNCATE_INPUT
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Piece:
 def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:
     """An APIError for a failed Triton call: 4xx for what the request did, 5xx for Triton.
 
-    The models' errors carry their code, field and values as data (python_backends/errors.py),
+    The models' errors carry their code, field and values as data (contract/errors.py),
     which decide the status and the OpenAI ``param`` (the model's input names mapped to the
     request's fields by ``param_map``) on a unary call and on a stream alike. Triton's own
     errors carry a gRPC status; a stream error of Triton's own has neither (502)."""

@@ -50,8 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contract.errors import ConfigError
 from ops.repository import ROOT, ReplicatedRepositoryClient, RepositoryClient, RepositoryError, connect
-from python_backends.errors import ConfigError
 from python_backends.routing.ensemble import ROUTED, describe_form, direct_form, form_of, routed_form
 from python_backends.routing.weights import RoutingError, format_weights, parse_weights, validate_weights
 

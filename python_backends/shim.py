@@ -11,7 +11,7 @@ import logging
 import traceback
 from typing import Any
 
-from python_backends.errors import TRITON_CODES, ConfigError, InputError, RequestError, format_error
+from contract.errors import TRITON_CODES, ConfigError, InputError, RequestError, format_error
 
 
 class _TritonLogHandler(logging.Handler):
@@ -51,7 +51,7 @@ def load_error(pb_utils: Any, model: str, exc: BaseException) -> Exception:
 
 def error_response(pb_utils: Any, model: str, exc: BaseException, request_id: str = "") -> Any:
     """One request's error response: the Triton code of the error's code, and its data in the
-    message (python_backends.errors.format_error); unexpected errors are logged."""
+    message (contract.errors.format_error); unexpected errors are logged."""
     if isinstance(exc, RequestError):
         prefix = "" if isinstance(exc, InputError) else f"{model}: "
         code = getattr(pb_utils.TritonError, TRITON_CODES[exc.code])
@@ -141,7 +141,7 @@ def check_shape(name: str, shape, dims, max_batch_size: int, size: int | None = 
 
 
 def check_input_shapes(pb_utils: Any, request: Any, config: Any) -> None:
-    """Check every input a request carries against ``config`` (a python_backends.config.ModelConfig)
+    """Check every input a request carries against ``config`` (a contract.model_config.ModelConfig)
     with check_shape; call it per request, before the request joins a batch."""
     for spec in config.inputs:
         tensor = pb_utils.get_input_tensor_by_name(request, spec.name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from python_backends.config import ModelConfig
+from contract.model_config import ModelConfig
 from python_backends.shim import (
     check_input_shapes,
     error_response,
@@ -66,8 +66,8 @@ def request_texts(pb_utils: Any, request: Any, name: str, max_bytes: int, config
 
 def request_truncation(pb_utils: Any, request: Any, rows: int) -> list:
     """Each of a request's ``rows`` texts' Truncation from its optional TRUNCATE and
-    TRUNCATION_DIRECTION inputs (python_backends.text.truncation; InputError for a bad value)."""
-    from python_backends.text.truncation import DIRECTION_INPUT, TRUNCATE_INPUT, parse_truncation
+    TRUNCATION_DIRECTION inputs (contract.truncation; InputError for a bad value)."""
+    from contract.truncation import DIRECTION_INPUT, TRUNCATE_INPUT, parse_truncation
 
     def optional(name: str):
         tensor = pb_utils.get_input_tensor_by_name(request, name)

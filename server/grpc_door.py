@@ -38,7 +38,7 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from python_backends.errors import parse_error
+from contract.errors import parse_error
 from server.grpc_check import Limits, Refusal, check_request
 from server.replica_probes import ReplicaProbes, probe_url
 from server.stream_resume import StreamBook, continuable_models

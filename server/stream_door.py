@@ -33,7 +33,7 @@ import orjson
 from aiohttp import ClientConnectionResetError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from python_backends.errors import parse_error
+from contract.errors import parse_error
 from server.stream_resume import ASK_INPUT, IDS_OUTPUT, NOT_CONTINUABLE_OUTPUTS, PREFIX_INPUT
 
 # The answer's end, asked for on every continuable request: an event of HTTP's generate_stream has

@@ -14,11 +14,11 @@ import numpy as np
 
 from clients.embed import PROTOCOLS, Protocol, parse_urls, transport
 from clients.resilience import RetryPolicy
-from python_backends.generation.fields import SAMPLING_FIELDS as _FIELDS
+from contract.sampling import SAMPLING_FIELDS as _FIELDS
 
 DEFAULT_MODEL = "text_generation"
 # Sampling parameters the served model accepts (vLLM's names), with the JSON types each takes:
-# the engine's own table (python_backends/generation/fields.py).
+# the engine's own table (contract/sampling.py).
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {f.name: f.kinds for f in _FIELDS}
 ROLES = ("system", "user", "assistant")
 _ids = itertools.count(1)

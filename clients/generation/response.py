@@ -14,7 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.generation.request import DEFAULT_MODEL
 from clients.resilience import RetryError, describe
-from python_backends.errors import GRPC_STATUS, parse_error, words_of
+from contract.errors import GRPC_STATUS, parse_error, words_of
 
 
 class GenerationError(RuntimeError):
@@ -25,7 +25,7 @@ class GenerationError(RuntimeError):
     (``"400"``) or the gRPC status code, a stream error's included (the model's error data
     says it). The model's errors also come as data: ``code`` (``"invalid_value"``,
     ``"context_length_exceeded"``, ``"overloaded"``, ...), ``field`` and ``values`` (the limit
-    and what was sent), python_backends/errors.py; None and {} for other failures.
+    and what was sent), contract/errors.py; None and {} for other failures.
     """
 
     def __init__(

@@ -535,7 +535,7 @@ function checkGenerateRequest(r) {
     return null;
 }
 
-// A model's error carries its code as data after its words (python_backends/errors.py); each
+// A model's error carries its code as data after its words (contract/errors.py); each
 // code's HTTP status. tritonserver 2.51's generate endpoint answers every error with 400.
 const ERROR_DATA = ' #error-data ';
 const DATA_STATUS = {invalid_value: 400, context_length_exceeded: 400, request_too_large: 413,

@@ -236,7 +236,7 @@ def grouped_feeds(rows: Sequence[np.ndarray], max_tokens: int, max_padding: int 
 
 def count_feeds(rows: Sequence[np.ndarray], batch: int, buckets: Sequence[int] = BUCKETS) -> list[dict[str, np.ndarray]]:
     """The pool in runs of ``batch`` rows in arrival order, each padded to the bucket of its longest row."""
-    from python_backends.text.tokenization import bucket_length
+    from contract.model_config import bucket_length
 
     chunks = [rows[i : i + batch] for i in range(0, len(rows), batch)]
     return [_feed(c, bucket_length(max(len(r) for r in c), buckets)) for c in chunks]

@@ -44,9 +44,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from contract.errors import InputError
 from export.bench import cpu_threads
 from perf.lib.paths import ROOT
-from python_backends.errors import InputError
 from python_backends.text.tokenization import decode_texts
 
 log = logging.getLogger(__name__)

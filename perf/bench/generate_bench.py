@@ -1135,8 +1135,8 @@ def resolve_precision(repository: Path, precision: str) -> tuple[str | None, str
 def served_engine_settings(repository: Path, config_name: str | None = None) -> dict:
     """EngineConfig keyword arguments from the parameters of the config Triton serves
     (``configs/<config_name>.pbtxt`` when it exists, else config.pbtxt)."""
+    from contract.model_config import ModelConfig
     from ops.rollout import config_from_disk
-    from python_backends.config import ModelConfig
     from python_backends.generation.serving import engine_settings
 
     path = repository / MODEL / "config.pbtxt"

@@ -93,7 +93,7 @@ def parse_config(text: str):
 
 
 def config_dict(text: str) -> dict:
-    """A config.pbtxt text as the JSON Triton hands a Python model (python_backends.config.ModelConfig)."""
+    """A config.pbtxt text as the JSON Triton hands a Python model (contract.model_config.ModelConfig)."""
     from google.protobuf import json_format
 
     return json_format.MessageToDict(parse_config(text), preserving_proto_field_name=True)
@@ -186,9 +186,9 @@ class InProcess:
     """The served pipeline in this process: decode and preprocess, the classifier's ONNX file, top-k."""
 
     def __init__(self, pipe: Pipeline, repo: Path, config_name: str | None):
+        from contract.model_config import ModelConfig
         from export import bench
         from perf.lib.served import served_config_text
-        from python_backends.config import ModelConfig
         from python_backends.image.postprocess import TopKClassifier, load_labels
         from python_backends.image.preprocess import PreprocessOptions
 

@@ -55,9 +55,9 @@ from typing import Any
 
 import numpy as np
 
+from contract.errors import parse_error
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
-from python_backends.errors import parse_error
 
 HUGE = 1 << 40
 

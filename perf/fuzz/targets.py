@@ -27,10 +27,10 @@ import numpy as np
 from perf.lib.paths import REPOSITORY
 
 with atheris.instrument_imports(include=["python_backends"]):
+    from contract.errors import InputError
+    from contract.sampling import FIELD_NAMES
     from python_backends.cache.keys import KEY_PREFIX, KeyMaker, ModelIdentity
-    from python_backends.errors import InputError
     from python_backends.generation import serving
-    from python_backends.generation.fields import FIELD_NAMES
     from python_backends.generation.sampling import parse_sampling_params
     from python_backends.image.preprocess import PreprocessOptions, preprocess
     from python_backends.routing.router import decide, parse_parameters

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from python_backends.errors import InputError
+from contract.errors import InputError
 
 PARAMETER = "priority_class"
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from contract.errors import Overloaded
 from python_backends.admission.classes import PriorityClass
 from python_backends.admission.inflight import SharedInflight
-from python_backends.errors import Overloaded
 
 
 class Admission:

@@ -8,7 +8,7 @@ its vectors and each text's token count. A cache entry holds both: the vector's 
 float32 values, then the token count as one more float32 (exact below 2**24). See
 docs/result-cache.md and docs/priority-classes.md.
 
-Truncation (python_backends/text/truncation.py, docs/embeddings.md#truncation): a text over the
+Truncation (contract/truncation.py, docs/embeddings.md#truncation): a text over the
 limit is refused unless its request asked to truncate it. Left truncation gives another vector,
 so it has keys of its own; right truncation and none share keys (a text that fits gets the same
 vector either way), so a refusing request that hits an entry whose count is over the limit is
@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from contract.errors import CONTEXT_LENGTH, ConfigError, RequestError
+from contract.model_config import ModelConfig
+from contract.truncation import REFUSE, ContextLengthError, Truncation, refuse_over_limit
 from python_backends.admission.classes import check_request_class, class_named
 from python_backends.admission.controller import Admission
 from python_backends.admission.inflight import SharedInflight, default_directory
@@ -37,9 +40,6 @@ from python_backends.cache.lru import LRUCache
 from python_backends.cache.redis_l2 import RedisL2
 from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
-from python_backends.config import ModelConfig
-from python_backends.errors import CONTEXT_LENGTH, ConfigError, RequestError
-from python_backends.text.truncation import REFUSE, ContextLengthError, Truncation, refuse_over_limit
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
+from contract.model_config import ModelConfig
 
 ENV_PREFIX = "EMBEDDING_CACHE_"
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from python_backends.errors import ConfigError, InputError, RequestError, Unavailable
+from contract.errors import ConfigError, InputError, RequestError, Unavailable
 from python_backends.generation import logprobs as lp
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
+from contract.model_config import ModelConfig
 from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput
 from python_backends.generation.sampling import SamplingParams, sampling_defaults
 from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 
 PRECISIONS = ("fp32", "fp16_fp32", "bf16", "int4_bf16")
 # Rows up to which int4_bf16 runs the packed 4-bit kernel; above, oneDNN's prepacked BF16 GEMM is

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 from python_backends.generation.linear import HEAD_PRECISION, Linear, kv_cache_dtype, make_linear
 from python_backends.generation.paged_attention import PagedKVCache
 from python_backends.generation.scheduler import SchedulerOutput

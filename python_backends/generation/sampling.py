@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from python_backends.errors import ConfigError, InputError
-from python_backends.generation.fields import FIELD_NAMES, SamplingParams
+from contract.errors import ConfigError, InputError
+from contract.sampling import FIELD_NAMES, SamplingParams
 
 # One name for the errors of sampling parameters (every path raises InputError).
 SamplingParamsError = InputError

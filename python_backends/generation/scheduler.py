@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from python_backends.errors import CONTEXT_LENGTH, InputError, Overloaded
+from contract.errors import CONTEXT_LENGTH, InputError, Overloaded
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.speculative import propose_ngram
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from python_backends.errors import TOO_LARGE, ConfigError, InputError
-from python_backends.generation.fields import SAMPLING_FIELDS, SamplingParams
+from contract.errors import TOO_LARGE, ConfigError, InputError
+from contract.sampling import SAMPLING_FIELDS, SamplingParams
 from python_backends.generation.logprobs import TokenLogprob, openai_content
 from python_backends.generation.sampling import parse_sampling_params
 

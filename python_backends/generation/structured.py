@@ -23,11 +23,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from python_backends.errors import InputError
+from contract.errors import InputError
 
-GUIDE_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-MAX_GUIDE_BYTES = 65536  # a schema, regex or grammar; larger ones are refused before compiling
-MAX_CHOICES = 256
 CACHED_GRAMMARS = 256
 # JSON on one line with ", " and ": ": llguidance's default allows any run of whitespace between
 # tokens, where a small model can loop until max_tokens cuts the answer.
@@ -36,41 +33,6 @@ JSON_LAYOUT: Any = {
     "item_separator": ", ",
     "key_separator": ": ",
 }  # llguidance's JsonCompileOptions
-
-
-def guide_source(field: str, value: Any) -> str:
-    """The canonical text of one guide field's value (what the grammar cache keys on);
-    InputError naming ``field`` for a value of the wrong form or size."""
-    if field == "guided_json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InputError(field, f"is not valid JSON: {exc}") from None
-        if not isinstance(value, (dict, bool)):
-            raise InputError(field, f"must be a JSON schema (an object), got {type(value).__name__}")
-        text = json.dumps(value, ensure_ascii=False)  # key order kept: properties come out in it
-    elif field == "guided_choice":
-        if not isinstance(value, (list, tuple)) or not value:
-            raise InputError(field, "must be a non-empty list of strings")
-        if len(value) > MAX_CHOICES:
-            raise InputError(field, f"at most {MAX_CHOICES} choices, got {len(value)}", values={"maximum": MAX_CHOICES})
-        if not all(isinstance(c, str) and c for c in value):
-            raise InputError(field, "every choice must be a non-empty string")
-        text = json.dumps(list(value), ensure_ascii=False)
-    else:
-        if not isinstance(value, str) or not value:
-            raise InputError(field, "must be a non-empty string")
-        text = value
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InputError(field, f"is not valid Unicode: {exc.reason} at character {exc.start}") from None
-    if size > MAX_GUIDE_BYTES:
-        raise InputError(
-            field, f"is {size} bytes; the limit is {MAX_GUIDE_BYTES}", values={"maximum": MAX_GUIDE_BYTES, "got": size}
-        )
-    return text
 
 
 def _grammar(field: str, source: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
 
 
 def load_labels(path: str | Path, expected: int | None = None) -> list[str]:

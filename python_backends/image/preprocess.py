@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
 
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
@@ -89,7 +89,7 @@ class PreprocessOptions:
         """Read ``resize_shorter``, ``resize_mode``, ``interpolation``, ``mean_rgb``,
         ``stddev_rgb`` (three numbers each, 0-255 scale) and ``max_megapixels`` from
         parameters; the crop from the ``pixel_values`` output dims [3, crop, crop]
-        (python_backends.config.ModelConfig)."""
+        (contract.model_config.ModelConfig)."""
         dims = config.output("pixel_values").dims
         if len(dims) != 3 or dims[0] != 3 or dims[1] != dims[2] or dims[1] < 1:
             raise ConfigError(f"model {config.name!r}: output 'pixel_values' must have dims [3, S, S], config says {list(dims)}")

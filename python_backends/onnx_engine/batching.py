@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class TokenBudget:
 
 
 def budget_from_config(config) -> TokenBudget | None:
-    """The TokenBudget a config asks for (a python_backends.config.ModelConfig), or None.
+    """The TokenBudget a config asks for (a contract.model_config.ModelConfig), or None.
 
     Inputs declared ``allow_ragged_batch: true`` let Triton's batcher merge requests of any
     length; then every input must be ragged, each a [batch, sequence] tensor, no output may

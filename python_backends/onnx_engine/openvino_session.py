@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
+from contract.model_config import ModelConfig
 
 OV_TO_TRITON = {
     "f32": "TYPE_FP32",

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
+from contract.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

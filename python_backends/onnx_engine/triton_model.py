@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from contract.model_config import ModelConfig
 from python_backends.admission.yielding import yield_from_config
-from python_backends.config import ModelConfig
 from python_backends.onnx_engine.batching import budget_from_config, run_batched
 from python_backends.padding_metrics import PaddingMetrics, RunTally
 from python_backends.shim import (

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 
 DIRECT = "direct"
 ROUTED = "routed"

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from python_backends.config import ModelConfig
-from python_backends.errors import InputError
+from contract.errors import InputError
+from contract.model_config import ModelConfig
 from python_backends.routing.router import (
     CallTally,
     RateLimitedLog,

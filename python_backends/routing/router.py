@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
+from contract.model_config import ModelConfig
 from python_backends.routing.weights import choose_version, format_weights, parse_weights
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from python_backends.errors import InputError, Unavailable, parse_error, words_of
+from contract.errors import InputError, Unavailable, parse_error, words_of
 from python_backends.routing.router import Decision, fallback_versions, group_by
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Outcome:
     internal: bool = False
 
     def exception(self) -> Exception:
-        """A failed outcome as the error its request is answered with (python_backends.errors):
+        """A failed outcome as the error its request is answered with (contract.errors):
         the encoder refused the input ids (invalid_value), a bug in the router (internal), or
         no version could serve it now (unavailable)."""
         if self.invalid:

@@ -13,7 +13,7 @@ import hashlib
 import random
 from collections.abc import Mapping
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 
 BUCKETS = 10_000
 # Weights are whole percent: 10 -> 50 -> 100 and the rollback are all a rollout needs.

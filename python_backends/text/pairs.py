@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from python_backends.errors import TOO_LARGE, ConfigError, InputError
-from python_backends.text.tokenization import bucket_length, load_tokenizer
+from contract.errors import TOO_LARGE, ConfigError, InputError
+from contract.model_config import bucket_length
+from python_backends.text.tokenization import load_tokenizer
 
 TRUNCATION = ("refuse", "document")
 DEFAULT_PAIR_BUCKETS = (32, 64, 128, 256, 512)

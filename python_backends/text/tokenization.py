@@ -2,7 +2,7 @@
 
 One tokenizer call per Triton batch (all texts of all requests together); a text over the
 model's maximum length is refused, or truncated at either end, as each text's request chose
-(python_backends/text/truncation.py); padding to the batch's longest sequence rounded up to a
+(contract/truncation.py); padding to the batch's longest sequence rounded up to a
 bucket. Each text's token count before truncation comes back too (``num_tokens``): it is what
 OpenAI's ``usage`` reports and what the refusal names, so nobody has to tokenize the text a
 second time.
@@ -13,7 +13,6 @@ across tokenizer batches, while padding to the longest (not to 256) keeps short 
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from python_backends.errors import ConfigError, InputError
-from python_backends.text.truncation import REFUSE, Truncation, refuse_over_limit
+from contract.errors import ConfigError, InputError
+from contract.model_config import bucket_length
+from contract.truncation import REFUSE, Truncation, refuse_over_limit
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256)
 
@@ -56,12 +56,6 @@ def decode_texts(values: np.ndarray, field: str, max_bytes: int) -> list[str]:
             raise InputError(name, "text contains only whitespace")
         texts.append(text)
     return texts
-
-
-def bucket_length(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= length (buckets sorted ascending); the largest if none is."""
-    i = bisect.bisect_left(buckets, length)
-    return buckets[min(i, len(buckets) - 1)]
 
 
 def load_tokenizer(path: str | Path, max_length: int, buckets: Iterable[int], missing: str) -> tuple:
@@ -147,7 +141,7 @@ class BatchTokenizer:
         self, texts: Sequence[str], spans: Sequence[tuple[int, int]], options: Sequence[Truncation] | None = None
     ) -> list:
         """``encode_isolated`` with this tokenizer, each text truncated as ``options[i]`` says
-        (default: none may be; python_backends.text.truncation). A request with a text over
+        (default: none may be; contract.truncation). A request with a text over
         ``max_length`` that may not be truncated gets a ContextLengthError (its first such
         text, index within the request); the other requests of the batch are unaffected."""
         options = list(options) if options is not None else [REFUSE] * len(texts)

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from contract.model_config import ModelConfig
 from export.reference import model_dir
 from ops.prometheus_rules import all_rules, scraped_names
-from python_backends.config import ModelConfig
 from python_backends.onnx_engine.batching import plan_runs
 from python_backends.padding_metrics import (
     BATCH_SIZE,

@@ -780,7 +780,7 @@ def test_without_max_tokens_a_long_prompt_gets_the_rest_of_the_context(openai_cl
     assert "context limit of 4096" in str(info.value) and info.value.body["param"] == "max_tokens"
 
 
-# The engine judges the sampling values (python_backends/generation/fields.py); its errors come
+# The engine judges the sampling values (contract/sampling.py); its errors come
 # back through Triton as data and reach the client as OpenAI's 400/413 naming the request's field.
 ENGINE_REFUSALS = [
     ({"max_tokens": 0}, 400, "max_tokens"),

@@ -995,7 +995,7 @@ def test_queue_full_is_unavailable_naming_max_waiting_and_admitted_requests_fini
     status, answer = http_generate(server, {"text_input": PROMPT, "parameters": sampling})
     running.join(120)
     waiting.join(120)
-    from python_backends.errors import parse_error
+    from contract.errors import parse_error
 
     assert refused.error is not None and "max_waiting" in refused.error.message(), refused
     # The stream error has no status of its own: its data says what it is, the numbers included.

@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from python_backends.errors import CONTEXT_LENGTH, INVALID, parse_error
+from contract.errors import CONTEXT_LENGTH, INVALID, parse_error
 from server.layout import ROOT
 
 MODELS = ("text_embedding", "text_embedding_cached")

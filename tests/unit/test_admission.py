@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from contract.errors import InputError, Overloaded
 from python_backends.admission.classes import (
     CACHED_ENTRIES,
     CLASSES,
@@ -17,7 +18,6 @@ from python_backends.admission.classes import (
 from python_backends.admission.controller import Admission
 from python_backends.admission.inflight import SharedInflight, default_directory
 from python_backends.admission.yielding import InflightReader, YieldTo, yield_from_config
-from python_backends.errors import InputError, Overloaded
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from contract.errors import ConfigError
+from contract.model_config import ModelConfig
 from python_backends.cache.identity import IdentityResolver, file_fingerprint, served_config
 from python_backends.cache.keys import KEY_PREFIX, KeyMaker, ModelIdentity
 from python_backends.cache.lru import ENTRY_OVERHEAD_BYTES, LRUCache
 from python_backends.cache.settings import CacheSettings
 from python_backends.cache.tiered import EmbeddingCache
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError
 
 DIM = 384
 ID = ModelIdentity("text_embedding", "text_encoder", "1", "int8", "abcd")

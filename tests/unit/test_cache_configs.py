@@ -4,8 +4,8 @@ Triton's response cache is on only where it cannot serve a stale result."""
 import pytest
 from google.protobuf import json_format, text_format
 
+from contract.model_config import ModelConfig
 from python_backends.cache.settings import CacheSettings
-from python_backends.config import ModelConfig
 from server.layout import ROOT
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")

@@ -9,9 +9,9 @@ import logging
 import numpy as np
 import pytest
 
+from contract.errors import ConfigError, InputError, Overloaded, format_error, parse_error
+from contract.model_config import ModelConfig
 from python_backends.cache.entry import CachedEntry
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError, Overloaded, format_error, parse_error
 from tests.unit.triton_fakes import (
     Request,
     encoder_repository,
@@ -265,8 +265,8 @@ class Tokenizing(Model):
     (format_error, then error_from_message: data, not words). Its vector depends on the end kept."""
 
     def __call__(self, texts, options=None):
-        from python_backends.errors import error_from_message
-        from python_backends.text.truncation import REFUSE, ContextLengthError
+        from contract.errors import error_from_message
+        from contract.truncation import REFUSE, ContextLengthError
 
         self.calls.append(list(texts))
         self.options = list(options or [REFUSE] * len(texts))
@@ -279,7 +279,7 @@ class Tokenizing(Model):
 
 
 def test_a_text_over_the_limit_is_refused_by_default_and_its_neighbours_answered(tmp_path, repo, ready):
-    from python_backends.text.truncation import ContextLengthError
+    from contract.truncation import ContextLengthError
 
     model = Tokenizing()
     entry = entry_for(tmp_path, repo, ready, model)
@@ -293,7 +293,7 @@ def test_a_text_over_the_limit_is_refused_by_default_and_its_neighbours_answered
 
 
 def test_left_has_keys_of_its_own_right_shares_them_with_refusing(tmp_path, repo, ready):
-    from python_backends.text.truncation import LEFT, REFUSE, RIGHT, ContextLengthError, Truncation
+    from contract.truncation import LEFT, REFUSE, RIGHT, ContextLengthError, Truncation
 
     model = Tokenizing()
     entry = entry_for(tmp_path, repo, ready, model)

@@ -225,11 +225,11 @@ def _py311_uses(path: Path) -> list[str]:
 
 def test_what_the_gpu_image_runs_needs_no_python_311():
     """NVIDIA's 24.10 container has Python 3.10: the launcher (server/, ops/, export/variants.py and
-    export/lanes.py) and the models' library (python_backends/) must not use what 3.11 added (tomllib
+    export/lanes.py) and the models' library (contract/, python_backends/) must not use what 3.11 added (tomllib
     is imported inside the export's gate loader only, which the container never runs)."""
     files = [*sorted((ROOT / "server").rglob("*.py")), *sorted((ROOT / "ops").rglob("*.py"))]
     files += [ROOT / "export" / "variants.py", ROOT / "export" / "lanes.py", ROOT / "export" / "__init__.py"]
-    files += sorted((ROOT / "python_backends").rglob("*.py"))
+    files += sorted((ROOT / "contract").rglob("*.py")) + sorted((ROOT / "python_backends").rglob("*.py"))
     found = [use for path in files for use in _py311_uses(path)]
     assert not found, found
     # the check sees what it looks for
@@ -277,6 +277,7 @@ def test_build_ports_and_healthcheck(compose, name):
     ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     admitted = ignore[ignore.index("*") + 1 :]
     assert {a for a in admitted if a.startswith("!")} == {
+        "!contract/",
         "!python_backends/",
         "!openai_gateway/",
         "!clients/",
@@ -320,8 +321,9 @@ def test_dockerfile_matches_local_versions():
     assert f'"tokenizers=={pins["tokenizers"]}"' in dockerfile
     assert '"numpy<2"' in dockerfile
     assert f'"redis=={pins["redis"]}"' in dockerfile
-    # The model.py shims import python_backends: the package must be on PYTHONPATH in the image.
+    # The model.py shims import python_backends and contract: both must be on PYTHONPATH in the image.
     assert re.search(r"^COPY python_backends /opt/embedding/python_backends$", dockerfile, re.M)
+    assert re.search(r"^COPY contract /opt/embedding/contract$", dockerfile, re.M)
     assert "PYTHONPATH=/opt/embedding" in dockerfile
 
 
@@ -483,7 +485,7 @@ def test_gateway_image_pins_match_the_local_ones():
         "tokenizers",
     ):
         assert pkg in {re.sub(r"\[.*\]", "", p).lower() for p in pinned}, pkg
-    for folder in ("python_backends", "clients", "openai_gateway"):
+    for folder in ("contract", "clients", "openai_gateway"):
         assert re.search(rf"^COPY {folder} /opt/embedding/{folder}$", dockerfile, re.M), folder
     assert "PYTHONPATH=/opt/embedding" in dockerfile and re.search(r"^USER \d+$", dockerfile, re.M)
     # the API key's folder (a named volume in compose) exists in the image, owned by that user
@@ -797,7 +799,7 @@ def test_ort_trt_fp16_has_one_profile_over_every_batch_and_bucket():
         # the local Python-based backend hands them to ONNX Runtime's TensorRT provider as they are
         from google.protobuf import json_format
 
-        from python_backends.config import ModelConfig
+        from contract.model_config import ModelConfig
         from python_backends.onnx_engine.session import _trt_options
 
         raw = json_format.MessageToDict(config, preserving_proto_field_name=True)
@@ -1001,13 +1003,13 @@ def test_the_grpc_door_service_checks_what_it_forwards_to_the_front_door(default
 
 
 def test_the_gateway_image_folders_are_all_it_imports(tmp_path):
-    """The gateway image copies python_backends/, clients/, openai_gateway/, server/ and ops/ only: with
+    """The gateway image copies contract/, clients/, openai_gateway/, server/ and ops/ only (no backend code): with
     just those on the path, the gateway and everything it imports later (the gRPC client, the
     generation client, the tokenizer), the gRPC door with its limits and the repository door, import,
     and no module comes from another folder of the repository."""
     dockerfile = (ROOT / "docker" / "gateway.Dockerfile").read_text()
     copied = re.findall(r"^COPY (\S+) /opt/embedding/\1$", dockerfile, re.M)
-    assert sorted(copied) == ["clients", "openai_gateway", "ops", "python_backends", "server"]
+    assert sorted(copied) == ["clients", "contract", "openai_gateway", "ops", "server"]
     for folder in copied:
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     script = """

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
+from contract.model_config import ModelConfig
 
 CONFIG = {
     "name": "m",

@@ -11,9 +11,9 @@ import onnx
 import pytest
 import torch
 
+from contract.errors import InputError
 from export import __main__ as export_cli
 from export import cross_encoder, pipeline, variants
-from python_backends.errors import InputError
 from python_backends.text.pairs import PairTokenizer
 from server.layout import ROOT
 from tests.unit.cross_encoder_checkpoint import make_checkpoint

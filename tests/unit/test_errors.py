@@ -8,7 +8,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.generation.response import GenerationError, transport_error
 from clients.resilience import is_retryable
-from python_backends.errors import (
+from contract.errors import (
     CODES,
     GRPC_STATUS,
     HTTP_STATUS,

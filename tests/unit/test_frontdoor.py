@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from python_backends.errors import InputError
+from contract.errors import InputError
 from python_backends.shim import check_shape
 from server.frontdoor import FrontDoor, FrontDoorPorts, class_limits, limits_module, model_limits, render
 from server.layout import ROOT, prepare

@@ -212,7 +212,7 @@ def test_sampling_parameters_names_types_and_stop():
     with pytest.raises(TypeError, match="logit_bias must be dict"):
         sampling_parameters(logit_bias=[5])
     # The engine's own table: one list of fields for the clients, the gateway and the engine.
-    from python_backends.generation.fields import FIELD_NAMES
+    from contract.sampling import FIELD_NAMES
 
     assert tuple(SAMPLING_FIELDS) == FIELD_NAMES
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
 from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine
 from python_backends.generation.sampling import SamplingParams
 from python_backends.generation.scheduler import ContextTooLong, QueueFull

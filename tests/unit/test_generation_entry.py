@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
+from contract.model_config import ModelConfig
 from python_backends.generation.entry import GenerationEntry, output_arrays
 from python_backends.generation.sampling import SamplingParams
 from python_backends.generation.scheduler import QueueFull

@@ -90,8 +90,8 @@ def repo(tmp_path):
 
 
 def _settings(path: Path) -> dict:
+    from contract.model_config import ModelConfig
     from ops.rollout import config_from_disk
-    from python_backends.config import ModelConfig
     from python_backends.generation.serving import engine_settings
 
     cfg = ModelConfig(config_from_disk(path.parents[2], "text_generation", path.stem))

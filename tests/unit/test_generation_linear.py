@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 from python_backends.generation import linear
 from python_backends.generation.linear import Bf16Linear, Fp16Linear, Int4Bf16Linear, Linear, int4_blocks, make_linear
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.errors import ConfigError
 from export import variants
-from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, LLMEngine
 from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
 from python_backends.generation.sampling import SamplingParams

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from contract.errors import ConfigError
 from export import generation_gate, variants
-from python_backends.errors import ConfigError
 from python_backends.generation.engine import EngineConfig, LLMEngine
 from python_backends.generation.linear import int4_blocks
 from python_backends.generation.openvino_runtime import (

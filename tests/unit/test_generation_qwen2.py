@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 from tests.unit.tiny_checkpoints import tiny_checkpoint
 
 torch = pytest.importorskip("torch")

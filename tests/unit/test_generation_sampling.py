@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from python_backends.errors import InputError
+from contract.errors import InputError
 from python_backends.generation.sampling import (
     Sampler,
     SamplingParams,
@@ -348,7 +348,7 @@ def test_seeded_sampling_on_cuda_alone_and_batched():
 
 
 def test_sampling_defaults_come_from_the_model_then_the_operator():
-    from python_backends.errors import ConfigError
+    from contract.errors import ConfigError
     from python_backends.generation.sampling import sampling_defaults
 
     model = {"temperature": 0.6, "top_p": 0.95, "top_k": 50, "bos_token_id": 1}

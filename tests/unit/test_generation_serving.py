@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
 from python_backends.generation.serving import ResponseShaper, engine_settings, parse_request
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.errors import InputError
-from python_backends.generation.fields import SamplingParams
-from python_backends.generation.structured import MAX_CHOICES, MAX_GUIDE_BYTES, Grammars, guide_source
+from contract.errors import InputError
+from contract.sampling import MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES, SamplingParams, guide_source
+from python_backends.generation.structured import Grammars
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]}
@@ -75,7 +75,7 @@ def test_a_structured_outputs_key_is_served_or_refused_never_dropped(value, fiel
         ("guided_choice", [], "non-empty list of strings"),
         ("guided_choice", ["a", ""], "every choice must be a non-empty string"),
         ("guided_choice", ["a", 3], "every choice must be a non-empty string"),
-        ("guided_choice", ["x"] * (MAX_CHOICES + 1), f"at most {MAX_CHOICES} choices"),
+        ("guided_choice", ["x"] * (MAX_GUIDE_CHOICES + 1), f"at most {MAX_GUIDE_CHOICES} choices"),
         ("guided_regex", "", "non-empty string"),
         ("guided_grammar", 5, "non-empty string"),
         ("guided_regex", "a" * (MAX_GUIDE_BYTES + 1), f"the limit is {MAX_GUIDE_BYTES}"),

@@ -7,7 +7,7 @@ import re
 import pytest
 from google.protobuf import json_format, text_format
 
-from python_backends.config import ModelConfig
+from contract.model_config import ModelConfig
 from python_backends.image.preprocess import PreprocessOptions
 from server.layout import ROOT
 

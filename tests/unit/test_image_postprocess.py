@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from contract.errors import ConfigError, InputError
 from export.image_classifier import LABELS
-from python_backends.errors import ConfigError, InputError
 from python_backends.image.postprocess import TopKClassifier, load_labels, softmax
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
+from contract.model_config import ModelConfig
 from python_backends.image.preprocess import (
     IMAGENET_MEAN,
     IMAGENET_STD,

@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
+from contract.model_config import ModelConfig
 from python_backends.onnx_engine.batching import run_batched
 from python_backends.onnx_engine.session import check_io, open_session, plan_session, resolve_model_path
 

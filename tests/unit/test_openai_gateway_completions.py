@@ -581,13 +581,13 @@ def test_triton_status_codes_map_to_http(status, http):
 
 def _model_error(exc) -> str:
     """The message a model's shim sends for ``exc`` (python_backends/shim.error_response)."""
-    from python_backends.errors import format_error
+    from contract.errors import format_error
 
     return format_error(exc)
 
 
 def test_the_models_errors_are_read_as_data_on_a_stream_and_a_unary_call():
-    from python_backends.errors import InputError, Unavailable
+    from contract.errors import InputError, Unavailable
     from python_backends.generation.scheduler import ContextTooLong, QueueFull
 
     cases = [

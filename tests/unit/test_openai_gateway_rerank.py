@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contract.errors import TOO_LARGE, InputError, format_error
 from openai_gateway import rerank
 from openai_gateway.catalog import Catalog, RerankerModel
 from openai_gateway.errors import APIError
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.triton import triton_error
-from python_backends.errors import TOO_LARGE, InputError, format_error
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 SETTINGS = GatewaySettings()

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contract.errors import ConfigError
+from contract.model_config import ModelConfig
 from export import variants
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError
 from python_backends.onnx_engine.openvino_session import DEFAULT_PROPERTIES, OpenVINOSession, check_io, properties_from_config
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"

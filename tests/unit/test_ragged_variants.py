@@ -9,8 +9,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from contract.model_config import ModelConfig
 from export import variants
-from python_backends.config import ModelConfig
 from python_backends.onnx_engine.batching import budget_from_config
 from server.layout import ROOT
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from contract.errors import ConfigError
 from ops import repository
 from ops.rollout import (
     RolloutState,
@@ -19,7 +20,6 @@ from ops.rollout import (
     publish,
     router_config,
 )
-from python_backends.errors import ConfigError
 from python_backends.routing import RoutingError
 from python_backends.routing.ensemble import DIRECT, ROUTED, direct_form, form_of, routed_form
 from server.layout import ROOT

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
+from contract.model_config import ModelConfig
 from python_backends.routing import RoutingError, choose_version, format_weights, parse_weights, route_bucket
 from python_backends.routing.router import (
     Decision,

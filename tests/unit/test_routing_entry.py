@@ -9,8 +9,8 @@ import logging
 import numpy as np
 import pytest
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError, Unavailable, format_error, parse_error
+from contract.errors import ConfigError, InputError, Unavailable, format_error, parse_error
+from contract.model_config import ModelConfig
 from python_backends.routing.entry import OUTPUT, RouterEntry
 from python_backends.routing.router import CALLS_METRIC, LATENCY_METRIC, CallTally
 from python_backends.routing.serving import CallError, Outcome

@@ -158,7 +158,7 @@ def test_invalid_input_is_recognised_by_onnx_runtimes_wording():
 
 
 def test_the_python_onnxruntime_backends_error_data_decides_before_its_words():
-    from python_backends.errors import InputError, Overloaded, format_error
+    from contract.errors import InputError, Overloaded, format_error
 
     refused = call_error("in BLS, " + format_error(InputError("input_ids", "token id 99999 is out of range")))
     assert refused.invalid and "#error-data" not in str(refused)

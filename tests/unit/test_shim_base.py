@@ -7,8 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from contract.errors import InputError
 from python_backends import shim_base
-from python_backends.errors import InputError
 from python_backends.shim_base import AsyncBatchShim, BatchShim
 from tests.unit.triton_fakes import Request, make_pb_utils, model_config, tensor, triton_logging
 
@@ -95,7 +95,7 @@ def test_a_load_failure_names_the_model_and_finalize_keeps_the_metrics(monkeypat
 
 
 def test_a_sender_reply_sends_arrays_errors_with_their_data_and_the_final_flag():
-    from python_backends.errors import parse_error
+    from contract.errors import parse_error
     from python_backends.shim import SenderReply
 
     pb = make_pb_utils()

@@ -9,8 +9,8 @@ import itertools
 import numpy as np
 import pytest
 
-from python_backends.config import ModelConfig
-from python_backends.errors import ConfigError, InputError
+from contract.errors import ConfigError, InputError
+from contract.model_config import ModelConfig
 from python_backends.onnx_engine.batching import (
     TokenBudget,
     budget_from_config,

@@ -1,10 +1,11 @@
 import numpy as np
 import pytest
 
+from contract.errors import ConfigError, InputError
+from contract.model_config import bucket_length
 from export.reference import model_dir
 from export.reference import tokenize as hf_tokenize
-from python_backends.errors import ConfigError, InputError
-from python_backends.text.tokenization import BatchTokenizer, bucket_length, decode_texts
+from python_backends.text.tokenization import BatchTokenizer, decode_texts
 
 TOKENIZER_JSON = model_dir() / "tokenizer.json"
 
@@ -179,7 +180,7 @@ def test_the_tokenizer_shim_answers_each_request_from_one_call(tmp_path, monkeyp
     assert recorded == [(int(good.output("attention_mask").sum() + two.output("attention_mask").sum()), 48, 3)]
 
 
-# --- truncation as the caller chooses (python_backends/text/truncation.py) ------------------
+# --- truncation as the caller chooses (contract/truncation.py) ------------------
 
 
 def _whole(text):
@@ -195,8 +196,8 @@ LONG = " ".join(f"word{i}" for i in range(400))  # about 1,200 tokens
 
 
 def test_a_text_over_the_limit_is_refused_by_default_naming_it_its_count_and_the_limit(tok):
-    from python_backends.errors import CONTEXT_LENGTH, format_error, parse_error
-    from python_backends.text.truncation import ContextLengthError
+    from contract.errors import CONTEXT_LENGTH, format_error, parse_error
+    from contract.truncation import ContextLengthError
 
     texts = ["short", "fits", LONG, "after"]
     out = tok.encode_requests(texts, [(0, 1), (1, 3), (3, 4)])
@@ -215,7 +216,7 @@ def test_a_text_over_the_limit_is_refused_by_default_naming_it_its_count_and_the
 def test_right_keeps_the_first_tokens_and_left_the_last_with_cls_and_sep_in_place(tok):
     from tokenizers import Tokenizer
 
-    from python_backends.text.truncation import LEFT, RIGHT, Truncation
+    from contract.truncation import LEFT, RIGHT, Truncation
 
     whole = _whole(LONG)
     cls, sep = tok._tok.token_to_id("[CLS]"), tok._tok.token_to_id("[SEP]")
@@ -240,7 +241,7 @@ def test_right_keeps_the_first_tokens_and_left_the_last_with_cls_and_sep_in_plac
 
 
 def test_truncation_options_are_checked_where_they_enter():
-    from python_backends.text.truncation import LEFT, RIGHT, Truncation, parse_direction, parse_truncation
+    from contract.truncation import LEFT, RIGHT, Truncation, parse_direction, parse_truncation
 
     assert parse_truncation(None, None, 2) == [Truncation(False, RIGHT)] * 2
     got = parse_truncation(np.array([[True], [False]]), np.array([[b"Left"], ["RIGHT "]], dtype=object), 2)

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.config import ModelConfig
+from contract.model_config import ModelConfig
 from python_backends.image.postprocess import TopKClassifier, load_labels
 from python_backends.shim import (
     check_input_shapes,

@@ -4,7 +4,7 @@ The recipe (resize mode, interpolation, mean and std) is the config's parameters
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.config import ModelConfig
+from contract.model_config import ModelConfig
 from python_backends.image.preprocess import PreprocessOptions, preprocess
 from python_backends.shim import (
     check_input_shapes,

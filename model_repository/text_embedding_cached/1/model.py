@@ -6,13 +6,13 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from contract.errors import error_from_message
+from contract.truncation import DIRECTION_INPUT, TRUNCATE_INPUT
 from python_backends.admission.classes import PARAMETER as CLASS_PARAMETER
 from python_backends.cache.entry import CachedEntry
 from python_backends.cache.triton_metrics import CacheMetrics
-from python_backends.errors import error_from_message
 from python_backends.shim import apply_process_nice
 from python_backends.shim_base import BatchShim, request_texts, request_truncation
-from python_backends.text.truncation import DIRECTION_INPUT, TRUNCATE_INPUT
 
 
 class TritonPythonModel(BatchShim):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.config import ModelConfig
+from contract.model_config import ModelConfig
 from python_backends.generation.entry import INPUT_NAMES, GenerationEntry
 from python_backends.generation.triton_metrics import GenerationMetrics
 from python_backends.shim import (

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.errors import InputError
+from contract.errors import InputError
 from python_backends.shim import input_numpy
 from python_backends.shim_base import BatchShim, request_texts
 from python_backends.text.pairs import DEFAULT_PAIR_BUCKETS, PairTokenizer

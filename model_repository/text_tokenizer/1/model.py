@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from contract.truncation import DIRECTION_INPUT, TRUNCATE_INPUT
 from python_backends.padding_metrics import PaddingMetrics, batches_counts
 from python_backends.shim_base import BatchShim, request_texts, request_truncation
 from python_backends.text.tokenization import DEFAULT_BUCKETS, BatchTokenizer
-from python_backends.text.truncation import DIRECTION_INPUT, TRUNCATE_INPUT
 
 
 class TritonPythonModel(BatchShim):

@@ -9,7 +9,7 @@ C++ backend takes that name and reads the same config.pbtxt.
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.errors import ConfigError
+from contract.errors import ConfigError
 from python_backends.onnx_engine.openvino_session import OpenVINOSession, check_io, properties_from_config
 from python_backends.onnx_engine.session import resolve_model_path
 from python_backends.onnx_engine.triton_model import SessionModel

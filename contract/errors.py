@@ -1,0 +1,168 @@
+"""The errors a request can meet, as data that crosses every hop.
+
+A request error carries a ``code`` (what kind of failure, which decides the status on each
+protocol), the ``field`` at fault and the ``values`` that broke the rule (the limit, what was
+sent), beside a message for people. The model writes it into Triton's error message with
+:func:`format_error`: the words first, then the data after :data:`MARK` as one JSON object.
+Whoever receives a Triton error (the gateway, the clients) calls :func:`parse_error` and reads
+the code, field and values from the data, never from the words, which may change.
+
+The shims map each code to a Triton error code (:data:`TRITON_CODES`); the gateway maps it to
+an HTTP status. A gRPC stream carries no status of its own, so there the data's code is the
+only status a client has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# The codes, as the gateway and the clients see them.
+INVALID = "invalid_value"  # a field broke a rule: 400 / INVALID_ARG
+CONTEXT_LENGTH = "context_length_exceeded"  # prompt + max_tokens over the context: 400 / INVALID_ARG
+TOO_LARGE = "request_too_large"  # an input over a size limit: 413 / INVALID_ARG
+OVERLOADED = "overloaded"  # no capacity now, retry later: 503 / UNAVAILABLE
+UNAVAILABLE = "unavailable"  # the model cannot serve now (unloading): 503 / UNAVAILABLE
+INTERNAL = "internal"  # the server failed: 500 / INTERNAL
+CODES = (INVALID, CONTEXT_LENGTH, TOO_LARGE, OVERLOADED, UNAVAILABLE, INTERNAL)
+# Triton's TritonError code names for each code (pb_utils.TritonError.<name>).
+TRITON_CODES = {
+    INVALID: "INVALID_ARG",
+    CONTEXT_LENGTH: "INVALID_ARG",
+    TOO_LARGE: "INVALID_ARG",
+    OVERLOADED: "UNAVAILABLE",
+    UNAVAILABLE: "UNAVAILABLE",
+    INTERNAL: "INTERNAL",
+}
+# gRPC's status for each code: what a stream error (which has none of its own) stands for.
+GRPC_STATUS = {
+    INVALID: "StatusCode.INVALID_ARGUMENT",
+    CONTEXT_LENGTH: "StatusCode.INVALID_ARGUMENT",
+    TOO_LARGE: "StatusCode.INVALID_ARGUMENT",
+    OVERLOADED: "StatusCode.UNAVAILABLE",
+    UNAVAILABLE: "StatusCode.UNAVAILABLE",
+    INTERNAL: "StatusCode.INTERNAL",
+}
+HTTP_STATUS = {INVALID: 400, CONTEXT_LENGTH: 400, TOO_LARGE: 413, OVERLOADED: 503, UNAVAILABLE: 503, INTERNAL: 500}
+# Where the data begins in a message: after the words, which never contain it.
+MARK = " #error-data "
+
+
+class ConfigError(ValueError):
+    """The model configuration or its files are wrong: the model must fail to load."""
+
+
+class RequestError(Exception):
+    """One request failed; only that request (``code``, ``field``, ``values`` as data)."""
+
+    code = INTERNAL
+
+    def __init__(self, field: str | None, message: str, *, code: str | None = None, values: Mapping[str, Any] | None = None):
+        self.field = field
+        self.message = message
+        if code is not None:
+            self.code = code
+        if self.code not in CODES:
+            raise ValueError(f"unknown error code {self.code!r}")
+        self.values = dict(values or {})
+        super().__init__(f"{field}: {message}" if field else message)
+
+    @property
+    def data(self) -> ErrorData:
+        """The error as the data that crosses hops."""
+        return ErrorData(self.code, self.field, self.values, str(self))
+
+
+class InputError(RequestError, ValueError):
+    """One request's input is invalid. Only that request fails (Triton INVALID_ARG)."""
+
+    code = INVALID
+
+    def __init__(self, field: str, message: str, *, code: str | None = None, values: Mapping[str, Any] | None = None):
+        super().__init__(field, message, code=code, values=values)
+
+
+class Overloaded(RequestError, RuntimeError):
+    """The request's class has no capacity left now: refused at once, not queued (Triton
+    UNAVAILABLE; the project's clients retry it with backoff)."""
+
+    code = OVERLOADED
+
+    def __init__(self, message: str, *, values: Mapping[str, Any] | None = None):
+        super().__init__(None, message, values=values)
+
+
+class Unavailable(RequestError, RuntimeError):
+    """The model cannot serve now (it is unloading or shutting down): retry, maybe elsewhere."""
+
+    code = UNAVAILABLE
+
+    def __init__(self, message: str):
+        super().__init__(None, message)
+
+
+@dataclass(frozen=True)
+class ErrorData:
+    """A request error as it crossed a hop: its code, field and values, and the words."""
+
+    code: str
+    field: str | None
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    message: str = ""
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
+
+
+def format_error(exc: BaseException, prefix: str = "") -> str:
+    """The Triton error message of ``exc``: its words (after ``prefix``), then its data."""
+    if isinstance(exc, RequestError):
+        data = exc.data
+    else:
+        data = ErrorData(INTERNAL, None, {}, f"internal error: {exc}")
+    body = json.dumps({"code": data.code, "field": data.field, "values": data.values}, separators=(",", ":"), default=str)
+    return f"{prefix}{data.message}{MARK}{body}"
+
+
+def parse_error(text: str) -> ErrorData | None:
+    """The data of a message :func:`format_error` wrote (anything may have been put in front of
+    it on the way); None when the message holds none (Triton's own errors)."""
+    words, mark, tail = text.rpartition(MARK)
+    if not mark:
+        return None
+    try:
+        obj = json.loads(tail)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("code") not in CODES:
+        return None
+    values = obj.get("values")
+    name = obj.get("field")
+    return ErrorData(obj["code"], name if isinstance(name, str) else None, values if isinstance(values, dict) else {}, words)
+
+
+def words_of(text: str) -> str:
+    """A Triton error message without its data: what a person reads."""
+    words, mark, _ = text.rpartition(MARK)
+    return words if mark else text
+
+
+def error_from_message(text: str, prefix: str = "") -> Exception:
+    """The error an error message from another hop (a BLS response) stands for: a RequestError of
+    the same code, field and values when the message carries data, else a RuntimeError with its
+    words. Triton 2.51's python backend drops a BLS error's Triton code, so the data is what
+    tells an overloaded or invalid request from a failure."""
+    data = parse_error(text)
+    if data is None:
+        return RuntimeError(f"{prefix}{text}")
+    return RequestError(data.field, f"{prefix}{_without_field(data)}", code=data.code, values=data.values)
+
+
+def _without_field(data: ErrorData) -> str:
+    # RequestError puts "field: " in front of its message again.
+    lead = f"{data.field}: "
+    return data.message.split(lead, 1)[1] if data.field and lead in data.message else data.message
