@@ -4,7 +4,7 @@ Named tensors (input_ids, attention_mask -> sentence_embedding), dynamic batch a
 axes, opset 17. The graph ends with sentence-transformers' pooling: the attention-masked mean
 over tokens, then L2 normalisation. Pooling in the graph rather than in a Python step of the
 ensemble saves a Python hop and the [n, L, 384] token tensor crossing shared memory (+10-15 %
-throughput at concurrency 32, p99 down by a fifth; perf/README.md). The exported graph is run
+throughput at concurrency 32, p99 down by a fifth; docs/performance.md). The exported graph is run
 with ONNX Runtime on the fixed reference texts and compared with PyTorch (transformers'
 BertModel plus the same pooling, in numpy); the export fails above the tolerance. A manifest beside the model records what it was built from, so a second run
 with the same inputs does nothing.

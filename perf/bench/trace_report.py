@@ -5,8 +5,8 @@ Starts a tritonserver serving ``text_embedding`` with request tracing on for eve
 a Poisson rate), then reads the trace: for the median requests and for the slowest 1 %, the
 mean queue and compute time in each model (ensemble steps and BLS calls alike), and, per
 model, its executions' durations and the longest gaps between consecutive executions while
-it had requests queued. This is how the 0.5 s P99 stalls were found (perf/README.md,
-"Tuning"). ``--trace-file`` analyses an existing trace instead of running one.
+it had requests queued. This is how the 0.5 s P99 stalls were found (docs/performance.md,
+"The 500 ms stalls"). ``--trace-file`` analyses an existing trace instead of running one.
 
   python -m perf.bench.trace_report                      # concurrency 22, 3000 requests
   python -m perf.bench.trace_report --rate 400           # Poisson arrivals at 400/s
