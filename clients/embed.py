@@ -31,6 +31,7 @@ from clients.resilience import (
     split_urls,
 )
 from contract.errors import parse_error, words_of
+from contract.prose import tritonclient_undecodable
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +338,7 @@ def to_embedding_error(
     if isinstance(exc, InferenceServerException):
         message = exc.message() or str(exc)
         status = exc.status()
-        if status in ("502", "503", "504") and message.startswith("an exception occurred in the client while decoding"):
+        if status in ("502", "503", "504") and tritonclient_undecodable(message):
             # Not Triton's JSON error: a proxy (the front door) whose upstream is down or restarting.
             message = f"the http server at {url} answered {status} without a Triton error (is tritonserver behind it down?)"
         elif status == "StatusCode.UNAVAILABLE":

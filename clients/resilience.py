@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from contract.errors import CODES, OVERLOADED, UNAVAILABLE, parse_error
+from contract.prose import says_retry
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,6 @@ STRATEGIES = ("round_robin", "first_healthy")
 # HTTP statuses that say "this server cannot take it now", not "the request is wrong".
 RETRY_HTTP_STATUSES = frozenset({"502", "503", "504"})
 RETRY_GRPC_STATUSES = frozenset({"StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED"})
-# The words of Triton's and the models' own load-shedding rejections, for transports that do
-# not carry the status (a message read from a stream, an INTERNAL wrapping an UNAVAILABLE).
-RETRY_WORDS = ("exceeds maximum queue size", "unavailable", "overloaded", "no capacity")
 
 
 @dataclass(frozen=True)
@@ -320,8 +318,8 @@ def is_retryable(exc: BaseException) -> bool:
             if _is_refusal(status):
                 return False  # the server answered: the request is wrong, whatever the words
             # A 500 / INTERNAL that wraps a load-shedding rejection (e.g. through an ensemble).
-            return any(w in _message(e).lower() for w in RETRY_WORDS)
-        if hasattr(e, "server_message") and any(w in _message(e).lower() for w in RETRY_WORDS):
+            return says_retry(_message(e))
+        if hasattr(e, "server_message") and says_retry(_message(e)):
             return True  # a rejection read from a stream, which carries no status
         if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return True

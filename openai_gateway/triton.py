@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from contract.errors import CONTEXT_LENGTH, INVALID, parse_error, words_of
+from contract.prose import triton_unavailable
 from contract.truncation import DIRECTION_INPUT, RIGHT, TRUNCATE_INPUT
 from openai_gateway.catalog import Catalog, EmbeddingModel, Model, RerankerModel
 from openai_gateway.completions import GenerationJob
@@ -40,8 +41,6 @@ _LENGTH = struct.Struct("<I")  # the length prefix of each element of a BYTES te
 _WIRE_DTYPES = {"FP32": "<f4", "INT32": "<i4"}  # raw output contents are little-endian
 # The text entries' output beside EMBEDDING: each text's token count (the tokenizer step's).
 TOKEN_COUNT_OUTPUT = "NUM_TOKENS"
-# tritonserver's own words for a model it cannot reach now, in stream errors (no status there).
-TRITON_UNAVAILABLE_WORDS = ("unknown model", "is not ready", "unavailable")
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = N
     elif status_name:
         status = _STATUS.get(status_name, 502)
     else:  # a stream error of Triton's own (its words): a model it cannot reach now is a 503
-        status = 503 if any(w in message.lower() for w in TRITON_UNAVAILABLE_WORDS) else 502
+        status = 503 if triton_unavailable(message) else 502
     if status == 503:
         return unavailable(f"{what}: Triton cannot take the request now: {message}")
     if status == 504:

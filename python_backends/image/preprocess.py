@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from contract.errors import ConfigError, InputError
+from contract.prose import pillow_truncated
 
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
@@ -201,7 +202,7 @@ def decode_image(data: bytes, field: str, options: PreprocessOptions = Preproces
         else:
             image = JpegImagePlugin.JpegImageFile(io.BytesIO(data))
     except (OSError, SyntaxError, ValueError, struct.error, IndexError) as exc:
-        if "truncated" in str(exc).lower():
+        if pillow_truncated(str(exc)):
             raise InputError(field, f"truncated {kind} file ({len(data)} bytes): header incomplete") from None
         raise InputError(field, f"{NOT_AN_IMAGE}: corrupt {kind} header ({exc})") from None
     _check_size(field, *image.size, options)
@@ -209,7 +210,7 @@ def decode_image(data: bytes, field: str, options: PreprocessOptions = Preproces
         image.load()
     except (OSError, SyntaxError, ValueError, struct.error, IndexError) as exc:
         reason = str(exc)
-        if "truncated" in reason.lower():
+        if pillow_truncated(reason):
             raise InputError(field, f"truncated {kind} file ({len(data)} bytes): {reason}") from None
         raise InputError(field, f"corrupt {kind} data: {reason}") from None
     return to_rgb(image)

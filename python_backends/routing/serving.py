@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from contract.errors import InputError, Unavailable, parse_error, words_of
+from contract.prose import onnxruntime_invalid_input
 from python_backends.routing.router import Decision, fallback_versions, group_by
 
 log = logging.getLogger(__name__)
@@ -45,12 +45,6 @@ class CallError(Exception):
         self.invalid = invalid
 
 
-# ONNX Runtime's status for an input it cannot run (an id beyond the vocabulary), as the
-# Python-based backend ("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : ...") and the native
-# onnxruntime backend ("onnx runtime error 2: ...") word it.
-_INVALID_INPUT = re.compile(r"\bINVALID_ARGUMENT\b|onnx runtime error 2:")
-
-
 def call_error(message: str, invalid_code: bool = False) -> CallError:
     """The CallError for an encoder error response. The python backend of Triton 2.51 drops a
     BLS response's error code (``request_executor.cc`` rebuilds the error from its message, as
@@ -59,7 +53,7 @@ def call_error(message: str, invalid_code: bool = False) -> CallError:
     data = parse_error(message)
     if data is not None:
         return CallError(words_of(message), invalid=data.http_status in (400, 413))
-    return CallError(message, invalid=invalid_code or bool(_INVALID_INPUT.search(message)))
+    return CallError(message, invalid=invalid_code or onnxruntime_invalid_input(message))
 
 
 @dataclass
