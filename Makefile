@@ -92,7 +92,7 @@ perf-generate: $(STAMP)
 	$(PY) -m perf.bench.generate_bench --precision $(PRECISION)
 
 # Prompt-lookup speculative decoding on and off, side by side in-process: quoting and chat answers at
-# 1 and 2 streams, tokens/s, time per token, acceptance, same tokens (docs/generation.md). About 5 min.
+# 1 and 2 streams, tokens/s, time per token, acceptance, same tokens (docs/generation-internals.md#speculative-decoding). About 5 min.
 perf-speculative: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.bench.speculative_bench --precision $(PRECISION)
@@ -130,7 +130,7 @@ autotune: $(STAMP)
 # (perf/README.md). CACHE_BENCH_ARGS="--requests 5000" for a shorter run.
 CACHE_BENCH_ARGS ?=
 # Structured outputs through the whole stack: validity with and without the engine's guide, and
-# tokens/s at 16 streams with and without a JSON schema (docs/generation.md#structured-outputs).
+# tokens/s at 16 streams with and without a JSON schema (docs/generation-internals.md#structured-outputs).
 structured-bench: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.bench.structured_bench

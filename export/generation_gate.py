@@ -433,7 +433,7 @@ def variant_config(base: str, precision: str, header: str) -> str:
     """config.pbtxt's text serving ``precision``: its weights_precision parameter replaced, its
     block_size too for a runtime that keeps blocks of its own size, and no prompt-lookup drafts for
     ov_int4_f16 (a lone stream's step with drafts is 4 tokens: the F16 graph's, not the 4-bit one's;
-    docs/generation.md)."""
+    docs/generation-internals.md)."""
     from python_backends.generation.openvino_runtime import OV_INT4_PRECISIONS
 
     line = f'parameters {{ key: "weights_precision" value: {{ string_value: "{precision}" }} }}'

@@ -15,7 +15,7 @@ token (P50 over requests), the gap between two streamed outputs (P99, max), step
 draft tokens accepted, and how many outputs are token for token the same as without drafts
 (always all of them with FP32 weights; the 4-bit kernel rounds a few rows differently from one
 row, so a near-tie may go the other way, as batch composition does without drafts). Then the
-ratios drafts / none with the verdict the engine's default rests on (docs/generation.md).
+ratios drafts / none with the verdict the engine's default rests on (docs/generation-internals.md#speculative-decoding).
 
     python -m perf.bench.speculative_bench [--precision auto] [--max-tokens 128] [--k 3] [--requests 8]
 """

@@ -97,7 +97,7 @@ STREAM_WORKLOADS = ("gateway_chat_stream", "text_generation_stream")
 WORKLOADS = TEXT_WORKLOADS + ("image_classification", "text_generation_stream") + GATEWAY_WORKLOADS
 HIT_WORKLOADS = ("text_embedding_cached_hits", "gateway_embeddings_hits")
 TARGET_MAX_OVER_P50 = 5.0
-# The generation engine before its admission window (docs/generation.md): the before phase
+# The generation engine before its admission window (docs/generation-internals.md#the-engine): the before phase
 # serves text_generation with these parameters.
 BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0"}}
 # Models whose /v2/models/stats are recorded per window (the ensembles' steps and BLS targets).

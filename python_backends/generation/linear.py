@@ -27,7 +27,7 @@ CPU has (:func:`cpu_features`), through PyTorch's own kernels, never loops writt
 Tried and not offered: INT8 through fbgemm's dynamic quantized linear (one activation scale
 per call) moved the next-token distribution 1,000 times further than BF16 (mean KL 0.81
 nats on the held-out text): SmolLM2's MLP activations have outlier channels that a single
-scale flattens (docs/generation.md has the figures). onnxruntime's MatMulNBits (4- or 8-bit blocks,
+scale flattens (docs/generation-internals.md has the figures). onnxruntime's MatMulNBits (4- or 8-bit blocks,
 activations quantized per block to INT8) was no faster than fbgemm's FP16 product on the 2-core AVX2
 EPYC (the four layer products at 1 row: 6.6-12.2 ms against 8.5-9.3 per step, slower from 4 rows), and
 re-quantizing the Q4_1 weights to its integer zero points moved the distribution far (mean KL 0.40).
@@ -50,7 +50,7 @@ from contract.errors import ConfigError
 PRECISIONS = ("fp32", "fp16_fp32", "bf16", "int4_bf16")
 # Rows up to which int4_bf16 runs the packed 4-bit kernel; above, oneDNN's prepacked BF16 GEMM is
 # faster (SmolLM2's 120 products on an AVX-512 EPYC, 2 threads, 4-bit vs BF16: 24 vs 27 ms at 12 rows,
-# 29 vs 26 at 16, 38 vs 30 at 24; docs/generation.md).
+# 29 vs 26 at 16, 38 vs 30 at 24; docs/generation-internals.md).
 INT4_MAX_ROWS = 12
 INT4_GROUP = 32
 # The output head's precision per variant. int4_bf16 keeps the head in BF16: the packaged model's
@@ -237,7 +237,7 @@ class Fp16Linear(Linear):
 
     @property
     def nbytes(self) -> int:
-        """The FP16 bytes a product reads; fbgemm's packed buffer holds about 1.8x that (docs/generation.md)."""
+        """The FP16 bytes a product reads; fbgemm's packed buffer holds about 1.8x that (docs/generation-internals.md)."""
         return self.out_features * self.in_features * 2
 
 

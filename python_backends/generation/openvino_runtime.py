@@ -48,7 +48,7 @@ OV_PRECISIONS = {"ov_f16": "f16", "ov_int4_f16": "f16"}
 OV_BLOCK_SIZE = 32  # the CPU plugin's paged-attention block
 # ov_int4_f16: its 4-bit graph runs steps of up to this many tokens (one or two decoding streams),
 # where reading 4-bit weights pays; OpenVINO's 4-bit products cost more than its BF16 ones from
-# about 4 rows (docs/generation.md#four-bit-weights-for-a-lone-stream).
+# about 4 rows (docs/generation-internals.md#the-openvino-runtime).
 OV_INT4_MAX_ROWS = 2
 OV_INT4_PRECISIONS = ("ov_int4_f16",)
 OV_HEAD_GROUP = 32  # the output head's 8-bit blocks (a scale each)

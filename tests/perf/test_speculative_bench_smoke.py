@@ -2,7 +2,7 @@
 proposed and accepted on the quoting answers, and the report is complete.
 
 The structure and the draft counts are checked, never the speed ratios: these machines are
-small and shared (the figures are in docs/generation.md with the command behind them).
+small and shared (the figures are in docs/generation-internals.md with the command behind them).
 """
 
 from __future__ import annotations

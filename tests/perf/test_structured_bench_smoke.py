@@ -2,7 +2,7 @@
 answer is a valid object, both kinds of the cost run produce tokens, and the report is written.
 
 The structure is checked, never the speed ratio: these machines are small and shared (the figures
-are in docs/generation.md with the command behind them)."""
+are in docs/generation-internals.md with the command behind them)."""
 
 from __future__ import annotations
 
