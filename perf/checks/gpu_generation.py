@@ -30,7 +30,7 @@ Exit status: 1 when float32 parity fails (any token differs, or the first-step l
 differ by more than ``FP32_LOGITS_TOL``), else 0. On a machine without CUDA it prints the
 reason and exits 0 with "skipped". ``--device cpu --tiny`` runs the same checks on the CPU
 with a 2-layer model (what ``tests/unit/test_gpu_generation_check.py`` does).
-Writes the results as JSON with ``--out FILE``. About 2-3 minutes on an H200.
+Writes the results as JSON with ``--out FILE``. Not yet run on a GPU.
 """
 
 from __future__ import annotations
