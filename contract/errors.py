@@ -124,8 +124,18 @@ def format_error(exc: BaseException, prefix: str = "") -> str:
         data = exc.data
     else:
         data = ErrorData(INTERNAL, None, {}, f"internal error: {exc}")
-    body = json.dumps({"code": data.code, "field": data.field, "values": data.values}, separators=(",", ":"), default=str)
-    return f"{prefix}{data.message}{MARK}{body}"
+    return f"{prefix}{data.message}{MARK}{data_json(data)}"
+
+
+def data_json(data: ErrorData) -> str:
+    """The data of an error as one JSON object (``code``, ``field``, ``values``): what follows
+    :data:`MARK` in a message, and what a gRPC error's ``error-data`` trailing metadata holds."""
+    return json.dumps({"code": data.code, "field": data.field, "values": data.values}, separators=(",", ":"), default=str)
+
+
+def format_data(data: ErrorData) -> str:
+    """The message of an error another hop made (the doors' refusals): its words, then its data."""
+    return f"{data.message}{MARK}{data_json(data)}"
 
 
 def parse_error(text: str) -> ErrorData | None:

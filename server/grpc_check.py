@@ -19,6 +19,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Any
+
+from contract.errors import INVALID, TOO_LARGE, ErrorData
 
 # Bytes per element of each fixed-size datatype (BYTES: length-prefixed, checked apart).
 SIZES = {
@@ -61,11 +65,20 @@ _PREFIX = struct.Struct("<I")
 @dataclass(frozen=True)
 class Refusal:
     """Why a request is refused: ``field`` names where (``inputs[0] 'TEXT'.shape[0]``), ``rule``
-    what it broke (a short code, e.g. ``batch``, ``elements``, ``data_size``)."""
+    what it broke (a short code, e.g. ``batch``, ``elements``, ``data_size``), ``values`` the
+    limit and what was sent where the rule has them."""
 
     field: str
     rule: str
     message: str
+    values: Mapping[str, Any] = dataclass_field(default_factory=dict)
+
+    @property
+    def data(self) -> ErrorData:
+        """The refusal as the error data every hop reads (contract/errors.py): over a size limit
+        is ``request_too_large``, any other rule ``invalid_value``; ``values`` holds the rule."""
+        code = TOO_LARGE if self.rule == "elements" else INVALID
+        return ErrorData(code, self.field, {"rule": self.rule, **self.values}, self.message)
 
 
 @dataclass(frozen=True)
@@ -140,12 +153,15 @@ def check_input(tensor, i: int, raw: bytes | None, model: Mapping | None, limits
         dims = list(spec["dims"])
         rank = len(dims) + (1 if batched else 0)
         if len(shape) != rank:
-            return Refusal(f"{name}.shape", "rank", f"{name}.shape has {len(shape)} dimensions; model expects {rank}")
+            return Refusal(
+                f"{name}.shape", "rank", f"{name}.shape has {len(shape)} dimensions; model expects {rank}", {"expected": rank}
+            )
         if batched and not 1 <= shape[0] <= model["max_batch_size"]:
             return Refusal(
                 f"{name}.shape[0]",
                 "batch",
                 f"{name}.shape[0] (batch) must be between 1 and max_batch_size {model['max_batch_size']}",
+                {"minimum": 1, "maximum": model["max_batch_size"], "got": shape[0]},
             )
         offset = 1 if batched else 0
         for d, want in enumerate(dims):
@@ -161,7 +177,12 @@ def check_input(tensor, i: int, raw: bytes | None, model: Mapping | None, limits
     for dim in shape:
         elements *= dim  # Python integers: no wrap-around
     if elements > bound:
-        return Refusal(f"{name}.shape", "elements", f"{name}.shape declares {elements} elements; the limit is {bound}")
+        return Refusal(
+            f"{name}.shape",
+            "elements",
+            f"{name}.shape declares {elements} elements; the limit is {bound}",
+            {"maximum": bound, "got": elements},
+        )
     size = SIZES[datatype]
     region = _param(tensor.parameters, "shared_memory_region")
     typed = _typed_count(tensor)

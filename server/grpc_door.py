@@ -38,7 +38,7 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from contract.errors import parse_error
+from contract.errors import data_json, format_data, parse_error
 from server.grpc_check import Limits, Refusal, check_request
 from server.replica_probes import ReplicaProbes, probe_url
 from server.stream_resume import StreamBook, continuable_models
@@ -188,7 +188,7 @@ class Door:
             refusal = check_request(parsed, self.limits, stream=False)
         if refusal is not None:
             self.refused += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal.message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, format_data(refusal.data), refusal_metadata(refusal))
         # While the watchdog reloads a model whose instance died, tritonserver answers the requests
         # it routes to the dead instance INTERNAL ("Stub process ... is not healthy"): inference is
         # idempotent, so such a request is sent again (the healthy instances answer it); if every
@@ -304,7 +304,9 @@ class Door:
     # -- streams -------------------------------------------------------------------------------
 
     def _stream_error(self, parsed, refusal: Refusal) -> bytes:
-        response = self.pb.ModelStreamInferResponse(error_message=refusal.message)
+        # A stream's error has no status or metadata of its own: the data follows the words, as in
+        # the models' own errors, so a client reads the code, field and limit the same way.
+        response = self.pb.ModelStreamInferResponse(error_message=format_data(refusal.data))
         if parsed is not None:
             response.infer_response.id = parsed.id
             response.infer_response.model_name = parsed.model_name
@@ -521,6 +523,12 @@ class Door:
                 yield response
         except aio.AioRpcError as exc:
             await self._abort_with(context, exc)
+
+
+def refusal_metadata(refusal: Refusal) -> tuple[tuple[str, str], ...]:
+    """A unary refusal's data as trailing metadata (``error-data``: the JSON object that also
+    follows the words), for gRPC clients that read metadata rather than the message."""
+    return (("error-data", data_json(refusal.data)),)
 
 
 async def _safe_trailing(exc: aio.AioRpcError) -> tuple:
