@@ -148,8 +148,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--triton-health-dir",
         type=Path,
         default=_env("GATEWAY_TRITON_HEALTH_DIR", "") or None,
-        help="the launcher's stub watchdog folder: a generation stream of a model marked there ends "
-        "with a 503 error event instead of waiting for --generation-timeout",
+        help="the launcher's stub watchdog folder: a generation stream of a model marked there is "
+        "continued on another instance where it can be (else it ends with a 503 error event) instead "
+        "of waiting for --generation-timeout",
     )
     p.add_argument(
         "--embedding-entry",

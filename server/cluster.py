@@ -11,11 +11,12 @@ Topology (docs/cluster.md)::
 
 A supervisor thread starts the replicas and the gateways, restarts a dead one with a bounded
 backoff (a gateway is back in the front door once its /health/ready answers 200), and keeps
-the front door's upstream list in step: a replica that is not ready (starting, dead, failing
-its health check) is marked ``down`` and nginx reloaded (SIGHUP), so traffic reaches it again
-only once its ``/v2/health/ready`` and every model's ready endpoint answer 200. Between its
-death and the reload, nginx's passive health checks and retries to the next upstream
-(deploy/frontdoor/nginx.conf.template) carry the requests it was sent.
+the front door's upstream list in step: a replica alive but failing its readiness is marked
+``down`` and nginx reloaded (SIGHUP), so traffic reaches it again only once its
+``/v2/health/ready`` and every model's ready endpoint answer 200. A replica that died stays
+listed, without a reload: its ports refuse connections until its restarted tritonserver has
+loaded its models, and nginx's passive health checks and retries to the next upstream
+(deploy/frontdoor/nginx.conf.template) carry the requests it is sent.
 
 Every child is tied to this process (PR_SET_PDEATHSIG): Ctrl-C stops all of it in order, and a
 killed launcher takes its children with it.
