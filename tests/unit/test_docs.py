@@ -256,13 +256,25 @@ def test_the_documented_defaults_and_counts_are_the_codes():
     # "all <n> services" of docker-compose.yml, where a page counts them
     import yaml
 
-    services = len(yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"])
+    names = set(yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"])
+    services = len(names)
     words = {"ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14}
     for path in doc_files():
-        for count in re.findall(r"all (\w+) services", path.read_text(encoding="utf-8")):
-            assert words.get(count, count) in (services, str(services)), (
-                f"{path.name}: 'all {count} services', compose has {services}"
-            )
+        for count in re.findall(r"(?i)\b(?:all|the) (\w+) services", path.read_text(encoding="utf-8")):
+            if count.lower() in words or count.isdigit():
+                assert words.get(count.lower(), count) in (services, str(services)), (
+                    f"{path.name}: '{count} services', compose has {services}"
+                )
+    # docs/gpu.md's table of the services names each of them ("`triton-cpu-1`, `-2`": a suffix)
+    listed = set()
+    for line in (ROOT / "docs" / "gpu.md").read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `"):
+            previous = ""
+            for name in re.findall(r"`([\w.-]+)`", line.split("|")[1]):
+                name = previous.rsplit("-", 1)[0] + name if name.startswith("-") else name
+                listed.add(name)
+                previous = name
+    assert names <= listed, f"docs/gpu.md's service table lacks {sorted(names - listed)}"
     # the promtool cases docs/monitoring.md counts
     cases = len(yaml.safe_load((ROOT / "deploy/prometheus/tests/serving_rules_test.yml").read_text(encoding="utf-8"))["tests"])
     (said,) = re.findall(r"serving_rules_test\.yml`, (\d+) cases", (ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8"))
