@@ -305,9 +305,11 @@ class ReplicatedRepositoryClient:
 CLUSTER_REPLICAS_PATH = "/v2/cluster/replicas"
 
 
-def connect(
-    url: str, token: str | None = None, metrics_url: str | None = None, timeout: float = 300.0
-) -> RepositoryClient | ReplicatedRepositoryClient:
+# What connect() returns: one server's client, or serve-cluster's (the same calls on every replica).
+AnyRepositoryClient = RepositoryClient | ReplicatedRepositoryClient
+
+
+def connect(url: str, token: str | None = None, metrics_url: str | None = None, timeout: float = 300.0) -> AnyRepositoryClient:
     """A client for the server at ``url``: when it is serve-cluster's front door (it answers
     ``GET /v2/cluster/replicas``), one that acts on every replica directly; else a plain one."""
     plain = RepositoryClient(url, token=token, metrics_url=metrics_url, timeout=timeout)

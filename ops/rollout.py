@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.errors import ConfigError
-from ops.repository import ROOT, ReplicatedRepositoryClient, RepositoryClient, RepositoryError, connect
+from ops.repository import ROOT, AnyRepositoryClient, ReplicatedRepositoryClient, RepositoryError, connect
 from python_backends.routing.ensemble import ROUTED, describe_form, direct_form, form_of, routed_form
 from python_backends.routing.weights import RoutingError, format_weights, parse_weights, validate_weights
 
@@ -188,7 +188,7 @@ def router_config(config: dict, weights: dict) -> dict:
     return out
 
 
-def set_versions(client: RepositoryClient, encoder: str, versions: list[int]) -> None:
+def set_versions(client: AnyRepositoryClient, encoder: str, versions: list[int]) -> None:
     """Load exactly ``versions`` of the encoder (new ones warmed; Triton answers when ready)."""
     client.load(encoder, encoder_config(client.config(encoder), versions))
     for v in versions:
@@ -196,13 +196,13 @@ def set_versions(client: RepositoryClient, encoder: str, versions: list[int]) ->
             raise RepositoryError(f"{encoder} version {v} is not ready after its load")
 
 
-def set_weights(client: RepositoryClient, router: str, weights: dict, base: dict | None = None) -> None:
+def set_weights(client: AnyRepositoryClient, router: str, weights: dict, base: dict | None = None) -> None:
     """Swap the router for one with ``weights``; the old one serves until the new one is loaded.
     ``base``: the config to override (default: the served one; a router not loaded has none)."""
     client.load(router, router_config(base if base is not None else client.config(router), weights))
 
 
-def served_weights(client: RepositoryClient, router: str) -> dict:
+def served_weights(client: AnyRepositoryClient, router: str) -> dict:
     raw = client.config(router).get("parameters", {}).get("weights", {}).get("string_value", "")
     return parse_weights(raw, f"{router} parameter 'weights'")
 
@@ -262,15 +262,20 @@ class LoadPlan:
         """The config override ``model`` is loaded with under this plan; None: its own config."""
         repo = repository or self.repository
         name = config_name if config_name is not None else self.config_name
+
+        def on_disk(which: str) -> dict:
+            assert repo is not None, "LoadPlan.override: no repository given and none set on the plan"
+            return config_from_disk(repo, which, name)
+
         if model == self.encoder:
-            return encoder_config(config_from_disk(repo, self.encoder, name), list(self.versions))
+            return encoder_config(on_disk(self.encoder), list(self.versions))
         if model == self.router:  # also when a user asked for it in the direct form
-            return router_config(config_from_disk(repo, self.router, name), self.weights)
+            return router_config(on_disk(self.router), self.weights)
         if model == self.entry and self.routed:
-            return routed_form(config_from_disk(repo, self.entry, name), self.encoder, self.router)
+            return routed_form(on_disk(self.entry), self.encoder, self.router)
         return None
 
-    def apply(self, client: RepositoryClient, repository: Path | None = None, config_name: str | None = None) -> None:
+    def apply(self, client: AnyRepositoryClient, repository: Path | None = None, config_name: str | None = None) -> None:
         """Load the overridden models (encoder first, then router and the routed entry)."""
         for model in self.overridden():
             client.load(model, self.override(model, repository, config_name))
@@ -424,7 +429,7 @@ class Rollout:
 
     def __init__(
         self,
-        client: RepositoryClient,
+        client: AnyRepositoryClient,
         state_path: Path,
         say: Callable[[str], None] = print,
         sleep: Callable[[float], None] = time.sleep,
@@ -526,7 +531,10 @@ class Rollout:
             "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [SMOKE_TEXT]}],
             "parameters": {"encoder_version": version},
         }
-        replicas = getattr(self.client, "replicas", [self.client])  # a cluster: each replica must pass
+        if isinstance(self.client, ReplicatedRepositoryClient):  # a cluster: each replica must pass
+            replicas, names = self.client.replicas, self.client.names
+        else:
+            replicas, names = [self.client], []
         for index, client in enumerate(replicas):
             result = client.infer_json(self.smoke_model, body)
             outputs = {o["name"]: o["data"] for o in result.get("outputs", [])}
@@ -534,7 +542,7 @@ class Rollout:
             vector = outputs.get("EMBEDDING") or []
             norm = math.sqrt(sum(x * x for x in vector)) if vector else 0.0
             if served != version or not 0.99 < norm < 1.01:
-                where = f" on {self.client.names[index]}" if len(replicas) > 1 else ""
+                where = f" on {names[index]}" if len(replicas) > 1 else ""
                 raise RepositoryError(f"smoke check of version {version}{where}: served by {served}, |embedding| = {norm:.3f}")
 
     # -- start / resume
@@ -601,7 +609,10 @@ class Rollout:
                 self.say(f"rollout: {format_weights(state.weights)} (step {index + 1} of {len(state.steps)})")
             verdict = self._watch(state, limits, check_interval_s)
             if verdict is None:
-                self.say(f"rollout: stopped, the state changed to {RolloutState.load(self.state_path).phase} meanwhile")
+                changed = RolloutState.load(self.state_path)
+                self.say(
+                    f"rollout: stopped, the state changed to {changed.phase if changed else 'none (no state file)'} meanwhile"
+                )
                 return 1
             if not verdict.ok:
                 return self._abort(state, verdict.reason, verdict.figures)
@@ -623,6 +634,8 @@ class Rollout:
         before the new version served ``min_requests`` calls waits for them up to
         ``limits.traffic_timeout_s``, then fails, unless ``limits.allow_unjudged``."""
         candidate = state.candidate
+        # start() sets both before it watches a step (a resumed step keeps its start time).
+        assert candidate is not None and state.step_started_at is not None
         stats_before = self.client.version_stats(state.encoder)
         text = self.client.metrics()
         calls_before, hist_before = call_counts(text, state.encoder), latency_buckets(text, state.encoder)
@@ -725,6 +738,7 @@ class Rollout:
         state = self.state()
         if state.phase != "rolled_out":
             raise UsageError(f"nothing to finish: the state is {state.phase!r} (finish follows a completed rollout)")
+        assert state.completed_at is not None  # rolled_out is written with its completion time
         left = state.completed_at + state.rollback_window_s - time.time()
         if left > 0 and wait and not force:
             self.say(f"rollout: waiting {left:.0f} s for the rollback window to close")
@@ -734,6 +748,7 @@ class Rollout:
                 if state.phase != "rolled_out":  # rolled back from another shell meanwhile
                     self.say(f"rollout: the state changed to {state.phase!r}; nothing to finish")
                     return 1
+                assert state.completed_at is not None  # rolled_out, as above
                 left = state.completed_at + state.rollback_window_s - time.time()
         if left > 0 and not force:
             raise UsageError(
@@ -741,6 +756,7 @@ class Rollout:
                 f"{state.rollback_window_s:.0f} s); run finish after it, or pass --wait or --force"
             )
         old, new = state.stable, state.candidate
+        assert new is not None  # rolled_out: the candidate serves 100 %
         self._apply_weights(state, {new: 100}, f"finish: version {new} alone")
         set_versions(self.client, state.encoder, [new])
         for lane in lanes_of(self.client, state.encoder):  # the interactive lane follows (it served the stable one)
@@ -809,7 +825,7 @@ def publish(
     return version
 
 
-def lanes_of(client: RepositoryClient, encoder: str) -> list[str]:
+def lanes_of(client: AnyRepositoryClient, encoder: str) -> list[str]:
     """The loaded priority-class lanes of ``encoder`` (its ``lanes`` parameter, export/lanes.py)."""
     from export.lanes import declared_lanes
 

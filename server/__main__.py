@@ -387,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             return 1
         if gateway is not None and not gateway.running():
+            assert gateway.process is not None  # started before this loop
             print(
                 f"serve: the OpenAI gateway exited unexpectedly (code {gateway.process.returncode})\n{gateway.log_tail()}",
                 file=sys.stderr,

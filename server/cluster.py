@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from server.frontdoor import (
     DEFAULT_GATEWAY_MAX_BODY_BYTES,
@@ -63,6 +64,12 @@ from server.prometheus import (
 from server.repository_prep import export_missing, resolve_precision
 from server.repository_prep import prepare as prepare_repository
 from server.supervisor import Service, free_ports, http_status
+
+if TYPE_CHECKING:  # imported where they start: grpc, and the gateway's and Redis's modules, only when used
+    from server.gateway import GatewayProcess
+    from server.grpc_door import GrpcDoor
+    from server.redis_process import RedisProcess
+    from server.repository_door import RepositoryDoor
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +188,7 @@ class Gateway:
 
     index: int
     port: int
-    process: object | None = None  # server.gateway.GatewayProcess
+    process: GatewayProcess | None = None
     state: str = DOWN
     restarts: int = 0
     failures_in_row: int = 0
@@ -224,12 +231,12 @@ class Cluster(Service):
         self.workdir = Path(options.workdir).resolve()  # nginx -p and the replicas need it absolute
         self.replicas: list[Replica] = []
         self.front_door: FrontDoor | None = None
-        self.grpc_door = None  # server.grpc_door.GrpcDoor once started
-        self.repository_door = None  # server.repository_door.RepositoryDoor once started
+        self.grpc_door: GrpcDoor | None = None  # once started
+        self.repository_door: RepositoryDoor | None = None  # once started
         self._states_written: tuple = ()
         self.nginx_grpc_port = 0
         self.stream_door_port = self.stream_upstream_port = 0
-        self.redis = None
+        self.redis: RedisProcess | None = None
         self.redis_url: str | None = None
         self.redis_restarts = 0
         self._redis_next_start = 0.0
@@ -456,6 +463,7 @@ class Cluster(Service):
         o = self.options
         door = None
         if self.gateways:
+            assert o.gateway_port is not None  # start() makes gateways only with a gateway port
             door = GatewayDoor(o.gateway_port, tuple(g.upstream() for g in self.gateways), self._gateway_max_body_bytes())
         ports = FrontDoorPorts.cluster(
             o.host, o.http_port, self.nginx_grpc_port, o.metrics_port, [r.upstream() for r in self.replicas], door
@@ -606,6 +614,7 @@ class Cluster(Service):
     def _watch_gateway(self, gateway: Gateway) -> None:
         """Until its /health/ready answers 200 (it is up and sees Triton's models ready)."""
         process, deadline = gateway.process, time.monotonic() + self.options.ready_timeout
+        assert process is not None  # _start_gateway has just started it
 
         def wait() -> None:
             while not self._stop.is_set() and gateway.process is process and gateway.state == STARTING:
@@ -631,13 +640,16 @@ class Cluster(Service):
             if g.state in (READY, STARTING) and g.process is not None and not g.alive():
                 code = g.process.process.returncode if g.process.process else None
                 g.exit_codes.append(code)
-                try:  # anything else in its process group
-                    os.killpg(g.pid, signal.SIGKILL)
-                except (ProcessLookupError, TypeError):
-                    pass
+                pid = g.pid
+                if pid is not None:
+                    try:  # anything else in its process group
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 g.process.stop(timeout=0)  # closes its log
                 self._failed(g, f"exited (code {code})")
             elif g.state == "failed-start":
+                assert g.process is not None  # _watch_gateway sets failed-start on a started process
                 g.process.stop(timeout=2)
                 g.exit_codes.append(g.process.process.returncode if g.process.process else None)
                 self._failed(g, f"/health/ready not 200 within {o.ready_timeout:.0f} s")
@@ -790,7 +802,7 @@ class Cluster(Service):
         while not self._stop.wait(o.health_interval_s):
             with self._lock:
                 due = [(r, r.server) for r in self.replicas if r.state == READY]
-                gateways = [(g, g.process) for g in self.gateways if g.state == READY]
+                gateways = [(g, g.process) for g in self.gateways if g.state == READY and g.process is not None]
             for r, server in due:
                 ok = self._replica_healthy(r)
                 with self._lock:
@@ -832,13 +844,13 @@ class Cluster(Service):
         Prometheus and Redis."""
         self._stop.set()
         with self._lock:  # after this, the supervisor starts no gateway (it checks _stop under the lock)
-            gateways = [g for g in self.gateways if g.process is not None]
-        stoppers = [threading.Thread(target=g.process.stop, daemon=True) for g in gateways]
+            gateways = [(g, g.process) for g in self.gateways if g.process is not None]
+        stoppers = [threading.Thread(target=process.stop, daemon=True) for _, process in gateways]
         for t in stoppers:
             t.start()
         for t in stoppers:
             t.join()
-        for g in gateways:
+        for g, _ in gateways:
             g.state = STOPPED
         if self.grpc_door is not None:
             self.grpc_door.stop(timeout=self.options.drain_timeout)
@@ -1070,9 +1082,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(first_screen(cluster, served, args.precision), flush=True)
     code = 0
+    front_door = cluster.front_door
+    assert front_door is not None  # cluster.start() made it
     while not stop.is_set():
-        if not cluster.front_door.running():
-            print(f"serve-cluster: the front door (nginx) exited\n{cluster.front_door.log_tail()}", file=sys.stderr)
+        if not front_door.running():
+            print(f"serve-cluster: the front door (nginx) exited\n{front_door.log_tail()}", file=sys.stderr)
             code = 1
             break
         stop.wait(0.5)

@@ -239,7 +239,10 @@ class Upstream:
         host, *ports = text.split(":")
         if not host or len(ports) not in (0, 3) or not all(p.isdigit() for p in ports):
             raise ValueError(f"upstream {text!r}: want HOST or HOST:HTTP:GRPC:METRICS")
-        return cls(host, *map(int, ports))
+        if not ports:
+            return cls(host)
+        http, grpc, metrics = map(int, ports)
+        return cls(host, http, grpc, metrics)
 
 
 @dataclass(frozen=True)
@@ -356,7 +359,7 @@ def gateway_servers(servers: Sequence[GatewayServer]) -> str:
 
 def render(
     ports: FrontDoorPorts,
-    workdir: Path,
+    workdir: Path | str,
     js_path: Path,
     max_body_bytes: int,
     workers: int | str = 1,

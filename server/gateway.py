@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ class GatewayProcess(Service):
         self.child = ChildProcess("the gateway", self.log_path, tie="SIGTERM")
 
     @property
-    def process(self):
+    def process(self) -> subprocess.Popen | None:
         """The gateway's subprocess.Popen (None before start)."""
         return self.child.process
 

@@ -106,7 +106,7 @@ class ServerOptions:
     @classmethod
     def with_free_ports(cls, **kwargs) -> ServerOptions:
         host = kwargs.get("host", "127.0.0.1")
-        ports = set()
+        ports: set[int] = set()
         while len(ports) < 3:
             ports.add(free_port(host))
         http, grpc, metrics = sorted(ports)
@@ -430,6 +430,7 @@ class TritonServer(Service):
             if self._get("/v2/health/ready") != 200:
                 return False
             if not deferred_loaded:
+                assert self.repository is not None  # deferred_loaded starts True without a prepared repository
                 try:
                     self.repository.load_deferred(
                         self.triton_http_url, self.options.repository_token or "", self.options.model_config_name

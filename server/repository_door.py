@@ -115,10 +115,10 @@ class RepositoryDoor:
     def ready(self) -> tuple[int, dict]:
         """The front door's readiness (docker-compose): 200 while at least one replica's probe port
         says ready (nginx takes requests to it), each replica's answer listed; 503 when none does."""
-        replicas = [r for r in self.replicas() if r.probe_url]
-        if not replicas:
+        probe_urls = {r.name: r.probe_url for r in self.replicas() if r.probe_url}
+        if not probe_urls:
             return 404, {"error": f"{READY_PATH}: this door was started without the replicas' probe ports"}
-        answers = {r.name: probe_answer(r.probe_url, 2.0)[0] for r in replicas}
+        answers = {name: probe_answer(url, 2.0)[0] for name, url in probe_urls.items()}
         ready = [name for name, status in answers.items() if status == 200]
         return (200 if ready else 503), {"ready": bool(ready), "replicas": answers}
 

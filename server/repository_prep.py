@@ -27,8 +27,12 @@ import errno
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from server.models import closure, variant_models, with_dependencies
+
+if TYPE_CHECKING:
+    from ops.rollout import LoadPlan
 
 
 def export_missing(repository: Path) -> bool:
@@ -86,7 +90,7 @@ class Prepared:
 
     repository: Path
     rollout_state: Path | None = None
-    plan: object | None = None  # ops.rollout.LoadPlan
+    plan: LoadPlan | None = None
     deferred: tuple[str, ...] = field(default_factory=tuple)
     # lane -> the version it is pinned to through an override (a read-only repository; above)
     lane_pins: Mapping[str, int] = field(default_factory=dict)

@@ -418,6 +418,7 @@ class _Client:
             await self.response.write_eof()
         except (ClientConnectionResetError, ConnectionResetError):
             pass  # the client has gone
+        assert self.response is not None  # set above before anything that can raise
         return self.response
 
 

@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from server.lifetime import tied_command
 
@@ -83,7 +83,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def free_ports(count: int, taken: set[int], host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct free ports not in ``taken``; they are added to ``taken``."""
-    out = []
+    out: list[int] = []
     while len(out) < count:
         port = free_port(host)
         if port not in taken:
@@ -158,7 +158,7 @@ class ChildProcess:
     ) -> ChildProcess:
         """Start ``command`` (stdin /dev/null, output as ``output`` says)."""
         command, preexec = tied_command(list(command), self.tie) if self.tie else (list(command), None)
-        popen = dict(
+        popen: dict[str, Any] = dict(
             env=None if env is None else dict(env),
             cwd=cwd,
             stdin=subprocess.DEVNULL,
@@ -168,13 +168,15 @@ class ChildProcess:
         if self.output == DISCARD:
             self.process = subprocess.Popen(list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
             return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_path
+        assert log_path is not None  # __init__ asserts it for every output but DISCARD
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.output == FILE:
             # The child holds its own descriptor: ours is closed at once.
-            with self.log_path.open(self.log_mode + "b") as log_file:
-                self.process = subprocess.Popen(list(command), stdout=log_file, stderr=subprocess.STDOUT, **popen)
+            with log_path.open(self.log_mode + "b") as binary_log:
+                self.process = subprocess.Popen(list(command), stdout=binary_log, stderr=subprocess.STDOUT, **popen)
             return self
-        log_file = self.log_path.open(self.log_mode, encoding="utf-8")
+        log_file = log_path.open(self.log_mode, encoding="utf-8")
         try:
             self.process = subprocess.Popen(
                 list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", **popen
@@ -249,7 +251,7 @@ class ChildProcess:
 
     # --- stop -----------------------------------------------------------------------------
     def send_signal(self, sig: int) -> None:
-        if self.running():
+        if self.process is not None and self.process.poll() is None:  # running()
             self.process.send_signal(sig)
 
     def kill(self, group: bool = False) -> None:
@@ -299,13 +301,15 @@ class ChildProcess:
         return self.process.returncode
 
     def _wait(self, timeout: float, while_waiting: Callable[[], None] | None) -> None:
+        process = self.process
+        assert process is not None  # stop() returns first when it was never started
         if while_waiting is None:
-            self.process.wait(timeout=timeout)
+            process.wait(timeout=timeout)
             return
         deadline = time.monotonic() + timeout
-        while self.process.poll() is None:
+        while process.poll() is None:
             if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.process.args, timeout)
+                raise subprocess.TimeoutExpired(process.args, timeout)
             while_waiting()
             time.sleep(0.1)
 
