@@ -28,10 +28,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from python_backends.image.preprocess import PreprocessOptions, to_pixel_values, to_rgb
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # foolbox's ImageNet validation photos, "imagenet_<index>_<ImageNet class>.jpg".
 IMAGENET_PHOTOS = tuple(
@@ -78,7 +82,7 @@ EVALUATION_SIZE = 192
 @dataclass(frozen=True)
 class Sample:
     name: str  # e.g. "chelsea.png#crop3-flip(200x180)"
-    image: object  # PIL.Image, RGB
+    image: Image.Image  # RGB
     label: int | None = None  # the photo's ImageNet class, where it has one
 
     @property

@@ -163,8 +163,10 @@ def measure(
                 for one in runs(layout, make, b):
                     one()
     names = {layout: f"{layout[0]}x{layout[1]}" for layout in plan}
-    rates = {names[lay]: {k: {b: [] for b in batches} for k in kinds} for lay in plan}
-    latency = {names[lay]: {k: [] for k in kinds} for lay in plan}
+    rates: dict[str, dict[str, dict[int, list[float]]]] = {
+        names[lay]: {k: {b: [] for b in batches} for k in kinds} for lay in plan
+    }
+    latency: dict[str, dict[str, list[float]]] = {names[lay]: {k: [] for k in kinds} for lay in plan}
     for r in range(rounds):
         if progress:
             progress(
@@ -310,7 +312,7 @@ def measure_length_mix(
         for feeds in groupings.values():
             for s in sessions[layout]:
                 whole_pool(s, feeds)()
-    samples = {names[lay]: {g: [] for g in groupings} for lay in plan}
+    samples: dict[str, dict[str, list[float]]] = {names[lay]: {g: [] for g in groupings} for lay in plan}
     for r in range(rounds):
         if progress:
             progress(f"length-mix round {r + 1}/{rounds}: {', '.join(groupings)}; layouts {', '.join(names.values())}")
@@ -319,7 +321,7 @@ def measure_length_mix(
                 rate, _ = _rate([whole_pool(s, feeds) for s in sessions[layout]], len(rows), seconds, min_runs=1)
                 samples[names[layout]][g].append(rate)
     rates = {lay: {g: statistics.median(v) for g, v in gs.items()} for lay, gs in samples.items()}
-    return MixLimit(served, tuple(mix), pool, float(np.mean(lengths)), rates)
+    return MixLimit(served, (mix[0], mix[1]), pool, float(np.mean(lengths)), rates)
 
 
 def mix_markdown(m: MixLimit) -> str:

@@ -278,6 +278,7 @@ def create_app(
                 return
             ids.append(item)
             text = tokenizer.decode(ids, skip_special_tokens=True)
+            assert isinstance(text, str)  # one sequence of ids decodes to one string
             if text.endswith("\ufffd"):
                 yield "", 1
                 continue

@@ -44,6 +44,7 @@ from ops.repository import RepositoryClient
 from perf.lib import harness
 from perf.lib import perf_analyzer as pa
 from perf.lib import served as served_mod
+from perf.lib.stats import measured
 
 MODEL = harness.MODEL
 ENCODER = harness.ENCODER
@@ -128,11 +129,11 @@ def candidates(
 
 def pick(scores: Sequence[Score], budget_ms: float) -> Score | None:
     """The feasible score with the highest throughput; with none feasible, the lowest P99."""
-    measured = [s for s in scores if s.throughput is not None]
-    feasible = [s for s in measured if s.feasible(budget_ms)]
+    with_throughput = [s for s in scores if s.throughput is not None]
+    feasible = [s for s in with_throughput if s.feasible(budget_ms)]
     if feasible:
-        return max(feasible, key=lambda s: s.throughput)
-    return min(measured, key=lambda s: s.p99_ms, default=None)
+        return max(feasible, key=lambda s: measured(s.throughput))
+    return min(with_throughput, key=lambda s: measured(s.p99_ms), default=None)
 
 
 def apply_candidate(base: dict, c: Candidate) -> dict:
@@ -348,7 +349,7 @@ def summary_markdown(
             lines.append(
                 f"Winner under Poisson arrivals, {rate_row.load}: {_fmt(rate_row.throughput)} infer/s, "
                 f"p50 {_fmt(rate_row.p50_ms)} ms, p99 {_fmt(rate_row.p99_ms)} ms, "
-                f"P99 / P50 = {rate_row.p99_ms / rate_row.p50_ms:.2f}."
+                f"P99 / P50 = {measured(rate_row.p99_ms) / rate_row.p50_ms:.2f}."
             )
         else:
             lines.append(f"Winner under Poisson arrivals ({rate_row.load}): {rate_row.error or 'not measured'}.")
@@ -414,8 +415,8 @@ def run(args: argparse.Namespace) -> int:
                 untried = grid[i:]
                 break
         first = [s for s in scores.values() if s.throughput is not None]
-        feasible = sorted((s for s in first if s.feasible(args.latency_budget_ms)), key=lambda s: -s.throughput)
-        others = sorted((s for s in first if not s.feasible(args.latency_budget_ms)), key=lambda s: s.p99_ms)
+        feasible = sorted((s for s in first if s.feasible(args.latency_budget_ms)), key=lambda s: -measured(s.throughput))
+        others = sorted((s for s in first if not s.feasible(args.latency_budget_ms)), key=lambda s: measured(s.p99_ms))
         finalists = (feasible + others)[: args.finalists]
         for r in range(2, 2 + args.final_rounds):
             for s in finalists:

@@ -58,7 +58,7 @@ class Phase:
     errors: int
     repeat_p50_ms: float | None = None  # requests whose text came earlier in the stream
     first_p50_ms: float | None = None  # first occurrences
-    levels: dict[str, float] = field(default_factory=dict)  # hit rates and counts
+    levels: dict[str, float | None] = field(default_factory=dict)  # hit rates (None: no lookups) and counts
     server_compute_us: float | None = None  # per request, Triton statistics (hits-only phase)
     server_queue_us: float | None = None
     lookup_us: float | None = None  # L1 + L2 lookup of one batch, from embedding_cache_lookup_seconds
@@ -133,7 +133,7 @@ def cache_counts(metrics_url: str) -> dict[str, float]:
     return counts
 
 
-def level_rates(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def level_rates(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     d = {k: after[k] - before[k] for k in after}
     rate = lambda hit, miss: round(hit / (hit + miss), 4) if hit + miss else None  # noqa: E731
     return {

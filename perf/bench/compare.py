@@ -58,6 +58,7 @@ from perf.lib.harness import (
     skipped,
     write_csv,
 )
+from perf.lib.stats import measured
 
 # The targets, checked (not enforced) in the printed ratios.
 TARGET_SERVED_VS_LIMIT = 0.85
@@ -304,7 +305,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
 
         if a.rate_fraction > 0:
             steps_after -= 1
-            peak = max((r.throughput for r in run.rows if r.key.startswith("triton_grpc_c") and r.ok), default=None)
+            peak = max((measured(r.throughput) for r in run.rows if r.key.startswith("triton_grpc_c") and r.ok), default=None)
             if peak is None:
                 run.rows.append(skipped(rate_key, system, "grpc", "Poisson", "no peak throughput measured"))
             else:
@@ -360,7 +361,7 @@ def _row(rows: Sequence[Row], key: str) -> Row | None:
 def _ratio(name: str, num: Row | None, den: Row | None, target: float | None = None, above: bool = True) -> Ratio:
     if num is None or den is None or not den.throughput:
         return Ratio(name, None, "" if target is None else f"{'>=' if above else '<='} {target:g}", detail="not measured")
-    value = num.throughput / den.throughput
+    value = measured(num.throughput) / den.throughput
     met = None if target is None else (value >= target if above else value <= target)
     return Ratio(
         name,
@@ -386,7 +387,7 @@ def ratios(args: argparse.Namespace, rows: Sequence[Row]) -> list[Ratio]:
     ]
     rate = _row(rows, "triton_grpc_rate")
     if rate is not None and rate.p50_ms:
-        value = rate.p99_ms / rate.p50_ms
+        value = measured(rate.p99_ms) / rate.p50_ms
         out.append(
             Ratio(
                 f"P99 / P50 at {rate.load}",
@@ -420,8 +421,8 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
     for q in ratio_list:
         met = "" if q.met is None else ("yes" if q.met else "no")
         lines.append(f"| {q.name} | {_fmt(q.value, 2)} | {q.target} | {met} | {q.detail} |")
-    measured = [r for r in rows if r.measurement is not None and r.measurement.composing]
-    if measured:
+    breakdowns = [(r, r.measurement) for r in rows if r.measurement is not None and r.measurement.composing]
+    if breakdowns:
         lines += [
             "",
             "Where the time goes, Triton measurements (mean ms per request; client side from "
@@ -433,8 +434,7 @@ def markdown(header: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ra
             "step | step queue | compute input | compute infer | compute output | mean batch |",
             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
-        for r in measured:
-            m = r.measurement
+        for r, m in breakdowns:
             client = (
                 f"{_fmt(m.client_send_ms, 2)} | {_fmt(m.network_server_send_recv_ms, 2)} | "
                 f"{_fmt(m.client_recv_ms, 2)} | {_fmt(m.server_queue_ms, 2)}"

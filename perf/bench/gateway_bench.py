@@ -63,7 +63,7 @@ from pathlib import Path
 
 import orjson
 
-from perf.lib.chat_streams import DirectChat, GatewayChat
+from perf.lib.chat_streams import ChatSystem, DirectChat, GatewayChat
 from perf.lib.paths import GENERATION_PROMPTS as PROMPTS
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import SENTENCES_16TOK as SENTENCES
@@ -334,11 +334,11 @@ async def run_chat(args, gateway_url: str, triton_grpc: str, key: str, say) -> l
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     direct_client = AsyncGenerationClient(triton_grpc, protocol="grpc", timeout_s=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        systems = {"gateway": GatewayChat(session, gateway_url, key), "direct": DirectChat(direct_client)}
-        systems = {k: systems[k] for k in CHAT_SYSTEMS if k in args.chat_systems}
+        every: dict[str, ChatSystem] = {"gateway": GatewayChat(session, gateway_url, key), "direct": DirectChat(direct_client)}
+        systems = {k: every[k] for k in CHAT_SYSTEMS if k in args.chat_systems}
         try:
-            for s in systems.values():  # warm-up: channels open, first-request costs out of the windows
-                await s.stream(prompts[0], 4)
+            for system in systems.values():  # warm-up: channels open, first-request costs out of the windows
+                await system.stream(prompts[0], 4)
             order = list(systems)
             turn = 0
             for rnd in range(args.rounds):
@@ -624,6 +624,7 @@ def start_servers(args, workdir: Path, key: str, say):
         gateways[name] = gw.start()
     for name, gw in gateways.items():
         gw.wait_ready(timeout=120)
+        assert gw.process is not None  # started above
         say(f"gateway ({name}, pid {gw.process.pid}) ready on {gw.url}")
     return triton, gateways
 

@@ -79,12 +79,19 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from perf.lib import processes
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.stats import percentile
+
+if TYPE_CHECKING:  # imported where they are used: the in-process systems need neither
+    import subprocess
+
+    import aiohttp
+    import tritonclient.grpc.aio as grpcclient
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +176,7 @@ class Cell:
     windows: list[tuple[float, float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         seconds = sum(b - a for a, b in self.windows)
         tokens = 0
         ttft: list[float] = []
@@ -296,7 +303,12 @@ class EngineSystem(System):
             record.add(len(out.token_ids))
             if out.finished:
                 error = out.error
-                aio.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+
+                def finish() -> None:
+                    if not done.done():
+                        done.set_result(error)
+
+                aio.call_soon_threadsafe(finish)
 
         self.loop.submit(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), on_output)
         try:
@@ -335,7 +347,7 @@ class SseSystem(System):
 
     def __init__(self, key: str, url: str, busy: Callable[[], bool | None] = lambda: None, extra: dict | None = None):
         self.key, self.url, self._busy, self.extra = key, url, busy, extra or {}
-        self.session = None
+        self.session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
         import aiohttp
@@ -380,10 +392,10 @@ class LlamaSystem(System):
     def __init__(self, binary: Path, model: Path, log_path: Path, threads: int | None = None):
         self.binary, self.model, self.log_path = binary, model, log_path
         self.threads = threads or os.cpu_count() or 1
-        self.process = None
+        self.process: subprocess.Popen | None = None
         self.parallel = 0
         self.url = ""
-        self.session = None
+        self.session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
         import aiohttp
@@ -424,12 +436,13 @@ class LlamaSystem(System):
         with self.log_path.open("a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            process = self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.parallel, self.url = concurrency, f"127.0.0.1:{port}"
+        assert self.session is not None  # open() comes before prepare()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode} (log {self.log_path})")
+            if process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {process.returncode} (log {self.log_path})")
             try:
                 async with self.session.get(f"http://{self.url}/health") as r:
                     if r.status == 200:
@@ -497,7 +510,11 @@ class OpenVinoSystem(System):
         done = aio.create_future()
 
         def on_done(error: str | None) -> None:  # the pipeline's thread
-            aio.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+            def finish() -> None:
+                if not done.done():
+                    done.set_result(error)
+
+            aio.call_soon_threadsafe(finish)
 
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         rid = self.pipeline.submit(ids, max_tokens, lambda n, at: record.add(n, at), on_done)
@@ -521,7 +538,7 @@ class GrpcSystem(System):
 
     def __init__(self, url: str, busy: Callable[[], bool | None] = lambda: None):
         self.url, self._busy = url, busy
-        self.client = None
+        self.client: grpcclient.InferenceServerClient | None = None
         self._ids = itertools.count()
 
     async def open(self) -> None:
@@ -559,6 +576,7 @@ class GrpcSystem(System):
         async def requests():
             yield {"model_name": MODEL, "inputs": inputs, "request_id": rid}
 
+        assert self.client is not None  # open() came first
         responses = self.client.stream_infer(inputs_iterator=requests())
         seen = 0
         try:
@@ -671,7 +689,7 @@ class Bench:
         self.started = time.monotonic()
         self.cells: dict[tuple[str, int], Cell] = {}
         self.notes: list[str] = []
-        self.prefill: list[dict[str, object]] = []
+        self.prefill: list[dict[str, Any]] = []
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:5.0f} s] {message}", flush=True)
@@ -681,8 +699,8 @@ class Bench:
         order = [k for k in SYSTEMS if k in systems]
         aio = asyncio.new_event_loop()
         try:
-            for s in systems.values():
-                aio.run_until_complete(s.open())
+            for system in systems.values():
+                aio.run_until_complete(system.open())
             for key in order:  # warm-up: first requests allocate; keep them out of the windows
                 aio.run_until_complete(systems[key].prepare(a.concurrency[0]))
                 warm = Stream(key, 0, 0, time.perf_counter())
@@ -728,20 +746,20 @@ class Bench:
             if a.prefill and workload.long_prompts:
                 self.prefill = aio.run_until_complete(measure_prefill(systems, workload, a.prefill, self.say))
         finally:
-            for s in systems.values():
-                aio.run_until_complete(s.close())
+            for system in systems.values():
+                aio.run_until_complete(system.close())
             aio.close()
 
 
 PREFILL_SYSTEMS = ("engine", "grpc", "llama", "openvino")
 
 
-async def measure_prefill(systems: dict[str, System], workload: Workload, count: int, say) -> list[dict[str, object]]:
+async def measure_prefill(systems: dict[str, System], workload: Workload, count: int, say) -> list[dict[str, Any]]:
     """Prompt tokens/s: the long prompts (400+ tokens) one request at a time, one new token each,
     the systems taking turns per prompt. Each request starts with a line no other request has, so
     no prefix cache (the engine's blocks, llama.cpp's slot cache) holds any of it: TTFT is the
     whole prompt's prefill plus one decode step and the transport."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     chosen = [k for k in PREFILL_SYSTEMS if k in systems]
     for i, (prompt, tokens) in enumerate(workload.long_prompts[:count]):
         for key in chosen[i % len(chosen) :] + chosen[: i % len(chosen)]:
@@ -775,7 +793,7 @@ async def measure_prefill(systems: dict[str, System], workload: Workload, count:
     return rows
 
 
-def prefill_summary(rows: Sequence[dict]) -> list[dict[str, object]]:
+def prefill_summary(rows: Sequence[dict]) -> list[dict[str, Any]]:
     out = []
     for key in PREFILL_SYSTEMS:
         mine = [r for r in rows if r["system"] == key]
@@ -791,7 +809,7 @@ def prefill_summary(rows: Sequence[dict]) -> list[dict[str, object]]:
     return out
 
 
-def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dict[str, object]]:
+def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dict[str, Any]]:
     """TTFT of the shared-system-prompt requests on two engines (prefix caching on / off),
     the same weights, one request at a time, alternating."""
     from python_backends.generation.engine import LLMEngine
@@ -839,7 +857,7 @@ def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dic
     return rows
 
 
-def prefix_summary(rows: Sequence[dict]) -> dict[str, object]:
+def prefix_summary(rows: Sequence[dict]) -> dict[str, Any]:
     """Medians over the second request onward (the first one fills the cache)."""
 
     def med(on: str) -> float | None:
@@ -870,7 +888,7 @@ def run_genai_perf(
     max_tokens: int,
     requests: int,
     timeout: float,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """NVIDIA's genai-perf (its own venv: ``exe``) against the served model over a gRPC stream.
 
     The benchmark's prompts (an --input-file; its synthetic prompts can come out empty,
@@ -920,7 +938,7 @@ def run_genai_perf(
         "--artifact-dir",
         str(artifacts),
     ]
-    row: dict[str, object] = {"concurrency": concurrency, "requests": requests, "command": " ".join(cmd[1:])}
+    row: dict[str, Any] = {"concurrency": concurrency, "requests": requests, "command": " ".join(cmd[1:])}
     log_path = out_dir / "genai-perf.log"
     with log_path.open("w") as log_file:
         # Its own session: on a timeout, perf_analyzer (genai-perf's child) goes too.
@@ -961,7 +979,7 @@ OV_ATTENTION = {"PagedAttentionExtension", "PagedAttention"}
 
 def profile_step(
     engine, prompts: Sequence[str], batch: int, steps: int, steady: bool = False, warm_steps: int = 150
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Where a step of ``batch`` streams spends its time (torch.profiler on ``steps`` steps).
 
     Decode-only (``steady`` False): every prompt prefilled first, then ``steps`` decode steps.
@@ -1194,7 +1212,7 @@ def _fmt(value, digits: int = 1) -> str:
 
 def ratios(
     args, summaries: dict[tuple[str, int], dict], prefix: dict | None, prefill: Sequence[dict] = ()
-) -> list[dict[str, object]]:
+) -> list[dict[str, Any]]:
     def tps(key, c):
         s = summaries.get((key, c))
         return s["tokens_per_s"] if s and s["tokens_per_s"] else None
@@ -1678,6 +1696,7 @@ def run(args: argparse.Namespace) -> int:
         bench.run_grid(systems, workload)
         genai = None
         if args.genai_perf is not None and "grpc" in systems:
+            assert triton is not None  # the grpc system is Triton's
             c = max(args.concurrency)
             bench.say(f"genai-perf at concurrency {c} ({args.genai_perf})")
             genai = run_genai_perf(

@@ -776,7 +776,9 @@ def run(args: argparse.Namespace) -> int:
                         f"{_f(w.classifier_batch)}  client {_f(w.client_cores, 2)} machine {_f(w.machine_cores, 2)} cores  "
                         f"errors {w.errors}" + (f" ({w.first_error})" if w.first_error else "")
                     )
-                    layouts = [("in-process", t, runners[pipe.ensemble]) for t in sorted({1, pipe.preprocess_instances})]
+                    layouts: list[tuple[str, int, Callable[[Sequence[bytes]], object]]] = [
+                        ("in-process", t, runners[pipe.ensemble]) for t in sorted({1, pipe.preprocess_instances})
+                    ]
                     if args.model_only:
                         layouts.append(("model only", 1, model_only[pipe.ensemble]))
                     for system, threads, runner in layouts:

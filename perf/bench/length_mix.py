@@ -110,7 +110,8 @@ def mixed_texts(lengths: Sequence[int], tokenizer, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     out = []
     for n in lengths:
-        chosen, used, target = [], 0, max(1, n - 6)
+        chosen: list[str] = []
+        used, target = 0, max(1, n - 6)
         while True:
             word = rng.choice(words)
             if chosen and used + cost[word] > target:

@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from types import ModuleType
+from typing import Any
 from urllib.parse import urlparse
 
 import gevent
@@ -39,17 +41,19 @@ def _url(host: str | None, default_port: int) -> str:
     return f"{parsed.hostname or '127.0.0.1'}:{parsed.port or default_port}"
 
 
+def _call_here(func, args=(), kwds=None):
+    """Run a client call; the HTTP client (geventhttpclient) is cooperative as it is."""
+    return func(*args, **(kwds or {}))
+
+
 class _TritonUser(User):
     abstract = True
     wait_time = between(0.0, 0.01)
     protocol = ""
-    module = None
-    infer_options: ClassVar[dict] = {}
-
-    @staticmethod
-    def blocking(func, args=(), kwds=None):
-        """Run a client call; the HTTP client (geventhttpclient) is cooperative as it is."""
-        return func(*args, **(kwds or {}))
+    module: ModuleType | None = None  # tritonclient.http or tritonclient.grpc, set by connect()
+    infer_options: dict[str, Any] = {}  # the infer call's keywords (replaced, never mutated)
+    # How a client call runs: here, or on gevent's pool of real threads (the gRPC user's connect()).
+    blocking: Callable[..., Any] = staticmethod(_call_here)
 
     def on_start(self) -> None:
         self.client = self.connect()
@@ -63,6 +67,7 @@ class _TritonUser(User):
     @task
     def embed_one_sentence(self) -> None:
         text = np.array([[random.choice(SENTENCES).encode()]], dtype=object)
+        assert self.module is not None  # on_start() connected
         inp = self.module.InferInput("TEXT", [1, 1], "BYTES")
         inp.set_data_from_numpy(text)
         start = time.perf_counter()

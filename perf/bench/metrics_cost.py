@@ -29,6 +29,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,13 +50,13 @@ def in_process(batches=(1, 8, 32), repeats: int = 2000) -> dict:
     import queue
 
     tok = BatchTokenizer(model_dir() / "tokenizer.json", max_length=256)
-    out = {}
+    out: dict[str, Any] = {}
     for n in batches:
         texts = [f"{TEXT} {i}" for i in range(n)]
         spans = [(i, i + 1) for i in range(n)]
         encoded = tok.encode_requests(texts, spans)
         q: queue.SimpleQueue = queue.SimpleQueue()
-        best = {"tokenize_us": [], "count_and_queue_us": []}
+        best: dict[str, list[float]] = {"tokenize_us": [], "count_and_queue_us": []}
         for _ in range(3):
             start = time.perf_counter()
             for _ in range(repeats):
@@ -114,7 +115,7 @@ def served(requests: int, rounds: int) -> dict:
             for _ in range(50):
                 send(model)
         per_round = []
-        latencies = {MODEL: [], OFF: []}
+        latencies: dict[str, list[float]] = {MODEL: [], OFF: []}
         for _ in range(rounds):
             before = {m: stats(m) for m in (MODEL, OFF)}
             for i in range(requests):
@@ -126,7 +127,7 @@ def served(requests: int, rounds: int) -> dict:
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    out = {}
+    out: dict[str, Any] = {}
     for model, label in ((MODEL, "metrics on"), (OFF, "metrics off")):
         lat = sorted(latencies[model])
         out[label] = {
@@ -152,10 +153,10 @@ def summaries(requests: int, rounds: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="summary-cost-"))
     servers = {}
     try:
-        for label, on in (("summaries on", True), ("summaries off", False)):
+        for label, summarised in (("summaries on", True), ("summaries off", False)):
             servers[label] = TritonServer(
                 ServerOptions.with_free_ports(
-                    workdir=tmp / label.replace(" ", "-"), models=(MODEL,), front_door=False, summary_latencies=on
+                    workdir=tmp / label.replace(" ", "-"), models=(MODEL,), front_door=False, summary_latencies=summarised
                 )
             )
             servers[label].start()
@@ -185,7 +186,7 @@ def summaries(requests: int, rounds: int) -> dict:
         for label in servers:
             for _ in range(50):
                 send(label)
-        latencies = {label: [] for label in servers}
+        latencies: dict[str, list[float]] = {label: [] for label in servers}
         per_round = []
         for _ in range(rounds):
             before = {label: request_us(label) for label in servers}
@@ -202,7 +203,7 @@ def summaries(requests: int, rounds: int) -> dict:
         for server in servers.values():
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    out = {}
+    out: dict[str, Any] = {}
     for label in servers:
         lat = sorted(latencies[label])
         out[label] = {
@@ -268,7 +269,7 @@ def fill_rates(requests: int, concurrency: int, seed: int = 7) -> dict:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
-    out = {"requests": requests, "requests_per_s": round(requests / seconds, 1)}
+    out: dict[str, Any] = {"requests": requests, "requests_per_s": round(requests / seconds, 1)}
     for model in ("text_tokenizer", "text_encoder"):
         real, padded = delta.get((REAL_TOKENS, model), 0.0), delta.get((PADDED_TOKENS, model), 0.0)
         out[model] = {

@@ -198,7 +198,8 @@ class RssSampler:
     """RSS (MiB) of a process tree, each second, in a thread."""
 
     def __init__(self, pid: int):
-        self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self.pid, self._stop = pid, threading.Event()
+        self.samples: list[tuple[float, float]] = []  # (time, RSS MiB)
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _tree(self) -> list[int]:
@@ -352,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sampler = RssSampler(server.process.pid).start()
         time.sleep(1.5)
         before_rss = sampler.samples[-1][1]
-        results, threads = {}, []
+        results: dict[str, dict] = {}
+        threads: list[threading.Thread] = []
         for cls in ("default", "bulk"):
             t = threading.Thread(
                 target=lambda c=cls: results.__setitem__(c, run_wrk(url, scripts[(c, "flood")], conns, args.duration + 4))

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
@@ -71,7 +72,7 @@ def chat_prompts(tokenizer, n: int) -> list[str]:
     ]
 
 
-def run_together(engine, prompts: Sequence[str], max_tokens: int, tag: str) -> dict[str, object]:
+def run_together(engine, prompts: Sequence[str], max_tokens: int, tag: str) -> dict[str, Any]:
     """Run ``prompts`` at once to completion; per request the output ids and arrival times."""
     from python_backends.generation.sampling import SamplingParams
 
@@ -82,8 +83,8 @@ def run_together(engine, prompts: Sequence[str], max_tokens: int, tag: str) -> d
     start = time.perf_counter()
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
-    tokens = {rid: [] for rid in ids}
-    arrivals = {rid: [] for rid in ids}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    arrivals: dict[str, list[tuple[float, int]]] = {rid: [] for rid in ids}  # (time, tokens that arrived)
     while engine.has_unfinished():
         outs = engine.step()
         now = time.perf_counter()
@@ -174,11 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for e in engines.values():  # warm both (first-call allocations)
         run_together(e, kinds["chat"][:1], 4, "warm")
-    rows, same = [], {}
+    rows: list[dict[str, Any]] = []
+    same: dict[tuple[str, int], tuple[int, int]] = {}  # (kind, streams) -> (same tokens, tokens)
     for kind, prompts in kinds.items():
         prompts = (prompts * args.requests)[: args.requests]
         for s in streams:
-            runs = {name: [] for name in engines}
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
             for i in range(0, len(prompts), s):
                 group = prompts[i : i + s]
                 order = list(engines) if (i // s) % 2 == 0 else list(reversed(engines))

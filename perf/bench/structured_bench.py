@@ -25,7 +25,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
@@ -130,7 +130,7 @@ def cost(client, streams: int, max_tokens: int, rounds: int) -> list[dict]:
         r = client.chat.completions.create(model=MODEL, messages=question, max_tokens=max_tokens, temperature=0.7, **kw)
         return r.usage.completion_tokens, time.perf_counter() - start
 
-    rows = {k: {"tokens": 0, "seconds": 0.0, "latencies": []} for k in kinds}
+    rows: dict[str, dict[str, Any]] = {k: {"tokens": 0, "seconds": 0.0, "latencies": []} for k in kinds}
     with ThreadPoolExecutor(streams) as pool:
         list(pool.map(one, [kinds["no guide"]] * 2))  # warm
         for _ in range(rounds):

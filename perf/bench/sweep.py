@@ -46,6 +46,7 @@ from perf.lib import perf_analyzer as pa
 from perf.lib.harness import int_list
 from perf.lib.paths import DATA, REPOSITORY
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.stats import measured
 
 TEXT_MODEL = "text_embedding"
 IMAGE_MODEL = "image_classification"
@@ -135,7 +136,7 @@ def window_requests(throughput: float | None, window_s: float, lo: int, hi: int)
 
 
 def peak_throughput(points: Sequence[Point], model: str, data: str, protocol: str) -> float | None:
-    return max((p.throughput for p in points if p.ok and p.kind == "concurrency" and p.model == model
+    return max((measured(p.throughput) for p in points if p.ok and p.kind == "concurrency" and p.model == model
                 and p.data == data and p.protocol == protocol), default=None)  # fmt: skip
 
 
@@ -165,7 +166,7 @@ def summary_markdown(points: Sequence[Point], header: Sequence[str]) -> str:
             if not p.ok:
                 lines.append(f"| {p.protocol} | {kind} | {load} | skipped: {p.error} | | | | |")
                 continue
-            ratio = _fmt(p.p99_ms / p.p50_ms, 2) if p.p50_ms else ""
+            ratio = _fmt(measured(p.p99_ms) / p.p50_ms, 2) if p.p50_ms else ""
             lines.append(
                 f"| {p.protocol} | {kind} | {load} | {p.throughput:.1f} | {p.p50_ms:.1f} | {p.p99_ms:.1f} | {ratio} | {p.note} |"
             )
@@ -199,7 +200,7 @@ def plot(points: Sequence[Point], out_dir: Path) -> list[Path]:
         for protocol in protocols:
             conc = sorted((p for p in group if p.kind == "concurrency" and p.protocol == protocol), key=lambda p: p.load)
             if conc:
-                ax.plot([p.load for p in conc], [p.throughput for p in conc], marker="o", label=protocol)
+                ax.plot([p.load for p in conc], [measured(p.throughput) for p in conc], marker="o", label=protocol)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel("throughput (inferences/s)")
@@ -218,13 +219,15 @@ def plot(points: Sequence[Point], out_dir: Path) -> list[Path]:
         for i, protocol in enumerate(protocols):
             color = colors[i % len(colors)]
             for kind, marker in (("concurrency", "o"), ("rate", "^")):
-                pts = sorted((p for p in group if p.kind == kind and p.protocol == protocol), key=lambda p: p.throughput)
+                pts = sorted(
+                    (p for p in group if p.kind == kind and p.protocol == protocol), key=lambda p: measured(p.throughput)
+                )
                 if not pts:
                     continue
                 label = f"{protocol}, {'concurrency' if kind == 'concurrency' else 'Poisson'}"
-                x = [p.throughput for p in pts]
-                ax.plot(x, [p.p50_ms for p in pts], marker=marker, color=color, linestyle="-", label=f"{label}, p50")
-                ax.plot(x, [p.p99_ms for p in pts], marker=marker, color=color, linestyle="--", label=f"{label}, p99")
+                x = [measured(p.throughput) for p in pts]
+                ax.plot(x, [measured(p.p50_ms) for p in pts], marker=marker, color=color, linestyle="-", label=f"{label}, p50")
+                ax.plot(x, [measured(p.p99_ms) for p in pts], marker=marker, color=color, linestyle="--", label=f"{label}, p99")
         ax.set_yscale("log")
         ax.set_xlabel("throughput (inferences/s)")
         ax.set_ylabel("latency (ms)")
@@ -433,7 +436,7 @@ def run_sweep(run: harness.Run, w: Workload, protocol: str, url: str) -> list[Po
         # Leave the points after this one at least some seconds each (at most two are reserved).
         row = harness.measure(run, harness.Row(key, w.model, protocol, label), base, min(total - done, 2))
         if row.ok and kind == "rate":
-            row.note = f"achieved {row.throughput / load:.0%} of the asked rate"
+            row.note = f"achieved {measured(row.throughput) / load:.0%} of the asked rate"
             retry_log = run.out_dir / f"{key}-retry.log"
             log_path = retry_log if retry_log.is_file() else run.out_dir / f"{key}.log"
             for warning in harness.rate_warnings(log_path.read_text(errors="replace") if log_path.is_file() else ""):

@@ -368,10 +368,11 @@ async def _stream_loop(
     import aiohttp
 
     from clients.generation import AsyncGenerationClient
-    from perf.lib.chat_streams import DirectChat, GatewayChat
+    from perf.lib.chat_streams import ChatSystem, DirectChat, GatewayChat
 
     session = None
     direct = None
+    system: ChatSystem
     if w.via_gateway:
         session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_read=300), connector=aiohttp.TCPConnector(limit=0)
@@ -673,9 +674,13 @@ def stall_config_text(text: str, model: str = "", variant: bool = False) -> str:
     configs/ may predate a parameter: left as it is)."""
     text = text.replace("dynamic_batching {", "dynamic_batching {\n  " + STALL_PBTXT, 1)
     for key, value in BEFORE_PARAMETERS.get(model, {}).items():
+
+        def with_value(m: re.Match[str], v: str = value) -> str:
+            return m.group(1) + v + m.group(2)
+
         text, n = re.subn(
             r'(parameters \{ key: "' + re.escape(key) + r'" value: \{ string_value: ")[^"]*(")',
-            lambda m, v=value: m.group(1) + v + m.group(2),
+            with_value,
             text,
         )
         if n != 1 and not variant:

@@ -106,8 +106,14 @@ def analyse(spans: dict[int, Span], model: str = MODEL) -> Report:
     tops = [s for s in spans.values() if not s.parent_id and s.model == model and s.ms("REQUEST_START", "REQUEST_END")]
     if not tops:
         raise ValueError(f"no complete {model} request in the trace")
-    tops.sort(key=lambda s: s.ms("REQUEST_START", "REQUEST_END"))
-    totals = [s.ms("REQUEST_START", "REQUEST_END") for s in tops]
+
+    def total_ms(top: Span) -> float:
+        ms = top.ms("REQUEST_START", "REQUEST_END")
+        assert ms is not None  # tops are the requests with both timestamps
+        return ms
+
+    tops.sort(key=total_ms)
+    totals = [total_ms(s) for s in tops]
     n = len(tops)
 
     def parts(group: Sequence[Span]) -> dict[str, float]:
@@ -120,7 +126,7 @@ def analyse(spans: dict[int, Span], model: str = MODEL) -> Report:
                     per[f"{child.model} queue"] += q
                 if c is not None:
                     per[f"{child.model} compute"] += c
-            per["total"] = top.ms("REQUEST_START", "REQUEST_END")
+            per["total"] = total_ms(top)
             for k, v in per.items():
                 sums[k].append(v)
         return {k: statistics.mean(v) for k, v in sorted(sums.items())}
@@ -213,15 +219,15 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
             from perf.bench import autotune
 
             instances, threads = args.encoder_layout
-            base = autotune.served_config(server.http_url)
-            batching = base.get("dynamic_batching", {})
+            config = autotune.served_config(server.http_url)
+            batching = config.get("dynamic_batching", {})
             candidate = autotune.Candidate(
                 int(batching.get("max_queue_delay_microseconds", 0)),
                 int((batching.get("preferred_batch_size") or [0])[0]),
                 instances,
                 threads,
             )
-            autotune.load_config(server.http_url, autotune.ENCODER, autotune.apply_candidate(base, candidate))
+            autotune.load_config(server.http_url, autotune.ENCODER, autotune.apply_candidate(config, candidate))
             print(f"perf.bench.trace_report: text_encoder reloaded as {instances} instance(s) x {threads} thread(s)", flush=True)
         binary, env = pa.check()
         base = pa.Settings(

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -132,8 +133,10 @@ def load_hf(folder: Path, dtype: torch.dtype, device: torch.device):
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     # `dtype=` arrived in 4.56; older releases only know `torch_dtype=`.
-    kw = {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
-    return LlamaForCausalLM.from_pretrained(str(folder), **kw).to(device).eval()
+    kw: dict[str, Any] = {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+    # PreTrainedModel.to is wrapped with functools.wraps(torch.nn.Module.to); typeshed's _Wrapped is
+    # no descriptor, so mypy takes ``device`` for the unbound ``self``.
+    return LlamaForCausalLM.from_pretrained(str(folder), **kw).to(device).eval()  # type: ignore[arg-type]
 
 
 def make_engine(folder: Path, device: torch.device, dtype: str, max_num_seqs: int = 128, num_blocks: int = 2048):

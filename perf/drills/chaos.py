@@ -304,6 +304,7 @@ class Faults:
     def _wait_for(self, fault: Fault, done, since_s: float | None = None) -> None:
         """Poll ``done`` until it holds; ``fault.recovered_s`` counts from ``since_s`` (default the fault)."""
         since_s = fault.at_s if since_s is None else since_s
+        assert since_s is not None  # a fault is waited on once it has happened (at_s set)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             try:

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,15 +183,17 @@ async def drive(
     grpc_url: str,
     concurrency: int,
     duration_s: float,
-    actions: dict[float, callable],
+    actions: dict[float, Callable[[], object]],
     model: str = "text_embedding",
 ) -> tuple[list[Sample], dict]:
     """``concurrency`` closed-loop workers (half HTTP, half gRPC), one unique text per request;
     ``actions``: {seconds since start: function} run in a timer thread at that time."""
     from clients import AsyncEmbeddingClient
+    from clients.embed import Protocol
     from clients.resilience import BreakerPolicy, EndpointPool
 
-    protocols = ["http" if i % 2 == 0 else "grpc" for i in range(concurrency)]
+    protocols: list[Protocol] = ["http" if i % 2 == 0 else "grpc" for i in range(concurrency)]
+    urls: dict[Protocol, str] = {"http": http_url, "grpc": grpc_url}
     # One endpoint, the front door, for many calls in flight: when a replica dies, every call in
     # flight on it may fail at once (gRPC ones reach the client: nginx cannot re-send a gRPC
     # body it already sent). That is not the front door being down, so the breaker opens only
@@ -199,14 +202,14 @@ async def drive(
     breaker = BreakerPolicy(failure_threshold=max(protocols.count("http"), protocols.count("grpc")) + 1)
     clients = {
         p: AsyncEmbeddingClient(url, p, model=model, timeout_s=30, deadline_s=30, pool=EndpointPool([url], breaker=breaker))
-        for p, url in (("http", http_url), ("grpc", grpc_url))
+        for p, url in urls.items()
     }
     samples: list[Sample] = []
     start = time.monotonic()
     stop_at = start + duration_s
     counter = iter(range(10**9))
 
-    async def worker(protocol: str) -> None:
+    async def worker(protocol: Protocol) -> None:
         client = clients[protocol]
         while time.monotonic() < stop_at:
             i = next(counter)

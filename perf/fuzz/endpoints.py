@@ -280,14 +280,14 @@ class Tensor:
     name: Any
     datatype: Any
     shape: Any
-    values: np.ndarray | None
+    values: np.ndarray  # every Tensor is built with its values (base_request, the "extra" mutation)
     junk: Any = NOJUNK  # replaces the data as sent (a JSON value, or bytes for binary and gRPC)
 
 
 @dataclass
 class Request:
     model: ModelSpec
-    inputs: list
+    inputs: list[Tensor]
     parameters: dict = field(default_factory=dict)
     outputs: list | None = None
     names: set = field(default_factory=set)  # what an error message may name
@@ -379,7 +379,8 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
     t = req.inputs[draw(st.integers(0, len(req.inputs) - 1))] if req.inputs else None
     if t is not None and kind not in ("parameter", "output", "body", "extra"):
         req.names.add(str(t.name))
-    if kind == "shape":
+    # t is None only without inputs, where every kind is one of the request's own (extra above).
+    if kind == "shape" and t is not None:
         choice = draw(st.integers(0, 6))
         shape = list(t.shape) if isinstance(t.shape, list) else [1]
         if choice == 0 and shape:
@@ -398,14 +399,14 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
             shape = [d + draw(st.integers(1, 3)) for d in shape if isinstance(d, int)]
         t.shape = shape
         req.names.update({"shape", "dimension", "batch"})
-    elif kind == "wrap":
+    elif kind == "wrap" and t is not None:
         # Keep the data; declare a shape whose byte count wraps around 2^64 to the data's size.
         size = ITEM_SIZES.get(t.datatype if isinstance(t.datatype, str) else "", 0) or draw(st.sampled_from([1, 2, 4, 8]))
         sent = int(t.values.size) if t.values is not None else 1
         rank = len(t.shape) if isinstance(t.shape, list) and t.shape else 2
         t.shape = wrapping_shape(rank, sent, size)
         req.names.update({"shape", "dimension", "batch", "elements"})
-    elif kind == "datatype":
+    elif kind == "datatype" and t is not None:
         t.datatype = draw(
             st.sampled_from(
                 [
@@ -430,7 +431,7 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
             )
         )
         req.names.update({"datatype", "data type", "type"})
-    elif kind == "data" and t.values is not None:
+    elif kind == "data" and t is not None and t.values is not None:
         dt_ = t.datatype if isinstance(t.datatype, str) else "BYTES"
         flat = t.values.reshape(-1).copy() if t.values.size else t.values.reshape(-1)
         if dt_ == "BYTES" or t.values.dtype == object:
@@ -447,13 +448,13 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
                 flat[i] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 1e30, -0.0]))
             t.values = flat.reshape(t.values.shape)
         req.names.update({"data", "value", "inputs", "json"})  # NaN and Infinity are not JSON
-    elif kind == "count":
+    elif kind == "count" and t is not None:
         n = draw(st.integers(0, 3))
         if t.values is not None and t.values.size:
             flat = t.values.reshape(-1)
             t.values = flat[: max(0, flat.size - 1 - n)] if draw(st.booleans()) else np.concatenate([flat] * (n + 2))
         req.names.update({"data", "elements", "shape", "size", "byte"})
-    elif kind == "missing":
+    elif kind == "missing" and t is not None:
         req.inputs.remove(t)
         req.names.update({"missing", "input"})
     elif kind == "extra":
@@ -467,23 +468,23 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
             )
         )
         req.names.update({name[:40], "input", "duplicate"})
-    elif kind == "rename":
+    elif kind == "rename" and t is not None:
         t.name = draw(st.sampled_from(["", "text", "TEXT ", "\ud800", "🙂", "a\x00b", 5, None, "x" * 1000]))
         req.names.update({"name", "input", str(t.name)[:40], json.dumps(str(t.name))[1:-1][:40]})
-    elif kind == "batch_mismatch":
+    elif kind == "batch_mismatch" and t is not None:
         other = draw(st.integers(1, 3))
         if t.values is not None and isinstance(t.shape, list) and t.shape:
             t.values = np.concatenate([t.values[:1]] * (t.shape[0] + other))
             t.shape = list(t.values.shape)
         req.names.update({"batch", "shape"} | {s.name for s in req.model.inputs})
-    elif kind == "strings" and t.values is not None:
+    elif kind == "strings" and t is not None and t.values is not None:
         flat = t.values.reshape(-1).copy()
         if flat.dtype == object and flat.size:
             s = draw(st.sampled_from(ODD_STRINGS + ["", " ", "x" * 70000, "x" * 1_000_000]) | st.text(max_size=30))
             flat[draw(st.integers(0, flat.size - 1))] = s.encode("utf-8", "surrogatepass")
             t.values = flat.reshape(t.values.shape)
         req.names.update({"text", "utf-8", "bytes", "empty", "whitespace", "image", "data"})
-    elif kind == "junk_bytes" and t.values is not None:
+    elif kind == "junk_bytes" and t is not None and t.values is not None:
         flat = t.values.reshape(-1).copy()
         if flat.dtype == object and flat.size:
             junk = draw(st.sampled_from(JUNK_BYTES) | st.binary(max_size=64))

@@ -5,8 +5,15 @@ stream (the project's ``AsyncGenerationClient``). The gateway and tail benchmark
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import orjson
+
+
+class ChatSystem(Protocol):
+    """What the benchmarks drive: GatewayChat or DirectChat."""
+
+    async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]: ...
 
 
 class GatewayChat:

@@ -15,9 +15,10 @@ import datetime as dt
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar, overload
 
 from ops import repository
 from ops.repository import RepositoryClient
@@ -238,7 +239,7 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def write_csv(path: Path, records: Sequence[dict[str, object]]) -> None:
+def write_csv(path: Path, records: Sequence[Mapping[str, object]]) -> None:
     columns: list[str] = []
     for record in records:
         columns += [k for k in record if k not in columns]
@@ -262,6 +263,13 @@ def ensure_exported(served: served_mod.ServedEncoder, args: argparse.Namespace, 
     return tokenizer.is_file() and served_mod.served_encoder(args.precision).model_path.is_file()
 
 
+RunT = TypeVar("RunT", bound=Run)
+
+
+@overload
+def new_run(args: argparse.Namespace, kind: str) -> Run | None: ...
+@overload
+def new_run(args: argparse.Namespace, kind: str, run_class: type[RunT]) -> RunT | None: ...
 def new_run(args: argparse.Namespace, kind: str, run_class: type[Run] = Run) -> Run | None:
     """A run of ``perf.bench.<kind>`` (a ``run_class``): its deadline, perf_analyzer, and its results folder
     (``--out-dir`` or perf/results/<kind>-<UTC time>). None (said why) without perf_analyzer."""

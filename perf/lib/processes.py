@@ -129,7 +129,8 @@ def deployment(triton=None, gateways: dict | None = None, redis=None, load_gener
             found.append(_proc(door.process.pid, "frontdoor master", "frontdoor (nginx)"))
             for k, worker in enumerate(children(door.process.pid)):
                 found.append(_proc(worker, f"frontdoor worker {k}", "frontdoor (nginx)"))
-    for name, gw in (gateways or {}).items():
+    gateways = gateways or {}
+    for name, gw in gateways.items():
         if gw.process is None:
             continue
         label = "gateway" if len(gateways) == 1 else f"gateway {name}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import overload
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -15,9 +16,20 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
+@overload
+def percentile_of(values: Sequence[float], q: float, empty: float = ...) -> float: ...
+@overload
+def percentile_of(values: Sequence[float], q: float, empty: None) -> float | None: ...
 def percentile_of(values: Sequence[float], q: float, empty: float | None = float("nan")) -> float | None:
-    """``percentile`` of values in any order; ``empty`` when there are none."""
+    """``percentile`` of values in any order; ``empty`` when there are none (NaN unless given)."""
     return percentile(sorted(values), q) if len(values) else empty
+
+
+def measured(figure: float | None) -> float:
+    """A figure of a point that was measured: perf_analyzer gives throughput, p50 and p99 together,
+    so a row or point that is ``ok`` (or has a throughput) has all three."""
+    assert figure is not None, "a figure of a point that was not measured"
+    return figure
 
 
 def median(values: Sequence[float | None]) -> float | None:
