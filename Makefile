@@ -50,7 +50,7 @@ test: $(STAMP) lint
 	$(PY) -m export --no-speed
 	STRICT_SKIPS=1 $(PY) -m pytest tests/unit tests/integration $(RESILIENCE_SMOKE) $(foreach f,$(CLUSTER_DRILLS),--ignore=$(f)) -rs --durations=10 $(PYTEST_ARGS)
 
-# ruff's lint rules and formatter over the whole tree, then mypy over python_backends, openai_gateway and clients (pyproject.toml); `make format` applies the first two.
+# ruff's lint rules and formatter over the whole tree, then mypy over every package and scripts/ (pyproject.toml's [tool.mypy] files); `make format` applies the first two.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

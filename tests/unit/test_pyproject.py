@@ -1,4 +1,5 @@
-"""pyproject.toml says what the tree is: every top-level package installed, every console script runs."""
+"""pyproject.toml says what the tree is: every top-level package installed and type-checked, every
+console script runs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ def test_every_top_level_package_is_installed():
     assert packages, "no package found beside pyproject.toml"
     missing = [p for p in packages if f"{p}*" not in include]
     assert not missing, f"pyproject.toml's packages omit {missing}"
+
+
+def _top_level_packages() -> list[str]:
+    return sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
+
+
+def test_mypy_checks_every_top_level_package():
+    files = PYPROJECT["tool"]["mypy"]["files"]
+    missing = [p for p in _top_level_packages() if p not in files]
+    assert not missing, f"[tool.mypy] files omit {missing}"
+    absent = [f for f in files if not (ROOT / f).exists()]
+    assert not absent, f"[tool.mypy] files name {absent}, which do not exist"
 
 
 def test_console_scripts_name_callables_that_print_their_usage(capsys, monkeypatch):
