@@ -17,10 +17,12 @@ from pathlib import Path
 
 from export.variants import PRECISION_CHOICES
 from python_backends.redaction import redact_url
+from server.deployment import Deployment, DeploymentOptions
 from server.frontdoor import FrontDoorError
+from server.gateway import GatewayError, GatewayOptions
 from server.layout import ROOT, check_home
 from server.models import DEFAULT_MODELS, default_models, openai_models
-from server.process import DEFAULT_CACHE_SIZE_MB, ServerError, ServerOptions, TritonServer
+from server.process import DEFAULT_CACHE_SIZE_MB, ServerError, ServerOptions
 from server.repository_prep import RepositoryNotWritable, export_missing, resolve_precision
 from server.repository_prep import prepare as prepare_repository
 
@@ -264,7 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     except RepositoryNotWritable as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
-    server = TritonServer(options, echo=None if args.quiet else sys.stdout)
+    served_openai = [] if args.no_gateway else openai_models(args.model_repository, models)
+    gateway_options = None
+    if served_openai:
+        if not os.environ.get("GATEWAY_API_KEYS", "").strip():
+            from openai_gateway.auth import ensure_key_file
+
+            ensure_key_file(args.gateway_api_key_file)
+        gateway_options = GatewayOptions(
+            triton_grpc_url="",  # tritonserver's own gRPC port, set by the deployment at start
+            host=args.gateway_host,
+            port=args.gateway_port,
+            model_repository=args.model_repository,
+            api_key_file=args.gateway_api_key_file,
+            workdir=args.workdir,
+            drain_timeout=args.drain_timeout,
+        )
+    deployment = Deployment(DeploymentOptions(options, gateway_options), echo=None if args.quiet else sys.stdout)
+    server = deployment.triton
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -294,38 +313,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         probe_port = ProbePort(args.probe_host, args.probe_port, probes).start()
     try:
-        server.start(repository)
+        deployment.start(repository)
     except FrontDoorError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
-    gateway = None
-    served_openai = [] if args.no_gateway else openai_models(args.model_repository, models)
-    if served_openai:
-        from server.gateway import GatewayOptions, GatewayProcess
-
-        if not os.environ.get("GATEWAY_API_KEYS", "").strip():
-            from openai_gateway.auth import ensure_key_file
-
-            ensure_key_file(args.gateway_api_key_file)
-        gateway = GatewayProcess(
-            GatewayOptions(
-                triton_grpc_url=server.triton_grpc_url,
-                host=args.gateway_host,
-                port=args.gateway_port,
-                model_repository=args.model_repository,
-                api_key_file=args.gateway_api_key_file,
-                workdir=args.workdir,
-                drain_timeout=args.drain_timeout,
-                # the stub watchdog's folder: a generation stream whose stub died ends with a 503 event
-                extra_args=["--triton-health-dir", str(server.health_dir)],
-            )
-        ).start()
+    gateway = deployment.gateway
     try:
         server.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
     except ServerError as exc:
-        if gateway is not None:
-            gateway.stop()
-        server.stop()
+        deployment.stop()
         if stop.is_set():
             print("serve: stopped before the server was ready", flush=True)
             return 0
@@ -333,14 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     started.set()
     if gateway is not None:
-        from server.gateway import GatewayError
-
         try:
             gateway.wait_ready(timeout=60, should_stop=stop.is_set)
         except GatewayError as exc:
             print(f"serve: {exc}", file=sys.stderr)
-            gateway.stop()
-            server.stop()
+            deployment.stop()
             return 1
         gateway_line = (
             f"  OpenAI   {gateway.url}/v1  models {', '.join(served_openai)}; API key: Authorization: "
@@ -381,34 +374,18 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     while not stop.is_set():
-        if server.process is not None and server.process.poll() is not None:
-            print(f"serve: tritonserver exited unexpectedly (code {server.process.returncode})", file=sys.stderr)
-            print(server.log_tail(), file=sys.stderr)
-            server.stop()
-            return 1
-        if gateway is not None and not gateway.running():
-            assert gateway.process is not None  # started before this loop
-            print(
-                f"serve: the OpenAI gateway exited unexpectedly (code {gateway.process.returncode})\n{gateway.log_tail()}",
-                file=sys.stderr,
-            )
-            server.stop()
-            return 1
-        if server.front_door is not None and not server.front_door.running():
-            print(
-                f"serve: the front door (nginx) exited unexpectedly (code {server.front_door.process.returncode})\n"
-                f"{server.front_door.log_tail()}",
-                file=sys.stderr,
-            )
-            server.stop()
+        failure = deployment.failure()
+        if failure is not None:
+            print(f"serve: {failure}", file=sys.stderr)
+            if probe_port is not None:
+                probe_port.stop()
+            deployment.stop()
             return 1
         stop.wait(0.5)
     stopping_since = time.monotonic()
     if probe_port is not None:
         probe_port.stop()
-    if gateway is not None:
-        gateway.stop()
-    code = server.stop()
+    code = deployment.stop()
     print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - stopping_since:.1f} s", flush=True)
     return 0
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from perf.lib import processes
-from perf.lib.deployment import start_deployment, stop_deployment
+from perf.lib.deployment import start_deployment
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.workload import gateway_request, image_request, prompts, sentences, text_request, token_request, unique_jpegs
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"perf.bench.cpu_cost: paths {','.join(args.paths)}; load average {load}")
     key = "sk-cpu-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-cpu-cost-"))
-    triton = gateway = redis = None
+    deployment = None
     failure = ""
     idle: dict[str, float] = {}
     results: list[PathResult] = []
@@ -389,13 +389,14 @@ def run(args: argparse.Namespace) -> int:
             for m in MODELS
             if not (m == "image_classification" and m not in args.paths) and not (m == "text_generation" and m not in args.paths)
         ]
-        triton, gateway, redis = start_deployment(models, workdir, key, not args.no_redis, say)
-        idle, results, groups = asyncio.run(measure(args, triton, gateway, redis, key, say))
+        deployment = start_deployment(models, workdir, key, not args.no_redis, say)
+        idle, results, groups = asyncio.run(measure(args, deployment.triton, deployment.gateway, deployment.redis, key, say))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
         say(f"perf.bench.cpu_cost stopped: {failure}")
     finally:
-        stop_deployment(triton, gateway, redis, out)
+        if deployment is not None:
+            deployment.stop(logs_to=out)
         shutil.rmtree(workdir, ignore_errors=True)
 
     header = [
@@ -406,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         (
             f"- {args.requests} requests per text path, {args.image_requests} images, {args.gen_requests} generation "
             f"streams of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {args.gen_concurrency}); "
-            f"Redis L2 {'on' if redis else 'off'}; front door on every direct path, the gateway on gateway_embeddings"
+            f"Redis L2 {'on' if deployment is not None and deployment.redis else 'off'}; front door on every direct path, the gateway on gateway_embeddings"
         ),
     ]
     if failure:

@@ -167,20 +167,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import openai
 
-    from perf.lib.deployment import start_deployment, stop_deployment
+    from perf.lib.deployment import start_deployment
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="structured-bench-") as tmp:
-        triton, gateway, redis = start_deployment([MODEL], Path(tmp), KEY, False, say)
+        deployment = start_deployment([MODEL], Path(tmp), KEY, False, say)
+        assert deployment.gateway is not None
         try:
-            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0, timeout=600)
+            client = openai.OpenAI(base_url=f"{deployment.gateway.url}/v1", api_key=KEY, max_retries=0, timeout=600)
             person = person_model()
             valid = validity(client, person, prompts(args.prompts), 200)
             rows = cost(client, args.streams, args.max_tokens, args.rounds)
         finally:
-            stop_deployment(triton, gateway, redis)
+            deployment.stop()
     print(f"\nValidity over {args.prompts} prompts (Pydantic model of 5 fields, the model's default sampling):")
     for name, (ok, n, seconds) in valid.items():
         print(f"  {name:<13} {ok:>3}/{n} valid ({100 * ok / n:.0f} %) in {seconds:.0f} s")

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from perf.lib import processes
-from perf.lib.deployment import start_deployment, stop_deployment
+from perf.lib.deployment import start_deployment
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.stats import percentile
@@ -696,17 +696,18 @@ def run(args: argparse.Namespace) -> int:
     )
     key = "sk-soak-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-soak-"))
-    triton = gateway = redis = None
+    deployment = None
     failure = ""
     soak, rec, peak, rate = Soak([]), Recorder(), 0.0, 0.0
     try:
-        triton, gateway, redis = start_deployment(MODELS, workdir, key, not args.no_redis, say)
-        soak, rec, peak, rate = asyncio.run(run_soak(args, triton, gateway, redis, key, say))
+        deployment = start_deployment(MODELS, workdir, key, not args.no_redis, say)
+        soak, rec, peak, rate = asyncio.run(run_soak(args, deployment.triton, deployment.gateway, deployment.redis, key, say))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
         say(f"perf.drills.soak stopped: {failure}")
     finally:
-        stop_deployment(triton, gateway, redis, out)
+        if deployment is not None:
+            deployment.stop(logs_to=out)
         shutil.rmtree(workdir, ignore_errors=True)
 
     rss = rss_checks(soak.samples, args.warmup, args.rss_growth_pct, args.rss_growth_mib)
@@ -749,7 +750,7 @@ def run(args: argparse.Namespace) -> int:
             f"max({args.rss_growth_pct:g} %, {args.rss_growth_mib:g} MiB), P99 fitted rise (Theil-Sen) <= "
             f"max({args.p99_growth:g} x median, {MIN_P99_RISE_MS:g} ms), zero errors"
         ),
-        f"- Redis L2 {'on' if redis else 'off'}; requests refused (503) while measuring the peak: {rec.peak_refused}",
+        f"- Redis L2 {'on' if deployment is not None and deployment.redis else 'off'}; requests refused (503) while measuring the peak: {rec.peak_refused}",
     ]
     text = summary(header, soak, rec, rss, p99, failures)
     (out / "summary.md").write_text(text)
