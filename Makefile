@@ -16,7 +16,7 @@ PRECISION ?= auto
 
 .PHONY: venv export export-report serve compare tail autotune locust test lint format test-perf test-unit test-integration perf-baseline perf perf-quick perf-generate perf-speculative perf-gateway structured-bench cache-bench rollout-publish rollout-start rollout-status rollout-rollback rollout-finish compose-config compose-images compose-up compose-down compose-test fuzz soak cpu-cost image-bench priority-bench serve-cluster failover-bench chaos clean
 
-$(STAMP): requirements.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
+$(STAMP): requirements.txt requirements-perf.txt requirements-dev.txt requirements-gpu.txt constraints.txt pyproject.toml scripts/setup.sh
 	VENV=$(VENV) GPU=$(GPU) scripts/setup.sh
 	rm -f $(VENV)/.installed-gpu*
 	touch $@

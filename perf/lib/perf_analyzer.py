@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 BINARY_NAME = "perf_analyzer"
 # Shared libraries perf_analyzer 2.50 needs that a plain machine may lack, and where they come from.
 LIBRARY_HINTS = {
-    "libcudart.so.12": "pip install nvidia-cuda-runtime-cu12 (pinned in requirements.txt)",
+    "libcudart.so.12": "pip install nvidia-cuda-runtime-cu12 (pinned in requirements-perf.txt)",
     "libb64.so.0d": "apt-get install libb64-0d (scripts/setup.sh does it)",
 }
 BINARY_HINT = "pip install 'tritonclient[all]==2.50.0' (the last wheel that ships perf_analyzer for glibc 2.36)"

