@@ -23,42 +23,8 @@ from dataclasses import field as dataclass_field
 from typing import Any
 
 from contract.errors import INVALID, TOO_LARGE, ErrorData
+from contract.kserve import DATATYPE_SIZES, MAX_RANK, TYPED_FIELD, TYPED_FIELDS
 
-# Bytes per element of each fixed-size datatype (BYTES: length-prefixed, checked apart).
-SIZES = {
-    "BOOL": 1,
-    "UINT8": 1,
-    "UINT16": 2,
-    "UINT32": 4,
-    "UINT64": 8,
-    "INT8": 1,
-    "INT16": 2,
-    "INT32": 4,
-    "INT64": 8,
-    "FP16": 2,
-    "BF16": 2,
-    "FP32": 4,
-    "FP64": 8,
-    "BYTES": 0,
-}
-# The InferTensorContents field that carries each datatype's typed values (FP16 and BF16 have
-# none: raw_input_contents only).
-TYPED_FIELD = {
-    "BOOL": "bool_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-TYPED_FIELDS = tuple(sorted(set(TYPED_FIELD.values())))
-MAX_RANK = 16
 _PREFIX = struct.Struct("<I")
 
 
@@ -133,8 +99,8 @@ def check_input(tensor, i: int, raw: bytes | None, model: Mapping | None, limits
     field = f"inputs[{i}]"
     name = f"{field} '{tensor.name}'"
     datatype = tensor.datatype
-    if datatype not in SIZES:
-        return Refusal(f"{name}.datatype", "datatype", f"{name}.datatype must be one of {', '.join(SIZES)}")
+    if datatype not in DATATYPE_SIZES:
+        return Refusal(f"{name}.datatype", "datatype", f"{name}.datatype must be one of {', '.join(DATATYPE_SIZES)}")
     shape = list(tensor.shape)
     if len(shape) > limits.max_rank:
         return Refusal(f"{name}.shape", "rank", f"{name}.shape has {len(shape)} dimensions; at most {limits.max_rank}")
@@ -183,7 +149,7 @@ def check_input(tensor, i: int, raw: bytes | None, model: Mapping | None, limits
             f"{name}.shape declares {elements} elements; the limit is {bound}",
             {"maximum": bound, "got": elements},
         )
-    size = SIZES[datatype]
+    size = DATATYPE_SIZES[datatype]
     region = _param(tensor.parameters, "shared_memory_region")
     typed = _typed_count(tensor)
     if region is not None:

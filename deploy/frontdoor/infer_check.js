@@ -14,20 +14,27 @@
 import fs from 'fs';
 import limits from 'limits.js';
 
-const SIZES = {BOOL: 1, UINT8: 1, UINT16: 2, UINT32: 4, UINT64: 8, INT8: 1, INT16: 2, INT32: 4,
-               INT64: 8, FP16: 2, BF16: 2, FP32: 4, FP64: 8, BYTES: 0};
+// The datatypes' bytes per element and the error data's form come from contract/ (limits.js).
+const SIZES = limits.datatype_sizes;
 
-function refuse(r, status, message) {
+// A refusal's body as tritonserver words a model's error (contract/errors.py): the words, then
+// the data (code, field, values) after the mark, so every client reads the door's refusals, the
+// gRPC door's and the models' errors the same way.
+function refuse(r, status, message, field) {
+    const code = status === 413 ? 'request_too_large' : 'invalid_value';
+    const data = JSON.stringify({code: code, field: field || null, values: {status: status}});
     r.headersOut['Content-Type'] = 'application/json';
-    r.return(status, JSON.stringify({error: message}));
+    r.return(status, JSON.stringify({error: message + limits.error_mark + data}));
 }
 
-function Refusal(message) {
+function Refusal(field, message) {
+    this.field = field;
     this.message = message;
 }
 
-function fail(message) {
-    throw new Refusal(message);
+// field: where the rule broke (the message begins with it).
+function fail(field, message) {
+    throw new Refusal(field, message);
 }
 
 function isObject(v) {
@@ -64,7 +71,7 @@ function countData(data, datatype, field, bound) {
             continue;
         }
         if (!elementOk(datatype, item)) {
-            fail(`${field}: element ${JSON.stringify(item).slice(0, 40)} is not a valid ${datatype} value`);
+            fail(`${field}`, `${field}: element ${JSON.stringify(item).slice(0, 40)} is not a valid ${datatype} value`);
         }
         count++;
         if (count > bound) {
@@ -105,7 +112,7 @@ function checkTypedParameters(params, kinds, field) {
     for (let n = 0; n < names.length; n++) {
         const kind = kinds[names[n]];
         if (kind !== undefined && !typeOk(kind, params[names[n]])) {
-            fail(`${field}.${names[n]} must be ${kind}`);
+            fail(`${field}.${names[n]}`, `${field}.${names[n]} must be ${kind}`);
         }
     }
 }
@@ -117,12 +124,12 @@ function countBytesElements(buf, start, size, field) {
     let count = 0;
     while (pos < end) {
         if (pos + 4 > end) {
-            fail(`${field}: binary BYTES data ends inside a length prefix`);
+            fail(`${field}`, `${field}: binary BYTES data ends inside a length prefix`);
         }
         const len = buf.readUInt32LE(pos);
         pos += 4 + len;
         if (pos > end) {
-            fail(`${field}: binary BYTES element of ${len} bytes runs past binary_data_size`);
+            fail(`${field}`, `${field}: binary BYTES element of ${len} bytes runs past binary_data_size`);
         }
         count++;
     }
@@ -133,28 +140,28 @@ function countBytesElements(buf, start, size, field) {
 function checkInput(input, i, model, body, binaryStart, binaryOffset) {
     const field = `inputs[${i}]`;
     if (!isObject(input)) {
-        fail(`${field} must be an object`);
+        fail(`${field}`, `${field} must be an object`);
     }
     if (typeof input.name !== 'string') {
-        fail(`${field}.name must be a string`);
+        fail(`${field}.name`, `${field}.name must be a string`);
     }
     const name = `${field} '${input.name}'`;
     const datatype = input.datatype;
     if (typeof datatype !== 'string' || !(datatype in SIZES)) {
-        fail(`${name}.datatype must be one of ${Object.keys(SIZES).join(', ')}`);
+        fail(`${name}.datatype`, `${name}.datatype must be one of ${Object.keys(SIZES).join(', ')}`);
     }
     const shape = input.shape;
     if (!Array.isArray(shape)) {
-        fail(`${name}.shape must be an array of non-negative integers`);
+        fail(`${name}.shape`, `${name}.shape must be an array of non-negative integers`);
     }
     if (shape.length > limits.max_rank) {
-        fail(`${name}.shape has ${shape.length} dimensions; at most ${limits.max_rank}`);
+        fail(`${name}.shape`, `${name}.shape has ${shape.length} dimensions; at most ${limits.max_rank}`);
     }
     let elements = 1;
     for (let d = 0; d < shape.length; d++) {
         const dim = shape[d];
         if (typeof dim !== 'number' || !Number.isInteger(dim) || dim < 0) {
-            fail(`${name}.shape[${d}] must be a non-negative integer`);
+            fail(`${name}.shape[${d}]`, `${name}.shape[${d}] must be a non-negative integer`);
         }
         elements *= dim;
     }
@@ -164,20 +171,20 @@ function checkInput(input, i, model, body, binaryStart, binaryOffset) {
     const spec = model && model.inputs[input.name];
     if (spec) {
         if (spec.datatype && spec.datatype !== datatype) {
-            fail(`${name}.datatype is ${datatype}; model expects ${spec.datatype}`);
+            fail(`${name}.datatype`, `${name}.datatype is ${datatype}; model expects ${spec.datatype}`);
         }
         const batched = model.max_batch_size > 0;
         const rank = spec.dims.length + (batched ? 1 : 0);
         if (shape.length !== rank) {
-            fail(`${name}.shape has ${shape.length} dimensions; model expects ${rank}`);
+            fail(`${name}.shape`, `${name}.shape has ${shape.length} dimensions; model expects ${rank}`);
         }
         if (batched && (shape[0] < 1 || shape[0] > model.max_batch_size)) {
-            fail(`${name}.shape[0] (batch) must be between 1 and max_batch_size ${model.max_batch_size}`);
+            fail(`${name}.shape[0]`, `${name}.shape[0] (batch) must be between 1 and max_batch_size ${model.max_batch_size}`);
         }
         const offset = batched ? 1 : 0;
         for (let d = 0; d < spec.dims.length; d++) {
             if (spec.dims[d] >= 0 && shape[d + offset] !== spec.dims[d]) {
-                fail(`${name}.shape[${d + offset}] is ${shape[d + offset]}; model expects ${spec.dims[d]}`);
+                fail(`${name}.shape[${d + offset}]`, `${name}.shape[${d + offset}] is ${shape[d + offset]}; model expects ${spec.dims[d]}`);
             }
         }
         if (spec.max_elements > 0 && spec.max_elements < bound) {
@@ -185,48 +192,48 @@ function checkInput(input, i, model, body, binaryStart, binaryOffset) {
         }
     }
     if (elements > bound) {
-        fail(`${name}.shape declares ${elements} elements; the limit is ${bound}`);
+        fail(`${name}.shape`, `${name}.shape declares ${elements} elements; the limit is ${bound}`);
     }
     const params = input.parameters;
     if (params !== undefined && !isObject(params)) {
-        fail(`${name}.parameters must be an object`);
+        fail(`${name}.parameters`, `${name}.parameters must be an object`);
     }
     if (params) {
         checkTypedParameters(params, INPUT_PARAMETERS, `${name}.parameters`);
     }
     if (params && params.shared_memory_region !== undefined) {
         if (input.data !== undefined) {
-            fail(`${name}: both data and shared_memory_region given`);
+            fail(`${name}`, `${name}: both data and shared_memory_region given`);
         }
         return 0;
     }
     if (params && params.binary_data_size !== undefined) {
         const size = params.binary_data_size;
         if (binaryStart < 0) {
-            fail(`${name}.parameters.binary_data_size given without an Inference-Header-Content-Length header`);
+            fail(`${name}.parameters.binary_data_size`, `${name}.parameters.binary_data_size given without an Inference-Header-Content-Length header`);
         }
         if (typeof size !== 'number' || !Number.isInteger(size) || size < 0) {
-            fail(`${name}.parameters.binary_data_size must be a non-negative integer`);
+            fail(`${name}.parameters.binary_data_size`, `${name}.parameters.binary_data_size must be a non-negative integer`);
         }
         if (input.data !== undefined) {
-            fail(`${name}: both data and binary_data_size given`);
+            fail(`${name}`, `${name}: both data and binary_data_size given`);
         }
         const start = binaryStart + binaryOffset;
         if (start + size > body.length) {
-            fail(`${name}.parameters.binary_data_size ${size} runs past the end of the body`);
+            fail(`${name}.parameters.binary_data_size`, `${name}.parameters.binary_data_size ${size} runs past the end of the body`);
         }
         const n = datatype === 'BYTES' ? countBytesElements(body, start, size, name) : size / SIZES[datatype];
         if (n !== elements) {
-            fail(`${name}: binary data holds ${n} elements; shape declares ${elements}`);
+            fail(`${name}`, `${name}: binary data holds ${n} elements; shape declares ${elements}`);
         }
         return size;
     }
     if (!Array.isArray(input.data)) {
-        fail(`${name}.data must be an array`);
+        fail(`${name}.data`, `${name}.data must be an array`);
     }
     const n = countData(input.data, datatype, `${name}.data`, elements);
     if (n !== elements) {
-        fail(`${name}.data has ${n > elements ? 'more than ' + elements : n} elements; shape declares ${elements}`);
+        fail(`${name}.data`, `${name}.data has ${n > elements ? 'more than ' + elements : n} elements; shape declares ${elements}`);
     }
     return 0;
 }
@@ -236,10 +243,10 @@ function bodyRefusal(r) {
     const encoding = r.headersIn['Content-Encoding'];
     if (encoding && encoding.toLowerCase() !== 'identity') {
         // A compressed body cannot be checked before tritonserver inflates it.
-        return [415, `Content-Encoding ${encoding} is not accepted; send the body uncompressed`];
+        return [415, `Content-Encoding ${encoding} is not accepted; send the body uncompressed`, 'Content-Encoding'];
     }
     if (r.requestBuffer === undefined || r.requestBuffer === null) {
-        return [413, `request body too large (over ${limits.max_body_bytes} bytes)`];
+        return [413, `request body too large (over ${limits.max_body_bytes} bytes)`, 'body'];
     }
     let size = 0;
     try {
@@ -248,7 +255,7 @@ function bodyRefusal(r) {
         size = 0;
     }
     if (size === 0) {
-        return [400, 'the request body is empty; a JSON request was expected'];
+        return [400, 'the request body is empty; a JSON request was expected', 'body'];
     }
     return null;
 }
@@ -277,7 +284,7 @@ function surrogateRefusal(text) {
             const key = inKey ? 'a key' : keys && keys.length
                 ? `'${keys[keys.length - 1].replace(/"\s*:$/, '').slice(1)}'` : 'a value';
             return [400, `${key}: the JSON body has an unpaired UTF-16 surrogate escape ${m[0].slice(0, 6)} ` +
-                         '(not valid Unicode text)'];
+                         '(not valid Unicode text)', key];
         }
     }
     return null;
@@ -294,7 +301,8 @@ function checkRequest(r) {
     let text;
     if (headerLength !== undefined) {
         if (!/^[0-9]+$/.test(headerLength) || Number(headerLength) > body.length) {
-            return [400, `Inference-Header-Content-Length must be an integer between 0 and the body length ${body.length}`];
+            return [400, `Inference-Header-Content-Length must be an integer between 0 and the body length ${body.length}`,
+                    'Inference-Header-Content-Length'];
         }
         binaryStart = Number(headerLength);
         text = body.slice(0, binaryStart).toString();
@@ -309,30 +317,30 @@ function checkRequest(r) {
     try {
         request = JSON.parse(text);
     } catch (e) {
-        return [400, 'the inference header is not valid JSON'];
+        return [400, 'the inference header is not valid JSON', 'body'];
     }
     if (!isObject(request)) {
-        return [400, 'the inference header must be a JSON object'];
+        return [400, 'the inference header must be a JSON object', 'body'];
     }
     if (!Array.isArray(request.inputs) || request.inputs.length === 0) {
-        return [400, 'inputs must be a non-empty array'];
+        return [400, 'inputs must be a non-empty array', 'inputs'];
     }
     if (request.outputs !== undefined) {
         if (!Array.isArray(request.outputs)) {
-            return [400, 'outputs must be an array'];
+            return [400, 'outputs must be an array', 'outputs'];
         }
         for (let i = 0; i < request.outputs.length; i++) {
             const out = request.outputs[i];
             if (!isObject(out) || typeof out.name !== 'string') {
-                return [400, `outputs[${i}] must be an object with a string name`];
+                return [400, `outputs[${i}] must be an object with a string name`, `outputs[${i}]`];
             }
             if (out.parameters !== undefined && !isObject(out.parameters)) {
-                return [400, `outputs[${i}].parameters must be an object`];
+                return [400, `outputs[${i}].parameters must be an object`, `outputs[${i}].parameters`];
             }
         }
     }
     if (request.parameters !== undefined && !isObject(request.parameters)) {
-        return [400, 'parameters must be an object'];
+        return [400, 'parameters must be an object', 'parameters'];
     }
     const model = limits.models[r.variables.frontdoor_model];
     if (model && model.decoupled) {
@@ -348,12 +356,12 @@ function checkRequest(r) {
         }
     } catch (e) {
         if (e instanceof Refusal) {
-            return [400, e.message];
+            return [400, e.message, e.field];
         }
         throw e;
     }
     if (request.id !== undefined && typeof request.id !== 'string') {
-        return [400, 'id must be a string'];
+        return [400, 'id must be a string', 'id'];
     }
     let binaryOffset = 0;
     try {
@@ -362,12 +370,13 @@ function checkRequest(r) {
         }
     } catch (e) {
         if (e instanceof Refusal) {
-            return [400, e.message];
+            return [400, e.message, e.field];
         }
         throw e;
     }
     if (binaryStart >= 0 && binaryStart + binaryOffset !== body.length) {
-        return [400, `body length ${body.length} != Inference-Header-Content-Length ${binaryStart} + binary inputs ${binaryOffset} bytes`];
+        return [400, `body length ${body.length} != Inference-Header-Content-Length ${binaryStart} + binary inputs ${binaryOffset} bytes`,
+                'Inference-Header-Content-Length'];
     }
     return null;
 }
@@ -401,7 +410,7 @@ function checkThenPass(r, check, location) {
         refusal = [400, 'request could not be checked: ' + String(e).slice(0, 100)];
     }
     if (refusal) {
-        refuse(r, refusal[0], refusal[1]);
+        refuse(r, refusal[0], refusal[1], refusal[2]);
         return;
     }
     if (typeof location === 'function') {
@@ -444,21 +453,21 @@ function loneSurrogate(str) {
 // tritonserver 2.51 cuts a key at its first NUL and then cannot find it (a 500).
 function noNul(key, where) {
     if (key.indexOf('\u0000') >= 0) {
-        fail(`${where}: the key ${JSON.stringify(key).slice(0, 40)} holds a NUL character`);
+        fail(`${where}`, `${where}: the key ${JSON.stringify(key).slice(0, 40)} holds a NUL character`);
     }
 }
 
 function checkScalar(v, field) {
     if (typeof v === 'string') {
         if (loneSurrogate(v)) {
-            fail(`${field} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
+            fail(`${field}`, `${field} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
         }
         return;
     }
     if (typeof v === 'boolean' || (typeof v === 'number' && isFinite(v))) {
         return;
     }
-    fail(`${field} must be a string, a number or a boolean`);
+    fail(`${field}`, `${field} must be a string, a number or a boolean`);
 }
 
 const KINDS = {BYTES: 'a string', BOOL: 'true or false'};
@@ -479,15 +488,15 @@ function checkGenerateRequest(r) {
     try {
         request = JSON.parse(text);
     } catch (e) {
-        return [400, 'the request body is not valid JSON'];
+        return [400, 'the request body is not valid JSON', 'body'];
     }
     if (!isObject(request)) {
-        return [400, 'the request body must be a JSON object'];
+        return [400, 'the request body must be a JSON object', 'body'];
     }
     const model = limits.models[r.variables.frontdoor_model];
     if (!r.uri.endsWith('_stream') && request.stream === true && model && model.inputs.stream) {
         // tritonserver answers this with an error under HTTP status 200.
-        return [400, 'stream: true streams several responses; send it to .../generate_stream'];
+        return [400, 'stream: true streams several responses; send it to .../generate_stream', 'stream'];
     }
     try {
         const keys = Object.keys(request);
@@ -496,7 +505,7 @@ function checkGenerateRequest(r) {
             const value = request[key];
             if (key === 'parameters') {
                 if (!isObject(value)) {
-                    fail('parameters must be an object');
+                    fail('parameters', 'parameters must be an object');
                 }
                 const names = Object.keys(value);
                 for (let n = 0; n < names.length; n++) {
@@ -510,36 +519,36 @@ function checkGenerateRequest(r) {
             const spec = model ? model.inputs[key] : undefined;
             if (spec === undefined) {
                 if (typeof value === 'string' && loneSurrogate(value)) {
-                    fail(`${key} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
+                    fail(`${key}`, `${key} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
                 }
                 continue;  // not an input of this model: tritonserver refuses it by name
             }
             const kind = KINDS[spec.datatype] || 'a number';
             const count = countData(Array.isArray(value) ? value : [value], spec.datatype, key, limits.max_elements);
             if (count === 0) {
-                fail(`${key} must be ${kind} (the input is ${spec.datatype})`);
+                fail(`${key}`, `${key} must be ${kind} (the input is ${spec.datatype})`);
             }
             const strings = Array.isArray(value) ? value : [value];
             for (let i = 0; i < strings.length; i++) {
                 if (typeof strings[i] === 'string' && loneSurrogate(strings[i])) {
-                    fail(`${key} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
+                    fail(`${key}`, `${key} holds an unpaired UTF-16 surrogate (not valid Unicode text)`);
                 }
             }
         }
     } catch (e) {
         if (e instanceof Refusal) {
-            return [400, e.message];
+            return [400, e.message, e.field];
         }
         throw e;
     }
     return null;
 }
 
-// A model's error carries its code as data after its words (contract/errors.py); each
-// code's HTTP status. tritonserver 2.51's generate endpoint answers every error with 400.
-const ERROR_DATA = ' #error-data ';
-const DATA_STATUS = {invalid_value: 400, context_length_exceeded: 400, request_too_large: 413,
-                     overloaded: 503, unavailable: 503, internal: 500};
+// A model's error carries its code as data after its words (contract/errors.py, through
+// limits.js with each code's HTTP status). tritonserver 2.51's generate endpoint answers every
+// error with 400.
+const ERROR_DATA = limits.error_mark;
+const DATA_STATUS = limits.error_status;
 
 function statusOfData(status, text) {
     if (status !== 400) {

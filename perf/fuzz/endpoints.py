@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from contract.errors import parse_error
+from contract.kserve import DATATYPE_SIZES
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
 
@@ -330,21 +331,7 @@ def base_request(model: ModelSpec, rows: int, seq: int, rng: np.random.Generator
 
 
 # Bytes per element of the fixed-size datatypes (for shapes whose byte count wraps around 2^64).
-ITEM_SIZES = {
-    "BOOL": 1,
-    "UINT8": 1,
-    "INT8": 1,
-    "UINT16": 2,
-    "INT16": 2,
-    "FP16": 2,
-    "BF16": 2,
-    "UINT32": 4,
-    "INT32": 4,
-    "FP32": 4,
-    "UINT64": 8,
-    "INT64": 8,
-    "FP64": 8,
-}
+ITEM_SIZES = {name: size for name, size in DATATYPE_SIZES.items() if size}
 
 
 def wrapping_shape(rank: int, elements: int, item_size: int) -> list[int]:
