@@ -33,7 +33,7 @@ import orjson
 from aiohttp import ClientConnectionResetError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from contract.errors import parse_error
+from contract.errors import UNAVAILABLE, ErrorData, format_data, parse_error
 from server.stream_resume import ASK_INPUT, IDS_OUTPUT, NOT_CONTINUABLE_OUTPUTS, PREFIX_INPUT
 
 # The answer's end, asked for on every continuable request: an event of HTTP's generate_stream has
@@ -400,10 +400,13 @@ class _Client:
         return _END
 
     async def fail(self, message: str) -> web.StreamResponse:
+        """The stream was lost and cannot go on: ``unavailable`` (retry), its data after the words
+        as in every error (contract/errors.py)."""
+        text = format_data(ErrorData(UNAVAILABLE, None, {}, message))
         if self.response is None:
-            return web.json_response({"error": message}, status=503, headers={"Retry-After": "1"})
+            return web.json_response({"error": text}, status=503, headers={"Retry-After": "1"})
         try:
-            await self.response.write(b"data: " + orjson.dumps({"error": message}) + EVENT_END)
+            await self.response.write(b"data: " + orjson.dumps({"error": text}) + EVENT_END)
         except (ClientConnectionResetError, ConnectionResetError):
             return self.response
         return await self.finish()

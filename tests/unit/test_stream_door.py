@@ -14,6 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from contract.errors import UNAVAILABLE, parse_error
 from server.frontdoor import model_limits
 from server.grpc_check import Limits
 from server.grpc_door import Door
@@ -187,6 +188,8 @@ def test_a_stream_that_cannot_go_on_ends_at_once_with_an_error_event(tmp_path):
     status, _, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"}, model="other_decoupled")
     assert status == 200 and [e.get("text_output") for e in events[:2]] == ["The", " cap"]
     assert "error" in events[-1] and "other_decoupled" in events[-1]["error"] and "stub died" in events[-1]["error"]
+    data = parse_error(events[-1]["error"])  # retry: the data says so, as in every error
+    assert data is not None and data.code == UNAVAILABLE and data.http_status == 503
     assert len(fake.bodies) == 1 and door.streams_ended == 1
 
 
