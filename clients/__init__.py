@@ -1,7 +1,10 @@
 """Clients of the text-embedding server: sync (``EmbeddingClient``, ``embed``), asyncio
-(``AsyncEmbeddingClient``) and the ``embed`` command line (``clients.cli``); of the
-text-generation model: ``GenerationClient``, ``AsyncGenerationClient`` (clients.generation)
-and ``python -m clients generate|chat`` (clients.generation_cli).
+(``AsyncEmbeddingClient``) and the ``embed`` command line (clients.embeddings); of the
+text-generation model: ``GenerationClient``, ``AsyncGenerationClient`` and ``python -m clients
+generate|chat`` (clients.generation). What both roles share: clients/transport.py (protocols,
+URLs, tritonclient connections, the clients' skeleton), clients/errors.py (failures as the
+clients' errors) and clients/resilience.py (retries, breakers, failover); the command lines'
+common options, clients/cli_common.py.
 
     from clients import EmbeddingClient, cosine_similarity_matrix
 
@@ -10,11 +13,11 @@ and ``python -m clients generate|chat`` (clients.generation_cli).
     print(cosine_similarity_matrix(vectors))
 """
 
-from clients.aio import AsyncEmbeddingClient
-from clients.embed import (
+from clients.embeddings import (
     DEFAULT_MODEL,
     DEFAULT_URLS,
     MAX_BATCH_SIZE,
+    AsyncEmbeddingClient,
     EmbeddingClient,
     EmbeddingError,
     cosine_similarity_matrix,

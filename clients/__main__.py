@@ -1,10 +1,11 @@
-"""``python -m clients``: ``generate`` and ``chat`` (clients.generation_cli) when the first
-argument names one; otherwise the ``embed`` command (clients.cli)."""
+"""``python -m clients``: ``generate`` and ``chat`` (clients/generation/cli.py) when the first
+argument names one; otherwise the ``embed`` command (clients/embeddings/cli.py)."""
 
 import sys
 
-from clients import cli, generation_cli
+from clients.embeddings import cli as embed_cli
+from clients.generation import cli as generation_cli
 
 if sys.argv[1:2] and sys.argv[1] in generation_cli.COMMANDS:
     raise SystemExit(generation_cli.main(sys.argv[1:]))
-raise SystemExit(cli.main())
+raise SystemExit(embed_cli.main())

@@ -1,6 +1,6 @@
 """Retries, circuit breakers and failover for the project's clients (sync and asyncio).
 
-One policy for every client (``clients.embed``, ``clients.aio``, ``clients.generation``):
+One policy for every client (``clients.embeddings``, ``clients.generation``, sync and asyncio):
 
 - **RetryPolicy**: a failed attempt that the server did not refuse on its merits (gRPC
   UNAVAILABLE, HTTP 502/503/504, a refused, reset or dropped connection, a timed-out attempt,

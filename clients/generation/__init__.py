@@ -35,8 +35,11 @@ after that an error is the caller's (the text already read cannot be taken back)
 The package, by role: ``request.py`` (what is sent: sampling fields, chat messages, the
 model's inputs, connection options), ``response.py`` (what comes back: pieces, the finished
 Generation, GenerationError), ``grpc_transport.py`` and ``http_transport.py`` (one attempt
-on one endpoint, blocking and asyncio), ``client.py`` (GenerationClient) and ``aio.py``
-(AsyncGenerationClient). Every name is importable from ``clients.generation``.
+on one endpoint, blocking and asyncio), ``client.py`` (GenerationClient, and the constructor
+and calls both clients share: GenerationBase) and ``aio.py`` (AsyncGenerationClient);
+``cli.py`` is ``python -m clients generate|chat``. What the embedding clients share with these
+(URLs, connections, errors, retries) is clients/transport.py, errors.py and resilience.py.
+Every name is importable from ``clients.generation``.
 """
 
 from clients.generation.aio import AsyncGenerationClient, AsyncTextStream

@@ -3,27 +3,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any
 
-from clients.embed import Protocol, transport
 from clients.generation import grpc_transport, http_transport
-from clients.generation.request import DEFAULT_MODEL, GenerateRequest, GenerationOptions
+from clients.generation.client import GenerationBase, StreamBase
+from clients.generation.request import GenerateRequest
 from clients.generation.response import Generation, Piece, Tracker, transport_error
-from clients.resilience import EndpointPool, RetryError, RetryPolicy, make_retrier
+from clients.resilience import RetryError
+from clients.transport import AsyncClient, triton_client
 
 
-class AsyncTextStream(AsyncIterator[str]):
+class AsyncTextStream(StreamBase[AsyncIterator[Piece]], AsyncIterator[str]):
     """The asyncio twin of TextStream: ``async for piece in stream``; ``await aclose()`` (or
     ``async with``) before the end cancels the request; ``result`` after the end."""
-
-    def __init__(self, pieces: AsyncIterator[Piece], tracker: Tracker, cancel):
-        self._pieces = pieces
-        self._tracker = tracker
-        self._cancel = cancel
-        self.result: Generation | None = None
-        self._done = False
 
     def __aiter__(self) -> AsyncTextStream:
         return self
@@ -45,11 +39,6 @@ class AsyncTextStream(AsyncIterator[str]):
             await self.aclose()
             raise
 
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return "".join(self._tracker.parts)
-
     async def aclose(self) -> None:
         """Stop reading; a request still running is cancelled on the server."""
         if not self._done:
@@ -64,51 +53,15 @@ class AsyncTextStream(AsyncIterator[str]):
         await self.aclose()
 
 
-class AsyncGenerationClient:
+class AsyncGenerationClient(GenerationBase[Coroutine[Any, Any, Generation], AsyncTextStream], AsyncClient):
     """asyncio client for ``text_generation``: gRPC (grpc.aio streams) or HTTP (aiohttp).
 
     Many requests may run at once on one client (each gRPC request is its own call, each HTTP
     stream its own connection of a shared session), which is how the server's continuous
     batching gets its batch. The connections open on first use inside the running loop.
-    Failover and retries before the first response: as ``GenerationClient``.
+    Failover and retries before the first response: as ``GenerationClient``. The options and
+    calls: GenerationBase's (``generate`` and ``chat`` return the coroutine to await).
     """
-
-    def __init__(
-        self,
-        url: str | Sequence[str] | None = None,
-        protocol: Protocol = "grpc",
-        model: str = DEFAULT_MODEL,
-        model_version: str = "",
-        timeout_s: float | None = None,
-        *,
-        retries: int | None = None,
-        deadline_s: float | None = None,
-        policy: RetryPolicy | None = None,
-        pool: EndpointPool | None = None,
-    ):
-        self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s, retries, deadline_s)
-        o = self.options
-        self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
-        self._clients: dict[str, Any] = {}
-        self._closed = False
-
-    async def generate(self, prompt: str, **sampling: Any) -> Generation:
-        """Complete ``prompt`` (no chat template) and return the whole answer."""
-        return await self._whole(GenerateRequest.prompt(prompt, **sampling))
-
-    def stream(self, prompt: str, **sampling: Any) -> AsyncTextStream:
-        """Complete ``prompt``, yielding text pieces as the server produces them."""
-        return self._stream(GenerateRequest.prompt(prompt, **sampling), stream=True)
-
-    async def chat(self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> Generation:
-        """Answer a chat (the model's template applied on the server); whole answer."""
-        return await self._whole(GenerateRequest.from_chat(messages, system, **sampling))
-
-    def chat_stream(
-        self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any
-    ) -> AsyncTextStream:
-        """Answer a chat, yielding text pieces as they arrive."""
-        return self._stream(GenerateRequest.from_chat(messages, system, **sampling), stream=True)
 
     async def _whole(self, request: GenerateRequest) -> Generation:
         # HTTP uses /generate (one JSON object); gRPC one request with stream false.
@@ -121,18 +74,13 @@ class AsyncGenerationClient:
             result = replace(result, time_to_first_token_s=result.total_time_s)
         return result
 
-    def _connection(self, url: str | None = None) -> Any:
-        if self._closed:
-            raise RuntimeError("AsyncGenerationClient is closed")
-        url = url or self.options.url
-        if url not in self._clients:
-            if self.options.protocol == "grpc":
-                self._clients[url] = transport("grpc", aio=True).InferenceServerClient(url)
-            else:
-                import aiohttp
+    def _open(self, url: str) -> Any:
+        # Opened inside the running loop: aiohttp's session belongs to the loop it is made in.
+        if self.options.protocol == "grpc":
+            return triton_client("grpc", url, aio=True)
+        import aiohttp
 
-                self._clients[url] = aiohttp.ClientSession(f"http://{url}")
-        return self._clients[url]
+        return aiohttp.ClientSession(f"http://{url}")
 
     def _stream(self, request: GenerateRequest, stream: bool) -> AsyncTextStream:
         self._connection()  # a closed client refuses at once
@@ -187,20 +135,3 @@ class AsyncGenerationClient:
         self, session: Any, request: GenerateRequest, stream: bool, url: str | None = None, first_timeout_s: float | None = None
     ):
         return http_transport.http_aio_stream(self.options, session, request, stream, url, first_timeout_s)
-
-    async def close(self) -> None:
-        """Close the connections; the client cannot be used afterwards."""
-        self._closed = True
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            await client.close()
-
-    async def __aenter__(self) -> AsyncGenerationClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    def __repr__(self) -> str:
-        o = self.options
-        return f"AsyncGenerationClient({o.protocol}://{','.join(o.urls)}, model={o.model!r})"

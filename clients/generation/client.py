@@ -1,32 +1,98 @@
 """The blocking client: ``GenerationClient`` (one request at a time), its ``TextStream``, and
-the one-off ``generate`` and ``chat``."""
+the one-off ``generate`` and ``chat``; and what the asyncio client (aio.py) shares with it,
+written once: the constructor and the public calls (``GenerationBase``), a stream's state
+(``StreamBase``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
-from clients.embed import Protocol
 from clients.generation import grpc_transport, http_transport
 from clients.generation.request import DEFAULT_MODEL, GenerateRequest, GenerationOptions
 from clients.generation.response import Generation, Piece, Tracker, transport_error
-from clients.resilience import EndpointPool, RetryError, RetryPolicy, make_retrier
+from clients.resilience import EndpointPool, RetryError, RetryPolicy
+from clients.transport import ClientBase, Protocol, SyncClient
+
+W = TypeVar("W")  # a whole answer: Generation, or (asyncio) the coroutine that returns one
+S = TypeVar("S")  # a stream: TextStream or AsyncTextStream
+P = TypeVar("P")  # the pieces a stream reads: an iterator of Piece, blocking or asyncio
 
 
-class TextStream(Iterator[str]):
+class StreamBase(Generic[P]):
+    """The state of one streamed generation: its pieces, the Tracker that adds them up into
+    ``result`` (after the last piece), and the call that cancels the request."""
+
+    def __init__(self, pieces: P, tracker: Tracker, cancel: Callable[[], Any]):
+        self._pieces = pieces
+        self._tracker = tracker
+        self._cancel = cancel
+        self.result: Generation | None = None
+        self._done = False
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return "".join(self._tracker.parts)
+
+
+class GenerationBase(ClientBase, Generic[W, S]):
+    """The constructor and the public calls of both generation clients. Each call builds its
+    GenerateRequest here; the client's ``_whole`` and ``_stream`` send it, blocking or asyncio.
+    Several URLs, ``retries``, ``deadline_s`` (which bounds the attempts until the first
+    response), ``policy`` and ``pool``: as for ``clients.EmbeddingClient``."""
+
+    options: GenerationOptions
+
+    def __init__(
+        self,
+        url: str | Sequence[str] | None = None,
+        protocol: Protocol = "grpc",
+        model: str = DEFAULT_MODEL,
+        model_version: str = "",
+        timeout_s: float | None = None,
+        *,
+        retries: int | None = None,
+        deadline_s: float | None = None,
+        policy: RetryPolicy | None = None,
+        pool: EndpointPool | None = None,
+    ):
+        options = GenerationOptions.create(
+            url, protocol, model=model, model_version=model_version, timeout_s=timeout_s, retries=retries, deadline_s=deadline_s
+        )
+        super().__init__(options, policy, pool)
+
+    # The public calls: prompts and chats, whole or streamed.
+    def generate(self, prompt: str, **sampling: Any) -> W:
+        """Complete ``prompt`` (no chat template) and return the whole answer."""
+        return self._whole(GenerateRequest.prompt(prompt, **sampling))
+
+    def stream(self, prompt: str, **sampling: Any) -> S:
+        """Complete ``prompt``, yielding text pieces as the server produces them."""
+        return self._stream(GenerateRequest.prompt(prompt, **sampling), stream=True)
+
+    def chat(self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> W:
+        """Answer a chat (the model's template applied on the server); whole answer."""
+        return self._whole(GenerateRequest.from_chat(messages, system, **sampling))
+
+    def chat_stream(self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> S:
+        """Answer a chat, yielding text pieces as they arrive."""
+        return self._stream(GenerateRequest.from_chat(messages, system, **sampling), stream=True)
+
+    def _whole(self, request: GenerateRequest) -> W:
+        raise NotImplementedError
+
+    def _stream(self, request: GenerateRequest, stream: bool) -> S:
+        raise NotImplementedError
+
+
+class TextStream(StreamBase[Iterator[Piece]], Iterator[str]):
     """The text pieces of one streamed generation, as they arrive.
 
     Iterate it (or ``for piece in client.stream(...)``); after the last piece ``result``
     holds the Generation. ``close()`` before the end cancels the request on the server; a
     ``with`` block closes it. Raises GenerationError from the iteration when the request fails.
     """
-
-    def __init__(self, pieces: Iterator[Piece], tracker: Tracker, cancel):
-        self._pieces = pieces
-        self._tracker = tracker
-        self._cancel = cancel
-        self.result: Generation | None = None
-        self._done = False
 
     def __iter__(self) -> TextStream:
         return self
@@ -48,11 +114,6 @@ class TextStream(Iterator[str]):
             self.close()
             raise
 
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return "".join(self._tracker.parts)
-
     def close(self) -> None:
         """Stop reading; a request still running is cancelled on the server."""
         if not self._done:
@@ -73,56 +134,18 @@ class TextStream(Iterator[str]):
             pass
 
 
-class GenerationClient:
+class GenerationClient(GenerationBase[Generation, TextStream], SyncClient):
     """Blocking client for ``text_generation`` over gRPC (default) or HTTP.
 
     One request at a time per client (a gRPC client holds one stream); not thread-safe. Use as
-    a context manager or call ``close()``. Several URLs, ``retries``, ``deadline_s`` (which
-    bounds the attempts until the first response), ``policy`` and ``pool``: as for
-    ``clients.EmbeddingClient``.
+    a context manager or call ``close()``. The options and calls: GenerationBase's.
     """
 
-    def __init__(
-        self,
-        url: str | Sequence[str] | None = None,
-        protocol: Protocol = "grpc",
-        model: str = DEFAULT_MODEL,
-        model_version: str = "",
-        timeout_s: float | None = None,
-        *,
-        retries: int | None = None,
-        deadline_s: float | None = None,
-        policy: RetryPolicy | None = None,
-        pool: EndpointPool | None = None,
-    ):
-        self.options = GenerationOptions.create(url, protocol, model, model_version, timeout_s, retries, deadline_s)
-        o = self.options
-        self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
-        self._grpcs: dict[str, Any] = {}
-        self._grpc_busy = False
-        self._closed = False
-
-    # The public calls: prompts and chats, whole or streamed.
-    def generate(self, prompt: str, **sampling: Any) -> Generation:
-        """Complete ``prompt`` (no chat template) and return the whole answer."""
-        return self._whole(GenerateRequest.prompt(prompt, **sampling))
-
-    def stream(self, prompt: str, **sampling: Any) -> TextStream:
-        """Complete ``prompt``, yielding text pieces as the server produces them."""
-        return self._stream(GenerateRequest.prompt(prompt, **sampling), stream=True)
-
-    def chat(self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> Generation:
-        """Answer a chat (the model's template applied on the server); whole answer."""
-        return self._whole(GenerateRequest.from_chat(messages, system, **sampling))
-
-    def chat_stream(self, messages: str | Sequence[Mapping[str, str]], system: str | None = None, **sampling: Any) -> TextStream:
-        """Answer a chat, yielding text pieces as they arrive."""
-        return self._stream(GenerateRequest.from_chat(messages, system, **sampling), stream=True)
+    _grpc_busy = False  # a gRPC stream is open (one at a time)
 
     def _whole(self, request: GenerateRequest) -> Generation:
         if self.options.protocol == "http":
-            if self._closed:
-                raise RuntimeError("GenerationClient is closed")
+            self._check_open()
             o = self.options
             try:
                 return self.retrier.call(lambda url, timeout_s: self._http_whole(request, url, timeout_s), o.timeout_s)
@@ -135,8 +158,7 @@ class GenerationClient:
         return pieces.result
 
     def _stream(self, request: GenerateRequest, stream: bool) -> TextStream:
-        if self._closed:
-            raise RuntimeError("GenerationClient is closed")
+        self._check_open()
         o = self.options
         if o.protocol == "grpc":
             if self._grpc_busy:
@@ -191,30 +213,13 @@ class GenerationClient:
 
     # One attempt on one endpoint per protocol (grpc_transport.py, http_transport.py).
     def _grpc_stream(self, request: GenerateRequest, stream: bool, url: str | None = None, first_timeout_s: float | None = None):
-        return grpc_transport.grpc_stream(self._grpcs, self.options, request, stream, url, first_timeout_s)
+        return grpc_transport.grpc_stream(self._clients, self.options, request, stream, url, first_timeout_s)
 
     def _http_whole(self, request: GenerateRequest, url: str | None = None, timeout_s: float | None = None) -> Generation:
         return http_transport.http_whole(self.options, request, url, timeout_s)
 
     def _http_stream(self, request: GenerateRequest, url: str | None = None, first_timeout_s: float | None = None):
         return http_transport.http_stream(self.options, request, url, first_timeout_s)
-
-    def close(self) -> None:
-        """Close the connections; the client cannot be used afterwards."""
-        self._closed = True
-        clients, self._grpcs = self._grpcs, {}
-        for client in clients.values():
-            client.close()
-
-    def __enter__(self) -> GenerationClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        o = self.options
-        return f"GenerationClient({o.protocol}://{','.join(o.urls)}, model={o.model!r})"
 
 
 def generate(prompt: str, url: str | None = None, protocol: Protocol = "grpc", **sampling: Any) -> Generation:

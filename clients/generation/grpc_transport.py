@@ -16,9 +16,9 @@ from typing import Any
 
 from tritonclient.utils import InferenceServerException
 
-from clients.embed import transport
 from clients.generation.request import GenerateRequest, GenerationOptions, new_request_id
 from clients.generation.response import Piece, is_final, piece_from_result, transport_error
+from clients.transport import triton_client
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def grpc_stream(
     tritonclient's thread."""
     url = url or o.url
     if url not in connections:
-        connections[url] = transport("grpc").InferenceServerClient(url)
+        connections[url] = triton_client("grpc", url)
     client = connections[url]
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))

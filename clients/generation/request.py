@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.embed import PROTOCOLS, Protocol, parse_urls, transport
-from clients.resilience import RetryPolicy
+from clients.transport import ConnectionOptions, Protocol, tritonclient_module
 from contract.sampling import SAMPLING_FIELDS as _FIELDS
 
 DEFAULT_MODEL = "text_generation"
@@ -127,7 +126,7 @@ class GenerateRequest:
 
     def grpc_inputs(self, stream: bool) -> list[Any]:
         """tritonclient.grpc InferInputs (each ``[1]``: the model has no batch dimension)."""
-        module = transport("grpc")
+        module = tritonclient_module("grpc")
 
         def tensor(name: str, value: Any, datatype: str) -> Any:
             array = np.array([value], dtype=object if datatype == "BYTES" else bool)
@@ -147,39 +146,14 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
-class GenerationOptions:
-    """Validated connection options shared by the sync and asyncio clients."""
+class GenerationOptions(ConnectionOptions):
+    """Validated connection options shared by the sync and asyncio clients
+    (clients.transport.ConnectionOptions; ``GenerationOptions.create`` checks them). ``timeout_s``
+    is the longest wait for the next response (the first included); ``deadline_s`` bounds the
+    attempts before the first response (default ``timeout_s``)."""
 
-    url: str
     protocol: Protocol = "grpc"
     model: str = DEFAULT_MODEL
-    model_version: str = ""
-    timeout_s: float | None = None  # longest wait for the next response (the first included)
-    urls: tuple[str, ...] = ()  # the endpoints failed over across; url is the first
-    retries: int | None = None
-    deadline_s: float | None = None  # bounds the attempts before the first response (default timeout_s)
-
-    @classmethod
-    def create(
-        cls,
-        url: str | Sequence[str] | None = None,
-        protocol: str = "grpc",
-        model: str = DEFAULT_MODEL,
-        model_version: str = "",
-        timeout_s: float | None = None,
-        retries: int | None = None,
-        deadline_s: float | None = None,
-    ) -> GenerationOptions:
-        """The options, checked (ValueError naming the bad one); URLs default to the protocol's local port."""
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
-        urls = parse_urls(url, protocol)
-        if not model:
-            raise ValueError("model name is empty")
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, not {timeout_s}")
-        RetryPolicy.create(retries, deadline_s)
-        return cls(urls[0], protocol, model, str(model_version), timeout_s, urls, retries, deadline_s)
 
     def http_path(self, stream: bool) -> str:
         """The generate extension's path for the model (and version)."""

@@ -3,21 +3,17 @@ as GenerationError (the server's own words, its status, the retries made)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tritonclient.utils import InferenceServerException
-
+from clients.errors import ClientError, translate
 from clients.generation.request import DEFAULT_MODEL
-from clients.resilience import RetryError, describe
-from contract.errors import GRPC_STATUS, parse_error, words_of
 
 
-class GenerationError(RuntimeError):
+class GenerationError(ClientError):
     """A generation request failed.
 
     ``server_message`` is Triton's (or the transport's) own message; for bad input it names
@@ -37,17 +33,9 @@ class GenerationError(RuntimeError):
         retry_note: str = "",
         attempts: int | None = None,
     ):
-        data = parse_error(server_message)
-        self.server_message = words_of(server_message)
-        self.code = data.code if data else None
-        self.field = data.field if data else None
-        self.values = data.values if data else {}
-        self.model = model
-        self.status = status
-        self.attempts = attempts
-        code = f" [{status}]" if status else ""
-        note = f"; {retry_note}" if retry_note else ""
-        super().__init__(f"model '{model}'{code}: {self.server_message}{note}")
+        super().__init__(
+            server_message, where=f"model '{model}'", model=model, status=status, retry_note=retry_note, attempts=attempts
+        )
 
 
 @dataclass(frozen=True)
@@ -296,28 +284,9 @@ def http_error(status: int, body: str, model: str = DEFAULT_MODEL) -> Generation
 
 def transport_error(exc: BaseException, protocol: str, url: str, model: str, timeout_s: float | None) -> GenerationError:
     """A tritonclient, socket or aiohttp failure as a GenerationError with the server's words;
-    a RetryError as its last error, noting the attempts and the deadline."""
-    if isinstance(exc, RetryError):
-        note = describe(exc.attempts, exc.elapsed_s, exc.deadline_s, exc.reason)
-        if exc.last is None:
-            return GenerationError("no endpoint available", model=model, retry_note=note, attempts=exc.attempts)
-        last = transport_error(exc.last, protocol, url, model, timeout_s)
-        error = GenerationError(last.server_message, model=model, status=last.status, retry_note=note, attempts=exc.attempts)
-        error.code, error.field, error.values = last.code, last.field, last.values
-        return error
-    if isinstance(exc, GenerationError):
-        return exc
-    if isinstance(exc, InferenceServerException):
-        status = exc.status()
-        message = exc.message() or str(exc)
-        data = parse_error(message)
-        if data is not None:  # the model's own error: a stream's carries its status only here
-            return GenerationError(message, model=model, status=status or GRPC_STATUS[data.code])
-        if status == "StatusCode.UNAVAILABLE":
-            message = f"cannot reach the grpc server at {url}: {message}"
-        elif status == "StatusCode.DEADLINE_EXCEEDED":
-            message = f"no answer from the grpc server at {url} within {timeout_s} s: {message}"
-        return GenerationError(message, model=model, status=status)
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return GenerationError(f"no answer from the {protocol} server at {url} within {timeout_s} s", model=model)
-    return GenerationError(f"cannot reach the {protocol} server at {url}: {exc}", model=model)
+    a RetryError as its last error, noting the attempts and the deadline (clients/errors.py)."""
+
+    def make(message: str, **kwargs: Any) -> GenerationError:
+        return GenerationError(message, model=model, **kwargs)
+
+    return translate(exc, make, protocol, url, timeout_s)

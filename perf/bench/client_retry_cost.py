@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from clients import AsyncEmbeddingClient
-from clients.embed import build_request, read_embeddings
+from clients.embeddings import build_request, read_embeddings
 from clients.resilience import EndpointPool, Retrier
 from perf.lib.stats import percentile_of
 

@@ -547,9 +547,9 @@ def write_summary(
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     clients = {
-        "embed": "clients.aio HTTP (retries)",
-        "embed_grpc": "clients.aio gRPC (retries)",
-        "cached": "clients.aio HTTP (retries)",
+        "embed": "clients.embeddings.aio HTTP (retries)",
+        "embed_grpc": "clients.embeddings.aio gRPC (retries)",
+        "cached": "clients.embeddings.aio HTTP (retries)",
         "gateway": "openai SDK (retries)",
         "image": "aiohttp (no retries)",
         "generation": "clients.generation gRPC stream (continued)",

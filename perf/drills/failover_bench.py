@@ -2,7 +2,7 @@
 
 Starts `python -m server.cluster` (its own ports and work folder; --replicas, default 2, with
 only text_embedding's models unless --model), then drives the front door with the project's
-asyncio client (clients.aio.AsyncEmbeddingClient, which retries UNAVAILABLE, 502/503/504 and
+asyncio client (clients.AsyncEmbeddingClient, which retries UNAVAILABLE, 502/503/504 and
 dropped connections) at --concurrency (default 16: half HTTP, half gRPC) closed-loop workers
 sending one unique text per request for --duration seconds (default 30). At --kill-at seconds
 (default 10) replica --victim's tritonserver and its python backend stubs get SIGKILL. The
@@ -189,8 +189,8 @@ async def drive(
     """``concurrency`` closed-loop workers (half HTTP, half gRPC), one unique text per request;
     ``actions``: {seconds since start: function} run in a timer thread at that time."""
     from clients import AsyncEmbeddingClient
-    from clients.embed import Protocol
     from clients.resilience import BreakerPolicy, EndpointPool
+    from clients.transport import Protocol
 
     protocols: list[Protocol] = ["http" if i % 2 == 0 else "grpc" for i in range(concurrency)]
     urls: dict[Protocol, str] = {"http": http_url, "grpc": grpc_url}

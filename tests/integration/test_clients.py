@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cli, cosine_similarity_matrix, embed
+from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cosine_similarity_matrix, embed
+from clients.embeddings import cli
 from server.layout import ROOT
 
 DIM = 384

@@ -14,20 +14,15 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from clients import (
-    AsyncEmbeddingClient,
-    EmbeddingClient,
-    EmbeddingError,
-    cli,
-    generation_cli,
-)
-from clients.embed import ClientOptions
+from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError
+from clients.embeddings import ClientOptions, cli
 from clients.generation import (
     AsyncGenerationClient,
     GenerationClient,
     GenerationError,
     Piece,
 )
+from clients.generation import cli as generation_cli
 from clients.resilience import (
     CLOSED,
     HALF_OPEN,

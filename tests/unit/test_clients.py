@@ -4,7 +4,6 @@ CLI's input and output, error mapping, and both clients against fakes and a clos
 from __future__ import annotations
 
 import asyncio
-import importlib
 import io
 import json
 
@@ -12,13 +11,18 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cli, cosine_similarity_matrix
-from clients import aio as aio_module
-from clients.embed import ClientOptions, as_text_list, encode_texts, server_timeout_us, split_batches, to_embedding_error
+from clients import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, cosine_similarity_matrix
+from clients.embeddings import (
+    ClientOptions,
+    as_text_list,
+    cli,
+    encode_texts,
+    server_timeout_us,
+    split_batches,
+    to_embedding_error,
+)
+from clients.embeddings import core as core_module
 from server.process import free_port
-
-# The package exports the embed() function under the submodule's name, so fetch the module.
-embed_module = importlib.import_module("clients.embed")
 
 DIM = 4
 
@@ -169,8 +173,7 @@ class FakeSyncTransport:
 def raw_requests(monkeypatch):
     """build_request returns the encoded texts, so fakes can see what each request holds."""
     fake = lambda options, texts: (list(encode_texts(texts)[:, 0]), [])  # noqa: E731
-    monkeypatch.setattr(embed_module, "build_request", fake)
-    monkeypatch.setattr(aio_module, "build_request", fake)
+    monkeypatch.setattr(core_module, "build_request", fake)  # both clients' requests are core's
 
 
 def test_sync_embed_splits_into_max_batch_requests(raw_requests):

@@ -17,7 +17,6 @@ import pytest
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from clients import generation_cli as cli
 from clients.generation import (
     SAMPLING_FIELDS,
     AsyncGenerationClient,
@@ -30,6 +29,7 @@ from clients.generation import (
     SSEDecoder,
     Tracker,
     chat_messages,
+    cli,
     http_error,
     is_final,
     piece_from_json,

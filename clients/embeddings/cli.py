@@ -12,10 +12,8 @@ Exit status: 0 on success, 1 when the server refuses a request or cannot be reac
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,22 +21,13 @@ from typing import IO, Any
 
 import numpy as np
 
-from clients.embed import (
-    DEFAULT_MODEL,
-    DEFAULT_URLS,
-    MAX_BATCH_SIZE,
-    PROTOCOLS,
-    EmbeddingClient,
-    EmbeddingError,
-    cosine_similarity_matrix,
-)
+from clients.cli_common import UsageError, add_url_argument, check_retry_options, fail, parse, silence_stdout
+from clients.embeddings.client import EmbeddingClient
+from clients.embeddings.core import DEFAULT_MODEL, MAX_BATCH_SIZE, EmbeddingError, cosine_similarity_matrix
+from clients.transport import PROTOCOLS
 
 PROG = "embed"
 LEGEND_WIDTH = 70  # characters of each text shown above the similarity table
-
-
-class UsageError(Exception):
-    """Bad command-line input; exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed; none or '-' reads stdin, one text per line")
     p.add_argument("-f", "--file", type=Path, help="read texts from this file, one per line ('-' = stdin)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="http", help="default http")
-    p.add_argument(
-        "--url",
-        action="append",
-        help=f"host:port of the server (default {DEFAULT_URLS['http']} for http, {DEFAULT_URLS['grpc']} "
-        "for grpc); repeat it or give a comma-separated list to fail over across several servers",
-    )
+    add_url_argument(p, "http")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
     p.add_argument("--model-version", default="", help="default: the server's choice")
     p.add_argument(
@@ -134,10 +118,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--priority must be >= 0, not {args.priority}")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, not {args.timeout}")
-    if args.retries is not None and args.retries < 0:
-        raise UsageError(f"--retries must be >= 0, not {args.retries}")
-    if args.deadline is not None and not args.deadline > 0:
-        raise UsageError(f"--deadline must be > 0 seconds, not {args.deadline}")
+    check_retry_options(args)
     if not 1 <= args.batch_size <= MAX_BATCH_SIZE:
         raise UsageError(f"--batch-size must be in 1..{MAX_BATCH_SIZE}, not {args.batch_size}")
 
@@ -181,11 +162,9 @@ def _shorten(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``embed`` command; returns the exit status (0 ok, 1 server error, 2 usage)."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse has printed the usage or --help already
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse(build_parser(), argv)
+    if isinstance(args, int):  # argparse has printed the usage or --help already
+        return args
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format=f"{PROG}: %(name)s: %(message)s")
     try:
@@ -204,16 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             truncation=args.truncate,
         )
     except (UsageError, ValueError) as exc:  # ValueError: options the client refuses, e.g. --url
-        return _fail(str(exc), 2)
+        return fail(PROG, str(exc), 2)
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return fail(PROG, "interrupted", 130)
     try:
         with client:
             embeddings = client.embed(texts)
     except EmbeddingError as exc:
-        return _fail(str(exc), 1)
+        return fail(PROG, str(exc), 1)
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return fail(PROG, "interrupted", 130)
 
     if not args.similarity:
         output = format_embeddings(texts, embeddings, vectors_only=args.vectors_only)
@@ -225,21 +204,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(output + "\n")
         sys.stdout.flush()
     except BrokenPipeError:  # e.g. `embed ... | head`; the reader has what it wanted
-        _silence_stdout()
+        silence_stdout()
         return 1
     return 0
-
-
-def _silence_stdout() -> None:
-    # Python flushes stdout again at exit; point it at /dev/null so that flush cannot fail.
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, io.UnsupportedOperation):
-        pass
-
-
-def _fail(message: str, status: int) -> int:
-    # One line, so the message reads well in logs and shell pipelines.
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-    return status

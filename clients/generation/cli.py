@@ -1,4 +1,4 @@
-"""python -m clients generate|chat: stream an answer of the text_generation model to the terminal.
+"""python -m clients generate|chat (the generate and chat commands): stream an answer of the text_generation model to the terminal.
 
     python -m clients generate "Once upon a time" --max-tokens 64
     python -m clients chat "What is the capital of France?" --system "Answer in one sentence."
@@ -22,22 +22,14 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from clients.cli import _silence_stdout
-from clients.embed import DEFAULT_URLS, PROTOCOLS
-from clients.generation import (
-    DEFAULT_MODEL,
-    Generation,
-    GenerationClient,
-    GenerationError,
-    TextStream,
-)
+from clients.cli_common import UsageError, add_url_argument, check_retry_options, fail, parse, silence_stdout
+from clients.generation.client import GenerationClient, TextStream
+from clients.generation.request import DEFAULT_MODEL
+from clients.generation.response import Generation, GenerationError
+from clients.transport import PROTOCOLS
 
 COMMANDS = ("generate", "chat")
 PROG = "python -m clients"
-
-
-class UsageError(Exception):
-    """Bad command-line input; exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,12 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--repetition-penalty", type=float)
         g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past the end-of-sequence token")
         c.add_argument("--protocol", choices=PROTOCOLS, default="grpc", help="default grpc")
-        c.add_argument(
-            "--url",
-            action="append",
-            help=f"host:port (default {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['http']} for "
-            "http); repeat it or give a comma-separated list to fail over across several servers",
-        )
+        add_url_argument(c, "grpc")
         c.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
         c.add_argument("--timeout", type=float, help="seconds to wait for each response (the first included)")
         c.add_argument(
@@ -182,7 +169,7 @@ def interactive(client: GenerationClient, args: argparse.Namespace, out: IO[str]
             continue
         except GenerationError as exc:
             history.pop()
-            err.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
+            fail(PROG, str(exc), 1, err)
             continue
         history.append({"role": "assistant", "content": g.text})
 
@@ -192,28 +179,23 @@ def main(
 ) -> int:
     """Run ``generate`` or ``chat``; returns the exit status (0 ok, 1 server error, 2 usage, 130 Ctrl-C)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse has printed the usage or --help already
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse(build_parser(), argv)
+    if isinstance(args, int):  # argparse has printed the usage or --help already
+        return args
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG, stream=stderr, format="%(name)s: %(message)s")
     try:
         prompt = read_prompt(args, stdin)
         # Checked before connecting: a bad option is a usage error, not a server one.
         sampling_from_args(args)
-        if args.retries is not None and args.retries < 0:
-            raise UsageError(f"--retries must be >= 0, not {args.retries}")
-        if args.deadline is not None and not args.deadline > 0:
-            raise UsageError(f"--deadline must be > 0 seconds, not {args.deadline}")
+        check_retry_options(args)
         client = GenerationClient(
             args.url, args.protocol, args.model, timeout_s=args.timeout, retries=args.retries, deadline_s=args.deadline
         )
     except (UsageError, ValueError, TypeError) as exc:
-        return _fail(stderr, str(exc), 2)
+        return fail(PROG, str(exc), 2, stderr)
     except KeyboardInterrupt:
-        return _fail(stderr, "interrupted", 130)
+        return fail(PROG, "interrupted", 130, stderr)
     with client:
         if prompt is None:
             return interactive(client, args, stdout, stderr)
@@ -221,19 +203,14 @@ def main(
             _one(client, args, prompt, stdout, stderr)
         except GenerationError as exc:
             stdout.flush()
-            return _fail(stderr, str(exc), 1)
+            return fail(PROG, str(exc), 1, stderr)
         except KeyboardInterrupt:
             stdout.write("\n")
-            return _fail(stderr, "interrupted; the request was cancelled", 130)
+            return fail(PROG, "interrupted; the request was cancelled", 130, stderr)
         except BrokenPipeError:  # e.g. `... | head`: the reader has what it wanted
-            _silence_stdout()
+            silence_stdout()
             return 1
     return 0
-
-
-def _fail(err: IO[str], message: str, status: int) -> int:
-    err.write(f"{PROG}: error: {' '.join(message.split())}\n")
-    return status
 
 
 def generate_command() -> int:

@@ -2,53 +2,26 @@
 
 Triton's dynamic batchers form batches out of concurrent requests, so many small requests
 in flight (``embed_many(per_request=1)``) batch on the server as well as one big request
-does, and a bad text then fails only its own request.
+does, and a bad text then fails only its own request. What it sends, reads and raises is
+clients/embeddings/core.py's, as for the blocking client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
-from tritonclient.utils import InferenceServerException
 
-from clients.embed import (
-    DEFAULT_MODEL,
-    MAX_BATCH_SIZE,
-    ClientOptions,
-    EmbeddingError,
-    Protocol,
-    Text,
-    as_text_list,
-    build_request,
-    read_embeddings,
-    split_batches,
-    to_embedding_error,
-    transport,
-)
-from clients.resilience import EndpointPool, RetryError, RetryPolicy, make_retrier
-
-log = logging.getLogger(__name__)
+from clients.embeddings.client import EmbeddingBase
+from clients.embeddings.core import MAX_BATCH_SIZE, EmbeddingError, EmbeddingRequest, Text, as_text_list, split_batches
+from clients.transport import AsyncClient, triton_client
 
 DEFAULT_CONCURRENCY = 16
 
 
-def _request_failures(protocol: str) -> tuple[type[BaseException], ...]:
-    """The exceptions that mean "this request failed" rather than a bug in the caller."""
-    failures: tuple[type[BaseException], ...] = (InferenceServerException, EmbeddingError, OSError, asyncio.TimeoutError)
-    if protocol == "http":
-        # A refused or dropped connection surfaces as aiohttp's own errors; aiohttp comes
-        # with tritonclient's HTTP extra, so it is imported only for that protocol.
-        import aiohttp
-
-        failures += (aiohttp.ClientError,)
-    return failures
-
-
-class AsyncEmbeddingClient:
+class AsyncEmbeddingClient(EmbeddingBase, AsyncClient):
     """asyncio client for the text-embedding model over HTTP (aiohttp) or gRPC (grpc.aio).
 
     Same options as ``clients.EmbeddingClient``, retries and failover included (each attempt
@@ -56,47 +29,9 @@ class AsyncEmbeddingClient:
     inside the running event loop; use ``async with`` or ``await close()``.
     """
 
-    def __init__(
-        self,
-        url: str | Sequence[str] | None = None,
-        protocol: Protocol = "http",
-        model: str = DEFAULT_MODEL,
-        model_version: str = "",
-        timeout_s: float | None = None,
-        priority: int = 0,
-        batch_size: int = MAX_BATCH_SIZE,
-        *,
-        retries: int | None = None,
-        deadline_s: float | None = None,
-        policy: RetryPolicy | None = None,
-        pool: EndpointPool | None = None,
-        truncation: str | None = None,
-    ):
-        self.options = ClientOptions.create(
-            url, protocol, model, model_version, timeout_s, priority, batch_size, retries, deadline_s, truncation
-        )
-        o = self.options
-        self.retrier = make_retrier(o.urls, o.timeout_s, o.retries, o.deadline_s, policy, pool)
-        self._clients: dict[str, Any] = {}
-        self._closed = False
-        self._failures = _request_failures(self.options.protocol)
-
-    def _connection(self, url: str) -> Any:
+    def _open(self, url: str) -> Any:
         # Created lazily: aiohttp's session must be made inside the event loop it runs on.
-        if self._closed:
-            raise RuntimeError("AsyncEmbeddingClient is closed")
-        client = self._clients.get(url)
-        if client is None:
-            o = self.options
-            module = transport(o.protocol, aio=True)
-            if o.protocol == "http":
-                # aiohttp's total timeout is the per-request bound; tritonclient's default is 60 s.
-                kwargs = {} if o.timeout_s is None else {"conn_timeout": o.timeout_s}
-                client = module.InferenceServerClient(url, **kwargs)
-            else:
-                client = module.InferenceServerClient(url)
-            self._clients[url] = client
-        return client
+        return triton_client(self.options.protocol, url, self.options.timeout_s, aio=True)
 
     @property
     def _client(self) -> Any:
@@ -108,23 +43,15 @@ class AsyncEmbeddingClient:
         self._clients[self.options.url] = client
 
     async def _request(self, items: list[Text], start: int, stop: int) -> np.ndarray:
-        o = self.options
-        inputs, outputs = build_request(o, items[start:stop])
+        request = EmbeddingRequest(self.options, items, start, stop, self._failures)
 
         async def attempt(url: str, timeout_s: float | None) -> np.ndarray:
-            client = self._connection(url)
-            log.debug("embed: %s texts[%d:%d] via %s %s", o.model, start, stop, o.protocol, url)
-            try:
-                result = await client.infer(o.model, inputs, outputs=outputs, **o.infer_kwargs(timeout_s))
-                return read_embeddings(result, stop - start, o)
-            except self._failures as exc:
-                raise to_embedding_error(exc, o, start, stop, len(items), url=url) from exc
+            with request.failures(url):
+                return request.read(await request.send(self._connection(url), url, timeout_s))
 
-        try:
+        with request.gave_up():
             # gRPC cuts the attempt itself (client_timeout); aiohttp's timeout is the session's.
-            return await self.retrier.acall(attempt, o.timeout_s, cut=o.protocol != "grpc")
-        except RetryError as exc:
-            raise to_embedding_error(exc, o, start, stop, len(items)) from exc
+            return await self.retrier.acall(attempt, self.options.timeout_s, cut=self.options.protocol != "grpc")
 
     async def embed(self, texts: Sequence[Text], concurrency: int = DEFAULT_CONCURRENCY) -> np.ndarray:
         """Embed ``texts`` in requests of ``batch_size``, up to ``concurrency`` at a time.
@@ -207,20 +134,3 @@ class AsyncEmbeddingClient:
             else:
                 results.extend(outcome)
         return results
-
-    async def close(self) -> None:
-        """Close the connection; the client cannot be used afterwards."""
-        self._closed = True
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            await client.close()
-
-    async def __aenter__(self) -> AsyncEmbeddingClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    def __repr__(self) -> str:
-        o = self.options
-        return f"AsyncEmbeddingClient({o.protocol}://{','.join(o.urls)}, model={o.model!r}, priority={o.priority})"
