@@ -14,6 +14,8 @@ import tritonclient.http as httpclient
 import yaml
 
 from server.layout import ROOT
+from tests.metrics_text import metric_sum
+from tests.metrics_text import scrape as scrape_text
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 
@@ -52,12 +54,7 @@ def adapter_rule() -> dict:
 
 
 def samples(text: str, name: str, model: str) -> float:
-    total, found = 0.0, False
-    for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}}\s+(\S+)", text, re.MULTILINE):
-        if f'model="{model}"' in labels:
-            total, found = total + float(value), True
-    assert found, f"no {name} series with model={model!r} in the scrape"
-    return total
+    return metric_sum(text, name, series=True, model=model)
 
 
 def test_adapter_rule_series_carry_the_hpas_label_and_move(triton, http_client):
@@ -68,7 +65,7 @@ def test_adapter_rule_series_carry_the_hpas_label_and_move(triton, http_client):
     metrics_url = f"http://{triton.triton_host}:{triton.options.internal_ports()[2]}/metrics"
 
     def scrape() -> dict[str, float]:
-        text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        text = scrape_text(metrics_url)
         return {n: samples(text, n, model) for n in names}
 
     before = scrape()

@@ -15,6 +15,9 @@ Grafana cannot run on these machines, so what is checked is what Grafana would b
   registry) and, for Triton's families, by the label sets of that real scrape; it loads the
   rules. Every panel query must then return series: a wrong label name or value, a metric that
   is not scraped or a rule that is not recorded shows up as an empty result.
+
+The stand-ins are written here, so tests/integration/test_metrics.py checks the same selectors
+(names, and the label values they filter on) against a real tritonserver's and gateway's scrapes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.metrics_text import metric_sum
+from tests.metrics_text import metric_series, metric_sum, series_names
 
 TEXT = """# HELP requests_total Requests.
 # TYPE requests_total counter
@@ -39,3 +39,19 @@ def test_a_family_without_a_matching_series_is_0_unless_a_series_is_required():
 def test_a_metric_not_in_the_scrape_fails():
     with pytest.raises(AssertionError, match="not in the scrape"):
         metric_sum(TEXT, "request_total")  # a typo
+
+
+def test_a_name_the_scrape_does_not_write_fails_though_the_parser_knows_its_family():
+    """The parser names tritonserver's counter samples <name>_total and a <name>_total counter's
+    family <name>; a selector must name the series as written, so neither other form passes."""
+    with pytest.raises(AssertionError, match="not in the scrape"):
+        metric_sum(TEXT, "nv_inference_request_success_total")
+    with pytest.raises(AssertionError, match="not in the scrape"):
+        metric_sum(TEXT, "requests")
+    assert series_names(TEXT) == {"requests_total", "nv_inference_request_success", "up"}
+
+
+def test_each_series_with_its_labels():
+    assert sorted(v for _, v in metric_series(TEXT, "requests_total", code="200")) == [3, 5]
+    assert metric_series(TEXT, "nv_inference_request_success") == [({"model": "a", "version": "1"}, 7)]
+    assert metric_series(TEXT, "hits_total") == []
