@@ -72,6 +72,14 @@ HARDWARE_SKIPS = re.compile(
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "network: asks a package registry over the network (`-m 'not network'` leaves it out; "
+        "an unreachable registry skips, and fails under STRICT_SKIPS=1)",
+    )
+
+
 def skip_reason(report) -> str:
     return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
