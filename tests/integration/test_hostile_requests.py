@@ -247,7 +247,7 @@ WHERE = {"door": "(batch) must be between 1 and max_batch_size", "direct": "dime
 def grpc_stub(request, triton):
     channel = grpc.insecure_channel(triton.grpc_url if request.param == "door" else triton.triton_grpc_url)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-    stub.refusal = WHERE[request.param]
+    stub.where, stub.refusal = request.param, WHERE[request.param]
     yield stub
     channel.close()
 
@@ -262,14 +262,19 @@ def test_grpc_huge_batch_is_invalid_argument(grpc_stub, typed, model):
 
 
 @pytest.mark.parametrize("typed", [False, True], ids=["raw", "typed"])
-def test_grpc_huge_batch_to_the_ensemble_computes_only_the_rows_sent(grpc_stub, typed):
-    # Known limit (docs/security.md): the ensemble hands its steps a well-formed one-row request,
-    # so no model can see the 2^40; what matters is that nothing beyond the data sent is computed.
-    try:
-        answer = grpc_stub.ModelInfer(_grpc_request([HUGE, 1], typed), timeout=60)
-    except grpc.RpcError as exc:
-        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+def test_grpc_huge_batch_to_the_ensemble_is_refused_by_the_door_and_computes_only_the_rows_sent_direct(grpc_stub, typed):
+    request = _grpc_request([HUGE, 1], typed)
+    if grpc_stub.where == "door":
+        # The door checks the ensemble's own config (max_batch_size 64, server/frontdoor.model_limits).
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_stub.ModelInfer(request, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "TEXT" in info.value.details() and grpc_stub.refusal in info.value.details()
         return
+    # Known limit (docs/security.md): tritonserver's batch check truncates 2^40 to 32 bits, and the
+    # ensemble hands its steps a well-formed one-row request, so no model can see the 2^40; what
+    # matters is that nothing beyond the data sent is computed: one row, one vector.
+    answer = grpc_stub.ModelInfer(request, timeout=60)
     embedding = next(i for i, o in enumerate(answer.outputs) if o.name == "EMBEDDING")
     assert len(answer.raw_output_contents[embedding]) == 384 * 4
 
