@@ -28,7 +28,7 @@ def _probe_port(status: list[int], body: list[bytes] | None = None) -> Threading
     return server
 
 
-def _until(predicate, timeout: float = 5.0) -> bool:
+def _until(predicate, timeout: float = 30.0) -> bool:  # 50 ms polls: generous for a busy machine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
