@@ -15,46 +15,28 @@ import threading
 import time
 from pathlib import Path
 
-from export.variants import PRECISION_CHOICES
 from python_backends.redaction import redact_url
+from server.cli import add_serving_options, env_int
 from server.deployment import Deployment, DeploymentOptions
 from server.frontdoor import FrontDoorError
 from server.gateway import GatewayError, GatewayOptions
 from server.layout import ROOT, check_home
-from server.models import DEFAULT_MODELS, default_models, openai_models
-from server.process import DEFAULT_CACHE_SIZE_MB, ServerError, ServerOptions
+from server.models import default_models, openai_models
+from server.process import ServerError, ServerOptions
 from server.repository_prep import RepositoryNotWritable, export_missing, resolve_precision
 from server.repository_prep import prepare as prepare_repository
-
-
-def _env_number(name: str, default, kind=int, expected: str = "an integer"):
-    """``$name`` as ``kind`` (int or float), ``default`` when unset or empty; a bad value stops
-    the launcher naming the variable."""
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        raise SystemExit(f"serve: ${name} {value!r}: expected {expected}") from None
-
-
-def _env_int(name: str, default: int) -> int:
-    return _env_number(name, default)
-
-
-def _env_seconds(name: str, default: float) -> float:
-    return _env_number(name, default, float, "a number of seconds")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--host", default=os.environ.get("TRITON_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, default=_env_int("TRITON_HTTP_PORT", 8000))
-    p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
-    p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
+    add_serving_options(
+        p,
+        host_help="address to bind (default 127.0.0.1)",
+        workdir=ROOT / ".triton",
+        workdir_help="where the server is laid out and logs go",
+    )
     p.add_argument(
         "--role",
         choices=("all", "replica"),
@@ -66,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--probe-port",
         type=int,
-        default=_env_int("TRITON_PROBE_PORT", 8003),
+        default=env_int("TRITON_PROBE_PORT", 8003),
         help="replica role: readiness and liveness from the served models and the stub watchdog "
         "(server/health_port.py; default 8003, or $TRITON_PROBE_PORT)",
     )
@@ -92,23 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--triton-http-port",
         type=int,
-        default=_env_int("TRITON_INTERNAL_HTTP_PORT", 0),
+        default=env_int("TRITON_INTERNAL_HTTP_PORT", 0),
         help="tritonserver's own HTTP port on 127.0.0.1 behind the front door (default: a free port)",
     )
-    p.add_argument("--triton-grpc-port", type=int, default=_env_int("TRITON_INTERNAL_GRPC_PORT", 0))
-    p.add_argument("--triton-metrics-port", type=int, default=_env_int("TRITON_INTERNAL_METRICS_PORT", 0))
-    p.add_argument(
-        "--max-body-mb",
-        type=int,
-        default=_env_int("TRITON_MAX_BODY_MB", 64),
-        help="the front door refuses larger request bodies with 413 (default 64)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=_env_seconds("TRITON_DRAIN_TIMEOUT", 30.0),
-        help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish before each process is killed (default 30)",
-    )
+    p.add_argument("--triton-grpc-port", type=int, default=env_int("TRITON_INTERNAL_GRPC_PORT", 0))
+    p.add_argument("--triton-metrics-port", type=int, default=env_int("TRITON_INTERNAL_METRICS_PORT", 0))
     p.add_argument(
         "--summary-latencies",
         action="store_true",
@@ -116,46 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Triton's queue/request time quantiles for the P99 alerts (docs/monitoring.md); off by "
         "default: they cost the tail at high request rates",
     )
-    p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
-    p.add_argument("--workdir", type=Path, default=ROOT / ".triton", help="where the server is laid out and logs go")
-    p.add_argument(
-        "--model",
-        action="append",
-        dest="models",
-        help=f"model to load (repeatable; default {', '.join(DEFAULT_MODELS)}: those of them in the repository)",
-    )
-    p.add_argument(
-        "--precision",
-        default=os.environ.get("PRECISION", "auto"),
-        help="model variant to serve: auto (best that passed its gate: cpu or gpu), "
-        f"{', '.join(PRECISION_CHOICES[1:])} (default auto, or $PRECISION)",
-    )
-    p.add_argument(
-        "--cache-size-mb",
-        type=int,
-        default=_env_int("TRITON_CACHE_SIZE_MB", DEFAULT_CACHE_SIZE_MB),
-        help=f"Triton's local response cache in MiB, used by models with response_cache enabled; 0 = off "
-        f"(default {DEFAULT_CACHE_SIZE_MB}, or $TRITON_CACHE_SIZE_MB)",
-    )
     p.add_argument(
         "--redis-url",
         default=os.environ.get("EMBEDDING_CACHE_L2_REDIS_URL", ""),
         help="Redis for text_embedding_cached's shared L2 cache, e.g. redis://127.0.0.1:6379/0; "
         "empty = L2 off (default $EMBEDDING_CACHE_L2_REDIS_URL)",
-    )
-    p.add_argument(
-        "--repository-token-file",
-        type=Path,
-        default=Path(os.environ.get("TRITON_REPOSITORY_TOKEN_FILE") or ROOT / ".triton" / "repository-token"),
-        help="the repository API (load/unload) needs the header triton-repository-token with this file's token; "
-        "created (mode 0600) when missing; $TRITON_REPOSITORY_TOKEN wins (default .triton/repository-token)",
-    )
-    p.add_argument(
-        "--rollout-state",
-        type=Path,
-        default=Path(os.environ.get("ROLLOUT_STATE_FILE") or ROOT / ".rollout" / "state.json"),
-        help="rollout state (python -m ops.rollout): when it exists, text_encoder's versions and the router's "
-        "weights are loaded as it records (default .rollout/state.json, or $ROLLOUT_STATE_FILE)",
     )
     p.add_argument(
         "--gateway-host",
@@ -165,25 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--gateway-port",
         type=int,
-        default=_env_int("GATEWAY_PORT", 8080),
+        default=env_int("GATEWAY_PORT", 8080),
         help="the OpenAI-compatible gateway's port (default 8080; docs/openai-gateway.md)",
     )
-    p.add_argument(
-        "--gateway-api-key-file",
-        type=Path,
-        default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"),
-        help="the gateway's API keys when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) "
-        "when missing (default .triton/gateway-api-key)",
-    )
-    p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
-    p.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=_env_seconds("TRITON_READY_TIMEOUT", 300.0),
-        help="seconds to wait for readiness (default 300, or $TRITON_READY_TIMEOUT; a GPU's first start builds "
-        "TensorRT engines for minutes)",
-    )
-    p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
     p.add_argument("--log-verbose", type=int, default=0)
     args = p.parse_args(argv)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from server.cli import add_serving_options, env_int
 from server.frontdoor import (
     DEFAULT_GATEWAY_MAX_BODY_BYTES,
     DEFAULT_MAX_BODY_BYTES,
@@ -872,39 +873,17 @@ class Cluster(Service):
 
 
 # --- the command line ---------------------------------------------------------------------
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m server.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--replicas", type=int, default=_env_int("REPLICAS", 2), help="tritonserver replicas (default 2)")
-    p.add_argument("--host", default=os.environ.get("TRITON_HOST", "127.0.0.1"), help="the front door's address")
-    p.add_argument("--http-port", type=int, default=_env_int("TRITON_HTTP_PORT", 8000))
-    p.add_argument("--grpc-port", type=int, default=_env_int("TRITON_GRPC_PORT", 8001))
-    p.add_argument("--metrics-port", type=int, default=_env_int("TRITON_METRICS_PORT", 8002))
-    p.add_argument(
-        "--model",
-        action="append",
-        dest="models",
-        help="model to load on every replica (repeatable; default: the launcher's default models)",
+    add_serving_options(
+        p,
+        host_help="the front door's address",
+        workdir=ROOT / ".triton" / "cluster",
+        workdir_help="replicas' folders, logs, nginx and Prometheus (default .triton/cluster)",
     )
-    p.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
-    p.add_argument(
-        "--workdir",
-        type=Path,
-        default=ROOT / ".triton" / "cluster",
-        help="replicas' folders, logs, nginx and Prometheus (default .triton/cluster)",
-    )
-    p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"), help="as `python -m server`")
-    p.add_argument(
-        "--cache-size-mb",
-        type=int,
-        default=_env_int("TRITON_CACHE_SIZE_MB", 128),
-        help="each replica's Triton response cache in MiB (default 128)",
-    )
+    p.add_argument("--replicas", type=int, default=env_int("REPLICAS", 2), help="tritonserver replicas (default 2)")
     p.add_argument(
         "--redis-url", default=None, help="an existing Redis for the shared L2 (default: start a redis-server for the cluster)"
     )
@@ -912,42 +891,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gateway-port",
         type=int,
-        default=_env_int("GATEWAY_PORT", 8080),
+        default=env_int("GATEWAY_PORT", 8080),
         help="the front door's OpenAI port (default 8080); the gateways listen on internal ports",
     )
     p.add_argument(
         "--gateways",
         type=int,
-        default=_env_int("GATEWAYS", 2),
+        default=env_int("GATEWAYS", 2),
         help="OpenAI gateway processes behind the front door (default 2; 0: none)",
     )
     p.add_argument(
-        "--gateway-api-key-file",
-        type=Path,
-        default=Path(os.environ.get("GATEWAY_API_KEY_FILE") or ROOT / ".triton" / "gateway-api-key"),
-    )
-    p.add_argument("--no-gateway", action="store_true", help="no OpenAI-compatible gateway (as --gateways 0)")
-    p.add_argument(
         "--prometheus-port",
         type=int,
-        default=_env_int("PROMETHEUS_PORT", 0),
+        default=env_int("PROMETHEUS_PORT", 0),
         help="Prometheus's port (default 9090 when free, else a free port)",
     )
     p.add_argument("--no-prometheus", action="store_true")
     p.add_argument("--scrape-interval", type=float, default=5.0, help="Prometheus scrape interval in s (default 5)")
-    p.add_argument(
-        "--repository-token-file",
-        type=Path,
-        default=Path(os.environ.get("TRITON_REPOSITORY_TOKEN_FILE") or ROOT / ".triton" / "repository-token"),
-    )
-    p.add_argument(
-        "--rollout-state", type=Path, default=Path(os.environ.get("ROLLOUT_STATE_FILE") or ROOT / ".rollout" / "state.json")
-    )
-    p.add_argument("--max-body-mb", type=int, default=_env_int("TRITON_MAX_BODY_MB", 64))
-    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("TRITON_DRAIN_TIMEOUT", "30")))
-    p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--max-backoff", type=float, default=30.0, help="longest wait before a restart, s (default 30)")
-    p.add_argument("--no-export", action="store_true", help="do not export missing models")
     p.add_argument("--echo", action="store_true", help="echo every replica's log on stdout")
     return p
 

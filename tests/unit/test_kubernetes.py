@@ -316,8 +316,9 @@ def env_of(c: dict, config: dict[str, str]) -> dict[str, str]:
 @pytest.mark.parametrize("folder", ("overlays/cpu", "overlays/gpu"))
 def test_triton_runs_the_launchers_replica_role_on_the_repository(built, repository_configs, folder, monkeypatch):
     """The pod's arguments and environment as the launcher parses them (its own checks included)."""
-    from server.__main__ import DEFAULT_CACHE_SIZE_MB, parse_args
+    from server.__main__ import parse_args
     from server.models import closure, default_models
+    from server.process import DEFAULT_CACHE_SIZE_MB
 
     objects = built[folder]
     config = find(objects, "ConfigMap", "serving-config")["data"]
