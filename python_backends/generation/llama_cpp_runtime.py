@@ -45,7 +45,7 @@ from contract.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# variant -> the GGUF file type llama-quantize makes from the FP32 export (export/llama_gguf.py).
+# variant -> the GGUF file type llama-quantize makes from the FP32 export (export/llama_cpp.py).
 LLAMA_PRECISIONS = {
     "llama_q4_0": "Q4_0",  # the peers' CPU format: llama.cpp's repacked x86 kernels
     "llama_q4_1": "Q4_1",  # the packaged GGUF's own blocks, recovered exactly from the FP32 export
