@@ -2,7 +2,7 @@
 
 Offline (what pip would read, checked here without it): every line an exact pin pip parses;
 the TensorRT pins the serving container's (a plan deserializes only under its own TensorRT);
-no package pinned in the CPU set (requirements.txt, constraints.txt) with another version, and
+no package pinned in the CPU set (requirements.txt, -perf, -dev, constraints.txt) with another version, and
 onnxruntime-gpu only in the GPU set, onnxruntime only in the CPU one (they install the same
 package folder: setup.sh swaps one for the other); one CUDA major in every ``cuNN`` package of
 both sets; NVIDIA's index named (PyPI's tensorrt-cu12-libs is a placeholder that fetches the
@@ -30,7 +30,8 @@ from server.layout import ROOT
 from tests.conftest import skip_fails_when_strict
 
 REQUIREMENTS = ROOT / "requirements-gpu.txt"
-CPU_FILES = (ROOT / "requirements.txt", ROOT / "constraints.txt")
+# The CPU set `make venv` installs: the runtime set and pyproject.toml's groups perf and dev, with the lock.
+CPU_FILES = tuple(ROOT / f for f in ("requirements.txt", "requirements-perf.txt", "requirements-dev.txt", "constraints.txt"))
 NVIDIA_INDEX = "https://pypi.nvidia.com"
 # No stderr in the reason: pip's error names pypi.nvidia.com, and a reason naming NVIDIA reads as
 # a hardware skip that stands under STRICT_SKIPS.
