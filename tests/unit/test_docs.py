@@ -279,3 +279,40 @@ def test_the_documented_defaults_and_counts_are_the_codes():
     cases = len(yaml.safe_load((ROOT / "deploy/prometheus/tests/serving_rules_test.yml").read_text(encoding="utf-8"))["tests"])
     (said,) = re.findall(r"serving_rules_test\.yml`, (\d+) cases", (ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8"))
     assert int(said) == cases, f"docs/monitoring.md says {said} promtool cases, the file has {cases}"
+
+
+NAMED_FILE = re.compile(
+    r"\b((?:python_backends|server|clients|openai_gateway|export|ops|perf|contract|deploy|tests|scripts|docker)/"
+    r"[A-Za-z0-9_./-]+\.(?:py|js|md|yml|yaml|toml|conf|template|txt|sh|pbtxt|json))\b"
+)
+
+
+def test_every_file_the_docs_and_comments_name_exists():
+    """A page or a comment that names a moved or deleted file (``python_backends/errors.py``
+    after the move to contract/) misleads whoever follows it."""
+    assert NAMED_FILE.findall("see contract/errors.py and `server/cli.py`.") == ["contract/errors.py", "server/cli.py"]
+    sources = [README, *(ROOT / "docs").glob("*.md"), ROOT / "Makefile", ROOT / "docker-compose.yml"]
+    for folder in (
+        "python_backends",
+        "server",
+        "clients",
+        "openai_gateway",
+        "export",
+        "ops",
+        "perf",
+        "contract",
+        "deploy",
+        "scripts",
+    ):
+        sources += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".js", ".md", ".yml", ".sh", ".template")]
+    sources += sorted((ROOT / "model_repository").glob("*/config.pbtxt"))
+    missing = sorted(
+        {
+            f"{path.relative_to(ROOT)}: {name}"
+            for path in sources
+            if not {"__pycache__", "results"} & set(path.parts) and path.is_file()
+            for name in NAMED_FILE.findall(path.read_text(encoding="utf-8", errors="replace"))
+            if not (ROOT / name).exists()
+        }
+    )
+    assert not missing, missing
