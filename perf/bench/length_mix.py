@@ -32,7 +32,6 @@ import secrets
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 
 from perf.baselines import limit as limit_mod
 from perf.lib import served as served_mod
+from perf.lib import wrk
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
@@ -130,10 +130,6 @@ class Workload:
     lua: str = ""  # wrk: the Lua ``request`` function and the data it draws from
 
 
-def _lua_string(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
-
-
 def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000) -> dict[str, Workload]:
     lengths = limit_mod.mix_lengths(pool, *mix, seed=seed)
     rows = [r.tolist() for r in limit_mod.token_rows(lengths, seed=seed)]
@@ -141,15 +137,13 @@ def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000)
     token_bodies = [token_body(r).decode() for r in rows[:500]]
     head, _, tail = text_body("\0").decode().partition("\\u0000")
     encoder_lua = (
-        "local bodies = {\n" + ",\n".join(_lua_string(b) for b in token_bodies) + "\n}\n"
-        "request = function()\n  n = n + 1\n"
+        wrk.lua_list("bodies", token_bodies) + "request = function()\n  n = n + 1\n"
         "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
     )
     embedding_lua = (
-        "local texts = {\n" + ",\n".join(_lua_string(t) for t in texts) + "\n}\n"
-        "request = function()\n  n = n + 1\n"
-        f"  local body = {_lua_string(head)} .. '{nonce}' .. tid .. 'x' .. n .. ' ' .. "
-        f"texts[(n % #texts) + 1] .. {_lua_string(tail)}\n"
+        wrk.lua_list("texts", texts) + "request = function()\n  n = n + 1\n"
+        f"  local body = {wrk.lua_string(head)} .. '{nonce}' .. tid .. 'x' .. n .. ' ' .. "
+        f"texts[(n % #texts) + 1] .. {wrk.lua_string(tail)}\n"
         "  return wrk.format('POST', path, headers, body)\nend\n"
     )
     return {
@@ -163,36 +157,7 @@ def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000)
 
 def wrk_script(w: Workload) -> str:
     """A wrk Lua script sending ``w``'s requests; ``done`` prints the figures as one JSON line."""
-    return (
-        "local n = 0\nlocal tid = 0\nlocal next_tid = 0\n"
-        f"path = '/v2/models/{w.model}/infer'\nheaders = {{ ['Content-Type'] = 'application/json' }}\n"
-        "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid) end\n"
-        "init = function(args) tid = tid_init or 0 end\n" + w.lua + "done = function(summary, latency, requests)\n"
-        "  local e = summary.errors\n"
-        '  io.write(string.format(\'WRK_RESULT {"requests":%d,"errors":%d,"duration_us":%d,\''
-        ' .. \'"p50_us":%d,"p99_us":%d,"max_us":%d}\\n\', summary.requests,'
-        " e.connect + e.read + e.write + e.status + e.timeout, summary.duration,"
-        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n"
-    )
-
-
-def run_wrk(url: str, script: Path, concurrency: int, seconds: float) -> dict:
-    command = [
-        "wrk",
-        "-t1",
-        f"-c{concurrency}",
-        f"-d{max(1, round(seconds))}s",
-        "--timeout",
-        "60s",
-        "-s",
-        str(script),
-        f"http://{url}",
-    ]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 90, check=False)
-    for line in out.stdout.splitlines():
-        if line.startswith("WRK_RESULT "):
-            return json.loads(line[len("WRK_RESULT ") :])
-    raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")
+    return wrk.script(f"/v2/models/{w.model}/infer", {"Content-Type": "application/json"}, w.lua)
 
 
 @dataclass
@@ -268,7 +233,7 @@ def measure(
         asyncio.run(closed_loop(url, w, window.concurrency, warmup, start + 10**9))
     before = encoder_stats(url)
     if script is not None:
-        result = run_wrk(url, script, window.concurrency, duration)
+        result = wrk.run(url, script, window.concurrency, duration)
         after = encoder_stats(url)
         window.seconds = result["duration_us"] / 1e6
         window.requests, window.errors = result["requests"] - result["errors"], result["errors"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from perf.lib import wrk  # noqa: E402 (after the sys.path line)
 from perf.lib.stats import percentile_of  # noqa: E402 (after the sys.path line)
 from python_backends.admission.classes import CACHED_ENTRIES, CLASSES  # noqa: E402 (after the sys.path line)
 
@@ -48,59 +48,21 @@ def body(text: str) -> bytes:
     return json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}).encode()
 
 
-def _lua(s: str) -> str:
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def wrk_script(model: str, sentences: Sequence[str], nonce: str, delay_ms: float) -> str:
-    texts = ",\n".join(_lua(json.dumps(s)[1:-1]) for s in sentences)
-    return f"""
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local texts = {{ {texts} }}
-local threads = {{}}
-local counter = 0
-function setup(thread) counter = counter + 1; thread:set("tid", counter); table.insert(threads, thread) end
-local n = 0
-ok = 0; unavailable = 0; other = 0
-function request()
-  n = n + 1
-  local b = '{{"inputs":[{{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["' .. texts[(n % #texts) + 1] ..
-            ' ({nonce}-' .. tid .. '-' .. n .. ')"]}}]}}'
-  return wrk.format(nil, "/v2/models/{model}/infer", nil, b)
-end
-function delay() return {delay_ms:.3f} end
-function response(status, headers, b)
-  if status == 200 then ok = ok + 1 elseif status == 503 then unavailable = unavailable + 1 else other = other + 1 end
-end
-function done(summary, latency, requests)
-  local o, u, x = 0, 0, 0
-  for _, t in ipairs(threads) do o = o + t:get("ok"); u = u + t:get("unavailable"); x = x + t:get("other") end
-  io.write(string.format('WRK_RESULT {{"duration_us": %d, "requests": %d, "ok": %d, "unavailable": %d, "other": %d, ' ..
-    '"socket_errors": %d, "p50_us": %d, "p99_us": %d, "max_us": %d}}\\n', summary.duration, summary.requests, o, u, x,
-    summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
-    latency:percentile(50), latency:percentile(99), latency.max))
-end
-"""
+    """wrk's requests to ``model``, each text made unique; 200, 503 and other answers counted."""
+    request = (
+        wrk.lua_list("texts", [json.dumps(s)[1:-1] for s in sentences]) + "request = function()\n  n = n + 1\n"
+        '  local b = \'{"inputs":[{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["\' .. texts[(n % #texts) + 1] ..\n'
+        f"            ' ({nonce}-' .. tid .. '-' .. n .. ')\"]}}]}}'\n"
+        "  return wrk.format('POST', path, headers, b)\nend\n"
+    )
+    return wrk.script(
+        f"/v2/models/{model}/infer", {"Content-Type": "application/json"}, request, delay_ms=delay_ms, count_status=True
+    )
 
 
 def run_wrk(url: str, script: Path, connections: int, seconds: float) -> dict:
-    cmd = [
-        "wrk",
-        "-t1",
-        f"-c{connections}",
-        f"-d{max(1, round(seconds))}s",
-        "--timeout",
-        "30s",
-        "-s",
-        str(script),
-        f"http://{url}",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=False)
-    for line in out.stdout.splitlines():
-        if line.startswith("WRK_RESULT "):
-            return json.loads(line[len("WRK_RESULT ") :])
-    raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-400:]} {out.stderr[-400:]}")
+    return wrk.run(url, script, connections, seconds, timeout_s=30.0)
 
 
 @dataclass

@@ -55,7 +55,6 @@ import resource
 import secrets
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from perf.lib import wrk
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
@@ -456,49 +456,26 @@ def measure_stream(
             window.ttft_p50_ms, window.ttft_p99_ms, window.ttft_max_ms = (percentile(ttft, 50), percentile(ttft, 99), ttft[-1])
 
 
-def _lua_string(value: str) -> str:
-    """A Lua long-bracket literal (taken verbatim, no escapes) for ``value``."""
-    level = 1
-    while f"]{'=' * level}]" in value:
-        level += 1
-    return f"[{'=' * level}[{value}]{'=' * level}]"
-
-
 def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
     """A wrk Lua script sending ``w``'s requests: unique texts carry the nonce, the wrk thread
     and a counter; ``done`` prints the window's figures as one JSON line."""
     tail = '"]}],"parameters":{"binary_data_output":true}}'
+    hits = "request = function()\n  n = n + 1\n  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
     if w.kind == "gw_unique_text":
-        texts = ",\n".join(_lua_string(json.dumps(s)[1:-1]) for s in sentences)
         make = (
-            f"local texts = {{\n{texts}\n}}\n"
-            "request = function()\n  n = n + 1\n"
+            wrk.lua_list("texts", [json.dumps(s)[1:-1] for s in sentences]) + "request = function()\n  n = n + 1\n"
             '  local body = \'{"model":"text_embedding","encoding_format":"float","input":"\' .. '
             f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')\"}}'\n"
             "  return wrk.format('POST', path, headers, body)\nend\n"
         )
-    elif w.kind == "gw_hits":
-        bodies = ",\n".join(_lua_string(body.decode()) for body, _ in w.warm)
-        make = (
-            f"local bodies = {{\n{bodies}\n}}\n"
-            "request = function()\n  n = n + 1\n"
-            "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
-        )
+    elif w.kind in ("gw_hits", "hits"):
+        make = wrk.lua_list("bodies", [body.decode() for body, _ in w.warm]) + hits
     elif w.kind == "unique_text":
-        texts = ",\n".join(_lua_string(json.dumps(s)[1:-1]) for s in sentences)
         make = (
-            f"local texts = {{\n{texts}\n}}\n"
-            "request = function()\n  n = n + 1\n"
+            wrk.lua_list("texts", [json.dumps(s)[1:-1] for s in sentences]) + "request = function()\n  n = n + 1\n"
             '  local body = \'{"inputs":[{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["\' .. '
-            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')' .. {_lua_string(tail)}\n"
+            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')' .. {wrk.lua_string(tail)}\n"
             "  return wrk.format('POST', path, headers, body)\nend\n"
-        )
-    elif w.kind == "hits":
-        bodies = ",\n".join(_lua_string(body.decode()) for body, _ in w.warm)
-        make = (
-            f"local bodies = {{\n{bodies}\n}}\n"
-            "request = function()\n  n = n + 1\n"
-            "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
         )
     elif w.kind == "tokens":
         make = (
@@ -517,45 +494,13 @@ def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
     elif w.via_gateway:
         headers.update(w.make(0)[1])
     headers["Content-Type"] = "application/json"
-    lua_headers = ", ".join(f"[ {_lua_string(k)} ] = {_lua_string(v)}" for k, v in headers.items())
-    return (
-        "local n = 0\nlocal tid = 0\nlocal next_tid = 0\n"
-        f"path = '{w.endpoint}'\nheaders = {{{lua_headers}}}\n"
-        "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid) end\n"
-        "init = function(args) tid = tid_init or 0; math.randomseed(os.time() + tid) end\n"
-        + make
-        + "done = function(summary, latency, requests)\n"
-        "  local e = summary.errors\n"
-        '  io.write(string.format(\'WRK_RESULT {"requests":%d,"errors":%d,"duration_us":%d,\''
-        ' .. \'"p50_us":%d,"p99_us":%d,"max_us":%d}\\n\', summary.requests,'
-        " e.connect + e.read + e.write + e.status + e.timeout, summary.duration,"
-        " latency:percentile(50), latency:percentile(99), latency.max))\nend\n"
-    )
-
-
-def _run_wrk(url: str, script: Path, concurrency: int, seconds: float) -> dict:
-    command = [
-        "wrk",
-        "-t1",
-        f"-c{concurrency}",
-        f"-d{max(1, round(seconds))}s",
-        "--timeout",
-        "60s",
-        "-s",
-        str(script),
-        f"http://{url}",
-    ]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 90)
-    for line in out.stdout.splitlines():
-        if line.startswith("WRK_RESULT "):
-            return json.loads(line[len("WRK_RESULT ") :])
-    raise RuntimeError(f"wrk gave no result (exit {out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")
+    return wrk.script(w.endpoint, headers, make)
 
 
 def measure_wrk(url: str, w: Workload, window: Window, script: Path, duration: float) -> None:
     """wrk, one thread, in a child process (its CPU: the children's rusage over the window)."""
     before, wall0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-    result = _run_wrk(url, script, window.concurrency, duration)
+    result = wrk.run(url, script, window.concurrency, duration)
     after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - wall0
     window.client_cores = ((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)) / max(wall, 1e-9)
     window.seconds = result["duration_us"] / 1e6
@@ -573,7 +518,7 @@ def warm_up(url: str, w: Workload, concurrency: int, seconds: float, script: Pat
         asyncio.run(_closed_loop(url, w, 1, 0.0, 0.0))
     if seconds > 0:
         if script is not None:
-            _run_wrk(url, script, concurrency, seconds)
+            wrk.run(url, script, concurrency, seconds)
         else:
             asyncio.run(_closed_loop(url, replace(w, warm=()), concurrency, seconds, 0.0))
 
