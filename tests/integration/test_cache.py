@@ -192,7 +192,7 @@ def test_redis_killed_mid_run_then_restarted(client, triton, redis_l2):
     texts = [f"redis down {i}" for i in range(3)]
     t = time.perf_counter()
     out = embed(client, CACHED, texts)  # still answered, by the model
-    assert time.perf_counter() - t < 5
+    assert time.perf_counter() - t < 10  # refused at once; the client's own timeout is far longer
     assert np.abs(out - embed(client, ENSEMBLE, texts)).max() < 1e-4
     for i in range(5):
         embed(client, CACHED, [f"redis still down {i}"])
@@ -204,8 +204,16 @@ def test_redis_killed_mid_run_then_restarted(client, triton, redis_l2):
 
     redis_l2.start()  # same port, empty
     time.sleep(RETRY_S + 0.2)
-    embed(client, CACHED, ["redis back: first"])
-    assert 1.0 in redis_up(triton)
+    # The next batch after the retry interval tries again; on a busy machine its 50 ms timeout may
+    # expire once more (another interval): poll, with fresh texts so each one reaches L2.
+    deadline = time.monotonic() + 30
+    n = 0
+    while 1.0 not in redis_up(triton):
+        assert time.monotonic() < deadline, f"L2 not used again 30 s after Redis came back: {redis_up(triton)}"
+        embed(client, CACHED, [f"redis back: {n}"])
+        n += 1
+        if 1.0 not in redis_up(triton):
+            time.sleep(RETRY_S + 0.1)
     assert redis.Redis.from_url(redis_l2.url).dbsize() >= 1  # written to L2 again, no restart
     assert "is back" in triton.log_tail(400)
 
@@ -221,7 +229,7 @@ def test_stopped_redis_costs_a_bounded_wait(client, triton, redis_l2):
             time.sleep(RETRY_S + 0.1)
             t = time.perf_counter()
             embed(client, CACHED, [f"redis hangs: {i}"])
-            assert time.perf_counter() - t < 2  # 50 ms timeouts, then the model
+            assert time.perf_counter() - t < 10  # 50 ms timeouts, then the model (a hung Redis without one: forever)
         # a hung Redis times out (a connection it had dropped is refused instead)
         assert errors() - before >= 1
         assert metric(triton, "embedding_cache_redis_errors_total", kind="timeout", model=CACHED) >= 1

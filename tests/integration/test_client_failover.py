@@ -229,7 +229,10 @@ def test_a_deadline_shorter_than_the_recovery_is_a_clean_error(pair, how):
     for kind, protocol, elapsed, err in outcomes:
         print(f"\n{how} {kind} {protocol}: {elapsed:.2f} s: {err}")
         assert "deadline 1 s" in str(err) and f"after {err.attempts} attempt" in str(err), str(err)
-        assert err.attempts >= 1 and elapsed < 2.0, f"{kind} {protocol} took {elapsed:.2f} s"
+        # the 1 s deadline, not the 20 retries' worth; a busy machine may add a second or two
+        assert err.attempts >= 1 and elapsed < 5.0, f"{kind} {protocol} took {elapsed:.2f} s"
+        if how == "hung":  # nothing answers: only the deadline ends the call
+            assert elapsed >= 0.9, f"{kind} {protocol} gave up after {elapsed:.2f} s, before its deadline"
         if how == "killed":
             # Refused fast: retried until the deadline, or until the breaker opened (5 failures)
             # and its cool-down (2 s) would outlast the deadline.

@@ -6,16 +6,15 @@ GenerationError naming the field, cancellation that frees the engine's slot, and
 from __future__ import annotations
 
 import asyncio
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
 from clients.generation import AsyncGenerationClient, GenerationClient, GenerationError
 from server.layout import ROOT
+from tests.metrics_text import metric_sum, scrape
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 GREEDY = {"max_tokens": 12, "temperature": 0}
@@ -35,10 +34,7 @@ def url(server, protocol: str) -> str:
 
 def running_requests(server) -> float:
     """The engine's llm_num_requests_running gauge on the metrics port."""
-    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    values = [float(m) for m in re.findall(r"^llm_num_requests_running\{[^}]*\} (\S+)$", body, re.MULTILINE)]
-    assert values, "llm_num_requests_running is not on the metrics port"
-    return sum(values)
+    return metric_sum(scrape(server.metrics_url), "llm_num_requests_running", series=True)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +147,8 @@ def test_closing_a_long_stream_cancels_it_on_the_server(server, protocol):
         assert running_requests(server) >= 1
         start = time.monotonic()
         stream.close()
-        assert time.monotonic() - start < 2.0, "closing the stream blocked"
+        # at once, not after the 1000 tokens (minutes here): a busy machine may take a few seconds
+        assert time.monotonic() - start < 10.0, "closing the stream blocked"
         wait_idle(server)
         assert stream.result is None
         # The client goes on working after a cancelled stream.

@@ -9,13 +9,13 @@ count as requests, not as a failed call of every request in the group.
 from __future__ import annotations
 
 import queue
-import re
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+
+from tests.metrics_text import metric_series, scrape, series_names
 
 VOCAB = 30522  # all-MiniLM-L6-v2's vocabulary: ids are 0..30521
 LENGTH = 16
@@ -55,14 +55,16 @@ def requests(n: int, bad: int) -> list[np.ndarray]:
     return batch
 
 
-def calls(server) -> dict[str, float]:
-    """canary_encoder_calls_total of version 1 by result, summed over router instances."""
+def calls(server, *, flushed: bool = True) -> dict[str, float]:
+    """canary_encoder_calls_total of version 1 by result, summed over router instances. The router
+    makes its labelled counters at its first flush: before one (``flushed=False``), a scrape
+    without the family counts nothing; after, the family must be there."""
+    text = scrape(server.metrics_url)
+    if not flushed and "canary_encoder_calls_total" not in series_names(text):
+        return {}
     out: dict[str, float] = {}
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("canary_encoder_calls_total{") and 'version="1"' in line:
-                result = re.search(r'result="(\w+)"', line).group(1)
-                out[result] = out.get(result, 0.0) + float(line.rsplit(" ", 1)[1])
+    for labels, value in metric_series(text, "canary_encoder_calls_total", version="1"):
+        out[labels["result"]] = out.get(labels["result"], 0.0) + value
     return out
 
 
@@ -71,7 +73,7 @@ def test_eight_concurrent_requests_one_out_of_vocabulary_only_it_fails(client, s
     direct = {
         i: client.infer("text_encoder", inputs(ids)).as_numpy("sentence_embedding") for i, ids in enumerate(batch) if i != 3
     }
-    before = calls(server)
+    before = calls(server, flushed=False)
     done: queue.Queue = queue.Queue()
     for i, ids in enumerate(batch):  # all in flight at once: the router batches them
         client.async_infer("text_encoder_router", inputs(ids), callback=lambda result, error, i=i: done.put((i, result, error)))
