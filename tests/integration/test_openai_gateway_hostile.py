@@ -271,7 +271,8 @@ def test_a_content_length_claiming_too_much_is_413_before_the_body_is_read(limit
     status, raw, took = raw_exchange(limited, head, [b'{"model": "text_embedding", "input": "a"}'])
     assert status == 413, raw[:400]
     assert "--max-body-mb" in body_json(raw)["error"]["message"]
-    assert took < 5, f"the 413 took {took:.1f} s: the gateway waited for a body that never came"
+    # at once: a gateway waiting for the 50 MB would not answer before the client's 30 s read timeout
+    assert took < 15, f"the 413 took {took:.1f} s: the gateway waited for a body that never came"
     assert healthy(limited)
 
 
@@ -629,7 +630,8 @@ def test_in_front_of_a_dead_triton_health_is_up_and_v1_is_a_quick_503(start_gate
                 r = client.request(method, gw.url + path, json=body, headers=AUTH)
                 took = time.monotonic() - started
                 assert r.status_code == want, (path, r.status_code, r.text)
-                assert took < 2, f"{path} took {took:.2f} s"
+                # answered from the readiness poll's state, not after a try of Triton (up to --triton-timeout, 60 s)
+                assert took < 10, f"{path} took {took:.2f} s"
                 if want == 503:
                     err = error_of(r)
                     assert err["type"] == "service_unavailable", err
@@ -673,11 +675,12 @@ def test_closing_a_stream_cancels_the_generation(triton, gateway):
         # machine (2 shared cores) slows its steps: give it time.
         assert wait_until(lambda: triton_metric(triton, "llm_kv_cache_blocks_used") > 0, 15), "no KV blocks held while streaming"
     closed = time.monotonic()
-    assert wait_until(lambda: generation_idle(triton), 10), (
+    # Generous on a busy machine: the abort count below tells a cancel from a generation that ran out.
+    assert wait_until(lambda: generation_idle(triton), 30), (
         f"the generation still runs {time.monotonic() - closed:.1f} s after the client left"
     )
     took = time.monotonic() - closed
-    assert wait_until(lambda: _aborts(triton) == aborts + 1, 3), "the engine did not abort the request"
+    assert wait_until(lambda: _aborts(triton) == aborts + 1, 10), "the engine did not abort the request"
     assert gateway_metric(gateway, "gateway_cancelled_total", route="/v1/chat/completions") == cancelled + 1
     tokens = triton_metric(triton, "llm_generation_tokens_total")
     time.sleep(0.5)
@@ -692,12 +695,12 @@ def test_a_client_timeout_on_a_whole_answer_cancels_the_generation(triton, gatew
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{gateway.url}/v1/chat/completions", json=LONG_CHAT, headers=AUTH, timeout=1.0)
     gone = time.monotonic()
-    assert wait_until(lambda: generation_idle(triton) and _aborts(triton) == aborts + 1, 10), (
+    assert wait_until(lambda: generation_idle(triton) and _aborts(triton) == aborts + 1, 30), (
         f"the generation was not aborted within {time.monotonic() - gone:.1f} s of the client's timeout"
     )
     took = time.monotonic() - gone
     assert wait_until(
-        lambda: gateway_metric(gateway, "gateway_cancelled_total", route="/v1/chat/completions") == cancelled + 1, 3
+        lambda: gateway_metric(gateway, "gateway_cancelled_total", route="/v1/chat/completions") == cancelled + 1, 10
     )
     print(f"client timeout -> generation idle in {took:.2f} s")
 
