@@ -31,7 +31,6 @@ import random
 import secrets
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -40,12 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from perf.baselines import limit as limit_mod
+from perf.lib import lifecycle, load, report, wrk
 from perf.lib import served as served_mod
-from perf.lib import wrk
 from perf.lib.harness import write_csv
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
-from perf.lib.stats import percentile_of
+from perf.lib.stats import median
 
 WORKLOADS = ("text_encoder", "text_embedding")
 MODELS = ("text_embedding",)  # the ensemble loads the tokenizer and the encoder
@@ -182,38 +180,9 @@ async def closed_loop(
     url: str, w: Workload, concurrency: int, duration: float, start: int
 ) -> tuple[list[float], int, str, float]:
     """``concurrency`` clients, each sending its next request when its answer came."""
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    latencies: list[float] = []
-    errors, first_error = 0, ""
-    counter = iter(range(start, 10**12))
     headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        endpoint = f"http://{url}/v2/models/{w.model}/infer"
-        t_start = time.monotonic()
-        stop_at = t_start + duration
-
-        async def client() -> None:
-            nonlocal errors, first_error
-            while time.monotonic() < stop_at:
-                body = w.make(next(counter))
-                t0 = time.perf_counter()
-                try:
-                    async with session.post(endpoint, data=body, headers=headers) as r:
-                        payload = await r.read()
-                        ok = r.status == 200
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    ok, payload = False, repr(exc).encode()
-                if ok:
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    errors += 1
-                    first_error = first_error or payload[:200].decode(errors="replace")
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        seconds = time.monotonic() - t_start
-    return latencies, errors, first_error, seconds
+    endpoint = f"http://{url}/v2/models/{w.model}/infer"
+    return await load.closed_loop(endpoint, lambda n: (w.make(n), headers), concurrency, duration, start=start)
 
 
 def encoder_stats(url: str) -> tuple[int, int]:
@@ -247,9 +216,7 @@ def measure(
         after = encoder_stats(url)
         window.requests = len(latencies)
         if latencies:
-            ms = sorted(x * 1000.0 for x in latencies)
-            window.rps = len(ms) / window.seconds
-            window.p50_ms, window.p99_ms, window.max_ms = percentile_of(ms, 50), percentile_of(ms, 99), ms[-1]
+            window.rps, window.p50_ms, window.p99_ms, window.max_ms = load.figures(latencies, window.seconds)
     executions = after[1] - before[1]
     window.batch_rows = (after[0] - before[0]) / executions if executions else None
 
@@ -289,17 +256,12 @@ class Point:
     ratio_to_limit: float | None = None
 
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def points(windows: Sequence[Window], limit_rps: float | None) -> list[Point]:
     keys = sorted({(w.phase, w.workload, w.concurrency) for w in windows}, key=lambda k: (k[1], k[2], k[0]))
     out = []
     for phase, workload, conc in keys:
         ws = [w for w in windows if (w.phase, w.workload, w.concurrency) == (phase, workload, conc)]
-        rps = _median([w.rps for w in ws])
+        rps = median([w.rps for w in ws])
         out.append(
             Point(
                 phase,
@@ -309,10 +271,10 @@ def points(windows: Sequence[Window], limit_rps: float | None) -> list[Point]:
                 sum(w.requests for w in ws),
                 sum(w.errors for w in ws),
                 rps,
-                _median([w.p50_ms for w in ws]),
-                _median([w.p99_ms for w in ws]),
+                median([w.p50_ms for w in ws]),
+                median([w.p99_ms for w in ws]),
                 max((w.max_ms for w in ws if w.max_ms is not None), default=None),
-                _median([w.batch_rows for w in ws]),
+                median([w.batch_rows for w in ws]),
                 rps / limit_rps if rps and limit_rps else None,
             )
         )
@@ -320,7 +282,7 @@ def points(windows: Sequence[Window], limit_rps: float | None) -> list[Point]:
 
 
 def _f(value, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+    return report.fmt(value, digits, missing="-")
 
 
 def markdown(header: Sequence[str], results: Sequence[Point], mix_limit) -> str:
@@ -393,7 +355,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.process import ServerError, ServerOptions, TritonServer
+    from server.process import ServerOptions, TritonServer
 
     # SIGTERM (a timeout, a CI cancel) raises, so the servers are stopped in ``finally``.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -403,9 +365,7 @@ def run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
 
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or DEFAULT_RESULTS / f"length-mix-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.results_dir(args.out_dir, "length-mix")
     served = served_mod.served_encoder(args.precision)
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     nonce = secrets.token_hex(4)
@@ -431,13 +391,9 @@ def run(args: argparse.Namespace) -> int:
             )
             say(f"starting tritonserver for {phase} (--model-config-name={served.config_name or '(none)'})")
             servers[phase].start()
-        for phase, server in servers.items():
-            try:
-                server.wait_ready(timeout=300)
-            except ServerError as exc:
-                say(f"{phase}: {exc}\n{exc.log_tail}")
-                return 1
-            urls[phase] = server.triton_http_url
+        if not lifecycle.wait_ready(servers, say):
+            return 1
+        urls.update((phase, server.triton_http_url) for phase, server in servers.items())
         scripts = {}
         if args.use_wrk:
             for name in args.workload_list:
@@ -459,10 +415,7 @@ def run(args: argparse.Namespace) -> int:
                         + (f" ({window.first_error})" if window.first_error else "")
                     )
     finally:
-        for phase, server in servers.items():
-            server.stop()
-            if server.log_path.is_file():
-                shutil.copyfile(server.log_path, out_dir / f"tritonserver-{phase}.log")
+        lifecycle.stop(servers, out_dir)
         shutil.rmtree(workdir, ignore_errors=True)
 
     mix_limit = None
@@ -495,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
         ),
     ]
     text = markdown(header, results, mix_limit)
-    (out_dir / "summary.md").write_text(text)
+    report.write(out_dir, text)
     write_csv(out_dir / "length_mix.csv", [asdict(w) | {"stats": ""} for w in windows])
     if mix_limit:
         write_csv(out_dir / "limit.csv", mix_limit.rows())

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from perf.lib import wrk  # noqa: E402 (after the sys.path line)
+from perf.lib import report, wrk  # noqa: E402 (after the sys.path line)
 from perf.lib.stats import percentile_of  # noqa: E402 (after the sys.path line)
 from python_backends.admission.classes import CACHED_ENTRIES, CLASSES  # noqa: E402 (after the sys.path line)
 
@@ -203,7 +203,7 @@ class RssSampler:
 
 
 def _f(v, digits=1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
+    return report.fmt(v, digits, missing="-", thousands=True)
 
 
 def markdown(rows: Sequence[dict], peak: dict, flood: dict, rss: dict) -> str:
@@ -259,8 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sentences = [row["TEXT"]["content"][0] for row in json.loads(SENTENCES.read_text())["data"]]
     nonce = f"{os.getpid()}-{int(time.time())}"
-    out = args.out or ROOT / "perf" / "results" / f"priority-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = report.results_dir(args.out, "priority", stamp="%Y%m%dT%H%M%SZ")
     work = Path(tempfile.mkdtemp(prefix="priority-bench-"))
     repo = ROOT / "model_repository"
     config_name, _ = variants.resolve_precision(
@@ -374,22 +373,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         print(table)
-        (out / "summary.md").write_text(table)
-        (out / "results.json").write_text(
-            json.dumps(
-                {
-                    "peak": peak,
-                    "rows": rows,
-                    "flood": flood,
-                    "rss": rss,
-                    "rss_samples": rss_samples,
-                    "per_model_overload": per_model,
-                    "args": vars(args) | {"out": str(out)},
-                    "variant": config_name,
-                },
-                indent=2,
-                default=str,
-            )
+        report.write(
+            out,
+            table,
+            {
+                "peak": peak,
+                "rows": rows,
+                "flood": flood,
+                "rss": rss,
+                "rss_samples": rss_samples,
+                "per_model_overload": per_model,
+                "args": vars(args) | {"out": str(out)},
+                "variant": config_name,
+            },
         )
         say(f"wrote {out}")
         inter = next(r for r in rows if r["phase"] == "overload" and r["class"] == "interactive")

@@ -43,32 +43,36 @@ server and gateway logs under perf/results/tail-<UTC time>/.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
-import io
 import json
-import math
 import os
-import random
 import re
-import resource
 import secrets
 import shutil
-import struct
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
 from pathlib import Path
 
-from perf.lib import wrk
+from perf.bench.tail_measure import (
+    CpuMeter,
+    Window,
+    measure_python,
+    measure_stream,
+    measure_wrk,
+    model_stats,
+    stats_delta,
+    warm_up,
+)
+from perf.bench.tail_report import Point as Point  # re-exported: the smoke test reads it here
+from perf.bench.tail_report import _f, markdown, points, targets, targets_table
+from perf.bench.tail_workloads import GATEWAY_WORKLOADS, STREAM_WORKLOADS, WORKLOADS, workloads, wrk_script
+from perf.lib import lifecycle, report
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import SENTENCES_16TOK as SENTENCES
-from perf.lib.stats import median, percentile
 from server.process import DEFAULT_CACHE_SIZE_MB
 
 BATCHING_MODELS = (
@@ -81,527 +85,9 @@ BATCHING_MODELS = (
     "image_postprocess",
 )
 SERVED_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
-TEXT_WORKLOADS = (
-    "text_tokenizer",
-    "text_encoder",
-    "text_encoder_router",
-    "text_embedding",
-    "text_embedding_cached_unique",
-    "text_embedding_cached_hits",
-)
-# The OpenAI gateway in front of each phase's server: embeddings through wrk, chat streams.
-GATEWAY_WORKLOADS = ("gateway_embeddings_unique", "gateway_embeddings_hits", "gateway_chat_stream")
-# Streaming workloads: latency is the whole answer, TTFT recorded beside it.
-COLD_PASS_LIMIT_S = 120.0  # the longest a stream window waits for every prompt's first answer
-STREAM_WORKLOADS = ("gateway_chat_stream", "text_generation_stream")
-WORKLOADS = TEXT_WORKLOADS + ("image_classification", "text_generation_stream") + GATEWAY_WORKLOADS
-HIT_WORKLOADS = ("text_embedding_cached_hits", "gateway_embeddings_hits")
-TARGET_MAX_OVER_P50 = 5.0
 # The generation engine before its admission window (docs/generation-internals.md#the-engine): the before phase
 # serves text_generation with these parameters.
 BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0"}}
-# Models whose /v2/models/stats are recorded per window (the ensembles' steps and BLS targets).
-STATS_MODELS = (
-    "text_tokenizer",
-    "text_encoder_router",
-    "text_encoder",
-    "text_embedding",
-    "text_embedding_cached",
-    "image_preprocess",
-    "image_classifier",
-    "image_postprocess",
-)
-TARGET_HITS_P99_MS = 50.0
-TARGET_P99_OVER_P50 = 3.0
-VOCAB = (1000, 30000)  # token ids drawn for the encoder's direct inputs (all-MiniLM-L6-v2: 30,522)
-
-
-# --------------------------------------------------------------------------- requests
-
-
-def infer_body(inputs: list[dict], binary: bytes = b"") -> tuple[bytes, dict[str, str]]:
-    """A KServe v2 HTTP request; outputs come back in Triton's binary extension (cheap to skip)."""
-    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    headers = {"Content-Type": "application/octet-stream"}
-    if binary:
-        headers["Inference-Header-Content-Length"] = str(len(header))
-    return header + binary, headers
-
-
-def text_request(text: str) -> tuple[bytes, dict[str, str]]:
-    return infer_body([{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}])
-
-
-def token_request(rng: random.Random, length: int = 16) -> tuple[bytes, dict[str, str]]:
-    ids = [101] + [rng.randrange(*VOCAB) for _ in range(length - 2)] + [102]
-    return infer_body(
-        [
-            {"name": "input_ids", "shape": [1, length], "datatype": "INT64", "data": ids},
-            {"name": "attention_mask", "shape": [1, length], "datatype": "INT64", "data": [1] * length},
-        ]
-    )
-
-
-def png(seed: int, size: int = 64) -> bytes:
-    from PIL import Image
-
-    rng = random.Random(seed)
-    image = Image.frombytes("RGB", (size, size), bytes(rng.randrange(256) for _ in range(size * size * 3)))
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
-    raw = struct.pack("<I", len(blob)) + blob
-    return infer_body(
-        [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}], raw
-    )
-
-
-def _no_body(_: int) -> tuple[bytes, dict[str, str]]:
-    raise RuntimeError("a streaming workload is measured by stream_window, not by a request body")
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    model: str
-    kind: str  # unique_text, tokens, hits, image: what the wrk script has to generate
-    make: Callable[[int], tuple[bytes, dict[str, str]]]  # request number -> (body, headers)
-    warm: Sequence[tuple[bytes, dict[str, str]]] = ()  # sent once, unmeasured, before a measurement
-    path: str = ""  # HTTP path; default /v2/models/<model>/infer
-    via_gateway: bool = False  # sent to the phase's OpenAI gateway, not to tritonserver
-
-    @property
-    def endpoint(self) -> str:
-        return self.path or f"/v2/models/{self.model}/infer"
-
-
-def gateway_request(text: str, api_key: str) -> tuple[bytes, dict[str, str]]:
-    """POST /v1/embeddings for one text, float vectors."""
-    body = json.dumps({"model": "text_embedding", "input": text, "encoding_format": "float"}).encode()
-    return body, {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
-
-
-def workloads(nonce: str, sentences: Sequence[str], api_key: str = "") -> dict[str, Workload]:
-    """Every workload; ``nonce`` makes the unique texts unique across runs and phases too."""
-    rng = random.Random(nonce)
-    counter = iter(range(10**12))
-
-    def unique_text(_: int) -> tuple[bytes, dict[str, str]]:
-        n = next(counter)
-        return text_request(f"{sentences[n % len(sentences)]} ({nonce}-{n})")
-
-    hits = [text_request(s) for s in sentences]
-    gw_hits = [gateway_request(s, api_key) for s in sentences]
-
-    def _next_text() -> str:
-        n = next(counter)
-        return f"{sentences[n % len(sentences)]} ({nonce}-{n})"
-
-    def image(_: int) -> tuple[bytes, dict[str, str]]:
-        n = next(counter)  # a new image per request: image_preprocess's response cache never answers
-        return image_request(png(hash((nonce, n)) & 0xFFFFFFFF))
-
-    return {
-        "text_tokenizer": Workload("text_tokenizer", "text_tokenizer", "unique_text", unique_text),
-        "text_encoder": Workload("text_encoder", "text_encoder", "tokens", lambda _: token_request(rng)),
-        "text_encoder_router": Workload("text_encoder_router", "text_encoder_router", "tokens", lambda _: token_request(rng)),
-        "text_embedding": Workload("text_embedding", "text_embedding", "unique_text", unique_text),
-        "text_embedding_cached_unique": Workload(
-            "text_embedding_cached_unique", "text_embedding_cached", "unique_text", unique_text
-        ),
-        "text_embedding_cached_hits": Workload(
-            "text_embedding_cached_hits", "text_embedding_cached", "hits", lambda n: hits[n % len(hits)], warm=hits
-        ),
-        "image_classification": Workload("image_classification", "image_classification", "image", image),
-        "gateway_embeddings_unique": Workload(
-            "gateway_embeddings_unique",
-            "text_embedding",
-            "gw_unique_text",
-            lambda _: gateway_request(_next_text(), api_key),
-            path="/v1/embeddings",
-            via_gateway=True,
-        ),
-        "gateway_embeddings_hits": Workload(
-            "gateway_embeddings_hits",
-            "text_embedding",
-            "gw_hits",
-            lambda n: gw_hits[n % len(gw_hits)],
-            warm=gw_hits,
-            path="/v1/embeddings",
-            via_gateway=True,
-        ),
-        # Streams: measured by their own asyncio clients (stream_window), never by wrk.
-        "gateway_chat_stream": Workload(
-            "gateway_chat_stream", "text_generation", "chat", _no_body, path="/v1/chat/completions", via_gateway=True
-        ),
-        "text_generation_stream": Workload("text_generation_stream", "text_generation", "generation", _no_body),
-    }
-
-
-# --------------------------------------------------------------------------- measurement
-
-
-@dataclass
-class Window:
-    """One measured window: one phase, one workload, one concurrency, one round."""
-
-    phase: str
-    workload: str
-    concurrency: int
-    round: int
-    client: str
-    requests: int = 0
-    errors: int = 0
-    seconds: float = 0.0
-    rps: float | None = None
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    max_ms: float | None = None
-    ttft_p50_ms: float | None = None  # streams: time to the first piece of text
-    ttft_p99_ms: float | None = None
-    ttft_max_ms: float | None = None
-    client_cores: float | None = None  # CPU seconds of the load generator per wall second
-    gateway_cores: float | None = None  # the OpenAI gateway's process (gateway workloads)
-    server_cores: float | None = None  # the same for tritonserver and its backend stubs
-    server_wait_cores: float | None = None  # seconds its threads sat runnable, waiting for a CPU, per second
-    machine_cores: float | None = None  # every process of the machine (neighbours included)
-    first_error: str = ""
-    stats: dict = field(default_factory=dict)  # model -> mean batch, queue and compute ms per request
-
-    @property
-    def p99_over_p50(self) -> float | None:
-        return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
-
-    @property
-    def max_over_p50(self) -> float | None:
-        return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
-
-    def record(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "stats"}
-        out["p99_over_p50"] = self.p99_over_p50
-        out["max_over_p50"] = self.max_over_p50
-        out["stats"] = json.dumps(self.stats, sort_keys=True)
-        return out
-
-
-async def _closed_loop(
-    url: str, w: Workload, concurrency: int, duration: float, warmup: float
-) -> tuple[list[float], int, str, float]:
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=60)
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    latencies: list[float] = []
-    errors = 0
-    first_error = ""
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        endpoint = f"http://{url}{w.endpoint}"
-        for body, headers in w.warm:
-            async with session.post(endpoint, data=body, headers=headers) as r:
-                await r.read()
-        started = time.monotonic()
-        measure_from, stop_at = started + warmup, started + warmup + duration
-        n = iter(range(10**12))
-
-        async def client() -> None:
-            nonlocal errors, first_error
-            while True:
-                now = time.monotonic()
-                if now >= stop_at:
-                    return
-                body, headers = w.make(next(n))
-                t0 = time.perf_counter()
-                try:
-                    async with session.post(endpoint, data=body, headers=headers) as r:
-                        payload = await r.read()
-                        ok = r.status == 200
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    ok, payload = False, repr(exc).encode()
-                elapsed = time.perf_counter() - t0
-                if now < measure_from:
-                    continue
-                if ok:
-                    latencies.append(elapsed)
-                else:
-                    errors += 1
-                    first_error = first_error or payload[:200].decode(errors="replace")
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        measured = time.monotonic() - measure_from
-    return latencies, errors, first_error, measured
-
-
-def measure_python(url: str, w: Workload, window: Window, duration: float) -> None:
-    """The asyncio client in this process (its CPU: this process's over the window)."""
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    latencies, errors, first_error, seconds = asyncio.run(
-        _closed_loop(url, replace(w, warm=()), window.concurrency, duration, 0.0)
-    )
-    window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
-    window.requests, window.errors, window.first_error, window.seconds = len(latencies), errors, first_error, seconds
-    if latencies:
-        ms = sorted(x * 1000.0 for x in latencies)
-        window.rps = len(ms) / seconds if seconds > 0 else None
-        window.p50_ms, window.p99_ms, window.max_ms = percentile(ms, 50), percentile(ms, 99), ms[-1]
-
-
-async def _stream_loop(
-    w: Workload,
-    target: str,
-    api_key: str,
-    prompts: Sequence[str],
-    max_tokens: int,
-    concurrency: int,
-    duration: float,
-    warmup: float,
-) -> tuple[list[tuple[float, float]], int, str, float]:
-    """``concurrency`` closed-loop streams: ``(TTFT, total)`` seconds of each request started inside
-    the measured part (waited for to their end), errors, first error, the measured seconds. The
-    measured part starts once every client has had one answer, every prompt has been answered
-    once, and ``warmup`` s have passed, and lasts ``duration`` s. The prompts come back in turn,
-    so inside the window their prefixes are in the engine's prefix cache; a prompt's first pass
-    is a cold prefill of its whole length, and left inside the window those passes came as a
-    backlog at its start (32 clients cover 32 of the prompts before the first condition holds). ``target``: the gateway's base URL, or tritonserver's gRPC host:port."""
-    import aiohttp
-
-    from clients.generation import AsyncGenerationClient
-    from perf.lib.chat_streams import ChatSystem, DirectChat, GatewayChat
-
-    session = None
-    direct = None
-    system: ChatSystem
-    if w.via_gateway:
-        session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_read=300), connector=aiohttp.TCPConnector(limit=0)
-        )
-        system = GatewayChat(session, target, api_key)
-    else:
-        direct = AsyncGenerationClient(target, protocol="grpc", timeout_s=300)
-        system = DirectChat(direct)
-    samples: list[tuple[float, float]] = []
-    errors = 0
-    first_error = ""
-    try:
-        await system.stream(prompts[0], 2)  # the connection opened, outside the window
-        started = time.monotonic()
-        measure_from: float | None = None
-        answered = 0
-        turn = iter(range(10**12))
-        cold = set(range(len(prompts)))  # prompts not yet answered once
-
-        async def client(k: int) -> None:
-            nonlocal errors, first_error, measure_from, answered
-            first = True
-            while measure_from is None or time.monotonic() < measure_from + duration:
-                now = time.monotonic()
-                counted = measure_from is not None and now >= measure_from
-                index = next(turn) % len(prompts)
-                t0 = time.perf_counter()
-                try:
-                    ttft, _ = await system.stream(prompts[index], max_tokens)
-                    if counted:
-                        samples.append((ttft if ttft is not None else float("nan"), time.perf_counter() - t0))
-                    cold.discard(index)
-                except Exception as exc:  # noqa: BLE001 - counted, the window goes on
-                    if counted:
-                        errors += 1
-                        first_error = first_error or f"{type(exc).__name__}: {exc}"[:200]
-                    await asyncio.sleep(0.05)
-                if first:
-                    first, answered = False, answered + 1
-                # (A prompt that keeps failing must not hold the window off for ever: its errors count.)
-                if (
-                    measure_from is None
-                    and answered == concurrency
-                    and (not cold or time.monotonic() > started + warmup + COLD_PASS_LIMIT_S)
-                ):
-                    measure_from = max(time.monotonic(), started + warmup)
-
-        await asyncio.gather(*(client(k) for k in range(concurrency)))
-        measured = time.monotonic() - (measure_from or started)
-    finally:
-        if session is not None:
-            await session.close()
-        if direct is not None:
-            await direct.close()
-    return samples, errors, first_error, measured
-
-
-def measure_stream(
-    w: Workload,
-    target: str,
-    api_key: str,
-    prompts: Sequence[str],
-    max_tokens: int,
-    window: Window,
-    duration: float,
-    warmup: float,
-) -> None:
-    """The asyncio streaming client in this process: latency = the whole answer, TTFT beside it."""
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    samples, errors, first_error, seconds = asyncio.run(
-        _stream_loop(w, target, api_key, prompts, max_tokens, window.concurrency, duration, warmup)
-    )
-    window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
-    window.requests, window.errors, window.first_error, window.seconds = len(samples), errors, first_error, seconds
-    if samples:
-        total = sorted(1000.0 * t for _, t in samples)
-        ttft = sorted(1000.0 * f for f, _ in samples if not math.isnan(f))
-        window.rps = len(total) / seconds if seconds > 0 else None
-        window.p50_ms, window.p99_ms, window.max_ms = percentile(total, 50), percentile(total, 99), total[-1]
-        if ttft:
-            window.ttft_p50_ms, window.ttft_p99_ms, window.ttft_max_ms = (percentile(ttft, 50), percentile(ttft, 99), ttft[-1])
-
-
-def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
-    """A wrk Lua script sending ``w``'s requests: unique texts carry the nonce, the wrk thread
-    and a counter; ``done`` prints the window's figures as one JSON line."""
-    tail = '"]}],"parameters":{"binary_data_output":true}}'
-    hits = "request = function()\n  n = n + 1\n  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
-    if w.kind == "gw_unique_text":
-        make = (
-            wrk.lua_list("texts", [json.dumps(s)[1:-1] for s in sentences]) + "request = function()\n  n = n + 1\n"
-            '  local body = \'{"model":"text_embedding","encoding_format":"float","input":"\' .. '
-            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')\"}}'\n"
-            "  return wrk.format('POST', path, headers, body)\nend\n"
-        )
-    elif w.kind in ("gw_hits", "hits"):
-        make = wrk.lua_list("bodies", [body.decode() for body, _ in w.warm]) + hits
-    elif w.kind == "unique_text":
-        make = (
-            wrk.lua_list("texts", [json.dumps(s)[1:-1] for s in sentences]) + "request = function()\n  n = n + 1\n"
-            '  local body = \'{"inputs":[{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["\' .. '
-            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')' .. {wrk.lua_string(tail)}\n"
-            "  return wrk.format('POST', path, headers, body)\nend\n"
-        )
-    elif w.kind == "tokens":
-        make = (
-            "request = function()\n  local ids = {101}\n"
-            f"  for i = 2, 15 do ids[i] = math.random({VOCAB[0]}, {VOCAB[1] - 1}) end\n  ids[16] = 102\n"
-            '  local body = \'{"inputs":[{"name":"input_ids","shape":[1,16],"datatype":"INT64","data":[\''
-            ' .. table.concat(ids, \',\') .. \']},{"name":"attention_mask","shape":[1,16],"datatype":"INT64",'
-            '"data":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}],"parameters":{"binary_data_output":true}}\'\n'
-            "  return wrk.format('POST', path, headers, body)\nend\n"
-        )
-    else:
-        raise ValueError(f"{w.name}: no wrk script for {w.kind} requests")
-    headers = {"Content-Type": "application/json"}
-    if w.warm:
-        headers.update(w.warm[0][1])
-    elif w.via_gateway:
-        headers.update(w.make(0)[1])
-    headers["Content-Type"] = "application/json"
-    return wrk.script(w.endpoint, headers, make)
-
-
-def measure_wrk(url: str, w: Workload, window: Window, script: Path, duration: float) -> None:
-    """wrk, one thread, in a child process (its CPU: the children's rusage over the window)."""
-    before, wall0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-    result = wrk.run(url, script, window.concurrency, duration)
-    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - wall0
-    window.client_cores = ((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)) / max(wall, 1e-9)
-    window.seconds = result["duration_us"] / 1e6
-    window.requests, window.errors = result["requests"] - result["errors"], result["errors"]
-    if window.errors:
-        window.first_error = "wrk counted non-2xx responses or socket errors"
-    if result["requests"]:
-        window.rps = result["requests"] / window.seconds
-        window.p50_ms, window.p99_ms, window.max_ms = (result[k] / 1000.0 for k in ("p50_us", "p99_us", "max_us"))
-
-
-def warm_up(url: str, w: Workload, concurrency: int, seconds: float, script: Path | None) -> None:
-    """Unmeasured: ``w.warm`` once (the hits' texts), then ``seconds`` of the same load."""
-    if w.warm:
-        asyncio.run(_closed_loop(url, w, 1, 0.0, 0.0))
-    if seconds > 0:
-        if script is not None:
-            wrk.run(url, script, concurrency, seconds)
-        else:
-            asyncio.run(_closed_loop(url, replace(w, warm=()), concurrency, seconds, 0.0))
-
-
-class CpuMeter:
-    """CPU seconds of a process tree and of the whole machine, between start() and stop()."""
-
-    def __init__(self, pid: int | None):
-        self.pid = pid
-
-    def _tree(self) -> tuple[float, float]:
-        """(CPU seconds, run-queue wait seconds) of the tree's threads (/proc/<pid>/task/*/schedstat)."""
-        import psutil
-
-        if self.pid is None:
-            return 0.0, 0.0
-        cpu = wait = 0.0
-        try:
-            root = psutil.Process(self.pid)
-            for p in [root, *root.children(recursive=True)]:
-                try:
-                    for task in Path(f"/proc/{p.pid}/task").iterdir():
-                        fields = (task / "schedstat").read_text().split()
-                        cpu += int(fields[0]) / 1e9
-                        wait += int(fields[1]) / 1e9
-                except (OSError, psutil.Error, ValueError, IndexError):
-                    pass
-        except psutil.Error:
-            pass
-        return cpu, wait
-
-    @staticmethod
-    def _machine() -> float:
-        import psutil
-
-        t = psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-    def start(self) -> None:
-        self.t0, self.tree0, self.machine0 = time.monotonic(), self._tree(), self._machine()
-
-    def stop(self, window: Window) -> None:
-        wall = max(time.monotonic() - self.t0, 1e-9)
-        cpu, wait = self._tree()
-        window.server_cores = (cpu - self.tree0[0]) / wall
-        window.server_wait_cores = (wait - self.tree0[1]) / wall
-        window.machine_cores = (self._machine() - self.machine0) / wall
-
-
-def model_stats(url: str) -> dict[str, dict[str, float]]:
-    """Counters of /v2/models/stats summed over versions: requests, executions, batched
-    inferences and the nanoseconds of queue and compute (input + infer + output)."""
-    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=10) as r:
-        payload = json.loads(r.read())
-    out: dict[str, dict[str, float]] = {}
-    for m in payload.get("model_stats", []):
-        if m["name"] not in STATS_MODELS:
-            continue
-        s = m.get("inference_stats", {})
-        agg = out.setdefault(m["name"], {"requests": 0, "executions": 0, "inferences": 0, "queue_ns": 0, "compute_ns": 0})
-        agg["requests"] += int(s.get("success", {}).get("count", 0))
-        agg["executions"] += int(m.get("execution_count", 0))
-        agg["inferences"] += int(m.get("inference_count", 0))
-        agg["queue_ns"] += int(s.get("queue", {}).get("ns", 0))
-        agg["compute_ns"] += sum(int(s.get(k, {}).get("ns", 0)) for k in ("compute_input", "compute_infer", "compute_output"))
-    return out
-
-
-def stats_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Per model over a window: mean batch, queue ms and compute ms per request."""
-    out = {}
-    for name, a in after.items():
-        b = before.get(name, {})
-        d = {k: a[k] - b.get(k, 0) for k in a}
-        if d["requests"] <= 0:
-            continue
-        out[name] = {
-            "requests": d["requests"],
-            "batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
-            "queue_ms": round(d["queue_ns"] / d["requests"] / 1e6, 3),
-            "compute_ms": round(d["compute_ns"] / d["requests"] / 1e6, 3),
-        }
-    return out
 
 
 # --------------------------------------------------------------------------- phases
@@ -657,207 +143,6 @@ def before_repository(source: Path, target: Path, alt_configs: Path | None = Non
             else:
                 (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     return target
-
-
-# --------------------------------------------------------------------------- summary
-
-
-@dataclass
-class Point:
-    """The rounds of one phase, workload and concurrency: medians, and the largest max."""
-
-    phase: str
-    workload: str
-    concurrency: int
-    rounds: int
-    requests: int
-    errors: int
-    rps: float | None
-    p50_ms: float | None
-    p99_ms: float | None
-    max_ms: float | None
-    p99_range: tuple[float, float] | None
-    client_cores: float | None
-    server_cores: float | None
-    server_wait_cores: float | None
-    machine_cores: float | None
-    stats: dict
-    ttft_p50_ms: float | None = None
-    ttft_p99_ms: float | None = None
-    ttft_max_ms: float | None = None
-    gateway_cores: float | None = None
-
-    @property
-    def p99_over_p50(self) -> float | None:
-        return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
-
-    @property
-    def max_over_p50(self) -> float | None:
-        return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
-
-
-def points(windows: Sequence[Window]) -> list[Point]:
-    groups: dict[tuple[str, str, int], list[Window]] = {}
-    for w in windows:
-        groups.setdefault((w.phase, w.workload, w.concurrency), []).append(w)
-    out = []
-    for (phase, workload, conc), ws in groups.items():
-        p99s = [w.p99_ms for w in ws if w.p99_ms is not None]
-        stats: dict[str, dict] = {}
-        for model in {m for w in ws for m in w.stats}:
-            per = [w.stats[model] for w in ws if model in w.stats]
-            stats[model] = {k: median([s[k] for s in per]) for k in ("batch", "queue_ms", "compute_ms")}
-        out.append(
-            Point(
-                phase,
-                workload,
-                conc,
-                len(ws),
-                sum(w.requests for w in ws),
-                sum(w.errors for w in ws),
-                median([w.rps for w in ws]),
-                median([w.p50_ms for w in ws]),
-                median(p99s),
-                max((w.max_ms for w in ws if w.max_ms is not None), default=None),
-                (min(p99s), max(p99s)) if p99s else None,
-                median([w.client_cores for w in ws]),
-                median([w.server_cores for w in ws]),
-                median([w.server_wait_cores for w in ws]),
-                median([w.machine_cores for w in ws]),
-                stats,
-                median([w.ttft_p50_ms for w in ws]),
-                median([w.ttft_p99_ms for w in ws]),
-                max((w.ttft_max_ms for w in ws if w.ttft_max_ms is not None), default=None),
-                median([w.gateway_cores for w in ws]),
-            )
-        )
-    return out
-
-
-def targets(results: Sequence[Point], concurrency: int, phase: str = "after", long: bool = False) -> list[dict]:
-    """The issue's targets, checked on ``phase`` at ``concurrency``: all-hit P99 <= 50 ms, every other
-    workload P99 <= 3 x P50 (streams: the whole answer and TTFT), and with ``long`` (one long window
-    per workload) max <= 5 x P50. Each row: target, value, met, and the figures it comes from."""
-    rows = []
-    by = {(r.phase, r.workload, r.concurrency): r for r in results}
-
-    def row(target: str, value: float | None, limit: float, r: Point, detail: str) -> None:
-        rows.append(
-            {
-                "target": target,
-                "value": value,
-                "limit": limit,
-                "detail": detail,
-                "met": value is not None and value <= limit and not r.errors,
-                "cores": f"client {_f(r.client_cores, 2)}, server {_f(r.server_cores, 2)} "
-                f"(waiting {_f(r.server_wait_cores, 2)}), machine {_f(r.machine_cores, 2)}",
-            }
-        )
-
-    for name in WORKLOADS:
-        r = by.get((phase, name, concurrency))
-        if r is None:
-            continue
-        c = f"c{concurrency}"
-        if name in HIT_WORKLOADS:
-            row(f"{name}, {c}: P99 <= {TARGET_HITS_P99_MS:g} ms", r.p99_ms, TARGET_HITS_P99_MS, r, f"P99 {_f(r.p99_ms)} ms")
-        else:
-            what = "answer " if name in STREAM_WORKLOADS else ""
-            row(
-                f"{name}, {c}: {what}P99 <= {TARGET_P99_OVER_P50:g} x P50",
-                r.p99_over_p50,
-                TARGET_P99_OVER_P50,
-                r,
-                f"P50 {_f(r.p50_ms)}, P99 {_f(r.p99_ms)} ms",
-            )
-        if name in STREAM_WORKLOADS and r.ttft_p50_ms:
-            row(
-                f"{name}, {c}: TTFT P99 <= {TARGET_P99_OVER_P50:g} x P50",
-                (r.ttft_p99_ms or 0) / r.ttft_p50_ms,
-                TARGET_P99_OVER_P50,
-                r,
-                f"TTFT P50 {_f(r.ttft_p50_ms)}, P99 {_f(r.ttft_p99_ms)} ms",
-            )
-        if long:
-            row(
-                f"{name}, {c}: max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)",
-                r.max_over_p50,
-                TARGET_MAX_OVER_P50,
-                r,
-                f"P50 {_f(r.p50_ms)}, max {_f(r.max_ms)} ms",
-            )
-            if name in STREAM_WORKLOADS and r.ttft_p50_ms:
-                row(
-                    f"{name}, {c}: TTFT max <= {TARGET_MAX_OVER_P50:g} x P50 (long window)",
-                    (r.ttft_max_ms or 0) / r.ttft_p50_ms,
-                    TARGET_MAX_OVER_P50,
-                    r,
-                    f"TTFT P50 {_f(r.ttft_p50_ms)}, max {_f(r.ttft_max_ms)} ms",
-                )
-    return rows
-
-
-def targets_table(rows: Sequence[dict]) -> str:
-    """The targets as a markdown table: each target, the figure, PASS / FAIL, and the CPU beside it."""
-    lines = ["| target | value | result | from | CPU cores (client, server, machine) |", "| --- | ---: | --- | --- | --- |"]
-    for t in rows:
-        lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {'PASS' if t['met'] else 'FAIL'} | {t['detail']} | {t['cores']} |")
-    return "\n".join(lines) + "\n"
-
-
-def _f(value: float | None, digits: int = 1) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
-
-
-def markdown(header: Sequence[str], results: Sequence[Point], target_rows: Sequence[dict]) -> str:
-    lines = list(header) + [
-        "",
-        "| workload | conc. | phase | requests/s | P50 ms | P99 ms (rounds) | max ms | P99/P50 | errors | "
-        "client cores | server cores | server waiting | machine cores |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    ordered = sorted(results, key=lambda r: (WORKLOADS.index(r.workload), r.concurrency, r.phase != "before", r.phase))
-    for r in ordered:
-        spread = f" ({_f(r.p99_range[0])}-{_f(r.p99_range[1])})" if r.p99_range and r.rounds > 1 else ""
-        lines.append(
-            f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 0 if r.rps and r.rps > 100 else 1)} | "
-            f"{_f(r.p50_ms)} | {_f(r.p99_ms)}{spread} | {_f(r.max_ms)} | {_f(r.p99_over_p50, 2)} | {r.errors} | "
-            f"{_f(r.client_cores, 2)} | {_f(r.server_cores, 2)} | {_f(r.server_wait_cores, 2)} | "
-            f"{_f(r.machine_cores, 2)} |"
-        )
-    streams = [r for r in ordered if r.workload in STREAM_WORKLOADS]
-    if streams:
-        lines += [
-            "",
-            "Streams (P50/P99/max above are of the whole answer): time to the first text piece.",
-            "",
-            ("| workload | conc. | phase | answers/s | TTFT P50 ms | TTFT P99 ms | TTFT max ms | TTFT P99/P50 | gateway cores |"),
-            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for r in streams:
-            ratio = r.ttft_p99_ms / r.ttft_p50_ms if r.ttft_p99_ms and r.ttft_p50_ms else None
-            lines.append(
-                f"| {r.workload} | {r.concurrency} | {r.phase} | {_f(r.rps, 1)} | {_f(r.ttft_p50_ms)} | "
-                f"{_f(r.ttft_p99_ms)} | {_f(r.ttft_max_ms)} | {_f(ratio, 2)} | {_f(r.gateway_cores, 2)} |"
-            )
-    if target_rows:
-        lines += ["", "Targets:", "", targets_table(target_rows).rstrip("\n")]
-    lines += [
-        "",
-        "Where the time goes (/v2/models/stats, medians over rounds): mean batch, queue ms and "
-        "compute ms per request of each model the workload reached.",
-        "",
-        "| workload | conc. | phase | model | batch | queue ms | compute ms |",
-        "| --- | ---: | --- | --- | ---: | ---: | ---: |",
-    ]
-    for r in ordered:
-        for model in (m for m in STATS_MODELS if m in r.stats):
-            s = r.stats[model]
-            lines.append(
-                f"| {r.workload} | {r.concurrency} | {r.phase} | {model} | {_f(s['batch'], 2)} | "
-                f"{_f(s['queue_ms'], 2)} | {_f(s['compute_ms'], 2)} |"
-            )
-    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- main
@@ -951,16 +236,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from perf.lib import served as served_mod
-    from server.process import ServerError, ServerOptions, TritonServer
+    from server.process import ServerOptions, TritonServer
 
     started = time.monotonic()
 
     def say(message: str) -> None:
         print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
 
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or DEFAULT_RESULTS / f"tail-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.results_dir(args.out_dir, "tail")
     served = served_mod.served_encoder(args.precision)
     sentences = served_mod.load_sentences(SENTENCES)
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -1007,12 +290,8 @@ def run(args: argparse.Namespace) -> int:
                 f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)"
             )
             servers[phase].start()
-        for phase, server in servers.items():
-            try:
-                server.wait_ready(timeout=300)
-            except ServerError as exc:
-                say(f"    {phase}: {exc}\n{exc.log_tail}")
-                return 1
+        if not lifecycle.wait_ready(servers, say, indent="    "):
+            return 1
         if needs_gateway:
             from server.gateway import GatewayOptions, GatewayProcess
             from server.process import free_port
@@ -1103,14 +382,8 @@ def run(args: argparse.Namespace) -> int:
                             + (f" ({window.first_error})" if window.first_error else "")
                         )
     finally:
-        for phase, gateway in gateways.items():
-            gateway.stop()
-            if gateway.log_path.is_file():
-                shutil.copyfile(gateway.log_path, out_dir / f"gateway-{phase}.log")
-        for phase, server in servers.items():
-            server.stop()
-            if server.log_path.is_file():
-                shutil.copyfile(server.log_path, out_dir / f"tritonserver-{phase}.log")
+        lifecycle.stop(gateways, out_dir, "gateway")
+        lifecycle.stop(servers, out_dir)
         shutil.rmtree(workdir, ignore_errors=True)
 
     results = points(windows)
@@ -1139,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
     if args.long is None:
         header.append("- max <= 5 x P50 is a target over one long window per workload: `--long 60`")
     table = markdown(header, results, target_rows)
-    (out_dir / "summary.md").write_text(table)
+    report.write(out_dir, table)
     write_csv(out_dir / "tail.csv", [w.record() for w in windows])
     (out_dir / "targets.md").write_text("\n".join(header[:3]) + "\n\n" + targets_table(target_rows))
     write_csv(out_dir / "targets.csv", target_rows)

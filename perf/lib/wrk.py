@@ -36,10 +36,12 @@ def script(path: str, headers: Mapping[str, str], request: str, delay_ms: float 
     ``tid``, ``path`` and ``headers``) with the preamble and the ``done`` that reports."""
     lua_headers = ", ".join(f"[ {lua_string(k)} ] = {lua_string(v)}" for k, v in headers.items())
     text = (
-        "local n = 0\nlocal tid = 0\nlocal next_tid = 0\nlocal threads = {}\n"
-        f"path = '{path}'\nheaders = {{{lua_headers}}}\n"
-        "setup = function(thread)\n  next_tid = next_tid + 1; thread:set('tid_init', next_tid)"
-        "; table.insert(threads, thread)\nend\n"
+        "local n = 0\nlocal tid = 0\nlocal next_tid = 0\n"
+        + ("local threads = {}\n" if count_status else "")
+        + f"path = '{path}'\nheaders = {{{lua_headers}}}\n"
+        "setup = function(thread) next_tid = next_tid + 1; thread:set('tid_init', next_tid)"
+        + ("; table.insert(threads, thread)" if count_status else "")
+        + " end\n"
         "init = function(args) tid = tid_init or 0; math.randomseed(os.time() + tid) end\n" + request
     )
     if delay_ms is not None:

@@ -1,0 +1,36 @@
+"""What a benchmark's report is made of: its results folder (``--out-dir`` or perf/results/<kind>-<UTC
+time>), the summary it writes there (summary.md, and results.json with the raw figures where it has
+them) and the way a figure is printed in its tables."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from perf.lib.paths import RESULTS
+
+STAMP = "%Y%m%d-%H%M%S"
+
+
+def results_dir(out_dir: Path | None, kind: str, stamp: str = STAMP) -> Path:
+    """``out_dir``, else perf/results/<kind>-<UTC time as ``stamp``>; created."""
+    path = out_dir or RESULTS / f"{kind}-{dt.datetime.now(dt.UTC).strftime(stamp)}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write(out_dir: Path, summary: str, data: object | None = None, name: str = "summary.md") -> Path:
+    """``summary`` (markdown) as ``out_dir/name``, and ``data`` (when given) as out_dir/results.json."""
+    path = out_dir / name
+    path.write_text(summary)
+    if data is not None:
+        (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=str))
+    return path
+
+
+def fmt(value: float | None, digits: int = 1, missing: str = "", thousands: bool = False) -> str:
+    """A figure with ``digits`` decimals (``thousands``: with a comma every three digits); ``missing`` for None."""
+    if value is None:
+        return missing
+    return f"{value:,.{digits}f}" if thousands else f"{value:.{digits}f}"
