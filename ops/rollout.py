@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -51,6 +50,16 @@ from pathlib import Path
 from typing import Any
 
 from contract.errors import ConfigError
+from ops.canary import (
+    FLUSH_WAIT_S,
+    Verdict,
+    call_counts,
+    calls_between,
+    judge,
+    latency_buckets,
+    p99_between,
+)
+from ops.configs import config_from_disk
 from ops.repository import ROOT, AnyRepositoryClient, ReplicatedRepositoryClient, RepositoryError, connect
 from python_backends.routing.ensemble import ROUTED, describe_form, direct_form, form_of, routed_form
 from python_backends.routing.weights import RoutingError, format_weights, parse_weights, validate_weights
@@ -207,38 +216,6 @@ def served_weights(client: AnyRepositoryClient, router: str) -> dict:
     return parse_weights(raw, f"{router} parameter 'weights'")
 
 
-def config_path(repository: Path, model: str, config_name: str | None) -> Path:
-    """The config file Triton loads for ``model``: ``configs/<name>.pbtxt`` if present, else config.pbtxt."""
-    folder = Path(repository) / model
-    custom = folder / "configs" / f"{config_name}.pbtxt" if config_name else None
-    return custom if custom is not None and custom.is_file() else folder / "config.pbtxt"
-
-
-def config_from_disk(repository: Path, model: str, config_name: str | None) -> dict:
-    """The config Triton would load for ``model`` (``configs/<name>.pbtxt`` if present), as JSON."""
-    return config_from_text(config_path(repository, model, config_name).read_text(encoding="utf-8"), model)
-
-
-def config_from_text(text: str, model: str) -> dict:
-    """A config.pbtxt's text in Triton's JSON form (a load override), named ``model`` if it names none."""
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
-
-    message = text_format.Parse(text, model_config_pb2.ModelConfig())
-    if not message.name:
-        message.name = model
-    return json_format.MessageToDict(message, preserving_proto_field_name=True)
-
-
-def config_text(config: dict) -> str:
-    """A config in Triton's JSON form as config.pbtxt text (e.g. the routed form of
-    text_embedding for a repository that serves it side by side)."""
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
-
-    return text_format.MessageToString(json_format.ParseDict(config, model_config_pb2.ModelConfig()))
-
-
 @dataclass(frozen=True)
 class LoadPlan:
     """What a (re)started server loads from a state file: the encoder's versions, the weights
@@ -286,133 +263,6 @@ def load_plan(path: Path) -> LoadPlan | None:
     if state is None:
         return None
     return LoadPlan(state.encoder, state.router, tuple(state.loaded), dict(state.weights), state.entry, state.routed())
-
-
-# ---------------------------------------------------------------- judging a step
-
-
-LATENCY_METRIC = "canary_encoder_call_ms"  # = python_backends.routing.router.LATENCY_METRIC
-CALLS_METRIC = "canary_encoder_calls_total"  # = python_backends.routing.router.CALLS_METRIC
-# The router adds up its calls in the process and flushes them to the metrics port every
-# 0.5 s (python_backends.routing.router.FLUSH_INTERVAL_S): a read right at a step's end misses
-# up to that much of its traffic, so the final read of a step waits past it.
-FLUSH_WAIT_S = 1.0
-_BUCKET = re.compile(r"^(\w+)_bucket\{([^}]*)\}\s+(\S+)", re.M)
-_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\}\s+(\S+)", re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def call_counts(metrics_text: str, model: str, metric: str = CALLS_METRIC) -> dict[tuple[int, str, str], float]:
-    """The router's call counters for ``model``: {(version, router instance, result): count}."""
-    out = {}
-    for name, labels, value in _SAMPLE.findall(metrics_text):
-        if name != metric:
-            continue
-        tags = dict(_LABEL.findall(labels))
-        if tags.get("model") == model and "version" in tags:
-            out[(int(tags["version"]), tags.get("instance", ""), tags.get("result", ""))] = float(value)
-    return out
-
-
-def calls_between(before: dict, after: dict, version: int) -> tuple[int, int]:
-    """(ok, error) calls of ``version`` between two ``call_counts`` snapshots (per-series deltas:
-    a reloaded router's new series count whole)."""
-    totals = {"ok": 0.0, "error": 0.0}
-    for (v, instance, result), count in after.items():
-        if v == version and result in totals:
-            totals[result] += count - before.get((v, instance, result), 0.0)
-    return int(totals["ok"]), int(totals["error"])
-
-
-def latency_buckets(metrics_text: str, model: str, metric: str = LATENCY_METRIC) -> dict[tuple[int, str], dict[float, float]]:
-    """The router's latency histograms for ``model``: {(version, router instance): {le: cumulative count}}."""
-    out: dict[tuple[int, str], dict[float, float]] = {}
-    for name, labels, value in _BUCKET.findall(metrics_text):
-        if name != metric:
-            continue
-        tags = dict(_LABEL.findall(labels))
-        if tags.get("model") != model or "version" not in tags:
-            continue
-        le = math.inf if tags.get("le") in ("+Inf", "inf") else float(tags.get("le", "nan"))
-        out.setdefault((int(tags["version"]), tags.get("instance", "")), {})[le] = float(value)
-    return out
-
-
-def p99_between(before: dict, after: dict, version: int, quantile: float = 0.99) -> tuple[float | None, int]:
-    """(P99 in ms, observations) of ``version`` between two ``latency_buckets`` snapshots,
-    summed over router instances: a series is one router process (reloads start new ones), so
-    a series only in ``after`` counts whole and one that went away is ignored. The result is
-    the upper bound of the bucket holding the quantile (Prometheus' histogram_quantile without
-    interpolation)."""
-    delta: dict[float, float] = {}
-    for (v, instance), buckets in after.items():
-        if v != version:
-            continue
-        old = before.get((v, instance), {})
-        for le, count in buckets.items():
-            delta[le] = delta.get(le, 0.0) + count - old.get(le, 0.0)
-    total = delta.get(math.inf, max(delta.values(), default=0.0))
-    if total <= 0:
-        return None, 0
-    finite = [le for le in sorted(delta) if le != math.inf]
-    for le in finite:
-        if delta[le] >= quantile * total:
-            return le, int(total)
-    return (finite[-1] if finite else None), int(total)
-
-
-@dataclass
-class Verdict:
-    ok: bool
-    judged: bool
-    reason: str
-    figures: dict
-
-
-def judge(
-    ok_n: int,
-    fail_n: int,
-    candidate: int,
-    stable_p99_ms: float | None,
-    candidate_p99_ms: float | None,
-    thresholds: Thresholds,
-    final: bool,
-) -> Verdict:
-    """One check of the canary from its encoder calls in the step so far (succeeded, failed).
-    The error rate is judged as soon as enough calls were seen; the P99 only at the end of a
-    step (``final``), when the window holds the step's traffic."""
-    total = ok_n + fail_n
-    figures = {
-        "calls": int(total),
-        "failed": int(fail_n),
-        "error_rate": round(fail_n / total, 4) if total else None,
-        "p99_ms": None if candidate_p99_ms is None else round(candidate_p99_ms, 2),
-        "stable_p99_ms": None if stable_p99_ms is None else round(stable_p99_ms, 2),
-    }
-    if total < thresholds.min_requests:
-        return Verdict(
-            True, False, f"{int(total)} calls of version {candidate}, fewer than {thresholds.min_requests}: not judged", figures
-        )
-    rate = fail_n / total
-    if rate > thresholds.max_error_rate:
-        return Verdict(
-            False,
-            True,
-            f"version {candidate} error rate {rate:.1%} ({int(fail_n)} of {int(total)}) > {thresholds.max_error_rate:.1%}",
-            figures,
-        )
-    if final and candidate_p99_ms is not None and stable_p99_ms is not None:
-        limit = max(stable_p99_ms * thresholds.p99_ratio, stable_p99_ms + thresholds.p99_slack_ms)
-        if candidate_p99_ms > limit:
-            return Verdict(
-                False,
-                True,
-                f"version {candidate} P99 {candidate_p99_ms:.1f} ms > {limit:.1f} ms "
-                f"(stable P99 {stable_p99_ms:.1f} ms x {thresholds.p99_ratio} or "
-                f"+ {thresholds.p99_slack_ms:.0f} ms)",
-                figures,
-            )
-    return Verdict(True, True, "ok", figures)
 
 
 # ---------------------------------------------------------------- commands

@@ -118,7 +118,7 @@ def pinned_lane_config(repository: Path, lane_name: str, version: int, config_na
     """The lane's config pinned to ``version``, rendered from its model's config (the variant
     ``config_name`` picks, as tritonserver would), in Triton's JSON form for a load override."""
     from export.lanes import render_config, repository_lanes
-    from ops.rollout import config_from_text, config_path
+    from ops.configs import config_from_text, config_path
 
     (lane,) = [lane for lane in repository_lanes(repository) if lane.name == lane_name]
     source = config_path(repository, lane.model, config_name)

@@ -23,7 +23,7 @@ def test_ensemble_metadata(http_client):
 
 def test_every_composing_model_batches_without_priority_levels(http_client):
     # Priority levels and queue policies stall tritonserver 2.51's batcher (docs/performance.md).
-    from ops.rollout import config_from_disk
+    from ops.configs import config_from_disk
     from server.layout import ROOT
 
     for name in ("text_tokenizer", "text_encoder_router", "text_encoder"):

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from contract.errors import ConfigError, InputError
-from python_backends.generation.engine import EngineConfig, EngineLoop, LLMEngine
+from python_backends.generation.engine import EngineConfig, LLMEngine
+from python_backends.generation.engine_loop import EngineLoop
 from python_backends.generation.sampling import SamplingParams
 from python_backends.generation.scheduler import ContextTooLong, QueueFull
 

@@ -91,7 +91,7 @@ def repo(tmp_path):
 
 def _settings(path: Path) -> dict:
     from contract.model_config import ModelConfig
-    from ops.rollout import config_from_disk
+    from ops.configs import config_from_disk
     from python_backends.generation.serving import engine_settings
 
     cfg = ModelConfig(config_from_disk(path.parents[2], "text_generation", path.stem))

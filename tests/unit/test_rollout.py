@@ -8,13 +8,13 @@ import pytest
 
 from contract.errors import ConfigError
 from ops import repository
+from ops.canary import judge
+from ops.configs import config_from_disk
 from ops.rollout import (
     RolloutState,
     Thresholds,
     UsageError,
-    config_from_disk,
     encoder_config,
-    judge,
     load_plan,
     main,
     publish,
@@ -61,7 +61,7 @@ def test_judge_error_rate_and_p99():
 
 
 def test_call_counters_per_series():
-    from ops.rollout import call_counts, calls_between
+    from ops.canary import call_counts, calls_between
 
     def text(series):
         return "\n".join(
@@ -191,7 +191,7 @@ def test_token_created_once_with_private_mode(tmp_path, monkeypatch):
 
 
 def test_p99_from_the_router_histogram_per_series():
-    from ops.rollout import latency_buckets, p99_between
+    from ops.canary import latency_buckets, p99_between
 
     def text(series):
         lines = []
@@ -665,7 +665,7 @@ def test_cluster_metrics_keep_the_replicas_series_apart():
         t.arrivals.append((0.0, 2, "router-0", 7))
     clock.now = 5.0
     client = repository.ReplicatedRepositoryClient(replicas)
-    from ops.rollout import call_counts, calls_between
+    from ops.canary import call_counts, calls_between
 
     counts = call_counts(client.metrics(), "text_encoder")
     assert len(counts) == 2 and calls_between({}, counts, 2) == (14, 0)
