@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from perf.lib import perf_analyzer as pa  # noqa: E402
-from server.process import ServerOptions, TritonServer  # noqa: E402
+from perf.lib.deployment import server_deployment  # noqa: E402
 
 DIRECT = "text_embedding"
 ROUTED = "text_embedding_routed"
@@ -46,7 +46,7 @@ def copy_repository(src: Path, dst: Path) -> None:
 
 def add_routed_ensemble(repo: Path) -> None:
     """text_embedding's routed form (ops/rollout.py puts it in front during a rollout) as a model of its own."""
-    from ops.rollout import config_from_disk, config_text
+    from ops.configs import config_from_disk, config_text
     from python_backends.routing.ensemble import routed_form
 
     config = routed_form(config_from_disk(repo, DIRECT, None))
@@ -79,11 +79,8 @@ def main(argv=None) -> int:
         if args.no_router_metrics:
             config = repo / "text_encoder_router" / "config.pbtxt"
             config.write_text(config.read_text() + 'parameters { key: "metrics" value: { string_value: "false" } }\n')
-        options = ServerOptions.with_free_ports(
-            model_repository=repo, workdir=tmp / "work", models=(ROUTED, DIRECT), model_config_name=args.precision
-        )
         results: dict[str, list[pa.Measurement]] = {ROUTED: [], DIRECT: []}
-        with TritonServer(options) as server:
+        with server_deployment((ROUTED, DIRECT), tmp / "work", model_repository=repo, model_config_name=args.precision) as server:
             for r in range(args.rounds):
                 for model in (DIRECT, ROUTED):
                     settings = pa.Settings(

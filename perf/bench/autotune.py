@@ -357,7 +357,8 @@ def summary_markdown(
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.process import ServerError, ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
+    from server.process import ServerError
 
     state = harness.new_run(args, "autotune")
     if state is None:
@@ -372,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
     workdir = Path(tempfile.mkdtemp(prefix="perf-autotune-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_config_name=served.config_name))
+    server = server_deployment((MODEL,), workdir, model_config_name=served.config_name)
     state.say(
         f"perf.bench.autotune: {ENCODER} {served.variant}, concurrency {args.concurrency}, P99 budget "
         f"{args.latency_budget_ms:g} ms, time budget {args.time_budget:.0f} s, {cores} cores, load average {load}"
@@ -443,9 +444,7 @@ def run(args: argparse.Namespace) -> int:
                 settings = harness.RateSettings(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)}, request_rate=rate)
                 harness.measure(state, rate_row, settings, 0)
     finally:
-        server.stop()
-        if server.log_path.is_file():
-            shutil.copyfile(server.log_path, out_dir / "tritonserver.log")
+        server.stop(logs_to=out_dir)
         shutil.rmtree(workdir, ignore_errors=True)
 
     header = [

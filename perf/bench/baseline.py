@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
 
 def start_server(args: argparse.Namespace, deadline: float):
     """Export if needed, start a tritonserver on free ports; (server, url) or (None, None) after a failure."""
-    from server.process import ServerError, ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
+    from server.process import ServerError
 
     if not args.no_export:
         from export import __main__ as export_main
@@ -234,8 +235,8 @@ def start_server(args: argparse.Namespace, deadline: float):
             say("perf.bench.baseline: export failed")
             return None, None
     workdir = Path(tempfile.mkdtemp(prefix="perf-baseline-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(args.model,)))
-    say(f"perf.bench.baseline: starting tritonserver (log {server.log_path})")
+    server = server_deployment((args.model,), workdir)
+    say(f"perf.bench.baseline: starting tritonserver (log {server.triton.log_path})")
     server.start()
     try:
         server.wait_ready(timeout=max(deadline - time.monotonic(), 1.0))

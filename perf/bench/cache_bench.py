@@ -192,24 +192,22 @@ def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: in
 
 def start(models: tuple[str, ...], cache_mb: int, env: dict[str, str], precision: str):
     from export import variants
+    from perf.lib.deployment import server_deployment
     from server.layout import ROOT
-    from server.process import ServerOptions, TritonServer
 
     repo = ROOT / "model_repository"
     local = tuple(v for v in variants.VARIANTS if v != "trt_plan")
     config_name, served = variants.resolve_precision(repo, ["text_encoder"], precision, loadable=local)
-    server = TritonServer(
-        ServerOptions.with_free_ports(
-            workdir=Path(tempfile.mkdtemp(prefix="cache-bench-")),
-            models=models,
-            cache_size_bytes=cache_mb << 20,
-            model_config_name=config_name,
-            env=env,
-        )
+    server = server_deployment(
+        models,
+        Path(tempfile.mkdtemp(prefix="cache-bench-")),
+        cache_size_bytes=cache_mb << 20,
+        model_config_name=config_name,
+        env=env,
     )
     say(
         f"cache_bench: starting tritonserver ({', '.join(models)}; text_encoder={served['text_encoder']}; "
-        f"response cache {cache_mb} MiB; log {server.log_path})"
+        f"response cache {cache_mb} MiB; log {server.triton.log_path})"
     )
     return server.__enter__(), served["text_encoder"]
 

@@ -23,12 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from clients import AsyncEmbeddingClient
 from clients.embeddings import build_request, read_embeddings
 from clients.resilience import EndpointPool, Retrier
-from perf.lib.stats import percentile_of
+from perf.bench.frontdoor_cost import latency_ms, tritonclient_load
 
 MODEL = "text_embedding"
 
@@ -79,26 +77,7 @@ async def _raw(protocol: str, url: str, concurrency: int, seconds: float) -> lis
         import tritonclient.http.aio as module
     else:
         import tritonclient.grpc.aio as module
-    client = module.InferenceServerClient(url)
-    latencies: list[float] = []
-    deadline = time.perf_counter() + seconds
-
-    async def worker(w: int) -> None:
-        n = 0
-        while time.perf_counter() < deadline:
-            tensor = module.InferInput("TEXT", [1, 1], "BYTES")
-            tensor.set_data_from_numpy(np.array([[f"retry cost {w} {n}".encode()]], dtype=object))
-            started = time.perf_counter()
-            result = await client.infer(MODEL, [tensor])
-            result.as_numpy("EMBEDDING")
-            latencies.append(time.perf_counter() - started)
-            n += 1
-
-    try:
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    finally:
-        await client.close()
-    return latencies
+    return await tritonclient_load(module, url, concurrency, seconds, "retry cost", output="EMBEDDING")
 
 
 class UnwrappedClient(AsyncEmbeddingClient):
@@ -137,14 +116,7 @@ async def _client_load(cls, protocol: str, url: str, concurrency: int, seconds: 
 
 
 def summarize(latencies: list[float], seconds: float) -> dict:
-    ms = np.array(latencies) * 1000.0
-    return {
-        "calls": len(ms),
-        "calls_per_s": len(ms) / seconds,
-        "p50_ms": float(percentile_of(list(ms), 50)),
-        "p99_ms": float(percentile_of(list(ms), 99)),
-        "max_ms": float(ms.max()),
-    }
+    return {"calls": len(latencies), "calls_per_s": len(latencies) / seconds, **latency_ms(latencies)}
 
 
 def against_server(server, concurrency: int, seconds: float, rounds: int) -> dict:
@@ -203,13 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the figures here")
     args = p.parse_args(argv)
 
+    from perf.lib.deployment import server_deployment
     from server.layout import ROOT
-    from server.process import ServerOptions, TritonServer
 
     micro = in_process()
     workdir = Path(tempfile.mkdtemp(prefix="client-retry-cost-"))
-    options = ServerOptions.with_free_ports(model_repository=ROOT / "model_repository", workdir=workdir, models=(MODEL,))
-    with TritonServer(options) as server:
+    with server_deployment((MODEL,), workdir, model_repository=ROOT / "model_repository") as server:
         results = against_server(server, args.concurrency, args.seconds, args.rounds)
     print(table(results, micro, args.concurrency))
     if args.json:

@@ -259,7 +259,8 @@ def _encoder_note(row: Row) -> None:
 
 
 def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
-    from server.process import ServerError, ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
+    from server.process import ServerError
 
     a = run.args
     c, cb = a.concurrency, a.batching_concurrency
@@ -276,7 +277,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
         run.rows.append(skipped(off_key, off_system, "grpc", f"concurrency {cb}", "time budget used up"))
         return
     workdir = Path(tempfile.mkdtemp(prefix="perf-compare-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_config_name=served.config_name))
+    server = server_deployment((MODEL,), workdir, model_config_name=served.config_name)
     run.say(f"(c) tritonserver: starting ({MODEL}, --model-config-name={served.config_name or '(none: FP32)'})")
     server.start()
     try:
@@ -344,9 +345,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
             _encoder_note(row)
             run.rows.append(row)
     finally:
-        server.stop()
-        if server.log_path.is_file():
-            shutil.copyfile(server.log_path, run.out_dir / "tritonserver.log")
+        server.stop(logs_to=run.out_dir)
         shutil.rmtree(workdir, ignore_errors=True)
         run.say("    tritonserver stopped")
 

@@ -60,6 +60,15 @@ async def _drive(protocol: str, url: str, concurrency: int, seconds: float) -> l
         import tritonclient.http.aio as client_mod
     else:
         import tritonclient.grpc.aio as client_mod
+    return await tritonclient_load(client_mod, url, concurrency, seconds, "front door cost")
+
+
+async def tritonclient_load(
+    client_mod, url: str, concurrency: int, seconds: float, prefix: str, output: str | None = None
+) -> list[float]:
+    """``concurrency`` workers sending MODEL one text each through tritonclient's asyncio module
+    ``client_mod`` for ``seconds`` (reading ``output`` of each answer when named); the latencies.
+    perf.bench.client_retry_cost's raw path too."""
     client = client_mod.InferenceServerClient(url)
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
@@ -69,9 +78,11 @@ async def _drive(protocol: str, url: str, concurrency: int, seconds: float) -> l
         while time.perf_counter() < deadline:
             tensor = client_mod.InferInput("TEXT", [1, 1], "BYTES")
             # A distinct text per request: no response cache in text_embedding's path hides the cost.
-            tensor.set_data_from_numpy(np.array([[f"front door cost {w} {n}".encode()]], dtype=object))
+            tensor.set_data_from_numpy(np.array([[f"{prefix} {w} {n}".encode()]], dtype=object))
             started = time.perf_counter()
-            await client.infer(MODEL, [tensor])
+            result = await client.infer(MODEL, [tensor])
+            if output is not None:
+                result.as_numpy(output)
             latencies.append(time.perf_counter() - started)
             n += 1
 
@@ -82,15 +93,18 @@ async def _drive(protocol: str, url: str, concurrency: int, seconds: float) -> l
     return latencies
 
 
-def summarize(latencies: list[float], seconds: float) -> dict:
+def latency_ms(latencies: list[float]) -> dict:
+    """P50, P99 and max of ``latencies`` (seconds), in ms (perf.bench.client_retry_cost's too)."""
     ms = np.array(latencies) * 1000.0
     return {
-        "requests": len(ms),
-        "rps": len(ms) / seconds,
         "p50_ms": float(percentile_of(list(ms), 50)),
         "p99_ms": float(percentile_of(list(ms), 99)),
         "max_ms": float(ms.max()),
     }
+
+
+def summarize(latencies: list[float], seconds: float) -> dict:
+    return {"requests": len(latencies), "rps": len(latencies) / seconds, **latency_ms(latencies)}
 
 
 def measure(server, concurrency: int, seconds: float, rounds: int) -> dict:
@@ -143,13 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the figures here")
     args = p.parse_args(argv)
 
+    from perf.lib.deployment import server_deployment
     from server.layout import ROOT
-    from server.process import ServerOptions, TritonServer
 
     workdir = Path(tempfile.mkdtemp(prefix="frontdoor-cost-"))
-    options = ServerOptions.with_free_ports(model_repository=ROOT / "model_repository", workdir=workdir, models=(MODEL,))
-    with TritonServer(options) as server:
-        results = measure(server, args.concurrency, args.seconds, args.rounds)
+    with server_deployment((MODEL,), workdir, model_repository=ROOT / "model_repository") as server:
+        results = measure(server.triton, args.concurrency, args.seconds, args.rounds)
     print(table(results, args.concurrency))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -86,14 +86,10 @@ def make_repository(root: Path) -> Path:
 def served(requests: int, rounds: int) -> dict:
     import tritonclient.grpc as grpcclient
 
-    from server.process import ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
 
     tmp = Path(tempfile.mkdtemp(prefix="metrics-cost-"))
-    server = TritonServer(
-        ServerOptions.with_free_ports(
-            model_repository=make_repository(tmp), workdir=tmp / "work", models=(MODEL, OFF), front_door=False
-        )
-    )
+    server = server_deployment((MODEL, OFF), tmp / "work", model_repository=make_repository(tmp), front_door=False)
     server.start()
     try:
         server.wait_ready(timeout=120)
@@ -148,16 +144,14 @@ def summaries(requests: int, rounds: int) -> dict:
     mean request time (nv_inference_request_duration_us / requests) and the client's P50 / P99."""
     import tritonclient.grpc as grpcclient
 
-    from server.process import ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
 
     tmp = Path(tempfile.mkdtemp(prefix="summary-cost-"))
     servers = {}
     try:
         for label, summarised in (("summaries on", True), ("summaries off", False)):
-            servers[label] = TritonServer(
-                ServerOptions.with_free_ports(
-                    workdir=tmp / label.replace(" ", "-"), models=(MODEL,), front_door=False, summary_latencies=summarised
-                )
+            servers[label] = server_deployment(
+                (MODEL,), tmp / label.replace(" ", "-"), front_door=False, summary_latencies=summarised
             )
             servers[label].start()
         for server in servers.values():
@@ -228,13 +222,13 @@ def fill_rates(requests: int, concurrency: int, seed: int = 7) -> dict:
 
     import tritonclient.http as httpclient
 
+    from perf.lib.deployment import server_deployment
     from python_backends.padding_metrics import BATCH_SIZE, PADDED_TOKENS, REAL_TOKENS
-    from server.process import ServerOptions, TritonServer
 
     words = TEXT.lower().split() + "and then the market in spring was quiet again for most traders".split()
     rng = random.Random(seed)
     tmp = Path(tempfile.mkdtemp(prefix="fill-rate-"))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=tmp, models=("text_embedding",), front_door=False))
+    server = server_deployment(("text_embedding",), tmp, front_door=False)
     server.start()
     sample = re.compile(r"^(\w+)\{([^}]*)\}\s+(\S+)", re.M)
 

@@ -480,7 +480,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     from export.variants import resolve_precision
-    from server.process import ServerError, ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
+    from server.process import ServerError
 
     config_name, served = resolve_precision(REPOSITORY, [EXPORT_NAMES[m] for m in args.models], args.precision)
     loads = workloads(args, out_dir)
@@ -494,9 +495,7 @@ def run(args: argparse.Namespace) -> int:
 
     points: list[Point] = []
     workdir = Path(tempfile.mkdtemp(prefix="perf-sweep-"))
-    server = TritonServer(
-        ServerOptions.with_free_ports(workdir=workdir, models=tuple(args.models), model_config_name=config_name)
-    )
+    server = server_deployment(args.models, workdir, model_config_name=config_name)
     say(
         f"tritonserver: starting ({', '.join(args.models)}; --model-config-name={config_name or '(none: FP32)'}; served {served})"
     )
@@ -516,9 +515,7 @@ def run(args: argparse.Namespace) -> int:
             url = server.grpc_url if protocol == "grpc" else server.http_url
             points += run_sweep(sweep_run, w, protocol, url)
     finally:
-        server.stop()
-        if server.log_path.is_file():
-            shutil.copyfile(server.log_path, out_dir / "tritonserver.log")
+        server.stop(logs_to=out_dir)
         shutil.rmtree(workdir, ignore_errors=True)
         say("tritonserver: stopped")
 

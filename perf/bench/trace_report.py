@@ -199,7 +199,7 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
     from perf.lib import harness
     from perf.lib import perf_analyzer as pa
     from perf.lib import served as served_mod
-    from server.process import ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
 
     served = served_mod.served_encoder(args.precision)
     extra = (
@@ -209,9 +209,7 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
         "--trace-config=count=-1",
     )
     workdir = Path(tempfile.mkdtemp(prefix="perf-trace-"))
-    server = TritonServer(
-        ServerOptions.with_free_ports(workdir=workdir, models=(MODEL,), model_config_name=served.config_name, extra_args=extra)
-    )
+    server = server_deployment((MODEL,), workdir, model_config_name=served.config_name, extra_args=extra)
     server.start()
     try:
         server.wait_ready(timeout=240)

@@ -1,7 +1,9 @@
-"""The deployment the whole-system tools measure, started with the launcher's code
-(server/deployment.py): tritonserver behind the nginx front door (Triton's response cache at the
+"""The deployments the perf tools start, with the launcher's code (server/deployment.py), so no
+tool constructs a TritonServer itself. ``start_deployment``: the whole system the whole-system
+tools measure, tritonserver behind the nginx front door (Triton's response cache at the
 launcher's default size), Redis as text_embedding_cached's L2 when asked for and installed, and
-one OpenAI gateway."""
+one OpenAI gateway. ``server_deployment``: tritonserver alone with the options a benchmark asks
+for (models, precision variant, response cache, env, front door or not)."""
 
 from __future__ import annotations
 
@@ -44,3 +46,13 @@ def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: 
         deployment.stop()
         raise
     return deployment
+
+
+def server_deployment(models: Sequence[str], workdir: Path, *, echo=None, **options) -> Deployment:
+    """tritonserver alone (its front door on unless ``front_door=False``) on free ports, as a
+    Deployment not yet started: ``options`` are ServerOptions' (cache_size_bytes,
+    model_config_name, env, extra_args, ...). Call start()/wait_ready()/stop(), or use it as a
+    context manager (started and ready inside, stopped after); ``deployment.triton`` is the
+    tritonserver (its process, log_path, internal URLs)."""
+    server = ServerOptions.with_free_ports(workdir=workdir, models=tuple(models), **options)
+    return Deployment(DeploymentOptions(server), echo=echo)
