@@ -24,6 +24,7 @@ import pytest
 
 from perf.drills import failover_bench
 from tests.integration.plain_clients import PlainClients
+from tests.metrics_text import metric_sum, scrape
 
 MODELS = ("text_embedding", "text_embedding_cached")
 KEY = "sk-test-cluster-key-0123456789"
@@ -119,12 +120,8 @@ def test_sigkill_of_a_replica_under_load_fails_no_request_and_it_serves_again(cl
 
 def _gateway_embeddings_ok(port: int) -> int:
     """/v1/embeddings answered 200 by one gateway process (its own /metrics)."""
-    import re
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    found = re.findall(r'^gateway_requests_total\{(?=[^}]*route="/v1/embeddings")(?=[^}]*status="200")[^}]*\} (\S+)$', text, re.M)
-    return int(sum(float(v) for v in found))
+    text = scrape(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    return int(metric_sum(text, "gateway_requests_total", route="/v1/embeddings", status="200"))
 
 
 def test_sigkill_of_a_gateway_under_openai_sdk_load_fails_no_request_and_it_serves_again(cluster):
