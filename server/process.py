@@ -23,7 +23,7 @@ from typing import TextIO
 
 from ops.repository import TOKEN_HEADER
 from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts
-from server.grpc_door import GrpcDoor
+from server.grpc_door_process import GrpcDoor
 from server.layout import ROOT, ServerLayout, prepare
 from server.models import DEFAULT_MODELS, closure, default_models, with_dependencies  # noqa: F401 (tests, perf/)
 from server.repository_prep import Prepared

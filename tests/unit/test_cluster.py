@@ -9,19 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from server.cluster import (
-    DOWN,
-    PROMETHEUS_TEMPLATE,
-    READY,
-    Backoff,
-    Cluster,
-    ClusterOptions,
-    Gateway,
-    Replica,
-    render_prometheus,
-    rule_files,
-)
+from server.cluster import Cluster
+from server.cluster_parts import DOWN, READY, Backoff, ClusterOptions, Gateway, Replica
 from server.process import ServerOptions
+from server.prometheus import PROMETHEUS_TEMPLATE, render_prometheus, rule_files
 
 PROMTOOL = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
 
@@ -106,7 +97,7 @@ def test_a_replica_is_listed_once_ready_and_stays_listed_while_it_restarts():
 def test_the_options_table_of_docs_cluster_matches_the_code():
     import re
 
-    from server.cluster import build_parser
+    from server.cluster_cli import build_parser
     from server.layout import ROOT
 
     rows = [line for line in (ROOT / "docs" / "cluster.md").read_text().splitlines() if line.startswith("| `--")]
