@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from perf.lib import report
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.stats import percentile_of
 
 MODEL = "text_generation"
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from perf.bench.generate_bench import resolve_precision, served_engine_settings
+    from perf.lib.generation_systems import resolve_precision, served_engine_settings
     from python_backends.generation.engine import EngineConfig, LLMEngine
     from python_backends.generation.model_runner import DTYPES, LlamaWeights
 
@@ -163,9 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for name, k in (("none", 0), ("drafts", args.k))
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out_dir = args.out_dir or DEFAULT_RESULTS / f"speculative-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.results_dir(args.out_dir, "speculative")
     kinds = {"quote": quote_prompts(tok), "chat": chat_prompts(tok, args.requests)}
     streams = [int(s) for s in args.streams.split(",")]
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -227,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         "Command: `python -m perf.bench.speculative_bench " + " ".join(sys.argv[1:] if argv is None else argv) + "`",
     ]
-    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    report.write(out_dir, "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out_dir}")
     return 0

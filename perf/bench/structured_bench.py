@@ -18,7 +18,6 @@ the schema, and what enforcing costs in tokens/s at 16 streams.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import itertools
 import sys
 import tempfile
@@ -27,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
+from perf.lib import report
 from perf.lib.harness import write_csv
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.stats import median, percentile
 
 MODEL = "text_generation"
@@ -191,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['kind']:<12} {r['tokens_per_s']:>9.1f} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} {r['max_s']:>7.2f}")
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     print(f"  guided / unguided tokens/s: {ratio:.2f} (target >= {TARGET})")
-    results = args.results or DEFAULT_RESULTS / f"structured-{dt.datetime.now(dt.UTC).strftime('%Y%m%d-%H%M%S')}"
-    results.mkdir(parents=True, exist_ok=True)
+    results = report.results_dir(args.results, "structured")
     write_csv(results / "structured_cost.csv", rows)
     write_csv(
         results / "structured_validity.csv",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import datetime as dt
 import json
 import re
 import time
@@ -23,9 +22,9 @@ from typing import TypeVar, overload
 from ops import repository
 from ops.repository import RepositoryClient
 from perf.lib import perf_analyzer as pa
+from perf.lib import report, triton_stats
 from perf.lib import served as served_mod
-from perf.lib import triton_stats
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.paths import RESULTS as DEFAULT_RESULTS  # noqa: F401 (perf.bench.trace_report reads it here)
 
 MODEL = "text_embedding"
 ENCODER = "text_encoder"
@@ -279,7 +278,4 @@ def new_run(args: argparse.Namespace, kind: str, run_class: type[Run] = Run) -> 
     except pa.PerfAnalyzerNotAvailable as exc:
         print(f"perf.bench.{kind}: {exc}", flush=True)
         return None
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or DEFAULT_RESULTS / f"{kind}-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return run_class(args, out_dir, deadline, binary, env)
+    return run_class(args, report.results_dir(args.out_dir, kind), deadline, binary, env)
