@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from server.models import closure, variant_models, with_dependencies
 
 if TYPE_CHECKING:
-    from ops.rollout import LoadPlan
+    from ops.load_plan import LoadPlan
 
 
 def export_missing(repository: Path) -> bool:
@@ -56,10 +56,10 @@ def resolve_precision(
 
 
 def rollout_plan(rollout_state: Path | None):
-    """The rollout state's load plan (ops.rollout.LoadPlan), or None without a state file."""
+    """The rollout state's load plan (ops.load_plan.LoadPlan), or None without a state file."""
     if rollout_state is None or not Path(rollout_state).is_file():
         return None
-    from ops.rollout import load_plan
+    from ops.load_plan import load_plan
 
     return load_plan(Path(rollout_state))
 

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from contract.errors import INVALID, parse_error
 from tests.integration.conftest import unload_and_wait
 
 HUGE = 1 << 40  # 1099511627776
@@ -124,6 +125,17 @@ def test_malformed_json_request_is_refused_with_400_naming_the_field(triton, cas
     status, answer = _post(triton.http_url, body, path=path)
     assert status == 400, (status, answer[:300])
     assert field in json.loads(answer)["error"], answer
+
+
+@pytest.mark.parametrize("case", ["bytes_huge_batch_overflows", "wrong_datatype", "data_bigger_than_shape", "inputs_not_array"])
+def test_the_front_doors_refusal_carries_its_code_and_field_as_data(triton, case):
+    """As the models' errors and the gRPC door's refusals do (contract/errors.py): one reader for all."""
+    body, field = JSON_CASES[case]
+    status, answer = _post(triton.http_url, body)
+    data = parse_error(json.loads(answer)["error"])
+    assert data is not None, answer
+    assert (data.code, data.values, data.http_status) == (INVALID, {"status": 400}, status), answer
+    assert data.field is not None and field in data.field and field in data.message, answer
 
 
 BINARY_CASES = {

@@ -10,12 +10,12 @@ from contract.errors import ConfigError
 from ops import repository
 from ops.canary import judge
 from ops.configs import config_from_disk
+from ops.load_plan import load_plan
 from ops.rollout import (
     RolloutState,
     Thresholds,
     UsageError,
     encoder_config,
-    load_plan,
     main,
     publish,
     router_config,
