@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from export import generation, image_classifier, text_encoder
+from server.deployment import Deployment, DeploymentOptions
 from server.layout import ROOT
 from server.process import ServerError, ServerOptions, TritonServer
 
@@ -38,18 +39,19 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
     extra = {"models": models} if models else {}
     # The monitored form (as serve-cluster, compose and Kubernetes run it): the rules' quantiles exist.
     options = {"model_repository": REPOSITORY, "workdir": workdir, "summary_latencies": True, **extra, **options}
-    server = TritonServer(ServerOptions.with_free_ports(**options))
-    server.start()
+    deployment = Deployment(DeploymentOptions(ServerOptions.with_free_ports(**options)))
+    server = deployment.triton
+    deployment.start()
     _RUNNING.append(server)
     try:
         try:
-            server.wait_ready(timeout=float(os.environ.get("TRITON_READY_TIMEOUT", "300")))
+            deployment.wait_ready(timeout=float(os.environ.get("TRITON_READY_TIMEOUT", "300")))
         except ServerError as exc:
             pytest.fail(f"{exc}\n--- server log ---\n{exc.log_tail}", pytrace=False)
         yield server
     finally:
         _RUNNING.remove(server)
-        server.stop()
+        deployment.stop()
         if os.environ.get("TRITON_KEEP_WORKDIR") != "1":
             shutil.rmtree(workdir, ignore_errors=True)
 

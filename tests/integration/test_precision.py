@@ -10,7 +10,8 @@ import tritonclient.http as httpclient
 
 from export import reference, variants
 from export.texts import heldout_texts
-from server.process import ServerOptions, TritonServer
+from server.deployment import Deployment, DeploymentOptions
+from server.process import ServerOptions
 
 REPO = variants.GATES_FILE.parent.parent / "model_repository"
 
@@ -21,10 +22,12 @@ def _serve_auto(variant_model: str, served_model: str, prefix: str):
         pytest.skip(f"no gated variants of {variant_model}: run `python -m export` (make test does)")
     config_name, served = variants.resolve_precision(REPO, [variant_model], "auto", gpu=False)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
-    server = TritonServer(ServerOptions.with_free_ports(workdir=workdir, models=(served_model,), model_config_name=config_name))
+    deployment = Deployment(
+        DeploymentOptions(ServerOptions.with_free_ports(workdir=workdir, models=(served_model,), model_config_name=config_name))
+    )
     try:
-        with server:
-            yield server, served
+        with deployment:
+            yield deployment.triton, served
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
