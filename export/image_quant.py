@@ -168,12 +168,12 @@ def input_means(model, names: Sequence[str], pixels: np.ndarray, batch_size: int
     options = ort.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(probe.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
-    sums: dict[str, np.ndarray] = {name: np.zeros(()) for name in names}  # per-channel sums, broadcast on the first add
+    sums: dict[str, float | np.ndarray] = {name: 0.0 for name in names}  # per-channel ndarrays after the first batch
     for batch in image_data.batches(np.ascontiguousarray(pixels, dtype=np.float32), batch_size):
         for name, value in zip(names, session.run(list(names), {INPUT: batch})):
             axes = tuple(i for i in range(value.ndim) if i != 1)
             sums[name] = sums[name] + value.astype(np.float64).mean(axis=axes) * len(batch)
-    return {name: total / len(pixels) for name, total in sums.items()}
+    return {name: np.asarray(total / len(pixels)) for name, total in sums.items()}
 
 
 def correct_biases(float_path: Path, quantized_path: Path, dst: Path, calibration: np.ndarray) -> int:
