@@ -24,7 +24,7 @@ COLD_PASS_LIMIT_S = 120.0  # the longest a stream window waits for every prompt'
 
 
 @dataclass
-class Window:
+class Window(load.TailRatios):
     """One measured window: one phase, one workload, one concurrency, one round."""
 
     phase: str
@@ -49,14 +49,6 @@ class Window:
     machine_cores: float | None = None  # every process of the machine (neighbours included)
     first_error: str = ""
     stats: dict = field(default_factory=dict)  # model -> mean batch, queue and compute ms per request
-
-    @property
-    def p99_over_p50(self) -> float | None:
-        return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
-
-    @property
-    def max_over_p50(self) -> float | None:
-        return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
 
     def record(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "stats"}

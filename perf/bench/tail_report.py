@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from perf.bench.tail_measure import Window
 from perf.bench.tail_workloads import HIT_WORKLOADS, STATS_MODELS, STREAM_WORKLOADS, WORKLOADS
+from perf.lib import load
 from perf.lib.stats import median
 
 TARGET_MAX_OVER_P50 = 5.0
@@ -18,7 +19,7 @@ TARGET_P99_OVER_P50 = 3.0
 
 
 @dataclass
-class Point:
+class Point(load.TailRatios):
     """The rounds of one phase, workload and concurrency: medians, and the largest max."""
 
     phase: str
@@ -41,14 +42,6 @@ class Point:
     ttft_p99_ms: float | None = None
     ttft_max_ms: float | None = None
     gateway_cores: float | None = None
-
-    @property
-    def p99_over_p50(self) -> float | None:
-        return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
-
-    @property
-    def max_over_p50(self) -> float | None:
-        return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
 
 
 def points(windows: Sequence[Window]) -> list[Point]:

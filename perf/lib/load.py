@@ -71,3 +71,19 @@ def figures(latencies_s: Sequence[float], seconds: float) -> tuple[float | None,
     """(requests/s, P50, P99, max in ms) of a window's latencies (seconds; at least one)."""
     ms = sorted(x * 1000.0 for x in latencies_s)
     return (len(ms) / seconds if seconds > 0 else None), percentile(ms, 50), percentile(ms, 99), ms[-1]
+
+
+class TailRatios:
+    """P99 and max over P50 of a dataclass with ``p50_ms``, ``p99_ms`` and ``max_ms`` (a window, a point)."""
+
+    p50_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+
+    @property
+    def p99_over_p50(self) -> float | None:
+        return self.p99_ms / self.p50_ms if self.p99_ms and self.p50_ms else None
+
+    @property
+    def max_over_p50(self) -> float | None:
+        return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
