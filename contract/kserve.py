@@ -40,3 +40,5 @@ TYPED_FIELD = {
 }
 TYPED_FIELDS = tuple(sorted(set(TYPED_FIELD.values())))
 MAX_RANK = 16  # dimensions of a tensor's shape
+# config.pbtxt's TYPE_* names as the KServe protocol spells them (TYPE_STRING is BYTES).
+CONFIG_DATATYPES = {"TYPE_STRING": "BYTES", **{f"TYPE_{name}": name for name in DATATYPE_SIZES if name != "BYTES"}}

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from contract.kserve import CONFIG_DATATYPES
 from contract.model_config import ModelConfig
+from contract.streams import continuable
 
 # The weights each model serves (export/): the names applications already use for them.
 ALIASES = {
@@ -183,7 +185,7 @@ def _generation(name: str, config: ModelConfig, repository: Path) -> GenerationM
         max_model_len=config.param_int("max_model_len", 4096, minimum=1),
         aliases=ALIASES.get(name, ()),
         version_dir=repository / name / "1",
-        continuable={"return_token_ids", "prefix_token_ids"} <= names,
+        continuable=continuable(decoupled, {i.name: CONFIG_DATATYPES.get(i.data_type, "") for i in config.inputs}),
     )
 
 

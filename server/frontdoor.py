@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import HTTP_STATUS, MARK
-from contract.kserve import DATATYPE_SIZES, MAX_RANK
+from contract.kserve import CONFIG_DATATYPES, DATATYPE_SIZES, MAX_RANK
 from server.layout import ROOT
 from server.supervisor import DISCARD, ChildProcess
 
@@ -38,23 +38,6 @@ JS_MODULE_CANDIDATES = (
     Path("/usr/lib64/nginx/modules/ngx_http_js_module.so"),
     Path("/usr/local/nginx/modules/ngx_http_js_module.so"),
 )
-# Triton's TYPE_* names as the HTTP/JSON protocol spells them.
-DATATYPES = {
-    "TYPE_BOOL": "BOOL",
-    "TYPE_UINT8": "UINT8",
-    "TYPE_UINT16": "UINT16",
-    "TYPE_UINT32": "UINT32",
-    "TYPE_UINT64": "UINT64",
-    "TYPE_INT8": "INT8",
-    "TYPE_INT16": "INT16",
-    "TYPE_INT32": "INT32",
-    "TYPE_INT64": "INT64",
-    "TYPE_FP16": "FP16",
-    "TYPE_BF16": "BF16",
-    "TYPE_FP32": "FP32",
-    "TYPE_FP64": "FP64",
-    "TYPE_STRING": "BYTES",
-}
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 # docker-compose's front door (the official nginx image, which ships njs): where the rendered
@@ -115,7 +98,7 @@ def model_limits(repository: Path) -> dict[str, dict]:
                     count *= d
                 fixed = all(d >= 0 for d in dims)
                 inputs[t.name] = {
-                    "datatype": DATATYPES.get(model_config_datatype(t.data_type), ""),
+                    "datatype": CONFIG_DATATYPES.get(model_config_datatype(t.data_type), ""),
                     "dims": dims,
                     "max_elements": (max(mbs, 1) * count) if fixed else 0,
                 }

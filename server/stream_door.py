@@ -34,7 +34,8 @@ from aiohttp import ClientConnectionResetError, ClientError, ClientSession, Clie
 from aiohttp.http_exceptions import HttpProcessingError
 
 from contract.errors import UNAVAILABLE, ErrorData, format_data, parse_error
-from server.stream_resume import ASK_INPUT, IDS_OUTPUT, NOT_CONTINUABLE_OUTPUTS, PREFIX_INPUT
+from contract.streams import ASK_INPUT, PREFIX_INPUT
+from server.stream_resume import IDS_OUTPUT, NOT_CONTINUABLE_OUTPUTS
 
 # The answer's end, asked for on every continuable request: an event of HTTP's generate_stream has
 # no final flag (gRPC's triton_final_response), and a stream cut after its last event must not be

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-ASK_INPUT = "return_token_ids"
-PREFIX_INPUT = "prefix_token_ids"
+from contract.streams import ASK_INPUT, PREFIX_INPUT, continuable
+
 IDS_OUTPUT = "token_ids"
 # Outputs of answers that a prefix cannot continue: several choices, log-probabilities to realign.
 NOT_CONTINUABLE_OUTPUTS = ("index", "logprobs")
@@ -35,9 +35,7 @@ def continuable_models(limits: Mapping[str, dict]) -> frozenset[str]:
     return frozenset(
         name
         for name, spec in limits.items()
-        if spec.get("decoupled")
-        and spec.get("inputs", {}).get(ASK_INPUT, {}).get("datatype") == "BOOL"
-        and spec.get("inputs", {}).get(PREFIX_INPUT, {}).get("datatype") == "INT32"
+        if continuable(bool(spec.get("decoupled")), {k: v.get("datatype", "") for k, v in spec.get("inputs", {}).items()})
     )
 
 

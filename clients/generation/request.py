@@ -14,6 +14,7 @@ import numpy as np
 
 from clients.transport import ConnectionOptions, Protocol, tritonclient_module
 from contract.sampling import SAMPLING_FIELDS as _FIELDS
+from contract.streams import ASK_INPUT, CONTINUATION_INPUTS, PREFIX_INPUT
 
 DEFAULT_MODEL = "text_generation"
 # Sampling parameters the served model accepts (vLLM's names), with the JSON types each takes:
@@ -114,7 +115,7 @@ class GenerateRequest:
         if self.chat:
             flags["apply_chat_template"] = True
         if self.return_token_ids:
-            flags["return_token_ids"] = True
+            flags[ASK_INPUT] = True
         return flags
 
     def http_body(self, stream: bool) -> bytes:
@@ -139,7 +140,7 @@ class GenerateRequest:
             inputs.append(tensor("sampling_parameters", json.dumps(self.sampling).encode("utf-8"), "BYTES"))
         inputs += [tensor(name, value, "BOOL") for name, value in self.flags(stream).items()]
         if self.prefix_token_ids:
-            prefix = module.InferInput("prefix_token_ids", [len(self.prefix_token_ids)], "INT32")
+            prefix = module.InferInput(PREFIX_INPUT, [len(self.prefix_token_ids)], CONTINUATION_INPUTS[PREFIX_INPUT])
             prefix.set_data_from_numpy(np.asarray(self.prefix_token_ids, dtype=np.int32))
             inputs.append(prefix)
         return inputs

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from contract.kserve import DATATYPE_SIZES
+from contract.kserve import CONFIG_DATATYPES, DATATYPE_SIZES
 
 HUGE = 1 << 40
 
-# KServe datatype -> numpy dtype and the gRPC typed-contents field.
+# KServe datatype -> numpy dtype (the gRPC typed-contents field and the config names: contract/kserve.py).
 NUMPY = {
     "BOOL": np.bool_,
     "UINT8": np.uint8,
@@ -31,21 +31,6 @@ NUMPY = {
     "FP64": np.float64,
     "BYTES": np.object_,
 }
-CONTENTS = {
-    "BOOL": "bool_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-CONFIG_TYPES = {"TYPE_STRING": "BYTES", **{f"TYPE_{k}": k for k in NUMPY if k != "BYTES"}}
 
 ODD_STRINGS = [
     "\u202eevil\u202c",
@@ -168,7 +153,7 @@ class ModelSpec:
             return tuple(int(d) for d in t.get("dims", []))
 
         inputs = tuple(
-            InputSpec(t["name"], CONFIG_TYPES.get(t["data_type"], t["data_type"]), dims(t), bool(t.get("optional", False)))
+            InputSpec(t["name"], CONFIG_DATATYPES.get(t["data_type"], t["data_type"]), dims(t), bool(t.get("optional", False)))
             for t in config.get("input", [])
         )
         outputs = tuple(t["name"] for t in config.get("output", []))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import struct
 
-from perf.fuzz.cases import CONTENTS, NOJUNK, Request, Tensor
+from contract.kserve import TYPED_FIELD
+from perf.fuzz.cases import NOJUNK, Request, Tensor
 
 # ---- encodings ---------------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ def encode_grpc(req: Request, raw: bool):
         if raw:
             message.raw_input_contents.append(tensor_bytes(t))
             continue
-        kind = CONTENTS.get(tensor.datatype, "bytes_contents")
+        kind = TYPED_FIELD.get(tensor.datatype, "bytes_contents")
         if t.junk is not NOJUNK or t.values is None:
             tensor.contents.bytes_contents.append(tensor_bytes(t))
             continue

@@ -640,7 +640,8 @@ def _rendered_limits(out: Path) -> dict:
 
 
 def test_rendered_limits_cover_every_model_compose_loads(compose, tmp_path):
-    from server.frontdoor import DATATYPES, _parse_config, main, model_config_datatype
+    from contract.kserve import CONFIG_DATATYPES as DATATYPES
+    from server.frontdoor import _parse_config, main, model_config_datatype
 
     repository = repository_with_lanes(tmp_path)
     assert main(["render", "--out", str(tmp_path / "out"), "--repository", str(repository)]) == 0
