@@ -44,6 +44,7 @@ from ops.repository import RepositoryClient
 from perf.lib import harness
 from perf.lib import perf_analyzer as pa
 from perf.lib import served as served_mod
+from perf.lib.report import load_average
 from perf.lib.stats import measured
 
 MODEL = harness.MODEL
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     served = served_mod.served_encoder(args.precision)
     cores = os.cpu_count() or 1
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
 
     workdir = Path(tempfile.mkdtemp(prefix="perf-autotune-"))
     server = server_deployment((MODEL,), workdir, model_config_name=served.config_name)

@@ -28,6 +28,7 @@ from perf.lib import perf_analyzer as pa
 from perf.lib.harness import int_list
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import SENTENCES_16TOK as DEFAULT_INPUT
+from perf.lib.report import load_average
 
 MODEL = "text_embedding"
 
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             server, url = start_server(args, deadline)
             if server is None:
                 return 1
-        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        load = load_average()
         say(f"perf.bench.baseline: {args.model} over {args.protocol} at {url}, concurrency {args.concurrency}")
         levels = []
         for i, concurrency in enumerate(args.concurrency, start=1):

@@ -58,6 +58,7 @@ from perf.lib.harness import (
     skipped,
     write_csv,
 )
+from perf.lib.report import load_average
 from perf.lib.stats import measured
 
 # The targets, checked (not enforced) in the printed ratios.
@@ -484,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
     if not ensure_exported(served, args, state.say):
         return 1
     served = served_mod.served_encoder(args.precision)
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     state.say(
         f"perf.bench.compare: precision {args.precision} -> {ENCODER} {served.variant}, "
         f"concurrency {args.concurrency}, batching on/off at {args.batching_concurrency}, budget {args.time_budget:.0f} s, load average {load}"

@@ -48,6 +48,7 @@ from perf.lib import processes
 from perf.lib.deployment import start_deployment
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.report import load_average, progress
 from perf.lib.workload import gateway_request, image_request, prompts, sentences, text_request, token_request, unique_jpegs
 
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
@@ -369,12 +370,9 @@ def run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     out = args.out or DEFAULT_RESULTS / f"cpu-cost-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    say = progress()
 
-    def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
-
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     say(f"perf.bench.cpu_cost: paths {','.join(args.paths)}; load average {load}")
     key = "sk-cpu-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-cpu-cost-"))

@@ -72,6 +72,7 @@ from perf.bench.gateway_workloads import (
     run_embeddings,
 )
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.report import load_average, progress
 
 # --------------------------------------------------------------------------- main
 
@@ -234,10 +235,9 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
 
-    def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
+    say = progress(started)
 
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     say(f"perf.bench.gateway_bench: {args.rounds} round(s), load average {load}")
     key = "sk-bench-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-gateway-"))

@@ -101,6 +101,7 @@ from perf.lib.generation_systems import (
 )
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
+from perf.lib.report import load_average
 
 if TYPE_CHECKING:  # imported where they are used: the in-process systems need neither
     pass
@@ -366,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     if args.memory:
         return run_memory(args, out_dir)
     bench = Bench(args, out_dir)
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     bench.say(
         f"perf.bench.generate_bench: {', '.join(args.systems)} at concurrency {args.concurrency}, "
         f"{args.max_tokens} tokens, {args.duration:g} s windows x {args.rounds} round(s), load average {load}"

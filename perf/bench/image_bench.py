@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -55,6 +53,7 @@ from perf.bench.image_report import _f, machine, markdown, points
 from perf.lib.harness import write_csv
 from perf.lib.paths import REPOSITORY
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.report import load_average, progress
 
 # --------------------------------------------------------------------------- run
 
@@ -140,16 +139,13 @@ def run(args: argparse.Namespace) -> int:
     from perf.lib.deployment import server_deployment
     from server.process import ServerError
 
-    started = time.monotonic()
-
-    def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
+    say = progress()
 
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = args.out or DEFAULT_RESULTS / f"image-bench-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     repo = args.repository.resolve()
-    load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_avg = load_average()
     present = [e for e in args.ensemble_list if (repo / e / "config.pbtxt").is_file()]
     notes = [f"{e} is not in the repository: skipped" for e in args.ensemble_list if e not in present]
     for note in notes:
@@ -234,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         "# Image classification: served ensembles against ONNX Runtime in-process",
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; load average before {load_avg}, "
-        f"after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"after {load_average()}",
         f"- command: `{' '.join(['python -m perf.bench.image_bench', *args.argv])}`",
         f"- precision {args.precision}: --model-config-name={config_name or '(none)'}; "
         + "; ".join(

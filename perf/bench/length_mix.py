@@ -33,7 +33,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from perf.lib import lifecycle, load, report, wrk
 from perf.lib import served as served_mod
 from perf.lib.harness import write_csv
 from perf.lib.paths import ROOT
+from perf.lib.report import load_average, progress
 from perf.lib.stats import median
 
 WORKLOADS = ("text_encoder", "text_embedding")
@@ -359,15 +359,11 @@ def run(args: argparse.Namespace) -> int:
 
     # SIGTERM (a timeout, a CI cancel) raises, so the servers are stopped in ``finally``.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-    started = time.monotonic()
-
-    def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
+    say = progress()
 
     out_dir = report.results_dir(args.out_dir, "length-mix")
     served = served_mod.served_encoder(args.precision)
-    load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_avg = load_average()
     nonce = secrets.token_hex(4)
     work = workloads(args.mix_range, nonce)
     windows: list[Window] = []
@@ -437,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
         "",
         (
             f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
-            f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+            f"{load_avg}, after {load_average()}"
         ),
         f"- command: `{' '.join(['python -m perf.bench.length_mix', *args.argv])}`",
         (

@@ -46,6 +46,7 @@ from perf.lib import perf_analyzer as pa
 from perf.lib.harness import int_list
 from perf.lib.paths import DATA, REPOSITORY
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.report import load_average
 from perf.lib.stats import measured
 
 TEXT_MODEL = "text_embedding"
@@ -486,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
     config_name, served = resolve_precision(REPOSITORY, [EXPORT_NAMES[m] for m in args.models], args.precision)
     loads = workloads(args, out_dir)
     groups = [(w, protocol) for w in loads for protocol in args.protocols]
-    load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_avg = load_average()
     say(
         f"perf.bench.sweep: {len(groups)} sweeps ({', '.join(w.name for w in loads)} x {', '.join(args.protocols)}), "
         f"concurrency {args.concurrency}, rates {args.rates or [f'{f:g} x peak' for f in args.rate_fractions]}, "

@@ -73,6 +73,7 @@ from perf.lib import lifecycle, report
 from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.paths import SENTENCES_16TOK as SENTENCES
+from perf.lib.report import load_average, progress
 from server.process import DEFAULT_CACHE_SIZE_MB
 
 BATCHING_MODELS = (
@@ -240,13 +241,12 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
 
-    def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
+    say = progress(started)
 
     out_dir = report.results_dir(args.out_dir, "tail")
     served = served_mod.served_encoder(args.precision)
     sentences = served_mod.load_sentences(SENTENCES)
-    load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_avg = load_average()
     needs_image = "image_classification" in args.workload_list
     models = SERVED_MODELS if needs_image else tuple(m for m in SERVED_MODELS if m != "image_classification")
     if any(w in STREAM_WORKLOADS for w in args.workload_list):
@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         "# Latency tail per model and ensemble, side by side",
         "",
         f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
-        f"{load_avg}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"{load_avg}, after {load_average()}",
         f"- command: `{' '.join(['python -m perf.bench.tail', *args.argv])}`",
         (
             f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "

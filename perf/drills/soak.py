@@ -64,6 +64,7 @@ from perf.lib import processes
 from perf.lib.deployment import start_deployment
 from perf.lib.harness import write_csv
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
+from perf.lib.report import load_average, progress
 from perf.lib.stats import percentile
 from perf.lib.workload import gateway_request, image_request, photos, prompts, sentences, text_request
 
@@ -502,12 +503,9 @@ def run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     out = args.out or DEFAULT_RESULTS / f"soak-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    say = progress()
 
-    def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
-
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     say(
         f"perf.drills.soak: {args.duration:g} s, sampling every {args.interval:g} s, warm-up {args.warmup:g} s; "
         f"load average {load}"

@@ -60,6 +60,7 @@ from perf.fuzz.sending import HTTP, Tally, run_endpoint_fuzz
 from perf.fuzz.sending import classify_http as classify_http
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
+from perf.lib.report import progress
 
 # ---- the server's health: stub processes, liveness, known-good answers -------------------
 
@@ -318,8 +319,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
 
-    def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {message}", flush=True)
+    say = progress(started)
 
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out_dir or DEFAULT_RESULTS / f"fuzz-{stamp}"

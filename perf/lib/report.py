@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from perf.lib.paths import RESULTS
@@ -34,3 +37,18 @@ def fmt(value: float | None, digits: int = 1, missing: str = "", thousands: bool
     if value is None:
         return missing
     return f"{value:,.{digits}f}" if thousands else f"{value:.{digits}f}"
+
+
+def progress(started: float | None = None) -> Callable[[str], None]:
+    """A progress printer for a run: each line led by the seconds since ``started`` (default: now)."""
+    origin = time.monotonic() if started is None else started
+
+    def say(message: str) -> None:
+        print(f"[{time.monotonic() - origin:5.0f} s] {message}", flush=True)
+
+    return say
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages, as the reports print them (2-core machines are shared)."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
