@@ -2,7 +2,7 @@
 
 The project's own errors carry their code, field and values as data (:mod:`contract.errors`),
 and code reads that data, never the words. A few components give only prose: tritonserver's own
-errors on a gRPC stream (no status there), tritonclient's error for a body it cannot decode,
+errors on a gRPC stream (no status there) and its shutdown log, tritonclient's error for a body it cannot decode,
 ONNX Runtime's status inside the native onnxruntime backend's message, Pillow's decoder errors.
 This module is where that prose is read; ``tests/unit/test_prose.py`` makes each component
 produce its message where it runs here and pins the wording each function reads.
@@ -24,6 +24,9 @@ RETRY_WORDS = ("exceeds maximum queue size", "unavailable", "overloaded", "no ca
 # Runtime's Python API ("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : ...") and the native
 # onnxruntime backend ("onnx runtime error 2: ...") word it.
 _ONNXRUNTIME_INVALID = re.compile(r"\bINVALID_ARGUMENT\b|onnx runtime error 2:")
+# tritonserver's shutdown log line while it waits for models to unload ("Timeout 27: Found 2 live
+# models and 0 in-flight non-inference requests").
+_TRITON_LIVE_MODELS = re.compile(r"Found (\d+) live models and (\d+) in-flight")
 # tritonclient.http's message when a response body is not Triton's JSON (a proxy's error page).
 _TRITONCLIENT_UNDECODABLE = "an exception occurred in the client while decoding"
 
@@ -43,6 +46,16 @@ def says_retry(message: str) -> bool:
 def onnxruntime_invalid_input(message: str) -> bool:
     """ONNX Runtime refused the request's input (INVALID_ARGUMENT), not a failure of its own."""
     return bool(_ONNXRUNTIME_INVALID.search(message))
+
+
+def triton_live_models(log_lines: list[str]) -> int | None:
+    """How many models tritonserver's shutdown still waits for, from its latest such log line,
+    once no request is in flight; None when it has written none."""
+    for line in reversed(log_lines):
+        found = _TRITON_LIVE_MODELS.search(line)
+        if found:
+            return int(found.group(1)) if found.group(2) == "0" else None
+    return None
 
 
 def tritonclient_undecodable(message: str) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from contract.prose import triton_live_models
 from ops.repository import TOKEN_HEADER
 from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts
 from server.grpc_door_process import GrpcDoor
@@ -507,10 +508,9 @@ class TritonServer(Service):
             return None
 
         def check() -> None:
-            last = next((line for line in reversed(self.child.tail()) if "live models and" in line), "")
-            found = re.search(r"Found (\d+) live models and 0 in-flight", last)
-            if found and int(found.group(1)) <= lingering:
-                log.warning("tritonserver: only the %s model(s) replaced after a stub death remain; stopping it", found.group(1))
+            live = triton_live_models(self.child.tail())
+            if live is not None and live <= lingering:
+                log.warning("tritonserver: only the %s model(s) replaced after a stub death remain; stopping it", live)
                 os.killpg(self.process.pid, signal.SIGKILL)
 
         return check

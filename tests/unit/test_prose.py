@@ -15,6 +15,7 @@ from contract.prose import (
     onnxruntime_invalid_input,
     pillow_truncated,
     says_retry,
+    triton_live_models,
     triton_unavailable,
     tritonclient_undecodable,
 )
@@ -109,3 +110,12 @@ def test_pillow_words_a_cut_file_as_truncated():
 def test_the_words_read_for_tritonserver(message, unavailable, retry):
     assert triton_unavailable(message) is unavailable
     assert says_retry(message) is retry
+
+
+def test_the_shutdown_line_read_for_tritonserver():
+    # tritonserver 2.51's own lines while it shuts down (its log, as the launcher keeps it)
+    waiting = 'I1207 10:15:57.485 17203 server.cc:345] "Timeout 28: Found 2 live models and 0 in-flight non-inference requests"'
+    busy = 'I1207 10:15:56.485 17203 server.cc:345] "Timeout 29: Found 2 live models and 1 in-flight non-inference requests"'
+    assert triton_live_models(["loading", waiting]) == 2
+    assert triton_live_models([waiting, busy]) is None  # the latest line counts: a request is still in flight
+    assert triton_live_models(["nothing about it"]) is None
