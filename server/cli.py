@@ -25,7 +25,7 @@ def env_number(name: str, default, kind=int, expected: str = "an integer"):
     try:
         return kind(value)
     except ValueError:
-        raise SystemExit(f"serve: ${name} {value!r}: expected {expected}") from None
+        raise SystemExit(f"${name} {value!r}: expected {expected}") from None
 
 
 def env_int(name: str, default: int) -> int:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 
 from server.cli import add_serving_options, env_int
+from server import cluster as cluster_module
 from server.cluster import Cluster, ClusterError
 from server.cluster_parts import Backoff, ClusterOptions
 from server.frontdoor import FrontDoorError
@@ -26,7 +27,7 @@ from server.repository_prep import export_missing, resolve_precision
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m server.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m server.cluster", description=cluster_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_serving_options(
         p,

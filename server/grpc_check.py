@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-from contract.errors import INVALID, TOO_LARGE, ErrorData
+from contract.errors import INVALID, ErrorData
 from contract.kserve import DATATYPE_SIZES, MAX_RANK, TYPED_FIELD, TYPED_FIELDS
 
 _PREFIX = struct.Struct("<I")
@@ -41,10 +41,9 @@ class Refusal:
 
     @property
     def data(self) -> ErrorData:
-        """The refusal as the error data every hop reads (contract/errors.py): over a size limit
-        is ``request_too_large``, any other rule ``invalid_value``; ``values`` holds the rule."""
-        code = TOO_LARGE if self.rule == "elements" else INVALID
-        return ErrorData(code, self.field, {"rule": self.rule, **self.values}, self.message)
+        """The refusal as the error data every hop reads (contract/errors.py): ``invalid_value``,
+        as the front door's HTTP check answers the same rules (400); ``values`` holds the rule."""
+        return ErrorData(INVALID, self.field, {"rule": self.rule, **self.values}, self.message)
 
 
 @dataclass(frozen=True)

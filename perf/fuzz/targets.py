@@ -26,7 +26,7 @@ import numpy as np
 
 from perf.lib.paths import REPOSITORY
 
-with atheris.instrument_imports(include=["python_backends"]):
+with atheris.instrument_imports(include=["contract", "python_backends"]):
     from contract.errors import InputError
     from contract.sampling import FIELD_NAMES
     from python_backends.cache.keys import KEY_PREFIX, KeyMaker, ModelIdentity

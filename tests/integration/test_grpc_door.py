@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from contract.errors import TOO_LARGE, parse_error
+from contract.errors import INVALID, parse_error
 from ops.repository import GRPC_TOKEN_HEADER
 from server.frontdoor import model_limits
 from server.stubs import find_stubs
@@ -79,7 +79,7 @@ def test_the_wrapping_shape_is_refused_and_every_stub_lives(triton, door):
     # The refusal carries its code, field and limit as data, as the models' own errors do: after
     # the words on both RPCs, and as the unary call's error-data trailing metadata.
     unary = parse_error(info.value.details())
-    assert unary is not None and unary.code == TOO_LARGE and unary.field == "inputs[0] 'input_ids'.shape"
+    assert unary is not None and unary.code == INVALID and unary.field == "inputs[0] 'input_ids'.shape"
     assert unary.values["rule"] == "elements" and unary.values["got"] == WRAP_INT64 and unary.values["maximum"] > 0
     trailing = dict(info.value.trailing_metadata() or ())
     assert json.loads(trailing["error-data"]) == {"code": unary.code, "field": unary.field, "values": unary.values}

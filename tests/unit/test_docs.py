@@ -38,8 +38,9 @@ def links(path: Path) -> list[str]:
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
-    text = "".join(c for c in text if c in " -" or unicodedata.category(c)[0] in "LNM")
+    # GitHub keeps underscores (`text_generation` -> text_generation); emphasis marks and backticks go.
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    text = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LNM")
     return text.replace(" ", "-")
 
 
@@ -70,6 +71,7 @@ def test_the_link_parser_finds_links():
     assert found == ["docs/a.md", "b.md#x", "not-a-link.md", "e.md"]
     assert LINK.findall(prose("[a](x.md) `[c](y.md)`\n```\n[d](e.md)\n```\n")) == ["x.md"]
     assert slug("Choosing what is served: `PRECISION`") == "choosing-what-is-served-precision"
+    assert slug("Calling `text_generation`") == "calling-text_generation"  # as GitHub renders it
     assert len(links(README)) >= 10, "README.md should link the docs pages"
     assert unknown_targets({"serve", "rollout-*", "nope", "nope-*"}, {"serve", "rollout-start"}) == ["nope", "nope-*"]
 
