@@ -13,8 +13,8 @@ import threading
 import time
 from collections.abc import Mapping
 
-from server.cli import add_serving_options, env_int
 from server import cluster as cluster_module
+from server.cli import add_serving_options, env_int
 from server.cluster import Cluster, ClusterError
 from server.cluster_parts import Backoff, ClusterOptions
 from server.frontdoor import FrontDoorError
