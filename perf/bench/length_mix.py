@@ -355,7 +355,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.process import ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
+    from server.process import TritonServer
 
     # SIGTERM (a timeout, a CI cancel) raises, so the servers are stopped in ``finally``.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -375,16 +376,14 @@ def run(args: argparse.Namespace) -> int:
             repository = ROOT / "model_repository"
             if phase == "before":
                 repository = before_repository(repository, workdir / "repository-before")
-            servers[phase] = TritonServer(
-                ServerOptions.with_free_ports(
-                    workdir=workdir / phase,
-                    model_repository=repository,
-                    models=MODELS,
-                    model_config_name=served.config_name,
-                    repository_token=secrets.token_urlsafe(16),
-                    front_door=False,
-                )
-            )
+            servers[phase] = server_deployment(
+                MODELS,
+                workdir / phase,
+                model_repository=repository,
+                model_config_name=served.config_name,
+                repository_token=secrets.token_urlsafe(16),
+                front_door=False,
+            ).triton
             say(f"starting tritonserver for {phase} (--model-config-name={served.config_name or '(none)'})")
             servers[phase].start()
         if not lifecycle.wait_ready(servers, say):

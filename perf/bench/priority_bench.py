@@ -252,7 +252,7 @@ def parse_args(argv):
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from export import variants
-    from server.process import ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
 
     def say(m: str) -> None:
         print(f"[priority-bench {time.strftime('%H:%M:%S')}] {m}", flush=True)
@@ -265,9 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_name, _ = variants.resolve_precision(
         repo, ["text_encoder"], args.precision, loadable=tuple(v for v in variants.VARIANTS if v != "trt_plan")
     )
-    server = TritonServer(
-        ServerOptions.with_free_ports(workdir=work, models=(*MODELS, args.interactive_model), model_config_name=config_name)
-    )
+    server = server_deployment((*MODELS, args.interactive_model), work, model_config_name=config_name).triton
     server.start()
     try:
         server.wait_ready(timeout=300)

@@ -237,7 +237,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from perf.lib import served as served_mod
-    from server.process import ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
+    from server.process import TritonServer
 
     started = time.monotonic()
 
@@ -274,17 +275,15 @@ def run(args: argparse.Namespace) -> int:
             repository = ROOT / "model_repository"
             if phase != "after":
                 repository = before_repository(repository, workdir / f"repository-{phase}", args.alt_configs)
-            servers[phase] = TritonServer(
-                ServerOptions.with_free_ports(
-                    workdir=workdir / phase,
-                    model_repository=repository,
-                    models=models,
-                    model_config_name=served.config_name,
-                    cache_size_bytes=args.cache_size_mb * 1024 * 1024,
-                    repository_token=secrets.token_urlsafe(16),
-                    front_door=False,
-                )
-            )
+            servers[phase] = server_deployment(
+                models,
+                workdir / phase,
+                model_repository=repository,
+                model_config_name=served.config_name,
+                cache_size_bytes=args.cache_size_mb * 1024 * 1024,
+                repository_token=secrets.token_urlsafe(16),
+                front_door=False,
+            ).triton
             say(
                 f"perf.bench.tail: starting tritonserver for {phase} ({', '.join(models)}; "
                 f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)"

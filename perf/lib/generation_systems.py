@@ -409,7 +409,7 @@ def start_triton(model_dir: Path, workdir: Path, config_name: str | None = None)
 
     With --model-dir elsewhere than the version folder, a temporary repository holds the
     model's config.pbtxt and model.py with links to those weights."""
-    from server.process import ServerOptions, TritonServer
+    from perf.lib.deployment import server_deployment
 
     repository = ROOT / "model_repository"
     if model_dir.resolve() != DEFAULT_MODEL_DIR.resolve():
@@ -423,9 +423,5 @@ def start_triton(model_dir: Path, workdir: Path, config_name: str | None = None)
             shutil.copy(f, version / f.name)
         for f in model_dir.iterdir():
             (version / f.name).symlink_to(f.resolve())
-    server = TritonServer(
-        ServerOptions.with_free_ports(
-            workdir=workdir, models=(MODEL,), model_repository=repository, model_config_name=config_name
-        )
-    )
+    server = server_deployment((MODEL,), workdir, model_repository=repository, model_config_name=config_name).triton
     return server.start()
