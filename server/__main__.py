@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
 from python_backends.redaction import redact_url
-from server.cli import add_serving_options, env_int
+from server.cli import add_serving_options, env_int, stop_on_signals
 from server.deployment import Deployment, DeploymentOptions
 from server.frontdoor import FrontDoorError
 from server.gateway import GatewayError, GatewayOptions
@@ -203,18 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     deployment = Deployment(DeploymentOptions(options, gateway_options), echo=None if args.quiet else sys.stdout)
     server = deployment.triton
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        print(
-            f"\nserve: {signal.Signals(signum).name} received; draining in-flight requests (at most "
-            f"{args.drain_timeout:.0f} s each for the front door and tritonserver), then stopping",
-            flush=True,
-        )
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = stop_on_signals(
+        "serve",
+        f"draining in-flight requests (at most {args.drain_timeout:.0f} s each for the front door and tritonserver), "
+        "then stopping",
+    )
 
     started = threading.Event()
     probe_port = None

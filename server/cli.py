@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 from pathlib import Path
 
 from export.variants import PRECISION_CHOICES
@@ -34,6 +36,19 @@ def env_int(name: str, default: int) -> int:
 
 def env_seconds(name: str, default: float) -> float:
     return env_number(name, default, float, "a number of seconds")
+
+
+def stop_on_signals(prog: str, what: str) -> threading.Event:
+    """An Event set by SIGINT or SIGTERM, after a line saying what stopping does (``what``)."""
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        print(f"\n{prog}: {signal.Signals(signum).name} received; {what}", flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return stop
 
 
 def add_serving_options(p: argparse.ArgumentParser, *, host_help: str, workdir: Path, workdir_help: str) -> None:

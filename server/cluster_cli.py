@@ -7,14 +7,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping
 
 from server import cluster as cluster_module
-from server.cli import add_serving_options, env_int
+from server.cli import add_serving_options, env_int, stop_on_signals
 from server.cluster import Cluster, ClusterError
 from server.cluster_parts import Backoff, ClusterOptions
 from server.frontdoor import FrontDoorError
@@ -158,18 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         backoff=Backoff(max_s=args.max_backoff),
         echo=args.echo,
     )
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        print(
-            f"\nserve-cluster: {signal.Signals(signum).name} received; stopping the gateways, the front door "
-            f"(draining at most {args.drain_timeout:.0f} s), the replicas, Prometheus and Redis",
-            flush=True,
-        )
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = stop_on_signals(
+        "serve-cluster",
+        f"stopping the gateways, the front door (draining at most {args.drain_timeout:.0f} s), the replicas, "
+        "Prometheus and Redis",
+    )
 
     def event(message: str) -> None:
         now = time.time()
