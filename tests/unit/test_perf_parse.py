@@ -321,13 +321,18 @@ def test_measure_timeout_kills_the_process(tmp_path):
 def test_sentences_are_distinct_16_token_requests():
     from perf.data import make_sentences as ms
 
-    assert len(set(ms.SENTENCES)) == len(ms.SENTENCES) >= 50
-    data = json.loads(ms.OUTPUT.read_text(encoding="utf-8"))
-    assert data == ms.input_data(ms.SENTENCES), "sentences_16tok.json is stale; run python -m perf.data.make_sentences"
-    assert all(entry["TEXT"]["shape"] == [1] and len(entry["TEXT"]["content"]) == 1 for entry in data["data"])
+    texts = ms.sentences()
+    assert len(set(texts)) == len(texts) >= 50
+    text = ms.OUTPUT.read_text(encoding="utf-8")
+    assert text == ms.render(texts), "sentences_16tok.json is not in its layout; run python -m perf.data.make_sentences"
+    assert all(entry["TEXT"]["shape"] == [1] and len(entry["TEXT"]["content"]) == 1 for entry in json.loads(text)["data"])
     if not ms.TOKENIZER.is_file():
         pytest.skip(f"{ms.TOKENIZER} not exported (make export); token lengths not checked")
-    assert ms.problems(ms.SENTENCES) == []
+    assert ms.problems(texts) == []
+    assert ms.problems([*texts[:2], texts[0], "Too short."]) == [
+        f"duplicate: {texts[0]!r}",
+        "5 tokens (want 16): 'Too short.'",
+    ]
 
 
 def test_baseline_markdown_table():
