@@ -17,9 +17,10 @@ from perf.lib.paths import SENTENCES_16TOK as SENTENCES
 VOCAB = (1000, 30000)  # token ids for the encoder's direct inputs (all-MiniLM-L6-v2: 30,522)
 
 
-def infer_body(inputs: list[dict], binary: bytes = b"") -> tuple[bytes, dict[str, str]]:
-    """A KServe v2 HTTP request; outputs come back in Triton's binary extension (cheap to skip)."""
-    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+def infer_body(inputs: list[dict], binary: bytes = b"", binary_output: bool = True) -> tuple[bytes, dict[str, str]]:
+    """A KServe v2 HTTP request; outputs come back in Triton's binary extension (cheap to skip)
+    unless ``binary_output`` is False (JSON, to read them)."""
+    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": binary_output}}).encode()
     headers = {"Content-Type": "application/octet-stream"}
     if binary:
         headers["Inference-Header-Content-Length"] = str(len(header))
