@@ -5,10 +5,10 @@ response cache on, no front door: the batcher is what is measured), on the same 
 
   after   the configs as shipped (model_repository/*/config.pbtxt);
   before  a copy of the repository (model files linked, not copied) whose batching configs add
-          what they had until the fix: ``priority_levels: 2``, ``default_priority_level: 2``
-          and ``default_queue_policy { timeout_action: REJECT allow_timeout_override: true }``.
-          On tritonserver 2.51 those make the dynamic batcher miss wake-ups and wait out its
-          500 ms default wait (docs/performance.md). With ``--alt-configs DIR`` the second
+          ``priority_levels: 2``, ``default_priority_level: 2`` and ``default_queue_policy
+          { timeout_action: REJECT allow_timeout_override: true }``: on tritonserver 2.51 those
+          make the dynamic batcher miss wake-ups and wait out its 500 ms default wait
+          (docs/performance.md). With ``--alt-configs DIR`` the second
           server serves DIR's ``<model>/config.pbtxt`` (and ``<model>/configs/*.pbtxt``) instead,
           phase "alt": any config change measured side by side against the shipped one.
 
@@ -51,29 +51,18 @@ import secrets
 import shutil
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from perf.bench.tail_measure import (
-    CpuMeter,
-    Window,
-    measure_python,
-    measure_stream,
-    measure_wrk,
-    model_stats,
-    stats_delta,
-    warm_up,
-)
-from perf.bench.tail_report import Point as Point  # re-exported: the smoke test reads it here
-from perf.bench.tail_report import _f, markdown, points, targets, targets_table
+from perf.bench.tail_measure import Window, measure, warm_up
+from perf.bench.tail_report import _f, markdown, targets, targets_table
 from perf.bench.tail_workloads import GATEWAY_WORKLOADS, STREAM_WORKLOADS, WORKLOADS, workloads, wrk_script
-from perf.lib import lifecycle, report
+from perf.lib import lifecycle, load, report
 from perf.lib.harness import write_csv
-from perf.lib.paths import GENERATION_PROMPTS, ROOT
-from perf.lib.paths import SENTENCES_16TOK as SENTENCES
+from perf.lib.paths import ROOT
 from perf.lib.report import load_average, progress
+from perf.lib.workload import prompts, sentences
 from server.process import DEFAULT_CACHE_SIZE_MB
 
 BATCHING_MODELS = (
@@ -149,10 +138,19 @@ def before_repository(source: Path, target: Path, alt_configs: Path | None = Non
 # --------------------------------------------------------------------------- main
 
 
-def chat_prompts() -> list[str]:
-    """The user messages the streams send, in turn (perf/data/generation_prompts.json, the long ones left out)."""
-    doc = json.loads(GENERATION_PROMPTS.read_text(encoding="utf-8"))
-    return [e["text"] for e in doc["prompts"] if e["kind"] != "long"]
+def check_before(http_url: str, generation: bool) -> None:
+    """The before phase's server serves the stall settings, and text_generation its BEFORE_PARAMETERS."""
+
+    def config(model: str) -> dict:
+        with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/config", timeout=10) as r:
+            return json.loads(r.read())
+
+    if (levels := config("text_tokenizer").get("dynamic_batching", {}).get("priority_levels", 0)) != 2:
+        raise RuntimeError(f"before phase: text_tokenizer serves priority_levels {levels}, not 2")
+    params = config("text_generation").get("parameters", {}) if generation else {}
+    for key, value in BEFORE_PARAMETERS["text_generation"].items():
+        if generation and params.get(key, {}).get("string_value") != value:
+            raise RuntimeError(f"before phase: text_generation serves {key} {params.get(key)}, not {value}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -240,13 +238,11 @@ def run(args: argparse.Namespace) -> int:
     from perf.lib.deployment import server_deployment
     from server.process import TritonServer
 
-    started = time.monotonic()
-
-    say = progress(started)
+    say = progress()
 
     out_dir = report.results_dir(args.out_dir, "tail")
     served = served_mod.served_encoder(args.precision)
-    sentences = served_mod.load_sentences(SENTENCES)
+    texts = sentences()
     load_avg = load_average()
     needs_image = "image_classification" in args.workload_list
     models = SERVED_MODELS if needs_image else tuple(m for m in SERVED_MODELS if m != "image_classification")
@@ -257,8 +253,7 @@ def run(args: argparse.Namespace) -> int:
     needs_gateway = any(w in GATEWAY_WORKLOADS for w in args.workload_list)
     nonce = secrets.token_hex(4)
     api_key = "sk-tail-" + secrets.token_hex(16)
-    work = workloads(nonce, sentences, api_key)
-    prompts = chat_prompts()
+    work = workloads(nonce, texts, api_key)
     windows: list[Window] = []
     workdir = Path(tempfile.mkdtemp(prefix="perf-tail-"))
     scripts = {}
@@ -266,7 +261,13 @@ def run(args: argparse.Namespace) -> int:
         for name in args.workload_list:
             if work[name].kind not in ("image", "chat", "generation"):
                 scripts[name] = workdir / f"{name}.lua"
-                scripts[name].write_text(wrk_script(work[name], sentences, nonce))
+                scripts[name].write_text(wrk_script(work[name], texts, nonce))
+
+    def salt(w, script: Path | None) -> None:
+        # Each wrk run counts from 1: a fresh salt per run, or the warm-up's texts (and an earlier
+        # window's) come back as cache hits in the measured window.
+        if script is not None:
+            script.write_text(wrk_script(w, texts, f"{nonce}-{secrets.token_hex(3)}"))
 
     servers: dict[str, TritonServer] = {}
     gateways: dict = {}
@@ -311,81 +312,40 @@ def run(args: argparse.Namespace) -> int:
                 gateway.wait_ready(timeout=120)
                 say(f"perf.bench.tail: gateway for {phase} ready on {gateway.url}")
         if "before" in servers:
-            with urllib.request.urlopen(
-                f"http://{servers['before'].triton_http_url}/v2/models/text_tokenizer/config", timeout=10
-            ) as r:
-                levels = int(json.loads(r.read()).get("dynamic_batching", {}).get("priority_levels", 0))
-            if levels != 2:
-                raise RuntimeError(f"before phase: text_tokenizer serves priority_levels {levels}, not 2")
-            if "text_generation" in models:
-                with urllib.request.urlopen(
-                    f"http://{servers['before'].triton_http_url}/v2/models/text_generation/config", timeout=10
-                ) as r:
-                    params = json.loads(r.read()).get("parameters", {})
-                for key, value in BEFORE_PARAMETERS["text_generation"].items():
-                    if params.get(key, {}).get("string_value") != value:
-                        raise RuntimeError(f"before phase: text_generation serves {key} {params.get(key)}, not {value}")
+            check_before(servers["before"].triton_http_url, "text_generation" in models)
 
         for conc in args.concurrency_list:
             for name in args.workload_list:
                 for rnd in range(args.rounds):
-                    order = args.phase_list if rnd % 2 == 0 else args.phase_list[::-1]
-                    for phase in order:
-                        server = servers[phase]
-                        w = work[name]
+                    for phase in args.phase_list if rnd % 2 == 0 else args.phase_list[::-1]:
+                        w, server, script = work[name], servers[phase], scripts.get(name)
                         gateway = gateways.get(phase) if w.via_gateway else None
-                        url = gateway.url.removeprefix("http://") if gateway else server.triton_http_url
-                        use_wrk = name in scripts
-                        stream = name in STREAM_WORKLOADS
-                        window = Window(phase, name, conc, rnd + 1, "wrk" if use_wrk else "python")
-                        if use_wrk:
-                            # Each wrk run counts from 1: a fresh salt per run, or the warm-up's texts
-                            # (and an earlier window's) come back as cache hits in the measured window.
-                            scripts[name].write_text(wrk_script(work[name], sentences, f"{nonce}-{secrets.token_hex(3)}"))
+                        window = Window(phase, name, conc, rnd + 1, "wrk" if script else "python")
+                        stream = (api_key, prompts(), args.max_tokens, args.warmup) if name in STREAM_WORKLOADS else None
                         if not stream:
-                            warm_up(url, w, conc, args.warmup, scripts.get(name))
-                            if use_wrk:
-                                scripts[name].write_text(wrk_script(work[name], sentences, f"{nonce}-{secrets.token_hex(3)}"))
-                        meter = CpuMeter(server.process.pid if server.process else None)
-                        gw_meter = CpuMeter(gateway.process.pid) if gateway is not None and gateway.process else None
-                        stats0 = model_stats(server.triton_http_url)
-                        meter.start()
-                        if gw_meter:
-                            gw_meter.start()
-                        if stream:
-                            target = gateway.url if gateway else server.triton_grpc_url
-                            measure_stream(w, target, api_key, prompts, args.max_tokens, window, args.duration, args.warmup)
-                        elif use_wrk:
-                            measure_wrk(url, w, window, scripts[name], args.duration)
-                        else:
-                            measure_python(url, w, window, args.duration)
-                        if gw_meter:
-                            probe = Window(phase, name, conc, rnd + 1, "")
-                            gw_meter.stop(probe)
-                            window.gateway_cores = probe.server_cores
-                        meter.stop(window)
-                        window.stats = stats_delta(stats0, model_stats(server.triton_http_url))
+                            salt(w, script)
+                            warm_up(
+                                gateway.url.removeprefix("http://") if gateway else server.triton_http_url,
+                                w,
+                                conc,
+                                args.warmup,
+                                script,
+                            )
+                        salt(w, script)
+                        measure(window, w, server, gateway, script, args.duration, stream)
                         windows.append(window)
                         say(
-                            f"{phase:6} {name:28} c{conc:<3} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
-                            f"P50 {_f(window.p50_ms):>7}  P99 {_f(window.p99_ms):>7}  max {_f(window.max_ms):>7} ms  "
-                            f"client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
-                            f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores  "
-                            + (
-                                f"TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)} max {_f(window.ttft_max_ms)}  "
-                                if stream
-                                else ""
-                            )
-                            + (f"gateway {_f(window.gateway_cores, 2)} cores  " if gateway else "")
-                            + f"errors {window.errors}"
-                            + (f" ({window.first_error})" if window.first_error else "")
+                            window.line() + f"  client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
+                            f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores"
+                            + (f"  TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)}" if stream else "")
+                            + (f"  gateway {_f(window.gateway_cores, 2)} cores" if gateway else "")
                         )
     finally:
         lifecycle.stop(gateways, out_dir, "gateway")
         lifecycle.stop(servers, out_dir)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    results = points(windows)
+    results = load.points(windows)
     main_phase = "after" if "after" in args.phase_list else args.phase_list[0]
     target_rows = targets(results, max(args.concurrency_list), main_phase, long=args.long is not None)
     second = "a second server on the same machine with " + (

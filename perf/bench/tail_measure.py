@@ -4,41 +4,23 @@ or the streaming clients), the CPU it cost, and Triton's per-model statistics ov
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import resource
 import time
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from perf.bench.tail_workloads import STATS_MODELS, Workload
-from perf.lib import load, wrk
-from perf.lib.stats import percentile
+from perf.lib import load, triton_stats, wrk
 
 COLD_PASS_LIMIT_S = 120.0  # the longest a stream window waits for every prompt's first answer
 
 
-# --------------------------------------------------------------------------- measurement
-
-
 @dataclass
-class Window(load.TailRatios):
-    """One measured window: one phase, one workload, one concurrency, one round."""
+class Window(load.Window):
+    """A window (or a point: perf.lib.load.points) of perf.bench.tail, with the streams' TTFT and the CPU it cost."""
 
-    phase: str
-    workload: str
-    concurrency: int
-    round: int
-    client: str
-    requests: int = 0
-    errors: int = 0
-    seconds: float = 0.0
-    rps: float | None = None
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    max_ms: float | None = None
     ttft_p50_ms: float | None = None  # streams: time to the first piece of text
     ttft_p99_ms: float | None = None
     ttft_max_ms: float | None = None
@@ -47,33 +29,6 @@ class Window(load.TailRatios):
     server_cores: float | None = None  # the same for tritonserver and its backend stubs
     server_wait_cores: float | None = None  # seconds its threads sat runnable, waiting for a CPU, per second
     machine_cores: float | None = None  # every process of the machine (neighbours included)
-    first_error: str = ""
-    stats: dict = field(default_factory=dict)  # model -> mean batch, queue and compute ms per request
-
-    def record(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "stats"}
-        out["p99_over_p50"] = self.p99_over_p50
-        out["max_over_p50"] = self.max_over_p50
-        out["stats"] = json.dumps(self.stats, sort_keys=True)
-        return out
-
-
-async def _closed_loop(
-    url: str, w: Workload, concurrency: int, duration: float, warmup: float
-) -> tuple[list[float], int, str, float]:
-    return await load.closed_loop(f"http://{url}{w.endpoint}", w.make, concurrency, duration, warmup, w.warm)
-
-
-def measure_python(url: str, w: Workload, window: Window, duration: float) -> None:
-    """The asyncio client in this process (its CPU: this process's over the window)."""
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    latencies, errors, first_error, seconds = asyncio.run(
-        _closed_loop(url, replace(w, warm=()), window.concurrency, duration, 0.0)
-    )
-    window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
-    window.requests, window.errors, window.first_error, window.seconds = len(latencies), errors, first_error, seconds
-    if latencies:
-        window.rps, window.p50_ms, window.p99_ms, window.max_ms = load.figures(latencies, seconds)
 
 
 async def _stream_loop(
@@ -86,13 +41,11 @@ async def _stream_loop(
     duration: float,
     warmup: float,
 ) -> tuple[list[tuple[float, float]], int, str, float]:
-    """``concurrency`` closed-loop streams: ``(TTFT, total)`` seconds of each request started inside
-    the measured part (waited for to their end), errors, first error, the measured seconds. The
-    measured part starts once every client has had one answer, every prompt has been answered
-    once, and ``warmup`` s have passed, and lasts ``duration`` s. The prompts come back in turn,
-    so inside the window their prefixes are in the engine's prefix cache; a prompt's first pass
-    is a cold prefill of its whole length, and left inside the window those passes came as a
-    backlog at its start (32 clients cover 32 of the prompts before the first condition holds). ``target``: the gateway's base URL, or tritonserver's gRPC host:port."""
+    """``concurrency`` closed-loop streams to ``target`` (the gateway's base URL, or tritonserver's gRPC
+    host:port): ``(TTFT, total)`` seconds of each request started inside the measured part, errors,
+    first error, measured seconds. That part starts once every client has had one answer, every
+    prompt has been answered once (its cold prefill is left out; the prompts come back in turn,
+    their prefixes cached) and ``warmup`` s have passed, and lasts ``duration`` s."""
     import aiohttp
 
     from clients.generation import AsyncGenerationClient
@@ -158,56 +111,61 @@ async def _stream_loop(
     return samples, errors, first_error, measured
 
 
-def measure_stream(
-    w: Workload,
-    target: str,
-    api_key: str,
-    prompts: Sequence[str],
-    max_tokens: int,
+def measure(
     window: Window,
+    w: Workload,
+    server,
+    gateway,
+    script: Path | None,
     duration: float,
-    warmup: float,
+    stream: tuple[str, Sequence[str], int, float] | None = None,
 ) -> None:
-    """The asyncio streaming client in this process: latency = the whole answer, TTFT beside it."""
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    samples, errors, first_error, seconds = asyncio.run(
-        _stream_loop(w, target, api_key, prompts, max_tokens, window.concurrency, duration, warmup)
-    )
-    window.client_cores = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
-    window.requests, window.errors, window.first_error, window.seconds = len(samples), errors, first_error, seconds
-    if samples:
-        total = sorted(1000.0 * t for _, t in samples)
-        ttft = sorted(1000.0 * f for f, _ in samples if not math.isnan(f))
-        window.rps = len(total) / seconds if seconds > 0 else None
-        window.p50_ms, window.p99_ms, window.max_ms = percentile(total, 50), percentile(total, 99), total[-1]
-        if ttft:
-            window.ttft_p50_ms, window.ttft_p99_ms, window.ttft_max_ms = (percentile(ttft, 50), percentile(ttft, 99), ttft[-1])
-
-
-def measure_wrk(url: str, w: Workload, window: Window, script: Path, duration: float) -> None:
-    """wrk, one thread, in a child process (its CPU: the children's rusage over the window)."""
-    before, wall0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-    result = wrk.run(url, script, window.concurrency, duration)
-    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - wall0
-    window.client_cores = ((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)) / max(wall, 1e-9)
-    window.seconds = result["duration_us"] / 1e6
-    window.requests, window.errors = result["requests"] - result["errors"], result["errors"]
-    if window.errors:
-        window.first_error = "wrk counted non-2xx responses or socket errors"
-    if result["requests"]:
-        window.rps = result["requests"] / window.seconds
-        window.p50_ms, window.p99_ms, window.max_ms = (result[k] / 1000.0 for k in ("p50_us", "p99_us", "max_us"))
+    """One window of ``w`` against ``server`` (a TritonServer) or its ``gateway``: wrk with ``script``,
+    else the asyncio client, or for a stream (``stream``: api key, prompts, new tokens, warm-up s)
+    the streaming clients; the CPU each side used and Triton's statistics over it."""
+    url = gateway.url.removeprefix("http://") if gateway else server.triton_http_url
+    meters = [CpuMeter(server.process.pid if server.process else None)]
+    if gateway is not None and gateway.process:
+        meters.append(CpuMeter(gateway.process.pid))
+    stats0 = triton_stats.snapshot(server.triton_http_url)
+    for m in meters:
+        m.start()
+    cpu0, wall0, children0 = time.process_time(), time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    if stream is not None:
+        target = gateway.url if gateway else server.triton_grpc_url
+        api_key, prompts, max_tokens, warmup = stream
+        samples, errors, first_error, seconds = asyncio.run(
+            _stream_loop(w, target, api_key, prompts, max_tokens, window.concurrency, duration, warmup)
+        )
+        window.take(load.Tally(ok=[t for _, t in samples], errors=errors, first_error=first_error, seconds=seconds))
+        ttft = load.latency_ms([f for f, _ in samples if not math.isnan(f)])
+        window.ttft_p50_ms, window.ttft_p99_ms, window.ttft_max_ms = ttft["p50_ms"], ttft["p99_ms"], ttft["max_ms"]
+    elif script is not None:
+        window.take_wrk(wrk.run(url, script, window.concurrency, duration))
+    else:
+        window.take(asyncio.run(load.closed_loop(f"http://{url}{w.endpoint}", w.make, window.concurrency, duration)))
+    wall = max(time.monotonic() - wall0, 1e-9)
+    if script is not None:  # wrk: a child process
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        window.client_cores = (children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime) / wall
+    else:
+        window.client_cores = (time.process_time() - cpu0) / wall
+    window.server_cores, window.server_wait_cores, window.machine_cores = meters[0].stop()
+    if len(meters) > 1:
+        window.gateway_cores = meters[1].stop()[0]
+    window.stats = triton_stats.per_request(stats0, triton_stats.snapshot(server.triton_http_url), STATS_MODELS)
 
 
 def warm_up(url: str, w: Workload, concurrency: int, seconds: float, script: Path | None) -> None:
     """Unmeasured: ``w.warm`` once (the hits' texts), then ``seconds`` of the same load."""
+    endpoint = f"http://{url}{w.endpoint}"
     if w.warm:
-        asyncio.run(_closed_loop(url, w, 1, 0.0, 0.0))
+        asyncio.run(load.closed_loop(endpoint, w.make, 1, 0.0, warm=w.warm))
     if seconds > 0:
         if script is not None:
             wrk.run(url, script, concurrency, seconds)
         else:
-            asyncio.run(_closed_loop(url, replace(w, warm=()), concurrency, seconds, 0.0))
+            asyncio.run(load.closed_loop(endpoint, w.make, concurrency, seconds))
 
 
 class CpuMeter:
@@ -247,45 +205,8 @@ class CpuMeter:
     def start(self) -> None:
         self.t0, self.tree0, self.machine0 = time.monotonic(), self._tree(), self._machine()
 
-    def stop(self, window: Window) -> None:
+    def stop(self) -> tuple[float, float, float]:
+        """Cores used by the tree, cores its threads waited for, cores used by the machine."""
         wall = max(time.monotonic() - self.t0, 1e-9)
         cpu, wait = self._tree()
-        window.server_cores = (cpu - self.tree0[0]) / wall
-        window.server_wait_cores = (wait - self.tree0[1]) / wall
-        window.machine_cores = (self._machine() - self.machine0) / wall
-
-
-def model_stats(url: str) -> dict[str, dict[str, float]]:
-    """Counters of /v2/models/stats summed over versions: requests, executions, batched
-    inferences and the nanoseconds of queue and compute (input + infer + output)."""
-    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=10) as r:
-        payload = json.loads(r.read())
-    out: dict[str, dict[str, float]] = {}
-    for m in payload.get("model_stats", []):
-        if m["name"] not in STATS_MODELS:
-            continue
-        s = m.get("inference_stats", {})
-        agg = out.setdefault(m["name"], {"requests": 0, "executions": 0, "inferences": 0, "queue_ns": 0, "compute_ns": 0})
-        agg["requests"] += int(s.get("success", {}).get("count", 0))
-        agg["executions"] += int(m.get("execution_count", 0))
-        agg["inferences"] += int(m.get("inference_count", 0))
-        agg["queue_ns"] += int(s.get("queue", {}).get("ns", 0))
-        agg["compute_ns"] += sum(int(s.get(k, {}).get("ns", 0)) for k in ("compute_input", "compute_infer", "compute_output"))
-    return out
-
-
-def stats_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Per model over a window: mean batch, queue ms and compute ms per request."""
-    out = {}
-    for name, a in after.items():
-        b = before.get(name, {})
-        d = {k: a[k] - b.get(k, 0) for k in a}
-        if d["requests"] <= 0:
-            continue
-        out[name] = {
-            "requests": d["requests"],
-            "batch": round(d["inferences"] / d["executions"], 2) if d["executions"] else None,
-            "queue_ms": round(d["queue_ns"] / d["requests"] / 1e6, 3),
-            "compute_ms": round(d["compute_ns"] / d["requests"] / 1e6, 3),
-        }
-    return out
+        return (cpu - self.tree0[0]) / wall, (wait - self.tree0[1]) / wall, (self._machine() - self.machine0) / wall

@@ -4,10 +4,10 @@ the gateway's embeddings body) and the wrk script that sends the same (perf.lib.
 from __future__ import annotations
 
 import io
-import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from perf.lib import wrk
 from perf.lib.workload import VOCAB, gateway_request, image_request, text_request, token_request
@@ -53,7 +53,7 @@ def png(seed: int, size: int = 64) -> bytes:
 
 
 def _no_body(_: int) -> tuple[bytes, dict[str, str]]:
-    raise RuntimeError("a streaming workload is measured by stream_window, not by a request body")
+    raise RuntimeError("a streaming workload is measured by measure_stream, not by a request body")
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,7 @@ def workloads(nonce: str, sentences: Sequence[str], api_key: str = "") -> dict[s
     rng = random.Random(nonce)
     counter = iter(range(10**12))
 
-    def unique_text(_: int) -> tuple[bytes, dict[str, str]]:
-        n = next(counter)
-        return text_request(f"{sentences[n % len(sentences)]} ({nonce}-{n})")
-
-    hits = [text_request(s) for s in sentences]
-    gw_hits = [gateway_request(s, api_key) for s in sentences]
-
-    def _next_text() -> str:
+    def unique(_: int) -> str:
         n = next(counter)
         return f"{sentences[n % len(sentences)]} ({nonce}-{n})"
 
@@ -91,64 +84,43 @@ def workloads(nonce: str, sentences: Sequence[str], api_key: str = "") -> dict[s
         n = next(counter)  # a new image per request: image_preprocess's response cache never answers
         return image_request(png(hash((nonce, n)) & 0xFFFFFFFF))
 
+    hits = [text_request(s) for s in sentences]
+    gw_hits = [gateway_request(s, api_key) for s in sentences]
+    gw: dict[str, Any] = {"path": "/v1/embeddings", "via_gateway": True}
+    tokens = lambda _: token_request(rng)  # noqa: E731
     return {
-        "text_tokenizer": Workload("text_tokenizer", "text_tokenizer", "unique_text", unique_text),
-        "text_encoder": Workload("text_encoder", "text_encoder", "tokens", lambda _: token_request(rng)),
-        "text_encoder_router": Workload("text_encoder_router", "text_encoder_router", "tokens", lambda _: token_request(rng)),
-        "text_embedding": Workload("text_embedding", "text_embedding", "unique_text", unique_text),
-        "text_embedding_cached_unique": Workload(
-            "text_embedding_cached_unique", "text_embedding_cached", "unique_text", unique_text
-        ),
-        "text_embedding_cached_hits": Workload(
-            "text_embedding_cached_hits", "text_embedding_cached", "hits", lambda n: hits[n % len(hits)], warm=hits
-        ),
-        "image_classification": Workload("image_classification", "image_classification", "image", image),
-        "gateway_embeddings_unique": Workload(
-            "gateway_embeddings_unique",
-            "text_embedding",
-            "gw_unique_text",
-            lambda _: gateway_request(_next_text(), api_key),
-            path="/v1/embeddings",
-            via_gateway=True,
-        ),
-        "gateway_embeddings_hits": Workload(
-            "gateway_embeddings_hits",
-            "text_embedding",
-            "gw_hits",
-            lambda n: gw_hits[n % len(gw_hits)],
-            warm=gw_hits,
-            path="/v1/embeddings",
-            via_gateway=True,
-        ),
-        # Streams: measured by their own asyncio clients (stream_window), never by wrk.
-        "gateway_chat_stream": Workload(
-            "gateway_chat_stream", "text_generation", "chat", _no_body, path="/v1/chat/completions", via_gateway=True
-        ),
-        "text_generation_stream": Workload("text_generation_stream", "text_generation", "generation", _no_body),
+        w.name: w
+        for w in (
+            Workload("text_tokenizer", "text_tokenizer", "unique_text", lambda n: text_request(unique(n))),
+            Workload("text_encoder", "text_encoder", "tokens", tokens),
+            Workload("text_encoder_router", "text_encoder_router", "tokens", tokens),
+            Workload("text_embedding", "text_embedding", "unique_text", lambda n: text_request(unique(n))),
+            Workload("text_embedding_cached_unique", "text_embedding_cached", "unique_text", lambda n: text_request(unique(n))),
+            Workload("text_embedding_cached_hits", "text_embedding_cached", "hits", lambda n: hits[n % len(hits)], hits),
+            Workload("image_classification", "image_classification", "image", image),
+            Workload(
+                "gateway_embeddings_unique",
+                "text_embedding",
+                "gw_unique_text",
+                lambda n: gateway_request(unique(n), api_key),
+                **gw,
+            ),
+            Workload("gateway_embeddings_hits", "text_embedding", "gw_hits", lambda n: gw_hits[n % len(gw_hits)], gw_hits, **gw),
+            # Streams: measured by their own asyncio clients (measure_stream), never by wrk.
+            Workload("gateway_chat_stream", "text_generation", "chat", _no_body, path="/v1/chat/completions", via_gateway=True),
+            Workload("text_generation_stream", "text_generation", "generation", _no_body),
+        )
     }
 
 
 def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
     """A wrk Lua script sending ``w``'s requests: unique texts carry the nonce, the wrk thread
     and a counter; ``done`` prints the window's figures as one JSON line."""
-    tail = '"]}],"parameters":{"binary_data_output":true}}'
-    hits = "request = function()\n  n = n + 1\n  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
-    if w.kind == "gw_unique_text":
-        make = (
-            wrk.lua_list("texts", [json.dumps(s)[1:-1] for s in sentences]) + "request = function()\n  n = n + 1\n"
-            '  local body = \'{"model":"text_embedding","encoding_format":"float","input":"\' .. '
-            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')\"}}'\n"
-            "  return wrk.format('POST', path, headers, body)\nend\n"
-        )
-    elif w.kind in ("gw_hits", "hits"):
-        make = wrk.lua_list("bodies", [body.decode() for body, _ in w.warm]) + hits
-    elif w.kind == "unique_text":
-        make = (
-            wrk.lua_list("texts", [json.dumps(s)[1:-1] for s in sentences]) + "request = function()\n  n = n + 1\n"
-            '  local body = \'{"inputs":[{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["\' .. '
-            f"texts[(n % #texts) + 1] .. ' ({nonce}-' .. tid .. '-' .. n .. ')' .. {wrk.lua_string(tail)}\n"
-            "  return wrk.format('POST', path, headers, body)\nend\n"
-        )
+    if w.kind in ("gw_hits", "hits"):
+        make = wrk.cycle([body for body, _ in w.warm])
+    elif w.kind in ("unique_text", "gw_unique_text"):
+        template = gateway_request("\0", "")[0] if w.via_gateway else text_request("\0")[0]
+        make = wrk.unique_texts(sentences, template, nonce)
     elif w.kind == "tokens":
         make = (
             "request = function()\n  local ids = {101}\n"
@@ -160,10 +132,6 @@ def wrk_script(w: Workload, sentences: Sequence[str], nonce: str) -> str:
         )
     else:
         raise ValueError(f"{w.name}: no wrk script for {w.kind} requests")
-    headers = {"Content-Type": "application/json"}
-    if w.warm:
-        headers.update(w.warm[0][1])
-    elif w.via_gateway:
-        headers.update(w.make(0)[1])
+    headers = dict(w.warm[0][1] if w.warm else w.make(0)[1] if w.via_gateway else {})
     headers["Content-Type"] = "application/json"
     return wrk.script(w.endpoint, headers, make)

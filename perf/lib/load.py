@@ -1,15 +1,81 @@
-"""The asyncio load loop the HTTP benchmarks share (the fallback where wrk is not installed), and the
-latency figures of a window, with the one percentile of perf.lib.stats."""
+"""The one load driver of the request benchmarks, and the record of what it measured.
+
+Drivers, each returning a ``Tally`` (latencies of the 200s and of the 503s, the other errors,
+the seconds measured): ``closed_loop`` (``concurrency`` clients POSTing to a URL, each sending
+its next request when its answer came), ``open_loop`` (requests started at a fixed rate whatever
+the answers) and ``call_loop`` (the closed loop around any coroutine: tritonclient's KServe HTTP
+and gRPC clients, clients.AsyncEmbeddingClient). wrk (perf.lib.wrk) is the C driver for the same
+HTTP loads. ``Window`` is one measured point (phase, workload, concurrency, round: requests,
+errors, requests/s, P50/P99/max with perf.lib.stats' percentile); ``points`` takes the median
+over a point's rounds.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, TypeVar
 
-from perf.lib.stats import percentile
+from perf.lib.stats import median, percentile
 
 Request = tuple[bytes, dict[str, str]]  # (body, headers)
+
+
+@dataclass
+class Tally:
+    """What a load loop saw. ``errors`` counts every answer but a 200 (refusals included)."""
+
+    ok: list[float] = field(default_factory=list)  # seconds, answers 200
+    ok_index: list[int] = field(default_factory=list)  # the request number of each of them
+    refused: list[float] = field(default_factory=list)  # seconds, answers 503 (UNAVAILABLE)
+    errors: int = 0
+    first_error: str = ""  # the first error that was not a refusal
+    seconds: float = 0.0
+
+    def add(self, ok: bool, elapsed: float, error: str = "", refused: bool = False, index: int = -1) -> None:
+        if ok:
+            self.ok.append(elapsed)
+            self.ok_index.append(index)
+            return
+        self.errors += 1
+        if refused:
+            self.refused.append(elapsed)
+        else:
+            self.first_error = self.first_error or error[:200]
+
+    def figures(self) -> dict:
+        """requests (200s), requests/s, errors and P50/P99/max ms of the 200s."""
+        rps = len(self.ok) / self.seconds if self.seconds > 0 else None
+        return {"requests": len(self.ok), "rps": rps, "errors": self.errors, **latency_ms(self.ok)}
+
+
+def latency_ms(latencies_s: Sequence[float]) -> dict[str, float | None]:
+    """P50, P99 and max of latencies in seconds, in ms (None when there are none)."""
+    ms = sorted(x * 1000.0 for x in latencies_s)
+    if not ms:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    return {"p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99), "max_ms": ms[-1]}
+
+
+async def _post(session, endpoint: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    import aiohttp
+
+    try:
+        async with session.post(endpoint, data=body, headers=headers) as r:
+            return r.status, await r.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return 0, repr(exc).encode()
+
+
+def _session(connections: int, timeout: float):
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=connections)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout))
 
 
 async def closed_loop(
@@ -20,57 +86,76 @@ async def closed_loop(
     warmup: float = 0.0,
     warm: Sequence[Request] = (),
     start: int = 0,
-) -> tuple[list[float], int, str, float]:
+) -> Tally:
     """``concurrency`` clients POSTing to ``endpoint`` (a URL), each sending its next request
     (``make(n)``, n counting from ``start``) when its answer came: ``warm`` first (once, in turn,
-    unmeasured), then ``warmup`` s unmeasured and ``duration`` s measured. Returns the latencies
-    (seconds) of the measured 200 answers, the errors, the first error's text and the seconds measured."""
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    latencies: list[float] = []
-    errors = 0
-    first_error = ""
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+    unmeasured), then ``warmup`` s unmeasured and ``duration`` s measured."""
+    tally = Tally()
+    async with _session(concurrency, 60) as session:
         for body, headers in warm:
-            async with session.post(endpoint, data=body, headers=headers) as r:
-                await r.read()
+            await _post(session, endpoint, body, headers)
         started = time.monotonic()
         measure_from, stop_at = started + warmup, started + warmup + duration
-        n = iter(range(start, 10**12))
+        numbers = itertools.count(start)
 
         async def client() -> None:
-            nonlocal errors, first_error
-            while True:
-                now = time.monotonic()
-                if now >= stop_at:
-                    return
-                body, headers = make(next(n))
+            while (now := time.monotonic()) < stop_at:
+                body, headers = make(next(numbers))
                 t0 = time.perf_counter()
-                try:
-                    async with session.post(endpoint, data=body, headers=headers) as r:
-                        payload = await r.read()
-                        ok = r.status == 200
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    ok, payload = False, repr(exc).encode()
-                elapsed = time.perf_counter() - t0
-                if now < measure_from:
-                    continue
-                if ok:
-                    latencies.append(elapsed)
-                else:
-                    errors += 1
-                    first_error = first_error or payload[:200].decode(errors="replace")
+                status, payload = await _post(session, endpoint, body, headers)
+                if now >= measure_from:
+                    error = payload.decode(errors="replace")
+                    tally.add(status == 200, time.perf_counter() - t0, error, refused=status == 503)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        measured = time.monotonic() - measure_from
-    return latencies, errors, first_error, measured
+        tally.seconds = time.monotonic() - measure_from
+    return tally
 
 
-def figures(latencies_s: Sequence[float], seconds: float) -> tuple[float | None, float, float, float]:
-    """(requests/s, P50, P99, max in ms) of a window's latencies (seconds; at least one)."""
-    ms = sorted(x * 1000.0 for x in latencies_s)
-    return (len(ms) / seconds if seconds > 0 else None), percentile(ms, 50), percentile(ms, 99), ms[-1]
+async def open_loop(endpoint: str, make: Callable[[int], Request], rate: float, duration: float, timeout: float = 30) -> Tally:
+    """POSTs to ``endpoint`` started at ``rate`` per second for ``duration`` s, each waited for."""
+    tally = Tally()
+    async with _session(0, timeout) as session:
+
+        async def one(n: int) -> None:
+            body, headers = make(n)
+            t0 = time.perf_counter()
+            status, payload = await _post(session, endpoint, body, headers)
+            error = f"{status} {payload.decode(errors='replace')}"
+            tally.add(status == 200, time.perf_counter() - t0, error, refused=status == 503)
+
+        started, tasks = time.monotonic(), []
+        for n in range(int(rate * duration)):
+            await asyncio.sleep(max(0.0, started + n / rate - time.monotonic()))
+            tasks.append(asyncio.create_task(one(n)))
+        await asyncio.gather(*tasks)
+        tally.seconds = duration
+    return tally
+
+
+async def call_loop(
+    call: Callable[[int], Awaitable[object]], concurrency: int, seconds: float | None = None, count: int | None = None
+) -> Tally:
+    """``concurrency`` workers awaiting ``call(n)`` (n: 0, 1, ... across them) for ``seconds``, or
+    until ``count`` calls were made; an exception is an error."""
+    tally, numbers = Tally(), itertools.count()
+    started = time.perf_counter()
+    deadline = started + seconds if seconds is not None else float("inf")
+
+    async def worker() -> None:
+        for n in numbers:
+            if time.perf_counter() >= deadline or (count is not None and n >= count):
+                return
+            t0 = time.perf_counter()
+            try:
+                await call(n)
+                tally.add(True, time.perf_counter() - t0, index=n)
+            except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+                tally.add(False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    tally.seconds = time.perf_counter() - started
+    return tally
 
 
 class TailRatios:
@@ -87,3 +172,89 @@ class TailRatios:
     @property
     def max_over_p50(self) -> float | None:
         return self.max_ms / self.p50_ms if self.max_ms and self.p50_ms else None
+
+
+@dataclass
+class Window(TailRatios):
+    """One measured window of one phase, workload, concurrency and round; from ``points``, the
+    median of a point's rounds (``round``: how many, ``p99_range``: their lowest and highest P99)."""
+
+    phase: str
+    workload: str
+    concurrency: int
+    round: int = 1
+    client: str = ""
+    requests: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    rps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    max_ms: float | None = None
+    first_error: str = ""
+    stats: dict = field(default_factory=dict)  # model -> perf.lib.triton_stats.per_request figures
+    p99_range: tuple[float, float] | None = None
+
+    def take(self, tally: Tally) -> None:
+        """The figures of a Tally."""
+        self.seconds, self.first_error = tally.seconds, tally.first_error
+        for key, value in tally.figures().items():
+            setattr(self, key, value)
+
+    def take_wrk(self, result: dict) -> None:
+        """The figures wrk's script printed (perf.lib.wrk.run)."""
+        self.seconds = result["duration_us"] / 1e6
+        self.requests, self.errors = result["requests"] - result["errors"], result["errors"]
+        if self.errors:
+            self.first_error = "wrk counted non-2xx responses or socket errors"
+        if result["requests"]:
+            self.rps = result["requests"] / self.seconds
+            self.p50_ms, self.p99_ms, self.max_ms = (result[k] / 1000.0 for k in ("p50_us", "p99_us", "max_us"))
+
+    def record(self) -> dict:
+        """A CSV row: every field (stats as JSON) and the tail ratios."""
+        out = asdict(self) | {"p99_over_p50": self.p99_over_p50, "max_over_p50": self.max_over_p50}
+        return out | {"stats": json.dumps(self.stats, sort_keys=True)}
+
+    def line(self) -> str:
+        """The progress line of a window."""
+        return (
+            f"{self.phase:6} {self.workload:28} c{self.concurrency:<3} r{self.round} {_f(self.rps, 0):>6} req/s  "
+            f"P50 {_f(self.p50_ms):>7}  P99 {_f(self.p99_ms):>7}  max {_f(self.max_ms):>7} ms  errors {self.errors}"
+            + (f" ({self.first_error})" if self.first_error else "")
+        )
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+W = TypeVar("W", bound=Window)
+
+
+def points(windows: Sequence[W]) -> list[W]:
+    """One per (phase, workload, concurrency), in the order first seen: requests and errors summed,
+    ``*max_ms`` the largest, every other figure (and each model's stats) the median over the rounds."""
+    groups: dict[tuple[str, str, int], list[W]] = {}
+    for w in windows:
+        groups.setdefault((w.phase, w.workload, w.concurrency), []).append(w)
+    out = []
+    for ws in groups.values():
+        values: dict[str, Any] = {"round": len(ws), "first_error": next((w.first_error for w in ws if w.first_error), "")}
+        for f in fields(ws[0]):
+            got = [getattr(w, f.name) for w in ws]
+            if f.name in ("requests", "errors"):
+                values[f.name] = sum(got)
+            elif f.name.endswith("max_ms"):
+                values[f.name] = max((v for v in got if v is not None), default=None)
+            elif f.name not in values and all(v is None or isinstance(v, float) for v in got):
+                values[f.name] = median(got)
+        p99s = [w.p99_ms for w in ws if w.p99_ms is not None]
+        values["p99_range"] = (min(p99s), max(p99s)) if p99s else None
+        models = {m for w in ws for m in w.stats}
+        values["stats"] = {
+            m: {k: median([w.stats[m][k] for w in ws if m in w.stats]) for k in next(w.stats[m] for w in ws if m in w.stats)}
+            for m in models
+        }
+        out.append(replace(ws[0], **values))
+    return out

@@ -1,6 +1,6 @@
 """What a benchmark's report is made of: its results folder (``--out-dir`` or perf/results/<kind>-<UTC
 time>), the summary it writes there (summary.md, and results.json with the raw figures where it has
-them) and the way a figure is printed in its tables."""
+them), the way a figure is printed and its markdown tables."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import datetime as dt
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from perf.lib.paths import RESULTS
@@ -37,6 +37,13 @@ def fmt(value: float | None, digits: int = 1, missing: str = "", thousands: bool
     if value is None:
         return missing
     return f"{value:,.{digits}f}" if thousands else f"{value:.{digits}f}"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1) -> str:
+    """A markdown table: the first ``left`` columns aligned left, the others right (figures)."""
+    align = ["---"] * left + ["---:"] * (len(header) - left)
+    lines = [header, align, *([str(c) for c in row] for row in rows)]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
 def progress(started: float | None = None) -> Callable[[str], None]:

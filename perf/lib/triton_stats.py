@@ -4,14 +4,16 @@ perf_analyzer's report lists an ensemble's composing models, but not the models 
 step calls through BLS (a router calling the encoder, a cache calling the ensemble). Reading
 ``GET /v2/models/stats`` before and after a measurement gives every model's share of it:
 requests, executions (so the mean batch), and the mean queue and compute times per request.
+``metrics`` reads the metrics port's samples.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from perf.lib.perf_analyzer import ModelStats
 
@@ -86,3 +88,31 @@ def fetch_delta(
         return delta(before, snapshot(http_url, headers), skip)
     except (OSError, ValueError, urllib.error.URLError):
         return {}
+
+
+def per_request(before: Mapping[str, dict], after: Mapping[str, dict], models: Collection[str] | None = None) -> dict[str, dict]:
+    """delta() as the load benchmarks print it, for ``models`` (default all): requests, mean batch
+    (inferences per execution), and queue and compute (input + infer + output) ms per request."""
+    return {
+        name: {
+            "requests": s.success_count,
+            "batch": round(s.avg_batch, 2) if s.avg_batch is not None else None,
+            "queue_ms": round(s.breakdown_ms.get("queue", 0.0), 3),
+            "compute_ms": round(sum(v for k, v in s.breakdown_ms.items() if k.startswith("compute")), 3),
+        }
+        for name, s in delta(before, after).items()
+        if models is None or s.name in models
+    }
+
+
+def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """The samples of a Prometheus text endpoint (Triton's metrics port) as ``name{labels}`` -> value,
+    the labels sorted (``nv_cache_num_hits_per_model{model="m",version="1"}``)."""
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        for line in r.read().decode().splitlines():
+            if m := re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line):
+                labels = ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or "")))
+                key = f"{m.group(1)}{{{labels}}}"
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out

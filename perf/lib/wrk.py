@@ -1,6 +1,7 @@
 """wrk (C, one thread: little of a 2-core machine) driven from Python: its Lua script and its run.
 
-``script`` writes the whole Lua program around a benchmark's ``request`` function: the path and
+``script`` writes the whole Lua program around a benchmark's ``request`` function (``cycle``: given
+bodies in turn; ``unique_texts``: a body with a text made unique per request): the path and
 headers, a thread id (``tid``) and a counter (``n``) that make texts unique, and a ``done`` that
 prints the window's figures as one JSON line (``WRK_RESULT {...}``), which ``run`` reads back:
 requests, errors (socket errors and non-2xx answers), duration_us and wrk's own p50_us, p99_us
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 PREFIX = "WRK_RESULT "
@@ -29,6 +30,27 @@ def lua_string(value: str) -> str:
 def lua_list(name: str, values: list[str]) -> str:
     """``local name = { ... }``: the strings a ``request`` function draws from."""
     return f"local {name} = {{\n" + ",\n".join(lua_string(v) for v in values) + "\n}\n"
+
+
+def cycle(bodies: Sequence[bytes]) -> str:
+    """A ``request`` function sending ``bodies`` in turn."""
+    return (
+        lua_list("bodies", [b.decode() for b in bodies]) + "request = function()\n  n = n + 1\n"
+        "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
+    )
+
+
+def unique_texts(texts: Sequence[str], template: bytes, nonce: str, before: bool = False) -> str:
+    """A ``request`` function sending ``template`` (a JSON body whose text is ``\\0``) with each of
+    ``texts`` in turn, made unique by `` (<nonce>-<tid>-<n>)`` after it (``before``: ``<nonce><tid>x<n> `` in front)."""
+    head, _, tail = template.decode().partition("\\u0000")
+    text = "texts[(n % #texts) + 1]"
+    body = f"'{nonce}' .. tid .. 'x' .. n .. ' ' .. {text}" if before else f"{text} .. ' ({nonce}-' .. tid .. '-' .. n .. ')'"
+    return (
+        lua_list("texts", [json.dumps(t)[1:-1] for t in texts]) + "request = function()\n  n = n + 1\n"
+        f"  local body = {lua_string(head)} .. {body} .. {lua_string(tail)}\n"
+        "  return wrk.format('POST', path, headers, body)\nend\n"
+    )
 
 
 def script(path: str, headers: Mapping[str, str], request: str, delay_ms: float | None = None, count_status: bool = False) -> str:

@@ -46,24 +46,25 @@ def test_before_repository_turns_the_generation_admission_window_off(tmp_path):
 
 
 def _point(workload, p50, p99, peak, errors=0, ttft=None):
-    return tail.Point(
+    ttft_p50, ttft_p99, ttft_max = ttft or (None, None, None)
+    return tail.Window(
         "after",
         workload,
         32,
-        1,
-        100,
-        errors,
-        10.0,
-        p50,
-        p99,
-        peak,
-        (p99, p99),
-        0.1,
-        1.0,
-        0.2,
-        1.5,
-        {},
-        *(ttft or (None, None, None)),
+        requests=100,
+        errors=errors,
+        rps=10.0,
+        p50_ms=p50,
+        p99_ms=p99,
+        max_ms=peak,
+        p99_range=(p99, p99),
+        client_cores=0.1,
+        server_cores=1.0,
+        server_wait_cores=0.2,
+        machine_cores=1.5,
+        ttft_p50_ms=ttft_p50,
+        ttft_p99_ms=ttft_p99,
+        ttft_max_ms=ttft_max,
     )
 
 
@@ -157,7 +158,7 @@ def test_gateway_wrk_scripts_carry_the_key_and_the_openai_body():
     work = tail.workloads("n0nce", ["one", "two"], api_key="sk-test")
     unique = tail.wrk_script(work["gateway_embeddings_unique"], ["one", "two"], "n0nce")
     assert "path = '/v1/embeddings'" in unique and "[ [=[Authorization]=] ] = [=[Bearer sk-test]=]" in unique
-    assert '\\"model\\":\\"text_embedding\\"' not in unique and '"model":"text_embedding"' in unique
+    assert '\\"model\\": \\"text_embedding\\"' not in unique and '"model": "text_embedding"' in unique
     hits = tail.wrk_script(work["gateway_embeddings_hits"], ["one", "two"], "n0nce")
     assert '[=[{"model": "text_embedding", "input": "two", "encoding_format": "float"}]=]' in hits
     for name in tail.STREAM_WORKLOADS:
