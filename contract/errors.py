@@ -2,23 +2,40 @@
 
 A request error carries a ``code`` (what kind of failure, which decides the status on each
 protocol), the ``field`` at fault and the ``values`` that broke the rule (the limit, what was
-sent), beside a message for people. The model writes it into Triton's error message with
-:func:`format_error`: the words first, then the data after :data:`MARK` as one JSON object.
-Whoever receives a Triton error (the gateway, the clients) calls :func:`parse_error` and reads
-the code, field and values from the data, never from the words, which may change.
+sent), beside a message for people.
 
-The shims map each code to a Triton error code (:data:`TRITON_CODES`); the gateway maps it to
-an HTTP status. A gRPC stream carries no status of its own, so there the data's code is the
-only status a client has.
+Inside the deployment a Python backend's error reaches tritonserver as a message string only, so
+the model writes it with :func:`format_error`: the words first, then the data after :data:`MARK`
+as one JSON object. Whoever reads tritonserver directly (the doors, the gateway, a BLS caller)
+calls :func:`parse_error` and reads the code, field and values from the data, never from the
+words, which may change.
+
+At the public edges the doors take the data out of the words and put it where each protocol
+carries it:
+
+- HTTP (the front door's KServe ``infer`` and ``generate``, the stream door's ``generate_stream``
+  error events): a JSON body :func:`error_body`, ``{"error": <words>, "code", "field",
+  "values"}``; a client reads it with :func:`data_from_body`;
+- gRPC unary (``ModelInfer`` through the gRPC door): the status code from the data
+  (:data:`GRPC_STATUS`), the words as the details, the data as the trailing metadata
+  :data:`ERROR_METADATA` (:func:`data_json`);
+- a gRPC stream (``ModelStreamInfer``): its response has ``error_message`` and no status, and
+  tritonclient hands a stream's callback that message alone, so the data stays after the words
+  there (:func:`format_data`), as the models wrote it.
+
+:func:`error_data` reads an exception, wherever its protocol put the data. The shims map each
+code to a Triton error code (:data:`TRITON_CODES`); the gateway maps it to an HTTP status.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from contract.prose import tritonclient_rpc_error
 
 # The codes, as the gateway and the clients see them.
 INVALID = "invalid_value"  # a field broke a rule: 400 / INVALID_ARG
@@ -49,6 +66,8 @@ GRPC_STATUS = {
 HTTP_STATUS = {INVALID: 400, CONTEXT_LENGTH: 400, TOO_LARGE: 413, OVERLOADED: 503, UNAVAILABLE: 503, INTERNAL: 500}
 # Where the data begins in a message: after the words, which never contain it.
 MARK = " #error-data "
+# The gRPC trailing metadata key of a unary error's data (data_json).
+ERROR_METADATA = "error-data"
 
 
 class ConfigError(ValueError):
@@ -144,15 +163,89 @@ def parse_error(text: str) -> ErrorData | None:
     words, mark, tail = text.rpartition(MARK)
     if not mark:
         return None
+    return data_from_json(tail, words)
+
+
+def data_from_json(text: str | bytes, words: str = "") -> ErrorData | None:
+    """The data :func:`data_json` wrote (a message's tail, a gRPC error's ``error-data``
+    metadata), with ``words``; None when it is not such data."""
     try:
-        obj = json.loads(tail)
-    except json.JSONDecodeError:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    if not isinstance(obj, dict) or obj.get("code") not in CODES:
+    return data_from_body({**obj, "error": words}) if isinstance(obj, dict) else None
+
+
+def error_body(data: ErrorData) -> dict[str, Any]:
+    """An HTTP JSON error body with the data as its own keys: ``{"error": <words>, "code",
+    "field", "values"}`` (the front door's and the stream door's answers)."""
+    return {"error": data.message, "code": data.code, "field": data.field, "values": data.values}
+
+
+def data_from_body(body: Mapping[str, Any]) -> ErrorData | None:
+    """The data of an HTTP JSON error body (:func:`error_body`); None when it has none (an
+    error of tritonserver's own, a proxy's page)."""
+    if body.get("code") not in CODES:
         return None
-    values = obj.get("values")
-    name = obj.get("field")
-    return ErrorData(obj["code"], name if isinstance(name, str) else None, values if isinstance(values, dict) else {}, words)
+    name, values, words = body.get("field"), body.get("values"), body.get("error")
+    return ErrorData(
+        body["code"],
+        name if isinstance(name, str) else None,
+        values if isinstance(values, dict) else {},
+        words if isinstance(words, str) else "",
+    )
+
+
+def public_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """tritonserver's JSON error body ``{"error": <words and data>}`` as a public edge answers
+    it (:func:`error_body`); None when its message holds no data (left as it came)."""
+    text = body.get("error")
+    data = parse_error(text) if isinstance(text, str) else None
+    return None if data is None else {**body, **error_body(data)}
+
+
+def error_data(exc: BaseException) -> ErrorData | None:
+    """The data of a failed call, wherever its protocol put it: read by a client from an HTTP
+    body's keys (an ``error_data`` attribute), a gRPC error's :data:`ERROR_METADATA` trailing
+    metadata (on the error itself or, for tritonclient's exception, on the gRPC error it was
+    raised from: :func:`contract.prose.tritonclient_rpc_error`), else after the mark in its
+    message (a gRPC stream's error, an internal hop)."""
+    found = getattr(exc, "error_data", None)
+    if isinstance(found, ErrorData):
+        return found
+    words = _message_of(exc)
+    for rpc in (exc, tritonclient_rpc_error(exc)):
+        data = _metadata_data(rpc, words) if rpc is not None else None
+        if data is not None:
+            return data
+    return parse_error(words)
+
+
+def _message_of(exc: BaseException) -> str:
+    for name in ("message", "details"):  # tritonclient's InferenceServerException, a grpc.RpcError
+        method = getattr(exc, name, None)
+        if callable(method):
+            try:
+                text = method()
+            except Exception:  # noqa: BLE001 (a failed call's accessors may raise)
+                continue
+            if isinstance(text, str):
+                return text
+    return str(exc)
+
+
+def _metadata_data(rpc: BaseException, words: str) -> ErrorData | None:
+    trailing = getattr(rpc, "trailing_metadata", None)
+    if not callable(trailing):
+        return None
+    try:
+        pairs: Iterable[tuple[str, Any]] = trailing() or ()
+    except Exception:  # noqa: BLE001
+        return None
+    for key, value in pairs:
+        if key == ERROR_METADATA:
+            return data_from_json(value, words_of(words))
+    return None
 
 
 def words_of(text: str) -> str:

@@ -4,8 +4,10 @@ The project's own errors carry their code, field and values as data (:mod:`contr
 and code reads that data, never the words. A few components give only prose: tritonserver's own
 errors on a gRPC stream (no status there) and its shutdown log, tritonclient's error for a body it cannot decode,
 ONNX Runtime's status inside the native onnxruntime backend's message, Pillow's decoder errors.
-This module is where that prose is read; ``tests/unit/test_prose.py`` makes each component
-produce its message where it runs here and pins the wording each function reads.
+tritonclient also drops what its gRPC exception was made from (the trailing metadata that
+carries an error's data): where it keeps that is read here too. This module is where that prose
+is read; ``tests/unit/test_prose.py`` makes each component produce its message where it runs
+here and pins the wording (and the shape) each function reads.
 """
 
 from __future__ import annotations
@@ -67,3 +69,13 @@ def tritonclient_undecodable(message: str) -> bool:
 def pillow_truncated(message: str) -> bool:
     """Pillow's decoder says the file ends early ("image file is truncated", "Truncated File Read")."""
     return "truncated" in message.lower()
+
+
+def tritonclient_rpc_error(exc: BaseException) -> BaseException | None:
+    """The gRPC error a tritonclient.grpc exception was made from, or None. tritonclient raises
+    its InferenceServerException (details and status only) inside the ``except grpc.RpcError``
+    block, ``from None``: the RpcError, with its trailing metadata, stays as ``__context__``."""
+    context = exc.__context__
+    if type(exc).__name__ == "InferenceServerException" and context is not None and hasattr(context, "trailing_metadata"):
+        return context
+    return None

@@ -114,3 +114,31 @@ def test_an_error_from_another_hop_keeps_its_code_field_and_values():
     assert str(error) == "TEXT[2]: text_embedding failed: text is empty"
     plain = error_from_message("Stub process is not healthy", "text_embedding failed: ")
     assert type(plain) is RuntimeError and str(plain) == "text_embedding failed: Stub process is not healthy"
+
+
+def test_each_public_protocol_carries_the_data_where_it_reads_it():
+    """HTTP: the body's own keys; gRPC unary: trailing metadata; a gRPC stream: after the words."""
+    from contract.errors import ERROR_METADATA, ErrorData, data_from_body, data_json, error_body, error_data, public_body
+
+    error = ContextTooLong(4086, 16, 4096)
+    inside = {"error": "in ensemble 'x', " + format_error(error)}  # as tritonserver answers it
+    body = public_body(inside)
+    assert body is not None and MARK not in body["error"] and body["error"].startswith("in ensemble 'x', max_tokens: ")
+    assert (body["code"], body["field"], body["values"]) == ("context_length_exceeded", "max_tokens", error.values)
+    assert data_from_body(body) == ErrorData(body["code"], "max_tokens", error.values, body["error"])
+    assert data_from_body(error_body(data_from_body(body))) == data_from_body(body)
+    assert public_body({"error": "Request for unknown model"}) is None  # tritonserver's own: as it came
+    assert data_from_body({"error": "x", "code": "no_such_code"}) is None
+
+    class Rpc(Exception):  # a grpc.RpcError as a unary call through the gRPC door ends
+        def details(self):
+            return body["error"]
+
+        def trailing_metadata(self):
+            return (("other", "1"), (ERROR_METADATA, data_json(error.data)))
+
+    unary = error_data(Rpc())
+    assert unary is not None and (unary.code, unary.values, unary.message) == (error.code, error.values, body["error"])
+    stream = error_data(InferenceServerException(format_error(error)))  # a stream's error_message
+    assert stream is not None and stream.code == error.code and MARK not in stream.message
+    assert error_data(InferenceServerException("Request for unknown model")) is None
