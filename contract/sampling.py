@@ -18,6 +18,7 @@ from contract.errors import InputError
 
 MAX_STOP = 16  # stop strings per request: the per-step stop search stays cheap
 MAX_STOP_LEN = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request: checked per generated token, as a set
 MAX_REPETITION_PENALTY = 10.0
 MAX_PRESENCE_FREQUENCY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
@@ -39,6 +40,7 @@ class SamplingField:
     default: Any
     doc: str
     openai: bool = False  # one of OpenAI's own request fields (else an extension: the SDK's extra_body)
+    items: type = str  # a list's element type (for kinds holding list)
 
 
 SAMPLING_FIELDS: tuple[SamplingField, ...] = (
@@ -73,6 +75,22 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         openai=True,
     ),
     SamplingField("stop", (str, list), (), f"Up to {MAX_STOP} strings that end the text (left out of it)", openai=True),
+    SamplingField(
+        "stop_token_ids",
+        (list,),
+        (),
+        f"Up to {MAX_STOP_TOKEN_IDS} token ids that end the sequence as EOS does (their text left out, as EOS's)",
+        items=int,
+    ),
+    SamplingField(
+        "include_stop_str_in_output",
+        (bool,),
+        False,
+        "The stop string, or the text of the stop token (EOS, stop_token_ids), that ended the sequence ends the text too",
+    ),
+    SamplingField(
+        "skip_special_tokens", (bool,), True, "Special tokens (the chat template's markers, EOS) are left out of the text"
+    ),
     SamplingField("ignore_eos", (bool,), False, "EOS does not end the sequence"),
     SamplingField("repetition_penalty", (int, float), 1.0, "Above 1 discourages tokens already in the text"),
     SamplingField(
@@ -224,6 +242,9 @@ class SamplingParams:
     structured_outputs: Any = None
     fit_to_context: bool = False
     n: int = 1  # choices of the prompt
+    stop_token_ids: tuple[int, ...] = ()  # sorted, without repeats
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         put = object.__setattr__  # frozen: normalised values are set once, here
@@ -298,7 +319,7 @@ class SamplingParams:
             raise InputError(guides[1], f"only one guide per request: {guides[0]} is set too")
         for name in guides:
             put(self, name, guide_source(name, getattr(self, name)))
-        for name in ("ignore_eos", "fit_to_context"):
+        for name in ("ignore_eos", "fit_to_context", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(
                     name, f"must be true or false, got {getattr(self, name)!r}", values={"got": repr(getattr(self, name))}
@@ -323,6 +344,7 @@ class SamplingParams:
         put(self, "top_p", top_p)
         put(self, "repetition_penalty", penalty)
         put(self, "stop", tuple(stop))
+        put(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -341,6 +363,23 @@ class SamplingParams:
     def penalises_history(self) -> bool:
         """Whether the sampler needs the tokens so far (a repetition, presence or frequency penalty)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _stop_token_ids(value: Any) -> tuple[int, ...]:
+    """The ids as a sorted tuple without repeats (the engine checks them against its vocabulary)."""
+    if not isinstance(value, (list, tuple)):
+        raise InputError("stop_token_ids", f"must be a list of token ids, got {type(value).__name__}")
+    _range(
+        "stop_token_ids",
+        len(value),
+        len(value) <= MAX_STOP_TOKEN_IDS,
+        f"at most {MAX_STOP_TOKEN_IDS} token ids",
+        maximum=MAX_STOP_TOKEN_IDS,
+    )
+    for i, token in enumerate(value):
+        token = _int(f"stop_token_ids[{i}]", token)
+        _range(f"stop_token_ids[{i}]", token, 0 <= token <= MAX_INT64, "must be a token id >= 0", minimum=0)
+    return tuple(sorted(set(value)))
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -15,10 +15,11 @@ from typing import Any
 
 import orjson
 
-from contract.sampling import MAX_LOGPROBS, SAMPLING_FIELDS
+from contract.sampling import GUIDE_FIELDS, MAX_LOGPROBS, SAMPLING_FIELDS
 from openai_gateway.catalog import GenerationModel
 from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
+from openai_gateway.request_fields import refuse_unserved
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.tools import ToolUse, check_tools, closed, render_message
@@ -135,6 +136,7 @@ def plain_message(m: Any, i: int) -> dict[str, str]:
 def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
     """A chat completion request checked against OpenAI's policy and the gateway's own limits, as a
     job; 400/413 naming the field otherwise. The model judges the rest (its errors come back as data)."""
+    refuse_unserved(req.model_extra, chat=True)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -180,10 +182,7 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         "text_input": "messages",
         "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
     }
-    schema = response_format_schema(req.response_format)
-    if schema is not None:
-        sampling["guided_json"] = schema  # the engine compiles and enforces it (its errors name guided_json)
-        fields["guided_json"] = "response_format"
+    schema = _guide_from_response_format(req.response_format, sampling, fields)
     if tool_use is not None and tool_use.enforced:
         if schema is not None:
             raise bad_request(
@@ -202,6 +201,19 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         logprobs=bool(req.logprobs),
         tools=tool_use,
     )
+
+
+def _guide_from_response_format(value: dict[str, Any] | None, sampling: dict[str, Any], fields: dict[str, str]) -> Any:
+    """``response_format``'s schema as the job's guide (the engine compiles and enforces it; its
+    errors name guided_json, reported as response_format); 400 beside another guide."""
+    schema = response_format_schema(value)
+    if schema is not None:
+        other = next((name for name in (*GUIDE_FIELDS, "structured_outputs") if name in sampling), None)
+        if other is not None:
+            raise bad_request(f"response_format cannot be combined with {other}: one guide per request", param="response_format")
+        sampling["guided_json"] = schema
+        fields["guided_json"] = "response_format"
+    return schema
 
 
 def response_format_schema(value: dict[str, Any] | None) -> Any:
@@ -237,6 +249,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def check_completion(req: CompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
     """A text completion request checked as ``check_chat`` does, as a job (``max_tokens``
     16 unless the request or --default-max-tokens says otherwise)."""
+    refuse_unserved(req.model_extra, chat=False)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request(f"best_of must equal n ({req.n or 1}), got {req.best_of}: every choice is returned", param="best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -260,6 +273,8 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
     sampling = _sampling(req, req.max_tokens, settings, settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
+    fields = {"text_input": "prompt"}
+    _guide_from_response_format(req.response_format, sampling, fields)  # vLLM takes chat's response_format here too
     return GenerationJob(
         model,
         False,
@@ -268,7 +283,7 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
         bool(req.stream),
         _include_usage(req),
         echo_prefix=prompt if req.echo else "",
-        fields={"text_input": "prompt"},
+        fields=fields,
         logprobs=req.logprobs is not None,
     )
 

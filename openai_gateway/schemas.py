@@ -1,8 +1,9 @@
 """Request bodies as OpenAI defines them, for validation and the OpenAPI schema (``/openapi.json``).
 
 Types are strict (no ``"1"`` for 1, no ``true`` for 1). Unknown fields are ignored, as
-OpenAI-compatible servers do, so newer SDKs keep working; fields this server cannot honour
-(``n`` > 1, ``functions``) are refused with 400 by the request checks, not ignored.
+OpenAI-compatible servers do, so newer SDKs keep working; fields of OpenAI's and vLLM's APIs that
+ask for what this server does not serve (``functions``, ``use_beam_search``, ...) are refused with
+400 by the request checks (openai_gateway/request_fields.py), not ignored.
 Limits with messages that name them are checked in ``embeddings.py`` and ``completions.py``.
 """
 
@@ -96,6 +97,9 @@ _TYPES: dict[tuple[type, ...], Any] = {
 
 
 class _OpenAISampling(_Body):
+    # Undeclared fields are kept (``model_extra``) for openai_gateway/request_fields.py to judge.
+    model_config = ConfigDict(extra="allow")
+
     model: StrictStr
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -106,7 +110,11 @@ class _OpenAISampling(_Body):
 # seed, stop) and vLLM's extensions (the openai SDK's extra_body), which go to the engine as they are.
 _SHAPES = {"structured_outputs": dict[StrictStr, Any]}  # an object of guides: the engine judges its keys
 _FIELDS: dict[str, Any] = {
-    f.name: (_SHAPES.get(f.name, _TYPES[f.kinds]) | None, Field(None, description=f.doc)) for f in SAMPLING_FIELDS
+    f.name: (
+        _SHAPES.get(f.name, list[StrictInt] if f.kinds == (list,) and f.items is int else _TYPES[f.kinds]) | None,
+        Field(None, description=f.doc),
+    )
+    for f in SAMPLING_FIELDS
 }
 if TYPE_CHECKING:  # a class built at run time is Any to the checker
     _Sampling = Any
@@ -137,3 +145,4 @@ class CompletionRequest(_Sampling):
     suffix: StrictStr | None = None
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
+    response_format: dict[str, Any] | None = None  # vLLM's extension: chat's structured output

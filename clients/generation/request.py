@@ -20,6 +20,7 @@ DEFAULT_MODEL = "text_generation"
 # Sampling parameters the served model accepts (vLLM's names), with the JSON types each takes:
 # the engine's own table (contract/sampling.py).
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {f.name: f.kinds for f in _FIELDS}
+_ITEMS: dict[str, type] = {f.name: f.items for f in _FIELDS}
 ROLES = ("system", "user", "assistant")
 _ids = itertools.count(1)
 
@@ -38,9 +39,10 @@ def sampling_parameters(**params: Any) -> dict[str, Any]:
         if value is None:
             continue
         if list in SAMPLING_FIELDS[name]:
-            value = [value] if isinstance(value, str) else list(value)
-            if not all(isinstance(s, str) for s in value):
-                raise TypeError("stop must be a string or a list of strings")
+            items = _ITEMS[name]
+            value = [value] if isinstance(value, str) and items is str else list(value)
+            if not all(isinstance(s, items) and not isinstance(s, bool) for s in value):
+                raise TypeError(f"{name} must be a list of {items.__name__}" + (" or one string" if items is str else ""))
         elif isinstance(value, bool) != (SAMPLING_FIELDS[name] == (bool,)) or not isinstance(value, SAMPLING_FIELDS[name]):
             kinds = " or ".join(t.__name__ for t in SAMPLING_FIELDS[name])
             raise TypeError(f"{name} must be {kinds}, not {type(value).__name__}")

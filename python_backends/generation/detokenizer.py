@@ -54,7 +54,8 @@ class IncrementalDetokenizer:
 
     ``step(output_ids)`` takes all generated ids so far (the engine's list) and returns the
     piece to stream now; no piece before :meth:`finish` ends mid-character or holds part
-    of a stop string. The stop string itself is not part of the output (vLLM's default).
+    of a stop string. The stop string itself is not part of the output unless ``include_stop``
+    (vLLM's ``include_stop_str_in_output``).
     """
 
     def __init__(
@@ -63,9 +64,11 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop  # the stop string ends the output instead of being cut off
         self.stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self.stop), default=0)
         # The prompt's last tokens are context only: decoding starts after them.
@@ -151,9 +154,11 @@ class IncrementalDetokenizer:
             # A stop string that just completed starts at most max_stop - 1 characters
             # before the new text.
             start = max(0, before - self._max_stop + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                cut = min(hits)
+                at = min(i for i, _ in hits)  # the first stop string to start (the longest of those starting there)
+                length = max(n for i, n in hits if i == at)
+                cut = at + length if self.include_stop else at
                 piece = self.text[self.emitted : cut]
                 self.emitted = max(self.emitted, cut)
                 self.finish_reason = "stop"

@@ -337,6 +337,12 @@ class LLMEngine:
                 f"token id {token} is outside the vocabulary [0, {vocab})",
                 values={"maximum": vocab - 1},
             )
+        if params.stop_token_ids and params.stop_token_ids[-1] >= vocab:  # sorted: the last is the largest
+            raise InputError(
+                "stop_token_ids",
+                f"token id {params.stop_token_ids[-1]} is outside the vocabulary [0, {vocab})",
+                values={"maximum": vocab - 1, "got": params.stop_token_ids[-1]},
+            )
         guide = params.guide
         if guide is not None:
             self.grammars().compile(*guide)  # here, on the submitting thread: the loop only makes a matcher
@@ -445,7 +451,13 @@ class LLMEngine:
                 request_id,
                 ids,
                 params,
-                IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=params.stop),
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids=ids,
+                    stop=params.stop,
+                    skip_special_tokens=params.skip_special_tokens,
+                    include_stop=params.include_stop_str_in_output,
+                ),
                 make_generator(seed, self.device),
                 RequestMetrics(arrival=arrival),
                 aligner=None if params.logprobs is None else lp.Aligner(self.token_bytes),
@@ -551,10 +563,14 @@ class LLMEngine:
                 token = seq.output_tokens[upto - 1]
                 if seq.finish_reason is FinishReason.LENGTH and upto == total:
                     finish = FinishReason.LENGTH.value
-                elif token in self.eos_token_ids and not req.params.ignore_eos and (upto >= req.params.min_tokens or guide_done):
+                elif self._stops(req.params, token) and (upto >= req.params.min_tokens or guide_done):
                     finish = FinishReason.STOP.value
-                # the whole list for the newest token (no copy per step); a prefix only inside a draft
-                piece = req.detokenizer.step(seq.output_tokens if upto == total else seq.output_tokens[:upto])
+                # the whole list for the newest token (no copy per step); a prefix only inside a draft;
+                # a stop token's own text only where the request keeps it (vLLM's rule)
+                if finish == FinishReason.STOP.value and not req.params.include_stop_str_in_output:
+                    piece = req.detokenizer.step(seq.output_tokens[: upto - 1])
+                else:
+                    piece = req.detokenizer.step(seq.output_tokens if upto == total else seq.output_tokens[:upto])
                 text += piece.text
                 if piece.finish_reason == "stop":
                     finish = "stop"  # a stop string: the text before it is the answer
@@ -587,6 +603,10 @@ class LLMEngine:
                     )
                 )
         return outputs
+
+    def _stops(self, params: SamplingParams, token: int) -> bool:
+        """Whether ``token`` ends its sequence: EOS (unless ``ignore_eos``) or one of ``stop_token_ids``."""
+        return (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
 
     def _run(self, plan: SchedulerOutput) -> dict[SeqId, int | list[int]]:
         """Run the model on ``plan`` and sample its sampling chunks: seq_id -> new token, or

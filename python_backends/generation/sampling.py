@@ -194,7 +194,7 @@ class Sampler:
         ``token_ids[b]`` is the sequence so far (prompt and output: what the repetition
         penalty looks at; its last ``num_generated[b]`` tokens are the output the presence
         and frequency penalties look at), ``num_generated[b]`` how many tokens it has
-        produced (EOS is suppressed while that is below ``min_tokens``), ``generators[b]``
+        produced (EOS and ``stop_token_ids`` are suppressed while that is below ``min_tokens``), ``generators[b]``
         the seeded row's generator from :func:`make_generator`, ``allowed[b]`` a guided row's
         mask of the tokens its guide allows (structured outputs). Order: logit bias, EOS
         suppression, penalties, the guide's mask, then (sampled rows) temperature, min-p, top-k
@@ -207,8 +207,11 @@ class Sampler:
         for b, p in enumerate(params):
             if p.logit_bias:
                 apply_logit_bias(logits[b], p.logit_bias)
-            if self.eos_token_ids and num_generated is not None and num_generated[b] < p.min_tokens:
-                logits[b, self.eos_token_ids] = float("-inf")
+            if num_generated is not None and num_generated[b] < p.min_tokens:
+                if self.eos_token_ids:
+                    logits[b, self.eos_token_ids] = float("-inf")
+                if p.stop_token_ids:
+                    logits[b, list(p.stop_token_ids)] = float("-inf")
             if token_ids is not None:
                 if p.repetition_penalty != 1.0:
                     apply_repetition_penalty(logits[b], token_ids[b], p.repetition_penalty)

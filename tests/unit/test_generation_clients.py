@@ -180,6 +180,9 @@ def test_sampling_parameters_names_types_and_stop():
         sampling_parameters(ignore_eos=1)
     with pytest.raises(TypeError, match="stop must be"):
         sampling_parameters(stop=["a", 1])
+    assert sampling_parameters(stop_token_ids=(2, 7)) == {"stop_token_ids": [2, 7]}
+    with pytest.raises(TypeError, match="stop_token_ids must be a list of int"):
+        sampling_parameters(stop_token_ids=["2"])
     # Ranges are the server's: its INVALID_ARG names the field.
     assert sampling_parameters(max_tokens=0, top_p=2.0) == {"max_tokens": 0, "top_p": 2.0}
     assert set(SAMPLING_FIELDS) == {
@@ -191,6 +194,9 @@ def test_sampling_parameters_names_types_and_stop():
         "n",
         "seed",
         "stop",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
         "ignore_eos",
         "repetition_penalty",
         "presence_penalty",

@@ -95,9 +95,16 @@ def test_special_tokens_skipped(tok):
     assert detok.finish().text == ""
 
 
-def stream(tok, text, stop):
+def test_special_tokens_kept_when_asked(tok):
+    ids = tok.encode("Paris.").ids + [tok.token_to_id(SPECIAL)]
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    streamed = "".join(detok.step(ids[:n]).text for n in range(1, len(ids) + 1))
+    assert streamed + detok.finish().text == "Paris." + SPECIAL
+
+
+def stream(tok, text, stop, include_stop=False):
     ids = tok.encode(text).ids
-    detok = IncrementalDetokenizer(tok, stop=stop)
+    detok = IncrementalDetokenizer(tok, stop=stop, include_stop=include_stop)
     pieces, reason = [], None
     for n in range(1, len(ids) + 1):
         out = detok.step(ids[:n])
@@ -139,6 +146,21 @@ def test_stop_string_cut_and_never_partly_emitted(tok, text, stop, expected):
     for piece in pieces:
         so_far += piece
         assert expected.startswith(so_far)
+
+
+@pytest.mark.parametrize(
+    "text, stop, expected",
+    [
+        ("The capital of France is Paris. Le café", ["Paris.", "is P"], "The capital of France is P"),
+        ("The capital of France is Paris. Le café", ["is", "is Paris"], "The capital of France is"),  # the first to complete
+        ("Emoji: 😀🎉👍🏽 and more", ["🎉👍"], "Emoji: 😀🎉👍"),
+    ],
+)
+def test_stop_string_kept_with_include_stop(tok, text, stop, expected):
+    """include_stop_str_in_output: the text ends with the first stop string to complete, nothing after it."""
+    _, pieces, reason = stream(tok, text, stop, include_stop=True)
+    assert reason == "stop"
+    assert "".join(pieces) == expected
 
 
 def test_held_back_stop_prefix_is_released_when_it_is_not_a_stop(tok):

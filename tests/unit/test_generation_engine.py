@@ -268,6 +268,36 @@ def test_stop_string_and_min_tokens(engine, hf):
     assert len(ids) == 20
 
 
+def test_stop_token_ids_include_stop_str_and_special_tokens(engine, hf):
+    """vLLM's stop_token_ids end the sequence as EOS does, their text left out unless
+    include_stop_str_in_output; min_tokens holds them back; skip_special_tokens false shows EOS."""
+    tok = hf[0]
+    prompt = chat(tok, MESSAGES[0])
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+    text, ids = engine.generate([prompt], greedy)[0]
+    k = 3
+    stop_id = ids[k]
+    first = ids.index(stop_id)
+    cut_text, cut_ids = engine.generate([prompt], replace(greedy, stop_token_ids=(stop_id,)))[0]
+    assert cut_ids == ids[: first + 1]  # the stop token is generated (and counted) ...
+    assert cut_text == tok.decode(ids[:first], skip_special_tokens=True)  # ... but not written
+    kept, _ = engine.generate([prompt], replace(greedy, stop_token_ids=(stop_id,), include_stop_str_in_output=True))[0]
+    assert kept == tok.decode(ids[: first + 1], skip_special_tokens=True)
+    _, late = engine.generate([prompt], replace(greedy, stop_token_ids=(stop_id,), min_tokens=first + 2, max_tokens=first + 3))[0]
+    assert stop_id not in late[: first + 2]
+    with_stop, _ = engine.generate([prompt], replace(greedy, stop=("Paris",), include_stop_str_in_output=True))[0]
+    assert with_stop == "The capital of France is Paris"
+    assert ids[-1] in engine.eos_token_ids, "the greedy answer should end with EOS within 32 tokens"
+    eos_text = tok.decode([ids[-1]])
+    shown, _ = engine.generate([prompt], replace(greedy, skip_special_tokens=False, include_stop_str_in_output=True))[0]
+    assert shown == text + eos_text
+    assert engine.generate([prompt], replace(greedy, skip_special_tokens=False))[0][0] == text  # EOS is a stop token
+    vocab = engine.weights.config.vocab_size
+    with pytest.raises(InputError, match="outside the vocabulary") as e:
+        engine.check_request([1, 2], replace(greedy, stop_token_ids=(5, vocab)), [])
+    assert (e.value.field, e.value.values) == ("stop_token_ids", {"maximum": vocab - 1, "got": vocab})
+
+
 class _OpenAIPenalties:
     """A transformers LogitsProcessor of OpenAI's presence and frequency penalties over the
     generated tokens and its logit bias: the reference the engine's sampler must match."""

@@ -39,6 +39,7 @@ def test_parse_full_json_and_defaults():
     assert parse(None) == parse(b"") == parse({}) == SamplingParams()
     assert parse('{"stop": "###"}').stop == ("###",)
     assert parse({"temperature": 1}).temperature == 1.0  # an int is a fine number
+    assert parse({"stop_token_ids": [9, 2, 9]}).stop_token_ids == (2, 9)  # sorted, once each
     assert parse({}, default_max_tokens=64).max_tokens == 64
 
 
@@ -89,6 +90,12 @@ def test_parse_full_json_and_defaults():
         ({"logit_bias": {"5": float("inf")}}, "logit_bias['5']", "must be finite"),
         ({"logit_bias": {"5": "up"}}, "logit_bias['5']", "must be a number"),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024 tokens, got 1025"),
+        ({"stop_token_ids": 5}, "stop_token_ids", "must be a list of token ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids[0]", "must be an integer"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids[1]", "must be a token id >= 0"),
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids", "at most 256 token ids, got 257"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output", "true or false"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens", "true or false"),
     ],
 )
 def test_parse_errors_name_the_field_and_limit(source, field, words):
