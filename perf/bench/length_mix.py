@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
-import os
 import random
 import secrets
 import shutil
@@ -34,76 +31,37 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from perf.baselines import limit as limit_mod
-from perf.lib import lifecycle, load, report, wrk
+from perf.lib import lifecycle, load, options, report, triton_stats, wrk
 from perf.lib import served as served_mod
 from perf.lib.harness import write_csv
 from perf.lib.paths import ROOT
-from perf.lib.report import load_average, progress
-from perf.lib.stats import median
+from perf.lib.report import load_average, progress, table
+from perf.lib.workload import infer_body, text_request
 
 WORKLOADS = ("text_encoder", "text_embedding")
 MODELS = ("text_embedding",)  # the ensemble loads the tokenizer and the encoder
+HEADERS = {"Content-Type": "application/json"}
 
 
 def token_body(ids: Sequence[int]) -> bytes:
+    """text_encoder's request for one row of token ids, as long as the row (unpadded)."""
     n = len(ids)
-    return json.dumps(
-        {
-            "inputs": [
-                {"name": "input_ids", "shape": [1, n], "datatype": "INT64", "data": list(ids)},
-                {"name": "attention_mask", "shape": [1, n], "datatype": "INT64", "data": [1] * n},
-            ],
-            "parameters": {"binary_data_output": True},
-        }
-    ).encode()
-
-
-def text_body(text: str) -> bytes:
-    return json.dumps(
-        {
-            "inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}],
-            "parameters": {"binary_data_output": True},
-        }
-    ).encode()
+    inputs = [("input_ids", list(ids)), ("attention_mask", [1] * n)]
+    return infer_body([{"name": k, "shape": [1, n], "datatype": "INT64", "data": v} for k, v in inputs])[0]
 
 
 def mixed_texts(lengths: Sequence[int], tokenizer, seed: int = 0) -> list[str]:
     """One text per length whose tokenization (with [CLS], [SEP] and a request number of up to
     4 tokens put in front later) is about that long: words from a fixed list, as many as fit
     (a space-separated text tokenizes to the sum of its words' tokens)."""
-    words = [
-        "serving",
-        "models",
-        "under",
-        "load",
-        "keeps",
-        "the",
-        "tail",
-        "of",
-        "latency",
-        "short",
-        "when",
-        "batches",
-        "form",
-        "from",
-        "requests",
-        "of",
-        "similar",
-        "length",
-        "and",
-        "the",
-        "encoder",
-        "runs",
-        "fewer",
-        "padded",
-        "tokens",
-        "per",
-        "call",
-    ]
+    words = (
+        "serving models under load keeps the tail of latency short when batches form from requests of similar "
+        "length and the encoder runs fewer padded tokens per call"
+    ).split()
     cost = dict(zip(words, (int(n) - 2 for n in tokenizer.encode(words).lengths)))
     rng = random.Random(seed)
     out = []
@@ -123,239 +81,104 @@ def mixed_texts(lengths: Sequence[int], tokenizer, seed: int = 0) -> list[str]:
 @dataclass
 class Workload:
     name: str
-    model: str
     make: Callable[[int], bytes]
-    lua: str = ""  # wrk: the Lua ``request`` function and the data it draws from
+    lua: str  # wrk: the Lua ``request`` function and the data it draws from
+
+    def script(self) -> str:
+        """A wrk Lua script sending the workload's requests (perf.lib.wrk)."""
+        return wrk.script(f"/v2/models/{self.name}/infer", HEADERS, self.lua)
 
 
 def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000) -> dict[str, Workload]:
     lengths = limit_mod.mix_lengths(pool, *mix, seed=seed)
     rows = [r.tolist() for r in limit_mod.token_rows(lengths, seed=seed)]
     texts = mixed_texts(lengths, served_mod.served_tokenizer(), seed=seed)
-    token_bodies = [token_body(r).decode() for r in rows[:500]]
-    head, _, tail = text_body("\0").decode().partition("\\u0000")
-    encoder_lua = (
-        wrk.lua_list("bodies", token_bodies) + "request = function()\n  n = n + 1\n"
-        "  return wrk.format('POST', path, headers, bodies[(n % #bodies) + 1])\nend\n"
-    )
-    embedding_lua = (
-        wrk.lua_list("texts", texts) + "request = function()\n  n = n + 1\n"
-        f"  local body = {wrk.lua_string(head)} .. '{nonce}' .. tid .. 'x' .. n .. ' ' .. "
-        f"texts[(n % #texts) + 1] .. {wrk.lua_string(tail)}\n"
-        "  return wrk.format('POST', path, headers, body)\nend\n"
-    )
+    # a number in front makes every text unique: Triton's response cache never answers
     return {
-        "text_encoder": Workload("text_encoder", "text_encoder", lambda i: token_body(rows[i % pool]), encoder_lua),
-        # a number in front makes every text unique: Triton's response cache never answers
+        "text_encoder": Workload(
+            "text_encoder", lambda i: token_body(rows[i % pool]), wrk.cycle([token_body(r) for r in rows[:500]])
+        ),
         "text_embedding": Workload(
-            "text_embedding", "text_embedding", lambda i: text_body(f"{nonce}{i} {texts[i % pool]}"), embedding_lua
+            "text_embedding",
+            lambda i: text_request(f"{nonce}{i} {texts[i % pool]}")[0],
+            wrk.unique_texts(texts, text_request("\0")[0], nonce, before=True),
         ),
     }
 
 
-def wrk_script(w: Workload) -> str:
-    """A wrk Lua script sending ``w``'s requests; ``done`` prints the figures as one JSON line."""
-    return wrk.script(f"/v2/models/{w.model}/infer", {"Content-Type": "application/json"}, w.lua)
-
-
 @dataclass
-class Window:
-    phase: str
-    workload: str
-    concurrency: int
-    round: int
-    requests: int = 0
-    errors: int = 0
-    first_error: str = ""
-    seconds: float = 0.0
-    rps: float | None = None
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    max_ms: float | None = None
+class Window(load.Window):
     batch_rows: float | None = None  # text_encoder's rows per execution over the window
-    stats: dict = field(default_factory=dict)
 
 
-async def closed_loop(
-    url: str, w: Workload, concurrency: int, duration: float, start: int
-) -> tuple[list[float], int, str, float]:
-    """``concurrency`` clients, each sending its next request when its answer came."""
-    headers = {"Content-Type": "application/json"}
-    endpoint = f"http://{url}/v2/models/{w.model}/infer"
-    return await load.closed_loop(endpoint, lambda n: (w.make(n), headers), concurrency, duration, start=start)
-
-
-def encoder_stats(url: str) -> tuple[int, int]:
-    """text_encoder's (inference_count, execution_count) so far."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{url}/v2/models/text_encoder/stats", timeout=10) as r:
-        stats = json.loads(r.read())["model_stats"]
-    return sum(int(s["inference_count"]) for s in stats), sum(int(s["execution_count"]) for s in stats)
-
-
-def measure(
-    url: str, w: Workload, window: Window, duration: float, warmup: float, start: int, script: Path | None = None
-) -> None:
+def measure(url: str, w: Workload, window: Window, duration: float, warmup: float, start: int, script: Path | None) -> None:
     """One window: wrk with ``script`` (C, one thread: little of the 2 cores), else asyncio."""
+    endpoint = f"http://{url}/v2/models/{w.name}/infer"
+    make = lambda n: (w.make(n), HEADERS)  # noqa: E731
     if warmup > 0:
-        asyncio.run(closed_loop(url, w, window.concurrency, warmup, start + 10**9))
-    before = encoder_stats(url)
+        asyncio.run(load.closed_loop(endpoint, make, window.concurrency, warmup, start=start + 10**9))
+    before = triton_stats.snapshot(url)
     if script is not None:
-        result = wrk.run(url, script, window.concurrency, duration)
-        after = encoder_stats(url)
-        window.seconds = result["duration_us"] / 1e6
-        window.requests, window.errors = result["requests"] - result["errors"], result["errors"]
-        if window.requests:
-            window.rps = window.requests / window.seconds
-            window.p50_ms, window.p99_ms, window.max_ms = (result[k] / 1e3 for k in ("p50_us", "p99_us", "max_us"))
+        window.take_wrk(wrk.run(url, script, window.concurrency, duration))
     else:
-        latencies, window.errors, window.first_error, window.seconds = asyncio.run(
-            closed_loop(url, w, window.concurrency, duration, start)
-        )
-        after = encoder_stats(url)
-        window.requests = len(latencies)
-        if latencies:
-            window.rps, window.p50_ms, window.p99_ms, window.max_ms = load.figures(latencies, window.seconds)
-    executions = after[1] - before[1]
-    window.batch_rows = (after[0] - before[0]) / executions if executions else None
+        window.take(asyncio.run(load.closed_loop(endpoint, make, window.concurrency, duration, start=start)))
+    window.stats = triton_stats.per_request(before, triton_stats.snapshot(url), ("text_encoder",))
+    window.batch_rows = window.stats.get("text_encoder", {}).get("batch")
 
 
 def before_repository(source: Path, target: Path) -> Path:
     """``source``'s models at ``target`` (files linked) with text_encoder's configs not ragged."""
     from export.variants import drop_ragged
 
-    for model_dir in sorted(p for p in source.iterdir() if (p / "config.pbtxt").is_file()):
-        out = target / model_dir.name
-        out.mkdir(parents=True)
-        for entry in model_dir.iterdir():
-            if model_dir.name == "text_encoder" and entry.name == "config.pbtxt":
-                (out / entry.name).write_text(drop_ragged(entry.read_text()))
-            elif model_dir.name == "text_encoder" and entry.name == "configs":
-                (out / "configs").mkdir()
-                for variant in entry.glob("*.pbtxt"):
-                    (out / "configs" / variant.name).write_text(drop_ragged(variant.read_text()))
-            else:
-                (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-    return target
-
-
-@dataclass
-class Point:
-    phase: str
-    workload: str
-    concurrency: int
-    rounds: int
-    requests: int
-    errors: int
-    rps: float | None
-    p50_ms: float | None
-    p99_ms: float | None
-    max_ms: float | None
-    batch_rows: float | None
-    ratio_to_limit: float | None = None
-
-
-def points(windows: Sequence[Window], limit_rps: float | None) -> list[Point]:
-    keys = sorted({(w.phase, w.workload, w.concurrency) for w in windows}, key=lambda k: (k[1], k[2], k[0]))
-    out = []
-    for phase, workload, conc in keys:
-        ws = [w for w in windows if (w.phase, w.workload, w.concurrency) == (phase, workload, conc)]
-        rps = median([w.rps for w in ws])
-        out.append(
-            Point(
-                phase,
-                workload,
-                conc,
-                len(ws),
-                sum(w.requests for w in ws),
-                sum(w.errors for w in ws),
-                rps,
-                median([w.p50_ms for w in ws]),
-                median([w.p99_ms for w in ws]),
-                max((w.max_ms for w in ws if w.max_ms is not None), default=None),
-                median([w.batch_rows for w in ws]),
-                rps / limit_rps if rps and limit_rps else None,
-            )
-        )
-    return out
+    return lifecycle.linked_repository(
+        source, target, lambda model, _, text: drop_ragged(text) if model == "text_encoder" else None
+    )
 
 
 def _f(value, digits: int = 1) -> str:
     return report.fmt(value, digits, missing="-")
 
 
-def markdown(header: Sequence[str], results: Sequence[Point], mix_limit) -> str:
-    lines = [
-        *header,
-        "",
-        "| workload | phase | conc | req/s | ratio to limit | P50 ms | P99 ms | max ms | encoder rows/execution | errors |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+def markdown(header: Sequence[str], results: Sequence[Window], mix_limit) -> str:
+    limit_rps = mix_limit.best[2] if mix_limit else None
+    rows = [
+        (p.workload, p.phase, p.concurrency, _f(p.rps, 0), _f(p.rps / limit_rps if p.rps and limit_rps else None, 2))
+        + (_f(p.p50_ms), _f(p.p99_ms), _f(p.max_ms), _f(p.batch_rows), p.errors)
+        for p in sorted(results, key=lambda p: (p.workload, p.concurrency, p.phase))
     ]
-    for p in results:
-        lines.append(
-            f"| {p.workload} | {p.phase} | {p.concurrency} | {_f(p.rps, 0)} | {_f(p.ratio_to_limit, 2)} | "
-            f"{_f(p.p50_ms)} | {_f(p.p99_ms)} | {_f(p.max_ms)} | {_f(p.batch_rows)} | {p.errors} |"
-        )
+    columns = ["workload", "phase", "conc", "req/s", "ratio to limit", "P50 ms", "P99 ms", "max ms", "encoder rows/execution"]
+    lines = [*header, "", table([*columns, "errors"], rows, left=2)]
     if mix_limit is not None:
         lines += ["", limit_mod.mix_markdown(mix_limit)]
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.length_mix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.bench.length_mix", __doc__)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
-    p.add_argument(
-        "--mix",
-        default=f"{limit_mod.DEFAULT_MIX[0]}-{limit_mod.DEFAULT_MIX[1]}",
-        metavar="LOW-HIGH",
-        help="tokens per text, drawn uniformly (default 8-128)",
-    )
+    mix = f"{limit_mod.DEFAULT_MIX[0]}-{limit_mod.DEFAULT_MIX[1]}"
+    p.add_argument("--mix", default=mix, metavar="LOW-HIGH", help="tokens per text, drawn uniformly (default 8-128)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--phases", default="after,before", help="comma-separated, of: after, before")
     p.add_argument("--url", help="HOST:PORT of a running tritonserver's HTTP endpoint: measure it alone (phase url)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--duration", type=float, default=8.0, help="measured seconds per window (default 8)")
-    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each window (default 2)")
-    p.add_argument("--precision", default="cpu", help="what the servers serve, as `make serve PRECISION=` (default cpu)")
-    p.add_argument(
-        "--limit-rounds",
-        type=int,
-        default=None,
-        help="rounds of the in-process limit (default 3; 0 skips it; with --url default 0)",
-    )
+    options.add_run(p, "length-mix", rounds=3, duration=8.0, warmup=2.0)
+    limit_help = "rounds of the in-process limit (default 3; 0 skips it; with --url default 0)"
+    p.add_argument("--limit-rounds", type=int, default=None, help=limit_help)
     p.add_argument("--limit-seconds", type=float, default=1.0)
     p.add_argument("--limit-pool", type=int, default=512)
-    p.add_argument(
-        "--budgets", default=",".join(map(str, limit_mod.DEFAULT_BUDGETS)), help="token budgets the limit tries (comma-separated)"
-    )
-    p.add_argument(
-        "--client",
-        choices=("auto", "wrk", "python"),
-        default="auto",
-        help="load generator: wrk when installed (auto), else asyncio",
-    )
-    p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/length-mix-<UTC time>)")
+    budgets = ",".join(map(str, limit_mod.DEFAULT_BUDGETS))
+    p.add_argument("--budgets", default=budgets, help="token budgets the limit tries (comma-separated)")
+    options.add_client(p)
     args = p.parse_args(argv)
-    args.use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
-    args.workload_list = [w for w in args.workloads.split(",") if w]
-    unknown = set(args.workload_list) - set(WORKLOADS)
-    if unknown:
-        p.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    args.workload_list = options.names(p, "--workloads", args.workloads, WORKLOADS)
     args.mix_range = tuple(int(x) for x in args.mix.split("-"))
-    args.phase_list = ["url"] if args.url else [x for x in args.phases.split(",") if x]
-    if set(args.phase_list) - {"after", "before", "url"}:
-        p.error("--phases: after, before")
+    args.phase_list = ["url"] if args.url else options.names(p, "--phases", args.phases, ("after", "before"))
     if args.limit_rounds is None:
         args.limit_rounds = 0 if args.url else 3
-    return args
+    return options.finish(p, args, argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    from perf.lib.deployment import server_deployment
     from server.process import TritonServer
 
     # SIGTERM (a timeout, a CI cancel) raises, so the servers are stopped in ``finally``.
@@ -368,47 +191,27 @@ def run(args: argparse.Namespace) -> int:
     nonce = secrets.token_hex(4)
     work = workloads(args.mix_range, nonce)
     windows: list[Window] = []
-    urls: dict[str, str] = {"url": args.url} if args.url else {}
     servers: dict[str, TritonServer] = {}
     workdir = Path(tempfile.mkdtemp(prefix="perf-length-mix-"))
     try:
-        for phase in [] if args.url else args.phase_list:
-            repository = ROOT / "model_repository"
-            if phase == "before":
-                repository = before_repository(repository, workdir / "repository-before")
-            servers[phase] = server_deployment(
-                MODELS,
-                workdir / phase,
-                model_repository=repository,
-                model_config_name=served.config_name,
-                repository_token=secrets.token_urlsafe(16),
-                front_door=False,
-            ).triton
-            say(f"starting tritonserver for {phase} (--model-config-name={served.config_name or '(none)'})")
-            servers[phase].start()
+        repositories = {phase: ROOT / "model_repository" for phase in ([] if args.url else args.phase_list)}
+        if "before" in repositories:
+            repositories["before"] = before_repository(repositories["before"], workdir / "repository-before")
+        servers = lifecycle.start(repositories, MODELS, workdir, say, model_config_name=served.config_name)
         if not lifecycle.wait_ready(servers, say):
             return 1
-        urls.update((phase, server.triton_http_url) for phase, server in servers.items())
+        urls = {"url": args.url} if args.url else {phase: server.triton_http_url for phase, server in servers.items()}
         scripts = {}
-        if args.use_wrk:
-            for name in args.workload_list:
-                scripts[name] = workdir / f"{name}.lua"
-                scripts[name].write_text(wrk_script(work[name]))
-        sequence = 0
-        for name in args.workload_list:
-            for rnd in range(args.rounds):
-                order = args.phase_list if rnd % 2 == 0 else args.phase_list[::-1]
-                for phase in order:
-                    window = Window(phase, name, args.concurrency, rnd + 1)
-                    measure(urls[phase], work[name], window, args.duration, args.warmup, sequence, scripts.get(name))
-                    sequence += 10**6
-                    windows.append(window)
-                    say(
-                        f"{phase:6} {name:15} c{args.concurrency} r{rnd + 1} {_f(window.rps, 0):>6} req/s  "
-                        f"P50 {_f(window.p50_ms)}  P99 {_f(window.p99_ms)}  max {_f(window.max_ms)} ms  "
-                        f"encoder rows/execution {_f(window.batch_rows)}  errors {window.errors}"
-                        + (f" ({window.first_error})" if window.first_error else "")
-                    )
+        for name in args.workload_list if args.use_wrk else ():
+            scripts[name] = workdir / f"{name}.lua"
+            scripts[name].write_text(work[name].script())
+        for sequence, (name, (rnd, phase)) in enumerate(
+            (name, turn) for name in args.workload_list for turn in lifecycle.interleaved(args.phase_list, args.rounds)
+        ):
+            window = Window(phase, name, args.concurrency, rnd, "wrk" if args.use_wrk else "python")
+            measure(urls[phase], work[name], window, args.duration, args.warmup, sequence * 10**6, scripts.get(name))
+            windows.append(window)
+            say(f"{window.line()}  encoder rows/execution {_f(window.batch_rows)}")
     finally:
         lifecycle.stop(servers, out_dir)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -425,16 +228,9 @@ def run(args: argparse.Namespace) -> int:
             seconds=args.limit_seconds,
             progress=say,
         )
-    limit_rps = mix_limit.best[2] if mix_limit else None
-    results = points(windows, limit_rps)
+    results = load.points(windows)
     header = [
-        "# Mixed-length traffic against its in-process limit",
-        "",
-        (
-            f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
-            f"{load_avg}, after {load_average()}"
-        ),
-        f"- command: `{' '.join(['python -m perf.bench.length_mix', *args.argv])}`",
+        *report.header("Mixed-length traffic against its in-process limit", "perf.bench.length_mix", args.argv, load_avg),
         (
             f"- {args.mix} tokens per text, one text per HTTP request, {args.concurrency} connections; phases "
             f"{', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s (after "
@@ -444,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     text = markdown(header, results, mix_limit)
     report.write(out_dir, text)
-    write_csv(out_dir / "length_mix.csv", [asdict(w) | {"stats": ""} for w in windows])
+    write_csv(out_dir / "length_mix.csv", [w.record() for w in windows])
     if mix_limit:
         write_csv(out_dir / "limit.csv", mix_limit.rows())
     print(text)

@@ -43,9 +43,7 @@ server and gateway logs under perf/results/tail-<UTC time>/.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
 import re
 import secrets
 import shutil
@@ -58,7 +56,7 @@ from pathlib import Path
 from perf.bench.tail_measure import Window, measure, warm_up
 from perf.bench.tail_report import _f, markdown, targets, targets_table
 from perf.bench.tail_workloads import GATEWAY_WORKLOADS, STREAM_WORKLOADS, WORKLOADS, workloads, wrk_script
-from perf.lib import lifecycle, load, report
+from perf.lib import lifecycle, load, options, report
 from perf.lib.harness import write_csv
 from perf.lib.paths import ROOT
 from perf.lib.report import load_average, progress
@@ -78,6 +76,7 @@ SERVED_MODELS = ("text_embedding", "text_embedding_cached", "image_classificatio
 # The generation engine before its admission window (docs/generation-internals.md#the-engine): the before phase
 # serves text_generation with these parameters.
 BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0"}}
+PHASES = ("after", "before", "alt")
 
 
 # --------------------------------------------------------------------------- phases
@@ -110,29 +109,16 @@ def stall_config_text(text: str, model: str = "", variant: bool = False) -> str:
 
 
 def before_repository(source: Path, target: Path, alt_configs: Path | None = None) -> Path:
-    """A repository at ``target`` serving ``source``'s models: version folders and other files
-    are symlinks; config.pbtxt and configs/*.pbtxt are copies with the stall settings added, or,
-    with ``alt_configs``, taken from ``alt_configs/<model>/`` where it has them (else unchanged)."""
-    for model_dir in sorted(p for p in source.iterdir() if (p / "config.pbtxt").is_file()):
-        out = target / model_dir.name
-        out.mkdir(parents=True)
+    """``source``'s models at ``target`` (perf.lib.lifecycle.linked_repository) with the stall settings
+    added to their configs, or, with ``alt_configs``, the configs of ``alt_configs/<model>/`` where it has them."""
 
-        def config(path: Path, relative: str) -> str:
-            if alt_configs is None:
-                return stall_config_text(path.read_text(), model_dir.name, variant=relative != "config.pbtxt")  # noqa: B023
-            replacement = alt_configs / model_dir.name / relative  # noqa: B023 (called within this iteration)
-            return replacement.read_text() if replacement.is_file() else path.read_text()
+    def config(model: str, relative: str, text: str) -> str | None:
+        if alt_configs is None:
+            return stall_config_text(text, model, variant=relative != "config.pbtxt")
+        replacement = alt_configs / model / relative
+        return replacement.read_text() if replacement.is_file() else None
 
-        for entry in model_dir.iterdir():
-            if entry.name == "config.pbtxt":
-                (out / entry.name).write_text(config(entry, "config.pbtxt"))
-            elif entry.name == "configs" and entry.is_dir():
-                (out / "configs").mkdir()
-                for variant in entry.glob("*.pbtxt"):
-                    (out / "configs" / variant.name).write_text(config(variant, f"configs/{variant.name}"))
-            else:
-                (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-    return target
+    return lifecycle.linked_repository(source, target, config)
 
 
 # --------------------------------------------------------------------------- main
@@ -154,9 +140,7 @@ def check_before(http_url: str, generation: bool) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.tail", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.bench.tail", __doc__)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     p.add_argument("--concurrency", default="4,32", help="comma-separated connection counts (default 4,32)")
     p.add_argument(
@@ -170,24 +154,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a folder of <model>/config.pbtxt (and <model>/configs/*.pbtxt) the second server serves "
         "instead of the stall settings (phase 'alt')",
     )
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (default 3)")
-    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per window (default 4)")
-    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window (default 1)")
-    p.add_argument(
-        "--client",
-        choices=("auto", "wrk", "python"),
-        default="auto",
-        help="load generator: wrk when installed (auto, default) or the asyncio client; "
-        "image_classification always uses the asyncio client",
-    )
-    p.add_argument("--precision", default="cpu", help="what the server serves, as `make serve PRECISION=` (default cpu)")
-    p.add_argument(
-        "--cache-size-mb",
-        type=int,
-        default=DEFAULT_CACHE_SIZE_MB,
-        help=f"Triton's response cache (default {DEFAULT_CACHE_SIZE_MB}, as make serve)",
-    )
-    p.add_argument("--out-dir", type=Path, help="results folder (default perf/results/tail-<UTC time>)")
+    options.add_run(p, "tail", rounds=3, duration=4.0, warmup=1.0)
+    options.add_client(p, "; image_classification always uses the asyncio client")
+    cache_help = f"Triton's response cache (default {DEFAULT_CACHE_SIZE_MB}, as make serve)"
+    p.add_argument("--cache-size-mb", type=int, default=DEFAULT_CACHE_SIZE_MB, help=cache_help)
     p.add_argument(
         "--long",
         type=float,
@@ -195,47 +165,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="long mode: one window of SECONDS per workload and phase at concurrency 32 (unless "
         "--concurrency names others), and the max <= 5 x P50 target checked on it",
     )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=8,
-        help="new tokens per streamed answer (ignore_eos, greedy) of the generation workloads (default 8)",
-    )
+    tokens_help = "new tokens per streamed answer (ignore_eos, greedy) of the generation workloads (default 8)"
+    p.add_argument("--max-tokens", type=int, default=8, help=tokens_help)
     args = p.parse_args(argv)
     if args.long is not None:
-        if args.long <= 0:
-            p.error("--long must be positive")
         args.rounds, args.duration = 1, args.long
         if not any(a == "--concurrency" or a.startswith("--concurrency=") for a in (argv or sys.argv[1:])):
             args.concurrency = "32"
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.workload_list = [w for w in args.workloads.split(",") if w]
+    args.workload_list = options.names(p, "--workloads", args.workloads, WORKLOADS)
     args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
     second = "alt" if args.alt_configs else "before"
-    args.phase_list = [second if x in ("before", "alt") else x for x in args.phases.split(",") if x]
-    if unknown := set(args.workload_list) - set(WORKLOADS):
-        p.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    args.phase_list = [second if x in ("before", "alt") else x for x in options.names(p, "--phases", args.phases, PHASES)]
     if set(args.phase_list) - {"after", second} or not args.phase_list:
         p.error(f"--phases: after, {second} or both")
     if args.alt_configs and not args.alt_configs.is_dir():
         p.error(f"--alt-configs {args.alt_configs}: not a folder")
-    if (
-        not args.concurrency_list
-        or min(args.concurrency_list) < 1
-        or args.duration <= 0
-        or args.rounds < 1
-        or args.max_tokens < 1
-    ):
-        p.error("--concurrency, --duration, --rounds and --max-tokens must be positive")
-    if args.client == "wrk" and not shutil.which("wrk"):
-        p.error("--client wrk: wrk is not installed (Debian package wrk)")
-    args.use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
-    return args
+    if not args.concurrency_list or min(args.concurrency_list) < 1 or args.max_tokens < 1:
+        p.error("--concurrency and --max-tokens must be positive")
+    return options.finish(p, args, argv)
 
 
 def run(args: argparse.Namespace) -> int:
     from perf.lib import served as served_mod
-    from perf.lib.deployment import server_deployment
     from server.process import TritonServer
 
     say = progress()
@@ -272,24 +223,14 @@ def run(args: argparse.Namespace) -> int:
     servers: dict[str, TritonServer] = {}
     gateways: dict = {}
     try:
-        for phase in args.phase_list:
-            repository = ROOT / "model_repository"
-            if phase != "after":
-                repository = before_repository(repository, workdir / f"repository-{phase}", args.alt_configs)
-            servers[phase] = server_deployment(
-                models,
-                workdir / phase,
-                model_repository=repository,
-                model_config_name=served.config_name,
-                cache_size_bytes=args.cache_size_mb * 1024 * 1024,
-                repository_token=secrets.token_urlsafe(16),
-                front_door=False,
-            ).triton
-            say(
-                f"perf.bench.tail: starting tritonserver for {phase} ({', '.join(models)}; "
-                f"--model-config-name={served.config_name or '(none)'}, response cache {args.cache_size_mb} MiB)"
-            )
-            servers[phase].start()
+        repositories = {phase: ROOT / "model_repository" for phase in args.phase_list}
+        for phase in set(repositories) - {"after"}:
+            repositories[phase] = before_repository(repositories[phase], workdir / f"repository-{phase}", args.alt_configs)
+        say(f"perf.bench.tail: response cache {args.cache_size_mb} MiB")
+        cache = args.cache_size_mb * 1024 * 1024
+        servers = lifecycle.start(
+            repositories, models, workdir, say, model_config_name=served.config_name, cache_size_bytes=cache
+        )
         if not lifecycle.wait_ready(servers, say, indent="    "):
             return 1
         if needs_gateway:
@@ -316,30 +257,29 @@ def run(args: argparse.Namespace) -> int:
 
         for conc in args.concurrency_list:
             for name in args.workload_list:
-                for rnd in range(args.rounds):
-                    for phase in args.phase_list if rnd % 2 == 0 else args.phase_list[::-1]:
-                        w, server, script = work[name], servers[phase], scripts.get(name)
-                        gateway = gateways.get(phase) if w.via_gateway else None
-                        window = Window(phase, name, conc, rnd + 1, "wrk" if script else "python")
-                        stream = (api_key, prompts(), args.max_tokens, args.warmup) if name in STREAM_WORKLOADS else None
-                        if not stream:
-                            salt(w, script)
-                            warm_up(
-                                gateway.url.removeprefix("http://") if gateway else server.triton_http_url,
-                                w,
-                                conc,
-                                args.warmup,
-                                script,
-                            )
+                for rnd, phase in lifecycle.interleaved(args.phase_list, args.rounds):
+                    w, server, script = work[name], servers[phase], scripts.get(name)
+                    gateway = gateways.get(phase) if w.via_gateway else None
+                    window = Window(phase, name, conc, rnd, "wrk" if script else "python")
+                    stream = (api_key, prompts(), args.max_tokens, args.warmup) if name in STREAM_WORKLOADS else None
+                    if not stream:
                         salt(w, script)
-                        measure(window, w, server, gateway, script, args.duration, stream)
-                        windows.append(window)
-                        say(
-                            window.line() + f"  client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
-                            f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores"
-                            + (f"  TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)}" if stream else "")
-                            + (f"  gateway {_f(window.gateway_cores, 2)} cores" if gateway else "")
+                        warm_up(
+                            gateway.url.removeprefix("http://") if gateway else server.triton_http_url,
+                            w,
+                            conc,
+                            args.warmup,
+                            script,
                         )
+                    salt(w, script)
+                    measure(window, w, server, gateway, script, args.duration, stream)
+                    windows.append(window)
+                    say(
+                        window.line() + f"  client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
+                        f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores"
+                        + (f"  TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)}" if stream else "")
+                        + (f"  gateway {_f(window.gateway_cores, 2)} cores" if gateway else "")
+                    )
     finally:
         lifecycle.stop(gateways, out_dir, "gateway")
         lifecycle.stop(servers, out_dir)
@@ -352,11 +292,7 @@ def run(args: argparse.Namespace) -> int:
         f"the configs of {args.alt_configs}" if args.alt_configs else "the old settings"
     )
     header = [
-        "# Latency tail per model and ensemble, side by side",
-        "",
-        f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before "
-        f"{load_avg}, after {load_average()}",
-        f"- command: `{' '.join(['python -m perf.bench.tail', *args.argv])}`",
+        *report.header("Latency tail per model and ensemble, side by side", "perf.bench.tail", args.argv, load_avg),
         (
             f"- phases {', '.join(args.phase_list)} interleaved in {args.rounds} rounds of {args.duration:g} s "
             f"(after {args.warmup:g} s warm-up); the second phase: {second}; encoder variant {served.variant}; "

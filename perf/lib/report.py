@@ -39,6 +39,18 @@ def fmt(value: float | None, digits: int = 1, missing: str = "", thousands: bool
     return f"{value:,.{digits}f}" if thousands else f"{value:.{digits}f}"
 
 
+def header(title: str, prog: str, argv: Sequence[str], load_before: str) -> list[str]:
+    """A summary's first lines: its title, when and on what it ran (CPUs, load average before and
+    after) and the command (``python -m <prog> <argv>``)."""
+    return [
+        f"# {title}",
+        "",
+        f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before {load_before}, "
+        f"after {load_average()}",
+        f"- command: `{' '.join([f'python -m {prog}', *argv])}`",
+    ]
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1) -> str:
     """A markdown table: the first ``left`` columns aligned left, the others right (figures)."""
     align = ["---"] * left + ["---:"] * (len(header) - left)

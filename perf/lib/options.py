@@ -1,0 +1,58 @@
+"""The command-line options the benchmarks repeat: the run's shape (rounds, seconds, warm-up,
+precision, results folder), the load generator, and comma-separated lists checked against
+what a tool knows."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """``python -m <prog>``'s parser, its module docstring as the description."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def add_run(p: argparse.ArgumentParser, kind: str, rounds: int, duration: float, warmup: float, precision: str = "cpu") -> None:
+    """--rounds, --duration and --warmup of interleaved windows, --precision and --out-dir."""
+    p.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds per point (default {rounds})")
+    p.add_argument("--duration", type=float, default=duration, help=f"measured seconds per window (default {duration:g})")
+    p.add_argument("--warmup", type=float, default=warmup, help=f"unmeasured seconds before each window (default {warmup:g})")
+    p.add_argument(
+        "--precision", default=precision, help=f"what the server serves, as `make serve PRECISION=` (default {precision})"
+    )
+    p.add_argument("--out-dir", type=Path, help=f"results folder (default perf/results/{kind}-<UTC time>)")
+
+
+def add_client(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--client: wrk when installed (auto), or the asyncio client of perf.lib.load."""
+    choices = ("auto", "wrk", "python")
+    p.add_argument(
+        "--client", choices=choices, default="auto", help=f"load generator: wrk when installed (auto), else asyncio{note}"
+    )
+
+
+def finish(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The run's checks (positive rounds and seconds, wrk present when asked for) and what follows from
+    them: ``args.argv`` (the command line, for the report) and ``args.use_wrk``."""
+    if getattr(args, "rounds", 1) < 1 or getattr(args, "duration", 1) <= 0:
+        p.error("--rounds and --duration must be positive")
+    client = getattr(args, "client", "python")
+    if client == "wrk" and not shutil.which("wrk"):
+        p.error("--client wrk: wrk is not installed (Debian package wrk)")
+    args.use_wrk = client == "wrk" or (client == "auto" and shutil.which("wrk") is not None)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def names(p: argparse.ArgumentParser, flag: str, text: str, known: Sequence[str]) -> list[str]:
+    """A comma-separated list of names, each one of ``known`` (else the parser's error)."""
+    chosen = [x for x in text.split(",") if x]
+    if unknown := sorted(set(chosen) - set(known)):
+        p.error(f"{flag}: unknown {', '.join(unknown)} (of {', '.join(known)})")
+    return chosen
