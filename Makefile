@@ -197,7 +197,7 @@ locust: $(STAMP)
 FUZZ_ARGS ?=
 fuzz: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.fuzz $(FUZZ_ARGS)
+	$(PY) -m tests.fuzz $(FUZZ_ARGS)
 
 # 10-minute soak at about 70 % of peak (embeddings, cached embeddings, images, generation with
 # cancellations): RSS of every process and P99 per minute, a PNG plot (docs/soak.md). SOAK_ARGS e.g. "--duration 60".

@@ -1,7 +1,7 @@
 """The KServe v2 inference protocol's tensor rules that every door checks: the datatypes with
 their bytes per element, the gRPC contents field of each, and the rank limit. server/grpc_check.py
 reads them, the front door's njs check gets them through its generated limits.js
-(server/frontdoor.py), and the fuzzers draw from them (perf/fuzz/)."""
+(server/frontdoor.py), and the fuzzers draw from them (tests/fuzz/)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Measuring, drilling and fuzzing the served deployment: a library and the rooms built on it.
+"""Measuring and drilling the served deployment: a library and the rooms built on it.
 
 - ``perf.lib``: the shared measurement library (paths, percentiles, the perf_analyzer driver and the
   harness around it, Triton's statistics, process CPU and memory, request bodies, the deployment,
@@ -8,7 +8,6 @@
 - ``perf.bench``: the benchmarks, one question each (``python -m perf.bench.<name>``, most behind a
   ``make`` target).
 - ``perf.drills``: the deployment soaked and hurt under load (soak, chaos, replica failover).
-- ``perf.fuzz``: the endpoint, gateway and decoding-function fuzzers (``python -m perf.fuzz``).
 - ``perf.checks``: correctness checks for hardware this machine may lack (the engine on a GPU).
 
 Inputs are checked in under ``perf/data``; results go to ``perf/results`` (ignored by git).

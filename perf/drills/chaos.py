@@ -19,7 +19,7 @@ seconds, through the front door, with the clients people use:
 
 The faults, at fractions of --duration: 0.15 SIGKILL of one text_encoder stub of replica 0;
 0.35 SIGKILL of replica 1's tritonserver and stubs; 0.50 SIGKILL of gateway 0; 0.65 SIGKILL of
-redis-server; 0.80 a burst of --hostile hostile requests (perf.fuzz's mutations, HTTP and gRPC,
+redis-server; 0.80 a burst of --hostile hostile requests (tests.fuzz's mutations, HTTP and gRPC,
 wrapping shapes among them) to every model. Recovery per fault: stub, the replica's stubs of
 text_encoder back to their number with the model ready; replica, gateway and Redis, back
 ready in cluster.json with a new pid; burst (counted from its end), every request answered
@@ -355,7 +355,7 @@ class Faults:
         self._wait_for(fault, lambda: self.cluster.state()["redis_pid"] not in (None, pid))
 
     def _hostile_burst(self, fault: Fault) -> None:
-        from perf.fuzz import endpoints as fuzz
+        from tests.fuzz import endpoints as fuzz
 
         replicas = self.cluster.state()["replicas"]
         stubs_before = {r["index"]: set(stub_pids(r["pid"])) for r in replicas}

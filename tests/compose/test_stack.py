@@ -413,7 +413,7 @@ def test_the_rollback_through_the_front_door_reaches_both_replicas():
 
 
 def test_the_fuzz_smoke_against_the_doors_finds_no_5xx_and_every_replica_answers():
-    from perf.fuzz import endpoints as fuzz
+    from tests.fuzz import endpoints as fuzz
 
     http_url, grpc_url = os.environ["COMPOSE_HTTP"], os.environ["COMPOSE_GRPC"]
     models = fuzz.served_models(http_url, ["text_embedding", "image_classification"])

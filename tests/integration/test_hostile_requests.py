@@ -86,7 +86,7 @@ def _with(parameters=None, outputs=None) -> bytes:
     return json.dumps(body).encode()
 
 
-# Found by perf.fuzz: parameters tritonserver 2.51 parses with a fixed JSON type are a 500 there
+# Found by tests.fuzz: parameters tritonserver 2.51 parses with a fixed JSON type are a 500 there
 # ("Unable to parse 'priority': attempt to access JSON non-unsigned-integer as unsigned-integer").
 JSON_CASES.update(
     {
@@ -335,7 +335,7 @@ def test_encoder_refuses_truncated_batch_over_grpc(grpc_stub, encoder_model):
 
 @pytest.mark.parametrize("encoder_model", ["text_encoder", "text_encoder_router"], indirect=True)
 def test_an_empty_sequence_is_invalid_argument_naming_the_input(triton, grpc_stub, encoder_model):
-    # Found by perf.fuzz: a [1, 0] input_ids / attention_mask failed inside the encoder (HTTP 500;
+    # Found by tests.fuzz: a [1, 0] input_ids / attention_mask failed inside the encoder (HTTP 500;
     # through the router 503).
     model = encoder_model
     inputs = [{"name": n, "shape": [1, 0], "datatype": "INT64", "data": []} for n in ("input_ids", "attention_mask")]

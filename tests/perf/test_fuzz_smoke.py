@@ -1,4 +1,4 @@
-"""A short run of perf.fuzz: the perf tier's server (text_embedding and its steps, behind the
+"""A short run of tests.fuzz: the perf tier's server (text_embedding and its steps, behind the
 front door), a few hundred endpoint cases, a short atheris run of every decoding target.
 
 Asserts the oracles themselves (zero 5xx, zero refusals that name no field, zero dropped
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from perf.fuzz import endpoints as fuzz
+from tests.fuzz import endpoints as fuzz
 
 pytestmark = pytest.mark.perf
 
@@ -59,7 +59,7 @@ def test_atheris_targets_run_without_a_crash(tmp_path):
     tally = fuzz.Tally()
     fuzz.atheris_fuzz(200, tmp_path, print, tally, max_time=30)
     listed = subprocess.run(
-        [sys.executable, "-m", "perf.fuzz.targets", "--list"], capture_output=True, text=True, check=True, cwd=fuzz.ROOT
+        [sys.executable, "-m", "tests.fuzz.targets", "--list"], capture_output=True, text=True, check=True, cwd=fuzz.ROOT
     ).stdout.split()
     assert set(listed) == set(fuzz.ATHERIS_TARGETS)
     assert set(tally.counts) == {f"atheris:{t}" for t in listed}

@@ -187,7 +187,7 @@ def test_shared_memory_inputs_are_checked_on_their_declared_byte_size():
 @pytest.mark.parametrize("datatype, size", [("INT64", 8), ("FP32", 4), ("FP16", 2), ("UINT8", 1)])
 @pytest.mark.parametrize("rank", [1, 2, 4])
 def test_the_fuzzers_wrapping_shapes_wrap_and_are_refused(datatype, size, rank):
-    from perf.fuzz.endpoints import wrapping_shape
+    from tests.fuzz.cases import wrapping_shape
 
     shape = wrapping_shape(rank, 16, size)
     assert len(shape) == rank and all(0 < d < 2**63 for d in shape)

@@ -14,7 +14,7 @@ from setuptools.config.pyprojecttoml import read_configuration
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-# Run from a source checkout only: benchmarks, drills and fuzzers with their results and peers.
+# Run from a source checkout only: benchmarks and drills with their results and peers.
 NOT_SHIPPED = {"perf"}
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[A-Za-z0-9_,-]+\])?==(\S+)$")
 

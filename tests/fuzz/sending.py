@@ -1,4 +1,4 @@
-"""perf.fuzz's endpoint fuzz: sending each case over its endpoint, judging the answer (the outcome
+"""The fuzzer's endpoint fuzz: sending each case over its endpoint, judging the answer (the outcome
 tally) and the plan of cases per model and endpoint."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from contract.errors import parse_error
-from perf.fuzz.cases import GRPC_SERVER_ERRORS, GRPC_TRANSPORT, NOJUNK, ModelSpec, Request, requests_strategy
-from perf.fuzz.encoding import encode_binary, encode_generate, encode_grpc, encode_json
+from tests.fuzz.cases import GRPC_SERVER_ERRORS, GRPC_TRANSPORT, NOJUNK, ModelSpec, Request, requests_strategy
+from tests.fuzz.encoding import encode_binary, encode_generate, encode_grpc, encode_json
 
 # ---- outcomes ----------------------------------------------------------------------------
 

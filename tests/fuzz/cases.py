@@ -1,4 +1,4 @@
-"""perf.fuzz's endpoint cases: each model's inputs from its config, valid values, the abstract request,
+"""The fuzzer's endpoint cases: each model's inputs from its config, valid values, the abstract request,
 its mutations and the hypothesis strategy that draws them."""
 
 from __future__ import annotations
@@ -15,22 +15,10 @@ from contract.kserve import CONFIG_DATATYPES, DATATYPE_SIZES
 
 HUGE = 1 << 40
 
-# KServe datatype -> numpy dtype (the gRPC typed-contents field and the config names: contract/kserve.py).
+# KServe datatype -> numpy dtype, for contract/kserve.py's datatypes (numpy has no BF16).
 NUMPY = {
-    "BOOL": np.bool_,
-    "UINT8": np.uint8,
-    "UINT16": np.uint16,
-    "UINT32": np.uint32,
-    "UINT64": np.uint64,
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-    "BYTES": np.object_,
-}
+    name: np.dtype(name.lower().replace("fp", "float")).type for name in DATATYPE_SIZES if name not in ("BOOL", "BF16", "BYTES")
+} | {"BOOL": np.bool_, "BYTES": np.object_}
 
 ODD_STRINGS = [
     "\u202eevil\u202c",
@@ -332,29 +320,8 @@ def mutate(req: Request, kind: str, draw: Callable, st) -> None:
         t.shape = wrapping_shape(rank, sent, size)
         req.names.update({"shape", "dimension", "batch", "elements"})
     elif kind == "datatype" and t is not None:
-        t.datatype = draw(
-            st.sampled_from(
-                [
-                    "BYTES",
-                    "INT64",
-                    "INT32",
-                    "FP32",
-                    "FP16",
-                    "BF16",
-                    "BOOL",
-                    "UINT8",
-                    "UINT64",
-                    "FP64",
-                    "FOO",
-                    "",
-                    "int64",
-                    None,
-                    7,
-                    ["BYTES"],
-                    "STRING",
-                ]
-            )
-        )
+        # every datatype of the protocol (contract/kserve.py) and names, values and types that are none
+        t.datatype = draw(st.sampled_from([*DATATYPE_SIZES, "FOO", "", "int64", None, 7, ["BYTES"], "STRING"]))
         req.names.update({"datatype", "data type", "type"})
     elif kind == "data" and t is not None and t.values is not None:
         dt_ = t.datatype if isinstance(t.datatype, str) else "BYTES"

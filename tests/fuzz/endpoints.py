@@ -16,7 +16,7 @@ Three parts, one run (``make fuzz``; docs/fuzzing.md):
    door (the public ports).
 2. **The OpenAI gateway**: the schemathesis fuzz of tests/integration/test_openai_gateway_hostile.py,
    run against a gateway in front of the same server; its counts join the table.
-3. **Decoding functions, coverage-guided (atheris)**: perf/fuzz/targets.py, each target in
+3. **Decoding functions, coverage-guided (atheris)**: tests/fuzz/targets.py, each target in
    its own process.
 
 Oracles: every HTTP answer is a 2xx or a 4xx whose message names the field a mutation
@@ -27,8 +27,8 @@ and tritonserver alive; afterwards every model answers a known-good request exac
 did before the run. The counts per endpoint and outcome are printed and written to
 perf/results/fuzz-<stamp>/ (counts.json, findings.json with the first failing cases).
 
-    python -m perf.fuzz                         # 10,000 endpoint cases + gateway + atheris
-    python -m perf.fuzz --cases 600 --gateway-examples 0 --atheris-runs 300
+    python -m tests.fuzz                         # 10,000 endpoint cases + gateway + atheris
+    python -m tests.fuzz --cases 600 --gateway-examples 0 --atheris-runs 300
 """
 
 from __future__ import annotations
@@ -52,15 +52,13 @@ from pathlib import Path
 
 import numpy as np
 
-from perf.fuzz.cases import GRPC_SERVER_ERRORS, ModelSpec, base_request
-from perf.fuzz.cases import wrapping_shape as wrapping_shape
-from perf.fuzz.encoding import encode_binary, encode_generate
-from perf.fuzz.encoding import encode_json as encode_json
-from perf.fuzz.sending import HTTP, Tally, run_endpoint_fuzz
-from perf.fuzz.sending import classify_http as classify_http
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
 from perf.lib.paths import ROOT
-from perf.lib.report import progress
+from perf.lib.report import progress, results_dir
+from tests.fuzz.cases import GRPC_SERVER_ERRORS, ModelSpec, base_request
+from tests.fuzz.encoding import encode_binary, encode_generate
+from tests.fuzz.encoding import encode_json as encode_json
+from tests.fuzz.sending import HTTP, Tally, run_endpoint_fuzz
+from tests.fuzz.sending import classify_http as classify_http
 
 # ---- the server's health: stub processes, liveness, known-good answers -------------------
 
@@ -158,8 +156,6 @@ def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callab
     gateway in front of this server; its counts go into ``tally`` as endpoint ``gateway``."""
     from server.gateway import GatewayOptions, GatewayProcess
     from server.process import free_port
-
-    sys.path.insert(0, str(ROOT))
     from tests.integration import test_openai_gateway_hostile as hostile
     from tests.integration.conftest import GATEWAY_TEST_KEY
 
@@ -204,7 +200,7 @@ def gateway_fuzz(triton_grpc_url: str, examples: int, workdir: Path, say: Callab
 
 # ---- atheris ------------------------------------------------------------------------------
 
-# perf/fuzz/targets.py's targets (not imported here: its import instruments python_backends).
+# tests/fuzz/targets.py's targets (not imported here: its import instruments python_backends).
 ATHERIS_TARGETS = ("text", "image", "generation", "sampling", "routing", "shapes")
 
 
@@ -229,7 +225,7 @@ def atheris_fuzz(
             cmd = [
                 sys.executable,
                 "-m",
-                "perf.fuzz.targets",
+                "tests.fuzz.targets",
                 target,
                 f"-runs={runs}",
                 "-len_control=0",
@@ -321,15 +317,13 @@ def run(args: argparse.Namespace) -> int:
 
     say = progress(started)
 
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or DEFAULT_RESULTS / f"fuzz-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="perf-fuzz-"))
+    out_dir = results_dir(args.out_dir, "fuzz")
+    workdir = Path(tempfile.mkdtemp(prefix="fuzz-"))
     token = secrets.token_urlsafe(16)
     tally = Tally()
     deployment = server_deployment(args.models or (), workdir / "triton", repository_token=token)
     server = deployment.triton
-    say(f"perf.fuzz: starting tritonserver behind the front door ({', '.join(server.options.models)})")
+    say(f"tests.fuzz: starting tritonserver behind the front door ({', '.join(server.options.models)})")
     deployment.start()
     try:
         try:
@@ -363,7 +357,7 @@ def fuzz_server(
     """The endpoint fuzz against a running server (front door at ``http_url``/``grpc_url``,
     tritonserver's ``pid``), with the health checks around it."""
     models = served_models(http_url, model_names)
-    say(f"perf.fuzz: {len(models)} models reachable: {', '.join(m.name for m in models)}")
+    say(f"tests.fuzz: {len(models)} models reachable: {', '.join(m.name for m in models)}")
     before = {m.name: known_good(http_url, m) for m in models}
     stubs = child_processes(pid)
     log_start = log_path.stat().st_size if log_path and log_path.is_file() else 0
@@ -397,7 +391,7 @@ def report(tally: Tally, health: Health, alive_after_all: bool, out_dir: Path, a
         "",
         (
             f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, {took:.0f} s; command: "
-            f"`python -m perf.fuzz {' '.join(args.argv)}`"
+            f"`python -m tests.fuzz {' '.join(args.argv)}`"
         ),
         (
             f"- {tally.total()} cases in all; endpoint cases through the front door: "
@@ -430,7 +424,7 @@ def report(tally: Tally, health: Health, alive_after_all: bool, out_dir: Path, a
     print("\n" + text, flush=True)
     for f in tally.findings[:10]:
         print(f"  finding: {f['endpoint']} {f['outcome']}: {f['detail'][:300]}\n    {json.dumps(f.get('request'))[:400]}")
-    say(f"perf.fuzz: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
+    say(f"tests.fuzz: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
     ok = (
         not bad
         and not crashes
@@ -446,7 +440,7 @@ def report(tally: Tally, health: Health, alive_after_all: bool, out_dir: Path, a
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m perf.fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tests.fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--cases", type=int, default=10_000, help="endpoint cases over all models (default 10000)")
     p.add_argument(

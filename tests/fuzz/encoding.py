@@ -1,4 +1,4 @@
-"""perf.fuzz's wire encodings of a case: HTTP JSON, HTTP binary tensors, HTTP generate and gRPC
+"""The fuzzer's wire encodings of a case: HTTP JSON, HTTP binary tensors, HTTP generate and gRPC
 (typed contents or raw_input_contents)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import struct
 
 from contract.kserve import TYPED_FIELD
-from perf.fuzz.cases import NOJUNK, Request, Tensor
+from tests.fuzz.cases import NOJUNK, Request, Tensor
 
 # ---- encodings ---------------------------------------------------------------------------
 

@@ -6,10 +6,10 @@ value or raises the project's own ``InputError`` (which the shim answers with IN
 that request). Any other exception is what the shim would answer as an internal error (HTTP
 500 / gRPC INTERNAL): atheris reports it as a crash, with the input that caused it.
 
-    python -m perf.fuzz.targets text -runs=5000       # libFuzzer flags after the target
-    python -m perf.fuzz.targets --list
+    python -m tests.fuzz.targets text -runs=5000       # libFuzzer flags after the target
+    python -m tests.fuzz.targets --list
 
-``python -m perf.fuzz`` runs every target this way and counts the runs (docs/fuzzing.md).
+``python -m tests.fuzz`` runs every target this way and counts the runs (docs/fuzzing.md).
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[1] not in TARGETS:
         print(
-            f"usage: python -m perf.fuzz.targets {{{','.join(TARGETS)}}} [libFuzzer flags]"
+            f"usage: python -m tests.fuzz.targets {{{','.join(TARGETS)}}} [libFuzzer flags]"
             if len(argv) < 2 or argv[1] != "--list"
             else "\n".join(TARGETS)
         )
