@@ -22,13 +22,15 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from clients import AsyncEmbeddingClient
 from clients.embeddings import build_request, read_embeddings
 from clients.resilience import EndpointPool, Retrier
-from perf.bench.frontdoor_cost import latency_ms, tritonclient_load
+from perf.lib import load, report
 
 MODEL = "text_embedding"
+PATHS = ("raw tritonclient", "client, no wrapper", "client (retry wrapper)")
 
 
 def in_process(n: int = 200_000) -> dict:
@@ -72,16 +74,8 @@ def in_process(n: int = 200_000) -> dict:
     }
 
 
-async def _raw(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
-    if protocol == "http":
-        import tritonclient.http.aio as module
-    else:
-        import tritonclient.grpc.aio as module
-    return await tritonclient_load(module, url, concurrency, seconds, "retry cost", output="EMBEDDING")
-
-
 class UnwrappedClient(AsyncEmbeddingClient):
-    """The client with each request sent once, straight: what it did before the retry wrapper."""
+    """The client with each request sent once, straight: its code without the retry wrapper."""
 
     async def _request(self, items, start, stop):
         o = self.options
@@ -90,56 +84,31 @@ class UnwrappedClient(AsyncEmbeddingClient):
         return read_embeddings(result, stop - start, o)
 
 
-async def _unwrapped(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
-    return await _client_load(UnwrappedClient, protocol, url, concurrency, seconds)
+def drive(path: str, protocol: Literal["http", "grpc"], url: str, concurrency: int):
+    """The load of one path: a function of the seconds it runs."""
 
+    async def run(seconds: float) -> load.Tally:
+        if path == "raw tritonclient":
+            return await load.kserve_texts(
+                protocol, url, MODEL, lambda n: f"retry cost {n}", concurrency, seconds, output="EMBEDDING"
+            )
+        async with (UnwrappedClient if path == "client, no wrapper" else AsyncEmbeddingClient)(
+            url, protocol, timeout_s=10.0
+        ) as client:
+            return await load.call_loop(lambda n: client.embed([f"retry cost {n}"]), concurrency, seconds)
 
-async def _wrapped(protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
-    return await _client_load(AsyncEmbeddingClient, protocol, url, concurrency, seconds)
-
-
-async def _client_load(cls, protocol: str, url: str, concurrency: int, seconds: float) -> list[float]:
-    latencies: list[float] = []
-    deadline = time.perf_counter() + seconds
-    async with cls(url, protocol, timeout_s=10.0) as client:
-
-        async def worker(w: int) -> None:
-            n = 0
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                await client.embed([f"retry cost {w} {n}"])
-                latencies.append(time.perf_counter() - started)
-                n += 1
-
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return latencies
-
-
-def summarize(latencies: list[float], seconds: float) -> dict:
-    return {"calls": len(latencies), "calls_per_s": len(latencies) / seconds, **latency_ms(latencies)}
+    return run
 
 
 def against_server(server, concurrency: int, seconds: float, rounds: int) -> dict:
-    paths = {"raw tritonclient": _raw, "client, no wrapper": _unwrapped, "client (retry wrapper)": _wrapped}
-    urls = {"http": server.http_url, "grpc": server.grpc_url}
-    keys = [(p, name) for p in urls for name in paths]
-    collected: dict = {key: [] for key in keys}
-    cpu: dict = {key: 0.0 for key in keys}  # this process's CPU seconds: the client side's own cost
-    for protocol, name in keys:  # warm-up: connections, first batches
-        asyncio.run(paths[name](protocol, urls[protocol], concurrency, 1.0))
-    for r in range(rounds):
-        for protocol, name in keys if r % 2 == 0 else list(reversed(keys)):
-            before = time.process_time()
-            collected[(protocol, name)] += asyncio.run(paths[name](protocol, urls[protocol], concurrency, seconds))
-            cpu[(protocol, name)] += time.process_time() - before
-    results = {
-        f"{p} {name}": {**summarize(lat, seconds * rounds), "client_cpu_us_per_call": cpu[(p, name)] / len(lat) * 1e6}
-        for (p, name), lat in collected.items()
+    urls: dict[Literal["http", "grpc"], str] = {"http": server.http_url, "grpc": server.grpc_url}
+    runs = {f"{p} {path}": drive(path, p, urls[p], concurrency) for p in urls for path in PATHS}
+    results: dict = {
+        key: {**tally.figures(), "client_cpu_us_per_call": cpu / max(len(tally.ok), 1) * 1e6}
+        for key, (tally, cpu) in load.alternate(runs, rounds, seconds).items()
     }
     for p in urls:
-        results[f"{p} ratio"] = (
-            results[f"{p} client (retry wrapper)"]["calls_per_s"] / results[f"{p} client, no wrapper"]["calls_per_s"]
-        )
+        results[f"{p} ratio"] = results[f"{p} client (retry wrapper)"]["rps"] / results[f"{p} client, no wrapper"]["rps"]
     return results
 
 
@@ -151,15 +120,16 @@ def table(results: dict, micro: dict, concurrency: int) -> str:
             f"(with asyncio.timeout, HTTP), {micro['async_wrapped_nocut_us']:.2f} us (without, gRPC) per call"
         ),
         "",
-        f"| path (concurrency {concurrency}) | calls/s | P50 ms | P99 ms | max ms | client CPU us/call |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        report.table(
+            [f"path (concurrency {concurrency})", "calls/s", "P50 ms", "P99 ms", "max ms", "errors", "client CPU us/call"],
+            [
+                (name, f"{r['rps']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['max_ms']:.1f}", r["errors"])
+                + (f"{r['client_cpu_us_per_call']:.0f}",)
+                for name, r in results.items()
+                if isinstance(r, dict)
+            ],
+        ),
     ]
-    for name, row in results.items():
-        if isinstance(row, dict):
-            lines.append(
-                f"| {name} | {row['calls_per_s']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} "
-                f"| {row['client_cpu_us_per_call']:.0f} |"
-            )
     for p in ("http", "grpc"):
         lines.append(f"\n{p}: with / without the retry wrapper, calls/s = {results[f'{p} ratio']:.3f}")
     return "\n".join(lines)

@@ -7,7 +7,8 @@ the answers) and ``call_loop`` (the closed loop around any coroutine: tritonclie
 and gRPC clients, clients.AsyncEmbeddingClient). wrk (perf.lib.wrk) is the C driver for the same
 HTTP loads. ``Window`` is one measured point (phase, workload, concurrency, round: requests,
 errors, requests/s, P50/P99/max with perf.lib.stats' percentile); ``points`` takes the median
-over a point's rounds.
+over a point's rounds. ``kserve_texts`` is the KServe request function over tritonclient, and
+``alternate`` runs loads side by side in alternating rounds.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
@@ -156,6 +157,65 @@ async def call_loop(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     tally.seconds = time.perf_counter() - started
     return tally
+
+
+async def kserve_texts(
+    protocol: str,
+    url: str,
+    model: str,
+    text: Callable[[int], str],
+    concurrency: int,
+    seconds: float | None = None,
+    count: int | None = None,
+    output: str | None = None,
+) -> Tally:
+    """``call_loop`` of tritonclient's asyncio KServe client (``protocol`` http or grpc) sending
+    ``model`` one text per request, ``text(n)``; ``output`` requested and read when named."""
+    import numpy as np
+
+    if protocol == "grpc":
+        import tritonclient.grpc.aio as module
+    else:
+        import tritonclient.http.aio as module
+    client = module.InferenceServerClient(url)
+    outputs = [module.InferRequestedOutput(output)] if output else None
+
+    async def call(n: int) -> None:
+        tensor = module.InferInput("TEXT", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[text(n).encode()]], dtype=object))
+        result = await client.infer(model, [tensor], outputs=outputs)
+        if output:
+            result.as_numpy(output)
+
+    try:
+        return await call_loop(call, concurrency, seconds, count)
+    finally:
+        await client.close()
+
+
+K = TypeVar("K")
+
+
+def alternate(
+    runs: Mapping[K, Callable[[float], Coroutine[Any, Any, Tally]]], rounds: int, seconds: float
+) -> dict[K, tuple[Tally, float]]:
+    """Each run (a load of ``seconds`` s) once for a second unmeasured (connections, first batches),
+    then ``rounds`` times in turn, the order reversed every other round (A B, B A) so that a
+    neighbour's burst hits them all; per run, the rounds' Tally merged and this process's CPU seconds."""
+    for run in runs.values():
+        asyncio.run(run(1.0))
+    out = {key: (Tally(), 0.0) for key in runs}
+    for r in range(rounds):
+        for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            cpu = time.process_time()
+            tally = asyncio.run(runs[key](seconds))
+            merged, used = out[key]
+            merged.ok += tally.ok
+            merged.errors += tally.errors
+            merged.seconds += tally.seconds
+            merged.first_error = merged.first_error or tally.first_error
+            out[key] = merged, used + time.process_time() - cpu
+    return out
 
 
 class TailRatios:
