@@ -1,22 +1,18 @@
 """`python -m perf.baselines.naive_server --port N`: the naive per-request baseline of perf.bench.compare.
 
-The seed articles' "original implementation": a FastAPI app under uvicorn that runs the
-PyTorch all-MiniLM-L6-v2 (transformers' tokenizer, the BertModel, masked mean pooling, L2
-norm; export/reference.py) once per request, without batching, FP32.
+The seed articles' "original implementation": a FastAPI app under uvicorn that runs the PyTorch
+all-MiniLM-L6-v2 (transformers' tokenizer, the BertModel, masked mean pooling, L2 norm;
+export/reference.py) once per request, without batching, FP32.
 
-It speaks just enough of the KServe v2 HTTP protocol that the SAME load generator
-(perf_analyzer over HTTP, plain Triton service kind) drives it exactly like Triton's
-``text_embedding``: server and model health, model metadata and config (perf_analyzer reads
-both before sending anything), ``POST /v2/models/text_embedding/infer`` with JSON or
-binary-tensor bodies (perf_analyzer's HTTP client sends inputs and asks for outputs in the
-binary extension), and the statistics extension (perf_analyzer reads it at each window's
-start and end; here it also gives the server-side queue / tokenize / model / pool split).
+It speaks enough of the KServe v2 HTTP protocol that perf_analyzer (HTTP, Triton service kind) drives
+it exactly like Triton's ``text_embedding``: health, model metadata and config, ``POST
+/v2/models/text_embedding/infer`` with JSON or binary-tensor bodies, and the statistics extension
+(with the server-side queue / tokenize / model / pool split).
 
-Concurrency: the event loop parses requests while ONE worker thread runs the model, one
-request after another; the time a request waits for that thread is its queue time. That is
-the kindest naive server for a small CPU: torch already uses the same intra-op threads as
-ONNX Runtime gets (2 here), and running several requests' models at once would only
-oversubscribe the cores. So the served/naive ratio is not inflated by a strawman.
+The event loop parses requests while ONE worker thread runs the model, one request after another;
+the wait for that thread is a request's queue time. That is the kindest naive server for a small
+CPU: torch uses the intra-op threads ONNX Runtime gets in Triton, and running several requests'
+models at once would only oversubscribe the cores, so the served/naive ratio is no strawman's.
 """
 
 from __future__ import annotations
@@ -26,17 +22,12 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import os
-import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +59,8 @@ CONFIG: dict[str, Any] = {
     "version_policy": {"latest": {"num_versions": 1}},
     "max_batch_size": MAX_BATCH,
     "input": [
-        {
-            "name": INPUT,
-            "data_type": "TYPE_STRING",
-            "format": "FORMAT_NONE",
-            "dims": [1],
-            "is_shape_tensor": False,
-            "allow_ragged_batch": False,
-            "optional": False,
-        }
+        {"name": INPUT, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1]}
+        | {"is_shape_tensor": False, "allow_ragged_batch": False, "optional": False}
     ],
     "output": [{"name": OUTPUT, "data_type": "TYPE_FP32", "dims": [HIDDEN], "label_filename": "", "is_shape_tensor": False}],
     "instance_group": [{"name": MODEL, "kind": "KIND_CPU", "count": 1}],
@@ -90,122 +74,37 @@ METADATA: dict[str, Any] = {
     "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1, 1]}],
     "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, HIDDEN]}],
 }
+PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
 
 
 class RequestError(ValueError):
     """A malformed inference request: answered with HTTP 400 and this message."""
 
 
-# --------------------------------------------------------------------------- the model
-
-
-class TorchEmbedder:
-    """PyTorch all-MiniLM-L6-v2, one call per request: tokenize, encode, pool (export/reference.py)."""
-
-    def __init__(self, threads: int):
-        import torch
-
-        from export import reference
-
-        torch.set_num_threads(threads)
-        self.threads = threads
-        self._reference = reference
-        reference.load_torch_model()
-        reference.load_hf_tokenizer()
-        self.embed(["warm-up"])  # the first call allocates; keep it out of the measurements
-
-    def tokenize(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        return self._reference.tokenize(texts)
-
-    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        return self._reference.token_embeddings(input_ids, attention_mask)
-
-    @staticmethod
-    def pool(hidden: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        m = attention_mask[..., None].astype(np.float32)
-        pooled = (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
-        return (pooled / np.linalg.norm(pooled, axis=1, keepdims=True)).astype(np.float32)
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        ids, mask = self.tokenize(texts)
-        return self.pool(self.encode(ids, mask), mask)
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-@dataclass
-class _Duration:
-    count: int = 0
-    ns: int = 0
-
-    def add(self, ns: int) -> None:
-        self.count += 1
-        self.ns += ns
-
-
-@dataclass
 class Statistics:
     """Cumulative figures in the KServe/Triton statistics extension's JSON shape."""
 
-    inference_count: int = 0
-    execution_count: int = 0
-    last_inference_ms: int = 0
-    parts: dict[str, _Duration] = field(
-        default_factory=lambda: {
-            k: _Duration()
-            for k in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
-        }
-    )
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self) -> None:
+        self.inferences = self.executions = self.last_ms = 0
+        self.phases = {k: [0, 0] for k in PHASES}  # phase -> [count, ns]
+        self.lock = threading.Lock()
 
-    def record_success(self, n: int, total_ns: int, queue_ns: int, input_ns: int, infer_ns: int, output_ns: int):
+    def record(self, n: int, **ns: int) -> None:
+        """One execution of ``n`` texts (0: a failed request) and each phase's nanoseconds."""
         with self.lock:
-            self.inference_count += n
-            self.execution_count += 1
-            self.last_inference_ms = int(time.time() * 1000)
-            for key, ns in (
-                ("success", total_ns),
-                ("queue", queue_ns),
-                ("compute_input", input_ns),
-                ("compute_infer", infer_ns),
-                ("compute_output", output_ns),
-            ):
-                self.parts[key].add(ns)
-
-    def record_failure(self, total_ns: int) -> None:
-        with self.lock:
-            self.parts["fail"].add(total_ns)
+            self.inferences, self.executions = self.inferences + n, self.executions + (n > 0)
+            self.last_ms = int(time.time() * 1000) if n else self.last_ms
+            for phase, value in ns.items():
+                self.phases[phase][0] += 1
+                self.phases[phase][1] += value
 
     def as_json(self) -> dict[str, Any]:
         with self.lock:
-            return {
-                "model_stats": [
-                    {
-                        "name": MODEL,
-                        "version": VERSION,
-                        "last_inference": self.last_inference_ms,
-                        "inference_count": self.inference_count,
-                        "execution_count": self.execution_count,
-                        "inference_stats": {k: {"count": d.count, "ns": d.ns} for k, d in self.parts.items()},
-                        "response_stats": {},
-                        "batch_stats": [],
-                        "memory_usage": [],
-                    }
-                ]
-            }
-
-
-# --------------------------------------------------------------------------- the protocol
-
-
-def _flatten(data: Any) -> list[Any]:
-    if isinstance(data, list):
-        out: list[Any] = []
-        for item in data:
-            out.extend(_flatten(item))
-        return out
-    return [data]
+            stats = {k: {"count": c, "ns": ns} for k, (c, ns) in self.phases.items()}
+            entry = {"name": MODEL, "version": VERSION, "last_inference": self.last_ms, "inference_count": self.inferences}
+            entry |= {"execution_count": self.executions, "inference_stats": stats}
+            entry |= {"response_stats": {}, "batch_stats": [], "memory_usage": []}
+            return {"model_stats": [entry]}
 
 
 def _split_bytes(blob: bytes, field_name: str) -> list[bytes]:
@@ -232,6 +131,7 @@ class InferRequest:
 
 def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     """Validate one KServe v2 inference request (JSON, or JSON header + binary tensors)."""
+    header_bytes, binary = body, b""
     if header_length is not None:
         try:
             json_length = int(header_length)
@@ -240,8 +140,6 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         if not 0 < json_length <= len(body):
             raise RequestError(f"{HEADER_LENGTH}={json_length} does not fit a body of {len(body)} bytes")
         header_bytes, binary = body[:json_length], body[json_length:]
-    else:
-        header_bytes, binary = body, b""
     try:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -251,50 +149,43 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     inputs = header.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise RequestError("request needs a non-empty 'inputs' list")
-
-    text_input = None
-    offset = 0
+    found, offset = None, 0
     for tensor in inputs:
         if not isinstance(tensor, dict):
             raise RequestError("each entry of 'inputs' must be an object")
+        if tensor.get("name") != INPUT:
+            raise RequestError(f"unexpected input {tensor.get('name')!r}; model {MODEL} has one input, {INPUT!r}")
         params = tensor.get("parameters") or {}
         size = params.get("binary_data_size") if isinstance(params, dict) else None
         chunk = None
         if size is not None:
             if not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise RequestError(f"input {tensor.get('name')!r}: binary_data_size {size!r} does not fit the binary data")
+                raise RequestError(f"input {INPUT!r}: binary_data_size {size!r} does not fit the binary data")
             chunk, offset = binary[offset : offset + size], offset + size
-        if tensor.get("name") == INPUT:
-            text_input = (tensor, chunk)
-        else:
-            raise RequestError(f"unexpected input {tensor.get('name')!r}; model {MODEL} has one input, {INPUT!r}")
-    if text_input is None:
-        raise RequestError(f"input {INPUT!r} is missing")
-    tensor, chunk = text_input
-
+        found = (tensor, chunk)
+    assert found is not None  # inputs is a non-empty list of INPUT tensors
+    tensor, chunk = found
     if tensor.get("datatype") != "BYTES":
         raise RequestError(f"input {INPUT!r} must have datatype BYTES, got {tensor.get('datatype')!r}")
     shape = tensor.get("shape")
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) for d in shape) and shape[1] == 1):
         raise RequestError(f"input {INPUT!r} must have shape [n, 1], got {shape!r}")
-    n = shape[0]
-    if not 1 <= n <= MAX_BATCH:
-        raise RequestError(f"input {INPUT!r}: batch of {n} texts; between 1 and {MAX_BATCH} allowed")
+    if not 1 <= shape[0] <= MAX_BATCH:
+        raise RequestError(f"input {INPUT!r}: batch of {shape[0]} texts; between 1 and {MAX_BATCH} allowed")
     if chunk is not None:
         values: list[Any] = _split_bytes(chunk, INPUT)
     elif "data" in tensor:
-        values = _flatten(tensor["data"])
+        values = list(np.array(tensor["data"], dtype=object).reshape(-1))
     else:
         raise RequestError(f"input {INPUT!r} has neither 'data' nor binary_data_size")
-    if len(values) != n:
-        raise RequestError(f"input {INPUT!r}: shape {shape} needs {n} elements, got {len(values)}")
+    if len(values) != shape[0]:
+        raise RequestError(f"input {INPUT!r}: shape {shape} needs {shape[0]} elements, got {len(values)}")
     if not all(isinstance(v, (str, bytes)) for v in values):
         raise RequestError(f"input {INPUT!r}: BYTES data must be strings")
     try:
         texts = decode_texts(np.array(values, dtype=object), INPUT, MAX_TEXT_BYTES)
     except InputError as exc:
         raise RequestError(str(exc)) from None
-
     outputs = header.get("outputs") or []
     if not isinstance(outputs, list):
         raise RequestError("'outputs' must be a list")
@@ -322,18 +213,20 @@ def response_body(request: InferRequest, embeddings: np.ndarray) -> tuple[bytes,
     return head + raw, {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
 
 
-# --------------------------------------------------------------------------- the app
+def create_app(threads: int | None = None):
+    """The FastAPI app; loads PyTorch all-MiniLM-L6-v2 (``threads`` intra-op threads) before it returns."""
+    import torch
 
+    from export import reference
 
-def create_app(threads: int | None = None, embedder: TorchEmbedder | None = None):
-    """The FastAPI app; loads the model (``threads`` torch intra-op threads) before it returns."""
-    embedder = embedder or TorchEmbedder(threads or cpu_threads())
+    torch.set_num_threads(threads or cpu_threads())
+    reference.load_torch_model()
+    reference.load_hf_tokenizer()
+    reference.embed(["warm-up"])  # the first call allocates; keep it out of the measurements
     stats = Statistics()
     # One worker: requests run the model one after another (see the module docstring).
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
     app = FastAPI(title="naive all-MiniLM-L6-v2 (PyTorch, one request at a time)")
-    app.state.embedder = embedder
-    app.state.stats = stats
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -357,9 +250,7 @@ def create_app(threads: int | None = None, embedder: TorchEmbedder | None = None
     @app.get("/v2/models/{name}/stats")
     @app.get("/v2/models/{name}/versions/{version}/stats")
     def statistics(name: str | None = None, version: str | None = None):
-        if name is not None and (missing := check_model(name, version)):
-            return missing
-        return stats.as_json()
+        return (name is not None and check_model(name, version)) or stats.as_json()
 
     @app.get("/v2/models/{name}/ready")
     @app.get("/v2/models/{name}/versions/{version}/ready")
@@ -376,15 +267,15 @@ def create_app(threads: int | None = None, embedder: TorchEmbedder | None = None
     def model_config(name: str, version: str | None = None):
         return check_model(name, version) or CONFIG
 
-    def run_model(texts: list[str], arrived_ns: int) -> tuple[np.ndarray, tuple[int, int, int, int]]:
-        started = time.monotonic_ns()
-        ids, mask = embedder.tokenize(texts)
-        tokenized = time.monotonic_ns()
-        hidden = embedder.encode(ids, mask)
-        encoded = time.monotonic_ns()
-        embeddings = embedder.pool(hidden, mask)
-        done = time.monotonic_ns()
-        return embeddings, (started - arrived_ns, tokenized - started, encoded - tokenized, done - encoded)
+    def run_model(texts: list[str], arrived: int) -> tuple[np.ndarray, list[int]]:
+        marks = [arrived, time.monotonic_ns()]
+        ids, mask = reference.tokenize(texts)
+        marks.append(time.monotonic_ns())
+        hidden = reference.token_embeddings(ids, mask)
+        marks.append(time.monotonic_ns())
+        embeddings = reference.pool(hidden, mask)
+        marks.append(time.monotonic_ns())
+        return embeddings, [b - a for a, b in zip(marks, marks[1:])]  # queue, tokenize, encode, pool
 
     @app.post("/v2/models/{name}/infer")
     @app.post("/v2/models/{name}/versions/{version}/infer")
@@ -395,94 +286,53 @@ def create_app(threads: int | None = None, embedder: TorchEmbedder | None = None
         try:
             parsed = parse_infer_request(await request.body(), request.headers.get(HEADER_LENGTH))
         except RequestError as exc:
-            stats.record_failure(time.monotonic_ns() - arrived)
+            stats.record(0, fail=time.monotonic_ns() - arrived)
             return error(400, str(exc))
         try:
             loop = asyncio.get_running_loop()
             embeddings, (queue, tok, enc, pool) = await loop.run_in_executor(worker, run_model, parsed.texts, arrived)
         except Exception as exc:  # the model failed: the client gets the reason, the log the traceback
             log.exception("inference failed for request %s", parsed.request_id)
-            stats.record_failure(time.monotonic_ns() - arrived)
+            stats.record(0, fail=time.monotonic_ns() - arrived)
             return error(500, f"inference failed: {exc}")
         body, headers = response_body(parsed, embeddings)
-        stats.record_success(len(parsed.texts), time.monotonic_ns() - arrived, queue, tok, enc, pool)
-        media_type = headers.pop("content-type")
-        return Response(content=body, media_type=media_type, headers=headers)
+        total = time.monotonic_ns() - arrived
+        stats.record(len(parsed.texts), success=total, queue=queue, compute_input=tok, compute_infer=enc, compute_output=pool)
+        return Response(content=body, media_type=headers.pop("content-type"), headers=headers)
 
     return app
 
 
 class NaiveServer:
-    """``python -m perf.baselines.naive_server`` as a child process (what perf.bench.compare and the tests start).
-
-    ``start()``, ``wait_ready()``, ``stop()``; the output goes to ``log_path``.
-    """
+    """``python -m perf.baselines.naive_server`` as a child process (what perf.bench.compare and the tests
+    start): ``start()``, ``wait_ready()`` (RuntimeError with the log's end when it exits or times out),
+    ``stop()``; the output goes to ``log_path``."""
 
     def __init__(self, port: int, log_path: Path, threads: int | None = None, host: str = "127.0.0.1"):
-        self.host, self.port, self.log_path = host, port, Path(log_path)
-        self.threads = threads or cpu_threads()
-        self.process: subprocess.Popen | None = None
+        from server.supervisor import ChildProcess
+
+        self.host, self.port, self.threads = host, port, threads or cpu_threads()
+        self.child = ChildProcess("naive server", log_path, log_mode="w", grace=15.0)
 
     @property
     def http_url(self) -> str:
         return f"{self.host}:{self.port}"
 
     def start(self) -> NaiveServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("w") as log_file:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "perf.baselines.naive_server",
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(self.port),
-                    "--threads",
-                    str(self.threads),
-                ],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=ROOT,
-                start_new_session=True,
-            )
+        command = [sys.executable, "-m", "perf.baselines.naive_server", "--host", self.host, "--port", str(self.port)]
+        self.child.start([*command, "--threads", str(self.threads)], cwd=ROOT)
         return self
 
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Poll /v2/health/ready; raises RuntimeError (with the log's end) if it exits or times out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.returncode
-                raise RuntimeError(f"naive server exited with code {code} before becoming ready\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"naive server not ready after {timeout:.0f} s\n{self.log_tail()}")
+        from server.supervisor import NotReady, http_status
 
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        return self.process.returncode
+        try:
+            self.child.wait_ready(lambda: http_status(f"http://{self.http_url}/v2/health/ready") == 200, timeout, interval=0.25)
+        except NotReady as exc:
+            raise RuntimeError(f"naive server {exc} before becoming ready ({timeout:.0f} s)\n{self.child.log_tail(40)}") from None
+
+    def stop(self) -> int | None:
+        return self.child.stop(kill_group=True)
 
     def __enter__(self) -> NaiveServer:
         self.start()
@@ -503,12 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=cpu_threads(),
-        help="torch intra-op threads (default: this process's CPUs, what ONNX Runtime gets in Triton)",
-    )
+    p.add_argument("--threads", type=int, default=cpu_threads(), help="torch intra-op threads (default: this process's CPUs)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (info logs every request)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
