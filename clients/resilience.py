@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from contract.errors import CODES, OVERLOADED, UNAVAILABLE, parse_error
+from contract.errors import CODES, OVERLOADED, UNAVAILABLE, error_data
 from contract.prose import says_retry
 
 log = logging.getLogger(__name__)
@@ -257,16 +257,6 @@ def _status(exc: BaseException) -> str | None:
     return None if status is None else str(status)
 
 
-def _raw_message(exc: BaseException) -> str:
-    """The message as the server sent it (the model's error data still in it)."""
-    if callable(getattr(exc, "message", None)):
-        try:
-            return str(exc.message())  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001
-            return ""
-    return ""
-
-
 def _message(exc: BaseException) -> str:
     message = getattr(exc, "server_message", None)
     if message is None and callable(getattr(exc, "message", None)):
@@ -307,7 +297,7 @@ def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit, RetryError)):
         return False
     for e in _chain(exc):
-        data = parse_error(_raw_message(e))
+        data = error_data(e)  # wherever the protocol carried it (contract/errors.py)
         code = data.code if data is not None else getattr(e, "code", None)
         if isinstance(code, str) and code in CODES:  # the model's error as data: its code decides
             return code in (OVERLOADED, UNAVAILABLE)

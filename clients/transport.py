@@ -9,6 +9,7 @@ errors is clients/errors.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -17,7 +18,7 @@ from typing import Any, Literal, TypeVar
 
 from tritonclient.utils import InferenceServerException
 
-from clients.errors import ClientError
+from clients.errors import ClientError, raise_body_data
 from clients.resilience import EndpointPool, RetryPolicy, make_retrier, split_urls
 
 Protocol = Literal["http", "grpc"]
@@ -111,7 +112,52 @@ def triton_client(protocol: str, url: str, timeout_s: float | None = None, aio: 
     kwargs: dict[str, Any] = {}
     if protocol == "http" and timeout_s is not None:
         kwargs = {"conn_timeout": timeout_s} if aio else {"connection_timeout": timeout_s, "network_timeout": timeout_s}
+    if protocol == "http":
+        return _http_client_keeping_data(aio)(url, **kwargs)
     return module.InferenceServerClient(url, **kwargs)
+
+
+@functools.cache
+def _http_client_keeping_data(aio: bool) -> type:
+    """tritonclient.http's client (blocking or asyncio) that keeps an error body's data: tritonclient
+    makes its exception of the body's ``error`` alone, so an error answer's body is read here first
+    (every POST goes through ``_post``) and one with the data as its keys (contract/errors.py) is
+    raised as clients.errors.ServerError; any other goes on to tritonclient as it came."""
+    base = tritonclient_module("http", aio).InferenceServerClient
+    if aio:
+
+        class AsyncDataClient(base):  # type: ignore[misc, valid-type]
+            async def _post(self, request_uri, request_body, headers, query_params):
+                response = await super()._post(request_uri, request_body, headers, query_params)
+                if response.status != 200:
+                    raise_body_data(await response.read(), response.status)  # aiohttp keeps the body for tritonclient
+                return response
+
+        return AsyncDataClient
+
+    class DataClient(base):  # type: ignore[misc, valid-type]
+        def _post(self, request_uri, request_body, headers, query_params):
+            response = super()._post(request_uri, request_body, headers, query_params)
+            if response.status_code == 200:
+                return response
+            body = response.read()
+            raise_body_data(body, response.status_code)
+            return _ReadBody(response, body)
+
+    return DataClient
+
+
+class _ReadBody:
+    """A geventhttpclient response whose body was read: tritonclient reads it again."""
+
+    def __init__(self, response: Any, body: bytes):
+        self._response, self._body = response, body
+
+    def read(self, *args: Any) -> bytes:
+        return self._body
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._response, name)
 
 
 def request_failures(protocol: str, aio: bool = False) -> tuple[type[BaseException], ...]:

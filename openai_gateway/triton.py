@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from contract.errors import CONTEXT_LENGTH, INVALID, parse_error, words_of
+from contract.errors import CONTEXT_LENGTH, INVALID, error_data, words_of
 from contract.prose import triton_unavailable
 from contract.truncation import DIRECTION_INPUT, RIGHT, TRUNCATE_INPUT
 from openai_gateway.catalog import Catalog, EmbeddingModel, Model, RerankerModel
@@ -79,16 +79,17 @@ class Piece:
 def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:
     """An APIError for a failed Triton call: 4xx for what the request did, 5xx for Triton.
 
-    The models' errors carry their code, field and values as data (contract/errors.py),
-    which decide the status and the OpenAI ``param`` (the model's input names mapped to the
-    request's fields by ``param_map``) on a unary call and on a stream alike. Triton's own
-    errors carry a gRPC status; a stream error of Triton's own has neither (502)."""
-    # tritonclient's InferenceServerException has status() and message(); a stream's has no status.
-    status_of, message_of = getattr(exc, "status", None), getattr(exc, "message", None)
-    status_name = str(status_of() or "") if callable(status_of) else ""
-    text = (message_of() if callable(message_of) else "") or str(exc)
-    data = parse_error(text)
-    message = words_of(text)
+    The models' errors carry their code, field and values as data (contract/errors.py), read by
+    contract.errors.error_data wherever the hop put it (after the words from tritonserver, the
+    ``error-data`` metadata from the gRPC door), which decide the status and the OpenAI ``param``
+    (the model's input names mapped to the request's fields by ``param_map``) on a unary call and
+    on a stream alike. Triton's own errors carry a gRPC status; a stream error of Triton's own
+    has neither (502). ``exc``: tritonclient's InferenceServerException (``status()``,
+    ``message()``; a stream's has no status) or a grpc.RpcError (``code()``, ``details()``)."""
+    status_name = str(_call(exc, "status") or _call(exc, "code") or "")
+    text = _call(exc, "message") or _call(exc, "details") or str(exc)
+    data = error_data(exc)
+    message = words_of(str(text))
     if data is not None:
         status = data.http_status
         if status == 500:
@@ -113,6 +114,11 @@ def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = N
     if status == 413:
         return APIError(413, message, param=param, code=code, data=data)
     return APIError(400, message, param=param, code=code, data=data)
+
+
+def _call(exc: Exception, name: str) -> Any:
+    method = getattr(exc, name, None)
+    return method() if callable(method) else None
 
 
 class TritonBackend:
@@ -243,7 +249,6 @@ class TritonBackend:
         ``param_map``: the model's input names as the request's fields (default TEXT -> input)."""
         import grpc
         from tritonclient.grpc import service_pb2
-        from tritonclient.grpc._utils import get_error_grpc
 
         request = service_pb2.ModelInferRequest(model_name=model_name, id=request_id)
         for name, datatype, shape, raw in tensors:
@@ -257,7 +262,7 @@ class TritonBackend:
             response = await self.client._client_stub.ModelInfer(request=request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             mapping = {"TEXT": "input"} if param_map is None else param_map
-            raise triton_error(get_error_grpc(exc), model_name, mapping) from None
+            raise triton_error(exc, model_name, mapping) from None
         found = {out.name: (out, response.raw_output_contents[i]) for i, out in enumerate(response.outputs)}
         arrays = []
         for name, datatype in outputs:
@@ -425,10 +430,8 @@ class TritonBackend:
                 finished = True
                 return
             except grpc.RpcError as exc:
-                from tritonclient.grpc._utils import get_error_grpc
-
                 finished = True
-                failure = triton_error(get_error_grpc(exc), job.model.id, param_map)
+                failure = triton_error(exc, job.model.id, param_map)
             except InferenceServerException as exc:
                 failure = triton_error(exc, job.model.id, param_map)
             except APIError as exc:

@@ -10,6 +10,11 @@ itself: ``INVALID_ARGUMENT`` for ``ModelInfer``, an error response on the stream
 RPC (health, metadata, statistics, the repository API with its token) passes through unchanged,
 metadata, deadline and status included; an unknown method too.
 
+Errors carry their data (contract/errors.py) where gRPC does: a call's error (the door's own
+refusals, and the models' errors forwarded) has its status from the data's code, the words as
+details and the data as ``error-data`` trailing metadata; a stream's error response has no status
+and no metadata, so its ``error_message`` keeps the data after the words.
+
 With ``--stream-listen`` the same process serves Triton's HTTP ``generate_stream`` for the front
 door's nginx (``server.stream_door``): those streams are continued or ended as this door's are.
 
@@ -37,7 +42,7 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from contract.errors import data_json, format_data, parse_error
+from contract.errors import ERROR_METADATA, GRPC_STATUS, UNAVAILABLE, ErrorData, data_json, format_data, parse_error
 from server.grpc_check import Limits, Refusal, check_request
 from server.replica_probes import ReplicaProbes, probe_url
 from server.stream_resume import StreamBook, continuable_models
@@ -159,7 +164,13 @@ class Door:
 
     async def _abort_with(self, context, exc: aio.AioRpcError):
         trailing = await _safe_trailing(exc)
-        await context.abort(exc.code(), exc.details() or "", trailing)
+        details = exc.details() or ""
+        data = parse_error(details)
+        if data is None:  # tritonserver's own error (or one already public): as it came
+            await context.abort(exc.code(), details, trailing)
+        else:  # a model's error: its data out of the words, where gRPC carries it
+            kept = tuple((k, v) for k, v in trailing if k != ERROR_METADATA)
+            await context.abort(status_code(data), data.message, kept + error_metadata(data))
 
     def _parse(self, data: bytes):
         try:
@@ -186,7 +197,7 @@ class Door:
             refusal = check_request(parsed, self.limits, stream=False)
         if refusal is not None:
             self.refused += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, format_data(refusal.data), refusal_metadata(refusal))
+            await abort_with_data(context, refusal.data)
         # While the watchdog reloads a model whose instance died, tritonserver answers the requests
         # it routes to the dead instance INTERNAL ("Stub process ... is not healthy"): inference is
         # idempotent, so such a request is sent again (the healthy instances answer it); if every
@@ -230,9 +241,8 @@ class Door:
                 if reason is None:
                     await self._abort_with(context, exc)
                 if attempt >= HEALING_RETRIES:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, f"model {parsed.model_name} is being reloaded ({reason}): retry"
-                    )
+                    message = f"model {parsed.model_name} is being reloaded ({reason}): retry"
+                    await abort_with_data(context, ErrorData(UNAVAILABLE, None, {}, message))
                 self.healing_retries += 1
                 await asyncio.sleep(HEALING_BACKOFF_S * (attempt + 1))
                 attempt += 1
@@ -302,8 +312,9 @@ class Door:
     # -- streams -------------------------------------------------------------------------------
 
     def _stream_error(self, parsed, refusal: Refusal) -> bytes:
-        # A stream's error has no status or metadata of its own: the data follows the words, as in
-        # the models' own errors, so a client reads the code, field and limit the same way.
+        # A stream's error response has no status or metadata of its own, and tritonclient gives a
+        # stream's callback its error_message alone: the data follows the words there, as in the
+        # models' own stream errors, so a client reads the code, field and limit the same way.
         response = self.pb.ModelStreamInferResponse(error_message=format_data(refusal.data))
         if parsed is not None:
             response.infer_response.id = parsed.id
@@ -444,16 +455,13 @@ class Door:
                         if await resume(reason, isinstance(item, StreamLost) or marked):
                             continue
                     if isinstance(item, StreamLost):
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"model {item.model} lost the instance serving this stream ({item.reason}): retry",
-                        )
+                        message = f"model {item.model} lost the instance serving this stream ({item.reason}): retry"
+                        await abort_with_data(context, ErrorData(UNAVAILABLE, None, {}, message))
                     assert isinstance(item, aio.AioRpcError)
                     if reason is not None and item.code() != grpc.StatusCode.UNAVAILABLE:
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"model {', '.join(sorted(models))} lost the instance serving this stream ({reason}): retry",
-                        )
+                        lost = ", ".join(sorted(models))
+                        message = f"model {lost} lost the instance serving this stream ({reason}): retry"
+                        await abort_with_data(context, ErrorData(UNAVAILABLE, None, {}, message))
                     await self._abort_with(context, item)
                 last_response = time.monotonic()
                 item, tracked, error = book.incoming(item)
@@ -523,10 +531,19 @@ class Door:
             await self._abort_with(context, exc)
 
 
-def refusal_metadata(refusal: Refusal) -> tuple[tuple[str, str], ...]:
-    """A unary refusal's data as trailing metadata (``error-data``: the JSON object that also
-    follows the words), for gRPC clients that read metadata rather than the message."""
-    return (("error-data", data_json(refusal.data)),)
+def status_code(data: ErrorData) -> grpc.StatusCode:
+    """The gRPC status of an error's code (contract.errors.GRPC_STATUS)."""
+    return grpc.StatusCode[GRPC_STATUS[data.code].removeprefix("StatusCode.")]
+
+
+def error_metadata(data: ErrorData) -> tuple[tuple[str, str], ...]:
+    """An error's data as trailing metadata (``error-data``: one JSON object, contract.errors.data_json)."""
+    return ((ERROR_METADATA, data_json(data)),)
+
+
+async def abort_with_data(context, data: ErrorData) -> None:
+    """End the call with ``data``: its code's status, its words as the details, the data as metadata."""
+    await context.abort(status_code(data), data.message, error_metadata(data))
 
 
 async def _safe_trailing(exc: aio.AioRpcError) -> tuple:

@@ -7,16 +7,17 @@ sends these streams here (``@triton_stream`` in deploy/frontdoor/nginx.conf.temp
 own check of the body (``check.generate``). This listener runs in the gRPC door's process and
 reads the same marks (``server.grpc_door.Door``): the launcher's watchdog folder, serve-cluster's
 replica folders, docker-compose's probe ports. It passes the events on as tritonserver wrote them
-and, when the stream is lost (a mark on its model, or the upstream connection cut by a replica's
-death):
+(but a model's error, whose data it moves out of the words into the event's own keys:
+``{"error": <words>, "code", "field", "values"}``, contract/errors.py) and, when the stream is lost
+(a mark on its model, or the upstream connection cut by a replica's death):
 
 - a continuable model (``server.stream_resume``: ``text_generation``) that has answered goes on:
   the request is sent again with the token ids its client got as ``prefix_token_ids``, and the
   client reads the rest of the answer, no error and no token twice (the door asks for the ids
   with ``return_token_ids`` and takes them out of the events where the client did not ask);
 - any other stream ends at once with an error event naming the model and the reason, as
-  tritonserver reports an error on a stream (``data: {"error": ...}``); a stream lost before any
-  event answers 503 with ``Retry-After``, which clients retry.
+  tritonserver reports an error on a stream (``data: {"error": ..., "code": "unavailable", ...}``);
+  a stream lost before any event answers 503 with ``Retry-After``, which clients retry.
 
 Not continued, as on the gRPC door: answers with several choices (``index``) or log-probabilities.
 """
@@ -33,7 +34,7 @@ import orjson
 from aiohttp import ClientConnectionResetError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from contract.errors import UNAVAILABLE, ErrorData, format_data, parse_error
+from contract.errors import MARK, UNAVAILABLE, ErrorData, error_body, parse_error, public_body
 from contract.streams import ASK_INPUT, PREFIX_INPUT
 from server.stream_resume import IDS_OUTPUT, NOT_CONTINUABLE_OUTPUTS
 
@@ -58,6 +59,7 @@ SILENT_STREAM_S = 1.0
 RESUME_WAIT_S = 30.0
 RESUME_BACKOFF_S = 0.05
 EVENT_END = b"\n\n"
+_MARK = MARK.encode()
 # Bodies past this are sent on as they came, not parsed (a continuation's prefix is far smaller:
 # the model refuses one of max_tokens_limit tokens or more), so one request cannot hold the loop
 # that serves every gRPC call too.
@@ -385,14 +387,16 @@ class _Client:
                     if name.lower() not in _OWN_HEADERS:
                         self.response.headers[name] = value
                 await self.response.prepare(self.request)
-            await self.response.write(event)
+            await self.response.write(public_error(event))
         except (ClientConnectionResetError, ConnectionResetError):
             return False
         self.progressed = True
         return True
 
     async def relay_refusal(self, upstream, text: bytes) -> object:
-        """tritonserver's refusal before the stream began: to the client as it came."""
+        """tritonserver's refusal before the stream began: to the client as it came, a model's
+        error with its data as the body's keys."""
+        text = public_error(text)
         if self.response is not None:
             await self.response.write(text if text.startswith(b"data:") else b"data: " + text.strip() + EVENT_END)
             return _END
@@ -401,13 +405,13 @@ class _Client:
         return _END
 
     async def fail(self, message: str) -> web.StreamResponse:
-        """The stream was lost and cannot go on: ``unavailable`` (retry), its data after the words
-        as in every error (contract/errors.py)."""
-        text = format_data(ErrorData(UNAVAILABLE, None, {}, message))
+        """The stream was lost and cannot go on: ``unavailable`` (retry), its data as the body's
+        keys as in every error at this edge (contract/errors.py)."""
+        body = error_body(ErrorData(UNAVAILABLE, None, {}, message))
         if self.response is None:
-            return web.json_response({"error": text}, status=503, headers={"Retry-After": "1"})
+            return web.json_response(body, status=503, headers={"Retry-After": "1"})
         try:
-            await self.response.write(b"data: " + orjson.dumps({"error": text}) + EVENT_END)
+            await self.response.write(b"data: " + orjson.dumps(body) + EVENT_END)
         except (ClientConnectionResetError, ConnectionResetError):
             return self.response
         return await self.finish()
@@ -424,6 +428,22 @@ class _Client:
             pass  # the client has gone
         assert self.response is not None  # set above before anything that can raise
         return self.response
+
+
+def public_error(body: bytes) -> bytes:
+    """tritonserver's error (a JSON body, or one event) as this public edge answers it: a model's
+    error with its data taken out of the words into the body's own keys; anything else as it came."""
+    if _MARK not in body:
+        return body
+    event = body.startswith(b"data:")
+    try:
+        obj = orjson.loads(body[5:] if event else body)
+    except orjson.JSONDecodeError:
+        return body
+    public = public_body(obj) if isinstance(obj, dict) else None
+    if public is None:
+        return body
+    return b"data: " + orjson.dumps(public) + EVENT_END if event else orjson.dumps(public)
 
 
 def _error_of(body: bytes) -> str:

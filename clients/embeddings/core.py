@@ -23,6 +23,7 @@ import numpy as np
 from clients.errors import ClientError, translate
 from clients.resilience import RetryError
 from clients.transport import ConnectionOptions, Protocol, tritonclient_module
+from contract.errors import ErrorData
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class EmbeddingError(ClientError):
         total: int | None = None,
         retry_note: str = "",
         attempts: int | None = None,
+        data: ErrorData | None = None,
     ):
         self.start = start
         self.stop = stop
@@ -66,7 +68,9 @@ class EmbeddingError(ClientError):
         # Name the slice only when the call was split: otherwise it is simply "the texts".
         if start is not None and stop is not None and (start, stop) != (0, total):
             where += f", texts[{start}:{stop}]"
-        super().__init__(server_message, where=where, model=model, status=status, retry_note=retry_note, attempts=attempts)
+        super().__init__(
+            server_message, where=where, model=model, status=status, retry_note=retry_note, attempts=attempts, data=data
+        )
 
 
 @dataclass(frozen=True)

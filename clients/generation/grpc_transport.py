@@ -16,6 +16,7 @@ from typing import Any
 
 from tritonclient.utils import InferenceServerException
 
+from clients.errors import with_rpc_data
 from clients.generation.request import GenerateRequest, GenerationOptions, new_request_id
 from clients.generation.response import Piece, is_final, piece_from_result, transport_error
 from clients.transport import triton_client
@@ -149,8 +150,8 @@ def grpc_aio_stream(
                 yield piece_from_result(result)
                 if is_final(result):
                     return
-        except grpc.RpcError as exc:  # the call itself failed (server down, cancelled)
-            raise transport_error(get_error_grpc(exc), "grpc", url, o.model, o.timeout_s) from exc
+        except grpc.RpcError as exc:  # the call itself failed (server down, cancelled, the door's refusal)
+            raise transport_error(with_rpc_data(get_error_grpc(exc), exc), "grpc", url, o.model, o.timeout_s) from exc
         except (TimeoutError, InferenceServerException, OSError) as exc:
             iterator.cancel()
             raise transport_error(exc, "grpc", url, o.model, o.timeout_s) from exc

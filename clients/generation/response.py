@@ -11,6 +11,7 @@ from typing import Any
 
 from clients.errors import ClientError, translate
 from clients.generation.request import DEFAULT_MODEL
+from contract.errors import ErrorData, data_from_body
 
 
 class GenerationError(ClientError):
@@ -32,9 +33,16 @@ class GenerationError(ClientError):
         status: str | None = None,
         retry_note: str = "",
         attempts: int | None = None,
+        data: ErrorData | None = None,
     ):
         super().__init__(
-            server_message, where=f"model '{model}'", model=model, status=status, retry_note=retry_note, attempts=attempts
+            server_message,
+            where=f"model '{model}'",
+            model=model,
+            status=status,
+            retry_note=retry_note,
+            attempts=attempts,
+            data=data,
         )
 
 
@@ -174,8 +182,8 @@ def piece_from_json(data: str | Mapping[str, Any], model: str = DEFAULT_MODEL, s
         obj = data
     if not isinstance(obj, Mapping):
         raise GenerationError(f"malformed response from the server: {str(data)[:200]!r}", model=model, status=status)
-    if "error" in obj:
-        raise GenerationError(str(obj["error"]), model=model, status=status)
+    if "error" in obj:  # the data as the body's keys (the front door, the stream door), else after the words
+        raise GenerationError(str(obj["error"]), model=model, status=status, data=data_from_body(obj))
     text = _scalar(obj.get("text_output"))
     return Piece(
         text="" if text is None else str(text),
@@ -278,7 +286,7 @@ def http_error(status: int, body: str, model: str = DEFAULT_MODEL) -> Generation
         except json.JSONDecodeError:
             continue
         if isinstance(obj, Mapping) and "error" in obj:
-            return GenerationError(str(obj["error"]), model=model, status=str(status))
+            return GenerationError(str(obj["error"]), model=model, status=str(status), data=data_from_body(obj))
     return GenerationError(body.strip()[:500] or f"HTTP {status}", model=model, status=str(status))
 
 

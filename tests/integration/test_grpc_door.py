@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from contract.errors import INVALID, parse_error
+from contract.errors import ERROR_METADATA, INVALID, MARK, data_from_json, error_data, parse_error
 from ops.repository import GRPC_TOKEN_HEADER
 from server.frontdoor import model_limits
 from server.stubs import find_stubs
@@ -76,18 +76,34 @@ def test_the_wrapping_shape_is_refused_and_every_stub_lives(triton, door):
         assert "'input_ids'" in info.value.details() and str(WRAP_INT64) in info.value.details()
     answers = list(door.ModelStreamInfer(iter([_wrapping_encoder_request()]), timeout=60))
     assert len(answers) == 1 and str(WRAP_INT64) in answers[0].error_message
-    # The refusal carries its code, field and limit as data, as the models' own errors do: after
-    # the words on both RPCs, and as the unary call's error-data trailing metadata.
-    unary = parse_error(info.value.details())
+    # The refusal carries its code, field and limit as data, as the models' own errors do: the
+    # unary call's words as its details and its data as error-data trailing metadata; a stream's
+    # error (no status, no metadata) after the words.
+    assert MARK not in info.value.details()
+    trailing = dict(info.value.trailing_metadata() or ())
+    unary = data_from_json(trailing[ERROR_METADATA], info.value.details())
     assert unary is not None and unary.code == INVALID and unary.field == "inputs[0] 'input_ids'.shape"
     assert unary.values["rule"] == "elements" and unary.values["got"] == WRAP_INT64 and unary.values["maximum"] > 0
-    trailing = dict(info.value.trailing_metadata() or ())
-    assert json.loads(trailing["error-data"]) == {"code": unary.code, "field": unary.field, "values": unary.values}
+    assert error_data(info.value) == unary
     assert parse_error(answers[0].error_message) == unary
     _every_model_answers(door)
     assert _live_stubs(triton) == before, "a stub died or was replaced"
     with urllib.request.urlopen(f"http://{triton.http_url}/v2/health/ready", timeout=10) as r:
         assert r.status == 200
+
+
+def test_a_models_error_goes_on_with_its_status_and_metadata_from_its_data(door):
+    """tritonserver passes the model's words with the data after them: the door moves the data to
+    where gRPC carries it, on a unary call; a stream's error keeps it after the words."""
+    with pytest.raises(grpc.RpcError) as info:
+        door.ModelInfer(_text_request([2, 1], _bytes(b"hello", b"")), timeout=60)
+    details = info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and MARK not in details, details
+    data = data_from_json(dict(info.value.trailing_metadata() or ())[ERROR_METADATA], details)
+    assert data is not None and data.code == INVALID and data.field == "TEXT[1]", (details, data)
+    answers = list(door.ModelStreamInfer(iter([_text_request([2, 1], _bytes(b"hello", b""))]), timeout=60))
+    streamed = parse_error(answers[0].error_message)
+    assert streamed is not None and (streamed.code, streamed.field) == (data.code, data.field), answers[0].error_message
 
 
 def test_a_declared_shape_that_is_not_the_data_is_refused(door):

@@ -108,6 +108,26 @@ def test_piece_from_json_error_event_and_malformed_data():
             piece_from_json(bad)
 
 
+def test_an_error_bodys_data_keys_are_read_and_the_words_stay_words():
+    """The front door's and the stream door's bodies carry the data as keys; a body straight from
+    tritonserver (no door) still has it after the words."""
+    from contract.errors import format_error, parse_error
+    from python_backends.generation.scheduler import ContextTooLong
+
+    public = {"error": "max_tokens: 4102 exceeds 4096", "code": "context_length_exceeded", "field": "max_tokens"}
+    public["values"] = {"prompt_tokens": 4086, "max_tokens": 16, "limit": 4096}
+    with pytest.raises(GenerationError) as info:
+        piece_from_json(json.dumps(public), status="400")
+    for err in (info.value, http_error(400, "data: " + json.dumps(public) + "\n\n")):
+        assert (err.code, err.field, err.values["limit"]) == ("context_length_exceeded", "max_tokens", 4096)
+        assert err.server_message == public["error"]
+    inside = format_error(ContextTooLong(4086, 16, 4096))
+    err = http_error(400, json.dumps({"error": inside}))
+    assert (err.code, err.field) == ("context_length_exceeded", "max_tokens") and err.server_message == parse_error(
+        inside
+    ).message
+
+
 def grpc_result(text: bytes | None, reason: bytes | None = None, n_out: int | None = None, final: bool = False) -> InferResult:
     """A real ModelInferResponse, as tritonclient hands it to the stream callback."""
     response = service_pb2.ModelInferResponse(model_name="text_generation")

@@ -614,6 +614,29 @@ def test_the_models_errors_are_read_as_data_on_a_stream_and_a_unary_call():
     assert err.param == "input[3]"
 
 
+def test_a_unary_error_through_the_grpc_door_is_read_from_its_metadata():
+    """serve-cluster's gateway calls the gRPC door, which answers the words as details and the data
+    as error-data trailing metadata (contract/errors.py)."""
+    import grpc
+
+    from contract.errors import ERROR_METADATA, InputError, data_json
+
+    data = InputError("TEXT[3]", "text is empty").data
+
+    class DoorError(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return data.message
+
+        def trailing_metadata(self):
+            return ((ERROR_METADATA, data_json(data)),)
+
+    err = triton_error(DoorError(), "x", {"TEXT": "input"})
+    assert (err.status, err.param, err.message) == (400, "input[3]", "TEXT[3]: text is empty")
+
+
 @pytest.mark.parametrize(
     "message, http",
     [

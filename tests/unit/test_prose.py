@@ -119,3 +119,93 @@ def test_the_shutdown_line_read_for_tritonserver():
     assert triton_live_models(["loading", waiting]) == 2
     assert triton_live_models([waiting, busy]) is None  # the latest line counts: a request is still in flight
     assert triton_live_models(["nothing about it"]) is None
+
+
+class _DataErrorBody(BaseHTTPRequestHandler):
+    """An error as the front door answers it: the data as the body's own keys."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b'{"error":"TEXT[0]: text is empty","code":"invalid_value","field":"TEXT[0]","values":{}}'
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_tritonclient_http_keeps_only_an_error_bodys_words_and_posts_through_post():
+    """What clients.transport's client relies on: tritonclient.http makes its exception of the body's
+    "error" alone, and its infer POSTs through ``_post``, where the clients read the body first."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from clients.errors import ServerError
+    from clients.transport import triton_client
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _DataErrorBody)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"127.0.0.1:{server.server_address[1]}"
+    text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b""]], dtype=object))
+    try:
+        plain = httpclient.InferenceServerClient(url)
+        with pytest.raises(InferenceServerException) as info:
+            plain.infer("text_embedding", [text])
+        plain.close()
+        keeping = triton_client("http", url)
+        with pytest.raises(ServerError) as kept:
+            keeping.infer("text_embedding", [text])
+        keeping.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert info.value.message() == "TEXT[0]: text is empty" and not hasattr(info.value, "error_data")
+    assert kept.value.message() == "TEXT[0]: text is empty" and kept.value.status() == "400"
+    assert (kept.value.error_data.code, kept.value.error_data.field) == ("invalid_value", "TEXT[0]")
+
+
+def test_tritonclient_grpc_keeps_the_grpc_error_with_its_metadata_as_context():
+    """tritonclient.grpc's exception has the details and status only; the RpcError it was raised
+    while handling, with the trailing metadata the gRPC door puts an error's data in, is its context."""
+    from concurrent import futures
+
+    import grpc
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from contract.errors import ERROR_METADATA, error_data
+    from contract.prose import tritonclient_rpc_error
+
+    data = '{"code":"invalid_value","field":"TEXT[0]","values":{"limit":1}}'
+
+    def infer(request, context):
+        context.set_trailing_metadata(((ERROR_METADATA, data),))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "TEXT[0]: text is empty")
+
+    handler = grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer, request_deserializer=lambda b: b, response_serializer=bytes)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        text = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[b""]], dtype=object))
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("text_embedding", [text])
+        client.close()
+    finally:
+        server.stop(0)
+    assert info.value.message() == "TEXT[0]: text is empty" and info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    rpc = tritonclient_rpc_error(info.value)
+    assert rpc is not None and dict(rpc.trailing_metadata())[ERROR_METADATA] == data
+    found = error_data(info.value)
+    assert found is not None and (found.code, found.field, found.values) == ("invalid_value", "TEXT[0]", {"limit": 1})
+    assert tritonclient_rpc_error(InferenceServerException("a stream's error")) is None

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from contract.errors import UNAVAILABLE, parse_error
+from contract.errors import MARK, UNAVAILABLE, InputError, data_from_body, format_error
 from server.frontdoor import model_limits
 from server.grpc_check import Limits
 from server.grpc_door import Door
@@ -91,8 +91,17 @@ class FakeTriton:
     connection cut (``how="cut"``), or it goes silent while the test marks the model (``"silent"``).
     Later calls continue after the prefix they are given."""
 
-    def __init__(self, cut: int, how: str = "cut", health_dir: Path | None = None, first_after_s: float = 0.0, pad: int = 0):
+    def __init__(
+        self,
+        cut: int,
+        how: str = "cut",
+        health_dir: Path | None = None,
+        first_after_s: float = 0.0,
+        pad: int = 0,
+        error: str | None = None,
+    ):
         self.cut, self.how, self.health_dir = cut, how, health_dir
+        self.error = error  # a model's error message: the event after ``cut`` pieces ("refuse": before the stream)
         self.first_after_s, self.pad = first_after_s, pad
         self.bodies: list[dict] = []
 
@@ -100,6 +109,8 @@ class FakeTriton:
         body = await request.json()
         self.bodies.append(body)
         first = len(self.bodies) == 1
+        if self.error is not None and self.how == "refuse":
+            return web.json_response({"error": self.error}, status=400)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
 
@@ -110,6 +121,10 @@ class FakeTriton:
         await asyncio.sleep(self.first_after_s)  # a long queue or prefill before the first token
         for i, (text, token) in enumerate(PIECES[start:], start):
             if first and i == self.cut:
+                if self.error is not None:
+                    await response.write(event({"error": self.error}))
+                    await response.write_eof()
+                    return response
                 if self.how == "cut":
                     request.transport.close()  # a replica killed mid-answer
                     return response
@@ -188,8 +203,9 @@ def test_a_stream_that_cannot_go_on_ends_at_once_with_an_error_event(tmp_path):
     status, _, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"}, model="other_decoupled")
     assert status == 200 and [e.get("text_output") for e in events[:2]] == ["The", " cap"]
     assert "error" in events[-1] and "other_decoupled" in events[-1]["error"] and "stub died" in events[-1]["error"]
-    data = parse_error(events[-1]["error"])  # retry: the data says so, as in every error
+    data = data_from_body(events[-1])  # retry: the data says so, as the event's own keys
     assert data is not None and data.code == UNAVAILABLE and data.http_status == 503
+    assert MARK not in events[-1]["error"] and data.message == events[-1]["error"]
     assert len(fake.bodies) == 1 and door.streams_ended == 1
 
 
@@ -224,6 +240,24 @@ def test_a_stream_lost_before_its_first_event_answers_503_and_is_not_sent_around
     fake = FakeTriton(cut=0)
     status, raw, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"})
     assert status == 503 and b"text_generation" in raw and len(fake.bodies) == 1 and door.streams_resumed == 0
+    body = json.loads(raw)
+    assert data_from_body(body).code == UNAVAILABLE and MARK not in body["error"], body
+
+
+MODEL_ERROR = format_error(InputError("max_tokens", "must be <= 2048, got 5000", values={"limit": 2048, "got": 5000}))
+
+
+@pytest.mark.parametrize("how", ["event", "refuse"])
+def test_a_models_error_reaches_the_client_with_its_data_as_the_bodys_keys(tmp_path, how):
+    """tritonserver passes the model's words with the data after them; this public edge moves the
+    data into the event's (or the refusal's) own keys and leaves the words alone."""
+    fake = FakeTriton(cut=2, how=how, error=MODEL_ERROR)
+    status, raw, events, door = _through_the_door(tmp_path, fake, {"text_input": "Hi"}, model="other_decoupled")
+    error = events[-1] if how == "event" else json.loads(raw)
+    assert status == (200 if how == "event" else 400), raw
+    assert error["error"] == "max_tokens: must be <= 2048, got 5000" and MARK.strip() not in raw.decode(), raw
+    assert (error["code"], error["field"], error["values"]) == ("invalid_value", "max_tokens", {"limit": 2048, "got": 5000})
+    assert door.streams_resumed == 0 and len(fake.bodies) == 1
 
 
 @pytest.mark.parametrize("option", ["--stream-door", "--stream-upstream-listen"])
