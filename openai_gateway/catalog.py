@@ -10,6 +10,7 @@ generation model's ``parameters`` give its token limits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -55,6 +56,7 @@ class EmbeddingModel:
     dimensions: int
     aliases: tuple[str, ...] = ()
     kind: str = "embedding"
+    created: int = 0  # Unix time its newest version folder was written (the export)
     # (priority class, text entry, ids entry) of each class with its own entry
     # (docs/priority-classes.md); a class not listed is served by text_entry / ids_entry.
     lanes: tuple[tuple[str, str, str], ...] = ()
@@ -76,6 +78,7 @@ class GenerationModel:
     max_model_len: int
     aliases: tuple[str, ...] = ()
     kind: str = "generation"
+    created: int = 0
     version_dir: Path | None = None  # its tokenizer and chat template (/tokenize)
     # Its config declares return_token_ids and prefix_token_ids: a stream lost mid-answer is continued.
     continuable: bool = False
@@ -93,6 +96,7 @@ class RerankerModel:
     truncation: str  # the pair tokenizer's: "refuse" a long pair, or cut its "document"
     aliases: tuple[str, ...] = ()
     kind: str = "reranker"
+    created: int = 0
 
 
 Model = EmbeddingModel | GenerationModel | RerankerModel
@@ -214,7 +218,7 @@ class Catalog:
             else:
                 m = _generation(name, config, Path(repository))
             if m is not None:
-                models.append(m)
+                models.append(dataclasses.replace(m, created=_created(Path(repository), _triton_models(m))))
         return cls(models)
 
     @overload
@@ -252,8 +256,18 @@ class Catalog:
 
     def triton_models(self, model: Model) -> tuple[str, ...]:
         """The Triton models a request to ``model`` reaches (all must be ready to serve it)."""
-        if isinstance(model, EmbeddingModel):
-            return tuple(dict.fromkeys((model.text_entry, model.id, model.ids_entry)))
-        if isinstance(model, RerankerModel):
-            return (model.id, *model.steps)
-        return (model.id,)
+        return _triton_models(model)
+
+
+def _triton_models(model: Model) -> tuple[str, ...]:
+    if isinstance(model, EmbeddingModel):
+        return tuple(dict.fromkeys((model.text_entry, model.id, model.ids_entry)))
+    if isinstance(model, RerankerModel):
+        return (model.id, *model.steps)
+    return (model.id,)
+
+
+def _created(repository: Path, names: tuple[str, ...]) -> int:
+    """When the newest version folder of the Triton models behind a served model was written."""
+    times = [p.stat().st_mtime for n in names for p in (repository / n).glob("[0-9]*") if p.is_dir()]
+    return int(max(times)) if times else 0

@@ -44,6 +44,7 @@ class GenerationJob:
     sampling: dict[str, Any]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
     echo_prefix: str = ""  # /v1/completions with echo: the prompt, sent before the answer
     logprobs: bool = False  # the answer carries log-probabilities (sampling["logprobs"] alternatives each)
     tools: ToolUse | None = None  # the functions the answer may call (openai_gateway/tools.py)
@@ -107,6 +108,10 @@ def _include_usage(req: _Sampling) -> bool:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _continuous_usage(req: _Sampling) -> bool:
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
 
 def plain_message(m: Any, i: int) -> dict[str, str]:
@@ -200,6 +205,7 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
         fields=fields,
         logprobs=bool(req.logprobs),
         tools=tool_use,
+        continuous_usage=_continuous_usage(req),
     )
 
 
@@ -284,6 +290,7 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
         _include_usage(req),
         echo_prefix=prompt if req.echo else "",
         fields=fields,
+        continuous_usage=_continuous_usage(req),
         logprobs=req.logprobs is not None,
     )
 
@@ -455,15 +462,17 @@ class ChunkWriter:
             return b""
         return b"".join(self._event([self._choice(i, self.job.echo_prefix, None)]) for i in range(self.job.n))
 
-    def text(self, piece: str, logprobs: list[dict] | None = None, index: int = 0) -> bytes:
+    def text(self, piece: str, logprobs: list[dict] | None = None, index: int = 0, usage: Any = None) -> bytes:
         """The event of one text piece of choice ``index`` and its tokens' log-probabilities when
-        asked for (nothing for an empty piece without any)."""
+        asked for (nothing for an empty piece without any); ``usage``: the usage so far, on the
+        chunk (continuous_usage_stats)."""
         if not piece and not logprobs:
             return b""
         if self._held is not None:  # calls or content: known at the end
             self._held[index].append(piece)
             return b""
-        return self._event([self._choice(index, piece, None, logprobs=(logprobs or []) if self.job.logprobs else None)])
+        choice = self._choice(index, piece, None, logprobs=(logprobs or []) if self.job.logprobs else None)
+        return self._event([choice], usage, with_usage=True) if usage is not None else self._event([choice])
 
     def finish_choice(self, index: int, tally: Tally) -> bytes:
         """The events that end choice ``index``: held tool calls or text, then its finish reason

@@ -78,9 +78,11 @@ class DetokenizeRequest(_Body):
 
 
 class StreamOptions(_Body):
-    """`stream_options`: `include_usage` adds a last chunk with the usage."""
+    """`stream_options`: `include_usage` adds a last chunk with the usage; vLLM's
+    `continuous_usage_stats` puts the usage so far on every chunk too."""
 
     include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
 
 
 # JSON types of the sampling fields' table (contract/sampling.py) as strict types.

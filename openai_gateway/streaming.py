@@ -80,9 +80,9 @@ async def sse_events(
             yield head
         piece = first
         while piece is not None:
-            if piece.text or piece.logprobs:
-                yield writer.text(piece.text, piece.logprobs, piece.index)
             choice = tally.add(piece)
+            if piece.text or piece.logprobs:
+                yield writer.text(piece.text, piece.logprobs, piece.index, tally.usage if job.continuous_usage else None)
             if piece.finish_reason is not None and job.n > 1:  # that choice ended; the others go on
                 yield writer.finish_choice(piece.index, choice)
             if piece.final:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 from fastapi import APIRouter, Request, Security
 
-from openai_gateway.catalog import Model
+from openai_gateway.catalog import OWNER, GenerationModel, Model
 from openai_gateway.errors import APIError
 from openai_gateway.responses import json_response
 from openai_gateway.routes import bearer
@@ -15,8 +15,21 @@ router = APIRouter()
 
 
 def model_object(m: Model) -> dict:
-    """OpenAI's model object, with this gateway's ``aliases`` and ``kind``."""
-    return {"id": m.id, "object": "model", "created": 0, "owned_by": "triton", "aliases": list(m.aliases), "kind": m.kind}
+    """OpenAI's model object (``created``: when its files were exported; ``owned_by``: the
+    organisation of its Hugging Face name), with vLLM's ``max_model_len`` (the tokens one request
+    may hold: prompt and answer for generation, one input for embeddings and reranking) and this
+    gateway's ``aliases`` and ``kind``."""
+    owner = next((a.split("/", 1)[0] for a in m.aliases if "/" in a), OWNER)
+    context = m.max_model_len if isinstance(m, GenerationModel) else m.max_tokens
+    return {
+        "id": m.id,
+        "object": "model",
+        "created": m.created,
+        "owned_by": owner,
+        "max_model_len": context,
+        "aliases": list(m.aliases),
+        "kind": m.kind,
+    }
 
 
 @router.get("/v1/models", dependencies=[Security(bearer)])

@@ -178,3 +178,35 @@ def test_stop_token_ids_include_stop_str_and_skip_special_tokens_are_served(open
             model=GENERATION, messages=QUESTION, max_tokens=2, extra_body={"stop_token_ids": [len(tok) + 10]}
         )
     assert caught.value.response.json()["error"]["param"] == "stop_token_ids"
+
+
+def test_models_say_their_context_length_creation_time_and_owner(openai_client):
+    """vLLM's max_model_len, the export's time as created, the Hugging Face organisation as owner."""
+    listed = {m.id: m for m in openai_client.models.list().data}
+    generation = listed[GENERATION]
+    assert generation.max_model_len == 4096 and generation.owned_by == "HuggingFaceTB"
+    folder = ROOT / "model_repository" / GENERATION / "1"
+    assert generation.created == int(folder.stat().st_mtime)
+    embedding = listed["text_embedding"]
+    assert embedding.max_model_len == 256 and embedding.owned_by == "sentence-transformers"
+    assert embedding.created > 1_600_000_000
+    assert openai_client.models.retrieve(GENERATION).max_model_len == 4096
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(openai_client):
+    chunks = list(
+        openai_client.chat.completions.create(
+            model=GENERATION,
+            messages=QUESTION,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    counts = [c.usage.completion_tokens for c in content]
+    assert content and counts == sorted(counts) and counts[0] >= 1, counts
+    last = chunks[-1].usage
+    assert all(c.usage.prompt_tokens == last.prompt_tokens for c in content)
+    assert last.completion_tokens >= counts[-1] and last.total_tokens == last.prompt_tokens + last.completion_tokens
