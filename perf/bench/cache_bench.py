@@ -12,7 +12,7 @@ per request,
 4. **hits only**: the most frequent sentences (all cached) at concurrency 1: the latency of a
    cache hit, client-side and on the server (Triton's statistics for the model).
 
-Printed and written to perf/results/cache-<UTC time>/summary.md and summary.json: throughput
+Printed and written to perf/results/cache-<UTC time>/summary.md and results.json: throughput
 and the with/without ratio, P50/P99 of each, hit rate per level (L1, L2, Triton's response
 cache on text_tokenizer, from the metrics port), and the cache-hit P50.
 """
@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import re
+import math
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from perf.bench.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
-from perf.lib.paths import RESULTS
+from perf.lib import load, report, triton_stats
 from perf.lib.perf_analyzer import display_path
 from perf.lib.stats import percentile_of
 
@@ -53,9 +50,9 @@ class Phase:
     concurrency: int
     seconds: float
     throughput: float  # requests/s (one text each)
-    p50_ms: float
-    p99_ms: float
-    errors: int
+    p50_ms: float = math.nan
+    p99_ms: float = math.nan
+    errors: int = 0
     repeat_p50_ms: float | None = None  # requests whose text came earlier in the stream
     first_p50_ms: float | None = None  # first occurrences
     levels: dict[str, float | None] = field(default_factory=dict)  # hit rates (None: no lookups) and counts
@@ -64,56 +61,14 @@ class Phase:
     lookup_us: float | None = None  # L1 + L2 lookup of one batch, from embedding_cache_lookup_seconds
 
 
-async def _drive(url: str, model: str, texts: Sequence[str], concurrency: int) -> tuple[np.ndarray, float, int]:
-    """Send texts (one per request) with ``concurrency`` requests in flight; latencies in ms."""
-    import tritonclient.grpc.aio as grpcclient
-
-    client = grpcclient.InferenceServerClient(url)
-    latencies = np.full(len(texts), np.nan)
-    errors = 0
-    next_index = 0
-
-    async def worker():
-        nonlocal next_index, errors
-        while next_index < len(texts):
-            i = next_index
-            next_index += 1
-            data = np.array([[texts[i].encode("utf-8")]], dtype=np.object_)
-            inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-            inp.set_data_from_numpy(data)
-            t0 = time.perf_counter()
-            try:
-                await client.infer(model, [inp], outputs=[grpcclient.InferRequestedOutput("EMBEDDING")])
-            except Exception:  # noqa: BLE001 - counted and reported, the run goes on
-                errors += 1
-                continue
-            latencies[i] = (time.perf_counter() - t0) * 1000.0
-
-    start = time.perf_counter()
-    try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    finally:
-        await client.close()
-    return latencies, time.perf_counter() - start, errors
-
-
-def drive(url: str, model: str, texts: Sequence[str], concurrency: int) -> tuple[np.ndarray, float, int]:
-    return asyncio.run(_drive(url, model, texts, concurrency))
-
-
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    with urllib.request.urlopen(url, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-            if m:
-                labels = ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or "")))
-                out[f"{m.group(1)}{{{labels}}}"] = float(m.group(3))
-    return out
+def drive(url: str, model: str, texts: Sequence[str], concurrency: int) -> load.Tally:
+    """Send texts (one per request, each once) over gRPC with ``concurrency`` requests in flight."""
+    tally = load.kserve_texts("grpc", url, model, texts.__getitem__, concurrency, count=len(texts), output="EMBEDDING")
+    return asyncio.run(tally)
 
 
 def cache_counts(metrics_url: str) -> dict[str, float]:
-    m = metrics(metrics_url)
+    m = triton_stats.metrics(metrics_url)
 
     def get(name: str, **labels: str) -> float:
         key = ",".join(sorted(f'{k}="{v}"' for k, v in labels.items()))
@@ -145,48 +100,25 @@ def level_rates(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     }
 
 
-def server_times(http_url: str, model: str) -> dict[str, float]:
-    """Triton's cumulative statistics of ``model``: successful requests, queue and compute µs."""
-    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10) as r:
-        stats = json.loads(r.read())["model_stats"]
-    total = lambda k: sum(int(s["inference_stats"][k]["ns"]) for s in stats) / 1000.0  # noqa: E731
-    return {
-        "count": sum(int(s["inference_stats"]["success"]["count"]) for s in stats),
-        "queue_us": total("queue"),
-        "compute_us": total("compute_input") + total("compute_infer") + total("compute_output"),
-    }
-
-
 def lookup_seconds(metrics_url: str) -> tuple[float, float]:
-    m = metrics(metrics_url)
+    m = triton_stats.metrics(metrics_url)
     labels = f'{{model="{CACHED}"}}'
     return m.get(f"embedding_cache_lookup_seconds_sum{labels}", 0.0), m.get(f"embedding_cache_lookup_seconds_count{labels}", 0.0)
 
 
 def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: int, ranks: np.ndarray | None = None) -> Phase:
     say(f"cache_bench: {name}: {len(texts)} requests to {model} at concurrency {concurrency}")
-    latencies, seconds, errors = drive(url, model, texts, concurrency)
-    ok = latencies[~np.isnan(latencies)]
-    p = Phase(
-        name,
-        model,
-        len(texts),
-        concurrency,
-        round(seconds, 2),
-        round(len(ok) / seconds, 1),
-        round(percentile_of(ok, 50), 2),
-        round(percentile_of(ok, 99), 2),
-        errors,
-    )
-    if ranks is not None:
-        seen = np.zeros(ranks.max() + 1, dtype=bool)
-        repeat = np.zeros(len(ranks), dtype=bool)
-        for i, r in enumerate(ranks):
-            repeat[i] = seen[r]
-            seen[r] = True
-        valid = ~np.isnan(latencies)
-        p.repeat_p50_ms = round(percentile_of(latencies[repeat & valid], 50), 2)
-        p.first_p50_ms = round(percentile_of(latencies[~repeat & valid], 50), 2)
+    tally = drive(url, model, texts, concurrency)
+    figures = load.latency_ms(tally.ok)
+    p = Phase(name, model, len(texts), concurrency, round(tally.seconds, 2), round(len(tally.ok) / tally.seconds, 1))
+    p.p50_ms, p.p99_ms = (round(figures[k] or math.nan, 2) for k in ("p50_ms", "p99_ms"))
+    p.errors = tally.errors
+    if ranks is not None:  # a request repeats when its sentence came earlier in the stream
+        first = {int(r): i for i, r in reversed(list(enumerate(ranks)))}
+        repeat = [ms for i, ms in zip(tally.ok_index, tally.ok) if first[int(ranks[i])] != i]
+        once = [ms for i, ms in zip(tally.ok_index, tally.ok) if first[int(ranks[i])] == i]
+        p.repeat_p50_ms = round(1000 * percentile_of(repeat, 50), 2)
+        p.first_p50_ms = round(1000 * percentile_of(once, 50), 2)
     return p
 
 
@@ -218,17 +150,20 @@ def markdown(phases: list[Phase], ratio: float, variant: str, args: argparse.Nam
         f"({repeat:.1%} of requests repeat an earlier one), one text per request, gRPC asyncio client, "
         f"concurrency {args.concurrency}; text_encoder variant {variant}.",
         "",
-        "| phase | model | req/s | P50 ms | P99 ms | repeat P50 ms | first-seen P50 ms | L1 hit | L2 hit (of L1 misses) | Triton tokenizer hit | errors |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for p in phases:
-        lv = p.levels
-        f = lambda v: "-" if v is None else (f"{v:.1%}" if isinstance(v, float) and v <= 1 else str(v))  # noqa: E731
-        lines.append(
-            f"| {p.name} | {p.model} | {p.throughput} | {p.p50_ms} | {p.p99_ms} | "
-            f"{'-' if p.repeat_p50_ms is None else p.repeat_p50_ms} | {'-' if p.first_p50_ms is None else p.first_p50_ms} | "
-            f"{f(lv.get('l1_hit_rate'))} | {f(lv.get('l2_hit_rate'))} | {f(lv.get('triton_tokenizer_hit_rate'))} | {p.errors} |"
-        )
+
+    def f(v: float | None) -> str:
+        return "-" if v is None else (f"{v:.1%}" if isinstance(v, float) and v <= 1 else str(v))
+
+    header = ["phase", "model", "req/s", "P50 ms", "P99 ms", "repeat P50 ms", "first-seen P50 ms", "L1 hit"]
+    header += ["L2 hit (of L1 misses)", "Triton tokenizer hit", "errors"]
+    rows = [
+        (p.name, p.model, p.throughput, p.p50_ms, p.p99_ms, "-" if p.repeat_p50_ms is None else p.repeat_p50_ms)
+        + ("-" if p.first_p50_ms is None else p.first_p50_ms, f(p.levels.get("l1_hit_rate")), f(p.levels.get("l2_hit_rate")))
+        + (f(p.levels.get("triton_tokenizer_hit_rate")), p.errors)
+        for p in phases
+    ]
+    lines.append(report.table(header, rows, left=2))
     hits = phases[-1]
     lines += [
         "",
@@ -254,8 +189,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = zipf_ranks(args.requests, s=args.zipf_s)
     stream = [texts[r] for r in ranks]
     warmup = [f"Warm-up sentence number {i} is not part of the workload." for i in range(50)]
-    out_dir = Path(args.results_dir or RESULTS / time.strftime("cache-%Y%m%d-%H%M%S", time.gmtime()))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.results_dir(args.results_dir, "cache")
     phases: list[Phase] = []
 
     server, variant = start((ENSEMBLE,), 0, {}, args.precision)
@@ -291,14 +225,13 @@ def run(args: argparse.Namespace) -> int:
 
             top = [texts[r] for r in range(min(200, DISTINCT))] * max(1, args.hit_requests // 200)
             drive(server.grpc_url, CACHED, top[:200], 1)  # every one cached (computed if it never came up)
-            t0, l0 = server_times(server.http_url, CACHED), lookup_seconds(server.metrics_url)
+            stats0, l0 = triton_stats.snapshot(server.triton.triton_http_url), lookup_seconds(server.metrics_url)
             before = cache_counts(server.metrics_url)
             p = phase("hits only", CACHED, server.grpc_url, top, 1)
             p.levels = level_rates(before, cache_counts(server.metrics_url))
-            t1, l1 = server_times(server.http_url, CACHED), lookup_seconds(server.metrics_url)
-            n = max(t1["count"] - t0["count"], 1)
-            p.server_compute_us = round((t1["compute_us"] - t0["compute_us"]) / n, 1)
-            p.server_queue_us = round((t1["queue_us"] - t0["queue_us"]) / n, 1)
+            stats = triton_stats.per_request(stats0, triton_stats.snapshot(server.triton.triton_http_url), (CACHED,))[CACHED]
+            l1 = lookup_seconds(server.metrics_url)
+            p.server_compute_us, p.server_queue_us = round(stats["compute_ms"] * 1000, 1), round(stats["queue_ms"] * 1000, 1)
             p.lookup_us = round((l1[0] - l0[0]) / max(l1[1] - l0[1], 1) * 1e6, 1)
             phases.append(p)
         finally:
@@ -306,20 +239,13 @@ def run(args: argparse.Namespace) -> int:
 
     ratio = phases[1].throughput / phases[0].throughput if phases[0].throughput else float("nan")
     summary = markdown(phases, ratio, variant, args, repeat_fraction(ranks))
-    (out_dir / "summary.md").write_text(summary)
-    (out_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "variant": variant,
-                "throughput_ratio": round(ratio, 3),
-                "repeat_fraction": repeat_fraction(ranks),
-                "phases": [asdict(p) for p in phases],
-            },
-            indent=2,
-            default=str,
-        )
-    )
+    data = {
+        "args": vars(args),
+        "variant": variant,
+        "throughput_ratio": round(ratio, 3),
+        "repeat_fraction": repeat_fraction(ranks),
+    }
+    report.write(out_dir, summary, data | {"phases": [asdict(p) for p in phases]})
     say("\n" + summary)
     say(f"cache_bench: results in {display_path(out_dir)}")
     return 0 if all(p.errors == 0 for p in phases) else 1

@@ -21,7 +21,7 @@ def test_short_cache_bench_reports_every_phase_and_level(tmp_path):
         ["--requests", "400", "--hit-requests", "200", "--concurrency", "4", "--no-export", "--results-dir", str(tmp_path)]
     )
     assert rc == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "results.json").read_text())
     phases = {p["name"]: p for p in summary["phases"]}
     assert list(phases) == ["without cache", "with cache (cold start)", "new replica (empty L1, warm L2)", "hits only"]
     assert all(p["errors"] == 0 and p["throughput"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"] for p in phases.values())
