@@ -22,19 +22,22 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import re
 import shutil
 import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from export.reference import model_dir
-from perf.lib.stats import percentile
+from perf.lib import load, triton_stats
 from python_backends.padding_metrics import batches_counts
 from python_backends.text.tokenization import BatchTokenizer
 from server.layout import ROOT
@@ -83,7 +86,42 @@ def make_repository(root: Path) -> Path:
     return repo
 
 
+def alternate(targets: dict[str, tuple], requests: int, rounds: int, server_us: Callable[[str], tuple[int, float]]) -> dict:
+    """One text per request to each target (label -> (tritonclient gRPC client, model)) in turn, one at
+    a time, ``requests`` each per round after 50 unmeasured; per target the server's microseconds per
+    count in each round (``server_us(label)``: a cumulative (count, microseconds)) and the client's P50 / P99."""
+    import tritonclient.grpc as grpcclient
+
+    def send(label: str) -> float:
+        client, model = targets[label]
+        inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        inp.set_data_from_numpy(np.array([[f"{TEXT} {uuid.uuid4().hex[:8]}".encode()]], dtype=object))
+        start = time.perf_counter()
+        client.infer(model, [inp])
+        return time.perf_counter() - start
+
+    for label in targets:
+        for _ in range(50):
+            send(label)
+    latencies: dict[str, list[float]] = {label: [] for label in targets}
+    per_round = []
+    for _ in range(rounds):
+        before = {label: server_us(label) for label in targets}
+        for i in range(requests):
+            for label in list(targets) if i % 2 else list(targets)[::-1]:
+                latencies[label].append(send(label))
+        after = {label: server_us(label) for label in targets}
+        per_round.append({k: (after[k][1] - before[k][1]) / (after[k][0] - before[k][0]) for k in targets})
+    out: dict[str, Any] = {"per_round": per_round}
+    for label, lat in latencies.items():
+        figures = load.latency_ms(lat)
+        out[label] = {"us": [round(r[label], 1) for r in per_round]}
+        out[label] |= {"p50_ms": round(statistics.median(lat) * 1000, 3), "p99_ms": round(figures["p99_ms"] or 0, 3)}
+    return out
+
+
 def served(requests: int, rounds: int) -> dict:
+    """text_tokenizer with its metrics (MODEL) and without (OFF) on one server: Triton's compute time per execution."""
     import tritonclient.grpc as grpcclient
 
     from perf.lib.deployment import server_deployment
@@ -95,47 +133,20 @@ def served(requests: int, rounds: int) -> dict:
         server.wait_ready(timeout=120)
         client = grpcclient.InferenceServerClient(server.grpc_url)
 
-        def send(model: str) -> float:
-            data = np.array([[f"{TEXT} {uuid.uuid4().hex[:8]}".encode()]], dtype=object)
-            inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-            inp.set_data_from_numpy(data)
-            start = time.perf_counter()
-            client.infer(model, [inp])
-            return (time.perf_counter() - start) * 1e3
+        def compute_us(label: str) -> tuple[int, float]:
+            s = client.get_inference_statistics(targets[label][1], as_json=True)["model_stats"][0]
+            return int(s["execution_count"]), int(s["inference_stats"]["compute_infer"]["ns"]) / 1e3
 
-        def stats(model: str) -> tuple[int, int]:
-            s = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-            return int(s["execution_count"]), int(s["inference_stats"]["compute_infer"]["ns"])
-
-        for model in (MODEL, OFF):  # warm both
-            for _ in range(50):
-                send(model)
-        per_round = []
-        latencies: dict[str, list[float]] = {MODEL: [], OFF: []}
-        for _ in range(rounds):
-            before = {m: stats(m) for m in (MODEL, OFF)}
-            for i in range(requests):
-                for model in (MODEL, OFF) if i % 2 else (OFF, MODEL):
-                    latencies[model].append(send(model))
-            after = {m: stats(m) for m in (MODEL, OFF)}
-            per_round.append({m: (after[m][1] - before[m][1]) / 1e3 / (after[m][0] - before[m][0]) for m in (MODEL, OFF)})
+        targets = {"metrics on": (client, MODEL), "metrics off": (client, OFF)}
+        out = alternate(targets, requests, rounds, compute_us)
         client.close()
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    out: dict[str, Any] = {}
-    for model, label in ((MODEL, "metrics on"), (OFF, "metrics off")):
-        lat = sorted(latencies[model])
-        out[label] = {
-            "compute_us_per_execution": [round(r[model], 1) for r in per_round],
-            "p50_ms": round(statistics.median(lat), 3),
-            "p99_ms": round(percentile(lat, 99), 3),
-        }
-    on = statistics.median(r[MODEL] for r in per_round)
-    off = statistics.median(r[OFF] for r in per_round)
-    out["added_us_per_execution"] = round(on - off, 1)
-    out["ratio_on_off"] = round(on / off, 3)
-    return out
+    for label in targets:
+        out[label]["compute_us_per_execution"] = out[label].pop("us")
+    on, off = (statistics.median(r[label] for r in out.pop("per_round")) for label in targets)
+    return out | {"added_us_per_execution": round(on - off, 1), "ratio_on_off": round(on / off, 3)}
 
 
 def summaries(requests: int, rounds: int) -> dict:
@@ -156,71 +167,34 @@ def summaries(requests: int, rounds: int) -> dict:
             servers[label].start()
         for server in servers.values():
             server.wait_ready(timeout=120)
-        clients = {label: grpcclient.InferenceServerClient(server.grpc_url) for label, server in servers.items()}
-        metrics = {label: server.metrics_url for label, server in servers.items()}
+        targets = {label: (grpcclient.InferenceServerClient(server.grpc_url), MODEL) for label, server in servers.items()}
 
-        def send(label: str) -> float:
-            data = np.array([[f"{TEXT} {uuid.uuid4().hex[:8]}".encode()]], dtype=object)
-            inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-            inp.set_data_from_numpy(data)
-            start = time.perf_counter()
-            clients[label].infer(MODEL, [inp])
-            return (time.perf_counter() - start) * 1e3
-
-        def request_us(label: str) -> tuple[float, float]:
-            s = clients[label].get_inference_statistics(MODEL, as_json=True)["model_stats"][0]["inference_stats"]
+        def request_us(label: str) -> tuple[int, float]:
+            s = targets[label][0].get_inference_statistics(MODEL, as_json=True)["model_stats"][0]["inference_stats"]
             return int(s["success"]["count"]), int(s["success"]["ns"]) / 1e3
 
-        import urllib.request
-
         exposes = {
-            label: "nv_inference_queue_summary_us_count{" in urllib.request.urlopen(url).read().decode()
-            for label, url in metrics.items()
+            label: any(k.startswith("nv_inference_queue_summary_us_count{") for k in triton_stats.metrics(server.metrics_url))
+            for label, server in servers.items()
         }
-        for label in servers:
-            for _ in range(50):
-                send(label)
-        latencies: dict[str, list[float]] = {label: [] for label in servers}
-        per_round = []
-        for _ in range(rounds):
-            before = {label: request_us(label) for label in servers}
-            for i in range(requests):
-                for label in list(servers) if i % 2 else list(servers)[::-1]:
-                    latencies[label].append(send(label))
-            after = {label: request_us(label) for label in servers}
-            per_round.append(
-                {label: (after[label][1] - before[label][1]) / (after[label][0] - before[label][0]) for label in servers}
-            )
-        for c in clients.values():
-            c.close()
+        out = alternate(targets, requests, rounds, request_us)
+        for client, _ in targets.values():
+            client.close()
     finally:
         for server in servers.values():
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    out: dict[str, Any] = {}
     for label in servers:
-        lat = sorted(latencies[label])
-        out[label] = {
-            "exposes_queue_summary": exposes[label],
-            "request_us": [round(r[label], 1) for r in per_round],
-            "p50_ms": round(statistics.median(lat), 3),
-            "p99_ms": round(percentile(lat, 99), 3),
-        }
-    on = statistics.median(r["summaries on"] for r in per_round)
-    off = statistics.median(r["summaries off"] for r in per_round)
-    out["added_us_per_request"] = round(on - off, 1)
-    return out
+        out[label] = {"exposes_queue_summary": exposes[label], "request_us": out[label].pop("us"), **out[label]}
+    on, off = (statistics.median(r[label] for r in out.pop("per_round")) for label in servers)
+    return out | {"added_us_per_request": round(on - off, 1)}
 
 
 def fill_rates(requests: int, concurrency: int, seed: int = 7) -> dict:
     """text_embedding under mixed lengths (unique texts of 3-100 words, ``concurrency`` in
-    flight over HTTP): the fill rate of the tokenizer's tensors and of the encoder's runs, and
+    flight over HTTP, tritonclient's asyncio client): the fill rate of the tokenizer's tensors and of the encoder's runs, and
     the requests per tokenizer execution, from the metrics port (deltas over the run)."""
     import random
-    import re
-    import urllib.request
-
-    import tritonclient.http as httpclient
 
     from perf.lib.deployment import server_deployment
     from python_backends.padding_metrics import BATCH_SIZE, PADDED_TOKENS, REAL_TOKENS
@@ -230,40 +204,29 @@ def fill_rates(requests: int, concurrency: int, seed: int = 7) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="fill-rate-"))
     server = server_deployment(("text_embedding",), tmp, front_door=False)
     server.start()
-    sample = re.compile(r"^(\w+)\{([^}]*)\}\s+(\S+)", re.M)
 
     def scrape() -> dict:
         out: dict = {}
-        for name, labels, value in sample.findall(urllib.request.urlopen(server.metrics_url).read().decode()):
-            model = re.search(r'model="([^"]+)"', labels)
+        for key, value in triton_stats.metrics(server.metrics_url).items():
+            name, model = key.partition("{")[0], re.search(r'model="([^"]+)"', key)
             if model and name in (REAL_TOKENS, PADDED_TOKENS, f"{BATCH_SIZE}_count", f"{BATCH_SIZE}_sum"):
-                out[(name, model.group(1))] = out.get((name, model.group(1)), 0.0) + float(value)
+                out[(name, model.group(1))] = out.get((name, model.group(1)), 0.0) + value
         return out
 
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 100))) + f" {i}" for i in range(requests)]
     try:
         server.wait_ready(timeout=180)
-        client = httpclient.InferenceServerClient(server.http_url, concurrency=concurrency)
-
-        def request(i: int):
-            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 100))) + f" {i}"
-            inp = httpclient.InferInput("TEXT", [1, 1], "BYTES")
-            inp.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
-            return client.async_infer("text_embedding", [inp])
-
         before = scrape()
-        start = time.perf_counter()
-        pending = [request(i) for i in range(requests)]
-        for p in pending:
-            p.get_result()
-        seconds = time.perf_counter() - start
+        tally = asyncio.run(
+            load.kserve_texts("http", server.http_url, "text_embedding", texts.__getitem__, concurrency, count=requests)
+        )
         time.sleep(0.5)  # the reporter threads
         after = scrape()
-        client.close()
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
-    out: dict[str, Any] = {"requests": requests, "requests_per_s": round(requests / seconds, 1)}
+    out: dict[str, Any] = {"requests": requests, "errors": tally.errors, "requests_per_s": round(requests / tally.seconds, 1)}
     for model in ("text_tokenizer", "text_encoder"):
         real, padded = delta.get((REAL_TOKENS, model), 0.0), delta.get((PADDED_TOKENS, model), 0.0)
         out[model] = {
