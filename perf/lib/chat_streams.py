@@ -1,6 +1,8 @@
 """Two clients that stream one chat answer and report its time to first token and its token count:
 through the OpenAI gateway (``/v1/chat/completions``, SSE) and straight to Triton over a gRPC
-stream (the project's ``AsyncGenerationClient``). The gateway and tail benchmarks drive both alike."""
+stream (the project's ``AsyncGenerationClient``). The gateway and tail benchmarks drive both alike;
+the soak cancels some streams mid-way (``cancel_after``: the client closes the stream after that many
+pieces, and ``Cancelled`` says so)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,14 @@ import time
 from typing import Protocol
 
 import orjson
+
+
+class Cancelled(Exception):
+    """A stream the client closed on purpose after ``cancel_after`` pieces; ``ttft`` as measured."""
+
+    def __init__(self, ttft: float | None):
+        super().__init__("cancelled by the client")
+        self.ttft = ttft
 
 
 class ChatSystem(Protocol):
@@ -23,7 +33,7 @@ class GatewayChat:
         self.session, self.url = session, f"{url}/v1/chat/completions"
         self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
 
-    async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
+    async def stream(self, prompt: str, max_tokens: int, cancel_after: int = 0) -> tuple[float | None, int]:
         """(TTFT in seconds, completion tokens) of one streamed chat request."""
         body = orjson.dumps(
             {
@@ -39,6 +49,7 @@ class GatewayChat:
         sent = time.perf_counter()
         first = None
         tokens = None
+        pieces = 0
         async with self.session.post(self.url, data=body, headers=self.headers) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
@@ -51,8 +62,12 @@ class GatewayChat:
                 event = orjson.loads(data)
                 if "error" in event:
                     raise RuntimeError(f"stream error: {event['error']}")
-                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
-                    first = time.perf_counter() - sent
+                if any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                    first = time.perf_counter() - sent if first is None else first
+                    pieces += 1
+                    if pieces == cancel_after:
+                        resp.close()  # the connection drops: the gateway cancels the Triton stream
+                        raise Cancelled(first)
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
         if tokens is None:
@@ -66,16 +81,21 @@ class DirectChat:
     def __init__(self, client):
         self.client = client  # clients.generation.AsyncGenerationClient, gRPC
 
-    async def stream(self, prompt: str, max_tokens: int) -> tuple[float | None, int]:
+    async def stream(self, prompt: str, max_tokens: int, cancel_after: int = 0) -> tuple[float | None, int]:
         sent = time.perf_counter()
         first = None
         pieces = self.client.chat_stream(
             [{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, ignore_eos=True
         )
+        count = 0
         async with pieces:
             async for text in pieces:
                 if first is None and text:
                     first = time.perf_counter() - sent
+                count += 1
+                if count == cancel_after:
+                    await pieces.aclose()  # cancels the request on the server
+                    raise Cancelled(first)
         result = pieces.result
         if result is None or result.num_output_tokens is None:
             raise RuntimeError("the stream ended without a token count")

@@ -4,7 +4,8 @@ Drivers, each returning a ``Tally`` (latencies of the 200s and of the 503s, the 
 the seconds measured): ``closed_loop`` (``concurrency`` clients POSTing to a URL, each sending
 its next request when its answer came), ``open_loop`` (requests started at a fixed rate whatever
 the answers) and ``call_loop`` (the closed loop around any coroutine: tritonclient's KServe HTTP
-and gRPC clients, clients.AsyncEmbeddingClient). wrk (perf.lib.wrk) is the C driver for the same
+and gRPC clients, clients.AsyncEmbeddingClient), ``poisson_loop`` (any coroutine started at Poisson
+arrivals, the drills' open loop). wrk (perf.lib.wrk) is the C driver for the same
 HTTP loads. ``Window`` is one measured point (phase, workload, concurrency, round: requests,
 errors, requests/s, P50/P99/max with perf.lib.stats' percentile); ``points`` takes the median
 over a point's rounds. ``kserve_texts`` is the KServe request function over tritonclient, and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -156,6 +158,47 @@ async def call_loop(
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     tally.seconds = time.perf_counter() - started
+    return tally
+
+
+async def poisson_loop(
+    call: Callable[[int], Awaitable[object]],
+    rate: float,
+    seconds: float,
+    seed: int = 0,
+    max_in_flight: int = 0,
+    start: float | None = None,
+) -> Tally:
+    """``call(n)`` started at Poisson arrivals (``rate`` per second on average) for ``seconds`` from
+    ``start`` (time.monotonic(); default now), whatever the answers, and the last ones waited for; an
+    exception is an error. With ``max_in_flight``, an arrival beyond that many calls in flight is shed: an error."""
+    tally, rng = Tally(), random.Random(seed)
+    tasks: set[asyncio.Future] = set()
+    origin = time.monotonic() if start is None else start
+    at = origin
+
+    async def one(n: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            await call(n)
+            tally.add(True, time.perf_counter() - t0, index=n)
+        except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+            tally.add(False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+
+    for n in itertools.count():
+        at += rng.expovariate(rate)
+        if at >= origin + seconds:
+            break
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        if max_in_flight and len(tasks) >= max_in_flight:
+            tally.add(False, 0.0, f"shed: more than {max_in_flight} calls in flight")
+            continue
+        task = asyncio.ensure_future(one(n))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
+    tally.seconds = time.monotonic() - origin
     return tally
 
 
