@@ -1,33 +1,22 @@
 """`python -m perf.baselines.limit`: the in-process ceiling a served text encoder is measured against.
 
-Two figures, measured side by side in interleaved rounds (export/bench.py's method: the
-median over rounds, so a noisy neighbour costs every figure alike):
+Measured in interleaved rounds (export/bench.py's method: the median over rounds, so a noisy
+neighbour costs every figure alike), sequences per second per batch size:
 
-- **encoder**: ONNX Runtime alone running the encoder file that Triton serves for the chosen
-  precision (``--precision cpu`` = the variant configs/cpu.pbtxt serves, INT8 here; ``fp32`` =
-  model.onnx), on pre-tokenized batches of the checked-in 16-token sentences, spinning off
-  (export.bench.open_cpu_session).
-- **end to end**: the same session plus the served tokenizer (python_backends.text
-  BatchTokenizer on the exported tokenizer.json) in the same loop (pooling is in the graph):
-  what a perfect server with zero overhead would do per batch of texts.
+- **encoder**: ONNX Runtime alone running the encoder file Triton serves for ``--precision``, on
+  pre-tokenized batches of the checked-in 16-token sentences, spinning off;
+- **end to end**: the same session plus the served tokenizer in one loop (pooling is in the graph):
+  what a server with zero overhead would do per batch of texts.
 
-Each is measured in two thread layouts over the same cores: the served one (the config's
-instance count, each instance a session with the config's intra-op threads, all running at
-once in their own threads), and one session with one intra-op thread per core. The limit
-for a batch size is the faster layout, so a served layout that wastes the cores is not
-flattered by a ceiling measured the same wasteful way.
+Each in two thread layouts over the same cores: the served one (the config's instances, each a
+session with its intra-op threads, all running at once) and one session with a thread per core;
+per batch size the faster layout counts, so a wasteful served layout is not flattered.
 
-Both are sequences per second per batch size; the limit is the best batch's figure.
-
-``--length-mix LOW-HIGH`` measures instead the limit for mixed-length traffic: a pool of
-``--pool`` rows of token ids whose lengths are drawn uniformly from LOW..HIGH (seeded), run
-with the best grouping there is (the whole pool sorted by length, cut into runs of at most
-``max_batch_tokens`` padded tokens, each run padded to its own longest row:
-python_backends.onnx_engine.batching.plan_runs, what the served encoder does per execution),
-for each of ``--budgets``, against the grouping without lengths (runs of ``--count-batch``
-rows in arrival order, each padded to the tokenizer's bucket of its longest row) and against
-no grouping (``alone``: every row its own run, unpadded). Figures:
-sequences per second, per budget and thread layout; the limit is the best of them.
+``--length-mix LOW-HIGH`` measures the limit for mixed lengths instead: a seeded pool of ``--pool``
+rows of LOW..HIGH tokens grouped as the served encoder does (the pool sorted by length, cut into
+runs under each of ``--budgets`` padded tokens: python_backends.onnx_engine.batching.plan_runs),
+against runs of ``--count-batch`` rows in arrival order padded to their bucket, and against every
+row alone, unpadded.
 """
 
 from __future__ import annotations
@@ -40,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,23 +54,12 @@ class Limit:
         return max(self.layouts, key=lambda name: self.layouts[name][kind].throughput.get(batch, 0.0))
 
     def rows(self) -> list[dict[str, object]]:
-        out = []
-        for layout, kinds in self.layouts.items():
-            sessions, threads = (int(x) for x in layout.split("x"))
-            for kind, speed in kinds.items():
-                for batch, value in speed.throughput.items():
-                    out.append(
-                        {
-                            "kind": kind,
-                            "variant": self.served.variant,
-                            "layout": layout,
-                            "sessions": sessions,
-                            "threads": threads,
-                            "batch": batch,
-                            "sequences_per_s": round(value, 1),
-                        }
-                    )
-        return out
+        return [
+            {"kind": kind, "variant": self.served.variant, "layout": layout, "batch": batch, "sequences_per_s": round(value, 1)}
+            for layout, kinds in self.layouts.items()
+            for kind, speed in kinds.items()
+            for batch, value in speed.throughput.items()
+        ]
 
 
 def _rate(runs: Sequence[Callable[[], object]], items: int, seconds: float, min_runs: int = 3) -> tuple[float, float]:
@@ -118,6 +97,37 @@ def layouts(served: ServedEncoder, cores: int | None = None) -> list[tuple[int, 
     return out
 
 
+def _interleaved(
+    served: ServedEncoder,
+    work: dict[str, tuple[Callable[[Any, int], Callable[[], object]], int]],
+    rounds: int,
+    seconds: float,
+    min_runs: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """{layout: {label: (median items/s, median seconds per run)}} of each ``work`` label (a maker of one
+    session's run, given the session and its number, and the items a run does), per thread layout,
+    in interleaved rounds after one warm-up run of each."""
+    if not served.model_path.is_file():
+        raise FileNotFoundError(f"{served.model_path} not found (run `make export`)")
+    sessions = {f"{n}x{t}": [bench.open_cpu_session(served.model_path, t) for _ in range(n)] for n, t in layouts(served)}
+    samples: dict[str, dict[str, list[tuple[float, float]]]] = {lay: {label: [] for label in work} for lay in sessions}
+    for group in sessions.values():  # warm-up: first runs allocate and pick kernels
+        for make, _ in work.values():
+            for i, session in enumerate(group):
+                make(session, i)()
+    for r in range(rounds):
+        if progress:
+            progress(f"limit round {r + 1}/{rounds}: {len(work)} runs x layouts {', '.join(sessions)} (sessions x threads)")
+        for label, (make, items) in work.items():
+            for lay, group in sessions.items():
+                samples[lay][label].append(_rate([make(s, i) for i, s in enumerate(group)], items, seconds, min_runs))
+    return {
+        lay: {label: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for label, v in by.items()}
+        for lay, by in samples.items()
+    }
+
+
 def measure(
     served: ServedEncoder,
     texts: Sequence[str],
@@ -127,13 +137,9 @@ def measure(
     repo: Path = REPOSITORY,
     progress: Callable[[str], None] | None = None,
 ) -> Limit:
-    """Encoder-only and end-to-end in-process throughput per batch size and thread layout,
-    interleaved rounds; per kind and batch size the faster layout counts."""
-    if not served.model_path.is_file():
-        raise FileNotFoundError(f"{served.model_path} not found (run `make export`)")
-    plan = layouts(served)
-    sessions = {(n, t): [bench.open_cpu_session(served.model_path, t) for _ in range(n)] for n, t in plan}
-    tokenizers = [served_tokenizer(repo) for _ in range(max(n for n, _ in plan))]
+    """Encoder-only and end-to-end in-process throughput per batch size and thread layout; per kind and
+    batch size the faster layout counts."""
+    tokenizers = [served_tokenizer(repo) for _ in range(max(n for n, _ in layouts(served)))]
     batches = sorted(set(batches) | {1})
     batch_texts = {b: [texts[i % len(texts)] for i in range(b)] for b in batches}
     feeds = {}
@@ -141,55 +147,27 @@ def measure(
         enc = tokenizers[0].encode(chunk)
         feeds[b] = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}
 
-    def encoder_only(session, tokenizer, b: int) -> Callable[[], object]:
-        return lambda: session.run(None, feeds[b])
+    def encoder_only(b: int) -> Callable[[Any, int], Callable[[], object]]:
+        return lambda session, i: lambda: session.run(None, feeds[b])
 
-    def end_to_end(session, tokenizer, b: int) -> Callable[[], object]:
-        def run() -> np.ndarray:
-            enc = tokenizer.encode(batch_texts[b])
-            (embedding,) = session.run(None, {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
-            return embedding
+    def end_to_end(b: int) -> Callable[[Any, int], Callable[[], object]]:
+        def make(session, i: int) -> Callable[[], object]:
+            def run() -> object:
+                enc = tokenizers[i].encode(batch_texts[b])
+                return session.run(None, {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
 
-        return run
+            return run
+
+        return make
 
     kinds = {"encoder": encoder_only, "end_to_end": end_to_end}
-
-    def runs(layout: tuple[int, int], make: Callable, b: int) -> list[Callable[[], object]]:
-        return [make(s, tokenizers[i], b) for i, s in enumerate(sessions[layout])]
-
-    for layout in plan:  # warm-up: first runs allocate and pick kernels
-        for b in batches:
-            for make in kinds.values():
-                for one in runs(layout, make, b):
-                    one()
-    names = {layout: f"{layout[0]}x{layout[1]}" for layout in plan}
-    rates: dict[str, dict[str, dict[int, list[float]]]] = {
-        names[lay]: {k: {b: [] for b in batches} for k in kinds} for lay in plan
-    }
-    latency: dict[str, dict[str, list[float]]] = {names[lay]: {k: [] for k in kinds} for lay in plan}
-    for r in range(rounds):
-        if progress:
-            progress(
-                f"limit round {r + 1}/{rounds}: batches {', '.join(map(str, batches))}, "
-                f"layouts {', '.join(names.values())} (sessions x threads)"
-            )
-        for b in batches:
-            for layout in plan:
-                for kind, make in kinds.items():
-                    rate, median_s = _rate(runs(layout, make, b), b, seconds)
-                    rates[names[layout]][kind][b].append(rate)
-                    if b == 1:
-                        latency[names[layout]][kind].append(median_s * 1e3)
+    work = {f"{kind} {b}": (make(b), b) for b in batches for kind, make in kinds.items()}
+    result = _interleaved(served, work, rounds, seconds, progress=progress)
     per_layout = {
-        name: {
-            kind: bench.Speed(
-                statistics.median(latency[name][kind]), {b: statistics.median(v) for b, v in rates[name][kind].items()}
-            )
-            for kind in kinds
-        }
-        for name in rates
+        lay: {kind: bench.Speed(by[f"{kind} 1"][1] * 1e3, {b: by[f"{kind} {b}"][0] for b in batches}) for kind in kinds}
+        for lay, by in result.items()
     }
-    served_name = names[plan[0]]
+    served_name = f"{served.instances}x{served.threads}"
     best = {
         kind: bench.Speed(
             per_layout[served_name][kind].latency_ms_b1,
@@ -294,33 +272,18 @@ def measure_length_mix(
     progress: Callable[[str], None] | None = None,
 ) -> MixLimit:
     """In-process sequences/s on a mixed-length pool, per grouping and thread layout, interleaved rounds."""
-    if not served.model_path.is_file():
-        raise FileNotFoundError(f"{served.model_path} not found (run `make export`)")
     lengths = mix_lengths(pool, *mix, seed=seed)
     rows = token_rows(lengths, seed=seed)
     groupings = {f"tokens<={b}": grouped_feeds(rows, b) for b in budgets}
     groupings[f"count={count_batch}"] = count_feeds(rows, count_batch)
     groupings["alone"] = [_feed([r], len(r)) for r in rows]  # each row its own run, unpadded
-    plan = layouts(served)
-    sessions = {(n, t): [bench.open_cpu_session(served.model_path, t) for _ in range(n)] for n, t in plan}
-    names = {layout: f"{layout[0]}x{layout[1]}" for layout in plan}
 
-    def whole_pool(session, feeds) -> Callable[[], object]:
-        return lambda: [session.run(None, f) for f in feeds]
+    def whole_pool(feeds: list[dict[str, np.ndarray]]) -> Callable[[Any, int], Callable[[], object]]:
+        return lambda session, i: lambda: [session.run(None, f) for f in feeds]
 
-    for layout in plan:  # warm-up: first runs allocate and pick kernels
-        for feeds in groupings.values():
-            for s in sessions[layout]:
-                whole_pool(s, feeds)()
-    samples: dict[str, dict[str, list[float]]] = {names[lay]: {g: [] for g in groupings} for lay in plan}
-    for r in range(rounds):
-        if progress:
-            progress(f"length-mix round {r + 1}/{rounds}: {', '.join(groupings)}; layouts {', '.join(names.values())}")
-        for g, feeds in groupings.items():
-            for layout in plan:
-                rate, _ = _rate([whole_pool(s, feeds) for s in sessions[layout]], len(rows), seconds, min_runs=1)
-                samples[names[layout]][g].append(rate)
-    rates = {lay: {g: statistics.median(v) for g, v in gs.items()} for lay, gs in samples.items()}
+    work = {g: (whole_pool(feeds), len(rows)) for g, feeds in groupings.items()}
+    result = _interleaved(served, work, rounds, seconds, min_runs=1, progress=progress)
+    rates = {lay: {g: rate for g, (rate, _) in by.items()} for lay, by in result.items()}
     return MixLimit(served, (mix[0], mix[1]), pool, float(np.mean(lengths)), rates)
 
 
@@ -372,51 +335,31 @@ def markdown(limit: Limit) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from perf.lib.harness import int_list
+
     p = argparse.ArgumentParser(
         prog="python -m perf.baselines.limit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--precision", default="cpu", help="as PRECISION of `make serve`: cpu (default), fp32, int8, ...")
-    p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated batch sizes")
+    p.add_argument("--batches", type=int_list, default=list(DEFAULT_BATCHES), help="comma-separated batch sizes")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.0, help="per batch size, kind and round")
     p.add_argument("--input-data", type=Path, default=DEFAULT_INPUT)
+    mix = f"{DEFAULT_MIX[0]}-{DEFAULT_MIX[1]}"
     p.add_argument(
-        "--length-mix",
-        metavar="LOW-HIGH",
-        help=f"mixed-length mode: token lengths drawn from LOW..HIGH (the issue's mix: {DEFAULT_MIX[0]}-{DEFAULT_MIX[1]})",
+        "--length-mix", metavar="LOW-HIGH", help=f"mixed-length mode: token lengths drawn from LOW..HIGH (the issue's: {mix})"
     )
-    p.add_argument(
-        "--budgets",
-        default=",".join(map(str, DEFAULT_BUDGETS)),
-        help="--length-mix: padded tokens per run to try, comma-separated",
-    )
+    p.add_argument("--budgets", type=int_list, default=list(DEFAULT_BUDGETS), help="--length-mix: padded tokens per run to try")
     p.add_argument("--count-batch", type=int, default=16, help="--length-mix: rows per run of the count grouping")
     p.add_argument("--pool", type=int, default=512, help="--length-mix: rows in the pool")
     args = p.parse_args(argv)
     served = served_encoder(args.precision)
+    timing = dict(rounds=args.rounds, seconds=args.seconds, progress=lambda m: print(m, flush=True))
     if args.length_mix:
         low, high = (int(x) for x in args.length_mix.split("-"))
-        mix = measure_length_mix(
-            served,
-            (low, high),
-            [int(b) for b in args.budgets.split(",")],
-            args.count_batch,
-            args.pool,
-            rounds=args.rounds,
-            seconds=args.seconds,
-            progress=lambda m: print(m, flush=True),
-        )
-        print(mix_markdown(mix))
-        return 0
-    limit = measure(
-        served,
-        load_sentences(args.input_data),
-        [int(b) for b in args.batches.split(",")],
-        rounds=args.rounds,
-        seconds=args.seconds,
-        progress=lambda m: print(m, flush=True),
-    )
-    print(markdown(limit))
+        print(mix_markdown(measure_length_mix(served, (low, high), args.budgets, args.count_batch, args.pool, **timing)))
+    else:
+        print(markdown(measure(served, load_sentences(args.input_data), args.batches, **timing)))
     return 0
 
 
