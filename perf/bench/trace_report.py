@@ -5,8 +5,8 @@ Starts a tritonserver serving ``text_embedding`` with request tracing on for eve
 a Poisson rate), then reads the trace: for the median requests and for the slowest 1 %, the
 mean queue and compute time in each model (ensemble steps and BLS calls alike), and, per
 model, its executions' durations and the longest gaps between consecutive executions while
-it had requests queued. This is how the 0.5 s P99 stalls were found (docs/performance.md,
-"The 500 ms stalls"). ``--trace-file`` analyses an existing trace instead of running one.
+it had requests queued: where a stall shows (docs/performance.md). ``--trace-file`` analyses an
+existing trace instead of running one.
 
   python -m perf.bench.trace_report                      # concurrency 22, 3000 requests
   python -m perf.bench.trace_report --rate 400           # Poisson arrivals at 400/s
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime as dt
 import json
 import shutil
 import statistics
@@ -29,6 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from perf.lib import options, report
+from perf.lib.report import table
 from perf.lib.stats import percentile
 
 MODEL = "text_embedding"
@@ -177,22 +178,19 @@ def analyse(spans: dict[int, Span], model: str = MODEL) -> Report:
 
 def markdown(r: Report) -> str:
     keys = sorted(set(r.median_parts) | set(r.slowest_parts), key=lambda k: (k == "total", k))
-    lines = [
-        f"{r.requests} traced requests: p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms, max {r.max_ms:.1f} ms.",
-        "",
-        "| mean ms per request | median requests | slowest 1 % |",
-        "| --- | ---: | ---: |",
+    parts = [(k, f"{r.median_parts.get(k, 0.0):.1f}", f"{r.slowest_parts.get(k, 0.0):.1f}") for k in keys]
+    runs = [
+        (name, f"{e['executions']:.0f}", f"{e['median_ms']:.1f}", f"{e['max_ms']:.1f}", f"{e['max_gap_ms']:.1f}")
+        for name, e in sorted(r.executions.items())
     ]
-    for k in keys:
-        lines.append(f"| {k} | {r.median_parts.get(k, 0.0):.1f} | {r.slowest_parts.get(k, 0.0):.1f} |")
-    lines += [
-        "",
-        "| model | executions | median execution (ms) | longest execution (ms) | longest idle gap with requests queued (ms) |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    for name, e in sorted(r.executions.items()):
-        lines.append(f"| {name} | {e['executions']:.0f} | {e['median_ms']:.1f} | {e['max_ms']:.1f} | {e['max_gap_ms']:.1f} |")
-    return "\n".join(lines) + "\n"
+    columns = ["model", "executions", "median execution (ms)", "longest execution (ms)"]
+    return (
+        f"{r.requests} traced requests: p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms, max {r.max_ms:.1f} ms.\n\n"
+        + table(["mean ms per request", "median requests", "slowest 1 %"], parts)
+        + "\n\n"
+        + table([*columns, "longest idle gap with requests queued (ms)"], runs)
+        + "\n"
+    )
 
 
 def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
@@ -244,8 +242,8 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
             if not args.rate
             else harness.RateSettings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, request_rate=args.rate)
         )
-        load = f"Poisson {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}"
-        print(f"perf.bench.trace_report: {MODEL} ({served.variant} encoder), {load}, every request traced", flush=True)
+        what = f"Poisson {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}"
+        print(f"perf.bench.trace_report: {MODEL} ({served.variant} encoder), {what}, every request traced", flush=True)
         try:
             m = pa.measure(settings, workdir / "run.csv", binary=binary, env=env)
             print(f"perf_analyzer: {m.throughput:.1f} infer/s, p50 {m.p50_ms:.1f} ms, p99 {m.p99_ms:.1f} ms", flush=True)
@@ -269,47 +267,33 @@ def _layout(text: str) -> tuple[int, int]:
 def main(argv: Iterable[str] | None = None) -> int:
     from perf.lib import served as served_mod
 
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.trace_report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.bench.trace_report", __doc__)
     p.add_argument("--trace-file", type=Path, help="analyse this Triton trace file instead of running one")
     p.add_argument("--concurrency", type=int, default=22, help="perf_analyzer concurrency (default 22)")
     p.add_argument("--rate", type=float, help="Poisson request rate instead of a concurrency")
     p.add_argument("--requests", type=int, default=3000, help="requests per perf_analyzer window (default 3000)")
     p.add_argument("--precision", default="cpu", help="as `make serve PRECISION=` (default cpu)")
-    p.add_argument(
-        "--encoder-layout",
-        type=_layout,
-        metavar="NxT",
-        help="reload text_encoder as N instances x T intra-op threads first (default: as configured)",
-    )
+    layout_help = "reload text_encoder as N instances x T intra-op threads first (default: as configured)"
+    p.add_argument("--encoder-layout", type=_layout, metavar="NxT", help=layout_help)
     p.add_argument("--input-data", type=Path, default=served_mod.DEFAULT_INPUT)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the perf_analyzer run")
-    p.add_argument(
-        "--out",
-        type=Path,
-        help="also write the report here (default with a run: perf/results/trace-<UTC time>/report.md, beside trace.json)",
-    )
+    out_help = "also write the report here (default with a run: perf/results/trace-<UTC time>/report.md, beside trace.json)"
+    p.add_argument("--out", type=Path, help=out_help)
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.concurrency < 1 or args.requests < 1 or (args.rate is not None and args.rate <= 0):
         p.error("--concurrency, --requests and --rate must be positive")
     trace = args.trace_file
     if trace is None:
-        from perf.lib import harness
-
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        out_dir = harness.DEFAULT_RESULTS / f"trace-{stamp}"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        trace = out_dir / "trace.json"
-        args.out = args.out or out_dir / "report.md"
+        out_dir = report.results_dir(None, "trace")
+        trace, args.out = out_dir / "trace.json", args.out or out_dir / "report.md"
         _run_traced(args, trace)
     if not trace.is_file():
         print(f"perf.bench.trace_report: no trace file at {trace}", file=sys.stderr)
         return 1
-    report = markdown(analyse(load(trace)))
-    print("\n" + report)
+    text = markdown(analyse(load(trace)))
+    print("\n" + text)
     if args.out:
-        args.out.write_text(report)
+        args.out.write_text(text)
     return 0
 
 
