@@ -22,7 +22,7 @@ from openai_gateway.errors import bad_request, too_large
 from openai_gateway.request_fields import refuse_unserved
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from openai_gateway.settings import GatewaySettings
-from openai_gateway.tools import ToolUse, check_tools, closed, render_message
+from openai_gateway.tools import ToolStream, ToolUse, check_tools, closed, render_message
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: OpenAI's 20, the engine's limit too
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: OpenAI's legacy limit
@@ -427,7 +427,7 @@ class ChunkWriter:
         self._started = False
         # Per choice: completions' offset of the next token's text; an answer that may be calls.
         self._offset = {i: len(job.echo_prefix) for i in range(job.n)}
-        self._held: dict[int, list[str]] | None = {i: [] for i in range(job.n)} if job.tools is not None else None
+        self._tools = {i: ToolStream(job.tools) for i in range(job.n)} if job.tools is not None else None
         self._finished: set[int] = set()
 
     def _event(self, choices: list, usage_value: Any = None, with_usage: bool | None = None) -> bytes:
@@ -468,11 +468,19 @@ class ChunkWriter:
         chunk (continuous_usage_stats)."""
         if not piece and not logprobs:
             return b""
-        if self._held is not None:  # calls or content: known at the end
-            self._held[index].append(piece)
-            return b""
+        if self._tools is not None:  # content as it comes once it is known not to be calls; calls one by one
+            content, calls = self._tools[index].feed(piece)
+            return self._calls_and_content(index, content, calls)
         choice = self._choice(index, piece, None, logprobs=(logprobs or []) if self.job.logprobs else None)
         return self._event([choice], usage, with_usage=True) if usage is not None else self._event([choice])
+
+    def _calls_and_content(self, index: int, content: str, calls: list[dict]) -> bytes:
+        out = self._event([self._choice(index, content, None)]) if content else b""
+        if calls:
+            first = self._tools[index].sent - len(calls) if self._tools is not None else 0
+            deltas = [{"index": first + i, **call} for i, call in enumerate(calls)]
+            out += self._event([{"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}])
+        return out
 
     def finish_choice(self, index: int, tally: Tally) -> bytes:
         """The events that end choice ``index``: held tool calls or text, then its finish reason
@@ -482,15 +490,11 @@ class ChunkWriter:
         self._finished.add(index)
         out = b""
         reason = finish_reason(tally.reason) or "stop"
-        if self._held is not None and self.job.tools is not None:
-            text = "".join(self._held[index])
-            calls = self.job.tools.calls(text)
-            if calls:
-                deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-                out += self._event([{"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}])
-                reason = "tool_calls" if reason != "length" else reason
-            elif text:
-                out += self._event([self._choice(index, text, None)])
+        if self._tools is not None:
+            content, calls = self._tools[index].finish()
+            out += self._calls_and_content(index, content, calls)
+            if self._tools[index].sent and reason != "length":
+                reason = "tool_calls"
         return out + self._event([self._choice(index, None if self.job.chat else "", reason)])
 
     def finish(self, tallies: Tallies) -> bytes:

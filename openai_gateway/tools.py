@@ -89,21 +89,89 @@ class ToolUse:
         except json.JSONDecodeError:
             return None
         value = [value] if isinstance(value, dict) else value
-        names = {t.name for t in self.tools}
         if not isinstance(value, list) or not value:
             return None
+        out = [self.call(item) for item in value]
+        return None if any(c is None for c in out) else [c for c in out if c is not None]
+
+    def call(self, value: Any) -> dict | None:
+        """OpenAI's tool call object of one parsed call of a known function, else None."""
+        names = {t.name for t in self.tools}
+        if not (isinstance(value, dict) and value.get("name") in names and isinstance(value.get("arguments", {}), dict)):
+            return None
+        arguments = json.dumps(value.get("arguments", {}), ensure_ascii=False)
+        return {
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": value["name"], "arguments": arguments},
+        }
+
+
+class ToolStream:
+    """One streamed choice of an answer that may be calls: content is passed on as it comes once
+    the answer's first character says it is not a JSON list or object; calls are passed on one by
+    one, each as soon as its JSON object is complete. ``feed`` and ``finish`` return (content to
+    send, calls to send)."""
+
+    def __init__(self, tools: ToolUse):
+        self.tools = tools
+        self._text = ""
+        self._mode: str | None = None  # None: undecided; "content"; "calls"; "held": not calls as it goes
+        self._pos = 0  # calls: where the next call (or the list's end) starts
+        self._list = False
+        self.sent = 0  # calls sent
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        if self._mode == "content":
+            return piece, []
+        self._text += piece
+        if self._mode is None:
+            stripped = self._text.lstrip()
+            if not stripped:
+                return "", []
+            if stripped[0] not in "[{":
+                self._mode = "content"
+                return self._text, []
+            self._mode, self._list = "calls", stripped[0] == "["
+            self._pos = len(self._text) - len(stripped) + (1 if self._list else 0)
+        return "", self._complete_calls() if self._mode == "calls" else []
+
+    def _complete_calls(self) -> list[dict]:
         out = []
-        for call in value:
-            if not (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict)):
-                return None
-            out.append(
-                {
-                    "id": "call_" + uuid.uuid4().hex[:24],
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)},
-                }
-            )
-        return out
+        decoder = json.JSONDecoder()
+        while True:
+            rest = self._text[self._pos :]
+            skipped = len(rest) - len(rest.lstrip(" \t\r\n,"))
+            start = self._pos + skipped
+            if start >= len(self._text) or self._text[start] in "]":
+                return out
+            try:
+                value, end = decoder.raw_decode(self._text, start)
+            except json.JSONDecodeError:
+                return out  # not complete yet (or not JSON: finish decides)
+            call = self.tools.call(value)
+            if call is None:
+                self._mode = "held"
+                return out
+            out.append(call)
+            self.sent += 1
+            self._pos = end
+            if not self._list:
+                self._mode = "held"  # one call object: anything after it is judged at the end
+                return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left at the end: nothing after calls already sent (the list's end); else the
+        whole answer as calls if it is a list of calls, or as content."""
+        if self._mode == "content":
+            return "", []
+        if self.sent:
+            return "", []
+        calls = self.tools.calls(self._text)
+        if not calls:
+            return self._text, []
+        self.sent = len(calls)
+        return "", calls
 
 
 def closed(schema: Any) -> Any:

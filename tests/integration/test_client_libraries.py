@@ -97,3 +97,75 @@ def test_openai_sdk_tool_calls_whole_and_streamed(openai_client, parallel):
     deltas = [c.choices[0] for c in stream if c.choices]
     streamed = [d for c in deltas if c.delta.tool_calls for d in c.delta.tool_calls]
     assert streamed and streamed[0].function.name == "get_weather" and deltas[-1].finish_reason == "tool_calls"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_openai_sdk_stream_helper_gets_content_token_by_token_and_calls_with_tools(openai_client):
+    """With tools offered, prose is not held to the end (many content events before the last), and
+    an enforced call arrives as the SDK's tool-call events."""
+    with openai_client.chat.completions.stream(
+        model=GENERATION,
+        messages=[{"role": "user", "content": "Write two sentences about the sea."}],
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        max_tokens=40,
+        temperature=0,
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    assert kinds.count("content.delta") > 3, kinds
+    with openai_client.chat.completions.stream(
+        model=GENERATION,
+        messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=60,
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in kinds and "content.delta" not in kinds
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_langchain_astream_with_tools_streams_prose_and_tool_call_chunks(gateway):
+    import asyncio
+
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(
+        model=GENERATION, base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_tokens=60, max_retries=0, timeout=120
+    )
+
+    async def chunks(model, prompt):
+        return [chunk async for chunk in model.astream(prompt)]
+
+    prose = asyncio.run(chunks(llm.bind_tools([get_weather]), "Write two sentences about the sea."))
+    assert sum(1 for c in prose if c.content) > 3
+    calls = asyncio.run(chunks(llm.bind_tools([get_weather], tool_choice="required"), "What is the weather in Oslo?"))
+    merged = calls[0]
+    for c in calls[1:]:
+        merged += c
+    assert merged.tool_calls and merged.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(merged.tool_calls[0]["args"].get("city"), str)

@@ -228,13 +228,41 @@ def test_tool_calls_come_back_in_openais_shape_whole_and_streamed(model):
     assert plain["message"]["content"] == "It is sunny." and plain["finish_reason"] == "stop"
     unknown = orjson.loads(whole_body(auto, {0: '[{"name": "rm", "arguments": {}}]'}, one(Tally("stop", 5, 3))))["choices"][0]
     assert "tool_calls" not in unknown["message"]
-    writer = ChunkWriter(chat(model, tools=[TOOL], tool_choice="required", stream=True))
-    assert writer.text('[{"name": "get_weather", ') == b""  # held until the end
-    writer.text('"arguments": {"city": "Oslo"}}]')
-    events = [orjson.loads(e[6:]) for e in writer.finish(one(Tally("stop", 5, 3))).split(b"\n\n") if e.startswith(b"data: {")]
-    delta = events[0]["choices"][0]["delta"]["tool_calls"][0]
-    assert delta["index"] == 0 and delta["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _events(data: bytes) -> list[dict]:
+    return [orjson.loads(e[6:]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+def test_streamed_tools_send_content_as_it_comes_and_each_call_once_complete(model):
+    """With tools, a streamed answer is not held to its end: content goes out from its first
+    character that cannot start a call, and each call as a tool_calls delta once its object closes."""
+    writer = ChunkWriter(chat(model, tools=[TOOL, CLOCK], tool_choice="required", stream=True))
+    assert writer.text('[{"name": "get_weather", ') == b""  # the first call is not complete yet
+    first = _events(writer.text('"arguments": {"city": "Oslo"}}, {"name": "get_'))
+    delta = first[0]["choices"][0]["delta"]["tool_calls"]
+    assert [(d["index"], d["function"]) for d in delta] == [(0, {"name": "get_weather", "arguments": '{"city": "Oslo"}'})]
+    second = _events(writer.text('time", "arguments": {}}]'))
+    assert [(d["index"], d["function"]["name"]) for d in second[0]["choices"][0]["delta"]["tool_calls"]] == [(1, "get_time")]
+    assert delta[0]["id"] != second[0]["choices"][0]["delta"]["tool_calls"][0]["id"]
+    end = _events(writer.finish(one(Tally("stop", 5, 3))))
+    assert [e["choices"][0]["finish_reason"] for e in end] == ["tool_calls"]  # nothing sent twice
+    # auto, and the answer is prose: each piece goes out as it comes.
+    writer = ChunkWriter(chat(model, tools=[TOOL], stream=True))
+    assert writer.text("  ") == b""  # whitespace decides nothing
+    assert _events(writer.text("It is"))[0]["choices"][0]["delta"]["content"] == "  It is"
+    assert _events(writer.text(" sunny."))[0]["choices"][0]["delta"]["content"] == " sunny."
+    assert [e["choices"][0]["finish_reason"] for e in _events(writer.finish(one(Tally("stop", 5, 3))))] == ["stop"]
+    # auto, and a list that turns out not to be calls: content, at the end.
+    writer = ChunkWriter(chat(model, tools=[TOOL], stream=True))
+    assert writer.text("[1, 2") == b"" and writer.text("]") == b""
+    end = _events(writer.finish(one(Tally("stop", 5, 3))))
+    assert end[0]["choices"][0]["delta"]["content"] == "[1, 2]" and end[-1]["choices"][0]["finish_reason"] == "stop"
+    # one call object, not in a list
+    writer = ChunkWriter(chat(model, tools=[TOOL], stream=True))
+    call = _events(writer.text('{"name": "get_weather", "arguments": {"city": "Rome"}}'))
+    assert call[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert _events(writer.finish(one(Tally("stop", 5, 3))))[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_a_tool_round_trip_is_rendered_for_the_model(model):
