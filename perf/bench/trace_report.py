@@ -212,18 +212,18 @@ def _run_traced(args: argparse.Namespace, trace_path: Path) -> None:
     try:
         server.wait_ready(timeout=240)
         if args.encoder_layout:
+            from ops.repository import RepositoryClient
             from perf.bench import autotune
 
             instances, threads = args.encoder_layout
-            config = autotune.served_config(server.http_url)
+            config = RepositoryClient(server.http_url).config(harness.ENCODER)
             batching = config.get("dynamic_batching", {})
-            candidate = autotune.Candidate(
+            delay, preferred = (
                 int(batching.get("max_queue_delay_microseconds", 0)),
-                int((batching.get("preferred_batch_size") or [0])[0]),
-                instances,
-                threads,
+                (batching.get("preferred_batch_size") or [0])[0],
             )
-            autotune.load_config(server.http_url, autotune.ENCODER, autotune.apply_candidate(config, candidate))
+            candidate = autotune.Candidate(delay, int(preferred), instances, threads)
+            harness.reload_with(server.http_url, harness.ENCODER, autotune.apply_candidate(config, candidate))
             print(f"perf.bench.trace_report: text_encoder reloaded as {instances} instance(s) x {threads} thread(s)", flush=True)
         binary, env = pa.check()
         base = pa.Settings(
