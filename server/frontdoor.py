@@ -199,8 +199,8 @@ def limits_module(
         "max_elements": max_body_bytes,
         "max_rank": MAX_RANK,
         "models": model_limits(repository),
-        # the contract (contract/): the datatypes' sizes, and how an error's data follows its
-        # words with each code's HTTP status
+        # the contract (contract/): the datatypes' sizes, the mark after which a model's error
+        # data follows tritonserver's words (moved into the body's keys here), each code's HTTP status
         "datatype_sizes": DATATYPE_SIZES,
         "error_mark": MARK,
         "error_status": HTTP_STATUS,

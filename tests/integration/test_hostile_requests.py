@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from contract.errors import INVALID, parse_error
+from contract.errors import INVALID, MARK, data_from_body
 from tests.integration.conftest import unload_and_wait
 
 HUGE = 1 << 40  # 1099511627776
@@ -129,13 +129,23 @@ def test_malformed_json_request_is_refused_with_400_naming_the_field(triton, cas
 
 @pytest.mark.parametrize("case", ["bytes_huge_batch_overflows", "wrong_datatype", "data_bigger_than_shape", "inputs_not_array"])
 def test_the_front_doors_refusal_carries_its_code_and_field_as_data(triton, case):
-    """As the models' errors and the gRPC door's refusals do (contract/errors.py): one reader for all."""
+    """As the models' errors and the gRPC door's refusals do (contract/errors.py): the body's own keys."""
     body, field = JSON_CASES[case]
     status, answer = _post(triton.http_url, body)
-    data = parse_error(json.loads(answer)["error"])
-    assert data is not None, answer
+    data = data_from_body(json.loads(answer))
+    assert data is not None and MARK not in data.message, answer
     assert (data.code, data.values, data.http_status) == (INVALID, {"status": 400}, status), answer
     assert data.field is not None and field in data.field and field in data.message, answer
+
+
+def test_a_models_error_through_the_front_door_carries_its_data_as_the_bodys_keys(triton):
+    """tritonserver passes the model's words with the data after them; the front door moves the data
+    into the body's keys (deploy/frontdoor/infer_check.js: errorBody) and leaves the words alone."""
+    status, answer = _post(triton.http_url, _json(_text([2, 1], data=("hello", ""))))
+    body = json.loads(answer)
+    assert status == 400 and MARK not in body["error"] and body["error"].endswith("TEXT[1]: text is empty"), answer
+    data = data_from_body(body)
+    assert data is not None and (data.code, data.field, data.http_status) == (INVALID, "TEXT[1]", status), answer
 
 
 BINARY_CASES = {

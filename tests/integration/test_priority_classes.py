@@ -146,6 +146,7 @@ def test_the_front_door_refuses_a_class_over_its_in_flight_limit_with_503(triton
     assert refused, "64 at once over a 16-request limit: some refused"
     headers, body = refused[0]
     message = json.loads(body)["error"]
+    assert json.loads(body)["code"] == "overloaded", body  # the data as the body's keys (contract/errors.py)
     assert "priority class bulk" in message and CACHED_ENTRIES["bulk"] in message and "retry" in message, message
     assert headers.get("Retry-After") == "1", headers
     assert probed == [200] * 4, probed

@@ -11,12 +11,22 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from contract.errors import CONTEXT_LENGTH, INVALID, parse_error
+from contract.errors import CONTEXT_LENGTH, INVALID, MARK, error_data
 from server.layout import ROOT
 
 MODELS = ("text_embedding", "text_embedding_cached")
 LONG = "the beginning of a long text " + " ".join(f"word{i}" for i in range(300)) + " and its own ending"
 SHORT = "a short text that fits"
+
+
+@pytest.fixture(scope="module")
+def data_client(triton):
+    """tritonclient.http as the project's clients open it: an error body's data keys kept."""
+    from clients.transport import triton_client
+
+    client = triton_client("http", triton.http_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +67,13 @@ def refusal(client, model, texts, truncate=None, direction=None) -> InferenceSer
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_a_text_over_the_limit_is_refused_by_default_naming_the_field_its_count_and_the_limit(http_client, model, whole_count):
+def test_a_text_over_the_limit_is_refused_by_default_naming_the_field_its_count_and_the_limit(data_client, model, whole_count):
     n = whole_count(LONG)
     assert n > 256
     for truncate in (None, False):  # absent and false alike
-        err = refusal(http_client, model, [SHORT, LONG], truncate)
-        assert err.status() == "400", err
-        data = parse_error(err.message())
+        err = refusal(data_client, model, [SHORT, LONG], truncate)
+        assert err.status() == "400" and MARK not in err.message(), err
+        data = error_data(err)  # the front door's body keys
         assert data is not None and (data.code, data.field) == (CONTEXT_LENGTH, "TEXT[1]"), err.message()
         assert data.values == {"index": 1, "tokens": n, "limit": 256}
         assert f"TEXT[1]: text has {n} tokens; the model's limit is 256 tokens" in err.message()
@@ -91,9 +101,9 @@ def test_right_and_left_differ_for_a_long_text_and_agree_for_a_short_one(http_cl
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_a_bad_direction_is_400_naming_the_field_and_the_allowed_values(http_client, model):
-    err = refusal(http_client, model, [SHORT], True, "middle")
-    data = parse_error(err.message())
+def test_a_bad_direction_is_400_naming_the_field_and_the_allowed_values(data_client, model):
+    err = refusal(data_client, model, [SHORT], True, "middle")
+    data = error_data(err)
     assert err.status() == "400" and data is not None and (data.code, data.field) == (INVALID, "TRUNCATION_DIRECTION[0]")
     assert "must be one of right, left" in err.message() and data.values["allowed"] == ["right", "left"]
 
@@ -120,6 +130,6 @@ def test_grpc_carries_the_choice_through_the_door(grpc_client, model, whole_coun
     assert result.as_numpy("NUM_TOKENS").reshape(-1).tolist() == [whole_count(LONG)]
     with pytest.raises(InferenceServerException) as caught:
         grpc_client.infer(model, inputs(grpcclient, [LONG]))
-    assert "StatusCode.INVALID_ARGUMENT" in str(caught.value.status())
-    data = parse_error(caught.value.message())
+    assert "StatusCode.INVALID_ARGUMENT" in str(caught.value.status()) and MARK not in caught.value.message()
+    data = error_data(caught.value)  # the gRPC door's error-data trailing metadata
     assert data is not None and data.code == CONTEXT_LENGTH and data.field == "TEXT[0]"
