@@ -1,133 +1,193 @@
 """`python -m perf.bench.image_bench` (`make image-bench`): the served image ensembles against ONNX Runtime in-process.
 
-For each ensemble given with ``--ensembles`` (default: ``image_classification``, the default
-model, and ``image_classification_resnet50``; one that the repository lacks is skipped with a
-note), its steps are read from its config.pbtxt: the preprocessing step (the one fed IMAGE),
-the classifier (the onnxruntime step) and the postprocessing step. ``--precision`` is resolved
-as the server resolves it (export/variants.py): one ``--model-config-name`` for the server,
-and per classifier the variant, hence the .onnx file, it serves.
+Each ensemble of ``--ensembles`` runs whole (JPEG bytes in, top-5 out) on the evaluation photos
+(export/image_data.py, JPEG quality 90) in two systems, ``--precision`` resolved as the server does:
 
-Two systems run the same pipeline on the same photos, preprocessing and postprocessing
-included in both (JPEG bytes in, top-5 out):
+  served      one tritonserver (no front door, no response cache) loading every ensemble; the
+              shared closed loop keeps ``--concurrency`` requests of ``batch`` images in flight;
+              Triton's statistics give the classifier's mean executed batch.
+  in-process  the same file in ONNX Runtime (OpenVINO for the openvino variant), threads,
+              preprocessing and top-k as the served configs say: one thread (``1t``) and the
+              served layout (threads = preprocessing instances, runs at once <= classifier
+              instances), the faster shown; ``model only``: the classifier alone on pixels.
 
-  served      one tritonserver (no front door, no response cache: nothing answers from memory)
-              loading every ensemble; an asyncio HTTP client keeps ``--concurrency`` requests in
-              flight, each carrying ``batch`` images ([batch, 1] BYTES), for ``--duration``
-              seconds after ``--warmup``; every latency is kept (P50, P99, max). Triton's
-              statistics around each window give the classifier's mean executed batch.
-  in-process  the same .onnx file in an ONNX Runtime session (OpenVINO for the openvino variant) with the served config's intra-op
-              threads, spinning off; python_backends.image's preprocessing configured from the
-              served preprocessing config and its top-k from the postprocessing config; the
-              same batches of the same photos, for ``--inprocess-seconds``. Two layouts: one
-              thread doing decode -> model -> top-k in a loop, and the served layout (as many
-              threads as the preprocessing step has instances, at most as many model runs at
-              once as the classifier has instances); the faster one is the in-process figure.
-
-Before measuring, each photo goes once through both and their top-5 classes must agree (the
-same model, the same preprocessing), or the run stops. Windows are interleaved: per round, per
-ensemble and batch size, the served window then the in-process one; figures are medians over
-``--rounds`` (max: the largest). Ratios: served / in-process per ensemble and batch, and the
-first ensemble over each other one (throughput) in-process and served.
-
-The photos are the classifier's evaluation photos (export/image_data.EVALUATION_PHOTOS),
-whole, JPEG-encoded once at quality 90. Writes image_bench.md (the tables), image_bench.csv
-(every window) and tritonserver.log under perf/results/image-bench-<UTC time>/ (``--out``).
+First each photo's top-5 must agree served and in-process, or the run stops. Windows interleave
+(per round, ensemble and batch: served, then in-process); figures are medians over ``--rounds``
+(max: the largest). Writes summary.md, results.json (every window and point) and tritonserver.log
+to perf/results/image-bench-<UTC time>/ (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import asyncio
+import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from perf.bench.image_measure import InProcess, MachineMeter, Window, check_same, measure_inprocess, measure_served
-from perf.bench.image_measure import image_body as image_body
-from perf.bench.image_pipelines import DEFAULT_ENSEMBLES, JPEG_QUALITY, Pipeline, photo_jpegs, resolve
-from perf.bench.image_pipelines import batch_of as batch_of
-from perf.bench.image_pipelines import ensemble_steps as ensemble_steps
-from perf.bench.image_report import _f, machine, markdown, points
-from perf.lib.harness import write_csv
+from perf.bench import image_pipelines as pipelines
+from perf.lib import lifecycle, options, report
+from perf.lib.harness import int_list
+from perf.lib.load import Tally, call_loop, closed_loop, latency_ms
 from perf.lib.paths import REPOSITORY
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
-from perf.lib.report import load_average, progress
+from perf.lib.stats import median
 
-# --------------------------------------------------------------------------- run
+PROG = "perf.bench.image_bench"
+FIGURES = "images_per_s:1 p50_ms:1 p99_ms:1 max_ms:1 classifier_batch:1 client_cores:2 machine_cores:2".split()
+COLUMNS = "ensemble|variant|system|layout|batch|n|images/s|P50 ms|P99 ms|max ms|classifier batch|cores: this process|machine"
+
+
+@dataclass
+class Window:
+    """One measurement (a system, an ensemble, a batch size, a round); from ``points``, the median
+    over a point's rounds (``round``: how many)."""
+
+    system: str  # served, in-process, model only
+    ensemble: str
+    batch: int
+    round: int
+    layout: str = ""  # served: "c<concurrency>"; in-process: "<threads>t"
+    requests: int = 0  # requests (served) or calls (in-process) of ``batch`` images
+    images: int = 0
+    seconds: float = 0.0
+    errors: int = 0
+    first_error: str = ""
+    images_per_s: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    max_ms: float | None = None
+    client_cores: float | None = None  # the load generator's CPU (served) or the pipeline's (in-process)
+    classifier_batch: float | None = None  # served: the classifier's mean executed batch (Triton's statistics)
+    classifier_compute_ms: float | None = None
+    classifier_queue_ms: float | None = None
+    machine_cores: float | None = None  # busy cores of the whole machine, neighbours included (/proc/stat)
+
+    def take(self, tally: Tally) -> None:
+        """The figures of a load loop's Tally (latencies of ``batch`` images each)."""
+        self.requests, self.images, self.seconds = len(tally.ok), len(tally.ok) * self.batch, tally.seconds
+        self.errors, self.first_error = tally.errors, tally.first_error
+        for key, value in latency_ms(tally.ok).items():
+            setattr(self, key, value)
+        self.images_per_s = self.images / self.seconds if tally.ok and self.seconds > 0 else None
+
+    def line(self) -> str:
+        f, what = report.fmt, f"r{self.round} {self.ensemble} b{self.batch} {self.system} {self.layout}"
+        figures = f"{f(self.images_per_s)} images/s, P50 {f(self.p50_ms)} P99 {f(self.p99_ms)} max {f(self.max_ms)} ms"
+        return f"{what}: {figures}, classifier batch {f(self.classifier_batch)}; errors {self.errors} {self.first_error}"
+
+
+MEDIANS = ("images_per_s", "p50_ms", "p99_ms", "classifier_batch", "client_cores", "machine_cores")
+
+
+def points(windows: Sequence[Window]) -> list[Window]:
+    """Per system, ensemble and batch: the medians over rounds of the best layout (by images/s)."""
+    groups: dict[tuple, list[Window]] = {}
+    for w in windows:
+        groups.setdefault((w.system, w.ensemble, w.batch, w.layout), []).append(w)
+    best: dict[tuple, Window] = {}
+    for ws in groups.values():
+        maxes = [w.max_ms for w in ws if w.max_ms is not None]
+        p = replace(ws[0], round=len(ws), requests=sum(w.requests for w in ws), errors=sum(w.errors for w in ws))
+        for name in MEDIANS:
+            setattr(p, name, median([getattr(w, name) for w in ws]))
+        p.max_ms = max(maxes) if maxes else None
+        key = (p.system, p.ensemble, p.batch)
+        if key not in best or (p.images_per_s or 0.0) > (best[key].images_per_s or 0.0):
+            best[key] = p
+    return list(best.values())
+
+
+def busy_seconds() -> float | None:
+    """Busy CPU time of the whole machine so far (/proc/stat), or None."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)) / os.sysconf("SC_CLK_TCK")
+
+
+def metered(window: Window, measure: Callable[..., Tally], *args) -> Window:
+    """The Tally of ``measure(*args)`` in ``window``, with the window's CPU: this process's and the machine's."""
+    busy0, cpu0, wall0 = busy_seconds(), time.process_time(), time.monotonic()
+    window.take(measure(*args, window))
+    wall, busy1 = max(time.monotonic() - wall0, 1e-9), busy_seconds()
+    window.client_cores = (time.process_time() - cpu0) / wall
+    window.machine_cores = (busy1 - busy0) / wall if busy0 is not None and busy1 is not None else None
+    return window
+
+
+def measure_inprocess(runner: Callable[[Sequence[bytes]], object], blobs, threads: int, seconds: float, window: Window) -> Tally:
+    """``threads`` threads each running the pipeline on successive batches for ``seconds``."""
+
+    async def call(n: int) -> None:
+        await asyncio.to_thread(runner, pipelines.batch_of(blobs, window.batch, n))
+
+    return asyncio.run(call_loop(call, threads, seconds))
+
+
+def measure_served(http_url: str, pipe: pipelines.Pipeline, blobs, concurrency: int, args, window: Window) -> Tally:
+    """The shared closed loop, again (without warm-up) until ``--min-requests`` answered, at most 6 x --duration."""
+    from perf.lib import triton_stats
+
+    bodies = [pipelines.image_body(pipelines.batch_of(blobs, window.batch, k)) for k in range(len(blobs))]
+    url, before = f"http://{http_url}/v2/models/{pipe.ensemble}/infer", triton_stats.snapshot(http_url)
+    tally = Tally()
+    while tally.seconds < 6 * args.duration and (not tally.seconds or len(tally.ok) + tally.errors < args.min_requests):
+        warm = {"warmup": args.warmup, "warm": bodies[:concurrency]} if not tally.seconds else {}
+        more = asyncio.run(closed_loop(url, lambda n: bodies[n % len(bodies)], concurrency, args.duration, **warm))
+        tally.ok, tally.errors, tally.seconds = tally.ok + more.ok, tally.errors + more.errors, tally.seconds + more.seconds
+        tally.first_error = tally.first_error or more.first_error
+    stats = triton_stats.fetch_delta(http_url, before).get(pipe.classifier)
+    if stats is not None:
+        window.classifier_batch = stats.avg_batch
+        window.classifier_compute_ms = stats.breakdown_ms.get("compute infer")
+        window.classifier_queue_ms = stats.breakdown_ms.get("queue")
+    return tally
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.image_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--ensembles",
-        default=",".join(DEFAULT_ENSEMBLES),
-        help="comma-separated image ensembles, the first compared with each other one "
-        f"(default {','.join(DEFAULT_ENSEMBLES)}; missing ones are skipped)",
-    )
-    p.add_argument(
-        "--precision",
-        default="cpu",
-        help="as PRECISION of `make serve`: cpu (the variant a CPU serves), fp32, cpu_opt, int8 (default cpu)",
-    )
-    p.add_argument("--batches", default="1,8", help="images per request / per in-process call (default 1,8)")
-    p.add_argument("--concurrency", default="8,4", help="requests in flight, one per batch size or one for all (default 8,4)")
+    p = options.parser(PROG, __doc__)
+    names = ",".join(pipelines.DEFAULT_ENSEMBLES)
+    p.add_argument("--ensembles", default=names, help=f"image ensembles, the first compared with the others (default {names})")
+    p.add_argument("--precision", default="cpu", help="as PRECISION of `make serve`: cpu, fp32, cpu_opt, int8 (default cpu)")
+    p.add_argument("--batches", type=int_list, default=[1, 8], help="images per request / in-process call (default 1,8)")
+    p.add_argument("--concurrency", type=int_list, default=[8, 4], help="requests in flight, per batch size or one (default 8,4)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per served window (default 5)")
-    p.add_argument(
-        "--min-requests",
-        type=int,
-        default=10,
-        help="a served window lasts until this many requests completed in it, at most 6 x --duration (default 10)",
-    )
+    p.add_argument("--min-requests", type=int, default=10, help="served windows until this many answers, <= 6 x --duration")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each served window (default 1)")
     p.add_argument("--inprocess-seconds", type=float, default=3.0, help="seconds per in-process window and layout (default 3)")
-    p.add_argument(
-        "--no-model-only",
-        dest="model_only",
-        action="store_false",
-        help="skip the in-process classifier-alone figure (pixels made beforehand)",
-    )
+    p.add_argument("--no-model-only", dest="model_only", action="store_false", help="skip the classifier-alone figure")
     p.add_argument("--repository", type=Path, default=REPOSITORY, help="model repository (default model_repository)")
     p.add_argument("--out", type=Path, help="results folder (default perf/results/image-bench-<UTC time>)")
     p.add_argument("--no-export", action="store_true", help="never export, even when model files are missing")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.ensemble_list = [e.strip() for e in args.ensembles.split(",") if e.strip()]
-    try:
-        args.batch_list = [int(b) for b in args.batches.split(",")]
-        conc = [int(c) for c in args.concurrency.split(",")]
-    except ValueError:
-        p.error("--batches and --concurrency take comma-separated integers")
-    if len(conc) == 1:
-        conc *= len(args.batch_list)
-    if len(conc) != len(args.batch_list):
+    conc = args.concurrency * len(args.batches) if len(args.concurrency) == 1 else args.concurrency
+    if len(conc) != len(args.batches):
         p.error("--concurrency needs one value, or one per batch size")
-    args.concurrency_of = dict(zip(args.batch_list, conc))
-    if not args.ensemble_list or min(args.batch_list + conc) < 1 or args.rounds < 1:
-        p.error("ensembles, batch sizes, concurrency and rounds must be given and positive")
-    if args.duration <= 0 or args.warmup < 0 or args.inprocess_seconds <= 0:
-        p.error("--duration and --inprocess-seconds must be > 0, --warmup >= 0")
+    args.concurrency_of = dict(zip(args.batches, conc))
+    if not args.ensemble_list or args.rounds < 1 or args.duration <= 0 or args.warmup < 0 or args.inprocess_seconds <= 0:
+        p.error("--ensembles and --rounds must be given, --duration and --inprocess-seconds > 0, --warmup >= 0")
     return args
 
 
-def ensure_exported(repo: Path, pipes: Sequence[Pipeline], no_export: bool, say: Callable[[str], None]) -> bool:
-    """Export the classifiers whose served file is missing (`python -m export --model <classifier>
-    --no-speed`). Returns whether anything was exported (the variants may then differ)."""
-    missing = [
-        p.classifier for p in pipes if not p.model_path.is_file() or not (repo / p.postprocess / "1" / "labels.txt").is_file()
-    ]
-    if not missing or no_export:
+def ensure_exported(repo: Path, pipes: Sequence[pipelines.Pipeline], say: Callable[[str], None]) -> bool:
+    """Export each classifier whose files are missing; whether one was (the variants may then differ)."""
+    labels = {p.classifier: repo / p.postprocess / "1" / "labels.txt" for p in pipes}
+    missing = [p.classifier for p in pipes if not p.model_path.is_file() or not labels[p.classifier].is_file()]
+    if not missing:
         return False
     from export import __main__ as export_main
 
+    args = ["--no-speed", "--repository", str(repo)] + [a for name in dict.fromkeys(missing) for a in ("--model", name)]
     say(f"perf.bench.image_bench: exporting {', '.join(missing)} (model files missing)")
-    args = ["--no-speed", "--repository", str(repo)]
-    for name in dict.fromkeys(missing):
-        args += ["--model", name]
     try:
         export_main.main(args)
     except SystemExit as exc:  # an exporter that does not know the model: said, and the run reports the file
@@ -137,87 +197,48 @@ def ensure_exported(repo: Path, pipes: Sequence[Pipeline], no_export: bool, say:
 
 def run(args: argparse.Namespace) -> int:
     from perf.lib.deployment import server_deployment
-    from server.process import ServerError
 
-    say = progress()
-
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = args.out or DEFAULT_RESULTS / f"image-bench-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
-    repo = args.repository.resolve()
-    load_avg = load_average()
+    say, load_before = report.progress(), report.load_average()
+    out, repo = report.results_dir(args.out, "image-bench"), args.repository.resolve()
     present = [e for e in args.ensemble_list if (repo / e / "config.pbtxt").is_file()]
     notes = [f"{e} is not in the repository: skipped" for e in args.ensemble_list if e not in present]
     for note in notes:
         say(f"perf.bench.image_bench: {note}")
     if not present:
-        say("perf.bench.image_bench: no ensemble to measure")
         return 1
-    config_name, pipes = resolve(repo, present, args.precision)
-    if ensure_exported(repo, pipes, args.no_export, say):
-        config_name, pipes = resolve(repo, present, args.precision)
-    photos = photo_jpegs()
+    config_name, pipes = pipelines.resolve(repo, present, args.precision)
+    if not args.no_export and ensure_exported(repo, pipes, say):
+        config_name, pipes = pipelines.resolve(repo, present, args.precision)
+    photos = pipelines.photo_jpegs()
     blobs = [b for _, b in photos]
-    described = ", ".join(f"{p.ensemble} ({p.classifier}: {p.variant}, {p.model_path.name})" for p in pipes)
-    say(
-        f"perf.bench.image_bench: {described}"
-        f"; --model-config-name={config_name or '(none)'}; {len(photos)} photos, {sum(map(len, blobs)) // 1024} KiB"
-    )
-    models = [p.ensemble for p in pipes]
+    say(f"perf.bench.image_bench: {describe(pipes, config_name)}; {len(photos)} photos, {sum(map(len, blobs)) // 1024} KiB")
     workdir = Path(tempfile.mkdtemp(prefix="perf-image-bench-"))
-    server = server_deployment(models, workdir, model_repository=repo, model_config_name=config_name, front_door=False)
+    options = {"model_repository": repo, "model_config_name": config_name, "front_door": False}
+    server = server_deployment([p.ensemble for p in pipes], workdir, **options)
     windows: list[Window] = []
     failure = ""
     agreement: dict[str, float] = {}
     try:
-        runners = {p.ensemble: InProcess(p, repo, config_name) for p in pipes}
+        runners = {p.ensemble: pipelines.InProcess(p, repo, config_name) for p in pipes}
         model_only = {e: r.model_only(blobs) for e, r in runners.items()} if args.model_only else {}
-        server.start()
-        try:
-            server.wait_ready(timeout=300)
-        except ServerError as exc:
-            raise RuntimeError(f"{exc}\n{exc.log_tail}") from None
-        say(f"tritonserver ready on {server.http_url} ({', '.join(models)})")
+        if not lifecycle.wait_ready({"image-bench": server.start()}, say):
+            raise RuntimeError("tritonserver did not become ready")
+        url = server.http_url
         for pipe in pipes:
-            agreement[pipe.ensemble] = check_same(server.http_url, runners[pipe.ensemble], photos)
-            say(
-                f"{pipe.ensemble}: served and in-process top-5 agree on every photo "
-                f"(largest score difference {agreement[pipe.ensemble]:.1e})"
-            )
+            agreement[pipe.ensemble] = pipelines.check_same(url, runners[pipe.ensemble], photos)
+            say(f"{pipe.ensemble}: served and in-process top-5 agree (largest score difference {agreement[pipe.ensemble]:.1e})")
         for rnd in range(1, args.rounds + 1):
             for pipe in pipes:
-                for b in args.batch_list:
-                    if b > pipe.max_batch_size:
-                        continue
+                for b in (b for b in args.batches if b <= pipe.max_batch_size):
                     conc = args.concurrency_of[b]
-                    w = Window("served", pipe.ensemble, b, rnd, f"c{conc}")
-                    meter = MachineMeter()
-                    measure_served(server.http_url, pipe, blobs, b, conc, args.warmup, args.duration, w, args.min_requests)
-                    meter.stop(w)
+                    w = metered(Window("served", pipe.ensemble, b, rnd, f"c{conc}"), measure_served, url, pipe, blobs, conc, args)
                     windows.append(w)
-                    say(
-                        f"r{rnd} {pipe.ensemble:32} b{b:<3} served     {w.layout:4} {_f(w.images_per_s):>7} images/s  "
-                        f"P50 {_f(w.p50_ms):>7}  P99 {_f(w.p99_ms):>7}  max {_f(w.max_ms):>7} ms  classifier batch "
-                        f"{_f(w.classifier_batch)}  client {_f(w.client_cores, 2)} machine {_f(w.machine_cores, 2)} cores  "
-                        f"errors {w.errors}" + (f" ({w.first_error})" if w.first_error else "")
-                    )
-                    layouts: list[tuple[str, int, Callable[[Sequence[bytes]], object]]] = [
-                        ("in-process", t, runners[pipe.ensemble]) for t in sorted({1, pipe.preprocess_instances})
-                    ]
-                    if args.model_only:
-                        layouts.append(("model only", 1, model_only[pipe.ensemble]))
-                    for system, threads, runner in layouts:
-                        w = Window(system, pipe.ensemble, b, rnd, f"{threads}t")
-                        meter = MachineMeter()
-                        measure_inprocess(runner, blobs, b, threads, args.inprocess_seconds, w)
-                        meter.stop(w)
-                        windows.append(w)
-                        say(
-                            f"r{rnd} {pipe.ensemble:32} b{b:<3} {system:10} {w.layout:4} {_f(w.images_per_s):>7} "
-                            f"images/s  P50 {_f(w.p50_ms):>7}  P99 {_f(w.p99_ms):>7}  max {_f(w.max_ms):>7} ms  "
-                            f"this process {_f(w.client_cores, 2)} machine {_f(w.machine_cores, 2)} cores  "
-                            f"errors {w.errors}" + (f" ({w.first_error})" if w.first_error else "")
-                        )
+                    say(w.line())
+                    inproc = [("in-process", t, runners[pipe.ensemble]) for t in sorted({1, pipe.preprocess_instances})]
+                    for system, t, runner in inproc + ([("model only", 1, model_only[pipe.ensemble])] if args.model_only else []):
+                        w = Window(system, pipe.ensemble, b, rnd, f"{t}t")
+                        windows.append(metered(w, measure_inprocess, runner, blobs, t, args.inprocess_seconds))
+                        say(w.line())
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
         say(f"perf.bench.image_bench stopped: {failure}")
@@ -226,55 +247,79 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     results = points(windows)
-    header = [
-        "# Image classification: served ensembles against ONNX Runtime in-process",
-        "",
-        f"- {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; load average before {load_avg}, "
-        f"after {load_average()}",
-        f"- command: `{' '.join(['python -m perf.bench.image_bench', *args.argv])}`",
-        f"- precision {args.precision}: --model-config-name={config_name or '(none)'}; "
-        + "; ".join(
-            f"{p.classifier} serves {p.variant} ({p.model_path.name}, {p.threads} intra-op threads x "
-            f"{p.classifier_instances} instance(s); weights {p.weights or 'unknown'}), {p.preprocess} "
-            f"{p.preprocess_instances} instance(s)"
-            for p in pipes
-        ),
-        (
-            f"- {len(photos)} photos (the evaluation photos, whole, JPEG quality {JPEG_QUALITY}), batches "
-            f"cycling through them; served: tritonserver without front door or response cache, HTTP (binary tensors), "
-            f"{', '.join(f'batch {b} at concurrency {c}' for b, c in args.concurrency_of.items())}, {args.warmup:g} s "
-            f"warm-up (and until as many requests as in flight completed) + {args.duration:g} s per window (longer "
-            f"until {args.min_requests} requests completed in it, at most {6 * args.duration:g} s); in-process: "
-            f"{args.inprocess_seconds:g} s (at least 3 calls) per layout "
-            f"(`1t`: one thread; `2t`: the served layout, threads = preprocessing instances, model runs at once <= "
-            f"classifier instances), the faster shown; {args.rounds} interleaved round(s), medians (max: the largest)"
-        ),
-        "- both systems: JPEG bytes in, top-5 out (decode, resize, crop, normalise, the classifier, softmax and top-k); "
-        "latency is per request (served) or per call (in-process) of `batch` images; classifier batch: the served "
-        "classifier's mean executed batch (Triton's statistics); cores, this process: the load generator's CPU "
-        "(served) or the pipeline's own (in-process); machine: busy cores of the whole machine, neighbours included; "
-        "model only: the classifier's session alone on pixels made beforehand (what decoding and top-k leave); n: "
-        "requests (served) or calls (in-process) measured over all rounds; with few, P99 is the max",
+    errors = [w for w in windows if w.errors]
+    served = ", ".join(f"batch {b} at concurrency {c}" for b, c in args.concurrency_of.items())
+    lines = report.header("Image classification: served ensembles against ONNX Runtime in-process", PROG, args.argv, load_before)
+    lines += [
+        f"- {machine()}",
+        f"- precision {args.precision}: {describe(pipes, config_name)}",
+        f"- {len(photos)} photos; served: {served}, {args.warmup:g} s warm-up + {args.duration:g} s windows (until "
+        f"{args.min_requests} requests, at most {6 * args.duration:g} s); in-process: {args.inprocess_seconds:g} s per layout; "
+        f"{args.rounds} interleaved round(s), medians (max: the largest); n: requests or calls over all rounds",
+        "- cores: the load generator's CPU (served) or the pipeline's (in-process); machine: busy cores of the whole machine",
     ]
     if agreement:
-        header.append(
-            "- served and in-process top-5 classes agree on every photo; largest score difference "
-            + ", ".join(f"{e} {d:.1e}" for e, d in agreement.items())
-        )
-    header += [f"- {n}" for n in notes]
+        differences = ", ".join(f"{e} {d:.1e}" for e, d in agreement.items())
+        lines.append(f"- served and in-process top-5 classes agree on every photo; largest score difference {differences}")
+    lines += [f"- {n}" for n in notes]
     if failure:
-        header.append(f"- stopped early: {failure.splitlines()[0]}")
-    errors = sum(w.errors for w in windows)
+        lines.append(f"- stopped early: {failure.splitlines()[0]}")
     if errors:
-        header.append(f"- {errors} failed requests; first: {next(w.first_error for w in windows if w.errors)}")
-    table = markdown(header, pipes, results)
-    (out / "image_bench.md").write_text(table)
-    write_csv(out / "image_bench.csv", [w.record() for w in windows])
+        lines.append(f"- {sum(w.errors for w in errors)} failed requests; first: {errors[0].first_error}")
+    table = markdown(lines, pipes, results)
+    data = {"command": args.argv, "error": failure, "windows": list(map(asdict, windows)), "points": list(map(asdict, results))}
+    report.write(out, table, data)
     print("\n" + table, flush=True)
     say(f"perf.bench.image_bench: results in {out}")
-    expected = sum(len([b for b in args.batch_list if b <= p.max_batch_size]) for p in pipes) * (3 if args.model_only else 2)
+    expected = sum(len([b for b in args.batches if b <= p.max_batch_size]) for p in pipes) * (3 if args.model_only else 2)
     complete = len(results) == expected and all(p.images_per_s for p in results)
     return 0 if not failure and not errors and complete else 1
+
+
+def describe(pipes: Sequence[pipelines.Pipeline], config_name: str | None) -> str:
+    return f"--model-config-name={config_name or '(none)'}; " + "; ".join(
+        f"{p.ensemble}: {p.classifier} serves {p.variant} ({p.model_path.name}, {p.threads} threads x {p.classifier_instances} "
+        f"instance(s), weights {p.weights or 'unknown'}), {p.preprocess} {p.preprocess_instances} instance(s)"
+        for p in pipes
+    )
+
+
+def machine() -> str:
+    import onnxruntime
+
+    from export.bench import cpu_threads
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "a CPU")
+    return f"{model}, {cpu_threads()} cores usable, no GPU used, onnxruntime {onnxruntime.__version__}"
+
+
+def markdown(lines: Sequence[str], pipes: Sequence[pipelines.Pipeline], results: Sequence[Window]) -> str:
+    by = {(p.system, p.ensemble, p.batch): p for p in results}
+    batches = sorted({p.batch for p in results})
+
+    def ratio(system: str, first: str, b: int, other: str, other_system: str) -> str:
+        a, z = (getattr(by.get(key), "images_per_s", None) for key in ((system, first, b), (other_system, other, b)))
+        return report.fmt(a / z if a is not None and z else None, 2, missing="-")
+
+    rows = []
+    for pipe, b, system in ((pipe, b, s) for pipe in pipes for b in batches for s in ("served", "in-process", "model only")):
+        if (p := by.get((system, pipe.ensemble, b))) is not None:
+            share = ratio("served", pipe.ensemble, b, pipe.ensemble, "in-process") if system == "served" else ""
+            cells = [report.fmt(getattr(p, key), int(digits), missing="-") for key, _, digits in map(str.partition, FIGURES, ":")]
+            rows.append([pipe.ensemble, pipe.variant, system, p.layout, b, p.requests, *cells, share])
+    parts = ["\n".join(lines), "## Served vs in-process (same .onnx file, same photos, preprocessing included in both)"]
+    parts.append(report.table([*COLUMNS.split("|"), "served / in-process"], rows, left=4))
+    if len(pipes) > 1:
+        first = pipes[0].ensemble
+        rows = [
+            [f"{first} / {other.ensemble}", b] + [ratio(s, first, b, other.ensemble, s) for s in ("in-process", "served")]
+            for other in pipes[1:]
+            for b in batches
+        ]
+        parts.append(f"## {first} over each other ensemble (images/s ratio, same batch)")
+        parts.append(report.table(["ensemble", "batch", "in-process", "served"], rows))
+    return "\n\n".join(parts) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

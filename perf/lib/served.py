@@ -54,6 +54,14 @@ def served_config_text(repo: Path, model: str, config_name: str | None) -> str:
     return (variant if variant is not None and variant.is_file() else repo / model / "config.pbtxt").read_text()
 
 
+def served_config(repo: Path, model: str, config_name: str | None = None):
+    """The config Triton loads for ``model`` under --model-config-name, parsed (contract.model_config.ModelConfig)."""
+    from contract.model_config import ModelConfig
+    from ops.configs import config_from_text
+
+    return ModelConfig(config_from_text(served_config_text(repo, model, config_name), model))
+
+
 def served_encoder(precision: str, repo: Path = REPOSITORY) -> ServedEncoder:
     """Resolve PRECISION as the server does (export.variants) to the encoder file and thread count."""
     config_name, served = resolve_precision(repo, [ENCODER], precision)

@@ -9,12 +9,14 @@ which depends on the machine.
 
 from __future__ import annotations
 
-import csv
+import json
 import math
 
 import pytest
 
 from perf.bench import image_bench
+from perf.bench.image_pipelines import DEFAULT_ENSEMBLES
+from perf.lib.paths import REPOSITORY
 
 pytestmark = pytest.mark.perf
 
@@ -39,10 +41,10 @@ def test_short_image_bench_run_measures_both_systems(tmp_path):
             str(out),
         ]
     )
-    table = (out / "image_bench.md").read_text() if (out / "image_bench.md").is_file() else "(no table)"
+    table = (out / "summary.md").read_text() if (out / "summary.md").is_file() else "(no table)"
     assert code == 0, table
-    rows = list(csv.DictReader((out / "image_bench.csv").open()))
-    ensembles = [e for e in image_bench.DEFAULT_ENSEMBLES if (image_bench.REPOSITORY / e / "config.pbtxt").is_file()]
+    rows = json.loads((out / "results.json").read_text())["windows"]
+    ensembles = [e for e in DEFAULT_ENSEMBLES if (REPOSITORY / e / "config.pbtxt").is_file()]
     assert ensembles and ensembles[0] == "image_classification", ensembles
     seen = {(r["system"], r["ensemble"], int(r["batch"]), r["layout"]) for r in rows}
     for e in ensembles:

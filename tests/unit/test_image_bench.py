@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import struct
 
-from perf.bench import image_bench
+from perf.bench import image_bench, image_pipelines
 from perf.bench.image_bench import Window
+from perf.lib.load import Tally
+from perf.lib.paths import REPOSITORY
 
 
 def test_ensemble_steps_read_from_the_ensemble_config():
-    pre, cnn, post = image_bench.ensemble_steps(image_bench.REPOSITORY, "image_classification")
+    pre, cnn, post = image_pipelines.ensemble_steps(REPOSITORY, "image_classification")
     assert (pre, cnn, post) == ("image_preprocess", "image_classifier", "image_postprocess")
 
 
@@ -21,17 +23,17 @@ def test_points_take_the_faster_in_process_layout_and_the_largest_max():
             w = Window("in-process", "e", 1, rnd, layout, images_per_s=rate, p50_ms=1.0, p99_ms=2.0, max_ms=top)
             windows.append(w)
     (point,) = image_bench.points(windows)
-    assert point.layout == "2t" and point.images_per_s == 12.5 and point.max_ms == 80.0 and point.rounds == 2
+    assert point.layout == "2t" and point.images_per_s == 12.5 and point.max_ms == 80.0 and point.round == 2
 
 
 def test_window_percentiles_are_nearest_rank():
-    w = Window("served", "e", 2, 1, images=200, seconds=2.0)
-    w.set_latencies([i / 1000 for i in range(1, 101)])
-    assert (w.p50_ms, w.p99_ms, w.max_ms, w.images_per_s) == (50.0, 99.0, 100.0, 100.0)
+    w = Window("served", "e", 2, 1)
+    w.take(Tally(ok=[i / 1000 for i in range(1, 101)], seconds=2.0))
+    assert (w.p50_ms, w.p99_ms, w.max_ms, w.images_per_s, w.images) == (50.0, 99.0, 100.0, 100.0, 200)
 
 
 def test_image_body_carries_each_image_in_the_binary_extension():
-    body, headers = image_bench.image_body([b"ab", b"cde"])
+    body, headers = image_pipelines.image_body([b"ab", b"cde"])
     n = int(headers["Inference-Header-Content-Length"])
     header = json.loads(body[:n])
     assert header["inputs"][0]["shape"] == [2, 1] and header["inputs"][0]["datatype"] == "BYTES"
@@ -41,4 +43,4 @@ def test_image_body_carries_each_image_in_the_binary_extension():
 
 
 def test_batches_cycle_through_the_photos():
-    assert image_bench.batch_of([b"a", b"b", b"c"], 2, 1) == [b"c", b"a"]
+    assert image_pipelines.batch_of([b"a", b"b", b"c"], 2, 1) == [b"c", b"a"]
