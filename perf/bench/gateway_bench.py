@@ -1,222 +1,123 @@
 """`python -m perf.bench.gateway_bench` (`make perf-gateway`): the OpenAI gateway against Triton direct, side by side.
 
-Starts its own tritonserver (text_embedding_cached, text_embedding, text_generation; the
-launcher's code path, front door included) and two gateways in front of its gRPC port
-(``python -m openai_gateway``, rate limit off): one with the request log off, one with it
-on. Then, in one run, windows of each system take turns (A B C D A B C D ...) so a noisy
-neighbour hurts them alike:
+One tritonserver (text_embedding_cached, text_embedding, text_generation; front door on), two
+gateways on its gRPC port (rate limit off; request log off, and on) and infinity-emb; the
+systems' windows take turns (A B C D A B C D ...) so a noisy neighbour hurts them alike.
 
-1. Embeddings, closed loop at --embed-concurrency (default 32) clients on one event loop
-   (aiohttp), one text per request, each window --embed-duration seconds:
-     direct        POST /v2/models/text_embedding_cached/infer on the front door, the text as
-                   a JSON TEXT input (Triton's own HTTP endpoint, as clients reach it);
-     gateway       POST /v1/embeddings, encoding_format float, request log off;
-     gateway_b64   the same with encoding_format base64;
-     gateway_log   float with the request log on (one JSON line per request);
-     infinity      the peer: infinity-emb's POST /embeddings, its optimum engine (ONNX Runtime) on the
-                   same model quantized to INT8 by optimum for this CPU (dynamic, per channel: what
-                   infinity picks on a CPU; its worst held-out text moves to cosine 0.967 of FP32's,
-                   where the served INT8 keeps 0.997, export/text_quant.py), its dynamic batch of 32
-                   (perf/baselines/infinity.py; installed on first use into its own virtualenv);
-     infinity_fp32 the same server on the FP32 file (``--onnx-do-not-prefer-quantized``).
-   Two workloads: ``unique`` (a sentence of perf/data/sentences_16tok.json with a counter, never
-   sent twice: every request is a cache miss computed by text_embedding) and ``repeated`` (the
-   60 sentences as they are, warmed first: every request is a hit of the result cache).
-   Every response is parsed (orjson; base64 decoded) and its vector length checked.
-2. Chat streaming, greedy, --max-tokens (default 64) new tokens with ``ignore_eos``, the
-   prompts of perf/data/generation_prompts.json (the long ones left out), at each
-   --chat-concurrency (default 1 and 8); each window runs --chat-requests requests per
-   client to their end (client k starting k x --chat-stagger-ms after the first), the same
-   prompts for both systems:
-     gateway       POST /v1/chat/completions, stream true, include_usage (raw SSE, aiohttp);
-     direct        text_generation over a gRPC stream, clients.generation.AsyncGenerationClient,
-                   on the tritonserver port the gateway itself uses (so the difference is the
-                   gateway's hop and nothing else).
-   TTFT is from send to the first piece of text; tokens/s is the window's output tokens over
-   its length (every request runs to max_tokens, so both systems make the same tokens).
+1. Embeddings, closed-loop clients, one text per request, every answer parsed and its length
+   checked: ``direct`` (POST /v2/models/text_embedding_cached/infer on the front door), ``gateway``
+   (POST /v1/embeddings, float), ``gateway_b64`` (base64), ``gateway_log`` (request log on),
+   ``infinity`` (the peer, perf/baselines/infinity.py: its optimum engine on the INT8 file optimum
+   quantizes for this CPU, as infinity picks on a CPU; its worst held-out text at cosine 0.967 of
+   FP32's where the served INT8 keeps 0.997) and ``infinity_fp32``. Texts ``unique`` (cache misses)
+   and ``repeated`` (perf/data/sentences_16tok.json, warmed: hits).
+2. Chat streams, greedy, ``ignore_eos``: ``gateway`` (SSE) and ``direct`` (text_generation over gRPC
+   on the port the gateway uses: the difference is the gateway's hop). TTFT: send to first text.
 
-Prints a markdown table and the ratios the issue's targets are written in (embeddings at
-concurrency 32: gateway/direct throughput >= 0.8, P99 <= 1.3x; direct and gateway against
-infinity-emb, unique texts: throughput >= 3x with <= 1/4 of its P99; chat: TTFT within 10 ms of
-direct, tokens/s >= 0.95x), and writes them as JSON to --out (default
-perf/results/gateway-<UTC time>.json, the table beside it as .md). The client's own CPU time
-per window is recorded too: on 2 cores the load generator competes with the servers.
+Ratios against the issue's targets (embeddings at 32 clients: gateway/direct throughput >= 0.8,
+P99 <= 1.3x; against infinity-emb, unique texts: >= 3x the throughput with <= 1/4 of its P99;
+chat: TTFT within 10 ms of direct, tokens/s >= 0.95x). Writes summary.md, results.json (with the
+client's CPU per request: on 2 cores it competes with the servers) and the logs to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
 import secrets
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from perf.bench.gateway_report import markdown, ratios
-from perf.bench.gateway_workloads import (
-    CHAT_SYSTEMS,
-    DIRECT_EMBED_MODEL,
-    EMBED_SYSTEMS,
-    MODELS,
-    PEER_SYSTEMS,
-    WORKLOADS,
-    ChatCell,
-    EmbedCell,
-    run_chat,
-    run_embeddings,
-)
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS
-from perf.lib.report import load_average, progress
+from perf.bench.gateway_workloads import CHAT_SYSTEMS, EMBED_SYSTEMS, PEER_SYSTEMS, WORKLOADS, Cell, run_chat, run_embeddings
+from perf.lib import lifecycle, options, report
+from perf.lib.harness import int_list
+from perf.lib.paths import REPOSITORY
 
-# --------------------------------------------------------------------------- main
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
-def _names(choices: Sequence[str]):
-    def parse(s: str) -> list[str]:
-        names = [x.strip() for x in s.split(",") if x.strip()]
-        unknown = sorted(set(names) - set(choices))
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(choices)}")
-        return names
-
-    return parse
+MODELS = ("text_embedding_cached", "text_embedding", "text_generation")
+# The issue's targets, checked (not enforced) in the printed ratios.
+TARGET_EMBED = (0.8, 1.3)  # gateway / direct requests/s at concurrency 32, at least; P99, at most
+TARGET_VS_PEER = (3.0, 0.25)  # direct or gateway / infinity-emb, unique texts: requests/s at least; P99 at most
+TARGET_TTFT_MS = 10.0  # gateway TTFT - direct TTFT, at most
+TARGET_TOKENS = 0.95  # gateway / direct tokens/s, at least
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.gateway_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.bench.gateway_bench", __doc__)
     p.add_argument("--rounds", type=int, default=3, help="rounds of interleaved windows (default 3)")
     p.add_argument("--embed-concurrency", type=int, default=32, help="embedding clients (default 32)")
     p.add_argument("--embed-duration", type=float, default=4.0, help="seconds per embeddings window (default 4)")
-    p.add_argument(
-        "--embed-systems",
-        type=_names(EMBED_SYSTEMS),
-        default=list(EMBED_SYSTEMS),
-        help=f"comma-separated subset of {','.join(EMBED_SYSTEMS)}",
-    )
-    p.add_argument("--chat-concurrency", type=_ints, default=[1, 8], help="chat streams, comma-separated (default 1,8)")
+    p.add_argument("--embed-systems", default=",".join(EMBED_SYSTEMS), help=",".join(EMBED_SYSTEMS))
+    p.add_argument("--chat-concurrency", type=int_list, default=[1, 8], help="chat streams, comma-separated (default 1,8)")
     p.add_argument("--chat-requests", type=int, default=3, help="chat requests per client per window (default 3)")
+    p.add_argument("--chat-systems", default=",".join(CHAT_SYSTEMS), help=",".join(CHAT_SYSTEMS))
+    # 0: all at once, which makes TTFT hinge on whether all arrive before the engine's next step
     p.add_argument(
-        "--chat-systems",
-        type=_names(CHAT_SYSTEMS),
-        default=list(CHAT_SYSTEMS),
-        help=f"comma-separated subset of {','.join(CHAT_SYSTEMS)}",
-    )
-    p.add_argument(
-        "--chat-stagger-ms",
-        type=float,
-        default=25.0,
-        help="client k of a chat window starts k x this many ms after the first (default 25; 0: all at once, "
-        "which makes TTFT hinge on whether all arrive before the engine's next step)",
+        "--chat-stagger-ms", type=float, default=25.0, help="client k of a chat window starts k x this after the first"
     )
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per chat request, ignore_eos (default 64)")
-    p.add_argument(
-        "--precision",
-        default=os.environ.get("PRECISION", "auto"),
-        help="what Triton serves, as `make serve PRECISION=` (default auto, or $PRECISION)",
-    )
-    p.add_argument(
-        "--watchdog-folder",
-        action="store_true",
-        help="give the gateways an (empty) stub watchdog folder, as `make serve` does (--triton-health-dir): "
-        "its streams are then watched for a dead stub",
-    )
+    p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"), help="as `make serve PRECISION=` (default auto)")
+    p.add_argument("--watchdog-folder", action="store_true", help="gateways watch a stub watchdog folder, as in `make serve`")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embeddings part")
     p.add_argument("--no-chat", action="store_true", help="skip the chat part (text_generation is then not loaded)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        help="the JSON of results (default perf/results/gateway-<UTC time>.json); "
-        "the markdown table and the servers' logs go beside it",
-    )
+    p.add_argument("--out", type=Path, help="results folder (default perf/results/gateway-<UTC time>)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if (
-        args.rounds < 1
-        or args.embed_concurrency < 1
-        or args.embed_duration <= 0
-        or args.chat_requests < 1
-        or args.max_tokens < 1
-        or not args.chat_concurrency
-        or min(args.chat_concurrency) < 1
-    ):
-        p.error(
-            "--rounds, --embed-concurrency, --embed-duration, --chat-concurrency, --chat-requests and "
-            "--max-tokens must be positive"
-        )
+    args.embed_systems = options.names(p, "--embed-systems", args.embed_systems, EMBED_SYSTEMS)
+    args.chat_systems = options.names(p, "--chat-systems", args.chat_systems, CHAT_SYSTEMS)
+    if min(args.rounds, args.embed_concurrency, args.embed_duration, args.chat_requests, args.max_tokens) <= 0:
+        p.error("--rounds, --embed-concurrency, --embed-duration, --chat-requests and --max-tokens must be positive")
     if "direct" not in args.embed_systems:
         args.embed_systems.insert(0, "direct")  # the reference every ratio is taken against
     return args
 
 
-def start_servers(args, workdir: Path, key: str, say):
+def start_triton(args, workdir: Path, say):
+    """tritonserver with the models and the precision variant asked for, started."""
     from export import variants
     from perf.lib.deployment import server_deployment
-    from server.gateway import GatewayOptions, GatewayProcess
-    from server.layout import ROOT
-    from server.process import free_port
 
     models = tuple(m for m in MODELS if not (args.no_chat and m == "text_generation"))
     local = tuple(v for v in variants.VARIANTS if v != "trt_plan")  # what this server can load, as the launcher's
-    config_name, served = variants.resolve_precision(
-        ROOT / "model_repository", ["text_encoder", *models], args.precision, loadable=local
-    )
+    config_name, served = variants.resolve_precision(REPOSITORY, ["text_encoder", *models], args.precision, loadable=local)
     server = server_deployment(models, workdir / "triton", model_config_name=config_name).start()
-    triton = server.triton
-    say(
-        f"tritonserver starting ({', '.join(models)}; PRECISION={args.precision}: text_encoder={served['text_encoder']}"
-        + (f", text_generation={served['text_generation']}" if "text_generation" in served else "")
-        + f"): http {triton.http_url}, internal grpc {triton.triton_grpc_url}"
-    )
-    server.wait_ready(timeout=300)
-    gateways = {}
-    watch = []
-    if args.watchdog_folder:
-        (workdir / "health").mkdir(parents=True, exist_ok=True)
-        watch = ["--triton-health-dir", str(workdir / "health")]
-    for name, extra in (("quiet", ["--no-request-log", *watch]), ("log", watch)):
-        if name == "log" and ("gateway_log" not in args.embed_systems or args.no_embeddings):
-            continue
-        gw = GatewayProcess(
-            GatewayOptions(
-                triton.triton_grpc_url,
-                port=free_port(),
-                workdir=workdir / f"gateway-{name}",
-                api_key_file=workdir / "gateway-api-key",
-                extra_args=["--rate-limit", "0", *extra],
-                env={"GATEWAY_API_KEYS": key},
-                drain_timeout=5,
-            )
-        )
-        gateways[name] = gw.start()
+    chosen = ", ".join(f"{m}={served[m]}" for m in ("text_encoder", "text_generation") if m in served)
+    say(f"tritonserver starting ({', '.join(models)}; PRECISION={args.precision}: {chosen}): http {server.http_url}")
+    return server
+
+
+def start_gateways(args, triton_grpc_url: str, workdir: Path, key: str, say, gateways: dict) -> None:
+    """The gateways into ``gateways``: ``quiet`` (request log off), and ``log`` where gateway_log is measured; ready."""
+    from server.gateway import GatewayOptions, GatewayProcess
+    from server.process import free_port
+
+    (workdir / "health").mkdir(parents=True, exist_ok=True)
+    watch = ["--triton-health-dir", str(workdir / "health")] if args.watchdog_folder else []
+    with_log = "gateway_log" in args.embed_systems and not args.no_embeddings
+    for name, extra in (("quiet", ["--no-request-log", *watch]), ("log", watch))[: 2 if with_log else 1]:
+        options: dict[str, Any] = {
+            "api_key_file": workdir / "gateway-api-key",
+            "env": {"GATEWAY_API_KEYS": key},
+            "drain_timeout": 5,
+        }
+        options |= {"port": free_port(), "workdir": workdir / f"gateway-{name}", "extra_args": ["--rate-limit", "0", *extra]}
+        gateways[name] = GatewayProcess(GatewayOptions(triton_grpc_url, **options)).start()
     for name, gw in gateways.items():
         gw.wait_ready(timeout=120)
-        assert gw.process is not None  # started above
-        say(f"gateway ({name}, pid {gw.process.pid}) ready on {gw.url}")
-    return server, gateways
+        say(f"gateway ({name}) ready on {gw.url}")
 
 
 def start_peers(args, workdir: Path, say) -> dict:
-    """infinity-emb's servers the embeddings ask for (a system whose server cannot run here is dropped, with the reason)."""
-    peers: dict = {}
-    wanted = [s for s in PEER_SYSTEMS if s in args.embed_systems and not args.no_embeddings]
-    if not wanted:
-        return peers
+    """infinity-emb's servers the embeddings ask for; one that cannot run here is dropped, with the reason."""
     from perf.baselines.infinity import InfinityError, InfinityServer
     from server.process import free_port
 
-    for system in wanted:
+    peers: dict = {}
+    for system in [s for s in PEER_SYSTEMS if s in args.embed_systems and not args.no_embeddings]:
         try:
             peer = InfinityServer(free_port(), workdir / f"{system}.log", quantized=system == "infinity", say=say)
             peers[system] = peer.start()
@@ -230,91 +131,119 @@ def start_peers(args, workdir: Path, say) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    out = args.out or DEFAULT_RESULTS / f"gateway-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-
-    say = progress(started)
-
-    load = load_average()
+    out, say, load = report.results_dir(args.out, "gateway"), report.progress(), report.load_average()
     say(f"perf.bench.gateway_bench: {args.rounds} round(s), load average {load}")
     key = "sk-bench-" + secrets.token_hex(16)
     workdir = Path(tempfile.mkdtemp(prefix="perf-gateway-"))
     server = None
     gateways: dict = {}
     peers: dict = {}
-    embed_cells: list[EmbedCell] = []
-    chat_cells: list[ChatCell] = []
+    embed_cells: list[Cell] = []
+    chat_cells: list[Cell] = []
     failure = ""
     try:
-        server, gateways = start_servers(args, workdir, key, say)
+        server = start_triton(args, workdir, say)
+        server.wait_ready(timeout=300)
+        start_gateways(args, server.triton_grpc_url, workdir, key, say, gateways)
         peers = start_peers(args, workdir, say)
-        urls = {name: gw.url for name, gw in gateways.items()}
-        urls.update({name: peer.url for name, peer in peers.items()})
+        urls = {name: gw.url for name, gw in gateways.items()} | {name: peer.url for name, peer in peers.items()}
         if not args.no_embeddings:
             embed_cells = asyncio.run(run_embeddings(args, server.http_url, urls, key, say))
         if not args.no_chat:
-            chat_cells = asyncio.run(run_chat(args, urls["quiet"], server.triton.triton_grpc_url, key, say))
+            chat_cells = asyncio.run(run_chat(args, urls["quiet"], server.triton_grpc_url, key, say))
     except Exception as exc:  # noqa: BLE001 - reported, with what was measured so far
         failure = f"{type(exc).__name__}: {exc}"
         say(f"perf.bench.gateway_bench stopped: {failure}")
     finally:
-        for name, peer in peers.items():
-            peer.stop()
-            if peer.log_path.is_file():
-                shutil.copyfile(peer.log_path, out.with_name(f"{out.stem}-{name}.log"))
-        for name, gw in gateways.items():
-            gw.stop()
-            if gw.log_path.is_file():
-                shutil.copyfile(gw.log_path, out.with_name(f"{out.stem}-gateway-{name}.log"))
+        lifecycle.stop(peers, out, "peer")
+        lifecycle.stop(gateways, out, "gateway")
         if server is not None:
-            server.stop()
-            if server.triton.log_path.is_file():
-                shutil.copyfile(server.triton.log_path, out.with_name(f"{out.stem}-tritonserver.log"))
+            server.stop(logs_to=out)
         shutil.rmtree(workdir, ignore_errors=True)
 
     embed = [c.summary() for c in sorted(embed_cells, key=lambda c: (WORKLOADS.index(c.workload), EMBED_SYSTEMS.index(c.system)))]
     chat = [c.summary() for c in sorted(chat_cells, key=lambda c: (c.concurrency, CHAT_SYSTEMS.index(c.system)))]
     ratio_rows = ratios(embed, chat, args.embed_concurrency)
-    header = [
-        "# OpenAI gateway vs Triton direct",
-        "",
-        f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before measuring {load}",
-        f"- command: `{' '.join(['python -m perf.bench.gateway_bench', *args.argv])}`",
-        (
-            f"- embeddings: {args.embed_concurrency} closed-loop clients (aiohttp, one loop), one text per request, "
-            f"{args.embed_duration:g} s windows x {args.rounds} round(s), systems interleaved; direct = POST "
-            f"/v2/models/{DIRECT_EMBED_MODEL}/infer on the front door, gateway = POST /v1/embeddings, "
-            "infinity / infinity_fp32 = infinity-emb's POST /embeddings (optimum engine, INT8 / FP32)"
-        ),
-        (
-            f"- chat: {args.max_tokens} new tokens (ignore_eos, greedy), {args.chat_requests} request(s) per client per "
-            f"window, concurrency {','.join(map(str, args.chat_concurrency))}, clients {args.chat_stagger_ms:g} ms apart; "
-            "direct = text_generation over gRPC (AsyncGenerationClient) on the port the gateway uses, gateway = "
-            "/v1/chat/completions SSE"
-        ),
+    lines = report.header("OpenAI gateway vs Triton direct", "perf.bench.gateway_bench", args.argv, load) + [
+        f"- embeddings: {args.embed_concurrency} closed-loop clients, one text per request, {args.embed_duration:g} s windows x "
+        f"{args.rounds} round(s), systems interleaved (what each system is: --help)",
+        f"- chat: {args.max_tokens} new tokens (ignore_eos, greedy), {args.chat_requests} request(s) per client per window, "
+        f"concurrency {','.join(map(str, args.chat_concurrency))}, clients {args.chat_stagger_ms:g} ms apart",
     ]
     if failure:
-        header.append(f"- stopped early: {failure}")
-    table = markdown(header, embed, chat, ratio_rows)
-    result = {
-        "command": ["python", "-m", "perf.bench.gateway_bench", *args.argv],
-        "load_average_before": load,
-        "cpus": os.cpu_count(),
-        "embeddings": embed,
-        "chat": chat,
-        "ratios": ratio_rows,
-        "error": failure,
-    }
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table)
+        lines.append(f"- stopped early: {failure}")
+    table = markdown(lines, embed, chat, ratio_rows)
+    command = ["python", "-m", "perf.bench.gateway_bench", *args.argv]
+    data = {"command": command, "load_average_before": load, "cpus": os.cpu_count(), "embeddings": embed, "chat": chat}
+    report.write(out, table, data | {"ratios": ratio_rows, "error": failure})
     print("\n" + table, flush=True)
     say(f"perf.bench.gateway_bench: results in {out}")
     complete = (args.no_embeddings or len(embed) == len(WORKLOADS) * len(args.embed_systems)) and (
         args.no_chat or len(chat) == len(args.chat_systems) * len(args.chat_concurrency)
     )
     return 0 if not failure and complete else 1
+
+
+def ratio(name: str, a, b, target: float | bool, above: bool, op: str = "/", digits: int = 1) -> dict[str, object]:
+    """One row of the ratios table: a / b (or a - b, ms: ``op`` "-"), against its target unless that is False."""
+    if op == "-":
+        value = round(a - b, 1) if a is not None and b is not None else None
+    else:
+        value = round(a / b, 3) if a and b else None
+    met = "" if value is None or target is False else ("yes" if (value >= target if above else value <= target) else "no")
+    detail = f"{report.fmt(a, digits, thousands=True)} {op} {report.fmt(b, digits, thousands=True)}" + (
+        " ms" if op == "-" else ""
+    )
+    target_text = "" if target is False else f"{'>=' if above else '<='} {target:g}"
+    return {"name": name, "value": value, "target": target_text, "met": met, "detail": detail}
+
+
+def ratios(embed: Sequence[dict], chat: Sequence[dict], concurrency: int) -> list[dict[str, object]]:
+    """The gateway's and the peers' ratios; the embeddings targets are written for 32 clients and checked there only."""
+    by = {(s["workload"], s["system"]): s for s in embed}
+    pairs = [(w, s, "direct", TARGET_EMBED) for w in WORKLOADS for s in EMBED_SYSTEMS[1:] if s not in PEER_SYSTEMS]
+    pairs += [("unique", s, peer, TARGET_VS_PEER) for peer in PEER_SYSTEMS for s in ("direct", "gateway")]
+    rows = []
+    for workload, ours, ref, (rps, p99) in pairs:
+        if (a := by.get((workload, ours))) and (b := by.get((workload, ref))):
+            name, checked = f"embeddings {workload}, {ours} / {ref}", concurrency == 32
+            rps_row = ratio(f"{name} throughput, c{concurrency}", a["requests_per_s"], b["requests_per_s"], checked and rps, True)
+            rows += [rps_row, ratio(f"{name} P99, c{concurrency}", a["p99_ms"], b["p99_ms"], checked and p99, False)]
+    cb = {(s["system"], s["concurrency"]): s for s in chat}
+    for c in sorted({s["concurrency"] for s in chat}):
+        if (g := cb.get(("gateway", c))) and (d := cb.get(("direct", c))):
+            for p, key in (("P50", "ttft_p50_ms"), ("P99", "ttft_p99_ms")):
+                rows.append(ratio(f"chat c{c}, gateway - direct TTFT {p} (ms)", g[key], d[key], TARGET_TTFT_MS, False, "-"))
+            tokens = g["tokens_per_s"], d["tokens_per_s"]
+            rows.append(ratio(f"chat c{c}, gateway / direct tokens/s", *tokens, TARGET_TOKENS, True, digits=2))
+    return rows
+
+
+def cells(s: dict, *keys: str) -> list[str]:
+    """A table row: each key's value, a figure with the decimals after a colon (``p50_ms:2``)."""
+    out = []
+    for key in keys:
+        name, _, digits = key.partition(":")
+        out.append(report.fmt(s[name], int(digits), thousands=True) if digits else str(s[name]))
+    return out + [f"{s['errors']}: {s['first_error'][:80]}" if s["errors"] else "0"]
+
+
+def markdown(lines: Sequence[str], embed: Sequence[dict], chat: Sequence[dict], ratio_rows: Sequence[dict]) -> str:
+    parts = ["\n".join(lines)]
+    if embed:
+        columns = ["embeddings", "workload", "concurrency", "requests/s", "P50 ms", "P99 ms", "max ms", "requests"]
+        keys = ["system", "workload", "concurrency", "requests_per_s:1", "p50_ms:2", "p99_ms:2", "max_ms:2", "requests"]
+        rows = [cells(s, *keys, "client_cpu_per_request_ms:3") for s in embed]
+        parts.append(report.table([*columns, "client CPU ms/request", "errors"], rows, left=2))
+    if chat:
+        columns = ["chat stream", "concurrency", "tokens/s", "TTFT P50 ms", "TTFT P99 ms", "TTFT max ms", "requests"]
+        keys = ["system", "concurrency", "tokens_per_s:2", "ttft_p50_ms:1", "ttft_p99_ms:1", "ttft_max_ms:1", "requests"]
+        rows = [cells(s | {"tokens": ",".join(map(str, s["tokens_per_request"]))}, *keys, "tokens") for s in chat]
+        parts.append(report.table([*columns, "tokens per request", "errors"], rows))
+    if ratio_rows:
+        rows = [[r["name"], report.fmt(r["value"], 3), r["target"], r["met"], r["detail"]] for r in ratio_rows]
+        parts.append(report.table(["ratio", "value", "target", "met", "from"], rows))
+    return "\n\n".join(parts) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

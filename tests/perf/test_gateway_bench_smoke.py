@@ -14,12 +14,13 @@ import json
 import pytest
 
 from perf.bench import gateway_bench
+from perf.bench.gateway_workloads import EMBED_SYSTEMS, WORKLOADS
 
 pytestmark = pytest.mark.perf
 
 
 def test_tiny_gateway_bench_measures_every_system(tmp_path):
-    out = tmp_path / "gateway.json"
+    out = tmp_path / "gateway"
     code = gateway_bench.main(
         [
             "--rounds",
@@ -38,13 +39,13 @@ def test_tiny_gateway_bench_measures_every_system(tmp_path):
             str(out),
         ]
     )
-    table = out.with_suffix(".md").read_text() if out.with_suffix(".md").is_file() else "(no table)"
+    table = (out / "summary.md").read_text() if (out / "summary.md").is_file() else "(no table)"
     assert code == 0, table
-    result = json.loads(out.read_text())
+    result = json.loads((out / "results.json").read_text())
     assert result["error"] == "", result["error"]
 
     embed = {(c["workload"], c["system"]): c for c in result["embeddings"]}
-    assert set(embed) == {(w, s) for w in gateway_bench.WORKLOADS for s in gateway_bench.EMBED_SYSTEMS}, table
+    assert set(embed) == {(w, s) for w in WORKLOADS for s in EMBED_SYSTEMS}, table
     for (workload, system), c in embed.items():
         where = f"{workload}/{system}: {c['first_error']}"
         assert c["errors"] == 0 and c["requests"] > 0 and c["requests_per_s"] > 0, where
@@ -72,5 +73,5 @@ def test_tiny_gateway_bench_measures_every_system(tmp_path):
         assert names[name]["value"] > 0, names.get(name)
     assert isinstance(names["chat c1, gateway - direct TTFT P50 (ms)"]["value"], float)
     assert "| ratio | value | target | met | from |" in table
-    assert out.with_name("gateway-tritonserver.log").is_file() and out.with_name("gateway-gateway-log.log").is_file()
-    assert out.with_name("gateway-infinity.log").is_file() and out.with_name("gateway-infinity_fp32.log").is_file()
+    logs = ("tritonserver", "gateway-quiet", "gateway-log", "peer-infinity", "peer-infinity_fp32")
+    assert all((out / f"{name}.log").is_file() for name in logs), sorted(p.name for p in out.iterdir())
