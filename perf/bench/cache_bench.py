@@ -43,16 +43,9 @@ def say(message: str) -> None:
 
 
 @dataclass
-class Phase:
-    name: str
-    model: str
-    requests: int
-    concurrency: int
-    seconds: float
-    throughput: float  # requests/s (one text each)
-    p50_ms: float = math.nan
-    p99_ms: float = math.nan
-    errors: int = 0
+class Phase(load.Window):
+    """One phase (``phase``: its name, ``workload``: the model it sends to) and what the cache did in it."""
+
     repeat_p50_ms: float | None = None  # requests whose text came earlier in the stream
     first_p50_ms: float | None = None  # first occurrences
     levels: dict[str, float | None] = field(default_factory=dict)  # hit rates (None: no lookups) and counts
@@ -109,16 +102,13 @@ def lookup_seconds(metrics_url: str) -> tuple[float, float]:
 def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: int, ranks: np.ndarray | None = None) -> Phase:
     say(f"cache_bench: {name}: {len(texts)} requests to {model} at concurrency {concurrency}")
     tally = drive(url, model, texts, concurrency)
-    figures = load.latency_ms(tally.ok)
-    p = Phase(name, model, len(texts), concurrency, round(tally.seconds, 2), round(len(tally.ok) / tally.seconds, 1))
-    p.p50_ms, p.p99_ms = (round(figures[k] or math.nan, 2) for k in ("p50_ms", "p99_ms"))
-    p.errors = tally.errors
+    p = Phase(name, model, concurrency, client="grpc asyncio")
+    p.take(tally)
     if ranks is not None:  # a request repeats when its sentence came earlier in the stream
         first = {int(r): i for i, r in reversed(list(enumerate(ranks)))}
         repeat = [ms for i, ms in zip(tally.ok_index, tally.ok) if first[int(ranks[i])] != i]
         once = [ms for i, ms in zip(tally.ok_index, tally.ok) if first[int(ranks[i])] == i]
-        p.repeat_p50_ms = round(1000 * percentile_of(repeat, 50), 2)
-        p.first_p50_ms = round(1000 * percentile_of(once, 50), 2)
+        p.repeat_p50_ms, p.first_p50_ms = 1000 * percentile_of(repeat, 50), 1000 * percentile_of(once, 50)
     return p
 
 
@@ -152,24 +142,27 @@ def markdown(phases: list[Phase], ratio: float, variant: str, args: argparse.Nam
         "",
     ]
 
+    def rate(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
     def f(v: float | None) -> str:
-        return "-" if v is None else (f"{v:.1%}" if isinstance(v, float) and v <= 1 else str(v))
+        return report.fmt(v, 2, missing="-")
 
     header = ["phase", "model", "req/s", "P50 ms", "P99 ms", "repeat P50 ms", "first-seen P50 ms", "L1 hit"]
     header += ["L2 hit (of L1 misses)", "Triton tokenizer hit", "errors"]
     rows = [
-        (p.name, p.model, p.throughput, p.p50_ms, p.p99_ms, "-" if p.repeat_p50_ms is None else p.repeat_p50_ms)
-        + ("-" if p.first_p50_ms is None else p.first_p50_ms, f(p.levels.get("l1_hit_rate")), f(p.levels.get("l2_hit_rate")))
-        + (f(p.levels.get("triton_tokenizer_hit_rate")), p.errors)
+        (p.phase, p.workload, report.fmt(p.rps), f(p.p50_ms), f(p.p99_ms), f(p.repeat_p50_ms), f(p.first_p50_ms))
+        + (rate(p.levels.get("l1_hit_rate")), rate(p.levels.get("l2_hit_rate")), rate(p.levels.get("triton_tokenizer_hit_rate")))
+        + (p.errors,)
         for p in phases
     ]
     lines.append(report.table(header, rows, left=2))
     hits = phases[-1]
     lines += [
         "",
-        f"**Throughput ratio with/without cache: {ratio:.2f}x** (P50 {phases[1].p50_ms} vs {phases[0].p50_ms} ms, "
-        f"P99 {phases[1].p99_ms} vs {phases[0].p99_ms} ms).",
-        f"**Cache-hit latency** (hits only, concurrency 1): client P50 {hits.p50_ms} ms, P99 {hits.p99_ms} ms; "
+        f"**Throughput ratio with/without cache: {ratio:.2f}x** (P50 {f(phases[1].p50_ms)} vs {f(phases[0].p50_ms)} ms, "
+        f"P99 {f(phases[1].p99_ms)} vs {f(phases[0].p99_ms)} ms).",
+        f"**Cache-hit latency** (hits only, concurrency 1): client P50 {f(hits.p50_ms)} ms, P99 {f(hits.p99_ms)} ms; "
         f"on the server (Triton statistics of {CACHED}) {hits.server_compute_us} µs compute and "
         f"{hits.server_queue_us} µs queue per request, of which the L1 lookup {hits.lookup_us} µs.",
     ]
@@ -225,11 +218,11 @@ def run(args: argparse.Namespace) -> int:
 
             top = [texts[r] for r in range(min(200, DISTINCT))] * max(1, args.hit_requests // 200)
             drive(server.grpc_url, CACHED, top[:200], 1)  # every one cached (computed if it never came up)
-            stats0, l0 = triton_stats.snapshot(server.triton.triton_http_url), lookup_seconds(server.metrics_url)
+            stats0, l0 = triton_stats.snapshot(server.triton_http_url), lookup_seconds(server.metrics_url)
             before = cache_counts(server.metrics_url)
             p = phase("hits only", CACHED, server.grpc_url, top, 1)
             p.levels = level_rates(before, cache_counts(server.metrics_url))
-            stats = triton_stats.per_request(stats0, triton_stats.snapshot(server.triton.triton_http_url), (CACHED,))[CACHED]
+            stats = triton_stats.per_request(stats0, triton_stats.snapshot(server.triton_http_url), (CACHED,))[CACHED]
             l1 = lookup_seconds(server.metrics_url)
             p.server_compute_us, p.server_queue_us = round(stats["compute_ms"] * 1000, 1), round(stats["queue_ms"] * 1000, 1)
             p.lookup_us = round((l1[0] - l0[0]) / max(l1[1] - l0[1], 1) * 1e6, 1)
@@ -237,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             server.__exit__(None, None, None)
 
-    ratio = phases[1].throughput / phases[0].throughput if phases[0].throughput else float("nan")
+    ratio = phases[1].rps / phases[0].rps if phases[0].rps and phases[1].rps else math.nan
     summary = markdown(phases, ratio, variant, args, repeat_fraction(ranks))
     data = {
         "args": vars(args),

@@ -22,9 +22,9 @@ def test_short_cache_bench_reports_every_phase_and_level(tmp_path):
     )
     assert rc == 0
     summary = json.loads((tmp_path / "results.json").read_text())
-    phases = {p["name"]: p for p in summary["phases"]}
+    phases = {p["phase"]: p for p in summary["phases"]}
     assert list(phases) == ["without cache", "with cache (cold start)", "new replica (empty L1, warm L2)", "hits only"]
-    assert all(p["errors"] == 0 and p["throughput"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"] for p in phases.values())
+    assert all(p["errors"] == 0 and p["rps"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"] for p in phases.values())
     assert summary["throughput_ratio"] > 0
     cold, replica, hits = (phases[n]["levels"] for n in list(phases)[1:])
     # Cold: the first occurrence of each sentence is computed by the model, and only those.
