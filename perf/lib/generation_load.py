@@ -1,8 +1,7 @@
-"""Load and records for streaming generation benchmarks: each request as its client saw it
-(``Stream``: send time, every response's arrival and tokens, finished, cancelled, error), a system at
-one concurrency (``Cell``: its windows; TTFT, ITL and tokens/s with the one percentile of
-perf.lib.stats), the prompts (``Workload``), what a system is (``System``), and the closed-loop
-window that drives one (``window``) and waits until it is idle (``wait_idle``)."""
+"""Load for streaming generation benchmarks: a system at one concurrency (``Cell``: its requests, each
+perf.lib.stats' ``Stream`` record, and its windows; TTFT, ITL and tokens/s with the one percentile),
+the prompts (``Workload``), what a system is (``System``), and the closed-loop window that drives
+one (``run_window``) and waits until it is idle (``wait_idle``)."""
 
 from __future__ import annotations
 
@@ -13,40 +12,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from perf.lib.stats import percentile
+from perf.lib.stats import Stream, inter_token, percentile
 
-if TYPE_CHECKING:  # imported where they are used: the in-process systems need neither
-    pass
-
-
-# --------------------------------------------------------------------------- records
-
-
-@dataclass
-class Stream:
-    """One request as its client saw it (perf_counter seconds)."""
-
-    system: str
-    concurrency: int
-    prompt_index: int
-    sent: float
-    events: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in that response)
-    finished: bool = False
-    cancelled: bool = False
-    error: str = ""
-
-    @property
-    def tokens(self) -> int:
-        return sum(n for _, n in self.events)
-
-    @property
-    def first(self) -> float | None:
-        return next((t for t, n in self.events if n > 0), None)
-
-    def add(self, tokens: int, at: float | None = None) -> None:
-        self.events.append((time.perf_counter() if at is None else at, tokens))
+__all__ = ["Cell", "Stream", "System", "Workload", "load_workload", "run_window", "wait_idle"]
 
 
 @dataclass
@@ -81,8 +51,7 @@ class Cell:
                 elif not s.error:
                     censored += 1
                     ttft.append(end - s.sent)  # still waiting at the window's end: a lower bound
-            for (t0, _), (t1, n) in itertools.pairwise(inside):
-                itl += [(t1 - t0) / n] * n
+            itl += inter_token(inside)
         ttft.sort()
         itl.sort()
 
@@ -109,9 +78,6 @@ class Cell:
             "errors": len(errors),
             "first_error": errors[0][:300] if errors else "",
         }
-
-
-# --------------------------------------------------------------------------- prompts
 
 
 @dataclass(frozen=True)
@@ -141,9 +107,6 @@ def load_workload(path: Path, tokenizer, quick: bool) -> Workload:
     return Workload(prompts, prefix_prompts, shared, [(p, n) for p, n in sized if n >= 400])
 
 
-# --------------------------------------------------------------------------- the systems
-
-
 class System:
     """A way to stream one request; ``stream`` is a coroutine cancelled at the window's end."""
 
@@ -166,9 +129,6 @@ class System:
         return None
 
 
-# --------------------------------------------------------------------------- measuring
-
-
 async def run_window(
     system: System,
     concurrency: int,
@@ -177,17 +137,12 @@ async def run_window(
     max_tokens: int,
     start_index: int,
     cell: Cell,
-    unique: bool = True,
     warmup: float = 0.0,
-) -> int:
+) -> None:
     """``concurrency`` closed-loop clients for ``warmup + duration`` s, prompts from ``start_index`` on,
-    cycled; what happens in the first ``warmup`` s is not measured (the cold-start burst: every client's
-    first prompt at once). Returns the next prompt index.
-
-    ``unique``: each request starts with a line naming it, so no prompt is ever seen twice and no
-    system's prefix cache (the engine's blocks, llama.cpp's slot cache) computes less than the
-    whole prompt; the checked-in prompts cycle, and without it the systems that cache across
-    requests would skip their prefills."""
+    cycled; the first ``warmup`` s are not measured (the cold-start burst: every client's first
+    prompt at once). Each request starts with a line naming it, so no system's prefix cache (the
+    engine's blocks, llama.cpp's slot cache) spares it the prompt's prefill as the prompts cycle."""
     counter = itertools.count(start_index)
     stop_at = time.perf_counter() + warmup + duration
 
@@ -197,9 +152,8 @@ async def run_window(
             record = Stream(system.key, concurrency, i % len(prompts), time.perf_counter())
             cell.streams.append(record)
             try:
-                prompt = prompts[i % len(prompts)]
                 label = f"request {system.key}-{time.monotonic_ns()}\n"  # never the same twice, any window
-                await system.stream(label + prompt if unique else prompt, max_tokens, record)
+                await system.stream(label + prompts[i % len(prompts)], max_tokens, record)
                 record.finished = True
             except asyncio.CancelledError:
                 record.cancelled = True
@@ -208,16 +162,14 @@ async def run_window(
                 record.error = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.05)
 
+    started = time.perf_counter() + warmup  # taken first: the clients' first requests are sent at once
     tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
-    await asyncio.sleep(warmup)
-    started = time.perf_counter()
-    await asyncio.sleep(duration)
+    await asyncio.sleep(started + duration - time.perf_counter())
     ended = time.perf_counter()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     cell.windows.append((started, ended))
-    return next(counter)
 
 
 def wait_idle(system: System, timeout: float) -> bool:

@@ -1,155 +1,146 @@
-"""The systems a generation benchmark streams from: the engine in process, Triton over HTTP SSE
-and gRPC, llama.cpp's llama-server and OpenVINO GenAI (the peers), with how each is started:
-the served precision and engine settings, the in-process engine, tritonserver with text_generation."""
+"""The systems a generation benchmark streams from, and how each is started: the engine in process,
+Triton's text_generation (and the naive server, which speaks its generate extension) through the
+project's client transport, llama.cpp's llama-server and OpenVINO GenAI (the peers); the served
+precision and engine settings, engines that share one set of weights, tritonserver with
+text_generation alone."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
+import dataclasses
 import itertools
 import json
-import logging
 import os
-import re
-import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from perf.lib.paths import ROOT
-
-if TYPE_CHECKING:  # imported where they are used: the in-process systems need neither
-    import subprocess
-
-    import aiohttp
-    import tritonclient.grpc.aio as grpcclient
+from typing import Any
 
 from perf.lib.generation_load import Stream, System
-
-log = logging.getLogger(__name__)
+from perf.lib.paths import ROOT
+from server.supervisor import ChildProcess, NotReady, free_port, http_status
 
 MODEL = "text_generation"
 DEFAULT_MODEL_DIR = ROOT / "model_repository" / MODEL / "1"
 PEERS = ("llama", "openvino")
 
 
-def _params(max_tokens: int) -> dict:
-    return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+async def _until_done(submit: Callable[[Callable[[Any], None]], Any], cancel: Callable[[Any], None]) -> None:
+    """Await a request another thread runs: ``submit(done)`` starts it and returns its handle, the
+    thread calls ``done(error or None)`` at its end; a cancelled wait calls ``cancel(handle)``."""
+    aio = asyncio.get_running_loop()
+    future = aio.create_future()
+
+    def done(error) -> None:
+        def finish() -> None:
+            if not future.done():
+                future.set_result(error)
+
+        aio.call_soon_threadsafe(finish)
+
+    handle = submit(done)
+    try:
+        error = await future
+    except asyncio.CancelledError:
+        cancel(handle)
+        raise
+    if error is not None:
+        raise RuntimeError(str(error))
 
 
 class EngineSystem(System):
-    def __init__(self, loop, key: str = "engine"):
-        self.key = key
+    """The engine in this process: requests go in through its EngineLoop's queue."""
+
+    key = "engine"
+
+    def __init__(self, loop):
         self.loop = loop  # python_backends.generation.engine_loop.EngineLoop
         self._ids = itertools.count()
 
     async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
         from python_backends.generation.sampling import SamplingParams
 
-        aio = asyncio.get_running_loop()
-        done = aio.create_future()
         rid = f"bench-{next(self._ids)}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-        def on_output(out) -> None:  # the engine's loop thread: stamp now, hand over the rest
-            record.add(len(out.token_ids))
-            if out.finished:
-                error = out.error
+        def submit(done) -> None:
+            def on_output(out) -> None:  # the engine's loop thread: stamp now
+                record.add(len(out.token_ids))
+                if out.finished:
+                    done(out.error)
 
-                def finish() -> None:
-                    if not done.done():
-                        done.set_result(error)
+            self.loop.submit(rid, prompt, params, on_output)
 
-                aio.call_soon_threadsafe(finish)
-
-        self.loop.submit(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), on_output)
-        try:
-            error = await done
-        except asyncio.CancelledError:
-            self.loop.abort(rid)
-            raise
-        if error is not None:
-            raise RuntimeError(str(error))
+        await _until_done(submit, lambda _: self.loop.abort(rid))
 
     def busy(self) -> bool:
         stats = self.loop.stats()
-        return bool(
-            stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0) or self.loop.engine.has_unfinished()
-        )
+        return bool(stats.get("num_requests_running") or stats.get("num_requests_waiting") or self.loop.engine.has_unfinished())
 
 
-async def _sse_events(session, url: str, body: dict):
-    """(arrival time, event) of each server-sent ``data:`` event of a streaming POST; a status
-    other than 200 or an ``error`` event raises."""
-    async with session.post(url, json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            yield now, event
+class TritonSystem(System):
+    """text_generation through the project's client transport (clients/generation): a gRPC stream
+    (``protocol`` grpc) or HTTP SSE ``generate_stream``, the served model's or the naive server's."""
 
-
-class SseSystem(System):
-    """Triton's generate_stream or the naive server (the same interface)."""
-
-    def __init__(self, key: str, url: str, busy: Callable[[], bool | None] = lambda: None, extra: dict | None = None):
-        self.key, self.url, self._busy, self.extra = key, url, busy, extra or {}
-        self.session: aiohttp.ClientSession | None = None
+    def __init__(self, key: str, url: str, protocol: str, busy: Callable[[], bool | None] = lambda: None):
+        self.key, self.url, self.protocol, self._busy = key, url, protocol, busy
+        self.connection: Any = None
 
     async def open(self) -> None:
-        import aiohttp
+        from clients.generation.request import GenerationOptions
+        from clients.transport import triton_client
 
-        self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_read=600), connector=aiohttp.TCPConnector(limit=0)
-        )
+        self.options = GenerationOptions.create(self.url, protocol=self.protocol, timeout_s=600)
+        if self.protocol == "grpc":
+            self.connection = triton_client("grpc", self.url, aio=True)
+        else:
+            import aiohttp
+
+            self.connection = aiohttp.ClientSession(f"http://{self.url}", connector=aiohttp.TCPConnector(limit=0))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.connection is not None:
+            await self.connection.close()
 
     async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
-        # "stream" as an input (top level): the served model answers in pieces only when asked;
-        # the naive server always streams on this endpoint and ignores it.
-        body = {"text_input": prompt, "stream": True, "parameters": {**_params(max_tokens), **self.extra}}
+        from clients.generation.grpc_transport import grpc_aio_stream
+        from clients.generation.http_transport import http_aio_stream
+        from clients.generation.request import GenerateRequest
+
+        request = GenerateRequest.prompt(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        transport = grpc_aio_stream if self.protocol == "grpc" else http_aio_stream
+        pieces, cancel = transport(self.options, self.connection, request, True)
         seen = 0
-        url = f"http://{self.url}/v2/models/{MODEL}/generate_stream"
-        async with contextlib.aclosing(_sse_events(self.session, url, body)) as events:  # a return closes the response
-            async for now, event in events:
-                if "num_output_tokens" in event:  # cumulative in the served model's responses
-                    n = int(event["num_output_tokens"]) - seen
-                    seen = int(event["num_output_tokens"])
-                else:  # the naive server: one event per token
-                    n = 1
-                record.add(n, now)
-                if event.get("finish_reason"):
-                    return
+        try:
+            async for piece in pieces:
+                if piece.num_output_tokens is not None:  # cumulative; an empty final response has none
+                    record.add(piece.num_output_tokens - seen)
+                    seen = piece.num_output_tokens
+        finally:
+            await cancel()  # ends the call (and the request, if it still runs)
+            await pieces.aclose()
 
     def busy(self) -> bool | None:
         return self._busy()
 
 
 class LlamaSystem(System):
-    """llama.cpp's llama-server on the same model (its GGUF), restarted with ``--parallel`` equal
-    to each window's concurrency and ``--cont-batching``; streams through its native
-    ``/completion`` endpoint with the prompt as the benchmark templated it (one event per token)."""
+    """llama.cpp's llama-server on the peers' GGUF, restarted with ``--parallel`` equal to each window's
+    concurrency and ``--cont-batching``; its native ``/completion`` stream (one event per token) of the
+    prompt as the benchmark templated it."""
 
     key = "llama"
     CONTEXT_PER_SLOT = 2048  # tokens of KV per parallel slot: the longest prompt plus max_tokens
 
-    def __init__(self, binary: Path, model: Path, log_path: Path, threads: int | None = None):
-        self.binary, self.model, self.log_path = binary, model, log_path
-        self.threads = threads or os.cpu_count() or 1
-        self.process: subprocess.Popen | None = None
+    def __init__(self, binary: Path, model: Path, log_path: Path):
+        self.binary, self.model = binary, model
+        self.child = ChildProcess("llama-server", log_path, grace=10)
         self.parallel = 0
         self.url = ""
-        self.session: aiohttp.ClientSession | None = None
+        self.session: Any = None
 
     async def open(self) -> None:
         import aiohttp
@@ -161,56 +152,34 @@ class LlamaSystem(System):
         )
 
     async def prepare(self, concurrency: int) -> None:
-        if self.process is not None and self.process.poll() is None and self.parallel == concurrency:
+        if self.child.running() and self.parallel == concurrency:
             return
-        self._stop()
-        import subprocess
-
-        from server.process import free_port
-
+        self.child.stop()
         port = free_port()
-        cmd = [
-            str(self.binary),
-            "-m",
-            str(self.model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--parallel",
-            str(concurrency),
-            "--cont-batching",
-            "-t",
-            str(self.threads),
-            "-c",
-            str(self.CONTEXT_PER_SLOT * concurrency),
-            "--no-webui",
-            "--slots",
-        ]
-        with self.log_path.open("a") as log:
-            log.write(f"\n$ {' '.join(cmd)}\n")
-            log.flush()
-            process = self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.parallel, self.url = concurrency, f"127.0.0.1:{port}"
-        assert self.session is not None  # open() comes before prepare()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {process.returncode} (log {self.log_path})")
-            try:
-                async with self.session.get(f"http://{self.url}/health") as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            await asyncio.sleep(0.2)
-        raise RuntimeError(f"llama-server not ready after 120 s (log {self.log_path})")
+        self.child.start(
+            [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(concurrency)]
+            + ["--cont-batching", "-t", str(os.cpu_count() or 1), "-c", str(self.CONTEXT_PER_SLOT * concurrency)]
+            + ["--no-webui", "--slots"]
+        )
+        try:
+            await asyncio.to_thread(self.child.wait_ready, lambda: http_status(f"http://{self.url}/health") == 200, 120)
+        except NotReady as exc:
+            raise RuntimeError(f"llama-server {exc} (log {self.child.log_path})") from None
 
     async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         seen = 0
-        async with contextlib.aclosing(_sse_events(self.session, f"http://{self.url}/completion", body)) as events:
-            async for now, event in events:
+        async with self.session.post(f"http://{self.url}/completion", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
                 if event.get("stop"):
                     predicted = int(event.get("tokens_predicted") or seen)
                     if predicted > seen:
@@ -220,10 +189,8 @@ class LlamaSystem(System):
                 record.add(1, now)
 
     def busy(self) -> bool | None:
-        """Whether a slot is still processing (llama-server's /slots): a cancelled stream's slot must
-        be free before the next window, or llama.cpp would take cores from the next system."""
-        import urllib.request
-
+        """Whether a slot still works (llama-server's /slots): a cancelled stream's slot must be free
+        before the next window, or llama.cpp would take cores from the next system."""
         try:
             with urllib.request.urlopen(f"http://{self.url}/slots", timeout=5) as r:
                 return any(slot.get("is_processing") for slot in json.loads(r.read()))
@@ -234,25 +201,15 @@ class LlamaSystem(System):
         except (OSError, ValueError):
             return None
 
-    def _stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it is killed instead
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
     async def close(self) -> None:
-        self._stop()
+        self.child.stop()
         if self.session is not None:
             await self.session.close()
 
 
 class OpenVinoSystem(System):
     """OpenVINO GenAI's ContinuousBatchingPipeline in this process (perf/baselines/openvino_genai.py) on
-    the peer's GGUF, fed the benchmark's templated prompt as token ids."""
+    the peers' GGUF, fed the benchmark's templated prompt as token ids."""
 
     key = "openvino"
 
@@ -260,25 +217,8 @@ class OpenVinoSystem(System):
         self.pipeline, self.tokenizer = pipeline, tokenizer
 
     async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
-        aio = asyncio.get_running_loop()
-        done = aio.create_future()
-
-        def on_done(error: str | None) -> None:  # the pipeline's thread
-            def finish() -> None:
-                if not done.done():
-                    done.set_result(error)
-
-            aio.call_soon_threadsafe(finish)
-
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        rid = self.pipeline.submit(ids, max_tokens, lambda n, at: record.add(n, at), on_done)
-        try:
-            error = await done
-        except asyncio.CancelledError:
-            self.pipeline.cancel(rid)
-            raise
-        if error is not None:
-            raise RuntimeError(error)
+        await _until_done(lambda done: self.pipeline.submit(ids, max_tokens, record.add, done), self.pipeline.cancel)
 
     def busy(self) -> bool:
         return self.pipeline.busy()
@@ -287,88 +227,27 @@ class OpenVinoSystem(System):
         self.pipeline.close()
 
 
-class GrpcSystem(System):
-    key = "grpc"
+def served_gauges(metrics_url: str) -> dict[str, float]:
+    """The served model's gauges on tritonserver's metrics port, by name (llm_num_requests_running, ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    def __init__(self, url: str, busy: Callable[[], bool | None] = lambda: None):
-        self.url, self._busy = url, busy
-        self.client: grpcclient.InferenceServerClient | None = None
-        self._ids = itertools.count()
-
-    async def open(self) -> None:
-        import tritonclient.grpc.aio as grpcclient
-
-        self.client = grpcclient.InferenceServerClient(self.url)
-
-    async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-
-    def _inputs(self, prompt: str, max_tokens: int):
-        import numpy as np
-        import tritonclient.grpc.aio as grpcclient
-
-        values = {
-            "text_input": np.array([prompt.encode()], dtype=object),
-            "stream": np.array([True]),
-            "exclude_input_in_output": np.array([True]),
-            "return_finish_reason": np.array([True]),
-            "return_num_output_tokens": np.array([True]),
-            "sampling_parameters": np.array([json.dumps(_params(max_tokens)).encode()], dtype=object),
-        }
-        inputs = []
-        for name, value in values.items():
-            t = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == object else "BOOL")
-            t.set_data_from_numpy(value)
-            inputs.append(t)
-        return inputs
-
-    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
-        inputs = self._inputs(prompt, max_tokens)
-        rid = f"bench-{next(self._ids)}"
-
-        async def requests():
-            yield {"model_name": MODEL, "inputs": inputs, "request_id": rid}
-
-        assert self.client is not None  # open() came first
-        responses = self.client.stream_infer(inputs_iterator=requests())
-        seen = 0
-        try:
-            async for result, error in responses:
-                now = time.perf_counter()
-                if error is not None:
-                    raise RuntimeError(f"stream error: {error}")
-                count = result.as_numpy("num_output_tokens")
-                total = int(count.reshape(-1)[0]) if count is not None else seen + 1
-                record.add(total - seen, now)
-                seen = total
-                reason = result.as_numpy("finish_reason")
-                if reason is not None and reason.reshape(-1)[0] not in (b"", "", None):
-                    return
-        finally:
-            responses.cancel()  # ends the call (and the request, if it still runs)
-
-    def busy(self) -> bool | None:
-        return self._busy()
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        families = list(text_string_to_metric_families(r.read().decode()))
+    return {s.name: s.value for f in families if f.type == "gauge" for s in f.samples if s.labels.get("model") == MODEL}
 
 
 def triton_busy(metrics_url: str) -> Callable[[], bool | None]:
-    """A probe of the served model's running/waiting gauges on the metrics port (None when absent)."""
-    pattern = re.compile(r"^(\w*(?:running|waiting)\w*)\{[^}]*model=\"" + MODEL + r"\"[^}]*\}\s+(\S+)", re.MULTILINE)
+    """A probe of the served model's running and waiting gauges (None: not there)."""
 
     def probe() -> bool | None:
         try:
-            with urllib.request.urlopen(metrics_url, timeout=5) as r:
-                text = r.read().decode()
+            gauges = served_gauges(metrics_url)
         except OSError:
             return None
-        values = [float(v) for name, v in pattern.findall(text) if "seconds" not in name]
-        return None if not values else any(v > 0 for v in values)
+        values = [gauges[k] for k in ("llm_num_requests_running", "llm_num_requests_waiting") if k in gauges]
+        return any(v > 0 for v in values) if values else None
 
     return probe
-
-
-# --------------------------------------------------------------------------- set-up
 
 
 def resolve_precision(repository: Path, precision: str) -> tuple[str | None, str]:
@@ -386,8 +265,7 @@ def served_engine_settings(repository: Path, config_name: str | None = None) -> 
     from ops.configs import config_from_disk
     from python_backends.generation.serving import engine_settings
 
-    path = repository / MODEL / "config.pbtxt"
-    if not path.is_file():
+    if not (repository / MODEL / "config.pbtxt").is_file():
         return {}
     cfg = ModelConfig(config_from_disk(repository, MODEL, config_name))
     settings = engine_settings(cfg.param, cfg.param_int, cfg.param_bool)
@@ -396,32 +274,53 @@ def served_engine_settings(repository: Path, config_name: str | None = None) -> 
     return settings
 
 
-def start_engine(model_dir: Path, settings: dict):
+def start_engine(settings: dict, model_dir: Path = DEFAULT_MODEL_DIR):
+    """An LLMEngine on the CPU with ``settings`` (EngineConfig's fields)."""
     from python_backends.generation.engine import EngineConfig, LLMEngine
-    from python_backends.generation.engine_loop import EngineLoop
 
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), device="cpu", **settings))
-    return engine, EngineLoop(engine)
+    return LLMEngine(EngineConfig(model_dir=str(model_dir), device="cpu", **settings))
 
 
-def start_triton(model_dir: Path, workdir: Path, config_name: str | None = None):
-    """tritonserver with only text_generation (the launcher's code path, front door included).
+def engine_variant(engine, **changes):
+    """An engine sharing ``engine``'s weights and tokenizer, its config changed as ``changes`` say."""
+    from python_backends.generation.engine import LLMEngine
 
-    With --model-dir elsewhere than the version folder, a temporary repository holds the
-    model's config.pbtxt and model.py with links to those weights."""
+    return LLMEngine(dataclasses.replace(engine.config, **changes), weights=engine.weights, tokenizer=engine.tokenizer)
+
+
+def run_together(engine, prompts: Sequence[str], params, tag: str) -> dict[str, Any]:
+    """``prompts`` added to ``engine`` at once and stepped to the end in this thread: per request its
+    output ids and (arrival, tokens) of each step's output, the start and the wall time, and how much
+    each of the engine's counters grew (steps, prompt_tokens_computed, spec_draft_tokens, ...)."""
+    before = collections.Counter(engine.counters)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    arrivals: dict[str, list[tuple[float, int]]] = {rid: [] for rid in ids}
+    start = time.perf_counter()
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.token_ids:
+                tokens[out.request_id].extend(out.token_ids)
+                arrivals[out.request_id].append((now, len(out.token_ids)))
+    wall = time.perf_counter() - start
+    grown = collections.Counter(engine.counters)
+    grown.subtract(before)
+    return {
+        "tokens": [tokens[r] for r in ids],
+        "arrivals": [arrivals[r] for r in ids],
+        "start": start,
+        "wall": wall,
+        "counters": grown,
+    }
+
+
+def start_triton(workdir: Path, config_name: str | None = None):
+    """tritonserver with only text_generation (the launcher's code path, front door included), started
+    (a server.deployment.Deployment: wait_ready(), then stop(logs_to=))."""
     from perf.lib.deployment import server_deployment
 
-    repository = ROOT / "model_repository"
-    if model_dir.resolve() != DEFAULT_MODEL_DIR.resolve():
-        repository = workdir / "repository"
-        version = repository / MODEL / "1"
-        version.mkdir(parents=True)
-        shutil.copy(ROOT / "model_repository" / MODEL / "config.pbtxt", repository / MODEL / "config.pbtxt")
-        if (ROOT / "model_repository" / MODEL / "configs").is_dir():
-            shutil.copytree(ROOT / "model_repository" / MODEL / "configs", repository / MODEL / "configs")
-        for f in (ROOT / "model_repository" / MODEL / "1").glob("*.py"):
-            shutil.copy(f, version / f.name)
-        for f in model_dir.iterdir():
-            (version / f.name).symlink_to(f.resolve())
-    server = server_deployment((MODEL,), workdir, model_repository=repository, model_config_name=config_name).triton
-    return server.start()
+    return server_deployment((MODEL,), workdir, model_config_name=config_name).start()
