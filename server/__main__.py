@@ -1,29 +1,26 @@
-"""`python -m server`: export what is missing, start tritonserver, wait until ready, serve.
+"""`python -m server`: export what is missing, start tritonserver behind its doors with the
+OpenAI gateway, wait until ready, serve (server/cli.py's run with one replica).
 
 Exits 0 after a clean shutdown (Ctrl-C or SIGTERM), non-zero with the tail of the server
-log when a model fails to load or the server dies.
+log when a model fails to load or the front door dies; a tritonserver or a gateway that dies
+is restarted with backoff (the replica role exits instead: its container is restarted).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import threading
-import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from python_backends.redaction import redact_url
-from server.cli import add_serving_options, env_int, stop_on_signals
+from server.cli import Preset, add_serving_options, env_int, run
 from server.deployment import Deployment, DeploymentOptions
-from server.frontdoor import FrontDoorError
-from server.gateway import GatewayError, GatewayOptions
+from server.gateway import GatewayOptions
 from server.layout import ROOT, check_home
-from server.models import default_models, openai_models
-from server.process import ServerError, ServerOptions
-from server.repository_prep import RepositoryNotWritable, export_missing, resolve_precision
-from server.repository_prep import prepare as prepare_repository
+from server.models import openai_models
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,6 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         host_help="address to bind (default 127.0.0.1)",
         workdir=ROOT / ".triton",
         workdir_help="where the server is laid out and logs go",
+        gateway_port_help="the OpenAI-compatible gateway's port (default 8080; docs/openai-gateway.md)",
     )
     p.add_argument(
         "--role",
@@ -96,12 +94,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("GATEWAY_HOST", "127.0.0.1"),
         help="the OpenAI-compatible gateway's address (default 127.0.0.1, whatever --host is)",
     )
-    p.add_argument(
-        "--gateway-port",
-        type=int,
-        default=env_int("GATEWAY_PORT", 8080),
-        help="the OpenAI-compatible gateway's port (default 8080; docs/openai-gateway.md)",
-    )
     p.add_argument("--quiet", action="store_true", help="do not echo the server log (it is still written to --workdir)")
     p.add_argument("--log-verbose", type=int, default=0)
     args = p.parse_args(argv)
@@ -141,19 +133,20 @@ def _rollout_line(path: Path) -> str:
     return f"weights {format_weights(state.weights)}, versions {state.loaded} ({state.phase}, from {path})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    if not args.no_export and not export_missing(args.model_repository):
-        print("serve: export failed; not starting the server", file=sys.stderr)
-        return 1
-    models = tuple(args.models or default_models(args.model_repository))
-    try:
-        config_name, served = resolve_precision(args.model_repository, models, args.precision, args.tritonserver_home)
-    except ValueError as exc:
-        print(f"serve: {exc}", file=sys.stderr)
-        return 2
-    options = ServerOptions(
+def deployment_options(args: argparse.Namespace, models: tuple[str, ...], config_name: str | None) -> DeploymentOptions:
+    served_openai = [] if args.no_gateway else openai_models(args.model_repository, models)
+    gateway = None
+    if served_openai:
+        gateway = GatewayOptions(
+            triton_grpc_url="",  # tritonserver's own gRPC port, set by the deployment at start
+            host=args.gateway_host,
+            port=args.gateway_port,
+            model_repository=args.model_repository,
+            api_key_file=args.gateway_api_key_file,
+            workdir=args.workdir,
+            drain_timeout=args.drain_timeout,
+        )
+    return DeploymentOptions(
         model_repository=args.model_repository,
         workdir=args.workdir,
         models=models,
@@ -164,114 +157,76 @@ def main(argv: list[str] | None = None) -> int:
         cache_size_bytes=args.cache_size_mb * 1024 * 1024,
         log_verbose=args.log_verbose,
         model_config_name=config_name,
-        env={"EMBEDDING_CACHE_L2_REDIS_URL": args.redis_url} if args.redis_url else {},
+        redis_url=args.redis_url or None,
         front_door=not args.no_front_door,
         triton_http_port=args.triton_http_port,
         triton_grpc_port=args.triton_grpc_port,
         triton_metrics_port=args.triton_metrics_port,
         max_body_bytes=args.max_body_mb * 1024 * 1024,
         drain_timeout=args.drain_timeout,
+        ready_timeout=args.ready_timeout,
         summary_latencies=args.summary_latencies,
         tritonserver_home=args.tritonserver_home,
-    )
-    from ops.repository import ensure_token
-
-    options.repository_token = ensure_token(args.repository_token_file)
-    options.rollout_state = args.rollout_state
-    # The lanes rendered and the rollout state read once, before anything starts.
-    try:
-        repository = prepare_repository(args.model_repository, models, args.rollout_state)
-    except RepositoryNotWritable as exc:
-        print(f"serve: {exc}", file=sys.stderr)
-        return 2
-    served_openai = [] if args.no_gateway else openai_models(args.model_repository, models)
-    gateway_options = None
-    if served_openai:
-        if not os.environ.get("GATEWAY_API_KEYS", "").strip():
-            from openai_gateway.auth import ensure_key_file
-
-            ensure_key_file(args.gateway_api_key_file)
-        gateway_options = GatewayOptions(
-            triton_grpc_url="",  # tritonserver's own gRPC port, set by the deployment at start
-            host=args.gateway_host,
-            port=args.gateway_port,
-            model_repository=args.model_repository,
-            api_key_file=args.gateway_api_key_file,
-            workdir=args.workdir,
-            drain_timeout=args.drain_timeout,
-        )
-    deployment = Deployment(DeploymentOptions(options, gateway_options), echo=None if args.quiet else sys.stdout)
-    server = deployment.triton
-    stop = stop_on_signals(
-        "serve",
-        f"draining in-flight requests (at most {args.drain_timeout:.0f} s each for the front door and tritonserver), "
-        "then stopping",
+        rollout_state=args.rollout_state,
+        gateway=gateway,
+        # A replica's container is restarted by its orchestrator, which the probe port tells.
+        restart=args.role != "replica",
     )
 
-    started = threading.Event()
-    probe_port = None
-    if args.role == "replica":
-        from server.health_port import ProbePort, Probes
-        from server.supervisor import http_status
 
-        probes = Probes(
-            models=models,
-            health_dir=server.health_dir,
-            triton_status=lambda path: http_status(f"http://{server.triton_http_url}{path}", 2.0),
-            running=lambda: server.process is not None and server.process.poll() is None,
-            started=started.is_set,
-            watchdog_alive=lambda: server.watchdog is not None and server.watchdog.alive(),
-        )
-        probe_port = ProbePort(args.probe_host, args.probe_port, probes).start()
-    try:
-        deployment.start(repository)
-    except FrontDoorError as exc:
-        print(f"serve: {exc}", file=sys.stderr)
-        return 1
+def probe_port(args: argparse.Namespace, deployment: Deployment, _stop: threading.Event):
+    """The replica role's probe port (server/health_port.py), up before tritonserver starts."""
+    if args.role != "replica":
+        return None
+    from server.health_port import ProbePort, Probes
+    from server.supervisor import http_status
+
+    def server():
+        return deployment.triton
+
+    probes = Probes(
+        models=deployment.options.models,
+        health_dir=deployment.health_dir,
+        triton_status=lambda path: http_status(f"http://{server().http_url}{path}", 2.0),
+        running=lambda: server().process is not None and server().process.poll() is None,
+        started=lambda: deployment.replicas[0].state == "ready",
+        watchdog_alive=lambda: server().watchdog is not None and server().watchdog.alive(),
+    )
+    return ProbePort(args.probe_host, args.probe_port, probes).start()
+
+
+def ready_screen(deployment: Deployment, args: argparse.Namespace, served: Mapping[str, str]) -> str:
+    options, server = deployment.options, deployment.triton
     gateway = deployment.gateway
-    try:
-        server.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
-    except ServerError as exc:
-        deployment.stop()
-        if stop.is_set():
-            print("serve: stopped before the server was ready", flush=True)
-            return 0
-        print(f"\nserve: {exc}\n--- last lines of {server.log_path} ---\n{exc.log_tail}", file=sys.stderr)
-        return 1
-    started.set()
     if gateway is not None:
-        try:
-            gateway.wait_ready(timeout=60, should_stop=stop.is_set)
-        except GatewayError as exc:
-            print(f"serve: {exc}", file=sys.stderr)
-            deployment.stop()
-            return 1
+        names = ", ".join(openai_models(args.model_repository, options.models))
         gateway_line = (
-            f"  OpenAI   {gateway.url}/v1  models {', '.join(served_openai)}; API key: Authorization: "
+            f"  OpenAI   {gateway.url}/v1  models {names}; API key: Authorization: "
             f"Bearer <key>, key in {gateway.key_source} (docs/openai-gateway.md)\n"
         )
     else:
         gateway_line = (
             "  OpenAI   off (--no-gateway)\n" if args.no_gateway else "  OpenAI   off: no embedding or generation model loaded\n"
         )
-    if server.front_door is not None:
+    if deployment.front_door is not None:
+        o = server.options
         door = (
             f"  front door  nginx checks every HTTP inference request (docs/security.md); "
-            f"tritonserver itself on 127.0.0.1 at HTTP {options.triton_http_port}, "
-            f"gRPC {options.triton_grpc_port}, metrics {options.triton_metrics_port} (internal)\n"
+            f"tritonserver itself on 127.0.0.1 at HTTP {o.http_port}, "
+            f"gRPC {o.grpc_port}, metrics {o.metrics_port} (internal)\n"
         )
-    elif probe_port is not None:
+    elif args.role == "replica":
         door = (
             f"  role     replica: tritonserver on the public ports, no doors (a front door of its own is in front); "
-            f"probes http://{args.probe_host}:{probe_port.port}/v2/health/ready and /v2/health/live\n"
+            f"probes http://{args.probe_host}:{args.probe_port}/v2/health/ready and /v2/health/live\n"
         )
     else:
         door = "  front door  OFF (--no-front-door): tritonserver itself on the public ports, undefended\n"
-    print(
+    return (
         "\nserve: ready\n"
-        f"  HTTP     http://{server.http_url}  (e.g. curl http://{server.http_url}/v2/models/text_embedding)\n"
-        f"  gRPC     {server.grpc_url}\n"
-        f"  metrics  {server.metrics_url}  (GET only)\n"
+        f"  HTTP     http://{deployment.http_url}  (e.g. curl http://{deployment.http_url}/v2/models/text_embedding)\n"
+        f"  gRPC     {deployment.grpc_url}\n"
+        f"  metrics  {deployment.metrics_url}  (GET only)\n"
         f"{gateway_line}"
         f"{door}"
         f"  models   {', '.join(options.models)}\n"
@@ -281,24 +236,27 @@ def main(argv: list[str] | None = None) -> int:
         f"  repository API  needs header triton-repository-token (token in {_token_source(args)})\n"
         f"  rollout  {_rollout_line(args.rollout_state)}\n"
         f"  log      {server.log_path}\n"
-        "  Ctrl-C to stop.",
-        flush=True,
+        "  Ctrl-C to stop."
     )
-    while not stop.is_set():
-        failure = deployment.failure()
-        if failure is not None:
-            print(f"serve: {failure}", file=sys.stderr)
-            if probe_port is not None:
-                probe_port.stop()
-            deployment.stop()
-            return 1
-        stop.wait(0.5)
-    stopping_since = time.monotonic()
-    if probe_port is not None:
-        probe_port.stop()
-    code = deployment.stop()
-    print(f"serve: tritonserver stopped (exit code {code}) after {time.monotonic() - stopping_since:.1f} s", flush=True)
-    return 0
+
+
+SERVE = Preset(
+    prog="serve",
+    options=deployment_options,
+    stopping=lambda args: (
+        f"draining in-flight requests (at most {args.drain_timeout:.0f} s each for the front door and tritonserver), "
+        "then stopping"
+    ),
+    screen=ready_screen,
+    stopped=lambda code, seconds: f"serve: tritonserver stopped (exit code {code}) after {seconds:.1f} s",
+    echo=lambda args: None if args.quiet else sys.stdout,
+    companion=probe_port,
+    tritonserver_home=lambda args: args.tritonserver_home,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv), SERVE)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,31 @@
-"""The command-line options that ``python -m server`` (make serve) and ``python -m server.cluster``
-(make serve-cluster) share: the public ports, the models and their variant, the caches, the
-repository token and rollout state, the body limit, the drain and readiness waits, the gateway's
-port and key file, and export. Each takes its default from the same environment variable in
-both, and a bad value in the environment stops the command naming the variable."""
+"""The command line of ``python -m server`` (make serve, one tritonserver) and ``python -m
+server.cluster`` (make serve-cluster, a pool of replicas): the options both take (the public
+ports, the models and their variant, the caches, the repository token and rollout state, the
+body limit, the drain and readiness waits, the gateway's port and key file, and export), each
+with its default from the same environment variable in both (a bad value in the environment
+stops the command naming the variable), and ``run``, the one main both are presets of: export,
+a Deployment (server/deployment.py) started, its first screen, watched until Ctrl-C or SIGTERM
+or a part that died for good, then stopped in order."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
+import sys
 import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from export.variants import PRECISION_CHOICES
+from server.deployment import Deployment, DeploymentOptions
 from server.layout import ROOT
 from server.models import DEFAULT_MODELS
-from server.process import DEFAULT_CACHE_SIZE_MB
+from server.process import DEFAULT_CACHE_SIZE_MB, ServerError
 
 
 def env_number(name: str, default, kind=int, expected: str = "an integer"):
@@ -51,7 +61,9 @@ def stop_on_signals(prog: str, what: str) -> threading.Event:
     return stop
 
 
-def add_serving_options(p: argparse.ArgumentParser, *, host_help: str, workdir: Path, workdir_help: str) -> None:
+def add_serving_options(
+    p: argparse.ArgumentParser, *, host_help: str, workdir: Path, workdir_help: str, gateway_port_help: str
+) -> None:
     """The options both commands take, with the same names, defaults and environment variables."""
     p.add_argument("--host", default=os.environ.get("TRITON_HOST", "127.0.0.1"), help=host_help)
     p.add_argument("--http-port", type=int, default=env_int("TRITON_HTTP_PORT", 8000))
@@ -118,5 +130,92 @@ def add_serving_options(p: argparse.ArgumentParser, *, host_help: str, workdir: 
         help="the gateway's API keys when $GATEWAY_API_KEYS is empty; created with a new key (mode 0600) "
         "when missing (default .triton/gateway-api-key)",
     )
+    p.add_argument("--gateway-port", type=int, default=env_int("GATEWAY_PORT", 8080), help=gateway_port_help)
     p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
+
+
+@dataclass
+class Preset:
+    """What one command makes of ``run``: its name in messages, its Deployment's options from its
+    arguments (with the models and the variant chosen), the line SIGTERM prints, the first screen
+    and the last line."""
+
+    prog: str
+    options: Callable[[argparse.Namespace, tuple[str, ...], str | None], DeploymentOptions]
+    stopping: Callable[[argparse.Namespace], str]
+    screen: Callable[[Deployment, argparse.Namespace, Mapping[str, str]], str]
+    stopped: Callable[[int | None, float], str]
+    echo: Callable[[argparse.Namespace], TextIO | None] = lambda args: None
+    # Started before the deployment and stopped after it (the replica role's probe port).
+    companion: Callable[[argparse.Namespace, Deployment, threading.Event], object] | None = None
+    tritonserver_home: Callable[[argparse.Namespace], Path | None] = lambda args: None
+
+
+def run(args: argparse.Namespace, preset: Preset) -> int:
+    """Export what is missing, start the deployment, wait until ready, serve until stopped.
+    Exits 0 after a clean stop (Ctrl-C or SIGTERM), 1 when a part fails or dies for good with
+    nothing to restart it, 2 for a bad choice of models or variant."""
+    from ops.repository import ensure_token
+    from server.frontdoor import FrontDoorError
+    from server.prometheus import PrometheusError
+    from server.redis_process import RedisError
+    from server.repository_prep import RepositoryNotWritable, export_missing, resolve_precision
+    from server.repository_prep import prepare as prepare_repository
+
+    prog = preset.prog
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    if not args.no_export and not export_missing(args.model_repository):
+        print(f"{prog}: export failed; not starting the server", file=sys.stderr)
+        return 1
+    from server.models import default_models
+
+    models = tuple(args.models or default_models(args.model_repository))
+    try:
+        config_name, served = resolve_precision(args.model_repository, models, args.precision, preset.tritonserver_home(args))
+        # The lanes rendered and the rollout state read before anything starts (and again
+        # before each start of a replica: the state may move on).
+        prepare_repository(args.model_repository, models, args.rollout_state)
+        options = preset.options(args, models, config_name)
+    except (ValueError, RepositoryNotWritable) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    options.repository_token = ensure_token(args.repository_token_file)
+    stop = stop_on_signals(prog, preset.stopping(args))
+
+    def event(message: str) -> None:
+        now = time.time()
+        print(f"{prog}: {time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {message}", flush=True)
+
+    deployment = Deployment(options, echo=preset.echo(args), on_event=event)
+    companion = preset.companion(args, deployment, stop) if preset.companion is not None else None
+
+    def stop_all() -> int | None:
+        code = deployment.stop()
+        if companion is not None:
+            companion.stop()  # type: ignore[attr-defined]
+        return code
+
+    try:
+        deployment.start()
+        deployment.wait_ready(timeout=args.ready_timeout, should_stop=stop.is_set)
+    except (ServerError, FrontDoorError, PrometheusError, RedisError, OSError) as exc:
+        stop_all()
+        if stop.is_set():
+            print(f"{prog}: stopped before the deployment was ready", flush=True)
+            return 0
+        tail, where = getattr(exc, "log_tail", ""), getattr(exc, "log_path", None) or "the logs"
+        print(f"\n{prog}: {exc}" + (f"\n--- last lines of {where} ---\n{tail}" if tail else ""), file=sys.stderr)
+        return 1
+    print(preset.screen(deployment, args, served), flush=True)
+    while not stop.is_set():
+        failure = deployment.failure()
+        if failure is not None:
+            print(f"{prog}: {failure}", file=sys.stderr)
+            stop_all()
+            return 1
+        stop.wait(0.5)
+    stopping_since = time.monotonic()
+    code = stop_all()
+    print(preset.stopped(code, time.monotonic() - stopping_since), flush=True)
+    return 0

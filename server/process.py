@@ -1,7 +1,8 @@
-"""Start, watch and stop one local tritonserver process, with its front door and gRPC door.
+"""Start, watch and stop one local tritonserver process, with its stub watchdog.
 
-Used by ``make serve`` (``python -m server``), serve-cluster's replicas and the integration
-tests' fixture, so all run the server exactly the same way. The process itself is a
+Every deployment's replicas are these (server/deployment.py: ``make serve``, serve-cluster, the
+integration tests' fixture and the perf harness), so all run the server exactly the same way;
+the doors in front of them are the deployment's (server/doors.py). The process itself is a
 server.supervisor.ChildProcess; the repository is prepared before (server/repository_prep.py).
 """
 
@@ -19,12 +20,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Self, TextIO
 
 from contract.prose import triton_live_models
 from ops.repository import TOKEN_HEADER
-from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts
-from server.grpc_door_process import GrpcDoor
 from server.layout import ROOT, ServerLayout, prepare
 from server.models import DEFAULT_MODELS, closure, default_models, with_dependencies  # noqa: F401 (tests, perf/)
 from server.repository_prep import Prepared
@@ -36,11 +35,12 @@ log = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
-    """The server did not come up; ``log_tail`` holds the end of its log."""
+    """The server did not come up; ``log_tail`` holds the end of its log (at ``log_path``)."""
 
-    def __init__(self, message: str, log_tail: str = ""):
+    def __init__(self, message: str, log_tail: str = "", log_path: Path | None = None):
         super().__init__(message)
         self.log_tail = log_tail
+        self.log_path = log_path
 
 
 # make serve's response cache (text_tokenizer and image_preprocess; docs/result-cache.md): a
@@ -74,27 +74,12 @@ class ServerOptions:
     # A rollout state file (ops/rollout.py): when it exists, the encoder and its router are
     # loaded with the versions and weights it records before the models that use them.
     rollout_state: Path | None = None
-    # The front door (server/frontdoor.py): nginx on http/grpc/metrics_port checks HTTP
-    # inference requests; tritonserver then listens on 127.0.0.1 at the triton_* ports (0 = a
-    # free port chosen at start). Off: tritonserver itself on the public ports, undefended.
-    front_door: bool = True
-    triton_http_port: int = 0
-    triton_grpc_port: int = 0
-    triton_metrics_port: int = 0
-    # nginx's own gRPC listener on 127.0.0.1 (0 = a free port chosen at start). The gRPC door
-    # (server/grpc_door.py) holds grpc_port, checks every inference request and forwards it to
-    # tritonserver directly (one hop less: 0.78 -> 0.84 of direct throughput, docs/security.md).
-    nginx_grpc_port: int = 0
-    # The gRPC door's HTTP stream listener on 127.0.0.1 (server/stream_door.py; 0 = a free port
-    # chosen at start): nginx sends generate_stream there, and it calls tritonserver.
-    stream_door_port: int = 0
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    # SIGTERM drain: seconds the front door finishes in-flight requests, then tritonserver's
-    # own graceful shutdown (--exit-timeout-secs), before each is killed.
+    # SIGTERM drain: seconds for tritonserver's own graceful shutdown (--exit-timeout-secs), and
+    # for the deployment's front door before it, before each is killed.
     drain_timeout: float = 30.0
     # The stub watchdog's folder of unhealthy models (server/stubs.py). None: a temporary one,
-    # removed at stop. serve-cluster passes one per replica, kept across its restarts, so that
-    # its front door and gRPC door see which replica is healing a model.
+    # removed at stop. A deployment passes one per replica, kept across its restarts, so that its
+    # front door and gRPC door see which replica is healing a model.
     health_dir: Path | None = None
     # An installed tritonserver run in place (NVIDIA's container: /opt/tritonserver), checked by
     # server.layout.check_home where it enters; None: the nvidia-pytriton wheel's, laid out in workdir.
@@ -105,7 +90,7 @@ class ServerOptions:
             self.models = default_models(self.model_repository)
 
     @classmethod
-    def with_free_ports(cls, **kwargs) -> ServerOptions:
+    def with_free_ports(cls, **kwargs) -> Self:
         host = kwargs.get("host", "127.0.0.1")
         ports: set[int] = set()
         while len(ports) < 3:
@@ -113,11 +98,22 @@ class ServerOptions:
         http, grpc, metrics = sorted(ports)
         return cls(http_port=http, grpc_port=grpc, metrics_port=metrics, **kwargs)
 
-    def internal_ports(self) -> tuple[int, int, int]:
-        """tritonserver's own (http, grpc, metrics) ports: the public ones without a front door."""
-        if not self.front_door:
-            return self.http_port, self.grpc_port, self.metrics_port
-        return self.triton_http_port, self.triton_grpc_port, self.triton_metrics_port
+    @property
+    def reachable_host(self) -> str:
+        """Where a client on this machine reaches ``host`` (every address: loopback)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.reachable_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.reachable_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.reachable_host}:{self.metrics_port}/metrics"
 
 
 SHM_DIR = Path("/dev/shm")
@@ -152,8 +148,8 @@ def _alive(pid: int) -> bool:
 
 
 class TritonServer(Service):
-    """A tritonserver child process, with its front door and gRPC door when the options ask for
-    them. Use as a context manager or call start()/wait_ready()/stop()."""
+    """A tritonserver child process on the options' address and ports, with its stub watchdog
+    once ready. Use as a context manager or call start()/wait_ready()/stop()."""
 
     def __init__(self, options: ServerOptions, echo: TextIO | None = None):
         self.options = options
@@ -165,8 +161,6 @@ class TritonServer(Service):
         # free again; its python backend stubs notice and exit.
         self.child = ChildProcess("tritonserver", self.log_path, output=PIPE, log_mode="w", tie="SIGKILL", echo=echo)
         self.layout: ServerLayout | None = None
-        self.front_door: FrontDoor | None = None
-        self.grpc_door: GrpcDoor | None = None
         self.watchdog: StubWatchdog | None = None
         # The python backend's shared memory regions in /dev/shm (the Python-based onnxruntime
         # backend's too: it takes the python backend's configuration) carry this server's own
@@ -183,40 +177,22 @@ class TritonServer(Service):
         return self.child.process
 
     @property
-    def _public_host(self) -> str:
-        return "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
-
-    @property
     def http_url(self) -> str:
-        """Where clients go: the front door's HTTP port (tritonserver's own without one)."""
-        return f"{self._public_host}:{self.options.http_port}"
+        """tritonserver's own HTTP port (behind a deployment's front door: an internal one)."""
+        return self.options.http_url
 
     @property
     def grpc_url(self) -> str:
-        return f"{self._public_host}:{self.options.grpc_port}"
+        return self.options.grpc_url
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self._public_host}:{self.options.metrics_port}/metrics"
-
-    @property
-    def triton_host(self) -> str:
-        return "127.0.0.1" if self.options.front_door else self._public_host
-
-    @property
-    def triton_http_url(self) -> str:
-        """tritonserver's own HTTP port (internal behind the front door)."""
-        return f"{self.triton_host}:{self.options.internal_ports()[0]}"
-
-    @property
-    def triton_grpc_url(self) -> str:
-        return f"{self.triton_host}:{self.options.internal_ports()[1]}"
+        return self.options.metrics_url
 
     def command(self) -> list[str]:
         o = self.options
         assert self.layout is not None
-        http_port, grpc_port, metrics_port = o.internal_ports()
-        bind = "127.0.0.1" if o.front_door else o.host
+        http_port, grpc_port, metrics_port, bind = o.http_port, o.grpc_port, o.metrics_port, o.host
         cmd = [
             str(self.layout.binary),
             f"--model-repository={o.model_repository.resolve()}",
@@ -284,71 +260,21 @@ class TritonServer(Service):
         return env
 
     def start(self, repository: Prepared | None = None) -> TritonServer:
-        """Start tritonserver (and the doors) on ``repository``, as prepared for this start by
-        server/repository_prep.py (the launcher and serve-cluster do it before they start
-        anything); None: prepared here, at each start (the tests' fixture, perf/, scripts/)."""
+        """Start tritonserver on ``repository``, as prepared for this start by
+        server/repository_prep.py (a deployment does it before each start of a replica); None:
+        prepared here."""
         o = self.options
-        # A restart of this object (a test's kill and start): the last run's watchdog watched a
-        # process that is gone, and its door must not hold the port.
+        # A restart of this object: the last run's watchdog watched a process that is gone.
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
-        if self.grpc_door is not None:
-            self.grpc_door.stop(timeout=1)
-            self.grpc_door = None
         o.workdir.mkdir(parents=True, exist_ok=True)
         self.release_shared_memory()  # a killed last run of this object left its regions
         release_orphaned_shared_memory()  # and those of launchers that were killed
         self.layout = prepare(o.workdir, o.tritonserver_home)
         self.repository = repository or prepare_repository(o.model_repository, o.models, o.rollout_state)
-        if o.front_door:
-            self._configure_doors()
         self.child.start(self.command(), env=self.environment())
-        if self.front_door is not None:
-            self.front_door.start()
-        if self.grpc_door is not None:
-            self.grpc_door.start()
         return self
-
-    def _configure_doors(self) -> None:
-        """Choose the internal ports, and check the front door's configuration (nginx -t)."""
-        o = self.options
-        taken = {o.http_port, o.grpc_port, o.metrics_port}
-        for attr in ("triton_http_port", "triton_grpc_port", "triton_metrics_port", "nginx_grpc_port", "stream_door_port"):
-            while not getattr(o, attr):
-                port = free_port("127.0.0.1")
-                if port not in taken:
-                    setattr(o, attr, port)
-                    taken.add(port)
-        self.front_door = FrontDoor(
-            FrontDoorPorts(
-                o.host,
-                o.http_port,
-                o.nginx_grpc_port,
-                o.metrics_port,
-                "127.0.0.1",
-                o.triton_http_port,
-                o.triton_grpc_port,
-                o.triton_metrics_port,
-                grpc_listen_host="127.0.0.1",
-                stream_door=f"127.0.0.1:{o.stream_door_port}",
-            ),
-            o.workdir / f"frontdoor-{o.http_port}",
-            o.model_repository,
-            max_body_bytes=o.max_body_bytes,
-            health_dir=self.health_dir,
-        )
-        self.front_door.check()
-        self.grpc_door = GrpcDoor(
-            f"{o.host}:{o.grpc_port}",
-            f"127.0.0.1:{o.triton_grpc_port}",
-            o.model_repository,
-            self.front_door.workdir,
-            self.health_dir,
-            o.max_body_bytes,
-            o.drain_timeout,
-            stream=(f"127.0.0.1:{o.stream_door_port}", f"127.0.0.1:{o.triton_http_port}"),
-        )
 
     @property
     def watchdog_metrics_path(self) -> Path:
@@ -366,27 +292,14 @@ class TritonServer(Service):
                 self.echo.write(text + "\n")
                 self.echo.flush()
 
-        def door_alive() -> None:
-            # The gRPC door holds no state: if it exits, a new one takes the port at once. Not
-            # while tritonserver is down too: the whole server is being stopped or was killed,
-            # and whoever starts it again starts its door (a door started here then would hold
-            # the port that the next start's door must bind).
-            door = self.grpc_door
-            if not self.child.running():
-                return
-            if door is not None and door.process is not None and door.process.poll() is not None:
-                event(f"gRPC door: exited (code {door.process.returncode}); starting a new one\n{door.log_tail(10)}")
-                door.start()
-
         self.watchdog = watch_server(
             self.process.pid,
-            self.triton_http_url,
+            self.http_url,
             self.options.repository_token or "",
             self.options.model_repository,
             self.health_dir,
             self.watchdog_metrics_path,
             on_event=event,
-            extra_checks=[door_alive],
         )
 
     @property
@@ -406,12 +319,12 @@ class TritonServer(Service):
     def log_tail(self, lines: int = 60) -> str:
         return self.child.log_tail(lines)
 
-    def _get(self, path: str, timeout: float = 2.0, base: str | None = None) -> int:
-        return http_status(f"http://{base or self.triton_http_url}{path}", timeout)
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        return http_status(f"http://{self.http_url}{path}", timeout)
 
     def wait_ready(self, timeout: float = 240.0, should_stop=lambda: False) -> None:
         """Poll /v2/health/ready and each model's ready endpoint until all are ready (loading the
-        rollout state's deferred models once the server is up), then the doors' readiness.
+        rollout state's deferred models once the server is up), then start the stub watchdog.
 
         ``should_stop`` is polled too (Ctrl-C while waiting): it raises ServerError.
         """
@@ -420,21 +333,13 @@ class TritonServer(Service):
 
         def ready() -> bool:
             nonlocal pending, deferred_loaded
-            if self.front_door is not None and not self.front_door.running():
-                raise ServerError(
-                    f"the front door (nginx) exited with code {self.front_door.process.returncode}", self.front_door.log_tail()
-                )
-            if self.grpc_door is not None and not self.grpc_door.running():
-                raise ServerError(
-                    f"the gRPC door exited with code {self.grpc_door.process.returncode}", self.grpc_door.log_tail()
-                )
             if self._get("/v2/health/ready") != 200:
                 return False
             if not deferred_loaded:
                 assert self.repository is not None  # deferred_loaded starts True without a prepared repository
                 try:
                     self.repository.load_deferred(
-                        self.triton_http_url, self.options.repository_token or "", self.options.model_config_name
+                        self.http_url, self.options.repository_token or "", self.options.model_config_name
                     )
                 except Exception as exc:
                     raise ServerError(
@@ -442,11 +347,7 @@ class TritonServer(Service):
                     ) from exc
                 deferred_loaded = True
             pending = [m for m in pending if self._get(f"/v2/models/{m}/ready") != 200]
-            return (
-                not pending
-                and (self.front_door is None or self._get("/v2/health/ready", base=self.http_url) == 200)
-                and (self.grpc_door is None or self.grpc_door.ready())
-            )
+            return not pending
 
         try:
             self.child.wait_ready(ready, timeout, should_stop=should_stop, interval=0.25)
@@ -464,16 +365,11 @@ class TritonServer(Service):
         self.start_watchdog()
 
     def stop(self, timeout: float | None = None) -> int | None:
-        """Drain and stop: the front door first (in-flight requests finish, new ones are
-        refused), then SIGTERM to tritonserver and its graceful shutdown; each is killed
-        after ``timeout`` seconds (default: the options' drain_timeout)."""
+        """Drain and stop: SIGTERM to tritonserver and its graceful shutdown, killed after
+        ``timeout`` seconds (default: the options' drain_timeout)."""
         timeout = self.options.drain_timeout if timeout is None else timeout
         if self.watchdog is not None:
             self.watchdog.stop()
-        if self.grpc_door is not None:
-            self.grpc_door.stop(timeout=timeout)
-        if self.front_door is not None:
-            self.front_door.stop(timeout=timeout)
         if self.process is None:
             return None
         # --exit-timeout-secs bounds Triton's own wait for in-flight requests. Stubs are children

@@ -20,10 +20,10 @@ import pytest
 from export import generation, image_classifier, text_encoder
 from server.deployment import Deployment, DeploymentOptions
 from server.layout import ROOT
-from server.process import ServerError, ServerOptions, TritonServer
+from server.process import ServerError
 
 REPOSITORY = ROOT / "model_repository"
-_RUNNING: list[TritonServer] = []  # for attaching the log to failed tests' reports
+_RUNNING: list[Deployment] = []  # for attaching the log to failed tests' reports
 
 
 @contextlib.contextmanager
@@ -39,18 +39,17 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
     extra = {"models": models} if models else {}
     # The monitored form (as serve-cluster, compose and Kubernetes run it): the rules' quantiles exist.
     options = {"model_repository": REPOSITORY, "workdir": workdir, "summary_latencies": True, **extra, **options}
-    deployment = Deployment(DeploymentOptions(ServerOptions.with_free_ports(**options)))
-    server = deployment.triton
+    deployment = Deployment(DeploymentOptions.with_free_ports(**options))
     deployment.start()
-    _RUNNING.append(server)
+    _RUNNING.append(deployment)
     try:
         try:
             deployment.wait_ready(timeout=float(os.environ.get("TRITON_READY_TIMEOUT", "300")))
         except ServerError as exc:
             pytest.fail(f"{exc}\n--- server log ---\n{exc.log_tail}", pytrace=False)
-        yield server
+        yield deployment
     finally:
-        _RUNNING.remove(server)
+        _RUNNING.remove(deployment)
         deployment.stop()
         if os.environ.get("TRITON_KEEP_WORKDIR") != "1":
             shutil.rmtree(workdir, ignore_errors=True)
@@ -58,9 +57,10 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
 
 @pytest.fixture(scope="session")
 def start_triton():
-    """``with start_triton(prefix, models, **server_options) as server``: each tier starts its
-    own server (the perf tier needs one whose statistics no other test has touched); options
-    are ServerOptions fields (cache_size_bytes, env, model_repository, ...)."""
+    """``with start_triton(prefix, models, **options) as server``: each tier starts its own
+    server, a server.deployment.Deployment of one tritonserver behind its doors (the perf tier
+    needs one whose statistics no other test has touched); options are DeploymentOptions fields
+    (cache_size_bytes, env, model_repository, front_door, ...)."""
     return _serve
 
 

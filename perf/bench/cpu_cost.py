@@ -2,7 +2,7 @@
 request path.
 
 Starts its own deployment with the launcher's code: tritonserver behind the nginx front door
-(server.process.TritonServer, Triton's response cache at the launcher's default size), Redis
+(server.deployment.Deployment, Triton's response cache at the launcher's default size), Redis
 as text_embedding_cached's L2 when redis-server is installed (--no-redis: off), and the OpenAI
 gateway (server.gateway.GatewayProcess, rate limit off, request log on as deployed). Then, one
 path after the other, it sends a fixed number of requests at a fixed concurrency and reads
@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
             if not (m == "image_classification" and m not in args.paths) and not (m == "text_generation" and m not in args.paths)
         ]
         deployment = start_deployment(models, workdir, key, not args.no_redis, say)
-        idle, results, groups = asyncio.run(measure(args, deployment.triton, deployment.gateway, deployment.redis, key, say))
+        idle, results, groups = asyncio.run(measure(args, deployment, deployment.gateway, deployment.redis, key, say))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
         say(f"perf.bench.cpu_cost stopped: {failure}")

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="frontdoor-cost-"))
     with server_deployment((MODEL,), workdir, model_repository=ROOT / "model_repository") as server:
-        results = measure(server.triton, args.concurrency, args.seconds, args.rounds)
+        results = measure(server, args.concurrency, args.seconds, args.rounds)
     print(table(results, args.concurrency))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -179,7 +179,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.process import TritonServer
+    from server.deployment import Deployment
 
     # SIGTERM (a timeout, a CI cancel) raises, so the servers are stopped in ``finally``.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     nonce = secrets.token_hex(4)
     work = workloads(args.mix_range, nonce)
     windows: list[Window] = []
-    servers: dict[str, TritonServer] = {}
+    servers: dict[str, Deployment] = {}
     workdir = Path(tempfile.mkdtemp(prefix="perf-length-mix-"))
     try:
         repositories = {phase: ROOT / "model_repository" for phase in ([] if args.url else args.phase_list)}

@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="priority-bench-"))
     loadable = tuple(v for v in variants.VARIANTS if v != "trt_plan")
     config_name, _ = variants.resolve_precision(ROOT / "model_repository", ["text_encoder"], args.precision, loadable=loadable)
-    server = server_deployment((*MODELS, args.interactive_model), work, model_config_name=config_name).triton
+    server = server_deployment((*MODELS, args.interactive_model), work, model_config_name=config_name)
     server.start()
     try:
         server.wait_ready(timeout=300)

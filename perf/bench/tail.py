@@ -187,7 +187,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from perf.lib import served as served_mod
-    from server.process import TritonServer
+    from server.deployment import Deployment
 
     say = progress()
 
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         if script is not None:
             script.write_text(wrk_script(w, texts, f"{nonce}-{secrets.token_hex(3)}"))
 
-    servers: dict[str, TritonServer] = {}
+    servers: dict[str, Deployment] = {}
     gateways: dict = {}
     try:
         repositories = {phase: ROOT / "model_repository" for phase in args.phase_list}

@@ -120,7 +120,7 @@ def measure(
     duration: float,
     stream: tuple[str, Sequence[str], int, float] | None = None,
 ) -> None:
-    """One window of ``w`` against ``server`` (a TritonServer) or its ``gateway``: wrk with ``script``,
+    """One window of ``w`` against ``server`` (a server.deployment.Deployment) or its ``gateway``: wrk with ``script``,
     else the asyncio client, or for a stream (``stream``: api key, prompts, new tokens, warm-up s)
     the streaming clients; the CPU each side used and Triton's statistics over it."""
     url = gateway.url.removeprefix("http://") if gateway else server.triton_http_url

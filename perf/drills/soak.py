@@ -1,6 +1,6 @@
 """`python -m perf.drills.soak` (`make soak`): a bounded soak of the whole deployment at about 70 % of peak.
 
-Starts its own deployment with the launcher's code (server.process.TritonServer behind the
+Starts its own deployment with the launcher's code (server.deployment.Deployment: tritonserver behind the
 nginx front door, Triton's response cache at the launcher's default size, Redis as
 text_embedding_cached's L2 when redis-server is installed, and the OpenAI gateway as
 perf.bench.gateway_bench starts it), measures the mix's peak throughput with --peak-concurrency
@@ -517,7 +517,7 @@ def run(args: argparse.Namespace) -> int:
     soak, rec, peak, rate = Soak([]), Recorder(), 0.0, 0.0
     try:
         deployment = start_deployment(MODELS, workdir, key, not args.no_redis, say)
-        soak, rec, peak, rate = asyncio.run(run_soak(args, deployment.triton, deployment.gateway, deployment.redis, key, say))
+        soak, rec, peak, rate = asyncio.run(run_soak(args, deployment, deployment.gateway, deployment.redis, key, say))
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
         failure = f"{type(exc).__name__}: {exc}"
         say(f"perf.drills.soak stopped: {failure}")

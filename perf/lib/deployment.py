@@ -12,7 +12,7 @@ from pathlib import Path
 
 from server.deployment import Deployment, DeploymentOptions
 from server.gateway import GatewayOptions
-from server.process import DEFAULT_CACHE_SIZE_MB, ServerOptions, free_port
+from server.process import DEFAULT_CACHE_SIZE_MB, free_port
 
 
 def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: bool, say) -> Deployment:
@@ -20,9 +20,6 @@ def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: 
     any part fails to start or to become ready."""
     # drain_timeout 5: tritonserver's own exit wait (--exit-timeout-secs) is 5 s, not the launcher's 30
     # (text_generation's unload has been seen to wait out the whole timeout after serving streams).
-    server = ServerOptions.with_free_ports(
-        workdir=workdir / "triton", models=tuple(models), cache_size_bytes=DEFAULT_CACHE_SIZE_MB << 20, drain_timeout=5
-    )
     gateway = GatewayOptions(
         "",
         port=free_port(),
@@ -32,7 +29,15 @@ def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: 
         env={"GATEWAY_API_KEYS": key},
         drain_timeout=5,
     )
-    deployment = Deployment(DeploymentOptions(server, gateway, redis=use_redis))
+    options = DeploymentOptions.with_free_ports(
+        workdir=workdir / "triton",
+        models=tuple(models),
+        cache_size_bytes=DEFAULT_CACHE_SIZE_MB << 20,
+        drain_timeout=5,
+        gateway=gateway,
+        redis=use_redis,
+    )
+    deployment = Deployment(options)
     deployment.start()
     try:
         if deployment.redis is not None:
@@ -49,10 +54,9 @@ def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: 
 
 
 def server_deployment(models: Sequence[str], workdir: Path, *, echo=None, **options) -> Deployment:
-    """tritonserver alone (its front door on unless ``front_door=False``) on free ports, as a
-    Deployment not yet started: ``options`` are ServerOptions' (cache_size_bytes,
-    model_config_name, env, extra_args, ...). Call start()/wait_ready()/stop(), or use it as a
+    """tritonserver alone (its doors on unless ``front_door=False``) on free ports, as a
+    Deployment not yet started: ``options`` are DeploymentOptions' (cache_size_bytes,
+    model_config_name, env, extra_args, front_door, ...). Call start()/wait_ready()/stop(), or use it as a
     context manager (started and ready inside, stopped after); ``deployment.triton`` is the
     tritonserver (its process, log_path, internal URLs)."""
-    server = ServerOptions.with_free_ports(workdir=workdir, models=tuple(models), **options)
-    return Deployment(DeploymentOptions(server), echo=echo)
+    return Deployment(DeploymentOptions.with_free_ports(workdir=workdir, models=tuple(models), **options), echo=echo)

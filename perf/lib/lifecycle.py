@@ -13,7 +13,8 @@ from typing import Protocol
 
 
 class _Server(Protocol):
-    log_path: Path
+    @property
+    def log_path(self) -> Path: ...
 
     def stop(self) -> object: ...
 
@@ -45,7 +46,7 @@ def stop(servers: Mapping[str, _Server], out_dir: Path, name: str = "tritonserve
 
 def start(repositories: Mapping[str, Path], models: Sequence[str], workdir: Path, say: Callable[[str], None], **options) -> dict:
     """One tritonserver per phase (``repositories``: phase -> the repository it serves), started side
-    by side without a front door (perf.lib.deployment.server_deployment; ``options`` are ServerOptions');
+    by side without a front door (perf.lib.deployment.server_deployment; ``options`` are DeploymentOptions');
     wait with ``wait_ready`` and stop with ``stop``."""
     from perf.lib.deployment import server_deployment
 
@@ -55,7 +56,7 @@ def start(repositories: Mapping[str, Path], models: Sequence[str], workdir: Path
             token = secrets.token_urlsafe(16)
             servers[phase] = server_deployment(
                 models, workdir / phase, model_repository=repository, repository_token=token, front_door=False, **options
-            ).triton
+            )
             say(
                 f"starting tritonserver for {phase} ({', '.join(models)}; --model-config-name={options.get('model_config_name')})"
             )

@@ -107,7 +107,7 @@ def _proc(pid: int, name: str, group: str) -> Proc | None:
 
 
 def deployment(triton=None, gateways: dict | None = None, redis=None, load_generator: bool = True) -> list[Proc]:
-    """The processes of a running deployment: a server.process.TritonServer (tritonserver, its stubs,
+    """The processes of a running deployment: a server.deployment.Deployment (tritonserver, its stubs,
     its front door), server.gateway.GatewayProcess objects by name, a server.redis_process.RedisProcess,
     and this process as the load generator."""
     found: list[Proc | None] = []

@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     token = secrets.token_urlsafe(16)
     tally = Tally()
     deployment = server_deployment(args.models or (), workdir / "triton", repository_token=token)
-    server = deployment.triton
+    server = deployment
     say(f"tests.fuzz: starting tritonserver behind the front door ({', '.join(server.options.models)})")
     deployment.start()
     try:

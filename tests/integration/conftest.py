@@ -22,7 +22,8 @@ def trace_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def triton(start_triton, trace_file):
-    """The running server (server.process.TritonServer): .http_url, .grpc_url, .metrics_url."""
+    """The running server (a server.deployment.Deployment of one tritonserver behind its doors):
+    .http_url, .grpc_url, .metrics_url; .triton is the tritonserver itself."""
     tracing = (
         f"--trace-config=triton,file={trace_file}",
         "--trace-config=level=OFF",

@@ -62,7 +62,7 @@ def test_adapter_rule_series_carry_the_hpas_label_and_move(triton, http_client):
     names = sorted(set(re.findall(r"rate\((\w+)\{", rule["metricsQuery"])))
     (hpa,) = [d for d in manifests(DEPLOY / "base" / "autoscaling.yaml") if d["metadata"]["name"] == "triton"]
     model = hpa["spec"]["metrics"][0]["pods"]["metric"]["selector"]["matchLabels"]["model"]
-    metrics_url = f"http://{triton.triton_host}:{triton.options.internal_ports()[2]}/metrics"
+    metrics_url = triton.triton.metrics_url  # tritonserver's own, behind the front door
 
     def scrape() -> dict[str, float]:
         text = scrape_text(metrics_url)

@@ -11,7 +11,6 @@ import tritonclient.http as httpclient
 from export import reference, variants
 from export.texts import heldout_texts
 from server.deployment import Deployment, DeploymentOptions
-from server.process import ServerOptions
 
 REPO = variants.GATES_FILE.parent.parent / "model_repository"
 
@@ -23,11 +22,11 @@ def _serve_auto(variant_model: str, served_model: str, prefix: str):
     config_name, served = variants.resolve_precision(REPO, [variant_model], "auto", gpu=False)
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     deployment = Deployment(
-        DeploymentOptions(ServerOptions.with_free_ports(workdir=workdir, models=(served_model,), model_config_name=config_name))
+        DeploymentOptions.with_free_ports(workdir=workdir, models=(served_model,), model_config_name=config_name)
     )
     try:
         with deployment:
-            yield deployment.triton, served
+            yield deployment, served
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -130,7 +130,9 @@ def test_the_replica_role_serves_without_doors_and_its_probes_tell_the_truth(tmp
 
 
 def _tritonserver_pid(launcher: int) -> int:
-    children = [int(c) for c in open(f"/proc/{launcher}/task/{launcher}/children").read().split()]
+    # every thread's children: the deployment's supervision loop thread forks tritonserver
+    tasks = Path(f"/proc/{launcher}/task")
+    children = [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
     for pid in children:
         try:
             if "tritonserver" in open(f"/proc/{pid}/cmdline").read():

@@ -17,7 +17,7 @@ def regions(prefix: str) -> list[str]:
 
 def test_a_killed_servers_shared_memory_is_released_at_stop(start_triton):
     with start_triton("triton-shm-", ("text_embedding",)) as server:
-        held = regions(server.shm_prefix)
+        held = regions(server.triton.shm_prefix)
         # One region per stub: the tokenizer's (python) and the encoder instances' (the Python-
         # based onnxruntime backend), each under this server's prefix and nowhere else.
         others = [p.name for p in SHM_DIR.glob("triton_*_backend_shm_region_*")]
@@ -25,5 +25,5 @@ def test_a_killed_servers_shared_memory_is_released_at_stop(start_triton):
         assert len(held) >= 2 and not others, (held, others)
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait(30)
-        assert regions(server.shm_prefix), "the kill removed the regions itself: the test shows nothing"
-    assert regions(server.shm_prefix) == []
+        assert regions(server.triton.shm_prefix), "the kill removed the regions itself: the test shows nothing"
+    assert regions(server.triton.shm_prefix) == []

@@ -1,5 +1,5 @@
 """serve-cluster's pieces without a server: Prometheus's configuration, rules, restart backoff,
-the replicas' options and the upstream list the supervisor renders."""
+a pool's replicas' options and the upstream list the supervision loop renders."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from server.cluster import Cluster
-from server.cluster_parts import DOWN, READY, Backoff, ClusterOptions, Gateway, Replica
+from server.deployment import Deployment, DeploymentOptions
+from server.deployment_parts import DOWN, READY, Backoff, Gateway, Replica
+from server.doors import Doors
+from server.gateway import GatewayOptions
 from server.process import ServerOptions
 from server.prometheus import PROMETHEUS_TEMPLATE, render_prometheus, rule_files
 
@@ -67,14 +69,23 @@ def test_restarts_back_off_boundedly():
 
 
 def test_replicas_get_their_own_ports_and_folders_and_the_shared_l2(tmp_path):
-    cluster = Cluster(ClusterOptions(replicas=3, workdir=tmp_path, models=("text_embedding",), redis_url=None))
-    cluster.redis_url = "redis://127.0.0.1:1/0"
-    options = [cluster._replica_options(i, (20000 + 3 * i, 20001 + 3 * i, 20002 + 3 * i)) for i in range(3)]
+    pool = Deployment(
+        DeploymentOptions(replicas=3, pool=True, workdir=tmp_path, models=("text_embedding",), redis_url="redis://127.0.0.1:1/0")
+    )
+    options = [r.options for r in pool.replicas]
     assert len({o.workdir for o in options}) == 3 and len({o.http_port for o in options}) == 3
-    assert all(not o.front_door and o.host == "127.0.0.1" for o in options)  # the cluster's front door is in front
+    assert len({o.health_dir for o in options}) == 3
+    assert all(o.host == "127.0.0.1" and o.http_port not in (8000, 8001, 8002) for o in options)  # behind the front door
     assert all(o.env["EMBEDDING_CACHE_L2_REDIS_URL"] == "redis://127.0.0.1:1/0" for o in options)
+    # One tritonserver behind its doors: its own ports on loopback, in the deployment's folder.
+    (one,) = Deployment(DeploymentOptions(workdir=tmp_path, triton_http_port=1234)).replicas
+    assert one.options.workdir == tmp_path and one.options.http_port == 1234 and one.options.host == "127.0.0.1"
+    (bare,) = Deployment(DeploymentOptions(workdir=tmp_path, front_door=False, host="0.0.0.0")).replicas
+    assert (bare.options.host, bare.options.http_port) == ("0.0.0.0", 8000)
     with pytest.raises(Exception, match="replicas must be"):
-        Cluster(ClusterOptions(replicas=0))
+        DeploymentOptions(replicas=0)
+    with pytest.raises(Exception, match="several only in a pool"):
+        DeploymentOptions(replicas=2)
 
 
 def test_a_replica_is_listed_once_ready_and_stays_listed_while_it_restarts():
@@ -113,18 +124,18 @@ def test_prometheus_scrapes_each_gateway_and_the_front_door_lists_only_ready_one
     assert '["127.0.0.1:19001"]' in gateway_job and "job_name: gateway" not in render_prometheus(
         PROMETHEUS_TEMPLATE, _replicas(), [], [], 5
     )
-    cluster = Cluster(
-        ClusterOptions(replicas=1, workdir=tmp_path, gateway_port=18080, gateways=2, gateway_env={"GATEWAY_MAX_BODY_MB": "2"})
-    )
+    gateway = GatewayOptions("", port=18080, env={"GATEWAY_MAX_BODY_MB": "2"})
+    cluster = Deployment(DeploymentOptions(replicas=1, pool=True, workdir=tmp_path, gateway=gateway, gateways=2))
     cluster.replicas = _replicas(1)
     cluster.gateways = [Gateway(0, 19000, state=READY), Gateway(1, 19001, state="starting")]
-    door = cluster._door_ports().gateway
-    assert door.port == 18080 and door.max_body_bytes == 2 << 20
+    door = cluster.gateway_door()
+    assert door is not None and door.port == 18080 and door.max_body_bytes == 2 << 20
     assert [(s.port, s.down) for s in door.servers] == [(19000, False), (19001, True)]
-    assert cluster.gateway_url == "http://127.0.0.1:18080" and cluster._wanted() == (False, True, False)
-    none = Cluster(ClusterOptions(replicas=1, workdir=tmp_path, gateways=0))
-    none.replicas = _replicas(1)
-    assert none._door_ports().gateway is None and none.gateway_url is None
+    assert cluster.gateway_url == "http://127.0.0.1:18080" and cluster.loop.wanted() == (False, True, False)
+    doors = Doors("127.0.0.1", (8000, 8001, 8002), tmp_path, tmp_path, pool=True, health_dirs=[], starting_file=tmp_path / "s")
+    assert doors.ports([r.upstream() for r in cluster.replicas], door).gateway == door
+    none = Deployment(DeploymentOptions(replicas=1, pool=True, workdir=tmp_path, gateway=gateway, gateways=0))
+    assert none.gateway_door() is None and none.gateway_url is None and none.loop.wanted() == (False,)
     with pytest.raises(Exception, match="gateways must be"):
-        Cluster(ClusterOptions(gateways=-1))
+        DeploymentOptions(gateways=-1)
     promtool_accepts(tmp_path / "p.yml", text)

@@ -7,9 +7,9 @@ import pytest
 
 from contract.errors import InputError
 from python_backends.shim import check_shape
+from server.deployment import Deployment, DeploymentOptions
 from server.frontdoor import FrontDoor, FrontDoorPorts, class_limits, limits_module, model_limits, render
 from server.layout import ROOT, prepare
-from server.process import ServerOptions, TritonServer
 
 PORTS = FrontDoorPorts("127.0.0.1", 8000, 8001, 8002, "127.0.0.1", 18000, 18001, 18002)
 
@@ -76,16 +76,18 @@ def test_generated_configuration_passes_nginx_t(tmp_path):
 
 
 def test_triton_listens_internally_behind_the_front_door(tmp_path):
-    options = ServerOptions.with_free_ports(
+    options = DeploymentOptions.with_free_ports(
         workdir=tmp_path, triton_http_port=1234, triton_grpc_port=1235, triton_metrics_port=1236, repository_token="t"
     )
-    server = TritonServer(options)
+    deployment = Deployment(options)
+    server = deployment.triton  # the tritonserver process only: the doors are the deployment's
     server.layout = prepare(tmp_path)
     cmd = server.command()
     assert "--http-port=1234" in cmd and "--http-address=127.0.0.1" in cmd and "--grpc-port=1235" in cmd
-    assert server.http_url.endswith(f":{options.http_port}") and server.triton_http_url.endswith(":1234")
+    assert deployment.http_url.endswith(f":{options.http_port}") and deployment.triton_http_url.endswith(":1234")
     assert any(a.startswith("--http-restricted-api=shared-memory,trace,logging:") for a in cmd)
     assert f"--exit-timeout-secs={int(options.drain_timeout)}" in cmd
+    assert not hasattr(server, "front_door") and deployment.front_door is None  # made at start
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ def test_layout_has_binary_stub_and_project_backend(tmp_path):
 
 
 def test_command_and_environment(tmp_path):
-    options = ServerOptions.with_free_ports(workdir=tmp_path, cache_size_bytes=1024, front_door=False)
+    options = ServerOptions.with_free_ports(workdir=tmp_path, cache_size_bytes=1024)
     server = TritonServer(options)
     server.layout = prepare(tmp_path)
     cmd = server.command()

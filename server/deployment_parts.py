@@ -1,23 +1,18 @@
-"""What a serve-cluster is made of (server/cluster.py runs it): its options, the restart
+"""What a deployment is made of (server/deployment.py runs it): its options, the restart
 backoff, and its members, the tritonserver replicas and the OpenAI gateways, with the states
-the supervisor gives them and the upstream entry each is in the front door."""
+the supervision loop gives them and the upstream entry each is in a pool's front door."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from server.frontdoor import DEFAULT_MAX_BODY_BYTES, GatewayServer, Upstream
-from server.layout import ROOT
+from server.gateway import GatewayOptions, GatewayProcess
 from server.process import ServerOptions, TritonServer
 
-if TYPE_CHECKING:
-    from server.gateway import GatewayProcess
-
-# Replica states, as the supervisor sees them.
+# Members' states, as the supervision loop sees them.
 STARTING, READY, DOWN, STOPPED = "starting", "ready", "down", "stopped"
 
 
@@ -36,45 +31,66 @@ class Backoff:
 
 
 @dataclass
-class ClusterOptions:
-    replicas: int = 2
-    model_repository: Path = ROOT / "model_repository"
-    workdir: Path = ROOT / ".triton" / "cluster"
-    models: Sequence[str] = ()  # empty: the launcher's default models
-    host: str = "127.0.0.1"  # the front door's (and so the cluster's) public address
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    model_config_name: str | None = None
-    cache_size_bytes: int = 0
-    # "": start a redis-server for the cluster; None: no shared L2; else that Redis.
-    redis_url: str | None = ""
-    gateway_port: int | None = 8080  # the front door's OpenAI port; None: no gateway
-    gateways: int = 2  # gateway processes behind it (0: none)
-    gateway_host: str = "127.0.0.1"  # where the gateways listen (internal ports)
-    gateway_api_key_file: Path = ROOT / ".triton" / "gateway-api-key"
-    gateway_env: Mapping[str, str] = field(default_factory=dict)
-    prometheus_port: int | None = 0  # 0: 9090 when free, else a free port; None: no Prometheus
-    scrape_interval_s: float = 5.0
-    repository_token: str | None = None
-    rollout_state: Path | None = None
+class DeploymentOptions(ServerOptions):
+    """One deployment: ``replicas`` tritonservers, each with the tritonserver options inherited
+    here (``host`` and the ports are the deployment's public ones), and its parts."""
+
+    replicas: int = 1
+    # serve-cluster: nginx balances the replicas (any number of them) through its upstream lists,
+    # with the repository door and the gateways behind it. Off: one tritonserver, the doors
+    # talking to it straight (make serve).
+    pool: bool = False
+    # The doors (server/doors.py) on the public ports; the one tritonserver of a deployment
+    # that is no pool then listens on 127.0.0.1 at the triton_* ports (0: a free port). Off:
+    # tritonserver itself on the public ports, undefended.
+    front_door: bool = True
+    triton_http_port: int = 0
+    triton_grpc_port: int = 0
+    triton_metrics_port: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    drain_timeout: float = 30.0
-    ready_timeout: float = 300.0
+    # The OpenAI gateway(s): ``port`` is the public one, ``triton_grpc_url`` is set at start.
+    # One gateway straight on it; in a pool, ``gateways`` of them on loopback behind the front
+    # door's gateway port (0: none).
+    gateway: GatewayOptions | None = None
+    gateways: int = 1
+    # A redis-server of the deployment's own (when installed), or an existing one at redis_url:
+    # text_embedding_cached's L2 for every replica, and the pool's gateways' shared rate limit.
+    redis: bool = False
+    redis_url: str | None = None
+    prometheus_port: int | None = None  # 0: 9090 when free, else a free port; None: no Prometheus
+    scrape_interval_s: float = 5.0
+    # Restart a replica or a gateway that died, with backoff (the launchers). Off: a dead one is
+    # the deployment's failure() (the tests and the benchmarks, which kill parts on purpose).
+    restart: bool = False
     backoff: Backoff = field(default_factory=Backoff)
-    # Health checks of a ready replica: its /v2/health/ready every health_interval_s; this
-    # many failures in a row mark it down in nginx (it is restarted only when it exits).
+    ready_timeout: float = 300.0
+    # Health checks of ready members: each served model of a pooled replica, each gateway's
+    # /health, every health_interval_s; this many failures in a row take it out of the front
+    # door until it answers again (it is restarted only when it exits).
     health_interval_s: float = 1.0
     health_failures: int = 3
-    env: Mapping[str, str] = field(default_factory=dict)
-    echo: bool = False  # echo the replicas' logs on stdout
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.replicas < 1 or (self.replicas > 1 and not self.pool):
+            raise ValueError(f"replicas must be >= 1 (several only in a pool), not {self.replicas}")
+        if self.gateways < 0:
+            raise ValueError(f"gateways must be >= 0, not {self.gateways}")
+        if self.pool and not self.front_door:
+            raise ValueError("a pool needs its front door")
+
+    def server_options(self, **changes) -> ServerOptions:
+        """Every replica's tritonserver options: these, with ``changes``."""
+        mine = {f.name: getattr(self, f.name) for f in fields(ServerOptions)}
+        return ServerOptions(**{**mine, **changes})
 
 
 @dataclass
 class Replica:
     index: int
     options: ServerOptions
-    server: TritonServer | None = None
+    server: TritonServer | None = None  # the last start's (a new one at each start)
+    starts: int = 0
     state: str = DOWN
     in_door: bool = False  # listed in nginx: once ready, until it fails readiness while alive
     restarts: int = 0  # restarts done
@@ -84,6 +100,7 @@ class Replica:
     health_misses: int = 0
     waiter: threading.Thread | None = None
     exit_codes: list[int | None] = field(default_factory=list)
+    error: str | None = None  # why its first start failed, with the end of its log
 
     @property
     def http(self) -> int:
@@ -109,6 +126,10 @@ class Replica:
     def log_path(self) -> Path:
         return self.options.workdir / f"tritonserver-{self.options.http_port}.log"
 
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.http}"
+
     def alive(self) -> bool:
         return self.server is not None and self.server.process is not None and self.server.process.poll() is None
 
@@ -128,7 +149,9 @@ class Gateway:
 
     index: int
     port: int
-    process: GatewayProcess | None = None
+    options: GatewayOptions | None = None
+    process: GatewayProcess | None = None  # the last start's
+    starts: int = 0
     state: str = DOWN
     restarts: int = 0
     failures_in_row: int = 0
@@ -136,6 +159,7 @@ class Gateway:
     ready_since: float = 0.0
     health_misses: int = 0
     exit_codes: list[int | None] = field(default_factory=list)
+    error: str | None = None  # why its first start failed, with the end of its log
 
     @property
     def pid(self) -> int | None:
