@@ -145,7 +145,8 @@ def served(requests: int, rounds: int) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     for label in targets:
         out[label]["compute_us_per_execution"] = out[label].pop("us")
-    on, off = (statistics.median(r[label] for r in out.pop("per_round")) for label in targets)
+    per_round = out.pop("per_round")
+    on, off = (statistics.median(r[label] for r in per_round) for label in targets)
     return out | {"added_us_per_execution": round(on - off, 1), "ratio_on_off": round(on / off, 3)}
 
 
@@ -186,7 +187,8 @@ def summaries(requests: int, rounds: int) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     for label in servers:
         out[label] = {"exposes_queue_summary": exposes[label], "request_us": out[label].pop("us"), **out[label]}
-    on, off = (statistics.median(r[label] for r in out.pop("per_round")) for label in servers)
+    per_round = out.pop("per_round")
+    on, off = (statistics.median(r[label] for r in per_round) for label in servers)
     return out | {"added_us_per_request": round(on - off, 1)}
 
 
