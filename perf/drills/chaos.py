@@ -1,85 +1,83 @@
 """`python -m perf.drills.chaos` (`make chaos`): serve-cluster under a steady mixed load while a schedule
-kills its parts, then a burst of hostile requests; what failed, how long each part took to come
-back, and the memory before and after.
+kills its parts, then a burst of hostile requests; the workloads, faults and checks: docs/chaos.md.
 
-Starts `python -m server.cluster` (--replicas, default 2, with text_embedding,
-text_embedding_cached, image_classification and text_generation; the gateways, Redis; its own
-ports and work folder), measures the mix's peak with closed-loop clients for --peak-seconds,
-then sends the mix open-loop (Poisson arrivals) at --load (0.7) of that peak for --duration
-seconds, through the front door, with the clients people use:
-
-  embed        text_embedding, the project's asyncio client over HTTP (retries)
-  embed_grpc   text_embedding, the project's asyncio client over gRPC (retries)
-  cached       text_embedding_cached, the project's asyncio client over HTTP (retries)
-  gateway      POST /v1/embeddings through the official `openai` SDK (its retries)
-  image        image_classification, plain aiohttp POSTs (no retries)
-  generation   text_generation streams, the project's asyncio client over gRPC (retried before the
-               first piece only; a stream whose replica dies later is continued by the gRPC door on
-               the other replica, after the token ids already sent)
-
-The faults, at fractions of --duration: 0.15 SIGKILL of one text_encoder stub of replica 0;
-0.35 SIGKILL of replica 1's tritonserver and stubs; 0.50 SIGKILL of gateway 0; 0.65 SIGKILL of
-redis-server; 0.80 a burst of --hostile hostile requests (tests.fuzz's mutations, HTTP and gRPC,
-wrapping shapes among them) to every model. Recovery per fault: stub, the replica's stubs of
-text_encoder back to their number with the model ready; replica, gateway and Redis, back
-ready in cluster.json with a new pid; burst (counted from its end), every request answered
-4xx / INVALID_ARGUMENT, every stub of every replica the same process and every model ready.
-
-Checks (exit 1 when one fails): 0 failed requests of the retried idempotent workloads (embed,
-embed_grpc, cached, gateway) and of the generation streams; the image requests only clean failures (UNAVAILABLE, 502/503 with the
-front door's JSON); every fault recovered within --recovery-timeout (60 s); no server error in
-the burst. Writes per_second.csv, summary.md and chaos.png (answers/s, failed/s and P99 per
-second, the faults marked) under perf/results/chaos-<UTC time>/ (--out DIR).
+Starts `python -m server.cluster` (--replicas; embeddings, cached embeddings, images, generation;
+the gateways, Redis), sends its mix as Poisson arrivals at --load of the measured peak (or --rate)
+for --duration seconds with the clients people use, and at fractions of --duration SIGKILLs a
+text_encoder stub, replica 1, gateway 0 and redis-server, then sends --hostile requests with the
+fuzzer's mutations (tests/fuzz). Exits 1 on a failed request through a retrying client or stream,
+an image failure other than UNAVAILABLE or 502/503, a fault not recovered within --recovery-timeout,
+or a server error or dead stub in the burst. Writes per_second.csv (P50/P99/max over the 5 s ending
+with each second), summary.md, results.json and chaos.png under perf/results/chaos-<UTC time>/.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import datetime as dt
-import io
-import json
 import os
 import random
 import signal
 import sys
 import threading
 import time
-import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.drills import failover_bench
-from perf.drills.chaos_report import (
-    MIX,
-    Fault,
-    Result,
-    Run,
-    checks,
-    cpu_model,
-    per_second,
-    plot,
-    streams_continued,
-    summarize,
-    write_summary,
-)
-from perf.drills.chaos_report import RETRIED as RETRIED  # the smoke test reads chaos.RETRIED
+from perf.drills.report import Result, cpu_model, latency_ms, per_second, timed, timeline
 from perf.lib import processes
-from perf.lib.paths import RESULTS
-from perf.lib.workload import image_request, photos, prompts, sentences
+from perf.lib.chat_streams import DirectChat
+from perf.lib.cluster import ClusterRun, launch
+from perf.lib.harness import write_csv
+from perf.lib.load import call_loop, poisson_loop
+from perf.lib.options import add_peak, finish, parser
+from perf.lib.report import progress, results_dir, table, write
+from perf.lib.workload import MixInputs
+from server.supervisor import http_status
 
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
+MIX = {"embed": 25, "embed_grpc": 15, "cached": 30, "gateway": 15, "image": 10, "generation": 5}
+CLIENTS = {
+    "embed": "clients.embeddings.aio HTTP (retries)",
+    "embed_grpc": "clients.embeddings.aio gRPC (retries)",
+    "cached": "clients.embeddings.aio HTTP (retries)",
+    "gateway": "openai SDK (retries)",
+    "image": "aiohttp (no retries)",
+    "generation": "clients.generation gRPC stream (continued)",
+}
+# No failure allowed: idempotent requests through clients that retry, and generation streams (the
+# gRPC door continues a stream whose replica died: server/stream_resume.py).
+RETRIED = ("embed", "embed_grpc", "cached", "gateway", "generation")
 SCHEDULE = (("stub", 0.15), ("replica", 0.35), ("gateway", 0.50), ("redis", 0.65), ("hostile burst", 0.80))
 KEY = "sk-chaos-0123456789abcdef"
 GEN_TOKENS = 16
+WINDOW_S = 5  # a second holds ~20 answers: its P99 and max are over the 5 s ending with it
 MIB = 1 << 20
 
 
-# --------------------------------------------------------------------------- the mix
+@dataclass
+class Fault:
+    name: str
+    at_s: float | None = None
+    recovered_s: float | None = None  # seconds after at_s
+    detail: str = ""
+
+
+@dataclass
+class Run:
+    results: list[Result] = field(default_factory=list)
+    faults: dict[str, Fault] = field(default_factory=dict)
+    start: float = 0.0
+
+
+def clean_failure(error: str) -> bool:
+    """A failure a client can act on: UNAVAILABLE, or 502/503 from the front door (retry later)."""
+    return any(mark in error for mark in ("UNAVAILABLE", "HTTP 503", "HTTP 502", "unavailable"))
 
 
 class Mix:
-    def __init__(self, cluster: failover_bench.ClusterRun, nonce: str):
+    def __init__(self, cluster: ClusterRun):
         import aiohttp
         import openai
 
@@ -90,69 +88,39 @@ class Mix:
         http_url, grpc_url = cluster.http_url, cluster.grpc_url
 
         # One endpoint (the front door) for many calls in flight: the breaker opens only after
-        # more consecutive failures than calls in flight (perf/drills/failover_bench.py says why).
-        def pool(url):
-            return EndpointPool([url], breaker=BreakerPolicy(failure_threshold=64))
+        # more consecutive failures than calls in flight (perf.drills.failover_bench.drive says why).
+        def client(url: str, protocol, model: str = "text_embedding") -> AsyncEmbeddingClient:
+            pool = EndpointPool([url], breaker=BreakerPolicy(failure_threshold=64))
+            return AsyncEmbeddingClient(url, protocol, model=model, timeout_s=30, deadline_s=60, pool=pool)
 
-        self.embed = AsyncEmbeddingClient(http_url, "http", timeout_s=30, deadline_s=60, pool=pool(http_url))
-        self.embed_grpc = AsyncEmbeddingClient(grpc_url, "grpc", timeout_s=30, deadline_s=60, pool=pool(grpc_url))
-        self.cached = AsyncEmbeddingClient(
-            http_url, "http", model="text_embedding_cached", timeout_s=30, deadline_s=60, pool=pool(http_url)
-        )
-        self.gen = AsyncGenerationClient(grpc_url, protocol="grpc", timeout_s=60, deadline_s=60, pool=pool(grpc_url))
-        self.openai = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{cluster.ports['gateway']}/v1", api_key=KEY, max_retries=4, timeout=60
-        )
+        self.embed, self.embed_grpc = client(http_url, "http"), client(grpc_url, "grpc")
+        self.cached = client(http_url, "http", "text_embedding_cached")
+        pool = EndpointPool([grpc_url], breaker=BreakerPolicy(failure_threshold=64))
+        self.gen = AsyncGenerationClient(grpc_url, protocol="grpc", timeout_s=60, deadline_s=60, pool=pool)
+        gateway = f"http://127.0.0.1:{cluster.ports['gateway']}/v1"
+        self.openai = openai.AsyncOpenAI(base_url=gateway, api_key=KEY, max_retries=4, timeout=60)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         self.image_url = f"http://{http_url}/v2/models/image_classification/infer"
-        self.texts = sentences()
-        self.prompts = prompts()
-        self.rng = random.Random(nonce)
-        self.nonce = nonce
-        self.n = 0
-        self.images = []
-        for im in photos(4):
-            buf = io.BytesIO()
-            im.save(buf, format="JPEG", quality=90)
-            self.images.append(image_request(buf.getvalue()))
-        self.zipf = [f"{self.texts[k % len(self.texts)]} (set {k})" for k in range(500)]
-        self.zipf_weights = [1 / (k + 1) ** 1.1 for k in range(500)]
-
-    def unique(self) -> str:
-        self.n += 1
-        return f"{self.texts[self.n % len(self.texts)]} ({self.nonce}-{self.n})"
+        self.inputs = MixInputs(f"chaos{int(time.time())}", images=4)
 
     async def send(self, name: str) -> None:
-        if name == "embed":
-            await self.embed.embed_many([self.unique()], concurrency=1, per_request=1)
-        elif name == "embed_grpc":
-            await self.embed_grpc.embed_many([self.unique()], concurrency=1, per_request=1)
-        elif name == "cached":
-            text = self.rng.choices(self.zipf, weights=self.zipf_weights)[0]
-            await self.cached.embed_many([text], concurrency=1, per_request=1)
+        if name in ("embed", "embed_grpc", "cached"):
+            text = self.inputs.zipf_text() if name == "cached" else self.inputs.unique_text()
+            await getattr(self, name).embed_many([text], concurrency=1, per_request=1)
         elif name == "gateway":
-            answer = await self.openai.embeddings.create(model="text_embedding", input=self.unique())
+            answer = await self.openai.embeddings.create(model="text_embedding", input=self.inputs.unique_text())
             if len(answer.data[0].embedding) != 384:
                 raise RuntimeError("not a 384-value embedding")
         elif name == "image":
-            body, headers = self.rng.choice(self.images)
+            body, headers = self.inputs.image()
             async with self.session.post(self.image_url, data=body, headers=headers) as r:
                 raw = await r.read()
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {raw[:160]!r}")
         elif name == "generation":
-            stream = self.gen.chat_stream(
-                [{"role": "user", "content": self.rng.choice(self.prompts)}],
-                max_tokens=GEN_TOKENS,
-                temperature=0,
-                ignore_eos=True,
-            )
-            async with stream:
-                async for _ in stream:
-                    pass
-            if stream.result is None or stream.result.num_output_tokens != GEN_TOKENS:
-                got = None if stream.result is None else stream.result.num_output_tokens
-                raise RuntimeError(f"generation: {got} tokens, not {GEN_TOKENS}")
+            _, tokens = await DirectChat(self.gen).stream(self.inputs.prompt(), GEN_TOKENS)
+            if tokens != GEN_TOKENS:
+                raise RuntimeError(f"generation: {tokens} tokens, not {GEN_TOKENS}")
         else:
             raise ValueError(name)
 
@@ -163,129 +131,47 @@ class Mix:
         await self.session.close()
 
 
-async def timed(mix: Mix, run: Run, name: str) -> None:
-    t0 = time.monotonic()
-    try:
-        await asyncio.wait_for(mix.send(name), 90)
-        error = ""
-    except Exception as exc:  # noqa: BLE001 - every failure is recorded, the run goes on
-        error = f"{type(exc).__name__}: {exc}"[:300]
-    now = time.monotonic()
-    run.results.append(Result(name, now - run.start, now - t0, error))
-
-
-async def peak(mix: Mix, seconds: float, concurrency: int) -> float:
-    """Answers per second of the mix with ``concurrency`` closed-loop clients."""
-    names, weights = list(MIX), list(MIX.values())
-    scratch = Run(start=time.monotonic())
-    stop_at = scratch.start + seconds
-    rng = random.Random(7)
-
-    async def client():
-        while time.monotonic() < stop_at:
-            await timed(mix, scratch, rng.choices(names, weights)[0])
-
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    ok = sum(1 for r in scratch.results if not r.error)
-    return ok / (time.monotonic() - scratch.start)
-
-
-async def open_loop(mix: Mix, run: Run, rate: float, duration_s: float) -> None:
-    """Poisson arrivals at ``rate`` per second for ``duration_s``, each a draw from the mix."""
-    names, weights = list(MIX), list(MIX.values())
-    rng = random.Random(11)
-    tasks: set[asyncio.Task] = set()
-    at = run.start
-    end = run.start + duration_s
-    while True:
-        at += rng.expovariate(rate)
-        if at >= end:
-            break
-        delay = at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.ensure_future(timed(mix, run, rng.choices(names, weights)[0]))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
-
-
 # --------------------------------------------------------------------------- the faults
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = processes.children(p)
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
 
 
 def rss_mib(pid: int) -> float:
     """RSS of ``pid`` and everything under it (the launcher: replicas, stubs, nginx, gateways, Redis)."""
-    total = 0
-    for p in [pid, *descendants(pid)]:
-        s = processes.sample(p)
-        total += s.rss_bytes if s else 0
+    total, todo = 0, [pid]
+    while todo:
+        total += s.rss_bytes if (s := processes.sample(p := todo.pop())) else 0
+        todo += processes.children(p)
     return total / MIB
 
 
-def encoder_stubs(triton_pid: int) -> dict[int, str]:
+def stubs(triton_pid: int, model: str | None = None) -> dict[int, str]:
+    """{pid: instance} of tritonserver's python backend stubs (of ``model`` when named)."""
     out = {}
     for p in processes.children(triton_pid):
         try:
             ident = processes.stub_identity(processes.cmdline(p))
         except OSError:
             continue
-        if ident and ident[0] == "text_encoder":
+        if ident and model in (None, ident[0]):
             out[p] = ident[1]
     return out
-
-
-def stub_pids(triton_pid: int) -> list[int]:
-    out = []
-    for p in processes.children(triton_pid):
-        try:
-            if processes.stub_identity(processes.cmdline(p)):
-                out.append(p)
-        except OSError:
-            continue
-    return out
-
-
-def ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 class Faults:
     """Runs the schedule in its own thread (the event loop is busy with the load)."""
 
-    def __init__(
-        self, cluster: failover_bench.ClusterRun, run: Run, duration_s: float, hostile: int, recovery_timeout_s: float, say
-    ):
-        self.cluster, self.run, self.duration_s = cluster, run, duration_s
-        self.hostile, self.timeout, self.say = hostile, recovery_timeout_s, say
+    def __init__(self, cluster: ClusterRun, run: Run, args, say):
+        self.cluster, self.run, self.args, self.say = cluster, run, args, say
         self.burst: dict = {}
         self.thread = threading.Thread(target=self._schedule, name="chaos-faults", daemon=True)
 
     def _now(self) -> float:
         return time.monotonic() - self.run.start
 
-    def _wait_for(self, fault: Fault, done, since_s: float | None = None) -> None:
+    def _wait_for(self, fault: Fault, done: Callable[[], bool], since_s: float | None = None) -> None:
         """Poll ``done`` until it holds; ``fault.recovered_s`` counts from ``since_s`` (default the fault)."""
         since_s = fault.at_s if since_s is None else since_s
         assert since_s is not None  # a fault is waited on once it has happened (at_s set)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.args.recovery_timeout
         while time.monotonic() < deadline:
             try:
                 if done():
@@ -294,196 +180,211 @@ class Faults:
             except (OSError, ValueError, KeyError, IndexError):
                 pass
             time.sleep(0.1)
-        fault.detail += f" not recovered within {self.timeout:.0f} s"
+        fault.detail += f" not recovered within {self.args.recovery_timeout:.0f} s"
 
     def _schedule(self) -> None:
         for name, share in SCHEDULE:
-            delay = self.run.start + share * self.duration_s - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+            time.sleep(max(0.0, self.run.start + share * self.args.duration - time.monotonic()))
             fault = self.run.faults[name] = Fault(name)
             try:
-                getattr(self, "_" + name.replace(" ", "_"))(fault)
+                if name == "stub":
+                    self._stub(fault)
+                elif name == "replica":
+                    self._restarted(fault, "replica 1", lambda s: s["replicas"][1], group=True)
+                elif name == "gateway":
+                    self._restarted(fault, "gateway 0", lambda s: s["gateways"][0])
+                elif name == "redis":
+                    self._restarted(fault, "redis-server", lambda s: {"pid": s["redis_pid"]})
+                else:
+                    self._hostile_burst(fault)
             except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported
                 fault.detail += f" injection failed: {type(exc).__name__}: {exc}"
             self.say(f"chaos: {name} at {fault.at_s} s: recovered after {fault.recovered_s} s {fault.detail}".rstrip())
 
     def _stub(self, fault: Fault) -> None:
         replica = self.cluster.state()["replicas"][0]
-        stubs = encoder_stubs(replica["pid"])
-        victim = sorted(stubs)[0]
+        before = stubs(replica["pid"], "text_encoder")
+        victim = min(before)
         os.kill(victim, signal.SIGKILL)
-        fault.at_s = round(self._now(), 2)
-        fault.detail = f"stub {stubs[victim]} (pid {victim}) of replica 0"
+        fault.at_s, fault.detail = round(self._now(), 2), f"stub {before[victim]} (pid {victim}) of replica 0"
         url = f"http://127.0.0.1:{replica['http']}/v2/models/text_encoder/ready"
 
         def back() -> bool:
-            now = encoder_stubs(replica["pid"])
-            return victim not in now and len(now) >= len(stubs) and ready(url)
+            now = stubs(replica["pid"], "text_encoder")
+            return victim not in now and len(now) >= len(before) and http_status(url) == 200
 
         self._wait_for(fault, back)
 
-    def _replica(self, fault: Fault) -> None:
-        replica = self.cluster.state()["replicas"][1]
-        os.killpg(replica["pid"], signal.SIGKILL)
-        fault.at_s = round(self._now(), 2)
-        fault.detail = f"replica 1 (pid {replica['pid']})"
+    def _restarted(self, fault: Fault, label: str, entry: Callable[[dict], dict], group: bool = False) -> None:
+        """SIGKILL the process of ``entry(cluster.json)`` (its process group with ``group``); recovered
+        when cluster.json shows it ready with a new pid."""
+        pid = entry(self.cluster.state())["pid"]
+        (os.killpg if group else os.kill)(pid, signal.SIGKILL)
+        fault.at_s, fault.detail = round(self._now(), 2), f"{label} (pid {pid})"
 
         def back() -> bool:
-            now = self.cluster.state()["replicas"][1]
-            return now["pid"] != replica["pid"] and now["state"] == "ready"
+            now = entry(self.cluster.state())
+            return now["pid"] not in (None, pid) and now.get("state", "ready") == "ready"
 
         self._wait_for(fault, back)
-
-    def _gateway(self, fault: Fault) -> None:
-        gateway = self.cluster.state()["gateways"][0]
-        os.kill(gateway["pid"], signal.SIGKILL)
-        fault.at_s = round(self._now(), 2)
-        fault.detail = f"gateway 0 (pid {gateway['pid']})"
-
-        def back() -> bool:
-            now = self.cluster.state()["gateways"][0]
-            return now["pid"] not in (None, gateway["pid"]) and now["state"] == "ready"
-
-        self._wait_for(fault, back)
-
-    def _redis(self, fault: Fault) -> None:
-        pid = self.cluster.state()["redis_pid"]
-        os.kill(pid, signal.SIGKILL)
-        fault.at_s = round(self._now(), 2)
-        fault.detail = f"redis-server (pid {pid})"
-        self._wait_for(fault, lambda: self.cluster.state()["redis_pid"] not in (None, pid))
 
     def _hostile_burst(self, fault: Fault) -> None:
         from tests.fuzz import endpoints as fuzz
 
         replicas = self.cluster.state()["replicas"]
-        stubs_before = {r["index"]: set(stub_pids(r["pid"])) for r in replicas}
+        before = {r["index"]: set(stubs(r["pid"])) for r in replicas}
         fault.at_s = round(self._now(), 2)
         tally = fuzz.Tally()
         models = fuzz.served_models(self.cluster.http_url, MODELS)
         fuzz.run_endpoint_fuzz(
-            self.cluster.http_url, self.cluster.grpc_url, models, self.hostile, seed=23, say=lambda _m: None, tally=tally
+            self.cluster.http_url, self.cluster.grpc_url, models, self.args.hostile, 23, lambda _m: None, tally
         )
-        took = self._now() - fault.at_s
-        bad = tally.bad()
-        self.burst = {
-            "cases": tally.total(),
-            "server errors": sum(bad.values()),
-            "kinds": dict(bad),
-            "findings": tally.findings[:10],
-            "seconds": round(took, 1),
-        }
+        took, bad = self._now() - fault.at_s, tally.bad()
         fault.detail = f"{tally.total()} hostile requests in {took:.1f} s, {sum(bad.values())} server errors"
         # afterwards: every stub of every replica the same process, every model ready on every replica
-        lost = {i: sorted(before - set(stub_pids(replicas[i]["pid"]))) for i, before in stubs_before.items()}
+        lost = {i: sorted(pids - set(stubs(replicas[i]["pid"]))) for i, pids in before.items()}
         lost = {i: pids for i, pids in lost.items() if pids}
-        if lost:
-            fault.detail += f"; stubs gone: {lost}"
-        self.burst["stubs_gone"] = lost
-        # recovered: counted from the burst's end
-        self._wait_for(
-            fault,
-            lambda: (
-                not lost and all(ready(f"http://127.0.0.1:{r['http']}/v2/models/{m}/ready") for r in replicas for m in MODELS)
-            ),
-            since_s=fault.at_s + took,
-        )
+        fault.detail += f"; stubs gone: {lost}" if lost else ""
+        self.burst = {"cases": tally.total(), "server errors": sum(bad.values()), "kinds": dict(bad)}
+        self.burst |= {"findings": tally.findings[:10], "seconds": round(took, 1), "stubs_gone": lost}
+        urls = [f"http://127.0.0.1:{r['http']}/v2/models/{m}/ready" for r in replicas for m in MODELS]
+        self._wait_for(fault, lambda: not lost and all(http_status(u) == 200 for u in urls), since_s=fault.at_s + took)
 
 
 async def drive(cluster, args, say) -> tuple[Run, float, float, tuple[float, float], dict]:
-    mix = Mix(cluster, f"chaos{int(time.time())}")
+    mix, rng = Mix(cluster), random.Random(11)
+
+    def draw() -> str:
+        return rng.choices(list(MIX), list(MIX.values()))[0]
+
     try:
         say(f"chaos: measuring the mix's peak for {args.peak_seconds:.0f} s ({args.peak_concurrency} clients)")
-        peak_rps = await peak(mix, args.peak_seconds, args.peak_concurrency)
-        rate = args.rate or args.load * peak_rps
-        rss_before = rss_mib(cluster.proc.pid)
+        tally = await call_loop(lambda _n: asyncio.wait_for(mix.send(draw()), 90), args.peak_concurrency, args.peak_seconds)
+        peak_rps = len(tally.ok) / tally.seconds
+        rate, rss_before = args.rate or args.load * peak_rps, rss_mib(cluster.proc.pid)
         say(f"chaos: peak {peak_rps:.1f} answers/s; soaking at {rate:.1f} requests/s for {args.duration:.0f} s")
         run = Run(start=time.monotonic())
-        faults = Faults(cluster, run, args.duration, args.hostile, args.recovery_timeout, say)
+        faults = Faults(cluster, run, args, say)
         faults.thread.start()
-        await open_loop(mix, run, rate, args.duration)
+        await poisson_loop(
+            lambda _n: timed(mix.send, draw(), run.results, run.start, 90), rate, args.duration, seed=7, start=run.start
+        )
         faults.thread.join(timeout=args.recovery_timeout + 60)
-        rss_after = rss_mib(cluster.proc.pid)
-        return run, peak_rps, rate, (rss_before, rss_after), faults.burst
+        return run, peak_rps, rate, (rss_before, rss_mib(cluster.proc.pid)), faults.burst
     finally:
         await mix.close()
 
 
+# --------------------------------------------------------------------------- the report
+
+
+def summarize(run: Run) -> dict:
+    out = {}
+    for name in MIX:
+        mine = [r for r in run.results if r.workload == name]
+        failed = [r for r in mine if r.error]
+        unclean = sum(not clean_failure(r.error) for r in failed)
+        errors = sorted({r.error[:160] for r in failed})[:5]
+        out[name] = {"sent": len(mine), "failed": len(failed), "unclean": unclean, **latency_ms(mine), "errors": errors}
+    return out
+
+
+def checks(workloads: dict, faults: dict[str, Fault], burst: dict) -> list[str]:
+    problems = []
+    for name, row in workloads.items():
+        if name in RETRIED and row["failed"]:
+            problems.append(f"{name}: {row['failed']} failed requests through a retrying or continuing path ({row['errors']})")
+        elif row["unclean"]:
+            problems.append(f"{name}: {row['unclean']} failures that are not a clean UNAVAILABLE/502/503 ({row['errors']})")
+    problems += [f"fault {f.name}: not recovered ({f.detail.strip()})" for f in faults.values() if f.recovered_s is None]
+    if burst.get("server errors"):
+        findings = [(f["endpoint"], f["outcome"], f["detail"][:150]) for f in burst["findings"][:5]]
+        problems.append(f"hostile burst: {burst['server errors']} server errors {burst['kinds']}: {findings}")
+    if burst.get("stubs_gone"):
+        problems.append(f"hostile burst: stubs gone afterwards {burst['stubs_gone']}")
+    return problems
+
+
+def summary(args, rate: float, peak_rps: float, workloads: dict, faults, rss, burst: dict, problems, cpu: str) -> str:
+    rows = [
+        [n, CLIENTS[n], f"{r['sent']:,}", r["failed"], r["unclean"], r["p50_ms"], r["p99_ms"], r["max_ms"]]
+        for n, r in workloads.items()
+    ]
+    lines = [
+        f"# chaos soak: {args.duration:.0f} s at {args.load:.0%} of the peak ({peak_rps:.1f} answers/s -> "
+        f"{rate:.1f} requests/s), {args.replicas} replicas",
+        "",
+        f"CPU: {cpu}. Command: `{' '.join(['python -m perf.drills.chaos', *args.argv])}`",
+        "",
+        table(["workload", "client", "sent", "failed", "not clean", "P50 ms", "P99 ms", "max ms"], rows, left=2),
+        "",
+        table(
+            ["fault", "at s", "recovered after s", "detail"],
+            [[f.name, f.at_s, f.recovered_s, f.detail.strip()] for f in faults.values()],
+        ),
+        "",
+        f"RSS of the whole cluster (launcher and every process under it): {rss[0]:,.0f} MiB before the "
+        f"load, {rss[1]:,.0f} MiB after ({rss[1] - rss[0]:+,.0f} MiB).",
+        f"Hostile burst: {burst.get('cases', 0)} requests, {burst.get('server errors', 0)} server errors.",
+        f"New calls the gRPC door opened to continue generation streams that lost their replica (a stream "
+        f"that meets no ready replica takes several): {burst.get('streams_continued', 0)}.",
+        "",
+    ]
+    if errors := sorted({e for row in workloads.values() for e in row["errors"]}):
+        lines += ["Failures seen:", "", *[f"- `{e}`" for e in errors], ""]
+    lines += ["Checks: " + ("all passed" if not problems else "FAILED"), *[f"- {p}" for p in problems]]
+    return "\n".join(lines) + "\n"
+
+
+def streams_continued(state: dict) -> int:
+    """New calls the gRPC door opened to continue streams (its log, beside the front door's)."""
+    try:
+        log = (Path(state["front_door"]["log"]).parent / "grpc-door.log").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return 0
+    return log.count("continued on a new call")
+
+
 def parse_args(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.drills.chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser("perf.drills.chaos", __doc__)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
-    p.add_argument("--load", type=float, default=0.7, help="share of the measured peak (default 0.7)")
-    p.add_argument("--rate", type=float, default=None, help="requests/s instead of --load x peak")
-    p.add_argument("--peak-seconds", type=float, default=20.0)
-    p.add_argument("--peak-concurrency", type=int, default=16)
+    add_peak(p)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--hostile", type=int, default=200, help="requests in the hostile burst (default 200)")
     p.add_argument("--recovery-timeout", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    return finish(p, p.parse_args(argv), argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = args.out or RESULTS / f"chaos-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}"
-    out.mkdir(parents=True, exist_ok=True)
-
-    def say(message: str) -> None:
-        print(message, flush=True)
-
+    out, say = results_dir(args.out, "chaos"), progress()
     say(f"chaos: starting serve-cluster ({args.replicas} replicas: {', '.join(MODELS)}) in {out}")
-    cluster = failover_bench.launch(
-        out / "work",
-        replicas=args.replicas,
-        models=MODELS,
-        prometheus=False,
-        env={"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"},
-    )
+    env = {"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"}
+    cluster = launch(out / "work", replicas=args.replicas, models=MODELS, prometheus=False, env=env)
     try:
         run, peak_rps, rate, rss, burst = asyncio.run(drive(cluster, args, say))
         state = cluster.state()
         burst["streams_continued"] = streams_continued(state)
     finally:
         cluster.stop(timeout=60)
-    rows = per_second(run, args.duration)
-    with (out / "per_second.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    table = summarize(run)
-    problems = checks(table, run.faults, burst)
+    rows = per_second(run.results, args.duration, WINDOW_S, skip=("generation",))
+    write_csv(out / "per_second.csv", rows)
+    workloads = summarize(run)
+    problems = checks(workloads, run.faults, burst)
     cpu = cpu_model()
-    text = write_summary(out / "summary.md", args, rate, peak_rps, table, run.faults, rss, burst, problems, cpu)
-    (out / "summary.json").write_text(
-        json.dumps(
-            {
-                "table": table,
-                "faults": {k: vars(v) for k, v in run.faults.items()},
-                "rss_mib": rss,
-                "burst": burst,
-                "peak_rps": peak_rps,
-                "rate": rate,
-                "cluster": state,
-                "problems": problems,
-            },
-            indent=1,
-        ),
-        encoding="utf-8",
-    )
-    sent = sum(r["sent"] for r in table.values())
-    failed = sum(r["failed"] for r in table.values())
-    plot(
-        out / "chaos.png",
-        rows,
-        run.faults,
-        f"serve-cluster, {args.replicas} replicas, {rate:.0f} req/s ({args.load:.0%} of peak): {sent:,} requests, "
-        f"{failed} failed; {cpu}",
-    )
+    text = summary(args, rate, peak_rps, workloads, run.faults, rss, burst, problems, cpu)
+    faults = {k: vars(v) for k, v in run.faults.items()}
+    figures = {"peak_rps": peak_rps, "rate": rate, "cluster": state, "problems": problems}
+    write(out, text, {"table": workloads, "faults": faults, "rss_mib": rss, "burst": burst, **figures})
+    sent, failed = sum(r["sent"] for r in workloads.values()), sum(r["failed"] for r in workloads.values())
+    events = {
+        f.name: (f.at_s, None if f.at_s is None or f.recovered_s is None else f.at_s + f.recovered_s) for f in run.faults.values()
+    }
+    title = f"serve-cluster, {args.replicas} replicas, {rate:.0f} req/s ({args.load:.0%} of peak): {sent:,} requests, {failed} failed; {cpu}"
+    timeline(out / "chaos.png", rows, events, title)
     say(text)
-    say(f"chaos: wrote {out}/summary.md, chaos.png, per_second.csv")
+    say(f"chaos: wrote {out}/summary.md, results.json, chaos.png, per_second.csv")
     return 1 if problems else 0
 
 

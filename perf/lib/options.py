@@ -37,6 +37,19 @@ def add_client(p: argparse.ArgumentParser, note: str = "") -> None:
     )
 
 
+def add_peak(p: argparse.ArgumentParser, load: float = 0.7, seconds: float = 20.0, concurrency: int = 16) -> None:
+    """The drills' open-loop rate: --rate, or --load x the peak --peak-concurrency closed-loop clients measure in --peak-seconds."""
+    p.add_argument("--rate", type=float, help="arrivals per second; default: --load x the measured peak")
+    p.add_argument("--load", type=float, default=load, help=f"share of the measured peak to run at (default {load:g})")
+    p.add_argument("--peak-seconds", type=float, default=seconds, help=f"length of the peak measurement (default {seconds:g})")
+    p.add_argument(
+        "--peak-concurrency",
+        type=int,
+        default=concurrency,
+        help=f"closed-loop clients measuring the peak (default {concurrency})",
+    )
+
+
 def finish(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> argparse.Namespace:
     """The run's checks (positive rounds and seconds, wrk present when asked for) and what follows from
     them: ``args.argv`` (the command line, for the report) and ``args.use_wrk``."""

@@ -1,11 +1,13 @@
 """The request bodies and inputs the load generators send: KServe v2 HTTP bodies (text, token ids, JPEG
-images; outputs in Triton's binary extension), the gateway's embeddings body, and the checked-in
-sentences, chat prompts and sample photos they are made from.
+images; outputs in Triton's binary extension), the gateway's embeddings body, the checked-in
+sentences, chat prompts and sample photos they are made from, and what the drills' mixes draw
+from them (``MixInputs``).
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import random
 import struct
@@ -87,3 +89,33 @@ def unique_jpegs(n: int, seed: str, base: Sequence | None = None) -> list[bytes]
         im.save(buf, format="JPEG", quality=90)
         out.append(buf.getvalue())
     return out
+
+
+class MixInputs:
+    """What a mixed load draws from: a unique text per call (no cache can answer it), a set of
+    ``zipf_texts`` texts drawn with Zipf weights (text k: 1 / (k + 1) ** 1.1), ``images`` sample
+    photos as image requests (JPEG) and the chat prompts. ``seed`` seeds the draws and marks the texts."""
+
+    def __init__(self, seed: str, zipf_texts: int = 500, images: int = 6):
+        self.texts, self.prompts, self.seed = sentences(), prompts(), seed
+        self.rng, self.count = random.Random(seed), itertools.count()
+        self.zipf = [f"{self.texts[k % len(self.texts)]} (set {k})" for k in range(zipf_texts)]
+        self.zipf_cum = list(itertools.accumulate(1 / (k + 1) ** 1.1 for k in range(zipf_texts)))
+        self.images = []
+        for im in photos(images):
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=90)
+            self.images.append(image_request(buf.getvalue()))
+
+    def unique_text(self) -> str:
+        n = next(self.count)
+        return f"{self.texts[n % len(self.texts)]} ({self.seed}-{n})"
+
+    def zipf_text(self) -> str:
+        return self.rng.choices(self.zipf, cum_weights=self.zipf_cum)[0]
+
+    def image(self) -> tuple[bytes, dict[str, str]]:
+        return self.rng.choice(self.images)
+
+    def prompt(self) -> str:
+        return self.rng.choice(self.prompts)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from perf.drills import failover_bench
+from perf.lib.cluster import launch
 from tests.integration.plain_clients import PlainClients
 from tests.metrics_text import metric_sum, scrape
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.joi
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    run = failover_bench.launch(
+    run = launch(
         tmp_path_factory.mktemp("cluster-"),
         replicas=2,
         models=MODELS,
@@ -230,7 +231,7 @@ def test_sigkill_of_the_launcher_takes_every_child_with_it(tmp_path):
     only, so the replicas start in seconds."""
     from tests.integration.test_launcher_lifetime import _alive, _children
 
-    run = failover_bench.launch(tmp_path, replicas=2, models=("text_tokenizer",), gateway=False)
+    run = launch(tmp_path, replicas=2, models=("text_tokenizer",), gateway=False)
     try:
         descendants = [pid for pid in _children(run.proc.pid) if _alive(pid)]
         names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in descendants if _alive(pid)}

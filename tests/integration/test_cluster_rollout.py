@@ -27,7 +27,7 @@ import pytest
 
 from ops.repository import GRPC_TOKEN_HEADER, TOKEN_HEADER, RepositoryClient, http
 from ops.rollout import RolloutState
-from perf.drills import failover_bench
+from perf.lib.cluster import launch
 from python_backends.routing.ensemble import DIRECT, ROUTED, form_of
 from server.layout import ROOT
 from tests.integration.plain_clients import PlainClients
@@ -50,7 +50,7 @@ def cluster(tmp_path_factory):
     state = work / "rollout-state.json"
     # Without a state, Triton would load only the newest folder (2); the state pins version 1.
     RolloutState(stable=1, weights={1: 100}, loaded=[1]).save(state)
-    run = failover_bench.launch(
+    run = launch(
         work,
         replicas=2,
         models=("text_embedding",),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from perf.drills import failover_bench
+from perf.lib.cluster import launch
 
 KEY = "sk-test-cluster-streams-0123456789"
 MISSING = [
@@ -45,7 +45,7 @@ KILL_AFTER_PIECES = 4
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    run = failover_bench.launch(
+    run = launch(
         tmp_path_factory.mktemp("cluster-streams-"),
         replicas=2,
         models=("text_generation",),

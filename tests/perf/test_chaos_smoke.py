@@ -31,7 +31,7 @@ def test_one_minute_chaos_soak_loses_nothing_and_every_fault_recovers(tmp_path):
     summary = (out / "summary.md").read_text() if (out / "summary.md").is_file() else "(no summary)"
     assert code == 0, summary
     assert "Checks: all passed" in summary
-    result = json.loads((out / "summary.json").read_text())
+    result = json.loads((out / "results.json").read_text())
     assert [f for f in result["faults"]] == [name for name, _ in chaos.SCHEDULE]
     assert all(f["recovered_s"] is not None for f in result["faults"].values()), result["faults"]
     assert result["burst"]["cases"] >= 60 and result["burst"]["server errors"] == 0
