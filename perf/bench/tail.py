@@ -8,17 +8,15 @@ response cache on, no front door: the batcher is what is measured), on the same 
           ``priority_levels: 2``, ``default_priority_level: 2`` and ``default_queue_policy
           { timeout_action: REJECT allow_timeout_override: true }``: on tritonserver 2.51 those
           make the dynamic batcher miss wake-ups and wait out its 500 ms default wait
-          (docs/performance.md). With ``--alt-configs DIR`` the second
-          server serves DIR's ``<model>/config.pbtxt`` (and ``<model>/configs/*.pbtxt``) instead,
-          phase "alt": any config change measured side by side against the shipped one.
+          (docs/performance.md); text_generation without its admission window. With
+          ``--alt-configs DIR``, phase "alt": the second server serves DIR's configs instead.
 
 Each workload runs at each ``--concurrency`` in ``--rounds`` rounds of ``--duration`` seconds,
-the phases interleaved A B, B A, A B ... so both see the same machine; a point's figures are
-the median over its rounds (max: the largest). The load generator is ``wrk`` (C, one thread,
-a Lua script makes every text unique) when it is installed, else an asyncio client;
-``--client`` chooses. Each window also records the CPU (in cores) used by the client, by the
-server's process tree and by the whole machine, and, from /v2/models/stats, each model's
-mean batch size and queue and compute time per request: where the time goes.
+the phases interleaved A B, B A, ... so both see the same machine; a point is the median over
+its rounds (max: the largest). Load: wrk (one thread, every text unique) or the asyncio client
+(``--client``). Each window also records the CPU (in cores) used by the client, the server's
+process tree and the whole machine, and each model's mean batch and queue and compute time
+per request (/v2/models/stats): where the time goes.
 
 Workloads: text_tokenizer, text_encoder (direct, token ids), text_encoder_router (token ids),
 text_embedding, text_embedding_cached with unique texts (all misses) and with 60 texts sent
@@ -27,10 +25,8 @@ text_generation_stream (text_generation over a gRPC stream, ``--max-tokens`` new
 latency of the whole answer and TTFT), and through an OpenAI gateway started in front of each
 phase's server (``python -m openai_gateway``, rate limit and request log off):
 gateway_embeddings_unique / gateway_embeddings_hits (POST /v1/embeddings, wrk) and
-gateway_chat_stream (POST /v1/chat/completions, stream, asyncio SSE client). The before phase
-also serves text_generation without its admission window (``admission_window_ms`` 0).
-Texts and images are unique per request across the whole run, so neither Triton's response
-cache nor the embedding cache answers them.
+gateway_chat_stream (POST /v1/chat/completions, stream, asyncio SSE client). Texts and images
+are unique per request across the run: no cache answers them.
 
 ``--long 60``: one 60 s window per workload and phase at concurrency 32. The targets, checked
 at the highest concurrency and printed as a table at the end (also targets.md / targets.csv):
@@ -63,23 +59,11 @@ from perf.lib.report import load_average, progress
 from perf.lib.workload import prompts, sentences
 from server.process import DEFAULT_CACHE_SIZE_MB
 
-BATCHING_MODELS = (
-    "text_encoder",
-    "text_tokenizer",
-    "text_encoder_router",
-    "text_embedding_cached",
-    "image_preprocess",
-    "image_classifier",
-    "image_postprocess",
-)
 SERVED_MODELS = ("text_embedding", "text_embedding_cached", "image_classification")
 # The generation engine before its admission window (docs/generation-internals.md#the-engine): the before phase
 # serves text_generation with these parameters.
 BEFORE_PARAMETERS = {"text_generation": {"admission_window_ms": "0"}}
 PHASES = ("after", "before", "alt")
-
-
-# --------------------------------------------------------------------------- phases
 
 
 STALL_PBTXT = (
@@ -207,12 +191,8 @@ def run(args: argparse.Namespace) -> int:
     work = workloads(nonce, texts, api_key)
     windows: list[Window] = []
     workdir = Path(tempfile.mkdtemp(prefix="perf-tail-"))
-    scripts = {}
-    if args.use_wrk:
-        for name in args.workload_list:
-            if work[name].kind not in ("image", "chat", "generation"):
-                scripts[name] = workdir / f"{name}.lua"
-                scripts[name].write_text(wrk_script(work[name], texts, nonce))
+    wrk_able = [name for name in args.workload_list if args.use_wrk and work[name].kind not in ("image", "chat", "generation")]
+    scripts = {name: workdir / f"{name}.lua" for name in wrk_able}  # written by salt() before each run
 
     def salt(w, script: Path | None) -> None:
         # Each wrk run counts from 1: a fresh salt per run, or the warm-up's texts (and an earlier
@@ -264,13 +244,7 @@ def run(args: argparse.Namespace) -> int:
                     stream = (api_key, prompts(), args.max_tokens, args.warmup) if name in STREAM_WORKLOADS else None
                     if not stream:
                         salt(w, script)
-                        warm_up(
-                            gateway.url.removeprefix("http://") if gateway else server.triton_http_url,
-                            w,
-                            conc,
-                            args.warmup,
-                            script,
-                        )
+                        warm_up(server, gateway, w, conc, args.warmup, script)
                     salt(w, script)
                     measure(window, w, server, gateway, script, args.duration, stream)
                     windows.append(window)

@@ -123,7 +123,7 @@ def measure(
     """One window of ``w`` against ``server`` (a server.deployment.Deployment) or its ``gateway``: wrk with ``script``,
     else the asyncio client, or for a stream (``stream``: api key, prompts, new tokens, warm-up s)
     the streaming clients; the CPU each side used and Triton's statistics over it."""
-    url = gateway.url.removeprefix("http://") if gateway else server.triton_http_url
+    url = _url(server, gateway)
     meters = [CpuMeter(server.process.pid if server.process else None)]
     if gateway is not None and gateway.process:
         meters.append(CpuMeter(gateway.process.pid))
@@ -156,14 +156,18 @@ def measure(
     window.stats = triton_stats.per_request(stats0, triton_stats.snapshot(server.triton_http_url), STATS_MODELS)
 
 
-def warm_up(url: str, w: Workload, concurrency: int, seconds: float, script: Path | None) -> None:
+def _url(server, gateway) -> str:
+    return gateway.url.removeprefix("http://") if gateway else server.triton_http_url
+
+
+def warm_up(server, gateway, w: Workload, concurrency: int, seconds: float, script: Path | None) -> None:
     """Unmeasured: ``w.warm`` once (the hits' texts), then ``seconds`` of the same load."""
-    endpoint = f"http://{url}{w.endpoint}"
+    endpoint = f"http://{_url(server, gateway)}{w.endpoint}"
     if w.warm:
         asyncio.run(load.closed_loop(endpoint, w.make, 1, 0.0, warm=w.warm))
     if seconds > 0:
         if script is not None:
-            wrk.run(url, script, concurrency, seconds)
+            wrk.run(_url(server, gateway), script, concurrency, seconds)
         else:
             asyncio.run(load.closed_loop(endpoint, w.make, concurrency, seconds))
 
