@@ -85,21 +85,9 @@ class RssSampler:
         self.samples: list[tuple[float, float]] = []  # (time, RSS MiB)
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def _rss(self) -> float:
-        pids, total = [self.pid], 0
-        while pids:
-            pid = pids.pop()
-            sample = processes.sample(pid)
-            total += sample.rss_bytes if sample else 0
-            try:
-                pids += processes.children(pid)
-            except OSError:
-                pass
-        return total / 2**20
-
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.time(), self._rss()))
+            self.samples.append((time.time(), processes.tree_rss(self.pid) / 2**20))
             self._stop.wait(1.0)
 
     def start(self) -> RssSampler:

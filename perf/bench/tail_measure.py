@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from perf.bench.tail_workloads import STATS_MODELS, Workload
-from perf.lib import load, triton_stats, wrk
+from perf.lib import load, processes, triton_stats, wrk
 
 COLD_PASS_LIMIT_S = 120.0  # the longest a stream window waits for every prompt's first answer
 
@@ -180,23 +180,14 @@ class CpuMeter:
 
     def _tree(self) -> tuple[float, float]:
         """(CPU seconds, run-queue wait seconds) of the tree's threads (/proc/<pid>/task/*/schedstat)."""
-        import psutil
-
-        if self.pid is None:
-            return 0.0, 0.0
         cpu = wait = 0.0
-        try:
-            root = psutil.Process(self.pid)
-            for p in [root, *root.children(recursive=True)]:
+        for pid in processes.tree(self.pid) if self.pid is not None else ():
+            for task in Path(f"/proc/{pid}/task").glob("*"):
                 try:
-                    for task in Path(f"/proc/{p.pid}/task").iterdir():
-                        fields = (task / "schedstat").read_text().split()
-                        cpu += int(fields[0]) / 1e9
-                        wait += int(fields[1]) / 1e9
-                except (OSError, psutil.Error, ValueError, IndexError):
+                    fields = (task / "schedstat").read_text().split()
+                    cpu, wait = cpu + int(fields[0]) / 1e9, wait + int(fields[1]) / 1e9
+                except (OSError, ValueError, IndexError):
                     pass
-        except psutil.Error:
-            pass
         return cpu, wait
 
     @staticmethod

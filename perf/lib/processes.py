@@ -160,3 +160,17 @@ def snapshot(procs: Iterable[Proc]) -> dict[str, Sample]:
         if s is not None and alive(p):
             out[p.name] = s
     return out
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (gone ones have no children)."""
+    found, todo = [], [pid]
+    while todo:
+        found.append(p := todo.pop())
+        todo += children(p)
+    return found
+
+
+def tree_rss(pid: int) -> int:
+    """The RSS of ``pid`` and every process below it, in bytes."""
+    return sum(s.rss_bytes for p in tree(pid) if (s := sample(p)) is not None)
