@@ -160,12 +160,13 @@ def test_langchain_astream_with_tools_streams_prose_and_tool_call_chunks(gateway
         model=GENERATION, base_url=f"{gateway.url}/v1", api_key=GATEWAY_TEST_KEY, max_tokens=60, max_retries=0, timeout=120
     )
 
-    async def chunks(model, prompt):
-        return [chunk async for chunk in model.astream(prompt)]
+    async def both():  # one event loop: the client's connections belong to it
+        prose = [c async for c in llm.bind_tools([get_weather]).astream("Write two sentences about the sea.")]
+        required = llm.bind_tools([get_weather], tool_choice="required")
+        return prose, [c async for c in required.astream("What is the weather in Oslo?")]
 
-    prose = asyncio.run(chunks(llm.bind_tools([get_weather]), "Write two sentences about the sea."))
+    prose, calls = asyncio.run(both())
     assert sum(1 for c in prose if c.content) > 3
-    calls = asyncio.run(chunks(llm.bind_tools([get_weather], tool_choice="required"), "What is the weather in Oslo?"))
     merged = calls[0]
     for c in calls[1:]:
         merged += c
