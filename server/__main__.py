@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from python_backends.redaction import redact_url
-from server.cli import Preset, add_serving_options, env_int, run
+from server.cli import Preset, add_serving_options, deployment_fields, env_int, gateway_options, run
 from server.deployment import Deployment, DeploymentOptions
-from server.gateway import GatewayOptions
 from server.layout import ROOT, check_home
 from server.models import openai_models
 
@@ -135,40 +134,17 @@ def _rollout_line(path: Path) -> str:
 
 def deployment_options(args: argparse.Namespace, models: tuple[str, ...], config_name: str | None) -> DeploymentOptions:
     served_openai = [] if args.no_gateway else openai_models(args.model_repository, models)
-    gateway = None
-    if served_openai:
-        gateway = GatewayOptions(
-            triton_grpc_url="",  # tritonserver's own gRPC port, set by the deployment at start
-            host=args.gateway_host,
-            port=args.gateway_port,
-            model_repository=args.model_repository,
-            api_key_file=args.gateway_api_key_file,
-            workdir=args.workdir,
-            drain_timeout=args.drain_timeout,
-        )
     return DeploymentOptions(
-        model_repository=args.model_repository,
-        workdir=args.workdir,
-        models=models,
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        cache_size_bytes=args.cache_size_mb * 1024 * 1024,
+        **deployment_fields(args, models, config_name),
         log_verbose=args.log_verbose,
-        model_config_name=config_name,
         redis_url=args.redis_url or None,
         front_door=not args.no_front_door,
         triton_http_port=args.triton_http_port,
         triton_grpc_port=args.triton_grpc_port,
         triton_metrics_port=args.triton_metrics_port,
-        max_body_bytes=args.max_body_mb * 1024 * 1024,
-        drain_timeout=args.drain_timeout,
-        ready_timeout=args.ready_timeout,
         summary_latencies=args.summary_latencies,
         tritonserver_home=args.tritonserver_home,
-        rollout_state=args.rollout_state,
-        gateway=gateway,
+        gateway=gateway_options(args, host=args.gateway_host, workdir=args.workdir) if served_openai else None,
         # A replica's container is restarted by its orchestrator, which the probe port tells.
         restart=args.role != "replica",
     )

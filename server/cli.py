@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from export.variants import PRECISION_CHOICES
 from server.deployment import Deployment, DeploymentOptions
+from server.gateway import GatewayOptions
 from server.layout import ROOT
 from server.models import DEFAULT_MODELS
 from server.process import DEFAULT_CACHE_SIZE_MB, ServerError
@@ -133,6 +134,38 @@ def add_serving_options(
     p.add_argument("--gateway-port", type=int, default=env_int("GATEWAY_PORT", 8080), help=gateway_port_help)
     p.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible gateway")
     p.add_argument("--no-export", action="store_true", help="do not export missing models")
+
+
+def deployment_fields(args: argparse.Namespace, models: tuple[str, ...], config_name: str | None) -> dict[str, Any]:
+    """DeploymentOptions' fields from the options both commands take."""
+    return dict(
+        model_repository=args.model_repository,
+        workdir=args.workdir,
+        models=models,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        model_config_name=config_name,
+        cache_size_bytes=args.cache_size_mb << 20,
+        rollout_state=args.rollout_state,
+        max_body_bytes=args.max_body_mb << 20,
+        drain_timeout=args.drain_timeout,
+        ready_timeout=args.ready_timeout,
+    )
+
+
+def gateway_options(args: argparse.Namespace, **more) -> GatewayOptions:
+    """The gateway's options from the options both commands take; ``triton_grpc_url`` is the
+    deployment's to set at start."""
+    return GatewayOptions(
+        triton_grpc_url="",
+        port=args.gateway_port,
+        model_repository=args.model_repository,
+        api_key_file=args.gateway_api_key_file,
+        drain_timeout=args.drain_timeout,
+        **more,
+    )
 
 
 @dataclass

@@ -9,10 +9,9 @@ import sys
 from collections.abc import Mapping
 
 from server import cluster as cluster_module
-from server.cli import Preset, add_serving_options, env_int, run
+from server.cli import Preset, add_serving_options, deployment_fields, env_int, gateway_options, run
 from server.deployment import Deployment, DeploymentOptions
 from server.deployment_parts import Backoff
-from server.gateway import GatewayOptions
 from server.layout import ROOT
 from server.models import openai_models
 from server.prometheus import RULES_DIR
@@ -105,35 +104,15 @@ def deployment_options(args: argparse.Namespace, models: tuple[str, ...], config
         raise ValueError(f"--gateways must be >= 0, not {args.gateways}")
     gateway = not args.no_gateway and args.gateways > 0 and bool(openai_models(args.model_repository, models))
     return DeploymentOptions(
+        **deployment_fields(args, models, config_name),
         replicas=args.replicas,
         pool=True,
-        model_repository=args.model_repository,
-        workdir=args.workdir,
-        models=models,
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        model_config_name=config_name,
-        cache_size_bytes=args.cache_size_mb << 20,
         redis=not args.no_redis and not args.redis_url,
         redis_url=None if args.no_redis else args.redis_url,
-        gateway=GatewayOptions(
-            triton_grpc_url="",  # the front door's gRPC port, set by the deployment
-            port=args.gateway_port,
-            model_repository=args.model_repository,
-            api_key_file=args.gateway_api_key_file,
-            drain_timeout=args.drain_timeout,
-        )
-        if gateway
-        else None,
+        gateway=gateway_options(args) if gateway else None,
         gateways=args.gateways if gateway else 0,
         prometheus_port=None if args.no_prometheus else args.prometheus_port,
         scrape_interval_s=args.scrape_interval,
-        rollout_state=args.rollout_state,
-        max_body_bytes=args.max_body_mb << 20,
-        drain_timeout=args.drain_timeout,
-        ready_timeout=args.ready_timeout,
         backoff=Backoff(max_s=args.max_backoff),
         restart=True,
     )

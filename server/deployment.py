@@ -30,7 +30,7 @@ from server.deployment_parts import READY, DeploymentOptions, Gateway, Replica
 from server.doors import Doors
 from server.frontdoor import DEFAULT_GATEWAY_MAX_BODY_BYTES, GatewayDoor, ports_in_use
 from server.gateway import GatewayProcess
-from server.process import ServerError, ServerOptions, TritonServer
+from server.process import Addresses, ServerError, ServerOptions, TritonServer
 from server.prometheus import DEFAULT_PROMETHEUS_PORT, PROMETHEUS_TEMPLATE, RULES_DIR, Prometheus, render_prometheus, rule_files
 from server.redis_process import RedisProcess
 from server.supervisor import Service, free_ports, http_status
@@ -46,14 +46,17 @@ class DeploymentError(ServerError):
     """The deployment did not come up, or was stopped before it did; ``log_tail`` says why."""
 
 
-class Deployment(Service):
+class Deployment(Addresses, Service):
     """Start, supervise and stop one deployment. Use as a context manager (start, then wait until
-    every part is ready) or call start()/wait_ready()/failure()/stop().
+    every part is ready) or call start()/wait_ready()/failure()/stop(). Its http_url, grpc_url
+    and metrics_url are where clients go: the doors (tritonserver's own without them).
 
     Call ``start()`` from a thread that lives as long as the deployment (the main thread): the
     doors, Redis and Prometheus die with the thread that started them. The replicas and the
     gateways are started, and restarted, by the supervision loop's thread, which lives until
     ``stop()``."""
+
+    options: DeploymentOptions
 
     def __init__(self, options: DeploymentOptions, echo: TextIO | None = None, on_event: Callable[[str], None] | None = None):
         self.options = options
@@ -116,19 +119,6 @@ class Deployment(Service):
             self.gateways = [Gateway(i, port) for i, port in enumerate(ports)]
         else:
             self.gateways = [Gateway(g.index, g.port) for g in self.gateways]
-
-    @property
-    def http_url(self) -> str:
-        """Where clients go: the front door's HTTP port (tritonserver's own without one)."""
-        return self.options.http_url
-
-    @property
-    def grpc_url(self) -> str:
-        return self.options.grpc_url
-
-    @property
-    def metrics_url(self) -> str:
-        return self.options.metrics_url
 
     @property
     def triton(self) -> TritonServer:

@@ -147,7 +147,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class TritonServer(Service):
+class Addresses:
+    """``http_url``, ``grpc_url`` and ``metrics_url`` of ``options``' host and ports: a
+    TritonServer's own (behind a deployment's doors, internal ones), a Deployment's public ones."""
+
+    options: ServerOptions
+
+    @property
+    def http_url(self) -> str:
+        return self.options.http_url
+
+    @property
+    def grpc_url(self) -> str:
+        return self.options.grpc_url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.options.metrics_url
+
+
+class TritonServer(Addresses, Service):
     """A tritonserver child process on the options' address and ports, with its stub watchdog
     once ready. Use as a context manager or call start()/wait_ready()/stop()."""
 
@@ -175,19 +194,6 @@ class TritonServer(Service):
     def process(self):
         """tritonserver's subprocess.Popen (None before start)."""
         return self.child.process
-
-    @property
-    def http_url(self) -> str:
-        """tritonserver's own HTTP port (behind a deployment's front door: an internal one)."""
-        return self.options.http_url
-
-    @property
-    def grpc_url(self) -> str:
-        return self.options.grpc_url
-
-    @property
-    def metrics_url(self) -> str:
-        return self.options.metrics_url
 
     def command(self) -> list[str]:
         o = self.options
