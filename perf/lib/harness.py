@@ -1,30 +1,39 @@
-"""What the measuring tools share (perf.bench: compare, sweep, autotune, trace_report; CSV writing for most).
+"""The perf_analyzer sweep engine: perf.bench.sweep, compare, autotune and baseline are scenarios of it.
 
-A run (deadline, perf_analyzer, results folder), a perf_analyzer measurement retried once
-with twice the requests when it does not stabilise, Triton's per-model statistics around it,
-model config reloads through the repository API (ops.repository.RepositoryClient, which
-sends the repository token), and CSV writing.
+A run (its options, deadline, perf_analyzer and results folder), the target (a tritonserver it starts
+or a URL it is given), one point (a concurrency or a Poisson rate; retried once with twice the
+requests when it does not stabilise; every model's share from Triton's statistics), model config
+reloads through the repository API (ops.repository.RepositoryClient, which sends the repository
+token), and the report: the rows as CSV and as markdown tables, the per-step breakdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
+import datetime as dt
 import json
+import logging
+import os
 import re
+import shutil
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import Any, TypeVar
 
 from ops import repository
 from ops.repository import RepositoryClient
 from perf.lib import perf_analyzer as pa
 from perf.lib import report, triton_stats
-from perf.lib import served as served_mod
 from perf.lib.paths import RESULTS as DEFAULT_RESULTS  # noqa: F401 (perf.bench.trace_report reads it here)
+from perf.lib.paths import SENTENCES_16TOK
+from perf.lib.report import fmt
 
 MODEL = "text_embedding"
 ENCODER = "text_encoder"
@@ -42,19 +51,18 @@ class RateSettings(pa.Settings):
         i = cmd.index("--concurrency-range")
         # --async: open-loop arrivals; with synchronous calls a few client threads cannot
         # keep a Poisson schedule once latency grows (perf_analyzer then delays requests).
-        cmd[i : i + 2] = [
-            "--request-rate-range",
-            f"{self.request_rate:.0f}",
-            "--request-distribution",
-            self.distribution,
-            "--async",
-        ]
+        rate = ["--request-rate-range", f"{self.request_rate:.0f}", "--request-distribution", self.distribution, "--async"]
+        cmd[i : i + 2] = rate
         return cmd
+
+
+def at_rate(settings: pa.Settings, rate: float) -> RateSettings:
+    return RateSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}, request_rate=rate)
 
 
 @dataclass
 class Row:
-    """One system under one load: a measurement, or the reason there is none."""
+    """One system under one load: a measurement, or the reason there is none; ``tags``: the scenario's own columns."""
 
     key: str  # short id, used for file names and ratios
     system: str
@@ -67,10 +75,21 @@ class Row:
     error: str = ""
     note: str = ""
     wall_s: float = 0.0
+    kind: str = "concurrency"  # or "rate" (Poisson arrivals), set by point()
+    level: float = 0.0  # the concurrency, or the asked request rate (req/s)
+    tags: dict[str, object] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.throughput is not None and self.throughput > 0
+
+    def record(self) -> dict[str, object]:
+        """The row as one CSV record: its fields, its tags, then every figure of its measurement."""
+        names = ("key", "system", "protocol", "load", "kind", "level", "throughput", "p50_ms", "p99_ms", "error", "note")
+        record: dict[str, object] = {**{n: getattr(self, n) for n in names}, "wall_s": round(self.wall_s, 1), **self.tags}
+        if self.measurement is not None:
+            record.update({k: v for k, v in self.measurement.as_row().items() if k not in record})
+        return record
 
 
 @dataclass
@@ -90,9 +109,16 @@ class Run:
         print(f"[{time.monotonic() - self.started:5.0f} s] {message}", flush=True)
 
 
-def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int) -> Row:
-    """One perf_analyzer measurement into ``row``, retried once (twice the requests) if unstable."""
+def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int, stats_url: str | None = None) -> Row:
+    """One perf_analyzer measurement into ``row``, retried once (twice the requests) if unstable.
+
+    With ``stats_url`` (the server's HTTP endpoint) the measured model's and every other model's figures
+    (BLS-called ones too) come from the server's statistics over the whole perf_analyzer run.
+    """
     started = time.monotonic()
+    before = None
+    with contextlib.suppress(OSError):
+        before = triton_stats.snapshot(stats_url) if stats_url else None
     for attempt in (1, 2):
         # Leave each later measurement at least 10 s of the budget.
         timeout = min(run.left() - 10.0 * steps_after, 300.0)
@@ -102,9 +128,8 @@ def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int) -> Row:
         settings = dataclasses.replace(settings, timeout_s=timeout)
         stem = row.key if attempt == 1 else f"{row.key}-retry"
         try:
-            m = pa.measure(
-                settings, run.out_dir / f"{stem}.csv", log_path=run.out_dir / f"{stem}.log", binary=run.binary, env=run.env
-            )
+            log_path = run.out_dir / f"{stem}.log"
+            m = pa.measure(settings, run.out_dir / f"{stem}.csv", log_path=log_path, binary=run.binary, env=run.env)
         except pa.PerfAnalyzerUnstable as exc:
             row.error = "unstable"
             run.say(f"    {exc}")
@@ -120,8 +145,13 @@ def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int) -> Row:
             row.error = str(exc).splitlines()[0]
             run.say(f"    {exc}\n{exc.output_tail(15)}")
             break
+        if before is not None and (served := triton_stats.fetch_delta(str(stats_url), before)):
+            m = dataclasses.replace(m, server=served.pop(settings.model, None), composing=served)
         row.measurement, row.error = m, ""
         row.throughput, row.p50_ms, row.p99_ms = m.throughput, m.p50_ms, m.p99_ms
+        if isinstance(settings, RateSettings):
+            row.note = f"achieved {m.throughput / settings.request_rate:.0%} of the asked rate"
+            row.note += "".join(f"; {w}" for w in rate_warnings(log_path.read_text(errors="replace")))
         break
     row.wall_s = time.monotonic() - started
     if row.ok:
@@ -129,36 +159,32 @@ def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int) -> Row:
     return row
 
 
-def measure_served(run: Run, row: Row, settings: pa.Settings, steps_after: int, http_url: str) -> Row:
-    """measure(), with every model's share from Triton's statistics (BLS-called models too).
-
-    The figures replace perf_analyzer's composing-model list, which only knows ensemble steps;
-    they cover the whole perf_analyzer run (all its windows), which only moves means a little.
-    """
-    try:
-        before = triton_stats.snapshot(http_url)
-    except OSError:
-        before = None
-    measure(run, row, settings, steps_after)
-    if before is not None and row.measurement is not None:
-        served = triton_stats.fetch_delta(http_url, before, skip=(settings.model,))
-        if served:
-            row.measurement = dataclasses.replace(row.measurement, composing=served)
-    return row
-
-
-def settings_for(run: Run, url: str, protocol: str, concurrency: int) -> pa.Settings:
+def point(
+    run: Run,
+    row: Row,
+    url: str,
+    *,
+    concurrency: int = 1,
+    rate: float | None = None,
+    steps_after: int = 0,
+    stats_url: str | None = None,
+    **settings: Any,
+) -> Row:
+    """``row`` measured at ``concurrency`` (or at a Poisson ``rate``) with the run's perf_analyzer options;
+    ``settings``: pa.Settings fields that differ from the run's (model, input_data, request_count, ...)."""
     a = run.args
-    return pa.Settings(
-        model=MODEL,
-        url=url,
-        protocol=protocol,
-        concurrency=concurrency,
-        input_data=a.input_data,
-        request_count=a.request_count,
-        stability_percent=a.stability_percent,
-        max_trials=a.max_trials,
+    row.kind, row.level = ("concurrency", float(concurrency)) if rate is None else ("rate", rate)
+    options = dict(model=MODEL, input_data=a.input_data, request_count=a.request_count, stability_percent=a.stability_percent)
+    base = pa.Settings(
+        **{**options, **settings}, url=url, protocol=row.protocol, concurrency=concurrency, max_trials=a.max_trials
     )
+    measure(run, row, base if rate is None else at_rate(base, rate), steps_after, stats_url)
+    stats = row.measurement.composing.get(ENCODER) if row.measurement else None
+    if stats is not None and stats.avg_batch is not None:
+        b = stats.breakdown_ms
+        note = f"{ENCODER} mean batch {stats.avg_batch:.2f}, queue {b.get('queue', 0):.1f} ms, infer {b.get('compute infer', 0):.1f} ms"
+        row.note = f"{row.note}; {note}" if row.note else note
+    return row
 
 
 def skipped(key: str, system: str, protocol: str, load: str, reason: str) -> Row:
@@ -176,6 +202,43 @@ def rate_warnings(output: str) -> list[str]:
     return warnings
 
 
+# --------------------------------------------------------------------------- the target
+
+
+@contextlib.contextmanager
+def triton(run: Run, models: Sequence[str], config_name: str | None, timeout: float = 240.0) -> Iterator:
+    """tritonserver serving ``models`` (--model-config-name ``config_name``) on free ports, ready; stopped
+    after with its log in the results folder. Raises server.process.ServerError when it does not start."""
+    from perf.lib.deployment import server_deployment
+
+    workdir = Path(tempfile.mkdtemp(prefix="perf-"))
+    server = server_deployment(tuple(models), workdir, model_config_name=config_name)
+    run.say(f"tritonserver: starting ({', '.join(models)}; --model-config-name={config_name or '(none: FP32)'})")
+    server.start()
+    try:
+        server.wait_ready(timeout=max(min(timeout, run.left()), 1.0))
+        run.say(f"tritonserver: ready ({run.left():.0f} s of budget left)")
+        yield server
+    finally:
+        server.stop(logs_to=run.out_dir)
+        shutil.rmtree(workdir, ignore_errors=True)
+        run.say("tritonserver: stopped")
+
+
+def ensure_exported(args: argparse.Namespace, say: Callable[[str], None], names: Sequence[str], files: Sequence[Path]) -> bool:
+    """Export the models ``names`` when one of ``files`` is missing (never with --no-export)."""
+    if all(f.is_file() for f in files):
+        return True
+    if args.no_export:
+        say(f"model files missing ({', '.join(str(f) for f in files if not f.is_file())}) and --no-export given")
+        return False
+    from export import __main__ as export_main
+
+    say(f"exporting {', '.join(names)} (model files missing)")
+    export_main.main([a for n in names for a in ("--model", n)] + ["--no-speed"])
+    return all(f.is_file() for f in files)
+
+
 def http(url: str, method: str = "GET", body: dict | None = None, timeout: float = 120.0) -> tuple[int, bytes]:
     """ops.repository.http, with the repository token on repository API paths."""
     return repository.http(url, method, body, repository.token_headers() if "/v2/repository/" in url else {}, timeout)
@@ -188,54 +251,131 @@ def reload_with(http_url: str, model: str, config: dict, ensemble: str = MODEL, 
     client.wait_ready(ensemble, timeout=timeout)
 
 
-def disable_dynamic_batching(http_url: str, model: str = ENCODER, ensemble: str = MODEL, timeout: float = 120.0) -> dict:
-    """Reload ``model`` with its served config minus dynamic_batching, through the repository API.
-
-    Returns the config that was served before. Raises RuntimeError (RepositoryError) when
-    Triton refuses, the reloaded config still batches, or the ensemble is not ready again
-    within ``timeout``.
-    """
-    client = RepositoryClient(http_url, timeout=timeout)
-    before = client.config(model)
-    if "dynamic_batching" not in before:
-        raise RuntimeError(f"{model} has no dynamic_batching to switch off")
-    client.load(model, {k: v for k, v in before.items() if k != "dynamic_batching"})
-    if "dynamic_batching" in client.config(model):
-        raise RuntimeError(f"{model} still has dynamic_batching after the reload")
-    client.wait_ready(ensemble, timeout=timeout)
-    return before
-
-
 def disable_all_dynamic_batching(http_url: str, ensemble: str = MODEL, timeout: float = 120.0) -> list[str]:
-    """disable_dynamic_batching() for every loaded model that batches, except ``ensemble``.
+    """Reload every loaded model that batches (but ``ensemble``) with its served config minus dynamic_batching.
 
-    Every step, not only the encoder: a Python step in front of it (the canary router) would
-    otherwise still merge requests into one encoder call. Returns the models switched.
+    Every step, not only the encoder: a Python step in front of it (the canary router) would otherwise
+    still merge requests into one encoder call. Returns the models switched; RuntimeError when Triton
+    refuses, a reloaded config still batches or no model batches.
     """
     client = RepositoryClient(http_url, timeout=timeout)
     status, raw = http(f"{client.base}/v2/repository/index", "POST", {"ready": True}, timeout=timeout)
     if status != 200:
         raise RuntimeError(f"repository index: HTTP {status} {raw[:200]!r}")
-    index = json.loads(raw)
     switched = []
-    for name in sorted({m["name"] for m in index if m.get("state", "READY") == "READY"} - {ensemble}):
-        if "dynamic_batching" in client.config(name):
-            disable_dynamic_batching(http_url, name, ensemble, timeout)
+    for name in sorted({m["name"] for m in json.loads(raw) if m.get("state", "READY") == "READY"} - {ensemble}):
+        before = client.config(name)
+        if "dynamic_batching" in before:
+            client.load(name, {k: v for k, v in before.items() if k != "dynamic_batching"})
+            if "dynamic_batching" in client.config(name):
+                raise RuntimeError(f"{name} still has dynamic_batching after the reload")
+            client.wait_ready(ensemble, timeout=timeout)
             switched.append(name)
     if not switched:
         raise RuntimeError("no loaded model has dynamic batching to switch off")
     return switched
 
 
-def int_list(text: str) -> list[int]:
-    """An argparse type: comma-separated positive integers (``1,8,16``)."""
+# --------------------------------------------------------------------------- options
+
+
+def int_list(text: str, low: int = 1) -> list[int]:
+    """An argparse type: comma-separated integers of at least ``low`` (``1,8,16``)."""
     try:
         values = [int(v) for v in text.replace(" ", "").split(",") if v]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or min(values) < low:
+        raise argparse.ArgumentTypeError(f"expected integers of at least {low}, got {text!r}")
     return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.replace(" ", "").split(",") if v]
+        if not values or set(values) - set(allowed):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        return list(dict.fromkeys(values))
+
+    return parse
+
+
+# Per option: (default, --quick default), filled in by parse() where a tool does not set its own.
+DEFAULTS = {"time_budget": (900.0, 120.0), "request_count": (500, 60), "stability_percent": (30.0, 100.0), "max_trials": (6, 3)}
+
+
+def parser(tool: str, doc: str | None, quick: str, **defaults: tuple[object, object]) -> argparse.ArgumentParser:
+    """The options every perf_analyzer scenario has; ``defaults``: name -> (default, --quick default)."""
+    d = {**DEFAULTS, **defaults}
+    p = argparse.ArgumentParser(
+        prog=f"python -m perf.bench.{tool}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.set_defaults(scenario_defaults=d)
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument(
+        "--precision", default="cpu", help="what Triton serves, as `make serve PRECISION=`: cpu (default), fp32, auto, ..."
+    )
+
+    def both(name: str) -> str:
+        return f"default {d[name][0]:g}, --quick {d[name][1]:g}"
+
+    p.add_argument("--time-budget", type=float, help=f"seconds for the whole run, server start included ({both('time_budget')})")
+    p.add_argument("--request-count", type=int, help=f"requests per measurement window ({both('request_count')})")
+    p.add_argument("--stability-percent", type=float, help=f"perf_analyzer -s ({both('stability_percent')})")
+    p.add_argument("--max-trials", type=int, help=f"windows before a measurement is unstable ({both('max_trials')})")
+    p.add_argument("--input-data", type=Path, help="perf_analyzer input JSON (default perf/data/sentences_16tok.json)")
+    p.add_argument("--out-dir", type=Path, help=f"results folder (default perf/results/{tool}-<UTC time>)")
+    p.add_argument("--no-export", action="store_true", help="never export, even when model files are missing")
+    p.add_argument("--verbose", action="store_true", help="log perf_analyzer command lines")
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parsed options with the (--quick) defaults filled in and checked; ``argv`` kept for the report."""
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.input_given, args.input_data = args.input_data is not None, args.input_data or SENTENCES_16TOK
+    for name, (full, quick) in args.scenario_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if min(args.request_count, args.max_trials) < 1 or args.time_budget <= 0:
+        p.error("--request-count, --max-trials and --time-budget must be positive")
+    if args.input_data is not None and not args.input_data.is_file():
+        p.error(f"input data {args.input_data} not found")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
+    )
+    return args
+
+
+RunT = TypeVar("RunT", bound=Run)
+
+
+def new_run(args: argparse.Namespace, kind: str, run_class: type[RunT] = Run) -> RunT | None:  # type: ignore[assignment]
+    """A run of ``perf.bench.<kind>``: its deadline, perf_analyzer, and its results folder (``--out-dir``
+    or perf/results/<kind>-<UTC time>). None (said why) without perf_analyzer."""
+    deadline = time.monotonic() + args.time_budget
+    try:
+        binary, env = pa.check()
+    except pa.PerfAnalyzerNotAvailable as exc:
+        print(f"perf.bench.{kind}: {exc}", flush=True)
+        return None
+    return run_class(args, report.results_dir(args.out_dir, kind), deadline, binary, env)
+
+
+# --------------------------------------------------------------------------- the report
 
 
 def write_csv(path: Path, records: Sequence[Mapping[str, object]]) -> None:
@@ -248,34 +388,58 @@ def write_csv(path: Path, records: Sequence[Mapping[str, object]]) -> None:
         writer.writerows(records)
 
 
-def ensure_exported(served: served_mod.ServedEncoder, args: argparse.Namespace, say: Callable[[str], None]) -> bool:
-    tokenizer = served_mod.REPOSITORY / served_mod.TOKENIZER / "1" / "tokenizer.json"
-    if served.model_path.is_file() and tokenizer.is_file():
-        return True
-    if args.no_export:
-        say(f"perf.bench.compare: {served.model_path} or {tokenizer} missing and --no-export given")
-        return False
-    from export import __main__ as export_main
-
-    say("perf.bench.compare: exporting text_encoder (model files missing)")
-    export_main.main(["--model", ENCODER, "--no-speed"])
-    return tokenizer.is_file() and served_mod.served_encoder(args.precision).model_path.is_file()
+def header(title: str, args: argparse.Namespace, tool: str, load: str, *lines: str) -> list[str]:
+    """A report's title and first lines: when, the machine, its load before measuring, the command."""
+    return [
+        f"# {title}",
+        "",
+        f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before measuring {load}",
+        f"- command: `{' '.join([f'python -m perf.bench.{tool}', *args.argv])}`",
+        *(f"- {line}" for line in lines),
+    ]
 
 
-RunT = TypeVar("RunT", bound=Run)
+def table(rows: Sequence[Row]) -> list[str]:
+    lines = [
+        "| system | protocol | load | throughput (infer/s) | p50 (ms) | p99 (ms) | p99/p50 | notes |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        tput = fmt(r.throughput) if r.ok else f"failed: {r.error}"
+        ratio = fmt(r.p99_ms / r.p50_ms, 2) if r.p99_ms and r.p50_ms else ""
+        lines.append(
+            f"| {r.system} | {r.protocol} | {r.load} | {tput} | {fmt(r.p50_ms)} | {fmt(r.p99_ms)} | {ratio} | {r.note} |"
+        )
+    return lines
 
 
-@overload
-def new_run(args: argparse.Namespace, kind: str) -> Run | None: ...
-@overload
-def new_run(args: argparse.Namespace, kind: str, run_class: type[RunT]) -> RunT | None: ...
-def new_run(args: argparse.Namespace, kind: str, run_class: type[Run] = Run) -> Run | None:
-    """A run of ``perf.bench.<kind>`` (a ``run_class``): its deadline, perf_analyzer, and its results folder
-    (``--out-dir`` or perf/results/<kind>-<UTC time>). None (said why) without perf_analyzer."""
-    deadline = time.monotonic() + args.time_budget
-    try:
-        binary, env = pa.check()
-    except pa.PerfAnalyzerNotAvailable as exc:
-        print(f"perf.bench.{kind}: {exc}", flush=True)
-        return None
-    return run_class(args, report.results_dir(args.out_dir, kind), deadline, binary, env)
+def breakdown(rows: Sequence[Row]) -> list[str]:
+    """Where the time goes on the server, per measurement and step (mean ms per request, mean batch)."""
+    measured = [(r, r.measurement) for r in rows if r.measurement is not None and r.measurement.composing]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "Server side, per step (mean ms per request; Triton's statistics over the whole perf_analyzer run where the "
+        "tool read them, BLS calls included; a step's compute is the whole execution its request was part of):",
+        "",
+        "| measurement | step | queue | compute input | compute infer | compute output | mean batch |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r, m in measured:
+        for i, name in enumerate(sorted(m.composing, key=lambda n: (n != "text_tokenizer", n))):
+            s, b = m.composing[name], m.composing[name].breakdown_ms
+            lines.append(
+                f"| {r.key if i == 0 else ''} | {name} | {fmt(b.get('queue'))} | {fmt(b.get('compute input'), 2)} | "
+                f"{fmt(b.get('compute infer'))} | {fmt(b.get('compute output'), 2)} | {fmt(s.avg_batch, 2)} |"
+            )
+    return lines
+
+
+def finish(run: Run, tool: str, lines: Sequence[str], csv_name: str, records: Sequence[Mapping[str, object]]) -> None:
+    """summary.md and the CSV of the records in the results folder; the summary printed."""
+    text = "\n".join(lines) + "\n"
+    report.write(run.out_dir, text)
+    write_csv(run.out_dir / csv_name, records)
+    print("\n" + text, flush=True)
+    run.say(f"perf.bench.{tool}: results in {pa.display_path(run.out_dir)}")

@@ -1,18 +1,13 @@
-"""Run NVIDIA's perf_analyzer for one measurement and parse what it reports.
+"""perf_analyzer, the load driver of the KServe benchmarks: one measurement (one load level) and what it reports.
 
-The binary comes with ``tritonclient[all]==2.50.0`` (the venv's ``bin/``). It links
-``libcudart.so.12`` even on a CPU-only machine, so the environment we give it puts the lib
-folder of the ``nvidia-cuda-runtime-cu12`` wheel on ``LD_LIBRARY_PATH``; it also needs
-``libb64.so.0d`` from the Debian package ``libb64-0d``.
+The binary comes with ``tritonclient[all]==2.50.0`` (the venv's ``bin/``). It links ``libcudart.so.12``
+even without a GPU, so its environment puts the ``nvidia-cuda-runtime-cu12`` wheel's lib folder on
+``LD_LIBRARY_PATH``; it also needs ``libb64.so.0d`` (Debian's ``libb64-0d``). Which levels, retries and
+the time budget belong to the caller (perf.lib.harness), so each level's CSV is its own file.
 
-One call of :func:`measure` is one concurrency level: the sweep logic (which levels, retries,
-time budget) belongs to the caller, so that the CSV of each level is its own file and a
-failed level does not lose the others.
-
-Figures in the CSV are microseconds; :class:`Measurement` holds milliseconds.
-For an ensemble, the CSV's server columns are the ensemble's own (its "Server Queue" is
-about 0, it has no scheduler); the composing models' queue and compute times are only in
-perf_analyzer's text output, parsed into :attr:`Measurement.composing`.
+The CSV is in microseconds, :class:`Measurement` in milliseconds. For an ensemble the CSV's server
+columns are the ensemble's own; each step's queue, compute and batch come from Triton's statistics
+(perf.lib.triton_stats, the one reading of server-side figures), not from perf_analyzer's text output.
 """
 
 from __future__ import annotations
@@ -48,10 +43,7 @@ PROTOCOLS = ("grpc", "http")
 
 
 class PerfAnalyzerError(RuntimeError):
-    """perf_analyzer could not run or did not produce a result.
-
-    ``output`` holds its combined stdout/stderr (possibly empty), ``command`` the argv.
-    """
+    """perf_analyzer could not run or gave no result; ``output``: its stdout and stderr, ``command``: the argv."""
 
     def __init__(self, message: str, output: str = "", command: Sequence[str] = ()):
         super().__init__(message)
@@ -72,9 +64,6 @@ class PerfAnalyzerUnstable(PerfAnalyzerError):
 
 class PerfAnalyzerTimeout(PerfAnalyzerError):
     """The wall-clock limit of one measurement ran out; the process was killed."""
-
-
-# --------------------------------------------------------------------------- environment
 
 
 def find_binary() -> Path:
@@ -138,19 +127,13 @@ def _missing_message(binary: Path, libraries: Sequence[str]) -> str:
 
 
 def check(binary: Path | None = None, env: Mapping[str, str] | None = None) -> tuple[Path, dict[str, str]]:
-    """Locate the binary, build its environment and make sure its libraries resolve.
-
-    Returns (binary, env); raises PerfAnalyzerNotAvailable naming what to install.
-    """
+    """(binary, env) with the binary's libraries resolving; PerfAnalyzerNotAvailable names what to install."""
     binary = binary or find_binary()
     env = dict(env) if env is not None else environment()
     missing = missing_libraries(binary, env)
     if missing:
         raise PerfAnalyzerNotAvailable(_missing_message(binary, missing))
     return binary, env
-
-
-# --------------------------------------------------------------------------- one measurement
 
 
 @dataclass(frozen=True)
@@ -201,7 +184,7 @@ class Settings:
 
 @dataclass(frozen=True)
 class ModelStats:
-    """Server-side figures of one model from perf_analyzer's text report (times in ms)."""
+    """Server-side figures of one model over a measurement (perf.lib.triton_stats; times in ms per request)."""
 
     name: str
     version: str = ""
@@ -221,7 +204,7 @@ class ModelStats:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One row of perf_analyzer's CSV (times in ms), plus the text report's server figures."""
+    """One row of perf_analyzer's CSV (times in ms), plus the server's figures."""
 
     throughput: float  # inferences per second
     p50_ms: float
@@ -241,8 +224,9 @@ class Measurement:
     client_request_response_ms: float | None = None  # with --verbose-csv
     client_response_wait_ms: float | None = None  # with --verbose-csv
     extra: dict[str, str] = field(default_factory=dict)  # CSV columns not mapped above
-    server: ModelStats | None = None  # the measured model, from the text report
-    composing: dict[str, ModelStats] = field(default_factory=dict)  # ensemble steps, from the text report
+    # Server side, from Triton's statistics around the run (perf.lib.triton_stats; perf.lib.harness.measure):
+    server: ModelStats | None = None  # the measured model
+    composing: dict[str, ModelStats] = field(default_factory=dict)  # every other model that served requests
 
     def as_row(self) -> dict[str, object]:
         """Flat dict for a summary CSV: the scalar fields, then each composing model's queue/infer/batch."""
@@ -280,14 +264,10 @@ _REQUIRED = ("throughput", "p50_ms", "p90_ms", "p95_ms", "p99_ms")
 
 
 def parse_csv(text: str) -> list[Measurement]:
-    """Parse perf_analyzer's ``-f`` CSV: one Measurement per load level (row).
-
-    Columns are matched by header name, not position, so ``--verbose-csv`` and newer
-    versions' extra columns do not shift anything; unknown columns land in ``extra``.
-    Raises ValueError when the header lacks throughput or a percentile, or a value is not a number.
-    """
-    # With --collect-metrics perf_analyzer appends further tables after a blank line; the
-    # latency table is the first block.
+    """perf_analyzer's ``-f`` CSV, one Measurement per row (load level). Columns are matched by name, so
+    ``--verbose-csv`` and newer versions' columns shift nothing (unknown ones land in ``extra``); ValueError
+    when throughput or a percentile is missing or a value is not a number."""
+    # With --collect-metrics further tables follow a blank line; the latency table is the first.
     block = text.strip().split("\n\n", 1)[0]
     reader = csv.DictReader(io.StringIO(block))
     header = [h.strip() for h in reader.fieldnames or []]
@@ -324,85 +304,6 @@ def parse_csv(text: str) -> list[Measurement]:
     return rows
 
 
-_MODEL_HEADER = re.compile(r"^\s*(?P<name>[^\s,]+), version: (?P<version>\S*)\s*$")
-_COUNT = re.compile(r"^\s*(Inference|Execution|Successful request|Cache hit|Cache miss) count: (\d+)\s*$")
-# With a response cache on the server, compute times move to the cache-miss line:
-#   Average Cache Miss Latency: 54344 usec (cache lookup/insertion 0 usec + compute input 135 usec + ...)
-_CACHE_LATENCY = re.compile(r"^\s*Average Cache (?P<kind>Hit|Miss) Latency: (\d+(?:\.\d+)?) usec(?: \((?P<parts>.*)\))?\s*$")
-_AVG_LATENCY = re.compile(r"^\s*Avg request latency: (\d+(?:\.\d+)?) usec(?: \((?P<parts>.*)\))?\s*$")
-_PART = re.compile(r"(?P<label>[A-Za-z][A-Za-z /]*?) (?P<value>\d+(?:\.\d+)?) usec")
-
-
-def _parse_stats(name: str, version: str, lines: Sequence[str]) -> ModelStats:
-    counts: dict[str, int] = {}
-    avg = None
-    parts: dict[str, float] = {}
-    miss_parts: dict[str, float] = {}
-    for line in lines:
-        if m := _COUNT.match(line):
-            counts[m.group(1)] = int(m.group(2))
-        elif m := _AVG_LATENCY.match(line):
-            avg = float(m.group(1)) / 1000.0
-            for p in _PART.finditer(m.group("parts") or ""):
-                parts[p.group("label").strip().lstrip("+ ").strip()] = float(p.group("value")) / 1000.0
-        elif (m := _CACHE_LATENCY.match(line)) and m.group("kind") == "Miss":
-            for p in _PART.finditer(m.group("parts") or ""):
-                miss_parts[p.group("label").strip().lstrip("+ ").strip()] = float(p.group("value")) / 1000.0
-    hits, misses = counts.get("Cache hit", 0), counts.get("Cache miss", 0)
-    if miss_parts:
-        # Per miss -> per request, like the other figures (a hit computes nothing).
-        share = misses / (hits + misses) if hits + misses else 1.0
-        for label, value in miss_parts.items():
-            parts.setdefault(label, value * share)
-    return ModelStats(
-        name=name,
-        version=version,
-        inference_count=counts.get("Inference", 0),
-        execution_count=counts.get("Execution", 0),
-        success_count=counts.get("Successful request", 0),
-        avg_request_latency_ms=avg,
-        breakdown_ms=parts,
-        cache_hit_count=hits,
-        cache_miss_count=misses,
-    )
-
-
-def parse_report(output: str, model: str = "") -> tuple[ModelStats | None, dict[str, ModelStats]]:
-    """Server figures from perf_analyzer's text output: (the model's, {composing model: figures}).
-
-    Reads the last "Server:" section (one measurement per run, so the last is the reported
-    one). Returns (None, {}) when the output has none (e.g. a server without statistics).
-    """
-    lines = output.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.strip() == "Server:"]
-    if not starts:
-        return None, {}
-    section: list[str] = []
-    for line in lines[starts[-1] + 1 :]:
-        # The report ends at the first non-indented line (the summary, or the next level).
-        if line and not line[0].isspace():
-            break
-        section.append(line)
-    own: list[str] = []
-    composing: dict[str, ModelStats] = {}
-    current: tuple[str, str] | None = None
-    block: list[str] = []
-    for line in section:
-        if line.strip().startswith("Composing models"):
-            continue
-        if m := _MODEL_HEADER.match(line):
-            if current is not None:
-                composing[current[0]] = _parse_stats(*current, block)
-            current, block = (m.group("name"), m.group("version")), []
-        elif current is None:
-            own.append(line)
-        else:
-            block.append(line)
-    if current is not None:
-        composing[current[0]] = _parse_stats(*current, block)
-    return _parse_stats(model, "", own), composing
-
-
 def measure(
     settings: Settings,
     csv_path: Path,
@@ -411,11 +312,8 @@ def measure(
     binary: Path | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Measurement:
-    """Run perf_analyzer once with ``settings``; its CSV goes to ``csv_path``, its text output to ``log_path``.
-
-    Raises PerfAnalyzerNotAvailable (binary or library missing), PerfAnalyzerTimeout,
-    PerfAnalyzerUnstable (no stable window in --max-trials) or PerfAnalyzerError.
-    """
+    """perf_analyzer once with ``settings``: its CSV to ``csv_path``, its text output to ``log_path``. Raises
+    PerfAnalyzerNotAvailable, PerfAnalyzerTimeout, PerfAnalyzerUnstable (no stable window) or PerfAnalyzerError."""
     binary, env = check(binary, env)
     csv_path = Path(csv_path)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
@@ -439,11 +337,8 @@ def measure(
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         _write_log(log_path, cmd, output)
-        raise PerfAnalyzerTimeout(
-            f"perf_analyzer ran past {settings.timeout_s:.0f} s at concurrency {settings.concurrency}; killed",
-            output,
-            cmd,
-        ) from None
+        message = f"perf_analyzer ran past {settings.timeout_s:.0f} s at concurrency {settings.concurrency}; killed"
+        raise PerfAnalyzerTimeout(message, output, cmd) from None
     finally:
         if process.poll() is None:  # KeyboardInterrupt and friends
             os.killpg(process.pid, signal.SIGKILL)
@@ -453,21 +348,19 @@ def measure(
     if m := re.search(r"error while loading shared libraries: (\S+?):", output):
         raise PerfAnalyzerNotAvailable(_missing_message(binary, [m.group(1)]), output, cmd)
     if "Failed to obtain stable measurement" in output:
-        raise PerfAnalyzerUnstable(
-            f"no stable measurement at concurrency {settings.concurrency} within {settings.max_trials} windows "
-            f"of {settings.request_count} requests (-s {settings.stability_percent:g}); raise the request count, "
-            "the stability percentage or --max-trials",
-            output,
-            cmd,
+        message = (
+            f"no stable measurement at concurrency {settings.concurrency} within {settings.max_trials} windows of "
+            f"{settings.request_count} requests (-s {settings.stability_percent:g}); raise the request count, "
+            "the stability percentage or --max-trials"
         )
+        raise PerfAnalyzerUnstable(message, output, cmd)
     if process.returncode != 0 or not csv_path.is_file():
         last = output.strip().splitlines()[-1] if output.strip() else "no output"
         raise PerfAnalyzerError(f"perf_analyzer exited with code {process.returncode}: {last}", output, cmd)
     rows = parse_csv(csv_path.read_text())
     if len(rows) != 1:
         raise PerfAnalyzerError(f"expected one result row in {csv_path}, found {len(rows)}", output, cmd)
-    server, composing = parse_report(output, settings.model)
-    return dataclasses.replace(rows[0], server=server, composing=composing)
+    return rows[0]
 
 
 def _write_log(path: Path | None, cmd: Sequence[str], output: str) -> None:

@@ -52,5 +52,7 @@ def test_quick_compare_measures_every_system(tmp_path):
     assert all(float(r["value"]) > 0 for r in ratios.values()), ratios
     assert "| ratio | value | target | met | from |" in summary
     for stem in ("naive_http_c8", "triton_grpc_c8", "triton_grpc_c4_nobatch", "triton_grpc_rate"):
-        assert (tmp_path / f"{stem}.csv").is_file() and (tmp_path / f"{stem}.log").is_file()
+        # An unstable first try leaves its log; the retry (twice the requests) its CSV and log.
+        assert (tmp_path / f"{stem}.log").is_file(), stem
+        assert (tmp_path / f"{stem}.csv").is_file() or (tmp_path / f"{stem}-retry.csv").is_file(), stem
     assert (tmp_path / "limit.csv").is_file() and (tmp_path / "tritonserver.log").is_file()

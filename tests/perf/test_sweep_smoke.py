@@ -33,7 +33,8 @@ def test_quick_sweep_writes_points_and_plots(tmp_path):
         assert row["error"] == "", row
         assert float(row["throughput"]) > 0, row
         assert float(row["p99_ms"]) >= float(row["p50_ms"]) > 0, row
-    assert "## text_embedding-16tok" in summary and "Poisson rate" in summary
+    assert "| text_embedding-16tok | grpc | Poisson " in summary and "Peak of text_embedding-mixed: grpc" in summary
+    assert "| text_encoder |" in summary  # the server side, per step
 
     for data in ("16tok", "mixed"):
         for kind in ("throughput_vs_concurrency", "latency_vs_throughput"):
