@@ -191,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         peak = {"connections": args.peak_concurrency, "rate": r["ok"] / seconds, "p50_ms": r["p50_us"] / 1000}
         peak |= {"p99_ms": r["p99_us"] / 1000, "refused": r["unavailable"], "other": r["other"]}
         say(
-            f"default peak {peak['rate']:,.0f}/s P50 {peak['p50_ms']:.1f} P99 {peak['p99_ms']:.1f} ms (refused {r['unavailable']}, other {r['other']})"
+            f"default peak {peak['rate']:,.0f}/s P50 {peak['p50_ms']:.1f} P99 {peak['p99_ms']:.1f} ms "
+            f"(refused {r['unavailable']}, other {r['other']})"
         )
         alone = asyncio.run(probe(url, args.interactive_model, args.probe_rate, args.duration, texts, f"{nonce}-alone"))
         rows = [row(alone, "alone", "interactive", args.interactive_model)]
