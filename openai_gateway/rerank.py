@@ -45,13 +45,30 @@ class RerankDocument(_Body):
 
 
 class RerankRequest(_Body):
-    """The body of `POST /v1/rerank` (also `/rerank`, `/v2/rerank`)."""
+    """The body of `POST /v1/rerank` (also `/rerank`, `/v2/rerank`): Cohere's and Jina's fields,
+    or TEI's (`texts`, `raw_scores`, `return_text`; its answer is TEI's list)."""
 
-    model: StrictStr = Field(description="An embedding model (cosine of its vectors) or a served cross-encoder reranker")
+    model: StrictStr | None = Field(
+        None,
+        description="An embedding model (cosine of its vectors) or a served cross-encoder reranker; "
+        "absent (as TEI's clients send it): the served reranker, else the embedding model",
+    )
     query: StrictStr
-    documents: list[StrictStr | RerankDocument] = Field(description="Texts, or objects with a `text` field")
+    documents: list[StrictStr | RerankDocument] | None = Field(None, description="Texts, or objects with a `text` field")
+    texts: list[StrictStr] | None = Field(None, description="TEI's name for documents; the answer is then TEI's list")
     top_n: StrictInt | None = Field(None, description="Return the best top_n (>= 1); default: all")
-    return_documents: StrictBool = Field(True, description="Echo each result's document text (default true)")
+    return_documents: StrictBool | None = Field(
+        None, description="Echo each result's document text (default true; false on /v2/rerank, as Cohere v2)"
+    )
+    return_text: StrictBool = Field(False, description="TEI's: echo each result's text")
+    raw_scores: StrictBool | None = Field(
+        None,
+        description="false: scores normalised to [0, 1] (a cross-encoder's logit through a sigmoid, a cosine as "
+        "(1 + cos) / 2); default true, except with TEI's texts (false, as TEI)",
+    )
+    max_tokens_per_doc: StrictInt | None = Field(
+        None, description="Cohere v2's: at least the model's own limit (a smaller one is refused: no per-request cut)"
+    )
     # As /v1/embeddings takes them (TEI's names; docs/embeddings.md#truncation).
     truncate: StrictBool = Field(
         False, description="false (default): a text over the model's context length is refused (400 context_length_exceeded)"
@@ -187,13 +204,36 @@ def check_rerank(
     documents' texts; APIError naming the field and the limit it broke."""
     if req.top_n is not None and req.top_n < 1:
         raise bad_request(f"top_n must be at least 1 (omit it for all documents), got {req.top_n}", param="top_n")
+    if (req.documents is None) == (req.texts is None):
+        raise bad_request("send documents (Cohere, Jina, vLLM) or texts (TEI), one of them", param="documents")
+    if req.max_tokens_per_doc is not None and req.max_tokens_per_doc < model_tokens(model):
+        raise bad_request(
+            f"max_tokens_per_doc must be at least {model_tokens(model)} ({model.id}'s limit): documents are not cut "
+            f"per request (send truncate: true to cut them at the model's limit), got {req.max_tokens_per_doc}",
+            param="max_tokens_per_doc",
+        )
     job = _job(req, model)
-    _count(req.documents, "documents", settings)
+    field = "documents" if req.documents is not None else "texts"
+    items = req.documents if req.documents is not None else req.texts or []
+    _count(items, field, settings)
     query = job.add(req.query, "query", settings)
-    docs = [d if isinstance(d, str) else d.text for d in req.documents]
+    docs = [d if isinstance(d, str) else d.text for d in items]
     for i, text in enumerate(docs):
-        job.pair(query, text, f"documents[{i}]", settings)
+        job.pair(query, text, f"{field}[{i}]", settings)
     return job, docs
+
+
+def model_tokens(model: EmbeddingModel | RerankerModel) -> int:
+    """The tokens a text (an embedding model's) or a (query, document) pair (a reranker's) may hold."""
+    return model.max_tokens
+
+
+def normalised(scores: np.ndarray, model: EmbeddingModel | RerankerModel) -> np.ndarray:
+    """Scores in [0, 1]: a cross-encoder's logits through a sigmoid (TEI's raw_scores false), a
+    bi-encoder's cosines as (1 + cos) / 2."""
+    if isinstance(model, RerankerModel):
+        return 1.0 / (1.0 + np.exp(-scores))
+    return (1.0 + scores) / 2.0
 
 
 def check_score(req: ScoreRequest, model: EmbeddingModel | RerankerModel, settings: GatewaySettings) -> ScoreJob:
@@ -349,18 +389,45 @@ def ranked(scores: np.ndarray, top_n: int | None) -> list[int]:
 
 
 def rerank_body(
-    request_id: str, model: EmbeddingModel | RerankerModel, req: RerankRequest, docs: list[str], scored: Scored
+    request_id: str,
+    model: EmbeddingModel | RerankerModel,
+    req: RerankRequest,
+    docs: list[str],
+    scored: Scored,
+    cohere_v2: bool = False,
 ) -> bytes:
-    """vLLM's (and Jina's) rerank answer: results sorted by relevance, the usage's total tokens."""
+    """The rerank answer, results sorted by relevance: TEI's list (``index``, ``score``, ``text``
+    with return_text) for a request that sent ``texts``; else vLLM's and Jina's object (``id``,
+    ``model``, ``usage``, ``results`` of ``index``, ``relevance_score``, ``document``), with Cohere
+    v2's ``meta`` on /v2/rerank."""
+    tei = req.texts is not None
+    raw = req.raw_scores if req.raw_scores is not None else not tei
+    scores = scored.scores if raw else normalised(scored.scores, model)
+    order = ranked(scores, req.top_n)
+    if tei:
+        return orjson.dumps(
+            [{"index": i, "score": float(scores[i]), **({"text": docs[i]} if req.return_text else {})} for i in order]
+        )
+    echo = req.return_documents if req.return_documents is not None else not cohere_v2
     results = []
-    for i in ranked(scored.scores, req.top_n):
-        item: dict = {"index": i, "relevance_score": float(scored.scores[i])}
-        if req.return_documents:
+    for i in order:
+        item: dict = {"index": i, "relevance_score": float(scores[i])}
+        if echo:
             item["document"] = {"text": docs[i]}
         results.append(item)
-    return orjson.dumps(
-        {"id": f"rerank-{request_id}", "model": model.id, "usage": {"total_tokens": scored.total_tokens}, "results": results}
-    )
+    body: dict = {
+        "id": f"rerank-{request_id}",
+        "model": model.id,
+        "usage": {"total_tokens": scored.total_tokens},
+        "results": results,
+    }
+    if cohere_v2:
+        body["meta"] = {
+            "api_version": {"version": "2"},
+            "billed_units": {"search_units": 1},
+            "tokens": {"input_tokens": scored.total_tokens},
+        }
+    return orjson.dumps(body)
 
 
 def score_body(request_id: str, model: EmbeddingModel | RerankerModel, scored: Scored) -> bytes:

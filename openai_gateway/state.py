@@ -104,6 +104,17 @@ class GatewayState:
         served += [m.id for m in self.backend.served("reranker")]
         raise model_not_found(name, "embedding or reranker", served)
 
+    def default_scorer(self) -> str:
+        """The model a rerank request without one (TEI's) goes to: the served cross-encoder
+        reranker, else the first embedding model; 404 when neither is served."""
+        served = self.backend.served("reranker") if self.backend.server_ready else []
+        if served:
+            return served[0].id
+        embeddings = [m.id for m in self.catalog.of_kind("embedding") if m.id in self.vocabularies]
+        if not embeddings:
+            raise model_not_found("(none given)", "embedding or reranker", [])
+        return embeddings[0]
+
     def servable(self) -> list[Model]:
         """Ready in Triton, and (embeddings) with the tokenizer file the gateway checks token arrays against."""
         return [m for m in self.backend.served() if not isinstance(m, EmbeddingModel) or m.id in self.vocabularies]

@@ -2,8 +2,9 @@
 named model's kind (``openai_gateway/rerank.py``): an embedding model's cosine of its vectors
 (through the embeddings path), or a served cross-encoder reranker's raw logit of each pair.
 
-``/rerank`` and ``/v2/rerank`` answer as ``/v1/rerank``, and ``/v1/score`` as ``/score`` (vLLM
-serves all four); only ``/v1/rerank`` and ``/score`` are published in /openapi.json.
+``/rerank`` answers as ``/v1/rerank`` (TEI's list when the body is TEI's), ``/v2/rerank`` adds
+Cohere v2's ``meta`` and leaves documents out unless asked, and ``/v1/score`` answers as ``/score``
+(vLLM serves all four); only ``/v1/rerank`` and ``/score`` are published in /openapi.json.
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ async def create_rerank(body: rerank.RerankRequest, request: Request):
     """Rank `documents` by relevance to `query`: the cosine of an embedding model's vectors
     (documents go through the result cache), or a served cross-encoder reranker's raw logit."""
     st = gateway_state(request)
-    model = st.find_scorer(body.model)
+    model = st.find_scorer(body.model if body.model is not None else st.default_scorer())
     request_info(request)["model"] = model.id
     job, docs = rerank.check_rerank(body, model, st.settings)
     scored = await _score(request, job, model)
-    return json_response(200, rerank.rerank_body(request_info(request)["request_id"], model, body, docs, scored))
+    cohere_v2 = request.url.path == "/v2/rerank"
+    return json_response(200, rerank.rerank_body(request_info(request)["request_id"], model, body, docs, scored, cohere_v2))
 
 
 @router.post("/score", dependencies=[Security(bearer)])

@@ -101,6 +101,12 @@ def test_top_n_and_return_documents(gateway):
     ]
     objects = rerank(gateway, query, [{"text": d} for d in documents])
     assert objects["results"] == full["results"]
+    # TEI's body (no model: the served reranker) and raw_scores false: its logits through a sigmoid.
+    logits = by_index(full)
+    tei = post(gateway, "/rerank", {"query": query, "texts": documents})
+    assert {r["index"] for r in tei} == set(range(len(documents)))
+    for r in tei:
+        assert abs(r["score"] - 1 / (1 + np.exp(-logits[r["index"]]))) <= 1e-6
 
 
 def test_score_equals_rerank_one_to_n_and_n_to_n(gateway, reference, tolerance):

@@ -184,8 +184,28 @@ def test_top_n_return_documents_objects_and_the_other_paths(gateway):
     ]
     objects = rerank(gateway, query, [{"text": d, "id": f"doc-{i}"} for i, d in enumerate(docs)])
     assert objects["results"] == full["results"]
-    for path in ("/rerank", "/v2/rerank"):
-        assert rerank(gateway, query, docs, path=path)["results"] == full["results"], path
+    assert rerank(gateway, query, docs, path="/rerank")["results"] == full["results"]
+    # Cohere v2: its meta, no documents unless asked.
+    v2 = rerank(gateway, query, docs, path="/v2/rerank")
+    assert v2["results"] == bare["results"] and v2["meta"]["api_version"] == {"version": "2"}
+    assert rerank(gateway, query, docs, path="/v2/rerank", return_documents=True)["results"] == full["results"]
+
+
+def test_teis_body_gets_teis_list_and_scores_can_be_normalised(gateway):
+    """TEI's rerank body (texts, raw_scores, return_text, no model): its answer is TEI's list,
+    sorted, normalised by default; raw_scores true gives the cosines, as /v1/rerank."""
+    query = "a programming language for data science"
+    docs = ["Python is popular for data analysis and machine learning.", "Cats sleep a lot.", "R is used by statisticians."]
+    raw = {r["index"]: r["relevance_score"] for r in rerank(gateway, query, docs)["results"]}
+    tei = post(gateway, "/rerank", {"query": query, "texts": docs, "return_text": True})
+    assert [set(r) for r in tei] == [{"index", "score", "text"}] * 3
+    assert [r["score"] for r in tei] == sorted((r["score"] for r in tei), reverse=True)
+    for r in tei:
+        assert abs(r["score"] - (1 + raw[r["index"]]) / 2) <= 1e-6 and r["text"] == docs[r["index"]]
+    plain = post(gateway, "/rerank", {"query": query, "texts": docs, "raw_scores": True})
+    assert all(abs(r["score"] - raw[r["index"]]) <= 1e-6 and "text" not in r for r in plain)
+    normalised = rerank(gateway, query, docs, raw_scores=False)["results"]
+    assert all(abs(r["relevance_score"] - (1 + raw[r["index"]]) / 2) <= 1e-6 for r in normalised)
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -214,6 +234,12 @@ BAD_RERANK = [
     ({**GOOD, "model": "text_generation"}, 404, "model"),
     ({**GOOD, "model": "text_reranker"}, 404, "model"),  # in the repository, not loaded in Triton: unknown
     ({**GOOD, "model": 5}, 422, "model"),
+    ({**GOOD, "texts": ["a"]}, 400, "documents"),  # documents or texts, not both
+    ({"model": EMB, "query": "q"}, 400, "documents"),
+    ({"model": EMB, "query": "q", "texts": []}, 400, "texts"),
+    ({"model": EMB, "query": "q", "texts": ["a", ""]}, 400, "texts[1]"),
+    ({**GOOD, "raw_scores": "no"}, 422, "raw_scores"),
+    ({**GOOD, "max_tokens_per_doc": 64}, 400, "max_tokens_per_doc"),
 ]
 BAD_SCORE = [
     ({"model": EMB, "text_1": ["a", "b"], "text_2": ["c"]}, 400, "text_2"),
