@@ -61,10 +61,13 @@ def parse_direction(value: Any, field: str) -> str:
     return direction
 
 
-def parse_truncation(truncate: np.ndarray | None, direction: np.ndarray | None, rows: int) -> list[Truncation]:
+def parse_truncation(
+    truncate: np.ndarray | None, direction: np.ndarray | None, rows: int, default: bool = False
+) -> list[Truncation]:
     """Each row's Truncation from a request's optional TRUNCATE (bool [rows, 1]) and
-    TRUNCATION_DIRECTION (string [rows, 1]) arrays; absent ones take the defaults (refuse; right)."""
-    flags: Sequence[Any] = [False] * rows
+    TRUNCATION_DIRECTION (string [rows, 1]) arrays; absent ones take the defaults (``default``,
+    the model's ``truncate`` parameter: refuse unless set; right)."""
+    flags: Sequence[Any] = [default] * rows
     ways: Sequence[str] = [RIGHT] * rows
     if truncate is not None:
         values = np.asarray(truncate).reshape(-1)

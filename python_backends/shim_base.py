@@ -64,16 +64,17 @@ def request_texts(pb_utils: Any, request: Any, name: str, max_bytes: int, config
     return decode_texts(input_numpy(pb_utils, request, name), name, max_bytes)
 
 
-def request_truncation(pb_utils: Any, request: Any, rows: int) -> list:
+def request_truncation(pb_utils: Any, request: Any, rows: int, default: bool = False) -> list:
     """Each of a request's ``rows`` texts' Truncation from its optional TRUNCATE and
-    TRUNCATION_DIRECTION inputs (contract.truncation; InputError for a bad value)."""
+    TRUNCATION_DIRECTION inputs (contract.truncation; InputError for a bad value); without
+    TRUNCATE, ``default`` (the model's ``truncate`` parameter)."""
     from contract.truncation import DIRECTION_INPUT, TRUNCATE_INPUT, parse_truncation
 
     def optional(name: str):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
-    return parse_truncation(optional(TRUNCATE_INPUT), optional(DIRECTION_INPUT), rows)
+    return parse_truncation(optional(TRUNCATE_INPUT), optional(DIRECTION_INPUT), rows, default)
 
 
 class BatchShim:

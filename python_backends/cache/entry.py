@@ -62,6 +62,23 @@ def tokenizer_limit(repository: Path, tokenizer: str) -> int:
     return int(m.group(1))
 
 
+_TRUNCATE = re.compile(r'key:\s*"truncate"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+def tokenizer_truncates(repository: Path, tokenizer: str) -> bool:
+    """The tokenizer step's ``truncate`` parameter (its one source): whether a request that leaves
+    TRUNCATE out is truncated (true) or refused over the limit (false, the default)."""
+    path = Path(repository) / tokenizer / "config.pbtxt"
+    try:
+        m = _TRUNCATE.search(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {tokenizer}'s config for truncate: {exc}") from None
+    value = m.group(1).strip().lower() if m else "false"
+    if value not in ("true", "false"):
+        raise ConfigError(f"{path}: parameter truncate must be true or false, got {value!r}")
+    return value == "true"
+
+
 Rows = tuple[np.ndarray, np.ndarray]  # one request's vectors [n, dim] float32 and token counts [n] int32
 
 
@@ -116,7 +133,9 @@ class CachedEntry:
             )
         settings = CacheSettings.from_config(config, environ)
         encoder = config.param("encoder_model", "text_encoder")
-        self.max_tokens = tokenizer_limit(Path(repository), config.param("tokenizer_model", "text_tokenizer"))
+        tokenizer = config.param("tokenizer_model", "text_tokenizer")
+        self.max_tokens = tokenizer_limit(Path(repository), tokenizer)
+        self.truncate = tokenizer_truncates(Path(repository), tokenizer)  # TRUNCATE when a request leaves it out
         self.resolver = IdentityResolver(Path(repository), self.target, encoder, None, is_ready)
         l1 = LRUCache(settings.l1_max_bytes, settings.l1_ttl_s)
         l2 = None

@@ -96,6 +96,28 @@ def test_a_long_text_is_refused_unless_the_client_truncates_it(triton, protocol)
         EmbeddingClient(url, protocol=protocol, truncation="middle")
 
 
+def test_the_tokenizers_truncate_parameter_is_the_default_of_requests_without_truncate(triton, http_client):
+    """A server-level default (TEI's --auto-truncate): text_tokenizer's ``truncate`` parameter set
+    true, a long text sent without TRUNCATE is embedded from its first tokens, as with TRUNCATE."""
+    config = http_client.get_model_config("text_tokenizer")
+    assert config["parameters"]["truncate"] == {"string_value": "false"}
+    long = " ".join(f"default{i} truncation here" for i in range(300))
+    config["parameters"]["truncate"] = {"string_value": "true"}
+    http_client.load_model("text_tokenizer", config=json.dumps(config))
+    try:
+        with EmbeddingClient(triton.http_url, protocol="http", model="text_embedding") as client:
+            by_default = client.embed([long])
+        with EmbeddingClient(triton.http_url, protocol="http", model="text_embedding", truncation="right") as client:
+            asked = client.embed([long])
+        assert diagonal(by_default, asked).min() > SAME
+    finally:
+        http_client.load_model("text_tokenizer")  # the file's config again: refuse
+    with EmbeddingClient(triton.http_url, protocol="http", model="text_embedding") as client:
+        with pytest.raises(EmbeddingError) as info:
+            client.embed([long.replace("default", "again")])  # another text: not one the response cache holds
+    assert "TEXT[0]" in info.value.server_message and "256" in info.value.server_message
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_unknown_model(triton, protocol):
     url = triton.http_url if protocol == "http" else triton.grpc_url

@@ -244,6 +244,8 @@ def test_truncation_options_are_checked_where_they_enter():
     from contract.truncation import LEFT, RIGHT, Truncation, parse_direction, parse_truncation
 
     assert parse_truncation(None, None, 2) == [Truncation(False, RIGHT)] * 2
+    assert parse_truncation(None, None, 2, default=True) == [Truncation(True, RIGHT)] * 2  # the model's `truncate`
+    assert parse_truncation(np.array([[False]]), None, 1, default=True) == [Truncation(False, RIGHT)]  # a request's own wins
     got = parse_truncation(np.array([[True], [False]]), np.array([[b"Left"], ["RIGHT "]], dtype=object), 2)
     assert got == [Truncation(True, LEFT), Truncation(False, RIGHT)] and got[0].left and not got[1].left
     assert not Truncation(False, LEFT).left  # a direction without truncate truncates nothing
@@ -298,3 +300,20 @@ def test_the_tokenizer_shim_refuses_or_truncates_per_request(tmp_path, monkeypat
     assert right.output("num_tokens").tolist() == left.output("num_tokens").tolist() == [[n]]
     assert right.output("input_ids")[0, :31].tolist() == _whole(LONG)[:31]
     assert left.output("input_ids")[0, 1:].tolist() == _whole(LONG)[-31:]
+
+
+def test_the_cached_entry_reads_truncate_from_the_tokenizers_config(tmp_path):
+    from contract.errors import ConfigError
+    from python_backends.cache.entry import tokenizer_truncates
+    from server.layout import ROOT
+
+    assert tokenizer_truncates(ROOT / "model_repository", "text_tokenizer") is False
+    (tmp_path / "tok").mkdir()
+    config = tmp_path / "tok" / "config.pbtxt"
+    config.write_text('parameters { key: "truncate" value: { string_value: "True" } }\n')
+    assert tokenizer_truncates(tmp_path, "tok") is True
+    config.write_text("")
+    assert tokenizer_truncates(tmp_path, "tok") is False  # absent: refuse
+    config.write_text('parameters { key: "truncate" value: { string_value: "maybe" } }\n')
+    with pytest.raises(ConfigError, match="truncate must be true or false"):
+        tokenizer_truncates(tmp_path, "tok")

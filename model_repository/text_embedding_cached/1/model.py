@@ -48,7 +48,7 @@ class TritonPythonModel(BatchShim):
     def decode(self, request):
         self.entry.check_class(request.parameters())  # a request naming another class is answered here
         texts = request_texts(pb_utils, request, self.entry.text, self.entry.max_text_bytes, self.config)
-        return texts, request_truncation(pb_utils, request, len(texts))
+        return texts, request_truncation(pb_utils, request, len(texts), self.entry.truncate)
 
     def run(self, decoded):
         batch = list(decoded.values())

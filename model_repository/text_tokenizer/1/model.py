@@ -26,6 +26,7 @@ class TritonPythonModel(BatchShim):
         self.config.require("output", "num_tokens", "TYPE_INT32", (1,))
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.max_text_bytes = self.config.param_int("max_text_bytes", 65536, minimum=1)
+        self.truncate = self.config.param_bool("truncate", False)  # TRUNCATE when a request leaves it out
         self.tokenizer = BatchTokenizer(
             version_dir / (self.config.param("tokenizer_file") or "tokenizer.json"),
             max_length=self.config.param_int("max_sequence_length", 256, minimum=1),
@@ -37,7 +38,7 @@ class TritonPythonModel(BatchShim):
 
     def decode(self, request):
         texts = request_texts(pb_utils, request, self.text, self.max_text_bytes, self.config)
-        return texts, request_truncation(pb_utils, request, len(texts))
+        return texts, request_truncation(pb_utils, request, len(texts), self.truncate)
 
     def run(self, decoded):
         texts, options, spans = [], [], []
