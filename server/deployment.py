@@ -99,6 +99,9 @@ class Deployment(Addresses, Service):
             grpc_port=ports[1],
             metrics_port=ports[2],
             workdir=workdir,
+            # The one tritonserver behind its doors: its log named by the public port (its own is
+            # a free one at each start), written over by the next start as without doors.
+            log_name="" if o.pool else str(o.http_port),
             # Kept across its restarts: the doors resend a 500 / INTERNAL of a model marked
             # there (a dead stub being reloaded).
             health_dir=self.healing_root / f"replica-{index}",

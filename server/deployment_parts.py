@@ -124,7 +124,7 @@ class Replica:
 
     @property
     def log_path(self) -> Path:
-        return self.options.workdir / f"tritonserver-{self.options.http_port}.log"
+        return self.options.log_path
 
     @property
     def address(self) -> str:

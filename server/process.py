@@ -81,6 +81,8 @@ class ServerOptions:
     # removed at stop. A deployment passes one per replica, kept across its restarts, so that its
     # front door and gRPC door see which replica is healing a model.
     health_dir: Path | None = None
+    # Its log is tritonserver-<log_name>.log in workdir, written over at each start; "": its HTTP port.
+    log_name: str = ""
     # An installed tritonserver run in place (NVIDIA's container: /opt/tritonserver), checked by
     # server.layout.check_home where it enters; None: the nvidia-pytriton wheel's, laid out in workdir.
     tritonserver_home: Path | None = None
@@ -97,6 +99,10 @@ class ServerOptions:
             ports.add(free_port(host))
         http, grpc, metrics = sorted(ports)
         return cls(http_port=http, grpc_port=grpc, metrics_port=metrics, **kwargs)
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.workdir) / f"tritonserver-{self.log_name or self.http_port}.log"
 
     @property
     def reachable_host(self) -> str:
@@ -174,7 +180,7 @@ class TritonServer(Addresses, Service):
         self.options = options
         self.echo = echo
         self.repository: Prepared | None = None  # as prepared for the current start
-        self.log_path = options.workdir / f"tritonserver-{options.http_port}.log"
+        self.log_path = options.log_path
         # Ctrl-C reaches the launcher, which stops the server in order. If the launcher dies
         # without stopping it (SIGKILL, the OOM killer), so does tritonserver, and its ports are
         # free again; its python backend stubs notice and exit.
