@@ -166,7 +166,7 @@ def analyse(spans: dict[int, Span], model: str = MODEL) -> Report:
         gaps[name] = sorted(idle)[-5:]
     return Report(
         n,
-        statistics.median(totals),
+        percentile(totals, 50),
         percentile(totals, 99),
         totals[-1],
         parts(middle),
