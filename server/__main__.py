@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from python_backends.redaction import redact_url
 from server.cli import Preset, add_serving_options, deployment_fields, env_int, gateway_options, run
 from server.deployment import Deployment, DeploymentOptions
 from server.layout import ROOT, check_home
 from server.models import openai_models
+
+if TYPE_CHECKING:
+    from server.health_port import ProbePort
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -150,7 +153,7 @@ def deployment_options(args: argparse.Namespace, models: tuple[str, ...], config
     )
 
 
-def probe_port(args: argparse.Namespace, deployment: Deployment, _stop: threading.Event):
+def probe_port(args: argparse.Namespace, deployment: Deployment) -> ProbePort | None:
     """The replica role's probe port (server/health_port.py), up before tritonserver starts."""
     if args.role != "replica":
         return None

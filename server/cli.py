@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from export.variants import PRECISION_CHOICES
 from server.deployment import Deployment, DeploymentOptions
@@ -168,6 +168,10 @@ def gateway_options(args: argparse.Namespace, **more) -> GatewayOptions:
     )
 
 
+class Stoppable(Protocol):
+    def stop(self) -> object: ...
+
+
 @dataclass
 class Preset:
     """What one command makes of ``run``: its name in messages, its Deployment's options from its
@@ -181,7 +185,7 @@ class Preset:
     stopped: Callable[[int | None, float], str]
     echo: Callable[[argparse.Namespace], TextIO | None] = lambda args: None
     # Started before the deployment and stopped after it (the replica role's probe port).
-    companion: Callable[[argparse.Namespace, Deployment, threading.Event], object] | None = None
+    companion: Callable[[argparse.Namespace, Deployment], Stoppable | None] | None = None
     tritonserver_home: Callable[[argparse.Namespace], Path | None] = lambda args: None
 
 
@@ -221,12 +225,12 @@ def run(args: argparse.Namespace, preset: Preset) -> int:
         print(f"{prog}: {time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {message}", flush=True)
 
     deployment = Deployment(options, echo=preset.echo(args), on_event=event)
-    companion = preset.companion(args, deployment, stop) if preset.companion is not None else None
+    companion = preset.companion(args, deployment) if preset.companion is not None else None
 
     def stop_all() -> int | None:
         code = deployment.stop()
         if companion is not None:
-            companion.stop()  # type: ignore[attr-defined]
+            companion.stop()
         return code
 
     try:
