@@ -102,6 +102,7 @@ def test_the_tokenizers_truncate_parameter_is_the_default_of_requests_without_tr
     config = http_client.get_model_config("text_tokenizer")
     assert config["parameters"]["truncate"] == {"string_value": "false"}
     long = " ".join(f"default{i} truncation here" for i in range(300))
+    original = json.dumps(config)
     config["parameters"]["truncate"] = {"string_value": "true"}
     http_client.load_model("text_tokenizer", config=json.dumps(config))
     try:
@@ -111,7 +112,8 @@ def test_the_tokenizers_truncate_parameter_is_the_default_of_requests_without_tr
             asked = client.embed([long])
         assert diagonal(by_default, asked).min() > SAME
     finally:
-        http_client.load_model("text_tokenizer")  # the file's config again: refuse
+        # The file's config again (a load without one keeps the override while the files are unchanged).
+        http_client.load_model("text_tokenizer", config=original)
     with EmbeddingClient(triton.http_url, protocol="http", model="text_embedding") as client:
         with pytest.raises(EmbeddingError) as info:
             client.embed([long.replace("default", "again")])  # another text: not one the response cache holds
