@@ -31,14 +31,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from perf.bench.gateway_workloads import CHAT_SYSTEMS, EMBED_SYSTEMS, PEER_SYSTEMS, WORKLOADS, Cell, run_chat, run_embeddings
 from perf.lib import lifecycle, options, report
 from perf.lib.harness import int_list
 from perf.lib.paths import REPOSITORY
 
-MODELS = ("text_embedding_cached", "text_embedding", "text_generation")
 # The targets, checked (not enforced) in the printed ratios.
 TARGET_EMBED = (0.8, 1.3)  # gateway / direct requests/s at concurrency 32, at least; P99, at most
 TARGET_VS_PEER = (3.0, 0.25)  # direct or gateway / infinity-emb, unique texts: requests/s at least; P99 at most
@@ -56,9 +54,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chat-requests", type=int, default=3, help="chat requests per client per window (default 3)")
     p.add_argument("--chat-systems", default=",".join(CHAT_SYSTEMS), help=",".join(CHAT_SYSTEMS))
     # 0: all at once, which makes TTFT hinge on whether all arrive before the engine's next step
-    p.add_argument(
-        "--chat-stagger-ms", type=float, default=25.0, help="client k of a chat window starts k x this after the first"
-    )
+    p.add_argument("--chat-stagger-ms", type=float, default=25.0, help="chat client k starts k x this after the first")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per chat request, ignore_eos (default 64)")
     p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"), help="as `make serve PRECISION=` (default auto)")
     p.add_argument("--watchdog-folder", action="store_true", help="gateways watch a stub watchdog folder, as in `make serve`")
@@ -81,7 +77,7 @@ def start_triton(args, workdir: Path, say):
     from export import variants
     from perf.lib.deployment import server_deployment
 
-    models = tuple(m for m in MODELS if not (args.no_chat and m == "text_generation"))
+    models = ("text_embedding_cached", "text_embedding") + (() if args.no_chat else ("text_generation",))
     local = tuple(v for v in variants.VARIANTS if v != "trt_plan")  # what this server can load, as the launcher's
     config_name, served = variants.resolve_precision(REPOSITORY, ["text_encoder", *models], args.precision, loadable=local)
     server = server_deployment(models, workdir / "triton", model_config_name=config_name).start()
@@ -99,13 +95,10 @@ def start_gateways(args, triton_grpc_url: str, workdir: Path, key: str, say, gat
     watch = ["--triton-health-dir", str(workdir / "health")] if args.watchdog_folder else []
     with_log = "gateway_log" in args.embed_systems and not args.no_embeddings
     for name, extra in (("quiet", ["--no-request-log", *watch]), ("log", watch))[: 2 if with_log else 1]:
-        options: dict[str, Any] = {
-            "api_key_file": workdir / "gateway-api-key",
-            "env": {"GATEWAY_API_KEYS": key},
-            "drain_timeout": 5,
-        }
-        options |= {"port": free_port(), "workdir": workdir / f"gateway-{name}", "extra_args": ["--rate-limit", "0", *extra]}
-        gateways[name] = GatewayProcess(GatewayOptions(triton_grpc_url, **options)).start()
+        options = GatewayOptions(triton_grpc_url, port=free_port(), workdir=workdir / f"gateway-{name}", drain_timeout=5)
+        options.api_key_file, options.env = workdir / "gateway-api-key", {"GATEWAY_API_KEYS": key}
+        options.extra_args = ["--rate-limit", "0", *extra]
+        gateways[name] = GatewayProcess(options).start()
     for name, gw in gateways.items():
         gw.wait_ready(timeout=120)
         say(f"gateway ({name}) ready on {gw.url}")
@@ -164,12 +157,17 @@ def run(args: argparse.Namespace) -> int:
     embed = [c.summary() for c in sorted(embed_cells, key=lambda c: (WORKLOADS.index(c.workload), EMBED_SYSTEMS.index(c.system)))]
     chat = [c.summary() for c in sorted(chat_cells, key=lambda c: (c.concurrency, CHAT_SYSTEMS.index(c.system)))]
     ratio_rows = ratios(embed, chat, args.embed_concurrency)
-    lines = report.header("OpenAI gateway vs Triton direct", "perf.bench.gateway_bench", args.argv, load) + [
-        f"- embeddings: {args.embed_concurrency} closed-loop clients, one text per request, {args.embed_duration:g} s windows x "
-        f"{args.rounds} round(s), systems interleaved (what each system is: --help)",
-        f"- chat: {args.max_tokens} new tokens (ignore_eos, greedy), {args.chat_requests} request(s) per client per window, "
-        f"concurrency {','.join(map(str, args.chat_concurrency))}, clients {args.chat_stagger_ms:g} ms apart",
-    ]
+    lines = report.header("OpenAI gateway vs Triton direct", "perf.bench.gateway_bench", args.argv, load)
+    if embed:
+        lines.append(
+            f"- embeddings: {args.embed_concurrency} closed-loop clients, one text per request, {args.embed_duration:g} s "
+            f"windows x {args.rounds} round(s), systems interleaved (what each system is: --help)"
+        )
+    if chat:
+        lines.append(
+            f"- chat: {args.max_tokens} new tokens (ignore_eos, greedy), {args.chat_requests} request(s) per client per "
+            f"window, concurrency {','.join(map(str, args.chat_concurrency))}, clients {args.chat_stagger_ms:g} ms apart"
+        )
     if failure:
         lines.append(f"- stopped early: {failure}")
     table = markdown(lines, embed, chat, ratio_rows)
