@@ -1,22 +1,15 @@
 """`python -m perf.baselines.limit`: the in-process ceiling a served text encoder is measured against.
 
-Measured in interleaved rounds (export/bench.py's method: the median over rounds, so a noisy
-neighbour costs every figure alike), sequences per second per batch size:
-
-- **encoder**: ONNX Runtime alone running the encoder file Triton serves for ``--precision``, on
-  pre-tokenized batches of the checked-in 16-token sentences, spinning off;
-- **end to end**: the same session plus the served tokenizer in one loop (pooling is in the graph):
-  what a server with zero overhead would do per batch of texts.
-
-Each in two thread layouts over the same cores: the served one (the config's instances, each a
-session with its intra-op threads, all running at once) and one session with a thread per core;
+ONNX Runtime running the encoder file Triton serves for ``--precision`` (spinning off), alone on
+pre-tokenized 16-token sentences (**encoder**) and with the served tokenizer in the loop (**end to
+end**; pooling is in the graph), sequences/s per batch size, in interleaved rounds (the median, so a
+noisy neighbour costs every figure alike). Each in the served thread layout (the config's instances,
+each a session with its intra-op threads, all at once) and as one session with a thread per core;
 per batch size the faster layout counts, so a wasteful served layout is not flattered.
 
-``--length-mix LOW-HIGH`` measures the limit for mixed lengths instead: a seeded pool of ``--pool``
-rows of LOW..HIGH tokens grouped as the served encoder does (the pool sorted by length, cut into
-runs under each of ``--budgets`` padded tokens: python_backends.onnx_engine.batching.plan_runs),
-against runs of ``--count-batch`` rows in arrival order padded to their bucket, and against every
-row alone, unpadded.
+``--length-mix LOW-HIGH``: the limit for a seeded pool of ``--pool`` rows of LOW..HIGH tokens, grouped
+as the served encoder does (sorted, cut under each of ``--budgets`` padded tokens: plan_runs),
+against runs of ``--count-batch`` rows padded to their bucket, and against every row alone.
 """
 
 from __future__ import annotations

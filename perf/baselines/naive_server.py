@@ -1,18 +1,12 @@
 """`python -m perf.baselines.naive_server --port N`: the naive per-request baseline of perf.bench.compare.
 
-The seed articles' "original implementation": a FastAPI app under uvicorn that runs the PyTorch
-all-MiniLM-L6-v2 (transformers' tokenizer, the BertModel, masked mean pooling, L2 norm;
-export/reference.py) once per request, without batching, FP32.
-
-It speaks enough of the KServe v2 HTTP protocol that perf_analyzer (HTTP, Triton service kind) drives
-it exactly like Triton's ``text_embedding``: health, model metadata and config, ``POST
-/v2/models/text_embedding/infer`` with JSON or binary-tensor bodies, and the statistics extension
-(with the server-side queue / tokenize / model / pool split).
-
-The event loop parses requests while ONE worker thread runs the model, one request after another;
-the wait for that thread is a request's queue time. That is the kindest naive server for a small
-CPU: torch uses the intra-op threads ONNX Runtime gets in Triton, and running several requests'
-models at once would only oversubscribe the cores, so the served/naive ratio is no strawman's.
+The seed articles' "original implementation": FastAPI under uvicorn running PyTorch all-MiniLM-L6-v2
+(export/reference.py) once per request, FP32, no batching. It speaks enough KServe v2 HTTP (health,
+metadata, config, JSON and binary-tensor infer, statistics with the queue / tokenize / model / pool
+split) that perf_analyzer drives it exactly like Triton's ``text_embedding``. ONE worker thread runs
+the model, one request after another (the wait for it is the queue time): with torch on the intra-op
+threads ONNX Runtime gets in Triton, running several at once would only oversubscribe the cores, so
+the served/naive ratio is no strawman's.
 """
 
 from __future__ import annotations

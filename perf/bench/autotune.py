@@ -1,22 +1,15 @@
 """`python -m perf.bench.autotune`: search the encoder's batching settings under a latency budget.
 
-A sweep scenario (perf.lib.harness) over configs instead of loads: one tritonserver serves
-``text_embedding``; for each ``max_queue_delay_microseconds`` x ``preferred_batch_size`` x instance
-count, the encoder is reloaded with that config through the repository API (about a second, no
-restart, the ensemble keeps its other steps) and perf_analyzer measures the ensemble at
-``--concurrency``. Each instance gets ``cores / instances`` intra-op threads, so every candidate
-uses the same cores.
+A sweep scenario (perf.lib.harness) over configs: one tritonserver serves ``text_embedding``; each
+``max_queue_delay_microseconds`` x ``preferred_batch_size`` x instance count (each instance with
+``cores / instances`` intra-op threads) is loaded into the encoder through the repository API (no
+restart) and measured at ``--concurrency``. The best ``--finalists`` are measured again, interleaved;
+the winner is the one with the highest median throughput whose P99 is within ``--latency-budget-ms``
+(none: the lowest P99), then measured under Poisson arrivals at ``--rate-fraction`` of it.
 
-A candidate is *feasible* when its P99 is within ``--latency-budget-ms``. The machine is noisy, so
-the best ``--finalists`` of the first pass are measured again, interleaved, and ranked on the
-median of their runs. The winner: the feasible finalist with the highest median throughput (none
-feasible: the lowest P99); then one Poisson run at ``--rate-fraction`` of its throughput gives its
-P99 / P50. Candidates that no longer fit ``--time-budget`` are listed as not tried.
-
-Writes under ``perf/results/autotune-<UTC time>/``: ``search.csv`` (every measurement), ``summary.md``,
-``text_encoder.pbtxt`` (the served config with the winning values) and ``override.json`` (the body of
-``POST /v2/repository/models/text_encoder/load``, which applies it to a running server without a
-restart; ``--apply HOST:PORT`` does that at the end).
+Writes under ``perf/results/autotune-<UTC time>/``: ``search.csv``, ``summary.md``, ``text_encoder.pbtxt``
+(the served config with the winning values) and ``override.json`` (the body of ``POST
+/v2/repository/models/text_encoder/load``; ``--apply HOST:PORT`` loads it into a running server).
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ops.repository import RepositoryClient
@@ -61,47 +54,32 @@ class Candidate:
         return f"max_queue_delay {self.delay_us} us, {pref}, {self.instances} instance(s) x {self.threads} thread(s)"
 
 
-@dataclass
-class Trial:
-    candidate: Candidate
-    round: int
-    throughput: float | None = None
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    encoder_batch: float | None = None
-    error: str = ""
+def trial(c: Candidate, round_: int, concurrency: int = 0, **figures) -> Row:
+    """One measurement of a candidate: a harness row whose tags are the candidate's settings (search.csv's columns)."""
+    tags = {"round": round_, "candidate": c.name, "max_queue_delay_us": c.delay_us, "preferred_batch_size": c.preferred or ""}
+    tags |= {"instances": c.instances, "threads": c.threads}
+    return Row(f"r{round_}-{c.name}", f"{ENCODER} {c.describe()}", "grpc", f"concurrency {concurrency}", tags=tags, **figures)
 
-    def record(self) -> dict[str, object]:
-        c = self.candidate
-        return {
-            "round": self.round,
-            "candidate": c.name,
-            "max_queue_delay_us": c.delay_us,
-            "preferred_batch_size": c.preferred or "",
-            "instances": c.instances,
-            "threads": c.threads,
-            "throughput": fmt(self.throughput),
-            "p50_ms": fmt(self.p50_ms, 2),
-            "p99_ms": fmt(self.p99_ms, 2),
-            "encoder_mean_batch": fmt(self.encoder_batch, 2),
-            "error": self.error,
-        }
+
+def encoder_batch(row: Row) -> float | None:
+    stats = row.measurement.composing.get(ENCODER) if row.measurement else None
+    return stats.avg_batch if stats else None
 
 
 @dataclass
 class Score:
-    """A candidate's trials; its figures are their medians."""
+    """A candidate's trials (harness rows); its figures are their medians."""
 
     candidate: Candidate
-    trials: list[Trial] = field(default_factory=list)
+    trials: list[Row] = field(default_factory=list)
 
-    def _median(self, attr: str) -> float | None:
-        return median([getattr(t, attr) for t in self.trials if t.throughput])
+    def _median(self, figure: Callable[[Row], float | None]) -> float | None:
+        return median([figure(t) for t in self.trials if t.ok])
 
-    throughput = property(functools.partial(_median, attr="throughput"))
-    p50_ms = property(functools.partial(_median, attr="p50_ms"))
-    p99_ms = property(functools.partial(_median, attr="p99_ms"))
-    encoder_batch = property(functools.partial(_median, attr="encoder_batch"))
+    throughput = property(functools.partial(_median, figure=lambda t: t.throughput))
+    p50_ms = property(functools.partial(_median, figure=lambda t: t.p50_ms))
+    p99_ms = property(functools.partial(_median, figure=lambda t: t.p99_ms))
+    encoder_batch = property(functools.partial(_median, figure=encoder_batch))
 
     def feasible(self, budget_ms: float) -> bool:
         return self.p99_ms is not None and self.p99_ms <= budget_ms
@@ -206,7 +184,7 @@ def summary_markdown(
         errors = "; ".join(sorted({t.error for t in s.trials if t.error}))
         within = ("yes" if s.feasible(budget_ms) else "no") if s.p99_ms is not None else errors or "not measured"
         lines.append(
-            f"| {s.candidate.describe()}{mark} | {sum(bool(t.throughput) for t in s.trials)} | {fmt(s.throughput)} | "
+            f"| {s.candidate.describe()}{mark} | {sum(t.ok for t in s.trials)} | {fmt(s.throughput)} | "
             f"{fmt(s.p50_ms)} | {fmt(s.p99_ms)} | {fmt(s.encoder_batch, 2)} | {within} |"
         )
     if untried:
@@ -244,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         f"perf.bench.autotune: {ENCODER} {served.variant}, concurrency {args.concurrency}, P99 budget "
         f"{args.latency_budget_ms:g} ms, time budget {args.time_budget:.0f} s, {cores} cores, load average {load}"
     )
-    trials: list[Trial] = []
+    trials: list[Row] = []
     scores: dict[Candidate, Score] = {}
     untried: list[Candidate] = []
     winner: Score | None = None
@@ -260,18 +238,14 @@ def run(args: argparse.Namespace) -> int:
                 if state.left() < 20:
                     return False
                 state.say(f"[round {round_}] {c.describe()}")
-                t = Trial(c, round_)
+                t = trial(c, round_, args.concurrency)
                 try:
                     harness.reload_with(server.http_url, ENCODER, apply_candidate(base, c), timeout=min(120.0, state.left()))
                 except (RuntimeError, OSError) as exc:
                     state.say(f"    reload failed: {exc}")
                     t.error = f"reload failed: {exc}"
                 else:
-                    row = Row(f"r{round_}-{c.name}", f"{ENCODER} {c.describe()}", "grpc", f"concurrency {args.concurrency}")
-                    harness.point(state, row, server.grpc_url, concurrency=args.concurrency, stats_url=server.http_url)
-                    t.error, t.throughput, t.p50_ms, t.p99_ms = row.error, row.throughput, row.p50_ms, row.p99_ms
-                    stats = row.measurement.composing.get(ENCODER) if row.measurement else None
-                    t.encoder_batch = stats.avg_batch if stats else None
+                    harness.point(state, t, server.grpc_url, concurrency=args.concurrency, stats_url=server.http_url)
                 trials.append(t)
                 scores.setdefault(c, Score(c)).trials.append(t)
                 harness.write_csv(state.out_dir / "search.csv", [t.record() for t in trials])

@@ -32,7 +32,7 @@ from perf.baselines import limit as limit_mod
 from perf.lib import harness
 from perf.lib import perf_analyzer as pa
 from perf.lib import served as served_mod
-from perf.lib.harness import ENCODER, MODEL, Row, Run, skipped
+from perf.lib.harness import ENCODER, MODEL, Row, Run
 from perf.lib.report import fmt, load_average
 from perf.lib.stats import measured
 
@@ -111,7 +111,7 @@ def add_limit_rows(run: CompareRun) -> None:
     reason = "failed: " + "; ".join(run.limit_errors) if run.limit_errors else "time budget used up"
     for position, (key, system, attr) in enumerate(kinds):
         if not run.limits:
-            run.rows.insert(position, skipped(key, system, "in-process", "best batch", reason))
+            run.rows.insert(position, Row(key, system, "in-process", "best batch", error=reason))
             continue
         speeds = {when: getattr(limit, attr) for when, limit in run.limits.items()}
         best_when = max(speeds, key=lambda w: speeds[w].best_throughput)
@@ -167,7 +167,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
     )
     off = Row(f"triton_grpc_c{cb}_nobatch", f"Triton {MODEL} without dynamic batching (every step)", "grpc", f"concurrency {cb}")
     if run.left() < 30:
-        run.rows += [skipped(key, system, protocol, f"concurrency {n}", "time budget used up") for key, protocol, n in plan]
+        run.rows += [Row(key, system, protocol, f"concurrency {n}", error="time budget used up") for key, protocol, n in plan]
         run.rows.append(dataclasses.replace(off, error="time budget used up"))
         return
     try:
@@ -185,7 +185,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
                 steps_after -= 1
                 peak = max((measured(r.throughput) for r in run.rows if r.key.startswith("triton_grpc_c") and r.ok), default=None)
                 if peak is None:
-                    run.rows.append(skipped("triton_grpc_rate", system, "grpc", "Poisson", "no peak throughput measured"))
+                    run.rows.append(Row("triton_grpc_rate", system, "grpc", "Poisson", error="no peak throughput measured"))
                 else:
                     rate = a.rate_fraction * peak
                     row = Row("triton_grpc_rate", system, "grpc", f"Poisson {rate:.0f}/s ({a.rate_fraction:.0%} of {peak:.0f})")
@@ -207,7 +207,7 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
             run.rows.append(off)
     except ServerError as exc:
         run.say(f"    {exc}\n{exc.log_tail}")
-        run.rows += [skipped(key, system, protocol, f"concurrency {n}", "server did not start") for key, protocol, n in plan]
+        run.rows += [Row(key, system, protocol, f"concurrency {n}", error="server did not start") for key, protocol, n in plan]
         run.rows.append(dataclasses.replace(off, error="server did not start"))
 
 

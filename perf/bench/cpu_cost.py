@@ -1,23 +1,15 @@
 """`python -m perf.bench.cpu_cost` (`make cpu-cost`): CPU-seconds per 1,000 requests of every process on each
 request path.
 
-Starts the whole deployment with the launcher's code (perf.lib.deployment.start_deployment:
-tritonserver behind the nginx front door, Redis as text_embedding_cached's L2 when installed and not
---no-redis, the OpenAI gateway with its request log). Then, one path after the other, it sends a
-fixed number of requests at a fixed concurrency (perf.lib.load.call_loop) and reads utime + stime of
-every process (/proc/<pid>/stat, perf.lib.processes) before and after:
-
-  text_tokenizer, text_encoder (16 token ids), text_embedding     POST /v2/models/<model>/infer, unique texts
-  text_embedding_cached_miss / _hit    the cached entry point, unique texts / 60 texts sent beforehand
-  gateway_embeddings                   POST /v1/embeddings, unique texts (gateway -> Triton's gRPC port)
-  image_classification                 unique JPEGs (the sample photos, one pixel changed per request)
-  text_generation                      gRPC streams, --max-tokens each (ignore_eos): per 1,000 tokens
-
-Request bodies are built before their window, so the load generator's figure is the cost of sending
-and reading. A 503 (admission control) is sent again after a backoff and counted as ``refused``. An
-idle window first gives each process's idle rate; the table shows the net cost (raw - idle rate x
-window, never below 0), the CSV both. Every instance of a model's stub is one column. Writes
-cpu_cost.csv and cpu_cost.md under perf/results/cpu-cost-<UTC time>/ (--out DIR) and prints the table.
+Starts the deployment with the launcher's code (perf.lib.deployment.start_deployment: tritonserver
+behind the nginx front door, Redis as text_embedding_cached's L2 unless --no-redis, the OpenAI
+gateway), then, one path of PATHS after the other, sends a fixed number of requests at a fixed
+concurrency and reads every process's utime + stime (perf.lib.processes) before and after. Text
+paths send unique texts (the cached hit path: 60 texts sent beforehand), images are sample photos
+with one pixel changed, generation is per 1,000 tokens of --max-tokens streams. Bodies are built
+before their window; a 503 is sent again after a backoff (``refused``). The table is net of each
+process's idle rate (an idle window first), the CSV has raw and net. Writes cpu_cost.csv and
+cpu_cost.md under perf/results/cpu-cost-<UTC time>/ (--out DIR).
 """
 
 from __future__ import annotations

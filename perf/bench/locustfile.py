@@ -1,17 +1,13 @@
-"""Locust load test of the text_embedding ensemble, with tritonclient users for HTTP and gRPC.
+"""Locust load test of the text_embedding ensemble (`make locust`), tritonclient users over HTTP and gRPC.
 
-The seed articles stress their service with Locust; this is the same tool pointed at Triton.
-Each simulated user sends one 16-token sentence per request (perf/data/sentences_16tok.json),
-waits for the answer, and reports its latency to Locust. Run headless:
+Each simulated user sends one 16-token sentence (perf/data/sentences_16tok.json) per request, waits
+for the answer and reports its latency to Locust; ``--host`` is http://host:port (TritonHttpUser) or
+grpc://host:port (TritonGrpcUser):
 
-    locust -f perf/bench/locustfile.py --headless -u 32 -r 8 -t 60s \\
-        --host http://127.0.0.1:8000 TritonHttpUser
-    locust -f perf/bench/locustfile.py --headless -u 32 -r 8 -t 60s \\
-        --host grpc://127.0.0.1:8001 TritonGrpcUser
+    locust -f perf/bench/locustfile.py --headless -u 32 -r 8 -t 60s --host http://127.0.0.1:8000 TritonHttpUser
 
-``--host`` takes http://host:port (HTTP user) or grpc://host:port (gRPC user). Add
-``--csv perf/results/locust`` for CSV output. perf_analyzer (perf/) measures more precisely;
-Locust shows how the service holds up under many independent clients with ramp-up.
+perf_analyzer measures more precisely; Locust shows how the service holds up under many independent
+clients with ramp-up. Locust loads this file by path, so it reads its input without the perf package.
 """
 
 from __future__ import annotations
@@ -29,10 +25,8 @@ import gevent
 import numpy as np
 from locust import User, between, events, task
 
-SENTENCES = [
-    item["TEXT"]["content"][0]
-    for item in json.loads((Path(__file__).resolve().parents[1] / "data" / "sentences_16tok.json").read_text())["data"]
-]
+DATA = Path(__file__).resolve().parents[1] / "data" / "sentences_16tok.json"
+SENTENCES = [item["TEXT"]["content"][0] for item in json.loads(DATA.read_text())["data"]]
 MODEL = "text_embedding"
 
 
@@ -42,7 +36,7 @@ def _url(host: str | None, default_port: int) -> str:
 
 
 def _call_here(func, args=(), kwds=None):
-    """Run a client call; the HTTP client (geventhttpclient) is cooperative as it is."""
+    """Run a client call in this greenlet (the HTTP client, geventhttpclient, is cooperative)."""
     return func(*args, **(kwds or {}))
 
 
@@ -66,12 +60,10 @@ class _TritonUser(User):
 
     @task
     def embed_one_sentence(self) -> None:
-        text = np.array([[random.choice(SENTENCES).encode()]], dtype=object)
         assert self.module is not None  # on_start() connected
         inp = self.module.InferInput("TEXT", [1, 1], "BYTES")
-        inp.set_data_from_numpy(text)
-        start = time.perf_counter()
-        exception, size = None, 0
+        inp.set_data_from_numpy(np.array([[random.choice(SENTENCES).encode()]], dtype=object))
+        start, exception, size = time.perf_counter(), None, 0
         try:
             out = self.blocking(self.client.infer, (MODEL, [inp]), self.infer_options).as_numpy("EMBEDDING")
             if out is None or out.shape != (1, 384):
@@ -79,10 +71,11 @@ class _TritonUser(User):
             size = out.nbytes
         except Exception as exc:  # noqa: BLE001 - every failure is reported to Locust
             exception = exc
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
         events.request.fire(
             request_type=self.protocol,
             name=MODEL,
-            response_time=(time.perf_counter() - start) * 1000.0,
+            response_time=elapsed_ms,
             response_length=size,
             exception=exception,
             context={},
@@ -106,9 +99,9 @@ class TritonGrpcUser(_TritonUser):
         import tritonclient.grpc as grpcclient
 
         self.infer_options = {"client_timeout": 30.0}  # a stuck call fails, the run ends on time
-        # Blocking gRPC calls run on gevent's pool of real threads while the user's greenlet
-        # waits cooperatively. gRPC's own gevent mode (grpc.experimental.gevent.init_gevent)
-        # hung CI runs now and then, called per user or once at import.
+        # Blocking gRPC calls run on gevent's pool of real threads while the user's greenlet waits
+        # cooperatively. gRPC's own gevent mode (grpc.experimental.gevent.init_gevent) hung CI runs
+        # now and then, called per user or once at import.
         self.blocking = gevent.get_hub().threadpool.apply
         self.module = grpcclient
         return grpcclient.InferenceServerClient(_url(self.host, 8001))

@@ -1,25 +1,17 @@
 """`python -m perf.bench.sweep` (`make perf`): concurrency and Poisson request-rate sweeps with perf_analyzer.
 
-For each served model (text_embedding and image_classification by default), each input set and each
-protocol (gRPC and HTTP): a concurrency sweep (--concurrency, default 1,2,4,8,16,32), then a Poisson
-request-rate sweep (--async) at --rates req/s, or by default at --rate-fractions (0.25,0.5,0.7,0.9)
-of the peak throughput of that concurrency sweep (--no-rates: none).
+For each model (text_embedding and image_classification by default), input set and protocol (gRPC
+and HTTP): a concurrency sweep (--concurrency), then Poisson request rates (--async) at --rates req/s
+or at --rate-fractions of that sweep's peak (--no-rates: none). Inputs: perf/data/sentences_16tok.json
+("16tok", exactly 16 tokens) and sentences_mixed.json ("mixed", about 8 to 128 tokens) or --input-data;
+the bundled sample photos as JPEGs, one per request. One tritonserver serves the run, or --url
+names a running server's endpoint for the one protocol asked for. After a sweep's first point a
+window lasts about --window-s seconds at the measured throughput (0: fixed windows of
+--request-count); each sweep gets an equal share of what is left of --time-budget.
 
-Inputs: text_embedding with perf/data/sentences_16tok.json ("16tok", every request exactly 16
-tokens) and perf/data/sentences_mixed.json ("mixed", about 8 to 128 tokens), or --input-data;
-image_classification with JPEGs written into the results folder (export.image_data's evaluation
-photos, downscaled; synthetic images when the sample photos are absent), one image per request.
-
-One tritonserver (the models asked for) serves the whole run, or --url HOST:PORT names a running
-server's endpoint for the one protocol asked for. An unstable point is retried once with twice
-the requests per window (perf.lib.harness). After a sweep's first point the window is sized to
-about --window-s seconds at the measured throughput (0: fixed windows of --request-count).
---time-budget bounds the run: each sweep gets an equal share of what is left, and points that no
-longer fit are recorded as skipped.
-
-Writes under perf/results/sweep-<UTC time>/: perf_analyzer's CSV and log per point, sweep.csv
-(every point), summary.md (with each step's queue, compute and batch), and PNG plots: throughput
-vs concurrency and P50/P99 latency vs throughput, one of each per model and input set.
+Writes under perf/results/sweep-<UTC time>/: perf_analyzer's CSV and log per point, sweep.csv,
+summary.md (with each step's queue, compute and batch) and per model and input set two PNG plots:
+throughput vs concurrency, P50/P99 latency vs throughput.
 """
 
 from __future__ import annotations
@@ -151,24 +143,12 @@ def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
 
 
 def write_image_input(path: Path, count: int = IMAGE_COUNT, side: int = IMAGE_SIDE) -> Path:
-    """perf_analyzer input of ``count`` JPEGs: real photos (export.image_data), else synthetic ones."""
-    from PIL import Image
-
+    """perf_analyzer input of ``count`` JPEGs: the sample photos the image export uses, downscaled."""
     from export import image_data
+    from perf.lib.workload import photos
 
-    try:
-        images = [s.image for s in image_data.evaluation_set()[:count]]
-    except Exception:  # the sample photos missing: gradients with noise, still real JPEG decoding work
-        import numpy as np
-
-        rng = np.random.default_rng(0)
-        images = []
-        for i in range(count):
-            w, h = side, int(side * (0.6 + 0.4 * (i % 3) / 2))
-            base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
-            images.append(Image.fromarray(np.clip(base + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8), "RGB"))
     blobs = []
-    for image in images:
+    for image in photos(count):
         image = image.copy()
         image.thumbnail((side, side))
         blobs.append(image_data.encode(image, "JPEG"))
@@ -245,18 +225,8 @@ def run_sweep(run: harness.Run, w: Workload, protocol: str, url: str, stats_url:
         conc, rate = (int(load), None) if kind == "concurrency" else (1, load)
         # Leave the points after this one some seconds each (at most two are reserved).
         steps = min(total - len(rows) - 1, 2)
-        return harness.point(
-            run,
-            row,
-            url,
-            concurrency=conc,
-            rate=rate,
-            steps_after=steps,
-            model=w.model,
-            input_data=w.input_data,
-            request_count=request_count,
-            stats_url=stats_url,
-        )
+        settings = {"model": w.model, "input_data": w.input_data, "request_count": request_count}
+        return harness.point(run, row, url, concurrency=conc, rate=rate, steps_after=steps, stats_url=stats_url, **settings)
 
     for c in a.concurrency:
         rows.append(one("concurrency", float(c)))
@@ -267,10 +237,10 @@ def run_sweep(run: harness.Run, w: Workload, protocol: str, url: str, stats_url:
     best = peak(rows, w.name, protocol)
     rates = a.rates or rates_from_peak(best.throughput if best else None, a.rate_fractions)
     if not rates:
-        tags = {"model": w.model, "data": w.data, "kind": "rate", "level": 0.0}
+        tags: dict[str, object] = {"model": w.model, "data": w.data}
         missing = "no peak throughput measured"
         return rows + [
-            Row(f"{w.name}-{protocol}-r{f:g}x", w.name, protocol, f"{f:g} x peak", error=missing, tags=tags)
+            Row(f"{w.name}-{protocol}-r{f:g}x", w.name, protocol, f"{f:g} x peak", error=missing, kind="rate", tags=tags)
             for f in a.rate_fractions
         ]
     total = len(a.concurrency) + len(rates)

@@ -13,10 +13,8 @@ import argparse
 import contextlib
 import csv
 import dataclasses
-import datetime as dt
 import json
 import logging
-import os
 import re
 import shutil
 import sys
@@ -187,10 +185,6 @@ def point(
     return row
 
 
-def skipped(key: str, system: str, protocol: str, load: str, reason: str) -> Row:
-    return Row(key, system, protocol, load, error=reason)
-
-
 def rate_warnings(output: str) -> list[str]:
     """perf_analyzer's warnings that make a request-rate measurement doubtful, in short."""
     warnings = []
@@ -200,9 +194,6 @@ def rate_warnings(output: str) -> list[str]:
     if "Request latency is not stabilizing" in output:
         warnings.append("perf_analyzer: latency did not stabilise")
     return warnings
-
-
-# --------------------------------------------------------------------------- the target
 
 
 @contextlib.contextmanager
@@ -276,28 +267,20 @@ def disable_all_dynamic_batching(http_url: str, ensemble: str = MODEL, timeout: 
     return switched
 
 
-# --------------------------------------------------------------------------- options
-
-
-def int_list(text: str, low: int = 1) -> list[int]:
-    """An argparse type: comma-separated integers of at least ``low`` (``1,8,16``)."""
+def int_list(text: str, low: float = 1, kind: type = int) -> list:
+    """An argparse type: comma-separated numbers (``kind``) of at least ``low`` (``1,8,16``)."""
     try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+        values = [kind(v) for v in text.replace(" ", "").split(",") if v]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        values = []
     if not values or min(values) < low:
-        raise argparse.ArgumentTypeError(f"expected integers of at least {low}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of at least {low:g}, got {text!r}")
     return values
 
 
 def float_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
+    """An argparse type: comma-separated positive numbers (``0.25,0.5``)."""
+    return int_list(text, 1e-9, float)
 
 
 def choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
@@ -375,9 +358,6 @@ def new_run(args: argparse.Namespace, kind: str, run_class: type[RunT] = Run) ->
     return run_class(args, report.results_dir(args.out_dir, kind), deadline, binary, env)
 
 
-# --------------------------------------------------------------------------- the report
-
-
 def write_csv(path: Path, records: Sequence[Mapping[str, object]]) -> None:
     columns: list[str] = []
     for record in records:
@@ -389,14 +369,8 @@ def write_csv(path: Path, records: Sequence[Mapping[str, object]]) -> None:
 
 
 def header(title: str, args: argparse.Namespace, tool: str, load: str, *lines: str) -> list[str]:
-    """A report's title and first lines: when, the machine, its load before measuring, the command."""
-    return [
-        f"# {title}",
-        "",
-        f"- {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average before measuring {load}",
-        f"- command: `{' '.join([f'python -m perf.bench.{tool}', *args.argv])}`",
-        *(f"- {line}" for line in lines),
-    ]
+    """perf.lib.report's header of a scenario's summary, then its own ``lines`` as bullets."""
+    return report.header(title, f"perf.bench.{tool}", args.argv, load) + [f"- {line}" for line in lines]
 
 
 def table(rows: Sequence[Row]) -> list[str]:

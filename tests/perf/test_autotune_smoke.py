@@ -38,7 +38,7 @@ def test_quick_autotune_measures_the_grid_and_writes_the_winner(tmp_path):
     assert all((t["error"] == "") == (t["throughput"] != "") for t in trials), summary
     assert sum(t["throughput"] != "" and float(t["throughput"]) > 0 for t in trials) >= 3, summary
     # The reload really changed the served model: two instances, batches of more than one.
-    assert any(t["encoder_mean_batch"] and float(t["encoder_mean_batch"]) > 1.0 for t in trials), summary
+    assert any(t["text_encoder_avg_batch"] and float(t["text_encoder_avg_batch"]) > 1.0 for t in trials), summary
     assert any(t["round"] == "2" for t in trials)  # finalists measured again
     assert "**(winner)**" in summary and "P99 / P50 =" in summary
 

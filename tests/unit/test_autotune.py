@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from perf.bench import autotune
-from perf.bench.autotune import Candidate, Score, Trial
+from perf.bench.autotune import Candidate, Score, trial
 
 SERVED = {
     "name": "text_encoder",
@@ -22,7 +22,7 @@ SERVED = {
 def score(c: Candidate, *runs: tuple[float, float]) -> Score:
     s = Score(c)
     for i, (throughput, p99) in enumerate(runs):
-        s.trials.append(Trial(c, i + 1, throughput=throughput, p50_ms=p99 / 2, p99_ms=p99))
+        s.trials.append(trial(c, i + 1, throughput=throughput, p50_ms=p99 / 2, p99_ms=p99))
     return s
 
 
@@ -45,7 +45,7 @@ def test_pick_takes_the_fastest_within_the_budget():
 def test_pick_without_a_feasible_candidate_takes_the_lowest_p99():
     a = score(Candidate(0, 0, 1, 2), (700, 300))
     b = score(Candidate(0, 0, 2, 1), (600, 200))
-    failed = Score(Candidate(5000, 0, 1, 2), [Trial(Candidate(5000, 0, 1, 2), 1, error="unstable")])
+    failed = Score(Candidate(5000, 0, 1, 2), [trial(Candidate(5000, 0, 1, 2), 1, error="unstable")])
     assert autotune.pick([a, b, failed], budget_ms=100) is b
     assert autotune.pick([failed], budget_ms=100) is None
 
@@ -93,3 +93,9 @@ def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         autotune.parse_args(argv)
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_trial_is_a_harness_row_with_the_candidate_as_columns():
+    record = trial(Candidate(2000, 16, 2, 1), 3, 8, throughput=500.0).record()
+    assert (record["round"], record["max_queue_delay_us"], record["preferred_batch_size"]) == (3, 2000, 16)
+    assert (record["instances"], record["threads"], record["throughput"], record["load"]) == (2, 1, 500.0, "concurrency 8")
