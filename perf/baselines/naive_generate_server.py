@@ -13,7 +13,6 @@ queued, never starts. ``GET /stats``: the queued and running requests.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import json
@@ -30,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from export.bench import cpu_threads
+from perf.lib import options
 from perf.lib.paths import ROOT
 from server.supervisor import ChildProcess, NotReady, http_status
 
@@ -238,11 +238,7 @@ class NaiveGenerateServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.baselines.naive_generate_server",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = options.parser("perf.baselines.naive_generate_server", __doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8090)
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="exported weights and tokenizer")
