@@ -137,7 +137,7 @@ class ToolStream:
         return "", self._complete_calls() if self._mode == "calls" else []
 
     def _complete_calls(self) -> list[dict]:
-        out = []
+        out: list[dict] = []
         decoder = json.JSONDecoder()
         while True:
             rest = self._text[self._pos :]
