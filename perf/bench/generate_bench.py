@@ -67,7 +67,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SYSTEMS = ("naive", "engine", "grpc", "http", "llama", "openvino")
 SYSTEM_NAMES = {
-    "naive": "naive: transformers generate(), one request at a time (FastAPI, SSE)",
+    "naive": "transformers generate(), one request at a time (FastAPI, SSE)",
     "engine": "engine in-process (LLMEngine + EngineLoop, no Triton)",
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
