@@ -104,7 +104,7 @@ class Run:
         return self.deadline - time.monotonic()
 
     def say(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:5.0f} s] {message}", flush=True)
+        report.progress(self.started)(message)
 
 
 def measure(run: Run, row: Row, settings: pa.Settings, steps_after: int, stats_url: str | None = None) -> Row:
@@ -374,17 +374,13 @@ def header(title: str, args: argparse.Namespace, tool: str, load: str, *lines: s
 
 
 def table(rows: Sequence[Row]) -> list[str]:
-    lines = [
-        "| system | protocol | load | throughput (infer/s) | p50 (ms) | p99 (ms) | p99/p50 | notes |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    head = ["system", "protocol", "load", "throughput (infer/s)", "p50 (ms)", "p99 (ms)", "p99/p50", "notes"]
+    cells = [
+        [r.system, r.protocol, r.load, fmt(r.throughput) if r.ok else f"failed: {r.error}", fmt(r.p50_ms), fmt(r.p99_ms)]
+        + [fmt(r.p99_ms / r.p50_ms, 2) if r.p99_ms and r.p50_ms else "", r.note]
+        for r in rows
     ]
-    for r in rows:
-        tput = fmt(r.throughput) if r.ok else f"failed: {r.error}"
-        ratio = fmt(r.p99_ms / r.p50_ms, 2) if r.p99_ms and r.p50_ms else ""
-        lines.append(
-            f"| {r.system} | {r.protocol} | {r.load} | {tput} | {fmt(r.p50_ms)} | {fmt(r.p99_ms)} | {ratio} | {r.note} |"
-        )
-    return lines
+    return report.table(head, cells, left=3).splitlines()
 
 
 def breakdown(rows: Sequence[Row]) -> list[str]:
@@ -397,17 +393,16 @@ def breakdown(rows: Sequence[Row]) -> list[str]:
         "Server side, per step (mean ms per request; Triton's statistics over the whole perf_analyzer run where the "
         "tool read them, BLS calls included; a step's compute is the whole execution its request was part of):",
         "",
-        "| measurement | step | queue | compute input | compute infer | compute output | mean batch |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r, m in measured:
-        for i, name in enumerate(sorted(m.composing, key=lambda n: (n != "text_tokenizer", n))):
-            s, b = m.composing[name], m.composing[name].breakdown_ms
-            lines.append(
-                f"| {r.key if i == 0 else ''} | {name} | {fmt(b.get('queue'))} | {fmt(b.get('compute input'), 2)} | "
-                f"{fmt(b.get('compute infer'))} | {fmt(b.get('compute output'), 2)} | {fmt(s.avg_batch, 2)} |"
-            )
-    return lines
+    steps = [
+        (r.key if i == 0 else "", name, m.composing[name])
+        for r, m in measured
+        for i, name in enumerate(sorted(m.composing, key=lambda n: (n != "text_tokenizer", n)))
+    ]
+    head = ["measurement", "step", "queue", "compute input", "compute infer", "compute output", "mean batch"]
+    figures = [("queue", 1), ("compute input", 2), ("compute infer", 1), ("compute output", 2)]
+    cells = [[key, name, *(fmt(s.breakdown_ms.get(f), d) for f, d in figures), fmt(s.avg_batch, 2)] for key, name, s in steps]
+    return lines + report.table(head, cells, left=2).splitlines()
 
 
 def finish(run: Run, tool: str, lines: Sequence[str], csv_name: str, records: Sequence[Mapping[str, object]]) -> None:
