@@ -33,6 +33,7 @@ from contract.errors import InputError
 from export.bench import cpu_threads
 from perf.lib.paths import ROOT
 from python_backends.text.tokenization import decode_texts
+from server.supervisor import ChildProcess, NotReady, Service, http_status
 
 log = logging.getLogger(__name__)
 
@@ -297,14 +298,12 @@ def create_app(threads: int | None = None):
     return app
 
 
-class NaiveServer:
-    """``python -m perf.baselines.naive_server`` as a child process (what perf.bench.compare and the tests
-    start): ``start()``, ``wait_ready()`` (RuntimeError with the log's end when it exits or times out),
-    ``stop()``; the output goes to ``log_path``."""
+class NaiveServer(Service):
+    """``python -m perf.baselines.naive_server`` as a child process (what perf.bench.compare starts):
+    ``start()``, ``wait_ready()`` (RuntimeError with the log's end when it exits or times out), ``stop()``,
+    or a context manager; the output goes to ``log_path``."""
 
     def __init__(self, port: int, log_path: Path, threads: int | None = None, host: str = "127.0.0.1"):
-        from server.supervisor import ChildProcess
-
         self.host, self.port, self.threads = host, port, threads or cpu_threads()
         self.child = ChildProcess("naive server", log_path, log_mode="w", grace=15.0)
 
@@ -318,8 +317,6 @@ class NaiveServer:
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        from server.supervisor import NotReady, http_status
-
         try:
             self.child.wait_ready(lambda: http_status(f"http://{self.http_url}/v2/health/ready") == 200, timeout, interval=0.25)
         except NotReady as exc:
@@ -327,18 +324,6 @@ class NaiveServer:
 
     def stop(self) -> int | None:
         return self.child.stop(kill_group=True)
-
-    def __enter__(self) -> NaiveServer:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
