@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self, TextIO
+from typing import TextIO, TypeVar
 
 from contract.prose import triton_live_models
 from ops.repository import TOKEN_HEADER
@@ -46,6 +46,7 @@ class ServerError(RuntimeError):
 # make serve's response cache (text_tokenizer and image_preprocess; docs/result-cache.md): a
 # tokenized text takes a few hundred bytes, a preprocessed image 602 KB.
 DEFAULT_CACHE_SIZE_MB = 128
+_Options = TypeVar("_Options", bound="ServerOptions")  # not typing.Self: NVIDIA's container has Python 3.10
 
 
 @dataclass
@@ -92,7 +93,7 @@ class ServerOptions:
             self.models = default_models(self.model_repository)
 
     @classmethod
-    def with_free_ports(cls, **kwargs) -> Self:
+    def with_free_ports(cls: type[_Options], **kwargs) -> _Options:
         host = kwargs.get("host", "127.0.0.1")
         ports: set[int] = set()
         while len(ports) < 3:
