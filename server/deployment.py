@@ -367,6 +367,8 @@ class Deployment(Addresses, Service):
             if should_stop() or self.loop.stopping:
                 raise DeploymentError("stopped before the deployment was ready")
             failure = self.doors.failure() if self.doors is not None else None
+            if failure is None and self.doors is not None:  # a door that exits before ready does not start
+                failure = self.doors.grpc_door_exited()
             if failure is not None:
                 raise DeploymentError(failure.split("\n", 1)[0], failure)
             members: list[Replica | Gateway] = [*self.replicas, *self.gateways]

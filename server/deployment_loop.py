@@ -164,6 +164,9 @@ class Supervision:
                     os.killpg(r.server.process.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+                # Reaps it, stops its watchdog and removes its shared-memory regions: the next
+                # start is a new TritonServer with a new prefix, so nothing else would.
+                r.server.stop(timeout=0)
                 self._failed(r, f"tritonserver exited (code {code})")
             elif r.state == FAILED_START:
                 if r.server is not None:
@@ -265,13 +268,13 @@ class Supervision:
         self._stop.set()
         with self.lock:  # after this, the loop starts no gateway (it checks _stop under the lock)
             gateways = [(g, g.process) for g in self.d.gateways if g.process is not None]
+            for g, _ in gateways:  # stopping, not exited: the loop neither restarts nor stops them again
+                g.state = STOPPED
         stoppers = [threading.Thread(target=process.stop, daemon=True) for _, process in gateways]
         for t in stoppers:
             t.start()
         for t in stoppers:
             t.join()
-        for g, _ in gateways:
-            g.state = STOPPED
         return [process for _, process in gateways]
 
     # --- the rest ---------------------------------------------------------------------------
@@ -305,7 +308,7 @@ class Supervision:
             return
         if not self.options.pool and not self.d.replicas[0].alive():
             return
-        what = doors.restart_grpc_door()
+        what = doors.restart_grpc_door(time.monotonic(), self.options.backoff)
         if what is not None:
             self.event(what)
 

@@ -24,6 +24,7 @@ from server.frontdoor import DEFAULT_MAX_BODY_BYTES, FrontDoor, FrontDoorPorts, 
 from server.supervisor import free_ports, http_status
 
 if TYPE_CHECKING:  # imported where they start: the door's own module imports grpc
+    from server.deployment_parts import Backoff
     from server.grpc_door_process import GrpcDoor
     from server.repository_door import RepositoryDoor
 
@@ -67,6 +68,9 @@ class Doors:
         # nginx's internal gRPC listener, the gRPC door's stream listener, and (pool) nginx's
         # internal listener for the stream door's own calls: loopback ports chosen at start.
         self.nginx_grpc_port = self.stream_door_port = self.stream_upstream_port = 0
+        # The gRPC door's restarts: exits in a row, when the next may start, when the last started.
+        self._grpc_door_exits = 0
+        self._grpc_door_next_start = self._grpc_door_started = 0.0
 
     def ports(self, upstreams: Sequence[Upstream], gateway: GatewayDoor | None = None) -> FrontDoorPorts:
         """The front door's configuration for these replicas (and, in a pool, gateways)."""
@@ -162,14 +166,29 @@ class Doors:
             return f"the front door (nginx) exited unexpectedly (code {code})\n{door.log_tail()}"
         return None
 
-    def restart_grpc_door(self) -> str | None:
-        """Start a new gRPC door when the last one exited (it holds no state): what happened, or None."""
+    def grpc_door_exited(self) -> str | None:
+        """The gRPC door's exit (code and the end of its log) when it is not running, else None."""
         door = self.grpc_door
         if door is None or door.process is None or door.process.poll() is None:
             return None
-        what = f"gRPC door: exited (code {door.process.returncode}); starting a new one\n{door.log_tail(10)}"
-        door.start()
-        return what
+        return f"the gRPC door exited (code {door.process.returncode})\n{door.log_tail(10)}"
+
+    def restart_grpc_door(self, now: float, backoff: Backoff) -> str | None:
+        """Start a new gRPC door when the last one exited (it holds no state), after the
+        backoff's wait for its exits in a row (one that served a minute starts the count
+        again): what happened, or None."""
+        exited = self.grpc_door_exited()
+        if exited is None or self.grpc_door is None:
+            if self.grpc_door is not None and now - self._grpc_door_started >= backoff.reset_after_s:
+                self._grpc_door_exits = 0
+            return None
+        if now < self._grpc_door_next_start:
+            return None
+        self._grpc_door_exits += 1
+        self._grpc_door_next_start = now + backoff.delay(self._grpc_door_exits)  # if this one exits too
+        self._grpc_door_started = now
+        self.grpc_door.start()
+        return f"{exited}\nstarted a new one (exits in a row: {self._grpc_door_exits})"
 
     def stop(self, timeout: float | None = None) -> None:
         """The gRPC door and nginx, each draining its in-flight requests for ``timeout`` s at most
