@@ -389,7 +389,12 @@ def completion_logprobs(entries: list[dict], offset: int) -> dict:
 
 def _whole_choice(job: GenerationJob, index: int, text: str, tally: Tally) -> dict[str, Any]:
     if job.chat:
-        calls = job.tools.calls(text) if job.tools is not None else None
+        calls: list[dict] | None = None
+        if job.tools is not None:  # the stream's rules, so a whole answer says what its stream would
+            stream = ToolStream(job.tools)
+            content, sent = stream.feed(text)
+            rest, more = stream.finish()
+            calls, text = sent + more, content + rest
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if calls:
             message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}

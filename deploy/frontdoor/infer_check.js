@@ -651,7 +651,8 @@ function errorBody(r, data, flags) {
     if (filtering === 'body') {  // an error's body is small: held until its end
         held = all;
         if (flags.last) {
-            r.sendBuffer(publicText(all.toString())[0], flags);
+            const found = publicText(all.toString());
+            r.sendBuffer(found[1] === null ? all : found[0], flags);  // unchanged bytes when nothing was rewritten
         }
         return;
     }

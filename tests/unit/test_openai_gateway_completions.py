@@ -680,3 +680,16 @@ def test_tritons_own_stream_errors_without_status_or_data(message, http):
     for exc in (InferenceServerException(message), RuntimeError(message)):
         err = triton_error(exc, "text_generation")
         assert err.status == http and err.param is None
+
+
+def test_a_whole_answer_with_tools_says_what_its_stream_would(model):
+    """A list whose first call is valid and second is not: streamed, the first call went out as it
+    closed; the whole answer holds the same call, not the text as content."""
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "rm", "arguments": {}}]'
+    whole = orjson.loads(whole_body(chat(model, tools=[TOOL]), {0: text}, one(Tally("stop", 5, 9))))["choices"][0]
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+    assert whole["message"]["content"] is None and whole["finish_reason"] == "tool_calls"
+    writer = ChunkWriter(chat(model, tools=[TOOL], stream=True))
+    events = _events(writer.text(text)) + _events(writer.finish(one(Tally("stop", 5, 9))))
+    streamed = [d["function"]["name"] for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert streamed == ["get_weather"] and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
