@@ -68,6 +68,42 @@ def test_restarts_back_off_boundedly():
     assert [b.delay(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
 
 
+def test_a_grpc_door_that_keeps_exiting_is_restarted_with_backoff(tmp_path):
+    """At once after its first exit, then after the backoff's waits; a minute up resets the count."""
+
+    class ExitedDoor:
+        def __init__(self):
+            self.starts = 0
+            self.process = subprocess.Popen(["true"])
+            self.process.wait()
+
+        def start(self):
+            self.starts += 1
+            return self
+
+        def log_tail(self, lines=10):
+            return "bind: address in use"
+
+    doors = Doors("127.0.0.1", (1, 2, 3), tmp_path, tmp_path, pool=False, health_dirs=[tmp_path], starting_file=tmp_path / "s")
+    door = ExitedDoor()
+    doors.grpc_door = door  # type: ignore[assignment]
+    backoff = Backoff(first_s=1, max_s=30, reset_after_s=60)
+    assert "exited (code 0)" in (doors.restart_grpc_door(100.0, backoff) or "") and door.starts == 1
+    assert doors.restart_grpc_door(100.5, backoff) is None and door.starts == 1  # its first wait: 1 s
+    assert doors.restart_grpc_door(101.0, backoff) is not None and door.starts == 2
+    assert doors.restart_grpc_door(102.9, backoff) is None  # then 2 s
+    assert doors.restart_grpc_door(103.0, backoff) is not None and door.starts == 3
+    assert "bind: address in use" in (doors.grpc_door_exited() or "")
+    door.process = subprocess.Popen(["sleep", "5"])  # this one stays up
+    try:
+        assert doors.restart_grpc_door(170.0, backoff) is None and doors.grpc_door_exited() is None
+        door.process.kill()
+        door.process.wait()
+        assert doors.restart_grpc_door(170.1, backoff) is not None and door.starts == 4  # the count started again
+    finally:
+        door.process.kill()
+
+
 def test_replicas_get_their_own_ports_and_folders_and_the_shared_l2(tmp_path):
     pool = Deployment(
         DeploymentOptions(replicas=3, pool=True, workdir=tmp_path, models=("text_embedding",), redis_url="redis://127.0.0.1:1/0")
