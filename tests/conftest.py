@@ -38,7 +38,16 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     extra = {"models": models} if models else {}
     # The monitored form (as serve-cluster, compose and Kubernetes run it): the rules' quantiles exist.
-    options = {"model_repository": REPOSITORY, "workdir": workdir, "summary_latencies": True, **extra, **options}
+    # drain 5 s, not the launcher's 30: text_generation's unload has been seen to wait out the
+    # whole exit timeout after serving streams, and nothing here drains longer requests.
+    options = {
+        "model_repository": REPOSITORY,
+        "workdir": workdir,
+        "summary_latencies": True,
+        "drain_timeout": 5,
+        **extra,
+        **options,
+    }
     deployment = Deployment(DeploymentOptions.with_free_ports(**options))
     deployment.start()
     _RUNNING.append(deployment)
