@@ -136,6 +136,16 @@ async def open_loop(endpoint: str, make: Callable[[int], Request], rate: float, 
     return tally
 
 
+async def _counted(tally: Tally, call: Callable[[int], Awaitable[object]], n: int) -> None:
+    """``call(n)`` timed into ``tally``: an answer is a success, an exception an error."""
+    t0 = time.perf_counter()
+    try:
+        await call(n)
+        tally.add(True, time.perf_counter() - t0, index=n)
+    except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+        tally.add(False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+
+
 async def call_loop(
     call: Callable[[int], Awaitable[object]], concurrency: int, seconds: float | None = None, count: int | None = None
 ) -> Tally:
@@ -149,12 +159,7 @@ async def call_loop(
         for n in numbers:
             if time.perf_counter() >= deadline or (count is not None and n >= count):
                 return
-            t0 = time.perf_counter()
-            try:
-                await call(n)
-                tally.add(True, time.perf_counter() - t0, index=n)
-            except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
-                tally.add(False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+            await _counted(tally, call, n)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     tally.seconds = time.perf_counter() - started
@@ -177,14 +182,6 @@ async def poisson_loop(
     origin = time.monotonic() if start is None else start
     at = origin
 
-    async def one(n: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            await call(n)
-            tally.add(True, time.perf_counter() - t0, index=n)
-        except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
-            tally.add(False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
-
     for n in itertools.count():
         at += rng.expovariate(rate)
         if at >= origin + seconds:
@@ -193,7 +190,7 @@ async def poisson_loop(
         if max_in_flight and len(tasks) >= max_in_flight:
             tally.add(False, 0.0, f"shed: more than {max_in_flight} calls in flight")
             continue
-        task = asyncio.ensure_future(one(n))
+        task = asyncio.ensure_future(_counted(tally, call, n))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:
