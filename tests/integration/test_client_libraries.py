@@ -26,6 +26,21 @@ class City(pydantic.BaseModel):
 QUESTIONS = ["Tell me about Paris.", "Describe Tokyo.", "What do you know about Nairobi?"]
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
 def test_instructor_extracts_a_pydantic_model_through_a_named_tool(openai_client):
     import instructor
 
@@ -66,21 +81,7 @@ def test_langchain_structured_output_and_tools(gateway):
 def test_openai_sdk_tool_calls_whole_and_streamed(openai_client, parallel):
     import json
 
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "The weather in a city",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 30}},
-                    "required": ["city"],
-                    "additionalProperties": False,
-                },
-            },
-        }
-    ]
+    tools = [WEATHER_TOOL]
     ask = [{"role": "user", "content": "What is the weather in Oslo and in Rome?"}]
     whole = openai_client.chat.completions.create(
         model=GENERATION, messages=ask, tools=tools, tool_choice="required", parallel_tool_calls=parallel, max_tokens=80
@@ -97,21 +98,6 @@ def test_openai_sdk_tool_calls_whole_and_streamed(openai_client, parallel):
     deltas = [c.choices[0] for c in stream if c.choices]
     streamed = [d for c in deltas if c.delta.tool_calls for d in c.delta.tool_calls]
     assert streamed and streamed[0].function.name == "get_weather" and deltas[-1].finish_reason == "tool_calls"
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 def test_openai_sdk_stream_helper_gets_content_token_by_token_and_calls_with_tools(openai_client):
