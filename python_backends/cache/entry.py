@@ -46,37 +46,22 @@ log = logging.getLogger(__name__)
 # texts and each one's Truncation -> their vectors [len(texts), dim] and token counts [len(texts)],
 # from the target model in one call (a text over the limit that may not be truncated: ContextLengthError's data)
 ComputeFn = Callable[[list, list], tuple[np.ndarray, np.ndarray]]
-_MAX_LENGTH = re.compile(r'key:\s*"max_sequence_length"\s*value:\s*\{\s*string_value:\s*"(\d+)"')
+_PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
 
 
-def tokenizer_limit(repository: Path, tokenizer: str) -> int:
-    """``max_sequence_length`` of the tokenizer step's config.pbtxt (its one source), the limit a
-    refusing request's cached count is checked against."""
+def tokenizer_config(repository: Path, tokenizer: str) -> ModelConfig:
+    """The tokenizer step's config.pbtxt parameters (their one source), read as ModelConfig reads
+    them: its ``max_sequence_length``, the limit a refusing request's cached count is checked
+    against, and its ``truncate``, what a request that leaves TRUNCATE out gets."""
     path = Path(repository) / tokenizer / "config.pbtxt"
     try:
-        m = _MAX_LENGTH.search(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read {tokenizer}'s config for max_sequence_length: {exc}") from None
-    if m is None:
+        raise ConfigError(f"cannot read {tokenizer}'s config: {exc}") from None
+    config = ModelConfig({"name": tokenizer, "parameters": {k: {"string_value": v} for k, v in _PARAMETER.findall(text)}})
+    if config.param("max_sequence_length") is None:
         raise ConfigError(f"{path} has no max_sequence_length parameter")
-    return int(m.group(1))
-
-
-_TRUNCATE = re.compile(r'key:\s*"truncate"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
-
-
-def tokenizer_truncates(repository: Path, tokenizer: str) -> bool:
-    """The tokenizer step's ``truncate`` parameter (its one source): whether a request that leaves
-    TRUNCATE out is truncated (true) or refused over the limit (false, the default)."""
-    path = Path(repository) / tokenizer / "config.pbtxt"
-    try:
-        m = _TRUNCATE.search(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read {tokenizer}'s config for truncate: {exc}") from None
-    value = m.group(1).strip().lower() if m else "false"
-    if value not in ("true", "false"):
-        raise ConfigError(f"{path}: parameter truncate must be true or false, got {value!r}")
-    return value == "true"
+    return config
 
 
 Rows = tuple[np.ndarray, np.ndarray]  # one request's vectors [n, dim] float32 and token counts [n] int32
@@ -134,8 +119,9 @@ class CachedEntry:
         settings = CacheSettings.from_config(config, environ)
         encoder = config.param("encoder_model", "text_encoder")
         tokenizer = config.param("tokenizer_model", "text_tokenizer")
-        self.max_tokens = tokenizer_limit(Path(repository), tokenizer)
-        self.truncate = tokenizer_truncates(Path(repository), tokenizer)  # TRUNCATE when a request leaves it out
+        tokenizer_params = tokenizer_config(Path(repository), tokenizer)
+        self.max_tokens = tokenizer_params.param_int("max_sequence_length", 0, minimum=1)
+        self.truncate = tokenizer_params.param_bool("truncate", False)  # TRUNCATE when a request leaves it out
         self.resolver = IdentityResolver(Path(repository), self.target, encoder, None, is_ready)
         l1 = LRUCache(settings.l1_max_bytes, settings.l1_ttl_s)
         l2 = None

@@ -304,16 +304,21 @@ def test_the_tokenizer_shim_refuses_or_truncates_per_request(tmp_path, monkeypat
 
 def test_the_cached_entry_reads_truncate_from_the_tokenizers_config(tmp_path):
     from contract.errors import ConfigError
-    from python_backends.cache.entry import tokenizer_truncates
+    from python_backends.cache.entry import tokenizer_config
     from server.layout import ROOT
 
-    assert tokenizer_truncates(ROOT / "model_repository", "text_tokenizer") is False
+    shipped = tokenizer_config(ROOT / "model_repository", "text_tokenizer")
+    assert shipped.param_bool("truncate", True) is False and shipped.param_int("max_sequence_length", 0) == 256
     (tmp_path / "tok").mkdir()
     config = tmp_path / "tok" / "config.pbtxt"
-    config.write_text('parameters { key: "truncate" value: { string_value: "True" } }\n')
-    assert tokenizer_truncates(tmp_path, "tok") is True
+    limit = 'parameters { key: "max_sequence_length" value: { string_value: "128" } }\n'
+    config.write_text(limit + 'parameters { key: "truncate" value: { string_value: "True" } }\n')
+    assert tokenizer_config(tmp_path, "tok").param_bool("truncate", False) is True
+    config.write_text(limit)
+    assert tokenizer_config(tmp_path, "tok").param_bool("truncate", False) is False  # absent: refuse
+    config.write_text(limit + 'parameters { key: "truncate" value: { string_value: "maybe" } }\n')
+    with pytest.raises(ConfigError, match="must be a boolean"):
+        tokenizer_config(tmp_path, "tok").param_bool("truncate", False)
     config.write_text("")
-    assert tokenizer_truncates(tmp_path, "tok") is False  # absent: refuse
-    config.write_text('parameters { key: "truncate" value: { string_value: "maybe" } }\n')
-    with pytest.raises(ConfigError, match="truncate must be true or false"):
-        tokenizer_truncates(tmp_path, "tok")
+    with pytest.raises(ConfigError, match="no max_sequence_length"):
+        tokenizer_config(tmp_path, "tok")
