@@ -206,9 +206,9 @@ def check_rerank(
         raise bad_request(f"top_n must be at least 1 (omit it for all documents), got {req.top_n}", param="top_n")
     if (req.documents is None) == (req.texts is None):
         raise bad_request("send documents (Cohere, Jina, vLLM) or texts (TEI), one of them", param="documents")
-    if req.max_tokens_per_doc is not None and req.max_tokens_per_doc < model_tokens(model):
+    if req.max_tokens_per_doc is not None and req.max_tokens_per_doc < model.max_tokens:
         raise bad_request(
-            f"max_tokens_per_doc must be at least {model_tokens(model)} ({model.id}'s limit): documents are not cut "
+            f"max_tokens_per_doc must be at least {model.max_tokens} ({model.id}'s limit): documents are not cut "
             f"per request (send truncate: true to cut them at the model's limit), got {req.max_tokens_per_doc}",
             param="max_tokens_per_doc",
         )
@@ -221,11 +221,6 @@ def check_rerank(
     for i, text in enumerate(docs):
         job.pair(query, text, f"{field}[{i}]", settings)
     return job, docs
-
-
-def model_tokens(model: EmbeddingModel | RerankerModel) -> int:
-    """The tokens a text (an embedding model's) or a (query, document) pair (a reranker's) may hold."""
-    return model.max_tokens
 
 
 def normalised(scores: np.ndarray, model: EmbeddingModel | RerankerModel) -> np.ndarray:
