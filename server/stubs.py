@@ -149,7 +149,7 @@ class StubWatchdog:
         self.interval = interval
         self.on_event = on_event or (lambda text: log.warning("%s", text))
         self.counters = Counters()
-        self.extra_checks = list(extra_checks)  # run at each scan (the launcher's: the gRPC door alive)
+        self.extra_checks = list(extra_checks)  # run at each scan; one that raises ends the scan
         self.unhealthy: dict[str, str] = {}  # model -> reason (the dead model's name for callers)
         self._known: dict[int, Stub] = {}
         self._zombies: dict[int, Stub] = {}  # zombies of the last scan, not yet confirmed
@@ -379,7 +379,6 @@ def watch_server(
     health_dir: Path,
     metrics_path: Path | None,
     on_event: Callable[[str], None] | None = None,
-    extra_checks: Iterable[Callable[[], None]] = (),
 ) -> StubWatchdog:
     """A started watchdog over the tritonserver ``server_pid``: it reads and reloads models
     through the repository API at ``triton_http_url`` (``token``: the repository token), and a
@@ -401,5 +400,4 @@ def watch_server(
         loaded,
         reaches,
         on_event=on_event,
-        extra_checks=extra_checks,
     ).start()
