@@ -29,7 +29,6 @@ from ops import repository
 from ops.repository import RepositoryClient
 from perf.lib import perf_analyzer as pa
 from perf.lib import report, triton_stats
-from perf.lib.paths import RESULTS as DEFAULT_RESULTS  # noqa: F401 (perf.bench.trace_report reads it here)
 from perf.lib.paths import SENTENCES_16TOK
 from perf.lib.report import fmt
 

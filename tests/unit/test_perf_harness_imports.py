@@ -60,7 +60,7 @@ def test_the_import_reader_sees_both_forms_and_skips_type_checking():
     assert "perf.baselines.limit" not in found
 
 
-@pytest.mark.parametrize("tool", ["sweep", "autotune", "trace_report"])
+@pytest.mark.parametrize("tool", ["sweep", "autotune"])
 def test_tools_share_the_harness_not_the_compare_tool(tool):
     modules = imported((PERF / "bench" / f"{tool}.py").read_text(encoding="utf-8"))
     assert "perf.lib.harness" in modules, f"perf/bench/{tool}.py no longer uses perf.lib.harness"
