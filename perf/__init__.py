@@ -8,7 +8,6 @@
 - ``perf.bench``: the benchmarks, one question each (``python -m perf.bench.<name>``, most behind a
   ``make`` target).
 - ``perf.drills``: the deployment soaked and hurt under load (soak, chaos, replica failover).
-- ``perf.checks``: correctness checks for hardware this machine may lack (the engine on a GPU).
 
 Inputs are checked in under ``perf/data``; results go to ``perf/results`` (ignored by git).
 perf/README.md lists every command.

@@ -1,4 +1,4 @@
-"""perf.checks.gpu_generation: its comparison code on the CPU with a 2-layer random Llama, and the
+"""tests.gpu.generation_check: its comparison code on the CPU with a 2-layer random Llama, and the
 real check on CUDA where there is a GPU (skipped with the reason otherwise).
 
 The CPU run is the same code path the GPU run takes (engine and transformers on the same
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from perf.checks import gpu_generation as check
+from tests.gpu import generation_check as check
 
 PROMPT_LENGTHS = (5, 19, 40)  # 40 tokens with a 16-token block: a partial last block
 NEW_TOKENS = 8

@@ -1,4 +1,4 @@
-"""`python -m perf.checks.gpu_generation`: the generation engine on CUDA against transformers.
+"""`python -m tests.gpu.generation_check`: the generation engine on CUDA against transformers.
 
 Needs torch with CUDA, transformers, safetensors and this repository's ``python_backends`` (no
 tritonserver, no downloaded weights). A random-init ``LlamaForCausalLM`` of SmolLM2-135M's shape,
@@ -511,7 +511,7 @@ def environment(device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.checks.gpu_generation", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.gpu.generation_check", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (with --tiny for a quick run)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of " + ", ".join(DTYPES))
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model of the same head layout (seconds)")
