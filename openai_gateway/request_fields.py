@@ -89,9 +89,15 @@ IGNORED: dict[str, str] = {
 def refuse_unserved(extra: dict[str, Any] | None, chat: bool) -> None:
     """400 naming the first field in ``extra`` (the request's fields the schema does not declare)
     that asks for a behaviour this server does not serve."""
+    if chat and (extra or {}).get("echo") not in (None, False):  # vLLM's chat echo; /v1/completions serves its own
+        raise bad_request("echo: repeating the last message is not served on chat completions", param="echo")
+    refuse_listed(extra, UNSERVED)
+
+
+def refuse_listed(extra: dict[str, Any] | None, rules: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """400 (``unsupported_parameter``) naming the first field in ``extra`` that ``rules`` (field ->
+    (values that ask for nothing, why any other is refused)) refuses."""
     for name, value in (extra or {}).items():
-        if chat and name == "echo" and value not in (None, False):  # vLLM's chat echo; /v1/completions serves its own
-            raise bad_request("echo: repeating the last message is not served on chat completions", param="echo")
-        rule = UNSERVED.get(name)
+        rule = rules.get(name)
         if rule is not None and not any(value == ok and type(value) is type(ok) for ok in rule[0]):
             raise bad_request(f"{name}: {rule[1]}", param=name, code="unsupported_parameter")
