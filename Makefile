@@ -84,7 +84,7 @@ perf: $(STAMP)
 perf-quick: $(STAMP)
 	$(PY) -m perf.bench.sweep --quick
 
-# Text generation side by side: naive generate(), in-process engine, Triton gRPC/HTTP, llama.cpp's llama-server on the
+# Text generation side by side: in-process engine, Triton gRPC/HTTP, llama.cpp's llama-server on the
 # same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores: perf/baselines/llama_cpp.py), long-prompt
 # prefill, prefix caching (docs/performance.md). PRECISION picks the weights precision served (default auto).
 perf-generate: $(STAMP)

@@ -4,7 +4,7 @@
   harness around it, Triton's statistics, process CPU and memory, request bodies, the deployment,
   chat stream clients). It imports nothing from the rooms below.
 - ``perf.baselines``: what the served models are measured against (the in-process ceiling, the
-  naive per-request servers, llama.cpp's ``llama-server``).
+  naive per-request server, llama.cpp's ``llama-server``, OpenVINO GenAI, infinity-emb).
 - ``perf.bench``: the benchmarks, one question each (``python -m perf.bench.<name>``, most behind a
   ``make`` target).
 - ``perf.drills``: the deployment soaked and hurt under load (soak, chaos, replica failover).

@@ -4,8 +4,7 @@ Closed-loop clients at 1, 4, 16 and 32 streams, 128 new tokens a request (``igno
 the prompts of perf/data/generation_prompts.json with the chat template applied, each led by a line
 of its own so that no prefix cache spares a prefill. The served model and the in-process engine
 run the precision ``--precision`` resolves to, with the served config.pbtxt's settings. Systems:
-naive (perf/baselines/naive_generate_server.py: ``generate()`` one request at a time), engine (in
-this process, no Triton), grpc and http (Triton's ``text_generation``: a gRPC stream, HTTP SSE),
+engine (in this process, no Triton), grpc and http (Triton's ``text_generation``: a gRPC stream, HTTP SSE),
 llama (llama.cpp's ``llama-server`` on the peers' Q4_0 GGUF, perf/baselines/llama_cpp.py) and
 openvino (OpenVINO GenAI's continuous-batching pipeline in process, perf/baselines/openvino_genai.py).
 
@@ -62,23 +61,21 @@ from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.perf_analyzer import display_path
 
 # The OpenMP wait policy of the served engine (python_backends/generation/__init__.py) for the
-# in-process engine and the naive server too; before torch is first imported.
+# in-process engine too; before torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-SYSTEMS = ("naive", "engine", "grpc", "http", "llama", "openvino")
+SYSTEMS = ("engine", "grpc", "http", "llama", "openvino")
 SYSTEM_NAMES = {
-    "naive": "transformers generate(), one request at a time (FastAPI, SSE)",
     "engine": "engine in-process (LLMEngine + EngineLoop, no Triton)",
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
     "llama": "llama.cpp llama-server on the published Q4_1 GGUF requantized to Q4_0, --parallel = the concurrency",
     "openvino": "OpenVINO GenAI ContinuousBatchingPipeline in process on the same GGUF, stepped by one thread",
 }
-PROTOCOLS = {"naive": "http sse", "engine": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
+PROTOCOLS = {"engine": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
 IDLE_TIMEOUT = 60.0  # seconds a system gets to finish its cancelled work after a window
 
 # The issue's targets, checked (not enforced) in the printed ratios.
-TARGET_ENGINE_VS_NAIVE = 10.0
 TARGET_SERVED_VS_ENGINE = 0.9
 TARGET_CACHED_TTFT = 0.3
 # Ours served over each peer, tokens/s per concurrency: >= 0.9x llama.cpp and >= 1.0x OpenVINO alone,
@@ -116,13 +113,6 @@ def ratios(
         return (summaries.get((key, c)) or {}).get(figure)
 
     levels = sorted(concurrency, reverse=True)
-    for c in levels:
-        ratio(
-            f"engine / naive tokens/s, {c} streams",
-            get("engine", c),
-            get("naive", c),
-            TARGET_ENGINE_VS_NAIVE if c == levels[0] else None,
-        )
     for c in levels:
         for key in ("grpc", "http"):
             ratio(f"Triton {key} / engine tokens/s, {c} streams", get(key, c), get("engine", c), TARGET_SERVED_VS_ENGINE)
@@ -298,10 +288,9 @@ def start_peers(wanted: set[str], tokenizer, out_dir: Path, systems: dict[str, S
 
 
 def run(args: argparse.Namespace) -> int:
-    from perf.baselines.naive_generate_server import NaiveGenerateServer
     from python_backends.generation.engine_loop import EngineLoop
     from python_backends.generation.linear import describe_cpu
-    from server.process import ServerError, free_port
+    from server.process import ServerError
 
     out_dir = report.results_dir(args.out_dir, "generate")
     if args.profile:
@@ -314,10 +303,10 @@ def run(args: argparse.Namespace) -> int:
         f"{args.duration:g} s windows x {args.rounds} round(s), load average {load}"
     )
     say(f"weights precision {args.weights_precision} (PRECISION={args.precision}), CPU: {describe_cpu()}")
-    wanted, notes = set(args.systems), []
+    wanted, notes = set(args.systems), list[str]()
     cells: dict[tuple[str, int], Cell] = {}
     systems: dict[str, System] = {}
-    triton = naive = loop = None
+    triton = loop = None
     prefix_rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="perf-generate-") as workdir:
         try:
@@ -325,22 +314,12 @@ def run(args: argparse.Namespace) -> int:
             if wanted & {"grpc", "http"}:
                 triton = start_triton(Path(workdir), args.config_name)
                 say(f"tritonserver starting ({MODEL} only): http {triton.http_url}, grpc {triton.grpc_url}")
-            if "naive" in wanted:
-                naive = NaiveGenerateServer(free_port(), out_dir / "naive_server.log").start()
-                say(f"naive server starting on {naive.http_url}")
             settings = served_engine_settings(ROOT / "model_repository", args.config_name)
             engine = start_engine(settings)
             say(f"engine loaded in-process: {settings or 'EngineConfig defaults'}")
             workload = load_workload(args.data, engine.tokenizer, args.quick)
             if "engine" in wanted:
                 systems["engine"] = EngineSystem(loop := EngineLoop(engine))
-            if naive is not None:
-                try:
-                    naive.wait_ready()
-                    systems["naive"] = TritonSystem("naive", naive.http_url, "http", naive.busy)
-                except RuntimeError as exc:
-                    say(f"naive server did not start: {exc}")
-                    notes.append("naive server did not start")
             if wanted & set(PEERS):
                 start_peers(wanted, engine.tokenizer, out_dir, systems, notes, say)
             if triton is not None:
@@ -364,8 +343,6 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if loop is not None:
                 loop.shutdown()
-            if naive is not None:
-                naive.stop()
             if triton is not None:
                 triton.stop(logs_to=out_dir)
 

@@ -1,6 +1,5 @@
 """The systems a generation benchmark streams from, and how each is started: the engine in process,
-Triton's text_generation (and the naive server, which speaks its generate extension) through the
-project's client transport, llama.cpp's llama-server and OpenVINO GenAI (the peers); the served
+Triton's text_generation through the project's client transport, llama.cpp's llama-server and OpenVINO GenAI (the peers); the served
 precision and engine settings, engines that share one set of weights, tritonserver with
 text_generation alone."""
 
@@ -83,7 +82,7 @@ class EngineSystem(System):
 
 class TritonSystem(System):
     """text_generation through the project's client transport (clients/generation): a gRPC stream
-    (``protocol`` grpc) or HTTP SSE ``generate_stream``, the served model's or the naive server's."""
+    (``protocol`` grpc) or HTTP SSE ``generate_stream``."""
 
     def __init__(self, key: str, url: str, protocol: str, busy: Callable[[], bool | None] = lambda: None):
         self.key, self.url, self.protocol, self._busy = key, url, protocol, busy

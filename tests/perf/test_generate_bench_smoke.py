@@ -1,7 +1,7 @@
 """A --quick run of perf.bench.generate_bench: every system streams tokens in one run and the report is complete.
 
-It starts its own servers (a tritonserver with text_generation only, the naive generate()
-server, llama.cpp's llama-server on the peers' Q4_0 GGUF), an in-process engine and OpenVINO
+It starts its own servers (a tritonserver with text_generation only, llama.cpp's
+llama-server on the peers' Q4_0 GGUF), an in-process engine and OpenVINO
 GenAI's pipeline in process, and checks the structure of what the run wrote and that
 every system produced tokens, never the figures' size: these machines are small and shared.
 """
@@ -16,7 +16,7 @@ from perf.bench import generate_bench
 
 pytestmark = pytest.mark.perf
 
-SYSTEMS = {"naive", "engine", "grpc", "http", "llama", "openvino"}
+SYSTEMS = {"engine", "grpc", "http", "llama", "openvino"}
 
 
 def test_quick_generate_bench_streams_from_every_system(tmp_path):
@@ -50,7 +50,6 @@ def test_quick_generate_bench_streams_from_every_system(tmp_path):
     with (tmp_path / "ratios.csv").open() as f:
         ratios = {r["name"]: r for r in csv.DictReader(f)}
     for name in (
-        "engine / naive tokens/s, 4 streams",
         "Triton grpc / engine tokens/s, 4 streams",
         "Triton http / engine tokens/s, 4 streams",
         "Triton grpc / llama.cpp tokens/s, 4 streams",
