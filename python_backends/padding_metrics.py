@@ -113,7 +113,7 @@ class PaddingMetrics:
     With ``background`` (the default) ``record`` only queues the execution's figures and one
     reporter thread makes the Metric calls, summing the counters of every execution queued
     meanwhile into one increment each: the IPC round trips (about 60 us each, measured by
-    perf/bench/metrics_cost.py) stay off the execution's path. Without it, ``record`` calls at once."""
+    perf/bench/overhead.py) stay off the execution's path. Without it, ``record`` calls at once."""
 
     def __init__(self, pb_utils: Any, model: str, version: str, batch_histogram: bool = False, background: bool = True):
         family = pb_utils.MetricFamily

@@ -32,7 +32,7 @@ class TritonPythonModel(BatchShim):
             max_length=self.config.param_int("max_sequence_length", 256, minimum=1),
             buckets=self.config.param_int_list("sequence_buckets", DEFAULT_BUCKETS),
         )
-        # Off only to measure what the metrics cost (perf/bench/metrics_cost.py).
+        # Off only to measure what the metrics cost (python -m perf.bench.overhead metrics).
         if self.config.param_bool("metrics", True):
             self.metrics = PaddingMetrics(pb_utils, self.config.name, args["model_version"], batch_histogram=True)
 
