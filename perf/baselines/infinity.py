@@ -1,15 +1,11 @@
 """infinity-emb, the dedicated embedding server a user would otherwise run, as the embeddings peer.
 
-Installed on first use into its own git-ignored virtualenv (``.cache/peers/infinity-<version>/``,
-its pins conflict with the project's) with the optimum / transformers versions its ONNX path works
-with (optimum 2 dropped options it passes; its BetterTransformer check refuses transformers >= 4.49).
-Its best CPU setting is its ``optimum`` engine (ONNX Runtime) on a dynamically quantized INT8 file,
-which it prefers on a CPU (``*quantize*``) and fuses at start (cached under its own HF home). The
-model folder is made once from the packaged all-MiniLM-L6-v2 the project exports: the encoder to
-ONNX as optimum's feature-extraction export has it (``last_hidden_state``; infinity pools), then
-optimum's dynamic INT8 quantizer for this CPU (AVX-512 VNNI, AVX-512 or AVX2), per channel. The
-server runs inside that folder (``--model-id .``): optimum refuses the ONNX path infinity names for
-a local folder unless it is relative.
+Installed on first use into its own git-ignored virtualenv (``.cache/peers/infinity-<version>/``; its
+pins conflict with the project's), with the optimum / transformers versions its ONNX path works with.
+It runs its ``optimum`` engine (ONNX Runtime) on a dynamically quantized INT8 file, as it prefers on a
+CPU: the packaged all-MiniLM-L6-v2 exported as optimum's feature extraction (``last_hidden_state``;
+infinity pools), quantized per channel for this CPU, served from inside that folder (``--model-id .``:
+optimum refuses a local ONNX path unless it is relative).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """OpenVINO GenAI's continuous-batching pipeline in process: the second generation peer of
 ``make perf-generate``.
 
-``openvino_genai.ContinuousBatchingPipeline`` is what OpenVINO Model Server runs for LLMs: a paged
-KV cache, continuous batching and split-fuse prefill over OpenVINO's CPU kernels. It reads the peer's
-GGUF as it is (perf/baselines/llama_cpp.py: the published Q4_1 requantized to Q4_0). One thread
-(:class:`Pipeline`) owns it and runs ``step()`` while any request is unfinished, the way OVMS drives
-it; requests come in as token ids (the benchmark templates and tokenizes every system's prompts
-alike), each new token is handed to its callback with the time it was read, and a cancelled
-request is cancelled in the pipeline at once (its KV blocks freed).
-
-Settings (``SchedulerConfig``): a 1 GB KV cache, up to 64 sequences, a 512-token batch budget with
-dynamic split-fuse, prefix caching off (the benchmark makes every prompt unique);
-``INFERENCE_NUM_THREADS`` = the CPUs.
+``ContinuousBatchingPipeline`` (what OpenVINO Model Server runs for LLMs) on the peer's Q4_0 GGUF
+(perf/baselines/llama_cpp.py). One thread (:class:`Pipeline`) steps it while any request is
+unfinished; requests come as token ids, each token reaches its callback with the time it was read,
+and a cancelled request is dropped at once. ``SchedulerConfig``: 1 GB KV cache, 64 sequences, a
+512-token budget with split-fuse, prefix caching off; ``INFERENCE_NUM_THREADS`` = the CPUs.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """``python -m perf.bench.cache_bench`` (``make cache-bench``): the result cache on a repeated-text workload.
 
-One run, side by side: the same Zipf stream over 10,000 distinct sentences
-(perf/bench/cache_workload.py), sent by an asyncio gRPC client at a fixed concurrency, one text
-per request,
-
-1. **without cache**: a server with Triton's response cache off, model ``text_embedding``;
-2. **with cache**: a server with the response cache on and a fresh redis-server as L2, model
-   ``text_embedding_cached``, starting cold (empty L1 and L2);
-3. **new replica**: the same stream again after ``text_embedding_cached`` was unloaded and
-   loaded (an empty L1, as a new replica has; L2 still warm);
-4. **hits only**: the most frequent sentences (all cached) at concurrency 1: the latency of a
-   cache hit, client-side and on the server (Triton's statistics for the model).
-
-Printed and written to perf/results/cache-<UTC time>/summary.md and results.json: throughput
-and the with/without ratio, P50/P99 of each, hit rate per level (L1, L2, Triton's response
-cache on text_tokenizer, from the metrics port), and the cache-hit P50.
+One Zipf stream over 10,000 sentences (perf/bench/cache_workload.py), asyncio gRPC, one text a
+request, side by side: **without cache** (``text_embedding``, response cache off); **with cache**
+(``text_embedding_cached``, response cache on, a fresh redis-server as L2, cold); **new replica**
+(the model reloaded: empty L1, warm L2); **hits only** (the most frequent sentences at concurrency
+1, client and server latency). Writes summary.md and results.json under perf/results/cache-<UTC
+time>/: throughput and ratio, P50/P99, hit rate per level (L1, L2, Triton's cache), the hit P50.
 """
 
 from __future__ import annotations

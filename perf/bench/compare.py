@@ -1,20 +1,11 @@
 """`python -m perf.bench.compare`: the served ensemble side by side with its limit and a naive server.
 
-A sweep scenario (perf.lib.harness) with two peers, one system at a time (a 2-core machine cannot
-host two without each slowing the other), the same 16-token sentences and load generator throughout:
-
-  a. limit: ONNX Runtime in-process, the encoder file and threads Triton serves for --precision, at
-     its best batch size, alone and with the tokenizer (perf/baselines/limit.py); measured before
-     and after the servers, the larger figure counts (noise only ever lowers a ceiling);
-  b. naive: perf/baselines/naive_server.py (FastAPI + PyTorch FP32, one request at a time) over HTTP
-     at --concurrency;
-  c. Triton's text_embedding over gRPC and HTTP at --concurrency, and over gRPC at --batching-concurrency;
-  d. the same server with dynamic batching off in every step (configs reloaded through the repository
-     API, every other setting the same) at --batching-concurrency;
-  e. Triton under Poisson arrivals at --rate-fraction (0.7) of its peak: P99 / P50.
-
-Prints the table and the ratios the issue's targets are written in (served / limit, served / naive,
-batching on / off, P99 / P50); writes perf_analyzer's CSV and log of each measurement, summary.csv,
+A sweep scenario (perf.lib.harness), one system at a time, the same 16-token sentences throughout:
+the in-process limit (perf/baselines/limit.py, before and after the servers, the larger counts); the
+naive server (perf/baselines/naive_server.py) at --concurrency; Triton's text_embedding over gRPC and
+HTTP, and at --batching-concurrency with dynamic batching on and off (reloaded through the
+repository API); Triton under Poisson arrivals at --rate-fraction of its peak (P99 / P50). Prints the
+table and the ratios the targets are written in; writes perf_analyzer's CSVs and logs, summary.csv,
 ratios.csv, limit.csv and summary.md under perf/results/compare-<UTC time>/.
 """
 

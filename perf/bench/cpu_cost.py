@@ -1,14 +1,11 @@
 """`python -m perf.bench.cpu_cost` (`make cpu-cost`): CPU-seconds per 1,000 requests of every process on each
 request path.
 
-Starts the deployment with the launcher's code (perf.lib.deployment.start_deployment: tritonserver
-behind the nginx front door, Redis as text_embedding_cached's L2 unless --no-redis, the OpenAI
-gateway), then, one path of PATHS after the other, sends a fixed number of requests at a fixed
-concurrency and reads every process's utime + stime (perf.lib.processes) before and after. Text
-paths send unique texts (the cached hit path: 60 texts sent beforehand), images are sample photos
-with one pixel changed, generation is per 1,000 tokens of --max-tokens streams. Bodies are built
-before their window; a 503 is sent again after a backoff (``refused``). The table is net of each
-process's idle rate (an idle window first), the CSV has raw and net. Writes cpu_cost.csv and
+The deployment (perf.lib.deployment.start_deployment: front door, Redis L2 unless --no-redis, the
+gateway); one path of PATHS at a time, a fixed number of requests at a fixed concurrency, every
+process's utime + stime read before and after (perf.lib.processes), net of its idle rate (an idle
+window first). Unique texts (the hit path: 60 texts sent beforehand), photos with one pixel changed,
+generation per 1,000 tokens; a 503 is retried after a backoff. Writes cpu_cost.csv (raw and net) and
 cpu_cost.md under perf/results/cpu-cost-<UTC time>/ (--out DIR).
 """
 

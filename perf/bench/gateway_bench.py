@@ -1,23 +1,17 @@
 """`python -m perf.bench.gateway_bench` (`make perf-gateway`): the OpenAI gateway against Triton direct, side by side.
 
 One tritonserver (text_embedding_cached, text_embedding, text_generation; front door on), two
-gateways on its gRPC port (rate limit off; request log off, and on) and infinity-emb; the
-systems' windows take turns (A B C D A B C D ...) so a noisy neighbour hurts them alike.
+gateways on its gRPC port (request log off and on) and infinity-emb (perf/baselines/infinity.py, on
+the INT8 file optimum quantizes for this CPU, and FP32); the systems' windows take turns.
 
-1. Embeddings, closed-loop clients, one text per request, every answer parsed and its length
-   checked: ``direct`` (POST /v2/models/text_embedding_cached/infer on the front door), ``gateway``
-   (POST /v1/embeddings, float), ``gateway_b64`` (base64), ``gateway_log`` (request log on),
-   ``infinity`` (the peer, perf/baselines/infinity.py: its optimum engine on the INT8 file optimum
-   quantizes for this CPU, as infinity picks on a CPU; its worst held-out text at cosine 0.967 of
-   FP32's where the served INT8 keeps 0.997) and ``infinity_fp32``. Texts ``unique`` (cache misses)
-   and ``repeated`` (perf/data/sentences_16tok.json, warmed: hits).
-2. Chat streams, greedy, ``ignore_eos``: ``gateway`` (SSE) and ``direct`` (text_generation over gRPC
-   on the port the gateway uses: the difference is the gateway's hop). TTFT: send to first text.
+1. Embeddings, closed loop, one text a request, every answer checked: ``direct`` (KServe infer of
+   text_embedding_cached), ``gateway`` (float), ``gateway_b64``, ``gateway_log``, ``infinity``,
+   ``infinity_fp32``; texts ``unique`` (misses) and ``repeated`` (sentences_16tok.json, hits).
+2. Chat streams, greedy, ``ignore_eos``: ``gateway`` (SSE) against ``direct`` (gRPC stream).
 
-Ratios against the issue's targets (embeddings at 32 clients: gateway/direct throughput >= 0.8,
-P99 <= 1.3x; against infinity-emb, unique texts: >= 3x the throughput with <= 1/4 of its P99;
-chat: TTFT within 10 ms of direct, tokens/s >= 0.95x). Writes summary.md, results.json (with the
-client's CPU per request: on 2 cores it competes with the servers) and the logs to --out.
+Ratios against the issue's targets (gateway/direct throughput >= 0.8 and P99 <= 1.3x; >= 3x
+infinity's throughput at <= 1/4 of its P99; chat TTFT within 10 ms, tokens/s >= 0.95x). Writes
+summary.md, results.json (with the client's CPU per request) and the logs to --out.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """`python -m perf.bench.image_bench` (`make image-bench`): the served image ensembles against ONNX Runtime in-process.
 
-Each ensemble of ``--ensembles`` runs whole (JPEG bytes in, top-5 out) on the evaluation photos
-(export/image_data.py, JPEG quality 90) in two systems, ``--precision`` resolved as the server does:
-
-  served      one tritonserver (no front door, no response cache) loading every ensemble; the
-              shared closed loop keeps ``--concurrency`` requests of ``batch`` images in flight;
-              Triton's statistics give the classifier's mean executed batch.
-  in-process  the same file in ONNX Runtime (OpenVINO for the openvino variant), threads,
-              preprocessing and top-k as the served configs say: one thread (``1t``) and the
-              served layout (threads = preprocessing instances, runs at once <= classifier
-              instances), the faster shown; ``model only``: the classifier alone on pixels.
-
-First each photo's top-5 must agree served and in-process, or the run stops. Windows interleave
-(per round, ensemble and batch: served, then in-process); figures are medians over ``--rounds``
-(max: the largest). Writes summary.md, results.json (every window and point) and tritonserver.log
-to perf/results/image-bench-<UTC time>/ (``--out``).
+Each of ``--ensembles`` runs whole (JPEG in, top-5 out) on the evaluation photos, ``--precision``
+resolved as the server does: ``served`` (one tritonserver, no front door or response cache, the
+shared closed loop at ``--concurrency`` requests of ``batch`` images; the classifier's mean batch from
+Triton's statistics) and ``in-process`` (the same file in ONNX Runtime or OpenVINO with the served
+preprocessing and top-k, one thread and the served layout, the faster shown; ``model only``: the
+classifier alone). Each photo's top-5 must agree first. Windows interleave; figures are medians over
+``--rounds``. Writes summary.md, results.json and tritonserver.log to perf/results/image-bench-<UTC time>/.
 """
 
 from __future__ import annotations

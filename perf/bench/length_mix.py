@@ -1,23 +1,14 @@
 """`python -m perf.bench.length_mix`: mixed-length traffic served against its in-process limit.
 
-Texts of 8-128 tokens (``--mix``) arrive at ``--concurrency`` 32 connections, one text per
-HTTP request, on two workloads: ``text_encoder`` direct (token ids, each request as long as
-its text, unpadded) and ``text_embedding`` (texts, unique per request, through the tokenizer).
-Two tritonservers run side by side on this machine (the CPU variants, no front door):
-
-  after   the configs as shipped: text_encoder's inputs ``allow_ragged_batch`` and a token
-          budget per run (``max_batch_tokens``): the batcher merges any lengths and the
-          backend groups rows by length (python_backends.onnx_engine.batching);
-  before  a copy of the repository (model files linked) whose text_encoder configs drop both
-          (export.variants.drop_ragged, what a GPU variant serves): Triton batches only
-          requests of equal shape, so lengths fragment the encoder's batches.
-
-Phases are interleaved A B, B A, ... in ``--rounds`` rounds of ``--duration`` seconds; a
-figure is the median over rounds. The in-process limit for the same mix is measured after
-(perf.baselines.limit --length-mix: the whole pool sorted by length and cut under each token budget,
-the served encoder file, threads and layouts), and each served figure is given as a ratio to
-it. ``--url HOST:PORT`` measures one running server instead (phase "url", no limit unless
-``--limit-rounds``). Writes length_mix.csv and summary.md under perf/results/length-mix-<UTC>/.
+Texts of 8-128 tokens (``--mix``) at ``--concurrency`` 32 connections, one per HTTP request, to
+``text_encoder`` (token ids, unpadded) and ``text_embedding`` (unique texts). Two tritonservers side
+by side (CPU variants, no front door): ``after``, the shipped configs (``allow_ragged_batch`` and a
+``max_batch_tokens`` budget: the backend groups rows by length, python_backends.onnx_engine.batching);
+``before``, a linked copy without both (export.variants.drop_ragged, what a GPU variant serves).
+Phases interleave over ``--rounds`` rounds of ``--duration`` s (medians); each figure is also a
+ratio to the in-process limit for the same mix (perf.baselines.limit --length-mix). ``--url
+HOST:PORT`` measures one running server (no limit unless ``--limit-rounds``). Writes length_mix.csv
+and summary.md under perf/results/length-mix-<UTC>/.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Priority classes under overload, side by side in one run (`make priority-bench`).
 
-One server (front door on, the served precision) with the three class entries
-(docs/priority-classes.md). Unique texts, so every request is a cache miss and reaches its
-lane. Phases:
-
-1. ``peak``: the default entry alone, closed loop, ``--peak-concurrency`` connections (wrk):
-   its peak rate P (successful requests/s).
-2. ``interactive alone``: an open-loop probe of the interactive entry (``--probe-rate`` per second).
-3. ``overload``: wrk floods the default and bulk entries at ``--overload`` x P in total
-   (paced connections, half each), while open-loop probes measure every class: interactive, and
-   default and bulk requests sent among the flood, each latency recorded by status, so the
-   admitted P50/P99 and the refusals' latency are per class.
-
-Memory: the RSS of the server's process tree (tritonserver and every stub) sampled each second.
-Prints a table per phase and class and writes it with the raw figures under
-perf/results/priority-<UTC>/. Exit status 1 when interactive misses its budget under
-overload, a refusal is not UNAVAILABLE (HTTP 503), or any probe got another error.
+One server (front door on) with the three class entries (docs/priority-classes.md), unique texts
+(every request a cache miss). Phases: ``peak``, the default entry alone under wrk at
+``--peak-concurrency`` (its peak rate P); ``interactive alone``, an open-loop probe at
+``--probe-rate``; ``overload``, wrk floods default and bulk at ``--overload`` x P while probes of
+every class record each latency by status (admitted P50/P99 and refusals per class). The server's
+RSS is sampled each second. Writes the tables and raw figures under perf/results/priority-<UTC>/;
+exit status 1 when interactive misses its budget, a refusal is not UNAVAILABLE (503), or a probe
+gets another error.
 """
 
 from __future__ import annotations

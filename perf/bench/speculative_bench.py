@@ -1,17 +1,11 @@
 """Prompt-lookup speculative decoding on and off, side by side: does it pay, and where.
 
-Two in-process engines share one set of weights (the precision ``PRECISION`` serves, default auto)
-and differ only in ``num_speculative_tokens``; requests alternate between them, so the machine's
-noise falls on both. Two kinds of prompts, greedy, ``--max-tokens`` new tokens each: **quote**,
-answers that repeat their prompt (copy a passage, return a program with a comment added) from the
-generation gate's held-out texts, what prompt lookup is for; **chat**, the prompts of
-perf/data/generation_prompts.json, where drafts are rarely right and the question is what they cost.
-
-Per kind and stream count (``--streams``): tokens/s, time per output token (P50 over requests), the
-gap between two streamed outputs (P99, max), steps per token, draft tokens accepted, and how many
-outputs are token for token those without drafts (all of them with FP32 weights; the 4-bit kernel
-rounds a few rows differently, so a near-tie may flip as batch composition does). Then the ratios
-and the verdict the engine's default rests on (docs/generation-internals.md#speculative-decoding).
+Two in-process engines share one set of weights (``PRECISION``'s) and differ only in
+``num_speculative_tokens``; requests alternate between them. **quote** prompts repeat their input
+(the generation gate's held-out texts), **chat** prompts are perf/data/generation_prompts.json.
+Per kind and ``--streams``: tokens/s, time per output token, output gaps (P99, max), steps per
+token, drafts accepted, and outputs identical to those without drafts; then the ratios and the
+verdict the engine's default rests on (docs/generation-internals.md#speculative-decoding).
 
     python -m perf.bench.speculative_bench [--precision auto] [--max-tokens 128] [--k 3] [--requests 8]
 """

@@ -1,17 +1,11 @@
 """`python -m perf.bench.sweep` (`make perf`): concurrency and Poisson request-rate sweeps with perf_analyzer.
 
-For each model (text_embedding and image_classification by default), input set and protocol (gRPC
-and HTTP): a concurrency sweep (--concurrency), then Poisson request rates (--async) at --rates req/s
-or at --rate-fractions of that sweep's peak (--no-rates: none). Inputs: perf/data/sentences_16tok.json
-("16tok", exactly 16 tokens) and sentences_mixed.json ("mixed", about 8 to 128 tokens) or --input-data;
-the bundled sample photos as JPEGs, one per request. One tritonserver serves the run, or --url
-names a running server's endpoint for the one protocol asked for. After a sweep's first point a
-window lasts about --window-s seconds at the measured throughput (0: fixed windows of
---request-count); each sweep gets an equal share of what is left of --time-budget.
-
-Writes under perf/results/sweep-<UTC time>/: perf_analyzer's CSV and log per point, sweep.csv,
-summary.md (with each step's queue, compute and batch) and per model and input set two PNG plots:
-throughput vs concurrency, P50/P99 latency vs throughput.
+Per model (text_embedding and image_classification by default), input set (perf/data's "16tok"
+and "mixed", or --input-data; sample JPEGs) and protocol (gRPC, HTTP): a concurrency sweep, then
+Poisson rates at --rates or --rate-fractions of its peak (--no-rates: none), on one tritonserver or
+--url. Windows last about --window-s at the measured throughput; sweeps share --time-budget. Writes
+perf_analyzer's CSV and log per point, sweep.csv, summary.md (per-step queue, compute, batch) and
+PNG plots (throughput vs concurrency, latency vs throughput) under perf/results/sweep-<UTC time>/.
 """
 
 from __future__ import annotations

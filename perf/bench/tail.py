@@ -1,39 +1,19 @@
 """`python -m perf.bench.tail`: the latency tail of every served model and ensemble, side by side.
 
-Two tritonservers run at once (the models `make serve` loads, the CPU variants, Triton's
-response cache on, no front door: the batcher is what is measured), on the same machine:
+Two tritonservers at once (`make serve`'s models, CPU variants, response cache on, no front door):
+``after`` serves the shipped configs; ``before`` a linked copy whose batching configs add
+``priority_levels: 2``, ``default_priority_level: 2`` and a REJECT ``default_queue_policy`` (the
+settings that make tritonserver 2.51's batcher miss wake-ups, docs/performance.md), or with
+``--alt-configs DIR`` ("alt") DIR's configs. Each workload (tail_workloads.py: the text and image
+models and ensembles, cache hits and misses, a generation stream, the OpenAI gateway's embeddings
+and chat) runs at each ``--concurrency`` for ``--rounds`` interleaved rounds of ``--duration`` s
+under wrk or the asyncio client (``--client``); a point is the median over rounds. Each window also
+records the client's, server's and machine's CPU and each model's batch, queue and compute time.
 
-  after   the configs as shipped (model_repository/*/config.pbtxt);
-  before  a copy of the repository (model files linked, not copied) whose batching configs add
-          ``priority_levels: 2``, ``default_priority_level: 2`` and ``default_queue_policy
-          { timeout_action: REJECT allow_timeout_override: true }``: on tritonserver 2.51 those
-          make the dynamic batcher miss wake-ups and wait out its 500 ms default wait
-          (docs/performance.md); text_generation without its admission window. With
-          ``--alt-configs DIR``, phase "alt": the second server serves DIR's configs instead.
-
-Each workload runs at each ``--concurrency`` in ``--rounds`` rounds of ``--duration`` seconds,
-the phases interleaved A B, B A, ... so both see the same machine; a point is the median over
-its rounds (max: the largest). Load: wrk (one thread, every text unique) or the asyncio client
-(``--client``). Each window also records the CPU (in cores) used by the client, the server's
-process tree and the whole machine, and each model's mean batch and queue and compute time
-per request (/v2/models/stats): where the time goes.
-
-Workloads: text_tokenizer, text_encoder (direct, token ids), text_encoder_router (token ids),
-text_embedding, text_embedding_cached with unique texts (all misses) and with 60 texts sent
-once beforehand (all hits), image_classification (unique 64 x 64 PNGs, asyncio client only),
-text_generation_stream (text_generation over a gRPC stream, ``--max-tokens`` new tokens:
-latency of the whole answer and TTFT), and through an OpenAI gateway started in front of each
-phase's server (``python -m openai_gateway``, rate limit and request log off):
-gateway_embeddings_unique / gateway_embeddings_hits (POST /v1/embeddings, wrk) and
-gateway_chat_stream (POST /v1/chat/completions, stream, asyncio SSE client). Texts and images
-are unique per request across the run: no cache answers them.
-
-``--long 60``: one 60 s window per workload and phase at concurrency 32. The targets, checked
-at the highest concurrency and printed as a table at the end (also targets.md / targets.csv):
-all-hit P99 <= 50 ms, every other workload P99 <= 3 x P50 (streams: the answer and TTFT), and
-in long mode max <= 5 x P50; each with the CPU figures of its window, so a target missed
-because the cores were busy shows it. Writes tail.csv (every window), summary.md and the
-server and gateway logs under perf/results/tail-<UTC time>/.
+``--long 60``: one 60 s window per workload and phase at concurrency 32. The targets (all-hit P99
+<= 50 ms, every other P99 <= 3 x P50, in long mode max <= 5 x P50) are printed at the end with the
+CPU of their window. Writes tail.csv, summary.md, targets.md/csv and the logs under
+perf/results/tail-<UTC time>/.
 """
 
 from __future__ import annotations
