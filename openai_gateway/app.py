@@ -16,17 +16,27 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 
 from openai_gateway.auth import ApiKeys
+from openai_gateway.batches import BatchRunner
 from openai_gateway.catalog import Catalog
 from openai_gateway.gate import ROUTES, RequestGate
 from openai_gateway.handlers import EXCEPTION_HANDLERS
-from openai_gateway.routes import completions, embeddings, health, models, rerank, tokenize
+from openai_gateway.routes import batches, completions, embeddings, files, health, models, rerank, tokenize
 from openai_gateway.routes.embeddings import PRIORITY_HEADER
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.state import GatewayState
 
 __all__ = ["PRIORITY_HEADER", "ROUTES", "create_app"]
 
-ROUTERS = (health.router, models.router, embeddings.router, completions.router, tokenize.router, rerank.router)
+ROUTERS = (
+    health.router,
+    models.router,
+    embeddings.router,
+    completions.router,
+    tokenize.router,
+    rerank.router,
+    files.router,
+    batches.router,
+)
 
 
 def include_flat(app: FastAPI, router: APIRouter) -> None:
@@ -55,12 +65,14 @@ def include_flat(app: FastAPI, router: APIRouter) -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    """Triton's channel and the limiter's Redis live as long as the app serves."""
+    """Triton's channel, the limiter's Redis and the batch runner live as long as the app serves."""
     state: GatewayState = app.state.gateway
     await state.start()
+    await app.state.batches.start()
     try:
         yield
     finally:
+        await app.state.batches.close()
         await state.close()
 
 
@@ -78,6 +90,7 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.gateway = state = GatewayState(settings, keys, catalog)
+    app.state.batches = BatchRunner(app, settings)
     for router in ROUTERS:
         include_flat(app, router)
     app.add_middleware(RequestGate, state=state)

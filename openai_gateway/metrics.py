@@ -58,6 +58,13 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge("gateway_requests_in_flight", "Requests being answered", registry=r)
         self.triton_ready = Gauge("gateway_triton_ready", "1 when Triton and the served models are ready", registry=r)
+        self.batches = Gauge("gateway_batches", "Batches of the Batch API store, by status", ("status",), registry=r)
+        self.batch_lines = Counter(
+            "gateway_batch_lines",
+            "Batch lines answered and committed here, by endpoint and outcome",
+            ("endpoint", "outcome"),
+            registry=r,
+        )
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         """Count one answered request and its latency."""

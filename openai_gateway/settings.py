@@ -62,6 +62,14 @@ class GatewaySettings:
     ready_poll_s: float = 1.0
     embedding_entry: str = "cached"  # "cached": through text_embedding_cached; "direct": the ensemble
     log_requests: bool = True
+    # The Batch API (/v1/files, /v1/batches): its SQLite store and file bodies in this folder,
+    # shared by the gateways that name the same one; limits of an input file; lines one gateway
+    # runs at once; seconds a gateway holds a batch without renewing its lease.
+    batch_dir: Path = ROOT / ".triton" / "batches"
+    batch_max_file_bytes: int = 100 * 1024 * 1024
+    batch_max_lines: int = 50_000
+    batch_concurrency: int = 4
+    batch_lease_s: float = 30.0
     # Concurrent embeddings requests of one batch each go to Triton as one request.
     coalesce_embeddings: bool = True
     # Rows per coalesced Triton request: batches of even size, not one large batch whose
@@ -160,6 +168,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-request-log", action="store_true", help="no log line per request")
     p.add_argument(
+        "--batch-dir",
+        type=Path,
+        default=Path(_env("GATEWAY_BATCH_DIR", str(d.batch_dir))),
+        help="folder of the Batch API's store (SQLite and file bodies), shared by the gateways naming it (default .triton/batches)",
+    )
+    p.add_argument(
+        "--batch-max-file-mb",
+        type=float,
+        default=float(_env("GATEWAY_BATCH_MAX_FILE_MB", "100")),
+        help="largest batch input file (default 100)",
+    )
+    p.add_argument("--batch-max-lines", type=int, default=int(_env("GATEWAY_BATCH_MAX_LINES", str(d.batch_max_lines))))
+    p.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=int(_env("GATEWAY_BATCH_CONCURRENCY", str(d.batch_concurrency))),
+        help=f"batch lines this gateway runs at once, all batches together (default {d.batch_concurrency})",
+    )
+    p.add_argument(
+        "--batch-lease-s",
+        type=float,
+        default=float(_env("GATEWAY_BATCH_LEASE_S", str(d.batch_lease_s))),
+        help="seconds after which another gateway takes over a batch whose gateway stopped renewing (default 30)",
+    )
+    p.add_argument(
         "--no-coalesce",
         action="store_true",
         help="send each embeddings request to Triton alone (default: concurrent ones together)",
@@ -197,6 +230,11 @@ def from_args(args: argparse.Namespace) -> GatewaySettings:
         triton_health_dir=args.triton_health_dir,
         embedding_entry=args.embedding_entry,
         log_requests=not args.no_request_log,
+        batch_dir=args.batch_dir,
+        batch_max_file_bytes=int(args.batch_max_file_mb * 1024 * 1024),
+        batch_max_lines=args.batch_max_lines,
+        batch_concurrency=max(1, args.batch_concurrency),
+        batch_lease_s=args.batch_lease_s,
         coalesce_embeddings=not args.no_coalesce,
         coalesce_max_rows=args.coalesce_max_rows,
     )

@@ -1,0 +1,446 @@
+"""OpenAI's Batch API on the gateway: the checks of an input file, and the runner that answers
+its lines through the gateway's own routes, in process, and commits each result.
+
+A line runs as an ASGI request to the app below its gate (no key, rate limit or access line: the
+batch's key was checked when it was created), so its answer is byte for byte what the same
+request sent directly gets. ``/v1/embeddings`` lines go to the bulk priority class where the
+model serves it (docs/priority-classes.md); every line waits for one of ``--batch-concurrency``
+slots, so a batch never holds more of the server than that. A 429 or 503 (the bulk lane at its
+admission limit, Triton busy) is retried with backoff before it counts as failed.
+
+Exactly once: a line's result is committed (``batch_store.py``) before it counts; a runner that
+starts (again, after a restart or a lease takeover) skips the lines already committed, so only
+the lines that were in flight when a gateway died run a second time, and the output holds each
+``custom_id`` once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from openai_gateway.batch_store import BatchStore
+from openai_gateway.errors import APIError
+from openai_gateway.gate import RequestGate
+from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from openai_gateway.settings import GatewaySettings
+    from openai_gateway.state import GatewayState
+
+log = logging.getLogger("openai_gateway.batches")
+
+# The endpoints a batch line may call, and the schema its body is checked against at creation.
+ENDPOINTS: dict[str, type[BaseModel]] = {
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+MAX_ERRORS = 100  # errors listed on a failed batch
+RETRY_STATUSES = (429, 503)
+RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def line_error(line: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """One entry of a failed batch's ``errors.data`` (OpenAI's shape)."""
+    return {"code": code, "line": line, "message": message, "param": param}
+
+
+def check_lines(path: Path, max_lines: int, endpoint: str | None) -> tuple[int, list[dict[str, Any]]]:
+    """The lines of the JSONL file at ``path`` and what is wrong with them (up to ``MAX_ERRORS``).
+
+    Each line must be a JSON object. With ``endpoint`` (at batch creation) each also needs a
+    ``custom_id`` unique in the file, ``method`` POST, ``url`` equal to ``endpoint`` and a
+    ``body`` that the endpoint's schema accepts, without streaming. Blank lines are skipped."""
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    count = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if len(errors) >= MAX_ERRORS:
+                break
+            if not raw.strip():
+                continue
+            count += 1
+            if count > max_lines:
+                errors.append(line_error(n, "too_many_tasks", f"the file has more than {max_lines} lines (--batch-max-lines)"))
+                break
+            try:
+                item = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                errors.append(line_error(n, "invalid_json_line", f"line {n} is not valid JSON: {exc}"))
+                continue
+            if not isinstance(item, dict):
+                errors.append(line_error(n, "invalid_json_line", f"line {n} is not a JSON object"))
+                continue
+            if endpoint is not None:
+                error = _check_request(n, item, endpoint, seen)
+                if error is not None:
+                    errors.append(error)
+    if count == 0 and not errors:
+        errors.append(line_error(1, "empty_file", "the file has no lines"))
+    return count, errors
+
+
+def _check_request(n: int, item: dict, endpoint: str, seen: set[str]) -> dict[str, Any] | None:
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
+        return line_error(n, "invalid_custom_id", f"line {n}: custom_id must be a string of 1 to 512 characters", "custom_id")
+    if custom_id in seen:
+        return line_error(n, "duplicate_custom_id", f"line {n}: custom_id {custom_id!r} is not unique in the file", "custom_id")
+    seen.add(custom_id)
+    if item.get("method") != "POST":
+        return line_error(n, "invalid_method", f"line {n}: method must be POST", "method")
+    url = item.get("url")
+    if url != endpoint:
+        return line_error(n, "mismatched_endpoint", f"line {n}: url must be the batch's endpoint {endpoint}", "url")
+    body = item.get("body")
+    if not isinstance(body, dict):
+        return line_error(n, "invalid_request", f"line {n}: body must be a JSON object", "body")
+    try:
+        request = ENDPOINTS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        param = f"body.{where}" if where else "body"
+        return line_error(n, "invalid_request", f"line {n}: {param}: {first['msg']}", param)
+    if getattr(request, "stream", False):
+        return line_error(n, "invalid_request", f"line {n}: a batch line cannot stream", "body.stream")
+    return None
+
+
+def check_upload(path: Path, max_lines: int) -> None:
+    """400 naming ``file`` and the line when a batch input file is not JSONL or has too many lines."""
+    _, errors = check_lines(path, max_lines, None)
+    if errors:
+        first = errors[0]
+        raise APIError(400, first["message"], param="file", code=first["code"])
+
+
+def new_batch(
+    batch_id: str, endpoint: str, input_file_id: str, window: str, metadata: dict | None, total: int, errors: list
+) -> dict[str, Any]:
+    """A new batch object: ``validating`` (a runner takes it up), or ``failed`` with the line errors."""
+    now = int(time.time())
+    batch: dict[str, Any] = {
+        "id": batch_id,
+        "object": "batch",
+        "endpoint": endpoint,
+        "input_file_id": input_file_id,
+        "completion_window": window,
+        "status": "failed" if errors else "validating",
+        "created_at": now,
+        "expires_at": now + COMPLETION_WINDOWS[window],
+        "request_counts": {"total": total, "completed": 0, "failed": 0},
+        "metadata": metadata,
+    }
+    if errors:
+        batch["errors"] = {"object": "list", "data": errors}
+        batch["failed_at"] = now
+    return batch
+
+
+class BatchRunner:
+    """Runs the batches of the store whose lease this gateway holds (one asyncio task each)."""
+
+    def __init__(self, app: FastAPI, settings: GatewaySettings):
+        self.app = app
+        self.settings = settings
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._store: BatchStore | None = None
+        self._inner: Any = None
+        self._loop_task: asyncio.Task | None = None
+        self._running: dict[str, asyncio.Task] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self.poll_s = 1.0
+
+    @property
+    def state(self) -> GatewayState:
+        return self.app.state.gateway
+
+    def store(self) -> BatchStore:
+        """The store, opened (and its folder created) on first use."""
+        if self._store is None:
+            self._store = BatchStore(self.settings.batch_dir)
+        return self._store
+
+    async def start(self) -> None:
+        """Start polling the store for batches to run (the app's startup)."""
+        self._slots = asyncio.Semaphore(self.settings.batch_concurrency)
+        self._loop_task = asyncio.create_task(self._poll())
+
+    async def close(self) -> None:
+        """Stop the runs; lines in flight are not committed and run again where the batch resumes.
+        The leases are given up so another gateway (or this one restarted) resumes at once."""
+        tasks = [t for t in (self._loop_task, *self._running.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._store is not None:
+            for batch_id in list(self._running):
+                self._store.release_lease(self.owner, batch_id)
+            self._store.close()
+            self._store = None
+
+    async def _poll(self) -> None:
+        # A gateway that never saw a batch creates no store: it waits for one to appear.
+        while True:
+            try:
+                if self._store is not None or (self.settings.batch_dir / "store.sqlite3").exists():
+                    store = self.store()
+                    for batch_id in await asyncio.to_thread(store.take_leases, self.owner, self.settings.batch_lease_s, 16):
+                        if batch_id not in self._running:
+                            self._running[batch_id] = asyncio.create_task(self._run(batch_id))
+                    counts = await asyncio.to_thread(store.status_counts)
+                    for status in (
+                        "validating",
+                        "in_progress",
+                        "finalizing",
+                        "cancelling",
+                        "completed",
+                        "failed",
+                        "cancelled",
+                        "expired",
+                    ):
+                        self.state.metrics.batches.labels(status).set(counts.get(status, 0))
+            except Exception:
+                log.exception("batch poll failed")
+            await asyncio.sleep(self.poll_s)
+
+    async def _run(self, batch_id: str) -> None:
+        """Drive ``batch_id`` while holding its lease; stop when the lease is lost."""
+        store = self.store()
+        work = asyncio.create_task(self._drive(batch_id))
+        try:
+            while not work.done():
+                await asyncio.wait((work,), timeout=self.settings.batch_lease_s / 3)
+                if not work.done() and not await asyncio.to_thread(
+                    store.renew_lease, self.owner, batch_id, self.settings.batch_lease_s
+                ):
+                    log.warning("batch %s: its lease was taken over; stopping here", batch_id)
+                    work.cancel()
+            await work
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        except Exception:
+            log.exception("batch %s failed to run; retried at the next poll", batch_id)
+        finally:
+            self._running.pop(batch_id, None)
+
+    async def _drive(self, batch_id: str) -> None:
+        store = self.store()
+        batch = await asyncio.to_thread(store.get_batch, batch_id)
+        if batch is None:
+            return
+        if batch["status"] == "validating":
+            await asyncio.to_thread(store.transition, batch_id, "in_progress", ("validating",))
+            batch["status"] = "in_progress"
+        if batch["status"] == "in_progress":
+            await self._run_lines(batch)
+            batch = await asyncio.to_thread(store.get_batch, batch_id)
+            assert batch is not None
+        if batch["status"] == "in_progress":
+            expired = time.time() > batch["expires_at"]
+            if not expired:
+                await asyncio.to_thread(store.transition, batch_id, "finalizing", ("in_progress",))
+            await self._finalize(batch, "expired" if expired else "completed")
+        elif batch["status"] == "finalizing":
+            await self._finalize(batch, "completed")
+        elif batch["status"] == "cancelling":
+            await self._finalize(batch, "cancelled")
+
+    async def _run_lines(self, batch: dict) -> None:
+        """Run every line of ``batch`` not committed yet; stop (the lines in flight too, which
+        are not committed) once the batch is being cancelled, from any gateway, or its window
+        has passed."""
+        store, batch_id = self.store(), batch["id"]
+        feed = asyncio.create_task(self._feed(batch))
+        try:
+            while not feed.done():
+                await asyncio.wait((feed,), timeout=0.5)
+                row = None if feed.done() else await asyncio.to_thread(store.batch_row, batch_id)
+                if row is not None and (row[0] != "in_progress" or time.time() > batch["expires_at"]):
+                    feed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feed
+        finally:
+            feed.cancel()
+
+    async def _feed(self, batch: dict) -> None:
+        """Start a task per line not committed, each in one of ``--batch-concurrency`` slots."""
+        store, batch_id = self.store(), batch["id"]
+        slots = self._slots
+        assert slots is not None
+        done = await asyncio.to_thread(store.done_lines, batch_id)
+        row = await asyncio.to_thread(store.batch_row, batch_id)
+        key_id = row[2] if row is not None else "batch"
+        tasks: set[asyncio.Task] = set()
+        try:
+            with open(store.file_path(batch["input_file_id"]), "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    if n in done or not raw.strip():
+                        continue
+                    await slots.acquire()
+                    task = asyncio.create_task(self._line(batch_id, batch["endpoint"], n, orjson.loads(raw), key_id))
+                    task.add_done_callback(lambda _: slots.release())
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _line(self, batch_id: str, endpoint: str, n: int, item: dict, key_id: str) -> None:
+        store = self.store()
+        await asyncio.to_thread(store.start_attempt, batch_id, n)
+        for delay in (*RETRY_DELAYS_S, None):
+            status, body, request_id = await self.call(item["url"], item["body"], key_id)
+            if status not in RETRY_STATUSES or delay is None:
+                break
+            await asyncio.sleep(delay)
+        record = {
+            "id": f"batch_req_{uuid.uuid4().hex}",
+            "custom_id": item["custom_id"],
+            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "error": None,
+        }
+        ok = 200 <= status < 300
+        if await asyncio.to_thread(store.add_result, batch_id, n, ok, orjson.dumps(record)):
+            self.state.metrics.batch_lines.labels(endpoint, "completed" if ok else "failed").inc()
+
+    async def call(self, url: str, body: Any, key_id: str) -> tuple[int, Any, str]:
+        """POST ``body`` to the route ``url`` of this gateway in process: (status, JSON answer, request id)."""
+        if self._inner is None:
+            node: Any = self.app.build_middleware_stack()
+            while not isinstance(node, RequestGate):  # each middleware wraps the next as .app
+                node = node.app
+            self._inner = node.app
+        request_id = uuid.uuid4().hex
+        headers = [(b"content-type", b"application/json")]
+        if url == "/v1/embeddings" and self._bulk_served(body):
+            headers.append((b"x-priority-class", b"bulk"))
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": url,
+            "raw_path": url.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": headers,
+            "client": ("batch", 0),
+            "server": ("batch", 0),
+            "state": {"gateway": {"request_id": request_id, "key_id": key_id}},
+            "app": self.app,
+        }
+        payload = orjson.dumps(body)
+        received = asyncio.Event()
+        status = [0]
+        chunks: list[bytes] = []
+
+        async def receive():
+            if not received.is_set():
+                received.set()
+                return {"type": "http.request", "body": payload, "more_body": False}
+            await asyncio.Event().wait()  # no disconnect: the batch waits for its answer
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        try:
+            await self._inner(scope, receive, send)
+            return status[0], orjson.loads(b"".join(chunks)), request_id
+        except Exception:
+            log.exception("batch request %s failed", request_id)
+            return 500, APIError(500, f"Internal error (request id {request_id})").body(), request_id
+
+    def _bulk_served(self, body: Any) -> bool:
+        """Whether the embedding model of ``body`` has a bulk class entry that Triton has ready."""
+        st = self.state
+        model = st.catalog.find(str(body.get("model")), "embedding") if isinstance(body, dict) else None
+        if model is None or not any(cls == "bulk" for cls, _, _ in model.lanes):
+            return False
+        return all(name in st.backend.ready_models for name in model.entries("bulk"))
+
+    async def _finalize(self, batch: dict, final: str) -> None:
+        """Write the output and error files of ``batch`` and give it its final status. Run again
+        after a crash, it writes the same files under the same ids."""
+        store, batch_id = self.store(), batch["id"]
+        key = batch_id.removeprefix("batch_")
+        files: dict[str, str] = {}
+        expired_lines: list[bytes] = []
+        if final == "expired":
+            done = await asyncio.to_thread(store.done_lines, batch_id)
+            expired_lines = await asyncio.to_thread(_expired_records, store.file_path(batch["input_file_id"]), done)
+        for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "errors")):
+            file_id = f"file-{key}-{suffix}"
+            extra = [] if ok else expired_lines
+            size = await asyncio.to_thread(_write_records, store, store.records(batch_id, ok), extra, store.file_path(file_id))
+            if size:
+                await asyncio.to_thread(
+                    store.add_file, file_id, "batch_output", f"{batch_id}_{suffix}.jsonl", size, int(time.time())
+                )
+                files[field] = file_id
+        await asyncio.to_thread(store.transition, batch_id, final, ("in_progress", "finalizing", "cancelling"), files)
+        log.info("batch %s %s", batch_id, final)
+
+
+def _write_records(store: BatchStore, records, extra: list[bytes], path: Path) -> int:
+    tmp = path.with_suffix(".tmp")
+    size = 0
+    with open(tmp, "wb") as f:
+        for record in (*records, *extra):
+            f.write(record + b"\n")
+            size += len(record) + 1
+        f.flush()
+        os.fsync(f.fileno())
+    if size:
+        os.replace(tmp, path)
+    else:
+        tmp.unlink()
+    return size
+
+
+def _expired_records(path: Path, done: set[int]) -> list[bytes]:
+    records = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if n in done or not raw.strip():
+                continue
+            record = {
+                "id": f"batch_req_{uuid.uuid4().hex}",
+                "custom_id": orjson.loads(raw)["custom_id"],
+                "response": None,
+                "error": {
+                    "code": "batch_expired",
+                    "message": "This request could not be executed before the completion window expired.",
+                },
+            }
+            records.append(orjson.dumps(record))
+    return records
+
+
+def new_id(prefix: str) -> str:
+    """A new object id (``file-...``, ``batch_...``)."""
+    return f"{prefix}{uuid.uuid4().hex}"
