@@ -13,11 +13,10 @@ rotated per level, the same shuffled prompts for each): tokens/s are the tokens 
 the requests still streaming at its end are cancelled and the system waited for until idle. TTFT
 is from send to first token (one still waiting at the window's end counts its wait: a lower bound);
 ITL is the gap between two responses, per token they carry. Then prefill (--prefill N long prompts
-one at a time: prompt tokens/s) and prefix caching (a shared ~500-token system prompt, in-process
-engines with prefix caching on and off: TTFT cached over uncached).
+one at a time: prompt tokens/s).
 
 Writes summary.md (tables and the ratios the targets are written in), cells.csv, requests.csv,
-prefill.csv, prefix.csv and ratios.csv under perf/results/generate-<UTC time>/. Instead of all that,
+prefill.csv and ratios.csv under perf/results/generate-<UTC time>/. Instead of all that,
 ``--profile`` splits the in-process engine's step (decode-only at 1 stream and the highest
 concurrency, then a closed loop over every prompt at 16 and the highest: profile.csv) and
 ``--memory`` serves each precision in turn for the stub's RSS, loaded and after the highest
@@ -39,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from perf.bench.generate_phases import measure_prefill, measure_prefix, prefill_summary, prefix_summary, run_memory, run_profile
+from perf.bench.generate_phases import measure_prefill, prefill_summary, run_memory, run_profile
 from perf.lib import options, report
 from perf.lib.generation_load import Cell, Stream, System, Workload, load_workload, run_window, wait_idle
 from perf.lib.generation_systems import (
@@ -77,7 +76,6 @@ IDLE_TIMEOUT = 60.0  # seconds a system gets to finish its cancelled work after 
 
 # The issue's targets, checked (not enforced) in the printed ratios.
 TARGET_SERVED_VS_ENGINE = 0.9
-TARGET_CACHED_TTFT = 0.3
 # Ours served over each peer, tokens/s per concurrency: >= 0.9x llama.cpp and >= 1.0x OpenVINO alone,
 # >= 1.0x the better peer at 16 and 32 streams; TTFT P50 at 16 streams <= llama.cpp's.
 TARGET_VS_PEER = {"llama": {1: 0.9, 16: 1.0, 32: 1.0}, "openvino": {1: 1.0, 16: 1.0, 32: 1.0}}
@@ -91,7 +89,7 @@ def _f(value, digits: int = 1) -> str:
 
 
 def ratios(
-    concurrency: Sequence[int], summaries: dict[tuple[str, int], dict], prefix: dict | None, prefill: Sequence[dict] = ()
+    concurrency: Sequence[int], summaries: dict[tuple[str, int], dict], prefill: Sequence[dict] = ()
 ) -> list[dict[str, Any]]:
     """Each ratio with its target (where the issue sets one), whether it is met, and its terms."""
     rows: list[dict[str, Any]] = []
@@ -143,16 +141,11 @@ def ratios(
         if llama is not None and r is not llama:
             name = f"prefill {r['system']} / llama.cpp prompt tokens/s (P50, one long prompt at a time)"
             ratio(name, r["prompt_tokens_per_s_p50"], llama["prompt_tokens_per_s_p50"])
-    if prefix is not None:
-        name = "TTFT prefix cached / uncached (engine, P50)"
-        ratio(name, prefix["ttft_cached_p50_ms"], prefix["ttft_uncached_p50_ms"], TARGET_CACHED_TTFT, above=False, unit=" ms")
     return rows
 
 
-def markdown(
-    header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[dict], prefix: dict | None, prefill: Sequence[dict]
-) -> str:
-    """summary.md: the header lines, one row per (system, concurrency), prefix caching, prefill, the ratios."""
+def markdown(header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[dict], prefill: Sequence[dict]) -> str:
+    """summary.md: the header lines, one row per (system, concurrency), prefill, the ratios."""
     columns = ["system", "concurrency", "tokens/s", "TTFT P50 ms", "TTFT P99 ms", "TTFT max ms", "ITL P50 ms", "ITL P99 ms"]
     rows = []
     for s in cells:
@@ -166,16 +159,6 @@ def markdown(
             [s["system"], s["concurrency"], *figures, _f(s["itl_max_ms"]), f"{s['requests']} ({s['finished']})", "; ".join(notes)]
         )
     parts = ["\n".join(header), report.table([*columns, "ITL max ms", "requests (finished)", "notes"], rows)]
-    if prefix is not None:
-        computed = f"{_f(prefix['mean_prompt_tokens_computed_cached'])} of {_f(prefix['mean_prompt_tokens'])}"
-        prefix_rows = [
-            ["on, second request onward", _f(prefix["ttft_cached_p50_ms"]), computed],
-            ["on, first request (fills the cache)", _f(prefix["ttft_first_on_ms"]), ""],
-            ["off", _f(prefix["ttft_uncached_p50_ms"]), _f(prefix["mean_prompt_tokens"])],
-        ]
-        parts.append(
-            report.table(["prefix caching (engine, one request at a time)", "TTFT P50 ms", "prompt tokens computed"], prefix_rows)
-        )
     if prefill:
         parts.append(
             report.table(
@@ -246,7 +229,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16 if quick else 128, help="new tokens per request (default %(default)s)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems (default %(default)s)")
     p.add_argument("--prefill", type=int, default=0 if quick else 8, metavar="N", help="N long prompts one at a time (0: skip)")
-    p.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching comparison")
     p.add_argument("--profile", action="store_true", help="only profile the in-process engine's steps (torch.profiler)")
     p.add_argument("--memory", action="store_true", help="only measure the text_generation stub's RSS per precision served")
     options.add_run(p, "generate", 1, 4.0 if quick else 30.0, 0.0, os.environ.get("PRECISION", "auto"))
@@ -307,7 +289,6 @@ def run(args: argparse.Namespace) -> int:
     cells: dict[tuple[str, int], Cell] = {}
     systems: dict[str, System] = {}
     triton = loop = None
-    prefix_rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="perf-generate-") as workdir:
         try:
             # The servers load while this process loads its own engine.
@@ -334,12 +315,6 @@ def run(args: argparse.Namespace) -> int:
                     notes.append("tritonserver did not start")
             say(f"{len(workload.prompts)} prompts; measuring {', '.join(systems)}")
             prefill_rows = run_grid(args, systems, workload, cells, say)
-            if not args.no_prefix:
-                say("prefix caching on / off (in-process engines, shared system prompt)")
-                if loop is not None:
-                    loop.shutdown()
-                    loop = None
-                prefix_rows = measure_prefix(engine, workload, say)
         finally:
             if loop is not None:
                 loop.shutdown()
@@ -348,9 +323,8 @@ def run(args: argparse.Namespace) -> int:
 
     summaries = {k: c.summary() for k, c in cells.items()}
     ordered = [summaries[(k, c)] for c in args.concurrency for k in SYSTEMS if (k, c) in summaries]
-    prefix = prefix_summary(prefix_rows) if prefix_rows else None
     prefill = prefill_summary(prefill_rows)
-    ratio_rows = ratios(args.concurrency, summaries, prefix, prefill)
+    ratio_rows = ratios(args.concurrency, summaries, prefill)
     title = f"Text generation side by side: {MODEL} ({display_path(DEFAULT_MODEL_DIR)})"
     header = [
         *report.header(title, "perf.bench.generate_bench", args.argv, load),
@@ -361,13 +335,12 @@ def run(args: argparse.Namespace) -> int:
         *[f"- {n}" for n in notes],
         *[f"- {key}: {SYSTEM_NAMES[key]}" for key in SYSTEMS if key in systems],
     ]
-    table = markdown(header, ordered, ratio_rows, prefix, prefill)
+    table = markdown(header, ordered, ratio_rows, prefill)
     report.write(out_dir, table)
     requests = [s.row() for c in cells.values() for s in c.streams]
     for name, rows in (
         ("cells", ordered),
         ("ratios", ratio_rows),
-        ("prefix", prefix_rows),
         ("prefill", prefill_rows),
         ("requests", requests),
     ):
@@ -376,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n" + table, flush=True)
     say(f"perf.bench.generate_bench: results in {display_path(out_dir)}")
     ok = all(s["output_tokens"] > 0 for s in ordered) and len(ordered) == len(args.systems) * len(args.concurrency)
-    return 0 if ok and (prefix is not None or args.no_prefix) else 1
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""perf.bench.generate_bench's other measurements: prefill (long prompts one at a time), prefix
-caching on and off, ``--profile`` (where a step's time goes) and ``--memory`` (the stub's RSS)."""
+"""perf.bench.generate_bench's other measurements: prefill (long prompts one at a time),
+``--profile`` (where a step's time goes) and ``--memory`` (the stub's RSS)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,7 @@ from perf.lib.generation_load import Stream, System, Workload, load_workload
 from perf.lib.generation_systems import (
     MODEL,
     TritonSystem,
-    engine_variant,
     resolve_precision,
-    run_together,
     served_engine_settings,
     served_gauges,
     start_engine,
@@ -73,57 +71,6 @@ def prefill_summary(rows: Sequence[dict]) -> list[dict[str, Any]]:
             tps, ttft = (percentile_of([r[k] for r in mine], 50) for k in ("prompt_tokens_per_s", "ttft_ms"))
             out.append({"system": key, "prompts": len(mine), "prompt_tokens_per_s_p50": tps, "ttft_p50_ms": ttft})
     return out
-
-
-def measure_prefix(engine, workload: Workload, say) -> list[dict[str, Any]]:
-    """TTFT of the shared-system-prompt requests on two engines (prefix caching on / off), the same
-    weights, one request at a time, alternating."""
-    from python_backends.generation.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    # A small pool: one request at a time plus the cached prefix (zeroing the served 1 GiB twice costs seconds).
-    pool = min(engine.config.kv_cache_bytes, 128 * 2**20)
-    engines = {on: engine_variant(engine, enable_prefix_caching=on, num_blocks=None, kv_cache_bytes=pool) for on in (True, False)}
-    for e in engines.values():  # the pool's pages and the runner's workspaces are touched here, sharing nothing
-        e.generate(["Hello! Write one word."], params)
-    rows = []
-    for i, prompt in enumerate(workload.prefix_prompts):
-        for on in (True, False) if i % 2 == 0 else (False, True):
-            run = run_together(engines[on], [prompt], params, f"prefix-{on}-{i}")
-            arrivals = run["arrivals"][0]
-            rows.append(
-                {
-                    "request": i,
-                    "prefix_caching": "on" if on else "off",
-                    "prompt_tokens": len(engine.tokenizer.encode(prompt, add_special_tokens=False)),
-                    "prompt_tokens_computed": run["counters"]["prompt_tokens_computed"],
-                    "ttft_ms": round(1000 * (arrivals[0][0] - run["start"]), 1) if arrivals else None,
-                }
-            )
-    say(f"    prefix: {len(rows)} requests, shared prefix {workload.prefix_tokens} tokens")
-    return rows
-
-
-def prefix_summary(rows: Sequence[dict]) -> dict[str, Any]:
-    """Medians over the second request onward (the first one fills the cache)."""
-
-    def med(on: str) -> float | None:
-        return percentile_of(
-            [r["ttft_ms"] for r in rows if r["prefix_caching"] == on and r["request"] > 0 and r["ttft_ms"]], 50, None
-        )
-
-    on, off = med("on"), med("off")
-    first = next((r["ttft_ms"] for r in rows if r["prefix_caching"] == "on" and r["request"] == 0), None)
-    computed_on = [r["prompt_tokens_computed"] for r in rows if r["prefix_caching"] == "on" and r["request"] > 0]
-    prompt = [r["prompt_tokens"] for r in rows if r["prefix_caching"] == "on" and r["request"] > 0]
-    return {
-        "ttft_cached_p50_ms": on,
-        "ttft_uncached_p50_ms": off,
-        "ttft_first_on_ms": first,
-        "mean_prompt_tokens": round(sum(prompt) / len(prompt), 1) if prompt else None,
-        "mean_prompt_tokens_computed_cached": round(sum(computed_on) / len(computed_on), 1) if computed_on else None,
-        "ratio": round(on / off, 3) if on and off else None,
-    }
 
 
 OV_MATRIX = {"FullyConnected", "MatMul", "Gemm"}  # OpenVINO CPU node types: the weights' products

@@ -83,8 +83,6 @@ class Cell:
 @dataclass(frozen=True)
 class Workload:
     prompts: list[str]  # chat template applied
-    prefix_prompts: list[str]  # system prompt + one user message each, chat template applied
-    prefix_tokens: int  # tokens of the shared part (the system message as rendered)
     long_prompts: list[tuple[str, int]] = field(default_factory=list)  # (prompt, tokens) of 400+ tokens
 
 
@@ -98,13 +96,8 @@ def load_workload(path: Path, tokenizer, quick: bool) -> Workload:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     prompts = [render([{"role": "user", "content": e["text"]}]) for e in entries]
-    users = doc["prefix_user_messages"][: 2 if quick else None]
-    system = {"role": "system", "content": doc["system_prompt"]}
-    prefix_prompts = [render([system, {"role": "user", "content": u}]) for u in users]
-    a, b = (tokenizer.encode(p, add_special_tokens=False) for p in prefix_prompts[:2])
-    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     sized = [(p, len(tokenizer.encode(p, add_special_tokens=False))) for p in prompts]
-    return Workload(prompts, prefix_prompts, shared, [(p, n) for p, n in sized if n >= 400])
+    return Workload(prompts, [(p, n) for p, n in sized if n >= 400])
 
 
 class System:
