@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,7 @@ class Deployment(Addresses, Service):
         self._taken = {o.http_port, o.grpc_port, o.metrics_port, *([o.gateway.port] if o.gateway else [])}
         self.replicas: list[Replica] = [Replica(i, self._replica_options(i)) for i in range(o.replicas)]
         self.gateways: list[Gateway] = []
+        self._state_writer = threading.Lock()
         self.loop = Supervision(self)
         self._build_members()
 
@@ -283,11 +285,14 @@ class Deployment(Addresses, Service):
             }
 
     def write_state(self) -> None:
+        """cluster.json, from the loop's thread and the launcher's: one writer at a time (the
+        supervision lock is held only while describe() reads the records)."""
         if not self.options.pool:
             return
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.describe(), indent=1), encoding="utf-8")
-        tmp.replace(self.state_path)
+        with self._state_writer:
+            tmp = self.state_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.describe(), indent=1), encoding="utf-8")
+            tmp.replace(self.state_path)
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> Deployment:

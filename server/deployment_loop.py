@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from server.deployment_parts import DOWN, READY, STARTING, STOPPED, Gateway, Replica
@@ -31,12 +32,19 @@ NEVER = float("inf")
 
 
 class Supervision:
-    """The loop over one deployment's members; ``lock`` guards their states."""
+    """The loop over one deployment's members. ``lock`` guards their records (states, the
+    upstream list as rendered) and is held only to read or change them: the slow calls
+    (starting or stopping a process, reloading nginx, waiting for readiness) are made outside
+    it, the member marked busy meanwhile, so that the repository door's address lookups and the
+    other readers never wait for a replica's restart, and nothing else starts or stops a busy
+    member (``stop_gateways`` waits for a gateway's start or stop in progress to end)."""
 
     def __init__(self, deployment: Deployment):
         self.d = deployment
         self.options = deployment.options
         self.lock = threading.RLock()
+        self._idle = threading.Condition(self.lock)  # notified when a member's slow call ends
+        self._busy: set[tuple[str, int]] = set()  # ("replica" or "gateway", index) in a slow call
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = False
@@ -69,23 +77,59 @@ class Supervision:
             return ()
         return tuple(r.in_door for r in self.d.replicas) + tuple(g.state == READY for g in self.d.gateways)
 
-    # --- replicas ---------------------------------------------------------------------------
-    def _start_replica(self, replica: Replica) -> None:
-        """From the loop's thread (the replica is tied to it)."""
-        o = self.options
-        if replica.starts:
-            replica.server = TritonServer(replica.options, echo=self.d.echo)
-        replica.starts += 1
-        replica.state = STARTING
-        replica.health_misses = 0
-        server = replica.server
-        assert server is not None
+    @staticmethod
+    def _key(member: Replica | Gateway) -> tuple[str, int]:
+        return ("replica" if isinstance(member, Replica) else "gateway", member.index)
+
+    def busy(self, member: Replica | Gateway) -> bool:
+        """A start or a stop of ``member`` is in progress (outside the lock)."""
+        with self.lock:
+            return self._key(member) in self._busy
+
+    def _unlocked(self, member: Replica | Gateway, call: Callable[[], object]) -> Exception | None:
+        """``call()`` for ``member``, which the caller marked busy holding the lock (with the
+        decision that led to it), made without the lock; the error it raised, if any. The caller
+        then records the outcome under the lock, where it also clears the mark (``_done``)."""
+        assert self._key(member) in self._busy
         try:
-            # Before each (re)start: the rollout state may have moved on since the last one.
-            server.start(prepare_repository(o.model_repository, o.models, o.rollout_state))
-        except Exception as exc:  # noqa: BLE001 - a failed start is retried like a crash
-            self._failed(replica, f"did not start: {exc}")
-            return
+            call()
+        except Exception as exc:  # noqa: BLE001 - the caller records it (a failed start is retried like a crash)
+            return exc
+        except BaseException:
+            self._done(member)
+            raise
+        return None
+
+    def _done(self, member: Replica | Gateway) -> None:
+        with self.lock:
+            self._busy.discard(self._key(member))
+            self._idle.notify_all()
+
+    # --- replicas ---------------------------------------------------------------------------
+    def _start_replica(self, replica: Replica, now: float) -> bool:
+        """From the loop's thread (the replica is tied to it), when its start is due (else False):
+        the process starts outside the lock, the replica marked busy and starting."""
+        o = self.options
+        with self.lock:
+            due = replica.state == DOWN and now >= replica.next_start and self._key(replica) not in self._busy
+            if not due or self._stop.is_set():
+                return False
+            if replica.starts:
+                replica.restarts += 1
+                replica.server = TritonServer(replica.options, echo=self.d.echo)
+            replica.starts += 1
+            replica.state = STARTING
+            replica.health_misses = 0
+            server = replica.server
+            assert server is not None
+            self._busy.add(self._key(replica))
+        # Before each (re)start: the rollout state may have moved on since the last one.
+        error = self._unlocked(replica, lambda: server.start(prepare_repository(o.model_repository, o.models, o.rollout_state)))
+        with self.lock:
+            self._done(replica)
+            if error is not None:
+                self._failed(replica, f"did not start: {error}")
+                return True
 
         def wait() -> None:
             try:
@@ -108,11 +152,12 @@ class Supervision:
 
         replica.waiter = threading.Thread(target=wait, name=f"replica-{replica.index}-ready", daemon=True)
         replica.waiter.start()
+        return True
 
     def _failed(self, member: Replica | Gateway, why: str) -> None:
         """Mark a replica or a gateway down and schedule its restart with backoff (with restart
         off: never, and the deployment's failure says what died). A first start that failed is
-        the member's ``error`` too: wait_ready raises it."""
+        the member's ``error`` too: wait_ready raises it. Called holding the lock."""
         kind = "replica" if isinstance(member, Replica) else "gateway"
         child = member.server if isinstance(member, Replica) else member.process
         message = f"{kind} {member.index}: {why}\n{child.log_tail() if child is not None else ''}"
@@ -151,59 +196,94 @@ class Supervision:
         replica.waiter = threading.Thread(target=wait, name=f"replica-{replica.index}-health", daemon=True)
         replica.waiter.start()
 
-    def _tick_replicas(self, now: float) -> None:
+    def _check_replica(self, r: Replica) -> None:
+        """A replica whose tritonserver exited or did not become ready is marked down (for the
+        readers at once), stopped outside the lock, then given its restart time; one that fails
+        its health checks leaves the front door until it answers again."""
         o = self.options
-        for r in self.d.replicas:
+        with self.lock:
+            server = r.server
+            if self._key(r) in self._busy or server is None:
+                return
             starting = r.state == STARTING and not r.ready_since and r.waiter is not None and r.waiter.is_alive()
-            if r.state in (READY, STARTING) and r.server is not None and r.server.process is not None and not r.alive():
+            if r.state in (READY, STARTING) and server.process is not None and not r.alive():
                 if starting:
-                    continue  # its start's waiter sees the exit, and says why with the log's end
-                code = r.server.process.returncode
+                    return  # its start's waiter sees the exit, and says why with the log's end
+                code = server.process.returncode
                 r.exit_codes.append(code)
-                try:  # its python backend stubs and anything else in its process group
-                    os.killpg(r.server.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                # Reaps it, stops its watchdog and removes its shared-memory regions: the next
-                # start is a new TritonServer with a new prefix, so nothing else would.
-                r.server.stop(timeout=0)
-                self._failed(r, f"tritonserver exited (code {code})")
+                why, grace = f"tritonserver exited (code {code})", 0.0
             elif r.state == FAILED_START:
-                if r.server is not None:
-                    r.server.stop(timeout=2)
-                    r.exit_codes.append(r.server.process.returncode if r.server.process else None)
-                self._failed(r, "failed to become ready")
+                why, grace = "failed to become ready", 2.0
             elif r.state == READY and r.health_misses >= o.health_failures:
-                self.event(
-                    f"replica {r.index}: a served model was not ready {r.health_misses} times in a row; "
-                    "out of the front door until it answers again"
-                )
                 r.state = STARTING  # back in once ready again
                 r.in_door = False
                 self._watch_ready(r)
+                why, misses = "", r.health_misses
+            else:
+                return
+            if why:
+                r.state = DOWN
+                self._busy.add(self._key(r))
+        if not why:
+            self.event(
+                f"replica {r.index}: a served model was not ready {misses} times in a row; "
+                "out of the front door until it answers again"
+            )
+            return
+
+        def stop() -> None:
+            if grace == 0.0 and server.process is not None:
+                try:  # its python backend stubs and anything else in its process group
+                    os.killpg(server.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            # Reaps it, stops its watchdog and removes its shared-memory regions: the next start
+            # is a new TritonServer with a new prefix, so nothing else would.
+            server.stop(timeout=grace)
+
+        error = self._unlocked(r, stop)
+        with self.lock:
+            self._done(r)
+            if grace:
+                r.exit_codes.append(server.process.returncode if server.process else None)
+            self._failed(r, why)
+        if error is not None:
+            log.error("replica %d did not stop cleanly: %s", r.index, error)
+
+    def _tick_replicas(self, now: float) -> None:
         for r in self.d.replicas:
-            if r.state == DOWN and now >= r.next_start and not self._stop.is_set():
-                first = r.starts == 0
-                if not first:
-                    r.restarts += 1
-                self._start_replica(r)
-                if not first:
-                    self.event(f"replica {r.index}: restarted (pid {r.pid}); back in the front door once ready")
-                self.d.write_state()
+            self._check_replica(r)
+        for r in self.d.replicas:
+            if not self._start_replica(r, now):
+                continue
+            if r.starts > 1:
+                self.event(f"replica {r.index}: restarted (pid {r.pid}); back in the front door once ready")
+            self.d.write_state()
 
     # --- gateways ---------------------------------------------------------------------------
-    def _start_gateway(self, gateway: Gateway) -> None:
-        """From the loop's thread (the gateway is tied to it, as the replicas are)."""
-        gateway.process = GatewayProcess(self.d.gateway_options(gateway))
-        gateway.starts += 1
-        gateway.state = STARTING
-        gateway.health_misses = 0
-        try:
-            gateway.process.start()
-        except Exception as exc:  # noqa: BLE001 - a failed start is retried like a crash
-            self._failed(gateway, f"did not start: {exc}")
-            return
-        self._watch_gateway(gateway)
+    def _start_gateway(self, gateway: Gateway, now: float) -> bool:
+        """From the loop's thread (the gateway is tied to it, as the replicas are), when its start
+        is due (else False). Never once stopping: stop_gateways sets that, then marks the
+        gateways stopped under the lock, so no start begins after it."""
+        with self.lock:
+            due = gateway.state == DOWN and now >= gateway.next_start and self._key(gateway) not in self._busy
+            if not due or self._stop.is_set():
+                return False
+            if gateway.starts:
+                gateway.restarts += 1
+            process = gateway.process = GatewayProcess(self.d.gateway_options(gateway))
+            gateway.starts += 1
+            gateway.state = STARTING
+            gateway.health_misses = 0
+            self._busy.add(self._key(gateway))
+        error = self._unlocked(gateway, process.start)
+        with self.lock:
+            self._done(gateway)
+            if error is not None:
+                self._failed(gateway, f"did not start: {error}")
+            else:
+                self._watch_gateway(gateway)
+        return True
 
     def _watch_gateway(self, gateway: Gateway) -> None:
         """Until its /health/ready answers 200 (it is up and sees Triton's models ready)."""
@@ -228,45 +308,71 @@ class Supervision:
 
         threading.Thread(target=wait, name=f"gateway-{gateway.index}-ready", daemon=True).start()
 
-    def _tick_gateways(self, now: float) -> None:
+    def _check_gateway(self, g: Gateway) -> None:
+        """As _check_replica, for a gateway: one that exited or did not become ready is marked
+        down and stopped outside the lock; one failing /health leaves the front door."""
         o = self.options
-        for g in self.d.gateways:
-            if g.state in (READY, STARTING) and g.process is not None and not g.alive():
-                code = g.process.process.returncode if g.process.process else None
+        with self.lock:
+            process = g.process
+            if self._key(g) in self._busy or process is None or self._stop.is_set():
+                return  # stopping: stop_gateways stops it
+            if g.state in (READY, STARTING) and not g.alive():
+                code = process.process.returncode if process.process else None
                 g.exit_codes.append(code)
-                pid = g.pid
-                if pid is not None:
-                    try:  # anything else in its process group
-                        os.killpg(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                g.process.stop(timeout=0)  # closes its log
-                self._failed(g, f"exited (code {code})")
+                why, grace = f"exited (code {code})", 0.0
             elif g.state == FAILED_START:
-                assert g.process is not None  # _watch_gateway sets failed-start on a started process
-                g.process.stop(timeout=2)
-                g.exit_codes.append(g.process.process.returncode if g.process.process else None)
-                self._failed(g, f"/health/ready not 200 within {o.ready_timeout:.0f} s")
+                why, grace = f"/health/ready not 200 within {o.ready_timeout:.0f} s", 2.0
             elif g.state == READY and g.health_misses >= o.health_failures:
-                self.event(
-                    f"gateway {g.index}: /health failed {g.health_misses} times; out of the front door until it answers again"
-                )
                 g.state = STARTING
                 self._watch_gateway(g)
+                why, misses = "", g.health_misses
+            else:
+                return
+            if why:
+                g.state = DOWN
+                pid = g.pid
+                self._busy.add(self._key(g))
+        if not why:
+            self.event(f"gateway {g.index}: /health failed {misses} times; out of the front door until it answers again")
+            return
+
+        def stop() -> None:
+            if grace == 0.0 and pid is not None:
+                try:  # anything else in its process group
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.stop(timeout=grace)  # closes its log
+
+        error = self._unlocked(g, stop)
+        with self.lock:
+            self._done(g)
+            if grace:
+                g.exit_codes.append(process.process.returncode if process.process else None)
+            self._failed(g, why)
+        if error is not None:
+            log.error("gateway %d did not stop cleanly: %s", g.index, error)
+
+    def _tick_gateways(self, now: float) -> None:
         for g in self.d.gateways:
-            if g.state == DOWN and now >= g.next_start and not self._stop.is_set():
-                first = g.starts == 0
-                if not first:
-                    g.restarts += 1
-                self._start_gateway(g)
-                if not first:
-                    self.event(f"gateway {g.index}: restarted (pid {g.pid}); back in the front door once ready")
-                self.d.write_state()
+            self._check_gateway(g)
+        for g in self.d.gateways:
+            if not self._start_gateway(g, now):
+                continue
+            if g.starts > 1:
+                self.event(f"gateway {g.index}: restarted (pid {g.pid}); back in the front door once ready")
+            self.d.write_state()
+
+    def _gateways_busy(self) -> bool:
+        return any(kind == "gateway" for kind, _ in self._busy)
 
     def stop_gateways(self) -> list[GatewayProcess]:
-        """Stop the loop and every gateway, side by side (their in-flight requests drain)."""
+        """Stop the loop and every gateway, side by side (their in-flight requests drain); a
+        gateway's start or stop in progress ends first."""
         self._stop.set()
         with self.lock:  # after this, the loop starts no gateway (it checks _stop under the lock)
+            while self._gateways_busy() and self._thread is not None and self._thread.is_alive():
+                self._idle.wait(0.5)
             gateways = [(g, g.process) for g in self.d.gateways if g.process is not None]
             for g, _ in gateways:  # stopping, not exited: the loop neither restarts nor stops them again
                 g.state = STOPPED
@@ -282,7 +388,7 @@ class Supervision:
         """The deployment's own redis-server (the replicas' L2 cache, a pool's gateways' shared
         rate limit) is restarted on the same port when it exited; meanwhile the replicas serve
         from L1 and compute, and the rate limit fails open or closed as configured. Its contents
-        are gone: a cache refills."""
+        are gone: a cache refills. Only this thread restarts it, without the lock."""
         redis = self.d.redis
         if redis is None or redis.process is None or redis.process.poll() is None or self._stop.is_set():
             return
@@ -315,30 +421,35 @@ class Supervision:
     def _sync_front_door(self) -> None:
         """Re-render a pool's upstream list and reload nginx when a replica went in or out (and
         write the state file when only the states changed: a restarted replica that is ready
-        again needs no reload, it never left the list)."""
+        again needs no reload, it never left the list). The list is read under the lock, nginx
+        reloaded outside it."""
         if not self.options.pool or self.d.doors is None:
             return
         replicas, gateways = self.d.replicas, self.d.gateways
-        wanted = self.wanted()
-        states = tuple(r.state for r in replicas) + tuple(g.state for g in gateways)
-        if states != self._states_written:
-            self._states_written = states
+        with self.lock:
+            wanted, rendered = self.wanted(), self.rendered
+            states = tuple(r.state for r in replicas) + tuple(g.state for g in gateways)
+            changed, self._states_written = states != self._states_written, states
             # The gRPC door resends NOT_FOUND while a listed replica is not ready (server/grpc_door.py).
-            if any(r.in_door and r.state != READY for r in replicas):
+            starting = any(r.in_door and r.state != READY for r in replicas)
+            upstreams, gateway_door = [r.upstream() for r in replicas], self.d.gateway_door()
+        if changed:
+            if starting:
                 self.d.replica_starting_file.touch()
             else:
                 self.d.replica_starting_file.unlink(missing_ok=True)
-            if wanted == self.rendered:
+            if wanted == rendered:
                 self.d.write_state()
-        if wanted == self.rendered:
+        if wanted == rendered:
             return
         try:
-            self.d.doors.reload([r.upstream() for r in replicas], self.d.gateway_door())
+            self.d.doors.reload(upstreams, gateway_door)
         except FrontDoorError as exc:
             self.event(f"front door: reload failed ({exc}); keeping the previous upstream list")
             return
-        before = self.rendered or ()
-        self.rendered = wanted
+        with self.lock:
+            self.rendered = wanted
+        before = rendered or ()
         for r, was, now in zip(replicas, before, wanted):
             if was != now:
                 self.event(f"replica {r.index}: {'in' if now else 'out of'} the front door ({r.address}, pid {r.pid})")
@@ -348,13 +459,13 @@ class Supervision:
         self.d.write_state()
 
     def _tick(self) -> None:
+        """Each step takes the lock for the records it reads or changes, never across a slow call."""
         now = time.monotonic()
-        with self.lock:
-            self._tick_replicas(now)
-            self._tick_gateways(now)
-            self._tick_redis(now)
-            self._tick_grpc_door()
-            self._sync_front_door()
+        self._tick_replicas(now)
+        self._tick_gateways(now)
+        self._tick_redis(now)
+        self._tick_grpc_door()
+        self._sync_front_door()
 
     def _served_models(self) -> list[str]:
         """What a replica must have ready to stay in a pool's front door: the requested models
@@ -413,7 +524,8 @@ class Supervision:
                 replica.server.stop()
             except Exception:
                 log.exception("replica %d did not stop cleanly", replica.index)
-        replica.state = STOPPED
+        with self.lock:
+            replica.state = STOPPED
 
     def stop(self) -> None:
         """Stop the loop; it stops the replicas before it ends."""
@@ -421,5 +533,6 @@ class Supervision:
         if self._thread is not None:
             self._thread.join()
         else:  # never started: nothing was started by it
-            for r in self.d.replicas:
-                r.state = STOPPED
+            with self.lock:
+                for r in self.d.replicas:
+                    r.state = STOPPED
