@@ -1,26 +1,17 @@
 """`python -m perf.bench.generate_bench` (`make perf-generate`): text generation, every system side by side.
 
 Closed-loop clients at 1, 4, 16 and 32 streams, 128 new tokens a request (``ignore_eos``, greedy),
-the prompts of perf/data/generation_prompts.json with the chat template applied, each led by a line
-of its own so that no prefix cache spares a prefill. The served model and the in-process engine
-run the precision ``--precision`` resolves to, with the served config.pbtxt's settings. Systems:
-engine (in this process, no Triton), grpc and http (Triton's ``text_generation``: a gRPC stream, HTTP SSE),
-llama (llama.cpp's ``llama-server`` on the peers' Q4_0 GGUF, perf/baselines/llama_cpp.py) and
-openvino (OpenVINO GenAI's continuous-batching pipeline in process, perf/baselines/openvino_genai.py).
-
-Each (system, concurrency) cell is a --duration window, the systems taking turns (the order
-rotated per level, the same shuffled prompts for each): tokens/s are the tokens that arrived in it;
-the requests still streaming at its end are cancelled and the system waited for until idle. TTFT
-is from send to first token (one still waiting at the window's end counts its wait: a lower bound);
-ITL is the gap between two responses, per token they carry. Then prefill (--prefill N long prompts
-one at a time: prompt tokens/s).
-
-Writes summary.md (tables and the ratios the targets are written in), cells.csv, requests.csv,
-prefill.csv and ratios.csv under perf/results/generate-<UTC time>/. Instead of all that,
-``--profile`` splits the in-process engine's step (decode-only at 1 stream and the highest
-concurrency, then a closed loop over every prompt at 16 and the highest: profile.csv) and
-``--memory`` serves each precision in turn for the stub's RSS, loaded and after the highest
-concurrency's streams over the longest prompts (memory.csv).
+the prompts of perf/data/generation_prompts.json (chat template applied, each led by a line of its
+own so that no prefix cache spares a prefill). Systems: engine (in process, the served precision
+and config.pbtxt settings), grpc and http (Triton's ``text_generation``), llama (``llama-server`` on
+the peers' Q4_0 GGUF, perf/baselines/llama_cpp.py), openvino (perf/baselines/openvino_genai.py).
+Each (system, concurrency) cell is a --duration window, systems taking turns on the same prompts:
+tokens/s arrived in it (streams still open at its end are cancelled, the system waited for until
+idle), TTFT from send to first token (a lower bound for one still waiting), ITL per token. Then
+--prefill N long prompts one at a time (prompt tokens/s). Writes summary.md (with the target
+ratios), cells.csv, requests.csv, prefill.csv and ratios.csv under perf/results/generate-<UTC time>/.
+Instead: ``--profile`` splits the in-process engine's step (profile.csv); ``--memory`` serves each
+precision for the stub's RSS, loaded and after the longest prompts' streams (memory.csv).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The one load driver of the request benchmarks, and the record of what it measured.
 
-Drivers, each returning a ``Tally`` (latencies of the 200s and of the 503s, the other errors,
-the seconds measured): ``closed_loop`` (``concurrency`` clients POSTing to a URL, each sending
-its next request when its answer came), ``open_loop`` (requests started at a fixed rate whatever
-the answers) and ``call_loop`` (the closed loop around any coroutine: tritonclient's KServe HTTP
-and gRPC clients, clients.AsyncEmbeddingClient), ``poisson_loop`` (any coroutine started at Poisson
-arrivals, the drills' open loop). wrk (perf.lib.wrk) is the C driver for the same
-HTTP loads. ``Window`` is one measured point (phase, workload, concurrency, round: requests,
-errors, requests/s, P50/P99/max with perf.lib.stats' percentile); ``points`` takes the median
-over a point's rounds. ``kserve_texts`` is the KServe request function over tritonclient, and
-``alternate`` runs loads side by side in alternating rounds.
+Drivers return a ``Tally`` (latencies of the 200s and of the 503s, other errors, seconds measured):
+``closed_loop`` (clients POSTing to a URL), ``open_loop`` (a fixed rate), ``call_loop`` (the closed
+loop around any coroutine: tritonclient, clients.AsyncEmbeddingClient) and ``poisson_loop`` (any
+coroutine at Poisson arrivals); wrk (perf.lib.wrk) is the C driver for the same HTTP loads.
+``Window`` is one measured point, ``points`` the median over its rounds; ``kserve_texts`` is the
+KServe request function, ``alternate`` runs loads side by side in alternating rounds.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Every process of a local deployment, named, with its CPU time and memory from /proc.
 
-Shared by perf.drills.soak (RSS and CPU of each process over time) and perf.bench.cpu_cost (CPU-seconds
-per request path). A deployment here is what the launcher starts: tritonserver and its python
-backend stubs (children of tritonserver; the model and instance are read from the stub's
-command line), the nginx front door (master and workers), the OpenAI gateway, Redis when the
-embedding cache's L2 is on, and the load generator (this process, all its threads).
-
-CPU time is utime + stime of /proc/<pid>/stat (the process's own threads; children are
-separate processes and counted separately), RSS is VmRSS of /proc/<pid>/status.
+Shared by perf.drills.soak and perf.bench.cpu_cost: tritonserver and its python backend stubs (model
+and instance read from the stub's command line), the nginx front door, the OpenAI gateway, Redis
+and the load generator (this process). CPU time is utime + stime of /proc/<pid>/stat (children
+counted separately), RSS is VmRSS of /proc/<pid>/status.
 """
 
 from __future__ import annotations
