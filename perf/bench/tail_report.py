@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from perf.bench.tail_measure import Window
 from perf.bench.tail_workloads import HIT_WORKLOADS, STATS_MODELS, STREAM_WORKLOADS, WORKLOADS
+from perf.lib.report import fmt as _f
 from perf.lib.report import table
 
 TARGET_MAX_OVER_P50 = 5.0
@@ -53,10 +54,6 @@ def targets_table(rows: Sequence[dict]) -> str:
     header = ["target", "value", "result", "from", "CPU cores (client, server, machine)"]
     body = [(t["target"], _f(t["value"], 2), "PASS" if t["met"] else "FAIL", t["detail"], t["cores"]) for t in rows]
     return table(header, body) + "\n"
-
-
-def _f(value: float | None, digits: int = 1) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
 
 
 def markdown(header: Sequence[str], results: Sequence[Window], target_rows: Sequence[dict]) -> str:

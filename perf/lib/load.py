@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
+from perf.lib.report import fmt as _f
 from perf.lib.stats import median, percentile
 
 Request = tuple[bytes, dict[str, str]]  # (body, headers)
@@ -319,10 +320,6 @@ class Window(TailRatios):
             f"P50 {_f(self.p50_ms):>7}  P99 {_f(self.p99_ms):>7}  max {_f(self.max_ms):>7} ms  errors {self.errors}"
             + (f" ({self.first_error})" if self.first_error else "")
         )
-
-
-def _f(value: float | None, digits: int = 1) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
 
 
 W = TypeVar("W", bound=Window)
