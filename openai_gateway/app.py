@@ -20,7 +20,7 @@ from openai_gateway.batches import BatchRunner
 from openai_gateway.catalog import Catalog
 from openai_gateway.gate import ROUTES, RequestGate
 from openai_gateway.handlers import EXCEPTION_HANDLERS
-from openai_gateway.routes import batches, completions, embeddings, files, health, models, rerank, tokenize
+from openai_gateway.routes import batches, completions, embeddings, files, health, models, rerank, responses, tokenize
 from openai_gateway.routes.embeddings import PRIORITY_HEADER
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.state import GatewayState
@@ -32,6 +32,7 @@ ROUTERS = (
     models.router,
     embeddings.router,
     completions.router,
+    responses.router,
     tokenize.router,
     rerank.router,
     files.router,
@@ -98,7 +99,7 @@ def create_app(settings: GatewaySettings, keys: ApiKeys, catalog: Catalog | None
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.cors_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "X-Request-Id", PRIORITY_HEADER],
             expose_headers=["X-Request-Id", "Retry-After"],
         )

@@ -30,6 +30,7 @@ ROUTES = (
     "/v1/embeddings",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/models",
     "/v1/files",
     "/v1/batches",
@@ -59,6 +60,8 @@ def route_label(path: str) -> str:
         return "/v1/models/{model}"
     if path.startswith(("/v1/files/", "/v1/batches/")):
         return "/v1/files/{file_id}" if path.startswith("/v1/files/") else "/v1/batches/{batch_id}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{response_id}"
     return "other"
 
 

@@ -75,6 +75,13 @@ class GatewaySettings:
     # Rows per coalesced Triton request: batches of even size, not one large batch whose
     # requests all wait for its last row while the next ones form a small fast batch.
     coalesce_max_rows: int = 16
+    # Stored responses of /v1/responses (openai_gateway/response_store.py): Redis at this URL
+    # (empty: --rate-limit-redis's, when set), else a SQLite file in the folder; each kept
+    # responses_ttl_s, at most responses_max_entries (the oldest go first).
+    responses_redis_url: str = ""
+    responses_store_dir: Path = ROOT / ".triton"
+    responses_ttl_s: float = 7 * 24 * 3600.0
+    responses_max_entries: int = 10000
     extra: dict = field(default_factory=dict)
 
 
@@ -203,6 +210,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=int(_env("GATEWAY_COALESCE_MAX_ROWS", str(d.coalesce_max_rows))),
         help=f"texts per coalesced Triton request (default {d.coalesce_max_rows}; at most the model's max_batch_size)",
     )
+    p.add_argument(
+        "--responses-redis",
+        dest="responses_redis_url",
+        default=_env("GATEWAY_RESPONSES_REDIS_URL", d.responses_redis_url),
+        help="Redis URL of the stored /v1/responses (default: --rate-limit-redis's; neither: a SQLite file)",
+    )
+    p.add_argument(
+        "--responses-store-dir",
+        type=Path,
+        default=Path(_env("GATEWAY_RESPONSES_STORE_DIR", str(d.responses_store_dir))),
+        help="folder of the stored /v1/responses' SQLite file without Redis (default .triton/)",
+    )
+    p.add_argument(
+        "--responses-ttl",
+        dest="responses_ttl_s",
+        type=float,
+        default=float(_env("GATEWAY_RESPONSES_TTL_S", str(d.responses_ttl_s))),
+        help="seconds a stored response is kept (default 7 days)",
+    )
+    p.add_argument(
+        "--responses-max",
+        dest="responses_max_entries",
+        type=int,
+        default=int(_env("GATEWAY_RESPONSES_MAX", str(d.responses_max_entries))),
+        help=f"stored responses kept at most, the oldest dropped first (default {d.responses_max_entries})",
+    )
 
 
 def from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -237,4 +270,8 @@ def from_args(args: argparse.Namespace) -> GatewaySettings:
         batch_lease_s=args.batch_lease_s,
         coalesce_embeddings=not args.no_coalesce,
         coalesce_max_rows=args.coalesce_max_rows,
+        responses_redis_url=args.responses_redis_url or args.rate_limit_redis_url,
+        responses_store_dir=args.responses_store_dir,
+        responses_ttl_s=args.responses_ttl_s,
+        responses_max_entries=args.responses_max_entries,
     )

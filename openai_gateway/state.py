@@ -14,6 +14,7 @@ from openai_gateway.catalog import Catalog, EmbeddingModel, GenerationModel, Mod
 from openai_gateway.errors import model_not_found
 from openai_gateway.metrics import GatewayMetrics
 from openai_gateway.ratelimit import RateLimiter, SharedRateLimiter
+from openai_gateway.response_store import ResponseStore, open_store
 from openai_gateway.settings import GatewaySettings
 from openai_gateway.tokenize import ModelTokenizer
 from openai_gateway.triton import TritonBackend
@@ -50,6 +51,9 @@ class GatewayState:
             health_dir=settings.triton_health_dir,
         )
         self.backend.on_batch = self.metrics.coalesced.observe
+        self.responses: ResponseStore = open_store(
+            settings.responses_redis_url, settings.responses_store_dir, settings.responses_ttl_s, settings.responses_max_entries
+        )
         self.vocabularies: dict[str, embeddings.Vocabulary] = {}
         self.tokenizers: dict[str, ModelTokenizer] = {}  # /tokenize, /detokenize
         for g in self.catalog.of_kind("generation"):
@@ -69,10 +73,11 @@ class GatewayState:
         await self.backend.start()
 
     async def close(self) -> None:
-        """Close the Triton channel and the shared limiter's Redis connection (the app's shutdown)."""
+        """Close the Triton channel, the shared limiter's Redis connection and the response store (the app's shutdown)."""
         await self.backend.close()
         if isinstance(self.limiter, SharedRateLimiter):
             await self.limiter.close()
+        await self.responses.close()
 
     @overload
     def find(self, name: str, kind: Literal["embedding"]) -> EmbeddingModel: ...
