@@ -138,7 +138,8 @@ class BatchStore:
     def delete_file(self, file_id: str) -> bool:
         """Forget ``file_id`` and remove its body; False when there was none."""
         deleted = self._write("DELETE FROM files WHERE id = ?", (file_id,)) > 0
-        self.file_path(file_id).unlink(missing_ok=True)
+        if deleted:
+            self.file_path(file_id).unlink(missing_ok=True)
         return deleted
 
     # -- batches

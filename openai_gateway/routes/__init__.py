@@ -6,6 +6,7 @@
 - ``completions``: ``/v1/chat/completions``, ``/v1/completions``
 - ``tokenize``: ``/tokenize``, ``/detokenize`` (vLLM's paths; a key as for ``/v1``)
 - ``rerank``: ``/v1/rerank`` (and ``/rerank``, ``/v2/rerank``), ``/score`` (and ``/v1/score``)
+- ``files``, ``batches``: the Batch API, ``/v1/files[/{id}[/content]]`` and ``/v1/batches[/{id}[/cancel]]``
 
 Every ``/v1`` route (and the tokenize pair) has passed the gate (key, rate limit, body size) before it runs; a route
 parses its body, checks it, asks Triton and writes the answer.

@@ -13,7 +13,7 @@ from openai_gateway.batches import COMPLETION_WINDOWS, ENDPOINTS, check_lines, n
 from openai_gateway.errors import APIError, bad_request
 from openai_gateway.responses import json_response
 from openai_gateway.routes import bearer
-from openai_gateway.routes.files import _page, runner, store_of
+from openai_gateway.routes.files import check_id, cursor_page, runner, store_of
 from openai_gateway.state import request_info
 
 router = APIRouter()
@@ -47,6 +47,7 @@ async def create_batch(body: BatchCreateRequest, request: Request):
     metadata = body.metadata
     if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
         raise bad_request("metadata holds at most 16 pairs, keys of at most 64 and values of at most 512 characters", "metadata")
+    check_id(body.input_file_id, "input_file_id")
     store = store_of(request)
     file = await asyncio.to_thread(store.get_file, body.input_file_id)
     if file is None:
@@ -63,13 +64,15 @@ async def create_batch(body: BatchCreateRequest, request: Request):
 @router.get("/v1/batches", dependencies=[Security(bearer)])
 async def list_batches(request: Request, after: str | None = Query(None, max_length=128), limit: int = Query(20, ge=1, le=100)):
     """The batches, newest first, ``limit`` after the batch ``after``."""
+    check_id(after, "after")
     data, more = await asyncio.to_thread(store_of(request).list_batches, after, limit)
-    return json_response(200, orjson.dumps(_page(data, more)))
+    return json_response(200, orjson.dumps(cursor_page(data, more)))
 
 
 @router.get("/v1/batches/{batch_id}", dependencies=[Security(bearer)])
 async def get_batch(batch_id: str, request: Request):
     """The batch, its ``request_counts`` as committed now."""
+    check_id(batch_id, "batch_id")
     batch = await asyncio.to_thread(store_of(request).get_batch, batch_id)
     if batch is None:
         raise not_found(batch_id)
@@ -80,6 +83,7 @@ async def get_batch(batch_id: str, request: Request):
 async def cancel_batch(batch_id: str, request: Request):
     """Cancel the batch: ``cancelling`` until its lines in flight end, then ``cancelled`` with the
     results committed so far in its output and error files."""
+    check_id(batch_id, "batch_id")
     store = store_of(request)
     if not await asyncio.to_thread(store.transition, batch_id, "cancelling", ("validating", "in_progress")):
         batch = await asyncio.to_thread(store.get_batch, batch_id)

@@ -43,6 +43,8 @@ _UPLOAD = {
         },
     }
 }
+# What an id of this store looks like (file-<hex>, batch_<hex>, file-<hex>-output); anything else is unknown.
+ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _BOUNDARY = re.compile(r'boundary="?([^";]{1,70})"?')
 _FIELD = re.compile(rb'\bname="([^"]*)"(?:; *filename="([^"]*)")?', re.IGNORECASE)
 
@@ -55,6 +57,16 @@ def runner(request: Request) -> BatchRunner:
 def store_of(request: Request) -> BatchStore:
     """The Batch API's store of the app serving ``request``."""
     return runner(request).store()
+
+
+def check_id(value: str | None, param: str) -> None:
+    """404 for a path id (400 for a cursor) that no object of the store can have."""
+    if value is not None and not ID.match(value):
+        raise (
+            APIError(404, f"No such object: {value[:80]!r}", param=param)
+            if param.endswith("_id")
+            else bad_request(f"{param} must be an id of this list", param)
+        )
 
 
 def not_found(file_id: str) -> APIError:
@@ -161,13 +173,15 @@ async def list_files(
     order: Literal["asc", "desc"] = "desc",
 ):
     """The files, newest first (``order``), ``limit`` after the file ``after``."""
+    check_id(after, "after")
     data, more = await asyncio.to_thread(store_of(request).list_files, purpose, after, limit, order == "desc")
-    return json_response(200, orjson.dumps(_page(data, more)))
+    return json_response(200, orjson.dumps(cursor_page(data, more)))
 
 
 @router.get("/v1/files/{file_id}", dependencies=[Security(bearer)])
 async def get_file(file_id: str, request: Request):
     """OpenAI's file object of ``file_id``."""
+    check_id(file_id, "file_id")
     obj = await asyncio.to_thread(store_of(request).get_file, file_id)
     if obj is None:
         raise not_found(file_id)
@@ -177,6 +191,7 @@ async def get_file(file_id: str, request: Request):
 @router.get("/v1/files/{file_id}/content", dependencies=[Security(bearer)])
 async def file_content(file_id: str, request: Request):
     """The bytes of ``file_id`` (JSONL)."""
+    check_id(file_id, "file_id")
     store = store_of(request)
     obj = await asyncio.to_thread(store.get_file, file_id)
     if obj is None or not store.file_path(file_id).is_file():
@@ -187,6 +202,7 @@ async def file_content(file_id: str, request: Request):
 @router.delete("/v1/files/{file_id}", dependencies=[Security(bearer)])
 async def delete_file(file_id: str, request: Request):
     """Delete ``file_id`` (refused while an unfinished batch reads it)."""
+    check_id(file_id, "file_id")
     store = store_of(request)
     if await asyncio.to_thread(store.file_in_use, file_id):
         raise bad_request(f"file {file_id} is the input of a batch still running; cancel it first", param="file_id")
@@ -195,7 +211,7 @@ async def delete_file(file_id: str, request: Request):
     return json_response(200, orjson.dumps({"id": file_id, "object": "file", "deleted": True}))
 
 
-def _page(data: list[dict], more: bool) -> dict:
+def cursor_page(data: list[dict], more: bool) -> dict:
     """OpenAI's cursor page."""
     return {
         "object": "list",

@@ -77,7 +77,8 @@ def start_gateway(tmp_path_factory):
             workdir=workdir,
             api_key_file=workdir / "gateway-api-key",
             extra_args=list(extra_args),
-            env={"GATEWAY_API_KEYS": GATEWAY_TEST_KEY, **(env or {})},
+            # Each its own Batch API store (not the repository's .triton/batches).
+            env={"GATEWAY_API_KEYS": GATEWAY_TEST_KEY, "GATEWAY_BATCH_DIR": str(workdir / "batches"), **(env or {})},
             drain_timeout=5,
         )
         gw = GatewayProcess(options).start()

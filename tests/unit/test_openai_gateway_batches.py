@@ -1,0 +1,86 @@
+"""The Batch API's parts without a server: the store's exactly-once results and leases, the
+checks of an input file, and the multipart parser of uploads."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from openai_gateway.batch_store import BatchStore
+from openai_gateway.batches import check_lines, new_batch
+from openai_gateway.errors import APIError
+from openai_gateway.routes.files import parse_form
+
+
+def line(custom_id: str, url: str = "/v1/embeddings", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "m", "input": "x", **body}}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = BatchStore(tmp_path)
+    yield s
+    s.close()
+
+
+def test_a_result_counts_once_and_survives_a_reopen(store, tmp_path):
+    batch = new_batch("batch_a", "/v1/embeddings", "file-a", "24h", None, 3, [])
+    store.add_batch(batch, 3, "key")
+    assert store.add_result("batch_a", 1, True, b"{}")
+    assert not store.add_result("batch_a", 1, False, b"{}")  # a second answer of the line is dropped
+    store.add_result("batch_a", 2, False, b"{}")
+    store.close()
+    again = BatchStore(tmp_path)
+    assert again.done_lines("batch_a") == {1, 2}
+    assert again.get_batch("batch_a")["request_counts"] == {"total": 3, "completed": 1, "failed": 1}
+    again.close()
+
+
+def test_one_gateway_holds_a_batch_until_its_lease_lapses(store):
+    store.add_batch(new_batch("batch_b", "/v1/embeddings", "file-b", "24h", None, 1, []), 1, "key")
+    assert store.take_leases("one", 0.2, 16) == ["batch_b"]
+    assert store.take_leases("two", 0.2, 16) == []
+    assert store.renew_lease("one", "batch_b", 0.2)
+    time.sleep(0.3)
+    assert store.take_leases("two", 30, 16) == ["batch_b"]
+    assert not store.renew_lease("one", "batch_b", 30)  # the first learns it lost the batch
+    assert store.transition("batch_b", "cancelling", ("in_progress", "validating"))
+    assert not store.transition("batch_b", "cancelling", ("in_progress", "validating"))
+    assert store.get_batch("batch_b")["cancelling_at"]
+
+
+def test_the_lines_of_a_file_are_checked_with_their_numbers(tmp_path):
+    path = tmp_path / "in.jsonl"
+    lines = [line("a"), line("a"), {**line("b"), "method": "GET"}, line("c", "/v1/chat/completions"), line("d", dimensions="x")]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\nnot json\n")
+    total, errors = check_lines(path, 100, "/v1/embeddings")
+    assert total == 6
+    assert [(e["line"], e["code"], e["param"]) for e in errors] == [
+        (2, "duplicate_custom_id", "custom_id"),
+        (3, "invalid_method", "method"),
+        (4, "mismatched_endpoint", "url"),
+        (5, "invalid_request", "body.dimensions"),
+        (7, "invalid_json_line", None),
+    ]
+    assert check_lines(path, 3, None)[1][-1]["code"] == "too_many_tasks"
+
+
+def test_parse_form_finds_the_file_and_the_purpose(tmp_path):
+    body = (
+        b"preamble\r\n--XyZ\r\n"
+        b'Content-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--XyZ\r\n'
+        b'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n'
+        b'{"a": 1}\r\n{"b": 2}\r\n--XyZ--\r\n'
+    )
+    path = tmp_path / "body"
+    path.write_bytes(body)
+    fields, upload = parse_form(path, b"XyZ")
+    assert fields == {"purpose": "batch"} and upload is not None
+    start, end, filename = upload
+    assert (body[start:end], filename) == (b'{"a": 1}\r\n{"b": 2}', "in.jsonl")
+    path.write_bytes(body[:-30])
+    with pytest.raises(APIError) as info:
+        parse_form(path, b"XyZ")
+    assert info.value.status == 400 and info.value.param == "file"
