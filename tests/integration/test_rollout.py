@@ -36,7 +36,14 @@ from tests.integration.versions import versioned_repository
 
 TOKEN = "rollout-test-token"
 CONCURRENCY = 16  # half on text_embedding, half on text_embedding_cached
-DWELL_S = 6.0
+# Version 2's steps: long enough for a step to see its min_requests calls and its split row 100
+# requests here. Version 3 is aborted at a check inside its first step (every second), which its
+# dwell bounds (asserted below) and which never waits it out.
+DWELL_S = 4.0
+BROKEN_DWELL_S = 6.0
+# Answers each entry point gets in one form (one version loaded, direct) before the next command:
+# the direct periods' checks below need more than 50 per version, and each version has two.
+ANSWERS_PER_PERIOD = 60
 # |observed share of a version - its weight| per step, in percentage points. Requests are
 # routed by a hash of their id (unique per request), so a step of N requests has a binomial
 # standard deviation of at most 50/sqrt(N) points: about 2 points at N = 600.
@@ -189,6 +196,20 @@ class Load:
         finally:
             await client.close()
 
+    def answered(self, n: int = ANSWERS_PER_PERIOD, margin: float = 0.5, timeout: float = 60.0) -> None:
+        """Wait until each entry point has ``n`` answers sent from ``margin`` seconds on (the
+        margin the direct periods leave out after a switch): traffic in the form the last
+        command left, whatever this machine's pace."""
+        since, deadline = time.time() + margin, time.monotonic() + timeout
+        start = len(self.records)
+        counts: Counter = Counter()
+        while time.monotonic() < deadline:
+            counts = Counter(model for model, sent, _, _, error in self.records[start:] if sent >= since and not error)
+            if len(counts) == 2 and min(counts.values()) >= n:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"fewer than {n} answers per entry point in {timeout:.0f} s: {dict(counts)}")
+
     def __enter__(self):
         self.thread.start()
         return self
@@ -248,16 +269,16 @@ def test_rollouts_rollback_finish_and_abort_under_load(rollout_server, admin, ro
     forms = []
     with Load(server.grpc_url, references) as load:
         t0 = time.time()
-        time.sleep(3)  # traffic on version 1 alone first
+        load.answered()  # traffic on version 1 alone first
         assert rollout.start(2, [10, 50, 100], DWELL_S, thresholds, check_interval_s=1.0, window_s=900) == 0, said
         assert RolloutState.load(state_path).phase == "rolled_out"
         assert admin.ready("text_encoder", 1) and admin.ready("text_encoder", 2)  # 1 kept for rollback
         forms.append(form_of(admin.config("text_embedding")))
-        time.sleep(1)
+        load.answered()  # traffic on the rolled-out weights
         assert rollout.rollback() == 0
         assert not admin.ready("text_encoder", 2) and not admin.ready("text_encoder_router")
         forms.append(form_of(admin.config("text_embedding")))
-        time.sleep(3)  # traffic back on version 1 alone, direct
+        load.answered()  # traffic back on version 1 alone, direct
         assert rollout.start(2, [50, 100], DWELL_S, thresholds, check_interval_s=1.0, window_s=900) == 0, said
         # the interactive lane served the stable version all along (pinned at start) ...
         assert admin.ready("text_encoder_interactive", 1) and not admin.ready("text_encoder_interactive", 2)
@@ -266,11 +287,12 @@ def test_rollouts_rollback_finish_and_abort_under_load(rollout_server, admin, ro
         # ... and follows the finished rollout (docs/priority-classes.md)
         assert admin.ready("text_encoder_interactive", 2) and not admin.ready("text_encoder_interactive", 1)
         forms.append(form_of(admin.config("text_embedding")))
-        time.sleep(3)  # version 2 alone, direct: the cache answers with version 2's vectors only
+        load.answered()  # version 2 alone, direct: the cache answers with version 2's vectors only
         # 50 % at once: half the load is on the cache, so a 10 % step would see too few calls of 3 to be judged early.
-        aborted = rollout.start(3, [50, 100], DWELL_S, thresholds, check_interval_s=1.0, window_s=900)
+        aborted = rollout.start(3, [50, 100], BROKEN_DWELL_S, thresholds, check_interval_s=1.0, window_s=900)
         forms.append(form_of(admin.config("text_embedding")))
-        time.sleep(3)
+        load.answered()  # version 2 alone again, direct
+        time.sleep(0.5)  # past the margin the last direct period leaves out at its end
         end = time.time()
     state = RolloutState.load(state_path)
     records = load.records
@@ -369,7 +391,7 @@ def test_rollouts_rollback_finish_and_abort_under_load(rollout_server, admin, ro
     abort = next(e for e in v3 if e["event"] == "aborted")
     assert not any(e["event"].endswith(" passed") for e in v3), v3
     assert abort["calls"] >= thresholds.min_requests and abort["failed"] > 0, abort
-    assert abort["at"] - step1 < DWELL_S, v3  # judged at a check within the step, not at its end
+    assert abort["at"] - step1 < BROKEN_DWELL_S, v3  # judged at a check within the step, not at its end
 
 
 def test_pin_during_a_rollout_and_restart_comes_back_with_the_last_weights(rollout_server, admin):
