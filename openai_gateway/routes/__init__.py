@@ -4,6 +4,7 @@
 - ``models``: ``/v1/models``, ``/v1/models/{model}``
 - ``embeddings``: ``/v1/embeddings``
 - ``completions``: ``/v1/chat/completions``, ``/v1/completions``
+- ``responses``: ``/v1/responses`` (and ``GET``/``DELETE`` ``/v1/responses/{id}``, ``/input_items``)
 - ``tokenize``: ``/tokenize``, ``/detokenize`` (vLLM's paths; a key as for ``/v1``)
 - ``rerank``: ``/v1/rerank`` (and ``/rerank``, ``/v2/rerank``), ``/score`` (and ``/v1/score``)
 - ``files``, ``batches``: the Batch API, ``/v1/files[/{id}[/content]]`` and ``/v1/batches[/{id}[/cancel]]``

@@ -748,6 +748,9 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
         "GET /v1/files/{file_id}/content",
         "POST /v1/batches",
         "POST /v1/batches/{batch_id}/cancel",
+        "POST /v1/responses",
+        "GET /v1/responses/{response_id}",
+        "DELETE /v1/responses/{response_id}",
     } <= labels, labels
     statuses: Counter = Counter()
     refusals: Counter = Counter()
@@ -806,7 +809,7 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
             MODEL_NAMES[:2]
             if "embeddings" in op.path or "rerank" in op.path or "score" in op.path
             else MODEL_NAMES[2:]
-            if "completions" in op.path
+            if "completions" in op.path or "responses" in op.path
             else [MODEL_NAMES[0], MODEL_NAMES[2]]
         )
         names = [*names, None]
