@@ -186,7 +186,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=float(_env("GATEWAY_BATCH_MAX_FILE_MB", "100")),
         help="largest batch input file (default 100)",
     )
-    p.add_argument("--batch-max-lines", type=int, default=int(_env("GATEWAY_BATCH_MAX_LINES", str(d.batch_max_lines))))
+    p.add_argument(
+        "--batch-max-lines",
+        type=int,
+        default=int(_env("GATEWAY_BATCH_MAX_LINES", str(d.batch_max_lines))),
+        help=f"lines of a batch input file at most (default {d.batch_max_lines})",
+    )
     p.add_argument(
         "--batch-concurrency",
         type=int,
