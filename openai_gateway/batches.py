@@ -49,6 +49,7 @@ ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
 }
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
+STATUSES = ("validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "cancelled", "expired")
 MAX_ERRORS = 100  # errors listed on a failed batch
 RETRY_STATUSES = (429, 503)
 RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -185,12 +186,13 @@ class BatchRunner:
     async def close(self) -> None:
         """Stop the runs; lines in flight are not committed and run again where the batch resumes.
         The leases are given up so another gateway (or this one restarted) resumes at once."""
+        held = list(self._running)
         tasks = [t for t in (self._loop_task, *self._running.values()) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._store is not None:
-            for batch_id in list(self._running):
+            for batch_id in held:
                 self._store.release_lease(self.owner, batch_id)
             self._store.close()
             self._store = None
@@ -205,16 +207,7 @@ class BatchRunner:
                         if batch_id not in self._running:
                             self._running[batch_id] = asyncio.create_task(self._run(batch_id))
                     counts = await asyncio.to_thread(store.status_counts)
-                    for status in (
-                        "validating",
-                        "in_progress",
-                        "finalizing",
-                        "cancelling",
-                        "completed",
-                        "failed",
-                        "cancelled",
-                        "expired",
-                    ):
+                    for status in STATUSES:
                         self.state.metrics.batches.labels(status).set(counts.get(status, 0))
             except Exception:
                 log.exception("batch poll failed")
@@ -246,8 +239,9 @@ class BatchRunner:
         batch = await asyncio.to_thread(store.get_batch, batch_id)
         if batch is None:
             return
-        if batch["status"] == "validating":
-            await asyncio.to_thread(store.transition, batch_id, "in_progress", ("validating",))
+        if batch["status"] == "validating" and await asyncio.to_thread(
+            store.transition, batch_id, "in_progress", ("validating",)
+        ):
             batch["status"] = "in_progress"
         if batch["status"] == "in_progress":
             await self._run_lines(batch)
