@@ -144,6 +144,13 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         False,
         "max_tokens shrinks to the room the prompt leaves in the context, instead of the request being refused",
     ),
+    SamplingField(
+        "fit_structure_to_max_tokens",
+        (bool,),
+        False,
+        "A guided answer is steered to its shortest valid closing once max_tokens nears, so it ends complete "
+        "(finish_reason stop, structure_fitted true); absent: the model's default",
+    ),
 )
 FIELD_NAMES = tuple(f.name for f in SAMPLING_FIELDS)
 
@@ -241,6 +248,7 @@ class SamplingParams:
     # vLLM's current name for the guides ({"choice": [...]} ...): turned into the guided_* field it names.
     structured_outputs: Any = None
     fit_to_context: bool = False
+    fit_structure_to_max_tokens: bool = False  # a guide's answer closes within max_tokens (structured.Fitting)
     n: int = 1  # choices of the prompt
     stop_token_ids: tuple[int, ...] = ()  # sorted, without repeats
     include_stop_str_in_output: bool = False
@@ -319,7 +327,13 @@ class SamplingParams:
             raise InputError(guides[1], f"only one guide per request: {guides[0]} is set too")
         for name in guides:
             put(self, name, guide_source(name, getattr(self, name)))
-        for name in ("ignore_eos", "fit_to_context", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "fit_to_context",
+            "fit_structure_to_max_tokens",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(
                     name, f"must be true or false, got {getattr(self, name)!r}", values={"got": repr(getattr(self, name))}

@@ -303,10 +303,12 @@ class Tally:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None  # of the prompt's, in the engine's prefix cache
+    fitted: bool = False  # fit_structure_to_max_tokens steered the answer to close (the choice's structure_fitted)
     logprobs: list[dict] = field(default_factory=list)  # OpenAI's token objects of every piece so far
 
     def add(self, piece) -> None:
         """Take the piece's reason, counts (the latest wins) and log-probabilities."""
+        self.fitted = self.fitted or getattr(piece, "structure_fitted", False)
         if piece.logprobs:
             self.logprobs.extend(piece.logprobs)
         self.reason = piece.finish_reason or self.reason
@@ -388,6 +390,17 @@ def completion_logprobs(entries: list[dict], offset: int) -> dict:
 
 
 def _whole_choice(job: GenerationJob, index: int, text: str, tally: Tally) -> dict[str, Any]:
+    """One choice of a whole answer, with ``structure_fitted: true`` when the engine steered it to close."""
+    return _fitted(_choice_body(job, index, text, tally), tally)
+
+
+def _fitted(choice: dict[str, Any], tally: Tally) -> dict[str, Any]:
+    if tally.fitted:  # the key only then: answers without the option are as before
+        choice["structure_fitted"] = True
+    return choice
+
+
+def _choice_body(job: GenerationJob, index: int, text: str, tally: Tally) -> dict[str, Any]:
     if job.chat:
         calls: list[dict] | None = None
         if job.tools is not None:  # the stream's rules, so a whole answer says what its stream would
@@ -500,7 +513,7 @@ class ChunkWriter:
             out += self._calls_and_content(index, content, calls)
             if self._tools[index].sent and reason != "length":
                 reason = "tool_calls"
-        return out + self._event([self._choice(index, None if self.job.chat else "", reason)])
+        return out + self._event([_fitted(self._choice(index, None if self.job.chat else "", reason), tally)])
 
     def finish(self, tallies: Tallies) -> bytes:
         """The last events: the finish of every choice not ended yet, the usage when asked for, ``[DONE]``."""

@@ -56,6 +56,7 @@ class Piece:
     logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
     index: int = 0  # the choice (n > 1)
     token_ids: tuple[int, ...] = ()  # asked when the stream can be continued (TritonBackend.generate)
+    structure_fitted: bool = False  # fit_structure_to_max_tokens steered the answer (its final piece)
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -73,7 +74,13 @@ class Piece:
             p.logprobs,
             p.index,
             p.token_ids,
+            structure_fitted=_fitted(result),
         )
+
+
+def _fitted(result) -> bool:
+    array = result.as_numpy("structure_fitted")
+    return array is not None and bool(array.any())
 
 
 def triton_error(exc: Exception, what: str, param_map: dict[str, str] | None = None) -> APIError:

@@ -42,7 +42,7 @@ from python_backends.generation.paged_attention import bytes_per_block
 from python_backends.generation.sampling import Sampler, SamplingParams, make_generator
 from python_backends.generation.scheduler import ContextTooLong, FinishReason, Scheduler, SchedulerOutput, SeqId
 from python_backends.generation.speculative import accept_draft
-from python_backends.generation.structured import Grammars
+from python_backends.generation.structured import Fitting, Grammars
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,8 @@ class RequestOutput:
     index: int = 0  # the choice (0..n-1) this output is about
     # No more outputs for this request: ``finished`` and every other choice finished earlier.
     last: bool = False
+    # fit_structure_to_max_tokens steered the answer to a closing that fits (set on the final output).
+    structure_fitted: bool = False
 
 
 @dataclass
@@ -186,6 +188,7 @@ class _Request:
     num_cached_tokens: int = 0
     aligner: lp.Aligner | None = None  # set when the request asked for log-probabilities
     matcher: Any = None  # the guide's llguidance matcher (structured outputs), None without a guide
+    fit: Fitting | None = None  # fit_structure_to_max_tokens of a guided request
     seq_id: SeqId = None  # the request id for choice 0, ChoiceId for the others
     index: int = 0
     # Choice 0 until its prompt is computed: the other choices, forked from it then.
@@ -462,6 +465,7 @@ class LLMEngine:
                 RequestMetrics(arrival=arrival),
                 aligner=None if params.logprobs is None else lp.Aligner(self.token_bytes),
                 matcher=matcher if index == 0 else None if guide is None else self.grammars().matcher(*guide),
+                fit=self.grammars().fitting(guide[0]) if guide is not None and params.fit_structure_to_max_tokens else None,
                 seq_id=request_id if index == 0 else ChoiceId(request_id, index),
                 index=index,
             )
@@ -469,6 +473,8 @@ class LLMEngine:
         first = choice(0)
         if prefix_ids:
             _continue_after(first, list(prefix_ids))
+            for token in prefix_ids if first.fit is not None else ():
+                first.fit.seen(token)
         if params.n > 1:
             first.forks = [choice(i) for i in range(1, params.n)]
             self._choices[request_id] = [request_id, *(c.seq_id for c in first.forks)]
@@ -577,6 +583,8 @@ class LLMEngine:
                 if finish is not None:
                     del seq.output_tokens[upto:]
                     break
+            if finish == FinishReason.LENGTH.value and req.fit is not None and req.matcher.is_accepting():
+                finish = FinishReason.STOP.value  # fitted: the answer is complete at its last token
             if finish is not None:
                 self.scheduler.finish(seq.seq_id, FinishReason(finish))
                 text += req.detokenizer.finish().text if piece.finish_reason != "stop" else ""
@@ -620,7 +628,7 @@ class LLMEngine:
         history: list[tuple[Any, list[int]]] = []
         generated: list[int] = []
         generators: list[torch.Generator | None] = []
-        guided: list[tuple[int, Any]] = []  # (row, matcher) of each guided sequence
+        guided: list[tuple[int, _Request]] = []  # (row, choice) of each guided sequence
         source: list[int] = []  # the logits row of each sampler row (choices to fork share their prompt's)
         penalty = False
         for c in sampling:
@@ -632,7 +640,7 @@ class LLMEngine:
             last = range(c.num_logits - 1, c.num_logits)
             for choice, logit_rows in [(req, range(c.num_logits)), *((f, last) for f in req.forks)]:
                 if choice.matcher is not None:  # never drafted: one row
-                    guided.append((len(params), choice.matcher))
+                    guided.append((len(params), choice))
                 for j in logit_rows:
                     source.append(first_row + j)
                     params.append(choice.params)
@@ -643,7 +651,7 @@ class LLMEngine:
             logits = logits.index_select(0, torch.as_tensor(source, device=logits.device))
         allowed = None
         if guided:
-            masks = self.grammars().allowed([m for _, m in guided]).to(logits.device)
+            masks = self.grammars().allowed([c.matcher for _, c in guided]).to(logits.device)
             allowed = dict(zip((r for r, _ in guided), masks))
         tokens = self.sampler(
             logits,
@@ -653,9 +661,11 @@ class LLMEngine:
             generators=generators,
             allowed=allowed,
         ).tolist()
-        for r, matcher in guided:
-            if not matcher.consume_token(tokens[r]):
-                log.warning("structured output: the guide refused sampled token %d (%s)", tokens[r], matcher.get_error())
+        for r, choice in guided:
+            if choice.fit is not None:  # may put the closing's token in the sampled one's place
+                tokens[r] = choice.fit.take(choice.matcher, tokens[r], generated[r], choice.params.max_tokens)
+            elif not choice.matcher.consume_token(tokens[r]):
+                log.warning("structured output: the guide refused sampled token %d (%s)", tokens[r], choice.matcher.get_error())
         # Log-probabilities from the logits the step already has, for the rows that asked only.
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         by_row: dict[int, lp.TokenLogprob] = {}
@@ -734,6 +744,7 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             index=req.index,
             last=self._retire(req),
+            structure_fitted=req.fit is not None and req.fit.fitted,
         )
 
     def _retire(self, req: _Request) -> bool:

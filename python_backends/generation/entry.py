@@ -40,6 +40,7 @@ OUTPUT_TYPES = {
     "logprobs": object,
     "index": np.uint32,
     "token_ids": np.int32,
+    "structure_fitted": np.bool_,
 }
 
 
@@ -186,6 +187,8 @@ class GenerationEntry:
         generation_config = Path(version_dir) / "generation_config.json"
         model_sampling = json.loads(generation_config.read_text(encoding="utf-8")) if generation_config.is_file() else {}
         settings["sampling_defaults"] = sampling_defaults(model_sampling, config.param("sampling_defaults"))
+        if config.param_bool("fit_structure_to_max_tokens", False):  # for requests that do not say
+            settings["sampling_defaults"]["fit_structure_to_max_tokens"] = True
         self.name = config.name
         self.max_text_bytes = config.param_int("max_text_bytes", 262144, minimum=1)
         self.engine = LLMEngine(EngineConfig(model_dir=Path(version_dir), device=device, **settings))
@@ -259,6 +262,7 @@ class GenerationEntry:
                 out.logprobs,
                 out.index,
                 out.token_ids,
+                structure_fitted=out.structure_fitted,
             )
             if values is None:
                 if out.last:

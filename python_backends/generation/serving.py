@@ -272,6 +272,7 @@ class ResponseShaper:
         logprobs: Sequence[TokenLogprob] | None = None,
         index: int = 0,
         token_ids: Sequence[int] = (),
+        structure_fitted: bool = False,
     ):
         """The outputs dict of the response to send now, or None to send nothing yet."""
         r = self.request
@@ -305,6 +306,8 @@ class ResponseShaper:
                 out["num_output_tokens"] = num_output
             if r.return_num_cached_tokens:
                 out["num_cached_tokens"] = num_cached
+            if finished and structure_fitted and r.return_finish_reason:  # only when true: as before otherwise
+                out["structure_fitted"] = True
         return out
 
 
