@@ -133,3 +133,19 @@ def test_a_stop_during_a_gateways_start_stops_it_once_started(tmp_path, monkeypa
     starting.join(BLOCKED_S)
     assert gateway.calls == ["start", "stop"] and member.state == STOPPED and member.starts == 1
     assert not loop._start_gateway(member, time.monotonic() + 3600)  # none after a stop
+
+
+def test_a_stop_during_a_replica_start_waits_for_it_then_stops_the_replica(pool):
+    starting, (first, second) = Blocking("start"), pool.replicas
+    first.server = starting
+    second.state = READY  # its tritonserver never started: nothing for the loop to do
+    pool.loop.start()
+    assert starting.entered.wait(BLOCKED_S)
+    assert _prompt(pool.replica_addresses)[0].state == STARTING
+    stopping = _in_thread(pool.loop.stop)
+    stopping.join(0.5)
+    assert stopping.is_alive()  # the loop's thread owns the replica: it ends the start first
+    starting.release.set()
+    stopping.join(BLOCKED_S)
+    assert not stopping.is_alive() and starting.calls[0] == "start" and starting.calls[-1] == "stop"
+    assert [r.state for r in pool.replicas] == [STOPPED, STOPPED]
