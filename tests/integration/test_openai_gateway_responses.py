@@ -79,6 +79,11 @@ def test_text_with_instructions_and_a_cut_answer(openai_client):
     )
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3 and cut.output_text
+    scored = openai_client.responses.create(
+        model=GENERATION, input="Hi", max_output_tokens=3, include=["message.output_text.logprobs"], top_logprobs=2
+    )
+    tokens = scored.output[0].content[0].logprobs
+    assert len(tokens) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens), tokens
 
 
 def test_structured_output_through_text_format_and_parse(openai_client):
@@ -217,11 +222,10 @@ def _client(gw) -> openai.OpenAI:
 
 def test_sqlite_store_outlives_a_gateway_restart(triton, start_gateway, tmp_path):
     args = ("--rate-limit", "0", "--responses-store-dir", str(tmp_path))
-    with start_gateway(triton.triton_grpc_url, *args) as gw:
-        first = _client(gw).responses.create(model=GENERATION, input="My name is Ada.", max_output_tokens=8)
+    with start_gateway(triton.triton_grpc_url, *args) as gw, _client(gw) as client:  # closed: no connection to drain
+        first = client.responses.create(model=GENERATION, input="My name is Ada.", max_output_tokens=8)
     assert (tmp_path / "responses.sqlite3").is_file()
-    with start_gateway(triton.triton_grpc_url, *args) as gw:
-        client = _client(gw)
+    with start_gateway(triton.triton_grpc_url, *args) as gw, _client(gw) as client:
         assert client.responses.retrieve(first.id).output_text == first.output_text
         then = client.responses.create(
             model=GENERATION, previous_response_id=first.id, input="What is my name?", max_output_tokens=8
@@ -232,8 +236,10 @@ def test_sqlite_store_outlives_a_gateway_restart(triton, start_gateway, tmp_path
 def test_redis_store_holds_the_responses(triton, start_gateway, redis_server):
     import redis
 
-    with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--responses-redis", redis_server.url) as gw:
-        client = _client(gw)
+    with (
+        start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--responses-redis", redis_server.url) as gw,
+        _client(gw) as client,
+    ):
         first = client.responses.create(model=GENERATION, input="My name is Ada.", max_output_tokens=8)
         stored = redis.Redis.from_url(redis_server.url)
         assert stored.exists(f"gateway:responses:{first.id}") and stored.ttl(f"gateway:responses:{first.id}") > 0
