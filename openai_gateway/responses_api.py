@@ -253,6 +253,9 @@ def _check_fields(req: ResponsesRequest) -> dict[str, Any]:
         if req.truncation == "auto":
             raise unsupported("truncation", "auto is not served: an input over the context is refused (context_length_exceeded)")
         raise bad_request(f"truncation must be auto or disabled, got {req.truncation[:40]!r}", param="truncation")
+    for key, value in (req.text or {}).items():
+        if key != "format" and value is not None:
+            raise unsupported(f"text.{key}", "only text.format is served")
     reasoning = req.reasoning or {}
     for key, value in reasoning.items():
         if value is not None:

@@ -34,7 +34,12 @@ WEATHER = {
     },
 }
 # Declared by the schema and refused for some values by the route (named in the 400).
-PARTLY_REFUSED = {"truncation": "auto", "reasoning": {"effort": "high"}, "include": ["file_search_call.results"]}
+PARTLY_REFUSED = {
+    "truncation": "auto",
+    "reasoning": {"effort": "high"},
+    "include": ["file_search_call.results"],
+    "text": {"verbosity": "low"},
+}
 
 
 def test_every_field_of_the_sdks_responses_request_is_served_refused_or_listed():
@@ -183,8 +188,9 @@ def test_stream_events_in_order_and_deltas_add_up_to_the_answer(openai_client):
     assert final.output[0].type == "function_call" and final.status == "completed"
 
 
-def test_retrieve_and_delete(openai_client):
+def test_retrieve_and_delete(openai_client, gateway):
     created = openai_client.responses.create(model=GENERATION, input="Say hi.", max_output_tokens=4)
+    assert httpx.get(f"{gateway.url}/v1/responses/{created.id}", timeout=10).status_code == 401  # the key, as on chat
     got = openai_client.responses.retrieve(created.id)
     assert got.id == created.id and got.output_text == created.output_text and got.usage == created.usage
     openai_client.responses.delete(created.id)
