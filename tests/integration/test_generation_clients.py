@@ -21,11 +21,13 @@ GREEDY = {"max_tokens": 12, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(start_triton):
+def server(triton):
+    """The session's server, which loads text_generation with the default models: these tests only
+    talk to it, and wait for its engine to be idle where they check that."""
     if not (ROOT / "model_repository" / "text_generation" / "1" / "model.safetensors").exists():
         pytest.skip("text_generation is not exported (python -m export.generation)")
-    with start_triton("triton-gen-clients-", models=("text_generation",)) as triton:
-        yield triton
+    assert "text_generation" in triton.options.models, triton.options.models
+    return triton
 
 
 def url(server, protocol: str) -> str:
