@@ -473,8 +473,9 @@ class LLMEngine:
         first = choice(0)
         if prefix_ids:
             _continue_after(first, list(prefix_ids))
-            for token in prefix_ids if first.fit is not None else ():
-                first.fit.seen(token)
+            if first.fit is not None:
+                for token in prefix_ids:
+                    first.fit.seen(token)
         if params.n > 1:
             first.forks = [choice(i) for i in range(1, params.n)]
             self._choices[request_id] = [request_id, *(c.seq_id for c in first.forks)]
