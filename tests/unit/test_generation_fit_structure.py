@@ -196,3 +196,14 @@ def test_the_engine_closes_a_sampled_answer_that_would_be_cut(tokenizer):
                 assert (final.finish_reason, final.structure_fitted) == ("length", False)
         if fit:
             assert any(finals[(fit, i)].structure_fitted for i in range(len(prompts)))
+
+
+def test_the_final_response_carries_structure_fitted_only_when_true():
+    from python_backends.generation.serving import GenerationRequest, ResponseShaper
+
+    request = GenerationRequest(prompt="P:", params=SamplingParams(), stream=True, return_finish_reason=True)
+    shaper = ResponseShaper(request)
+    assert shaper.on_output("{", False, None, 3, 1, structure_fitted=False) == {"text_output": "{", "finish_reason": None}
+    final = {"text_output": "}", "finish_reason": "stop", "structure_fitted": True}
+    assert shaper.on_output("}", True, "stop", 3, 2, structure_fitted=True) == final
+    assert "structure_fitted" not in ResponseShaper(request).on_output("}", True, "stop", 3, 2)
