@@ -134,26 +134,9 @@ class Mix:
 # --------------------------------------------------------------------------- the faults
 
 
-def rss_mib(pid: int) -> float:
-    """RSS of ``pid`` and everything under it (the launcher: replicas, stubs, nginx, gateways, Redis)."""
-    total, todo = 0, [pid]
-    while todo:
-        total += s.rss_bytes if (s := processes.sample(p := todo.pop())) else 0
-        todo += processes.children(p)
-    return total / MIB
-
-
-def stubs(triton_pid: int, model: str | None = None) -> dict[int, str]:
-    """{pid: instance} of tritonserver's python backend stubs (of ``model`` when named)."""
-    out = {}
-    for p in processes.children(triton_pid):
-        try:
-            ident = processes.stub_identity(processes.cmdline(p))
-        except OSError:
-            continue
-        if ident and model in (None, ident[0]):
-            out[p] = ident[1]
-    return out
+def encoders(triton_pid: int) -> dict[int, str]:
+    """{pid: instance} of tritonserver's text_encoder stubs."""
+    return {pid: instance for pid, (model, instance) in processes.stubs(triton_pid).items() if model == "text_encoder"}
 
 
 class Faults:
@@ -203,14 +186,14 @@ class Faults:
 
     def _stub(self, fault: Fault) -> None:
         replica = self.cluster.state()["replicas"][0]
-        before = stubs(replica["pid"], "text_encoder")
+        before = encoders(replica["pid"])
         victim = min(before)
         os.kill(victim, signal.SIGKILL)
         fault.at_s, fault.detail = round(self._now(), 2), f"stub {before[victim]} (pid {victim}) of replica 0"
         url = f"http://127.0.0.1:{replica['http']}/v2/models/text_encoder/ready"
 
         def back() -> bool:
-            now = stubs(replica["pid"], "text_encoder")
+            now = encoders(replica["pid"])
             return victim not in now and len(now) >= len(before) and http_status(url) == 200
 
         self._wait_for(fault, back)
@@ -232,7 +215,7 @@ class Faults:
         from tests.fuzz import endpoints as fuzz
 
         replicas = self.cluster.state()["replicas"]
-        before = {r["index"]: set(stubs(r["pid"])) for r in replicas}
+        before = {r["index"]: set(processes.stubs(r["pid"])) for r in replicas}
         fault.at_s = round(self._now(), 2)
         tally = fuzz.Tally()
         models = fuzz.served_models(self.cluster.http_url, MODELS)
@@ -242,7 +225,7 @@ class Faults:
         took, bad = self._now() - fault.at_s, tally.bad()
         fault.detail = f"{tally.total()} hostile requests in {took:.1f} s, {sum(bad.values())} server errors"
         # afterwards: every stub of every replica the same process, every model ready on every replica
-        lost = {i: sorted(pids - set(stubs(replicas[i]["pid"]))) for i, pids in before.items()}
+        lost = {i: sorted(pids - set(processes.stubs(replicas[i]["pid"]))) for i, pids in before.items()}
         lost = {i: pids for i, pids in lost.items() if pids}
         fault.detail += f"; stubs gone: {lost}" if lost else ""
         self.burst = {"cases": tally.total(), "server errors": sum(bad.values()), "kinds": dict(bad)}
@@ -261,7 +244,7 @@ async def drive(cluster, args, say) -> tuple[Run, float, float, tuple[float, flo
         say(f"chaos: measuring the mix's peak for {args.peak_seconds:.0f} s ({args.peak_concurrency} clients)")
         tally = await call_loop(lambda _n: asyncio.wait_for(mix.send(draw()), 90), args.peak_concurrency, args.peak_seconds)
         peak_rps = len(tally.ok) / tally.seconds
-        rate, rss_before = args.rate or args.load * peak_rps, rss_mib(cluster.proc.pid)
+        rate, rss_before = args.rate or args.load * peak_rps, processes.tree_rss(cluster.proc.pid) / MIB
         say(f"chaos: peak {peak_rps:.1f} answers/s; soaking at {rate:.1f} requests/s for {args.duration:.0f} s")
         run = Run(start=time.monotonic())
         faults = Faults(cluster, run, args, say)
@@ -270,7 +253,7 @@ async def drive(cluster, args, say) -> tuple[Run, float, float, tuple[float, flo
             lambda _n: timed(mix.send, draw(), run.results, run.start, 90), rate, args.duration, seed=7, start=run.start
         )
         faults.thread.join(timeout=args.recovery_timeout + 60)
-        return run, peak_rps, rate, (rss_before, rss_mib(cluster.proc.pid)), faults.burst
+        return run, peak_rps, rate, (rss_before, processes.tree_rss(cluster.proc.pid) / MIB), faults.burst
     finally:
         await mix.close()
 

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from perf.drills.report import Result, latency_ms, per_second, timeline
+from perf.drills.report import Result, latency_ms, per_second, timed, timeline
 from perf.lib import triton_stats
 from perf.lib.cluster import ClusterRun, launch
 from perf.lib.harness import write_csv
@@ -61,14 +61,11 @@ async def drive(
     start = time.monotonic() - offset_s
 
     async def call(i: int) -> None:
-        protocol = list(urls)[i % 2]
-        text = f"Request {i} ({protocol}): the ferry to the island leaves at {i % 24}:{i % 60:02d} every day."
-        t0, error = time.monotonic(), ""
-        try:
+        async def send(protocol: str) -> None:
+            text = f"Request {i} ({protocol}): the ferry to the island leaves at {i % 24}:{i % 60:02d} every day."
             await clients[protocol].embed_many([text], concurrency=1, per_request=1)
-        except Exception as exc:  # noqa: BLE001 - every failure is counted, whatever it is
-            error = f"{type(exc).__name__}: {exc}"[:300]
-        results.append(Result(protocol, time.monotonic() - start, time.monotonic() - t0, error))
+
+        await timed(send, list(urls)[i % 2], results, start, 60)
 
     try:
         await call_loop(call, concurrency, duration_s)

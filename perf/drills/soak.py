@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import secrets
 import shutil
 import sys
@@ -32,6 +31,7 @@ from perf.lib.harness import write_csv
 from perf.lib.load import call_loop, poisson_loop
 from perf.lib.options import add_peak, finish, parser
 from perf.lib.report import header, load_average, progress, results_dir, write
+from perf.lib.served import served_config
 from perf.lib.workload import MixInputs, gateway_request, text_request
 
 MODELS = ("text_embedding", "text_embedding_cached", "image_classification", "text_generation")
@@ -87,12 +87,6 @@ class Mix:
         else:
             raise ValueError(name)
         return None
-
-
-def max_batch_size(repository: Path, model: str) -> int:
-    """``max_batch_size`` of a model's config.pbtxt (the one source of truth); 1 without batching."""
-    m = re.search(r"^max_batch_size:\s*(\d+)", (Path(repository) / model / "config.pbtxt").read_text(), re.MULTILINE)
-    return max(1, int(m.group(1))) if m else 1
 
 
 @dataclass
@@ -163,7 +157,10 @@ async def run_soak(args, deployment, key: str, soak: Soak, say) -> tuple[float, 
             warm: list[Result] = []
             for name, model in (("image", "image_classifier"), ("embed", "text_encoder")):
                 await asyncio.gather(
-                    *(send(name, warm) for _ in range(2 * max_batch_size(triton.options.model_repository, model)))
+                    *(
+                        send(name, warm)
+                        for _ in range(2 * max(1, served_config(triton.options.model_repository, model).max_batch_size))
+                    )
                 )
             say(
                 f"bursts of 2 x the largest batch sent (image_classifier, text_encoder), {sum(bool(r.error) for r in warm)} failed"

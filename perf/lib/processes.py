@@ -79,6 +79,19 @@ def stub_identity(args: list[str]) -> tuple[str, str] | None:
     return model, args[8]
 
 
+def stubs(triton_pid: int) -> dict[int, tuple[str, str]]:
+    """{pid: (model, instance)} of tritonserver's python backend stubs."""
+    out = {}
+    for child in children(triton_pid):
+        try:
+            ident = stub_identity(cmdline(child))
+        except OSError:
+            continue
+        if ident is not None:
+            out[child] = ident
+    return out
+
+
 def sample(pid: int) -> Sample | None:
     """CPU time and memory of one process; None once it is gone."""
     try:
@@ -110,15 +123,7 @@ def deployment(triton=None, gateways: dict | None = None, redis=None, load_gener
     if triton is not None and triton.process is not None:
         tpid = triton.process.pid
         found.append(_proc(tpid, "tritonserver", "tritonserver"))
-        stubs = []
-        for child in children(tpid):
-            try:
-                ident = stub_identity(cmdline(child))
-            except OSError:
-                continue
-            if ident is not None:
-                stubs.append((ident[1], ident[0], child))
-        for instance, model, child in sorted(stubs):
+        for child, (model, instance) in sorted(stubs(tpid).items(), key=lambda item: item[1][::-1]):
             found.append(_proc(child, f"stub {instance}", f"stub {model}"))
         door = getattr(triton, "front_door", None)
         if door is not None and door.process is not None:

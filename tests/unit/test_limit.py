@@ -1,4 +1,4 @@
-"""perf.lib.served: what the served config says; perf.baselines.limit: its thread layouts (the in-process
+"""perf.lib.served: what the served config says (parsed as Triton parses it); perf.baselines.limit: its thread layouts (the in-process
 measurement: tests/perf/test_limit_smoke.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from perf.baselines import limit
-from perf.lib.served import ServedEncoder, config_parameter, instance_count
+from perf.lib.served import ServedEncoder, served_config
 
 CONFIG = """
 instance_group [
@@ -17,10 +17,13 @@ parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
 """
 
 
-def test_instance_count_and_threads_come_from_the_config_text():
-    assert instance_count(CONFIG) == 2
-    assert instance_count('name: "x"') == 1
-    assert config_parameter(CONFIG, "intra_op_thread_count") == "1"
+def test_instance_count_and_threads_come_from_the_served_config(tmp_path):
+    for model, text in (("m", CONFIG), ("bare", 'name: "bare"')):
+        (tmp_path / model).mkdir()
+        (tmp_path / model / "config.pbtxt").write_text(text)
+    config = served_config(tmp_path, "m")
+    assert config.instance_count() == 2 and config.param("intra_op_thread_count") == "1"
+    assert served_config(tmp_path, "bare").instance_count() == 1
 
 
 def test_layouts_are_the_served_one_and_one_session_over_all_cores(tmp_path):

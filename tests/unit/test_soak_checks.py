@@ -82,11 +82,3 @@ def test_this_process_is_sampled():
     assert me.group == "load generator" and me.pid == os.getpid() and processes.alive(me)
     snap = processes.snapshot([me])
     assert snap["load generator"].rss_bytes > 1 << 20 and snap["load generator"].cpu_s > 0
-
-
-def test_max_batch_size_is_read_from_the_config(tmp_path):
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\nmax_batch_size: 48\n')
-    (tmp_path / "n").mkdir()
-    (tmp_path / "n" / "config.pbtxt").write_text('name: "n"\nbackend: "python"\n')
-    assert soak.max_batch_size(tmp_path, "m") == 48 and soak.max_batch_size(tmp_path, "n") == 1
