@@ -128,6 +128,13 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         f"Return each generated token's log-probability and the N (0..{MAX_LOGPROBS}) most likely tokens at its position "
         "(output logprobs); absent: none",
     ),
+    SamplingField(
+        "prompt_logprobs",
+        (int,),
+        None,
+        f"Return each prompt token's log-probability (the first's is null) and the N (0..{MAX_LOGPROBS}) most likely "
+        "tokens at its position; the prompt then skips the prefix cache. With it max_tokens may be 0 (the prompt only)",
+    ),
     SamplingField("guided_json", (dict, str), None, "A JSON schema the output must match, enforced token by token"),
     SamplingField("guided_regex", (str,), None, "A regular expression the whole output must match"),
     SamplingField("guided_choice", (list,), None, "The output is exactly one of these strings"),
@@ -253,11 +260,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # sorted, without repeats
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's and N alternatives
 
     def __post_init__(self):
         put = object.__setattr__  # frozen: normalised values are set once, here
         max_tokens = _int("max_tokens", self.max_tokens)
-        _range("max_tokens", max_tokens, max_tokens > 0, "must be > 0", minimum=1)
+        if self.prompt_logprobs is None:
+            _range("max_tokens", max_tokens, max_tokens > 0, "must be > 0", minimum=1)
+        else:  # the prompt's log-probabilities alone (an evaluation's loglikelihood request)
+            _range("max_tokens", max_tokens, max_tokens >= 0, "must be >= 0", minimum=0)
         min_tokens = _int("min_tokens", self.min_tokens)
         _range(
             "min_tokens",
@@ -304,16 +315,17 @@ class SamplingParams:
         min_p = _float("min_p", self.min_p)
         _range("min_p", min_p, 0 <= min_p <= 1, "must be between 0 and 1", minimum=0, maximum=1)
         put(self, "min_p", min_p)
-        if self.logprobs is not None:
-            logprobs = _int("logprobs", self.logprobs)
-            _range(
-                "logprobs",
-                logprobs,
-                0 <= logprobs <= MAX_LOGPROBS,
-                f"must be between 0 and {MAX_LOGPROBS}",
-                minimum=0,
-                maximum=MAX_LOGPROBS,
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                value = _int(name, getattr(self, name))
+                _range(
+                    name,
+                    value,
+                    0 <= value <= MAX_LOGPROBS,
+                    f"must be between 0 and {MAX_LOGPROBS}",
+                    minimum=0,
+                    maximum=MAX_LOGPROBS,
+                )
         if self.logit_bias is not None:
             put(self, "logit_bias", _logit_bias(self.logit_bias) or None)
         if self.structured_outputs is not None:

@@ -22,6 +22,7 @@ DEFAULT_MODEL = "text_generation"
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {f.name: f.kinds for f in _FIELDS}
 _ITEMS: dict[str, type] = {f.name: f.items for f in _FIELDS}
 ROLES = ("system", "user", "assistant")
+PROMPT_IDS_INPUT = "prompt_token_ids"  # INT32 [-1]: the prompt as token ids
 _ids = itertools.count(1)
 
 
@@ -87,6 +88,8 @@ class GenerateRequest:
     # the token ids back with each piece, and the answer's first tokens, already received.
     return_token_ids: bool = False
     prefix_token_ids: tuple[int, ...] = ()
+    # The prompt as token ids (text_input is then only its text): sent as they are, never re-tokenized.
+    prompt_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def prompt(cls, prompt: str, **sampling: Any) -> GenerateRequest:
@@ -125,6 +128,8 @@ class GenerateRequest:
         body: dict[str, Any] = {"text_input": self.text_input, **self.flags(stream)}
         if self.sampling:
             body["sampling_parameters"] = json.dumps(self.sampling)
+        if self.prompt_token_ids:
+            body[PROMPT_IDS_INPUT] = list(self.prompt_token_ids)
         return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
     def grpc_inputs(self, stream: bool) -> list[Any]:
@@ -145,6 +150,10 @@ class GenerateRequest:
             prefix = module.InferInput(PREFIX_INPUT, [len(self.prefix_token_ids)], CONTINUATION_INPUTS[PREFIX_INPUT])
             prefix.set_data_from_numpy(np.asarray(self.prefix_token_ids, dtype=np.int32))
             inputs.append(prefix)
+        if self.prompt_token_ids:
+            ids = module.InferInput(PROMPT_IDS_INPUT, [len(self.prompt_token_ids)], "INT32")
+            ids.set_data_from_numpy(np.asarray(self.prompt_token_ids, dtype=np.int32))
+            inputs.append(ids)
         return inputs
 
 

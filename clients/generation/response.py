@@ -59,6 +59,8 @@ class Generation:
     num_cached_tokens: int | None = None  # of the prompt's, found in the server's prefix cache
     # When asked (sampling logprobs=N): OpenAI's token objects, one per generated token.
     logprobs: list[dict] | None = None
+    # When asked (sampling prompt_logprobs=N): one per prompt token, None for the first.
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -80,6 +82,7 @@ class Piece:
     logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
     index: int = 0  # the choice this piece belongs to (sampling parameter n > 1)
     token_ids: tuple[int, ...] = ()  # the ids whose text this piece completes, when asked (return_token_ids)
+    prompt_logprobs: list[dict | None] | None = None  # with the choice's first piece, when asked
 
 
 def _logprobs(value: Any) -> list[dict] | None:
@@ -193,6 +196,7 @@ def piece_from_json(data: str | Mapping[str, Any], model: str = DEFAULT_MODEL, s
         num_cached_tokens=_count(_scalar(obj.get("num_cached_tokens"))),
         logprobs=_logprobs(_scalar(obj.get("logprobs"))),
         index=_count(_scalar(obj.get("index"))) or 0,
+        prompt_logprobs=_logprobs(_scalar(obj.get("prompt_logprobs"))),
     )
 
 
@@ -215,6 +219,7 @@ def piece_from_result(result: Any) -> Piece:
         logprobs=_logprobs(first("logprobs")),
         index=_count(first("index")) or 0,
         token_ids=_ids(result.as_numpy("token_ids")),
+        prompt_logprobs=_logprobs(first("prompt_logprobs")),
     )
 
 
@@ -241,6 +246,7 @@ class Tracker:
         self.num_output_tokens: int | None = None
         self.num_cached_tokens: int | None = None
         self.logprobs: list[dict] | None = None
+        self.prompt_logprobs: list[dict | None] | None = None
 
     def add(self, piece: Piece) -> str:
         """Take one piece (its time if it is the first text); its text."""
@@ -258,6 +264,8 @@ class Tracker:
             self.num_cached_tokens = piece.num_cached_tokens
         if piece.logprobs is not None:
             self.logprobs = (self.logprobs or []) + piece.logprobs
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
         return piece.text
 
     def result(self) -> Generation:
@@ -272,6 +280,7 @@ class Tracker:
             total_time_s=end - self.start,
             num_cached_tokens=self.num_cached_tokens,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

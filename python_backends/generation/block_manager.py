@@ -116,13 +116,13 @@ class BlockManager:
         return self.blocks_needed(n_tokens) <= self.num_free_blocks
 
     # ---- prefix lookup ----------------------------------------------------------------
-    def _hits(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full blocks at the start of ``tokens``.
+    def _hits(self, tokens: Sequence[int], use_cache: bool = True) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full blocks at the start of ``tokens`` (none without ``use_cache``).
 
         At most ``(len - 1) // block_size`` blocks: the last token must always be computed,
         because its logits give the next token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not use_cache:
             return [], []
         bs = self.block_size
         blocks: list[int] = []
@@ -138,9 +138,9 @@ class BlockManager:
             prev = h
         return blocks, hashes
 
-    def can_admit(self, tokens: Sequence[int]) -> bool:
+    def can_admit(self, tokens: Sequence[int], use_cache: bool = True) -> bool:
         """Whether a sequence with these prompt tokens can be allocated now, prefix hits counted."""
-        hits, _ = self._hits(tokens)
+        hits, _ = self._hits(tokens, use_cache)
         # A hit on a block nobody holds takes it off the free list too.
         idle_hits = sum(1 for b in hits if self._refcount[b] == 0)
         need = self.blocks_needed(len(tokens)) - len(hits)
@@ -177,20 +177,21 @@ class BlockManager:
             del self._evictable[b]
         self._refcount[b] += 1
 
-    def allocate(self, seq_id: SeqId, tokens: Sequence[int]) -> int:
+    def allocate(self, seq_id: SeqId, tokens: Sequence[int], use_cache: bool = True) -> int:
         """Give a new sequence slots for all its prompt ``tokens``; return how many are cached.
 
         The returned count is a multiple of ``block_size`` and always below ``len(tokens)``:
         prefill starts at that position. Raises NoFreeBlocks (leaving nothing allocated)
-        when the pool is short; check :meth:`can_admit` first.
+        when the pool is short; check :meth:`can_admit` first. Without ``use_cache`` no
+        prefix is reused (every token is computed; its full blocks are still published).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         if not tokens:
             raise ValueError("a sequence needs at least one token")
-        if not self.can_admit(tokens):
+        if not self.can_admit(tokens, use_cache):
             raise NoFreeBlocks(f"{self.blocks_needed(len(tokens))} blocks needed, {self.num_free_blocks} free")
-        hits, hashes = self._hits(tokens)
+        hits, hashes = self._hits(tokens, use_cache)
         state = _SeqBlocks(tokens=list(tokens), hashes=list(hashes))
         state.num_computed = len(hits) * self.block_size
         # A lone sequence (the only one the pool holds) copies its cached prefix into fresh blocks

@@ -174,6 +174,9 @@ class RequestOutput:
     last: bool = False
     # fit_structure_to_max_tokens steered the answer to a closing that fits (set on the final output).
     structure_fitted: bool = False
+    # With the choice's first output, when asked (SamplingParams.prompt_logprobs): one entry per
+    # prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[lp.TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -193,6 +196,9 @@ class _Request:
     index: int = 0
     # Choice 0 until its prompt is computed: the other choices, forked from it then.
     forks: list[_Request] = field(default_factory=list)
+    # Asked for (SamplingParams.prompt_logprobs): [None, then each prompt token's entry as its prefill
+    # computes it]; handed out with the first output, then None.
+    prompt_logprobs: list[lp.TokenLogprob | None] | None = None
 
 
 class LLMEngine:
@@ -357,9 +363,10 @@ class LLMEngine:
         room = limit - prompt
         if params.fit_to_context and 0 < room < params.max_tokens:
             params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room), fit_to_context=False)
-        if prompt + params.max_tokens > limit:
+        # max_tokens 0 (the prompt's log-probabilities alone) still samples once after the prompt.
+        if prompt + max(params.max_tokens, 1) > limit:
             raise ContextTooLong(prompt, params.max_tokens, limit, pool=limit < self.max_model_len)
-        if len(prefix_ids) >= params.max_tokens:
+        if prefix_ids and len(prefix_ids) >= params.max_tokens:
             raise InputError(
                 PREFIX_FIELD,
                 f"{len(prefix_ids)} tokens already sent leave none of max_tokens ({params.max_tokens}) to generate",
@@ -382,7 +389,7 @@ class LLMEngine:
             raise InputError(
                 PREFIX_FIELD, f"a continuation continues one choice; this request asks n={params.n}", values={"n": params.n}
             )
-        if params.logprobs is not None:
+        if params.logprobs is not None or params.prompt_logprobs is not None:
             raise InputError(
                 PREFIX_FIELD, "a continuation cannot return log-probabilities (those of the prefix were sent already)"
             )
@@ -439,13 +446,15 @@ class LLMEngine:
                         values={"position": position, "got": token},
                     )
         # A guided sequence is not drafted: its mask is computed one token at a time.
+        # max_tokens 0: the sequence runs as one of 1 whose sampled token the step drops.
         self.scheduler.add(
             request_id,
             ids,
-            params.max_tokens,
+            max(params.max_tokens, 1),
             speculative=params.greedy and guide is None,
             forks=params.n - 1,
             output_tokens=prefix_ids,
+            prompt_rows=params.prompt_logprobs is not None,
         )
 
         def choice(index: int) -> _Request:
@@ -471,6 +480,8 @@ class LLMEngine:
             )
 
         first = choice(0)
+        if params.prompt_logprobs is not None:
+            first.prompt_logprobs = [None]
         if prefix_ids:
             _continue_after(first, list(prefix_ids))
             if first.fit is not None:
@@ -542,6 +553,7 @@ class LLMEngine:
                 sampled[choice.seq_id] = token
                 choice.metrics.first_scheduled = first.metrics.first_scheduled
                 choice.num_cached_tokens = first.num_cached_tokens
+                choice.prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
                 self._requests[choice.seq_id] = choice
                 if logprobs:
                     self._step_logprobs[choice.seq_id] = logprobs
@@ -566,6 +578,11 @@ class LLMEngine:
                 req.aligner.add(self._step_logprobs.pop(seq.seq_id, ()))
             total = len(seq.output_tokens)
             guide_done = req.matcher is not None and req.matcher.is_stopped()  # a complete guide allows EOS alone
+            piece = None
+            if req.params.max_tokens == 0:  # the prompt alone: the token sampled after it is dropped
+                del seq.output_tokens[:]
+                finish = FinishReason.LENGTH.value
+                total = seq.num_new_tokens = 0
             for upto in range(total - seq.num_new_tokens + 1, total + 1):
                 token = seq.output_tokens[upto - 1]
                 if seq.finish_reason is FinishReason.LENGTH and upto == total:
@@ -588,9 +605,10 @@ class LLMEngine:
                 finish = FinishReason.STOP.value  # fitted: the answer is complete at its last token
             if finish is not None:
                 self.scheduler.finish(seq.seq_id, FinishReason(finish))
-                text += req.detokenizer.finish().text if piece.finish_reason != "stop" else ""
+                text += req.detokenizer.finish().text if piece is None or piece.finish_reason != "stop" else ""
                 del self._requests[seq.seq_id]
                 outputs.append(self._final(req, text, finish, seq.output_tokens))
+                outputs[-1].prompt_logprobs = self._take_prompt_logprobs(req)
                 if req.aligner is not None:  # the last of the tokens the sequence kept
                     outputs[-1].logprobs = req.aligner.finish(len(seq.output_tokens))
             else:
@@ -609,9 +627,36 @@ class LLMEngine:
                         num_cached_tokens=req.num_cached_tokens,
                         logprobs=None if req.aligner is None else req.aligner.release(text, len(seq.output_tokens)),
                         index=req.index,
+                        prompt_logprobs=self._take_prompt_logprobs(req),
                     )
                 )
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(req: _Request) -> list[lp.TokenLogprob | None] | None:
+        """The prompt's entries, once: with the choice's first output."""
+        got, req.prompt_logprobs = req.prompt_logprobs, None
+        return got
+
+    def _add_prompt_logprobs(self, chunk, rows: torch.Tensor) -> None:
+        """The entries of the prompt tokens that ``chunk``'s rows score (row j holds the logits after
+        position ``start + j``, which score the token at ``start + j + 1``), from where the request's
+        list stands: rows recomputed after a preemption add nothing twice."""
+        req = self._requests[chunk.seq_id]
+        got, prompt = req.prompt_logprobs, req.prompt_ids
+        if got is None:  # handed out already (a recompute after a preemption)
+            return
+        first = len(got) - 1 - chunk.start
+        last = min(chunk.num_tokens, len(prompt) - 1 - chunk.start)
+        assert first >= 0, "prompt rows run in order from position 0 (no prefix-cache hits)"
+        if first < last:
+            targets = prompt[chunk.start + first + 1 : chunk.start + last + 1]
+            k = req.params.prompt_logprobs or 0
+            got.extend(lp.compute(rows[first:last], targets, [k] * len(targets)))
+        if len(got) == len(prompt):
+            seq = self.scheduler.get(chunk.seq_id)
+            if seq is not None:
+                seq.prompt_rows = False  # a recompute after a preemption needs no rows
 
     def _stops(self, params: SamplingParams, token: int) -> bool:
         """Whether ``token`` ends its sequence: EOS (unless ``ignore_eos``) or one of ``stop_token_ids``."""
@@ -621,7 +666,14 @@ class LLMEngine:
         """Run the model on ``plan`` and sample its sampling chunks: seq_id -> new token, or
         for a chunk with a draft the tokens the draft yields (``accept_draft``)."""
         logits = self.runner.execute(plan)
-        sampling = [c for c in plan.chunks if c.samples]
+        sampling = []  # (chunk, the logits row of its first sampled row)
+        base = 0
+        for c in plan.chunks:
+            if c.prompt_rows:
+                self._add_prompt_logprobs(c, logits[base : base + c.num_logits])
+            if c.samples:
+                sampling.append((c, base + c.num_logits - c.num_samples))
+            base += c.num_logits
         if not sampling:
             return {}
         # One sampler row per logits row: a draft's row j sees the sequence plus draft[:j].
@@ -632,14 +684,13 @@ class LLMEngine:
         guided: list[tuple[int, _Request]] = []  # (row, choice) of each guided sequence
         source: list[int] = []  # the logits row of each sampler row (choices to fork share their prompt's)
         penalty = False
-        for c in sampling:
+        for c, first_row in sampling:
             req, seq = self._requests[c.seq_id], self.scheduler.get(c.seq_id)
             assert seq is not None  # a scheduled chunk's sequence
             penalty = penalty or req.params.penalises_history
-            first_row = len(source) and source[-1] + 1
             # The prompt's last row: choice 0 samples from it, and so does each choice forked now.
-            last = range(c.num_logits - 1, c.num_logits)
-            for choice, logit_rows in [(req, range(c.num_logits)), *((f, last) for f in req.forks)]:
+            last = range(c.num_samples - 1, c.num_samples)
+            for choice, logit_rows in [(req, range(c.num_samples)), *((f, last) for f in req.forks)]:
                 if choice.matcher is not None:  # never drafted: one row
                     guided.append((len(params), choice))
                 for j in logit_rows:
@@ -648,7 +699,7 @@ class LLMEngine:
                     history.append((seq, c.draft[:j]))
                     generated.append(len(seq.output_tokens) + j)
                     generators.append(choice.generator)
-        if len(source) != logits.shape[0]:
+        if source != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.as_tensor(source, device=logits.device))
         allowed = None
         if guided:
@@ -676,14 +727,14 @@ class LLMEngine:
             by_row = dict(zip(want, entries))
         out: dict[SeqId, int | list[int]] = {}
         row = 0
-        for c in sampling:
+        for c, _ in sampling:
             forks = self._requests[c.seq_id].forks
             if forks:  # rows after choice 0's: the first token of each choice forked now
                 self._step_forks[c.seq_id] = [
                     (f, tokens[row + k], [by_row[row + k]] if row + k in by_row else []) for k, f in enumerate(forks, 1)
                 ]
             if c.draft:
-                accepted = accept_draft(c.draft, tokens[row : row + c.num_logits])
+                accepted = accept_draft(c.draft, tokens[row : row + c.num_samples])
                 out[c.seq_id] = accepted
                 self.counters["spec_draft_tokens"] += len(c.draft)
                 self.counters["spec_accepted_tokens"] += len(accepted) - 1
@@ -693,7 +744,7 @@ class LLMEngine:
                 n = 1
             if row in by_row:
                 self._step_logprobs[c.seq_id] = [by_row[row + j] for j in range(n)]
-            row += c.num_logits + len(forks)
+            row += c.num_samples + len(forks)
         return out
 
     def _run_isolated(self, plan: SchedulerOutput, error: Exception) -> tuple[dict[SeqId, int | list[int]], list[RequestOutput]]:

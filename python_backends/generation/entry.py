@@ -30,7 +30,7 @@ from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engi
 log = logging.getLogger(__name__)
 
 # The inputs a request may carry, and each output's array type.
-INPUT_NAMES = ("text_input", "sampling_parameters", "prefix_token_ids", *BOOL_INPUTS)
+INPUT_NAMES = ("text_input", "sampling_parameters", "prefix_token_ids", "prompt_token_ids", *BOOL_INPUTS)
 OUTPUT_TYPES = {
     "text_output": object,
     "finish_reason": object,
@@ -41,6 +41,7 @@ OUTPUT_TYPES = {
     "index": np.uint32,
     "token_ids": np.int32,
     "structure_fitted": np.bool_,
+    "prompt_logprobs": object,
 }
 
 
@@ -226,7 +227,11 @@ class GenerationEntry:
         self.replies.watch(request_id, reply)  # its cancellation, watched by the pump
         try:
             self.loop.submit(
-                request_id, parsed.prompt, parsed.params, self._answer(shaper, reply, self.replies), prefix_ids=parsed.prefix_ids
+                request_id,
+                list(parsed.prompt_ids) or parsed.prompt,
+                parsed.params,
+                self._answer(shaper, reply, self.replies),
+                prefix_ids=parsed.prefix_ids,
             )
         except BaseException:
             self.replies.unwatch(request_id)
@@ -262,6 +267,7 @@ class GenerationEntry:
                 out.logprobs,
                 out.index,
                 out.token_ids,
+                out.prompt_logprobs,
                 structure_fitted=out.structure_fitted,
             )
             if values is None:

@@ -130,3 +130,8 @@ def openai_content(entries: Sequence[TokenLogprob], token_bytes: Callable[[int],
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
     return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def prompt_content(entries: Sequence[TokenLogprob | None], token_bytes: Callable[[int], bytes]) -> list[dict | None]:
+    """A prompt's entries as :func:`openai_content` writes them; None (the first token's) as null."""
+    return [None if e is None else openai_content([e], token_bytes)[0] for e in entries]

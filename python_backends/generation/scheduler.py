@@ -96,6 +96,9 @@ class Sequence:
     # them per step (0: with the prompt), so their K/V come from steps shaped as the decodes that
     # generated them (Scheduler.replay_rows). Cleared by a preemption.
     replay_rows: int = 0
+    # Its prompt's log-probabilities are asked for: admitted without prefix-cache hits, and its
+    # prefill chunks return every row's logits. The engine clears it once it has them all.
+    prompt_rows: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -129,15 +132,22 @@ class ScheduledChunk:
     is_prefill: bool
     samples: bool
     draft: list[int] = field(default_factory=list)
+    # A prefill chunk of a sequence whose prompt log-probabilities are asked for: every row's logits.
+    prompt_rows: bool = False
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
 
     @property
-    def num_logits(self) -> int:
+    def num_samples(self) -> int:
         """Rows at the chunk's end whose logits the step samples."""
         return 1 + len(self.draft) if self.samples else 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows whose logits the runner returns: the sampled ones at the chunk's end, or every row."""
+        return self.num_tokens if self.prompt_rows else self.num_samples
 
 
 @dataclass
@@ -219,13 +229,15 @@ class Scheduler:
         speculative: bool = False,
         forks: int = 0,
         output_tokens: Seq[int] = (),
+        prompt_rows: bool = False,
     ) -> Sequence:
         """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull.
 
         ``forks``: sequences :meth:`fork` will make from it once its prompt is computed.
         ``output_tokens``: the answer's first tokens, generated elsewhere (a stream continued
         after its replica died): the sequence is admitted as a preempted one is, prompt and
-        those tokens prefilled, and counts them against ``max_tokens``."""
+        those tokens prefilled, and counts them against ``max_tokens``. ``prompt_rows``: see
+        :attr:`Sequence.prompt_rows`."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already scheduled")
         # The engine checked the request (LLMEngine.check_request); here it is only asserted.
@@ -247,6 +259,7 @@ class Scheduler:
             speculative=speculative,
             num_forks=forks,
             replay_rows=self.replay_rows if output_tokens else 0,
+            prompt_rows=prompt_rows,
         )
         self.waiting.append(seq)
         self._seqs[seq_id] = seq
@@ -356,6 +369,7 @@ class Scheduler:
             block_table=self.bm.block_table(seq.seq_id),
             is_prefill=is_prefill,
             samples=end == seq.num_tokens,
+            prompt_rows=is_prefill and seq.prompt_rows,
         )
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
@@ -449,11 +463,11 @@ class Scheduler:
         taken = self.num_places_taken
         while self.waiting and budget > 0 and not preempted and taken < self.max_num_seqs:
             seq = self.waiting[0]
-            if taken + 1 + seq.num_forks > self.max_num_seqs or not self.bm.can_admit(seq.tokens):
+            if taken + 1 + seq.num_forks > self.max_num_seqs or not self.bm.can_admit(seq.tokens, not seq.prompt_rows):
                 break
             taken += 1 + seq.num_forks
             self.waiting.popleft()
-            seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.tokens)
+            seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.tokens, use_cache=not seq.prompt_rows)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.num_prefill_tokens = seq.num_tokens
             seq.status = SequenceStatus.RUNNING

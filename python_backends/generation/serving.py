@@ -12,7 +12,11 @@ alternatives). A stream continued on another replica after its own died
 (docs/generation.md#streams-that-outlive-a-replica) uses two more: ``return_token_ids`` (BOOL:
 the output ``token_ids``, the ids whose text each response completes) and ``prefix_token_ids``
 (INT32 ``[-1]``: the answer's first tokens, already sent; the model generates what follows them,
-``num_output_tokens`` counting them). Sampling parameters may also come as request
+``num_output_tokens`` counting them). ``prompt_token_ids`` (INT32 ``[-1]``) is the prompt as token
+ids (``text_input`` is then only its text, for an echo), and the output ``prompt_logprobs``
+(the sampling parameter ``prompt_logprobs``) a JSON list with one entry per prompt token:
+``null`` for the first, OpenAI's token object for each other, with the choice's first response.
+Sampling parameters may also come as request
 parameters, which is how Triton's ``generate`` / ``generate_stream`` HTTP endpoints pass
 ``{"parameters": {...}}``.
 
@@ -32,7 +36,7 @@ import numpy as np
 
 from contract.errors import TOO_LARGE, ConfigError, InputError
 from contract.sampling import SAMPLING_FIELDS, SamplingParams
-from python_backends.generation.logprobs import TokenLogprob, openai_content
+from python_backends.generation.logprobs import TokenLogprob, openai_content, prompt_content
 from python_backends.generation.sampling import parse_sampling_params
 
 BOOL_INPUTS = (
@@ -74,6 +78,7 @@ class GenerationRequest:
     return_num_cached_tokens: bool = False
     return_token_ids: bool = False
     prefix_ids: tuple[int, ...] = ()  # the answer's first tokens, sent by a replica that died
+    prompt_ids: tuple[int, ...] = ()  # the prompt as token ids (prompt is then its text)
 
 
 def _scalar_bool(name: str, value: Any) -> bool:
@@ -241,6 +246,7 @@ def parse_request(
         return_num_cached_tokens=flags["return_num_cached_tokens"],
         return_token_ids=flags["return_token_ids"],
         prefix_ids=_token_ids("prefix_token_ids", inputs.get("prefix_token_ids")),
+        prompt_ids=_token_ids("prompt_token_ids", inputs.get("prompt_token_ids")),
     )
 
 
@@ -260,6 +266,7 @@ class ResponseShaper:
         self._parts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list[TokenLogprob]] = {}
         self._ids: dict[int, list[int]] = {}  # token ids not sent yet (their text was held back)
+        self._prompt: dict[int, list[TokenLogprob | None]] = {}  # prompt entries not sent yet
 
     def on_output(
         self,
@@ -272,10 +279,13 @@ class ResponseShaper:
         logprobs: Sequence[TokenLogprob] | None = None,
         index: int = 0,
         token_ids: Sequence[int] = (),
+        prompt_logprobs: Sequence[TokenLogprob | None] | None = None,
         structure_fitted: bool = False,
     ):
         """The outputs dict of the response to send now, or None to send nothing yet."""
         r = self.request
+        if prompt_logprobs is not None:
+            self._prompt[index] = list(prompt_logprobs)
         if logprobs:
             self._logprobs.setdefault(index, []).extend(logprobs)
         if r.return_token_ids and token_ids:
@@ -293,6 +303,8 @@ class ResponseShaper:
             out["index"] = index
         if r.params.logprobs is not None and self.token_bytes is not None:
             out["logprobs"] = json.dumps(openai_content(self._logprobs.pop(index, []), self.token_bytes), ensure_ascii=False)
+        if index in self._prompt and self.token_bytes is not None:
+            out["prompt_logprobs"] = json.dumps(prompt_content(self._prompt.pop(index), self.token_bytes), ensure_ascii=False)
         if r.return_token_ids:
             # Sent with the text they complete: a client that holds the ids holds exactly the
             # tokens behind the text it got, which is what a continuation replays.

@@ -224,6 +224,7 @@ def test_sampling_parameters_names_types_and_stop():
         "min_p",
         "logit_bias",
         "logprobs",
+        "prompt_logprobs",
         "structured_outputs",
         "guided_json",
         "guided_regex",
