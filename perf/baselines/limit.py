@@ -14,7 +14,6 @@ against runs of ``--count-batch`` rows padded to their bucket, and against every
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from export import bench
+from perf.lib import options
 from perf.lib.served import DEFAULT_INPUT, ENCODER, REPOSITORY, ServedEncoder, load_sentences, served_encoder, served_tokenizer
 
 DEFAULT_BATCHES = (1, 8, 16, 32, 64)  # 64 = the served encoder's max_batch_size
@@ -330,9 +330,7 @@ def markdown(limit: Limit) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from perf.lib.harness import int_list
 
-    p = argparse.ArgumentParser(
-        prog="python -m perf.baselines.limit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.baselines.limit", __doc__)
     p.add_argument("--precision", default="cpu", help="as PRECISION of `make serve`: cpu (default), fp32, int8, ...")
     p.add_argument("--batches", type=int_list, default=list(DEFAULT_BATCHES), help="comma-separated batch sizes")
     p.add_argument("--rounds", type=int, default=3)

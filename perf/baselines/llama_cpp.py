@@ -14,12 +14,12 @@ runtime's libraries (``python -m export.llama_cpp build --server``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from export import llama_cpp as export_llama_cpp
 from export.llama_cpp import LlamaCppError
+from perf.lib import options
 from python_backends.generation.llama_cpp_runtime import build_dir
 
 CACHE = export_llama_cpp.CACHE
@@ -68,9 +68,7 @@ def server(say=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.baselines.llama_cpp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.baselines.llama_cpp", __doc__)
     p.add_argument("command", choices=("model", "where"))
     p.add_argument("--type", default=DEFAULT_TYPE, choices=PEER_TYPES, help="the peer's GGUF file type (default Q4_0)")
     args = p.parse_args(argv)

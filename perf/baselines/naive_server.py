@@ -11,7 +11,6 @@ the served/naive ratio is no strawman's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import json
@@ -31,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from contract.errors import InputError
 from export.bench import cpu_threads
+from perf.lib import options
 from perf.lib.paths import ROOT
 from python_backends.text.tokenization import decode_texts
 from server.supervisor import ChildProcess, NotReady, Service, http_status
@@ -327,9 +327,7 @@ class NaiveServer(Service):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.baselines.naive_server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.baselines.naive_server", __doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--threads", type=int, default=cpu_threads(), help="torch intra-op threads (default: this process's CPUs)")

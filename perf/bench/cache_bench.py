@@ -22,15 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from perf.bench.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
-from perf.lib import load, report, triton_stats
+from perf.lib import load, options, report, triton_stats
 from perf.lib.perf_analyzer import display_path
 from perf.lib.stats import percentile_of
 
 CACHED, ENSEMBLE = "text_embedding_cached", "text_embedding"
 
 
-def say(message: str) -> None:
-    print(message, flush=True)
+say = report.progress()
 
 
 @dataclass
@@ -236,9 +235,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.cache_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.bench.cache_bench", __doc__)
     p.add_argument("--requests", type=int, default=20000, help="requests per phase (default 20000)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")

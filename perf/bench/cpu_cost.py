@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.lib import processes
+from perf.lib import options, processes
 from perf.lib.deployment import start_deployment
 from perf.lib.harness import write_csv
 from perf.lib.load import Request, call_loop
@@ -143,9 +143,7 @@ async def generation_window(grpc_url: str, plist: Sequence[str], concurrency: in
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.cpu_cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.bench.cpu_cost", __doc__)
     p.add_argument("--requests", type=int, default=1000, help="requests per text path (default 1000)")
     p.add_argument("--image-requests", type=int, default=300, help="requests of image_classification (default 300)")
     p.add_argument("--gen-requests", type=int, default=24, help="text_generation streams (default 24)")
@@ -156,11 +154,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
     p.add_argument("--no-redis", action="store_true", help="no Redis L2 for text_embedding_cached")
     p.add_argument("--out", type=Path, help="results folder (default perf/results/cpu-cost-<UTC time>)")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if unknown := sorted(set(args.paths) - set(PATHS)):
-        p.error(f"unknown paths {unknown}; choose from {','.join(PATHS)}")
+    args = options.finish(p, p.parse_args(argv), argv)
+    args.paths = options.names(p, "--paths", args.paths, PATHS)
     counts = (args.requests, args.image_requests, args.gen_requests, args.max_tokens, args.concurrency, args.gen_concurrency)
     if min(counts) < 1 or args.idle_seconds <= 0:
         p.error("counts, concurrency and --idle-seconds must be positive")

@@ -279,11 +279,7 @@ def describe(pipes: Sequence[pipelines.Pipeline], config_name: str | None) -> st
 def machine() -> str:
     import onnxruntime
 
-    from export.bench import cpu_threads
-
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "a CPU")
-    return f"{model}, {cpu_threads()} cores usable, no GPU used, onnxruntime {onnxruntime.__version__}"
+    return f"{report.cpu_model()}, no GPU used, onnxruntime {onnxruntime.__version__}"
 
 
 def markdown(lines: Sequence[str], pipes: Sequence[pipelines.Pipeline], results: Sequence[Window]) -> str:

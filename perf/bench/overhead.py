@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import queue
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from perf.lib import load, report, triton_stats
+from perf.lib import load, options, report, triton_stats
 from perf.lib.deployment import server_deployment
 from server.layout import ROOT
 
@@ -232,9 +231,7 @@ def fill_rates(requests: int, concurrency: int = 8, seed: int = 7) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m perf.bench.overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser("perf.bench.overhead", __doc__)
     p.add_argument("layer", choices=("frontdoor", "retry", "metrics"))
     p.add_argument("--concurrency", type=int, default=16, help="frontdoor: requests in flight (default %(default)s)")
     p.add_argument("--seconds", type=float, default=4.0, help="frontdoor: per path and round")

@@ -25,14 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.drills.report import Result, cpu_model, latency_ms, per_second, timed, timeline
+from perf.drills.report import Result, latency_ms, per_second, timed, timeline
 from perf.lib import processes
 from perf.lib.chat_streams import DirectChat
 from perf.lib.cluster import ClusterRun, launch
 from perf.lib.harness import write_csv
 from perf.lib.load import call_loop, poisson_loop
 from perf.lib.options import add_peak, finish, parser
-from perf.lib.report import progress, results_dir, table, write
+from perf.lib.report import cpu_model, progress, results_dir, table, write
 from perf.lib.workload import MixInputs
 from server.supervisor import http_status
 

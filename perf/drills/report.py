@@ -5,7 +5,6 @@ per-second table and timeline plot of chaos and failover_bench, the soak's inter
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from collections import Counter
@@ -102,14 +101,6 @@ def timeline(path: Path, rows: Sequence[dict], events: Mapping[str, tuple[float 
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
-
-
-def cpu_model() -> str:
-    """The CPU's model name and cores, with the vector extensions inference uses."""
-    info = Path("/proc/cpuinfo").read_text()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
-    extra = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f" {f}" in info]
-    return f"{name}, {os.cpu_count()} cores" + (f" ({', '.join(extra)})" if extra else "")
 
 
 # --------------------------------------------------------------------------- the soak's checks

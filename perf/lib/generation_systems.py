@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from perf.lib import triton_stats
 from perf.lib.generation_load import Stream, System
 from perf.lib.paths import ROOT
 from server.supervisor import ChildProcess, NotReady, free_port, http_status
@@ -227,12 +228,9 @@ class OpenVinoSystem(System):
 
 
 def served_gauges(metrics_url: str) -> dict[str, float]:
-    """The served model's gauges on tritonserver's metrics port, by name (llm_num_requests_running, ...)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=5) as r:
-        families = list(text_string_to_metric_families(r.read().decode()))
-    return {s.name: s.value for f in families if f.type == "gauge" for s in f.samples if s.labels.get("model") == MODEL}
+    """The served model's series on tritonserver's metrics port, by name (llm_num_requests_running, ...)."""
+    series = triton_stats.metrics(metrics_url, timeout=5).items()
+    return {key.partition("{")[0]: value for key, value in series if f'model="{MODEL}"' in key}
 
 
 def triton_busy(metrics_url: str) -> Callable[[], bool | None]:

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 from ops import repository
 from ops.repository import RepositoryClient
+from perf.lib import options, report, triton_stats
 from perf.lib import perf_analyzer as pa
-from perf.lib import report, triton_stats
 from perf.lib.paths import SENTENCES_16TOK
 from perf.lib.report import fmt
 
@@ -301,9 +301,7 @@ DEFAULTS = {"time_budget": (900.0, 120.0), "request_count": (500, 60), "stabilit
 def parser(tool: str, doc: str | None, quick: str, **defaults: tuple[object, object]) -> argparse.ArgumentParser:
     """The options every perf_analyzer scenario has; ``defaults``: name -> (default, --quick default)."""
     d = {**DEFAULTS, **defaults}
-    p = argparse.ArgumentParser(
-        prog=f"python -m perf.bench.{tool}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.parser(f"perf.bench.{tool}", doc)
     p.set_defaults(scenario_defaults=d)
     p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument(

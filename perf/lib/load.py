@@ -71,6 +71,14 @@ async def _post(session, endpoint: str, body: bytes, headers: dict[str, str]) ->
         return 0, repr(exc).encode()
 
 
+async def _timed_post(session, endpoint: str, request: Request, tally: Tally | None) -> None:
+    """One POST, its answer counted into ``tally`` (None: not measured; 503 is a refusal)."""
+    t0 = time.perf_counter()
+    status, payload = await _post(session, endpoint, *request)
+    if tally is not None:
+        tally.add(status == 200, time.perf_counter() - t0, f"{status} {payload.decode(errors='replace')}", refused=status == 503)
+
+
 def _session(connections: int, timeout: float):
     import aiohttp
 
@@ -100,12 +108,7 @@ async def closed_loop(
 
         async def client() -> None:
             while (now := time.monotonic()) < stop_at:
-                body, headers = make(next(numbers))
-                t0 = time.perf_counter()
-                status, payload = await _post(session, endpoint, body, headers)
-                if now >= measure_from:
-                    error = payload.decode(errors="replace")
-                    tally.add(status == 200, time.perf_counter() - t0, error, refused=status == 503)
+                await _timed_post(session, endpoint, make(next(numbers)), tally if now >= measure_from else None)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         tally.seconds = time.monotonic() - measure_from
@@ -116,18 +119,10 @@ async def open_loop(endpoint: str, make: Callable[[int], Request], rate: float, 
     """POSTs to ``endpoint`` started at ``rate`` per second for ``duration`` s, each waited for."""
     tally = Tally()
     async with _session(0, timeout) as session:
-
-        async def one(n: int) -> None:
-            body, headers = make(n)
-            t0 = time.perf_counter()
-            status, payload = await _post(session, endpoint, body, headers)
-            error = f"{status} {payload.decode(errors='replace')}"
-            tally.add(status == 200, time.perf_counter() - t0, error, refused=status == 503)
-
         started, tasks = time.monotonic(), []
         for n in range(int(rate * duration)):
             await asyncio.sleep(max(0.0, started + n / rate - time.monotonic()))
-            tasks.append(asyncio.create_task(one(n)))
+            tasks.append(asyncio.create_task(_timed_post(session, endpoint, make(n), tally)))
         await asyncio.gather(*tasks)
         tally.seconds = duration
     return tally

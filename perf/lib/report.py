@@ -68,6 +68,14 @@ def progress(started: float | None = None) -> Callable[[str], None]:
     return say
 
 
+def cpu_model() -> str:
+    """The CPU's model name and cores, with the vector extensions inference uses."""
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    extra = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f" {f}" in info]
+    return f"{name}, {os.cpu_count()} cores" + (f" ({', '.join(extra)})" if extra else "")
+
+
 def load_average() -> str:
     """The machine's 1, 5 and 15 minute load averages, as the reports print them (2-core machines are shared)."""
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
