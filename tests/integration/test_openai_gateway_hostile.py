@@ -722,6 +722,9 @@ REFUSED_FIELDS = (
 )
 
 
+LOOKUPS = re.compile(r"/v1/files|/v1/batches|/v1/responses/")
+
+
 @pytest.fixture(scope="module")
 def fuzz_gateway(triton, start_gateway):
     with start_gateway(triton.triton_grpc_url, "--rate-limit", "0", "--max-tokens-cap", "8", "--no-request-log") as gw:
@@ -765,8 +768,9 @@ def test_schemathesis_fuzz_of_the_openapi_schema_finds_no_5xx(fuzz_gateway):
         """Run one operation's cases in one generation mode."""
 
         @settings(
-            # The Batch API's routes only store and list (their lines run through the routes above): fewer cases.
-            max_examples=FUZZ_EXAMPLES // 5 if "/v1/files" in label or "/v1/batches" in label else FUZZ_EXAMPLES,
+            # The Batch API's routes and a stored response's only store, look up and list (their lines
+            # and answers run through the routes above): fewer cases.
+            max_examples=FUZZ_EXAMPLES // 5 if LOOKUPS.search(label) else FUZZ_EXAMPLES,
             deadline=None,
             database=None,
             derandomize=True,
