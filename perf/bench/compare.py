@@ -20,26 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from perf.baselines import limit as limit_mod
-from perf.lib import harness
+from perf.lib import harness, report
 from perf.lib import perf_analyzer as pa
 from perf.lib import served as served_mod
 from perf.lib.harness import ENCODER, MODEL, Row, Run
-from perf.lib.report import fmt, load_average
 from perf.lib.stats import measured
 
 # The targets, checked (not enforced) in the printed ratios.
 TARGET_SERVED_VS_LIMIT = 0.85
 TARGET_SERVED_VS_NAIVE = 5.0
 TARGET_P99_OVER_P50 = 3.0
-
-
-@dataclass
-class Ratio:
-    name: str
-    value: float | None
-    target: str = ""
-    met: bool | None = None
-    detail: str = ""
 
 
 @dataclass
@@ -202,43 +192,30 @@ def measure_triton(run: Run, served: served_mod.ServedEncoder) -> None:
         run.rows.append(dataclasses.replace(off, error="server did not start"))
 
 
-def ratios(args: argparse.Namespace, rows: Sequence[Row]) -> list[Ratio]:
+def ratios(args: argparse.Namespace, rows: Sequence[Row]) -> list[dict]:
     def row(key: str) -> Row | None:
         return next((r for r in rows if r.key == key and r.ok), None)
 
-    def ratio(name: str, num: Row | None, den: Row | None, target: float | None = None) -> Ratio:
-        goal = "" if target is None else f">= {target:g}"
-        if num is None or den is None or not den.throughput:
-            return Ratio(name, None, goal, detail="not measured")
-        value = measured(num.throughput) / den.throughput
-        return Ratio(
-            name, value, goal, None if target is None else value >= target, f"{num.throughput:.0f} / {den.throughput:.0f} infer/s"
-        )
+    def ratio(name: str, num: Row | None, den: Row | None, target: float | None = None) -> dict:
+        return report.ratio(name, num and num.throughput, den and den.throughput, target, digits=0, unit=" infer/s")
 
     c, cb = args.concurrency, args.batching_concurrency
     grpc, http, naive = row(f"triton_grpc_c{c}"), row(f"triton_http_c{c}"), row(f"naive_http_c{c}")
-    out = [
+    rate = row("triton_grpc_rate")
+    at = rate.load if rate is not None else f"{args.rate_fraction:.0%} of peak"
+    return [
         ratio(f"served (gRPC, c{c}) / limit (encoder alone)", grpc, row("limit_encoder"), TARGET_SERVED_VS_LIMIT),
         ratio(f"served (HTTP, c{c}) / limit (encoder alone)", http, row("limit_encoder"), TARGET_SERVED_VS_LIMIT),
         ratio(f"served (gRPC, c{c}) / limit (tokenize+encode)", grpc, row("limit_e2e")),
         ratio(f"served (HTTP, c{c}) / naive (HTTP, c{c})", http, naive, TARGET_SERVED_VS_NAIVE),
         ratio(f"served (gRPC, c{c}) / naive (HTTP, c{c})", grpc, naive, TARGET_SERVED_VS_NAIVE),
         ratio(f"dynamic batching on / off (gRPC, c{cb})", row(f"triton_grpc_c{cb}"), row(f"triton_grpc_c{cb}_nobatch")),
+        report.ratio(f"P99 / P50 at {at}", rate and rate.p99_ms, rate and rate.p50_ms, TARGET_P99_OVER_P50, False, unit=" ms"),
     ]
-    rate, goal = row("triton_grpc_rate"), f"<= {TARGET_P99_OVER_P50:g}"
-    if rate is not None and rate.p50_ms:
-        value = measured(rate.p99_ms) / rate.p50_ms
-        detail = f"{rate.p99_ms:.1f} / {rate.p50_ms:.1f} ms"
-        return out + [Ratio(f"P99 / P50 at {rate.load}", value, goal, value <= TARGET_P99_OVER_P50, detail)]
-    return out + [Ratio(f"P99 / P50 at {args.rate_fraction:.0%} of peak", None, goal, detail="not measured")]
 
 
-def markdown(head: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[Ratio]) -> list[str]:
-    lines = [*head, "", *harness.table(rows), "", "| ratio | value | target | met | from |", "| --- | ---: | --- | --- | --- |"]
-    for q in ratio_list:
-        met = "" if q.met is None else ("yes" if q.met else "no")
-        lines.append(f"| {q.name} | {fmt(q.value, 2)} | {q.target} | {met} | {q.detail} |")
-    return lines + harness.breakdown(rows)
+def markdown(head: Sequence[str], rows: Sequence[Row], ratio_list: Sequence[dict]) -> list[str]:
+    return [*head, "", *harness.table(rows), "", report.ratio_table(ratio_list), *harness.breakdown(rows)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -250,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if not harness.ensure_exported(args, state.say, [ENCODER], [served.model_path, tokenizer]):
         return 1
     served = served_mod.served_encoder(args.precision)
-    load = load_average()
+    load = report.load_average()
     state.say(
         f"perf.bench.compare: precision {args.precision} -> {ENCODER} {served.variant}, concurrency {args.concurrency}, "
         f"batching on/off at {args.batching_concurrency}, budget {args.time_budget:.0f} s, load average {load}"
@@ -277,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         f"the faster of that and 1 x {os.cpu_count()}; torch {served.threads * served.instances} (naive)",
     )
     harness.finish(state, "compare", markdown(head, state.rows, ratio_list), "summary.csv", [r.record() for r in state.rows])
-    harness.write_csv(state.out_dir / "ratios.csv", [dataclasses.asdict(q) for q in ratio_list])
+    harness.write_csv(state.out_dir / "ratios.csv", ratio_list)
     return 0 if all(r.ok for r in state.rows) else 1
 
 

@@ -176,20 +176,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if not failure and complete else 1
 
 
-def ratio(name: str, a, b, target: float | bool, above: bool, op: str = "/", digits: int = 1) -> dict[str, object]:
-    """One row of the ratios table: a / b (or a - b, ms: ``op`` "-"), against its target unless that is False."""
-    if op == "-":
-        value = round(a - b, 1) if a is not None and b is not None else None
-    else:
-        value = round(a / b, 3) if a and b else None
-    met = "" if value is None or target is False else ("yes" if (value >= target if above else value <= target) else "no")
-    detail = f"{report.fmt(a, digits, thousands=True)} {op} {report.fmt(b, digits, thousands=True)}" + (
-        " ms" if op == "-" else ""
-    )
-    target_text = "" if target is False else f"{'>=' if above else '<='} {target:g}"
-    return {"name": name, "value": value, "target": target_text, "met": met, "detail": detail}
-
-
 def ratios(embed: Sequence[dict], chat: Sequence[dict], concurrency: int) -> list[dict[str, object]]:
     """The gateway's and the peers' ratios; the embeddings targets are written for 32 clients and checked there only."""
     by = {(s["workload"], s["system"]): s for s in embed}
@@ -199,15 +185,24 @@ def ratios(embed: Sequence[dict], chat: Sequence[dict], concurrency: int) -> lis
     for workload, ours, ref, (rps, p99) in pairs:
         if (a := by.get((workload, ours))) and (b := by.get((workload, ref))):
             name, checked = f"embeddings {workload}, {ours} / {ref}", concurrency == 32
-            rps_row = ratio(f"{name} throughput, c{concurrency}", a["requests_per_s"], b["requests_per_s"], checked and rps, True)
-            rows += [rps_row, ratio(f"{name} P99, c{concurrency}", a["p99_ms"], b["p99_ms"], checked and p99, False)]
+            rps_row = report.ratio(
+                f"{name} throughput, c{concurrency}", a["requests_per_s"], b["requests_per_s"], rps if checked else None
+            )
+            rows += [
+                rps_row,
+                report.ratio(f"{name} P99, c{concurrency}", a["p99_ms"], b["p99_ms"], p99 if checked else None, False),
+            ]
     cb = {(s["system"], s["concurrency"]): s for s in chat}
     for c in sorted({s["concurrency"] for s in chat}):
         if (g := cb.get(("gateway", c))) and (d := cb.get(("direct", c))):
             for p, key in (("P50", "ttft_p50_ms"), ("P99", "ttft_p99_ms")):
-                rows.append(ratio(f"chat c{c}, gateway - direct TTFT {p} (ms)", g[key], d[key], TARGET_TTFT_MS, False, "-"))
+                rows.append(
+                    report.ratio(
+                        f"chat c{c}, gateway - direct TTFT {p} (ms)", g[key], d[key], TARGET_TTFT_MS, False, "-", unit=" ms"
+                    )
+                )
             tokens = g["tokens_per_s"], d["tokens_per_s"]
-            rows.append(ratio(f"chat c{c}, gateway / direct tokens/s", *tokens, TARGET_TOKENS, True, digits=2))
+            rows.append(report.ratio(f"chat c{c}, gateway / direct tokens/s", *tokens, TARGET_TOKENS, True, digits=2))
     return rows
 
 
@@ -233,8 +228,7 @@ def markdown(lines: Sequence[str], embed: Sequence[dict], chat: Sequence[dict], 
         rows = [cells(s | {"tokens": ",".join(map(str, s["tokens_per_request"]))}, *keys, "tokens") for s in chat]
         parts.append(report.table([*columns, "tokens per request", "errors"], rows))
     if ratio_rows:
-        rows = [[r["name"], report.fmt(r["value"], 3), r["target"], r["met"], r["detail"]] for r in ratio_rows]
-        parts.append(report.table(["ratio", "value", "target", "met", "from"], rows))
+        parts.append(report.ratio_table(ratio_rows))
     return "\n\n".join(parts) + "\n"
 
 

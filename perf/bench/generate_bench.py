@@ -86,17 +86,7 @@ def ratios(
     rows: list[dict[str, Any]] = []
 
     def ratio(name: str, num, den, target: float | None = None, above: bool = True, unit: str = "") -> None:
-        value = round(num / den, 3) if num and den else None
-        met = None if value is None or target is None else (value >= target if above else value <= target)
-        rows.append(
-            {
-                "name": name,
-                "value": value,
-                "target": "" if target is None else f"{'>=' if above else '<='} {target:g}",
-                "met": "" if met is None else ("yes" if met else "no"),
-                "detail": f"{_f(num)} / {_f(den)}{unit}",
-            }
-        )
+        rows.append(report.ratio(name, num, den, target, above, unit=unit))
 
     def get(key: str, c: int, figure: str = "tokens_per_s"):
         return (summaries.get((key, c)) or {}).get(figure)
@@ -157,8 +147,7 @@ def markdown(header: Sequence[str], cells: Sequence[dict], ratio_rows: Sequence[
                 ([r["system"], r["prompts"], _f(r["prompt_tokens_per_s_p50"]), _f(r["ttft_p50_ms"])] for r in prefill),
             )
         )
-    ratio_cells = ([r["name"], _f(r["value"], 2), r["target"], r["met"], r["detail"]] for r in ratio_rows)
-    parts.append(report.table(["ratio", "value", "target", "met", "from"], ratio_cells))
+    parts.append(report.ratio_table(ratio_rows))
     return "\n\n".join(parts) + "\n"
 
 

@@ -58,6 +58,27 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
+def ratio(
+    name: str, a, b, target: float | None = None, above: bool = True, op: str = "/", digits: int = 1, unit: str = ""
+) -> dict:
+    """A row of a ratios table: a / b (or a - b: ``op`` "-"), whether it meets ``target`` (>= it, or <= it
+    unless ``above``; None: no target), and its terms (in ``unit``)."""
+    if op == "-":
+        value = round(a - b, 1) if a is not None and b is not None else None
+    else:
+        value = round(a / b, 3) if a and b else None
+    met = "" if value is None or target is None else ("yes" if (value >= target if above else value <= target) else "no")
+    terms = "not measured" if value is None else f"{fmt(a, digits, thousands=True)} {op} {fmt(b, digits, thousands=True)}{unit}"
+    goal = "" if target is None else f"{'>=' if above else '<='} {target:g}"
+    return {"name": name, "value": value, "target": goal, "met": met, "detail": terms}
+
+
+def ratio_table(rows: Iterable[dict]) -> str:
+    """The ratios table of ``ratio`` rows."""
+    cells = ([r["name"], fmt(r["value"], 3, missing="-"), r["target"], r["met"], r["detail"]] for r in rows)
+    return table(["ratio", "value", "target", "met", "from"], cells)
+
+
 def progress(started: float | None = None) -> Callable[[str], None]:
     """A progress printer for a run: each line led by the seconds since ``started`` (default: now)."""
     origin = time.monotonic() if started is None else started
