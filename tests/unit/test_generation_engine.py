@@ -8,6 +8,7 @@ every block.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import threading
@@ -21,6 +22,7 @@ import torch
 from contract.errors import ConfigError, InputError
 from python_backends.generation.engine import EngineConfig, LLMEngine
 from python_backends.generation.engine_loop import EngineLoop
+from python_backends.generation.model_runner import LlamaWeights
 from python_backends.generation.sampling import SamplingParams
 from python_backends.generation.scheduler import ContextTooLong, QueueFull
 
@@ -90,13 +92,28 @@ def reference(hf, prompts):
     return out
 
 
+@functools.cache
+def fp32_weights() -> LlamaWeights:
+    """The checkpoint's FP32 weights, read once for the module: an engine only reads them, so
+    the engines built here share them (the module's teardown lets them go)."""
+    return LlamaWeights.from_folder(MODEL_DIR, torch.float32, torch.device("cpu"), "fp32")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_weights():
+    yield
+    fp32_weights.cache_clear()
+
+
 def make_engine(hf, **overrides) -> LLMEngine:
     tok, _ = hf
     settings = dict(
         model_dir=MODEL_DIR, num_blocks=512, block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096
     )
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings), tokenizer=tok)
+    config = EngineConfig(**settings)
+    shared = (config.model_dir, config.weights_precision, config.dtype, config.device) == (MODEL_DIR, "fp32", "float32", "cpu")
+    return LLMEngine(config, weights=fp32_weights() if shared else None, tokenizer=tok)
 
 
 @pytest.fixture(scope="module")
