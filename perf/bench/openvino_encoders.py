@@ -2,11 +2,11 @@
 
 Each served encoder (``text_encoder``, ``image_classifier``, ``text_cross_encoder`` when exported)
 and each of its files (``model.onnx`` FP32, ``model.int8.onnx``) runs the same batches on **ort**
-(the served backend's CPU session, export.bench.open_cpu_session) and **openvino** (its CPU plugin,
-the same threads, its default precision: BF16 on CPUs with AVX-512 BF16 or AMX, else FP32;
-``PERFORMANCE_HINT`` LATENCY). Rounds interleave every (runtime, file); the figure is the median
-items/s, beside the agreement with ONNX Runtime on the FP32 file (minimum cosine, top-1 agreement
-for the classifier, max abs difference of a cross-encoder's logit).
+and **openvino** (its CPU plugin, the same threads, its default precision: BF16 on CPUs with AVX-512
+BF16 or AMX, else FP32), each opened as the server opens it (export.bench.open_session). Rounds
+interleave every (runtime, file); the figure is the median items/s, beside the agreement with ONNX
+Runtime on the FP32 file (minimum cosine, top-1 agreement for the classifier, max abs difference of
+a cross-encoder's logit).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from export.bench import open_session
 from perf.lib import options, report
 from perf.lib.paths import REPOSITORY
 from perf.lib.stats import median
@@ -29,17 +30,9 @@ Feeds = dict[str, dict[str, np.ndarray]]
 
 
 def runner(runtime: str, path: Path, threads: int) -> Callable[[dict], np.ndarray]:
-    """One file's session: ONNX Runtime as the served backend opens it, or OpenVINO's CPU plugin."""
-    if runtime == "ort":
-        from export.bench import open_cpu_session
-
-        session = open_cpu_session(path, threads)
-        return lambda feed: session.run(None, feed)[0]
-    import openvino as ov
-
-    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"})
-    request, output = compiled.create_infer_request(), compiled.output(0)
-    return lambda feed: request.infer(feed)[output]
+    """One file's session as the server opens it (export.bench.open_session): ONNX Runtime, or OpenVINO's CPU plugin."""
+    session = open_session(runtime, path, threads)
+    return lambda feed: session.run(None, feed)[0]
 
 
 def feeds(model: str, seed: int = 0) -> Feeds:
