@@ -9,13 +9,17 @@ the schema, and what enforcing costs in tokens/s at 16 streams.
 2. **Cost**: ``--streams`` concurrent requests of ``--max-tokens`` tokens, alternating rounds with
    and without a JSON-schema guide (a long string, so every request runs to ``max_tokens`` as the
    unguided ones do with ``ignore_eos``): tokens/s, P50/P99/max, guided / unguided (target >= 0.9).
+3. **Fit** (``--fit``, alone): 5 Pydantic models with unbounded lists and strings x 10 prompts at
+   max_tokens 160, temperature 0.7, with and without ``fit_structure_to_max_tokens``: answers the
+   SDK's ``parse()`` accepts, tokens, and the fitting's cost per token (the answers replayed in process).
 
-    python -m perf.bench.structured_bench [--prompts 50] [--streams 16] [--max-tokens 64] [--rounds 3]
+    python -m perf.bench.structured_bench [--prompts 50] [--streams 16] [--max-tokens 64] [--rounds 3] [--fit]
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import tempfile
 import time
@@ -150,6 +154,62 @@ def cost(client, streams: int, max_tokens: int, rounds: int) -> list[dict]:
     ]
 
 
+SUBJECTS = ["Japan", "Brazil", "Kenya", "Norway", "Peru", "India", "Egypt", "Canada", "Italy", "Vietnam"]
+
+
+def fit(client, streams: int) -> list[dict]:
+    """5 asks x SUBJECTS (a model per ask, lists and strings unbounded) parsed with and without
+    fit_structure_to_max_tokens; the fitting's cost per token, the answers replayed in process."""
+    import openai
+    from pydantic import create_model as model
+    from transformers import AutoTokenizer
+
+    from python_backends.generation.structured import Grammars
+    from server.layout import ROOT
+
+    district = model("District", name=(str, ...), landmarks=(list[str], ...))
+    asks = {
+        "List the countries near {s} as JSON.": model("Near", region=(str, ...), countries=(list[str], ...)),
+        "Describe a person from {s} and all their hobbies in JSON.": model("Person", name=(str, ...), age=(int, ...), hobbies=(list[str], ...)),
+        "Give a recipe from {s} with every ingredient and step in JSON.": model("Recipe", title=(str, ...), ingredients=(list[str], ...), steps=(list[str], ...)),
+        "Describe the biggest city of {s}, its districts and landmarks, in JSON.": model("City", name=(str, ...), districts=(list[district], ...)),  # type: ignore[valid-type]
+        "Give the monthly rainfall of {s} over ten years in JSON.": model("Rain", place=(str, ...), rainfall_mm=(list[float], ...)),
+    }  # fmt: skip
+    jobs = [(m, a.format(s=s), on) for a, m in asks.items() for s in SUBJECTS for on in (False, True)]
+
+    def one(job):  # (option, parsed, tokens, fitted, (model, answer) when parsed)
+        m, prompt, on = job
+        body = {"fit_structure_to_max_tokens": True} if on else None
+        try:
+            r = client.chat.completions.parse(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], response_format=m, max_tokens=160, temperature=0.7, extra_body=body
+            )  # fmt: skip
+        except openai.LengthFinishReasonError as exc:
+            return on, False, getattr(exc.completion.usage, "completion_tokens", 160), False, None
+        c, fitted = r.choices[0], bool((r.choices[0].model_extra or {}).get("structure_fitted"))
+        return on, c.message.parsed is not None, r.usage.completion_tokens, fitted, (m, c.message.content)
+
+    with ThreadPoolExecutor(streams) as pool:
+        done = list(pool.map(one, jobs))
+    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "model_repository" / MODEL / "1"))
+    grammars, seconds, tokens = Grammars(tokenizer, 49152), [0.0, 0.0], 0
+    for m, answer in (d[4] for d in done if d[0] and d[4]):
+        ids = tokenizer.encode(answer, add_special_tokens=False)
+        tokens += len(ids)
+        for k in (0, 1):  # the guide alone, then through Fitting.take
+            matcher, f = grammars.matcher("guided_json", json.dumps(m.model_json_schema())), grammars.fitting("guided_json")
+            start = time.perf_counter()
+            for i, t in enumerate(ids):
+                f.take(matcher, t, i, 160) if k else matcher.consume_token(t)
+            seconds[k] += time.perf_counter() - start
+    extra = round(1e6 * (seconds[1] - seconds[0]) / max(1, tokens), 1)
+    return [
+        {"option": on, "parsed": sum(d[1] for d in r), "total": len(r), "fitted": sum(d[3] for d in r),
+         "mean_tokens": round(sum(d[2] for d in r) / len(r), 1), "extra_us_per_token": extra if on == "on" else 0.0}
+        for on, r in (("off", [d for d in done if not d[0]]), ("on", [d for d in done if d[0]]))
+    ]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = options.parser("perf.bench.structured_bench", __doc__)
     parser.add_argument("--prompts", type=int, default=50, help="validity prompts (default 50)")
@@ -157,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request of the cost run (default 64)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the cost run (default 3)")
     parser.add_argument("--results", type=Path, help="output folder (default perf/results/structured-<UTC time>)")
+    parser.add_argument("--fit", action="store_true", help="the fit_structure_to_max_tokens run alone")
     args = parser.parse_args(argv)
 
     import openai
@@ -168,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         assert deployment.gateway is not None
         try:
             client = openai.OpenAI(base_url=f"{deployment.gateway.url}/v1", api_key=KEY, max_retries=0, timeout=600)
+            if args.fit:
+                rows = fit(client, args.streams)
+                summary = "# fit_structure_to_max_tokens\n\n" + report.table(list(rows[0]), (list(r.values()) for r in rows))
+                print("\n" + summary)
+                report.write(report.results_dir(args.results, "structured-fit"), summary)
+                return 0
             valid = validity(client, person_model(), prompts(args.prompts), 200)
             rows = cost(client, args.streams, args.max_tokens, args.rounds)
         finally:
