@@ -46,6 +46,10 @@ class GenerationJob:
     include_usage: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
     echo_prefix: str = ""  # /v1/completions with echo: the prompt, sent before the answer
+    prompt_token_ids: tuple[int, ...] = ()  # a prompt of token ids (text_input is then their text)
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt's tokens lead the choice's logprobs
+    first_index: int = 0  # the index of this prompt's first choice (a list of prompts: prompt i's is i * n)
+    siblings: list[GenerationJob] = field(default_factory=list)  # the jobs of the list's other prompts
     logprobs: bool = False  # the answer carries log-probabilities (sampling["logprobs"] alternatives each)
     tools: ToolUse | None = None  # the functions the answer may call (openai_gateway/tools.py)
     fields: dict[str, str] = field(default_factory=dict)  # the model's field names -> the request's (errors' param)
@@ -252,9 +256,53 @@ def response_format_schema(value: dict[str, Any] | None) -> Any:
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def check_completion(req: CompletionRequest, model: GenerationModel, settings: GatewaySettings) -> GenerationJob:
+# Prompts of one /v1/completions request (a list of strings or of token arrays): each is a Triton request.
+MAX_PROMPTS = 256
+
+
+def _prompts(prompt: Any, tokenizer: Any, settings: GatewaySettings) -> list[str | list[int]]:
+    """The request's prompts, each a string or a token array checked against the vocabulary
+    (``tokenizer``: the model's ModelTokenizer; None where the gateway has none, and then no
+    token prompt is taken); 400/413 naming ``prompt`` otherwise."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [list(prompt)]  # one token array
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt is an empty list", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise too_large(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS}", param="prompt")
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            utf8(p, where)
+            if len(p) > settings.max_prompt_chars:
+                raise too_large(
+                    f"{where} has {len(p)} characters; the limit is {settings.max_prompt_chars} (--max-prompt-chars)",
+                    param="prompt",
+                )
+            continue
+        if not p:
+            raise bad_request(f"{where} is an empty token array", param="prompt")
+        if tokenizer is None:
+            raise bad_request("token prompts need the model's tokenizer, which this gateway has not loaded", param="prompt")
+        bad = next((t for t in p if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{where} holds token id {bad}, outside the vocabulary [0, {tokenizer.vocab_size})", param="prompt")
+        if len(p) > settings.max_prompt_chars:
+            raise too_large(f"{where} has {len(p)} tokens; the limit is {settings.max_prompt_chars}", param="prompt")
+    return prompts
+
+
+def check_completion(
+    req: CompletionRequest, model: GenerationModel, settings: GatewaySettings, tokenizer: Any = None
+) -> GenerationJob:
     """A text completion request checked as ``check_chat`` does, as a job (``max_tokens``
-    16 unless the request or --default-max-tokens says otherwise)."""
+    16 unless the request or --default-max-tokens says otherwise). A list of prompts gives one
+    job per prompt (the first's ``siblings``); ``tokenizer`` (the model's ModelTokenizer) checks
+    and decodes token prompts."""
     refuse_unserved(req.model_extra, chat=False)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request(f"best_of must equal n ({req.n or 1}), got {req.best_of}: every choice is returned", param="best_of")
@@ -262,37 +310,43 @@ def check_completion(req: CompletionRequest, model: GenerationModel, settings: G
         raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {req.logprobs}", param="logprobs")
     if req.suffix:
         raise bad_request("suffix is not supported by this model", param="suffix")
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise bad_request(
-                "prompt must be one string (or a list of one string): token prompts and several "
-                "prompts per request are not supported",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    utf8(prompt, "prompt")
-    if len(prompt) > settings.max_prompt_chars:
-        raise too_large(
-            f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars} (--max-prompt-chars)", param="prompt"
-        )
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be > 0 (0 only with echo: the prompt's log-probabilities)", param="max_tokens")
+    prompts = _prompts(req.prompt, tokenizer, settings)
+    if len(prompts) > 1 and req.stream:
+        raise bad_request("stream: true takes one prompt; send a list of prompts without streaming", param="stream")
     sampling = _sampling(req, req.max_tokens, settings, settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
+    # echo: the prompt's tokens in the logprobs too (OpenAI's legacy answer: the first one's null);
+    # max_tokens 0 asks for the prompt alone, which the engine serves only with them.
+    prompt_logprobs = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
+    if prompt_logprobs:
+        sampling["prompt_logprobs"] = req.logprobs or 0
     fields = {"text_input": "prompt"}
     _guide_from_response_format(req.response_format, sampling, fields)  # vLLM takes chat's response_format here too
-    return GenerationJob(
-        model,
-        False,
-        prompt,
-        sampling,
-        bool(req.stream),
-        _include_usage(req),
-        echo_prefix=prompt if req.echo else "",
-        fields=fields,
-        continuous_usage=_continuous_usage(req),
-        logprobs=req.logprobs is not None,
-    )
+    jobs = []
+    for i, p in enumerate(prompts):
+        text = p if isinstance(p, str) else tokenizer.tokenizer.decode(p, skip_special_tokens=False)
+        jobs.append(
+            GenerationJob(
+                model,
+                False,
+                text,
+                sampling,
+                bool(req.stream),
+                _include_usage(req),
+                echo_prefix=text if req.echo else "",
+                prompt_token_ids=() if isinstance(p, str) else tuple(p),
+                prompt_logprobs=prompt_logprobs,
+                first_index=i * (req.n or 1),
+                fields=fields,
+                continuous_usage=_continuous_usage(req),
+                logprobs=req.logprobs is not None,
+            )
+        )
+    jobs[0].siblings = jobs[1:]
+    return jobs[0]
 
 
 @dataclass
@@ -305,12 +359,15 @@ class Tally:
     cached_tokens: int | None = None  # of the prompt's, in the engine's prefix cache
     fitted: bool = False  # fit_structure_to_max_tokens steered the answer to close (the choice's structure_fitted)
     logprobs: list[dict] = field(default_factory=list)  # OpenAI's token objects of every piece so far
+    prompt_logprobs: list[dict | None] | None = None  # the prompt's (echo), with the choice's first piece
 
     def add(self, piece) -> None:
         """Take the piece's reason, counts (the latest wins) and log-probabilities."""
         self.fitted = self.fitted or getattr(piece, "structure_fitted", False)
         if piece.logprobs:
             self.logprobs.extend(piece.logprobs)
+        if getattr(piece, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
         self.reason = piece.finish_reason or self.reason
         if piece.prompt_tokens is not None:
             self.prompt_tokens = piece.prompt_tokens
@@ -376,7 +433,8 @@ def chat_logprobs(entries: list[dict]) -> dict:
 
 def completion_logprobs(entries: list[dict], offset: int) -> dict:
     """A text completion choice's legacy ``logprobs``; ``offset``: where the first token's text
-    starts in the choice's text (after an echoed prompt, or earlier chunks)."""
+    starts in the choice's text (after an echoed prompt, or earlier chunks). An echoed prompt's
+    first token has a null logprob and null top_logprobs (nothing precedes it)."""
     offsets = []
     for e in entries:
         offsets.append(offset)
@@ -384,9 +442,21 @@ def completion_logprobs(entries: list[dict], offset: int) -> dict:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
+        ],
         "text_offset": offsets,
     }
+
+
+def prompt_entries(prompt: str, entries: list[dict | None]) -> list[dict]:
+    """The model's prompt entries (the first None) as token objects: the first token's text is
+    what the prompt holds before the bytes of the others."""
+    rest = entries[1:]
+    raw = prompt.encode("utf-8")
+    head = raw[: max(0, len(raw) - sum(len(e["bytes"]) for e in rest if e is not None))]
+    first = {"token": head.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(head), "top_logprobs": None}
+    return [first, *(e for e in rest if e is not None)]
 
 
 def _whole_choice(job: GenerationJob, index: int, text: str, tally: Tally) -> dict[str, Any]:
@@ -417,16 +487,30 @@ def _choice_body(job: GenerationJob, index: int, text: str, tally: Tally) -> dic
             "logprobs": chat_logprobs(tally.logprobs) if job.logprobs else None,
             "finish_reason": "tool_calls" if calls and tally.reason != "length" else finish_reason(tally.reason),
         }
-    logprobs = completion_logprobs(tally.logprobs, len(job.echo_prefix)) if job.logprobs else None
+    logprobs = None
+    if job.logprobs and job.prompt_logprobs:
+        logprobs = completion_logprobs(prompt_entries(job.echo_prefix, tally.prompt_logprobs or [None]) + tally.logprobs, 0)
+    elif job.logprobs:
+        logprobs = completion_logprobs(tally.logprobs, len(job.echo_prefix))
     return {"index": index, "text": job.echo_prefix + text, "logprobs": logprobs, "finish_reason": finish_reason(tally.reason)}
 
 
-def whole_body(job: GenerationJob, texts: dict[int, str], tallies: Tallies) -> bytes:
-    """The JSON of a whole (non-streamed) chat or text completion: one choice per index."""
+def whole_body(job: GenerationJob, texts: dict[int, str], tallies: Tallies | list[Tallies]) -> bytes:
+    """The JSON of a whole (non-streamed) chat or text completion: one choice per index. A list
+    of prompts: ``tallies`` holds each job's (the first's, then its siblings'), indexed as the
+    answer numbers its choices, and the usage adds up their prompts."""
     base = {"id": job.completion_id, "created": job.created, "model": job.model.id, "system_fingerprint": None}
-    choices = [_whole_choice(job, i, texts.get(i, ""), tallies.of(i)) for i in range(job.n)]
+    groups = list(zip([job, *job.siblings], tallies if isinstance(tallies, list) else [tallies]))
+    choices = [
+        _whole_choice(j, i, texts.get(i, ""), t.of(i)) for j, t in groups for i in range(j.first_index, j.first_index + j.n)
+    ]
     body = {**base, "object": "chat.completion" if job.chat else "text_completion", "choices": choices}
-    body["usage"] = tallies.usage
+    usages = [t.usage for _, t in groups]
+    usage = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages if "prompt_tokens_details" in u]
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    body["usage"] = usage if len(usages) > 1 else usages[0]
     return orjson.dumps(body)
 
 
@@ -471,13 +555,20 @@ class ChunkWriter:
             self._offset[index] += sum(len(e["token"]) for e in logprobs)
         return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
-    def start(self) -> bytes:
-        """The first events: each choice's assistant role (chat) or echoed prompt (completions)."""
+    def start(self, first: Any = None) -> bytes:
+        """The first events: each choice's assistant role (chat) or echoed prompt (completions);
+        ``first``: the stream's first piece, whose prompt entries an echo with logprobs carries."""
         self._started = True
         if self.job.chat:
             return b"".join(self._event([self._choice(i, "", None, role=True)]) for i in range(self.job.n))
         if not self.job.echo_prefix:
             return b""
+        if self.job.prompt_logprobs and self.job.logprobs:  # the prompt's tokens, its text's offsets from 0
+            entries = prompt_entries(self.job.echo_prefix, getattr(first, "prompt_logprobs", None) or [None])
+            self._offset = dict.fromkeys(self._offset, 0)
+            return b"".join(
+                self._event([self._choice(i, self.job.echo_prefix, None, logprobs=entries)]) for i in range(self.job.n)
+            )
         return b"".join(self._event([self._choice(i, self.job.echo_prefix, None)]) for i in range(self.job.n))
 
     def text(self, piece: str, logprobs: list[dict] | None = None, index: int = 0, usage: Any = None) -> bytes:

@@ -111,12 +111,16 @@ class _OpenAISampling(_Body):
 # The engine's sampling fields, from its one table: OpenAI's own (max_tokens, temperature, top_p,
 # seed, stop) and vLLM's extensions (the openai SDK's extra_body), which go to the engine as they are.
 _SHAPES = {"structured_outputs": dict[StrictStr, Any]}  # an object of guides: the engine judges its keys
+# vLLM's prompt_logprobs answers in a shape of its own; here the prompt's log-probabilities come with
+# /v1/completions' echo (openai_gateway/completions.py), and the field is refused by name (request_fields.py).
+_ENGINE_ONLY = ("prompt_logprobs",)
 _FIELDS: dict[str, Any] = {
     f.name: (
         _SHAPES.get(f.name, list[StrictInt] if f.kinds == (list,) and f.items is int else _TYPES[f.kinds]) | None,
         Field(None, description=f.doc),
     )
     for f in SAMPLING_FIELDS
+    if f.name not in _ENGINE_ONLY
 }
 if TYPE_CHECKING:  # a class built at run time is Any to the checker
     _Sampling = Any

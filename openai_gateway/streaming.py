@@ -75,7 +75,7 @@ async def sse_events(
     tally = completions.Tallies()
     completed = False
     try:
-        head = writer.start()
+        head = writer.start(first)
         if head:
             yield head
         piece = first

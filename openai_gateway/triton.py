@@ -56,6 +56,7 @@ class Piece:
     logprobs: list[dict] | None = None  # OpenAI's token objects of this piece's text, when asked
     index: int = 0  # the choice (n > 1)
     token_ids: tuple[int, ...] = ()  # asked when the stream can be continued (TritonBackend.generate)
+    prompt_logprobs: list[dict | None] | None = None  # the prompt's entries (echo with logprobs), first piece only
     structure_fitted: bool = False  # fit_structure_to_max_tokens steered the answer (its final piece)
 
     @classmethod
@@ -74,6 +75,7 @@ class Piece:
             p.logprobs,
             p.index,
             p.token_ids,
+            p.prompt_logprobs,
             structure_fitted=_fitted(result),
         )
 
@@ -405,7 +407,9 @@ class TritonBackend:
         from clients.generation import GenerateRequest
 
         continuable = job.model.continuable and job.n == 1 and not job.logprobs
-        request = GenerateRequest(job.text_input, job.sampling, chat=job.chat, return_token_ids=continuable)
+        request = GenerateRequest(
+            job.text_input, job.sampling, chat=job.chat, return_token_ids=continuable, prompt_token_ids=job.prompt_token_ids
+        )
         param_map = job.fields
         sent: list[int] = []  # the token ids of the pieces given to the client
         pieces = 0

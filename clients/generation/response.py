@@ -93,6 +93,11 @@ def _logprobs(value: Any) -> list[dict] | None:
     return json.loads(value) if isinstance(value, str) else list(value)
 
 
+def _prompt_logprobs(value: Any) -> list[dict | None] | None:
+    entries = _logprobs(value)
+    return None if entries is None else list(entries)
+
+
 class SSEDecoder:
     """Incremental Server-Sent Events parser: bytes in, the ``data`` of each event out.
 
@@ -196,7 +201,7 @@ def piece_from_json(data: str | Mapping[str, Any], model: str = DEFAULT_MODEL, s
         num_cached_tokens=_count(_scalar(obj.get("num_cached_tokens"))),
         logprobs=_logprobs(_scalar(obj.get("logprobs"))),
         index=_count(_scalar(obj.get("index"))) or 0,
-        prompt_logprobs=_logprobs(_scalar(obj.get("prompt_logprobs"))),
+        prompt_logprobs=_prompt_logprobs(_scalar(obj.get("prompt_logprobs"))),
     )
 
 
@@ -219,7 +224,7 @@ def piece_from_result(result: Any) -> Piece:
         logprobs=_logprobs(first("logprobs")),
         index=_count(first("index")) or 0,
         token_ids=_ids(result.as_numpy("token_ids")),
-        prompt_logprobs=_logprobs(first("prompt_logprobs")),
+        prompt_logprobs=_prompt_logprobs(first("prompt_logprobs")),
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import replace
 
 from fastapi import APIRouter, Request, Security
 
@@ -53,6 +55,51 @@ async def serve_generation(request: Request, job: completions.GenerationJob, rou
     )
 
 
+async def serve_prompts(request: Request, job: completions.GenerationJob, route: str):
+    """A list of prompts (the job and its siblings): one Triton request each, run at once, their
+    choices in one answer numbered as OpenAI numbers them; the first error fails the request."""
+    st = gateway_state(request)
+    backend, metrics = st.backend, st.metrics
+    info = request_info(request)
+    info["model"] = job.model.id
+    backend.require_ready(job.model)
+    jobs = [job, *job.siblings]
+
+    async def one(k: int, part: completions.GenerationJob) -> tuple[dict[int, str], completions.Tallies]:
+        texts: dict[int, str] = {}
+        tallies = completions.Tallies()
+        pieces = backend.generate(part, f"{info['request_id']}-{k}")
+        try:
+            async for piece in pieces:
+                piece = replace(piece, index=piece.index + part.first_index)
+                texts[piece.index] = texts.get(piece.index, "") + piece.text
+                tallies.add(piece)
+                if piece.final:
+                    break
+        finally:
+            await pieces.aclose()
+        return texts, tallies
+
+    async def every() -> list[tuple[dict[int, str], completions.Tallies]]:
+        tasks = [asyncio.ensure_future(one(k, part)) for k, part in enumerate(jobs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    results = await until_done_or_gone(request, every(), metrics, route)
+    texts = {i: text for part, _ in results for i, text in part.items()}
+    tallies = [t for _, t in results]
+    # the usage for the log line and the metrics: every prompt's
+    info["prompt_tokens"] = sum(t.prompt_tokens for t in tallies)
+    info["completion_tokens"] = sum(t.completion_tokens for t in tallies)
+    metrics.count_tokens(info["key_id"], job.model.id, info["prompt_tokens"], info["completion_tokens"])
+    return json_response(200, completions.whole_body(job, texts, tallies))
+
+
 @router.post("/v1/chat/completions", dependencies=[Security(bearer)])
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Answer a chat with the model's chat template applied (OpenAI's chat completion or its chunks)."""
@@ -66,4 +113,7 @@ async def text_completions(body: CompletionRequest, request: Request):
     """Continue a prompt as it is (OpenAI's text completion or its chunks)."""
     st = gateway_state(request)
     model: GenerationModel = st.find(body.model, "generation")
-    return await serve_generation(request, completions.check_completion(body, model, st.settings), "/v1/completions")
+    job = completions.check_completion(body, model, st.settings, st.tokenizers.get(model.id))
+    if job.siblings:
+        return await serve_prompts(request, job, "/v1/completions")
+    return await serve_generation(request, job, "/v1/completions")

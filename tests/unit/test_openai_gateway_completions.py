@@ -393,7 +393,7 @@ def test_stream_flags(model):
         ({"logprobs": 6}, 400, "logprobs"),
         ({"logprobs": -1}, 400, "logprobs"),
         ({"suffix": "end"}, 400, "suffix"),
-        ({"prompt": ["one", "two"]}, 400, "prompt"),
+        ({"prompt": ["one", "two"], "stream": True}, 400, "stream"),
         ({"prompt": [1, 2, 3]}, 400, "prompt"),
         ({"prompt": [[1, 2]]}, 400, "prompt"),
         ({"prompt": []}, 400, "prompt"),
@@ -405,8 +405,34 @@ def test_completion_refusals(model, fields, status, param):
     assert (err.status, err.param) == (status, param), err.message
 
 
+class _Vocab:
+    """The ModelTokenizer's part that token prompts use."""
+
+    vocab_size = 100
+
+    class tokenizer:  # noqa: N801 - tokenizers.Tokenizer's decode
+        @staticmethod
+        def decode(ids, skip_special_tokens=False):
+            return "".join(f"<{i}>" for i in ids)
+
+
 def test_completion_prompt_forms_and_echo(model):
     assert completion(model, prompt=["Once"]).text_input == "Once"
+    # A list of prompts (strings or token arrays): one job each, choices numbered prompt by prompt.
+    many = check_completion(
+        CompletionRequest(model="text_generation", prompt=[[1, 2], [3]], n=2, echo=True), model, SETTINGS, _Vocab()
+    )
+    assert [(j.prompt_token_ids, j.text_input, j.echo_prefix, j.first_index) for j in [many, *many.siblings]] == [
+        ((1, 2), "<1><2>", "<1><2>", 0),
+        ((3,), "<3>", "<3>", 2),
+    ]
+    one_array = check_completion(CompletionRequest(model="text_generation", prompt=[7, 8]), model, SETTINGS, _Vocab())
+    assert one_array.prompt_token_ids == (7, 8) and not one_array.siblings
+    with pytest.raises(APIError) as err:
+        check_completion(CompletionRequest(model="text_generation", prompt=[[1], [100]]), model, SETTINGS, _Vocab())
+    assert err.value.param == "prompt" and "token id 100" in err.value.message
+    texts = check_completion(CompletionRequest(model="text_generation", prompt=["a", "b"]), model, SETTINGS)
+    assert [j.text_input for j in [texts, *texts.siblings]] == ["a", "b"]
     job = completion(model, prompt="Once", echo=True, max_tokens=3)
     assert (job.chat, job.text_input, job.echo_prefix, job.sampling) == (False, "Once", "Once", {"max_tokens": 3})
     assert completion(model, prompt="Once").echo_prefix == ""
@@ -536,16 +562,25 @@ def test_logprobs_are_asked_of_the_engine_and_written_in_each_apis_shape(model):
     tally = Tally("stop", 30, 2, logprobs=list(ENTRIES))
     body = orjson.loads(whole_body(job, {0: "Paris"}, one(tally)))
     assert body["choices"][0]["logprobs"] == {"content": ENTRIES, "refusal": None}
-    # Legacy completions: tokens, token_logprobs, top_logprobs as {token: logprob}, text offsets after the echo.
+    # Legacy completions: tokens, token_logprobs, top_logprobs as {token: logprob}, text offsets; with echo
+    # the prompt's tokens lead (the first's logprob and top_logprobs null, its text what the others leave).
     legacy = completion(model, prompt="The capital: ", echo=True, logprobs=1)
-    assert legacy.sampling["logprobs"] == 1 and completion(model).logprobs is False
-    body = orjson.loads(whole_body(legacy, {0: "Paris"}, one(tally)))
+    assert legacy.sampling["logprobs"] == 1 and legacy.sampling["prompt_logprobs"] == 1
+    assert completion(model).logprobs is False and "prompt_logprobs" not in completion(model, echo=True).sampling
+    colon = {"token": ": ", "logprob": -2.0, "bytes": [58, 32], "top_logprobs": [{"token": ":", "logprob": -1.0, "bytes": [58]}]}
+    echoed = Tally("stop", 3, 2, logprobs=list(ENTRIES), prompt_logprobs=[None, colon])
+    body = orjson.loads(whole_body(legacy, {0: "Paris"}, one(echoed)))
     assert body["choices"][0]["logprobs"] == {
-        "tokens": ["Par", "is"],
-        "token_logprobs": [-0.1, -0.5],
-        "top_logprobs": [{"Par": -0.1}, {"is": -0.5}],
-        "text_offset": [13, 16],
+        "tokens": ["The capital", ": ", "Par", "is"],
+        "token_logprobs": [None, -2.0, -0.1, -0.5],
+        "top_logprobs": [None, {":": -1.0}, {"Par": -0.1}, {"is": -0.5}],
+        "text_offset": [0, 11, 13, 16],
     }
+    unechoed = orjson.loads(whole_body(completion(model, prompt="The capital: ", logprobs=1), {0: "Paris"}, one(tally)))
+    assert unechoed["choices"][0]["logprobs"]["text_offset"] == [0, 3]
+    # max_tokens 0: the prompt alone, only with echo (the engine then computes the prompt's entries).
+    assert completion(model, echo=True, max_tokens=0).sampling == {"max_tokens": 0, "prompt_logprobs": 0}
+    assert refused(completion, model, max_tokens=0).param == "max_tokens"
     # Streamed: each chunk carries its own tokens; the offsets go on across chunks.
     writer = ChunkWriter(completion(model, stream=True, logprobs=0))
     first = orjson.loads(writer.text("Par", ENTRIES[:1])[6:])
