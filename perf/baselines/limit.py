@@ -7,9 +7,9 @@ noisy neighbour costs every figure alike). Each in the served thread layout (the
 each a session with its intra-op threads, all at once) and as one session with a thread per core;
 per batch size the faster layout counts, so a wasteful served layout is not flattered.
 
-``--length-mix LOW-HIGH``: the limit for a seeded pool of ``--pool`` rows of LOW..HIGH tokens, grouped
-as the served encoder does (sorted, cut under each of ``--budgets`` padded tokens: plan_runs),
-against runs of ``--count-batch`` rows padded to their bucket, and against every row alone.
+``measure_length_mix``: the limit for a seeded pool of rows of mixed token lengths, grouped as the served
+encoder does (sorted, cut under each token budget: plan_runs), against runs of a fixed count of rows
+padded to their bucket, and against every row alone (perf.bench.length_mix reports it).
 """
 
 from __future__ import annotations
@@ -336,21 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.0, help="per batch size, kind and round")
     p.add_argument("--input-data", type=Path, default=DEFAULT_INPUT)
-    mix = f"{DEFAULT_MIX[0]}-{DEFAULT_MIX[1]}"
-    p.add_argument(
-        "--length-mix", metavar="LOW-HIGH", help=f"mixed-length mode: token lengths drawn from LOW..HIGH (the issue's: {mix})"
-    )
-    p.add_argument("--budgets", type=int_list, default=list(DEFAULT_BUDGETS), help="--length-mix: padded tokens per run to try")
-    p.add_argument("--count-batch", type=int, default=16, help="--length-mix: rows per run of the count grouping")
-    p.add_argument("--pool", type=int, default=512, help="--length-mix: rows in the pool")
     args = p.parse_args(argv)
-    served = served_encoder(args.precision)
-    timing = dict(rounds=args.rounds, seconds=args.seconds, progress=lambda m: print(m, flush=True))
-    if args.length_mix:
-        low, high = (int(x) for x in args.length_mix.split("-"))
-        print(mix_markdown(measure_length_mix(served, (low, high), args.budgets, args.count_batch, args.pool, **timing)))
-    else:
-        print(markdown(measure(served, load_sentences(args.input_data), args.batches, **timing)))
+    texts = load_sentences(args.input_data)
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    print(markdown(measure(served_encoder(args.precision), texts, args.batches, args.rounds, args.seconds, progress=say)))
     return 0
 
 
