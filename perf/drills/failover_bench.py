@@ -56,7 +56,9 @@ async def drive(
     breaker = BreakerPolicy(failure_threshold=concurrency + 1)
     urls: dict[Protocol, str] = {"http": http_url, "grpc": grpc_url}
     pools = {p: EndpointPool([url], breaker=breaker) for p, url in urls.items()}
-    clients = {p: AsyncEmbeddingClient(url, p, timeout_s=30, deadline_s=30, pool=pools[p]) for p, url in urls.items()}
+    clients: dict[str, AsyncEmbeddingClient] = {
+        p: AsyncEmbeddingClient(url, p, timeout_s=30, deadline_s=30, pool=pools[p]) for p, url in urls.items()
+    }
     results: list[Result] = []
     start = time.monotonic() - offset_s
 
