@@ -9,9 +9,9 @@ HTTP disconnect) that frees the KV blocks at once, per-request errors naming the
 good stream runs on, hostile requests answered with 4xx, no leak of KV blocks or stub memory
 after many random requests, the llm_* metrics, and UNAVAILABLE when the waiting queue is full.
 
-The server is a module fixture with text_generation alone: loading it takes 12-16 s on 2
-idle cores (about 35 s beside another loading server) and 2.2 GB, which the session's shared
-server, used by most other modules, should not pay.
+The server is the session's, which loads text_generation with the default models (a server of
+its own would take 12-16 s more to load on 2 idle cores, and 2.2 GB); the queue-full test starts
+one with a small queue.
 TEXT_GENERATION_LEAK_REQUESTS sets the size of the leak run (60 by default).
 """
 
@@ -97,11 +97,11 @@ MAX_MODEL_LEN = int(_param("max_model_len"))
 
 
 @pytest.fixture(scope="module")
-def server(start_triton):
+def server(triton):
     if not (VERSION_DIR / "model.safetensors").exists():
         pytest.skip("text_generation is not exported (python -m export.generation)")
-    with start_triton("triton-textgen-", models=(MODEL,)) as triton:
-        yield triton
+    assert MODEL in triton.options.models, triton.options.models
+    return triton
 
 
 @pytest.fixture(scope="module")
