@@ -82,17 +82,14 @@ def start_triton(args, workdir: Path, say):
 
 def start_gateways(args, triton_grpc_url: str, workdir: Path, key: str, say, gateways: dict) -> None:
     """The gateways into ``gateways``: ``quiet`` (request log off), and ``log`` where gateway_log is measured; ready."""
-    from server.gateway import GatewayOptions, GatewayProcess
-    from server.process import free_port
+    from perf.lib.deployment import gateway_options
+    from server.gateway import GatewayProcess
 
     (workdir / "health").mkdir(parents=True, exist_ok=True)
     watch = ["--triton-health-dir", str(workdir / "health")] if args.watchdog_folder else []
     with_log = "gateway_log" in args.embed_systems and not args.no_embeddings
     for name, extra in (("quiet", ["--no-request-log", *watch]), ("log", watch))[: 2 if with_log else 1]:
-        options = GatewayOptions(triton_grpc_url, port=free_port(), workdir=workdir / f"gateway-{name}", drain_timeout=5)
-        options.api_key_file, options.env = workdir / "gateway-api-key", {"GATEWAY_API_KEYS": key}
-        options.extra_args = ["--rate-limit", "0", *extra]
-        gateways[name] = GatewayProcess(options).start()
+        gateways[name] = GatewayProcess(gateway_options(triton_grpc_url, workdir / f"gateway-{name}", key, *extra)).start()
     for name, gw in gateways.items():
         gw.wait_ready(timeout=120)
         say(f"gateway ({name}) ready on {gw.url}")

@@ -194,21 +194,12 @@ def run(args: argparse.Namespace) -> int:
         if not lifecycle.wait_ready(servers, say, indent="    "):
             return 1
         if needs_gateway:
-            from server.gateway import GatewayOptions, GatewayProcess
-            from server.process import free_port
+            from perf.lib.deployment import gateway_options
+            from server.gateway import GatewayProcess
 
             for phase, server in servers.items():
-                gateways[phase] = GatewayProcess(
-                    GatewayOptions(
-                        server.triton_grpc_url,
-                        port=free_port(),
-                        workdir=workdir / f"gateway-{phase}",
-                        api_key_file=workdir / "gateway-api-key",
-                        env={"GATEWAY_API_KEYS": api_key},
-                        drain_timeout=5,
-                        extra_args=["--rate-limit", "0", "--no-request-log"],
-                    )
-                ).start()
+                options = gateway_options(server.triton_grpc_url, workdir / f"gateway-{phase}", api_key, "--no-request-log")
+                gateways[phase] = GatewayProcess(options).start()
             for phase, gateway in gateways.items():
                 gateway.wait_ready(timeout=120)
                 say(f"perf.bench.tail: gateway for {phase} ready on {gateway.url}")

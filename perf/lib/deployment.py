@@ -15,26 +15,31 @@ from server.gateway import GatewayOptions
 from server.process import DEFAULT_CACHE_SIZE_MB, free_port
 
 
+def gateway_options(triton_grpc_url: str, workdir: Path, key: str, *extra_args: str) -> GatewayOptions:
+    """An OpenAI gateway's options as the perf tools run it: a free port, API key ``key`` (its file beside
+    ``workdir``), no rate limit, a 5 s drain (see start_deployment)."""
+    return GatewayOptions(
+        triton_grpc_url,
+        port=free_port(),
+        workdir=workdir,
+        api_key_file=workdir.parent / "gateway-api-key",
+        extra_args=["--rate-limit", "0", *extra_args],
+        env={"GATEWAY_API_KEYS": key},
+        drain_timeout=5,
+    )
+
+
 def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: bool, say) -> Deployment:
     """tritonserver (front door on), Redis (optional) and one gateway, ready; stopped again if
     any part fails to start or to become ready."""
     # drain_timeout 5: tritonserver's own exit wait (--exit-timeout-secs) is 5 s, not the launcher's 30
     # (text_generation's unload has been seen to wait out the whole timeout after serving streams).
-    gateway = GatewayOptions(
-        "",
-        port=free_port(),
-        workdir=workdir / "gateway",
-        api_key_file=workdir / "gateway-api-key",
-        extra_args=["--rate-limit", "0"],
-        env={"GATEWAY_API_KEYS": key},
-        drain_timeout=5,
-    )
     options = DeploymentOptions.with_free_ports(
         workdir=workdir / "triton",
         models=tuple(models),
         cache_size_bytes=DEFAULT_CACHE_SIZE_MB << 20,
         drain_timeout=5,
-        gateway=gateway,
+        gateway=gateway_options("", workdir / "gateway", key),
         redis=use_redis,
     )
     deployment = Deployment(options)
