@@ -36,6 +36,16 @@ def triton(start_triton, trace_file):
 
 
 @pytest.fixture(scope="session")
+def reranker_repository(tmp_path_factory):
+    """(repository, checkpoint): a copy of the model repository with text_reranker exported from a
+    random-init checkpoint (tests/integration/reranker_repository.py), made once for the modules
+    that serve it (they only read it)."""
+    from tests.integration.reranker_repository import export_reranker
+
+    return export_reranker(tmp_path_factory.mktemp("reranker"))
+
+
+@pytest.fixture(scope="session")
 def http_client(triton):
     import tritonclient.http as httpclient
 

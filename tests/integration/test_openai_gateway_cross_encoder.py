@@ -21,7 +21,7 @@ import requests
 from export import cross_encoder, variants
 from openai_gateway.catalog import Catalog
 from tests.integration.conftest import GATEWAY_TEST_KEY
-from tests.integration.reranker_repository import Reference, export_reranker
+from tests.integration.reranker_repository import Reference
 from tests.integration.test_openai_gateway_rerank import cosine, triton_metric
 
 RERANKER, EMB, CACHED = "text_reranker", "text_embedding", "text_embedding_cached"
@@ -29,8 +29,8 @@ AUTH = {"Authorization": f"Bearer {GATEWAY_TEST_KEY}", "Content-Type": "applicat
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    return export_reranker(tmp_path_factory.mktemp("xenc"))
+def exported(reranker_repository):
+    return reranker_repository
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from export import cross_encoder, variants
-from tests.integration.reranker_repository import Reference, export_reranker
+from tests.integration.reranker_repository import Reference
 
 MODEL = "text_reranker"
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    return export_reranker(tmp_path_factory.mktemp("reranker"))
+def exported(reranker_repository):
+    return reranker_repository
 
 
 @pytest.fixture(scope="module")
