@@ -14,7 +14,6 @@ from pathlib import Path
 
 from perf.lib import load
 from perf.lib.report import fmt, table
-from perf.lib.stats import percentile
 
 MIN_ANSWERS = 5  # an interval's P99 enters the soak's trend only over at least this many answers
 MIN_P99_RISE_MS = 50.0
@@ -117,13 +116,9 @@ def interval_latency(t: float, results: Sequence[Result]) -> list[dict]:
         errors, cancelled = sum(bool(r.error) for r in mine), sum(r.cancelled for r in mine)
         for workload, values, counts in ((name, answered, (errors, cancelled)), (f"{name}_ttft", ttft, (0, 0))):
             if values or workload == name:
-                ms = sorted(1000 * v for v in values)
-                figures = {f"p{q}_ms": round(percentile(ms, q), 2) if ms else None for q in (50, 99)}
-                rows.append(
-                    {"time_s": round(t, 1), "workload": workload, "count": len(ms), "errors": counts[0], "cancelled": counts[1]}
-                    | figures
-                    | {"max_ms": round(ms[-1], 2) if ms else None}
-                )
+                figures = {k: None if v is None else round(v, 2) for k, v in load.latency_ms(values).items()}
+                row = {"time_s": round(t, 1), "workload": workload, "count": len(values), "errors": counts[0]}
+                rows.append(row | {"cancelled": counts[1]} | figures)
     return rows
 
 
