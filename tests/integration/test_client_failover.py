@@ -27,9 +27,10 @@ from clients.resilience import CLOSED, OPEN, BreakerPolicy, EndpointPool, RetryP
 
 MODELS = ("text_embedding",)
 CONCURRENCY = 8  # half HTTP, half gRPC
-BEFORE_S = 2.0  # load on both before the kill
 DOWN_S = 1.0  # load with b dead before it is started again: every call must go to a
-AFTER_S = 2.0  # load on both once the killed server is back and its breaker closed
+# Calls each protocol's client gets answered by a server in a phase, waited for: by both before
+# the kill, by b once it is back and its breakers closed.
+ANSWERED = 10
 TEXTS = [
     f"Sentence {i} about the {w} in the afternoon."
     for i, w in enumerate(["weather", "river", "market", "orchestra", "harbour", "library", "mountain", "garden"] * 4)
@@ -106,10 +107,21 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
     latencies: list[float] = []
     marks: list[tuple[str, dict]] = []  # (phase starting, successes per (protocol, server)) at each switch
 
+    def successes() -> dict[tuple[str, str], int]:
+        return {(p, "b" if e.url in b_urls else "a"): e.successes for p, pool in pools.items() for e in pool.endpoints}
+
     def mark(phase: str) -> None:
-        marks.append(
-            (phase, {(p, "b" if e.url in b_urls else "a"): e.successes for p, pool in pools.items() for e in pool.endpoints})
-        )
+        marks.append((phase, successes()))
+
+    async def answered(servers: str, timeout: float = 60.0) -> None:
+        """Until each protocol's calls at each of ``servers`` succeeded ANSWERED times since the last mark."""
+        since, deadline = marks[-1][1], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            now = successes()
+            if all(now[(p, s)] - since[(p, s)] >= ANSWERED for p in pools for s in servers):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"not {ANSWERED} calls answered by each of {servers} in {timeout:.0f} s: {successes()}, {since}")
 
     async def worker(client, index):
         i = index
@@ -132,7 +144,7 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
             clients = {"http": http, "grpc": grpc}
             mark("both up")
             workers = [asyncio.create_task(worker(clients[p], i)) for i, p in enumerate(["http", "grpc"] * (CONCURRENCY // 2))]
-            await asyncio.sleep(BEFORE_S)
+            await answered("ab")  # load on both before the kill
             await asyncio.to_thread(_kill, b)
             mark("b down")  # after the kill: no call can succeed at b until it is started again
             killed_at = time.monotonic()
@@ -150,13 +162,13 @@ def test_zero_failed_calls_when_one_of_two_servers_dies_and_comes_back(pair):
                 await asyncio.sleep(0.1)
             ready_at = time.monotonic()
             mark("b back")
-            # Load until both breakers of b closed again and b served calls, then a little more.
+            # Load until both breakers of b closed again, then until b answered calls on each protocol.
             limit = time.monotonic() + 30
             while time.monotonic() < limit and any(
                 p.endpoints[1].breaker.state != CLOSED or p.endpoints[1].breaker.count(CLOSED) == 0 for p in pools.values()
             ):
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(AFTER_S)
+            await answered("b")
             stop.set()
             await asyncio.gather(*workers)
             mark("end")
