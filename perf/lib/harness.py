@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ops import repository
 from ops.repository import RepositoryClient
 from perf.lib import options, report, triton_stats
 from perf.lib import perf_analyzer as pa
@@ -229,11 +228,6 @@ def ensure_exported(args: argparse.Namespace, say: Callable[[str], None], names:
     return all(f.is_file() for f in files)
 
 
-def http(url: str, method: str = "GET", body: dict | None = None, timeout: float = 120.0) -> tuple[int, bytes]:
-    """ops.repository.http, with the repository token on repository API paths."""
-    return repository.http(url, method, body, repository.token_headers() if "/v2/repository/" in url else {}, timeout)
-
-
 def reload_with(http_url: str, model: str, config: dict, ensemble: str = MODEL, timeout: float = 120.0) -> None:
     """Load ``model`` with ``config`` (a config override) and wait until ``ensemble`` is ready."""
     client = RepositoryClient(http_url, timeout=timeout)
@@ -249,11 +243,9 @@ def disable_all_dynamic_batching(http_url: str, ensemble: str = MODEL, timeout: 
     refuses, a reloaded config still batches or no model batches.
     """
     client = RepositoryClient(http_url, timeout=timeout)
-    status, raw = http(f"{client.base}/v2/repository/index", "POST", {"ready": True}, timeout=timeout)
-    if status != 200:
-        raise RuntimeError(f"repository index: HTTP {status} {raw[:200]!r}")
+    index = json.loads(client.post("/v2/repository/index", b'{"ready": true}'))
     switched = []
-    for name in sorted({m["name"] for m in json.loads(raw) if m.get("state", "READY") == "READY"} - {ensemble}):
+    for name in sorted({m["name"] for m in index if m.get("state", "READY") == "READY"} - {ensemble}):
         before = client.config(name)
         if "dynamic_batching" in before:
             client.load(name, {k: v for k, v in before.items() if k != "dynamic_batching"})

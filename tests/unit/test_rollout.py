@@ -220,7 +220,7 @@ def test_p99_from_the_router_histogram_per_series():
     assert p99_between({}, slow, 2) == (10.0, 10)  # beyond the last bucket: its bound, a lower limit
 
 
-def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
+def test_perf_helpers_send_the_token_to_the_repository_api(monkeypatch):
     import urllib.request
 
     from perf.lib import harness
@@ -231,7 +231,7 @@ def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
         status = 200
 
         def read(self):
-            return b"{}"
+            return b"[]"
 
         def __enter__(self):
             return self
@@ -245,10 +245,10 @@ def test_perf_helpers_send_the_token_to_the_repository_api_only(monkeypatch):
 
     monkeypatch.setenv(repository.TOKEN_ENV, "perf-token")
     monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
-    harness.http("http://h:1/v2/repository/models/text_encoder/load", "POST", {})
-    harness.http("http://h:1/v2/models/text_encoder/config")
+    with pytest.raises(RuntimeError, match="no loaded model has dynamic batching"):
+        harness.disable_all_dynamic_batching("h:1")
+    assert seen[0][0] == "http://h:1/v2/repository/index"
     assert seen[0][1].get("triton-repository-token") == "perf-token"
-    assert "triton-repository-token" not in seen[1][1]
 
 
 class FakeClock:
