@@ -143,8 +143,9 @@ class ClosingTables:
             b"" if i >= tokenizer.vocab_size or tokenizer.is_special_token(i) else tokenizer.decode_bytes([i])
             for i in range(vocab_size)
         ]
-        # in characters (a token of part of a character: 0, never chosen by the fallback)
+        # in characters (a token of part of a character: 0) and in bytes
         self.lengths = np.array([_characters(b) for b in self.token_bytes], dtype=np.int32)
+        self.nbytes = np.array([len(b) for b in self.token_bytes], dtype=np.int32)
         self.punctuation = np.array([len(b) == 1 and b[0] in _PUNCTUATION for b in self.token_bytes])
         ids: dict[str, int] = {}
         for text in (*CLOSERS, *SEPARATORS, *SMALLEST):
@@ -162,18 +163,20 @@ class ClosingTables:
 
     def fallback(self, matcher) -> int | None:
         """A token the guide allows from its mask: a single punctuation byte (a regex's separator),
-        else the longest token (a key or a literal in few tokens)."""
+        else the longest token in characters (a key or a literal in few tokens), else (inside a
+        character split over tokens) the longest in bytes."""
         import numpy as np
 
         words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(words, bitorder="little")[: len(self.lengths)].astype(bool)
-        allowed &= self.lengths > 0
+        allowed &= self.nbytes > 0
         punct = np.flatnonzero(allowed & self.punctuation)
         if punct.size:
             return int(punct[0])
         if not allowed.any():
             return None
-        return int(np.argmax(np.where(allowed, self.lengths, -1)))
+        best = int(np.argmax(np.where(allowed, self.lengths, -1)))
+        return best if self.lengths[best] > 0 else int(np.argmax(np.where(allowed, self.nbytes, -1)))
 
 
 def _characters(data: bytes) -> int:

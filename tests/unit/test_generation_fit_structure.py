@@ -207,3 +207,21 @@ def test_the_final_response_carries_structure_fitted_only_when_true():
     final = {"text_output": "}", "finish_reason": "stop", "structure_fitted": True}
     assert shaper.on_output("}", True, "stop", 3, 2, structure_fitted=True) == final
     assert "structure_fitted" not in ResponseShaper(request).on_output("}", True, "stop", 3, 2)
+
+
+def test_a_closing_completes_a_character_split_over_tokens_first(grammars, tokenizer):
+    from python_backends.generation.structured import closing, quoted_after
+
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+    ids = tokenizer.encode('{"title": "細', add_special_tokens=False)[:-1]  # the character's first two bytes
+    matcher, tables, quoted = (
+        grammars.matcher("guided_json", json.dumps(schema)),
+        grammars.fitting("guided_json").tables,
+        (False, False),
+    )
+    for token in ids:
+        assert matcher.consume_token(token)
+        quoted = quoted_after(quoted, tables.token_bytes[token])
+    path = closing(matcher, 8, tables, quoted)
+    assert path is not None
+    jsonschema.validate(json.loads(tokenizer.decode(ids + path)), schema)
