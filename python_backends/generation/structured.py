@@ -13,6 +13,10 @@ sequence ends there.
 
 The matcher lives as long as the request and only moves forward: a preempted sequence keeps its
 generated tokens (it is recomputed, not resampled), so nothing has to be replayed.
+
+``fit_structure_to_max_tokens`` (:class:`Fitting`): near the end of the budget a sampled token
+after which the guide can no longer be closed within ``max_tokens`` is replaced by the first token
+of a short closing (:func:`closing`), so the answer ends complete instead of cut.
 """
 
 from __future__ import annotations
@@ -228,7 +232,8 @@ def closing(matcher, limit: int, tables: ClosingTables, quoted: tuple[bool, bool
                 if token is None or not m.consume_token(token):
                     return None
             step = [token]
-        step = step[: limit - len(path)]
+        if len(step) > limit - len(path):
+            return None
         path += step
         if quoted is not None:
             quoted = quoted_after(quoted, b"".join(tables.token_bytes[t] for t in step))
