@@ -256,7 +256,6 @@ class Fitting:
         self.estimate = 0  # the closing's length when last searched
         self.fitted = False
         self.off = False
-        self.searches = 0  # closing searches run (tests, the bench's cost per step)
 
     def seen(self, token: int) -> None:
         """The matcher consumed ``token``."""
@@ -264,7 +263,6 @@ class Fitting:
             self.quoted = quoted_after(self.quoted, self.tables.token_bytes[token])
 
     def _closing(self, matcher, limit: int) -> list[int] | None:
-        self.searches += 1
         return closing(matcher, limit, self.tables, self.quoted)
 
     def take(self, matcher, token: int, generated: int, max_tokens: int) -> int:
