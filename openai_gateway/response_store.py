@@ -113,8 +113,8 @@ class SQLiteStore:
 
 
 class RedisStore:
-    """Records as Redis strings with an expiry, and a sorted set of their ids by time that keeps
-    the count at ``max_entries``."""
+    """Records as Redis strings with an expiry (``<prefix>r:<id>``), and a sorted set of their ids
+    by time (``<prefix>index``, which no id reaches) that keeps the count at ``max_entries``."""
 
     def __init__(self, url: str, ttl_s: float, max_entries: int, prefix: str = "gateway:responses:", timeout_s: float = 2.0):
         import redis.asyncio as aioredis
@@ -122,6 +122,9 @@ class RedisStore:
         self.ttl_s, self.max_entries, self.prefix = ttl_s, max_entries, prefix
         self._client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._index = prefix + "index"
+
+    def _key(self, response_id: str) -> str:
+        return self.prefix + "r:" + response_id
 
     async def _call(self, coro):
         try:
@@ -132,18 +135,18 @@ class RedisStore:
     async def _put(self, response_id: str, body: bytes) -> None:
         now = time.time()
         async with self._client.pipeline(transaction=True) as pipe:
-            pipe.set(self.prefix + response_id, body, px=int(self.ttl_s * 1000))
+            pipe.set(self._key(response_id), body, px=int(self.ttl_s * 1000))
             pipe.zadd(self._index, {response_id: now})
             pipe.zremrangebyscore(self._index, "-inf", now - self.ttl_s)
             pipe.zrange(self._index, 0, -self.max_entries - 1)
             pipe.zremrangebyrank(self._index, 0, -self.max_entries - 1)
             *_, evicted, _removed = await pipe.execute()
         if evicted:
-            await self._client.delete(*(self.prefix + i.decode("utf-8") for i in evicted))
+            await self._client.delete(*(self._key(i.decode("utf-8")) for i in evicted))
 
     async def _delete(self, response_id: str) -> bool:
         async with self._client.pipeline(transaction=True) as pipe:
-            pipe.delete(self.prefix + response_id)
+            pipe.delete(self._key(response_id))
             pipe.zrem(self._index, response_id)
             deleted, _ = await pipe.execute()
         return bool(deleted)
@@ -152,7 +155,7 @@ class RedisStore:
         await self._call(self._put(response_id, dumps(record)))
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
-        body = await self._call(self._client.get(self.prefix + response_id))
+        body = await self._call(self._client.get(self._key(response_id)))
         return None if body is None else orjson.loads(body)
 
     async def delete(self, response_id: str) -> bool:

@@ -248,13 +248,13 @@ def test_redis_store_holds_the_responses(triton, start_gateway, redis_server):
     ):
         first = client.responses.create(model=GENERATION, input="My name is Ada.", max_output_tokens=8)
         stored = redis.Redis.from_url(redis_server.url)
-        assert stored.exists(f"gateway:responses:{first.id}") and stored.ttl(f"gateway:responses:{first.id}") > 0
+        assert stored.exists(f"gateway:responses:r:{first.id}") and stored.ttl(f"gateway:responses:r:{first.id}") > 0
         then = client.responses.create(
             model=GENERATION, previous_response_id=first.id, input="What is my name?", max_output_tokens=8
         )
         assert client.responses.retrieve(then.id).previous_response_id == first.id
         client.responses.delete(first.id)
-        assert not stored.exists(f"gateway:responses:{first.id}")
+        assert not stored.exists(f"gateway:responses:r:{first.id}")
         redis_server.kill()
         with pytest.raises(openai.InternalServerError) as caught:  # 503: the store, not the answer's fault
             client.responses.retrieve(then.id)

@@ -119,3 +119,20 @@ def test_the_redis_store_is_bounded(redis_server):
         await store.close()
 
     asyncio.run(run())
+
+
+def test_a_response_id_cannot_reach_the_redis_stores_index(redis_server):
+    """The ids come from the path: "index" names no record, and neither reads nor deletes the
+    sorted set that bounds the store."""
+
+    async def run():
+        store = RedisStore(redis_server.url, ttl_s=60, max_entries=2, prefix=f"test:{time.time_ns()}:")
+        await store.put("resp_0", {"response": {"id": "resp_0"}, "input": []})
+        assert await store.get("index") is None
+        assert not await store.delete("index")
+        for i in range(1, 4):
+            await store.put(f"resp_{i}", {"response": {"id": f"resp_{i}"}, "input": []})
+        assert [i for i in range(4) if await store.get(f"resp_{i}") is not None] == [2, 3]
+        await store.close()
+
+    asyncio.run(run())
