@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,13 +50,15 @@ class ResponseStore(Protocol):
 
 class SQLiteStore:
     """Records in one SQLite table (WAL: gateways sharing the file read while one writes). Calls
-    run in a worker thread, one at a time, so the event loop never waits on the disk."""
+    run in a worker thread, one at a time, so the event loop never waits on the disk. The lock is
+    taken in that thread: a caller cancelled while its call runs leaves the call running, and the
+    next one still waits for it."""
 
     def __init__(self, directory: Path, ttl_s: float, max_entries: int):
         self.path = directory / SQLITE_FILE
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._conn: sqlite3.Connection | None = None  # opened at first use: a gateway that stores nothing writes no file
-        self._lock = asyncio.Lock()
+        self._lock = threading.Lock()
 
     @property
     def _db(self) -> sqlite3.Connection:
@@ -68,12 +71,15 @@ class SQLiteStore:
             self._conn = db
         return self._conn
 
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
+
     async def _run(self, fn, *args):
-        async with self._lock:
-            try:
-                return await asyncio.to_thread(fn, *args)
-            except (sqlite3.Error, OSError) as exc:
-                raise StoreUnavailable(f"the response store ({self.path.name}) failed: {exc}") from exc
+        try:
+            return await asyncio.to_thread(self._locked, fn, *args)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreUnavailable(f"the response store ({self.path.name}) failed: {exc}") from exc
 
     def _put(self, response_id: str, body: bytes) -> None:
         now = time.time()
@@ -105,11 +111,13 @@ class SQLiteStore:
     async def delete(self, response_id: str) -> bool:
         return await self._run(self._delete, response_id)
 
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
     async def close(self) -> None:
-        async with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        await asyncio.to_thread(self._locked, self._close)
 
 
 class RedisStore:

@@ -4,6 +4,7 @@ fields named as Responses fields, the writer's events, and the bounded stores (S
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -136,3 +137,32 @@ def test_a_response_id_cannot_reach_the_redis_stores_index(redis_server):
         await store.close()
 
     asyncio.run(run())
+
+
+def test_a_cancelled_sqlite_call_keeps_the_connection_to_itself(tmp_path):
+    """A request cancelled while its store call runs (a client gone mid-stream) leaves that call
+    running in its thread: the next one waits for it, never sharing the connection."""
+    store = SQLiteStore(tmp_path, ttl_s=3600, max_entries=3)
+    running = threading.Event()
+    overlapped = []
+
+    def slow_put(response_id: str, body: bytes) -> None:
+        running.set()
+        time.sleep(0.3)
+        running.clear()
+
+    def get(response_id: str) -> None:
+        overlapped.append(running.is_set())
+
+    store._put, store._get = slow_put, get  # type: ignore[method-assign]
+
+    async def run():
+        put = asyncio.create_task(store.put("resp_0", {}))
+        await asyncio.to_thread(running.wait, 1)
+        put.cancel()
+        await asyncio.gather(put, return_exceptions=True)
+        await store.get("resp_0")
+        await store.close()
+
+    asyncio.run(run())
+    assert overlapped == [False]
