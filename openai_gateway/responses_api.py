@@ -97,13 +97,18 @@ def unsupported(param: str, why: str) -> APIError:
 
 
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's input as items (a string is one user message), messages given an id and
-    their type, as they are stored and listed."""
+    """The request's input as items (a string is one user message), messages given an id, their
+    type and a text content as one text part, as OpenAI stores and lists them."""
     items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
     out = []
     for item in items:
         if item.get("type", "message") == "message":
             item = {"type": "message", **item}
+            if isinstance(item.get("content"), str):
+                if item.get("role") == "assistant":
+                    item["content"] = [{"type": "output_text", "text": item["content"], "annotations": []}]
+                else:
+                    item["content"] = [{"type": "input_text", "text": item["content"]}]
             if item.get("role") in ("user", "system", "developer"):
                 item.setdefault("id", new_id("msg_"))
         out.append(item)

@@ -13,7 +13,7 @@ import pytest
 from openai_gateway.completions import Tallies
 from openai_gateway.errors import APIError
 from openai_gateway.response_store import RedisStore, SQLiteStore
-from openai_gateway.responses_api import ResponsesRequest, ResponseWriter, chat_messages, responses_param
+from openai_gateway.responses_api import ResponsesRequest, ResponseWriter, chat_messages, input_items, responses_param
 from openai_gateway.tools import Tool, ToolUse
 
 
@@ -166,3 +166,17 @@ def test_a_cancelled_sqlite_call_keeps_the_connection_to_itself(tmp_path):
 
     asyncio.run(run())
     assert overlapped == [False]
+
+
+def test_input_items_are_stored_in_the_sdks_item_shape():
+    """input_items lists what input_items() stores: a text input is a message of input_text
+    parts, as OpenAI lists it (the SDK's item type), and still becomes the same chat message."""
+    from openai.types.responses import ResponseInputMessageItem
+
+    for given in ("Hello", [{"role": "user", "content": "Hello"}]):
+        items = input_items(given)
+        item = ResponseInputMessageItem.model_validate(items[0])
+        assert item.content[0].type == "input_text" and item.content[0].text == "Hello"
+        assert chat_messages(items, first=0)[0] == [{"role": "user", "content": "Hello"}]
+    assistant = input_items([{"role": "assistant", "content": "Hi"}])[0]
+    assert assistant["content"] == [{"type": "output_text", "text": "Hi", "annotations": []}]
