@@ -225,3 +225,12 @@ def test_a_closing_completes_a_character_split_over_tokens_first(grammars, token
     path = closing(matcher, 8, tables, quoted)
     assert path is not None
     jsonschema.validate(json.loads(tokenizer.decode(ids + path)), schema)
+
+
+def test_the_servers_default_applies_to_requests_that_do_not_say():
+    from python_backends.generation.sampling import parse_sampling_params
+
+    default = {"fit_structure_to_max_tokens": True}  # config.pbtxt's parameter set to true (entry.py)
+    limits = {"max_tokens_limit": 64, "default_max_tokens": 16, "defaults": default}
+    assert parse_sampling_params("{}", **limits).fit_structure_to_max_tokens
+    assert not parse_sampling_params('{"fit_structure_to_max_tokens": false}', **limits).fit_structure_to_max_tokens
