@@ -29,6 +29,7 @@ GUIDE_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar"
 MAX_GUIDE_BYTES = 65536  # a schema, regex or grammar; larger ones are refused before compiling
 MAX_GUIDE_CHOICES = 256  # guided_choice's strings
 MAX_INT64 = 2**63 - 1  # top_k and seed: above int64 torch overflows and fails the whole batch step
+PRIORITY_CLASSES = ("interactive", "default", "bulk")  # priority_class, highest first (docs/priority-classes.md)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,13 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         "A guided answer is steered to its shortest valid closing once max_tokens nears, so it ends complete "
         "(finish_reason stop, structure_fitted true); absent: the model's default",
     ),
+    SamplingField(
+        "priority_class",
+        (str,),
+        "default",
+        "interactive, default or bulk: the engine admits waiting requests in that order and preempts bulk first "
+        "(the gateway's X-Priority-Class header)",
+    ),
 )
 FIELD_NAMES = tuple(f.name for f in SAMPLING_FIELDS)
 
@@ -261,6 +269,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's and N alternatives
+    priority_class: str = "default"  # one of PRIORITY_CLASSES: the scheduler's admission and preemption order
 
     def __post_init__(self):
         put = object.__setattr__  # frozen: normalised values are set once, here
@@ -371,6 +380,12 @@ class SamplingParams:
         put(self, "repetition_penalty", penalty)
         put(self, "stop", tuple(stop))
         put(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        if self.priority_class not in PRIORITY_CLASSES:
+            raise InputError(
+                "priority_class",
+                f"must be one of {', '.join(PRIORITY_CLASSES)}, got {str(self.priority_class)[:40]!r}",
+                values={"allowed": list(PRIORITY_CLASSES), "got": repr(self.priority_class)[:40]},
+            )
 
     @property
     def greedy(self) -> bool:

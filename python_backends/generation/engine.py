@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from contract.errors import ConfigError, InputError
+from contract.sampling import PRIORITY_CLASSES
 from python_backends.generation import logprobs as lp
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.detokenizer import IncrementalDetokenizer
@@ -84,6 +85,9 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_waiting: int = 256
+    # Bulk requests (priority_class bulk) take at most this many places in the running batch
+    # (0: no cap), so interactive arrivals find room without a preemption.
+    max_running_bulk: int = 0
     max_model_len: int = 4096
     max_tokens_limit: int = 2048
     default_max_tokens: int = 16
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ConfigError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0 <= self.max_running_bulk <= self.max_num_seqs:
+            raise ConfigError(f"max_running_bulk must be in [0, max_num_seqs={self.max_num_seqs}], got {self.max_running_bulk}")
         for name in ("admission_window_ms", "admission_quiet_ms"):
             if not 0 <= float(getattr(self, name)) <= 1000:
                 raise ConfigError(f"{name} must be in [0, 1000], got {getattr(self, name)}")
@@ -246,6 +252,7 @@ class LLMEngine:
             num_speculative_tokens=config.num_speculative_tokens,
             speculative_max_seqs=config.speculative_max_seqs,
             prefill_tokens_with_decodes=config.prefill_tokens_with_decodes,
+            max_running_bulk=config.max_running_bulk,
         )
         self.runner: ModelRunner | LlamaCppRunner | OpenVINORunner
         if on_llama:
@@ -455,6 +462,7 @@ class LLMEngine:
             forks=params.n - 1,
             output_tokens=prefix_ids,
             prompt_rows=params.prompt_logprobs is not None,
+            priority=PRIORITY_CLASSES.index(params.priority_class),
         )
 
         def choice(index: int) -> _Request:

@@ -11,6 +11,12 @@ When the pool cannot give a running sequence its next slot, the most recently ad
 running sequence is preempted by recompute: its blocks are freed and it goes back to the
 front of the queue with its generated tokens appended to what must be recomputed (on
 resume the prefix cache usually finds its prompt blocks still there).
+
+Each sequence has a priority class (0 interactive, 1 default, 2 bulk: contract.sampling's
+PRIORITY_CLASSES). Waiting sequences queue per class, admitted highest class first (FIFO
+within one); the running list is kept in (class, admission) order, so decodes and prefills
+serve the higher classes first and the sequence preempted is the newest of the lowest class.
+``max_running_bulk`` caps the places bulk sequences take, leaving room for the other classes.
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from contract.errors import CONTEXT_LENGTH, InputError, Overloaded
+from contract.sampling import PRIORITY_CLASSES
 from python_backends.generation.block_manager import BlockManager
 from python_backends.generation.speculative import propose_ngram
 
 SeqId = Hashable
+NUM_CLASSES = len(PRIORITY_CLASSES)
+DEFAULT_CLASS = PRIORITY_CLASSES.index("default")
+BULK = PRIORITY_CLASSES.index("bulk")
 
 
 class QueueFull(Overloaded):
@@ -99,6 +109,8 @@ class Sequence:
     # Its prompt's log-probabilities are asked for: admitted without prefix-cache hits, and its
     # prefill chunks return every row's logits. The engine clears it once it has them all.
     prompt_rows: bool = False
+    # Its priority class: 0 interactive, 1 default, 2 bulk (admitted in that order, preempted in the reverse).
+    priority: int = DEFAULT_CLASS
 
     @property
     def tokens(self) -> list[int]:
@@ -188,6 +200,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         speculative_max_seqs: int = 0,
         prefill_tokens_with_decodes: int = 0,
+        max_running_bulk: int = 0,
     ):
         if max_num_seqs <= 0 or max_waiting < 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs and max_model_len must be > 0, max_waiting >= 0")
@@ -211,8 +224,10 @@ class Scheduler:
         # ov_int4_f16) sets this: a continued stream's given tokens are then computed this many per
         # step after its prompt, and it continues as the uninterrupted run did. 0: with the prompt.
         self.replay_rows = 0
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        # Bulk sequences take at most this many places in the running batch (0: no cap).
+        self.max_running_bulk = max_running_bulk
+        self.queues: tuple[deque[Sequence], ...] = tuple(deque() for _ in range(NUM_CLASSES))  # waiting, per class
+        self.running: list[Sequence] = []  # in (class, admission) order
         self._seqs: dict[SeqId, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
@@ -230,6 +245,7 @@ class Scheduler:
         forks: int = 0,
         output_tokens: Seq[int] = (),
         prompt_rows: bool = False,
+        priority: int = DEFAULT_CLASS,
     ) -> Sequence:
         """Queue a request. Raises InputError / ContextTooLong (INVALID_ARG) or QueueFull.
 
@@ -237,7 +253,7 @@ class Scheduler:
         ``output_tokens``: the answer's first tokens, generated elsewhere (a stream continued
         after its replica died): the sequence is admitted as a preempted one is, prompt and
         those tokens prefilled, and counts them against ``max_tokens``. ``prompt_rows``: see
-        :attr:`Sequence.prompt_rows`."""
+        :attr:`Sequence.prompt_rows`; ``priority``: :attr:`Sequence.priority`."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already scheduled")
         # The engine checked the request (LLMEngine.check_request); here it is only asserted.
@@ -245,9 +261,11 @@ class Scheduler:
         assert len(prompt_tokens) + max_tokens <= self.max_model_len, "the engine admitted too much"
         assert self.bm.blocks_needed(len(prompt_tokens) + max_tokens - 1) <= self.bm.num_blocks, "the engine admitted too much"
         # Requests the running batch will take at the next step do not count as waiting.
-        queued = len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
+        waiting = self.num_waiting
+        queued = waiting - max(0, self.max_num_seqs - len(self.running))
         if queued >= self.max_waiting:
-            raise QueueFull(len(self.waiting), self.max_num_seqs, self.max_waiting)
+            raise QueueFull(waiting, self.max_num_seqs, self.max_waiting)
+        assert 0 <= priority < NUM_CLASSES, priority
         assert 1 + forks <= self.max_num_seqs, "the engine admitted too many choices"
         assert len(output_tokens) < max_tokens and not (output_tokens and forks), "the engine admitted a bad continuation"
         seq = Sequence(
@@ -260,8 +278,9 @@ class Scheduler:
             num_forks=forks,
             replay_rows=self.replay_rows if output_tokens else 0,
             prompt_rows=prompt_rows,
+            priority=priority,
         )
-        self.waiting.append(seq)
+        self.queues[priority].append(seq)
         self._seqs[seq_id] = seq
         return seq
 
@@ -285,12 +304,25 @@ class Scheduler:
             num_cached_tokens=parent.num_cached_tokens,
             num_prefill_tokens=parent.num_prefill_tokens,
             speculative=parent.speculative,
+            priority=parent.priority,
         )
         self.bm.fork(parent_id, child_id)
         parent.num_forks -= 1
         self._seqs[child_id] = child
-        self.running.append(child)
+        self._run(child)
         return self._chunk(child, child.num_tokens - child.num_computed_tokens, is_prefill=True)
+
+    def _run(self, seq: Sequence) -> None:
+        """Put ``seq`` in the running list after every sequence of its class or a higher one."""
+        i = len(self.running)
+        while i and self.running[i - 1].priority > seq.priority:
+            i -= 1
+        self.running.insert(i, seq)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences in the order they would be admitted."""
+        return [seq for queue in self.queues for seq in queue]
 
     @property
     def num_places_taken(self) -> int:
@@ -310,7 +342,7 @@ class Scheduler:
         if seq is None:
             return False
         if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self.queues[seq.priority].remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         self.bm.free(seq_id)
@@ -322,7 +354,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return sum(len(queue) for queue in self.queues)
 
     @property
     def num_running(self) -> int:
@@ -333,9 +365,14 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         """Gauges and counters for the metrics port, read once per engine step."""
+        running = [0] * NUM_CLASSES
+        for seq in self.running:
+            running[seq.priority] += 1
         return {
             "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
+            "num_requests_waiting": self.num_waiting,
+            **{f"num_requests_waiting_{c}": len(q) for c, q in zip(PRIORITY_CLASSES, self.queues)},
+            **{f"num_requests_running_{c}": n for c, n in zip(PRIORITY_CLASSES, running)},
             "kv_blocks_used": self.bm.num_used_blocks,
             "kv_blocks_total": self.bm.num_blocks,
             "kv_blocks_cached": self.bm.num_cached_blocks,
@@ -408,7 +445,7 @@ class Scheduler:
         seq.replay_rows = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.queues[seq.priority].appendleft(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step within ``max_num_batched_tokens`` and ``max_num_seqs``."""
@@ -427,7 +464,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.num_computed_tokens < seq.num_prefill_tokens:
                 continue  # still in prefill: step 2
-            # Its last sampled token needs a slot; make room by preempting the newest.
+            # Its last sampled token needs a slot; make room by preempting the newest of the lowest class.
             while not self.bm.can_append_slot(seq.seq_id):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -458,20 +495,31 @@ class Scheduler:
             prefills.append(self._chunk(seq, n, is_prefill=True))
             budget -= n
 
-        # 3. Admit waiting requests in FIFO order; none after a preemption this step
-        # (the pool is short), and never skip the head (no starvation of long prompts).
+        # 3. Admit waiting requests, highest class first, FIFO within a class; none after a
+        # preemption this step (the pool is short), and never skip a head for a lower class's
+        # (no starvation of long prompts). Bulk stops at max_running_bulk places.
         taken = self.num_places_taken
-        while self.waiting and budget > 0 and not preempted and taken < self.max_num_seqs:
-            seq = self.waiting[0]
+        bulk = -1  # places bulk sequences take, counted when a bulk head is next
+        while budget > 0 and not preempted and taken < self.max_num_seqs:
+            queue = next((q for q in self.queues if q), None)
+            if queue is None:
+                break
+            seq = queue[0]
             if taken + 1 + seq.num_forks > self.max_num_seqs or not self.bm.can_admit(seq.tokens, not seq.prompt_rows):
                 break
+            if seq.priority == BULK and self.max_running_bulk:
+                if bulk < 0:
+                    bulk = sum(1 + s.num_forks for s in self.running if s.priority == BULK)
+                if bulk + 1 + seq.num_forks > self.max_running_bulk:
+                    break
+                bulk += 1 + seq.num_forks
             taken += 1 + seq.num_forks
-            self.waiting.popleft()
+            queue.popleft()
             seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.tokens, use_cache=not seq.prompt_rows)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.num_prefill_tokens = seq.num_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             n = self._prefill_size(seq, budget)
             prefills.append(self._chunk(seq, n, is_prefill=True))
             budget -= n

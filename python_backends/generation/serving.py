@@ -335,6 +335,7 @@ def engine_settings(param: Any, param_int: Any, param_bool: Any) -> dict:
         "max_num_seqs": param_int("max_num_seqs", 32, minimum=1),
         "max_num_batched_tokens": param_int("max_num_batched_tokens", 512, minimum=1),
         "max_waiting": param_int("max_waiting", 256, minimum=0),
+        "max_running_bulk": param_int("max_running_bulk", 0, minimum=0),
         "max_model_len": param_int("max_model_len", 4096, minimum=16),
         "max_tokens_limit": param_int("max_tokens_limit", 2048, minimum=1),
         "default_max_tokens": param_int("default_max_tokens", 16, minimum=1),

@@ -13,7 +13,9 @@ Names follow vLLM's (``vllm:<name>`` there, ``llm_<name>`` here), all labelled
   tokens the model ran: prefix-cache hits and forked choices not counted) and
   ``llm_sequences_forked_total`` (choices of ``n`` > 1 forked from their prompt's sequence);
 - gauges ``llm_num_requests_running``, ``llm_num_requests_waiting``,
-  ``llm_kv_cache_blocks_used``, ``llm_kv_cache_blocks_total``.
+  ``llm_kv_cache_blocks_used``, ``llm_kv_cache_blocks_total``, and the first two per priority
+  class: ``llm_num_requests_running_by_class`` and ``llm_num_requests_waiting_by_class``
+  ``{priority_class}``.
 
 Every Metric call is a round trip to the Triton process, so the engine thread only
 queues events; one reporter thread makes the calls, and adds a step's generated tokens to
@@ -27,6 +29,7 @@ import queue
 import threading
 from typing import Any
 
+from contract.sampling import PRIORITY_CLASSES
 from python_backends.generation.engine import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,11 @@ STAT_COUNTERS = {
     "prompt_tokens_computed": "prompt_tokens_computed",
     "sequences_forked": "sequences_forked",
 }
-STAT_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total")
+# Gauges also kept per priority class (the engine's stats <key>_<class>): key -> description.
+CLASS_GAUGES = {
+    "num_requests_running": "Sequences in the running batch, per priority class",
+    "num_requests_waiting": "Requests waiting for admission, per priority class",
+}
 
 
 class GenerationMetrics:
@@ -111,6 +118,10 @@ class GenerationMetrics:
                 labels=labels
             ),
         }
+        for key, description in CLASS_GAUGES.items():
+            by_class = fam(f"llm_{key}_by_class", description, family.GAUGE)
+            for cls in PRIORITY_CLASSES:
+                self.gauges[f"{key}_{cls}"] = by_class.Metric(labels={**labels, "priority_class": cls})
         # Counts already in the engine (its warm-up) are not reported.
         self._seen = {name: int((baseline or {}).get(key, 0)) for key, name in STAT_COUNTERS.items()}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -200,6 +211,6 @@ class GenerationMetrics:
             if value > self._seen[name]:
                 self.counters[name].increment(value - self._seen[name])
                 self._seen[name] = value
-        for key in STAT_GAUGES:
+        for key in self.gauges:
             if key in stats:
                 self.gauges[key].set(float(stats[key]))

@@ -232,6 +232,7 @@ def test_sampling_parameters_names_types_and_stop():
         "guided_grammar",
         "fit_to_context",
         "fit_structure_to_max_tokens",
+        "priority_class",
     }
     assert sampling_parameters(logit_bias={"5": -100}, logprobs=2) == {"logit_bias": {"5": -100}, "logprobs": 2}
     assert sampling_parameters(n=1) == {"n": 1}
