@@ -422,8 +422,9 @@ class Supervision:
         """Re-render a pool's upstream list and reload nginx when a replica went in or out (and
         write the state file when only the states changed: a restarted replica that is ready
         again needs no reload, it never left the list). The list is read under the lock, nginx
-        reloaded outside it."""
-        if not self.options.pool or self.d.doors is None:
+        reloaded outside it. Not once stopping: the gateways stop_gateways marked stopped would
+        leave the list of an nginx that the deployment stops next (a tick in progress then)."""
+        if not self.options.pool or self.d.doors is None or self._stop.is_set():
             return
         replicas, gateways = self.d.replicas, self.d.gateways
         with self.lock:

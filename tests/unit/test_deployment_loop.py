@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -149,3 +150,30 @@ def test_a_stop_during_a_replica_start_waits_for_it_then_stops_the_replica(pool)
     stopping.join(BLOCKED_S)
     assert not stopping.is_alive() and starting.calls[0] == "start" and starting.calls[-1] == "stop"
     assert [r.state for r in pool.replicas] == [STOPPED, STOPPED]
+
+
+def test_a_tick_in_progress_at_shutdown_does_not_reload_the_front_door(tmp_path, monkeypatch):
+    """The gateways marked stopped by stop_gateways change who is wanted in the front door; a
+    tick that was stopping a replica meanwhile ends without reloading nginx, which the
+    deployment stops next."""
+    monkeypatch.setattr(deployment_loop, "prepare_repository", lambda *args: None)
+    deployment = Deployment(
+        DeploymentOptions(
+            replicas=2, pool=True, workdir=tmp_path, models=("text_embedding",), gateway=GatewayOptions("", port=18080)
+        )
+    )
+    reloads: list = []
+    deployment.doors = SimpleNamespace(reload=lambda *args: reloads.append(args), reloads=0)  # type: ignore[assignment]
+    loop, (dead, fine), (gateway,) = deployment.loop, deployment.replicas, deployment.gateways
+    fine.server, fine.state, fine.starts, fine.in_door = Blocking("none"), READY, 1, True
+    dead.server, dead.state, dead.starts, dead.in_door = Blocking("stop", exited_with=3), READY, 1, True
+    gateway.process, gateway.state = Blocking("none"), READY  # type: ignore[assignment]
+    loop.rendered = loop.wanted()
+    stopping = dead.server
+    loop._thread = ticking = _in_thread(loop._tick)
+    assert stopping.entered.wait(BLOCKED_S)
+    loop.stop_gateways()
+    assert gateway.state == STOPPED
+    stopping.release.set()
+    ticking.join(BLOCKED_S)
+    assert not ticking.is_alive() and reloads == []
