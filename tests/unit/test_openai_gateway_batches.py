@@ -84,3 +84,39 @@ def test_parse_form_finds_the_file_and_the_purpose(tmp_path):
     with pytest.raises(APIError) as info:
         parse_form(path, b"XyZ")
     assert info.value.status == 400 and info.value.param == "file"
+
+
+def test_a_batch_resumed_after_its_window_runs_no_line_and_expires(tmp_path):
+    """A gateway that takes up a batch whose completion window has passed (it was down at the
+    time) sends none of its remaining lines: they go to the error file as batch_expired."""
+    import asyncio
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from openai_gateway.batches import BatchRunner
+    from openai_gateway.settings import GatewaySettings
+
+    app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(metrics=mock.MagicMock())))
+    runner = BatchRunner(app, GatewaySettings(batch_dir=tmp_path))  # type: ignore[arg-type]
+    store = runner.store()
+    store.file_path("file-in").write_text("".join(json.dumps(line(c)) + "\n" for c in "abc"))
+    batch = new_batch("batch_late", "/v1/embeddings", "file-in", "24h", None, 3, [])
+    store.add_batch({**batch, "status": "in_progress", "expires_at": int(time.time()) - 1}, 3, "key")
+    sent: list = []
+
+    async def call(url, body, key_id):
+        sent.append(body)
+        return 200, {}, "req"
+
+    runner.call = call  # type: ignore[method-assign]
+
+    async def run():
+        runner._slots = asyncio.Semaphore(4)
+        await runner._drive("batch_late")
+
+    asyncio.run(run())
+    done = store.get_batch("batch_late")
+    assert sent == [] and done["status"] == "expired" and done["output_file_id"] is None
+    errors = store.file_path(done["error_file_id"]).read_text().splitlines()
+    assert [json.loads(e)["error"]["code"] for e in errors] == ["batch_expired"] * 3
+    store.close()
