@@ -99,7 +99,7 @@ def unsupported(param: str, why: str) -> APIError:
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The request's input as items (a string is one user message), messages given an id, their
     type and a text content as one text part, as OpenAI stores and lists them."""
-    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
     out = []
     for item in items:
         if item.get("type", "message") == "message":
