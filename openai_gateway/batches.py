@@ -3,8 +3,9 @@ its lines through the gateway's own routes, in process, and commits each result.
 
 A line runs as an ASGI request to the app below its gate (no key, rate limit or access line: the
 batch's key was checked when it was created), so its answer is byte for byte what the same
-request sent directly gets. ``/v1/embeddings`` lines go to the bulk priority class where the
-model serves it (docs/priority-classes.md); every line waits for one of ``--batch-concurrency``
+request sent directly gets. Lines go to the bulk priority class (docs/priority-classes.md): the
+generation engine's for chat and completions, the model's bulk entry for ``/v1/embeddings`` where
+it serves one; every line waits for one of ``--batch-concurrency``
 slots, so a batch never holds more of the server than that. A 429 or 503 (the bulk lane at its
 admission limit, Triton busy) is retried with backoff before it counts as failed.
 
@@ -331,7 +332,7 @@ class BatchRunner:
             self._inner = node.app
         request_id = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json")]
-        if url == "/v1/embeddings" and self._bulk_served(body):
+        if url != "/v1/embeddings" or self._bulk_served(body):  # generation: the engine's bulk class
             headers.append((b"x-priority-class", b"bulk"))
         scope = {
             "type": "http",

@@ -12,11 +12,23 @@ from openai_gateway import completions
 from openai_gateway.catalog import GenerationModel
 from openai_gateway.responses import json_response
 from openai_gateway.routes import bearer
+from openai_gateway.routes.embeddings import PRIORITY_HEADER, priority_header
 from openai_gateway.schemas import ChatCompletionRequest, CompletionRequest
 from openai_gateway.state import gateway_state, request_info
 from openai_gateway.streaming import EventStream, record_usage, sse_events, until_done_or_gone
 
 router = APIRouter()
+
+
+def with_priority_class(request: Request, job: completions.GenerationJob) -> completions.GenerationJob:
+    """The X-Priority-Class header as the engine's ``priority_class`` field (over the body's), for
+    ``job`` and its siblings; the engine checks the value, and its error names the header."""
+    value = priority_header(request)
+    if value is not None:
+        for part in (job, *job.siblings):
+            part.sampling["priority_class"] = value
+            part.fields["priority_class"] = PRIORITY_HEADER
+    return job
 
 
 async def serve_generation(request: Request, job: completions.GenerationJob, route: str):
@@ -105,7 +117,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Answer a chat with the model's chat template applied (OpenAI's chat completion or its chunks)."""
     st = gateway_state(request)
     model: GenerationModel = st.find(body.model, "generation")
-    return await serve_generation(request, completions.check_chat(body, model, st.settings), "/v1/chat/completions")
+    job = with_priority_class(request, completions.check_chat(body, model, st.settings))
+    return await serve_generation(request, job, "/v1/chat/completions")
 
 
 @router.post("/v1/completions", dependencies=[Security(bearer)])
@@ -113,7 +126,7 @@ async def text_completions(body: CompletionRequest, request: Request):
     """Continue a prompt as it is (OpenAI's text completion or its chunks)."""
     st = gateway_state(request)
     model: GenerationModel = st.find(body.model, "generation")
-    job = completions.check_completion(body, model, st.settings, st.tokenizers.get(model.id))
+    job = with_priority_class(request, completions.check_completion(body, model, st.settings, st.tokenizers.get(model.id)))
     if job.siblings:
         return await serve_prompts(request, job, "/v1/completions")
     return await serve_generation(request, job, "/v1/completions")

@@ -22,13 +22,18 @@ PRIORITY_HEADER = "X-Priority-Class"
 router = APIRouter()
 
 
+def priority_header(request: Request) -> str | None:
+    """The request's X-Priority-Class (docs/priority-classes.md), trimmed and lower-cased; None when absent."""
+    value = request.headers.get(PRIORITY_HEADER)
+    return None if value is None else value.strip().lower()
+
+
 def priority_class_of(request: Request, model: EmbeddingModel) -> str | None:
     """The request's X-Priority-Class (docs/priority-classes.md), None when absent; 400 for a
     class the model has no entry for."""
-    value = request.headers.get(PRIORITY_HEADER)
+    value = priority_header(request)
     if value is None:
         return None
-    value = value.strip().lower()
     served = [cls for cls, _, _ in model.lanes] or ["default"]
     if value not in served:
         raise APIError(

@@ -18,6 +18,7 @@ from openai_gateway.response_store import StoreUnavailable, dumps
 from openai_gateway.responses import json_response
 from openai_gateway.responses_api import ResponsesRequest, ResponseWriter, check_response, not_found
 from openai_gateway.routes import bearer
+from openai_gateway.routes.completions import with_priority_class
 from openai_gateway.state import GatewayState, gateway_state, request_info
 from openai_gateway.streaming import EventStream, record_usage, until_done_or_gone
 
@@ -63,6 +64,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         previous = await _stored(st, body.previous_response_id, "previous_response_id")
         context = previous["input"] + previous["response"]["output"]
     job, items = check_response(body, context, model, st.settings)
+    with_priority_class(request, job)
     info = request_info(request)
     info["model"] = job.model.id
     st.backend.require_ready(job.model)
