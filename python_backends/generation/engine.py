@@ -143,8 +143,8 @@ class EngineConfig:
             raise ConfigError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if not 0 <= self.max_running_bulk <= self.max_num_seqs:
-            raise ConfigError(f"max_running_bulk must be in [0, max_num_seqs={self.max_num_seqs}], got {self.max_running_bulk}")
+        if self.max_running_bulk < 0:  # above max_num_seqs it caps nothing
+            raise ConfigError(f"max_running_bulk must be >= 0, got {self.max_running_bulk}")
         for name in ("admission_window_ms", "admission_quiet_ms"):
             if not 0 <= float(getattr(self, name)) <= 1000:
                 raise ConfigError(f"{name} must be in [0, 1000], got {getattr(self, name)}")
