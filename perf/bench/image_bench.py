@@ -28,6 +28,7 @@ from perf.lib.harness import int_list
 from perf.lib.load import Tally, call_loop, closed_loop, latency_ms
 from perf.lib.paths import REPOSITORY
 from perf.lib.stats import median
+from perf.lib.workload import image_request
 
 PROG = "perf.bench.image_bench"
 FIGURES = "images_per_s:1 p50_ms:1 p99_ms:1 max_ms:1 classifier_batch:1 client_cores:2 machine_cores:2".split()
@@ -126,7 +127,7 @@ def measure_served(http_url: str, pipe: pipelines.Pipeline, blobs, concurrency: 
     """The shared closed loop, again (without warm-up) until ``--min-requests`` answered, at most 6 x --duration."""
     from perf.lib import triton_stats
 
-    bodies = [pipelines.image_body(pipelines.batch_of(blobs, window.batch, k)) for k in range(len(blobs))]
+    bodies = [image_request(*pipelines.batch_of(blobs, window.batch, k)) for k in range(len(blobs))]
     url, before = f"http://{http_url}/v2/models/{pipe.ensemble}/infer", triton_stats.snapshot(http_url)
     tally = Tally()
     while tally.seconds < 6 * args.duration and (not tally.seconds or len(tally.ok) + tally.errors < args.min_requests):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import queue
-import struct
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from perf.lib.served import served_config
-from perf.lib.workload import infer_body
+from perf.lib.workload import image_request
 
 DEFAULT_ENSEMBLES = ("image_classification", "image_classification_resnet50")
 JPEG_QUALITY = 90
@@ -123,19 +122,12 @@ class InProcess:
         return lambda chunk: session.run(None, {self.input_name: np.stack([pixels[b] for b in chunk])})
 
 
-def image_body(blobs: Sequence[bytes], binary_output: bool = True) -> tuple[bytes, dict[str, str]]:
-    """A KServe v2 HTTP request of ``len(blobs)`` images ([n, 1] BYTES) in Triton's binary extension."""
-    raw = b"".join(struct.pack("<I", len(b)) + b for b in blobs)
-    tensor = {"name": "IMAGE", "shape": [len(blobs), 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}
-    return infer_body([tensor], raw, binary_output)
-
-
 def check_same(http_url: str, runner: InProcess, photos: Sequence[tuple[str, bytes]]) -> float:
     """Each photo's top-5 classes, served and in-process, must be equal (RuntimeError naming the
     first photo where they differ); returns the largest score difference."""
     worst = 0.0
     for name, blob in photos:
-        body, headers = image_body([blob], binary_output=False)
+        body, headers = image_request(blob, binary_output=False)
         request = urllib.request.Request(f"http://{http_url}/v2/models/{runner.pipe.ensemble}/infer", body, headers)
         with urllib.request.urlopen(request, timeout=60) as r:
             outputs = {o["name"]: o["data"] for o in json.loads(r.read())["outputs"]}

@@ -43,11 +43,11 @@ def token_request(rng: random.Random, length: int = 16) -> tuple[bytes, dict[str
     )
 
 
-def image_request(blob: bytes) -> tuple[bytes, dict[str, str]]:
-    raw = struct.pack("<I", len(blob)) + blob
-    return infer_body(
-        [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}], raw
-    )
+def image_request(*blobs: bytes, binary_output: bool = True) -> tuple[bytes, dict[str, str]]:
+    """A request of ``len(blobs)`` images ([n, 1] BYTES) in Triton's binary extension."""
+    raw = b"".join(struct.pack("<I", len(b)) + b for b in blobs)
+    tensor = {"name": "IMAGE", "shape": [len(blobs), 1], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}
+    return infer_body([tensor], raw, binary_output)
 
 
 def gateway_request(text: str, api_key: str) -> tuple[bytes, dict[str, str]]:

@@ -9,6 +9,7 @@ from perf.bench import image_bench, image_pipelines
 from perf.bench.image_bench import Window
 from perf.lib.load import Tally
 from perf.lib.paths import REPOSITORY
+from perf.lib.workload import image_request
 
 
 def test_ensemble_steps_read_from_the_ensemble_config():
@@ -33,7 +34,7 @@ def test_window_percentiles_are_nearest_rank():
 
 
 def test_image_body_carries_each_image_in_the_binary_extension():
-    body, headers = image_pipelines.image_body([b"ab", b"cde"])
+    body, headers = image_request(b"ab", b"cde")
     n = int(headers["Inference-Header-Content-Length"])
     header = json.loads(body[:n])
     assert header["inputs"][0]["shape"] == [2, 1] and header["inputs"][0]["datatype"] == "BYTES"
