@@ -19,13 +19,11 @@ perf/results/tail-<UTC time>/.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import secrets
 import shutil
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -90,11 +88,9 @@ def before_repository(source: Path, target: Path, alt_configs: Path | None = Non
 
 def check_before(http_url: str, generation: bool) -> None:
     """The before phase's server serves the stall settings, and text_generation its BEFORE_PARAMETERS."""
+    from ops.repository import RepositoryClient
 
-    def config(model: str) -> dict:
-        with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/config", timeout=10) as r:
-            return json.loads(r.read())
-
+    config = RepositoryClient(http_url, timeout=10).config
     if (levels := config("text_tokenizer").get("dynamic_batching", {}).get("priority_levels", 0)) != 2:
         raise RuntimeError(f"before phase: text_tokenizer serves priority_levels {levels}, not 2")
     params = config("text_generation").get("parameters", {}) if generation else {}
