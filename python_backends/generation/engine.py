@@ -650,10 +650,11 @@ class LLMEngine:
         """The entries of the prompt tokens that ``chunk``'s rows score (row j holds the logits after
         position ``start + j``, which score the token at ``start + j + 1``), from where the request's
         list stands: rows recomputed after a preemption add nothing twice."""
-        req = self._requests[chunk.seq_id]
-        got, prompt = req.prompt_logprobs, req.prompt_ids
-        if got is None:  # handed out already (a recompute after a preemption)
+        req = self._requests.get(chunk.seq_id)
+        got = None if req is None else req.prompt_logprobs
+        if req is None or got is None:  # handed out already (a recompute after a preemption)
             return
+        prompt = req.prompt_ids
         first = len(got) - 1 - chunk.start
         last = min(chunk.num_tokens, len(prompt) - 1 - chunk.start)
         assert first >= 0, "prompt rows run in order from position 0 (no prefix-cache hits)"
