@@ -255,11 +255,17 @@ class BatchStore:
         )
         return int(row[0]), int(row[1])
 
-    def records(self, batch_id: str, ok: bool) -> Iterator[bytes]:
-        """The committed records of ``batch_id`` that succeeded (or failed), by line."""
-        rows = self._all("SELECT record FROM results WHERE batch_id = ? AND ok = ? ORDER BY line", (batch_id, int(ok)))
-        for (record,) in rows:
-            yield bytes(record)
+    def result_rows(self, batch_id: str) -> Iterator[tuple[int, bool, bytes]]:
+        """(line, ok, record) of the committed results of ``batch_id`` by line: one statement
+        (one snapshot) on a connection of its own, row by row, so neither every record in memory
+        nor the store's lock is held while the finalizer writes the files."""
+        db = sqlite3.connect(self.folder / "store.sqlite3", timeout=30)
+        try:
+            rows = db.execute("SELECT line, ok, record FROM results WHERE batch_id = ? ORDER BY line", (batch_id,))
+            for line, ok, record in rows:
+                yield line, bool(ok), bytes(record)
+        finally:
+            db.close()
 
 
 def file_object(row: tuple) -> dict:

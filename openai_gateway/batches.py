@@ -24,6 +24,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -387,15 +388,12 @@ class BatchRunner:
         after a crash, it writes the same files under the same ids."""
         store, batch_id = self.store(), batch["id"]
         key = batch_id.removeprefix("batch_")
+        outputs = (("output_file_id", f"file-{key}-output", "output"), ("error_file_id", f"file-{key}-errors", "errors"))
+        expired_from = store.file_path(batch["input_file_id"]) if final == "expired" else None
+        paths = [store.file_path(file_id) for _, file_id, _ in outputs]
+        sizes = await asyncio.to_thread(_write_files, store.result_rows(batch_id), expired_from, *paths)
         files: dict[str, str] = {}
-        expired_lines: list[bytes] = []
-        if final == "expired":
-            done = await asyncio.to_thread(store.done_lines, batch_id)
-            expired_lines = await asyncio.to_thread(_expired_records, store.file_path(batch["input_file_id"]), done)
-        for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "errors")):
-            file_id = f"file-{key}-{suffix}"
-            extra = [] if ok else expired_lines
-            size = await asyncio.to_thread(_write_records, store, store.records(batch_id, ok), extra, store.file_path(file_id))
+        for (field, file_id, suffix), size in zip(outputs, sizes):
             if size:
                 await asyncio.to_thread(
                     store.add_file, file_id, "batch_output", f"{batch_id}_{suffix}.jsonl", size, int(time.time())
@@ -405,24 +403,53 @@ class BatchRunner:
         log.info("batch %s %s", batch_id, final)
 
 
-def _write_records(store: BatchStore, records, extra: list[bytes], path: Path) -> int:
-    tmp = path.with_suffix(".tmp")
-    size = 0
-    with open(tmp, "wb") as f:
-        for record in (*records, *extra):
-            f.write(record + b"\n")
-            size += len(record) + 1
-        f.flush()
-        os.fsync(f.fileno())
-    if size:
-        os.replace(tmp, path)
-    else:
-        tmp.unlink()
-    return size
+class _JSONL:
+    """A JSONL file written to ``<name>.tmp``, synced, then moved in place if it has a record
+    (and was written to the end)."""
+
+    def __init__(self, path: Path):
+        self.path, self.tmp, self.size = path, path.with_suffix(".tmp"), 0
+        self.file = open(self.tmp, "wb")
+
+    def write(self, record: bytes) -> None:
+        self.file.write(record + b"\n")
+        self.size += len(record) + 1
+
+    def close(self, complete: bool) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.size and complete:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink()
 
 
-def _expired_records(path: Path, done: set[int]) -> list[bytes]:
-    records = []
+def _write_files(
+    rows: Iterator[tuple[int, bool, bytes]], expired_from: Path | None, output: Path, errors: Path
+) -> tuple[int, int]:
+    """The output and error files of one read of the results (``rows``); with ``expired_from``
+    (the input of an expired batch), each line without a result in that read is in the error file
+    as batch_expired. One read: a line committed after it is left out (or expired), never listed
+    twice. Their sizes."""
+    out, err = _JSONL(output), _JSONL(errors)
+    complete = False
+    try:
+        seen = set()
+        for n, ok, record in rows:
+            seen.add(n)
+            (out if ok else err).write(record)
+        if expired_from is not None:
+            for record in _expired_records(expired_from, seen):
+                err.write(record)
+        complete = True
+    finally:
+        out.close(complete)
+        err.close(complete)
+    return out.size, err.size
+
+
+def _expired_records(path: Path, done: set[int]) -> Iterator[bytes]:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if n in done or not raw.strip():
@@ -436,8 +463,7 @@ def _expired_records(path: Path, done: set[int]) -> list[bytes]:
                     "message": "This request could not be executed before the completion window expired.",
                 },
             }
-            records.append(orjson.dumps(record))
-    return records
+            yield orjson.dumps(record)
 
 
 def new_id(prefix: str) -> str:

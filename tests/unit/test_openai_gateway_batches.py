@@ -120,3 +120,47 @@ def test_a_batch_resumed_after_its_window_runs_no_line_and_expires(tmp_path):
     errors = store.file_path(done["error_file_id"]).read_text().splitlines()
     assert [json.loads(e)["error"]["code"] for e in errors] == ["batch_expired"] * 3
     store.close()
+
+
+def test_an_expired_batchs_files_list_each_line_once_when_a_result_lands_during_finalize(tmp_path):
+    """A line whose commit lands while the files are written (its request was in flight when the
+    window passed) is in the output file or expired in the error file, never both."""
+    import asyncio
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from openai_gateway.batches import BatchRunner
+    from openai_gateway.settings import GatewaySettings
+
+    app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(metrics=mock.MagicMock())))
+    runner = BatchRunner(app, GatewaySettings(batch_dir=tmp_path))  # type: ignore[arg-type]
+    store = runner.store()
+    store.file_path("file-in").write_text("".join(json.dumps(line(c)) + "\n" for c in "abc"))
+    batch = new_batch("batch_race", "/v1/embeddings", "file-in", "24h", None, 3, [])
+    store.add_batch({**batch, "status": "in_progress", "expires_at": int(time.time()) - 1}, 3, "key")
+    for n in (1, 2):
+        store.add_result("batch_race", n, True, json.dumps({"custom_id": "abc"[n - 1]}).encode())
+    late = [b'{"custom_id": "c"}']
+
+    def after_first_read(method):
+        def read(*args, **kwargs):
+            out = method(*args, **kwargs)
+            while late:  # the in-flight line's commit, right after the finalizer's first read
+                store.add_result("batch_race", 3, True, late.pop())
+            return out
+
+        return read
+
+    for name in ("done_lines", "records", "result_rows"):
+        if hasattr(store, name):
+            setattr(store, name, after_first_read(getattr(store, name)))
+    asyncio.run(runner._finalize(store.get_batch("batch_race"), "expired"))
+    done = store.get_batch("batch_race")
+    listed = [
+        json.loads(r)["custom_id"]
+        for field in ("output_file_id", "error_file_id")
+        if done[field]
+        for r in store.file_path(done[field]).read_text().splitlines()
+    ]
+    assert done["status"] == "expired" and sorted(listed) == ["a", "b", "c"]
+    store.close()
