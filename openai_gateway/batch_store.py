@@ -12,6 +12,7 @@ Methods are blocking (milliseconds); async code calls them through ``asyncio.to_
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -127,29 +128,42 @@ class BatchStore:
         )
         return [file_object(r) for r in rows[:limit]], len(rows) > limit
 
-    def file_in_use(self, file_id: str) -> bool:
-        """Whether an unfinished batch reads ``file_id``."""
+    def delete_file(self, file_id: str) -> bool | str:
+        """Forget ``file_id`` and remove its body: True; False when there was none; the id of an
+        unfinished batch that reads it (the file is kept). One transaction with ``add_batch``'s
+        check, so a batch never starts on a deleted file."""
         marks = ",".join("?" * len(ACTIVE))
-        row = self._one(
-            f"SELECT 1 FROM batches WHERE status IN ({marks}) AND json_extract(body, '$.input_file_id') = ?", (*ACTIVE, file_id)
-        )
-        return row is not None
-
-    def delete_file(self, file_id: str) -> bool:
-        """Forget ``file_id`` and remove its body; False when there was none."""
-        deleted = self._write("DELETE FROM files WHERE id = ?", (file_id,)) > 0
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                user = self._db.execute(
+                    f"SELECT id FROM batches WHERE status IN ({marks}) AND json_extract(body, '$.input_file_id') = ? LIMIT 1",
+                    (*ACTIVE, file_id),
+                ).fetchone()
+                deleted = user is None and self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        if user is not None:
+            return str(user[0])
         if deleted:
             self.file_path(file_id).unlink(missing_ok=True)
         return deleted
 
     # -- batches
 
-    def add_batch(self, batch: dict, total: int, key_id: str) -> None:
-        """Record a new batch (OpenAI's object, without its request counts) of ``total`` lines."""
+    def add_batch(self, batch: dict, total: int, key_id: str) -> bool:
+        """Record a new batch (OpenAI's object, without its request counts) of ``total`` lines;
+        False (nothing recorded) when its input file is gone."""
         body = {k: v for k, v in batch.items() if k != "request_counts" and v is not None}
-        self._write(
-            "INSERT INTO batches (id, created_at, status, body, total, key_id) VALUES (?, ?, ?, ?, ?, ?)",
-            (batch["id"], batch["created_at"], batch["status"], json.dumps(body), total, key_id),
+        return (
+            self._write(
+                "INSERT INTO batches (id, created_at, status, body, total, key_id) "
+                "SELECT ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM files WHERE id = ?)",
+                (batch["id"], batch["created_at"], batch["status"], json.dumps(body), total, key_id, batch["input_file_id"]),
+            )
+            > 0
         )
 
     def get_batch(self, batch_id: str) -> dict | None:
@@ -186,6 +200,54 @@ class BatchStore:
             self._write(
                 f"UPDATE batches SET status = ?, body = json_patch(body, ?) WHERE id = ? AND status IN ({marks})",
                 (to, json.dumps(patch), batch_id, *from_),
+            )
+            > 0
+        )
+
+    def finalize(
+        self, batch_id: str, owner: str, to: str, from_: tuple[str, ...], outputs: list[tuple[str, str, str, int, Path]]
+    ) -> bool:
+        """Give ``batch_id`` its final status ``to`` with its output files, if ``owner`` still
+        holds its lease and it is in one of ``from_``: each ``(field, file_id, filename, size,
+        written)`` is moved from ``written`` (a path of this writer's own) to ``file_path(file_id)``
+        and recorded, all in one transaction that holds the store's write lock, so a gateway that
+        took the lease over cannot commit at the same time. False (nothing moved) otherwise."""
+        now = int(time.time())
+        patch: dict[str, Any] = {"status": to, f"{to}_at": now}
+        marks = ",".join("?" * len(from_))
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                held = self._db.execute(
+                    f"SELECT 1 FROM batches WHERE id = ? AND lease_owner = ? AND status IN ({marks})", (batch_id, owner, *from_)
+                ).fetchone()
+                if held is None:
+                    self._db.execute("ROLLBACK")
+                    return False
+                for field, file_id, filename, size, written in outputs:
+                    os.replace(written, self.file_path(file_id))
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)", (file_id, "batch_output", filename, size, now)
+                    )
+                    patch[field] = file_id
+                self._db.execute(
+                    "UPDATE batches SET status = ?, body = json_patch(body, ?) WHERE id = ?", (to, json.dumps(patch), batch_id)
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return True
+
+    def fail(self, batch_id: str, owner: str, error: dict) -> bool:
+        """Make ``batch_id`` (unfinished, its lease held by ``owner``) ``failed`` with ``error`` in its ``errors.data``."""
+        marks = ",".join("?" * len(ACTIVE))
+        patch = {"status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": [error]}}
+        return (
+            self._write(
+                f"UPDATE batches SET status = 'failed', body = json_patch(body, ?) WHERE id = ? AND lease_owner = ? "
+                f"AND status IN ({marks})",
+                (json.dumps(patch), batch_id, owner, *ACTIVE),
             )
             > 0
         )

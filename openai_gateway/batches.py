@@ -18,10 +18,10 @@ the lines that were in flight when a gateway died run a second time, and the out
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -55,6 +55,11 @@ STATUSES = ("validating", "in_progress", "finalizing", "cancelling", "completed"
 MAX_ERRORS = 100  # errors listed on a failed batch
 RETRY_STATUSES = (429, 503)
 RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+# A batch whose run raises (its input unreadable, the store failing) is retried after these
+# delays, then made failed with the error (RUN_ATTEMPTS runs in all, per gateway).
+RUN_RETRY_S = (1.0, 4.0, 15.0, 60.0)
+RUN_ATTEMPTS = len(RUN_RETRY_S) + 1
+CLOSE_WAIT_S = 10.0  # how long close() waits for the runs to stop
 
 
 def line_error(line: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
@@ -167,6 +172,9 @@ class BatchRunner:
         self._inner: Any = None
         self._loop_task: asyncio.Task | None = None
         self._running: dict[str, asyncio.Task] = {}
+        self._failures: dict[str, int] = {}  # failed runs of a batch, and when it is tried again
+        self._retry_at: dict[str, float] = {}
+        self._opening = threading.Lock()
         self._slots: asyncio.Semaphore | None = None
         self.poll_s = 1.0
 
@@ -176,9 +184,10 @@ class BatchRunner:
 
     def store(self) -> BatchStore:
         """The store, opened (and its folder created) on first use."""
-        if self._store is None:
-            self._store = BatchStore(self.settings.batch_dir)
-        return self._store
+        with self._opening:  # the poll opens it in a thread, a route on the event loop
+            if self._store is None:
+                self._store = BatchStore(self.settings.batch_dir)
+            return self._store
 
     async def start(self) -> None:
         """Start polling the store for batches to run (the app's startup)."""
@@ -186,27 +195,39 @@ class BatchRunner:
         self._loop_task = asyncio.create_task(self._poll())
 
     async def close(self) -> None:
-        """Stop the runs; lines in flight are not committed and run again where the batch resumes.
-        The leases are given up so another gateway (or this one restarted) resumes at once."""
+        """Stop the runs (cancelled, awaited up to ``CLOSE_WAIT_S``); lines in flight are not
+        committed and run again where the batch resumes. Then the leases are given up, so another
+        gateway (or this one restarted) resumes at once, and the store is closed."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.wait((self._loop_task,))
         held = list(self._running)
-        tasks = [t for t in (self._loop_task, *self._running.values()) if t is not None]
+        tasks = list(self._running.values())
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._store is not None:
-            for batch_id in held:
-                self._store.release_lease(self.owner, batch_id)
-            self._store.close()
-            self._store = None
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            if pending:
+                log.warning("%d batch runs did not stop within %.0f s of shutdown", len(pending), CLOSE_WAIT_S)
+        store, self._store = self._store, None
+        if store is not None:
+
+            def release() -> None:
+                for batch_id in held:
+                    store.release_lease(self.owner, batch_id)
+                store.close()
+
+            await asyncio.to_thread(release)
 
     async def _poll(self) -> None:
         # A gateway that never saw a batch creates no store: it waits for one to appear.
         while True:
             try:
                 if self._store is not None or (self.settings.batch_dir / "store.sqlite3").exists():
-                    store = self.store()
+                    store = await asyncio.to_thread(self.store)
+                    now = time.time()
                     for batch_id in await asyncio.to_thread(store.take_leases, self.owner, self.settings.batch_lease_s, 16):
-                        if batch_id not in self._running:
+                        if batch_id not in self._running and self._retry_at.get(batch_id, 0) <= now:
                             self._running[batch_id] = asyncio.create_task(self._run(batch_id))
                     counts = await asyncio.to_thread(store.status_counts)
                     for status in STATUSES:
@@ -228,13 +249,45 @@ class BatchRunner:
                     log.warning("batch %s: its lease was taken over; stopping here", batch_id)
                     work.cancel()
             await work
+            self._failures.pop(batch_id, None)
+            self._retry_at.pop(batch_id, None)
         except asyncio.CancelledError:
             work.cancel()
+            await asyncio.wait((work,))  # its lines stopped before the store closes
             raise
-        except Exception:
-            log.exception("batch %s failed to run; retried at the next poll", batch_id)
+        except Exception as exc:
+            await self._failed(batch_id, exc)
         finally:
             self._running.pop(batch_id, None)
+
+    async def _failed(self, batch_id: str, exc: Exception) -> None:
+        """Count a failed run of ``batch_id``: tried again after a delay, or, after
+        ``RUN_ATTEMPTS`` runs, made failed with the error in ``errors.data``."""
+        n = self._failures.get(batch_id, 0) + 1
+        if n < RUN_ATTEMPTS:
+            self._failures[batch_id] = n
+            delay = RUN_RETRY_S[n - 1]
+            self._retry_at[batch_id] = time.time() + delay
+            log.warning(
+                "batch %s failed to run (%s: %s); run %d of %d in %.0f s",
+                batch_id,
+                type(exc).__name__,
+                exc,
+                n + 1,
+                RUN_ATTEMPTS,
+                delay,
+            )
+            return
+        self._failures.pop(batch_id, None)
+        self._retry_at.pop(batch_id, None)
+        log.error("batch %s failed to run %d times; it is failed", batch_id, n, exc_info=exc)
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)  # no server path
+        message = f"The batch failed to run {n} times: {type(exc).__name__}: {detail}"
+        error = {"code": "batch_run_failed", "line": None, "message": message[:1000], "param": None}
+        try:
+            await asyncio.to_thread(self.store().fail, batch_id, self.owner, error)
+        except Exception:
+            log.exception("batch %s: its failure could not be recorded; run again at the next poll", batch_id)
 
     async def _drive(self, batch_id: str) -> None:
         store = self.store()
@@ -271,10 +324,15 @@ class BatchRunner:
                 row = None if feed.done() else await asyncio.to_thread(store.batch_row, batch_id)
                 if row is not None and (row[0] != "in_progress" or time.time() > batch["expires_at"]):
                     feed.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await feed
+            # A wait, not ``await feed``: the feed cancelled above ends the lines, while a cancel
+            # of this task (shutdown, a lost lease) propagates.
+            await asyncio.wait((feed,))
+            if not feed.cancelled():
+                feed.result()
         finally:
-            feed.cancel()
+            if not feed.done():
+                feed.cancel()
+                await asyncio.wait((feed,))
 
     async def _feed(self, batch: dict) -> None:
         """Start a task per line not committed, each in one of ``--batch-concurrency`` slots;
@@ -390,26 +448,36 @@ class BatchRunner:
         key = batch_id.removeprefix("batch_")
         outputs = (("output_file_id", f"file-{key}-output", "output"), ("error_file_id", f"file-{key}-errors", "errors"))
         expired_from = store.file_path(batch["input_file_id"]) if final == "expired" else None
-        paths = [store.file_path(file_id) for _, file_id, _ in outputs]
-        sizes = await asyncio.to_thread(_write_files, store.result_rows(batch_id), expired_from, *paths)
-        files: dict[str, str] = {}
-        for (field, file_id, suffix), size in zip(outputs, sizes):
-            if size:
-                await asyncio.to_thread(
-                    store.add_file, file_id, "batch_output", f"{batch_id}_{suffix}.jsonl", size, int(time.time())
-                )
-                files[field] = file_id
-        await asyncio.to_thread(store.transition, batch_id, final, ("in_progress", "finalizing", "cancelling"), files)
-        log.info("batch %s %s", batch_id, final)
+        # Written under names of this writer's own, moved in place by the store only while the lease is held.
+        written = [store.files_dir / f"{file_id}.{uuid.uuid4().hex}.tmp" for _, file_id, _ in outputs]
+        try:
+            sizes = await asyncio.to_thread(_write_files, store.result_rows(batch_id), expired_from, *written)
+            files = [
+                (field, file_id, f"{batch_id}_{suffix}.jsonl", size, path)
+                for (field, file_id, suffix), size, path in zip(outputs, sizes, written)
+                if size
+            ]
+            done = await asyncio.to_thread(
+                store.finalize, batch_id, self.owner, final, ("in_progress", "finalizing", "cancelling"), files
+            )
+        finally:
+            for path in written:
+                path.unlink(missing_ok=True)
+        if done:
+            log.info("batch %s %s", batch_id, final)
+        else:
+            log.warning(
+                "batch %s: its lease was taken over (or it ended) while finalising; its files are left to the holder", batch_id
+            )
 
 
 class _JSONL:
-    """A JSONL file written to ``<name>.tmp``, synced, then moved in place if it has a record
-    (and was written to the end)."""
+    """A JSONL file written to ``path`` and synced, kept if it has a record (and was written to
+    the end)."""
 
     def __init__(self, path: Path):
-        self.path, self.tmp, self.size = path, path.with_suffix(".tmp"), 0
-        self.file = open(self.tmp, "wb")
+        self.path, self.size = path, 0
+        self.file = open(path, "wb")
 
     def write(self, record: bytes) -> None:
         self.file.write(record + b"\n")
@@ -419,10 +487,9 @@ class _JSONL:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        if self.size and complete:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink()
+        if not (self.size and complete):
+            self.path.unlink()
+            self.size = 0
 
 
 def _write_files(

@@ -49,15 +49,21 @@ async def create_batch(body: BatchCreateRequest, request: Request):
         raise bad_request("metadata holds at most 16 pairs, keys of at most 64 and values of at most 512 characters", "metadata")
     check_id(body.input_file_id, "input_file_id")
     store = store_of(request)
+    gone = APIError(404, f"No such file: {body.input_file_id!r}", param="input_file_id", code="file_not_found")
     file = await asyncio.to_thread(store.get_file, body.input_file_id)
     if file is None:
-        raise APIError(404, f"No such file: {body.input_file_id!r}", param="input_file_id", code="file_not_found")
+        raise gone
     if file["purpose"] != "batch":
         raise bad_request(f"input_file_id must name a file of purpose batch, not {file['purpose']}", "input_file_id")
     settings = runner(request).settings
-    total, errors = await asyncio.to_thread(check_lines, store.file_path(file["id"]), settings.batch_max_lines, body.endpoint)
+    try:
+        total, errors = await asyncio.to_thread(check_lines, store.file_path(file["id"]), settings.batch_max_lines, body.endpoint)
+    except FileNotFoundError:  # deleted since the lookup above
+        raise gone from None
     batch = new_batch(new_id("batch_"), body.endpoint, file["id"], body.completion_window, metadata, total, errors)
-    await asyncio.to_thread(store.add_batch, batch, total, request_info(request)["key_id"])
+    # Recorded only if the file still exists (one statement; a delete checks for batches in one too).
+    if not await asyncio.to_thread(store.add_batch, batch, total, request_info(request)["key_id"]):
+        raise gone
     return json_response(200, orjson.dumps(await asyncio.to_thread(store.get_batch, batch["id"])))
 
 

@@ -26,6 +26,7 @@ router = APIRouter()
 # OpenAI's purposes; only "batch" is served here.
 PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
 MULTIPART_OVERHEAD = 64 * 1024  # the form's other fields and headers, on top of the file's limit
+WRITE_CHUNK = 1 << 20
 _UPLOAD = {
     "requestBody": {
         "required": True,
@@ -131,13 +132,18 @@ async def create_file(request: Request):
     file_id = new_id("file-")
     body = store.files_dir / f"{file_id}.upload"
     try:
-        received = 0
+        received, pending, buffered = 0, list[bytes](), 0
         with open(body, "wb") as out:
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > limit + MULTIPART_OVERHEAD:
                     raise bad_request(f"file: the file exceeds {limit} bytes (--batch-max-file-mb)", param="file")
-                out.write(chunk)
+                pending.append(chunk)
+                buffered += len(chunk)
+                if buffered >= WRITE_CHUNK:  # written in a thread, a MiB at a time, off the event loop
+                    await asyncio.to_thread(out.writelines, pending)
+                    pending, buffered = [], 0
+            await asyncio.to_thread(out.writelines, pending)
         fields, upload = await asyncio.to_thread(parse_form, body, found.group(1).encode("latin-1"))
         purpose = fields.get("purpose")
         if purpose is None:
@@ -203,10 +209,10 @@ async def file_content(file_id: str, request: Request):
 async def delete_file(file_id: str, request: Request):
     """Delete ``file_id`` (refused while an unfinished batch reads it)."""
     check_id(file_id, "file_id")
-    store = store_of(request)
-    if await asyncio.to_thread(store.file_in_use, file_id):
-        raise bad_request(f"file {file_id} is the input of a batch still running; cancel it first", param="file_id")
-    if not await asyncio.to_thread(store.delete_file, file_id):
+    deleted = await asyncio.to_thread(store_of(request).delete_file, file_id)
+    if isinstance(deleted, str):
+        raise bad_request(f"file {file_id} is the input of batch {deleted}, which is not finished; cancel it first", "file_id")
+    if not deleted:
         raise not_found(file_id)
     return json_response(200, orjson.dumps({"id": file_id, "object": "file", "deleted": True}))
 

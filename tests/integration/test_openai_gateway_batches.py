@@ -189,11 +189,16 @@ def test_a_bad_line_fails_the_batch_with_its_line_and_field(client):
 # --- 3. cancel ------------------------------------------------------------------------------
 
 
-def test_cancel(client):
+def test_cancel(client, batch_dir):
     lines = embedding_lines(40, "cancel")
-    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/embeddings", completion_window="24h")
+    input_id = upload(client, lines)
+    batch = client.batches.create(input_file_id=input_id, endpoint="/v1/embeddings", completion_window="24h")
+    err = refused(lambda: client.files.delete(input_id))  # the input of an unfinished batch is kept
+    assert err.param == "file_id" and batch.id in err.message
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = wait_for(client, batch.id, ("cancelled",))
+    assert client.files.delete(input_id).deleted
+    assert not list((batch_dir / "files").glob("*.tmp"))  # each finaliser's own files, moved in place
     assert done.cancelling_at and done.cancelled_at
     assert done.request_counts.completed < 40
     ids = [r["custom_id"] for r in records(client, done.output_file_id)]

@@ -26,8 +26,9 @@ def store(tmp_path):
 
 
 def test_a_result_counts_once_and_survives_a_reopen(store, tmp_path):
+    store.add_file("file-a", "batch", "a.jsonl", 1, 1)
     batch = new_batch("batch_a", "/v1/embeddings", "file-a", "24h", None, 3, [])
-    store.add_batch(batch, 3, "key")
+    assert store.add_batch(batch, 3, "key")
     assert store.add_result("batch_a", 1, True, b"{}")
     assert not store.add_result("batch_a", 1, False, b"{}")  # a second answer of the line is dropped
     store.add_result("batch_a", 2, False, b"{}")
@@ -39,7 +40,8 @@ def test_a_result_counts_once_and_survives_a_reopen(store, tmp_path):
 
 
 def test_one_gateway_holds_a_batch_until_its_lease_lapses(store):
-    store.add_batch(new_batch("batch_b", "/v1/embeddings", "file-b", "24h", None, 1, []), 1, "key")
+    store.add_file("file-b", "batch", "b.jsonl", 1, 1)
+    assert store.add_batch(new_batch("batch_b", "/v1/embeddings", "file-b", "24h", None, 1, []), 1, "key")
     assert store.take_leases("one", 0.2, 16) == ["batch_b"]
     assert store.take_leases("two", 0.2, 16) == []
     assert store.renew_lease("one", "batch_b", 0.2)
@@ -90,18 +92,14 @@ def test_a_batch_resumed_after_its_window_runs_no_line_and_expires(tmp_path):
     """A gateway that takes up a batch whose completion window has passed (it was down at the
     time) sends none of its remaining lines: they go to the error file as batch_expired."""
     import asyncio
-    from types import SimpleNamespace
-    from unittest import mock
 
-    from openai_gateway.batches import BatchRunner
-    from openai_gateway.settings import GatewaySettings
-
-    app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(metrics=mock.MagicMock())))
-    runner = BatchRunner(app, GatewaySettings(batch_dir=tmp_path))  # type: ignore[arg-type]
+    runner = _runner(tmp_path)
     store = runner.store()
     store.file_path("file-in").write_text("".join(json.dumps(line(c)) + "\n" for c in "abc"))
+    store.add_file("file-in", "batch", "in.jsonl", 1, 1)
     batch = new_batch("batch_late", "/v1/embeddings", "file-in", "24h", None, 3, [])
     store.add_batch({**batch, "status": "in_progress", "expires_at": int(time.time()) - 1}, 3, "key")
+    assert store.take_leases(runner.owner, 30, 16) == [batch["id"]]
     sent: list = []
 
     async def call(url, body, key_id):
@@ -126,18 +124,14 @@ def test_an_expired_batchs_files_list_each_line_once_when_a_result_lands_during_
     """A line whose commit lands while the files are written (its request was in flight when the
     window passed) is in the output file or expired in the error file, never both."""
     import asyncio
-    from types import SimpleNamespace
-    from unittest import mock
 
-    from openai_gateway.batches import BatchRunner
-    from openai_gateway.settings import GatewaySettings
-
-    app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(metrics=mock.MagicMock())))
-    runner = BatchRunner(app, GatewaySettings(batch_dir=tmp_path))  # type: ignore[arg-type]
+    runner = _runner(tmp_path)
     store = runner.store()
     store.file_path("file-in").write_text("".join(json.dumps(line(c)) + "\n" for c in "abc"))
+    store.add_file("file-in", "batch", "in.jsonl", 1, 1)
     batch = new_batch("batch_race", "/v1/embeddings", "file-in", "24h", None, 3, [])
     store.add_batch({**batch, "status": "in_progress", "expires_at": int(time.time()) - 1}, 3, "key")
+    assert store.take_leases(runner.owner, 30, 16) == [batch["id"]]
     for n in (1, 2):
         store.add_result("batch_race", n, True, json.dumps({"custom_id": "abc"[n - 1]}).encode())
     late = [b'{"custom_id": "c"}']
@@ -164,3 +158,125 @@ def test_an_expired_batchs_files_list_each_line_once_when_a_result_lands_during_
     ]
     assert done["status"] == "expired" and sorted(listed) == ["a", "b", "c"]
     store.close()
+
+
+def _runner(tmp_path):
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from openai_gateway.batches import BatchRunner
+    from openai_gateway.settings import GatewaySettings
+
+    app = SimpleNamespace(state=SimpleNamespace(gateway=SimpleNamespace(metrics=mock.MagicMock())))
+    return BatchRunner(app, GatewaySettings(batch_dir=tmp_path))  # type: ignore[arg-type]
+
+
+def _in_progress(store, batch_id: str, lines: str = "abc") -> None:
+    store.file_path("file-in").write_text("".join(json.dumps(line(c)) + "\n" for c in lines))
+    store.add_file("file-in", "batch", "in.jsonl", 1, int(time.time()))
+    batch = new_batch(batch_id, "/v1/embeddings", "file-in", "24h", None, len(lines), [])
+    assert store.add_batch({**batch, "status": "in_progress"}, len(lines), "key")
+
+
+def test_a_file_cannot_be_deleted_under_a_batch_nor_a_batch_created_on_a_deleted_file(store):
+    """Both checks are one statement each, so DELETE /v1/files racing POST /v1/batches leaves
+    either the file and its batch or neither."""
+    store.file_path("file-x").write_text("{}\n")
+    store.add_file("file-x", "batch", "x.jsonl", 3, 1)
+    assert store.add_batch(new_batch("batch_x", "/v1/embeddings", "file-x", "24h", None, 1, []), 1, "key")
+    assert store.delete_file("file-x") == "batch_x"
+    assert store.get_file("file-x") is not None and store.file_path("file-x").exists()
+    store.transition("batch_x", "cancelled", ("validating",))
+    assert store.delete_file("file-x") is True
+    assert not store.add_batch(new_batch("batch_y", "/v1/embeddings", "file-x", "24h", None, 1, []), 1, "key")
+    assert store.get_batch("batch_y") is None and store.delete_file("file-x") is False
+
+
+def test_a_batch_that_keeps_failing_to_run_fails_after_a_few_attempts(tmp_path):
+    import asyncio
+
+    from openai_gateway.batches import RUN_ATTEMPTS
+
+    runner = _runner(tmp_path)
+    store = runner.store()
+    _in_progress(store, "batch_gone")
+    store.file_path("file-in").unlink()  # its input lost: every attempt fails
+    assert store.take_leases(runner.owner, 30, 16) == ["batch_gone"]
+
+    async def run():
+        runner._slots = asyncio.Semaphore(4)
+        for _ in range(RUN_ATTEMPTS):
+            await runner._run("batch_gone")
+
+    asyncio.run(run())
+    done = store.get_batch("batch_gone")
+    assert done["status"] == "failed" and done["failed_at"]
+    (error,) = done["errors"]["data"]
+    assert error["code"] == "batch_run_failed" and "FileNotFoundError" in error["message"]
+    assert str(tmp_path) not in error["message"]  # the server's folders are not shown
+    store.close()
+
+
+def test_a_gateway_that_lost_the_lease_does_not_commit_the_output(tmp_path):
+    """Finalising is fenced by the lease: the files are written under names of the writer's own
+    and moved in place in the transaction that checks the lease and records them."""
+    import asyncio
+
+    one, two = _runner(tmp_path), _runner(tmp_path)
+    store = one.store()
+    _in_progress(store, "batch_f")
+    for n, c in enumerate("abc", 1):
+        store.add_result("batch_f", n, True, json.dumps({"custom_id": c}).encode())
+    assert store.take_leases(one.owner, 0.01, 16) == ["batch_f"]
+    time.sleep(0.05)
+    assert two.store().take_leases(two.owner, 30, 16) == ["batch_f"]
+    asyncio.run(one._finalize(store.get_batch("batch_f"), "completed"))
+    batch = store.get_batch("batch_f")
+    assert batch["status"] == "in_progress" and batch["output_file_id"] is None
+    assert sorted(p.name for p in store.files_dir.iterdir()) == ["file-in.jsonl"]
+    asyncio.run(two._finalize(two.store().get_batch("batch_f"), "completed"))
+    batch = store.get_batch("batch_f")
+    assert batch["status"] == "completed" and len(store.file_path(batch["output_file_id"]).read_text().splitlines()) == 3
+    store.close()
+    two.store().close()
+
+
+def test_close_stops_the_runs_before_the_store_and_a_cancel_is_not_swallowed(tmp_path):
+    """At shutdown the lines in flight are dropped (not committed), the batch is not finalised,
+    and its lease is given up."""
+    import asyncio
+
+    runner = _runner(tmp_path)
+    store = runner.store()
+    _in_progress(store, "batch_s")
+    sent: list = []
+
+    async def call(url, body, key_id):
+        sent.append(body)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.1)  # a line that takes a moment to stop
+            raise
+
+    runner.call = call  # type: ignore[method-assign]
+    runner.poll_s = 0.02
+
+    async def run():
+        await runner.start()
+        for _ in range(500):
+            if sent:
+                break
+            await asyncio.sleep(0.01)
+        await runner.close()
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        await asyncio.sleep(0.2)  # anything left running would finalise the batch here
+        return left
+
+    assert asyncio.run(run()) == []
+    again = BatchStore(tmp_path)
+    assert sent and runner._running == {}
+    assert again.get_batch("batch_s")["status"] == "in_progress" and again.done_lines("batch_s") == set()
+    assert again.batch_row("batch_s") is not None
+    assert again._one("SELECT lease_owner FROM batches WHERE id = 'batch_s'") == (None,)
+    again.close()
