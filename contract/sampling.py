@@ -182,9 +182,54 @@ STRUCTURED_OPTIONS = (
 )
 
 
+MAX_STRUCTURES = 64  # a structural tag's structures (one per tool, as vLLM's clients send them)
+
+
+def structural_tag_grammar(value: Any, field: str) -> str:
+    """vLLM's structural tag (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``, an
+    object or its JSON text) as the Lark grammar llguidance compiles (its ``StructTag`` layout): free
+    text, and once a trigger appears the structure whose ``begin`` starts with it: the rest of
+    ``begin``, JSON of its schema, ``end``; then free text again. InputError names what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InputError(field, f"is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InputError(field, f"must be an object with structures and triggers, got {type(value).__name__}")
+    if "format" in value:
+        raise InputError(f"{field}.format", "the tag-format form is not served; send structures and triggers")
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(structures, list) or not 0 < len(structures) <= MAX_STRUCTURES:
+        raise InputError(f"{field}.structures", f"must be a list of 1 to {MAX_STRUCTURES} structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise InputError(f"{field}.triggers", "must be a non-empty list of non-empty strings")
+    rules = []
+    for i, structure in enumerate(structures):
+        where = f"{field}.structures[{i}]"
+        if not isinstance(structure, dict):
+            raise InputError(where, "must be an object with begin, schema and end")
+        begin, end, schema = structure.get("begin"), structure.get("end"), structure.get("schema")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise InputError(where, "needs begin and end strings")
+        if not isinstance(schema, dict):
+            raise InputError(f"{where}.schema", "must be a JSON schema object")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise InputError(f"{where}.begin", f"starts with none of the triggers {triggers}")
+        body = " ".join(part for part in (_literal(begin[len(trigger) :]), "%json " + json.dumps(schema), _literal(end)) if part)
+        rules.append(f"tag_{i}_trigger[lazy]: TAG_TEXT {json.dumps(trigger)}\ntag_{i}: tag_{i}_trigger {body}")
+    tags = " | ".join(f"tag_{i}" for i in range(len(structures)))
+    return "%llguidance {}\nstart: (" + tags + ")* tag_end\ntag_end: TAG_TEXT\nTAG_TEXT: /(.|\\n)*/\n" + "\n".join(rules)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
 def _structured_outputs(value: Any) -> tuple[str, Any]:
     """(guided_* field, its value) of vLLM's ``structured_outputs`` object; a key this engine does not
-    serve (``structural_tag``) or knows nothing of is refused, never dropped."""
+    knows nothing of is refused, never dropped."""
     if not isinstance(value, dict):
         raise InputError("structured_outputs", f"must be an object, got {type(value).__name__}")
     guides = []
@@ -198,7 +243,7 @@ def _structured_outputs(value: Any) -> tuple[str, Any]:
                 raise InputError("structured_outputs.json_object", f"must be true, got {item!r}")
             guides.append(("guided_json", {"type": "object"}))
         elif key == "structural_tag":
-            raise InputError("structured_outputs.structural_tag", "structural tags are not served by this model")
+            guides.append(("guided_grammar", structural_tag_grammar(item, "structured_outputs.structural_tag")))
         else:
             known = ", ".join([*STRUCTURED_GUIDES, "json_object", *STRUCTURED_OPTIONS])
             raise InputError(f"structured_outputs.{key}", f"unknown key (known: {known})")

@@ -15,7 +15,8 @@ from typing import Any
 
 import orjson
 
-from contract.sampling import GUIDE_FIELDS, MAX_LOGPROBS, SAMPLING_FIELDS
+from contract.errors import InputError
+from contract.sampling import GUIDE_FIELDS, MAX_LOGPROBS, SAMPLING_FIELDS, structural_tag_grammar
 from openai_gateway.catalog import GenerationModel
 from openai_gateway.embeddings import utf8
 from openai_gateway.errors import bad_request, too_large
@@ -215,15 +216,29 @@ def check_chat(req: ChatCompletionRequest, model: GenerationModel, settings: Gat
 
 def _guide_from_response_format(value: dict[str, Any] | None, sampling: dict[str, Any], fields: dict[str, str]) -> Any:
     """``response_format``'s schema as the job's guide (the engine compiles and enforces it; its
-    errors name guided_json, reported as response_format); 400 beside another guide."""
+    errors name guided_json, reported as response_format); 400 beside another guide. vLLM's
+    ``structural_tag`` type becomes a Lark guide (free text, the tag's schema after a trigger)."""
+    if value and value.get("type") == "structural_tag":
+        try:
+            grammar = structural_tag_grammar({k: v for k, v in value.items() if k != "type"}, "response_format")
+        except InputError as exc:
+            raise bad_request(str(exc), param=exc.field) from None
+        _one_guide(sampling)
+        sampling["guided_grammar"] = grammar
+        fields["guided_grammar"] = "response_format"
+        return grammar
     schema = response_format_schema(value)
     if schema is not None:
-        other = next((name for name in (*GUIDE_FIELDS, "structured_outputs") if name in sampling), None)
-        if other is not None:
-            raise bad_request(f"response_format cannot be combined with {other}: one guide per request", param="response_format")
+        _one_guide(sampling)
         sampling["guided_json"] = schema
         fields["guided_json"] = "response_format"
     return schema
+
+
+def _one_guide(sampling: dict[str, Any]) -> None:
+    other = next((name for name in (*GUIDE_FIELDS, "structured_outputs") if name in sampling), None)
+    if other is not None:
+        raise bad_request(f"response_format cannot be combined with {other}: one guide per request", param="response_format")
 
 
 def response_format_schema(value: dict[str, Any] | None) -> Any:

@@ -468,7 +468,29 @@ def test_structured_outputs_parse_into_the_clients_pydantic_model_every_time(ope
         openai_client.chat.completions.create(
             model=GENERATION, messages=QUESTION, max_tokens=4, extra_body={"structured_outputs": {"structural_tag": "{}"}}
         )
-    assert caught.value.response.json()["error"]["param"] == "structured_outputs.structural_tag"
+    assert caught.value.response.json()["error"]["param"] == "structured_outputs.structural_tag.structures"
+    # A structural tag, as vLLM's field and as response_format: served (its enforcement: test_generation_structured).
+    tag = {
+        "structures": [
+            {
+                "begin": "<function=pick>",
+                "schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+                "end": "</function>",
+            }
+        ],
+        "triggers": ["<function="],
+    }
+    for extra in ({"structured_outputs": {"structural_tag": tag}}, {"response_format": {"type": "structural_tag", **tag}}):
+        tagged = openai_client.chat.completions.create(model=GENERATION, messages=QUESTION, max_tokens=6, extra_body=extra)
+        assert tagged.choices[0].finish_reason in ("stop", "length"), tagged
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=GENERATION,
+            messages=QUESTION,
+            max_tokens=4,
+            extra_body={"response_format": {"type": "structural_tag", "triggers": []}},
+        )
+    assert caught.value.response.json()["error"]["param"] == "response_format.structures"
     regex = openai_client.completions.create(
         model=GENERATION, prompt="My phone number is", max_tokens=12, extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"}
     )

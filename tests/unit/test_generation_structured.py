@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from contract.errors import InputError
-from contract.sampling import MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES, SamplingParams, guide_source
+from contract.sampling import MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES, SamplingParams, guide_source, structural_tag_grammar
 from python_backends.generation.structured import Grammars
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"
@@ -17,12 +17,17 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 @pytest.fixture(scope="module")
-def grammars():
+def tokenizer():
     if not (MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip("text_generation not exported (python -m export.generation)")
     from transformers import AutoTokenizer
 
-    return Grammars(AutoTokenizer.from_pretrained(str(MODEL_DIR)), 49152)
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, 49152)
 
 
 def test_a_guide_is_kept_as_its_canonical_text_one_per_request():
@@ -50,7 +55,14 @@ def test_vllms_structured_outputs_object_becomes_the_guide_it_names():
 @pytest.mark.parametrize(
     "value, field, words",
     [
-        ({"structural_tag": "{}"}, "structured_outputs.structural_tag", "not served"),
+        ({"structural_tag": "{}"}, "structured_outputs.structural_tag.structures", "must be a list"),
+        ({"structural_tag": "{x"}, "structured_outputs.structural_tag", "not valid JSON"),
+        ({"structural_tag": {"format": {}}}, "structured_outputs.structural_tag.format", "not served"),
+        (
+            {"structural_tag": {"structures": [{"begin": "<f>", "schema": {}, "end": ""}], "triggers": ["<g"]}},
+            "structured_outputs.structural_tag.structures[0].begin",
+            "none of the triggers",
+        ),
         ({"choise": ["a"]}, "structured_outputs.choise", "unknown key"),
         ({}, "structured_outputs", "exactly one of"),
         ({"regex": "a", "choice": ["a"]}, "structured_outputs", "exactly one of"),
@@ -111,3 +123,32 @@ def test_the_mask_is_llguidances_own_bit_for_bit(grammars):
     reference = [b != 0 for b in m.compute_logit_bias()][:49152]
     assert allowed.shape == (2, 49152) and allowed[0].tolist() == reference
     assert 0 < int(allowed[0].sum()) < 100 and int(allowed[1].sum()) > int(allowed[0].sum())
+
+
+WEATHER_TAG = {
+    "structures": [
+        {
+            "begin": "<function=get_weather>",
+            "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "end": "</function>",
+        }
+    ],
+    "triggers": ["<function="],
+}
+
+
+def test_a_structural_tag_leaves_text_free_and_holds_the_tag_to_its_schema(grammars, tokenizer):
+    """vLLM's structural tag: any text, but after the trigger only the named tag with JSON of its schema."""
+    guide = SamplingParams(structured_outputs={"structural_tag": WEATHER_TAG}).guide
+    assert guide == ("guided_grammar", structural_tag_grammar(WEATHER_TAG, "structural_tag"))
+
+    def consumed(text: str) -> tuple[bool, bool]:
+        m = grammars.matcher(*guide)
+        ok = all(m.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+        return ok, ok and m.is_accepting()
+
+    assert consumed("Plain words, no call.") == (True, True)
+    assert consumed('Sure. <function=get_weather>{"city": "Paris"}</function> Done.') == (True, True)
+    assert consumed('<function=get_weather>{"city": "Paris"}') == (True, False)  # the end tag is still owed
+    assert consumed('<function=get_weather>{"town": 3}')[0] is False  # the schema holds inside the tag
+    assert consumed("<function=get_time>{}")[0] is False  # only the listed tags follow the trigger
