@@ -18,13 +18,14 @@ the lines that were in flight when a gateway died run a second time, and the out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 RUN_RETRY_S = (1.0, 4.0, 15.0, 60.0)
 RUN_ATTEMPTS = len(RUN_RETRY_S) + 1
 CLOSE_WAIT_S = 10.0  # how long close() waits for the runs to stop
+READ_CHUNK = 1 << 20  # bytes of input lines read per call in a thread
 
 
 def line_error(line: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
@@ -324,8 +326,8 @@ class BatchRunner:
                 row = None if feed.done() else await asyncio.to_thread(store.batch_row, batch_id)
                 if row is not None and (row[0] != "in_progress" or time.time() > batch["expires_at"]):
                     feed.cancel()
-            # A wait, not ``await feed``: the feed cancelled above ends the lines, while a cancel
-            # of this task (shutdown, a lost lease) propagates.
+            # The feed's own cancel (above) ends the lines; a cancel of this task (shutdown, a lost
+            # lease) propagates from the wait.
             await asyncio.wait((feed,))
             if not feed.cancelled():
                 feed.result()
@@ -345,8 +347,8 @@ class BatchRunner:
         key_id = row[2] if row is not None else "batch"
         tasks: set[asyncio.Task] = set()
         try:
-            with open(store.file_path(batch["input_file_id"]), "rb") as f:
-                for n, raw in enumerate(f, 1):
+            async with contextlib.aclosing(_read_lines(store.file_path(batch["input_file_id"]))) as lines:
+                async for n, raw in lines:
                     if n in done or not raw.strip():
                         continue
                     await slots.acquire()
@@ -469,6 +471,16 @@ class BatchRunner:
             log.warning(
                 "batch %s: its lease was taken over (or it ended) while finalising; its files are left to the holder", batch_id
             )
+
+
+async def _read_lines(path: Path) -> AsyncGenerator[tuple[int, bytes], None]:
+    """(number, line) of the file at ``path``, read in a thread about a MiB at a time."""
+    with open(path, "rb") as f:
+        n = 0
+        while lines := await asyncio.to_thread(f.readlines, READ_CHUNK):
+            for raw in lines:
+                n += 1
+                yield n, raw
 
 
 class _JSONL:
