@@ -813,12 +813,16 @@ def test_unpaired_surrogate_escape_is_a_400_and_a_pair_is_fine(server):
 def _stub(server):
     import psutil
 
+    def cmdline(p) -> list[str]:
+        try:
+            return p.cmdline()
+        except psutil.Error:  # a zombie (an unloaded model's stub not yet reaped) or gone since the listing
+            return []
+
     stubs = [
         p
         for p in psutil.Process(server.process.pid).children(recursive=True)
-        if p.cmdline()[:1]
-        and p.cmdline()[0].endswith("triton_python_backend_stub")
-        and any(f"/{MODEL}/" in a for a in p.cmdline())
+        if (args := cmdline(p))[:1] and args[0].endswith("triton_python_backend_stub") and any(f"/{MODEL}/" in a for a in args)
     ]
     assert len(stubs) == 1, f"python stubs of {MODEL}: {stubs}"
     return stubs[0]
