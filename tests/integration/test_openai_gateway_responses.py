@@ -178,9 +178,15 @@ def test_stream_events_in_order_and_deltas_add_up_to_the_answer(openai_client):
     assert kinds[:4] == head and kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
     assert kinds[4 + len(deltas) :] == [*tail, "response.completed"]  # the SDK's final response needs it
     assert openai_client.responses.retrieve(final.id).output_text == final.output_text
-    # A call streams as its item and arguments events.
+    # A call streams as its item and arguments events (one call, greedy: sampled parallel calls can run past 40 tokens).
     with openai_client.responses.stream(
-        model=GENERATION, input="Weather in Rome?", tools=[WEATHER], tool_choice="required", max_output_tokens=40
+        model=GENERATION,
+        input="Weather in Rome?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=40,
+        temperature=0,
     ) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
