@@ -201,6 +201,7 @@ class Supervision:
         readers at once), stopped outside the lock, then given its restart time; one that fails
         its health checks leaves the front door until it answers again."""
         o = self.options
+        tell_door = False
         with self.lock:
             server = r.server
             if self._key(r) in self._busy or server is None:
@@ -224,12 +225,19 @@ class Supervision:
             if why:
                 r.state = DOWN
                 self._busy.add(self._key(r))
+                tell_door = o.pool and r.in_door and self.d.doors is not None
         if not why:
             self.event(
                 f"replica {r.index}: a served model was not ready {misses} times in a row; "
                 "out of the front door until it answers again"
             )
             return
+
+        if tell_door:
+            # At once, not at the tick's end (after this stop and any restarts): the gRPC door takes
+            # a call that nginx reset on this replica as lost only while this file exists, and it
+            # waits 0.5 s for it (server/grpc_door.py); the front-door sync keeps or removes it.
+            self.d.replica_starting_file.touch()
 
         def stop() -> None:
             if grace == 0.0 and server.process is not None:
