@@ -183,8 +183,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-max-file-mb",
         type=float,
-        default=float(_env("GATEWAY_BATCH_MAX_FILE_MB", "100")),
-        help="largest batch input file (default 100)",
+        default=float(_env("GATEWAY_BATCH_MAX_FILE_MB", str(d.batch_max_file_bytes / 2**20))),
+        help=f"largest batch input file in MiB (default {d.batch_max_file_bytes // 2**20})",
     )
     p.add_argument(
         "--batch-max-lines",
@@ -202,7 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-lease-s",
         type=float,
         default=float(_env("GATEWAY_BATCH_LEASE_S", str(d.batch_lease_s))),
-        help="seconds after which another gateway takes over a batch whose gateway stopped renewing (default 30)",
+        help=f"seconds after which another gateway takes over a batch whose gateway stopped renewing (default {d.batch_lease_s:g})",
     )
     p.add_argument(
         "--no-coalesce",
