@@ -144,7 +144,8 @@ def _worst(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 def decode_speed(model_dir: Path, precision: str, batch: int, steps: int = 12) -> float:
     """Decode tokens/s of the in-process engine at ``batch`` streams (every prompt prefilled first)."""
-    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.engine_config import EngineConfig
     from python_backends.generation.sampling import SamplingParams
 
     engine = LLMEngine(

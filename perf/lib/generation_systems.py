@@ -273,7 +273,8 @@ def served_engine_settings(repository: Path, config_name: str | None = None) -> 
 
 def start_engine(settings: dict, model_dir: Path = DEFAULT_MODEL_DIR):
     """An LLMEngine on the CPU with ``settings`` (EngineConfig's fields)."""
-    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.engine_config import EngineConfig
 
     return LLMEngine(EngineConfig(model_dir=str(model_dir), device="cpu", **settings))
 

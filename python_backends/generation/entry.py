@@ -22,7 +22,8 @@ import numpy as np
 
 from contract.errors import ConfigError
 from contract.model_config import ModelConfig
-from python_backends.generation.engine import EngineConfig, LLMEngine, RequestOutput
+from python_backends.generation.engine import LLMEngine, RequestOutput
+from python_backends.generation.engine_config import EngineConfig
 from python_backends.generation.engine_loop import EngineLoop
 from python_backends.generation.sampling import SamplingParams, sampling_defaults
 from python_backends.generation.serving import BOOL_INPUTS, ResponseShaper, engine_settings, parse_request

@@ -119,7 +119,8 @@ def load_hf(folder: Path, dtype: torch.dtype, device: torch.device):
 
 def make_engine(folder: Path, device: torch.device, dtype: str, max_num_seqs: int = 128, num_blocks: int = 2048):
     """The engine as the served model builds it; 2,048 blocks of 16 hold 128 streams of 224 tokens."""
-    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.engine_config import EngineConfig
 
     cfg = EngineConfig(
         model_dir=folder,

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from contract.errors import ConfigError, InputError
-from python_backends.generation.engine import EngineConfig, LLMEngine
+from python_backends.generation.engine import LLMEngine
+from python_backends.generation.engine_config import EngineConfig
 from python_backends.generation.engine_loop import EngineLoop
 from python_backends.generation.model_runner import LlamaWeights
 from python_backends.generation.sampling import SamplingParams

@@ -164,7 +164,8 @@ QUESTIONS = ["List every country in Asia as JSON.", "Describe China in JSON with
 def test_the_engine_closes_a_sampled_answer_that_would_be_cut(tokenizer):
     import torch
 
-    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.engine_config import EngineConfig
 
     if not (MODEL_DIR / "model.safetensors").is_file():
         pytest.skip("text_generation weights not exported (python -m export.generation)")

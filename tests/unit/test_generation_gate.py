@@ -56,7 +56,8 @@ def test_each_variant_passes_its_gate_in_both_kernel_paths(precision, heldout, r
 @pytest.mark.skipif(not QUANTIZED, reason=f"only fp32 is offered on this CPU ({linear.describe_cpu()})")
 @pytest.mark.parametrize("precision", QUANTIZED)
 def test_each_variant_answers_the_chat_question(precision):
-    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.engine_config import EngineConfig
     from python_backends.generation.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=MODEL_DIR, weights_precision=precision, num_blocks=64))

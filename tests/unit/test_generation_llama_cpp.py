@@ -14,7 +14,8 @@ import torch
 
 from contract.errors import ConfigError
 from export import variants
-from python_backends.generation.engine import EngineConfig, LLMEngine
+from python_backends.generation.engine import LLMEngine
+from python_backends.generation.engine_config import EngineConfig
 from python_backends.generation.llama_cpp_runtime import LLAMA_PRECISIONS, gguf_file
 from python_backends.generation.sampling import SamplingParams
 from tests.unit.runtime_checks import PROMPTS, SYSTEM, continue_after_each_cut, margins, run_all, same_until_a_near_tie

@@ -15,7 +15,8 @@ import torch
 
 from contract.errors import ConfigError
 from export import generation_gate, variants
-from python_backends.generation.engine import EngineConfig, LLMEngine
+from python_backends.generation.engine import LLMEngine
+from python_backends.generation.engine_config import EngineConfig
 from python_backends.generation.linear import int4_blocks
 from python_backends.generation.openvino_runtime import (
     IR_FILE,

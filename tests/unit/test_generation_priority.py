@@ -166,7 +166,8 @@ MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_gen
 )
 def test_the_engine_queues_each_request_in_its_class(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.engine_config import EngineConfig
     from tests.unit.tiny_checkpoints import tiny_checkpoint
 
     folder = tiny_checkpoint(tmp_path, MODEL_DIR, "llama", max_position_embeddings=512)

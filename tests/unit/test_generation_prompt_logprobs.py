@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from contract.errors import InputError
-from python_backends.generation.engine import EngineConfig, LLMEngine
+from python_backends.generation.engine import LLMEngine
+from python_backends.generation.engine_config import EngineConfig
 from python_backends.generation.sampling import SamplingParams
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "text_generation" / "1"

@@ -32,7 +32,8 @@ def tiny_qwen2(tmp_path_factory):
 
 
 def test_the_engine_runs_qwen2_as_transformers_does(tiny_qwen2):
-    from python_backends.generation.engine import EngineConfig, LLMEngine
+    from python_backends.generation.engine import LLMEngine
+    from python_backends.generation.engine_config import EngineConfig
     from python_backends.generation.model_runner import LlamaConfig
     from python_backends.generation.sampling import SamplingParams
 
