@@ -46,6 +46,10 @@ class Supervision:
         self._idle = threading.Condition(self.lock)  # notified when a member's slow call ends
         self._busy: set[tuple[str, int]] = set()  # ("replica" or "gateway", index) in a slow call
         self._stop = threading.Event()
+        # Set by stop(), after the deployment stopped the doors: the replicas are stopped only
+        # then. A tritonserver told to stop while nginx still holds a keep-alive connection to it
+        # waits a whole second for that connection ("Found 1 HTTP service connections").
+        self._release_replicas = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = False
         self.rendered: tuple[bool, ...] | None = None  # who is in a pool's front door, as nginx has it
@@ -520,6 +524,7 @@ class Supervision:
             except Exception:  # the loop must outlive any one mistake
                 log.exception("deployment supervision tick failed")
             self._stop.wait(0.2)
+        self._release_replicas.wait()  # stop_gateways ended the ticks; stop() ends the replicas
         # The replicas are tied to this thread: stop them here, side by side, before it ends.
         stoppers = [threading.Thread(target=self._stop_replica, args=(r,), daemon=True) for r in self.d.replicas]
         for t in stoppers:
@@ -539,6 +544,7 @@ class Supervision:
     def stop(self) -> None:
         """Stop the loop; it stops the replicas before it ends."""
         self._stop.set()
+        self._release_replicas.set()
         if self._thread is not None:
             self._thread.join()
         else:  # never started: nothing was started by it
