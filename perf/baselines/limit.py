@@ -27,6 +27,7 @@ import numpy as np
 
 from export import bench
 from perf.lib import options
+from perf.lib.report import table
 from perf.lib.served import DEFAULT_INPUT, ENCODER, REPOSITORY, ServedEncoder, load_sentences, served_encoder, served_tokenizer
 
 DEFAULT_BATCHES = (1, 8, 16, 32, 64)  # 64 = the served encoder's max_batch_size
@@ -281,50 +282,49 @@ def measure_length_mix(
 
 
 def mix_markdown(m: MixLimit) -> str:
-    s = m.served
-    names = list(m.rates)
-    groupings = list(next(iter(m.rates.values())))
+    s, names = m.served, list(m.rates)
     layout, grouping, value = m.best
-    lines = [
-        (
-            f"In-process limit for mixed lengths: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, "
-            f"spinning off; {m.pool} rows of {m.mix[0]}-{m.mix[1]} tokens (mean {m.mean_tokens:.1f}); "
-            f"layouts as sessions x intra-op threads (served: {s.layout})."
-        ),
-        "",
-        "| grouping | " + " | ".join(f"{n} (seq/s)" for n in names) + " |",
-        "| --- | " + " | ".join("---:" for _ in names) + " |",
-    ]
-    for g in groupings:
-        lines.append(f"| {g} | " + " | ".join(f"{m.rates[n][g]:.0f}" for n in names) + " |")
-    lines += ["", (f"limit: {value:.0f} seq/s (grouping {grouping}, layout {layout}); best token budget: {m.best_budget()}")]
-    return "\n".join(lines) + "\n"
+    rows = [[g, *(f"{m.rates[n][g]:.0f}" for n in names)] for g in next(iter(m.rates.values()))]
+    return (
+        "\n".join(
+            [
+                f"In-process limit for mixed lengths: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, "
+                f"spinning off; {m.pool} rows of {m.mix[0]}-{m.mix[1]} tokens (mean {m.mean_tokens:.1f}); "
+                f"layouts as sessions x intra-op threads (served: {s.layout}).",
+                "",
+                table(["grouping", *(f"{n} (seq/s)" for n in names)], rows),
+                "",
+                f"limit: {value:.0f} seq/s (grouping {grouping}, layout {layout}); best token budget: {m.best_budget()}",
+            ]
+        )
+        + "\n"
+    )
 
 
 def markdown(limit: Limit) -> str:
-    s = limit.served
-    names = list(limit.layouts)
-    lines = [
-        (
-            f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, spinning off, "
-            f"16-token sentences; layouts as sessions x intra-op threads (served: {s.layout})."
-        ),
-        "",
-        "| batch | " + " | ".join(f"encoder {n} (seq/s) | tokenizer + encoder {n} (seq/s)" for n in names) + " |",
-        "| ---: | " + " | ".join("---: | ---:" for _ in names) + " |",
+    s, names = limit.served, list(limit.layouts)
+    columns = [f"{kind} {n} (seq/s)" for n in names for kind in ("encoder", "tokenizer + encoder")]
+    rows = [
+        [b, *(f"{limit.layouts[n][kind].throughput[b]:.0f}" for n in names for kind in ("encoder", "end_to_end"))]
+        for b in limit.encoder.throughput
     ]
-    for b in limit.encoder.throughput:
-        cells = " | ".join(
-            f"{limit.layouts[n]['encoder'].throughput[b]:.0f} | {limit.layouts[n]['end_to_end'].throughput[b]:.0f}" for n in names
+    best = [
+        f"{speed.best_throughput:.0f} (batch {speed.best_batch}, {limit.best_layout(kind)})"
+        for kind, speed in (("encoder", limit.encoder), ("end_to_end", limit.end_to_end))
+    ]
+    return (
+        "\n".join(
+            [
+                f"In-process limit: {ENCODER} variant `{s.variant}` ({s.model_path.name}), ONNX Runtime, spinning off, "
+                f"16-token sentences; layouts as sessions x intra-op threads (served: {s.layout}).",
+                "",
+                table(["batch", *columns], rows, left=0),
+                "",
+                table(["limit", "encoder only (seq/s)", "tokenizer + encoder (seq/s)"], [["best", *best]]),
+            ]
         )
-        lines.append(f"| {b} | {cells} |")
-    lines += ["", "| limit | encoder only (seq/s) | tokenizer + encoder (seq/s) |", "| --- | ---: | ---: |"]
-    lines.append(
-        f"| best | {limit.encoder.best_throughput:.0f} (batch {limit.encoder.best_batch}, "
-        f"{limit.best_layout('encoder')}) | {limit.end_to_end.best_throughput:.0f} "
-        f"(batch {limit.end_to_end.best_batch}, {limit.best_layout('end_to_end')}) |"
+        + "\n"
     )
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

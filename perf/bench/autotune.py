@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 from ops.repository import RepositoryClient
 from perf.lib import harness
-from perf.lib import perf_analyzer as pa
 from perf.lib import served as served_mod
 from perf.lib.harness import ENCODER, MODEL, Row
-from perf.lib.report import fmt, load_average
+from perf.lib.report import display_path, fmt, load_average
 from perf.lib.stats import measured, median
 
 DEFAULT_DELAYS_US = (0, 1000, 2000, 5000, 10000)
@@ -309,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     if args.apply:
         harness.reload_with(args.apply, ENCODER, config)
         state.say(f"perf.bench.autotune: winning config loaded into {args.apply}")
-    state.say(f"perf.bench.autotune: results in {pa.display_path(state.out_dir)}")
+    state.say(f"perf.bench.autotune: results in {display_path(state.out_dir)}")
     return 0
 
 

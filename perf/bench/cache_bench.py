@@ -23,7 +23,6 @@ import numpy as np
 
 from perf.bench.cache_workload import DISTINCT, repeat_fraction, sentences, zipf_ranks
 from perf.lib import load, options, report, triton_stats
-from perf.lib.perf_analyzer import display_path
 from perf.lib.stats import percentile_of
 
 CACHED, ENSEMBLE = "text_embedding_cached", "text_embedding"
@@ -89,11 +88,15 @@ def lookup_seconds(metrics_url: str) -> tuple[float, float]:
     return m.get(f"embedding_cache_lookup_seconds_sum{labels}", 0.0), m.get(f"embedding_cache_lookup_seconds_count{labels}", 0.0)
 
 
-def phase(name: str, model: str, url: str, texts: Sequence[str], concurrency: int, ranks: np.ndarray | None = None) -> Phase:
+def phase(name: str, model: str, server, texts: Sequence[str], concurrency: int, ranks: np.ndarray | None = None) -> Phase:
+    """One phase's load on ``server``, with the hit rates per cache level over it (from its metrics)."""
     say(f"cache_bench: {name}: {len(texts)} requests to {model} at concurrency {concurrency}")
-    tally = drive(url, model, texts, concurrency)
+    before = cache_counts(server.metrics_url) if model == CACHED else None
+    tally = drive(server.grpc_url, model, texts, concurrency)
     p = Phase(name, model, concurrency, client="grpc asyncio")
     p.take(tally)
+    if before is not None:
+        p.levels = level_rates(before, cache_counts(server.metrics_url))
     if ranks is not None:  # a request repeats when its sentence came earlier in the stream
         first = {int(r): i for i, r in reversed(list(enumerate(ranks)))}
         repeat = [ms for i, ms in zip(tally.ok_index, tally.ok) if first[int(ranks[i])] != i]
@@ -178,21 +181,16 @@ def run(args: argparse.Namespace) -> int:
     server, variant = start((ENSEMBLE,), 0, {}, args.precision)
     try:
         drive(server.grpc_url, ENSEMBLE, warmup, args.concurrency)
-        phases.append(phase("without cache", ENSEMBLE, server.grpc_url, stream, args.concurrency))
+        phases.append(phase("without cache", ENSEMBLE, server, stream, args.concurrency))
     finally:
         server.__exit__(None, None, None)
 
     with RedisProcess(maxmemory_mb=512) as redis_server:
         env = {"EMBEDDING_CACHE_L2_REDIS_URL": redis_server.url}
-        if args.l1_max_mb is not None:
-            env["EMBEDDING_CACHE_L1_MAX_MB"] = str(args.l1_max_mb)
         server, _ = start((ENSEMBLE, CACHED), args.cache_size_mb, env, args.precision)
         try:
             drive(server.grpc_url, CACHED, warmup, args.concurrency)
-            before = cache_counts(server.metrics_url)
-            p = phase("with cache (cold start)", CACHED, server.grpc_url, stream, args.concurrency, ranks)
-            p.levels = level_rates(before, cache_counts(server.metrics_url))
-            phases.append(p)
+            phases.append(phase("with cache (cold start)", CACHED, server, stream, args.concurrency, ranks))
 
             import tritonclient.http as httpclient
 
@@ -201,17 +199,12 @@ def run(args: argparse.Namespace) -> int:
             admin.load_model(CACHED)
             admin.close()
             drive(server.grpc_url, CACHED, warmup[:5], 1)
-            before = cache_counts(server.metrics_url)
-            p = phase("new replica (empty L1, warm L2)", CACHED, server.grpc_url, stream, args.concurrency, ranks)
-            p.levels = level_rates(before, cache_counts(server.metrics_url))
-            phases.append(p)
+            phases.append(phase("new replica (empty L1, warm L2)", CACHED, server, stream, args.concurrency, ranks))
 
             top = [texts[r] for r in range(min(200, DISTINCT))] * max(1, args.hit_requests // 200)
             drive(server.grpc_url, CACHED, top[:200], 1)  # every one cached (computed if it never came up)
             stats0, l0 = triton_stats.snapshot(server.triton_http_url), lookup_seconds(server.metrics_url)
-            before = cache_counts(server.metrics_url)
-            p = phase("hits only", CACHED, server.grpc_url, top, 1)
-            p.levels = level_rates(before, cache_counts(server.metrics_url))
+            p = phase("hits only", CACHED, server, top, 1)
             stats = triton_stats.per_request(stats0, triton_stats.snapshot(server.triton_http_url), (CACHED,))[CACHED]
             l1 = lookup_seconds(server.metrics_url)
             p.server_compute_us, p.server_queue_us = round(stats["compute_ms"] * 1000, 1), round(stats["queue_ms"] * 1000, 1)
@@ -228,9 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "throughput_ratio": round(ratio, 3),
         "repeat_fraction": repeat_fraction(ranks),
     }
-    report.write(out_dir, summary, data | {"phases": [asdict(p) for p in phases]})
-    say("\n" + summary)
-    say(f"cache_bench: results in {display_path(out_dir)}")
+    report.write(out_dir, summary, data | {"phases": [asdict(p) for p in phases]}, say=say)
     return 0 if all(p.errors == 0 for p in phases) else 1
 
 
@@ -242,7 +233,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hit-requests", type=int, default=1000, help="requests of the hits-only phase (default 1000)")
     p.add_argument("--precision", default="auto", help="text_encoder variant, as make serve's PRECISION (default auto)")
     p.add_argument("--cache-size-mb", type=int, default=128, help="Triton response cache of the cached server (default 128)")
-    p.add_argument("--l1-max-mb", type=float, default=None, help="override text_embedding_cached's l1_max_mb")
     p.add_argument("--results-dir", type=Path, default=None)
     p.add_argument("--no-export", action="store_true", help="do not run the export first")
     return p.parse_args(argv)

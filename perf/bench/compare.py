@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from perf.baselines import limit as limit_mod
 from perf.lib import harness, report
-from perf.lib import perf_analyzer as pa
 from perf.lib import served as served_mod
 from perf.lib.harness import ENCODER, MODEL, Row, Run
 from perf.lib.stats import measured
@@ -247,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         args,
         "compare",
         load,
-        f"input: {pa.display_path(args.input_data)}, 16-token sentences, batch size 1 per request; one system at a time",
+        f"input: {report.display_path(args.input_data)}, 16-token sentences, batch size 1 per request; one system at a time",
         f"perf_analyzer windows of {args.request_count} requests (count_windows), -s {args.stability_percent:g}, "
         f"max trials {args.max_trials}, one retry with twice the requests",
         f"threads: Triton's encoder {served.instances} instance(s) x {served.threads} intra-op thread(s); the limit "

@@ -16,7 +16,6 @@ import asyncio
 import json
 import random
 import secrets
-import shutil
 import sys
 import tempfile
 import time
@@ -24,9 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.lib import options, processes
+from perf.lib import options, processes, report
 from perf.lib.deployment import start_deployment
-from perf.lib.harness import write_csv
 from perf.lib.load import Request, call_loop
 from perf.lib.report import header, load_average, progress, results_dir
 from perf.lib.workload import gateway_request, image_request, prompts, sentences, text_request, token_request, unique_jpegs
@@ -58,6 +56,7 @@ GROUP_ORDER = (
     "redis",
     "load generator",
 )
+GEN_CONCURRENCY = 4  # generation streams in flight
 RETRIES = 6  # a 503 (the admission control refusing) is sent again after 10, 20, 40 ... ms
 
 
@@ -148,15 +147,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--image-requests", type=int, default=300, help="requests of image_classification (default 300)")
     p.add_argument("--gen-requests", type=int, default=24, help="text_generation streams (default 24)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per generation stream, ignore_eos (default 32)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8; generation: 4)")
-    p.add_argument("--gen-concurrency", type=int, default=4, help="generation streams in flight (default 4)")
+    p.add_argument("--concurrency", type=int, default=8, help=f"requests in flight (default 8; generation: {GEN_CONCURRENCY})")
     p.add_argument("--idle-seconds", type=float, default=5.0, help="the idle window (default 5)")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
     p.add_argument("--no-redis", action="store_true", help="no Redis L2 for text_embedding_cached")
     p.add_argument("--out", type=Path, help="results folder (default perf/results/cpu-cost-<UTC time>)")
     args = options.finish(p, p.parse_args(argv), argv)
-    args.paths = options.names(p, "--paths", args.paths, PATHS)
-    counts = (args.requests, args.image_requests, args.gen_requests, args.max_tokens, args.concurrency, args.gen_concurrency)
+    counts = (args.requests, args.image_requests, args.gen_requests, args.max_tokens, args.concurrency)
     if min(counts) < 1 or args.idle_seconds <= 0:
         p.error("counts, concurrency and --idle-seconds must be positive")
     return args
@@ -199,7 +195,7 @@ async def measure(args, deployment, key: str, say) -> tuple[dict[str, float], li
 
     # Warm each path (connections, first executions) and cache the hit set, in L1 too (sent twice).
     warm = PathResult("warm", "requests")
-    for path in args.paths:
+    for path in PATHS:
         if path == "text_generation":
             await generation_window(triton.grpc_url, plist[:2], 2, 4, PathResult("warm", "tokens"))
             continue
@@ -215,10 +211,10 @@ async def measure(args, deployment, key: str, say) -> tuple[dict[str, float], li
     say("idle CPU (cores): " + ", ".join(f"{g} {v:.3f}" for g, v in idle.items()))
 
     results = []
-    for path in args.paths:
+    for path in PATHS:
         r = PathResult(path, "tokens" if path == "text_generation" else "requests")
         n = {"image_classification": args.image_requests, "text_generation": args.gen_requests}.get(path, args.requests)
-        work = window(path, n, args.gen_concurrency if path == "text_generation" else args.concurrency, r)
+        work = window(path, n, GEN_CONCURRENCY if path == "text_generation" else args.concurrency, r)
         before, t0 = group_cpu(procs), time.perf_counter()
         await work
         r.wall_s, after = time.perf_counter() - t0, group_cpu(procs)
@@ -237,23 +233,17 @@ async def measure(args, deployment, key: str, say) -> tuple[dict[str, float], li
 
 
 def markdown(head: Sequence[str], idle: dict[str, float], results: Sequence[PathResult], groups: Sequence[str]) -> str:
-    lines = [
-        *head,
-        "",
-        "CPU-seconds per 1,000 requests (text_generation: per 1,000 generated tokens), net of each process's idle rate; "
-        "`-`: below 0.005.",
-        "",
-        "| path | " + " | ".join(g.removeprefix("stub ") for g in groups) + " | total | wall s | refused | errors |",
-        "| --- |" + " ---: |" * (len(groups) + 4),
-    ]
+    rows = []
     for r in results:
         cells = ["-" if (v := r.per_1000(g)) is None or v < 0.005 else f"{v:.2f}" for g in groups]
         total = sum(r.per_1000(g) or 0.0 for g in groups)
         name = f"{r.path}{' (per 1k tokens)' if r.unit == 'tokens' else ''}"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {total:.2f} | {r.wall_s:.1f} | {r.refused} | {r.errors} |")
-    idle_cells = " | ".join(f"{1000 * idle.get(g, 0.0):.1f}" for g in groups)
-    lines.append(f"| idle, CPU-s per 1,000 s | {idle_cells} | {1000 * sum(idle.values()):.1f} | | | |")
-    return "\n".join(lines) + "\n"
+        rows.append([name, *cells, f"{total:.2f}", f"{r.wall_s:.1f}", r.refused, r.errors])
+    idle_cells = [f"{1000 * idle.get(g, 0.0):.1f}" for g in groups]
+    rows.append(["idle, CPU-s per 1,000 s", *idle_cells, f"{1000 * sum(idle.values()):.1f}", "", "", ""])
+    columns = ["path", *(g.removeprefix("stub ") for g in groups), "total", "wall s", "refused", "errors"]
+    note = "CPU-seconds per 1,000 requests (text_generation: per 1,000 generated tokens), net of each process's idle rate; "
+    return "\n".join([*head, "", note + "`-`: below 0.005.", "", report.table(columns, rows)]) + "\n"
 
 
 def csv_rows(idle: dict[str, float], results: Sequence[PathResult], groups: Sequence[str]) -> list[dict]:
@@ -280,29 +270,27 @@ def csv_rows(idle: dict[str, float], results: Sequence[PathResult], groups: Sequ
 def run(args: argparse.Namespace) -> int:
     out = results_dir(args.out, "cpu-cost")
     say, load = progress(), load_average()
-    say(f"perf.bench.cpu_cost: paths {','.join(args.paths)}; load average {load}")
+    say(f"perf.bench.cpu_cost: paths {','.join(PATHS)}; load average {load}")
     key = "sk-cpu-" + secrets.token_hex(16)
-    workdir = Path(tempfile.mkdtemp(prefix="perf-cpu-cost-"))
     deployment, failure = None, ""
     idle: dict[str, float] = {}
     results: list[PathResult] = []
     groups: list[str] = []
-    try:
-        models = [m for m in MODELS if m not in ("image_classification", "text_generation") or m in args.paths]
-        deployment = start_deployment(models, workdir, key, not args.no_redis, say)
-        idle, results, groups = asyncio.run(measure(args, deployment, key, say))
-    except Exception as exc:  # noqa: BLE001 - reported with what was measured
-        failure = f"{type(exc).__name__}: {exc}"
-        say(f"perf.bench.cpu_cost stopped: {failure}")
-    finally:
-        if deployment is not None:
-            deployment.stop(logs_to=out)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="perf-cpu-cost-") as workdir:
+        try:
+            deployment = start_deployment(MODELS, Path(workdir), key, not args.no_redis, say)
+            idle, results, groups = asyncio.run(measure(args, deployment, key, say))
+        except Exception as exc:  # noqa: BLE001 - reported with what was measured
+            failure = f"{type(exc).__name__}: {exc}"
+            say(f"perf.bench.cpu_cost stopped: {failure}")
+        finally:
+            if deployment is not None:
+                deployment.stop(logs_to=out)
 
     head = header("CPU cost per request path", "perf.bench.cpu_cost", args.argv, load)
     head.append(
         f"- {args.requests} requests per text path, {args.image_requests} images, {args.gen_requests} generation streams "
-        f"of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {args.gen_concurrency}); Redis L2 "
+        f"of {args.max_tokens} tokens; concurrency {args.concurrency} (generation {GEN_CONCURRENCY}); Redis L2 "
         f"{'on' if deployment is not None and deployment.redis else 'off'}; front door on every direct path, the "
         "gateway on gateway_embeddings"
     )
@@ -311,12 +299,9 @@ def run(args: argparse.Namespace) -> int:
     errors = [f"{r.path}: {r.first_error}" for r in results if r.errors]
     if errors:
         head.append(f"- errors: {'; '.join(errors[:5])}")
-    table = markdown(head, idle, results, groups)
-    (out / "cpu_cost.md").write_text(table)
-    write_csv(out / "cpu_cost.csv", csv_rows(idle, results, groups))
-    print("\n" + table, flush=True)
-    say(f"perf.bench.cpu_cost: results in {out}")
-    complete = [r.path for r in results] == args.paths and all(r.units > 0 for r in results)
+    csvs = {"cpu_cost.csv": csv_rows(idle, results, groups)}
+    report.write(out, markdown(head, idle, results, groups), name="cpu_cost.md", csvs=csvs, say=say)
+    complete = [r.path for r in results] == list(PATHS) and all(r.units > 0 for r in results)
     return 0 if not failure and not errors and complete else 1
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from perf.bench.gateway_workloads import CHAT_SYSTEMS, EMBED_SYSTEMS, PEER_SYSTEMS, WORKLOADS, Cell, run_chat, run_embeddings
 from perf.lib import lifecycle, options, report
+from perf.lib.deployment import start_gateways
 from perf.lib.harness import int_list
 from perf.lib.paths import REPOSITORY
 
@@ -46,19 +47,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--embed-systems", default=",".join(EMBED_SYSTEMS), help=",".join(EMBED_SYSTEMS))
     p.add_argument("--chat-concurrency", type=int_list, default=[1, 8], help="chat streams, comma-separated (default 1,8)")
     p.add_argument("--chat-requests", type=int, default=3, help="chat requests per client per window (default 3)")
-    p.add_argument("--chat-systems", default=",".join(CHAT_SYSTEMS), help=",".join(CHAT_SYSTEMS))
     # 0: all at once, which makes TTFT hinge on whether all arrive before the engine's next step
     p.add_argument("--chat-stagger-ms", type=float, default=25.0, help="chat client k starts k x this after the first")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per chat request, ignore_eos (default 64)")
     p.add_argument("--precision", default=os.environ.get("PRECISION", "auto"), help="as `make serve PRECISION=` (default auto)")
-    p.add_argument("--watchdog-folder", action="store_true", help="gateways watch a stub watchdog folder, as in `make serve`")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embeddings part")
     p.add_argument("--no-chat", action="store_true", help="skip the chat part (text_generation is then not loaded)")
     p.add_argument("--out", type=Path, help="results folder (default perf/results/gateway-<UTC time>)")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args = options.finish(p, p.parse_args(argv), argv)
     args.embed_systems = options.names(p, "--embed-systems", args.embed_systems, EMBED_SYSTEMS)
-    args.chat_systems = options.names(p, "--chat-systems", args.chat_systems, CHAT_SYSTEMS)
     if min(args.rounds, args.embed_concurrency, args.embed_duration, args.chat_requests, args.max_tokens) <= 0:
         p.error("--rounds, --embed-concurrency, --embed-duration, --chat-requests and --max-tokens must be positive")
     if "direct" not in args.embed_systems:
@@ -78,21 +75,6 @@ def start_triton(args, workdir: Path, say):
     chosen = ", ".join(f"{m}={served[m]}" for m in ("text_encoder", "text_generation") if m in served)
     say(f"tritonserver starting ({', '.join(models)}; PRECISION={args.precision}: {chosen}): http {server.http_url}")
     return server
-
-
-def start_gateways(args, triton_grpc_url: str, workdir: Path, key: str, say, gateways: dict) -> None:
-    """The gateways into ``gateways``: ``quiet`` (request log off), and ``log`` where gateway_log is measured; ready."""
-    from perf.lib.deployment import gateway_options
-    from server.gateway import GatewayProcess
-
-    (workdir / "health").mkdir(parents=True, exist_ok=True)
-    watch = ["--triton-health-dir", str(workdir / "health")] if args.watchdog_folder else []
-    with_log = "gateway_log" in args.embed_systems and not args.no_embeddings
-    for name, extra in (("quiet", ["--no-request-log", *watch]), ("log", watch))[: 2 if with_log else 1]:
-        gateways[name] = GatewayProcess(gateway_options(triton_grpc_url, workdir / f"gateway-{name}", key, *extra)).start()
-    for name, gw in gateways.items():
-        gw.wait_ready(timeout=120)
-        say(f"gateway ({name}) ready on {gw.url}")
 
 
 def start_peers(args, workdir: Path, say) -> dict:
@@ -128,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = start_triton(args, workdir, say)
         server.wait_ready(timeout=300)
-        start_gateways(args, server.triton_grpc_url, workdir, key, say, gateways)
+        with_log = "gateway_log" in args.embed_systems and not args.no_embeddings
+        wanted = {"quiet": ["--no-request-log"]} | ({"log": []} if with_log else {})
+        start_gateways({name: (server.triton_grpc_url, extra) for name, extra in wanted.items()}, workdir, key, say, gateways)
         peers = start_peers(args, workdir, say)
         urls = {name: gw.url for name, gw in gateways.items()} | {name: peer.url for name, peer in peers.items()}
         if not args.no_embeddings:
@@ -161,14 +145,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if failure:
         lines.append(f"- stopped early: {failure}")
-    table = markdown(lines, embed, chat, ratio_rows)
     command = ["python", "-m", "perf.bench.gateway_bench", *args.argv]
     data = {"command": command, "load_average_before": load, "cpus": os.cpu_count(), "embeddings": embed, "chat": chat}
-    report.write(out, table, data | {"ratios": ratio_rows, "error": failure})
-    print("\n" + table, flush=True)
-    say(f"perf.bench.gateway_bench: results in {out}")
+    report.write(out, markdown(lines, embed, chat, ratio_rows), data | {"ratios": ratio_rows, "error": failure}, say=say)
     complete = (args.no_embeddings or len(embed) == len(WORKLOADS) * len(args.embed_systems)) and (
-        args.no_chat or len(chat) == len(args.chat_systems) * len(args.chat_concurrency)
+        args.no_chat or len(chat) == len(CHAT_SYSTEMS) * len(args.chat_concurrency)
     )
     return 0 if not failure and complete else 1
 

@@ -43,10 +43,7 @@ class Cell:
     tokens: list[int] = field(default_factory=list)  # chat: output tokens of each request
 
     def add(self, tally: Tally, cpu_s: float) -> None:
-        self.tally.ok += tally.ok
-        self.tally.errors += tally.errors
-        self.tally.first_error = self.tally.first_error or tally.first_error
-        self.tally.seconds += tally.seconds
+        self.tally.merge(tally)
         self.client_cpu_s += cpu_s
         self.windows += 1
 
@@ -173,8 +170,7 @@ async def run_chat(args, gateway_url: str, triton_grpc: str, key: str, say) -> l
     direct_client = AsyncGenerationClient(triton_grpc, protocol="grpc", timeout_s=600)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        every: dict[str, ChatSystem] = {"gateway": GatewayChat(session, gateway_url, key), "direct": DirectChat(direct_client)}
-        systems = {k: every[k] for k in CHAT_SYSTEMS if k in args.chat_systems}
+        systems: dict[str, ChatSystem] = {"direct": DirectChat(direct_client), "gateway": GatewayChat(session, gateway_url, key)}
         try:
             for system in systems.values():  # warm-up: channels open, first-request costs out of the windows
                 await system.stream(prompts[0], 4)

@@ -46,9 +46,8 @@ from perf.lib.generation_systems import (
     start_triton,
     triton_busy,
 )
-from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
-from perf.lib.perf_analyzer import display_path
+from perf.lib.report import display_path
 
 # The OpenMP wait policy of the served engine (python_backends/generation/__init__.py) for the
 # in-process engine too; before torch is first imported.
@@ -315,19 +314,9 @@ def run(args: argparse.Namespace) -> int:
         *[f"- {n}" for n in notes],
         *[f"- {key}: {SYSTEM_NAMES[key]}" for key in SYSTEMS if key in systems],
     ]
-    table = markdown(header, ordered, ratio_rows, prefill)
-    report.write(out_dir, table)
     requests = [s.row() for c in cells.values() for s in c.streams]
-    for name, rows in (
-        ("cells", ordered),
-        ("ratios", ratio_rows),
-        ("prefill", prefill_rows),
-        ("requests", requests),
-    ):
-        if rows:
-            write_csv(out_dir / f"{name}.csv", rows)
-    print("\n" + table, flush=True)
-    say(f"perf.bench.generate_bench: results in {display_path(out_dir)}")
+    csvs = {"cells.csv": ordered, "ratios.csv": ratio_rows, "prefill.csv": prefill_rows, "requests.csv": requests}
+    report.write(out_dir, markdown(header, ordered, ratio_rows, prefill), csvs=csvs, say=say)
     ok = all(s["output_tokens"] > 0 for s in ordered) and len(ordered) == len(args.systems) * len(args.concurrency)
     return 0 if ok else 1
 

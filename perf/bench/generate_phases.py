@@ -24,9 +24,8 @@ from perf.lib.generation_systems import (
     start_engine,
     start_triton,
 )
-from perf.lib.harness import write_csv
 from perf.lib.paths import ROOT
-from perf.lib.perf_analyzer import display_path
+from perf.lib.report import display_path, write_csv
 from perf.lib.stats import percentile_of
 
 PREFILL_SYSTEMS = ("engine", "grpc", "llama", "openvino")

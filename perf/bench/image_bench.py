@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from perf.bench import image_pipelines as pipelines
-from perf.lib import lifecycle, options, report
+from perf.lib import lifecycle, options, processes, report
 from perf.lib.harness import int_list
 from perf.lib.load import Tally, call_loop, closed_loop, latency_ms
 from perf.lib.paths import REPOSITORY
@@ -95,20 +94,11 @@ def points(windows: Sequence[Window]) -> list[Window]:
     return list(best.values())
 
 
-def busy_seconds() -> float | None:
-    """Busy CPU time of the whole machine so far (/proc/stat), or None."""
-    try:
-        fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    return (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)) / os.sysconf("SC_CLK_TCK")
-
-
 def metered(window: Window, measure: Callable[..., Tally], *args) -> Window:
     """The Tally of ``measure(*args)`` in ``window``, with the window's CPU: this process's and the machine's."""
-    busy0, cpu0, wall0 = busy_seconds(), time.process_time(), time.monotonic()
+    busy0, cpu0, wall0 = processes.machine_busy_s(), time.process_time(), time.monotonic()
     window.take(measure(*args, window))
-    wall, busy1 = max(time.monotonic() - wall0, 1e-9), busy_seconds()
+    wall, busy1 = max(time.monotonic() - wall0, 1e-9), processes.machine_busy_s()
     window.client_cores = (time.process_time() - cpu0) / wall
     window.machine_cores = (busy1 - busy0) / wall if busy0 is not None and busy1 is not None else None
     return window
@@ -132,9 +122,7 @@ def measure_served(http_url: str, pipe: pipelines.Pipeline, blobs, concurrency: 
     tally = Tally()
     while tally.seconds < 6 * args.duration and (not tally.seconds or len(tally.ok) + tally.errors < args.min_requests):
         warm = {"warmup": args.warmup, "warm": bodies[:concurrency]} if not tally.seconds else {}
-        more = asyncio.run(closed_loop(url, lambda n: bodies[n % len(bodies)], concurrency, args.duration, **warm))
-        tally.ok, tally.errors, tally.seconds = tally.ok + more.ok, tally.errors + more.errors, tally.seconds + more.seconds
-        tally.first_error = tally.first_error or more.first_error
+        tally.merge(asyncio.run(closed_loop(url, lambda n: bodies[n % len(bodies)], concurrency, args.duration, **warm)))
     stats = triton_stats.fetch_delta(http_url, before).get(pipe.classifier)
     if stats is not None:
         window.classifier_batch = stats.avg_batch
@@ -155,19 +143,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=10, help="served windows until this many answers, <= 6 x --duration")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each served window (default 1)")
     p.add_argument("--inprocess-seconds", type=float, default=3.0, help="seconds per in-process window and layout (default 3)")
-    p.add_argument("--no-model-only", dest="model_only", action="store_false", help="skip the classifier-alone figure")
     p.add_argument("--repository", type=Path, default=REPOSITORY, help="model repository (default model_repository)")
     p.add_argument("--out", type=Path, help="results folder (default perf/results/image-bench-<UTC time>)")
     p.add_argument("--no-export", action="store_true", help="never export, even when model files are missing")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args = options.finish(p, p.parse_args(argv), argv)
     args.ensemble_list = [e.strip() for e in args.ensembles.split(",") if e.strip()]
     conc = args.concurrency * len(args.batches) if len(args.concurrency) == 1 else args.concurrency
     if len(conc) != len(args.batches):
         p.error("--concurrency needs one value, or one per batch size")
     args.concurrency_of = dict(zip(args.batches, conc))
-    if not args.ensemble_list or args.rounds < 1 or args.duration <= 0 or args.warmup < 0 or args.inprocess_seconds <= 0:
-        p.error("--ensembles and --rounds must be given, --duration and --inprocess-seconds > 0, --warmup >= 0")
+    if not args.ensemble_list or args.warmup < 0 or args.inprocess_seconds <= 0:
+        p.error("--ensembles must be given, --inprocess-seconds > 0, --warmup >= 0")
     return args
 
 
@@ -213,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     agreement: dict[str, float] = {}
     try:
         runners = {p.ensemble: pipelines.InProcess(p, repo, config_name) for p in pipes}
-        model_only = {e: r.model_only(blobs) for e, r in runners.items()} if args.model_only else {}
+        model_only = {e: r.model_only(blobs) for e, r in runners.items()}
         if not lifecycle.wait_ready({"image-bench": server.start()}, say):
             raise RuntimeError("tritonserver did not become ready")
         url = server.http_url
@@ -228,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
                     windows.append(w)
                     say(w.line())
                     inproc = [("in-process", t, runners[pipe.ensemble]) for t in sorted({1, pipe.preprocess_instances})]
-                    for system, t, runner in inproc + ([("model only", 1, model_only[pipe.ensemble])] if args.model_only else []):
+                    for system, t, runner in [*inproc, ("model only", 1, model_only[pipe.ensemble])]:
                         w = Window(system, pipe.ensemble, b, rnd, f"{t}t")
                         windows.append(metered(w, measure_inprocess, runner, blobs, t, args.inprocess_seconds))
                         say(w.line())
@@ -259,12 +245,9 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"- stopped early: {failure.splitlines()[0]}")
     if errors:
         lines.append(f"- {sum(w.errors for w in errors)} failed requests; first: {errors[0].first_error}")
-    table = markdown(lines, pipes, results)
     data = {"command": args.argv, "error": failure, "windows": list(map(asdict, windows)), "points": list(map(asdict, results))}
-    report.write(out, table, data)
-    print("\n" + table, flush=True)
-    say(f"perf.bench.image_bench: results in {out}")
-    expected = sum(len([b for b in args.batches if b <= p.max_batch_size]) for p in pipes) * (3 if args.model_only else 2)
+    report.write(out, markdown(lines, pipes, results), data, say=say)
+    expected = sum(len([b for b in args.batches if b <= p.max_batch_size]) for p in pipes) * 3
     complete = len(results) == expected and all(p.images_per_s for p in results)
     return 0 if not failure and not errors and complete else 1
 

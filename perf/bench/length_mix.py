@@ -5,31 +5,29 @@ Texts of 8-128 tokens (``--mix``) at ``--concurrency`` 32 connections, one per H
 by side (CPU variants, no front door): ``after``, the shipped configs (``allow_ragged_batch`` and a
 ``max_batch_tokens`` budget: the backend groups rows by length, python_backends.onnx_engine.batching);
 ``before``, a linked copy without both (export.variants.drop_ragged, what a GPU variant serves).
-Phases interleave over ``--rounds`` rounds of ``--duration`` s (medians); each figure is also a
-ratio to the in-process limit for the same mix (perf.baselines.limit --length-mix). ``--url
-HOST:PORT`` measures one running server (no limit unless ``--limit-rounds``). Writes length_mix.csv
-and summary.md under perf/results/length-mix-<UTC>/.
+Phases interleave over ``--rounds`` rounds of ``--duration`` s (perf.bench.tail's windows; medians); each figure is a
+ratio to the in-process limit for the same mix (perf.baselines.limit.measure_length_mix). ``--url
+HOST:PORT`` measures one running server (no limit unless ``--limit-rounds``). Writes length_mix.csv,
+limit.csv and summary.md under perf/results/length-mix-<UTC>/.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import itertools
 import random
 import secrets
-import shutil
 import signal
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import types
+from collections.abc import Sequence
 from pathlib import Path
 
 from perf.baselines import limit as limit_mod
-from perf.lib import lifecycle, load, options, report, triton_stats, wrk
+from perf.bench.tail_measure import Window, Workload, measure, warm_up, wrk_script
+from perf.lib import lifecycle, load, options, report, wrk
 from perf.lib import served as served_mod
-from perf.lib.harness import write_csv
-from perf.lib.paths import ROOT
+from perf.lib.paths import ROOT  # noqa: F401 - the shipped repository, beside before_repository's copy
 from perf.lib.report import load_average, progress, table
 from perf.lib.workload import infer_body, text_request
 
@@ -69,52 +67,29 @@ def mixed_texts(lengths: Sequence[int], tokenizer, seed: int = 0) -> list[str]:
     return out
 
 
-@dataclass
-class Workload:
-    name: str
-    make: Callable[[int], bytes]
-    lua: str  # wrk: the Lua ``request`` function and the data it draws from
-
-    def script(self) -> str:
-        """A wrk Lua script sending the workload's requests (perf.lib.wrk)."""
-        return wrk.script(f"/v2/models/{self.name}/infer", HEADERS, self.lua)
-
-
 def workloads(mix: tuple[int, int], nonce: str, seed: int = 0, pool: int = 2000) -> dict[str, Workload]:
+    """perf.bench.tail's workloads of the mix: token ids (cycled) and texts made unique by a number in front."""
     lengths = limit_mod.mix_lengths(pool, *mix, seed=seed)
-    rows = [r.tolist() for r in limit_mod.token_rows(lengths, seed=seed)]
+    rows = [token_body(r.tolist()) for r in limit_mod.token_rows(lengths, seed=seed)]
     texts = mixed_texts(lengths, served_mod.served_tokenizer(), seed=seed)
-    # a number in front makes every text unique: Triton's response cache never answers
+    numbers = itertools.count()
+
+    def text(_: int) -> tuple[bytes, dict[str, str]]:  # unique: Triton's response cache never answers
+        n = next(numbers)
+        return text_request(f"{nonce}{n} {texts[n % pool]}")[0], HEADERS
+
     return {
         "text_encoder": Workload(
-            "text_encoder", lambda i: token_body(rows[i % pool]), wrk.cycle([token_body(r) for r in rows[:500]])
+            "text_encoder", "text_encoder", "mix", lambda i: (rows[i % pool], HEADERS), lua=wrk.cycle(rows[:500])
         ),
         "text_embedding": Workload(
             "text_embedding",
-            lambda i: text_request(f"{nonce}{i} {texts[i % pool]}")[0],
-            wrk.unique_texts(texts, text_request("\0")[0], nonce, before=True),
+            "text_embedding",
+            "mix",
+            text,
+            lua=wrk.unique_texts(texts, text_request("\0")[0], nonce, before=True),
         ),
     }
-
-
-@dataclass
-class Window(load.Window):
-    batch_rows: float | None = None  # text_encoder's rows per execution over the window
-
-
-def measure(url: str, w: Workload, window: Window, duration: float, warmup: float, start: int, script: Path | None) -> None:
-    """One window: wrk with ``script`` (C, one thread: little of the 2 cores), else asyncio."""
-    endpoint = f"http://{url}/v2/models/{w.name}/infer"
-    make = lambda n: (w.make(n), HEADERS)  # noqa: E731
-    if warmup > 0:
-        asyncio.run(load.closed_loop(endpoint, make, window.concurrency, warmup, start=start + 10**9))
-    before = triton_stats.snapshot(url)
-    if script is not None:
-        window.take_wrk(wrk.run(url, script, window.concurrency, duration))
-    else:
-        window.take(asyncio.run(load.closed_loop(endpoint, make, window.concurrency, duration, start=start)))
-    window.stats = triton_stats.per_request(before, triton_stats.snapshot(url), ("text_encoder",))
-    window.batch_rows = window.stats.get("text_encoder", {}).get("batch")
 
 
 def before_repository(source: Path, target: Path) -> Path:
@@ -130,11 +105,16 @@ def _f(value, digits: int = 1) -> str:
     return report.fmt(value, digits, missing="-")
 
 
+def encoder_rows(w: Window) -> float | None:
+    """text_encoder's rows per execution over the window (Triton's statistics)."""
+    return w.stats.get("text_encoder", {}).get("batch")
+
+
 def markdown(header: Sequence[str], results: Sequence[Window], mix_limit) -> str:
     limit_rps = mix_limit.best[2] if mix_limit else None
     rows = [
         (p.workload, p.phase, p.concurrency, _f(p.rps, 0), _f(p.rps / limit_rps if p.rps and limit_rps else None, 2))
-        + (_f(p.p50_ms), _f(p.p99_ms), _f(p.max_ms), _f(p.batch_rows), p.errors)
+        + (_f(p.p50_ms), _f(p.p99_ms), _f(p.max_ms), _f(encoder_rows(p)), p.errors)
         for p in sorted(results, key=lambda p: (p.workload, p.concurrency, p.phase))
     ]
     columns = ["workload", "phase", "conc", "req/s", "ratio to limit", "P50 ms", "P99 ms", "max ms", "encoder rows/execution"]
@@ -170,8 +150,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.deployment import Deployment
-
     # SIGTERM (a timeout, a CI cancel) raises, so the servers are stopped in ``finally``.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     say = progress()
@@ -179,33 +157,25 @@ def run(args: argparse.Namespace) -> int:
     out_dir = report.results_dir(args.out_dir, "length-mix")
     served = served_mod.served_encoder(args.precision)
     load_avg = load_average()
-    nonce = secrets.token_hex(4)
-    work = workloads(args.mix_range, nonce)
+    work = workloads(args.mix_range, secrets.token_hex(4))
     windows: list[Window] = []
-    servers: dict[str, Deployment] = {}
-    workdir = Path(tempfile.mkdtemp(prefix="perf-length-mix-"))
-    try:
-        repositories = {phase: ROOT / "model_repository" for phase in ([] if args.url else args.phase_list)}
-        if "before" in repositories:
-            repositories["before"] = before_repository(repositories["before"], workdir / "repository-before")
-        servers = lifecycle.start(repositories, MODELS, workdir, say, model_config_name=served.config_name)
-        if not lifecycle.wait_ready(servers, say):
+    phases = [] if args.url else args.phase_list
+    started = lifecycle.side_by_side(phases, MODELS, out_dir, say, before_repository, model_config_name=served.config_name)
+    with started as (servers, workdir):
+        if servers is None:
             return 1
-        urls = {"url": args.url} if args.url else {phase: server.triton_http_url for phase, server in servers.items()}
-        scripts = {}
-        for name in args.workload_list if args.use_wrk else ():
-            scripts[name] = workdir / f"{name}.lua"
-            scripts[name].write_text(work[name].script())
-        for sequence, (name, (rnd, phase)) in enumerate(
-            (name, turn) for name in args.workload_list for turn in lifecycle.interleaved(args.phase_list, args.rounds)
-        ):
-            window = Window(phase, name, args.concurrency, rnd, "wrk" if args.use_wrk else "python")
-            measure(urls[phase], work[name], window, args.duration, args.warmup, sequence * 10**6, scripts.get(name))
-            windows.append(window)
-            say(f"{window.line()}  encoder rows/execution {_f(window.batch_rows)}")
-    finally:
-        lifecycle.stop(servers, out_dir)
-        shutil.rmtree(workdir, ignore_errors=True)
+        if args.url:  # a running server: no process of its own to meter
+            servers = {"url": types.SimpleNamespace(triton_http_url=args.url, process=None)}
+        scripts = {name: workdir / f"{name}.lua" for name in args.workload_list if args.use_wrk}
+        for name, script in scripts.items():
+            script.write_text(wrk_script(work[name], [], ""))
+        for name in args.workload_list:
+            for rnd, phase in lifecycle.interleaved(args.phase_list, args.rounds):
+                window = Window(phase, name, args.concurrency, rnd, "wrk" if args.use_wrk else "python")
+                warm_up(servers[phase], None, work[name], args.concurrency, args.warmup, scripts.get(name))
+                measure(window, work[name], servers[phase], None, scripts.get(name), args.duration)
+                windows.append(window)
+                say(f"{window.line()}  encoder rows/execution {_f(encoder_rows(window))}")
 
     mix_limit = None
     if args.limit_rounds > 0:
@@ -229,13 +199,8 @@ def run(args: argparse.Namespace) -> int:
             f"{served.variant}; ratio = served req/s over the limit's seq/s"
         ),
     ]
-    text = markdown(header, results, mix_limit)
-    report.write(out_dir, text)
-    write_csv(out_dir / "length_mix.csv", [w.record() for w in windows])
-    if mix_limit:
-        write_csv(out_dir / "limit.csv", mix_limit.rows())
-    print(text)
-    print(f"results: {out_dir}")
+    csvs = {"length_mix.csv": [w.record() for w in windows], "limit.csv": mix_limit.rows() if mix_limit else []}
+    report.write(out_dir, markdown(header, results, mix_limit), csvs=csvs, say=say)
     errors = sum(p.errors for p in results)
     return 1 if errors or not windows else 0
 

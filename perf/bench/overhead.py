@@ -56,8 +56,10 @@ def frontdoor(concurrency: int, seconds: float, rounds: int) -> dict:
 
         return run
 
-    workdir = Path(tempfile.mkdtemp(prefix="overhead-frontdoor-"))
-    with server_deployment((EMBEDDING,), workdir, model_repository=ROOT / "model_repository") as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="overhead-frontdoor-") as workdir,
+        server_deployment((EMBEDDING,), Path(workdir), model_repository=ROOT / "model_repository") as server,
+    ):
         http, grpc = (server.http_url, server.triton_http_url), (server.grpc_url, server.triton_grpc_url)
         urls = {"http json": http, "http binary": http, "grpc": grpc}
         runs = {f"{p} {path}": drive(p, url) for p in PROTOCOLS for path, url in zip(("front door", "direct"), urls[p])}
@@ -139,17 +141,17 @@ def metrics_served(requests: int, rounds: int) -> dict:
     (``requests`` each per round after 50 unmeasured): Triton's compute us per execution, client P50/P99."""
     import tritonclient.grpc as grpcclient
 
-    tmp = Path(tempfile.mkdtemp(prefix="overhead-metrics-"))
-    repo, source = tmp / "model_repository", ROOT / "model_repository" / TOKENIZER
-    for name in (TOKENIZER, METRICS_OFF):
-        shutil.copytree(source, repo / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    config = (repo / METRICS_OFF / "config.pbtxt").read_text().replace(f'name: "{TOKENIZER}"', f'name: "{METRICS_OFF}"')
-    config += '\nparameters { key: "metrics" value: { string_value: "false" } }\n'
-    (repo / METRICS_OFF / "config.pbtxt").write_text(config)
-    models = {"metrics on": TOKENIZER, "metrics off": METRICS_OFF}
-    latencies: dict[str, list[float]] = {label: [] for label in models}
-    per_round = []
-    try:
+    with tempfile.TemporaryDirectory(prefix="overhead-metrics-") as scratch:
+        tmp = Path(scratch)
+        repo, source = tmp / "model_repository", ROOT / "model_repository" / TOKENIZER
+        for name in (TOKENIZER, METRICS_OFF):
+            shutil.copytree(source, repo / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        config = (repo / METRICS_OFF / "config.pbtxt").read_text().replace(f'name: "{TOKENIZER}"', f'name: "{METRICS_OFF}"')
+        config += '\nparameters { key: "metrics" value: { string_value: "false" } }\n'
+        (repo / METRICS_OFF / "config.pbtxt").write_text(config)
+        models = {"metrics on": TOKENIZER, "metrics off": METRICS_OFF}
+        latencies: dict[str, list[float]] = {label: [] for label in models}
+        per_round = []
         with server_deployment((TOKENIZER, METRICS_OFF), tmp / "work", model_repository=repo, front_door=False) as server:
             client = grpcclient.InferenceServerClient(server.grpc_url)
 
@@ -175,8 +177,6 @@ def metrics_served(requests: int, rounds: int) -> dict:
                 after = {label: compute_us(label) for label in models}
                 per_round.append({k: (after[k][1] - before[k][1]) / (after[k][0] - before[k][0]) for k in models})
             client.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     out: dict[str, Any] = {}
     for label, lat in latencies.items():
         figures = load.latency_ms(lat)
@@ -194,7 +194,6 @@ def fill_rates(requests: int, concurrency: int = 8, seed: int = 7) -> dict:
     words = TEXT.lower().split() + "and then the market in spring was quiet again for most traders".split()
     rng = random.Random(seed)
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 100))) + f" {i}" for i in range(requests)]
-    tmp = Path(tempfile.mkdtemp(prefix="overhead-fill-rate-"))
 
     def scrape(url: str) -> dict:
         out: dict = {}
@@ -204,16 +203,14 @@ def fill_rates(requests: int, concurrency: int = 8, seed: int = 7) -> dict:
                 out[(name, model.group(1))] = out.get((name, model.group(1)), 0.0) + value
         return out
 
-    try:
-        with server_deployment((EMBEDDING,), tmp, front_door=False) as server:
-            before = scrape(server.metrics_url)
-            tally = asyncio.run(
-                load.kserve_texts("http", server.http_url, EMBEDDING, texts.__getitem__, concurrency, count=requests)
-            )
-            time.sleep(0.5)  # the reporter threads
-            after = scrape(server.metrics_url)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="overhead-fill-rate-") as tmp,
+        server_deployment((EMBEDDING,), Path(tmp), front_door=False) as server,
+    ):
+        before = scrape(server.metrics_url)
+        tally = asyncio.run(load.kserve_texts("http", server.http_url, EMBEDDING, texts.__getitem__, concurrency, count=requests))
+        time.sleep(0.5)  # the reporter threads
+        after = scrape(server.metrics_url)
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
     out: dict[str, Any] = {"requests": requests, "errors": tally.errors, "requests_per_s": round(requests / tally.seconds, 1)}
     for model in (TOKENIZER, "text_encoder"):

@@ -139,14 +139,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--overload", type=float, default=5.0, help="flood rate as a multiple of the default peak")
     p.add_argument("--flood-connections", type=int, default=512, help="wrk connections of the flood, split in two")
     p.add_argument("--probe-rate", type=float, default=20.0, help="requests/s of each class's probe")
-    p.add_argument(
-        "--interactive-model",
-        default=CACHED_ENTRIES["interactive"],
-        help="the model the interactive probe calls (e.g. text_embedding_interactive, the lane without the cache)",
-    )
     p.add_argument("--precision", default="auto")
     p.add_argument("--out", type=Path, default=None, help="results folder (default perf/results/priority-<UTC time>)")
-    return p.parse_args(argv)
+    return options.finish(p, p.parse_args(argv), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,22 +149,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from export import variants
     from perf.lib.deployment import server_deployment
 
-    def say(m: str) -> None:
-        print(f"[priority-bench {time.strftime('%H:%M:%S')}] {m}", flush=True)
-
+    say, load_before = report.progress(), report.load_average()
     texts = sentences()
     nonce = f"{os.getpid()}-{int(time.time())}"
     out = report.results_dir(args.out, "priority", stamp="%Y%m%dT%H%M%SZ")
-    work = Path(tempfile.mkdtemp(prefix="priority-bench-"))
     loadable = tuple(v for v in variants.VARIANTS if v != "trt_plan")
     config_name, _ = variants.resolve_precision(ROOT / "model_repository", ["text_encoder"], args.precision, loadable=loadable)
-    server = server_deployment((*MODELS, args.interactive_model), work, model_config_name=config_name)
-    server.start()
-    try:
-        server.wait_ready(timeout=300)
-        url = server.http_url.removeprefix("http://")
-        load_start = os.getloadavg()[0]
-        say(f"server ready at {url} (variant {config_name or 'fp32'}); load average {load_start:.1f}")
+    with (
+        tempfile.TemporaryDirectory(prefix="priority-bench-") as tmp,
+        server_deployment(MODELS, Path(tmp), model_config_name=config_name) as server,
+    ):
+        work, url = Path(tmp), server.http_url.removeprefix("http://")
+        say(f"server ready at {url} (variant {config_name or 'fp32'}); load average {load_before}")
 
         def script(cls: str, kind: str, delay_ms: float) -> Path:
             path = work / f"{cls}-{kind}.lua"
@@ -178,16 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         peak_script = script("default", "peak", 0.0)
         wrk.run(url, peak_script, args.peak_concurrency, 3, timeout_s=30.0)  # warm-up
-        r = wrk.run(url, peak_script, args.peak_concurrency, args.duration, timeout_s=30.0)
-        seconds = r["duration_us"] / 1e6
-        peak = {"connections": args.peak_concurrency, "rate": r["ok"] / seconds, "p50_ms": r["p50_us"] / 1000}
-        peak |= {"p99_ms": r["p99_us"] / 1000, "refused": r["unavailable"], "other": r["other"]}
+        peak = flood_figures(wrk.run(url, peak_script, args.peak_concurrency, args.duration, timeout_s=30.0))
+        peak |= {"connections": args.peak_concurrency, "rate": peak["ok_rate"]}
         say(
             f"default peak {peak['rate']:,.0f}/s P50 {peak['p50_ms']:.1f} P99 {peak['p99_ms']:.1f} ms "
-            f"(refused {r['unavailable']}, other {r['other']})"
+            f"(refused {peak['refused_rate']:.0%}, other {peak['other']})"
         )
-        alone = asyncio.run(probe(url, args.interactive_model, args.probe_rate, args.duration, texts, f"{nonce}-alone"))
-        rows = [row(alone, "alone", "interactive", args.interactive_model)]
+        alone = asyncio.run(probe(url, CACHED_ENTRIES["interactive"], args.probe_rate, args.duration, texts, f"{nonce}-alone"))
+        rows = [row(alone, "alone", "interactive", CACHED_ENTRIES["interactive"])]
         say(f"interactive alone: {rows[-1]}")
 
         # overload: each flood connection waits between its requests so that all of them offer
@@ -208,12 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t in threads:
             t.start()
         time.sleep(2.0)  # the flood reaches its steady state
-        entries = {**CACHED_ENTRIES, "interactive": args.interactive_model}
         stats_before = triton_stats.snapshot(url)
 
         async def probes() -> list[load.Tally]:
             return await asyncio.gather(
-                *(probe(url, entries[c], args.probe_rate, args.duration, texts, f"{nonce}-over") for c in CLASSES)
+                *(probe(url, CACHED_ENTRIES[c], args.probe_rate, args.duration, texts, f"{nonce}-over") for c in CLASSES)
             )
 
         tallies = asyncio.run(probes())
@@ -223,40 +211,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         during = [s for _, s in sampler.samples]
         time.sleep(3.0)
         rss_samples = sampler.stop()
-        rss = {"before": before_rss, "max": max(during), "after": rss_samples[-1][1]}
-        flood: dict = {cls: flood_figures(results[cls]) for cls in floods}
-        flood["offered_rate"] = flood["default"]["rate"] + flood["bulk"]["rate"]
-        rows += [row(tally, "overload", cls, entries[cls]) for cls, tally in zip(CLASSES, tallies)]
-        stats_lines = [
-            "",
-            "Per request during the overload (Triton's statistics): model, requests, batch, queue ms, compute ms",
-            *(f"- {k}: {v['requests']}, {v['batch']}, {v['queue_ms']}, {v['compute_ms']}" for k, v in sorted(per_model.items())),
-            "",
-            f"Load average at the start {load_start:.1f}, at the end {os.getloadavg()[0]:.1f} (2-core machines are shared: "
-            "compare classes within one run).",
-        ]
-        text = markdown(rows, peak, flood, rss) + "\n".join(stats_lines) + "\n"
-        print(text)
-        data: dict[str, object] = {"peak": peak, "rows": rows, "flood": flood, "rss": rss, "rss_samples": rss_samples}
-        data |= {"per_model_overload": per_model, "args": vars(args) | {"out": str(out)}, "variant": config_name}
-        report.write(out, text, data)
-        say(f"wrote {out}")
-        inter = next(r for r in rows if r["phase"] == "overload" and r["class"] == "interactive")
-        budget = CLASSES["interactive"].budget_ms
-        failures = []
-        if inter["p99_ms"] is None or inter["p99_ms"] > budget:
-            failures.append(f"interactive P99 {inter['p99_ms']} ms over its {budget} ms budget")
-        if any(r["other_errors"] for r in rows):
-            failures.append(
-                "a probe got an error other than UNAVAILABLE: " + "; ".join(r["first_other"] for r in rows if r["other_errors"])
-            )
-        if any(flood[c]["other"] or flood[c]["socket_errors"] for c in floods):
-            failures.append("the flood got errors other than UNAVAILABLE, or dropped connections")
-        for f in failures:
-            say("FAIL: " + f)
-        return 1 if failures else 0
-    finally:
-        server.stop()
+    rss = {"before": before_rss, "max": max(during), "after": rss_samples[-1][1]}
+    flood: dict = {cls: flood_figures(results[cls]) for cls in floods}
+    flood["offered_rate"] = flood["default"]["rate"] + flood["bulk"]["rate"]
+    rows += [row(tally, "overload", cls, CACHED_ENTRIES[cls]) for cls, tally in zip(CLASSES, tallies)]
+    lines = [
+        *report.header("Priority classes under overload", "perf.bench.priority_bench", args.argv, load_before),
+        "- 2-core machines are shared: compare classes within one run",
+        "",
+        markdown(rows, peak, flood, rss),
+        "Per request during the overload (Triton's statistics): model, requests, batch, queue ms, compute ms",
+        *(f"- {k}: {v['requests']}, {v['batch']}, {v['queue_ms']}, {v['compute_ms']}" for k, v in sorted(per_model.items())),
+    ]
+    data: dict[str, object] = {"peak": peak, "rows": rows, "flood": flood, "rss": rss, "rss_samples": rss_samples}
+    data |= {"per_model_overload": per_model, "args": vars(args) | {"out": str(out)}, "variant": config_name}
+    report.write(out, "\n".join(lines) + "\n", data, say=say)
+    inter = next(r for r in rows if r["phase"] == "overload" and r["class"] == "interactive")
+    budget = CLASSES["interactive"].budget_ms
+    failures = []
+    if inter["p99_ms"] is None or inter["p99_ms"] > budget:
+        failures.append(f"interactive P99 {inter['p99_ms']} ms over its {budget} ms budget")
+    if any(r["other_errors"] for r in rows):
+        failures.append(
+            "a probe got an error other than UNAVAILABLE: " + "; ".join(r["first_other"] for r in rows if r["other_errors"])
+        )
+    if any(flood[c]["other"] or flood[c]["socket_errors"] for c in floods):
+        failures.append("the flood got errors other than UNAVAILABLE, or dropped connections")
+    for f in failures:
+        say("FAIL: " + f)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from perf.lib.generation_systems import (
     served_engine_settings,
     start_engine,
 )
-from perf.lib.harness import write_csv
 from perf.lib.paths import GENERATION_PROMPTS, ROOT
 from perf.lib.stats import percentile_of
 
@@ -128,7 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + [f"{a[k]:.1f} / {b[k]:.1f}" for k in ("tpot_p50_ms", "gap_p99_ms")]
                 + [f"{b['acceptance']:.0%}", f"{sum(x == y for x, y in zip(plain, drafted))} of {len(plain)}"]
             )
-    write_csv(out_dir / "speculative.csv", rows)
     columns = ["kind", "streams", "tokens/s none", "tokens/s drafts", "ratio", "TPOT P50 ms none / drafts"]
     summary = (
         f"# Prompt-lookup drafts on / off ({precision} weights, k={args.k}, {args.max_tokens} new tokens, load average {load})\n\n"
@@ -138,8 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + " ".join(sys.argv[1:] if argv is None else argv)
         + "`\n"
     )
-    report.write(out_dir, summary)
-    print(summary + f"results in {out_dir}")
+    report.write(out_dir, summary, csvs={"speculative.csv": rows}, say=print)
     return 0
 
 

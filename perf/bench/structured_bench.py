@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from perf.lib import options, report
-from perf.lib.harness import write_csv
 from perf.lib.stats import percentile_of
 
 MODEL = "text_generation"
@@ -82,8 +81,6 @@ def unfenced(text: str) -> str:
 
 def validity(client, person, asks: list[str], max_tokens: int) -> list[dict]:
     """Valid answers out of ``asks`` with the schema enforced and with it only asked for."""
-    import json
-
     import pydantic
 
     schema = json.dumps(person.model_json_schema())
@@ -232,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.fit:
                 rows = fit(client, args.streams)
                 summary = "# fit_structure_to_max_tokens\n\n" + report.table(list(rows[0]), (list(r.values()) for r in rows))
-                print("\n" + summary)
-                report.write(report.results_dir(args.results, "structured-fit"), summary)
+                report.write(report.results_dir(args.results, "structured-fit"), summary, say=print)
                 return 0
             valid = validity(client, person_model(), prompts(args.prompts), 200)
             rows = cost(client, args.streams, args.max_tokens, args.rounds)
@@ -249,11 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Guided / unguided tokens/s: {ratio:.2f} (target >= {TARGET})\n",
         ]
     )
-    print("\n" + summary)
-    results = report.results_dir(args.results, "structured")
-    report.write(results, summary)
-    write_csv(results / "structured_cost.csv", rows)
-    write_csv(results / "structured_validity.csv", valid)
+    csvs = {"structured_cost.csv": rows, "structured_validity.csv": valid}
+    report.write(report.results_dir(args.results, "structured"), summary, csvs=csvs, say=print)
     return 0
 
 

@@ -22,7 +22,7 @@ from perf.lib import harness
 from perf.lib import perf_analyzer as pa
 from perf.lib.harness import Row
 from perf.lib.paths import DATA, REPOSITORY
-from perf.lib.report import load_average
+from perf.lib.report import display_path, load_average
 from perf.lib.stats import measured
 
 TEXT_MODEL = "text_embedding"
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         "sweep",
         load,
         f"served: {target}",
-        "inputs: " + ", ".join(f"{w.name} = {pa.display_path(w.input_data)}" for w in loads) + "; batch size 1 per request",
+        "inputs: " + ", ".join(f"{w.name} = {display_path(w.input_data)}" for w in loads) + "; batch size 1 per request",
         f"count windows of up to {args.request_count} requests ({windows}), -s {args.stability_percent:g}, max trials "
         f"{args.max_trials}, one retry with twice the requests; Poisson points with --async",
     )

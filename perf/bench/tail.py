@@ -4,7 +4,7 @@ Two tritonservers at once (`make serve`'s models, CPU variants, response cache o
 ``after`` serves the shipped configs; ``before`` a linked copy whose batching configs add
 ``priority_levels: 2``, ``default_priority_level: 2`` and a REJECT ``default_queue_policy`` (the
 settings that make tritonserver 2.51's batcher miss wake-ups, docs/performance.md), or with
-``--alt-configs DIR`` ("alt") DIR's configs. Each workload (tail_workloads.py: the text and image
+``--alt-configs DIR`` ("alt") DIR's configs. Each workload (tail_measure.py: the text and image
 models and ensembles, cache hits and misses, a generation stream, the OpenAI gateway's embeddings
 and chat) runs at each ``--concurrency`` for ``--rounds`` interleaved rounds of ``--duration`` s
 under wrk or the asyncio client (``--client``); a point is the median over rounds. Each window also
@@ -21,19 +21,28 @@ from __future__ import annotations
 import argparse
 import re
 import secrets
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from perf.bench.tail_measure import Window, measure, warm_up
-from perf.bench.tail_report import _f, markdown, targets, targets_table
-from perf.bench.tail_workloads import GATEWAY_WORKLOADS, STREAM_WORKLOADS, WORKLOADS, workloads, wrk_script
+from perf.bench.tail_measure import (
+    GATEWAY_WORKLOADS,
+    HIT_WORKLOADS,
+    STATS_MODELS,
+    STREAM_WORKLOADS,
+    WORKLOADS,
+    Window,
+    measure,
+    warm_up,
+    workloads,
+    wrk_script,
+)
 from perf.lib import lifecycle, load, options, report
-from perf.lib.harness import write_csv
-from perf.lib.paths import ROOT
-from perf.lib.report import load_average, progress
+from perf.lib.deployment import start_gateways
+from perf.lib.harness import int_list
+from perf.lib.paths import ROOT  # noqa: F401 - the shipped repository, beside before_repository's copy
+from perf.lib.report import fmt as _f
+from perf.lib.report import load_average, progress, table
 from perf.lib.workload import prompts, sentences
 from server.process import DEFAULT_CACHE_SIZE_MB
 
@@ -83,6 +92,94 @@ def before_repository(source: Path, target: Path, alt_configs: Path | None = Non
     return lifecycle.linked_repository(source, target, config)
 
 
+# --------------------------------------------------------------------------- report
+
+TARGET_MAX_OVER_P50 = 5.0
+TARGET_HITS_P99_MS = 50.0
+TARGET_P99_OVER_P50 = 3.0
+
+
+def targets(results: Sequence[Window], concurrency: int, phase: str = "after", long: bool = False) -> list[dict]:
+    """The issue's targets, checked on ``phase`` at ``concurrency``: all-hit P99 <= 50 ms, every other
+    workload P99 <= 3 x P50 (streams: the whole answer and TTFT), and with ``long`` (one long window
+    per workload) max <= 5 x P50. Each row: target, value, met, and the figures it comes from."""
+    rows = []
+    by = {(r.phase, r.workload, r.concurrency): r for r in results}
+    ratio, most = f"{TARGET_P99_OVER_P50:g} x P50", f"{TARGET_MAX_OVER_P50:g} x P50 (long window)"
+    for name in WORKLOADS:
+        if (r := by.get((phase, name, concurrency))) is None:
+            continue
+        if name in HIT_WORKLOADS:
+            checks = [(f"P99 <= {TARGET_HITS_P99_MS:g} ms", r.p99_ms, TARGET_HITS_P99_MS, f"P99 {_f(r.p99_ms)} ms")]
+        else:
+            what = "answer " if name in STREAM_WORKLOADS else ""
+            checks = [
+                (f"{what}P99 <= {ratio}", r.p99_over_p50, TARGET_P99_OVER_P50, f"P50 {_f(r.p50_ms)}, P99 {_f(r.p99_ms)} ms")
+            ]
+        ttft = r.ttft_p50_ms if name in STREAM_WORKLOADS else None
+        if ttft:
+            detail = f"TTFT P50 {_f(ttft)}, P99 {_f(r.ttft_p99_ms)} ms"
+            checks.append((f"TTFT P99 <= {ratio}", (r.ttft_p99_ms or 0) / ttft, TARGET_P99_OVER_P50, detail))
+        if long:
+            checks.append((f"max <= {most}", r.max_over_p50, TARGET_MAX_OVER_P50, f"P50 {_f(r.p50_ms)}, max {_f(r.max_ms)} ms"))
+        if long and ttft:
+            detail = f"TTFT P50 {_f(ttft)}, max {_f(r.ttft_max_ms)} ms"
+            checks.append((f"TTFT max <= {most}", (r.ttft_max_ms or 0) / ttft, TARGET_MAX_OVER_P50, detail))
+        cores = f"client {_f(r.client_cores, 2)}, server {_f(r.server_cores, 2)} (waiting {_f(r.server_wait_cores, 2)})"
+        cores += f", machine {_f(r.machine_cores, 2)}"
+        for what, value, limit, detail in checks:
+            met = value is not None and value <= limit and not r.errors
+            row = {"target": f"{name}, c{concurrency}: {what}", "value": value, "limit": limit, "detail": detail}
+            rows.append(row | {"met": met, "cores": cores})
+    return rows
+
+
+def targets_table(rows: Sequence[dict]) -> str:
+    """The targets as a markdown table: each target, the figure, PASS / FAIL, and the CPU beside it."""
+    header = ["target", "value", "result", "from", "CPU cores (client, server, machine)"]
+    body = [(t["target"], _f(t["value"], 2), "PASS" if t["met"] else "FAIL", t["detail"], t["cores"]) for t in rows]
+    return table(header, body) + "\n"
+
+
+def markdown(header: Sequence[str], results: Sequence[Window], target_rows: Sequence[dict]) -> str:
+    ordered = sorted(results, key=lambda r: (WORKLOADS.index(r.workload), r.concurrency, r.phase != "before", r.phase))
+    rows: list[tuple] = []
+    for r in ordered:
+        spread = f" ({_f(r.p99_range[0])}-{_f(r.p99_range[1])})" if r.p99_range and r.round > 1 else ""
+        rps = _f(r.rps, 0 if r.rps and r.rps > 100 else 1)
+        rows.append(
+            (r.workload, r.phase, r.concurrency, rps, _f(r.p50_ms), _f(r.p99_ms) + spread, _f(r.max_ms), _f(r.p99_over_p50, 2))
+            + (r.errors, _f(r.client_cores, 2), _f(r.server_cores, 2), _f(r.server_wait_cores, 2), _f(r.machine_cores, 2))
+        )
+    columns = ["workload", "phase", "conc.", "requests/s", "P50 ms", "P99 ms (rounds)", "max ms", "P99/P50", "errors"]
+    lines = [*header, "", table(columns + ["client cores", "server cores", "server waiting", "machine cores"], rows, left=2)]
+    streams = [r for r in ordered if r.workload in STREAM_WORKLOADS]
+    if streams:
+        columns = ["workload", "phase", "conc.", "answers/s", "TTFT P50 ms", "TTFT P99 ms", "TTFT max ms", "TTFT P99/P50"]
+        rows = [
+            (r.workload, r.phase, r.concurrency, _f(r.rps, 1), _f(r.ttft_p50_ms), _f(r.ttft_p99_ms), _f(r.ttft_max_ms))
+            + (_f(r.ttft_p99_ms / r.ttft_p50_ms if r.ttft_p99_ms and r.ttft_p50_ms else None, 2), _f(r.gateway_cores, 2))
+            for r in streams
+        ]
+        lines += ["", "Streams (P50/P99/max above are of the whole answer): time to the first text piece.", ""]
+        lines.append(table(columns + ["gateway cores"], rows, left=2))
+    if target_rows:
+        lines += ["", "Targets:", "", targets_table(target_rows).rstrip("\n")]
+    rows = [
+        (r.workload, r.phase, model, r.concurrency, _f(s["batch"], 2), _f(s["queue_ms"], 2), _f(s["compute_ms"], 2))
+        for r in ordered
+        for model, s in ((m, r.stats[m]) for m in STATS_MODELS if m in r.stats)
+    ]
+    lines += [
+        "",
+        "Where the time goes (/v2/models/stats, medians over rounds): mean batch, queue ms and "
+        "compute ms per request of each model the workload reached.",
+        "",
+        table(["workload", "phase", "model", "conc.", "batch", "queue ms", "compute ms"], rows, left=3),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -102,7 +199,7 @@ def check_before(http_url: str, generation: bool) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = options.parser("perf.bench.tail", __doc__)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
-    p.add_argument("--concurrency", default="4,32", help="comma-separated connection counts (default 4,32)")
+    p.add_argument("--concurrency", type=int_list, help="comma-separated connection counts (default 4,32; --long: 32)")
     p.add_argument(
         "--phases",
         default="after,before",
@@ -130,24 +227,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.long is not None:
         args.rounds, args.duration = 1, args.long
-        if not any(a == "--concurrency" or a.startswith("--concurrency=") for a in (argv or sys.argv[1:])):
-            args.concurrency = "32"
     args.workload_list = options.names(p, "--workloads", args.workloads, WORKLOADS)
-    args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
+    args.concurrency_list = args.concurrency or ([32] if args.long is not None else [4, 32])
     second = "alt" if args.alt_configs else "before"
     args.phase_list = [second if x in ("before", "alt") else x for x in options.names(p, "--phases", args.phases, PHASES)]
     if set(args.phase_list) - {"after", second} or not args.phase_list:
         p.error(f"--phases: after, {second} or both")
     if args.alt_configs and not args.alt_configs.is_dir():
         p.error(f"--alt-configs {args.alt_configs}: not a folder")
-    if not args.concurrency_list or min(args.concurrency_list) < 1 or args.max_tokens < 1:
-        p.error("--concurrency and --max-tokens must be positive")
+    if args.max_tokens < 1:
+        p.error("--max-tokens must be positive")
     return options.finish(p, args, argv)
 
 
 def run(args: argparse.Namespace) -> int:
     from perf.lib import served as served_mod
-    from server.deployment import Deployment
 
     say = progress()
 
@@ -161,14 +255,10 @@ def run(args: argparse.Namespace) -> int:
         models += ("text_generation",)
     if "text_encoder_router" in args.workload_list:  # off text_embedding's path outside a rollout
         models += ("text_encoder_router",)
-    needs_gateway = any(w in GATEWAY_WORKLOADS for w in args.workload_list)
     nonce = secrets.token_hex(4)
     api_key = "sk-tail-" + secrets.token_hex(16)
     work = workloads(nonce, texts, api_key)
     windows: list[Window] = []
-    workdir = Path(tempfile.mkdtemp(prefix="perf-tail-"))
-    wrk_able = [name for name in args.workload_list if args.use_wrk and work[name].kind not in ("image", "chat", "generation")]
-    scripts = {name: workdir / f"{name}.lua" for name in wrk_able}  # written by salt() before each run
 
     def salt(w, script: Path | None) -> None:
         # Each wrk run counts from 1: a fresh salt per run, or the warm-up's texts (and an earlier
@@ -176,55 +266,43 @@ def run(args: argparse.Namespace) -> int:
         if script is not None:
             script.write_text(wrk_script(w, texts, f"{nonce}-{secrets.token_hex(3)}"))
 
-    servers: dict[str, Deployment] = {}
-    gateways: dict = {}
-    try:
-        repositories = {phase: ROOT / "model_repository" for phase in args.phase_list}
-        for phase in set(repositories) - {"after"}:
-            repositories[phase] = before_repository(repositories[phase], workdir / f"repository-{phase}", args.alt_configs)
-        say(f"perf.bench.tail: response cache {args.cache_size_mb} MiB")
-        cache = args.cache_size_mb * 1024 * 1024
-        servers = lifecycle.start(
-            repositories, models, workdir, say, model_config_name=served.config_name, cache_size_bytes=cache
-        )
-        if not lifecycle.wait_ready(servers, say, indent="    "):
+    say(f"perf.bench.tail: response cache {args.cache_size_mb} MiB")
+    config = {"model_config_name": served.config_name, "cache_size_bytes": args.cache_size_mb << 20}
+    before = lambda source, target: before_repository(source, target, args.alt_configs)  # noqa: E731
+    with lifecycle.side_by_side(args.phase_list, models, out_dir, say, before, **config) as (servers, workdir):
+        if servers is None:
             return 1
-        if needs_gateway:
-            from perf.lib.deployment import gateway_options
-            from server.gateway import GatewayProcess
+        wrk_able = [n for n in args.workload_list if args.use_wrk and work[n].kind not in ("image", "chat", "generation")]
+        scripts = {name: workdir / f"{name}.lua" for name in wrk_able}  # written by salt() before each run
+        gateways: dict = {}
+        try:
+            if any(w in GATEWAY_WORKLOADS for w in args.workload_list):
+                wanted = {phase: (server.triton_grpc_url, ["--no-request-log"]) for phase, server in servers.items()}
+                start_gateways(wanted, workdir, api_key, say, gateways)
+            if "before" in servers:
+                check_before(servers["before"].triton_http_url, "text_generation" in models)
 
-            for phase, server in servers.items():
-                options = gateway_options(server.triton_grpc_url, workdir / f"gateway-{phase}", api_key, "--no-request-log")
-                gateways[phase] = GatewayProcess(options).start()
-            for phase, gateway in gateways.items():
-                gateway.wait_ready(timeout=120)
-                say(f"perf.bench.tail: gateway for {phase} ready on {gateway.url}")
-        if "before" in servers:
-            check_before(servers["before"].triton_http_url, "text_generation" in models)
-
-        for conc in args.concurrency_list:
-            for name in args.workload_list:
-                for rnd, phase in lifecycle.interleaved(args.phase_list, args.rounds):
-                    w, server, script = work[name], servers[phase], scripts.get(name)
-                    gateway = gateways.get(phase) if w.via_gateway else None
-                    window = Window(phase, name, conc, rnd, "wrk" if script else "python")
-                    stream = (api_key, prompts(), args.max_tokens, args.warmup) if name in STREAM_WORKLOADS else None
-                    if not stream:
+            for conc in args.concurrency_list:
+                for name in args.workload_list:
+                    for rnd, phase in lifecycle.interleaved(args.phase_list, args.rounds):
+                        w, server, script = work[name], servers[phase], scripts.get(name)
+                        gateway = gateways.get(phase) if w.via_gateway else None
+                        window = Window(phase, name, conc, rnd, "wrk" if script else "python")
+                        stream = (api_key, prompts(), args.max_tokens, args.warmup) if name in STREAM_WORKLOADS else None
+                        if not stream:
+                            salt(w, script)
+                            warm_up(server, gateway, w, conc, args.warmup, script)
                         salt(w, script)
-                        warm_up(server, gateway, w, conc, args.warmup, script)
-                    salt(w, script)
-                    measure(window, w, server, gateway, script, args.duration, stream)
-                    windows.append(window)
-                    say(
-                        window.line() + f"  client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
-                        f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores"
-                        + (f"  TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)}" if stream else "")
-                        + (f"  gateway {_f(window.gateway_cores, 2)} cores" if gateway else "")
-                    )
-    finally:
-        lifecycle.stop(gateways, out_dir, "gateway")
-        lifecycle.stop(servers, out_dir)
-        shutil.rmtree(workdir, ignore_errors=True)
+                        measure(window, w, server, gateway, script, args.duration, stream)
+                        windows.append(window)
+                        say(
+                            window.line() + f"  client {_f(window.client_cores, 2)} server {_f(window.server_cores, 2)} "
+                            f"waiting {_f(window.server_wait_cores, 2)} machine {_f(window.machine_cores, 2)} cores"
+                            + (f"  TTFT P50 {_f(window.ttft_p50_ms)} P99 {_f(window.ttft_p99_ms)}" if stream else "")
+                            + (f"  gateway {_f(window.gateway_cores, 2)} cores" if gateway else "")
+                        )
+        finally:
+            lifecycle.stop(gateways, out_dir, "gateway")
 
     results = load.points(windows)
     main_phase = "after" if "after" in args.phase_list else args.phase_list[0]
@@ -247,14 +325,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.long is None:
         header.append("- max <= 5 x P50 is a target over one long window per workload: `--long 60`")
-    table = markdown(header, results, target_rows)
-    report.write(out_dir, table)
-    write_csv(out_dir / "tail.csv", [w.record() for w in windows])
     (out_dir / "targets.md").write_text("\n".join(header[:3]) + "\n\n" + targets_table(target_rows))
-    write_csv(out_dir / "targets.csv", target_rows)
-    print("\n" + table, flush=True)
+    csvs = {"tail.csv": [w.record() for w in windows], "targets.csv": target_rows}
+    report.write(out_dir, markdown(header, results, target_rows), csvs=csvs, say=say)
     print(f"Targets at c{max(args.concurrency_list)} ({main_phase}):\n\n" + targets_table(target_rows), flush=True)
-    say(f"perf.bench.tail: results in {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}")
     return 0 if windows and all(w.requests and not w.errors for w in windows) else 1
 
 

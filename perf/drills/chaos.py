@@ -29,7 +29,6 @@ from perf.drills.report import Result, latency_ms, per_second, timed, timeline
 from perf.lib import processes
 from perf.lib.chat_streams import DirectChat
 from perf.lib.cluster import ClusterRun, launch
-from perf.lib.harness import write_csv
 from perf.lib.load import call_loop, poisson_loop
 from perf.lib.options import add_peak, finish, parser
 from perf.lib.report import cpu_model, progress, results_dir, table, write
@@ -352,22 +351,20 @@ def main(argv=None) -> int:
     finally:
         cluster.stop(timeout=60)
     rows = per_second(run.results, args.duration, WINDOW_S, skip=("generation",))
-    write_csv(out / "per_second.csv", rows)
     workloads = summarize(run)
     problems = checks(workloads, run.faults, burst)
     cpu = cpu_model()
     text = summary(args, rate, peak_rps, workloads, run.faults, rss, burst, problems, cpu)
     faults = {k: vars(v) for k, v in run.faults.items()}
     figures = {"peak_rps": peak_rps, "rate": rate, "cluster": state, "problems": problems}
-    write(out, text, {"table": workloads, "faults": faults, "rss_mib": rss, "burst": burst, **figures})
+    data = {"table": workloads, "faults": faults, "rss_mib": rss, "burst": burst, **figures}
     sent, failed = sum(r["sent"] for r in workloads.values()), sum(r["failed"] for r in workloads.values())
     events = {
         f.name: (f.at_s, None if f.at_s is None or f.recovered_s is None else f.at_s + f.recovered_s) for f in run.faults.values()
     }
     title = f"serve-cluster, {args.replicas} replicas, {rate:.0f} req/s ({args.load:.0%} of peak): {sent:,} requests, {failed} failed; {cpu}"
     timeline(out / "chaos.png", rows, events, title)
-    say(text)
-    say(f"chaos: wrote {out}/summary.md, results.json, chaos.png, per_second.csv")
+    write(out, text, data, csvs={"per_second.csv": rows}, say=say)
     return 1 if problems else 0
 
 

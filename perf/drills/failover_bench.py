@@ -23,7 +23,6 @@ from pathlib import Path
 from perf.drills.report import Result, latency_ms, per_second, timed, timeline
 from perf.lib import triton_stats
 from perf.lib.cluster import ClusterRun, launch
-from perf.lib.harness import write_csv
 from perf.lib.load import call_loop
 from perf.lib.options import parser
 from perf.lib.report import results_dir, table, write
@@ -209,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         code = run.stop()
         (out / "cluster-output.txt").write_text("\n".join(run.screen) + "\n", encoding="utf-8")
     rows = result.pop("rows")
-    write_csv(out / "per_second.csv", rows)
     problems = result["problems"] = check(result, args.recovery)
     result["launcher_exit_code"] = code
     events: dict[str, tuple[float | None, float | None]] = {name: (result[f"{key}_at_s"], None) for key, name in EVENTS.items()}
@@ -238,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Checks: {'all passed' if not problems else 'FAILED: ' + '; '.join(problems)}",
         ]
     )
-    write(out, text + "\n", result)
-    print(f"{text}\nfailover-bench: wrote {out}")
+    write(out, text + "\n", result, csvs={"per_second.csv": rows}, say=print)
     return 0 if not problems else 1
 
 

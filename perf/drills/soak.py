@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import secrets
-import shutil
 import sys
 import tempfile
 import time
@@ -27,7 +26,6 @@ from perf.drills.report import MIN_P99_RISE_MS, Result, interval_latency, p99_ch
 from perf.lib import processes
 from perf.lib.chat_streams import Cancelled, DirectChat, GatewayChat
 from perf.lib.deployment import start_deployment
-from perf.lib.harness import write_csv
 from perf.lib.load import call_loop, poisson_loop
 from perf.lib.options import add_peak, finish, parser
 from perf.lib.report import header, load_average, progress, results_dir, write
@@ -258,19 +256,18 @@ def run(args: argparse.Namespace) -> int:
     say(
         f"perf.drills.soak: {args.duration:g} s, sampling every {args.interval:g} s, warm-up {args.warmup:g} s; load average {load}"
     )
-    key, workdir = "sk-soak-" + secrets.token_hex(16), Path(tempfile.mkdtemp(prefix="perf-soak-"))
-    deployment, failures = None, []
+    key, deployment, failures = "sk-soak-" + secrets.token_hex(16), None, []
     soak, peak, rate = Soak([]), 0.0, 0.0
-    try:
-        deployment = start_deployment(MODELS, workdir, key, not args.no_redis, say)
-        peak, rate = asyncio.run(run_soak(args, deployment, key, soak, say))
-    except Exception as exc:  # noqa: BLE001 - reported with what was measured
-        failures.append(f"stopped early: {type(exc).__name__}: {exc}")
-        say(f"perf.drills.soak {failures[0]}")
-    finally:
-        if deployment is not None:
-            deployment.stop(logs_to=out)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="perf-soak-") as workdir:
+        try:
+            deployment = start_deployment(MODELS, Path(workdir), key, not args.no_redis, say)
+            peak, rate = asyncio.run(run_soak(args, deployment, key, soak, say))
+        except Exception as exc:  # noqa: BLE001 - reported with what was measured
+            failures.append(f"stopped early: {type(exc).__name__}: {exc}")
+            say(f"perf.drills.soak {failures[0]}")
+        finally:
+            if deployment is not None:
+                deployment.stop(logs_to=out)
 
     rss = rss_checks(soak.samples, args.warmup, args.rss_growth_pct, args.rss_growth_mib)
     p99 = p99_checks(soak.latency, args.warmup, args.p99_growth)
@@ -301,13 +298,9 @@ def run(args: argparse.Namespace) -> int:
         "",
     ]
     text = "\n".join(lines + soak_tables(soak.results, soak.samples, soak.latency, rss, p99)) + "\n"
-    write(out, text)
-    write_csv(out / "samples.csv", soak.samples or [{"time_s": None}])
-    write_csv(out / "latency.csv", soak.latency or [{"time_s": None}])
     if soak.samples:
         soak_plot(out / "soak.png", soak.samples, soak.latency, args.warmup)
-    print("\n" + text, flush=True)
-    say(f"perf.drills.soak: {'FAILED' if failures else 'passed'}; results in {out}")
+    write(out, text, csvs={"samples.csv": soak.samples, "latency.csv": soak.latency}, say=say)
     return 1 if failures else 0
 
 

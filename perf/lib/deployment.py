@@ -7,7 +7,7 @@ for (models, precision variant, response cache, env, front door or not)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from server.deployment import Deployment, DeploymentOptions
@@ -27,6 +27,18 @@ def gateway_options(triton_grpc_url: str, workdir: Path, key: str, *extra_args: 
         env={"GATEWAY_API_KEYS": key},
         drain_timeout=5,
     )
+
+
+def start_gateways(gateways: Mapping[str, tuple[str, Sequence[str]]], workdir: Path, key: str, say, started: dict) -> None:
+    """One OpenAI gateway per name (name -> tritonserver's gRPC host:port and extra arguments) into
+    ``started`` (so that the caller stops what started), each of them ready."""
+    from server.gateway import GatewayProcess
+
+    for name, (url, extra) in gateways.items():
+        started[name] = GatewayProcess(gateway_options(url, workdir / f"gateway-{name}", key, *extra)).start()
+    for name, gateway in started.items():
+        gateway.wait_ready(timeout=120)
+        say(f"gateway {name} ready on {gateway.url}")
 
 
 def start_deployment(models: Sequence[str], workdir: Path, key: str, use_redis: bool, say) -> Deployment:

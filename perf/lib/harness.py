@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import json
 import logging
@@ -29,7 +28,7 @@ from ops.repository import RepositoryClient
 from perf.lib import options, report, triton_stats
 from perf.lib import perf_analyzer as pa
 from perf.lib.paths import SENTENCES_16TOK
-from perf.lib.report import fmt
+from perf.lib.report import fmt, write_csv  # noqa: F401 - the scenarios' CSV writer
 
 MODEL = "text_embedding"
 ENCODER = "text_encoder"
@@ -347,16 +346,6 @@ def new_run(args: argparse.Namespace, kind: str, run_class: type[RunT] = Run) ->
     return run_class(args, report.results_dir(args.out_dir, kind), deadline, binary, env)
 
 
-def write_csv(path: Path, records: Sequence[Mapping[str, object]]) -> None:
-    columns: list[str] = []
-    for record in records:
-        columns += [k for k in record if k not in columns]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(records)
-
-
 def header(title: str, args: argparse.Namespace, tool: str, load: str, *lines: str) -> list[str]:
     """perf.lib.report's header of a scenario's summary, then its own ``lines`` as bullets."""
     return report.header(title, f"perf.bench.{tool}", args.argv, load) + [f"- {line}" for line in lines]
@@ -396,8 +385,4 @@ def breakdown(rows: Sequence[Row]) -> list[str]:
 
 def finish(run: Run, tool: str, lines: Sequence[str], csv_name: str, records: Sequence[Mapping[str, object]]) -> None:
     """summary.md and the CSV of the records in the results folder; the summary printed."""
-    text = "\n".join(lines) + "\n"
-    report.write(run.out_dir, text)
-    write_csv(run.out_dir / csv_name, records)
-    print("\n" + text, flush=True)
-    run.say(f"perf.bench.{tool}: results in {pa.display_path(run.out_dir)}")
+    report.write(run.out_dir, "\n".join(lines) + "\n", csvs={csv_name: records}, say=run.say)

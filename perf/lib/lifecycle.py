@@ -5,11 +5,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from perf.lib.paths import REPOSITORY
 
 
 class _Server(Protocol):
@@ -66,6 +70,29 @@ def start(repositories: Mapping[str, Path], models: Sequence[str], workdir: Path
             server.stop()
         raise
     return servers
+
+
+@contextlib.contextmanager
+def side_by_side(
+    phases: Sequence[str],
+    models: Sequence[str],
+    out_dir: Path,
+    say: Callable[[str], None],
+    before: Callable[[Path, Path], Path],
+    **options,
+) -> Iterator[tuple[dict[str, Any] | None, Path]]:
+    """A scratch folder and one tritonserver per phase (``start``): ``after`` serves the model repository,
+    any other phase the copy ``before(repository, target)`` makes in the folder. Yields the servers, ready
+    (None when one is not: said why), and the folder; then stops them (``stop``) and removes the folder."""
+    workdir = Path(tempfile.mkdtemp(prefix="perf-"))
+    servers: dict[str, Any] = {}
+    try:
+        repositories = {p: REPOSITORY if p == "after" else before(REPOSITORY, workdir / f"repository-{p}") for p in phases}
+        servers = start(repositories, models, workdir, say, **options)
+        yield (servers if wait_ready(servers, say, indent="    ") else None), workdir
+    finally:
+        stop(servers, out_dir)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def interleaved(phases: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:

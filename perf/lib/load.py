@@ -47,6 +47,15 @@ class Tally:
         else:
             self.first_error = self.first_error or error[:200]
 
+    def merge(self, other: Tally) -> None:
+        """``other``'s answers, errors and seconds added to these."""
+        self.ok += other.ok
+        self.ok_index += other.ok_index
+        self.refused += other.refused
+        self.errors += other.errors
+        self.first_error = self.first_error or other.first_error
+        self.seconds += other.seconds
+
     def figures(self) -> dict:
         """requests (200s), requests/s, errors and P50/P99/max ms of the 200s."""
         rps = len(self.ok) / self.seconds if self.seconds > 0 else None
@@ -241,12 +250,8 @@ def alternate(
         for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:
             cpu = time.process_time()
             tally = asyncio.run(runs[key](seconds))
-            merged, used = out[key]
-            merged.ok += tally.ok
-            merged.errors += tally.errors
-            merged.seconds += tally.seconds
-            merged.first_error = merged.first_error or tally.first_error
-            out[key] = merged, used + time.process_time() - cpu
+            out[key][0].merge(tally)
+            out[key] = out[key][0], out[key][1] + time.process_time() - cpu
     return out
 
 

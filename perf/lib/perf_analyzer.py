@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.lib.paths import ROOT
-
 log = logging.getLogger(__name__)
 
 BINARY_NAME = "perf_analyzer"
@@ -368,9 +366,3 @@ def _write_log(path: Path | None, cmd: Sequence[str], output: str) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("$ " + " ".join(cmd) + "\n" + output)
-
-
-def display_path(path: Path) -> str:
-    """A results path as the perf tools print it: relative to the repository when inside it."""
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)

@@ -1,6 +1,6 @@
 """Every process of a local deployment, named, with its CPU time and memory from /proc.
 
-Shared by perf.drills.soak and perf.bench.cpu_cost: tritonserver and its python backend stubs (model
+Shared by perf.drills.soak, perf.bench.cpu_cost and the tools that meter a window's CPU: tritonserver and its python backend stubs (model
 and instance read from the stub's command line), the nginx front door, the OpenAI gateway, Redis
 and the load generator (this process). CPU time is utime + stime of /proc/<pid>/stat (children
 counted separately), RSS is VmRSS of /proc/<pid>/status.
@@ -161,6 +161,16 @@ def snapshot(procs: Iterable[Proc]) -> dict[str, Sample]:
         if s is not None and alive(p):
             out[p.name] = s
     return out
+
+
+def machine_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine so far, neighbours included (/proc/stat's first line
+    less idle and iowait); None where it cannot be read."""
+    try:
+        ticks = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0.0)) / CLOCK_TICKS
 
 
 def tree(pid: int) -> list[int]:

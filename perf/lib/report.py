@@ -1,17 +1,18 @@
 """What a benchmark's report is made of: its results folder (``--out-dir`` or perf/results/<kind>-<UTC
-time>), the summary it writes there (summary.md, and results.json with the raw figures where it has
-them), the way a figure is printed and its markdown tables."""
+time>), what it writes there (summary.md, results.json with the raw figures where it has them, its
+CSV files), the way a figure is printed and its markdown tables."""
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from perf.lib.paths import RESULTS
+from perf.lib.paths import RESULTS, ROOT
 
 STAMP = "%Y%m%d-%H%M%S"
 
@@ -23,13 +24,45 @@ def results_dir(out_dir: Path | None, kind: str, stamp: str = STAMP) -> Path:
     return path
 
 
-def write(out_dir: Path, summary: str, data: object | None = None, name: str = "summary.md") -> Path:
-    """``summary`` (markdown) as ``out_dir/name``, and ``data`` (when given) as out_dir/results.json."""
+def write(
+    out_dir: Path,
+    summary: str,
+    data: object | None = None,
+    name: str = "summary.md",
+    csvs: Mapping[str, Sequence[Mapping[str, object]]] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Path:
+    """``summary`` (markdown) as ``out_dir/name``, ``data`` (when given) as out_dir/results.json and each of
+    ``csvs`` (file name -> records; none written for no records) as CSV; with ``say``, the summary printed
+    and the folder said."""
     path = out_dir / name
     path.write_text(summary)
     if data is not None:
         (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=str))
+    for csv_name, records in (csvs or {}).items():
+        if records:
+            write_csv(out_dir / csv_name, records)
+    if say is not None:
+        print("\n" + summary, flush=True)
+        say(f"results in {display_path(out_dir)}")
     return path
+
+
+def write_csv(path: Path, records: Sequence[Mapping[str, object]]) -> None:
+    """``records`` as CSV, the columns every record's keys in the order first seen."""
+    columns: list[str] = []
+    for record in records:
+        columns += [k for k in record if k not in columns]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def display_path(path: Path) -> str:
+    """A results path as the perf tools print it: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def fmt(value: float | None, digits: int = 1, missing: str = "", thousands: bool = False) -> str:
