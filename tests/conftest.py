@@ -9,6 +9,7 @@ kept, and its last lines are attached to the report of any failed test that used
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -26,8 +27,10 @@ REPOSITORY = ROOT / "model_repository"
 _RUNNING: list[Deployment] = []  # for attaching the log to failed tests' reports
 
 
-@contextlib.contextmanager
-def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
+@functools.cache
+def _exported() -> None:
+    """The repository's models exported, checked at the session's first start (a check hashes
+    the model files: half a second, for each of the session's many starts otherwise)."""
     if not text_encoder.up_to_date(REPOSITORY):
         text_encoder.export(REPOSITORY)
     for image_model in image_classifier.MODELS.values():
@@ -35,6 +38,11 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
             image_classifier.export(REPOSITORY, model=image_model)
     if (REPOSITORY / generation.MODEL / "config.pbtxt").is_file() and not generation.up_to_date(REPOSITORY):
         generation.export_for_serving(REPOSITORY)
+
+
+@contextlib.contextmanager
+def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
+    _exported()
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     extra = {"models": models} if models else {}
     # The monitored form (as serve-cluster, compose and Kubernetes run it): the rules' quantiles exist.
