@@ -15,16 +15,24 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from tests.integration.conftest import unload_and_wait
 from tests.metrics_text import metric_series, scrape, series_names
 
+ROUTER = "text_encoder_router"
 VOCAB = 30522  # all-MiniLM-L6-v2's vocabulary: ids are 0..30521
 LENGTH = 16
 
 
 @pytest.fixture(scope="module")
-def server(start_triton):
-    with start_triton("triton-router-", ("text_encoder_router",)) as s:
-        yield s
+def server(triton, http_client):
+    """The session's server with text_encoder_router loaded for this module (it is on the request
+    path only while a rollout runs), unloaded after. Its counters go on across loads: the test
+    reads their deltas."""
+    http_client.load_model(ROUTER)
+    try:
+        yield triton
+    finally:
+        unload_and_wait(http_client, ROUTER)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +84,7 @@ def test_eight_concurrent_requests_one_out_of_vocabulary_only_it_fails(client, s
     before = calls(server, flushed=False)
     done: queue.Queue = queue.Queue()
     for i, ids in enumerate(batch):  # all in flight at once: the router batches them
-        client.async_infer("text_encoder_router", inputs(ids), callback=lambda result, error, i=i: done.put((i, result, error)))
+        client.async_infer(ROUTER, inputs(ids), callback=lambda result, error, i=i: done.put((i, result, error)))
     answers = dict((i, (result, error)) for i, result, error in (done.get(timeout=60) for _ in batch))
 
     result, error = answers[3]
@@ -96,7 +104,7 @@ def test_eight_concurrent_requests_one_out_of_vocabulary_only_it_fails(client, s
     while True:
         time.sleep(0.6)
         for ids in batch[:2]:
-            client.async_infer("text_encoder_router", inputs(ids), callback=lambda result, error: done.put((result, error)))
+            client.async_infer(ROUTER, inputs(ids), callback=lambda result, error: done.put((result, error)))
         for _ in range(2):
             done.get(timeout=60)
         delta = {k: v - before.get(k, 0.0) for k, v in calls(server).items()}
