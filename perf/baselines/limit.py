@@ -328,11 +328,9 @@ def markdown(limit: Limit) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from perf.lib.harness import int_list
-
     p = options.parser("perf.baselines.limit", __doc__)
     p.add_argument("--precision", default="cpu", help="as PRECISION of `make serve`: cpu (default), fp32, int8, ...")
-    p.add_argument("--batches", type=int_list, default=list(DEFAULT_BATCHES), help="comma-separated batch sizes")
+    p.add_argument("--batches", type=options.int_list, default=list(DEFAULT_BATCHES), help="comma-separated batch sizes")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.0, help="per batch size, kind and round")
     p.add_argument("--input-data", type=Path, default=DEFAULT_INPUT)

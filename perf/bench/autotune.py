@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ops.repository import RepositoryClient
-from perf.lib import harness
+from perf.lib import harness, options
 from perf.lib import served as served_mod
 from perf.lib.harness import ENCODER, MODEL, Row
 from perf.lib.report import display_path, fmt, load_average
@@ -129,7 +129,7 @@ def to_pbtxt(config: dict, header: str = "") -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     def non_negative(text: str) -> list[int]:
-        return harness.int_list(text, low=0)
+        return options.int_list(text, low=0)
 
     p = harness.parser(
         "autotune",
@@ -146,7 +146,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-budget-ms", type=float, default=120.0, help="P99 a candidate must stay within (default 120 ms)")
     p.add_argument("--delays", type=non_negative, help="max_queue_delay_microseconds values (default 0,1000,2000,5000,10000)")
     p.add_argument("--preferred", type=non_negative, help="preferred_batch_size values, 0 = none (default 0,16,32)")
-    p.add_argument("--instances", type=harness.int_list, help="encoder instance counts (default 1,2)")
+    p.add_argument("--instances", type=options.int_list, help="encoder instance counts (default 1,2)")
     p.add_argument("--finalists", type=int, default=3, help="best candidates measured again (default 3)")
     p.add_argument("--final-rounds", type=int, default=2, help="extra interleaved rounds of the finalists (default 2)")
     p.add_argument(

@@ -29,7 +29,7 @@ from pathlib import Path
 from perf.bench.gateway_workloads import CHAT_SYSTEMS, EMBED_SYSTEMS, PEER_SYSTEMS, WORKLOADS, Cell, run_chat, run_embeddings
 from perf.lib import lifecycle, options, report
 from perf.lib.deployment import start_gateways
-from perf.lib.harness import int_list
+from perf.lib.options import int_list
 from perf.lib.paths import REPOSITORY
 
 # The targets, checked (not enforced) in the printed ratios.
@@ -44,7 +44,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds of interleaved windows (default 3)")
     p.add_argument("--embed-concurrency", type=int, default=32, help="embedding clients (default 32)")
     p.add_argument("--embed-duration", type=float, default=4.0, help="seconds per embeddings window (default 4)")
-    p.add_argument("--embed-systems", default=",".join(EMBED_SYSTEMS), help=",".join(EMBED_SYSTEMS))
+    p.add_argument(
+        "--embed-systems", type=options.choices(EMBED_SYSTEMS), default=list(EMBED_SYSTEMS), help=",".join(EMBED_SYSTEMS)
+    )
     p.add_argument("--chat-concurrency", type=int_list, default=[1, 8], help="chat streams, comma-separated (default 1,8)")
     p.add_argument("--chat-requests", type=int, default=3, help="chat requests per client per window (default 3)")
     # 0: all at once, which makes TTFT hinge on whether all arrive before the engine's next step
@@ -55,7 +57,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-chat", action="store_true", help="skip the chat part (text_generation is then not loaded)")
     p.add_argument("--out", type=Path, help="results folder (default perf/results/gateway-<UTC time>)")
     args = options.finish(p, p.parse_args(argv), argv)
-    args.embed_systems = options.names(p, "--embed-systems", args.embed_systems, EMBED_SYSTEMS)
     if min(args.rounds, args.embed_concurrency, args.embed_duration, args.chat_requests, args.max_tokens) <= 0:
         p.error("--rounds, --embed-concurrency, --embed-duration, --chat-requests and --max-tokens must be positive")
     if "direct" not in args.embed_systems:

@@ -206,13 +206,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated stream counts (default 1,4,16,32; --quick 1,4)",
     )
     p.add_argument("--max-tokens", type=int, default=16 if quick else 128, help="new tokens per request (default %(default)s)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems (default %(default)s)")
+    p.add_argument(
+        "--systems", type=options.choices(SYSTEMS), default=list(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}"
+    )
     p.add_argument("--prefill", type=int, default=0 if quick else 8, metavar="N", help="N long prompts one at a time (0: skip)")
     p.add_argument("--profile", action="store_true", help="only profile the in-process engine's steps (torch.profiler)")
     p.add_argument("--memory", action="store_true", help="only measure the text_generation stub's RSS per precision served")
     options.add_run(p, "generate", 1, 4.0 if quick else 30.0, 0.0, os.environ.get("PRECISION", "auto"))
     args = options.finish(p, p.parse_args(argv), argv)
-    args.systems = options.names(p, "--systems", args.systems, SYSTEMS)
     args.data = GENERATION_PROMPTS
     if min(args.concurrency) < 1 or args.max_tokens < 1:
         p.error("--concurrency and --max-tokens must be positive")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from perf.bench import image_pipelines as pipelines
 from perf.lib import lifecycle, options, processes, report
-from perf.lib.harness import int_list
 from perf.lib.load import Tally, call_loop, closed_loop, latency_ms
+from perf.lib.options import int_list
 from perf.lib.paths import REPOSITORY
 from perf.lib.stats import median
 from perf.lib.workload import image_request

@@ -126,11 +126,21 @@ def markdown(header: Sequence[str], results: Sequence[Window], mix_limit) -> str
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = options.parser("perf.bench.length_mix", __doc__)
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workloads",
+        type=options.choices(WORKLOADS),
+        default=list(WORKLOADS),
+        help=f"comma-separated, of: {', '.join(WORKLOADS)}",
+    )
     mix = f"{limit_mod.DEFAULT_MIX[0]}-{limit_mod.DEFAULT_MIX[1]}"
     p.add_argument("--mix", default=mix, metavar="LOW-HIGH", help="tokens per text, drawn uniformly (default 8-128)")
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--phases", default="after,before", help="comma-separated, of: after, before")
+    p.add_argument(
+        "--phases",
+        type=options.choices(("after", "before")),
+        default=["after", "before"],
+        help="comma-separated, of: after, before",
+    )
     p.add_argument("--url", help="HOST:PORT of a running tritonserver's HTTP endpoint: measure it alone (phase url)")
     options.add_run(p, "length-mix", rounds=3, duration=8.0, warmup=2.0)
     limit_help = "rounds of the in-process limit (default 3; 0 skips it; with --url default 0)"
@@ -141,9 +151,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--budgets", default=budgets, help="token budgets the limit tries (comma-separated)")
     options.add_client(p)
     args = p.parse_args(argv)
-    args.workload_list = options.names(p, "--workloads", args.workloads, WORKLOADS)
+    args.workload_list = args.workloads
     args.mix_range = tuple(int(x) for x in args.mix.split("-"))
-    args.phase_list = ["url"] if args.url else options.names(p, "--phases", args.phases, ("after", "before"))
+    args.phase_list = ["url"] if args.url else args.phases
     if args.limit_rounds is None:
         args.limit_rounds = 0 if args.url else 3
     return options.finish(p, args, argv)

@@ -113,12 +113,12 @@ def markdown(rows: Sequence[dict], threads: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = options.parser("perf.bench.openvino_encoders", __doc__)
-    p.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS)}")
+    p.add_argument("--models", type=options.choices(MODELS), default=list(MODELS), help=f"a subset of {','.join(MODELS)}")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=2.0, help="per (runtime, file, shape) and round")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
-    rows = measure(options.names(p, "--models", args.models, MODELS), args.rounds, args.seconds, args.threads)
+    rows = measure(args.models, args.rounds, args.seconds, args.threads)
     print("\n" + markdown(rows, args.threads))
     return 0 if rows else 1
 

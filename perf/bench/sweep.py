@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from perf.lib import harness
+from perf.lib import harness, options
 from perf.lib import perf_analyzer as pa
 from perf.lib.harness import Row
 from perf.lib.paths import DATA, REPOSITORY
@@ -162,16 +162,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         rate_fractions=([0.25, 0.5, 0.7, 0.9], [0.7]),
         window_s=(2.0, 0.5),
     )
-    p.add_argument("--models", type=harness.choices(MODELS), help=f"default {','.join(MODELS)} (--quick: {TEXT_MODEL})")
+    p.add_argument("--models", type=options.choices(MODELS), help=f"default {','.join(MODELS)} (--quick: {TEXT_MODEL})")
     p.add_argument(
-        "--text-data", type=harness.choices(tuple(TEXT_DATA)), help="16tok (exactly 16 tokens), mixed (8-128); default both"
+        "--text-data", type=options.choices(tuple(TEXT_DATA)), help="16tok (exactly 16 tokens), mixed (8-128); default both"
     )
-    p.add_argument("--protocols", type=harness.choices(pa.PROTOCOLS), help="default grpc,http (--quick: grpc)")
-    p.add_argument("--concurrency", type=harness.int_list, help="default 1,2,4,8,16,32 (--quick: 1,8)")
-    p.add_argument("--rates", type=harness.float_list, help="Poisson request rates in req/s (default: --rate-fractions of peak)")
+    p.add_argument("--protocols", type=options.choices(pa.PROTOCOLS), help="default grpc,http (--quick: grpc)")
+    p.add_argument("--concurrency", type=options.int_list, help="default 1,2,4,8,16,32 (--quick: 1,8)")
+    p.add_argument("--rates", type=options.float_list, help="Poisson request rates in req/s (default: --rate-fractions of peak)")
     p.add_argument(
         "--rate-fractions",
-        type=harness.float_list,
+        type=options.float_list,
         help="of the concurrency sweep's peak (default 0.25,0.5,0.7,0.9; --quick: 0.7)",
     )
     p.add_argument("--no-rates", action="store_true", help="the concurrency sweep only")

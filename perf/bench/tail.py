@@ -39,7 +39,6 @@ from perf.bench.tail_measure import (
 )
 from perf.lib import lifecycle, load, options, report
 from perf.lib.deployment import start_gateways
-from perf.lib.harness import int_list
 from perf.lib.paths import ROOT  # noqa: F401 - the shipped repository, beside before_repository's copy
 from perf.lib.report import fmt as _f
 from perf.lib.report import load_average, progress, table
@@ -198,11 +197,17 @@ def check_before(http_url: str, generation: bool) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = options.parser("perf.bench.tail", __doc__)
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
-    p.add_argument("--concurrency", type=int_list, help="comma-separated connection counts (default 4,32; --long: 32)")
+    p.add_argument(
+        "--workloads",
+        type=options.choices(WORKLOADS),
+        default=list(WORKLOADS),
+        help=f"comma-separated, of: {', '.join(WORKLOADS)}",
+    )
+    p.add_argument("--concurrency", type=options.int_list, help="comma-separated connection counts (default 4,32; --long: 32)")
     p.add_argument(
         "--phases",
-        default="after,before",
+        type=options.choices(PHASES),
+        default=["after", "before"],
         help="after (shipped configs) and/or before (stall settings; 'alt' with --alt-configs)",
     )
     p.add_argument(
@@ -227,10 +232,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.long is not None:
         args.rounds, args.duration = 1, args.long
-    args.workload_list = options.names(p, "--workloads", args.workloads, WORKLOADS)
+    args.workload_list = args.workloads
     args.concurrency_list = args.concurrency or ([32] if args.long is not None else [4, 32])
     second = "alt" if args.alt_configs else "before"
-    args.phase_list = [second if x in ("before", "alt") else x for x in options.names(p, "--phases", args.phases, PHASES)]
+    args.phase_list = [second if x in ("before", "alt") else x for x in args.phases]
     if set(args.phase_list) - {"after", second} or not args.phase_list:
         p.error(f"--phases: after, {second} or both")
     if args.alt_configs and not args.alt_configs.is_dir():

@@ -186,17 +186,15 @@ async def _stream_loop(
     from clients.generation import AsyncGenerationClient
     from perf.lib.chat_streams import ChatSystem, DirectChat, GatewayChat
 
-    session = None
-    direct = None
     system: ChatSystem
     if w.via_gateway:
         session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_read=300), connector=aiohttp.TCPConnector(limit=0)
         )
-        system = GatewayChat(session, target, api_key)
+        system, close = GatewayChat(session, target, api_key), session.close
     else:
         direct = AsyncGenerationClient(target, protocol="grpc", timeout_s=300)
-        system = DirectChat(direct)
+        system, close = DirectChat(direct), direct.close
     samples: list[tuple[float, float]] = []
     errors = 0
     first_error = ""
@@ -239,10 +237,7 @@ async def _stream_loop(
         await asyncio.gather(*(client(k) for k in range(concurrency)))
         measured = time.monotonic() - (measure_from or started)
     finally:
-        if session is not None:
-            await session.close()
-        if direct is not None:
-            await direct.close()
+        await close()
     return samples, errors, first_error, measured
 
 

@@ -257,34 +257,6 @@ def disable_all_dynamic_batching(http_url: str, ensemble: str = MODEL, timeout: 
     return switched
 
 
-def int_list(text: str, low: float = 1, kind: type = int) -> list:
-    """An argparse type: comma-separated numbers (``kind``) of at least ``low`` (``1,8,16``)."""
-    try:
-        values = [kind(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of at least {low:g}, got {text!r}")
-    return values
-
-
-def float_list(text: str) -> list[float]:
-    """An argparse type: comma-separated positive numbers (``0.25,0.5``)."""
-    return int_list(text, 1e-9, float)
-
-
-def choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    """An argparse type: a comma-separated subset of ``allowed``."""
-
-    def parse(text: str) -> list[str]:
-        values = [v for v in text.replace(" ", "").split(",") if v]
-        if not values or set(values) - set(allowed):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
-        return list(dict.fromkeys(values))
-
-    return parse
-
-
 # Per option: (default, --quick default), filled in by parse() where a tool does not set its own.
 DEFAULTS = {"time_budget": (900.0, 120.0), "request_count": (500, 60), "stability_percent": (30.0, 100.0), "max_trials": (6, 3)}
 

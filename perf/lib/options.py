@@ -1,13 +1,13 @@
 """The command-line options the benchmarks repeat: the run's shape (rounds, seconds, warm-up,
-precision, results folder), the load generator, and comma-separated lists checked against
-what a tool knows."""
+precision, results folder), the load generator, and the argparse types of comma-separated lists
+(numbers, or a subset of what a tool knows)."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -63,9 +63,29 @@ def finish(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[
     return args
 
 
-def names(p: argparse.ArgumentParser, flag: str, text: str, known: Sequence[str]) -> list[str]:
-    """A comma-separated list of names, each one of ``known`` (else the parser's error)."""
-    chosen = [x for x in text.split(",") if x]
-    if unknown := sorted(set(chosen) - set(known)):
-        p.error(f"{flag}: unknown {', '.join(unknown)} (of {', '.join(known)})")
-    return chosen
+def int_list(text: str, low: float = 1, kind: type = int) -> list:
+    """An argparse type: comma-separated numbers (``kind``) of at least ``low`` (``1,8,16``)."""
+    try:
+        values = [kind(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of at least {low:g}, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    """An argparse type: comma-separated positive numbers (``0.25,0.5``)."""
+    return int_list(text, 1e-9, float)
+
+
+def choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.replace(" ", "").split(",") if v]
+        if not values or set(values) - set(allowed):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        return list(dict.fromkeys(values))
+
+    return parse
