@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -105,26 +107,24 @@ def phase(name: str, model: str, server, texts: Sequence[str], concurrency: int,
     return p
 
 
-def start(models: tuple[str, ...], cache_mb: int, env: dict[str, str], precision: str):
+@contextlib.contextmanager
+def serving(models: tuple[str, ...], cache_mb: int, env: dict[str, str], precision: str) -> Iterator[tuple[Any, str]]:
+    """tritonserver with ``models`` (text_encoder's variant for PRECISION, a response cache of ``cache_mb``),
+    ready, and that variant; stopped after, its scratch folder removed."""
     from export import variants
     from perf.lib.deployment import server_deployment
     from server.layout import ROOT
 
-    repo = ROOT / "model_repository"
     local = tuple(v for v in variants.VARIANTS if v != "trt_plan")
-    config_name, served = variants.resolve_precision(repo, ["text_encoder"], precision, loadable=local)
-    server = server_deployment(
-        models,
-        Path(tempfile.mkdtemp(prefix="cache-bench-")),
-        cache_size_bytes=cache_mb << 20,
-        model_config_name=config_name,
-        env=env,
-    )
-    say(
-        f"cache_bench: starting tritonserver ({', '.join(models)}; text_encoder={served['text_encoder']}; "
-        f"response cache {cache_mb} MiB; log {server.triton.log_path})"
-    )
-    return server.__enter__(), served["text_encoder"]
+    config_name, served = variants.resolve_precision(ROOT / "model_repository", ["text_encoder"], precision, loadable=local)
+    with tempfile.TemporaryDirectory(prefix="cache-bench-") as tmp:
+        server = server_deployment(models, Path(tmp), cache_size_bytes=cache_mb << 20, model_config_name=config_name, env=env)
+        say(
+            f"cache_bench: starting tritonserver ({', '.join(models)}; text_encoder={served['text_encoder']}; "
+            f"response cache {cache_mb} MiB; log {server.triton.log_path})"
+        )
+        with server:
+            yield server, served["text_encoder"]
 
 
 def markdown(phases: list[Phase], ratio: float, variant: str, args: argparse.Namespace, repeat: float) -> str:
@@ -178,17 +178,13 @@ def run(args: argparse.Namespace) -> int:
     out_dir = report.results_dir(args.results_dir, "cache")
     phases: list[Phase] = []
 
-    server, variant = start((ENSEMBLE,), 0, {}, args.precision)
-    try:
+    with serving((ENSEMBLE,), 0, {}, args.precision) as (server, variant):
         drive(server.grpc_url, ENSEMBLE, warmup, args.concurrency)
         phases.append(phase("without cache", ENSEMBLE, server, stream, args.concurrency))
-    finally:
-        server.__exit__(None, None, None)
 
     with RedisProcess(maxmemory_mb=512) as redis_server:
-        env = {"EMBEDDING_CACHE_L2_REDIS_URL": redis_server.url}
-        server, _ = start((ENSEMBLE, CACHED), args.cache_size_mb, env, args.precision)
-        try:
+        l2 = {"EMBEDDING_CACHE_L2_REDIS_URL": redis_server.url}
+        with serving((ENSEMBLE, CACHED), args.cache_size_mb, l2, args.precision) as (server, _):
             drive(server.grpc_url, CACHED, warmup, args.concurrency)
             phases.append(phase("with cache (cold start)", CACHED, server, stream, args.concurrency, ranks))
 
@@ -210,8 +206,6 @@ def run(args: argparse.Namespace) -> int:
             p.server_compute_us, p.server_queue_us = round(stats["compute_ms"] * 1000, 1), round(stats["queue_ms"] * 1000, 1)
             p.lookup_us = round((l1[0] - l0[0]) / max(l1[1] - l0[1], 1) * 1e6, 1)
             phases.append(p)
-        finally:
-            server.__exit__(None, None, None)
 
     ratio = phases[1].rps / phases[0].rps if phases[0].rps and phases[1].rps else math.nan
     summary = markdown(phases, ratio, variant, args, repeat_fraction(ranks))
