@@ -1,7 +1,7 @@
 """The servers a side-by-side benchmark starts, one per phase (each from its repository, e.g. a
 ``linked_repository`` with changed configs): started together, waited for together, measured in
 ``interleaved`` rounds and stopped together with their logs kept in the results folder
-(``<name>-<phase>.log``)."""
+(``<name>-<phase>.log``); ``side_by_side`` does all of it around a block, in a scratch folder."""
 
 from __future__ import annotations
 
