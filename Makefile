@@ -84,9 +84,10 @@ perf: $(STAMP)
 perf-quick: $(STAMP)
 	$(PY) -m perf.bench.sweep --quick
 
-# Text generation side by side: in-process engine, Triton gRPC/HTTP, llama.cpp's llama-server on the
-# same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores: perf/baselines/llama_cpp.py), long-prompt
-# prefill, prefix caching (docs/performance.md). PRECISION picks the weights precision served (default auto).
+# Text generation side by side: in-process engine, Triton gRPC/HTTP, the OpenAI gateway's chat stream,
+# llama.cpp's llama-server on the same model (built once into .cache/llama.cpp/, 6-10 min on 2 cores:
+# perf/baselines/llama_cpp.py), long-prompt prefill, prefix caching (docs/performance.md). PRECISION picks
+# the weights precision served (default auto).
 perf-generate: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.bench.generate_bench --precision $(PRECISION)
@@ -97,9 +98,9 @@ perf-speculative: $(STAMP)
 	$(PY) -m export --no-speed
 	$(PY) -m perf.bench.speculative_bench --precision $(PRECISION)
 
-# The OpenAI gateway against Triton direct, side by side: /v1/embeddings vs Triton's HTTP infer at
-# 32 clients (unique and repeated texts), chat streaming TTFT and tokens/s vs gRPC (docs/performance.md).
-# About 5 min; GATEWAY_BENCH_ARGS e.g. "--rounds 1 --no-chat".
+# The OpenAI gateway against Triton direct, side by side: /v1/embeddings vs Triton's HTTP infer and
+# infinity-emb at 32 clients, unique and repeated texts (docs/performance.md; its chat streams: perf-generate).
+# About 5 min; GATEWAY_BENCH_ARGS e.g. "--rounds 1".
 GATEWAY_BENCH_ARGS ?=
 perf-gateway: $(STAMP)
 	$(PY) -m export --no-speed

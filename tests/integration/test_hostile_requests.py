@@ -316,19 +316,22 @@ def test_grpc_stream_huge_batch_is_an_error_response(grpc_stub):
     assert all(grpc_stub.refusal in a.error_message for a in answers), [a.error_message for a in answers]
 
 
-@pytest.fixture
-def encoder_model(request, http_client):
-    """The parametrized model, ready. text_encoder_router is on the request path only while a
-    rollout runs (docs/versions-and-rollout.md): loaded for the test, unloaded after it."""
-    model = request.param
-    if model != "text_encoder_router":
-        yield model
-        return
-    http_client.load_model(model)
+@pytest.fixture(scope="module")
+def loaded_router(http_client):
+    """text_encoder_router is on the request path only while a rollout runs
+    (docs/versions-and-rollout.md): loaded at the first test that asks for it, unloaded after the
+    module (a load and an unload cost about 4 s, and four tests ask)."""
+    http_client.load_model("text_encoder_router")
     try:
-        yield model
+        yield "text_encoder_router"
     finally:
-        unload_and_wait(http_client, model)
+        unload_and_wait(http_client, "text_encoder_router")
+
+
+@pytest.fixture
+def encoder_model(request):
+    """The parametrized model, ready (text_encoder_router: loaded_router)."""
+    return request.getfixturevalue("loaded_router") if request.param == "text_encoder_router" else request.param
 
 
 @pytest.mark.parametrize("encoder_model", ["text_encoder", "text_encoder_router"], indirect=True)
