@@ -3,7 +3,8 @@
 Closed-loop clients at 1, 4, 16 and 32 streams, 128 new tokens a request (``ignore_eos``, greedy),
 the prompts of perf/data/generation_prompts.json (chat template applied, each led by a line of its
 own so that no prefix cache spares a prefill). Systems: engine (in process, the served precision
-and config.pbtxt settings), grpc and http (Triton's ``text_generation``), llama (``llama-server`` on
+and config.pbtxt settings), grpc and http (Triton's ``text_generation``), gateway (the OpenAI gateway's
+streamed ``/v1/chat/completions`` on that tritonserver), llama (``llama-server`` on
 the peers' Q4_0 GGUF, perf/baselines/llama_cpp.py), openvino (perf/baselines/openvino_genai.py).
 Each (system, concurrency) cell is a --duration window, systems taking turns on the same prompts:
 tokens/s arrived in it (streams still open at its end are cancelled, the system waited for until
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import sys
 import tempfile
 import time
@@ -30,13 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from perf.bench.generate_phases import measure_prefill, prefill_summary, run_memory, run_profile
-from perf.lib import options, report
+from perf.lib import lifecycle, options, report
+from perf.lib.deployment import start_gateways
 from perf.lib.generation_load import Cell, Stream, System, Workload, load_workload, run_window, wait_idle
 from perf.lib.generation_systems import (
     DEFAULT_MODEL_DIR,
     MODEL,
     PEERS,
     EngineSystem,
+    GatewaySystem,
     LlamaSystem,
     OpenVinoSystem,
     TritonSystem,
@@ -53,19 +57,22 @@ from perf.lib.report import display_path
 # in-process engine too; before torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-SYSTEMS = ("engine", "grpc", "http", "llama", "openvino")
+SYSTEMS = ("engine", "grpc", "http", "gateway", "llama", "openvino")
 SYSTEM_NAMES = {
     "engine": "engine in-process (LLMEngine + EngineLoop, no Triton)",
     "grpc": "Triton text_generation, gRPC stream",
     "http": "Triton text_generation, HTTP SSE (generate_stream)",
+    "gateway": "OpenAI gateway, /v1/chat/completions SSE, on Triton's gRPC port (request log off)",
     "llama": "llama.cpp llama-server on the published Q4_1 GGUF requantized to Q4_0, --parallel = the concurrency",
     "openvino": "OpenVINO GenAI ContinuousBatchingPipeline in process on the same GGUF, stepped by one thread",
 }
-PROTOCOLS = {"engine": "in-process", "grpc": "grpc stream", "http": "http sse", "llama": "http sse"}
+PROTOCOLS = {"engine": "in-process", "grpc": "grpc stream", "http": "http sse", "gateway": "http sse", "llama": "http sse"}
 IDLE_TIMEOUT = 60.0  # seconds a system gets to finish its cancelled work after a window
 
 # The issue's targets, checked (not enforced) in the printed ratios.
 TARGET_SERVED_VS_ENGINE = 0.9
+TARGET_GATEWAY_TOKENS = 0.95  # gateway / Triton grpc tokens/s, at least
+TARGET_GATEWAY_TTFT_MS = 10.0  # gateway TTFT P50 - Triton grpc TTFT P50, at most
 # Ours served over each peer, tokens/s per concurrency: >= 0.9x llama.cpp and >= 1.0x OpenVINO alone,
 # >= 1.0x the better peer at 16 and 32 streams; TTFT P50 at 16 streams <= llama.cpp's.
 TARGET_VS_PEER = {"llama": {1: 0.9, 16: 1.0, 32: 1.0}, "openvino": {1: 1.0, 16: 1.0, 32: 1.0}}
@@ -94,6 +101,11 @@ def ratios(
     for c in levels:
         for key in ("grpc", "http"):
             ratio(f"Triton {key} / engine tokens/s, {c} streams", get(key, c), get("engine", c), TARGET_SERVED_VS_ENGINE)
+        if ("gateway", c) in summaries:
+            ratio(f"gateway / Triton grpc tokens/s, {c} streams", get("gateway", c), get("grpc", c), TARGET_GATEWAY_TOKENS)
+            ttfts = get("gateway", c, "ttft_p50_ms"), get("grpc", c, "ttft_p50_ms")
+            name = f"gateway - Triton grpc TTFT P50, {c} streams"
+            rows.append(report.ratio(name, *ttfts, TARGET_GATEWAY_TTFT_MS, False, "-", unit=" ms"))
     for c in levels:  # the peers: ours over each
         for peer in (p for p in PEERS if (p, c) in summaries):
             for key in (k for k in ("grpc", "http", "engine") if (k, c) in summaries):
@@ -269,10 +281,11 @@ def run(args: argparse.Namespace) -> int:
     cells: dict[tuple[str, int], Cell] = {}
     systems: dict[str, System] = {}
     triton = loop = None
+    gateways: dict = {}
     with tempfile.TemporaryDirectory(prefix="perf-generate-") as workdir:
         try:
             # The servers load while this process loads its own engine.
-            if wanted & {"grpc", "http"}:
+            if wanted & {"grpc", "http", "gateway"}:
                 triton = start_triton(Path(workdir), args.config_name)
                 say(f"tritonserver starting ({MODEL} only): http {triton.http_url}, grpc {triton.grpc_url}")
             settings = served_engine_settings(ROOT / "model_repository", args.config_name)
@@ -290,6 +303,12 @@ def run(args: argparse.Namespace) -> int:
                     for key in ("grpc", "http"):
                         if key in wanted:
                             systems[key] = TritonSystem(key, triton.grpc_url if key == "grpc" else triton.http_url, key, probe)
+                    if "gateway" in wanted:
+                        key = "sk-bench-" + secrets.token_hex(16)
+                        start_gateways(
+                            {"gateway": (triton.triton_grpc_url, ["--no-request-log"])}, Path(workdir), key, say, gateways
+                        )
+                        systems["gateway"] = GatewaySystem(gateways["gateway"].url, key, workload.texts, probe)
                 except ServerError as exc:
                     say(f"tritonserver did not start: {exc}\n{exc.log_tail}")
                     notes.append("tritonserver did not start")
@@ -298,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if loop is not None:
                 loop.shutdown()
+            lifecycle.stop(gateways, out_dir, "gateway")
             if triton is not None:
                 triton.stop(logs_to=out_dir)
 

@@ -1,12 +1,14 @@
 """Two clients that stream one chat answer and report its time to first token and its token count:
 through the OpenAI gateway (``/v1/chat/completions``, SSE) and straight to Triton over a gRPC
-stream (the project's ``AsyncGenerationClient``). The gateway and tail benchmarks drive both alike;
+stream (the project's ``AsyncGenerationClient``). The tail benchmark drives both alike, the
+generation benchmark the gateway's (``on_tokens``: each chunk's new tokens as they arrive);
 the soak cancels some streams mid-way (``cancel_after``: the client closes the stream after that many
 pieces, and ``Cancelled`` says so)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import orjson
@@ -33,8 +35,11 @@ class GatewayChat:
         self.session, self.url = session, f"{url}/v1/chat/completions"
         self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
 
-    async def stream(self, prompt: str, max_tokens: int, cancel_after: int = 0) -> tuple[float | None, int]:
-        """(TTFT in seconds, completion tokens) of one streamed chat request."""
+    async def stream(
+        self, prompt: str, max_tokens: int, cancel_after: int = 0, on_tokens: Callable[[int, float], None] | None = None
+    ) -> tuple[float | None, int]:
+        """(TTFT in seconds, completion tokens) of one streamed chat request; ``on_tokens(tokens,
+        arrival)`` for each chunk that brings tokens (the usage so far on every chunk: continuous_usage_stats)."""
         body = orjson.dumps(
             {
                 "model": "text_generation",
@@ -43,13 +48,13 @@ class GatewayChat:
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": {"include_usage": True, "continuous_usage_stats": on_tokens is not None},
             }
         )
         sent = time.perf_counter()
         first = None
         tokens = None
-        pieces = 0
+        pieces = seen = 0
         async with self.session.post(self.url, data=body, headers=self.headers) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
@@ -59,6 +64,7 @@ class GatewayChat:
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
+                now = time.perf_counter()
                 event = orjson.loads(data)
                 if "error" in event:
                     raise RuntimeError(f"stream error: {event['error']}")
@@ -70,6 +76,9 @@ class GatewayChat:
                         raise Cancelled(first)
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
+                    if on_tokens is not None and tokens > seen:
+                        on_tokens(tokens - seen, now)
+                        seen = tokens
         if tokens is None:
             raise RuntimeError("the stream ended without a usage chunk")
         return first, tokens

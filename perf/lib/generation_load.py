@@ -84,6 +84,7 @@ class Cell:
 class Workload:
     prompts: list[str]  # chat template applied
     long_prompts: list[tuple[str, int]] = field(default_factory=list)  # (prompt, tokens) of 400+ tokens
+    texts: dict[str, str] = field(default_factory=dict)  # each prompt's user message, before the template
 
 
 def load_workload(path: Path, tokenizer, quick: bool) -> Workload:
@@ -97,7 +98,7 @@ def load_workload(path: Path, tokenizer, quick: bool) -> Workload:
 
     prompts = [render([{"role": "user", "content": e["text"]}]) for e in entries]
     sized = [(p, len(tokenizer.encode(p, add_special_tokens=False))) for p in prompts]
-    return Workload(prompts, [(p, n) for p, n in sized if n >= 400])
+    return Workload(prompts, [(p, n) for p, n in sized if n >= 400], {p: e["text"] for p, e in zip(prompts, entries)})
 
 
 class System:

@@ -1,5 +1,6 @@
 """The systems a generation benchmark streams from, and how each is started: the engine in process,
-Triton's text_generation through the project's client transport, llama.cpp's llama-server and OpenVINO GenAI (the peers); the served
+Triton's text_generation through the project's client transport, the OpenAI gateway's chat
+completions, llama.cpp's llama-server and OpenVINO GenAI (the peers); the served
 precision and engine settings, engines that share one set of weights, tritonserver with
 text_generation alone."""
 
@@ -122,6 +123,43 @@ class TritonSystem(System):
         finally:
             await cancel()  # ends the call (and the request, if it still runs)
             await pieces.aclose()
+
+    def busy(self) -> bool | None:
+        return self._busy()
+
+
+class GatewaySystem(System):
+    """The OpenAI gateway's streamed ``/v1/chat/completions`` in front of Triton's text_generation
+    (perf.lib.chat_streams.GatewayChat), tokens stamped with the chunk that carries them. The gateway
+    applies the chat template itself, so the message is the prompt's own text (``texts``: templated
+    prompt -> text), after the line that leads each request."""
+
+    key = "gateway"
+
+    def __init__(self, url: str, api_key: str, texts: dict[str, str], busy: Callable[[], bool | None] = lambda: None):
+        self.url, self.api_key, self.texts, self._busy = url, api_key, texts, busy
+        self.session: Any = None
+
+    async def open(self) -> None:
+        import aiohttp
+
+        from perf.lib.chat_streams import GatewayChat
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self.chat = GatewayChat(self.session, self.url, self.api_key)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def stream(self, prompt: str, max_tokens: int, record: Stream) -> None:
+        if prompt in self.texts:  # the warm-up's, without a leading line
+            message = self.texts[prompt]
+        else:
+            label, _, templated = prompt.partition("\n")
+            message = f"{label}\n{self.texts[templated]}"
+        await self.chat.stream(message, max_tokens, on_tokens=record.add)
 
     def busy(self) -> bool | None:
         return self._busy()

@@ -1,7 +1,7 @@
 """A --quick run of perf.bench.generate_bench: every system streams tokens in one run and the report is complete.
 
-It starts its own servers (a tritonserver with text_generation only, llama.cpp's
-llama-server on the peers' Q4_0 GGUF), an in-process engine and OpenVINO
+It starts its own servers (a tritonserver with text_generation only, an OpenAI gateway on it,
+llama.cpp's llama-server on the peers' Q4_0 GGUF), an in-process engine and OpenVINO
 GenAI's pipeline in process, and checks the structure of what the run wrote and that
 every system produced tokens, never the figures' size: these machines are small and shared.
 """
@@ -16,7 +16,7 @@ from perf.bench import generate_bench
 
 pytestmark = pytest.mark.perf
 
-SYSTEMS = {"engine", "grpc", "http", "llama", "openvino"}
+SYSTEMS = {"engine", "grpc", "http", "gateway", "llama", "openvino"}
 
 
 def test_quick_generate_bench_streams_from_every_system(tmp_path):
@@ -47,8 +47,10 @@ def test_quick_generate_bench_streams_from_every_system(tmp_path):
         "Triton http / engine tokens/s, 4 streams",
         "Triton grpc / llama.cpp tokens/s, 4 streams",
         "Triton grpc / OpenVINO GenAI tokens/s, 4 streams",
+        "gateway / Triton grpc tokens/s, 4 streams",
     ):
         assert float(ratios[name]["value"]) > 0, (name, ratios.get(name))
+    assert ratios["gateway - Triton grpc TTFT P50, 4 streams"]["value"] != "", ratios
     assert "| ratio | value | target | met | from |" in summary
-    for log in ("tritonserver.log", "llama_server.log"):
+    for log in ("tritonserver.log", "gateway-gateway.log", "llama_server.log"):
         assert (tmp_path / log).is_file(), log
