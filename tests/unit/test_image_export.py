@@ -121,7 +121,12 @@ def test_compare_forgives_only_ties():
     assert parity.top1_agreement == 0.0 and parity.top1_disagreements == 1 and parity.images == 2
 
 
-def test_export_with_weights_records_them(exported, tmp_path):
+def test_export_with_weights_records_them(exported, tmp_path, monkeypatch):
+    # What is checked here is the record and the skip / force logic, not the parity figures (the
+    # fixture's export has the full check): the weights file's network, a new one whose PyTorch
+    # logits are not cached, is checked on the first 16 evaluation photos instead of all 192.
+    photos = image_classifier.evaluation_pixels
+    monkeypatch.setattr(image_classifier, "evaluation_pixels", lambda model=RN: photos(model)[:16])
     model, _ = image_classifier.load_torch_model(None, RN)
     weights = tmp_path / "resnet50.pth"
     torch.save(model.state_dict(), weights)
