@@ -234,7 +234,7 @@ priority-bench: $(STAMP)
 FAILOVER_ARGS ?=
 failover-bench: $(STAMP)
 	$(PY) -m export --no-speed
-	$(PY) -m perf.drills.failover_bench $(FAILOVER_ARGS)
+	$(PY) -m perf.drills.chaos --scenario failover $(FAILOVER_ARGS)
 
 # Chaos soak: serve-cluster (2 replicas, every model family, the gateways, Redis) at 70 % of peak
 # while a stub, a replica, a gateway and Redis are SIGKILLed and a burst of hostile requests

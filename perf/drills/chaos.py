@@ -9,6 +9,14 @@ fuzzer's mutations (tests/fuzz). Exits 1 on a failed request through a retrying 
 an image failure other than UNAVAILABLE or 502/503, a fault not recovered within --recovery-timeout,
 or a server error or dead stub in the burst. Writes per_second.csv (P50/P99/max over the 5 s ending
 with each second), summary.md, results.json and chaos.png under perf/results/chaos-<UTC time>/.
+
+``--scenario failover`` (`make failover-bench`): one fault alone. serve-cluster with text_embedding
+(or --model) under --concurrency closed-loop embeddings clients (they retry), half over HTTP, half
+over gRPC; at --kill-at replica --victim gets SIGKILL. Per second: answers, failures and
+P50/P99/max; when the replica was restarted, back in the front door and serving again. Writes
+per_second.csv, summary.md, results.json, failover.png and the cluster's output under
+perf/results/failover-<UTC time>/. Exits 1 on a failed request, the last 5 s under --recovery x the
+throughput before the kill, or the replica not serving again.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import asyncio
 import os
 import random
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -26,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from perf.drills.report import Result, latency_ms, per_second, timed, timeline
-from perf.lib import processes
+from perf.lib import processes, triton_stats
 from perf.lib.chat_streams import DirectChat
 from perf.lib.cluster import ClusterRun, launch
 from perf.lib.load import call_loop, poisson_loop
@@ -53,6 +62,9 @@ KEY = "sk-chaos-0123456789abcdef"
 GEN_TOKENS = 16
 WINDOW_S = 5  # a second holds ~20 answers: its P99 and max are over the 5 s ending with it
 MIB = 1 << 20
+FAILOVER_MODELS = ("text_embedding",)
+# The failover victim's events, and the keys of their times in the scenario's result (<key>_at_s).
+EVENTS = {"killed": "SIGKILL", "restarted": "restarted", "back": "back in the front door", "serving": "serving again"}
 
 
 @dataclass
@@ -70,6 +82,19 @@ class Run:
     start: float = 0.0
 
 
+def front_door_client(url: str, protocol, in_flight: int, deadline_s: float, model: str = "text_embedding"):
+    """A retrying embeddings client (clients.AsyncEmbeddingClient) of the cluster's one endpoint, the
+    front door, for ``in_flight`` calls at once. When a replica dies, every call in flight on it may
+    fail at once (gRPC ones reach the client: nginx cannot re-send a gRPC body it already sent).
+    That is not the front door being down, so the breaker opens only after more consecutive failures
+    than calls in flight; with the default (5) the calls waiting on the open breaker gave up."""
+    from clients import AsyncEmbeddingClient
+    from clients.resilience import BreakerPolicy, EndpointPool
+
+    pool = EndpointPool([url], breaker=BreakerPolicy(failure_threshold=in_flight + 1))
+    return AsyncEmbeddingClient(url, protocol, model=model, timeout_s=30, deadline_s=deadline_s, pool=pool)
+
+
 def clean_failure(error: str) -> bool:
     """A failure a client can act on: UNAVAILABLE, or 502/503 from the front door (retry later)."""
     return any(mark in error for mark in ("UNAVAILABLE", "HTTP 503", "HTTP 502", "unavailable"))
@@ -80,20 +105,12 @@ class Mix:
         import aiohttp
         import openai
 
-        from clients import AsyncEmbeddingClient
         from clients.generation import AsyncGenerationClient
         from clients.resilience import BreakerPolicy, EndpointPool
 
         http_url, grpc_url = cluster.http_url, cluster.grpc_url
-
-        # One endpoint (the front door) for many calls in flight: the breaker opens only after
-        # more consecutive failures than calls in flight (perf.drills.failover_bench.drive says why).
-        def client(url: str, protocol, model: str = "text_embedding") -> AsyncEmbeddingClient:
-            pool = EndpointPool([url], breaker=BreakerPolicy(failure_threshold=64))
-            return AsyncEmbeddingClient(url, protocol, model=model, timeout_s=30, deadline_s=60, pool=pool)
-
-        self.embed, self.embed_grpc = client(http_url, "http"), client(grpc_url, "grpc")
-        self.cached = client(http_url, "http", "text_embedding_cached")
+        self.embed, self.embed_grpc = front_door_client(http_url, "http", 63, 60), front_door_client(grpc_url, "grpc", 63, 60)
+        self.cached = front_door_client(http_url, "http", 63, 60, "text_embedding_cached")
         pool = EndpointPool([grpc_url], breaker=BreakerPolicy(failure_threshold=64))
         self.gen = AsyncGenerationClient(grpc_url, protocol="grpc", timeout_s=60, deadline_s=60, pool=pool)
         gateway = f"http://127.0.0.1:{cluster.ports['gateway']}/v1"
@@ -327,19 +344,219 @@ def streams_continued(state: dict) -> int:
     return log.count("continued on a new call")
 
 
+# --------------------------------------------------------------------------- the failover scenario
+
+
+def stats_count(http_url: str, model: str = "text_embedding") -> int:
+    """Successful inferences of ``model`` on one tritonserver (its own statistics)."""
+    stats = triton_stats.snapshot(http_url, timeout=5)
+    return sum(int(s["inference_stats"]["success"]["count"]) for key, s in stats.items() if key.startswith(f"{model}@"))
+
+
+async def failover_load(
+    http_url: str, grpc_url: str, concurrency: int, duration_s: float, offset_s: float = 0.0
+) -> tuple[list[Result], dict]:
+    """``concurrency`` closed-loop workers sending one unique text per request, every other one over
+    gRPC; the results (workload: the protocol; times from ``offset_s``) and the clients' retry stats."""
+    urls = {"http": http_url, "grpc": grpc_url}
+    clients = {p: front_door_client(url, p, concurrency, 30) for p, url in urls.items()}
+    results: list[Result] = []
+    start = time.monotonic() - offset_s
+
+    async def call(i: int) -> None:
+        async def send(protocol: str) -> None:
+            text = f"Request {i} ({protocol}): the ferry to the island leaves at {i % 24}:{i % 60:02d} every day."
+            await clients[protocol].embed_many([text], concurrency=1, per_request=1)
+
+        await timed(send, list(urls)[i % 2], results, start, 60)
+
+    try:
+        await call_loop(call, concurrency, duration_s)
+    finally:
+        stats = {p: c.retrier.stats() for p, c in clients.items()}
+        for c in clients.values():
+            await c.close()
+    return results, stats
+
+
+class Watcher:
+    """Polls cluster.json and the victim's own port: when it was restarted, back in the front door
+    and serving again (its own inference count grew)."""
+
+    def __init__(self, run: ClusterRun, victim: int, start: float):
+        self.run, self.victim, self.start = run, victim, start
+        self.killed_pid: int | None = None
+        self.at: dict[str, float | None] = dict.fromkeys(EVENTS.values())
+        self.count_back: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def kill(self) -> None:
+        self.killed_pid = self.run.state()["replicas"][self.victim]["pid"]
+        os.killpg(self.killed_pid, signal.SIGKILL)  # tritonserver and its stubs (its own process group)
+        self.at["SIGKILL"] = time.monotonic() - self.start
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                replica = self.run.state()["replicas"][self.victim]
+                now = time.monotonic() - self.start
+                if replica["pid"] in (None, self.killed_pid):
+                    continue
+                self.at["restarted"] = self.at["restarted"] or now
+                if self.at["back in the front door"] is None and replica["state"] == "ready":
+                    self.at["back in the front door"] = now
+                    self.count_back = stats_count(f"127.0.0.1:{replica['http']}")
+                elif self.count_back is not None and stats_count(f"127.0.0.1:{replica['http']}") > self.count_back:
+                    self.at["serving again"] = time.monotonic() - self.start
+                    return
+            except (OSError, ValueError, KeyError, IndexError):
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def failover_scenario(
+    run: ClusterRun,
+    concurrency: int = 16,
+    duration_s: float = 30.0,
+    kill_at_s: float = 10.0,
+    victim: int = 0,
+    linger_s: float = 60.0,
+) -> dict:
+    """Drive the cluster, kill ``victim`` at ``kill_at_s``; the figures and checks' inputs.
+    When the victim is not back by the end of the load, waits up to ``linger_s`` more; when no
+    request reached it yet, sends a few short bursts, to see it serve again."""
+    start = time.monotonic()
+    watcher = Watcher(run, victim, start)
+    timer = threading.Timer(kill_at_s, watcher.kill)  # a timer thread: a busy event loop would run it late
+    timer.start()
+    try:
+        results, client_stats = asyncio.run(failover_load(run.http_url, run.grpc_url, concurrency, duration_s))
+    finally:
+        timer.cancel()
+    deadline = time.monotonic() + linger_s
+    while watcher.at["back in the front door"] is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for _ in range(3):
+        if watcher.at["back in the front door"] is None or watcher.at["serving again"] is not None:
+            break
+        # Back at the very end of the load or after it: short bursts through the front door so
+        # requests can reach it (counted with the rest, after the load's seconds).
+        results += asyncio.run(failover_load(run.http_url, run.grpc_url, 4, 2.0, time.monotonic() - start))[0]
+        time.sleep(0.3)
+    watcher.stop()
+    replica = run.state()["replicas"][victim]
+    count_end = stats_count(f"127.0.0.1:{replica['http']}") if watcher.at["back in the front door"] is not None else None
+    rows = per_second(results, max(duration_s, max((r.end_s for r in results), default=0)))
+    before = [r["ok"] for r in rows if r["second"] < kill_at_s]
+    last = [r["ok"] for r in rows[int(duration_s) - 5 : int(duration_s)]]
+    failures = [r for r in results if r.error]
+    at = {f"{key}_at_s": watcher.at[name] for key, name in EVENTS.items()}
+    return {
+        "requests": len(results),
+        "failed": len(failures),
+        "errors": sorted({f.error for f in failures})[:10],
+        "rps_before_kill": round(statistics.mean(before), 1) if before else 0.0,
+        "rps_last_5s": round(statistics.mean(last), 1) if last else 0.0,
+        **latency_ms(results),
+        **at,
+        "victim_count_back": watcher.count_back,
+        "victim_count_end": count_end,
+        "victim_restarts": replica["restarts"],
+        "front_door_reloads": run.state()["front_door"]["reloads"],
+        "client_retries": {p: st["retries"] for p, st in client_stats.items()},
+        "rows": rows,
+    }
+
+
+def check_failover(result: dict, recovery: float = 0.5) -> list[str]:
+    """The failover scenario's failed checks (empty: passed)."""
+    problems = []
+    if result["failed"]:
+        problems.append(f"{result['failed']} failed requests: {result['errors']}")
+    if result["rps_last_5s"] < recovery * result["rps_before_kill"]:
+        problems.append(
+            f"throughput did not recover: last 5 s {result['rps_last_5s']} req/s < {recovery} x "
+            f"{result['rps_before_kill']} before the kill"
+        )
+    back, end = result["victim_count_back"], result["victim_count_end"]
+    if result["back_at_s"] is None:
+        problems.append("the killed replica was not back in the front door")
+    elif back is None or end is None or end <= back:
+        problems.append(f"the restarted replica served no request after it came back ({back} -> {end})")
+    return problems
+
+
+def run_failover(args: argparse.Namespace) -> int:
+    out = results_dir(args.out, "failover")
+    progress()(f"failover: starting serve-cluster ({args.replicas} replicas) in {out}")
+    run = launch(out / "work", replicas=args.replicas, models=tuple(args.models or FAILOVER_MODELS))
+    try:
+        result = failover_scenario(run, args.concurrency, args.duration, args.kill_at, args.victim)
+    finally:
+        code = run.stop()
+        (out / "cluster-output.txt").write_text("\n".join(run.screen) + "\n", encoding="utf-8")
+    rows = result.pop("rows")
+    problems = result["problems"] = check_failover(result, args.recovery)
+    result["launcher_exit_code"] = code
+    events: dict[str, tuple[float | None, float | None]] = {name: (result[f"{key}_at_s"], None) for key, name in EVENTS.items()}
+    title = (
+        f"serve-cluster, {args.replicas} replicas, {args.concurrency} clients (HTTP+gRPC): replica {args.victim} "
+        f"SIGKILLed at {args.kill_at:.0f} s; {result['failed']} failed of {result['requests']}"
+    )
+    timeline(out / "failover.png", rows, events, title)
+    keys = ("second", "ok", "failed", "p50_ms", "p99_ms", "max_ms")
+
+    def at(key: str) -> str:
+        return "never" if result[key] is None else f"{result[key]:.1f} s"
+
+    text = "\n".join(
+        [
+            f"# failover: {title}",
+            "",
+            table(["s", "req/s", "failed", "P50 ms", "P99 ms", "max ms"], ([r[k] for k in keys] for r in rows), left=0),
+            "",
+            f"requests {result['requests']}, failed {result['failed']}; P50 {result['p50_ms']} ms, P99 {result['p99_ms']} ms, "
+            f"max {result['max_ms']} ms; req/s before the kill {result['rps_before_kill']}, last 5 s {result['rps_last_5s']}",
+            f"kill at {at('killed_at_s')}, restarted at {at('restarted_at_s')}, back in the front door at {at('back_at_s')}, "
+            f"serving again at {at('serving_at_s')}; its inferences {result['victim_count_back']} -> {result['victim_count_end']}; "
+            f"client retries {result['client_retries']}; front door reloads {result['front_door_reloads']}",
+            "",
+            f"Checks: {'all passed' if not problems else 'FAILED: ' + '; '.join(problems)}",
+        ]
+    )
+    write(out, text + "\n", result, csvs={"per_second.csv": rows}, say=print)
+    return 0 if not problems else 1
+
+
 def parse_args(argv) -> argparse.Namespace:
     p = parser("perf.drills.chaos", __doc__)
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
-    add_peak(p)
+    p.add_argument("--scenario", choices=("chaos", "failover"), default="chaos", help="the schedule (default) or failover")
+    p.add_argument("--duration", type=float, help="seconds of load (default 300; failover 30)")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    add_peak(p)
     p.add_argument("--hostile", type=int, default=200, help="requests in the hostile burst (default 200)")
     p.add_argument("--recovery-timeout", type=float, default=60.0)
-    p.add_argument("--out", type=Path, default=None)
-    return finish(p, p.parse_args(argv), argv)
+    failover = p.add_argument_group("--scenario failover")
+    failover.add_argument("--model", action="append", dest="models", help="models to load (default text_embedding)")
+    failover.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (default 16)")
+    failover.add_argument("--kill-at", type=float, default=10.0, help="seconds into the load (default 10)")
+    failover.add_argument("--victim", type=int, default=0, help="the replica killed (default 0)")
+    failover.add_argument("--recovery", type=float, default=0.5, help="last 5 s / before the kill, at least (default 0.5)")
+    args = p.parse_args(argv)
+    if args.duration is None:
+        args.duration = 30.0 if args.scenario == "failover" else 300.0
+    return finish(p, args, argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.scenario == "failover":
+        return run_failover(args)
     out, say = results_dir(args.out, "chaos"), progress()
     say(f"chaos: starting serve-cluster ({args.replicas} replicas: {', '.join(MODELS)}) in {out}")
     env = {"GATEWAY_API_KEYS": KEY, "GATEWAY_RATE_LIMIT_RPS": "0"}

@@ -1,5 +1,5 @@
 """The drills' record of a request (``Result``, written by ``timed``) and their report writer: the
-per-second table and timeline plot of chaos and failover_bench, the soak's interval latencies, checks
+per-second table and timeline plot of chaos and its failover scenario, the soak's interval latencies, checks
 (the RSS slope per process, the P99 trend per workload), plot and tables (perf.lib.report's markdown)."""
 
 from __future__ import annotations

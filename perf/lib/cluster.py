@@ -1,6 +1,6 @@
 """serve-cluster as a target: ``launch`` starts `python -m server.cluster` as a child process on free
 ports with its own work folder and returns a ``ClusterRun`` once every replica is ready (its screen
-kept, cluster.json read on demand). The drills (chaos, failover_bench) and the cluster tests start it."""
+kept, cluster.json read on demand). The drills (chaos and its failover scenario) and the cluster tests start it."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ tritonserver and its stubs get SIGKILL. Zero requests may fail (after the client
 the last 5 s must carry at least half the requests/s of the first 10, and the supervisor must
 restart the replica and put it back in the front door, where requests reach it again (its own
 /v2/models/text_embedding/stats count grows). Then Ctrl-C stops every process it started.
-The same scenario, with its plot, is `make failover-bench` (perf/drills/failover_bench.py).
+The same scenario, with its plot, is `make failover-bench` (perf/drills/chaos.py, `--scenario failover`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from perf.drills import failover_bench
+from perf.drills import chaos
 from perf.lib.cluster import launch
 from tests.integration.plain_clients import PlainClients
 from tests.metrics_text import metric_sum, scrape
@@ -98,7 +98,7 @@ def test_the_first_screen_says_where_everything_is_and_prometheus_scrapes_every_
 def test_sigkill_of_a_replica_under_load_fails_no_request_and_it_serves_again(cluster):
     reloads_before = cluster.state()["front_door"]["reloads"]
     with PlainClients(cluster.http_url, cluster.grpc_url) as plain:
-        result = failover_bench.scenario(cluster, concurrency=8, duration_s=30.0, kill_at_s=10.0, victim=0)
+        result = chaos.failover_scenario(cluster, concurrency=8, duration_s=30.0, kill_at_s=10.0, victim=0)
     rows = result.pop("rows")
     print(f"plain clients without retries: {dict(plain.outcomes)}")
     # Issue 23 item 3: nothing lost for clients that do not retry. The dead replica stays listed
@@ -114,7 +114,7 @@ def test_sigkill_of_a_replica_under_load_fails_no_request_and_it_serves_again(cl
         )
     )
     assert result["requests"] > 0 and result["killed_at_s"] is not None
-    assert failover_bench.check(result) == []
+    assert chaos.check_failover(result) == []
     assert result["failed"] == 0
     assert result["victim_restarts"] == 1
 
