@@ -46,6 +46,17 @@ def reranker_repository(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reranker_server(start_triton, reranker_repository):
+    """A server of the reranker repository: text_reranker beside text_embedding and
+    text_embedding_cached, started once for the modules that serve the reranker
+    (test_openai_gateway_cross_encoder, test_reranker: they send requests and read counter deltas)."""
+    repo, _ = reranker_repository
+    models = ("text_embedding", "text_embedding_cached", "text_reranker")
+    with start_triton("triton-reranker-", models, model_repository=repo) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def http_client(triton):
     import tritonclient.http as httpclient
 

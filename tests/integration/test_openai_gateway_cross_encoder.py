@@ -39,11 +39,10 @@ def reference(exported):
 
 
 @pytest.fixture(scope="module")
-def stack(start_triton, start_gateway, exported):
+def stack(reranker_server, start_gateway, exported):
     repo, _ = exported
-    with start_triton("triton-xenc-", (EMB, CACHED, RERANKER), model_repository=repo) as server:
-        with start_gateway(server.triton_grpc_url, "--rate-limit", "0", "--model-repository", str(repo)) as gw:
-            yield server, gw
+    with start_gateway(reranker_server.triton_grpc_url, "--rate-limit", "0", "--model-repository", str(repo)) as gw:
+        yield reranker_server, gw
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,8 @@ def exported(reranker_repository):
 
 
 @pytest.fixture(scope="module")
-def server(start_triton, exported):
-    repo, _ = exported
-    with start_triton("triton-reranker-", (MODEL,), model_repository=repo) as s:
-        yield s
+def server(reranker_server):
+    return reranker_server
 
 
 @pytest.fixture(scope="module")
