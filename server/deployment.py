@@ -445,9 +445,11 @@ class Deployment(Addresses, Service):
         Prometheus and Redis; the first replica's exit code is returned. With ``logs_to``, the
         first gateway's and replica's logs are copied there."""
         gateways = self.loop.stop_gateways()
-        if self.doors is not None:
-            self.doors.stop()
-        self.loop.stop()
+        try:
+            if self.doors is not None:
+                self.doors.stop()
+        finally:
+            self.loop.stop()  # the loop's thread stops the replicas only once told to here
         if self.prometheus is not None:
             self.prometheus.stop()
         if self.redis is not None:
