@@ -1,5 +1,6 @@
 """`python -m server` as a user runs it: clean start and stop, loud failure on a broken model."""
 
+import re
 import signal
 import subprocess
 import time
@@ -66,7 +67,19 @@ def test_serves_then_stops_cleanly_on_sigterm(tmp_path):
     # The OpenAI gateway is up with the default models, with its key file made private.
     assert "  OpenAI   http://127.0.0.1:" in ready and "text_embedding, text_generation" in ready, ready
     assert (tmp_path / "gateway-api-key").stat().st_mode & 0o777 == 0o600
+    # Chats through the gateway just before the stop: their streams end with tritonserver's OK, not
+    # a cancellation after the final response, which left text_generation live and unloadable (the
+    # exit timeout ran out and tritonserver exited 1).
+    from openai import OpenAI
+
+    url = re.search(r"OpenAI\s+(http://\S+/v1)", ready).group(1)
+    client = OpenAI(base_url=url, api_key=(tmp_path / "gateway-api-key").read_text().strip(), max_retries=0)
+    for question in ("Hi", "Name a colour.", "Say yes."):
+        chat = client.chat.completions.create(
+            model="text_generation", messages=[{"role": "user", "content": question}], max_tokens=4, temperature=0
+        )
+        assert chat.choices[0].message.content
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    assert "tritonserver stopped (exit code 0)" in out
+    assert "tritonserver stopped (exit code 0)" in out, out
