@@ -46,8 +46,7 @@ def _serve(prefix: str, models: tuple[str, ...] | None = None, **options):
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     extra = {"models": models} if models else {}
     # The monitored form (as serve-cluster, compose and Kubernetes run it): the rules' quantiles exist.
-    # drain 5 s, not the launcher's 30: text_generation's unload has been seen to wait out the
-    # whole exit timeout after serving streams, and nothing here drains longer requests.
+    # drain 5 s, not the launcher's 30: nothing here drains longer requests.
     options = {
         "model_repository": REPOSITORY,
         "workdir": workdir,
