@@ -164,7 +164,6 @@ class TritonBackend:
         self._coalescers: dict[tuple[str, str | None], Coalescer] = {}
         self.on_batch = lambda requests: None  # each coalesced Triton request: how many it carried
         self.streams_resumed = 0  # generation streams continued after Triton lost them
-        self._ending: set[asyncio.Task] = set()  # finished streams read to their end (_let_end)
 
     async def start(self) -> None:
         """Open the channel and start polling readiness (inside the running loop)."""
@@ -406,6 +405,7 @@ class TritonBackend:
         from tritonclient.utils import InferenceServerException
 
         from clients.generation import GenerateRequest
+        from clients.generation.grpc_transport import let_end
 
         continuable = job.model.continuable and job.n == 1 and not job.logprobs
         request = GenerateRequest(
@@ -437,7 +437,7 @@ class TritonBackend:
                     lost_since = None
                     if piece.final:
                         finished = True
-                        self._let_end(call)
+                        let_end(call)
                         yield piece
                         return
                     yield piece
@@ -468,25 +468,6 @@ class TritonBackend:
             self.streams_resumed += 1
             await asyncio.sleep(RESUME_BACKOFF_S)
             request = replace(request, prefix_token_ids=tuple(sent))
-
-    def _let_end(self, call) -> None:
-        """After a stream's final response, read it to its end in the background, so that it ends
-        with tritonserver's OK instead of a cancellation: tritonserver 2.51 keeps waiting for a
-        cancellation that arrives after the final response ("Waiting for the callback to retrieve
-        cancellation") and, with it, the model, which then never unloads at shutdown (the exit
-        timeout runs out). Cancelled after STREAM_END_S if it does not end."""
-
-        async def read_to_end() -> None:
-            try:
-                async with asyncio.timeout(STREAM_END_S):
-                    async for _ in call:
-                        pass
-            except Exception:  # timed out or failed after its final response: nothing to answer
-                call.cancel()
-
-        task = asyncio.ensure_future(read_to_end())
-        self._ending.add(task)
-        task.add_done_callback(self._ending.discard)
 
     async def _watched(self, call, model: str):
         """The stream's items. With a watchdog folder, one task per stream looks at it every
@@ -536,7 +517,6 @@ class TritonBackend:
 HEALTH_POLL_S = 0.25
 # A generation stream lost after its first piece: how long it is sent again, the pause before each send.
 RESUME_WAIT_S = 30.0
-STREAM_END_S = 5.0  # a finished stream's wait for tritonserver's end of it (_let_end)
 RESUME_BACKOFF_S = 0.25
 WATCHDOG_SCAN_S = 0.5  # the stub watchdog's scan interval, twice (server/stubs.py)
 

@@ -24,6 +24,28 @@ from clients.transport import triton_client
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0  # at most this long to stop a cancelled gRPC stream
+STREAM_END_S = 5.0  # a finished stream's wait for tritonserver's end of it (let_end)
+_ENDING: set[asyncio.Task] = set()  # finished streams being read to their end
+
+
+def let_end(call: Any) -> None:
+    """After a stream's final response, read it to its end in the background (tritonclient.grpc.aio's
+    stream iterator), so that it ends with tritonserver's OK instead of the cancellation a dropped call
+    gets: tritonserver 2.51 keeps waiting for a cancellation that arrives after the final response
+    ("Waiting for the callback to retrieve cancellation") and, with it, the model, which then never
+    unloads at shutdown (the exit timeout runs out). Cancelled after STREAM_END_S if it does not end."""
+
+    async def read_to_end() -> None:
+        try:
+            async with asyncio.timeout(STREAM_END_S):
+                async for _ in call:
+                    pass
+        except Exception:  # timed out or failed after its final response: nothing to answer
+            call.cancel()
+
+    task = asyncio.ensure_future(read_to_end())
+    _ENDING.add(task)
+    task.add_done_callback(_ENDING.discard)
 
 
 def grpc_stream(
@@ -147,9 +169,11 @@ def grpc_aio_stream(
                 wait = o.timeout_s
                 if error is not None:
                     raise error
-                yield piece_from_result(result)
                 if is_final(result):
+                    let_end(iterator)
+                    yield piece_from_result(result)
                     return
+                yield piece_from_result(result)
         except grpc.RpcError as exc:  # the call itself failed (server down, cancelled, the door's refusal)
             raise transport_error(with_rpc_data(get_error_grpc(exc), exc), "grpc", url, o.model, o.timeout_s) from exc
         except (TimeoutError, InferenceServerException, OSError) as exc:
